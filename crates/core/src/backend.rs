@@ -1,0 +1,256 @@
+//! The backend boundary: buffers, transfers and the four kernels the driver
+//! sequences.
+//!
+//! A backend is a device plus an associated buffer type. Every method may
+//! queue work; [`Backend::download`] waits for everything queued before it,
+//! and [`Backend::upload`] is ordered after everything queued before it, so
+//! the driver can reuse one scratch set across chunks without its own fences.
+//!
+//! Layouts are row-major. "f16" buffers hold IEEE binary16 values, "f32"
+//! buffers binary32, "u32" buffers unsigned ids. Every dimension a kernel
+//! receives has been validated by the driver and every operand buffer is
+//! large enough for the extents named in its descriptor: a kernel never has
+//! to check an index against a buffer length.
+
+use crate::error::Result;
+
+/// What a device offers, as [`Backend::info`] reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceInfo {
+    /// Backend name: `reference`, `wgpu` or `vulkan`.
+    pub backend: &'static str,
+    /// Device (adapter) name as the driver reports it.
+    pub device_name: String,
+    /// Driver name and version, where known.
+    pub driver: String,
+    /// Device type in words (`discrete`, `integrated`, `cpu`, `virtual`).
+    pub device_type: String,
+    /// Whether the GEMM runs on matrix units (cooperative matrices).
+    pub matrix_units: bool,
+    /// Matrix-unit shapes usable for f16×f16→f32, as `(m, n, k)`.
+    pub matrix_shapes: Vec<(u32, u32, u32)>,
+    /// Whether shaders have f16 arithmetic and 16-bit storage.
+    pub shader_f16: bool,
+    /// Subgroup size, where known.
+    pub subgroup_size: Option<u32>,
+    /// Largest byte range one storage binding may span.
+    pub max_binding_bytes: u64,
+    /// Largest single buffer in bytes.
+    pub max_buffer_bytes: u64,
+    /// Device-local memory in bytes, where known.
+    pub memory_bytes: Option<u64>,
+    /// Why this device cannot run headkl (a missing feature), or `None`
+    /// when it can.
+    pub unusable: Option<String>,
+}
+
+/// How the GEMM's B operand (always a head slice) is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadLayout {
+    /// B is stored `[n][k]` (the head as stored, `[V][hs]`): `C = A · Bᵀ`.
+    /// Used for the logits, `x · W_sliceᵀ`.
+    RowsAreOutputs,
+    /// B is stored `[k][n]` (the same head plane, read the other way):
+    /// `C = A · B`. Used for the input gradient, `g_slice · W_slice`.
+    RowsAreReduction,
+}
+
+/// One GEMM: `C[m][n] (+)= alpha · A[m][k] · op(B)`, f16 operands, f32
+/// accumulation, f32 output.
+///
+/// Offsets and leading dimensions are in elements. `m`, `n` and `k` are
+/// multiples of [`crate::ALIGN`], and every operand region they name is
+/// inside its buffer and holds zeros where it pads a real extent, so a
+/// kernel working in 16×16 tiles may read and write whole tiles.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmDesc {
+    /// Rows of A and C.
+    pub m: usize,
+    /// Columns of C.
+    pub n: usize,
+    /// The reduction length.
+    pub k: usize,
+    /// First element of A (f16) and its row stride.
+    pub a_offset: usize,
+    /// Row stride of A in elements.
+    pub lda: usize,
+    /// How B is laid out; its row stride is `ldb`.
+    pub b_layout: HeadLayout,
+    /// Row stride of B in elements (B starts at element 0 of its buffer).
+    pub ldb: usize,
+    /// First element of C (f32).
+    pub c_offset: usize,
+    /// Row stride of C in elements.
+    pub ldc: usize,
+    /// Scale applied to the product.
+    pub alpha: f32,
+    /// Add into C instead of overwriting it.
+    pub accumulate: bool,
+}
+
+/// The KL row kernel: one row per token.
+///
+/// Reads the logits `[rows][ld]` (f32, already divided by τ; columns
+/// `[vocab, ld)` are padding and must be ignored), the teacher's ids and
+/// probabilities `[rows][k]` (u32 and f32, renormalized, ids distinct and
+/// `< vocab`), and per-row coefficients `[rows]` (f32, `c_t = gscale·w_t/total`).
+/// Writes
+/// - `loss[t] = Σ_q p_q·(log p_q − log p_S,id_q)` (unweighted; `0·log 0 = 0`),
+///   or NaN when the row's max or softmax sum is not finite (the driver turns
+///   that into an error naming the token);
+/// - `grad[t][j] = c_t·(p_S,j − p_T,j)` as f16 for `j < vocab`, and zero for
+///   `j` in `[vocab, ld)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KlDesc {
+    /// Rows (tokens) to process.
+    pub rows: usize,
+    /// Real vocabulary size.
+    pub vocab: usize,
+    /// Row stride of `logits` and `grad` (a multiple of [`crate::ALIGN`]).
+    pub ld: usize,
+    /// Teacher entries per row.
+    pub k: usize,
+}
+
+/// The exact top-k row kernel: one row per token.
+///
+/// Reads logits `[rows][ld]` (f32, already divided by τ; columns past
+/// `vocab` ignored). Writes `ids[t][q]` (u32), the k largest logits' column
+/// indices in descending order of logit (ties: lowest id first), and
+/// `probs[t][q]` (f32), the softmax restricted to those k. Exact for every
+/// input and every `k ≤ min(vocab, 2048)`. A row whose max or sum is not
+/// finite gets `probs[t][0] = NaN`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TopkDesc {
+    /// Rows (tokens) to process.
+    pub rows: usize,
+    /// Real vocabulary size.
+    pub vocab: usize,
+    /// Row stride of `logits`.
+    pub ld: usize,
+    /// Entries to select per row.
+    pub k: usize,
+}
+
+/// f32 → f16 conversion of hidden rows into the padded GEMM operand.
+///
+/// Reads `src[rows][cols]` (f32, dense) and writes `dst[rows_padded][ld]`
+/// (f16): the converted value inside `rows × cols`, zero elsewhere.
+/// Values past f16's range become ±inf, which the row kernels then flag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvertDesc {
+    /// Real rows in `src`.
+    pub rows: usize,
+    /// Real columns in `src`.
+    pub cols: usize,
+    /// Rows written in `dst` (≥ rows).
+    pub rows_padded: usize,
+    /// Row stride of `dst` (≥ cols).
+    pub ld: usize,
+}
+
+/// Per-kernel GPU time from timestamp queries.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTime {
+    /// Which kernel: `gemm_logits`, `gemm_dx`, `kl_rows`, `topk_rows`, `convert`.
+    pub kernel: &'static str,
+    /// Its duration in milliseconds.
+    pub ms: f64,
+}
+
+/// Bytes of device memory a backend holds for buffers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes allocated now.
+    pub current: u64,
+    /// Most bytes allocated at once since the last reset.
+    pub peak: u64,
+}
+
+/// A device that can run the driver: buffers, transfers and kernels.
+///
+/// Errors are for what the caller cannot anticipate: out-of-memory, device
+/// loss, a failed pipeline build. Shapes were validated before a call.
+pub trait Backend {
+    /// A device buffer. Dropping it frees the memory.
+    type Buffer;
+
+    /// What the device offers.
+    fn info(&self) -> &DeviceInfo;
+
+    /// A buffer of `bytes` bytes (contents undefined). `label` names it in
+    /// errors and debuggers.
+    fn alloc(&self, bytes: u64, label: &'static str) -> Result<Self::Buffer>;
+
+    /// Copies `data` into `dst` at `offset` bytes, after all queued work.
+    fn upload(&self, dst: &Self::Buffer, offset: u64, data: &[u8]) -> Result<()>;
+
+    /// Copies `out.len()` bytes from `src` at `offset` bytes into `out`,
+    /// after all queued work has finished.
+    fn download(&self, src: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()>;
+
+    /// Converts hidden rows f32 → f16 (see [`ConvertDesc`]).
+    fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc)
+        -> Result<()>;
+
+    /// `C (+)= alpha · A · op(B)` (see [`GemmDesc`]). `label` says which use
+    /// this is (`gemm_logits` or `gemm_dx`) for timing.
+    fn gemm(
+        &self,
+        a: &Self::Buffer,
+        b: &Self::Buffer,
+        c: &Self::Buffer,
+        desc: &GemmDesc,
+        label: &'static str,
+    ) -> Result<()>;
+
+    /// The KL row kernel (see [`KlDesc`]).
+    #[allow(clippy::too_many_arguments)]
+    fn kl_rows(
+        &self,
+        logits: &Self::Buffer,
+        ids: &Self::Buffer,
+        probs: &Self::Buffer,
+        coef: &Self::Buffer,
+        loss: &Self::Buffer,
+        grad: &Self::Buffer,
+        desc: &KlDesc,
+    ) -> Result<()>;
+
+    /// The exact top-k row kernel (see [`TopkDesc`]).
+    fn topk_rows(
+        &self,
+        logits: &Self::Buffer,
+        ids: &Self::Buffer,
+        probs: &Self::Buffer,
+        desc: &TopkDesc,
+    ) -> Result<()>;
+
+    /// Waits for all queued work.
+    fn finish(&self) -> Result<()>;
+
+    /// Buffer memory held now and at peak.
+    fn memory(&self) -> MemoryStats;
+
+    /// Restarts the peak count from the current allocation.
+    fn reset_peak_memory(&self);
+
+    /// Turns per-kernel GPU timing on or off. Returns whether the backend
+    /// can time kernels.
+    fn set_profiling(&self, _on: bool) -> bool {
+        false
+    }
+
+    /// Takes the kernel times recorded since the last call (after
+    /// [`Backend::finish`]).
+    fn take_kernel_times(&self) -> Result<Vec<KernelTime>> {
+        Ok(Vec::new())
+    }
+
+    /// Takes the validation-layer errors (or other driver diagnostics that
+    /// mean a kernel misbehaved) reported since the last call. The
+    /// conformance suite fails a case that leaves any.
+    fn take_diagnostics(&self) -> Vec<String> {
+        Vec::new()
+    }
+}

@@ -1,0 +1,177 @@
+//! Token chunking: how many rows one pass of the kernels takes, from a byte
+//! budget and the device's binding limit; and workgroup grid folding.
+
+use crate::error::{Error, Result};
+use crate::{round_up, ALIGN};
+
+/// Most workgroups a dispatch may have along one dimension.
+pub const MAX_WORKGROUPS_PER_DIM: u32 = 65_535;
+
+/// One scratch buffer's cost per token row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowCost {
+    /// Which buffer (for errors).
+    pub what: &'static str,
+    /// Bytes per token row.
+    pub bytes_per_row: u64,
+}
+
+/// How the tokens of one call are cut into chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkPlan {
+    /// Token rows per chunk (a multiple of [`ALIGN`]; the last chunk may
+    /// hold fewer real rows).
+    pub rows_per_chunk: usize,
+    /// Number of chunks.
+    pub chunks: usize,
+    /// Bytes of scratch the plan allocates.
+    pub scratch_bytes: u64,
+}
+
+impl ChunkPlan {
+    /// The token ranges `(start, rows)` of the chunks, in order.
+    pub fn ranges(&self, ntok: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.chunks).map(move |c| {
+            let start = c * self.rows_per_chunk;
+            (start, self.rows_per_chunk.min(ntok - start))
+        })
+    }
+}
+
+/// Rows per chunk such that all of `costs` for one chunk fit in `budget`
+/// bytes and each buffer fits in `max_binding_bytes`; rows are a multiple
+/// of [`ALIGN`] and at most `ntok` rounded up to it. `max_rows_per_chunk`
+/// forces smaller chunks (a test knob).
+pub fn plan_chunks(
+    ntok: usize,
+    costs: &[RowCost],
+    budget: u64,
+    max_binding_bytes: u64,
+    max_rows_per_chunk: Option<usize>,
+) -> Result<ChunkPlan> {
+    if ntok == 0 {
+        return Err(Error::NoTokens);
+    }
+    if budget == 0 {
+        return Err(Error::BudgetZero);
+    }
+    let align = ALIGN as u64;
+    let mut cap = round_up(ntok, ALIGN) as u64;
+    for c in costs {
+        let rows = max_binding_bytes / c.bytes_per_row.max(1) / align * align;
+        if rows == 0 {
+            return Err(Error::BindingTooSmall {
+                what: c.what,
+                row_bytes: c.bytes_per_row * align,
+                max_binding: max_binding_bytes,
+            });
+        }
+        cap = cap.min(rows);
+    }
+    let per_row: u64 = costs.iter().map(|c| c.bytes_per_row).sum::<u64>().max(1);
+    let budget_rows = budget / per_row / align * align;
+    if budget_rows == 0 {
+        return Err(Error::BudgetTooSmall {
+            budget,
+            needed: per_row * align,
+            rows: ALIGN,
+        });
+    }
+    cap = cap.min(budget_rows);
+    if let Some(knob) = max_rows_per_chunk {
+        cap = cap.min(((knob / ALIGN).max(1) * ALIGN) as u64);
+    }
+    let rows_per_chunk = cap as usize;
+    Ok(ChunkPlan {
+        rows_per_chunk,
+        chunks: ntok.div_ceil(rows_per_chunk),
+        scratch_bytes: per_row * cap,
+    })
+}
+
+/// A dispatch of `count` workgroups folded into `(x, y)` with both under
+/// [`MAX_WORKGROUPS_PER_DIM`]; a kernel recovers its index as
+/// `wg.x + wg.y * x`, and skips indices `≥ count`.
+pub fn fold_workgroups(count: u64) -> (u32, u32) {
+    let max = u64::from(MAX_WORKGROUPS_PER_DIM);
+    if count <= max {
+        return (count.max(1) as u32, 1);
+    }
+    let y = count.div_ceil(max);
+    let x = count.div_ceil(y);
+    (x as u32, y as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn costs(v_pad: u64, hs_pad: u64) -> Vec<RowCost> {
+        vec![
+            RowCost { what: "logits", bytes_per_row: v_pad * 4 },
+            RowCost { what: "grad", bytes_per_row: v_pad * 2 },
+            RowCost { what: "dx", bytes_per_row: hs_pad * 4 },
+        ]
+    }
+
+    #[test]
+    fn budget_below_one_tile_is_an_error() {
+        let e = plan_chunks(100, &costs(1024, 64), 1000, u64::MAX, None).unwrap_err();
+        assert!(matches!(e, Error::BudgetTooSmall { rows: 16, .. }), "{e}");
+    }
+
+    #[test]
+    fn zero_budget_and_zero_tokens_are_errors() {
+        assert_eq!(plan_chunks(1, &costs(16, 16), 0, u64::MAX, None), Err(Error::BudgetZero));
+        assert_eq!(plan_chunks(0, &costs(16, 16), 1 << 20, u64::MAX, None), Err(Error::NoTokens));
+    }
+
+    #[test]
+    fn fold_keeps_small_grids_flat() {
+        assert_eq!(fold_workgroups(0), (1, 1));
+        assert_eq!(fold_workgroups(65_535), (65_535, 1));
+        assert_eq!(fold_workgroups(65_536), (32_768, 2));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, rng_seed: proptest::test_runner::RngSeed::Fixed(11), ..ProptestConfig::default() })]
+        #[test]
+        fn chunks_fit_budget_and_binding_and_cover(
+            ntok in 1usize..100_000,
+            v in 1u64..300_000,
+            hs in 1u64..8192,
+            budget_kib in 1u64..4_000_000,
+            binding_mib in 1u64..4096,
+            knob in proptest::option::of(1usize..5000),
+        ) {
+            let (v_pad, hs_pad) = (v.div_ceil(16) * 16, hs.div_ceil(16) * 16);
+            let c = costs(v_pad, hs_pad);
+            let (budget, binding) = (budget_kib << 10, binding_mib << 20);
+            match plan_chunks(ntok, &c, budget, binding, knob) {
+                Ok(p) => {
+                    prop_assert_eq!(p.rows_per_chunk % ALIGN, 0);
+                    prop_assert!(p.rows_per_chunk >= ALIGN);
+                    prop_assert!(p.scratch_bytes <= budget);
+                    for x in &c { prop_assert!(x.bytes_per_row * p.rows_per_chunk as u64 <= binding); }
+                    let covered: usize = p.ranges(ntok).map(|(_, r)| r).sum();
+                    prop_assert_eq!(covered, ntok);
+                    prop_assert!(p.ranges(ntok).all(|(_, r)| r > 0));
+                    if let Some(k) = knob { prop_assert!(p.rows_per_chunk <= k.max(ALIGN)); }
+                }
+                Err(Error::BudgetTooSmall { needed, .. }) => prop_assert!(needed > budget),
+                Err(Error::BindingTooSmall { row_bytes, .. }) => prop_assert!(row_bytes > binding),
+                Err(e) => prop_assert!(false, "unexpected {e}"),
+            }
+        }
+
+        #[test]
+        fn folded_grids_cover_every_workgroup(count in 0u64..(65_535u64 * 65_535)) {
+            let (x, y) = fold_workgroups(count);
+            prop_assert!(x <= MAX_WORKGROUPS_PER_DIM && y <= MAX_WORKGROUPS_PER_DIM);
+            prop_assert!(u64::from(x) * u64::from(y) >= count);
+            // no whole row of workgroups is wasted
+            prop_assert!(u64::from(x) * u64::from(y - 1) < count.max(1));
+        }
+    }
+}

@@ -1,0 +1,416 @@
+//! The driver, written once over [`Backend`]: it uploads the head in
+//! vocabulary slices, cuts the tokens into chunks, and sequences the kernels
+//! for `head_kl` and `topk`.
+
+use half::f16;
+
+use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use crate::chunking::{plan_chunks, ChunkPlan, RowCost};
+use crate::error::{Error, Result};
+use crate::head::HeadWeights;
+use crate::problem::{Hidden, HiddenData, LossOptions, Teacher, TopkOptions};
+use crate::slicing::{slice_vocab, VocabSlice};
+use crate::{round_up, ALIGN};
+
+/// Bytes of host data uploaded per transfer while packing the head, so a
+/// multi-GB head never needs a second multi-GB copy on the host.
+const HEAD_UPLOAD_BYTES: usize = 64 << 20;
+
+/// How the head is cut into vocabulary slices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SliceOptions {
+    /// Test knob: at most this many vocabulary rows per slice (rounded down
+    /// to a multiple of 128, at least 128), to reach the multi-slice path
+    /// with a small head.
+    pub max_rows_per_slice: Option<usize>,
+}
+
+/// Result of `head_kl`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossOutput {
+    /// Per-token KL `L_t` (unweighted) `[ntok]`.
+    pub loss: Vec<f32>,
+    /// `Σ w_t L_t / total`.
+    pub mean: f64,
+    /// `∂L/∂x` `[ntok][hs]`.
+    pub dx: Vec<f32>,
+}
+
+/// Result of `topk`: `[ntok][k]` ids (descending logit, ties lowest id
+/// first) and their probabilities (softmax over the k at τ).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TopK {
+    /// Ids `[ntok][k]`.
+    pub ids: Vec<u32>,
+    /// Probabilities `[ntok][k]`.
+    pub probs: Vec<f32>,
+    /// Tokens.
+    pub ntok: usize,
+    /// Entries per row.
+    pub k: usize,
+}
+
+/// Which job a scratch set was sized for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Job {
+    Loss,
+    Topk,
+}
+
+/// Scratch buffers for one chunk, kept across chunks and calls.
+struct Scratch<B: Backend> {
+    job: Job,
+    rows: usize,
+    k: usize,
+    f32_input: bool,
+    x32: Option<B::Buffer>,
+    x16: B::Buffer,
+    logits: B::Buffer,
+    ids: B::Buffer,
+    probs: B::Buffer,
+    // head_kl only
+    coef: Option<B::Buffer>,
+    loss: Option<B::Buffer>,
+    grad: Option<B::Buffer>,
+    dx: Option<B::Buffer>,
+}
+
+/// A backend with a head uploaded to it: the entry point for `head_kl` and
+/// `topk`.
+///
+/// ```
+/// use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher};
+/// use headkl_reference::CpuBackend;
+///
+/// let (vocab, hs, ntok, k) = (300, 24, 5, 4);
+/// let w: Vec<f32> = (0..vocab * hs).map(|i| ((i * 7 % 13) as f32 - 6.0) / 16.0).collect();
+/// let x: Vec<f32> = (0..ntok * hs).map(|i| ((i * 5 % 11) as f32 - 5.0) / 8.0).collect();
+/// let head = HeadWeights::new(HeadData::F32(&w), vocab, hs)?;
+/// let mut engine = Engine::new(CpuBackend::new(), &head, SliceOptions::default())?;
+/// let ids: Vec<u32> = (0..ntok * k).map(|i| (i * 31 % vocab) as u32).collect();
+/// let probs = vec![0.25f32; ntok * k];
+/// let teacher = Teacher::new(&ids, &probs, ntok, k, vocab)?;
+/// let out = engine.head_kl(&Hidden::f32(&x, ntok, hs)?, &teacher, &LossOptions::default())?;
+/// assert_eq!(out.loss.len(), ntok);
+/// assert_eq!(out.dx.len(), ntok * hs);
+/// assert!(out.mean >= 0.0);
+/// # Ok::<(), headkl_core::Error>(())
+/// ```
+pub struct Engine<B: Backend> {
+    backend: B,
+    vocab: usize,
+    hs: usize,
+    hs_padded: usize,
+    vocab_padded: usize,
+    slices: Vec<VocabSlice>,
+    planes: Vec<B::Buffer>,
+    scratch: Option<Scratch<B>>,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Uploads `head` to `backend` as f16 planes, one per vocabulary slice.
+    /// Fails on a head value that is not finite or is past f16's range,
+    /// naming its row and column, before any of it is on the device.
+    pub fn new(backend: B, head: &HeadWeights<'_>, slicing: SliceOptions) -> Result<Self> {
+        let (vocab, hs) = (head.vocab(), head.hs());
+        let hs_padded = round_up(hs, ALIGN);
+        let info = backend.info();
+        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+        let slices = slice_vocab(vocab, hs_padded, max_binding, slicing.max_rows_per_slice)?;
+        // Scan and pack on the host before the first allocation: a bad value
+        // should cost no device memory and no upload.
+        let mut staging = Vec::new();
+        let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
+        for s in &slices {
+            let mut row = 0;
+            while row < s.width {
+                let rows = rows_per_upload.min(s.width - row);
+                staging.clear();
+                head.pack_rows_f16(s.offset + row, rows, hs_padded, &mut staging)?;
+                row += rows;
+            }
+        }
+        let mut planes = Vec::with_capacity(slices.len());
+        for s in &slices {
+            let padded = s.padded_width();
+            let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
+            let mut row = 0;
+            while row < padded {
+                let rows = rows_per_upload.min(padded - row);
+                let real = rows.min(s.width.saturating_sub(row));
+                staging.clear();
+                head.pack_rows_f16(s.offset + row, real, hs_padded, &mut staging)?;
+                staging.resize(rows * hs_padded, f16::ZERO);
+                backend.upload(&plane, (row * hs_padded * 2) as u64, bytemuck::cast_slice(&staging))?;
+                row += rows;
+            }
+            planes.push(plane);
+        }
+        backend.finish()?;
+        Ok(Self {
+            backend,
+            vocab,
+            hs,
+            hs_padded,
+            vocab_padded: round_up(vocab, ALIGN),
+            slices,
+            planes,
+            scratch: None,
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Hidden size.
+    pub fn hs(&self) -> usize {
+        self.hs
+    }
+
+    /// The vocabulary slices the head was cut into.
+    pub fn slices(&self) -> &[VocabSlice] {
+        &self.slices
+    }
+
+    /// Frees the cached scratch buffers (they are re-made on the next call).
+    pub fn release_scratch(&mut self) {
+        self.scratch = None;
+    }
+
+    /// The chunk plan `head_kl` would use for `ntok` tokens.
+    pub fn loss_plan(&self, ntok: usize, k: usize, f32_input: bool, opts: &LossOptions) -> Result<ChunkPlan> {
+        let costs = self.row_costs(Job::Loss, k, f32_input);
+        let info = self.backend.info();
+        plan_chunks(ntok, &costs, opts.budget_bytes, info.max_binding_bytes.min(info.max_buffer_bytes), opts.max_rows_per_chunk)
+    }
+
+    fn row_costs(&self, job: Job, k: usize, f32_input: bool) -> Vec<RowCost> {
+        let (v, h, k) = (self.vocab_padded as u64, self.hs_padded as u64, k as u64);
+        let mut c = vec![
+            RowCost { what: "x16", bytes_per_row: h * 2 },
+            RowCost { what: "logits", bytes_per_row: v * 4 },
+            RowCost { what: "ids", bytes_per_row: k * 4 },
+            RowCost { what: "probs", bytes_per_row: k * 4 },
+        ];
+        if f32_input {
+            c.push(RowCost { what: "x32", bytes_per_row: self.hs as u64 * 4 });
+        }
+        if job == Job::Loss {
+            c.extend([
+                RowCost { what: "coef", bytes_per_row: 4 },
+                RowCost { what: "loss", bytes_per_row: 4 },
+                RowCost { what: "grad", bytes_per_row: v * 2 },
+                RowCost { what: "dx", bytes_per_row: h * 4 },
+            ]);
+        }
+        c
+    }
+
+    fn ensure_scratch(&mut self, job: Job, rows: usize, k: usize, f32_input: bool) -> Result<()> {
+        if let Some(s) = &self.scratch {
+            if s.job == job && s.rows == rows && s.k == k && s.f32_input == f32_input {
+                return Ok(());
+            }
+        }
+        // Free the old set first so the new one can use its memory.
+        self.scratch = None;
+        let b = &self.backend;
+        let (v, h, r) = (self.vocab_padded as u64, self.hs_padded as u64, rows as u64);
+        let x32 = if f32_input { Some(b.alloc(r * self.hs as u64 * 4, "x32")?) } else { None };
+        let x16 = b.alloc(r * h * 2, "x16")?;
+        let logits = b.alloc(r * v * 4, "logits")?;
+        let ids = b.alloc(r * k as u64 * 4, "ids")?;
+        let probs = b.alloc(r * k as u64 * 4, "probs")?;
+        let (coef, loss, grad, dx) = if job == Job::Loss {
+            (
+                Some(b.alloc(r * 4, "coef")?),
+                Some(b.alloc(r * 4, "loss")?),
+                Some(b.alloc(r * v * 2, "grad")?),
+                Some(b.alloc(r * h * 4, "dx")?),
+            )
+        } else {
+            (None, None, None, None)
+        };
+        self.scratch = Some(Scratch { job, rows, k, f32_input, x32, x16, logits, ids, probs, coef, loss, grad, dx });
+        Ok(())
+    }
+
+    /// Uploads chunk rows `[start, start + rows)` into the padded f16 GEMM
+    /// operand.
+    fn load_hidden(&self, hidden: &Hidden<'_>, start: usize, rows: usize) -> Result<()> {
+        let Some(s) = &self.scratch else {
+            return Err(Error::Backend { backend: "driver", message: "scratch missing".into() });
+        };
+        let hs = self.hs;
+        let rows_padded = round_up(rows, ALIGN);
+        match hidden.data() {
+            HiddenData::F32(d) => {
+                let Some(x32) = &s.x32 else {
+                    return Err(Error::Backend { backend: "driver", message: "x32 scratch missing".into() });
+                };
+                let src = &d[start * hs..(start + rows) * hs];
+                self.backend.upload(x32, 0, bytemuck::cast_slice(src))?;
+                let desc = ConvertDesc { rows, cols: hs, rows_padded, ld: self.hs_padded };
+                self.backend.convert_f16(x32, &s.x16, &desc)?;
+            }
+            HiddenData::F16(d) => {
+                let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
+                for r in 0..rows {
+                    let src = &d[(start + r) * hs..(start + r + 1) * hs];
+                    packed[r * self.hs_padded..r * self.hs_padded + hs].copy_from_slice(src);
+                }
+                self.backend.upload(&s.x16, 0, bytemuck::cast_slice(&packed))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The logits GEMMs of one chunk: `logits[:, slice] = x16 · W_sliceᵀ / τ`.
+    fn logits(&self, rows_padded: usize, temperature: f32) -> Result<()> {
+        let Some(s) = &self.scratch else {
+            return Err(Error::Backend { backend: "driver", message: "scratch missing".into() });
+        };
+        for (slice, plane) in self.slices.iter().zip(&self.planes) {
+            let desc = GemmDesc {
+                m: rows_padded,
+                n: slice.padded_width(),
+                k: self.hs_padded,
+                a_offset: 0,
+                lda: self.hs_padded,
+                b_layout: HeadLayout::RowsAreOutputs,
+                ldb: self.hs_padded,
+                c_offset: slice.offset,
+                ldc: self.vocab_padded,
+                alpha: 1.0 / temperature,
+                accumulate: false,
+            };
+            self.backend.gemm(&s.x16, plane, &s.logits, &desc, "gemm_logits")?;
+        }
+        Ok(())
+    }
+
+    fn check_hidden(&self, hidden: &Hidden<'_>) -> Result<()> {
+        if hidden.hs() != self.hs {
+            return Err(Error::HiddenSizeMismatch { expected: self.hs, got: hidden.hs() });
+        }
+        Ok(())
+    }
+
+    /// The distillation loss and its input gradient (DESIGN §1): per-token
+    /// KL of the student (`x · Wᵀ / τ`, softmax over the full vocabulary)
+    /// against the teacher's renormalized top-k, the weighted mean, and
+    /// `dx = ∂mean/∂x`.
+    ///
+    /// Every input is validated before any device work; a hidden row whose
+    /// logits are not finite returns [`Error::NonFiniteHidden`] naming the
+    /// first such token.
+    pub fn head_kl(&mut self, hidden: &Hidden<'_>, teacher: &Teacher, opts: &LossOptions) -> Result<LossOutput> {
+        self.check_hidden(hidden)?;
+        let ntok = hidden.ntok();
+        if teacher.ntok() != ntok {
+            return Err(Error::LengthMismatch { field: "teacher rows", expected: ntok, got: teacher.ntok() });
+        }
+        teacher.check_vocab(self.vocab)?;
+        let resolved = opts.resolve(ntok)?;
+        let k = teacher.k();
+        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
+        let plan = self.loss_plan(ntok, k, f32_input, opts)?;
+        self.ensure_scratch(Job::Loss, plan.rows_per_chunk, k, f32_input)?;
+
+        let hs = self.hs;
+        let mut loss = vec![0f32; ntok];
+        let mut dx = vec![0f32; ntok * hs];
+        let mut dx_padded = Vec::new();
+        let dx_scale = 1.0 / (f64::from(resolved.gscale) * f64::from(resolved.temperature));
+        for (start, rows) in plan.ranges(ntok) {
+            let rows_padded = round_up(rows, ALIGN);
+            self.load_hidden(hidden, start, rows)?;
+            let b = &self.backend;
+            let Some(s) = &self.scratch else { return unreachable_scratch() };
+            let (Some(coef), Some(loss_buf), Some(grad), Some(dx_buf)) = (&s.coef, &s.loss, &s.grad, &s.dx) else {
+                return unreachable_scratch();
+            };
+            b.upload(&s.ids, 0, bytemuck::cast_slice(&teacher.ids()[start * k..(start + rows) * k]))?;
+            b.upload(&s.probs, 0, bytemuck::cast_slice(&teacher.probs()[start * k..(start + rows) * k]))?;
+            b.upload(coef, 0, bytemuck::cast_slice(&resolved.coef[start..start + rows]))?;
+            self.logits(rows_padded, resolved.temperature)?;
+            let kl = KlDesc { rows, vocab: self.vocab, ld: self.vocab_padded, k };
+            b.kl_rows(&s.logits, &s.ids, &s.probs, coef, loss_buf, grad, &kl)?;
+            for (i, (slice, plane)) in self.slices.iter().zip(&self.planes).enumerate() {
+                let desc = GemmDesc {
+                    m: rows_padded,
+                    n: self.hs_padded,
+                    k: slice.padded_width(),
+                    a_offset: slice.offset,
+                    lda: self.vocab_padded,
+                    b_layout: HeadLayout::RowsAreReduction,
+                    ldb: self.hs_padded,
+                    c_offset: 0,
+                    ldc: self.hs_padded,
+                    alpha: dx_scale as f32,
+                    accumulate: i > 0,
+                };
+                b.gemm(grad, plane, dx_buf, &desc, "gemm_dx")?;
+            }
+            b.download(loss_buf, 0, bytemuck::cast_slice_mut(&mut loss[start..start + rows]))?;
+            if let Some(t) = loss[start..start + rows].iter().position(|l| !l.is_finite()) {
+                return Err(Error::NonFiniteHidden { token: start + t });
+            }
+            dx_padded.resize(rows * self.hs_padded, 0f32);
+            b.download(dx_buf, 0, bytemuck::cast_slice_mut(&mut dx_padded))?;
+            for r in 0..rows {
+                dx[(start + r) * hs..(start + r + 1) * hs]
+                    .copy_from_slice(&dx_padded[r * self.hs_padded..r * self.hs_padded + hs]);
+            }
+        }
+        let weighted: f64 = loss.iter().zip(&resolved.weights).map(|(&l, &w)| f64::from(l) * f64::from(w)).sum();
+        Ok(LossOutput { loss, mean: weighted / f64::from(resolved.total), dx })
+    }
+
+    /// The teacher's exact top-k of `x · Wᵀ` per row: ids by descending
+    /// logit (ties: lowest id first) and probabilities, the softmax over
+    /// those k at τ.
+    pub fn topk(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> Result<TopK> {
+        self.check_hidden(hidden)?;
+        opts.check(self.vocab)?;
+        let (ntok, k) = (hidden.ntok(), opts.k);
+        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
+        let costs = self.row_costs(Job::Topk, k, f32_input);
+        let info = self.backend.info();
+        let plan = plan_chunks(
+            ntok,
+            &costs,
+            opts.budget_bytes,
+            info.max_binding_bytes.min(info.max_buffer_bytes),
+            opts.max_rows_per_chunk,
+        )?;
+        self.ensure_scratch(Job::Topk, plan.rows_per_chunk, k, f32_input)?;
+        let mut ids = vec![0u32; ntok * k];
+        let mut probs = vec![0f32; ntok * k];
+        for (start, rows) in plan.ranges(ntok) {
+            self.load_hidden(hidden, start, rows)?;
+            self.logits(round_up(rows, ALIGN), opts.temperature)?;
+            let Some(s) = &self.scratch else { return unreachable_scratch() };
+            let desc = TopkDesc { rows, vocab: self.vocab, ld: self.vocab_padded, k };
+            self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
+            let range = start * k..(start + rows) * k;
+            self.backend.download(&s.ids, 0, bytemuck::cast_slice_mut(&mut ids[range.clone()]))?;
+            self.backend.download(&s.probs, 0, bytemuck::cast_slice_mut(&mut probs[range]))?;
+            if let Some(t) = (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
+                return Err(Error::NonFiniteHidden { token: start + t });
+            }
+        }
+        Ok(TopK { ids, probs, ntok, k })
+    }
+}
+
+fn unreachable_scratch<T>() -> Result<T> {
+    Err(Error::Backend { backend: "driver", message: "scratch buffers missing after allocation".into() })
+}

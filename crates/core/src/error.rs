@@ -1,0 +1,223 @@
+//! The one error type of headkl-core.
+//!
+//! Validation variants name the field, the row where there is one, and the
+//! value. Device variants carry what the caller needs to act: the bytes
+//! asked for, the feature that was missing.
+
+use thiserror::Error;
+
+/// Everything headkl-core (and, through `From`, each backend) can fail with.
+#[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Error {
+    /// `vocab = 0`.
+    #[error("vocab = 0: the head needs at least one row")]
+    VocabZero,
+    /// `hs = 0`.
+    #[error("hs = 0: the hidden size must be at least 1")]
+    HiddenSizeZero,
+    /// `ntok = 0`.
+    #[error("ntok = 0: at least one token is needed")]
+    NoTokens,
+    /// `k = 0`.
+    #[error("k = 0: the teacher top-k needs at least one entry per row")]
+    KZero,
+    /// `k > min(V, 2048)`.
+    #[error("k = {k} exceeds min(V = {vocab}, 2048) = {max}")]
+    KTooLarge {
+        /// The k asked for.
+        k: usize,
+        /// The vocabulary size.
+        vocab: usize,
+        /// The largest k allowed.
+        max: usize,
+    },
+    /// A buffer's length does not match the shape.
+    #[error("{field}: length {got}, expected {expected}")]
+    LengthMismatch {
+        /// Which input.
+        field: &'static str,
+        /// Length required by the shape.
+        expected: usize,
+        /// Length given.
+        got: usize,
+    },
+    /// The hidden size of the rows does not match the head's.
+    #[error("hidden: hs = {got}, but the head has hs = {expected}")]
+    HiddenSizeMismatch {
+        /// The head's hidden size.
+        expected: usize,
+        /// The rows' hidden size.
+        got: usize,
+    },
+    /// A teacher id is not below the vocabulary size.
+    #[error("ids[{row}][{col}] = {id} is out of range (V = {vocab})")]
+    IdOutOfRange {
+        /// Token row.
+        row: usize,
+        /// Entry within the row.
+        col: usize,
+        /// The id.
+        id: i64,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A teacher id appears twice in a row.
+    #[error("ids[{row}]: id {id} appears twice (entries {first} and {second})")]
+    DuplicateId {
+        /// Token row.
+        row: usize,
+        /// The repeated id.
+        id: i64,
+        /// Its first entry.
+        first: usize,
+        /// Its second entry.
+        second: usize,
+    },
+    /// A teacher probability is negative.
+    #[error("probs[{row}][{col}] = {value} is negative")]
+    NegativeProbability {
+        /// Token row.
+        row: usize,
+        /// Entry within the row.
+        col: usize,
+        /// The value.
+        value: f32,
+    },
+    /// A teacher probability is NaN or infinite.
+    #[error("probs[{row}][{col}] = {value} is not finite")]
+    NonFiniteProbability {
+        /// Token row.
+        row: usize,
+        /// Entry within the row.
+        col: usize,
+        /// The value.
+        value: f32,
+    },
+    /// A teacher row whose probabilities sum to 0 (or overflow).
+    #[error("probs[{row}] sums to {sum}: a row must have positive, finite mass")]
+    ProbabilityRowSum {
+        /// Token row.
+        row: usize,
+        /// The sum.
+        sum: f64,
+    },
+    /// A token weight is negative.
+    #[error("weights[{row}] = {value} is negative")]
+    NegativeWeight {
+        /// Token row.
+        row: usize,
+        /// The value.
+        value: f32,
+    },
+    /// A token weight is NaN or infinite.
+    #[error("weights[{row}] = {value} is not finite")]
+    NonFiniteWeight {
+        /// Token row.
+        row: usize,
+        /// The value.
+        value: f32,
+    },
+    /// `total` is not positive and finite (also: every weight is 0 and no
+    /// total was given).
+    #[error("total = {value}: must be positive and finite")]
+    TotalNotPositive {
+        /// The value.
+        value: f32,
+    },
+    /// `τ` is not positive and finite.
+    #[error("temperature = {value}: must be positive and finite")]
+    InvalidTemperature {
+        /// The value.
+        value: f32,
+    },
+    /// `gscale` is not positive and finite.
+    #[error("gscale = {value}: must be positive and finite")]
+    InvalidGradScale {
+        /// The value.
+        value: f32,
+    },
+    /// The memory budget is zero.
+    #[error("budget = 0 bytes: the memory budget must be positive")]
+    BudgetZero,
+    /// The memory budget does not fit even one row-tile of scratch.
+    #[error("budget = {budget} bytes is below the {needed} bytes one chunk of {rows} rows needs; raise the budget")]
+    BudgetTooSmall {
+        /// The budget.
+        budget: u64,
+        /// Bytes the smallest chunk needs.
+        needed: u64,
+        /// Rows in the smallest chunk.
+        rows: usize,
+    },
+    /// The device's binding limit cannot hold one aligned row of a buffer.
+    #[error("{what}: one row of {row_bytes} bytes exceeds the device's largest binding ({max_binding} bytes)")]
+    BindingTooSmall {
+        /// Which buffer.
+        what: &'static str,
+        /// Bytes per row.
+        row_bytes: u64,
+        /// The device limit.
+        max_binding: u64,
+    },
+    /// A head value is NaN or infinite.
+    #[error("head[{row}][{col}] = {value} is not finite")]
+    NonFiniteHead {
+        /// Vocabulary row.
+        row: usize,
+        /// Hidden column.
+        col: usize,
+        /// The value.
+        value: f32,
+    },
+    /// A head value past f16's range (|x| > 65504).
+    #[error("head[{row}][{col}] = {value} is outside f16's range (±65504)")]
+    HeadOutOfF16Range {
+        /// Vocabulary row.
+        row: usize,
+        /// Hidden column.
+        col: usize,
+        /// The value.
+        value: f32,
+    },
+    /// A hidden row produced a non-finite logit max or softmax sum on the
+    /// device (a NaN or inf in the row, or values past f16's range).
+    #[error("hidden[{token}]: the row's logits are not finite (NaN, inf or a value past f16's range in x)")]
+    NonFiniteHidden {
+        /// The first such token.
+        token: usize,
+    },
+    /// The device ran out of memory.
+    #[error("out of device memory allocating {bytes} bytes for {what}; lower the memory budget (--budget) or use fewer tokens per call")]
+    OutOfMemory {
+        /// Bytes asked for.
+        bytes: u64,
+        /// Which buffer.
+        what: &'static str,
+    },
+    /// The device was lost.
+    #[error("device lost: {0}")]
+    DeviceLost(String),
+    /// A feature the backend needs is missing.
+    #[error("missing feature: {0}")]
+    MissingFeature(String),
+    /// No device for this backend could be opened.
+    #[error("{backend}: no usable device: {reason}")]
+    NoDevice {
+        /// The backend.
+        backend: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// Any other backend failure (pipeline build, driver error).
+    #[error("{backend}: {message}")]
+    Backend {
+        /// The backend.
+        backend: &'static str,
+        /// What happened.
+        message: String,
+    },
+}
+
+/// `Result` with headkl-core's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

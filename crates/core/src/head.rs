@@ -1,0 +1,138 @@
+//! The frozen head `W` `[V][hs]` as the caller gives it, its one scan for
+//! values f16 cannot hold, and its packing into padded f16 planes.
+
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+
+/// The element type and data of a head.
+#[derive(Clone, Copy, Debug)]
+pub enum HeadData<'a> {
+    /// f32 values (each must fit f16's range).
+    F32(&'a [f32]),
+    /// f16 values.
+    F16(&'a [f16]),
+    /// bf16 values (each must fit f16's range).
+    Bf16(&'a [bf16]),
+}
+
+/// A head `[vocab][hs]` whose length matches its shape.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadWeights<'a> {
+    data: HeadData<'a>,
+    vocab: usize,
+    hs: usize,
+}
+
+impl<'a> HeadWeights<'a> {
+    /// Checks the shape (`vocab > 0`, `hs > 0`, `len = vocab · hs`). Values
+    /// are checked when the head is packed (upload).
+    pub fn new(data: HeadData<'a>, vocab: usize, hs: usize) -> Result<Self> {
+        if vocab == 0 {
+            return Err(Error::VocabZero);
+        }
+        if hs == 0 {
+            return Err(Error::HiddenSizeZero);
+        }
+        let got = match data {
+            HeadData::F32(d) => d.len(),
+            HeadData::F16(d) => d.len(),
+            HeadData::Bf16(d) => d.len(),
+        };
+        let expected = vocab * hs;
+        if got != expected {
+            return Err(Error::LengthMismatch { field: "head", expected, got });
+        }
+        Ok(Self { data, vocab, hs })
+    }
+
+    /// Vocabulary size V.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Hidden size hs.
+    pub fn hs(&self) -> usize {
+        self.hs
+    }
+
+    /// Rows `[first, first + rows)` as f16, each padded with zeros to
+    /// `ld ≥ hs` columns, appended to `out`. Fails on the first value that
+    /// is not finite or is past f16's range, naming its row and column.
+    pub fn pack_rows_f16(&self, first: usize, rows: usize, ld: usize, out: &mut Vec<f16>) -> Result<()> {
+        let hs = self.hs;
+        for row in first..first + rows {
+            let span = row * hs..(row + 1) * hs;
+            let start = out.len();
+            match self.data {
+                HeadData::F16(d) => {
+                    if let Some(col) = d[span.clone()].iter().position(|v| !v.is_finite()) {
+                        let value = d[row * hs + col].to_f32();
+                        return Err(Error::NonFiniteHead { row, col, value });
+                    }
+                    out.extend_from_slice(&d[span]);
+                }
+                HeadData::F32(d) => {
+                    check_f16_range(&d[span.clone()], row)?;
+                    out.resize(start + hs, f16::ZERO);
+                    half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut out[start..], &d[span]);
+                }
+                HeadData::Bf16(d) => {
+                    for (col, v) in d[span].iter().enumerate() {
+                        let value = v.to_f32();
+                        check_value(value, row, col)?;
+                        out.push(f16::from_f32(value));
+                    }
+                }
+            }
+            out.resize(start + ld, f16::ZERO);
+        }
+        Ok(())
+    }
+
+    /// Element `(row, col)` as the device holds it (rounded to f16).
+    pub fn get_f16_rounded(&self, row: usize, col: usize) -> f32 {
+        let i = row * self.hs + col;
+        match self.data {
+            HeadData::F32(d) => f16::from_f32(d[i]).to_f32(),
+            HeadData::F16(d) => d[i].to_f32(),
+            HeadData::Bf16(d) => f16::from_f32(d[i].to_f32()).to_f32(),
+        }
+    }
+}
+
+fn check_f16_range(values: &[f32], row: usize) -> Result<()> {
+    // One comparison per value on the common path; NaN fails `<=` too.
+    let limit = f16::MAX.to_f32();
+    if values.iter().all(|v| v.abs() <= limit) {
+        return Ok(());
+    }
+    for (col, &value) in values.iter().enumerate() {
+        check_value(value, row, col)?;
+    }
+    Ok(())
+}
+
+fn check_value(value: f32, row: usize, col: usize) -> Result<()> {
+    if !value.is_finite() {
+        Err(Error::NonFiniteHead { row, col, value })
+    } else if value.abs() > f16::MAX.to_f32() {
+        Err(Error::HeadOutOfF16Range { row, col, value })
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_pads_and_rounds() {
+        let w = [1.0f32, 2.5, -3.0, 4.0, 5.0, 6.0];
+        let h = HeadWeights::new(HeadData::F32(&w), 2, 3).unwrap();
+        let mut out = Vec::new();
+        h.pack_rows_f16(1, 1, 4, &mut out).unwrap();
+        assert_eq!(out.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), vec![4.0, 5.0, 6.0, 0.0]);
+    }
+}

@@ -1,0 +1,352 @@
+//! Validated inputs: hidden rows, the teacher's top-k, and the options of
+//! each job. Everything is checked here, once, before any device sees it.
+
+use half::f16;
+
+use crate::error::{Error, Result};
+
+/// Largest k the top-k kernels support.
+pub const MAX_K: usize = 2048;
+
+/// Default device-memory budget for scratch buffers: 2 GiB.
+pub const DEFAULT_BUDGET_BYTES: u64 = 2 << 30;
+
+/// The element type and data of hidden rows.
+#[derive(Clone, Copy, Debug)]
+pub enum HiddenData<'a> {
+    /// f32 rows.
+    F32(&'a [f32]),
+    /// f16 rows.
+    F16(&'a [f16]),
+}
+
+/// Hidden rows `x` `[ntok][hs]`, already normed. Their values are not
+/// scanned on the host: the row kernels flag a row whose logits are not
+/// finite.
+#[derive(Clone, Copy, Debug)]
+pub struct Hidden<'a> {
+    data: HiddenData<'a>,
+    ntok: usize,
+    hs: usize,
+}
+
+impl<'a> Hidden<'a> {
+    /// Checks `data.len() == ntok · hs`, `ntok > 0` and `hs > 0`.
+    pub fn new(data: HiddenData<'a>, ntok: usize, hs: usize) -> Result<Self> {
+        if ntok == 0 {
+            return Err(Error::NoTokens);
+        }
+        if hs == 0 {
+            return Err(Error::HiddenSizeZero);
+        }
+        let got = match data {
+            HiddenData::F32(d) => d.len(),
+            HiddenData::F16(d) => d.len(),
+        };
+        let expected = ntok * hs;
+        if got != expected {
+            return Err(Error::LengthMismatch { field: "hidden", expected, got });
+        }
+        Ok(Self { data, ntok, hs })
+    }
+
+    /// f32 rows.
+    pub fn f32(data: &'a [f32], ntok: usize, hs: usize) -> Result<Self> {
+        Self::new(HiddenData::F32(data), ntok, hs)
+    }
+
+    /// f16 rows.
+    pub fn f16(data: &'a [f16], ntok: usize, hs: usize) -> Result<Self> {
+        Self::new(HiddenData::F16(data), ntok, hs)
+    }
+
+    /// The rows.
+    pub fn data(&self) -> HiddenData<'a> {
+        self.data
+    }
+
+    /// Number of tokens.
+    pub fn ntok(&self) -> usize {
+        self.ntok
+    }
+
+    /// Hidden size.
+    pub fn hs(&self) -> usize {
+        self.hs
+    }
+
+    /// Row `t` as f32 (rounded to f16 first when the data is f32, so the
+    /// values are what the device multiplies).
+    pub fn row_f16_rounded(&self, t: usize) -> Vec<f32> {
+        let r = t * self.hs..(t + 1) * self.hs;
+        match self.data {
+            HiddenData::F32(d) => d[r].iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+            HiddenData::F16(d) => d[r].iter().map(|v| v.to_f32()).collect(),
+        }
+    }
+}
+
+/// The teacher's top-k `[ntok][k]`: distinct ids per row, each `< V`, and
+/// probabilities renormalized over the k.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Teacher {
+    ids: Vec<u32>,
+    probs: Vec<f32>,
+    ntok: usize,
+    k: usize,
+}
+
+impl Teacher {
+    /// Validates and renormalizes: ids distinct per row and `< vocab`,
+    /// probabilities non-negative and finite, each row with positive mass.
+    pub fn new(ids: &[u32], probs: &[f32], ntok: usize, k: usize, vocab: usize) -> Result<Self> {
+        Self::build(ids.iter().map(|&i| i64::from(i)), ids.len(), probs, ntok, k, vocab)
+    }
+
+    /// As [`Teacher::new`], from i64 ids (a negative id is out of range).
+    pub fn from_i64(ids: &[i64], probs: &[f32], ntok: usize, k: usize, vocab: usize) -> Result<Self> {
+        Self::build(ids.iter().copied(), ids.len(), probs, ntok, k, vocab)
+    }
+
+    fn build(
+        ids: impl Iterator<Item = i64>,
+        ids_len: usize,
+        probs: &[f32],
+        ntok: usize,
+        k: usize,
+        vocab: usize,
+    ) -> Result<Self> {
+        if ntok == 0 {
+            return Err(Error::NoTokens);
+        }
+        check_k(k, vocab)?;
+        let expected = ntok * k;
+        if ids_len != expected {
+            return Err(Error::LengthMismatch { field: "ids", expected, got: ids_len });
+        }
+        if probs.len() != expected {
+            return Err(Error::LengthMismatch { field: "probs", expected, got: probs.len() });
+        }
+        let mut out_ids = Vec::with_capacity(expected);
+        for (i, id) in ids.enumerate() {
+            if id < 0 || id as u64 >= vocab as u64 {
+                return Err(Error::IdOutOfRange { row: i / k, col: i % k, id, vocab });
+            }
+            out_ids.push(id as u32);
+        }
+        let mut sorted: Vec<(u32, usize)> = Vec::with_capacity(k);
+        let mut out_probs = Vec::with_capacity(expected);
+        for row in 0..ntok {
+            let ids_row = &out_ids[row * k..(row + 1) * k];
+            sorted.clear();
+            sorted.extend(ids_row.iter().enumerate().map(|(c, &id)| (id, c)));
+            sorted.sort_unstable();
+            for w in sorted.windows(2) {
+                if w[0].0 == w[1].0 {
+                    let (first, second) = (w[0].1.min(w[1].1), w[0].1.max(w[1].1));
+                    return Err(Error::DuplicateId { row, id: i64::from(w[0].0), first, second });
+                }
+            }
+            let p_row = &probs[row * k..(row + 1) * k];
+            let mut sum = 0f64;
+            for (col, &value) in p_row.iter().enumerate() {
+                if !value.is_finite() {
+                    return Err(Error::NonFiniteProbability { row, col, value });
+                }
+                if value < 0.0 {
+                    return Err(Error::NegativeProbability { row, col, value });
+                }
+                sum += f64::from(value);
+            }
+            if !(sum > 0.0 && sum.is_finite()) {
+                return Err(Error::ProbabilityRowSum { row, sum });
+            }
+            out_probs.extend(p_row.iter().map(|&p| (f64::from(p) / sum) as f32));
+        }
+        Ok(Self { ids: out_ids, probs: out_probs, ntok, k })
+    }
+
+    /// Ids `[ntok][k]`.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Renormalized probabilities `[ntok][k]`.
+    pub fn probs(&self) -> &[f32] {
+        &self.probs
+    }
+
+    /// Number of tokens.
+    pub fn ntok(&self) -> usize {
+        self.ntok
+    }
+
+    /// Entries per row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Checks that the teacher was built for vocabulary `vocab` (its ids
+    /// are below it).
+    pub fn check_vocab(&self, vocab: usize) -> Result<()> {
+        check_k(self.k, vocab)?;
+        match self.ids.iter().position(|&i| i as usize >= vocab) {
+            Some(i) => Err(Error::IdOutOfRange {
+                row: i / self.k,
+                col: i % self.k,
+                id: i64::from(self.ids[i]),
+                vocab,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Checks `1 ≤ k ≤ min(vocab, 2048)`.
+pub fn check_k(k: usize, vocab: usize) -> Result<()> {
+    if vocab == 0 {
+        return Err(Error::VocabZero);
+    }
+    if k == 0 {
+        return Err(Error::KZero);
+    }
+    let max = vocab.min(MAX_K);
+    if k > max {
+        return Err(Error::KTooLarge { k, vocab, max });
+    }
+    Ok(())
+}
+
+fn check_temperature(t: f32) -> Result<()> {
+    if t > 0.0 && t.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::InvalidTemperature { value: t })
+    }
+}
+
+/// Options of `head_kl`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossOptions {
+    /// Temperature τ (default 1).
+    pub temperature: f32,
+    /// Per-token weights `w_t ≥ 0` (0 masks a token); `None` means all 1.
+    pub weights: Option<Vec<f32>>,
+    /// The weight the step averages over; `None` means `Σ w_t`.
+    pub total: Option<f32>,
+    /// Scale of the f16 gradient; `None` means `2^14 · total / max_t w_t`.
+    pub gscale: Option<f32>,
+    /// Device-memory budget for scratch buffers, in bytes.
+    pub budget_bytes: u64,
+    /// Test knob: at most this many tokens per chunk.
+    pub max_rows_per_chunk: Option<usize>,
+}
+
+impl Default for LossOptions {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            weights: None,
+            total: None,
+            gscale: None,
+            budget_bytes: DEFAULT_BUDGET_BYTES,
+            max_rows_per_chunk: None,
+        }
+    }
+}
+
+/// [`LossOptions`] resolved against a token count: every default filled in
+/// and every value checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResolvedLoss {
+    /// Temperature τ.
+    pub temperature: f32,
+    /// Weights `[ntok]`.
+    pub weights: Vec<f32>,
+    /// The averaging weight.
+    pub total: f32,
+    /// The f16 gradient scale.
+    pub gscale: f32,
+    /// Per-token KL-kernel coefficient `gscale · w_t / total`.
+    pub coef: Vec<f32>,
+}
+
+impl LossOptions {
+    /// Checks every option and fills in the defaults for `ntok` tokens.
+    pub fn resolve(&self, ntok: usize) -> Result<ResolvedLoss> {
+        check_temperature(self.temperature)?;
+        if self.budget_bytes == 0 {
+            return Err(Error::BudgetZero);
+        }
+        let weights = match &self.weights {
+            None => vec![1.0; ntok],
+            Some(w) => {
+                if w.len() != ntok {
+                    return Err(Error::LengthMismatch { field: "weights", expected: ntok, got: w.len() });
+                }
+                for (row, &value) in w.iter().enumerate() {
+                    if !value.is_finite() {
+                        return Err(Error::NonFiniteWeight { row, value });
+                    }
+                    if value < 0.0 {
+                        return Err(Error::NegativeWeight { row, value });
+                    }
+                }
+                w.clone()
+            }
+        };
+        let total = match self.total {
+            Some(t) => t,
+            None => weights.iter().map(|&w| f64::from(w)).sum::<f64>() as f32,
+        };
+        if !(total > 0.0 && total.is_finite()) {
+            return Err(Error::TotalNotPositive { value: total });
+        }
+        let max_w = weights.iter().copied().fold(0f32, f32::max);
+        let gscale = match self.gscale {
+            Some(g) => g,
+            // Every |g| stays under 2^14, small probabilities out of f16's
+            // subnormals. All tokens masked: the gradient is 0 whatever the scale.
+            None if max_w > 0.0 => ((1u32 << 14) as f64 * f64::from(total) / f64::from(max_w)) as f32,
+            None => 1.0,
+        };
+        if !(gscale > 0.0 && gscale.is_finite()) {
+            return Err(Error::InvalidGradScale { value: gscale });
+        }
+        let coef = weights
+            .iter()
+            .map(|&w| (f64::from(gscale) * f64::from(w) / f64::from(total)) as f32)
+            .collect();
+        Ok(ResolvedLoss { temperature: self.temperature, weights, total, gscale, coef })
+    }
+}
+
+/// Options of `topk`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TopkOptions {
+    /// Entries per row, `1 ≤ k ≤ min(V, 2048)`.
+    pub k: usize,
+    /// Temperature τ of the probabilities (default 1).
+    pub temperature: f32,
+    /// Device-memory budget for scratch buffers, in bytes.
+    pub budget_bytes: u64,
+    /// Test knob: at most this many tokens per chunk.
+    pub max_rows_per_chunk: Option<usize>,
+}
+
+impl TopkOptions {
+    /// `k` entries at τ = 1 and the default budget.
+    pub fn new(k: usize) -> Self {
+        Self { k, temperature: 1.0, budget_bytes: DEFAULT_BUDGET_BYTES, max_rows_per_chunk: None }
+    }
+
+    /// Checks the options against a vocabulary size.
+    pub fn check(&self, vocab: usize) -> Result<()> {
+        check_k(self.k, vocab)?;
+        check_temperature(self.temperature)?;
+        if self.budget_bytes == 0 {
+            return Err(Error::BudgetZero);
+        }
+        Ok(())
+    }
+}
