@@ -190,8 +190,7 @@ pub trait Backend {
     fn download(&self, src: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()>;
 
     /// Converts hidden rows f32 → f16 (see [`ConvertDesc`]).
-    fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc)
-        -> Result<()>;
+    fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()>;
 
     /// `C (+)= alpha · A · op(B)` (see [`GemmDesc`]). `label` says which use
     /// this is (`gemm_logits` or `gemm_dx`) for timing.
@@ -218,13 +217,8 @@ pub trait Backend {
     ) -> Result<()>;
 
     /// The exact top-k row kernel (see [`TopkDesc`]).
-    fn topk_rows(
-        &self,
-        logits: &Self::Buffer,
-        ids: &Self::Buffer,
-        probs: &Self::Buffer,
-        desc: &TopkDesc,
-    ) -> Result<()>;
+    fn topk_rows(&self, logits: &Self::Buffer, ids: &Self::Buffer, probs: &Self::Buffer, desc: &TopkDesc)
+        -> Result<()>;
 
     /// Waits for all queued work.
     fn finish(&self) -> Result<()>;
@@ -252,5 +246,77 @@ pub trait Backend {
     /// conformance suite fails a case that leaves any.
     fn take_diagnostics(&self) -> Vec<String> {
         Vec::new()
+    }
+}
+
+/// A shared reference to a backend is a backend, so one device can serve
+/// several engines (the conformance suite opens a device once for all its
+/// cases).
+impl<T: Backend + ?Sized> Backend for &T {
+    type Buffer = T::Buffer;
+
+    fn info(&self) -> &DeviceInfo {
+        (**self).info()
+    }
+    fn alloc(&self, bytes: u64, label: &'static str) -> Result<Self::Buffer> {
+        (**self).alloc(bytes, label)
+    }
+    fn upload(&self, dst: &Self::Buffer, offset: u64, data: &[u8]) -> Result<()> {
+        (**self).upload(dst, offset, data)
+    }
+    fn download(&self, src: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        (**self).download(src, offset, out)
+    }
+    fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()> {
+        (**self).convert_f16(src, dst, desc)
+    }
+    fn gemm(
+        &self,
+        a: &Self::Buffer,
+        b: &Self::Buffer,
+        c: &Self::Buffer,
+        desc: &GemmDesc,
+        label: &'static str,
+    ) -> Result<()> {
+        (**self).gemm(a, b, c, desc, label)
+    }
+    fn kl_rows(
+        &self,
+        logits: &Self::Buffer,
+        ids: &Self::Buffer,
+        probs: &Self::Buffer,
+        coef: &Self::Buffer,
+        loss: &Self::Buffer,
+        grad: &Self::Buffer,
+        desc: &KlDesc,
+    ) -> Result<()> {
+        (**self).kl_rows(logits, ids, probs, coef, loss, grad, desc)
+    }
+    fn topk_rows(
+        &self,
+        logits: &Self::Buffer,
+        ids: &Self::Buffer,
+        probs: &Self::Buffer,
+        desc: &TopkDesc,
+    ) -> Result<()> {
+        (**self).topk_rows(logits, ids, probs, desc)
+    }
+    fn finish(&self) -> Result<()> {
+        (**self).finish()
+    }
+    fn memory(&self) -> MemoryStats {
+        (**self).memory()
+    }
+    fn reset_peak_memory(&self) {
+        (**self).reset_peak_memory()
+    }
+    fn set_profiling(&self, on: bool) -> bool {
+        (**self).set_profiling(on)
+    }
+    fn take_kernel_times(&self) -> Result<Vec<KernelTime>> {
+        (**self).take_kernel_times()
+    }
+    fn take_diagnostics(&self) -> Vec<String> {
+        (**self).take_diagnostics()
     }
 }

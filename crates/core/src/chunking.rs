@@ -109,9 +109,18 @@ mod tests {
 
     fn costs(v_pad: u64, hs_pad: u64) -> Vec<RowCost> {
         vec![
-            RowCost { what: "logits", bytes_per_row: v_pad * 4 },
-            RowCost { what: "grad", bytes_per_row: v_pad * 2 },
-            RowCost { what: "dx", bytes_per_row: hs_pad * 4 },
+            RowCost {
+                what: "logits",
+                bytes_per_row: v_pad * 4,
+            },
+            RowCost {
+                what: "grad",
+                bytes_per_row: v_pad * 2,
+            },
+            RowCost {
+                what: "dx",
+                bytes_per_row: hs_pad * 4,
+            },
         ]
     }
 
@@ -123,8 +132,14 @@ mod tests {
 
     #[test]
     fn zero_budget_and_zero_tokens_are_errors() {
-        assert_eq!(plan_chunks(1, &costs(16, 16), 0, u64::MAX, None), Err(Error::BudgetZero));
-        assert_eq!(plan_chunks(0, &costs(16, 16), 1 << 20, u64::MAX, None), Err(Error::NoTokens));
+        assert_eq!(
+            plan_chunks(1, &costs(16, 16), 0, u64::MAX, None),
+            Err(Error::BudgetZero)
+        );
+        assert_eq!(
+            plan_chunks(0, &costs(16, 16), 1 << 20, u64::MAX, None),
+            Err(Error::NoTokens)
+        );
     }
 
     #[test]

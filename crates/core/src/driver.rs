@@ -188,26 +188,59 @@ impl<B: Backend> Engine<B> {
     pub fn loss_plan(&self, ntok: usize, k: usize, f32_input: bool, opts: &LossOptions) -> Result<ChunkPlan> {
         let costs = self.row_costs(Job::Loss, k, f32_input);
         let info = self.backend.info();
-        plan_chunks(ntok, &costs, opts.budget_bytes, info.max_binding_bytes.min(info.max_buffer_bytes), opts.max_rows_per_chunk)
+        plan_chunks(
+            ntok,
+            &costs,
+            opts.budget_bytes,
+            info.max_binding_bytes.min(info.max_buffer_bytes),
+            opts.max_rows_per_chunk,
+        )
     }
 
     fn row_costs(&self, job: Job, k: usize, f32_input: bool) -> Vec<RowCost> {
         let (v, h, k) = (self.vocab_padded as u64, self.hs_padded as u64, k as u64);
         let mut c = vec![
-            RowCost { what: "x16", bytes_per_row: h * 2 },
-            RowCost { what: "logits", bytes_per_row: v * 4 },
-            RowCost { what: "ids", bytes_per_row: k * 4 },
-            RowCost { what: "probs", bytes_per_row: k * 4 },
+            RowCost {
+                what: "x16",
+                bytes_per_row: h * 2,
+            },
+            RowCost {
+                what: "logits",
+                bytes_per_row: v * 4,
+            },
+            RowCost {
+                what: "ids",
+                bytes_per_row: k * 4,
+            },
+            RowCost {
+                what: "probs",
+                bytes_per_row: k * 4,
+            },
         ];
         if f32_input {
-            c.push(RowCost { what: "x32", bytes_per_row: self.hs as u64 * 4 });
+            c.push(RowCost {
+                what: "x32",
+                bytes_per_row: self.hs as u64 * 4,
+            });
         }
         if job == Job::Loss {
             c.extend([
-                RowCost { what: "coef", bytes_per_row: 4 },
-                RowCost { what: "loss", bytes_per_row: 4 },
-                RowCost { what: "grad", bytes_per_row: v * 2 },
-                RowCost { what: "dx", bytes_per_row: h * 4 },
+                RowCost {
+                    what: "coef",
+                    bytes_per_row: 4,
+                },
+                RowCost {
+                    what: "loss",
+                    bytes_per_row: 4,
+                },
+                RowCost {
+                    what: "grad",
+                    bytes_per_row: v * 2,
+                },
+                RowCost {
+                    what: "dx",
+                    bytes_per_row: h * 4,
+                },
             ]);
         }
         c
@@ -223,7 +256,11 @@ impl<B: Backend> Engine<B> {
         self.scratch = None;
         let b = &self.backend;
         let (v, h, r) = (self.vocab_padded as u64, self.hs_padded as u64, rows as u64);
-        let x32 = if f32_input { Some(b.alloc(r * self.hs as u64 * 4, "x32")?) } else { None };
+        let x32 = if f32_input {
+            Some(b.alloc(r * self.hs as u64 * 4, "x32")?)
+        } else {
+            None
+        };
         let x16 = b.alloc(r * h * 2, "x16")?;
         let logits = b.alloc(r * v * 4, "logits")?;
         let ids = b.alloc(r * k as u64 * 4, "ids")?;
@@ -238,7 +275,21 @@ impl<B: Backend> Engine<B> {
         } else {
             (None, None, None, None)
         };
-        self.scratch = Some(Scratch { job, rows, k, f32_input, x32, x16, logits, ids, probs, coef, loss, grad, dx });
+        self.scratch = Some(Scratch {
+            job,
+            rows,
+            k,
+            f32_input,
+            x32,
+            x16,
+            logits,
+            ids,
+            probs,
+            coef,
+            loss,
+            grad,
+            dx,
+        });
         Ok(())
     }
 
@@ -246,18 +297,29 @@ impl<B: Backend> Engine<B> {
     /// operand.
     fn load_hidden(&self, hidden: &Hidden<'_>, start: usize, rows: usize) -> Result<()> {
         let Some(s) = &self.scratch else {
-            return Err(Error::Backend { backend: "driver", message: "scratch missing".into() });
+            return Err(Error::Backend {
+                backend: "driver",
+                message: "scratch missing".into(),
+            });
         };
         let hs = self.hs;
         let rows_padded = round_up(rows, ALIGN);
         match hidden.data() {
             HiddenData::F32(d) => {
                 let Some(x32) = &s.x32 else {
-                    return Err(Error::Backend { backend: "driver", message: "x32 scratch missing".into() });
+                    return Err(Error::Backend {
+                        backend: "driver",
+                        message: "x32 scratch missing".into(),
+                    });
                 };
                 let src = &d[start * hs..(start + rows) * hs];
                 self.backend.upload(x32, 0, bytemuck::cast_slice(src))?;
-                let desc = ConvertDesc { rows, cols: hs, rows_padded, ld: self.hs_padded };
+                let desc = ConvertDesc {
+                    rows,
+                    cols: hs,
+                    rows_padded,
+                    ld: self.hs_padded,
+                };
                 self.backend.convert_f16(x32, &s.x16, &desc)?;
             }
             HiddenData::F16(d) => {
@@ -275,7 +337,10 @@ impl<B: Backend> Engine<B> {
     /// The logits GEMMs of one chunk: `logits[:, slice] = x16 · W_sliceᵀ / τ`.
     fn logits(&self, rows_padded: usize, temperature: f32) -> Result<()> {
         let Some(s) = &self.scratch else {
-            return Err(Error::Backend { backend: "driver", message: "scratch missing".into() });
+            return Err(Error::Backend {
+                backend: "driver",
+                message: "scratch missing".into(),
+            });
         };
         for (slice, plane) in self.slices.iter().zip(&self.planes) {
             let desc = GemmDesc {
@@ -298,7 +363,10 @@ impl<B: Backend> Engine<B> {
 
     fn check_hidden(&self, hidden: &Hidden<'_>) -> Result<()> {
         if hidden.hs() != self.hs {
-            return Err(Error::HiddenSizeMismatch { expected: self.hs, got: hidden.hs() });
+            return Err(Error::HiddenSizeMismatch {
+                expected: self.hs,
+                got: hidden.hs(),
+            });
         }
         Ok(())
     }
@@ -315,7 +383,11 @@ impl<B: Backend> Engine<B> {
         self.check_hidden(hidden)?;
         let ntok = hidden.ntok();
         if teacher.ntok() != ntok {
-            return Err(Error::LengthMismatch { field: "teacher rows", expected: ntok, got: teacher.ntok() });
+            return Err(Error::LengthMismatch {
+                field: "teacher rows",
+                expected: ntok,
+                got: teacher.ntok(),
+            });
         }
         teacher.check_vocab(self.vocab)?;
         let resolved = opts.resolve(ntok)?;
@@ -333,15 +405,30 @@ impl<B: Backend> Engine<B> {
             let rows_padded = round_up(rows, ALIGN);
             self.load_hidden(hidden, start, rows)?;
             let b = &self.backend;
-            let Some(s) = &self.scratch else { return unreachable_scratch() };
+            let Some(s) = &self.scratch else {
+                return unreachable_scratch();
+            };
             let (Some(coef), Some(loss_buf), Some(grad), Some(dx_buf)) = (&s.coef, &s.loss, &s.grad, &s.dx) else {
                 return unreachable_scratch();
             };
-            b.upload(&s.ids, 0, bytemuck::cast_slice(&teacher.ids()[start * k..(start + rows) * k]))?;
-            b.upload(&s.probs, 0, bytemuck::cast_slice(&teacher.probs()[start * k..(start + rows) * k]))?;
+            b.upload(
+                &s.ids,
+                0,
+                bytemuck::cast_slice(&teacher.ids()[start * k..(start + rows) * k]),
+            )?;
+            b.upload(
+                &s.probs,
+                0,
+                bytemuck::cast_slice(&teacher.probs()[start * k..(start + rows) * k]),
+            )?;
             b.upload(coef, 0, bytemuck::cast_slice(&resolved.coef[start..start + rows]))?;
             self.logits(rows_padded, resolved.temperature)?;
-            let kl = KlDesc { rows, vocab: self.vocab, ld: self.vocab_padded, k };
+            let kl = KlDesc {
+                rows,
+                vocab: self.vocab,
+                ld: self.vocab_padded,
+                k,
+            };
             b.kl_rows(&s.logits, &s.ids, &s.probs, coef, loss_buf, grad, &kl)?;
             for (i, (slice, plane)) in self.slices.iter().zip(&self.planes).enumerate() {
                 let desc = GemmDesc {
@@ -370,8 +457,16 @@ impl<B: Backend> Engine<B> {
                     .copy_from_slice(&dx_padded[r * self.hs_padded..r * self.hs_padded + hs]);
             }
         }
-        let weighted: f64 = loss.iter().zip(&resolved.weights).map(|(&l, &w)| f64::from(l) * f64::from(w)).sum();
-        Ok(LossOutput { loss, mean: weighted / f64::from(resolved.total), dx })
+        let weighted: f64 = loss
+            .iter()
+            .zip(&resolved.weights)
+            .map(|(&l, &w)| f64::from(l) * f64::from(w))
+            .sum();
+        Ok(LossOutput {
+            loss,
+            mean: weighted / f64::from(resolved.total),
+            dx,
+        })
     }
 
     /// The teacher's exact top-k of `x · Wᵀ` per row: ids by descending
@@ -397,12 +492,21 @@ impl<B: Backend> Engine<B> {
         for (start, rows) in plan.ranges(ntok) {
             self.load_hidden(hidden, start, rows)?;
             self.logits(round_up(rows, ALIGN), opts.temperature)?;
-            let Some(s) = &self.scratch else { return unreachable_scratch() };
-            let desc = TopkDesc { rows, vocab: self.vocab, ld: self.vocab_padded, k };
+            let Some(s) = &self.scratch else {
+                return unreachable_scratch();
+            };
+            let desc = TopkDesc {
+                rows,
+                vocab: self.vocab,
+                ld: self.vocab_padded,
+                k,
+            };
             self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let range = start * k..(start + rows) * k;
-            self.backend.download(&s.ids, 0, bytemuck::cast_slice_mut(&mut ids[range.clone()]))?;
-            self.backend.download(&s.probs, 0, bytemuck::cast_slice_mut(&mut probs[range]))?;
+            self.backend
+                .download(&s.ids, 0, bytemuck::cast_slice_mut(&mut ids[range.clone()]))?;
+            self.backend
+                .download(&s.probs, 0, bytemuck::cast_slice_mut(&mut probs[range]))?;
             if let Some(t) = (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
                 return Err(Error::NonFiniteHidden { token: start + t });
             }
@@ -412,5 +516,8 @@ impl<B: Backend> Engine<B> {
 }
 
 fn unreachable_scratch<T>() -> Result<T> {
-    Err(Error::Backend { backend: "driver", message: "scratch buffers missing after allocation".into() })
+    Err(Error::Backend {
+        backend: "driver",
+        message: "scratch buffers missing after allocation".into(),
+    })
 }

@@ -41,7 +41,11 @@ impl<'a> HeadWeights<'a> {
         };
         let expected = vocab * hs;
         if got != expected {
-            return Err(Error::LengthMismatch { field: "head", expected, got });
+            return Err(Error::LengthMismatch {
+                field: "head",
+                expected,
+                got,
+            });
         }
         Ok(Self { data, vocab, hs })
     }
@@ -133,6 +137,9 @@ mod tests {
         let h = HeadWeights::new(HeadData::F32(&w), 2, 3).unwrap();
         let mut out = Vec::new();
         h.pack_rows_f16(1, 1, 4, &mut out).unwrap();
-        assert_eq!(out.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), vec![4.0, 5.0, 6.0, 0.0]);
+        assert_eq!(
+            out.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+            vec![4.0, 5.0, 6.0, 0.0]
+        );
     }
 }

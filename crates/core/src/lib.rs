@@ -25,9 +25,7 @@ pub mod params;
 pub mod problem;
 pub mod slicing;
 
-pub use backend::{
-    Backend, ConvertDesc, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, TopkDesc,
-};
+pub use backend::{Backend, ConvertDesc, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, TopkDesc};
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, SliceOptions, TopK};
 pub use error::{Error, Result};

@@ -94,7 +94,14 @@ impl GemmParams {
 impl RowParams {
     /// The block for a KL or top-k row dispatch.
     pub fn new(rows: usize, vocab: usize, ld: usize, k: usize, grid_x: u32) -> Self {
-        Self { rows: rows as u32, vocab: vocab as u32, ld: ld as u32, k: k as u32, grid_x, _pad: [0; 3] }
+        Self {
+            rows: rows as u32,
+            vocab: vocab as u32,
+            ld: ld as u32,
+            k: k as u32,
+            grid_x,
+            _pad: [0; 3],
+        }
     }
 }
 

@@ -45,7 +45,11 @@ impl<'a> Hidden<'a> {
         };
         let expected = ntok * hs;
         if got != expected {
-            return Err(Error::LengthMismatch { field: "hidden", expected, got });
+            return Err(Error::LengthMismatch {
+                field: "hidden",
+                expected,
+                got,
+            });
         }
         Ok(Self { data, ntok, hs })
     }
@@ -122,15 +126,28 @@ impl Teacher {
         check_k(k, vocab)?;
         let expected = ntok * k;
         if ids_len != expected {
-            return Err(Error::LengthMismatch { field: "ids", expected, got: ids_len });
+            return Err(Error::LengthMismatch {
+                field: "ids",
+                expected,
+                got: ids_len,
+            });
         }
         if probs.len() != expected {
-            return Err(Error::LengthMismatch { field: "probs", expected, got: probs.len() });
+            return Err(Error::LengthMismatch {
+                field: "probs",
+                expected,
+                got: probs.len(),
+            });
         }
         let mut out_ids = Vec::with_capacity(expected);
         for (i, id) in ids.enumerate() {
             if id < 0 || id as u64 >= vocab as u64 {
-                return Err(Error::IdOutOfRange { row: i / k, col: i % k, id, vocab });
+                return Err(Error::IdOutOfRange {
+                    row: i / k,
+                    col: i % k,
+                    id,
+                    vocab,
+                });
             }
             out_ids.push(id as u32);
         }
@@ -144,7 +161,12 @@ impl Teacher {
             for w in sorted.windows(2) {
                 if w[0].0 == w[1].0 {
                     let (first, second) = (w[0].1.min(w[1].1), w[0].1.max(w[1].1));
-                    return Err(Error::DuplicateId { row, id: i64::from(w[0].0), first, second });
+                    return Err(Error::DuplicateId {
+                        row,
+                        id: i64::from(w[0].0),
+                        first,
+                        second,
+                    });
                 }
             }
             let p_row = &probs[row * k..(row + 1) * k];
@@ -163,7 +185,12 @@ impl Teacher {
             }
             out_probs.extend(p_row.iter().map(|&p| (f64::from(p) / sum) as f32));
         }
-        Ok(Self { ids: out_ids, probs: out_probs, ntok, k })
+        Ok(Self {
+            ids: out_ids,
+            probs: out_probs,
+            ntok,
+            k,
+        })
     }
 
     /// Ids `[ntok][k]`.
@@ -282,7 +309,11 @@ impl LossOptions {
             None => vec![1.0; ntok],
             Some(w) => {
                 if w.len() != ntok {
-                    return Err(Error::LengthMismatch { field: "weights", expected: ntok, got: w.len() });
+                    return Err(Error::LengthMismatch {
+                        field: "weights",
+                        expected: ntok,
+                        got: w.len(),
+                    });
                 }
                 for (row, &value) in w.iter().enumerate() {
                     if !value.is_finite() {
@@ -317,7 +348,13 @@ impl LossOptions {
             .iter()
             .map(|&w| (f64::from(gscale) * f64::from(w) / f64::from(total)) as f32)
             .collect();
-        Ok(ResolvedLoss { temperature: self.temperature, weights, total, gscale, coef })
+        Ok(ResolvedLoss {
+            temperature: self.temperature,
+            weights,
+            total,
+            gscale,
+            coef,
+        })
     }
 }
 
@@ -337,7 +374,12 @@ pub struct TopkOptions {
 impl TopkOptions {
     /// `k` entries at τ = 1 and the default budget.
     pub fn new(k: usize) -> Self {
-        Self { k, temperature: 1.0, budget_bytes: DEFAULT_BUDGET_BYTES, max_rows_per_chunk: None }
+        Self {
+            k,
+            temperature: 1.0,
+            budget_bytes: DEFAULT_BUDGET_BYTES,
+            max_rows_per_chunk: None,
+        }
     }
 
     /// Checks the options against a vocabulary size.
