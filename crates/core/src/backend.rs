@@ -59,9 +59,12 @@ pub enum HeadLayout {
 /// accumulation, f32 output.
 ///
 /// Offsets and leading dimensions are in elements. `m`, `n` and `k` are
-/// multiples of [`crate::ALIGN`], and every operand region they name is
-/// inside its buffer and holds zeros where it pads a real extent, so a
-/// kernel working in 16×16 tiles may read and write whole tiles.
+/// multiples of [`crate::ALIGN`] and every operand region they name is
+/// inside its buffer, so a kernel working in 16×16 tiles may read and write
+/// whole tiles. Padding along `k` (in A and B) and along `n` (in B) holds
+/// zeros. Rows of A past the caller's real rows may hold anything, NaN
+/// included: row `i` of C depends only on row `i` of A, and the driver
+/// discards those rows of C.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmDesc {
     /// Rows of A and C.

@@ -1,0 +1,535 @@
+//! The conformance suite, written once and generic over a [`Backend`].
+//!
+//! Four parts ([`Part`]):
+//! - **kernels**: the backend's primitives called directly on crafted
+//!   inputs with poisoned (NaN) outputs: GEMM in both head layouts with
+//!   exact small-integer data (results exact in f32), offsets, wide
+//!   strides, `alpha ≠ 1` and accumulation; `convert_f16` and its zero pad;
+//!   `kl_rows` and `topk_rows` against the formulas on the same f32 logits
+//!   (ties, one residue class mod 256, k = 1, k = 2048, non-finite rows);
+//! - **driver cases**: [`SuiteConfig::cases`] cases drawn by
+//!   [`crate::strategies`] from a seeded proptest runner, alternating
+//!   `head_kl` and `topk`, run through [`Engine`] and compared with
+//!   [`crate::direct`] by [`Tolerance`];
+//! - **regressions**: a fixed list of named cases;
+//! - **errors**: non-finite hidden rows must fail with
+//!   [`headkl_core::Error::NonFiniteHidden`] naming the first bad token;
+//!   several slices with several chunks; recovery after an error; memory
+//!   returned when an engine is dropped.
+//!
+//! After every case the backend's diagnostics are drained
+//! ([`Backend::take_diagnostics`]); any message fails the case. A backend
+//! error or a panic inside a case fails that case and the suite goes on.
+//!
+//! ```
+//! use headkl_reference::conformance::{run_suite, SuiteConfig};
+//! use headkl_reference::CpuBackend;
+//!
+//! let backend = CpuBackend::new();
+//! let cfg = SuiteConfig { cases: 2, seed: 7 };
+//! let report = run_suite(&backend, &cfg, &mut |case| {
+//!     if !case.passed {
+//!         eprintln!("FAIL {}: {}", case.name, case.message);
+//!     }
+//! });
+//! assert_eq!(report.backend, "reference");
+//! assert_eq!(report.passed, report.cases, "{:?}", report.failures);
+//! ```
+//!
+//! A backend crate runs it with one line in `tests/conformance.rs`:
+//!
+//! ```ignore
+//! headkl_reference::conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
+//! ```
+
+mod cases;
+mod kernels;
+
+use std::panic::AssertUnwindSafe;
+
+use headkl_core::{Backend, Engine};
+
+use crate::strategies::{case_params, Case, CaseKind, Rng};
+use crate::tolerance::Tolerance;
+
+/// Default seed of the drawn cases when `HEADKL_SEED` is not set.
+pub const DEFAULT_SEED: u64 = 0x4845_4144_4b4c_0001;
+
+/// Default number of drawn cases when `HEADKL_CASES` is not set.
+pub const DEFAULT_CASES: usize = 16;
+
+/// How many drawn cases to run, and their seed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SuiteConfig {
+    /// Drawn driver cases (`HEADKL_CASES`, default 16).
+    pub cases: usize,
+    /// Seed of the drawn cases (`HEADKL_SEED`, decimal or `0x` hex).
+    pub seed: u64,
+}
+
+impl Default for SuiteConfig {
+    /// From `HEADKL_CASES` and `HEADKL_SEED`; a value that does not parse
+    /// is reported on stderr and the default used.
+    fn default() -> Self {
+        Self {
+            cases: env_number("HEADKL_CASES").map_or(DEFAULT_CASES, |v| v as usize),
+            seed: env_number("HEADKL_SEED").unwrap_or(DEFAULT_SEED),
+        }
+    }
+}
+
+fn env_number(name: &str) -> Option<u64> {
+    let raw = std::env::var(name).ok()?;
+    let s = raw.trim();
+    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    match parsed {
+        Ok(v) => Some(v),
+        Err(e) => {
+            eprintln!("warning: {name}={raw:?} is not a number ({e}); using the default");
+            None
+        }
+    }
+}
+
+/// The result of one case.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CaseOutcome {
+    /// Case name (`kernels/…`, `driver#N …`, `regression/…`, `errors/…`).
+    pub name: String,
+    /// One line: shape and knobs.
+    pub description: String,
+    /// The suite seed that draws this case (drawn cases), 0 for fixed ones.
+    pub seed: u64,
+    /// Whether every check passed.
+    pub passed: bool,
+    /// What failed (empty when passed).
+    pub message: String,
+    /// Loss error measured (relative), where the case checks a loss.
+    pub loss_err: Option<f64>,
+    /// dx error measured (relative L2), where the case checks a gradient.
+    pub dx_err: Option<f64>,
+    /// Worst top-k probability error (relative), where the case checks top-k.
+    pub prob_err: Option<f64>,
+}
+
+/// The results of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SuiteReport {
+    /// Backend name (`DeviceInfo::backend`).
+    pub backend: String,
+    /// Device name.
+    pub device: String,
+    /// Whether the device's GEMM runs on matrix units.
+    pub matrix_units: bool,
+    /// Cases run.
+    pub cases: usize,
+    /// Cases passed.
+    pub passed: usize,
+    /// The failed cases.
+    pub failures: Vec<CaseOutcome>,
+    /// Worst loss error over all cases (0 when none measured).
+    pub worst_loss_err: f64,
+    /// Worst dx error over all cases.
+    pub worst_dx_err: f64,
+    /// Worst top-k probability error over all cases.
+    pub worst_prob_err: f64,
+}
+
+impl SuiteReport {
+    /// One line: backend, device, passed/run and the worst errors.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} on {}{}: {}/{} passed; worst loss err {:.2e}, dx err {:.2e}, prob err {:.2e}",
+            self.backend,
+            self.device,
+            if self.matrix_units { " (matrix units)" } else { "" },
+            self.passed,
+            self.cases,
+            self.worst_loss_err,
+            self.worst_dx_err,
+            self.worst_prob_err
+        )
+    }
+}
+
+/// A part of the suite.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// The backend's kernels called directly.
+    Kernels,
+    /// `SuiteConfig::cases` drawn cases through the driver.
+    DriverCases,
+    /// The fixed regression cases.
+    Regressions,
+    /// Non-finite inputs, multi-slice/multi-chunk, recovery, memory.
+    Errors,
+    /// All of the above.
+    All,
+}
+
+impl Part {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Part::Kernels => "kernels",
+            Part::DriverCases => "driver_cases",
+            Part::Regressions => "regressions",
+            Part::Errors => "errors",
+            Part::All => "all",
+        }
+    }
+
+    fn includes(self, other: Part) -> bool {
+        self == Part::All || self == other
+    }
+}
+
+/// What a case measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Measured {
+    pub(crate) loss: Option<f64>,
+    pub(crate) dx: Option<f64>,
+    pub(crate) prob: Option<f64>,
+}
+
+/// Cases the whole suite runs for `cfg`.
+pub fn case_count(cfg: &SuiteConfig) -> usize {
+    part_case_count(Part::All, cfg)
+}
+
+/// Cases one part runs for `cfg`.
+pub fn part_case_count(part: Part, cfg: &SuiteConfig) -> usize {
+    let mut n = 0;
+    if part.includes(Part::Kernels) {
+        n += kernels::kernel_cases().len();
+    }
+    if part.includes(Part::DriverCases) {
+        n += cfg.cases;
+    }
+    if part.includes(Part::Regressions) {
+        n += cases::regression_names().len();
+    }
+    if part.includes(Part::Errors) {
+        n += cases::ERROR_CASES.len();
+    }
+    n
+}
+
+/// Runs the whole suite on `backend`; `progress` sees each case as it
+/// finishes.
+pub fn run_suite<B: Backend + ?Sized>(
+    backend: &B,
+    cfg: &SuiteConfig,
+    progress: &mut dyn FnMut(&CaseOutcome),
+) -> SuiteReport {
+    run_part(backend, Part::All, cfg, progress)
+}
+
+/// Runs one part of the suite on `backend`.
+pub fn run_part<B: Backend + ?Sized>(
+    backend: &B,
+    part: Part,
+    cfg: &SuiteConfig,
+    progress: &mut dyn FnMut(&CaseOutcome),
+) -> SuiteReport {
+    let info = backend.info();
+    let mut rec = Recorder {
+        report: SuiteReport {
+            backend: info.backend.to_string(),
+            device: info.device_name.clone(),
+            matrix_units: info.matrix_units,
+            cases: 0,
+            passed: 0,
+            failures: Vec::new(),
+            worst_loss_err: 0.0,
+            worst_dx_err: 0.0,
+            worst_prob_err: 0.0,
+        },
+        progress,
+    };
+    let tol = Tolerance::default();
+    if part.includes(Part::Kernels) {
+        for kc in kernels::kernel_cases() {
+            let outcome = run_one(backend, kc.name(), kc.describe(), 0, || kc.run(backend, &tol));
+            rec.push(outcome);
+        }
+    }
+    if part.includes(Part::DriverCases) {
+        for index in 0..cfg.cases {
+            let outcome = match driver_case(cfg.seed, index) {
+                Ok(case) => {
+                    let name = format!("driver#{index} {}", case.name);
+                    run_one(backend, name, case.describe(), cfg.seed, || {
+                        cases::check_case(backend, &case, &tol)
+                    })
+                }
+                Err(message) => CaseOutcome {
+                    name: format!("driver#{index}"),
+                    description: String::new(),
+                    seed: cfg.seed,
+                    passed: false,
+                    message,
+                    loss_err: None,
+                    dx_err: None,
+                    prob_err: None,
+                },
+            };
+            rec.push(outcome);
+        }
+    }
+    if part.includes(Part::Regressions) {
+        for name in cases::regression_names() {
+            let reg = cases::regression(name);
+            let description = reg.as_ref().map_or_else(|e| e.clone(), |r| r.case.describe());
+            let outcome = run_one(backend, format!("regression/{name}"), description, 0, || {
+                cases::check_regression(backend, &reg?, &tol)
+            });
+            rec.push(outcome);
+        }
+    }
+    if part.includes(Part::Errors) {
+        for &(name, what) in cases::ERROR_CASES {
+            let outcome = run_one(backend, format!("errors/{name}"), what.to_string(), 0, || {
+                cases::check_error_case(backend, name, &tol)
+            });
+            rec.push(outcome);
+        }
+    }
+    rec.report
+}
+
+struct Recorder<'a> {
+    report: SuiteReport,
+    progress: &'a mut dyn FnMut(&CaseOutcome),
+}
+
+impl Recorder<'_> {
+    fn push(&mut self, o: CaseOutcome) {
+        let r = &mut self.report;
+        r.cases += 1;
+        let worst = |w: &mut f64, e: Option<f64>| {
+            if let Some(e) = e.filter(|e| e.is_finite()) {
+                *w = w.max(e);
+            }
+        };
+        worst(&mut r.worst_loss_err, o.loss_err);
+        worst(&mut r.worst_dx_err, o.dx_err);
+        worst(&mut r.worst_prob_err, o.prob_err);
+        (self.progress)(&o);
+        if o.passed {
+            r.passed += 1;
+        } else {
+            r.failures.push(o);
+        }
+    }
+}
+
+/// Runs one case: catches a panic, drains diagnostics, and turns it all
+/// into an outcome.
+fn run_one<B: Backend + ?Sized>(
+    backend: &B,
+    name: String,
+    description: String,
+    seed: u64,
+    f: impl FnOnce() -> Result<Measured, String>,
+) -> CaseOutcome {
+    let result = match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(format!("panicked: {msg}"))
+        }
+    };
+    let diagnostics = backend.take_diagnostics();
+    let (mut passed, mut message, m) = match result {
+        Ok(m) => (true, String::new(), m),
+        Err(e) => (false, e, Measured::default()),
+    };
+    if !diagnostics.is_empty() {
+        passed = false;
+        if !message.is_empty() {
+            message.push_str("; ");
+        }
+        message.push_str(&format!(
+            "{} diagnostic(s): {}",
+            diagnostics.len(),
+            diagnostics.join(" | ")
+        ));
+    }
+    CaseOutcome {
+        name,
+        description,
+        seed,
+        passed,
+        message,
+        loss_err: m.loss,
+        dx_err: m.dx,
+        prob_err: m.prob,
+    }
+}
+
+/// The proptest seed bytes of drawn case `index` under `suite_seed`.
+fn case_seed_bytes(suite_seed: u64, index: usize) -> [u8; 32] {
+    let mut rng = Rng::new(suite_seed ^ (index as u64).wrapping_mul(0xA076_1D64_78BD_642F));
+    let mut bytes = [0u8; 32];
+    for chunk in bytes.chunks_exact_mut(8) {
+        chunk.copy_from_slice(&rng.next_u64().to_le_bytes());
+    }
+    bytes
+}
+
+/// Drawn case `index` of a suite seeded with `suite_seed` (even indices
+/// `head_kl`, odd `topk`): rebuilds a failing case alone for a replay.
+pub fn driver_case(suite_seed: u64, index: usize) -> Result<Case, String> {
+    use proptest::strategy::{Strategy, ValueTree};
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+    let kind = if index.is_multiple_of(2) {
+        CaseKind::HeadKl
+    } else {
+        CaseKind::Topk
+    };
+    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &case_seed_bytes(suite_seed, index));
+    let mut runner = TestRunner::new_with_rng(Config::default(), rng);
+    let tree = case_params(kind)
+        .new_tree(&mut runner)
+        .map_err(|e| format!("drawing case {index}: {e}"))?;
+    Ok(Case::from_params(&tree.current()))
+}
+
+/// The errors one case measured (each against its [`Tolerance`] bound).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CaseErrors {
+    /// Loss error (relative), for `head_kl`.
+    pub loss_err: Option<f64>,
+    /// dx error (relative L2), for `head_kl`.
+    pub dx_err: Option<f64>,
+    /// Worst probability error (relative), for `topk`.
+    pub prob_err: Option<f64>,
+}
+
+/// Runs `case` on `backend` through the driver and compares it with the
+/// direct f64 formula: `Ok` with the errors measured, or `Err` with what
+/// failed (a backend error, or a [`crate::Mismatch`] message).
+pub fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case) -> Result<CaseErrors, String> {
+    cases::check_case(backend, case, &Tolerance::default()).map(|m| CaseErrors {
+        loss_err: m.loss,
+        dx_err: m.dx,
+        prob_err: m.prob,
+    })
+}
+
+/// Opens a backend for a test: on failure prints `SKIP <name>: <error>`
+/// to stderr and returns `None`, unless `HEADKL_REQUIRE` (a comma list)
+/// names the backend, in which case it panics (the test fails).
+pub fn open_or_skip<B>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>) -> Option<B> {
+    match open() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            let required = std::env::var("HEADKL_REQUIRE")
+                .map(|v| v.split(',').any(|n| n.trim() == backend_name))
+                .unwrap_or(false);
+            if required {
+                panic!("{backend_name} is required (HEADKL_REQUIRE) but could not start: {e}");
+            }
+            eprintln!("SKIP {backend_name}: {e}");
+            None
+        }
+    }
+}
+
+/// The body of each test [`crate::conformance_tests!`] generates: opens the
+/// backend (or skips), runs `part` with [`SuiteConfig::default`], prints a
+/// summary, and panics listing every failure.
+pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>, part: Part) {
+    let Some(backend) = open_or_skip(backend_name, open) else {
+        return;
+    };
+    let cfg = SuiteConfig::default();
+    let report = run_part(&backend, part, &cfg, &mut |o| {
+        if !o.passed {
+            eprintln!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
+        }
+    });
+    eprintln!("conformance {}: {}", part.name(), report.summary());
+    if !report.failures.is_empty() {
+        let mut msg = format!(
+            "{} of {} conformance cases failed on {} ({}); replay with HEADKL_SEED={:#x} HEADKL_CASES={}",
+            report.failures.len(),
+            report.cases,
+            report.backend,
+            report.device,
+            cfg.seed,
+            cfg.cases
+        );
+        for f in &report.failures {
+            msg.push_str(&format!("\n- {}\n    {}\n    ", f.name, f.description));
+            if let Some(index) = f.name.strip_prefix("driver#").and_then(|s| s.split(' ').next()) {
+                msg.push_str(&format!(
+                    "seed {:#x} (rebuild: conformance::driver_case({:#x}, {index})): ",
+                    f.seed, f.seed
+                ));
+            }
+            msg.push_str(&f.message);
+        }
+        panic!("{msg}");
+    }
+    // A run that checked nothing would pass vacuously.
+    assert!(report.cases > 0 || cfg.cases == 0, "no conformance cases ran");
+}
+
+/// Instantiates the conformance suite as `#[test]` functions
+/// (`conformance_kernels`, `conformance_driver_cases`,
+/// `conformance_regressions`, `conformance_errors`).
+///
+/// `$open` is an expression giving `headkl_core::Result<B>` for a backend
+/// `B`; each test evaluates it once. A backend that cannot start prints
+/// `SKIP <name>: <why>`, or fails when `HEADKL_REQUIRE` names it. The
+/// `mod <ident>,` form wraps the tests in a module, for a second
+/// instantiation in one file.
+///
+/// ```ignore
+/// headkl_reference::conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
+/// headkl_reference::conformance_tests!(mod small_binding, "reference",
+///     Ok::<_, headkl_core::Error>(headkl_reference::CpuBackend::with_max_binding(256 << 10)));
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    (mod $module:ident, $name:literal, $open:expr $(,)?) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_tests!($name, $open);
+        }
+    };
+    ($name:literal, $open:expr $(,)?) => {
+        #[test]
+        fn conformance_kernels() {
+            $crate::conformance::run_test($name, || $open, $crate::conformance::Part::Kernels);
+        }
+        #[test]
+        fn conformance_driver_cases() {
+            $crate::conformance::run_test($name, || $open, $crate::conformance::Part::DriverCases);
+        }
+        #[test]
+        fn conformance_regressions() {
+            $crate::conformance::run_test($name, || $open, $crate::conformance::Part::Regressions);
+        }
+        #[test]
+        fn conformance_errors() {
+            $crate::conformance::run_test($name, || $open, $crate::conformance::Part::Errors);
+        }
+    };
+}
+
+/// Builds an engine for `case` (shared by the case runners).
+pub(crate) fn engine_for<'b, B: Backend + ?Sized>(backend: &'b B, case: &Case) -> Result<Engine<&'b B>, String> {
+    let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
+    Engine::new(backend, &head, case.slice_options()).map_err(|e| format!("Engine::new: {e}"))
+}

@@ -1,0 +1,561 @@
+//! Driver-level cases: a [`Case`] through [`Engine`] against
+//! [`crate::direct`]; the fixed regression list; the error cases.
+
+use headkl_core::{Backend, Engine, Error, HiddenData, LossOptions};
+
+use super::{engine_for, Measured};
+use crate::direct;
+use crate::strategies::{Case, CaseKind, CaseParams, TeacherShape};
+use crate::tolerance::Tolerance;
+
+/// Runs `case` through the driver and compares with the reference.
+pub(crate) fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case, tol: &Tolerance) -> Result<Measured, String> {
+    let mut engine = engine_for(backend, case)?;
+    compare(&mut engine, case, &case.loss_options(), tol)
+}
+
+/// How a case judges dx.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum DxCheck {
+    /// Relative to the reference ([`Tolerance::check_dx`]).
+    Relative,
+    /// The reference is zero up to rounding: the RMS of dx must stay below
+    /// this. (A relative error would judge the f32 noise of `exp`.)
+    NearZero(f64),
+}
+
+fn compare<B: Backend>(
+    engine: &mut Engine<B>,
+    case: &Case,
+    opts: &LossOptions,
+    tol: &Tolerance,
+) -> Result<Measured, String> {
+    compare_with(engine, case, opts, tol, DxCheck::Relative)
+}
+
+/// One call on an existing engine, compared with the reference. For
+/// `head_kl`, `opts` are the loss options (the case's, or overrides).
+fn compare_with<B: Backend>(
+    engine: &mut Engine<B>,
+    case: &Case,
+    opts: &LossOptions,
+    tol: &Tolerance,
+    dx_check: DxCheck,
+) -> Result<Measured, String> {
+    let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
+    let f16_rows = case.hidden_f16();
+    let hidden = case.hidden_rows(&f16_rows).map_err(|e| format!("case hidden: {e}"))?;
+    match case.kind {
+        CaseKind::HeadKl => {
+            let teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
+            let out = engine
+                .head_kl(&hidden, &teacher, opts)
+                .map_err(|e| format!("head_kl: {e}"))?;
+            let resolved = opts.resolve(case.ntok).map_err(|e| format!("case options: {e}"))?;
+            let want = direct::head_kl_f64(&head, &hidden, &teacher, &resolved);
+            let loss = tol.check_loss(&out.loss, out.mean, &want);
+            let dx = match dx_check {
+                DxCheck::Relative => tol
+                    .check_dx_rows(&out.dx, &want.dx, Some(case.hs))
+                    .map_err(|e| e.to_string()),
+                DxCheck::NearZero(bound) => {
+                    let rms = (out.dx.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / out.dx.len() as f64).sqrt();
+                    if rms <= bound {
+                        Ok(rms)
+                    } else {
+                        Err(format!(
+                            "dx: RMS {rms:.3e} exceeds {bound:.1e}; the reference gradient is 0"
+                        ))
+                    }
+                }
+            };
+            match (loss, dx) {
+                (Ok(l), Ok(d)) => Ok(Measured {
+                    loss: Some(l),
+                    dx: Some(d),
+                    ..Measured::default()
+                }),
+                (Err(e), Ok(_)) => Err(e.to_string()),
+                (Ok(_), Err(e)) => Err(e),
+                (Err(e1), Err(e2)) => Err(format!("{e1}\n    {e2}")),
+            }
+        }
+        CaseKind::Topk => {
+            let out = engine
+                .topk(&hidden, &case.topk_options())
+                .map_err(|e| format!("topk: {e}"))?;
+            if (out.ntok, out.k) != (case.ntok, case.k) {
+                return Err(format!(
+                    "topk returned ntok = {}, k = {}; want {}, {}",
+                    out.ntok, out.k, case.ntok, case.k
+                ));
+            }
+            let want = direct::topk_f64(&head, &hidden, case.k, case.temperature);
+            let prob = tol.check_topk(&out.ids, &out.probs, &want).map_err(|e| e.to_string())?;
+            Ok(Measured {
+                prob: Some(prob),
+                ..Measured::default()
+            })
+        }
+    }
+}
+
+/// A fixed case with what it must also show.
+pub(crate) struct Regression {
+    pub(crate) case: Case,
+    /// `LossOptions::total` override.
+    total: Option<f32>,
+    /// `LossOptions::gscale` override.
+    gscale: Option<f32>,
+    /// The head must be cut into at least this many slices.
+    min_slices: usize,
+    /// `head_kl` must run in at least this many chunks.
+    min_chunks: usize,
+    /// `topk` ids that must come back exactly (exact ties).
+    exact_ids: Option<Vec<u32>>,
+    /// How dx is judged.
+    dx_check: DxCheck,
+}
+
+fn params(kind: CaseKind, vocab: usize, hs: usize, ntok: usize, k: usize, seed: u64) -> CaseParams {
+    CaseParams {
+        kind,
+        profile: "regression",
+        vocab,
+        hs,
+        ntok,
+        k,
+        data_seed: seed,
+        teacher: TeacherShape::Random,
+        large: false,
+        ties: false,
+        residue: false,
+        masked: false,
+        temperature: 1.0,
+        hidden_as_f16: false,
+        max_rows_per_slice: None,
+        max_rows_per_chunk: None,
+    }
+}
+
+fn plain(case: Case) -> Regression {
+    Regression {
+        case,
+        total: None,
+        gscale: None,
+        min_slices: 1,
+        min_chunks: 1,
+        exact_ids: None,
+        dx_check: DxCheck::Relative,
+    }
+}
+
+fn from(p: CaseParams) -> Regression {
+    plain(Case::from_params(&p))
+}
+
+/// Names of the regression cases, in order.
+pub(crate) fn regression_names() -> &'static [&'static str] {
+    &[
+        "tiny_v1_hs1_head_kl",
+        "tiny_v1_hs1_topk",
+        "v17_hs17_ntok17_k17_head_kl",
+        "v17_hs17_ntok17_k17_topk",
+        "kl_zero_teacher_is_student",
+        "zero_hidden_exact_ties_topk",
+        "k2048_v2048_topk",
+        "k2048_v2100_head_kl",
+        "residue256_k14_topk",
+        "residue256_k14_head_kl",
+        "ties_at_boundary_topk",
+        "explicit_total_and_gscale",
+        "one_token_unmasked",
+        "large_logits_tau_quarter_head_kl",
+        "large_logits_tau_quarter_topk",
+        "hidden_f16_chunks_head_kl",
+        "single_token_eight_slices_head_kl",
+        "single_token_eight_slices_topk",
+        "aligned_v1024_hs128_ntok33",
+        "ntok48_chunk16",
+        "ntok49_chunk16_topk",
+        "hs1_v1500_head_kl",
+        "hs320_v1500_ntok40_head_kl",
+        "peaked_teacher_large_flat_tau_3_5",
+        "large_ties_hs248_topk",
+        "large_hs304_topk",
+    ]
+}
+
+/// Builds the regression case `name`.
+pub(crate) fn regression(name: &str) -> Result<Regression, String> {
+    use CaseKind::{HeadKl, Topk};
+    let r = match name {
+        "tiny_v1_hs1_head_kl" => from(params(HeadKl, 1, 1, 1, 1, 1)),
+        "tiny_v1_hs1_topk" => from(params(Topk, 1, 1, 1, 1, 2)),
+        "v17_hs17_ntok17_k17_head_kl" => from(params(HeadKl, 17, 17, 17, 17, 3)),
+        "v17_hs17_ntok17_k17_topk" => from(params(Topk, 17, 17, 17, 17, 4)),
+        "kl_zero_teacher_is_student" => {
+            // k = V and the teacher is the student's own softmax: KL = 0, dx ≈ 0.
+            let mut case = Case::from_params(&params(HeadKl, 50, 20, 5, 50, 5));
+            let head = case.head_weights().map_err(|e| e.to_string())?;
+            let hidden = case.hidden_rows(&[]).map_err(|e| e.to_string())?;
+            let s = direct::logits_f64(&head, &hidden, 1.0);
+            case.teacher_ids = (0..case.ntok).flat_map(|_| 0..50u32).collect();
+            case.teacher_probs = (0..case.ntok)
+                .flat_map(|t| direct::softmax_over(&s[t * 50..(t + 1) * 50], &(0..50u32).collect::<Vec<_>>()))
+                .map(|p| p as f32)
+                .collect();
+            case.name = "head_kl/regression[teacher=student]".into();
+            Regression {
+                dx_check: DxCheck::NearZero(1e-6),
+                ..plain(case)
+            }
+        }
+        "zero_hidden_exact_ties_topk" => {
+            // x = 0: every logit is exactly 0 on every device, so the ids are 0..k.
+            let mut case = Case::from_params(&params(Topk, 300, 24, 3, 40, 6));
+            case.hidden.iter_mut().for_each(|v| *v = 0.0);
+            case.name = "topk/regression[all logits 0]".into();
+            let mut r = plain(case);
+            r.exact_ids = Some((0..3).flat_map(|_| 0..40u32).collect());
+            r
+        }
+        "k2048_v2048_topk" => from(params(Topk, 2048, 8, 2, 2048, 7)),
+        "k2048_v2100_head_kl" => from(params(HeadKl, 2100, 8, 2, 2048, 8)),
+        "residue256_k14_topk" => from(CaseParams {
+            residue: true,
+            ties: true,
+            ..params(Topk, 3841, 24, 9, 14, 9)
+        }),
+        "residue256_k14_head_kl" => from(CaseParams {
+            residue: true,
+            ..params(HeadKl, 3841, 24, 9, 14, 10)
+        }),
+        "ties_at_boundary_topk" => from(CaseParams {
+            ties: true,
+            ..params(Topk, 500, 16, 8, 10, 11)
+        }),
+        "explicit_total_and_gscale" => {
+            let case = Case::from_params(&CaseParams {
+                masked: true,
+                ..params(HeadKl, 200, 40, 20, 6, 12)
+            });
+            let sum: f32 = case.weights.as_deref().unwrap_or(&[]).iter().sum();
+            Regression {
+                total: Some(3.0 * sum.max(1.0)),
+                gscale: Some(64.0),
+                ..plain(case)
+            }
+        }
+        "one_token_unmasked" => {
+            let mut case = Case::from_params(&params(HeadKl, 130, 33, 20, 5, 13));
+            let mut w = vec![0f32; 20];
+            w[13] = 0.75;
+            case.weights = Some(w);
+            plain(case)
+        }
+        "large_logits_tau_quarter_head_kl" => from(CaseParams {
+            large: true,
+            temperature: 0.25,
+            ..params(HeadKl, 700, 96, 12, 16, 14)
+        }),
+        "large_logits_tau_quarter_topk" => from(CaseParams {
+            large: true,
+            temperature: 0.25,
+            ..params(Topk, 700, 96, 12, 16, 15)
+        }),
+        "hidden_f16_chunks_head_kl" => {
+            let mut r = from(CaseParams {
+                hidden_as_f16: true,
+                max_rows_per_chunk: Some(16),
+                ..params(HeadKl, 333, 50, 50, 7, 16)
+            });
+            r.min_chunks = 4;
+            r
+        }
+        "single_token_eight_slices_head_kl" => {
+            let mut r = from(CaseParams {
+                max_rows_per_slice: Some(128),
+                ..params(HeadKl, 1000, 40, 1, 12, 17)
+            });
+            r.min_slices = 8;
+            r
+        }
+        "single_token_eight_slices_topk" => {
+            let mut r = from(CaseParams {
+                max_rows_per_slice: Some(128),
+                ..params(Topk, 1000, 40, 1, 12, 18)
+            });
+            r.min_slices = 8;
+            r
+        }
+        "aligned_v1024_hs128_ntok33" => from(params(HeadKl, 1024, 128, 33, 32, 19)),
+        "ntok48_chunk16" => {
+            let mut r = from(CaseParams {
+                max_rows_per_chunk: Some(16),
+                ..params(HeadKl, 250, 30, 48, 4, 20)
+            });
+            r.min_chunks = 3;
+            r
+        }
+        "ntok49_chunk16_topk" => from(CaseParams {
+            max_rows_per_chunk: Some(16),
+            ..params(Topk, 250, 30, 49, 4, 21)
+        }),
+        "hs1_v1500_head_kl" => from(params(HeadKl, 1500, 1, 64, 20, 22)),
+        "hs320_v1500_ntok40_head_kl" => from(CaseParams {
+            masked: true,
+            ..params(HeadKl, 1500, 320, 40, 64, 23)
+        }),
+        "peaked_teacher_large_flat_tau_3_5" => from(CaseParams {
+            teacher: TeacherShape::Peaked,
+            large: true,
+            temperature: 3.5,
+            ..params(HeadKl, 999, 77, 30, 33, 24)
+        }),
+        // Found by the f32-emulation run: large logits with big hs, where an
+        // in-order f32 sum's error nears the 1e-4 bound on probabilities
+        // (about 6e-5 in emulation).
+        "large_ties_hs248_topk" => from(CaseParams {
+            large: true,
+            ties: true,
+            hidden_as_f16: true,
+            ..params(Topk, 1408, 248, 57, 38, 25)
+        }),
+        "large_hs304_topk" => from(CaseParams {
+            large: true,
+            ..params(Topk, 1026, 304, 64, 26, 26)
+        }),
+        other => return Err(format!("no regression case named {other}")),
+    };
+    Ok(r)
+}
+
+/// Runs a regression case.
+pub(crate) fn check_regression<B: Backend + ?Sized>(
+    backend: &B,
+    r: &Regression,
+    tol: &Tolerance,
+) -> Result<Measured, String> {
+    let case = &r.case;
+    let mut engine = engine_for(backend, case)?;
+    if engine.slices().len() < r.min_slices {
+        return Err(format!(
+            "the head was cut into {} slice(s); this case needs at least {}",
+            engine.slices().len(),
+            r.min_slices
+        ));
+    }
+    let opts = LossOptions {
+        total: r.total,
+        gscale: r.gscale,
+        ..case.loss_options()
+    };
+    if case.kind == CaseKind::HeadKl && r.min_chunks > 1 {
+        let f32_input = !case.hidden_as_f16;
+        let plan = engine
+            .loss_plan(case.ntok, case.k, f32_input, &opts)
+            .map_err(|e| format!("loss_plan: {e}"))?;
+        if plan.chunks < r.min_chunks {
+            return Err(format!(
+                "{} chunk(s); this case needs at least {}",
+                plan.chunks, r.min_chunks
+            ));
+        }
+    }
+    let measured = compare_with(&mut engine, case, &opts, tol, r.dx_check)?;
+    if let Some(want) = &r.exact_ids {
+        let f16_rows = case.hidden_f16();
+        let hidden = case.hidden_rows(&f16_rows).map_err(|e| e.to_string())?;
+        let out = engine
+            .topk(&hidden, &case.topk_options())
+            .map_err(|e| format!("topk: {e}"))?;
+        if let Some(i) = (0..want.len()).find(|&i| out.ids[i] != want[i]) {
+            return Err(format!(
+                "exact ties must go to the lowest id: ids[{}][{}] = {}, want {}",
+                i / case.k,
+                i % case.k,
+                out.ids[i],
+                want[i]
+            ));
+        }
+    }
+    Ok(measured)
+}
+
+/// The error cases: `(name, what it checks)`.
+pub(crate) const ERROR_CASES: &[(&str, &str)] = &[
+    (
+        "nan_row_head_kl",
+        "NaN in hidden row 21 of 40, chunks of 16: head_kl fails naming token 21",
+    ),
+    (
+        "inf_then_nan_topk",
+        "+inf in row 3 and NaN in row 30 of 40, chunks of 16: topk names token 3",
+    ),
+    (
+        "past_f16_range_head_kl",
+        "1e5 in f32 row 33 (inf once converted): head_kl and topk name token 33",
+    ),
+    (
+        "f16_rows_nan",
+        "f16 rows with NaN in row 5 of 20: head_kl and topk name token 5",
+    ),
+    (
+        "recovers_after_error",
+        "a clean call on the engine that just returned NonFiniteHidden matches the reference",
+    ),
+    (
+        "multi_slice_multi_chunk",
+        "V=1100 hs=72 ntok=70 in >= 3 slices and >= 4 chunks: head_kl and topk match the reference",
+    ),
+    (
+        "memory_released",
+        "dropping an engine returns the backend's memory to what it was before",
+    ),
+];
+
+/// The base case of the error checks: V = 300, hs = 40, 40 tokens in
+/// chunks of 16.
+fn error_base(kind: CaseKind, ntok: usize) -> Case {
+    Case::from_params(&CaseParams {
+        max_rows_per_chunk: Some(16),
+        ..params(kind, 300, 40, ntok, 4, 0xE44)
+    })
+}
+
+fn expect_non_finite<T>(what: &str, got: headkl_core::Result<T>, token: usize) -> Result<(), String> {
+    match got {
+        Err(Error::NonFiniteHidden { token: t }) if t == token => Ok(()),
+        Err(e) => Err(format!(
+            "{what}: got error \"{e}\", want NonFiniteHidden {{ token: {token} }}"
+        )),
+        Ok(_) => Err(format!("{what}: succeeded, want NonFiniteHidden {{ token: {token} }}")),
+    }
+}
+
+/// Runs both jobs on `case` (as given) and expects `NonFiniteHidden { token }`.
+fn both_fail<B: Backend + ?Sized>(backend: &B, case: &Case, token: usize) -> Result<(), String> {
+    let mut engine = engine_for(backend, case)?;
+    let f16_rows = case.hidden_f16();
+    let hidden = case.hidden_rows(&f16_rows).map_err(|e| e.to_string())?;
+    let kl = error_base(CaseKind::HeadKl, case.ntok);
+    let teacher = kl.teacher().map_err(|e| e.to_string())?;
+    expect_non_finite("head_kl", engine.head_kl(&hidden, &teacher, &kl.loss_options()), token)?;
+    let top = error_base(CaseKind::Topk, case.ntok);
+    expect_non_finite("topk", engine.topk(&hidden, &top.topk_options()), token)
+}
+
+/// Runs error case `name`.
+pub(crate) fn check_error_case<B: Backend + ?Sized>(
+    backend: &B,
+    name: &str,
+    tol: &Tolerance,
+) -> Result<Measured, String> {
+    match name {
+        "nan_row_head_kl" => {
+            let mut case = error_base(CaseKind::HeadKl, 40);
+            case.hidden[21 * case.hs + 7] = f32::NAN;
+            let mut engine = engine_for(backend, &case)?;
+            let hidden = case.hidden_rows(&[]).map_err(|e| e.to_string())?;
+            let teacher = case.teacher().map_err(|e| e.to_string())?;
+            expect_non_finite("head_kl", engine.head_kl(&hidden, &teacher, &case.loss_options()), 21)?;
+            Ok(Measured::default())
+        }
+        "inf_then_nan_topk" => {
+            let mut case = error_base(CaseKind::Topk, 40);
+            case.hidden[3 * case.hs] = f32::INFINITY;
+            case.hidden[30 * case.hs + 39] = f32::NAN;
+            let mut engine = engine_for(backend, &case)?;
+            let hidden = case.hidden_rows(&[]).map_err(|e| e.to_string())?;
+            expect_non_finite("topk", engine.topk(&hidden, &case.topk_options()), 3)?;
+            Ok(Measured::default())
+        }
+        "past_f16_range_head_kl" => {
+            let mut case = error_base(CaseKind::HeadKl, 40);
+            case.hidden[33 * case.hs + 11] = 1e5;
+            both_fail(backend, &case, 33)?;
+            Ok(Measured::default())
+        }
+        "f16_rows_nan" => {
+            let mut case = error_base(CaseKind::HeadKl, 20);
+            case.hidden_as_f16 = true;
+            case.hidden[5 * case.hs + 2] = f32::NAN;
+            let f16_rows = case.hidden_f16();
+            let hidden = case.hidden_rows(&f16_rows).map_err(|e| e.to_string())?;
+            if !matches!(hidden.data(), HiddenData::F16(_)) {
+                return Err("the case must pass f16 rows".into());
+            }
+            both_fail(backend, &case, 5)?;
+            Ok(Measured::default())
+        }
+        "recovers_after_error" => {
+            let clean = error_base(CaseKind::HeadKl, 40);
+            let mut poisoned = clean.clone();
+            poisoned.hidden[17 * clean.hs] = f32::NAN;
+            let mut engine = engine_for(backend, &clean)?;
+            let hidden = poisoned.hidden_rows(&[]).map_err(|e| e.to_string())?;
+            let teacher = clean.teacher().map_err(|e| e.to_string())?;
+            expect_non_finite("head_kl", engine.head_kl(&hidden, &teacher, &clean.loss_options()), 17)?;
+            expect_non_finite("topk", engine.topk(&hidden, &clean.topk_options()), 17)?;
+            let kl = compare(&mut engine, &clean, &clean.loss_options(), tol)
+                .map_err(|e| format!("after the error: {e}"))?;
+            let topk_case = Case {
+                kind: CaseKind::Topk,
+                ..clean.clone()
+            };
+            let top = compare(&mut engine, &topk_case, &clean.loss_options(), tol)
+                .map_err(|e| format!("after the error: {e}"))?;
+            Ok(Measured { prob: top.prob, ..kl })
+        }
+        "multi_slice_multi_chunk" => {
+            let mut measured = Measured::default();
+            for kind in [CaseKind::HeadKl, CaseKind::Topk] {
+                let case = Case::from_params(&CaseParams {
+                    max_rows_per_slice: Some(256),
+                    max_rows_per_chunk: Some(16),
+                    masked: true,
+                    temperature: 1.5,
+                    ..params(kind, 1100, 72, 70, 24, 0x51C)
+                });
+                let mut engine = engine_for(backend, &case)?;
+                if engine.slices().len() < 3 {
+                    return Err(format!("{} slice(s), want >= 3", engine.slices().len()));
+                }
+                let plan = engine
+                    .loss_plan(case.ntok, case.k, true, &case.loss_options())
+                    .map_err(|e| e.to_string())?;
+                if plan.chunks < 4 {
+                    return Err(format!("{} chunk(s), want >= 4", plan.chunks));
+                }
+                let m = compare(&mut engine, &case, &case.loss_options(), tol)?;
+                measured.loss = measured.loss.or(m.loss);
+                measured.dx = measured.dx.or(m.dx);
+                measured.prob = measured.prob.or(m.prob);
+            }
+            Ok(measured)
+        }
+        "memory_released" => {
+            let before = backend.memory().current;
+            {
+                let case = error_base(CaseKind::HeadKl, 40);
+                let mut engine = engine_for(backend, &case)?;
+                compare(&mut engine, &case, &case.loss_options(), tol)?;
+                if backend.memory().current <= before {
+                    return Err(format!(
+                        "memory().current = {} with an engine alive, not above {before}",
+                        backend.memory().current
+                    ));
+                }
+            }
+            let after = backend.memory().current;
+            if after != before {
+                return Err(format!(
+                    "memory().current = {after} after the engine was dropped, was {before}"
+                ));
+            }
+            Ok(Measured::default())
+        }
+        other => Err(format!("no error case named {other}")),
+    }
+}

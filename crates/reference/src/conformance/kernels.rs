@@ -1,0 +1,747 @@
+//! Kernel-level cases: each primitive of [`Backend`] on crafted inputs, with
+//! every output buffer poisoned (NaN, or all-ones ids) first so an element
+//! a kernel forgets to write, or writes outside its region, is caught.
+//!
+//! Offsets and strides are multiples of 16 elements, as the driver's are.
+
+use half::f16;
+use headkl_core::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+
+use super::Measured;
+use crate::direct::{softmax_over, topk_of_row, DirectLoss, DirectTopK};
+use crate::strategies::{residue_ids, Rng};
+use crate::tolerance::Tolerance;
+
+/// Extra elements after every region, poisoned, to catch overruns.
+const TAIL: usize = 16;
+
+/// A GEMM on exact small integers.
+#[derive(Clone, Debug)]
+pub(crate) struct GemmSpec {
+    m: usize,
+    n: usize,
+    k: usize,
+    layout: HeadLayout,
+    a_offset: usize,
+    lda: usize,
+    ldb: usize,
+    c_offset: usize,
+    ldc: usize,
+    alpha: f32,
+    accumulate: bool,
+    /// Size the buffers to the regions exactly (no poisoned tail), so the
+    /// largest shape fits a small binding.
+    tight: bool,
+}
+
+/// An f32 → f16 conversion.
+#[derive(Clone, Debug)]
+pub(crate) struct ConvertSpec {
+    rows: usize,
+    cols: usize,
+    rows_padded: usize,
+    ld: usize,
+}
+
+/// How a crafted logits row looks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Row {
+    /// N(0, 3²).
+    Normal,
+    /// All equal.
+    Flat,
+    /// Uniform in ±60.
+    Large,
+    /// Values from {0, 1, 2, 3}: exact ties everywhere.
+    Ties,
+    /// The top logits all at ids `≡ r (mod 256)`, two of them tied.
+    Residue,
+    /// Logit `−0.01·j`: the top is the lowest ids.
+    Descending,
+    /// Logit `0.01·j`: the top is the highest ids.
+    Ascending,
+    /// Around −50.
+    NegLarge,
+    /// Normal, coefficient 0 (a masked token).
+    Masked,
+    /// Normal, half the teacher's probabilities exactly 0.
+    ZeroProbs,
+    /// All NaN: what a NaN in a hidden row makes of its logits.
+    Nan,
+    /// One +inf among finite values.
+    PosInf,
+    /// ±inf alternating: what an infinite hidden value makes of its logits.
+    Infs,
+}
+
+impl Row {
+    fn bad(self) -> bool {
+        matches!(self, Row::Nan | Row::PosInf | Row::Infs)
+    }
+}
+
+/// A row kernel case (`kl_rows` or `topk_rows`).
+#[derive(Clone, Debug)]
+pub(crate) struct RowSpec {
+    name: &'static str,
+    rows: usize,
+    /// Rows past `rows` in every buffer, which must stay untouched.
+    extra_rows: usize,
+    vocab: usize,
+    ld: usize,
+    k: usize,
+    patterns: Vec<Row>,
+    seed: u64,
+}
+
+/// One kernel-level case.
+#[derive(Clone, Debug)]
+pub(crate) enum KernelCase {
+    Gemm(GemmSpec),
+    Convert(ConvertSpec),
+    Kl(RowSpec),
+    Topk(RowSpec),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    layout: HeadLayout,
+    a_offset: usize,
+    lda: usize,
+    ldb: usize,
+    c_offset: usize,
+    ldc: usize,
+    alpha: f32,
+    accumulate: bool,
+) -> KernelCase {
+    KernelCase::Gemm(GemmSpec {
+        m,
+        n,
+        k,
+        layout,
+        a_offset,
+        lda,
+        ldb,
+        c_offset,
+        ldc,
+        alpha,
+        accumulate,
+        tight: false,
+    })
+}
+
+fn rows(name: &'static str, rows: usize, vocab: usize, ld: usize, k: usize, patterns: &[Row]) -> RowSpec {
+    RowSpec {
+        name,
+        rows,
+        extra_rows: 3,
+        vocab,
+        ld,
+        k,
+        patterns: patterns.to_vec(),
+        seed: 0x5EED ^ (vocab as u64) << 16 ^ k as u64,
+    }
+}
+
+/// The kernel-level cases, in order.
+pub(crate) fn kernel_cases() -> Vec<KernelCase> {
+    use HeadLayout::{RowsAreOutputs as Out, RowsAreReduction as Red};
+    use Row::*;
+    let mut v = vec![
+        gemm(16, 16, 16, Out, 0, 16, 16, 0, 16, 1.0, false),
+        gemm(16, 16, 16, Red, 0, 16, 16, 0, 16, 2.0, true),
+        gemm(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false),
+        gemm(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true),
+        gemm(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true),
+        gemm(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false),
+        gemm(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, true),
+        gemm(80, 48, 16, Red, 0, 32, 64, 16, 64, 1.0, false),
+    ];
+    for (layout, acc, alpha) in [(Out, false, 1.0), (Red, true, -0.5)] {
+        // The largest shape, with buffers exactly the size of their regions
+        // (C is 256 KiB) so it fits `strategies::MIN_BINDING_BYTES`.
+        v.push(KernelCase::Gemm(GemmSpec {
+            m: 256,
+            n: 256,
+            k: 256,
+            layout,
+            a_offset: 0,
+            lda: 256,
+            ldb: 256,
+            c_offset: 0,
+            ldc: 256,
+            alpha,
+            accumulate: acc,
+            tight: true,
+        }));
+    }
+    v.extend([
+        KernelCase::Convert(ConvertSpec {
+            rows: 5,
+            cols: 13,
+            rows_padded: 16,
+            ld: 32,
+        }),
+        KernelCase::Convert(ConvertSpec {
+            rows: 16,
+            cols: 48,
+            rows_padded: 16,
+            ld: 48,
+        }),
+        KernelCase::Convert(ConvertSpec {
+            rows: 33,
+            cols: 100,
+            rows_padded: 48,
+            ld: 112,
+        }),
+    ]);
+    v.extend([
+        KernelCase::Kl(rows(
+            "general",
+            7,
+            300,
+            304,
+            8,
+            &[Normal, Flat, Large, Ties, Descending, Masked, ZeroProbs],
+        )),
+        KernelCase::Kl(rows("k1", 3, 77, 80, 1, &[Normal, Large, Flat])),
+        KernelCase::Kl(rows("k_eq_v", 2, 40, 48, 40, &[Normal, ZeroProbs])),
+        KernelCase::Kl(rows("residue256", 3, 2100, 2112, 8, &[Residue, Residue, Large])),
+        KernelCase::Kl(rows("k2048", 2, 2100, 2112, 2048, &[Normal, Ties])),
+        KernelCase::Kl(rows(
+            "non_finite",
+            5,
+            100,
+            112,
+            4,
+            &[Normal, Nan, PosInf, NegLarge, Infs],
+        )),
+        KernelCase::Topk(rows(
+            "general",
+            8,
+            1000,
+            1008,
+            64,
+            &[Normal, Flat, Large, Ties, Descending, Ascending, NegLarge, Normal],
+        )),
+        KernelCase::Topk(rows("k1", 4, 77, 80, 1, &[Normal, Flat, Ties, Ascending])),
+        KernelCase::Topk(rows("k_eq_v", 2, 40, 48, 40, &[Ties, Normal])),
+        KernelCase::Topk(rows("k256_wide_stride", 2, 700, 768, 256, &[Ties, Large])),
+        KernelCase::Topk(rows("k2048", 3, 2500, 2512, 2048, &[Normal, Ties, Flat])),
+        KernelCase::Topk(rows(
+            "residue256",
+            4,
+            4000,
+            4000,
+            14,
+            &[Residue, Residue, Residue, Ties],
+        )),
+        KernelCase::Topk(rows("non_finite", 5, 100, 112, 5, &[Normal, Nan, PosInf, Ties, Infs])),
+    ]);
+    v
+}
+
+impl KernelCase {
+    pub(crate) fn name(&self) -> String {
+        match self {
+            KernelCase::Gemm(g) => format!(
+                "kernels/gemm_{}_{}x{}x{}{}",
+                match g.layout {
+                    HeadLayout::RowsAreOutputs => "abt",
+                    HeadLayout::RowsAreReduction => "ab",
+                },
+                g.m,
+                g.n,
+                g.k,
+                if g.accumulate { "_acc" } else { "" }
+            ),
+            KernelCase::Convert(c) => format!("kernels/convert_{}x{}_to_{}x{}", c.rows, c.cols, c.rows_padded, c.ld),
+            KernelCase::Kl(r) => format!("kernels/kl_rows_{}", r.name),
+            KernelCase::Topk(r) => format!("kernels/topk_rows_{}", r.name),
+        }
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            KernelCase::Gemm(g) => format!("{g:?}"),
+            KernelCase::Convert(c) => format!("{c:?}"),
+            KernelCase::Kl(r) | KernelCase::Topk(r) => format!(
+                "rows={} vocab={} ld={} k={} rows: {:?}",
+                r.rows, r.vocab, r.ld, r.k, r.patterns
+            ),
+        }
+    }
+
+    pub(crate) fn run<B: Backend + ?Sized>(&self, b: &B, tol: &Tolerance) -> Result<Measured, String> {
+        match self {
+            KernelCase::Gemm(g) => run_gemm(b, g),
+            KernelCase::Convert(c) => run_convert(b, c),
+            KernelCase::Kl(r) => run_kl(b, r, tol),
+            KernelCase::Topk(r) => run_topk(b, r, tol),
+        }
+    }
+}
+
+fn upload<B: Backend + ?Sized>(b: &B, bytes: &[u8], label: &'static str) -> Result<B::Buffer, String> {
+    let buf = b
+        .alloc(bytes.len() as u64, label)
+        .map_err(|e| format!("alloc {label}: {e}"))?;
+    b.upload(&buf, 0, bytes).map_err(|e| format!("upload {label}: {e}"))?;
+    Ok(buf)
+}
+
+fn download<B: Backend + ?Sized, T: bytemuck::Pod + Default>(
+    b: &B,
+    buf: &B::Buffer,
+    n: usize,
+    label: &str,
+) -> Result<Vec<T>, String> {
+    let mut out = vec![T::default(); n];
+    b.download(buf, 0, bytemuck::cast_slice_mut(&mut out))
+        .map_err(|e| format!("download {label}: {e}"))?;
+    Ok(out)
+}
+
+/// Up to five `(index, got, want)` lines and the count, for a message.
+struct Bad {
+    count: usize,
+    lines: Vec<String>,
+}
+
+impl Bad {
+    fn new() -> Self {
+        Self {
+            count: 0,
+            lines: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, line: impl FnOnce() -> String) {
+        self.count += 1;
+        if self.lines.len() < 5 {
+            self.lines.push(line());
+        }
+    }
+
+    fn check(self, what: &str) -> Result<(), String> {
+        if self.count == 0 {
+            return Ok(());
+        }
+        Err(format!(
+            "{what}: {} wrong element(s); first: {}",
+            self.count,
+            self.lines.join("; ")
+        ))
+    }
+}
+
+fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String> {
+    let mut rng = Rng::new(0x6E44 ^ (g.m * 7 + g.n * 131 + g.k) as u64);
+    let tail = if g.tight { 0 } else { TAIL };
+    let small = |rng: &mut Rng, range: usize| rng.below(2 * range + 1) as f64 - range as f64;
+    // A: [m][k] at a_offset, stride lda; NaN elsewhere (read outside = NaN in C).
+    let len_a = g.a_offset + (g.m - 1) * g.lda + g.k + tail;
+    let mut a = vec![f16::NAN; len_a];
+    let mut a_val = vec![0f64; g.m * g.k];
+    for i in 0..g.m {
+        for l in 0..g.k {
+            let v = small(&mut rng, 3);
+            a[g.a_offset + i * g.lda + l] = f16::from_f64(v);
+            a_val[i * g.k + l] = v;
+        }
+    }
+    // B: [n][k] or [k][n] from element 0, stride ldb.
+    let (b_rows, b_cols) = match g.layout {
+        HeadLayout::RowsAreOutputs => (g.n, g.k),
+        HeadLayout::RowsAreReduction => (g.k, g.n),
+    };
+    let len_b = (b_rows - 1) * g.ldb + b_cols + tail;
+    let mut bm = vec![f16::NAN; len_b];
+    let mut b_val = vec![0f64; b_rows * b_cols];
+    for r in 0..b_rows {
+        for c in 0..b_cols {
+            let v = small(&mut rng, 3);
+            bm[r * g.ldb + c] = f16::from_f64(v);
+            b_val[r * b_cols + c] = v;
+        }
+    }
+    // C: NaN everywhere; the region holds small integers when accumulating.
+    let len_c = g.c_offset + (g.m - 1) * g.ldc + g.n + tail;
+    let mut c = vec![f32::NAN; len_c];
+    let mut want = vec![0f64; g.m * g.n];
+    for i in 0..g.m {
+        for j in 0..g.n {
+            let mut s = 0f64;
+            for l in 0..g.k {
+                let bv = match g.layout {
+                    HeadLayout::RowsAreOutputs => b_val[j * g.k + l],
+                    HeadLayout::RowsAreReduction => b_val[l * g.n + j],
+                };
+                s += a_val[i * g.k + l] * bv;
+            }
+            let mut w = f64::from(g.alpha) * s;
+            if g.accumulate {
+                let init = small(&mut rng, 8);
+                c[g.c_offset + i * g.ldc + j] = init as f32;
+                w += init;
+            }
+            want[i * g.n + j] = w;
+        }
+    }
+    let a_buf = upload(b, bytemuck::cast_slice(&a), "gemm A")?;
+    let b_buf = upload(b, bytemuck::cast_slice(&bm), "gemm B")?;
+    let c_buf = upload(b, bytemuck::cast_slice(&c), "gemm C")?;
+    let desc = GemmDesc {
+        m: g.m,
+        n: g.n,
+        k: g.k,
+        a_offset: g.a_offset,
+        lda: g.lda,
+        b_layout: g.layout,
+        ldb: g.ldb,
+        c_offset: g.c_offset,
+        ldc: g.ldc,
+        alpha: g.alpha,
+        accumulate: g.accumulate,
+    };
+    b.gemm(&a_buf, &b_buf, &c_buf, &desc, "gemm_logits")
+        .map_err(|e| format!("gemm: {e}"))?;
+    let got: Vec<f32> = download(b, &c_buf, len_c, "C")?;
+    let mut inside = Bad::new();
+    let mut outside = Bad::new();
+    for (idx, &v) in got.iter().enumerate() {
+        let rel = idx.checked_sub(g.c_offset);
+        let (i, j) = rel.map_or((usize::MAX, usize::MAX), |r| (r / g.ldc, r % g.ldc));
+        if rel.is_some() && i < g.m && j < g.n {
+            let w = want[i * g.n + j];
+            // Small integers times a power of two: exact in f32.
+            if f64::from(v) != w {
+                inside.push(|| format!("C[{i}][{j}] = {v}, want {w}"));
+            }
+        } else if !v.is_nan() {
+            outside.push(|| format!("element {idx} (outside C's region) = {v}, want it untouched (NaN)"));
+        }
+    }
+    inside.check("gemm result (exact integers expected; NaN means a read outside A or B)")?;
+    outside.check("gemm wrote outside its region")?;
+    Ok(Measured::default())
+}
+
+/// Spacing of f16 values around `v` (a normal f16 magnitude).
+fn f16_ulp(v: f32) -> f32 {
+    let e = v.abs().log2().floor();
+    2f32.powf(e - 10.0)
+}
+
+fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertSpec) -> Result<Measured, String> {
+    let src: Vec<f32> = (0..c.rows * c.cols)
+        .map(|i| match i % 9 {
+            0 => (i % 17) as f32 - 8.0,
+            1 => 0.1 * i as f32,
+            2 => -1.0 / 3.0 * (i % 5 + 1) as f32,
+            3 => 65504.0,
+            4 => -1e5,
+            5 => 1e5,
+            6 => 2.5e-3 * (i % 7 + 1) as f32,
+            7 => -70000.0,
+            _ => 1000.0 + 0.3 * i as f32,
+        })
+        .collect();
+    let dst_len = c.rows_padded * c.ld + TAIL;
+    let src_buf = upload(b, bytemuck::cast_slice(&src), "convert src")?;
+    let dst_buf = upload(b, bytemuck::cast_slice(&vec![f16::NAN; dst_len]), "convert dst")?;
+    let desc = ConvertDesc {
+        rows: c.rows,
+        cols: c.cols,
+        rows_padded: c.rows_padded,
+        ld: c.ld,
+    };
+    b.convert_f16(&src_buf, &dst_buf, &desc)
+        .map_err(|e| format!("convert_f16: {e}"))?;
+    let got: Vec<f16> = download(b, &dst_buf, dst_len, "dst")?;
+    let mut bad = Bad::new();
+    for (idx, g) in got.iter().enumerate() {
+        let (r, col) = (idx / c.ld, idx % c.ld);
+        let gv = g.to_f32();
+        if r < c.rows && col < c.cols {
+            let v = src[r * c.cols + col];
+            let ok = if v.abs() >= 65520.0 {
+                gv == f32::INFINITY.copysign(v)
+            } else if f16::from_f32(v).to_f32() == v {
+                gv == v
+            } else {
+                // Either neighbour: WGSL leaves the rounding direction open.
+                (gv - v).abs() < f16_ulp(v)
+            };
+            if !ok {
+                bad.push(|| format!("dst[{r}][{col}] = {gv} from {v}"));
+            }
+        } else if idx < c.rows_padded * c.ld {
+            if gv != 0.0 {
+                bad.push(|| format!("dst[{r}][{col}] = {gv} in the pad, want 0"));
+            }
+        } else if !g.is_nan() {
+            bad.push(|| format!("element {idx} past rows_padded·ld = {gv}, want it untouched (NaN)"));
+        }
+    }
+    bad.check("convert_f16")?;
+    Ok(Measured::default())
+}
+
+/// Crafted logits `[rows + extra][ld]` (pad columns NaN: they must be
+/// ignored) and their f64 copies per real row.
+fn crafted_logits(r: &RowSpec, rng: &mut Rng) -> (Vec<f32>, Vec<Vec<f64>>) {
+    let total_rows = r.rows + r.extra_rows;
+    let mut logits = vec![f32::NAN; total_rows * r.ld];
+    let mut rows64 = Vec::with_capacity(r.rows);
+    for t in 0..r.rows {
+        let pattern = r.patterns[t % r.patterns.len()];
+        let row = &mut logits[t * r.ld..t * r.ld + r.vocab];
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = match pattern {
+                Row::Flat => 0.75,
+                Row::Large => (120.0 * rng.uniform() - 60.0) as f32,
+                Row::Ties => rng.below(4) as f32,
+                Row::Descending => -0.01 * j as f32,
+                Row::Ascending => 0.01 * j as f32,
+                Row::NegLarge => (-50.0 + rng.normal()) as f32,
+                _ => (3.0 * rng.normal()) as f32,
+            };
+        }
+        match pattern {
+            Row::Residue => {
+                let count = (r.k + 2).min(r.vocab.div_ceil(256));
+                let ids = residue_ids(rng, r.vocab, count);
+                for (rank, &j) in ids.iter().enumerate() {
+                    row[j] = 12.0 + 0.25 * (count - rank) as f32;
+                }
+                if count >= 2 {
+                    row[ids[1]] = row[ids[0]];
+                }
+            }
+            Row::Nan => row.fill(f32::NAN),
+            Row::PosInf => row[r.vocab / 3] = f32::INFINITY,
+            Row::Infs => {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = if j % 3 == 1 { f32::NEG_INFINITY } else { f32::INFINITY };
+                }
+            }
+            _ => {}
+        }
+        rows64.push(row.iter().map(|&v| f64::from(v)).collect());
+    }
+    (logits, rows64)
+}
+
+fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Measured, String> {
+    let mut rng = Rng::new(r.seed);
+    let (logits, rows64) = crafted_logits(r, &mut rng);
+    let total_rows = r.rows + r.extra_rows;
+    let mut ids = vec![0u32; total_rows * r.k];
+    let mut probs = vec![0f32; total_rows * r.k];
+    let mut coef = vec![0f32; total_rows];
+    for t in 0..r.rows {
+        let pattern = r.patterns[t % r.patterns.len()];
+        let row_ids = if pattern == Row::Residue {
+            residue_ids(&mut rng, r.vocab, r.k)
+        } else {
+            rng.distinct(r.vocab, r.k)
+        };
+        let mut p: Vec<f64> = (0..r.k)
+            .map(|q| {
+                if pattern == Row::ZeroProbs && q % 2 == 1 {
+                    0.0
+                } else {
+                    rng.uniform() + 0.01
+                }
+            })
+            .collect();
+        let s: f64 = p.iter().sum();
+        p.iter_mut().for_each(|v| *v /= s);
+        for q in 0..r.k {
+            ids[t * r.k + q] = row_ids[q] as u32;
+            probs[t * r.k + q] = p[q] as f32;
+        }
+        coef[t] = if pattern == Row::Masked {
+            0.0
+        } else {
+            1024.0 * (t + 1) as f32
+        };
+    }
+    let logits_buf = upload(b, bytemuck::cast_slice(&logits), "kl logits")?;
+    let ids_buf = upload(b, bytemuck::cast_slice(&ids), "kl ids")?;
+    let probs_buf = upload(b, bytemuck::cast_slice(&probs), "kl probs")?;
+    let coef_buf = upload(b, bytemuck::cast_slice(&coef), "kl coef")?;
+    let loss_buf = upload(b, bytemuck::cast_slice(&vec![f32::NAN; total_rows]), "kl loss")?;
+    let grad_buf = upload(b, bytemuck::cast_slice(&vec![f16::NAN; total_rows * r.ld]), "kl grad")?;
+    let desc = KlDesc {
+        rows: r.rows,
+        vocab: r.vocab,
+        ld: r.ld,
+        k: r.k,
+    };
+    b.kl_rows(
+        &logits_buf,
+        &ids_buf,
+        &probs_buf,
+        &coef_buf,
+        &loss_buf,
+        &grad_buf,
+        &desc,
+    )
+    .map_err(|e| format!("kl_rows: {e}"))?;
+    let loss: Vec<f32> = download(b, &loss_buf, total_rows, "loss")?;
+    let grad: Vec<f16> = download(b, &grad_buf, total_rows * r.ld, "grad")?;
+
+    // The formula in f64 on the same f32 logits, for the finite rows.
+    let (mut want_loss, mut got_loss, mut want_grad, mut got_grad) = (vec![], vec![], vec![], vec![]);
+    let mut bad = Bad::new();
+    for (t, s) in rows64.iter().enumerate() {
+        let pattern = r.patterns[t % r.patterns.len()];
+        if pattern.bad() {
+            if !loss[t].is_nan() {
+                bad.push(|| format!("loss[{t}] = {} for a row with a non-finite logit, want NaN", loss[t]));
+            }
+            continue;
+        }
+        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + s.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        let mut l = 0f64;
+        let mut g: Vec<f64> = s.iter().map(|v| (v - lse).exp()).collect();
+        for q in 0..r.k {
+            let (id, p) = (ids[t * r.k + q] as usize, f64::from(probs[t * r.k + q]));
+            if p > 0.0 {
+                l += p * (p.ln() - (s[id] - lse));
+            }
+            g[id] -= p;
+        }
+        want_loss.push(l);
+        got_loss.push(loss[t]);
+        let c = f64::from(coef[t]);
+        want_grad.extend(g.iter().map(|v| c * v));
+        got_grad.extend(grad[t * r.ld..t * r.ld + r.vocab].iter().map(|v| v.to_f32()));
+        for j in r.vocab..r.ld {
+            let v = grad[t * r.ld + j].to_f32();
+            if v != 0.0 {
+                bad.push(|| format!("grad[{t}][{j}] = {v} in the pad, want 0"));
+            }
+        }
+        if c == 0.0 {
+            if let Some(j) = (0..r.vocab).find(|&j| grad[t * r.ld + j].to_f32() != 0.0) {
+                bad.push(|| format!("grad[{t}][{j}] = {} with coefficient 0, want 0", grad[t * r.ld + j]));
+            }
+        }
+    }
+    for t in r.rows..total_rows {
+        if !loss[t].is_nan() {
+            bad.push(|| format!("loss[{t}] (past rows = {}) was written", r.rows));
+        }
+        if let Some(j) = (0..r.ld).find(|&j| !grad[t * r.ld + j].is_nan()) {
+            bad.push(|| format!("grad[{t}][{j}] (past rows = {}) was written", r.rows));
+        }
+    }
+    bad.check("kl_rows")?;
+    let n = want_loss.len().max(1) as f64;
+    let want = DirectLoss {
+        mean: want_loss.iter().sum::<f64>() / n,
+        loss: want_loss,
+        dx: Vec::new(),
+    };
+    let got_mean = got_loss.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+    let loss_err = tol.check_loss(&got_loss, got_mean, &want).map_err(|e| e.to_string())?;
+    let grad_err = tol
+        .check_dx_rows(&got_grad, &want_grad, Some(r.vocab))
+        .map_err(|e| format!("grad (f16, vs c·(p_S − p_T)): {e}"))?;
+    Ok(Measured {
+        loss: Some(loss_err),
+        dx: Some(grad_err),
+        ..Measured::default()
+    })
+}
+
+fn run_topk<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Measured, String> {
+    let mut rng = Rng::new(r.seed);
+    let (logits, rows64) = crafted_logits(r, &mut rng);
+    let total_rows = r.rows + r.extra_rows;
+    let logits_buf = upload(b, bytemuck::cast_slice(&logits), "topk logits")?;
+    let ids_buf = upload(b, bytemuck::cast_slice(&vec![u32::MAX; total_rows * r.k]), "topk ids")?;
+    let probs_buf = upload(b, bytemuck::cast_slice(&vec![f32::NAN; total_rows * r.k]), "topk probs")?;
+    let desc = TopkDesc {
+        rows: r.rows,
+        vocab: r.vocab,
+        ld: r.ld,
+        k: r.k,
+    };
+    b.topk_rows(&logits_buf, &ids_buf, &probs_buf, &desc)
+        .map_err(|e| format!("topk_rows: {e}"))?;
+    let ids: Vec<u32> = download(b, &ids_buf, total_rows * r.k, "ids")?;
+    let probs: Vec<f32> = download(b, &probs_buf, total_rows * r.k, "probs")?;
+
+    let mut bad = Bad::new();
+    let (mut good_ids, mut good_probs, mut good_logits, mut want_ids) = (vec![], vec![], vec![], vec![]);
+    for (t, s) in rows64.iter().enumerate() {
+        let pattern = r.patterns[t % r.patterns.len()];
+        let row_ids = &ids[t * r.k..(t + 1) * r.k];
+        if pattern.bad() {
+            if !probs[t * r.k].is_nan() {
+                bad.push(|| {
+                    format!(
+                        "probs[{t}][0] = {} for a row with a non-finite logit, want NaN",
+                        probs[t * r.k]
+                    )
+                });
+            }
+            continue;
+        }
+        // Exact on its f32 input: the same ids, ties to the lowest id.
+        let want = topk_of_row(s, r.k);
+        if let Some(q) = (0..r.k).find(|&q| row_ids[q] != want[q]) {
+            bad.push(|| {
+                let show = |id: u32| s.get(id as usize).map_or("out of range".to_string(), |v| v.to_string());
+                format!(
+                    "ids[{t}][{q}] = {} (logit {}), want {} (logit {}) [{pattern:?} row]",
+                    row_ids[q],
+                    show(row_ids[q]),
+                    want[q],
+                    show(want[q])
+                )
+            });
+            continue;
+        }
+        good_ids.extend_from_slice(row_ids);
+        good_probs.extend_from_slice(&probs[t * r.k..(t + 1) * r.k]);
+        good_logits.extend_from_slice(s);
+        want_ids.extend(want);
+    }
+    for t in r.rows..total_rows {
+        if (0..r.k).any(|q| ids[t * r.k + q] != u32::MAX || !probs[t * r.k + q].is_nan()) {
+            bad.push(|| format!("row {t} (past rows = {}) was written", r.rows));
+        }
+    }
+    bad.check("topk_rows")?;
+    let ntok = good_ids.len() / r.k;
+    let mut want_probs = Vec::with_capacity(good_ids.len());
+    for t in 0..ntok {
+        want_probs.extend(softmax_over(
+            &good_logits[t * r.vocab..(t + 1) * r.vocab],
+            &want_ids[t * r.k..(t + 1) * r.k],
+        ));
+    }
+    let want = DirectTopK {
+        ids: want_ids,
+        probs: want_probs,
+        logits: good_logits,
+        ntok,
+        k: r.k,
+    };
+    let prob_err = tol
+        .check_topk(&good_ids, &good_probs, &want)
+        .map_err(|e| e.to_string())?;
+    Ok(Measured {
+        prob: Some(prob_err),
+        ..Measured::default()
+    })
+}

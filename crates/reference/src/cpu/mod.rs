@@ -1,0 +1,478 @@
+//! [`CpuBackend`]: the always-available `reference` backend.
+//!
+//! Its kernels follow `headkl_core::backend`'s doc comments to the letter,
+//! accumulating in f64 and storing each buffer's element type (f32, or f16
+//! through `half`). It is stricter than the contract requires of a GPU
+//! kernel, so it doubles as a check of the core driver:
+//! - new buffers are filled with `0xFF` bytes (NaN as f32 and as f16), so an
+//!   element a kernel forgets to write poisons the results;
+//! - every extent a descriptor names is checked against its buffer, the
+//!   GEMM's `m`, `n`, `k` against [`headkl_core::ALIGN`], teacher ids against
+//!   the vocabulary; a violation is an [`Error::Backend`], never a panic;
+//! - a buffer bound twice to one kernel as input and output is an error.
+//!
+//! [`Precision::F32`] switches every kernel to f32 arithmetic with in-order
+//! sums (the worst case of a GPU's accumulation) to check that the
+//! tolerances leave an f32 device room.
+
+mod kernels;
+
+use std::cell::{Ref, RefCell, RefMut};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use half::f16;
+use headkl_core::{
+    Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, Result, TopkDesc,
+    ALIGN, MAX_K,
+};
+
+const BACKEND: &str = "reference";
+
+/// Default largest binding: 2 GiB, as on wgpu.
+const DEFAULT_MAX_BINDING: u64 = 1 << 31;
+
+/// Arithmetic of the CPU kernels.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// f64 accumulation and softmax: the reference.
+    #[default]
+    F64,
+    /// f32 accumulation and softmax, sums in order: emulates a GPU's f32
+    /// arithmetic at its least accurate, for tolerance headroom checks.
+    F32,
+}
+
+/// Bytes held by live buffers, shared between the backend and its buffers.
+#[derive(Debug, Default)]
+struct MemCounter {
+    current: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl MemCounter {
+    fn add(&self, bytes: u64) {
+        let now = self.current.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        self.peak.fetch_max(now, Ordering::SeqCst);
+    }
+
+    fn sub(&self, bytes: u64) {
+        self.current.fetch_sub(bytes, Ordering::SeqCst);
+    }
+}
+
+/// A host buffer of the CPU backend. Storage is `u32` words so f32 and f16
+/// views are aligned; dropping it returns its bytes to the backend's count.
+pub struct CpuBuffer {
+    words: RefCell<Vec<u32>>,
+    bytes: u64,
+    label: &'static str,
+    memory: Arc<MemCounter>,
+}
+
+impl fmt::Debug for CpuBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CpuBuffer")
+            .field("label", &self.label)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Drop for CpuBuffer {
+    fn drop(&mut self) {
+        self.memory.sub(self.bytes);
+    }
+}
+
+impl CpuBuffer {
+    /// Size in bytes, as allocated.
+    pub fn len_bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The label given at allocation.
+    pub fn label(&self) -> &'static str {
+        self.label
+    }
+
+    fn read(&self, kernel: &str) -> Result<Ref<'_, Vec<u32>>> {
+        self.words.try_borrow().map_err(|_| self.aliased(kernel))
+    }
+
+    fn write(&self, kernel: &str) -> Result<RefMut<'_, Vec<u32>>> {
+        self.words.try_borrow_mut().map_err(|_| self.aliased(kernel))
+    }
+
+    fn aliased(&self, kernel: &str) -> Error {
+        backend_error(format!(
+            "{kernel}: buffer '{}' is bound both as an input and as an output",
+            self.label
+        ))
+    }
+
+    /// Checks that `elems` elements of `size` bytes fit, for `what` of `kernel`.
+    fn check(&self, kernel: &str, what: &str, elems: usize, size: usize) -> Result<()> {
+        let needed = elems as u128 * size as u128;
+        if needed > u128::from(self.bytes) {
+            return Err(backend_error(format!(
+                "{kernel}: {what} spans {needed} bytes but buffer '{}' has {}",
+                self.label, self.bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn backend_error(message: String) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        message,
+    }
+}
+
+fn f16s(words: &[u32]) -> &[f16] {
+    bytemuck::cast_slice(words)
+}
+fn f16s_mut(words: &mut [u32]) -> &mut [f16] {
+    bytemuck::cast_slice_mut(words)
+}
+fn f32s(words: &[u32]) -> &[f32] {
+    bytemuck::cast_slice(words)
+}
+fn f32s_mut(words: &mut [u32]) -> &mut [f32] {
+    bytemuck::cast_slice_mut(words)
+}
+
+/// End (exclusive, in elements) of a `rows × cols` region at `offset` with
+/// row stride `ld`; zero when it is empty.
+fn region_end(offset: usize, rows: usize, cols: usize, ld: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        offset + (rows - 1) * ld + cols
+    }
+}
+
+/// The f64 reference backend (see the module docs).
+///
+/// ```
+/// use headkl_core::Backend;
+/// use headkl_reference::CpuBackend;
+///
+/// let cpu = CpuBackend::new();
+/// assert_eq!(cpu.info().backend, "reference");
+/// let buf = cpu.alloc(64, "scratch")?;
+/// assert_eq!(cpu.memory().current, 64);
+/// drop(buf);
+/// assert_eq!(cpu.memory().current, 0);
+/// # Ok::<(), headkl_core::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct CpuBackend {
+    info: DeviceInfo,
+    precision: Precision,
+    memory: Arc<MemCounter>,
+    profiling: AtomicBool,
+    times: Mutex<Vec<KernelTime>>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuBackend {
+    /// The reference backend with a 2 GiB largest binding.
+    pub fn new() -> Self {
+        Self::with_max_binding(DEFAULT_MAX_BINDING)
+    }
+
+    /// The reference backend with a largest binding (and largest buffer) of
+    /// `bytes`: a small value makes the driver cut the head into several
+    /// slices and the tokens into several chunks.
+    pub fn with_max_binding(bytes: u64) -> Self {
+        Self {
+            info: DeviceInfo {
+                backend: BACKEND,
+                device_name: device_name(Precision::F64).into(),
+                driver: format!("headkl-reference {}", env!("CARGO_PKG_VERSION")),
+                device_type: "cpu".into(),
+                matrix_units: false,
+                matrix_shapes: Vec::new(),
+                shader_f16: true,
+                subgroup_size: None,
+                max_binding_bytes: bytes,
+                max_buffer_bytes: bytes,
+                memory_bytes: None,
+                unusable: None,
+            },
+            precision: Precision::F64,
+            memory: Arc::new(MemCounter::default()),
+            profiling: AtomicBool::new(false),
+            times: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The same backend computing at `precision`.
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self.info.device_name = device_name(precision).into();
+        self
+    }
+
+    /// The kernels' arithmetic.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Runs `f`, recording its wall time as `kernel` when profiling is on.
+    fn timed<T>(&self, kernel: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        if !self.profiling.load(Ordering::Relaxed) {
+            return f();
+        }
+        let start = Instant::now();
+        let out = f()?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        if let Ok(mut times) = self.times.lock() {
+            times.push(KernelTime { kernel, ms });
+        }
+        Ok(out)
+    }
+}
+
+fn device_name(precision: Precision) -> &'static str {
+    match precision {
+        Precision::F64 => "CPU (f64 reference)",
+        Precision::F32 => "CPU (f32 emulation)",
+    }
+}
+
+fn check_aligned(kernel: &str, what: &str, value: usize) -> Result<()> {
+    if !value.is_multiple_of(ALIGN) {
+        return Err(backend_error(format!(
+            "{kernel}: {what} = {value} is not a multiple of {ALIGN} (driver contract)"
+        )));
+    }
+    Ok(())
+}
+
+fn check_at_least(kernel: &str, what: &str, value: usize, min_name: &str, min: usize) -> Result<()> {
+    if value < min {
+        return Err(backend_error(format!(
+            "{kernel}: {what} = {value} is below {min_name} = {min}"
+        )));
+    }
+    Ok(())
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn alloc(&self, bytes: u64, label: &'static str) -> Result<CpuBuffer> {
+        if bytes > self.info.max_buffer_bytes {
+            return Err(backend_error(format!(
+                "alloc: {bytes} bytes for {label} exceed the largest buffer ({} bytes)",
+                self.info.max_buffer_bytes
+            )));
+        }
+        let words = usize::try_from(bytes.div_ceil(4)).map_err(|_| Error::OutOfMemory { bytes, what: label })?;
+        let mut v: Vec<u32> = Vec::new();
+        v.try_reserve_exact(words)
+            .map_err(|_| Error::OutOfMemory { bytes, what: label })?;
+        // 0xFF bytes: NaN as f32 and as f16, so unwritten elements poison results.
+        v.resize(words, u32::MAX);
+        self.memory.add(bytes);
+        Ok(CpuBuffer {
+            words: RefCell::new(v),
+            bytes,
+            label,
+            memory: Arc::clone(&self.memory),
+        })
+    }
+
+    fn upload(&self, dst: &CpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        let end = offset as u128 + data.len() as u128;
+        if end > u128::from(dst.bytes) {
+            return Err(backend_error(format!(
+                "upload: {} bytes at offset {offset} overrun buffer '{}' of {} bytes",
+                data.len(),
+                dst.label,
+                dst.bytes
+            )));
+        }
+        let mut words = dst.write("upload")?;
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words[..]);
+        bytes[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn download(&self, src: &CpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        let end = offset as u128 + out.len() as u128;
+        if end > u128::from(src.bytes) {
+            return Err(backend_error(format!(
+                "download: {} bytes at offset {offset} overrun buffer '{}' of {} bytes",
+                out.len(),
+                src.label,
+                src.bytes
+            )));
+        }
+        let words = src.read("download")?;
+        let bytes: &[u8] = bytemuck::cast_slice(&words[..]);
+        out.copy_from_slice(&bytes[offset as usize..offset as usize + out.len()]);
+        Ok(())
+    }
+
+    fn convert_f16(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &ConvertDesc) -> Result<()> {
+        const K: &str = "convert_f16";
+        check_at_least(K, "rows_padded", d.rows_padded, "rows", d.rows)?;
+        check_at_least(K, "ld", d.ld, "cols", d.cols)?;
+        src.check(K, "src", d.rows * d.cols, 4)?;
+        dst.check(K, "dst", d.rows_padded * d.ld, 2)?;
+        self.timed("convert", || {
+            let mut out = dst.write(K)?;
+            let input = src.read(K)?;
+            kernels::convert_f16(f32s(&input), f16s_mut(&mut out), d);
+            Ok(())
+        })
+    }
+
+    fn gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc, label: &'static str) -> Result<()> {
+        const K: &str = "gemm";
+        for (what, v) in [("m", d.m), ("n", d.n), ("k", d.k)] {
+            check_aligned(K, what, v)?;
+        }
+        check_at_least(K, "lda", d.lda, "k", d.k)?;
+        check_at_least(K, "ldc", d.ldc, "n", d.n)?;
+        a.check(K, "A", region_end(d.a_offset, d.m, d.k, d.lda), 2)?;
+        match d.b_layout {
+            HeadLayout::RowsAreOutputs => {
+                check_at_least(K, "ldb", d.ldb, "k", d.k)?;
+                b.check(K, "B [n][k]", region_end(0, d.n, d.k, d.ldb), 2)?;
+            }
+            HeadLayout::RowsAreReduction => {
+                check_at_least(K, "ldb", d.ldb, "n", d.n)?;
+                b.check(K, "B [k][n]", region_end(0, d.k, d.n, d.ldb), 2)?;
+            }
+        }
+        c.check(K, "C", region_end(d.c_offset, d.m, d.n, d.ldc), 4)?;
+        self.timed(label, || {
+            let mut out = c.write(K)?;
+            let (a_words, b_words) = (a.read(K)?, b.read(K)?);
+            kernels::gemm(f16s(&a_words), f16s(&b_words), f32s_mut(&mut out), d, self.precision);
+            Ok(())
+        })
+    }
+
+    fn kl_rows(
+        &self,
+        logits: &CpuBuffer,
+        ids: &CpuBuffer,
+        probs: &CpuBuffer,
+        coef: &CpuBuffer,
+        loss: &CpuBuffer,
+        grad: &CpuBuffer,
+        d: &KlDesc,
+    ) -> Result<()> {
+        const K: &str = "kl_rows";
+        check_aligned(K, "ld", d.ld)?;
+        check_at_least(K, "ld", d.ld, "vocab", d.vocab)?;
+        if d.k == 0 || d.k > d.vocab {
+            return Err(backend_error(format!("{K}: k = {} is not in 1..={}", d.k, d.vocab)));
+        }
+        logits.check(K, "logits", d.rows * d.ld, 4)?;
+        ids.check(K, "ids", d.rows * d.k, 4)?;
+        probs.check(K, "probs", d.rows * d.k, 4)?;
+        coef.check(K, "coef", d.rows, 4)?;
+        loss.check(K, "loss", d.rows, 4)?;
+        grad.check(K, "grad", d.rows * d.ld, 2)?;
+        self.timed("kl_rows", || {
+            let (mut loss_w, mut grad_w) = (loss.write(K)?, grad.write(K)?);
+            let (logits_w, ids_w, probs_w, coef_w) = (logits.read(K)?, ids.read(K)?, probs.read(K)?, coef.read(K)?);
+            let id_vals: &[u32] = &ids_w[..d.rows * d.k];
+            if let Some(i) = id_vals.iter().position(|&id| id as usize >= d.vocab) {
+                return Err(backend_error(format!(
+                    "{K}: ids[{}][{}] = {} is not below vocab = {}",
+                    i / d.k,
+                    i % d.k,
+                    id_vals[i],
+                    d.vocab
+                )));
+            }
+            kernels::kl_rows(
+                f32s(&logits_w),
+                id_vals,
+                f32s(&probs_w),
+                f32s(&coef_w),
+                f32s_mut(&mut loss_w),
+                f16s_mut(&mut grad_w),
+                d,
+                self.precision,
+            );
+            Ok(())
+        })
+    }
+
+    fn topk_rows(&self, logits: &CpuBuffer, ids: &CpuBuffer, probs: &CpuBuffer, d: &TopkDesc) -> Result<()> {
+        const K: &str = "topk_rows";
+        check_at_least(K, "ld", d.ld, "vocab", d.vocab)?;
+        if d.k == 0 || d.k > d.vocab.min(MAX_K) {
+            return Err(backend_error(format!(
+                "{K}: k = {} is not in 1..={}",
+                d.k,
+                d.vocab.min(MAX_K)
+            )));
+        }
+        logits.check(K, "logits", d.rows * d.ld, 4)?;
+        ids.check(K, "ids", d.rows * d.k, 4)?;
+        probs.check(K, "probs", d.rows * d.k, 4)?;
+        self.timed("topk_rows", || {
+            let (mut ids_w, mut probs_w) = (ids.write(K)?, probs.write(K)?);
+            let logits_w = logits.read(K)?;
+            kernels::topk_rows(
+                f32s(&logits_w),
+                &mut ids_w[..],
+                f32s_mut(&mut probs_w),
+                d,
+                self.precision,
+            );
+            Ok(())
+        })
+    }
+
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn memory(&self) -> MemoryStats {
+        MemoryStats {
+            current: self.memory.current.load(Ordering::SeqCst),
+            peak: self.memory.peak.load(Ordering::SeqCst),
+        }
+    }
+
+    fn reset_peak_memory(&self) {
+        let now = self.memory.current.load(Ordering::SeqCst);
+        self.memory.peak.store(now, Ordering::SeqCst);
+    }
+
+    fn set_profiling(&self, on: bool) -> bool {
+        self.profiling.store(on, Ordering::Relaxed);
+        true
+    }
+
+    fn take_kernel_times(&self) -> Result<Vec<KernelTime>> {
+        Ok(self
+            .times
+            .lock()
+            .map(|mut t| std::mem::take(&mut *t))
+            .unwrap_or_default())
+    }
+}

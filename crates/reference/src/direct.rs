@@ -1,0 +1,287 @@
+//! The DESIGN §1 formulas, evaluated directly in f64: no slicing, no
+//! chunking, no f16 gradient. Inputs are the f16-rounded head and hidden
+//! rows (what a device multiplies), so the only difference between a
+//! backend and this module is the backend's own arithmetic.
+//!
+//! Every function here panics when the head's and the rows' hidden sizes
+//! differ, or the teacher's or options' token counts do not match: these are
+//! programming errors in a test, not inputs a user can give.
+
+use std::cmp::Ordering;
+
+use headkl_core::{HeadWeights, Hidden, ResolvedLoss, Teacher};
+
+use crate::par;
+
+/// The head `[V][hs]` as f64, rounded to f16 first.
+fn head_f64(head: &HeadWeights<'_>) -> Vec<f64> {
+    let (vocab, hs) = (head.vocab(), head.hs());
+    let mut w = Vec::with_capacity(vocab * hs);
+    for j in 0..vocab {
+        w.extend((0..hs).map(|c| f64::from(head.get_f16_rounded(j, c))));
+    }
+    w
+}
+
+/// The hidden rows `[ntok][hs]` as f64, rounded to f16 first.
+fn hidden_f64(hidden: &Hidden<'_>) -> Vec<f64> {
+    let mut x = Vec::with_capacity(hidden.ntok() * hidden.hs());
+    for t in 0..hidden.ntok() {
+        x.extend(hidden.row_f16_rounded(t).into_iter().map(f64::from));
+    }
+    x
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// `s = x·Wᵀ/τ` for f64 copies of `w` `[vocab][hs]` and `x` `[ntok][hs]`.
+fn logits_of(w: &[f64], x: &[f64], vocab: usize, hs: usize, temperature: f32) -> Vec<f64> {
+    let ntok = x.len() / hs;
+    let inv_tau = 1.0 / f64::from(temperature);
+    let mut s = vec![0f64; ntok * vocab];
+    // Split over flattened (token, vocab) pairs so one token still uses both threads.
+    let parts = par::map_ranges(ntok * vocab, ntok * vocab * hs, |range| {
+        range
+            .map(|i| {
+                let (t, j) = (i / vocab, i % vocab);
+                dot(&x[t * hs..(t + 1) * hs], &w[j * hs..(j + 1) * hs]) * inv_tau
+            })
+            .collect::<Vec<f64>>()
+    });
+    for (range, values) in parts {
+        s[range].copy_from_slice(&values);
+    }
+    s
+}
+
+fn check_hs(head: &HeadWeights<'_>, hidden: &Hidden<'_>) {
+    assert_eq!(
+        head.hs(),
+        hidden.hs(),
+        "direct: the head has hs = {} but the hidden rows have hs = {}",
+        head.hs(),
+        hidden.hs()
+    );
+}
+
+/// Student logits `s = x·Wᵀ/τ` `[ntok][V]`, in f64 on the f16-rounded head
+/// and rows.
+pub fn logits_f64(head: &HeadWeights<'_>, hidden: &Hidden<'_>, temperature: f32) -> Vec<f64> {
+    check_hs(head, hidden);
+    logits_of(
+        &head_f64(head),
+        &hidden_f64(hidden),
+        head.vocab(),
+        head.hs(),
+        temperature,
+    )
+}
+
+/// `logsumexp` of a row, or NaN when any value is not finite.
+fn logsumexp(row: &[f64]) -> f64 {
+    if row.iter().any(|v| !v.is_finite()) {
+        return f64::NAN;
+    }
+    let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    m + row.iter().map(|&v| (v - m).exp()).sum::<f64>().ln()
+}
+
+/// The distillation loss of DESIGN §1, in f64.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DirectLoss {
+    /// Per-token KL `L_t` `[ntok]`, unweighted.
+    pub loss: Vec<f64>,
+    /// `Σ w_t L_t / total`.
+    pub mean: f64,
+    /// `∂mean/∂x` `[ntok][hs]`.
+    pub dx: Vec<f64>,
+}
+
+/// The loss, its mean and its input gradient, straight from DESIGN §1:
+///
+/// ```text
+/// L_t  = Σ_k p_T,k · (log p_T,k − log p_S,id_k)      (0·log 0 = 0)
+/// mean = Σ_t w_t L_t / total
+/// dx_t = (w_t / (τ·total)) · Σ_j (p_S,j − p_T,j) · W_j
+/// ```
+///
+/// The teacher's probabilities are the renormalized f32 values the device
+/// receives; weights, total and τ come from `resolved` (`gscale` plays no
+/// part: it only protects the device's f16 gradient). A token whose logits
+/// are not finite gets NaN loss and gradient.
+pub fn head_kl_f64(
+    head: &HeadWeights<'_>,
+    hidden: &Hidden<'_>,
+    teacher: &Teacher,
+    resolved: &ResolvedLoss,
+) -> DirectLoss {
+    check_hs(head, hidden);
+    let (vocab, hs, ntok, k) = (head.vocab(), head.hs(), hidden.ntok(), teacher.k());
+    assert_eq!(
+        teacher.ntok(),
+        ntok,
+        "direct: teacher has {} rows, hidden {ntok}",
+        teacher.ntok()
+    );
+    assert_eq!(
+        resolved.weights.len(),
+        ntok,
+        "direct: {} weights for {ntok} tokens",
+        resolved.weights.len()
+    );
+    let w = head_f64(head);
+    let s = logits_of(&w, &hidden_f64(hidden), vocab, hs, resolved.temperature);
+    let total = f64::from(resolved.total);
+    let tau = f64::from(resolved.temperature);
+
+    let mut loss = vec![0f64; ntok];
+    let mut dx = vec![0f64; ntok * hs];
+    // Each token's row of (loss, dx) is independent: split tokens over threads.
+    let mut rows: Vec<(f64, Vec<f64>)> = vec![(0.0, Vec::new()); ntok];
+    par::for_row_blocks(&mut rows, 1, ntok * vocab * hs, |first, block| {
+        let mut p_s = vec![0f64; vocab];
+        for (i, (loss_t, dx_t)) in block.iter_mut().enumerate() {
+            let t = first + i;
+            let row = &s[t * vocab..(t + 1) * vocab];
+            let ids = &teacher.ids()[t * k..(t + 1) * k];
+            let probs = &teacher.probs()[t * k..(t + 1) * k];
+            let lse = logsumexp(row);
+            if !lse.is_finite() {
+                *loss_t = f64::NAN;
+                *dx_t = vec![f64::NAN; hs];
+                continue;
+            }
+            let mut l = 0f64;
+            for (&id, &p) in ids.iter().zip(probs) {
+                let p = f64::from(p);
+                if p > 0.0 {
+                    l += p * (p.ln() - (row[id as usize] - lse));
+                }
+            }
+            *loss_t = l;
+            for (ps, &sj) in p_s.iter_mut().zip(row) {
+                *ps = (sj - lse).exp();
+            }
+            for (&id, &p) in ids.iter().zip(probs) {
+                p_s[id as usize] -= f64::from(p);
+            }
+            let coef = f64::from(resolved.weights[t]) / (tau * total);
+            let mut g = vec![0f64; hs];
+            if coef != 0.0 {
+                for (j, &d) in p_s.iter().enumerate() {
+                    for (gc, &wc) in g.iter_mut().zip(&w[j * hs..(j + 1) * hs]) {
+                        *gc += d * wc;
+                    }
+                }
+                g.iter_mut().for_each(|v| *v *= coef);
+            }
+            *dx_t = g;
+        }
+    });
+    for (t, (l, g)) in rows.into_iter().enumerate() {
+        loss[t] = l;
+        dx[t * hs..(t + 1) * hs].copy_from_slice(&g);
+    }
+    let mean = loss
+        .iter()
+        .zip(&resolved.weights)
+        .map(|(&l, &wt)| if wt == 0.0 { 0.0 } else { l * f64::from(wt) })
+        .sum::<f64>()
+        / total;
+    DirectLoss { loss, mean, dx }
+}
+
+/// The teacher's exact top-k in f64.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DirectTopK {
+    /// Ids `[ntok][k]`: descending logit, ties lowest id first.
+    pub ids: Vec<u32>,
+    /// Softmax over the k `[ntok][k]`.
+    pub probs: Vec<f64>,
+    /// All logits `s = x·Wᵀ/τ` `[ntok][V]` (for the tie rule).
+    pub logits: Vec<f64>,
+    /// Tokens.
+    pub ntok: usize,
+    /// Entries per row.
+    pub k: usize,
+}
+
+impl DirectTopK {
+    /// Vocabulary size (the logits' row length).
+    pub fn vocab(&self) -> usize {
+        self.logits.len().checked_div(self.ntok).unwrap_or(0)
+    }
+}
+
+/// The order of top-k: larger logit first, then the lower id. `-0.0` and
+/// `0.0` tie; NaN sorts first so a poisoned row is visible.
+pub fn topk_order(a: (f64, u32), b: (f64, u32)) -> Ordering {
+    (b.0 + 0.0).total_cmp(&(a.0 + 0.0)).then(a.1.cmp(&b.1))
+}
+
+/// Indices of the `k` largest of `row` in [`topk_order`].
+pub fn topk_of_row(row: &[f64], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    let cmp = |a: &u32, b: &u32| topk_order((row[*a as usize], *a), (row[*b as usize], *b));
+    if k < idx.len() && k > 0 {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    idx.truncate(k);
+    idx.sort_unstable_by(cmp);
+    idx
+}
+
+/// Softmax of `row` restricted to `ids`, in f64.
+pub fn softmax_over(row: &[f64], ids: &[u32]) -> Vec<f64> {
+    let m = ids.iter().map(|&i| row[i as usize]).fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = ids.iter().map(|&i| (row[i as usize] - m).exp()).collect();
+    let z: f64 = e.iter().sum();
+    e.into_iter().map(|v| v / z).collect()
+}
+
+/// The exact top-k of `s = x·Wᵀ/τ` per row (descending logit, ties lowest
+/// id first) and the softmax over those k.
+pub fn topk_f64(head: &HeadWeights<'_>, hidden: &Hidden<'_>, k: usize, temperature: f32) -> DirectTopK {
+    let vocab = head.vocab();
+    assert!(k >= 1 && k <= vocab, "direct: k = {k} must be in 1..={vocab}");
+    let logits = logits_f64(head, hidden, temperature);
+    let ntok = hidden.ntok();
+    let mut ids = Vec::with_capacity(ntok * k);
+    let mut probs = Vec::with_capacity(ntok * k);
+    for t in 0..ntok {
+        let row = &logits[t * vocab..(t + 1) * vocab];
+        let top = topk_of_row(row, k);
+        probs.extend(softmax_over(row, &top));
+        ids.extend(top);
+    }
+    DirectTopK {
+        ids,
+        probs,
+        logits,
+        ntok,
+        k,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topk_of_row_breaks_ties_by_lowest_id() {
+        let row = [1.0, 3.0, 3.0, -0.0, 0.0, 3.0];
+        assert_eq!(topk_of_row(&row, 4), vec![1, 2, 5, 0]);
+        assert_eq!(topk_of_row(&row, 6), vec![1, 2, 5, 0, 3, 4]);
+        assert_eq!(topk_of_row(&row, 1), vec![1]);
+    }
+
+    #[test]
+    fn softmax_over_sums_to_one() {
+        let p = softmax_over(&[0.0, 1.0, 2.0], &[2, 0]);
+        assert!((p[0] + p[1] - 1.0).abs() < 1e-15);
+        assert!((p[0] / p[1] - 2f64.exp()).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,24 @@
+//! The conformance suite on the CPU reference backend: as is, with a
+//! largest binding small enough that the driver cuts heads into several
+//! slices and tokens into several chunks on its own, and with f32
+//! arithmetic to prove the tolerances leave an f32 device room.
+
+use headkl_reference::strategies::MIN_BINDING_BYTES;
+use headkl_reference::{CpuBackend, Precision};
+
+headkl_reference::conformance_tests!(
+    "reference",
+    Ok::<_, headkl_core::Error>(headkl_reference::cpu::CpuBackend::new())
+);
+
+headkl_reference::conformance_tests!(
+    mod small_binding,
+    "reference",
+    Ok::<_, headkl_core::Error>(CpuBackend::with_max_binding(MIN_BINDING_BYTES))
+);
+
+headkl_reference::conformance_tests!(
+    mod f32_emulation,
+    "reference",
+    Ok::<_, headkl_core::Error>(CpuBackend::new().with_precision(Precision::F32))
+);

@@ -1,0 +1,172 @@
+//! The CPU backend's own contract: memory accounting, NaN-poisoned new
+//! buffers, profiling, and errors (never panics) for descriptors that break
+//! the driver's contract.
+
+use half::f16;
+use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use headkl_reference::{CpuBackend, Precision};
+
+fn gemm_desc(m: usize, n: usize, k: usize) -> GemmDesc {
+    GemmDesc {
+        m,
+        n,
+        k,
+        a_offset: 0,
+        lda: k,
+        b_layout: HeadLayout::RowsAreOutputs,
+        ldb: k,
+        c_offset: 0,
+        ldc: n,
+        alpha: 1.0,
+        accumulate: false,
+    }
+}
+
+fn message(e: Error) -> String {
+    match e {
+        Error::Backend {
+            backend: "reference",
+            message,
+        } => message,
+        other => panic!("expected a reference backend error, got {other:?}"),
+    }
+}
+
+#[test]
+fn info_is_as_documented() {
+    let cpu = CpuBackend::new();
+    let i = cpu.info();
+    assert_eq!(i.backend, "reference");
+    assert_eq!(i.device_name, "CPU (f64 reference)");
+    assert_eq!(i.device_type, "cpu");
+    assert!(!i.matrix_units && i.shader_f16);
+    assert_eq!(i.max_binding_bytes, 1 << 31);
+    assert_eq!(i.memory_bytes, None);
+    assert_eq!(i.unusable, None);
+    assert_eq!(CpuBackend::with_max_binding(4096).info().max_binding_bytes, 4096);
+    let f32_cpu = CpuBackend::new().with_precision(Precision::F32);
+    assert_eq!(f32_cpu.precision(), Precision::F32);
+    assert_eq!(f32_cpu.info().device_name, "CPU (f32 emulation)");
+}
+
+#[test]
+fn memory_is_counted_freed_and_peaked() {
+    let cpu = CpuBackend::new();
+    let a = cpu.alloc(100, "a").unwrap();
+    let b = cpu.alloc(30, "b").unwrap();
+    assert_eq!(cpu.memory().current, 130);
+    drop(a);
+    assert_eq!(cpu.memory().current, 30);
+    assert_eq!(cpu.memory().peak, 130);
+    cpu.reset_peak_memory();
+    assert_eq!(cpu.memory().peak, 30);
+    drop(b);
+    assert_eq!(cpu.memory().current, 0);
+    let e = cpu.alloc((1 << 31) + 1, "huge").unwrap_err();
+    assert!(message(e).contains("exceed the largest buffer"));
+}
+
+#[test]
+fn new_buffers_are_nan_and_round_trip() {
+    let cpu = CpuBackend::new();
+    let buf = cpu.alloc(10, "odd size").unwrap();
+    let mut raw = [0u8; 10];
+    cpu.download(&buf, 0, &mut raw).unwrap();
+    assert!(raw.iter().all(|&b| b == 0xFF));
+    assert!(f32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]).is_nan());
+    assert!(f16::from_bits(0xFFFF).is_nan());
+    cpu.upload(&buf, 6, &[1, 2, 3, 4]).unwrap();
+    let mut tail = [0u8; 5];
+    cpu.download(&buf, 5, &mut tail).unwrap();
+    assert_eq!(tail, [0xFF, 1, 2, 3, 4]);
+    assert!(message(cpu.upload(&buf, 8, &[0; 3]).unwrap_err()).contains("overrun"));
+    assert!(message(cpu.download(&buf, 0, &mut [0; 11]).unwrap_err()).contains("overrun"));
+}
+
+#[test]
+fn contract_violations_are_errors() {
+    let cpu = CpuBackend::new();
+    let a = cpu.alloc(16 * 16 * 2, "a").unwrap();
+    let b = cpu.alloc(16 * 16 * 2, "b").unwrap();
+    let c = cpu.alloc(16 * 16 * 4, "c").unwrap();
+    let e = cpu.gemm(&a, &b, &c, &gemm_desc(17, 16, 16), "gemm_logits").unwrap_err();
+    assert!(message(e).contains("m = 17 is not a multiple of 16"));
+    let e = cpu.gemm(&a, &b, &c, &gemm_desc(16, 32, 16), "gemm_logits").unwrap_err();
+    assert!(message(e).contains("spans"));
+    // the same buffer as input and output
+    let e = cpu.gemm(&c, &b, &c, &gemm_desc(16, 16, 16), "gemm_logits").unwrap_err();
+    assert!(message(e).contains("bound both as an input and as an output"));
+    cpu.gemm(&a, &b, &c, &gemm_desc(16, 16, 16), "gemm_logits").unwrap();
+
+    let ids = cpu.alloc(4, "ids").unwrap();
+    cpu.upload(&ids, 0, &40u32.to_ne_bytes()).unwrap();
+    let f = |bytes| cpu.alloc(bytes, "f").unwrap();
+    let (logits, probs, coef, loss, grad) = (f(16 * 4), f(4), f(4), f(4), f(32));
+    let kl = KlDesc {
+        rows: 1,
+        vocab: 10,
+        ld: 16,
+        k: 1,
+    };
+    let e = cpu
+        .kl_rows(&logits, &ids, &probs, &coef, &loss, &grad, &kl)
+        .unwrap_err();
+    assert!(message(e).contains("ids[0][0] = 40 is not below vocab = 10"));
+    let e = cpu
+        .topk_rows(
+            &logits,
+            &ids,
+            &probs,
+            &TopkDesc {
+                rows: 1,
+                vocab: 10,
+                ld: 16,
+                k: 11,
+            },
+        )
+        .unwrap_err();
+    assert!(message(e).contains("k = 11"));
+    let e = cpu
+        .convert_f16(
+            &logits,
+            &grad,
+            &ConvertDesc {
+                rows: 2,
+                cols: 4,
+                rows_padded: 1,
+                ld: 4,
+            },
+        )
+        .unwrap_err();
+    assert!(message(e).contains("rows_padded = 1 is below rows = 2"));
+}
+
+#[test]
+fn profiling_records_each_kernel() {
+    let cpu = CpuBackend::new();
+    assert!(cpu.set_profiling(true));
+    let a = cpu.alloc(16 * 16 * 2, "a").unwrap();
+    let b = cpu.alloc(16 * 16 * 2, "b").unwrap();
+    let c = cpu.alloc(16 * 16 * 4, "c").unwrap();
+    cpu.upload(&a, 0, &[0; 512]).unwrap();
+    cpu.upload(&b, 0, &[0; 512]).unwrap();
+    cpu.gemm(&a, &b, &c, &gemm_desc(16, 16, 16), "gemm_dx").unwrap();
+    let times = cpu.take_kernel_times().unwrap();
+    assert_eq!(times.len(), 1);
+    assert_eq!(times[0].kernel, "gemm_dx");
+    assert!(times[0].ms >= 0.0);
+    assert!(cpu.take_kernel_times().unwrap().is_empty());
+    cpu.set_profiling(false);
+    cpu.gemm(&a, &b, &c, &gemm_desc(16, 16, 16), "gemm_dx").unwrap();
+    assert!(cpu.take_kernel_times().unwrap().is_empty());
+    assert!(cpu.take_diagnostics().is_empty());
+}
+
+#[test]
+fn the_backend_can_move_to_another_thread() {
+    fn assert_send<T: Send>() {}
+    fn assert_sync<T: Sync>() {}
+    assert_send::<CpuBackend>();
+    assert_sync::<CpuBackend>();
+    assert_send::<headkl_reference::CpuBuffer>();
+}

@@ -1,0 +1,138 @@
+//! The core driver on the CPU kernels, with the head cut into several
+//! vocabulary slices and the tokens into several chunks, matches the direct
+//! f64 formula.
+
+use headkl_core::{Backend, Engine, HiddenData, SliceOptions};
+use headkl_reference::direct::{head_kl_f64, topk_f64};
+use headkl_reference::strategies::{Case, CaseKind, CaseParams, TeacherShape};
+use headkl_reference::{CpuBackend, Tolerance};
+
+fn case(kind: CaseKind, hidden_as_f16: bool) -> Case {
+    Case::from_params(&CaseParams {
+        kind,
+        profile: "driver_test",
+        vocab: 1111,
+        hs: 70,
+        ntok: 83,
+        k: 19,
+        data_seed: 77,
+        teacher: TeacherShape::Random,
+        large: false,
+        ties: true,
+        residue: false,
+        masked: true,
+        temperature: 1.7,
+        hidden_as_f16,
+        max_rows_per_slice: Some(300),
+        max_rows_per_chunk: Some(20),
+    })
+}
+
+fn check(backend: &CpuBackend, case: &Case, min_slices: usize, min_chunks: usize) {
+    let tol = Tolerance::default();
+    let head = case.head_weights().unwrap();
+    let mut engine = Engine::new(backend, &head, case.slice_options()).unwrap();
+    assert!(engine.slices().len() >= min_slices, "{} slices", engine.slices().len());
+    let f16_rows = case.hidden_f16();
+    let hidden = case.hidden_rows(&f16_rows).unwrap();
+    assert_eq!(matches!(hidden.data(), HiddenData::F16(_)), case.hidden_as_f16);
+    let opts = case.loss_options();
+    let plan = engine.loss_plan(case.ntok, case.k, !case.hidden_as_f16, &opts).unwrap();
+    assert!(plan.chunks >= min_chunks, "{} chunks", plan.chunks);
+    match case.kind {
+        CaseKind::HeadKl => {
+            let teacher = case.teacher().unwrap();
+            let out = engine.head_kl(&hidden, &teacher, &opts).unwrap();
+            let want = head_kl_f64(&head, &hidden, &teacher, &opts.resolve(case.ntok).unwrap());
+            let l = tol
+                .check_loss(&out.loss, out.mean, &want)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let d = tol
+                .check_dx_rows(&out.dx, &want.dx, Some(case.hs))
+                .unwrap_or_else(|e| panic!("{e}"));
+            // f64 kernels: only the f32 logits and the f16 gradient round
+            assert!(l < 1e-6, "loss error {l:.3e}");
+            assert!(d < 1e-3, "dx error {d:.3e}");
+        }
+        CaseKind::Topk => {
+            let out = engine.topk(&hidden, &case.topk_options()).unwrap();
+            let want = topk_f64(&head, &hidden, case.k, case.temperature);
+            let p = tol
+                .check_topk(&out.ids, &out.probs, &want)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(p < 1e-5, "prob error {p:.3e}");
+        }
+    }
+}
+
+#[test]
+fn forced_slices_and_chunks_match_the_direct_formula() {
+    let backend = CpuBackend::new();
+    for kind in [CaseKind::HeadKl, CaseKind::Topk] {
+        for f16 in [false, true] {
+            check(&backend, &case(kind, f16), 4, 5);
+        }
+    }
+}
+
+#[test]
+fn a_small_binding_slices_and_chunks_on_its_own() {
+    // 96 KiB: 128-row blocks of hs_pad = 80 f16 take 20 KiB, so 4 blocks
+    // (512 rows) per slice and 3 slices for V = 1111; a row of 1120 f32
+    // logits takes 4480 bytes, so 16 rows per chunk and 6 chunks of 83.
+    let backend = CpuBackend::with_max_binding(96 << 10);
+    for kind in [CaseKind::HeadKl, CaseKind::Topk] {
+        let mut c = case(kind, false);
+        c.max_rows_per_slice = None;
+        c.max_rows_per_chunk = None;
+        check(&backend, &c, 3, 5);
+    }
+    assert_eq!(backend.memory().current, 0, "every buffer was freed");
+    assert!(backend.memory().peak > 0);
+}
+
+#[test]
+fn one_engine_serves_calls_of_different_shapes() {
+    let backend = CpuBackend::new();
+    let kl = case(CaseKind::HeadKl, false);
+    let head = kl.head_weights().unwrap();
+    let mut engine = Engine::new(
+        &backend,
+        &head,
+        SliceOptions {
+            max_rows_per_slice: Some(256),
+        },
+    )
+    .unwrap();
+    let tol = Tolerance::default();
+    for (ntok, k, chunk) in [(83, 19, Some(20)), (5, 3, None), (40, 19, Some(16))] {
+        let mut c = kl.clone();
+        c.ntok = ntok;
+        c.k = k;
+        c.hidden.truncate(ntok * c.hs);
+        c.teacher_ids = kl
+            .teacher_ids
+            .chunks(19)
+            .take(ntok)
+            .flat_map(|r| r[..k].to_vec())
+            .collect();
+        c.teacher_probs = kl
+            .teacher_probs
+            .chunks(19)
+            .take(ntok)
+            .flat_map(|r| r[..k].to_vec())
+            .collect();
+        c.weights = None;
+        c.max_rows_per_chunk = chunk;
+        let hidden = c.hidden_rows(&[]).unwrap();
+        let teacher = c.teacher().unwrap();
+        let opts = c.loss_options();
+        let out = engine.head_kl(&hidden, &teacher, &opts).unwrap();
+        let want = head_kl_f64(&head, &hidden, &teacher, &opts.resolve(ntok).unwrap());
+        tol.check_loss(&out.loss, out.mean, &want).unwrap();
+        tol.check_dx(&out.dx, &want.dx).unwrap();
+        let top = engine.topk(&hidden, &c.topk_options()).unwrap();
+        tol.check_topk(&top.ids, &top.probs, &topk_f64(&head, &hidden, k, c.temperature))
+            .unwrap();
+    }
+}

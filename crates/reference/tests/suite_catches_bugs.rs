@@ -1,0 +1,258 @@
+//! The conformance suite itself is tested: a backend with one planted bug
+//! must fail it, in the part that should catch that bug, and a faithful
+//! wrapper must pass. Errors and panics inside a case fail that case only.
+
+use std::cell::Cell;
+
+use headkl_core::{
+    Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, KernelTime, KlDesc, MemoryStats, Result, TopkDesc,
+};
+use headkl_reference::conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
+use headkl_reference::{CpuBackend, CpuBuffer};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    None,
+    NoAccumulate,
+    IgnoreAlpha,
+    GemmWritesPastRegion,
+    KlPadLeftNaN,
+    KlLossOffset,
+    TopkSwapFirstTwo,
+    TopkProbsOff,
+    TopkNoNaNFlag,
+    ConvertPadNotZeroed,
+    Diagnostics,
+    TopkErrors,
+    GemmDxPanics,
+}
+
+struct Faulty {
+    inner: CpuBackend,
+    fault: Fault,
+    calls: Cell<usize>,
+}
+
+impl Faulty {
+    fn new(fault: Fault) -> Self {
+        Self {
+            inner: CpuBackend::new(),
+            fault,
+            calls: Cell::new(0),
+        }
+    }
+
+    fn read<T: bytemuck::Pod + Default>(&self, b: &CpuBuffer, n: usize) -> Vec<T> {
+        let mut v = vec![T::default(); n];
+        self.inner.download(b, 0, bytemuck::cast_slice_mut(&mut v)).unwrap();
+        v
+    }
+
+    fn write<T: bytemuck::Pod>(&self, b: &CpuBuffer, v: &[T]) {
+        self.inner.upload(b, 0, bytemuck::cast_slice(v)).unwrap();
+    }
+}
+
+impl Backend for Faulty {
+    type Buffer = CpuBuffer;
+
+    fn info(&self) -> &DeviceInfo {
+        self.inner.info()
+    }
+    fn alloc(&self, bytes: u64, label: &'static str) -> Result<CpuBuffer> {
+        self.inner.alloc(bytes, label)
+    }
+    fn upload(&self, dst: &CpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        self.inner.upload(dst, offset, data)
+    }
+    fn download(&self, src: &CpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.inner.download(src, offset, out)
+    }
+    fn convert_f16(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &ConvertDesc) -> Result<()> {
+        if self.fault == Fault::ConvertPadNotZeroed {
+            // convert into a scratch copy, then write back only the real rows × cols
+            let before: Vec<u16> = self.read(dst, d.rows_padded * d.ld);
+            self.inner.convert_f16(src, dst, d)?;
+            let mut after: Vec<u16> = self.read(dst, d.rows_padded * d.ld);
+            for (i, v) in after.iter_mut().enumerate() {
+                if i / d.ld >= d.rows || i % d.ld >= d.cols {
+                    *v = before[i];
+                }
+            }
+            self.write(dst, &after);
+            return Ok(());
+        }
+        self.inner.convert_f16(src, dst, d)
+    }
+    fn gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc, label: &'static str) -> Result<()> {
+        let mut d = *d;
+        match self.fault {
+            Fault::NoAccumulate => d.accumulate = false,
+            Fault::IgnoreAlpha => d.alpha = 1.0,
+            Fault::GemmDxPanics if label == "gemm_dx" => panic!("planted panic in gemm_dx"),
+            _ => {}
+        }
+        self.inner.gemm(a, b, c, &d, label)?;
+        if self.fault == Fault::GemmWritesPastRegion {
+            let end = d.c_offset + (d.m - 1) * d.ldc + d.n;
+            if (end as u64 + 1) * 4 <= c.len_bytes() {
+                self.inner.upload(c, end as u64 * 4, &0f32.to_ne_bytes())?;
+            }
+        }
+        Ok(())
+    }
+    fn kl_rows(
+        &self,
+        logits: &CpuBuffer,
+        ids: &CpuBuffer,
+        probs: &CpuBuffer,
+        coef: &CpuBuffer,
+        loss: &CpuBuffer,
+        grad: &CpuBuffer,
+        d: &KlDesc,
+    ) -> Result<()> {
+        self.inner.kl_rows(logits, ids, probs, coef, loss, grad, d)?;
+        match self.fault {
+            Fault::KlPadLeftNaN if d.ld > d.vocab => {
+                let mut g: Vec<u16> = self.read(grad, d.rows * d.ld);
+                for t in 0..d.rows {
+                    g[t * d.ld + d.vocab] = 0xFFFF;
+                }
+                self.write(grad, &g);
+            }
+            Fault::KlLossOffset => {
+                let mut l: Vec<f32> = self.read(loss, d.rows);
+                l.iter_mut().for_each(|v| *v += 1e-3);
+                self.write(loss, &l);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+    fn topk_rows(&self, logits: &CpuBuffer, ids: &CpuBuffer, probs: &CpuBuffer, d: &TopkDesc) -> Result<()> {
+        if self.fault == Fault::TopkErrors {
+            return Err(Error::Backend {
+                backend: "reference",
+                message: "planted topk failure".into(),
+            });
+        }
+        self.inner.topk_rows(logits, ids, probs, d)?;
+        let n = d.rows * d.k;
+        match self.fault {
+            Fault::TopkSwapFirstTwo if d.k >= 2 => {
+                let (mut i, mut p): (Vec<u32>, Vec<f32>) = (self.read(ids, n), self.read(probs, n));
+                for t in 0..d.rows {
+                    i.swap(t * d.k, t * d.k + 1);
+                    p.swap(t * d.k, t * d.k + 1);
+                }
+                self.write(ids, &i);
+                self.write(probs, &p);
+            }
+            Fault::TopkProbsOff => {
+                let mut p: Vec<f32> = self.read(probs, n);
+                p.iter_mut().for_each(|v| *v *= 1.001);
+                self.write(probs, &p);
+            }
+            Fault::TopkNoNaNFlag => {
+                let mut p: Vec<f32> = self.read(probs, n);
+                p.iter_mut().filter(|v| v.is_nan()).for_each(|v| *v = 0.5);
+                self.write(probs, &p);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+    fn finish(&self) -> Result<()> {
+        self.inner.finish()
+    }
+    fn memory(&self) -> MemoryStats {
+        self.inner.memory()
+    }
+    fn reset_peak_memory(&self) {
+        self.inner.reset_peak_memory()
+    }
+    fn take_kernel_times(&self) -> Result<Vec<KernelTime>> {
+        self.inner.take_kernel_times()
+    }
+    fn take_diagnostics(&self) -> Vec<String> {
+        self.calls.set(self.calls.get() + 1);
+        if self.fault == Fault::Diagnostics && self.calls.get().is_multiple_of(5) {
+            vec!["VUID-planted: fake validation error".into()]
+        } else {
+            Vec::new()
+        }
+    }
+}
+
+fn cfg() -> SuiteConfig {
+    SuiteConfig { cases: 4, seed: 99 }
+}
+
+/// Failures of `fault` in `part`, and every failure's message.
+fn failures(fault: Fault, part: Part) -> Vec<String> {
+    let b = Faulty::new(fault);
+    let mut seen = 0;
+    let report = run_part(&b, part, &cfg(), &mut |_| seen += 1);
+    assert_eq!(seen, report.cases);
+    assert_eq!(report.cases, part_case_count(part, &cfg()));
+    report
+        .failures
+        .iter()
+        .map(|f| format!("{}: {}", f.name, f.message))
+        .collect()
+}
+
+#[test]
+fn a_faithful_backend_passes_everything() {
+    let b = Faulty::new(Fault::None);
+    let report = run_suite(&b, &cfg(), &mut |_| {});
+    assert_eq!(report.cases, case_count(&cfg()));
+    assert!(report.failures.is_empty(), "{:#?}", report.failures);
+    assert!(report.worst_loss_err > 0.0 && report.worst_dx_err > 0.0 && report.worst_prob_err > 0.0);
+}
+
+#[test]
+fn each_planted_bug_is_caught() {
+    let expect = [
+        (Fault::NoAccumulate, Part::Kernels, "gemm result"),
+        (Fault::NoAccumulate, Part::Errors, "multi_slice_multi_chunk"),
+        (Fault::IgnoreAlpha, Part::Kernels, "gemm result"),
+        (Fault::IgnoreAlpha, Part::Regressions, "dx"),
+        (
+            Fault::GemmWritesPastRegion,
+            Part::Kernels,
+            "gemm wrote outside its region",
+        ),
+        (Fault::KlPadLeftNaN, Part::Kernels, "in the pad, want 0"),
+        (Fault::KlPadLeftNaN, Part::Regressions, "dx"),
+        (Fault::KlLossOffset, Part::Kernels, "loss: error"),
+        (Fault::KlLossOffset, Part::DriverCases, "loss: error"),
+        (Fault::TopkSwapFirstTwo, Part::Kernels, "ids["),
+        (Fault::TopkSwapFirstTwo, Part::Regressions, "topk ids"),
+        (Fault::TopkProbsOff, Part::Kernels, "topk probs"),
+        (Fault::TopkProbsOff, Part::DriverCases, "topk probs"),
+        (Fault::TopkNoNaNFlag, Part::Kernels, "want NaN"),
+        (Fault::TopkNoNaNFlag, Part::Errors, "NonFiniteHidden"),
+        (Fault::ConvertPadNotZeroed, Part::Kernels, "in the pad, want 0"),
+        (Fault::Diagnostics, Part::Regressions, "VUID-planted"),
+        (Fault::TopkErrors, Part::Regressions, "planted topk failure"),
+        (Fault::GemmDxPanics, Part::Errors, "panicked: planted panic in gemm_dx"),
+    ];
+    for (fault, part, needle) in expect {
+        let f = failures(fault, part);
+        assert!(
+            f.iter().any(|m| m.contains(needle)),
+            "{fault:?} in {part:?}: no failure mentions {needle:?}; failures: {f:#?}"
+        );
+    }
+}
+
+#[test]
+fn a_failure_message_names_the_case_and_the_worst_element() {
+    let f = failures(Fault::KlLossOffset, Part::Regressions);
+    let m = f
+        .iter()
+        .find(|m| m.starts_with("regression/v17_hs17_ntok17_k17_head_kl"))
+        .unwrap();
+    assert!(m.contains("worst: [") && m.contains("exceeds bound 1.000e-4"), "{m}");
+}
