@@ -1,1 +1,46 @@
-//! placeholder until the backend lands
+//! headkl-wgpu: the wgpu backend of headkl.
+//!
+//! It runs the shared WGSL kernels in `shaders/` (see `shaders/README.md`)
+//! on any Vulkan, Metal or DX12 adapter with f16 shaders. The GEMM runs on
+//! cooperative matrices (`gemm_coop.wgsl`) where the adapter offers the
+//! 16×16×16 f16×f16→f32 shape and a fixed subgroup size, and on the tiled
+//! fallback (`gemm_tiled.wgsl`) everywhere else.
+//!
+//! Environment:
+//! - `HEADKL_DEVICE=<index>`: the adapter [`WgpuBackend::open`] picks with
+//!   `None` (an index into [`enumerate`]'s list).
+//! - `HEADKL_NO_COOPMAT=1`: the tiled GEMM even where matrix units exist.
+//! - `HEADKL_CHECKED=1`: every kernel built with naga's runtime bounds checks
+//!   (by default the GEMMs are built without them: every index they form is
+//!   in range for the extents core validated).
+//! - `HEADKL_COOP_KERNEL=direct`: the cooperative GEMM that loads its
+//!   fragments straight from storage (`gemm_coop_direct.wgsl`) instead of
+//!   the one staged through workgroup memory (`gemm_coop.wgsl`).
+//! - `HEADKL_COOP_BK=16|32`: K staged per step by the staged cooperative GEMM.
+
+mod adapter;
+mod backend;
+mod buffer;
+mod kernels;
+
+pub use adapter::enumerate;
+pub use backend::{OpenOptions, WgpuBackend};
+pub use buffer::WgpuBuffer;
+
+/// The name this backend reports in [`headkl_core::DeviceInfo::backend`] and
+/// errors.
+pub const BACKEND: &str = "wgpu";
+
+/// Whether an environment flag is set to something other than empty, `0`
+/// or `false`.
+fn env_flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0" && !v.eq_ignore_ascii_case("false"))
+}
+
+/// `headkl_core::Error::Backend` from this backend.
+fn backend_error(message: impl Into<String>) -> headkl_core::Error {
+    headkl_core::Error::Backend {
+        backend: BACKEND,
+        message: message.into(),
+    }
+}

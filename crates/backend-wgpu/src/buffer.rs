@@ -1,0 +1,141 @@
+//! Device buffers and the state they share with the backend: memory
+//! accounting, the bind-group cache (entries die with their buffers), and
+//! the error log the device's callbacks write.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use headkl_core::MemoryStats;
+
+/// Which bind-group layout a cached bind group was made for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum LayoutKind {
+    Convert,
+    Kl,
+    Topk,
+    Gemm,
+}
+
+/// Bind groups are keyed by layout and the ids of the buffers at bindings
+/// 1.. (0 where unused).
+pub(crate) type BindKey = (LayoutKind, [u64; 6]);
+
+/// Errors the device reported outside any call's error scope, and device
+/// loss.
+#[derive(Default)]
+pub(crate) struct ErrorLog {
+    /// Everything reported, until `take_diagnostics`.
+    pub diagnostics: Vec<String>,
+    /// Reported but not yet returned from a call.
+    pub unreported: Vec<String>,
+    /// Set by the device-lost callback.
+    pub lost: Option<String>,
+}
+
+/// State shared by the backend, its buffers and the device callbacks.
+#[derive(Default)]
+pub(crate) struct Shared {
+    memory: Mutex<MemoryStats>,
+    bind_groups: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
+    pub errors: Mutex<ErrorLog>,
+    next_id: AtomicU64,
+}
+
+/// Locks a mutex, recovering the data if a panic poisoned it (every value
+/// guarded here stays consistent between statements).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    pub fn new_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    pub fn allocated(&self, bytes: u64) {
+        let mut m = lock(&self.memory);
+        m.current += bytes;
+        m.peak = m.peak.max(m.current);
+    }
+
+    pub fn memory(&self) -> MemoryStats {
+        *lock(&self.memory)
+    }
+
+    pub fn reset_peak(&self) {
+        let mut m = lock(&self.memory);
+        m.peak = m.current;
+    }
+
+    /// The cached bind group for `key`, made by `make` on a miss.
+    pub fn bind_group(&self, key: BindKey, make: impl FnOnce() -> wgpu::BindGroup) -> wgpu::BindGroup {
+        lock(&self.bind_groups).entry(key).or_insert_with(make).clone()
+    }
+
+    /// Drops one cached bind group (one whose creation failed).
+    pub fn drop_bind_group(&self, key: BindKey) {
+        lock(&self.bind_groups).remove(&key);
+    }
+
+    fn forget(&self, id: u64, bytes: u64) {
+        lock(&self.bind_groups).retain(|(_, ids), _| !ids.contains(&id));
+        let mut m = lock(&self.memory);
+        m.current = m.current.saturating_sub(bytes);
+    }
+
+    pub fn record_error(&self, message: String) {
+        let mut e = lock(&self.errors);
+        e.diagnostics.push(message.clone());
+        e.unreported.push(message);
+    }
+}
+
+/// A device-local storage buffer (STORAGE | COPY_SRC | COPY_DST). Dropping
+/// it frees the memory once queued work no longer uses it.
+pub struct WgpuBuffer {
+    pub(crate) raw: wgpu::Buffer,
+    pub(crate) id: u64,
+    /// Bytes asked for (the buffer itself is rounded up to 16 bytes).
+    pub(crate) bytes: u64,
+    shared: Arc<Shared>,
+}
+
+impl WgpuBuffer {
+    pub(crate) fn new(raw: wgpu::Buffer, bytes: u64, shared: Arc<Shared>) -> Self {
+        let id = shared.new_id();
+        shared.allocated(raw.size());
+        Self { raw, id, bytes, shared }
+    }
+
+    /// Bytes asked for when the buffer was allocated.
+    pub fn len(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Whether the buffer was allocated with 0 bytes.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The underlying wgpu buffer.
+    pub fn raw(&self) -> &wgpu::Buffer {
+        &self.raw
+    }
+}
+
+impl Drop for WgpuBuffer {
+    fn drop(&mut self) {
+        // Cached bind groups hold the buffer alive: drop them with it.
+        self.shared.forget(self.id, self.raw.size());
+    }
+}
+
+impl std::fmt::Debug for WgpuBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WgpuBuffer")
+            .field("id", &self.id)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}

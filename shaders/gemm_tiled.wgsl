@@ -1,0 +1,148 @@
+// The portable GEMM: C (+)= alpha * A * op(B), f16 operands, f32
+// accumulation, tiled through workgroup memory. Runs on every device
+// (lavapipe included). See shaders/README.md.
+enable f16;
+
+struct GemmParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    a_offset: u32,
+    lda: u32,
+    ldb: u32,
+    c_offset: u32,
+    ldc: u32,
+    alpha: f32,
+    accumulate: u32,
+    grid_x: u32,
+    pad0: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: GemmParams;
+@group(0) @binding(1) var<storage, read> a: array<f16>;
+@group(0) @binding(2) var<storage, read> b: array<f16>;
+@group(0) @binding(3) var<storage, read_write> c: array<f32>;
+
+const TM: u32 = 64u;
+const TN: u32 = 64u;
+const TK: u32 = 16u;
+
+// Staged tiles, K-major: as_[kk][i], bs_[kk][j].
+var<workgroup> as_: array<f32, TK * TM>;
+var<workgroup> bs_: array<f32, TK * TN>;
+
+struct Tile {
+    valid: bool,
+    row0: u32,
+    col0: u32,
+}
+
+fn tile_of(wg: vec3<u32>) -> Tile {
+    let tiles_m = (params.m + TM - 1u) / TM;
+    let tiles_n = (params.n + TN - 1u) / TN;
+    let l = wg.x + wg.y * params.grid_x;
+    return Tile(l < tiles_m * tiles_n, (l % tiles_m) * TM, (l / tiles_m) * TN);
+}
+
+// Stages A's 64 x 16 tile at K offset k0: 1024 elements, 4 per invocation.
+fn stage_a(t: Tile, k0: u32, lid: u32) {
+    for (var e = lid; e < TM * TK; e += 256u) {
+        let i = e / TK;
+        let kk = e % TK;
+        let row = t.row0 + i;
+        var v = 0.0;
+        if row < params.m {
+            v = f32(a[params.a_offset + row * params.lda + k0 + kk]);
+        }
+        as_[kk * TM + i] = v;
+    }
+}
+
+// Inner product of the staged tiles into 4 x 4 accumulators: invocation
+// (tx, ty) owns rows ty + 16 r and columns tx + 16 s.
+fn multiply(acc: ptr<function, array<vec4<f32>, 4>>, tx: u32, ty: u32) {
+    for (var kk = 0u; kk < TK; kk++) {
+        let av = vec4<f32>(as_[kk * TM + ty], as_[kk * TM + ty + 16u], as_[kk * TM + ty + 32u], as_[kk * TM + ty + 48u]);
+        let bv = vec4<f32>(bs_[kk * TN + tx], bs_[kk * TN + tx + 16u], bs_[kk * TN + tx + 32u], bs_[kk * TN + tx + 48u]);
+        (*acc)[0] += av.x * bv;
+        (*acc)[1] += av.y * bv;
+        (*acc)[2] += av.z * bv;
+        (*acc)[3] += av.w * bv;
+    }
+}
+
+fn store(t: Tile, acc: array<vec4<f32>, 4>, tx: u32, ty: u32) {
+    for (var r = 0u; r < 4u; r++) {
+        let row = t.row0 + ty + 16u * r;
+        if row >= params.m {
+            continue;
+        }
+        for (var s = 0u; s < 4u; s++) {
+            let col = t.col0 + tx + 16u * s;
+            if col < params.n {
+                let o = params.c_offset + row * params.ldc + col;
+                var v = params.alpha * acc[r][s];
+                if params.accumulate != 0u {
+                    v += c[o];
+                }
+                c[o] = v;
+            }
+        }
+    }
+}
+
+// C = A * B^T with B stored [n][k].
+@compute @workgroup_size(16, 16)
+fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let t = tile_of(wg);
+    if !t.valid {
+        return;
+    }
+    var acc: array<vec4<f32>, 4>;
+    for (var k0 = 0u; k0 < params.k; k0 += TK) {
+        stage_a(t, k0, lid);
+        for (var e = lid; e < TN * TK; e += 256u) {
+            let j = e / TK;
+            let kk = e % TK;
+            let col = t.col0 + j;
+            var v = 0.0;
+            if col < params.n {
+                v = f32(b[col * params.ldb + k0 + kk]);
+            }
+            bs_[kk * TN + j] = v;
+        }
+        workgroupBarrier();
+        multiply(&acc, li.x, li.y);
+        workgroupBarrier();
+    }
+    store(t, acc, li.x, li.y);
+}
+
+// C = A * B with B stored [k][n].
+@compute @workgroup_size(16, 16)
+fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let t = tile_of(wg);
+    if !t.valid {
+        return;
+    }
+    var acc: array<vec4<f32>, 4>;
+    for (var k0 = 0u; k0 < params.k; k0 += TK) {
+        stage_a(t, k0, lid);
+        for (var e = lid; e < TN * TK; e += 256u) {
+            let kk = e / TN;
+            let j = e % TN;
+            let col = t.col0 + j;
+            var v = 0.0;
+            if col < params.n {
+                v = f32(b[(k0 + kk) * params.ldb + col]);
+            }
+            bs_[kk * TN + j] = v;
+        }
+        workgroupBarrier();
+        multiply(&acc, li.x, li.y);
+        workgroupBarrier();
+    }
+    store(t, acc, li.x, li.y);
+}

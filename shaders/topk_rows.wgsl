@@ -1,0 +1,285 @@
+// The exact top-k row kernel (headkl_core::TopkDesc): one workgroup per
+// token row, radix select over order-preserving keys, then a bitonic sort of
+// the k selected. See shaders/README.md.
+
+struct RowParams {
+    rows: u32,
+    vocab: u32,
+    ld: u32,
+    k: u32,
+    grid_x: u32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: RowParams;
+@group(0) @binding(1) var<storage, read> logits: array<f32>;
+@group(0) @binding(2) var<storage, read_write> ids: array<u32>;
+@group(0) @binding(3) var<storage, read_write> probs: array<f32>;
+
+const WG: u32 = 256u;
+const MAX_K: u32 = 2048u;
+// Sorts after every real key: real keys of finite logits are never 0.
+const PAD_KEY: u32 = 0u;
+const PAD_ID: u32 = 0xffffffffu;
+
+// Digit histogram: 11-bit digits.
+const HIST: u32 = 2048u;
+var<workgroup> hist: array<atomic<u32>, HIST>;
+var<workgroup> scan: array<u32, WG>;
+var<workgroup> sel_key: array<u32, MAX_K>;
+var<workgroup> sel_id: array<u32, MAX_K>;
+var<workgroup> gt_count: atomic<u32>;
+var<workgroup> eq_count: atomic<u32>;
+var<workgroup> bad_flag: atomic<u32>;
+// Values every invocation reads through workgroupUniformLoad.
+var<workgroup> u_bad: u32;
+var<workgroup> u_prefix: u32;
+var<workgroup> u_need: u32;
+var<workgroup> u_bucket: u32;
+var<workgroup> u_total: u32;
+
+// Order-preserving u32 image of a finite f32 (-0 and +0 map to one key, so
+// they tie like equal floats).
+fn key_of(x: f32) -> u32 {
+    var b = bitcast<u32>(x);
+    if b == 0x80000000u {
+        b = 0u;
+    }
+    if (b & 0x80000000u) != 0u {
+        return ~b;
+    }
+    return b | 0x80000000u;
+}
+
+fn value_of(key: u32) -> f32 {
+    if (key & 0x80000000u) != 0u {
+        return bitcast<f32>(key & 0x7fffffffu);
+    }
+    return bitcast<f32>(~key);
+}
+
+fn non_finite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) >= 0x7f800000u;
+}
+
+// Inclusive prefix sum of scan[0..WG) (Hillis-Steele). Call from uniform
+// control flow.
+fn scan_inclusive(lid: u32) {
+    for (var off = 1u; off < WG; off <<= 1u) {
+        var v = scan[lid];
+        if lid >= off {
+            v += scan[lid - off];
+        }
+        workgroupBarrier();
+        scan[lid] = v;
+        workgroupBarrier();
+    }
+}
+
+// Whether (ka, ia) comes before (kb, ib): key descending, id ascending.
+fn before(ka: u32, ia: u32, kb: u32, ib: u32) -> bool {
+    return ka > kb || (ka == kb && ia < ib);
+}
+
+@compute @workgroup_size(256)
+fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let row = wg.x + wg.y * params.grid_x;
+    if row >= params.rows {
+        return;
+    }
+    let vocab = params.vocab;
+    let k = params.k;
+    let base = row * params.ld;
+
+    if lid == 0u {
+        u_prefix = 0u;
+        u_need = k;
+        atomicStore(&bad_flag, 0u);
+        atomicStore(&gt_count, 0u);
+        atomicStore(&eq_count, 0u);
+    }
+
+    // Radix select: find the k-th largest key in 3 digits of 11, 11 and 10
+    // bits. After a pass, `prefix` holds the key's bits resolved so far
+    // (under `mask`) and `need` how many keys with that prefix are still to
+    // be taken (1 ≤ need ≤ bucket, the keys with that prefix).
+    var mask = 0u;
+    var prefix = 0u;
+    var need = k;
+    var bucket = 0u;
+    for (var digit_pass = 0u; digit_pass < 3u; digit_pass++) {
+        var shift = 21u - 11u * digit_pass;
+        var bins = HIST;
+        if digit_pass == 2u {
+            shift = 0u;
+            bins = HIST / 2u;
+        }
+        let digit_mask = bins - 1u;
+        for (var i = lid; i < HIST; i += WG) {
+            atomicStore(&hist[i], 0u);
+        }
+        workgroupBarrier();
+        var bad = false;
+        for (var j = lid; j < vocab; j += WG) {
+            let x = logits[base + j];
+            if digit_pass == 0u && non_finite(x) {
+                bad = true;
+            }
+            let key = key_of(x);
+            if (key & mask) == prefix {
+                atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+            }
+        }
+        if bad {
+            atomicStore(&bad_flag, 1u);
+        }
+        workgroupBarrier();
+        if digit_pass == 0u {
+            if lid == 0u {
+                u_bad = atomicLoad(&bad_flag);
+            }
+            if workgroupUniformLoad(&u_bad) != 0u {
+                if lid == 0u {
+                    probs[row * k] = bitcast<f32>(0x7fc00000u);
+                }
+                return;
+            }
+        }
+        // Invocation t owns digits [t·per, (t+1)·per). The scan over
+        // invocations in reverse order counts the keys above its digits.
+        let per = bins / WG;
+        var own = 0u;
+        for (var d = lid * per; d < (lid + 1u) * per; d++) {
+            own += atomicLoad(&hist[d]);
+        }
+        scan[WG - 1u - lid] = own;
+        workgroupBarrier();
+        scan_inclusive(lid);
+        var above = scan[WG - 1u - lid] - own;
+        for (var i = 0u; i < per; i++) {
+            let d = (lid + 1u) * per - 1u - i;
+            let h = atomicLoad(&hist[d]);
+            if above < need && need <= above + h {
+                u_prefix = prefix | (d << shift);
+                u_need = need - above;
+                u_bucket = h;
+            }
+            above += h;
+        }
+        prefix = workgroupUniformLoad(&u_prefix);
+        need = workgroupUniformLoad(&u_need);
+        bucket = workgroupUniformLoad(&u_bucket);
+        mask |= digit_mask << shift;
+        if need == bucket {
+            // Every key in the bucket is taken: no tie to break below.
+            break;
+        }
+    }
+
+    // Gather: keys above the bucket anywhere, and the bucket's keys when all
+    // of them are taken.
+    let take_all = need == bucket;
+    let n_gt = k - need;
+    for (var j = lid; j < vocab; j += WG) {
+        let key = key_of(logits[base + j]);
+        let hi = key & mask;
+        if hi > prefix {
+            let slot = atomicAdd(&gt_count, 1u);
+            sel_key[slot] = key;
+            sel_id[slot] = j;
+        } else if take_all && hi == prefix {
+            let slot = n_gt + atomicAdd(&eq_count, 1u);
+            sel_key[slot] = key;
+            sel_id[slot] = j;
+        }
+    }
+    if !take_all {
+        // All 32 bits were resolved: the bucket is the keys equal to the
+        // k-th largest. Take the `need` lowest ids among them, tile by tile
+        // in id order.
+        var taken = 0u;
+        for (var tile = 0u; tile < vocab; tile += WG) {
+            let j = tile + lid;
+            var hit = 0u;
+            var key = 0u;
+            if j < vocab {
+                key = key_of(logits[base + j]);
+                if key == prefix {
+                    hit = 1u;
+                }
+            }
+            workgroupBarrier();
+            scan[lid] = hit;
+            workgroupBarrier();
+            scan_inclusive(lid);
+            let before_me = taken + scan[lid] - hit;
+            if hit == 1u && before_me < need {
+                sel_key[n_gt + before_me] = key;
+                sel_id[n_gt + before_me] = j;
+            }
+            if lid == WG - 1u {
+                u_total = scan[lid];
+            }
+            taken += workgroupUniformLoad(&u_total);
+            if taken >= need {
+                break;
+            }
+        }
+    }
+
+    // Bitonic sort of the k selected, padded to a power of two.
+    var n = 1u;
+    while n < k {
+        n <<= 1u;
+    }
+    for (var i = k + lid; i < n; i += WG) {
+        sel_key[i] = PAD_KEY;
+        sel_id[i] = PAD_ID;
+    }
+    workgroupBarrier();
+    for (var size = 2u; size <= n; size <<= 1u) {
+        for (var stride = size >> 1u; stride > 0u; stride >>= 1u) {
+            for (var t = lid; t < n / 2u; t += WG) {
+                let i = (t / stride) * stride * 2u + t % stride;
+                let jj = i + stride;
+                let ki = sel_key[i];
+                let ii = sel_id[i];
+                let kj = sel_key[jj];
+                let ij = sel_id[jj];
+                // Ascending blocks (in "before" order) when bit `size` of i is 0.
+                let up = (i & size) == 0u;
+                if before(kj, ij, ki, ii) == up {
+                    sel_key[i] = kj;
+                    sel_id[i] = ij;
+                    sel_key[jj] = ki;
+                    sel_id[jj] = ii;
+                }
+            }
+            workgroupBarrier();
+        }
+    }
+
+    // Softmax over the k, relative to the largest (the first).
+    let top = value_of(sel_key[0]);
+    var part = 0.0;
+    for (var q = lid; q < k; q += WG) {
+        part += exp(value_of(sel_key[q]) - top);
+    }
+    // Reuse `scan` as f32 bits for the reduction.
+    scan[lid] = bitcast<u32>(part);
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if lid < s {
+            scan[lid] = bitcast<u32>(bitcast<f32>(scan[lid]) + bitcast<f32>(scan[lid + s]));
+        }
+        workgroupBarrier();
+    }
+    let total = bitcast<f32>(scan[0]);
+    let out = row * k;
+    for (var q = lid; q < k; q += WG) {
+        ids[out + q] = sel_id[q];
+        probs[out + q] = exp(value_of(sel_key[q]) - top) / total;
+    }
+}
