@@ -1,0 +1,223 @@
+//! The logical device: one compute queue, the features headkl enables, the
+//! memory counters, and buffers waiting to be freed once the GPU is done
+//! with them.
+
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ash::vk;
+use headkl_core::{MemoryStats, Result};
+
+use crate::adapter::{Adapter, Caps, Source};
+use crate::conv::{backend_error, vk_error};
+use crate::instance::Instance;
+use crate::memory::RawBuffer;
+
+/// What was enabled at device creation.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Enabled {
+    /// `VK_KHR_cooperative_matrix` with the Vulkan memory model.
+    pub(crate) cooperative_matrix: bool,
+    /// `subgroupSizeControl`: pipelines may pin their subgroup size.
+    pub(crate) subgroup_size_control: bool,
+    /// `computeFullSubgroups`: pipelines may require full subgroups.
+    pub(crate) full_subgroups: bool,
+    /// `shaderZeroInitializeWorkgroupMemory` (else naga polyfills it).
+    pub(crate) zero_initialize_workgroup_memory: bool,
+}
+
+/// Bytes of buffer memory held now and at peak.
+#[derive(Default)]
+pub(crate) struct MemoryCounters {
+    current: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl MemoryCounters {
+    pub(crate) fn add(&self, bytes: u64) {
+        let now = self.current.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        self.peak.fetch_max(now, Ordering::SeqCst);
+    }
+
+    pub(crate) fn sub(&self, bytes: u64) {
+        self.current.fetch_sub(bytes, Ordering::SeqCst);
+    }
+
+    pub(crate) fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            current: self.current.load(Ordering::SeqCst),
+            peak: self.peak.load(Ordering::SeqCst),
+        }
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        self.peak.store(self.current.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+/// A logical device shared (through `Arc`) by the backend and every buffer,
+/// so a buffer outliving the backend still frees itself correctly.
+pub(crate) struct Device {
+    pub(crate) raw: ash::Device,
+    pub(crate) queue: vk::Queue,
+    pub(crate) family: u32,
+    pub(crate) caps: Caps,
+    pub(crate) memory_properties: vk::PhysicalDeviceMemoryProperties,
+    pub(crate) enabled: Enabled,
+    pub(crate) counters: MemoryCounters,
+    /// Set while recorded or submitted work has not been waited for; a
+    /// buffer dropped meanwhile is parked in `garbage` instead of freed.
+    pub(crate) work_pending: AtomicBool,
+    garbage: Mutex<Vec<RawBuffer>>,
+    /// Declared last: dropped after the device is destroyed.
+    pub(crate) instance: Arc<Instance>,
+}
+
+impl Device {
+    /// Creates the logical device on `adapter` with every feature headkl
+    /// uses that the device has; `want_coop` enables the cooperative-matrix
+    /// path's features.
+    pub(crate) fn new(instance: Arc<Instance>, adapter: &Adapter, want_coop: bool) -> Result<Arc<Self>> {
+        let caps = adapter.caps.clone();
+        let Some(family) = caps.compute_family else {
+            return Err(backend_error("the device has no compute queue family"));
+        };
+        let f = caps.features;
+        let s = caps.sources;
+        let coop = want_coop && caps.coop_capable();
+        let size_control = f.subgroup_size_control;
+        let full_subgroups = f.compute_full_subgroups;
+        let zero_init = f.zero_initialize_workgroup_memory;
+
+        let mut extensions: Vec<&'static CStr> = Vec::new();
+        let mut need = |source: Source| {
+            if let Source::Extension(name) = source {
+                if !extensions.contains(&name) {
+                    extensions.push(name);
+                }
+            }
+        };
+        need(s.float16_int8);
+        if size_control || full_subgroups {
+            need(s.subgroup_size_control);
+        }
+        if f.maintenance4 {
+            need(s.maintenance4);
+        }
+        if zero_init {
+            need(s.zero_initialize_workgroup_memory);
+        }
+        if coop {
+            need(s.memory_model);
+            need(s.cooperative_matrix);
+        }
+        let extension_ptrs: Vec<_> = extensions.iter().map(|e| e.as_ptr()).collect();
+
+        let mut storage16 = vk::PhysicalDevice16BitStorageFeatures::default()
+            .storage_buffer16_bit_access(true)
+            .uniform_and_storage_buffer16_bit_access(true);
+        let mut float16 = vk::PhysicalDeviceShaderFloat16Int8Features::default().shader_float16(true);
+        let mut size_control_features = vk::PhysicalDeviceSubgroupSizeControlFeatures::default()
+            .subgroup_size_control(size_control)
+            .compute_full_subgroups(full_subgroups);
+        let mut maintenance4 = vk::PhysicalDeviceMaintenance4Features::default().maintenance4(true);
+        let mut zero = vk::PhysicalDeviceZeroInitializeWorkgroupMemoryFeatures::default()
+            .shader_zero_initialize_workgroup_memory(true);
+        // naga's cooperative-matrix SPIR-V uses the Vulkan memory model, and
+        // its storage accesses then carry device scope.
+        let mut memory_model = vk::PhysicalDeviceVulkanMemoryModelFeatures::default()
+            .vulkan_memory_model(true)
+            .vulkan_memory_model_device_scope(true);
+        let mut coop_features = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
+
+        let priorities = [1.0f32];
+        let queue_info = [vk::DeviceQueueCreateInfo::default()
+            .queue_family_index(family)
+            .queue_priorities(&priorities)];
+        let mut info = vk::DeviceCreateInfo::default()
+            .queue_create_infos(&queue_info)
+            .enabled_extension_names(&extension_ptrs)
+            .push_next(&mut storage16)
+            .push_next(&mut float16);
+        if size_control || full_subgroups {
+            info = info.push_next(&mut size_control_features);
+        }
+        if f.maintenance4 {
+            info = info.push_next(&mut maintenance4);
+        }
+        if zero_init {
+            info = info.push_next(&mut zero);
+        }
+        if coop {
+            info = info.push_next(&mut memory_model).push_next(&mut coop_features);
+        }
+        // SAFETY: every chained struct is core at the device's API version or
+        // its extension is in the enabled list; every feature set to true is
+        // reported supported by the device; all pointers outlive the call.
+        let raw = unsafe { instance.raw.create_device(adapter.raw, &info, None) }
+            .map_err(|e| vk_error(e, "vkCreateDevice"))?;
+        // SAFETY: the family was created with one queue.
+        let queue = unsafe { raw.get_device_queue(family, 0) };
+        // SAFETY: valid instance and device; plain data back.
+        let memory_properties = unsafe { instance.raw.get_physical_device_memory_properties(adapter.raw) };
+        Ok(Arc::new(Self {
+            raw,
+            queue,
+            family,
+            caps,
+            memory_properties,
+            enabled: Enabled {
+                cooperative_matrix: coop,
+                subgroup_size_control: size_control,
+                full_subgroups,
+                zero_initialize_workgroup_memory: zero_init,
+            },
+            counters: MemoryCounters::default(),
+            work_pending: AtomicBool::new(false),
+            garbage: Mutex::new(Vec::new()),
+            instance,
+        }))
+    }
+
+    /// Frees `buffer` now, or parks it until the queued work that may use
+    /// it has been waited for.
+    pub(crate) fn release(&self, buffer: RawBuffer) {
+        if self.work_pending.load(Ordering::SeqCst) {
+            match self.garbage.lock() {
+                Ok(mut g) => g.push(buffer),
+                Err(p) => p.into_inner().push(buffer),
+            }
+        } else {
+            // SAFETY: no work is pending, so the GPU no longer uses it.
+            unsafe { buffer.destroy(self) };
+        }
+    }
+
+    /// Frees the parked buffers; called after a wait, when no work is
+    /// pending.
+    pub(crate) fn collect_garbage(&self) {
+        let parked = match self.garbage.lock() {
+            Ok(mut g) => std::mem::take(&mut *g),
+            Err(p) => std::mem::take(&mut *p.into_inner()),
+        };
+        for buffer in parked {
+            // SAFETY: the caller waited for all submitted work.
+            unsafe { buffer.destroy(self) };
+        }
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: the last `Arc` is gone, so no buffer, stream or pipeline
+        // uses the device; waiting for idle makes destroying it safe. A wait
+        // failure (device lost) leaves nothing running either.
+        unsafe {
+            let _ = self.raw.device_wait_idle();
+        }
+        self.collect_garbage();
+        // SAFETY: every child object was destroyed above or by its owner.
+        unsafe { self.raw.destroy_device(None) };
+    }
+}

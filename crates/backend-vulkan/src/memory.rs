@@ -1,0 +1,312 @@
+//! Buffers and their memory: device-local buffers the driver sees, and the
+//! persistently mapped host-visible buffers used for staging and uniforms.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use ash::vk;
+use headkl_core::{Error, Result};
+
+use crate::conv::{alloc_error, backend_error};
+use crate::device::Device;
+
+/// A buffer and its dedicated memory.
+#[derive(Debug)]
+pub(crate) struct RawBuffer {
+    pub(crate) buffer: vk::Buffer,
+    pub(crate) memory: vk::DeviceMemory,
+    /// Bytes usable (what was asked, rounded up to 4).
+    pub(crate) size: u64,
+    /// Bytes of memory allocated (counted in the memory stats when
+    /// `counted`).
+    allocated: u64,
+    counted: bool,
+}
+
+impl RawBuffer {
+    /// Destroys the buffer and frees its memory.
+    ///
+    /// # Safety
+    /// The GPU must be done with it and it must have been made on `device`.
+    pub(crate) unsafe fn destroy(self, device: &Device) {
+        // SAFETY: per the contract above.
+        unsafe {
+            device.raw.destroy_buffer(self.buffer, None);
+            device.raw.free_memory(self.memory, None);
+        }
+        if self.counted {
+            device.counters.sub(self.allocated);
+        }
+    }
+}
+
+/// The index of a memory type allowed by `type_bits` that has all of
+/// `required`, preferring one with none of `avoid`.
+pub(crate) fn find_memory_type(
+    props: &vk::PhysicalDeviceMemoryProperties,
+    type_bits: u32,
+    required: vk::MemoryPropertyFlags,
+    avoid: vk::MemoryPropertyFlags,
+) -> Option<u32> {
+    let types = props.memory_types_as_slice();
+    let allowed = |i: usize| type_bits & (1 << i) != 0 && types[i].property_flags.contains(required);
+    (0..types.len())
+        .find(|&i| allowed(i) && !types[i].property_flags.intersects(avoid))
+        .or_else(|| (0..types.len()).find(|&i| allowed(i)))
+        .map(|i| i as u32)
+}
+
+/// Creates a buffer of `bytes` bytes with dedicated memory of a type that
+/// has `required` (and, if possible, none of `avoid`). Memory exhaustion is
+/// [`Error::OutOfMemory`] naming `what` and the bytes asked.
+pub(crate) fn create_buffer(
+    device: &Device,
+    bytes: u64,
+    usage: vk::BufferUsageFlags,
+    required: vk::MemoryPropertyFlags,
+    avoid: vk::MemoryPropertyFlags,
+    what: &'static str,
+    counted: bool,
+) -> Result<RawBuffer> {
+    let size = bytes.max(4).div_ceil(4) * 4;
+    if size > device.caps.max_buffer_bytes {
+        return Err(Error::OutOfMemory { bytes, what });
+    }
+    let info = vk::BufferCreateInfo::default()
+        .size(size)
+        .usage(usage)
+        .sharing_mode(vk::SharingMode::EXCLUSIVE);
+    // SAFETY: valid device and create info.
+    let buffer = unsafe { device.raw.create_buffer(&info, None) }.map_err(|e| alloc_error(e, bytes, what))?;
+    // SAFETY: `buffer` was just created on this device.
+    let req = unsafe { device.raw.get_buffer_memory_requirements(buffer) };
+    let free_buffer = |err: Error| {
+        // SAFETY: the buffer is unused and has no memory bound.
+        unsafe { device.raw.destroy_buffer(buffer, None) };
+        err
+    };
+    let Some(type_index) = find_memory_type(&device.memory_properties, req.memory_type_bits, required, avoid) else {
+        return Err(free_buffer(backend_error(format!(
+            "{what}: no memory type with {required:?} for this buffer"
+        ))));
+    };
+    let mut dedicated = vk::MemoryDedicatedAllocateInfo::default().buffer(buffer);
+    let alloc = vk::MemoryAllocateInfo::default()
+        .allocation_size(req.size)
+        .memory_type_index(type_index)
+        .push_next(&mut dedicated);
+    // SAFETY: valid device; the type index comes from this device's list and
+    // the dedicated buffer is this (unbound) buffer.
+    let memory = match unsafe { device.raw.allocate_memory(&alloc, None) } {
+        Ok(m) => m,
+        Err(e) => return Err(free_buffer(alloc_error(e, bytes, what))),
+    };
+    // SAFETY: fresh buffer and memory of the required size and type.
+    if let Err(e) = unsafe { device.raw.bind_buffer_memory(buffer, memory, 0) } {
+        // SAFETY: the memory is not in use.
+        unsafe { device.raw.free_memory(memory, None) };
+        return Err(free_buffer(alloc_error(e, bytes, what)));
+    }
+    if counted {
+        device.counters.add(req.size);
+    }
+    Ok(RawBuffer {
+        buffer,
+        memory,
+        size,
+        allocated: req.size,
+        counted,
+    })
+}
+
+/// A device buffer handed to the driver. It frees itself when dropped
+/// (after the GPU is done with it); it holds the device alive.
+pub struct VulkanBuffer {
+    pub(crate) device: Arc<Device>,
+    /// `None` only during drop.
+    raw: Option<RawBuffer>,
+    label: &'static str,
+}
+
+impl VulkanBuffer {
+    /// A device-local storage buffer of `bytes` bytes.
+    pub(crate) fn new(device: &Arc<Device>, bytes: u64, label: &'static str) -> Result<Self> {
+        let raw = create_buffer(
+            device,
+            bytes,
+            vk::BufferUsageFlags::STORAGE_BUFFER
+                | vk::BufferUsageFlags::TRANSFER_SRC
+                | vk::BufferUsageFlags::TRANSFER_DST,
+            vk::MemoryPropertyFlags::DEVICE_LOCAL,
+            vk::MemoryPropertyFlags::HOST_VISIBLE,
+            label,
+            true,
+        )
+        .or_else(|e| match e {
+            // A device without device-local memory for buffers (none known)
+            // still has some memory type that takes them.
+            Error::Backend { .. } => create_buffer(
+                device,
+                bytes,
+                vk::BufferUsageFlags::STORAGE_BUFFER
+                    | vk::BufferUsageFlags::TRANSFER_SRC
+                    | vk::BufferUsageFlags::TRANSFER_DST,
+                vk::MemoryPropertyFlags::empty(),
+                vk::MemoryPropertyFlags::empty(),
+                label,
+                true,
+            ),
+            other => Err(other),
+        })?;
+        Ok(Self {
+            device: Arc::clone(device),
+            raw: Some(raw),
+            label,
+        })
+    }
+
+    /// Usable size in bytes.
+    pub fn size(&self) -> u64 {
+        self.raw.as_ref().map_or(0, |r| r.size)
+    }
+
+    /// The label given at allocation.
+    pub fn label(&self) -> &'static str {
+        self.label
+    }
+
+    /// The Vulkan handle (valid while `self` lives).
+    pub(crate) fn handle(&self) -> vk::Buffer {
+        self.raw.as_ref().map_or(vk::Buffer::null(), |r| r.buffer)
+    }
+}
+
+impl std::fmt::Debug for VulkanBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VulkanBuffer")
+            .field("label", &self.label)
+            .field("size", &self.size())
+            .finish()
+    }
+}
+
+impl Drop for VulkanBuffer {
+    fn drop(&mut self) {
+        if let Some(raw) = self.raw.take() {
+            self.device.release(raw);
+        }
+    }
+}
+
+/// A persistently mapped, host-coherent buffer (staging or uniforms). Its
+/// owner destroys it explicitly with [`HostBuffer::destroy`].
+pub(crate) struct HostBuffer {
+    pub(crate) raw: RawBuffer,
+    ptr: NonNull<u8>,
+}
+
+// SAFETY: the mapping is plain memory; every access goes through `&mut self`
+// or happens while the owner's lock is held.
+unsafe impl Send for HostBuffer {}
+
+impl HostBuffer {
+    /// A mapped buffer of `bytes` bytes for `usage`; `cached` prefers a
+    /// host-cached type (for reading back).
+    pub(crate) fn new(
+        device: &Device,
+        bytes: u64,
+        usage: vk::BufferUsageFlags,
+        cached: bool,
+        what: &'static str,
+    ) -> Result<Self> {
+        let coherent = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+        let raw = if cached {
+            create_buffer(
+                device,
+                bytes,
+                usage,
+                coherent | vk::MemoryPropertyFlags::HOST_CACHED,
+                vk::MemoryPropertyFlags::empty(),
+                what,
+                false,
+            )
+            .or_else(|_| {
+                create_buffer(
+                    device,
+                    bytes,
+                    usage,
+                    coherent,
+                    vk::MemoryPropertyFlags::empty(),
+                    what,
+                    false,
+                )
+            })?
+        } else {
+            create_buffer(
+                device,
+                bytes,
+                usage,
+                coherent,
+                vk::MemoryPropertyFlags::empty(),
+                what,
+                false,
+            )?
+        };
+        // SAFETY: host-visible memory, not yet mapped, whole range.
+        let mapped = unsafe {
+            device
+                .raw
+                .map_memory(raw.memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty())
+        };
+        let ptr = match mapped.map(|p| NonNull::new(p.cast::<u8>())) {
+            Ok(Some(p)) => p,
+            Ok(None) | Err(_) => {
+                // SAFETY: the buffer is unused.
+                unsafe { raw.destroy(device) };
+                return Err(Error::OutOfMemory { bytes, what });
+            }
+        };
+        Ok(Self { raw, ptr })
+    }
+
+    /// Usable size in bytes.
+    pub(crate) fn size(&self) -> u64 {
+        self.raw.size
+    }
+
+    /// Copies `data` into the mapping at `offset`.
+    pub(crate) fn write(&mut self, offset: u64, data: &[u8]) {
+        let end = offset.saturating_add(data.len() as u64);
+        assert!(end <= self.raw.size, "host buffer write out of range");
+        // SAFETY: the range was checked against the mapped size; the memory
+        // is host-coherent and the GPU is not using this range (the stream
+        // hands out each range once per submission).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset as usize), data.len());
+        }
+    }
+
+    /// Copies the mapping at `offset` into `out`.
+    pub(crate) fn read(&self, offset: u64, out: &mut [u8]) {
+        let end = offset.saturating_add(out.len() as u64);
+        assert!(end <= self.raw.size, "host buffer read out of range");
+        // SAFETY: the range was checked; the GPU finished writing it (the
+        // stream waited on the fence) and coherent memory needs no
+        // invalidation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len());
+        }
+    }
+
+    /// Unmaps and frees the buffer.
+    ///
+    /// # Safety
+    /// The GPU must be done with it; it must have been made on `device`.
+    pub(crate) unsafe fn destroy(self, device: &Device) {
+        // SAFETY: per the contract; unmapping before freeing.
+        unsafe {
+            device.raw.unmap_memory(self.raw.memory);
+            self.raw.destroy(device);
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! Plumbing tests with the crate's own tiny kernels, and the check that every
+//! shared shader (the cooperative-matrix GEMM included) compiles to SPIR-V.
+
+use headkl_core::Backend;
+use naga::back::spv::Capability;
+
+use crate::kernels;
+use crate::pipeline::{compile, parse, PipelineKey, ShaderSource, ShaderTarget};
+use crate::{VulkanBackend, VulkanOptions};
+
+/// Whether `HEADKL_REQUIRE` names the Vulkan backend.
+fn required() -> bool {
+    std::env::var("HEADKL_REQUIRE").is_ok_and(|v| v.split(',').any(|b| b.trim().eq_ignore_ascii_case("vulkan")))
+}
+
+/// Opens the default device with validation and a staging buffer of
+/// `staging` bytes; `None` (after saying why) when there is no device and
+/// the backend is not required.
+fn open(staging: u64) -> Option<VulkanBackend> {
+    let options = VulkanOptions {
+        validation: true,
+        ..VulkanOptions::from_env(None)
+    };
+    match VulkanBackend::open_inner(&options, staging) {
+        Ok(b) => Some(b),
+        Err(e) if !required() => {
+            eprintln!("SKIPPED: the Vulkan backend could not start: {e}");
+            None
+        }
+        Err(e) => panic!("HEADKL_REQUIRE names vulkan, but it could not start: {e}"),
+    }
+}
+
+/// `dst[i] = f16(src[i] · scale)` over a folded grid of `WG`-wide groups.
+const SCALE: ShaderSource = ShaderSource {
+    file: "test_scale.wgsl",
+    text: r#"
+enable f16;
+struct P { n: u32, scale: f32, grid_x: u32, pad: u32 }
+@group(0) @binding(0) var<uniform> p: P;
+@group(0) @binding(1) var<storage, read> src: array<f32>;
+@group(0) @binding(2) var<storage, read_write> dst: array<f16>;
+override WG: u32 = 64u;
+@compute @workgroup_size(WG)
+fn scale_f16(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = (wg.x + wg.y * p.grid_x) * WG + lid;
+    if i >= p.n { return; }
+    dst[i] = f16(src[i] * p.scale);
+}
+"#,
+};
+
+/// `x[i] += p.add` for `i < n` (one invocation per element, 64 wide).
+const ADD: ShaderSource = ShaderSource {
+    file: "test_add.wgsl",
+    text: r#"
+struct P { n: u32, add: f32, grid_x: u32, pad: u32 }
+@group(0) @binding(0) var<uniform> p: P;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
+@compute @workgroup_size(64)
+fn add(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = (wg.x + wg.y * p.grid_x) * 64u + lid;
+    if i >= p.n { return; }
+    x[i] = x[i] + p.add;
+}
+"#,
+};
+
+fn key(source: &ShaderSource, entry: &'static str, overrides: Vec<(&'static str, u32)>) -> PipelineKey {
+    PipelineKey {
+        file: source.file,
+        entry,
+        overrides,
+        checked: true,
+        full_subgroups: false,
+        required_subgroup_size: None,
+    }
+}
+
+fn params(words: [u32; 4]) -> impl FnOnce(u32) -> Vec<u8> {
+    move |grid_x| {
+        let mut w = words;
+        w[2] = grid_x;
+        bytemuck::cast_slice(&w).to_vec()
+    }
+}
+
+fn assert_clean(b: &VulkanBackend) {
+    let d = b.take_diagnostics();
+    assert!(d.is_empty(), "validation messages:\n{}", d.join("\n"));
+}
+
+#[test]
+fn own_kernel_with_overrides_and_a_folded_grid() {
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    // More than 65535 workgroups of 64: the grid folds into (x, y).
+    let n: usize = 65_535 * 64 + 1000;
+    let src: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 0.25 - 100.0).collect();
+    let src_buf = b.alloc((n * 4) as u64, "src").unwrap();
+    let dst_buf = b.alloc((n * 2) as u64, "dst").unwrap();
+    b.upload(&src_buf, 0, bytemuck::cast_slice(&src)).unwrap();
+    for wg in [64u32, 128] {
+        b.upload(&dst_buf, 0, &vec![0xff; n * 2]).unwrap(); // NaN poison
+        let count = (n as u64).div_ceil(u64::from(wg));
+        let scale = 0.5f32;
+        b.dispatch(
+            &SCALE,
+            key(&SCALE, "scale_f16", vec![("WG", wg)]),
+            count,
+            params([n as u32, scale.to_bits(), 0, 0]),
+            &[&src_buf, &dst_buf],
+            "test_scale",
+        )
+        .unwrap();
+        let mut out = vec![half::f16::ZERO; n];
+        b.download(&dst_buf, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
+        for (i, (&o, &s)) in out.iter().zip(&src).enumerate() {
+            assert_eq!(o, half::f16::from_f32(s * scale), "WG={wg}: element {i}");
+        }
+    }
+    assert_eq!(b.pipelines.lock().unwrap().len(), 2, "one pipeline per override value");
+    assert_clean(&b);
+}
+
+#[test]
+fn dependent_dispatches_and_ordered_uploads() {
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    let n = 5000usize;
+    let x = b.alloc((n * 4) as u64, "x").unwrap();
+    b.upload(&x, 0, bytemuck::cast_slice(&vec![1.0f32; n])).unwrap();
+    let run = |add: f32| {
+        b.dispatch(
+            &ADD,
+            key(&ADD, "add", Vec::new()),
+            (n as u64).div_ceil(64),
+            params([n as u32, add.to_bits(), 0, 0]),
+            &[&x],
+            "test_add",
+        )
+        .unwrap()
+    };
+    // Each dispatch reads the previous one's result.
+    for _ in 0..3 {
+        run(2.0);
+    }
+    // This upload must land after the three dispatches, and before the next.
+    b.upload(&x, 40, bytemuck::cast_slice(&[100.0f32; 10])).unwrap();
+    run(1.0);
+    let mut out = vec![0f32; n];
+    b.download(&x, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
+    for (i, &v) in out.iter().enumerate() {
+        let want = if (10..20).contains(&i) { 101.0 } else { 8.0 };
+        assert_eq!(v, want, "element {i}");
+    }
+    assert_clean(&b);
+}
+
+#[test]
+fn piecewise_transfers_through_a_small_staging_buffer() {
+    let Some(b) = open(1 << 20) else { return };
+    let bytes = (3 << 20) + 4 * 1234;
+    let data: Vec<u8> = (0..bytes).map(|i| (i * 7 % 251) as u8).collect();
+    let buf = b.alloc(bytes as u64 + 64, "big").unwrap();
+    b.upload(&buf, 16, &data).unwrap();
+    // Several small uploads that share the staging buffer before a flush.
+    for j in 0..300u64 {
+        b.upload(&buf, 16 + j * 4096, &[j as u8; 8]).unwrap();
+    }
+    let mut out = vec![0u8; bytes];
+    b.download(&buf, 16, &mut out).unwrap();
+    let mut want = data.clone();
+    for j in 0..300usize {
+        want[j * 4096..j * 4096 + 8].fill(j as u8);
+    }
+    assert!(out == want, "round trip through 1 MiB pieces differs");
+    let mut tail = vec![0u8; 100];
+    b.download(&buf, 16 + bytes as u64 - 100, &mut tail).unwrap();
+    assert_eq!(tail, want[bytes - 100..]);
+    // Out of range is an error, not a crash.
+    assert!(b.upload(&buf, bytes as u64, &[0u8; 100]).is_err());
+    assert_clean(&b);
+}
+
+#[test]
+fn buffers_dropped_while_work_is_pending_are_freed_later() {
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    let before = b.memory().current;
+    let n = 1 << 16;
+    {
+        let x = b.alloc(n * 4, "x").unwrap();
+        b.dispatch(
+            &ADD,
+            key(&ADD, "add", Vec::new()),
+            n.div_ceil(64),
+            params([n as u32, 1f32.to_bits(), 0, 0]),
+            &[&x],
+            "test_add",
+        )
+        .unwrap();
+        assert!(b.memory().current >= before + n * 4);
+        // `x` drops here while the dispatch is recorded but not run.
+    }
+    b.finish().unwrap();
+    assert_eq!(b.memory().current, before, "freed after the wait");
+    // A buffer may outlive its backend.
+    let survivor = b.alloc(1024, "survivor").unwrap();
+    assert_clean(&b);
+    let diagnostics = std::sync::Arc::clone(&b.device.instance.diagnostics);
+    drop(b);
+    assert_eq!(survivor.size(), 1024);
+    drop(survivor);
+    // The device is destroyed now; the layer reports leaked objects there.
+    let late = diagnostics.take();
+    assert!(late.is_empty(), "at device destruction:\n{}", late.join("\n"));
+}
+
+#[test]
+fn kernel_times_are_labelled() {
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    if !b.set_profiling(true) {
+        assert_eq!(
+            b.device.caps.timestamp_valid_bits, 0,
+            "timing refused on a queue with timestamps"
+        );
+        eprintln!("SKIPPED: this queue has no timestamps");
+        return;
+    }
+    let n = 1u64 << 18;
+    let x = b.alloc(n * 4, "x").unwrap();
+    for _ in 0..3 {
+        b.dispatch(
+            &ADD,
+            key(&ADD, "add", Vec::new()),
+            n.div_ceil(64),
+            params([n as u32, 1f32.to_bits(), 0, 0]),
+            &[&x],
+            "test_add",
+        )
+        .unwrap();
+    }
+    b.finish().unwrap();
+    let times = b.take_kernel_times().unwrap();
+    assert_eq!(times.len(), 3);
+    assert!(times
+        .iter()
+        .all(|t| t.kernel == "test_add" && t.ms >= 0.0 && t.ms < 10_000.0));
+    assert!(b.take_kernel_times().unwrap().is_empty(), "taken once");
+    assert!(b.set_profiling(false));
+    assert_clean(&b);
+}
+
+/// The capabilities a SPIR-V module declares, and its memory model (1:
+/// GLSL450, 3: Vulkan).
+fn spirv_declarations(words: &[u32]) -> (Vec<Capability>, u32) {
+    const OP_CAPABILITY: u32 = 17;
+    const OP_MEMORY_MODEL: u32 = 14;
+    let (mut caps, mut model) = (Vec::new(), u32::MAX);
+    let mut i = 5; // after the header
+    while i < words.len() {
+        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
+        assert!(count > 0, "malformed SPIR-V at word {i}");
+        match op {
+            OP_CAPABILITY => caps.extend(Capability::from_u32(words[i + 1])),
+            OP_MEMORY_MODEL => model = words[i + 2],
+            _ => {}
+        }
+        i += count;
+    }
+    (caps, model)
+}
+
+/// Compiles every entry point of every shared shader, with the override
+/// values the backend uses, for a device with every feature (the H200's
+/// set): CI's only check that the matrix-unit GEMM compiles, since lavapipe
+/// has no matrix units.
+#[test]
+fn every_shared_shader_compiles_to_spirv() {
+    let target = ShaderTarget::everything();
+    let mut failures = Vec::new();
+    let (mut compiled, mut expected) = (0, 0);
+    for (source, entries) in kernels::ALL {
+        let parsed = match parse(&source, &target) {
+            Ok(p) => p,
+            Err(e) => {
+                failures.push(e.to_string());
+                continue;
+            }
+        };
+        let variants: Vec<Vec<(&'static str, u32)>> = if source.file == kernels::GEMM_COOP.file {
+            [32u32, 64, 16]
+                .iter()
+                .flat_map(|&sg| [16u32, 32].map(|bk| vec![("SG_SIZE", sg), ("BK", bk)]))
+                .collect()
+        } else if source.file == kernels::GEMM_COOP_DIRECT.file {
+            [32u32, 64, 16].iter().map(|&sg| vec![("SG_SIZE", sg)]).collect()
+        } else {
+            vec![Vec::new()]
+        };
+        expected += entries.len() * variants.len() * 2;
+        for entry in entries {
+            for overrides in &variants {
+                for checked in [false, true] {
+                    match compile(&parsed, source.file, entry, overrides, &target, checked) {
+                        Ok(c) => {
+                            assert_eq!(c.words.first(), Some(&0x0723_0203), "SPIR-V magic");
+                            let (caps, memory_model) = spirv_declarations(&c.words);
+                            let coop = source.file.starts_with("gemm_coop");
+                            assert_eq!(
+                                caps.contains(&Capability::CooperativeMatrixKHR),
+                                coop,
+                                "{}: {caps:?}",
+                                source.file
+                            );
+                            // naga switches to the Vulkan memory model with
+                            // cooperative matrices (the device must enable it).
+                            assert_eq!(memory_model, if coop { 3 } else { 1 }, "{}", source.file);
+                            if *entry == "gemm_nt"
+                                && overrides == &[("SG_SIZE", 32), ("BK", kernels::COOP_BK)]
+                                && checked
+                            {
+                                eprintln!("{}:{entry} declares {caps:?}", source.file);
+                            }
+                            if let Some(&("SG_SIZE", sg)) = overrides.first() {
+                                // Staged: 4 subgroups; direct: one.
+                                let subgroups = if source.file == kernels::GEMM_COOP.file { 4 } else { 1 };
+                                assert_eq!(c.workgroup_size, [subgroups * sg, 1, 1], "{}:{entry}", source.file);
+                            }
+                            compiled += 1;
+                        }
+                        Err(e) => failures.push(format!("{overrides:?} checked={checked}: {e}")),
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "shader compile failures:\n{}", failures.join("\n"));
+    assert_eq!(compiled, expected, "every variant compiled");
+    // 5 plain entry points, 2 staged matrix-unit entry points in 6 variants
+    // and 2 direct ones in 3, each checked and unchecked.
+    assert_eq!(expected, 2 * (5 + 2 * 6 + 2 * 3));
+}
+
+#[test]
+fn validation_errors_are_collected() {
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    assert!(b.validation_layer().is_some(), "validation was asked for");
+    assert_clean(&b);
+    // A zero-sized buffer is invalid usage (VUID-VkBufferCreateInfo-size-00912).
+    let info = ash::vk::BufferCreateInfo::default()
+        .size(0)
+        .usage(ash::vk::BufferUsageFlags::STORAGE_BUFFER);
+    // SAFETY: deliberately invalid create info on a valid device, to see the
+    // layer report it; a buffer the driver still returns is destroyed.
+    unsafe {
+        if let Ok(buffer) = b.device.raw.create_buffer(&info, None) {
+            b.device.raw.destroy_buffer(buffer, None);
+        }
+    }
+    let d = b.take_diagnostics();
+    assert!(d.iter().any(|m| m.contains("00912")), "layer did not report it: {d:?}");
+    assert!(b.take_diagnostics().is_empty(), "take clears");
+}
+
+#[test]
+fn backend_and_buffers_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<VulkanBackend>();
+    send_sync::<crate::VulkanBuffer>();
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    // Two threads sharing one backend: the stream's lock orders their work.
+    std::thread::scope(|s| {
+        for t in 0..2u8 {
+            let b = &b;
+            s.spawn(move || {
+                let x = b.alloc(4096, "x").unwrap();
+                for round in 0..20u8 {
+                    let data = vec![t.wrapping_mul(31).wrapping_add(round); 4096];
+                    b.upload(&x, 0, &data).unwrap();
+                    let mut out = vec![0u8; 4096];
+                    b.download(&x, 0, &mut out).unwrap();
+                    assert_eq!(out, data);
+                }
+            });
+        }
+    });
+    assert_clean(&b);
+}

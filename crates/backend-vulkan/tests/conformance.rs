@@ -1,0 +1,10 @@
+//! The shared conformance suite (headkl-reference) on the Vulkan backend,
+//! with the Khronos validation layer on: any validation error fails a case.
+
+headkl_reference::conformance_tests!(
+    "vulkan",
+    headkl_vulkan::VulkanBackend::open_with(&headkl_vulkan::VulkanOptions {
+        validation: true,
+        ..headkl_vulkan::VulkanOptions::from_env(None)
+    })
+);

@@ -1,0 +1,253 @@
+//! Smoke tests of the Vulkan backend through its public API and the shared
+//! kernels: GEMM in both head layouts against a CPU loop (exact, on values
+//! whose products and sums f32 holds exactly), conversion, errors, timing.
+//! Outputs are NaN-poisoned first, so an unwritten element fails.
+
+use half::f16;
+use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout};
+use headkl_vulkan::{VulkanBackend, VulkanOptions};
+
+/// Whether `HEADKL_REQUIRE` names the Vulkan backend.
+fn required() -> bool {
+    std::env::var("HEADKL_REQUIRE").is_ok_and(|v| v.split(',').any(|b| b.trim().eq_ignore_ascii_case("vulkan")))
+}
+
+fn open_with(options: VulkanOptions) -> Option<VulkanBackend> {
+    match VulkanBackend::open_with(&options) {
+        Ok(b) => Some(b),
+        Err(e) if !required() => {
+            eprintln!("SKIPPED: the Vulkan backend could not start: {e}");
+            None
+        }
+        Err(e) => panic!("HEADKL_REQUIRE names vulkan, but it could not start: {e}"),
+    }
+}
+
+fn open() -> Option<VulkanBackend> {
+    open_with(VulkanOptions {
+        validation: true,
+        ..VulkanOptions::from_env(None)
+    })
+}
+
+fn assert_clean(b: &VulkanBackend) {
+    let d = b.take_diagnostics();
+    assert!(d.is_empty(), "validation messages:\n{}", d.join("\n"));
+}
+
+/// Small multiples of 1/8 in [-2, 2]: their products and short sums are
+/// exact in f32, so any summation order gives the same bits.
+fn exact_values(n: usize, seed: usize) -> Vec<f16> {
+    (0..n)
+        .map(|i| f16::from_f32(((i * 37 + seed * 101) % 33) as f32 / 8.0 - 2.0))
+        .collect()
+}
+
+const POISON: u32 = 0x7fc0_dead;
+
+#[allow(clippy::too_many_arguments)]
+fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayout, accumulate: bool, seed: usize) {
+    let (a_offset, lda) = (32, k + 16);
+    let ldb = match layout {
+        HeadLayout::RowsAreOutputs => k + 32,
+        HeadLayout::RowsAreReduction => n + 16,
+    };
+    let b_rows = match layout {
+        HeadLayout::RowsAreOutputs => n,
+        HeadLayout::RowsAreReduction => k,
+    };
+    let (c_offset, ldc) = (48, n + 32);
+    let alpha = 0.5f32;
+    let a = exact_values(a_offset + m * lda, seed);
+    let bm = exact_values(b_rows * ldb, seed + 1);
+    let c_len = c_offset + m * ldc + 16;
+    let c0: Vec<f32> = (0..c_len)
+        .map(|i| {
+            if accumulate {
+                (i % 7) as f32 - 3.0
+            } else {
+                f32::from_bits(POISON)
+            }
+        })
+        .collect();
+    let a_buf = b.alloc((a.len() * 2) as u64, "A").unwrap();
+    let b_buf = b.alloc((bm.len() * 2) as u64, "B").unwrap();
+    let c_buf = b.alloc((c_len * 4) as u64, "C").unwrap();
+    b.upload(&a_buf, 0, bytemuck::cast_slice(&a)).unwrap();
+    b.upload(&b_buf, 0, bytemuck::cast_slice(&bm)).unwrap();
+    b.upload(&c_buf, 0, bytemuck::cast_slice(&c0)).unwrap();
+    let desc = GemmDesc {
+        m,
+        n,
+        k,
+        a_offset,
+        lda,
+        b_layout: layout,
+        ldb,
+        c_offset,
+        ldc,
+        alpha,
+        accumulate,
+    };
+    b.gemm(&a_buf, &b_buf, &c_buf, &desc, "gemm_logits").unwrap();
+    let mut c = vec![0f32; c_len];
+    b.download(&c_buf, 0, bytemuck::cast_slice_mut(&mut c)).unwrap();
+    for idx in 0..c_len {
+        let inside = idx >= c_offset && (idx - c_offset) / ldc < m && (idx - c_offset) % ldc < n;
+        if !inside {
+            assert_eq!(
+                c[idx].to_bits(),
+                c0[idx].to_bits(),
+                "element {idx} outside m×n was written"
+            );
+            continue;
+        }
+        let (i, j) = ((idx - c_offset) / ldc, (idx - c_offset) % ldc);
+        let mut sum = 0f32;
+        for kk in 0..k {
+            let bv = match layout {
+                HeadLayout::RowsAreOutputs => bm[j * ldb + kk],
+                HeadLayout::RowsAreReduction => bm[kk * ldb + j],
+            };
+            sum += a[a_offset + i * lda + kk].to_f32() * bv.to_f32();
+        }
+        let want = alpha * sum + if accumulate { c0[idx] } else { 0.0 };
+        assert_eq!(
+            c[idx], want,
+            "{layout:?} m={m} n={n} k={k} acc={accumulate}: C[{i}][{j}] = {}, want {want}",
+            c[idx]
+        );
+    }
+}
+
+#[test]
+fn gemm_both_layouts_match_a_cpu_loop() {
+    let Some(b) = open() else { return };
+    eprintln!(
+        "device: {} ({}), GEMM: {}",
+        b.info().device_name,
+        b.info().driver,
+        b.gemm_kernel()
+    );
+    assert_eq!(b.uses_matrix_units(), b.gemm_kernel().starts_with("gemm_coop"));
+    let mut seed = 0;
+    for (m, n, k) in [(16, 16, 16), (48, 80, 32), (144, 208, 96), (16, 272, 160)] {
+        for layout in [HeadLayout::RowsAreOutputs, HeadLayout::RowsAreReduction] {
+            for accumulate in [false, true] {
+                seed += 1;
+                check_gemm(&b, m, n, k, layout, accumulate, seed);
+            }
+        }
+    }
+    assert_clean(&b);
+}
+
+#[test]
+fn convert_pads_with_zeros_and_saturates_to_inf() {
+    let Some(b) = open() else { return };
+    let (rows, cols, rows_padded, ld) = (5, 21, 16, 32);
+    let mut src: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.37 - 9.0).collect();
+    src[3] = 70000.0;
+    src[4] = -1e30;
+    src[5] = f32::NAN;
+    let src_buf = b.alloc((src.len() * 4) as u64, "x32").unwrap();
+    let dst_buf = b.alloc((rows_padded * ld * 2) as u64, "x16").unwrap();
+    b.upload(&src_buf, 0, bytemuck::cast_slice(&src)).unwrap();
+    b.upload(&dst_buf, 0, &vec![0xff; rows_padded * ld * 2]).unwrap();
+    let desc = ConvertDesc {
+        rows,
+        cols,
+        rows_padded,
+        ld,
+    };
+    b.convert_f16(&src_buf, &dst_buf, &desc).unwrap();
+    let mut out = vec![f16::ZERO; rows_padded * ld];
+    b.download(&dst_buf, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
+    for r in 0..rows_padded {
+        for c in 0..ld {
+            let got = out[r * ld + c];
+            if r < rows && c < cols {
+                let want = f16::from_f32(src[r * cols + c]);
+                assert!(
+                    got == want || (got.is_nan() && want.is_nan()),
+                    "[{r}][{c}] = {got}, want {want}"
+                );
+            } else {
+                assert_eq!(got.to_bits(), 0, "pad [{r}][{c}] = {got}");
+            }
+        }
+    }
+    assert_eq!(out[3], f16::INFINITY);
+    assert_eq!(out[4], f16::NEG_INFINITY);
+    assert_clean(&b);
+}
+
+#[test]
+fn device_facts_and_errors() {
+    let Some(b) = open() else { return };
+    let info = b.info().clone();
+    assert_eq!(info.backend, "vulkan");
+    assert!(info.shader_f16 && info.unusable.is_none());
+    assert!(info.max_binding_bytes >= 1 << 27, "binding {}", info.max_binding_bytes);
+    assert!(info.max_buffer_bytes >= info.max_binding_bytes.min(1 << 30));
+    assert_eq!(info.matrix_units, b.uses_matrix_units());
+    assert_eq!(info.matrix_shapes, b.matrix_shapes());
+    assert_eq!(b.validation_layer().is_some(), b.options().validation);
+    eprintln!("validation layer: {:?}, API {}", b.validation_layer(), b.api_version());
+
+    let listed = headkl_vulkan::enumerate().unwrap();
+    assert!(listed.iter().any(|d| d.device_name == info.device_name));
+
+    // An absurd allocation is an out-of-memory error with the bytes asked.
+    let huge = 1u64 << 50;
+    match b.alloc(huge, "huge") {
+        Err(Error::OutOfMemory { bytes, what }) => assert_eq!((bytes, what), (huge, "huge")),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    // Memory accounting follows allocations.
+    let before = b.memory().current;
+    let x = b.alloc(1 << 20, "x").unwrap();
+    assert!(b.memory().current >= before + (1 << 20));
+    assert!(b.memory().peak >= b.memory().current);
+    drop(x);
+    assert_eq!(b.memory().current, before);
+    b.reset_peak_memory();
+    assert_eq!(b.memory().peak, before);
+
+    // A device index past the list is a NoDevice error naming it.
+    match VulkanBackend::open_with(&VulkanOptions {
+        device: Some(999),
+        ..VulkanOptions::default()
+    }) {
+        Err(Error::NoDevice { backend, reason }) => {
+            assert_eq!(backend, "vulkan");
+            assert!(reason.contains("999"), "{reason}");
+        }
+        Err(other) => panic!("expected NoDevice, got {other}"),
+        Ok(_) => panic!("device 999 opened"),
+    }
+    assert_clean(&b);
+}
+
+#[test]
+fn forced_fallback_and_kernel_labels() {
+    let Some(b) = open_with(VulkanOptions {
+        validation: true,
+        force_fallback: true,
+        ..VulkanOptions::from_env(None)
+    }) else {
+        return;
+    };
+    assert!(!b.uses_matrix_units() && !b.info().matrix_units);
+    assert_eq!(b.gemm_kernel(), "gemm_tiled.wgsl");
+    if !b.set_profiling(true) {
+        eprintln!("SKIPPED (timing part): no timestamps on this queue");
+        return;
+    }
+    check_gemm(&b, 32, 48, 32, HeadLayout::RowsAreOutputs, false, 7);
+    b.finish().unwrap();
+    let times = b.take_kernel_times().unwrap();
+    assert_eq!(times.len(), 1, "{times:?}");
+    assert_eq!(times[0].kernel, "gemm_logits");
+    assert_clean(&b);
+}
