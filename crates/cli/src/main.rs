@@ -1,1 +1,331 @@
-fn main() {}
+//! `headkl`: list devices, check backends against the reference, benchmark
+//! them, and run the teacher's top-k or the distillation loss on
+//! safetensors files.
+
+mod bench;
+mod check;
+mod devices;
+mod error;
+mod io;
+mod jobs;
+mod plot;
+mod progress;
+mod rng;
+mod select;
+mod text;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use headkl_core::DEFAULT_BUDGET_BYTES;
+use headkl_reference::conformance;
+
+use crate::bench::{BenchConfig, Shape};
+use crate::error::CliError;
+use crate::jobs::{InputArgs, LossArgs};
+use crate::select::{BackendArgs, AUTO_POLICY};
+
+const ENV_HELP: &str = "\
+Environment:
+  HEADKL_BACKEND     default for --backend (auto, vulkan, wgpu, reference)
+  HEADKL_DEVICE      default for --device
+  HEADKL_NO_COOPMAT  =1 forces the fallback GEMM on a device with matrix units
+  HEADKL_REQUIRE     comma list (e.g. wgpu,vulkan): `check` fails when one of
+                     these backends cannot start instead of skipping it
+  HEADKL_CASES       default for `check --cases`
+  HEADKL_SEED        default for `check --seed`
+
+Exit codes: 0 success; 2 bad input (a file, tensor or option, named in the
+message); 1 anything else (device errors, failed checks).";
+
+/// headkl: the distillation loss's vocabulary head on any Vulkan GPU.
+#[derive(Parser, Debug)]
+#[command(name = "headkl", version, after_help = ENV_HELP)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    text::parse_bytes(s)
+}
+
+fn parse_seed(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => t.parse(),
+    }
+    .map_err(|e| format!("`{s}`: {e} (decimal or 0x hex)"))
+}
+
+fn parse_shape(s: &str) -> Result<Shape, String> {
+    s.parse()
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// List every backend × device, what it offers, and which one `auto` picks
+    #[command(
+        long_about = "List every backend × device: name, driver, type, matrix units and their shapes, \
+f16, subgroup size, largest storage binding, memory, and whether headkl can run on it (or why not). \
+A backend that cannot enumerate (e.g. no Vulkan loader) gets one row saying why. The row `auto` \
+picks is marked with `*`, with the reason.",
+        after_help = format!("{AUTO_POLICY}\n\n--backend NAME lists only that backend's devices.\n\n{ENV_HELP}")
+    )]
+    Devices {
+        #[command(flatten)]
+        backend: BackendArgs,
+        /// Print JSON instead of a table (each row has `auto: true|false`)
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run the conformance suite against the f64 reference on every backend
+    #[command(
+        long_about = "Run the conformance suite (the same cases as the backends' tests: odd shapes, \
+k from 1 to 2048, ties, masked tokens, τ ≠ 1, several slices and chunks) against the f64 reference, \
+on every backend this machine can start, or only the one --backend names. Prints a table per \
+backend (cases, passed, worst loss / dx / prob errors, matrix units, device) and each failure with \
+the seed that replays it. Exits 1 on any failure, or when a backend named by --backend or \
+HEADKL_REQUIRE cannot start; other backends that cannot start are skipped with the reason.",
+        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+    )]
+    Check {
+        #[command(flatten)]
+        backend: BackendArgs,
+        /// Drawn (random) cases on top of the fixed ones [env: HEADKL_CASES] [default: 16]
+        #[arg(long, env = "HEADKL_CASES", hide_env = true)]
+        cases: Option<usize>,
+        /// Seed of the drawn cases, decimal or 0x hex [env: HEADKL_SEED] [default: 0x484541444b4c0001]
+        #[arg(long, env = "HEADKL_SEED", hide_env = true, value_parser = parse_seed)]
+        seed: Option<u64>,
+    },
+    /// Time head_kl and topk on one backend (or all) and compare
+    #[command(
+        long_about = "Time head_kl (loss + dx) and topk on random f16 data. The head is uploaded once, \
+outside the timing; each job gets --warmup untimed calls, then --iters timed ones. Reports the median \
+and min–max wall ms per call, the GPU ms (sum of kernel timestamps per call, median) with a per-kernel \
+breakdown where the backend times kernels, effective TFLOP/s (4·ntok·V·hs for head_kl, 2·ntok·V·hs \
+for topk; from GPU time when there is one, else wall), and peak device memory beyond the head.\n\n\
+Shapes: A = 4096:248320:5120:64, B = 8192:151936:4096:64, or NTOK:V:HS:K. Without --shape each \
+backend gets a size it finishes in seconds: reference 64:4096:256:16, a software device (lavapipe) \
+64:8192:256:64, a GPU without matrix units 256:32768:1024:64, with matrix units 1024:65536:4096:64.\n\n\
+Without --backend (or with auto) runs auto's pick; --all runs every backend that starts (the CPU \
+reference is left out of --all for large shapes).",
+        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+    )]
+    Bench {
+        #[command(flatten)]
+        backend: BackendArgs,
+        /// A, B or NTOK:V:HS:K (default: per backend, see above)
+        #[arg(long, value_parser = parse_shape)]
+        shape: Option<Shape>,
+        /// Teacher entries / top-k k (overrides the shape's K)
+        #[arg(long)]
+        k: Option<usize>,
+        /// Timed calls per job
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+        /// Untimed calls per job before the timed ones
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
+        #[arg(long, value_parser = parse_bytes)]
+        budget: Option<u64>,
+        /// Write every number as JSON to FILE
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Write an SVG bar chart to FILE.svg
+        #[arg(long, value_name = "FILE.svg")]
+        plot: Option<PathBuf>,
+        /// Run every backend this machine can start
+        #[arg(long)]
+        all: bool,
+    },
+    /// The teacher's exact top-k ids and probabilities of x·Wᵀ
+    #[command(
+        long_about = "The teacher's exact top-k per hidden row: ids of the k largest logits of x·Wᵀ \
+(descending; ties: lowest id first) and their probabilities, the softmax over those k at --temperature. \
+Exact for every k ≤ 2048.\n\n\
+Inputs: --head holds tensor `weight` (or --head-tensor, e.g. `lm_head.weight` of a shard) [V][hs] in \
+F16, BF16 or F32; --hidden holds tensor `hidden` (or --hidden-tensor) [ntok][hs] in F32 or F16. \
+Output --out: `ids` I64 [ntok][k] and `probs` F32 [ntok][k], written to a temporary file and renamed \
+when complete (a failed run leaves an existing file untouched).",
+        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+    )]
+    Topk {
+        #[command(flatten)]
+        backend: BackendArgs,
+        #[command(flatten)]
+        inputs: InputArgs,
+        /// Entries per row (1 ≤ k ≤ min(V, 2048))
+        #[arg(short = 'k', long = "k")]
+        k: usize,
+        /// Temperature τ of the probabilities
+        #[arg(long, default_value_t = 1.0)]
+        temperature: f32,
+        /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
+        #[arg(long, value_parser = parse_bytes)]
+        budget: Option<u64>,
+        /// Output safetensors file
+        #[arg(long, value_name = "OUT.safetensors")]
+        out: PathBuf,
+    },
+    /// The distillation loss against the teacher's top-k, and its input gradient
+    #[command(
+        long_about = "The distillation loss: per token, the KL of the student (softmax of x·Wᵀ/τ over \
+the full vocabulary) against the teacher's top-k renormalized over its k, the weighted mean \
+Σ w_t L_t / total, and its gradient dx = ∂mean/∂x. Prints the mean loss.\n\n\
+Inputs: --head and --hidden as for `topk`; --teacher holds `ids` (I64, I32 or U32) and `probs` (F32), \
+each [ntok][k]: ids distinct per row and < V, probs non-negative and finite (renormalized here); \
+--weights optionally holds `weights` (F32) [ntok] (0 masks a token; default all 1). \
+Output --out: `loss` F32 [ntok] (per-token, unweighted) and `grad` F32 [ntok][hs] (dx), written \
+to a temporary file and renamed when complete.",
+        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+    )]
+    Loss {
+        #[command(flatten)]
+        backend: BackendArgs,
+        #[command(flatten)]
+        inputs: InputArgs,
+        /// Teacher top-k: tensors `ids` and `probs`, each [ntok][k]
+        #[arg(long, value_name = "T.safetensors")]
+        teacher: PathBuf,
+        /// Per-token weights: tensor `weights` [ntok]
+        #[arg(long, value_name = "W.safetensors")]
+        weights: Option<PathBuf>,
+        /// Temperature τ of the student logits
+        #[arg(long, default_value_t = 1.0)]
+        temperature: f32,
+        /// Scale of the f16 gradient [default: 2^14 · total / max w]
+        #[arg(long)]
+        gscale: Option<f32>,
+        /// The weight the loss averages over [default: Σ w]
+        #[arg(long)]
+        total: Option<f32>,
+        /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
+        #[arg(long, value_parser = parse_bytes)]
+        budget: Option<u64>,
+        /// Output safetensors file
+        #[arg(long, value_name = "OUT.safetensors")]
+        out: PathBuf,
+    },
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Devices { backend, json } => devices::run(&backend, json),
+        Command::Check { backend, cases, seed } => check::run(
+            &backend,
+            cases.unwrap_or(conformance::DEFAULT_CASES),
+            seed.unwrap_or(conformance::DEFAULT_SEED),
+        ),
+        Command::Bench {
+            backend,
+            shape,
+            k,
+            iters,
+            warmup,
+            budget,
+            json,
+            plot,
+            all,
+        } => bench::run(
+            &backend,
+            &BenchConfig {
+                shape,
+                k,
+                iters,
+                warmup,
+                budget: budget.unwrap_or(DEFAULT_BUDGET_BYTES),
+                json,
+                plot,
+                all,
+            },
+        ),
+        Command::Topk {
+            backend,
+            inputs,
+            k,
+            temperature,
+            budget,
+            out,
+        } => jobs::topk(
+            &backend,
+            &inputs,
+            k,
+            temperature,
+            budget.unwrap_or(DEFAULT_BUDGET_BYTES),
+            &out,
+        ),
+        Command::Loss {
+            backend,
+            inputs,
+            teacher,
+            weights,
+            temperature,
+            gscale,
+            total,
+            budget,
+            out,
+        } => jobs::loss(
+            &backend,
+            &inputs,
+            &LossArgs {
+                teacher,
+                weights,
+                temperature,
+                gscale,
+                total,
+                budget: budget.unwrap_or(DEFAULT_BUDGET_BYTES),
+                out,
+            },
+        ),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("headkl: error: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn seeds_parse_in_decimal_and_hex() {
+        assert_eq!(parse_seed("17"), Ok(17));
+        assert_eq!(parse_seed("0x11"), Ok(17));
+        assert!(parse_seed("0xzz").is_err());
+        // The help's default is the suite's.
+        assert_eq!(conformance::DEFAULT_SEED, 0x4845_4144_4b4c_0001);
+        assert_eq!(conformance::DEFAULT_CASES, 16);
+    }
+
+    #[test]
+    fn help_names_policy_and_env() {
+        let mut cmd = Cli::command();
+        let help = cmd
+            .find_subcommand_mut("devices")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        assert!(help.contains("Vulkan with matrix units"), "{help}");
+        assert!(help.contains("HEADKL_NO_COOPMAT"), "{help}");
+        assert!(help.contains("HEADKL_BACKEND"), "{help}");
+    }
+}

@@ -1,0 +1,150 @@
+//! `headkl check`: the conformance suite on every backend this machine can
+//! start (or the one named), with progress, a table per backend, and every
+//! failure printed with the seed that replays it.
+
+use headkl_core::Backend;
+use headkl_reference::conformance::{case_count, run_suite, CaseOutcome, SuiteConfig, SuiteReport};
+
+use crate::error::CliError;
+use crate::progress::Progress;
+use crate::select::{
+    open_and_run, required_backends, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind, RunError,
+    Target,
+};
+use crate::text::table;
+
+/// Runs the suite on one backend, reporting each case as it finishes.
+struct CheckJob<'a> {
+    cfg: &'a SuiteConfig,
+}
+
+impl BackendJob for CheckJob<'_> {
+    type Output = SuiteReport;
+
+    fn run<B: Backend>(self, backend: B) -> Result<SuiteReport, CliError> {
+        let info = backend.info();
+        let label = format!("check {} ({})", info.backend, info.device_name);
+        let mut progress = Progress::new(label, case_count(self.cfg) as u64);
+        let report = run_suite(&backend, self.cfg, &mut |outcome: &CaseOutcome| {
+            progress.message(outcome.name.clone());
+            if !outcome.passed {
+                progress.println(format!(
+                    "FAIL {} (seed {:#x}): {}",
+                    outcome.name, outcome.seed, outcome.message
+                ));
+            }
+            progress.inc(&outcome.name);
+        });
+        progress.finish();
+        Ok(report)
+    }
+}
+
+/// A backend to check: where to open it, or why it cannot start.
+enum Planned {
+    Run(Target),
+    CannotStart(BackendKind, String),
+}
+
+/// The backends to check: the one named (auto resolves to its pick), or
+/// every backend with its best usable device.
+fn plan(args: &BackendArgs) -> Vec<Planned> {
+    if args.backend.is_some() {
+        return vec![Planned::Run(resolve_announced(args, "check"))];
+    }
+    BackendKind::ALL
+        .iter()
+        .map(|&kind| match target_for(kind, args.device) {
+            Ok(t) => Planned::Run(t),
+            Err(why) => Planned::CannotStart(kind, why),
+        })
+        .collect()
+}
+
+fn fmt_err(e: f64) -> String {
+    format!("{e:.2e}")
+}
+
+/// The summary table, one row per backend that ran.
+fn render(reports: &[SuiteReport]) -> String {
+    let rows: Vec<Vec<String>> = reports
+        .iter()
+        .map(|r| {
+            vec![
+                r.backend.to_string(),
+                r.device.clone(),
+                if r.matrix_units { "on" } else { "off" }.to_string(),
+                r.cases.to_string(),
+                r.passed.to_string(),
+                fmt_err(r.worst_loss_err),
+                fmt_err(r.worst_dx_err),
+                fmt_err(r.worst_prob_err),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "backend",
+            "device",
+            "matrix units",
+            "cases",
+            "passed",
+            "worst loss err",
+            "worst dx err",
+            "worst prob err",
+        ],
+        &rows,
+    )
+}
+
+/// Runs `headkl check`.
+pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> {
+    let cfg = SuiteConfig { cases, seed };
+    let required = required_backends();
+    let explicit = args.backend.is_some();
+    let mut reports = Vec::new();
+    let mut problems = Vec::new();
+    for planned in plan(args) {
+        let (kind, why) = match planned {
+            Planned::Run(target) => match open_and_run(&target, CheckJob { cfg: &cfg }) {
+                Ok(report) => {
+                    reports.push(report);
+                    continue;
+                }
+                Err(RunError::Start(kind, why)) => (kind, why),
+                Err(RunError::Job(e)) => return Err(e),
+            },
+            Planned::CannotStart(kind, why) => (kind, why),
+        };
+        let must = explicit || required.iter().any(|r| r == kind.name());
+        eprintln!("{kind}: cannot start: {why}{}", if must { "" } else { " (skipped)" });
+        if must {
+            problems.push(format!(
+                "{kind} could not start{}: {why}",
+                if explicit { "" } else { " and HEADKL_REQUIRE names it" }
+            ));
+        }
+    }
+    if !reports.is_empty() {
+        println!("{}", render(&reports));
+    }
+    for r in &reports {
+        for f in &r.failures {
+            println!(
+                "FAILED {} / {} (replay with --seed {}): {}\n  {}\n",
+                r.backend, f.name, f.seed, f.description, f.message
+            );
+            problems.push(format!("{}: case {} failed", r.backend, f.name));
+        }
+    }
+    if problems.is_empty() {
+        println!(
+            "all {} cases passed on {} backend(s) (seed {seed:#x})",
+            reports.iter().map(|r| r.cases).sum::<usize>(),
+            reports.len()
+        );
+        Ok(())
+    } else {
+        Err(CliError::CheckFailed(format!("check failed: {}", problems.join("; "))))
+    }
+}

@@ -1,0 +1,412 @@
+//! `headkl topk` and `headkl loss`: read safetensors inputs, run the job on
+//! the chosen backend, write safetensors outputs.
+
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use half::{bf16, f16};
+use headkl_core::{
+    Backend, Engine, Error as CoreError, HeadData, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput,
+    SliceOptions, Teacher, TopK, TopkOptions,
+};
+use safetensors::Dtype;
+
+use crate::error::CliError;
+use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, TensorRef};
+use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
+use crate::text::fmt_bytes;
+
+/// Where each input came from, so a core error can name its file and
+/// tensor (or option).
+struct Sources<'a> {
+    head: &'a TensorRef<'a>,
+    hidden: &'a TensorRef<'a>,
+    ids: Option<&'a TensorRef<'a>>,
+    probs: Option<&'a TensorRef<'a>>,
+    weights: Option<&'a TensorRef<'a>>,
+    total_given: bool,
+}
+
+impl Sources<'_> {
+    /// Maps a core error to the input that caused it: a validation error
+    /// names its file and tensor (or option) and exits 2; a device error
+    /// exits 1 with `context`.
+    fn map(&self, e: CoreError, context: &str) -> CliError {
+        use CoreError as E;
+        let teacher_ids = self.ids.unwrap_or(self.hidden);
+        let teacher_probs = self.probs.unwrap_or(self.hidden);
+        match &e {
+            E::NonFiniteHead { .. } | E::HeadOutOfF16Range { .. } | E::VocabZero => self.head.core_error(e),
+            E::HiddenSizeMismatch { .. } | E::NonFiniteHidden { .. } | E::NoTokens | E::HiddenSizeZero => {
+                self.hidden.core_error(e)
+            }
+            E::IdOutOfRange { .. } | E::DuplicateId { .. } => teacher_ids.core_error(e),
+            E::NegativeProbability { .. } | E::NonFiniteProbability { .. } | E::ProbabilityRowSum { .. } => {
+                teacher_probs.core_error(e)
+            }
+            E::KZero | E::KTooLarge { .. } => match self.ids {
+                Some(ids) => ids.core_error(e),
+                None => CliError::from_core_in_option(e, "-k"),
+            },
+            E::NegativeWeight { .. } | E::NonFiniteWeight { .. } => match self.weights {
+                Some(w) => w.core_error(e),
+                None => CliError::from_core_in_option(e, "--weights"),
+            },
+            E::TotalNotPositive { .. } => match (self.total_given, self.weights) {
+                (false, Some(w)) => w.error(format!("{e} (every weight is 0; pass --total)")),
+                _ => CliError::from_core_in_option(e, "--total"),
+            },
+            E::InvalidTemperature { .. } => CliError::from_core_in_option(e, "--temperature"),
+            E::InvalidGradScale { .. } => CliError::from_core_in_option(e, "--gscale"),
+            E::BudgetZero | E::BudgetTooSmall { .. } => CliError::from_core_in_option(e, "--budget"),
+            E::LengthMismatch { field, .. } => match *field {
+                "head" => self.head.core_error(e),
+                "ids" | "teacher rows" => teacher_ids.core_error(e),
+                "probs" => teacher_probs.core_error(e),
+                "weights" => match self.weights {
+                    Some(w) => w.core_error(e),
+                    None => CliError::from_core_in_option(e, "--weights"),
+                },
+                _ => self.hidden.core_error(e),
+            },
+            _ => CliError::device(context, e),
+        }
+    }
+}
+
+/// A head's elements, borrowed from the file or converted.
+pub enum HeadElems<'a> {
+    /// f16.
+    F16(Cow<'a, [f16]>),
+    /// bf16.
+    Bf16(Cow<'a, [bf16]>),
+    /// f32.
+    F32(Cow<'a, [f32]>),
+}
+
+impl HeadElems<'_> {
+    /// The head in the form the engine takes.
+    pub fn data(&self) -> HeadData<'_> {
+        match self {
+            HeadElems::F16(d) => HeadData::F16(d),
+            HeadElems::Bf16(d) => HeadData::Bf16(d),
+            HeadElems::F32(d) => HeadData::F32(d),
+        }
+    }
+}
+
+/// Reads a head tensor `[V][hs]` (F16, BF16 or F32).
+fn read_head<'a>(t: &TensorRef<'a>) -> Result<(HeadElems<'a>, usize, usize), CliError> {
+    let (vocab, hs) = t.matrix("[V][hs]")?;
+    if vocab == 0 || hs == 0 {
+        return Err(t.error(format!("shape [{vocab}, {hs}]: the head needs V ≥ 1 and hs ≥ 1")));
+    }
+    let elems = match t.dtype() {
+        Dtype::F16 => HeadElems::F16(t.f16s()),
+        Dtype::BF16 => HeadElems::Bf16(t.bf16s()),
+        Dtype::F32 => HeadElems::F32(t.f32s()),
+        _ => return Err(t.wrong_dtype("F16, BF16 or F32")),
+    };
+    Ok((elems, vocab, hs))
+}
+
+/// Hidden rows' elements, borrowed from the file or copied.
+enum HiddenElems<'a> {
+    F16(Cow<'a, [f16]>),
+    F32(Cow<'a, [f32]>),
+}
+
+impl HiddenElems<'_> {
+    fn data(&self) -> HiddenData<'_> {
+        match self {
+            HiddenElems::F16(d) => HiddenData::F16(d),
+            HiddenElems::F32(d) => HiddenData::F32(d),
+        }
+    }
+}
+
+/// Reads hidden rows `[ntok][hs]` (F32 or F16) and checks hs against the
+/// head's.
+fn read_hidden<'a>(
+    t: &TensorRef<'a>,
+    head: &TensorRef<'_>,
+    head_hs: usize,
+) -> Result<(HiddenElems<'a>, usize), CliError> {
+    let (ntok, hs) = t.matrix("[ntok][hs]")?;
+    if ntok == 0 {
+        return Err(t.error("shape [0, hs]: at least one token is needed"));
+    }
+    if hs != head_hs {
+        return Err(t.error(format!(
+            "hs = {hs}, but the head {} has hs = {head_hs}",
+            head.describe()
+        )));
+    }
+    let elems = match t.dtype() {
+        Dtype::F32 => HiddenElems::F32(t.f32s()),
+        Dtype::F16 => HiddenElems::F16(t.f16s()),
+        _ => return Err(t.wrong_dtype("F32 or F16")),
+    };
+    Ok((elems, ntok))
+}
+
+/// Arguments shared by `topk` and `loss`: the head and the hidden rows.
+#[derive(clap::Args, Clone, Debug)]
+pub struct InputArgs {
+    /// The head `[V][hs]` (F16, BF16 or F32), e.g. a model shard
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub head: PathBuf,
+    /// Name of the head tensor in --head (e.g. `lm_head.weight` in a shard)
+    #[arg(long, default_value = "weight", value_name = "NAME")]
+    pub head_tensor: String,
+    /// Hidden rows `[ntok][hs]` (F32 or F16), already normed
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub hidden: PathBuf,
+    /// Name of the hidden tensor in --hidden
+    #[arg(long, default_value = "hidden", value_name = "NAME")]
+    pub hidden_tensor: String,
+}
+
+/// Runs the top-k job on a backend.
+struct TopkJob<'a> {
+    sources: &'a Sources<'a>,
+    head: HeadWeights<'a>,
+    hidden: Hidden<'a>,
+    opts: TopkOptions,
+}
+
+impl BackendJob for TopkJob<'_> {
+    type Output = TopK;
+
+    fn run<B: Backend>(self, backend: B) -> Result<TopK, CliError> {
+        eprintln!("headkl: running on {}", describe(backend.info()));
+        let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
+            .map_err(|e| self.sources.map(e, "uploading the head"))?;
+        engine
+            .topk(&self.hidden, &self.opts)
+            .map_err(|e| self.sources.map(e, "top-k"))
+    }
+}
+
+/// Runs the loss job on a backend.
+struct LossJob<'a> {
+    sources: &'a Sources<'a>,
+    head: HeadWeights<'a>,
+    hidden: Hidden<'a>,
+    teacher: Teacher,
+    opts: LossOptions,
+}
+
+impl BackendJob for LossJob<'_> {
+    type Output = LossOutput;
+
+    fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
+        eprintln!("headkl: running on {}", describe(backend.info()));
+        let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
+            .map_err(|e| self.sources.map(e, "uploading the head"))?;
+        engine
+            .head_kl(&self.hidden, &self.teacher, &self.opts)
+            .map_err(|e| self.sources.map(e, "head_kl"))
+    }
+}
+
+/// `headkl topk`.
+pub fn topk(
+    backend: &BackendArgs,
+    inputs: &InputArgs,
+    k: usize,
+    temperature: f32,
+    budget: u64,
+    out: &Path,
+) -> Result<(), CliError> {
+    check_output_not_input(out, &[&inputs.head, &inputs.hidden])?;
+    let head_file = TensorFile::open(&inputs.head)?;
+    let hidden_file = TensorFile::open(&inputs.hidden)?;
+    let head_t = head_file.tensor(&inputs.head_tensor)?;
+    let hidden_t = hidden_file.tensor(&inputs.hidden_tensor)?;
+    let (head_elems, vocab, hs) = read_head(&head_t)?;
+    let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
+    let sources = Sources {
+        head: &head_t,
+        hidden: &hidden_t,
+        ids: None,
+        probs: None,
+        weights: None,
+        total_given: false,
+    };
+    let opts = TopkOptions {
+        k,
+        temperature,
+        budget_bytes: budget,
+        max_rows_per_chunk: None,
+    };
+    // Every option is checked before the head goes anywhere.
+    opts.check(vocab).map_err(|e| sources.map(e, "top-k options"))?;
+    let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
+    let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
+    let pending = PendingOutput::create(out)?;
+    let target = resolve_announced(backend, "headkl");
+    let start = Instant::now();
+    let result = open_and_run(
+        &target,
+        TopkJob {
+            sources: &sources,
+            head,
+            hidden,
+            opts,
+        },
+    )?;
+    let ids: Vec<i64> = result.ids.iter().map(|&i| i64::from(i)).collect();
+    pending.commit_tensors(&[
+        OutTensor {
+            name: "ids",
+            dtype: Dtype::I64,
+            shape: vec![ntok, k],
+            data: bytemuck::cast_slice(&ids),
+        },
+        OutTensor {
+            name: "probs",
+            dtype: Dtype::F32,
+            shape: vec![ntok, k],
+            data: bytemuck::cast_slice(&result.probs),
+        },
+    ])?;
+    eprintln!(
+        "headkl: top-{k} of {ntok} tokens over V = {vocab} in {:.3} s; wrote {} ({})",
+        start.elapsed().as_secs_f64(),
+        out.display(),
+        fmt_bytes((ids.len() * 12) as u64)
+    );
+    Ok(())
+}
+
+/// Options of `headkl loss` beyond the inputs.
+#[derive(Clone, Debug)]
+pub struct LossArgs {
+    /// Teacher file with `ids` and `probs`.
+    pub teacher: PathBuf,
+    /// Optional file with `weights`.
+    pub weights: Option<PathBuf>,
+    /// Temperature.
+    pub temperature: f32,
+    /// Gradient scale.
+    pub gscale: Option<f32>,
+    /// Averaging weight.
+    pub total: Option<f32>,
+    /// Scratch budget in bytes.
+    pub budget: u64,
+    /// Output file.
+    pub out: PathBuf,
+}
+
+/// `headkl loss`.
+pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Result<(), CliError> {
+    let mut all_inputs: Vec<&Path> = vec![&inputs.head, &inputs.hidden, &args.teacher];
+    if let Some(w) = &args.weights {
+        all_inputs.push(w);
+    }
+    check_output_not_input(&args.out, &all_inputs)?;
+    let head_file = TensorFile::open(&inputs.head)?;
+    let hidden_file = TensorFile::open(&inputs.hidden)?;
+    let teacher_file = TensorFile::open(&args.teacher)?;
+    let weights_file = args.weights.as_deref().map(TensorFile::open).transpose()?;
+
+    let head_t = head_file.tensor(&inputs.head_tensor)?;
+    let hidden_t = hidden_file.tensor(&inputs.hidden_tensor)?;
+    let ids_t = teacher_file.tensor("ids")?;
+    let probs_t = teacher_file.tensor("probs")?;
+    let weights_t = weights_file.as_ref().map(|f| f.tensor("weights")).transpose()?;
+
+    let (head_elems, vocab, hs) = read_head(&head_t)?;
+    let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
+
+    let (id_rows, k) = ids_t.matrix("[ntok][k]")?;
+    if id_rows != ntok {
+        return Err(ids_t.error(format!(
+            "{id_rows} rows, but the hidden rows {} have ntok = {ntok}",
+            hidden_t.describe()
+        )));
+    }
+    let ids = ids_t.ids_i64()?;
+    let probs_shape = probs_t.matrix("[ntok][k]")?;
+    if probs_shape != (ntok, k) {
+        return Err(probs_t.error(format!(
+            "shape [{}, {}], but `ids` is [{ntok}, {k}]",
+            probs_shape.0, probs_shape.1
+        )));
+    }
+    if probs_t.dtype() != Dtype::F32 {
+        return Err(probs_t.wrong_dtype("F32"));
+    }
+    let probs = probs_t.f32s();
+    let weights = match &weights_t {
+        None => None,
+        Some(w) => {
+            let len = w.vector("[ntok]")?;
+            if len != ntok {
+                return Err(w.error(format!("{len} weights, but there are ntok = {ntok} hidden rows")));
+            }
+            if w.dtype() != Dtype::F32 {
+                return Err(w.wrong_dtype("F32"));
+            }
+            Some(w.f32s().into_owned())
+        }
+    };
+
+    let sources = Sources {
+        head: &head_t,
+        hidden: &hidden_t,
+        ids: Some(&ids_t),
+        probs: Some(&probs_t),
+        weights: weights_t.as_ref(),
+        total_given: args.total.is_some(),
+    };
+    let teacher = Teacher::from_i64(&ids, &probs, ntok, k, vocab).map_err(|e| sources.map(e, "teacher"))?;
+    let opts = LossOptions {
+        temperature: args.temperature,
+        weights,
+        total: args.total,
+        gscale: args.gscale,
+        budget_bytes: args.budget,
+        max_rows_per_chunk: None,
+    };
+    // Every option is checked before the head goes anywhere.
+    opts.resolve(ntok).map_err(|e| sources.map(e, "loss options"))?;
+    let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
+    let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
+    let pending = PendingOutput::create(&args.out)?;
+    let target = resolve_announced(backend, "headkl");
+    let start = Instant::now();
+    let result = open_and_run(
+        &target,
+        LossJob {
+            sources: &sources,
+            head,
+            hidden,
+            teacher,
+            opts,
+        },
+    )?;
+    pending.commit_tensors(&[
+        OutTensor {
+            name: "loss",
+            dtype: Dtype::F32,
+            shape: vec![ntok],
+            data: bytemuck::cast_slice(&result.loss),
+        },
+        OutTensor {
+            name: "grad",
+            dtype: Dtype::F32,
+            shape: vec![ntok, hs],
+            data: bytemuck::cast_slice(&result.dx),
+        },
+    ])?;
+    eprintln!(
+        "headkl: loss over {ntok} tokens (V = {vocab}, hs = {hs}, k = {k}) in {:.3} s; wrote {}",
+        start.elapsed().as_secs_f64(),
+        args.out.display()
+    );
+    println!("mean loss: {}", result.mean);
+    Ok(())
+}

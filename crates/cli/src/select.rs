@@ -1,0 +1,543 @@
+//! Which backend and device runs a job: the `--backend`/`--device` options,
+//! enumeration of every backend's devices, the `auto` policy (a pure
+//! function over the enumerated candidates), and the one place that opens a
+//! backend and hands it to generic code.
+
+use std::fmt;
+use std::panic::{self, AssertUnwindSafe};
+
+use clap::{Args, ValueEnum};
+use headkl_core::{Backend, DeviceInfo};
+use serde::Serialize;
+
+use crate::error::CliError;
+
+/// The `auto` policy in words, for `--help` and `headkl devices`.
+pub const AUTO_POLICY: &str = "\
+auto picks the first usable device in this order:
+  1. Vulkan with matrix units (cooperative matrices)
+  2. wgpu with matrix units
+  3. Vulkan without matrix units (tiled fallback GEMM)
+  4. wgpu without matrix units
+  5. reference (the f64 CPU backend; always there, so auto never fails)
+Within one step a discrete GPU beats an integrated one, which beats a
+virtual one, which beats a CPU (software) device; then the lower index.
+--device N restricts auto to devices with index N.";
+
+/// A backend named on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// The best usable device (see the auto policy).
+    Auto,
+    /// Raw Vulkan through ash.
+    Vulkan,
+    /// wgpu over Vulkan (or Metal/DX12).
+    Wgpu,
+    /// The f64 CPU reference.
+    Reference,
+}
+
+/// A concrete backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Raw Vulkan through ash.
+    Vulkan,
+    /// wgpu.
+    Wgpu,
+    /// The f64 CPU reference.
+    Reference,
+}
+
+impl BackendKind {
+    /// Every backend, in the `auto` policy's order.
+    pub const ALL: [BackendKind; 3] = [BackendKind::Vulkan, BackendKind::Wgpu, BackendKind::Reference];
+
+    /// The backend's name as `--backend` and `HEADKL_REQUIRE` spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Vulkan => "vulkan",
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Reference => "reference",
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `--backend` and `--device`, shared by every subcommand.
+#[derive(Args, Clone, Debug, Default)]
+pub struct BackendArgs {
+    /// Backend to run on: auto, vulkan, wgpu or reference [env: HEADKL_BACKEND]
+    #[arg(long, value_enum, env = "HEADKL_BACKEND", hide_env = true)]
+    pub backend: Option<BackendArg>,
+    /// Device index within the backend, as `headkl devices` lists them
+    /// [env: HEADKL_DEVICE]
+    #[arg(long, env = "HEADKL_DEVICE", hide_env = true)]
+    pub device: Option<usize>,
+}
+
+/// One device a backend enumerated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    /// Its backend.
+    pub kind: BackendKind,
+    /// Its index within the backend (what `--device` takes).
+    pub index: usize,
+    /// What it offers.
+    pub info: DeviceInfo,
+}
+
+/// Every backend's devices, and the backends whose enumeration failed.
+#[derive(Clone, Debug, Default)]
+pub struct Enumeration {
+    /// Devices found, backend by backend in policy order.
+    pub candidates: Vec<Candidate>,
+    /// Backends that could not enumerate, with why.
+    pub failures: Vec<(BackendKind, String)>,
+}
+
+impl Enumeration {
+    /// Why `kind` has no devices, if its enumeration failed.
+    pub fn failure(&self, kind: BackendKind) -> Option<&str> {
+        self.failures
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, why)| why.as_str())
+    }
+}
+
+/// What `auto` chose and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AutoPick {
+    /// The backend.
+    pub kind: BackendKind,
+    /// The device index within it.
+    pub index: usize,
+    /// Why, in words.
+    pub reason: String,
+}
+
+/// Rank of a device type within one step of the policy (lower is better).
+fn type_rank(device_type: &str) -> u8 {
+    match device_type.to_ascii_lowercase().as_str() {
+        t if t.contains("discrete") => 0,
+        t if t.contains("integrated") => 1,
+        t if t.contains("virtual") => 2,
+        t if t.contains("cpu") => 4,
+        _ => 3,
+    }
+}
+
+/// The policy step of a usable GPU candidate (lower is better), or `None`
+/// for the reference backend or an unusable device.
+fn step(c: &Candidate) -> Option<u8> {
+    if c.info.unusable.is_some() {
+        return None;
+    }
+    match (c.kind, c.info.matrix_units) {
+        (BackendKind::Vulkan, true) => Some(1),
+        (BackendKind::Wgpu, true) => Some(2),
+        (BackendKind::Vulkan, false) => Some(3),
+        (BackendKind::Wgpu, false) => Some(4),
+        (BackendKind::Reference, _) => None,
+    }
+}
+
+/// The best usable GPU candidate among `candidates` (all backends, or those
+/// of one backend), honouring a device filter.
+pub fn best_gpu(candidates: &[Candidate], device: Option<usize>) -> Option<&Candidate> {
+    candidates
+        .iter()
+        .filter(|c| device.is_none_or(|d| c.index == d))
+        .filter_map(|c| step(c).map(|s| (s, type_rank(&c.info.device_type), c.index, c)))
+        .min_by_key(|&(s, t, i, c)| (s, t, c.kind, i))
+        .map(|(_, _, _, c)| c)
+}
+
+/// The `auto` policy: a pure function of the enumerated candidates (see
+/// [`AUTO_POLICY`]). Falls back to the reference backend, so it never fails.
+pub fn auto_pick(candidates: &[Candidate], device: Option<usize>) -> AutoPick {
+    if let Some(c) = best_gpu(candidates, device) {
+        let name = &c.info.device_name;
+        let reason = if c.info.matrix_units {
+            let shapes: Vec<String> = c
+                .info
+                .matrix_shapes
+                .iter()
+                .map(|(m, n, k)| format!("{m}x{n}x{k}"))
+                .collect();
+            format!(
+                "{} device {} ({name}) has matrix units ({}); {}",
+                c.kind,
+                c.index,
+                shapes.join(", "),
+                if c.kind == BackendKind::Vulkan {
+                    "Vulkan with matrix units comes first"
+                } else {
+                    "no Vulkan device with matrix units"
+                }
+            )
+        } else {
+            format!(
+                "no usable device has matrix units; {} device {} ({name}) is the best {} device without them",
+                c.kind, c.index, c.kind
+            )
+        };
+        return AutoPick {
+            kind: c.kind,
+            index: c.index,
+            reason,
+        };
+    }
+    let why = match device {
+        Some(d) => format!("no usable Vulkan or wgpu device with index {d}"),
+        None => "no usable Vulkan or wgpu device".to_string(),
+    };
+    AutoPick {
+        kind: BackendKind::Reference,
+        index: 0,
+        reason: format!("{why}; the CPU reference always runs"),
+    }
+}
+
+/// Runs `f`, turning a panic inside a backend's enumeration or start-up
+/// into an error message instead of a crash.
+pub fn guarded<T>(what: &str, f: impl FnOnce() -> headkl_core::Result<T>) -> Result<T, String> {
+    let hook = panic::take_hook();
+    panic::set_hook(Box::new(|_| {}));
+    let result = panic::catch_unwind(AssertUnwindSafe(f));
+    panic::set_hook(hook);
+    match result {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(format!("{what} panicked: {msg}"))
+        }
+    }
+}
+
+/// Lists one backend's devices.
+pub fn enumerate_backend(kind: BackendKind) -> Result<Vec<DeviceInfo>, String> {
+    match kind {
+        BackendKind::Vulkan => guarded("Vulkan enumeration", headkl_vulkan::enumerate),
+        BackendKind::Wgpu => guarded("wgpu enumeration", headkl_wgpu::enumerate),
+        BackendKind::Reference => Ok(vec![headkl_reference::CpuBackend::new().info().clone()]),
+    }
+}
+
+/// Lists every backend's devices; a backend that cannot enumerate is
+/// recorded with why (a machine without a Vulkan loader still lists the
+/// reference).
+pub fn enumerate_all() -> Enumeration {
+    let mut e = Enumeration::default();
+    for kind in BackendKind::ALL {
+        match enumerate_backend(kind) {
+            Ok(infos) if infos.is_empty() => e.failures.push((kind, "no devices found".into())),
+            Ok(infos) => {
+                e.candidates.extend(
+                    infos
+                        .into_iter()
+                        .enumerate()
+                        .map(|(index, info)| Candidate { kind, index, info }),
+                )
+            }
+            Err(why) => e.failures.push((kind, why)),
+        }
+    }
+    e
+}
+
+/// The device of `kind` to run on when no `auto` is involved: the best
+/// usable one (or the one `device` names), or why there is none.
+pub fn target_for(kind: BackendKind, device: Option<usize>) -> Result<Target, String> {
+    if kind == BackendKind::Reference {
+        return Ok(Target {
+            kind,
+            device,
+            auto_reason: None,
+        });
+    }
+    let candidates: Vec<Candidate> = enumerate_backend(kind)?
+        .into_iter()
+        .enumerate()
+        .map(|(index, info)| Candidate { kind, index, info })
+        .collect();
+    if let Some(c) = best_gpu(&candidates, device) {
+        return Ok(Target {
+            kind,
+            device: Some(c.index),
+            auto_reason: None,
+        });
+    }
+    let why: Vec<String> = candidates
+        .iter()
+        .filter(|c| device.is_none_or(|d| c.index == d))
+        .map(|c| {
+            format!(
+                "device {} ({}): {}",
+                c.index,
+                c.info.device_name,
+                c.info.unusable.as_deref().unwrap_or("not usable")
+            )
+        })
+        .collect();
+    Err(match (why.is_empty(), device) {
+        (false, _) => why.join("; "),
+        (true, Some(d)) if !candidates.is_empty() => format!("no device with index {d}"),
+        (true, _) => "no devices found".into(),
+    })
+}
+
+/// A backend and device to open.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// The backend.
+    pub kind: BackendKind,
+    /// The device index (`None`: the backend's default).
+    pub device: Option<usize>,
+    /// Why `auto` chose it, when it did.
+    pub auto_reason: Option<String>,
+}
+
+/// The target one job runs on: the named backend, or `auto`'s pick.
+pub fn resolve(args: &BackendArgs) -> Target {
+    match args.backend.unwrap_or(BackendArg::Auto) {
+        BackendArg::Auto => {
+            let e = enumerate_all();
+            let pick = auto_pick(&e.candidates, args.device);
+            Target {
+                kind: pick.kind,
+                device: Some(pick.index),
+                auto_reason: Some(pick.reason),
+            }
+        }
+        named => Target {
+            kind: named_kind(named),
+            device: args.device,
+            auto_reason: None,
+        },
+    }
+}
+
+/// [`resolve`], saying on stderr what `auto` picked and why.
+pub fn resolve_announced(args: &BackendArgs, who: &str) -> Target {
+    let target = resolve(args);
+    if let Some(reason) = &target.auto_reason {
+        eprintln!(
+            "{who}: auto picked {} device {}: {reason}",
+            target.kind,
+            target.device.unwrap_or(0)
+        );
+    }
+    target
+}
+
+/// The concrete backend of a non-auto argument.
+pub fn named_kind(arg: BackendArg) -> BackendKind {
+    match arg {
+        BackendArg::Vulkan => BackendKind::Vulkan,
+        BackendArg::Wgpu => BackendKind::Wgpu,
+        BackendArg::Reference | BackendArg::Auto => BackendKind::Reference,
+    }
+}
+
+/// Backends named in `HEADKL_REQUIRE` (comma list): failing to start one of
+/// them is an error, not a skip.
+pub fn required_backends() -> Vec<String> {
+    std::env::var("HEADKL_REQUIRE")
+        .unwrap_or_default()
+        .split(',')
+        .map(|s| s.trim().to_ascii_lowercase())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// Work that runs on any backend. `run` is generic, so each backend's
+/// buffer type stays static (no trait objects).
+pub trait BackendJob {
+    /// What the job returns.
+    type Output;
+    /// Runs the job on an opened backend.
+    fn run<B: Backend>(self, backend: B) -> Result<Self::Output, CliError>;
+}
+
+/// Why [`open_and_run`] failed: the backend did not start, or the job failed.
+#[derive(Debug)]
+pub enum RunError {
+    /// The backend could not be opened; the message says why.
+    Start(BackendKind, String),
+    /// The job failed.
+    Job(CliError),
+}
+
+impl From<RunError> for CliError {
+    fn from(e: RunError) -> Self {
+        match e {
+            RunError::Start(kind, reason) => CliError::Start {
+                backend: kind.name(),
+                reason,
+            },
+            RunError::Job(e) => e,
+        }
+    }
+}
+
+/// Opens `target` and runs `job` on it.
+pub fn open_and_run<J: BackendJob>(target: &Target, job: J) -> Result<J::Output, RunError> {
+    let device = target.device;
+    match target.kind {
+        BackendKind::Reference => {
+            if device.is_some_and(|d| d != 0) {
+                return Err(RunError::Job(CliError::option(
+                    "--device",
+                    "the reference backend has one device, index 0",
+                )));
+            }
+            job.run(headkl_reference::CpuBackend::new()).map_err(RunError::Job)
+        }
+        BackendKind::Wgpu => {
+            let b = guarded("wgpu start-up", || headkl_wgpu::WgpuBackend::open(device))
+                .map_err(|why| RunError::Start(target.kind, why))?;
+            job.run(b).map_err(RunError::Job)
+        }
+        BackendKind::Vulkan => {
+            let b = guarded("Vulkan start-up", || headkl_vulkan::VulkanBackend::open(device))
+                .map_err(|why| RunError::Start(target.kind, why))?;
+            job.run(b).map_err(RunError::Job)
+        }
+    }
+}
+
+/// Describes a device in one line for progress messages.
+pub fn describe(info: &DeviceInfo) -> String {
+    format!(
+        "{} on {} ({}, matrix units {})",
+        info.backend,
+        info.device_name,
+        info.device_type,
+        if info.matrix_units { "on" } else { "off" }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(backend: &'static str, name: &str, ty: &str, mu: bool, unusable: Option<&str>) -> DeviceInfo {
+        DeviceInfo {
+            backend,
+            device_name: name.into(),
+            driver: "test".into(),
+            device_type: ty.into(),
+            matrix_units: mu,
+            matrix_shapes: if mu { vec![(16, 16, 16)] } else { vec![] },
+            shader_f16: true,
+            subgroup_size: Some(32),
+            max_binding_bytes: 1 << 30,
+            max_buffer_bytes: 1 << 30,
+            memory_bytes: None,
+            unusable: unusable.map(String::from),
+        }
+    }
+
+    fn cand(kind: BackendKind, index: usize, info: DeviceInfo) -> Candidate {
+        Candidate { kind, index, info }
+    }
+
+    fn reference() -> Candidate {
+        cand(BackendKind::Reference, 0, info("reference", "cpu", "cpu", false, None))
+    }
+
+    #[test]
+    fn vulkan_with_matrix_units_first() {
+        let c = vec![
+            cand(BackendKind::Vulkan, 0, info("vulkan", "llvmpipe", "cpu", false, None)),
+            cand(BackendKind::Vulkan, 1, info("vulkan", "H200", "discrete", true, None)),
+            cand(BackendKind::Wgpu, 0, info("wgpu", "H200", "discrete", true, None)),
+            reference(),
+        ];
+        let p = auto_pick(&c, None);
+        assert_eq!((p.kind, p.index), (BackendKind::Vulkan, 1));
+        assert!(p.reason.contains("matrix units"), "{}", p.reason);
+    }
+
+    #[test]
+    fn wgpu_with_matrix_units_beats_vulkan_without() {
+        let c = vec![
+            cand(BackendKind::Vulkan, 0, info("vulkan", "gpu", "discrete", false, None)),
+            cand(BackendKind::Wgpu, 0, info("wgpu", "gpu", "discrete", true, None)),
+            reference(),
+        ];
+        let p = auto_pick(&c, None);
+        assert_eq!((p.kind, p.index), (BackendKind::Wgpu, 0));
+    }
+
+    #[test]
+    fn vulkan_without_beats_wgpu_without_and_unusable_devices_are_skipped() {
+        let c = vec![
+            cand(
+                BackendKind::Vulkan,
+                0,
+                info("vulkan", "old", "discrete", true, Some("no shaderFloat16")),
+            ),
+            cand(BackendKind::Wgpu, 0, info("wgpu", "llvmpipe", "cpu", false, None)),
+            cand(BackendKind::Vulkan, 1, info("vulkan", "llvmpipe", "cpu", false, None)),
+            reference(),
+        ];
+        let p = auto_pick(&c, None);
+        assert_eq!((p.kind, p.index), (BackendKind::Vulkan, 1));
+        assert!(p.reason.contains("no usable device has matrix units"), "{}", p.reason);
+    }
+
+    #[test]
+    fn discrete_beats_cpu_within_a_step() {
+        let c = vec![
+            cand(BackendKind::Vulkan, 0, info("vulkan", "llvmpipe", "cpu", false, None)),
+            cand(
+                BackendKind::Vulkan,
+                1,
+                info("vulkan", "igpu", "integrated", false, None),
+            ),
+            cand(BackendKind::Vulkan, 2, info("vulkan", "dgpu", "discrete", false, None)),
+        ];
+        assert_eq!(auto_pick(&c, None).index, 2);
+        assert_eq!(auto_pick(&c, Some(0)).index, 0);
+    }
+
+    #[test]
+    fn falls_back_to_reference() {
+        let p = auto_pick(&[reference()], None);
+        assert_eq!((p.kind, p.index), (BackendKind::Reference, 0));
+        let p = auto_pick(&[], None);
+        assert_eq!(p.kind, BackendKind::Reference);
+        let c = vec![cand(
+            BackendKind::Wgpu,
+            0,
+            info("wgpu", "gpu", "discrete", true, Some("missing f16")),
+        )];
+        let p = auto_pick(&c, None);
+        assert_eq!(p.kind, BackendKind::Reference);
+        assert!(p.reason.contains("reference"), "{}", p.reason);
+        let c = vec![cand(BackendKind::Wgpu, 0, info("wgpu", "gpu", "discrete", true, None))];
+        assert_eq!(auto_pick(&c, Some(3)).kind, BackendKind::Reference);
+    }
+
+    #[test]
+    fn guarded_turns_panics_into_errors() {
+        let r: Result<(), String> = guarded("probe", || panic!("boom"));
+        let msg = r.unwrap_err();
+        assert!(msg.contains("probe panicked") && msg.contains("boom"), "{msg}");
+        let ok = guarded("probe", || Ok(3));
+        assert_eq!(ok, Ok(3));
+    }
+}

@@ -1,0 +1,830 @@
+//! Runs the `headkl` binary: every bad input gets a one-line error naming the
+//! file, tensor and problem with exit code 2; the happy paths match
+//! `headkl_reference::direct`; outputs are never clobbered by a failed run.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use half::f16;
+use headkl_core::{HeadData, HeadWeights, Hidden, LossOptions, Teacher};
+use headkl_reference::direct::{head_kl_f64, topk_f64};
+use headkl_reference::Tolerance;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+const VOCAB: usize = 300;
+const HS: usize = 24;
+const NTOK: usize = 5;
+const K: usize = 4;
+
+/// A fresh directory for one test.
+fn temp_dir(tag: &str) -> PathBuf {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "headkl-cli-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// One tensor to write: name, dtype, shape, bytes.
+struct T(&'static str, Dtype, Vec<usize>, Vec<u8>);
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+fn i64s(v: &[i64]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+fn write_st(path: &Path, tensors: &[T]) {
+    let views: Vec<(&str, TensorView<'_>)> = tensors
+        .iter()
+        .map(|t| (t.0, TensorView::new(t.1, t.2.clone(), &t.3).unwrap()))
+        .collect();
+    fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+/// Deterministic values without ties (an LCG), scaled to `a`.
+fn values(n: usize, seed: u64, a: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+        })
+        .collect()
+}
+
+/// The small problem every test uses.
+struct Fixture {
+    dir: PathBuf,
+    head: Vec<f32>,
+    hidden: Vec<f32>,
+    ids: Vec<i64>,
+    probs: Vec<f32>,
+}
+
+impl Fixture {
+    fn new(tag: &str) -> Self {
+        let dir = temp_dir(tag);
+        let head = values(VOCAB * HS, 1, 0.5);
+        let hidden = values(NTOK * HS, 2, 1.0);
+        let ids: Vec<i64> = (0..NTOK * K).map(|i| ((i * 37 + 11) % VOCAB) as i64).collect();
+        let probs: Vec<f32> = (0..NTOK * K).map(|i| 0.1 + (i % 7) as f32 * 0.05).collect();
+        let f = Self {
+            dir,
+            head,
+            hidden,
+            ids,
+            probs,
+        };
+        f.write_head("head.safetensors", "weight");
+        write_st(
+            &f.path("hidden.safetensors"),
+            &[T("hidden", Dtype::F32, vec![NTOK, HS], f32s(&f.hidden))],
+        );
+        f.write_teacher("teacher.safetensors", &f.ids, &f.probs);
+        f
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    fn write_head(&self, name: &str, tensor: &'static str) {
+        write_st(
+            &self.path(name),
+            &[T(tensor, Dtype::F32, vec![VOCAB, HS], f32s(&self.head))],
+        );
+    }
+
+    fn write_teacher(&self, name: &str, ids: &[i64], probs: &[f32]) -> PathBuf {
+        let p = self.path(name);
+        write_st(
+            &p,
+            &[
+                T("ids", Dtype::I64, vec![NTOK, ids.len() / NTOK], i64s(ids)),
+                T("probs", Dtype::F32, vec![NTOK, probs.len() / NTOK], f32s(probs)),
+            ],
+        );
+        p
+    }
+
+    /// Runs `headkl loss` on the reference with `teacher` and extra args.
+    fn loss(&self, teacher: &str, extra: &[&str]) -> Output {
+        let mut args = vec![
+            "loss",
+            "--backend",
+            "reference",
+            "--head",
+            self.s("head.safetensors"),
+            "--hidden",
+            self.s("hidden.safetensors"),
+            "--teacher",
+        ];
+        let t = self.path(teacher);
+        args.push(t.to_str().unwrap());
+        let out = self.path("out.safetensors");
+        args.extend(["--out", out.to_str().unwrap()]);
+        args.extend(extra);
+        headkl(&args)
+    }
+
+    fn s(&self, name: &str) -> &'static str {
+        // Leaked: tests are short-lived and this keeps argument lists simple.
+        Box::leak(self.path(name).to_str().unwrap().to_string().into_boxed_str())
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn headkl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_headkl"))
+        .args(args)
+        .env_remove("HEADKL_BACKEND")
+        .env_remove("HEADKL_DEVICE")
+        .env_remove("HEADKL_CASES")
+        .env_remove("HEADKL_SEED")
+        .output()
+        .unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Exit 2, a one-line error containing every needle, no panic.
+fn assert_input_error(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "expected exit 2, stderr:\n{err}");
+    assert!(!err.contains("panicked"), "panic:\n{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("headkl: error:"))
+        .unwrap_or_else(|| panic!("no error line:\n{err}"));
+    for n in needles {
+        assert!(line.contains(n), "error line lacks {n:?}: {line}");
+    }
+    println!("{line}");
+}
+
+#[test]
+fn corrupt_and_truncated_files() {
+    let f = Fixture::new("corrupt");
+    let mut bytes = 24u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{\"weight\": this is junk}");
+    fs::write(f.path("corrupt.safetensors"), &bytes).unwrap();
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("corrupt.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "3",
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_input_error(&o, &["corrupt.safetensors", "not a valid safetensors"]);
+
+    let good = fs::read(f.path("hidden.safetensors")).unwrap();
+    fs::write(f.path("cut.safetensors"), &good[..good.len() - 7]).unwrap();
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("cut.safetensors"),
+        "-k",
+        "3",
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_input_error(&o, &["cut.safetensors", "truncated"]);
+
+    fs::write(f.path("tiny.safetensors"), [1u8, 2]).unwrap();
+    let o = f.loss("tiny.safetensors", &[]);
+    assert_input_error(&o, &["tiny.safetensors", "truncated"]);
+    assert!(!f.path("o.safetensors").exists());
+}
+
+#[test]
+fn missing_tensor_names_file_and_tensor() {
+    let f = Fixture::new("missing");
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--head-tensor",
+        "lm_head.weight",
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "3",
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_input_error(&o, &["head.safetensors", "`lm_head.weight`", "not found", "weight"]);
+    // The other way round: the named tensor is found.
+    f.write_head("shard.safetensors", "lm_head.weight");
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("shard.safetensors"),
+        "--head-tensor",
+        "lm_head.weight",
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "3",
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+#[test]
+fn wrong_dtype_and_shape() {
+    let f = Fixture::new("dtype");
+    write_st(
+        &f.path("head_i32.safetensors"),
+        &[T("weight", Dtype::I32, vec![VOCAB, HS], vec![0u8; VOCAB * HS * 4])],
+    );
+    write_st(
+        &f.path("head_1d.safetensors"),
+        &[T("weight", Dtype::F32, vec![VOCAB * HS], f32s(&f.head))],
+    );
+    for (file, needles) in [
+        (
+            "head_i32.safetensors",
+            vec!["head_i32.safetensors", "`weight`", "dtype I32"],
+        ),
+        (
+            "head_1d.safetensors",
+            vec!["head_1d.safetensors", "`weight`", "expected 2 dimensions"],
+        ),
+    ] {
+        let o = headkl(&[
+            "topk",
+            "--backend",
+            "reference",
+            "--head",
+            f.s(file),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "-k",
+            "3",
+            "--out",
+            f.s("o.safetensors"),
+        ]);
+        assert_input_error(&o, &needles);
+    }
+    // Teacher ids as F32, probs of the wrong shape.
+    write_st(
+        &f.path("t_f32ids.safetensors"),
+        &[
+            T("ids", Dtype::F32, vec![NTOK, K], f32s(&[1.0; NTOK * K])),
+            T("probs", Dtype::F32, vec![NTOK, K], f32s(&f.probs)),
+        ],
+    );
+    assert_input_error(
+        &f.loss("t_f32ids.safetensors", &[]),
+        &["t_f32ids.safetensors", "`ids`", "dtype F32"],
+    );
+    write_st(
+        &f.path("t_shape.safetensors"),
+        &[
+            T("ids", Dtype::I64, vec![NTOK, K], i64s(&f.ids)),
+            T("probs", Dtype::F32, vec![NTOK, K - 1], f32s(&f.probs[..NTOK * (K - 1)])),
+        ],
+    );
+    assert_input_error(
+        &f.loss("t_shape.safetensors", &[]),
+        &["t_shape.safetensors", "`probs`", "shape"],
+    );
+    // Weights of the wrong length and a negative weight.
+    write_st(
+        &f.path("w_len.safetensors"),
+        &[T("weights", Dtype::F32, vec![NTOK + 1], f32s(&[1.0; NTOK + 1]))],
+    );
+    assert_input_error(
+        &f.loss("teacher.safetensors", &["--weights", f.s("w_len.safetensors")]),
+        &["w_len.safetensors", "`weights`"],
+    );
+    write_st(
+        &f.path("w_neg.safetensors"),
+        &[T("weights", Dtype::F32, vec![NTOK], f32s(&[1.0, 1.0, -2.0, 1.0, 1.0]))],
+    );
+    assert_input_error(
+        &f.loss("teacher.safetensors", &["--weights", f.s("w_neg.safetensors")]),
+        &["w_neg.safetensors", "`weights`", "negative"],
+    );
+}
+
+#[test]
+fn hidden_size_mismatch() {
+    let f = Fixture::new("hs");
+    write_st(
+        &f.path("hidden25.safetensors"),
+        &[T(
+            "hidden",
+            Dtype::F32,
+            vec![NTOK, HS + 1],
+            f32s(&values(NTOK * (HS + 1), 3, 1.0)),
+        )],
+    );
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hidden25.safetensors"),
+        "-k",
+        "3",
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_input_error(&o, &["hidden25.safetensors", "`hidden`", "hs = 25", "hs = 24"]);
+}
+
+#[test]
+fn bad_teacher_ids_and_probs() {
+    let f = Fixture::new("teacher");
+    let mut ids = f.ids.clone();
+    ids[6] = VOCAB as i64 + 5;
+    f.write_teacher("t_range.safetensors", &ids, &f.probs);
+    assert_input_error(
+        &f.loss("t_range.safetensors", &[]),
+        &["t_range.safetensors", "`ids`", "out of range", "305"],
+    );
+    let mut ids = f.ids.clone();
+    ids[3] = -1;
+    f.write_teacher("t_neg.safetensors", &ids, &f.probs);
+    assert_input_error(&f.loss("t_neg.safetensors", &[]), &["t_neg.safetensors", "`ids`", "-1"]);
+    let mut ids = f.ids.clone();
+    ids[K + 1] = ids[K];
+    f.write_teacher("t_dup.safetensors", &ids, &f.probs);
+    assert_input_error(
+        &f.loss("t_dup.safetensors", &[]),
+        &["t_dup.safetensors", "`ids`", "twice"],
+    );
+    let mut probs = f.probs.clone();
+    probs[2] = -0.5;
+    f.write_teacher("t_negp.safetensors", &f.ids, &probs);
+    assert_input_error(
+        &f.loss("t_negp.safetensors", &[]),
+        &["t_negp.safetensors", "`probs`", "negative"],
+    );
+    let mut probs = f.probs.clone();
+    probs[9] = f32::NAN;
+    f.write_teacher("t_nan.safetensors", &f.ids, &probs);
+    assert_input_error(
+        &f.loss("t_nan.safetensors", &[]),
+        &["t_nan.safetensors", "`probs`", "not finite"],
+    );
+}
+
+#[test]
+fn k_above_2048() {
+    let f = Fixture::new("bigk");
+    // A head wide enough that only the 2048 limit is in the way.
+    let vocab = 2100;
+    write_st(
+        &f.path("wide.safetensors"),
+        &[T(
+            "weight",
+            Dtype::F32,
+            vec![vocab, HS],
+            f32s(&values(vocab * HS, 4, 0.5)),
+        )],
+    );
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("wide.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "2049",
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_input_error(&o, &["-k", "2049", "2048"]);
+    let k = 2049;
+    let ids: Vec<i64> = (0..NTOK * k).map(|i| (i % k) as i64).collect();
+    let probs = vec![1.0f32; NTOK * k];
+    f.write_teacher("t_bigk.safetensors", &ids, &probs);
+    let o = headkl(&[
+        "loss",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("wide.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "--teacher",
+        f.s("t_bigk.safetensors"),
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_input_error(&o, &["t_bigk.safetensors", "`ids`", "2049", "2048"]);
+}
+
+#[test]
+fn bad_options_and_head_values() {
+    let f = Fixture::new("opts");
+    assert_input_error(
+        &f.loss("teacher.safetensors", &["--temperature", "0"]),
+        &["--temperature"],
+    );
+    assert_input_error(&f.loss("teacher.safetensors", &["--budget", "0"]), &["--budget"]);
+    let mut head = f.head.clone();
+    head[HS * 7 + 3] = f32::INFINITY;
+    write_st(
+        &f.path("head_inf.safetensors"),
+        &[T("weight", Dtype::F32, vec![VOCAB, HS], f32s(&head))],
+    );
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head_inf.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "3",
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_input_error(&o, &["head_inf.safetensors", "`weight`", "head[7][3]"]);
+}
+
+#[test]
+fn non_finite_hidden_row_is_named() {
+    let f = Fixture::new("nanrow");
+    let mut hidden = f.hidden.clone();
+    hidden[3 * HS + 1] = f32::NAN;
+    write_st(
+        &f.path("h_nan.safetensors"),
+        &[T("hidden", Dtype::F32, vec![NTOK, HS], f32s(&hidden))],
+    );
+    let o = headkl(&[
+        "loss",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("h_nan.safetensors"),
+        "--teacher",
+        f.s("teacher.safetensors"),
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_input_error(&o, &["h_nan.safetensors", "`hidden`", "hidden[3]"]);
+    assert!(!f.path("o.safetensors").exists());
+}
+
+#[test]
+fn backend_that_cannot_start_exits_1_with_reason() {
+    let f = Fixture::new("nostart");
+    for backend in ["wgpu", "vulkan"] {
+        let o = headkl(&[
+            "loss",
+            "--backend",
+            backend,
+            "--device",
+            "97",
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "--teacher",
+            f.s("teacher.safetensors"),
+            "--out",
+            f.s("o.safetensors"),
+        ]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{backend}: {err}");
+        assert!(err.contains(&format!("cannot start the {backend} backend")), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        // `check` naming the backend explicitly fails too.
+        let o = headkl(&["check", "--backend", backend, "--device", "97", "--cases", "0"]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{backend}: {err}");
+        assert!(err.contains("could not start"), "{err}");
+    }
+    assert!(!f.path("o.safetensors").exists());
+}
+
+#[test]
+fn failed_run_does_not_clobber_output() {
+    let f = Fixture::new("clobber");
+    let out = f.path("out.safetensors");
+    fs::write(&out, b"previous good result").unwrap();
+    let mut ids = f.ids.clone();
+    ids[0] = 100_000;
+    f.write_teacher("t_bad.safetensors", &ids, &f.probs);
+    let o = f.loss("t_bad.safetensors", &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(fs::read(&out).unwrap(), b"previous good result");
+    let leftovers: Vec<String> = fs::read_dir(&f.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+    // An output that names an input is refused before anything runs.
+    let o = headkl(&[
+        "loss",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "--teacher",
+        f.s("teacher.safetensors"),
+        "--out",
+        f.s("hidden.safetensors"),
+    ]);
+    assert_input_error(&o, &["--out", "hidden.safetensors"]);
+}
+
+/// Copies little-endian tensor bytes into a vector (the data may be
+/// unaligned).
+fn pod_vec<P: bytemuck::Pod>(data: &[u8]) -> Vec<P> {
+    let mut v = vec![P::zeroed(); data.len() / std::mem::size_of::<P>()];
+    bytemuck::cast_slice_mut::<P, u8>(&mut v).copy_from_slice(data);
+    v
+}
+
+fn tensor_f32(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), Dtype::F32);
+    pod_vec(t.data())
+}
+
+#[test]
+fn topk_matches_direct() {
+    let f = Fixture::new("topk");
+    let k = 7;
+    let out = f.path("top.safetensors");
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "7",
+        "--temperature",
+        "0.8",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = fs::read(&out).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let ids_t = st.tensor("ids").unwrap();
+    assert_eq!(ids_t.dtype(), Dtype::I64);
+    assert_eq!(ids_t.shape(), &[NTOK, k]);
+    let ids: Vec<i64> = pod_vec(ids_t.data());
+    let ids: Vec<u32> = ids.iter().map(|&i| u32::try_from(i).unwrap()).collect();
+    let probs = tensor_f32(&st, "probs");
+    let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
+    let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
+    let want = topk_f64(&head, &hidden, k, 0.8);
+    Tolerance::default().check_topk(&ids, &probs, &want).unwrap();
+}
+
+#[test]
+fn loss_matches_direct_with_weights() {
+    let f = Fixture::new("loss");
+    let weights = [1.0f32, 0.0, 2.0, 0.5, 1.0];
+    write_st(
+        &f.path("w.safetensors"),
+        &[T("weights", Dtype::F32, vec![NTOK], f32s(&weights))],
+    );
+    let o = f.loss(
+        "teacher.safetensors",
+        &["--weights", f.s("w.safetensors"), "--temperature", "1.5"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    let mean: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("mean loss: "))
+        .unwrap_or_else(|| panic!("no mean loss in stdout: {stdout}"))
+        .trim()
+        .parse()
+        .unwrap();
+    let bytes = fs::read(f.path("out.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.tensor("loss").unwrap().shape(), &[NTOK]);
+    assert_eq!(st.tensor("grad").unwrap().shape(), &[NTOK, HS]);
+    let loss = tensor_f32(&st, "loss");
+    let grad = tensor_f32(&st, "grad");
+
+    let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
+    let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
+    let teacher = Teacher::from_i64(&f.ids, &f.probs, NTOK, K, VOCAB).unwrap();
+    let opts = LossOptions {
+        temperature: 1.5,
+        weights: Some(weights.to_vec()),
+        ..LossOptions::default()
+    };
+    let want = head_kl_f64(&head, &hidden, &teacher, &opts.resolve(NTOK).unwrap());
+    let tol = Tolerance::default();
+    tol.check_loss(&loss, mean, &want).unwrap();
+    tol.check_dx_rows(&grad, &want.dx, Some(HS)).unwrap();
+    // The masked token has zero gradient.
+    assert!(grad[HS..2 * HS].iter().all(|&g| g == 0.0));
+}
+
+#[test]
+fn f16_hidden_and_bf16_head_are_read() {
+    let f = Fixture::new("halves");
+    let hidden16: Vec<f16> = f.hidden.iter().map(|&v| f16::from_f32(v)).collect();
+    write_st(
+        &f.path("h16.safetensors"),
+        &[T(
+            "x",
+            Dtype::F16,
+            vec![NTOK, HS],
+            bytemuck::cast_slice(&hidden16).to_vec(),
+        )],
+    );
+    let head_bf: Vec<half::bf16> = f.head.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    write_st(
+        &f.path("hbf.safetensors"),
+        &[T(
+            "weight",
+            Dtype::BF16,
+            vec![VOCAB, HS],
+            bytemuck::cast_slice(&head_bf).to_vec(),
+        )],
+    );
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("hbf.safetensors"),
+        "--hidden",
+        f.s("h16.safetensors"),
+        "--hidden-tensor",
+        "x",
+        "-k",
+        "5",
+        "--out",
+        f.s("o.safetensors"),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = fs::read(f.path("o.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let probs = tensor_f32(&st, "probs");
+    let head = HeadWeights::new(HeadData::Bf16(&head_bf), VOCAB, HS).unwrap();
+    let hidden = Hidden::f16(&hidden16, NTOK, HS).unwrap();
+    let want = topk_f64(&head, &hidden, 5, 1.0);
+    let ids: Vec<i64> = pod_vec(st.tensor("ids").unwrap().data());
+    let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+    Tolerance::default().check_topk(&ids, &probs, &want).unwrap();
+}
+
+#[test]
+fn devices_json_marks_one_auto_row() {
+    let o = headkl(&["devices", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = v["devices"].as_array().unwrap();
+    assert!(rows
+        .iter()
+        .any(|r| r["backend"] == "reference" && r["runnable"] == true));
+    assert_eq!(rows.iter().filter(|r| r["auto"] == true).count(), 1, "{v}");
+    assert!(v["auto"]["reason"].as_str().is_some_and(|r| !r.is_empty()));
+    // Every backend shows up: with devices, or with one row saying why not.
+    for b in ["vulkan", "wgpu", "reference"] {
+        assert!(rows.iter().any(|r| r["backend"] == b), "no row for {b}: {v}");
+    }
+    let o = headkl(&["devices"]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("auto picks"));
+}
+
+#[test]
+fn check_on_reference_passes() {
+    let o = headkl(&["check", "--backend", "reference", "--cases", "2", "--seed", "5"]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(0), "stdout:\n{out}\nstderr:\n{}", stderr(&o));
+    assert!(out.contains("reference") && out.contains("passed"), "{out}");
+}
+
+#[test]
+fn bench_writes_json_and_plot() {
+    let dir = temp_dir("bench");
+    let json = dir.join("b.json");
+    let svg = dir.join("b.svg");
+    let o = headkl(&[
+        "bench",
+        "--backend",
+        "reference",
+        "--shape",
+        "8:512:64:8",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
+    let run = &v["runs"][0];
+    assert_eq!(run["backend"], "reference");
+    assert_eq!(run["shape"]["vocab"], 512);
+    let jobs = run["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 2);
+    for j in jobs {
+        let median = j["median_ms"].as_f64().unwrap();
+        assert!(median > 0.0 && j["min_ms"].as_f64().unwrap() <= median, "{j}");
+        assert!(j["max_ms"].as_f64().unwrap() >= median, "{j}");
+        assert!(j["tflops"].as_f64().unwrap() > 0.0, "{j}");
+        assert!(j.get("peak_extra_bytes").is_some() && j.get("kernels").is_some() && j.get("gpu_ms").is_some());
+    }
+    let svg_text = fs::read_to_string(&svg).unwrap();
+    assert!(svg_text.starts_with("<svg") && svg_text.contains("head_kl") && svg_text.contains("topk"));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("TFLOP/s"));
+    let _ = fs::remove_dir_all(dir);
+}
+
+/// `loss` on each GPU backend against the reference; skipped with a printed
+/// reason when the backend cannot start, unless HEADKL_REQUIRE names it.
+#[test]
+fn loss_on_gpu_backends() {
+    let required = std::env::var("HEADKL_REQUIRE").unwrap_or_default();
+    let f = Fixture::new("gpu");
+    for backend in ["wgpu", "vulkan"] {
+        let out = f.path(&format!("{backend}.safetensors"));
+        let o = headkl(&[
+            "loss",
+            "--backend",
+            backend,
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "--teacher",
+            f.s("teacher.safetensors"),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let err = stderr(&o);
+        let must = required.split(',').any(|r| r.trim() == backend);
+        if o.status.code() == Some(1) && err.contains("cannot start") && !must {
+            println!("{backend}: skipped, cannot start: {}", err.trim());
+            continue;
+        }
+        assert_eq!(o.status.code(), Some(0), "{backend}: {err}");
+        let bytes = fs::read(&out).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
+        let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
+        let teacher = Teacher::from_i64(&f.ids, &f.probs, NTOK, K, VOCAB).unwrap();
+        let opts = LossOptions::default();
+        let want = head_kl_f64(&head, &hidden, &teacher, &opts.resolve(NTOK).unwrap());
+        let loss = tensor_f32(&st, "loss");
+        let mean = loss.iter().map(|&l| f64::from(l)).sum::<f64>() / NTOK as f64;
+        let tol = Tolerance::default();
+        tol.check_loss(&loss, mean, &want).unwrap();
+        tol.check_dx_rows(&tensor_f32(&st, "grad"), &want.dx, Some(HS)).unwrap();
+    }
+}
