@@ -25,32 +25,74 @@ fn k_zero() {
 fn k_above_vocab_or_2048() {
     assert_eq!(
         Teacher::new(&[0; 41], &[1.0; 41], 1, 41, V).unwrap_err(),
-        Error::KTooLarge { k: 41, vocab: 40, max: 40 }
+        Error::KTooLarge {
+            k: 41,
+            vocab: 40,
+            max: 40
+        }
     );
     let e = TopkOptions::new(2049).check(100_000).unwrap_err();
-    assert_eq!(e, Error::KTooLarge { k: 2049, vocab: 100_000, max: 2048 });
+    assert_eq!(
+        e,
+        Error::KTooLarge {
+            k: 2049,
+            vocab: 100_000,
+            max: 2048
+        }
+    );
     assert!(e.to_string().contains("k = 2049"), "{e}");
 }
 
 #[test]
 fn id_out_of_range_names_row_col_and_id() {
     let e = teacher_err(&[0, 1, 2, 40], &[0.25; 4], 2, 2);
-    assert_eq!(e, Error::IdOutOfRange { row: 1, col: 1, id: 40, vocab: V });
+    assert_eq!(
+        e,
+        Error::IdOutOfRange {
+            row: 1,
+            col: 1,
+            id: 40,
+            vocab: V
+        }
+    );
     assert!(e.to_string().contains("ids[1][1] = 40"), "{e}");
     let e = Teacher::from_i64(&[-3], &[1.0], 1, 1, V).unwrap_err();
-    assert_eq!(e, Error::IdOutOfRange { row: 0, col: 0, id: -3, vocab: V });
+    assert_eq!(
+        e,
+        Error::IdOutOfRange {
+            row: 0,
+            col: 0,
+            id: -3,
+            vocab: V
+        }
+    );
 }
 
 #[test]
 fn duplicate_id_in_a_row() {
     let e = teacher_err(&[5, 6, 7, 9, 3, 9], &[0.2; 6], 2, 3);
-    assert_eq!(e, Error::DuplicateId { row: 1, id: 9, first: 0, second: 2 });
+    assert_eq!(
+        e,
+        Error::DuplicateId {
+            row: 1,
+            id: 9,
+            first: 0,
+            second: 2
+        }
+    );
 }
 
 #[test]
 fn negative_probability() {
     let e = teacher_err(&[1, 2], &[0.5, -0.1], 1, 2);
-    assert_eq!(e, Error::NegativeProbability { row: 0, col: 1, value: -0.1 });
+    assert_eq!(
+        e,
+        Error::NegativeProbability {
+            row: 0,
+            col: 1,
+            value: -0.1
+        }
+    );
 }
 
 #[test]
@@ -77,74 +119,148 @@ fn teacher_is_renormalized() {
 fn length_mismatches() {
     assert_eq!(
         Teacher::new(&[1, 2, 3], &[0.5; 4], 2, 2, V).unwrap_err(),
-        Error::LengthMismatch { field: "ids", expected: 4, got: 3 }
+        Error::LengthMismatch {
+            field: "ids",
+            expected: 4,
+            got: 3
+        }
     );
     assert_eq!(
         Teacher::new(&[1, 2, 3, 4], &[0.5; 3], 2, 2, V).unwrap_err(),
-        Error::LengthMismatch { field: "probs", expected: 4, got: 3 }
+        Error::LengthMismatch {
+            field: "probs",
+            expected: 4,
+            got: 3
+        }
     );
     let x = [0f32; 10];
     assert_eq!(
         Hidden::f32(&x, 2, 4).unwrap_err(),
-        Error::LengthMismatch { field: "hidden", expected: 8, got: 10 }
+        Error::LengthMismatch {
+            field: "hidden",
+            expected: 8,
+            got: 10
+        }
     );
     let w = [0f32; 10];
     assert_eq!(
         HeadWeights::new(HeadData::F32(&w), 3, 4).unwrap_err(),
-        Error::LengthMismatch { field: "head", expected: 12, got: 10 }
+        Error::LengthMismatch {
+            field: "head",
+            expected: 12,
+            got: 10
+        }
     );
-    let opts = LossOptions { weights: Some(vec![1.0; 3]), ..LossOptions::default() };
-    assert_eq!(opts.resolve(2).unwrap_err(), Error::LengthMismatch { field: "weights", expected: 2, got: 3 });
+    let opts = LossOptions {
+        weights: Some(vec![1.0; 3]),
+        ..LossOptions::default()
+    };
+    assert_eq!(
+        opts.resolve(2).unwrap_err(),
+        Error::LengthMismatch {
+            field: "weights",
+            expected: 2,
+            got: 3
+        }
+    );
 }
 
 #[test]
 fn zero_sizes() {
-    assert_eq!(HeadWeights::new(HeadData::F32(&[]), 0, 4).unwrap_err(), Error::VocabZero);
-    assert_eq!(HeadWeights::new(HeadData::F32(&[]), 4, 0).unwrap_err(), Error::HiddenSizeZero);
+    assert_eq!(
+        HeadWeights::new(HeadData::F32(&[]), 0, 4).unwrap_err(),
+        Error::VocabZero
+    );
+    assert_eq!(
+        HeadWeights::new(HeadData::F32(&[]), 4, 0).unwrap_err(),
+        Error::HiddenSizeZero
+    );
     assert_eq!(Hidden::f32(&[], 0, 4).unwrap_err(), Error::NoTokens);
     assert_eq!(Hidden::f32(&[], 1, 0).unwrap_err(), Error::HiddenSizeZero);
 }
 
 #[test]
 fn weights_negative_or_non_finite() {
-    let opts = LossOptions { weights: Some(vec![1.0, -2.0]), ..LossOptions::default() };
-    assert_eq!(opts.resolve(2).unwrap_err(), Error::NegativeWeight { row: 1, value: -2.0 });
-    let opts = LossOptions { weights: Some(vec![f32::INFINITY, 1.0]), ..LossOptions::default() };
-    assert!(matches!(opts.resolve(2).unwrap_err(), Error::NonFiniteWeight { row: 0, .. }));
+    let opts = LossOptions {
+        weights: Some(vec![1.0, -2.0]),
+        ..LossOptions::default()
+    };
+    assert_eq!(
+        opts.resolve(2).unwrap_err(),
+        Error::NegativeWeight { row: 1, value: -2.0 }
+    );
+    let opts = LossOptions {
+        weights: Some(vec![f32::INFINITY, 1.0]),
+        ..LossOptions::default()
+    };
+    assert!(matches!(
+        opts.resolve(2).unwrap_err(),
+        Error::NonFiniteWeight { row: 0, .. }
+    ));
 }
 
 #[test]
 fn total_not_positive() {
-    let opts = LossOptions { total: Some(0.0), ..LossOptions::default() };
+    let opts = LossOptions {
+        total: Some(0.0),
+        ..LossOptions::default()
+    };
     assert_eq!(opts.resolve(2).unwrap_err(), Error::TotalNotPositive { value: 0.0 });
     // every token masked and no total given: Σ w = 0
-    let opts = LossOptions { weights: Some(vec![0.0, 0.0]), ..LossOptions::default() };
+    let opts = LossOptions {
+        weights: Some(vec![0.0, 0.0]),
+        ..LossOptions::default()
+    };
     assert_eq!(opts.resolve(2).unwrap_err(), Error::TotalNotPositive { value: 0.0 });
-    let opts = LossOptions { total: Some(f32::NAN), ..LossOptions::default() };
+    let opts = LossOptions {
+        total: Some(f32::NAN),
+        ..LossOptions::default()
+    };
     assert!(matches!(opts.resolve(2).unwrap_err(), Error::TotalNotPositive { .. }));
 }
 
 #[test]
 fn temperature_not_positive_finite() {
     for t in [0.0, -1.0, f32::INFINITY, f32::NAN] {
-        let opts = LossOptions { temperature: t, ..LossOptions::default() };
-        assert!(matches!(opts.resolve(1).unwrap_err(), Error::InvalidTemperature { .. }), "τ = {t}");
-        let top = TopkOptions { temperature: t, ..TopkOptions::new(1) };
-        assert!(matches!(top.check(10).unwrap_err(), Error::InvalidTemperature { .. }), "τ = {t}");
+        let opts = LossOptions {
+            temperature: t,
+            ..LossOptions::default()
+        };
+        assert!(
+            matches!(opts.resolve(1).unwrap_err(), Error::InvalidTemperature { .. }),
+            "τ = {t}"
+        );
+        let top = TopkOptions {
+            temperature: t,
+            ..TopkOptions::new(1)
+        };
+        assert!(
+            matches!(top.check(10).unwrap_err(), Error::InvalidTemperature { .. }),
+            "τ = {t}"
+        );
     }
 }
 
 #[test]
 fn gscale_not_positive_finite() {
     for g in [0.0, -4.0, f32::NAN] {
-        let opts = LossOptions { gscale: Some(g), ..LossOptions::default() };
-        assert!(matches!(opts.resolve(1).unwrap_err(), Error::InvalidGradScale { .. }), "gscale = {g}");
+        let opts = LossOptions {
+            gscale: Some(g),
+            ..LossOptions::default()
+        };
+        assert!(
+            matches!(opts.resolve(1).unwrap_err(), Error::InvalidGradScale { .. }),
+            "gscale = {g}"
+        );
     }
 }
 
 #[test]
 fn default_gscale_bounds_the_f16_gradient() {
-    let opts = LossOptions { weights: Some(vec![0.5, 2.0, 0.0]), ..LossOptions::default() };
+    let opts = LossOptions {
+        weights: Some(vec![0.5, 2.0, 0.0]),
+        ..LossOptions::default()
+    };
     let r = opts.resolve(3).unwrap();
     assert_eq!(r.total, 2.5);
     assert_eq!(r.gscale, 16384.0 * 2.5 / 2.0);
@@ -155,9 +271,15 @@ fn default_gscale_bounds_the_f16_gradient() {
 
 #[test]
 fn zero_budget() {
-    let opts = LossOptions { budget_bytes: 0, ..LossOptions::default() };
+    let opts = LossOptions {
+        budget_bytes: 0,
+        ..LossOptions::default()
+    };
     assert_eq!(opts.resolve(1).unwrap_err(), Error::BudgetZero);
-    let top = TopkOptions { budget_bytes: 0, ..TopkOptions::new(1) };
+    let top = TopkOptions {
+        budget_bytes: 0,
+        ..TopkOptions::new(1)
+    };
     assert_eq!(top.check(10).unwrap_err(), Error::BudgetZero);
 }
 
@@ -178,15 +300,26 @@ fn head_non_finite_or_past_f16_is_rejected_before_upload() {
     w[3 * HS + 5] = 70_000.0;
     let head = HeadWeights::new(HeadData::F32(&w), V, HS).unwrap();
     let e = Engine::new(&backend, &head, SliceOptions::default()).err().unwrap();
-    assert_eq!(e, Error::HeadOutOfF16Range { row: 3, col: 5, value: 70_000.0 });
+    assert_eq!(
+        e,
+        Error::HeadOutOfF16Range {
+            row: 3,
+            col: 5,
+            value: 70_000.0
+        }
+    );
     assert!(e.to_string().contains("head[3][5] = 70000"), "{e}");
 
-    let b: Vec<bf16> = (0..V * HS).map(|i| bf16::from_f32(if i == 17 { 1e6 } else { 0.5 })).collect();
+    let b: Vec<bf16> = (0..V * HS)
+        .map(|i| bf16::from_f32(if i == 17 { 1e6 } else { 0.5 }))
+        .collect();
     let head = HeadWeights::new(HeadData::Bf16(&b), V, HS).unwrap();
     let e = Engine::new(&backend, &head, SliceOptions::default()).err().unwrap();
     assert!(matches!(e, Error::HeadOutOfF16Range { row: 2, col: 1, .. }), "{e}");
 
-    let h: Vec<f16> = (0..V * HS).map(|i| if i == 9 { f16::INFINITY } else { f16::ONE }).collect();
+    let h: Vec<f16> = (0..V * HS)
+        .map(|i| if i == 9 { f16::INFINITY } else { f16::ONE })
+        .collect();
     let head = HeadWeights::new(HeadData::F16(&h), V, HS).unwrap();
     let e = Engine::new(&backend, &head, SliceOptions::default()).err().unwrap();
     assert!(matches!(e, Error::NonFiniteHead { row: 1, col: 1, .. }), "{e}");
@@ -206,14 +339,21 @@ fn engine_rejects_mismatched_inputs_before_allocating_scratch() {
     let teacher = Teacher::new(&[1, 2], &[1.0, 1.0], 2, 1, V).unwrap();
     assert_eq!(
         engine.head_kl(&hidden, &teacher, &LossOptions::default()).unwrap_err(),
-        Error::HiddenSizeMismatch { expected: HS, got: HS + 1 }
+        Error::HiddenSizeMismatch {
+            expected: HS,
+            got: HS + 1
+        }
     );
 
     let x = vec![0.5f32; 3 * HS];
     let hidden = Hidden::f32(&x, 3, HS).unwrap();
     assert_eq!(
         engine.head_kl(&hidden, &teacher, &LossOptions::default()).unwrap_err(),
-        Error::LengthMismatch { field: "teacher rows", expected: 3, got: 2 }
+        Error::LengthMismatch {
+            field: "teacher rows",
+            expected: 3,
+            got: 2
+        }
     );
 
     // a teacher built for a larger vocabulary
@@ -221,15 +361,34 @@ fn engine_rejects_mismatched_inputs_before_allocating_scratch() {
     let hidden = Hidden::f32(&x[..2 * HS], 2, HS).unwrap();
     assert_eq!(
         engine.head_kl(&hidden, &wide, &LossOptions::default()).unwrap_err(),
-        Error::IdOutOfRange { row: 0, col: 1, id: 45, vocab: V }
+        Error::IdOutOfRange {
+            row: 0,
+            col: 1,
+            id: 45,
+            vocab: V
+        }
     );
     assert_eq!(
         engine.topk(&hidden, &TopkOptions::new(41)).unwrap_err(),
-        Error::KTooLarge { k: 41, vocab: V, max: V }
+        Error::KTooLarge {
+            k: 41,
+            vocab: V,
+            max: V
+        }
     );
-    let tiny = LossOptions { budget_bytes: 64, ..LossOptions::default() };
-    assert!(matches!(engine.head_kl(&hidden, &teacher, &tiny).unwrap_err(), Error::BudgetTooSmall { .. }));
-    assert_eq!(backend.memory().peak, head_bytes, "no scratch may be allocated for bad input");
+    let tiny = LossOptions {
+        budget_bytes: 64,
+        ..LossOptions::default()
+    };
+    assert!(matches!(
+        engine.head_kl(&hidden, &teacher, &tiny).unwrap_err(),
+        Error::BudgetTooSmall { .. }
+    ));
+    assert_eq!(
+        backend.memory().peak,
+        head_bytes,
+        "no scratch may be allocated for bad input"
+    );
 }
 
 #[test]
@@ -244,8 +403,20 @@ fn nan_hidden_row_names_its_token() {
     let hidden = Hidden::f32(&x, 40, HS).unwrap();
     let ids: Vec<u32> = (0..40).collect();
     let teacher = Teacher::new(&ids, &[1.0; 40], 40, 1, V).unwrap();
-    let opts = LossOptions { max_rows_per_chunk: Some(16), ..LossOptions::default() };
-    assert_eq!(engine.head_kl(&hidden, &teacher, &opts).unwrap_err(), Error::NonFiniteHidden { token: 37 });
-    let top = TopkOptions { max_rows_per_chunk: Some(16), ..TopkOptions::new(3) };
-    assert_eq!(engine.topk(&hidden, &top).unwrap_err(), Error::NonFiniteHidden { token: 37 });
+    let opts = LossOptions {
+        max_rows_per_chunk: Some(16),
+        ..LossOptions::default()
+    };
+    assert_eq!(
+        engine.head_kl(&hidden, &teacher, &opts).unwrap_err(),
+        Error::NonFiniteHidden { token: 37 }
+    );
+    let top = TopkOptions {
+        max_rows_per_chunk: Some(16),
+        ..TopkOptions::new(3)
+    };
+    assert_eq!(
+        engine.topk(&hidden, &top).unwrap_err(),
+        Error::NonFiniteHidden { token: 37 }
+    );
 }
