@@ -6,7 +6,7 @@
 # carried): bash scripts/h200.sh [check] [bench] [anchors]   (default: all)
 set -u
 steps="${*:-check bench anchors}"
-out="${OUT:-/tmp/headkl-out}"
+out=/tmp/headkl-out
 mkdir -p "$out"
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
@@ -21,31 +21,43 @@ $headkl devices 2>&1 | tee "$out/devices.txt"
 summary="$out/summary.txt"
 : >"$summary"
 if [[ $steps == *check* ]]; then
-    for backend in vulkan wgpu; do
-        for coop in on off; do
-            env_off=""
-            [ $coop = off ] && env_off="HEADKL_NO_COOPMAT=1"
-            log="$out/check-$backend-coop$coop.txt"
-            env $env_off HEADKL_REQUIRE=$backend $headkl check --backend $backend --cases "$cases" >"$log" 2>&1
-            echo "check $backend matrix-units=$coop exit=$? $(grep -E '^\s*'$backend "$log" | tail -n 1)" | tee -a "$summary"
-        done
-    done
+    # label | environment | backend
+    while IFS='|' read -r label vars backend; do
+        log="$out/check-$label.txt"
+        env $vars HEADKL_REQUIRE=$backend $headkl check --backend $backend --cases "$cases" >"$log" 2>&1
+        echo "check $label exit=$? $(grep -E "^\s*$backend " "$log" | tail -n 1)" | tee -a "$summary"
+    done <<'LIST'
+vulkan-coop||vulkan
+vulkan-fallback|HEADKL_NO_COOPMAT=1|vulkan
+vulkan-coop-staged|HEADKL_COOP_KERNEL=staged|vulkan
+wgpu-coop||wgpu
+wgpu-fallback|HEADKL_NO_COOPMAT=1|wgpu
+LIST
 fi
 if [[ $steps == *bench* ]]; then
-    for shape in $shapes; do
-        for backend in vulkan wgpu; do
-            for kernel in staged direct; do
-                log="$out/bench-$shape-$backend-$kernel.txt"
-                HEADKL_COOP_KERNEL=$kernel $headkl bench --backend $backend --shape $shape --iters 5 --warmup 1 \
-                    --json "$out/bench-$shape-$backend-$kernel.json" >"$log" 2>&1
-                echo "bench $shape $backend $kernel exit=$?" | tee -a "$summary"
-                tail -n 6 "$log" | tee -a "$summary"
-            done
-        done
-    done
+    # label | environment | backend | shape | extra arguments
+    while IFS='|' read -r label vars backend shape extra; do
+        [[ " $shapes " == *" $shape "* ]] || continue
+        log="$out/bench-$label.txt"
+        env $vars $headkl bench --backend $backend --shape $shape --iters 5 --warmup 1 $extra \
+            --json "$out/bench-$label.json" >"$log" 2>&1
+        echo "bench $label exit=$?" | tee -a "$summary"
+        grep -E "^(vulkan|wgpu) " "$log" | tee -a "$summary"
+    done <<'LIST'
+A-vulkan||vulkan|A|--plot /tmp/headkl-out/bench-A.svg --all
+A-vulkan-m4096||vulkan|A|--budget 8589934592
+A-wgpu-m4096||wgpu|A|--budget 8589934592
+B-vulkan||vulkan|B|--all
+LIST
 fi
 if [[ $steps == *anchors* ]]; then
     PYTHONUNBUFFERED=1 python3 .anchors/torch_head_kl.py --shapes "$(echo $shapes | tr ' ' ,)" \
         --variants floor,compiled,teacher_topk 2>&1 | tee "$out/anchors.txt" | grep -v Warning | tee -a "$summary"
 fi
 echo "=== summary"; cat "$summary"
+# What comes back: the summary, the devices table, the plot and every log in one archive.
+if [ -n "${OUT:-}" ]; then
+    cp "$summary" "$out/devices.txt" "$OUT/" 2>/dev/null
+    cp "$out"/*.svg "$OUT/" 2>/dev/null
+    tar czf "$OUT/logs.tgz" -C "$out" .
+fi

@@ -66,20 +66,43 @@ pub struct VulkanOptions {
     /// Keep naga's runtime bounds checks in the GEMM too (they are off by
     /// default there: core validated every extent).
     pub checked: bool,
-    /// Run the matrix-unit GEMM from `gemm_coop_direct.wgsl` (fragments
-    /// straight from storage) instead of `gemm_coop.wgsl`.
-    pub coop_direct: bool,
-    /// K staged per step by `gemm_coop.wgsl` (16 or 32; `None`: 32).
+    /// Which matrix-unit GEMM runs for each head layout.
+    pub coop_kernel: CoopChoice,
+    /// K staged per step by `gemm_coop.wgsl` (16 or 32; `None`: 16).
     pub coop_bk: Option<u32>,
+}
+
+/// Which matrix-unit GEMM runs (`HEADKL_COOP_KERNEL`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CoopChoice {
+    /// `gemm_coop.wgsl`, staged through workgroup memory, for both layouts.
+    Staged,
+    /// `gemm_coop_direct.wgsl`, fragments straight from storage, for both.
+    Direct,
+    /// Staged for the logits, direct for dx (the default: the faster of the
+    /// two for each on the H200).
+    #[default]
+    Mixed,
+}
+
+impl CoopChoice {
+    /// `HEADKL_COOP_KERNEL=staged|direct|mixed` (default `mixed`).
+    pub fn from_env() -> Self {
+        match std::env::var("HEADKL_COOP_KERNEL").ok().as_deref().map(str::trim) {
+            Some(v) if v.eq_ignore_ascii_case("direct") => Self::Direct,
+            Some(v) if v.eq_ignore_ascii_case("staged") => Self::Staged,
+            _ => Self::Mixed,
+        }
+    }
 }
 
 impl VulkanOptions {
     /// Options from the environment: `device` if given, else
     /// `HEADKL_DEVICE`; `HEADKL_VALIDATION=1` turns validation on,
     /// `HEADKL_NO_COOPMAT=1` forces the fallback GEMM, `HEADKL_CHECKED=1`
-    /// keeps bounds checks in every kernel, `HEADKL_COOP_KERNEL=direct`
-    /// picks the direct matrix-unit GEMM, `HEADKL_COOP_BK=16|32` the staged
-    /// one's K step.
+    /// keeps bounds checks in every kernel, `HEADKL_COOP_KERNEL=staged|direct|mixed`
+    /// picks the matrix-unit GEMM (default `mixed`), `HEADKL_COOP_BK=16|32`
+    /// the staged one's K step.
     pub fn from_env(device: Option<usize>) -> Self {
         let device = device.or_else(|| {
             let value = std::env::var("HEADKL_DEVICE").ok()?;
@@ -96,7 +119,7 @@ impl VulkanOptions {
             validation: env_flag("HEADKL_VALIDATION"),
             force_fallback: env_flag("HEADKL_NO_COOPMAT"),
             checked: env_flag("HEADKL_CHECKED"),
-            coop_direct: std::env::var("HEADKL_COOP_KERNEL").is_ok_and(|v| v.trim().eq_ignore_ascii_case("direct")),
+            coop_kernel: CoopChoice::from_env(),
             coop_bk: std::env::var("HEADKL_COOP_BK")
                 .ok()
                 .and_then(|v| match v.trim().parse() {
@@ -110,12 +133,13 @@ impl VulkanOptions {
     }
 
     /// The matrix-unit GEMM these options ask for.
-    fn coop_kernel(&self) -> Result<CoopKernel> {
-        if self.coop_direct {
+    fn plan_kernel(&self) -> Result<CoopKernel> {
+        if self.coop_kernel == CoopChoice::Direct {
             return Ok(CoopKernel::Direct);
         }
         match self.coop_bk.unwrap_or(kernels::COOP_BK) {
-            bk @ (16 | 32) => Ok(CoopKernel::Staged { bk }),
+            bk @ (16 | 32) if self.coop_kernel == CoopChoice::Staged => Ok(CoopKernel::Staged { bk }),
+            bk @ (16 | 32) => Ok(CoopKernel::Mixed { bk }),
             other => Err(backend_error(format!(
                 "coop_bk = {other}: the staged GEMM takes 16 or 32"
             ))),
@@ -167,7 +191,7 @@ impl VulkanBackend {
         let instance = Instance::new(options.validation)?;
         let adapters = adapter::enumerate_adapters(&instance)?;
         let chosen = adapter::pick(&adapters, options.device)?;
-        let plan = kernels::coop_plan(&chosen.caps, options.coop_kernel()?);
+        let plan = kernels::coop_plan(&chosen.caps, options.plan_kernel()?);
         let coop = plan.filter(|_| !options.force_fallback);
         let device = Device::new(instance, chosen, coop.is_some())?;
         let coop = coop.filter(|_| device.enabled.cooperative_matrix);
@@ -208,6 +232,9 @@ impl VulkanBackend {
                         format!("gemm_coop.wgsl, SG_SIZE {subgroup_size}{pinned}, BK {bk}")
                     }
                     CoopKernel::Direct => format!("gemm_coop_direct.wgsl, SG_SIZE {subgroup_size}{pinned}"),
+                    CoopKernel::Mixed { bk } => format!(
+                        "gemm_coop.wgsl (logits, BK {bk}) and gemm_coop_direct.wgsl (dx), SG_SIZE {subgroup_size}{pinned}"
+                    ),
                 }
             }
             None => "gemm_tiled.wgsl".to_string(),
@@ -381,21 +408,13 @@ impl Backend for VulkanBackend {
             HeadLayout::RowsAreOutputs => "gemm_nt",
             HeadLayout::RowsAreReduction => "gemm_nn",
         };
-        let (source, tile, overrides) = match self.coop {
-            Some(CoopPlan {
-                subgroup_size: sg,
-                kernel: CoopKernel::Staged { bk },
-                ..
-            }) => (
+        let (source, tile, overrides) = match self.coop.map(|p| (p.subgroup_size, p.kernel.for_layout(desc.b_layout))) {
+            Some((sg, CoopKernel::Staged { bk } | CoopKernel::Mixed { bk })) => (
                 &kernels::GEMM_COOP,
                 (kernels::COOP_TILE, kernels::COOP_TILE),
                 vec![("SG_SIZE", sg), ("BK", bk)],
             ),
-            Some(CoopPlan {
-                subgroup_size: sg,
-                kernel: CoopKernel::Direct,
-                ..
-            }) => (
+            Some((sg, CoopKernel::Direct)) => (
                 &kernels::GEMM_COOP_DIRECT,
                 kernels::COOP_DIRECT_TILE,
                 vec![("SG_SIZE", sg)],

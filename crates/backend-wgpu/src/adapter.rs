@@ -85,7 +85,9 @@ fn coop_support(adapter: &wgpu::Adapter, shapes: &[(u32, u32, u32)]) -> Result<u
         ));
     }
     let bk = kernels::coop_bk();
-    if limits.max_compute_workgroup_storage_size < kernels::coop_workgroup_bytes(bk) {
+    if kernels::CoopKernel::from_env().uses_staged()
+        && limits.max_compute_workgroup_storage_size < kernels::coop_workgroup_bytes(bk)
+    {
         return Err(format!(
             "workgroup memory {} < {} bytes",
             limits.max_compute_workgroup_storage_size,
@@ -260,13 +262,17 @@ pub(crate) fn open_device(c: &Candidate, features: wgpu::Features) -> Result<(wg
 /// A short description of the GEMM path, for logs and `headkl devices`.
 pub(crate) fn gemm_path(coop: &Result<u32, String>, use_coop: bool, force_tiled: bool) -> String {
     match coop {
-        Ok(sg) if use_coop && kernels::coop_direct() => {
-            format!("cooperative matrices 16x16x16 f16->f32, direct (subgroup {sg})")
-        }
-        Ok(sg) if use_coop => format!(
-            "cooperative matrices 16x16x16 f16->f32, staged (subgroup {sg}, BK {})",
-            kernels::coop_bk()
-        ),
+        Ok(sg) if use_coop => match kernels::CoopKernel::from_env() {
+            kernels::CoopKernel::Direct => format!("cooperative matrices 16x16x16 f16->f32, direct (subgroup {sg})"),
+            kernels::CoopKernel::Staged => format!(
+                "cooperative matrices 16x16x16 f16->f32, staged (subgroup {sg}, BK {})",
+                kernels::coop_bk()
+            ),
+            kernels::CoopKernel::Mixed => format!(
+                "cooperative matrices 16x16x16 f16->f32, staged for logits (subgroup {sg}, BK {}), direct for dx",
+                kernels::coop_bk()
+            ),
+        },
         Ok(_) if force_tiled => "tiled (forced: HEADKL_NO_COOPMAT or OpenOptions::force_tiled)".into(),
         Ok(_) => "tiled".into(),
         Err(why) => format!("tiled ({why})"),

@@ -127,7 +127,7 @@ impl WgpuBackend {
             &device,
             GemmBuild {
                 coop_subgroup,
-                coop_direct: crate::kernels::coop_direct(),
+                coop_kernel: crate::kernels::CoopKernel::from_env(),
                 checked: options.checked || env_flag("HEADKL_CHECKED"),
             },
         );
@@ -600,12 +600,12 @@ impl Backend for WgpuBackend {
                 "gemm {desc:?}: the cooperative GEMM needs a_offset, lda and ldb in multiples of 8"
             )));
         }
-        let (tm, tn) = self.kernels.gemm_tile();
-        let count = (desc.m.div_ceil(tm) * desc.n.div_ceil(tn)) as u64;
         let kernel = match desc.b_layout {
             HeadLayout::RowsAreOutputs => Kernel::GemmNt,
             HeadLayout::RowsAreReduction => Kernel::GemmNn,
         };
+        let (tm, tn) = self.kernels.gemm_tile(kernel);
+        let count = (desc.m.div_ceil(tm) * desc.n.div_ceil(tn)) as u64;
         self.dispatch(
             kernel,
             count,

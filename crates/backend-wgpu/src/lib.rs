@@ -13,10 +13,12 @@
 //! - `HEADKL_CHECKED=1`: every kernel built with naga's runtime bounds checks
 //!   (by default the GEMMs are built without them: every index they form is
 //!   in range for the extents core validated).
-//! - `HEADKL_COOP_KERNEL=direct`: the cooperative GEMM that loads its
-//!   fragments straight from storage (`gemm_coop_direct.wgsl`) instead of
-//!   the one staged through workgroup memory (`gemm_coop.wgsl`).
-//! - `HEADKL_COOP_BK=16|32`: K staged per step by the staged cooperative GEMM.
+//! - `HEADKL_COOP_KERNEL=staged|direct|mixed`: which cooperative GEMM runs:
+//!   the one staged through workgroup memory (`gemm_coop.wgsl`), the one that
+//!   loads its fragments straight from storage (`gemm_coop_direct.wgsl`), or
+//!   (`mixed`, the default) staged for the logits and direct for dx.
+//! - `HEADKL_COOP_BK=16|32`: K staged per step by the staged cooperative GEMM
+//!   (default 16).
 
 mod adapter;
 mod backend;
