@@ -189,10 +189,10 @@ to a temporary file and renamed when complete.",
         backend: BackendArgs,
         #[command(flatten)]
         inputs: InputArgs,
-        /// Teacher top-k: tensors `ids` and `probs`, each [ntok][k]
+        /// Teacher top-k: tensors `ids` and `probs`, each `[ntok][k]`
         #[arg(long, value_name = "T.safetensors")]
         teacher: PathBuf,
-        /// Per-token weights: tensor `weights` [ntok]
+        /// Per-token weights: tensor `weights` `[ntok]`
         #[arg(long, value_name = "W.safetensors")]
         weights: Option<PathBuf>,
         /// Temperature τ of the student logits

@@ -472,6 +472,22 @@ impl<B: Backend> Engine<B> {
     /// The teacher's exact top-k of `x · Wᵀ` per row: ids by descending
     /// logit (ties: lowest id first) and probabilities, the softmax over
     /// those k at τ.
+    ///
+    /// ```
+    /// use headkl_core::{Engine, HeadData, HeadWeights, Hidden, SliceOptions, TopkOptions};
+    /// use headkl_reference::CpuBackend;
+    ///
+    /// // Row j of the head is e_j scaled by j, so token x = (1, …, 1) has logit j at id j.
+    /// let (vocab, hs) = (200, 4);
+    /// let w: Vec<f32> = (0..vocab * hs).map(|i| if i % hs == 0 { (i / hs) as f32 / 64.0 } else { 0.0 }).collect();
+    /// let head = HeadWeights::new(HeadData::F32(&w), vocab, hs)?;
+    /// let mut engine = Engine::new(CpuBackend::new(), &head, SliceOptions::default())?;
+    /// let x = vec![1.0f32; hs];
+    /// let top = engine.topk(&Hidden::f32(&x, 1, hs)?, &TopkOptions::new(3))?;
+    /// assert_eq!(top.ids, vec![199, 198, 197]);
+    /// assert!(top.probs[0] > top.probs[1] && top.probs[1] > top.probs[2]);
+    /// # Ok::<(), headkl_core::Error>(())
+    /// ```
     pub fn topk(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> Result<TopK> {
         self.check_hidden(hidden)?;
         opts.check(self.vocab)?;

@@ -219,5 +219,5 @@ pub enum Error {
     },
 }
 
-/// `Result` with headkl-core's [`Error`].
+/// `Result` with headkl-core's [`Error`](enum@Error).
 pub type Result<T, E = Error> = std::result::Result<T, E>;
