@@ -35,6 +35,11 @@ Environment:
                      these backends cannot start instead of skipping it
   HEADKL_CASES       default for `check --cases`
   HEADKL_SEED        default for `check --seed`
+  HEADKL_COOP_KERNEL staged, direct or mixed (default): which matrix-unit
+                     GEMM runs (mixed: staged for the logits, direct for dx)
+  HEADKL_COOP_BK     16 (default) or 32: K per step of the staged GEMM
+  HEADKL_CHECKED     =1 builds every kernel with runtime bounds checks
+  HEADKL_VALIDATION  =1 loads the Khronos validation layer (Vulkan backend)
 
 Exit codes: 0 success; 2 bad input (a file, tensor or option, named in the
 message); 1 anything else (device errors, failed checks).";
