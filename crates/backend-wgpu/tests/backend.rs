@@ -165,17 +165,8 @@ fn small_gemm(b: &WgpuBackend) -> Vec<f32> {
     let w = upload_f16(b, &noise(n * k, 2));
     let c = b.alloc((m * n * 4) as u64, "c").unwrap();
     let desc = GemmDesc {
-        m,
-        n,
-        k,
-        a_offset: 0,
-        lda: k,
-        b_layout: HeadLayout::RowsAreOutputs,
-        ldb: k,
-        c_offset: 0,
-        ldc: n,
         alpha: 0.5,
-        accumulate: false,
+        ..GemmDesc::dense(m, n, k, HeadLayout::RowsAreOutputs)
     };
     b.gemm(&a, &w, &c, &desc, "gemm_logits").unwrap();
     download_f32(b, &c, m * n)
@@ -238,19 +229,7 @@ fn failures_are_errors_not_panics() {
     assert!(matches!(huge, Err(Error::OutOfMemory { what: "huge", .. })), "{huge:?}");
     let a = b.alloc(16 * 16 * 2, "a").unwrap();
     let c = b.alloc(16 * 16 * 4, "c").unwrap();
-    let desc = GemmDesc {
-        m: 32,
-        n: 16,
-        k: 16,
-        a_offset: 0,
-        lda: 16,
-        b_layout: HeadLayout::RowsAreReduction,
-        ldb: 16,
-        c_offset: 0,
-        ldc: 16,
-        alpha: 1.0,
-        accumulate: false,
-    };
+    let desc = GemmDesc::dense(32, 16, 16, HeadLayout::RowsAreReduction);
     let past = b.gemm(&a, &a, &c, &desc, "gemm_dx");
     assert!(matches!(past, Err(Error::Backend { .. })), "{past:?}");
     // The device is still fine afterwards.

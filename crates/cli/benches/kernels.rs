@@ -110,32 +110,8 @@ fn bench_backend<B: Backend>(c: &mut Criterion, b: &B, s: &Sizes) -> headkl_core
     let logits = b.alloc((m * n * 4) as u64, "logits")?;
     let grad = upload(b, bytemuck::cast_slice(&f16s(m * n, 3, 1.0)), "grad")?;
     let dx = b.alloc((m * k * 4) as u64, "dx")?;
-    let logits_desc = GemmDesc {
-        m,
-        n,
-        k,
-        a_offset: 0,
-        lda: k,
-        b_layout: HeadLayout::RowsAreOutputs,
-        ldb: k,
-        c_offset: 0,
-        ldc: n,
-        alpha: 1.0,
-        accumulate: false,
-    };
-    let dx_desc = GemmDesc {
-        m,
-        n: k,
-        k: n,
-        a_offset: 0,
-        lda: n,
-        b_layout: HeadLayout::RowsAreReduction,
-        ldb: k,
-        c_offset: 0,
-        ldc: k,
-        alpha: 1.0,
-        accumulate: false,
-    };
+    let logits_desc = GemmDesc::dense(m, n, k, HeadLayout::RowsAreOutputs);
+    let dx_desc = GemmDesc::dense(m, k, n, HeadLayout::RowsAreReduction);
     g.throughput(Throughput::Elements((2 * m * n * k) as u64));
     g.bench_function(format!("gemm_logits {m}x{n}x{k}"), |bch| {
         bch.iter(|| {

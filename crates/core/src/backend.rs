@@ -91,6 +91,31 @@ pub struct GemmDesc {
     pub accumulate: bool,
 }
 
+impl GemmDesc {
+    /// `C[m][n] = A[m][k] · op(B)` on dense operands: every offset 0, each
+    /// row stride the row's length (B's `k` or `n`, by `b_layout`), alpha 1,
+    /// no accumulation. Change fields with struct update syntax.
+    pub fn dense(m: usize, n: usize, k: usize, b_layout: HeadLayout) -> Self {
+        let ldb = match b_layout {
+            HeadLayout::RowsAreOutputs => k,
+            HeadLayout::RowsAreReduction => n,
+        };
+        Self {
+            m,
+            n,
+            k,
+            a_offset: 0,
+            lda: k,
+            b_layout,
+            ldb,
+            c_offset: 0,
+            ldc: n,
+            alpha: 1.0,
+            accumulate: false,
+        }
+    }
+}
+
 /// The KL row kernel: one row per token.
 ///
 /// Reads the logits `[rows][ld]` (f32, already divided by τ; columns

@@ -7,19 +7,7 @@ use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout, KlDesc, Top
 use headkl_reference::{CpuBackend, Precision};
 
 fn gemm_desc(m: usize, n: usize, k: usize) -> GemmDesc {
-    GemmDesc {
-        m,
-        n,
-        k,
-        a_offset: 0,
-        lda: k,
-        b_layout: HeadLayout::RowsAreOutputs,
-        ldb: k,
-        c_offset: 0,
-        ldc: n,
-        alpha: 1.0,
-        accumulate: false,
-    }
+    GemmDesc::dense(m, n, k, HeadLayout::RowsAreOutputs)
 }
 
 fn message(e: Error) -> String {
