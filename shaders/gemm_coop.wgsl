@@ -28,13 +28,16 @@ struct GemmParams {
 @group(0) @binding(2) var<storage, read> b: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
 
-// The device's (fixed) subgroup size: the workgroup is 4 subgroups.
+// The device's (fixed) subgroup size: the workgroup is SG_ROWS x 2 subgroups.
 override SG_SIZE: u32 = 32u;
 // K staged per step: 16 or 32.
 override BK: u32 = 32u;
 
-// C tile per workgroup; each of the 2 x 2 subgroups owns 64 x 64 of it.
-const BM: u32 = 128u;
+// Rows of subgroups: the workgroup is SG_ROWS x 2 subgroups, each owning
+// 64 x 64 of a (64 * SG_ROWS) x 128 C tile. 2 or 4.
+override SG_ROWS: u32 = 2u;
+// C tile per workgroup.
+override BM: u32 = 64u * SG_ROWS;
 const BN: u32 = 128u;
 // Row padding of the staged tiles, in halves, against bank conflicts; keeps
 // every staged row 16-byte aligned.
@@ -85,13 +88,14 @@ fn put8(is_a: bool, o: u32, w: vec4<u32>) {
     }
 }
 
-// Stages rows [row0, row0 + 128) x K [k0, k0 + BK) of a row-major f16
-// operand (A, or B stored [n][k]) into `sa` or `sb` as [128][BK + PAD].
+// Stages rows [row0, row0 + nrows) x K [k0, k0 + BK) of a row-major f16
+// operand (A: nrows = BM, or B stored [n][k]: nrows = BN) into `sa` or `sb`
+// as [nrows][BK + PAD].
 // Rows past `rows` repeat row `rows - 1` (their products only reach C tiles
 // that are never stored); K past `k` reads zeros.
-fn stage_rows(is_a: bool, row0: u32, rows: u32, offset: u32, ld: u32, k0: u32, lid: u32) {
+fn stage_rows(is_a: bool, row0: u32, nrows: u32, rows: u32, offset: u32, ld: u32, k0: u32, lid: u32) {
     let chunks = BK / 8u;
-    for (var e = lid; e < BM * chunks; e += 4u * SG_SIZE) {
+    for (var e = lid; e < nrows * chunks; e += 2u * SG_ROWS * SG_SIZE) {
         let r = e / chunks;
         let ch = e % chunks;
         let row = min(row0 + r, rows - 1u);
@@ -113,7 +117,7 @@ fn stage_rows(is_a: bool, row0: u32, rows: u32, offset: u32, ld: u32, k0: u32, l
 // [k][n] into `sb` as [BK][BN + PAD]. Columns past n repeat the last 8.
 fn stage_b_nn(col0: u32, k0: u32, lid: u32) {
     let chunks = BN / 8u;
-    for (var e = lid; e < BK * chunks; e += 4u * SG_SIZE) {
+    for (var e = lid; e < BK * chunks; e += 2u * SG_ROWS * SG_SIZE) {
         let kr = e / chunks;
         let ch = e % chunks;
         let col = min(col0 + ch * 8u, params.n - 8u);
@@ -142,7 +146,7 @@ fn store_tile(acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
 }
 
 // C = A * B^T with B stored [n][k].
-@compute @workgroup_size(4u * SG_SIZE)
+@compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
 fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {
     let t = tile_of(wg);
@@ -171,8 +175,8 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     var c32 = coop_mat16x16<f32, C>();
     var c33 = coop_mat16x16<f32, C>();
     for (var k0 = 0u; k0 < params.k; k0 += BK) {
-        stage_rows(true, t.row0, params.m, params.a_offset, params.lda, k0, lid);
-        stage_rows(false, t.col0, params.n, 0u, params.ldb, k0, lid);
+        stage_rows(true, t.row0, BM, params.m, params.a_offset, params.lda, k0, lid);
+        stage_rows(false, t.col0, BN, params.n, 0u, params.ldb, k0, lid);
         workgroupBarrier();
         for (var ks = 0u; ks < BK; ks += 16u) {
             let oa0 = (sm + 0u) * lda_s + ks;
@@ -229,7 +233,7 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
 }
 
 // C = A * B with B stored [k][n].
-@compute @workgroup_size(4u * SG_SIZE)
+@compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
 fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {
     let t = tile_of(wg);
@@ -258,7 +262,7 @@ fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     var c32 = coop_mat16x16<f32, C>();
     var c33 = coop_mat16x16<f32, C>();
     for (var k0 = 0u; k0 < params.k; k0 += BK) {
-        stage_rows(true, t.row0, params.m, params.a_offset, params.lda, k0, lid);
+        stage_rows(true, t.row0, BM, params.m, params.a_offset, params.lda, k0, lid);
         stage_b_nn(t.col0, k0, lid);
         workgroupBarrier();
         for (var ks = 0u; ks < BK; ks += 16u) {

@@ -51,8 +51,11 @@ pub(crate) const ALL: [(ShaderSource, &[&str]); 6] = [
 pub(crate) const CONVERT_WG: u64 = 256;
 /// C tile edge of the tiled GEMM's workgroup.
 pub(crate) const TILED_TILE: u64 = 64;
-/// C tile edge of the staged cooperative-matrix GEMM's workgroup.
-pub(crate) const COOP_TILE: u64 = 128;
+/// C tile columns of the staged cooperative-matrix GEMM's workgroup (its
+/// rows are `64 · rows`).
+pub(crate) const COOP_TILE_N: u64 = 128;
+/// Default rows of subgroups in the staged GEMM's workgroup (`SG_ROWS`).
+pub(crate) const COOP_ROWS: u32 = 2;
 /// C tile of the direct cooperative-matrix GEMM's workgroup (rows, columns).
 pub(crate) const COOP_DIRECT_TILE: (u64, u64) = (64, 64);
 /// Default K staged per step by the staged cooperative-matrix GEMM (`BK`):
@@ -60,29 +63,29 @@ pub(crate) const COOP_DIRECT_TILE: (u64, u64) = (64, 64);
 pub(crate) const COOP_BK: u32 = 16;
 
 /// Workgroup memory of the staged cooperative-matrix GEMM at `bk`: two
-/// `128 × (bk + 8)` f16 tiles.
-pub(crate) fn coop_shared_bytes(bk: u32) -> u32 {
-    2 * 128 * (bk + 8) * 2
+/// `(64·rows) × (bk + 8)` and `128 × (bk + 8)` f16 tiles.
+pub(crate) fn coop_shared_bytes(bk: u32, rows: u32) -> u32 {
+    (64 * rows + 128) * (bk + 8) * 2
 }
 
 /// Which cooperative-matrix GEMM runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum CoopKernel {
     /// `gemm_coop.wgsl`, staging `bk` of K per step in workgroup memory.
-    Staged { bk: u32 },
+    Staged { bk: u32, rows: u32 },
     /// `gemm_coop_direct.wgsl`, fragments straight from storage.
     Direct,
     /// Staged for the logits (`gemm_nt`), direct for dx (`gemm_nn`): the
     /// faster of the two for each on the H200 (the dx GEMM's long K and
     /// short m, n leave the staged kernel's 128 × 128 tiles too few).
-    Mixed { bk: u32 },
+    Mixed { bk: u32, rows: u32 },
 }
 
 impl CoopKernel {
     /// The kernel that runs for the head layout `layout`.
     pub(crate) fn for_layout(self, layout: headkl_core::HeadLayout) -> Self {
         match (self, layout) {
-            (Self::Mixed { bk }, headkl_core::HeadLayout::RowsAreOutputs) => Self::Staged { bk },
+            (Self::Mixed { bk, rows }, headkl_core::HeadLayout::RowsAreOutputs) => Self::Staged { bk, rows },
             (Self::Mixed { .. }, headkl_core::HeadLayout::RowsAreReduction) => Self::Direct,
             (other, _) => other,
         }
@@ -108,8 +111,8 @@ pub(crate) fn coop_plan(caps: &Caps, kernel: CoopKernel) -> Option<CoopPlan> {
     if !caps.coop_capable() {
         return None;
     }
-    if let CoopKernel::Staged { bk } | CoopKernel::Mixed { bk } = kernel {
-        if !caps.subgroup_ops.contains(S::BASIC) || caps.max_shared_memory < coop_shared_bytes(bk) {
+    if let CoopKernel::Staged { bk, rows } | CoopKernel::Mixed { bk, rows } = kernel {
+        if !caps.subgroup_ops.contains(S::BASIC) || caps.max_shared_memory < coop_shared_bytes(bk, rows) {
             return None;
         }
     }
@@ -156,7 +159,10 @@ mod tests {
         c
     }
 
-    const STAGED: CoopKernel = CoopKernel::Staged { bk: COOP_BK };
+    const STAGED: CoopKernel = CoopKernel::Staged {
+        bk: COOP_BK,
+        rows: COOP_ROWS,
+    };
 
     #[test]
     fn coop_plan_follows_the_device() {
@@ -188,26 +194,27 @@ mod tests {
         // the direct one neither.
         let mut c = h200();
         c.max_shared_memory = 16 << 10;
-        assert_eq!(coop_plan(&c, CoopKernel::Staged { bk: 32 }), None);
+        assert_eq!(coop_plan(&c, CoopKernel::Staged { bk: 32, rows: 2 }), None);
         assert_eq!(
-            coop_plan(&c, CoopKernel::Mixed { bk: 32 }),
+            coop_plan(&c, CoopKernel::Mixed { bk: 32, rows: 2 }),
             None,
             "mixed stages the logits GEMM"
         );
         assert!(
-            coop_plan(&c, CoopKernel::Staged { bk: 16 }).is_some(),
+            coop_plan(&c, CoopKernel::Staged { bk: 16, rows: 2 }).is_some(),
             "12 KiB at BK = 16"
         );
         c.subgroup_ops = vk::SubgroupFeatureFlags::empty();
-        assert_eq!(coop_plan(&c, CoopKernel::Staged { bk: 16 }), None);
+        assert_eq!(coop_plan(&c, CoopKernel::Staged { bk: 16, rows: 2 }), None);
         assert!(coop_plan(&c, CoopKernel::Direct).is_some());
-        assert_eq!(coop_shared_bytes(32), 20 << 10);
+        assert_eq!(coop_shared_bytes(32, 2), 20 << 10);
+        assert_eq!(coop_shared_bytes(16, 4), 18 << 10);
 
         // Mixed: staged for the logits, direct for dx.
-        let mixed = CoopKernel::Mixed { bk: 16 };
+        let mixed = CoopKernel::Mixed { bk: 16, rows: 2 };
         assert_eq!(
             mixed.for_layout(headkl_core::HeadLayout::RowsAreOutputs),
-            CoopKernel::Staged { bk: 16 }
+            CoopKernel::Staged { bk: 16, rows: 2 }
         );
         assert_eq!(
             mixed.for_layout(headkl_core::HeadLayout::RowsAreReduction),

@@ -52,6 +52,19 @@ fn env_flag(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
 }
 
+/// A number from an environment variable; unset is `None`, and so is a
+/// value that is not a number (with a note on stderr).
+fn env_u32(name: &str) -> Option<u32> {
+    let value = std::env::var(name).ok()?;
+    match value.trim().parse() {
+        Ok(n) => Some(n),
+        Err(_) => {
+            eprintln!("headkl-vulkan: ignoring {name}={value:?}: not a number");
+            None
+        }
+    }
+}
+
 /// How to open the Vulkan backend.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct VulkanOptions {
@@ -70,6 +83,9 @@ pub struct VulkanOptions {
     pub coop_kernel: CoopChoice,
     /// K staged per step by `gemm_coop.wgsl` (16 or 32; `None`: 16).
     pub coop_bk: Option<u32>,
+    /// Rows of subgroups in `gemm_coop.wgsl`'s workgroup (2 or 4; `None`: 2):
+    /// its C tile is `(64 · rows) × 128`.
+    pub coop_rows: Option<u32>,
 }
 
 /// Which matrix-unit GEMM runs (`HEADKL_COOP_KERNEL`).
@@ -102,7 +118,8 @@ impl VulkanOptions {
     /// `HEADKL_NO_COOPMAT=1` forces the fallback GEMM, `HEADKL_CHECKED=1`
     /// keeps bounds checks in every kernel, `HEADKL_COOP_KERNEL=staged|direct|mixed`
     /// picks the matrix-unit GEMM (default `mixed`), `HEADKL_COOP_BK=16|32`
-    /// the staged one's K step.
+    /// the staged one's K step and `HEADKL_COOP_ROWS=2|4` its rows of
+    /// subgroups.
     pub fn from_env(device: Option<usize>) -> Self {
         let device = device.or_else(|| {
             let value = std::env::var("HEADKL_DEVICE").ok()?;
@@ -120,15 +137,8 @@ impl VulkanOptions {
             force_fallback: env_flag("HEADKL_NO_COOPMAT"),
             checked: env_flag("HEADKL_CHECKED"),
             coop_kernel: CoopChoice::from_env(),
-            coop_bk: std::env::var("HEADKL_COOP_BK")
-                .ok()
-                .and_then(|v| match v.trim().parse() {
-                    Ok(bk) => Some(bk),
-                    Err(_) => {
-                        eprintln!("headkl-vulkan: ignoring HEADKL_COOP_BK={v:?}: not a number");
-                        None
-                    }
-                }),
+            coop_rows: env_u32("HEADKL_COOP_ROWS"),
+            coop_bk: env_u32("HEADKL_COOP_BK"),
         }
     }
 
@@ -137,9 +147,17 @@ impl VulkanOptions {
         if self.coop_kernel == CoopChoice::Direct {
             return Ok(CoopKernel::Direct);
         }
+        let rows = match self.coop_rows.unwrap_or(kernels::COOP_ROWS) {
+            rows @ (2 | 4) => rows,
+            other => {
+                return Err(backend_error(format!(
+                    "coop_rows = {other}: the staged GEMM takes 2 or 4 rows of subgroups"
+                )))
+            }
+        };
         match self.coop_bk.unwrap_or(kernels::COOP_BK) {
-            bk @ (16 | 32) if self.coop_kernel == CoopChoice::Staged => Ok(CoopKernel::Staged { bk }),
-            bk @ (16 | 32) => Ok(CoopKernel::Mixed { bk }),
+            bk @ (16 | 32) if self.coop_kernel == CoopChoice::Staged => Ok(CoopKernel::Staged { bk, rows }),
+            bk @ (16 | 32) => Ok(CoopKernel::Mixed { bk, rows }),
             other => Err(backend_error(format!(
                 "coop_bk = {other}: the staged GEMM takes 16 or 32"
             ))),
@@ -156,8 +174,16 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
     Ok(adapters
         .iter()
         .map(|a| {
-            a.caps
-                .device_info(kernels::coop_plan(&a.caps, CoopKernel::Staged { bk: kernels::COOP_BK }).is_some())
+            a.caps.device_info(
+                kernels::coop_plan(
+                    &a.caps,
+                    CoopKernel::Staged {
+                        bk: kernels::COOP_BK,
+                        rows: kernels::COOP_ROWS,
+                    },
+                )
+                .is_some(),
+            )
         })
         .collect())
 }
@@ -228,12 +254,13 @@ impl VulkanBackend {
             }) => {
                 let pinned = if require_size { " (pinned)" } else { "" };
                 match kernel {
-                    CoopKernel::Staged { bk } => {
-                        format!("gemm_coop.wgsl, SG_SIZE {subgroup_size}{pinned}, BK {bk}")
+                    CoopKernel::Staged { bk, rows } => {
+                        format!("gemm_coop.wgsl, SG_SIZE {subgroup_size}{pinned}, BK {bk}, SG_ROWS {rows}")
                     }
                     CoopKernel::Direct => format!("gemm_coop_direct.wgsl, SG_SIZE {subgroup_size}{pinned}"),
-                    CoopKernel::Mixed { bk } => format!(
-                        "gemm_coop.wgsl (logits, BK {bk}) and gemm_coop_direct.wgsl (dx), SG_SIZE {subgroup_size}{pinned}"
+                    CoopKernel::Mixed { bk, rows } => format!(
+                        "gemm_coop.wgsl (logits, BK {bk}, SG_ROWS {rows}) and gemm_coop_direct.wgsl (dx), \
+                         SG_SIZE {subgroup_size}{pinned}"
                     ),
                 }
             }
@@ -409,10 +436,10 @@ impl Backend for VulkanBackend {
             HeadLayout::RowsAreReduction => "gemm_nn",
         };
         let (source, tile, overrides) = match self.coop.map(|p| (p.subgroup_size, p.kernel.for_layout(desc.b_layout))) {
-            Some((sg, CoopKernel::Staged { bk } | CoopKernel::Mixed { bk })) => (
+            Some((sg, CoopKernel::Staged { bk, rows } | CoopKernel::Mixed { bk, rows })) => (
                 &kernels::GEMM_COOP,
-                (kernels::COOP_TILE, kernels::COOP_TILE),
-                vec![("SG_SIZE", sg), ("BK", bk)],
+                (64 * u64::from(rows), kernels::COOP_TILE_N),
+                vec![("SG_SIZE", sg), ("BK", bk), ("SG_ROWS", rows)],
             ),
             Some((sg, CoopKernel::Direct)) => (
                 &kernels::GEMM_COOP_DIRECT,

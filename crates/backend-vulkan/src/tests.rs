@@ -297,7 +297,10 @@ fn every_shared_shader_compiles_to_spirv() {
         let variants: Vec<Vec<(&'static str, u32)>> = if source.file == kernels::GEMM_COOP.file {
             [32u32, 64, 16]
                 .iter()
-                .flat_map(|&sg| [16u32, 32].map(|bk| vec![("SG_SIZE", sg), ("BK", bk)]))
+                .flat_map(|&sg| {
+                    [(16u32, 2u32), (32, 2), (16, 4)]
+                        .map(|(bk, rows)| vec![("SG_SIZE", sg), ("BK", bk), ("SG_ROWS", rows)])
+                })
                 .collect()
         } else if source.file == kernels::GEMM_COOP_DIRECT.file {
             [32u32, 64, 16].iter().map(|&sg| vec![("SG_SIZE", sg)]).collect()
@@ -323,14 +326,22 @@ fn every_shared_shader_compiles_to_spirv() {
                             // cooperative matrices (the device must enable it).
                             assert_eq!(memory_model, if coop { 3 } else { 1 }, "{}", source.file);
                             if *entry == "gemm_nt"
-                                && overrides == &[("SG_SIZE", 32), ("BK", kernels::COOP_BK)]
+                                && overrides
+                                    == &[
+                                        ("SG_SIZE", 32),
+                                        ("BK", kernels::COOP_BK),
+                                        ("SG_ROWS", kernels::COOP_ROWS),
+                                    ]
                                 && checked
                             {
                                 eprintln!("{}:{entry} declares {caps:?}", source.file);
                             }
                             if let Some(&("SG_SIZE", sg)) = overrides.first() {
-                                // Staged: 4 subgroups; direct: one.
-                                let subgroups = if source.file == kernels::GEMM_COOP.file { 4 } else { 1 };
+                                // Staged: SG_ROWS × 2 subgroups; direct: one.
+                                let subgroups = match overrides.get(2) {
+                                    Some(&("SG_ROWS", rows)) => 2 * rows,
+                                    _ => 1,
+                                };
                                 assert_eq!(c.workgroup_size, [subgroups * sg, 1, 1], "{}:{entry}", source.file);
                             }
                             compiled += 1;
@@ -343,9 +354,9 @@ fn every_shared_shader_compiles_to_spirv() {
     }
     assert!(failures.is_empty(), "shader compile failures:\n{}", failures.join("\n"));
     assert_eq!(compiled, expected, "every variant compiled");
-    // 5 plain entry points, 2 staged matrix-unit entry points in 6 variants
+    // 5 plain entry points, 2 staged matrix-unit entry points in 9 variants
     // and 2 direct ones in 3, each checked and unchecked.
-    assert_eq!(expected, 2 * (5 + 2 * 6 + 2 * 3));
+    assert_eq!(expected, 2 * (5 + 2 * 9 + 2 * 3));
 }
 
 #[test]

@@ -84,18 +84,19 @@ fn coop_support(adapter: &wgpu::Adapter, shapes: &[(u32, u32, u32)]) -> Result<u
             "subgroup size varies ({min}..{max}); the kernel needs a fixed one"
         ));
     }
-    let bk = kernels::coop_bk();
+    let (bk, rows) = (kernels::coop_bk(), kernels::coop_rows());
     if kernels::CoopKernel::from_env().uses_staged()
-        && limits.max_compute_workgroup_storage_size < kernels::coop_workgroup_bytes(bk)
+        && limits.max_compute_workgroup_storage_size < kernels::coop_workgroup_bytes(bk, rows)
     {
         return Err(format!(
             "workgroup memory {} < {} bytes",
             limits.max_compute_workgroup_storage_size,
-            kernels::coop_workgroup_bytes(bk)
+            kernels::coop_workgroup_bytes(bk, rows)
         ));
     }
-    if limits.max_compute_invocations_per_workgroup < 4 * min || limits.max_compute_workgroup_size_x < 4 * min {
-        return Err(format!("workgroups of {} invocations not allowed", 4 * min));
+    let invocations = 2 * rows * min;
+    if limits.max_compute_invocations_per_workgroup < invocations || limits.max_compute_workgroup_size_x < invocations {
+        return Err(format!("workgroups of {invocations} invocations not allowed"));
     }
     Ok(min)
 }

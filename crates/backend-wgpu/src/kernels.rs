@@ -24,11 +24,22 @@ pub(crate) const ROW_WORKGROUP_BYTES: u32 = 26 * 1024;
 /// Output tile (rows, columns) per workgroup of the tiled GEMM.
 const TILED_TILE: (usize, usize) = (64, 64);
 /// Output tile per workgroup of the staged cooperative GEMM.
-const COOP_TILE: (usize, usize) = (128, 128);
+/// Output tile columns per workgroup of the staged cooperative GEMM (its
+/// rows are `64 · coop_rows()`).
+const COOP_TILE_N: usize = 128;
 /// Output tile per workgroup of the direct cooperative GEMM.
 const COOP_DIRECT_TILE: (usize, usize) = (64, 64);
 /// Invocations per workgroup of the row kernels and the conversion.
 pub(crate) const ROW_WORKGROUP: usize = 256;
+
+/// Rows of subgroups in the staged cooperative GEMM's workgroup
+/// (`HEADKL_COOP_ROWS`, 2 or 4; default 2): its C tile is `(64 · rows) × 128`.
+pub(crate) fn coop_rows() -> u32 {
+    match std::env::var("HEADKL_COOP_ROWS").ok().as_deref().map(str::trim) {
+        Some("4") => 4,
+        _ => 2,
+    }
+}
 
 /// K staged per step by the cooperative GEMM (`HEADKL_COOP_BK`, 16 or 32;
 /// 16 by default: on the H200 it ran the logits GEMM 1.6× faster than 32).
@@ -78,9 +89,10 @@ impl CoopKernel {
     }
 }
 
-/// Workgroup memory of the cooperative GEMM at `bk` (two 128 × (bk + 8) f16 tiles).
-pub(crate) fn coop_workgroup_bytes(bk: u32) -> u32 {
-    2 * 128 * (bk + 8) * 2
+/// Workgroup memory of the staged cooperative GEMM at `bk` and `rows`
+/// (`(64·rows) × (bk + 8)` and `128 × (bk + 8)` f16 tiles).
+pub(crate) fn coop_workgroup_bytes(bk: u32, rows: u32) -> u32 {
+    (64 * rows + 128) * (bk + 8) * 2
 }
 
 /// A kernel entry point.
@@ -266,6 +278,7 @@ impl Kernels {
                 "gemm_coop.wgsl" => {
                     constants.push(("SG_SIZE", f64::from(sg)));
                     constants.push(("BK", f64::from(coop_bk())));
+                    constants.push(("SG_ROWS", f64::from(coop_rows())));
                 }
                 "gemm_coop_direct.wgsl" => constants.push(("SG_SIZE", f64::from(sg))),
                 _ => {}
@@ -303,7 +316,7 @@ impl Kernels {
     pub fn gemm_tile(&self, kernel: Kernel) -> (usize, usize) {
         match self.gemm.coop_subgroup {
             Some(_) if self.gemm.coop_kernel.direct_for(kernel) => COOP_DIRECT_TILE,
-            Some(_) => COOP_TILE,
+            Some(_) => (64 * coop_rows() as usize, COOP_TILE_N),
             None => TILED_TILE,
         }
     }

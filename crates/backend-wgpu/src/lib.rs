@@ -19,6 +19,8 @@
 //!   (`mixed`, the default) staged for the logits and direct for dx.
 //! - `HEADKL_COOP_BK=16|32`: K staged per step by the staged cooperative GEMM
 //!   (default 16).
+//! - `HEADKL_COOP_ROWS=2|4`: rows of subgroups in the staged cooperative
+//!   GEMM's workgroup, a `(64·rows) × 128` tile of C (default 2).
 
 mod adapter;
 mod backend;

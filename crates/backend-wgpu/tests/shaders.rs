@@ -20,6 +20,7 @@ fn override_sets(file: &str) -> Vec<Vec<(&'static str, f64)>> {
             vec![],
             vec![("SG_SIZE", 32.0), ("BK", 16.0)],
             vec![("SG_SIZE", 64.0), ("BK", 32.0)],
+            vec![("SG_SIZE", 32.0), ("BK", 16.0), ("SG_ROWS", 4.0)],
         ],
         "gemm_coop_direct.wgsl" => vec![vec![], vec![("SG_SIZE", 64.0)]],
         _ => vec![vec![]],

@@ -38,6 +38,7 @@ Environment:
   HEADKL_COOP_KERNEL staged, direct or mixed (default): which matrix-unit
                      GEMM runs (mixed: staged for the logits, direct for dx)
   HEADKL_COOP_BK     16 (default) or 32: K per step of the staged GEMM
+  HEADKL_COOP_ROWS   2 (default) or 4: rows of subgroups in the staged GEMM
   HEADKL_CHECKED     =1 builds every kernel with runtime bounds checks
   HEADKL_VALIDATION  =1 loads the Khronos validation layer (Vulkan backend)
 
