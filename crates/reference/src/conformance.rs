@@ -38,7 +38,7 @@
 //!
 //! A backend crate runs it with one line in `tests/conformance.rs`:
 //!
-//! ```ignore
+//! ```text
 //! headkl_reference::conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
 //! ```
 
@@ -494,7 +494,7 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
 /// `mod <ident>,` form wraps the tests in a module, for a second
 /// instantiation in one file.
 ///
-/// ```ignore
+/// ```text
 /// headkl_reference::conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
 /// headkl_reference::conformance_tests!(mod small_binding, "reference",
 ///     Ok::<_, headkl_core::Error>(headkl_reference::CpuBackend::with_max_binding(256 << 10)));
