@@ -145,10 +145,23 @@ fn store_tile(acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
     coopStoreT(r, &c[o], ldc);
 }
 
-// C = A * B^T with B stored [n][k].
-@compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
-fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
-        @builtin(subgroup_id) sg: u32) {
+// Fragment of the staged B tile for output columns [col, col + 16) and K
+// rows [ks, ks + 16): staged [BN][BK + PAD] (nt: a column-major fragment) or
+// [BK][BN + PAD] (nn: row-major).
+fn load_b(nn: bool, col: u32, ks: u32) -> coop_mat16x16<f16, B> {
+    if nn {
+        let ld = BN + PAD;
+        let o = ks * ld + col;
+        return coopLoadT<coop_mat16x16<f16, B>>(&sb[o], ld);
+    }
+    let ld = BK + PAD;
+    let o = col * ld + ks;
+    return coopLoad<coop_mat16x16<f16, B>>(&sb[o], ld);
+}
+
+// The whole kernel for either layout of B (`nn` is a constant at each entry
+// point, so the driver folds its branches away).
+fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
     let t = tile_of(wg);
     if !t.valid {
         return;
@@ -157,7 +170,6 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     let sm = (sg / 2u) * 64u;
     let sn = (sg % 2u) * 64u;
     let lda_s = BK + PAD;
-    let ldb_s = BK + PAD;
     var c00 = coop_mat16x16<f32, C>();
     var c01 = coop_mat16x16<f32, C>();
     var c02 = coop_mat16x16<f32, C>();
@@ -176,7 +188,11 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     var c33 = coop_mat16x16<f32, C>();
     for (var k0 = 0u; k0 < params.k; k0 += BK) {
         stage_rows(true, t.row0, BM, params.m, params.a_offset, params.lda, k0, lid);
-        stage_rows(false, t.col0, BN, params.n, 0u, params.ldb, k0, lid);
+        if nn {
+            stage_b_nn(t.col0, k0, lid);
+        } else {
+            stage_rows(false, t.col0, BN, params.n, 0u, params.ldb, k0, lid);
+        }
         workgroupBarrier();
         for (var ks = 0u; ks < BK; ks += 16u) {
             let oa0 = (sm + 0u) * lda_s + ks;
@@ -187,26 +203,22 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
             let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa2], lda_s);
             let oa3 = (sm + 48u) * lda_s + ks;
             let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
-            let ob0 = (sn + 0u) * ldb_s + ks;
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[ob0], ldb_s);
+            let b0 = load_b(nn, sn + 0u, ks);
             c00 = coopMultiplyAdd(a0, b0, c00);
             c10 = coopMultiplyAdd(a1, b0, c10);
             c20 = coopMultiplyAdd(a2, b0, c20);
             c30 = coopMultiplyAdd(a3, b0, c30);
-            let ob1 = (sn + 16u) * ldb_s + ks;
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[ob1], ldb_s);
+            let b1 = load_b(nn, sn + 16u, ks);
             c01 = coopMultiplyAdd(a0, b1, c01);
             c11 = coopMultiplyAdd(a1, b1, c11);
             c21 = coopMultiplyAdd(a2, b1, c21);
             c31 = coopMultiplyAdd(a3, b1, c31);
-            let ob2 = (sn + 32u) * ldb_s + ks;
-            let b2 = coopLoad<coop_mat16x16<f16, B>>(&sb[ob2], ldb_s);
+            let b2 = load_b(nn, sn + 32u, ks);
             c02 = coopMultiplyAdd(a0, b2, c02);
             c12 = coopMultiplyAdd(a1, b2, c12);
             c22 = coopMultiplyAdd(a2, b2, c22);
             c32 = coopMultiplyAdd(a3, b2, c32);
-            let ob3 = (sn + 48u) * ldb_s + ks;
-            let b3 = coopLoad<coop_mat16x16<f16, B>>(&sb[ob3], ldb_s);
+            let b3 = load_b(nn, sn + 48u, ks);
             c03 = coopMultiplyAdd(a0, b3, c03);
             c13 = coopMultiplyAdd(a1, b3, c13);
             c23 = coopMultiplyAdd(a2, b3, c23);
@@ -232,89 +244,16 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     store_tile(c33, t.row0 + sm + 48u, t.col0 + sn + 48u);
 }
 
+// C = A * B^T with B stored [n][k].
+@compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
+fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+        @builtin(subgroup_id) sg: u32) {
+    gemm(wg, lid, sg, false);
+}
+
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
 fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {
-    let t = tile_of(wg);
-    if !t.valid {
-        return;
-    }
-    // This subgroup's 64 x 64 block of the workgroup tile.
-    let sm = (sg / 2u) * 64u;
-    let sn = (sg % 2u) * 64u;
-    let lda_s = BK + PAD;
-    let ldb_s = BN + PAD;
-    var c00 = coop_mat16x16<f32, C>();
-    var c01 = coop_mat16x16<f32, C>();
-    var c02 = coop_mat16x16<f32, C>();
-    var c03 = coop_mat16x16<f32, C>();
-    var c10 = coop_mat16x16<f32, C>();
-    var c11 = coop_mat16x16<f32, C>();
-    var c12 = coop_mat16x16<f32, C>();
-    var c13 = coop_mat16x16<f32, C>();
-    var c20 = coop_mat16x16<f32, C>();
-    var c21 = coop_mat16x16<f32, C>();
-    var c22 = coop_mat16x16<f32, C>();
-    var c23 = coop_mat16x16<f32, C>();
-    var c30 = coop_mat16x16<f32, C>();
-    var c31 = coop_mat16x16<f32, C>();
-    var c32 = coop_mat16x16<f32, C>();
-    var c33 = coop_mat16x16<f32, C>();
-    for (var k0 = 0u; k0 < params.k; k0 += BK) {
-        stage_rows(true, t.row0, BM, params.m, params.a_offset, params.lda, k0, lid);
-        stage_b_nn(t.col0, k0, lid);
-        workgroupBarrier();
-        for (var ks = 0u; ks < BK; ks += 16u) {
-            let oa0 = (sm + 0u) * lda_s + ks;
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa0], lda_s);
-            let oa1 = (sm + 16u) * lda_s + ks;
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa1], lda_s);
-            let oa2 = (sm + 32u) * lda_s + ks;
-            let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa2], lda_s);
-            let oa3 = (sm + 48u) * lda_s + ks;
-            let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
-            let ob0 = ks * ldb_s + sn + 0u;
-            let b0 = coopLoadT<coop_mat16x16<f16, B>>(&sb[ob0], ldb_s);
-            c00 = coopMultiplyAdd(a0, b0, c00);
-            c10 = coopMultiplyAdd(a1, b0, c10);
-            c20 = coopMultiplyAdd(a2, b0, c20);
-            c30 = coopMultiplyAdd(a3, b0, c30);
-            let ob1 = ks * ldb_s + sn + 16u;
-            let b1 = coopLoadT<coop_mat16x16<f16, B>>(&sb[ob1], ldb_s);
-            c01 = coopMultiplyAdd(a0, b1, c01);
-            c11 = coopMultiplyAdd(a1, b1, c11);
-            c21 = coopMultiplyAdd(a2, b1, c21);
-            c31 = coopMultiplyAdd(a3, b1, c31);
-            let ob2 = ks * ldb_s + sn + 32u;
-            let b2 = coopLoadT<coop_mat16x16<f16, B>>(&sb[ob2], ldb_s);
-            c02 = coopMultiplyAdd(a0, b2, c02);
-            c12 = coopMultiplyAdd(a1, b2, c12);
-            c22 = coopMultiplyAdd(a2, b2, c22);
-            c32 = coopMultiplyAdd(a3, b2, c32);
-            let ob3 = ks * ldb_s + sn + 48u;
-            let b3 = coopLoadT<coop_mat16x16<f16, B>>(&sb[ob3], ldb_s);
-            c03 = coopMultiplyAdd(a0, b3, c03);
-            c13 = coopMultiplyAdd(a1, b3, c13);
-            c23 = coopMultiplyAdd(a2, b3, c23);
-            c33 = coopMultiplyAdd(a3, b3, c33);
-        }
-        workgroupBarrier();
-    }
-    store_tile(c00, t.row0 + sm + 0u, t.col0 + sn + 0u);
-    store_tile(c01, t.row0 + sm + 0u, t.col0 + sn + 16u);
-    store_tile(c02, t.row0 + sm + 0u, t.col0 + sn + 32u);
-    store_tile(c03, t.row0 + sm + 0u, t.col0 + sn + 48u);
-    store_tile(c10, t.row0 + sm + 16u, t.col0 + sn + 0u);
-    store_tile(c11, t.row0 + sm + 16u, t.col0 + sn + 16u);
-    store_tile(c12, t.row0 + sm + 16u, t.col0 + sn + 32u);
-    store_tile(c13, t.row0 + sm + 16u, t.col0 + sn + 48u);
-    store_tile(c20, t.row0 + sm + 32u, t.col0 + sn + 0u);
-    store_tile(c21, t.row0 + sm + 32u, t.col0 + sn + 16u);
-    store_tile(c22, t.row0 + sm + 32u, t.col0 + sn + 32u);
-    store_tile(c23, t.row0 + sm + 32u, t.col0 + sn + 48u);
-    store_tile(c30, t.row0 + sm + 48u, t.col0 + sn + 0u);
-    store_tile(c31, t.row0 + sm + 48u, t.col0 + sn + 16u);
-    store_tile(c32, t.row0 + sm + 48u, t.col0 + sn + 32u);
-    store_tile(c33, t.row0 + sm + 48u, t.col0 + sn + 48u);
+    gemm(wg, lid, sg, true);
 }

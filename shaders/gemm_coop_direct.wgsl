@@ -70,23 +70,34 @@ fn store_tile(acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
     coopStoreT(r, &c[o], ldc);
 }
 
-// C = A * B^T with B stored [n][k].
-@compute @workgroup_size(SG_SIZE)
-fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>) {
+// Fragment of B for output columns [col, col + 16) and K rows [kk, kk + 16):
+// B stored [n][k] (nt: a column-major fragment) or [k][n] (nn: row-major).
+fn load_b(nn: bool, col: u32, kk: u32) -> coop_mat16x16<f16, B> {
+    let ldb = params.ldb;
+    if nn {
+        let o = kk * ldb + col;
+        return coopLoadT<coop_mat16x16<f16, B>>(&b[o], ldb);
+    }
+    let o = col * ldb + kk;
+    return coopLoad<coop_mat16x16<f16, B>>(&b[o], ldb);
+}
+
+// The whole kernel for either layout of B (`nn` is a constant at each
+// entry point, so the driver folds the branch in load_b away).
+fn gemm(wg: vec3<u32>, nn: bool) {
     let blk = tile_of(wg);
     if !blk.valid {
         return;
     }
     let lda = params.lda;
-    let ldb = params.ldb;
     let ra0 = params.a_offset + inside(blk.row0 + 0u, params.m) * lda;
     let ra1 = params.a_offset + inside(blk.row0 + 16u, params.m) * lda;
     let ra2 = params.a_offset + inside(blk.row0 + 32u, params.m) * lda;
     let ra3 = params.a_offset + inside(blk.row0 + 48u, params.m) * lda;
-    let rb0 = inside(blk.col0 + 0u, params.n) * ldb;
-    let rb1 = inside(blk.col0 + 16u, params.n) * ldb;
-    let rb2 = inside(blk.col0 + 32u, params.n) * ldb;
-    let rb3 = inside(blk.col0 + 48u, params.n) * ldb;
+    let cb0 = inside(blk.col0 + 0u, params.n);
+    let cb1 = inside(blk.col0 + 16u, params.n);
+    let cb2 = inside(blk.col0 + 32u, params.n);
+    let cb3 = inside(blk.col0 + 48u, params.n);
     var c00 = coop_mat16x16<f32, C>();
     var c01 = coop_mat16x16<f32, C>();
     var c02 = coop_mat16x16<f32, C>();
@@ -112,14 +123,10 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>) {
         let a2 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa2], lda);
         let oa3 = ra3 + kk;
         let a3 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa3], lda);
-        let ob0 = rb0 + kk;
-        let b0 = coopLoad<coop_mat16x16<f16, B>>(&b[ob0], ldb);
-        let ob1 = rb1 + kk;
-        let b1 = coopLoad<coop_mat16x16<f16, B>>(&b[ob1], ldb);
-        let ob2 = rb2 + kk;
-        let b2 = coopLoad<coop_mat16x16<f16, B>>(&b[ob2], ldb);
-        let ob3 = rb3 + kk;
-        let b3 = coopLoad<coop_mat16x16<f16, B>>(&b[ob3], ldb);
+        let b0 = load_b(nn, cb0, kk);
+        let b1 = load_b(nn, cb1, kk);
+        let b2 = load_b(nn, cb2, kk);
+        let b3 = load_b(nn, cb3, kk);
         c00 = coopMultiplyAdd(a0, b0, c00);
         c01 = coopMultiplyAdd(a0, b1, c01);
         c02 = coopMultiplyAdd(a0, b2, c02);
@@ -155,88 +162,14 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>) {
     store_tile(c33, blk.row0 + 48u, blk.col0 + 48u);
 }
 
+// C = A * B^T with B stored [n][k].
+@compute @workgroup_size(SG_SIZE)
+fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>) {
+    gemm(wg, false);
+}
+
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(SG_SIZE)
 fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>) {
-    let blk = tile_of(wg);
-    if !blk.valid {
-        return;
-    }
-    let lda = params.lda;
-    let ldb = params.ldb;
-    let ra0 = params.a_offset + inside(blk.row0 + 0u, params.m) * lda;
-    let ra1 = params.a_offset + inside(blk.row0 + 16u, params.m) * lda;
-    let ra2 = params.a_offset + inside(blk.row0 + 32u, params.m) * lda;
-    let ra3 = params.a_offset + inside(blk.row0 + 48u, params.m) * lda;
-    let cb0 = inside(blk.col0 + 0u, params.n);
-    let cb1 = inside(blk.col0 + 16u, params.n);
-    let cb2 = inside(blk.col0 + 32u, params.n);
-    let cb3 = inside(blk.col0 + 48u, params.n);
-    var c00 = coop_mat16x16<f32, C>();
-    var c01 = coop_mat16x16<f32, C>();
-    var c02 = coop_mat16x16<f32, C>();
-    var c03 = coop_mat16x16<f32, C>();
-    var c10 = coop_mat16x16<f32, C>();
-    var c11 = coop_mat16x16<f32, C>();
-    var c12 = coop_mat16x16<f32, C>();
-    var c13 = coop_mat16x16<f32, C>();
-    var c20 = coop_mat16x16<f32, C>();
-    var c21 = coop_mat16x16<f32, C>();
-    var c22 = coop_mat16x16<f32, C>();
-    var c23 = coop_mat16x16<f32, C>();
-    var c30 = coop_mat16x16<f32, C>();
-    var c31 = coop_mat16x16<f32, C>();
-    var c32 = coop_mat16x16<f32, C>();
-    var c33 = coop_mat16x16<f32, C>();
-    for (var kk = 0u; kk < params.k; kk += 16u) {
-        let oa0 = ra0 + kk;
-        let a0 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa0], lda);
-        let oa1 = ra1 + kk;
-        let a1 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa1], lda);
-        let oa2 = ra2 + kk;
-        let a2 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa2], lda);
-        let oa3 = ra3 + kk;
-        let a3 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa3], lda);
-        let rk = kk * ldb;
-        let ob0 = rk + cb0;
-        let b0 = coopLoadT<coop_mat16x16<f16, B>>(&b[ob0], ldb);
-        let ob1 = rk + cb1;
-        let b1 = coopLoadT<coop_mat16x16<f16, B>>(&b[ob1], ldb);
-        let ob2 = rk + cb2;
-        let b2 = coopLoadT<coop_mat16x16<f16, B>>(&b[ob2], ldb);
-        let ob3 = rk + cb3;
-        let b3 = coopLoadT<coop_mat16x16<f16, B>>(&b[ob3], ldb);
-        c00 = coopMultiplyAdd(a0, b0, c00);
-        c01 = coopMultiplyAdd(a0, b1, c01);
-        c02 = coopMultiplyAdd(a0, b2, c02);
-        c03 = coopMultiplyAdd(a0, b3, c03);
-        c10 = coopMultiplyAdd(a1, b0, c10);
-        c11 = coopMultiplyAdd(a1, b1, c11);
-        c12 = coopMultiplyAdd(a1, b2, c12);
-        c13 = coopMultiplyAdd(a1, b3, c13);
-        c20 = coopMultiplyAdd(a2, b0, c20);
-        c21 = coopMultiplyAdd(a2, b1, c21);
-        c22 = coopMultiplyAdd(a2, b2, c22);
-        c23 = coopMultiplyAdd(a2, b3, c23);
-        c30 = coopMultiplyAdd(a3, b0, c30);
-        c31 = coopMultiplyAdd(a3, b1, c31);
-        c32 = coopMultiplyAdd(a3, b2, c32);
-        c33 = coopMultiplyAdd(a3, b3, c33);
-    }
-    store_tile(c00, blk.row0 + 0u, blk.col0 + 0u);
-    store_tile(c01, blk.row0 + 0u, blk.col0 + 16u);
-    store_tile(c02, blk.row0 + 0u, blk.col0 + 32u);
-    store_tile(c03, blk.row0 + 0u, blk.col0 + 48u);
-    store_tile(c10, blk.row0 + 16u, blk.col0 + 0u);
-    store_tile(c11, blk.row0 + 16u, blk.col0 + 16u);
-    store_tile(c12, blk.row0 + 16u, blk.col0 + 32u);
-    store_tile(c13, blk.row0 + 16u, blk.col0 + 48u);
-    store_tile(c20, blk.row0 + 32u, blk.col0 + 0u);
-    store_tile(c21, blk.row0 + 32u, blk.col0 + 16u);
-    store_tile(c22, blk.row0 + 32u, blk.col0 + 32u);
-    store_tile(c23, blk.row0 + 32u, blk.col0 + 48u);
-    store_tile(c30, blk.row0 + 48u, blk.col0 + 0u);
-    store_tile(c31, blk.row0 + 48u, blk.col0 + 16u);
-    store_tile(c32, blk.row0 + 48u, blk.col0 + 32u);
-    store_tile(c33, blk.row0 + 48u, blk.col0 + 48u);
+    gemm(wg, true);
 }

@@ -91,10 +91,32 @@ fn store(t: Tile, acc: array<vec4<f32>, 4>, tx: u32, ty: u32) {
     }
 }
 
-// C = A * B^T with B stored [n][k].
-@compute @workgroup_size(16, 16)
-fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
-           @builtin(local_invocation_index) lid: u32) {
+// Stages B's 16 x 64 tile at K offset k0 as [TK][TN]: B stored [n][k] (nt)
+// or [k][n] (nn). Each index order reads B's rows contiguously.
+fn stage_b(t: Tile, k0: u32, lid: u32, nn: bool) {
+    for (var e = lid; e < TN * TK; e += 256u) {
+        var j = e / TK;
+        var kk = e % TK;
+        if nn {
+            kk = e / TN;
+            j = e % TN;
+        }
+        let col = t.col0 + j;
+        var v = 0.0;
+        if col < params.n {
+            var src = col * params.ldb + k0 + kk;
+            if nn {
+                src = (k0 + kk) * params.ldb + col;
+            }
+            v = f32(b[src]);
+        }
+        bs_[kk * TN + j] = v;
+    }
+}
+
+// The whole kernel for either layout of B (`nn` is a constant at each entry
+// point).
+fn gemm(wg: vec3<u32>, li: vec3<u32>, lid: u32, nn: bool) {
     let t = tile_of(wg);
     if !t.valid {
         return;
@@ -102,16 +124,7 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) l
     var acc: array<vec4<f32>, 4>;
     for (var k0 = 0u; k0 < params.k; k0 += TK) {
         stage_a(t, k0, lid);
-        for (var e = lid; e < TN * TK; e += 256u) {
-            let j = e / TK;
-            let kk = e % TK;
-            let col = t.col0 + j;
-            var v = 0.0;
-            if col < params.n {
-                v = f32(b[col * params.ldb + k0 + kk]);
-            }
-            bs_[kk * TN + j] = v;
-        }
+        stage_b(t, k0, lid, nn);
         workgroupBarrier();
         multiply(&acc, li.x, li.y);
         workgroupBarrier();
@@ -119,30 +132,16 @@ fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) l
     store(t, acc, li.x, li.y);
 }
 
+// C = A * B^T with B stored [n][k].
+@compute @workgroup_size(16, 16)
+fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    gemm(wg, li, lid, false);
+}
+
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(16, 16)
 fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
-    let t = tile_of(wg);
-    if !t.valid {
-        return;
-    }
-    var acc: array<vec4<f32>, 4>;
-    for (var k0 = 0u; k0 < params.k; k0 += TK) {
-        stage_a(t, k0, lid);
-        for (var e = lid; e < TN * TK; e += 256u) {
-            let kk = e / TN;
-            let j = e % TN;
-            let col = t.col0 + j;
-            var v = 0.0;
-            if col < params.n {
-                v = f32(b[(k0 + kk) * params.ldb + col]);
-            }
-            bs_[kk * TN + j] = v;
-        }
-        workgroupBarrier();
-        multiply(&acc, li.x, li.y);
-        workgroupBarrier();
-    }
-    store(t, acc, li.x, li.y);
+    gemm(wg, li, lid, true);
 }
