@@ -334,6 +334,37 @@ impl VulkanBackend {
             .dispatch(&pipeline, &params(grid.0), &bindings, grid, label)
     }
 
+    /// Checks and dispatches a row kernel (`kl_rows`, `topk_rows`): one
+    /// workgroup per row; `bufs` start with logits `[rows][ld]` f32, ids and
+    /// probs `[rows][k]`, whose bindings are checked here (the caller checks
+    /// any others).
+    fn row_dispatch(
+        &self,
+        source: &ShaderSource,
+        entry: &'static str,
+        shape: RowShape,
+        bufs: &[&VulkanBuffer],
+    ) -> Result<()> {
+        for (v, what) in [
+            (shape.rows, "rows"),
+            (shape.vocab, "vocab"),
+            (shape.ld, "ld"),
+            (shape.k, "k"),
+        ] {
+            to_u32(v, what)?;
+        }
+        let (rows, ld, k) = (shape.rows as u64, shape.ld as u64, shape.k as u64);
+        let [logits, ids, probs, ..] = bufs else {
+            return Err(backend_error(format!("{entry}: needs logits, ids and probs buffers")));
+        };
+        self.check_binding(logits, rows * ld * 4, entry)?;
+        self.check_binding(ids, rows * k * 4, entry)?;
+        self.check_binding(probs, rows * k * 4, entry)?;
+        let params =
+            |grid_x| bytemuck::bytes_of(&RowParams::new(shape.rows, shape.vocab, shape.ld, shape.k, grid_x)).to_vec();
+        self.dispatch(source, Self::row_key(source, entry), rows, params, bufs, entry)
+    }
+
     fn row_key(source: &ShaderSource, entry: &'static str) -> PipelineKey {
         PipelineKey {
             file: source.file,
@@ -345,6 +376,15 @@ impl VulkanBackend {
             required_subgroup_size: None,
         }
     }
+}
+
+/// The extents shared by the row kernels' descriptors (`KlDesc`, `TopkDesc`).
+#[derive(Clone, Copy)]
+struct RowShape {
+    rows: usize,
+    vocab: usize,
+    ld: usize,
+    k: usize,
 }
 
 /// `x` as `u32`, or an error naming `what`.
@@ -476,30 +516,21 @@ impl Backend for VulkanBackend {
         grad: &VulkanBuffer,
         desc: &KlDesc,
     ) -> Result<()> {
-        for (v, what) in [
-            (desc.rows, "rows"),
-            (desc.vocab, "vocab"),
-            (desc.ld, "ld"),
-            (desc.k, "k"),
-        ] {
-            to_u32(v, what)?;
-        }
-        let (rows, ld, k) = (desc.rows as u64, desc.ld as u64, desc.k as u64);
-        self.check_binding(logits, rows * ld * 4, "kl_rows")?;
-        self.check_binding(ids, rows * k * 4, "kl_rows")?;
-        self.check_binding(probs, rows * k * 4, "kl_rows")?;
+        let (rows, ld) = (desc.rows as u64, desc.ld as u64);
         self.check_binding(coef, rows * 4, "kl_rows")?;
         self.check_binding(loss, rows * 4, "kl_rows")?;
         self.check_binding(grad, rows * ld * 2, "kl_rows")?;
-        let params =
-            |grid_x| bytemuck::bytes_of(&RowParams::new(desc.rows, desc.vocab, desc.ld, desc.k, grid_x)).to_vec();
-        self.dispatch(
+        let shape = RowShape {
+            rows: desc.rows,
+            vocab: desc.vocab,
+            ld: desc.ld,
+            k: desc.k,
+        };
+        self.row_dispatch(
             &kernels::KL_ROWS,
-            Self::row_key(&kernels::KL_ROWS, "kl_rows"),
-            rows,
-            params,
-            &[logits, ids, probs, coef, loss, grad],
             "kl_rows",
+            shape,
+            &[logits, ids, probs, coef, loss, grad],
         )
     }
 
@@ -510,28 +541,13 @@ impl Backend for VulkanBackend {
         probs: &VulkanBuffer,
         desc: &TopkDesc,
     ) -> Result<()> {
-        for (v, what) in [
-            (desc.rows, "rows"),
-            (desc.vocab, "vocab"),
-            (desc.ld, "ld"),
-            (desc.k, "k"),
-        ] {
-            to_u32(v, what)?;
-        }
-        let (rows, ld, k) = (desc.rows as u64, desc.ld as u64, desc.k as u64);
-        self.check_binding(logits, rows * ld * 4, "topk_rows")?;
-        self.check_binding(ids, rows * k * 4, "topk_rows")?;
-        self.check_binding(probs, rows * k * 4, "topk_rows")?;
-        let params =
-            |grid_x| bytemuck::bytes_of(&RowParams::new(desc.rows, desc.vocab, desc.ld, desc.k, grid_x)).to_vec();
-        self.dispatch(
-            &kernels::TOPK_ROWS,
-            Self::row_key(&kernels::TOPK_ROWS, "topk_rows"),
-            rows,
-            params,
-            &[logits, ids, probs],
-            "topk_rows",
-        )
+        let shape = RowShape {
+            rows: desc.rows,
+            vocab: desc.vocab,
+            ld: desc.ld,
+            k: desc.k,
+        };
+        self.row_dispatch(&kernels::TOPK_ROWS, "topk_rows", shape, &[logits, ids, probs])
     }
 
     fn finish(&self) -> Result<()> {
