@@ -117,19 +117,11 @@ impl<B: Backend> Engine<B> {
         let info = backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
         let slices = slice_vocab(vocab, hs_padded, max_binding, slicing.max_rows_per_slice)?;
-        // Scan and pack on the host before the first allocation: a bad value
-        // should cost no device memory and no upload.
+        // Scan on the host before the first allocation: a bad value should
+        // cost no device memory and no upload.
+        head.check_values()?;
         let mut staging = Vec::new();
         let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
-        for s in &slices {
-            let mut row = 0;
-            while row < s.width {
-                let rows = rows_per_upload.min(s.width - row);
-                staging.clear();
-                head.pack_rows_f16(s.offset + row, rows, hs_padded, &mut staging)?;
-                row += rows;
-            }
-        }
         let mut planes = Vec::with_capacity(slices.len());
         for s in &slices {
             let padded = s.padded_width();

@@ -66,32 +66,46 @@ impl<'a> HeadWeights<'a> {
     pub fn pack_rows_f16(&self, first: usize, rows: usize, ld: usize, out: &mut Vec<f16>) -> Result<()> {
         let hs = self.hs;
         for row in first..first + rows {
+            self.check_row(row)?;
             let span = row * hs..(row + 1) * hs;
             let start = out.len();
             match self.data {
-                HeadData::F16(d) => {
-                    if let Some(col) = d[span.clone()].iter().position(|v| !v.is_finite()) {
-                        let value = d[row * hs + col].to_f32();
-                        return Err(Error::NonFiniteHead { row, col, value });
-                    }
-                    out.extend_from_slice(&d[span]);
-                }
+                HeadData::F16(d) => out.extend_from_slice(&d[span]),
                 HeadData::F32(d) => {
-                    check_f16_range(&d[span.clone()], row)?;
                     out.resize(start + hs, f16::ZERO);
                     half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut out[start..], &d[span]);
                 }
-                HeadData::Bf16(d) => {
-                    for (col, v) in d[span].iter().enumerate() {
-                        let value = v.to_f32();
-                        check_value(value, row, col)?;
-                        out.push(f16::from_f32(value));
-                    }
-                }
+                HeadData::Bf16(d) => out.extend(d[span].iter().map(|v| f16::from_f32(v.to_f32()))),
             }
             out.resize(start + ld, f16::ZERO);
         }
         Ok(())
+    }
+
+    /// Checks every value, without converting: the first one that is not
+    /// finite or is past f16's range is an error naming its row and column.
+    pub fn check_values(&self) -> Result<()> {
+        (0..self.vocab).try_for_each(|row| self.check_row(row))
+    }
+
+    /// Checks row `row`'s values (see [`HeadWeights::check_values`]).
+    fn check_row(&self, row: usize) -> Result<()> {
+        let span = row * self.hs..(row + 1) * self.hs;
+        match self.data {
+            HeadData::F16(d) => match d[span].iter().position(|v| !v.is_finite()) {
+                Some(col) => Err(Error::NonFiniteHead {
+                    row,
+                    col,
+                    value: d[row * self.hs + col].to_f32(),
+                }),
+                None => Ok(()),
+            },
+            HeadData::F32(d) => check_f16_range(&d[span], row),
+            HeadData::Bf16(d) => d[span]
+                .iter()
+                .enumerate()
+                .try_for_each(|(col, v)| check_value(v.to_f32(), row, col)),
+        }
     }
 
     /// Element `(row, col)` as the device holds it (rounded to f16).
