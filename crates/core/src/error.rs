@@ -209,6 +209,16 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A setting (an environment variable or option) that cannot be read.
+    #[error("{name} = {value:?}: {reason}")]
+    InvalidSetting {
+        /// The variable or option.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// Any other backend failure (pipeline build, driver error).
     #[error("{backend}: {message}")]
     Backend {

@@ -24,6 +24,7 @@ pub mod head;
 pub mod params;
 pub mod problem;
 pub mod slicing;
+pub mod tuning;
 
 pub use backend::{Backend, ConvertDesc, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, TopkDesc};
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
@@ -34,6 +35,7 @@ pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
 };
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
+pub use tuning::{ChoiceSource, CoopGemm, GemmChoice, StagedTile, TuneCache};
 
 /// Alignment of every padded device extent (token rows, hidden columns,
 /// vocabulary columns): the 16×16 matrix-unit tile edge. GEMM kernels may

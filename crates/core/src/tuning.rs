@@ -1,0 +1,675 @@
+//! Which matrix-unit GEMM kernel runs for each head layout, the names users
+//! and the tune cache give them, and where `headkl tune` keeps a device's
+//! fastest choice.
+//!
+//! A kernel is named `direct` (`gemm_coop_direct.wgsl`) or
+//! `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]` (`gemm_coop.wgsl` with its `BK`,
+//! `SG_ROWS`, `STAGES` and `PREFETCH` overrides). A choice names one kernel for both
+//! layouts or one each: `logits=staged:bk32:r2:s2,dx=direct`.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::backend::HeadLayout;
+use crate::error::{Error, Result};
+
+/// The environment variable that picks the GEMM kernels.
+pub const GEMM_ENV: &str = "HEADKL_GEMM";
+/// The environment variable that moves the tune cache's folder.
+pub const CACHE_DIR_ENV: &str = "HEADKL_CACHE_DIR";
+/// The tune cache's file name within its folder.
+pub const CACHE_FILE: &str = "gemm-tune.tsv";
+
+/// Tile parameters of the staged matrix-unit GEMM (`gemm_coop.wgsl`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StagedTile {
+    /// K staged per step (`BK`): 16, 32 or 64.
+    pub bk: u32,
+    /// Rows of subgroups (`SG_ROWS`): 2 or 4. The workgroup is `rows × 2`
+    /// subgroups, each owning 64 × 64 of a `(64·rows) × 128` C tile.
+    pub rows: u32,
+    /// Workgroup-memory stages (`STAGES`): 1 loads a step's tiles and then
+    /// multiplies them; 2 loads step s+1 into registers while step s
+    /// multiplies, into a second buffer (one barrier per step).
+    pub stages: u32,
+    /// With one stage, load step s+1 into registers before step s
+    /// multiplies, and store it between two barriers (`PREFETCH`; two
+    /// stages always do).
+    pub prefetch: bool,
+}
+
+impl StagedTile {
+    /// C rows per workgroup.
+    pub const fn tile_rows(self) -> u32 {
+        64 * self.rows
+    }
+
+    /// Workgroup memory in bytes: per stage, A `[64·rows][bk + 8]` and
+    /// B `[128][bk + 8]` f16 (the B of the other layout, `[bk][128 + 8]`,
+    /// is never larger).
+    pub const fn shared_bytes(self) -> u32 {
+        self.stages * (64 * self.rows + 128) * (self.bk + 8) * 2
+    }
+
+    fn check(self, value: &str) -> Result<Self> {
+        let bad = |reason: &str| Err(invalid(value, reason));
+        if !matches!(self.bk, 16 | 32 | 64) {
+            return bad("bk must be 16, 32 or 64");
+        }
+        if !matches!(self.rows, 2 | 4) {
+            return bad("r (rows of subgroups) must be 2 or 4");
+        }
+        if !matches!(self.stages, 1 | 2) {
+            return bad("s (stages) must be 1 or 2");
+        }
+        if self.stages == 2 && self.prefetch {
+            return bad("pf (prefetch) goes with s1: two stages always prefetch");
+        }
+        Ok(self)
+    }
+}
+
+/// One matrix-unit GEMM kernel with its tile parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CoopGemm {
+    /// `gemm_coop.wgsl`: tiles staged through workgroup memory.
+    Staged(StagedTile),
+    /// `gemm_coop_direct.wgsl`: one subgroup per 64 × 64, fragments straight
+    /// from storage, no workgroup memory.
+    Direct,
+}
+
+impl CoopGemm {
+    /// C tile per workgroup `(rows, columns)`.
+    pub const fn tile(self) -> (u32, u32) {
+        match self {
+            Self::Staged(t) => (t.tile_rows(), 128),
+            Self::Direct => (64, 64),
+        }
+    }
+
+    /// Invocations per workgroup at subgroup size `subgroup`.
+    pub const fn invocations(self, subgroup: u32) -> u32 {
+        match self {
+            Self::Staged(t) => 2 * t.rows * subgroup,
+            Self::Direct => subgroup,
+        }
+    }
+
+    /// Workgroup memory in bytes.
+    pub const fn shared_bytes(self) -> u32 {
+        match self {
+            Self::Staged(t) => t.shared_bytes(),
+            Self::Direct => 0,
+        }
+    }
+
+    /// Whether it uses subgroup builtins (`subgroup_id`).
+    pub const fn needs_subgroup_id(self) -> bool {
+        matches!(self, Self::Staged(_))
+    }
+
+    /// Every kernel `headkl tune` tries, cheapest to build first.
+    pub fn candidates() -> Vec<CoopGemm> {
+        let mut all = vec![Self::Direct];
+        for (stages, prefetch) in [(1, false), (1, true), (2, false)] {
+            for bk in [16, 32, 64] {
+                for rows in [2, 4] {
+                    all.push(Self::Staged(StagedTile {
+                        bk,
+                        rows,
+                        stages,
+                        prefetch,
+                    }));
+                }
+            }
+        }
+        all
+    }
+
+    /// Parses `direct` or `staged:bk32:r2:s2` (fields in any order, `pf`
+    /// for prefetch with one stage; missing ones take the default tile's).
+    pub fn parse(value: &str) -> Result<Self> {
+        let text = value.trim();
+        if text.eq_ignore_ascii_case("direct") {
+            return Ok(Self::Direct);
+        }
+        let mut parts = text.split(':');
+        if !parts.next().is_some_and(|p| p.eq_ignore_ascii_case("staged")) {
+            return Err(invalid(
+                value,
+                "expected `direct` or `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]`",
+            ));
+        }
+        let mut tile = DEFAULT_STAGED;
+        for part in parts {
+            if part == "pf" {
+                tile.prefetch = true;
+                continue;
+            }
+            let (field, digits) = part.split_at(part.find(|c: char| c.is_ascii_digit()).unwrap_or(part.len()));
+            let Ok(n) = digits.parse::<u32>() else {
+                return Err(invalid(
+                    value,
+                    &format!("`{part}` is not a field and a number (bk32, r2, s2)"),
+                ));
+            };
+            match field {
+                "bk" => tile.bk = n,
+                "r" => tile.rows = n,
+                "s" => tile.stages = n,
+                _ => return Err(invalid(value, &format!("unknown field `{field}` (bk, r, s)"))),
+            }
+        }
+        Ok(Self::Staged(tile.check(value)?))
+    }
+}
+
+impl fmt::Display for CoopGemm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Staged(t) => {
+                write!(f, "staged:bk{}:r{}:s{}", t.bk, t.rows, t.stages)?;
+                if t.prefetch {
+                    f.write_str(":pf")?;
+                }
+                Ok(())
+            }
+            Self::Direct => f.write_str("direct"),
+        }
+    }
+}
+
+const DEFAULT_STAGED: StagedTile = StagedTile {
+    bk: 32,
+    rows: 2,
+    stages: 2,
+    prefetch: false,
+};
+
+const PORTABLE_TILE: StagedTile = StagedTile {
+    bk: 16,
+    rows: 2,
+    stages: 1,
+    prefetch: false,
+};
+
+/// The logits GEMM's default tile: K 64 per step, one stage.
+const DEFAULT_LOGITS: StagedTile = StagedTile {
+    bk: 64,
+    rows: 2,
+    stages: 1,
+    prefetch: false,
+};
+
+/// The dx GEMM's default tile: 256 × 128, K 32 per step, one stage with
+/// register prefetch.
+const DEFAULT_DX: StagedTile = StagedTile {
+    bk: 32,
+    rows: 4,
+    stages: 1,
+    prefetch: true,
+};
+
+/// The matrix-unit GEMM kernel for each head layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmChoice {
+    /// For the logits, `x · Wᵀ` ([`HeadLayout::RowsAreOutputs`]).
+    pub logits: CoopGemm,
+    /// For the input gradient, `g · W` ([`HeadLayout::RowsAreReduction`]).
+    pub dx: CoopGemm,
+}
+
+impl GemmChoice {
+    /// The choice without a tune cache: the fastest for each GEMM through
+    /// the Vulkan backend on the H200 (`headkl tune`, docs/PERFORMANCE.md).
+    pub const DEFAULT: GemmChoice = GemmChoice {
+        logits: CoopGemm::Staged(DEFAULT_LOGITS),
+        dx: CoopGemm::Staged(DEFAULT_DX),
+    };
+
+    /// The fallback where the default does not fit: the smallest staged
+    /// tile (12 KiB of workgroup memory, 4 subgroups).
+    pub const PORTABLE: GemmChoice = GemmChoice {
+        logits: CoopGemm::Staged(PORTABLE_TILE),
+        dx: CoopGemm::Staged(PORTABLE_TILE),
+    };
+
+    /// The kernel for `layout`.
+    pub const fn for_layout(self, layout: HeadLayout) -> CoopGemm {
+        match layout {
+            HeadLayout::RowsAreOutputs => self.logits,
+            HeadLayout::RowsAreReduction => self.dx,
+        }
+    }
+
+    /// Both kernels, deduplicated.
+    pub fn kernels(self) -> Vec<CoopGemm> {
+        if self.logits == self.dx {
+            vec![self.logits]
+        } else {
+            vec![self.logits, self.dx]
+        }
+    }
+
+    /// Parses `KERNEL` (both layouts) or `logits=KERNEL,dx=KERNEL` (either
+    /// part may be left out: it keeps [`Self::DEFAULT`]'s).
+    pub fn parse(value: &str) -> Result<Self> {
+        let text = value.trim();
+        if !text.contains('=') {
+            let kernel = CoopGemm::parse(text)?;
+            return Ok(Self {
+                logits: kernel,
+                dx: kernel,
+            });
+        }
+        let mut choice = Self::DEFAULT;
+        for part in text.split(',') {
+            let Some((layout, kernel)) = part.split_once('=') else {
+                return Err(invalid(
+                    value,
+                    &format!("`{part}` is not `logits=KERNEL` or `dx=KERNEL`"),
+                ));
+            };
+            let kernel = CoopGemm::parse(kernel)?;
+            match layout.trim() {
+                "logits" => choice.logits = kernel,
+                "dx" => choice.dx = kernel,
+                other => return Err(invalid(value, &format!("unknown layout `{other}` (logits, dx)"))),
+            }
+        }
+        Ok(choice)
+    }
+
+    /// `HEADKL_GEMM`, if set and not empty.
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var(GEMM_ENV) {
+            Ok(v) if !v.trim().is_empty() => Self::parse(&v).map(Some),
+            _ => Ok(None),
+        }
+    }
+}
+
+impl fmt::Display for GemmChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "logits={},dx={}", self.logits, self.dx)
+    }
+}
+
+fn invalid(value: &str, reason: &str) -> Error {
+    Error::InvalidSetting {
+        name: GEMM_ENV,
+        value: value.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// What a device allows a GEMM workgroup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelLimits {
+    /// Workgroup memory in bytes.
+    pub shared_bytes: u32,
+    /// Invocations per workgroup (the smaller of the total and x limits).
+    pub invocations: u32,
+    /// The subgroup size the kernels run with.
+    pub subgroup_size: u32,
+    /// Whether compute shaders have subgroup builtins (`subgroup_id`).
+    pub subgroup_builtins: bool,
+}
+
+impl CoopGemm {
+    /// Why this kernel cannot run within `limits`, or `None` when it can.
+    pub fn misfit(self, limits: &KernelLimits) -> Option<String> {
+        if self.needs_subgroup_id() && !limits.subgroup_builtins {
+            return Some(format!("{self} needs subgroup builtins"));
+        }
+        if limits.shared_bytes < self.shared_bytes() {
+            return Some(format!(
+                "{self} needs {} bytes of workgroup memory, the device has {}",
+                self.shared_bytes(),
+                limits.shared_bytes
+            ));
+        }
+        let invocations = self.invocations(limits.subgroup_size);
+        if limits.invocations < invocations {
+            return Some(format!(
+                "{self} needs workgroups of {invocations} invocations, the device allows {}",
+                limits.invocations
+            ));
+        }
+        None
+    }
+}
+
+/// `choice` where each of its kernels fits `limits`. Where one does not, an
+/// explicit choice (options, `HEADKL_GEMM`) is an [`Error::InvalidSetting`];
+/// any other falls back to [`GemmChoice::DEFAULT`], then
+/// [`GemmChoice::PORTABLE`], then the direct kernel, which needs no
+/// workgroup memory.
+pub fn fit_choice(
+    choice: GemmChoice,
+    source: ChoiceSource,
+    limits: &KernelLimits,
+) -> Result<(GemmChoice, ChoiceSource)> {
+    let misfit = |c: GemmChoice| c.kernels().into_iter().find_map(|k| k.misfit(limits));
+    match misfit(choice) {
+        None => Ok((choice, source)),
+        Some(why) if source.is_explicit() => Err(Error::InvalidSetting {
+            name: GEMM_ENV,
+            value: choice.to_string(),
+            reason: format!("{why} (from {source})"),
+        }),
+        Some(_) if misfit(GemmChoice::DEFAULT).is_none() => Ok((GemmChoice::DEFAULT, ChoiceSource::Default)),
+        Some(_) if misfit(GemmChoice::PORTABLE).is_none() => Ok((GemmChoice::PORTABLE, ChoiceSource::Default)),
+        Some(_) => Ok((
+            GemmChoice {
+                logits: CoopGemm::Direct,
+                dx: CoopGemm::Direct,
+            },
+            ChoiceSource::Default,
+        )),
+    }
+}
+
+/// Where a backend's [`GemmChoice`] came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChoiceSource {
+    /// The caller's open options.
+    Options,
+    /// `HEADKL_GEMM`.
+    Environment,
+    /// The tune cache at this path.
+    Cache(PathBuf),
+    /// [`GemmChoice::DEFAULT`].
+    Default,
+}
+
+impl ChoiceSource {
+    /// Whether the user named it (an error if it cannot run, rather than a
+    /// quiet fallback).
+    pub fn is_explicit(&self) -> bool {
+        matches!(self, Self::Options | Self::Environment)
+    }
+}
+
+impl fmt::Display for ChoiceSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Options => f.write_str("open options"),
+            Self::Environment => write!(f, "{GEMM_ENV}"),
+            Self::Cache(p) => write!(f, "tune cache {}", p.display()),
+            Self::Default => f.write_str("default"),
+        }
+    }
+}
+
+/// The choice for a device: `explicit` if given, else `HEADKL_GEMM`, else
+/// the tune cache's entry for `(backend, device, driver)`, else the default.
+pub fn resolve_choice(
+    explicit: Option<GemmChoice>,
+    backend: &str,
+    device: &str,
+    driver: &str,
+) -> Result<(GemmChoice, ChoiceSource)> {
+    if let Some(choice) = explicit {
+        return Ok((choice, ChoiceSource::Options));
+    }
+    if let Some(choice) = GemmChoice::from_env()? {
+        return Ok((choice, ChoiceSource::Environment));
+    }
+    if let Some(path) = cache_path() {
+        if let Some(choice) = TuneCache::load(&path).lookup(backend, device, driver) {
+            return Ok((choice, ChoiceSource::Cache(path)));
+        }
+    }
+    Ok((GemmChoice::DEFAULT, ChoiceSource::Default))
+}
+
+/// The tune cache's path: `$HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
+/// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
+pub fn cache_path() -> Option<PathBuf> {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let dir = var(CACHE_DIR_ENV)
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("headkl")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("headkl")))?;
+    Some(dir.join(CACHE_FILE))
+}
+
+/// One entry of the tune cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TuneEntry {
+    /// Backend name.
+    pub backend: String,
+    /// Device name.
+    pub device: String,
+    /// Driver name and version.
+    pub driver: String,
+    /// The fastest kernels measured there.
+    pub choice: GemmChoice,
+}
+
+/// The tune cache: one line per `(backend, device, driver)`, tab-separated,
+/// with the choice last. Unreadable lines are skipped (a cache never stops
+/// a run); writing replaces the file whole.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TuneCache {
+    /// Entries in file order.
+    pub entries: Vec<TuneEntry>,
+}
+
+impl TuneCache {
+    /// Reads `path`; a missing or unreadable file is an empty cache.
+    pub fn load(path: &Path) -> Self {
+        std::fs::read_to_string(path)
+            .map(|t| Self::parse(&t))
+            .unwrap_or_default()
+    }
+
+    /// Parses the cache's text.
+    pub fn parse(text: &str) -> Self {
+        let entries = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|line| {
+                let mut f = line.split('\t');
+                let (backend, device, driver, choice) = (f.next()?, f.next()?, f.next()?, f.next()?);
+                Some(TuneEntry {
+                    backend: backend.to_string(),
+                    device: device.to_string(),
+                    driver: driver.to_string(),
+                    choice: GemmChoice::parse(choice).ok()?,
+                })
+            })
+            .collect();
+        Self { entries }
+    }
+
+    /// The choice recorded for a device, if any.
+    pub fn lookup(&self, backend: &str, device: &str, driver: &str) -> Option<GemmChoice> {
+        self.entries
+            .iter()
+            .rev()
+            .find(|e| e.backend == backend && e.device == device && e.driver == driver)
+            .map(|e| e.choice)
+    }
+
+    /// Records `choice` for a device, replacing any earlier entry.
+    pub fn insert(&mut self, backend: &str, device: &str, driver: &str, choice: GemmChoice) {
+        let clean = |s: &str| s.replace(['\t', '\n'], " ");
+        let (backend, device, driver) = (clean(backend), clean(device), clean(driver));
+        self.entries
+            .retain(|e| !(e.backend == backend && e.device == device && e.driver == driver));
+        self.entries.push(TuneEntry {
+            backend,
+            device,
+            driver,
+            choice,
+        });
+    }
+
+    /// The file's text.
+    pub fn to_text(&self) -> String {
+        let mut text =
+            String::from("# headkl tune cache: backend, device, driver, GEMM choice (written by `headkl tune`)\n");
+        for e in &self.entries {
+            text.push_str(&format!("{}\t{}\t{}\t{}\n", e.backend, e.device, e.driver, e.choice));
+        }
+        text
+    }
+
+    /// Writes the cache to `path` (through a temporary file, renamed).
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = path.with_extension("tsv.tmp");
+        std::fs::write(&tmp, self.to_text())?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for kernel in CoopGemm::candidates() {
+            assert_eq!(CoopGemm::parse(&kernel.to_string()).unwrap(), kernel);
+        }
+        let choice = GemmChoice {
+            logits: CoopGemm::Staged(StagedTile {
+                bk: 64,
+                rows: 4,
+                stages: 1,
+                prefetch: true,
+            }),
+            dx: CoopGemm::Direct,
+        };
+        assert_eq!(choice.to_string(), "logits=staged:bk64:r4:s1:pf,dx=direct");
+        assert_eq!(GemmChoice::parse(&choice.to_string()).unwrap(), choice);
+        assert_eq!(
+            GemmChoice::parse("direct").unwrap(),
+            GemmChoice {
+                logits: CoopGemm::Direct,
+                dx: CoopGemm::Direct
+            }
+        );
+        assert_eq!(
+            GemmChoice::parse("dx=staged:s1:pf").unwrap().dx,
+            CoopGemm::Staged(StagedTile {
+                stages: 1,
+                prefetch: true,
+                ..DEFAULT_STAGED
+            })
+        );
+    }
+
+    #[test]
+    fn bad_names_are_typed_errors_naming_the_value() {
+        for bad in [
+            "fast",
+            "staged:bk24",
+            "staged:r3",
+            "staged:s3",
+            "staged:s2:pf",
+            "staged:x1",
+            "staged:bk",
+            "logits",
+            "lm=direct",
+        ] {
+            match GemmChoice::parse(bad) {
+                Err(Error::InvalidSetting { name, value, .. }) => {
+                    assert_eq!((name, value.as_str()), (GEMM_ENV, bad));
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn shared_memory_and_tiles() {
+        let t = |bk, rows, stages| StagedTile {
+            bk,
+            rows,
+            stages,
+            prefetch: false,
+        };
+        assert_eq!(t(16, 2, 1).shared_bytes(), 12 << 10);
+        assert_eq!(t(32, 2, 2).shared_bytes(), 40 << 10);
+        assert_eq!(t(32, 4, 2).shared_bytes(), 60 << 10);
+        assert_eq!(CoopGemm::Staged(t(16, 4, 2)).tile(), (256, 128));
+        assert_eq!(CoopGemm::Staged(t(16, 4, 2)).invocations(32), 256);
+        assert_eq!(CoopGemm::Direct.shared_bytes(), 0);
+        assert_eq!(t(64, 2, 1).shared_bytes(), 36 << 10);
+        assert_eq!(CoopGemm::candidates().len(), 19);
+    }
+
+    #[test]
+    fn a_kernel_that_does_not_fit_is_an_error_only_when_asked_for() {
+        let h200 = KernelLimits {
+            shared_bytes: 48 << 10,
+            invocations: 1024,
+            subgroup_size: 32,
+            subgroup_builtins: true,
+        };
+        // 60 KiB of workgroup memory on a 48 KiB device.
+        let big = GemmChoice::parse("logits=staged:bk32:r4:s2,dx=direct").unwrap();
+        match fit_choice(big, ChoiceSource::Environment, &h200) {
+            Err(Error::InvalidSetting { value, reason, .. }) => {
+                assert_eq!(value, big.to_string());
+                assert!(reason.contains("61440 bytes"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let fitted = fit_choice(big, ChoiceSource::Cache(PathBuf::from("x")), &h200).unwrap();
+        assert_eq!(fitted, (GemmChoice::DEFAULT, ChoiceSource::Default));
+        let ok = GemmChoice::parse("staged:bk32:r2:s2").unwrap();
+        assert_eq!(fit_choice(ok, ChoiceSource::Options, &h200).unwrap().0, ok);
+
+        // Too little for the default too: the direct kernel everywhere.
+        let small = KernelLimits {
+            shared_bytes: 4 << 10,
+            ..h200
+        };
+        let fitted = fit_choice(big, ChoiceSource::Default, &small).unwrap();
+        assert_eq!(fitted.0, GemmChoice::parse("direct").unwrap());
+
+        // Subgroup builtins and invocations.
+        let no_builtins = KernelLimits {
+            subgroup_builtins: false,
+            ..h200
+        };
+        assert!(CoopGemm::parse("staged").unwrap().misfit(&no_builtins).is_some());
+        assert_eq!(CoopGemm::Direct.misfit(&no_builtins), None);
+        let few = KernelLimits {
+            invocations: 128,
+            ..h200
+        };
+        assert!(CoopGemm::parse("staged:r4").unwrap().misfit(&few).is_some());
+        assert_eq!(CoopGemm::parse("staged:r2").unwrap().misfit(&few), None);
+    }
+
+    #[test]
+    fn cache_keeps_one_entry_per_device_and_skips_bad_lines() {
+        let mut cache = TuneCache::default();
+        let a = GemmChoice::DEFAULT;
+        let b = GemmChoice::parse("direct").unwrap();
+        cache.insert("vulkan", "NVIDIA H200", "580.159.04", a);
+        cache.insert("wgpu", "NVIDIA H200", "580.159.04", a);
+        cache.insert("vulkan", "NVIDIA H200", "580.159.04", b);
+        assert_eq!(cache.entries.len(), 2);
+        let text = cache.to_text() + "garbage line\nvulkan\tX\tY\tnot-a-kernel\n";
+        let back = TuneCache::parse(&text);
+        assert_eq!(back.entries.len(), 2);
+        assert_eq!(back.lookup("vulkan", "NVIDIA H200", "580.159.04"), Some(b));
+        assert_eq!(back.lookup("vulkan", "NVIDIA H200", "other"), None);
+
+        let dir = std::env::temp_dir().join(format!("headkl-tune-test-{}", std::process::id()));
+        let path = dir.join(CACHE_FILE);
+        back.save(&path).unwrap();
+        assert_eq!(TuneCache::load(&path), back);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(TuneCache::load(&path), TuneCache::default());
+    }
+}
