@@ -30,22 +30,37 @@ struct GemmParams {
 
 // The device's (fixed) subgroup size: the workgroup is SG_ROWS x 2 subgroups.
 override SG_SIZE: u32 = 32u;
-// K staged per step: 16 or 32.
+// K staged per step: 16, 32 or 64.
 override BK: u32 = 32u;
 
 // Rows of subgroups: the workgroup is SG_ROWS x 2 subgroups, each owning
 // 64 x 64 of a (64 * SG_ROWS) x 128 C tile. 2 or 4.
 override SG_ROWS: u32 = 2u;
+// Workgroup-memory stages, 1 or 2. With 2, the global loads of step s + 1
+// are issued into registers before step s multiplies (their latency hides
+// behind the matrix units) and land in the other buffer: one barrier a step.
+override STAGES: u32 = 2u;
+// With one stage: load step s + 1 into registers before step s multiplies
+// (as two stages do), then store it between two barriers.
+override PREFETCH: bool = false;
 // C tile per workgroup.
 override BM: u32 = 64u * SG_ROWS;
 const BN: u32 = 128u;
+override THREADS: u32 = 2u * SG_ROWS * SG_SIZE;
 // Row padding of the staged tiles, in halves, against bank conflicts; keeps
 // every staged row 16-byte aligned.
 const PAD: u32 = 8u;
+// Halves per stage: A [BM][BK + PAD]; B [BN][BK + PAD] (nt) or
+// [BK][BN + PAD] (nn, never larger since BN >= BK).
+override SA_STAGE: u32 = BM * (BK + PAD);
+override SB_STAGE: u32 = BN * (BK + PAD);
+// 16-byte words each invocation loads per step: A's are BM * BK / 8 over
+// THREADS = 64 * SG_ROWS invocations, B's 128 * BK / 8 over the same.
+override A_WORDS: u32 = BK / 8u;
+override B_WORDS: u32 = BK / (4u * SG_ROWS);
 
-// A staged [BM][BK + PAD]; B staged [BN][BK + PAD] (nt) or [BK][BN + PAD] (nn).
-var<workgroup> sa: array<f16, BM * (BK + PAD)>;
-var<workgroup> sb: array<f16, BN * (BK + PAD)>;
+var<workgroup> sa: array<f16, STAGES * SA_STAGE>;
+var<workgroup> sb: array<f16, STAGES * SB_STAGE>;
 
 struct Tile {
     valid: bool,
@@ -60,8 +75,99 @@ fn tile_of(wg: vec3<u32>) -> Tile {
     return Tile(l < tiles_m * tiles_n, (l % tiles_m) * BM, (l / tiles_m) * BN);
 }
 
-// Writes the 8 halves packed in `w` to `sa` or `sb` at [o, o + 8). (naga's
-// bitcast cannot change the width, hence the exact f16 -> f32 -> f16 trip.)
+// One invocation's share of a step's A and B tiles, held in registers
+// between the global load and the workgroup store (at most 8 words each:
+// BK <= 64).
+struct Words {
+    a0: vec4<u32>,
+    a1: vec4<u32>,
+    a2: vec4<u32>,
+    a3: vec4<u32>,
+    a4: vec4<u32>,
+    a5: vec4<u32>,
+    a6: vec4<u32>,
+    a7: vec4<u32>,
+    b0: vec4<u32>,
+    b1: vec4<u32>,
+    b2: vec4<u32>,
+    b3: vec4<u32>,
+    b4: vec4<u32>,
+    b5: vec4<u32>,
+    b6: vec4<u32>,
+    b7: vec4<u32>,
+}
+
+// Word `e` of A's tile for K step k0: rows past m repeat row m - 1 (their
+// products only reach C rows that are never stored); K past k reads zeros.
+fn load_a(t: Tile, k0: u32, e: u32) -> vec4<u32> {
+    let chunks = BK / 8u;
+    let row = min(t.row0 + e / chunks, params.m - 1u);
+    let kk = k0 + (e % chunks) * 8u;
+    if kk >= params.k {
+        return vec4<u32>(0u);
+    }
+    return a[(params.a_offset + row * params.lda + kk) / 8u];
+}
+
+// Word `e` of B's tile for K step k0: nt reads B stored [n][k] row by row
+// (columns past n repeat the last one); nn reads B stored [k][n] along n
+// (the last 8 columns repeat past n). K past k reads zeros.
+fn load_b(nn: bool, t: Tile, k0: u32, e: u32) -> vec4<u32> {
+    if nn {
+        let chunks = BN / 8u;
+        let kk = k0 + e / chunks;
+        let col = min(t.col0 + (e % chunks) * 8u, params.n - 8u);
+        if kk >= params.k {
+            return vec4<u32>(0u);
+        }
+        return b[(kk * params.ldb + col) / 8u];
+    }
+    let chunks = BK / 8u;
+    let col = min(t.col0 + e / chunks, params.n - 1u);
+    let kk = k0 + (e % chunks) * 8u;
+    if kk >= params.k {
+        return vec4<u32>(0u);
+    }
+    return b[(col * params.ldb + kk) / 8u];
+}
+
+// This invocation's words of the step at k0 (word i is element lid + i * THREADS).
+fn load_words(nn: bool, t: Tile, k0: u32, lid: u32) -> Words {
+    var w: Words;
+    w.a0 = load_a(t, k0, lid);
+    w.b0 = load_b(nn, t, k0, lid);
+    if A_WORDS > 1u {
+        w.a1 = load_a(t, k0, lid + THREADS);
+    }
+    if B_WORDS > 1u {
+        w.b1 = load_b(nn, t, k0, lid + THREADS);
+    }
+    if A_WORDS > 2u {
+        w.a2 = load_a(t, k0, lid + 2u * THREADS);
+        w.a3 = load_a(t, k0, lid + 3u * THREADS);
+    }
+    if B_WORDS > 2u {
+        w.b2 = load_b(nn, t, k0, lid + 2u * THREADS);
+        w.b3 = load_b(nn, t, k0, lid + 3u * THREADS);
+    }
+    if A_WORDS > 4u {
+        w.a4 = load_a(t, k0, lid + 4u * THREADS);
+        w.a5 = load_a(t, k0, lid + 5u * THREADS);
+        w.a6 = load_a(t, k0, lid + 6u * THREADS);
+        w.a7 = load_a(t, k0, lid + 7u * THREADS);
+    }
+    if B_WORDS > 4u {
+        w.b4 = load_b(nn, t, k0, lid + 4u * THREADS);
+        w.b5 = load_b(nn, t, k0, lid + 5u * THREADS);
+        w.b6 = load_b(nn, t, k0, lid + 6u * THREADS);
+        w.b7 = load_b(nn, t, k0, lid + 7u * THREADS);
+    }
+    return w;
+}
+
+// Writes the 8 halves packed in `w` to `sa` (is_a) or `sb` at [o, o + 8).
+// (naga's bitcast cannot change the width, hence the exact f16 -> f32 -> f16
+// trip.)
 fn put8(is_a: bool, o: u32, w: vec4<u32>) {
     let h0 = vec2<f16>(unpack2x16float(w.x));
     let h1 = vec2<f16>(unpack2x16float(w.y));
@@ -88,45 +194,51 @@ fn put8(is_a: bool, o: u32, w: vec4<u32>) {
     }
 }
 
-// Stages rows [row0, row0 + nrows) x K [k0, k0 + BK) of a row-major f16
-// operand (A: nrows = BM, or B stored [n][k]: nrows = BN) into `sa` or `sb`
-// as [nrows][BK + PAD].
-// Rows past `rows` repeat row `rows - 1` (their products only reach C tiles
-// that are never stored); K past `k` reads zeros.
-fn stage_rows(is_a: bool, row0: u32, nrows: u32, rows: u32, offset: u32, ld: u32, k0: u32, lid: u32) {
+// Where word e of A lands in its stage.
+fn put_a(stage: u32, e: u32, w: vec4<u32>) {
     let chunks = BK / 8u;
-    for (var e = lid; e < nrows * chunks; e += 2u * SG_ROWS * SG_SIZE) {
-        let r = e / chunks;
-        let ch = e % chunks;
-        let row = min(row0 + r, rows - 1u);
-        let kk = k0 + ch * 8u;
-        let src = (offset + row * ld + kk) / 8u;
-        var w = vec4<u32>(0u);
-        if kk < params.k {
-            if is_a {
-                w = a[src];
-            } else {
-                w = b[src];
-            }
-        }
-        put8(is_a, r * (BK + PAD) + ch * 8u, w);
+    put8(true, stage * SA_STAGE + (e / chunks) * (BK + PAD) + (e % chunks) * 8u, w);
+}
+
+// Where word e of B lands in its stage: nt [BN][BK + PAD], nn [BK][BN + PAD].
+fn put_b(nn: bool, stage: u32, e: u32, w: vec4<u32>) {
+    if nn {
+        let chunks = BN / 8u;
+        put8(false, stage * SB_STAGE + (e / chunks) * (BN + PAD) + (e % chunks) * 8u, w);
+    } else {
+        let chunks = BK / 8u;
+        put8(false, stage * SB_STAGE + (e / chunks) * (BK + PAD) + (e % chunks) * 8u, w);
     }
 }
 
-// Stages K rows [k0, k0 + BK) x columns [col0, col0 + 128) of B stored
-// [k][n] into `sb` as [BK][BN + PAD]. Columns past n repeat the last 8.
-fn stage_b_nn(col0: u32, k0: u32, lid: u32) {
-    let chunks = BN / 8u;
-    for (var e = lid; e < BK * chunks; e += 2u * SG_ROWS * SG_SIZE) {
-        let kr = e / chunks;
-        let ch = e % chunks;
-        let col = min(col0 + ch * 8u, params.n - 8u);
-        let kk = k0 + kr;
-        var w = vec4<u32>(0u);
-        if kk < params.k {
-            w = b[(kk * params.ldb + col) / 8u];
-        }
-        put8(false, kr * (BN + PAD) + ch * 8u, w);
+fn store_words(nn: bool, stage: u32, lid: u32, w: Words) {
+    put_a(stage, lid, w.a0);
+    put_b(nn, stage, lid, w.b0);
+    if A_WORDS > 1u {
+        put_a(stage, lid + THREADS, w.a1);
+    }
+    if B_WORDS > 1u {
+        put_b(nn, stage, lid + THREADS, w.b1);
+    }
+    if A_WORDS > 2u {
+        put_a(stage, lid + 2u * THREADS, w.a2);
+        put_a(stage, lid + 3u * THREADS, w.a3);
+    }
+    if B_WORDS > 2u {
+        put_b(nn, stage, lid + 2u * THREADS, w.b2);
+        put_b(nn, stage, lid + 3u * THREADS, w.b3);
+    }
+    if A_WORDS > 4u {
+        put_a(stage, lid + 4u * THREADS, w.a4);
+        put_a(stage, lid + 5u * THREADS, w.a5);
+        put_a(stage, lid + 6u * THREADS, w.a6);
+        put_a(stage, lid + 7u * THREADS, w.a7);
+    }
+    if B_WORDS > 4u {
+        put_b(nn, stage, lid + 4u * THREADS, w.b4);
+        put_b(nn, stage, lid + 5u * THREADS, w.b5);
+        put_b(nn, stage, lid + 6u * THREADS, w.b6);
+        put_b(nn, stage, lid + 7u * THREADS, w.b7);
     }
 }
 
@@ -145,17 +257,17 @@ fn store_tile(acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
     coopStoreT(r, &c[o], ldc);
 }
 
-// Fragment of the staged B tile for output columns [col, col + 16) and K
+// Fragment of stage `base`'s B tile for output columns [col, col + 16) and K
 // rows [ks, ks + 16): staged [BN][BK + PAD] (nt: a column-major fragment) or
 // [BK][BN + PAD] (nn: row-major).
-fn load_b(nn: bool, col: u32, ks: u32) -> coop_mat16x16<f16, B> {
+fn frag_b(nn: bool, base: u32, col: u32, ks: u32) -> coop_mat16x16<f16, B> {
     if nn {
         let ld = BN + PAD;
-        let o = ks * ld + col;
+        let o = base + ks * ld + col;
         return coopLoadT<coop_mat16x16<f16, B>>(&sb[o], ld);
     }
     let ld = BK + PAD;
-    let o = col * ld + ks;
+    let o = base + col * ld + ks;
     return coopLoad<coop_mat16x16<f16, B>>(&sb[o], ld);
 }
 
@@ -186,43 +298,61 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
     var c31 = coop_mat16x16<f32, C>();
     var c32 = coop_mat16x16<f32, C>();
     var c33 = coop_mat16x16<f32, C>();
-    for (var k0 = 0u; k0 < params.k; k0 += BK) {
-        stage_rows(true, t.row0, BM, params.m, params.a_offset, params.lda, k0, lid);
-        if nn {
-            stage_b_nn(t.col0, k0, lid);
-        } else {
-            stage_rows(false, t.col0, BN, params.n, 0u, params.ldb, k0, lid);
+    let steps = (params.k + BK - 1u) / BK;
+    var words = load_words(nn, t, 0u, lid);
+    store_words(nn, 0u, lid, words);
+    workgroupBarrier();
+    for (var kstep = 0u; kstep < steps; kstep++) {
+        let stage = kstep % STAGES;
+        if STAGES == 2u || PREFETCH {
+            // The last step reloads its own tiles (in range, never stored)
+            // so the loads stay unconditional.
+            words = load_words(nn, t, min(kstep + 1u, steps - 1u) * BK, lid);
         }
-        workgroupBarrier();
+        let base_a = stage * SA_STAGE;
+        let base_b = stage * SB_STAGE;
         for (var ks = 0u; ks < BK; ks += 16u) {
-            let oa0 = (sm + 0u) * lda_s + ks;
+            let oa0 = base_a + (sm + 0u) * lda_s + ks;
             let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa0], lda_s);
-            let oa1 = (sm + 16u) * lda_s + ks;
+            let oa1 = base_a + (sm + 16u) * lda_s + ks;
             let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa1], lda_s);
-            let oa2 = (sm + 32u) * lda_s + ks;
+            let oa2 = base_a + (sm + 32u) * lda_s + ks;
             let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa2], lda_s);
-            let oa3 = (sm + 48u) * lda_s + ks;
+            let oa3 = base_a + (sm + 48u) * lda_s + ks;
             let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
-            let b0 = load_b(nn, sn + 0u, ks);
+            let b0 = frag_b(nn, base_b, sn + 0u, ks);
             c00 = coopMultiplyAdd(a0, b0, c00);
             c10 = coopMultiplyAdd(a1, b0, c10);
             c20 = coopMultiplyAdd(a2, b0, c20);
             c30 = coopMultiplyAdd(a3, b0, c30);
-            let b1 = load_b(nn, sn + 16u, ks);
+            let b1 = frag_b(nn, base_b, sn + 16u, ks);
             c01 = coopMultiplyAdd(a0, b1, c01);
             c11 = coopMultiplyAdd(a1, b1, c11);
             c21 = coopMultiplyAdd(a2, b1, c21);
             c31 = coopMultiplyAdd(a3, b1, c31);
-            let b2 = load_b(nn, sn + 32u, ks);
+            let b2 = frag_b(nn, base_b, sn + 32u, ks);
             c02 = coopMultiplyAdd(a0, b2, c02);
             c12 = coopMultiplyAdd(a1, b2, c12);
             c22 = coopMultiplyAdd(a2, b2, c22);
             c32 = coopMultiplyAdd(a3, b2, c32);
-            let b3 = load_b(nn, sn + 48u, ks);
+            let b3 = frag_b(nn, base_b, sn + 48u, ks);
             c03 = coopMultiplyAdd(a0, b3, c03);
             c13 = coopMultiplyAdd(a1, b3, c13);
             c23 = coopMultiplyAdd(a2, b3, c23);
             c33 = coopMultiplyAdd(a3, b3, c33);
+        }
+        if kstep + 1u < steps {
+            if STAGES == 2u {
+                // The other stage was last read in step - 1, before the
+                // barrier that ended it.
+                store_words(nn, (kstep + 1u) % 2u, lid, words);
+            } else {
+                workgroupBarrier();
+                if !PREFETCH {
+                    words = load_words(nn, t, (kstep + 1u) * BK, lid);
+                }
+                store_words(nn, 0u, lid, words);
+            }
         }
         workgroupBarrier();
     }
