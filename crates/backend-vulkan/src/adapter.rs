@@ -55,6 +55,9 @@ pub(crate) struct Features {
     pub(crate) maintenance4: bool,
     pub(crate) cooperative_matrix: bool,
     pub(crate) zero_initialize_workgroup_memory: bool,
+    /// `VK_KHR_pipeline_executable_properties`: register and memory
+    /// statistics per compiled pipeline (`HEADKL_PIPELINE_STATS`).
+    pub(crate) pipeline_executable_info: bool,
 }
 
 /// Where each feature struct comes from.
@@ -67,6 +70,7 @@ pub(crate) struct Sources {
     pub(crate) cooperative_matrix: Source,
     pub(crate) zero_initialize_workgroup_memory: Source,
     pub(crate) driver_properties: Source,
+    pub(crate) pipeline_executable_properties: Source,
 }
 
 /// Everything headkl needs to know about one physical device.
@@ -85,6 +89,8 @@ pub(crate) struct Caps {
     pub(crate) min_uniform_offset_alignment: u64,
     pub(crate) max_workgroup_count: [u32; 3],
     pub(crate) max_shared_memory: u32,
+    /// Invocations one workgroup may have (the smaller of the total and x limits).
+    pub(crate) max_invocations: u32,
     pub(crate) max_buffer_bytes: u64,
     pub(crate) max_allocation_bytes: u64,
     pub(crate) subgroup_size: u32,
@@ -227,6 +233,12 @@ fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
             &extensions,
         ),
         driver_properties: Source::new(api, vk::API_VERSION_1_2, khr::driver_properties::NAME, &extensions),
+        pipeline_executable_properties: Source::new(
+            api,
+            u32::MAX,
+            khr::pipeline_executable_properties::NAME,
+            &extensions,
+        ),
     };
 
     let mut caps = Caps {
@@ -244,6 +256,10 @@ fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
         min_uniform_offset_alignment: props.limits.min_uniform_buffer_offset_alignment.max(16),
         max_workgroup_count: props.limits.max_compute_work_group_count,
         max_shared_memory: props.limits.max_compute_shared_memory_size,
+        max_invocations: props
+            .limits
+            .max_compute_work_group_invocations
+            .min(props.limits.max_compute_work_group_size[0]),
         max_buffer_bytes: DEFAULT_MAX_BUFFER_BYTES,
         max_allocation_bytes: DEFAULT_MAX_BUFFER_BYTES,
         subgroup_size: 0,
@@ -324,6 +340,7 @@ fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
     let mut maintenance4_f = vk::PhysicalDeviceMaintenance4Features::default();
     let mut coop = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
     let mut zero_init = vk::PhysicalDeviceZeroInitializeWorkgroupMemoryFeatures::default();
+    let mut executable = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default();
     {
         let mut features2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut storage16);
         if sources.float16_int8.available() {
@@ -344,6 +361,9 @@ fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
         if sources.zero_initialize_workgroup_memory.available() {
             features2 = features2.push_next(&mut zero_init);
         }
+        if sources.pipeline_executable_properties.available() {
+            features2 = features2.push_next(&mut executable);
+        }
         // SAFETY: as for the properties chain.
         unsafe { vi.get_physical_device_features2(phd, &mut features2) };
     }
@@ -358,6 +378,7 @@ fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
         maintenance4: maintenance4_f.maintenance4 == vk::TRUE,
         cooperative_matrix: coop.cooperative_matrix == vk::TRUE,
         zero_initialize_workgroup_memory: zero_init.shader_zero_initialize_workgroup_memory == vk::TRUE,
+        pipeline_executable_info: executable.pipeline_executable_info == vk::TRUE,
     };
 
     // Queues: the first family with compute, preferring one without

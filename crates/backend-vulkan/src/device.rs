@@ -25,6 +25,9 @@ pub(crate) struct Enabled {
     pub(crate) full_subgroups: bool,
     /// `shaderZeroInitializeWorkgroupMemory` (else naga polyfills it).
     pub(crate) zero_initialize_workgroup_memory: bool,
+    /// `pipelineExecutableInfo`, asked for by `HEADKL_PIPELINE_STATS=1`:
+    /// each new pipeline's statistics are printed to stderr.
+    pub(crate) pipeline_stats: bool,
 }
 
 /// Bytes of buffer memory held now and at peak.
@@ -89,6 +92,15 @@ impl Device {
         let size_control = f.subgroup_size_control;
         let full_subgroups = f.compute_full_subgroups;
         let zero_init = f.zero_initialize_workgroup_memory;
+        let pipeline_stats = crate::env_flag("HEADKL_PIPELINE_STATS");
+        if pipeline_stats && !f.pipeline_executable_info {
+            eprintln!(
+                "headkl-vulkan: HEADKL_PIPELINE_STATS: {} has no pipelineExecutableInfo \
+                 (VK_KHR_pipeline_executable_properties); no statistics",
+                caps.name
+            );
+        }
+        let pipeline_stats = pipeline_stats && f.pipeline_executable_info;
 
         let mut extensions: Vec<&'static CStr> = Vec::new();
         let mut need = |source: Source| {
@@ -112,6 +124,9 @@ impl Device {
             need(s.memory_model);
             need(s.cooperative_matrix);
         }
+        if pipeline_stats {
+            need(s.pipeline_executable_properties);
+        }
         let extension_ptrs: Vec<_> = extensions.iter().map(|e| e.as_ptr()).collect();
 
         let mut storage16 = vk::PhysicalDevice16BitStorageFeatures::default()
@@ -130,6 +145,8 @@ impl Device {
             .vulkan_memory_model(true)
             .vulkan_memory_model_device_scope(true);
         let mut coop_features = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
+        let mut executable =
+            vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default().pipeline_executable_info(true);
 
         let priorities = [1.0f32];
         let queue_info = [vk::DeviceQueueCreateInfo::default()
@@ -152,6 +169,9 @@ impl Device {
         if coop {
             info = info.push_next(&mut memory_model).push_next(&mut coop_features);
         }
+        if pipeline_stats {
+            info = info.push_next(&mut executable);
+        }
         // SAFETY: every chained struct is core at the device's API version or
         // its extension is in the enabled list; every feature set to true is
         // reported supported by the device; all pointers outlive the call.
@@ -172,6 +192,7 @@ impl Device {
                 subgroup_size_control: size_control,
                 full_subgroups,
                 zero_initialize_workgroup_memory: zero_init,
+                pipeline_stats,
             },
             counters: MemoryCounters::default(),
             work_pending: AtomicBool::new(false),

@@ -1,6 +1,9 @@
 //! The shared WGSL kernels (`shaders/`), their override values and
 //! dispatch grids (shaders/README.md).
 
+use headkl_core::tuning::{self, KernelLimits};
+use headkl_core::{ChoiceSource, CoopGemm, GemmChoice, Result};
+
 use crate::adapter::Caps;
 use crate::pipeline::ShaderSource;
 
@@ -51,90 +54,79 @@ pub(crate) const ALL: [(ShaderSource, &[&str]); 6] = [
 pub(crate) const CONVERT_WG: u64 = 256;
 /// C tile edge of the tiled GEMM's workgroup.
 pub(crate) const TILED_TILE: u64 = 64;
-/// C tile columns of the staged cooperative-matrix GEMM's workgroup (its
-/// rows are `64 · rows`).
-pub(crate) const COOP_TILE_N: u64 = 128;
-/// Default rows of subgroups in the staged GEMM's workgroup (`SG_ROWS`).
-pub(crate) const COOP_ROWS: u32 = 2;
-/// C tile of the direct cooperative-matrix GEMM's workgroup (rows, columns).
-pub(crate) const COOP_DIRECT_TILE: (u64, u64) = (64, 64);
-/// Default K staged per step by the staged cooperative-matrix GEMM (`BK`):
-/// on the H200, 16 ran the logits GEMM 1.6× faster than 32.
-pub(crate) const COOP_BK: u32 = 16;
-
-/// Workgroup memory of the staged cooperative-matrix GEMM at `bk`: two
-/// `(64·rows) × (bk + 8)` and `128 × (bk + 8)` f16 tiles.
-pub(crate) fn coop_shared_bytes(bk: u32, rows: u32) -> u32 {
-    (64 * rows + 128) * (bk + 8) * 2
-}
-
-/// Which cooperative-matrix GEMM runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum CoopKernel {
-    /// `gemm_coop.wgsl`, staging `bk` of K per step in workgroup memory.
-    Staged { bk: u32, rows: u32 },
-    /// `gemm_coop_direct.wgsl`, fragments straight from storage.
-    Direct,
-    /// Staged for the logits (`gemm_nt`), direct for dx (`gemm_nn`): the
-    /// faster of the two for each on the H200 (the dx GEMM's long K and
-    /// short m, n leave the staged kernel's 128 × 128 tiles too few).
-    Mixed { bk: u32, rows: u32 },
-}
-
-impl CoopKernel {
-    /// The kernel that runs for the head layout `layout`.
-    pub(crate) fn for_layout(self, layout: headkl_core::HeadLayout) -> Self {
-        match (self, layout) {
-            (Self::Mixed { bk, rows }, headkl_core::HeadLayout::RowsAreOutputs) => Self::Staged { bk, rows },
-            (Self::Mixed { .. }, headkl_core::HeadLayout::RowsAreReduction) => Self::Direct,
-            (other, _) => other,
-        }
-    }
-}
 
 /// How the cooperative-matrix GEMM runs on a device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct CoopPlan {
     /// The `SG_SIZE` override: the subgroup size the pipeline runs with.
     pub(crate) subgroup_size: u32,
     /// Pin it with `VK_EXT_subgroup_size_control` (the device's size varies).
     pub(crate) require_size: bool,
-    pub(crate) kernel: CoopKernel,
+    /// The kernel for each head layout.
+    pub(crate) choice: GemmChoice,
+    /// Where the choice came from.
+    pub(crate) source: ChoiceSource,
 }
 
-/// Whether (and how) the cooperative-matrix GEMM `kernel` can run on
-/// `caps`: the 16×16×16 f16→f32 shape, subgroup builtins in compute (the
-/// staged kernel's `subgroup_id`), enough workgroup memory, and a fixed
-/// subgroup size (reported fixed, or pinned).
-pub(crate) fn coop_plan(caps: &Caps, kernel: CoopKernel) -> Option<CoopPlan> {
-    use ash::vk::SubgroupFeatureFlags as S;
-    if !caps.coop_capable() {
-        return None;
+/// What `caps` allows a GEMM workgroup.
+pub(crate) fn kernel_limits(caps: &Caps) -> KernelLimits {
+    KernelLimits {
+        shared_bytes: caps.max_shared_memory,
+        invocations: caps.max_invocations,
+        subgroup_size: caps.subgroup_size,
+        subgroup_builtins: caps.subgroup_ops.contains(ash::vk::SubgroupFeatureFlags::BASIC),
     }
-    if let CoopKernel::Staged { bk, rows } | CoopKernel::Mixed { bk, rows } = kernel {
-        if !caps.subgroup_ops.contains(S::BASIC) || caps.max_shared_memory < coop_shared_bytes(bk, rows) {
-            return None;
-        }
+}
+
+/// Whether (and how) the cooperative-matrix GEMM can run on `caps`: the
+/// 16×16×16 f16→f32 shape and a fixed subgroup size (reported fixed, or
+/// pinned). `choice` is fitted to the device's limits
+/// ([`tuning::fit_choice`]).
+pub(crate) fn coop_plan(caps: &Caps, choice: GemmChoice, source: ChoiceSource) -> Result<Option<CoopPlan>> {
+    if !caps.coop_capable() {
+        return Ok(None);
     }
     let size = caps.subgroup_size;
     if size == 0 || !size.is_power_of_two() {
-        return None;
+        return Ok(None);
     }
-    if caps.min_subgroup_size == size && caps.max_subgroup_size == size {
-        return Some(CoopPlan {
-            subgroup_size: size,
-            require_size: false,
-            kernel,
-        });
-    }
+    let require_size = !(caps.min_subgroup_size == size && caps.max_subgroup_size == size);
     let pinnable = caps.features.subgroup_size_control
         && caps.required_subgroup_size_compute
         && (caps.min_subgroup_size..=caps.max_subgroup_size).contains(&size);
-    pinnable.then_some(CoopPlan {
+    if require_size && !pinnable {
+        return Ok(None);
+    }
+    let (choice, source) = tuning::fit_choice(choice, source, &kernel_limits(caps))?;
+    Ok(Some(CoopPlan {
         subgroup_size: size,
-        require_size: true,
-        kernel,
-    })
+        require_size,
+        choice,
+        source,
+    }))
+}
+
+/// The shader, C tile and override values of `kernel` at subgroup size `sg`.
+pub(crate) fn coop_pipeline(
+    kernel: CoopGemm,
+    sg: u32,
+) -> (&'static ShaderSource, (u64, u64), Vec<(&'static str, u32)>) {
+    let (rows, cols) = kernel.tile();
+    let tile = (u64::from(rows), u64::from(cols));
+    match kernel {
+        CoopGemm::Staged(t) => (
+            &GEMM_COOP,
+            tile,
+            vec![
+                ("SG_SIZE", sg),
+                ("BK", t.bk),
+                ("SG_ROWS", t.rows),
+                ("STAGES", t.stages),
+                ("PREFETCH", u32::from(t.prefetch)),
+            ],
+        ),
+        CoopGemm::Direct => (&GEMM_COOP_DIRECT, tile, vec![("SG_SIZE", sg)]),
+    }
 }
 
 #[cfg(test)]
@@ -150,6 +142,7 @@ mod tests {
             max_subgroup_size: 32,
             subgroup_ops: vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::ARITHMETIC,
             max_shared_memory: 48 << 10,
+            max_invocations: 1024,
             matrix_shapes: vec![(16, 8, 8), (16, 8, 16), (16, 16, 16)],
             ..Caps::default()
         };
@@ -159,70 +152,72 @@ mod tests {
         c
     }
 
-    const STAGED: CoopKernel = CoopKernel::Staged {
-        bk: COOP_BK,
-        rows: COOP_ROWS,
-    };
+    fn plan(caps: &Caps, choice: &str, source: ChoiceSource) -> Result<Option<CoopPlan>> {
+        coop_plan(caps, GemmChoice::parse(choice).unwrap(), source)
+    }
 
     #[test]
     fn coop_plan_follows_the_device() {
-        let plan = coop_plan(&h200(), STAGED).unwrap();
-        assert_eq!((plan.subgroup_size, plan.require_size), (32, false));
-        assert_eq!(
-            coop_plan(&h200(), CoopKernel::Direct).unwrap().kernel,
-            CoopKernel::Direct
-        );
+        let p = plan(&h200(), "staged:bk32:r2:s2", ChoiceSource::Default)
+            .unwrap()
+            .unwrap();
+        assert_eq!((p.subgroup_size, p.require_size), (32, false));
+        assert_eq!(p.choice, GemmChoice::parse("staged:bk32:r2:s2").unwrap());
 
         // No 16×16×16 f16→f32 shape, or no memory model: fallback.
         let mut c = h200();
         c.matrix_shapes = vec![(16, 8, 16)];
-        assert_eq!(coop_plan(&c, STAGED), None);
+        assert_eq!(plan(&c, "direct", ChoiceSource::Default).unwrap(), None);
         let mut c = h200();
         c.features.vulkan_memory_model_device_scope = false;
-        assert_eq!(coop_plan(&c, CoopKernel::Direct), None);
+        assert_eq!(plan(&c, "direct", ChoiceSource::Default).unwrap(), None);
 
         // A varying subgroup size needs pinning (size control for compute).
         let mut c = h200();
         (c.subgroup_size, c.min_subgroup_size, c.max_subgroup_size) = (64, 32, 64);
-        assert_eq!(coop_plan(&c, STAGED), None);
+        assert_eq!(plan(&c, "direct", ChoiceSource::Default).unwrap(), None);
         c.features.subgroup_size_control = true;
         c.required_subgroup_size_compute = true;
-        let plan = coop_plan(&c, STAGED).unwrap();
-        assert_eq!((plan.subgroup_size, plan.require_size), (64, true));
+        let p = plan(&c, "direct", ChoiceSource::Default).unwrap().unwrap();
+        assert_eq!((p.subgroup_size, p.require_size), (64, true));
+    }
 
-        // The staged kernel needs workgroup memory and subgroup builtins;
-        // the direct one neither.
+    #[test]
+    fn the_choice_is_fitted_to_the_device() {
+        let limits = kernel_limits(&h200());
+        assert_eq!(
+            (limits.shared_bytes, limits.subgroup_size, limits.subgroup_builtins),
+            (48 << 10, 32, true)
+        );
+        // 60 KiB of workgroup memory on a 48 KiB device: an error when asked
+        // for, the default otherwise.
+        let big = "logits=staged:bk32:r4:s2,dx=direct";
+        assert!(matches!(
+            plan(&h200(), big, ChoiceSource::Environment),
+            Err(headkl_core::Error::InvalidSetting { .. })
+        ));
+        let p = plan(&h200(), big, ChoiceSource::Default).unwrap().unwrap();
+        assert_eq!(p.choice, GemmChoice::DEFAULT);
         let mut c = h200();
-        c.max_shared_memory = 16 << 10;
-        assert_eq!(coop_plan(&c, CoopKernel::Staged { bk: 32, rows: 2 }), None);
-        assert_eq!(
-            coop_plan(&c, CoopKernel::Mixed { bk: 32, rows: 2 }),
-            None,
-            "mixed stages the logits GEMM"
-        );
-        assert!(
-            coop_plan(&c, CoopKernel::Staged { bk: 16, rows: 2 }).is_some(),
-            "12 KiB at BK = 16"
-        );
         c.subgroup_ops = vk::SubgroupFeatureFlags::empty();
-        assert_eq!(coop_plan(&c, CoopKernel::Staged { bk: 16, rows: 2 }), None);
-        assert!(coop_plan(&c, CoopKernel::Direct).is_some());
-        assert_eq!(coop_shared_bytes(32, 2), 20 << 10);
-        assert_eq!(coop_shared_bytes(16, 4), 18 << 10);
+        assert!(!kernel_limits(&c).subgroup_builtins);
+    }
 
-        // Mixed: staged for the logits, direct for dx.
-        let mixed = CoopKernel::Mixed { bk: 16, rows: 2 };
+    #[test]
+    fn pipelines_carry_the_tile_overrides() {
+        let (src, tile, overrides) = coop_pipeline(CoopGemm::parse("staged:bk32:r4:s1:pf").unwrap(), 32);
+        assert_eq!((src.file, tile), ("gemm_coop.wgsl", (256, 128)));
         assert_eq!(
-            mixed.for_layout(headkl_core::HeadLayout::RowsAreOutputs),
-            CoopKernel::Staged { bk: 16, rows: 2 }
+            overrides,
+            vec![
+                ("SG_SIZE", 32),
+                ("BK", 32),
+                ("SG_ROWS", 4),
+                ("STAGES", 1),
+                ("PREFETCH", 1)
+            ]
         );
-        assert_eq!(
-            mixed.for_layout(headkl_core::HeadLayout::RowsAreReduction),
-            CoopKernel::Direct
-        );
-        assert_eq!(
-            CoopKernel::Direct.for_layout(headkl_core::HeadLayout::RowsAreOutputs),
-            CoopKernel::Direct
-        );
+        let (src, tile, _) = coop_pipeline(CoopGemm::Direct, 32);
+        assert_eq!((src.file, tile), ("gemm_coop_direct.wgsl", (64, 64)));
     }
 }

@@ -6,7 +6,8 @@
 //! override values. The GEMM runs on the matrix units
 //! (`VK_KHR_cooperative_matrix`, 16×16×16 f16→f32) where the device has
 //! them, else on the tiled fallback; `HEADKL_NO_COOPMAT=1` forces the
-//! fallback. With validation on, the Khronos validation layer's errors are
+//! fallback; `HEADKL_GEMM` (or a `headkl tune` cache entry) picks the
+//! matrix-unit kernels. With validation on, the Khronos validation layer's errors are
 //! collected and returned by [`Backend::take_diagnostics`].
 //!
 //! Module map: `instance` (loader, layer, debug messenger), `adapter`
@@ -33,15 +34,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use headkl_core::params::{ConvertParams, GemmParams, RowParams};
 use headkl_core::{
-    fold_workgroups, Backend, ConvertDesc, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, Result,
-    TopkDesc,
+    fold_workgroups, tuning, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc,
+    HeadLayout, KernelTime, KlDesc, MemoryStats, Result, TopkDesc,
 };
 
 use crate::command::{Binding, Stream};
-use crate::conv::backend_error;
+use crate::conv::{backend_error, BACKEND};
 use crate::device::Device;
 use crate::instance::Instance;
-use crate::kernels::{CoopKernel, CoopPlan};
+use crate::kernels::CoopPlan;
 use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
 pub use crate::memory::VulkanBuffer;
@@ -50,19 +51,6 @@ pub use crate::memory::VulkanBuffer;
 /// `yes`, `on`).
 fn env_flag(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
-}
-
-/// A number from an environment variable; unset is `None`, and so is a
-/// value that is not a number (with a note on stderr).
-fn env_u32(name: &str) -> Option<u32> {
-    let value = std::env::var(name).ok()?;
-    match value.trim().parse() {
-        Ok(n) => Some(n),
-        Err(_) => {
-            eprintln!("headkl-vulkan: ignoring {name}={value:?}: not a number");
-            None
-        }
-    }
 }
 
 /// How to open the Vulkan backend.
@@ -79,47 +67,17 @@ pub struct VulkanOptions {
     /// Keep naga's runtime bounds checks in the GEMM too (they are off by
     /// default there: core validated every extent).
     pub checked: bool,
-    /// Which matrix-unit GEMM runs for each head layout.
-    pub coop_kernel: CoopChoice,
-    /// K staged per step by `gemm_coop.wgsl` (16 or 32; `None`: 16).
-    pub coop_bk: Option<u32>,
-    /// Rows of subgroups in `gemm_coop.wgsl`'s workgroup (2 or 4; `None`: 2):
-    /// its C tile is `(64 · rows) × 128`.
-    pub coop_rows: Option<u32>,
-}
-
-/// Which matrix-unit GEMM runs (`HEADKL_COOP_KERNEL`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CoopChoice {
-    /// `gemm_coop.wgsl`, staged through workgroup memory, for both layouts.
-    Staged,
-    /// `gemm_coop_direct.wgsl`, fragments straight from storage, for both.
-    Direct,
-    /// Staged for the logits, direct for dx (the default: the faster of the
-    /// two for each on the H200).
-    #[default]
-    Mixed,
-}
-
-impl CoopChoice {
-    /// `HEADKL_COOP_KERNEL=staged|direct|mixed` (default `mixed`).
-    pub fn from_env() -> Self {
-        match std::env::var("HEADKL_COOP_KERNEL").ok().as_deref().map(str::trim) {
-            Some(v) if v.eq_ignore_ascii_case("direct") => Self::Direct,
-            Some(v) if v.eq_ignore_ascii_case("staged") => Self::Staged,
-            _ => Self::Mixed,
-        }
-    }
+    /// The matrix-unit GEMM kernels; `None`: `HEADKL_GEMM`, else the tune
+    /// cache's entry for the device, else [`GemmChoice::DEFAULT`].
+    pub gemm: Option<GemmChoice>,
 }
 
 impl VulkanOptions {
     /// Options from the environment: `device` if given, else
     /// `HEADKL_DEVICE`; `HEADKL_VALIDATION=1` turns validation on,
     /// `HEADKL_NO_COOPMAT=1` forces the fallback GEMM, `HEADKL_CHECKED=1`
-    /// keeps bounds checks in every kernel, `HEADKL_COOP_KERNEL=staged|direct|mixed`
-    /// picks the matrix-unit GEMM (default `mixed`), `HEADKL_COOP_BK=16|32`
-    /// the staged one's K step and `HEADKL_COOP_ROWS=2|4` its rows of
-    /// subgroups.
+    /// keeps bounds checks in every kernel. (`HEADKL_GEMM`, which picks the
+    /// matrix-unit GEMM, is read when the device opens.)
     pub fn from_env(device: Option<usize>) -> Self {
         let device = device.or_else(|| {
             let value = std::env::var("HEADKL_DEVICE").ok()?;
@@ -136,31 +94,7 @@ impl VulkanOptions {
             validation: env_flag("HEADKL_VALIDATION"),
             force_fallback: env_flag("HEADKL_NO_COOPMAT"),
             checked: env_flag("HEADKL_CHECKED"),
-            coop_kernel: CoopChoice::from_env(),
-            coop_rows: env_u32("HEADKL_COOP_ROWS"),
-            coop_bk: env_u32("HEADKL_COOP_BK"),
-        }
-    }
-
-    /// The matrix-unit GEMM these options ask for.
-    fn plan_kernel(&self) -> Result<CoopKernel> {
-        if self.coop_kernel == CoopChoice::Direct {
-            return Ok(CoopKernel::Direct);
-        }
-        let rows = match self.coop_rows.unwrap_or(kernels::COOP_ROWS) {
-            rows @ (2 | 4) => rows,
-            other => {
-                return Err(backend_error(format!(
-                    "coop_rows = {other}: the staged GEMM takes 2 or 4 rows of subgroups"
-                )))
-            }
-        };
-        match self.coop_bk.unwrap_or(kernels::COOP_BK) {
-            bk @ (16 | 32) if self.coop_kernel == CoopChoice::Staged => Ok(CoopKernel::Staged { bk, rows }),
-            bk @ (16 | 32) => Ok(CoopKernel::Mixed { bk, rows }),
-            other => Err(backend_error(format!(
-                "coop_bk = {other}: the staged GEMM takes 16 or 32"
-            ))),
+            gemm: None,
         }
     }
 }
@@ -174,16 +108,12 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
     Ok(adapters
         .iter()
         .map(|a| {
-            a.caps.device_info(
-                kernels::coop_plan(
-                    &a.caps,
-                    CoopKernel::Staged {
-                        bk: kernels::COOP_BK,
-                        rows: kernels::COOP_ROWS,
-                    },
-                )
-                .is_some(),
-            )
+            let direct = GemmChoice {
+                logits: CoopGemm::Direct,
+                dx: CoopGemm::Direct,
+            };
+            let coop = kernels::coop_plan(&a.caps, direct, ChoiceSource::Default);
+            a.caps.device_info(matches!(coop, Ok(Some(_))))
         })
         .collect())
 }
@@ -217,14 +147,22 @@ impl VulkanBackend {
         let instance = Instance::new(options.validation)?;
         let adapters = adapter::enumerate_adapters(&instance)?;
         let chosen = adapter::pick(&adapters, options.device)?;
-        let plan = kernels::coop_plan(&chosen.caps, options.plan_kernel()?);
-        let coop = plan.filter(|_| !options.force_fallback);
+        // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
+        // GEMM runs, so a typo never goes unnoticed.
+        let caps = &chosen.caps;
+        let (choice, source) = tuning::resolve_choice(options.gemm, BACKEND, &caps.name, &caps.driver)?;
+        let coop = if options.force_fallback {
+            None
+        } else {
+            kernels::coop_plan(caps, choice, source)?
+        };
         let device = Device::new(instance, chosen, coop.is_some())?;
         let coop = coop.filter(|_| device.enabled.cooperative_matrix);
+        let info = device.caps.device_info(coop.is_some());
         let stream = Stream::new(Arc::clone(&device), staging_bytes)?;
         let pipelines = PipelineCache::new(Arc::clone(&device));
         Ok(Self {
-            info: device.caps.device_info(coop.is_some()),
+            info,
             options: options.clone(),
             coop,
             stream: Mutex::new(stream),
@@ -246,26 +184,21 @@ impl VulkanBackend {
 
     /// Which GEMM kernel runs, with its override values, in words.
     pub fn gemm_kernel(&self) -> String {
-        match self.coop {
-            Some(CoopPlan {
-                subgroup_size,
-                require_size,
-                kernel,
-            }) => {
-                let pinned = if require_size { " (pinned)" } else { "" };
-                match kernel {
-                    CoopKernel::Staged { bk, rows } => {
-                        format!("gemm_coop.wgsl, SG_SIZE {subgroup_size}{pinned}, BK {bk}, SG_ROWS {rows}")
-                    }
-                    CoopKernel::Direct => format!("gemm_coop_direct.wgsl, SG_SIZE {subgroup_size}{pinned}"),
-                    CoopKernel::Mixed { bk, rows } => format!(
-                        "gemm_coop.wgsl (logits, BK {bk}, SG_ROWS {rows}) and gemm_coop_direct.wgsl (dx), \
-                         SG_SIZE {subgroup_size}{pinned}"
-                    ),
-                }
+        match &self.coop {
+            Some(plan) => {
+                let pinned = if plan.require_size { " (pinned)" } else { "" };
+                format!(
+                    "cooperative {} (subgroup {}{pinned}; from {})",
+                    plan.choice, plan.subgroup_size, plan.source
+                )
             }
             None => "gemm_tiled.wgsl".to_string(),
         }
+    }
+
+    /// The matrix-unit GEMM kernels, when the GEMM runs on matrix units.
+    pub fn gemm_choice(&self) -> Option<GemmChoice> {
+        self.coop.as_ref().map(|p| p.choice)
     }
 
     /// The options the backend was opened with.
@@ -475,17 +408,8 @@ impl Backend for VulkanBackend {
             HeadLayout::RowsAreOutputs => "gemm_nt",
             HeadLayout::RowsAreReduction => "gemm_nn",
         };
-        let (source, tile, overrides) = match self.coop.map(|p| (p.subgroup_size, p.kernel.for_layout(desc.b_layout))) {
-            Some((sg, CoopKernel::Staged { bk, rows } | CoopKernel::Mixed { bk, rows })) => (
-                &kernels::GEMM_COOP,
-                (64 * u64::from(rows), kernels::COOP_TILE_N),
-                vec![("SG_SIZE", sg), ("BK", bk), ("SG_ROWS", rows)],
-            ),
-            Some((sg, CoopKernel::Direct)) => (
-                &kernels::GEMM_COOP_DIRECT,
-                kernels::COOP_DIRECT_TILE,
-                vec![("SG_SIZE", sg)],
-            ),
+        let (source, tile, overrides) = match &self.coop {
+            Some(plan) => kernels::coop_pipeline(plan.choice.for_layout(desc.b_layout), plan.subgroup_size),
             None => (
                 &kernels::GEMM_TILED,
                 (kernels::TILED_TILE, kernels::TILED_TILE),
@@ -499,7 +423,7 @@ impl Backend for VulkanBackend {
             checked: self.options.checked,
             // Cooperative ops need whole subgroups, of the size SG_SIZE says.
             full_subgroups: self.coop.is_some(),
-            required_subgroup_size: self.coop.filter(|p| p.require_size).map(|p| p.subgroup_size),
+            required_subgroup_size: self.coop.as_ref().filter(|p| p.require_size).map(|p| p.subgroup_size),
         };
         let count = (desc.m as u64).div_ceil(tile.0) * (desc.n as u64).div_ceil(tile.1);
         let params = |grid_x| bytemuck::bytes_of(&GemmParams::new(desc, grid_x)).to_vec();

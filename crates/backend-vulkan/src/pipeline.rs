@@ -437,21 +437,81 @@ impl PipelineCache {
         if pinned.is_some() {
             stage = stage.push_next(&mut required);
         }
-        let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout)];
+        let create_flags = if self.device.enabled.pipeline_stats {
+            vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR
+        } else {
+            vk::PipelineCreateFlags::empty()
+        };
+        let info = [vk::ComputePipelineCreateInfo::default()
+            .flags(create_flags)
+            .stage(stage)
+            .layout(layout)];
         // SAFETY: valid device, module and layout; the name outlives the call.
         let result = unsafe { dev.create_compute_pipelines(vk::PipelineCache::null(), &info, None) };
         // SAFETY: the module is no longer needed once the pipeline exists.
         unsafe { dev.destroy_shader_module(module, None) };
         match result {
-            Ok(p) => p
-                .into_iter()
-                .next()
-                .ok_or_else(|| backend_error("vkCreateComputePipelines returned no pipeline")),
+            Ok(p) => {
+                let pipeline = p
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| backend_error("vkCreateComputePipelines returned no pipeline"))?;
+                if self.device.enabled.pipeline_stats {
+                    eprintln!(
+                        "headkl-vulkan: pipeline {}:{} {:?}: {}",
+                        key.file,
+                        key.entry,
+                        key.overrides,
+                        self.statistics(pipeline)
+                    );
+                }
+                Ok(pipeline)
+            }
             Err((_, e)) => Err(vk_error(
                 e,
                 &format!("vkCreateComputePipelines({}:{})", key.file, key.entry),
             )),
         }
+    }
+}
+
+impl PipelineCache {
+    /// The driver's statistics of `pipeline` (register count, spills,
+    /// workgroup memory…) in one line, or why there are none.
+    fn statistics(&self, pipeline: vk::Pipeline) -> String {
+        let loader = ash::khr::pipeline_executable_properties::Device::new(&self.device.instance.raw, &self.device.raw);
+        let info = vk::PipelineInfoKHR::default().pipeline(pipeline);
+        // SAFETY: the extension and feature are enabled (pipeline_stats) and
+        // the pipeline was created with CAPTURE_STATISTICS.
+        let executables = match unsafe { loader.get_pipeline_executable_properties(&info) } {
+            Ok(e) => e.len(),
+            Err(e) => return format!("no statistics ({e})"),
+        };
+        let mut parts = Vec::new();
+        for index in 0..executables as u32 {
+            let exe = vk::PipelineExecutableInfoKHR::default()
+                .pipeline(pipeline)
+                .executable_index(index);
+            // SAFETY: as above; `index` is below the executable count.
+            let Ok(stats) = (unsafe { loader.get_pipeline_executable_statistics(&exe) }) else {
+                continue;
+            };
+            for stat in stats {
+                let name = stat.name_as_c_str().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                // SAFETY: `format` says which member of the union is set.
+                let value = unsafe {
+                    match stat.format {
+                        vk::PipelineExecutableStatisticFormatKHR::BOOL32 => (stat.value.b32 != 0).to_string(),
+                        vk::PipelineExecutableStatisticFormatKHR::INT64 => stat.value.i64.to_string(),
+                        vk::PipelineExecutableStatisticFormatKHR::UINT64 => stat.value.u64.to_string(),
+                        vk::PipelineExecutableStatisticFormatKHR::FLOAT64 => format!("{:.3}", stat.value.f64),
+                        _ => "?".to_string(),
+                    }
+                };
+                parts.push(format!("{name} {value}"));
+            }
+        }
+        parts.join(", ")
     }
 }
 

@@ -294,22 +294,22 @@ fn every_shared_shader_compiles_to_spirv() {
                 continue;
             }
         };
-        let variants: Vec<Vec<(&'static str, u32)>> = if source.file == kernels::GEMM_COOP.file {
-            [32u32, 64, 16]
-                .iter()
-                .flat_map(|&sg| {
-                    [(16u32, 2u32), (32, 2), (16, 4)]
-                        .map(|(bk, rows)| vec![("SG_SIZE", sg), ("BK", bk), ("SG_ROWS", rows)])
-                })
-                .collect()
-        } else if source.file == kernels::GEMM_COOP_DIRECT.file {
-            [32u32, 64, 16].iter().map(|&sg| vec![("SG_SIZE", sg)]).collect()
-        } else {
-            vec![Vec::new()]
-        };
+        // Every kernel `headkl tune` may pick, at three subgroup sizes.
+        let mut variants: Vec<(Vec<(&'static str, u32)>, u32)> = Vec::new();
+        for kernel in headkl_core::CoopGemm::candidates() {
+            for sg in [32u32, 64, 16] {
+                let (src, _, overrides) = kernels::coop_pipeline(kernel, sg);
+                if src.file == source.file {
+                    variants.push((overrides, kernel.invocations(sg)));
+                }
+            }
+        }
+        if variants.is_empty() {
+            variants.push((Vec::new(), 0));
+        }
         expected += entries.len() * variants.len() * 2;
         for entry in entries {
-            for overrides in &variants {
+            for (overrides, invocations) in &variants {
                 for checked in [false, true] {
                     match compile(&parsed, source.file, entry, overrides, &target, checked) {
                         Ok(c) => {
@@ -325,24 +325,16 @@ fn every_shared_shader_compiles_to_spirv() {
                             // naga switches to the Vulkan memory model with
                             // cooperative matrices (the device must enable it).
                             assert_eq!(memory_model, if coop { 3 } else { 1 }, "{}", source.file);
-                            if *entry == "gemm_nt"
-                                && overrides
-                                    == &[
-                                        ("SG_SIZE", 32),
-                                        ("BK", kernels::COOP_BK),
-                                        ("SG_ROWS", kernels::COOP_ROWS),
-                                    ]
-                                && checked
-                            {
-                                eprintln!("{}:{entry} declares {caps:?}", source.file);
+                            if *entry == "gemm_nt" && overrides.first() == Some(&("SG_SIZE", 32)) && checked {
+                                eprintln!("{}:{entry} {overrides:?} declares {caps:?}", source.file);
                             }
-                            if let Some(&("SG_SIZE", sg)) = overrides.first() {
-                                // Staged: SG_ROWS × 2 subgroups; direct: one.
-                                let subgroups = match overrides.get(2) {
-                                    Some(&("SG_ROWS", rows)) => 2 * rows,
-                                    _ => 1,
-                                };
-                                assert_eq!(c.workgroup_size, [subgroups * sg, 1, 1], "{}:{entry}", source.file);
+                            if coop {
+                                assert_eq!(
+                                    c.workgroup_size,
+                                    [*invocations, 1, 1],
+                                    "{}:{entry} {overrides:?}",
+                                    source.file
+                                );
                             }
                             compiled += 1;
                         }
@@ -354,9 +346,9 @@ fn every_shared_shader_compiles_to_spirv() {
     }
     assert!(failures.is_empty(), "shader compile failures:\n{}", failures.join("\n"));
     assert_eq!(compiled, expected, "every variant compiled");
-    // 5 plain entry points, 2 staged matrix-unit entry points in 9 variants
-    // and 2 direct ones in 3, each checked and unchecked.
-    assert_eq!(expected, 2 * (5 + 2 * 9 + 2 * 3));
+    // 5 plain entry points, 2 staged matrix-unit entry points in 18 tiles ×
+    // 3 subgroup sizes and 2 direct ones in 3, each checked and unchecked.
+    assert_eq!(expected, 2 * (5 + 2 * 54 + 2 * 3));
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! Adapters: listing them with what they offer, choosing one, and opening a
 //! device with the features and limits headkl needs.
 
-use headkl_core::{DeviceInfo, Error, Result};
+use headkl_core::tuning::KernelLimits;
+use headkl_core::{ChoiceSource, DeviceInfo, Error, GemmChoice, Result};
 
 use crate::{env_flag, kernels, BACKEND};
 
@@ -68,7 +69,6 @@ fn is_f16_f32(p: &wgpu::CooperativeMatrixProperties) -> bool {
 fn coop_support(adapter: &wgpu::Adapter, shapes: &[(u32, u32, u32)]) -> Result<u32, String> {
     let features = adapter.features();
     let info = adapter.get_info();
-    let limits = adapter.limits();
     if !features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
         return Err("no cooperative matrices".into());
     }
@@ -83,20 +83,6 @@ fn coop_support(adapter: &wgpu::Adapter, shapes: &[(u32, u32, u32)]) -> Result<u
         return Err(format!(
             "subgroup size varies ({min}..{max}); the kernel needs a fixed one"
         ));
-    }
-    let (bk, rows) = (kernels::coop_bk(), kernels::coop_rows());
-    if kernels::CoopKernel::from_env().uses_staged()
-        && limits.max_compute_workgroup_storage_size < kernels::coop_workgroup_bytes(bk, rows)
-    {
-        return Err(format!(
-            "workgroup memory {} < {} bytes",
-            limits.max_compute_workgroup_storage_size,
-            kernels::coop_workgroup_bytes(bk, rows)
-        ));
-    }
-    let invocations = 2 * rows * min;
-    if limits.max_compute_invocations_per_workgroup < invocations || limits.max_compute_workgroup_size_x < invocations {
-        return Err(format!("workgroups of {invocations} invocations not allowed"));
     }
     Ok(min)
 }
@@ -261,21 +247,28 @@ pub(crate) fn open_device(c: &Candidate, features: wgpu::Features) -> Result<(wg
 }
 
 /// A short description of the GEMM path, for logs and `headkl devices`.
-pub(crate) fn gemm_path(coop: &Result<u32, String>, use_coop: bool, force_tiled: bool) -> String {
-    match coop {
-        Ok(sg) if use_coop => match kernels::CoopKernel::from_env() {
-            kernels::CoopKernel::Direct => format!("cooperative matrices 16x16x16 f16->f32, direct (subgroup {sg})"),
-            kernels::CoopKernel::Staged => format!(
-                "cooperative matrices 16x16x16 f16->f32, staged (subgroup {sg}, BK {})",
-                kernels::coop_bk()
-            ),
-            kernels::CoopKernel::Mixed => format!(
-                "cooperative matrices 16x16x16 f16->f32, staged for logits (subgroup {sg}, BK {}), direct for dx",
-                kernels::coop_bk()
-            ),
-        },
-        Ok(_) if force_tiled => "tiled (forced: HEADKL_NO_COOPMAT or OpenOptions::force_tiled)".into(),
-        Ok(_) => "tiled".into(),
-        Err(why) => format!("tiled ({why})"),
+pub(crate) fn gemm_path(
+    coop: &Result<u32, String>,
+    plan: Option<&(GemmChoice, ChoiceSource)>,
+    force_tiled: bool,
+) -> String {
+    match (coop, plan) {
+        (Ok(sg), Some((choice, source))) => format!("cooperative {choice} (subgroup {sg}; from {source})"),
+        (Ok(_), None) if force_tiled => "tiled (forced: HEADKL_NO_COOPMAT or OpenOptions::force_tiled)".into(),
+        (Ok(_), None) => "tiled".into(),
+        (Err(why), _) => format!("tiled ({why})"),
+    }
+}
+
+/// What the adapter allows a GEMM workgroup at subgroup size `sg`.
+pub(crate) fn kernel_limits(adapter: &wgpu::Adapter, sg: u32) -> KernelLimits {
+    let limits = adapter.limits();
+    KernelLimits {
+        shared_bytes: limits.max_compute_workgroup_storage_size,
+        invocations: limits
+            .max_compute_invocations_per_workgroup
+            .min(limits.max_compute_workgroup_size_x),
+        subgroup_size: sg,
+        subgroup_builtins: adapter.features().contains(wgpu::Features::SUBGROUP),
     }
 }

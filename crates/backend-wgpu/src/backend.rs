@@ -6,14 +6,14 @@ use std::sync::{mpsc, Arc, Mutex, Weak};
 
 use headkl_core::params::{ConvertParams, GemmParams, RowParams};
 use headkl_core::{
-    fold_workgroups, Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats,
-    Result, TopkDesc,
+    fold_workgroups, tuning, Backend, ConvertDesc, DeviceInfo, Error, GemmChoice, GemmDesc, HeadLayout, KernelTime,
+    KlDesc, MemoryStats, Result, TopkDesc,
 };
 
 use crate::adapter;
 use crate::buffer::{lock, LayoutKind, Shared, WgpuBuffer};
 use crate::kernels::{params_size, GemmBuild, Kernel, Kernels, ROW_WORKGROUP};
-use crate::{backend_error, env_flag};
+use crate::{backend_error, env_flag, BACKEND};
 
 /// Dispatches per submitted batch (slots of the uniform ring).
 const RING_SLOTS: u32 = 1024;
@@ -80,6 +80,9 @@ pub struct OpenOptions {
     pub force_tiled: bool,
     /// Build every kernel with runtime bounds checks.
     pub checked: bool,
+    /// The matrix-unit GEMM kernels; `None`: `HEADKL_GEMM`, else the tune
+    /// cache's entry for the adapter, else [`GemmChoice::DEFAULT`].
+    pub gemm: Option<GemmChoice>,
 }
 
 impl WgpuBackend {
@@ -121,13 +124,22 @@ impl WgpuBackend {
 
         let mut info = candidate.info.clone();
         info.matrix_units = use_coop;
-        let gemm_path = adapter::gemm_path(&candidate.coop, use_coop, force_tiled);
-        let coop_subgroup = if use_coop { candidate.coop.clone().ok() } else { None };
+        // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
+        // GEMM runs, so a typo never goes unnoticed.
+        let i = &candidate.info;
+        let (choice, source) = tuning::resolve_choice(options.gemm, BACKEND, &i.device_name, &i.driver)?;
+        let coop = match &candidate.coop {
+            Ok(sg) if use_coop => {
+                let fitted = tuning::fit_choice(choice, source, &adapter::kernel_limits(&candidate.adapter, *sg))?;
+                Some((*sg, fitted))
+            }
+            _ => None,
+        };
+        let gemm_path = adapter::gemm_path(&candidate.coop, coop.as_ref().map(|(_, plan)| plan), force_tiled);
         let kernels = Kernels::new(
             &device,
             GemmBuild {
-                coop_subgroup,
-                coop_kernel: crate::kernels::CoopKernel::from_env(),
+                coop: coop.map(|(sg, (choice, _))| (sg, choice)),
                 checked: options.checked || env_flag("HEADKL_CHECKED"),
             },
         );

@@ -6,7 +6,7 @@ use std::num::NonZeroU64;
 use std::sync::Mutex;
 
 use headkl_core::params::{ConvertParams, GemmParams, RowParams};
-use headkl_core::Result;
+use headkl_core::{CoopGemm, GemmChoice, HeadLayout, Result};
 
 use crate::buffer::{lock, LayoutKind};
 use crate::{backend_error, env_flag};
@@ -23,77 +23,8 @@ pub(crate) const ROW_WORKGROUP_BYTES: u32 = 26 * 1024;
 
 /// Output tile (rows, columns) per workgroup of the tiled GEMM.
 const TILED_TILE: (usize, usize) = (64, 64);
-/// Output tile per workgroup of the staged cooperative GEMM.
-/// Output tile columns per workgroup of the staged cooperative GEMM (its
-/// rows are `64 · coop_rows()`).
-const COOP_TILE_N: usize = 128;
-/// Output tile per workgroup of the direct cooperative GEMM.
-const COOP_DIRECT_TILE: (usize, usize) = (64, 64);
 /// Invocations per workgroup of the row kernels and the conversion.
 pub(crate) const ROW_WORKGROUP: usize = 256;
-
-/// Rows of subgroups in the staged cooperative GEMM's workgroup
-/// (`HEADKL_COOP_ROWS`, 2 or 4; default 2): its C tile is `(64 · rows) × 128`.
-pub(crate) fn coop_rows() -> u32 {
-    match std::env::var("HEADKL_COOP_ROWS").ok().as_deref().map(str::trim) {
-        Some("4") => 4,
-        _ => 2,
-    }
-}
-
-/// K staged per step by the cooperative GEMM (`HEADKL_COOP_BK`, 16 or 32;
-/// 16 by default: on the H200 it ran the logits GEMM 1.6× faster than 32).
-pub(crate) fn coop_bk() -> u32 {
-    match std::env::var("HEADKL_COOP_BK").ok().as_deref().map(str::trim) {
-        Some("32") => 32,
-        _ => 16,
-    }
-}
-
-/// Which cooperative GEMM runs for each head layout (`HEADKL_COOP_KERNEL`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum CoopKernel {
-    /// `gemm_coop.wgsl` (staged through workgroup memory) for both layouts.
-    Staged,
-    /// `gemm_coop_direct.wgsl` (fragments straight from storage) for both.
-    Direct,
-    /// Staged for the logits (`gemm_nt`), direct for dx (`gemm_nn`): the
-    /// faster of the two for each on the H200 (the dx GEMM's long K and
-    /// short m, n leave the staged kernel's 128 × 128 tiles too few).
-    Mixed,
-}
-
-impl CoopKernel {
-    /// `HEADKL_COOP_KERNEL=staged|direct|mixed` (default `mixed`).
-    pub(crate) fn from_env() -> Self {
-        match std::env::var("HEADKL_COOP_KERNEL").ok().as_deref().map(str::trim) {
-            Some(v) if v.eq_ignore_ascii_case("direct") => Self::Direct,
-            Some(v) if v.eq_ignore_ascii_case("staged") => Self::Staged,
-            _ => Self::Mixed,
-        }
-    }
-
-    /// Whether `kernel` (a GEMM entry) runs the direct variant.
-    fn direct_for(self, kernel: Kernel) -> bool {
-        match self {
-            Self::Staged => false,
-            Self::Direct => true,
-            Self::Mixed => kernel == Kernel::GemmNn,
-        }
-    }
-
-    /// Whether the staged kernel (and its subgroup and workgroup-memory
-    /// needs) is used at all.
-    pub(crate) fn uses_staged(self) -> bool {
-        self != Self::Direct
-    }
-}
-
-/// Workgroup memory of the staged cooperative GEMM at `bk` and `rows`
-/// (`(64·rows) × (bk + 8)` and `128 × (bk + 8)` f16 tiles).
-pub(crate) fn coop_workgroup_bytes(bk: u32, rows: u32) -> u32 {
-    (64 * rows + 128) * (bk + 8) * 2
-}
 
 /// A kernel entry point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -148,10 +79,9 @@ fn storage_bindings(kind: LayoutKind) -> &'static [bool] {
 /// How the GEMM is built.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct GemmBuild {
-    /// Cooperative matrices with this subgroup size, else the tiled kernel.
-    pub coop_subgroup: Option<u32>,
-    /// Which cooperative kernel runs for each layout.
-    pub coop_kernel: CoopKernel,
+    /// Cooperative matrices with this subgroup size and these kernels, else
+    /// the tiled kernel.
+    pub coop: Option<(u32, GemmChoice)>,
     /// Build the GEMM with runtime bounds checks.
     pub checked: bool,
 }
@@ -216,20 +146,26 @@ impl Kernels {
             .ok_or_else(|| backend_error(format!("no bind-group layout for {kind:?}")))
     }
 
+    /// The matrix-unit kernel a GEMM entry runs, if it runs on matrix units.
+    fn coop_kernel(&self, kernel: Kernel) -> Option<CoopGemm> {
+        let layout = match kernel {
+            Kernel::GemmNt => HeadLayout::RowsAreOutputs,
+            Kernel::GemmNn => HeadLayout::RowsAreReduction,
+            _ => return None,
+        };
+        self.gemm.coop.map(|(_, choice)| choice.for_layout(layout))
+    }
+
     fn source(&self, kernel: Kernel) -> (&'static str, &'static str) {
         match kernel {
             Kernel::Convert => ("convert.wgsl", CONVERT_WGSL),
             Kernel::Kl => ("kl_rows.wgsl", KL_WGSL),
             Kernel::Topk => ("topk_rows.wgsl", TOPK_WGSL),
-            Kernel::GemmNt | Kernel::GemmNn => {
-                if self.gemm.coop_subgroup.is_some() && self.gemm.coop_kernel.direct_for(kernel) {
-                    ("gemm_coop_direct.wgsl", GEMM_COOP_DIRECT_WGSL)
-                } else if self.gemm.coop_subgroup.is_some() {
-                    ("gemm_coop.wgsl", GEMM_COOP_WGSL)
-                } else {
-                    ("gemm_tiled.wgsl", GEMM_TILED_WGSL)
-                }
-            }
+            Kernel::GemmNt | Kernel::GemmNn => match self.coop_kernel(kernel) {
+                Some(CoopGemm::Direct) => ("gemm_coop_direct.wgsl", GEMM_COOP_DIRECT_WGSL),
+                Some(CoopGemm::Staged(_)) => ("gemm_coop.wgsl", GEMM_COOP_WGSL),
+                None => ("gemm_tiled.wgsl", GEMM_TILED_WGSL),
+            },
         }
     }
 
@@ -273,15 +209,13 @@ impl Kernels {
             .map(|(_, pl)| pl)
             .ok_or_else(|| backend_error(format!("no pipeline layout for {kernel:?}")))?;
         let mut constants: Vec<(&str, f64)> = Vec::new();
-        if let Some(sg) = self.gemm.coop_subgroup {
-            match name {
-                "gemm_coop.wgsl" => {
-                    constants.push(("SG_SIZE", f64::from(sg)));
-                    constants.push(("BK", f64::from(coop_bk())));
-                    constants.push(("SG_ROWS", f64::from(coop_rows())));
-                }
-                "gemm_coop_direct.wgsl" => constants.push(("SG_SIZE", f64::from(sg))),
-                _ => {}
+        if let (Some((sg, _)), Some(coop)) = (self.gemm.coop, self.coop_kernel(kernel)) {
+            constants.push(("SG_SIZE", f64::from(sg)));
+            if let CoopGemm::Staged(t) = coop {
+                constants.push(("BK", f64::from(t.bk)));
+                constants.push(("SG_ROWS", f64::from(t.rows)));
+                constants.push(("STAGES", f64::from(t.stages)));
+                constants.push(("PREFETCH", f64::from(u8::from(t.prefetch))));
             }
         }
         let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
@@ -314,9 +248,11 @@ impl Kernels {
 
     /// Output tile (rows, columns) per workgroup of the GEMM `kernel` runs.
     pub fn gemm_tile(&self, kernel: Kernel) -> (usize, usize) {
-        match self.gemm.coop_subgroup {
-            Some(_) if self.gemm.coop_kernel.direct_for(kernel) => COOP_DIRECT_TILE,
-            Some(_) => (64 * coop_rows() as usize, COOP_TILE_N),
+        match self.coop_kernel(kernel) {
+            Some(coop) => {
+                let (rows, cols) = coop.tile();
+                (rows as usize, cols as usize)
+            }
             None => TILED_TILE,
         }
     }

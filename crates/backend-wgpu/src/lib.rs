@@ -13,14 +13,9 @@
 //! - `HEADKL_CHECKED=1`: every kernel built with naga's runtime bounds checks
 //!   (by default the GEMMs are built without them: every index they form is
 //!   in range for the extents core validated).
-//! - `HEADKL_COOP_KERNEL=staged|direct|mixed`: which cooperative GEMM runs:
-//!   the one staged through workgroup memory (`gemm_coop.wgsl`), the one that
-//!   loads its fragments straight from storage (`gemm_coop_direct.wgsl`), or
-//!   (`mixed`, the default) staged for the logits and direct for dx.
-//! - `HEADKL_COOP_BK=16|32`: K staged per step by the staged cooperative GEMM
-//!   (default 16).
-//! - `HEADKL_COOP_ROWS=2|4`: rows of subgroups in the staged cooperative
-//!   GEMM's workgroup, a `(64·rows) × 128` tile of C (default 2).
+//! - `HEADKL_GEMM`: the matrix-unit GEMM kernels
+//!   ([`headkl_core::tuning`]); without it, the tune cache's entry for the
+//!   adapter (`headkl tune`), else [`headkl_core::GemmChoice::DEFAULT`].
 
 mod adapter;
 mod backend;
