@@ -25,8 +25,9 @@ pub struct SliceOptions {
     pub max_rows_per_slice: Option<usize>,
 }
 
-/// Result of `head_kl`.
-#[derive(Clone, Debug, PartialEq)]
+/// Result of `head_kl`. A caller that keeps one and passes it to
+/// [`Engine::head_kl_into`] call after call reuses its memory.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct LossOutput {
     /// Per-token KL `L_t` (unweighted) `[ntok]`.
     pub loss: Vec<f32>,
@@ -372,6 +373,22 @@ impl<B: Backend> Engine<B> {
     /// logits are not finite returns [`Error::NonFiniteHidden`] naming the
     /// first such token.
     pub fn head_kl(&mut self, hidden: &Hidden<'_>, teacher: &Teacher, opts: &LossOptions) -> Result<LossOutput> {
+        let mut out = LossOutput::default();
+        self.head_kl_into(hidden, teacher, opts, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Engine::head_kl`] into `out`, whose vectors are resized to
+    /// `[ntok]` and `[ntok][hs]` and overwritten: a training loop that keeps
+    /// `out` spares the allocation and the page faults of a fresh `dx` on
+    /// every call. On an error `out`'s contents are unspecified.
+    pub fn head_kl_into(
+        &mut self,
+        hidden: &Hidden<'_>,
+        teacher: &Teacher,
+        opts: &LossOptions,
+        out: &mut LossOutput,
+    ) -> Result<()> {
         self.check_hidden(hidden)?;
         let ntok = hidden.ntok();
         if teacher.ntok() != ntok {
@@ -388,14 +405,18 @@ impl<B: Backend> Engine<B> {
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
         self.ensure_scratch(Job::Loss, plan.rows_per_chunk, k, f32_input)?;
 
+        let mut trace = Trace::from_env("head_kl");
         let hs = self.hs;
-        let mut loss = vec![0f32; ntok];
-        let mut dx = vec![0f32; ntok * hs];
+        let LossOutput { loss, mean, dx } = out;
+        loss.resize(ntok, 0.0);
+        dx.resize(ntok * hs, 0.0);
         let mut dx_padded = Vec::new();
+        trace.mark("output alloc");
         let dx_scale = 1.0 / (f64::from(resolved.gscale) * f64::from(resolved.temperature));
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
             self.load_hidden(hidden, start, rows)?;
+            trace.mark("hidden upload");
             let b = &self.backend;
             let Some(s) = &self.scratch else {
                 return unreachable_scratch();
@@ -438,27 +459,35 @@ impl<B: Backend> Engine<B> {
                 };
                 b.gemm(grad, plane, dx_buf, &desc, "gemm_dx")?;
             }
+            trace.mark("teacher upload + record");
             b.download(loss_buf, 0, bytemuck::cast_slice_mut(&mut loss[start..start + rows]))?;
+            trace.mark("wait for kernels");
             if let Some(t) = loss[start..start + rows].iter().position(|l| !l.is_finite()) {
                 return Err(Error::NonFiniteHidden { token: start + t });
             }
-            dx_padded.resize(rows * self.hs_padded, 0f32);
-            b.download(dx_buf, 0, bytemuck::cast_slice_mut(&mut dx_padded))?;
-            for r in 0..rows {
-                dx[(start + r) * hs..(start + r + 1) * hs]
-                    .copy_from_slice(&dx_padded[r * self.hs_padded..r * self.hs_padded + hs]);
+            let dx_rows = &mut dx[start * hs..(start + rows) * hs];
+            if self.hs_padded == hs {
+                // Rows are already dense: straight into the output.
+                b.download(dx_buf, 0, bytemuck::cast_slice_mut(dx_rows))?;
+                trace.mark("dx download");
+            } else {
+                dx_padded.resize(rows * self.hs_padded, 0f32);
+                b.download(dx_buf, 0, bytemuck::cast_slice_mut(&mut dx_padded))?;
+                trace.mark("dx download");
+                for (row, padded) in dx_rows.chunks_exact_mut(hs).zip(dx_padded.chunks_exact(self.hs_padded)) {
+                    row.copy_from_slice(&padded[..hs]);
+                }
+                trace.mark("dx unpad");
             }
         }
+        trace.report();
         let weighted: f64 = loss
             .iter()
             .zip(&resolved.weights)
             .map(|(&l, &w)| f64::from(l) * f64::from(w))
             .sum();
-        Ok(LossOutput {
-            loss,
-            mean: weighted / f64::from(resolved.total),
-            dx,
-        })
+        *mean = weighted / f64::from(resolved.total);
+        Ok(())
     }
 
     /// The teacher's exact top-k of `x · Wᵀ` per row: ids by descending
@@ -528,4 +557,44 @@ fn unreachable_scratch<T>() -> Result<T> {
         backend: "driver",
         message: "scratch buffers missing after allocation".into(),
     })
+}
+
+/// Host-side time per phase of a call, printed to stderr when
+/// `HEADKL_TRACE` is set (to see where wall time beyond the kernels goes).
+struct Trace {
+    job: &'static str,
+    last: Option<std::time::Instant>,
+    phases: Vec<(&'static str, f64)>,
+}
+
+impl Trace {
+    fn from_env(job: &'static str) -> Self {
+        let on = std::env::var_os("HEADKL_TRACE").is_some_and(|v| !v.is_empty() && v != "0");
+        Self {
+            job,
+            last: on.then(std::time::Instant::now),
+            phases: Vec::new(),
+        }
+    }
+
+    /// Charges the time since the last mark to `phase`.
+    fn mark(&mut self, phase: &'static str) {
+        let Some(last) = self.last else { return };
+        let now = std::time::Instant::now();
+        let ms = (now - last).as_secs_f64() * 1e3;
+        match self.phases.iter_mut().find(|(p, _)| *p == phase) {
+            Some((_, total)) => *total += ms,
+            None => self.phases.push((phase, ms)),
+        }
+        self.last = Some(now);
+    }
+
+    fn report(&self) {
+        if self.last.is_none() {
+            return;
+        }
+        let total: f64 = self.phases.iter().map(|(_, ms)| ms).sum();
+        let parts: Vec<String> = self.phases.iter().map(|(p, ms)| format!("{p} {ms:.1}")).collect();
+        eprintln!("trace {}: {total:.1} ms = {}", self.job, parts.join(", "));
+    }
 }

@@ -8,7 +8,11 @@ use headkl_reference::strategies::{Case, CaseKind, CaseParams, TeacherShape};
 use headkl_reference::{CpuBackend, Tolerance};
 
 fn case(kind: CaseKind, hidden_as_f16: bool) -> Case {
-    Case::from_params(&CaseParams {
+    Case::from_params(&params(kind, hidden_as_f16))
+}
+
+fn params(kind: CaseKind, hidden_as_f16: bool) -> CaseParams {
+    CaseParams {
         kind,
         profile: "driver_test",
         vocab: 1111,
@@ -25,7 +29,7 @@ fn case(kind: CaseKind, hidden_as_f16: bool) -> Case {
         hidden_as_f16,
         max_rows_per_slice: Some(300),
         max_rows_per_chunk: Some(20),
-    })
+    }
 }
 
 fn check(backend: &CpuBackend, case: &Case, min_slices: usize, min_chunks: usize) {
@@ -134,5 +138,34 @@ fn one_engine_serves_calls_of_different_shapes() {
         let top = engine.topk(&hidden, &c.topk_options()).unwrap();
         tol.check_topk(&top.ids, &top.probs, &topk_f64(&head, &hidden, k, c.temperature))
             .unwrap();
+    }
+}
+
+/// `head_kl_into` with an output kept from a call of another size gives
+/// exactly what `head_kl` gives, on both the padded (hs = 70) and the dense
+/// (hs = 64) download paths.
+#[test]
+fn head_kl_into_reuses_an_output_of_any_size() {
+    let backend = CpuBackend::new();
+    let mut out = headkl_core::LossOutput {
+        loss: vec![f32::NAN; 500],
+        mean: f64::NAN,
+        dx: vec![f32::NAN; 3],
+    };
+    for hs in [70, 64] {
+        let c = Case::from_params(&CaseParams {
+            hs,
+            ..params(CaseKind::HeadKl, false)
+        });
+        let head = c.head_weights().unwrap();
+        let mut engine = Engine::new(&backend, &head, c.slice_options()).unwrap();
+        let rows = c.hidden_f16();
+        let hidden = c.hidden_rows(&rows).unwrap();
+        let teacher = c.teacher().unwrap();
+        let opts = c.loss_options();
+        let fresh = engine.head_kl(&hidden, &teacher, &opts).unwrap();
+        engine.head_kl_into(&hidden, &teacher, &opts, &mut out).unwrap();
+        assert_eq!(out, fresh, "hs = {hs}");
+        assert_eq!((out.loss.len(), out.dx.len()), (c.ntok, c.ntok * hs));
     }
 }
