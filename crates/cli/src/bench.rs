@@ -344,6 +344,8 @@ impl BenchJob<'_> {
         let mut wall = Vec::with_capacity(cfg.iters);
         let mut gpu = Vec::with_capacity(cfg.iters);
         let mut per_kernel: BTreeMap<&'static str, (Vec<f64>, usize)> = BTreeMap::new();
+        // Kept across calls, as a training loop keeps its gradient buffer.
+        let mut loss_out = headkl_core::LossOutput::default();
         for i in 0..cfg.warmup + cfg.iters {
             let timed = i >= cfg.warmup;
             let what = if timed {
@@ -354,7 +356,7 @@ impl BenchJob<'_> {
             progress.message(what.clone());
             let start = Instant::now();
             let result = match job {
-                JobKind::HeadKl => engine.head_kl(&hidden, &d.teacher, &loss_opts).map(|_| ()),
+                JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
                 JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
             };
             let b = engine.backend();

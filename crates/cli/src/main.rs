@@ -13,6 +13,7 @@ mod progress;
 mod rng;
 mod select;
 mod text;
+mod tune;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,10 +36,11 @@ Environment:
                      these backends cannot start instead of skipping it
   HEADKL_CASES       default for `check --cases`
   HEADKL_SEED        default for `check --seed`
-  HEADKL_COOP_KERNEL staged, direct or mixed (default): which matrix-unit
-                     GEMM runs (mixed: staged for the logits, direct for dx)
-  HEADKL_COOP_BK     16 (default) or 32: K per step of the staged GEMM
-  HEADKL_COOP_ROWS   2 (default) or 4: rows of subgroups in the staged GEMM
+  HEADKL_GEMM        the matrix-unit GEMM kernels, e.g. `staged:bk32:r2:s2`
+                     (both layouts) or `logits=staged:bk16:r2:s2,dx=direct`;
+                     default: the tune cache's entry for the device (see
+                     `headkl tune`), else the built-in default
+  HEADKL_CACHE_DIR   folder of the tune cache (default ~/.cache/headkl)
   HEADKL_CHECKED     =1 builds every kernel with runtime bounds checks
   HEADKL_VALIDATION  =1 loads the Khronos validation layer (Vulkan backend)
 
@@ -64,6 +66,10 @@ fn parse_seed(s: &str) -> Result<u64, String> {
         None => t.parse(),
     }
     .map_err(|e| format!("`{s}`: {e} (decimal or 0x hex)"))
+}
+
+fn parse_kernel(s: &str) -> Result<headkl_core::CoopGemm, String> {
+    headkl_core::CoopGemm::parse(s).map_err(|e| e.to_string())
 }
 
 fn parse_shape(s: &str) -> Result<Shape, String> {
@@ -110,7 +116,9 @@ HEADKL_REQUIRE cannot start; other backends that cannot start are skipped with t
     /// Time head_kl and topk on one backend (or all) and compare
     #[command(
         long_about = "Time head_kl (loss + dx) and topk on random f16 data. The head is uploaded once, \
-outside the timing; each job gets --warmup untimed calls, then --iters timed ones. Reports the median \
+outside the timing, and head_kl's outputs are kept from call to call (`Engine::head_kl_into`, as a \
+training loop keeps its gradient buffer); each job gets --warmup untimed calls, then --iters timed ones. \
+Reports the median \
 and min–max wall ms per call, the GPU ms (sum of kernel timestamps per call, median) with a per-kernel \
 breakdown where the backend times kernels, effective TFLOP/s (4·ntok·V·hs for head_kl, 2·ntok·V·hs \
 for topk; from GPU time when there is one, else wall), and peak device memory beyond the head.\n\n\
@@ -148,6 +156,35 @@ reference is left out of --all for large shapes).",
         /// Run every backend this machine can start
         #[arg(long)]
         all: bool,
+    },
+    /// Time every matrix-unit GEMM kernel on this device and keep the fastest
+    #[command(
+        long_about = "Time every matrix-unit GEMM kernel (the direct one, and the staged one at each \
+K step, rows of subgroups and stage count) on one device, at the two GEMMs head_kl runs: the logits \
+x·Wᵀ ([M][K]·[N][K]ᵀ) and the input gradient g·W ([M][N]·[N][K]). Each kernel first runs the \
+conformance suite's kernel cases against the f64 reference; one that fails is never picked. The \
+fastest correct kernel for each GEMM is written to the tune cache (~/.cache/headkl/gemm-tune.tsv, \
+or HEADKL_CACHE_DIR), keyed by backend, device and driver; both GPU backends read it when they open \
+that device, unless HEADKL_GEMM names kernels.\n\n\
+Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) on a device with \
+16 GiB or more (or a discrete GPU that does not report its memory), else 1024:32768:4096.",
+        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+    )]
+    Tune {
+        #[command(flatten)]
+        backend: BackendArgs,
+        /// M:N:K = tokens:vocab:hidden (default: by device memory, see above)
+        #[arg(long)]
+        shape: Option<tune::GemmShape>,
+        /// Timed GEMMs per kernel and layout
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+        /// Only these kernels, comma-separated (e.g. direct,staged:bk32:r2:s2)
+        #[arg(long, value_delimiter = ',', value_parser = parse_kernel)]
+        kernels: Option<Vec<headkl_core::CoopGemm>>,
+        /// Print the result without writing the tune cache
+        #[arg(long)]
+        no_save: bool,
     },
     /// The teacher's exact top-k ids and probabilities of x·Wᵀ
     #[command(
@@ -248,6 +285,21 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 json,
                 plot,
                 all,
+            },
+        ),
+        Command::Tune {
+            backend,
+            shape,
+            iters,
+            kernels,
+            no_save,
+        } => tune::run(
+            &backend,
+            &tune::TuneConfig {
+                shape,
+                iters,
+                kernels,
+                save: !no_save,
             },
         ),
         Command::Topk {

@@ -394,6 +394,16 @@ impl From<RunError> for CliError {
 
 /// Opens `target` and runs `job` on it.
 pub fn open_and_run<J: BackendJob>(target: &Target, job: J) -> Result<J::Output, RunError> {
+    open_and_run_gemm(target, None, job)
+}
+
+/// [`open_and_run`] with the matrix-unit GEMM kernels `gemm` (`None`: the
+/// backend's own choice: `HEADKL_GEMM`, the tune cache, the default).
+pub fn open_and_run_gemm<J: BackendJob>(
+    target: &Target,
+    gemm: Option<headkl_core::GemmChoice>,
+    job: J,
+) -> Result<J::Output, RunError> {
     let device = target.device;
     match target.kind {
         BackendKind::Reference => {
@@ -406,12 +416,21 @@ pub fn open_and_run<J: BackendJob>(target: &Target, job: J) -> Result<J::Output,
             job.run(headkl_reference::CpuBackend::new()).map_err(RunError::Job)
         }
         BackendKind::Wgpu => {
-            let b = guarded("wgpu start-up", || headkl_wgpu::WgpuBackend::open(device))
+            let options = headkl_wgpu::OpenOptions {
+                index: device,
+                gemm,
+                ..Default::default()
+            };
+            let b = guarded("wgpu start-up", || headkl_wgpu::WgpuBackend::open_with(&options))
                 .map_err(|why| RunError::Start(target.kind, why))?;
             job.run(b).map_err(RunError::Job)
         }
         BackendKind::Vulkan => {
-            let b = guarded("Vulkan start-up", || headkl_vulkan::VulkanBackend::open(device))
+            let options = headkl_vulkan::VulkanOptions {
+                gemm,
+                ..headkl_vulkan::VulkanOptions::from_env(device)
+            };
+            let b = guarded("Vulkan start-up", || headkl_vulkan::VulkanBackend::open_with(&options))
                 .map_err(|why| RunError::Start(target.kind, why))?;
             job.run(b).map_err(RunError::Job)
         }

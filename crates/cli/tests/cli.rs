@@ -828,3 +828,56 @@ fn loss_on_gpu_backends() {
         tol.check_dx_rows(&tensor_f32(&st, "grad"), &want.dx, Some(HS)).unwrap();
     }
 }
+
+/// `tune` and `HEADKL_GEMM`: what stops them is named, with exit 2 for a bad
+/// option or setting; on a device without matrix units there is nothing to
+/// tune (lavapipe in CI), which `tune` says instead of timing the tiled GEMM.
+#[test]
+fn tune_and_gemm_settings_name_what_is_wrong() {
+    assert_input_error(
+        &headkl(&["tune", "--backend", "reference"]),
+        &["--backend", "no matrix units"],
+    );
+    let o = headkl(&["tune", "--shape", "4096:100:5120"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("N = 100 must be a positive multiple of 16"),
+        "{}",
+        stderr(&o)
+    );
+    let o = headkl(&["tune", "--kernels", "direct,staged:bk24"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("bk must be 16, 32 or 64"), "{}", stderr(&o));
+
+    let required = std::env::var("HEADKL_REQUIRE").unwrap_or_default();
+    for backend in ["wgpu", "vulkan"] {
+        let must = required.split(',').any(|r| r.trim() == backend);
+        let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+            .args(["check", "--backend", backend, "--cases", "0"])
+            .env("HEADKL_GEMM", "staged:bk24")
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{backend}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        if err.contains("no usable device") && !must {
+            println!("{backend}: skipped, cannot start: {}", err.trim());
+            continue;
+        }
+        assert!(
+            err.contains("HEADKL_GEMM = \"staged:bk24\": bk must be 16, 32 or 64"),
+            "{backend}: {err}"
+        );
+
+        let o = headkl(&["tune", "--backend", backend, "--no-save"]);
+        let err = stderr(&o);
+        assert!(!err.contains("panicked"), "{err}");
+        if o.status.code() == Some(0) {
+            // A device with matrix units: a table and a pick.
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert!(out.contains("best: logits="), "{out}");
+        } else {
+            assert_input_error(&o, &["--backend", "nothing to tune"]);
+        }
+    }
+}

@@ -1,0 +1,425 @@
+//! `headkl tune`: times every matrix-unit GEMM kernel on one device at the
+//! GEMM shapes head_kl runs (the logits `x·Wᵀ` and the input gradient
+//! `g·W`), checks each against the reference on the conformance suite's
+//! kernel cases, and records the fastest correct one per layout in the tune
+//! cache, keyed by backend, device and driver.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Instant;
+
+use half::f16;
+use headkl_core::tuning::{self, TuneCache};
+use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout};
+use headkl_reference::conformance::{self, Part, SuiteConfig};
+
+use crate::error::CliError;
+use crate::rng::fill_parallel;
+use crate::select::{self, BackendArgs, BackendJob, BackendKind, RunError, Target};
+use crate::text::table;
+
+/// The GEMM shape tuned at: `m` token rows, `n` vocabulary rows, `k` hidden
+/// size. The logits GEMM is `[m][k] · [n][k]ᵀ`; the dx GEMM `[m][n] · [n][k]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmShape {
+    /// Token rows.
+    pub m: usize,
+    /// Vocabulary rows of the head.
+    pub n: usize,
+    /// Hidden size.
+    pub k: usize,
+}
+
+impl GemmShape {
+    /// The "GEMM alone" shape: shape A's hidden size, half its
+    /// vocabulary, 4096 tokens (4.4 GB of device memory).
+    pub const LARGE: GemmShape = GemmShape {
+        m: 4096,
+        n: 124_160,
+        k: 5120,
+    };
+    /// For devices with less than 16 GiB (0.6 GB).
+    pub const SMALL: GemmShape = GemmShape {
+        m: 1024,
+        n: 32_768,
+        k: 4096,
+    };
+
+    fn flops(self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+
+    fn device_bytes(self) -> u64 {
+        let (m, n, k) = (self.m as u64, self.n as u64, self.k as u64);
+        // x and dx, the head, the logits (f32) and the f16 gradient.
+        m * k * 2 + m * k * 4 + n * k * 2 + m * n * 4 + m * n * 2
+    }
+}
+
+impl fmt::Display for GemmShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.m, self.n, self.k)
+    }
+}
+
+impl FromStr for GemmShape {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let parts: Vec<&str> = s.split(':').collect();
+        let [m, n, k] = parts.as_slice() else {
+            return Err(format!("`{s}`: expected M:N:K (tokens:vocab:hidden)"));
+        };
+        let num = |name: &str, v: &str| -> Result<usize, String> {
+            match v.trim().parse::<usize>() {
+                Ok(x) if x > 0 && x % headkl_core::ALIGN == 0 => Ok(x),
+                Ok(x) => Err(format!("`{s}`: {name} = {x} must be a positive multiple of 16")),
+                Err(e) => Err(format!("`{s}`: {name}: {e}")),
+            }
+        };
+        Ok(GemmShape {
+            m: num("M", m)?,
+            n: num("N", n)?,
+            k: num("K", k)?,
+        })
+    }
+}
+
+/// What `headkl tune` was asked.
+#[derive(Clone, Debug)]
+pub struct TuneConfig {
+    /// The GEMM shape; `None`: [`GemmShape::LARGE`] on a device with 16 GiB
+    /// or more (or a discrete one that does not say), else
+    /// [`GemmShape::SMALL`].
+    pub shape: Option<GemmShape>,
+    /// Timed GEMMs per layout and kernel.
+    pub iters: usize,
+    /// Kernels to try; `None`: every candidate.
+    pub kernels: Option<Vec<CoopGemm>>,
+    /// Record the result in the tune cache.
+    pub save: bool,
+}
+
+/// One kernel's measurements.
+#[derive(Clone, Debug)]
+struct Trial {
+    kernel: CoopGemm,
+    /// Kernel cases passed / run, or why the kernel could not run.
+    outcome: Result<(usize, usize), String>,
+    /// Median GPU ms of the logits and dx GEMMs.
+    logits_ms: Option<f64>,
+    dx_ms: Option<f64>,
+}
+
+impl Trial {
+    fn correct(&self) -> bool {
+        matches!(self.outcome, Ok((passed, run)) if passed == run)
+    }
+}
+
+/// The host data every trial uploads.
+struct TuneData {
+    shape: GemmShape,
+    /// x `[m][k]`.
+    hidden: Vec<f16>,
+    /// The head `[n][k]`; its first `m·n` elements also serve as the f16
+    /// gradient `[m][n]`.
+    head: Vec<f16>,
+}
+
+impl TuneData {
+    fn new(shape: GemmShape) -> Self {
+        let mut hidden = vec![f16::ZERO; shape.m * shape.k];
+        let mut head = vec![f16::ZERO; (shape.n * shape.k).max(shape.m * shape.n)];
+        fill_parallel(&mut hidden, 0x7475_6e65_0001, |r| f16::from_f32(r.symmetric(1.0)));
+        fill_parallel(&mut head, 0x7475_6e65_0002, |r| f16::from_f32(r.symmetric(1.0)));
+        Self { shape, hidden, head }
+    }
+}
+
+/// Times one kernel (both layouts) on an opened backend.
+struct TrialJob<'a> {
+    data: &'a TuneData,
+    iters: usize,
+}
+
+impl BackendJob for TrialJob<'_> {
+    type Output = (Result<(usize, usize), String>, Option<f64>, Option<f64>);
+
+    fn run<B: Backend>(self, backend: B) -> Result<Self::Output, CliError> {
+        if !backend.info().matrix_units {
+            return Err(CliError::option(
+                "--backend",
+                format!(
+                    "{} runs the tiled GEMM here: nothing to tune",
+                    backend.info().device_name
+                ),
+            ));
+        }
+        let cfg = SuiteConfig { cases: 0, seed: 0 };
+        let report = conformance::run_part(&backend, Part::Kernels, &cfg, &mut |_| {});
+        let outcome = match report.failures.first() {
+            None => Ok((report.passed, report.cases)),
+            Some(f) => Err(format!(
+                "{}/{} kernel cases passed; first failure {}: {}",
+                report.passed, report.cases, f.name, f.message
+            )),
+        };
+        if outcome.is_err() {
+            return Ok((outcome, None, None));
+        }
+        let dev = |e| CliError::device("tune", e);
+        let GemmShape { m, n, k } = self.data.shape;
+        let bytes = |v: &[f16]| bytemuck::cast_slice::<f16, u8>(v).to_vec();
+        let x = backend.alloc((m * k * 2) as u64, "tune x").map_err(dev)?;
+        let head = backend.alloc((n * k * 2) as u64, "tune head").map_err(dev)?;
+        let grad = backend.alloc((m * n * 2) as u64, "tune grad").map_err(dev)?;
+        let logits = backend.alloc((m * n * 4) as u64, "tune logits").map_err(dev)?;
+        let dx = backend.alloc((m * k * 4) as u64, "tune dx").map_err(dev)?;
+        backend.upload(&x, 0, &bytes(&self.data.hidden)).map_err(dev)?;
+        backend
+            .upload(&head, 0, &bytes(&self.data.head[..n * k]))
+            .map_err(dev)?;
+        backend
+            .upload(&grad, 0, &bytes(&self.data.head[..m * n]))
+            .map_err(dev)?;
+        let logits_desc = GemmDesc::dense(m, n, k, HeadLayout::RowsAreOutputs);
+        let dx_desc = GemmDesc::dense(m, k, n, HeadLayout::RowsAreReduction);
+        let timed = backend.set_profiling(true);
+        // One untimed call each builds the pipelines and warms the clocks.
+        for timed_round in [false, true] {
+            let rounds = if timed_round { self.iters } else { 1 };
+            for _ in 0..rounds {
+                backend
+                    .gemm(&x, &head, &logits, &logits_desc, "gemm_logits")
+                    .map_err(dev)?;
+                backend.gemm(&grad, &head, &dx, &dx_desc, "gemm_dx").map_err(dev)?;
+            }
+            backend.finish().map_err(dev)?;
+            if !timed_round {
+                backend.take_kernel_times().map_err(dev)?;
+            }
+        }
+        let times = backend.take_kernel_times().map_err(dev)?;
+        backend.set_profiling(false);
+        if !timed {
+            return Err(CliError::option(
+                "--backend",
+                "this backend has no kernel timestamps: nothing to tune by",
+            ));
+        }
+        let median_of = |label: &str| {
+            let mut v: Vec<f64> = times.iter().filter(|t| t.kernel == label).map(|t| t.ms).collect();
+            v.sort_by(f64::total_cmp);
+            (!v.is_empty()).then(|| v[v.len() / 2])
+        };
+        Ok((outcome, median_of("gemm_logits"), median_of("gemm_dx")))
+    }
+}
+
+/// Reads the device's name, driver and memory.
+struct InfoJob;
+
+impl BackendJob for InfoJob {
+    type Output = headkl_core::DeviceInfo;
+    fn run<B: Backend>(self, backend: B) -> Result<Self::Output, CliError> {
+        Ok(backend.info().clone())
+    }
+}
+
+/// Runs `headkl tune`.
+pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
+    let target = select::resolve_announced(args, "tune");
+    if target.kind == BackendKind::Reference {
+        return Err(CliError::option(
+            "--backend",
+            "the reference backend has no matrix units to tune (name vulkan or wgpu, or run where auto finds a GPU)",
+        ));
+    }
+    if cfg.iters == 0 {
+        return Err(CliError::option("--iters", "must be at least 1"));
+    }
+    let info = select::open_and_run_gemm(&target, None, InfoJob)?;
+    if !info.matrix_units {
+        return Err(CliError::option(
+            "--backend",
+            format!(
+                "{} on {} runs the tiled GEMM (no usable matrix units, or HEADKL_NO_COOPMAT): nothing to tune",
+                target.kind, info.device_name
+            ),
+        ));
+    }
+    // wgpu does not report memory: a discrete GPU is taken to have 16 GiB.
+    let large = match info.memory_bytes {
+        Some(b) => b >= 16 << 30,
+        None => info.device_type == "discrete",
+    };
+    let shape = cfg
+        .shape
+        .unwrap_or(if large { GemmShape::LARGE } else { GemmShape::SMALL });
+    if let Some(mem) = info.memory_bytes {
+        if shape.device_bytes() > mem {
+            return Err(CliError::option(
+                "--shape",
+                format!(
+                    "{shape} needs {} of device memory, {} has {}",
+                    crate::text::fmt_bytes(shape.device_bytes()),
+                    info.device_name,
+                    crate::text::fmt_bytes(mem)
+                ),
+            ));
+        }
+    }
+    let kernels = cfg.kernels.clone().unwrap_or_else(CoopGemm::candidates);
+    eprintln!(
+        "tune: {} on {} (driver {}): {} kernels at m:n:k = {shape} ({:.1} GFLOP per GEMM), median of {}",
+        target.kind,
+        info.device_name,
+        info.driver,
+        kernels.len(),
+        shape.flops() / 1e9,
+        cfg.iters
+    );
+    let start = Instant::now();
+    let data = TuneData::new(shape);
+    eprintln!("tune: data ready in {:.1} s", start.elapsed().as_secs_f64());
+
+    let tflops = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.1}", shape.flops() / ms / 1e9));
+    let ms = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{ms:.2}"));
+    let mut trials = Vec::new();
+    for (i, &kernel) in kernels.iter().enumerate() {
+        let choice = GemmChoice {
+            logits: kernel,
+            dx: kernel,
+        };
+        let job = TrialJob {
+            data: &data,
+            iters: cfg.iters,
+        };
+        let trial = match select::open_and_run_gemm(&target, Some(choice), job) {
+            Ok((outcome, logits_ms, dx_ms)) => Trial {
+                kernel,
+                outcome,
+                logits_ms,
+                dx_ms,
+            },
+            Err(RunError::Start(_, why)) => Trial {
+                kernel,
+                outcome: Err(format!("does not start: {why}")),
+                logits_ms: None,
+                dx_ms: None,
+            },
+            Err(RunError::Job(e)) => Trial {
+                kernel,
+                outcome: Err(e.to_string()),
+                logits_ms: None,
+                dx_ms: None,
+            },
+        };
+        eprintln!(
+            "tune: [{}/{}] {kernel}: logits {} ms ({} TFLOP/s), dx {} ms ({} TFLOP/s){}",
+            i + 1,
+            kernels.len(),
+            ms(trial.logits_ms),
+            tflops(trial.logits_ms),
+            ms(trial.dx_ms),
+            tflops(trial.dx_ms),
+            match &trial.outcome {
+                Ok(_) => String::new(),
+                Err(why) => format!(": {why}"),
+            }
+        );
+        trials.push(trial);
+    }
+
+    let rows: Vec<Vec<String>> = trials
+        .iter()
+        .map(|t| {
+            vec![
+                t.kernel.to_string(),
+                match &t.outcome {
+                    Ok((p, r)) => format!("{p}/{r}"),
+                    Err(why) if why.starts_with("does not start") => "does not start".to_string(),
+                    Err(_) => "FAIL".to_string(),
+                },
+                ms(t.logits_ms),
+                tflops(t.logits_ms),
+                ms(t.dx_ms),
+                tflops(t.dx_ms),
+            ]
+        })
+        .collect();
+    println!(
+        "{} {} (driver {}), m:n:k = {shape}, GPU ms median of {}",
+        target.kind, info.device_name, info.driver, cfg.iters
+    );
+    print!(
+        "{}",
+        table(
+            &["kernel", "kernel cases", "logits ms", "TFLOP/s", "dx ms", "TFLOP/s"],
+            &rows
+        )
+    );
+    let best = |f: fn(&Trial) -> Option<f64>| {
+        trials
+            .iter()
+            .filter(|t| t.correct())
+            .filter_map(|t| f(t).map(|ms| (t.kernel, ms)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+    };
+    let (Some((logits, logits_ms)), Some((dx, dx_ms))) = (best(|t| t.logits_ms), best(|t| t.dx_ms)) else {
+        return Err(CliError::device(
+            "tune",
+            headkl_core::Error::Backend {
+                backend: target.kind.name(),
+                message: "no kernel both passed the kernel cases and ran".into(),
+            },
+        ));
+    };
+    let choice = GemmChoice { logits, dx };
+    println!(
+        "best: {choice} (logits {:.1}, dx {:.1} TFLOP/s)",
+        shape.flops() / logits_ms / 1e9,
+        shape.flops() / dx_ms / 1e9
+    );
+    if cfg.save {
+        save(&target, &info, choice)?;
+    }
+    Ok(())
+}
+
+fn save(target: &Target, info: &headkl_core::DeviceInfo, choice: GemmChoice) -> Result<(), CliError> {
+    let Some(path) = tuning::cache_path() else {
+        return Err(CliError::option(
+            "--no-save",
+            "no cache folder: set HEADKL_CACHE_DIR, XDG_CACHE_HOME or HOME (or pass --no-save)",
+        ));
+    };
+    let mut cache = TuneCache::load(&path);
+    cache.insert(target.kind.name(), &info.device_name, &info.driver, choice);
+    cache.save(&path).map_err(|e| CliError::File {
+        file: path.clone(),
+        problem: format!("cannot write the tune cache: {e}"),
+    })?;
+    println!(
+        "saved to {} ({} uses it on this device unless {} is set)",
+        path.display(),
+        target.kind,
+        tuning::GEMM_ENV
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_parse_and_name_the_bad_field() {
+        assert_eq!("4096:124160:5120".parse::<GemmShape>(), Ok(GemmShape::LARGE));
+        assert!("4096:124160".parse::<GemmShape>().unwrap_err().contains("M:N:K"));
+        assert!("4096:100:5120".parse::<GemmShape>().unwrap_err().contains("N = 100"));
+        assert!("x:128:128".parse::<GemmShape>().unwrap_err().contains("M:"));
+        assert_eq!(GemmShape::LARGE.to_string(), "4096:124160:5120");
+        assert!(GemmShape::SMALL.device_bytes() < 1 << 30);
+    }
+}

@@ -1,0 +1,47 @@
+"""cuBLAS (through PyTorch) at the GEMM shapes `headkl tune` times, so the
+two can be compared in one device call. Prints one line per GEMM:
+    cublas logits M:N:K ms=... tflops=...
+    cublas dx     M:N:K ms=... tflops=...
+Usage: python3 scripts/cublas_gemm.py [--shape 4096:124160:5120] [--iters 10]
+"""
+import argparse
+
+import torch
+
+
+def median_ms(fn, iters):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="4096:124160:5120")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    m, n, k = (int(v) for v in args.shape.split(":"))
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x = torch.rand(m, k, device=dev, generator=gen, dtype=torch.float16) * 2 - 1
+    w = torch.rand(n, k, device=dev, generator=gen, dtype=torch.float16) * 2 - 1
+    g = torch.rand(m, n, device=dev, generator=gen, dtype=torch.float16) * 2 - 1
+    flops = 2.0 * m * n * k
+    # f16 operands with f32 accumulation; cuBLAS writes f16 (headkl writes
+    # f32 logits: 2 bytes more per output element).
+    for name, fn in [("logits", lambda: torch.matmul(x, w.t())), ("dx", lambda: torch.matmul(g, w))]:
+        ms = median_ms(fn, args.iters)
+        print(f"cublas {name:6} {m}:{n}:{k} ms={ms:.2f} tflops={flops / ms / 1e9:.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
