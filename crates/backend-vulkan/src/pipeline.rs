@@ -497,7 +497,10 @@ impl PipelineCache {
                 continue;
             };
             for stat in stats {
-                let name = stat.name_as_c_str().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let name = stat
+                    .name_as_c_str()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
                 // SAFETY: `format` says which member of the union is set.
                 let value = unsafe {
                     match stat.format {
