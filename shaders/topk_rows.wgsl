@@ -1,6 +1,7 @@
 // The exact top-k row kernel (headkl_core::TopkDesc): one workgroup per
-// token row, radix select over order-preserving keys, then a bitonic sort of
-// the k selected. See shaders/README.md.
+// token row; a threshold from the invocations' largest keys (k <= 256) or a
+// radix select over order-preserving keys, then a bitonic sort of the
+// selected. See shaders/README.md.
 
 struct RowParams {
     rows: u32,
@@ -83,6 +84,79 @@ fn before(ka: u32, ia: u32, kb: u32, ib: u32) -> bool {
     return ka > kb || (ka == kb && ia < ib);
 }
 
+// Sorts sel_key/sel_id[0..n) (n a power of two, at most MAX_K) by key
+// descending, id ascending. Call from uniform control flow.
+fn bitonic_sort(n: u32, lid: u32) {
+    for (var size = 2u; size <= n; size <<= 1u) {
+        for (var stride = size >> 1u; stride > 0u; stride >>= 1u) {
+            for (var t = lid; t < n / 2u; t += WG) {
+                let i = (t / stride) * stride * 2u + t % stride;
+                let jj = i + stride;
+                let ki = sel_key[i];
+                let ii = sel_id[i];
+                let kj = sel_key[jj];
+                let ij = sel_id[jj];
+                // Ascending blocks (in "before" order) when bit `size` of i is 0.
+                let up = (i & size) == 0u;
+                if before(kj, ij, ki, ii) == up {
+                    sel_key[i] = kj;
+                    sel_id[i] = ij;
+                    sel_key[jj] = ki;
+                    sel_id[jj] = ii;
+                }
+            }
+            workgroupBarrier();
+        }
+    }
+}
+
+// Sorts the `count` selected pairs, padded to a power of two with pairs that
+// sort last. Call from uniform control flow, after the pairs are written.
+fn sort_selected(count: u32, lid: u32) {
+    var n = 1u;
+    while n < count {
+        n <<= 1u;
+    }
+    for (var i = count + lid; i < n; i += WG) {
+        sel_key[i] = PAD_KEY;
+        sel_id[i] = PAD_ID;
+    }
+    workgroupBarrier();
+    bitonic_sort(n, lid);
+}
+
+// Writes the first k sorted pairs of `row`: ids, and the softmax over the k
+// relative to the largest (the first).
+fn write_row(row: u32, k: u32, lid: u32) {
+    let top = value_of(sel_key[0]);
+    var part = 0.0;
+    for (var q = lid; q < k; q += WG) {
+        part += exp(value_of(sel_key[q]) - top);
+    }
+    // Reuse `scan` as f32 bits for the reduction.
+    scan[lid] = bitcast<u32>(part);
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if lid < s {
+            scan[lid] = bitcast<u32>(bitcast<f32>(scan[lid]) + bitcast<f32>(scan[lid + s]));
+        }
+        workgroupBarrier();
+    }
+    let total = bitcast<f32>(scan[0]);
+    let out = row * k;
+    for (var q = lid; q < k; q += WG) {
+        ids[out + q] = sel_id[q];
+        probs[out + q] = exp(value_of(sel_key[q]) - top) / total;
+    }
+}
+
+// Marks `row` as holding a non-finite logit.
+fn write_bad(row: u32, k: u32, lid: u32) {
+    if lid == 0u {
+        probs[row * k] = bitcast<f32>(0x7fc00000u);
+    }
+}
+
 @compute @workgroup_size(256)
 fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = wg.x + wg.y * params.grid_x;
@@ -99,6 +173,66 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         atomicStore(&bad_flag, 0u);
         atomicStore(&gt_count, 0u);
         atomicStore(&eq_count, 0u);
+    }
+
+    // Threshold path (k <= WG): T, the k-th largest of the invocations'
+    // largest keys, is at most the row's k-th largest key (k invocations
+    // each own a key >= T), so the top k are among the keys >= T. Two reads
+    // of the row and one atomic per candidate; when more than MAX_K keys
+    // reach T (a flat row), the radix select below runs instead.
+    if k <= WG {
+        var best = PAD_KEY;
+        var bad = false;
+        for (var j = lid; j < vocab; j += WG) {
+            let x = logits[base + j];
+            if non_finite(x) {
+                bad = true;
+            }
+            best = max(best, key_of(x));
+        }
+        if bad {
+            atomicStore(&bad_flag, 1u);
+        }
+        sel_key[lid] = best;
+        sel_id[lid] = lid;
+        workgroupBarrier();
+        if lid == 0u {
+            u_bad = atomicLoad(&bad_flag);
+        }
+        if workgroupUniformLoad(&u_bad) != 0u {
+            write_bad(row, k, lid);
+            return;
+        }
+        bitonic_sort(WG, lid);
+        if lid == 0u {
+            u_prefix = sel_key[k - 1u];
+        }
+        let threshold = workgroupUniformLoad(&u_prefix);
+        for (var j = lid; j < vocab; j += WG) {
+            let key = key_of(logits[base + j]);
+            if key >= threshold {
+                let slot = atomicAdd(&gt_count, 1u);
+                if slot < MAX_K {
+                    sel_key[slot] = key;
+                    sel_id[slot] = j;
+                }
+            }
+        }
+        workgroupBarrier();
+        if lid == 0u {
+            u_total = atomicLoad(&gt_count);
+        }
+        let count = workgroupUniformLoad(&u_total);
+        if count <= MAX_K {
+            sort_selected(count, lid);
+            write_row(row, k, lid);
+            return;
+        }
+        if lid == 0u {
+            u_prefix = 0u;
+            atomicStore(&gt_count, 0u);
+        }
+        workgroupBarrier();
     }
 
     // Radix select: find the k-th largest key in 3 digits of 11, 11 and 10
@@ -141,9 +275,7 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 u_bad = atomicLoad(&bad_flag);
             }
             if workgroupUniformLoad(&u_bad) != 0u {
-                if lid == 0u {
-                    probs[row * k] = bitcast<f32>(0x7fc00000u);
-                }
+                write_bad(row, k, lid);
                 return;
             }
         }
@@ -229,57 +361,6 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         }
     }
 
-    // Bitonic sort of the k selected, padded to a power of two.
-    var n = 1u;
-    while n < k {
-        n <<= 1u;
-    }
-    for (var i = k + lid; i < n; i += WG) {
-        sel_key[i] = PAD_KEY;
-        sel_id[i] = PAD_ID;
-    }
-    workgroupBarrier();
-    for (var size = 2u; size <= n; size <<= 1u) {
-        for (var stride = size >> 1u; stride > 0u; stride >>= 1u) {
-            for (var t = lid; t < n / 2u; t += WG) {
-                let i = (t / stride) * stride * 2u + t % stride;
-                let jj = i + stride;
-                let ki = sel_key[i];
-                let ii = sel_id[i];
-                let kj = sel_key[jj];
-                let ij = sel_id[jj];
-                // Ascending blocks (in "before" order) when bit `size` of i is 0.
-                let up = (i & size) == 0u;
-                if before(kj, ij, ki, ii) == up {
-                    sel_key[i] = kj;
-                    sel_id[i] = ij;
-                    sel_key[jj] = ki;
-                    sel_id[jj] = ii;
-                }
-            }
-            workgroupBarrier();
-        }
-    }
-
-    // Softmax over the k, relative to the largest (the first).
-    let top = value_of(sel_key[0]);
-    var part = 0.0;
-    for (var q = lid; q < k; q += WG) {
-        part += exp(value_of(sel_key[q]) - top);
-    }
-    // Reuse `scan` as f32 bits for the reduction.
-    scan[lid] = bitcast<u32>(part);
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if lid < s {
-            scan[lid] = bitcast<u32>(bitcast<f32>(scan[lid]) + bitcast<f32>(scan[lid + s]));
-        }
-        workgroupBarrier();
-    }
-    let total = bitcast<f32>(scan[0]);
-    let out = row * k;
-    for (var q = lid; q < k; q += WG) {
-        ids[out + q] = sel_id[q];
-        probs[out + q] = exp(value_of(sel_key[q]) - top) / total;
-    }
+    sort_selected(k, lid);
+    write_row(row, k, lid);
 }

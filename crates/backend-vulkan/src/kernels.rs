@@ -97,7 +97,7 @@ pub(crate) fn coop_plan(caps: &Caps, choice: GemmChoice, source: ChoiceSource) -
     if require_size && !pinnable {
         return Ok(None);
     }
-    let (choice, source) = tuning::fit_choice(choice, source, &kernel_limits(caps))?;
+    let (choice, source) = tuning::fit_choice(crate::conv::BACKEND, choice, source, &kernel_limits(caps))?;
     Ok(Some(CoopPlan {
         subgroup_size: size,
         require_size,

@@ -81,7 +81,7 @@ pub struct OpenOptions {
     /// Build every kernel with runtime bounds checks.
     pub checked: bool,
     /// The matrix-unit GEMM kernels; `None`: `HEADKL_GEMM`, else the tune
-    /// cache's entry for the adapter, else [`GemmChoice::DEFAULT`].
+    /// cache's entry for the adapter, else [`GemmChoice::WGPU_DEFAULT`].
     pub gemm: Option<GemmChoice>,
 }
 
@@ -130,7 +130,12 @@ impl WgpuBackend {
         let (choice, source) = tuning::resolve_choice(options.gemm, BACKEND, &i.device_name, &i.driver)?;
         let coop = match &candidate.coop {
             Ok(sg) if use_coop => {
-                let fitted = tuning::fit_choice(choice, source, &adapter::kernel_limits(&candidate.adapter, *sg))?;
+                let fitted = tuning::fit_choice(
+                    BACKEND,
+                    choice,
+                    source,
+                    &adapter::kernel_limits(&candidate.adapter, *sg),
+                )?;
                 Some((*sg, fitted))
             }
             _ => None,

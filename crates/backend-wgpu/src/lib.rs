@@ -15,7 +15,7 @@
 //!   in range for the extents core validated).
 //! - `HEADKL_GEMM`: the matrix-unit GEMM kernels
 //!   ([`headkl_core::tuning`]); without it, the tune cache's entry for the
-//!   adapter (`headkl tune`), else [`headkl_core::GemmChoice::DEFAULT`].
+//!   adapter (`headkl tune`), else [`headkl_core::GemmChoice::WGPU_DEFAULT`].
 
 mod adapter;
 mod backend;

@@ -228,6 +228,22 @@ impl GemmChoice {
         dx: CoopGemm::Staged(DEFAULT_DX),
     };
 
+    /// The wgpu backend's default: its fastest on the H200, where wgpu's
+    /// pipelines ran the K-64 tile far slower than the Vulkan backend's.
+    pub const WGPU_DEFAULT: GemmChoice = GemmChoice {
+        logits: CoopGemm::Staged(DEFAULT_DX),
+        dx: CoopGemm::Staged(DEFAULT_DX),
+    };
+
+    /// The default of `backend` (`wgpu` or `vulkan`).
+    pub fn default_for(backend: &str) -> GemmChoice {
+        if backend == "wgpu" {
+            Self::WGPU_DEFAULT
+        } else {
+            Self::DEFAULT
+        }
+    }
+
     /// The fallback where the default does not fit: the smallest staged
     /// tile (12 KiB of workgroup memory, 4 subgroups).
     pub const PORTABLE: GemmChoice = GemmChoice {
@@ -343,14 +359,16 @@ impl CoopGemm {
 
 /// `choice` where each of its kernels fits `limits`. Where one does not, an
 /// explicit choice (options, `HEADKL_GEMM`) is an [`Error::InvalidSetting`];
-/// any other falls back to [`GemmChoice::DEFAULT`], then
-/// [`GemmChoice::PORTABLE`], then the direct kernel, which needs no
-/// workgroup memory.
+/// any other falls back to the backend's default
+/// ([`GemmChoice::default_for`]), then [`GemmChoice::PORTABLE`], then the
+/// direct kernel, which needs no workgroup memory.
 pub fn fit_choice(
+    backend: &str,
     choice: GemmChoice,
     source: ChoiceSource,
     limits: &KernelLimits,
 ) -> Result<(GemmChoice, ChoiceSource)> {
+    let default = GemmChoice::default_for(backend);
     let misfit = |c: GemmChoice| c.kernels().into_iter().find_map(|k| k.misfit(limits));
     match misfit(choice) {
         None => Ok((choice, source)),
@@ -359,7 +377,7 @@ pub fn fit_choice(
             value: choice.to_string(),
             reason: format!("{why} (from {source})"),
         }),
-        Some(_) if misfit(GemmChoice::DEFAULT).is_none() => Ok((GemmChoice::DEFAULT, ChoiceSource::Default)),
+        Some(_) if misfit(default).is_none() => Ok((default, ChoiceSource::Default)),
         Some(_) if misfit(GemmChoice::PORTABLE).is_none() => Ok((GemmChoice::PORTABLE, ChoiceSource::Default)),
         Some(_) => Ok((
             GemmChoice {
@@ -380,7 +398,7 @@ pub enum ChoiceSource {
     Environment,
     /// The tune cache at this path.
     Cache(PathBuf),
-    /// [`GemmChoice::DEFAULT`].
+    /// The backend's default ([`GemmChoice::default_for`]).
     Default,
 }
 
@@ -404,7 +422,8 @@ impl fmt::Display for ChoiceSource {
 }
 
 /// The choice for a device: `explicit` if given, else `HEADKL_GEMM`, else
-/// the tune cache's entry for `(backend, device, driver)`, else the default.
+/// the tune cache's entry for `(backend, device, driver)`, else the
+/// backend's default.
 pub fn resolve_choice(
     explicit: Option<GemmChoice>,
     backend: &str,
@@ -422,7 +441,7 @@ pub fn resolve_choice(
             return Ok((choice, ChoiceSource::Cache(path)));
         }
     }
-    Ok((GemmChoice::DEFAULT, ChoiceSource::Default))
+    Ok((GemmChoice::default_for(backend), ChoiceSource::Default))
 }
 
 /// The tune cache's path: `$HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
@@ -615,24 +634,26 @@ mod tests {
         };
         // 60 KiB of workgroup memory on a 48 KiB device.
         let big = GemmChoice::parse("logits=staged:bk32:r4:s2,dx=direct").unwrap();
-        match fit_choice(big, ChoiceSource::Environment, &h200) {
+        match fit_choice("vulkan", big, ChoiceSource::Environment, &h200) {
             Err(Error::InvalidSetting { value, reason, .. }) => {
                 assert_eq!(value, big.to_string());
                 assert!(reason.contains("61440 bytes"), "{reason}");
             }
             other => panic!("{other:?}"),
         }
-        let fitted = fit_choice(big, ChoiceSource::Cache(PathBuf::from("x")), &h200).unwrap();
+        let fitted = fit_choice("vulkan", big, ChoiceSource::Cache(PathBuf::from("x")), &h200).unwrap();
         assert_eq!(fitted, (GemmChoice::DEFAULT, ChoiceSource::Default));
+        let fitted = fit_choice("wgpu", big, ChoiceSource::Default, &h200).unwrap();
+        assert_eq!(fitted.0, GemmChoice::WGPU_DEFAULT);
         let ok = GemmChoice::parse("staged:bk32:r2:s2").unwrap();
-        assert_eq!(fit_choice(ok, ChoiceSource::Options, &h200).unwrap().0, ok);
+        assert_eq!(fit_choice("vulkan", ok, ChoiceSource::Options, &h200).unwrap().0, ok);
 
         // Too little for the default too: the direct kernel everywhere.
         let small = KernelLimits {
             shared_bytes: 4 << 10,
             ..h200
         };
-        let fitted = fit_choice(big, ChoiceSource::Default, &small).unwrap();
+        let fitted = fit_choice("vulkan", big, ChoiceSource::Default, &small).unwrap();
         assert_eq!(fitted.0, GemmChoice::parse("direct").unwrap());
 
         // Subgroup builtins and invocations.

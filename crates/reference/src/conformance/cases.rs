@@ -183,6 +183,8 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "peaked_teacher_large_flat_tau_3_5",
         "large_ties_hs248_topk",
         "large_hs304_topk",
+        "flat_v3040_k64_topk",
+        "k256_v3000_topk",
     ]
 }
 
@@ -325,6 +327,33 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
         "large_hs304_topk" => from(CaseParams {
             large: true,
             ..params(Topk, 1026, 304, 64, 26, 26)
+        }),
+        "flat_v3040_k64_topk" => {
+            // Logit 0.5 at ids 0..3000 and 1.0 at ids 3000..3040, k = 64:
+            // the threshold from the invocations' largest keys is 0.5, which
+            // all 3040 keys reach, more than the 2048 the threshold path
+            // holds, so the radix select must take over. The answer mixes
+            // the last ids (the 40 at 1.0) with the first 24 at 0.5.
+            let (vocab, hs, ntok) = (3040, 16, 2);
+            let mut case = Case::from_params(&params(Topk, vocab, hs, ntok, 64, 27));
+            for (v, row) in case.head.chunks_exact_mut(hs).enumerate() {
+                row.fill(0.0);
+                row[0] = if v < 3000 { 0.5 } else { 1.0 };
+            }
+            for row in case.hidden.chunks_exact_mut(hs) {
+                row.fill(0.0);
+                row[0] = 1.0;
+            }
+            case.name = "topk/regression[3000 tied below 40, V 3040]".into();
+            let mut r = plain(case);
+            let row_ids: Vec<u32> = (3000..3040).chain(0..24).collect();
+            r.exact_ids = Some((0..ntok).flat_map(|_| row_ids.clone()).collect());
+            r
+        }
+        // The threshold path at its largest k (one workgroup's invocations).
+        "k256_v3000_topk" => from(CaseParams {
+            ties: true,
+            ..params(Topk, 3000, 32, 5, 256, 28)
         }),
         other => return Err(format!("no regression case named {other}")),
     };
