@@ -129,6 +129,7 @@ impl Caps {
             driver: self.driver.clone(),
             device_type: device_type_name(self.device_type).to_string(),
             matrix_units,
+            gemm: None,
             matrix_shapes: self.matrix_shapes.clone(),
             shader_f16: self.features.shader_float16 && self.features.storage_buffer_16bit,
             subgroup_size: (self.subgroup_size > 0).then_some(self.subgroup_size),

@@ -53,6 +53,20 @@ fn env_flag(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
 }
 
+/// The GEMM kernels of `coop` (or the tiled fallback) in words.
+fn describe_gemm(coop: Option<&CoopPlan>) -> String {
+    match coop {
+        Some(plan) => {
+            let pinned = if plan.require_size { " (pinned)" } else { "" };
+            format!(
+                "cooperative {} (subgroup {}{pinned}; from {})",
+                plan.choice, plan.subgroup_size, plan.source
+            )
+        }
+        None => "tiled (gemm_tiled.wgsl)".to_string(),
+    }
+}
+
 /// How to open the Vulkan backend.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct VulkanOptions {
@@ -158,7 +172,8 @@ impl VulkanBackend {
         };
         let device = Device::new(instance, chosen, coop.is_some())?;
         let coop = coop.filter(|_| device.enabled.cooperative_matrix);
-        let info = device.caps.device_info(coop.is_some());
+        let mut info = device.caps.device_info(coop.is_some());
+        info.gemm = Some(describe_gemm(coop.as_ref()));
         let stream = Stream::new(Arc::clone(&device), staging_bytes)?;
         let pipelines = PipelineCache::new(Arc::clone(&device));
         Ok(Self {
@@ -182,18 +197,9 @@ impl VulkanBackend {
         self.coop.is_some()
     }
 
-    /// Which GEMM kernel runs, with its override values, in words.
+    /// Which GEMM kernels run, and where the choice came from, in words.
     pub fn gemm_kernel(&self) -> String {
-        match &self.coop {
-            Some(plan) => {
-                let pinned = if plan.require_size { " (pinned)" } else { "" };
-                format!(
-                    "cooperative {} (subgroup {}{pinned}; from {})",
-                    plan.choice, plan.subgroup_size, plan.source
-                )
-            }
-            None => "gemm_tiled.wgsl".to_string(),
-        }
+        describe_gemm(self.coop.as_ref())
     }
 
     /// The matrix-unit GEMM kernels, when the GEMM runs on matrix units.

@@ -140,6 +140,7 @@ fn describe(adapter: wgpu::Adapter) -> Candidate {
         device_type: device_type(ai.device_type).to_string(),
         // What `open` would use; the opened backend's info says what it does.
         matrix_units: coop.is_ok() && !env_flag("HEADKL_NO_COOPMAT"),
+        gemm: None,
         matrix_shapes: shapes,
         shader_f16: features.contains(wgpu::Features::SHADER_F16),
         subgroup_size,

@@ -141,6 +141,7 @@ impl WgpuBackend {
             _ => None,
         };
         let gemm_path = adapter::gemm_path(&candidate.coop, coop.as_ref().map(|(_, plan)| plan), force_tiled);
+        info.gemm = Some(gemm_path.clone());
         let kernels = Kernels::new(
             &device,
             GemmBuild {

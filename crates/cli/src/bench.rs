@@ -218,6 +218,8 @@ pub struct BenchRun {
     pub device_type: String,
     /// Whether the GEMM ran on matrix units.
     pub matrix_units: bool,
+    /// Which GEMM kernels ran and where the choice came from.
+    pub gemm: Option<String>,
     /// The shape.
     pub shape: Shape,
     /// Device bytes the f16 head occupies.
@@ -446,6 +448,9 @@ impl BackendJob for BenchJob<'_> {
             if info.matrix_units { "on" } else { "off" },
             if profiling { "on" } else { "off (wall time only)" }
         );
+        if let Some(gemm) = &info.gemm {
+            eprintln!("bench: GEMM {gemm}");
+        }
         let before = backend.memory().current;
         let head = HeadWeights::new(HeadData::F16(&data.head), shape.vocab, shape.hs)
             .map_err(|e| CliError::device("bench head", e))?;
@@ -472,6 +477,7 @@ impl BackendJob for BenchJob<'_> {
             driver: info.driver.clone(),
             device_type: info.device_type.clone(),
             matrix_units: info.matrix_units,
+            gemm: info.gemm.clone(),
             shape,
             head_bytes,
             slices: engine.slices().len(),

@@ -224,6 +224,7 @@ mod tests {
             driver: "f64".into(),
             device_type: "cpu".into(),
             matrix_units: false,
+            gemm: None,
             matrix_shapes: vec![],
             shader_f16: false,
             subgroup_size: None,

@@ -207,6 +207,7 @@ mod tests {
             driver: String::new(),
             device_type: "cpu".into(),
             matrix_units: false,
+            gemm: None,
             shape: Shape::A,
             head_bytes: 1,
             slices: 1,

@@ -459,6 +459,7 @@ mod tests {
             driver: "test".into(),
             device_type: ty.into(),
             matrix_units: mu,
+            gemm: None,
             matrix_shapes: if mu { vec![(16, 16, 16)] } else { vec![] },
             shader_f16: true,
             subgroup_size: Some(32),

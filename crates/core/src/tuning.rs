@@ -180,36 +180,24 @@ impl fmt::Display for CoopGemm {
     }
 }
 
-const DEFAULT_STAGED: StagedTile = StagedTile {
-    bk: 32,
-    rows: 2,
-    stages: 2,
-    prefetch: false,
-};
+const fn tile(bk: u32, rows: u32, stages: u32, prefetch: bool) -> StagedTile {
+    StagedTile {
+        bk,
+        rows,
+        stages,
+        prefetch,
+    }
+}
 
-const PORTABLE_TILE: StagedTile = StagedTile {
-    bk: 16,
-    rows: 2,
-    stages: 1,
-    prefetch: false,
-};
-
+/// What a name's missing fields take: K 32, 2 rows, two stages.
+const DEFAULT_STAGED: StagedTile = tile(32, 2, 2, false);
+/// The smallest tile: 12 KiB of workgroup memory, 4 subgroups.
+const PORTABLE_TILE: StagedTile = tile(16, 2, 1, false);
 /// The logits GEMM's default tile: K 64 per step, one stage.
-const DEFAULT_LOGITS: StagedTile = StagedTile {
-    bk: 64,
-    rows: 2,
-    stages: 1,
-    prefetch: false,
-};
-
+const DEFAULT_LOGITS: StagedTile = tile(64, 2, 1, false);
 /// The dx GEMM's default tile: 256 × 128, K 32 per step, one stage with
 /// register prefetch.
-const DEFAULT_DX: StagedTile = StagedTile {
-    bk: 32,
-    rows: 4,
-    stages: 1,
-    prefetch: true,
-};
+const DEFAULT_DX: StagedTile = tile(32, 4, 1, true);
 
 /// The matrix-unit GEMM kernel for each head layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -557,12 +545,7 @@ mod tests {
             assert_eq!(CoopGemm::parse(&kernel.to_string()).unwrap(), kernel);
         }
         let choice = GemmChoice {
-            logits: CoopGemm::Staged(StagedTile {
-                bk: 64,
-                rows: 4,
-                stages: 1,
-                prefetch: true,
-            }),
+            logits: CoopGemm::Staged(tile(64, 4, 1, true)),
             dx: CoopGemm::Direct,
         };
         assert_eq!(choice.to_string(), "logits=staged:bk64:r4:s1:pf,dx=direct");
@@ -608,12 +591,7 @@ mod tests {
 
     #[test]
     fn shared_memory_and_tiles() {
-        let t = |bk, rows, stages| StagedTile {
-            bk,
-            rows,
-            stages,
-            prefetch: false,
-        };
+        let t = |bk, rows, stages| tile(bk, rows, stages, false);
         assert_eq!(t(16, 2, 1).shared_bytes(), 12 << 10);
         assert_eq!(t(32, 2, 2).shared_bytes(), 40 << 10);
         assert_eq!(t(32, 4, 2).shared_bytes(), 60 << 10);

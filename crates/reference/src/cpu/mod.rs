@@ -202,6 +202,7 @@ impl CpuBackend {
                 driver: format!("headkl-reference {}", env!("CARGO_PKG_VERSION")),
                 device_type: "cpu".into(),
                 matrix_units: false,
+                gemm: None,
                 matrix_shapes: Vec::new(),
                 shader_f16: true,
                 subgroup_size: None,
