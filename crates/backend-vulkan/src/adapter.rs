@@ -58,6 +58,9 @@ pub(crate) struct Features {
     /// `VK_KHR_pipeline_executable_properties`: register and memory
     /// statistics per compiled pipeline (`HEADKL_PIPELINE_STATS`).
     pub(crate) pipeline_executable_info: bool,
+    /// `robustBufferAccess2` (`VK_EXT_robustness2`), which wgpu turns on;
+    /// `HEADKL_ROBUST_ACCESS=1` turns it on here to compare.
+    pub(crate) robust_buffer_access2: bool,
 }
 
 /// Where each feature struct comes from.
@@ -71,6 +74,7 @@ pub(crate) struct Sources {
     pub(crate) zero_initialize_workgroup_memory: Source,
     pub(crate) driver_properties: Source,
     pub(crate) pipeline_executable_properties: Source,
+    pub(crate) robustness2: Source,
 }
 
 /// Everything headkl needs to know about one physical device.
@@ -240,6 +244,7 @@ fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
             khr::pipeline_executable_properties::NAME,
             &extensions,
         ),
+        robustness2: Source::new(api, u32::MAX, ext::robustness2::NAME, &extensions),
     };
 
     let mut caps = Caps {
@@ -342,6 +347,7 @@ fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
     let mut coop = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
     let mut zero_init = vk::PhysicalDeviceZeroInitializeWorkgroupMemoryFeatures::default();
     let mut executable = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default();
+    let mut robustness2 = vk::PhysicalDeviceRobustness2FeaturesEXT::default();
     {
         let mut features2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut storage16);
         if sources.float16_int8.available() {
@@ -365,6 +371,9 @@ fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
         if sources.pipeline_executable_properties.available() {
             features2 = features2.push_next(&mut executable);
         }
+        if sources.robustness2.available() {
+            features2 = features2.push_next(&mut robustness2);
+        }
         // SAFETY: as for the properties chain.
         unsafe { vi.get_physical_device_features2(phd, &mut features2) };
     }
@@ -380,6 +389,7 @@ fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
         cooperative_matrix: coop.cooperative_matrix == vk::TRUE,
         zero_initialize_workgroup_memory: zero_init.shader_zero_initialize_workgroup_memory == vk::TRUE,
         pipeline_executable_info: executable.pipeline_executable_info == vk::TRUE,
+        robust_buffer_access2: robustness2.robust_buffer_access2 == vk::TRUE,
     };
 
     // Queues: the first family with compute, preferring one without

@@ -101,6 +101,10 @@ impl Device {
             );
         }
         let pipeline_stats = pipeline_stats && f.pipeline_executable_info;
+        // For comparing with wgpu, which turns these on: drivers bounds-check
+        // every buffer access.
+        let robust = crate::env_flag("HEADKL_ROBUST_ACCESS");
+        let robust2 = robust && f.robust_buffer_access2;
 
         let mut extensions: Vec<&'static CStr> = Vec::new();
         let mut need = |source: Source| {
@@ -127,6 +131,9 @@ impl Device {
         if pipeline_stats {
             need(s.pipeline_executable_properties);
         }
+        if robust2 {
+            need(s.robustness2);
+        }
         let extension_ptrs: Vec<_> = extensions.iter().map(|e| e.as_ptr()).collect();
 
         let mut storage16 = vk::PhysicalDevice16BitStorageFeatures::default()
@@ -147,6 +154,8 @@ impl Device {
         let mut coop_features = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
         let mut executable =
             vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default().pipeline_executable_info(true);
+        let mut robustness2 = vk::PhysicalDeviceRobustness2FeaturesEXT::default().robust_buffer_access2(true);
+        let core_features = vk::PhysicalDeviceFeatures::default().robust_buffer_access(robust);
 
         let priorities = [1.0f32];
         let queue_info = [vk::DeviceQueueCreateInfo::default()
@@ -155,6 +164,7 @@ impl Device {
         let mut info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queue_info)
             .enabled_extension_names(&extension_ptrs)
+            .enabled_features(&core_features)
             .push_next(&mut storage16)
             .push_next(&mut float16);
         if size_control || full_subgroups {
@@ -171,6 +181,9 @@ impl Device {
         }
         if pipeline_stats {
             info = info.push_next(&mut executable);
+        }
+        if robust2 {
+            info = info.push_next(&mut robustness2);
         }
         // SAFETY: every chained struct is core at the device's API version or
         // its extension is in the enabled list; every feature set to true is
