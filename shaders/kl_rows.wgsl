@@ -14,12 +14,13 @@ struct RowParams {
 }
 
 @group(0) @binding(0) var<uniform> params: RowParams;
-@group(0) @binding(1) var<storage, read> logits: array<f32>;
+// Rows are read 4 logits (16 bytes) at a time: ld is a multiple of 16.
+@group(0) @binding(1) var<storage, read> logits: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> ids: array<u32>;
 @group(0) @binding(3) var<storage, read> probs: array<f32>;
 @group(0) @binding(4) var<storage, read> coef: array<f32>;
 @group(0) @binding(5) var<storage, read_write> loss: array<f32>;
-@group(0) @binding(6) var<storage, read_write> grad: array<f16>;
+@group(0) @binding(6) var<storage, read_write> grad: array<vec4<f16>>;
 
 const WG: u32 = 256u;
 const NEG_HUGE: f32 = -3.0e38;
@@ -38,6 +39,19 @@ fn nan_f32() -> f32 {
     return bitcast<f32>(0x7fc00000u);
 }
 
+// Logit `j` of the row starting at element `base` (a multiple of 4).
+fn logit(base: u32, j: u32) -> f32 {
+    return logits[(base + j) / 4u][j % 4u];
+}
+
+// Folds x into the running (max, sum of exp(x - max)).
+fn fold(ms: vec2<f32>, x: f32) -> vec2<f32> {
+    if x > ms.x {
+        return vec2<f32>(x, ms.y * exp(ms.x - x) + 1.0);
+    }
+    return vec2<f32>(ms.x, ms.y + exp(x - ms.x));
+}
+
 // Merges two (max, sum of exp(x - max)) pairs.
 fn merge(m1: f32, s1: f32, m2: f32, s2: f32) -> vec2<f32> {
     let m = max(m1, m2);
@@ -53,21 +67,27 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     let vocab = params.vocab;
     let base = row * params.ld;
 
-    // Pass 1: online max and sum of exp(s - max), plus a non-finite flag.
-    var m = NEG_HUGE;
-    var s = 0.0;
+    // Pass 1: online max and sum of exp(s - max), plus a non-finite flag,
+    // over 4 logits at a time (those past vocab skipped).
+    var ms = vec2<f32>(NEG_HUGE, 0.0);
     var bad = 0u;
-    for (var j = lid; j < vocab; j += WG) {
-        let x = logits[base + j];
-        if non_finite(x) {
-            bad = 1u;
-        } else if x > m {
-            s = s * exp(m - x) + 1.0;
-            m = x;
-        } else {
-            s += exp(x - m);
+    let base4 = base / 4u;
+    for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
+        let x4 = logits[base4 + j4];
+        for (var c = 0u; c < 4u; c++) {
+            let x = x4[c];
+            if j4 * 4u + c >= vocab {
+                break;
+            }
+            if non_finite(x) {
+                bad = 1u;
+            } else {
+                ms = fold(ms, x);
+            }
         }
     }
+    let m = ms.x;
+    let s = ms.y;
     red_max[lid] = m;
     red_sum[lid] = s;
     red_bad[lid] = bad;
@@ -100,7 +120,7 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     for (var q = lid; q < k; q += WG) {
         let p = probs[tbase + q];
         if p > 0.0 {
-            let log_ps = logits[base + ids[tbase + q]] - lse;
+            let log_ps = logit(base, ids[tbase + q]) - lse;
             part += p * (log(p) - log_ps);
         }
     }
@@ -120,21 +140,24 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         }
     }
 
-    // Pass 2: grad = c * p_S everywhere, zero in the padding ...
+    // Pass 2: grad = c * p_S everywhere, zero in the padding, 4 at a time ...
     let c = coef[row];
-    for (var j = lid; j < params.ld; j += WG) {
-        var g = 0.0;
-        if j < vocab {
-            g = c * exp(logits[base + j] - lse);
+    for (var j4 = lid; j4 * 4u < params.ld; j4 += WG) {
+        let x4 = logits[base4 + j4];
+        var g = vec4<f32>(0.0);
+        for (var e = 0u; e < 4u; e++) {
+            if j4 * 4u + e < vocab {
+                g[e] = c * exp(x4[e] - lse);
+            }
         }
-        grad[base + j] = f16(g);
+        grad[base4 + j4] = vec4<f16>(g);
     }
     // ... then c * (p_S - p_T) on the teacher's columns. The barrier orders
     // these stores after the ones above within the workgroup.
     storageBarrier();
     for (var q = lid; q < k; q += WG) {
         let id = ids[tbase + q];
-        let ps = exp(logits[base + id] - lse);
-        grad[base + id] = f16(c * (ps - probs[tbase + q]));
+        let ps = exp(logit(base, id) - lse);
+        grad[(base + id) / 4u][id % 4u] = f16(c * (ps - probs[tbase + q]));
     }
 }

@@ -15,7 +15,9 @@ struct RowParams {
 }
 
 @group(0) @binding(0) var<uniform> params: RowParams;
-@group(0) @binding(1) var<storage, read> logits: array<f32>;
+// Rows are read 4 logits (16 bytes) at a time where it pays: ld is a
+// multiple of 16.
+@group(0) @binding(1) var<storage, read> logits: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> ids: array<u32>;
 @group(0) @binding(3) var<storage, read_write> probs: array<f32>;
 
@@ -40,6 +42,11 @@ var<workgroup> u_prefix: u32;
 var<workgroup> u_need: u32;
 var<workgroup> u_bucket: u32;
 var<workgroup> u_total: u32;
+
+// Logit `j` of the row starting at element `base` (a multiple of 4).
+fn logit(base: u32, j: u32) -> f32 {
+    return logits[(base + j) / 4u][j % 4u];
+}
 
 // Order-preserving u32 image of a finite f32 (-0 and +0 map to one key, so
 // they tie like equal floats).
@@ -183,12 +190,17 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     if k <= WG {
         var best = PAD_KEY;
         var bad = false;
-        for (var j = lid; j < vocab; j += WG) {
-            let x = logits[base + j];
-            if non_finite(x) {
-                bad = true;
+        let base4 = base / 4u;
+        for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
+            let x4 = logits[base4 + j4];
+            for (var c = 0u; c < 4u; c++) {
+                if j4 * 4u + c < vocab {
+                    if non_finite(x4[c]) {
+                        bad = true;
+                    }
+                    best = max(best, key_of(x4[c]));
+                }
             }
-            best = max(best, key_of(x));
         }
         if bad {
             atomicStore(&bad_flag, 1u);
@@ -208,13 +220,17 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             u_prefix = sel_key[k - 1u];
         }
         let threshold = workgroupUniformLoad(&u_prefix);
-        for (var j = lid; j < vocab; j += WG) {
-            let key = key_of(logits[base + j]);
-            if key >= threshold {
-                let slot = atomicAdd(&gt_count, 1u);
-                if slot < MAX_K {
-                    sel_key[slot] = key;
-                    sel_id[slot] = j;
+        for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
+            let x4 = logits[base4 + j4];
+            for (var c = 0u; c < 4u; c++) {
+                let j = j4 * 4u + c;
+                let key = key_of(x4[c]);
+                if j < vocab && key >= threshold {
+                    let slot = atomicAdd(&gt_count, 1u);
+                    if slot < MAX_K {
+                        sel_key[slot] = key;
+                        sel_id[slot] = j;
+                    }
                 }
             }
         }
@@ -257,7 +273,7 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         workgroupBarrier();
         var bad = false;
         for (var j = lid; j < vocab; j += WG) {
-            let x = logits[base + j];
+            let x = logit(base, j);
             if digit_pass == 0u && non_finite(x) {
                 bad = true;
             }
@@ -315,7 +331,7 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     let take_all = need == bucket;
     let n_gt = k - need;
     for (var j = lid; j < vocab; j += WG) {
-        let key = key_of(logits[base + j]);
+        let key = key_of(logit(base, j));
         let hi = key & mask;
         if hi > prefix {
             let slot = atomicAdd(&gt_count, 1u);
@@ -337,7 +353,7 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             var hit = 0u;
             var key = 0u;
             if j < vocab {
-                key = key_of(logits[base + j]);
+                key = key_of(logit(base, j));
                 if key == prefix {
                     hit = 1u;
                 }

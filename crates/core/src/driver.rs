@@ -315,6 +315,13 @@ impl<B: Backend> Engine<B> {
                 };
                 self.backend.convert_f16(x32, &s.x16, &desc)?;
             }
+            HiddenData::F16(d) if self.hs_padded == hs => {
+                // Rows are already the padded width: straight from the
+                // caller's slice. Rows past `rows` keep what they held
+                // (GemmDesc: rows of A past the real ones may hold anything).
+                let src = &d[start * hs..(start + rows) * hs];
+                self.backend.upload(&s.x16, 0, bytemuck::cast_slice(src))?;
+            }
             HiddenData::F16(d) => {
                 let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
                 for r in 0..rows {
