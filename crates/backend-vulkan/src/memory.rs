@@ -282,7 +282,7 @@ impl HostBuffer {
         // is host-coherent and the GPU is not using this range (the stream
         // hands out each range once per submission).
         let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize), data.len()) };
-        parallel_copy(data, dst);
+        headkl_core::host::parallel_copy(data, dst);
     }
 
     /// Copies the mapping at `offset` into `out`.
@@ -293,7 +293,7 @@ impl HostBuffer {
         // stream waited on the fence) and coherent memory needs no
         // invalidation.
         let src = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), out.len()) };
-        parallel_copy(src, out);
+        headkl_core::host::parallel_copy(src, out);
     }
 
     /// Unmaps and frees the buffer.
@@ -305,37 +305,6 @@ impl HostBuffer {
         unsafe {
             device.raw.unmap_memory(self.raw.memory);
             self.raw.destroy(device);
-        }
-    }
-}
-
-/// Copies `src` into `dst` (equal lengths), on several threads when it is
-/// large: one thread's memcpy into or out of a mapping runs at a few GB/s,
-/// and the hidden rows and dx of a call are tens of MB.
-fn parallel_copy(src: &[u8], dst: &mut [u8]) {
-    const PIECE: usize = 4 << 20;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
-    if src.len() < 2 * PIECE || threads < 2 {
-        dst.copy_from_slice(src);
-        return;
-    }
-    let per_thread = src.len().div_ceil(threads).div_ceil(64) * 64;
-    std::thread::scope(|scope| {
-        for (s, d) in src.chunks(per_thread).zip(dst.chunks_mut(per_thread)) {
-            scope.spawn(move || d.copy_from_slice(s));
-        }
-    });
-}
-
-#[cfg(test)]
-mod copy_tests {
-    #[test]
-    fn parallel_copy_copies_every_byte() {
-        for len in [0, 1, 1000, (8 << 20) + 13, 20 << 20] {
-            let src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
-            let mut dst = vec![0u8; len];
-            super::parallel_copy(&src, &mut dst);
-            assert!(src == dst, "len {len}");
         }
     }
 }

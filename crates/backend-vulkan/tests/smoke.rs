@@ -129,7 +129,7 @@ fn gemm_both_layouts_match_a_cpu_loop() {
         b.info().driver,
         b.gemm_kernel()
     );
-    assert_eq!(b.uses_matrix_units(), b.gemm_kernel().starts_with("gemm_coop"));
+    assert_eq!(b.uses_matrix_units(), b.gemm_kernel().starts_with("cooperative"));
     let mut seed = 0;
     for (m, n, k) in [(16, 16, 16), (48, 80, 32), (144, 208, 96), (16, 272, 160)] {
         for layout in [HeadLayout::RowsAreOutputs, HeadLayout::RowsAreReduction] {
@@ -239,7 +239,9 @@ fn forced_fallback_and_kernel_labels() {
         return;
     };
     assert!(!b.uses_matrix_units() && !b.info().matrix_units);
-    assert_eq!(b.gemm_kernel(), "gemm_tiled.wgsl");
+    assert_eq!(b.gemm_kernel(), "tiled (gemm_tiled.wgsl)");
+    assert_eq!(b.info().gemm.as_deref(), Some("tiled (gemm_tiled.wgsl)"));
+    assert_eq!(b.gemm_choice(), None);
     if !b.set_profiling(true) {
         eprintln!("SKIPPED (timing part): no timestamps on this queue");
         return;

@@ -446,7 +446,9 @@ impl WgpuBackend {
                 return Err(backend_error(format!("download: {}", wgpu_error_text(&e))));
             }
             let dst = &mut out[done as usize..(done + piece) as usize];
-            self.read_mapped(&staging, piece, |bytes| dst.copy_from_slice(&bytes[..dst.len()]))?;
+            self.read_mapped(&staging, piece, |bytes| {
+                headkl_core::host::parallel_copy(&bytes[..dst.len()], dst)
+            })?;
             done += piece;
         }
         Ok(())

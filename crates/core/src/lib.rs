@@ -21,6 +21,7 @@ pub mod chunking;
 pub mod driver;
 pub mod error;
 pub mod head;
+pub mod host;
 pub mod params;
 pub mod problem;
 pub mod slicing;
