@@ -29,7 +29,7 @@ if [[ $steps == *tune* ]]; then
         # Vulkan also prints each pipeline's register and memory statistics.
         HEADKL_PIPELINE_STATS=1 $headkl tune --backend $backend ${TUNE_ARGS:-} >"$log" 2>&1
         echo "tune $backend exit=$?" | tee -a "$summary"
-        grep -vE "^tune: \[|^headkl-vulkan: pipeline" "$log" | tail -n 26 | tee -a "$summary"
+        grep -vE "^tune: (round|\[)|^headkl-vulkan: pipeline" "$log" | tail -n 26 | tee -a "$summary"
     done
 fi
 if [[ $steps == *check* ]]; then

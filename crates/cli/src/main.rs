@@ -162,7 +162,9 @@ reference is left out of --all for large shapes).",
         long_about = "Time every matrix-unit GEMM kernel (the direct one, and the staged one at each \
 K step, rows of subgroups and stage count) on one device, at the two GEMMs head_kl runs: the logits \
 x·Wᵀ ([M][K]·[N][K]ᵀ) and the input gradient g·W ([M][N]·[N][K]). Each kernel first runs the \
-conformance suite's kernel cases against the f64 reference; one that fails is never picked. The \
+conformance suite's kernel cases against the f64 reference; one that fails is never picked. Kernels \
+within 1.25× of the best time for either GEMM run a second round, and keep the faster of their two \
+medians, so one slow measurement does not decide. The \
 fastest correct kernel for each GEMM is written to the tune cache (~/.cache/headkl/gemm-tune.tsv, \
 or HEADKL_CACHE_DIR), keyed by backend, device and driver; both GPU backends read it when they open \
 that device, unless HEADKL_GEMM names kernels.\n\n\
