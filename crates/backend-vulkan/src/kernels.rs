@@ -113,20 +113,11 @@ pub(crate) fn coop_pipeline(
 ) -> (&'static ShaderSource, (u64, u64), Vec<(&'static str, u32)>) {
     let (rows, cols) = kernel.tile();
     let tile = (u64::from(rows), u64::from(cols));
-    match kernel {
-        CoopGemm::Staged(t) => (
-            &GEMM_COOP,
-            tile,
-            vec![
-                ("SG_SIZE", sg),
-                ("BK", t.bk),
-                ("SG_ROWS", t.rows),
-                ("STAGES", t.stages),
-                ("PREFETCH", u32::from(t.prefetch)),
-            ],
-        ),
-        CoopGemm::Direct => (&GEMM_COOP_DIRECT, tile, vec![("SG_SIZE", sg)]),
-    }
+    let source = match kernel {
+        CoopGemm::Staged(_) => &GEMM_COOP,
+        CoopGemm::Direct => &GEMM_COOP_DIRECT,
+    };
+    (source, tile, kernel.overrides(sg))
 }
 
 #[cfg(test)]

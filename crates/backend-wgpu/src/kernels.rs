@@ -210,13 +210,7 @@ impl Kernels {
             .ok_or_else(|| backend_error(format!("no pipeline layout for {kernel:?}")))?;
         let mut constants: Vec<(&str, f64)> = Vec::new();
         if let (Some((sg, _)), Some(coop)) = (self.gemm.coop, self.coop_kernel(kernel)) {
-            constants.push(("SG_SIZE", f64::from(sg)));
-            if let CoopGemm::Staged(t) = coop {
-                constants.push(("BK", f64::from(t.bk)));
-                constants.push(("SG_ROWS", f64::from(t.rows)));
-                constants.push(("STAGES", f64::from(t.stages)));
-                constants.push(("PREFETCH", f64::from(u8::from(t.prefetch))));
-            }
+            constants.extend(coop.overrides(sg).into_iter().map(|(name, v)| (name, f64::from(v))));
         }
         let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(kernel.entry()),

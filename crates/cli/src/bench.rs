@@ -299,7 +299,8 @@ impl BenchData {
     }
 }
 
-fn median(sorted: &[f64]) -> f64 {
+/// The median of sorted values (NaN for none).
+pub(crate) fn median(sorted: &[f64]) -> f64 {
     match sorted.len() {
         0 => f64::NAN,
         n if n % 2 == 1 => sorted[n / 2],
@@ -307,7 +308,8 @@ fn median(sorted: &[f64]) -> f64 {
     }
 }
 
-fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+/// `v` in ascending order.
+pub(crate) fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v.sort_by(f64::total_cmp);
     v
 }

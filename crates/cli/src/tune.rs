@@ -167,24 +167,30 @@ impl BackendJob for TrialJob<'_> {
         if outcome.is_err() {
             return Ok((outcome, None, None));
         }
+        let timed = backend.set_profiling(true);
+        if !timed {
+            return Err(CliError::option(
+                "--backend",
+                "this backend has no kernel timestamps: nothing to tune by",
+            ));
+        }
         let dev = |e| CliError::device("tune", e);
         let GemmShape { m, n, k } = self.data.shape;
-        let bytes = |v: &[f16]| bytemuck::cast_slice::<f16, u8>(v).to_vec();
         let x = backend.alloc((m * k * 2) as u64, "tune x").map_err(dev)?;
         let head = backend.alloc((n * k * 2) as u64, "tune head").map_err(dev)?;
         let grad = backend.alloc((m * n * 2) as u64, "tune grad").map_err(dev)?;
         let logits = backend.alloc((m * n * 4) as u64, "tune logits").map_err(dev)?;
         let dx = backend.alloc((m * k * 4) as u64, "tune dx").map_err(dev)?;
-        backend.upload(&x, 0, &bytes(&self.data.hidden)).map_err(dev)?;
+        let data = self.data;
+        backend.upload(&x, 0, bytemuck::cast_slice(&data.hidden)).map_err(dev)?;
         backend
-            .upload(&head, 0, &bytes(&self.data.head[..n * k]))
+            .upload(&head, 0, bytemuck::cast_slice(&data.head[..n * k]))
             .map_err(dev)?;
         backend
-            .upload(&grad, 0, &bytes(&self.data.head[..m * n]))
+            .upload(&grad, 0, bytemuck::cast_slice(&data.head[..m * n]))
             .map_err(dev)?;
         let logits_desc = GemmDesc::dense(m, n, k, HeadLayout::RowsAreOutputs);
         let dx_desc = GemmDesc::dense(m, k, n, HeadLayout::RowsAreReduction);
-        let timed = backend.set_profiling(true);
         // One untimed call each builds the pipelines and warms the clocks.
         for timed_round in [false, true] {
             let rounds = if timed_round { self.iters } else { 1 };
@@ -201,16 +207,9 @@ impl BackendJob for TrialJob<'_> {
         }
         let times = backend.take_kernel_times().map_err(dev)?;
         backend.set_profiling(false);
-        if !timed {
-            return Err(CliError::option(
-                "--backend",
-                "this backend has no kernel timestamps: nothing to tune by",
-            ));
-        }
         let median_of = |label: &str| {
-            let mut v: Vec<f64> = times.iter().filter(|t| t.kernel == label).map(|t| t.ms).collect();
-            v.sort_by(f64::total_cmp);
-            (!v.is_empty()).then(|| v[v.len() / 2])
+            let v: Vec<f64> = times.iter().filter(|t| t.kernel == label).map(|t| t.ms).collect();
+            (!v.is_empty()).then(|| crate::bench::median(&crate::bench::sorted(v)))
         };
         Ok((outcome, median_of("gemm_logits"), median_of("gemm_dx")))
     }

@@ -104,6 +104,21 @@ impl CoopGemm {
         }
     }
 
+    /// The shader's `override` values at subgroup size `subgroup`
+    /// (shaders/README.md), as both backends pass them.
+    pub fn overrides(self, subgroup: u32) -> Vec<(&'static str, u32)> {
+        match self {
+            Self::Staged(t) => vec![
+                ("SG_SIZE", subgroup),
+                ("BK", t.bk),
+                ("SG_ROWS", t.rows),
+                ("STAGES", t.stages),
+                ("PREFETCH", u32::from(t.prefetch)),
+            ],
+            Self::Direct => vec![("SG_SIZE", subgroup)],
+        }
+    }
+
     /// Whether it uses subgroup builtins (`subgroup_id`).
     pub const fn needs_subgroup_id(self) -> bool {
         matches!(self, Self::Staged(_))
@@ -115,12 +130,7 @@ impl CoopGemm {
         for (stages, prefetch) in [(1, false), (1, true), (2, false)] {
             for bk in [16, 32, 64] {
                 for rows in [2, 4] {
-                    all.push(Self::Staged(StagedTile {
-                        bk,
-                        rows,
-                        stages,
-                        prefetch,
-                    }));
+                    all.push(Self::Staged(tile(bk, rows, stages, prefetch)));
                 }
             }
         }
