@@ -22,6 +22,7 @@ mod adapter;
 mod command;
 mod conv;
 mod device;
+mod glsl;
 mod instance;
 mod kernels;
 mod memory;
@@ -45,6 +46,7 @@ use crate::instance::Instance;
 use crate::kernels::CoopPlan;
 use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
+pub use crate::glsl::{CeilingKernel, CeilingPart, GlslTile};
 pub use crate::memory::VulkanBuffer;
 
 /// Whether an environment variable is set to a true value (`1`, `true`,
@@ -139,6 +141,8 @@ pub struct VulkanBackend {
     coop: Option<CoopPlan>,
     stream: Mutex<Stream>,
     pipelines: Mutex<PipelineCache>,
+    /// A GLSL GEMM tile that replaces the WGSL kernels (`glsl.rs`).
+    glsl_gemm: Option<glsl::GlslTile>,
     /// Declared last: dropped after the stream and pipelines.
     device: Arc<Device>,
 }
@@ -182,6 +186,7 @@ impl VulkanBackend {
             coop,
             stream: Mutex::new(stream),
             pipelines: Mutex::new(pipelines),
+            glsl_gemm: None,
             device,
         })
     }
@@ -304,6 +309,39 @@ impl VulkanBackend {
         self.dispatch(source, Self::row_key(source, entry), rows, params, bufs, entry)
     }
 
+    /// Checks a GEMM's extents against the kernels' 32-bit indices and its
+    /// buffers' bindings.
+    fn check_gemm(
+        &self,
+        a: &VulkanBuffer,
+        b: &VulkanBuffer,
+        c: &VulkanBuffer,
+        desc: &GemmDesc,
+        label: &'static str,
+    ) -> Result<()> {
+        for (v, what) in [
+            (desc.m, "m"),
+            (desc.n, "n"),
+            (desc.k, "k"),
+            (desc.a_offset, "a_offset"),
+            (desc.lda, "lda"),
+            (desc.ldb, "ldb"),
+            (desc.c_offset, "c_offset"),
+            (desc.ldc, "ldc"),
+        ] {
+            to_u32(v, what)?;
+        }
+        self.check_binding(a, span_bytes(desc.a_offset, desc.m, desc.lda, desc.k, 2), label)?;
+        let b_bytes = match desc.b_layout {
+            HeadLayout::RowsAreOutputs => span_bytes(0, desc.n, desc.ldb, desc.k, 2),
+            HeadLayout::RowsAreReduction => span_bytes(0, desc.k, desc.ldb, desc.n, 2),
+        };
+        self.check_binding(b, b_bytes, label)?;
+        self.check_binding(c, span_bytes(desc.c_offset, desc.m, desc.ldc, desc.n, 4), label)?;
+
+        Ok(())
+    }
+
     fn row_key(source: &ShaderSource, entry: &'static str) -> PipelineKey {
         PipelineKey {
             file: source.file,
@@ -387,29 +425,13 @@ impl Backend for VulkanBackend {
         desc: &GemmDesc,
         label: &'static str,
     ) -> Result<()> {
-        for (v, what) in [
-            (desc.m, "m"),
-            (desc.n, "n"),
-            (desc.k, "k"),
-            (desc.a_offset, "a_offset"),
-            (desc.lda, "lda"),
-            (desc.ldb, "ldb"),
-            (desc.c_offset, "c_offset"),
-            (desc.ldc, "ldc"),
-        ] {
-            to_u32(v, what)?;
-        }
+        self.check_gemm(a, b, c, desc, label)?;
         if desc.m == 0 || desc.n == 0 {
             return Ok(());
         }
-        self.check_binding(a, span_bytes(desc.a_offset, desc.m, desc.lda, desc.k, 2), label)?;
-        let b_bytes = match desc.b_layout {
-            HeadLayout::RowsAreOutputs => span_bytes(0, desc.n, desc.ldb, desc.k, 2),
-            HeadLayout::RowsAreReduction => span_bytes(0, desc.k, desc.ldb, desc.n, 2),
-        };
-        self.check_binding(b, b_bytes, label)?;
-        self.check_binding(c, span_bytes(desc.c_offset, desc.m, desc.ldc, desc.n, 4), label)?;
-
+        if let Some(tile) = self.glsl_gemm {
+            return self.glsl_gemm_dispatch(tile, a, b, c, desc, label);
+        }
         let entry = match desc.b_layout {
             HeadLayout::RowsAreOutputs => "gemm_nt",
             HeadLayout::RowsAreReduction => "gemm_nn",
