@@ -4,14 +4,19 @@
 // glslang crate once per variant; shaders/README.md lists the defines.
 //
 //   NN      0: C = A * B^T, B stored [n][k]; 1: C = A * B, B stored [k][n]
-//   BM      C tile rows per workgroup: 128 or 256 (BM / 64 x 2 subgroups,
-//           each owning 64 x 64 of C as 4 x 4 accumulators); BN is 128
+//   BM      C tile rows per workgroup: 128 or 256; BN is 128
+//   SG_COLS 2 or 4: BM / 64 x SG_COLS math subgroups, each owning 64 rows
+//           and 128 / SG_COLS columns of C (4 x TN accumulators)
 //   BK      K staged per step: 16, 32 or 64
 //   STAGES  1: step s + 1's words go to registers before step s multiplies
 //           and are stored between two barriers; 2: they go to the other
 //           stage, one barrier a step
 //   INTERLEAVE  with STAGES 2: store step s + 1's words after the first
 //           16-deep slice of step s's multiply-adds instead of after all
+//   WS      1: warp-specialised GEMM (MODE 0 only): 4 more subgroups only
+//           copy, running STAGES - 1 steps ahead through a ring of STAGES
+//           stages, while the BM / 64 x 2 math subgroups only multiply;
+//           one barrier a step
 //   MODE    0 the GEMM; 1 multiply-adds from registers (fragments loaded
 //           once); 2 fragments + multiply-adds from workgroup memory staged
 //           once; 3 the global loads only; 4 the staging only (loads a step
@@ -25,8 +30,18 @@
 
 const uint BN = 128;
 const uint SG_ROWS = BM / 64;
+// Fragments per subgroup along n.
+const uint TN = BN / SG_COLS / 16;
 // The kernel requires subgroups of exactly 32 (the backend checks).
-const uint THREADS = SG_ROWS * 2 * 32;
+const uint MATH_THREADS = SG_ROWS * SG_COLS * 32;
+#if WS
+// The copying subgroups follow the math ones.
+const uint STAGERS = 128;
+const uint THREADS = MATH_THREADS + STAGERS;
+#else
+const uint STAGERS = MATH_THREADS;
+const uint THREADS = MATH_THREADS;
+#endif
 layout(local_size_x = THREADS, local_size_y = 1, local_size_z = 1) in;
 
 // headkl_core::params::GemmParams, byte for byte.
@@ -65,9 +80,9 @@ const uint SB_STAGE = BN * SB_STRIDE;
 shared uvec4 sa[STAGES * SA_STAGE];
 shared uvec4 sb[STAGES * SB_STAGE];
 
-// Words each invocation moves per step.
-const uint A_WORDS = BM * KW / THREADS;
-const uint B_WORDS = BN * KW / THREADS;
+// Words each staging invocation moves per step.
+const uint A_WORDS = BM * KW / STAGERS;
+const uint B_WORDS = BN * KW / STAGERS;
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
 #define FRAG_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
@@ -75,8 +90,10 @@ const uint B_WORDS = BN * KW / THREADS;
 
 uvec4 ra[A_WORDS];
 uvec4 rb[B_WORDS];
-ACC acc[16];
+ACC acc[4 * TN];
 uint row0, col0, wr, wc;
+// This invocation's index among the staging invocations.
+uint sidx;
 
 // Step s's words into registers. Rows past m (columns past n) repeat the
 // last one: their products only reach C tiles that are never stored. K past
@@ -84,13 +101,13 @@ uint row0, col0, wr, wc;
 void load_step(uint s) {
     uint k0 = s * BK;
     [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
-        uint e = gl_LocalInvocationIndex + i * THREADS;
+        uint e = sidx + i * STAGERS;
         uint row = min(row0 + e / KW, p.m - 1);
         uint kk = k0 + (e % KW) * 8;
         ra[i] = kk < p.k ? a[(p.a_offset + row * p.lda + kk) / 8] : uvec4(0);
     }
     [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
-        uint e = gl_LocalInvocationIndex + i * THREADS;
+        uint e = sidx + i * STAGERS;
 #if NN
         uint kk = k0 + e / (BN / 8);
         uint col = min(col0 + (e % (BN / 8)) * 8, p.n - 8);
@@ -106,11 +123,11 @@ void load_step(uint s) {
 // The registers into workgroup stage `st`.
 void store_step(uint st) {
     [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
-        uint e = gl_LocalInvocationIndex + i * THREADS;
+        uint e = sidx + i * STAGERS;
         sa[st * SA_STAGE + (e / KW) * SA_STRIDE + e % KW] = ra[i];
     }
     [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
-        uint e = gl_LocalInvocationIndex + i * THREADS;
+        uint e = sidx + i * STAGERS;
 #if NN
         sb[st * SB_STAGE + (e / (BN / 8)) * SB_STRIDE + e % (BN / 8)] = rb[i];
 #else
@@ -119,16 +136,16 @@ void store_step(uint st) {
     }
 }
 
-// One 16-deep slice (kk, in halves) of stage `st`: 4 A and 4 B fragments,
-// 16 multiply-adds.
+// One 16-deep slice (kk, in halves) of stage `st`: 4 A and TN B
+// fragments, 4 x TN multiply-adds.
 void math_slice(uint st, uint kk) {
     FRAG_A fa[4];
-    FRAG_B fb[4];
+    FRAG_B fb[TN];
     [[unroll]] for (uint i = 0; i < 4; i++) {
         coopMatLoad(fa[i], sa, st * SA_STAGE + (wr + i * 16) * SA_STRIDE + kk / 8, SA_STRIDE,
                     gl_CooperativeMatrixLayoutRowMajor);
     }
-    [[unroll]] for (uint j = 0; j < 4; j++) {
+    [[unroll]] for (uint j = 0; j < TN; j++) {
 #if NN
         coopMatLoad(fb[j], sb, st * SB_STAGE + kk * SB_STRIDE + (wc + j * 16) / 8, SB_STRIDE,
                     gl_CooperativeMatrixLayoutRowMajor);
@@ -138,8 +155,8 @@ void math_slice(uint st, uint kk) {
 #endif
     }
     [[unroll]] for (uint i = 0; i < 4; i++) {
-        [[unroll]] for (uint j = 0; j < 4; j++) {
-            acc[i * 4 + j] = coopMatMulAdd(fa[i], fb[j], acc[i * 4 + j]);
+        [[unroll]] for (uint j = 0; j < TN; j++) {
+            acc[i * TN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * TN + j]);
         }
     }
 }
@@ -153,12 +170,12 @@ void math_step(uint st) {
 // C (+)= alpha * acc for the subgroup's 16 x 16 tiles inside m x n.
 void epilogue() {
     [[unroll]] for (uint i = 0; i < 4; i++) {
-        [[unroll]] for (uint j = 0; j < 4; j++) {
+        [[unroll]] for (uint j = 0; j < TN; j++) {
             uint row = row0 + wr + i * 16;
             uint col = col0 + wc + j * 16;
             if (row < p.m && col < p.n) {
                 uint o = p.c_offset + row * p.ldc + col;
-                ACC r = acc[i * 4 + j] * p.alpha;
+                ACC r = acc[i * TN + j] * p.alpha;
                 if (p.accumulate != 0) {
                     ACC prev;
                     coopMatLoad(prev, c, o, p.ldc, gl_CooperativeMatrixLayoutRowMajor);
@@ -187,14 +204,55 @@ void main() {
     }
     row0 = (l % tiles_m) * BM;
     col0 = (l / tiles_m) * BN;
-    wr = (gl_SubgroupID / 2) * 64;
-    wc = (gl_SubgroupID % 2) * 64;
+    wr = (gl_SubgroupID / SG_COLS) * 64;
+    wc = (gl_SubgroupID % SG_COLS) * (BN / SG_COLS);
+#if WS
+    sidx = gl_LocalInvocationIndex - MATH_THREADS;
+#else
+    sidx = gl_LocalInvocationIndex;
+#endif
     uint steps = (p.k + BK - 1) / BK;
-    [[unroll]] for (uint t = 0; t < 16; t++) {
+    [[unroll]] for (uint t = 0; t < 4 * TN; t++) {
         acc[t] = ACC(0.0);
     }
 
-#if MODE == 0
+#if MODE == 0 && WS
+    // Stages 0 .. STAGES - 2 filled before the loop; at step s the math
+    // subgroups read stage s % STAGES while the copiers store step
+    // s + STAGES - 1 into the stage step s - 1 used (free since the last
+    // barrier) and load step s + STAGES into registers.
+    bool copier = gl_LocalInvocationIndex >= MATH_THREADS;
+    if (copier) {
+        for (uint t = 0; t + 1 < STAGES; t++) {
+            if (t < steps) {
+                load_step(t);
+                store_step(t);
+            }
+        }
+        if (STAGES - 1 < steps) {
+            load_step(STAGES - 1);
+        }
+    }
+    barrier();
+    for (uint s = 0; s < steps; s++) {
+        if (copier) {
+            uint next = s + STAGES - 1;
+            if (next < steps) {
+                store_step(next % STAGES);
+            }
+            if (next + 1 < steps) {
+                load_step(next + 1);
+            }
+        } else {
+            math_step(s % STAGES);
+        }
+        barrier();
+    }
+    if (!copier) {
+        epilogue();
+    }
+
+#elif MODE == 0
 #if STAGES == 2
     load_step(0);
     store_step(0);
@@ -238,12 +296,12 @@ void main() {
     // The fragments of the subgroup's first K slice, straight from memory,
     // then steps x BK / 16 slices of multiply-adds on them.
     FRAG_A fa[4];
-    FRAG_B fb[4];
+    FRAG_B fb[TN];
     [[unroll]] for (uint i = 0; i < 4; i++) {
         uint row = min(row0 + wr + i * 16, p.m - 16);
         coopMatLoad(fa[i], a, (p.a_offset + row * p.lda) / 8, p.lda / 8, gl_CooperativeMatrixLayoutRowMajor);
     }
-    [[unroll]] for (uint j = 0; j < 4; j++) {
+    [[unroll]] for (uint j = 0; j < TN; j++) {
         uint col = min(col0 + wc + j * 16, p.n - 16);
 #if NN
         coopMatLoad(fb[j], b, col / 8, p.ldb / 8, gl_CooperativeMatrixLayoutRowMajor);
@@ -253,8 +311,8 @@ void main() {
     }
     for (uint s = 0; s < steps * (BK / 16); s++) {
         [[unroll]] for (uint i = 0; i < 4; i++) {
-            [[unroll]] for (uint j = 0; j < 4; j++) {
-                acc[i * 4 + j] = coopMatMulAdd(fa[i], fb[j], acc[i * 4 + j]);
+            [[unroll]] for (uint j = 0; j < TN; j++) {
+                acc[i * TN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * TN + j]);
             }
         }
     }

@@ -11,41 +11,83 @@ use glslang::{
     VulkanVersion,
 };
 
-/// One variant: (mode, nn, bm, bk, stages, interleave).
-type Variant = (u32, bool, u32, u32, u32, bool);
+/// One variant of `gemm_khr.comp`.
+#[derive(Clone, Copy, PartialEq)]
+struct Variant {
+    mode: u32,
+    nn: bool,
+    tile: Tile,
+}
 
-/// The tile configurations: (bm, bk, stages, interleave). Each gets the
-/// GEMM and the per-configuration diagnostics (modes 2, 3, 4) for both
-/// layouts.
-const TILES: [(u32, u32, u32, bool); 5] = [
-    (128, 32, 2, false),
-    (128, 32, 2, true),
-    (128, 64, 1, false),
-    (256, 32, 1, false),
-    (256, 16, 2, false),
+/// A tile configuration (the defines other than MODE and NN).
+#[derive(Clone, Copy, PartialEq)]
+struct Tile {
+    bm: u32,
+    bk: u32,
+    stages: u32,
+    interleave: bool,
+    ws: bool,
+    sg_cols: u32,
+}
+
+const fn tile(bm: u32, bk: u32, stages: u32, interleave: bool, ws: bool, sg_cols: u32) -> Tile {
+    Tile {
+        bm,
+        bk,
+        stages,
+        interleave,
+        ws,
+        sg_cols,
+    }
+}
+
+/// The GEMM tiles. Each gets the GEMM, and each (bm, bk, stages, sg_cols)
+/// the diagnostics (modes 2, 3, 4), for both layouts.
+const TILES: [Tile; 10] = [
+    tile(128, 32, 2, false, false, 2),
+    tile(128, 32, 2, true, false, 2),
+    tile(128, 32, 2, false, true, 2),
+    tile(128, 16, 4, false, true, 2),
+    tile(128, 64, 1, false, false, 2),
+    tile(256, 32, 1, false, false, 2),
+    tile(256, 16, 2, false, false, 2),
+    tile(128, 32, 2, false, false, 4),
+    tile(128, 32, 2, false, true, 4),
+    tile(128, 64, 1, false, false, 4),
 ];
 
 fn variants() -> Vec<Variant> {
     let mut v = Vec::new();
     for nn in [false, true] {
         // Multiply-adds from registers: one configuration is enough.
-        v.push((1, nn, 128, 32, 1, false));
-        for (bm, bk, stages, interleave) in TILES {
-            // The diagnostics ignore INTERLEAVE: one set per (bm, bk, stages).
-            let modes: &[u32] = if interleave { &[0] } else { &[0, 2, 3, 4] };
-            for &mode in modes {
-                v.push((mode, nn, bm, bk, stages, interleave));
+        v.push(Variant {
+            mode: 1,
+            nn,
+            tile: tile(128, 32, 1, false, false, 2),
+        });
+        let mut diagnosed = Vec::new();
+        for t in TILES {
+            v.push(Variant { mode: 0, nn, tile: t });
+            let plain = tile(t.bm, t.bk, t.stages, false, false, t.sg_cols);
+            if !diagnosed.contains(&plain) {
+                diagnosed.push(plain);
+                for mode in [2, 3, 4] {
+                    v.push(Variant { mode, nn, tile: plain });
+                }
             }
         }
     }
     v
 }
 
-fn name((mode, nn, bm, bk, stages, interleave): Variant) -> String {
-    let mode = ["gemm", "regs", "smem", "loads", "staging"][mode as usize];
-    let layout = if nn { "nn" } else { "nt" };
-    let i = if interleave { "_i" } else { "" };
-    format!("{mode}_{layout}_bm{bm}_bk{bk}_s{stages}{i}")
+fn name(v: Variant) -> String {
+    let mode = ["gemm", "regs", "smem", "loads", "staging"][v.mode as usize];
+    let layout = if v.nn { "nn" } else { "nt" };
+    let t = v.tile;
+    let i = if t.interleave { "_i" } else { "" };
+    let w = if t.ws { "_ws" } else { "" };
+    let c = if t.sg_cols != 2 { format!("_c{}", t.sg_cols) } else { String::new() };
+    format!("{mode}_{layout}_bm{}_bk{}_s{}{i}{w}{c}", t.bm, t.bk, t.stages)
 }
 
 fn main() {
@@ -67,15 +109,17 @@ fn main() {
     };
     let mut table = String::from("&[\n");
     for v in variants() {
-        let (mode, nn, bm, bk, stages, interleave) = v;
+        let Variant { mode, nn, tile: t } = v;
         let name = name(v);
         let defines = [
             ("MODE", mode.to_string()),
             ("NN", u32::from(nn).to_string()),
-            ("BM", bm.to_string()),
-            ("BK", bk.to_string()),
-            ("STAGES", stages.to_string()),
-            ("INTERLEAVE", u32::from(interleave).to_string()),
+            ("BM", t.bm.to_string()),
+            ("BK", t.bk.to_string()),
+            ("STAGES", t.stages.to_string()),
+            ("INTERLEAVE", u32::from(t.interleave).to_string()),
+            ("WS", u32::from(t.ws).to_string()),
+            ("SG_COLS", t.sg_cols.to_string()),
         ];
         let defines: Vec<(&str, Option<&str>)> = defines.iter().map(|(k, v)| (*k, Some(v.as_str()))).collect();
         let input = ShaderInput::new(&source, ShaderStage::Compute, &options, Some(&defines[..]), None)
@@ -87,15 +131,23 @@ fn main() {
         let spv = out.join(format!("{name}.spv"));
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         std::fs::write(&spv, bytes).unwrap_or_else(|e| panic!("{}: {e}", spv.display()));
-        let threads = bm; // BM / 64 x 2 subgroups of 32
-        let kw = bk / 8;
-        let sa = bm * (kw + 1);
-        let sb = if nn { bk * (128 / 8 + 1) } else { 128 * (kw + 1) };
-        let shared = stages * (sa + sb) * 16;
+        // BM / 64 x SG_COLS math subgroups of 32, and 4 copying ones with WS.
+        let threads = t.bm / 64 * t.sg_cols * 32 + if t.ws { 128 } else { 0 };
+        let kw = t.bk / 8;
+        let sa = t.bm * (kw + 1);
+        let sb = if nn { t.bk * (128 / 8 + 1) } else { 128 * (kw + 1) };
+        let shared = t.stages * (sa + sb) * 16;
         writeln!(
             table,
-            "    GlslKernel {{ name: {name:?}, mode: {mode}, nn: {nn}, bm: {bm}, bk: {bk}, stages: {stages}, \
-             interleave: {interleave}, threads: {threads}, shared_bytes: {shared}, spirv: include_bytes!({path:?}) }},",
+            "    GlslKernel {{ name: {name:?}, mode: {mode}, nn: {nn}, bm: {}, bk: {}, stages: {}, \
+             interleave: {}, ws: {}, sg_cols: {}, threads: {threads}, shared_bytes: {shared}, \
+             spirv: include_bytes!({path:?}) }},",
+            t.bm,
+            t.bk,
+            t.stages,
+            t.interleave,
+            t.ws,
+            t.sg_cols,
             path = Path::new(&spv).display().to_string()
         )
         .expect("write to a String");

@@ -77,7 +77,10 @@ pub(crate) struct GlslKernel {
     bk: u32,
     stages: u32,
     interleave: bool,
-    /// Invocations per workgroup (BM / 64 × 2 subgroups of 32).
+    ws: bool,
+    sg_cols: u32,
+    /// Invocations per workgroup (BM / 64 × `sg_cols` subgroups of 32, and
+    /// 4 more with `ws`).
     threads: u32,
     shared_bytes: u32,
     /// Little-endian SPIR-V words.
@@ -112,6 +115,8 @@ impl GlslKernel {
             bk: self.bk,
             stages: self.stages,
             interleave: self.interleave,
+            ws: self.ws,
+            sg_cols: self.sg_cols,
         }
     }
 }
@@ -128,6 +133,11 @@ pub struct GlslTile {
     /// With two stages, the next step's stores go after the first 16-deep
     /// slice of multiply-adds rather than after all of them.
     pub interleave: bool,
+    /// Warp-specialised: 4 more subgroups only copy, `stages − 1` steps
+    /// ahead, while the others only multiply.
+    pub ws: bool,
+    /// Math subgroups across the 128 columns: 2 (64 each) or 4 (32 each).
+    pub sg_cols: u32,
 }
 
 impl fmt::Display for GlslTile {
@@ -135,6 +145,12 @@ impl fmt::Display for GlslTile {
         write!(f, "bm{}.bk{}.s{}", self.bm, self.bk, self.stages)?;
         if self.interleave {
             write!(f, ".i")?;
+        }
+        if self.ws {
+            write!(f, ".ws")?;
+        }
+        if self.sg_cols != 2 {
+            write!(f, ".c{}", self.sg_cols)?;
         }
         Ok(())
     }
@@ -315,7 +331,12 @@ mod tests {
             assert_eq!(words.first(), Some(&0x0723_0203), "{}: SPIR-V magic", k.name);
             assert!(words.len() > 100, "{}", k.name);
             assert!(k.shared_bytes <= 48 << 10, "{}: {} bytes", k.name, k.shared_bytes);
-            assert_eq!(k.threads, k.bm, "{}", k.name);
+            assert_eq!(
+                k.threads,
+                k.bm / 64 * k.sg_cols * 32 + if k.ws { 128 } else { 0 },
+                "{}",
+                k.name
+            );
         }
         // The report needs (a) and each configuration's (b)–(e), both layouts.
         for nn in [false, true] {
@@ -325,7 +346,7 @@ mod tests {
                     assert!(
                         KERNELS.iter().any(|k| k.mode == mode
                             && k.nn == nn
-                            && (k.bm, k.bk, k.stages) == (gemm.bm, gemm.bk, gemm.stages)),
+                            && (k.bm, k.bk, k.stages, k.sg_cols) == (gemm.bm, gemm.bk, gemm.stages, gemm.sg_cols)),
                         "{}: mode {mode} missing",
                         gemm.name
                     );
