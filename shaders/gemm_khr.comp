@@ -4,7 +4,7 @@
 // glslang crate once per variant; shaders/README.md lists the defines.
 //
 //   NN      0: C = A * B^T, B stored [n][k]; 1: C = A * B, B stored [k][n]
-//   BM      C tile rows per workgroup: 128 or 256; BN is 128
+//   BM      C tile rows per workgroup: 64, 128 or 256; BN is 128
 //   SG_COLS 2 or 4: BM / 64 x SG_COLS math subgroups, each owning 64 rows
 //           and 128 / SG_COLS columns of C (4 x TN accumulators)
 //   BK      K staged per step: 16, 32 or 64

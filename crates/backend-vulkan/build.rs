@@ -43,7 +43,10 @@ const fn tile(bm: u32, bk: u32, stages: u32, interleave: bool, ws: bool, sg_cols
 
 /// The GEMM tiles. Each gets the GEMM, and each (bm, bk, stages, sg_cols)
 /// the diagnostics (modes 2, 3, 4), for both layouts.
-const TILES: [Tile; 10] = [
+const TILES: [Tile; 13] = [
+    tile(64, 32, 2, false, false, 2),
+    tile(64, 32, 1, false, false, 2),
+    tile(64, 16, 2, false, false, 2),
     tile(128, 32, 2, false, false, 2),
     tile(128, 32, 2, true, false, 2),
     tile(128, 32, 2, false, true, 2),

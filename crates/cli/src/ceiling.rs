@@ -154,12 +154,13 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
         timed.push(Timed {
             layout,
             part: CeilingPart::Gemm,
-            kernel: format!("current: {current}"),
+            kernel: "current (WGSL)".to_string(),
             ms: current_ms,
             check,
         });
     }
     backend.set_profiling(false);
+    println!("current: {current}");
     print_report(shape, &timed);
     Ok(())
 }
