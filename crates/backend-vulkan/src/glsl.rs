@@ -156,6 +156,110 @@ impl fmt::Display for GlslTile {
     }
 }
 
+/// The variable that picks GLSL GEMM tiles for the Vulkan backend.
+pub const GLSL_GEMM_ENV: &str = "HEADKL_GLSL_GEMM";
+
+impl GlslTile {
+    /// Parses `bm<BM>.bk<BK>.s<STAGES>[.i][.ws][.c<SG_COLS>]`, one of the
+    /// GEMM tiles build.rs compiled.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let text = text.trim();
+        let found = KERNELS.iter().find(|k| k.mode == 0 && k.tile().to_string() == text);
+        match found {
+            Some(k) => Ok(k.tile()),
+            None => {
+                let mut known: Vec<String> = KERNELS
+                    .iter()
+                    .filter(|k| k.mode == 0 && !k.nn)
+                    .map(|k| k.tile().to_string())
+                    .collect();
+                known.dedup();
+                Err(format!("`{text}` is not a GLSL GEMM tile (one of {})", known.join(", ")))
+            }
+        }
+    }
+}
+
+/// Which GLSL GEMM tile runs each layout's GEMM (`None`: the WGSL kernels).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GlslChoice {
+    /// The logits GEMM (`A·Bᵀ`).
+    pub logits: Option<GlslTile>,
+    /// The dx GEMM (`A·B`).
+    pub dx: Option<GlslTile>,
+}
+
+impl GlslChoice {
+    /// Parses `TILE` (both GEMMs) or `logits=TILE,dx=TILE` (either part may
+    /// be left out); an error names [`GLSL_GEMM_ENV`] and the value.
+    pub fn parse(value: &str) -> Result<Self> {
+        let invalid = |reason: String| headkl_core::Error::InvalidSetting {
+            name: GLSL_GEMM_ENV,
+            value: value.to_string(),
+            reason,
+        };
+        if !value.contains('=') {
+            let t = GlslTile::parse(value).map_err(invalid)?;
+            return Ok(Self {
+                logits: Some(t),
+                dx: Some(t),
+            });
+        }
+        let mut choice = Self::default();
+        for part in value.split(',') {
+            let Some((key, tile)) = part.split_once('=') else {
+                return Err(invalid(format!("`{part}`: expected logits=TILE or dx=TILE")));
+            };
+            let t = GlslTile::parse(tile).map_err(invalid)?;
+            match key.trim() {
+                "logits" => choice.logits = Some(t),
+                "dx" => choice.dx = Some(t),
+                other => return Err(invalid(format!("`{other}`: expected logits or dx"))),
+            }
+        }
+        Ok(choice)
+    }
+
+    /// Whether neither GEMM runs a GLSL tile.
+    pub fn is_empty(&self) -> bool {
+        self.logits.is_none() && self.dx.is_none()
+    }
+
+    /// The tile for `layout`'s GEMM.
+    pub fn for_layout(&self, layout: HeadLayout) -> Option<GlslTile> {
+        match layout {
+            HeadLayout::RowsAreOutputs => self.logits,
+            HeadLayout::RowsAreReduction => self.dx,
+        }
+    }
+}
+
+impl fmt::Display for GlslChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let part = |t: Option<GlslTile>| t.map_or("WGSL".to_string(), |t| format!("GLSL {t}"));
+        write!(f, "logits={},dx={}", part(self.logits), part(self.dx))
+    }
+}
+
+/// Why the GLSL kernels cannot run on a device with `caps` and matrix-unit
+/// plan `coop`, or `None` when they can.
+pub(crate) fn unavailable(caps: &crate::adapter::Caps, coop: Option<&crate::kernels::CoopPlan>) -> Option<String> {
+    match coop {
+        None => Some(format!(
+            "{} has no usable matrix units (VK_KHR_cooperative_matrix 16×16×16 f16→f32), or HEADKL_NO_COOPMAT is set",
+            caps.name
+        )),
+        Some(plan) if plan.subgroup_size != 32 => Some(format!(
+            "the GLSL kernels need subgroups of 32; {} runs {}",
+            caps.name, plan.subgroup_size
+        )),
+        Some(_) if caps.api_version < vk::API_VERSION_1_3 => {
+            Some(format!("the GLSL kernels need Vulkan 1.3 (SPIR-V 1.6); {} has less", caps.name))
+        }
+        Some(_) => None,
+    }
+}
+
 /// A variant the ceiling report can time on this device.
 #[derive(Clone, Debug)]
 pub struct CeilingKernel {
@@ -172,21 +276,7 @@ pub struct CeilingKernel {
 impl VulkanBackend {
     /// Why the GLSL kernels cannot run here, or `None` when they can.
     pub fn glsl_unavailable(&self) -> Option<String> {
-        let caps = &self.device.caps;
-        match &self.coop {
-            None => Some(format!(
-                "{} has no usable matrix units (VK_KHR_cooperative_matrix 16×16×16 f16→f32), or HEADKL_NO_COOPMAT is set",
-                caps.name
-            )),
-            Some(plan) if plan.subgroup_size != 32 => Some(format!(
-                "the GLSL kernels need subgroups of 32; {} runs {}",
-                caps.name, plan.subgroup_size
-            )),
-            Some(_) if caps.api_version < vk::API_VERSION_1_3 => {
-                Some(format!("the GLSL kernels need Vulkan 1.3 (SPIR-V 1.6); {} has less", caps.name))
-            }
-            Some(_) => None,
-        }
+        unavailable(&self.device.caps, self.coop.as_ref())
     }
 
     /// The GLSL variants that fit this device's workgroup limits; empty
@@ -211,21 +301,18 @@ impl VulkanBackend {
     /// Makes [`headkl_core::Backend::gemm`] run the GLSL GEMM of `tile` for
     /// both layouts (`None`: back to the WGSL kernels).
     pub fn use_glsl_gemm(&mut self, tile: Option<GlslTile>) -> Result<()> {
-        if let Some(t) = tile {
+        let choice = GlslChoice { logits: tile, dx: tile };
+        if !choice.is_empty() {
             if let Some(why) = self.glsl_unavailable() {
                 return Err(backend_error(why));
             }
-            let found = KERNELS.iter().any(|k| k.mode == 0 && k.tile() == t);
-            if !found {
-                return Err(backend_error(format!("no GLSL GEMM with tile {t}")));
-            }
         }
-        self.glsl_gemm = tile;
+        self.glsl_gemm = choice;
         Ok(())
     }
 
-    /// The GLSL GEMM tile [`headkl_core::Backend::gemm`] runs, if any.
-    pub fn glsl_gemm(&self) -> Option<GlslTile> {
+    /// The GLSL GEMM tiles [`headkl_core::Backend::gemm`] runs.
+    pub fn glsl_gemm(&self) -> GlslChoice {
         self.glsl_gemm
     }
 
@@ -351,6 +438,38 @@ mod tests {
                         gemm.name
                     );
                 }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod choice_tests {
+    use super::*;
+
+    #[test]
+    fn choices_parse_and_name_the_bad_part() {
+        let t = GlslTile::parse("bm128.bk64.s1").unwrap();
+        assert_eq!(t.to_string(), "bm128.bk64.s1");
+        let both = GlslChoice::parse("bm128.bk32.s2").unwrap();
+        assert_eq!(both.logits, both.dx);
+        let split = GlslChoice::parse("logits=bm128.bk64.s1,dx=bm128.bk32.s2").unwrap();
+        assert_eq!(split.for_layout(HeadLayout::RowsAreOutputs), Some(t));
+        assert_eq!(split.dx.map(|t| t.to_string()).as_deref(), Some("bm128.bk32.s2"));
+        let only_dx = GlslChoice::parse("dx=bm128.bk32.s2.ws").unwrap();
+        assert_eq!(only_dx.logits, None);
+        assert!(only_dx.dx.is_some_and(|t| t.ws));
+        assert_eq!(
+            only_dx.to_string(),
+            "logits=WGSL,dx=GLSL bm128.bk32.s2.ws"
+        );
+        for bad in ["bm96.bk32.s2", "logits=bm128.bk64.s1,dy=bm128.bk32.s2", "logits", "bm128.bk64.s3"] {
+            match GlslChoice::parse(bad) {
+                Err(headkl_core::Error::InvalidSetting { name, value, reason }) => {
+                    assert_eq!((name, value.as_str()), (GLSL_GEMM_ENV, bad));
+                    assert!(!reason.is_empty());
+                }
+                other => panic!("{bad}: {other:?}"),
             }
         }
     }

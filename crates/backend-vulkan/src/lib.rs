@@ -46,7 +46,7 @@ use crate::instance::Instance;
 use crate::kernels::CoopPlan;
 use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
-pub use crate::glsl::{CeilingKernel, CeilingPart, GlslTile};
+pub use crate::glsl::{CeilingKernel, CeilingPart, GlslChoice, GlslTile, GLSL_GEMM_ENV};
 pub use crate::memory::VulkanBuffer;
 
 /// Whether an environment variable is set to a true value (`1`, `true`,
@@ -56,12 +56,17 @@ fn env_flag(name: &str) -> bool {
 }
 
 /// The GEMM kernels of `coop` (or the tiled fallback) in words.
-fn describe_gemm(coop: Option<&CoopPlan>) -> String {
+fn describe_gemm(coop: Option<&CoopPlan>, glsl: &glsl::GlslChoice) -> String {
     match coop {
         Some(plan) => {
             let pinned = if plan.require_size { " (pinned)" } else { "" };
+            let glsl = if glsl.is_empty() {
+                String::new()
+            } else {
+                format!("; {} from {}", glsl, glsl::GLSL_GEMM_ENV)
+            };
             format!(
-                "cooperative {} (subgroup {}{pinned}; from {})",
+                "cooperative {} (subgroup {}{pinned}; from {}{glsl})",
                 plan.choice, plan.subgroup_size, plan.source
             )
         }
@@ -86,6 +91,10 @@ pub struct VulkanOptions {
     /// The matrix-unit GEMM kernels; `None`: `HEADKL_GEMM`, else the tune
     /// cache's entry for the device, else [`GemmChoice::DEFAULT`].
     pub gemm: Option<GemmChoice>,
+    /// GLSL GEMM tiles (`HEADKL_GLSL_GEMM`, parsed when the device opens)
+    /// that replace `gemm`'s kernels on the matrix-unit path; ignored on
+    /// the fallback.
+    pub glsl_gemm: Option<String>,
 }
 
 impl VulkanOptions {
@@ -111,6 +120,7 @@ impl VulkanOptions {
             force_fallback: env_flag("HEADKL_NO_COOPMAT"),
             checked: env_flag("HEADKL_CHECKED"),
             gemm: None,
+            glsl_gemm: std::env::var(glsl::GLSL_GEMM_ENV).ok().filter(|v| !v.trim().is_empty()),
         }
     }
 }
@@ -141,8 +151,8 @@ pub struct VulkanBackend {
     coop: Option<CoopPlan>,
     stream: Mutex<Stream>,
     pipelines: Mutex<PipelineCache>,
-    /// A GLSL GEMM tile that replaces the WGSL kernels (`glsl.rs`).
-    glsl_gemm: Option<glsl::GlslTile>,
+    /// GLSL GEMM tiles that replace the WGSL kernels (`glsl.rs`).
+    glsl_gemm: glsl::GlslChoice,
     /// Declared last: dropped after the stream and pipelines.
     device: Arc<Device>,
 }
@@ -176,8 +186,23 @@ impl VulkanBackend {
         };
         let device = Device::new(instance, chosen, coop.is_some())?;
         let coop = coop.filter(|_| device.enabled.cooperative_matrix);
+        let glsl_gemm = match &options.glsl_gemm {
+            Some(value) => glsl::GlslChoice::parse(value)?,
+            None => glsl::GlslChoice::default(),
+        };
+        // The fallback (no matrix units, or HEADKL_NO_COOPMAT) ignores it.
+        let glsl_gemm = if coop.is_some() { glsl_gemm } else { glsl::GlslChoice::default() };
+        if !glsl_gemm.is_empty() {
+            if let Some(why) = glsl::unavailable(&device.caps, coop.as_ref()) {
+                return Err(headkl_core::Error::InvalidSetting {
+                    name: glsl::GLSL_GEMM_ENV,
+                    value: options.glsl_gemm.clone().unwrap_or_default(),
+                    reason: why,
+                });
+            }
+        }
         let mut info = device.caps.device_info(coop.is_some());
-        info.gemm = Some(describe_gemm(coop.as_ref()));
+        info.gemm = Some(describe_gemm(coop.as_ref(), &glsl_gemm));
         let stream = Stream::new(Arc::clone(&device), staging_bytes)?;
         let pipelines = PipelineCache::new(Arc::clone(&device));
         Ok(Self {
@@ -186,7 +211,7 @@ impl VulkanBackend {
             coop,
             stream: Mutex::new(stream),
             pipelines: Mutex::new(pipelines),
-            glsl_gemm: None,
+            glsl_gemm,
             device,
         })
     }
@@ -204,7 +229,7 @@ impl VulkanBackend {
 
     /// Which GEMM kernels run, and where the choice came from, in words.
     pub fn gemm_kernel(&self) -> String {
-        describe_gemm(self.coop.as_ref())
+        describe_gemm(self.coop.as_ref(), &self.glsl_gemm)
     }
 
     /// The matrix-unit GEMM kernels, when the GEMM runs on matrix units.
@@ -429,7 +454,7 @@ impl Backend for VulkanBackend {
         if desc.m == 0 || desc.n == 0 {
             return Ok(());
         }
-        if let Some(tile) = self.glsl_gemm {
+        if let Some(tile) = self.glsl_gemm.for_layout(desc.b_layout) {
             return self.glsl_gemm_dispatch(tile, a, b, c, desc, label);
         }
         let entry = match desc.b_layout {
