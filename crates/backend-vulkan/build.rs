@@ -89,7 +89,11 @@ fn name(v: Variant) -> String {
     let t = v.tile;
     let i = if t.interleave { "_i" } else { "" };
     let w = if t.ws { "_ws" } else { "" };
-    let c = if t.sg_cols != 2 { format!("_c{}", t.sg_cols) } else { String::new() };
+    let c = if t.sg_cols != 2 {
+        format!("_c{}", t.sg_cols)
+    } else {
+        String::new()
+    };
     format!("{mode}_{layout}_bm{}_bk{}_s{}{i}{w}{c}", t.bm, t.bk, t.stages)
 }
 

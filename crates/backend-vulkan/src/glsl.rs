@@ -174,7 +174,10 @@ impl GlslTile {
                     .map(|k| k.tile().to_string())
                     .collect();
                 known.dedup();
-                Err(format!("`{text}` is not a GLSL GEMM tile (one of {})", known.join(", ")))
+                Err(format!(
+                    "`{text}` is not a GLSL GEMM tile (one of {})",
+                    known.join(", ")
+                ))
             }
         }
     }
@@ -253,9 +256,10 @@ pub(crate) fn unavailable(caps: &crate::adapter::Caps, coop: Option<&crate::kern
             "the GLSL kernels need subgroups of 32; {} runs {}",
             caps.name, plan.subgroup_size
         )),
-        Some(_) if caps.api_version < vk::API_VERSION_1_3 => {
-            Some(format!("the GLSL kernels need Vulkan 1.3 (SPIR-V 1.6); {} has less", caps.name))
-        }
+        Some(_) if caps.api_version < vk::API_VERSION_1_3 => Some(format!(
+            "the GLSL kernels need Vulkan 1.3 (SPIR-V 1.6); {} has less",
+            caps.name
+        )),
         Some(_) => None,
     }
 }
@@ -377,7 +381,10 @@ impl VulkanBackend {
         // at least one word of columns for the clamped loads.
         for (v, what) in [(desc.a_offset, "a_offset"), (desc.lda, "lda"), (desc.ldb, "ldb")] {
             if v % 8 != 0 {
-                return Err(backend_error(format!("{}: {what} = {v} is not a multiple of 8", kernel.name)));
+                return Err(backend_error(format!(
+                    "{}: {what} = {v} is not a multiple of 8",
+                    kernel.name
+                )));
             }
         }
         if desc.m == 0 || desc.n == 0 {
@@ -459,11 +466,13 @@ mod choice_tests {
         let only_dx = GlslChoice::parse("dx=bm128.bk32.s2.ws").unwrap();
         assert_eq!(only_dx.logits, None);
         assert!(only_dx.dx.is_some_and(|t| t.ws));
-        assert_eq!(
-            only_dx.to_string(),
-            "logits=WGSL,dx=GLSL bm128.bk32.s2.ws"
-        );
-        for bad in ["bm96.bk32.s2", "logits=bm128.bk64.s1,dy=bm128.bk32.s2", "logits", "bm128.bk64.s3"] {
+        assert_eq!(only_dx.to_string(), "logits=WGSL,dx=GLSL bm128.bk32.s2.ws");
+        for bad in [
+            "bm96.bk32.s2",
+            "logits=bm128.bk64.s1,dy=bm128.bk32.s2",
+            "logits",
+            "bm128.bk64.s3",
+        ] {
             match GlslChoice::parse(bad) {
                 Err(headkl_core::Error::InvalidSetting { name, value, reason }) => {
                     assert_eq!((name, value.as_str()), (GLSL_GEMM_ENV, bad));

@@ -191,7 +191,11 @@ impl VulkanBackend {
             None => glsl::GlslChoice::default(),
         };
         // The fallback (no matrix units, or HEADKL_NO_COOPMAT) ignores it.
-        let glsl_gemm = if coop.is_some() { glsl_gemm } else { glsl::GlslChoice::default() };
+        let glsl_gemm = if coop.is_some() {
+            glsl_gemm
+        } else {
+            glsl::GlslChoice::default()
+        };
         if !glsl_gemm.is_empty() {
             if let Some(why) = glsl::unavailable(&device.caps, coop.as_ref()) {
                 return Err(headkl_core::Error::InvalidSetting {

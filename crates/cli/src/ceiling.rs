@@ -50,12 +50,11 @@ struct Operands<'a> {
 pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliError> {
     let dev = |e| CliError::device("tune --ceiling", e);
     let options = VulkanOptions::from_env(target.device);
-    let mut backend = guarded("Vulkan start-up", || VulkanBackend::open_with(&options)).map_err(|reason| {
-        CliError::Start {
+    let mut backend =
+        guarded("Vulkan start-up", || VulkanBackend::open_with(&options)).map_err(|reason| CliError::Start {
             backend: "vulkan",
             reason,
-        }
-    })?;
+        })?;
     if let Some(why) = backend.glsl_unavailable() {
         return Err(CliError::option(
             "--ceiling",
@@ -82,7 +81,10 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
         let report = conformance::run_part(&backend, Part::Kernels, &SuiteConfig { cases: 0, seed: 0 }, &mut |_| {});
         let verdict = match report.failures.first() {
             None => format!("{}/{} cases", report.passed, report.cases),
-            Some(f) => format!("FAILED {}/{} cases ({}: {})", report.passed, report.cases, f.name, f.message),
+            Some(f) => format!(
+                "FAILED {}/{} cases ({}: {})",
+                report.passed, report.cases, f.name, f.message
+            ),
         };
         eprintln!("ceiling: GLSL GEMM {tile}: {verdict}");
         gate.push((tile, verdict));
@@ -147,9 +149,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
             });
         }
         let current_ms = medians.last().copied().unwrap_or(f64::NAN);
-        backend
-            .gemm(ops.a, ops.b, ops.c, &ops.desc, CURRENT)
-            .map_err(dev)?;
+        backend.gemm(ops.a, ops.b, ops.c, &ops.desc, CURRENT).map_err(dev)?;
         let check = sample_check(&backend, &ops, &data).map_err(dev)?;
         timed.push(Timed {
             layout,

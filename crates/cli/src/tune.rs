@@ -242,7 +242,10 @@ pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
     if cfg.ceiling && target.kind != BackendKind::Vulkan {
         return Err(CliError::option(
             "--ceiling",
-            format!("the ceiling report runs the Vulkan backend's GLSL kernels: name --backend vulkan, not {}", target.kind),
+            format!(
+                "the ceiling report runs the Vulkan backend's GLSL kernels: name --backend vulkan, not {}",
+                target.kind
+            ),
         ));
     }
     let info = select::open_and_run_gemm(&target, None, InfoJob)?;

@@ -895,7 +895,16 @@ fn ceiling_report_needs_vulkan_matrix_units() {
         .unwrap_or_default()
         .split(',')
         .any(|r| r.trim() == "vulkan");
-    let o = headkl(&["tune", "--backend", "vulkan", "--ceiling", "--shape", "256:1024:256", "--iters", "1"]);
+    let o = headkl(&[
+        "tune",
+        "--backend",
+        "vulkan",
+        "--ceiling",
+        "--shape",
+        "256:1024:256",
+        "--iters",
+        "1",
+    ]);
     let err = stderr(&o);
     assert!(!err.contains("panicked"), "{err}");
     if o.status.code() == Some(1) && err.contains("cannot start") && !must {
@@ -905,7 +914,12 @@ fn ceiling_report_needs_vulkan_matrix_units() {
     if o.status.code() == Some(0) {
         // A device with matrix units: both layouts, every part.
         let out = String::from_utf8_lossy(&o.stdout);
-        for needle in ["ceiling logits", "ceiling dx", "(a) multiply-adds from registers", "(e) the GEMM"] {
+        for needle in [
+            "ceiling logits",
+            "ceiling dx",
+            "(a) multiply-adds from registers",
+            "(e) the GEMM",
+        ] {
             assert!(out.contains(needle), "{needle}: {out}");
         }
         assert!(!out.contains("FAILED"), "{out}");
