@@ -4,7 +4,7 @@
 //! beside it. No compiled shader is committed; a GLSL error fails the build.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use glslang::{
     Compiler, CompilerOptions, ShaderInput, ShaderSource, ShaderStage, SourceLanguage, SpirvVersion, Target,
@@ -155,7 +155,7 @@ fn main() {
             t.interleave,
             t.ws,
             t.sg_cols,
-            path = Path::new(&spv).display().to_string()
+            path = spv.display().to_string()
         )
         .expect("write to a String");
     }

@@ -14,7 +14,8 @@
 //! (physical devices and their capabilities), `device` (logical device and
 //! deferred frees), `memory` (buffers), `command` (recording, submission,
 //! staging, timestamps), `pipeline` (naga and compute pipelines), `kernels`
-//! (the shared shaders and their grids), `conv` (errors).
+//! (the shared shaders and their grids), `glsl` (the GLSL GEMM tiles and the
+//! ceiling report's kernels, SPIR-V from build.rs), `conv` (errors).
 
 #![warn(missing_docs)]
 
