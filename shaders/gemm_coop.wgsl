@@ -376,14 +376,14 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
 
 // C = A * B^T with B stored [n][k].
 @compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
-fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+fn gemm_logits(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {
     gemm(wg, lid, sg, false);
 }
 
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
-fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {
     gemm(wg, lid, sg, true);
 }

@@ -164,12 +164,12 @@ fn gemm(wg: vec3<u32>, nn: bool) {
 
 // C = A * B^T with B stored [n][k].
 @compute @workgroup_size(SG_SIZE)
-fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>) {
+fn gemm_logits(@builtin(workgroup_id) wg: vec3<u32>) {
     gemm(wg, false);
 }
 
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(SG_SIZE)
-fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>) {
+fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>) {
     gemm(wg, true);
 }

@@ -134,14 +134,14 @@ fn gemm(wg: vec3<u32>, li: vec3<u32>, lid: u32, nn: bool) {
 
 // C = A * B^T with B stored [n][k].
 @compute @workgroup_size(16, 16)
-fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
+fn gemm_logits(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
     gemm(wg, li, lid, false);
 }
 
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(16, 16)
-fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
+fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
     gemm(wg, li, lid, true);
 }

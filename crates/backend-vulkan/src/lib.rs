@@ -404,15 +404,15 @@ impl Backend for VulkanBackend {
         }
         self.check_binding(a, span_bytes(desc.a_offset, desc.m, desc.lda, desc.k, 2), label)?;
         let b_bytes = match desc.b_layout {
-            HeadLayout::RowsAreOutputs => span_bytes(0, desc.n, desc.ldb, desc.k, 2),
-            HeadLayout::RowsAreReduction => span_bytes(0, desc.k, desc.ldb, desc.n, 2),
+            HeadLayout::Logits => span_bytes(0, desc.n, desc.ldb, desc.k, 2),
+            HeadLayout::Dx => span_bytes(0, desc.k, desc.ldb, desc.n, 2),
         };
         self.check_binding(b, b_bytes, label)?;
         self.check_binding(c, span_bytes(desc.c_offset, desc.m, desc.ldc, desc.n, 4), label)?;
 
         let entry = match desc.b_layout {
-            HeadLayout::RowsAreOutputs => "gemm_nt",
-            HeadLayout::RowsAreReduction => "gemm_nn",
+            HeadLayout::Logits => "gemm_nt",
+            HeadLayout::Dx => "gemm_nn",
         };
         let (source, tile, overrides) = match &self.coop {
             Some(plan) => kernels::coop_pipeline(plan.choice.for_layout(desc.b_layout), plan.subgroup_size),

@@ -475,13 +475,13 @@ impl WgpuBackend {
         let (m, n, k) = (d.m as u64, d.n as u64, d.k as u64);
         let a_end = d.a_offset as u64 + (m - 1) * d.lda as u64 + k;
         let b_end = match d.b_layout {
-            HeadLayout::RowsAreOutputs => {
+            HeadLayout::Logits => {
                 if d.ldb < d.k {
                     return bad("ldb < k".into());
                 }
                 (n - 1) * d.ldb as u64 + k
             }
-            HeadLayout::RowsAreReduction => {
+            HeadLayout::Dx => {
                 if d.ldb < d.n {
                     return bad("ldb < n".into());
                 }
@@ -621,8 +621,8 @@ impl Backend for WgpuBackend {
             )));
         }
         let kernel = match desc.b_layout {
-            HeadLayout::RowsAreOutputs => Kernel::GemmNt,
-            HeadLayout::RowsAreReduction => Kernel::GemmNn,
+            HeadLayout::Logits => Kernel::GemmNt,
+            HeadLayout::Dx => Kernel::GemmNn,
         };
         let (tm, tn) = self.kernels.gemm_tile(kernel);
         let count = (desc.m.div_ceil(tm) * desc.n.div_ceil(tn)) as u64;

@@ -149,8 +149,8 @@ impl Kernels {
     /// The matrix-unit kernel a GEMM entry runs, if it runs on matrix units.
     fn coop_kernel(&self, kernel: Kernel) -> Option<CoopGemm> {
         let layout = match kernel {
-            Kernel::GemmNt => HeadLayout::RowsAreOutputs,
-            Kernel::GemmNn => HeadLayout::RowsAreReduction,
+            Kernel::GemmNt => HeadLayout::Logits,
+            Kernel::GemmNn => HeadLayout::Dx,
             _ => return None,
         };
         self.gemm.coop.map(|(_, choice)| choice.for_layout(layout))

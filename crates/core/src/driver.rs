@@ -349,14 +349,14 @@ impl<B: Backend> Engine<B> {
                 k: self.hs_padded,
                 a_offset: 0,
                 lda: self.hs_padded,
-                b_layout: HeadLayout::RowsAreOutputs,
+                b_layout: HeadLayout::Logits,
                 ldb: self.hs_padded,
                 c_offset: slice.offset,
                 ldc: self.vocab_padded,
                 alpha: 1.0 / temperature,
                 accumulate: false,
             };
-            self.backend.gemm(&s.x16, plane, &s.logits, &desc, "gemm_logits")?;
+            self.backend.gemm(&s.x16, plane, &s.logits, &desc)?;
         }
         Ok(())
     }
@@ -457,14 +457,14 @@ impl<B: Backend> Engine<B> {
                     k: slice.padded_width(),
                     a_offset: slice.offset,
                     lda: self.vocab_padded,
-                    b_layout: HeadLayout::RowsAreReduction,
+                    b_layout: HeadLayout::Dx,
                     ldb: self.hs_padded,
                     c_offset: 0,
                     ldc: self.hs_padded,
                     alpha: dx_scale as f32,
                     accumulate: i > 0,
                 };
-                b.gemm(grad, plane, dx_buf, &desc, "gemm_dx")?;
+                b.gemm(grad, plane, dx_buf, &desc)?;
             }
             trace.mark("teacher upload + record");
             b.download(loss_buf, 0, bytemuck::cast_slice_mut(&mut loss[start..start + rows]))?;

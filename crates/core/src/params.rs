@@ -2,6 +2,8 @@
 //! byte for byte. Both GPU backends fill these; the shaders declare the same
 //! structs at `@group(0) @binding(0)`. Every field is 4 bytes and each block
 //! is a multiple of 16 bytes, so the std140 and std430 layouts agree.
+//! Blocks are made only by the descriptor checks (`crate::checks`), which
+//! refuse extents past 32 bits instead of truncating them.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -71,50 +73,25 @@ pub struct ConvertParams {
     pub _pad: [u32; 3],
 }
 
-impl GemmParams {
-    /// The block for `desc`, with the dispatch's folded grid width.
-    pub fn new(desc: &crate::GemmDesc, grid_x: u32) -> Self {
-        Self {
-            m: desc.m as u32,
-            n: desc.n as u32,
-            k: desc.k as u32,
-            a_offset: desc.a_offset as u32,
-            lda: desc.lda as u32,
-            ldb: desc.ldb as u32,
-            c_offset: desc.c_offset as u32,
-            ldc: desc.ldc as u32,
-            alpha: desc.alpha,
-            accumulate: u32::from(desc.accumulate),
-            grid_x,
-            _pad: 0,
+/// One field of a parameter block: its name in the shader's struct and its
+/// byte offset (padding fields are left out).
+pub type ParamField = (&'static str, usize);
+
+macro_rules! param_fields {
+    ($t:ty: $($f:ident),*) => {
+        impl $t {
+            /// The fields the shader reads, with their byte offsets.
+            pub const FIELDS: &'static [ParamField] = &[$((stringify!($f), std::mem::offset_of!($t, $f))),*];
+
+            /// The block with the dispatch's folded grid width.
+            pub const fn with_grid(mut self, grid_x: u32) -> Self {
+                self.grid_x = grid_x;
+                self
+            }
         }
-    }
+    };
 }
 
-impl RowParams {
-    /// The block for a KL or top-k row dispatch.
-    pub fn new(rows: usize, vocab: usize, ld: usize, k: usize, grid_x: u32) -> Self {
-        Self {
-            rows: rows as u32,
-            vocab: vocab as u32,
-            ld: ld as u32,
-            k: k as u32,
-            grid_x,
-            _pad: [0; 3],
-        }
-    }
-}
-
-impl ConvertParams {
-    /// The block for `desc`.
-    pub fn new(desc: &crate::ConvertDesc, grid_x: u32) -> Self {
-        Self {
-            rows: desc.rows as u32,
-            cols: desc.cols as u32,
-            rows_padded: desc.rows_padded as u32,
-            ld: desc.ld as u32,
-            grid_x,
-            _pad: [0; 3],
-        }
-    }
-}
+param_fields!(GemmParams: m, n, k, a_offset, lda, ldb, c_offset, ldc, alpha, accumulate, grid_x);
+param_fields!(RowParams: rows, vocab, ld, k, grid_x);
+param_fields!(ConvertParams: rows, cols, rows_padded, ld, grid_x);
