@@ -244,14 +244,14 @@ impl KernelId {
         let build = self.build(GemmKernel::Tiled);
         if build.workgroup_bytes > limits.shared_bytes {
             return Some(format!(
-                "{} needs {} bytes of workgroup memory (has {})",
-                self, build.workgroup_bytes, limits.shared_bytes
+                "{} bytes of workgroup memory for {self} (has {})",
+                build.workgroup_bytes, limits.shared_bytes
             ));
         }
         if build.invocations > limits.invocations {
             return Some(format!(
-                "{} needs workgroups of {} invocations (allows {})",
-                self, build.invocations, limits.invocations
+                "workgroups of {} invocations for {self} (allows {})",
+                build.invocations, limits.invocations
             ));
         }
         None
@@ -390,7 +390,7 @@ mod tests {
             ..big
         };
         let why = device_misfit(&small).unwrap();
-        assert!(why.contains("topk_rows needs 25632 bytes"), "{why}");
+        assert_eq!(why, "25632 bytes of workgroup memory for topk_rows (has 16384)");
         let narrow = KernelLimits { invocations: 128, ..big };
         assert!(device_misfit(&narrow).unwrap().contains("256 invocations"));
     }
