@@ -14,11 +14,7 @@ use crate::conv::{backend_error, vk_error};
 use crate::device::Device;
 
 /// A WGSL file: its name (for errors and the cache) and its text.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ShaderSource {
-    pub(crate) file: &'static str,
-    pub(crate) text: &'static str,
-}
+pub(crate) type ShaderSource = headkl_core::kernels::Shader;
 
 /// What the generated SPIR-V may use on the target device.
 #[derive(Clone, Debug)]

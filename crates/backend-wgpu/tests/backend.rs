@@ -215,7 +215,7 @@ fn profiling_times_every_dispatch() {
     small_gemm(&b);
     let times = b.take_kernel_times().unwrap();
     assert_eq!(times.len(), 1, "{times:?}");
-    assert_eq!(times[0].kernel);
+    assert_eq!(times[0].kernel, "gemm_logits");
     assert!(times[0].ms >= 0.0 && times[0].ms < 60_000.0, "{times:?}");
     b.set_profiling(false);
     small_gemm(&b);
