@@ -90,7 +90,10 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((p.subgroup_size, p.require_size), (32, false));
-        assert_eq!(p.choice, GemmChoice::parse("staged:bk32:r2:s2", crate::DEFAULT_GEMM).unwrap());
+        assert_eq!(
+            p.choice,
+            GemmChoice::parse("staged:bk32:r2:s2", crate::DEFAULT_GEMM).unwrap()
+        );
 
         // No 16×16×16 f16→f32 shape, or no memory model: fallback.
         let mut c = h200();

@@ -172,7 +172,6 @@ impl VulkanBuffer {
         })
     }
 
-
     /// The label given at allocation.
     pub fn label(&self) -> &'static str {
         self.label

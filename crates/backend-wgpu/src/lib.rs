@@ -31,8 +31,8 @@ mod stream;
 mod transfer;
 
 pub use adapter::enumerate;
-pub use device::{OpenOptions, WgpuBackend, DEFAULT_GEMM};
 pub use buffer::WgpuBuffer;
+pub use device::{OpenOptions, WgpuBackend, DEFAULT_GEMM};
 
 /// The name this backend reports in [`headkl_core::DeviceInfo::backend`] and
 /// errors.

@@ -155,7 +155,12 @@ impl WgpuBackend {
         Ok(())
     }
 
-    pub(crate) fn bind_group(&self, kernel: KernelId, ids: [u64; 6], buffers: &[&WgpuBuffer]) -> Result<wgpu::BindGroup> {
+    pub(crate) fn bind_group(
+        &self,
+        kernel: KernelId,
+        ids: [u64; 6],
+        buffers: &[&WgpuBuffer],
+    ) -> Result<wgpu::BindGroup> {
         let layout = self.kernels.bind_group_layout(kernel)?;
         let mut failed = None;
         let group = self.shared.bind_group((kernel, ids), || {

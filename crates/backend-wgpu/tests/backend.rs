@@ -94,9 +94,15 @@ fn unaligned_uploads_and_downloads_round_trip() {
         assert_eq!(out, model[offset..offset + len], "offset {offset} len {len}");
     }
     let past = b.download(&buf, 60, &mut [0u8; 8]);
-    assert!(matches!(past, Err(Error::TransferOutOfRange { offset: 60, .. })), "{past:?}");
+    assert!(
+        matches!(past, Err(Error::TransferOutOfRange { offset: 60, .. })),
+        "{past:?}"
+    );
     let past = b.upload(&buf, 63, &[1, 2]);
-    assert!(matches!(past, Err(Error::TransferOutOfRange { offset: 63, .. })), "{past:?}");
+    assert!(
+        matches!(past, Err(Error::TransferOutOfRange { offset: 63, .. })),
+        "{past:?}"
+    );
     assert!(b.take_diagnostics().is_empty());
 }
 
@@ -232,7 +238,14 @@ fn failures_are_errors_not_panics() {
     let desc = GemmDesc::dense(32, 16, 16, HeadLayout::Dx);
     let past = b.gemm(&a, &a, &c, &desc);
     assert!(
-        matches!(past, Err(Error::BadDescriptor { kernel: "gemm_dx", field: "A", .. })),
+        matches!(
+            past,
+            Err(Error::BadDescriptor {
+                kernel: "gemm_dx",
+                field: "A",
+                ..
+            })
+        ),
         "{past:?}"
     );
     // The device is still fine afterwards.

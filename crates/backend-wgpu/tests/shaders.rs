@@ -15,7 +15,11 @@ use naga::valid::{Capabilities, ValidationFlags, Validator};
 fn builds() -> Vec<KernelBuild> {
     let mut gemms = vec![GemmKernel::Tiled];
     for subgroup in [32, 64] {
-        gemms.extend(CoopGemm::candidates().into_iter().map(|kernel| GemmKernel::Coop { kernel, subgroup }));
+        gemms.extend(
+            CoopGemm::candidates()
+                .into_iter()
+                .map(|kernel| GemmKernel::Coop { kernel, subgroup }),
+        );
     }
     let mut all = Vec::new();
     for kernel in KernelId::ALL {
@@ -59,7 +63,10 @@ fn check(build: &KernelBuild) -> Result<usize, String> {
 
     let invocations: u32 = ep.workgroup_size.iter().product();
     if invocations != build.invocations {
-        return Err(format!("workgroup of {invocations} invocations, catalogue says {}", build.invocations));
+        return Err(format!(
+            "workgroup of {invocations} invocations, catalogue says {}",
+            build.invocations
+        ));
     }
     let gctx = module.to_ctx();
     let mut workgroup_bytes = 0;
@@ -112,7 +119,10 @@ fn check_params(kernel: KernelId, module: &naga::Module, ty: &naga::Type) -> Res
         return Err("the uniform at binding 0 is not a struct".into());
     };
     if u64::from(*span) != kernel.params_bytes() {
-        return Err(format!("{span}-byte parameter struct, core's is {}", kernel.params_bytes()));
+        return Err(format!(
+            "{span}-byte parameter struct, core's is {}",
+            kernel.params_bytes()
+        ));
     }
     let shader: Vec<(&str, usize)> = members
         .iter()
@@ -142,7 +152,10 @@ fn every_build_in_the_catalogue_matches_its_shader_and_compiles() {
     for build in &builds {
         match check(build) {
             Ok(n) => words += n,
-            Err(e) => failures.push(format!("{}:{} {:?}: {e}", build.shader.file, build.entry, build.overrides)),
+            Err(e) => failures.push(format!(
+                "{}:{} {:?}: {e}",
+                build.shader.file, build.entry, build.overrides
+            )),
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -207,7 +207,11 @@ impl BackendJob for TrialJob<'_> {
         let times = backend.take_kernel_times().map_err(dev)?;
         backend.set_profiling(false);
         let median_of = |kernel: KernelId| {
-            let v: Vec<f64> = times.iter().filter(|t| t.kernel == kernel.name()).map(|t| t.ms).collect();
+            let v: Vec<f64> = times
+                .iter()
+                .filter(|t| t.kernel == kernel.name())
+                .map(|t| t.ms)
+                .collect();
             (!v.is_empty()).then(|| crate::bench::median(&crate::bench::sorted(v)))
         };
         Ok((outcome, median_of(KernelId::GemmLogits), median_of(KernelId::GemmDx)))

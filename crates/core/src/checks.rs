@@ -16,8 +16,14 @@ use crate::ALIGN;
 
 /// `value` as `u32`, or an error naming `field` of `kernel`.
 fn index(kernel: KernelId, field: &'static str, value: usize) -> Result<u32> {
-    u32::try_from(value)
-        .map_err(|_| bad_descriptor(kernel, field, value as u128, "exceeds the kernels' 32-bit indices".into()))
+    u32::try_from(value).map_err(|_| {
+        bad_descriptor(
+            kernel,
+            field,
+            value as u128,
+            "exceeds the kernels' 32-bit indices".into(),
+        )
+    })
 }
 
 /// Elements spanned by `rows` rows of `cols` elements at row stride `ld`,
@@ -90,7 +96,14 @@ impl ConvertDesc {
         at_least(K, "rows_padded", self.rows_padded, "rows", self.rows)?;
         at_least(K, "ld", self.ld, "cols", self.cols)?;
         fits(K, "src", span(0, self.rows, self.cols, self.cols), 4, src, max_binding)?;
-        fits(K, "dst", span(0, self.rows_padded, self.ld, self.ld), 2, dst, max_binding)?;
+        fits(
+            K,
+            "dst",
+            span(0, self.rows_padded, self.ld, self.ld),
+            2,
+            dst,
+            max_binding,
+        )?;
         Ok(ConvertParams {
             rows: index(K, "rows", self.rows)?,
             cols: index(K, "cols", self.cols)?,
@@ -126,9 +139,23 @@ impl GemmDesc {
             }
         };
         if self.m > 0 && self.n > 0 {
-            fits(kernel, "A", span(self.a_offset, self.m, self.lda, self.k), 2, a, max_binding)?;
+            fits(
+                kernel,
+                "A",
+                span(self.a_offset, self.m, self.lda, self.k),
+                2,
+                a,
+                max_binding,
+            )?;
             fits(kernel, "B", b_span, 2, b, max_binding)?;
-            fits(kernel, "C", span(self.c_offset, self.m, self.ldc, self.n), 4, c, max_binding)?;
+            fits(
+                kernel,
+                "C",
+                span(self.c_offset, self.m, self.ldc, self.n),
+                4,
+                c,
+                max_binding,
+            )?;
         }
         Ok(GemmParams {
             m: index(kernel, "m", self.m)?,
@@ -161,7 +188,9 @@ fn row_params<B: DeviceBuffer>(
 ) -> Result<RowParams> {
     multiple(kernel, "ld", ld, ALIGN)?;
     at_least(kernel, "ld", ld, "vocab", vocab)?;
-    require(k >= 1 && k <= max_k, kernel, "k", k as u128, || format!("not in 1..={max_k}"))?;
+    require(k >= 1 && k <= max_k, kernel, "k", k as u128, || {
+        format!("not in 1..={max_k}")
+    })?;
     fits(kernel, "logits", span(0, rows, ld, ld), 4, logits, max_binding)?;
     fits(kernel, "ids", span(0, rows, k, k), 4, ids, max_binding)?;
     fits(kernel, "probs", span(0, rows, k, k), 4, probs, max_binding)?;
@@ -237,11 +266,17 @@ mod tests {
         let p = d.check([&a, &b, &c], u64::MAX).unwrap();
         assert_eq!((p.m, p.n, p.k, p.ldb), (32, 48, 64, 48));
         let short = Len(32 * 48 * 4 - 4);
-        assert_eq!(field_of(d.check([&a, &b, &short], u64::MAX).unwrap_err()), ("gemm_dx", "C", 32 * 48 * 4));
+        assert_eq!(
+            field_of(d.check([&a, &b, &short], u64::MAX).unwrap_err()),
+            ("gemm_dx", "C", 32 * 48 * 4)
+        );
         // The binding limit counts like the length.
         assert_eq!(field_of(d.check([&a, &b, &c], 1024).unwrap_err()).1, "A");
         let odd = GemmDesc { m: 17, ..d };
-        assert_eq!(field_of(odd.check([&a, &b, &c], u64::MAX).unwrap_err()), ("gemm_dx", "m", 17));
+        assert_eq!(
+            field_of(odd.check([&a, &b, &c], u64::MAX).unwrap_err()),
+            ("gemm_dx", "m", 17)
+        );
         let narrow = GemmDesc { ldb: 32, ..d };
         assert_eq!(field_of(narrow.check([&a, &b, &c], u64::MAX).unwrap_err()).1, "ldb");
         let logits = GemmDesc::dense(16, 16, 16, HeadLayout::Logits);
@@ -287,12 +322,20 @@ mod tests {
         assert_eq!((p.rows, p.vocab, p.ld, p.k), (4, 10, 16, 3));
         let bad_k = KlDesc { k: 11, ..kl };
         assert_eq!(
-            field_of(bad_k.check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX).unwrap_err()),
+            field_of(
+                bad_k
+                    .check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX)
+                    .unwrap_err()
+            ),
             ("kl_rows", "k", 11)
         );
         let short = Len(8);
         assert_eq!(
-            field_of(kl.check([&logits, &ids, &ids, &coef, &short, &grad], u64::MAX).unwrap_err()).1,
+            field_of(
+                kl.check([&logits, &ids, &ids, &coef, &short, &grad], u64::MAX)
+                    .unwrap_err()
+            )
+            .1,
             "loss"
         );
         let c = ConvertDesc {

@@ -328,7 +328,13 @@ pub(crate) fn bad_descriptor(kernel: KernelId, field: &'static str, value: u128,
 }
 
 /// `Ok(())`, or the error of [`bad_descriptor`] when `ok` is false.
-pub(crate) fn require(ok: bool, kernel: KernelId, field: &'static str, value: u128, reason: impl FnOnce() -> String) -> Result<()> {
+pub(crate) fn require(
+    ok: bool,
+    kernel: KernelId,
+    field: &'static str,
+    value: u128,
+    reason: impl FnOnce() -> String,
+) -> Result<()> {
     if ok {
         Ok(())
     } else {
@@ -351,7 +357,11 @@ mod tests {
         for k in KernelId::ALL {
             assert_eq!(k.params_bytes() % 16, 0, "{k}");
             for shader in k.shaders() {
-                assert!(shader.text.contains(&format!("fn {}(", k.name())), "{}: {k}", shader.file);
+                assert!(
+                    shader.text.contains(&format!("fn {}(", k.name())),
+                    "{}: {k}",
+                    shader.file
+                );
             }
         }
     }
@@ -391,7 +401,10 @@ mod tests {
         };
         let why = device_misfit(&small).unwrap();
         assert_eq!(why, "25632 bytes of workgroup memory for topk_rows (has 16384)");
-        let narrow = KernelLimits { invocations: 128, ..big };
+        let narrow = KernelLimits {
+            invocations: 128,
+            ..big
+        };
         assert!(device_misfit(&narrow).unwrap().contains("256 invocations"));
     }
 }

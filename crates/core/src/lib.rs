@@ -27,6 +27,7 @@ pub mod host;
 pub mod kernels;
 pub mod params;
 pub mod problem;
+mod scratch;
 pub mod slicing;
 pub mod tune_cache;
 
@@ -36,13 +37,13 @@ pub use backend::{
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, SliceOptions, TopK};
 pub use error::{Error, Result};
+pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use head::{HeadData, HeadWeights};
+pub use kernels::{GemmKernel, KernelBuild, KernelId};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
 };
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
-pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
-pub use kernels::{GemmKernel, KernelBuild, KernelId};
 pub use tune_cache::TuneCache;
 
 /// Alignment of every padded device extent (token rows, hidden columns,

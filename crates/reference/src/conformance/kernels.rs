@@ -148,7 +148,7 @@ fn rows(name: &'static str, rows: usize, vocab: usize, ld: usize, k: usize, patt
 
 /// The kernel-level cases, in order.
 pub(crate) fn kernel_cases() -> Vec<KernelCase> {
-    use HeadLayout::{Logits as Out, Dx as Red};
+    use HeadLayout::{Dx as Red, Logits as Out};
     use Row::*;
     let mut v = vec![
         gemm(16, 16, 16, Out, 0, 16, 16, 0, 16, 1.0, false),

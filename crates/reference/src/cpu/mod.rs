@@ -26,8 +26,8 @@ use std::time::Instant;
 use half::f16;
 use headkl_core::checks::check_transfer;
 use headkl_core::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats,
-    Result, TopkDesc,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, Result,
+    TopkDesc,
 };
 
 const BACKEND: &str = "reference";
