@@ -3,6 +3,8 @@
 //! whose products and sums f32 holds exactly), conversion, errors, timing.
 //! Outputs are NaN-poisoned first, so an unwritten element fails.
 
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error; its helpers are test code too")]
+
 use half::f16;
 use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
@@ -45,7 +47,7 @@ fn exact_values(n: usize, seed: usize) -> Vec<f16> {
 
 const POISON: u32 = 0x7fc0_dead;
 
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "a GEMM case spelled out field by field")]
 fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayout, accumulate: bool, seed: usize) {
     let (a_offset, lda) = (32, k + 16);
     let ldb = match layout {

@@ -176,7 +176,6 @@ impl GemmDesc {
 
 /// The checks the row kernels share: logits `[rows][ld]` f32, ids and
 /// probs `[rows][k]`, `ld ≥ vocab` in whole 16-byte reads.
-#[allow(clippy::too_many_arguments)]
 fn row_params<B: DeviceBuffer>(
     kernel: KernelId,
     (rows, vocab, ld, k): (usize, usize, usize, usize),

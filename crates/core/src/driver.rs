@@ -9,7 +9,7 @@ use crate::chunking::{plan_chunks, ChunkPlan};
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
-use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache, ScratchKey};
+use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::slicing::{slice_vocab, VocabSlice};
 use crate::{round_up, ALIGN};
 
@@ -155,15 +155,23 @@ impl<B: Backend> Engine<B> {
 
     /// The chunk plan `head_kl` would use for `ntok` tokens.
     pub fn loss_plan(&self, ntok: usize, k: usize, f32_input: bool, opts: &LossOptions) -> Result<ChunkPlan> {
-        let costs = self.row_bytes(k).costs(Job::Loss, f32_input);
+        let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
+        self.chunk_plan(Job::Loss, ntok, k, f32_input, budget)
+    }
+
+    /// The chunk plan of `job`, budgeting every scratch buffer it allocates.
+    fn chunk_plan(
+        &self,
+        job: Job,
+        ntok: usize,
+        k: usize,
+        f32_input: bool,
+        (budget_bytes, max_rows): (u64, Option<usize>),
+    ) -> Result<ChunkPlan> {
+        let costs = self.row_bytes(k).costs(job, f32_input);
         let info = self.backend.info();
-        plan_chunks(
-            ntok,
-            &costs,
-            opts.budget_bytes,
-            info.max_binding_bytes.min(info.max_buffer_bytes),
-            opts.max_rows_per_chunk,
-        )
+        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+        plan_chunks(ntok, &costs, budget_bytes, max_binding, max_rows)
     }
 
     /// Bytes per token row of every scratch buffer, with `k` teacher entries.
@@ -279,16 +287,9 @@ impl<B: Backend> Engine<B> {
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
         let sizes = self.row_bytes(k);
         let rows_per_chunk = plan.rows_per_chunk;
-        self.scratch.begin(ScratchKey {
-            job: Job::Loss,
-            rows: rows_per_chunk,
-            k,
-            f32_input,
-        });
-        let input = self
-            .scratch
-            .take_input(&self.backend, &sizes, rows_per_chunk, hidden.data())?;
-        let rows_s = self.scratch.take_rows(&self.backend, &sizes, rows_per_chunk)?;
+        let (input, rows_s) =
+            self.scratch
+                .begin(&self.backend, Job::Loss, &sizes, (rows_per_chunk, k), hidden.data())?;
         let loss_s = self.scratch.take_loss(&self.backend, &sizes, rows_per_chunk)?;
         let result = self.loss_chunks(&plan, &input, &rows_s, &loss_s, teacher, &resolved, out);
         self.scratch.put_back(rows_s, Some(loss_s), input);
@@ -296,7 +297,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// `head_kl`'s chunks, with its scratch.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, reason = "the call's inputs and the scratch groups it took")]
     fn loss_chunks(
         &self,
         plan: &ChunkPlan,
@@ -414,26 +415,15 @@ impl<B: Backend> Engine<B> {
         let (ntok, k) = (hidden.ntok(), opts.k);
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         let sizes = self.row_bytes(k);
-        let costs = sizes.costs(Job::Topk, f32_input);
-        let info = self.backend.info();
-        let plan = plan_chunks(
-            ntok,
-            &costs,
-            opts.budget_bytes,
-            info.max_binding_bytes.min(info.max_buffer_bytes),
-            opts.max_rows_per_chunk,
+        let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
+        let plan = self.chunk_plan(Job::Topk, ntok, k, f32_input, budget)?;
+        let (input, rows_s) = self.scratch.begin(
+            &self.backend,
+            Job::Topk,
+            &sizes,
+            (plan.rows_per_chunk, k),
+            hidden.data(),
         )?;
-        let rows_per_chunk = plan.rows_per_chunk;
-        self.scratch.begin(ScratchKey {
-            job: Job::Topk,
-            rows: rows_per_chunk,
-            k,
-            f32_input,
-        });
-        let input = self
-            .scratch
-            .take_input(&self.backend, &sizes, rows_per_chunk, hidden.data())?;
-        let rows_s = self.scratch.take_rows(&self.backend, &sizes, rows_per_chunk)?;
         let result = self.topk_chunks(&plan, &input, &rows_s, ntok, opts);
         self.scratch.put_back(rows_s, None, input);
         result

@@ -21,11 +21,11 @@ pub(crate) enum Job {
 /// What the cached scratch was sized for; a call with another key frees
 /// it all before allocating, so the new set can use its memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct ScratchKey {
-    pub job: Job,
-    pub rows: usize,
-    pub k: usize,
-    pub f32_input: bool,
+struct ScratchKey {
+    job: Job,
+    rows: usize,
+    k: usize,
+    f32_input: bool,
 }
 
 /// Bytes per token row of every scratch buffer.
@@ -162,23 +162,41 @@ impl<B: Backend> Default for ScratchCache<B> {
 }
 
 impl<B: Backend> ScratchCache<B> {
-    /// Starts a call of `key`: frees everything sized for another key.
-    pub fn begin(&mut self, key: ScratchKey) {
+    /// Starts a call of `job` over chunks of `rows` rows (freeing
+    /// everything sized for another call first) and takes what every job
+    /// needs: the hidden rows' upload buffer and the row buffers.
+    pub fn begin<'a>(
+        &mut self,
+        b: &B,
+        job: Job,
+        sizes: &RowBytes,
+        (rows, k): (usize, usize),
+        hidden: crate::problem::HiddenData<'a>,
+    ) -> Result<(Input<'a, B>, RowScratch<B>)> {
+        let f32_input = matches!(hidden, crate::problem::HiddenData::F32(_));
+        let key = ScratchKey {
+            job,
+            rows,
+            k,
+            f32_input,
+        };
         if self.key != Some(key) {
             *self = Self::default();
             self.key = Some(key);
         }
+        let input = self.take_input(b, sizes, rows, hidden)?;
+        Ok((input, self.take_rows(b, sizes, rows)?))
     }
 
-    /// The row buffers for the key given to [`Self::begin`] (kept, or made).
-    pub fn take_rows(&mut self, b: &B, sizes: &RowBytes, rows: usize) -> Result<RowScratch<B>> {
+    /// The row buffers for the call begun (kept, or made).
+    fn take_rows(&mut self, b: &B, sizes: &RowBytes, rows: usize) -> Result<RowScratch<B>> {
         match self.rows.take() {
             Some(s) => Ok(s),
             None => RowScratch::alloc(b, sizes, rows),
         }
     }
 
-    /// The loss buffers for the key given to [`Self::begin`].
+    /// The loss buffers for the call begun.
     pub fn take_loss(&mut self, b: &B, sizes: &RowBytes, rows: usize) -> Result<LossScratch<B>> {
         match self.loss.take() {
             Some(s) => Ok(s),
@@ -187,7 +205,7 @@ impl<B: Backend> ScratchCache<B> {
     }
 
     /// `data` with the buffer its upload needs.
-    pub fn take_input<'a>(
+    fn take_input<'a>(
         &mut self,
         b: &B,
         sizes: &RowBytes,

@@ -130,7 +130,7 @@ pub(crate) fn convert_f16(src: &[f32], dst: &mut [f16], d: &ConvertDesc) {
 }
 
 /// One row of the KL kernel: returns the loss and writes the gradient row.
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "one slice per kernel binding")]
 fn kl_row(
     s: &[f32],
     ids: &[u32],
@@ -188,7 +188,7 @@ fn kl_row(
 }
 
 /// The KL row kernel on whole buffers (see [`KlDesc`]).
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "one slice per kernel binding")]
 pub(crate) fn kl_rows(
     logits: &[f32],
     ids: &[u32],
