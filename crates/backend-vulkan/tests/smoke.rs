@@ -3,7 +3,7 @@
 //! whose products and sums f32 holds exactly), conversion, errors, timing.
 //! Outputs are NaN-poisoned first, so an unwritten element fails.
 
-#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error; its helpers are test code too")]
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
 use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout};

@@ -3,7 +3,7 @@
 //! errors instead of panics, checked vs unchecked GEMM builds, and a head
 //! that needs several slices on its own (lavapipe's 128 MiB binding).
 
-#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error; its helpers are test code too")]
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
 use headkl_core::{

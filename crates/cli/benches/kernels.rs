@@ -7,7 +7,7 @@
 //! completion as the host sees it. A backend that cannot start is skipped
 //! with the reason, unless `HEADKL_REQUIRE` names it.
 
-#![allow(clippy::unwrap_used, reason = "a bench fails loudly on any error; its helpers are test code too")]
+#![allow(clippy::unwrap_used, reason = "a bench fails loudly on any error")]
 
 use std::hint::black_box;
 use std::time::Duration;

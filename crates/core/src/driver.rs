@@ -297,7 +297,10 @@ impl<B: Backend> Engine<B> {
     }
 
     /// `head_kl`'s chunks, with its scratch.
-    #[allow(clippy::too_many_arguments, reason = "the call's inputs and the scratch groups it took")]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the call's inputs and the scratch groups it took"
+    )]
     fn loss_chunks(
         &self,
         plan: &ChunkPlan,

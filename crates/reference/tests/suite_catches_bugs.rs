@@ -2,7 +2,7 @@
 //! must fail it, in the part that should catch that bug, and a faithful
 //! wrapper must pass. Errors and panics inside a case fail that case only.
 
-#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error; its helpers are test code too")]
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use std::cell::Cell;
 

@@ -103,7 +103,10 @@ pub(crate) enum KernelCase {
     Topk(RowSpec),
 }
 
-#[allow(clippy::too_many_arguments, reason = "one argument per GemmDesc field, so a case reads as one line")]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one argument per GemmDesc field, so a case reads as one line"
+)]
 fn gemm(
     m: usize,
     n: usize,
