@@ -160,18 +160,19 @@ pub(crate) struct Parsed {
 
 /// Parses and validates `source` for `target`.
 pub(crate) fn parse(source: &ShaderSource, target: &ShaderTarget) -> Result<Parsed> {
-    let module = naga::front::wgsl::parse_str(source.text).map_err(|e| {
+    let text = source.source();
+    let module = naga::front::wgsl::parse_str(&text).map_err(|e| {
         backend_error(format!(
             "{}: WGSL parse error:\n{}",
             source.file,
-            e.emit_to_string_with_path(source.text, source.file)
+            e.emit_to_string_with_path(&text, source.file)
         ))
     })?;
     let info = target.validator().validate(&module).map_err(|e| {
         backend_error(format!(
             "{}: naga validation error:\n{}",
             source.file,
-            e.emit_to_string_with_path(source.text, source.file)
+            e.emit_to_string_with_path(&text, source.file)
         ))
     })?;
     Ok(Parsed { module, info })

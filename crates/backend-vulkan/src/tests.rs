@@ -33,6 +33,8 @@ fn open(staging: u64) -> Option<VulkanBackend> {
 /// `dst[i] = f16(src[i] · scale)` over a folded grid of `WG`-wide groups.
 const SCALE: ShaderSource = ShaderSource {
     file: "test_scale.wgsl",
+    // Declares its own parameters (no marker): `params` goes unused.
+    params: headkl_core::params::RowParams::BLOCK,
     text: r#"
 enable f16;
 struct P { n: u32, scale: f32, grid_x: u32, pad: u32 }
@@ -52,6 +54,7 @@ fn scale_f16(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
 /// `x[i] += p.add` for `i < n` (one invocation per element, 64 wide).
 const ADD: ShaderSource = ShaderSource {
     file: "test_add.wgsl",
+    params: headkl_core::params::RowParams::BLOCK,
     text: r#"
 struct P { n: u32, add: f32, grid_x: u32, pad: u32 }
 @group(0) @binding(0) var<uniform> p: P;

@@ -108,7 +108,7 @@ impl Kernels {
             .or_insert_with(|| {
                 let desc = wgpu::ShaderModuleDescriptor {
                     label: Some(shader.file),
-                    source: wgpu::ShaderSource::Wgsl(shader.text.into()),
+                    source: wgpu::ShaderSource::Wgsl(shader.source().into()),
                 };
                 if build.id.gemm_layout().is_some() && !self.gemm.checked {
                     // SAFETY: the GEMM kernels index only inside the extents

@@ -3,7 +3,8 @@
 //! every matrix-unit tile at subgroups 32 and 64) parses, validates with
 //! every capability, resolves its overrides and translates to SPIR-V as the
 //! Vulkan backend builds it; and its parameter struct, storage bindings,
-//! workgroup size and workgroup memory are the catalogue's. This is the only
+//! workgroup size and workgroup memory are the catalogue's (the parameter
+//! struct is generated from `core::params`: this checks the generation). This is the only
 //! CI check that `gemm_coop.wgsl` compiles: lavapipe has no matrix units.
 
 use headkl_core::kernels::{Access, SHADERS};
@@ -43,7 +44,7 @@ fn parse(file: &str, text: &str) -> (naga::Module, naga::valid::ModuleInfo) {
 /// Checks one build; returns what is wrong with it, if anything.
 fn check(build: &KernelBuild) -> Result<usize, String> {
     let (file, entry) = (build.shader.file, build.entry);
-    let (module, info) = parse(file, build.shader.text);
+    let (module, info) = parse(file, &build.shader.source());
     let mut constants = naga::back::PipelineConstants::default();
     for &(name, value) in &build.overrides {
         constants.insert(name.to_string(), f64::from(value));
@@ -129,11 +130,9 @@ fn check_params(kernel: KernelId, module: &naga::Module, ty: &naga::Type) -> Res
         .filter_map(|m| Some((m.name.as_deref()?, m.offset as usize)))
         .filter(|(name, _)| !name.starts_with("pad"))
         .collect();
-    if shader != kernel.params_fields() {
-        return Err(format!(
-            "parameter fields {shader:?}, core's are {:?}",
-            kernel.params_fields()
-        ));
+    let core: Vec<(&str, usize)> = kernel.params().fields.iter().map(|&(n, o, _)| (n, o)).collect();
+    if shader != core {
+        return Err(format!("parameter fields {shader:?}, core's are {core:?}"));
     }
     for m in members {
         let inner = &module.types[m.ty].inner;

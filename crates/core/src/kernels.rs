@@ -10,38 +10,55 @@ use std::fmt;
 use crate::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
 use crate::error::{Error, Result};
 use crate::gemm_choice::{CoopGemm, KernelLimits};
-use crate::params::{ConvertParams, GemmParams, ParamField, RowParams};
+use crate::params::{ConvertParams, GemmParams, ParamBlock, RowParams};
 
-/// One WGSL file of `shaders/`: its name (errors, caches) and its text.
+/// One WGSL file of `shaders/`: its name (errors, caches), its text, and
+/// the parameter block its kernels read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shader {
     /// File name within `shaders/`.
     pub file: &'static str,
-    /// The WGSL source.
+    /// The file's WGSL, with [`PARAMS_MARKER`] where the parameter block goes.
     pub text: &'static str,
+    /// The parameter block at binding 0.
+    pub params: ParamBlock,
+}
+
+/// The line of every shader that [`Shader::source`] replaces with the
+/// parameter block's declaration.
+pub const PARAMS_MARKER: &str =
+    "// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>";
+
+impl Shader {
+    /// The WGSL to compile: the file with its parameter struct and binding
+    /// generated from `core::params` in place of [`PARAMS_MARKER`].
+    pub fn source(&self) -> String {
+        self.text.replacen(PARAMS_MARKER, &self.params.wgsl(), 1)
+    }
 }
 
 macro_rules! shader {
-    ($file:literal) => {
+    ($file:literal, $params:ty) => {
         Shader {
             file: $file,
             text: include_str!(concat!("../../../shaders/", $file)),
+            params: <$params>::BLOCK,
         }
     };
 }
 
 /// `convert.wgsl`: f32 → f16 hidden rows.
-pub const CONVERT_WGSL: Shader = shader!("convert.wgsl");
+pub const CONVERT_WGSL: Shader = shader!("convert.wgsl", ConvertParams);
 /// `kl_rows.wgsl`: the KL row kernel.
-pub const KL_ROWS_WGSL: Shader = shader!("kl_rows.wgsl");
+pub const KL_ROWS_WGSL: Shader = shader!("kl_rows.wgsl", RowParams);
 /// `topk_rows.wgsl`: the exact top-k row kernel.
-pub const TOPK_ROWS_WGSL: Shader = shader!("topk_rows.wgsl");
+pub const TOPK_ROWS_WGSL: Shader = shader!("topk_rows.wgsl", RowParams);
 /// `gemm_tiled.wgsl`: the portable GEMM (no matrix units).
-pub const GEMM_TILED_WGSL: Shader = shader!("gemm_tiled.wgsl");
+pub const GEMM_TILED_WGSL: Shader = shader!("gemm_tiled.wgsl", GemmParams);
 /// `gemm_coop.wgsl`: the matrix-unit GEMM staged through workgroup memory.
-pub const GEMM_COOP_WGSL: Shader = shader!("gemm_coop.wgsl");
+pub const GEMM_COOP_WGSL: Shader = shader!("gemm_coop.wgsl", GemmParams);
 /// `gemm_coop_direct.wgsl`: the matrix-unit GEMM without workgroup memory.
-pub const GEMM_COOP_DIRECT_WGSL: Shader = shader!("gemm_coop_direct.wgsl");
+pub const GEMM_COOP_DIRECT_WGSL: Shader = shader!("gemm_coop_direct.wgsl", GemmParams);
 
 /// Every shader file, in the order of [`KernelId::ALL`].
 pub const SHADERS: [Shader; 6] = [
@@ -171,23 +188,18 @@ impl KernelId {
         }
     }
 
-    /// Size in bytes of its uniform parameter block.
-    pub const fn params_bytes(self) -> u64 {
-        (match self {
-            KernelId::ConvertF16 => size_of::<ConvertParams>(),
-            KernelId::GemmLogits | KernelId::GemmDx => size_of::<GemmParams>(),
-            KernelId::KlRows | KernelId::TopkRows => size_of::<RowParams>(),
-        }) as u64
+    /// Its uniform parameter block (the descriptor's `check` returns one).
+    pub const fn params(self) -> ParamBlock {
+        match self {
+            KernelId::ConvertF16 => ConvertParams::BLOCK,
+            KernelId::GemmLogits | KernelId::GemmDx => GemmParams::BLOCK,
+            KernelId::KlRows | KernelId::TopkRows => RowParams::BLOCK,
+        }
     }
 
-    /// The fields of its parameter block with their byte offsets (the
-    /// shader's struct must match: checked by the shader tests).
-    pub const fn params_fields(self) -> &'static [ParamField] {
-        match self {
-            KernelId::ConvertF16 => ConvertParams::FIELDS,
-            KernelId::GemmLogits | KernelId::GemmDx => GemmParams::FIELDS,
-            KernelId::KlRows | KernelId::TopkRows => RowParams::FIELDS,
-        }
+    /// Size in bytes of its uniform parameter block.
+    pub const fn params_bytes(self) -> u64 {
+        self.params().bytes as u64
     }
 
     /// Every shader that implements it (the GEMMs have one per
@@ -362,6 +374,9 @@ mod tests {
                     "{}: {k}",
                     shader.file
                 );
+                assert_eq!(shader.params, k.params(), "{}", shader.file);
+                assert_eq!(shader.text.matches(PARAMS_MARKER).count(), 1, "{}", shader.file);
+                assert!(shader.source().contains("var<uniform> params: "), "{}", shader.file);
             }
         }
     }
