@@ -133,4 +133,17 @@ mod tests {
         c.subgroup_ops = vk::SubgroupFeatureFlags::empty();
         assert!(!kernel_limits(&c).subgroup_builtins);
     }
+
+    #[test]
+    fn a_device_too_small_for_the_row_kernels_is_unusable_at_listing() {
+        // The catalogue's check the adapter listing applies (adapter.rs).
+        assert_eq!(headkl_core::kernels::device_misfit(&kernel_limits(&h200())), None);
+        let mut c = h200();
+        c.max_shared_memory = 16 << 10;
+        let why = headkl_core::kernels::device_misfit(&kernel_limits(&c)).unwrap();
+        assert!(why.contains("topk_rows"), "{why}");
+        c.max_shared_memory = 48 << 10;
+        c.max_invocations = 128;
+        assert!(headkl_core::kernels::device_misfit(&kernel_limits(&c)).is_some());
+    }
 }

@@ -14,7 +14,9 @@
 //! (physical devices and their capabilities), `device` (logical device and
 //! deferred frees), `memory` (buffers), `command` (recording, submission,
 //! staging, timestamps), `pipeline` (naga and compute pipelines), `kernels`
-//! (the shared shaders and their grids), `conv` (errors).
+//! (the device's limits and matrix-unit GEMM plan), `conv` (errors). What
+//! each kernel is (shader, entry, bindings, workgroup) comes from the
+//! catalogue, `headkl_core::kernels`.
 
 #![warn(missing_docs)]
 
