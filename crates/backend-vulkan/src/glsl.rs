@@ -96,9 +96,9 @@ const BN: u64 = 128;
 impl GlslKernel {
     fn layout(&self) -> HeadLayout {
         if self.nn {
-            HeadLayout::RowsAreReduction
+            HeadLayout::Dx
         } else {
-            HeadLayout::RowsAreOutputs
+            HeadLayout::Logits
         }
     }
 
@@ -231,8 +231,8 @@ impl GlslChoice {
     /// The tile for `layout`'s GEMM.
     pub fn for_layout(&self, layout: HeadLayout) -> Option<GlslTile> {
         match layout {
-            HeadLayout::RowsAreOutputs => self.logits,
-            HeadLayout::RowsAreReduction => self.dx,
+            HeadLayout::Logits => self.logits,
+            HeadLayout::Dx => self.dx,
         }
     }
 }
@@ -335,11 +335,13 @@ impl VulkanBackend {
         let Some(kernel) = KERNELS.iter().find(|k| k.name == name) else {
             return Err(backend_error(format!("no GLSL kernel named {name}")));
         };
-        self.glsl_kernel_dispatch(kernel, a, b, c, desc, label)
+        let params = desc.check([a, b, c], self.max_binding())?;
+        self.glsl_kernel_dispatch(kernel, a, b, c, desc, params, label)
     }
 
     /// [`headkl_core::Backend::gemm`]'s path when a GLSL tile is chosen;
-    /// `desc` was checked by the caller.
+    /// `params` are core's checked block for `desc`.
+    #[allow(clippy::too_many_arguments, reason = "the GEMM's buffers, descriptor, block and label")]
     pub(crate) fn glsl_gemm_dispatch(
         &self,
         tile: GlslTile,
@@ -347,15 +349,17 @@ impl VulkanBackend {
         b: &VulkanBuffer,
         c: &VulkanBuffer,
         desc: &GemmDesc,
+        params: GemmParams,
         label: &'static str,
     ) -> Result<()> {
-        let nn = desc.b_layout == HeadLayout::RowsAreReduction;
+        let nn = desc.b_layout == HeadLayout::Dx;
         let Some(kernel) = KERNELS.iter().find(|k| k.mode == 0 && k.nn == nn && k.tile() == tile) else {
             return Err(backend_error(format!("no GLSL GEMM with tile {tile}")));
         };
-        self.glsl_kernel_dispatch(kernel, a, b, c, desc, label)
+        self.glsl_kernel_dispatch(kernel, a, b, c, desc, params, label)
     }
 
+    #[allow(clippy::too_many_arguments, reason = "the GEMM's buffers, descriptor, block and label")]
     fn glsl_kernel_dispatch(
         &self,
         kernel: &GlslKernel,
@@ -363,6 +367,7 @@ impl VulkanBackend {
         b: &VulkanBuffer,
         c: &VulkanBuffer,
         desc: &GemmDesc,
+        params: GemmParams,
         label: &'static str,
     ) -> Result<()> {
         if let Some(why) = self.glsl_unavailable() {
@@ -376,16 +381,8 @@ impl VulkanBackend {
                 desc.b_layout
             )));
         }
-        self.check_gemm(a, b, c, desc, label)?;
-        // 16-byte words: offsets and strides of A and B in whole words, and
-        // at least one word of columns for the clamped loads.
-        for (v, what) in [(desc.a_offset, "a_offset"), (desc.lda, "lda"), (desc.ldb, "ldb")] {
-            if v % 8 != 0 {
-                return Err(backend_error(format!(
-                    "{}: {what} = {v} is not a multiple of 8",
-                    kernel.name
-                )));
-            }
+        for buffer in [a, b, c] {
+            self.check_device(buffer, kernel.name)?;
         }
         if desc.m == 0 || desc.n == 0 {
             return Ok(());
@@ -406,7 +403,7 @@ impl VulkanBackend {
             .lock()
             .map_err(|_| backend_error("the pipeline cache's lock was poisoned by a panic"))?
             .get_spirv(&kernel.words(), [kernel.threads, 1, 1], &key, 3)?;
-        let params = GemmParams::new(desc, grid.0);
+        let params = params.with_grid(grid.0);
         let bindings: [Binding; 3] = [a.into(), b.into(), c.into()];
         self.stream()?
             .dispatch(&pipeline, bytemuck::bytes_of(&params), &bindings, grid, label)
@@ -451,6 +448,27 @@ mod tests {
 }
 
 #[cfg(test)]
+mod block_tests {
+    /// The GLSL `Params` block declares `GemmParams`'s fields in its order
+    /// (the rest of the 16-byte block is padding).
+    #[test]
+    fn glsl_params_match_core() {
+        let text = include_str!("../../../shaders/gemm_khr.comp");
+        let start = text.find("uniform Params {").expect("Params block");
+        let body = &text[start..text[start..].find('}').map(|e| start + e).expect("block end")];
+        let names: Vec<&str> = body
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.trim().strip_suffix(';'))
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .collect();
+        let core: Vec<&str> = headkl_core::params::GemmParams::BLOCK.fields.iter().map(|f| f.0).collect();
+        assert_eq!(&names[..core.len()], &core[..]);
+        assert_eq!(names.len() * 4, headkl_core::params::GemmParams::BLOCK.bytes);
+    }
+}
+
+#[cfg(test)]
 mod choice_tests {
     use super::*;
 
@@ -461,7 +479,7 @@ mod choice_tests {
         let both = GlslChoice::parse("bm128.bk32.s2").unwrap();
         assert_eq!(both.logits, both.dx);
         let split = GlslChoice::parse("logits=bm128.bk64.s1,dx=bm128.bk32.s2").unwrap();
-        assert_eq!(split.for_layout(HeadLayout::RowsAreOutputs), Some(t));
+        assert_eq!(split.for_layout(HeadLayout::Logits), Some(t));
         assert_eq!(split.dx.map(|t| t.to_string()).as_deref(), Some("bm128.bk32.s2"));
         let only_dx = GlslChoice::parse("dx=bm128.bk32.s2.ws").unwrap();
         assert_eq!(only_dx.logits, None);

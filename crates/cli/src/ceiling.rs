@@ -20,9 +20,6 @@ use crate::select::{guarded, Target};
 use crate::text::table;
 use crate::tune::{GemmShape, TuneData};
 
-/// The timing label of the kernel headkl runs now.
-const CURRENT: &str = "current";
-
 /// Sampled elements must agree with the f64 dot product within this
 /// fraction of `Σ|a·b|` (f32 accumulation over k terms stays far below).
 const SAMPLE_REL: f64 = 2e-4;
@@ -110,15 +107,15 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
     }
 
     let mut timed = Vec::new();
-    for layout in [HeadLayout::RowsAreOutputs, HeadLayout::RowsAreReduction] {
+    for layout in [HeadLayout::Logits, HeadLayout::Dx] {
         let ops = match layout {
-            HeadLayout::RowsAreOutputs => Operands {
+            HeadLayout::Logits => Operands {
                 a: &x,
                 b: &head,
                 c: &logits,
                 desc: GemmDesc::dense(m, n, k, layout),
             },
-            HeadLayout::RowsAreReduction => Operands {
+            HeadLayout::Dx => Operands {
                 a: &grad,
                 b: &head,
                 c: &dx,
@@ -149,7 +146,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
             });
         }
         let current_ms = medians.last().copied().unwrap_or(f64::NAN);
-        backend.gemm(ops.a, ops.b, ops.c, &ops.desc, CURRENT).map_err(dev)?;
+        backend.gemm(ops.a, ops.b, ops.c, &ops.desc).map_err(dev)?;
         let check = sample_check(&backend, &ops, &data).map_err(dev)?;
         timed.push(Timed {
             layout,
@@ -165,7 +162,8 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
     Ok(())
 }
 
-/// Times every kernel of `mine` and then the current GEMM on one layout,
+/// Times every kernel of `mine` and then the current GEMM on one layout
+/// (which runs the WGSL kernels: the caller reset any GLSL choice),
 /// `iters` rounds after an untimed one; returns their medians in ms, the
 /// current GEMM's last.
 fn time_layout(
@@ -180,7 +178,7 @@ fn time_layout(
             for kernel in mine {
                 backend.dispatch_glsl(kernel.name, ops.a, ops.b, ops.c, &ops.desc, kernel.name)?;
             }
-            backend.gemm(ops.a, ops.b, ops.c, &ops.desc, CURRENT)?;
+            backend.gemm(ops.a, ops.b, ops.c, &ops.desc)?;
             backend.finish()?;
         }
         if !timed_round {
@@ -197,7 +195,8 @@ fn time_layout(
         }
     };
     let mut out: Vec<f64> = mine.iter().map(|k| median_of(k.name)).collect();
-    out.push(median_of(CURRENT));
+    // The current GEMM is timed under its kernel's name.
+    out.push(median_of(ops.desc.kernel().name()));
     Ok(out)
 }
 
@@ -220,9 +219,9 @@ fn sample_check(backend: &VulkanBackend, ops: &Operands, data: &TuneData) -> hea
             for r in 0..k {
                 let (av, bv) = match d.b_layout {
                     // x [m][k] · head [n][k]ᵀ
-                    HeadLayout::RowsAreOutputs => (data.hidden[i * k + r], data.head[j * k + r]),
+                    HeadLayout::Logits => (data.hidden[i * k + r], data.head[j * k + r]),
                     // grad [m][n_vocab] · head [n_vocab][hs]: here k is the vocabulary.
-                    HeadLayout::RowsAreReduction => (data.head[i * k + r], data.head[r * n + j]),
+                    HeadLayout::Dx => (data.head[i * k + r], data.head[r * n + j]),
                 };
                 let p = f64::from(f16::to_f32(av)) * f64::from(f16::to_f32(bv));
                 want += p;
@@ -244,14 +243,14 @@ fn sample_check(backend: &VulkanBackend, ops: &Operands, data: &TuneData) -> hea
 
 fn layout_name(layout: HeadLayout) -> &'static str {
     match layout {
-        HeadLayout::RowsAreOutputs => "logits (A·Bᵀ)",
-        HeadLayout::RowsAreReduction => "dx (A·B)",
+        HeadLayout::Logits => "logits (A·Bᵀ)",
+        HeadLayout::Dx => "dx (A·B)",
     }
 }
 
 fn print_report(shape: GemmShape, timed: &[Timed]) {
     let flops = 2.0 * shape.m as f64 * shape.n as f64 * shape.k as f64;
-    for layout in [HeadLayout::RowsAreOutputs, HeadLayout::RowsAreReduction] {
+    for layout in [HeadLayout::Logits, HeadLayout::Dx] {
         let rows: Vec<&Timed> = timed.iter().filter(|t| t.layout == layout).collect();
         let regs = rows
             .iter()
