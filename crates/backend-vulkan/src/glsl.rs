@@ -341,7 +341,10 @@ impl VulkanBackend {
 
     /// [`headkl_core::Backend::gemm`]'s path when a GLSL tile is chosen;
     /// `params` are core's checked block for `desc`.
-    #[allow(clippy::too_many_arguments, reason = "the GEMM's buffers, descriptor, block and label")]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the GEMM's buffers, descriptor, block and label"
+    )]
     pub(crate) fn glsl_gemm_dispatch(
         &self,
         tile: GlslTile,
@@ -359,7 +362,10 @@ impl VulkanBackend {
         self.glsl_kernel_dispatch(kernel, a, b, c, desc, params, label)
     }
 
-    #[allow(clippy::too_many_arguments, reason = "the GEMM's buffers, descriptor, block and label")]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the GEMM's buffers, descriptor, block and label"
+    )]
     fn glsl_kernel_dispatch(
         &self,
         kernel: &GlslKernel,
@@ -462,7 +468,11 @@ mod block_tests {
             .filter_map(|l| l.trim().strip_suffix(';'))
             .filter_map(|l| l.split_whitespace().nth(1))
             .collect();
-        let core: Vec<&str> = headkl_core::params::GemmParams::BLOCK.fields.iter().map(|f| f.0).collect();
+        let core: Vec<&str> = headkl_core::params::GemmParams::BLOCK
+            .fields
+            .iter()
+            .map(|f| f.0)
+            .collect();
         assert_eq!(&names[..core.len()], &core[..]);
         assert_eq!(names.len() * 4, headkl_core::params::GemmParams::BLOCK.bytes);
     }
