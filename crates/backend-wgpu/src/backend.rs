@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, Weak};
 
 use headkl_core::params::{ConvertParams, GemmParams, RowParams};
+use headkl_core::settings::{GemmSources, Settings};
 use headkl_core::{
     fold_workgroups, tuning, Backend, ConvertDesc, DeviceInfo, Error, GemmChoice, GemmDesc, HeadLayout, KernelTime,
     KlDesc, MemoryStats, Result, TopkDesc,
@@ -13,7 +14,7 @@ use headkl_core::{
 use crate::adapter;
 use crate::buffer::{lock, LayoutKind, Shared, WgpuBuffer};
 use crate::kernels::{params_size, GemmBuild, Kernel, Kernels, ROW_WORKGROUP};
-use crate::{backend_error, env_flag, BACKEND};
+use crate::{backend_error, BACKEND};
 
 /// Dispatches per submitted batch (slots of the uniform ring).
 const RING_SLOTS: u32 = 1024;
@@ -69,26 +70,45 @@ fn wgpu_error_text(e: &wgpu::Error) -> String {
     }
 }
 
-/// How [`WgpuBackend::open_with`] opens a device. The environment variables
-/// (`HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED`) apply on top.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// How [`WgpuBackend::open_with`] opens a device. This crate reads no
+/// environment: [`OpenOptions::from_settings`] builds options from the
+/// `HEADKL_*` settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpenOptions {
-    /// Adapter index in [`crate::enumerate`]'s list; `None`: `HEADKL_DEVICE`,
-    /// else the best usable adapter.
+    /// Adapter index in [`crate::enumerate`]'s list; `None`: the best usable
+    /// adapter.
     pub index: Option<usize>,
     /// The tiled GEMM even where matrix units exist.
     pub force_tiled: bool,
     /// Build every kernel with runtime bounds checks.
     pub checked: bool,
-    /// The matrix-unit GEMM kernels; `None`: `HEADKL_GEMM`, else the tune
-    /// cache's entry for the adapter, else [`GemmChoice::WGPU_DEFAULT`].
+    /// The matrix-unit GEMM kernels; `None`: `gemm_sources` (`HEADKL_GEMM`,
+    /// else the tune cache's entry for the adapter), else
+    /// [`GemmChoice::WGPU_DEFAULT`].
     pub gemm: Option<GemmChoice>,
+    /// `HEADKL_GEMM` and the tune cache, consulted when `gemm` is `None`.
+    pub gemm_sources: GemmSources,
+}
+
+impl OpenOptions {
+    /// Options from parsed settings: `index` if given, else `HEADKL_DEVICE`;
+    /// `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED`, and `HEADKL_GEMM` with the tune
+    /// cache as the GEMM's sources.
+    pub fn from_settings(settings: &Settings, index: Option<usize>) -> Self {
+        Self {
+            index: index.or(settings.device),
+            force_tiled: settings.no_coopmat,
+            checked: settings.checked,
+            gemm: None,
+            gemm_sources: settings.gemm_sources(),
+        }
+    }
 }
 
 impl WgpuBackend {
-    /// Opens adapter `index` of [`crate::enumerate`]'s list; `None` takes
-    /// `HEADKL_DEVICE` if set, else the first discrete GPU, then integrated,
-    /// then any other usable adapter.
+    /// Opens adapter `index` of [`crate::enumerate`]'s list with default
+    /// options; `None` takes the first discrete GPU, then integrated, then
+    /// any other usable adapter.
     pub fn open(index: Option<usize>) -> Result<Self> {
         Self::open_with(&OpenOptions {
             index,
@@ -100,7 +120,7 @@ impl WgpuBackend {
     pub fn open_with(options: &OpenOptions) -> Result<Self> {
         let instance = adapter::instance();
         let candidate = adapter::choose(adapter::candidates(&instance), options.index)?;
-        let force_tiled = options.force_tiled || env_flag("HEADKL_NO_COOPMAT");
+        let force_tiled = options.force_tiled;
         let use_coop = candidate.coop.is_ok() && !force_tiled;
         let features = adapter::features_for(&candidate, use_coop);
         let (device, queue) = adapter::open_device(&candidate, features)?;
@@ -127,7 +147,7 @@ impl WgpuBackend {
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let i = &candidate.info;
-        let (choice, source) = tuning::resolve_choice(options.gemm, BACKEND, &i.device_name, &i.driver)?;
+        let (choice, source) = tuning::resolve_choice(options.gemm, &options.gemm_sources, BACKEND, &i.device_name, &i.driver)?;
         let coop = match &candidate.coop {
             Ok(sg) if use_coop => {
                 let fitted = tuning::fit_choice(
@@ -146,7 +166,7 @@ impl WgpuBackend {
             &device,
             GemmBuild {
                 coop: coop.map(|(sg, (choice, _))| (sg, choice)),
-                checked: options.checked || env_flag("HEADKL_CHECKED"),
+                checked: options.checked,
             },
         );
         let align = u64::from(device.limits().min_uniform_buffer_offset_alignment);

@@ -9,7 +9,7 @@ use headkl_core::params::{ConvertParams, GemmParams, RowParams};
 use headkl_core::{CoopGemm, GemmChoice, HeadLayout, Result};
 
 use crate::buffer::{lock, LayoutKind};
-use crate::{backend_error, env_flag};
+use crate::backend_error;
 
 const CONVERT_WGSL: &str = include_str!("../../../shaders/convert.wgsl");
 const KL_WGSL: &str = include_str!("../../../shaders/kl_rows.wgsl");
@@ -180,7 +180,7 @@ impl Kernels {
                     source: wgpu::ShaderSource::Wgsl(source.into()),
                 };
                 let gemm = matches!(kernel, Kernel::GemmNt | Kernel::GemmNn);
-                if gemm && !self.gemm.checked && !env_flag("HEADKL_CHECKED") {
+                if gemm && !self.gemm.checked {
                     // SAFETY: the GEMM kernels index only inside the extents
                     // of a GemmDesc, which core validated against the buffer
                     // sizes (see shaders/README.md): runtime bounds checks

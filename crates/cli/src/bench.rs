@@ -19,12 +19,13 @@ use headkl_core::{
 };
 use serde::Serialize;
 
-use crate::error::CliError;
+use crate::error::{is_validation, CliError};
 use crate::io::write_atomic;
 use crate::progress::Progress;
 use crate::rng::{fill_parallel, XorShift64};
 use crate::select::{
-    open_and_run, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind, RunError, Target,
+    enumerate_backend, open_and_run, required, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind,
+    RunError, Target,
 };
 use crate::text::{fmt_bytes, table};
 
@@ -67,7 +68,7 @@ impl Shape {
     /// A size the backend finishes in seconds: the CPU reference and
     /// software Vulkan (a `cpu` device such as lavapipe) get a small one.
     pub fn default_for(info: &DeviceInfo, kind: BackendKind) -> Shape {
-        let software = info.device_type.to_ascii_lowercase().contains("cpu");
+        let software = crate::select::is_software(info);
         let (ntok, vocab, hs, k) = match kind {
             BackendKind::Reference => (64, 4096, 256, 16),
             _ if info.matrix_units => (1024, 65_536, 4096, 64),
@@ -490,19 +491,39 @@ impl BackendJob for BenchJob<'_> {
 }
 
 /// The backends to run: `--all` gives every startable one; otherwise the
-/// named backend or auto's pick.
-fn targets(args: &BackendArgs, all: bool) -> Vec<Result<Target, (BackendKind, String)>> {
+/// named backend or auto's pick. A bad option or setting fails here.
+fn targets(args: &BackendArgs, all: bool) -> Result<Vec<Result<Target, RunError>>, CliError> {
     if all {
+        let args = args.with_settings();
         return BackendKind::ALL
             .iter()
-            .map(|&kind| target_for(kind, args.device).map_err(|why| (kind, why)))
+            .map(|&kind| match target_for(kind, args.device) {
+                Err(RunError::Job(e)) => Err(e),
+                other => Ok(other),
+            })
             .collect();
     }
-    vec![Ok(resolve_announced(args, "bench"))]
+    Ok(vec![Ok(resolve_announced(args, "bench")?)])
 }
 
-/// The shape one backend runs: `--shape`, or its default for the opened
-/// device (whose matrix units reflect HEADKL_NO_COOPMAT); `--k` applied.
+/// The one shape `--all` runs on every backend without `--shape`: the
+/// smallest of their defaults, so the slowest finishes in seconds and every
+/// bar compares the same work.
+fn common_shape(targets: &[Result<Target, RunError>]) -> Option<Shape> {
+    targets
+        .iter()
+        .filter_map(|t| t.as_ref().ok())
+        .filter_map(|t| {
+            let infos = enumerate_backend(t.kind).ok()?;
+            let info = infos.get(t.device.unwrap_or(0))?;
+            Some(Shape::default_for(info, t.kind))
+        })
+        .min_by(|a, b| a.flops(JobKind::HeadKl).total_cmp(&b.flops(JobKind::HeadKl)))
+}
+
+/// The shape one backend runs: `--shape` (or `--all`'s common shape), or
+/// its default for the opened device (whose matrix units reflect
+/// HEADKL_NO_COOPMAT); `--k` applied.
 fn shape_for(cfg: &BenchConfig, info: &DeviceInfo, kind: BackendKind) -> Result<Shape, CliError> {
     let mut shape = cfg.shape.unwrap_or_else(|| Shape::default_for(info, kind));
     if let Some(k) = cfg.k {
@@ -581,6 +602,16 @@ pub fn render(runs: &[BenchRun]) -> String {
     out
 }
 
+/// A backend `--all` cannot start: skipped with why, unless the cause is a
+/// bad setting (exit 2) or `HEADKL_REQUIRE` names it.
+fn skip_or_fail(kind: BackendKind, why: headkl_core::Error) -> Result<(), CliError> {
+    if is_validation(&why) || required(kind) {
+        return Err(CliError::start(kind.name(), why));
+    }
+    eprintln!("bench: {kind}: cannot start: {why} (skipped)");
+    Ok(())
+}
+
 /// Runs `headkl bench`.
 pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
     if cfg.iters == 0 {
@@ -588,13 +619,28 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
     }
     let mut runs = Vec::new();
     let mut data: Option<BenchData> = None;
-    for target in targets(args, cfg.all) {
+    let targets = targets(args, cfg.all)?;
+    let common;
+    let cfg = if cfg.all && cfg.shape.is_none() {
+        common = BenchConfig {
+            shape: common_shape(&targets),
+            ..cfg.clone()
+        };
+        if let Some(shape) = common.shape {
+            eprintln!("bench: --all runs one shape on every backend: {shape} (the smallest default; --shape picks another)");
+        }
+        &common
+    } else {
+        cfg
+    };
+    for target in targets {
         let target = match target {
             Ok(t) => t,
-            Err((kind, why)) => {
-                eprintln!("bench: {kind}: cannot start: {why} (skipped)");
+            Err(RunError::Start(kind, why)) => {
+                skip_or_fail(kind, why)?;
                 continue;
             }
+            Err(RunError::Job(e)) => return Err(e),
         };
         let job = BenchJob {
             kind: target.kind,
@@ -604,7 +650,7 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
         match open_and_run(&target, job) {
             Ok(Some(run)) => runs.push(run),
             Ok(None) => {}
-            Err(RunError::Start(kind, why)) if cfg.all => eprintln!("bench: {kind}: cannot start: {why} (skipped)"),
+            Err(RunError::Start(kind, why)) if cfg.all => skip_or_fail(kind, why)?,
             Err(e) => return Err(e.into()),
         }
     }

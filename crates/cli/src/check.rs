@@ -7,9 +7,9 @@ use headkl_reference::conformance::{case_count, run_suite, CaseOutcome, SuiteCon
 
 use crate::error::CliError;
 use crate::progress::Progress;
+use crate::error::is_validation;
 use crate::select::{
-    open_and_run, required_backends, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind, RunError,
-    Target,
+    open_and_run, required, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind, RunError, Target,
 };
 use crate::text::table;
 
@@ -43,20 +43,21 @@ impl BackendJob for CheckJob<'_> {
 /// A backend to check: where to open it, or why it cannot start.
 enum Planned {
     Run(Target),
-    CannotStart(BackendKind, String),
+    CannotStart(BackendKind, headkl_core::Error),
 }
 
 /// The backends to check: the one named (auto resolves to its pick), or
-/// every backend with its best usable device.
-fn plan(args: &BackendArgs) -> Vec<Planned> {
+/// every backend with its best usable device. A bad option fails here.
+fn plan(args: &BackendArgs) -> Result<Vec<Planned>, CliError> {
     if args.backend.is_some() {
-        return vec![Planned::Run(resolve_announced(args, "check"))];
+        return Ok(vec![Planned::Run(resolve_announced(args, "check")?)]);
     }
     BackendKind::ALL
         .iter()
         .map(|&kind| match target_for(kind, args.device) {
-            Ok(t) => Planned::Run(t),
-            Err(why) => Planned::CannotStart(kind, why),
+            Ok(t) => Ok(Planned::Run(t)),
+            Err(RunError::Start(kind, e)) => Ok(Planned::CannotStart(kind, e)),
+            Err(RunError::Job(e)) => Err(e),
         })
         .collect()
 }
@@ -100,11 +101,12 @@ fn render(reports: &[SuiteReport]) -> String {
 /// Runs `headkl check`.
 pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> {
     let cfg = SuiteConfig { cases, seed };
-    let required = required_backends();
+    let args = &args.with_settings();
     let explicit = args.backend.is_some();
     let mut reports = Vec::new();
     let mut problems = Vec::new();
-    for planned in plan(args) {
+    let mut skipped = Vec::new();
+    for planned in plan(args)? {
         let (kind, why) = match planned {
             Planned::Run(target) => match open_and_run(&target, CheckJob { cfg: &cfg }) {
                 Ok(report) => {
@@ -116,9 +118,15 @@ pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> 
             },
             Planned::CannotStart(kind, why) => (kind, why),
         };
-        let must = explicit || required.iter().any(|r| r == kind.name());
+        // A bad setting is the user's to fix: it fails, skipped or not.
+        if is_validation(&why) {
+            return Err(CliError::Setting(why));
+        }
+        let must = explicit || required(kind);
         eprintln!("{kind}: cannot start: {why}{}", if must { "" } else { " (skipped)" });
-        if must {
+        if !must {
+            skipped.push(format!("{kind} (cannot start: {why})"));
+        } else {
             problems.push(format!(
                 "{kind} could not start{}: {why}",
                 if explicit { "" } else { " and HEADKL_REQUIRE names it" }
@@ -139,9 +147,15 @@ pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> 
     }
     if problems.is_empty() {
         println!(
-            "all {} cases passed on {} backend(s) (seed {seed:#x})",
+            "all {} cases passed on {} backend(s) (seed {seed:#x}); {} skipped{}",
             reports.iter().map(|r| r.cases).sum::<usize>(),
-            reports.len()
+            reports.len(),
+            skipped.len(),
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", skipped.join("; "))
+            }
         );
         Ok(())
     } else {

@@ -246,7 +246,7 @@ pub fn topk(
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(out)?;
-    let target = resolve_announced(backend, "headkl");
+    let target = resolve_announced(backend, "headkl")?;
     let start = Instant::now();
     let result = open_and_run(
         &target,
@@ -376,7 +376,7 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
-    let target = resolve_announced(backend, "headkl");
+    let target = resolve_announced(backend, "headkl")?;
     let start = Instant::now();
     let result = open_and_run(
         &target,

@@ -227,7 +227,7 @@ impl BackendJob for InfoJob {
 
 /// Runs `headkl tune`.
 pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
-    let target = select::resolve_announced(args, "tune");
+    let target = select::resolve_announced(args, "tune")?;
     if target.kind == BackendKind::Reference {
         return Err(CliError::option(
             "--backend",
@@ -431,7 +431,7 @@ fn min_ms(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 fn save(target: &Target, info: &headkl_core::DeviceInfo, choice: GemmChoice) -> Result<(), CliError> {
-    let Some(path) = tuning::cache_path() else {
+    let Some(path) = crate::environment::get().tune_cache.clone() else {
         return Err(CliError::option(
             "--no-save",
             "no cache folder: set HEADKL_CACHE_DIR, XDG_CACHE_HOME or HOME (or pass --no-save)",

@@ -106,6 +106,8 @@ pub struct Engine<B: Backend> {
     slices: Vec<VocabSlice>,
     planes: Vec<B::Buffer>,
     scratch: Option<Scratch<B>>,
+    /// Print each `head_kl` call's host phases ([`Engine::set_trace`]).
+    trace: bool,
 }
 
 impl<B: Backend> Engine<B> {
@@ -149,7 +151,15 @@ impl<B: Backend> Engine<B> {
             slices,
             planes,
             scratch: None,
+            trace: false,
         })
+    }
+
+    /// Prints each `head_kl` call's host phases (upload, wait, download) to
+    /// stderr when `on` (`HEADKL_TRACE`, through [`crate::Settings`]): to see
+    /// where wall time beyond the kernels goes.
+    pub fn set_trace(&mut self, on: bool) {
+        self.trace = on;
     }
 
     /// The backend.
@@ -412,7 +422,7 @@ impl<B: Backend> Engine<B> {
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
         self.ensure_scratch(Job::Loss, plan.rows_per_chunk, k, f32_input)?;
 
-        let mut trace = Trace::from_env("head_kl");
+        let mut trace = Trace::new("head_kl", self.trace);
         let hs = self.hs;
         let LossOutput { loss, mean, dx } = out;
         loss.resize(ntok, 0.0);
@@ -566,8 +576,8 @@ fn unreachable_scratch<T>() -> Result<T> {
     })
 }
 
-/// Host-side time per phase of a call, printed to stderr when
-/// `HEADKL_TRACE` is set (to see where wall time beyond the kernels goes).
+/// Host-side time per phase of a call, printed to stderr when the engine's
+/// trace is on.
 struct Trace {
     job: &'static str,
     last: Option<std::time::Instant>,
@@ -575,8 +585,7 @@ struct Trace {
 }
 
 impl Trace {
-    fn from_env(job: &'static str) -> Self {
-        let on = std::env::var_os("HEADKL_TRACE").is_some_and(|v| !v.is_empty() && v != "0");
+    fn new(job: &'static str, on: bool) -> Self {
         Self {
             job,
             last: on.then(std::time::Instant::now),

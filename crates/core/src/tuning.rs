@@ -295,13 +295,6 @@ impl GemmChoice {
         Ok(choice)
     }
 
-    /// `HEADKL_GEMM`, if set and not empty.
-    pub fn from_env() -> Result<Option<Self>> {
-        match std::env::var(GEMM_ENV) {
-            Ok(v) if !v.trim().is_empty() => Self::parse(&v).map(Some),
-            _ => Ok(None),
-        }
-    }
 }
 
 impl fmt::Display for GemmChoice {
@@ -419,11 +412,12 @@ impl fmt::Display for ChoiceSource {
     }
 }
 
-/// The choice for a device: `explicit` if given, else `HEADKL_GEMM`, else
-/// the tune cache's entry for `(backend, device, driver)`, else the
-/// backend's default.
+/// The choice for a device: `explicit` (the open options) if given, else
+/// `HEADKL_GEMM` as [`crate::Settings`] parsed it, else the tune cache's entry
+/// for `(backend, device, driver)`, else the backend's default.
 pub fn resolve_choice(
     explicit: Option<GemmChoice>,
+    sources: &crate::settings::GemmSources,
     backend: &str,
     device: &str,
     driver: &str,
@@ -431,25 +425,15 @@ pub fn resolve_choice(
     if let Some(choice) = explicit {
         return Ok((choice, ChoiceSource::Options));
     }
-    if let Some(choice) = GemmChoice::from_env()? {
+    if let Some(choice) = sources.setting {
         return Ok((choice, ChoiceSource::Environment));
     }
-    if let Some(path) = cache_path() {
-        if let Some(choice) = TuneCache::load(&path).lookup(backend, device, driver) {
-            return Ok((choice, ChoiceSource::Cache(path)));
+    if let Some(path) = &sources.tune_cache {
+        if let Some(choice) = TuneCache::load(path).lookup(backend, device, driver) {
+            return Ok((choice, ChoiceSource::Cache(path.clone())));
         }
     }
     Ok((GemmChoice::default_for(backend), ChoiceSource::Default))
-}
-
-/// The tune cache's path: `$HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
-/// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
-pub fn cache_path() -> Option<PathBuf> {
-    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    let dir = var(CACHE_DIR_ENV)
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("headkl")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache").join("headkl")))?;
-    Some(dir.join(CACHE_FILE))
 }
 
 /// One entry of the tune cache.
