@@ -164,7 +164,8 @@ impl VulkanBackend {
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let caps = &chosen.caps;
-        let (choice, source) = tuning::resolve_choice(options.gemm, &options.gemm_sources, BACKEND, &caps.name, &caps.driver)?;
+        let (choice, source) =
+            tuning::resolve_choice(options.gemm, &options.gemm_sources, BACKEND, &caps.name, &caps.driver)?;
         let coop = if options.force_fallback {
             None
         } else {

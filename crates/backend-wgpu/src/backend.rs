@@ -147,7 +147,8 @@ impl WgpuBackend {
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let i = &candidate.info;
-        let (choice, source) = tuning::resolve_choice(options.gemm, &options.gemm_sources, BACKEND, &i.device_name, &i.driver)?;
+        let (choice, source) =
+            tuning::resolve_choice(options.gemm, &options.gemm_sources, BACKEND, &i.device_name, &i.driver)?;
         let coop = match &candidate.coop {
             Ok(sg) if use_coop => {
                 let fitted = tuning::fit_choice(

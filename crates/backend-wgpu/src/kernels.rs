@@ -8,8 +8,8 @@ use std::sync::Mutex;
 use headkl_core::params::{ConvertParams, GemmParams, RowParams};
 use headkl_core::{CoopGemm, GemmChoice, HeadLayout, Result};
 
-use crate::buffer::{lock, LayoutKind};
 use crate::backend_error;
+use crate::buffer::{lock, LayoutKind};
 
 const CONVERT_WGSL: &str = include_str!("../../../shaders/convert.wgsl");
 const KL_WGSL: &str = include_str!("../../../shaders/kl_rows.wgsl");

@@ -369,6 +369,9 @@ impl BenchJob<'_> {
                 .and_then(|()| b.finish())
                 .map_err(|e| CliError::device(format!("bench {} {}", b.info().backend, job.name()), e))?;
             let ms = start.elapsed().as_secs_f64() * 1e3;
+            if i == 0 {
+                announce_estimate(b.info().backend, job, ms, cfg.warmup + cfg.iters);
+            }
             let times = b
                 .take_kernel_times()
                 .map_err(|e| CliError::device("reading kernel times", e))?;
@@ -393,6 +396,7 @@ impl BenchJob<'_> {
         }
         progress.finish();
         let peak = engine.backend().memory().peak;
+        let on_cpu = engine.backend().info().backend == "reference";
         let wall = sorted(wall);
         let median_ms = median(&wall);
         let gpu_ms = (!gpu.is_empty()).then(|| median(&sorted(gpu)));
@@ -414,7 +418,12 @@ impl BenchJob<'_> {
             max_ms: wall.last().copied().unwrap_or(f64::NAN),
             gpu_ms,
             tflops: tf(gpu_ms.unwrap_or(median_ms)),
-            tflops_from: if gpu_ms.is_some() { "gpu" } else { "wall" },
+            // The reference's wall time is CPU time: say so, not "wall".
+            tflops_from: match (gpu_ms.is_some(), on_cpu) {
+                (true, _) => "gpu",
+                (false, true) => "cpu",
+                (false, false) => "wall",
+            },
             wall_tflops: tf(median_ms),
             peak_extra_bytes: peak.saturating_sub(head_bytes),
             kernels,
@@ -566,7 +575,13 @@ pub fn render(runs: &[BenchRun]) -> String {
                 j.job.name().into(),
                 fmt_ms(j.median_ms),
                 format!("{}–{}", fmt_ms(j.min_ms), fmt_ms(j.max_ms)),
-                j.gpu_ms.map(fmt_ms).unwrap_or_else(|| "-".into()),
+                j.gpu_ms.map(fmt_ms).unwrap_or_else(|| {
+                    if j.tflops_from == "cpu" {
+                        "- (CPU)".into()
+                    } else {
+                        "-".into()
+                    }
+                }),
                 format!("{} ({})", fmt_tflops(j.tflops), j.tflops_from),
                 fmt_bytes(j.peak_extra_bytes),
                 fmt_bytes(r.head_bytes),
@@ -602,6 +617,42 @@ pub fn render(runs: &[BenchRun]) -> String {
     out
 }
 
+/// Seconds of estimated work past which bench says how long it will take.
+const ESTIMATE_NOTE_SECS: f64 = 20.0;
+
+/// After a job's first call: the time the remaining calls will take (and,
+/// for head_kl, the topk job after it, about half as much per call), said
+/// before committing to minutes.
+fn announce_estimate(backend: &str, job: JobKind, first_ms: f64, calls: usize) {
+    let rest = first_ms * 1e-3 * (calls.saturating_sub(1)) as f64;
+    let after = if job == JobKind::HeadKl {
+        first_ms * 1e-3 * 0.5 * calls as f64
+    } else {
+        0.0
+    };
+    let total = rest + after;
+    if total >= ESTIMATE_NOTE_SECS {
+        eprintln!(
+            "bench: {backend} {}: the first call took {}; the rest of this bench will take about {} \
+             (fewer --iters/--warmup or a smaller --shape to shorten; Ctrl-C stops)",
+            job.name(),
+            fmt_secs(first_ms * 1e-3),
+            fmt_secs(total)
+        );
+    }
+}
+
+/// Seconds in words: `42 s`, `3.5 min`, `2.1 h`.
+fn fmt_secs(s: f64) -> String {
+    if s < 120.0 {
+        format!("{s:.0} s")
+    } else if s < 7200.0 {
+        format!("{:.1} min", s / 60.0)
+    } else {
+        format!("{:.1} h", s / 3600.0)
+    }
+}
+
 /// A backend `--all` cannot start: skipped with why, unless the cause is a
 /// bad setting (exit 2) or `HEADKL_REQUIRE` names it.
 fn skip_or_fail(kind: BackendKind, why: headkl_core::Error) -> Result<(), CliError> {
@@ -627,7 +678,9 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
             ..cfg.clone()
         };
         if let Some(shape) = common.shape {
-            eprintln!("bench: --all runs one shape on every backend: {shape} (the smallest default; --shape picks another)");
+            eprintln!(
+                "bench: --all runs one shape on every backend: {shape} (the smallest default; --shape picks another)"
+            );
         }
         &common
     } else {

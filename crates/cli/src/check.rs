@@ -5,9 +5,9 @@
 use headkl_core::Backend;
 use headkl_reference::conformance::{case_count, run_suite, CaseOutcome, SuiteConfig, SuiteReport};
 
+use crate::error::is_validation;
 use crate::error::CliError;
 use crate::progress::Progress;
-use crate::error::is_validation;
 use crate::select::{
     open_and_run, required, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind, RunError, Target,
 };

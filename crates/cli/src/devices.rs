@@ -4,8 +4,7 @@
 use serde::Serialize;
 
 use crate::select::{
-    auto_pick, enumerate_all, named_kind, AutoPick, BackendArg, BackendArgs, BackendKind, Enumeration,
-    SOFTWARE_REASON,
+    auto_pick, enumerate_all, named_kind, AutoPick, BackendArg, BackendArgs, BackendKind, Enumeration, SOFTWARE_REASON,
 };
 use crate::text::{fmt_bytes, table};
 
@@ -182,7 +181,9 @@ pub fn render(rows: &[DeviceRow], pick: &AutoPick) -> String {
     for r in rows.iter().filter(|r| {
         r.backend != BackendKind::Reference
             && r.runnable
-            && r.device_type.as_deref().is_some_and(|t| t.to_ascii_lowercase().contains("cpu"))
+            && r.device_type
+                .as_deref()
+                .is_some_and(|t| t.to_ascii_lowercase().contains("cpu"))
     }) {
         out.push_str(&format!(
             "  {} device {} ({}) is {SOFTWARE_REASON}; auto passes over it (--backend {} runs there anyway)\n",

@@ -36,6 +36,9 @@ impl TensorFile {
     /// Maps `path` and checks its header: the offsets of every tensor must
     /// lie inside the file and cover its data exactly.
     pub fn open(path: &Path) -> Result<Self, CliError> {
+        if path.is_dir() {
+            return Err(CliError::file(path, "is a folder, not a safetensors file"));
+        }
         let file = File::open(path).map_err(|e| CliError::file(path, format!("cannot open: {e}")))?;
         let len = file
             .metadata()

@@ -52,6 +52,9 @@ Exit codes: 0 success; 2 bad input (file, tensor, option or setting); 1 anything
 #[derive(Parser, Debug)]
 #[command(name = "headkl", version, after_help = env_help())]
 struct Cli {
+    /// No progress bars (they are drawn only when stderr is a terminal)
+    #[arg(long, global = true)]
+    quiet: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -208,8 +211,8 @@ when complete (a failed run leaves an existing file untouched).",
         /// Entries per row (1 ≤ k ≤ min(V, 2048))
         #[arg(short = 'k', long = "k")]
         k: usize,
-        /// Temperature τ of the probabilities
-        #[arg(long, default_value_t = 1.0)]
+        /// Temperature τ of the probabilities (> 0)
+        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
         temperature: f32,
         /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
         #[arg(long, value_parser = parse_bytes)]
@@ -241,14 +244,14 @@ to a temporary file and renamed when complete.",
         /// Per-token weights: tensor `weights` `[ntok]`
         #[arg(long, value_name = "W.safetensors")]
         weights: Option<PathBuf>,
-        /// Temperature τ of the student logits
-        #[arg(long, default_value_t = 1.0)]
+        /// Temperature τ of the student logits (> 0)
+        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
         temperature: f32,
         /// Scale of the f16 gradient [default: 2^14 · total / max w]
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         gscale: Option<f32>,
         /// The weight the loss averages over [default: Σ w]
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         total: Option<f32>,
         /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
         #[arg(long, value_parser = parse_bytes)]
@@ -260,6 +263,7 @@ to a temporary file and renamed when complete.",
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
+    progress::set_quiet(cli.quiet);
     match cli.command {
         Command::Devices { backend, json } => devices::run(&backend, json),
         Command::Check { backend, cases, seed } => {
@@ -395,7 +399,11 @@ mod tests {
         let top = Cli::command().render_long_help().to_string();
         for v in headkl_core::settings::VARIABLES {
             assert_eq!(top.matches(&format!("  {}=", v.name)).count(), 1, "{}:\n{top}", v.name);
-            assert!(!help.contains(&format!("  {}=", v.name)), "{} repeated in a subcommand", v.name);
+            assert!(
+                !help.contains(&format!("  {}=", v.name)),
+                "{} repeated in a subcommand",
+                v.name
+            );
         }
     }
 }

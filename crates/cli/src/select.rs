@@ -593,7 +593,11 @@ mod tests {
                 info("vulkan", "old", "discrete", true, Some("no shaderFloat16")),
             ),
             cand(BackendKind::Wgpu, 0, info("wgpu", "igpu", "integrated", false, None)),
-            cand(BackendKind::Vulkan, 1, info("vulkan", "igpu", "integrated", false, None)),
+            cand(
+                BackendKind::Vulkan,
+                1,
+                info("vulkan", "igpu", "integrated", false, None),
+            ),
             reference(),
         ];
         let p = auto_pick(&c, None);
@@ -662,9 +666,16 @@ mod tests {
         // A real GPU still wins over the reference.
         let c = vec![
             cand(BackendKind::Vulkan, 0, info("vulkan", "llvmpipe", "cpu", false, None)),
-            cand(BackendKind::Vulkan, 1, info("vulkan", "igpu", "integrated", false, None)),
+            cand(
+                BackendKind::Vulkan,
+                1,
+                info("vulkan", "igpu", "integrated", false, None),
+            ),
             reference(),
         ];
-        assert_eq!((auto_pick(&c, None).kind, auto_pick(&c, None).index), (BackendKind::Vulkan, 1));
+        assert_eq!(
+            (auto_pick(&c, None).kind, auto_pick(&c, None).index),
+            (BackendKind::Vulkan, 1)
+        );
     }
 }

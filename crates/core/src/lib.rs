@@ -24,8 +24,8 @@ pub mod head;
 pub mod host;
 pub mod params;
 pub mod problem;
-pub mod slicing;
 pub mod settings;
+pub mod slicing;
 pub mod tuning;
 
 pub use backend::{Backend, ConvertDesc, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, TopkDesc};
@@ -36,8 +36,8 @@ pub use head::{HeadData, HeadWeights};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
 };
-pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use settings::Settings;
+pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use tuning::{ChoiceSource, CoopGemm, GemmChoice, StagedTile, TuneCache};
 
 /// Alignment of every padded device extent (token rows, hidden columns,

@@ -206,7 +206,11 @@ impl Settings {
                 .split(',')
                 .map(str::trim)
                 .filter(|s| !s.is_empty())
-                .map(|s| parse_backend(REQUIRE, s, false))
+                .map(|s| {
+                    parse_backend(REQUIRE, s, false).map_err(|_| {
+                        invalid(REQUIRE, &v, &format!("`{s}` is not a backend (vulkan, wgpu, reference)"))
+                    })
+                })
                 .collect::<Result<_>>()?,
         };
         let cases = text(CASES)?
@@ -462,6 +466,22 @@ mod tests {
         assert_eq!(s.tune_cache, Some(PathBuf::from("/c/headkl").join(CACHE_FILE)));
         let s = settings(&[("HOME", "/h")]).unwrap();
         assert_eq!(s.tune_cache, Some(PathBuf::from("/h/.cache/headkl").join(CACHE_FILE)));
+    }
+
+    #[test]
+    fn readme_table_is_the_list() {
+        let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"));
+        let table = markdown_table();
+        assert!(
+            readme.contains(&table),
+            "README.md's variable table differs from settings::VARIABLES; paste this:\n{table}"
+        );
+        // No variable the list lacks is documented there either.
+        for word in readme.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if word.starts_with("HEADKL_") && word != "HEADKL_" {
+                assert!(VARIABLES.iter().any(|v| v.name == word), "README names {word}, not in the list");
+            }
+        }
     }
 
     #[test]

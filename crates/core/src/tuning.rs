@@ -294,7 +294,6 @@ impl GemmChoice {
         }
         Ok(choice)
     }
-
 }
 
 impl fmt::Display for GemmChoice {
