@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use half::f16;
-use headkl_reference::conformance::harness_settings;
 use headkl_core::{
     Backend, Engine, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, KlDesc, LossOptions, SliceOptions, Teacher,
     TopkDesc,
 };
+use headkl_reference::conformance::harness_settings;
 
 /// Problem sizes of one bench run.
 struct Sizes {

@@ -7,17 +7,13 @@
 //! beyond the head.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Instant;
 
 use half::f16;
 use headkl_core::{
-    check_k, Backend, DeviceInfo, Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher,
-    TopkOptions,
+    Backend, DeviceInfo, Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher, TopkOptions,
 };
-use serde::Serialize;
 
 use crate::error::{is_validation, CliError};
 use crate::io::write_atomic;
@@ -27,7 +23,16 @@ use crate::select::{
     enumerate_backend, open_and_run, required, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind,
     RunError, Target,
 };
-use crate::text::{fmt_bytes, table};
+use crate::text::fmt_bytes;
+
+mod shape;
+mod stats;
+mod table;
+
+pub use shape::{JobKind, Shape};
+use stats::announce_estimate;
+pub(crate) use stats::{median, sorted};
+pub use table::{render, BenchReport, BenchRun, JobResult, KernelStat};
 
 /// Seed of the benchmark data (fixed, so runs compare).
 const DATA_SEED: u64 = 0x5EED_4EAD;
@@ -35,115 +40,6 @@ const DATA_SEED: u64 = 0x5EED_4EAD;
 /// Flops above which `--all` leaves out the CPU reference (it would take
 /// minutes); naming `--backend reference` still runs it.
 const REFERENCE_MAX_FLOPS: f64 = 2e11;
-
-/// A benchmark shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct Shape {
-    /// Tokens.
-    pub ntok: usize,
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// Hidden size.
-    pub hs: usize,
-    /// Teacher entries per token (and top-k's k).
-    pub k: usize,
-}
-
-impl Shape {
-    /// Shape A of DESIGN §7.
-    pub const A: Shape = Shape {
-        ntok: 4096,
-        vocab: 248_320,
-        hs: 5120,
-        k: 64,
-    };
-    /// Shape B of DESIGN §7.
-    pub const B: Shape = Shape {
-        ntok: 8192,
-        vocab: 151_936,
-        hs: 4096,
-        k: 64,
-    };
-
-    /// A size the backend finishes in seconds: the CPU reference and
-    /// software Vulkan (a `cpu` device such as lavapipe) get a small one.
-    pub fn default_for(info: &DeviceInfo, kind: BackendKind) -> Shape {
-        let software = crate::select::is_software(info);
-        let (ntok, vocab, hs, k) = match kind {
-            BackendKind::Reference => (64, 4096, 256, 16),
-            _ if info.matrix_units => (1024, 65_536, 4096, 64),
-            _ if software => (64, 8192, 256, 64),
-            _ => (256, 32_768, 1024, 64),
-        };
-        Shape { ntok, vocab, hs, k }
-    }
-
-    /// `4·ntok·V·hs` for head_kl (two GEMMs), half that for topk.
-    pub fn flops(&self, job: JobKind) -> f64 {
-        let one = 2.0 * self.ntok as f64 * self.vocab as f64 * self.hs as f64;
-        match job {
-            JobKind::HeadKl => 2.0 * one,
-            JobKind::Topk => one,
-        }
-    }
-}
-
-impl fmt::Display for Shape {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}:{}", self.ntok, self.vocab, self.hs, self.k)
-    }
-}
-
-impl FromStr for Shape {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let shape = match s.trim() {
-            "A" | "a" => Shape::A,
-            "B" | "b" => Shape::B,
-            other => {
-                let parts: Vec<&str> = other.split(':').collect();
-                let nums: Result<Vec<usize>, _> = parts.iter().map(|p| p.trim().parse::<usize>()).collect();
-                match nums.as_deref() {
-                    Ok(&[ntok, vocab, hs, k]) => Shape { ntok, vocab, hs, k },
-                    _ => return Err(format!("`{s}`: expected A, B or NTOK:V:HS:K (e.g. 256:32768:1024:64)")),
-                }
-            }
-        };
-        shape.validate()?;
-        Ok(shape)
-    }
-}
-
-impl Shape {
-    fn validate(&self) -> Result<(), String> {
-        if self.ntok == 0 || self.vocab == 0 || self.hs == 0 {
-            return Err(format!("{self}: ntok, V and hs must be at least 1"));
-        }
-        check_k(self.k, self.vocab).map_err(|e| format!("{self}: {e}"))
-    }
-}
-
-/// Which job is timed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum JobKind {
-    /// The loss and its gradient.
-    #[serde(rename = "head_kl")]
-    HeadKl,
-    /// The teacher's top-k.
-    #[serde(rename = "topk")]
-    Topk,
-}
-
-impl JobKind {
-    /// The job's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            JobKind::HeadKl => "head_kl",
-            JobKind::Topk => "topk",
-        }
-    }
-}
 
 /// Settings of one `headkl bench` run.
 #[derive(Clone, Debug)]
@@ -165,85 +61,6 @@ pub struct BenchConfig {
     pub plot: Option<PathBuf>,
     /// `--all`.
     pub all: bool,
-}
-
-/// One kernel's share of a call.
-#[derive(Clone, Debug, Serialize)]
-pub struct KernelStat {
-    /// Kernel name.
-    pub kernel: String,
-    /// Median over calls of its summed GPU ms per call.
-    pub ms: f64,
-    /// Dispatches per call.
-    pub dispatches: usize,
-}
-
-/// One timed job.
-#[derive(Clone, Debug, Serialize)]
-pub struct JobResult {
-    /// Which job.
-    pub job: JobKind,
-    /// Timed calls.
-    pub iters: usize,
-    /// Median wall time per call in ms.
-    pub median_ms: f64,
-    /// Fastest call in ms.
-    pub min_ms: f64,
-    /// Slowest call in ms.
-    pub max_ms: f64,
-    /// Median GPU time per call (sum of kernel times) in ms, when the
-    /// backend times kernels.
-    pub gpu_ms: Option<f64>,
-    /// Effective TFLOP/s, from the GPU time when there is one, else wall.
-    pub tflops: f64,
-    /// What `tflops` was computed from: `gpu` or `wall`.
-    pub tflops_from: &'static str,
-    /// Effective TFLOP/s from the median wall time.
-    pub wall_tflops: f64,
-    /// Peak device bytes beyond the head during the job.
-    pub peak_extra_bytes: u64,
-    /// Per-kernel breakdown (empty without kernel timing).
-    pub kernels: Vec<KernelStat>,
-}
-
-/// One backend's results.
-#[derive(Clone, Debug, Serialize)]
-pub struct BenchRun {
-    /// Backend.
-    pub backend: String,
-    /// Device name.
-    pub device: String,
-    /// Driver.
-    pub driver: String,
-    /// Device type.
-    pub device_type: String,
-    /// Whether the GEMM ran on matrix units.
-    pub matrix_units: bool,
-    /// Which GEMM kernels ran and where the choice came from.
-    pub gemm: Option<String>,
-    /// The shape.
-    pub shape: Shape,
-    /// Device bytes the f16 head occupies.
-    pub head_bytes: u64,
-    /// Vocabulary slices the head was cut into.
-    pub slices: usize,
-    /// Wall time of the head upload in ms.
-    pub upload_ms: f64,
-    /// The timed jobs.
-    pub jobs: Vec<JobResult>,
-}
-
-/// The whole report (`--json`).
-#[derive(Clone, Debug, Serialize)]
-pub struct BenchReport {
-    /// Timed calls per job.
-    pub iters: usize,
-    /// Untimed calls per job.
-    pub warmup: usize,
-    /// Scratch budget in bytes.
-    pub budget_bytes: u64,
-    /// One entry per backend.
-    pub runs: Vec<BenchRun>,
 }
 
 /// Random data of one shape: f16 head and hidden rows, and a teacher.
@@ -298,21 +115,6 @@ impl BenchData {
             teacher,
         })
     }
-}
-
-/// The median of sorted values (NaN for none).
-pub(crate) fn median(sorted: &[f64]) -> f64 {
-    match sorted.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => sorted[n / 2],
-        n => 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]),
-    }
-}
-
-/// `v` in ascending order.
-pub(crate) fn sorted(mut v: Vec<f64>) -> Vec<f64> {
-    v.sort_by(f64::total_cmp);
-    v
 }
 
 /// Runs both jobs on one backend; the data of the last shape is kept for
@@ -542,117 +344,6 @@ fn shape_for(cfg: &BenchConfig, info: &DeviceInfo, kind: BackendKind) -> Result<
     Ok(shape)
 }
 
-fn fmt_tflops(v: f64) -> String {
-    if v >= 10.0 {
-        format!("{v:.1}")
-    } else if v >= 0.01 {
-        format!("{v:.3}")
-    } else {
-        format!("{v:.2e}")
-    }
-}
-
-fn fmt_ms(ms: f64) -> String {
-    if ms >= 100.0 {
-        format!("{ms:.0}")
-    } else if ms >= 10.0 {
-        format!("{ms:.1}")
-    } else {
-        format!("{ms:.2}")
-    }
-}
-
-/// The results table.
-pub fn render(runs: &[BenchRun]) -> String {
-    let mut rows = Vec::new();
-    for r in runs {
-        for j in &r.jobs {
-            rows.push(vec![
-                r.backend.clone(),
-                r.device.clone(),
-                if r.matrix_units { "on" } else { "off" }.into(),
-                r.shape.to_string(),
-                j.job.name().into(),
-                fmt_ms(j.median_ms),
-                format!("{}–{}", fmt_ms(j.min_ms), fmt_ms(j.max_ms)),
-                j.gpu_ms.map(fmt_ms).unwrap_or_else(|| {
-                    if j.tflops_from == "cpu" {
-                        "- (CPU)".into()
-                    } else {
-                        "-".into()
-                    }
-                }),
-                format!("{} ({})", fmt_tflops(j.tflops), j.tflops_from),
-                fmt_bytes(j.peak_extra_bytes),
-                fmt_bytes(r.head_bytes),
-            ]);
-        }
-    }
-    let mut out = table(
-        &[
-            "backend",
-            "device",
-            "matrix units",
-            "shape ntok:V:hs:k",
-            "job",
-            "median ms",
-            "min–max ms",
-            "GPU ms",
-            "TFLOP/s",
-            "peak extra",
-            "head",
-        ],
-        &rows,
-    );
-    for r in runs {
-        for j in r.jobs.iter().filter(|j| !j.kernels.is_empty()) {
-            let parts: Vec<String> = j
-                .kernels
-                .iter()
-                .map(|k| format!("{} {} ms ×{}", k.kernel, fmt_ms(k.ms), k.dispatches))
-                .collect();
-            out.push_str(&format!("{} {}: {}\n", r.backend, j.job.name(), parts.join(", ")));
-        }
-    }
-    out
-}
-
-/// Seconds of estimated work past which bench says how long it will take.
-const ESTIMATE_NOTE_SECS: f64 = 20.0;
-
-/// After a job's first call: the time the remaining calls will take (and,
-/// for head_kl, the topk job after it, about half as much per call), said
-/// before committing to minutes.
-fn announce_estimate(backend: &str, job: JobKind, first_ms: f64, calls: usize) {
-    let rest = first_ms * 1e-3 * (calls.saturating_sub(1)) as f64;
-    let after = if job == JobKind::HeadKl {
-        first_ms * 1e-3 * 0.5 * calls as f64
-    } else {
-        0.0
-    };
-    let total = rest + after;
-    if total >= ESTIMATE_NOTE_SECS {
-        eprintln!(
-            "bench: {backend} {}: the first call took {}; the rest of this bench will take about {} \
-             (fewer --iters/--warmup or a smaller --shape to shorten; Ctrl-C stops)",
-            job.name(),
-            fmt_secs(first_ms * 1e-3),
-            fmt_secs(total)
-        );
-    }
-}
-
-/// Seconds in words: `42 s`, `3.5 min`, `2.1 h`.
-fn fmt_secs(s: f64) -> String {
-    if s < 120.0 {
-        format!("{s:.0} s")
-    } else if s < 7200.0 {
-        format!("{:.1} min", s / 60.0)
-    } else {
-        format!("{:.1} h", s / 3600.0)
-    }
-}
-
 /// A backend `--all` cannot start: skipped with why, unless the cause is a
 /// bad setting (exit 2) or `HEADKL_REQUIRE` names it.
 fn skip_or_fail(kind: BackendKind, why: headkl_core::Error) -> Result<(), CliError> {
@@ -741,32 +432,6 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn shapes_parse() {
-        assert_eq!("A".parse::<Shape>(), Ok(Shape::A));
-        assert_eq!("b".parse::<Shape>(), Ok(Shape::B));
-        assert_eq!(
-            "64:4096:256:16".parse::<Shape>(),
-            Ok(Shape {
-                ntok: 64,
-                vocab: 4096,
-                hs: 256,
-                k: 16
-            })
-        );
-        assert!("64:4096:256".parse::<Shape>().is_err());
-        assert!("64:100:256:200".parse::<Shape>().is_err(), "k > V");
-        assert!("0:100:256:2".parse::<Shape>().is_err());
-        assert_eq!(Shape::A.flops(JobKind::HeadKl), 4.0 * 4096.0 * 248_320.0 * 5120.0);
-        assert_eq!(Shape::A.flops(JobKind::Topk) * 2.0, Shape::A.flops(JobKind::HeadKl));
-    }
-
-    #[test]
-    fn median_of_even_and_odd() {
-        assert_eq!(median(&[1.0, 2.0, 9.0]), 2.0);
-        assert_eq!(median(&[1.0, 2.0, 4.0, 9.0]), 3.0);
-    }
 
     #[test]
     fn generated_teacher_rows_are_distinct() {

@@ -66,6 +66,12 @@ fn fmt_err(e: f64) -> String {
     format!("{e:.2e}")
 }
 
+/// What the errors in the table are measured against.
+pub const REFERENCE_NOTE: &str = "\
+errors: relative to the f64 reference, which computes in f64 on the f16-rounded head and hidden
+rows and passes the gradient through f16 as the device path does; the reference backend's own
+row measures that f16 gradient path against the exact f64 formula, not an error of an exact answer.";
+
 /// The summary table, one row per backend that ran.
 fn render(reports: &[SuiteReport]) -> String {
     let rows: Vec<Vec<String>> = reports
@@ -135,6 +141,7 @@ pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> 
     }
     if !reports.is_empty() {
         println!("{}", render(&reports));
+        println!("{REFERENCE_NOTE}\n");
     }
     for r in &reports {
         for f in &r.failures {

@@ -208,7 +208,11 @@ impl Settings {
                 .filter(|s| !s.is_empty())
                 .map(|s| {
                     parse_backend(REQUIRE, s, false).map_err(|_| {
-                        invalid(REQUIRE, &v, &format!("`{s}` is not a backend (vulkan, wgpu, reference)"))
+                        invalid(
+                            REQUIRE,
+                            &v,
+                            &format!("`{s}` is not a backend (vulkan, wgpu, reference)"),
+                        )
                     })
                 })
                 .collect::<Result<_>>()?,
@@ -479,7 +483,10 @@ mod tests {
         // No variable the list lacks is documented there either.
         for word in readme.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
             if word.starts_with("HEADKL_") && word != "HEADKL_" {
-                assert!(VARIABLES.iter().any(|v| v.name == word), "README names {word}, not in the list");
+                assert!(
+                    VARIABLES.iter().any(|v| v.name == word),
+                    "README names {word}, not in the list"
+                );
             }
         }
     }
