@@ -220,10 +220,11 @@ impl BenchJob<'_> {
             max_ms: wall.last().copied().unwrap_or(f64::NAN),
             gpu_ms,
             tflops: tf(gpu_ms.unwrap_or(median_ms)),
-            // The reference's wall time is CPU time: say so, not "wall".
-            tflops_from: match (gpu_ms.is_some(), on_cpu) {
-                (true, _) => "gpu",
-                (false, true) => "cpu",
+            // The reference's times (its kernel timings too) are CPU time:
+            // say so, not "gpu" or "wall".
+            tflops_from: match (on_cpu, gpu_ms.is_some()) {
+                (true, _) => "cpu",
+                (false, true) => "gpu",
                 (false, false) => "wall",
             },
             wall_tflops: tf(median_ms),

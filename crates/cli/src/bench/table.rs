@@ -35,7 +35,7 @@ pub struct JobResult {
     pub gpu_ms: Option<f64>,
     /// Effective TFLOP/s, from the GPU time when there is one, else wall.
     pub tflops: f64,
-    /// What `tflops` was computed from: `gpu` or `wall`.
+    /// Which time the TFLOP/s come from: `gpu` (kernel timestamps), `wall`, or `cpu` (the reference, whose times are CPU time).
     pub tflops_from: &'static str,
     /// Effective TFLOP/s from the median wall time.
     pub wall_tflops: f64,
@@ -118,13 +118,11 @@ pub fn render(runs: &[BenchRun]) -> String {
                 j.job.name().into(),
                 fmt_ms(j.median_ms),
                 format!("{}–{}", fmt_ms(j.min_ms), fmt_ms(j.max_ms)),
-                j.gpu_ms.map(fmt_ms).unwrap_or_else(|| {
-                    if j.tflops_from == "cpu" {
-                        "- (CPU)".into()
-                    } else {
-                        "-".into()
-                    }
-                }),
+                match (j.gpu_ms, j.tflops_from == "cpu") {
+                    (Some(ms), true) => format!("{} (CPU)", fmt_ms(ms)),
+                    (Some(ms), false) => fmt_ms(ms),
+                    (None, _) => "-".into(),
+                },
                 format!("{} ({})", fmt_tflops(j.tflops), j.tflops_from),
                 fmt_bytes(j.peak_extra_bytes),
                 fmt_bytes(r.head_bytes),
@@ -140,7 +138,7 @@ pub fn render(runs: &[BenchRun]) -> String {
             "job",
             "median ms",
             "min–max ms",
-            "GPU ms",
+            "GPU ms (kernels)",
             "TFLOP/s",
             "peak extra",
             "head",
