@@ -491,6 +491,26 @@ mod tests {
         }
     }
 
+    #[cfg(unix)]
+    #[test]
+    fn runtime_dir_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = std::env::temp_dir().join(format!("headkl-settings-rt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let dir = base.join("mine");
+        make_private_dir(&dir).unwrap();
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "{mode:o}");
+        // Made already and still private: fine; readable by others: refused.
+        make_private_dir(&dir).unwrap();
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(make_private_dir(&open).is_err());
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
     #[test]
     fn docs_list_every_variable_once() {
         let table = markdown_table();
