@@ -273,6 +273,7 @@ impl BackendJob for BenchJob<'_> {
         let mut engine = Engine::new(backend, &head, SliceOptions::default())
             .map_err(|e| CliError::device(format!("uploading the head to {}", info.backend), e))?;
         let upload_ms = start.elapsed().as_secs_f64() * 1e3;
+        engine.set_trace(crate::environment::get().trace);
         let head_bytes = engine.backend().memory().current.saturating_sub(before);
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
