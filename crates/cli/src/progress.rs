@@ -89,10 +89,33 @@ impl Drop for Progress {
 /// call stays large enough to keep the device busy. One piece when the
 /// bar is not shown: the result does not depend on it either way.
 pub fn pieces(ntok: usize, min_rows: usize) -> Vec<(usize, usize)> {
-    let per = if shown() {
+    split(ntok, min_rows, shown())
+}
+
+fn split(ntok: usize, min_rows: usize, shown: bool) -> Vec<(usize, usize)> {
+    let per = if shown {
         ntok.div_ceil(20).max(min_rows).max(1)
     } else {
         ntok.max(1)
     };
     (0..ntok).step_by(per).map(|a| (a, (a + per).min(ntok))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split;
+
+    #[test]
+    fn pieces_cover_every_row_once() {
+        assert_eq!(split(1000, 256, false), vec![(0, 1000)]);
+        assert_eq!(
+            split(1000, 256, true),
+            vec![(0, 256), (256, 512), (512, 768), (768, 1000)]
+        );
+        let big = split(100_000, 256, true);
+        assert_eq!(big.len(), 20);
+        assert!(big.windows(2).all(|w| w[0].1 == w[1].0));
+        assert_eq!((big[0].0, big[19].1), (0, 100_000));
+        assert!(split(0, 256, true).is_empty());
+    }
 }

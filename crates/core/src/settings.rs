@@ -491,6 +491,40 @@ mod tests {
         }
     }
 
+    /// Explicit options beat `HEADKL_GEMM`, which beats the tune cache,
+    /// which beats the backend's default.
+    #[test]
+    fn gemm_choice_precedence() {
+        use crate::tuning::{resolve_choice, ChoiceSource, CoopGemm, TuneCache};
+        let dir = std::env::temp_dir().join(format!("headkl-settings-gemm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cache_file = dir.join(CACHE_FILE);
+        let all = CoopGemm::candidates();
+        let one = |k: CoopGemm| GemmChoice { logits: k, dx: k };
+        let (explicit, setting, cached) = (one(all[0]), one(all[1]), one(all[2]));
+        let mut cache = TuneCache::load(&cache_file);
+        cache.insert("vulkan", "dev", "drv", cached);
+        cache.save(&cache_file).unwrap();
+        let sources = GemmSources {
+            setting: Some(setting),
+            tune_cache: Some(cache_file.clone()),
+        };
+        let pick = |e, s: &GemmSources| resolve_choice(e, s, "vulkan", "dev", "drv").unwrap();
+        assert_eq!(pick(Some(explicit), &sources), (explicit, ChoiceSource::Options));
+        assert_eq!(pick(None, &sources), (setting, ChoiceSource::Environment));
+        let cache_only = GemmSources {
+            setting: None,
+            ..sources.clone()
+        };
+        assert_eq!(
+            pick(None, &cache_only),
+            (cached, ChoiceSource::Cache(cache_file.clone()))
+        );
+        let (_, source) = pick(None, &GemmSources::default());
+        assert_eq!(source, ChoiceSource::Default);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[cfg(unix)]
     #[test]
     fn runtime_dir_is_private() {
