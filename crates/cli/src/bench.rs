@@ -34,6 +34,11 @@ use stats::announce_estimate;
 pub(crate) use stats::{median, sorted};
 pub use table::{render, BenchReport, BenchRun, JobResult, KernelStat};
 
+/// Rows of the probe call that estimates a run's length: a few whole
+/// GEMM row tiles (16 rows over-estimated lavapipe's run 4.5x, its tiles
+/// being wider).
+const PROBE_ROWS: usize = 64;
+
 /// Seed of the benchmark data (fixed, so runs compare).
 const DATA_SEED: u64 = 0x5EED_4EAD;
 
@@ -126,6 +131,43 @@ struct BenchJob<'a> {
 }
 
 impl BenchJob<'_> {
+    /// Before committing to the whole run: one top-k call on a few rows,
+    /// scaled to the shape's rows and every call of both jobs (head_kl
+    /// counted as two top-k GEMMs), and said when it comes to
+    /// [`stats::ESTIMATE_NOTE_SECS`] or more. The cost is linear in the rows
+    /// at a fixed head, so this errs long (fixed costs scale too).
+    fn probe<B: Backend>(d: &BenchData, cfg: &BenchConfig, engine: &mut Engine<B>) -> Result<(), CliError> {
+        let shape = d.shape;
+        let rows = PROBE_ROWS;
+        if shape.ntok < 4 * rows {
+            return Ok(()); // a probe would cost a good part of the first call
+        }
+        let hidden =
+            Hidden::f16(&d.hidden[..rows * shape.hs], rows, shape.hs).map_err(|e| CliError::device("bench data", e))?;
+        let opts = TopkOptions {
+            budget_bytes: cfg.budget,
+            ..TopkOptions::new(shape.k)
+        };
+        let start = Instant::now();
+        engine
+            .topk(&hidden, &opts)
+            .and_then(|_| engine.backend().finish())
+            .map_err(|e| CliError::device("bench probe", e))?;
+        let probe_s = start.elapsed().as_secs_f64();
+        let _ = engine.backend().take_kernel_times();
+        let calls = (cfg.warmup + cfg.iters) as f64;
+        let total = probe_s * (shape.ntok as f64 / rows as f64) * calls * 3.0;
+        if total >= stats::ESTIMATE_NOTE_SECS {
+            eprintln!(
+                "bench: {} calls per job at {shape} will take about {} here (from a {rows}-row probe; \
+                 fewer --iters/--warmup or a smaller --shape to shorten; Ctrl-C stops)",
+                cfg.warmup + cfg.iters,
+                stats::fmt_secs(total)
+            );
+        }
+        Ok(())
+    }
+
     fn time_job<B: Backend>(
         d: &BenchData,
         cfg: &BenchConfig,
@@ -282,6 +324,7 @@ impl BackendJob for BenchJob<'_> {
             fmt_bytes(head_bytes),
             engine.slices().len()
         );
+        Self::probe(data, self.cfg, &mut engine)?;
         let mut jobs = Vec::new();
         for job in [JobKind::HeadKl, JobKind::Topk] {
             jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes)?);

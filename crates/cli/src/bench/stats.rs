@@ -19,7 +19,7 @@ pub(crate) fn sorted(mut v: Vec<f64>) -> Vec<f64> {
 }
 
 /// Seconds of estimated work past which bench says how long it will take.
-const ESTIMATE_NOTE_SECS: f64 = 20.0;
+pub(super) const ESTIMATE_NOTE_SECS: f64 = 20.0;
 
 /// After a job's first call: the time the remaining calls will take (and,
 /// for head_kl, the topk job after it, about half as much per call), said
@@ -44,7 +44,7 @@ pub(super) fn announce_estimate(backend: &str, job: JobKind, first_ms: f64, call
 }
 
 /// Seconds in words: `42 s`, `3.5 min`, `2.1 h`.
-fn fmt_secs(s: f64) -> String {
+pub(super) fn fmt_secs(s: f64) -> String {
     if s < 120.0 {
         format!("{s:.0} s")
     } else if s < 7200.0 {
