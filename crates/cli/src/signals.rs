@@ -1,11 +1,18 @@
 //! Signals: SIGINT/SIGTERM remove the temporary output files in flight
 //! before the process dies of the signal, and SIGPIPE ends the process
 //! quietly (a closed pipe, as in `headkl devices --json | head -1`, is not
-//! an error worth a panic).
+//! an error worth a panic). Unix only: elsewhere nothing is installed and
+//! an interrupted run may leave its temporary file (the error paths still
+//! remove it).
 
-use std::ffi::{c_char, c_int, CString};
+use std::ffi::c_char;
+#[cfg(unix)]
+use std::ffi::c_int;
+#[cfg(unix)]
+use std::ffi::CString;
 use std::path::Path;
 use std::sync::atomic::{AtomicPtr, Ordering};
+#[cfg(unix)]
 use std::sync::Once;
 
 /// Temporary files the handler removes; a slot holds a leaked C string
@@ -27,6 +34,15 @@ impl Drop for Registered {
 /// Removes `path` if the process gets SIGINT or SIGTERM while the returned
 /// guard lives. With every slot taken the file is not covered (the normal
 /// error path still removes it).
+#[cfg(not(unix))]
+pub fn remove_on_signal(_path: &Path) -> Registered {
+    Registered(None)
+}
+
+/// Removes `path` if the process gets SIGINT or SIGTERM while the returned
+/// guard lives. With every slot taken the file is not covered (the normal
+/// error path still removes it).
+#[cfg(unix)]
 pub fn remove_on_signal(path: &Path) -> Registered {
     install();
     use std::os::unix::ffi::OsStrExt;
@@ -47,6 +63,7 @@ pub fn remove_on_signal(path: &Path) -> Registered {
     Registered(None)
 }
 
+#[cfg(unix)]
 extern "C" fn on_terminate(sig: c_int) {
     for slot in &PENDING {
         let p = slot.load(Ordering::SeqCst);
@@ -67,6 +84,7 @@ extern "C" fn on_terminate(sig: c_int) {
 /// Installs the handlers once: SIGINT and SIGTERM clean up, SIGPIPE takes
 /// its default action (end quietly) instead of Rust's "ignore", which turns
 /// a closed stdout into a panic in `println!`.
+#[cfg(unix)]
 pub fn install() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
@@ -80,3 +98,7 @@ pub fn install() {
         }
     });
 }
+
+/// Nothing to install off Unix.
+#[cfg(not(unix))]
+pub fn install() {}

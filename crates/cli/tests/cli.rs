@@ -1024,6 +1024,7 @@ fn first_hour_exit_codes_and_messages() {
 
 /// SIGINT or SIGTERM while `topk` runs: the temporary output goes with the
 /// process, which ends by the signal.
+#[cfg(unix)]
 #[test]
 fn interrupt_removes_the_temporary_output() {
     use std::os::unix::process::ExitStatusExt;
@@ -1102,6 +1103,7 @@ fn interrupt_removes_the_temporary_output() {
 
 /// `headkl devices --json | head -1`: the reader goes away; headkl ends
 /// quietly (by SIGPIPE, as `cat` does), without a panic.
+#[cfg(unix)]
 #[test]
 fn closed_stdout_ends_quietly() {
     use std::os::unix::process::ExitStatusExt;
