@@ -128,6 +128,13 @@ pub struct VulkanBuffer {
     label: &'static str,
 }
 
+impl headkl_core::DeviceBuffer for VulkanBuffer {
+    /// Usable size in bytes.
+    fn len(&self) -> u64 {
+        self.raw.as_ref().map_or(0, |r| r.size)
+    }
+}
+
 impl VulkanBuffer {
     /// A device-local storage buffer of `bytes` bytes.
     pub(crate) fn new(device: &Arc<Device>, bytes: u64, label: &'static str) -> Result<Self> {
@@ -165,11 +172,6 @@ impl VulkanBuffer {
         })
     }
 
-    /// Usable size in bytes.
-    pub fn size(&self) -> u64 {
-        self.raw.as_ref().map_or(0, |r| r.size)
-    }
-
     /// The label given at allocation.
     pub fn label(&self) -> &'static str {
         self.label
@@ -185,7 +187,7 @@ impl std::fmt::Debug for VulkanBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VulkanBuffer")
             .field("label", &self.label)
-            .field("size", &self.size())
+            .field("size", &headkl_core::DeviceBuffer::len(self))
             .finish()
     }
 }

@@ -6,20 +6,11 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use headkl_core::MemoryStats;
+use headkl_core::{DeviceBuffer, KernelId, MemoryStats};
 
-/// Which bind-group layout a cached bind group was made for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum LayoutKind {
-    Convert,
-    Kl,
-    Topk,
-    Gemm,
-}
-
-/// Bind groups are keyed by layout and the ids of the buffers at bindings
-/// 1.. (0 where unused).
-pub(crate) type BindKey = (LayoutKind, [u64; 6]);
+/// Bind groups are keyed by kernel (its layout) and the ids of the buffers
+/// at bindings 1.. (0 where unused).
+pub(crate) type BindKey = (KernelId, [u64; 6]);
 
 /// Errors the device reported outside any call's error scope, and device
 /// loss.
@@ -101,21 +92,18 @@ pub struct WgpuBuffer {
     shared: Arc<Shared>,
 }
 
+impl DeviceBuffer for WgpuBuffer {
+    /// Bytes asked for when the buffer was allocated.
+    fn len(&self) -> u64 {
+        self.bytes
+    }
+}
+
 impl WgpuBuffer {
     pub(crate) fn new(raw: wgpu::Buffer, bytes: u64, shared: Arc<Shared>) -> Self {
         let id = shared.new_id();
         shared.allocated(raw.size());
         Self { raw, id, bytes, shared }
-    }
-
-    /// Bytes asked for when the buffer was allocated.
-    pub fn len(&self) -> u64 {
-        self.bytes
-    }
-
-    /// Whether the buffer was allocated with 0 bytes.
-    pub fn is_empty(&self) -> bool {
-        self.bytes == 0
     }
 
     /// The underlying wgpu buffer.

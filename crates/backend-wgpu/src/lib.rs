@@ -6,21 +6,29 @@
 //! 16×16×16 f16×f16→f32 shape and a fixed subgroup size, and on the tiled
 //! fallback (`gemm_tiled.wgsl`) everywhere else.
 //!
+//! Module map: `adapter` (listing and choosing adapters), `device`
+//! (opening one, device errors), `stream` (batched dispatches, timing),
+//! `transfer` (uploads, downloads), `backend` (the `Backend` impl),
+//! `kernels` (the catalogue's pipelines), `buffer` (buffers and shared state).
+//!
 //! This crate reads no environment: [`OpenOptions`] says which adapter,
 //! whether to force the tiled GEMM or keep bounds checks, and which
 //! matrix-unit GEMM kernels run ([`OpenOptions::from_settings`] builds them
 //! from `HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED` and
 //! `HEADKL_GEMM`; without a choice, the tune cache's entry for the adapter,
-//! else [`headkl_core::GemmChoice::WGPU_DEFAULT`]).
+//! else [`DEFAULT_GEMM`]).
 
 mod adapter;
 mod backend;
 mod buffer;
+mod device;
 mod kernels;
+mod stream;
+mod transfer;
 
 pub use adapter::enumerate;
-pub use backend::{OpenOptions, WgpuBackend};
 pub use buffer::WgpuBuffer;
+pub use device::{OpenOptions, WgpuBackend, DEFAULT_GEMM};
 
 /// The name this backend reports in [`headkl_core::DeviceInfo::backend`] and
 /// errors.

@@ -15,7 +15,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
-use crate::tuning::{GemmChoice, CACHE_FILE};
+use crate::gemm_choice::GemmChoice;
+use crate::tune_cache::CACHE_FILE;
 
 /// One environment variable: its name, the values it takes, its default and
 /// what it does.
@@ -44,9 +45,9 @@ pub const SEED: &str = "HEADKL_SEED";
 /// `HEADKL_NO_COOPMAT`.
 pub const NO_COOPMAT: &str = "HEADKL_NO_COOPMAT";
 /// `HEADKL_GEMM`.
-pub const GEMM: &str = crate::tuning::GEMM_ENV;
+pub const GEMM: &str = crate::gemm_choice::GEMM_ENV;
 /// `HEADKL_CACHE_DIR`.
-pub const CACHE_DIR: &str = crate::tuning::CACHE_DIR_ENV;
+pub const CACHE_DIR: &str = crate::tune_cache::CACHE_DIR_ENV;
 /// `HEADKL_TRACE`.
 pub const TRACE: &str = "HEADKL_TRACE";
 /// `HEADKL_PIPELINE_STATS`.
@@ -159,8 +160,9 @@ pub struct Settings {
     pub seed: Option<u64>,
     /// `HEADKL_NO_COOPMAT`.
     pub no_coopmat: bool,
-    /// `HEADKL_GEMM`.
-    pub gemm: Option<GemmChoice>,
+    /// `HEADKL_GEMM`, checked here; a backend parses it over its own
+    /// default (a choice may name one layout and keep the other's default).
+    pub gemm: Option<String>,
     /// The tune cache file: `HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
     /// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
     pub tune_cache: Option<PathBuf>,
@@ -221,7 +223,10 @@ impl Settings {
             .map(|v| parse_number(CASES, &v).map(|n| n as usize))
             .transpose()?;
         let seed = text(SEED)?.map(|v| parse_number(SEED, &v)).transpose()?;
-        let gemm = text(GEMM)?.map(|v| GemmChoice::parse(&v)).transpose()?;
+        let gemm = text(GEMM)?;
+        if let Some(v) = &gemm {
+            GemmChoice::parse(v, GemmChoice::PORTABLE)?;
+        }
         let path = |name: &'static str| text(name).ok().flatten().map(PathBuf::from);
         let tune_cache = text(CACHE_DIR)?
             .map(PathBuf::from)
@@ -259,18 +264,19 @@ impl Settings {
     /// What a backend needs to choose its matrix-unit GEMM.
     pub fn gemm_sources(&self) -> GemmSources {
         GemmSources {
-            setting: self.gemm,
+            setting: self.gemm.clone(),
             tune_cache: self.tune_cache.clone(),
         }
     }
 }
 
 /// Where a backend's GEMM choice can come from besides its open options:
-/// `HEADKL_GEMM` and the tune cache (see [`crate::tuning::resolve_choice`]).
+/// `HEADKL_GEMM` and the tune cache (see [`crate::gemm_choice::resolve_choice`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GemmSources {
-    /// `HEADKL_GEMM`, parsed.
-    pub setting: Option<GemmChoice>,
+    /// `HEADKL_GEMM`, checked by [`Settings`]; parsed over the backend's
+    /// default by [`crate::gemm_choice::resolve_choice`].
+    pub setting: Option<String>,
     /// The tune cache file, if there is a place for one.
     pub tune_cache: Option<PathBuf>,
 }
@@ -495,21 +501,23 @@ mod tests {
     /// which beats the backend's default.
     #[test]
     fn gemm_choice_precedence() {
-        use crate::tuning::{resolve_choice, ChoiceSource, CoopGemm, TuneCache};
+        use crate::gemm_choice::{resolve_choice, ChoiceSource, CoopGemm};
+        use crate::tune_cache::TuneCache;
         let dir = std::env::temp_dir().join(format!("headkl-settings-gemm-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let cache_file = dir.join(CACHE_FILE);
         let all = CoopGemm::candidates();
         let one = |k: CoopGemm| GemmChoice { logits: k, dx: k };
         let (explicit, setting, cached) = (one(all[0]), one(all[1]), one(all[2]));
+        let default = GemmChoice::PORTABLE;
         let mut cache = TuneCache::load(&cache_file);
         cache.insert("vulkan", "dev", "drv", cached);
         cache.save(&cache_file).unwrap();
         let sources = GemmSources {
-            setting: Some(setting),
+            setting: Some(setting.to_string()),
             tune_cache: Some(cache_file.clone()),
         };
-        let pick = |e, s: &GemmSources| resolve_choice(e, s, "vulkan", "dev", "drv").unwrap();
+        let pick = |e, s: &GemmSources| resolve_choice(e, default, s, "vulkan", "dev", "drv").unwrap();
         assert_eq!(pick(Some(explicit), &sources), (explicit, ChoiceSource::Options));
         assert_eq!(pick(None, &sources), (setting, ChoiceSource::Environment));
         let cache_only = GemmSources {
@@ -520,8 +528,7 @@ mod tests {
             pick(None, &cache_only),
             (cached, ChoiceSource::Cache(cache_file.clone()))
         );
-        let (_, source) = pick(None, &GemmSources::default());
-        assert_eq!(source, ChoiceSource::Default);
+        assert_eq!(pick(None, &GemmSources::default()), (default, ChoiceSource::Default));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
