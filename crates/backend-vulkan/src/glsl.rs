@@ -157,7 +157,7 @@ impl fmt::Display for GlslTile {
 }
 
 /// The variable that picks GLSL GEMM tiles for the Vulkan backend.
-pub const GLSL_GEMM_ENV: &str = "HEADKL_GLSL_GEMM";
+pub const GLSL_GEMM_ENV: &str = headkl_core::settings::GLSL_GEMM;
 
 impl GlslTile {
     /// Parses `bm<BM>.bk<BK>.s<STAGES>[.i][.ws][.c<SG_COLS>]`, one of the

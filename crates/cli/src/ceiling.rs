@@ -16,7 +16,7 @@ use headkl_reference::conformance::{self, Part, SuiteConfig};
 use headkl_vulkan::{CeilingKernel, CeilingPart, GlslTile, VulkanBackend, VulkanBuffer, VulkanOptions};
 
 use crate::error::CliError;
-use crate::select::{guarded, Target};
+use crate::select::{contained, Target};
 use crate::text::table;
 use crate::tune::{GemmShape, TuneData};
 
@@ -46,12 +46,11 @@ struct Operands<'a> {
 /// matrix units by the caller's device info) at `shape`.
 pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliError> {
     let dev = |e| CliError::device("tune --ceiling", e);
-    let options = VulkanOptions::from_env(target.device);
-    let mut backend =
-        guarded("Vulkan start-up", || VulkanBackend::open_with(&options)).map_err(|reason| CliError::Start {
-            backend: "vulkan",
-            reason,
-        })?;
+    let options = VulkanOptions::from_settings(crate::environment::get(), target.device);
+    let mut backend = contained("vulkan", || VulkanBackend::open_with(&options)).map_err(|source| CliError::Start {
+        backend: "vulkan",
+        source,
+    })?;
     if let Some(why) = backend.glsl_unavailable() {
         return Err(CliError::option(
             "--ceiling",

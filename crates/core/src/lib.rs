@@ -28,6 +28,7 @@ pub mod kernels;
 pub mod params;
 pub mod problem;
 mod scratch;
+pub mod settings;
 pub mod slicing;
 pub mod tune_cache;
 
@@ -43,6 +44,7 @@ pub use kernels::{GemmKernel, KernelBuild, KernelId};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
 };
+pub use settings::Settings;
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use tune_cache::TuneCache;
 
