@@ -43,11 +43,11 @@ struct PendingTimes {
 /// headkl's wgpu backend: one adapter's device, its pipelines and a batch
 /// of queued dispatches.
 pub struct WgpuBackend {
-    info: DeviceInfo,
+    pub(crate) info: DeviceInfo,
     gemm_path: String,
     device: wgpu::Device,
-    queue: wgpu::Queue,
-    shared: Arc<Shared>,
+    pub(crate) queue: wgpu::Queue,
+    pub(crate) shared: Arc<Shared>,
     kernels: Kernels,
     /// Uniform ring: slot `i` of the current batch at `i * slot_stride`.
     ring: wgpu::Buffer,
@@ -61,7 +61,7 @@ pub struct WgpuBackend {
     staged_upload_bytes: AtomicU64,
 }
 
-fn wgpu_error_text(e: &wgpu::Error) -> String {
+pub(crate) fn wgpu_error_text(e: &wgpu::Error) -> String {
     match e {
         wgpu::Error::OutOfMemory { .. } => "out of memory".to_string(),
         wgpu::Error::Validation { description, .. } => format!("validation: {description}"),
@@ -104,26 +104,48 @@ impl WgpuBackend {
         let use_coop = candidate.coop.is_ok() && !force_tiled;
         let features = adapter::features_for(&candidate, use_coop);
         let (device, queue) = adapter::open_device(&candidate, features)?;
+        Self::from_parts(candidate, device, queue, use_coop, force_tiled, options, true)
+    }
 
+    /// The backend on an open device. `own_device`: the device is the
+    /// backend's, so it takes the device's error and loss callbacks (a
+    /// trainer's device keeps its own; errors inside headkl's calls still
+    /// come back through error scopes).
+    pub(crate) fn from_parts(
+        candidate: adapter::Candidate,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        use_coop: bool,
+        force_tiled: bool,
+        options: &OpenOptions,
+        own_device: bool,
+    ) -> Result<Self> {
         let shared = Arc::new(Shared::default());
-        let weak: Weak<Shared> = Arc::downgrade(&shared);
-        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
-            if let Some(s) = weak.upgrade() {
-                s.record_error(wgpu_error_text(&e));
-            }
-        }));
-        let weak: Weak<Shared> = Arc::downgrade(&shared);
-        device.set_device_lost_callback(move |reason, message| {
-            if reason == wgpu::DeviceLostReason::Destroyed {
-                return;
-            }
-            if let Some(s) = weak.upgrade() {
-                lock(&s.errors).lost = Some(format!("{reason:?}: {message}"));
-            }
-        });
+        if own_device {
+            let weak: Weak<Shared> = Arc::downgrade(&shared);
+            device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+                if let Some(s) = weak.upgrade() {
+                    s.record_error(wgpu_error_text(&e));
+                }
+            }));
+            let weak: Weak<Shared> = Arc::downgrade(&shared);
+            device.set_device_lost_callback(move |reason, message| {
+                if reason == wgpu::DeviceLostReason::Destroyed {
+                    return;
+                }
+                if let Some(s) = weak.upgrade() {
+                    lock(&s.errors).lost = Some(format!("{reason:?}: {message}"));
+                }
+            });
+        }
 
         let mut info = candidate.info.clone();
         info.matrix_units = use_coop;
+        // What the device was opened with (a trainer's may ask for less
+        // than the adapter offers).
+        let limits = device.limits();
+        info.max_binding_bytes = limits.max_storage_buffer_binding_size;
+        info.max_buffer_bytes = limits.max_buffer_size;
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let i = &candidate.info;
@@ -266,7 +288,7 @@ impl WgpuBackend {
         Ok(())
     }
 
-    fn flush(&self) -> Result<()> {
+    pub(crate) fn flush(&self) -> Result<()> {
         let mut b = lock(&self.batch);
         self.flush_locked(&mut b)
     }
@@ -274,7 +296,7 @@ impl WgpuBackend {
     /// Records one dispatch of `kernel` over `count` workgroups (folded),
     /// with the uniform block `params(grid_x)` and storage `buffers` at
     /// bindings 1...
-    fn dispatch(
+    pub(crate) fn dispatch(
         &self,
         kernel: Kernel,
         count: u64,
@@ -288,7 +310,7 @@ impl WgpuBackend {
         }
         let pipeline = self.kernels.pipeline(&self.device, kernel)?;
         let kind = kernel.layout();
-        let mut ids = [0u64; 6];
+        let mut ids = [0u64; 8];
         for (slot, b) in ids.iter_mut().zip(buffers) {
             *slot = b.id;
         }
@@ -347,7 +369,7 @@ impl WgpuBackend {
         Ok(())
     }
 
-    fn bind_group(&self, kind: LayoutKind, ids: [u64; 6], buffers: &[&WgpuBuffer]) -> Result<wgpu::BindGroup> {
+    fn bind_group(&self, kind: LayoutKind, ids: [u64; 8], buffers: &[&WgpuBuffer]) -> Result<wgpu::BindGroup> {
         let layout = self.kernels.bind_group_layout(kind)?;
         let mut failed = None;
         let group = self.shared.bind_group((kind, ids), || {
@@ -363,7 +385,7 @@ impl WgpuBackend {
             for (i, b) in buffers.iter().enumerate() {
                 entries.push(wgpu::BindGroupEntry {
                     binding: i as u32 + 1,
-                    resource: b.raw.as_entire_binding(),
+                    resource: b.binding(),
                 });
             }
             let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -546,6 +568,8 @@ impl Backend for WgpuBackend {
         if len == 0 {
             return Ok(());
         }
+        // A view of a caller's buffer starts inside it.
+        let offset = offset + dst.offset;
         // write_buffer lands before the next submit: submit what is queued
         // first so the upload is ordered after it.
         self.flush()?;
@@ -584,6 +608,7 @@ impl Backend for WgpuBackend {
         if len == 0 {
             return Ok(());
         }
+        let offset = offset + src.offset;
         self.flush()?;
         let start = offset & !3;
         let end = (offset + len).next_multiple_of(4);

@@ -5,8 +5,10 @@ use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::Mutex;
 
+use headkl_core::params::ResidentParams;
 use headkl_core::params::{ConvertParams, GemmParams, RowParams};
-use headkl_core::{CoopGemm, GemmChoice, HeadLayout, Result};
+use headkl_core::resident::Access;
+use headkl_core::{CoopGemm, GemmChoice, HeadLayout, ResidentKernel, Result};
 
 use crate::buffer::{lock, LayoutKind};
 use crate::{backend_error, env_flag};
@@ -17,6 +19,27 @@ const TOPK_WGSL: &str = include_str!("../../../shaders/topk_rows.wgsl");
 const GEMM_TILED_WGSL: &str = include_str!("../../../shaders/gemm_tiled.wgsl");
 const GEMM_COOP_WGSL: &str = include_str!("../../../shaders/gemm_coop.wgsl");
 const GEMM_COOP_DIRECT_WGSL: &str = include_str!("../../../shaders/gemm_coop_direct.wgsl");
+
+/// The device-resident kernels' source: `resident_common.wgsl`, then the
+/// kernel's own file.
+pub(crate) fn resident_source(kernel: ResidentKernel) -> &'static str {
+    macro_rules! with_common {
+        ($file:literal) => {
+            concat!(
+                include_str!("../../../shaders/resident_common.wgsl"),
+                include_str!(concat!("../../../shaders/", $file))
+            )
+        };
+    }
+    match kernel {
+        ResidentKernel::WeightStats => with_common!("resident_stats.wgsl"),
+        ResidentKernel::TeacherRows => with_common!("resident_teacher.wgsl"),
+        ResidentKernel::HiddenIn => with_common!("resident_hidden.wgsl"),
+        ResidentKernel::LossOut => with_common!("resident_loss_out.wgsl"),
+        ResidentKernel::TopkOut => with_common!("resident_topk_out.wgsl"),
+        ResidentKernel::StatusDetail => with_common!("resident_status.wgsl"),
+    }
+}
 
 /// Workgroup memory the row kernels need (`topk_rows.wgsl`'s, the larger).
 pub(crate) const ROW_WORKGROUP_BYTES: u32 = 26 * 1024;
@@ -34,11 +57,13 @@ pub(crate) enum Kernel {
     Topk,
     GemmNt,
     GemmNn,
+    Resident(ResidentKernel),
 }
 
 impl Kernel {
     pub fn layout(self) -> LayoutKind {
         match self {
+            Kernel::Resident(r) => LayoutKind::Resident(r),
             Kernel::Convert => LayoutKind::Convert,
             Kernel::Kl => LayoutKind::Kl,
             Kernel::Topk => LayoutKind::Topk,
@@ -53,6 +78,7 @@ impl Kernel {
             Kernel::Topk => "topk_rows",
             Kernel::GemmNt => "gemm_nt",
             Kernel::GemmNn => "gemm_nn",
+            Kernel::Resident(r) => r.entry(),
         }
     }
 }
@@ -63,17 +89,20 @@ pub(crate) fn params_size(kind: LayoutKind) -> u64 {
         LayoutKind::Convert => size_of::<ConvertParams>(),
         LayoutKind::Kl | LayoutKind::Topk => size_of::<RowParams>(),
         LayoutKind::Gemm => size_of::<GemmParams>(),
+        LayoutKind::Resident(_) => size_of::<ResidentParams>(),
     }) as u64
 }
 
 /// Storage bindings 1.. of a layout: `true` where read-write.
-fn storage_bindings(kind: LayoutKind) -> &'static [bool] {
-    match kind {
+fn storage_bindings(kind: LayoutKind) -> Vec<bool> {
+    let shared: &[bool] = match kind {
+        LayoutKind::Resident(r) => return r.bindings().iter().map(|a| *a == Access::ReadWrite).collect(),
         LayoutKind::Convert => &[false, true],
         LayoutKind::Kl => &[false, false, false, false, true, true],
         LayoutKind::Topk => &[false, true, true],
         LayoutKind::Gemm => &[false, false, true],
-    }
+    };
+    shared.to_vec()
 }
 
 /// How the GEMM is built.
@@ -97,7 +126,9 @@ pub(crate) struct Kernels {
 impl Kernels {
     pub fn new(device: &wgpu::Device, gemm: GemmBuild) -> Self {
         let mut layouts = HashMap::new();
-        for kind in [LayoutKind::Convert, LayoutKind::Kl, LayoutKind::Topk, LayoutKind::Gemm] {
+        let resident = ResidentKernel::ALL.map(LayoutKind::Resident);
+        let shared = [LayoutKind::Convert, LayoutKind::Kl, LayoutKind::Topk, LayoutKind::Gemm];
+        for kind in shared.into_iter().chain(resident) {
             let mut entries = vec![wgpu::BindGroupLayoutEntry {
                 binding: 0,
                 visibility: wgpu::ShaderStages::COMPUTE,
@@ -161,6 +192,7 @@ impl Kernels {
             Kernel::Convert => ("convert.wgsl", CONVERT_WGSL),
             Kernel::Kl => ("kl_rows.wgsl", KL_WGSL),
             Kernel::Topk => ("topk_rows.wgsl", TOPK_WGSL),
+            Kernel::Resident(r) => (r.file(), resident_source(r)),
             Kernel::GemmNt | Kernel::GemmNn => match self.coop_kernel(kernel) {
                 Some(CoopGemm::Direct) => ("gemm_coop_direct.wgsl", GEMM_COOP_DIRECT_WGSL),
                 Some(CoopGemm::Staged(_)) => ("gemm_coop.wgsl", GEMM_COOP_WGSL),

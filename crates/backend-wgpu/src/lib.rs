@@ -20,6 +20,7 @@
 mod adapter;
 mod backend;
 mod buffer;
+mod external;
 mod kernels;
 
 pub use adapter::enumerate;

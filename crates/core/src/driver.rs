@@ -53,7 +53,7 @@ pub struct TopK {
 
 /// Which job a scratch set was sized for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Job {
+pub(crate) enum Job {
     Loss,
     Topk,
 }
@@ -98,14 +98,17 @@ struct Scratch<B: Backend> {
 /// # Ok::<(), headkl_core::Error>(())
 /// ```
 pub struct Engine<B: Backend> {
-    backend: B,
-    vocab: usize,
-    hs: usize,
-    hs_padded: usize,
-    vocab_padded: usize,
-    slices: Vec<VocabSlice>,
-    planes: Vec<B::Buffer>,
+    pub(crate) backend: B,
+    pub(crate) vocab: usize,
+    pub(crate) hs: usize,
+    pub(crate) hs_padded: usize,
+    pub(crate) vocab_padded: usize,
+    pub(crate) slices: Vec<VocabSlice>,
+    pub(crate) planes: Vec<B::Buffer>,
     scratch: Option<Scratch<B>>,
+    /// Scratch and status of the device-resident entry points
+    /// (`crate::resident`).
+    pub(crate) resident: crate::resident::ResidentState<B>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -149,6 +152,7 @@ impl<B: Backend> Engine<B> {
             slices,
             planes,
             scratch: None,
+            resident: crate::resident::ResidentState::new(),
         })
     }
 
@@ -175,6 +179,7 @@ impl<B: Backend> Engine<B> {
     /// Frees the cached scratch buffers (they are re-made on the next call).
     pub fn release_scratch(&mut self) {
         self.scratch = None;
+        self.resident.release_scratch();
     }
 
     /// The chunk plan `head_kl` would use for `ntok` tokens.
@@ -190,7 +195,7 @@ impl<B: Backend> Engine<B> {
         )
     }
 
-    fn row_costs(&self, job: Job, k: usize, f32_input: bool) -> Vec<RowCost> {
+    pub(crate) fn row_costs(&self, job: Job, k: usize, f32_input: bool) -> Vec<RowCost> {
         let (v, h, k) = (self.vocab_padded as u64, self.hs_padded as u64, k as u64);
         let mut c = vec![
             RowCost {
@@ -245,8 +250,10 @@ impl<B: Backend> Engine<B> {
                 return Ok(());
             }
         }
-        // Free the old set first so the new one can use its memory.
+        // Free the old set (and the device-resident one) first so the new
+        // one can use its memory.
         self.scratch = None;
+        self.resident.release_scratch();
         let b = &self.backend;
         let (v, h, r) = (self.vocab_padded as u64, self.hs_padded as u64, rows as u64);
         let x32 = if f32_input {

@@ -24,6 +24,7 @@ pub mod head;
 pub mod host;
 pub mod params;
 pub mod problem;
+pub mod resident;
 pub mod slicing;
 pub mod tuning;
 
@@ -34,6 +35,9 @@ pub use error::{Error, Result};
 pub use head::{HeadData, HeadWeights};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
+};
+pub use resident::{
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend, ResidentKernel,
 };
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use tuning::{ChoiceSource, CoopGemm, GemmChoice, StagedTile, TuneCache};
