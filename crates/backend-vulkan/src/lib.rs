@@ -22,6 +22,7 @@ mod adapter;
 mod command;
 mod conv;
 mod device;
+mod external;
 mod instance;
 mod kernels;
 mod memory;
@@ -45,6 +46,7 @@ use crate::instance::Instance;
 use crate::kernels::CoopPlan;
 use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
+pub use crate::external::ExternalVulkan;
 pub use crate::memory::VulkanBuffer;
 
 /// Whether an environment variable is set to a true value (`1`, `true`,
@@ -54,7 +56,7 @@ fn env_flag(name: &str) -> bool {
 }
 
 /// The GEMM kernels of `coop` (or the tiled fallback) in words.
-fn describe_gemm(coop: Option<&CoopPlan>) -> String {
+pub(crate) fn describe_gemm(coop: Option<&CoopPlan>) -> String {
     match coop {
         Some(plan) => {
             let pinned = if plan.require_size { " (pinned)" } else { "" };
@@ -134,13 +136,13 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
 
 /// The Vulkan backend: one device, one compute queue.
 pub struct VulkanBackend {
-    info: DeviceInfo,
-    options: VulkanOptions,
-    coop: Option<CoopPlan>,
-    stream: Mutex<Stream>,
-    pipelines: Mutex<PipelineCache>,
+    pub(crate) info: DeviceInfo,
+    pub(crate) options: VulkanOptions,
+    pub(crate) coop: Option<CoopPlan>,
+    pub(crate) stream: Mutex<Stream>,
+    pub(crate) pipelines: Mutex<PipelineCache>,
     /// Declared last: dropped after the stream and pipelines.
-    device: Arc<Device>,
+    pub(crate) device: Arc<Device>,
 }
 
 impl VulkanBackend {
@@ -222,7 +224,7 @@ impl VulkanBackend {
         conv::version_string(self.device.caps.api_version)
     }
 
-    fn stream(&self) -> Result<MutexGuard<'_, Stream>> {
+    pub(crate) fn stream(&self) -> Result<MutexGuard<'_, Stream>> {
         self.stream
             .lock()
             .map_err(|_| backend_error("the command stream's lock was poisoned by a panic"))
@@ -230,7 +232,7 @@ impl VulkanBackend {
 
     /// Checks that `buffer` was made by this backend's device and that
     /// `bytes` from its start fit in it and in one binding.
-    fn check_binding(&self, buffer: &VulkanBuffer, bytes: u64, kernel: &str) -> Result<()> {
+    pub(crate) fn check_binding(&self, buffer: &VulkanBuffer, bytes: u64, kernel: &str) -> Result<()> {
         if !Arc::ptr_eq(&buffer.device, &self.device) {
             return Err(backend_error(format!(
                 "{kernel}: buffer {} belongs to another Vulkan device",
@@ -250,7 +252,7 @@ impl VulkanBackend {
     /// Builds (or finds) a pipeline and records one dispatch of `count`
     /// workgroups, folded; `params` gets the grid width.
     #[allow(clippy::too_many_arguments)]
-    fn dispatch(
+    pub(crate) fn dispatch(
         &self,
         source: &ShaderSource,
         key: PipelineKey,
@@ -304,7 +306,7 @@ impl VulkanBackend {
         self.dispatch(source, Self::row_key(source, entry), rows, params, bufs, entry)
     }
 
-    fn row_key(source: &ShaderSource, entry: &'static str) -> PipelineKey {
+    pub(crate) fn row_key(source: &ShaderSource, entry: &'static str) -> PipelineKey {
         PipelineKey {
             file: source.file,
             entry,
