@@ -67,7 +67,7 @@ fn hidden_as(case: &Case, dtype: HiddenDtype) -> (Vec<u8>, Vec<f32>) {
 fn dtype_for(case: &Case, index: usize) -> HiddenDtype {
     if case.hidden_as_f16 {
         HiddenDtype::F16
-    } else if index % 4 == 0 {
+    } else if index.is_multiple_of(4) {
         HiddenDtype::Bf16
     } else {
         HiddenDtype::F32
