@@ -156,6 +156,10 @@ reference is left out of --all for large shapes).",
         /// Run every backend this machine can start
         #[arg(long)]
         all: bool,
+        /// Also time the device-resident entry points (inputs already in device buffers, the
+        /// trainer's wait included), beside the host path
+        #[arg(long)]
+        resident: bool,
     },
     /// Time every matrix-unit GEMM kernel on this device and keep the fastest
     #[command(
@@ -276,6 +280,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             json,
             plot,
             all,
+            resident,
         } => bench::run(
             &backend,
             &BenchConfig {
@@ -287,6 +292,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 json,
                 plot,
                 all,
+                resident,
             },
         ),
         Command::Tune {

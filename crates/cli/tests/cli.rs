@@ -786,6 +786,70 @@ fn bench_writes_json_and_plot() {
     let _ = fs::remove_dir_all(dir);
 }
 
+/// `bench --resident`: the device-resident rows beside the host path's, on
+/// each GPU backend (skipped with a printed reason when one cannot start,
+/// unless HEADKL_REQUIRE names it); on the reference an option error.
+#[test]
+fn bench_resident_beside_host() {
+    assert_input_error(
+        &headkl(&["bench", "--backend", "reference", "--resident", "--shape", "8:512:64:8"]),
+        &["--resident", "reference"],
+    );
+    let required = std::env::var("HEADKL_REQUIRE").unwrap_or_default();
+    let dir = temp_dir("bench-resident");
+    for backend in ["wgpu", "vulkan"] {
+        let json = dir.join(format!("{backend}.json"));
+        let o = headkl(&[
+            "bench",
+            "--backend",
+            backend,
+            "--resident",
+            "--shape",
+            "16:512:64:8",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        let err = stderr(&o);
+        let must = required.split(',').any(|r| r.trim() == backend);
+        if o.status.code() == Some(1) && err.contains("cannot start") && !must {
+            println!("{backend}: skipped, cannot start: {}", err.trim());
+            continue;
+        }
+        assert_eq!(o.status.code(), Some(0), "{backend}: {err}");
+        let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
+        let jobs = v["runs"][0]["jobs"].as_array().unwrap().clone();
+        let names: Vec<(String, String)> = jobs
+            .iter()
+            .map(|j| {
+                (
+                    j["job"].as_str().unwrap_or("").to_string(),
+                    j["path"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect();
+        for want in [
+            ("HeadKl", "host"),
+            ("Topk", "host"),
+            ("HeadKl", "resident"),
+            ("Topk", "resident"),
+        ] {
+            assert!(
+                names.iter().any(|(j, p)| j == want.0 && p == want.1),
+                "{backend}: no {want:?} row in {names:?}"
+            );
+        }
+        for j in &jobs {
+            assert!(j["median_ms"].as_f64().unwrap() > 0.0, "{j}");
+        }
+        assert!(String::from_utf8_lossy(&o.stdout).contains("head_kl (resident)"));
+    }
+    let _ = fs::remove_dir_all(dir);
+}
+
 /// `loss` on each GPU backend against the reference; skipped with a printed
 /// reason when the backend cannot start, unless HEADKL_REQUIRE names it.
 #[test]
