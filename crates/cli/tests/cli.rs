@@ -832,10 +832,10 @@ fn bench_resident_beside_host() {
             })
             .collect();
         for want in [
-            ("HeadKl", "host"),
-            ("Topk", "host"),
-            ("HeadKl", "resident"),
-            ("Topk", "resident"),
+            ("head_kl", "host"),
+            ("topk", "host"),
+            ("head_kl", "resident"),
+            ("topk", "resident"),
         ] {
             assert!(
                 names.iter().any(|(j, p)| j == want.0 && p == want.1),
