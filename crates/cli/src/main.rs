@@ -198,7 +198,7 @@ Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) o
 (descending; ties: lowest id first) and their probabilities, the softmax over those k at --temperature. \
 Exact for every k ≤ 2048.\n\n\
 Inputs: --head holds tensor `weight` (or --head-tensor, e.g. `lm_head.weight` of a shard) [V][hs] in \
-F16, BF16 or F32; --hidden holds tensor `hidden` (or --hidden-tensor) [ntok][hs] in F32 or F16. \
+F16, BF16 or F32; --hidden holds tensor `hidden` (or --hidden-tensor) [ntok][hs] in F32, F16 or BF16. \
 Output --out: `ids` I64 [ntok][k] and `probs` F32 [ntok][k], written to a temporary file and renamed \
 when complete (a failed run leaves an existing file untouched).",
         after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")

@@ -668,6 +668,50 @@ fn loss_matches_direct_with_weights() {
     assert!(grad[HS..2 * HS].iter().all(|&g| g == 0.0));
 }
 
+/// BF16 hidden rows (what models emit) are read by `loss`, and give the
+/// reference's result on the same values.
+#[test]
+fn bf16_hidden_rows_are_read() {
+    let f = Fixture::new("bf16-hidden");
+    let rows: Vec<half::bf16> = f.hidden.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    write_st(
+        &f.path("hbf.safetensors"),
+        &[T(
+            "hidden",
+            Dtype::BF16,
+            vec![NTOK, HS],
+            bytemuck::cast_slice(&rows).to_vec(),
+        )],
+    );
+    let out = f.path("loss.safetensors");
+    let o = headkl(&[
+        "loss",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hbf.safetensors"),
+        "--teacher",
+        f.s("teacher.safetensors"),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = fs::read(&out).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
+    let values: Vec<f32> = rows.iter().map(|v| v.to_f32()).collect();
+    let hidden = Hidden::f32(&values, NTOK, HS).unwrap();
+    let teacher = Teacher::from_i64(&f.ids, &f.probs, NTOK, K, VOCAB).unwrap();
+    let want = head_kl_f64(&head, &hidden, &teacher, &LossOptions::default().resolve(NTOK).unwrap());
+    let loss = tensor_f32(&st, "loss");
+    let mean = loss.iter().map(|&l| f64::from(l)).sum::<f64>() / NTOK as f64;
+    let tol = Tolerance::default();
+    tol.check_loss(&loss, mean, &want).unwrap();
+    tol.check_dx_rows(&tensor_f32(&st, "grad"), &want.dx, Some(HS)).unwrap();
+}
+
 #[test]
 fn f16_hidden_and_bf16_head_are_read() {
     let f = Fixture::new("halves");

@@ -337,6 +337,19 @@ impl<B: Backend> Engine<B> {
                 }
                 self.backend.upload(&s.x16, 0, bytemuck::cast_slice(&packed))?;
             }
+            HiddenData::Bf16(d) => {
+                // Rounded to f16 here, as the f16 operand is packed: the
+                // same cost as packing unpadded f16 rows.
+                let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
+                for r in 0..rows {
+                    let src = &d[(start + r) * hs..(start + r + 1) * hs];
+                    let dst = &mut packed[r * self.hs_padded..r * self.hs_padded + hs];
+                    for (o, v) in dst.iter_mut().zip(src) {
+                        *o = f16::from_f32(v.to_f32());
+                    }
+                }
+                self.backend.upload(&s.x16, 0, bytemuck::cast_slice(&packed))?;
+            }
         }
         Ok(())
     }

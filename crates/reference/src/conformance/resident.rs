@@ -139,8 +139,15 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
                 .check_dx_rows(&got_dx, &want.dx, Some(hs))
                 .map_err(|e| format!("resident vs reference: {e}"))?;
 
+            // bf16 rows go through the host path as bf16 too.
+            let rows_bf16: Vec<bf16> = case.hidden.iter().map(|&v| bf16::from_f32(v)).collect();
+            let host_rows = if dtype == HiddenDtype::Bf16 {
+                Hidden::bf16(&rows_bf16, ntok, hs).map_err(|e| format!("hidden: {e}"))?
+            } else {
+                host_hidden
+            };
             let host = engine
-                .head_kl(&host_hidden, &host_teacher, &host_opts)
+                .head_kl(&host_rows, &host_teacher, &host_opts)
                 .map_err(|e| format!("host head_kl: {e}"))?;
             let host_dx: Vec<f64> = host.dx.iter().map(|&v| f64::from(v)).collect();
             tol.check_dx_rows(&got_dx, &host_dx, Some(hs))
