@@ -79,8 +79,13 @@ fn every_shader_validates_and_translates_to_spirv() {
         assert!(names.iter().any(|n| n == needed), "shaders/{needed} is missing");
     }
     let mut failures = Vec::new();
+    let common = std::fs::read_to_string(shader_dir().join("resident_common.wgsl")).unwrap();
     for (path, name) in files.iter().zip(&names) {
-        let source = std::fs::read_to_string(path).unwrap();
+        let mut source = std::fs::read_to_string(path).unwrap();
+        // The resident kernels are built after their shared header.
+        if name.starts_with("resident_") && name != "resident_common.wgsl" {
+            source = format!("{common}{source}");
+        }
         for set in override_sets(name) {
             match compile(name, &source, &set) {
                 Ok(words) => println!("{name} {set:?}: {words} SPIR-V words"),
@@ -112,5 +117,51 @@ fn entry_points_match_the_contract() {
                 "{file} lacks entry point {entry}"
             );
         }
+    }
+}
+
+/// Each device-resident kernel, built as the backends build it
+/// (`resident_common.wgsl` first), has the entry point, workgroup size and
+/// storage bindings (count and access) `headkl_core::ResidentKernel` lists.
+#[test]
+fn resident_kernels_match_the_catalogue() {
+    use headkl_core::resident::Access;
+    use headkl_core::ResidentKernel;
+    let common = std::fs::read_to_string(shader_dir().join("resident_common.wgsl")).unwrap();
+    for kernel in ResidentKernel::ALL {
+        let body = std::fs::read_to_string(shader_dir().join(kernel.file())).unwrap();
+        let source = format!("{common}{body}");
+        let module = naga::front::wgsl::parse_str(&source)
+            .map_err(|e| e.emit_to_string(&source))
+            .unwrap();
+        let ep = module
+            .entry_points
+            .iter()
+            .find(|ep| ep.name == kernel.entry())
+            .unwrap_or_else(|| panic!("{} lacks entry point {}", kernel.file(), kernel.entry()));
+        assert_eq!(ep.workgroup_size, [kernel.workgroup_size(), 1, 1], "{}", kernel.file());
+        let mut storage: Vec<(u32, bool)> = module
+            .global_variables
+            .iter()
+            .filter_map(|(_, g)| match (g.space, &g.binding) {
+                (naga::AddressSpace::Storage { access }, Some(b)) => {
+                    Some((b.binding, access.contains(naga::StorageAccess::STORE)))
+                }
+                _ => None,
+            })
+            .collect();
+        storage.sort_unstable();
+        let want: Vec<(u32, bool)> = kernel
+            .bindings()
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (i as u32 + 1, *a == Access::ReadWrite))
+            .collect();
+        assert_eq!(
+            storage,
+            want,
+            "{}: storage bindings (binding, read_write)",
+            kernel.file()
+        );
     }
 }

@@ -92,16 +92,6 @@ impl ResidentKernel {
             ResidentKernel::StatusDetail => &[Read, Read, Read, ReadWrite],
         }
     }
-
-    /// Workgroup memory in bytes (what the backend checks against the
-    /// device's limit).
-    pub fn workgroup_bytes(self) -> u32 {
-        match self {
-            ResidentKernel::WeightStats => 3 * 1024,
-            ResidentKernel::TeacherRows => 2048 * 4 + 3 * 1024,
-            _ => 0,
-        }
-    }
 }
 
 /// A backend that can run the device-resident entry points
