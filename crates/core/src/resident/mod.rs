@@ -334,6 +334,36 @@ impl<B: ResidentBackend> Engine<B> {
     ///
     /// Shapes, options and buffer sizes are checked here, before anything is
     /// recorded.
+    ///
+    /// ```
+    /// use headkl_core::*;
+    /// use headkl_reference::CpuBackend;
+    ///
+    /// let (vocab, hs, ntok, k) = (300, 24, 5, 4);
+    /// let w: Vec<f32> = (0..vocab * hs).map(|i| ((i * 7 % 13) as f32 - 6.0) / 16.0).collect();
+    /// let mut engine = Engine::new(CpuBackend::new(), &HeadWeights::new(HeadData::F32(&w), vocab, hs)?, SliceOptions::default())?;
+    /// // Buffers the trainer already holds on its device.
+    /// let b = engine.backend();
+    /// let buffer = |bytes: &[u8]| -> Result<_> { let x = b.alloc(bytes.len() as u64, "trainer")?; b.upload(&x, 0, bytes)?; Ok(x) };
+    /// let x: Vec<f32> = (0..ntok * hs).map(|i| ((i * 5 % 11) as f32 - 5.0) / 8.0).collect();
+    /// let ids: Vec<u32> = (0..ntok * k).map(|i| (i * 31 % vocab) as u32).collect();
+    /// let x = buffer(bytemuck::cast_slice(&x))?;
+    /// let ids = buffer(bytemuck::cast_slice(&ids))?;
+    /// let probs = buffer(bytemuck::cast_slice(&vec![3.0f32; ntok * k]))?; // renormalized on the device
+    /// let (loss, dx) = (buffer(&vec![0; ntok * 4])?, buffer(&vec![0; ntok * hs * 4])?);
+    /// engine.head_kl_device(
+    ///     ntok,
+    ///     &DeviceHidden { buffer: &x, dtype: HiddenDtype::F32 },
+    ///     &DeviceTeacher { ids: &ids, probs: &probs, k },
+    ///     &DeviceLossOutput { loss: &loss, dx: &dx },
+    ///     &DeviceLossOptions::default(),
+    /// )?;
+    /// engine.wait_device()?; // the trainer waits when it chooses
+    /// let mut per_token = vec![0f32; ntok];
+    /// engine.backend().download(&loss, 0, bytemuck::cast_slice_mut(&mut per_token))?;
+    /// assert!(per_token.iter().all(|l| l.is_finite() && *l >= 0.0));
+    /// # Ok::<(), headkl_core::Error>(())
+    /// ```
     pub fn head_kl_device(
         &mut self,
         ntok: usize,
