@@ -2,18 +2,8 @@
 // (headkl_core::ConvertDesc). See shaders/README.md.
 enable f16;
 
-struct ConvertParams {
-    rows: u32,
-    cols: u32,
-    rows_padded: u32,
-    ld: u32,
-    grid_x: u32,
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
-}
+// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
 
-@group(0) @binding(0) var<uniform> params: ConvertParams;
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f16>;
 

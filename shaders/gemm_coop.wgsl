@@ -7,22 +7,8 @@ enable wgpu_cooperative_matrix;
 // not across the workgroup).
 diagnostic(off, derivative_uniformity);
 
-struct GemmParams {
-    m: u32,
-    n: u32,
-    k: u32,
-    a_offset: u32,
-    lda: u32,
-    ldb: u32,
-    c_offset: u32,
-    ldc: u32,
-    alpha: f32,
-    accumulate: u32,
-    grid_x: u32,
-    pad0: u32,
-}
+// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
 
-@group(0) @binding(0) var<uniform> params: GemmParams;
 // f16 buffers read 8 halves (16 bytes) at a time.
 @group(0) @binding(1) var<storage, read> a: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> b: array<vec4<u32>>;
@@ -376,14 +362,14 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
 
 // C = A * B^T with B stored [n][k].
 @compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
-fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+fn gemm_logits(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {
     gemm(wg, lid, sg, false);
 }
 
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
-fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {
     gemm(wg, lid, sg, true);
 }

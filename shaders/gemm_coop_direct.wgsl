@@ -8,22 +8,8 @@ enable wgpu_cooperative_matrix;
 // uniformity analysis cannot see are workgroup-uniform.
 diagnostic(off, derivative_uniformity);
 
-struct GemmParams {
-    m: u32,
-    n: u32,
-    k: u32,
-    a_offset: u32,
-    lda: u32,
-    ldb: u32,
-    c_offset: u32,
-    ldc: u32,
-    alpha: f32,
-    accumulate: u32,
-    grid_x: u32,
-    pad0: u32,
-}
+// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
 
-@group(0) @binding(0) var<uniform> params: GemmParams;
 @group(0) @binding(1) var<storage, read> a: array<f16>;
 @group(0) @binding(2) var<storage, read> b: array<f16>;
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
@@ -164,12 +150,12 @@ fn gemm(wg: vec3<u32>, nn: bool) {
 
 // C = A * B^T with B stored [n][k].
 @compute @workgroup_size(SG_SIZE)
-fn gemm_nt(@builtin(workgroup_id) wg: vec3<u32>) {
+fn gemm_logits(@builtin(workgroup_id) wg: vec3<u32>) {
     gemm(wg, false);
 }
 
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(SG_SIZE)
-fn gemm_nn(@builtin(workgroup_id) wg: vec3<u32>) {
+fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>) {
     gemm(wg, true);
 }

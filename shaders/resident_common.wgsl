@@ -2,24 +2,7 @@
 // them (WGSL has no include). See shaders/README.md, "Device-resident kernels".
 enable f16;
 
-struct ResidentParams {
-    rows: u32,
-    cols: u32,
-    vocab: u32,
-    ld: u32,
-    token0: u32,
-    off_a: u32,
-    off_b: u32,
-    off_c: u32,
-    off_d: u32,
-    flags: u32,
-    rows_padded: u32,
-    grid_x: u32,
-    f0: f32,
-    f1: f32,
-    f2: f32,
-    f3: f32,
-}
+// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
 
 // Words of the status buffer (headkl_core::resident::status).
 const NONE: u32 = 0xffffffffu;

@@ -2,7 +2,6 @@
 // read as 32-bit words) into the padded f16 GEMM operand
 // (headkl_core::resident::HiddenDesc). Prepended by resident_common.wgsl.
 
-@group(0) @binding(0) var<uniform> params: ResidentParams;
 @group(0) @binding(1) var<storage, read> src: array<u32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f16>;
 

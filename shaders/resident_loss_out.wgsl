@@ -5,7 +5,6 @@
 // were not finite (NaN loss from kl_rows) into the status buffer.
 // Prepended by resident_common.wgsl.
 
-@group(0) @binding(0) var<uniform> params: ResidentParams;
 @group(0) @binding(1) var<storage, read> loss_chunk: array<f32>;
 @group(0) @binding(2) var<storage, read> dx_chunk: array<f32>;
 @group(0) @binding(3) var<storage, read_write> status: array<atomic<u32>>;

@@ -3,7 +3,6 @@
 // bad weight, and resolves total and gscale into the status buffer's
 // coefficient words. Prepended by resident_common.wgsl.
 
-@group(0) @binding(0) var<uniform> params: ResidentParams;
 @group(0) @binding(1) var<storage, read> weights: array<f32>;
 @group(0) @binding(2) var<storage, read_write> status: array<atomic<u32>>;
 

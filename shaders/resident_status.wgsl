@@ -6,7 +6,6 @@
 // buffer's detail words, so the engine can return the host path's error.
 // Runs only until a detail is recorded. Prepended by resident_common.wgsl.
 
-@group(0) @binding(0) var<uniform> params: ResidentParams;
 @group(0) @binding(1) var<storage, read> ids_in: array<u32>;
 @group(0) @binding(2) var<storage, read> probs_in: array<f32>;
 @group(0) @binding(3) var<storage, read> weights: array<f32>;

@@ -5,7 +5,6 @@
 // zero probabilities and coefficient, so whatever its bytes it reads and
 // writes nothing out of bounds. Prepended by resident_common.wgsl.
 
-@group(0) @binding(0) var<uniform> params: ResidentParams;
 @group(0) @binding(1) var<storage, read> ids_in: array<u32>;
 @group(0) @binding(2) var<storage, read> probs_in: array<f32>;
 @group(0) @binding(3) var<storage, read> weights: array<f32>;

@@ -4,7 +4,6 @@
 // finite (NaN first probability from topk_rows) into the status buffer.
 // Prepended by resident_common.wgsl.
 
-@group(0) @binding(0) var<uniform> params: ResidentParams;
 @group(0) @binding(1) var<storage, read> ids_chunk: array<u32>;
 @group(0) @binding(2) var<storage, read> probs_chunk: array<f32>;
 @group(0) @binding(3) var<storage, read_write> status: array<atomic<u32>>;

@@ -3,18 +3,8 @@
 // radix select over order-preserving keys, then a bitonic sort of the
 // selected. See shaders/README.md.
 
-struct RowParams {
-    rows: u32,
-    vocab: u32,
-    ld: u32,
-    k: u32,
-    grid_x: u32,
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
-}
+// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
 
-@group(0) @binding(0) var<uniform> params: RowParams;
 // Rows are read 4 logits (16 bytes) at a time where it pays: ld is a
 // multiple of 16.
 @group(0) @binding(1) var<storage, read> logits: array<vec4<f32>>;

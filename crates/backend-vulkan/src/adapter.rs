@@ -459,7 +459,7 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
     } else if !caps.features.uniform_and_storage_buffer_16bit {
         Some("no 16-bit uniform and storage buffers (uniformAndStorageBuffer16BitAccess)".into())
     } else {
-        None
+        headkl_core::kernels::device_misfit(&crate::kernels::kernel_limits(&caps)).map(|why| format!("lacks {why}"))
     };
     Ok(caps)
 }

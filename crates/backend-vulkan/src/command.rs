@@ -9,7 +9,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ash::vk;
-use headkl_core::{KernelTime, Result};
+use headkl_core::checks::check_transfer;
+use headkl_core::{DeviceBuffer, KernelTime, Result};
 
 use crate::conv::{backend_error, vk_error};
 use crate::device::Device;
@@ -71,7 +72,7 @@ impl From<&VulkanBuffer> for Binding {
         Self {
             buffer: b.handle(),
             offset: b.offset(),
-            size: b.size(),
+            size: b.len(),
         }
     }
 }
@@ -356,15 +357,7 @@ impl Stream {
     /// Records a copy of `data` into `dst` at `offset`, after all queued
     /// work; flushes when the staging buffer is full.
     pub(crate) fn upload(&mut self, dst: &VulkanBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        let end = offset.checked_add(data.len() as u64);
-        if end.is_none_or(|e| e > dst.size()) {
-            return Err(backend_error(format!(
-                "upload of {} bytes at {offset} past the end of {} ({} bytes)",
-                data.len(),
-                dst.label(),
-                dst.size()
-            )));
-        }
+        check_transfer("upload", offset, data.len() as u64, dst.len())?;
         let mut done = 0usize;
         while done < data.len() {
             let capacity = self.staging.as_ref().map_or(0, HostBuffer::size);
@@ -401,15 +394,7 @@ impl Stream {
     /// Copies `out.len()` bytes of `src` at `offset` into `out` after all
     /// queued work, in staging-sized pieces, each submitted and waited for.
     pub(crate) fn download(&mut self, src: &VulkanBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        let end = offset.checked_add(out.len() as u64);
-        if end.is_none_or(|e| e > src.size()) {
-            return Err(backend_error(format!(
-                "download of {} bytes at {offset} past the end of {} ({} bytes)",
-                out.len(),
-                src.label(),
-                src.size()
-            )));
-        }
+        check_transfer("download", offset, out.len() as u64, src.len())?;
         if out.is_empty() {
             return self.flush();
         }

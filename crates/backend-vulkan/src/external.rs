@@ -6,8 +6,9 @@
 use std::sync::{Arc, Mutex};
 
 use ash::vk;
+use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::params::ResidentParams;
-use headkl_core::{tuning, Error, ResidentBackend, ResidentKernel, Result};
+use headkl_core::{Error, ResidentBackend, ResidentKernel, Result};
 
 use crate::adapter;
 use crate::command::{self, Stream};
@@ -16,8 +17,8 @@ use crate::device::{Device, Enabled};
 use crate::instance::Instance;
 use crate::kernels;
 use crate::memory::VulkanBuffer;
-use crate::pipeline::{PipelineCache, ShaderSource};
-use crate::{describe_gemm, VulkanBackend, VulkanOptions};
+use crate::pipeline::{PipelineCache, PipelineKey};
+use crate::{describe_gemm, VulkanBackend, VulkanOptions, DEFAULT_GEMM};
 
 /// The caller's Vulkan objects [`VulkanBackend::from_raw`] runs on.
 pub struct ExternalVulkan {
@@ -40,37 +41,6 @@ pub struct ExternalVulkan {
     /// runs on matrix units where the device offers the 16×16×16 f16 shape
     /// at a fixed subgroup size; otherwise the tiled GEMM.
     pub matrix_units: bool,
-}
-
-macro_rules! resident_source {
-    ($file:literal) => {
-        ShaderSource {
-            file: $file,
-            text: concat!(
-                include_str!("../../../shaders/resident_common.wgsl"),
-                include_str!(concat!("../../../shaders/", $file))
-            ),
-        }
-    };
-}
-
-const STATS: ShaderSource = resident_source!("resident_stats.wgsl");
-const TEACHER: ShaderSource = resident_source!("resident_teacher.wgsl");
-const HIDDEN: ShaderSource = resident_source!("resident_hidden.wgsl");
-const LOSS_OUT: ShaderSource = resident_source!("resident_loss_out.wgsl");
-const TOPK_OUT: ShaderSource = resident_source!("resident_topk_out.wgsl");
-const STATUS: ShaderSource = resident_source!("resident_status.wgsl");
-
-/// The source each resident kernel is built from.
-pub(crate) fn resident_shader(kernel: ResidentKernel) -> &'static ShaderSource {
-    match kernel {
-        ResidentKernel::WeightStats => &STATS,
-        ResidentKernel::TeacherRows => &TEACHER,
-        ResidentKernel::HiddenIn => &HIDDEN,
-        ResidentKernel::LossOut => &LOSS_OUT,
-        ResidentKernel::TopkOut => &TOPK_OUT,
-        ResidentKernel::StatusDetail => &STATUS,
-    }
 }
 
 impl VulkanBackend {
@@ -101,7 +71,7 @@ impl VulkanBackend {
         if let Some(why) = &caps.unusable {
             return Err(Error::MissingFeature(format!("{}: {why}", caps.name)));
         }
-        let (choice, source) = tuning::resolve_choice(options.gemm, BACKEND, &caps.name, &caps.driver)?;
+        let (choice, source) = resolve_choice(options.gemm, DEFAULT_GEMM, BACKEND, &caps.name, &caps.driver)?;
         // Without subgroup-size control (not asked of the caller) the GEMM's
         // subgroup size cannot be pinned: only a fixed size qualifies.
         let coop = match kernels::coop_plan(&caps, choice, source)? {
@@ -169,7 +139,7 @@ impl VulkanBackend {
 
 impl ResidentBackend for VulkanBackend {
     fn buffer_len(&self, buffer: &VulkanBuffer) -> u64 {
-        buffer.size()
+        headkl_core::DeviceBuffer::len(buffer)
     }
 
     fn buffer_offset(&self, buffer: &VulkanBuffer) -> u64 {
@@ -192,15 +162,23 @@ impl ResidentBackend for VulkanBackend {
             )));
         }
         for b in buffers {
-            // Every kernel is built with bounds checks: the extents it reads
-            // come from the caller's data.
-            self.check_binding(b, 0, kernel.entry())?;
+            self.check_device(b, kernel.entry())?;
         }
-        let source = resident_shader(kernel);
+        let shader = kernel.shader();
+        let key = PipelineKey {
+            file: shader.file,
+            entry: kernel.entry(),
+            overrides: Vec::new(),
+            // Built with bounds checks: what they index comes from the
+            // caller's data.
+            checked: true,
+            full_subgroups: false,
+            required_subgroup_size: None,
+        };
         let block = *params;
         self.dispatch(
-            source,
-            Self::row_key(source, kernel.entry()),
+            &shader,
+            key,
             workgroups,
             |grid_x| bytemuck::bytes_of(&ResidentParams { grid_x, ..block }).to_vec(),
             buffers,

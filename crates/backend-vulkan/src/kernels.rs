@@ -1,59 +1,10 @@
-//! The shared WGSL kernels (`shaders/`), their override values and
-//! dispatch grids (shaders/README.md).
+//! How the catalogue's kernels (`headkl_core::kernels`) run on a device:
+//! the device's limits and its matrix-unit GEMM plan.
 
-use headkl_core::tuning::{self, KernelLimits};
-use headkl_core::{ChoiceSource, CoopGemm, GemmChoice, Result};
+use headkl_core::gemm_choice::fit_choice;
+use headkl_core::{ChoiceSource, GemmChoice, KernelLimits, Result};
 
 use crate::adapter::Caps;
-use crate::pipeline::ShaderSource;
-
-/// `convert.wgsl`: f32 → f16 hidden rows.
-pub(crate) const CONVERT: ShaderSource = ShaderSource {
-    file: "convert.wgsl",
-    text: include_str!("../../../shaders/convert.wgsl"),
-};
-/// `kl_rows.wgsl`: the KL row kernel.
-pub(crate) const KL_ROWS: ShaderSource = ShaderSource {
-    file: "kl_rows.wgsl",
-    text: include_str!("../../../shaders/kl_rows.wgsl"),
-};
-/// `topk_rows.wgsl`: the exact top-k row kernel.
-pub(crate) const TOPK_ROWS: ShaderSource = ShaderSource {
-    file: "topk_rows.wgsl",
-    text: include_str!("../../../shaders/topk_rows.wgsl"),
-};
-/// `gemm_tiled.wgsl`: the portable GEMM.
-pub(crate) const GEMM_TILED: ShaderSource = ShaderSource {
-    file: "gemm_tiled.wgsl",
-    text: include_str!("../../../shaders/gemm_tiled.wgsl"),
-};
-/// `gemm_coop.wgsl`: the matrix-unit GEMM.
-pub(crate) const GEMM_COOP: ShaderSource = ShaderSource {
-    file: "gemm_coop.wgsl",
-    text: include_str!("../../../shaders/gemm_coop.wgsl"),
-};
-
-/// `gemm_coop_direct.wgsl`: the matrix-unit GEMM without workgroup memory.
-pub(crate) const GEMM_COOP_DIRECT: ShaderSource = ShaderSource {
-    file: "gemm_coop_direct.wgsl",
-    text: include_str!("../../../shaders/gemm_coop_direct.wgsl"),
-};
-
-/// Every shared shader with its entry points.
-#[cfg(test)]
-pub(crate) const ALL: [(ShaderSource, &[&str]); 6] = [
-    (CONVERT, &["convert_f16"]),
-    (KL_ROWS, &["kl_rows"]),
-    (TOPK_ROWS, &["topk_rows"]),
-    (GEMM_TILED, &["gemm_nt", "gemm_nn"]),
-    (GEMM_COOP, &["gemm_nt", "gemm_nn"]),
-    (GEMM_COOP_DIRECT, &["gemm_nt", "gemm_nn"]),
-];
-
-/// Elements per workgroup of the convert kernel.
-pub(crate) const CONVERT_WG: u64 = 256;
-/// C tile edge of the tiled GEMM's workgroup.
-pub(crate) const TILED_TILE: u64 = 64;
 
 /// How the cooperative-matrix GEMM runs on a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,7 +32,7 @@ pub(crate) fn kernel_limits(caps: &Caps) -> KernelLimits {
 /// Whether (and how) the cooperative-matrix GEMM can run on `caps`: the
 /// 16×16×16 f16→f32 shape and a fixed subgroup size (reported fixed, or
 /// pinned). `choice` is fitted to the device's limits
-/// ([`tuning::fit_choice`]).
+/// ([`fit_choice`]).
 pub(crate) fn coop_plan(caps: &Caps, choice: GemmChoice, source: ChoiceSource) -> Result<Option<CoopPlan>> {
     if !caps.coop_capable() {
         return Ok(None);
@@ -97,27 +48,13 @@ pub(crate) fn coop_plan(caps: &Caps, choice: GemmChoice, source: ChoiceSource) -
     if require_size && !pinnable {
         return Ok(None);
     }
-    let (choice, source) = tuning::fit_choice(crate::conv::BACKEND, choice, source, &kernel_limits(caps))?;
+    let (choice, source) = fit_choice(crate::DEFAULT_GEMM, choice, source, &kernel_limits(caps))?;
     Ok(Some(CoopPlan {
         subgroup_size: size,
         require_size,
         choice,
         source,
     }))
-}
-
-/// The shader, C tile and override values of `kernel` at subgroup size `sg`.
-pub(crate) fn coop_pipeline(
-    kernel: CoopGemm,
-    sg: u32,
-) -> (&'static ShaderSource, (u64, u64), Vec<(&'static str, u32)>) {
-    let (rows, cols) = kernel.tile();
-    let tile = (u64::from(rows), u64::from(cols));
-    let source = match kernel {
-        CoopGemm::Staged(_) => &GEMM_COOP,
-        CoopGemm::Direct => &GEMM_COOP_DIRECT,
-    };
-    (source, tile, kernel.overrides(sg))
 }
 
 #[cfg(test)]
@@ -144,7 +81,7 @@ mod tests {
     }
 
     fn plan(caps: &Caps, choice: &str, source: ChoiceSource) -> Result<Option<CoopPlan>> {
-        coop_plan(caps, GemmChoice::parse(choice).unwrap(), source)
+        coop_plan(caps, GemmChoice::parse(choice, crate::DEFAULT_GEMM).unwrap(), source)
     }
 
     #[test]
@@ -153,7 +90,10 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((p.subgroup_size, p.require_size), (32, false));
-        assert_eq!(p.choice, GemmChoice::parse("staged:bk32:r2:s2").unwrap());
+        assert_eq!(
+            p.choice,
+            GemmChoice::parse("staged:bk32:r2:s2", crate::DEFAULT_GEMM).unwrap()
+        );
 
         // No 16×16×16 f16→f32 shape, or no memory model: fallback.
         let mut c = h200();
@@ -188,27 +128,22 @@ mod tests {
             Err(headkl_core::Error::InvalidSetting { .. })
         ));
         let p = plan(&h200(), big, ChoiceSource::Default).unwrap().unwrap();
-        assert_eq!(p.choice, GemmChoice::DEFAULT);
+        assert_eq!(p.choice, crate::DEFAULT_GEMM);
         let mut c = h200();
         c.subgroup_ops = vk::SubgroupFeatureFlags::empty();
         assert!(!kernel_limits(&c).subgroup_builtins);
     }
 
     #[test]
-    fn pipelines_carry_the_tile_overrides() {
-        let (src, tile, overrides) = coop_pipeline(CoopGemm::parse("staged:bk32:r4:s1:pf").unwrap(), 32);
-        assert_eq!((src.file, tile), ("gemm_coop.wgsl", (256, 128)));
-        assert_eq!(
-            overrides,
-            vec![
-                ("SG_SIZE", 32),
-                ("BK", 32),
-                ("SG_ROWS", 4),
-                ("STAGES", 1),
-                ("PREFETCH", 1)
-            ]
-        );
-        let (src, tile, _) = coop_pipeline(CoopGemm::Direct, 32);
-        assert_eq!((src.file, tile), ("gemm_coop_direct.wgsl", (64, 64)));
+    fn a_device_too_small_for_the_row_kernels_is_unusable_at_listing() {
+        // The catalogue's check the adapter listing applies (adapter.rs).
+        assert_eq!(headkl_core::kernels::device_misfit(&kernel_limits(&h200())), None);
+        let mut c = h200();
+        c.max_shared_memory = 16 << 10;
+        let why = headkl_core::kernels::device_misfit(&kernel_limits(&c)).unwrap();
+        assert!(why.contains("topk_rows"), "{why}");
+        c.max_shared_memory = 48 << 10;
+        c.max_invocations = 128;
+        assert!(headkl_core::kernels::device_misfit(&kernel_limits(&c)).is_some());
     }
 }

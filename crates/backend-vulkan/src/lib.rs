@@ -14,7 +14,9 @@
 //! (physical devices and their capabilities), `device` (logical device and
 //! deferred frees), `memory` (buffers), `command` (recording, submission,
 //! staging, timestamps), `pipeline` (naga and compute pipelines), `kernels`
-//! (the shared shaders and their grids), `conv` (errors).
+//! (the device's limits and matrix-unit GEMM plan), `conv` (errors). What
+//! each kernel is (shader, entry, bindings, workgroup) comes from the
+//! catalogue, `headkl_core::kernels`.
 
 #![warn(missing_docs)]
 
@@ -33,10 +35,10 @@ mod tests;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use headkl_core::params::{ConvertParams, GemmParams, RowParams};
+use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::{
-    fold_workgroups, tuning, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc,
-    HeadLayout, KernelTime, KlDesc, MemoryStats, Result, TopkDesc,
+    fold_workgroups, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc, GemmKernel,
+    KernelId, KernelTime, KlDesc, MemoryStats, Result, StagedTile, TopkDesc,
 };
 
 use crate::command::{Binding, Stream};
@@ -48,6 +50,25 @@ use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
 pub use crate::external::ExternalVulkan;
 pub use crate::memory::VulkanBuffer;
+
+/// The Vulkan backend's GEMM kernels without a tune cache or `HEADKL_GEMM`:
+/// the fastest for each GEMM on the H200 (`headkl tune`,
+/// docs/PERFORMANCE.md). Logits: K 64 per step, one stage; dx: the
+/// 256 × 128 tile, K 32 per step, one stage with register prefetch.
+pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
+    logits: CoopGemm::Staged(StagedTile {
+        bk: 64,
+        rows: 2,
+        stages: 1,
+        prefetch: false,
+    }),
+    dx: CoopGemm::Staged(StagedTile {
+        bk: 32,
+        rows: 4,
+        stages: 1,
+        prefetch: true,
+    }),
+};
 
 /// Whether an environment variable is set to a true value (`1`, `true`,
 /// `yes`, `on`).
@@ -84,7 +105,7 @@ pub struct VulkanOptions {
     /// default there: core validated every extent).
     pub checked: bool,
     /// The matrix-unit GEMM kernels; `None`: `HEADKL_GEMM`, else the tune
-    /// cache's entry for the device, else [`GemmChoice::DEFAULT`].
+    /// cache's entry for the device, else [`DEFAULT_GEMM`].
     pub gemm: Option<GemmChoice>,
 }
 
@@ -116,11 +137,13 @@ impl VulkanOptions {
 }
 
 /// Every Vulkan physical device, in index order, with what it offers;
-/// `unusable` says why headkl cannot run on one. Fails with
-/// [`headkl_core::Error::NoDevice`] when there is no Vulkan loader.
+/// `unusable` says why headkl cannot run on one, and `matrix_units` what
+/// [`VulkanBackend::open`] would use (`HEADKL_NO_COOPMAT` included). Fails
+/// with [`headkl_core::Error::NoDevice`] when there is no Vulkan loader.
 pub fn enumerate() -> Result<Vec<DeviceInfo>> {
     let instance = Instance::new(false)?;
     let adapters = adapter::enumerate_adapters(&instance)?;
+    let force_fallback = env_flag("HEADKL_NO_COOPMAT");
     Ok(adapters
         .iter()
         .map(|a| {
@@ -129,7 +152,7 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
                 dx: CoopGemm::Direct,
             };
             let coop = kernels::coop_plan(&a.caps, direct, ChoiceSource::Default);
-            a.caps.device_info(matches!(coop, Ok(Some(_))))
+            a.caps.device_info(!force_fallback && matches!(coop, Ok(Some(_))))
         })
         .collect())
 }
@@ -166,7 +189,7 @@ impl VulkanBackend {
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let caps = &chosen.caps;
-        let (choice, source) = tuning::resolve_choice(options.gemm, BACKEND, &caps.name, &caps.driver)?;
+        let (choice, source) = resolve_choice(options.gemm, DEFAULT_GEMM, BACKEND, &caps.name, &caps.driver)?;
         let coop = if options.force_fallback {
             None
         } else {
@@ -230,28 +253,71 @@ impl VulkanBackend {
             .map_err(|_| backend_error("the command stream's lock was poisoned by a panic"))
     }
 
-    /// Checks that `buffer` was made by this backend's device and that
-    /// `bytes` from its start fit in it and in one binding.
-    pub(crate) fn check_binding(&self, buffer: &VulkanBuffer, bytes: u64, kernel: &str) -> Result<()> {
+    /// Checks that `buffer` was made by this backend's device (its extents
+    /// are core's checks).
+    pub(crate) fn check_device(&self, buffer: &VulkanBuffer, what: &str) -> Result<()> {
         if !Arc::ptr_eq(&buffer.device, &self.device) {
             return Err(backend_error(format!(
-                "{kernel}: buffer {} belongs to another Vulkan device",
-                buffer.label()
-            )));
-        }
-        let limit = buffer.size().min(self.device.caps.max_storage_buffer_range / 16 * 16);
-        if bytes > limit {
-            return Err(backend_error(format!(
-                "{kernel}: {} needs {bytes} bytes but binds {limit}",
+                "{what}: buffer {} belongs to another Vulkan device",
                 buffer.label()
             )));
         }
         Ok(())
     }
 
-    /// Builds (or finds) a pipeline and records one dispatch of `count`
-    /// workgroups, folded; `params` gets the grid width.
-    #[allow(clippy::too_many_arguments)]
+    /// The largest range one storage binding may span, in whole 16 bytes.
+    fn max_binding(&self) -> u64 {
+        self.device.caps.max_storage_buffer_range / 16 * 16
+    }
+
+    /// The GEMM implementation this device runs for `kernel` (the tiled one
+    /// for the kernels that are not GEMMs, which ignore it).
+    fn gemm_for(&self, kernel: KernelId) -> GemmKernel {
+        match (&self.coop, kernel.gemm_layout()) {
+            (Some(plan), Some(layout)) => GemmKernel::Coop {
+                kernel: plan.choice.for_layout(layout),
+                subgroup: plan.subgroup_size,
+            },
+            _ => GemmKernel::Tiled,
+        }
+    }
+
+    /// Builds (or finds) `kernel`'s pipeline from the catalogue and records
+    /// one dispatch of `count` workgroups, folded; `params` gets the grid
+    /// width. `buffers` are at bindings 1.., as the catalogue lists them.
+    fn dispatch_kernel(
+        &self,
+        kernel: KernelId,
+        count: u64,
+        params: impl FnOnce(u32) -> Vec<u8>,
+        buffers: &[&VulkanBuffer],
+    ) -> Result<()> {
+        for b in buffers {
+            self.check_device(b, kernel.name())?;
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let build = kernel.build(self.gemm_for(kernel));
+        let key = PipelineKey {
+            file: build.shader.file,
+            entry: build.entry,
+            // The other kernels are memory-bound: checks cost little there.
+            checked: self.options.checked || kernel.gemm_layout().is_none(),
+            // Cooperative ops need whole subgroups, of the size SG_SIZE says.
+            full_subgroups: build.matrix_units,
+            required_subgroup_size: self
+                .coop
+                .as_ref()
+                .filter(|p| p.require_size && build.matrix_units)
+                .map(|p| p.subgroup_size),
+            overrides: build.overrides,
+        };
+        self.dispatch(&build.shader, key, count, params, buffers, kernel.name())
+    }
+
+    /// Builds (or finds) the pipeline of `key` and records one dispatch of
+    /// `count` workgroups, folded; `params` gets the grid width.
     pub(crate) fn dispatch(
         &self,
         source: &ShaderSource,
@@ -274,73 +340,6 @@ impl VulkanBackend {
         self.stream()?
             .dispatch(&pipeline, &params(grid.0), &bindings, grid, label)
     }
-
-    /// Checks and dispatches a row kernel (`kl_rows`, `topk_rows`): one
-    /// workgroup per row; `bufs` start with logits `[rows][ld]` f32, ids and
-    /// probs `[rows][k]`, whose bindings are checked here (the caller checks
-    /// any others).
-    fn row_dispatch(
-        &self,
-        source: &ShaderSource,
-        entry: &'static str,
-        shape: RowShape,
-        bufs: &[&VulkanBuffer],
-    ) -> Result<()> {
-        for (v, what) in [
-            (shape.rows, "rows"),
-            (shape.vocab, "vocab"),
-            (shape.ld, "ld"),
-            (shape.k, "k"),
-        ] {
-            to_u32(v, what)?;
-        }
-        let (rows, ld, k) = (shape.rows as u64, shape.ld as u64, shape.k as u64);
-        let [logits, ids, probs, ..] = bufs else {
-            return Err(backend_error(format!("{entry}: needs logits, ids and probs buffers")));
-        };
-        self.check_binding(logits, rows * ld * 4, entry)?;
-        self.check_binding(ids, rows * k * 4, entry)?;
-        self.check_binding(probs, rows * k * 4, entry)?;
-        let params =
-            |grid_x| bytemuck::bytes_of(&RowParams::new(shape.rows, shape.vocab, shape.ld, shape.k, grid_x)).to_vec();
-        self.dispatch(source, Self::row_key(source, entry), rows, params, bufs, entry)
-    }
-
-    pub(crate) fn row_key(source: &ShaderSource, entry: &'static str) -> PipelineKey {
-        PipelineKey {
-            file: source.file,
-            entry,
-            overrides: Vec::new(),
-            // The row kernels are memory-bound: checks cost little there.
-            checked: true,
-            full_subgroups: false,
-            required_subgroup_size: None,
-        }
-    }
-}
-
-/// The extents shared by the row kernels' descriptors (`KlDesc`, `TopkDesc`).
-#[derive(Clone, Copy)]
-struct RowShape {
-    rows: usize,
-    vocab: usize,
-    ld: usize,
-    k: usize,
-}
-
-/// `x` as `u32`, or an error naming `what`.
-fn to_u32(x: usize, what: &str) -> Result<u32> {
-    u32::try_from(x).map_err(|_| backend_error(format!("{what} = {x} exceeds the kernels' 32-bit indices")))
-}
-
-/// Bytes spanned by `rows` rows of `cols` elements at stride `ld` starting
-/// at element `offset`, with `elem` bytes per element.
-fn span_bytes(offset: usize, rows: usize, ld: usize, cols: usize, elem: usize) -> u64 {
-    if rows == 0 || cols == 0 {
-        return 0;
-    }
-    let elems = offset as u128 + (rows as u128 - 1) * ld as u128 + cols as u128;
-    u64::try_from(elems * elem as u128).unwrap_or(u64::MAX)
 }
 
 impl Backend for VulkanBackend {
@@ -355,87 +354,34 @@ impl Backend for VulkanBackend {
     }
 
     fn upload(&self, dst: &VulkanBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        self.check_binding(dst, 0, "upload")?;
+        self.check_device(dst, "upload")?;
         self.stream()?.upload(dst, offset, data)
     }
 
     fn download(&self, src: &VulkanBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        self.check_binding(src, 0, "download")?;
+        self.check_device(src, "download")?;
         self.stream()?.download(src, offset, out)
     }
 
     fn convert_f16(&self, src: &VulkanBuffer, dst: &VulkanBuffer, desc: &ConvertDesc) -> Result<()> {
-        let elems = desc.rows_padded as u64 * desc.ld as u64;
-        to_u32(desc.rows_padded * desc.ld, "convert rows_padded · ld")?;
-        self.check_binding(src, span_bytes(0, desc.rows, desc.cols, desc.cols, 4), "convert")?;
-        self.check_binding(dst, elems * 2, "convert")?;
-        let params = |grid_x| bytemuck::bytes_of(&ConvertParams::new(desc, grid_x)).to_vec();
-        let key = Self::row_key(&kernels::CONVERT, "convert_f16");
-        self.dispatch(
-            &kernels::CONVERT,
-            key,
-            elems.div_ceil(kernels::CONVERT_WG),
-            params,
+        let params = desc.check([src, dst], self.max_binding())?;
+        self.dispatch_kernel(
+            KernelId::ConvertF16,
+            desc.workgroups(),
+            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
             &[src, dst],
-            "convert",
         )
     }
 
-    fn gemm(
-        &self,
-        a: &VulkanBuffer,
-        b: &VulkanBuffer,
-        c: &VulkanBuffer,
-        desc: &GemmDesc,
-        label: &'static str,
-    ) -> Result<()> {
-        for (v, what) in [
-            (desc.m, "m"),
-            (desc.n, "n"),
-            (desc.k, "k"),
-            (desc.a_offset, "a_offset"),
-            (desc.lda, "lda"),
-            (desc.ldb, "ldb"),
-            (desc.c_offset, "c_offset"),
-            (desc.ldc, "ldc"),
-        ] {
-            to_u32(v, what)?;
-        }
-        if desc.m == 0 || desc.n == 0 {
-            return Ok(());
-        }
-        self.check_binding(a, span_bytes(desc.a_offset, desc.m, desc.lda, desc.k, 2), label)?;
-        let b_bytes = match desc.b_layout {
-            HeadLayout::RowsAreOutputs => span_bytes(0, desc.n, desc.ldb, desc.k, 2),
-            HeadLayout::RowsAreReduction => span_bytes(0, desc.k, desc.ldb, desc.n, 2),
-        };
-        self.check_binding(b, b_bytes, label)?;
-        self.check_binding(c, span_bytes(desc.c_offset, desc.m, desc.ldc, desc.n, 4), label)?;
-
-        let entry = match desc.b_layout {
-            HeadLayout::RowsAreOutputs => "gemm_nt",
-            HeadLayout::RowsAreReduction => "gemm_nn",
-        };
-        let (source, tile, overrides) = match &self.coop {
-            Some(plan) => kernels::coop_pipeline(plan.choice.for_layout(desc.b_layout), plan.subgroup_size),
-            None => (
-                &kernels::GEMM_TILED,
-                (kernels::TILED_TILE, kernels::TILED_TILE),
-                Vec::new(),
-            ),
-        };
-        let key = PipelineKey {
-            file: source.file,
-            entry,
-            overrides,
-            checked: self.options.checked,
-            // Cooperative ops need whole subgroups, of the size SG_SIZE says.
-            full_subgroups: self.coop.is_some(),
-            required_subgroup_size: self.coop.as_ref().filter(|p| p.require_size).map(|p| p.subgroup_size),
-        };
-        let count = (desc.m as u64).div_ceil(tile.0) * (desc.n as u64).div_ceil(tile.1);
-        let params = |grid_x| bytemuck::bytes_of(&GemmParams::new(desc, grid_x)).to_vec();
-        self.dispatch(source, key, count, params, &[a, b, c], label)
+    fn gemm(&self, a: &VulkanBuffer, b: &VulkanBuffer, c: &VulkanBuffer, desc: &GemmDesc) -> Result<()> {
+        let params = desc.check([a, b, c], self.max_binding())?;
+        let kernel = desc.kernel();
+        self.dispatch_kernel(
+            kernel,
+            desc.workgroups(self.gemm_for(kernel)),
+            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
+            &[a, b, c],
+        )
     }
 
     fn kl_rows(
@@ -448,21 +394,13 @@ impl Backend for VulkanBackend {
         grad: &VulkanBuffer,
         desc: &KlDesc,
     ) -> Result<()> {
-        let (rows, ld) = (desc.rows as u64, desc.ld as u64);
-        self.check_binding(coef, rows * 4, "kl_rows")?;
-        self.check_binding(loss, rows * 4, "kl_rows")?;
-        self.check_binding(grad, rows * ld * 2, "kl_rows")?;
-        let shape = RowShape {
-            rows: desc.rows,
-            vocab: desc.vocab,
-            ld: desc.ld,
-            k: desc.k,
-        };
-        self.row_dispatch(
-            &kernels::KL_ROWS,
-            "kl_rows",
-            shape,
-            &[logits, ids, probs, coef, loss, grad],
+        let buffers = [logits, ids, probs, coef, loss, grad];
+        let params = desc.check(buffers, self.max_binding())?;
+        self.dispatch_kernel(
+            KernelId::KlRows,
+            desc.workgroups(),
+            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
+            &buffers,
         )
     }
 
@@ -473,13 +411,14 @@ impl Backend for VulkanBackend {
         probs: &VulkanBuffer,
         desc: &TopkDesc,
     ) -> Result<()> {
-        let shape = RowShape {
-            rows: desc.rows,
-            vocab: desc.vocab,
-            ld: desc.ld,
-            k: desc.k,
-        };
-        self.row_dispatch(&kernels::TOPK_ROWS, "topk_rows", shape, &[logits, ids, probs])
+        let buffers = [logits, ids, probs];
+        let params = desc.check(buffers, self.max_binding())?;
+        self.dispatch_kernel(
+            KernelId::TopkRows,
+            desc.workgroups(),
+            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
+            &buffers,
+        )
     }
 
     fn finish(&self) -> Result<()> {

@@ -131,6 +131,16 @@ pub struct VulkanBuffer {
     label: &'static str,
 }
 
+impl headkl_core::DeviceBuffer for VulkanBuffer {
+    /// Usable size in bytes (a view's length).
+    fn len(&self) -> u64 {
+        if let Some((_, _, bytes)) = self.view {
+            return bytes;
+        }
+        self.raw.as_ref().map_or(0, |r| r.size)
+    }
+}
+
 impl VulkanBuffer {
     /// A device-local storage buffer of `bytes` bytes.
     pub(crate) fn new(device: &Arc<Device>, bytes: u64, label: &'static str) -> Result<Self> {
@@ -180,14 +190,6 @@ impl VulkanBuffer {
         }
     }
 
-    /// Usable size in bytes (a view's length).
-    pub fn size(&self) -> u64 {
-        if let Some((_, _, bytes)) = self.view {
-            return bytes;
-        }
-        self.raw.as_ref().map_or(0, |r| r.size)
-    }
-
     /// Where a view starts in the caller's buffer (0 for headkl's own).
     pub fn offset(&self) -> u64 {
         self.view.map_or(0, |(_, offset, _)| offset)
@@ -211,7 +213,7 @@ impl std::fmt::Debug for VulkanBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VulkanBuffer")
             .field("label", &self.label)
-            .field("size", &self.size())
+            .field("size", &headkl_core::DeviceBuffer::len(self))
             .finish()
     }
 }

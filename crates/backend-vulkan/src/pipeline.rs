@@ -14,11 +14,7 @@ use crate::conv::{backend_error, vk_error};
 use crate::device::Device;
 
 /// A WGSL file: its name (for errors and the cache) and its text.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ShaderSource {
-    pub(crate) file: &'static str,
-    pub(crate) text: &'static str,
-}
+pub(crate) type ShaderSource = headkl_core::kernels::Shader;
 
 /// What the generated SPIR-V may use on the target device.
 #[derive(Clone, Debug)]
@@ -164,18 +160,19 @@ pub(crate) struct Parsed {
 
 /// Parses and validates `source` for `target`.
 pub(crate) fn parse(source: &ShaderSource, target: &ShaderTarget) -> Result<Parsed> {
-    let module = naga::front::wgsl::parse_str(source.text).map_err(|e| {
+    let text = source.source();
+    let module = naga::front::wgsl::parse_str(&text).map_err(|e| {
         backend_error(format!(
             "{}: WGSL parse error:\n{}",
             source.file,
-            e.emit_to_string_with_path(source.text, source.file)
+            e.emit_to_string_with_path(&text, source.file)
         ))
     })?;
     let info = target.validator().validate(&module).map_err(|e| {
         backend_error(format!(
             "{}: naga validation error:\n{}",
             source.file,
-            e.emit_to_string_with_path(source.text, source.file)
+            e.emit_to_string_with_path(&text, source.file)
         ))
     })?;
     Ok(Parsed { module, info })

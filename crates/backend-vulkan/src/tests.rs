@@ -1,10 +1,9 @@
 //! Plumbing tests with the crate's own tiny kernels, and the check that every
 //! shared shader (the cooperative-matrix GEMM included) compiles to SPIR-V.
 
-use headkl_core::Backend;
+use headkl_core::{Backend, DeviceBuffer, GemmKernel, KernelId};
 use naga::back::spv::Capability;
 
-use crate::kernels;
 use crate::pipeline::{compile, parse, PipelineKey, ShaderSource, ShaderTarget};
 use crate::{VulkanBackend, VulkanOptions};
 
@@ -34,6 +33,8 @@ fn open(staging: u64) -> Option<VulkanBackend> {
 /// `dst[i] = f16(src[i] · scale)` over a folded grid of `WG`-wide groups.
 const SCALE: ShaderSource = ShaderSource {
     file: "test_scale.wgsl",
+    // Declares its own parameters (no marker): `params` goes unused.
+    params: headkl_core::params::RowParams::BLOCK,
     text: r#"
 enable f16;
 struct P { n: u32, scale: f32, grid_x: u32, pad: u32 }
@@ -53,6 +54,7 @@ fn scale_f16(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
 /// `x[i] += p.add` for `i < n` (one invocation per element, 64 wide).
 const ADD: ShaderSource = ShaderSource {
     file: "test_add.wgsl",
+    params: headkl_core::params::RowParams::BLOCK,
     text: r#"
 struct P { n: u32, add: f32, grid_x: u32, pad: u32 }
 @group(0) @binding(0) var<uniform> p: P;
@@ -213,7 +215,7 @@ fn buffers_dropped_while_work_is_pending_are_freed_later() {
     assert_clean(&b);
     let diagnostics = std::sync::Arc::clone(&b.device.instance.diagnostics);
     drop(b);
-    assert_eq!(survivor.size(), 1024);
+    assert_eq!(survivor.len(), 1024);
     drop(survivor);
     // The device is destroyed now; the layer reports leaked objects there.
     let late = diagnostics.take();
@@ -277,78 +279,67 @@ fn spirv_declarations(words: &[u32]) -> (Vec<Capability>, u32) {
     (caps, model)
 }
 
-/// Compiles every entry point of every shared shader, with the override
-/// values the backend uses, for a device with every feature (the H200's
-/// set): CI's only check that the matrix-unit GEMM compiles, since lavapipe
-/// has no matrix units.
+/// Compiles every build of every kernel in the catalogue (each GEMM family,
+/// every matrix-unit tile `headkl tune` may pick at three subgroup sizes),
+/// checked and unchecked, for a device with every feature (the H200's
+/// set): CI's only check that the matrix-unit GEMM compiles as this backend
+/// builds it, since lavapipe has no matrix units.
 #[test]
-fn every_shared_shader_compiles_to_spirv() {
+fn every_catalogue_kernel_compiles_to_spirv() {
     let target = ShaderTarget::everything();
+    let mut gemms = vec![GemmKernel::Tiled];
+    for kernel in headkl_core::CoopGemm::candidates() {
+        gemms.extend([32u32, 64, 16].map(|subgroup| GemmKernel::Coop { kernel, subgroup }));
+    }
+    let mut builds = Vec::new();
+    for kernel in KernelId::ALL {
+        match kernel.gemm_layout() {
+            Some(_) => builds.extend(gemms.iter().map(|&g| kernel.build(g))),
+            None => builds.push(kernel.build(GemmKernel::Tiled)),
+        }
+    }
     let mut failures = Vec::new();
-    let (mut compiled, mut expected) = (0, 0);
-    for (source, entries) in kernels::ALL {
-        let parsed = match parse(&source, &target) {
+    let mut compiled = 0;
+    for build in &builds {
+        let parsed = match parse(&build.shader, &target) {
             Ok(p) => p,
             Err(e) => {
                 failures.push(e.to_string());
                 continue;
             }
         };
-        // Every kernel `headkl tune` may pick, at three subgroup sizes.
-        let mut variants: Vec<(Vec<(&'static str, u32)>, u32)> = Vec::new();
-        for kernel in headkl_core::CoopGemm::candidates() {
-            for sg in [32u32, 64, 16] {
-                let (src, _, overrides) = kernels::coop_pipeline(kernel, sg);
-                if src.file == source.file {
-                    variants.push((overrides, kernel.invocations(sg)));
+        let file = build.shader.file;
+        for checked in [false, true] {
+            match compile(&parsed, file, build.entry, &build.overrides, &target, checked) {
+                Ok(c) => {
+                    assert_eq!(c.words.first(), Some(&0x0723_0203), "SPIR-V magic");
+                    let (caps, memory_model) = spirv_declarations(&c.words);
+                    let coop = build.matrix_units;
+                    assert_eq!(
+                        caps.contains(&Capability::CooperativeMatrixKHR),
+                        coop,
+                        "{file}: {caps:?}"
+                    );
+                    // naga switches to the Vulkan memory model with
+                    // cooperative matrices (the device must enable it).
+                    assert_eq!(memory_model, if coop { 3 } else { 1 }, "{file}");
+                    assert_eq!(
+                        c.workgroup_size.iter().product::<u32>(),
+                        build.invocations,
+                        "{file}:{} {:?}",
+                        build.entry,
+                        build.overrides
+                    );
+                    compiled += 1;
                 }
-            }
-        }
-        if variants.is_empty() {
-            variants.push((Vec::new(), 0));
-        }
-        expected += entries.len() * variants.len() * 2;
-        for entry in entries {
-            for (overrides, invocations) in &variants {
-                for checked in [false, true] {
-                    match compile(&parsed, source.file, entry, overrides, &target, checked) {
-                        Ok(c) => {
-                            assert_eq!(c.words.first(), Some(&0x0723_0203), "SPIR-V magic");
-                            let (caps, memory_model) = spirv_declarations(&c.words);
-                            let coop = source.file.starts_with("gemm_coop");
-                            assert_eq!(
-                                caps.contains(&Capability::CooperativeMatrixKHR),
-                                coop,
-                                "{}: {caps:?}",
-                                source.file
-                            );
-                            // naga switches to the Vulkan memory model with
-                            // cooperative matrices (the device must enable it).
-                            assert_eq!(memory_model, if coop { 3 } else { 1 }, "{}", source.file);
-                            if *entry == "gemm_nt" && overrides.first() == Some(&("SG_SIZE", 32)) && checked {
-                                eprintln!("{}:{entry} {overrides:?} declares {caps:?}", source.file);
-                            }
-                            if coop {
-                                assert_eq!(
-                                    c.workgroup_size,
-                                    [*invocations, 1, 1],
-                                    "{}:{entry} {overrides:?}",
-                                    source.file
-                                );
-                            }
-                            compiled += 1;
-                        }
-                        Err(e) => failures.push(format!("{overrides:?} checked={checked}: {e}")),
-                    }
-                }
+                Err(e) => failures.push(format!("{:?} checked={checked}: {e}", build.overrides)),
             }
         }
     }
     assert!(failures.is_empty(), "shader compile failures:\n{}", failures.join("\n"));
-    assert_eq!(compiled, expected, "every variant compiled");
-    // 5 plain entry points, 2 staged matrix-unit entry points in 18 tiles ×
-    // 3 subgroup sizes and 2 direct ones in 3, each checked and unchecked.
-    assert_eq!(expected, 2 * (5 + 2 * 54 + 2 * 3));
+    // 3 fixed kernels; per GEMM the tiled kernel and 19 matrix-unit tiles at
+    // 3 subgroup sizes; each checked and unchecked.
+    assert_eq!(compiled, 2 * (3 + 2 * (1 + 19 * 3)));
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! whose products and sums f32 holds exactly), conversion, errors, timing.
 //! Outputs are NaN-poisoned first, so an unwritten element fails.
 
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
 use half::f16;
 use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
@@ -45,16 +47,16 @@ fn exact_values(n: usize, seed: usize) -> Vec<f16> {
 
 const POISON: u32 = 0x7fc0_dead;
 
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "a GEMM case spelled out field by field")]
 fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayout, accumulate: bool, seed: usize) {
     let (a_offset, lda) = (32, k + 16);
     let ldb = match layout {
-        HeadLayout::RowsAreOutputs => k + 32,
-        HeadLayout::RowsAreReduction => n + 16,
+        HeadLayout::Logits => k + 32,
+        HeadLayout::Dx => n + 16,
     };
     let b_rows = match layout {
-        HeadLayout::RowsAreOutputs => n,
-        HeadLayout::RowsAreReduction => k,
+        HeadLayout::Logits => n,
+        HeadLayout::Dx => k,
     };
     let (c_offset, ldc) = (48, n + 32);
     let alpha = 0.5f32;
@@ -89,7 +91,7 @@ fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayou
         alpha,
         accumulate,
     };
-    b.gemm(&a_buf, &b_buf, &c_buf, &desc, "gemm_logits").unwrap();
+    b.gemm(&a_buf, &b_buf, &c_buf, &desc).unwrap();
     let mut c = vec![0f32; c_len];
     b.download(&c_buf, 0, bytemuck::cast_slice_mut(&mut c)).unwrap();
     for idx in 0..c_len {
@@ -106,8 +108,8 @@ fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayou
         let mut sum = 0f32;
         for kk in 0..k {
             let bv = match layout {
-                HeadLayout::RowsAreOutputs => bm[j * ldb + kk],
-                HeadLayout::RowsAreReduction => bm[kk * ldb + j],
+                HeadLayout::Logits => bm[j * ldb + kk],
+                HeadLayout::Dx => bm[kk * ldb + j],
             };
             sum += a[a_offset + i * lda + kk].to_f32() * bv.to_f32();
         }
@@ -132,7 +134,7 @@ fn gemm_both_layouts_match_a_cpu_loop() {
     assert_eq!(b.uses_matrix_units(), b.gemm_kernel().starts_with("cooperative"));
     let mut seed = 0;
     for (m, n, k) in [(16, 16, 16), (48, 80, 32), (144, 208, 96), (16, 272, 160)] {
-        for layout in [HeadLayout::RowsAreOutputs, HeadLayout::RowsAreReduction] {
+        for layout in [HeadLayout::Logits, HeadLayout::Dx] {
             for accumulate in [false, true] {
                 seed += 1;
                 check_gemm(&b, m, n, k, layout, accumulate, seed);
@@ -246,7 +248,7 @@ fn forced_fallback_and_kernel_labels() {
         eprintln!("SKIPPED (timing part): no timestamps on this queue");
         return;
     }
-    check_gemm(&b, 32, 48, 32, HeadLayout::RowsAreOutputs, false, 7);
+    check_gemm(&b, 32, 48, 32, HeadLayout::Logits, false, 7);
     b.finish().unwrap();
     let times = b.take_kernel_times().unwrap();
     assert_eq!(times.len(), 1, "{times:?}");

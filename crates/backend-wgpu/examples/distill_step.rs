@@ -346,7 +346,10 @@ pub fn run(cfg: &Config) -> Result<Vec<f32>, Box<dyn Error>> {
     Ok(losses)
 }
 
-#[allow(dead_code)] // the test includes this file for `run`
+#[allow(
+    dead_code,
+    reason = "the convergence test includes this file for `run` and never calls `main`"
+)]
 fn main() {
     let cfg = match Config::from_args(std::env::args().skip(1)) {
         Ok(c) => c,

@@ -1,10 +1,9 @@
 //! Adapters: listing them with what they offer, choosing one, and opening a
 //! device with the features and limits headkl needs.
 
-use headkl_core::tuning::KernelLimits;
-use headkl_core::{ChoiceSource, DeviceInfo, Error, GemmChoice, Result};
+use headkl_core::{ChoiceSource, DeviceInfo, Error, GemmChoice, KernelLimits, Result};
 
-use crate::{env_flag, kernels, BACKEND};
+use crate::{env_flag, BACKEND};
 
 /// The backends headkl uses: native APIs only (GL lacks what the kernels
 /// need).
@@ -90,20 +89,12 @@ fn coop_support(adapter: &wgpu::Adapter, shapes: &[(u32, u32, u32)]) -> Result<u
 /// Why an adapter cannot run headkl at all, if it cannot.
 fn unusable_reason(adapter: &wgpu::Adapter) -> Option<String> {
     let features = adapter.features();
-    let limits = adapter.limits();
     let mut missing = Vec::new();
     if !features.contains(wgpu::Features::SHADER_F16) {
         missing.push("SHADER_F16 (f16 arithmetic and 16-bit storage)".to_string());
     }
-    if limits.max_compute_workgroup_storage_size < kernels::ROW_WORKGROUP_BYTES {
-        missing.push(format!(
-            "{} bytes of workgroup memory (has {})",
-            kernels::ROW_WORKGROUP_BYTES,
-            limits.max_compute_workgroup_storage_size
-        ));
-    }
-    if limits.max_compute_invocations_per_workgroup < 256 || limits.max_compute_workgroup_size_x < 256 {
-        missing.push("workgroups of 256 invocations".to_string());
+    if let Some(why) = headkl_core::kernels::device_misfit(&kernel_limits(adapter, 0)) {
+        missing.push(why);
     }
     if missing.is_empty() {
         None

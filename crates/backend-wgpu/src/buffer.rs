@@ -6,22 +6,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use headkl_core::MemoryStats;
+use headkl_core::{DeviceBuffer, MemoryStats};
 
-/// Which bind-group layout a cached bind group was made for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum LayoutKind {
-    Convert,
-    Kl,
-    Topk,
-    Gemm,
-    /// A device-resident kernel (its own layout each).
-    Resident(headkl_core::ResidentKernel),
-}
+use crate::kernels::Entry;
 
-/// Bind groups are keyed by layout and the ids of the buffers at bindings
-/// 1.. (0 where unused).
-pub(crate) type BindKey = (LayoutKind, [u64; 8]);
+/// Bind groups are keyed by kernel (its layout) and the ids of the buffers
+/// at bindings 1.. (0 where unused).
+pub(crate) type BindKey = (Entry, [u64; 8]);
 
 /// Errors the device reported outside any call's error scope, and device
 /// loss.
@@ -108,6 +99,13 @@ pub struct WgpuBuffer {
     shared: Arc<Shared>,
 }
 
+impl DeviceBuffer for WgpuBuffer {
+    /// Bytes asked for when the buffer was allocated.
+    fn len(&self) -> u64 {
+        self.bytes
+    }
+}
+
 impl WgpuBuffer {
     pub(crate) fn new(raw: wgpu::Buffer, bytes: u64, shared: Arc<Shared>) -> Self {
         let id = shared.new_id();
@@ -140,16 +138,6 @@ impl WgpuBuffer {
     /// backend allocated).
     pub fn offset(&self) -> u64 {
         self.offset
-    }
-
-    /// Bytes asked for when the buffer was allocated.
-    pub fn len(&self) -> u64 {
-        self.bytes
-    }
-
-    /// Whether the buffer was allocated with 0 bytes.
-    pub fn is_empty(&self) -> bool {
-        self.bytes == 0
     }
 
     /// How a kernel binds this buffer: the whole of one the backend

@@ -5,11 +5,13 @@
 use headkl_core::params::ResidentParams;
 use headkl_core::{fold_workgroups, Error, ResidentBackend, ResidentKernel, Result};
 
+use headkl_core::gemm_choice::KernelLimits;
+
 use crate::adapter;
-use crate::backend::{OpenOptions, WgpuBackend};
 use crate::buffer::WgpuBuffer;
+use crate::device::{OpenOptions, WgpuBackend};
 use crate::env_flag;
-use crate::kernels::{Kernel, ROW_WORKGROUP_BYTES};
+use crate::kernels::Entry;
 
 impl WgpuBackend {
     /// The features a device needs for headkl: `SHADER_F16`, plus
@@ -19,7 +21,8 @@ impl WgpuBackend {
     /// its own `DeviceDescriptor::required_features`, with the adapter's
     /// `max_storage_buffer_binding_size` and `max_buffer_size` limits (the
     /// head is cut into slices that fit the binding limit) and
-    /// `max_compute_workgroup_storage_size` of at least 26 KiB.
+    /// the workgroup memory and size the row kernels need
+    /// (`headkl_core::kernels::device_misfit`).
     pub fn required_features(adapter: &wgpu::Adapter) -> wgpu::Features {
         let candidate = adapter::describe(adapter.clone());
         adapter::features_for(&candidate, candidate.coop.is_ok())
@@ -34,7 +37,8 @@ impl WgpuBackend {
     /// scopes).
     ///
     /// Fails with [`Error::MissingFeature`] naming what `device` lacks:
-    /// `SHADER_F16`, or the workgroup memory or size the row kernels need.
+    /// `SHADER_F16`, the workgroup memory or size the row kernels need, or
+    /// 7 storage buffers per shader stage.
     /// The matrix-unit GEMM runs where `device` has `SUBGROUP` and
     /// `EXPERIMENTAL_COOPERATIVE_MATRIX` enabled and `adapter` offers the
     /// 16×16×16 f16 shape at a fixed subgroup size; otherwise the tiled GEMM.
@@ -51,14 +55,16 @@ impl WgpuBackend {
         if !features.contains(wgpu::Features::SHADER_F16) {
             missing.push("wgpu::Features::SHADER_F16 (f16 arithmetic and 16-bit storage)".to_string());
         }
-        if limits.max_compute_workgroup_storage_size < ROW_WORKGROUP_BYTES {
-            missing.push(format!(
-                "max_compute_workgroup_storage_size >= {ROW_WORKGROUP_BYTES} (the device has {})",
-                limits.max_compute_workgroup_storage_size
-            ));
-        }
-        if limits.max_compute_invocations_per_workgroup < 256 || limits.max_compute_workgroup_size_x < 256 {
-            missing.push("workgroups of 256 invocations".to_string());
+        let kernel_limits = KernelLimits {
+            shared_bytes: limits.max_compute_workgroup_storage_size,
+            invocations: limits
+                .max_compute_invocations_per_workgroup
+                .min(limits.max_compute_workgroup_size_x),
+            subgroup_size: 0,
+            subgroup_builtins: features.contains(wgpu::Features::SUBGROUP),
+        };
+        if let Some(why) = headkl_core::kernels::device_misfit(&kernel_limits) {
+            missing.push(why);
         }
         if limits.max_storage_buffers_per_shader_stage < 7 {
             missing.push(format!(
@@ -152,11 +158,10 @@ impl ResidentBackend for WgpuBackend {
         let (gx, _) = fold_workgroups(workgroups);
         let block = ResidentParams { grid_x: gx, ..*params };
         self.dispatch(
-            Kernel::Resident(kernel),
+            Entry::Resident(kernel),
             workgroups,
             |_| bytemuck::bytes_of(&block).to_vec(),
             buffers,
-            kernel.entry(),
         )
     }
 

@@ -6,6 +6,11 @@
 //! 16×16×16 f16×f16→f32 shape and a fixed subgroup size, and on the tiled
 //! fallback (`gemm_tiled.wgsl`) everywhere else.
 //!
+//! Module map: `adapter` (listing and choosing adapters), `device`
+//! (opening one, device errors), `stream` (batched dispatches, timing),
+//! `transfer` (uploads, downloads), `backend` (the `Backend` impl),
+//! `kernels` (the catalogue's pipelines), `buffer` (buffers and shared state).
+//!
 //! Environment:
 //! - `HEADKL_DEVICE=<index>`: the adapter [`WgpuBackend::open`] picks with
 //!   `None` (an index into [`enumerate`]'s list).
@@ -15,17 +20,20 @@
 //!   in range for the extents core validated).
 //! - `HEADKL_GEMM`: the matrix-unit GEMM kernels
 //!   ([`headkl_core::tuning`]); without it, the tune cache's entry for the
-//!   adapter (`headkl tune`), else [`headkl_core::GemmChoice::WGPU_DEFAULT`].
+//!   adapter (`headkl tune`), else [`DEFAULT_GEMM`].
 
 mod adapter;
 mod backend;
 mod buffer;
+mod device;
 mod external;
 mod kernels;
+mod stream;
+mod transfer;
 
 pub use adapter::enumerate;
-pub use backend::{OpenOptions, WgpuBackend};
 pub use buffer::WgpuBuffer;
+pub use device::{OpenOptions, WgpuBackend, DEFAULT_GEMM};
 
 /// The name this backend reports in [`headkl_core::DeviceInfo::backend`] and
 /// errors.

@@ -1,167 +1,238 @@
-//! Every WGSL file in `shaders/` parses, validates with every capability
-//! (f16, subgroups, cooperative matrices) and translates to SPIR-V with its
-//! `override` constants resolved, as the Vulkan backend will build it. This
-//! is the only CI check that `gemm_coop.wgsl` compiles: lavapipe has no
-//! matrix units to run it.
+//! The kernel catalogue (`headkl_core::kernels`) against the shaders it
+//! names, without a device: every build of every kernel (each GEMM family,
+//! every matrix-unit tile at subgroups 32 and 64) parses, validates with
+//! every capability, resolves its overrides and translates to SPIR-V as the
+//! Vulkan backend builds it; and its parameter struct, storage bindings,
+//! workgroup size and workgroup memory are the catalogue's (the parameter
+//! struct is generated from `core::params`: this checks the generation). This is the only
+//! CI check that `gemm_coop.wgsl` compiles: lavapipe has no matrix units.
 
-use std::path::PathBuf;
-
+use headkl_core::kernels::{Access, SHADERS};
+use headkl_core::params::ResidentParams;
+use headkl_core::{CoopGemm, GemmKernel, KernelBuild, KernelId, ResidentKernel};
 use naga::back::spv;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 
-fn shader_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shaders")
-}
-
-/// Override values to try per file (the defaults first).
-fn override_sets(file: &str) -> Vec<Vec<(&'static str, f64)>> {
-    match file {
-        "gemm_coop.wgsl" => vec![
-            vec![],
-            vec![("SG_SIZE", 32.0), ("BK", 16.0)],
-            vec![("SG_SIZE", 64.0), ("BK", 32.0)],
-            vec![("SG_SIZE", 32.0), ("BK", 16.0), ("SG_ROWS", 4.0)],
-        ],
-        "gemm_coop_direct.wgsl" => vec![vec![], vec![("SG_SIZE", 64.0)]],
-        _ => vec![vec![]],
+/// Every build the backends can ask for.
+fn builds() -> Vec<KernelBuild> {
+    let mut gemms = vec![GemmKernel::Tiled];
+    for subgroup in [32, 64] {
+        gemms.extend(
+            CoopGemm::candidates()
+                .into_iter()
+                .map(|kernel| GemmKernel::Coop { kernel, subgroup }),
+        );
     }
+    let mut all = Vec::new();
+    for kernel in KernelId::ALL {
+        if kernel.gemm_layout().is_some() {
+            all.extend(gemms.iter().map(|&g| kernel.build(g)));
+        } else {
+            all.push(kernel.build(GemmKernel::Tiled));
+        }
+    }
+    all
 }
 
-fn compile(file: &str, source: &str, overrides: &[(&str, f64)]) -> Result<usize, String> {
-    let module = naga::front::wgsl::parse_str(source).map_err(|e| e.emit_to_string(source))?;
-    let mut validator = Validator::new(ValidationFlags::all(), Capabilities::all());
-    let info = validator.validate(&module).map_err(|e| e.emit_to_string(source))?;
+fn parse(file: &str, text: &str) -> (naga::Module, naga::valid::ModuleInfo) {
+    let module = naga::front::wgsl::parse_str(text).unwrap_or_else(|e| panic!("{file}:\n{}", e.emit_to_string(text)));
+    let info = Validator::new(ValidationFlags::all(), Capabilities::all())
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{file}:\n{}", e.emit_to_string(text)));
+    (module, info)
+}
+
+/// Checks one build; returns what is wrong with it, if anything.
+fn check(build: &KernelBuild) -> Result<usize, String> {
+    let (file, entry) = (build.shader.file, build.entry);
+    let (module, info) = parse(file, &build.shader.source());
     let mut constants = naga::back::PipelineConstants::default();
-    for &(name, value) in overrides {
-        constants.insert(name.to_string(), value);
+    for &(name, value) in &build.overrides {
+        constants.insert(name.to_string(), f64::from(value));
     }
+    let (module, info) = naga::back::pipeline_constants::process_overrides(
+        &module,
+        &info,
+        Some((naga::ShaderStage::Compute, entry)),
+        &constants,
+    )
+    .map_err(|e| format!("overrides {:?}: {e}", build.overrides))?;
+    let ep = module
+        .entry_points
+        .iter()
+        .find(|ep| ep.name == entry)
+        .ok_or_else(|| format!("no entry point {entry}"))?;
+
+    let invocations: u32 = ep.workgroup_size.iter().product();
+    if invocations != build.invocations {
+        return Err(format!(
+            "workgroup of {invocations} invocations, catalogue says {}",
+            build.invocations
+        ));
+    }
+    let gctx = module.to_ctx();
+    let mut workgroup_bytes = 0;
+    let mut storage = Vec::new();
+    for (_, var) in module.global_variables.iter() {
+        let ty = &module.types[var.ty];
+        match (var.space, &var.binding) {
+            (naga::AddressSpace::WorkGroup, _) => workgroup_bytes += ty.inner.size(gctx),
+            (naga::AddressSpace::Uniform, Some(b)) if (b.group, b.binding) == (0, 0) => {
+                check_params(build.id, &module, ty)?;
+            }
+            (naga::AddressSpace::Storage { access }, Some(b)) if b.group == 0 => {
+                let writes = access.contains(naga::StorageAccess::STORE);
+                storage.push((b.binding, if writes { Access::ReadWrite } else { Access::Read }));
+            }
+            (space, binding) => return Err(format!("unexpected global {:?} in {space:?} at {binding:?}", var.name)),
+        }
+    }
+    if workgroup_bytes != build.workgroup_bytes {
+        return Err(format!(
+            "{workgroup_bytes} bytes of workgroup memory, catalogue says {}",
+            build.workgroup_bytes
+        ));
+    }
+    storage.sort_by_key(|&(binding, _)| binding);
+    let expected: Vec<(u32, Access)> = (1..).zip(build.id.bindings().iter().copied()).collect();
+    if storage != expected {
+        return Err(format!("storage bindings {storage:?}, catalogue says {expected:?}"));
+    }
+
+    let options = spv::Options {
+        lang_version: (1, 3),
+        ..spv::Options::default()
+    };
+    let pipeline = spv::PipelineOptions {
+        shader_stage: naga::ShaderStage::Compute,
+        entry_point: entry.to_string(),
+    };
+    let words = spv::write_vec(&module, &info, &options, Some(&pipeline)).map_err(|e| format!("SPIR-V: {e}"))?;
+    if words.first() != Some(&0x0723_0203) {
+        return Err("not SPIR-V".into());
+    }
+    Ok(words.len())
+}
+
+/// The shader's uniform struct against `core::params`: same size, and each
+/// field the catalogue lists at the same offset (padding fields aside).
+fn check_params(kernel: KernelId, module: &naga::Module, ty: &naga::Type) -> Result<(), String> {
+    let naga::TypeInner::Struct { members, span } = &ty.inner else {
+        return Err("the uniform at binding 0 is not a struct".into());
+    };
+    if u64::from(*span) != kernel.params_bytes() {
+        return Err(format!(
+            "{span}-byte parameter struct, core's is {}",
+            kernel.params_bytes()
+        ));
+    }
+    let shader: Vec<(&str, usize)> = members
+        .iter()
+        .filter_map(|m| Some((m.name.as_deref()?, m.offset as usize)))
+        .filter(|(name, _)| !name.starts_with("pad"))
+        .collect();
+    let core: Vec<(&str, usize)> = kernel.params().fields.iter().map(|&(n, o, _)| (n, o)).collect();
+    if shader != core {
+        return Err(format!("parameter fields {shader:?}, core's are {core:?}"));
+    }
+    for m in members {
+        let inner = &module.types[m.ty].inner;
+        if inner.size(module.to_ctx()) != 4 {
+            return Err(format!("parameter field {:?} is not 4 bytes", m.name));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_build_in_the_catalogue_matches_its_shader_and_compiles() {
+    let builds = builds();
+    let mut failures = Vec::new();
     let mut words = 0;
-    for ep in &module.entry_points {
-        let (resolved, resolved_info) =
-            naga::back::pipeline_constants::process_overrides(&module, &info, Some((ep.stage, &ep.name)), &constants)
-                .map_err(|e| format!("{file}:{}: overrides {overrides:?}: {e}", ep.name))?;
+    for build in &builds {
+        match check(build) {
+            Ok(n) => words += n,
+            Err(e) => failures.push(format!(
+                "{}:{} {:?}: {e}",
+                build.shader.file, build.entry, build.overrides
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // 3 fixed kernels, and per GEMM the tiled kernel and 19 tiles at 2 subgroup sizes.
+    assert_eq!(builds.len(), 3 + 2 * (1 + 2 * 19));
+    assert!(words > 0);
+}
+
+#[test]
+fn every_shader_file_belongs_to_a_kernel() {
+    let files: Vec<String> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shaders"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".wgsl"))
+        .collect();
+    // The device-resident kernels' files, and the header they share.
+    let resident = |file: &str| file == "resident_common.wgsl" || ResidentKernel::ALL.iter().any(|r| r.file() == file);
+    for file in &files {
+        assert!(
+            SHADERS.iter().any(|s| s.file == file) || resident(file),
+            "shaders/{file} is not in the catalogue"
+        );
+    }
+    for shader in SHADERS {
+        assert!(
+            KernelId::ALL.iter().any(|k| k.shaders().contains(&shader)),
+            "{} implements no kernel",
+            shader.file
+        );
+    }
+    assert_eq!(files.len(), SHADERS.len() + ResidentKernel::ALL.len() + 1);
+}
+
+/// Each device-resident kernel, built as the backends build it
+/// (`resident_common.wgsl`, its generated parameter block, then its own
+/// file), validates and translates to SPIR-V, with the entry point,
+/// workgroup size, parameter block and storage bindings (count and access)
+/// `headkl_core::ResidentKernel` lists.
+#[test]
+fn resident_kernels_match_the_catalogue() {
+    for kernel in ResidentKernel::ALL {
+        let shader = kernel.shader();
+        let (module, info) = parse(shader.file, &shader.source());
+        let ep = module
+            .entry_points
+            .iter()
+            .find(|ep| ep.name == kernel.entry())
+            .unwrap_or_else(|| panic!("{} lacks entry point {}", shader.file, kernel.entry()));
+        assert_eq!(ep.workgroup_size, [kernel.workgroup_size(), 1, 1], "{}", shader.file);
+        let mut storage = Vec::new();
+        for (_, var) in module.global_variables.iter() {
+            match (var.space, &var.binding) {
+                (naga::AddressSpace::Uniform, Some(b)) => {
+                    assert_eq!((b.group, b.binding), (0, 0), "{}", shader.file);
+                    let size = module.types[var.ty].inner.size(module.to_ctx());
+                    assert_eq!(size as usize, size_of::<ResidentParams>(), "{}", shader.file);
+                }
+                (naga::AddressSpace::Storage { access }, Some(b)) => {
+                    let writes = access.contains(naga::StorageAccess::STORE);
+                    storage.push((b.binding, if writes { Access::ReadWrite } else { Access::Read }));
+                }
+                _ => {}
+            }
+        }
+        storage.sort_by_key(|&(binding, _)| binding);
+        let expected: Vec<(u32, Access)> = (1..).zip(kernel.bindings().iter().copied()).collect();
+        assert_eq!(storage, expected, "{}: storage bindings", shader.file);
         let options = spv::Options {
             lang_version: (1, 3),
             ..spv::Options::default()
         };
         let pipeline = spv::PipelineOptions {
-            shader_stage: ep.stage,
-            entry_point: ep.name.clone(),
+            shader_stage: naga::ShaderStage::Compute,
+            entry_point: kernel.entry().to_string(),
         };
-        let spirv = spv::write_vec(&resolved, &resolved_info, &options, Some(&pipeline))
-            .map_err(|e| format!("{file}:{}: SPIR-V: {e}", ep.name))?;
-        assert!(spirv.len() > 5, "{file}:{}: empty SPIR-V", ep.name);
-        assert_eq!(spirv[0], 0x0723_0203, "{file}:{}: not SPIR-V", ep.name);
-        words += spirv.len();
-    }
-    Ok(words)
-}
-
-#[test]
-fn every_shader_validates_and_translates_to_spirv() {
-    let mut files: Vec<_> = std::fs::read_dir(shader_dir())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "wgsl"))
-        .collect();
-    files.sort();
-    let names: Vec<String> = files
-        .iter()
-        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-        .collect();
-    for needed in [
-        "convert.wgsl",
-        "kl_rows.wgsl",
-        "topk_rows.wgsl",
-        "gemm_tiled.wgsl",
-        "gemm_coop.wgsl",
-    ] {
-        assert!(names.iter().any(|n| n == needed), "shaders/{needed} is missing");
-    }
-    let mut failures = Vec::new();
-    let common = std::fs::read_to_string(shader_dir().join("resident_common.wgsl")).unwrap();
-    for (path, name) in files.iter().zip(&names) {
-        let mut source = std::fs::read_to_string(path).unwrap();
-        // The resident kernels are built after their shared header.
-        if name.starts_with("resident_") && name != "resident_common.wgsl" {
-            source = format!("{common}{source}");
-        }
-        for set in override_sets(name) {
-            match compile(name, &source, &set) {
-                Ok(words) => println!("{name} {set:?}: {words} SPIR-V words"),
-                Err(e) => failures.push(format!("{name} {set:?}:\n{e}")),
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
-}
-
-#[test]
-fn entry_points_match_the_contract() {
-    let expect = [
-        ("convert.wgsl", &["convert_f16"][..]),
-        ("kl_rows.wgsl", &["kl_rows"][..]),
-        ("topk_rows.wgsl", &["topk_rows"][..]),
-        ("gemm_tiled.wgsl", &["gemm_nt", "gemm_nn"][..]),
-        ("gemm_coop.wgsl", &["gemm_nt", "gemm_nn"][..]),
-        ("gemm_coop_direct.wgsl", &["gemm_nt", "gemm_nn"][..]),
-    ];
-    for (file, entries) in expect {
-        let source = std::fs::read_to_string(shader_dir().join(file)).unwrap();
-        let module = naga::front::wgsl::parse_str(&source)
-            .map_err(|e| e.emit_to_string(&source))
-            .unwrap();
-        for entry in entries {
-            assert!(
-                module.entry_points.iter().any(|ep| ep.name == *entry),
-                "{file} lacks entry point {entry}"
-            );
-        }
-    }
-}
-
-/// Each device-resident kernel, built as the backends build it
-/// (`resident_common.wgsl` first), has the entry point, workgroup size and
-/// storage bindings (count and access) `headkl_core::ResidentKernel` lists.
-#[test]
-fn resident_kernels_match_the_catalogue() {
-    use headkl_core::resident::Access;
-    use headkl_core::ResidentKernel;
-    let common = std::fs::read_to_string(shader_dir().join("resident_common.wgsl")).unwrap();
-    for kernel in ResidentKernel::ALL {
-        let body = std::fs::read_to_string(shader_dir().join(kernel.file())).unwrap();
-        let source = format!("{common}{body}");
-        let module = naga::front::wgsl::parse_str(&source)
-            .map_err(|e| e.emit_to_string(&source))
-            .unwrap();
-        let ep = module
-            .entry_points
-            .iter()
-            .find(|ep| ep.name == kernel.entry())
-            .unwrap_or_else(|| panic!("{} lacks entry point {}", kernel.file(), kernel.entry()));
-        assert_eq!(ep.workgroup_size, [kernel.workgroup_size(), 1, 1], "{}", kernel.file());
-        let mut storage: Vec<(u32, bool)> = module
-            .global_variables
-            .iter()
-            .filter_map(|(_, g)| match (g.space, &g.binding) {
-                (naga::AddressSpace::Storage { access }, Some(b)) => {
-                    Some((b.binding, access.contains(naga::StorageAccess::STORE)))
-                }
-                _ => None,
-            })
-            .collect();
-        storage.sort_unstable();
-        let want: Vec<(u32, bool)> = kernel
-            .bindings()
-            .iter()
-            .enumerate()
-            .map(|(i, a)| (i as u32 + 1, *a == Access::ReadWrite))
-            .collect();
-        assert_eq!(
-            storage,
-            want,
-            "{}: storage bindings (binding, read_write)",
-            kernel.file()
-        );
+        let words = spv::write_vec(&module, &info, &options, Some(&pipeline))
+            .unwrap_or_else(|e| panic!("{}: SPIR-V: {e}", shader.file));
+        assert_eq!(words.first(), Some(&0x0723_0203), "{}", shader.file);
     }
 }

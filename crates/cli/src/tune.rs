@@ -9,8 +9,9 @@ use std::str::FromStr;
 use std::time::Instant;
 
 use half::f16;
-use headkl_core::tuning::{self, TuneCache};
-use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout};
+use headkl_core::gemm_choice::GEMM_ENV;
+use headkl_core::tune_cache::{self, TuneCache};
+use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout, KernelId};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
 
 use crate::error::CliError;
@@ -189,16 +190,14 @@ impl BackendJob for TrialJob<'_> {
         backend
             .upload(&grad, 0, bytemuck::cast_slice(&data.head[..m * n]))
             .map_err(dev)?;
-        let logits_desc = GemmDesc::dense(m, n, k, HeadLayout::RowsAreOutputs);
-        let dx_desc = GemmDesc::dense(m, k, n, HeadLayout::RowsAreReduction);
+        let logits_desc = GemmDesc::dense(m, n, k, HeadLayout::Logits);
+        let dx_desc = GemmDesc::dense(m, k, n, HeadLayout::Dx);
         // One untimed call each builds the pipelines and warms the clocks.
         for timed_round in [false, true] {
             let rounds = if timed_round { self.iters } else { 1 };
             for _ in 0..rounds {
-                backend
-                    .gemm(&x, &head, &logits, &logits_desc, "gemm_logits")
-                    .map_err(dev)?;
-                backend.gemm(&grad, &head, &dx, &dx_desc, "gemm_dx").map_err(dev)?;
+                backend.gemm(&x, &head, &logits, &logits_desc).map_err(dev)?;
+                backend.gemm(&grad, &head, &dx, &dx_desc).map_err(dev)?;
             }
             backend.finish().map_err(dev)?;
             if !timed_round {
@@ -207,11 +206,15 @@ impl BackendJob for TrialJob<'_> {
         }
         let times = backend.take_kernel_times().map_err(dev)?;
         backend.set_profiling(false);
-        let median_of = |label: &str| {
-            let v: Vec<f64> = times.iter().filter(|t| t.kernel == label).map(|t| t.ms).collect();
+        let median_of = |kernel: KernelId| {
+            let v: Vec<f64> = times
+                .iter()
+                .filter(|t| t.kernel == kernel.name())
+                .map(|t| t.ms)
+                .collect();
             (!v.is_empty()).then(|| crate::bench::median(&crate::bench::sorted(v)))
         };
-        Ok((outcome, median_of("gemm_logits"), median_of("gemm_dx")))
+        Ok((outcome, median_of(KernelId::GemmLogits), median_of(KernelId::GemmDx)))
     }
 }
 
@@ -431,7 +434,7 @@ fn min_ms(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 fn save(target: &Target, info: &headkl_core::DeviceInfo, choice: GemmChoice) -> Result<(), CliError> {
-    let Some(path) = tuning::cache_path() else {
+    let Some(path) = tune_cache::cache_path() else {
         return Err(CliError::option(
             "--no-save",
             "no cache folder: set HEADKL_CACHE_DIR, XDG_CACHE_HOME or HOME (or pass --no-save)",
@@ -447,7 +450,7 @@ fn save(target: &Target, info: &headkl_core::DeviceInfo, choice: GemmChoice) -> 
         "saved to {} ({} uses it on this device unless {} is set)",
         path.display(),
         target.kind,
-        tuning::GEMM_ENV
+        GEMM_ENV
     );
     Ok(())
 }

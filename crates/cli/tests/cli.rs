@@ -2,6 +2,8 @@
 //! file, tensor and problem with exit code 2; the happy paths match
 //! `headkl_reference::direct`; outputs are never clobbered by a failed run.
 
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -14,6 +14,17 @@
 
 use crate::error::Result;
 
+/// A device buffer as every backend's checks see it.
+pub trait DeviceBuffer {
+    /// Its length in bytes, as allocated.
+    fn len(&self) -> u64;
+
+    /// Whether it was allocated with 0 bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// What a device offers, as [`Backend::info`] reports it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DeviceInfo {
@@ -50,19 +61,21 @@ pub struct DeviceInfo {
 /// How the GEMM's B operand (always a head slice) is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadLayout {
-    /// B is stored `[n][k]` (the head as stored, `[V][hs]`): `C = A · Bᵀ`.
-    /// Used for the logits, `x · W_sliceᵀ`.
-    RowsAreOutputs,
+    /// B is stored `[n][k]` (the head as stored, `[V][hs]`): `C = A · Bᵀ`,
+    /// the logits `x · W_sliceᵀ` ([`crate::KernelId::GemmLogits`]).
+    Logits,
     /// B is stored `[k][n]` (the same head plane, read the other way):
-    /// `C = A · B`. Used for the input gradient, `g_slice · W_slice`.
-    RowsAreReduction,
+    /// `C = A · B`, the input gradient `g_slice · W_slice`
+    /// ([`crate::KernelId::GemmDx`]).
+    Dx,
 }
 
 /// One GEMM: `C[m][n] (+)= alpha · A[m][k] · op(B)`, f16 operands, f32
 /// accumulation, f32 output.
 ///
 /// Offsets and leading dimensions are in elements. `m`, `n` and `k` are
-/// multiples of [`crate::ALIGN`] and every operand region they name is
+/// multiples of [`crate::ALIGN`], `a_offset`, `lda` and `ldb` multiples of
+/// 8, and every operand region they name is
 /// inside its buffer, so a kernel working in 16×16 tiles may read and write
 /// whole tiles. Padding along `k` (in A and B) and along `n` (in B) holds
 /// zeros. Rows of A past the caller's real rows may hold anything, NaN
@@ -100,8 +113,8 @@ impl GemmDesc {
     /// no accumulation. Change fields with struct update syntax.
     pub fn dense(m: usize, n: usize, k: usize, b_layout: HeadLayout) -> Self {
         let ldb = match b_layout {
-            HeadLayout::RowsAreOutputs => k,
-            HeadLayout::RowsAreReduction => n,
+            HeadLayout::Logits => k,
+            HeadLayout::Dx => n,
         };
         Self {
             m,
@@ -183,7 +196,7 @@ pub struct ConvertDesc {
 /// Per-kernel GPU time from timestamp queries.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelTime {
-    /// Which kernel: `gemm_logits`, `gemm_dx`, `kl_rows`, `topk_rows`, `convert`.
+    /// Which kernel: its [`crate::KernelId::name`].
     pub kernel: &'static str,
     /// Its duration in milliseconds.
     pub ms: f64,
@@ -204,7 +217,7 @@ pub struct MemoryStats {
 /// loss, a failed pipeline build. Shapes were validated before a call.
 pub trait Backend {
     /// A device buffer. Dropping it frees the memory.
-    type Buffer;
+    type Buffer: DeviceBuffer;
 
     /// What the device offers.
     fn info(&self) -> &DeviceInfo;
@@ -223,19 +236,12 @@ pub trait Backend {
     /// Converts hidden rows f32 → f16 (see [`ConvertDesc`]).
     fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()>;
 
-    /// `C (+)= alpha · A · op(B)` (see [`GemmDesc`]). `label` says which use
-    /// this is (`gemm_logits` or `gemm_dx`) for timing.
-    fn gemm(
-        &self,
-        a: &Self::Buffer,
-        b: &Self::Buffer,
-        c: &Self::Buffer,
-        desc: &GemmDesc,
-        label: &'static str,
-    ) -> Result<()>;
+    /// `C (+)= alpha · A · op(B)` (see [`GemmDesc`]); timed as
+    /// [`GemmDesc::kernel`].
+    fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()>;
 
     /// The KL row kernel (see [`KlDesc`]).
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, reason = "one buffer per binding of the kernel")]
     fn kl_rows(
         &self,
         logits: &Self::Buffer,
@@ -301,15 +307,8 @@ impl<T: Backend + ?Sized> Backend for &T {
     fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()> {
         (**self).convert_f16(src, dst, desc)
     }
-    fn gemm(
-        &self,
-        a: &Self::Buffer,
-        b: &Self::Buffer,
-        c: &Self::Buffer,
-        desc: &GemmDesc,
-        label: &'static str,
-    ) -> Result<()> {
-        (**self).gemm(a, b, c, desc, label)
+    fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()> {
+        (**self).gemm(a, b, c, desc)
     }
     fn kl_rows(
         &self,

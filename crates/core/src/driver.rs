@@ -5,10 +5,11 @@
 use half::f16;
 
 use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
-use crate::chunking::{plan_chunks, ChunkPlan, RowCost};
+use crate::chunking::{plan_chunks, ChunkPlan};
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
-use crate::problem::{Hidden, HiddenData, LossOptions, Teacher, TopkOptions};
+use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
+use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::slicing::{slice_vocab, VocabSlice};
 use crate::{round_up, ALIGN};
 
@@ -51,31 +52,6 @@ pub struct TopK {
     pub k: usize,
 }
 
-/// Which job a scratch set was sized for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Job {
-    Loss,
-    Topk,
-}
-
-/// Scratch buffers for one chunk, kept across chunks and calls.
-struct Scratch<B: Backend> {
-    job: Job,
-    rows: usize,
-    k: usize,
-    f32_input: bool,
-    x32: Option<B::Buffer>,
-    x16: B::Buffer,
-    logits: B::Buffer,
-    ids: B::Buffer,
-    probs: B::Buffer,
-    // head_kl only
-    coef: Option<B::Buffer>,
-    loss: Option<B::Buffer>,
-    grad: Option<B::Buffer>,
-    dx: Option<B::Buffer>,
-}
-
 /// A backend with a head uploaded to it: the entry point for `head_kl` and
 /// `topk`.
 ///
@@ -105,7 +81,7 @@ pub struct Engine<B: Backend> {
     pub(crate) vocab_padded: usize,
     pub(crate) slices: Vec<VocabSlice>,
     pub(crate) planes: Vec<B::Buffer>,
-    scratch: Option<Scratch<B>>,
+    scratch: ScratchCache<B>,
     /// Scratch and status of the device-resident entry points
     /// (`crate::resident`).
     pub(crate) resident: crate::resident::ResidentState<B>,
@@ -151,7 +127,7 @@ impl<B: Backend> Engine<B> {
             vocab_padded: round_up(vocab, ALIGN),
             slices,
             planes,
-            scratch: None,
+            scratch: ScratchCache::default(),
             resident: crate::resident::ResidentState::new(),
         })
     }
@@ -178,141 +154,44 @@ impl<B: Backend> Engine<B> {
 
     /// Frees the cached scratch buffers (they are re-made on the next call).
     pub fn release_scratch(&mut self) {
-        self.scratch = None;
+        self.scratch = ScratchCache::default();
         self.resident.release_scratch();
     }
 
     /// The chunk plan `head_kl` would use for `ntok` tokens.
     pub fn loss_plan(&self, ntok: usize, k: usize, f32_input: bool, opts: &LossOptions) -> Result<ChunkPlan> {
-        let costs = self.row_costs(Job::Loss, k, f32_input);
+        let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
+        self.chunk_plan(Job::Loss, ntok, k, f32_input, budget)
+    }
+
+    /// The chunk plan of `job`, budgeting every scratch buffer it allocates.
+    pub(crate) fn chunk_plan(
+        &self,
+        job: Job,
+        ntok: usize,
+        k: usize,
+        f32_input: bool,
+        (budget_bytes, max_rows): (u64, Option<usize>),
+    ) -> Result<ChunkPlan> {
+        let costs = self.row_bytes(k).costs(job, f32_input);
         let info = self.backend.info();
-        plan_chunks(
-            ntok,
-            &costs,
-            opts.budget_bytes,
-            info.max_binding_bytes.min(info.max_buffer_bytes),
-            opts.max_rows_per_chunk,
-        )
+        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+        plan_chunks(ntok, &costs, budget_bytes, max_binding, max_rows)
     }
 
-    pub(crate) fn row_costs(&self, job: Job, k: usize, f32_input: bool) -> Vec<RowCost> {
-        let (v, h, k) = (self.vocab_padded as u64, self.hs_padded as u64, k as u64);
-        let mut c = vec![
-            RowCost {
-                what: "x16",
-                bytes_per_row: h * 2,
-            },
-            RowCost {
-                what: "logits",
-                bytes_per_row: v * 4,
-            },
-            RowCost {
-                what: "ids",
-                bytes_per_row: k * 4,
-            },
-            RowCost {
-                what: "probs",
-                bytes_per_row: k * 4,
-            },
-        ];
-        if f32_input {
-            c.push(RowCost {
-                what: "x32",
-                bytes_per_row: self.hs as u64 * 4,
-            });
-        }
-        if job == Job::Loss {
-            c.extend([
-                RowCost {
-                    what: "coef",
-                    bytes_per_row: 4,
-                },
-                RowCost {
-                    what: "loss",
-                    bytes_per_row: 4,
-                },
-                RowCost {
-                    what: "grad",
-                    bytes_per_row: v * 2,
-                },
-                RowCost {
-                    what: "dx",
-                    bytes_per_row: h * 4,
-                },
-            ]);
-        }
-        c
-    }
-
-    fn ensure_scratch(&mut self, job: Job, rows: usize, k: usize, f32_input: bool) -> Result<()> {
-        if let Some(s) = &self.scratch {
-            if s.job == job && s.rows == rows && s.k == k && s.f32_input == f32_input {
-                return Ok(());
-            }
-        }
-        // Free the old set (and the device-resident one) first so the new
-        // one can use its memory.
-        self.scratch = None;
-        self.resident.release_scratch();
-        let b = &self.backend;
-        let (v, h, r) = (self.vocab_padded as u64, self.hs_padded as u64, rows as u64);
-        let x32 = if f32_input {
-            Some(b.alloc(r * self.hs as u64 * 4, "x32")?)
-        } else {
-            None
-        };
-        let x16 = b.alloc(r * h * 2, "x16")?;
-        let logits = b.alloc(r * v * 4, "logits")?;
-        let ids = b.alloc(r * k as u64 * 4, "ids")?;
-        let probs = b.alloc(r * k as u64 * 4, "probs")?;
-        let (coef, loss, grad, dx) = if job == Job::Loss {
-            (
-                Some(b.alloc(r * 4, "coef")?),
-                Some(b.alloc(r * 4, "loss")?),
-                Some(b.alloc(r * v * 2, "grad")?),
-                Some(b.alloc(r * h * 4, "dx")?),
-            )
-        } else {
-            (None, None, None, None)
-        };
-        self.scratch = Some(Scratch {
-            job,
-            rows,
-            k,
-            f32_input,
-            x32,
-            x16,
-            logits,
-            ids,
-            probs,
-            coef,
-            loss,
-            grad,
-            dx,
-        });
-        Ok(())
+    /// Bytes per token row of every scratch buffer, with `k` teacher entries.
+    fn row_bytes(&self, k: usize) -> RowBytes {
+        RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k)
     }
 
     /// Uploads chunk rows `[start, start + rows)` into the padded f16 GEMM
     /// operand.
-    fn load_hidden(&self, hidden: &Hidden<'_>, start: usize, rows: usize) -> Result<()> {
-        let Some(s) = &self.scratch else {
-            return Err(Error::Backend {
-                backend: "driver",
-                message: "scratch missing".into(),
-            });
-        };
+    fn load_hidden(&self, input: &Input<'_, B>, x16: &B::Buffer, start: usize, rows: usize) -> Result<()> {
         let hs = self.hs;
         let rows_padded = round_up(rows, ALIGN);
-        match hidden.data() {
-            HiddenData::F32(d) => {
-                let Some(x32) = &s.x32 else {
-                    return Err(Error::Backend {
-                        backend: "driver",
-                        message: "x32 scratch missing".into(),
-                    });
-                };
-                let src = &d[start * hs..(start + rows) * hs];
+        match input {
+            Input::F32 { data, x32 } => {
+                let src = &data[start * hs..(start + rows) * hs];
                 self.backend.upload(x32, 0, bytemuck::cast_slice(src))?;
                 let desc = ConvertDesc {
                     rows,
@@ -320,24 +199,24 @@ impl<B: Backend> Engine<B> {
                     rows_padded,
                     ld: self.hs_padded,
                 };
-                self.backend.convert_f16(x32, &s.x16, &desc)?;
+                self.backend.convert_f16(x32, x16, &desc)?;
             }
-            HiddenData::F16(d) if self.hs_padded == hs => {
+            Input::F16(d) if self.hs_padded == hs => {
                 // Rows are already the padded width: straight from the
                 // caller's slice. Rows past `rows` keep what they held
                 // (GemmDesc: rows of A past the real ones may hold anything).
                 let src = &d[start * hs..(start + rows) * hs];
-                self.backend.upload(&s.x16, 0, bytemuck::cast_slice(src))?;
+                self.backend.upload(x16, 0, bytemuck::cast_slice(src))?;
             }
-            HiddenData::F16(d) => {
+            Input::F16(d) => {
                 let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
                 for r in 0..rows {
                     let src = &d[(start + r) * hs..(start + r + 1) * hs];
                     packed[r * self.hs_padded..r * self.hs_padded + hs].copy_from_slice(src);
                 }
-                self.backend.upload(&s.x16, 0, bytemuck::cast_slice(&packed))?;
+                self.backend.upload(x16, 0, bytemuck::cast_slice(&packed))?;
             }
-            HiddenData::Bf16(d) => {
+            Input::Bf16(d) => {
                 // Rounded to f16 here, as the f16 operand is packed: the
                 // same cost as packing unpadded f16 rows.
                 let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
@@ -348,20 +227,14 @@ impl<B: Backend> Engine<B> {
                         *o = f16::from_f32(v.to_f32());
                     }
                 }
-                self.backend.upload(&s.x16, 0, bytemuck::cast_slice(&packed))?;
+                self.backend.upload(x16, 0, bytemuck::cast_slice(&packed))?;
             }
         }
         Ok(())
     }
 
     /// The logits GEMMs of one chunk: `logits[:, slice] = x16 · W_sliceᵀ / τ`.
-    fn logits(&self, rows_padded: usize, temperature: f32) -> Result<()> {
-        let Some(s) = &self.scratch else {
-            return Err(Error::Backend {
-                backend: "driver",
-                message: "scratch missing".into(),
-            });
-        };
+    fn logits(&self, s: &RowScratch<B>, rows_padded: usize, temperature: f32) -> Result<()> {
         for (slice, plane) in self.slices.iter().zip(&self.planes) {
             let desc = GemmDesc {
                 m: rows_padded,
@@ -369,14 +242,14 @@ impl<B: Backend> Engine<B> {
                 k: self.hs_padded,
                 a_offset: 0,
                 lda: self.hs_padded,
-                b_layout: HeadLayout::RowsAreOutputs,
+                b_layout: HeadLayout::Logits,
                 ldb: self.hs_padded,
                 c_offset: slice.offset,
                 ldc: self.vocab_padded,
                 alpha: 1.0 / temperature,
                 accumulate: false,
             };
-            self.backend.gemm(&s.x16, plane, &s.logits, &desc, "gemm_logits")?;
+            self.backend.gemm(&s.x16, plane, &s.logits, &desc)?;
         }
         Ok(())
     }
@@ -417,6 +290,8 @@ impl<B: Backend> Engine<B> {
         out: &mut LossOutput,
     ) -> Result<()> {
         self.check_hidden(hidden)?;
+        // The device-resident scratch goes, so this call can use its memory.
+        self.resident.release_scratch();
         let ntok = hidden.ntok();
         if teacher.ntok() != ntok {
             return Err(Error::LengthMismatch {
@@ -430,7 +305,33 @@ impl<B: Backend> Engine<B> {
         let k = teacher.k();
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
-        self.ensure_scratch(Job::Loss, plan.rows_per_chunk, k, f32_input)?;
+        let sizes = self.row_bytes(k);
+        let rows_per_chunk = plan.rows_per_chunk;
+        let (input, rows_s) =
+            self.scratch
+                .begin(&self.backend, Job::Loss, &sizes, (rows_per_chunk, k), hidden.data())?;
+        let loss_s = self.scratch.take_loss(&self.backend, &sizes, rows_per_chunk)?;
+        let result = self.loss_chunks(&plan, &input, &rows_s, &loss_s, teacher, &resolved, out);
+        self.scratch.put_back(rows_s, Some(loss_s), input);
+        result
+    }
+
+    /// `head_kl`'s chunks, with its scratch.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the call's inputs and the scratch groups it took"
+    )]
+    fn loss_chunks(
+        &self,
+        plan: &ChunkPlan,
+        input: &Input<'_, B>,
+        s: &RowScratch<B>,
+        ls: &LossScratch<B>,
+        teacher: &Teacher,
+        resolved: &ResolvedLoss,
+        out: &mut LossOutput,
+    ) -> Result<()> {
+        let (ntok, k) = (teacher.ntok(), teacher.k());
 
         let mut trace = Trace::from_env("head_kl");
         let hs = self.hs;
@@ -442,15 +343,10 @@ impl<B: Backend> Engine<B> {
         let dx_scale = 1.0 / (f64::from(resolved.gscale) * f64::from(resolved.temperature));
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
-            self.load_hidden(hidden, start, rows)?;
+            self.load_hidden(input, &s.x16, start, rows)?;
             trace.mark("hidden upload");
             let b = &self.backend;
-            let Some(s) = &self.scratch else {
-                return unreachable_scratch();
-            };
-            let (Some(coef), Some(loss_buf), Some(grad), Some(dx_buf)) = (&s.coef, &s.loss, &s.grad, &s.dx) else {
-                return unreachable_scratch();
-            };
+            let (coef, loss_buf, grad, dx_buf) = (&ls.coef, &ls.loss, &ls.grad, &ls.dx);
             b.upload(
                 &s.ids,
                 0,
@@ -462,7 +358,7 @@ impl<B: Backend> Engine<B> {
                 bytemuck::cast_slice(&teacher.probs()[start * k..(start + rows) * k]),
             )?;
             b.upload(coef, 0, bytemuck::cast_slice(&resolved.coef[start..start + rows]))?;
-            self.logits(rows_padded, resolved.temperature)?;
+            self.logits(s, rows_padded, resolved.temperature)?;
             let kl = KlDesc {
                 rows,
                 vocab: self.vocab,
@@ -477,14 +373,14 @@ impl<B: Backend> Engine<B> {
                     k: slice.padded_width(),
                     a_offset: slice.offset,
                     lda: self.vocab_padded,
-                    b_layout: HeadLayout::RowsAreReduction,
+                    b_layout: HeadLayout::Dx,
                     ldb: self.hs_padded,
                     c_offset: 0,
                     ldc: self.hs_padded,
                     alpha: dx_scale as f32,
                     accumulate: i > 0,
                 };
-                b.gemm(grad, plane, dx_buf, &desc, "gemm_dx")?;
+                b.gemm(grad, plane, dx_buf, &desc)?;
             }
             trace.mark("teacher upload + record");
             b.download(loss_buf, 0, bytemuck::cast_slice_mut(&mut loss[start..start + rows]))?;
@@ -538,27 +434,40 @@ impl<B: Backend> Engine<B> {
     /// ```
     pub fn topk(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> Result<TopK> {
         self.check_hidden(hidden)?;
+        self.resident.release_scratch();
         opts.check(self.vocab)?;
         let (ntok, k) = (hidden.ntok(), opts.k);
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
-        let costs = self.row_costs(Job::Topk, k, f32_input);
-        let info = self.backend.info();
-        let plan = plan_chunks(
-            ntok,
-            &costs,
-            opts.budget_bytes,
-            info.max_binding_bytes.min(info.max_buffer_bytes),
-            opts.max_rows_per_chunk,
+        let sizes = self.row_bytes(k);
+        let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
+        let plan = self.chunk_plan(Job::Topk, ntok, k, f32_input, budget)?;
+        let (input, rows_s) = self.scratch.begin(
+            &self.backend,
+            Job::Topk,
+            &sizes,
+            (plan.rows_per_chunk, k),
+            hidden.data(),
         )?;
-        self.ensure_scratch(Job::Topk, plan.rows_per_chunk, k, f32_input)?;
+        let result = self.topk_chunks(&plan, &input, &rows_s, ntok, opts);
+        self.scratch.put_back(rows_s, None, input);
+        result
+    }
+
+    /// `topk`'s chunks, with its scratch.
+    fn topk_chunks(
+        &self,
+        plan: &ChunkPlan,
+        input: &Input<'_, B>,
+        s: &RowScratch<B>,
+        ntok: usize,
+        opts: &TopkOptions,
+    ) -> Result<TopK> {
+        let k = opts.k;
         let mut ids = vec![0u32; ntok * k];
         let mut probs = vec![0f32; ntok * k];
         for (start, rows) in plan.ranges(ntok) {
-            self.load_hidden(hidden, start, rows)?;
-            self.logits(round_up(rows, ALIGN), opts.temperature)?;
-            let Some(s) = &self.scratch else {
-                return unreachable_scratch();
-            };
+            self.load_hidden(input, &s.x16, start, rows)?;
+            self.logits(s, round_up(rows, ALIGN), opts.temperature)?;
             let desc = TopkDesc {
                 rows,
                 vocab: self.vocab,
@@ -577,13 +486,6 @@ impl<B: Backend> Engine<B> {
         }
         Ok(TopK { ids, probs, ntok, k })
     }
-}
-
-fn unreachable_scratch<T>() -> Result<T> {
-    Err(Error::Backend {
-        backend: "driver",
-        message: "scratch buffers missing after allocation".into(),
-    })
 }
 
 /// Host-side time per phase of a call, printed to stderr when

@@ -229,6 +229,32 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// An upload or download past the end of its buffer.
+    #[error("{what}: {bytes} bytes at offset {offset} overrun a buffer of {len} bytes")]
+    TransferOutOfRange {
+        /// `upload` or `download`.
+        what: &'static str,
+        /// Byte offset into the buffer.
+        offset: u64,
+        /// Bytes to move.
+        bytes: u64,
+        /// The buffer's length.
+        len: u64,
+    },
+    /// A kernel descriptor that does not fit its buffers, breaks the
+    /// kernel's contract, or has an extent past the kernels' 32-bit indices.
+    /// The driver never builds one: this is a caller of `Backend` at fault.
+    #[error("{kernel}: {field} = {value}: {reason}")]
+    BadDescriptor {
+        /// The kernel ([`crate::KernelId::name`]).
+        kernel: &'static str,
+        /// The descriptor field or buffer.
+        field: &'static str,
+        /// Its value (bytes, for a buffer).
+        value: u128,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// Any other backend failure (pipeline build, driver error).
     #[error("{backend}: {message}")]
     Backend {

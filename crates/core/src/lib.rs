@@ -17,22 +17,30 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod checks;
 pub mod chunking;
 pub mod driver;
 pub mod error;
+pub mod gemm_choice;
 pub mod head;
 pub mod host;
+pub mod kernels;
 pub mod params;
 pub mod problem;
 pub mod resident;
+mod scratch;
 pub mod slicing;
-pub mod tuning;
+pub mod tune_cache;
 
-pub use backend::{Backend, ConvertDesc, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, TopkDesc};
+pub use backend::{
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, TopkDesc,
+};
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, SliceOptions, TopK};
 pub use error::{Error, Result};
+pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use head::{HeadData, HeadWeights};
+pub use kernels::{GemmKernel, KernelBuild, KernelId};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
 };
@@ -40,7 +48,7 @@ pub use resident::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend, ResidentKernel,
 };
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
-pub use tuning::{ChoiceSource, CoopGemm, GemmChoice, StagedTile, TuneCache};
+pub use tune_cache::TuneCache;
 
 /// Alignment of every padded device extent (token rows, hidden columns,
 /// vocabulary columns): the 16×16 matrix-unit tile edge. GEMM kernels may

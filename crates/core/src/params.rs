@@ -1,7 +1,10 @@
 //! The uniform-parameter blocks of the shared WGSL kernels in `shaders/`,
-//! byte for byte. Both GPU backends fill these; the shaders declare the same
-//! structs at `@group(0) @binding(0)`. Every field is 4 bytes and each block
+//! byte for byte. Both GPU backends fill these; the shaders get the same
+//! structs at `@group(0) @binding(0)` from [`ParamBlock::wgsl`] (WGSL has no
+//! include). Every field is 4 bytes and each block
 //! is a multiple of 16 bytes, so the std140 and std430 layouts agree.
+//! Blocks are made only by the descriptor checks (`crate::checks`), which
+//! refuse extents past 32 bits instead of truncating them.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -71,53 +74,66 @@ pub struct ConvertParams {
     pub _pad: [u32; 3],
 }
 
-impl GemmParams {
-    /// The block for `desc`, with the dispatch's folded grid width.
-    pub fn new(desc: &crate::GemmDesc, grid_x: u32) -> Self {
-        Self {
-            m: desc.m as u32,
-            n: desc.n as u32,
-            k: desc.k as u32,
-            a_offset: desc.a_offset as u32,
-            lda: desc.lda as u32,
-            ldb: desc.ldb as u32,
-            c_offset: desc.c_offset as u32,
-            ldc: desc.ldc as u32,
-            alpha: desc.alpha,
-            accumulate: u32::from(desc.accumulate),
-            grid_x,
-            _pad: 0,
+/// One field of a parameter block: its name in the shader's struct, its
+/// byte offset and its WGSL type (padding fields are left out).
+pub type ParamField = (&'static str, usize, &'static str);
+
+/// A parameter block as the shaders declare it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParamBlock {
+    /// The struct's name in WGSL.
+    pub name: &'static str,
+    /// Its fields, in order.
+    pub fields: &'static [ParamField],
+    /// Its size in bytes.
+    pub bytes: usize,
+}
+
+impl ParamBlock {
+    /// The WGSL declaration of the struct (padded to its size with `padN`
+    /// fields) and of the uniform `params` at group 0, binding 0: the part
+    /// of every shader that `crate::kernels::Shader::source` inserts.
+    pub fn wgsl(&self) -> String {
+        let mut out = format!("struct {} {{\n", self.name);
+        let mut end = 0;
+        for (name, offset, ty) in self.fields {
+            out.push_str(&format!("    {name}: {ty},\n"));
+            end = offset + 4;
         }
+        for pad in 0..(self.bytes - end) / 4 {
+            out.push_str(&format!("    pad{pad}: u32,\n"));
+        }
+        out.push_str(&format!(
+            "}}\n\n@group(0) @binding(0) var<uniform> params: {};\n",
+            self.name
+        ));
+        out
     }
 }
 
-impl RowParams {
-    /// The block for a KL or top-k row dispatch.
-    pub fn new(rows: usize, vocab: usize, ld: usize, k: usize, grid_x: u32) -> Self {
-        Self {
-            rows: rows as u32,
-            vocab: vocab as u32,
-            ld: ld as u32,
-            k: k as u32,
-            grid_x,
-            _pad: [0; 3],
+macro_rules! param_block {
+    ($t:ident: $($f:ident: $w:ident),*) => {
+        impl $t {
+            /// The block as the shaders declare it.
+            pub const BLOCK: ParamBlock = ParamBlock {
+                name: stringify!($t),
+                fields: &[$((stringify!($f), std::mem::offset_of!($t, $f), stringify!($w))),*],
+                bytes: size_of::<$t>(),
+            };
+
+            /// The block with the dispatch's folded grid width.
+            pub const fn with_grid(mut self, grid_x: u32) -> Self {
+                self.grid_x = grid_x;
+                self
+            }
         }
-    }
+    };
 }
 
-impl ConvertParams {
-    /// The block for `desc`.
-    pub fn new(desc: &crate::ConvertDesc, grid_x: u32) -> Self {
-        Self {
-            rows: desc.rows as u32,
-            cols: desc.cols as u32,
-            rows_padded: desc.rows_padded as u32,
-            ld: desc.ld as u32,
-            grid_x,
-            _pad: [0; 3],
-        }
-    }
-}
+param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32);
+param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32);
+param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
+param_block!(ResidentParams: rows: u32, cols: u32, vocab: u32, ld: u32, token0: u32, off_a: u32, off_b: u32, off_c: u32, off_d: u32, flags: u32, rows_padded: u32, grid_x: u32, f0: f32, f1: f32, f2: f32, f3: f32);
 
 /// `shaders/resident_*.wgsl`: one block for every device-resident kernel
 /// ([`crate::resident::ResidentKernel`]); each kernel's doc comment in its
@@ -159,4 +175,22 @@ pub struct ResidentParams {
     pub f2: f32,
     /// See `f0`.
     pub f3: f32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_wgsl_declaration_pads_to_the_block_size() {
+        let text = RowParams::BLOCK.wgsl();
+        assert!(text.starts_with("struct RowParams {\n    rows: u32,\n"), "{text}");
+        assert!(
+            text.contains("    grid_x: u32,\n    pad0: u32,\n    pad1: u32,\n    pad2: u32,\n}"),
+            "{text}"
+        );
+        assert!(text.ends_with("var<uniform> params: RowParams;\n"), "{text}");
+        assert!(GemmParams::BLOCK.wgsl().contains("    alpha: f32,\n"));
+        assert_eq!(GemmParams::BLOCK.bytes, 48);
+    }
 }

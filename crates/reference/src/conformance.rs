@@ -504,7 +504,7 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
 macro_rules! conformance_tests {
     (mod $module:ident, $name:literal, $open:expr $(,)?) => {
         mod $module {
-            #[allow(unused_imports)]
+            #[allow(unused_imports, reason = "a suite may use only some of the names")]
             use super::*;
             $crate::conformance_tests!($name, $open);
         }

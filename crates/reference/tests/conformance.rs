@@ -3,6 +3,8 @@
 //! slices and tokens into several chunks on its own, and with f32
 //! arithmetic to prove the tolerances leave an f32 device room.
 
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
 use headkl_reference::strategies::MIN_BINDING_BYTES;
 use headkl_reference::{CpuBackend, Precision};
 

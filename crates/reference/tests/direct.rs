@@ -2,6 +2,8 @@
 //! central finite difference of the mean loss, KL ≥ 0, KL = 0 when the
 //! teacher is the student, top-k against a full sort.
 
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
 use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher};
 use headkl_reference::direct::{head_kl_f64, logits_f64, softmax_over, topk_f64};
 use headkl_reference::strategies::{case_params, head_kl_case, Case, CaseKind, CaseParams, TeacherShape};

@@ -2,6 +2,8 @@
 //! vocabulary slices and the tokens into several chunks, matches the direct
 //! f64 formula.
 
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
 use headkl_core::{Backend, Engine, HiddenData, SliceOptions};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::strategies::{Case, CaseKind, CaseParams, TeacherShape};

@@ -2,10 +2,13 @@
 //! must fail it, in the part that should catch that bug, and a faithful
 //! wrapper must pass. Errors and panics inside a case fail that case only.
 
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
 use std::cell::Cell;
 
 use headkl_core::{
-    Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, KernelTime, KlDesc, MemoryStats, Result, TopkDesc,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, Result,
+    TopkDesc,
 };
 use headkl_reference::conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
 use headkl_reference::{CpuBackend, CpuBuffer};
@@ -84,18 +87,18 @@ impl Backend for Faulty {
         }
         self.inner.convert_f16(src, dst, d)
     }
-    fn gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc, label: &'static str) -> Result<()> {
+    fn gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc) -> Result<()> {
         let mut d = *d;
         match self.fault {
             Fault::NoAccumulate => d.accumulate = false,
             Fault::IgnoreAlpha => d.alpha = 1.0,
-            Fault::GemmDxPanics if label == "gemm_dx" => panic!("planted panic in gemm_dx"),
+            Fault::GemmDxPanics if d.kernel() == KernelId::GemmDx => panic!("planted panic in gemm_dx"),
             _ => {}
         }
-        self.inner.gemm(a, b, c, &d, label)?;
+        self.inner.gemm(a, b, c, &d)?;
         if self.fault == Fault::GemmWritesPastRegion {
             let end = d.c_offset + (d.m - 1) * d.ldc + d.n;
-            if (end as u64 + 1) * 4 <= c.len_bytes() {
+            if (end as u64 + 1) * 4 <= c.len() {
                 self.inner.upload(c, end as u64 * 4, &0f32.to_ne_bytes())?;
             }
         }

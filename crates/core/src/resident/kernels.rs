@@ -5,21 +5,28 @@ use crate::backend::Backend;
 use crate::error::Result;
 use crate::params::ResidentParams;
 
-/// How a kernel binds one storage buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Access {
-    /// `var<storage, read>`.
-    Read,
-    /// `var<storage, read_write>`.
-    ReadWrite,
-}
-
+use crate::kernels::{Access, Shader};
 use Access::{Read, ReadWrite};
 
-/// One device-resident kernel: its shader file, entry point, workgroup size
-/// and storage bindings (1.. in order). Every one takes
-/// [`ResidentParams`] at binding 0, and each backend builds it from
-/// `shaders/resident_common.wgsl` followed by its own file.
+macro_rules! resident_shader {
+    ($file:literal) => {
+        Shader {
+            file: $file,
+            text: concat!(
+                include_str!("../../../../shaders/resident_common.wgsl"),
+                include_str!(concat!("../../../../shaders/", $file))
+            ),
+            params: ResidentParams::BLOCK,
+        }
+    };
+}
+
+/// One device-resident kernel: its shader, entry point, workgroup size and
+/// storage bindings (1.. in order), as [`crate::kernels`] describes the
+/// driver's kernels. Every one takes [`ResidentParams`] at binding 0 (the
+/// declaration generated into `resident_common.wgsl`'s marker), and its
+/// shader is `shaders/resident_common.wgsl` followed by its own file (WGSL
+/// has no include).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ResidentKernel {
     /// Weights → total, gscale and the KL and dx coefficients; bad weights
@@ -49,16 +56,22 @@ impl ResidentKernel {
         ResidentKernel::StatusDetail,
     ];
 
-    /// The shader file in `shaders/` (after `resident_common.wgsl`).
-    pub fn file(self) -> &'static str {
+    /// Its shader: `resident_common.wgsl` then its own file; build it from
+    /// [`Shader::source`].
+    pub const fn shader(self) -> Shader {
         match self {
-            ResidentKernel::WeightStats => "resident_stats.wgsl",
-            ResidentKernel::TeacherRows => "resident_teacher.wgsl",
-            ResidentKernel::HiddenIn => "resident_hidden.wgsl",
-            ResidentKernel::LossOut => "resident_loss_out.wgsl",
-            ResidentKernel::TopkOut => "resident_topk_out.wgsl",
-            ResidentKernel::StatusDetail => "resident_status.wgsl",
+            ResidentKernel::WeightStats => resident_shader!("resident_stats.wgsl"),
+            ResidentKernel::TeacherRows => resident_shader!("resident_teacher.wgsl"),
+            ResidentKernel::HiddenIn => resident_shader!("resident_hidden.wgsl"),
+            ResidentKernel::LossOut => resident_shader!("resident_loss_out.wgsl"),
+            ResidentKernel::TopkOut => resident_shader!("resident_topk_out.wgsl"),
+            ResidentKernel::StatusDetail => resident_shader!("resident_status.wgsl"),
         }
+    }
+
+    /// Its own shader file in `shaders/` (after `resident_common.wgsl`).
+    pub const fn file(self) -> &'static str {
+        self.shader().file
     }
 
     /// The entry point.

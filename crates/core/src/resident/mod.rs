@@ -18,14 +18,14 @@
 mod kernels;
 pub mod status;
 
-pub use kernels::{Access, ResidentBackend, ResidentKernel};
+pub use kernels::{ResidentBackend, ResidentKernel};
 
 use crate::backend::{Backend, GemmDesc, HeadLayout, KlDesc, TopkDesc};
-use crate::chunking::plan_chunks;
-use crate::driver::{Engine, Job};
+use crate::driver::Engine;
 use crate::error::{Error, Result};
 use crate::params::ResidentParams;
 use crate::problem::{check_k, TopkOptions, DEFAULT_BUDGET_BYTES};
+use crate::scratch::Job;
 use crate::{round_up, ALIGN};
 
 /// Element type of hidden rows in a device buffer.
@@ -302,14 +302,14 @@ impl<B: ResidentBackend> Engine<B> {
                 k: self.hs_padded,
                 a_offset: 0,
                 lda: self.hs_padded,
-                b_layout: HeadLayout::RowsAreOutputs,
+                b_layout: HeadLayout::Logits,
                 ldb: self.hs_padded,
                 c_offset: slice.offset,
                 ldc: self.vocab_padded,
                 alpha: 1.0 / temperature,
                 accumulate: false,
             };
-            self.backend.gemm(&s.x16, plane, &s.logits, &desc, "gemm_logits")?;
+            self.backend.gemm(&s.x16, plane, &s.logits, &desc)?;
         }
         Ok(())
     }
@@ -401,15 +401,7 @@ impl<B: ResidentBackend> Engine<B> {
         if opts.budget_bytes == 0 {
             return Err(Error::BudgetZero);
         }
-        let costs: Vec<_> = self.row_costs(Job::Loss, k, false);
-        let info = self.backend.info();
-        let plan = plan_chunks(
-            ntok,
-            &costs,
-            opts.budget_bytes,
-            info.max_binding_bytes.min(info.max_buffer_bytes),
-            opts.max_rows_per_chunk,
-        )?;
+        let plan = self.chunk_plan(Job::Loss, ntok, k, false, (opts.budget_bytes, opts.max_rows_per_chunk))?;
         self.ensure_status()?;
         self.ensure_resident_scratch(Job::Loss, plan.rows_per_chunk, k)?;
         self.resident.pending = true;
@@ -469,14 +461,14 @@ impl<B: ResidentBackend> Engine<B> {
                     k: slice.padded_width(),
                     a_offset: slice.offset,
                     lda: self.vocab_padded,
-                    b_layout: HeadLayout::RowsAreReduction,
+                    b_layout: HeadLayout::Dx,
                     ldb: self.hs_padded,
                     c_offset: 0,
                     ldc: self.hs_padded,
                     alpha: 1.0,
                     accumulate: i > 0,
                 };
-                b.gemm(&ls.grad, plane, &ls.dx, &desc, "gemm_dx")?;
+                b.gemm(&ls.grad, plane, &ls.dx, &desc)?;
             }
             let out_params = ResidentParams {
                 rows: rows as u32,
@@ -532,15 +524,7 @@ impl<B: ResidentBackend> Engine<B> {
         u32_extent("ids", ntok * k)?;
         self.check_view("ids", ids, ntok * k * 4)?;
         self.check_view("probs", probs, ntok * k * 4)?;
-        let costs = self.row_costs(Job::Topk, k, false);
-        let info = self.backend.info();
-        let plan = plan_chunks(
-            ntok,
-            &costs,
-            opts.budget_bytes,
-            info.max_binding_bytes.min(info.max_buffer_bytes),
-            opts.max_rows_per_chunk,
-        )?;
+        let plan = self.chunk_plan(Job::Topk, ntok, k, false, (opts.budget_bytes, opts.max_rows_per_chunk))?;
         self.ensure_status()?;
         self.ensure_resident_scratch(Job::Topk, plan.rows_per_chunk, k)?;
         self.resident.pending = true;

@@ -56,7 +56,7 @@ pub(crate) fn gemm(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision:
             let j1 = (j0 + COL_BLOCK).min(cols.end);
             // bt[(j - j0)·k + l] = op(B)[l][j]
             match d.b_layout {
-                HeadLayout::RowsAreOutputs => {
+                HeadLayout::Logits => {
                     for j in j0..j1 {
                         let src = &b[j * d.ldb..j * d.ldb + k];
                         half::slice::HalfFloatSliceExt::convert_to_f32_slice(
@@ -65,7 +65,7 @@ pub(crate) fn gemm(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision:
                         );
                     }
                 }
-                HeadLayout::RowsAreReduction => {
+                HeadLayout::Dx => {
                     for l in 0..k {
                         for (jj, v) in b[l * d.ldb + j0..l * d.ldb + j1].iter().enumerate() {
                             bt[jj * k + l] = v.to_f32();
@@ -130,7 +130,7 @@ pub(crate) fn convert_f16(src: &[f32], dst: &mut [f16], d: &ConvertDesc) {
 }
 
 /// One row of the KL kernel: returns the loss and writes the gradient row.
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "one slice per kernel binding")]
 fn kl_row(
     s: &[f32],
     ids: &[u32],
@@ -188,7 +188,7 @@ fn kl_row(
 }
 
 /// The KL row kernel on whole buffers (see [`KlDesc`]).
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "one slice per kernel binding")]
 pub(crate) fn kl_rows(
     logits: &[f32],
     ids: &[u32],

@@ -6,9 +6,9 @@
 //! kernel, so it doubles as a check of the core driver:
 //! - new buffers are filled with `0xFF` bytes (NaN as f32 and as f16), so an
 //!   element a kernel forgets to write poisons the results;
-//! - every extent a descriptor names is checked against its buffer, the
-//!   GEMM's `m`, `n`, `k` against [`headkl_core::ALIGN`], teacher ids against
-//!   the vocabulary; a violation is an [`Error::Backend`], never a panic;
+//! - every descriptor goes through the same checks in core as on the GPU
+//!   backends (`headkl_core::checks`: an [`Error::BadDescriptor`]), and
+//!   teacher ids are checked against the vocabulary; never a panic;
 //! - a buffer bound twice to one kernel as input and output is an error.
 //!
 //! [`Precision::F32`] switches every kernel to f32 arithmetic with in-order
@@ -25,9 +25,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use half::f16;
+use headkl_core::checks::check_transfer;
 use headkl_core::{
-    Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, Result, TopkDesc,
-    ALIGN, MAX_K,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, Result,
+    TopkDesc,
 };
 
 const BACKEND: &str = "reference";
@@ -88,12 +89,13 @@ impl Drop for CpuBuffer {
     }
 }
 
-impl CpuBuffer {
-    /// Size in bytes, as allocated.
-    pub fn len_bytes(&self) -> u64 {
+impl DeviceBuffer for CpuBuffer {
+    fn len(&self) -> u64 {
         self.bytes
     }
+}
 
+impl CpuBuffer {
     /// The label given at allocation.
     pub fn label(&self) -> &'static str {
         self.label
@@ -112,18 +114,6 @@ impl CpuBuffer {
             "{kernel}: buffer '{}' is bound both as an input and as an output",
             self.label
         ))
-    }
-
-    /// Checks that `elems` elements of `size` bytes fit, for `what` of `kernel`.
-    fn check(&self, kernel: &str, what: &str, elems: usize, size: usize) -> Result<()> {
-        let needed = elems as u128 * size as u128;
-        if needed > u128::from(self.bytes) {
-            return Err(backend_error(format!(
-                "{kernel}: {what} spans {needed} bytes but buffer '{}' has {}",
-                self.label, self.bytes
-            )));
-        }
-        Ok(())
     }
 }
 
@@ -145,16 +135,6 @@ fn f32s(words: &[u32]) -> &[f32] {
 }
 fn f32s_mut(words: &mut [u32]) -> &mut [f32] {
     bytemuck::cast_slice_mut(words)
-}
-
-/// End (exclusive, in elements) of a `rows × cols` region at `offset` with
-/// row stride `ld`; zero when it is empty.
-fn region_end(offset: usize, rows: usize, cols: usize, ld: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        offset + (rows - 1) * ld + cols
-    }
 }
 
 /// The f64 reference backend (see the module docs).
@@ -232,7 +212,7 @@ impl CpuBackend {
     }
 
     /// Runs `f`, recording its wall time as `kernel` when profiling is on.
-    fn timed<T>(&self, kernel: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    fn timed<T>(&self, kernel: KernelId, f: impl FnOnce() -> Result<T>) -> Result<T> {
         if !self.profiling.load(Ordering::Relaxed) {
             return f();
         }
@@ -240,7 +220,10 @@ impl CpuBackend {
         let out = f()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         if let Ok(mut times) = self.times.lock() {
-            times.push(KernelTime { kernel, ms });
+            times.push(KernelTime {
+                kernel: kernel.name(),
+                ms,
+            });
         }
         Ok(out)
     }
@@ -251,24 +234,6 @@ fn device_name(precision: Precision) -> &'static str {
         Precision::F64 => "CPU (f64 reference)",
         Precision::F32 => "CPU (f32 emulation)",
     }
-}
-
-fn check_aligned(kernel: &str, what: &str, value: usize) -> Result<()> {
-    if !value.is_multiple_of(ALIGN) {
-        return Err(backend_error(format!(
-            "{kernel}: {what} = {value} is not a multiple of {ALIGN} (driver contract)"
-        )));
-    }
-    Ok(())
-}
-
-fn check_at_least(kernel: &str, what: &str, value: usize, min_name: &str, min: usize) -> Result<()> {
-    if value < min {
-        return Err(backend_error(format!(
-            "{kernel}: {what} = {value} is below {min_name} = {min}"
-        )));
-    }
-    Ok(())
 }
 
 impl Backend for CpuBackend {
@@ -301,15 +266,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, dst: &CpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        let end = offset as u128 + data.len() as u128;
-        if end > u128::from(dst.bytes) {
-            return Err(backend_error(format!(
-                "upload: {} bytes at offset {offset} overrun buffer '{}' of {} bytes",
-                data.len(),
-                dst.label,
-                dst.bytes
-            )));
-        }
+        check_transfer("upload", offset, data.len() as u64, dst.bytes)?;
         let mut words = dst.write("upload")?;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words[..]);
         bytes[offset as usize..offset as usize + data.len()].copy_from_slice(data);
@@ -317,15 +274,7 @@ impl Backend for CpuBackend {
     }
 
     fn download(&self, src: &CpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        let end = offset as u128 + out.len() as u128;
-        if end > u128::from(src.bytes) {
-            return Err(backend_error(format!(
-                "download: {} bytes at offset {offset} overrun buffer '{}' of {} bytes",
-                out.len(),
-                src.label,
-                src.bytes
-            )));
-        }
+        check_transfer("download", offset, out.len() as u64, src.bytes)?;
         let words = src.read("download")?;
         let bytes: &[u8] = bytemuck::cast_slice(&words[..]);
         out.copy_from_slice(&bytes[offset as usize..offset as usize + out.len()]);
@@ -334,11 +283,8 @@ impl Backend for CpuBackend {
 
     fn convert_f16(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &ConvertDesc) -> Result<()> {
         const K: &str = "convert_f16";
-        check_at_least(K, "rows_padded", d.rows_padded, "rows", d.rows)?;
-        check_at_least(K, "ld", d.ld, "cols", d.cols)?;
-        src.check(K, "src", d.rows * d.cols, 4)?;
-        dst.check(K, "dst", d.rows_padded * d.ld, 2)?;
-        self.timed("convert", || {
+        d.check([src, dst], self.info.max_binding_bytes)?;
+        self.timed(KernelId::ConvertF16, || {
             let mut out = dst.write(K)?;
             let input = src.read(K)?;
             kernels::convert_f16(f32s(&input), f16s_mut(&mut out), d);
@@ -346,26 +292,10 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc, label: &'static str) -> Result<()> {
+    fn gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc) -> Result<()> {
         const K: &str = "gemm";
-        for (what, v) in [("m", d.m), ("n", d.n), ("k", d.k)] {
-            check_aligned(K, what, v)?;
-        }
-        check_at_least(K, "lda", d.lda, "k", d.k)?;
-        check_at_least(K, "ldc", d.ldc, "n", d.n)?;
-        a.check(K, "A", region_end(d.a_offset, d.m, d.k, d.lda), 2)?;
-        match d.b_layout {
-            HeadLayout::RowsAreOutputs => {
-                check_at_least(K, "ldb", d.ldb, "k", d.k)?;
-                b.check(K, "B [n][k]", region_end(0, d.n, d.k, d.ldb), 2)?;
-            }
-            HeadLayout::RowsAreReduction => {
-                check_at_least(K, "ldb", d.ldb, "n", d.n)?;
-                b.check(K, "B [k][n]", region_end(0, d.k, d.n, d.ldb), 2)?;
-            }
-        }
-        c.check(K, "C", region_end(d.c_offset, d.m, d.n, d.ldc), 4)?;
-        self.timed(label, || {
+        d.check([a, b, c], self.info.max_binding_bytes)?;
+        self.timed(d.kernel(), || {
             let mut out = c.write(K)?;
             let (a_words, b_words) = (a.read(K)?, b.read(K)?);
             kernels::gemm(f16s(&a_words), f16s(&b_words), f32s_mut(&mut out), d, self.precision);
@@ -384,18 +314,8 @@ impl Backend for CpuBackend {
         d: &KlDesc,
     ) -> Result<()> {
         const K: &str = "kl_rows";
-        check_aligned(K, "ld", d.ld)?;
-        check_at_least(K, "ld", d.ld, "vocab", d.vocab)?;
-        if d.k == 0 || d.k > d.vocab {
-            return Err(backend_error(format!("{K}: k = {} is not in 1..={}", d.k, d.vocab)));
-        }
-        logits.check(K, "logits", d.rows * d.ld, 4)?;
-        ids.check(K, "ids", d.rows * d.k, 4)?;
-        probs.check(K, "probs", d.rows * d.k, 4)?;
-        coef.check(K, "coef", d.rows, 4)?;
-        loss.check(K, "loss", d.rows, 4)?;
-        grad.check(K, "grad", d.rows * d.ld, 2)?;
-        self.timed("kl_rows", || {
+        d.check([logits, ids, probs, coef, loss, grad], self.info.max_binding_bytes)?;
+        self.timed(KernelId::KlRows, || {
             let (mut loss_w, mut grad_w) = (loss.write(K)?, grad.write(K)?);
             let (logits_w, ids_w, probs_w, coef_w) = (logits.read(K)?, ids.read(K)?, probs.read(K)?, coef.read(K)?);
             let id_vals: &[u32] = &ids_w[..d.rows * d.k];
@@ -424,18 +344,8 @@ impl Backend for CpuBackend {
 
     fn topk_rows(&self, logits: &CpuBuffer, ids: &CpuBuffer, probs: &CpuBuffer, d: &TopkDesc) -> Result<()> {
         const K: &str = "topk_rows";
-        check_at_least(K, "ld", d.ld, "vocab", d.vocab)?;
-        if d.k == 0 || d.k > d.vocab.min(MAX_K) {
-            return Err(backend_error(format!(
-                "{K}: k = {} is not in 1..={}",
-                d.k,
-                d.vocab.min(MAX_K)
-            )));
-        }
-        logits.check(K, "logits", d.rows * d.ld, 4)?;
-        ids.check(K, "ids", d.rows * d.k, 4)?;
-        probs.check(K, "probs", d.rows * d.k, 4)?;
-        self.timed("topk_rows", || {
+        d.check([logits, ids, probs], self.info.max_binding_bytes)?;
+        self.timed(KernelId::TopkRows, || {
             let (mut ids_w, mut probs_w) = (ids.write(K)?, probs.write(K)?);
             let logits_w = logits.read(K)?;
             kernels::topk_rows(

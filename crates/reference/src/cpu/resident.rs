@@ -257,7 +257,15 @@ impl ResidentBackend for CpuBackend {
             ResidentKernel::HiddenIn => None,
         };
         if let Some(i) = status_words {
-            buffers[i].check(kernel.entry(), "status", WORDS, 4)?;
+            if buffers[i].bytes < (WORDS * 4) as u64 {
+                return Err(backend_error(format!(
+                    "{}: status buffer '{}' of {} bytes, needs {}",
+                    kernel.entry(),
+                    buffers[i].label,
+                    buffers[i].bytes,
+                    WORDS * 4
+                )));
+            }
         }
         match kernel {
             ResidentKernel::WeightStats => self.weight_stats(buffers, params),

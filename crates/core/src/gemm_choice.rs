@@ -1,6 +1,7 @@
 //! Which matrix-unit GEMM kernel runs for each head layout, the names users
-//! and the tune cache give them, and where `headkl tune` keeps a device's
-//! fastest choice.
+//! and the tune cache give them, and how a choice is resolved and fitted to
+//! a device. (The cache itself is `crate::tune_cache`; the kernels' shaders
+//! and tiles, `crate::kernels`.)
 //!
 //! A kernel is named `direct` (`gemm_coop_direct.wgsl`) or
 //! `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]` (`gemm_coop.wgsl` with its `BK`,
@@ -8,17 +9,14 @@
 //! layouts or one each: `logits=staged:bk32:r2:s2,dx=direct`.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use crate::backend::HeadLayout;
 use crate::error::{Error, Result};
+use crate::tune_cache::{cache_path, TuneCache};
 
 /// The environment variable that picks the GEMM kernels.
 pub const GEMM_ENV: &str = "HEADKL_GEMM";
-/// The environment variable that moves the tune cache's folder.
-pub const CACHE_DIR_ENV: &str = "HEADKL_CACHE_DIR";
-/// The tune cache's file name within its folder.
-pub const CACHE_FILE: &str = "gemm-tune.tsv";
 
 /// Tile parameters of the staged matrix-unit GEMM (`gemm_coop.wgsl`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -203,45 +201,17 @@ const fn tile(bk: u32, rows: u32, stages: u32, prefetch: bool) -> StagedTile {
 const DEFAULT_STAGED: StagedTile = tile(32, 2, 2, false);
 /// The smallest tile: 12 KiB of workgroup memory, 4 subgroups.
 const PORTABLE_TILE: StagedTile = tile(16, 2, 1, false);
-/// The logits GEMM's default tile: K 64 per step, one stage.
-const DEFAULT_LOGITS: StagedTile = tile(64, 2, 1, false);
-/// The dx GEMM's default tile: 256 × 128, K 32 per step, one stage with
-/// register prefetch.
-const DEFAULT_DX: StagedTile = tile(32, 4, 1, true);
 
 /// The matrix-unit GEMM kernel for each head layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GemmChoice {
-    /// For the logits, `x · Wᵀ` ([`HeadLayout::RowsAreOutputs`]).
+    /// For the logits, `x · Wᵀ` ([`HeadLayout::Logits`]).
     pub logits: CoopGemm,
-    /// For the input gradient, `g · W` ([`HeadLayout::RowsAreReduction`]).
+    /// For the input gradient, `g · W` ([`HeadLayout::Dx`]).
     pub dx: CoopGemm,
 }
 
 impl GemmChoice {
-    /// The choice without a tune cache: the fastest for each GEMM through
-    /// the Vulkan backend on the H200 (`headkl tune`, docs/PERFORMANCE.md).
-    pub const DEFAULT: GemmChoice = GemmChoice {
-        logits: CoopGemm::Staged(DEFAULT_LOGITS),
-        dx: CoopGemm::Staged(DEFAULT_DX),
-    };
-
-    /// The wgpu backend's default: its fastest on the H200, where wgpu's
-    /// pipelines ran the K-64 tile far slower than the Vulkan backend's.
-    pub const WGPU_DEFAULT: GemmChoice = GemmChoice {
-        logits: CoopGemm::Staged(DEFAULT_DX),
-        dx: CoopGemm::Staged(DEFAULT_DX),
-    };
-
-    /// The default of `backend` (`wgpu` or `vulkan`).
-    pub fn default_for(backend: &str) -> GemmChoice {
-        if backend == "wgpu" {
-            Self::WGPU_DEFAULT
-        } else {
-            Self::DEFAULT
-        }
-    }
-
     /// The fallback where the default does not fit: the smallest staged
     /// tile (12 KiB of workgroup memory, 4 subgroups).
     pub const PORTABLE: GemmChoice = GemmChoice {
@@ -252,8 +222,8 @@ impl GemmChoice {
     /// The kernel for `layout`.
     pub const fn for_layout(self, layout: HeadLayout) -> CoopGemm {
         match layout {
-            HeadLayout::RowsAreOutputs => self.logits,
-            HeadLayout::RowsAreReduction => self.dx,
+            HeadLayout::Logits => self.logits,
+            HeadLayout::Dx => self.dx,
         }
     }
 
@@ -267,8 +237,8 @@ impl GemmChoice {
     }
 
     /// Parses `KERNEL` (both layouts) or `logits=KERNEL,dx=KERNEL` (either
-    /// part may be left out: it keeps [`Self::DEFAULT`]'s).
-    pub fn parse(value: &str) -> Result<Self> {
+    /// part may be left out: it keeps `base`'s, the backend's default).
+    pub fn parse(value: &str, base: GemmChoice) -> Result<Self> {
         let text = value.trim();
         if !text.contains('=') {
             let kernel = CoopGemm::parse(text)?;
@@ -277,7 +247,7 @@ impl GemmChoice {
                 dx: kernel,
             });
         }
-        let mut choice = Self::DEFAULT;
+        let mut choice = base;
         for part in text.split(',') {
             let Some((layout, kernel)) = part.split_once('=') else {
                 return Err(invalid(
@@ -295,10 +265,10 @@ impl GemmChoice {
         Ok(choice)
     }
 
-    /// `HEADKL_GEMM`, if set and not empty.
-    pub fn from_env() -> Result<Option<Self>> {
+    /// `HEADKL_GEMM`, if set and not empty, over `base`.
+    pub fn from_env(base: GemmChoice) -> Result<Option<Self>> {
         match std::env::var(GEMM_ENV) {
-            Ok(v) if !v.trim().is_empty() => Self::parse(&v).map(Some),
+            Ok(v) if !v.trim().is_empty() => Self::parse(&v, base).map(Some),
             _ => Ok(None),
         }
     }
@@ -357,16 +327,15 @@ impl CoopGemm {
 
 /// `choice` where each of its kernels fits `limits`. Where one does not, an
 /// explicit choice (options, `HEADKL_GEMM`) is an [`Error::InvalidSetting`];
-/// any other falls back to the backend's default
-/// ([`GemmChoice::default_for`]), then [`GemmChoice::PORTABLE`], then the
-/// direct kernel, which needs no workgroup memory.
+/// any other falls back to the backend's `default`, then
+/// [`GemmChoice::PORTABLE`], then the direct kernel, which needs no
+/// workgroup memory.
 pub fn fit_choice(
-    backend: &str,
+    default: GemmChoice,
     choice: GemmChoice,
     source: ChoiceSource,
     limits: &KernelLimits,
 ) -> Result<(GemmChoice, ChoiceSource)> {
-    let default = GemmChoice::default_for(backend);
     let misfit = |c: GemmChoice| c.kernels().into_iter().find_map(|k| k.misfit(limits));
     match misfit(choice) {
         None => Ok((choice, source)),
@@ -396,7 +365,7 @@ pub enum ChoiceSource {
     Environment,
     /// The tune cache at this path.
     Cache(PathBuf),
-    /// The backend's default ([`GemmChoice::default_for`]).
+    /// The backend's default.
     Default,
 }
 
@@ -421,9 +390,10 @@ impl fmt::Display for ChoiceSource {
 
 /// The choice for a device: `explicit` if given, else `HEADKL_GEMM`, else
 /// the tune cache's entry for `(backend, device, driver)`, else the
-/// backend's default.
+/// backend's `default`.
 pub fn resolve_choice(
     explicit: Option<GemmChoice>,
+    default: GemmChoice,
     backend: &str,
     device: &str,
     driver: &str,
@@ -431,7 +401,7 @@ pub fn resolve_choice(
     if let Some(choice) = explicit {
         return Ok((choice, ChoiceSource::Options));
     }
-    if let Some(choice) = GemmChoice::from_env()? {
+    if let Some(choice) = GemmChoice::from_env(default)? {
         return Ok((choice, ChoiceSource::Environment));
     }
     if let Some(path) = cache_path() {
@@ -439,115 +409,22 @@ pub fn resolve_choice(
             return Ok((choice, ChoiceSource::Cache(path)));
         }
     }
-    Ok((GemmChoice::default_for(backend), ChoiceSource::Default))
-}
-
-/// The tune cache's path: `$HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
-/// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
-pub fn cache_path() -> Option<PathBuf> {
-    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    let dir = var(CACHE_DIR_ENV)
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("headkl")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache").join("headkl")))?;
-    Some(dir.join(CACHE_FILE))
-}
-
-/// One entry of the tune cache.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TuneEntry {
-    /// Backend name.
-    pub backend: String,
-    /// Device name.
-    pub device: String,
-    /// Driver name and version.
-    pub driver: String,
-    /// The fastest kernels measured there.
-    pub choice: GemmChoice,
-}
-
-/// The tune cache: one line per `(backend, device, driver)`, tab-separated,
-/// with the choice last. Unreadable lines are skipped (a cache never stops
-/// a run); writing replaces the file whole.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TuneCache {
-    /// Entries in file order.
-    pub entries: Vec<TuneEntry>,
-}
-
-impl TuneCache {
-    /// Reads `path`; a missing or unreadable file is an empty cache.
-    pub fn load(path: &Path) -> Self {
-        std::fs::read_to_string(path)
-            .map(|t| Self::parse(&t))
-            .unwrap_or_default()
-    }
-
-    /// Parses the cache's text.
-    pub fn parse(text: &str) -> Self {
-        let entries = text
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .filter_map(|line| {
-                let mut f = line.split('\t');
-                let (backend, device, driver, choice) = (f.next()?, f.next()?, f.next()?, f.next()?);
-                Some(TuneEntry {
-                    backend: backend.to_string(),
-                    device: device.to_string(),
-                    driver: driver.to_string(),
-                    choice: GemmChoice::parse(choice).ok()?,
-                })
-            })
-            .collect();
-        Self { entries }
-    }
-
-    /// The choice recorded for a device, if any.
-    pub fn lookup(&self, backend: &str, device: &str, driver: &str) -> Option<GemmChoice> {
-        self.entries
-            .iter()
-            .rev()
-            .find(|e| e.backend == backend && e.device == device && e.driver == driver)
-            .map(|e| e.choice)
-    }
-
-    /// Records `choice` for a device, replacing any earlier entry.
-    pub fn insert(&mut self, backend: &str, device: &str, driver: &str, choice: GemmChoice) {
-        let clean = |s: &str| s.replace(['\t', '\n'], " ");
-        let (backend, device, driver) = (clean(backend), clean(device), clean(driver));
-        self.entries
-            .retain(|e| !(e.backend == backend && e.device == device && e.driver == driver));
-        self.entries.push(TuneEntry {
-            backend,
-            device,
-            driver,
-            choice,
-        });
-    }
-
-    /// The file's text.
-    pub fn to_text(&self) -> String {
-        let mut text =
-            String::from("# headkl tune cache: backend, device, driver, GEMM choice (written by `headkl tune`)\n");
-        for e in &self.entries {
-            text.push_str(&format!("{}\t{}\t{}\t{}\n", e.backend, e.device, e.driver, e.choice));
-        }
-        text
-    }
-
-    /// Writes the cache to `path` (through a temporary file, renamed).
-    pub fn save(&self, path: &Path) -> std::io::Result<()> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let tmp = path.with_extension("tsv.tmp");
-        std::fs::write(&tmp, self.to_text())?;
-        std::fs::rename(&tmp, path)
-    }
+    Ok((default, ChoiceSource::Default))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A backend default for the tests: K-64 logits, prefetching 256-row dx.
+    const DEFAULT: GemmChoice = GemmChoice {
+        logits: CoopGemm::Staged(tile(64, 2, 1, false)),
+        dx: CoopGemm::Staged(tile(32, 4, 1, true)),
+    };
+
+    fn parse(value: &str) -> Result<GemmChoice> {
+        GemmChoice::parse(value, DEFAULT)
+    }
 
     #[test]
     fn names_round_trip() {
@@ -559,16 +436,16 @@ mod tests {
             dx: CoopGemm::Direct,
         };
         assert_eq!(choice.to_string(), "logits=staged:bk64:r4:s1:pf,dx=direct");
-        assert_eq!(GemmChoice::parse(&choice.to_string()).unwrap(), choice);
+        assert_eq!(parse(&choice.to_string()).unwrap(), choice);
         assert_eq!(
-            GemmChoice::parse("direct").unwrap(),
+            parse("direct").unwrap(),
             GemmChoice {
                 logits: CoopGemm::Direct,
                 dx: CoopGemm::Direct
             }
         );
         assert_eq!(
-            GemmChoice::parse("dx=staged:s1:pf").unwrap().dx,
+            parse("dx=staged:s1:pf").unwrap().dx,
             CoopGemm::Staged(StagedTile {
                 stages: 1,
                 prefetch: true,
@@ -590,7 +467,7 @@ mod tests {
             "logits",
             "lm=direct",
         ] {
-            match GemmChoice::parse(bad) {
+            match parse(bad) {
                 Err(Error::InvalidSetting { name, value, .. }) => {
                     assert_eq!((name, value.as_str()), (GEMM_ENV, bad));
                 }
@@ -621,28 +498,26 @@ mod tests {
             subgroup_builtins: true,
         };
         // 60 KiB of workgroup memory on a 48 KiB device.
-        let big = GemmChoice::parse("logits=staged:bk32:r4:s2,dx=direct").unwrap();
-        match fit_choice("vulkan", big, ChoiceSource::Environment, &h200) {
+        let big = parse("logits=staged:bk32:r4:s2,dx=direct").unwrap();
+        match fit_choice(DEFAULT, big, ChoiceSource::Environment, &h200) {
             Err(Error::InvalidSetting { value, reason, .. }) => {
                 assert_eq!(value, big.to_string());
                 assert!(reason.contains("61440 bytes"), "{reason}");
             }
             other => panic!("{other:?}"),
         }
-        let fitted = fit_choice("vulkan", big, ChoiceSource::Cache(PathBuf::from("x")), &h200).unwrap();
-        assert_eq!(fitted, (GemmChoice::DEFAULT, ChoiceSource::Default));
-        let fitted = fit_choice("wgpu", big, ChoiceSource::Default, &h200).unwrap();
-        assert_eq!(fitted.0, GemmChoice::WGPU_DEFAULT);
-        let ok = GemmChoice::parse("staged:bk32:r2:s2").unwrap();
-        assert_eq!(fit_choice("vulkan", ok, ChoiceSource::Options, &h200).unwrap().0, ok);
+        let fitted = fit_choice(DEFAULT, big, ChoiceSource::Cache(PathBuf::from("x")), &h200).unwrap();
+        assert_eq!(fitted, (DEFAULT, ChoiceSource::Default));
+        let ok = parse("staged:bk32:r2:s2").unwrap();
+        assert_eq!(fit_choice(DEFAULT, ok, ChoiceSource::Options, &h200).unwrap().0, ok);
 
         // Too little for the default too: the direct kernel everywhere.
         let small = KernelLimits {
             shared_bytes: 4 << 10,
             ..h200
         };
-        let fitted = fit_choice("vulkan", big, ChoiceSource::Default, &small).unwrap();
-        assert_eq!(fitted.0, GemmChoice::parse("direct").unwrap());
+        let fitted = fit_choice(DEFAULT, big, ChoiceSource::Default, &small).unwrap();
+        assert_eq!(fitted.0, parse("direct").unwrap());
 
         // Subgroup builtins and invocations.
         let no_builtins = KernelLimits {
@@ -657,28 +532,5 @@ mod tests {
         };
         assert!(CoopGemm::parse("staged:r4").unwrap().misfit(&few).is_some());
         assert_eq!(CoopGemm::parse("staged:r2").unwrap().misfit(&few), None);
-    }
-
-    #[test]
-    fn cache_keeps_one_entry_per_device_and_skips_bad_lines() {
-        let mut cache = TuneCache::default();
-        let a = GemmChoice::DEFAULT;
-        let b = GemmChoice::parse("direct").unwrap();
-        cache.insert("vulkan", "NVIDIA H200", "580.159.04", a);
-        cache.insert("wgpu", "NVIDIA H200", "580.159.04", a);
-        cache.insert("vulkan", "NVIDIA H200", "580.159.04", b);
-        assert_eq!(cache.entries.len(), 2);
-        let text = cache.to_text() + "garbage line\nvulkan\tX\tY\tnot-a-kernel\n";
-        let back = TuneCache::parse(&text);
-        assert_eq!(back.entries.len(), 2);
-        assert_eq!(back.lookup("vulkan", "NVIDIA H200", "580.159.04"), Some(b));
-        assert_eq!(back.lookup("vulkan", "NVIDIA H200", "other"), None);
-
-        let dir = std::env::temp_dir().join(format!("headkl-tune-test-{}", std::process::id()));
-        let path = dir.join(CACHE_FILE);
-        back.save(&path).unwrap();
-        assert_eq!(TuneCache::load(&path), back);
-        std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(TuneCache::load(&path), TuneCache::default());
     }
 }

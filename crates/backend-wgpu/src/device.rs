@@ -1,0 +1,245 @@
+//! [`WgpuBackend`]: opening an adapter's device, its GEMM choice, and
+//! device errors (uncaptured errors, loss) mapped to `headkl_core::Error`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, Weak};
+
+use headkl_core::gemm_choice::{fit_choice, resolve_choice};
+use headkl_core::{CoopGemm, DeviceInfo, Error, GemmChoice, Result, StagedTile};
+
+use crate::adapter;
+use crate::buffer::{lock, Shared};
+use crate::kernels::{GemmBuild, Kernels};
+use crate::stream::{Batch, PendingTimes, RING_SLOTS};
+use crate::{backend_error, env_flag, BACKEND};
+
+/// The wgpu backend's GEMM kernels without a tune cache or `HEADKL_GEMM`:
+/// its fastest on the H200 (docs/PERFORMANCE.md), where wgpu's pipelines
+/// ran the Vulkan backend's K-64 logits tile far slower. Both GEMMs take
+/// the 256 × 128 tile, K 32 per step, one stage with register prefetch.
+pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
+    logits: CoopGemm::Staged(PREFETCH_256),
+    dx: CoopGemm::Staged(PREFETCH_256),
+};
+
+const PREFETCH_256: StagedTile = StagedTile {
+    bk: 32,
+    rows: 4,
+    stages: 1,
+    prefetch: true,
+};
+
+/// headkl's wgpu backend: one adapter's device, its pipelines and a batch
+/// of queued dispatches.
+pub struct WgpuBackend {
+    pub(crate) info: DeviceInfo,
+    pub(crate) gemm_path: String,
+    pub(crate) device: wgpu::Device,
+    pub(crate) queue: wgpu::Queue,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) kernels: Kernels,
+    /// Uniform ring: slot `i` of the current batch at `i * slot_stride`.
+    pub(crate) ring: wgpu::Buffer,
+    pub(crate) slot_stride: u64,
+    pub(crate) timestamps: bool,
+    pub(crate) profiling: AtomicBool,
+    pub(crate) batch: Mutex<Batch>,
+    pub(crate) times: Mutex<Vec<PendingTimes>>,
+    pub(crate) staging: Mutex<Option<wgpu::Buffer>>,
+    pub(crate) staged_upload_bytes: AtomicU64,
+}
+
+pub(crate) fn wgpu_error_text(e: &wgpu::Error) -> String {
+    match e {
+        wgpu::Error::OutOfMemory { .. } => "out of memory".to_string(),
+        wgpu::Error::Validation { description, .. } => format!("validation: {description}"),
+        wgpu::Error::Internal { description, .. } => format!("internal: {description}"),
+    }
+}
+
+/// How [`WgpuBackend::open_with`] opens a device. The environment variables
+/// (`HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED`) apply on top.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpenOptions {
+    /// Adapter index in [`crate::enumerate`]'s list; `None`: `HEADKL_DEVICE`,
+    /// else the best usable adapter.
+    pub index: Option<usize>,
+    /// The tiled GEMM even where matrix units exist.
+    pub force_tiled: bool,
+    /// Build every kernel with runtime bounds checks.
+    pub checked: bool,
+    /// The matrix-unit GEMM kernels; `None`: `HEADKL_GEMM`, else the tune
+    /// cache's entry for the adapter, else [`DEFAULT_GEMM`].
+    pub gemm: Option<GemmChoice>,
+}
+
+impl WgpuBackend {
+    /// Opens adapter `index` of [`crate::enumerate`]'s list; `None` takes
+    /// `HEADKL_DEVICE` if set, else the first discrete GPU, then integrated,
+    /// then any other usable adapter.
+    pub fn open(index: Option<usize>) -> Result<Self> {
+        Self::open_with(&OpenOptions {
+            index,
+            ..OpenOptions::default()
+        })
+    }
+
+    /// Opens a device as `options` say.
+    pub fn open_with(options: &OpenOptions) -> Result<Self> {
+        let instance = adapter::instance();
+        let candidate = adapter::choose(adapter::candidates(&instance), options.index)?;
+        let force_tiled = options.force_tiled || env_flag("HEADKL_NO_COOPMAT");
+        let use_coop = candidate.coop.is_ok() && !force_tiled;
+        let features = adapter::features_for(&candidate, use_coop);
+        let (device, queue) = adapter::open_device(&candidate, features)?;
+        Self::from_parts(candidate, device, queue, use_coop, force_tiled, options, true)
+    }
+
+    /// The backend on an open device. `own_device`: the device is the
+    /// backend's, so it takes the device's error and loss callbacks (a
+    /// trainer's device keeps its own; errors inside headkl's calls still
+    /// come back through error scopes).
+    pub(crate) fn from_parts(
+        candidate: adapter::Candidate,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        use_coop: bool,
+        force_tiled: bool,
+        options: &OpenOptions,
+        own_device: bool,
+    ) -> Result<Self> {
+        let shared = Arc::new(Shared::default());
+        if own_device {
+            let weak: Weak<Shared> = Arc::downgrade(&shared);
+            device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+                if let Some(s) = weak.upgrade() {
+                    s.record_error(wgpu_error_text(&e));
+                }
+            }));
+            let weak: Weak<Shared> = Arc::downgrade(&shared);
+            device.set_device_lost_callback(move |reason, message| {
+                if reason == wgpu::DeviceLostReason::Destroyed {
+                    return;
+                }
+                if let Some(s) = weak.upgrade() {
+                    lock(&s.errors).lost = Some(format!("{reason:?}: {message}"));
+                }
+            });
+        }
+
+        let mut info = candidate.info.clone();
+        info.matrix_units = use_coop;
+        // What the device was opened with (a trainer's may ask for less
+        // than the adapter offers).
+        let limits = device.limits();
+        info.max_binding_bytes = limits.max_storage_buffer_binding_size;
+        info.max_buffer_bytes = limits.max_buffer_size;
+        // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
+        // GEMM runs, so a typo never goes unnoticed.
+        let i = &candidate.info;
+        let (choice, source) = resolve_choice(options.gemm, DEFAULT_GEMM, BACKEND, &i.device_name, &i.driver)?;
+        let coop = match &candidate.coop {
+            Ok(sg) if use_coop => {
+                let fitted = fit_choice(
+                    DEFAULT_GEMM,
+                    choice,
+                    source,
+                    &adapter::kernel_limits(&candidate.adapter, *sg),
+                )?;
+                Some((*sg, fitted))
+            }
+            _ => None,
+        };
+        let gemm_path = adapter::gemm_path(&candidate.coop, coop.as_ref().map(|(_, plan)| plan), force_tiled);
+        info.gemm = Some(gemm_path.clone());
+        let kernels = Kernels::new(
+            &device,
+            GemmBuild {
+                coop: coop.map(|(sg, (choice, _))| (sg, choice)),
+                checked: options.checked || env_flag("HEADKL_CHECKED"),
+            },
+        );
+        let align = u64::from(device.limits().min_uniform_buffer_offset_alignment);
+        let slot_stride = align.max(64);
+        let ring = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("headkl params"),
+            size: slot_stride * u64::from(RING_SLOTS),
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let timestamps = device.features().contains(wgpu::Features::TIMESTAMP_QUERY);
+        Ok(Self {
+            info,
+            gemm_path,
+            device,
+            queue,
+            shared,
+            kernels,
+            ring,
+            slot_stride,
+            timestamps,
+            profiling: AtomicBool::new(false),
+            batch: Mutex::new(Batch::default()),
+            times: Mutex::new(Vec::new()),
+            staging: Mutex::new(None),
+            staged_upload_bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// How the GEMM runs on this device (cooperative matrices or tiled, and
+    /// why).
+    pub fn gemm_path(&self) -> &str {
+        &self.gemm_path
+    }
+
+    /// The wgpu device.
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    /// Fails with device loss, or with errors the device reported since the
+    /// last call.
+    pub(crate) fn check(&self) -> Result<()> {
+        let mut e = lock(&self.shared.errors);
+        if let Some(lost) = &e.lost {
+            return Err(Error::DeviceLost(lost.clone()));
+        }
+        if !e.unreported.is_empty() {
+            let all = std::mem::take(&mut e.unreported);
+            return Err(backend_error(all.join("; ")));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn lost_or(&self, fallback: String) -> Error {
+        match &lock(&self.shared.errors).lost {
+            Some(lost) => Error::DeviceLost(lost.clone()),
+            None => backend_error(fallback),
+        }
+    }
+
+    /// Waits for all submitted work.
+    pub(crate) fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| self.lost_or(format!("waiting for the device: {e}")))?;
+        Ok(())
+    }
+}
+
+impl Drop for WgpuBackend {
+    fn drop(&mut self) {
+        // Let queued work finish before the device goes.
+        let _ = self.flush();
+        let _ = self.device.poll(wgpu::PollType::wait_indefinitely());
+    }
+}
+
+impl std::fmt::Debug for WgpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WgpuBackend")
+            .field("device", &self.info.device_name)
+            .field("gemm", &self.gemm_path)
+            .finish()
+    }
+}

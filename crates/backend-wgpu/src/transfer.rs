@@ -1,0 +1,157 @@
+//! Transfers: uploads through the queue (flushed in pieces), downloads
+//! through a reused MAP_READ staging buffer.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+
+use headkl_core::checks::check_transfer;
+use headkl_core::{DeviceBuffer, Error, Result};
+
+use crate::backend_error;
+use crate::buffer::{lock, WgpuBuffer};
+use crate::device::{wgpu_error_text, WgpuBackend};
+
+/// Largest staging buffer for downloads; bigger downloads go in pieces.
+const MAX_STAGING: u64 = 64 << 20;
+/// Uploads staged by `queue.write_buffer` past this many bytes are flushed
+/// to the device, so a multi-GB head upload never stages it all at once.
+const UPLOAD_FLUSH_BYTES: u64 = 256 << 20;
+
+impl WgpuBackend {
+    /// A MAP_READ staging buffer of at least `bytes` (≤ [`MAX_STAGING`]).
+    pub(crate) fn staging(&self, bytes: u64) -> Result<wgpu::Buffer> {
+        let mut s = lock(&self.staging);
+        if let Some(b) = s.as_ref() {
+            if b.size() >= bytes {
+                return Ok(b.clone());
+            }
+        }
+        let size = bytes.next_multiple_of(1 << 20).min(MAX_STAGING).max(bytes);
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let b = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("headkl download staging"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        if pollster::block_on(scope.pop()).is_some() {
+            return Err(Error::OutOfMemory {
+                bytes: size,
+                what: "download staging",
+            });
+        }
+        *s = Some(b.clone());
+        Ok(b)
+    }
+
+    /// Maps `buffer[..bytes]` for reading, waits, and hands the bytes to `read`.
+    pub(crate) fn read_mapped(&self, buffer: &wgpu::Buffer, bytes: u64, read: impl FnOnce(&[u8])) -> Result<()> {
+        let (tx, rx) = mpsc::channel();
+        buffer.map_async(wgpu::MapMode::Read, 0..bytes, move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait()?;
+        match rx.try_recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(self.lost_or(format!("mapping a buffer: {e}"))),
+            Err(_) => return Err(self.lost_or("mapping a buffer: no completion".into())),
+        }
+        {
+            let view = buffer
+                .get_mapped_range(0..bytes)
+                .map_err(|e| backend_error(format!("reading a mapped buffer: {e}")))?;
+            read(&view);
+        }
+        buffer.unmap();
+        Ok(())
+    }
+
+    /// Copies `src[offset..offset + out.len())` (4-byte aligned range) out.
+    pub(crate) fn download_aligned(&self, src: &wgpu::Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        let mut done = 0u64;
+        let total = out.len() as u64;
+        while done < total {
+            let piece = (total - done).min(MAX_STAGING);
+            let staging = self.staging(piece)?;
+            let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("headkl download"),
+            });
+            enc.copy_buffer_to_buffer(src, offset + done, &staging, 0, piece);
+            self.queue.submit([enc.finish()]);
+            if let Some(e) = pollster::block_on(scope.pop()) {
+                return Err(backend_error(format!("download: {}", wgpu_error_text(&e))));
+            }
+            let dst = &mut out[done as usize..(done + piece) as usize];
+            self.read_mapped(&staging, piece, |bytes| {
+                headkl_core::host::parallel_copy(&bytes[..dst.len()], dst)
+            })?;
+            done += piece;
+        }
+        Ok(())
+    }
+
+    /// [`Backend::upload`](headkl_core::Backend::upload).
+    pub(crate) fn upload_bytes(&self, dst: &WgpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        self.check()?;
+        let len = data.len() as u64;
+        check_transfer("upload", offset, len, dst.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        // A view of a caller's buffer starts inside it.
+        let offset = offset + dst.offset;
+        // write_buffer lands before the next submit: submit what is queued
+        // first so the upload is ordered after it.
+        self.flush()?;
+        let start = offset & !3;
+        let end = (offset + len).next_multiple_of(4);
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        if start == offset && end == offset + len {
+            self.queue.write_buffer(&dst.raw, offset, data);
+        } else {
+            // Unaligned edges: merge with the bytes already there.
+            let mut merged = vec![0u8; (end - start) as usize];
+            self.download_aligned(&dst.raw, start, &mut merged[..4])?;
+            let tail = merged.len() - 4;
+            self.download_aligned(&dst.raw, end - 4, &mut merged[tail..])?;
+            let at = (offset - start) as usize;
+            merged[at..at + data.len()].copy_from_slice(data);
+            self.queue.write_buffer(&dst.raw, start, &merged);
+        }
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(backend_error(format!("upload: {}", wgpu_error_text(&e))));
+        }
+        let staged = self.staged_upload_bytes.fetch_add(len, Ordering::Relaxed) + len;
+        if staged >= UPLOAD_FLUSH_BYTES {
+            self.queue.submit([]);
+            self.staged_upload_bytes.store(0, Ordering::Relaxed);
+            // Lets finished staging buffers go.
+            let _ = self.device.poll(wgpu::PollType::Poll);
+        }
+        Ok(())
+    }
+
+    /// [`Backend::download`](headkl_core::Backend::download).
+    pub(crate) fn download_bytes(&self, src: &WgpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.check()?;
+        let len = out.len() as u64;
+        check_transfer("download", offset, len, src.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        let offset = offset + src.offset;
+        self.flush()?;
+        let start = offset & !3;
+        let end = (offset + len).next_multiple_of(4);
+        if start == offset && end == offset + len {
+            self.download_aligned(&src.raw, offset, out)?;
+        } else {
+            let mut wide = vec![0u8; (end - start) as usize];
+            self.download_aligned(&src.raw, start, &mut wide)?;
+            let at = (offset - start) as usize;
+            out.copy_from_slice(&wide[at..at + out.len()]);
+        }
+        self.check()
+    }
+}

@@ -1,0 +1,361 @@
+//! Every kernel descriptor checked against its buffers, once, for every
+//! backend. Each check returns the kernel's parameter block (with its grid
+//! width still 0), so a backend cannot dispatch a descriptor it did not
+//! check; every extent goes into the block through `u32::try_from`, and an
+//! extent past 32 bits is an [`Error::BadDescriptor`].
+//!
+//! The GEMMs are built without runtime bounds checks: these checks are what
+//! keep their every index inside its buffer (shaders/README.md).
+
+use crate::backend::{ConvertDesc, DeviceBuffer, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use crate::error::{Error, Result};
+use crate::kernels::{bad_descriptor, require, KernelId};
+use crate::params::{ConvertParams, GemmParams, RowParams};
+use crate::problem::MAX_K;
+use crate::ALIGN;
+
+/// `value` as `u32`, or an error naming `field` of `kernel`.
+fn index(kernel: KernelId, field: &'static str, value: usize) -> Result<u32> {
+    u32::try_from(value).map_err(|_| {
+        bad_descriptor(
+            kernel,
+            field,
+            value as u128,
+            "exceeds the kernels' 32-bit indices".into(),
+        )
+    })
+}
+
+/// Elements spanned by `rows` rows of `cols` elements at row stride `ld`,
+/// from element `offset`; 0 when the region is empty.
+fn span(offset: usize, rows: usize, ld: usize, cols: usize) -> u128 {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        offset as u128 + (rows as u128 - 1) * ld as u128 + cols as u128
+    }
+}
+
+/// Checks that a region of `elems` elements of `elem_bytes` bytes fits in
+/// `buffer`, in one binding of at most `max_binding` bytes, and can be
+/// indexed with 32 bits.
+fn fits(
+    kernel: KernelId,
+    what: &'static str,
+    elems: u128,
+    elem_bytes: u128,
+    buffer: &impl DeviceBuffer,
+    max_binding: u64,
+) -> Result<()> {
+    let needed = elems * elem_bytes;
+    let len = buffer.len();
+    let limit = len.min(max_binding);
+    require(needed <= u128::from(limit), kernel, what, needed, || {
+        format!("bytes needed, but the buffer binds {limit} (length {len}, binding limit {max_binding})")
+    })?;
+    // Kernels index elements (and compare against products of extents)
+    // in u32.
+    require(elems < 1 << 32, kernel, what, needed, || {
+        format!("bytes span {elems} elements, past the kernels' 32-bit indices")
+    })
+}
+
+/// Checks `value ≥ min`, naming both.
+fn at_least(kernel: KernelId, field: &'static str, value: usize, min_name: &str, min: usize) -> Result<()> {
+    require(value >= min, kernel, field, value as u128, || {
+        format!("below {min_name} = {min}")
+    })
+}
+
+/// Checks that `value` is a multiple of `unit`.
+fn multiple(kernel: KernelId, field: &'static str, value: usize, unit: usize) -> Result<()> {
+    require(value.is_multiple_of(unit), kernel, field, value as u128, || {
+        format!("not a multiple of {unit}")
+    })
+}
+
+/// A transfer of `bytes` bytes at `offset` into or out of a buffer of
+/// `len` bytes: an error unless it lies inside. `what` is `upload` or
+/// `download`.
+pub fn check_transfer(what: &'static str, offset: u64, bytes: u64, len: u64) -> Result<()> {
+    if offset.checked_add(bytes).is_none_or(|end| end > len) {
+        return Err(Error::TransferOutOfRange {
+            what,
+            offset,
+            bytes,
+            len,
+        });
+    }
+    Ok(())
+}
+
+impl ConvertDesc {
+    /// Checks the conversion against `[src, dst]` and returns its block.
+    pub fn check<B: DeviceBuffer>(&self, [src, dst]: [&B; 2], max_binding: u64) -> Result<ConvertParams> {
+        const K: KernelId = KernelId::ConvertF16;
+        at_least(K, "rows_padded", self.rows_padded, "rows", self.rows)?;
+        at_least(K, "ld", self.ld, "cols", self.cols)?;
+        fits(K, "src", span(0, self.rows, self.cols, self.cols), 4, src, max_binding)?;
+        fits(
+            K,
+            "dst",
+            span(0, self.rows_padded, self.ld, self.ld),
+            2,
+            dst,
+            max_binding,
+        )?;
+        Ok(ConvertParams {
+            rows: index(K, "rows", self.rows)?,
+            cols: index(K, "cols", self.cols)?,
+            rows_padded: index(K, "rows_padded", self.rows_padded)?,
+            ld: index(K, "ld", self.ld)?,
+            grid_x: 0,
+            _pad: [0; 3],
+        })
+    }
+}
+
+impl GemmDesc {
+    /// Checks the GEMM against `[a, b, c]` and returns its block.
+    pub fn check<B: DeviceBuffer>(&self, [a, b, c]: [&B; 3], max_binding: u64) -> Result<GemmParams> {
+        let kernel = self.kernel();
+        for (field, value) in [("m", self.m), ("n", self.n), ("k", self.k)] {
+            multiple(kernel, field, value, ALIGN)?;
+        }
+        // The matrix-unit kernels load A and B 8 halves (16 bytes) at a time.
+        for (field, value) in [("a_offset", self.a_offset), ("lda", self.lda), ("ldb", self.ldb)] {
+            multiple(kernel, field, value, 8)?;
+        }
+        at_least(kernel, "lda", self.lda, "k", self.k)?;
+        at_least(kernel, "ldc", self.ldc, "n", self.n)?;
+        let b_span = match self.b_layout {
+            HeadLayout::Logits => {
+                at_least(kernel, "ldb", self.ldb, "k", self.k)?;
+                span(0, self.n, self.ldb, self.k)
+            }
+            HeadLayout::Dx => {
+                at_least(kernel, "ldb", self.ldb, "n", self.n)?;
+                span(0, self.k, self.ldb, self.n)
+            }
+        };
+        if self.m > 0 && self.n > 0 {
+            fits(
+                kernel,
+                "A",
+                span(self.a_offset, self.m, self.lda, self.k),
+                2,
+                a,
+                max_binding,
+            )?;
+            fits(kernel, "B", b_span, 2, b, max_binding)?;
+            fits(
+                kernel,
+                "C",
+                span(self.c_offset, self.m, self.ldc, self.n),
+                4,
+                c,
+                max_binding,
+            )?;
+        }
+        Ok(GemmParams {
+            m: index(kernel, "m", self.m)?,
+            n: index(kernel, "n", self.n)?,
+            k: index(kernel, "k", self.k)?,
+            a_offset: index(kernel, "a_offset", self.a_offset)?,
+            lda: index(kernel, "lda", self.lda)?,
+            ldb: index(kernel, "ldb", self.ldb)?,
+            c_offset: index(kernel, "c_offset", self.c_offset)?,
+            ldc: index(kernel, "ldc", self.ldc)?,
+            alpha: self.alpha,
+            accumulate: u32::from(self.accumulate),
+            grid_x: 0,
+            _pad: 0,
+        })
+    }
+}
+
+/// The checks the row kernels share: logits `[rows][ld]` f32, ids and
+/// probs `[rows][k]`, `ld ≥ vocab` in whole 16-byte reads.
+fn row_params<B: DeviceBuffer>(
+    kernel: KernelId,
+    (rows, vocab, ld, k): (usize, usize, usize, usize),
+    max_k: usize,
+    logits: &B,
+    ids: &B,
+    probs: &B,
+    max_binding: u64,
+) -> Result<RowParams> {
+    multiple(kernel, "ld", ld, ALIGN)?;
+    at_least(kernel, "ld", ld, "vocab", vocab)?;
+    require(k >= 1 && k <= max_k, kernel, "k", k as u128, || {
+        format!("not in 1..={max_k}")
+    })?;
+    fits(kernel, "logits", span(0, rows, ld, ld), 4, logits, max_binding)?;
+    fits(kernel, "ids", span(0, rows, k, k), 4, ids, max_binding)?;
+    fits(kernel, "probs", span(0, rows, k, k), 4, probs, max_binding)?;
+    Ok(RowParams {
+        rows: index(kernel, "rows", rows)?,
+        vocab: index(kernel, "vocab", vocab)?,
+        ld: index(kernel, "ld", ld)?,
+        k: index(kernel, "k", k)?,
+        grid_x: 0,
+        _pad: [0; 3],
+    })
+}
+
+impl KlDesc {
+    /// Checks the KL rows against `[logits, ids, probs, coef, loss, grad]`
+    /// and returns their block.
+    pub fn check<B: DeviceBuffer>(
+        &self,
+        [logits, ids, probs, coef, loss, grad]: [&B; 6],
+        max_binding: u64,
+    ) -> Result<RowParams> {
+        const K: KernelId = KernelId::KlRows;
+        let shape = (self.rows, self.vocab, self.ld, self.k);
+        let params = row_params(K, shape, self.vocab.min(MAX_K), logits, ids, probs, max_binding)?;
+        fits(K, "coef", self.rows as u128, 4, coef, max_binding)?;
+        fits(K, "loss", self.rows as u128, 4, loss, max_binding)?;
+        fits(K, "grad", span(0, self.rows, self.ld, self.ld), 2, grad, max_binding)?;
+        Ok(params)
+    }
+}
+
+impl TopkDesc {
+    /// Checks the top-k rows against `[logits, ids, probs]` and returns
+    /// their block.
+    pub fn check<B: DeviceBuffer>(&self, [logits, ids, probs]: [&B; 3], max_binding: u64) -> Result<RowParams> {
+        let shape = (self.rows, self.vocab, self.ld, self.k);
+        row_params(
+            KernelId::TopkRows,
+            shape,
+            self.vocab.min(MAX_K),
+            logits,
+            ids,
+            probs,
+            max_binding,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Len(u64);
+    impl DeviceBuffer for Len {
+        fn len(&self) -> u64 {
+            self.0
+        }
+    }
+
+    fn field_of(e: Error) -> (&'static str, &'static str, u128) {
+        match e {
+            Error::BadDescriptor {
+                kernel, field, value, ..
+            } => (kernel, field, value),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn gemm_checks_name_the_field() {
+        let d = GemmDesc::dense(32, 48, 64, HeadLayout::Dx);
+        let (a, b, c) = (Len(32 * 64 * 2), Len(64 * 48 * 2), Len(32 * 48 * 4));
+        let p = d.check([&a, &b, &c], u64::MAX).unwrap();
+        assert_eq!((p.m, p.n, p.k, p.ldb), (32, 48, 64, 48));
+        let short = Len(32 * 48 * 4 - 4);
+        assert_eq!(
+            field_of(d.check([&a, &b, &short], u64::MAX).unwrap_err()),
+            ("gemm_dx", "C", 32 * 48 * 4)
+        );
+        // The binding limit counts like the length.
+        assert_eq!(field_of(d.check([&a, &b, &c], 1024).unwrap_err()).1, "A");
+        let odd = GemmDesc { m: 17, ..d };
+        assert_eq!(
+            field_of(odd.check([&a, &b, &c], u64::MAX).unwrap_err()),
+            ("gemm_dx", "m", 17)
+        );
+        let narrow = GemmDesc { ldb: 32, ..d };
+        assert_eq!(field_of(narrow.check([&a, &b, &c], u64::MAX).unwrap_err()).1, "ldb");
+        let logits = GemmDesc::dense(16, 16, 16, HeadLayout::Logits);
+        let small = Len(512);
+        assert_eq!(logits.check([&small, &small, &Len(1024)], u64::MAX).unwrap().grid_x, 0);
+    }
+
+    #[test]
+    fn extents_past_32_bits_are_errors_not_truncations() {
+        let huge = 1usize << 33;
+        let d = GemmDesc {
+            c_offset: huge,
+            ..GemmDesc::dense(16, 16, 16, HeadLayout::Logits)
+        };
+        let big = Len(u64::MAX);
+        assert_eq!(field_of(d.check([&big, &big, &big], u64::MAX).unwrap_err()).1, "C");
+        let k = TopkDesc {
+            rows: 1,
+            vocab: huge,
+            ld: huge,
+            k: 1,
+        };
+        assert_eq!(field_of(k.check([&big, &big, &big], u64::MAX).unwrap_err()).1, "logits");
+        let c = ConvertDesc {
+            rows: 1,
+            cols: 1,
+            rows_padded: 1 << 20,
+            ld: 1 << 13,
+        };
+        assert_eq!(field_of(c.check([&big, &big], u64::MAX).unwrap_err()).1, "dst");
+    }
+
+    #[test]
+    fn row_and_convert_checks() {
+        let kl = KlDesc {
+            rows: 4,
+            vocab: 10,
+            ld: 16,
+            k: 3,
+        };
+        let (logits, ids, coef, grad) = (Len(4 * 16 * 4), Len(4 * 3 * 4), Len(16), Len(4 * 16 * 2));
+        let p = kl.check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX).unwrap();
+        assert_eq!((p.rows, p.vocab, p.ld, p.k), (4, 10, 16, 3));
+        let bad_k = KlDesc { k: 11, ..kl };
+        assert_eq!(
+            field_of(
+                bad_k
+                    .check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX)
+                    .unwrap_err()
+            ),
+            ("kl_rows", "k", 11)
+        );
+        let short = Len(8);
+        assert_eq!(
+            field_of(
+                kl.check([&logits, &ids, &ids, &coef, &short, &grad], u64::MAX)
+                    .unwrap_err()
+            )
+            .1,
+            "loss"
+        );
+        let c = ConvertDesc {
+            rows: 2,
+            cols: 5,
+            rows_padded: 1,
+            ld: 16,
+        };
+        assert_eq!(
+            field_of(c.check([&Len(40), &Len(64)], u64::MAX).unwrap_err()),
+            ("convert_f16", "rows_padded", 1)
+        );
+    }
+
+    #[test]
+    fn transfers_stay_inside() {
+        assert!(check_transfer("upload", 8, 8, 16).is_ok());
+        assert!(matches!(
+            check_transfer("download", 9, 8, 16),
+            Err(Error::TransferOutOfRange { offset: 9, .. })
+        ));
+        assert!(check_transfer("upload", u64::MAX, 2, 16).is_err());
+    }
+}

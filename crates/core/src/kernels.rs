@@ -1,0 +1,425 @@
+//! The kernel catalogue: for every kernel, its shader file and entry point,
+//! its bindings and parameter block, its workgroup shape, workgroup memory
+//! and override values, and its workgroup count for a descriptor. Both GPU
+//! backends build their pipelines and dispatches from these entries alone,
+//! so a new kernel is one [`KernelId`] variant and its rows in the `match`es
+//! below (and a row in ARCHITECTURE.md's Kernels table).
+
+use std::fmt;
+
+use crate::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use crate::error::{Error, Result};
+use crate::gemm_choice::{CoopGemm, KernelLimits};
+use crate::params::{ConvertParams, GemmParams, ParamBlock, RowParams};
+
+/// One WGSL file of `shaders/`: its name (errors, caches), its text, and
+/// the parameter block its kernels read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shader {
+    /// File name within `shaders/`.
+    pub file: &'static str,
+    /// The file's WGSL, with [`PARAMS_MARKER`] where the parameter block goes.
+    pub text: &'static str,
+    /// The parameter block at binding 0.
+    pub params: ParamBlock,
+}
+
+/// The line of every shader that [`Shader::source`] replaces with the
+/// parameter block's declaration.
+pub const PARAMS_MARKER: &str =
+    "// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>";
+
+impl Shader {
+    /// The WGSL to compile: the file with its parameter struct and binding
+    /// generated from `core::params` in place of [`PARAMS_MARKER`].
+    pub fn source(&self) -> String {
+        self.text.replacen(PARAMS_MARKER, &self.params.wgsl(), 1)
+    }
+}
+
+macro_rules! shader {
+    ($file:literal, $params:ty) => {
+        Shader {
+            file: $file,
+            text: include_str!(concat!("../../../shaders/", $file)),
+            params: <$params>::BLOCK,
+        }
+    };
+}
+
+/// `convert.wgsl`: f32 → f16 hidden rows.
+pub const CONVERT_WGSL: Shader = shader!("convert.wgsl", ConvertParams);
+/// `kl_rows.wgsl`: the KL row kernel.
+pub const KL_ROWS_WGSL: Shader = shader!("kl_rows.wgsl", RowParams);
+/// `topk_rows.wgsl`: the exact top-k row kernel.
+pub const TOPK_ROWS_WGSL: Shader = shader!("topk_rows.wgsl", RowParams);
+/// `gemm_tiled.wgsl`: the portable GEMM (no matrix units).
+pub const GEMM_TILED_WGSL: Shader = shader!("gemm_tiled.wgsl", GemmParams);
+/// `gemm_coop.wgsl`: the matrix-unit GEMM staged through workgroup memory.
+pub const GEMM_COOP_WGSL: Shader = shader!("gemm_coop.wgsl", GemmParams);
+/// `gemm_coop_direct.wgsl`: the matrix-unit GEMM without workgroup memory.
+pub const GEMM_COOP_DIRECT_WGSL: Shader = shader!("gemm_coop_direct.wgsl", GemmParams);
+
+/// Every shader file, in the order of [`KernelId::ALL`].
+pub const SHADERS: [Shader; 6] = [
+    CONVERT_WGSL,
+    KL_ROWS_WGSL,
+    TOPK_ROWS_WGSL,
+    GEMM_TILED_WGSL,
+    GEMM_COOP_WGSL,
+    GEMM_COOP_DIRECT_WGSL,
+];
+
+/// Invocations per workgroup of the row kernels and the conversion
+/// (`WG` in their shaders).
+pub const ROW_WORKGROUP: u32 = 256;
+/// Output tile `(rows, columns)` per workgroup of `gemm_tiled.wgsl`
+/// (`TM`, `TN`), computed by 16 × 16 invocations.
+pub const TILED_TILE: (u32, u32) = (64, 64);
+
+/// A kernel the driver dispatches. Its [`name`](Self::name) is its entry
+/// point in every shader that implements it, its label in kernel timings,
+/// and (for the GEMMs, without the `gemm_` prefix) its key in `HEADKL_GEMM`
+/// and the tune cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KernelId {
+    /// f32 → f16 hidden rows ([`ConvertDesc`]).
+    ConvertF16,
+    /// The logits GEMM, `x · W_sliceᵀ` ([`HeadLayout::Logits`]).
+    GemmLogits,
+    /// The input-gradient GEMM, `g_slice · W_slice` ([`HeadLayout::Dx`]).
+    GemmDx,
+    /// The KL row kernel ([`KlDesc`]).
+    KlRows,
+    /// The exact top-k row kernel ([`TopkDesc`]).
+    TopkRows,
+}
+
+/// How a kernel uses one storage binding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Read only.
+    Read,
+    /// Written (and possibly read).
+    ReadWrite,
+}
+
+/// Which GEMM implementation runs on a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmKernel {
+    /// `gemm_tiled.wgsl`, on any device.
+    Tiled,
+    /// A matrix-unit kernel at a fixed subgroup size.
+    Coop {
+        /// The kernel and its tile.
+        kernel: CoopGemm,
+        /// The subgroup size it is built for (`SG_SIZE`).
+        subgroup: u32,
+    },
+}
+
+/// What a backend needs to build one kernel's pipeline.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelBuild {
+    /// The kernel.
+    pub id: KernelId,
+    /// Its shader.
+    pub shader: Shader,
+    /// Its entry point in that shader.
+    pub entry: &'static str,
+    /// `override` values, by name.
+    pub overrides: Vec<(&'static str, u32)>,
+    /// Workgroup memory in bytes.
+    pub workgroup_bytes: u32,
+    /// Invocations per workgroup.
+    pub invocations: u32,
+    /// Runs on matrix units: needs whole subgroups of the size it was built for.
+    pub matrix_units: bool,
+}
+
+impl KernelId {
+    /// Every kernel.
+    pub const ALL: [KernelId; 5] = [
+        KernelId::ConvertF16,
+        KernelId::GemmLogits,
+        KernelId::GemmDx,
+        KernelId::KlRows,
+        KernelId::TopkRows,
+    ];
+
+    /// Its one name: entry point, timing label and docs.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KernelId::ConvertF16 => "convert_f16",
+            KernelId::GemmLogits => "gemm_logits",
+            KernelId::GemmDx => "gemm_dx",
+            KernelId::KlRows => "kl_rows",
+            KernelId::TopkRows => "topk_rows",
+        }
+    }
+
+    /// The GEMM kernel for `layout`.
+    pub const fn gemm(layout: HeadLayout) -> KernelId {
+        match layout {
+            HeadLayout::Logits => KernelId::GemmLogits,
+            HeadLayout::Dx => KernelId::GemmDx,
+        }
+    }
+
+    /// The head layout of a GEMM kernel (`None` for the others).
+    pub const fn gemm_layout(self) -> Option<HeadLayout> {
+        match self {
+            KernelId::GemmLogits => Some(HeadLayout::Logits),
+            KernelId::GemmDx => Some(HeadLayout::Dx),
+            _ => None,
+        }
+    }
+
+    /// Its storage bindings, at bindings 1.. (binding 0 is the uniform
+    /// parameter block), in the order the [`crate::Backend`] method takes
+    /// the buffers.
+    pub const fn bindings(self) -> &'static [Access] {
+        use Access::{Read as R, ReadWrite as W};
+        match self {
+            KernelId::ConvertF16 => &[R, W],
+            KernelId::GemmLogits | KernelId::GemmDx => &[R, R, W],
+            KernelId::KlRows => &[R, R, R, R, W, W],
+            KernelId::TopkRows => &[R, W, W],
+        }
+    }
+
+    /// Its uniform parameter block (the descriptor's `check` returns one).
+    pub const fn params(self) -> ParamBlock {
+        match self {
+            KernelId::ConvertF16 => ConvertParams::BLOCK,
+            KernelId::GemmLogits | KernelId::GemmDx => GemmParams::BLOCK,
+            KernelId::KlRows | KernelId::TopkRows => RowParams::BLOCK,
+        }
+    }
+
+    /// Size in bytes of its uniform parameter block.
+    pub const fn params_bytes(self) -> u64 {
+        self.params().bytes as u64
+    }
+
+    /// Every shader that implements it (the GEMMs have one per
+    /// [`GemmKernel`] family).
+    pub fn shaders(self) -> Vec<Shader> {
+        match self {
+            KernelId::ConvertF16 => vec![CONVERT_WGSL],
+            KernelId::KlRows => vec![KL_ROWS_WGSL],
+            KernelId::TopkRows => vec![TOPK_ROWS_WGSL],
+            KernelId::GemmLogits | KernelId::GemmDx => vec![GEMM_TILED_WGSL, GEMM_COOP_WGSL, GEMM_COOP_DIRECT_WGSL],
+        }
+    }
+
+    /// How to build it where the GEMM runs as `gemm` (ignored by the
+    /// other kernels).
+    pub fn build(self, gemm: GemmKernel) -> KernelBuild {
+        let fixed = |shader, workgroup_bytes| KernelBuild {
+            id: self,
+            shader,
+            entry: self.name(),
+            overrides: Vec::new(),
+            workgroup_bytes,
+            invocations: ROW_WORKGROUP,
+            matrix_units: false,
+        };
+        match (self, gemm) {
+            // Workgroup memory as the shaders declare it (checked against
+            // naga's layout by the shader tests).
+            (KernelId::ConvertF16, _) => fixed(CONVERT_WGSL, 0),
+            // red_max, red_sum, red_bad [256] and two scalars.
+            (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 3 * 4 * ROW_WORKGROUP + 8),
+            // hist [2048], scan [256], sel_key and sel_id [2048], 8 scalars.
+            (KernelId::TopkRows, _) => fixed(TOPK_ROWS_WGSL, 4 * (2048 + ROW_WORKGROUP + 2 * 2048 + 8)),
+            // as_ and bs_: [16][64] f32 each.
+            (_, GemmKernel::Tiled) => fixed(GEMM_TILED_WGSL, 2 * 16 * 64 * 4),
+            (_, GemmKernel::Coop { kernel, subgroup }) => KernelBuild {
+                id: self,
+                shader: match kernel {
+                    CoopGemm::Staged(_) => GEMM_COOP_WGSL,
+                    CoopGemm::Direct => GEMM_COOP_DIRECT_WGSL,
+                },
+                entry: self.name(),
+                overrides: kernel.overrides(subgroup),
+                workgroup_bytes: kernel.shared_bytes(),
+                invocations: kernel.invocations(subgroup),
+                matrix_units: true,
+            },
+        }
+    }
+
+    /// Why a device with `limits` cannot run this kernel built as
+    /// [`GemmKernel::Tiled`] (the build every device must run), or `None`.
+    fn misfit(self, limits: &KernelLimits) -> Option<String> {
+        let build = self.build(GemmKernel::Tiled);
+        if build.workgroup_bytes > limits.shared_bytes {
+            return Some(format!(
+                "{} bytes of workgroup memory for {self} (has {})",
+                build.workgroup_bytes, limits.shared_bytes
+            ));
+        }
+        if build.invocations > limits.invocations {
+            return Some(format!(
+                "workgroups of {} invocations for {self} (allows {})",
+                build.invocations, limits.invocations
+            ));
+        }
+        None
+    }
+}
+
+impl fmt::Display for KernelId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a device with `limits` cannot run headkl's kernels without matrix
+/// units (the row kernels, the conversion, the tiled GEMM), or `None` when
+/// it can. Both backends call it when they list a device.
+pub fn device_misfit(limits: &KernelLimits) -> Option<String> {
+    let why: Vec<String> = KernelId::ALL.iter().filter_map(|k| k.misfit(limits)).collect();
+    (!why.is_empty()).then(|| why.join("; "))
+}
+
+impl GemmKernel {
+    /// Output tile `(rows, columns)` per workgroup.
+    pub const fn tile(self) -> (u32, u32) {
+        match self {
+            GemmKernel::Tiled => TILED_TILE,
+            GemmKernel::Coop { kernel, .. } => kernel.tile(),
+        }
+    }
+}
+
+impl ConvertDesc {
+    /// Workgroups of its dispatch: one invocation per element of `dst`.
+    pub fn workgroups(&self) -> u64 {
+        (self.rows_padded as u64 * self.ld as u64).div_ceil(u64::from(ROW_WORKGROUP))
+    }
+}
+
+impl GemmDesc {
+    /// Workgroups of its dispatch with `gemm`: one per output tile.
+    pub fn workgroups(&self, gemm: GemmKernel) -> u64 {
+        let (rows, cols) = gemm.tile();
+        (self.m as u64).div_ceil(u64::from(rows)) * (self.n as u64).div_ceil(u64::from(cols))
+    }
+
+    /// Its kernel.
+    pub const fn kernel(&self) -> KernelId {
+        KernelId::gemm(self.b_layout)
+    }
+}
+
+impl KlDesc {
+    /// Workgroups of its dispatch: one per row.
+    pub fn workgroups(&self) -> u64 {
+        self.rows as u64
+    }
+}
+
+impl TopkDesc {
+    /// Workgroups of its dispatch: one per row.
+    pub fn workgroups(&self) -> u64 {
+        self.rows as u64
+    }
+}
+
+/// An error naming a kernel descriptor's field: the driver never builds
+/// one, so this is a bug in a caller of [`crate::Backend`].
+pub(crate) fn bad_descriptor(kernel: KernelId, field: &'static str, value: u128, reason: String) -> Error {
+    Error::BadDescriptor {
+        kernel: kernel.name(),
+        field,
+        value,
+        reason,
+    }
+}
+
+/// `Ok(())`, or the error of [`bad_descriptor`] when `ok` is false.
+pub(crate) fn require(
+    ok: bool,
+    kernel: KernelId,
+    field: &'static str,
+    value: u128,
+    reason: impl FnOnce() -> String,
+) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(bad_descriptor(kernel, field, value, reason()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_has_one_name_and_a_layout_round_trip() {
+        let names: std::collections::BTreeSet<_> = KernelId::ALL.iter().map(|k| k.name()).collect();
+        assert_eq!(names.len(), KernelId::ALL.len());
+        for layout in [HeadLayout::Logits, HeadLayout::Dx] {
+            assert_eq!(KernelId::gemm(layout).gemm_layout(), Some(layout));
+        }
+        assert_eq!(KernelId::KlRows.gemm_layout(), None);
+        for k in KernelId::ALL {
+            assert_eq!(k.params_bytes() % 16, 0, "{k}");
+            for shader in k.shaders() {
+                assert!(
+                    shader.text.contains(&format!("fn {}(", k.name())),
+                    "{}: {k}",
+                    shader.file
+                );
+                assert_eq!(shader.params, k.params(), "{}", shader.file);
+                assert_eq!(shader.text.matches(PARAMS_MARKER).count(), 1, "{}", shader.file);
+                assert!(shader.source().contains("var<uniform> params: "), "{}", shader.file);
+            }
+        }
+    }
+
+    #[test]
+    fn workgroup_counts_follow_the_tiles() {
+        let d = GemmDesc::dense(128, 192, 32, HeadLayout::Logits);
+        assert_eq!(d.workgroups(GemmKernel::Tiled), 2 * 3);
+        let coop = GemmKernel::Coop {
+            kernel: CoopGemm::parse("staged:r4").unwrap(),
+            subgroup: 32,
+        };
+        assert_eq!(d.workgroups(coop), 2);
+        let c = ConvertDesc {
+            rows: 3,
+            cols: 5,
+            rows_padded: 16,
+            ld: 16,
+        };
+        assert_eq!(c.workgroups(), 1);
+        assert_eq!(KernelId::GemmDx.build(coop).invocations, 256);
+        assert_eq!(KernelId::GemmDx.build(coop).shader, GEMM_COOP_WGSL);
+    }
+
+    #[test]
+    fn a_device_is_checked_against_every_kernel() {
+        let big = KernelLimits {
+            shared_bytes: 48 << 10,
+            invocations: 1024,
+            subgroup_size: 32,
+            subgroup_builtins: true,
+        };
+        assert_eq!(device_misfit(&big), None);
+        let small = KernelLimits {
+            shared_bytes: 16 << 10,
+            ..big
+        };
+        let why = device_misfit(&small).unwrap();
+        assert_eq!(why, "25632 bytes of workgroup memory for topk_rows (has 16384)");
+        let narrow = KernelLimits {
+            invocations: 128,
+            ..big
+        };
+        assert!(device_misfit(&narrow).unwrap().contains("256 invocations"));
+    }
+}

@@ -1,0 +1,239 @@
+//! The driver's scratch buffers, from one list: [`RowBytes`] gives every
+//! buffer's bytes per token row, and both the chunk plan ([`RowBytes::costs`])
+//! and the allocations come from it. The buffers are grouped by who needs
+//! them, so a call takes exactly the groups its job and input need and no
+//! "missing buffer" case exists: every job takes [`RowScratch`], `head_kl`
+//! also [`LossScratch`], and f32 input its `x32` buffer ([`Input::F32`]).
+
+use half::{bf16, f16};
+
+use crate::backend::Backend;
+use crate::chunking::RowCost;
+use crate::error::Result;
+
+/// Which job a scratch set is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Job {
+    Loss,
+    Topk,
+}
+
+/// What the cached scratch was sized for; a call with another key frees
+/// it all before allocating, so the new set can use its memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ScratchKey {
+    job: Job,
+    rows: usize,
+    k: usize,
+    f32_input: bool,
+}
+
+/// Bytes per token row of every scratch buffer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RowBytes {
+    /// f32 hidden rows as given (`hs` wide), for f32 input.
+    pub x32: u64,
+    /// f16 hidden rows, padded: the logits GEMM's A.
+    pub x16: u64,
+    /// f32 logits, padded vocabulary.
+    pub logits: u64,
+    /// Teacher (or top-k) ids.
+    pub ids: u64,
+    /// Teacher (or top-k) probabilities.
+    pub probs: u64,
+    /// Per-row loss coefficients (`head_kl`).
+    pub coef: u64,
+    /// Per-row loss (`head_kl`).
+    pub loss: u64,
+    /// f16 logit gradient, padded vocabulary (`head_kl`).
+    pub grad: u64,
+    /// f32 input gradient, padded hidden size (`head_kl`).
+    pub dx: u64,
+}
+
+impl RowBytes {
+    /// The sizes for a head of `vocab_padded × hs_padded` (real hidden size
+    /// `hs`) and `k` teacher entries.
+    pub fn new(vocab_padded: usize, hs: usize, hs_padded: usize, k: usize) -> Self {
+        let (v, h, k) = (vocab_padded as u64, hs_padded as u64, k as u64);
+        Self {
+            x32: hs as u64 * 4,
+            x16: h * 2,
+            logits: v * 4,
+            ids: k * 4,
+            probs: k * 4,
+            coef: 4,
+            loss: 4,
+            grad: v * 2,
+            dx: h * 4,
+        }
+    }
+
+    /// The buffers a call of `job` allocates, with their bytes per row: what
+    /// the chunk plan budgets.
+    pub fn costs(&self, job: Job, f32_input: bool) -> Vec<RowCost> {
+        let cost = |what, bytes_per_row| RowCost { what, bytes_per_row };
+        let mut c = vec![
+            cost("x16", self.x16),
+            cost("logits", self.logits),
+            cost("ids", self.ids),
+            cost("probs", self.probs),
+        ];
+        if f32_input {
+            c.push(cost("x32", self.x32));
+        }
+        if job == Job::Loss {
+            c.extend([
+                cost("coef", self.coef),
+                cost("loss", self.loss),
+                cost("grad", self.grad),
+                cost("dx", self.dx),
+            ]);
+        }
+        c
+    }
+}
+
+/// The buffers every job uses.
+pub(crate) struct RowScratch<B: Backend> {
+    pub x16: B::Buffer,
+    pub logits: B::Buffer,
+    pub ids: B::Buffer,
+    pub probs: B::Buffer,
+}
+
+impl<B: Backend> RowScratch<B> {
+    pub fn alloc(b: &B, sizes: &RowBytes, rows: usize) -> Result<Self> {
+        let r = rows as u64;
+        Ok(Self {
+            x16: b.alloc(r * sizes.x16, "x16")?,
+            logits: b.alloc(r * sizes.logits, "logits")?,
+            ids: b.alloc(r * sizes.ids, "ids")?,
+            probs: b.alloc(r * sizes.probs, "probs")?,
+        })
+    }
+}
+
+/// The buffers only `head_kl` uses.
+pub(crate) struct LossScratch<B: Backend> {
+    pub coef: B::Buffer,
+    pub loss: B::Buffer,
+    pub grad: B::Buffer,
+    pub dx: B::Buffer,
+}
+
+impl<B: Backend> LossScratch<B> {
+    pub fn alloc(b: &B, sizes: &RowBytes, rows: usize) -> Result<Self> {
+        let r = rows as u64;
+        Ok(Self {
+            coef: b.alloc(r * sizes.coef, "coef")?,
+            loss: b.alloc(r * sizes.loss, "loss")?,
+            grad: b.alloc(r * sizes.grad, "grad")?,
+            dx: b.alloc(r * sizes.dx, "dx")?,
+        })
+    }
+}
+
+/// A call's hidden rows with the buffer their upload needs.
+pub(crate) enum Input<'a, B: Backend> {
+    /// f32 rows, converted on the device through `x32`.
+    F32 { data: &'a [f32], x32: B::Buffer },
+    /// f16 rows, uploaded as they are.
+    F16(&'a [f16]),
+    /// bf16 rows, rounded to f16 on the host as they go up.
+    Bf16(&'a [bf16]),
+}
+
+/// The scratch an [`crate::Engine`] keeps between calls.
+pub(crate) struct ScratchCache<B: Backend> {
+    key: Option<ScratchKey>,
+    rows: Option<RowScratch<B>>,
+    loss: Option<LossScratch<B>>,
+    x32: Option<B::Buffer>,
+}
+
+impl<B: Backend> Default for ScratchCache<B> {
+    fn default() -> Self {
+        Self {
+            key: None,
+            rows: None,
+            loss: None,
+            x32: None,
+        }
+    }
+}
+
+impl<B: Backend> ScratchCache<B> {
+    /// Starts a call of `job` over chunks of `rows` rows (freeing
+    /// everything sized for another call first) and takes what every job
+    /// needs: the hidden rows' upload buffer and the row buffers.
+    pub fn begin<'a>(
+        &mut self,
+        b: &B,
+        job: Job,
+        sizes: &RowBytes,
+        (rows, k): (usize, usize),
+        hidden: crate::problem::HiddenData<'a>,
+    ) -> Result<(Input<'a, B>, RowScratch<B>)> {
+        let f32_input = matches!(hidden, crate::problem::HiddenData::F32(_));
+        let key = ScratchKey {
+            job,
+            rows,
+            k,
+            f32_input,
+        };
+        if self.key != Some(key) {
+            *self = Self::default();
+            self.key = Some(key);
+        }
+        let input = self.take_input(b, sizes, rows, hidden)?;
+        Ok((input, self.take_rows(b, sizes, rows)?))
+    }
+
+    /// The row buffers for the call begun (kept, or made).
+    fn take_rows(&mut self, b: &B, sizes: &RowBytes, rows: usize) -> Result<RowScratch<B>> {
+        match self.rows.take() {
+            Some(s) => Ok(s),
+            None => RowScratch::alloc(b, sizes, rows),
+        }
+    }
+
+    /// The loss buffers for the call begun.
+    pub fn take_loss(&mut self, b: &B, sizes: &RowBytes, rows: usize) -> Result<LossScratch<B>> {
+        match self.loss.take() {
+            Some(s) => Ok(s),
+            None => LossScratch::alloc(b, sizes, rows),
+        }
+    }
+
+    /// `data` with the buffer its upload needs.
+    fn take_input<'a>(
+        &mut self,
+        b: &B,
+        sizes: &RowBytes,
+        rows: usize,
+        data: crate::problem::HiddenData<'a>,
+    ) -> Result<Input<'a, B>> {
+        use crate::problem::HiddenData;
+        Ok(match data {
+            HiddenData::F32(data) => {
+                let x32 = match self.x32.take() {
+                    Some(x) => x,
+                    None => b.alloc(rows as u64 * sizes.x32, "x32")?,
+                };
+                Input::F32 { data, x32 }
+            }
+            HiddenData::F16(data) => Input::F16(data),
+            HiddenData::Bf16(data) => Input::Bf16(data),
+        })
+    }
+
+    /// Keeps the buffers for the next call.
+    pub fn put_back(&mut self, rows: RowScratch<B>, loss: Option<LossScratch<B>>, input: Input<'_, B>) {
+        self.rows = Some(rows);
+        self.loss = loss;
+        if let Input::F32 { x32, .. } = input {
+            self.x32 = Some(x32);
+        }
+    }
+}
