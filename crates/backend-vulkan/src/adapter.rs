@@ -59,7 +59,7 @@ pub(crate) struct Features {
     /// statistics per compiled pipeline (`HEADKL_PIPELINE_STATS`).
     pub(crate) pipeline_executable_info: bool,
     /// `robustBufferAccess2` (`VK_EXT_robustness2`), which wgpu turns on;
-    /// `HEADKL_ROBUST_ACCESS=1` turns it on here to compare.
+    /// `VulkanOptions::robust_access` turns it on here to compare.
     pub(crate) robust_buffer_access2: bool,
 }
 

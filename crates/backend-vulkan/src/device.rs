@@ -82,8 +82,14 @@ pub(crate) struct Device {
 impl Device {
     /// Creates the logical device on `adapter` with every feature headkl
     /// uses that the device has; `want_coop` enables the cooperative-matrix
-    /// path's features.
-    pub(crate) fn new(instance: Arc<Instance>, adapter: &Adapter, want_coop: bool) -> Result<Arc<Self>> {
+    /// path's features; `options` asks for pipeline statistics and robust
+    /// buffer access.
+    pub(crate) fn new(
+        instance: Arc<Instance>,
+        adapter: &Adapter,
+        want_coop: bool,
+        options: &crate::VulkanOptions,
+    ) -> Result<Arc<Self>> {
         let caps = adapter.caps.clone();
         let Some(family) = caps.compute_family else {
             return Err(backend_error("the device has no compute queue family"));
@@ -94,7 +100,7 @@ impl Device {
         let size_control = f.subgroup_size_control;
         let full_subgroups = f.compute_full_subgroups;
         let zero_init = f.zero_initialize_workgroup_memory;
-        let pipeline_stats = crate::env_flag("HEADKL_PIPELINE_STATS");
+        let pipeline_stats = options.pipeline_stats;
         if pipeline_stats && !f.pipeline_executable_info {
             eprintln!(
                 "headkl-vulkan: HEADKL_PIPELINE_STATS: {} has no pipelineExecutableInfo \
@@ -105,7 +111,7 @@ impl Device {
         let pipeline_stats = pipeline_stats && f.pipeline_executable_info;
         // For comparing with wgpu, which turns these on: drivers bounds-check
         // every buffer access.
-        let robust = crate::env_flag("HEADKL_ROBUST_ACCESS");
+        let robust = options.robust_access;
         let robust2 = robust && f.robust_buffer_access2;
 
         let mut extensions: Vec<&'static CStr> = Vec::new();

@@ -71,7 +71,14 @@ impl VulkanBackend {
         if let Some(why) = &caps.unusable {
             return Err(Error::MissingFeature(format!("{}: {why}", caps.name)));
         }
-        let (choice, source) = resolve_choice(options.gemm, DEFAULT_GEMM, BACKEND, &caps.name, &caps.driver)?;
+        let (choice, source) = resolve_choice(
+            options.gemm,
+            DEFAULT_GEMM,
+            &options.gemm_sources,
+            BACKEND,
+            &caps.name,
+            &caps.driver,
+        )?;
         // Without subgroup-size control (not asked of the caller) the GEMM's
         // subgroup size cannot be pinned: only a fixed size qualifies.
         let coop = match kernels::coop_plan(&caps, choice, source)? {

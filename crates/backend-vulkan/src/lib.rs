@@ -5,9 +5,10 @@
 //! WGSL in `shaders/`, translated to SPIR-V by naga with per-pipeline
 //! override values. The GEMM runs on the matrix units
 //! (`VK_KHR_cooperative_matrix`, 16×16×16 f16→f32) where the device has
-//! them, else on the tiled fallback; `HEADKL_NO_COOPMAT=1` forces the
-//! fallback; `HEADKL_GEMM` (or a `headkl tune` cache entry) picks the
-//! matrix-unit kernels. With validation on, the Khronos validation layer's errors are
+//! them, else on the tiled fallback; [`VulkanOptions`] can force the
+//! fallback and pick the matrix-unit kernels (from `HEADKL_*` settings
+//! through [`VulkanOptions::from_settings`]; this crate reads no
+//! environment). With validation on, the Khronos validation layer's errors are
 //! collected and returned by [`Backend::take_diagnostics`].
 //!
 //! Module map: `instance` (loader, layer, debug messenger), `adapter`
@@ -36,9 +37,10 @@ mod tests;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use headkl_core::gemm_choice::resolve_choice;
+use headkl_core::settings::GemmSources;
 use headkl_core::{
     fold_workgroups, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc, GemmKernel,
-    KernelId, KernelTime, KlDesc, MemoryStats, Result, StagedTile, TopkDesc,
+    KernelId, KernelTime, KlDesc, MemoryStats, Result, Settings, StagedTile, TopkDesc,
 };
 
 use crate::command::{Binding, Stream};
@@ -70,12 +72,6 @@ pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
     }),
 };
 
-/// Whether an environment variable is set to a true value (`1`, `true`,
-/// `yes`, `on`).
-fn env_flag(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
-}
-
 /// The GEMM kernels of `coop` (or the tiled fallback) in words.
 pub(crate) fn describe_gemm(coop: Option<&CoopPlan>) -> String {
     match coop {
@@ -104,46 +100,49 @@ pub struct VulkanOptions {
     /// Keep naga's runtime bounds checks in the GEMM too (they are off by
     /// default there: core validated every extent).
     pub checked: bool,
-    /// The matrix-unit GEMM kernels; `None`: `HEADKL_GEMM`, else the tune
-    /// cache's entry for the device, else [`DEFAULT_GEMM`].
+    /// The matrix-unit GEMM kernels; `None`: `gemm_sources` (`HEADKL_GEMM`,
+    /// else the tune cache's entry for the device), else [`DEFAULT_GEMM`].
+    /// Explicit options win over the environment's.
     pub gemm: Option<GemmChoice>,
+    /// `HEADKL_GEMM` and the tune cache, consulted when `gemm` is `None`.
+    pub gemm_sources: GemmSources,
+    /// Print each pipeline's register count and memory
+    /// (`VK_KHR_pipeline_executable_properties`), for GEMM tuning work.
+    pub pipeline_stats: bool,
+    /// Turn on the driver's robust buffer access (`robustBufferAccess`, and
+    /// `robustBufferAccess2` where offered), as wgpu always does: to tell a
+    /// speed difference between the backends from the cost of bounds checks.
+    pub robust_access: bool,
 }
 
 impl VulkanOptions {
-    /// Options from the environment: `device` if given, else
-    /// `HEADKL_DEVICE`; `HEADKL_VALIDATION=1` turns validation on,
-    /// `HEADKL_NO_COOPMAT=1` forces the fallback GEMM, `HEADKL_CHECKED=1`
-    /// keeps bounds checks in every kernel. (`HEADKL_GEMM`, which picks the
-    /// matrix-unit GEMM, is read when the device opens.)
-    pub fn from_env(device: Option<usize>) -> Self {
-        let device = device.or_else(|| {
-            let value = std::env::var("HEADKL_DEVICE").ok()?;
-            match value.trim().parse::<usize>() {
-                Ok(i) => Some(i),
-                Err(_) => {
-                    eprintln!("headkl-vulkan: ignoring HEADKL_DEVICE={value:?}: not a device index");
-                    None
-                }
-            }
-        });
+    /// Options from parsed settings: `device` if given, else
+    /// `HEADKL_DEVICE`; `HEADKL_VALIDATION`, `HEADKL_NO_COOPMAT`,
+    /// `HEADKL_CHECKED`, `HEADKL_PIPELINE_STATS`, and `HEADKL_GEMM` with the
+    /// tune cache as the GEMM's sources.
+    pub fn from_settings(settings: &Settings, device: Option<usize>) -> Self {
         Self {
-            device,
-            validation: env_flag("HEADKL_VALIDATION"),
-            force_fallback: env_flag("HEADKL_NO_COOPMAT"),
-            checked: env_flag("HEADKL_CHECKED"),
+            device: device.or(settings.device),
+            validation: settings.validation,
+            force_fallback: settings.no_coopmat,
+            checked: settings.checked,
             gemm: None,
+            gemm_sources: settings.gemm_sources(),
+            pipeline_stats: settings.pipeline_stats,
+            robust_access: false,
         }
     }
 }
 
 /// Every Vulkan physical device, in index order, with what it offers;
 /// `unusable` says why headkl cannot run on one, and `matrix_units` what
-/// [`VulkanBackend::open`] would use (`HEADKL_NO_COOPMAT` included). Fails
-/// with [`headkl_core::Error::NoDevice`] when there is no Vulkan loader.
+/// [`VulkanBackend::open`] would use with default options (a caller that
+/// forces the fallback, as `HEADKL_NO_COOPMAT` does, says so in its
+/// listing). Fails with [`headkl_core::Error::NoDevice`] when there is no
+/// Vulkan loader.
 pub fn enumerate() -> Result<Vec<DeviceInfo>> {
     let instance = Instance::new(false)?;
     let adapters = adapter::enumerate_adapters(&instance)?;
-    let force_fallback = env_flag("HEADKL_NO_COOPMAT");
     Ok(adapters
         .iter()
         .map(|a| {
@@ -152,7 +151,7 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
                 dx: CoopGemm::Direct,
             };
             let coop = kernels::coop_plan(&a.caps, direct, ChoiceSource::Default);
-            a.caps.device_info(!force_fallback && matches!(coop, Ok(Some(_))))
+            a.caps.device_info(matches!(coop, Ok(Some(_))))
         })
         .collect())
 }
@@ -169,10 +168,12 @@ pub struct VulkanBackend {
 }
 
 impl VulkanBackend {
-    /// Opens device `index` (or the best one) with options from the
-    /// environment ([`VulkanOptions::from_env`]).
+    /// Opens device `index` (or the best one) with default options.
     pub fn open(index: Option<usize>) -> Result<Self> {
-        Self::open_with(&VulkanOptions::from_env(index))
+        Self::open_with(&VulkanOptions {
+            device: index,
+            ..VulkanOptions::default()
+        })
     }
 
     /// Opens a device with explicit options.
@@ -189,13 +190,20 @@ impl VulkanBackend {
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let caps = &chosen.caps;
-        let (choice, source) = resolve_choice(options.gemm, DEFAULT_GEMM, BACKEND, &caps.name, &caps.driver)?;
+        let (choice, source) = resolve_choice(
+            options.gemm,
+            DEFAULT_GEMM,
+            &options.gemm_sources,
+            BACKEND,
+            &caps.name,
+            &caps.driver,
+        )?;
         let coop = if options.force_fallback {
             None
         } else {
             kernels::coop_plan(caps, choice, source)?
         };
-        let device = Device::new(instance, chosen, coop.is_some())?;
+        let device = Device::new(instance, chosen, coop.is_some(), options)?;
         let coop = coop.filter(|_| device.enabled.cooperative_matrix);
         let mut info = device.caps.device_info(coop.is_some());
         info.gemm = Some(describe_gemm(coop.as_ref()));

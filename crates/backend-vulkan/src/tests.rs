@@ -2,15 +2,11 @@
 //! shared shader (the cooperative-matrix GEMM included) compiles to SPIR-V.
 
 use headkl_core::{Backend, DeviceBuffer, GemmKernel, KernelId};
+use headkl_reference::conformance::{harness_settings, open_or_skip};
 use naga::back::spv::Capability;
 
 use crate::pipeline::{compile, parse, PipelineKey, ShaderSource, ShaderTarget};
 use crate::{VulkanBackend, VulkanOptions};
-
-/// Whether `HEADKL_REQUIRE` names the Vulkan backend.
-fn required() -> bool {
-    std::env::var("HEADKL_REQUIRE").is_ok_and(|v| v.split(',').any(|b| b.trim().eq_ignore_ascii_case("vulkan")))
-}
 
 /// Opens the default device with validation and a staging buffer of
 /// `staging` bytes; `None` (after saying why) when there is no device and
@@ -18,16 +14,9 @@ fn required() -> bool {
 fn open(staging: u64) -> Option<VulkanBackend> {
     let options = VulkanOptions {
         validation: true,
-        ..VulkanOptions::from_env(None)
+        ..VulkanOptions::from_settings(&harness_settings(), None)
     };
-    match VulkanBackend::open_inner(&options, staging) {
-        Ok(b) => Some(b),
-        Err(e) if !required() => {
-            eprintln!("SKIPPED: the Vulkan backend could not start: {e}");
-            None
-        }
-        Err(e) => panic!("HEADKL_REQUIRE names vulkan, but it could not start: {e}"),
-    }
+    open_or_skip("vulkan", || VulkanBackend::open_inner(&options, staging))
 }
 
 /// `dst[i] = f16(src[i] · scale)` over a folded grid of `WG`-wide groups.

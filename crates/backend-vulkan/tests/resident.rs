@@ -17,7 +17,7 @@ headkl_reference::resident_conformance_tests!(
     "vulkan",
     VulkanBackend::open_with(&VulkanOptions {
         validation: true,
-        ..VulkanOptions::from_env(None)
+        ..VulkanOptions::from_settings(&headkl_reference::conformance::harness_settings(), None)
     })
 );
 

@@ -7,28 +7,23 @@
 
 use half::f16;
 use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout};
+use headkl_reference::conformance::{harness_settings, open_or_skip};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 
-/// Whether `HEADKL_REQUIRE` names the Vulkan backend.
-fn required() -> bool {
-    std::env::var("HEADKL_REQUIRE").is_ok_and(|v| v.split(',').any(|b| b.trim().eq_ignore_ascii_case("vulkan")))
+/// Opens with `options` (built from the harness settings); skips, or fails
+/// when `HEADKL_REQUIRE` names vulkan, as the conformance suite does.
+fn open_with(options: VulkanOptions) -> Option<VulkanBackend> {
+    open_or_skip("vulkan", || VulkanBackend::open_with(&options))
 }
 
-fn open_with(options: VulkanOptions) -> Option<VulkanBackend> {
-    match VulkanBackend::open_with(&options) {
-        Ok(b) => Some(b),
-        Err(e) if !required() => {
-            eprintln!("SKIPPED: the Vulkan backend could not start: {e}");
-            None
-        }
-        Err(e) => panic!("HEADKL_REQUIRE names vulkan, but it could not start: {e}"),
-    }
+fn settings_options() -> VulkanOptions {
+    VulkanOptions::from_settings(&harness_settings(), None)
 }
 
 fn open() -> Option<VulkanBackend> {
     open_with(VulkanOptions {
         validation: true,
-        ..VulkanOptions::from_env(None)
+        ..settings_options()
     })
 }
 
@@ -236,7 +231,7 @@ fn forced_fallback_and_kernel_labels() {
     let Some(b) = open_with(VulkanOptions {
         validation: true,
         force_fallback: true,
-        ..VulkanOptions::from_env(None)
+        ..settings_options()
     }) else {
         return;
     };

@@ -3,7 +3,7 @@
 
 use headkl_core::{ChoiceSource, DeviceInfo, Error, GemmChoice, KernelLimits, Result};
 
-use crate::{env_flag, BACKEND};
+use crate::BACKEND;
 
 /// The backends headkl uses: native APIs only (GL lacks what the kernels
 /// need).
@@ -130,7 +130,9 @@ pub(crate) fn describe(adapter: wgpu::Adapter) -> Candidate {
             .to_string(),
         device_type: device_type(ai.device_type).to_string(),
         // What `open` would use; the opened backend's info says what it does.
-        matrix_units: coop.is_ok() && !env_flag("HEADKL_NO_COOPMAT"),
+        // What `open` would use with default options; the opened backend's
+        // info says what it does.
+        matrix_units: coop.is_ok(),
         gemm: None,
         matrix_shapes: shapes,
         shader_f16: features.contains(wgpu::Features::SHADER_F16),
@@ -143,19 +145,9 @@ pub(crate) fn describe(adapter: wgpu::Adapter) -> Candidate {
     Candidate { adapter, info, coop }
 }
 
-/// The adapter `open(index)` means: `index`, else `HEADKL_DEVICE`, else the
-/// best usable one by device type.
+/// The adapter `open(index)` means: `index`, else the best usable one by
+/// device type.
 pub(crate) fn choose(mut list: Vec<Candidate>, index: Option<usize>) -> Result<Candidate> {
-    let index = match index {
-        Some(i) => Some(i),
-        None => match std::env::var("HEADKL_DEVICE") {
-            Ok(v) if !v.trim().is_empty() => Some(v.trim().parse::<usize>().map_err(|_| Error::NoDevice {
-                backend: BACKEND,
-                reason: format!("HEADKL_DEVICE = {v:?} is not an adapter index"),
-            })?),
-            _ => None,
-        },
-    };
     if list.is_empty() {
         return Err(Error::NoDevice {
             backend: BACKEND,
@@ -246,7 +238,7 @@ pub(crate) fn gemm_path(
 ) -> String {
     match (coop, plan) {
         (Ok(sg), Some((choice, source))) => format!("cooperative {choice} (subgroup {sg}; from {source})"),
-        (Ok(_), None) if force_tiled => "tiled (forced: HEADKL_NO_COOPMAT or OpenOptions::force_tiled)".into(),
+        (Ok(_), None) if force_tiled => "tiled (forced: OpenOptions::force_tiled, from HEADKL_NO_COOPMAT)".into(),
         (Ok(_), None) => "tiled".into(),
         (Err(why), _) => format!("tiled ({why})"),
     }

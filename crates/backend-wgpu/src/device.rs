@@ -5,13 +5,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, Weak};
 
 use headkl_core::gemm_choice::{fit_choice, resolve_choice};
+use headkl_core::settings::{GemmSources, Settings};
 use headkl_core::{CoopGemm, DeviceInfo, Error, GemmChoice, Result, StagedTile};
 
 use crate::adapter;
 use crate::buffer::{lock, Shared};
 use crate::kernels::{GemmBuild, Kernels};
 use crate::stream::{Batch, PendingTimes, RING_SLOTS};
-use crate::{backend_error, env_flag, BACKEND};
+use crate::{backend_error, BACKEND};
 
 /// The wgpu backend's GEMM kernels without a tune cache or `HEADKL_GEMM`:
 /// its fastest on the H200 (docs/PERFORMANCE.md), where wgpu's pipelines
@@ -57,26 +58,45 @@ pub(crate) fn wgpu_error_text(e: &wgpu::Error) -> String {
     }
 }
 
-/// How [`WgpuBackend::open_with`] opens a device. The environment variables
-/// (`HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED`) apply on top.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// How [`WgpuBackend::open_with`] opens a device. This crate reads no
+/// environment: [`OpenOptions::from_settings`] builds options from the
+/// `HEADKL_*` settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpenOptions {
-    /// Adapter index in [`crate::enumerate`]'s list; `None`: `HEADKL_DEVICE`,
-    /// else the best usable adapter.
+    /// Adapter index in [`crate::enumerate`]'s list; `None`: the best usable
+    /// adapter.
     pub index: Option<usize>,
     /// The tiled GEMM even where matrix units exist.
     pub force_tiled: bool,
     /// Build every kernel with runtime bounds checks.
     pub checked: bool,
-    /// The matrix-unit GEMM kernels; `None`: `HEADKL_GEMM`, else the tune
-    /// cache's entry for the adapter, else [`DEFAULT_GEMM`].
+    /// The matrix-unit GEMM kernels; `None`: `gemm_sources` (`HEADKL_GEMM`,
+    /// else the tune cache's entry for the adapter), else [`DEFAULT_GEMM`].
+    /// Explicit options win over the environment's.
     pub gemm: Option<GemmChoice>,
+    /// `HEADKL_GEMM` and the tune cache, consulted when `gemm` is `None`.
+    pub gemm_sources: GemmSources,
+}
+
+impl OpenOptions {
+    /// Options from parsed settings: `index` if given, else `HEADKL_DEVICE`;
+    /// `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED`, and `HEADKL_GEMM` with the tune
+    /// cache as the GEMM's sources.
+    pub fn from_settings(settings: &Settings, index: Option<usize>) -> Self {
+        Self {
+            index: index.or(settings.device),
+            force_tiled: settings.no_coopmat,
+            checked: settings.checked,
+            gemm: None,
+            gemm_sources: settings.gemm_sources(),
+        }
+    }
 }
 
 impl WgpuBackend {
-    /// Opens adapter `index` of [`crate::enumerate`]'s list; `None` takes
-    /// `HEADKL_DEVICE` if set, else the first discrete GPU, then integrated,
-    /// then any other usable adapter.
+    /// Opens adapter `index` of [`crate::enumerate`]'s list with default
+    /// options; `None` takes the first discrete GPU, then integrated, then
+    /// any other usable adapter.
     pub fn open(index: Option<usize>) -> Result<Self> {
         Self::open_with(&OpenOptions {
             index,
@@ -88,7 +108,7 @@ impl WgpuBackend {
     pub fn open_with(options: &OpenOptions) -> Result<Self> {
         let instance = adapter::instance();
         let candidate = adapter::choose(adapter::candidates(&instance), options.index)?;
-        let force_tiled = options.force_tiled || env_flag("HEADKL_NO_COOPMAT");
+        let force_tiled = options.force_tiled;
         let use_coop = candidate.coop.is_ok() && !force_tiled;
         let features = adapter::features_for(&candidate, use_coop);
         let (device, queue) = adapter::open_device(&candidate, features)?;
@@ -137,7 +157,14 @@ impl WgpuBackend {
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let i = &candidate.info;
-        let (choice, source) = resolve_choice(options.gemm, DEFAULT_GEMM, BACKEND, &i.device_name, &i.driver)?;
+        let (choice, source) = resolve_choice(
+            options.gemm,
+            DEFAULT_GEMM,
+            &options.gemm_sources,
+            BACKEND,
+            &i.device_name,
+            &i.driver,
+        )?;
         let coop = match &candidate.coop {
             Ok(sg) if use_coop => {
                 let fitted = fit_choice(
@@ -156,7 +183,7 @@ impl WgpuBackend {
             &device,
             GemmBuild {
                 coop: coop.map(|(sg, (choice, _))| (sg, choice)),
-                checked: options.checked || env_flag("HEADKL_CHECKED"),
+                checked: options.checked,
             },
         );
         let align = u64::from(device.limits().min_uniform_buffer_offset_alignment);

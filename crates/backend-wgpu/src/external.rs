@@ -10,7 +10,6 @@ use headkl_core::gemm_choice::KernelLimits;
 use crate::adapter;
 use crate::buffer::WgpuBuffer;
 use crate::device::{OpenOptions, WgpuBackend};
-use crate::env_flag;
 use crate::kernels::Entry;
 
 impl WgpuBackend {
@@ -79,7 +78,7 @@ impl WgpuBackend {
                 missing.join(", ")
             )));
         }
-        let force_tiled = options.force_tiled || env_flag("HEADKL_NO_COOPMAT");
+        let force_tiled = options.force_tiled;
         let coop_enabled =
             features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SUBGROUP);
         let use_coop = candidate.coop.is_ok() && coop_enabled && !force_tiled;

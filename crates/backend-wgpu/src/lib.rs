@@ -11,16 +11,12 @@
 //! `transfer` (uploads, downloads), `backend` (the `Backend` impl),
 //! `kernels` (the catalogue's pipelines), `buffer` (buffers and shared state).
 //!
-//! Environment:
-//! - `HEADKL_DEVICE=<index>`: the adapter [`WgpuBackend::open`] picks with
-//!   `None` (an index into [`enumerate`]'s list).
-//! - `HEADKL_NO_COOPMAT=1`: the tiled GEMM even where matrix units exist.
-//! - `HEADKL_CHECKED=1`: every kernel built with naga's runtime bounds checks
-//!   (by default the GEMMs are built without them: every index they form is
-//!   in range for the extents core validated).
-//! - `HEADKL_GEMM`: the matrix-unit GEMM kernels
-//!   ([`headkl_core::tuning`]); without it, the tune cache's entry for the
-//!   adapter (`headkl tune`), else [`DEFAULT_GEMM`].
+//! This crate reads no environment: [`OpenOptions`] says which adapter,
+//! whether to force the tiled GEMM or keep bounds checks, and which
+//! matrix-unit GEMM kernels run ([`OpenOptions::from_settings`] builds them
+//! from `HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED` and
+//! `HEADKL_GEMM`; without a choice, the tune cache's entry for the adapter,
+//! else [`DEFAULT_GEMM`]).
 
 mod adapter;
 mod backend;
@@ -38,12 +34,6 @@ pub use device::{OpenOptions, WgpuBackend, DEFAULT_GEMM};
 /// The name this backend reports in [`headkl_core::DeviceInfo::backend`] and
 /// errors.
 pub const BACKEND: &str = "wgpu";
-
-/// Whether an environment flag is set to something other than empty, `0`
-/// or `false`.
-fn env_flag(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0" && !v.eq_ignore_ascii_case("false"))
-}
 
 /// `headkl_core::Error::Backend` from this backend.
 fn backend_error(message: impl Into<String>) -> headkl_core::Error {

@@ -10,13 +10,15 @@ use headkl_core::{
     Backend, ConvertDesc, Engine, Error, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, LossOptions,
     SliceOptions, Teacher, TopkOptions,
 };
-use headkl_reference::conformance::open_or_skip;
+use headkl_reference::conformance::{harness_settings, open_or_skip};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::Tolerance;
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
 fn open() -> Option<WgpuBackend> {
-    open_or_skip("wgpu", || WgpuBackend::open(None))
+    open_or_skip("wgpu", || {
+        WgpuBackend::open_with(&OpenOptions::from_settings(&harness_settings(), None))
+    })
 }
 
 /// Deterministic values in [-1, 1).

@@ -10,7 +10,13 @@ use headkl_reference::conformance::open_or_skip;
 use headkl_reference::Tolerance;
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
-headkl_reference::resident_conformance_tests!("wgpu", WgpuBackend::open(None));
+headkl_reference::resident_conformance_tests!(
+    "wgpu",
+    WgpuBackend::open_with(&OpenOptions::from_settings(
+        &headkl_reference::conformance::harness_settings(),
+        None
+    ))
+);
 
 /// The trainer's side: an adapter and a device it opened itself.
 fn trainer_device(

@@ -18,6 +18,7 @@ use headkl_core::{
     Backend, Engine, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, KlDesc, LossOptions, SliceOptions, Teacher,
     TopkDesc,
 };
+use headkl_reference::conformance::harness_settings;
 
 /// Problem sizes of one bench run.
 struct Sizes {
@@ -34,15 +35,16 @@ struct Sizes {
 }
 
 fn sizes() -> Sizes {
-    match std::env::var("HEADKL_BENCH_SHAPE").as_deref() {
-        Ok("A") => Sizes {
+    let shape = harness_settings().bench_shape.map(|s| s.trim().to_ascii_uppercase());
+    match shape.as_deref() {
+        Some("A") => Sizes {
             label: "A",
             gemm: (1024, 65_536, 5120),
             rows: (1024, 248_320, 64),
             e2e: (4096, 248_320, 5120, 64),
             measure: Duration::from_secs(5),
         },
-        Ok("B") => Sizes {
+        Some("B") => Sizes {
             label: "B",
             gemm: (1024, 65_536, 4096),
             rows: (1024, 151_936, 64),
@@ -186,8 +188,7 @@ fn bench_backend<B: Backend>(c: &mut Criterion, b: &B, s: &Sizes) -> headkl_core
 
 /// Runs the benches on a backend, or says why it cannot.
 fn run_or_skip<B: Backend>(c: &mut Criterion, name: &str, opened: headkl_core::Result<B>, s: &Sizes) {
-    let required = std::env::var("HEADKL_REQUIRE").unwrap_or_default();
-    let must = required.split(',').any(|r| r.trim() == name);
+    let must = harness_settings().requires(name);
     match opened {
         Ok(b) => {
             let info = b.info();
@@ -213,8 +214,11 @@ fn kernels(c: &mut Criterion) {
     } else {
         eprintln!("reference: skipped for shape {} (the CPU would take hours)", s.label);
     }
-    run_or_skip(c, "wgpu", headkl_wgpu::WgpuBackend::open(None), &s);
-    run_or_skip(c, "vulkan", headkl_vulkan::VulkanBackend::open(None), &s);
+    let settings = harness_settings();
+    let wgpu = headkl_wgpu::OpenOptions::from_settings(&settings, None);
+    run_or_skip(c, "wgpu", headkl_wgpu::WgpuBackend::open_with(&wgpu), &s);
+    let vulkan = headkl_vulkan::VulkanOptions::from_settings(&settings, None);
+    run_or_skip(c, "vulkan", headkl_vulkan::VulkanBackend::open_with(&vulkan), &s);
 }
 
 criterion_group!(benches, kernels);

@@ -7,27 +7,38 @@
 //! beyond the head.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Instant;
 
 use half::f16;
 use headkl_core::{
-    check_k, Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData,
+    Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData,
     HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions,
 };
-use serde::Serialize;
 
-use crate::error::CliError;
+use crate::error::{is_validation, CliError};
 use crate::io::write_atomic;
 use crate::progress::Progress;
 use crate::rng::{fill_parallel, XorShift64};
 use crate::select::{
-    open_and_run, open_and_run_resident, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind,
-    ResidentJob, RunError, Target,
+    enumerate_backend, open_and_run, open_and_run_resident, required, resolve_announced, target_for, BackendArgs,
+    BackendJob, BackendKind, ResidentJob, RunError, Target,
 };
-use crate::text::{fmt_bytes, table};
+use crate::text::fmt_bytes;
+
+mod shape;
+mod stats;
+mod table;
+
+pub use shape::{JobKind, Shape};
+use stats::announce_estimate;
+pub(crate) use stats::{median, sorted};
+pub use table::{render, BenchReport, BenchRun, JobResult, KernelStat};
+
+/// Rows of the probe call that estimates a run's length: a few whole
+/// GEMM row tiles (16 rows over-estimated lavapipe's run 4.5x, its tiles
+/// being wider).
+const PROBE_ROWS: usize = 64;
 
 /// Seed of the benchmark data (fixed, so runs compare).
 const DATA_SEED: u64 = 0x5EED_4EAD;
@@ -35,115 +46,6 @@ const DATA_SEED: u64 = 0x5EED_4EAD;
 /// Flops above which `--all` leaves out the CPU reference (it would take
 /// minutes); naming `--backend reference` still runs it.
 const REFERENCE_MAX_FLOPS: f64 = 2e11;
-
-/// A benchmark shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct Shape {
-    /// Tokens.
-    pub ntok: usize,
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// Hidden size.
-    pub hs: usize,
-    /// Teacher entries per token (and top-k's k).
-    pub k: usize,
-}
-
-impl Shape {
-    /// Shape A of DESIGN §7.
-    pub const A: Shape = Shape {
-        ntok: 4096,
-        vocab: 248_320,
-        hs: 5120,
-        k: 64,
-    };
-    /// Shape B of DESIGN §7.
-    pub const B: Shape = Shape {
-        ntok: 8192,
-        vocab: 151_936,
-        hs: 4096,
-        k: 64,
-    };
-
-    /// A size the backend finishes in seconds: the CPU reference and
-    /// software Vulkan (a `cpu` device such as lavapipe) get a small one.
-    pub fn default_for(info: &DeviceInfo, kind: BackendKind) -> Shape {
-        let software = info.device_type.to_ascii_lowercase().contains("cpu");
-        let (ntok, vocab, hs, k) = match kind {
-            BackendKind::Reference => (64, 4096, 256, 16),
-            _ if info.matrix_units => (1024, 65_536, 4096, 64),
-            _ if software => (64, 8192, 256, 64),
-            _ => (256, 32_768, 1024, 64),
-        };
-        Shape { ntok, vocab, hs, k }
-    }
-
-    /// `4·ntok·V·hs` for head_kl (two GEMMs), half that for topk.
-    pub fn flops(&self, job: JobKind) -> f64 {
-        let one = 2.0 * self.ntok as f64 * self.vocab as f64 * self.hs as f64;
-        match job {
-            JobKind::HeadKl => 2.0 * one,
-            JobKind::Topk => one,
-        }
-    }
-}
-
-impl fmt::Display for Shape {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}:{}", self.ntok, self.vocab, self.hs, self.k)
-    }
-}
-
-impl FromStr for Shape {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let shape = match s.trim() {
-            "A" | "a" => Shape::A,
-            "B" | "b" => Shape::B,
-            other => {
-                let parts: Vec<&str> = other.split(':').collect();
-                let nums: Result<Vec<usize>, _> = parts.iter().map(|p| p.trim().parse::<usize>()).collect();
-                match nums.as_deref() {
-                    Ok(&[ntok, vocab, hs, k]) => Shape { ntok, vocab, hs, k },
-                    _ => return Err(format!("`{s}`: expected A, B or NTOK:V:HS:K (e.g. 256:32768:1024:64)")),
-                }
-            }
-        };
-        shape.validate()?;
-        Ok(shape)
-    }
-}
-
-impl Shape {
-    fn validate(&self) -> Result<(), String> {
-        if self.ntok == 0 || self.vocab == 0 || self.hs == 0 {
-            return Err(format!("{self}: ntok, V and hs must be at least 1"));
-        }
-        check_k(self.k, self.vocab).map_err(|e| format!("{self}: {e}"))
-    }
-}
-
-/// Which job is timed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum JobKind {
-    /// The loss and its gradient.
-    #[serde(rename = "head_kl")]
-    HeadKl,
-    /// The teacher's top-k.
-    #[serde(rename = "topk")]
-    Topk,
-}
-
-impl JobKind {
-    /// The job's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            JobKind::HeadKl => "head_kl",
-            JobKind::Topk => "topk",
-        }
-    }
-}
 
 /// Settings of one `headkl bench` run.
 #[derive(Clone, Debug)]
@@ -167,89 +69,6 @@ pub struct BenchConfig {
     pub all: bool,
     /// `--resident`: also time the device-resident entry points.
     pub resident: bool,
-}
-
-/// One kernel's share of a call.
-#[derive(Clone, Debug, Serialize)]
-pub struct KernelStat {
-    /// Kernel name.
-    pub kernel: String,
-    /// Median over calls of its summed GPU ms per call.
-    pub ms: f64,
-    /// Dispatches per call.
-    pub dispatches: usize,
-}
-
-/// One timed job.
-#[derive(Clone, Debug, Serialize)]
-pub struct JobResult {
-    /// Which job.
-    pub job: JobKind,
-    /// `host` (host slices in and out, the transfers timed) or `resident`
-    /// (inputs and outputs already in device buffers; the call and the
-    /// trainer's `wait_device` timed).
-    pub path: &'static str,
-    /// Timed calls.
-    pub iters: usize,
-    /// Median wall time per call in ms.
-    pub median_ms: f64,
-    /// Fastest call in ms.
-    pub min_ms: f64,
-    /// Slowest call in ms.
-    pub max_ms: f64,
-    /// Median GPU time per call (sum of kernel times) in ms, when the
-    /// backend times kernels.
-    pub gpu_ms: Option<f64>,
-    /// Effective TFLOP/s, from the GPU time when there is one, else wall.
-    pub tflops: f64,
-    /// What `tflops` was computed from: `gpu` or `wall`.
-    pub tflops_from: &'static str,
-    /// Effective TFLOP/s from the median wall time.
-    pub wall_tflops: f64,
-    /// Peak device bytes beyond the head during the job.
-    pub peak_extra_bytes: u64,
-    /// Per-kernel breakdown (empty without kernel timing).
-    pub kernels: Vec<KernelStat>,
-}
-
-/// One backend's results.
-#[derive(Clone, Debug, Serialize)]
-pub struct BenchRun {
-    /// Backend.
-    pub backend: String,
-    /// Device name.
-    pub device: String,
-    /// Driver.
-    pub driver: String,
-    /// Device type.
-    pub device_type: String,
-    /// Whether the GEMM ran on matrix units.
-    pub matrix_units: bool,
-    /// Which GEMM kernels ran and where the choice came from.
-    pub gemm: Option<String>,
-    /// The shape.
-    pub shape: Shape,
-    /// Device bytes the f16 head occupies.
-    pub head_bytes: u64,
-    /// Vocabulary slices the head was cut into.
-    pub slices: usize,
-    /// Wall time of the head upload in ms.
-    pub upload_ms: f64,
-    /// The timed jobs.
-    pub jobs: Vec<JobResult>,
-}
-
-/// The whole report (`--json`).
-#[derive(Clone, Debug, Serialize)]
-pub struct BenchReport {
-    /// Timed calls per job.
-    pub iters: usize,
-    /// Untimed calls per job.
-    pub warmup: usize,
-    /// Scratch budget in bytes.
-    pub budget_bytes: u64,
-    /// One entry per backend.
-    pub runs: Vec<BenchRun>,
 }
 
 /// Random data of one shape: f16 head and hidden rows, and a teacher.
@@ -306,21 +125,6 @@ impl BenchData {
     }
 }
 
-/// The median of sorted values (NaN for none).
-pub(crate) fn median(sorted: &[f64]) -> f64 {
-    match sorted.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => sorted[n / 2],
-        n => 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]),
-    }
-}
-
-/// `v` in ascending order.
-pub(crate) fn sorted(mut v: Vec<f64>) -> Vec<f64> {
-    v.sort_by(f64::total_cmp);
-    v
-}
-
 /// Runs both jobs on one backend; the data of the last shape is kept for
 /// the next backend.
 struct BenchJob<'a> {
@@ -330,6 +134,43 @@ struct BenchJob<'a> {
 }
 
 impl BenchJob<'_> {
+    /// Before committing to the whole run: one top-k call on a few rows,
+    /// scaled to the shape's rows and every call of both jobs (head_kl
+    /// counted as two top-k GEMMs), and said when it comes to
+    /// [`stats::ESTIMATE_NOTE_SECS`] or more. The cost is linear in the rows
+    /// at a fixed head, so this errs long (fixed costs scale too).
+    fn probe<B: Backend>(d: &BenchData, cfg: &BenchConfig, engine: &mut Engine<B>) -> Result<(), CliError> {
+        let shape = d.shape;
+        let rows = PROBE_ROWS;
+        if shape.ntok < 4 * rows {
+            return Ok(()); // a probe would cost a good part of the first call
+        }
+        let hidden =
+            Hidden::f16(&d.hidden[..rows * shape.hs], rows, shape.hs).map_err(|e| CliError::device("bench data", e))?;
+        let opts = TopkOptions {
+            budget_bytes: cfg.budget,
+            ..TopkOptions::new(shape.k)
+        };
+        let start = Instant::now();
+        engine
+            .topk(&hidden, &opts)
+            .and_then(|_| engine.backend().finish())
+            .map_err(|e| CliError::device("bench probe", e))?;
+        let probe_s = start.elapsed().as_secs_f64();
+        let _ = engine.backend().take_kernel_times();
+        let calls = (cfg.warmup + cfg.iters) as f64;
+        let total = probe_s * (shape.ntok as f64 / rows as f64) * calls * 3.0;
+        if total >= stats::ESTIMATE_NOTE_SECS {
+            eprintln!(
+                "bench: {} calls per job at {shape} will take about {} here (from a {rows}-row probe; \
+                 fewer --iters/--warmup or a smaller --shape to shorten; Ctrl-C stops)",
+                cfg.warmup + cfg.iters,
+                stats::fmt_secs(total)
+            );
+        }
+        Ok(())
+    }
+
     fn time_job<B: Backend>(
         d: &BenchData,
         cfg: &BenchConfig,
@@ -389,6 +230,9 @@ impl BenchJob<'_> {
                 .and_then(|()| b.finish())
                 .map_err(|e| CliError::device(format!("bench {} {}", b.info().backend, job.name()), e))?;
             let ms = start.elapsed().as_secs_f64() * 1e3;
+            if i == 0 {
+                announce_estimate(b.info().backend, job, ms, cfg.warmup + cfg.iters);
+            }
             let times = b
                 .take_kernel_times()
                 .map_err(|e| CliError::device("reading kernel times", e))?;
@@ -413,6 +257,7 @@ impl BenchJob<'_> {
         }
         progress.finish();
         let peak = engine.backend().memory().peak;
+        let on_cpu = engine.backend().info().backend == "reference";
         let wall = sorted(wall);
         let median_ms = median(&wall);
         let gpu_ms = (!gpu.is_empty()).then(|| median(&sorted(gpu)));
@@ -435,7 +280,13 @@ impl BenchJob<'_> {
             max_ms: wall.last().copied().unwrap_or(f64::NAN),
             gpu_ms,
             tflops: tf(gpu_ms.unwrap_or(median_ms)),
-            tflops_from: if gpu_ms.is_some() { "gpu" } else { "wall" },
+            // The reference's times (its kernel timings too) are CPU time:
+            // say so, not "gpu" or "wall".
+            tflops_from: match (on_cpu, gpu_ms.is_some()) {
+                (true, _) => "cpu",
+                (false, true) => "gpu",
+                (false, false) => "wall",
+            },
             wall_tflops: tf(median_ms),
             peak_extra_bytes: peak.saturating_sub(head_bytes),
             kernels,
@@ -558,6 +409,7 @@ impl BenchJob<'_> {
         let mut engine = Engine::new(backend, &head, SliceOptions::default())
             .map_err(|e| CliError::device(format!("uploading the head to {}", info.backend), e))?;
         let upload_ms = start.elapsed().as_secs_f64() * 1e3;
+        engine.set_trace(crate::environment::get().trace);
         let head_bytes = engine.backend().memory().current.saturating_sub(before);
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
@@ -566,6 +418,7 @@ impl BenchJob<'_> {
             fmt_bytes(head_bytes),
             engine.slices().len()
         );
+        Self::probe(data, self.cfg, &mut engine)?;
         let mut jobs = Vec::new();
         for job in [JobKind::HeadKl, JobKind::Topk] {
             jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes)?);
@@ -589,19 +442,39 @@ impl BenchJob<'_> {
 }
 
 /// The backends to run: `--all` gives every startable one; otherwise the
-/// named backend or auto's pick.
-fn targets(args: &BackendArgs, all: bool) -> Vec<Result<Target, (BackendKind, String)>> {
+/// named backend or auto's pick. A bad option or setting fails here.
+fn targets(args: &BackendArgs, all: bool) -> Result<Vec<Result<Target, RunError>>, CliError> {
     if all {
+        let args = args.with_settings();
         return BackendKind::ALL
             .iter()
-            .map(|&kind| target_for(kind, args.device).map_err(|why| (kind, why)))
+            .map(|&kind| match target_for(kind, args.device) {
+                Err(RunError::Job(e)) => Err(e),
+                other => Ok(other),
+            })
             .collect();
     }
-    vec![Ok(resolve_announced(args, "bench"))]
+    Ok(vec![Ok(resolve_announced(args, "bench")?)])
 }
 
-/// The shape one backend runs: `--shape`, or its default for the opened
-/// device (whose matrix units reflect HEADKL_NO_COOPMAT); `--k` applied.
+/// The one shape `--all` runs on every backend without `--shape`: the
+/// smallest of their defaults, so the slowest finishes in seconds and every
+/// bar compares the same work.
+fn common_shape(targets: &[Result<Target, RunError>]) -> Option<Shape> {
+    targets
+        .iter()
+        .filter_map(|t| t.as_ref().ok())
+        .filter_map(|t| {
+            let infos = enumerate_backend(t.kind).ok()?;
+            let info = infos.get(t.device.unwrap_or(0))?;
+            Some(Shape::default_for(info, t.kind))
+        })
+        .min_by(|a, b| a.flops(JobKind::HeadKl).total_cmp(&b.flops(JobKind::HeadKl)))
+}
+
+/// The shape one backend runs: `--shape` (or `--all`'s common shape), or
+/// its default for the opened device (whose matrix units reflect
+/// HEADKL_NO_COOPMAT); `--k` applied.
 fn shape_for(cfg: &BenchConfig, info: &DeviceInfo, kind: BackendKind) -> Result<Shape, CliError> {
     let mut shape = cfg.shape.unwrap_or_else(|| Shape::default_for(info, kind));
     if let Some(k) = cfg.k {
@@ -611,83 +484,14 @@ fn shape_for(cfg: &BenchConfig, info: &DeviceInfo, kind: BackendKind) -> Result<
     Ok(shape)
 }
 
-fn fmt_tflops(v: f64) -> String {
-    if v >= 10.0 {
-        format!("{v:.1}")
-    } else if v >= 0.01 {
-        format!("{v:.3}")
-    } else {
-        format!("{v:.2e}")
+/// A backend `--all` cannot start: skipped with why, unless the cause is a
+/// bad setting (exit 2) or `HEADKL_REQUIRE` names it.
+fn skip_or_fail(kind: BackendKind, why: headkl_core::Error) -> Result<(), CliError> {
+    if is_validation(&why) || required(kind) {
+        return Err(CliError::start(kind.name(), why));
     }
-}
-
-fn fmt_ms(ms: f64) -> String {
-    if ms >= 100.0 {
-        format!("{ms:.0}")
-    } else if ms >= 10.0 {
-        format!("{ms:.1}")
-    } else {
-        format!("{ms:.2}")
-    }
-}
-
-/// The results table.
-pub fn render(runs: &[BenchRun]) -> String {
-    let mut rows = Vec::new();
-    for r in runs {
-        for j in &r.jobs {
-            rows.push(vec![
-                r.backend.clone(),
-                r.device.clone(),
-                if r.matrix_units { "on" } else { "off" }.into(),
-                r.shape.to_string(),
-                if j.path == "host" {
-                    j.job.name().to_string()
-                } else {
-                    format!("{} ({})", j.job.name(), j.path)
-                },
-                fmt_ms(j.median_ms),
-                format!("{}–{}", fmt_ms(j.min_ms), fmt_ms(j.max_ms)),
-                j.gpu_ms.map(fmt_ms).unwrap_or_else(|| "-".into()),
-                format!("{} ({})", fmt_tflops(j.tflops), j.tflops_from),
-                fmt_bytes(j.peak_extra_bytes),
-                fmt_bytes(r.head_bytes),
-            ]);
-        }
-    }
-    let mut out = table(
-        &[
-            "backend",
-            "device",
-            "matrix units",
-            "shape ntok:V:hs:k",
-            "job",
-            "median ms",
-            "min–max ms",
-            "GPU ms",
-            "TFLOP/s",
-            "peak extra",
-            "head",
-        ],
-        &rows,
-    );
-    for r in runs {
-        for j in r.jobs.iter().filter(|j| !j.kernels.is_empty()) {
-            let parts: Vec<String> = j
-                .kernels
-                .iter()
-                .map(|k| format!("{} {} ms ×{}", k.kernel, fmt_ms(k.ms), k.dispatches))
-                .collect();
-            out.push_str(&format!(
-                "{} {} {}: {}\n",
-                r.backend,
-                j.job.name(),
-                j.path,
-                parts.join(", ")
-            ));
-        }
-    }
-    out
+    eprintln!("bench: {kind}: cannot start: {why} (skipped)");
+    Ok(())
 }
 
 /// Runs `headkl bench`.
@@ -697,13 +501,30 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
     }
     let mut runs = Vec::new();
     let mut data: Option<BenchData> = None;
-    for target in targets(args, cfg.all) {
+    let targets = targets(args, cfg.all)?;
+    let common;
+    let cfg = if cfg.all && cfg.shape.is_none() {
+        common = BenchConfig {
+            shape: common_shape(&targets),
+            ..cfg.clone()
+        };
+        if let Some(shape) = common.shape {
+            eprintln!(
+                "bench: --all runs one shape on every backend: {shape} (the smallest default; --shape picks another)"
+            );
+        }
+        &common
+    } else {
+        cfg
+    };
+    for target in targets {
         let target = match target {
             Ok(t) => t,
-            Err((kind, why)) => {
-                eprintln!("bench: {kind}: cannot start: {why} (skipped)");
+            Err(RunError::Start(kind, why)) => {
+                skip_or_fail(kind, why)?;
                 continue;
             }
+            Err(RunError::Job(e)) => return Err(e),
         };
         let job = BenchJob {
             kind: target.kind,
@@ -718,7 +539,7 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
         match result {
             Ok(Some(run)) => runs.push(run),
             Ok(None) => {}
-            Err(RunError::Start(kind, why)) if cfg.all => eprintln!("bench: {kind}: cannot start: {why} (skipped)"),
+            Err(RunError::Start(kind, why)) if cfg.all => skip_or_fail(kind, why)?,
             Err(e) => return Err(e.into()),
         }
     }
@@ -756,32 +577,6 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn shapes_parse() {
-        assert_eq!("A".parse::<Shape>(), Ok(Shape::A));
-        assert_eq!("b".parse::<Shape>(), Ok(Shape::B));
-        assert_eq!(
-            "64:4096:256:16".parse::<Shape>(),
-            Ok(Shape {
-                ntok: 64,
-                vocab: 4096,
-                hs: 256,
-                k: 16
-            })
-        );
-        assert!("64:4096:256".parse::<Shape>().is_err());
-        assert!("64:100:256:200".parse::<Shape>().is_err(), "k > V");
-        assert!("0:100:256:2".parse::<Shape>().is_err());
-        assert_eq!(Shape::A.flops(JobKind::HeadKl), 4.0 * 4096.0 * 248_320.0 * 5120.0);
-        assert_eq!(Shape::A.flops(JobKind::Topk) * 2.0, Shape::A.flops(JobKind::HeadKl));
-    }
-
-    #[test]
-    fn median_of_even_and_odd() {
-        assert_eq!(median(&[1.0, 2.0, 9.0]), 2.0);
-        assert_eq!(median(&[1.0, 2.0, 4.0, 9.0]), 3.0);
-    }
 
     #[test]
     fn generated_teacher_rows_are_distinct() {

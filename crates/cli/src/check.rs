@@ -5,11 +5,11 @@
 use headkl_core::Backend;
 use headkl_reference::conformance::{case_count, run_suite, CaseOutcome, SuiteConfig, SuiteReport};
 
+use crate::error::is_validation;
 use crate::error::CliError;
 use crate::progress::Progress;
 use crate::select::{
-    open_and_run, required_backends, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind, RunError,
-    Target,
+    open_and_run, required, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind, RunError, Target,
 };
 use crate::text::table;
 
@@ -43,20 +43,21 @@ impl BackendJob for CheckJob<'_> {
 /// A backend to check: where to open it, or why it cannot start.
 enum Planned {
     Run(Target),
-    CannotStart(BackendKind, String),
+    CannotStart(BackendKind, headkl_core::Error),
 }
 
 /// The backends to check: the one named (auto resolves to its pick), or
-/// every backend with its best usable device.
-fn plan(args: &BackendArgs) -> Vec<Planned> {
+/// every backend with its best usable device. A bad option fails here.
+fn plan(args: &BackendArgs) -> Result<Vec<Planned>, CliError> {
     if args.backend.is_some() {
-        return vec![Planned::Run(resolve_announced(args, "check"))];
+        return Ok(vec![Planned::Run(resolve_announced(args, "check")?)]);
     }
     BackendKind::ALL
         .iter()
         .map(|&kind| match target_for(kind, args.device) {
-            Ok(t) => Planned::Run(t),
-            Err(why) => Planned::CannotStart(kind, why),
+            Ok(t) => Ok(Planned::Run(t)),
+            Err(RunError::Start(kind, e)) => Ok(Planned::CannotStart(kind, e)),
+            Err(RunError::Job(e)) => Err(e),
         })
         .collect()
 }
@@ -64,6 +65,12 @@ fn plan(args: &BackendArgs) -> Vec<Planned> {
 fn fmt_err(e: f64) -> String {
     format!("{e:.2e}")
 }
+
+/// What the errors in the table are measured against.
+pub const REFERENCE_NOTE: &str = "\
+errors: relative to the f64 reference, which computes in f64 on the f16-rounded head and hidden
+rows and passes the gradient through f16 as the device path does; the reference backend's own
+row measures that f16 gradient path against the exact f64 formula, not an error of an exact answer.";
 
 /// The summary table, one row per backend that ran.
 fn render(reports: &[SuiteReport]) -> String {
@@ -100,11 +107,12 @@ fn render(reports: &[SuiteReport]) -> String {
 /// Runs `headkl check`.
 pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> {
     let cfg = SuiteConfig { cases, seed };
-    let required = required_backends();
+    let args = &args.with_settings();
     let explicit = args.backend.is_some();
     let mut reports = Vec::new();
     let mut problems = Vec::new();
-    for planned in plan(args) {
+    let mut skipped = Vec::new();
+    for planned in plan(args)? {
         let (kind, why) = match planned {
             Planned::Run(target) => match open_and_run(&target, CheckJob { cfg: &cfg }) {
                 Ok(report) => {
@@ -116,9 +124,15 @@ pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> 
             },
             Planned::CannotStart(kind, why) => (kind, why),
         };
-        let must = explicit || required.iter().any(|r| r == kind.name());
+        // A bad setting is the user's to fix: it fails, skipped or not.
+        if is_validation(&why) {
+            return Err(CliError::Setting(why));
+        }
+        let must = explicit || required(kind);
         eprintln!("{kind}: cannot start: {why}{}", if must { "" } else { " (skipped)" });
-        if must {
+        if !must {
+            skipped.push(format!("{kind} (cannot start: {why})"));
+        } else {
             problems.push(format!(
                 "{kind} could not start{}: {why}",
                 if explicit { "" } else { " and HEADKL_REQUIRE names it" }
@@ -127,6 +141,7 @@ pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> 
     }
     if !reports.is_empty() {
         println!("{}", render(&reports));
+        println!("{REFERENCE_NOTE}\n");
     }
     for r in &reports {
         for f in &r.failures {
@@ -139,9 +154,15 @@ pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> 
     }
     if problems.is_empty() {
         println!(
-            "all {} cases passed on {} backend(s) (seed {seed:#x})",
+            "all {} cases passed on {} backend(s) (seed {seed:#x}); {} skipped{}",
             reports.iter().map(|r| r.cases).sum::<usize>(),
-            reports.len()
+            reports.len(),
+            skipped.len(),
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", skipped.join("; "))
+            }
         );
         Ok(())
     } else {

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use crate::select::{
-    auto_pick, enumerate_all, named_kind, AutoPick, BackendArg, BackendArgs, BackendKind, Enumeration,
+    auto_pick, enumerate_all, named_kind, AutoPick, BackendArg, BackendArgs, BackendKind, Enumeration, SOFTWARE_REASON,
 };
 use crate::text::{fmt_bytes, table};
 
@@ -178,11 +178,27 @@ pub fn render(rows: &[DeviceRow], pick: &AutoPick) -> String {
         "\n* auto picks {} device {}: {}\n",
         pick.kind, pick.index, pick.reason
     ));
+    for r in rows.iter().filter(|r| {
+        r.backend != BackendKind::Reference
+            && r.runnable
+            && r.device_type
+                .as_deref()
+                .is_some_and(|t| t.to_ascii_lowercase().contains("cpu"))
+    }) {
+        out.push_str(&format!(
+            "  {} device {} ({}) is {SOFTWARE_REASON}; auto passes over it (--backend {} runs there anyway)\n",
+            r.backend,
+            r.index.unwrap_or(0),
+            r.name.as_deref().unwrap_or("?"),
+            r.backend
+        ));
+    }
     out
 }
 
 /// Runs `headkl devices`: every backend, or only the one `--backend` names.
 pub fn run(args: &BackendArgs, json: bool) -> Result<(), crate::error::CliError> {
+    let args = &args.with_settings();
     let e = enumerate_all();
     let pick = auto_pick(&e.candidates, args.device);
     let mut rows = rows(&e, &pick);

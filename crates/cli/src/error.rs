@@ -58,13 +58,17 @@ pub enum CliError {
         /// What went wrong.
         problem: String,
     },
+    /// A `HEADKL_*` setting (or an option handed to a backend) that cannot
+    /// be used: exit 2, like a bad option.
+    #[error("{0}")]
+    Setting(CoreError),
     /// A backend could not be opened.
-    #[error("cannot start the {backend} backend: {reason}")]
+    #[error("cannot start the {backend} backend: {source}")]
     Start {
         /// The backend.
         backend: &'static str,
         /// Why.
-        reason: String,
+        source: CoreError,
     },
     /// `headkl check` found failures or could not start a required backend.
     #[error("{0}")]
@@ -75,7 +79,9 @@ impl CliError {
     /// The process exit code for this error.
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::File { .. } | CliError::Tensor { .. } | CliError::Option { .. } => EXIT_INPUT,
+            CliError::File { .. } | CliError::Tensor { .. } | CliError::Option { .. } | CliError::Setting(_) => {
+                EXIT_INPUT
+            }
             CliError::Device { .. } | CliError::Start { .. } | CliError::Output { .. } | CliError::CheckFailed(_) => {
                 EXIT_FAILURE
             }
@@ -122,6 +128,16 @@ impl CliError {
             Self::tensor(file, tensor, source.to_string())
         } else {
             Self::device(format!("{}: tensor `{tensor}`", file.display()), source)
+        }
+    }
+
+    /// A backend that did not open: a bad setting (exit 2) when the error is
+    /// about the input, else a start failure (exit 1).
+    pub fn start(backend: &'static str, source: CoreError) -> Self {
+        if is_validation(&source) {
+            CliError::Setting(source)
+        } else {
+            CliError::Start { backend, source }
         }
     }
 

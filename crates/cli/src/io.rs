@@ -36,6 +36,9 @@ impl TensorFile {
     /// Maps `path` and checks its header: the offsets of every tensor must
     /// lie inside the file and cover its data exactly.
     pub fn open(path: &Path) -> Result<Self, CliError> {
+        if path.is_dir() {
+            return Err(CliError::file(path, "is a folder, not a safetensors file"));
+        }
         let file = File::open(path).map_err(|e| CliError::file(path, format!("cannot open: {e}")))?;
         let len = file
             .metadata()
@@ -243,6 +246,8 @@ pub struct PendingOutput {
     target: PathBuf,
     temp: PathBuf,
     file: Option<File>,
+    /// Removes the temporary on SIGINT/SIGTERM while this lives.
+    _on_signal: crate::signals::Registered,
 }
 
 impl PendingOutput {
@@ -260,22 +265,31 @@ impl PendingOutput {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
+        // Both are the user's to fix (exit 2), found before any work.
         if target.is_dir() {
-            return Err(CliError::Output {
-                file: target.to_path_buf(),
-                problem: "is a directory".into(),
-            });
+            return Err(CliError::file(
+                target,
+                "is a folder; name the file to write (e.g. out.safetensors)",
+            ));
+        }
+        if !dir.is_dir() {
+            return Err(CliError::file(
+                target,
+                format!("the folder {} does not exist", dir.display()),
+            ));
         }
         let mut last_err = None;
         for attempt in 0..100u32 {
             let temp = dir.join(format!(".{name}.{}.{attempt}.tmp", std::process::id()));
             match OpenOptions::new().write(true).create_new(true).open(&temp) {
                 Ok(file) => {
+                    let on_signal = crate::signals::remove_on_signal(&temp);
                     return Ok(Self {
                         target: target.to_path_buf(),
                         temp,
                         file: Some(file),
-                    })
+                        _on_signal: on_signal,
+                    });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last_err = Some(e),
                 Err(e) => {

@@ -14,6 +14,7 @@ use safetensors::Dtype;
 
 use crate::error::CliError;
 use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, TensorRef};
+use crate::progress::{pieces, Progress};
 use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
 use crate::text::fmt_bytes;
 
@@ -140,9 +141,17 @@ fn read_hidden<'a>(
         return Err(t.error("shape [0, hs]: at least one token is needed"));
     }
     if hs != head_hs {
+        // A head stored [hs][V] (as some exports do) shows up as a
+        // mismatch whose other extent matches: say so.
+        let transposed = head.matrix("[V][hs]").is_ok_and(|(rows, _)| rows == hs);
         return Err(t.error(format!(
-            "hs = {hs}, but the head {} has hs = {head_hs}",
-            head.describe()
+            "hs = {hs}, but the head {} has hs = {head_hs}{}",
+            head.describe(),
+            if transposed {
+                format!("; the head looks transposed (its first extent is {hs}): it must be [V][hs]")
+            } else {
+                String::new()
+            }
         )));
     }
     let elems = match t.dtype() {
@@ -171,11 +180,26 @@ pub struct InputArgs {
     pub hidden_tensor: String,
 }
 
-/// Runs the top-k job on a backend.
+/// Rows per piece at least: below this a call leaves a GPU idle.
+const MIN_PIECE_ROWS: usize = 256;
+
+/// Rows `[a, b)` of hidden rows `[ntok][hs]`.
+fn hidden_rows<'a>(data: &HiddenData<'a>, hs: usize, a: usize, b: usize) -> headkl_core::Result<Hidden<'a>> {
+    match *data {
+        HiddenData::F32(d) => Hidden::new(HiddenData::F32(&d[a * hs..b * hs]), b - a, hs),
+        HiddenData::F16(d) => Hidden::new(HiddenData::F16(&d[a * hs..b * hs]), b - a, hs),
+        HiddenData::Bf16(d) => Hidden::new(HiddenData::Bf16(&d[a * hs..b * hs]), b - a, hs),
+    }
+}
+
+/// Runs the top-k job on a backend, in pieces of rows so a terminal shows
+/// progress (rows are independent: the result is the same).
 struct TopkJob<'a> {
     sources: &'a Sources<'a>,
     head: HeadWeights<'a>,
-    hidden: Hidden<'a>,
+    hidden: HiddenData<'a>,
+    ntok: usize,
+    hs: usize,
     opts: TopkOptions,
 }
 
@@ -184,20 +208,42 @@ impl BackendJob for TopkJob<'_> {
 
     fn run<B: Backend>(self, backend: B) -> Result<TopK, CliError> {
         eprintln!("headkl: running on {}", describe(backend.info()));
+        let mut progress = Progress::new("topk: head upload, then tokens", self.ntok as u64);
         let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
             .map_err(|e| self.sources.map(e, "uploading the head"))?;
-        engine
-            .topk(&self.hidden, &self.opts)
-            .map_err(|e| self.sources.map(e, "top-k"))
+        let k = self.opts.k;
+        let mut out = TopK {
+            ids: Vec::with_capacity(self.ntok * k),
+            probs: Vec::with_capacity(self.ntok * k),
+            ntok: self.ntok,
+            k,
+        };
+        for (a, b) in pieces(self.ntok, MIN_PIECE_ROWS) {
+            let hidden = hidden_rows(&self.hidden, self.hs, a, b).map_err(|e| self.sources.map(e, "hidden"))?;
+            let piece = engine
+                .topk(&hidden, &self.opts)
+                .map_err(|e| self.sources.map(e, "top-k"))?;
+            out.ids.extend_from_slice(&piece.ids);
+            out.probs.extend_from_slice(&piece.probs);
+            progress.inc_by((b - a) as u64);
+        }
+        Ok(out)
     }
 }
 
-/// Runs the loss job on a backend.
+/// Runs the loss job on a backend, in pieces of rows so a terminal shows
+/// progress: `total` and `gscale` are resolved over every token first, so
+/// each token's loss and gradient are what one call would give, and the
+/// mean is the sum of the pieces' `Σ w_t L_t / total`.
 struct LossJob<'a> {
     sources: &'a Sources<'a>,
     head: HeadWeights<'a>,
-    hidden: Hidden<'a>,
-    teacher: Teacher,
+    hidden: HiddenData<'a>,
+    ntok: usize,
+    hs: usize,
+    ids: &'a [i64],
+    probs: &'a [f32],
+    k: usize,
     opts: LossOptions,
 }
 
@@ -206,12 +252,51 @@ impl BackendJob for LossJob<'_> {
 
     fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
         eprintln!("headkl: running on {}", describe(backend.info()));
+        let resolved = self
+            .opts
+            .resolve(self.ntok)
+            .map_err(|e| self.sources.map(e, "loss options"))?;
+        let mut progress = Progress::new("loss: head upload, then tokens", self.ntok as u64);
+        let vocab = self.head.vocab();
         let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
             .map_err(|e| self.sources.map(e, "uploading the head"))?;
-        engine
-            .head_kl(&self.hidden, &self.teacher, &self.opts)
-            .map_err(|e| self.sources.map(e, "head_kl"))
+        engine.set_trace(crate::environment::get().trace);
+        let mut out = LossOutput {
+            loss: Vec::with_capacity(self.ntok),
+            mean: 0.0,
+            dx: Vec::with_capacity(self.ntok * self.hs),
+        };
+        let k = self.k;
+        for (a, b) in pieces(self.ntok, MIN_PIECE_ROWS) {
+            let hidden = hidden_rows(&self.hidden, self.hs, a, b).map_err(|e| self.sources.map(e, "hidden"))?;
+            let teacher = Teacher::from_i64(&self.ids[a * k..b * k], &self.probs[a * k..b * k], b - a, k, vocab)
+                .map_err(|e| self.sources.map(e, "teacher"))?;
+            let opts = LossOptions {
+                weights: Some(resolved.weights[a..b].to_vec()),
+                total: Some(resolved.total),
+                gscale: Some(resolved.gscale),
+                ..self.opts.clone()
+            };
+            let piece = engine
+                .head_kl(&hidden, &teacher, &opts)
+                .map_err(|e| self.sources.map(e, "head_kl"))?;
+            out.loss.extend_from_slice(&piece.loss);
+            out.dx.extend_from_slice(&piece.dx);
+            out.mean += piece.mean;
+            progress.inc_by((b - a) as u64);
+        }
+        Ok(out)
     }
+}
+
+/// The mean loss with six significant digits: the loss is computed from
+/// f16 operands, so further digits are noise.
+pub fn fmt_mean(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return format!("{v}");
+    }
+    let decimals = (5 - v.abs().log10().floor() as i32).clamp(0, 12) as usize;
+    format!("{v:.decimals$}")
 }
 
 /// `headkl topk`.
@@ -249,14 +334,16 @@ pub fn topk(
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(out)?;
-    let target = resolve_announced(backend, "headkl");
+    let target = resolve_announced(backend, "headkl")?;
     let start = Instant::now();
     let result = open_and_run(
         &target,
         TopkJob {
             sources: &sources,
             head,
-            hidden,
+            hidden: hidden.data(),
+            ntok,
+            hs,
             opts,
         },
     )?;
@@ -365,7 +452,8 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
         weights: weights_t.as_ref(),
         total_given: args.total.is_some(),
     };
-    let teacher = Teacher::from_i64(&ids, &probs, ntok, k, vocab).map_err(|e| sources.map(e, "teacher"))?;
+    // Checked whole before the head goes anywhere; the job builds it per piece.
+    let _validated_teacher = Teacher::from_i64(&ids, &probs, ntok, k, vocab).map_err(|e| sources.map(e, "teacher"))?;
     let opts = LossOptions {
         temperature: args.temperature,
         weights,
@@ -379,15 +467,19 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
-    let target = resolve_announced(backend, "headkl");
+    let target = resolve_announced(backend, "headkl")?;
     let start = Instant::now();
     let result = open_and_run(
         &target,
         LossJob {
             sources: &sources,
             head,
-            hidden,
-            teacher,
+            hidden: hidden.data(),
+            ntok,
+            hs,
+            ids: &ids,
+            probs: &probs,
+            k,
             opts,
         },
     )?;
@@ -410,6 +502,6 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
         start.elapsed().as_secs_f64(),
         args.out.display()
     );
-    println!("mean loss: {}", result.mean);
+    println!("mean loss: {}", fmt_mean(result.mean));
     Ok(())
 }

@@ -5,6 +5,7 @@
 mod bench;
 mod check;
 mod devices;
+mod environment;
 mod error;
 mod io;
 mod jobs;
@@ -12,6 +13,7 @@ mod plot;
 mod progress;
 mod rng;
 mod select;
+mod signals;
 mod text;
 mod tune;
 
@@ -27,30 +29,32 @@ use crate::error::CliError;
 use crate::jobs::{InputArgs, LossArgs};
 use crate::select::{BackendArgs, AUTO_POLICY};
 
-const ENV_HELP: &str = "\
-Environment:
-  HEADKL_BACKEND     default for --backend (auto, vulkan, wgpu, reference)
-  HEADKL_DEVICE      default for --device
-  HEADKL_NO_COOPMAT  =1 forces the fallback GEMM on a device with matrix units
-  HEADKL_REQUIRE     comma list (e.g. wgpu,vulkan): `check` fails when one of
-                     these backends cannot start instead of skipping it
-  HEADKL_CASES       default for `check --cases`
-  HEADKL_SEED        default for `check --seed`
-  HEADKL_GEMM        the matrix-unit GEMM kernels, e.g. `staged:bk32:r2:s2`
-                     (both layouts) or `logits=staged:bk16:r2:s2,dx=direct`;
-                     default: the tune cache's entry for the device (see
-                     `headkl tune`), else the built-in default
-  HEADKL_CACHE_DIR   folder of the tune cache (default ~/.cache/headkl)
-  HEADKL_CHECKED     =1 builds every kernel with runtime bounds checks
-  HEADKL_VALIDATION  =1 loads the Khronos validation layer (Vulkan backend)
+const EXIT_HELP: &str = "\
+Exit codes: 0 success; 2 bad input (a file, tensor, option or HEADKL_*
+setting, named in the message); 1 anything else (device errors, failed
+checks).";
 
-Exit codes: 0 success; 2 bad input (a file, tensor or option, named in the
-message); 1 anything else (device errors, failed checks).";
+/// The environment section of `headkl --help`, from the one list of
+/// variables in `headkl_core::settings`.
+fn env_help() -> String {
+    format!(
+        "{}\n{EXIT_HELP}\n\nEach subcommand's --help has its details; `headkl --help` lists the environment.",
+        headkl_core::settings::help_text()
+    )
+}
+
+/// What every subcommand's --help ends with: where the environment is listed.
+const SUB_HELP: &str = "\
+Environment: HEADKL_* variables are listed once, in `headkl --help`.
+Exit codes: 0 success; 2 bad input (file, tensor, option or setting); 1 anything else.";
 
 /// headkl: the distillation loss's vocabulary head on any Vulkan GPU.
 #[derive(Parser, Debug)]
-#[command(name = "headkl", version, after_help = ENV_HELP)]
+#[command(name = "headkl", version, after_help = env_help())]
 struct Cli {
+    /// No progress bars (they are drawn only when stderr is a terminal)
+    #[arg(long, global = true)]
+    quiet: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -84,7 +88,7 @@ enum Command {
 f16, subgroup size, largest storage binding, memory, and whether headkl can run on it (or why not). \
 A backend that cannot enumerate (e.g. no Vulkan loader) gets one row saying why. The row `auto` \
 picks is marked with `*`, with the reason.",
-        after_help = format!("{AUTO_POLICY}\n\n--backend NAME lists only that backend's devices.\n\n{ENV_HELP}")
+        after_help = format!("{AUTO_POLICY}\n\n--backend NAME lists only that backend's devices.\n\n{SUB_HELP}")
     )]
     Devices {
         #[command(flatten)]
@@ -101,16 +105,16 @@ on every backend this machine can start, or only the one --backend names. Prints
 backend (cases, passed, worst loss / dx / prob errors, matrix units, device) and each failure with \
 the seed that replays it. Exits 1 on any failure, or when a backend named by --backend or \
 HEADKL_REQUIRE cannot start; other backends that cannot start are skipped with the reason.",
-        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Check {
         #[command(flatten)]
         backend: BackendArgs,
         /// Drawn (random) cases on top of the fixed ones [env: HEADKL_CASES] [default: 16]
-        #[arg(long, env = "HEADKL_CASES", hide_env = true)]
+        #[arg(long)]
         cases: Option<usize>,
         /// Seed of the drawn cases, decimal or 0x hex [env: HEADKL_SEED] [default: 0x484541444b4c0001]
-        #[arg(long, env = "HEADKL_SEED", hide_env = true, value_parser = parse_seed)]
+        #[arg(long, value_parser = parse_seed)]
         seed: Option<u64>,
     },
     /// Time head_kl and topk on one backend (or all) and compare
@@ -127,7 +131,7 @@ backend gets a size it finishes in seconds: reference 64:4096:256:16, a software
 64:8192:256:64, a GPU without matrix units 256:32768:1024:64, with matrix units 1024:65536:4096:64.\n\n\
 Without --backend (or with auto) runs auto's pick; --all runs every backend that starts (the CPU \
 reference is left out of --all for large shapes).",
-        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Bench {
         #[command(flatten)]
@@ -174,7 +178,7 @@ or HEADKL_CACHE_DIR), keyed by backend, device and driver; both GPU backends rea
 that device, unless HEADKL_GEMM names kernels.\n\n\
 Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) on a device with \
 16 GiB or more (or a discrete GPU that does not report its memory), else 1024:32768:4096.",
-        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Tune {
         #[command(flatten)]
@@ -201,7 +205,7 @@ Inputs: --head holds tensor `weight` (or --head-tensor, e.g. `lm_head.weight` of
 F16, BF16 or F32; --hidden holds tensor `hidden` (or --hidden-tensor) [ntok][hs] in F32, F16 or BF16. \
 Output --out: `ids` I64 [ntok][k] and `probs` F32 [ntok][k], written to a temporary file and renamed \
 when complete (a failed run leaves an existing file untouched).",
-        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Topk {
         #[command(flatten)]
@@ -211,8 +215,8 @@ when complete (a failed run leaves an existing file untouched).",
         /// Entries per row (1 ≤ k ≤ min(V, 2048))
         #[arg(short = 'k', long = "k")]
         k: usize,
-        /// Temperature τ of the probabilities
-        #[arg(long, default_value_t = 1.0)]
+        /// Temperature τ of the probabilities (> 0)
+        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
         temperature: f32,
         /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
         #[arg(long, value_parser = parse_bytes)]
@@ -231,7 +235,7 @@ each [ntok][k]: ids distinct per row and < V, probs non-negative and finite (ren
 --weights optionally holds `weights` (F32) [ntok] (0 masks a token; default all 1). \
 Output --out: `loss` F32 [ntok] (per-token, unweighted) and `grad` F32 [ntok][hs] (dx), written \
 to a temporary file and renamed when complete.",
-        after_help = format!("{AUTO_POLICY}\n\n{ENV_HELP}")
+        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Loss {
         #[command(flatten)]
@@ -244,14 +248,14 @@ to a temporary file and renamed when complete.",
         /// Per-token weights: tensor `weights` `[ntok]`
         #[arg(long, value_name = "W.safetensors")]
         weights: Option<PathBuf>,
-        /// Temperature τ of the student logits
-        #[arg(long, default_value_t = 1.0)]
+        /// Temperature τ of the student logits (> 0)
+        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
         temperature: f32,
         /// Scale of the f16 gradient [default: 2^14 · total / max w]
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         gscale: Option<f32>,
         /// The weight the loss averages over [default: Σ w]
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         total: Option<f32>,
         /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
         #[arg(long, value_parser = parse_bytes)]
@@ -263,13 +267,17 @@ to a temporary file and renamed when complete.",
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
+    progress::set_quiet(cli.quiet);
     match cli.command {
         Command::Devices { backend, json } => devices::run(&backend, json),
-        Command::Check { backend, cases, seed } => check::run(
-            &backend,
-            cases.unwrap_or(conformance::DEFAULT_CASES),
-            seed.unwrap_or(conformance::DEFAULT_SEED),
-        ),
+        Command::Check { backend, cases, seed } => {
+            let settings = environment::get();
+            check::run(
+                &backend,
+                cases.or(settings.cases).unwrap_or(conformance::DEFAULT_CASES),
+                seed.or(settings.seed).unwrap_or(conformance::DEFAULT_SEED),
+            )
+        }
         Command::Bench {
             backend,
             shape,
@@ -352,8 +360,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
 }
 
 fn main() -> ExitCode {
+    signals::install();
     let cli = Cli::parse();
-    match run(cli) {
+    match environment::init().and_then(|()| run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("headkl: error: {e}");
@@ -391,7 +400,16 @@ mod tests {
             .render_long_help()
             .to_string();
         assert!(help.contains("Vulkan with matrix units"), "{help}");
-        assert!(help.contains("HEADKL_NO_COOPMAT"), "{help}");
-        assert!(help.contains("HEADKL_BACKEND"), "{help}");
+        assert!(help.contains("headkl --help"), "{help}");
+        // The environment is listed once, in the top-level help, whole.
+        let top = Cli::command().render_long_help().to_string();
+        for v in headkl_core::settings::VARIABLES {
+            assert_eq!(top.matches(&format!("  {}=", v.name)).count(), 1, "{}:\n{top}", v.name);
+            assert!(
+                !help.contains(&format!("  {}=", v.name)),
+                "{} repeated in a subcommand",
+                v.name
+            );
+        }
     }
 }

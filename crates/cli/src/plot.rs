@@ -130,13 +130,15 @@ pub fn svg(runs: &[BenchRun]) -> String {
             let base = TOP + plot_h;
             let _ = writeln!(
                 s,
-                r#"<rect x="{x:.1}" y="{top:.1}" width="{BAR}" height="{:.1}" fill="{}"><title>{} {} {}: {} ms, {} {unit}</title></rect>"#,
+                r#"<rect x="{x:.1}" y="{top:.1}" width="{BAR}" height="{:.1}" fill="{}"><title>{} {} {} at {}: {} ms ({} time), {} {unit}</title></rect>"#,
                 (base - top).max(0.5),
                 colour(&run.backend),
                 esc(&run.backend),
                 esc(&run.device),
                 job,
+                run.shape,
                 fmt_num(j.gpu_ms.unwrap_or(j.median_ms)),
+                j.tflops_from,
                 fmt_num(value)
             );
             let cx = x + BAR / 2.0;
@@ -164,17 +166,25 @@ pub fn svg(runs: &[BenchRun]) -> String {
                 base + 26.0,
                 esc(&device)
             );
+            // Which shape this bar ran, and what its time is.
+            let _ = writeln!(
+                s,
+                r##"<text x="{cx:.1}" y="{:.1}" font-size="9" text-anchor="middle" fill="#555">{} ({} time)</text>"##,
+                base + 38.0,
+                esc(&run.shape.to_string()),
+                j.tflops_from
+            );
         }
         let _ = writeln!(
             s,
             r#"<text x="{:.1}" y="{:.1}" font-size="13" font-weight="bold" text-anchor="middle">{job}</text>"#,
             gx + group_w / 2.0,
-            TOP + plot_h + 52.0
+            TOP + plot_h + 56.0
         );
     }
     let _ = writeln!(
         s,
-        r##"<text x="{LEFT}" y="{:.0}" font-size="10" fill="#555">ms: median GPU time where the backend times kernels, else median wall time</text>"##,
+        r##"<text x="{LEFT}" y="{:.0}" font-size="10" fill="#555">ms: median GPU time where the backend times kernels, else median wall time (CPU time for the reference); under each bar its shape ntok:V:hs:k</text>"##,
         HEIGHT - 10.0
     );
     s.push_str("</svg>\n");

@@ -1,48 +1,50 @@
-//! Progress on stderr: an indicatif bar on a terminal; otherwise (a log, a
-//! CI job) one line about every 10%, so long runs still show progress.
+//! Progress on stderr: on a terminal, an indicatif bar with the elapsed
+//! time and an estimate of what is left; nothing when stderr is not a
+//! terminal (a log, a pipe, CI) or with `--quiet`.
 
 use std::io::IsTerminal;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// `--quiet`: no progress bars even on a terminal.
+static QUIET: AtomicBool = AtomicBool::new(false);
+
+/// Turns progress bars off for the rest of the process (`--quiet`).
+pub fn set_quiet(quiet: bool) {
+    QUIET.store(quiet, Ordering::Relaxed);
+}
+
+/// Whether bars are drawn: stderr is a terminal and `--quiet` is off.
+pub fn shown() -> bool {
+    !QUIET.load(Ordering::Relaxed) && std::io::stderr().is_terminal()
+}
 
 /// A progress report over `total` steps.
 pub struct Progress {
     bar: ProgressBar,
-    label: String,
-    total: u64,
-    done: u64,
-    /// Next decile to print when there is no terminal.
-    next_decile: u64,
     interactive: bool,
-    started: Instant,
 }
 
 impl Progress {
     /// Starts a report over `total` steps, labelled `label`.
     pub fn new(label: impl Into<String>, total: u64) -> Self {
-        let interactive = std::io::stderr().is_terminal();
-        let label = label.into();
+        let interactive = shown();
         let bar = if interactive {
             let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-            if let Ok(style) = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}") {
+            if let Ok(style) = ProgressStyle::with_template(
+                "{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} (about {eta} left) {msg}",
+            ) {
                 bar.set_style(style.progress_chars("=> "));
             }
-            bar.set_prefix(label.clone());
+            bar.set_prefix(label.into());
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
         } else {
             ProgressBar::hidden()
         };
-        Self {
-            bar,
-            label,
-            total,
-            done: 0,
-            next_decile: 1,
-            interactive,
-            started: Instant::now(),
-        }
+        Self { bar, interactive }
     }
 
     /// Sets the message shown beside the bar (what is running now).
@@ -50,7 +52,8 @@ impl Progress {
         self.bar.set_message(msg.into());
     }
 
-    /// Prints a line above the bar (or plainly, without a terminal).
+    /// Prints a line above the bar (or plainly, without a terminal): for
+    /// what must be seen either way, such as a failure.
     pub fn println(&self, line: impl AsRef<str>) {
         if self.interactive {
             self.bar.println(line);
@@ -59,27 +62,14 @@ impl Progress {
         }
     }
 
-    /// One step done; `what` names it for the log lines.
-    pub fn inc(&mut self, what: &str) {
-        self.done += 1;
+    /// One step done (`what` names it, for callers that log it).
+    pub fn inc(&mut self, _what: &str) {
         self.bar.inc(1);
-        if self.interactive || self.total == 0 {
-            return;
-        }
-        // Print when crossing each 10% mark (or every step for short runs).
-        let reached = self.done * 10 / self.total;
-        if reached >= self.next_decile || self.done == self.total {
-            self.next_decile = reached + 1;
-            eprintln!(
-                "{}: {}/{} ({}%) {:.1}s {}",
-                self.label,
-                self.done,
-                self.total,
-                self.done * 100 / self.total,
-                self.started.elapsed().as_secs_f64(),
-                what
-            );
-        }
+    }
+
+    /// `n` steps done.
+    pub fn inc_by(&mut self, n: u64) {
+        self.bar.inc(n);
     }
 
     /// Removes the bar.
@@ -91,5 +81,41 @@ impl Progress {
 impl Drop for Progress {
     fn drop(&mut self) {
         self.bar.finish_and_clear();
+    }
+}
+
+/// Row ranges `[start, end)` that split `ntok` rows into about 20 pieces
+/// of at least `min_rows` each, so a long job shows progress while each
+/// call stays large enough to keep the device busy. One piece when the
+/// bar is not shown: the result does not depend on it either way.
+pub fn pieces(ntok: usize, min_rows: usize) -> Vec<(usize, usize)> {
+    split(ntok, min_rows, shown())
+}
+
+fn split(ntok: usize, min_rows: usize, shown: bool) -> Vec<(usize, usize)> {
+    let per = if shown {
+        ntok.div_ceil(20).max(min_rows).max(1)
+    } else {
+        ntok.max(1)
+    };
+    (0..ntok).step_by(per).map(|a| (a, (a + per).min(ntok))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split;
+
+    #[test]
+    fn pieces_cover_every_row_once() {
+        assert_eq!(split(1000, 256, false), vec![(0, 1000)]);
+        assert_eq!(
+            split(1000, 256, true),
+            vec![(0, 256), (256, 512), (512, 768), (768, 1000)]
+        );
+        let big = split(100_000, 256, true);
+        assert_eq!(big.len(), 20);
+        assert!(big.windows(2).all(|w| w[0].1 == w[1].0));
+        assert_eq!((big[0].0, big[19].1), (0, 100_000));
+        assert!(split(0, 256, true).is_empty());
     }
 }

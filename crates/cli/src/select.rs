@@ -21,8 +21,10 @@ auto picks the first usable device in this order:
   4. wgpu without matrix units
   5. reference (the f64 CPU backend; always there, so auto never fails)
 Within one step a discrete GPU beats an integrated one, which beats a
-virtual one, which beats a CPU (software) device; then the lower index.
---device N restricts auto to devices with index N.";
+virtual one; then the lower index. A software rasterizer (device type cpu:
+lavapipe/llvmpipe, SwiftShader) is never picked: it runs the same work on
+the same CPU several times slower than the reference (measured 4-5x on
+lavapipe). --device N restricts auto to devices with index N.";
 
 /// A backend named on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -73,12 +75,26 @@ impl fmt::Display for BackendKind {
 #[derive(Args, Clone, Debug, Default)]
 pub struct BackendArgs {
     /// Backend to run on: auto, vulkan, wgpu or reference [env: HEADKL_BACKEND]
-    #[arg(long, value_enum, env = "HEADKL_BACKEND", hide_env = true)]
+    #[arg(long, value_enum)]
     pub backend: Option<BackendArg>,
     /// Device index within the backend, as `headkl devices` lists them
     /// [env: HEADKL_DEVICE]
-    #[arg(long, env = "HEADKL_DEVICE", hide_env = true)]
+    #[arg(long)]
     pub device: Option<usize>,
+}
+
+impl BackendArgs {
+    /// The options with `HEADKL_BACKEND` and `HEADKL_DEVICE` filled in where
+    /// the command line left them out (the command line wins).
+    pub fn with_settings(&self) -> Self {
+        let settings = crate::environment::get();
+        Self {
+            backend: self
+                .backend
+                .or_else(|| settings.backend.and_then(|b| BackendArg::from_str(b, true).ok())),
+            device: self.device.or(settings.device),
+        }
+    }
 }
 
 /// One device a backend enumerated.
@@ -133,10 +149,21 @@ fn type_rank(device_type: &str) -> u8 {
     }
 }
 
+/// Whether a device is a software rasterizer (lavapipe/llvmpipe,
+/// SwiftShader): Vulkan and wgpu report those as device type CPU.
+pub fn is_software(info: &DeviceInfo) -> bool {
+    info.device_type.to_ascii_lowercase().contains("cpu")
+}
+
+/// Why `auto` passes over a usable software device, in words.
+pub const SOFTWARE_REASON: &str =
+    "a software rasterizer: the CPU reference runs the same work several times faster (4-5x measured on lavapipe)";
+
 /// The policy step of a usable GPU candidate (lower is better), or `None`
-/// for the reference backend or an unusable device.
+/// for the reference backend, an unusable device, or a software
+/// rasterizer (which ranks below the reference).
 fn step(c: &Candidate) -> Option<u8> {
-    if c.info.unusable.is_some() {
+    if c.info.unusable.is_some() || is_software(&c.info) {
         return None;
     }
     match (c.kind, c.info.matrix_units) {
@@ -194,9 +221,13 @@ pub fn auto_pick(candidates: &[Candidate], device: Option<usize>) -> AutoPick {
             reason,
         };
     }
-    let why = match device {
-        Some(d) => format!("no usable Vulkan or wgpu device with index {d}"),
-        None => "no usable Vulkan or wgpu device".to_string(),
+    let software = candidates
+        .iter()
+        .any(|c| c.kind != BackendKind::Reference && c.info.unusable.is_none() && is_software(&c.info));
+    let why = match (device, software) {
+        (Some(d), _) => format!("no usable Vulkan or wgpu GPU with index {d}"),
+        (None, true) => "the only Vulkan/wgpu devices are software rasterizers, slower than the reference".to_string(),
+        (None, false) => "no usable Vulkan or wgpu device".to_string(),
     };
     AutoPick {
         kind: BackendKind::Reference,
@@ -206,33 +237,40 @@ pub fn auto_pick(candidates: &[Candidate], device: Option<usize>) -> AutoPick {
 }
 
 /// Runs `f`, turning a panic inside a backend's enumeration or start-up
-/// into an error message instead of a crash.
-pub fn guarded<T>(what: &str, f: impl FnOnce() -> headkl_core::Result<T>) -> Result<T, String> {
-    let hook = panic::take_hook();
-    panic::set_hook(Box::new(|_| {}));
-    let result = panic::catch_unwind(AssertUnwindSafe(f));
-    panic::set_hook(hook);
-    match result {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(e.to_string()),
+/// (a driver a backend does not expect) into [`headkl_core::Error::Backend`]
+/// instead of a crash. The panic message still goes through the process's
+/// hook (no hook swapping: tests run in parallel).
+pub fn contained<T>(backend: &'static str, f: impl FnOnce() -> headkl_core::Result<T>) -> headkl_core::Result<T> {
+    match panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result,
         Err(payload) => {
             let msg = payload
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            Err(format!("{what} panicked: {msg}"))
+            Err(headkl_core::Error::Backend {
+                backend,
+                message: format!("panicked: {msg}"),
+            })
         }
     }
 }
 
-/// Lists one backend's devices.
-pub fn enumerate_backend(kind: BackendKind) -> Result<Vec<DeviceInfo>, String> {
-    match kind {
-        BackendKind::Vulkan => guarded("Vulkan enumeration", headkl_vulkan::enumerate),
-        BackendKind::Wgpu => guarded("wgpu enumeration", headkl_wgpu::enumerate),
-        BackendKind::Reference => Ok(vec![headkl_reference::CpuBackend::new().info().clone()]),
+/// Lists one backend's devices, as `open` would use them with the
+/// settings (`HEADKL_NO_COOPMAT` turns matrix units off in the listing).
+pub fn enumerate_backend(kind: BackendKind) -> headkl_core::Result<Vec<DeviceInfo>> {
+    let mut infos = match kind {
+        BackendKind::Vulkan => contained("vulkan", headkl_vulkan::enumerate)?,
+        BackendKind::Wgpu => contained("wgpu", headkl_wgpu::enumerate)?,
+        BackendKind::Reference => vec![headkl_reference::CpuBackend::new().info().clone()],
+    };
+    if crate::environment::get().no_coopmat {
+        for info in &mut infos {
+            info.matrix_units = false;
+        }
     }
+    Ok(infos)
 }
 
 /// Lists every backend's devices; a backend that cannot enumerate is
@@ -251,28 +289,36 @@ pub fn enumerate_all() -> Enumeration {
                         .map(|(index, info)| Candidate { kind, index, info }),
                 )
             }
-            Err(why) => e.failures.push((kind, why)),
+            Err(why) => e.failures.push((kind, why.to_string())),
         }
     }
     e
 }
 
 /// The device of `kind` to run on when no `auto` is involved: the best
-/// usable one (or the one `device` names), or why there is none.
-pub fn target_for(kind: BackendKind, device: Option<usize>) -> Result<Target, String> {
+/// usable one (or the one `device` names), or why there is none. A device
+/// index the backend does not have is a bad option (exit 2).
+pub fn target_for(kind: BackendKind, device: Option<usize>) -> Result<Target, RunError> {
     if kind == BackendKind::Reference {
+        check_index(kind, device, 1)?;
         return Ok(Target {
             kind,
             device,
             auto_reason: None,
         });
     }
-    let candidates: Vec<Candidate> = enumerate_backend(kind)?
+    let candidates: Vec<Candidate> = enumerate_backend(kind)
+        .map_err(|e| RunError::Start(kind, e))?
         .into_iter()
         .enumerate()
         .map(|(index, info)| Candidate { kind, index, info })
         .collect();
-    if let Some(c) = best_gpu(&candidates, device) {
+    if !candidates.is_empty() {
+        check_index(kind, device, candidates.len())?;
+    }
+    let usable = |c: &&Candidate| c.info.unusable.is_none() && device.is_none_or(|d| c.index == d);
+    // A named backend runs where it can, software rasterizers included.
+    if let Some(c) = best_gpu(&candidates, device).or_else(|| candidates.iter().find(usable)) {
         return Ok(Target {
             kind,
             device: Some(c.index),
@@ -291,11 +337,31 @@ pub fn target_for(kind: BackendKind, device: Option<usize>) -> Result<Target, St
             )
         })
         .collect();
-    Err(match (why.is_empty(), device) {
-        (false, _) => why.join("; "),
-        (true, Some(d)) if !candidates.is_empty() => format!("no device with index {d}"),
-        (true, _) => "no devices found".into(),
-    })
+    Err(RunError::Start(
+        kind,
+        headkl_core::Error::NoDevice {
+            backend: kind.name(),
+            reason: if why.is_empty() {
+                "no devices found".into()
+            } else {
+                why.join("; ")
+            },
+        },
+    ))
+}
+
+/// `--device` within `count` devices of `kind`, else a bad option.
+fn check_index(kind: BackendKind, device: Option<usize>, count: usize) -> Result<(), RunError> {
+    match device {
+        Some(d) if d >= count => Err(RunError::Job(CliError::option(
+            "--device",
+            format!(
+                "{kind} has no device {d} ({count} device{}; `headkl devices` lists them)",
+                if count == 1 { "" } else { "s" }
+            ),
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// A backend and device to open.
@@ -309,29 +375,52 @@ pub struct Target {
     pub auto_reason: Option<String>,
 }
 
-/// The target one job runs on: the named backend, or `auto`'s pick.
-pub fn resolve(args: &BackendArgs) -> Target {
+/// The target one job runs on: the named backend, or `auto`'s pick
+/// (`HEADKL_BACKEND` and `HEADKL_DEVICE` fill in what the command line
+/// leaves out). A device index that no backend in question has is a bad
+/// option (exit 2).
+pub fn resolve(args: &BackendArgs) -> Result<Target, RunError> {
+    let args = args.with_settings();
     match args.backend.unwrap_or(BackendArg::Auto) {
         BackendArg::Auto => {
             let e = enumerate_all();
+            if let Some(d) = args.device {
+                if !e.candidates.iter().any(|c| c.index == d) {
+                    return Err(RunError::Job(CliError::option(
+                        "--device",
+                        format!("no backend has a device {d} (`headkl devices` lists them)"),
+                    )));
+                }
+            }
             let pick = auto_pick(&e.candidates, args.device);
-            Target {
+            Ok(Target {
                 kind: pick.kind,
                 device: Some(pick.index),
                 auto_reason: Some(pick.reason),
-            }
+            })
         }
-        named => Target {
-            kind: named_kind(named),
-            device: args.device,
-            auto_reason: None,
-        },
+        named => {
+            let kind = named_kind(named);
+            let count = match kind {
+                BackendKind::Reference => Some(1),
+                // A backend that cannot enumerate fails at open, with why.
+                _ => enumerate_backend(kind).ok().map(|infos| infos.len()).filter(|&n| n > 0),
+            };
+            if let Some(count) = count {
+                check_index(kind, args.device, count)?;
+            }
+            Ok(Target {
+                kind,
+                device: args.device,
+                auto_reason: None,
+            })
+        }
     }
 }
 
 /// [`resolve`], saying on stderr what `auto` picked and why.
-pub fn resolve_announced(args: &BackendArgs, who: &str) -> Target {
-    let target = resolve(args);
+pub fn resolve_announced(args: &BackendArgs, who: &str) -> Result<Target, RunError> {
+    let target = resolve(args)?;
     if let Some(reason) = &target.auto_reason {
         eprintln!(
             "{who}: auto picked {} device {}: {reason}",
@@ -339,7 +428,7 @@ pub fn resolve_announced(args: &BackendArgs, who: &str) -> Target {
             target.device.unwrap_or(0)
         );
     }
-    target
+    Ok(target)
 }
 
 /// The concrete backend of a non-auto argument.
@@ -351,15 +440,10 @@ pub fn named_kind(arg: BackendArg) -> BackendKind {
     }
 }
 
-/// Backends named in `HEADKL_REQUIRE` (comma list): failing to start one of
-/// them is an error, not a skip.
-pub fn required_backends() -> Vec<String> {
-    std::env::var("HEADKL_REQUIRE")
-        .unwrap_or_default()
-        .split(',')
-        .map(|s| s.trim().to_ascii_lowercase())
-        .filter(|s| !s.is_empty())
-        .collect()
+/// Whether `HEADKL_REQUIRE` names `kind`: failing to start it is an error,
+/// not a skip.
+pub fn required(kind: BackendKind) -> bool {
+    crate::environment::get().requires(kind.name())
 }
 
 /// Work that runs on any backend. `run` is generic, so each backend's
@@ -374,8 +458,9 @@ pub trait BackendJob {
 /// Why [`open_and_run`] failed: the backend did not start, or the job failed.
 #[derive(Debug)]
 pub enum RunError {
-    /// The backend could not be opened; the message says why.
-    Start(BackendKind, String),
+    /// The backend could not be opened (a bad setting, or a device that
+    /// cannot start: [`crate::error::is_validation`] tells them apart).
+    Start(BackendKind, headkl_core::Error),
     /// The job failed.
     Job(CliError),
 }
@@ -383,10 +468,7 @@ pub enum RunError {
 impl From<RunError> for CliError {
     fn from(e: RunError) -> Self {
         match e {
-            RunError::Start(kind, reason) => CliError::Start {
-                backend: kind.name(),
-                reason,
-            },
+            RunError::Start(kind, source) => CliError::start(kind.name(), source),
             RunError::Job(e) => e,
         }
     }
@@ -398,7 +480,8 @@ pub fn open_and_run<J: BackendJob>(target: &Target, job: J) -> Result<J::Output,
 }
 
 /// [`open_and_run`] with the matrix-unit GEMM kernels `gemm` (`None`: the
-/// backend's own choice: `HEADKL_GEMM`, the tune cache, the default).
+/// backend's own choice: `HEADKL_GEMM`, the tune cache, the default). The
+/// backends' other options come from the settings.
 pub fn open_and_run_gemm<J: BackendJob>(
     target: &Target,
     gemm: Option<headkl_core::GemmChoice>,
@@ -417,21 +500,20 @@ pub fn open_and_run_gemm<J: BackendJob>(
         }
         BackendKind::Wgpu => {
             let options = headkl_wgpu::OpenOptions {
-                index: device,
                 gemm,
-                ..Default::default()
+                ..headkl_wgpu::OpenOptions::from_settings(crate::environment::get(), device)
             };
-            let b = guarded("wgpu start-up", || headkl_wgpu::WgpuBackend::open_with(&options))
-                .map_err(|why| RunError::Start(target.kind, why))?;
+            let b = contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&options))
+                .map_err(|e| RunError::Start(target.kind, e))?;
             job.run(b).map_err(RunError::Job)
         }
         BackendKind::Vulkan => {
             let options = headkl_vulkan::VulkanOptions {
                 gemm,
-                ..headkl_vulkan::VulkanOptions::from_env(device)
+                ..headkl_vulkan::VulkanOptions::from_settings(crate::environment::get(), device)
             };
-            let b = guarded("Vulkan start-up", || headkl_vulkan::VulkanBackend::open_with(&options))
-                .map_err(|why| RunError::Start(target.kind, why))?;
+            let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
+                .map_err(|e| RunError::Start(target.kind, e))?;
             job.run(b).map_err(RunError::Job)
         }
     }
@@ -456,18 +538,15 @@ pub fn open_and_run_resident<J: ResidentJob>(target: &Target, job: J) -> Result<
             "the reference backend has no device buffers; use --backend wgpu or vulkan",
         ))),
         BackendKind::Wgpu => {
-            let options = headkl_wgpu::OpenOptions {
-                index: device,
-                ..Default::default()
-            };
-            let b = guarded("wgpu start-up", || headkl_wgpu::WgpuBackend::open_with(&options))
-                .map_err(|why| RunError::Start(target.kind, why))?;
+            let options = headkl_wgpu::OpenOptions::from_settings(crate::environment::get(), device);
+            let b = contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&options))
+                .map_err(|e| RunError::Start(target.kind, e))?;
             job.run_resident(b).map_err(RunError::Job)
         }
         BackendKind::Vulkan => {
-            let options = headkl_vulkan::VulkanOptions::from_env(device);
-            let b = guarded("Vulkan start-up", || headkl_vulkan::VulkanBackend::open_with(&options))
-                .map_err(|why| RunError::Start(target.kind, why))?;
+            let options = headkl_vulkan::VulkanOptions::from_settings(crate::environment::get(), device);
+            let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
+                .map_err(|e| RunError::Start(target.kind, e))?;
             job.run_resident(b).map_err(RunError::Job)
         }
     }
@@ -546,8 +625,12 @@ mod tests {
                 0,
                 info("vulkan", "old", "discrete", true, Some("no shaderFloat16")),
             ),
-            cand(BackendKind::Wgpu, 0, info("wgpu", "llvmpipe", "cpu", false, None)),
-            cand(BackendKind::Vulkan, 1, info("vulkan", "llvmpipe", "cpu", false, None)),
+            cand(BackendKind::Wgpu, 0, info("wgpu", "igpu", "integrated", false, None)),
+            cand(
+                BackendKind::Vulkan,
+                1,
+                info("vulkan", "igpu", "integrated", false, None),
+            ),
             reference(),
         ];
         let p = auto_pick(&c, None);
@@ -556,9 +639,9 @@ mod tests {
     }
 
     #[test]
-    fn discrete_beats_cpu_within_a_step() {
+    fn discrete_beats_integrated_within_a_step() {
         let c = vec![
-            cand(BackendKind::Vulkan, 0, info("vulkan", "llvmpipe", "cpu", false, None)),
+            cand(BackendKind::Vulkan, 0, info("vulkan", "vgpu", "virtual", false, None)),
             cand(
                 BackendKind::Vulkan,
                 1,
@@ -589,11 +672,43 @@ mod tests {
     }
 
     #[test]
-    fn guarded_turns_panics_into_errors() {
-        let r: Result<(), String> = guarded("probe", || panic!("boom"));
-        let msg = r.unwrap_err();
-        assert!(msg.contains("probe panicked") && msg.contains("boom"), "{msg}");
-        let ok = guarded("probe", || Ok(3));
-        assert_eq!(ok, Ok(3));
+    fn contained_turns_panics_into_errors() {
+        let r: headkl_core::Result<()> = contained("probe", || panic!("boom"));
+        let msg = r.unwrap_err().to_string();
+        assert!(msg.contains("probe") && msg.contains("panicked: boom"), "{msg}");
+        assert_eq!(contained("probe", || Ok(3)).ok(), Some(3));
+    }
+
+    #[test]
+    fn software_rasterizers_rank_below_the_reference() {
+        // lavapipe on both GPU backends: auto runs the reference, and says why.
+        let c = vec![
+            cand(BackendKind::Vulkan, 0, info("vulkan", "llvmpipe", "cpu", false, None)),
+            cand(BackendKind::Wgpu, 0, info("wgpu", "llvmpipe", "Cpu", false, None)),
+            reference(),
+        ];
+        let p = auto_pick(&c, None);
+        assert_eq!(p.kind, BackendKind::Reference, "{}", p.reason);
+        assert!(p.reason.contains("software rasterizers"), "{}", p.reason);
+        // Even with matrix units claimed, a CPU-type device is not a GPU.
+        let c = vec![
+            cand(BackendKind::Vulkan, 0, info("vulkan", "SwiftShader", "cpu", true, None)),
+            reference(),
+        ];
+        assert_eq!(auto_pick(&c, None).kind, BackendKind::Reference);
+        // A real GPU still wins over the reference.
+        let c = vec![
+            cand(BackendKind::Vulkan, 0, info("vulkan", "llvmpipe", "cpu", false, None)),
+            cand(
+                BackendKind::Vulkan,
+                1,
+                info("vulkan", "igpu", "integrated", false, None),
+            ),
+            reference(),
+        ];
+        assert_eq!(
+            (auto_pick(&c, None).kind, auto_pick(&c, None).index),
+            (BackendKind::Vulkan, 1)
+        );
     }
 }

@@ -10,11 +10,12 @@ use std::time::Instant;
 
 use half::f16;
 use headkl_core::gemm_choice::GEMM_ENV;
-use headkl_core::tune_cache::{self, TuneCache};
+use headkl_core::tune_cache::TuneCache;
 use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout, KernelId};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
 
 use crate::error::CliError;
+use crate::progress::Progress;
 use crate::rng::fill_parallel;
 use crate::select::{self, BackendArgs, BackendJob, BackendKind, RunError, Target};
 use crate::text::table;
@@ -230,7 +231,7 @@ impl BackendJob for InfoJob {
 
 /// Runs `headkl tune`.
 pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
-    let target = select::resolve_announced(args, "tune");
+    let target = select::resolve_announced(args, "tune")?;
     if target.kind == BackendKind::Reference {
         return Err(CliError::option(
             "--backend",
@@ -309,7 +310,7 @@ pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
         }
     };
     let report = |round: &str, i: usize, n: usize, t: &Trial| {
-        eprintln!(
+        format!(
             "tune: {round} [{}/{n}] {}: logits {} ms ({} TFLOP/s), dx {} ms ({} TFLOP/s){}",
             i + 1,
             t.kernel,
@@ -321,21 +322,27 @@ pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
                 Ok(_) => String::new(),
                 Err(why) => format!(": {why}"),
             }
-        );
+        )
     };
     let mut trials = Vec::new();
+    let mut progress = Progress::new("tune round 1", kernels.len() as u64);
     for (i, &kernel) in kernels.iter().enumerate() {
+        progress.message(kernel.to_string());
         let trial = run_trial(kernel);
-        report("round 1", i, kernels.len(), &trial);
+        progress.println(report("round 1", i, kernels.len(), &trial));
+        progress.inc_by(1);
         trials.push(trial);
     }
+    progress.finish();
     // One slow measurement must not decide: every correct kernel within
     // CONFIRM of the round's best for either GEMM runs again, in reverse
     // order, and keeps the faster of its two medians.
     let contenders = contenders(&trials);
+    let mut progress = Progress::new("tune round 2", contenders.len() as u64);
     for (i, &index) in contenders.iter().rev().enumerate() {
         let again = run_trial(trials[index].kernel);
-        report("round 2", i, contenders.len(), &again);
+        progress.println(report("round 2", i, contenders.len(), &again));
+        progress.inc_by(1);
         let t = &mut trials[index];
         if again.correct() {
             t.logits_ms = min_ms(t.logits_ms, again.logits_ms);
@@ -434,7 +441,7 @@ fn min_ms(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 fn save(target: &Target, info: &headkl_core::DeviceInfo, choice: GemmChoice) -> Result<(), CliError> {
-    let Some(path) = tune_cache::cache_path() else {
+    let Some(path) = crate::environment::get().tune_cache.clone() else {
         return Err(CliError::option(
             "--no-save",
             "no cache folder: set HEADKL_CACHE_DIR, XDG_CACHE_HOME or HOME (or pass --no-save)",

@@ -512,10 +512,11 @@ fn non_finite_hidden_row_is_named() {
 }
 
 #[test]
-fn backend_that_cannot_start_exits_1_with_reason() {
+fn device_that_does_not_exist_exits_2_and_a_backend_that_cannot_start_exits_1() {
     let f = Fixture::new("nostart");
-    for backend in ["wgpu", "vulkan"] {
-        let o = headkl(&[
+    let loss = |backend: &str, envs: &[(&str, &str)]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_headkl"));
+        c.args([
             "loss",
             "--backend",
             backend,
@@ -530,17 +531,84 @@ fn backend_that_cannot_start_exits_1_with_reason() {
             "--out",
             f.s("o.safetensors"),
         ]);
+        c.env_remove("HEADKL_DEVICE").env_remove("HEADKL_BACKEND");
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        c.output().unwrap()
+    };
+    for backend in ["wgpu", "vulkan", "reference"] {
+        let o = loss(backend, &[]);
+        let err = stderr(&o);
+        if o.status.code() == Some(1) && err.contains(&format!("cannot start the {backend} backend")) {
+            // No device at all (no Vulkan loader): nothing to count against.
+            assert!(!required(backend), "{backend} is required: {err}");
+            continue;
+        }
+        assert_input_error(&o, &["--device", "97"]);
+        // `check` naming the backend fails the same way.
+        let o = headkl(&["check", "--backend", backend, "--device", "97", "--cases", "0"]);
+        assert_input_error(&o, &["--device", "97"]);
+    }
+    // auto with a device no backend has.
+    let o = headkl(&["devices"]);
+    assert_eq!(o.status.code(), Some(0));
+    let o = headkl(&["check", "--device", "97", "--cases", "0"]);
+    assert_input_error(&o, &["--device", "97"]);
+    // A backend with no device to start (the Vulkan loader finds no driver):
+    // exit 1 with the reason, and `check` counts it skipped, not passed.
+    let no_driver = [
+        ("VK_ICD_FILENAMES", "/nonexistent/icd.json"),
+        ("VK_DRIVER_FILES", "/nonexistent/icd.json"),
+    ];
+    for backend in ["wgpu", "vulkan"] {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_headkl"));
+        c.args([
+            "loss",
+            "--backend",
+            backend,
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "--teacher",
+            f.s("teacher.safetensors"),
+            "--out",
+            f.s("o.safetensors"),
+        ]);
+        for (k, v) in no_driver {
+            c.env(k, v);
+        }
+        let o = c.output().unwrap();
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(1), "{backend}: {err}");
         assert!(err.contains(&format!("cannot start the {backend} backend")), "{err}");
         assert!(!err.contains("panicked"), "{err}");
-        // `check` naming the backend explicitly fails too.
-        let o = headkl(&["check", "--backend", backend, "--device", "97", "--cases", "0"]);
-        let err = stderr(&o);
-        assert_eq!(o.status.code(), Some(1), "{backend}: {err}");
-        assert!(err.contains("could not start"), "{err}");
     }
+    let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+        .args(["check", "--cases", "0"])
+        .envs(no_driver)
+        .env_remove("HEADKL_REQUIRE")
+        .env_remove("HEADKL_BACKEND")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(0), "{out}\n{}", stderr(&o));
+    assert!(out.contains("on 1 backend(s)") && out.contains("2 skipped"), "{out}");
+    let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+        .args(["check", "--cases", "0"])
+        .envs(no_driver)
+        .env("HEADKL_REQUIRE", "vulkan")
+        .env_remove("HEADKL_BACKEND")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(!f.path("o.safetensors").exists());
+}
+
+/// Whether `HEADKL_REQUIRE` (of the test run) names `backend`.
+fn required(backend: &str) -> bool {
+    headkl_core::Settings::from_env().unwrap().requires(backend)
 }
 
 #[test]
@@ -900,7 +968,6 @@ fn bench_resident_beside_host() {
 /// reason when the backend cannot start, unless HEADKL_REQUIRE names it.
 #[test]
 fn loss_on_gpu_backends() {
-    let required = std::env::var("HEADKL_REQUIRE").unwrap_or_default();
     let f = Fixture::new("gpu");
     for backend in ["wgpu", "vulkan"] {
         let out = f.path(&format!("{backend}.safetensors"));
@@ -918,8 +985,7 @@ fn loss_on_gpu_backends() {
             out.to_str().unwrap(),
         ]);
         let err = stderr(&o);
-        let must = required.split(',').any(|r| r.trim() == backend);
-        if o.status.code() == Some(1) && err.contains("cannot start") && !must {
+        if o.status.code() == Some(1) && err.contains("cannot start") && !required(backend) {
             println!("{backend}: skipped, cannot start: {}", err.trim());
             continue;
         }
@@ -959,26 +1025,27 @@ fn tune_and_gemm_settings_name_what_is_wrong() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("bk must be 16, 32 or 64"), "{}", stderr(&o));
 
-    let required = std::env::var("HEADKL_REQUIRE").unwrap_or_default();
-    for backend in ["wgpu", "vulkan"] {
-        let must = required.split(',').any(|r| r.trim() == backend);
+    // A bad setting is exit 2 before any backend is touched, and fails
+    // `check` (it is not a backend that "cannot start").
+    for args in [
+        &["check", "--cases", "0"][..],
+        &["devices"][..],
+        &["check", "--backend", "vulkan"][..],
+    ] {
         let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
-            .args(["check", "--backend", backend, "--cases", "0"])
+            .args(args)
             .env("HEADKL_GEMM", "staged:bk24")
             .output()
             .unwrap();
-        let err = stderr(&o);
-        assert_eq!(o.status.code(), Some(1), "{backend}: {err}");
-        assert!(!err.contains("panicked"), "{err}");
-        if err.contains("no usable device") && !must {
-            println!("{backend}: skipped, cannot start: {}", err.trim());
-            continue;
-        }
-        assert!(
-            err.contains("HEADKL_GEMM = \"staged:bk24\": bk must be 16, 32 or 64"),
-            "{backend}: {err}"
-        );
-
+        assert_input_error(&o, &["HEADKL_GEMM = \"staged:bk24\": bk must be 16, 32 or 64"]);
+        let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+            .args(args)
+            .env("HEADKL_GEMM", "garbage")
+            .output()
+            .unwrap();
+        assert_input_error(&o, &["HEADKL_GEMM", "garbage"]);
+    }
+    for backend in ["wgpu", "vulkan"] {
         let o = headkl(&["tune", "--backend", backend, "--no-save"]);
         let err = stderr(&o);
         assert!(!err.contains("panicked"), "{err}");
@@ -990,4 +1057,271 @@ fn tune_and_gemm_settings_name_what_is_wrong() {
             assert_input_error(&o, &["--backend", "nothing to tune"]);
         }
     }
+}
+
+/// Issue 12's exit codes: each is the user's to fix, so exit 2 with a
+/// message that says what is wrong.
+#[test]
+fn first_hour_exit_codes_and_messages() {
+    let f = Fixture::new("exit2");
+    let topk = |head: &str, out: &str, extra: &[&str]| {
+        let mut args = vec![
+            "topk",
+            "--backend",
+            "reference",
+            "--head",
+            head,
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "-k",
+            "3",
+            "--out",
+            out,
+        ];
+        args.extend(extra);
+        headkl(&args)
+    };
+    // --out into a folder that does not exist, and --out naming a folder.
+    let missing = f.s("no_such_folder/o.safetensors");
+    assert_input_error(
+        &topk(f.s("head.safetensors"), missing, &[]),
+        &["no_such_folder", "does not exist"],
+    );
+    assert_input_error(&topk(f.s("head.safetensors"), f.s(""), &[]), &["is a folder"]);
+    // --head naming a folder.
+    fs::create_dir_all(f.path("some_dir")).unwrap();
+    assert_input_error(
+        &topk(f.s("some_dir"), f.s("o.safetensors"), &[]),
+        &["some_dir", "is a folder"],
+    );
+    // A negative temperature parses, and is rejected with the range message.
+    let o = topk(f.s("head.safetensors"), f.s("o.safetensors"), &["--temperature", "-1"]);
+    assert_input_error(&o, &["--temperature", "-1"]);
+    assert!(!stderr(&o).contains("unexpected argument"), "{}", stderr(&o));
+    let o = f.loss("teacher.safetensors", &["--temperature", "-1"]);
+    assert_input_error(&o, &["--temperature", "-1"]);
+    // A head stored [hs][V] gets a hint.
+    write_st(
+        &f.path("head_t.safetensors"),
+        &[T("weight", Dtype::F32, vec![HS, VOCAB], f32s(&f.head))],
+    );
+    assert_input_error(
+        &topk(f.s("head_t.safetensors"), f.s("o.safetensors"), &[]),
+        &["looks transposed"],
+    );
+    // A bad setting, whatever the subcommand.
+    let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+        .args(["topk", "--backend", "reference", "--head", f.s("head.safetensors")])
+        .args([
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "-k",
+            "3",
+            "--out",
+            f.s("o.safetensors"),
+        ])
+        .env("HEADKL_NO_COOPMAT", "maybe")
+        .output()
+        .unwrap();
+    assert_input_error(&o, &["HEADKL_NO_COOPMAT", "maybe"]);
+    let left: Vec<String> = fs::read_dir(&f.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp") || n == "o.safetensors")
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// SIGINT or SIGTERM while `topk` runs: the temporary output goes with the
+/// process, which ends by the signal.
+#[cfg(unix)]
+#[test]
+fn interrupt_removes_the_temporary_output() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::time::{Duration, Instant};
+    let f = Fixture::new("sigint");
+    // About 34 GFLOP of top-k on the reference: seconds, so the signal lands
+    // mid-run.
+    let (vocab, hs, ntok) = (16_384, 512, 2048);
+    write_st(
+        &f.path("big_head.safetensors"),
+        &[T(
+            "weight",
+            Dtype::F32,
+            vec![vocab, hs],
+            f32s(&values(vocab * hs, 7, 0.05)),
+        )],
+    );
+    write_st(
+        &f.path("big_hidden.safetensors"),
+        &[T(
+            "hidden",
+            Dtype::F32,
+            vec![ntok, hs],
+            f32s(&values(ntok * hs, 8, 1.0)),
+        )],
+    );
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_headkl"))
+            .args(["topk", "--backend", "reference", "--head", f.s("big_head.safetensors")])
+            .args([
+                "--hidden",
+                f.s("big_hidden.safetensors"),
+                "-k",
+                "8",
+                "--out",
+                f.s("big.safetensors"),
+            ])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let temps = || -> Vec<String> {
+            fs::read_dir(&f.dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".tmp"))
+                .collect()
+        };
+        let start = Instant::now();
+        while temps().is_empty() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no temporary output appeared"
+            );
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "topk ended before its output was made"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // SAFETY: sending a signal to our own child process.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+        let status = child.wait().unwrap();
+        assert_eq!(
+            status.signal(),
+            Some(signal),
+            "topk finished before the signal: {status:?}"
+        );
+        assert!(
+            temps().is_empty(),
+            "temporary output left after signal {signal}: {:?}",
+            temps()
+        );
+        assert!(!f.path("big.safetensors").exists());
+    }
+}
+
+/// `headkl devices --json | head -1`: the reader goes away; headkl ends
+/// quietly (by SIGPIPE, as `cat` does), without a panic.
+#[cfg(unix)]
+#[test]
+fn closed_stdout_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_headkl"))
+        .args(["devices", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert!(!err.contains("panicked") && !err.contains("Broken pipe"), "{err}");
+    assert!(
+        o.status.code() == Some(0) || o.status.signal() == Some(libc::SIGPIPE),
+        "{:?}: {err}",
+        o.status
+    );
+}
+
+/// Mesa's "XDG_RUNTIME_DIR is invalid or not set" does not reach the user.
+#[test]
+fn no_runtime_dir_noise() {
+    let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+        .arg("devices")
+        .env_remove("XDG_RUNTIME_DIR")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("XDG_RUNTIME_DIR"), "{}", stderr(&o));
+}
+
+/// `bench --all` runs one shape on every backend, labels the reference's
+/// time as CPU time, and auto never benches a software rasterizer.
+#[test]
+fn bench_all_runs_one_shape_and_auto_skips_software_devices() {
+    let dir = temp_dir("benchall");
+    let json = dir.join("all.json");
+    let o = headkl(&[
+        "bench",
+        "--all",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert!(runs.iter().any(|r| r["backend"] == "reference"), "{v}");
+    for r in runs {
+        assert_eq!(r["shape"], runs[0]["shape"], "shapes differ: {v}");
+        if r["backend"] == "reference" {
+            assert!(
+                r["jobs"].as_array().unwrap().iter().all(|j| j["tflops_from"] == "cpu"),
+                "{r}"
+            );
+        }
+    }
+    for backend in ["wgpu", "vulkan"] {
+        if required(backend) {
+            assert!(runs.iter().any(|r| r["backend"] == backend), "{backend} required: {v}");
+        }
+    }
+    let plain = dir.join("auto.json");
+    let o = headkl(&[
+        "bench",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        plain.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&plain).unwrap()).unwrap();
+    let run = &v["runs"][0];
+    assert!(
+        run["backend"] == "reference" || run["device_type"] != "cpu",
+        "auto benched a software device: {run}"
+    );
+    let _ = fs::remove_dir_all(dir);
+}
+
+/// The mean loss prints six significant digits, not f64's seventeen.
+#[test]
+fn mean_loss_prints_meaningful_digits() {
+    let f = Fixture::new("digits");
+    let o = f.loss("teacher.safetensors", &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let value = out
+        .lines()
+        .find_map(|l| l.strip_prefix("mean loss: "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let digits = value
+        .trim_start_matches(['0', '.'])
+        .chars()
+        .filter(char::is_ascii_digit)
+        .count();
+    assert_eq!(digits, 6, "{value}");
+    assert!(value.parse::<f64>().is_ok_and(|m| m > 0.0), "{value}");
+}
+
+#[test]
+fn readme_says_how_to_install() {
+    let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"));
+    assert!(readme.contains("cargo install --path crates/cli"));
 }

@@ -85,6 +85,8 @@ pub struct Engine<B: Backend> {
     /// Scratch and status of the device-resident entry points
     /// (`crate::resident`).
     pub(crate) resident: crate::resident::ResidentState<B>,
+    /// Print each `head_kl` call's host phases ([`Engine::set_trace`]).
+    trace: bool,
 }
 
 impl<B: Backend> Engine<B> {
@@ -129,7 +131,15 @@ impl<B: Backend> Engine<B> {
             planes,
             scratch: ScratchCache::default(),
             resident: crate::resident::ResidentState::new(),
+            trace: false,
         })
+    }
+
+    /// Prints each `head_kl` call's host phases (upload, wait, download) to
+    /// stderr when `on` (`HEADKL_TRACE`, through [`crate::Settings`]): to see
+    /// where wall time beyond the kernels goes.
+    pub fn set_trace(&mut self, on: bool) {
+        self.trace = on;
     }
 
     /// The backend.
@@ -333,7 +343,7 @@ impl<B: Backend> Engine<B> {
     ) -> Result<()> {
         let (ntok, k) = (teacher.ntok(), teacher.k());
 
-        let mut trace = Trace::from_env("head_kl");
+        let mut trace = Trace::new("head_kl", self.trace);
         let hs = self.hs;
         let LossOutput { loss, mean, dx } = out;
         loss.resize(ntok, 0.0);
@@ -488,8 +498,8 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// Host-side time per phase of a call, printed to stderr when
-/// `HEADKL_TRACE` is set (to see where wall time beyond the kernels goes).
+/// Host-side time per phase of a call, printed to stderr when the engine's
+/// trace is on.
 struct Trace {
     job: &'static str,
     last: Option<std::time::Instant>,
@@ -497,8 +507,7 @@ struct Trace {
 }
 
 impl Trace {
-    fn from_env(job: &'static str) -> Self {
-        let on = std::env::var_os("HEADKL_TRACE").is_some_and(|v| !v.is_empty() && v != "0");
+    fn new(job: &'static str, on: bool) -> Self {
         Self {
             job,
             last: on.then(std::time::Instant::now),

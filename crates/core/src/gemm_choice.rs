@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use crate::backend::HeadLayout;
 use crate::error::{Error, Result};
-use crate::tune_cache::{cache_path, TuneCache};
+use crate::tune_cache::TuneCache;
 
 /// The environment variable that picks the GEMM kernels.
 pub const GEMM_ENV: &str = "HEADKL_GEMM";
@@ -264,14 +264,6 @@ impl GemmChoice {
         }
         Ok(choice)
     }
-
-    /// `HEADKL_GEMM`, if set and not empty, over `base`.
-    pub fn from_env(base: GemmChoice) -> Result<Option<Self>> {
-        match std::env::var(GEMM_ENV) {
-            Ok(v) if !v.trim().is_empty() => Self::parse(&v, base).map(Some),
-            _ => Ok(None),
-        }
-    }
 }
 
 impl fmt::Display for GemmChoice {
@@ -388,12 +380,14 @@ impl fmt::Display for ChoiceSource {
     }
 }
 
-/// The choice for a device: `explicit` if given, else `HEADKL_GEMM`, else
-/// the tune cache's entry for `(backend, device, driver)`, else the
+/// The choice for a device: `explicit` (the open options) if given, else
+/// `HEADKL_GEMM` as [`crate::Settings`] read it (parsed over `default`),
+/// else the tune cache's entry for `(backend, device, driver)`, else the
 /// backend's `default`.
 pub fn resolve_choice(
     explicit: Option<GemmChoice>,
     default: GemmChoice,
+    sources: &crate::settings::GemmSources,
     backend: &str,
     device: &str,
     driver: &str,
@@ -401,12 +395,13 @@ pub fn resolve_choice(
     if let Some(choice) = explicit {
         return Ok((choice, ChoiceSource::Options));
     }
-    if let Some(choice) = GemmChoice::from_env(default)? {
+    if let Some(text) = &sources.setting {
+        let choice = GemmChoice::parse(text, default)?;
         return Ok((choice, ChoiceSource::Environment));
     }
-    if let Some(path) = cache_path() {
-        if let Some(choice) = TuneCache::load(&path).lookup(backend, device, driver) {
-            return Ok((choice, ChoiceSource::Cache(path)));
+    if let Some(path) = &sources.tune_cache {
+        if let Some(choice) = TuneCache::load(path).lookup(backend, device, driver) {
+            return Ok((choice, ChoiceSource::Cache(path.clone())));
         }
     }
     Ok((default, ChoiceSource::Default))

@@ -29,6 +29,7 @@ pub mod params;
 pub mod problem;
 pub mod resident;
 mod scratch;
+pub mod settings;
 pub mod slicing;
 pub mod tune_cache;
 
@@ -47,6 +48,7 @@ pub use problem::{
 pub use resident::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend, ResidentKernel,
 };
+pub use settings::Settings;
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use tune_cache::TuneCache;
 

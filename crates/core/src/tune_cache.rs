@@ -1,24 +1,15 @@
 //! The tune cache: where `headkl tune` keeps each device's fastest GEMM
 //! choice, one line per `(backend, device, driver)`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::gemm_choice::GemmChoice;
 
-/// The environment variable that moves the tune cache's folder.
+/// The environment variable that moves the tune cache's folder (read by
+/// [`crate::settings`], which also finds the default folder).
 pub const CACHE_DIR_ENV: &str = "HEADKL_CACHE_DIR";
 /// The tune cache's file name within its folder.
 pub const CACHE_FILE: &str = "gemm-tune.tsv";
-
-/// The tune cache's path: `$HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
-/// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
-pub fn cache_path() -> Option<PathBuf> {
-    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    let dir = var(CACHE_DIR_ENV)
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("headkl")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache").join("headkl")))?;
-    Some(dir.join(CACHE_FILE))
-}
 
 /// One entry of the tune cache.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -48,7 +48,7 @@ pub mod resident;
 
 use std::panic::AssertUnwindSafe;
 
-use headkl_core::{Backend, Engine};
+use headkl_core::{Backend, Engine, Settings};
 
 use crate::strategies::{case_params, Case, CaseKind, Rng};
 use crate::tolerance::Tolerance;
@@ -69,29 +69,34 @@ pub struct SuiteConfig {
 }
 
 impl Default for SuiteConfig {
-    /// From `HEADKL_CASES` and `HEADKL_SEED`; a value that does not parse
-    /// is reported on stderr and the default used.
+    /// [`DEFAULT_CASES`] drawn cases from [`DEFAULT_SEED`].
     fn default() -> Self {
         Self {
-            cases: env_number("HEADKL_CASES").map_or(DEFAULT_CASES, |v| v as usize),
-            seed: env_number("HEADKL_SEED").unwrap_or(DEFAULT_SEED),
+            cases: DEFAULT_CASES,
+            seed: DEFAULT_SEED,
         }
     }
 }
 
-fn env_number(name: &str) -> Option<u64> {
-    let raw = std::env::var(name).ok()?;
-    let s = raw.trim();
-    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(hex) => u64::from_str_radix(hex, 16),
-        None => s.parse(),
-    };
-    match parsed {
-        Ok(v) => Some(v),
-        Err(e) => {
-            eprintln!("warning: {name}={raw:?} is not a number ({e}); using the default");
-            None
+impl SuiteConfig {
+    /// `HEADKL_CASES` and `HEADKL_SEED` where set, else the defaults.
+    pub fn from_settings(settings: &Settings) -> Self {
+        Self {
+            cases: settings.cases.unwrap_or(DEFAULT_CASES),
+            seed: settings.seed.unwrap_or(DEFAULT_SEED),
         }
+    }
+}
+
+/// The settings a test harness runs with: [`Settings::from_env`], after
+/// giving the process a private runtime folder where `XDG_RUNTIME_DIR` is
+/// unset (so Mesa does not complain on every enumeration). A setting that
+/// does not parse fails the test: a typo in `HEADKL_GEMM` must not pass.
+pub fn harness_settings() -> Settings {
+    headkl_core::settings::ensure_runtime_dir();
+    match Settings::from_env() {
+        Ok(s) => s,
+        Err(e) => panic!("bad setting: {e}"),
     }
 }
 
@@ -430,13 +435,12 @@ pub fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case) -> Result<CaseE
 /// to stderr and returns `None`, unless `HEADKL_REQUIRE` (a comma list)
 /// names the backend, in which case it panics (the test fails).
 pub fn open_or_skip<B>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>) -> Option<B> {
+    // Before `open` enumerates anything (see `harness_settings`).
+    let settings = harness_settings();
     match open() {
         Ok(b) => Some(b),
         Err(e) => {
-            let required = std::env::var("HEADKL_REQUIRE")
-                .map(|v| v.split(',').any(|n| n.trim() == backend_name))
-                .unwrap_or(false);
-            if required {
+            if settings.requires(backend_name) {
                 panic!("{backend_name} is required (HEADKL_REQUIRE) but could not start: {e}");
             }
             eprintln!("SKIP {backend_name}: {e}");
@@ -452,7 +456,7 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
     let Some(backend) = open_or_skip(backend_name, open) else {
         return;
     };
-    let cfg = SuiteConfig::default();
+    let cfg = SuiteConfig::from_settings(&harness_settings());
     let report = run_part(&backend, part, &cfg, &mut |o| {
         if !o.passed {
             eprintln!("FAIL {}: {}\n    {}", o.name, o.description, o.message);

@@ -1,0 +1,144 @@
+//! Benchmark shapes (`A`, `B`, `NTOK:V:HS:K`, and each backend's default)
+//! and the jobs timed on them.
+
+use std::fmt;
+use std::str::FromStr;
+
+use headkl_core::{check_k, DeviceInfo};
+use serde::Serialize;
+
+use crate::select::BackendKind;
+
+/// A benchmark shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Shape {
+    /// Tokens.
+    pub ntok: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Hidden size.
+    pub hs: usize,
+    /// Teacher entries per token (and top-k's k).
+    pub k: usize,
+}
+
+impl Shape {
+    /// Shape A of DESIGN §7.
+    pub const A: Shape = Shape {
+        ntok: 4096,
+        vocab: 248_320,
+        hs: 5120,
+        k: 64,
+    };
+    /// Shape B of DESIGN §7.
+    pub const B: Shape = Shape {
+        ntok: 8192,
+        vocab: 151_936,
+        hs: 4096,
+        k: 64,
+    };
+
+    /// A size the backend finishes in seconds: the CPU reference and
+    /// software Vulkan (a `cpu` device such as lavapipe) get a small one.
+    pub fn default_for(info: &DeviceInfo, kind: BackendKind) -> Shape {
+        let software = crate::select::is_software(info);
+        let (ntok, vocab, hs, k) = match kind {
+            BackendKind::Reference => (64, 4096, 256, 16),
+            _ if info.matrix_units => (1024, 65_536, 4096, 64),
+            _ if software => (64, 8192, 256, 64),
+            _ => (256, 32_768, 1024, 64),
+        };
+        Shape { ntok, vocab, hs, k }
+    }
+
+    /// `4·ntok·V·hs` for head_kl (two GEMMs), half that for topk.
+    pub fn flops(&self, job: JobKind) -> f64 {
+        let one = 2.0 * self.ntok as f64 * self.vocab as f64 * self.hs as f64;
+        match job {
+            JobKind::HeadKl => 2.0 * one,
+            JobKind::Topk => one,
+        }
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}:{}", self.ntok, self.vocab, self.hs, self.k)
+    }
+}
+
+impl FromStr for Shape {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let shape = match s.trim() {
+            "A" | "a" => Shape::A,
+            "B" | "b" => Shape::B,
+            other => {
+                let parts: Vec<&str> = other.split(':').collect();
+                let nums: Result<Vec<usize>, _> = parts.iter().map(|p| p.trim().parse::<usize>()).collect();
+                match nums.as_deref() {
+                    Ok(&[ntok, vocab, hs, k]) => Shape { ntok, vocab, hs, k },
+                    _ => return Err(format!("`{s}`: expected A, B or NTOK:V:HS:K (e.g. 256:32768:1024:64)")),
+                }
+            }
+        };
+        shape.validate()?;
+        Ok(shape)
+    }
+}
+
+impl Shape {
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.ntok == 0 || self.vocab == 0 || self.hs == 0 {
+            return Err(format!("{self}: ntok, V and hs must be at least 1"));
+        }
+        check_k(self.k, self.vocab).map_err(|e| format!("{self}: {e}"))
+    }
+}
+
+/// Which job is timed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum JobKind {
+    /// The loss and its gradient.
+    #[serde(rename = "head_kl")]
+    HeadKl,
+    /// The teacher's top-k.
+    #[serde(rename = "topk")]
+    Topk,
+}
+
+impl JobKind {
+    /// The job's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            JobKind::HeadKl => "head_kl",
+            JobKind::Topk => "topk",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_parse() {
+        assert_eq!("A".parse::<Shape>(), Ok(Shape::A));
+        assert_eq!("b".parse::<Shape>(), Ok(Shape::B));
+        assert_eq!(
+            "64:4096:256:16".parse::<Shape>(),
+            Ok(Shape {
+                ntok: 64,
+                vocab: 4096,
+                hs: 256,
+                k: 16
+            })
+        );
+        assert!("64:4096:256".parse::<Shape>().is_err());
+        assert!("64:100:256:200".parse::<Shape>().is_err(), "k > V");
+        assert!("0:100:256:2".parse::<Shape>().is_err());
+        assert_eq!(Shape::A.flops(JobKind::HeadKl), 4.0 * 4096.0 * 248_320.0 * 5120.0);
+        assert_eq!(Shape::A.flops(JobKind::Topk) * 2.0, Shape::A.flops(JobKind::HeadKl));
+    }
+}

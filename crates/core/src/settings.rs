@@ -1,0 +1,564 @@
+//! Every `HEADKL_*` environment variable, in one list, each with one parser,
+//! read once.
+//!
+//! The command's entry and the test harnesses call [`Settings::from_env`];
+//! the libraries never read the environment: they take options (built from
+//! a [`Settings`] where the caller wants the environment's). The list
+//! [`VARIABLES`] is also where the README's table and `headkl --help`'s
+//! environment section come from.
+//!
+//! One rule for switches: `1`, `true`, `yes`, `on` are on; empty, `0`,
+//! `false`, `no`, `off` are off (any case); anything else is an error
+//! naming the variable, so a typo never goes unnoticed.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+use crate::gemm_choice::GemmChoice;
+use crate::tune_cache::CACHE_FILE;
+
+/// One environment variable: its name, the values it takes, its default and
+/// what it does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Variable {
+    /// The name, e.g. `HEADKL_DEVICE`.
+    pub name: &'static str,
+    /// The values it takes, in words or as a pattern.
+    pub values: &'static str,
+    /// What applies when it is unset.
+    pub default: &'static str,
+    /// What it does, in one line.
+    pub effect: &'static str,
+}
+
+/// `HEADKL_BACKEND`.
+pub const BACKEND: &str = "HEADKL_BACKEND";
+/// `HEADKL_DEVICE`.
+pub const DEVICE: &str = "HEADKL_DEVICE";
+/// `HEADKL_REQUIRE`.
+pub const REQUIRE: &str = "HEADKL_REQUIRE";
+/// `HEADKL_CASES`.
+pub const CASES: &str = "HEADKL_CASES";
+/// `HEADKL_SEED`.
+pub const SEED: &str = "HEADKL_SEED";
+/// `HEADKL_NO_COOPMAT`.
+pub const NO_COOPMAT: &str = "HEADKL_NO_COOPMAT";
+/// `HEADKL_GEMM`.
+pub const GEMM: &str = crate::gemm_choice::GEMM_ENV;
+/// `HEADKL_CACHE_DIR`.
+pub const CACHE_DIR: &str = crate::tune_cache::CACHE_DIR_ENV;
+/// `HEADKL_TRACE`.
+pub const TRACE: &str = "HEADKL_TRACE";
+/// `HEADKL_PIPELINE_STATS`.
+pub const PIPELINE_STATS: &str = "HEADKL_PIPELINE_STATS";
+/// `HEADKL_VALIDATION`.
+pub const VALIDATION: &str = "HEADKL_VALIDATION";
+/// `HEADKL_CHECKED`.
+pub const CHECKED: &str = "HEADKL_CHECKED";
+/// `HEADKL_BENCH_SHAPE`.
+pub const BENCH_SHAPE: &str = "HEADKL_BENCH_SHAPE";
+
+/// The backend names `HEADKL_BACKEND` takes (`HEADKL_REQUIRE` takes all but
+/// `auto`).
+pub const BACKEND_NAMES: [&str; 4] = ["auto", "vulkan", "wgpu", "reference"];
+
+/// Every `HEADKL_*` variable headkl reads, in the order the docs list them.
+pub const VARIABLES: &[Variable] = &[
+    Variable {
+        name: BACKEND,
+        values: "auto|vulkan|wgpu|reference",
+        default: "auto",
+        effect: "the command's backend (`--backend` wins)",
+    },
+    Variable {
+        name: DEVICE,
+        values: "N",
+        default: "auto's pick",
+        effect: "device index within the backend, as `headkl devices` lists them (`--device` wins)",
+    },
+    Variable {
+        name: REQUIRE,
+        values: "comma list, e.g. wgpu,vulkan",
+        default: "none",
+        effect: "a named backend that cannot start fails `check` and the tests instead of being skipped",
+    },
+    Variable {
+        name: CASES,
+        values: "N",
+        default: "16",
+        effect: "drawn conformance cases per backend (`check --cases` wins)",
+    },
+    Variable {
+        name: SEED,
+        values: "decimal or 0x hex",
+        default: "0x484541444b4c0001",
+        effect: "seed of the drawn conformance cases; a failure prints the one to replay (`check --seed` wins)",
+    },
+    Variable {
+        name: NO_COOPMAT,
+        values: "switch",
+        default: "off",
+        effect: "the tiled fallback GEMM even on a device with matrix units (listings say so too)",
+    },
+    Variable {
+        name: GEMM,
+        values: "KERNEL or logits=KERNEL,dx=KERNEL; KERNEL: direct or staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]",
+        default: "the tune cache's entry, else the backend's default",
+        effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch)",
+    },
+    Variable {
+        name: CACHE_DIR,
+        values: "folder",
+        default: "$XDG_CACHE_HOME/headkl, else ~/.cache/headkl",
+        effect: "where `headkl tune` keeps its cache (gemm-tune.tsv)",
+    },
+    Variable {
+        name: TRACE,
+        values: "switch",
+        default: "off",
+        effect: "print each head_kl call's host phases (upload, wait, download) to stderr",
+    },
+    Variable {
+        name: PIPELINE_STATS,
+        values: "switch",
+        default: "off",
+        effect: "Vulkan backend: print each pipeline's registers and memory (VK_KHR_pipeline_executable_properties)",
+    },
+    Variable {
+        name: VALIDATION,
+        values: "switch",
+        default: "off",
+        effect: "Vulkan backend: load the Khronos validation layer and fail on its errors",
+    },
+    Variable {
+        name: CHECKED,
+        values: "switch",
+        default: "off",
+        effect: "build every kernel with runtime bounds checks (the GEMMs go without them by default)",
+    },
+    Variable {
+        name: BENCH_SHAPE,
+        values: "A|B|small",
+        default: "small",
+        effect: "the shape `cargo bench -p headkl-cli` times",
+    },
+];
+
+/// Every setting, parsed. `Default` is the value with no variable set.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    /// `HEADKL_BACKEND`, one of [`BACKEND_NAMES`].
+    pub backend: Option<&'static str>,
+    /// `HEADKL_DEVICE`.
+    pub device: Option<usize>,
+    /// `HEADKL_REQUIRE`: backend names, lowercase.
+    pub require: Vec<&'static str>,
+    /// `HEADKL_CASES`.
+    pub cases: Option<usize>,
+    /// `HEADKL_SEED`.
+    pub seed: Option<u64>,
+    /// `HEADKL_NO_COOPMAT`.
+    pub no_coopmat: bool,
+    /// `HEADKL_GEMM`, checked here; a backend parses it over its own
+    /// default (a choice may name one layout and keep the other's default).
+    pub gemm: Option<String>,
+    /// The tune cache file: `HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
+    /// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
+    pub tune_cache: Option<PathBuf>,
+    /// `HEADKL_TRACE`.
+    pub trace: bool,
+    /// `HEADKL_PIPELINE_STATS`.
+    pub pipeline_stats: bool,
+    /// `HEADKL_VALIDATION`.
+    pub validation: bool,
+    /// `HEADKL_CHECKED`.
+    pub checked: bool,
+    /// `HEADKL_BENCH_SHAPE`.
+    pub bench_shape: Option<String>,
+}
+
+impl Settings {
+    /// Reads every variable from the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|name| std::env::var_os(name))
+    }
+
+    /// Reads every variable through `get` (a test passes a map); a value
+    /// that does not parse is [`Error::InvalidSetting`] naming it.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Result<Self> {
+        let text = |name: &'static str| -> Result<Option<String>> {
+            match get(name) {
+                None => Ok(None),
+                Some(raw) => match raw.into_string() {
+                    Ok(s) if s.trim().is_empty() => Ok(None),
+                    Ok(s) => Ok(Some(s)),
+                    Err(raw) => Err(invalid(name, &raw.to_string_lossy(), "not UTF-8")),
+                },
+            }
+        };
+        let flag = |name: &'static str| -> Result<bool> { text(name)?.map_or(Ok(false), |v| parse_flag(name, &v)) };
+        let backend = text(BACKEND)?.map(|v| parse_backend(BACKEND, &v, true)).transpose()?;
+        let device = text(DEVICE)?
+            .map(|v| parse_number(DEVICE, &v).map(|n| n as usize))
+            .transpose()?;
+        let require = match text(REQUIRE)? {
+            None => Vec::new(),
+            Some(v) => v
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| {
+                    parse_backend(REQUIRE, s, false).map_err(|_| {
+                        invalid(
+                            REQUIRE,
+                            &v,
+                            &format!("`{s}` is not a backend (vulkan, wgpu, reference)"),
+                        )
+                    })
+                })
+                .collect::<Result<_>>()?,
+        };
+        let cases = text(CASES)?
+            .map(|v| parse_number(CASES, &v).map(|n| n as usize))
+            .transpose()?;
+        let seed = text(SEED)?.map(|v| parse_number(SEED, &v)).transpose()?;
+        let gemm = text(GEMM)?;
+        if let Some(v) = &gemm {
+            GemmChoice::parse(v, GemmChoice::PORTABLE)?;
+        }
+        let path = |name: &'static str| text(name).ok().flatten().map(PathBuf::from);
+        let tune_cache = text(CACHE_DIR)?
+            .map(PathBuf::from)
+            .or_else(|| path("XDG_CACHE_HOME").map(|d| d.join("headkl")))
+            .or_else(|| path("HOME").map(|d| d.join(".cache").join("headkl")))
+            .map(|d| d.join(CACHE_FILE));
+        let bench_shape = text(BENCH_SHAPE)?;
+        if let Some(shape) = &bench_shape {
+            if !matches!(shape.trim().to_ascii_lowercase().as_str(), "a" | "b" | "small") {
+                return Err(invalid(BENCH_SHAPE, shape, "expected A, B or small"));
+            }
+        }
+        Ok(Self {
+            backend,
+            device,
+            require,
+            cases,
+            seed,
+            no_coopmat: flag(NO_COOPMAT)?,
+            gemm,
+            tune_cache,
+            trace: flag(TRACE)?,
+            pipeline_stats: flag(PIPELINE_STATS)?,
+            validation: flag(VALIDATION)?,
+            checked: flag(CHECKED)?,
+            bench_shape,
+        })
+    }
+
+    /// Whether `HEADKL_REQUIRE` names `backend`.
+    pub fn requires(&self, backend: &str) -> bool {
+        self.require.iter().any(|b| b.eq_ignore_ascii_case(backend))
+    }
+
+    /// What a backend needs to choose its matrix-unit GEMM.
+    pub fn gemm_sources(&self) -> GemmSources {
+        GemmSources {
+            setting: self.gemm.clone(),
+            tune_cache: self.tune_cache.clone(),
+        }
+    }
+}
+
+/// Where a backend's GEMM choice can come from besides its open options:
+/// `HEADKL_GEMM` and the tune cache (see [`crate::gemm_choice::resolve_choice`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GemmSources {
+    /// `HEADKL_GEMM`, checked by [`Settings`]; parsed over the backend's
+    /// default by [`crate::gemm_choice::resolve_choice`].
+    pub setting: Option<String>,
+    /// The tune cache file, if there is a place for one.
+    pub tune_cache: Option<PathBuf>,
+}
+
+/// A switch's value under the one rule (see the module docs).
+pub fn parse_flag(name: &'static str, value: &str) -> Result<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "" | "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(invalid(name, value, "expected 1/true/yes/on or 0/false/no/off")),
+    }
+}
+
+/// A non-negative number, decimal or `0x` hex.
+pub fn parse_number(name: &'static str, value: &str) -> Result<u64> {
+    let t = value.trim();
+    match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => t.parse(),
+    }
+    .map_err(|e| invalid(name, value, &format!("not a number ({e}; decimal or 0x hex)")))
+}
+
+fn parse_backend(name: &'static str, value: &str, auto_allowed: bool) -> Result<&'static str> {
+    let v = value.trim().to_ascii_lowercase();
+    BACKEND_NAMES
+        .iter()
+        .copied()
+        .filter(|b| auto_allowed || *b != "auto")
+        .find(|b| *b == v)
+        .ok_or_else(|| {
+            let names: Vec<&str> = BACKEND_NAMES
+                .iter()
+                .copied()
+                .filter(|b| auto_allowed || *b != "auto")
+                .collect();
+            invalid(name, value, &format!("expected one of {}", names.join(", ")))
+        })
+}
+
+fn invalid(name: &'static str, value: &str, reason: &str) -> Error {
+    Error::InvalidSetting {
+        name,
+        value: value.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// The variables as the README's Markdown table (header included).
+pub fn markdown_table() -> String {
+    let mut out = String::from("| variable | values | default | effect |\n| --- | --- | --- | --- |\n");
+    for v in VARIABLES {
+        out.push_str(&format!(
+            "| `{}` | {} | {} | {} |\n",
+            v.name,
+            v.values.replace('|', "\\|"),
+            v.default,
+            v.effect
+        ));
+    }
+    out
+}
+
+/// The variables as `--help` text, one entry per variable.
+pub fn help_text() -> String {
+    let mut out = String::from("Environment (switches: 1/true/yes/on or 0/false/no/off):\n");
+    for v in VARIABLES {
+        out.push_str(&format!(
+            "  {}={}\n      {}; default: {}\n",
+            v.name, v.values, v.effect, v.default
+        ));
+    }
+    out
+}
+
+/// Gives the process a private runtime folder when `XDG_RUNTIME_DIR` is
+/// unset or unusable, before anything loads Vulkan: Mesa's drivers print
+/// "error: XDG_RUNTIME_DIR is invalid or not set" on every enumeration
+/// otherwise, which reads like a headkl error on a headless machine. The
+/// folder is `headkl-runtime-<uid or user>` under the temp folder, mode 0700.
+/// Call it from the command's entry or a test harness, before threads that
+/// read the environment start.
+pub fn ensure_runtime_dir() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let usable = std::env::var_os("XDG_RUNTIME_DIR")
+            .filter(|d| !d.is_empty())
+            .is_some_and(|d| std::path::Path::new(&d).is_dir());
+        if usable {
+            return;
+        }
+        let owner = std::env::var("USER").unwrap_or_else(|_| "user".into());
+        let dir = std::env::temp_dir().join(format!("headkl-runtime-{owner}"));
+        if make_private_dir(&dir).is_ok() {
+            // Edition 2021: `set_var` is safe to call; done once, early.
+            std::env::set_var("XDG_RUNTIME_DIR", &dir);
+        }
+    });
+}
+
+fn make_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                // A link, or a folder others can read, is not a private one
+                // (another user's 0700 folder is unwritable to us: Mesa then
+                // just says so, as without this).
+                let meta = std::fs::symlink_metadata(dir)?;
+                if meta.is_dir() && meta.permissions().mode() & 0o077 == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::other("runtime folder is not private"))
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        std::fs::create_dir_all(dir)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn settings(vars: &[(&str, &str)]) -> Result<Settings> {
+        let map: HashMap<String, OsString> = vars.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
+        Settings::from_lookup(|name| map.get(name).cloned())
+    }
+
+    #[test]
+    fn nothing_set_is_the_default() {
+        let s = settings(&[]).unwrap();
+        assert_eq!(s, Settings::default());
+    }
+
+    #[test]
+    fn one_rule_for_switches() {
+        for on in ["1", "true", "YES", " on "] {
+            assert!(settings(&[(NO_COOPMAT, on)]).unwrap().no_coopmat, "{on}");
+        }
+        for off in ["0", "false", "No", "off", ""] {
+            assert!(!settings(&[(CHECKED, off)]).unwrap().checked, "{off}");
+        }
+        let e = settings(&[(VALIDATION, "maybe")]).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidSetting { name, .. } if *name == VALIDATION),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn every_variable_parses_and_bad_values_name_it() {
+        let s = settings(&[
+            (BACKEND, "Vulkan"),
+            (DEVICE, "2"),
+            (REQUIRE, "wgpu, vulkan"),
+            (CASES, "32"),
+            (SEED, "0x11"),
+            (GEMM, "direct"),
+            (CACHE_DIR, "/tmp/x"),
+            (TRACE, "1"),
+            (PIPELINE_STATS, "1"),
+            (BENCH_SHAPE, "A"),
+        ])
+        .unwrap();
+        assert_eq!(s.backend, Some("vulkan"));
+        assert_eq!(s.device, Some(2));
+        assert!(s.requires("wgpu") && s.requires("vulkan") && !s.requires("reference"));
+        assert_eq!((s.cases, s.seed), (Some(32), Some(17)));
+        assert!(s.gemm.is_some() && s.trace && s.pipeline_stats);
+        assert_eq!(s.tune_cache, Some(PathBuf::from("/tmp/x").join(CACHE_FILE)));
+        for (name, bad) in [
+            (BACKEND, "cuda"),
+            (DEVICE, "first"),
+            (REQUIRE, "wgpu,metal"),
+            (CASES, "-1"),
+            (SEED, "0xzz"),
+            (GEMM, "garbage"),
+            (BENCH_SHAPE, "C"),
+        ] {
+            let e = settings(&[(name, bad)]).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains(name) && text.contains(bad), "{name}={bad}: {text}");
+        }
+    }
+
+    #[test]
+    fn cache_path_falls_back_to_xdg_then_home() {
+        let s = settings(&[("XDG_CACHE_HOME", "/c"), ("HOME", "/h")]).unwrap();
+        assert_eq!(s.tune_cache, Some(PathBuf::from("/c/headkl").join(CACHE_FILE)));
+        let s = settings(&[("HOME", "/h")]).unwrap();
+        assert_eq!(s.tune_cache, Some(PathBuf::from("/h/.cache/headkl").join(CACHE_FILE)));
+    }
+
+    #[test]
+    fn readme_table_is_the_list() {
+        let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"));
+        let table = markdown_table();
+        assert!(
+            readme.contains(&table),
+            "README.md's variable table differs from settings::VARIABLES; paste this:\n{table}"
+        );
+        // No variable the list lacks is documented there either.
+        for word in readme.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if word.starts_with("HEADKL_") && word != "HEADKL_" {
+                assert!(
+                    VARIABLES.iter().any(|v| v.name == word),
+                    "README names {word}, not in the list"
+                );
+            }
+        }
+    }
+
+    /// Explicit options beat `HEADKL_GEMM`, which beats the tune cache,
+    /// which beats the backend's default.
+    #[test]
+    fn gemm_choice_precedence() {
+        use crate::gemm_choice::{resolve_choice, ChoiceSource, CoopGemm};
+        use crate::tune_cache::TuneCache;
+        let dir = std::env::temp_dir().join(format!("headkl-settings-gemm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cache_file = dir.join(CACHE_FILE);
+        let all = CoopGemm::candidates();
+        let one = |k: CoopGemm| GemmChoice { logits: k, dx: k };
+        let (explicit, setting, cached) = (one(all[0]), one(all[1]), one(all[2]));
+        let default = GemmChoice::PORTABLE;
+        let mut cache = TuneCache::load(&cache_file);
+        cache.insert("vulkan", "dev", "drv", cached);
+        cache.save(&cache_file).unwrap();
+        let sources = GemmSources {
+            setting: Some(setting.to_string()),
+            tune_cache: Some(cache_file.clone()),
+        };
+        let pick = |e, s: &GemmSources| resolve_choice(e, default, s, "vulkan", "dev", "drv").unwrap();
+        assert_eq!(pick(Some(explicit), &sources), (explicit, ChoiceSource::Options));
+        assert_eq!(pick(None, &sources), (setting, ChoiceSource::Environment));
+        let cache_only = GemmSources {
+            setting: None,
+            ..sources.clone()
+        };
+        assert_eq!(
+            pick(None, &cache_only),
+            (cached, ChoiceSource::Cache(cache_file.clone()))
+        );
+        assert_eq!(pick(None, &GemmSources::default()), (default, ChoiceSource::Default));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn runtime_dir_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = std::env::temp_dir().join(format!("headkl-settings-rt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let dir = base.join("mine");
+        make_private_dir(&dir).unwrap();
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "{mode:o}");
+        // Made already and still private: fine; readable by others: refused.
+        make_private_dir(&dir).unwrap();
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(make_private_dir(&open).is_err());
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn docs_list_every_variable_once() {
+        let table = markdown_table();
+        let help = help_text();
+        for v in VARIABLES {
+            assert_eq!(table.matches(&format!("`{}`", v.name)).count(), 1, "{}", v.name);
+            assert_eq!(help.matches(&format!("  {}=", v.name)).count(), 1, "{}", v.name);
+        }
+    }
+}
