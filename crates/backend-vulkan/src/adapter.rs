@@ -211,7 +211,7 @@ fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
 }
 
 /// Queries one device's properties, features, queues and matrix shapes.
-fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
+pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result<Caps> {
     let vi = &instance.raw;
     // SAFETY: valid instance and physical device; plain data back.
     let props = unsafe { vi.get_physical_device_properties(phd) };

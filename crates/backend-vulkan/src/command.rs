@@ -45,6 +45,9 @@ pub(crate) struct Stream {
     cmd: vk::CommandBuffer,
     fence: vk::Fence,
     recording: bool,
+    /// A submission not yet waited for (`submit`): the command buffer, ring,
+    /// staging and descriptor pool are reused only after its fence.
+    in_flight: bool,
     staging: Option<HostBuffer>,
     staging_used: u64,
     uniforms: Option<HostBuffer>,
@@ -59,6 +62,8 @@ pub(crate) struct Stream {
 /// A buffer binding: the handle and its size.
 pub(crate) struct Binding {
     pub(crate) buffer: vk::Buffer,
+    /// Where the bound range starts (a view of a caller's buffer).
+    pub(crate) offset: u64,
     pub(crate) size: u64,
 }
 
@@ -66,6 +71,7 @@ impl From<&VulkanBuffer> for Binding {
     fn from(b: &VulkanBuffer) -> Self {
         Self {
             buffer: b.handle(),
+            offset: b.offset(),
             size: b.len(),
         }
     }
@@ -81,6 +87,7 @@ impl Stream {
             cmd: vk::CommandBuffer::null(),
             fence: vk::Fence::null(),
             recording: false,
+            in_flight: false,
             staging: None,
             staging_used: 0,
             uniforms: None,
@@ -202,6 +209,7 @@ impl Stream {
         if self.recording {
             return Ok(());
         }
+        self.wait_in_flight()?;
         let dev = &self.device.raw;
         let info = vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
         // SAFETY: the buffer is not recording or pending (its pool was reset
@@ -249,14 +257,46 @@ impl Stream {
     /// frees buffers dropped meanwhile.
     pub(crate) fn flush(&mut self) -> Result<()> {
         if !self.recording {
-            return Ok(());
+            return self.wait_in_flight();
         }
         let result = self.submit_and_wait();
         let reset = self.reset_after_wait();
         result.and(reset)
     }
 
+    /// Submits the recorded work without waiting for it; the next
+    /// recording, transfer or flush waits for it first.
+    pub(crate) fn submit(&mut self) -> Result<()> {
+        if !self.recording {
+            return Ok(());
+        }
+        if let Err(e) = self.submit_only() {
+            // Nothing was submitted: reset as after a wait.
+            let _ = self.reset_after_wait();
+            return Err(e);
+        }
+        self.recording = false;
+        self.in_flight = true;
+        Ok(())
+    }
+
+    /// Waits for the work [`Stream::submit`] left in flight, and resets.
+    fn wait_in_flight(&mut self) -> Result<()> {
+        if !self.in_flight {
+            return Ok(());
+        }
+        self.in_flight = false;
+        let result = self.wait_submitted();
+        let reset = self.reset_after_wait();
+        result.and(reset)
+    }
+
     fn submit_and_wait(&mut self) -> Result<()> {
+        self.submit_only()?;
+        self.wait_submitted()
+    }
+
+    fn submit_only(&mut self) -> Result<()> {
         let dev = &self.device.raw;
         // SAFETY: the buffer is recording.
         unsafe { dev.end_command_buffer(self.cmd) }.map_err(|e| vk_error(e, "vkEndCommandBuffer"))?;
@@ -266,7 +306,12 @@ impl Stream {
         // stream, under the backend's lock; the fence is unsignaled.
         unsafe { dev.queue_submit(self.device.queue, &submit, self.fence) }
             .map_err(|e| vk_error(e, "vkQueueSubmit"))?;
-        // SAFETY: the fence was just submitted.
+        Ok(())
+    }
+
+    fn wait_submitted(&mut self) -> Result<()> {
+        let dev = &self.device.raw;
+        // SAFETY: the fence was submitted with the command buffer.
         unsafe { dev.wait_for_fences(&[self.fence], true, u64::MAX) }.map_err(|e| vk_error(e, "vkWaitForFences"))?;
         if let Some(t) = &mut self.timer {
             if t.used > 0 {
@@ -332,7 +377,7 @@ impl Stream {
             self.barrier();
             let region = [vk::BufferCopy {
                 src_offset: at,
-                dst_offset: offset + done as u64,
+                dst_offset: dst.offset() + offset + done as u64,
                 size: piece as u64,
             }];
             // SAFETY: recording command buffer; both ranges are inside their
@@ -366,7 +411,7 @@ impl Stream {
             // read the same staging range.
             self.barrier();
             let region = [vk::BufferCopy {
-                src_offset: offset + done as u64,
+                src_offset: src.offset() + offset + done as u64,
                 dst_offset: 0,
                 size: piece as u64,
             }];
@@ -467,7 +512,7 @@ impl Stream {
             .map(|b| {
                 [vk::DescriptorBufferInfo {
                     buffer: b.buffer,
-                    offset: 0,
+                    offset: b.offset,
                     range: b.size.min(max_range),
                 }]
             })

@@ -73,6 +73,8 @@ pub(crate) struct Device {
     /// buffer dropped meanwhile is parked in `garbage` instead of freed.
     pub(crate) work_pending: AtomicBool,
     garbage: Mutex<Vec<RawBuffer>>,
+    /// Whether headkl created the device (and destroys it).
+    owned: bool,
     /// Declared last: dropped after the device is destroyed.
     pub(crate) instance: Arc<Instance>,
 }
@@ -216,8 +218,39 @@ impl Device {
             counters: MemoryCounters::default(),
             work_pending: AtomicBool::new(false),
             garbage: Mutex::new(Vec::new()),
+            owned: true,
             instance,
         }))
+    }
+
+    /// Wraps a caller's device and its queue `(family, index)`, with the
+    /// features the caller says it enabled; it is never destroyed here.
+    pub(crate) fn external(
+        instance: Arc<Instance>,
+        physical: vk::PhysicalDevice,
+        caps: Caps,
+        raw: ash::Device,
+        queue: (u32, u32),
+        enabled: Enabled,
+    ) -> Arc<Self> {
+        // SAFETY: the caller guarantees (VulkanBackend::from_raw) that the
+        // device was created with this queue.
+        let handle = unsafe { raw.get_device_queue(queue.0, queue.1) };
+        // SAFETY: valid instance and physical device; plain data back.
+        let memory_properties = unsafe { instance.raw.get_physical_device_memory_properties(physical) };
+        Arc::new(Self {
+            raw,
+            queue: handle,
+            family: queue.0,
+            caps,
+            memory_properties,
+            enabled,
+            counters: MemoryCounters::default(),
+            work_pending: AtomicBool::new(false),
+            garbage: Mutex::new(Vec::new()),
+            owned: false,
+            instance,
+        })
     }
 
     /// Frees `buffer` now, or parks it until the queued work that may use
@@ -257,7 +290,9 @@ impl Drop for Device {
             let _ = self.raw.device_wait_idle();
         }
         self.collect_garbage();
-        // SAFETY: every child object was destroyed above or by its owner.
-        unsafe { self.raw.destroy_device(None) };
+        if self.owned {
+            // SAFETY: every child object was destroyed above or by its owner.
+            unsafe { self.raw.destroy_device(None) };
+        }
     }
 }

@@ -104,6 +104,9 @@ pub(crate) struct Instance {
     pub(crate) diagnostics: Arc<Diagnostics>,
     /// The validation layer's version line, when it is loaded.
     pub(crate) validation_layer: Option<String>,
+    /// Whether headkl created the instance (and destroys it); a caller's
+    /// instance is theirs to destroy.
+    pub(crate) owned: bool,
 }
 
 impl Instance {
@@ -246,7 +249,22 @@ impl Instance {
             messenger,
             diagnostics,
             validation_layer,
+            owned: true,
         }))
+    }
+
+    /// Wraps a caller's instance, created at `api_version`; it is never
+    /// destroyed here.
+    pub(crate) fn external(entry: ash::Entry, raw: ash::Instance, api_version: u32) -> Arc<Self> {
+        Arc::new(Self {
+            entry,
+            raw,
+            api_version: api_version.min(MAX_API_VERSION),
+            messenger: None,
+            diagnostics: Arc::new(Diagnostics::default()),
+            validation_layer: None,
+            owned: false,
+        })
     }
 }
 
@@ -263,7 +281,9 @@ impl Drop for Instance {
             if let Some((loader, messenger)) = self.messenger.take() {
                 loader.destroy_debug_utils_messenger(messenger, None);
             }
-            self.raw.destroy_instance(None);
+            if self.owned {
+                self.raw.destroy_instance(None);
+            }
         }
     }
 }

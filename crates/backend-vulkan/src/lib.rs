@@ -26,6 +26,7 @@ mod adapter;
 mod command;
 mod conv;
 mod device;
+mod external;
 mod glsl;
 mod instance;
 mod kernels;
@@ -51,6 +52,7 @@ use crate::instance::Instance;
 use crate::kernels::CoopPlan;
 use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
+pub use crate::external::ExternalVulkan;
 pub use crate::glsl::{CeilingKernel, CeilingPart, GlslChoice, GlslTile, GLSL_GEMM_ENV};
 pub use crate::memory::VulkanBuffer;
 
@@ -74,7 +76,7 @@ pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
 };
 
 /// The GEMM kernels of `coop` (or the tiled fallback) in words.
-fn describe_gemm(coop: Option<&CoopPlan>, glsl: &glsl::GlslChoice) -> String {
+pub(crate) fn describe_gemm(coop: Option<&CoopPlan>, glsl: &glsl::GlslChoice) -> String {
     match coop {
         Some(plan) => {
             let pinned = if plan.require_size { " (pinned)" } else { "" };
@@ -169,15 +171,15 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
 
 /// The Vulkan backend: one device, one compute queue.
 pub struct VulkanBackend {
-    info: DeviceInfo,
-    options: VulkanOptions,
-    coop: Option<CoopPlan>,
-    stream: Mutex<Stream>,
-    pipelines: Mutex<PipelineCache>,
+    pub(crate) info: DeviceInfo,
+    pub(crate) options: VulkanOptions,
+    pub(crate) coop: Option<CoopPlan>,
+    pub(crate) stream: Mutex<Stream>,
+    pub(crate) pipelines: Mutex<PipelineCache>,
     /// GLSL GEMM tiles that replace the WGSL kernels (`glsl.rs`).
-    glsl_gemm: glsl::GlslChoice,
+    pub(crate) glsl_gemm: glsl::GlslChoice,
     /// Declared last: dropped after the stream and pipelines.
-    device: Arc<Device>,
+    pub(crate) device: Arc<Device>,
 }
 
 impl VulkanBackend {
@@ -288,7 +290,7 @@ impl VulkanBackend {
         conv::version_string(self.device.caps.api_version)
     }
 
-    fn stream(&self) -> Result<MutexGuard<'_, Stream>> {
+    pub(crate) fn stream(&self) -> Result<MutexGuard<'_, Stream>> {
         self.stream
             .lock()
             .map_err(|_| backend_error("the command stream's lock was poisoned by a panic"))
@@ -296,7 +298,7 @@ impl VulkanBackend {
 
     /// Checks that `buffer` was made by this backend's device (its extents
     /// are core's checks).
-    fn check_device(&self, buffer: &VulkanBuffer, what: &str) -> Result<()> {
+    pub(crate) fn check_device(&self, buffer: &VulkanBuffer, what: &str) -> Result<()> {
         if !Arc::ptr_eq(&buffer.device, &self.device) {
             return Err(backend_error(format!(
                 "{what}: buffer {} belongs to another Vulkan device",
@@ -359,7 +361,7 @@ impl VulkanBackend {
 
     /// Builds (or finds) the pipeline of `key` and records one dispatch of
     /// `count` workgroups, folded; `params` gets the grid width.
-    fn dispatch(
+    pub(crate) fn dispatch(
         &self,
         source: &ShaderSource,
         key: PipelineKey,

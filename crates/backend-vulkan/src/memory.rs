@@ -123,14 +123,20 @@ pub(crate) fn create_buffer(
 /// (after the GPU is done with it); it holds the device alive.
 pub struct VulkanBuffer {
     pub(crate) device: Arc<Device>,
-    /// `None` only during drop.
+    /// `None` during drop, and for a view of a caller's buffer.
     raw: Option<RawBuffer>,
+    /// A caller's buffer: handle, byte offset and length of the view (the
+    /// caller owns and frees it).
+    view: Option<(vk::Buffer, u64, u64)>,
     label: &'static str,
 }
 
 impl headkl_core::DeviceBuffer for VulkanBuffer {
-    /// Usable size in bytes.
+    /// Usable size in bytes (a view's length).
     fn len(&self) -> u64 {
+        if let Some((_, _, bytes)) = self.view {
+            return bytes;
+        }
         self.raw.as_ref().map_or(0, |r| r.size)
     }
 }
@@ -168,8 +174,25 @@ impl VulkanBuffer {
         Ok(Self {
             device: Arc::clone(device),
             raw: Some(raw),
+            view: None,
             label,
         })
+    }
+
+    /// A view of `bytes` bytes at `offset` of a caller's `buffer` (made on
+    /// `device`; the caller keeps it alive while the view is used).
+    pub(crate) fn external(device: &Arc<Device>, buffer: vk::Buffer, offset: u64, bytes: u64) -> Self {
+        Self {
+            device: Arc::clone(device),
+            raw: None,
+            view: Some((buffer, offset, bytes)),
+            label: "caller's buffer",
+        }
+    }
+
+    /// Where a view starts in the caller's buffer (0 for headkl's own).
+    pub fn offset(&self) -> u64 {
+        self.view.map_or(0, |(_, offset, _)| offset)
     }
 
     /// The label given at allocation.
@@ -179,6 +202,9 @@ impl VulkanBuffer {
 
     /// The Vulkan handle (valid while `self` lives).
     pub(crate) fn handle(&self) -> vk::Buffer {
+        if let Some((buffer, _, _)) = self.view {
+            return buffer;
+        }
         self.raw.as_ref().map_or(vk::Buffer::null(), |r| r.buffer)
     }
 }

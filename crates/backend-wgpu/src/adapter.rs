@@ -103,7 +103,7 @@ fn unusable_reason(adapter: &wgpu::Adapter) -> Option<String> {
     }
 }
 
-fn describe(adapter: wgpu::Adapter) -> Candidate {
+pub(crate) fn describe(adapter: wgpu::Adapter) -> Candidate {
     let ai = adapter.get_info();
     let limits = adapter.limits();
     let features = adapter.features();

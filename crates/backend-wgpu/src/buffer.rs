@@ -6,11 +6,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use headkl_core::{DeviceBuffer, KernelId, MemoryStats};
+use headkl_core::{DeviceBuffer, MemoryStats};
+
+use crate::kernels::Entry;
 
 /// Bind groups are keyed by kernel (its layout) and the ids of the buffers
 /// at bindings 1.. (0 where unused).
-pub(crate) type BindKey = (KernelId, [u64; 6]);
+pub(crate) type BindKey = (Entry, [u64; 8]);
 
 /// Errors the device reported outside any call's error scope, and device
 /// loss.
@@ -87,8 +89,13 @@ impl Shared {
 pub struct WgpuBuffer {
     pub(crate) raw: wgpu::Buffer,
     pub(crate) id: u64,
-    /// Bytes asked for (the buffer itself is rounded up to 16 bytes).
+    /// Bytes asked for (the buffer itself is rounded up to 16 bytes), or
+    /// the length of a view of a caller's buffer.
     pub(crate) bytes: u64,
+    /// Where a view of a caller's buffer starts (0 for the backend's own).
+    pub(crate) offset: u64,
+    /// Bytes this buffer counts in the backend's memory (0 for a caller's).
+    accounted: u64,
     shared: Arc<Shared>,
 }
 
@@ -102,8 +109,48 @@ impl DeviceBuffer for WgpuBuffer {
 impl WgpuBuffer {
     pub(crate) fn new(raw: wgpu::Buffer, bytes: u64, shared: Arc<Shared>) -> Self {
         let id = shared.new_id();
-        shared.allocated(raw.size());
-        Self { raw, id, bytes, shared }
+        let accounted = raw.size();
+        shared.allocated(accounted);
+        Self {
+            raw,
+            id,
+            bytes,
+            offset: 0,
+            accounted,
+            shared,
+        }
+    }
+
+    /// A view of a caller's buffer (not counted in the backend's memory).
+    pub(crate) fn external(raw: wgpu::Buffer, offset: u64, bytes: u64, shared: Arc<Shared>) -> Self {
+        let id = shared.new_id();
+        Self {
+            raw,
+            id,
+            bytes,
+            offset,
+            accounted: 0,
+            shared,
+        }
+    }
+
+    /// Where this view starts in the underlying buffer (0 for a buffer the
+    /// backend allocated).
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// How a kernel binds this buffer: the whole of one the backend
+    /// allocated, exactly the view of a caller's.
+    pub(crate) fn binding(&self) -> wgpu::BindingResource<'_> {
+        if self.accounted > 0 {
+            return self.raw.as_entire_binding();
+        }
+        wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer: &self.raw,
+            offset: self.offset,
+            size: wgpu::BufferSize::new(self.bytes.next_multiple_of(4)),
+        })
     }
 
     /// The underlying wgpu buffer.
@@ -115,7 +162,7 @@ impl WgpuBuffer {
 impl Drop for WgpuBuffer {
     fn drop(&mut self) {
         // Cached bind groups hold the buffer alive: drop them with it.
-        self.shared.forget(self.id, self.raw.size());
+        self.shared.forget(self.id, self.accounted);
     }
 }
 
@@ -124,6 +171,7 @@ impl std::fmt::Debug for WgpuBuffer {
         f.debug_struct("WgpuBuffer")
             .field("id", &self.id)
             .field("bytes", &self.bytes)
+            .field("offset", &self.offset)
             .finish()
     }
 }

@@ -112,26 +112,48 @@ impl WgpuBackend {
         let use_coop = candidate.coop.is_ok() && !force_tiled;
         let features = adapter::features_for(&candidate, use_coop);
         let (device, queue) = adapter::open_device(&candidate, features)?;
+        Self::from_parts(candidate, device, queue, use_coop, force_tiled, options, true)
+    }
 
+    /// The backend on an open device. `own_device`: the device is the
+    /// backend's, so it takes the device's error and loss callbacks (a
+    /// trainer's device keeps its own; errors inside headkl's calls still
+    /// come back through error scopes).
+    pub(crate) fn from_parts(
+        candidate: adapter::Candidate,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        use_coop: bool,
+        force_tiled: bool,
+        options: &OpenOptions,
+        own_device: bool,
+    ) -> Result<Self> {
         let shared = Arc::new(Shared::default());
-        let weak: Weak<Shared> = Arc::downgrade(&shared);
-        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
-            if let Some(s) = weak.upgrade() {
-                s.record_error(wgpu_error_text(&e));
-            }
-        }));
-        let weak: Weak<Shared> = Arc::downgrade(&shared);
-        device.set_device_lost_callback(move |reason, message| {
-            if reason == wgpu::DeviceLostReason::Destroyed {
-                return;
-            }
-            if let Some(s) = weak.upgrade() {
-                lock(&s.errors).lost = Some(format!("{reason:?}: {message}"));
-            }
-        });
+        if own_device {
+            let weak: Weak<Shared> = Arc::downgrade(&shared);
+            device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+                if let Some(s) = weak.upgrade() {
+                    s.record_error(wgpu_error_text(&e));
+                }
+            }));
+            let weak: Weak<Shared> = Arc::downgrade(&shared);
+            device.set_device_lost_callback(move |reason, message| {
+                if reason == wgpu::DeviceLostReason::Destroyed {
+                    return;
+                }
+                if let Some(s) = weak.upgrade() {
+                    lock(&s.errors).lost = Some(format!("{reason:?}: {message}"));
+                }
+            });
+        }
 
         let mut info = candidate.info.clone();
         info.matrix_units = use_coop;
+        // What the device was opened with (a trainer's may ask for less
+        // than the adapter offers).
+        let limits = device.limits();
+        info.max_binding_bytes = limits.max_storage_buffer_binding_size;
+        info.max_buffer_bytes = limits.max_buffer_size;
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let i = &candidate.info;

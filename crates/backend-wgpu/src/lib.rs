@@ -22,6 +22,7 @@ mod adapter;
 mod backend;
 mod buffer;
 mod device;
+mod external;
 mod kernels;
 mod stream;
 mod transfer;

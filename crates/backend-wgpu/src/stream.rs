@@ -4,11 +4,12 @@
 
 use std::sync::atomic::Ordering;
 
-use headkl_core::{fold_workgroups, KernelId, Result};
+use headkl_core::{fold_workgroups, Result};
 
 use crate::backend_error;
 use crate::buffer::{lock, WgpuBuffer};
 use crate::device::{wgpu_error_text, WgpuBackend};
+use crate::kernels::Entry;
 
 /// Dispatches per submitted batch (slots of the uniform ring).
 pub(crate) const RING_SLOTS: u32 = 1024;
@@ -85,18 +86,19 @@ impl WgpuBackend {
     /// bindings 1.., timed under the kernel's name.
     pub(crate) fn dispatch(
         &self,
-        kernel: KernelId,
+        kernel: impl Into<Entry>,
         count: u64,
         params: impl FnOnce(u32) -> Vec<u8>,
         buffers: &[&WgpuBuffer],
     ) -> Result<()> {
+        let kernel = kernel.into();
         let label = kernel.name();
         self.check()?;
         if count == 0 {
             return Ok(());
         }
         let pipeline = self.kernels.pipeline(&self.device, kernel)?;
-        let mut ids = [0u64; 6];
+        let mut ids = [0u64; 8];
         for (slot, b) in ids.iter_mut().zip(buffers) {
             *slot = b.id;
         }
@@ -155,12 +157,7 @@ impl WgpuBackend {
         Ok(())
     }
 
-    pub(crate) fn bind_group(
-        &self,
-        kernel: KernelId,
-        ids: [u64; 6],
-        buffers: &[&WgpuBuffer],
-    ) -> Result<wgpu::BindGroup> {
+    pub(crate) fn bind_group(&self, kernel: Entry, ids: [u64; 8], buffers: &[&WgpuBuffer]) -> Result<wgpu::BindGroup> {
         let layout = self.kernels.bind_group_layout(kernel)?;
         let mut failed = None;
         let group = self.shared.bind_group((kernel, ids), || {
@@ -176,7 +173,7 @@ impl WgpuBackend {
             for (i, b) in buffers.iter().enumerate() {
                 entries.push(wgpu::BindGroupEntry {
                     binding: i as u32 + 1,
-                    resource: b.raw.as_entire_binding(),
+                    resource: b.binding(),
                 });
             }
             let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {

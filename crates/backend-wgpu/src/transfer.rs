@@ -99,6 +99,8 @@ impl WgpuBackend {
         if len == 0 {
             return Ok(());
         }
+        // A view of a caller's buffer starts inside it.
+        let offset = offset + dst.offset;
         // write_buffer lands before the next submit: submit what is queued
         // first so the upload is ordered after it.
         self.flush()?;
@@ -138,6 +140,7 @@ impl WgpuBackend {
         if len == 0 {
             return Ok(());
         }
+        let offset = offset + src.offset;
         self.flush()?;
         let start = offset & !3;
         let end = (offset + len).next_multiple_of(4);

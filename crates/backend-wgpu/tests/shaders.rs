@@ -8,7 +8,8 @@
 //! CI check that `gemm_coop.wgsl` compiles: lavapipe has no matrix units.
 
 use headkl_core::kernels::{Access, SHADERS};
-use headkl_core::{CoopGemm, GemmKernel, KernelBuild, KernelId};
+use headkl_core::params::ResidentParams;
+use headkl_core::{CoopGemm, GemmKernel, KernelBuild, KernelId, ResidentKernel};
 use naga::back::spv;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 
@@ -170,9 +171,11 @@ fn every_shader_file_belongs_to_a_kernel() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|n| n.ends_with(".wgsl"))
         .collect();
+    // The device-resident kernels' files, and the header they share.
+    let resident = |file: &str| file == "resident_common.wgsl" || ResidentKernel::ALL.iter().any(|r| r.file() == file);
     for file in &files {
         assert!(
-            SHADERS.iter().any(|s| s.file == file),
+            SHADERS.iter().any(|s| s.file == file) || resident(file),
             "shaders/{file} is not in the catalogue"
         );
     }
@@ -183,5 +186,53 @@ fn every_shader_file_belongs_to_a_kernel() {
             shader.file
         );
     }
-    assert_eq!(files.len(), SHADERS.len());
+    assert_eq!(files.len(), SHADERS.len() + ResidentKernel::ALL.len() + 1);
+}
+
+/// Each device-resident kernel, built as the backends build it
+/// (`resident_common.wgsl`, its generated parameter block, then its own
+/// file), validates and translates to SPIR-V, with the entry point,
+/// workgroup size, parameter block and storage bindings (count and access)
+/// `headkl_core::ResidentKernel` lists.
+#[test]
+fn resident_kernels_match_the_catalogue() {
+    for kernel in ResidentKernel::ALL {
+        let shader = kernel.shader();
+        let (module, info) = parse(shader.file, &shader.source());
+        let ep = module
+            .entry_points
+            .iter()
+            .find(|ep| ep.name == kernel.entry())
+            .unwrap_or_else(|| panic!("{} lacks entry point {}", shader.file, kernel.entry()));
+        assert_eq!(ep.workgroup_size, [kernel.workgroup_size(), 1, 1], "{}", shader.file);
+        let mut storage = Vec::new();
+        for (_, var) in module.global_variables.iter() {
+            match (var.space, &var.binding) {
+                (naga::AddressSpace::Uniform, Some(b)) => {
+                    assert_eq!((b.group, b.binding), (0, 0), "{}", shader.file);
+                    let size = module.types[var.ty].inner.size(module.to_ctx());
+                    assert_eq!(size as usize, size_of::<ResidentParams>(), "{}", shader.file);
+                }
+                (naga::AddressSpace::Storage { access }, Some(b)) => {
+                    let writes = access.contains(naga::StorageAccess::STORE);
+                    storage.push((b.binding, if writes { Access::ReadWrite } else { Access::Read }));
+                }
+                _ => {}
+            }
+        }
+        storage.sort_by_key(|&(binding, _)| binding);
+        let expected: Vec<(u32, Access)> = (1..).zip(kernel.bindings().iter().copied()).collect();
+        assert_eq!(storage, expected, "{}: storage bindings", shader.file);
+        let options = spv::Options {
+            lang_version: (1, 3),
+            ..spv::Options::default()
+        };
+        let pipeline = spv::PipelineOptions {
+            shader_stage: naga::ShaderStage::Compute,
+            entry_point: kernel.entry().to_string(),
+        };
+        let words = spv::write_vec(&module, &info, &options, Some(&pipeline))
+            .unwrap_or_else(|e| panic!("{}: SPIR-V: {e}", shader.file));
+        assert_eq!(words.first(), Some(&0x0723_0203), "{}", shader.file);
+    }
 }

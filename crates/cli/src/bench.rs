@@ -12,7 +12,8 @@ use std::time::Instant;
 
 use half::f16;
 use headkl_core::{
-    Backend, DeviceInfo, Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher, TopkOptions,
+    Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData,
+    HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions,
 };
 
 use crate::error::{is_validation, CliError};
@@ -20,8 +21,8 @@ use crate::io::write_atomic;
 use crate::progress::Progress;
 use crate::rng::{fill_parallel, XorShift64};
 use crate::select::{
-    enumerate_backend, open_and_run, required, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind,
-    RunError, Target,
+    enumerate_backend, open_and_run, open_and_run_resident, required, resolve_announced, target_for, BackendArgs,
+    BackendJob, BackendKind, ResidentJob, RunError, Target,
 };
 use crate::text::fmt_bytes;
 
@@ -66,6 +67,8 @@ pub struct BenchConfig {
     pub plot: Option<PathBuf>,
     /// `--all`.
     pub all: bool,
+    /// `--resident`: also time the device-resident entry points.
+    pub resident: bool,
 }
 
 /// Random data of one shape: f16 head and hidden rows, and a teacher.
@@ -185,16 +188,33 @@ impl BenchJob<'_> {
             budget_bytes: cfg.budget,
             ..TopkOptions::new(shape.k)
         };
+        // Kept across calls, as a training loop keeps its gradient buffer.
+        let mut loss_out = headkl_core::LossOutput::default();
+        Self::time_calls(cfg, engine, job, "host", head_bytes, shape, |engine| match job {
+            JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
+            JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
+        })
+    }
+
+    /// Times `cfg.iters` calls of `call` (after `cfg.warmup`), each
+    /// followed by the backend's `finish`.
+    fn time_calls<B: Backend>(
+        cfg: &BenchConfig,
+        engine: &mut Engine<B>,
+        job: JobKind,
+        path: &'static str,
+        head_bytes: u64,
+        shape: Shape,
+        mut call: impl FnMut(&mut Engine<B>) -> headkl_core::Result<()>,
+    ) -> Result<JobResult, CliError> {
         // Scratch of the previous job is freed, so the peak is this job's.
         engine.release_scratch();
         engine.backend().reset_peak_memory();
-        let label = format!("bench {} {}", engine.backend().info().backend, job.name());
+        let label = format!("bench {} {} {path}", engine.backend().info().backend, job.name());
         let mut progress = Progress::new(label, (cfg.warmup + cfg.iters) as u64);
         let mut wall = Vec::with_capacity(cfg.iters);
         let mut gpu = Vec::with_capacity(cfg.iters);
         let mut per_kernel: BTreeMap<&'static str, (Vec<f64>, usize)> = BTreeMap::new();
-        // Kept across calls, as a training loop keeps its gradient buffer.
-        let mut loss_out = headkl_core::LossOutput::default();
         for i in 0..cfg.warmup + cfg.iters {
             let timed = i >= cfg.warmup;
             let what = if timed {
@@ -204,10 +224,7 @@ impl BenchJob<'_> {
             };
             progress.message(what.clone());
             let start = Instant::now();
-            let result = match job {
-                JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
-                JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
-            };
+            let result = call(engine);
             let b = engine.backend();
             result
                 .and_then(|()| b.finish())
@@ -256,6 +273,7 @@ impl BenchJob<'_> {
             .collect();
         Ok(JobResult {
             job,
+            path,
             iters: cfg.iters,
             median_ms,
             min_ms: wall.first().copied().unwrap_or(f64::NAN),
@@ -280,6 +298,82 @@ impl BackendJob for BenchJob<'_> {
     type Output = Option<BenchRun>;
 
     fn run<B: Backend>(self, backend: B) -> Result<Option<BenchRun>, CliError> {
+        self.run_with(backend, |_, _, _, _| Ok(Vec::new()))
+    }
+}
+
+impl ResidentJob for BenchJob<'_> {
+    type Output = Option<BenchRun>;
+
+    fn run_resident<B: ResidentBackend>(self, backend: B) -> Result<Option<BenchRun>, CliError> {
+        self.run_with(backend, time_resident)
+    }
+}
+
+/// The device-resident jobs: the bench data uploaded to device buffers once
+/// (outside the timing), then `head_kl_device` and `topk_device`, each call
+/// timed with the trainer's `wait_device`.
+fn time_resident<B: ResidentBackend>(
+    d: &BenchData,
+    cfg: &BenchConfig,
+    engine: &mut Engine<B>,
+    head_bytes: u64,
+) -> Result<Vec<JobResult>, CliError> {
+    let shape = d.shape;
+    let (ntok, hs, k) = (shape.ntok, shape.hs, shape.k);
+    let fail = |e| CliError::device("bench --resident: device buffers", e);
+    let buffer = |engine: &Engine<B>, data: &[u8], label| -> Result<B::Buffer, CliError> {
+        let b = engine.backend().alloc(data.len() as u64, label).map_err(fail)?;
+        engine.backend().upload(&b, 0, data).map_err(fail)?;
+        Ok(b)
+    };
+    let x = buffer(engine, bytemuck::cast_slice(&d.hidden), "bench x")?;
+    let ids = buffer(engine, bytemuck::cast_slice(d.teacher.ids()), "bench ids")?;
+    let probs = buffer(engine, bytemuck::cast_slice(d.teacher.probs()), "bench probs")?;
+    let loss = buffer(engine, &vec![0u8; ntok * 4], "bench loss")?;
+    let dx = buffer(engine, &vec![0u8; ntok * hs * 4], "bench dx")?;
+    let top_ids = buffer(engine, &vec![0u8; ntok * k * 4], "bench topk ids")?;
+    let top_probs = buffer(engine, &vec![0u8; ntok * k * 4], "bench topk probs")?;
+    // The head and these buffers (the trainer's, in a real run) are not
+    // counted in the jobs' peak extra memory.
+    let held = engine.backend().memory().current.max(head_bytes);
+    let hidden = DeviceHidden {
+        buffer: &x,
+        dtype: HiddenDtype::F16,
+    };
+    let teacher = DeviceTeacher {
+        ids: &ids,
+        probs: &probs,
+        k,
+    };
+    let out = DeviceLossOutput { loss: &loss, dx: &dx };
+    let loss_opts = DeviceLossOptions {
+        budget_bytes: cfg.budget,
+        ..DeviceLossOptions::default()
+    };
+    let topk_opts = TopkOptions {
+        budget_bytes: cfg.budget,
+        ..TopkOptions::new(k)
+    };
+    let head_kl = BenchJob::time_calls(cfg, engine, JobKind::HeadKl, "resident", held, shape, |engine| {
+        engine.head_kl_device(ntok, &hidden, &teacher, &out, &loss_opts)?;
+        engine.wait_device()
+    })?;
+    let topk = BenchJob::time_calls(cfg, engine, JobKind::Topk, "resident", held, shape, |engine| {
+        engine.topk_device(ntok, &hidden, &top_ids, &top_probs, &topk_opts)?;
+        engine.wait_device()
+    })?;
+    Ok(vec![head_kl, topk])
+}
+
+impl BenchJob<'_> {
+    /// Opens the engine and times the host jobs, then whatever `extra`
+    /// times on the same engine.
+    fn run_with<B: Backend>(
+        self,
+        backend: B,
+        extra: impl FnOnce(&BenchData, &BenchConfig, &mut Engine<B>, u64) -> Result<Vec<JobResult>, CliError>,
+    ) -> Result<Option<BenchRun>, CliError> {
         let info = backend.info().clone();
         let shape = shape_for(self.cfg, &info, self.kind)?;
         if self.cfg.all && self.kind == BackendKind::Reference && shape.flops(JobKind::HeadKl) > REFERENCE_MAX_FLOPS {
@@ -329,6 +423,7 @@ impl BackendJob for BenchJob<'_> {
         for job in [JobKind::HeadKl, JobKind::Topk] {
             jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes)?);
         }
+        jobs.extend(extra(data, self.cfg, &mut engine, head_bytes)?);
         engine.backend().set_profiling(false);
         Ok(Some(BenchRun {
             backend: info.backend.to_string(),
@@ -436,7 +531,12 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
             cfg,
             cache: &mut data,
         };
-        match open_and_run(&target, job) {
+        let result = if cfg.resident {
+            open_and_run_resident(&target, job)
+        } else {
+            open_and_run(&target, job)
+        };
+        match result {
             Ok(Some(run)) => runs.push(run),
             Ok(None) => {}
             Err(RunError::Start(kind, why)) if cfg.all => skip_or_fail(kind, why)?,

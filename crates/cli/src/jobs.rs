@@ -116,6 +116,7 @@ fn read_head<'a>(t: &TensorRef<'a>) -> Result<(HeadElems<'a>, usize, usize), Cli
 enum HiddenElems<'a> {
     F16(Cow<'a, [f16]>),
     F32(Cow<'a, [f32]>),
+    Bf16(Cow<'a, [bf16]>),
 }
 
 impl HiddenElems<'_> {
@@ -123,11 +124,12 @@ impl HiddenElems<'_> {
         match self {
             HiddenElems::F16(d) => HiddenData::F16(d),
             HiddenElems::F32(d) => HiddenData::F32(d),
+            HiddenElems::Bf16(d) => HiddenData::Bf16(d),
         }
     }
 }
 
-/// Reads hidden rows `[ntok][hs]` (F32 or F16) and checks hs against the
+/// Reads hidden rows `[ntok][hs]` (F32, F16 or BF16) and checks hs against the
 /// head's.
 fn read_hidden<'a>(
     t: &TensorRef<'a>,
@@ -155,7 +157,8 @@ fn read_hidden<'a>(
     let elems = match t.dtype() {
         Dtype::F32 => HiddenElems::F32(t.f32s()),
         Dtype::F16 => HiddenElems::F16(t.f16s()),
-        _ => return Err(t.wrong_dtype("F32 or F16")),
+        Dtype::BF16 => HiddenElems::Bf16(t.bf16s()),
+        _ => return Err(t.wrong_dtype("F32, F16 or BF16")),
     };
     Ok((elems, ntok))
 }
@@ -169,7 +172,7 @@ pub struct InputArgs {
     /// Name of the head tensor in --head (e.g. `lm_head.weight` in a shard)
     #[arg(long, default_value = "weight", value_name = "NAME")]
     pub head_tensor: String,
-    /// Hidden rows `[ntok][hs]` (F32 or F16), already normed
+    /// Hidden rows `[ntok][hs]` (F32, F16 or BF16), already normed
     #[arg(long, value_name = "FILE.safetensors")]
     pub hidden: PathBuf,
     /// Name of the hidden tensor in --hidden
@@ -185,6 +188,7 @@ fn hidden_rows<'a>(data: &HiddenData<'a>, hs: usize, a: usize, b: usize) -> head
     match *data {
         HiddenData::F32(d) => Hidden::new(HiddenData::F32(&d[a * hs..b * hs]), b - a, hs),
         HiddenData::F16(d) => Hidden::new(HiddenData::F16(&d[a * hs..b * hs]), b - a, hs),
+        HiddenData::Bf16(d) => Hidden::new(HiddenData::Bf16(&d[a * hs..b * hs]), b - a, hs),
     }
 }
 

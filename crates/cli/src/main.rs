@@ -161,6 +161,10 @@ reference is left out of --all for large shapes).",
         /// Run every backend this machine can start
         #[arg(long)]
         all: bool,
+        /// Also time the device-resident entry points (inputs already in device buffers, the
+        /// trainer's wait included), beside the host path
+        #[arg(long)]
+        resident: bool,
     },
     /// Time every matrix-unit GEMM kernel on this device and keep the fastest
     #[command(
@@ -204,7 +208,7 @@ Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) o
 (descending; ties: lowest id first) and their probabilities, the softmax over those k at --temperature. \
 Exact for every k ≤ 2048.\n\n\
 Inputs: --head holds tensor `weight` (or --head-tensor, e.g. `lm_head.weight` of a shard) [V][hs] in \
-F16, BF16 or F32; --hidden holds tensor `hidden` (or --hidden-tensor) [ntok][hs] in F32 or F16. \
+F16, BF16 or F32; --hidden holds tensor `hidden` (or --hidden-tensor) [ntok][hs] in F32, F16 or BF16. \
 Output --out: `ids` I64 [ntok][k] and `probs` F32 [ntok][k], written to a temporary file and renamed \
 when complete (a failed run leaves an existing file untouched).",
         after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
@@ -290,6 +294,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             json,
             plot,
             all,
+            resident,
         } => bench::run(
             &backend,
             &BenchConfig {
@@ -301,6 +306,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 json,
                 plot,
                 all,
+                resident,
             },
         ),
         Command::Tune {

@@ -121,7 +121,7 @@ pub fn svg(runs: &[BenchRun]) -> String {
     for (g, job) in jobs.iter().enumerate() {
         let gx = LEFT + GROUP_GAP / 2.0 + g as f64 * (group_w + GROUP_GAP);
         for (i, run) in runs.iter().enumerate() {
-            let Some(j) = run.jobs.iter().find(|j| j.job.name() == *job) else {
+            let Some(j) = run.jobs.iter().find(|j| j.job.name() == *job && j.path == "host") else {
                 continue;
             };
             let x = gx + i as f64 * (BAR + GAP);
@@ -200,6 +200,7 @@ mod tests {
     fn one_bar_per_backend_per_job() {
         let job = |job, tflops| JobResult {
             job,
+            path: "host",
             iters: 3,
             median_ms: 12.5,
             min_ms: 12.0,

@@ -7,7 +7,7 @@ use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
 
 use clap::{Args, ValueEnum};
-use headkl_core::{Backend, DeviceInfo};
+use headkl_core::{Backend, DeviceInfo, ResidentBackend};
 use serde::Serialize;
 
 use crate::error::CliError;
@@ -515,6 +515,39 @@ pub fn open_and_run_gemm<J: BackendJob>(
             let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
                 .map_err(|e| RunError::Start(target.kind, e))?;
             job.run(b).map_err(RunError::Job)
+        }
+    }
+}
+
+/// A job that also runs the device-resident entry points (a
+/// [`BackendJob`] for a backend with [`ResidentBackend`]).
+pub trait ResidentJob {
+    /// What the job returns.
+    type Output;
+    /// Runs the job on an opened backend.
+    fn run_resident<B: ResidentBackend>(self, backend: B) -> Result<Self::Output, CliError>;
+}
+
+/// [`open_and_run`] for a [`ResidentJob`]: the GPU backends only (the CPU
+/// reference has no device buffers), which is an error naming `--resident`.
+pub fn open_and_run_resident<J: ResidentJob>(target: &Target, job: J) -> Result<J::Output, RunError> {
+    let device = target.device;
+    match target.kind {
+        BackendKind::Reference => Err(RunError::Job(CliError::option(
+            "--resident",
+            "the reference backend has no device buffers; use --backend wgpu or vulkan",
+        ))),
+        BackendKind::Wgpu => {
+            let options = headkl_wgpu::OpenOptions::from_settings(crate::environment::get(), device);
+            let b = contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&options))
+                .map_err(|e| RunError::Start(target.kind, e))?;
+            job.run_resident(b).map_err(RunError::Job)
+        }
+        BackendKind::Vulkan => {
+            let options = headkl_vulkan::VulkanOptions::from_settings(crate::environment::get(), device);
+            let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
+                .map_err(|e| RunError::Start(target.kind, e))?;
+            job.run_resident(b).map_err(RunError::Job)
         }
     }
 }

@@ -738,6 +738,50 @@ fn loss_matches_direct_with_weights() {
     assert!(grad[HS..2 * HS].iter().all(|&g| g == 0.0));
 }
 
+/// BF16 hidden rows (what models emit) are read by `loss`, and give the
+/// reference's result on the same values.
+#[test]
+fn bf16_hidden_rows_are_read() {
+    let f = Fixture::new("bf16-hidden");
+    let rows: Vec<half::bf16> = f.hidden.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    write_st(
+        &f.path("hbf.safetensors"),
+        &[T(
+            "hidden",
+            Dtype::BF16,
+            vec![NTOK, HS],
+            bytemuck::cast_slice(&rows).to_vec(),
+        )],
+    );
+    let out = f.path("loss.safetensors");
+    let o = headkl(&[
+        "loss",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hbf.safetensors"),
+        "--teacher",
+        f.s("teacher.safetensors"),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = fs::read(&out).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
+    let values: Vec<f32> = rows.iter().map(|v| v.to_f32()).collect();
+    let hidden = Hidden::f32(&values, NTOK, HS).unwrap();
+    let teacher = Teacher::from_i64(&f.ids, &f.probs, NTOK, K, VOCAB).unwrap();
+    let want = head_kl_f64(&head, &hidden, &teacher, &LossOptions::default().resolve(NTOK).unwrap());
+    let loss = tensor_f32(&st, "loss");
+    let mean = loss.iter().map(|&l| f64::from(l)).sum::<f64>() / NTOK as f64;
+    let tol = Tolerance::default();
+    tol.check_loss(&loss, mean, &want).unwrap();
+    tol.check_dx_rows(&tensor_f32(&st, "grad"), &want.dx, Some(HS)).unwrap();
+}
+
 #[test]
 fn f16_hidden_and_bf16_head_are_read() {
     let f = Fixture::new("halves");
@@ -853,6 +897,70 @@ fn bench_writes_json_and_plot() {
     let svg_text = fs::read_to_string(&svg).unwrap();
     assert!(svg_text.starts_with("<svg") && svg_text.contains("head_kl") && svg_text.contains("topk"));
     assert!(String::from_utf8_lossy(&o.stdout).contains("TFLOP/s"));
+    let _ = fs::remove_dir_all(dir);
+}
+
+/// `bench --resident`: the device-resident rows beside the host path's, on
+/// each GPU backend (skipped with a printed reason when one cannot start,
+/// unless HEADKL_REQUIRE names it); on the reference an option error.
+#[test]
+fn bench_resident_beside_host() {
+    assert_input_error(
+        &headkl(&["bench", "--backend", "reference", "--resident", "--shape", "8:512:64:8"]),
+        &["--resident", "reference"],
+    );
+    let required = std::env::var("HEADKL_REQUIRE").unwrap_or_default();
+    let dir = temp_dir("bench-resident");
+    for backend in ["wgpu", "vulkan"] {
+        let json = dir.join(format!("{backend}.json"));
+        let o = headkl(&[
+            "bench",
+            "--backend",
+            backend,
+            "--resident",
+            "--shape",
+            "16:512:64:8",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        let err = stderr(&o);
+        let must = required.split(',').any(|r| r.trim() == backend);
+        if o.status.code() == Some(1) && err.contains("cannot start") && !must {
+            println!("{backend}: skipped, cannot start: {}", err.trim());
+            continue;
+        }
+        assert_eq!(o.status.code(), Some(0), "{backend}: {err}");
+        let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
+        let jobs = v["runs"][0]["jobs"].as_array().unwrap().clone();
+        let names: Vec<(String, String)> = jobs
+            .iter()
+            .map(|j| {
+                (
+                    j["job"].as_str().unwrap_or("").to_string(),
+                    j["path"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect();
+        for want in [
+            ("head_kl", "host"),
+            ("topk", "host"),
+            ("head_kl", "resident"),
+            ("topk", "resident"),
+        ] {
+            assert!(
+                names.iter().any(|(j, p)| j == want.0 && p == want.1),
+                "{backend}: no {want:?} row in {names:?}"
+            );
+        }
+        for j in &jobs {
+            assert!(j["median_ms"].as_f64().unwrap() > 0.0, "{j}");
+        }
+        assert!(String::from_utf8_lossy(&o.stdout).contains("head_kl (resident)"));
+    }
     let _ = fs::remove_dir_all(dir);
 }
 

@@ -74,14 +74,17 @@ pub struct TopK {
 /// # Ok::<(), headkl_core::Error>(())
 /// ```
 pub struct Engine<B: Backend> {
-    backend: B,
-    vocab: usize,
-    hs: usize,
-    hs_padded: usize,
-    vocab_padded: usize,
-    slices: Vec<VocabSlice>,
-    planes: Vec<B::Buffer>,
+    pub(crate) backend: B,
+    pub(crate) vocab: usize,
+    pub(crate) hs: usize,
+    pub(crate) hs_padded: usize,
+    pub(crate) vocab_padded: usize,
+    pub(crate) slices: Vec<VocabSlice>,
+    pub(crate) planes: Vec<B::Buffer>,
     scratch: ScratchCache<B>,
+    /// Scratch and status of the device-resident entry points
+    /// (`crate::resident`).
+    pub(crate) resident: crate::resident::ResidentState<B>,
     /// Print each `head_kl` call's host phases ([`Engine::set_trace`]).
     trace: bool,
 }
@@ -127,6 +130,7 @@ impl<B: Backend> Engine<B> {
             slices,
             planes,
             scratch: ScratchCache::default(),
+            resident: crate::resident::ResidentState::new(),
             trace: false,
         })
     }
@@ -161,6 +165,7 @@ impl<B: Backend> Engine<B> {
     /// Frees the cached scratch buffers (they are re-made on the next call).
     pub fn release_scratch(&mut self) {
         self.scratch = ScratchCache::default();
+        self.resident.release_scratch();
     }
 
     /// The chunk plan `head_kl` would use for `ntok` tokens.
@@ -170,7 +175,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The chunk plan of `job`, budgeting every scratch buffer it allocates.
-    fn chunk_plan(
+    pub(crate) fn chunk_plan(
         &self,
         job: Job,
         ntok: usize,
@@ -218,6 +223,19 @@ impl<B: Backend> Engine<B> {
                 for r in 0..rows {
                     let src = &d[(start + r) * hs..(start + r + 1) * hs];
                     packed[r * self.hs_padded..r * self.hs_padded + hs].copy_from_slice(src);
+                }
+                self.backend.upload(x16, 0, bytemuck::cast_slice(&packed))?;
+            }
+            Input::Bf16(d) => {
+                // Rounded to f16 here, as the f16 operand is packed: the
+                // same cost as packing unpadded f16 rows.
+                let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
+                for r in 0..rows {
+                    let src = &d[(start + r) * hs..(start + r + 1) * hs];
+                    let dst = &mut packed[r * self.hs_padded..r * self.hs_padded + hs];
+                    for (o, v) in dst.iter_mut().zip(src) {
+                        *o = f16::from_f32(v.to_f32());
+                    }
                 }
                 self.backend.upload(x16, 0, bytemuck::cast_slice(&packed))?;
             }
@@ -282,6 +300,8 @@ impl<B: Backend> Engine<B> {
         out: &mut LossOutput,
     ) -> Result<()> {
         self.check_hidden(hidden)?;
+        // The device-resident scratch goes, so this call can use its memory.
+        self.resident.release_scratch();
         let ntok = hidden.ntok();
         if teacher.ntok() != ntok {
             return Err(Error::LengthMismatch {
@@ -424,6 +444,7 @@ impl<B: Backend> Engine<B> {
     /// ```
     pub fn topk(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> Result<TopK> {
         self.check_hidden(hidden)?;
+        self.resident.release_scratch();
         opts.check(self.vocab)?;
         let (ntok, k) = (hidden.ntok(), opts.k);
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));

@@ -187,6 +187,16 @@ pub enum Error {
         /// The first such token.
         token: usize,
     },
+    /// A device buffer given to a device-resident entry point that cannot
+    /// serve its role (too small for the shape, a misaligned view, a
+    /// buffer the device cannot bind as storage).
+    #[error("{field}: device buffer {reason}")]
+    DeviceBuffer {
+        /// Which buffer.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The device ran out of memory.
     #[error("out of device memory allocating {bytes} bytes for {what}; lower the memory budget (--budget) or use fewer tokens per call")]
     OutOfMemory {

@@ -27,6 +27,7 @@ pub mod host;
 pub mod kernels;
 pub mod params;
 pub mod problem;
+pub mod resident;
 mod scratch;
 pub mod settings;
 pub mod slicing;
@@ -43,6 +44,9 @@ pub use head::{HeadData, HeadWeights};
 pub use kernels::{GemmKernel, KernelBuild, KernelId};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
+};
+pub use resident::{
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend, ResidentKernel,
 };
 pub use settings::Settings;
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};

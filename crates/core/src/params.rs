@@ -133,6 +133,49 @@ macro_rules! param_block {
 param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32);
 param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32);
 param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
+param_block!(ResidentParams: rows: u32, cols: u32, vocab: u32, ld: u32, token0: u32, off_a: u32, off_b: u32, off_c: u32, off_d: u32, flags: u32, rows_padded: u32, grid_x: u32, f0: f32, f1: f32, f2: f32, f3: f32);
+
+/// `shaders/resident_*.wgsl`: one block for every device-resident kernel
+/// ([`crate::resident::ResidentKernel`]); each kernel's doc comment in its
+/// shader says which fields it reads.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
+pub struct ResidentParams {
+    /// Rows to process.
+    pub rows: u32,
+    /// Entries per row (k, or the hidden size).
+    pub cols: u32,
+    /// Real vocabulary size.
+    pub vocab: u32,
+    /// Row stride of the padded scratch operand.
+    pub ld: u32,
+    /// Global index of the first row (for the status buffer).
+    pub token0: u32,
+    /// Element offsets into the caller's buffers, kernel by kernel.
+    pub off_a: u32,
+    /// See `off_a`.
+    pub off_b: u32,
+    /// See `off_a`.
+    pub off_c: u32,
+    /// See `off_a`.
+    pub off_d: u32,
+    /// Bit 0: weights given; bit 1: accumulate into dx; bits 2-3: hidden
+    /// dtype (0 f32, 1 f16, 2 bf16).
+    pub flags: u32,
+    /// Rows written in the padded operand.
+    pub rows_padded: u32,
+    /// Workgroups along x of the (folded) dispatch grid (the backend fills
+    /// it in).
+    pub grid_x: u32,
+    /// Float operands, kernel by kernel.
+    pub f0: f32,
+    /// See `f0`.
+    pub f1: f32,
+    /// See `f0`.
+    pub f2: f32,
+    /// See `f0`.
+    pub f3: f32,
+}
 
 #[cfg(test)]
 mod tests {

@@ -1,7 +1,7 @@
 //! Validated inputs: hidden rows, the teacher's top-k, and the options of
 //! each job. Everything is checked here, once, before any device sees it.
 
-use half::f16;
+use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 
@@ -18,6 +18,9 @@ pub enum HiddenData<'a> {
     F32(&'a [f32]),
     /// f16 rows.
     F16(&'a [f16]),
+    /// bf16 rows (what models emit): rounded to f16 on the host as they go
+    /// up; a value past f16's range becomes ±inf, which the row kernels flag.
+    Bf16(&'a [bf16]),
 }
 
 /// Hidden rows `x` `[ntok][hs]`, already normed. Their values are not
@@ -42,6 +45,7 @@ impl<'a> Hidden<'a> {
         let got = match data {
             HiddenData::F32(d) => d.len(),
             HiddenData::F16(d) => d.len(),
+            HiddenData::Bf16(d) => d.len(),
         };
         let expected = ntok * hs;
         if got != expected {
@@ -62,6 +66,11 @@ impl<'a> Hidden<'a> {
     /// f16 rows.
     pub fn f16(data: &'a [f16], ntok: usize, hs: usize) -> Result<Self> {
         Self::new(HiddenData::F16(data), ntok, hs)
+    }
+
+    /// bf16 rows.
+    pub fn bf16(data: &'a [bf16], ntok: usize, hs: usize) -> Result<Self> {
+        Self::new(HiddenData::Bf16(data), ntok, hs)
     }
 
     /// The rows.
@@ -86,6 +95,7 @@ impl<'a> Hidden<'a> {
         match self.data {
             HiddenData::F32(d) => d[r].iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
             HiddenData::F16(d) => d[r].iter().map(|v| v.to_f32()).collect(),
+            HiddenData::Bf16(d) => d[r].iter().map(|v| f16::from_f32(v.to_f32()).to_f32()).collect(),
         }
     }
 }

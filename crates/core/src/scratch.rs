@@ -5,7 +5,7 @@
 //! "missing buffer" case exists: every job takes [`RowScratch`], `head_kl`
 //! also [`LossScratch`], and f32 input its `x32` buffer ([`Input::F32`]).
 
-use half::f16;
+use half::{bf16, f16};
 
 use crate::backend::Backend;
 use crate::chunking::RowCost;
@@ -140,6 +140,8 @@ pub(crate) enum Input<'a, B: Backend> {
     F32 { data: &'a [f32], x32: B::Buffer },
     /// f16 rows, uploaded as they are.
     F16(&'a [f16]),
+    /// bf16 rows, rounded to f16 on the host as they go up.
+    Bf16(&'a [bf16]),
 }
 
 /// The scratch an [`crate::Engine`] keeps between calls.
@@ -222,6 +224,7 @@ impl<B: Backend> ScratchCache<B> {
                 Input::F32 { data, x32 }
             }
             HiddenData::F16(data) => Input::F16(data),
+            HiddenData::Bf16(data) => Input::Bf16(data),
         })
     }
 

@@ -24,3 +24,7 @@ headkl_reference::conformance_tests!(
     "reference",
     Ok::<_, headkl_core::Error>(CpuBackend::new().with_precision(Precision::F32))
 );
+
+// The device-resident entry points on the CPU kernels (the same cases the
+// GPU backends run).
+headkl_reference::resident_conformance_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));

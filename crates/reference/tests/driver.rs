@@ -171,3 +171,45 @@ fn head_kl_into_reuses_an_output_of_any_size() {
         assert_eq!((out.loss.len(), out.dx.len()), (c.ntok, c.ntok * hs));
     }
 }
+
+/// bf16 hidden rows on the host path give exactly what the same values as
+/// f32 give: both are rounded to f16 once on the way up.
+#[test]
+fn bf16_rows_match_their_f32_values() {
+    let backend = CpuBackend::new();
+    let c = case(CaseKind::HeadKl, false);
+    let head = c.head_weights().unwrap();
+    let rows: Vec<half::bf16> = c.hidden.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let values: Vec<f32> = rows.iter().map(|v| v.to_f32()).collect();
+    let teacher = c.teacher().unwrap();
+    let opts = c.loss_options();
+    let mut engine = Engine::new(&backend, &head, c.slice_options()).unwrap();
+    let from_bf16 = engine
+        .head_kl(
+            &headkl_core::Hidden::bf16(&rows, c.ntok, c.hs).unwrap(),
+            &teacher,
+            &opts,
+        )
+        .unwrap();
+    let from_f32 = engine
+        .head_kl(
+            &headkl_core::Hidden::f32(&values, c.ntok, c.hs).unwrap(),
+            &teacher,
+            &opts,
+        )
+        .unwrap();
+    assert_eq!(from_bf16, from_f32);
+    let top_bf16 = engine
+        .topk(
+            &headkl_core::Hidden::bf16(&rows, c.ntok, c.hs).unwrap(),
+            &c.topk_options(),
+        )
+        .unwrap();
+    let top_f32 = engine
+        .topk(
+            &headkl_core::Hidden::f32(&values, c.ntok, c.hs).unwrap(),
+            &c.topk_options(),
+        )
+        .unwrap();
+    assert_eq!(top_bf16, top_f32);
+}

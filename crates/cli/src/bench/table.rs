@@ -22,6 +22,10 @@ pub struct KernelStat {
 pub struct JobResult {
     /// Which job.
     pub job: JobKind,
+    /// `host` (host slices in and out, the transfers timed) or `resident`
+    /// (inputs and outputs already in device buffers; the call and the
+    /// trainer's `wait_device` timed).
+    pub path: &'static str,
     /// Timed calls.
     pub iters: usize,
     /// Median wall time per call in ms.
@@ -115,7 +119,11 @@ pub fn render(runs: &[BenchRun]) -> String {
                 r.device.clone(),
                 if r.matrix_units { "on" } else { "off" }.into(),
                 r.shape.to_string(),
-                j.job.name().into(),
+                if j.path == "host" {
+                    j.job.name().to_string()
+                } else {
+                    format!("{} ({})", j.job.name(), j.path)
+                },
                 fmt_ms(j.median_ms),
                 format!("{}–{}", fmt_ms(j.min_ms), fmt_ms(j.max_ms)),
                 match (j.gpu_ms, j.tflops_from == "cpu") {
@@ -152,7 +160,13 @@ pub fn render(runs: &[BenchRun]) -> String {
                 .iter()
                 .map(|k| format!("{} {} ms ×{}", k.kernel, fmt_ms(k.ms), k.dispatches))
                 .collect();
-            out.push_str(&format!("{} {}: {}\n", r.backend, j.job.name(), parts.join(", ")));
+            out.push_str(&format!(
+                "{} {} {}: {}\n",
+                r.backend,
+                j.job.name(),
+                j.path,
+                parts.join(", ")
+            ));
         }
     }
     out

@@ -16,6 +16,7 @@
 //! tolerances leave an f32 device room.
 
 mod kernels;
+mod resident;
 
 use std::cell::{Ref, RefCell, RefMut};
 use std::fmt;

@@ -1,0 +1,203 @@
+//! headkl on a trainer's Vulkan device: the backend built from the caller's
+//! ash instance, physical device, device and queue; views of the caller's
+//! `vk::Buffer`s; and the device-resident kernels
+//! ([`headkl_core::ResidentBackend`]).
+
+use std::sync::{Arc, Mutex};
+
+use ash::vk;
+use headkl_core::gemm_choice::resolve_choice;
+use headkl_core::params::ResidentParams;
+use headkl_core::{Error, ResidentBackend, ResidentKernel, Result};
+
+use crate::adapter;
+use crate::command::{self, Stream};
+use crate::conv::{backend_error, BACKEND};
+use crate::device::{Device, Enabled};
+use crate::instance::Instance;
+use crate::kernels;
+use crate::memory::VulkanBuffer;
+use crate::pipeline::{PipelineCache, PipelineKey};
+use crate::{describe_gemm, VulkanBackend, VulkanOptions, DEFAULT_GEMM};
+
+/// The caller's Vulkan objects [`VulkanBackend::from_raw`] runs on.
+pub struct ExternalVulkan {
+    /// The loader's entry points the instance was made with.
+    pub entry: ash::Entry,
+    /// The caller's instance.
+    pub instance: ash::Instance,
+    /// The `apiVersion` the instance was created with (1.1 or newer).
+    pub api_version: u32,
+    /// The physical device the device was made on.
+    pub physical_device: vk::PhysicalDevice,
+    /// The caller's logical device.
+    pub device: ash::Device,
+    /// The queue headkl submits to: `(queue family, index)`. The family must
+    /// support compute.
+    pub queue: (u32, u32),
+    /// Whether the device was created with `VK_KHR_cooperative_matrix`
+    /// (feature `cooperativeMatrix`) and the Vulkan memory model
+    /// (`vulkanMemoryModel`, `vulkanMemoryModelDeviceScope`): then the GEMM
+    /// runs on matrix units where the device offers the 16×16×16 f16 shape
+    /// at a fixed subgroup size; otherwise the tiled GEMM.
+    pub matrix_units: bool,
+}
+
+impl VulkanBackend {
+    /// headkl on the caller's device: work is recorded into headkl's own
+    /// command buffers and submitted to the caller's queue `ext.queue`.
+    /// headkl allocates its own scratch and head planes on the device.
+    ///
+    /// # Safety
+    ///
+    /// - Every handle in `ext` is valid and stays alive (not destroyed) until
+    ///   the backend and every buffer and engine made from it are dropped;
+    ///   headkl never destroys them.
+    /// - `ext.device` was created from `ext.instance` on
+    ///   `ext.physical_device` with queue `ext.queue` (a compute-capable
+    ///   family), with `storageBuffer16BitAccess`,
+    ///   `uniformAndStorageBuffer16BitAccess` (`VK_KHR_16bit_storage` or
+    ///   Vulkan 1.1) and `shaderFloat16` (`VK_KHR_shader_float16_int8` or
+    ///   Vulkan 1.2) enabled, and, when `ext.matrix_units` is set,
+    ///   `VK_KHR_cooperative_matrix` with `cooperativeMatrix`,
+    ///   `vulkanMemoryModel` and `vulkanMemoryModelDeviceScope`.
+    /// - While a headkl call runs, nothing else submits to that queue from
+    ///   another thread (Vulkan requires external synchronization of a
+    ///   queue); between calls the caller may submit freely, and its
+    ///   submissions are ordered with headkl's by the queue.
+    pub unsafe fn from_raw(ext: ExternalVulkan, options: &VulkanOptions) -> Result<Self> {
+        let instance = Instance::external(ext.entry, ext.instance, ext.api_version);
+        let caps = adapter::query_caps(&instance, ext.physical_device)?;
+        if let Some(why) = &caps.unusable {
+            return Err(Error::MissingFeature(format!("{}: {why}", caps.name)));
+        }
+        let (choice, source) = resolve_choice(
+            options.gemm,
+            DEFAULT_GEMM,
+            &options.gemm_sources,
+            BACKEND,
+            &caps.name,
+            &caps.driver,
+        )?;
+        // Without subgroup-size control (not asked of the caller) the GEMM's
+        // subgroup size cannot be pinned: only a fixed size qualifies.
+        let coop = match kernels::coop_plan(&caps, choice, source)? {
+            Some(plan) if ext.matrix_units && !options.force_fallback && !plan.require_size => Some(plan),
+            _ => None,
+        };
+        let enabled = Enabled {
+            cooperative_matrix: coop.is_some(),
+            ..Enabled::default()
+        };
+        let device = Device::external(instance, ext.physical_device, caps, ext.device, ext.queue, enabled);
+        let mut info = device.caps.device_info(coop.is_some());
+        // The GLSL tiles are not offered on a caller's device (its features
+        // and API version are the caller's).
+        let glsl_gemm = crate::glsl::GlslChoice::default();
+        info.gemm = Some(describe_gemm(coop.as_ref(), &glsl_gemm));
+        let stream = Stream::new(Arc::clone(&device), command::STAGING_BYTES)?;
+        let pipelines = PipelineCache::new(Arc::clone(&device));
+        Ok(Self {
+            info,
+            options: options.clone(),
+            coop,
+            stream: Mutex::new(stream),
+            pipelines: Mutex::new(pipelines),
+            glsl_gemm,
+            device,
+        })
+    }
+
+    /// A view of `bytes` bytes at byte `offset` of the caller's `buffer`.
+    ///
+    /// # Safety
+    ///
+    /// `buffer` was created on this backend's device with
+    /// `STORAGE_BUFFER` usage (and `TRANSFER_SRC` / `TRANSFER_DST` for
+    /// [`headkl_core::Backend::download`] / `upload` on the view), is bound
+    /// to memory, is at least `offset + bytes` bytes long, and stays alive
+    /// while any headkl work using the view may run (until
+    /// [`headkl_core::Engine::wait_device`] or
+    /// [`headkl_core::Backend::finish`] returns after the last use).
+    pub unsafe fn wrap_buffer(&self, buffer: vk::Buffer, offset: u64, bytes: u64) -> Result<VulkanBuffer> {
+        let field = "wrapped buffer";
+        if buffer == vk::Buffer::null() {
+            return Err(Error::DeviceBuffer {
+                field,
+                reason: "is VK_NULL_HANDLE".into(),
+            });
+        }
+        // Kernels also need the offset at a multiple of 256 (checked by the
+        // engine: Vulkan's largest minStorageBufferOffsetAlignment).
+        if bytes == 0 || !bytes.is_multiple_of(4) || !offset.is_multiple_of(4) {
+            return Err(Error::DeviceBuffer {
+                field,
+                reason: format!("view of {bytes} bytes at {offset}: offset and length must be non-zero multiples of 4"),
+            });
+        }
+        if bytes > self.device.caps.max_storage_buffer_range {
+            return Err(Error::DeviceBuffer {
+                field,
+                reason: format!(
+                    "view of {bytes} bytes exceeds maxStorageBufferRange ({})",
+                    self.device.caps.max_storage_buffer_range
+                ),
+            });
+        }
+        Ok(VulkanBuffer::external(&self.device, buffer, offset, bytes))
+    }
+}
+
+impl ResidentBackend for VulkanBackend {
+    fn buffer_len(&self, buffer: &VulkanBuffer) -> u64 {
+        headkl_core::DeviceBuffer::len(buffer)
+    }
+
+    fn buffer_offset(&self, buffer: &VulkanBuffer) -> u64 {
+        buffer.offset()
+    }
+
+    fn resident_dispatch(
+        &self,
+        kernel: ResidentKernel,
+        buffers: &[&VulkanBuffer],
+        params: &ResidentParams,
+        workgroups: u64,
+    ) -> Result<()> {
+        if buffers.len() != kernel.bindings().len() {
+            return Err(backend_error(format!(
+                "{}: {} buffers for {} bindings",
+                kernel.entry(),
+                buffers.len(),
+                kernel.bindings().len()
+            )));
+        }
+        for b in buffers {
+            self.check_device(b, kernel.entry())?;
+        }
+        let shader = kernel.shader();
+        let key = PipelineKey {
+            file: shader.file,
+            entry: kernel.entry(),
+            overrides: Vec::new(),
+            // Built with bounds checks: what they index comes from the
+            // caller's data.
+            checked: true,
+            full_subgroups: false,
+            required_subgroup_size: None,
+        };
+        let block = *params;
+        self.dispatch(
+            &shader,
+            key,
+            workgroups,
+            |grid_x| bytemuck::bytes_of(&ResidentParams { grid_x, ..block }).to_vec(),
+            buffers,
+            kernel.entry(),
+        )
+    }
+
+    fn submit(&self) -> Result<()> {
+        self.stream()?.submit()
+    }
+}

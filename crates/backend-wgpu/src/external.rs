@@ -1,0 +1,170 @@
+//! headkl on a trainer's wgpu device: the backend built from the caller's
+//! `Device` and `Queue`, views of the caller's buffers, and the
+//! device-resident kernels ([`headkl_core::ResidentBackend`]).
+
+use headkl_core::params::ResidentParams;
+use headkl_core::{fold_workgroups, Error, ResidentBackend, ResidentKernel, Result};
+
+use headkl_core::gemm_choice::KernelLimits;
+
+use crate::adapter;
+use crate::buffer::WgpuBuffer;
+use crate::device::{OpenOptions, WgpuBackend};
+use crate::kernels::Entry;
+
+impl WgpuBackend {
+    /// The features a device needs for headkl: `SHADER_F16`, plus
+    /// `SUBGROUP` and `EXPERIMENTAL_COOPERATIVE_MATRIX` for the matrix-unit
+    /// GEMM (without them the tiled GEMM runs) and `TIMESTAMP_QUERY` for
+    /// kernel timing, where `adapter` offers them. A trainer adds these to
+    /// its own `DeviceDescriptor::required_features`, with the adapter's
+    /// `max_storage_buffer_binding_size` and `max_buffer_size` limits (the
+    /// head is cut into slices that fit the binding limit) and
+    /// the workgroup memory and size the row kernels need
+    /// (`headkl_core::kernels::device_misfit`).
+    pub fn required_features(adapter: &wgpu::Adapter) -> wgpu::Features {
+        let candidate = adapter::describe(adapter.clone());
+        adapter::features_for(&candidate, candidate.coop.is_ok())
+    }
+
+    /// headkl on the caller's device and queue: kernels are recorded into
+    /// headkl's own command encoders and submitted to `queue`, so they are
+    /// ordered after the trainer's earlier submissions and before its later
+    /// ones. The backend allocates its own scratch and head planes on
+    /// `device`; the caller's error and device-lost callbacks stay in place
+    /// (errors inside headkl's calls come back as `Err` through error
+    /// scopes).
+    ///
+    /// Fails with [`Error::MissingFeature`] naming what `device` lacks:
+    /// `SHADER_F16`, the workgroup memory or size the row kernels need, or
+    /// 7 storage buffers per shader stage.
+    /// The matrix-unit GEMM runs where `device` has `SUBGROUP` and
+    /// `EXPERIMENTAL_COOPERATIVE_MATRIX` enabled and `adapter` offers the
+    /// 16×16×16 f16 shape at a fixed subgroup size; otherwise the tiled GEMM.
+    pub fn from_device(
+        adapter: &wgpu::Adapter,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        options: &OpenOptions,
+    ) -> Result<Self> {
+        let candidate = adapter::describe(adapter.clone());
+        let features = device.features();
+        let limits = device.limits();
+        let mut missing = Vec::new();
+        if !features.contains(wgpu::Features::SHADER_F16) {
+            missing.push("wgpu::Features::SHADER_F16 (f16 arithmetic and 16-bit storage)".to_string());
+        }
+        let kernel_limits = KernelLimits {
+            shared_bytes: limits.max_compute_workgroup_storage_size,
+            invocations: limits
+                .max_compute_invocations_per_workgroup
+                .min(limits.max_compute_workgroup_size_x),
+            subgroup_size: 0,
+            subgroup_builtins: features.contains(wgpu::Features::SUBGROUP),
+        };
+        if let Some(why) = headkl_core::kernels::device_misfit(&kernel_limits) {
+            missing.push(why);
+        }
+        if limits.max_storage_buffers_per_shader_stage < 7 {
+            missing.push(format!(
+                "max_storage_buffers_per_shader_stage >= 7 (the device has {})",
+                limits.max_storage_buffers_per_shader_stage
+            ));
+        }
+        if !missing.is_empty() {
+            return Err(Error::MissingFeature(format!(
+                "{}: the caller's wgpu device lacks {}",
+                candidate.info.device_name,
+                missing.join(", ")
+            )));
+        }
+        let force_tiled = options.force_tiled;
+        let coop_enabled =
+            features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SUBGROUP);
+        let use_coop = candidate.coop.is_ok() && coop_enabled && !force_tiled;
+        Self::from_parts(candidate, device, queue, use_coop, force_tiled, options, false)
+    }
+
+    /// A view of the caller's `buffer`: `bytes` bytes from byte `offset`.
+    /// The buffer must have `STORAGE` usage (and `COPY_SRC` / `COPY_DST`
+    /// for [`headkl_core::Backend::download`] / `upload` on it) and belong
+    /// to this backend's device; a view used by a kernel must start at a
+    /// multiple of 256 bytes. The view holds a reference to the buffer; it
+    /// does not count in [`headkl_core::Backend::memory`].
+    pub fn wrap_buffer(&self, buffer: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<WgpuBuffer> {
+        let field = "wrapped buffer";
+        if !buffer.usage().contains(wgpu::BufferUsages::STORAGE) {
+            return Err(Error::DeviceBuffer {
+                field,
+                reason: format!("has usage {:?}, without STORAGE", buffer.usage()),
+            });
+        }
+        if offset.checked_add(bytes).is_none_or(|end| end > buffer.size()) {
+            return Err(Error::DeviceBuffer {
+                field,
+                reason: format!("view of {bytes} bytes at {offset} is past its {} bytes", buffer.size()),
+            });
+        }
+        if bytes == 0 || !bytes.is_multiple_of(4) || !offset.is_multiple_of(4) {
+            return Err(Error::DeviceBuffer {
+                field,
+                reason: format!("view of {bytes} bytes at {offset}: offset and length must be non-zero multiples of 4"),
+            });
+        }
+        if bytes > self.info.max_binding_bytes {
+            return Err(Error::DeviceBuffer {
+                field,
+                reason: format!(
+                    "view of {bytes} bytes exceeds the largest storage binding ({} bytes)",
+                    self.info.max_binding_bytes
+                ),
+            });
+        }
+        Ok(WgpuBuffer::external(buffer.clone(), offset, bytes, self.shared.clone()))
+    }
+
+    /// The queue headkl submits to.
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+}
+
+impl ResidentBackend for WgpuBackend {
+    fn buffer_len(&self, buffer: &WgpuBuffer) -> u64 {
+        buffer.bytes
+    }
+
+    fn buffer_offset(&self, buffer: &WgpuBuffer) -> u64 {
+        buffer.offset
+    }
+
+    fn resident_dispatch(
+        &self,
+        kernel: ResidentKernel,
+        buffers: &[&WgpuBuffer],
+        params: &ResidentParams,
+        workgroups: u64,
+    ) -> Result<()> {
+        if buffers.len() != kernel.bindings().len() {
+            return Err(crate::backend_error(format!(
+                "{}: {} buffers for {} bindings",
+                kernel.entry(),
+                buffers.len(),
+                kernel.bindings().len()
+            )));
+        }
+        // The folded grid's width goes into the block the kernel reads.
+        let (gx, _) = fold_workgroups(workgroups);
+        let block = ResidentParams { grid_x: gx, ..*params };
+        self.dispatch(
+            Entry::Resident(kernel),
+            workgroups,
+            |_| bytemuck::bytes_of(&block).to_vec(),
+            buffers,
+        )
+    }
+
+    fn submit(&self) -> Result<()> {
+        self.flush()
+    }
+}

@@ -1,0 +1,488 @@
+//! The device-resident entry points ([`headkl_core::Engine::head_kl_device`],
+//! [`headkl_core::Engine::topk_device`]) held to the same results as the host path and
+//! the f64 reference, and bad data on the device held to the host path's
+//! errors. Generic over a [`ResidentBackend`]; a backend crate instantiates
+//! it with [`crate::resident_conformance_tests!`].
+//!
+//! - **cases**: the drawn driver cases (the same seeds as
+//!   [`super::Part::DriverCases`]) with inputs uploaded to device buffers,
+//!   hidden rows as f32, f16 or bf16; `head_kl` also accumulated into its
+//!   own dx (which must double), and compared with the host path;
+//! - **errors**: each kind of bad teacher row, weight and hidden row on the
+//!   device must give exactly the error the host path gives for the same
+//!   data, at [`headkl_core::Engine::wait_device`] (or at once in checked mode), leave no
+//!   validation message, and leave the engine usable.
+
+use half::{bf16, f16};
+use headkl_core::{
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Error, Hidden, HiddenDtype, LossOptions,
+    ResidentBackend, Teacher,
+};
+
+use super::{driver_case, engine_for, run_one, CaseOutcome, Measured, Recorder, SuiteConfig, SuiteReport};
+use crate::direct;
+use crate::strategies::{Case, CaseKind, CaseParams, TeacherShape};
+use crate::tolerance::Tolerance;
+
+/// Uploads `data` into a fresh device buffer.
+fn device_buffer<B: ResidentBackend + ?Sized>(
+    backend: &B,
+    data: &[u8],
+    what: &'static str,
+) -> Result<B::Buffer, String> {
+    let b = backend
+        .alloc(data.len().max(4) as u64, what)
+        .map_err(|e| format!("alloc {what}: {e}"))?;
+    backend.upload(&b, 0, data).map_err(|e| format!("upload {what}: {e}"))?;
+    Ok(b)
+}
+
+fn download_f32<B: ResidentBackend + ?Sized>(backend: &B, b: &B::Buffer, n: usize) -> Result<Vec<f32>, String> {
+    let mut out = vec![0f32; n];
+    backend
+        .download(b, 0, bytemuck::cast_slice_mut(&mut out))
+        .map_err(|e| format!("download: {e}"))?;
+    Ok(out)
+}
+
+/// The case's hidden rows as `dtype` bytes, and the f32 values they hold
+/// (what the reference and the host path get).
+fn hidden_as(case: &Case, dtype: HiddenDtype) -> (Vec<u8>, Vec<f32>) {
+    match dtype {
+        HiddenDtype::F32 => (bytemuck::cast_slice(&case.hidden).to_vec(), case.hidden.clone()),
+        HiddenDtype::F16 => {
+            let h: Vec<f16> = case.hidden.iter().map(|&v| f16::from_f32(v)).collect();
+            let vals = h.iter().map(|v| v.to_f32()).collect();
+            (bytemuck::cast_slice(&h).to_vec(), vals)
+        }
+        HiddenDtype::Bf16 => {
+            let h: Vec<bf16> = case.hidden.iter().map(|&v| bf16::from_f32(v)).collect();
+            let vals = h.iter().map(|v| v.to_f32()).collect();
+            (bytemuck::cast_slice(&h).to_vec(), vals)
+        }
+    }
+}
+
+/// The dtype drawn case `index` sends its hidden rows as.
+fn dtype_for(case: &Case, index: usize) -> HiddenDtype {
+    if case.hidden_as_f16 {
+        HiddenDtype::F16
+    } else if index.is_multiple_of(4) {
+        HiddenDtype::Bf16
+    } else {
+        HiddenDtype::F32
+    }
+}
+
+fn nan_bytes(n: usize) -> Vec<u8> {
+    bytemuck::cast_slice(&vec![f32::NAN; n]).to_vec()
+}
+
+/// One drawn case through the resident path, against the reference and the
+/// host path.
+fn check_resident_case<B: ResidentBackend + ?Sized>(
+    backend: &B,
+    case: &Case,
+    dtype: HiddenDtype,
+    tol: &Tolerance,
+) -> Result<Measured, String> {
+    let mut engine = engine_for(backend, case)?;
+    let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
+    let (bytes, values) = hidden_as(case, dtype);
+    let host_hidden = Hidden::f32(&values, case.ntok, case.hs).map_err(|e| format!("hidden: {e}"))?;
+    let x = device_buffer(backend, &bytes, "x")?;
+    let hidden = DeviceHidden { buffer: &x, dtype };
+    match case.kind {
+        CaseKind::HeadKl => {
+            let (ntok, k, hs) = (case.ntok, case.k, case.hs);
+            let ids = device_buffer(backend, bytemuck::cast_slice(&case.teacher_ids), "ids")?;
+            let probs = device_buffer(backend, bytemuck::cast_slice(&case.teacher_probs), "probs")?;
+            let weights = match &case.weights {
+                Some(w) => Some(device_buffer(backend, bytemuck::cast_slice(w), "weights")?),
+                None => None,
+            };
+            let loss = device_buffer(backend, &nan_bytes(ntok), "loss")?;
+            let dx = device_buffer(backend, &nan_bytes(ntok * hs), "dx")?;
+            let mut opts = DeviceLossOptions {
+                temperature: case.temperature,
+                weights: weights.as_ref(),
+                max_rows_per_chunk: case.max_rows_per_chunk,
+                ..DeviceLossOptions::default()
+            };
+            let teacher = DeviceTeacher {
+                ids: &ids,
+                probs: &probs,
+                k,
+            };
+            let out = DeviceLossOutput { loss: &loss, dx: &dx };
+            engine
+                .head_kl_device(ntok, &hidden, &teacher, &out, &opts)
+                .map_err(|e| format!("head_kl_device: {e}"))?;
+            engine.wait_device().map_err(|e| format!("wait_device: {e}"))?;
+            let got_loss = download_f32(backend, &loss, ntok)?;
+            let got_dx = download_f32(backend, &dx, ntok * hs)?;
+
+            let host_teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
+            let host_opts = case.loss_options();
+            let resolved = host_opts.resolve(ntok).map_err(|e| format!("case options: {e}"))?;
+            let mean = got_loss
+                .iter()
+                .zip(&resolved.weights)
+                .map(|(&l, &w)| f64::from(l) * f64::from(w))
+                .sum::<f64>()
+                / f64::from(resolved.total);
+            let want = direct::head_kl_f64(&head, &host_hidden, &host_teacher, &resolved);
+            let loss_err = tol
+                .check_loss(&got_loss, mean, &want)
+                .map_err(|e| format!("resident vs reference: {e}"))?;
+            let dx_err = tol
+                .check_dx_rows(&got_dx, &want.dx, Some(hs))
+                .map_err(|e| format!("resident vs reference: {e}"))?;
+
+            // bf16 rows go through the host path as bf16 too.
+            let rows_bf16: Vec<bf16> = case.hidden.iter().map(|&v| bf16::from_f32(v)).collect();
+            let host_rows = if dtype == HiddenDtype::Bf16 {
+                Hidden::bf16(&rows_bf16, ntok, hs).map_err(|e| format!("hidden: {e}"))?
+            } else {
+                host_hidden
+            };
+            let host = engine
+                .head_kl(&host_rows, &host_teacher, &host_opts)
+                .map_err(|e| format!("host head_kl: {e}"))?;
+            let host_dx: Vec<f64> = host.dx.iter().map(|&v| f64::from(v)).collect();
+            tol.check_dx_rows(&got_dx, &host_dx, Some(hs))
+                .map_err(|e| format!("resident vs host path: {e}"))?;
+            let host_loss = direct::DirectLoss {
+                loss: host.loss.iter().map(|&l| f64::from(l)).collect(),
+                mean: host.mean,
+                dx: host_dx,
+            };
+            tol.check_loss(&got_loss, mean, &host_loss)
+                .map_err(|e| format!("resident vs host path: {e}"))?;
+
+            // Accumulated into its own output: dx doubles.
+            opts.accumulate_dx = true;
+            engine
+                .head_kl_device(ntok, &hidden, &teacher, &out, &opts)
+                .map_err(|e| format!("head_kl_device (accumulate): {e}"))?;
+            engine.wait_device().map_err(|e| format!("wait_device: {e}"))?;
+            let doubled = download_f32(backend, &dx, ntok * hs)?;
+            let twice: Vec<f64> = got_dx.iter().map(|&v| 2.0 * f64::from(v)).collect();
+            tol.check_dx_rows(&doubled, &twice, Some(hs))
+                .map_err(|e| format!("accumulate_dx: {e}"))?;
+            Ok(Measured {
+                loss: Some(loss_err),
+                dx: Some(dx_err),
+                ..Measured::default()
+            })
+        }
+        CaseKind::Topk => {
+            let (ntok, k) = (case.ntok, case.k);
+            let ids = device_buffer(backend, &vec![0xffu8; ntok * k * 4], "ids")?;
+            let probs = device_buffer(backend, &nan_bytes(ntok * k), "probs")?;
+            engine
+                .topk_device(ntok, &hidden, &ids, &probs, &case.topk_options())
+                .map_err(|e| format!("topk_device: {e}"))?;
+            engine.wait_device().map_err(|e| format!("wait_device: {e}"))?;
+            let mut got_ids = vec![0u32; ntok * k];
+            backend
+                .download(&ids, 0, bytemuck::cast_slice_mut(&mut got_ids))
+                .map_err(|e| format!("download: {e}"))?;
+            let got_probs = download_f32(backend, &probs, ntok * k)?;
+            let want = direct::topk_f64(&head, &host_hidden, k, case.temperature);
+            let prob = tol
+                .check_topk(&got_ids, &got_probs, &want)
+                .map_err(|e| format!("resident vs reference: {e}"))?;
+            let host = engine
+                .topk(&host_hidden, &case.topk_options())
+                .map_err(|e| format!("host topk: {e}"))?;
+            if host.ids != got_ids {
+                let t = host.ids.iter().zip(&got_ids).position(|(a, b)| a != b).unwrap_or(0) / k;
+                return Err(format!("resident ids differ from the host path's first at token {t}"));
+            }
+            Ok(Measured {
+                prob: Some(prob),
+                ..Measured::default()
+            })
+        }
+    }
+}
+
+/// The error cases: name, what they show.
+pub(crate) const RESIDENT_ERROR_CASES: &[(&str, &str)] = &[
+    ("id_out_of_range", "ids[21][2] = V + 5, chunks of 16"),
+    ("row_of_huge_ids", "every id of row 37 is 0xffffffff"),
+    ("duplicate_id", "ids[33][3] repeats ids[33][1]"),
+    ("negative_prob", "probs[17][3] = -0.5"),
+    ("nan_prob", "probs[2][0] = NaN"),
+    ("inf_prob", "probs[39][1] = +inf"),
+    ("zero_row", "row 5 of probs is all 0"),
+    ("negative_weight", "weights[30] = -1"),
+    ("nan_weight", "weights[8] = NaN"),
+    ("all_masked", "every weight 0: total = 0"),
+    ("nan_hidden", "NaN in hidden row 25"),
+    (
+        "first_of_two",
+        "ids[30][0] out of range and probs[3][1] negative: the host names the id first",
+    ),
+    ("topk_nan_hidden", "topk: +inf in hidden row 19"),
+    ("checked_mode", "checked mode: the call itself returns the error"),
+];
+
+fn error_base() -> Case {
+    let mut case = Case::from_params(&CaseParams {
+        kind: CaseKind::HeadKl,
+        profile: "resident-errors",
+        vocab: 300,
+        hs: 24,
+        ntok: 40,
+        k: 4,
+        data_seed: 77,
+        teacher: TeacherShape::Random,
+        large: false,
+        ties: false,
+        residue: false,
+        masked: false,
+        temperature: 1.0,
+        hidden_as_f16: false,
+        max_rows_per_slice: Some(128),
+        max_rows_per_chunk: Some(16),
+    });
+    case.weights = Some((0..case.ntok).map(|t| 0.5 + (t % 3) as f32).collect());
+    case
+}
+
+/// The host path's error for `case` (what the resident path must return).
+fn host_error<B: ResidentBackend + ?Sized>(backend: &B, case: &Case) -> Result<Error, String> {
+    let teacher = match Teacher::new(&case.teacher_ids, &case.teacher_probs, case.ntok, case.k, case.vocab) {
+        Ok(t) => t,
+        Err(e) => return Ok(e),
+    };
+    let opts: LossOptions = case.loss_options();
+    if let Err(e) = opts.resolve(case.ntok) {
+        return Ok(e);
+    }
+    let mut engine = engine_for(backend, case)?;
+    let hidden = Hidden::f32(&case.hidden, case.ntok, case.hs).map_err(|e| e.to_string())?;
+    match case.kind {
+        CaseKind::HeadKl => engine.head_kl(&hidden, &teacher, &opts).err(),
+        CaseKind::Topk => engine.topk(&hidden, &case.topk_options()).err(),
+    }
+    .ok_or_else(|| "the host path accepted the bad data".to_string())
+}
+
+/// Runs `case` on the resident path: the error `wait_device` (or, checked,
+/// the call) returns, and then a clean call on the same engine must pass.
+fn resident_error<B: ResidentBackend + ?Sized>(backend: &B, case: &Case, checked: bool) -> Result<Error, String> {
+    let mut engine = engine_for(backend, case)?;
+    engine.set_checked(checked);
+    let x = device_buffer(backend, bytemuck::cast_slice(&case.hidden), "x")?;
+    let hidden = DeviceHidden {
+        buffer: &x,
+        dtype: HiddenDtype::F32,
+    };
+    let (ntok, k, hs) = (case.ntok, case.k, case.hs);
+    let call = match case.kind {
+        CaseKind::HeadKl => {
+            let ids = device_buffer(backend, bytemuck::cast_slice(&case.teacher_ids), "ids")?;
+            let probs = device_buffer(backend, bytemuck::cast_slice(&case.teacher_probs), "probs")?;
+            let weights = match &case.weights {
+                Some(w) => Some(device_buffer(backend, bytemuck::cast_slice(w), "weights")?),
+                None => None,
+            };
+            let loss = device_buffer(backend, &nan_bytes(ntok), "loss")?;
+            let dx = device_buffer(backend, &nan_bytes(ntok * hs), "dx")?;
+            let opts = DeviceLossOptions {
+                weights: weights.as_ref(),
+                max_rows_per_chunk: case.max_rows_per_chunk,
+                ..DeviceLossOptions::default()
+            };
+            engine.head_kl_device(
+                ntok,
+                &hidden,
+                &DeviceTeacher {
+                    ids: &ids,
+                    probs: &probs,
+                    k,
+                },
+                &DeviceLossOutput { loss: &loss, dx: &dx },
+                &opts,
+            )
+        }
+        CaseKind::Topk => {
+            let ids = device_buffer(backend, &vec![0u8; ntok * k * 4], "ids")?;
+            let probs = device_buffer(backend, &nan_bytes(ntok * k), "probs")?;
+            engine.topk_device(ntok, &hidden, &ids, &probs, &case.topk_options())
+        }
+    };
+    let err = match (checked, call) {
+        (true, Err(e)) => e,
+        (true, Ok(())) => return Err("checked mode: the call returned Ok on bad data".into()),
+        (false, Err(e)) => return Err(format!("the call failed before the device ran: {e}")),
+        (false, Ok(())) => match engine.wait_device() {
+            Err(e) => e,
+            Ok(()) => return Err("wait_device returned Ok on bad data".into()),
+        },
+    };
+    // The status is cleared: the next wait reports nothing, and a clean call
+    // on the same engine matches the reference.
+    engine
+        .wait_device()
+        .map_err(|e| format!("a second wait still reports: {e}"))?;
+    let clean = error_base();
+    check_resident_case(backend, &clean, HiddenDtype::F32, &Tolerance::default())
+        .map_err(|e| format!("clean call after the error: {e}"))?;
+    Ok(err)
+}
+
+fn error_case(name: &str) -> Result<(Case, bool), String> {
+    let mut case = error_base();
+    let k = case.k;
+    let v = case.vocab as u32;
+    let mut checked = false;
+    match name {
+        "id_out_of_range" => case.teacher_ids[21 * k + 2] = v + 5,
+        "row_of_huge_ids" => case.teacher_ids[37 * k..38 * k].fill(u32::MAX),
+        "duplicate_id" => case.teacher_ids[33 * k + 3] = case.teacher_ids[33 * k + 1],
+        "negative_prob" => case.teacher_probs[17 * k + 3] = -0.5,
+        "nan_prob" => case.teacher_probs[2 * k] = f32::NAN,
+        "inf_prob" => case.teacher_probs[39 * k + 1] = f32::INFINITY,
+        "zero_row" => case.teacher_probs[5 * k..6 * k].fill(0.0),
+        "negative_weight" => set_weight(&mut case, 30, -1.0),
+        "nan_weight" => set_weight(&mut case, 8, f32::NAN),
+        "all_masked" => case.weights = Some(vec![0.0; case.ntok]),
+        "nan_hidden" => case.hidden[25 * case.hs + 3] = f32::NAN,
+        "first_of_two" => {
+            case.teacher_ids[30 * k] = v;
+            case.teacher_probs[3 * k + 1] = -1.0;
+        }
+        "topk_nan_hidden" => {
+            case.kind = CaseKind::Topk;
+            case.hidden[19 * case.hs] = f32::INFINITY;
+        }
+        "checked_mode" => {
+            case.teacher_ids[12 * k + 1] = v + 100;
+            checked = true;
+        }
+        other => return Err(format!("unknown resident error case {other}")),
+    }
+    Ok((case, checked))
+}
+
+fn set_weight(case: &mut Case, t: usize, value: f32) {
+    if let Some(w) = case.weights.as_mut() {
+        w[t] = value;
+    }
+}
+
+fn check_error_case<B: ResidentBackend + ?Sized>(backend: &B, name: &str) -> Result<Measured, String> {
+    let (case, checked) = error_case(name)?;
+    let want = host_error(backend, &case)?;
+    let got = resident_error(backend, &case, checked)?;
+    // Compared as text: a NaN value in an error is never equal to itself.
+    if format!("{got:?}") != format!("{want:?}") {
+        return Err(format!("resident path: {got:?}\n    host path:     {want:?}"));
+    }
+    Ok(Measured::default())
+}
+
+/// Runs the resident cases (`cfg.cases` drawn ones) and the resident error
+/// cases on `backend`.
+pub fn run_resident<B: ResidentBackend + ?Sized>(
+    backend: &B,
+    cfg: &SuiteConfig,
+    progress: &mut dyn FnMut(&CaseOutcome),
+) -> SuiteReport {
+    let info = backend.info();
+    let mut rec = Recorder {
+        report: SuiteReport {
+            backend: info.backend.to_string(),
+            device: info.device_name.clone(),
+            matrix_units: info.matrix_units,
+            cases: 0,
+            passed: 0,
+            failures: Vec::new(),
+            worst_loss_err: 0.0,
+            worst_dx_err: 0.0,
+            worst_prob_err: 0.0,
+        },
+        progress,
+    };
+    let tol = Tolerance::default();
+    for index in 0..cfg.cases {
+        let outcome = match driver_case(cfg.seed, index) {
+            Ok(case) => {
+                let dtype = dtype_for(&case, index);
+                let name = format!("resident#{index} {} x={dtype:?}", case.name);
+                run_one(backend, name, case.describe(), cfg.seed, || {
+                    check_resident_case(backend, &case, dtype, &tol)
+                })
+            }
+            Err(message) => CaseOutcome {
+                name: format!("resident#{index}"),
+                description: String::new(),
+                seed: cfg.seed,
+                passed: false,
+                message,
+                loss_err: None,
+                dx_err: None,
+                prob_err: None,
+            },
+        };
+        rec.push(outcome);
+    }
+    for &(name, what) in RESIDENT_ERROR_CASES {
+        let outcome = run_one(backend, format!("resident_errors/{name}"), what.to_string(), 0, || {
+            check_error_case(backend, name)
+        });
+        rec.push(outcome);
+    }
+    rec.report
+}
+
+/// The body of the test [`crate::resident_conformance_tests!`] generates.
+pub fn run_resident_test<B: ResidentBackend>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>) {
+    let Some(backend) = super::open_or_skip(backend_name, open) else {
+        return;
+    };
+    let cfg = SuiteConfig::default();
+    let report = run_resident(&backend, &cfg, &mut |o| {
+        if !o.passed {
+            eprintln!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
+        }
+    });
+    eprintln!("conformance resident: {}", report.summary());
+    let failures: Vec<String> = report
+        .failures
+        .iter()
+        .map(|f| format!("- {}: {}\n    {}", f.name, f.description, f.message))
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} resident cases failed on {} (HEADKL_SEED={:#x} HEADKL_CASES={}):\n{}",
+        failures.len(),
+        report.cases,
+        report.backend,
+        cfg.seed,
+        cfg.cases,
+        failures.join("\n")
+    );
+    assert!(report.cases >= RESIDENT_ERROR_CASES.len(), "no resident cases ran");
+}
+
+/// Instantiates the resident conformance cases as one `#[test]`
+/// (`conformance_resident`) for a backend implementing
+/// [`headkl_core::ResidentBackend`].
+///
+/// ```text
+/// headkl_reference::resident_conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
+/// ```
+#[macro_export]
+macro_rules! resident_conformance_tests {
+    ($name:literal, $open:expr $(,)?) => {
+        #[test]
+        fn conformance_resident() {
+            $crate::conformance::resident::run_resident_test($name, || $open);
+        }
+    };
+}

@@ -1,0 +1,283 @@
+//! The device-resident kernels (`shaders/resident_*.wgsl`) on the CPU, so
+//! the resident entry points run, and are held to the host path, without a
+//! GPU. Same semantics as the shaders, sums in f64.
+
+use half::{bf16, f16};
+use headkl_core::params::ResidentParams;
+use headkl_core::resident::status::{NONE, WORDS};
+use headkl_core::{ResidentBackend, ResidentKernel, Result};
+
+use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer};
+
+// Status words (headkl_core::resident::status).
+const S_ID_RANGE: usize = 0;
+const S_ROW: usize = 1;
+const S_WEIGHT: usize = 2;
+const S_LOGITS: usize = 3;
+const S_TOTAL_BAD: usize = 4;
+const S_TOTAL_BITS: usize = 5;
+const S_KIND: usize = 8;
+const S_COEF_MUL: usize = 16;
+const S_DX_MUL: usize = 17;
+
+fn bad_value(x: f32) -> bool {
+    !x.is_finite() || (x < 0.0)
+}
+
+fn lower(status: &mut [u32], word: usize, value: u32) {
+    status[word] = status[word].min(value);
+}
+
+impl CpuBackend {
+    fn weight_stats(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+        let weights = b[0].read("weight_stats")?;
+        let mut status = b[1].write("weight_stats")?;
+        let w = f32s(&weights);
+        let (mut sum, mut max, mut bad) = (0f64, 0f32, NONE);
+        for t in 0..p.rows as usize {
+            let mut v = if p.flags & 1 != 0 { w[p.off_a as usize + t] } else { 1.0 };
+            if bad_value(v) {
+                bad = bad.min(t as u32);
+                v = 0.0;
+            }
+            sum += f64::from(v);
+            max = max.max(v);
+        }
+        if bad != NONE {
+            lower(&mut status, S_WEIGHT, bad);
+        }
+        let total = if p.f0 > 0.0 { p.f0 } else { sum as f32 };
+        let gscale = if p.f1 > 0.0 {
+            p.f1
+        } else if max > 0.0 {
+            (16384.0 * f64::from(total) / f64::from(max)) as f32
+        } else {
+            1.0
+        };
+        let (coef_mul, dx_mul) = if total > 0.0 && total.is_finite() && gscale > 0.0 && gscale.is_finite() {
+            (gscale / total, p.f2 / gscale)
+        } else {
+            status[S_TOTAL_BAD] = 1;
+            status[S_TOTAL_BITS] = total.to_bits();
+            (0.0, 0.0)
+        };
+        status[S_COEF_MUL] = coef_mul.to_bits();
+        status[S_DX_MUL] = dx_mul.to_bits();
+        Ok(())
+    }
+
+    fn teacher_rows(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+        let k = p.cols as usize;
+        let (ids_in, probs_in, weights) = (
+            b[0].read("teacher_rows")?,
+            b[1].read("teacher_rows")?,
+            b[2].read("teacher_rows")?,
+        );
+        let mut status = b[3].write("teacher_rows")?;
+        let mut ids_out = b[4].write("teacher_rows")?;
+        let mut probs_out = b[5].write("teacher_rows")?;
+        let mut coef = b[6].write("teacher_rows")?;
+        let (probs_in, weights) = (f32s(&probs_in), f32s(&weights));
+        let (probs_out, coef) = (f32s_mut(&mut probs_out), f32s_mut(&mut coef));
+        let coef_mul = f32::from_bits(status[S_COEF_MUL]);
+        for row in 0..p.rows as usize {
+            let ids = &ids_in[p.off_a as usize + row * k..][..k];
+            let probs = &probs_in[p.off_b as usize + row * k..][..k];
+            let first_range = ids.iter().position(|&id| id >= p.vocab);
+            let repeated = (1..k).any(|q| ids[..q].contains(&ids[q]));
+            let bad_prob = probs.iter().any(|&v| bad_value(v));
+            let sum: f64 = probs.iter().filter(|v| !bad_value(**v)).map(|&v| f64::from(v)).sum();
+            let row_bad = repeated || bad_prob || !(sum > 0.0 && sum.is_finite());
+            let any_bad = row_bad || first_range.is_some();
+            for q in 0..k {
+                ids_out[row * k + q] = ids[q].min(p.vocab - 1);
+                probs_out[row * k + q] = if any_bad {
+                    0.0
+                } else {
+                    (f64::from(probs[q]) / sum) as f32
+                };
+            }
+            let token = p.token0 + row as u32;
+            if let Some(q) = first_range {
+                lower(&mut status, S_ID_RANGE, token * p.cols + q as u32);
+            }
+            if row_bad {
+                lower(&mut status, S_ROW, token);
+            }
+            let mut w = if p.flags & 1 != 0 {
+                weights[p.off_c as usize + row]
+            } else {
+                1.0
+            };
+            if bad_value(w) {
+                w = 0.0;
+            }
+            coef[row] = if any_bad { 0.0 } else { w * coef_mul };
+        }
+        Ok(())
+    }
+
+    fn hidden_in(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+        let src = b[0].read("hidden_in")?;
+        let mut dst = b[1].write("hidden_in")?;
+        let dst = f16s_mut(&mut dst);
+        let halves: &[u16] = bytemuck::cast_slice(&src);
+        let (rows, cols, ld) = (p.rows as usize, p.cols as usize, p.ld as usize);
+        for r in 0..p.rows_padded as usize {
+            for c in 0..ld {
+                dst[r * ld + c] = if r < rows && c < cols {
+                    let e = p.off_a as usize + r * cols + c;
+                    match (p.flags >> 2) & 3 {
+                        0 => f16::from_f32(f32::from_bits(src[e])),
+                        1 => f16::from_bits(halves[e]),
+                        _ => f16::from_f32(bf16::from_bits(halves[e]).to_f32()),
+                    }
+                } else {
+                    f16::ZERO
+                };
+            }
+        }
+        Ok(())
+    }
+
+    fn loss_out(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+        let (loss, dx) = (b[0].read("loss_out")?, b[1].read("loss_out")?);
+        let mut status = b[2].write("loss_out")?;
+        let (mut loss_dst, mut dx_dst) = (b[3].write("loss_out")?, b[4].write("loss_out")?);
+        let (loss, dx) = (f32s(&loss), f32s(&dx));
+        let (loss_dst, dx_dst) = (f32s_mut(&mut loss_dst), f32s_mut(&mut dx_dst));
+        let dx_mul = f32::from_bits(status[S_DX_MUL]);
+        let (cols, ld) = (p.cols as usize, p.ld as usize);
+        for r in 0..p.rows as usize {
+            loss_dst[p.off_a as usize + r] = loss[r];
+            if !loss[r].is_finite() {
+                lower(&mut status, S_LOGITS, p.token0 + r as u32);
+            }
+            for c in 0..cols {
+                let v = dx_mul * dx[r * ld + c];
+                let o = &mut dx_dst[p.off_b as usize + r * cols + c];
+                *o = if p.flags & 2 != 0 { *o + v } else { v };
+            }
+        }
+        Ok(())
+    }
+
+    fn topk_out(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+        let (ids, probs) = (b[0].read("topk_out")?, b[1].read("topk_out")?);
+        let mut status = b[2].write("topk_out")?;
+        let (mut ids_dst, mut probs_dst) = (b[3].write("topk_out")?, b[4].write("topk_out")?);
+        let probs = f32s(&probs);
+        let probs_dst = f32s_mut(&mut probs_dst);
+        let k = p.cols as usize;
+        for i in 0..p.rows as usize * k {
+            ids_dst[p.off_a as usize + i] = ids[i];
+            probs_dst[p.off_b as usize + i] = probs[i];
+            if i % k == 0 && !probs[i].is_finite() {
+                lower(&mut status, S_LOGITS, p.token0 + (i / k) as u32);
+            }
+        }
+        Ok(())
+    }
+
+    fn status_detail(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+        let (ids, probs, weights) = (
+            b[0].read("status_detail")?,
+            b[1].read("status_detail")?,
+            b[2].read("status_detail")?,
+        );
+        let mut status = b[3].write("status_detail")?;
+        let (probs, weights) = (f32s(&probs), f32s(&weights));
+        if status[S_KIND] != 0 {
+            return Ok(());
+        }
+        let k = p.cols as usize;
+        let flat = status[S_ID_RANGE];
+        let row = status[S_ROW];
+        let wrow = status[S_WEIGHT];
+        let mut record = |kind: u32, row: u32, a: u32, b: u32, value: u32| {
+            status[S_KIND..S_KIND + 5].copy_from_slice(&[kind, row, a, b, value]);
+        };
+        if flat != NONE {
+            let id = ids[p.off_a as usize + flat as usize];
+            record(1, flat / p.cols, flat % p.cols, id, 0);
+        } else if row != NONE && row < p.rows {
+            let r = row as usize;
+            let ids = &ids[p.off_a as usize + r * k..][..k];
+            let probs = &probs[p.off_b as usize + r * k..][..k];
+            // The smallest repeated id, at its first two entries.
+            let dup = (1..k)
+                .filter_map(|q| ids[..q].iter().position(|&i| i == ids[q]).map(|j| (ids[q], j, q)))
+                .min();
+            if let Some((id, first, second)) = dup {
+                record(2, row, first as u32, second as u32, id);
+            } else if let Some(q) = probs.iter().position(|v| !v.is_finite()) {
+                record(3, row, q as u32, 0, probs[q].to_bits());
+            } else if let Some(q) = probs.iter().position(|&v| v < 0.0) {
+                record(4, row, q as u32, 0, probs[q].to_bits());
+            } else {
+                let sum: f64 = probs.iter().map(|&v| f64::from(v)).sum();
+                record(5, row, 0, 0, (sum as f32).to_bits());
+            }
+        } else if wrow != NONE && wrow < p.rows && p.flags & 1 != 0 {
+            let w = weights[p.off_c as usize + wrow as usize];
+            record(if w.is_finite() { 7 } else { 6 }, wrow, 0, 0, w.to_bits());
+        }
+        Ok(())
+    }
+}
+
+impl ResidentBackend for CpuBackend {
+    fn buffer_len(&self, buffer: &CpuBuffer) -> u64 {
+        buffer.bytes
+    }
+
+    fn buffer_offset(&self, _buffer: &CpuBuffer) -> u64 {
+        0
+    }
+
+    fn resident_dispatch(
+        &self,
+        kernel: ResidentKernel,
+        buffers: &[&CpuBuffer],
+        params: &ResidentParams,
+        _workgroups: u64,
+    ) -> Result<()> {
+        if buffers.len() != kernel.bindings().len() {
+            return Err(backend_error(format!(
+                "{}: {} buffers for {} bindings",
+                kernel.entry(),
+                buffers.len(),
+                kernel.bindings().len()
+            )));
+        }
+        let status_words = match kernel {
+            ResidentKernel::WeightStats => Some(1),
+            ResidentKernel::TeacherRows | ResidentKernel::StatusDetail => Some(3),
+            ResidentKernel::LossOut | ResidentKernel::TopkOut => Some(2),
+            ResidentKernel::HiddenIn => None,
+        };
+        if let Some(i) = status_words {
+            if buffers[i].bytes < (WORDS * 4) as u64 {
+                return Err(backend_error(format!(
+                    "{}: status buffer '{}' of {} bytes, needs {}",
+                    kernel.entry(),
+                    buffers[i].label,
+                    buffers[i].bytes,
+                    WORDS * 4
+                )));
+            }
+        }
+        match kernel {
+            ResidentKernel::WeightStats => self.weight_stats(buffers, params),
+            ResidentKernel::TeacherRows => self.teacher_rows(buffers, params),
+            ResidentKernel::HiddenIn => self.hidden_in(buffers, params),
+            ResidentKernel::LossOut => self.loss_out(buffers, params),
+            ResidentKernel::TopkOut => self.topk_out(buffers, params),
+            ResidentKernel::StatusDetail => self.status_detail(buffers, params),
+        }
+    }
+
+    fn submit(&self) -> Result<()> {
+        Ok(())
+    }
+}

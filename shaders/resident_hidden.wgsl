@@ -1,0 +1,51 @@
+// Device-resident entry points: the caller's hidden rows (f32, f16 or bf16,
+// read as 32-bit words) into the padded f16 GEMM operand
+// (headkl_core::resident::HiddenDesc). Prepended by resident_common.wgsl.
+
+@group(0) @binding(1) var<storage, read> src: array<u32>;
+@group(0) @binding(2) var<storage, read_write> dst: array<f16>;
+
+// Smallest |x| that rounds to f16 infinity (65504 + half an ulp).
+const F16_OVERFLOW_BITS: u32 = 0x477ff000u;
+
+// f32 -> f16 decided on the bits, as convert.wgsl does: out-of-range values
+// become +-inf and NaN stays NaN.
+fn to_f16(x: f32) -> f16 {
+    let bits = bitcast<u32>(x);
+    let mag = bits & 0x7fffffffu;
+    if mag < F16_OVERFLOW_BITS || mag > 0x7f800000u {
+        return f16(x);
+    }
+    return f16(bitcast<f32>((bits & 0x80000000u) | 0x7f800000u));
+}
+
+// The 16-bit half `e` of the word array (element index in halves).
+fn half_bits(e: u32) -> u32 {
+    return (src[e >> 1u] >> ((e & 1u) * 16u)) & 0xffffu;
+}
+
+// params: rows, cols = hs, rows_padded, ld = padded hs, off_a = the chunk's
+// first element (in elements of the source type), flags bits 2-3 = source
+// type (0 f32, 1 f16, 2 bf16).
+@compute @workgroup_size(256)
+fn hidden_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    if i >= params.rows_padded * params.ld {
+        return;
+    }
+    let r = i / params.ld;
+    let c = i % params.ld;
+    var v = f16(0.0);
+    if r < params.rows && c < params.cols {
+        let e = params.off_a + r * params.cols + c;
+        let dtype = (params.flags >> 2u) & 3u;
+        if dtype == 0u {
+            v = to_f16(bitcast<f32>(src[e]));
+        } else if dtype == 1u {
+            v = f16(unpack2x16float(half_bits(e)).x);
+        } else {
+            v = to_f16(bitcast<f32>(half_bits(e) << 16u));
+        }
+    }
+    dst[i] = v;
+}

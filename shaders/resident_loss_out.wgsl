@@ -1,0 +1,39 @@
+// Device-resident head_kl, last step of a chunk
+// (headkl_core::resident::LossOutDesc): the chunk's per-token loss and dx
+// into the caller's buffers (dx scaled by the coefficient the stats kernel
+// resolved, overwritten or accumulated), and the first token whose logits
+// were not finite (NaN loss from kl_rows) into the status buffer.
+// Prepended by resident_common.wgsl.
+
+@group(0) @binding(1) var<storage, read> loss_chunk: array<f32>;
+@group(0) @binding(2) var<storage, read> dx_chunk: array<f32>;
+@group(0) @binding(3) var<storage, read_write> status: array<atomic<u32>>;
+@group(0) @binding(4) var<storage, read_write> loss_dst: array<f32>;
+@group(0) @binding(5) var<storage, read_write> dx_dst: array<f32>;
+
+// params: rows, cols = hs, ld = padded hs (row stride of dx_chunk),
+// token0, off_a = the chunk's first loss element, off_b = its first dx
+// element, flags bit 1 = accumulate into dx.
+@compute @workgroup_size(256)
+fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    if i < params.rows {
+        let l = loss_chunk[i];
+        loss_dst[params.off_a + i] = l;
+        if non_finite(l) {
+            atomicMin(&status[S_LOGITS], params.token0 + i);
+        }
+    }
+    if i >= params.rows * params.cols {
+        return;
+    }
+    let r = i / params.cols;
+    let c = i % params.cols;
+    let v = bitcast<f32>(atomicLoad(&status[S_DX_MUL])) * dx_chunk[r * params.ld + c];
+    let o = params.off_b + i;
+    if (params.flags & 2u) != 0u {
+        dx_dst[o] = dx_dst[o] + v;
+    } else {
+        dx_dst[o] = v;
+    }
+}

@@ -1,0 +1,74 @@
+// Device-resident head_kl, step 1 (headkl_core::resident::StatsDesc): one
+// workgroup sums and maxes the token weights on the device, flags the first
+// bad weight, and resolves total and gscale into the status buffer's
+// coefficient words. Prepended by resident_common.wgsl.
+
+@group(0) @binding(1) var<storage, read> weights: array<f32>;
+@group(0) @binding(2) var<storage, read_write> status: array<atomic<u32>>;
+
+var<workgroup> red_sum: array<f32, 256>;
+var<workgroup> red_max: array<f32, 256>;
+var<workgroup> red_bad: array<u32, 256>;
+
+// params: rows = ntok, off_a = first weight, flags bit 0 = weights given,
+// f0 = the caller's total (0: sum of weights), f1 = the caller's gscale
+// (0: 2^14 * total / max weight), f2 = 1 / temperature.
+@compute @workgroup_size(256)
+fn weight_stats(@builtin(local_invocation_index) lid: u32) {
+    let has_w = (params.flags & 1u) != 0u;
+    var s = 0.0;
+    var m = 0.0;
+    var bad = NONE;
+    for (var t = lid; t < params.rows; t += 256u) {
+        var w = 1.0;
+        if has_w {
+            w = weights[params.off_a + t];
+        }
+        if non_finite(w) || negative(w) {
+            bad = min(bad, t);
+            w = 0.0;
+        }
+        s += w;
+        m = max(m, w);
+    }
+    red_sum[lid] = s;
+    red_max[lid] = m;
+    red_bad[lid] = bad;
+    workgroupBarrier();
+    for (var h = 128u; h > 0u; h >>= 1u) {
+        if lid < h {
+            red_sum[lid] += red_sum[lid + h];
+            red_max[lid] = max(red_max[lid], red_max[lid + h]);
+            red_bad[lid] = min(red_bad[lid], red_bad[lid + h]);
+        }
+        workgroupBarrier();
+    }
+    if lid != 0u {
+        return;
+    }
+    if red_bad[0] != NONE {
+        atomicMin(&status[S_WEIGHT], red_bad[0]);
+    }
+    var total = red_sum[0];
+    if params.f0 > 0.0 {
+        total = params.f0;
+    }
+    let max_w = red_max[0];
+    var gscale = 1.0;
+    if params.f1 > 0.0 {
+        gscale = params.f1;
+    } else if max_w > 0.0 {
+        gscale = 16384.0 * (total / max_w);
+    }
+    var coef_mul = 0.0;
+    var dx_mul = 0.0;
+    if total > 0.0 && !non_finite(total) && !non_finite(gscale) && gscale > 0.0 {
+        coef_mul = gscale / total;
+        dx_mul = params.f2 / gscale;
+    } else {
+        atomicStore(&status[S_TOTAL_BAD], 1u);
+        atomicStore(&status[S_TOTAL_BITS], bitcast<u32>(total));
+    }
+    atomicStore(&status[S_COEF_MUL], bitcast<u32>(coef_mul));
+    atomicStore(&status[S_DX_MUL], bitcast<u32>(dx_mul));
+}

@@ -1,0 +1,108 @@
+// Device-resident head_kl, step 2 (headkl_core::resident::TeacherDesc): one
+// workgroup per token row of a chunk checks the caller's teacher row, writes
+// it clamped and renormalized into the engine's scratch with the row's
+// KL coefficient, and flags a bad row in the status buffer. A bad row gets
+// zero probabilities and coefficient, so whatever its bytes it reads and
+// writes nothing out of bounds. Prepended by resident_common.wgsl.
+
+@group(0) @binding(1) var<storage, read> ids_in: array<u32>;
+@group(0) @binding(2) var<storage, read> probs_in: array<f32>;
+@group(0) @binding(3) var<storage, read> weights: array<f32>;
+@group(0) @binding(4) var<storage, read_write> status: array<atomic<u32>>;
+@group(0) @binding(5) var<storage, read_write> ids_out: array<u32>;
+@group(0) @binding(6) var<storage, read_write> probs_out: array<f32>;
+@group(0) @binding(7) var<storage, read_write> coef: array<f32>;
+
+var<workgroup> row_ids: array<u32, 2048>;
+var<workgroup> red_sum: array<f32, 256>;
+var<workgroup> red_bad: array<u32, 256>;
+var<workgroup> red_range: array<u32, 256>;
+
+// params: rows, cols = k, vocab, token0 = the chunk's first token,
+// off_a / off_b = the chunk's first id / probability, off_c = the chunk's
+// first weight, flags bit 0 = weights given.
+@compute @workgroup_size(256)
+fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let row = wg.x + wg.y * params.grid_x;
+    if row >= params.rows {
+        return;
+    }
+    let k = params.cols;
+    let base_a = params.off_a + row * k;
+    let base_b = params.off_b + row * k;
+    var s = 0.0;
+    var bad = 0u;
+    var first_range = NONE;
+    for (var q = lid; q < k; q += 256u) {
+        let id = ids_in[base_a + q];
+        row_ids[q] = id;
+        if id >= params.vocab {
+            first_range = min(first_range, q);
+        }
+        let p = probs_in[base_b + q];
+        if non_finite(p) || negative(p) {
+            bad = 1u;
+        } else {
+            s += p;
+        }
+    }
+    workgroupBarrier();
+    for (var q = lid; q < k; q += 256u) {
+        let id = row_ids[q];
+        for (var j = 0u; j < q; j++) {
+            if row_ids[j] == id {
+                bad = 1u;
+            }
+        }
+    }
+    red_sum[lid] = s;
+    red_bad[lid] = bad;
+    red_range[lid] = first_range;
+    workgroupBarrier();
+    for (var h = 128u; h > 0u; h >>= 1u) {
+        if lid < h {
+            red_sum[lid] += red_sum[lid + h];
+            red_bad[lid] = max(red_bad[lid], red_bad[lid + h]);
+            red_range[lid] = min(red_range[lid], red_range[lid + h]);
+        }
+        workgroupBarrier();
+    }
+    let sum = red_sum[0];
+    let row_bad = red_bad[0] != 0u || !(sum > 0.0) || non_finite(sum);
+    let range_bad = red_range[0] != NONE;
+    let any_bad = row_bad || range_bad;
+    var inv = 0.0;
+    if !any_bad {
+        inv = 1.0 / sum;
+    }
+    for (var q = lid; q < k; q += 256u) {
+        ids_out[row * k + q] = min(row_ids[q], params.vocab - 1u);
+        var p = 0.0;
+        if !any_bad {
+            p = probs_in[base_b + q] * inv;
+        }
+        probs_out[row * k + q] = p;
+    }
+    if lid != 0u {
+        return;
+    }
+    let token = params.token0 + row;
+    if range_bad {
+        atomicMin(&status[S_ID_RANGE], token * k + red_range[0]);
+    }
+    if row_bad {
+        atomicMin(&status[S_ROW], token);
+    }
+    var w = 1.0;
+    if (params.flags & 1u) != 0u {
+        w = weights[params.off_c + row];
+        if non_finite(w) || negative(w) {
+            w = 0.0;
+        }
+    }
+    var c = 0.0;
+    if !any_bad {
+        c = w * bitcast<f32>(atomicLoad(&status[S_COEF_MUL]));
+    }
+    coef[row] = c;
+}
