@@ -2,14 +2,16 @@
 //! start (or the one named), with progress, a table per backend, and every
 //! failure printed with the seed that replays it.
 
-use headkl_core::Backend;
+use headkl_core::{Backend, ResidentBackend};
+use headkl_reference::conformance::resident::{resident_case_count, run_resident};
 use headkl_reference::conformance::{case_count, run_suite, CaseOutcome, SuiteConfig, SuiteReport};
 
 use crate::error::is_validation;
 use crate::error::CliError;
 use crate::progress::Progress;
 use crate::select::{
-    open_and_run, required, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind, RunError, Target,
+    open_and_run, open_and_run_resident, required, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind,
+    ResidentJob, RunError, Target,
 };
 use crate::text::table;
 
@@ -18,25 +20,57 @@ struct CheckJob<'a> {
     cfg: &'a SuiteConfig,
 }
 
+/// Reports one finished case on the progress bar (and a failure above it).
+fn show(progress: &mut Progress, outcome: &CaseOutcome) {
+    progress.message(outcome.name.clone());
+    if !outcome.passed {
+        progress.println(format!(
+            "FAIL {} (seed {:#x}): {}",
+            outcome.name, outcome.seed, outcome.message
+        ));
+    }
+    progress.inc(&outcome.name);
+}
+
+fn progress_for(info: &headkl_core::DeviceInfo, cases: usize) -> Progress {
+    Progress::new(format!("check {} ({})", info.backend, info.device_name), cases as u64)
+}
+
 impl BackendJob for CheckJob<'_> {
     type Output = SuiteReport;
 
     fn run<B: Backend>(self, backend: B) -> Result<SuiteReport, CliError> {
-        let info = backend.info();
-        let label = format!("check {} ({})", info.backend, info.device_name);
-        let mut progress = Progress::new(label, case_count(self.cfg) as u64);
-        let report = run_suite(&backend, self.cfg, &mut |outcome: &CaseOutcome| {
-            progress.message(outcome.name.clone());
-            if !outcome.passed {
-                progress.println(format!(
-                    "FAIL {} (seed {:#x}): {}",
-                    outcome.name, outcome.seed, outcome.message
-                ));
-            }
-            progress.inc(&outcome.name);
-        });
+        let mut progress = progress_for(backend.info(), case_count(self.cfg));
+        let report = run_suite(&backend, self.cfg, &mut |o: &CaseOutcome| show(&mut progress, o));
         progress.finish();
         Ok(report)
+    }
+}
+
+/// On a GPU backend the suite also runs the device-resident cases: the
+/// resident entry points against the reference and the host path, and
+/// bad data on the device turned into the host path's typed errors.
+impl ResidentJob for CheckJob<'_> {
+    type Output = SuiteReport;
+
+    fn run_resident<B: ResidentBackend>(self, backend: B) -> Result<SuiteReport, CliError> {
+        let total = case_count(self.cfg) + resident_case_count(self.cfg);
+        let mut progress = progress_for(backend.info(), total);
+        let mut report = run_suite(&backend, self.cfg, &mut |o: &CaseOutcome| show(&mut progress, o));
+        report.absorb(run_resident(&backend, self.cfg, &mut |o: &CaseOutcome| {
+            show(&mut progress, o)
+        }));
+        progress.finish();
+        Ok(report)
+    }
+}
+
+/// The suite on `target`: with the resident cases where it has device
+/// buffers (the GPU backends).
+fn check_target(target: &Target, cfg: &SuiteConfig) -> Result<SuiteReport, RunError> {
+    match target.kind {
+        BackendKind::Reference => open_and_run(target, CheckJob { cfg }),
+        BackendKind::Wgpu | BackendKind::Vulkan => open_and_run_resident(target, CheckJob { cfg }),
     }
 }
 
@@ -114,7 +148,7 @@ pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> 
     let mut skipped = Vec::new();
     for planned in plan(args)? {
         let (kind, why) = match planned {
-            Planned::Run(target) => match open_and_run(&target, CheckJob { cfg: &cfg }) {
+            Planned::Run(target) => match check_target(&target, &cfg) {
                 Ok(report) => {
                     reports.push(report);
                     continue;

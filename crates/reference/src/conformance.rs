@@ -145,6 +145,17 @@ pub struct SuiteReport {
 }
 
 impl SuiteReport {
+    /// Adds `other`'s cases (another part run on the same device, such as
+    /// the resident cases) to this report.
+    pub fn absorb(&mut self, other: SuiteReport) {
+        self.cases += other.cases;
+        self.passed += other.passed;
+        self.failures.extend(other.failures);
+        self.worst_loss_err = self.worst_loss_err.max(other.worst_loss_err);
+        self.worst_dx_err = self.worst_dx_err.max(other.worst_dx_err);
+        self.worst_prob_err = self.worst_prob_err.max(other.worst_prob_err);
+    }
+
     /// One line: backend, device, passed/run and the worst errors.
     pub fn summary(&self) -> String {
         format!(

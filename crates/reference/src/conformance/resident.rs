@@ -386,6 +386,11 @@ fn check_error_case<B: ResidentBackend + ?Sized>(backend: &B, name: &str) -> Res
     Ok(Measured::default())
 }
 
+/// Cases [`run_resident`] runs for `cfg`.
+pub fn resident_case_count(cfg: &SuiteConfig) -> usize {
+    cfg.cases + RESIDENT_ERROR_CASES.len()
+}
+
 /// Runs the resident cases (`cfg.cases` drawn ones) and the resident error
 /// cases on `backend`.
 pub fn run_resident<B: ResidentBackend + ?Sized>(
