@@ -393,21 +393,7 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
     cfg: &SuiteConfig,
     progress: &mut dyn FnMut(&CaseOutcome),
 ) -> SuiteReport {
-    let info = backend.info();
-    let mut rec = Recorder {
-        report: SuiteReport {
-            backend: info.backend.to_string(),
-            device: info.device_name.clone(),
-            matrix_units: info.matrix_units,
-            cases: 0,
-            passed: 0,
-            failures: Vec::new(),
-            worst_loss_err: 0.0,
-            worst_dx_err: 0.0,
-            worst_prob_err: 0.0,
-        },
-        progress,
-    };
+    let mut rec = Recorder::new(backend.info(), progress);
     let tol = Tolerance::default();
     for index in 0..cfg.cases {
         let outcome = match driver_case(cfg.seed, index) {
