@@ -11,7 +11,7 @@ use headkl_core::resident::status::{
 };
 use headkl_core::{ResidentBackend, ResidentKernel, Result};
 
-use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer};
+use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer, BACKEND};
 
 fn bad_value(x: f32) -> bool {
     !x.is_finite() || (x < 0.0)
@@ -245,14 +245,7 @@ impl ResidentBackend for CpuBackend {
         params: &ResidentParams,
         _workgroups: u64,
     ) -> Result<()> {
-        if buffers.len() != kernel.bindings().len() {
-            return Err(backend_error(format!(
-                "{}: {} buffers for {} bindings",
-                kernel.entry(),
-                buffers.len(),
-                kernel.bindings().len()
-            )));
-        }
+        kernel.check_buffers(BACKEND, buffers.len())?;
         let status_words = match kernel {
             ResidentKernel::WeightStats => Some(1),
             ResidentKernel::TeacherRows | ResidentKernel::StatusDetail => Some(3),
