@@ -351,6 +351,24 @@ pub fn run(cfg: &Config) -> Result<Vec<f32>, Box<dyn Error>> {
     reason = "the convergence test includes this file for `run` and never calls `main`"
 )]
 fn main() {
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        let d = Config::default();
+        println!(
+            "distill_step: train a small student against a fixed teacher's top-k on the GPU\n\n\
+             Flags (each takes a value):\n  \
+             --steps N     SGD steps (default {})\n  \
+             --ntok N      tokens per step (default {})\n  \
+             --vocab N     vocabulary size (default {})\n  \
+             --hs N        hidden size (default {})\n  \
+             --features N  features per token, rows of the learned map (default {})\n  \
+             --k N         teacher top-k (default {})\n  \
+             --lr F        learning rate (default {})\n  \
+             --seed N      seed of the head, features and teacher map (default {})\n\n\
+             Prints one line per step, then `loss: first <f> last <f>`.",
+            d.steps, d.ntok, d.vocab, d.hs, d.features, d.k, d.lr, d.seed
+        );
+        return;
+    }
     let cfg = match Config::from_args(std::env::args().skip(1)) {
         Ok(c) => c,
         Err(e) => {
