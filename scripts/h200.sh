@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# One call on the lent H200 (see ../shared/GPU.md): devices, the conformance
-# suite on both GPU backends with and without matrix units, the bench, and
-# the PyTorch anchors, all in one run so the ratios come from one machine.
-# Usage (from the repository root, with .gl, .anchors and target/release/headkl
-# carried): bash scripts/h200.sh [tune] [check] [bench] [anchors] [cublas]
-# (default: all). `tune` runs first so check and bench use its choice.
+# Runs on the lent H200 (see ../shared/GPU.md): devices, the conformance suite
+# on both GPU backends with and without matrix units, the training example,
+# the GEMM ceiling report, the bench (host and device-resident paths), the
+# PyTorch anchors and cuBLAS, so the ratios come from one machine.
+#
+# Usage (from the repository root, with .gl, .anchors and the binaries
+# carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
+# [bench] [anchors] [cublas]   (default: all but tune). A device call is at most
+# 10 minutes, so split the steps over two back-to-back calls, e.g.
+# `devices check example ceiling` then `bench anchors cublas`.
+#
+# HEADKL_BIN (default ./target/release/headkl) and DISTILL_BIN (default
+# ./target/release/examples/distill_step) name the binaries.
 set -u
-steps="${*:-tune check bench anchors cublas}"
+steps="${*:-devices check example ceiling bench anchors cublas}"
 out=/tmp/headkl-out
 mkdir -p "$out"
 # The tune cache lives with the logs (it comes back in the archive).
@@ -14,66 +21,81 @@ export HEADKL_CACHE_DIR="$out/cache"
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-headkl=./target/release/headkl
+headkl="${HEADKL_BIN:-./target/release/headkl}"
+distill="${DISTILL_BIN:-./target/release/examples/distill_step}"
 shapes="${SHAPES:-A B}"
-cases="${CASES:-48}"
-
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-$headkl devices 2>&1 | tee "$out/devices.txt"
+cases="${CASES:-32}"
+quiet=--quiet
 
 summary="$out/summary.txt"
 : >"$summary"
-if [[ $steps == *tune* ]]; then
+has() { [[ " $steps " == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$summary"
+if has devices; then
+    $headkl devices 2>&1 | tee "$out/devices.txt"
+fi
+if has tune; then
     for backend in vulkan wgpu; do
         log="$out/tune-$backend.txt"
-        # Vulkan also prints each pipeline's register and memory statistics.
-        HEADKL_PIPELINE_STATS=1 $headkl tune --backend $backend ${TUNE_ARGS:-} >"$log" 2>&1
+        HEADKL_PIPELINE_STATS=1 $headkl $quiet tune --backend $backend ${TUNE_ARGS:-} >"$log" 2>&1
         echo "tune $backend exit=$?" | tee -a "$summary"
         grep -vE "^tune: (round|\[)|^headkl-vulkan: pipeline" "$log" | tail -n 26 | tee -a "$summary"
     done
 fi
-if [[ $steps == *check* ]]; then
+if has check; then
     # label | environment | backend
     while IFS='|' read -r label vars backend; do
         log="$out/check-$label.txt"
-        env $vars HEADKL_REQUIRE=$backend $headkl check --backend $backend --cases "$cases" >"$log" 2>&1
+        env $vars HEADKL_REQUIRE=$backend $headkl $quiet check --backend $backend --cases "$cases" >"$log" 2>&1
         echo "check $label exit=$? $(grep -E "^\s*$backend " "$log" | tail -n 1)" | tee -a "$summary"
     done <<'LIST'
 vulkan-coop||vulkan
 vulkan-fallback|HEADKL_NO_COOPMAT=1|vulkan
-vulkan-coop-direct|HEADKL_GEMM=direct|vulkan
-vulkan-coop-s2|HEADKL_GEMM=staged:bk32:r2:s2|vulkan
+vulkan-glsl|HEADKL_GLSL_GEMM=logits=bm128.bk64.s1,dx=bm128.bk32.s2|vulkan
 wgpu-coop||wgpu
 wgpu-fallback|HEADKL_NO_COOPMAT=1|wgpu
 LIST
 fi
-if [[ $steps == *bench* ]]; then
+if has example; then
+    # The training step that learns, on the H200: the loss must fall by half.
+    $distill --steps 40 >"$out/distill_step.txt" 2>&1
+    echo "distill_step exit=$? $(tail -n 1 "$out/distill_step.txt")" | tee -a "$summary"
+    $distill --steps 40 --ntok 2048 --vocab 32768 --hs 1024 --k 64 >"$out/distill_step-large.txt" 2>&1
+    echo "distill_step large exit=$? $(tail -n 1 "$out/distill_step-large.txt")" | tee -a "$summary"
+fi
+if has ceiling; then
+    $headkl $quiet tune --backend vulkan --ceiling --iters 3 >"$out/ceiling.txt" 2>"$out/ceiling-err.txt"
+    echo "ceiling exit=$?" | tee -a "$summary"
+    grep -E "\(a\)|\(b\)|\(c\)|\(d\)|\(e\)|^ceiling|current" "$out/ceiling.txt" | sed -E 's/ +/ /g' | cut -c1-160 | tee -a "$summary"
+fi
+if has bench; then
     # label | environment | backend | shape | extra arguments
     while IFS='|' read -r label vars backend shape extra; do
         [[ " $shapes " == *" $shape "* ]] || continue
         log="$out/bench-$label.txt"
-        env $vars HEADKL_TRACE=1 $headkl bench --backend $backend --shape $shape --iters 5 --warmup 1 $extra \
+        env $vars HEADKL_TRACE=1 $headkl $quiet bench --backend $backend --shape $shape --iters 5 --warmup 1 $extra \
             --json "$out/bench-$label.json" >"$log" 2>&1
         echo "bench $label exit=$?" | tee -a "$summary"
         grep -E "^(vulkan|wgpu|trace) " "$log" | tee -a "$summary"
     done <<'LIST'
-A-vulkan||vulkan|A|--plot /tmp/headkl-out/bench-A.svg --all
-A-vulkan-m4096||vulkan|A|--budget 8589934592
-A-wgpu-m4096||wgpu|A|--budget 8589934592
-B-vulkan||vulkan|B|--all
+A-vulkan||vulkan|A|--resident --plot /tmp/headkl-out/bench-A.svg
+A-vulkan-glsl|HEADKL_GLSL_GEMM=logits=bm128.bk64.s1,dx=bm128.bk32.s2|vulkan|A|--resident
+A-wgpu||wgpu|A|--resident
+B-vulkan||vulkan|B|--resident
 LIST
 fi
-if [[ $steps == *anchors* ]]; then
+if has anchors; then
     PYTHONUNBUFFERED=1 python3 .anchors/torch_head_kl.py --shapes "$(echo $shapes | tr ' ' ,)" \
         --variants floor,compiled,teacher_topk 2>&1 | tee "$out/anchors.txt" | grep -v Warning | tee -a "$summary"
 fi
-if [[ $steps == *cublas* ]]; then
+if has cublas; then
     python3 scripts/cublas_gemm.py 2>&1 | grep -v Warning | tee "$out/cublas.txt" | tee -a "$summary"
 fi
 echo "=== summary"; cat "$summary"
 # What comes back: the summary, the devices table, the plot and every log in one archive.
 if [ -n "${OUT:-}" ]; then
-    cp "$summary" "$out/devices.txt" "$OUT/" 2>/dev/null
+    cp "$summary" "$OUT/" 2>/dev/null
     cp "$out"/*.svg "$OUT/" 2>/dev/null
     tar czf "$OUT/logs.tgz" -C "$out" .
 fi

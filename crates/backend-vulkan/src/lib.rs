@@ -15,9 +15,10 @@
 //! (physical devices and their capabilities), `device` (logical device and
 //! deferred frees), `memory` (buffers), `command` (recording, submission,
 //! staging, timestamps), `pipeline` (naga and compute pipelines), `kernels`
-//! (the device's limits and matrix-unit GEMM plan), `conv` (errors). What
-//! each kernel is (shader, entry, bindings, workgroup) comes from the
-//! catalogue, `headkl_core::kernels`.
+//! (the device's limits and matrix-unit GEMM plan), `glsl` (the GLSL GEMM
+//! tiles and the ceiling report's kernels, SPIR-V from build.rs), `conv`
+//! (errors). What each kernel is (shader, entry, bindings, workgroup) comes
+//! from the catalogue, `headkl_core::kernels`.
 
 #![warn(missing_docs)]
 
@@ -26,6 +27,7 @@ mod command;
 mod conv;
 mod device;
 mod external;
+mod glsl;
 mod instance;
 mod kernels;
 mod memory;
@@ -51,6 +53,7 @@ use crate::kernels::CoopPlan;
 use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
 pub use crate::external::ExternalVulkan;
+pub use crate::glsl::{CeilingKernel, CeilingPart, GlslChoice, GlslTile, GLSL_GEMM_ENV};
 pub use crate::memory::VulkanBuffer;
 
 /// The Vulkan backend's GEMM kernels without a tune cache or `HEADKL_GEMM`:
@@ -73,12 +76,17 @@ pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
 };
 
 /// The GEMM kernels of `coop` (or the tiled fallback) in words.
-pub(crate) fn describe_gemm(coop: Option<&CoopPlan>) -> String {
+pub(crate) fn describe_gemm(coop: Option<&CoopPlan>, glsl: &glsl::GlslChoice) -> String {
     match coop {
         Some(plan) => {
             let pinned = if plan.require_size { " (pinned)" } else { "" };
+            let glsl = if glsl.is_empty() {
+                String::new()
+            } else {
+                format!("; {} from {}", glsl, glsl::GLSL_GEMM_ENV)
+            };
             format!(
-                "cooperative {} (subgroup {}{pinned}; from {})",
+                "cooperative {} (subgroup {}{pinned}; from {}{glsl})",
                 plan.choice, plan.subgroup_size, plan.source
             )
         }
@@ -113,6 +121,10 @@ pub struct VulkanOptions {
     /// `robustBufferAccess2` where offered), as wgpu always does: to tell a
     /// speed difference between the backends from the cost of bounds checks.
     pub robust_access: bool,
+    /// GLSL GEMM tiles (the value of `HEADKL_GLSL_GEMM`, parsed when the
+    /// device opens) that replace `gemm`'s kernels on the matrix-unit path;
+    /// ignored on the fallback.
+    pub glsl_gemm: Option<String>,
 }
 
 impl VulkanOptions {
@@ -130,6 +142,7 @@ impl VulkanOptions {
             gemm_sources: settings.gemm_sources(),
             pipeline_stats: settings.pipeline_stats,
             robust_access: false,
+            glsl_gemm: settings.glsl_gemm.clone(),
         }
     }
 }
@@ -163,6 +176,8 @@ pub struct VulkanBackend {
     pub(crate) coop: Option<CoopPlan>,
     pub(crate) stream: Mutex<Stream>,
     pub(crate) pipelines: Mutex<PipelineCache>,
+    /// GLSL GEMM tiles that replace the WGSL kernels (`glsl.rs`).
+    pub(crate) glsl_gemm: glsl::GlslChoice,
     /// Declared last: dropped after the stream and pipelines.
     pub(crate) device: Arc<Device>,
 }
@@ -205,8 +220,27 @@ impl VulkanBackend {
         };
         let device = Device::new(instance, chosen, coop.is_some(), options)?;
         let coop = coop.filter(|_| device.enabled.cooperative_matrix);
+        let glsl_gemm = match &options.glsl_gemm {
+            Some(value) => glsl::GlslChoice::parse(value)?,
+            None => glsl::GlslChoice::default(),
+        };
+        // The fallback (no matrix units, or HEADKL_NO_COOPMAT) ignores it.
+        let glsl_gemm = if coop.is_some() {
+            glsl_gemm
+        } else {
+            glsl::GlslChoice::default()
+        };
+        if !glsl_gemm.is_empty() {
+            if let Some(why) = glsl::unavailable(&device.caps, coop.as_ref()) {
+                return Err(headkl_core::Error::InvalidSetting {
+                    name: glsl::GLSL_GEMM_ENV,
+                    value: options.glsl_gemm.clone().unwrap_or_default(),
+                    reason: why,
+                });
+            }
+        }
         let mut info = device.caps.device_info(coop.is_some());
-        info.gemm = Some(describe_gemm(coop.as_ref()));
+        info.gemm = Some(describe_gemm(coop.as_ref(), &glsl_gemm));
         let stream = Stream::new(Arc::clone(&device), staging_bytes)?;
         let pipelines = PipelineCache::new(Arc::clone(&device));
         Ok(Self {
@@ -215,6 +249,7 @@ impl VulkanBackend {
             coop,
             stream: Mutex::new(stream),
             pipelines: Mutex::new(pipelines),
+            glsl_gemm,
             device,
         })
     }
@@ -232,7 +267,7 @@ impl VulkanBackend {
 
     /// Which GEMM kernels run, and where the choice came from, in words.
     pub fn gemm_kernel(&self) -> String {
-        describe_gemm(self.coop.as_ref())
+        describe_gemm(self.coop.as_ref(), &self.glsl_gemm)
     }
 
     /// The matrix-unit GEMM kernels, when the GEMM runs on matrix units.
@@ -384,6 +419,9 @@ impl Backend for VulkanBackend {
     fn gemm(&self, a: &VulkanBuffer, b: &VulkanBuffer, c: &VulkanBuffer, desc: &GemmDesc) -> Result<()> {
         let params = desc.check([a, b, c], self.max_binding())?;
         let kernel = desc.kernel();
+        if let Some(tile) = self.glsl_gemm.for_layout(desc.b_layout) {
+            return self.glsl_gemm_dispatch(tile, a, b, c, desc, params, kernel.name());
+        }
         self.dispatch_kernel(
             kernel,
             desc.workgroups(self.gemm_for(kernel)),

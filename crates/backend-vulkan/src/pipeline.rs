@@ -348,8 +348,31 @@ impl PipelineCache {
             &self.target,
             key.checked,
         )?;
+        self.insert(&compiled, key, storage_bindings)
+    }
+
+    /// The pipeline for `key` from SPIR-V compiled at build time (the GLSL
+    /// kernels, entry `main`), built on first use.
+    pub(crate) fn get_spirv(
+        &mut self,
+        words: &[u32],
+        workgroup_size: [u32; 3],
+        key: &PipelineKey,
+        storage_bindings: u32,
+    ) -> Result<Arc<Pipeline>> {
+        if let Some(p) = self.pipelines.get(key) {
+            return Ok(Arc::clone(p));
+        }
+        let compiled = Compiled {
+            words: words.to_vec(),
+            workgroup_size,
+        };
+        self.insert(&compiled, key, storage_bindings)
+    }
+
+    fn insert(&mut self, compiled: &Compiled, key: &PipelineKey, storage_bindings: u32) -> Result<Arc<Pipeline>> {
         let (set_layout, layout) = self.layout(storage_bindings)?;
-        let raw = self.create_pipeline(&compiled, key, layout)?;
+        let raw = self.create_pipeline(compiled, key, layout)?;
         let pipeline = Arc::new(Pipeline {
             raw,
             layout,

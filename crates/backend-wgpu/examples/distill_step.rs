@@ -185,10 +185,12 @@ fn open_trainer(cfg: &Config) -> Result<(wgpu::Adapter, Trainer), Box<dyn Error>
         ..Default::default()
     }))?;
     // The trainer asks for what headkl needs beside its own needs.
+    let features = WgpuBackend::required_features(&adapter);
     let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
         label: Some("trainer"),
-        required_features: WgpuBackend::required_features(&adapter),
+        required_features: features,
         required_limits: adapter.limits(),
+        experimental_features: WgpuBackend::experimental_features(features),
         ..Default::default()
     }))?;
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {

@@ -204,23 +204,29 @@ pub(crate) fn features_for(c: &Candidate, use_coop: bool) -> wgpu::Features {
     f
 }
 
-/// Opens the device with the adapter's own limits (largest bindings and
-/// buffers, all its workgroup memory).
-pub(crate) fn open_device(c: &Candidate, features: wgpu::Features) -> Result<(wgpu::Device, wgpu::Queue)> {
-    let experimental = if features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
-        // SAFETY: the only experimental feature requested is cooperative
-        // matrices; the kernel using them takes its shapes from the
-        // adapter's own list and its indices are in range for the extents
-        // core validated.
+/// wgpu's opt-in for experimental features, which `features` needs when it
+/// holds `EXPERIMENTAL_COOPERATIVE_MATRIX` (wgpu refuses the device
+/// otherwise).
+pub(crate) fn experimental_for(features: wgpu::Features) -> wgpu::ExperimentalFeatures {
+    if features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+        // SAFETY: the only experimental feature headkl requests is
+        // cooperative matrices; the kernel using them takes its shapes from
+        // the adapter's own list and its indices are in range for the
+        // extents core validated.
         unsafe { wgpu::ExperimentalFeatures::enabled() }
     } else {
         wgpu::ExperimentalFeatures::disabled()
-    };
+    }
+}
+
+/// Opens the device with the adapter's own limits (largest bindings and
+/// buffers, all its workgroup memory).
+pub(crate) fn open_device(c: &Candidate, features: wgpu::Features) -> Result<(wgpu::Device, wgpu::Queue)> {
     let desc = wgpu::DeviceDescriptor {
         label: Some("headkl"),
         required_features: features,
         required_limits: c.adapter.limits(),
-        experimental_features: experimental,
+        experimental_features: experimental_for(features),
         memory_hints: wgpu::MemoryHints::Performance,
         trace: wgpu::Trace::Off,
     };

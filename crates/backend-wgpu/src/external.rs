@@ -27,6 +27,16 @@ impl WgpuBackend {
         adapter::features_for(&candidate, candidate.coop.is_ok())
     }
 
+    /// The `DeviceDescriptor::experimental_features` that go with
+    /// `features` (normally [`Self::required_features`]): enabled where
+    /// they hold `EXPERIMENTAL_COOPERATIVE_MATRIX`, since wgpu refuses to
+    /// open a device with that feature otherwise; disabled where not.
+    /// headkl's own use of the experimental feature is the matrix-unit
+    /// GEMM, whose shapes come from the adapter's list.
+    pub fn experimental_features(features: wgpu::Features) -> wgpu::ExperimentalFeatures {
+        adapter::experimental_for(features)
+    }
+
     /// headkl on the caller's device and queue: kernels are recorded into
     /// headkl's own command encoders and submitted to `queue`, so they are
     /// ordered after the trainer's earlier submissions and before its later

@@ -30,10 +30,12 @@ fn trainer_device(
                 reason: format!("request_adapter: {e}"),
             }
         })?;
+    let required_features = features(&adapter);
     let desc = wgpu::DeviceDescriptor {
         label: Some("trainer"),
-        required_features: features(&adapter),
+        required_features,
         required_limits: adapter.limits(),
+        experimental_features: WgpuBackend::experimental_features(required_features),
         ..wgpu::DeviceDescriptor::default()
     };
     let (device, queue) = pollster::block_on(adapter.request_device(&desc)).map_err(|e| Error::NoDevice {
@@ -188,4 +190,15 @@ fn head_kl_on_the_trainers_device_and_buffers() {
         before.iter().all(|&v| v == 0.0),
         "a kernel wrote before the dx/loss views"
     );
+}
+
+/// A trainer that passes `required_features` with matrix units must also
+/// opt in to wgpu's experimental features, or wgpu refuses the device
+/// (seen on the H200; lavapipe never offers the feature, so the example's
+/// run here cannot catch it).
+#[test]
+fn matrix_units_come_with_the_experimental_opt_in() {
+    let coop = wgpu::Features::SHADER_F16 | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+    assert!(WgpuBackend::experimental_features(coop).is_enabled());
+    assert!(!WgpuBackend::experimental_features(wgpu::Features::SHADER_F16).is_enabled());
 }

@@ -3,6 +3,7 @@
 //! safetensors files.
 
 mod bench;
+mod ceiling;
 mod check;
 mod devices;
 mod environment;
@@ -195,6 +196,11 @@ Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) o
         /// Print the result without writing the tune cache
         #[arg(long)]
         no_save: bool,
+        /// Instead of tuning: the ceiling report (Vulkan): the matrix-unit
+        /// GEMM taken apart, each part as TFLOP/s and % of multiply-adds
+        /// from registers
+        #[arg(long)]
+        ceiling: bool,
     },
     /// The teacher's exact top-k ids and probabilities of x·Wᵀ
     #[command(
@@ -309,6 +315,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             iters,
             kernels,
             no_save,
+            ceiling,
         } => tune::run(
             &backend,
             &tune::TuneConfig {
@@ -316,6 +323,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 iters,
                 kernels,
                 save: !no_save,
+                ceiling,
             },
         ),
         Command::Topk {

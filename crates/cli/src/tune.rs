@@ -99,6 +99,8 @@ pub struct TuneConfig {
     pub kernels: Option<Vec<CoopGemm>>,
     /// Record the result in the tune cache.
     pub save: bool,
+    /// Print the ceiling report instead of tuning (`crate::ceiling`).
+    pub ceiling: bool,
 }
 
 /// One kernel's measurements.
@@ -119,17 +121,17 @@ impl Trial {
 }
 
 /// The host data every trial uploads.
-struct TuneData {
+pub(crate) struct TuneData {
     shape: GemmShape,
     /// x `[m][k]`.
-    hidden: Vec<f16>,
+    pub(crate) hidden: Vec<f16>,
     /// The head `[n][k]`; its first `m·n` elements also serve as the f16
     /// gradient `[m][n]`.
-    head: Vec<f16>,
+    pub(crate) head: Vec<f16>,
 }
 
 impl TuneData {
-    fn new(shape: GemmShape) -> Self {
+    pub(crate) fn new(shape: GemmShape) -> Self {
         let mut hidden = vec![f16::ZERO; shape.m * shape.k];
         let mut head = vec![f16::ZERO; (shape.n * shape.k).max(shape.m * shape.n)];
         fill_parallel(&mut hidden, 0x7475_6e65_0001, |r| f16::from_f32(r.symmetric(1.0)));
@@ -241,7 +243,25 @@ pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
     if cfg.iters == 0 {
         return Err(CliError::option("--iters", "must be at least 1"));
     }
+    if cfg.ceiling && target.kind != BackendKind::Vulkan {
+        return Err(CliError::option(
+            "--ceiling",
+            format!(
+                "the ceiling report runs the Vulkan backend's GLSL kernels: name --backend vulkan, not {}",
+                target.kind
+            ),
+        ));
+    }
     let info = select::open_and_run_gemm(&target, None, InfoJob)?;
+    if cfg.ceiling && !info.matrix_units {
+        return Err(CliError::option(
+            "--ceiling",
+            format!(
+                "{} on {} has no usable matrix units (or HEADKL_NO_COOPMAT is set): no matrix-unit ceiling to report",
+                target.kind, info.device_name
+            ),
+        ));
+    }
     if !info.matrix_units {
         return Err(CliError::option(
             "--backend",
@@ -271,6 +291,9 @@ pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
                 ),
             ));
         }
+    }
+    if cfg.ceiling {
+        return crate::ceiling::run(&target, shape, cfg.iters);
     }
     let kernels = cfg.kernels.clone().unwrap_or_else(CoopGemm::candidates);
     eprintln!(

@@ -1059,6 +1059,52 @@ fn tune_and_gemm_settings_name_what_is_wrong() {
     }
 }
 
+/// `tune --ceiling`: the report runs the Vulkan backend's GLSL kernels;
+/// another backend, or a device without matrix units (lavapipe in CI), is a
+/// usage error (exit 2) that says why.
+#[test]
+fn ceiling_report_needs_vulkan_matrix_units() {
+    assert_input_error(
+        &headkl(&["tune", "--backend", "wgpu", "--ceiling"]),
+        &["--ceiling", "--backend vulkan"],
+    );
+    let must = std::env::var("HEADKL_REQUIRE")
+        .unwrap_or_default()
+        .split(',')
+        .any(|r| r.trim() == "vulkan");
+    let o = headkl(&[
+        "tune",
+        "--backend",
+        "vulkan",
+        "--ceiling",
+        "--shape",
+        "256:1024:256",
+        "--iters",
+        "1",
+    ]);
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    if o.status.code() == Some(1) && err.contains("cannot start") && !must {
+        println!("vulkan: skipped, cannot start: {}", err.trim());
+        return;
+    }
+    if o.status.code() == Some(0) {
+        // A device with matrix units: both layouts, every part.
+        let out = String::from_utf8_lossy(&o.stdout);
+        for needle in [
+            "ceiling logits",
+            "ceiling dx",
+            "(a) multiply-adds from registers",
+            "(e) the GEMM",
+        ] {
+            assert!(out.contains(needle), "{needle}: {out}");
+        }
+        assert!(!out.contains("FAILED"), "{out}");
+    } else {
+        assert_input_error(&o, &["--ceiling", "no matrix-unit ceiling"]);
+    }
+}
+
 /// Issue 12's exit codes: each is the user's to fix, so exit 2 with a
 /// message that says what is wrong.
 #[test]

@@ -46,6 +46,8 @@ pub const SEED: &str = "HEADKL_SEED";
 pub const NO_COOPMAT: &str = "HEADKL_NO_COOPMAT";
 /// `HEADKL_GEMM`.
 pub const GEMM: &str = crate::gemm_choice::GEMM_ENV;
+/// `HEADKL_GLSL_GEMM`.
+pub const GLSL_GEMM: &str = "HEADKL_GLSL_GEMM";
 /// `HEADKL_CACHE_DIR`.
 pub const CACHE_DIR: &str = crate::tune_cache::CACHE_DIR_ENV;
 /// `HEADKL_TRACE`.
@@ -108,6 +110,12 @@ pub const VARIABLES: &[Variable] = &[
         effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch)",
     },
     Variable {
+        name: GLSL_GEMM,
+        values: "TILE or logits=TILE,dx=TILE; TILE: bm<64|128|256>.bk<16|32|64>.s<1|2|4>[.i][.ws][.c4], as shaders/gemm_khr.comp builds them",
+        default: "none: the WGSL kernels",
+        effect: "Vulkan backend, matrix-unit path: the GLSL GEMM tiles instead (logits=bm128.bk64.s1,dx=bm128.bk32.s2 is the fastest on the H200)",
+    },
+    Variable {
         name: CACHE_DIR,
         values: "folder",
         default: "$XDG_CACHE_HOME/headkl, else ~/.cache/headkl",
@@ -163,6 +171,9 @@ pub struct Settings {
     /// `HEADKL_GEMM`, checked here; a backend parses it over its own
     /// default (a choice may name one layout and keep the other's default).
     pub gemm: Option<String>,
+    /// `HEADKL_GLSL_GEMM`, as given: the Vulkan backend, which knows the
+    /// tiles it was built with, parses it when it opens.
+    pub glsl_gemm: Option<String>,
     /// The tune cache file: `HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
     /// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
     pub tune_cache: Option<PathBuf>,
@@ -247,6 +258,7 @@ impl Settings {
             seed,
             no_coopmat: flag(NO_COOPMAT)?,
             gemm,
+            glsl_gemm: text(GLSL_GEMM)?,
             tune_cache,
             trace: flag(TRACE)?,
             pipeline_stats: flag(PIPELINE_STATS)?,

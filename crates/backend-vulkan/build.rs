@@ -1,0 +1,165 @@
+//! Compiles `shaders/gemm_khr.comp` (GLSL, KHR cooperative matrices) to
+//! SPIR-V once per variant with the `glslang` crate, and writes
+//! `glsl_kernels.rs` into OUT_DIR: one `GlslKernel` per variant, its SPIR-V
+//! beside it. No compiled shader is committed; a GLSL error fails the build.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use glslang::{
+    Compiler, CompilerOptions, ShaderInput, ShaderSource, ShaderStage, SourceLanguage, SpirvVersion, Target,
+    VulkanVersion,
+};
+
+/// One variant of `gemm_khr.comp`.
+#[derive(Clone, Copy, PartialEq)]
+struct Variant {
+    mode: u32,
+    nn: bool,
+    tile: Tile,
+}
+
+/// A tile configuration (the defines other than MODE and NN).
+#[derive(Clone, Copy, PartialEq)]
+struct Tile {
+    bm: u32,
+    bk: u32,
+    stages: u32,
+    interleave: bool,
+    ws: bool,
+    sg_cols: u32,
+}
+
+const fn tile(bm: u32, bk: u32, stages: u32, interleave: bool, ws: bool, sg_cols: u32) -> Tile {
+    Tile {
+        bm,
+        bk,
+        stages,
+        interleave,
+        ws,
+        sg_cols,
+    }
+}
+
+/// The GEMM tiles. Each gets the GEMM, and each (bm, bk, stages, sg_cols)
+/// the diagnostics (modes 2, 3, 4), for both layouts.
+const TILES: [Tile; 13] = [
+    tile(64, 32, 2, false, false, 2),
+    tile(64, 32, 1, false, false, 2),
+    tile(64, 16, 2, false, false, 2),
+    tile(128, 32, 2, false, false, 2),
+    tile(128, 32, 2, true, false, 2),
+    tile(128, 32, 2, false, true, 2),
+    tile(128, 16, 4, false, true, 2),
+    tile(128, 64, 1, false, false, 2),
+    tile(256, 32, 1, false, false, 2),
+    tile(256, 16, 2, false, false, 2),
+    tile(128, 32, 2, false, false, 4),
+    tile(128, 32, 2, false, true, 4),
+    tile(128, 64, 1, false, false, 4),
+];
+
+fn variants() -> Vec<Variant> {
+    let mut v = Vec::new();
+    for nn in [false, true] {
+        // Multiply-adds from registers: one configuration is enough.
+        v.push(Variant {
+            mode: 1,
+            nn,
+            tile: tile(128, 32, 1, false, false, 2),
+        });
+        let mut diagnosed = Vec::new();
+        for t in TILES {
+            v.push(Variant { mode: 0, nn, tile: t });
+            let plain = tile(t.bm, t.bk, t.stages, false, false, t.sg_cols);
+            if !diagnosed.contains(&plain) {
+                diagnosed.push(plain);
+                for mode in [2, 3, 4] {
+                    v.push(Variant { mode, nn, tile: plain });
+                }
+            }
+        }
+    }
+    v
+}
+
+fn name(v: Variant) -> String {
+    let mode = ["gemm", "regs", "smem", "loads", "staging"][v.mode as usize];
+    let layout = if v.nn { "nn" } else { "nt" };
+    let t = v.tile;
+    let i = if t.interleave { "_i" } else { "" };
+    let w = if t.ws { "_ws" } else { "" };
+    let c = if t.sg_cols != 2 {
+        format!("_c{}", t.sg_cols)
+    } else {
+        String::new()
+    };
+    format!("{mode}_{layout}_bm{}_bk{}_s{}{i}{w}{c}", t.bm, t.bk, t.stages)
+}
+
+fn main() {
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let file = manifest.join("../../shaders/gemm_khr.comp");
+    println!("cargo:rerun-if-changed={}", file.display());
+    println!("cargo:rerun-if-changed=build.rs");
+    let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let compiler = Compiler::acquire().expect("glslang did not initialise");
+    let source = ShaderSource::from(text);
+    let options = CompilerOptions {
+        source_language: SourceLanguage::GLSL,
+        target: Target::Vulkan {
+            version: VulkanVersion::Vulkan1_3,
+            spirv_version: SpirvVersion::SPIRV1_6,
+        },
+        ..Default::default()
+    };
+    let mut table = String::from("&[\n");
+    for v in variants() {
+        let Variant { mode, nn, tile: t } = v;
+        let name = name(v);
+        let defines = [
+            ("MODE", mode.to_string()),
+            ("NN", u32::from(nn).to_string()),
+            ("BM", t.bm.to_string()),
+            ("BK", t.bk.to_string()),
+            ("STAGES", t.stages.to_string()),
+            ("INTERLEAVE", u32::from(t.interleave).to_string()),
+            ("WS", u32::from(t.ws).to_string()),
+            ("SG_COLS", t.sg_cols.to_string()),
+        ];
+        let defines: Vec<(&str, Option<&str>)> = defines.iter().map(|(k, v)| (*k, Some(v.as_str()))).collect();
+        let input = ShaderInput::new(&source, ShaderStage::Compute, &options, Some(&defines[..]), None)
+            .unwrap_or_else(|e| panic!("gemm_khr.comp {name}: {e}"));
+        let shader = compiler
+            .create_shader(input)
+            .unwrap_or_else(|e| panic!("gemm_khr.comp {name}: {e}"));
+        let words = shader.compile().unwrap_or_else(|e| panic!("gemm_khr.comp {name}: {e}"));
+        let spv = out.join(format!("{name}.spv"));
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        std::fs::write(&spv, bytes).unwrap_or_else(|e| panic!("{}: {e}", spv.display()));
+        // BM / 64 x SG_COLS math subgroups of 32, and 4 copying ones with WS.
+        let threads = t.bm / 64 * t.sg_cols * 32 + if t.ws { 128 } else { 0 };
+        let kw = t.bk / 8;
+        let sa = t.bm * (kw + 1);
+        let sb = if nn { t.bk * (128 / 8 + 1) } else { 128 * (kw + 1) };
+        let shared = t.stages * (sa + sb) * 16;
+        writeln!(
+            table,
+            "    GlslKernel {{ name: {name:?}, mode: {mode}, nn: {nn}, bm: {}, bk: {}, stages: {}, \
+             interleave: {}, ws: {}, sg_cols: {}, threads: {threads}, shared_bytes: {shared}, \
+             spirv: include_bytes!({path:?}) }},",
+            t.bm,
+            t.bk,
+            t.stages,
+            t.interleave,
+            t.ws,
+            t.sg_cols,
+            path = spv.display().to_string()
+        )
+        .expect("write to a String");
+    }
+    table.push(']');
+    let generated = out.join("glsl_kernels.rs");
+    std::fs::write(&generated, table).unwrap_or_else(|e| panic!("{}: {e}", generated.display()));
+}

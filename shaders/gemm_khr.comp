@@ -1,0 +1,375 @@
+// The matrix-unit GEMM in GLSL (KHR cooperative matrices, 16x16x16
+// f16 x f16 -> f32), and the diagnostic kernels of the ceiling report, all
+// from this one source. crates/backend-vulkan/build.rs compiles it with the
+// glslang crate once per variant; shaders/README.md lists the defines.
+//
+//   NN      0: C = A * B^T, B stored [n][k]; 1: C = A * B, B stored [k][n]
+//   BM      C tile rows per workgroup: 64, 128 or 256; BN is 128
+//   SG_COLS 2 or 4: BM / 64 x SG_COLS math subgroups, each owning 64 rows
+//           and 128 / SG_COLS columns of C (4 x TN accumulators)
+//   BK      K staged per step: 16, 32 or 64
+//   STAGES  1: step s + 1's words go to registers before step s multiplies
+//           and are stored between two barriers; 2: they go to the other
+//           stage, one barrier a step
+//   INTERLEAVE  with STAGES 2: store step s + 1's words after the first
+//           16-deep slice of step s's multiply-adds instead of after all
+//   WS      1: warp-specialised GEMM (MODE 0 only): 4 more subgroups only
+//           copy, running STAGES - 1 steps ahead through a ring of STAGES
+//           stages, while the BM / 64 x 2 math subgroups only multiply;
+//           one barrier a step
+//   MODE    0 the GEMM; 1 multiply-adds from registers (fragments loaded
+//           once); 2 fragments + multiply-adds from workgroup memory staged
+//           once; 3 the global loads only; 4 the staging only (loads a step
+//           ahead, workgroup stores, barriers), no math
+#version 460
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_control_flow_attributes : require
+
+const uint BN = 128;
+const uint SG_ROWS = BM / 64;
+// Fragments per subgroup along n.
+const uint TN = BN / SG_COLS / 16;
+// The kernel requires subgroups of exactly 32 (the backend checks).
+const uint MATH_THREADS = SG_ROWS * SG_COLS * 32;
+#if WS
+// The copying subgroups follow the math ones.
+const uint STAGERS = 128;
+const uint THREADS = MATH_THREADS + STAGERS;
+#else
+const uint STAGERS = MATH_THREADS;
+const uint THREADS = MATH_THREADS;
+#endif
+layout(local_size_x = THREADS, local_size_y = 1, local_size_z = 1) in;
+
+// headkl_core::params::GemmParams, byte for byte.
+layout(set = 0, binding = 0, std140) uniform Params {
+    uint m;
+    uint n;
+    uint k;
+    uint a_offset;
+    uint lda;
+    uint ldb;
+    uint c_offset;
+    uint ldc;
+    float alpha;
+    uint accumulate;
+    uint grid_x;
+    uint pad0;
+} p;
+// f16 operands, 8 halves (16 bytes) a word: a_offset, lda and ldb are
+// multiples of 8 (core pads them to 16).
+layout(set = 0, binding = 1, std430) readonly buffer ABuf { uvec4 a[]; };
+layout(set = 0, binding = 2, std430) readonly buffer BBuf { uvec4 b[]; };
+layout(set = 0, binding = 3, std430) buffer CBuf { float c[]; };
+
+// Staged tiles in 16-byte words; each row is skewed by one word so that
+// the eight rows a fragment load reads at once fall in distinct banks.
+const uint KW = BK / 8;
+const uint SA_STRIDE = KW + 1;
+const uint SA_STAGE = BM * SA_STRIDE;
+#if NN
+const uint SB_STRIDE = BN / 8 + 1;
+const uint SB_STAGE = BK * SB_STRIDE;
+#else
+const uint SB_STRIDE = KW + 1;
+const uint SB_STAGE = BN * SB_STRIDE;
+#endif
+shared uvec4 sa[STAGES * SA_STAGE];
+shared uvec4 sb[STAGES * SB_STAGE];
+
+// Words each staging invocation moves per step.
+const uint A_WORDS = BM * KW / STAGERS;
+const uint B_WORDS = BN * KW / STAGERS;
+
+#define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define FRAG_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
+#define FRAG_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
+
+uvec4 ra[A_WORDS];
+uvec4 rb[B_WORDS];
+ACC acc[4 * TN];
+uint row0, col0, wr, wc;
+// This invocation's index among the staging invocations.
+uint sidx;
+
+// Step s's words into registers. Rows past m (columns past n) repeat the
+// last one: their products only reach C tiles that are never stored. K past
+// k reads zeros.
+void load_step(uint s) {
+    uint k0 = s * BK;
+    [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
+        uint e = sidx + i * STAGERS;
+        uint row = min(row0 + e / KW, p.m - 1);
+        uint kk = k0 + (e % KW) * 8;
+        ra[i] = kk < p.k ? a[(p.a_offset + row * p.lda + kk) / 8] : uvec4(0);
+    }
+    [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
+        uint e = sidx + i * STAGERS;
+#if NN
+        uint kk = k0 + e / (BN / 8);
+        uint col = min(col0 + (e % (BN / 8)) * 8, p.n - 8);
+        rb[i] = kk < p.k ? b[(kk * p.ldb + col) / 8] : uvec4(0);
+#else
+        uint col = min(col0 + e / KW, p.n - 1);
+        uint kk = k0 + (e % KW) * 8;
+        rb[i] = kk < p.k ? b[(col * p.ldb + kk) / 8] : uvec4(0);
+#endif
+    }
+}
+
+// The registers into workgroup stage `st`.
+void store_step(uint st) {
+    [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
+        uint e = sidx + i * STAGERS;
+        sa[st * SA_STAGE + (e / KW) * SA_STRIDE + e % KW] = ra[i];
+    }
+    [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
+        uint e = sidx + i * STAGERS;
+#if NN
+        sb[st * SB_STAGE + (e / (BN / 8)) * SB_STRIDE + e % (BN / 8)] = rb[i];
+#else
+        sb[st * SB_STAGE + (e / KW) * SB_STRIDE + e % KW] = rb[i];
+#endif
+    }
+}
+
+// One 16-deep slice (kk, in halves) of stage `st`: 4 A and TN B
+// fragments, 4 x TN multiply-adds.
+void math_slice(uint st, uint kk) {
+    FRAG_A fa[4];
+    FRAG_B fb[TN];
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        coopMatLoad(fa[i], sa, st * SA_STAGE + (wr + i * 16) * SA_STRIDE + kk / 8, SA_STRIDE,
+                    gl_CooperativeMatrixLayoutRowMajor);
+    }
+    [[unroll]] for (uint j = 0; j < TN; j++) {
+#if NN
+        coopMatLoad(fb[j], sb, st * SB_STAGE + kk * SB_STRIDE + (wc + j * 16) / 8, SB_STRIDE,
+                    gl_CooperativeMatrixLayoutRowMajor);
+#else
+        coopMatLoad(fb[j], sb, st * SB_STAGE + (wc + j * 16) * SB_STRIDE + kk / 8, SB_STRIDE,
+                    gl_CooperativeMatrixLayoutColumnMajor);
+#endif
+    }
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        [[unroll]] for (uint j = 0; j < TN; j++) {
+            acc[i * TN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * TN + j]);
+        }
+    }
+}
+
+void math_step(uint st) {
+    [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
+        math_slice(st, kk);
+    }
+}
+
+// C (+)= alpha * acc for the subgroup's 16 x 16 tiles inside m x n.
+void epilogue() {
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        [[unroll]] for (uint j = 0; j < TN; j++) {
+            uint row = row0 + wr + i * 16;
+            uint col = col0 + wc + j * 16;
+            if (row < p.m && col < p.n) {
+                uint o = p.c_offset + row * p.ldc + col;
+                ACC r = acc[i * TN + j] * p.alpha;
+                if (p.accumulate != 0) {
+                    ACC prev;
+                    coopMatLoad(prev, c, o, p.ldc, gl_CooperativeMatrixLayoutRowMajor);
+                    r = r + prev;
+                }
+                coopMatStore(r, c, o, p.ldc, gl_CooperativeMatrixLayoutRowMajor);
+            }
+        }
+    }
+}
+
+// Keeps a diagnostic kernel's loads alive: one write, practically never
+// taken, that depends on every word.
+void sink(uvec4 x) {
+    if (all(equal(x, uvec4(0x9e3779b9u)))) {
+        c[p.c_offset] = 1.0;
+    }
+}
+
+void main() {
+    uint tiles_m = (p.m + BM - 1) / BM;
+    uint tiles_n = (p.n + BN - 1) / BN;
+    uint l = gl_WorkGroupID.x + gl_WorkGroupID.y * p.grid_x;
+    if (l >= tiles_m * tiles_n) {
+        return;
+    }
+    row0 = (l % tiles_m) * BM;
+    col0 = (l / tiles_m) * BN;
+    wr = (gl_SubgroupID / SG_COLS) * 64;
+    wc = (gl_SubgroupID % SG_COLS) * (BN / SG_COLS);
+#if WS
+    sidx = gl_LocalInvocationIndex - MATH_THREADS;
+#else
+    sidx = gl_LocalInvocationIndex;
+#endif
+    uint steps = (p.k + BK - 1) / BK;
+    [[unroll]] for (uint t = 0; t < 4 * TN; t++) {
+        acc[t] = ACC(0.0);
+    }
+
+#if MODE == 0 && WS
+    // Stages 0 .. STAGES - 2 filled before the loop; at step s the math
+    // subgroups read stage s % STAGES while the copiers store step
+    // s + STAGES - 1 into the stage step s - 1 used (free since the last
+    // barrier) and load step s + STAGES into registers.
+    bool copier = gl_LocalInvocationIndex >= MATH_THREADS;
+    if (copier) {
+        for (uint t = 0; t + 1 < STAGES; t++) {
+            if (t < steps) {
+                load_step(t);
+                store_step(t);
+            }
+        }
+        if (STAGES - 1 < steps) {
+            load_step(STAGES - 1);
+        }
+    }
+    barrier();
+    for (uint s = 0; s < steps; s++) {
+        if (copier) {
+            uint next = s + STAGES - 1;
+            if (next < steps) {
+                store_step(next % STAGES);
+            }
+            if (next + 1 < steps) {
+                load_step(next + 1);
+            }
+        } else {
+            math_step(s % STAGES);
+        }
+        barrier();
+    }
+    if (!copier) {
+        epilogue();
+    }
+
+#elif MODE == 0
+#if STAGES == 2
+    load_step(0);
+    store_step(0);
+    barrier();
+    for (uint s = 0; s < steps; s++) {
+        uint st = s & 1;
+        if (s + 1 < steps) {
+            load_step(s + 1);
+        }
+#if INTERLEAVE
+        math_slice(st, 0);
+        if (s + 1 < steps) {
+            store_step(st ^ 1);
+        }
+        [[unroll]] for (uint kk = 16; kk < BK; kk += 16) {
+            math_slice(st, kk);
+        }
+#else
+        math_step(st);
+        if (s + 1 < steps) {
+            store_step(st ^ 1);
+        }
+#endif
+        barrier();
+    }
+#else
+    load_step(0);
+    for (uint s = 0; s < steps; s++) {
+        store_step(0);
+        barrier();
+        if (s + 1 < steps) {
+            load_step(s + 1);
+        }
+        math_step(0);
+        barrier();
+    }
+#endif
+    epilogue();
+
+#elif MODE == 1
+    // The fragments of the subgroup's first K slice, straight from memory,
+    // then steps x BK / 16 slices of multiply-adds on them.
+    FRAG_A fa[4];
+    FRAG_B fb[TN];
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        uint row = min(row0 + wr + i * 16, p.m - 16);
+        coopMatLoad(fa[i], a, (p.a_offset + row * p.lda) / 8, p.lda / 8, gl_CooperativeMatrixLayoutRowMajor);
+    }
+    [[unroll]] for (uint j = 0; j < TN; j++) {
+        uint col = min(col0 + wc + j * 16, p.n - 16);
+#if NN
+        coopMatLoad(fb[j], b, col / 8, p.ldb / 8, gl_CooperativeMatrixLayoutRowMajor);
+#else
+        coopMatLoad(fb[j], b, (col * p.ldb) / 8, p.ldb / 8, gl_CooperativeMatrixLayoutColumnMajor);
+#endif
+    }
+    for (uint s = 0; s < steps * (BK / 16); s++) {
+        [[unroll]] for (uint i = 0; i < 4; i++) {
+            [[unroll]] for (uint j = 0; j < TN; j++) {
+                acc[i * TN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * TN + j]);
+            }
+        }
+    }
+    epilogue();
+
+#elif MODE == 2
+    // Stage step 0 once, then multiply from it every step. `pad0` is 0: the
+    // shift only stops the compiler from hoisting the fragment loads.
+    load_step(0);
+    store_step(0);
+    barrier();
+    for (uint s = 0; s < steps; s++) {
+        uint shift = s & p.pad0;
+        [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
+            math_slice(0, kk + shift * 16);
+        }
+    }
+    epilogue();
+
+#elif MODE == 3
+    uvec4 x = uvec4(0);
+    for (uint s = 0; s < steps; s++) {
+        load_step(s);
+        [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
+            x ^= ra[i];
+        }
+        [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
+            x ^= rb[i];
+        }
+    }
+    sink(x);
+
+#else
+    // MODE 4: the GEMM's staging loop with the multiply-adds taken out.
+#if STAGES == 2
+    load_step(0);
+    store_step(0);
+    barrier();
+    for (uint s = 0; s < steps; s++) {
+        uint st = s & 1;
+        if (s + 1 < steps) {
+            load_step(s + 1);
+            store_step(st ^ 1);
+        }
+        barrier();
+    }
+#else
+    load_step(0);
+    for (uint s = 0; s < steps; s++) {
+        store_step(0);
+        barrier();
+        if (s + 1 < steps) {
+            load_step(s + 1);
+        }
+        barrier();
+    }
+#endif
+    sink(sa[gl_LocalInvocationIndex % SA_STAGE] ^ sb[gl_LocalInvocationIndex % SB_STAGE]);
+#endif
+}
