@@ -1,4 +1,4 @@
-// Device-resident head_kl, step 1 (headkl_core::resident::StatsDesc): one
+// Device-resident head_kl, step 1 (headkl_core::ResidentKernel::WeightStats): one
 // workgroup sums and maxes the token weights on the device, flags the first
 // bad weight, and resolves total and gscale into the status buffer's
 // coefficient words. Prepended by resident_common.wgsl.

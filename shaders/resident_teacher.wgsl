@@ -1,4 +1,4 @@
-// Device-resident head_kl, step 2 (headkl_core::resident::TeacherDesc): one
+// Device-resident head_kl, step 2 (headkl_core::ResidentKernel::TeacherRows): one
 // workgroup per token row of a chunk checks the caller's teacher row, writes
 // it clamped and renormalized into the engine's scratch with the row's
 // KL coefficient, and flags a bad row in the status buffer. A bad row gets

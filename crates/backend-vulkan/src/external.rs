@@ -12,7 +12,7 @@ use headkl_core::{Error, ResidentBackend, ResidentKernel, Result};
 
 use crate::adapter;
 use crate::command::{self, Stream};
-use crate::conv::{backend_error, BACKEND};
+use crate::conv::BACKEND;
 use crate::device::{Device, Enabled};
 use crate::instance::Instance;
 use crate::kernels;
@@ -164,14 +164,7 @@ impl ResidentBackend for VulkanBackend {
         params: &ResidentParams,
         workgroups: u64,
     ) -> Result<()> {
-        if buffers.len() != kernel.bindings().len() {
-            return Err(backend_error(format!(
-                "{}: {} buffers for {} bindings",
-                kernel.entry(),
-                buffers.len(),
-                kernel.bindings().len()
-            )));
-        }
+        kernel.check_buffers(BACKEND, buffers.len())?;
         for b in buffers {
             self.check_device(b, kernel.entry())?;
         }

@@ -155,14 +155,7 @@ impl ResidentBackend for WgpuBackend {
         params: &ResidentParams,
         workgroups: u64,
     ) -> Result<()> {
-        if buffers.len() != kernel.bindings().len() {
-            return Err(crate::backend_error(format!(
-                "{}: {} buffers for {} bindings",
-                kernel.entry(),
-                buffers.len(),
-                kernel.bindings().len()
-            )));
-        }
+        kernel.check_buffers(crate::BACKEND, buffers.len())?;
         // The folded grid's width goes into the block the kernel reads.
         let (gx, _) = fold_workgroups(workgroups);
         let block = ResidentParams { grid_x: gx, ..*params };

@@ -48,7 +48,7 @@ pub mod resident;
 
 use std::panic::AssertUnwindSafe;
 
-use headkl_core::{Backend, Engine, Settings};
+use headkl_core::{Backend, DeviceInfo, Engine, Settings};
 
 use crate::strategies::{case_params, Case, CaseKind, Rng};
 use crate::tolerance::Tolerance;
@@ -252,21 +252,7 @@ pub fn run_part<B: Backend + ?Sized>(
     cfg: &SuiteConfig,
     progress: &mut dyn FnMut(&CaseOutcome),
 ) -> SuiteReport {
-    let info = backend.info();
-    let mut rec = Recorder {
-        report: SuiteReport {
-            backend: info.backend.to_string(),
-            device: info.device_name.clone(),
-            matrix_units: info.matrix_units,
-            cases: 0,
-            passed: 0,
-            failures: Vec::new(),
-            worst_loss_err: 0.0,
-            worst_dx_err: 0.0,
-            worst_prob_err: 0.0,
-        },
-        progress,
-    };
+    let mut rec = Recorder::new(backend.info(), progress);
     let tol = Tolerance::default();
     if part.includes(Part::Kernels) {
         for kc in kernels::kernel_cases() {
@@ -323,7 +309,25 @@ struct Recorder<'a> {
     progress: &'a mut dyn FnMut(&CaseOutcome),
 }
 
-impl Recorder<'_> {
+impl<'a> Recorder<'a> {
+    /// An empty report for the backend `info` describes.
+    fn new(info: &DeviceInfo, progress: &'a mut dyn FnMut(&CaseOutcome)) -> Self {
+        Recorder {
+            report: SuiteReport {
+                backend: info.backend.to_string(),
+                device: info.device_name.clone(),
+                matrix_units: info.matrix_units,
+                cases: 0,
+                passed: 0,
+                failures: Vec::new(),
+                worst_loss_err: 0.0,
+                worst_dx_err: 0.0,
+                worst_prob_err: 0.0,
+            },
+            progress,
+        }
+    }
+
     fn push(&mut self, o: CaseOutcome) {
         let r = &mut self.report;
         r.cases += 1;

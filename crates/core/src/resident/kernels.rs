@@ -2,7 +2,7 @@
 //! trait that runs them.
 
 use crate::backend::Backend;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::params::ResidentParams;
 
 use crate::kernels::{Access, Shader};
@@ -104,6 +104,19 @@ impl ResidentKernel {
             ResidentKernel::TopkOut => &[Read, Read, ReadWrite, ReadWrite, ReadWrite],
             ResidentKernel::StatusDetail => &[Read, Read, Read, ReadWrite],
         }
+    }
+
+    /// Checks that a dispatch on `backend` brings one buffer for each of
+    /// its bindings.
+    pub fn check_buffers(self, backend: &'static str, buffers: usize) -> Result<()> {
+        let bindings = self.bindings().len();
+        if buffers != bindings {
+            return Err(Error::Backend {
+                backend,
+                message: format!("{}: {buffers} buffers for {bindings} bindings", self.entry()),
+            });
+        }
+        Ok(())
     }
 }
 

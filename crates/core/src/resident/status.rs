@@ -17,25 +17,50 @@ pub const WORDS: usize = 32;
 /// "Nothing flagged".
 pub const NONE: u32 = u32::MAX;
 
-const S_ID_RANGE: usize = 0;
-const S_ROW: usize = 1;
-const S_WEIGHT: usize = 2;
-const S_LOGITS: usize = 3;
-const S_TOTAL_BAD: usize = 4;
-const S_TOTAL_BITS: usize = 5;
-const S_KIND: usize = 8;
-const S_D_ROW: usize = 9;
-const S_D_A: usize = 10;
-const S_D_B: usize = 11;
-const S_D_VALUE: usize = 12;
+// Word indices and detail kinds, as `resident_common.wgsl` and
+// `resident_status.wgsl` name them; public for the CPU reference's kernels.
+/// First out-of-range teacher id (flat index `token·k + entry`).
+pub const S_ID_RANGE: usize = 0;
+/// First teacher row with a repeated id, a bad probability or a zero sum.
+pub const S_ROW: usize = 1;
+/// First bad weight.
+pub const S_WEIGHT: usize = 2;
+/// First token with non-finite logits.
+pub const S_LOGITS: usize = 3;
+/// Non-zero when `total` was not positive.
+pub const S_TOTAL_BAD: usize = 4;
+/// `total`'s bits.
+pub const S_TOTAL_BITS: usize = 5;
+/// The detail's kind (0 until the status kernel records one), followed by
+/// its row, two operands and value (`S_D_*`).
+pub const S_KIND: usize = 8;
+/// The detail's row.
+pub const S_D_ROW: usize = 9;
+/// The detail's first operand (a column or first index).
+pub const S_D_A: usize = 10;
+/// The detail's second operand (an id or second index).
+pub const S_D_B: usize = 11;
+/// The detail's value (bits of an f32, or a repeated id).
+pub const S_D_VALUE: usize = 12;
+/// The KL coefficient's multiplier the stats kernel resolved (f32 bits).
+pub const S_COEF_MUL: usize = 16;
+/// The dx multiplier the stats kernel resolved (f32 bits).
+pub const S_DX_MUL: usize = 17;
 
-const KIND_ID_RANGE: u32 = 1;
-const KIND_DUPLICATE: u32 = 2;
-const KIND_PROB_NON_FINITE: u32 = 3;
-const KIND_PROB_NEGATIVE: u32 = 4;
-const KIND_ROW_SUM: u32 = 5;
-const KIND_WEIGHT_NON_FINITE: u32 = 6;
-const KIND_WEIGHT_NEGATIVE: u32 = 7;
+/// Detail kind: a teacher id out of range.
+pub const KIND_ID_RANGE: u32 = 1;
+/// Detail kind: a repeated teacher id.
+pub const KIND_DUPLICATE: u32 = 2;
+/// Detail kind: a non-finite probability.
+pub const KIND_PROB_NON_FINITE: u32 = 3;
+/// Detail kind: a negative probability.
+pub const KIND_PROB_NEGATIVE: u32 = 4;
+/// Detail kind: a teacher row's probabilities sum to zero.
+pub const KIND_ROW_SUM: u32 = 5;
+/// Detail kind: a non-finite weight.
+pub const KIND_WEIGHT_NON_FINITE: u32 = 6;
+/// Detail kind: a negative weight.
+pub const KIND_WEIGHT_NEGATIVE: u32 = 7;
 
 /// The status words of a buffer with nothing flagged.
 pub fn cleared() -> [u32; WORDS] {

@@ -78,6 +78,46 @@ fn nan_bytes(n: usize) -> Vec<u8> {
     bytemuck::cast_slice(&vec![f32::NAN; n]).to_vec()
 }
 
+/// A head_kl case's teacher and weights uploaded to fresh device buffers,
+/// and its outputs, NaN until written.
+struct HeadKlBuffers<Buf> {
+    ids: Buf,
+    probs: Buf,
+    weights: Option<Buf>,
+    loss: Buf,
+    dx: Buf,
+}
+
+impl<Buf> HeadKlBuffers<Buf> {
+    fn upload<B: ResidentBackend<Buffer = Buf> + ?Sized>(backend: &B, case: &Case) -> Result<Self, String> {
+        Ok(Self {
+            ids: device_buffer(backend, bytemuck::cast_slice(&case.teacher_ids), "ids")?,
+            probs: device_buffer(backend, bytemuck::cast_slice(&case.teacher_probs), "probs")?,
+            weights: match &case.weights {
+                Some(w) => Some(device_buffer(backend, bytemuck::cast_slice(w), "weights")?),
+                None => None,
+            },
+            loss: device_buffer(backend, &nan_bytes(case.ntok), "loss")?,
+            dx: device_buffer(backend, &nan_bytes(case.ntok * case.hs), "dx")?,
+        })
+    }
+
+    fn teacher(&self, k: usize) -> DeviceTeacher<'_, Buf> {
+        DeviceTeacher {
+            ids: &self.ids,
+            probs: &self.probs,
+            k,
+        }
+    }
+
+    fn output(&self) -> DeviceLossOutput<'_, Buf> {
+        DeviceLossOutput {
+            loss: &self.loss,
+            dx: &self.dx,
+        }
+    }
+}
+
 /// One drawn case through the resident path, against the reference and the
 /// host path.
 fn check_resident_case<B: ResidentBackend + ?Sized>(
@@ -94,33 +134,21 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
     let hidden = DeviceHidden { buffer: &x, dtype };
     match case.kind {
         CaseKind::HeadKl => {
-            let (ntok, k, hs) = (case.ntok, case.k, case.hs);
-            let ids = device_buffer(backend, bytemuck::cast_slice(&case.teacher_ids), "ids")?;
-            let probs = device_buffer(backend, bytemuck::cast_slice(&case.teacher_probs), "probs")?;
-            let weights = match &case.weights {
-                Some(w) => Some(device_buffer(backend, bytemuck::cast_slice(w), "weights")?),
-                None => None,
-            };
-            let loss = device_buffer(backend, &nan_bytes(ntok), "loss")?;
-            let dx = device_buffer(backend, &nan_bytes(ntok * hs), "dx")?;
+            let (ntok, hs) = (case.ntok, case.hs);
+            let bufs = HeadKlBuffers::upload(backend, case)?;
             let mut opts = DeviceLossOptions {
                 temperature: case.temperature,
-                weights: weights.as_ref(),
+                weights: bufs.weights.as_ref(),
                 max_rows_per_chunk: case.max_rows_per_chunk,
                 ..DeviceLossOptions::default()
             };
-            let teacher = DeviceTeacher {
-                ids: &ids,
-                probs: &probs,
-                k,
-            };
-            let out = DeviceLossOutput { loss: &loss, dx: &dx };
+            let (teacher, out) = (bufs.teacher(case.k), bufs.output());
             engine
                 .head_kl_device(ntok, &hidden, &teacher, &out, &opts)
                 .map_err(|e| format!("head_kl_device: {e}"))?;
             engine.wait_device().map_err(|e| format!("wait_device: {e}"))?;
-            let got_loss = download_f32(backend, &loss, ntok)?;
-            let got_dx = download_f32(backend, &dx, ntok * hs)?;
+            let got_loss = download_f32(backend, &bufs.loss, ntok)?;
+            let got_dx = download_f32(backend, &bufs.dx, ntok * hs)?;
 
             let host_teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
             let host_opts = case.loss_options();
@@ -166,7 +194,7 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
                 .head_kl_device(ntok, &hidden, &teacher, &out, &opts)
                 .map_err(|e| format!("head_kl_device (accumulate): {e}"))?;
             engine.wait_device().map_err(|e| format!("wait_device: {e}"))?;
-            let doubled = download_f32(backend, &dx, ntok * hs)?;
+            let doubled = download_f32(backend, &bufs.dx, ntok * hs)?;
             let twice: Vec<f64> = got_dx.iter().map(|&v| 2.0 * f64::from(v)).collect();
             tol.check_dx_rows(&doubled, &twice, Some(hs))
                 .map_err(|e| format!("accumulate_dx: {e}"))?;
@@ -281,33 +309,16 @@ fn resident_error<B: ResidentBackend + ?Sized>(backend: &B, case: &Case, checked
         buffer: &x,
         dtype: HiddenDtype::F32,
     };
-    let (ntok, k, hs) = (case.ntok, case.k, case.hs);
+    let (ntok, k) = (case.ntok, case.k);
     let call = match case.kind {
         CaseKind::HeadKl => {
-            let ids = device_buffer(backend, bytemuck::cast_slice(&case.teacher_ids), "ids")?;
-            let probs = device_buffer(backend, bytemuck::cast_slice(&case.teacher_probs), "probs")?;
-            let weights = match &case.weights {
-                Some(w) => Some(device_buffer(backend, bytemuck::cast_slice(w), "weights")?),
-                None => None,
-            };
-            let loss = device_buffer(backend, &nan_bytes(ntok), "loss")?;
-            let dx = device_buffer(backend, &nan_bytes(ntok * hs), "dx")?;
+            let bufs = HeadKlBuffers::upload(backend, case)?;
             let opts = DeviceLossOptions {
-                weights: weights.as_ref(),
+                weights: bufs.weights.as_ref(),
                 max_rows_per_chunk: case.max_rows_per_chunk,
                 ..DeviceLossOptions::default()
             };
-            engine.head_kl_device(
-                ntok,
-                &hidden,
-                &DeviceTeacher {
-                    ids: &ids,
-                    probs: &probs,
-                    k,
-                },
-                &DeviceLossOutput { loss: &loss, dx: &dx },
-                &opts,
-            )
+            engine.head_kl_device(ntok, &hidden, &bufs.teacher(k), &bufs.output(), &opts)
         }
         CaseKind::Topk => {
             let ids = device_buffer(backend, &vec![0u8; ntok * k * 4], "ids")?;
@@ -398,21 +409,7 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
     cfg: &SuiteConfig,
     progress: &mut dyn FnMut(&CaseOutcome),
 ) -> SuiteReport {
-    let info = backend.info();
-    let mut rec = Recorder {
-        report: SuiteReport {
-            backend: info.backend.to_string(),
-            device: info.device_name.clone(),
-            matrix_units: info.matrix_units,
-            cases: 0,
-            passed: 0,
-            failures: Vec::new(),
-            worst_loss_err: 0.0,
-            worst_dx_err: 0.0,
-            worst_prob_err: 0.0,
-        },
-        progress,
-    };
+    let mut rec = Recorder::new(backend.info(), progress);
     let tol = Tolerance::default();
     for index in 0..cfg.cases {
         let outcome = match driver_case(cfg.seed, index) {

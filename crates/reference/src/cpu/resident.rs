@@ -4,21 +4,14 @@
 
 use half::{bf16, f16};
 use headkl_core::params::ResidentParams;
-use headkl_core::resident::status::{NONE, WORDS};
+use headkl_core::resident::status::{
+    KIND_DUPLICATE, KIND_ID_RANGE, KIND_PROB_NEGATIVE, KIND_PROB_NON_FINITE, KIND_ROW_SUM, KIND_WEIGHT_NEGATIVE,
+    KIND_WEIGHT_NON_FINITE, NONE, S_COEF_MUL, S_DX_MUL, S_D_VALUE, S_ID_RANGE, S_KIND, S_LOGITS, S_ROW, S_TOTAL_BAD,
+    S_TOTAL_BITS, S_WEIGHT, WORDS,
+};
 use headkl_core::{ResidentBackend, ResidentKernel, Result};
 
-use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer};
-
-// Status words (headkl_core::resident::status).
-const S_ID_RANGE: usize = 0;
-const S_ROW: usize = 1;
-const S_WEIGHT: usize = 2;
-const S_LOGITS: usize = 3;
-const S_TOTAL_BAD: usize = 4;
-const S_TOTAL_BITS: usize = 5;
-const S_KIND: usize = 8;
-const S_COEF_MUL: usize = 16;
-const S_DX_MUL: usize = 17;
+use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer, BACKEND};
 
 fn bad_value(x: f32) -> bool {
     !x.is_finite() || (x < 0.0)
@@ -195,11 +188,11 @@ impl CpuBackend {
         let row = status[S_ROW];
         let wrow = status[S_WEIGHT];
         let mut record = |kind: u32, row: u32, a: u32, b: u32, value: u32| {
-            status[S_KIND..S_KIND + 5].copy_from_slice(&[kind, row, a, b, value]);
+            status[S_KIND..=S_D_VALUE].copy_from_slice(&[kind, row, a, b, value]);
         };
         if flat != NONE {
             let id = ids[p.off_a as usize + flat as usize];
-            record(1, flat / p.cols, flat % p.cols, id, 0);
+            record(KIND_ID_RANGE, flat / p.cols, flat % p.cols, id, 0);
         } else if row != NONE && row < p.rows {
             let r = row as usize;
             let ids = &ids[p.off_a as usize + r * k..][..k];
@@ -209,18 +202,28 @@ impl CpuBackend {
                 .filter_map(|q| ids[..q].iter().position(|&i| i == ids[q]).map(|j| (ids[q], j, q)))
                 .min();
             if let Some((id, first, second)) = dup {
-                record(2, row, first as u32, second as u32, id);
+                record(KIND_DUPLICATE, row, first as u32, second as u32, id);
             } else if let Some(q) = probs.iter().position(|v| !v.is_finite()) {
-                record(3, row, q as u32, 0, probs[q].to_bits());
+                record(KIND_PROB_NON_FINITE, row, q as u32, 0, probs[q].to_bits());
             } else if let Some(q) = probs.iter().position(|&v| v < 0.0) {
-                record(4, row, q as u32, 0, probs[q].to_bits());
+                record(KIND_PROB_NEGATIVE, row, q as u32, 0, probs[q].to_bits());
             } else {
                 let sum: f64 = probs.iter().map(|&v| f64::from(v)).sum();
-                record(5, row, 0, 0, (sum as f32).to_bits());
+                record(KIND_ROW_SUM, row, 0, 0, (sum as f32).to_bits());
             }
         } else if wrow != NONE && wrow < p.rows && p.flags & 1 != 0 {
             let w = weights[p.off_c as usize + wrow as usize];
-            record(if w.is_finite() { 7 } else { 6 }, wrow, 0, 0, w.to_bits());
+            record(
+                if w.is_finite() {
+                    KIND_WEIGHT_NEGATIVE
+                } else {
+                    KIND_WEIGHT_NON_FINITE
+                },
+                wrow,
+                0,
+                0,
+                w.to_bits(),
+            );
         }
         Ok(())
     }
@@ -242,14 +245,7 @@ impl ResidentBackend for CpuBackend {
         params: &ResidentParams,
         _workgroups: u64,
     ) -> Result<()> {
-        if buffers.len() != kernel.bindings().len() {
-            return Err(backend_error(format!(
-                "{}: {} buffers for {} bindings",
-                kernel.entry(),
-                buffers.len(),
-                kernel.bindings().len()
-            )));
-        }
+        kernel.check_buffers(BACKEND, buffers.len())?;
         let status_words = match kernel {
             ResidentKernel::WeightStats => Some(1),
             ResidentKernel::TeacherRows | ResidentKernel::StatusDetail => Some(3),
