@@ -398,10 +398,15 @@ impl<B: Backend> Engine<B> {
                 b.gemm(grad, plane, dx_buf, &desc)?;
             }
             let f32_bytes = std::mem::size_of::<f32>();
-            let loss_p = b.download_begin(loss_buf, 0, rows * f32_bytes)?;
-            let dx_p = b.download_begin(dx_buf, 0, rows * self.hs_padded * f32_bytes)?;
+            let pending = begin_pair(
+                b,
+                [
+                    (loss_buf, rows * f32_bytes),
+                    (dx_buf, rows * self.hs_padded * f32_bytes),
+                ],
+            )?;
             trace.mark("teacher upload + record");
-            if let Some(done) = pipe.push(start, rows, [loss_p, dx_p]) {
+            if let Some(done) = pipe.push(start, rows, pending) {
                 self.read_loss_chunk(b, done, loss, dx, &mut dx_padded, &mut trace)?;
             }
         }
@@ -431,7 +436,10 @@ impl<B: Backend> Engine<B> {
     ) -> Result<()> {
         let (hs, Chunk { start, rows, pending }) = (self.hs, chunk);
         let [loss_p, dx_p] = pending;
-        b.download_end(loss_p, bytemuck::cast_slice_mut(&mut loss[start..start + rows]))?;
+        if let Err(e) = b.download_end(loss_p, bytemuck::cast_slice_mut(&mut loss[start..start + rows])) {
+            discard(b, dx_p);
+            return Err(e);
+        }
         trace.mark("wait for kernels");
         if let Some(t) = loss[start..start + rows].iter().position(|l| !l.is_finite()) {
             discard(b, dx_p);
@@ -513,7 +521,10 @@ impl<B: Backend> Engine<B> {
             let Chunk { start, rows, pending } = done;
             let [ids_p, probs_p] = pending;
             let range = start * k..(start + rows) * k;
-            b.download_end(ids_p, bytemuck::cast_slice_mut(&mut ids[range.clone()]))?;
+            if let Err(e) = b.download_end(ids_p, bytemuck::cast_slice_mut(&mut ids[range.clone()])) {
+                discard(b, probs_p);
+                return Err(e);
+            }
             b.download_end(probs_p, bytemuck::cast_slice_mut(&mut probs[range]))?;
             match (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
                 Some(t) => Err(Error::NonFiniteHidden { token: start + t }),
@@ -531,9 +542,8 @@ impl<B: Backend> Engine<B> {
             };
             b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let bytes = rows * k * std::mem::size_of::<u32>();
-            let ids_p = b.download_begin(&s.ids, 0, bytes)?;
-            let probs_p = b.download_begin(&s.probs, 0, bytes)?;
-            if let Some(done) = pipe.push(start, rows, [ids_p, probs_p]) {
+            let pending = begin_pair(b, [(&s.ids, bytes), (&s.probs, bytes)])?;
+            if let Some(done) = pipe.push(start, rows, pending) {
                 read(done, &mut ids, &mut probs)?;
             }
         }
@@ -583,6 +593,20 @@ impl<B: Backend> Drop for InFlight<'_, B> {
             for p in chunk.pending {
                 discard(self.backend, p);
             }
+        }
+    }
+}
+
+/// Starts copying out one chunk's two outputs (`(buffer, bytes)` from
+/// offset 0). If the second cannot start, the first is drained.
+fn begin_pair<B: Backend>(backend: &B, outputs: [(&B::Buffer, usize); 2]) -> Result<[PendingDownload; 2]> {
+    let [(first, first_len), (second, second_len)] = outputs;
+    let first = backend.download_begin(first, 0, first_len)?;
+    match backend.download_begin(second, 0, second_len) {
+        Ok(second) => Ok([first, second]),
+        Err(e) => {
+            discard(backend, first);
+            Err(e)
         }
     }
 }
