@@ -17,6 +17,8 @@ use crate::device::Device;
 use crate::memory::{HostBuffer, VulkanBuffer};
 use crate::pipeline::Pipeline;
 
+mod readback;
+
 /// Staging buffer size: transfers larger than this go in pieces.
 pub(crate) const STAGING_BYTES: u64 = 64 << 20;
 /// Uniform blocks (and descriptor sets) per submission.
@@ -57,6 +59,11 @@ pub(crate) struct Stream {
     sets_used: u64,
     timer: Option<Timer>,
     kernel_times: Vec<KernelTime>,
+    /// Submissions made, and how many of them are known to have finished
+    /// (a readback recorded in submission `n` is ready once `completed ≥ n`).
+    submits: u64,
+    completed: u64,
+    readbacks: readback::Readbacks,
 }
 
 /// A buffer binding: the handle and its size.
@@ -97,6 +104,9 @@ impl Stream {
             sets_used: 0,
             timer: None,
             kernel_times: Vec::new(),
+            submits: 0,
+            completed: 0,
+            readbacks: readback::Readbacks::default(),
         };
         // On error, `Drop` destroys whatever was created so far.
         stream.create_objects(staging_bytes)?;
@@ -306,6 +316,7 @@ impl Stream {
         // stream, under the backend's lock; the fence is unsignaled.
         unsafe { dev.queue_submit(self.device.queue, &submit, self.fence) }
             .map_err(|e| vk_error(e, "vkQueueSubmit"))?;
+        self.submits += 1;
         Ok(())
     }
 
@@ -313,6 +324,7 @@ impl Stream {
         let dev = &self.device.raw;
         // SAFETY: the fence was submitted with the command buffer.
         unsafe { dev.wait_for_fences(&[self.fence], true, u64::MAX) }.map_err(|e| vk_error(e, "vkWaitForFences"))?;
+        self.completed = self.submits;
         if let Some(t) = &mut self.timer {
             if t.used > 0 {
                 let mut data = vec![0u64; t.used as usize];
@@ -571,6 +583,7 @@ impl Drop for Stream {
         // Finish (or abandon, if the device is lost) what was recorded.
         let _ = self.flush();
         self.destroy_timer();
+        self.readbacks.destroy(&self.device);
         let dev = &self.device.raw;
         // SAFETY: nothing is pending after the flush; each object is
         // destroyed once (null handles are ignored by Vulkan).

@@ -42,7 +42,7 @@ use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::settings::GemmSources;
 use headkl_core::{
     fold_workgroups, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc, GemmKernel,
-    KernelId, KernelTime, KlDesc, MemoryStats, Result, Settings, StagedTile, TopkDesc,
+    KernelId, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, Settings, StagedTile, TopkDesc,
 };
 
 use crate::command::{Binding, Stream};
@@ -404,6 +404,15 @@ impl Backend for VulkanBackend {
     fn download(&self, src: &VulkanBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
         self.check_device(src, "download")?;
         self.stream()?.download(src, offset, out)
+    }
+
+    fn download_begin(&self, src: &VulkanBuffer, offset: u64, len: usize) -> Result<PendingDownload> {
+        self.check_device(src, "download")?;
+        self.stream()?.download_begin(src, offset, len)
+    }
+
+    fn download_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
+        self.stream()?.download_end(pending, out)
     }
 
     fn convert_f16(&self, src: &VulkanBuffer, dst: &VulkanBuffer, desc: &ConvertDesc) -> Result<()> {

@@ -5,7 +5,8 @@
 use std::sync::atomic::Ordering;
 
 use headkl_core::{
-    Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, Result, TopkDesc,
+    Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, PendingDownload,
+    Result, TopkDesc,
 };
 
 use crate::backend_error;
@@ -53,6 +54,14 @@ impl Backend for WgpuBackend {
 
     fn download(&self, src: &WgpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
         self.download_bytes(src, offset, out)
+    }
+
+    fn download_begin(&self, src: &WgpuBuffer, offset: u64, len: usize) -> Result<PendingDownload> {
+        self.readback_begin(src, offset, len)
+    }
+
+    fn download_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
+        self.readback_end(pending, out)
     }
 
     fn convert_f16(&self, src: &WgpuBuffer, dst: &WgpuBuffer, desc: &ConvertDesc) -> Result<()> {

@@ -48,6 +48,8 @@ pub struct WgpuBackend {
     pub(crate) times: Mutex<Vec<PendingTimes>>,
     pub(crate) staging: Mutex<Option<wgpu::Buffer>>,
     pub(crate) staged_upload_bytes: AtomicU64,
+    /// Downloads started and not yet read, with their staging pool.
+    pub(crate) readbacks: Mutex<crate::readback::Readbacks>,
 }
 
 pub(crate) fn wgpu_error_text(e: &wgpu::Error) -> String {
@@ -210,6 +212,7 @@ impl WgpuBackend {
             times: Mutex::new(Vec::new()),
             staging: Mutex::new(None),
             staged_upload_bytes: AtomicU64::new(0),
+            readbacks: Mutex::new(crate::readback::Readbacks::default()),
         })
     }
 

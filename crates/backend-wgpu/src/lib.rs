@@ -24,6 +24,7 @@ mod buffer;
 mod device;
 mod external;
 mod kernels;
+mod readback;
 mod stream;
 mod transfer;
 

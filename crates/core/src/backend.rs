@@ -211,6 +211,54 @@ pub struct MemoryStats {
     pub peak: u64,
 }
 
+/// A download recorded by [`Backend::download_begin`] and not yet read:
+/// hand it to [`Backend::download_end`] (which waits for it) exactly once.
+/// It holds either the bytes themselves (a backend that downloads
+/// synchronously) or the backend's ticket for a copy still in flight.
+#[derive(Debug)]
+#[must_use = "a pending download is read (and its staging freed) by Backend::download_end"]
+pub struct PendingDownload {
+    ticket: u64,
+    len: usize,
+    bytes: Option<Vec<u8>>,
+}
+
+impl PendingDownload {
+    /// A download that already finished, holding its bytes.
+    pub fn ready(bytes: Vec<u8>) -> Self {
+        Self {
+            ticket: 0,
+            len: bytes.len(),
+            bytes: Some(bytes),
+        }
+    }
+
+    /// A download of `len` bytes still in flight, named by the backend's
+    /// `ticket`.
+    pub fn in_flight(ticket: u64, len: usize) -> Self {
+        Self {
+            ticket,
+            len,
+            bytes: None,
+        }
+    }
+
+    /// Bytes it carries.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it carries no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The backend's ticket, or the finished bytes.
+    pub fn into_parts(self) -> (u64, Option<Vec<u8>>) {
+        (self.ticket, self.bytes)
+    }
+}
+
 /// A device that can run the driver: buffers, transfers and kernels.
 ///
 /// Errors are for what the caller cannot anticipate: out-of-memory, device
@@ -232,6 +280,35 @@ pub trait Backend {
     /// Copies `out.len()` bytes from `src` at `offset` bytes into `out`,
     /// after all queued work has finished.
     fn download(&self, src: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()>;
+
+    /// Starts copying `len` bytes of `src` at `offset` out, ordered after
+    /// all queued work, and returns without waiting for it: work queued
+    /// afterwards (the next chunk) may overwrite `src` while the copy is in
+    /// flight. [`Backend::download_end`] waits for it and hands the bytes
+    /// over. The default downloads at once (a synchronous backend).
+    fn download_begin(&self, src: &Self::Buffer, offset: u64, len: usize) -> Result<PendingDownload> {
+        let mut bytes = vec![0u8; len];
+        self.download(src, offset, &mut bytes)?;
+        Ok(PendingDownload::ready(bytes))
+    }
+
+    /// Waits for a download [`Backend::download_begin`] started (and only
+    /// for the work queued before it) and copies its bytes into `out`
+    /// (`out.len()` is the length it was started with).
+    fn download_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
+        let len = pending.len();
+        match pending.into_parts() {
+            (_, Some(bytes)) if bytes.len() == out.len() => {
+                out.copy_from_slice(&bytes);
+                Ok(())
+            }
+            _ => Err(crate::Error::LengthMismatch {
+                field: "download_end output",
+                expected: len,
+                got: out.len(),
+            }),
+        }
+    }
 
     /// Converts hidden rows f32 → f16 (see [`ConvertDesc`]).
     fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()>;
@@ -303,6 +380,12 @@ impl<T: Backend + ?Sized> Backend for &T {
     }
     fn download(&self, src: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
         (**self).download(src, offset, out)
+    }
+    fn download_begin(&self, src: &Self::Buffer, offset: u64, len: usize) -> Result<PendingDownload> {
+        (**self).download_begin(src, offset, len)
+    }
+    fn download_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
+        (**self).download_end(pending, out)
     }
     fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()> {
         (**self).convert_f16(src, dst, desc)

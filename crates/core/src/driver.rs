@@ -4,7 +4,7 @@
 
 use half::f16;
 
-use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, PendingDownload, TopkDesc};
 use crate::chunking::{plan_chunks, ChunkPlan};
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
@@ -351,11 +351,16 @@ impl<B: Backend> Engine<B> {
         let mut dx_padded = Vec::new();
         trace.mark("output alloc");
         let dx_scale = 1.0 / (f64::from(resolved.gscale) * f64::from(resolved.temperature));
+        let b = &self.backend;
+        // Two chunks in flight: chunk i is recorded and its outputs' copies
+        // started before chunk i−1's are waited for and read, so the device
+        // always has queued work while the host reads. Whatever is still
+        // pending when this returns (an error) is drained by `pipe`'s drop.
+        let mut pipe = InFlight::new(b);
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
             self.load_hidden(input, &s.x16, start, rows)?;
             trace.mark("hidden upload");
-            let b = &self.backend;
             let (coef, loss_buf, grad, dx_buf) = (&ls.coef, &ls.loss, &ls.grad, &ls.dx);
             b.upload(
                 &s.ids,
@@ -392,26 +397,21 @@ impl<B: Backend> Engine<B> {
                 };
                 b.gemm(grad, plane, dx_buf, &desc)?;
             }
+            let f32_bytes = std::mem::size_of::<f32>();
+            let pending = begin_pair(
+                b,
+                [
+                    (loss_buf, rows * f32_bytes),
+                    (dx_buf, rows * self.hs_padded * f32_bytes),
+                ],
+            )?;
             trace.mark("teacher upload + record");
-            b.download(loss_buf, 0, bytemuck::cast_slice_mut(&mut loss[start..start + rows]))?;
-            trace.mark("wait for kernels");
-            if let Some(t) = loss[start..start + rows].iter().position(|l| !l.is_finite()) {
-                return Err(Error::NonFiniteHidden { token: start + t });
+            if let Some(done) = pipe.push(start, rows, pending) {
+                self.read_loss_chunk(b, done, loss, dx, &mut dx_padded, &mut trace)?;
             }
-            let dx_rows = &mut dx[start * hs..(start + rows) * hs];
-            if self.hs_padded == hs {
-                // Rows are already dense: straight into the output.
-                b.download(dx_buf, 0, bytemuck::cast_slice_mut(dx_rows))?;
-                trace.mark("dx download");
-            } else {
-                dx_padded.resize(rows * self.hs_padded, 0f32);
-                b.download(dx_buf, 0, bytemuck::cast_slice_mut(&mut dx_padded))?;
-                trace.mark("dx download");
-                for (row, padded) in dx_rows.chunks_exact_mut(hs).zip(dx_padded.chunks_exact(self.hs_padded)) {
-                    row.copy_from_slice(&padded[..hs]);
-                }
-                trace.mark("dx unpad");
-            }
+        }
+        if let Some(done) = pipe.pop() {
+            self.read_loss_chunk(b, done, loss, dx, &mut dx_padded, &mut trace)?;
         }
         trace.report();
         let weighted: f64 = loss
@@ -420,6 +420,45 @@ impl<B: Backend> Engine<B> {
             .map(|(&l, &w)| f64::from(l) * f64::from(w))
             .sum();
         *mean = weighted / f64::from(resolved.total);
+        Ok(())
+    }
+
+    /// Waits for one `head_kl` chunk's loss and dx copies and puts them in
+    /// the output, failing on the chunk's first non-finite row.
+    fn read_loss_chunk(
+        &self,
+        b: &B,
+        chunk: Chunk,
+        loss: &mut [f32],
+        dx: &mut [f32],
+        dx_padded: &mut Vec<f32>,
+        trace: &mut Trace,
+    ) -> Result<()> {
+        let (hs, Chunk { start, rows, pending }) = (self.hs, chunk);
+        let [loss_p, dx_p] = pending;
+        if let Err(e) = b.download_end(loss_p, bytemuck::cast_slice_mut(&mut loss[start..start + rows])) {
+            discard(b, dx_p);
+            return Err(e);
+        }
+        trace.mark("wait for kernels");
+        if let Some(t) = loss[start..start + rows].iter().position(|l| !l.is_finite()) {
+            discard(b, dx_p);
+            return Err(Error::NonFiniteHidden { token: start + t });
+        }
+        let dx_rows = &mut dx[start * hs..(start + rows) * hs];
+        if self.hs_padded == hs {
+            // Rows are already dense: straight into the output.
+            b.download_end(dx_p, bytemuck::cast_slice_mut(dx_rows))?;
+            trace.mark("dx download");
+        } else {
+            dx_padded.resize(rows * self.hs_padded, 0f32);
+            b.download_end(dx_p, bytemuck::cast_slice_mut(dx_padded.as_mut_slice()))?;
+            trace.mark("dx download");
+            for (row, padded) in dx_rows.chunks_exact_mut(hs).zip(dx_padded.chunks_exact(self.hs_padded)) {
+                row.copy_from_slice(&padded[..hs]);
+            }
+            trace.mark("dx unpad");
+        }
         Ok(())
     }
 
@@ -475,6 +514,23 @@ impl<B: Backend> Engine<B> {
         let k = opts.k;
         let mut ids = vec![0u32; ntok * k];
         let mut probs = vec![0f32; ntok * k];
+        let b = &self.backend;
+        // Two chunks in flight, as in `loss_chunks`.
+        let mut pipe = InFlight::new(b);
+        let read = |done: Chunk, ids: &mut [u32], probs: &mut [f32]| -> Result<()> {
+            let Chunk { start, rows, pending } = done;
+            let [ids_p, probs_p] = pending;
+            let range = start * k..(start + rows) * k;
+            if let Err(e) = b.download_end(ids_p, bytemuck::cast_slice_mut(&mut ids[range.clone()])) {
+                discard(b, probs_p);
+                return Err(e);
+            }
+            b.download_end(probs_p, bytemuck::cast_slice_mut(&mut probs[range]))?;
+            match (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
+                Some(t) => Err(Error::NonFiniteHidden { token: start + t }),
+                None => Ok(()),
+            }
+        };
         for (start, rows) in plan.ranges(ntok) {
             self.load_hidden(input, &s.x16, start, rows)?;
             self.logits(s, round_up(rows, ALIGN), opts.temperature)?;
@@ -484,18 +540,83 @@ impl<B: Backend> Engine<B> {
                 ld: self.vocab_padded,
                 k,
             };
-            self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
-            let range = start * k..(start + rows) * k;
-            self.backend
-                .download(&s.ids, 0, bytemuck::cast_slice_mut(&mut ids[range.clone()]))?;
-            self.backend
-                .download(&s.probs, 0, bytemuck::cast_slice_mut(&mut probs[range]))?;
-            if let Some(t) = (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
-                return Err(Error::NonFiniteHidden { token: start + t });
+            b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
+            let bytes = rows * k * std::mem::size_of::<u32>();
+            let pending = begin_pair(b, [(&s.ids, bytes), (&s.probs, bytes)])?;
+            if let Some(done) = pipe.push(start, rows, pending) {
+                read(done, &mut ids, &mut probs)?;
             }
+        }
+        if let Some(done) = pipe.pop() {
+            read(done, &mut ids, &mut probs)?;
         }
         Ok(TopK { ids, probs, ntok, k })
     }
+}
+
+/// One chunk whose outputs are being copied out: its token range and its
+/// two downloads (loss and dx, or ids and probabilities).
+struct Chunk {
+    start: usize,
+    rows: usize,
+    pending: [PendingDownload; 2],
+}
+
+/// The chunks in flight on a backend: at most one waits to be read while
+/// the next is recorded. Dropping it (an error path) waits for and discards
+/// whatever is still pending, so no copy outlives the call.
+struct InFlight<'a, B: Backend> {
+    backend: &'a B,
+    waiting: Option<Chunk>,
+}
+
+impl<'a, B: Backend> InFlight<'a, B> {
+    fn new(backend: &'a B) -> Self {
+        Self { backend, waiting: None }
+    }
+
+    /// Adds the chunk just recorded and hands back the one before it, now
+    /// due to be read.
+    fn push(&mut self, start: usize, rows: usize, pending: [PendingDownload; 2]) -> Option<Chunk> {
+        self.waiting.replace(Chunk { start, rows, pending })
+    }
+
+    /// The last chunk, after the loop.
+    fn pop(&mut self) -> Option<Chunk> {
+        self.waiting.take()
+    }
+}
+
+impl<B: Backend> Drop for InFlight<'_, B> {
+    fn drop(&mut self) {
+        if let Some(chunk) = self.waiting.take() {
+            for p in chunk.pending {
+                discard(self.backend, p);
+            }
+        }
+    }
+}
+
+/// Starts copying out one chunk's two outputs (`(buffer, bytes)` from
+/// offset 0). If the second cannot start, the first is drained.
+fn begin_pair<B: Backend>(backend: &B, outputs: [(&B::Buffer, usize); 2]) -> Result<[PendingDownload; 2]> {
+    let [(first, first_len), (second, second_len)] = outputs;
+    let first = backend.download_begin(first, 0, first_len)?;
+    match backend.download_begin(second, 0, second_len) {
+        Ok(second) => Ok([first, second]),
+        Err(e) => {
+            discard(backend, first);
+            Err(e)
+        }
+    }
+}
+
+/// Waits for a download whose bytes are no longer wanted (an error is on
+/// its way out already), so its staging is free when the call returns.
+fn discard<B: Backend>(backend: &B, pending: PendingDownload) {
+    let mut sink = vec![0u8; pending.len()];
+    // The caller is already returning an error; this one adds nothing.
+    let _ = backend.download_end(pending, &mut sink);
 }
 
 /// Host-side time per phase of a call, printed to stderr when the engine's

@@ -34,7 +34,8 @@ pub mod slicing;
 pub mod tune_cache;
 
 pub use backend::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, TopkDesc,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats,
+    PendingDownload, TopkDesc,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, SliceOptions, TopK};

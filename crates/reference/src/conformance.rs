@@ -44,6 +44,7 @@
 
 mod cases;
 mod kernels;
+mod overlap;
 pub mod resident;
 
 use std::panic::AssertUnwindSafe;

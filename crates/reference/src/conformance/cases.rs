@@ -3,6 +3,7 @@
 
 use headkl_core::{Backend, Engine, Error, HiddenData, LossOptions};
 
+use super::overlap::CountInFlight;
 use super::{engine_for, Measured};
 use crate::direct;
 use crate::strategies::{Case, CaseKind, CaseParams, TeacherShape};
@@ -453,6 +454,11 @@ pub(crate) const ERROR_CASES: &[(&str, &str)] = &[
         "V=1100 hs=72 ntok=70 in >= 3 slices and >= 4 chunks: head_kl and topk match the reference",
     ),
     (
+        "two_chunks_in_flight",
+        "40 tokens in chunks of 16: head_kl and topk keep two chunks' downloads in flight and match the reference; \
+         NaN in row 21 fails naming token 21 with no download left in flight",
+    ),
+    (
         "memory_released",
         "dropping an engine returns the backend's memory to what it was before",
     ),
@@ -550,6 +556,44 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
             let top = compare(&mut engine, &topk_case, &clean.loss_options(), tol)
                 .map_err(|e| format!("after the error: {e}"))?;
             Ok(Measured { prob: top.prob, ..kl })
+        }
+        "two_chunks_in_flight" => {
+            let counted = CountInFlight::new(backend);
+            let clean = error_base(CaseKind::HeadKl, 40);
+            let mut engine = engine_for(&counted, &clean)?;
+            let mut measured = Measured::default();
+            for kind in [CaseKind::HeadKl, CaseKind::Topk] {
+                let case = Case { kind, ..clean.clone() };
+                let m = compare(&mut engine, &case, &clean.loss_options(), tol)?;
+                // Two outputs per chunk, two chunks: four copies out at once.
+                let most = counted.take_most();
+                if most < 4 || counted.pending() != 0 {
+                    return Err(format!(
+                        "{kind:?}: at most {most} downloads in flight (want 4: two chunks' outputs), {} left after the call",
+                        counted.pending()
+                    ));
+                }
+                measured = Measured {
+                    prob: m.prob.or(measured.prob),
+                    loss: m.loss.or(measured.loss),
+                    dx: m.dx.or(measured.dx),
+                };
+            }
+            let mut poisoned = clean.clone();
+            poisoned.hidden[21 * clean.hs + 3] = f32::NAN;
+            let hidden = poisoned.hidden_rows(&[]).map_err(|e| e.to_string())?;
+            let teacher = clean.teacher().map_err(|e| e.to_string())?;
+            let got = engine.head_kl(&hidden, &teacher, &clean.loss_options());
+            expect_non_finite("head_kl", got, 21)?;
+            let got = engine.topk(&hidden, &clean.topk_options());
+            expect_non_finite("topk", got, 21)?;
+            if counted.pending() != 0 {
+                return Err(format!(
+                    "{} download(s) left in flight after the error",
+                    counted.pending()
+                ));
+            }
+            Ok(measured)
         }
         "multi_slice_multi_chunk" => {
             let mut measured = Measured::default();

@@ -1,0 +1,190 @@
+//! Downloads that do not wait: the copy into a host buffer of its own is
+//! recorded in the stream's current batch, and read once that batch has
+//! finished. Reading first submits whatever is recorded since, so the
+//! device computes the next chunk while the host copies this one out.
+
+use std::collections::HashMap;
+
+use ash::vk;
+use headkl_core::checks::check_transfer;
+use headkl_core::{DeviceBuffer, Error, PendingDownload, Result};
+
+use super::Stream;
+use crate::conv::backend_error;
+use crate::device::Device;
+use crate::memory::{HostBuffer, VulkanBuffer};
+
+/// Host buffers kept for reuse after their download was read: two chunks
+/// in flight with two outputs each.
+const POOL_BUFFERS: usize = 4;
+
+/// A download in flight: its host buffer and the submission that fills it.
+struct Readback {
+    host: HostBuffer,
+    submission: u64,
+    len: usize,
+}
+
+/// The stream's downloads in flight, by ticket, and idle host buffers.
+#[derive(Default)]
+pub(super) struct Readbacks {
+    next_ticket: u64,
+    in_flight: HashMap<u64, Readback>,
+    pool: Vec<HostBuffer>,
+}
+
+impl Readbacks {
+    /// Frees every host buffer. The stream has waited for its work.
+    pub(super) fn destroy(&mut self, device: &Device) {
+        let pooled = self.pool.drain(..);
+        let in_flight = self.in_flight.drain().map(|(_, r)| r.host);
+        for host in pooled.chain(in_flight) {
+            // SAFETY: the stream flushed before this (Stream's drop), so the
+            // GPU is done with every host buffer; each was made on `device`.
+            unsafe { host.destroy(device) };
+        }
+    }
+}
+
+impl Stream {
+    /// [`Backend::download_begin`](headkl_core::Backend::download_begin):
+    /// records the copy after all queued work and returns.
+    pub(crate) fn download_begin(&mut self, src: &VulkanBuffer, offset: u64, len: usize) -> Result<PendingDownload> {
+        check_transfer("download", offset, len as u64, src.len())?;
+        if len == 0 {
+            return Ok(PendingDownload::ready(Vec::new()));
+        }
+        let bytes = len as u64;
+        let host = match self.readbacks.pool.iter().position(|h| h.size() >= bytes) {
+            Some(i) => self.readbacks.pool.swap_remove(i),
+            None => HostBuffer::new(
+                &self.device,
+                bytes.next_multiple_of(1 << 16),
+                vk::BufferUsageFlags::TRANSFER_DST,
+                true,
+                "download buffer",
+            )?,
+        };
+        if let Err(e) = self.begin() {
+            self.readbacks.pool.push(host);
+            return Err(e);
+        }
+        self.barrier();
+        let region = [vk::BufferCopy {
+            src_offset: src.offset() + offset,
+            dst_offset: 0,
+            size: bytes,
+        }];
+        let to_host = [vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+            .dst_access_mask(vk::AccessFlags::HOST_READ)];
+        // SAFETY: recording command buffer; the source range was checked
+        // above and the host buffer holds at least `bytes`.
+        unsafe {
+            self.device
+                .raw
+                .cmd_copy_buffer(self.cmd, src.handle(), host.raw.buffer, &region);
+            self.device.raw.cmd_pipeline_barrier(
+                self.cmd,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::PipelineStageFlags::HOST,
+                vk::DependencyFlags::empty(),
+                &to_host,
+                &[],
+                &[],
+            );
+        }
+        let r = &mut self.readbacks;
+        let ticket = r.next_ticket;
+        r.next_ticket += 1;
+        r.in_flight.insert(
+            ticket,
+            Readback {
+                host,
+                // The batch being recorded goes out as the next submission.
+                submission: self.submits + 1,
+                len,
+            },
+        );
+        Ok(PendingDownload::in_flight(ticket, len))
+    }
+
+    /// [`Backend::download_end`](headkl_core::Backend::download_end): waits
+    /// for the download's batch (submitting what is recorded first, so the
+    /// device keeps working while the host copies) and reads it.
+    pub(crate) fn download_end(&mut self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
+        let len = pending.len();
+        if out.len() != len {
+            return Err(Error::LengthMismatch {
+                field: "download_end output",
+                expected: len,
+                got: out.len(),
+            });
+        }
+        let ticket = match pending.into_parts() {
+            (_, Some(bytes)) => {
+                out.copy_from_slice(&bytes);
+                return Ok(());
+            }
+            (ticket, None) => ticket,
+        };
+        let Some(rb) = self.readbacks.in_flight.remove(&ticket) else {
+            return Err(backend_error(format!(
+                "download_end: no download in flight as ticket {ticket}"
+            )));
+        };
+        let waited = self.wait_for_submission(rb.submission);
+        if waited.is_ok() {
+            rb.host.read(0, &mut out[..rb.len]);
+        }
+        if self.readbacks.pool.len() < POOL_BUFFERS {
+            self.readbacks.pool.push(rb.host);
+        } else {
+            // The buffer is idle after the wait, or the device is lost and
+            // runs nothing.
+            self.retire(rb.host);
+        }
+        waited
+    }
+
+    /// Makes submission `n` finished: submits the recording if `n` is it,
+    /// then waits for the submission in flight. A batch recorded after `n`
+    /// is submitted (not waited for) once `n` is done.
+    fn wait_for_submission(&mut self, n: u64) -> Result<()> {
+        if self.completed >= n {
+            // Done already: start what has been recorded since, so the
+            // device works while the host reads.
+            return self.submit_unless_in_flight();
+        }
+        if self.in_flight && self.submits >= n {
+            self.wait_in_flight()?;
+        } else {
+            // `n` is the recording batch: out it goes, and it is waited for.
+            self.submit()?;
+            self.wait_in_flight()?;
+        }
+        if self.completed >= n {
+            Ok(())
+        } else {
+            Err(backend_error(format!(
+                "download_end: submission {n} not finished after waiting ({} finished)",
+                self.completed
+            )))
+        }
+    }
+
+    /// Submits the recording without waiting, when nothing is in flight.
+    fn submit_unless_in_flight(&mut self) -> Result<()> {
+        if self.in_flight {
+            return Ok(());
+        }
+        self.submit()
+    }
+
+    /// Frees a host buffer the GPU is done with.
+    fn retire(&mut self, host: HostBuffer) {
+        // SAFETY: the caller waited for the submission that used it (or the
+        // device is lost); it was made on this stream's device.
+        unsafe { host.destroy(&self.device) };
+    }
+}

@@ -1,0 +1,160 @@
+//! Downloads that do not wait: a copy into a MAP_READ staging buffer is
+//! submitted and its mapping requested at once; the bytes are read later,
+//! after waiting for that submission only, so the next chunk's work can be
+//! queued (and run) meanwhile.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+
+use headkl_core::checks::check_transfer;
+use headkl_core::{DeviceBuffer, Error, PendingDownload, Result};
+
+use crate::backend_error;
+use crate::buffer::{lock, WgpuBuffer};
+use crate::device::{wgpu_error_text, WgpuBackend};
+
+/// Staging buffers kept for reuse after their download was read: two
+/// chunks in flight with two outputs each.
+const POOL_BUFFERS: usize = 4;
+
+/// A download in flight.
+pub(crate) struct Readback {
+    staging: wgpu::Buffer,
+    submission: wgpu::SubmissionIndex,
+    mapped: mpsc::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>,
+    /// The 4-byte aligned span copied, and where the caller's bytes start
+    /// inside it.
+    span: u64,
+    skip: usize,
+    len: usize,
+}
+
+/// The backend's downloads in flight, by ticket, and idle staging buffers.
+#[derive(Default)]
+pub(crate) struct Readbacks {
+    next_ticket: u64,
+    in_flight: HashMap<u64, Readback>,
+    pool: Vec<wgpu::Buffer>,
+}
+
+impl WgpuBackend {
+    /// An idle MAP_READ staging buffer of at least `bytes`.
+    fn readback_staging(&self, bytes: u64) -> Result<wgpu::Buffer> {
+        {
+            let mut r = lock(&self.readbacks);
+            if let Some(i) = r.pool.iter().position(|b| b.size() >= bytes) {
+                return Ok(r.pool.swap_remove(i));
+            }
+        }
+        let size = bytes.next_multiple_of(1 << 16);
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let b = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("headkl readback staging"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        if pollster::block_on(scope.pop()).is_some() {
+            return Err(Error::OutOfMemory {
+                bytes: size,
+                what: "download staging",
+            });
+        }
+        Ok(b)
+    }
+
+    /// [`Backend::download_begin`](headkl_core::Backend::download_begin).
+    pub(crate) fn readback_begin(&self, src: &WgpuBuffer, offset: u64, len: usize) -> Result<PendingDownload> {
+        self.check()?;
+        check_transfer("download", offset, len as u64, src.len())?;
+        let offset = offset + src.offset;
+        let start = offset & !3;
+        let span = (offset + len as u64).next_multiple_of(4) - start;
+        if len == 0 || span > self.info.max_buffer_bytes {
+            // Nothing to copy, or more than one staging buffer can hold:
+            // the waiting download.
+            let mut bytes = vec![0u8; len];
+            self.download_bytes(src, offset - src.offset, &mut bytes)?;
+            return Ok(PendingDownload::ready(bytes));
+        }
+        self.flush()?;
+        let staging = self.readback_staging(span)?;
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("headkl readback"),
+        });
+        enc.copy_buffer_to_buffer(&src.raw, start, &staging, 0, span);
+        let submission = self.queue.submit([enc.finish()]);
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(backend_error(format!("download: {}", wgpu_error_text(&e))));
+        }
+        let (tx, mapped) = mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, 0..span, move |r| {
+            let _ = tx.send(r);
+        });
+        let mut r = lock(&self.readbacks);
+        let ticket = r.next_ticket;
+        r.next_ticket += 1;
+        r.in_flight.insert(
+            ticket,
+            Readback {
+                staging,
+                submission,
+                mapped,
+                span,
+                skip: (offset - start) as usize,
+                len,
+            },
+        );
+        Ok(PendingDownload::in_flight(ticket, len))
+    }
+
+    /// [`Backend::download_end`](headkl_core::Backend::download_end).
+    pub(crate) fn readback_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
+        let len = pending.len();
+        if out.len() != len {
+            return Err(Error::LengthMismatch {
+                field: "download_end output",
+                expected: len,
+                got: out.len(),
+            });
+        }
+        let ticket = match pending.into_parts() {
+            (_, Some(bytes)) => {
+                out.copy_from_slice(&bytes);
+                return Ok(());
+            }
+            (ticket, None) => ticket,
+        };
+        let Some(rb) = lock(&self.readbacks).in_flight.remove(&ticket) else {
+            return Err(backend_error(format!(
+                "download_end: no download in flight as ticket {ticket}"
+            )));
+        };
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(rb.submission.clone()),
+                timeout: None,
+            })
+            .map_err(|e| self.lost_or(format!("waiting for a download: {e}")))?;
+        match rb.mapped.try_recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(self.lost_or(format!("mapping a buffer: {e}"))),
+            Err(_) => return Err(self.lost_or("mapping a buffer: no completion".into())),
+        }
+        {
+            let view = rb
+                .staging
+                .get_mapped_range(0..rb.span)
+                .map_err(|e| backend_error(format!("reading a mapped buffer: {e}")))?;
+            headkl_core::host::parallel_copy(&view[rb.skip..rb.skip + rb.len], out);
+        }
+        rb.staging.unmap();
+        let mut r = lock(&self.readbacks);
+        if r.pool.len() < POOL_BUFFERS {
+            r.pool.push(rb.staging);
+        }
+        drop(r);
+        self.check()
+    }
+}
