@@ -243,8 +243,15 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// The logits GEMMs of one chunk: `logits[:, slice] = x16 · W_sliceᵀ / τ`.
-    fn logits(&self, s: &RowScratch<B>, rows_padded: usize, temperature: f32) -> Result<()> {
+    /// The logits GEMMs of one chunk: `logits[:, slice] = x16 · W_sliceᵀ / τ`
+    /// (the host path's scratch and the resident path's alike).
+    pub(crate) fn logits(
+        &self,
+        x16: &B::Buffer,
+        logits: &B::Buffer,
+        rows_padded: usize,
+        temperature: f32,
+    ) -> Result<()> {
         for (slice, plane) in self.slices.iter().zip(&self.planes) {
             let desc = GemmDesc {
                 m: rows_padded,
@@ -259,7 +266,29 @@ impl<B: Backend> Engine<B> {
                 alpha: 1.0 / temperature,
                 accumulate: false,
             };
-            self.backend.gemm(&s.x16, plane, &s.logits, &desc)?;
+            self.backend.gemm(x16, plane, logits, &desc)?;
+        }
+        Ok(())
+    }
+
+    /// The dx GEMMs of one chunk, summed over the slices in f32:
+    /// `dx = alpha · Σ_slice grad[:, slice] · W_slice`.
+    pub(crate) fn dx(&self, grad: &B::Buffer, dx: &B::Buffer, rows_padded: usize, alpha: f32) -> Result<()> {
+        for (i, (slice, plane)) in self.slices.iter().zip(&self.planes).enumerate() {
+            let desc = GemmDesc {
+                m: rows_padded,
+                n: self.hs_padded,
+                k: slice.padded_width(),
+                a_offset: slice.offset,
+                lda: self.vocab_padded,
+                b_layout: HeadLayout::Dx,
+                ldb: self.hs_padded,
+                c_offset: 0,
+                ldc: self.hs_padded,
+                alpha,
+                accumulate: i > 0,
+            };
+            self.backend.gemm(grad, plane, dx, &desc)?;
         }
         Ok(())
     }
@@ -373,7 +402,7 @@ impl<B: Backend> Engine<B> {
                 bytemuck::cast_slice(&teacher.probs()[start * k..(start + rows) * k]),
             )?;
             b.upload(coef, 0, bytemuck::cast_slice(&resolved.coef[start..start + rows]))?;
-            self.logits(s, rows_padded, resolved.temperature)?;
+            self.logits(&s.x16, &s.logits, rows_padded, resolved.temperature)?;
             let kl = KlDesc {
                 rows,
                 vocab: self.vocab,
@@ -381,22 +410,7 @@ impl<B: Backend> Engine<B> {
                 k,
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, coef, loss_buf, grad, &kl)?;
-            for (i, (slice, plane)) in self.slices.iter().zip(&self.planes).enumerate() {
-                let desc = GemmDesc {
-                    m: rows_padded,
-                    n: self.hs_padded,
-                    k: slice.padded_width(),
-                    a_offset: slice.offset,
-                    lda: self.vocab_padded,
-                    b_layout: HeadLayout::Dx,
-                    ldb: self.hs_padded,
-                    c_offset: 0,
-                    ldc: self.hs_padded,
-                    alpha: dx_scale as f32,
-                    accumulate: i > 0,
-                };
-                b.gemm(grad, plane, dx_buf, &desc)?;
-            }
+            self.dx(grad, dx_buf, rows_padded, dx_scale as f32)?;
             let f32_bytes = std::mem::size_of::<f32>();
             let pending = begin_pair(
                 b,
@@ -533,7 +547,7 @@ impl<B: Backend> Engine<B> {
         };
         for (start, rows) in plan.ranges(ntok) {
             self.load_hidden(input, &s.x16, start, rows)?;
-            self.logits(s, round_up(rows, ALIGN), opts.temperature)?;
+            self.logits(&s.x16, &s.logits, round_up(rows, ALIGN), opts.temperature)?;
             let desc = TopkDesc {
                 rows,
                 vocab: self.vocab,

@@ -20,7 +20,7 @@ pub mod status;
 
 pub use kernels::{ResidentBackend, ResidentKernel};
 
-use crate::backend::{Backend, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use crate::backend::{Backend, KlDesc, TopkDesc};
 use crate::driver::Engine;
 use crate::error::{Error, Result};
 use crate::params::ResidentParams;
@@ -295,23 +295,7 @@ impl<B: ResidentBackend> Engine<B> {
             &params,
             elements.div_ceil(256),
         )?;
-        for (slice, plane) in self.slices.iter().zip(&self.planes) {
-            let desc = GemmDesc {
-                m: rows_padded,
-                n: slice.padded_width(),
-                k: self.hs_padded,
-                a_offset: 0,
-                lda: self.hs_padded,
-                b_layout: HeadLayout::Logits,
-                ldb: self.hs_padded,
-                c_offset: slice.offset,
-                ldc: self.vocab_padded,
-                alpha: 1.0 / temperature,
-                accumulate: false,
-            };
-            self.backend.gemm(&s.x16, plane, &s.logits, &desc)?;
-        }
-        Ok(())
+        self.logits(&s.x16, &s.logits, rows_padded, temperature)
     }
 
     fn check_resident_hidden(&self, ntok: usize, hidden: &DeviceHidden<'_, B::Buffer>) -> Result<()> {
@@ -452,24 +436,9 @@ impl<B: ResidentBackend> Engine<B> {
                 k,
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.coef, &ls.loss, &ls.grad, &kl)?;
-            for (i, (slice, plane)) in self.slices.iter().zip(&self.planes).enumerate() {
-                // Scaled by 1/(gscale·τ) in loss_out: gscale may come from
-                // the device.
-                let desc = GemmDesc {
-                    m: rows_padded,
-                    n: self.hs_padded,
-                    k: slice.padded_width(),
-                    a_offset: slice.offset,
-                    lda: self.vocab_padded,
-                    b_layout: HeadLayout::Dx,
-                    ldb: self.hs_padded,
-                    c_offset: 0,
-                    ldc: self.hs_padded,
-                    alpha: 1.0,
-                    accumulate: i > 0,
-                };
-                b.gemm(&ls.grad, plane, &ls.dx, &desc)?;
-            }
+            // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
+            // device.
+            self.dx(&ls.grad, &ls.dx, rows_padded, 1.0)?;
             let out_params = ResidentParams {
                 rows: rows as u32,
                 cols: self.hs as u32,
