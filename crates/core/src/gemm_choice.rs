@@ -3,16 +3,19 @@
 //! a device. (The cache itself is `crate::tune_cache`; the kernels' shaders
 //! and tiles, `crate::kernels`.)
 //!
-//! A kernel is named `direct` (`gemm_coop_direct.wgsl`) or
+//! A kernel is named `direct` (`gemm_coop_direct.wgsl`),
 //! `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]` (`gemm_coop.wgsl` with its `BK`,
-//! `SG_ROWS`, `STAGES` and `PREFETCH` overrides). A choice names one kernel for both
-//! layouts or one each: `logits=staged:bk32:r2:s2,dx=direct`.
+//! `SG_ROWS`, `STAGES` and `PREFETCH` overrides) or `glsl:<tile>`
+//! (`gemm_khr.comp` compiled with a tile of [`GLSL_TILES`], e.g.
+//! `glsl:bm128.bk64.s1`). A choice names one kernel for both layouts or one
+//! each: `logits=glsl:bm128.bk64.s1,dx=staged:bk32:r4:s1:pf`.
 
 use std::fmt;
 use std::path::PathBuf;
 
 use crate::backend::HeadLayout;
 use crate::error::{Error, Result};
+use crate::glsl_tile::{GlslTile, GLSL_BN, GLSL_SUBGROUP, GLSL_TILES};
 use crate::tune_cache::TuneCache;
 
 /// The environment variable that picks the GEMM kernels.
@@ -75,6 +78,11 @@ pub enum CoopGemm {
     /// `gemm_coop_direct.wgsl`: one subgroup per 64 × 64, fragments straight
     /// from storage, no workgroup memory.
     Direct,
+    /// `gemm_khr.comp` (GLSL, SPIR-V built by `headkl-glsl`) with this tile:
+    /// 16-byte workgroup stores the WGSL kernels cannot express. Subgroups
+    /// of exactly 32, and a backend that can load SPIR-V
+    /// ([`KernelLimits::spirv`]).
+    Glsl(GlslTile),
 }
 
 impl CoopGemm {
@@ -83,6 +91,7 @@ impl CoopGemm {
         match self {
             Self::Staged(t) => (t.tile_rows(), 128),
             Self::Direct => (64, 64),
+            Self::Glsl(t) => (t.bm, GLSL_BN),
         }
     }
 
@@ -91,6 +100,8 @@ impl CoopGemm {
         match self {
             Self::Staged(t) => 2 * t.rows * subgroup,
             Self::Direct => subgroup,
+            // Written for subgroups of 32 (`misfit` refuses others).
+            Self::Glsl(t) => t.invocations(),
         }
     }
 
@@ -99,6 +110,7 @@ impl CoopGemm {
         match self {
             Self::Staged(t) => t.shared_bytes(),
             Self::Direct => 0,
+            Self::Glsl(t) => t.shared_bytes(),
         }
     }
 
@@ -114,15 +126,19 @@ impl CoopGemm {
                 ("PREFETCH", u32::from(t.prefetch)),
             ],
             Self::Direct => vec![("SG_SIZE", subgroup)],
+            // Defines, compiled in at build time.
+            Self::Glsl(_) => Vec::new(),
         }
     }
 
     /// Whether it uses subgroup builtins (`subgroup_id`).
     pub const fn needs_subgroup_id(self) -> bool {
-        matches!(self, Self::Staged(_))
+        matches!(self, Self::Staged(_) | Self::Glsl(_))
     }
 
-    /// Every kernel `headkl tune` tries, cheapest to build first.
+    /// Every kernel `headkl tune` tries, cheapest to build first: the WGSL
+    /// kernels, then the GLSL tiles (which a device that cannot run them
+    /// refuses at open: [`CoopGemm::misfit`]).
     pub fn candidates() -> Vec<CoopGemm> {
         let mut all = vec![Self::Direct];
         for (stages, prefetch) in [(1, false), (1, true), (2, false)] {
@@ -132,21 +148,32 @@ impl CoopGemm {
                 }
             }
         }
+        all.extend(GLSL_TILES.map(Self::Glsl));
         all
     }
 
-    /// Parses `direct` or `staged:bk32:r2:s2` (fields in any order, `pf`
-    /// for prefetch with one stage; missing ones take the default tile's).
+    /// Parses `direct`, `staged:bk32:r2:s2` (fields in any order, `pf`
+    /// for prefetch with one stage; missing ones take the default tile's) or
+    /// `glsl:bm128.bk64.s1` (a tile of [`GLSL_TILES`]).
     pub fn parse(value: &str) -> Result<Self> {
         let text = value.trim();
         if text.eq_ignore_ascii_case("direct") {
             return Ok(Self::Direct);
         }
+        if let Some(name) = text.strip_prefix("glsl:") {
+            return GlslTile::from_name(name).map(Self::Glsl).ok_or_else(|| {
+                let known: Vec<String> = GLSL_TILES.iter().map(|t| t.to_string()).collect();
+                invalid(
+                    value,
+                    &format!("`{name}` is not a GLSL tile (one of {})", known.join(", ")),
+                )
+            });
+        }
         let mut parts = text.split(':');
         if !parts.next().is_some_and(|p| p.eq_ignore_ascii_case("staged")) {
             return Err(invalid(
                 value,
-                "expected `direct` or `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]`",
+                "expected `direct`, `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]` or `glsl:<tile>`",
             ));
         }
         let mut tile = DEFAULT_STAGED;
@@ -184,6 +211,7 @@ impl fmt::Display for CoopGemm {
                 Ok(())
             }
             Self::Direct => f.write_str("direct"),
+            Self::Glsl(t) => write!(f, "glsl:{t}"),
         }
     }
 }
@@ -291,11 +319,28 @@ pub struct KernelLimits {
     pub subgroup_size: u32,
     /// Whether compute shaders have subgroup builtins (`subgroup_id`).
     pub subgroup_builtins: bool,
+    /// Whether the backend can load the GLSL kernels' SPIR-V (SPIR-V 1.6:
+    /// a Vulkan 1.3 device; on wgpu a Vulkan adapter with
+    /// `PASSTHROUGH_SHADERS`), with their KHR cooperative matrices.
+    pub spirv: bool,
 }
 
 impl CoopGemm {
     /// Why this kernel cannot run within `limits`, or `None` when it can.
     pub fn misfit(self, limits: &KernelLimits) -> Option<String> {
+        if let Self::Glsl(_) = self {
+            if !limits.spirv {
+                return Some(format!(
+                    "{self} needs SPIR-V 1.6 loaded as is (Vulkan 1.3 on the Vulkan backend, a Vulkan adapter with PASSTHROUGH_SHADERS on wgpu)"
+                ));
+            }
+            if limits.subgroup_size != GLSL_SUBGROUP {
+                return Some(format!(
+                    "{self} needs subgroups of {GLSL_SUBGROUP}, the device runs {}",
+                    limits.subgroup_size
+                ));
+            }
+        }
         if self.needs_subgroup_id() && !limits.subgroup_builtins {
             return Some(format!("{self} needs subgroup builtins"));
         }
@@ -450,6 +495,76 @@ mod tests {
     }
 
     #[test]
+    fn glsl_tiles_are_named_like_the_other_kernels() {
+        let split = parse("logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2").unwrap();
+        assert_eq!(
+            split.logits,
+            CoopGemm::Glsl(GlslTile::from_name("bm128.bk64.s1").unwrap())
+        );
+        assert_eq!(split.to_string(), "logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2");
+        assert_eq!(parse(&split.to_string()).unwrap(), split);
+        // One side only: the other keeps the default's WGSL kernel.
+        let dx = parse("dx=glsl:bm128.bk32.s2.ws.c4").unwrap();
+        assert_eq!(dx.logits, DEFAULT.logits);
+        assert_eq!(dx.dx.tile(), (128, 128));
+        assert_eq!(dx.dx.invocations(32), 4 * 32 + 128);
+        for t in GLSL_TILES {
+            let k = CoopGemm::Glsl(t);
+            assert!(CoopGemm::candidates().contains(&k), "{k}");
+            assert_eq!(k.shared_bytes(), t.shared_bytes());
+            assert!(k.overrides(32).is_empty());
+        }
+        for bad in ["glsl:bm96.bk32.s2", "glsl:", "glsl:bm128.bk64.s3", "logits=glsl:staged"] {
+            match parse(bad) {
+                Err(Error::InvalidSetting { name, value, reason }) => {
+                    assert_eq!((name, value.as_str()), (GEMM_ENV, bad));
+                    assert!(reason.contains("bm128.bk64.s1"), "{bad}: {reason}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_device_that_cannot_run_the_glsl_tiles_refuses_them() {
+        let h200 = KernelLimits {
+            shared_bytes: 48 << 10,
+            invocations: 1024,
+            subgroup_size: 32,
+            subgroup_builtins: true,
+            spirv: true,
+        };
+        let glsl = parse("logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2").unwrap();
+        assert_eq!(glsl.logits.misfit(&h200), None);
+        assert_eq!(
+            fit_choice(DEFAULT, glsl, ChoiceSource::Environment, &h200).unwrap(),
+            (glsl, ChoiceSource::Environment)
+        );
+        // wgpu without passthrough, a Vulkan 1.2 device; subgroups of 64.
+        let no_spirv = KernelLimits { spirv: false, ..h200 };
+        let wide = KernelLimits {
+            subgroup_size: 64,
+            ..h200
+        };
+        for (limits, says) in [(no_spirv, "PASSTHROUGH_SHADERS"), (wide, "subgroups of 32")] {
+            let why = glsl.dx.misfit(&limits).unwrap();
+            assert!(why.contains(says) && why.contains("glsl:bm128.bk32.s2"), "{why}");
+            // Named by the user: a typed error; from the cache: the default.
+            match fit_choice(DEFAULT, glsl, ChoiceSource::Options, &limits) {
+                Err(Error::InvalidSetting { name, value, reason }) => {
+                    assert_eq!((name, value), (GEMM_ENV, glsl.to_string()));
+                    assert!(reason.contains(says), "{reason}");
+                }
+                other => panic!("{other:?}"),
+            }
+            let cached = fit_choice(DEFAULT, glsl, ChoiceSource::Cache(PathBuf::from("x")), &limits).unwrap();
+            assert_eq!(cached, (DEFAULT, ChoiceSource::Default));
+            // The WGSL kernels are unaffected.
+            assert_eq!(DEFAULT.logits.misfit(&limits), None);
+        }
+    }
+
+    #[test]
     fn bad_names_are_typed_errors_naming_the_value() {
         for bad in [
             "fast",
@@ -481,7 +596,7 @@ mod tests {
         assert_eq!(CoopGemm::Staged(t(16, 4, 2)).invocations(32), 256);
         assert_eq!(CoopGemm::Direct.shared_bytes(), 0);
         assert_eq!(t(64, 2, 1).shared_bytes(), 36 << 10);
-        assert_eq!(CoopGemm::candidates().len(), 19);
+        assert_eq!(CoopGemm::candidates().len(), 19 + GLSL_TILES.len());
     }
 
     #[test]
@@ -491,6 +606,7 @@ mod tests {
             invocations: 1024,
             subgroup_size: 32,
             subgroup_builtins: true,
+            spirv: true,
         };
         // 60 KiB of workgroup memory on a 48 KiB device.
         let big = parse("logits=staged:bk32:r4:s2,dx=direct").unwrap();

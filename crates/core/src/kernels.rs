@@ -4,12 +4,17 @@
 //! backends build their pipelines and dispatches from these entries alone,
 //! so a new kernel is one [`KernelId`] variant and its rows in the `match`es
 //! below (and a row in ARCHITECTURE.md's Kernels table).
+//!
+//! The sources are the WGSL files of `shaders/` ([`Shader`]) and, for the
+//! GEMM, the GLSL tiles of `gemm_khr.comp` ([`KernelSource::Glsl`]), whose
+//! SPIR-V the `headkl-glsl` crate compiles at build time.
 
 use std::fmt;
 
 use crate::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
 use crate::error::{Error, Result};
 use crate::gemm_choice::{CoopGemm, KernelLimits};
+use crate::glsl_tile::GlslTile;
 use crate::params::{ConvertParams, GemmParams, ParamBlock, RowParams};
 
 /// One WGSL file of `shaders/`: its name (errors, caches), its text, and
@@ -118,14 +123,41 @@ pub enum GemmKernel {
     },
 }
 
+/// Where a kernel's code comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelSource {
+    /// A WGSL file of `shaders/`, compiled by naga (with overrides).
+    Wgsl(Shader),
+    /// The SPIR-V of `gemm_khr.comp` built for this tile and layout
+    /// (`headkl_glsl::gemm`); entry point `main`, no overrides. Its
+    /// bindings and parameter block are the GEMM's, as for the WGSL GEMMs.
+    Glsl {
+        /// The tile.
+        tile: GlslTile,
+        /// The layout it was built for (`NN` is [`HeadLayout::Dx`]).
+        layout: HeadLayout,
+    },
+}
+
+impl KernelSource {
+    /// A name for it in pipeline caches and errors: the WGSL file, or the
+    /// GLSL variant's name.
+    pub fn name(&self) -> String {
+        match self {
+            KernelSource::Wgsl(shader) => shader.file.to_string(),
+            KernelSource::Glsl { tile, layout } => tile.kernel_name(0, *layout == HeadLayout::Dx),
+        }
+    }
+}
+
 /// What a backend needs to build one kernel's pipeline.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelBuild {
     /// The kernel.
     pub id: KernelId,
-    /// Its shader.
-    pub shader: Shader,
-    /// Its entry point in that shader.
+    /// Its source.
+    pub source: KernelSource,
+    /// Its entry point in that source.
     pub entry: &'static str,
     /// `override` values, by name.
     pub overrides: Vec<(&'static str, u32)>,
@@ -218,7 +250,7 @@ impl KernelId {
     pub fn build(self, gemm: GemmKernel) -> KernelBuild {
         let fixed = |shader, workgroup_bytes| KernelBuild {
             id: self,
-            shader,
+            source: KernelSource::Wgsl(shader),
             entry: self.name(),
             overrides: Vec::new(),
             workgroup_bytes,
@@ -237,13 +269,23 @@ impl KernelId {
             (_, GemmKernel::Tiled) => fixed(GEMM_TILED_WGSL, 2 * 16 * 64 * 4),
             (_, GemmKernel::Coop { kernel, subgroup }) => KernelBuild {
                 id: self,
-                shader: match kernel {
-                    CoopGemm::Staged(_) => GEMM_COOP_WGSL,
-                    CoopGemm::Direct => GEMM_COOP_DIRECT_WGSL,
+                source: match (kernel, self.gemm_layout()) {
+                    (CoopGemm::Staged(_), _) => KernelSource::Wgsl(GEMM_COOP_WGSL),
+                    (CoopGemm::Direct, _) => KernelSource::Wgsl(GEMM_COOP_DIRECT_WGSL),
+                    (CoopGemm::Glsl(tile), layout) => KernelSource::Glsl {
+                        tile,
+                        layout: layout.unwrap_or(HeadLayout::Logits),
+                    },
                 },
-                entry: self.name(),
+                entry: match kernel {
+                    CoopGemm::Glsl(_) => "main",
+                    _ => self.name(),
+                },
                 overrides: kernel.overrides(subgroup),
-                workgroup_bytes: kernel.shared_bytes(),
+                workgroup_bytes: match (kernel, self.gemm_layout()) {
+                    (CoopGemm::Glsl(tile), Some(layout)) => tile.layout_shared_bytes(layout == HeadLayout::Dx),
+                    _ => kernel.shared_bytes(),
+                },
                 invocations: kernel.invocations(subgroup),
                 matrix_units: true,
             },
@@ -398,7 +440,28 @@ mod tests {
         };
         assert_eq!(c.workgroups(), 1);
         assert_eq!(KernelId::GemmDx.build(coop).invocations, 256);
-        assert_eq!(KernelId::GemmDx.build(coop).shader, GEMM_COOP_WGSL);
+        assert_eq!(KernelId::GemmDx.build(coop).source, KernelSource::Wgsl(GEMM_COOP_WGSL));
+
+        // A GLSL tile: 128 × 128 C tiles, its SPIR-V for the layout, entry
+        // `main`, the layout's own workgroup memory.
+        let glsl = GemmKernel::Coop {
+            kernel: CoopGemm::parse("glsl:bm128.bk64.s1").unwrap(),
+            subgroup: 32,
+        };
+        assert_eq!(d.workgroups(glsl), 2);
+        let build = KernelId::GemmDx.build(glsl);
+        let tile = crate::GlslTile::from_name("bm128.bk64.s1").unwrap();
+        assert_eq!(
+            build.source,
+            KernelSource::Glsl {
+                tile,
+                layout: HeadLayout::Dx
+            }
+        );
+        assert_eq!(build.source.name(), "gemm_nn_bm128_bk64_s1");
+        assert_eq!((build.entry, build.invocations), ("main", 128));
+        assert_eq!(build.workgroup_bytes, tile.layout_shared_bytes(true));
+        assert!(build.overrides.is_empty() && build.matrix_units);
     }
 
     #[test]
@@ -408,6 +471,7 @@ mod tests {
             invocations: 1024,
             subgroup_size: 32,
             subgroup_builtins: true,
+            spirv: true,
         };
         assert_eq!(device_misfit(&big), None);
         let small = KernelLimits {

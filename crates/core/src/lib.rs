@@ -22,6 +22,7 @@ pub mod chunking;
 pub mod driver;
 pub mod error;
 pub mod gemm_choice;
+pub mod glsl_tile;
 pub mod head;
 pub mod host;
 pub mod kernels;
@@ -41,8 +42,9 @@ pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGRO
 pub use driver::{Engine, LossOutput, SliceOptions, TopK};
 pub use error::{Error, Result};
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
+pub use glsl_tile::GlslTile;
 pub use head::{HeadData, HeadWeights};
-pub use kernels::{GemmKernel, KernelBuild, KernelId};
+pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
 };

@@ -46,8 +46,6 @@ pub const SEED: &str = "HEADKL_SEED";
 pub const NO_COOPMAT: &str = "HEADKL_NO_COOPMAT";
 /// `HEADKL_GEMM`.
 pub const GEMM: &str = crate::gemm_choice::GEMM_ENV;
-/// `HEADKL_GLSL_GEMM`.
-pub const GLSL_GEMM: &str = "HEADKL_GLSL_GEMM";
 /// `HEADKL_CACHE_DIR`.
 pub const CACHE_DIR: &str = crate::tune_cache::CACHE_DIR_ENV;
 /// `HEADKL_TRACE`.
@@ -105,15 +103,9 @@ pub const VARIABLES: &[Variable] = &[
     },
     Variable {
         name: GEMM,
-        values: "KERNEL or logits=KERNEL,dx=KERNEL; KERNEL: direct or staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]",
+        values: "KERNEL or logits=KERNEL,dx=KERNEL; KERNEL: direct, staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf] or glsl:bm<64|128|256>.bk<16|32|64>.s<1|2|4>[.i][.ws][.c4] (the GLSL tiles of shaders/gemm_khr.comp)",
         default: "the tune cache's entry, else the backend's default",
-        effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch)",
-    },
-    Variable {
-        name: GLSL_GEMM,
-        values: "TILE or logits=TILE,dx=TILE; TILE: bm<64|128|256>.bk<16|32|64>.s<1|2|4>[.i][.ws][.c4], as shaders/gemm_khr.comp builds them",
-        default: "none: the WGSL kernels",
-        effect: "Vulkan backend, matrix-unit path: the GLSL GEMM tiles instead (logits=bm128.bk64.s1,dx=bm128.bk32.s2 is the fastest on the H200)",
+        effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch; glsl: needs subgroups of 32 and Vulkan 1.3, or wgpu with PASSTHROUGH_SHADERS)",
     },
     Variable {
         name: CACHE_DIR,
@@ -171,9 +163,6 @@ pub struct Settings {
     /// `HEADKL_GEMM`, checked here; a backend parses it over its own
     /// default (a choice may name one layout and keep the other's default).
     pub gemm: Option<String>,
-    /// `HEADKL_GLSL_GEMM`, as given: the Vulkan backend, which knows the
-    /// tiles it was built with, parses it when it opens.
-    pub glsl_gemm: Option<String>,
     /// The tune cache file: `HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
     /// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
     pub tune_cache: Option<PathBuf>,
@@ -258,7 +247,6 @@ impl Settings {
             seed,
             no_coopmat: flag(NO_COOPMAT)?,
             gemm,
-            glsl_gemm: text(GLSL_GEMM)?,
             tune_cache,
             trace: flag(TRACE)?,
             pipeline_stats: flag(PIPELINE_STATS)?,

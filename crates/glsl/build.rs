@@ -2,6 +2,11 @@
 //! SPIR-V once per variant with the `glslang` crate, and writes
 //! `glsl_kernels.rs` into OUT_DIR: one `GlslKernel` per variant, its SPIR-V
 //! beside it. No compiled shader is committed; a GLSL error fails the build.
+//!
+//! The tiles are core's `GLSL_TILES` (`crates/core/src/glsl_tile.rs`,
+//! compiled in here): each as the GEMM (mode 0) for both layouts, and the
+//! ceiling report's diagnostics (modes 2, 3, 4) for each distinct plain
+//! configuration, plus one multiply-adds-from-registers kernel (mode 1).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -11,53 +16,19 @@ use glslang::{
     VulkanVersion,
 };
 
+#[allow(dead_code, reason = "the build uses the tile table, not every helper of core's module")]
+#[path = "../core/src/glsl_tile.rs"]
+mod glsl_tile;
+
+use glsl_tile::{GlslTile, GLSL_TILES};
+
 /// One variant of `gemm_khr.comp`.
 #[derive(Clone, Copy, PartialEq)]
 struct Variant {
     mode: u32,
     nn: bool,
-    tile: Tile,
+    tile: GlslTile,
 }
-
-/// A tile configuration (the defines other than MODE and NN).
-#[derive(Clone, Copy, PartialEq)]
-struct Tile {
-    bm: u32,
-    bk: u32,
-    stages: u32,
-    interleave: bool,
-    ws: bool,
-    sg_cols: u32,
-}
-
-const fn tile(bm: u32, bk: u32, stages: u32, interleave: bool, ws: bool, sg_cols: u32) -> Tile {
-    Tile {
-        bm,
-        bk,
-        stages,
-        interleave,
-        ws,
-        sg_cols,
-    }
-}
-
-/// The GEMM tiles. Each gets the GEMM, and each (bm, bk, stages, sg_cols)
-/// the diagnostics (modes 2, 3, 4), for both layouts.
-const TILES: [Tile; 13] = [
-    tile(64, 32, 2, false, false, 2),
-    tile(64, 32, 1, false, false, 2),
-    tile(64, 16, 2, false, false, 2),
-    tile(128, 32, 2, false, false, 2),
-    tile(128, 32, 2, true, false, 2),
-    tile(128, 32, 2, false, true, 2),
-    tile(128, 16, 4, false, true, 2),
-    tile(128, 64, 1, false, false, 2),
-    tile(256, 32, 1, false, false, 2),
-    tile(256, 16, 2, false, false, 2),
-    tile(128, 32, 2, false, false, 4),
-    tile(128, 32, 2, false, true, 4),
-    tile(128, 64, 1, false, false, 4),
-];
 
 fn variants() -> Vec<Variant> {
     let mut v = Vec::new();
@@ -66,12 +37,19 @@ fn variants() -> Vec<Variant> {
         v.push(Variant {
             mode: 1,
             nn,
-            tile: tile(128, 32, 1, false, false, 2),
+            tile: GlslTile {
+                bm: 128,
+                bk: 32,
+                stages: 1,
+                interleave: false,
+                ws: false,
+                sg_cols: 2,
+            },
         });
         let mut diagnosed = Vec::new();
-        for t in TILES {
+        for t in GLSL_TILES {
             v.push(Variant { mode: 0, nn, tile: t });
-            let plain = tile(t.bm, t.bk, t.stages, false, false, t.sg_cols);
+            let plain = t.plain();
             if !diagnosed.contains(&plain) {
                 diagnosed.push(plain);
                 for mode in [2, 3, 4] {
@@ -83,24 +61,12 @@ fn variants() -> Vec<Variant> {
     v
 }
 
-fn name(v: Variant) -> String {
-    let mode = ["gemm", "regs", "smem", "loads", "staging"][v.mode as usize];
-    let layout = if v.nn { "nn" } else { "nt" };
-    let t = v.tile;
-    let i = if t.interleave { "_i" } else { "" };
-    let w = if t.ws { "_ws" } else { "" };
-    let c = if t.sg_cols != 2 {
-        format!("_c{}", t.sg_cols)
-    } else {
-        String::new()
-    };
-    format!("{mode}_{layout}_bm{}_bk{}_s{}{i}{w}{c}", t.bm, t.bk, t.stages)
-}
-
 fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let file = manifest.join("../../shaders/gemm_khr.comp");
+    let tiles = manifest.join("../core/src/glsl_tile.rs");
     println!("cargo:rerun-if-changed={}", file.display());
+    println!("cargo:rerun-if-changed={}", tiles.display());
     println!("cargo:rerun-if-changed=build.rs");
     let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
@@ -115,19 +81,9 @@ fn main() {
         ..Default::default()
     };
     let mut table = String::from("&[\n");
-    for v in variants() {
-        let Variant { mode, nn, tile: t } = v;
-        let name = name(v);
-        let defines = [
-            ("MODE", mode.to_string()),
-            ("NN", u32::from(nn).to_string()),
-            ("BM", t.bm.to_string()),
-            ("BK", t.bk.to_string()),
-            ("STAGES", t.stages.to_string()),
-            ("INTERLEAVE", u32::from(t.interleave).to_string()),
-            ("WS", u32::from(t.ws).to_string()),
-            ("SG_COLS", t.sg_cols.to_string()),
-        ];
+    for Variant { mode, nn, tile: t } in variants() {
+        let name = t.kernel_name(mode, nn);
+        let defines: Vec<(&str, String)> = t.defines(mode, nn).iter().map(|(k, v)| (*k, v.to_string())).collect();
         let defines: Vec<(&str, Option<&str>)> = defines.iter().map(|(k, v)| (*k, Some(v.as_str()))).collect();
         let input = ShaderInput::new(&source, ShaderStage::Compute, &options, Some(&defines[..]), None)
             .unwrap_or_else(|e| panic!("gemm_khr.comp {name}: {e}"));
@@ -138,17 +94,10 @@ fn main() {
         let spv = out.join(format!("{name}.spv"));
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         std::fs::write(&spv, bytes).unwrap_or_else(|e| panic!("{}: {e}", spv.display()));
-        // BM / 64 x SG_COLS math subgroups of 32, and 4 copying ones with WS.
-        let threads = t.bm / 64 * t.sg_cols * 32 + if t.ws { 128 } else { 0 };
-        let kw = t.bk / 8;
-        let sa = t.bm * (kw + 1);
-        let sb = if nn { t.bk * (128 / 8 + 1) } else { 128 * (kw + 1) };
-        let shared = t.stages * (sa + sb) * 16;
         writeln!(
             table,
-            "    GlslKernel {{ name: {name:?}, mode: {mode}, nn: {nn}, bm: {}, bk: {}, stages: {}, \
-             interleave: {}, ws: {}, sg_cols: {}, threads: {threads}, shared_bytes: {shared}, \
-             spirv: include_bytes!({path:?}) }},",
+            "    GlslKernel {{ name: {name:?}, mode: {mode}, nn: {nn}, tile: GlslTile {{ bm: {}, bk: {}, \
+             stages: {}, interleave: {}, ws: {}, sg_cols: {} }}, spirv: include_bytes!({path:?}) }},",
             t.bm,
             t.bk,
             t.stages,
