@@ -91,10 +91,7 @@ impl VulkanBackend {
         };
         let device = Device::external(instance, ext.physical_device, caps, ext.device, ext.queue, enabled);
         let mut info = device.caps.device_info(coop.is_some());
-        // The GLSL tiles are not offered on a caller's device (its features
-        // and API version are the caller's).
-        let glsl_gemm = crate::glsl::GlslChoice::default();
-        info.gemm = Some(describe_gemm(coop.as_ref(), &glsl_gemm));
+        info.gemm = Some(describe_gemm(coop.as_ref()));
         let stream = Stream::new(Arc::clone(&device), command::STAGING_BYTES)?;
         let pipelines = PipelineCache::new(Arc::clone(&device));
         Ok(Self {
@@ -103,7 +100,6 @@ impl VulkanBackend {
             coop,
             stream: Mutex::new(stream),
             pipelines: Mutex::new(pipelines),
-            glsl_gemm,
             device,
         })
     }

@@ -26,6 +26,8 @@ pub(crate) fn kernel_limits(caps: &Caps) -> KernelLimits {
         invocations: caps.max_invocations,
         subgroup_size: caps.subgroup_size,
         subgroup_builtins: caps.subgroup_ops.contains(ash::vk::SubgroupFeatureFlags::BASIC),
+        // The GLSL tiles' SPIR-V 1.6 needs a Vulkan 1.3 device.
+        spirv: caps.api_version >= ash::vk::API_VERSION_1_3,
     }
 }
 
@@ -72,6 +74,7 @@ mod tests {
             max_shared_memory: 48 << 10,
             max_invocations: 1024,
             matrix_shapes: vec![(16, 8, 8), (16, 8, 16), (16, 16, 16)],
+            api_version: vk::API_VERSION_1_3,
             ..Caps::default()
         };
         c.features.cooperative_matrix = true;
@@ -132,6 +135,29 @@ mod tests {
         let mut c = h200();
         c.subgroup_ops = vk::SubgroupFeatureFlags::empty();
         assert!(!kernel_limits(&c).subgroup_builtins);
+    }
+
+    #[test]
+    fn the_glsl_tiles_need_vulkan_1_3_and_subgroups_of_32() {
+        let glsl = "logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2";
+        let p = plan(&h200(), glsl, ChoiceSource::Environment).unwrap().unwrap();
+        assert_eq!(p.choice.to_string(), glsl);
+        let mut old = h200();
+        old.api_version = vk::API_VERSION_1_2;
+        let mut wide = h200();
+        (wide.subgroup_size, wide.min_subgroup_size, wide.max_subgroup_size) = (64, 64, 64);
+        for (caps, says) in [(old, "SPIR-V 1.6"), (wide, "subgroups of 32")] {
+            match plan(&caps, glsl, ChoiceSource::Environment) {
+                Err(headkl_core::Error::InvalidSetting { name, reason, .. }) => {
+                    assert_eq!(name, "HEADKL_GEMM");
+                    assert!(reason.contains(says), "{reason}");
+                }
+                other => panic!("{other:?}"),
+            }
+            // From the tune cache: the default, quietly.
+            let p = plan(&caps, glsl, ChoiceSource::Cache("x".into())).unwrap().unwrap();
+            assert_eq!(p.choice, crate::DEFAULT_GEMM);
+        }
     }
 
     #[test]

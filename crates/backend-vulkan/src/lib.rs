@@ -15,9 +15,9 @@
 //! (physical devices and their capabilities), `device` (logical device and
 //! deferred frees), `memory` (buffers), `command` (recording, submission,
 //! staging, timestamps), `pipeline` (naga and compute pipelines), `kernels`
-//! (the device's limits and matrix-unit GEMM plan), `glsl` (the GLSL GEMM
-//! tiles and the ceiling report's kernels, SPIR-V from build.rs), `conv`
-//! (errors). What each kernel is (shader, entry, bindings, workgroup) comes
+//! (the device's limits and matrix-unit GEMM plan), `glsl` (the GLSL
+//! kernels, SPIR-V from `headkl-glsl`: GEMM tiles and the ceiling report's
+//! diagnostics), `conv` (errors). What each kernel is (shader, entry, bindings, workgroup) comes
 //! from the catalogue, `headkl_core::kernels`.
 
 #![warn(missing_docs)]
@@ -42,7 +42,8 @@ use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::settings::GemmSources;
 use headkl_core::{
     fold_workgroups, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc, GemmKernel,
-    KernelId, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, Settings, StagedTile, TopkDesc,
+    KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, Settings, StagedTile,
+    TopkDesc,
 };
 
 use crate::command::{Binding, Stream};
@@ -53,13 +54,20 @@ use crate::kernels::CoopPlan;
 use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
 pub use crate::external::ExternalVulkan;
-pub use crate::glsl::{CeilingKernel, CeilingPart, GlslChoice, GlslTile, GLSL_GEMM_ENV};
+pub use crate::glsl::CeilingKernel;
+pub use headkl_core::GlslTile;
+pub use headkl_glsl::CeilingPart;
 pub use crate::memory::VulkanBuffer;
 
 /// The Vulkan backend's GEMM kernels without a tune cache or `HEADKL_GEMM`:
 /// the fastest for each GEMM on the H200 (`headkl tune`,
 /// docs/PERFORMANCE.md). Logits: K 64 per step, one stage; dx: the
 /// 256 × 128 tile, K 32 per step, one stage with register prefetch.
+///
+/// WGSL rather than the (2–4% faster on the H200) GLSL tiles: the default
+/// must run on every matrix-unit device, and the GLSL tiles need subgroups
+/// of 32 and Vulkan 1.3; `headkl tune` records a GLSL tile where one wins
+/// on the device.
 pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
     logits: CoopGemm::Staged(StagedTile {
         bk: 64,
@@ -76,17 +84,12 @@ pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
 };
 
 /// The GEMM kernels of `coop` (or the tiled fallback) in words.
-pub(crate) fn describe_gemm(coop: Option<&CoopPlan>, glsl: &glsl::GlslChoice) -> String {
+pub(crate) fn describe_gemm(coop: Option<&CoopPlan>) -> String {
     match coop {
         Some(plan) => {
             let pinned = if plan.require_size { " (pinned)" } else { "" };
-            let glsl = if glsl.is_empty() {
-                String::new()
-            } else {
-                format!("; {} from {}", glsl, glsl::GLSL_GEMM_ENV)
-            };
             format!(
-                "cooperative {} (subgroup {}{pinned}; from {}{glsl})",
+                "cooperative {} (subgroup {}{pinned}; from {})",
                 plan.choice, plan.subgroup_size, plan.source
             )
         }
@@ -121,10 +124,6 @@ pub struct VulkanOptions {
     /// `robustBufferAccess2` where offered), as wgpu always does: to tell a
     /// speed difference between the backends from the cost of bounds checks.
     pub robust_access: bool,
-    /// GLSL GEMM tiles (the value of `HEADKL_GLSL_GEMM`, parsed when the
-    /// device opens) that replace `gemm`'s kernels on the matrix-unit path;
-    /// ignored on the fallback.
-    pub glsl_gemm: Option<String>,
 }
 
 impl VulkanOptions {
@@ -142,7 +141,6 @@ impl VulkanOptions {
             gemm_sources: settings.gemm_sources(),
             pipeline_stats: settings.pipeline_stats,
             robust_access: false,
-            glsl_gemm: settings.glsl_gemm.clone(),
         }
     }
 }
@@ -176,8 +174,6 @@ pub struct VulkanBackend {
     pub(crate) coop: Option<CoopPlan>,
     pub(crate) stream: Mutex<Stream>,
     pub(crate) pipelines: Mutex<PipelineCache>,
-    /// GLSL GEMM tiles that replace the WGSL kernels (`glsl.rs`).
-    pub(crate) glsl_gemm: glsl::GlslChoice,
     /// Declared last: dropped after the stream and pipelines.
     pub(crate) device: Arc<Device>,
 }
@@ -220,27 +216,8 @@ impl VulkanBackend {
         };
         let device = Device::new(instance, chosen, coop.is_some(), options)?;
         let coop = coop.filter(|_| device.enabled.cooperative_matrix);
-        let glsl_gemm = match &options.glsl_gemm {
-            Some(value) => glsl::GlslChoice::parse(value)?,
-            None => glsl::GlslChoice::default(),
-        };
-        // The fallback (no matrix units, or HEADKL_NO_COOPMAT) ignores it.
-        let glsl_gemm = if coop.is_some() {
-            glsl_gemm
-        } else {
-            glsl::GlslChoice::default()
-        };
-        if !glsl_gemm.is_empty() {
-            if let Some(why) = glsl::unavailable(&device.caps, coop.as_ref()) {
-                return Err(headkl_core::Error::InvalidSetting {
-                    name: glsl::GLSL_GEMM_ENV,
-                    value: options.glsl_gemm.clone().unwrap_or_default(),
-                    reason: why,
-                });
-            }
-        }
         let mut info = device.caps.device_info(coop.is_some());
-        info.gemm = Some(describe_gemm(coop.as_ref(), &glsl_gemm));
+        info.gemm = Some(describe_gemm(coop.as_ref()));
         let stream = Stream::new(Arc::clone(&device), staging_bytes)?;
         let pipelines = PipelineCache::new(Arc::clone(&device));
         Ok(Self {
@@ -249,7 +226,6 @@ impl VulkanBackend {
             coop,
             stream: Mutex::new(stream),
             pipelines: Mutex::new(pipelines),
-            glsl_gemm,
             device,
         })
     }
@@ -267,12 +243,40 @@ impl VulkanBackend {
 
     /// Which GEMM kernels run, and where the choice came from, in words.
     pub fn gemm_kernel(&self) -> String {
-        describe_gemm(self.coop.as_ref(), &self.glsl_gemm)
+        describe_gemm(self.coop.as_ref())
     }
 
     /// The matrix-unit GEMM kernels, when the GEMM runs on matrix units.
     pub fn gemm_choice(&self) -> Option<GemmChoice> {
         self.coop.as_ref().map(|p| p.choice)
+    }
+
+    /// Makes [`Backend::gemm`] run `choice` from now on, as if the open
+    /// options had named it (the ceiling report's correctness gate runs
+    /// each GLSL tile this way). Fails with
+    /// [`headkl_core::Error::InvalidSetting`] where a kernel of `choice`
+    /// cannot run here ([`CoopGemm::misfit`]), or where the GEMM does not
+    /// run on matrix units at all.
+    pub fn use_gemm(&mut self, choice: GemmChoice) -> Result<()> {
+        let refuse = |reason: String| headkl_core::Error::InvalidSetting {
+            name: headkl_core::gemm_choice::GEMM_ENV,
+            value: choice.to_string(),
+            reason,
+        };
+        let Some(plan) = &mut self.coop else {
+            return Err(refuse(format!(
+                "{} runs the tiled GEMM (no usable matrix units, or HEADKL_NO_COOPMAT)",
+                self.device.caps.name
+            )));
+        };
+        let limits = kernels::kernel_limits(&self.device.caps);
+        if let Some(why) = choice.kernels().into_iter().find_map(|k| k.misfit(&limits)) {
+            return Err(refuse(why));
+        }
+        plan.choice = choice;
+        plan.source = ChoiceSource::Options;
+        self.info.gemm = Some(describe_gemm(Some(plan)));
+        Ok(())
     }
 
     /// The options the backend was opened with.
@@ -342,8 +346,15 @@ impl VulkanBackend {
             return Ok(());
         }
         let build = kernel.build(self.gemm_for(kernel));
+        let KernelSource::Wgsl(shader) = build.source else {
+            // Backend::gemm records the GLSL builds (glsl.rs).
+            return Err(backend_error(format!(
+                "{kernel}: {} is not a WGSL build",
+                build.source.name()
+            )));
+        };
         let key = PipelineKey {
-            file: build.shader.file,
+            file: shader.file,
             entry: build.entry,
             // The other kernels are memory-bound: checks cost little there.
             checked: self.options.checked || kernel.gemm_layout().is_none(),
@@ -356,7 +367,7 @@ impl VulkanBackend {
                 .map(|p| p.subgroup_size),
             overrides: build.overrides,
         };
-        self.dispatch(&build.shader, key, count, params, buffers, kernel.name())
+        self.dispatch(&shader, key, count, params, buffers, kernel.name())
     }
 
     /// Builds (or finds) the pipeline of `key` and records one dispatch of
@@ -428,12 +439,16 @@ impl Backend for VulkanBackend {
     fn gemm(&self, a: &VulkanBuffer, b: &VulkanBuffer, c: &VulkanBuffer, desc: &GemmDesc) -> Result<()> {
         let params = desc.check([a, b, c], self.max_binding())?;
         let kernel = desc.kernel();
-        if let Some(tile) = self.glsl_gemm.for_layout(desc.b_layout) {
-            return self.glsl_gemm_dispatch(tile, a, b, c, desc, params, kernel.name());
+        let gemm = self.gemm_for(kernel);
+        if let KernelSource::Glsl { tile, layout } = kernel.build(gemm).source {
+            let Some(glsl) = headkl_glsl::gemm(tile, layout) else {
+                return Err(backend_error(format!("headkl-glsl did not build glsl:{tile} for {layout:?}")));
+            };
+            return self.glsl_kernel_dispatch(glsl, a, b, c, desc, params, kernel.name());
         }
         self.dispatch_kernel(
             kernel,
-            desc.workgroups(self.gemm_for(kernel)),
+            desc.workgroups(gemm),
             |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
             &[a, b, c],
         )

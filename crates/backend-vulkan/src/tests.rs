@@ -1,7 +1,7 @@
 //! Plumbing tests with the crate's own tiny kernels, and the check that every
 //! shared shader (the cooperative-matrix GEMM included) compiles to SPIR-V.
 
-use headkl_core::{Backend, DeviceBuffer, GemmKernel, KernelId};
+use headkl_core::{Backend, DeviceBuffer, GemmChoice, GemmKernel, KernelId, KernelSource};
 use headkl_reference::conformance::{harness_settings, open_or_skip};
 use naga::back::spv::Capability;
 
@@ -248,12 +248,14 @@ fn kernel_times_are_labelled() {
     assert_clean(&b);
 }
 
-/// The capabilities a SPIR-V module declares, and its memory model (1:
-/// GLSL450, 3: Vulkan).
-fn spirv_declarations(words: &[u32]) -> (Vec<Capability>, u32) {
+/// The capabilities a SPIR-V module declares, its memory model (1:
+/// GLSL450, 3: Vulkan), and the descriptor bindings it decorates.
+fn spirv_declarations(words: &[u32]) -> (Vec<Capability>, u32, Vec<u32>) {
     const OP_CAPABILITY: u32 = 17;
     const OP_MEMORY_MODEL: u32 = 14;
-    let (mut caps, mut model) = (Vec::new(), u32::MAX);
+    const OP_DECORATE: u32 = 71;
+    const DECORATION_BINDING: u32 = 33;
+    let (mut caps, mut model, mut bindings) = (Vec::new(), u32::MAX, Vec::new());
     let mut i = 5; // after the header
     while i < words.len() {
         let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
@@ -261,11 +263,41 @@ fn spirv_declarations(words: &[u32]) -> (Vec<Capability>, u32) {
         match op {
             OP_CAPABILITY => caps.extend(Capability::from_u32(words[i + 1])),
             OP_MEMORY_MODEL => model = words[i + 2],
+            OP_DECORATE if words[i + 2] == DECORATION_BINDING => bindings.push(words[i + 3]),
             _ => {}
         }
         i += count;
     }
-    (caps, model)
+    bindings.sort_unstable();
+    (caps, model, bindings)
+}
+
+/// The GLSL builds of the catalogue (every GLSL tile `headkl tune` may pick,
+/// both layouts): SPIR-V built by headkl-glsl with cooperative matrices, the
+/// Vulkan memory model, the catalogue's bindings (the uniform block at 0,
+/// the GEMM's buffers at 1..) and workgroup memory within the H200's 48 KiB.
+fn check_glsl_build(build: &headkl_core::KernelBuild) -> Result<(), String> {
+    let KernelSource::Glsl { tile, layout } = build.source else {
+        return Err(format!("{:?} is not a GLSL build", build.source));
+    };
+    let kernel = headkl_glsl::gemm(tile, layout).ok_or_else(|| format!("glsl:{tile} {layout:?} not built"))?;
+    let words = kernel.words();
+    let (caps, model, bindings) = spirv_declarations(&words);
+    let want: Vec<u32> = (0..=build.id.bindings().len() as u32).collect();
+    let name = kernel.name;
+    if !caps.contains(&Capability::CooperativeMatrixKHR) || model != 3 {
+        return Err(format!("{name}: capabilities {caps:?}, memory model {model}"));
+    }
+    if bindings != want {
+        return Err(format!("{name}: bindings {bindings:?}, the catalogue's are {want:?}"));
+    }
+    if build.entry != "main" || kernel.invocations() != build.invocations {
+        return Err(format!("{name}: entry {}, {} invocations", build.entry, build.invocations));
+    }
+    if build.workgroup_bytes != kernel.shared_bytes() || build.workgroup_bytes > 48 << 10 {
+        return Err(format!("{name}: {} bytes of workgroup memory", build.workgroup_bytes));
+    }
+    Ok(())
 }
 
 /// Compiles every build of every kernel in the catalogue (each GEMM family,
@@ -278,7 +310,11 @@ fn every_catalogue_kernel_compiles_to_spirv() {
     let target = ShaderTarget::everything();
     let mut gemms = vec![GemmKernel::Tiled];
     for kernel in headkl_core::CoopGemm::candidates() {
-        gemms.extend([32u32, 64, 16].map(|subgroup| GemmKernel::Coop { kernel, subgroup }));
+        match kernel {
+            // Written for subgroups of 32 only.
+            headkl_core::CoopGemm::Glsl(_) => gemms.push(GemmKernel::Coop { kernel, subgroup: 32 }),
+            _ => gemms.extend([32u32, 64, 16].map(|subgroup| GemmKernel::Coop { kernel, subgroup })),
+        }
     }
     let mut builds = Vec::new();
     for kernel in KernelId::ALL {
@@ -288,21 +324,30 @@ fn every_catalogue_kernel_compiles_to_spirv() {
         }
     }
     let mut failures = Vec::new();
-    let mut compiled = 0;
+    let (mut compiled, mut glsl) = (0, 0);
     for build in &builds {
-        let parsed = match parse(&build.shader, &target) {
+        let KernelSource::Wgsl(shader) = &build.source else {
+            match check_glsl_build(build) {
+                Ok(()) => glsl += 1,
+                Err(e) => failures.push(e),
+            }
+            continue;
+        };
+        let parsed = match parse(shader, &target) {
             Ok(p) => p,
             Err(e) => {
                 failures.push(e.to_string());
                 continue;
             }
         };
-        let file = build.shader.file;
+        let file = shader.file;
         for checked in [false, true] {
             match compile(&parsed, file, build.entry, &build.overrides, &target, checked) {
                 Ok(c) => {
                     assert_eq!(c.words.first(), Some(&0x0723_0203), "SPIR-V magic");
-                    let (caps, memory_model) = spirv_declarations(&c.words);
+                    let (caps, memory_model, bindings) = spirv_declarations(&c.words);
+                    let want: Vec<u32> = (0..=build.id.bindings().len() as u32).collect();
+                    assert_eq!(bindings, want, "{file}:{}", build.entry);
                     let coop = build.matrix_units;
                     assert_eq!(
                         caps.contains(&Capability::CooperativeMatrixKHR),
@@ -329,6 +374,45 @@ fn every_catalogue_kernel_compiles_to_spirv() {
     // 3 fixed kernels; per GEMM the tiled kernel and 19 matrix-unit tiles at
     // 3 subgroup sizes; each checked and unchecked.
     assert_eq!(compiled, 2 * (3 + 2 * (1 + 19 * 3)));
+    // Every GLSL tile, both GEMMs.
+    assert_eq!(glsl, 2 * headkl_core::glsl_tile::GLSL_TILES.len());
+}
+
+/// The GLSL tiles on the device the tests run on: where the GEMM has no
+/// matrix units (lavapipe in CI) naming them is a typed error and the
+/// ceiling report has nothing to run; where it has them, they are taken
+/// exactly when the catalogue's fit says they can run.
+#[test]
+fn glsl_tiles_are_refused_where_they_cannot_run() {
+    let Some(mut b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    let choice = GemmChoice::parse(
+        "logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2",
+        crate::DEFAULT_GEMM,
+    )
+    .unwrap();
+    let limits = crate::kernels::kernel_limits(&b.device.caps);
+    let misfit = choice.logits.misfit(&limits).or(choice.dx.misfit(&limits));
+    let result = b.use_gemm(choice);
+    if b.uses_matrix_units() && misfit.is_none() {
+        result.unwrap();
+        assert_eq!(b.gemm_choice(), Some(choice));
+        assert!(b.gemm_kernel().contains("glsl:bm128.bk64.s1"), "{}", b.gemm_kernel());
+        assert_eq!(b.glsl_unavailable(), None);
+    } else {
+        match result {
+            Err(headkl_core::Error::InvalidSetting { name, value, reason }) => {
+                assert_eq!((name, value), ("HEADKL_GEMM", choice.to_string()));
+                assert!(!reason.is_empty());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_ne!(b.gemm_choice(), Some(choice));
+        assert!(b.glsl_unavailable().is_some());
+        assert!(b.ceiling_kernels().is_empty());
+    }
+    assert_clean(&b);
 }
 
 #[test]
