@@ -93,7 +93,7 @@ fn unusable_reason(adapter: &wgpu::Adapter) -> Option<String> {
     if !features.contains(wgpu::Features::SHADER_F16) {
         missing.push("SHADER_F16 (f16 arithmetic and 16-bit storage)".to_string());
     }
-    if let Some(why) = headkl_core::kernels::device_misfit(&kernel_limits(adapter, 0)) {
+    if let Some(why) = headkl_core::kernels::device_misfit(&kernel_limits(adapter, adapter.features(), 0)) {
         missing.push(why);
     }
     if missing.is_empty() {
@@ -200,8 +200,20 @@ pub(crate) fn features_for(c: &Candidate, use_coop: bool) -> wgpu::Features {
     }
     if use_coop {
         f |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        // For the GLSL GEMM tiles' SPIR-V (headkl-glsl).
+        if spirv_passthrough(&c.adapter, have) {
+            f |= wgpu::Features::PASSTHROUGH_SHADERS;
+        }
     }
     f
+}
+
+/// Whether the GLSL tiles' SPIR-V can go to the driver with `features`
+/// (the adapter's, or a device's enabled ones): a Vulkan adapter with
+/// `PASSTHROUGH_SHADERS`. (The tiles' other needs, subgroups of 32, are
+/// `CoopGemm::misfit`'s.)
+pub(crate) fn spirv_passthrough(adapter: &wgpu::Adapter, features: wgpu::Features) -> bool {
+    adapter.get_info().backend == wgpu::Backend::Vulkan && features.contains(wgpu::Features::PASSTHROUGH_SHADERS)
 }
 
 /// wgpu's opt-in for experimental features, which `features` needs when it
@@ -250,8 +262,9 @@ pub(crate) fn gemm_path(
     }
 }
 
-/// What the adapter allows a GEMM workgroup at subgroup size `sg`.
-pub(crate) fn kernel_limits(adapter: &wgpu::Adapter, sg: u32) -> KernelLimits {
+/// What the adapter allows a GEMM workgroup at subgroup size `sg`, on a
+/// device opened with `features`.
+pub(crate) fn kernel_limits(adapter: &wgpu::Adapter, features: wgpu::Features, sg: u32) -> KernelLimits {
     let limits = adapter.limits();
     KernelLimits {
         shared_bytes: limits.max_compute_workgroup_storage_size,
@@ -260,5 +273,6 @@ pub(crate) fn kernel_limits(adapter: &wgpu::Adapter, sg: u32) -> KernelLimits {
             .min(limits.max_compute_workgroup_size_x),
         subgroup_size: sg,
         subgroup_builtins: adapter.features().contains(wgpu::Features::SUBGROUP),
+        spirv: spirv_passthrough(adapter, features),
     }
 }

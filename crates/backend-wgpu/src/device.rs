@@ -4,9 +4,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, Weak};
 
-use headkl_core::gemm_choice::{fit_choice, resolve_choice};
+use headkl_core::gemm_choice::{fit_choice, resolve_choice, KernelLimits, GEMM_ENV};
 use headkl_core::settings::{GemmSources, Settings};
-use headkl_core::{CoopGemm, DeviceInfo, Error, GemmChoice, Result, StagedTile};
+use headkl_core::{ChoiceSource, CoopGemm, DeviceInfo, Error, GemmChoice, Result, StagedTile};
 
 use crate::adapter;
 use crate::buffer::{lock, Shared};
@@ -39,6 +39,8 @@ pub struct WgpuBackend {
     pub(crate) queue: wgpu::Queue,
     pub(crate) shared: Arc<Shared>,
     pub(crate) kernels: Kernels,
+    /// What the device allows the matrix-unit GEMM, where it runs one.
+    pub(crate) gemm_limits: Option<KernelLimits>,
     /// Uniform ring: slot `i` of the current batch at `i * slot_stride`.
     pub(crate) ring: wgpu::Buffer,
     pub(crate) slot_stride: u64,
@@ -167,16 +169,12 @@ impl WgpuBackend {
             &i.device_name,
             &i.driver,
         )?;
-        let coop = match &candidate.coop {
-            Ok(sg) if use_coop => {
-                let fitted = fit_choice(
-                    DEFAULT_GEMM,
-                    choice,
-                    source,
-                    &adapter::kernel_limits(&candidate.adapter, *sg),
-                )?;
-                Some((*sg, fitted))
-            }
+        let gemm_limits = match &candidate.coop {
+            Ok(sg) if use_coop => Some(adapter::kernel_limits(&candidate.adapter, device.features(), *sg)),
+            _ => None,
+        };
+        let coop = match (&candidate.coop, &gemm_limits) {
+            (Ok(sg), Some(limits)) => Some((*sg, fit_choice(DEFAULT_GEMM, choice, source, limits)?)),
             _ => None,
         };
         let gemm_path = adapter::gemm_path(&candidate.coop, coop.as_ref().map(|(_, plan)| plan), force_tiled);
@@ -204,6 +202,7 @@ impl WgpuBackend {
             queue,
             shared,
             kernels,
+            gemm_limits,
             ring,
             slot_stride,
             timestamps,
@@ -220,6 +219,37 @@ impl WgpuBackend {
     /// why).
     pub fn gemm_path(&self) -> &str {
         &self.gemm_path
+    }
+
+    /// The matrix-unit GEMM kernels, when the GEMM runs on matrix units.
+    pub fn gemm_choice(&self) -> Option<GemmChoice> {
+        self.kernels.gemm_choice()
+    }
+
+    /// Makes [`headkl_core::Backend::gemm`] run `choice` from now on, as if
+    /// the open options had named it. Fails with [`Error::InvalidSetting`]
+    /// where a kernel of `choice` cannot run here ([`CoopGemm::misfit`]:
+    /// a GLSL tile without `PASSTHROUGH_SHADERS` or subgroups of 32), or
+    /// where the GEMM does not run on matrix units at all.
+    pub fn use_gemm(&mut self, choice: GemmChoice) -> Result<()> {
+        let refuse = |reason: String| Error::InvalidSetting {
+            name: GEMM_ENV,
+            value: choice.to_string(),
+            reason,
+        };
+        let (Some(limits), Some(subgroup)) = (&self.gemm_limits, self.kernels.coop_subgroup()) else {
+            return Err(refuse(format!(
+                "{} runs the tiled GEMM (no usable matrix units, or HEADKL_NO_COOPMAT)",
+                self.info.device_name
+            )));
+        };
+        if let Some(why) = choice.kernels().into_iter().find_map(|k| k.misfit(limits)) {
+            return Err(refuse(why));
+        }
+        self.kernels.set_gemm_choice(choice);
+        self.gemm_path = adapter::gemm_path(&Ok(subgroup), Some(&(choice, ChoiceSource::Options)), false);
+        self.info.gemm = Some(self.gemm_path.clone());
+        Ok(())
     }
 
     /// The wgpu device.

@@ -15,8 +15,10 @@ use crate::kernels::Entry;
 impl WgpuBackend {
     /// The features a device needs for headkl: `SHADER_F16`, plus
     /// `SUBGROUP` and `EXPERIMENTAL_COOPERATIVE_MATRIX` for the matrix-unit
-    /// GEMM (without them the tiled GEMM runs) and `TIMESTAMP_QUERY` for
-    /// kernel timing, where `adapter` offers them. A trainer adds these to
+    /// GEMM (without them the tiled GEMM runs), `PASSTHROUGH_SHADERS` with
+    /// them on a Vulkan adapter (the GLSL GEMM tiles' SPIR-V; without it a
+    /// `glsl:` choice is refused) and `TIMESTAMP_QUERY` for kernel timing,
+    /// where `adapter` offers them. A trainer adds these to
     /// its own `DeviceDescriptor::required_features`, with the adapter's
     /// `max_storage_buffer_binding_size` and `max_buffer_size` limits (the
     /// head is cut into slices that fit the binding limit) and
@@ -71,6 +73,7 @@ impl WgpuBackend {
                 .min(limits.max_compute_workgroup_size_x),
             subgroup_size: 0,
             subgroup_builtins: features.contains(wgpu::Features::SUBGROUP),
+            spirv: adapter::spirv_passthrough(adapter, features),
         };
         if let Some(why) = headkl_core::kernels::device_misfit(&kernel_limits) {
             missing.push(why);

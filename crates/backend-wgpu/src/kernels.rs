@@ -1,13 +1,16 @@
 //! The catalogue's kernels (`headkl_core::kernels`) as wgpu objects:
 //! bind-group layouts, shader modules and compute pipelines, built once per
-//! backend on first use.
+//! backend on first use. WGSL goes through naga; the GLSL GEMM tiles'
+//! SPIR-V (`headkl-glsl`) goes to the driver as is, through
+//! `PASSTHROUGH_SHADERS`, with the same explicit pipeline layout.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::Mutex;
 
 use headkl_core::kernels::Access;
-use headkl_core::{GemmChoice, GemmKernel, KernelBuild, KernelId, ResidentKernel, Result};
+use headkl_core::{GemmChoice, GemmKernel, KernelBuild, KernelId, KernelSource, ResidentKernel, Result};
 
 use crate::backend_error;
 use crate::buffer::lock;
@@ -74,7 +77,8 @@ pub(crate) struct GemmBuild {
 /// Layouts, modules and pipelines of one device.
 pub(crate) struct Kernels {
     layouts: HashMap<Entry, (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
-    modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
+    /// By [`KernelSource::name`].
+    modules: Mutex<HashMap<String, wgpu::ShaderModule>>,
     pipelines: Mutex<HashMap<Entry, wgpu::ComputePipeline>>,
     gemm: GemmBuild,
 }
@@ -145,16 +149,39 @@ impl Kernels {
         }
     }
 
+    /// The matrix-unit GEMM's kernels, where it runs.
+    pub fn gemm_choice(&self) -> Option<GemmChoice> {
+        self.gemm.coop.map(|(_, choice)| choice)
+    }
+
+    /// The matrix-unit GEMM's subgroup size, where it runs.
+    pub fn coop_subgroup(&self) -> Option<u32> {
+        self.gemm.coop.map(|(subgroup, _)| subgroup)
+    }
+
+    /// Runs `choice` on the matrix units from now on (the caller fitted
+    /// it); the GEMM pipelines are rebuilt on next use.
+    pub fn set_gemm_choice(&mut self, choice: GemmChoice) {
+        if let Some((_, current)) = &mut self.gemm.coop {
+            *current = choice;
+            let mut pipelines = lock(&self.pipelines);
+            for id in [KernelId::GemmLogits, KernelId::GemmDx] {
+                pipelines.remove(&Entry::Driver(id));
+            }
+        }
+    }
+
     fn build(&self, kernel: KernelId) -> KernelBuild {
         kernel.build(self.gemm_kernel(kernel))
     }
 
-    fn module(&self, device: &wgpu::Device, build: &KernelBuild) -> wgpu::ShaderModule {
-        let shader = build.shader;
+    fn module(&self, device: &wgpu::Device, build: &KernelBuild) -> Result<wgpu::ShaderModule> {
         let mut modules = lock(&self.modules);
-        modules
-            .entry(shader.file)
-            .or_insert_with(|| {
+        if let Some(module) = modules.get(&build.source.name()) {
+            return Ok(module.clone());
+        }
+        let module = match build.source {
+            KernelSource::Wgsl(shader) => {
                 let desc = wgpu::ShaderModuleDescriptor {
                     label: Some(shader.file),
                     source: wgpu::ShaderSource::Wgsl(shader.source().into()),
@@ -169,8 +196,44 @@ impl Kernels {
                 } else {
                     device.create_shader_module(desc)
                 }
-            })
-            .clone()
+            }
+            KernelSource::Glsl { tile, layout } => {
+                let Some(kernel) = headkl_glsl::gemm(tile, layout) else {
+                    return Err(backend_error(format!(
+                        "headkl-glsl did not build glsl:{tile} for {layout:?}"
+                    )));
+                };
+                if !device.features().contains(wgpu::Features::PASSTHROUGH_SHADERS) {
+                    return Err(backend_error(format!(
+                        "glsl:{tile} needs PASSTHROUGH_SHADERS, which this device was opened without"
+                    )));
+                }
+                let desc = wgpu::ShaderModuleDescriptorPassthrough {
+                    label: Some(kernel.name),
+                    entry_points: Cow::Owned(vec![wgpu::PassthroughShaderEntryPoint {
+                        name: Cow::Borrowed(build.entry),
+                        workgroup_size: (build.invocations, 1, 1),
+                    }]),
+                    spirv: Some(Cow::Owned(kernel.words())),
+                    ..Default::default()
+                };
+                // SAFETY: the words are SPIR-V 1.6 that glslang compiled at
+                // build time from shaders/gemm_khr.comp (headkl-glsl's
+                // build.rs fails on any GLSL error); the catalogue tests
+                // (headkl_glsl::check_build, run by this crate's and the
+                // Vulkan backend's) hold its entry point, workgroup size,
+                // workgroup memory and bindings to the catalogue's, which
+                // is the pipeline layout it gets here. It runs only where
+                // the GEMM plan fitted it to the device (subgroups of 32,
+                // cooperative matrices and the Vulkan memory model
+                // enabled, CoopGemm::misfit), and indexes only inside the
+                // extents of a GemmDesc that core's checks validated
+                // against the buffer sizes before every dispatch.
+                unsafe { device.create_shader_module_passthrough(desc) }
+            }
+        };
+        modules.insert(build.source.name(), module.clone());
+        Ok(module)
     }
 
     /// The pipeline of `kernel`, built on first use. Build errors (WGSL,
@@ -185,7 +248,7 @@ impl Kernels {
             // index comes from the caller's data.
             Entry::Resident(r) => KernelBuild {
                 id: KernelId::ConvertF16,
-                shader: r.shader(),
+                source: KernelSource::Wgsl(r.shader()),
                 entry: r.entry(),
                 overrides: Vec::new(),
                 workgroup_bytes: 0,
@@ -195,7 +258,8 @@ impl Kernels {
         };
         let validation = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let internal = device.push_error_scope(wgpu::ErrorFilter::Internal);
-        let module = self.module(device, &build);
+        // An early return drops the scopes' guards, which pop them.
+        let module = self.module(device, &build)?;
         let layout = self
             .layouts
             .get(&kernel)
@@ -220,10 +284,10 @@ impl Kernels {
         });
         let internal_err = pollster::block_on(internal.pop());
         let validation_err = pollster::block_on(validation.pop());
-        let file = build.shader.file;
+        let file = build.source.name();
         if let Some(e) = validation_err.or(internal_err) {
             // Forget the module too, so a retry rebuilds it.
-            lock(&self.modules).remove(file);
+            lock(&self.modules).remove(&file);
             let hint = if build.matrix_units {
                 " (HEADKL_NO_COOPMAT=1 selects the tiled GEMM)"
             } else {

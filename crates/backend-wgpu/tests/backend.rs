@@ -7,10 +7,10 @@
 
 use half::f16;
 use headkl_core::{
-    Backend, ConvertDesc, Engine, Error, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, LossOptions,
+    Backend, ConvertDesc, Engine, Error, GemmChoice, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, LossOptions,
     SliceOptions, Teacher, TopkOptions,
 };
-use headkl_reference::conformance::{harness_settings, open_or_skip};
+use headkl_reference::conformance::{gemm_choice_outcome, harness_settings, open_or_skip};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::Tolerance;
 use headkl_wgpu::{OpenOptions, WgpuBackend};
@@ -374,4 +374,24 @@ fn topk_rows_is_exact_on_crafted_rows() {
             }
         }
     }
+}
+
+/// The GLSL tiles through `PASSTHROUGH_SHADERS`: where the GEMM has no
+/// matrix units (lavapipe in CI) naming them is a typed error; where they
+/// are taken (a Vulkan adapter with subgroups of 32, the H200), the kernel
+/// cases pass with them.
+#[test]
+fn glsl_tiles_run_or_are_refused_with_a_typed_error() {
+    let Some(mut b) = open() else { return };
+    let choice = GemmChoice::parse(
+        "logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2",
+        headkl_wgpu::DEFAULT_GEMM,
+    )
+    .unwrap();
+    let outcome = b.use_gemm(choice);
+    let accepted = gemm_choice_outcome(&b, choice, outcome).unwrap();
+    eprintln!("glsl tiles accepted: {accepted}; gemm: {}", b.gemm_path());
+    assert_eq!(b.gemm_choice() == Some(choice), accepted);
+    assert_eq!(b.gemm_path().contains("glsl:bm128.bk32.s2"), accepted);
+    assert_eq!(b.take_diagnostics(), Vec::<String>::new());
 }

@@ -6,10 +6,14 @@
 //! workgroup size and workgroup memory are the catalogue's (the parameter
 //! struct is generated from `core::params`: this checks the generation). This is the only
 //! CI check that `gemm_coop.wgsl` compiles: lavapipe has no matrix units.
+//! The GLSL tiles' builds (at subgroup 32, the only size they are written
+//! for) are held to the SPIR-V headkl-glsl built for them, which wgpu
+//! passes through: present, with the catalogue's bindings, workgroup and
+//! workgroup memory (`headkl_glsl::check_build`).
 
 use headkl_core::kernels::{Access, SHADERS};
 use headkl_core::params::ResidentParams;
-use headkl_core::{CoopGemm, GemmKernel, KernelBuild, KernelId, ResidentKernel};
+use headkl_core::{CoopGemm, GemmKernel, KernelBuild, KernelId, KernelSource, ResidentKernel};
 use naga::back::spv;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 
@@ -20,6 +24,7 @@ fn builds() -> Vec<KernelBuild> {
         gemms.extend(
             CoopGemm::candidates()
                 .into_iter()
+                .filter(|kernel| subgroup == 32 || !matches!(kernel, CoopGemm::Glsl(_)))
                 .map(|kernel| GemmKernel::Coop { kernel, subgroup }),
         );
     }
@@ -44,8 +49,12 @@ fn parse(file: &str, text: &str) -> (naga::Module, naga::valid::ModuleInfo) {
 
 /// Checks one build; returns what is wrong with it, if anything.
 fn check(build: &KernelBuild) -> Result<usize, String> {
-    let (file, entry) = (build.shader.file, build.entry);
-    let (module, info) = parse(file, &build.shader.source());
+    let shader = match build.source {
+        KernelSource::Wgsl(shader) => shader,
+        KernelSource::Glsl { .. } => return headkl_glsl::check_build(build).map(|k| k.words().len()),
+    };
+    let (file, entry) = (shader.file, build.entry);
+    let (module, info) = parse(file, &shader.source());
     let mut constants = naga::back::PipelineConstants::default();
     for &(name, value) in &build.overrides {
         constants.insert(name.to_string(), f64::from(value));
@@ -148,19 +157,25 @@ fn check_params(kernel: KernelId, module: &naga::Module, ty: &naga::Type) -> Res
 fn every_build_in_the_catalogue_matches_its_shader_and_compiles() {
     let builds = builds();
     let mut failures = Vec::new();
-    let mut words = 0;
+    let (mut words, mut glsl) = (0, 0);
     for build in &builds {
         match check(build) {
             Ok(n) => words += n,
             Err(e) => failures.push(format!(
                 "{}:{} {:?}: {e}",
-                build.shader.file, build.entry, build.overrides
+                build.source.name(),
+                build.entry,
+                build.overrides
             )),
         }
+        glsl += usize::from(matches!(build.source, KernelSource::Glsl { .. }));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    // 3 fixed kernels, and per GEMM the tiled kernel and 19 tiles at 2 subgroup sizes.
-    assert_eq!(builds.len(), 3 + 2 * (1 + 2 * 19));
+    // 3 fixed kernels, and per GEMM the tiled kernel, 19 WGSL tiles at 2
+    // subgroup sizes and the GLSL tiles at one.
+    let tiles = headkl_core::glsl_tile::GLSL_TILES.len();
+    assert_eq!(builds.len(), 3 + 2 * (1 + 2 * 19 + tiles));
+    assert_eq!(glsl, 2 * tiles);
     assert!(words > 0);
 }
 

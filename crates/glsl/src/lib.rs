@@ -127,6 +127,107 @@ pub fn by_name(name: &str) -> Option<&'static GlslKernel> {
     KERNELS.iter().find(|k| k.name == name)
 }
 
+/// What a SPIR-V module declares to the pipeline that loads it: read
+/// from the words, for the catalogue tests of both backends.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Interface {
+    /// `OpCapability` operands.
+    pub capabilities: Vec<u32>,
+    /// The `OpMemoryModel` (1: GLSL450, 3: Vulkan).
+    pub memory_model: u32,
+    /// The `LocalSize` execution mode.
+    pub local_size: Option<[u32; 3]>,
+    /// Set-0 descriptor bindings, sorted: the uniform block (`None`) or a
+    /// storage buffer (`Some(writable)`).
+    pub bindings: Vec<(u32, Option<bool>)>,
+}
+
+/// The capability of KHR cooperative matrices (`CooperativeMatrixKHR`).
+pub const CAPABILITY_COOPERATIVE_MATRIX: u32 = 6022;
+
+/// Reads what `words` declares; `None` when they are not well-formed
+/// SPIR-V.
+pub fn interface(words: &[u32]) -> Option<Interface> {
+    const MEMORY_MODEL: u32 = 14;
+    const EXECUTION_MODE: u32 = 16;
+    const CAPABILITY: u32 = 17;
+    const TYPE_POINTER: u32 = 32;
+    const VARIABLE: u32 = 59;
+    const DECORATE: u32 = 71;
+    const MEMBER_DECORATE: u32 = 72;
+    const LOCAL_SIZE: u32 = 17;
+    const BINDING: u32 = 33;
+    const NON_WRITABLE: u32 = 24;
+    const UNIFORM: u32 = 2;
+    if words.first() != Some(&0x0723_0203) || words.len() < 5 {
+        return None;
+    }
+    let mut out = Interface::default();
+    let (mut binding_of, mut pointee, mut variables, mut read_only) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut i = 5;
+    while i < words.len() {
+        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
+        let operands = words.get(i + 1..i + count.max(1))?;
+        match (op, operands) {
+            (CAPABILITY, [cap, ..]) => out.capabilities.push(*cap),
+            (MEMORY_MODEL, [_, model, ..]) => out.memory_model = *model,
+            (EXECUTION_MODE, [_, LOCAL_SIZE, x, y, z, ..]) => out.local_size = Some([*x, *y, *z]),
+            (DECORATE, [target, BINDING, n, ..]) => binding_of.push((*target, *n)),
+            (MEMBER_DECORATE, [target, _, NON_WRITABLE, ..]) => read_only.push(*target),
+            (TYPE_POINTER, [id, _, ty, ..]) => pointee.push((*id, *ty)),
+            (VARIABLE, [ty, id, class, ..]) => variables.push((*id, *ty, *class)),
+            _ => {}
+        }
+        i += count.max(1);
+    }
+    for (var, binding) in binding_of {
+        let &(_, ptr, class) = variables.iter().find(|v| v.0 == var)?;
+        let &(_, block) = pointee.iter().find(|p| p.0 == ptr)?;
+        let kind = (class != UNIFORM).then(|| !read_only.contains(&block));
+        out.bindings.push((binding, kind));
+    }
+    out.bindings.sort_unstable();
+    Some(out)
+}
+
+/// Checks a GLSL build of the catalogue against the SPIR-V headkl-glsl
+/// built for it: cooperative matrices on the Vulkan memory model, the
+/// catalogue's workgroup size and workgroup memory, its uniform parameter
+/// block at binding 0 and its storage buffers (with their access) at
+/// 1... Returns the kernel, or what is wrong.
+pub fn check_build(build: &headkl_core::KernelBuild) -> Result<&'static GlslKernel, String> {
+    use headkl_core::kernels::{Access, KernelSource};
+    let KernelSource::Glsl { tile, layout } = build.source else {
+        return Err(format!("{:?} is not a GLSL build", build.source));
+    };
+    let kernel = gemm(tile, layout).ok_or_else(|| format!("glsl:{tile} for {layout:?} was not built"))?;
+    let name = kernel.name;
+    let found = interface(&kernel.words()).ok_or_else(|| format!("{name}: not SPIR-V"))?;
+    if !found.capabilities.contains(&CAPABILITY_COOPERATIVE_MATRIX) || found.memory_model != 3 {
+        return Err(format!("{name}: capabilities {:?}, memory model {}", found.capabilities, found.memory_model));
+    }
+    let want: Vec<(u32, Option<bool>)> = std::iter::once((0, None))
+        .chain((1..).zip(build.id.bindings().iter().map(|&a| Some(a == Access::ReadWrite))))
+        .collect();
+    if found.bindings != want {
+        return Err(format!("{name}: bindings {:?}, the catalogue's are {want:?}", found.bindings));
+    }
+    if build.entry != "main" || found.local_size != Some([build.invocations, 1, 1]) {
+        return Err(format!(
+            "{name}: workgroup {:?}, the catalogue's is {} invocations at `{}`",
+            found.local_size, build.invocations, build.entry
+        ));
+    }
+    if build.workgroup_bytes != kernel.shared_bytes() {
+        return Err(format!(
+            "{name}: {} bytes of workgroup memory, the catalogue says {}",
+            kernel.shared_bytes(),
+            build.workgroup_bytes
+        ));
+    }
+    Ok(kernel)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,25 +290,23 @@ mod tests {
         assert_eq!(names.len() * 4, headkl_core::params::GemmParams::BLOCK.bytes);
     }
 
-    /// Each GEMM's workgroup size is the shader's `local_size_x`: the
-    /// SPIR-V's `LocalSize` execution mode.
+    /// Every catalogue build of every GLSL tile matches its SPIR-V.
     #[test]
-    fn spirv_workgroup_size_is_the_catalogue_s() {
-        for k in KERNELS.iter().filter(|k| k.part() == CeilingPart::Gemm) {
-            let words = k.words();
-            // OpExecutionMode (16) %main LocalSize (17) x y z; or
-            // OpExecutionModeId (331) with constant ids, which glslang does
-            // not emit for literal sizes.
-            let mut i = 5;
-            let mut size = None;
-            while i < words.len() {
-                let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
-                if op == 16 && words.get(i + 2) == Some(&17) {
-                    size = words.get(i + 3).copied();
-                }
-                i += count.max(1);
+    fn catalogue_builds_match_their_spirv() {
+        use headkl_core::{CoopGemm, GemmKernel, KernelId};
+        for tile in GLSL_TILES {
+            let gemm = GemmKernel::Coop {
+                kernel: CoopGemm::Glsl(tile),
+                subgroup: 32,
+            };
+            for id in [KernelId::GemmLogits, KernelId::GemmDx] {
+                let build = id.build(gemm);
+                let kernel = check_build(&build).unwrap_or_else(|e| panic!("{id} glsl:{tile}: {e}"));
+                assert_eq!(Some(kernel.layout()), id.gemm_layout());
             }
-            assert_eq!(size, Some(k.invocations()), "{}", k.name);
         }
+        // A WGSL build is not one; bad words are not SPIR-V.
+        assert!(check_build(&KernelId::GemmDx.build(GemmKernel::Tiled)).is_err());
+        assert_eq!(interface(&[1, 2, 3]), None);
     }
 }

@@ -246,6 +246,38 @@ pub fn run_suite<B: Backend + ?Sized>(
     run_part(backend, Part::All, cfg, progress)
 }
 
+/// What a backend did when asked to run the GEMM kernels `choice` from
+/// now on (`outcome`, from its `use_gemm`): either it took them, and then
+/// the kernel cases pass with them (`Ok(true)`), or it refused with an
+/// [`headkl_core::Error::InvalidSetting`] naming `HEADKL_GEMM` and the
+/// choice (`Ok(false)`). A device without matrix units must refuse.
+/// `Err` says what is wrong. Both GPU backends' tests call it with the
+/// GLSL tiles: CI's lavapipe must refuse them, the H200 must run them.
+pub fn gemm_choice_outcome<B: Backend + ?Sized>(
+    backend: &B,
+    choice: headkl_core::GemmChoice,
+    outcome: headkl_core::Result<()>,
+) -> Result<bool, String> {
+    let matrix_units = backend.info().matrix_units;
+    match outcome {
+        Ok(()) if !matrix_units => Err(format!("{choice} accepted on a device without matrix units")),
+        Ok(()) => {
+            let report = run_part(backend, Part::Kernels, &SuiteConfig { cases: 0, seed: 0 }, &mut |_| {});
+            match report.failures.first() {
+                None if report.cases > 0 => Ok(true),
+                None => Err("no kernel cases ran".into()),
+                Some(f) => Err(format!("{choice}: {}: {}", f.name, f.message)),
+            }
+        }
+        Err(headkl_core::Error::InvalidSetting { name, value, reason })
+            if name == headkl_core::gemm_choice::GEMM_ENV && value == choice.to_string() && !reason.is_empty() =>
+        {
+            Ok(false)
+        }
+        Err(other) => Err(format!("{choice}: not the typed refusal: {other:?}")),
+    }
+}
+
 /// Runs one part of the suite on `backend`.
 pub fn run_part<B: Backend + ?Sized>(
     backend: &B,
