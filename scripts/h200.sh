@@ -52,7 +52,8 @@ if has check; then
     done <<'LIST'
 vulkan-coop||vulkan
 vulkan-fallback|HEADKL_NO_COOPMAT=1|vulkan
-vulkan-glsl|HEADKL_GLSL_GEMM=logits=bm128.bk64.s1,dx=bm128.bk32.s2|vulkan
+vulkan-glsl|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|vulkan
+wgpu-glsl|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|wgpu
 wgpu-coop||wgpu
 wgpu-fallback|HEADKL_NO_COOPMAT=1|wgpu
 LIST
@@ -80,7 +81,8 @@ if has bench; then
         grep -E "^(vulkan|wgpu|trace) " "$log" | tee -a "$summary"
     done <<'LIST'
 A-vulkan||vulkan|A|--resident --plot /tmp/headkl-out/bench-A.svg
-A-vulkan-glsl|HEADKL_GLSL_GEMM=logits=bm128.bk64.s1,dx=bm128.bk32.s2|vulkan|A|--resident
+A-vulkan-glsl|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|vulkan|A|--resident
+A-wgpu-glsl|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|wgpu|A|--resident
 A-wgpu||wgpu|A|--resident
 B-vulkan||vulkan|B|--resident
 LIST

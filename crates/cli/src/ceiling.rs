@@ -11,7 +11,7 @@
 //! and as a percentage of (a).
 
 use half::f16;
-use headkl_core::{Backend, GemmDesc, HeadLayout};
+use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
 use headkl_vulkan::{CeilingKernel, CeilingPart, GlslTile, VulkanBackend, VulkanBuffer, VulkanOptions};
 
@@ -72,8 +72,12 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
         }
     }
     let mut gate = Vec::new();
+    let current_choice = backend.gemm_choice();
     for &tile in &tiles {
-        backend.use_glsl_gemm(Some(tile)).map_err(dev)?;
+        let glsl = CoopGemm::Glsl(tile);
+        backend
+            .use_gemm(GemmChoice { logits: glsl, dx: glsl })
+            .map_err(dev)?;
         let report = conformance::run_part(&backend, Part::Kernels, &SuiteConfig { cases: 0, seed: 0 }, &mut |_| {});
         let verdict = match report.failures.first() {
             None => format!("{}/{} cases", report.passed, report.cases),
@@ -85,7 +89,9 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
         eprintln!("ceiling: GLSL GEMM {tile}: {verdict}");
         gate.push((tile, verdict));
     }
-    backend.use_glsl_gemm(None).map_err(dev)?;
+    if let Some(choice) = current_choice {
+        backend.use_gemm(choice).map_err(dev)?;
+    }
 
     let data = TuneData::new(shape);
     let GemmShape { m, n, k } = shape;
@@ -162,7 +168,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
 }
 
 /// Times every kernel of `mine` and then the current GEMM on one layout
-/// (which runs the WGSL kernels: the caller reset any GLSL choice),
+/// (the backend's choice as opened: the caller restored it after the gate),
 /// `iters` rounds after an untimed one; returns their medians in ms, the
 /// current GEMM's last.
 fn time_layout(

@@ -507,17 +507,24 @@ mod tests {
         let dx = parse("dx=glsl:bm128.bk32.s2.ws.c4").unwrap();
         assert_eq!(dx.logits, DEFAULT.logits);
         assert_eq!(dx.dx.tile(), (128, 128));
-        assert_eq!(dx.dx.invocations(32), 4 * 32 + 128);
+        // 2 × 4 math subgroups and 4 copying ones.
+        assert_eq!(dx.dx.invocations(32), 2 * 4 * 32 + 128);
         for t in GLSL_TILES {
             let k = CoopGemm::Glsl(t);
             assert!(CoopGemm::candidates().contains(&k), "{k}");
             assert_eq!(k.shared_bytes(), t.shared_bytes());
             assert!(k.overrides(32).is_empty());
         }
-        for bad in ["glsl:bm96.bk32.s2", "glsl:", "glsl:bm128.bk64.s3", "logits=glsl:staged"] {
+        // In `logits=KERNEL`, the error names the kernel part.
+        for (bad, named) in [
+            ("glsl:bm96.bk32.s2", "glsl:bm96.bk32.s2"),
+            ("glsl:", "glsl:"),
+            ("glsl:bm128.bk64.s3", "glsl:bm128.bk64.s3"),
+            ("logits=glsl:staged", "glsl:staged"),
+        ] {
             match parse(bad) {
                 Err(Error::InvalidSetting { name, value, reason }) => {
-                    assert_eq!((name, value.as_str()), (GEMM_ENV, bad));
+                    assert_eq!((name, value.as_str()), (GEMM_ENV, named));
                     assert!(reason.contains("bm128.bk64.s1"), "{bad}: {reason}");
                 }
                 other => panic!("{bad}: {other:?}"),
