@@ -16,7 +16,10 @@ use glslang::{
     VulkanVersion,
 };
 
-#[allow(dead_code, reason = "the build uses the tile table, not every helper of core's module")]
+#[allow(
+    dead_code,
+    reason = "the build uses the tile table, not every helper of core's module"
+)]
 #[path = "../core/src/glsl_tile.rs"]
 mod glsl_tile;
 

@@ -42,8 +42,7 @@ use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::settings::GemmSources;
 use headkl_core::{
     fold_workgroups, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc, GemmKernel,
-    KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, Settings, StagedTile,
-    TopkDesc,
+    KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, Settings, StagedTile, TopkDesc,
 };
 
 use crate::command::{Binding, Stream};
@@ -55,9 +54,9 @@ use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
 pub use crate::external::ExternalVulkan;
 pub use crate::glsl::CeilingKernel;
+pub use crate::memory::VulkanBuffer;
 pub use headkl_core::GlslTile;
 pub use headkl_glsl::CeilingPart;
-pub use crate::memory::VulkanBuffer;
 
 /// The Vulkan backend's GEMM kernels without a tune cache or `HEADKL_GEMM`:
 /// the fastest for each GEMM on the H200 (`headkl tune`,
@@ -442,7 +441,9 @@ impl Backend for VulkanBackend {
         let gemm = self.gemm_for(kernel);
         if let KernelSource::Glsl { tile, layout } = kernel.build(gemm).source {
             let Some(glsl) = headkl_glsl::gemm(tile, layout) else {
-                return Err(backend_error(format!("headkl-glsl did not build glsl:{tile} for {layout:?}")));
+                return Err(backend_error(format!(
+                    "headkl-glsl did not build glsl:{tile} for {layout:?}"
+                )));
             };
             return self.glsl_kernel_dispatch(glsl, a, b, c, desc, params, kernel.name());
         }

@@ -252,7 +252,11 @@ fn kernel_times_are_labelled() {
 /// GLSL450, 3: Vulkan).
 fn spirv_declarations(words: &[u32]) -> (Vec<Capability>, u32) {
     let found = headkl_glsl::interface(words).expect("well-formed SPIR-V");
-    let caps = found.capabilities.iter().filter_map(|&c| Capability::from_u32(c)).collect();
+    let caps = found
+        .capabilities
+        .iter()
+        .filter_map(|&c| Capability::from_u32(c))
+        .collect();
     (caps, found.memory_model)
 }
 
@@ -343,11 +347,7 @@ fn glsl_tiles_run_or_are_refused_with_a_typed_error() {
     let Some(mut b) = open(crate::command::STAGING_BYTES) else {
         return;
     };
-    let choice = GemmChoice::parse(
-        "logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2",
-        crate::DEFAULT_GEMM,
-    )
-    .unwrap();
+    let choice = GemmChoice::parse("logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2", crate::DEFAULT_GEMM).unwrap();
     let outcome = b.use_gemm(choice);
     let accepted = gemm_choice_outcome(&b, choice, outcome).unwrap();
     if accepted {

@@ -75,9 +75,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
     let current_choice = backend.gemm_choice();
     for &tile in &tiles {
         let glsl = CoopGemm::Glsl(tile);
-        backend
-            .use_gemm(GemmChoice { logits: glsl, dx: glsl })
-            .map_err(dev)?;
+        backend.use_gemm(GemmChoice { logits: glsl, dx: glsl }).map_err(dev)?;
         let report = conformance::run_part(&backend, Part::Kernels, &SuiteConfig { cases: 0, seed: 0 }, &mut |_| {});
         let verdict = match report.failures.first() {
             None => format!("{}/{} cases", report.passed, report.cases),

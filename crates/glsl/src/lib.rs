@@ -204,13 +204,19 @@ pub fn check_build(build: &headkl_core::KernelBuild) -> Result<&'static GlslKern
     let name = kernel.name;
     let found = interface(&kernel.words()).ok_or_else(|| format!("{name}: not SPIR-V"))?;
     if !found.capabilities.contains(&CAPABILITY_COOPERATIVE_MATRIX) || found.memory_model != 3 {
-        return Err(format!("{name}: capabilities {:?}, memory model {}", found.capabilities, found.memory_model));
+        return Err(format!(
+            "{name}: capabilities {:?}, memory model {}",
+            found.capabilities, found.memory_model
+        ));
     }
     let want: Vec<(u32, Option<bool>)> = std::iter::once((0, None))
         .chain((1..).zip(build.id.bindings().iter().map(|&a| Some(a == Access::ReadWrite))))
         .collect();
     if found.bindings != want {
-        return Err(format!("{name}: bindings {:?}, the catalogue's are {want:?}", found.bindings));
+        return Err(format!(
+            "{name}: bindings {:?}, the catalogue's are {want:?}",
+            found.bindings
+        ));
     }
     if build.entry != "main" || found.local_size != Some([build.invocations, 1, 1]) {
         return Err(format!(
