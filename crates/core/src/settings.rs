@@ -178,6 +178,13 @@ pub struct Settings {
     pub bench_shape: Option<String>,
 }
 
+/// Variables headkl no longer reads, with what to say instead: setting one
+/// is an error rather than a silent no-op.
+pub const REMOVED: [(&str, &str); 1] = [(
+    "HEADKL_GLSL_GEMM",
+    "the GLSL tiles are HEADKL_GEMM kernels now: HEADKL_GEMM=logits=glsl:TILE,dx=glsl:TILE",
+)];
+
 impl Settings {
     /// Reads every variable from the process environment.
     pub fn from_env() -> Result<Self> {
@@ -198,6 +205,11 @@ impl Settings {
             }
         };
         let flag = |name: &'static str| -> Result<bool> { text(name)?.map_or(Ok(false), |v| parse_flag(name, &v)) };
+        for (name, instead) in REMOVED {
+            if let Some(value) = text(name)? {
+                return Err(invalid(name, &value, &format!("no longer read: {instead}")));
+            }
+        }
         let backend = text(BACKEND)?.map(|v| parse_backend(BACKEND, &v, true)).transpose()?;
         let device = text(DEVICE)?
             .map(|v| parse_number(DEVICE, &v).map(|n| n as usize))
@@ -467,6 +479,20 @@ mod tests {
             let e = settings(&[(name, bad)]).unwrap_err();
             let text = e.to_string();
             assert!(text.contains(name) && text.contains(bad), "{name}={bad}: {text}");
+        }
+    }
+
+    #[test]
+    fn a_removed_variable_is_an_error_that_says_what_replaced_it() {
+        match settings(&[("HEADKL_GLSL_GEMM", "logits=bm128.bk64.s1")]) {
+            Err(Error::InvalidSetting { name, value, reason }) => {
+                assert_eq!((name, value.as_str()), ("HEADKL_GLSL_GEMM", "logits=bm128.bk64.s1"));
+                assert!(reason.contains("HEADKL_GEMM=logits=glsl:"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        for (name, _) in REMOVED {
+            assert!(VARIABLES.iter().all(|v| v.name != name), "{name} is both read and removed");
         }
     }
 
