@@ -18,6 +18,9 @@ use crate::{backend_error, BACKEND};
 /// its fastest on the H200 (docs/PERFORMANCE.md), where wgpu's pipelines
 /// ran the Vulkan backend's K-64 logits tile far slower. Both GEMMs take
 /// the 256 × 128 tile, K 32 per step, one stage with register prefetch.
+/// WGSL rather than a GLSL tile: those need a Vulkan adapter with
+/// `PASSTHROUGH_SHADERS` and subgroups of 32, and have not been timed
+/// through wgpu; `headkl tune` records one where it wins on the device.
 pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
     logits: CoopGemm::Staged(PREFETCH_256),
     dx: CoopGemm::Staged(PREFETCH_256),

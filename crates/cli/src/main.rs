@@ -168,8 +168,10 @@ reference is left out of --all for large shapes).",
     },
     /// Time every matrix-unit GEMM kernel on this device and keep the fastest
     #[command(
-        long_about = "Time every matrix-unit GEMM kernel (the direct one, and the staged one at each \
-K step, rows of subgroups and stage count) on one device, at the two GEMMs head_kl runs: the logits \
+        long_about = "Time every matrix-unit GEMM kernel (the direct one, the staged one at each \
+K step, rows of subgroups and stage count, and the GLSL tiles where the device can run them: \
+subgroups of 32 and Vulkan 1.3, or wgpu with PASSTHROUGH_SHADERS; elsewhere they show as does not \
+start) on one device, at the two GEMMs head_kl runs: the logits \
 x·Wᵀ ([M][K]·[N][K]ᵀ) and the input gradient g·W ([M][N]·[N][K]). Each kernel first runs the \
 conformance suite's kernel cases against the f64 reference; one that fails is never picked. Kernels \
 within 1.25× of the best time for either GEMM run a second round, and keep the faster of their two \
@@ -190,7 +192,7 @@ Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) o
         /// Timed GEMMs per kernel and layout
         #[arg(long, default_value_t = 5)]
         iters: usize,
-        /// Only these kernels, comma-separated (e.g. direct,staged:bk32:r2:s2)
+        /// Only these kernels, comma-separated (e.g. direct,staged:bk32:r2:s2,glsl:bm128.bk64.s1)
         #[arg(long, value_delimiter = ',', value_parser = parse_kernel)]
         kernels: Option<Vec<headkl_core::CoopGemm>>,
         /// Print the result without writing the tune cache

@@ -1,4 +1,5 @@
-//! `headkl tune`: times every matrix-unit GEMM kernel on one device at the
+//! `headkl tune`: times every matrix-unit GEMM kernel (the WGSL kernels and
+//! the GLSL tiles, `CoopGemm::candidates`) on one device at the
 //! GEMM shapes head_kl runs (the logits `x·Wᵀ` and the input gradient
 //! `g·W`), checks each against the reference on the conformance suite's
 //! kernel cases, and records the fastest correct one per layout in the tune
