@@ -1078,6 +1078,19 @@ fn tune_and_gemm_settings_name_what_is_wrong() {
             .output()
             .unwrap();
         assert_input_error(&o, &["HEADKL_GEMM", "garbage"]);
+        // A GLSL tile the build does not make; the variable that is gone.
+        let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+            .args(args)
+            .env("HEADKL_GEMM", "logits=glsl:bm96.bk32.s2")
+            .output()
+            .unwrap();
+        assert_input_error(&o, &["HEADKL_GEMM", "glsl:bm96.bk32.s2", "not a GLSL tile"]);
+        let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+            .args(args)
+            .env("HEADKL_GLSL_GEMM", "bm128.bk64.s1")
+            .output()
+            .unwrap();
+        assert_input_error(&o, &["HEADKL_GLSL_GEMM", "HEADKL_GEMM=logits=glsl:"]);
     }
     for backend in ["wgpu", "vulkan"] {
         let o = headkl(&["tune", "--backend", backend, "--no-save"]);
