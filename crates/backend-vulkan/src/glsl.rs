@@ -380,7 +380,7 @@ impl VulkanBackend {
         if kernel.pretiled {
             // Its reads stay inside the operands only when the tiles divide them.
             let (bm, bk) = (kernel.bm as usize, kernel.bk as usize);
-            let whole = desc.m % bm == 0 && desc.n % BN as usize == 0 && desc.k % bk == 0;
+            let whole = desc.m.is_multiple_of(bm) && desc.n.is_multiple_of(BN as usize) && desc.k.is_multiple_of(bk);
             if !whole || desc.a_offset != 0 || desc.lda != desc.k {
                 return Err(backend_error(format!(
                     "{name}: pre-tiled timing needs dense operands with m, n, k multiples of {bm}, {BN}, {bk}; got {}:{}:{}",
