@@ -17,11 +17,11 @@
 //           copy, running STAGES - 1 steps ahead through a ring of STAGES
 //           stages, while the BM / 64 x 2 math subgroups only multiply;
 //           one barrier a step
-//   PRETILED  1 (ceiling report only): read A and B as if each K step's
-//           tile were stored as one contiguous run ([tile][step][BM or BN
-//           rows][BK]), to time a pre-tiled operand layout. The result is
-//           not a GEMM of the row-major operands; m, n and k must divide
-//           the tile.
+//   PRETILED  (ceiling report only) bit 0: read A, bit 1: read B as if each
+//           K step's tile were stored as one contiguous run ([tile][step]
+//           [BM or BN rows][BK]), to time a pre-tiled operand layout. The
+//           result is not a GEMM of the row-major operands; m, n and k
+//           must divide the tile.
 //   ACC16   1 (ceiling report only): f16 accumulators, half the
 //           accumulator registers, to time what occupancy alone buys; the
 //           sums lose precision, so it is timed, never checked or used
@@ -114,12 +114,10 @@ uint sidx;
 // k reads zeros.
 void load_step(uint s) {
     uint k0 = s * BK;
-#if PRETILED
     uint steps = p.k / BK;
-#endif
     [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
         uint e = sidx + i * STAGERS;
-#if PRETILED
+#if (PRETILED & 1) != 0
         ra[i] = a[((row0 / BM) * steps + s) * (BM * KW) + e];
 #else
         uint row = min(row0 + e / KW, p.m - 1);
@@ -129,7 +127,7 @@ void load_step(uint s) {
     }
     [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
         uint e = sidx + i * STAGERS;
-#if PRETILED
+#if (PRETILED & 2) != 0
         rb[i] = b[((col0 / BN) * steps + s) * (BN * KW) + e];
 #elif NN
         uint kk = k0 + e / (BN / 8);

@@ -16,8 +16,9 @@ use glslang::{
 struct Variant {
     mode: u32,
     nn: bool,
-    /// Operands read as if pre-tiled (ceiling report timing only).
-    pretiled: bool,
+    /// Operands read as if pre-tiled (ceiling report timing only): bit 0
+    /// A, bit 1 B.
+    pretiled: u32,
     /// f16 accumulators (ceiling report timing only).
     acc16: bool,
     tile: Tile,
@@ -72,7 +73,7 @@ fn variants() -> Vec<Variant> {
     let plain = |mode, nn, tile| Variant {
         mode,
         nn,
-        pretiled: false,
+        pretiled: 0,
         acc16: false,
         tile,
     };
@@ -91,18 +92,18 @@ fn variants() -> Vec<Variant> {
             }
         }
         for t in PRETILED {
-            for mode in [0, 3, 4] {
+            for (mode, pretiled) in [(0, 1), (0, 2), (0, 3), (3, 3), (4, 3)] {
                 v.push(Variant {
                     mode,
                     nn,
-                    pretiled: true,
+                    pretiled,
                     acc16: false,
                     tile: t,
                 });
             }
             // What halving the accumulator registers buys, with and without
             // pre-tiled operands.
-            for pretiled in [false, true] {
+            for pretiled in [0, 3] {
                 v.push(Variant {
                     mode: 0,
                     nn,
@@ -127,7 +128,7 @@ fn name(v: Variant) -> String {
     } else {
         String::new()
     };
-    let pt = if v.pretiled { "_pt" } else { "" };
+    let pt = ["", "_pta", "_ptb", "_pt"][v.pretiled as usize];
     let h = if v.acc16 { "_h" } else { "" };
     format!("{mode}_{layout}_bm{}_bk{}_s{}{i}{w}{c}{pt}{h}", t.bm, t.bk, t.stages)
 }
@@ -168,7 +169,7 @@ fn main() {
             ("INTERLEAVE", u32::from(t.interleave).to_string()),
             ("WS", u32::from(t.ws).to_string()),
             ("SG_COLS", t.sg_cols.to_string()),
-            ("PRETILED", u32::from(pretiled).to_string()),
+            ("PRETILED", pretiled.to_string()),
             ("ACC16", u32::from(acc16).to_string()),
         ];
         let defines: Vec<(&str, Option<&str>)> = defines.iter().map(|(k, v)| (*k, Some(v.as_str()))).collect();

@@ -79,8 +79,9 @@ pub(crate) struct GlslKernel {
     interleave: bool,
     ws: bool,
     sg_cols: u32,
-    /// Reads its operands as if pre-tiled (`PRETILED`): timing only.
-    pretiled: bool,
+    /// Reads A (bit 0) and B (bit 1) as if pre-tiled (`PRETILED`):
+    /// timing only.
+    pretiled: u32,
     /// f16 accumulators (`ACC16`): timing only.
     acc16: bool,
     /// Invocations per workgroup (BM / 64 × `sg_cols` subgroups of 32, and
@@ -116,7 +117,7 @@ impl GlslKernel {
     /// Whether it computes the GEMM of the row-major operands in f32 (the
     /// others are timing diagnostics).
     fn exact(&self) -> bool {
-        !self.pretiled && !self.acc16
+        self.pretiled == 0 && !self.acc16
     }
 
     fn tile(&self) -> GlslTile {
@@ -290,8 +291,8 @@ pub struct CeilingKernel {
     /// It reads A and B as if each K step's tile were one contiguous run
     /// (`PRETILED` in `gemm_khr.comp`): a timing of that layout, whose
     /// result is not the GEMM of the row-major operands. It needs m, n and
-    /// k to be multiples of the tile.
-    pub pretiled: bool,
+    /// k to be multiples of the tile. Bit 0: A, bit 1: B.
+    pub pretiled: u32,
     /// It accumulates in f16 (`ACC16`): a timing of what halving the
     /// accumulator registers buys; its sums are not accurate enough to use.
     pub acc16: bool,
@@ -300,15 +301,13 @@ pub struct CeilingKernel {
 impl CeilingKernel {
     /// Whether its result is the GEMM of the operands (then it is checked).
     pub fn exact(&self) -> bool {
-        !self.pretiled && !self.acc16
+        self.pretiled == 0 && !self.acc16
     }
 
     /// Its tile, and what it does differently from the GEMM headkl can run.
     pub fn label(&self) -> String {
         let mut label = self.tile.to_string();
-        if self.pretiled {
-            label.push_str(" pre-tiled");
-        }
+        label.push_str(["", " pre-tiled A", " pre-tiled B", " pre-tiled"][self.pretiled as usize & 3]);
         if self.acc16 {
             label.push_str(" f16-acc");
         }
@@ -377,7 +376,7 @@ impl VulkanBackend {
             return Err(backend_error(format!("no GLSL kernel named {name}")));
         };
         let params = desc.check([a, b, c], self.max_binding())?;
-        if kernel.pretiled {
+        if kernel.pretiled != 0 {
             // Its reads stay inside the operands only when the tiles divide them.
             let (bm, bk) = (kernel.bm as usize, kernel.bk as usize);
             let whole = desc.m.is_multiple_of(bm) && desc.n.is_multiple_of(BN as usize) && desc.k.is_multiple_of(bk);
@@ -498,7 +497,7 @@ mod tests {
                 assert!(
                     KERNELS
                         .iter()
-                        .any(|k| k.pretiled && k.mode == mode && k.nn == nn && k.bk == 64),
+                        .any(|k| k.pretiled == 3 && k.mode == mode && k.nn == nn && k.bk == 64),
                     "pre-tiled mode {mode}, nn {nn}"
                 );
             }
