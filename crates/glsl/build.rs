@@ -6,7 +6,8 @@
 //! The tiles are core's `GLSL_TILES` (`crates/core/src/glsl_tile.rs`,
 //! compiled in here): each as the GEMM (mode 0) for both layouts, and the
 //! ceiling report's diagnostics (modes 2, 3, 4) for each distinct plain
-//! configuration, plus one multiply-adds-from-registers kernel (mode 1).
+//! configuration, plus one multiply-adds-from-registers kernel (mode 1) and
+//! the pre-tiled and f16-accumulator timings of the two production tiles.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -30,38 +31,75 @@ use glsl_tile::{GlslTile, GLSL_TILES};
 struct Variant {
     mode: u32,
     nn: bool,
+    /// Operands read as if pre-tiled (ceiling report timing only): bit 0
+    /// A, bit 1 B.
+    pretiled: u32,
+    /// f16 accumulators (ceiling report timing only).
+    acc16: bool,
     tile: GlslTile,
 }
 
+/// The tiles the ceiling report also times with pre-tiled operands (the
+/// GEMM (e), its loads (c) and its staging (d)) and with f16 accumulators.
+const PRETILED: [&str; 2] = ["bm128.bk64.s1", "bm128.bk32.s2"];
+
 fn variants() -> Vec<Variant> {
     let mut v = Vec::new();
+    let plain = |mode, nn, tile| Variant {
+        mode,
+        nn,
+        pretiled: 0,
+        acc16: false,
+        tile,
+    };
     for nn in [false, true] {
         // Multiply-adds from registers: one configuration is enough.
-        v.push(Variant {
-            mode: 1,
-            nn,
-            tile: GlslTile {
-                bm: 128,
-                bk: 32,
-                stages: 1,
-                interleave: false,
-                ws: false,
-                sg_cols: 2,
-            },
-        });
+        let regs = GlslTile {
+            bm: 128,
+            bk: 32,
+            stages: 1,
+            interleave: false,
+            ws: false,
+            sg_cols: 2,
+        };
+        v.push(plain(1, nn, regs));
         let mut diagnosed = Vec::new();
         for t in GLSL_TILES {
-            v.push(Variant { mode: 0, nn, tile: t });
-            let plain = t.plain();
-            if !diagnosed.contains(&plain) {
-                diagnosed.push(plain);
+            v.push(plain(0, nn, t));
+            let base = t.plain();
+            if !diagnosed.contains(&base) {
+                diagnosed.push(base);
                 for mode in [2, 3, 4] {
-                    v.push(Variant { mode, nn, tile: plain });
+                    v.push(plain(mode, nn, base));
                 }
+            }
+        }
+        for name in PRETILED {
+            let t = GlslTile::from_name(name).unwrap_or_else(|| panic!("{name} is not in GLSL_TILES"));
+            for (mode, pretiled) in [(0, 1), (0, 2), (0, 3), (3, 3), (4, 3)] {
+                v.push(Variant {
+                    pretiled,
+                    ..plain(mode, nn, t)
+                });
+            }
+            // What halving the accumulator registers buys, with and without
+            // pre-tiled operands.
+            for pretiled in [0, 3] {
+                v.push(Variant {
+                    pretiled,
+                    acc16: true,
+                    ..plain(0, nn, t)
+                });
             }
         }
     }
     v
+}
+
+fn name(v: Variant) -> String {
+    let pt = ["", "_pta", "_ptb", "_pt"][v.pretiled as usize & 3];
+    let h = if v.acc16 { "_h" } else { "" };
+    format!("{}{pt}{h}", v.tile.kernel_name(v.mode, v.nn))
 }
 
 fn main() {
@@ -84,9 +122,18 @@ fn main() {
         ..Default::default()
     };
     let mut table = String::from("&[\n");
-    for Variant { mode, nn, tile: t } in variants() {
-        let name = t.kernel_name(mode, nn);
-        let defines: Vec<(&str, String)> = t.defines(mode, nn).iter().map(|(k, v)| (*k, v.to_string())).collect();
+    for v in variants() {
+        let Variant {
+            mode,
+            nn,
+            pretiled,
+            acc16,
+            tile: t,
+        } = v;
+        let name = name(v);
+        let mut defines: Vec<(&str, String)> = t.defines(mode, nn).iter().map(|(k, v)| (*k, v.to_string())).collect();
+        defines.push(("PRETILED", pretiled.to_string()));
+        defines.push(("ACC16", u32::from(acc16).to_string()));
         let defines: Vec<(&str, Option<&str>)> = defines.iter().map(|(k, v)| (*k, Some(v.as_str()))).collect();
         let input = ShaderInput::new(&source, ShaderStage::Compute, &options, Some(&defines[..]), None)
             .unwrap_or_else(|e| panic!("gemm_khr.comp {name}: {e}"));
@@ -99,8 +146,9 @@ fn main() {
         std::fs::write(&spv, bytes).unwrap_or_else(|e| panic!("{}: {e}", spv.display()));
         writeln!(
             table,
-            "    GlslKernel {{ name: {name:?}, mode: {mode}, nn: {nn}, tile: GlslTile {{ bm: {}, bk: {}, \
-             stages: {}, interleave: {}, ws: {}, sg_cols: {} }}, spirv: include_bytes!({path:?}) }},",
+            "    GlslKernel {{ name: {name:?}, mode: {mode}, nn: {nn}, pretiled: {pretiled}, acc16: {acc16}, \
+             tile: GlslTile {{ bm: {}, bk: {}, stages: {}, interleave: {}, ws: {}, sg_cols: {} }}, \
+             spirv: include_bytes!({path:?}) }},",
             t.bm,
             t.bk,
             t.stages,

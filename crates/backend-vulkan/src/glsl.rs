@@ -4,6 +4,7 @@
 //! ceiling report (`headkl tune --ceiling`) times every variant, its
 //! diagnostic kernels included, through [`VulkanBackend::dispatch_glsl`].
 
+use headkl_core::glsl_tile::GLSL_BN;
 use headkl_core::params::GemmParams;
 use headkl_core::{CoopGemm, GemmDesc, GlslTile, HeadLayout, Result};
 use headkl_glsl::{CeilingPart, GlslKernel, KERNELS};
@@ -25,6 +26,31 @@ pub struct CeilingKernel {
     pub layout: HeadLayout,
     /// Its tile configuration.
     pub tile: GlslTile,
+    /// It reads A and B as if each K step's tile were one contiguous run
+    /// (`PRETILED` in `gemm_khr.comp`): a timing of that layout, whose
+    /// result is not the GEMM of the row-major operands. It needs m, n and
+    /// k to be multiples of the tile. Bit 0: A, bit 1: B.
+    pub pretiled: u32,
+    /// It accumulates in f16 (`ACC16`): a timing of what halving the
+    /// accumulator registers buys; its sums are not accurate enough to use.
+    pub acc16: bool,
+}
+
+impl CeilingKernel {
+    /// Whether its result is the GEMM of the operands (then it is checked).
+    pub fn exact(&self) -> bool {
+        self.pretiled == 0 && !self.acc16
+    }
+
+    /// Its tile, and what it does differently from the GEMM headkl can run.
+    pub fn label(&self) -> String {
+        let mut label = self.tile.to_string();
+        label.push_str(["", " pre-tiled A", " pre-tiled B", " pre-tiled"][self.pretiled as usize & 3]);
+        if self.acc16 {
+            label.push_str(" f16-acc");
+        }
+        label
+    }
 }
 
 impl VulkanBackend {
@@ -60,6 +86,8 @@ impl VulkanBackend {
                 part: k.part(),
                 layout: k.layout(),
                 tile: k.tile,
+                pretiled: k.pretiled,
+                acc16: k.acc16,
             })
             .collect()
     }
@@ -83,6 +111,17 @@ impl VulkanBackend {
             return Err(backend_error(why));
         }
         let params = desc.check([a, b, c], self.max_binding())?;
+        if kernel.pretiled != 0 {
+            // Its reads stay inside the operands only when the tiles divide them.
+            let (bm, bk, bn) = (kernel.tile.bm as usize, kernel.tile.bk as usize, GLSL_BN as usize);
+            let whole = desc.m.is_multiple_of(bm) && desc.n.is_multiple_of(bn) && desc.k.is_multiple_of(bk);
+            if !whole || desc.a_offset != 0 || desc.lda != desc.k {
+                return Err(backend_error(format!(
+                    "{name}: pre-tiled timing needs dense operands with m, n, k multiples of {bm}, {bn}, {bk}; got {}:{}:{}",
+                    desc.m, desc.n, desc.k
+                )));
+            }
+        }
         self.glsl_kernel_dispatch(kernel, a, b, c, desc, params, label)
     }
 

@@ -492,7 +492,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         for (name, _) in REMOVED {
-            assert!(VARIABLES.iter().all(|v| v.name != name), "{name} is both read and removed");
+            assert!(
+                VARIABLES.iter().all(|v| v.name != name),
+                "{name} is both read and removed"
+            );
         }
     }
 

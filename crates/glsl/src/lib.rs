@@ -71,6 +71,11 @@ pub struct GlslKernel {
     pub name: &'static str,
     mode: u32,
     nn: bool,
+    /// Reads A (bit 0) and B (bit 1) as if pre-tiled (`PRETILED`): a
+    /// ceiling-report timing, not the GEMM of the row-major operands.
+    pub pretiled: u32,
+    /// f16 accumulators (`ACC16`): a ceiling-report timing only.
+    pub acc16: bool,
     /// Its tile configuration.
     pub tile: GlslTile,
     /// Little-endian SPIR-V words.
@@ -81,6 +86,12 @@ pub struct GlslKernel {
 pub const KERNELS: &[GlslKernel] = include!(concat!(env!("OUT_DIR"), "/glsl_kernels.rs"));
 
 impl GlslKernel {
+    /// Whether it computes the GEMM of the row-major operands in f32 (the
+    /// others are timing diagnostics).
+    pub fn exact(&self) -> bool {
+        self.pretiled == 0 && !self.acc16
+    }
+
     /// What it runs.
     pub fn part(&self) -> CeilingPart {
         CeilingPart::from_mode(self.mode)
@@ -114,12 +125,12 @@ impl GlslKernel {
     }
 }
 
-/// The GEMM (mode 0) of `tile` for `layout`, when the build compiled it
-/// (every tile of `GLSL_TILES` is).
+/// The GEMM (mode 0, exact) of `tile` for `layout`, when the build
+/// compiled it (every tile of `GLSL_TILES` is).
 pub fn gemm(tile: GlslTile, layout: HeadLayout) -> Option<&'static GlslKernel> {
     KERNELS
         .iter()
-        .find(|k| k.mode == 0 && k.layout() == layout && k.tile == tile)
+        .find(|k| k.mode == 0 && k.exact() && k.layout() == layout && k.tile == tile)
 }
 
 /// The variant named `name`.
@@ -257,8 +268,20 @@ mod tests {
         for nn in [false, true] {
             assert!(KERNELS.iter().any(|k| k.part() == CeilingPart::Registers && k.nn == nn));
         }
-        let gemms = KERNELS.iter().filter(|k| k.part() == CeilingPart::Gemm).count();
-        assert_eq!(gemms, 2 * GLSL_TILES.len());
+        let gemms = KERNELS.iter().filter(|k| k.part() == CeilingPart::Gemm && k.exact());
+        assert_eq!(gemms.count(), 2 * GLSL_TILES.len());
+        // Pre-tiled (c), (d) and (e) of the tiles headkl runs, both layouts.
+        for nn in [false, true] {
+            for mode in [0, 3, 4] {
+                assert!(
+                    KERNELS
+                        .iter()
+                        .any(|k| k.pretiled == 3 && k.mode == mode && k.nn == nn && k.tile.bk == 64),
+                    "pre-tiled mode {mode}, nn {nn}"
+                );
+            }
+            assert!(KERNELS.iter().any(|k| k.acc16 && k.nn == nn && k.pretiled == 0));
+        }
     }
 
     #[test]
