@@ -1,6 +1,6 @@
 // The matrix-unit GEMM in GLSL (KHR cooperative matrices, 16x16x16
 // f16 x f16 -> f32), and the diagnostic kernels of the ceiling report, all
-// from this one source. crates/backend-vulkan/build.rs compiles it with the
+// from this one source. crates/glsl/build.rs compiles it with the
 // glslang crate once per variant; shaders/README.md lists the defines.
 //
 //   NN      0: C = A * B^T, B stored [n][k]; 1: C = A * B, B stored [k][n]
