@@ -131,4 +131,19 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(TuneCache::load(&path), TuneCache::default());
     }
+
+    #[test]
+    fn a_glsl_pick_round_trips_through_the_cache() {
+        let mut cache = TuneCache::default();
+        let glsl = GemmChoice::parse(
+            "logits=glsl:bm128.bk64.s1,dx=staged:bk32:r4:s1:pf",
+            GemmChoice::PORTABLE,
+        )
+        .unwrap();
+        cache.insert("wgpu", "NVIDIA H200", "580.159.04", glsl);
+        let back = TuneCache::parse(&(cache.to_text() + "vulkan\tX\tY\tglsl:bm96.bk32.s2\n"));
+        assert_eq!(back.lookup("wgpu", "NVIDIA H200", "580.159.04"), Some(glsl));
+        // A tile this build does not make is a bad line, skipped.
+        assert_eq!(back.lookup("vulkan", "X", "Y"), None);
+    }
 }
