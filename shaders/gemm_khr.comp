@@ -108,6 +108,35 @@ ACC acc[4 * TN];
 uint row0, col0, wr, wc;
 // This invocation's index among the staging invocations.
 uint sidx;
+// Whether the workgroup's C tile lies inside m x n (then no row or column
+// is clamped), and the word indices of this invocation's first staged word
+// of A and of B at step 0: inside such a tile, every word it loads is a
+// compile-time or uniform stride from these (set_addresses). Computing each
+// address afresh (row clamp, K test, multiply, divide) cost the K-64 tile
+// 10% (logits) and 30% (dx): docs/PERFORMANCE.md, row 22.
+bool whole_tile;
+uint a_first, b_first;
+
+void set_addresses() {
+    whole_tile = row0 + BM <= p.m && col0 + BN <= p.n;
+    // a_offset, lda and ldb are multiples of 8, col0 of 128.
+    a_first = (p.a_offset + (row0 + sidx / KW) * p.lda) / 8 + sidx % KW;
+#if NN
+    b_first = ((sidx / (BN / 8)) * p.ldb + col0) / 8 + sidx % (BN / 8);
+#else
+    b_first = ((col0 + sidx / KW) * p.ldb) / 8 + sidx % KW;
+#endif
+}
+
+// Staged words of invocation sidx at index i are i * STAGERS further on:
+// that many whole rows of the tile (every configuration has STAGERS a
+// multiple of the words in a row, KW or BN / 8).
+const uint A_ROWS_PER_I = STAGERS / KW;
+#if NN
+const uint B_ROWS_PER_I = STAGERS / (BN / 8);
+#else
+const uint B_ROWS_PER_I = STAGERS / KW;
+#endif
 
 // Step s's words into registers. Rows past m (columns past n) repeat the
 // last one: their products only reach C tiles that are never stored. K past
@@ -115,6 +144,23 @@ uint sidx;
 void load_step(uint s) {
     uint k0 = s * BK;
     uint steps = p.k / BK;
+#if PRETILED == 0
+    // The common case: a whole tile and a whole K step. One add per word
+    // from a per-invocation base; no clamps, no K test.
+    if (whole_tile && k0 + BK <= p.k) {
+        [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
+            ra[i] = a[a_first + s * KW + i * A_ROWS_PER_I * (p.lda / 8)];
+        }
+        [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
+#if NN
+            rb[i] = b[b_first + s * BK * (p.ldb / 8) + i * B_ROWS_PER_I * (p.ldb / 8)];
+#else
+            rb[i] = b[b_first + s * KW + i * B_ROWS_PER_I * (p.ldb / 8)];
+#endif
+        }
+        return;
+    }
+#endif
     [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
         uint e = sidx + i * STAGERS;
 #if (PRETILED & 1) != 0
@@ -232,6 +278,7 @@ void main() {
 #else
     sidx = gl_LocalInvocationIndex;
 #endif
+    set_addresses();
     uint steps = (p.k + BK - 1) / BK;
     [[unroll]] for (uint t = 0; t < 4 * TN; t++) {
         acc[t] = ACC(0.0);
