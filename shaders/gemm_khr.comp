@@ -57,7 +57,11 @@ layout(set = 0, binding = 0, std140) uniform Params {
     float alpha;
     uint accumulate;
     uint grid_x;
+    uint k_parts;
+    uint k_part;
+    uint c_part_stride;
     uint pad0;
+    uint pad1;
 } p;
 // f16 operands, 8 halves (16 bytes) a word: a_offset, lda and ldb are
 // multiples of 8 (core pads them to 16).
@@ -92,30 +96,33 @@ uvec4 ra[A_WORDS];
 uvec4 rb[B_WORDS];
 ACC acc[4 * TN];
 uint row0, col0, wr, wc;
+// Split-K: this workgroup's part of the reduction, its length and its first
+// elements of A, B and C (MODE 0; the diagnostic modes run part 0 only).
+uint kp, a_off, b_off, c_off;
 // This invocation's index among the staging invocations.
 uint sidx;
 
 // Step s's words into registers. Rows past m (columns past n) repeat the
 // last one: their products only reach C tiles that are never stored. K past
-// k reads zeros.
+// the part's end reads zeros.
 void load_step(uint s) {
     uint k0 = s * BK;
     [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
         uint e = sidx + i * STAGERS;
         uint row = min(row0 + e / KW, p.m - 1);
         uint kk = k0 + (e % KW) * 8;
-        ra[i] = kk < p.k ? a[(p.a_offset + row * p.lda + kk) / 8] : uvec4(0);
+        ra[i] = kk < kp ? a[(a_off + row * p.lda + kk) / 8] : uvec4(0);
     }
     [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
         uint e = sidx + i * STAGERS;
 #if NN
         uint kk = k0 + e / (BN / 8);
         uint col = min(col0 + (e % (BN / 8)) * 8, p.n - 8);
-        rb[i] = kk < p.k ? b[(kk * p.ldb + col) / 8] : uvec4(0);
+        rb[i] = kk < kp ? b[(b_off + kk * p.ldb + col) / 8] : uvec4(0);
 #else
         uint col = min(col0 + e / KW, p.n - 1);
         uint kk = k0 + (e % KW) * 8;
-        rb[i] = kk < p.k ? b[(col * p.ldb + kk) / 8] : uvec4(0);
+        rb[i] = kk < kp ? b[(b_off + col * p.ldb + kk) / 8] : uvec4(0);
 #endif
     }
 }
@@ -174,7 +181,7 @@ void epilogue() {
             uint row = row0 + wr + i * 16;
             uint col = col0 + wc + j * 16;
             if (row < p.m && col < p.n) {
-                uint o = p.c_offset + row * p.ldc + col;
+                uint o = c_off + row * p.ldc + col;
                 ACC r = acc[i * TN + j] * p.alpha;
                 if (p.accumulate != 0) {
                     ACC prev;
@@ -198,12 +205,33 @@ void sink(uvec4 x) {
 void main() {
     uint tiles_m = (p.m + BM - 1) / BM;
     uint tiles_n = (p.n + BN - 1) / BN;
+    uint tiles = tiles_m * tiles_n;
     uint l = gl_WorkGroupID.x + gl_WorkGroupID.y * p.grid_x;
-    if (l >= tiles_m * tiles_n) {
+#if MODE == 0
+    uint parts = p.k_parts;
+#else
+    uint parts = 1;
+#endif
+    if (l >= tiles * parts) {
         return;
     }
-    row0 = (l % tiles_m) * BM;
-    col0 = (l / tiles_m) * BN;
+    uint part = l / tiles;
+    uint tile = l % tiles;
+    row0 = (tile % tiles_m) * BM;
+    col0 = (tile / tiles_m) * BN;
+    uint k0 = min(part * p.k_part, p.k);
+#if MODE == 0
+    kp = min(k0 + p.k_part, p.k) - k0;
+#else
+    kp = p.k;
+#endif
+    a_off = p.a_offset + k0;
+#if NN
+    b_off = k0 * p.ldb;
+#else
+    b_off = k0;
+#endif
+    c_off = p.c_offset + part * p.c_part_stride;
     wr = (gl_SubgroupID / SG_COLS) * 64;
     wc = (gl_SubgroupID % SG_COLS) * (BN / SG_COLS);
 #if WS
@@ -211,7 +239,7 @@ void main() {
 #else
     sidx = gl_LocalInvocationIndex;
 #endif
-    uint steps = (p.k + BK - 1) / BK;
+    uint steps = (kp + BK - 1) / BK;
     [[unroll]] for (uint t = 0; t < 4 * TN; t++) {
         acc[t] = ACC(0.0);
     }

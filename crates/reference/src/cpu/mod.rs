@@ -28,7 +28,7 @@ use half::f16;
 use headkl_core::checks::check_transfer;
 use headkl_core::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, Result,
-    TopkDesc,
+    SumPartsDesc, TopkDesc,
 };
 
 const BACKEND: &str = "reference";
@@ -299,6 +299,17 @@ impl Backend for CpuBackend {
             let mut out = c.write(K)?;
             let (a_words, b_words) = (a.read(K)?, b.read(K)?);
             kernels::gemm(f16s(&a_words), f16s(&b_words), f32s_mut(&mut out), d, self.precision);
+            Ok(())
+        })
+    }
+
+    fn sum_parts(&self, parts: &CpuBuffer, dst: &CpuBuffer, d: &SumPartsDesc) -> Result<()> {
+        const K: &str = "sum_parts";
+        d.check([parts, dst], self.info.max_binding_bytes)?;
+        self.timed(KernelId::SumParts, || {
+            let mut out = dst.write(K)?;
+            let input = parts.read(K)?;
+            kernels::sum_parts(f32s(&input), f32s_mut(&mut out), d);
             Ok(())
         })
     }
