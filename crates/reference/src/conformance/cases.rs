@@ -194,6 +194,7 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "k256_v3000_topk",
         "dx_split2_five_slices_chunks_head_kl",
         "dx_split3_one_slice_head_kl",
+        "dx_split3_partials_outgrow_logits_head_kl",
     ]
 }
 
@@ -395,6 +396,13 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
         "dx_split3_one_slice_head_kl" => Regression {
             dx_split: Some((DxSplit::Parts(3), vec![3])),
             ..from(params(HeadKl, 1500, 80, 33, 16, 32))
+        },
+        // V 130 (144 padded, parts of 64, 64 and 16) and hs 320: the 3
+        // partial blocks (960 f32 a row) outgrow the logits (144) they
+        // live in, so the scratch grows for them.
+        "dx_split3_partials_outgrow_logits_head_kl" => Regression {
+            dx_split: Some((DxSplit::Parts(3), vec![3])),
+            ..from(params(HeadKl, 130, 320, 20, 8, 33))
         },
         other => return Err(format!("no regression case named {other}")),
     };
