@@ -180,7 +180,7 @@ impl GemmDesc {
             accumulate: u32::from(self.accumulate),
             grid_x: 0,
             k_parts: index(kernel, "k_parts", self.k_parts)?,
-            k_part: index(kernel, "k_parts", k_part_len(self.k, self.k_parts))?,
+            k_part: index(kernel, "k", k_part_len(self.k, self.k_parts))?,
             c_part_stride: index(kernel, "c_part_stride", self.c_part_stride)?,
             _pad: [0; 2],
         })
