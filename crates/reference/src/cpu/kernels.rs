@@ -1,4 +1,4 @@
-//! The four kernels on host slices. The caller ([`super::CpuBackend`]) has
+//! The kernels on host slices. The caller ([`super::CpuBackend`]) has
 //! checked every extent against its buffer, so indexing here cannot go out
 //! of bounds for a descriptor it accepted.
 
