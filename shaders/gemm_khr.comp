@@ -17,6 +17,14 @@
 //           copy, running STAGES - 1 steps ahead through a ring of STAGES
 //           stages, while the BM / 64 x 2 math subgroups only multiply;
 //           one barrier a step
+//   PRETILED  (ceiling report only) bit 0: read A, bit 1: read B as if each
+//           K step's tile were stored as one contiguous run ([tile][step]
+//           [BM or BN rows][BK]), to time a pre-tiled operand layout. The
+//           result is not a GEMM of the row-major operands; m, n and k
+//           must divide the tile.
+//   ACC16   1 (ceiling report only): f16 accumulators, half the
+//           accumulator registers, to time what occupancy alone buys; the
+//           sums lose precision, so it is timed, never checked or used
 //   MODE    0 the GEMM; 1 multiply-adds from registers (fragments loaded
 //           once); 2 fragments + multiply-adds from workgroup memory staged
 //           once; 3 the global loads only; 4 the staging only (loads a step
@@ -88,7 +96,13 @@ shared uvec4 sb[STAGES * SB_STAGE];
 const uint A_WORDS = BM * KW / STAGERS;
 const uint B_WORDS = BN * KW / STAGERS;
 
-#define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+// The C tile as stored.
+#define OUT coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#if ACC16
+#define ACC coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#else
+#define ACC OUT
+#endif
 #define FRAG_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
 #define FRAG_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
 
@@ -107,15 +121,22 @@ uint sidx;
 // the part's end reads zeros.
 void load_step(uint s) {
     uint k0 = s * BK;
+    uint steps = p.k / BK;
     [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
         uint e = sidx + i * STAGERS;
+#if (PRETILED & 1) != 0
+        ra[i] = a[((row0 / BM) * steps + s) * (BM * KW) + e];
+#else
         uint row = min(row0 + e / KW, p.m - 1);
         uint kk = k0 + (e % KW) * 8;
         ra[i] = kk < kp ? a[(a_off + row * p.lda + kk) / 8] : uvec4(0);
+#endif
     }
     [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
         uint e = sidx + i * STAGERS;
-#if NN
+#if (PRETILED & 2) != 0
+        rb[i] = b[((col0 / BN) * steps + s) * (BN * KW) + e];
+#elif NN
         uint kk = k0 + e / (BN / 8);
         uint col = min(col0 + (e % (BN / 8)) * 8, p.n - 8);
         rb[i] = kk < kp ? b[(b_off + kk * p.ldb + col) / 8] : uvec4(0);
@@ -182,9 +203,9 @@ void epilogue() {
             uint col = col0 + wc + j * 16;
             if (row < p.m && col < p.n) {
                 uint o = c_off + row * p.ldc + col;
-                ACC r = acc[i * TN + j] * p.alpha;
+                OUT r = OUT(acc[i * TN + j]) * p.alpha;
                 if (p.accumulate != 0) {
-                    ACC prev;
+                    OUT prev;
                     coopMatLoad(prev, c, o, p.ldc, gl_CooperativeMatrixLayoutRowMajor);
                     r = r + prev;
                 }

@@ -16,6 +16,11 @@ use glslang::{
 struct Variant {
     mode: u32,
     nn: bool,
+    /// Operands read as if pre-tiled (ceiling report timing only): bit 0
+    /// A, bit 1 B.
+    pretiled: u32,
+    /// f16 accumulators (ceiling report timing only).
+    acc16: bool,
     tile: Tile,
 }
 
@@ -59,24 +64,53 @@ const TILES: [Tile; 13] = [
     tile(128, 64, 1, false, false, 4),
 ];
 
+/// The tiles the ceiling report also times with pre-tiled operands: the
+/// GEMM (e), its loads (c) and its staging (d).
+const PRETILED: [Tile; 2] = [tile(128, 64, 1, false, false, 2), tile(128, 32, 2, false, false, 2)];
+
 fn variants() -> Vec<Variant> {
     let mut v = Vec::new();
+    let plain = |mode, nn, tile| Variant {
+        mode,
+        nn,
+        pretiled: 0,
+        acc16: false,
+        tile,
+    };
     for nn in [false, true] {
         // Multiply-adds from registers: one configuration is enough.
-        v.push(Variant {
-            mode: 1,
-            nn,
-            tile: tile(128, 32, 1, false, false, 2),
-        });
+        v.push(plain(1, nn, tile(128, 32, 1, false, false, 2)));
         let mut diagnosed = Vec::new();
         for t in TILES {
-            v.push(Variant { mode: 0, nn, tile: t });
-            let plain = tile(t.bm, t.bk, t.stages, false, false, t.sg_cols);
-            if !diagnosed.contains(&plain) {
-                diagnosed.push(plain);
+            v.push(plain(0, nn, t));
+            let base = tile(t.bm, t.bk, t.stages, false, false, t.sg_cols);
+            if !diagnosed.contains(&base) {
+                diagnosed.push(base);
                 for mode in [2, 3, 4] {
-                    v.push(Variant { mode, nn, tile: plain });
+                    v.push(plain(mode, nn, base));
                 }
+            }
+        }
+        for t in PRETILED {
+            for (mode, pretiled) in [(0, 1), (0, 2), (0, 3), (3, 3), (4, 3)] {
+                v.push(Variant {
+                    mode,
+                    nn,
+                    pretiled,
+                    acc16: false,
+                    tile: t,
+                });
+            }
+            // What halving the accumulator registers buys, with and without
+            // pre-tiled operands.
+            for pretiled in [0, 3] {
+                v.push(Variant {
+                    mode: 0,
+                    nn,
+                    pretiled,
+                    acc16: true,
+                    tile: t,
+                });
             }
         }
     }
@@ -94,7 +128,9 @@ fn name(v: Variant) -> String {
     } else {
         String::new()
     };
-    format!("{mode}_{layout}_bm{}_bk{}_s{}{i}{w}{c}", t.bm, t.bk, t.stages)
+    let pt = ["", "_pta", "_ptb", "_pt"][v.pretiled as usize];
+    let h = if v.acc16 { "_h" } else { "" };
+    format!("{mode}_{layout}_bm{}_bk{}_s{}{i}{w}{c}{pt}{h}", t.bm, t.bk, t.stages)
 }
 
 fn main() {
@@ -116,7 +152,13 @@ fn main() {
     };
     let mut table = String::from("&[\n");
     for v in variants() {
-        let Variant { mode, nn, tile: t } = v;
+        let Variant {
+            mode,
+            nn,
+            pretiled,
+            acc16,
+            tile: t,
+        } = v;
         let name = name(v);
         let defines = [
             ("MODE", mode.to_string()),
@@ -127,6 +169,8 @@ fn main() {
             ("INTERLEAVE", u32::from(t.interleave).to_string()),
             ("WS", u32::from(t.ws).to_string()),
             ("SG_COLS", t.sg_cols.to_string()),
+            ("PRETILED", pretiled.to_string()),
+            ("ACC16", u32::from(acc16).to_string()),
         ];
         let defines: Vec<(&str, Option<&str>)> = defines.iter().map(|(k, v)| (*k, Some(v.as_str()))).collect();
         let input = ShaderInput::new(&source, ShaderStage::Compute, &options, Some(&defines[..]), None)
@@ -147,7 +191,7 @@ fn main() {
         writeln!(
             table,
             "    GlslKernel {{ name: {name:?}, mode: {mode}, nn: {nn}, bm: {}, bk: {}, stages: {}, \
-             interleave: {}, ws: {}, sg_cols: {}, threads: {threads}, shared_bytes: {shared}, \
+             interleave: {}, ws: {}, sg_cols: {}, pretiled: {pretiled}, acc16: {acc16}, threads: {threads}, shared_bytes: {shared}, \
              spirv: include_bytes!({path:?}) }},",
             t.bm,
             t.bk,

@@ -79,6 +79,11 @@ pub(crate) struct GlslKernel {
     interleave: bool,
     ws: bool,
     sg_cols: u32,
+    /// Reads A (bit 0) and B (bit 1) as if pre-tiled (`PRETILED`):
+    /// timing only.
+    pretiled: u32,
+    /// f16 accumulators (`ACC16`): timing only.
+    acc16: bool,
     /// Invocations per workgroup (BM / 64 × `sg_cols` subgroups of 32, and
     /// 4 more with `ws`).
     threads: u32,
@@ -107,6 +112,12 @@ impl GlslKernel {
             .chunks_exact(4)
             .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
             .collect()
+    }
+
+    /// Whether it computes the GEMM of the row-major operands in f32 (the
+    /// others are timing diagnostics).
+    fn exact(&self) -> bool {
+        self.pretiled == 0 && !self.acc16
     }
 
     fn tile(&self) -> GlslTile {
@@ -164,13 +175,15 @@ impl GlslTile {
     /// GEMM tiles build.rs compiled.
     pub fn parse(text: &str) -> std::result::Result<Self, String> {
         let text = text.trim();
-        let found = KERNELS.iter().find(|k| k.mode == 0 && k.tile().to_string() == text);
+        let found = KERNELS
+            .iter()
+            .find(|k| k.mode == 0 && k.exact() && k.tile().to_string() == text);
         match found {
             Some(k) => Ok(k.tile()),
             None => {
                 let mut known: Vec<String> = KERNELS
                     .iter()
-                    .filter(|k| k.mode == 0 && !k.nn)
+                    .filter(|k| k.mode == 0 && !k.nn && k.exact())
                     .map(|k| k.tile().to_string())
                     .collect();
                 known.dedup();
@@ -275,6 +288,31 @@ pub struct CeilingKernel {
     pub layout: HeadLayout,
     /// Its tile configuration.
     pub tile: GlslTile,
+    /// It reads A and B as if each K step's tile were one contiguous run
+    /// (`PRETILED` in `gemm_khr.comp`): a timing of that layout, whose
+    /// result is not the GEMM of the row-major operands. It needs m, n and
+    /// k to be multiples of the tile. Bit 0: A, bit 1: B.
+    pub pretiled: u32,
+    /// It accumulates in f16 (`ACC16`): a timing of what halving the
+    /// accumulator registers buys; its sums are not accurate enough to use.
+    pub acc16: bool,
+}
+
+impl CeilingKernel {
+    /// Whether its result is the GEMM of the operands (then it is checked).
+    pub fn exact(&self) -> bool {
+        self.pretiled == 0 && !self.acc16
+    }
+
+    /// Its tile, and what it does differently from the GEMM headkl can run.
+    pub fn label(&self) -> String {
+        let mut label = self.tile.to_string();
+        label.push_str(["", " pre-tiled A", " pre-tiled B", " pre-tiled"][self.pretiled as usize & 3]);
+        if self.acc16 {
+            label.push_str(" f16-acc");
+        }
+        label
+    }
 }
 
 impl VulkanBackend {
@@ -298,6 +336,8 @@ impl VulkanBackend {
                 part: CeilingPart::from_mode(k.mode),
                 layout: k.layout(),
                 tile: k.tile(),
+                pretiled: k.pretiled,
+                acc16: k.acc16,
             })
             .collect()
     }
@@ -336,6 +376,17 @@ impl VulkanBackend {
             return Err(backend_error(format!("no GLSL kernel named {name}")));
         };
         let params = desc.check([a, b, c], self.max_binding())?;
+        if kernel.pretiled != 0 {
+            // Its reads stay inside the operands only when the tiles divide them.
+            let (bm, bk) = (kernel.bm as usize, kernel.bk as usize);
+            let whole = desc.m.is_multiple_of(bm) && desc.n.is_multiple_of(BN as usize) && desc.k.is_multiple_of(bk);
+            if !whole || desc.a_offset != 0 || desc.lda != desc.k {
+                return Err(backend_error(format!(
+                    "{name}: pre-tiled timing needs dense operands with m, n, k multiples of {bm}, {BN}, {bk}; got {}:{}:{}",
+                    desc.m, desc.n, desc.k
+                )));
+            }
+        }
         self.glsl_kernel_dispatch(kernel, a, b, c, desc, params, label)
     }
 
@@ -356,7 +407,10 @@ impl VulkanBackend {
         label: &'static str,
     ) -> Result<()> {
         let nn = desc.b_layout == HeadLayout::Dx;
-        let Some(kernel) = KERNELS.iter().find(|k| k.mode == 0 && k.nn == nn && k.tile() == tile) else {
+        let Some(kernel) = KERNELS
+            .iter()
+            .find(|k| k.mode == 0 && k.nn == nn && k.exact() && k.tile() == tile)
+        else {
             return Err(backend_error(format!("no GLSL GEMM with tile {tile}")));
         };
         self.glsl_kernel_dispatch(kernel, a, b, c, desc, params, label)
@@ -440,6 +494,15 @@ mod tests {
         // The report needs (a) and each configuration's (b)–(e), both layouts.
         for nn in [false, true] {
             assert!(KERNELS.iter().any(|k| k.mode == 1 && k.nn == nn));
+            // Pre-tiled (c), (d) and (e) of the tiles headkl runs.
+            for mode in [0, 3, 4] {
+                assert!(
+                    KERNELS
+                        .iter()
+                        .any(|k| k.pretiled == 3 && k.mode == mode && k.nn == nn && k.bk == 64),
+                    "pre-tiled mode {mode}, nn {nn}"
+                );
+            }
             for gemm in KERNELS.iter().filter(|k| k.mode == 0 && k.nn == nn) {
                 for mode in 2..=4 {
                     assert!(
