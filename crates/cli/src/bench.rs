@@ -420,7 +420,15 @@ impl BenchJob<'_> {
             engine.slices().len()
         );
         let plan = engine
-            .loss_plan(shape.ntok, shape.k, false, &LossOptions::default())
+            .loss_plan(
+                shape.ntok,
+                shape.k,
+                false,
+                &LossOptions {
+                    budget_bytes: self.cfg.budget,
+                    ..LossOptions::default()
+                },
+            )
             .map_err(|e| CliError::device("bench chunk plan", e))?;
         eprintln!(
             "bench: dx GEMM split {} ({:?} part(s) per slice at {} rows per chunk)",
