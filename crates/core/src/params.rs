@@ -37,8 +37,8 @@ pub struct GemmParams {
     /// Parts the reduction is split into (1: no split); workgroup `l`
     /// computes part `l / tiles` of tile `l % tiles`.
     pub k_parts: u32,
-    /// Reduction indices per part (`crate::split::k_part_len`; `k` with
-    /// one part).
+    /// Reduction indices per part (`crate::split::k_part_len`: a multiple
+    /// of 64, at least `k` with one part).
     pub k_part: u32,
     /// Elements between the parts' C blocks.
     pub c_part_stride: u32,
