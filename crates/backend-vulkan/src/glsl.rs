@@ -96,7 +96,7 @@ pub(crate) struct GlslKernel {
 pub(crate) const KERNELS: &[GlslKernel] = include!(concat!(env!("OUT_DIR"), "/glsl_kernels.rs"));
 
 /// C tile columns of every GLSL variant.
-const BN: u64 = 128;
+pub(crate) const BN: u64 = 128;
 
 impl GlslKernel {
     fn layout(&self) -> HeadLayout {
@@ -456,7 +456,9 @@ impl VulkanBackend {
             full_subgroups: true,
             required_subgroup_size: plan.require_size.then_some(plan.subgroup_size),
         };
-        let count = (desc.m as u64).div_ceil(u64::from(kernel.bm)) * (desc.n as u64).div_ceil(BN);
+        // One workgroup per tile and split-K part (the diagnostic modes
+        // skip the parts past the first).
+        let count = desc.workgroups_for_tile((kernel.bm, BN as u32));
         let grid = headkl_core::fold_workgroups(count);
         let pipeline = self
             .pipelines

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use crate::error::{Error, Result};
 use crate::gemm_choice::GemmChoice;
+use crate::split::DxSplit;
 use crate::tune_cache::CACHE_FILE;
 
 /// One environment variable: its name, the values it takes, its default and
@@ -60,6 +61,8 @@ pub const VALIDATION: &str = "HEADKL_VALIDATION";
 pub const CHECKED: &str = "HEADKL_CHECKED";
 /// `HEADKL_BENCH_SHAPE`.
 pub const BENCH_SHAPE: &str = "HEADKL_BENCH_SHAPE";
+/// `HEADKL_DX_SPLIT`.
+pub const DX_SPLIT: &str = "HEADKL_DX_SPLIT";
 
 /// The backend names `HEADKL_BACKEND` takes (`HEADKL_REQUIRE` takes all but
 /// `auto`).
@@ -114,6 +117,12 @@ pub const VARIABLES: &[Variable] = &[
         values: "TILE or logits=TILE,dx=TILE; TILE: bm<64|128|256>.bk<16|32|64>.s<1|2|4>[.i][.ws][.c4], as shaders/gemm_khr.comp builds them",
         default: "none: the WGSL kernels",
         effect: "Vulkan backend, matrix-unit path: the GLSL GEMM tiles instead (logits=bm128.bk64.s1,dx=bm128.bk32.s2 is the fastest on the H200)",
+    },
+    Variable {
+        name: DX_SPLIT,
+        values: "auto or 1..16",
+        default: "auto",
+        effect: "split-K parts of the dx GEMM per vocabulary slice; auto: the fewest whose workgroups reach 1300, parts of at least 4096, 1 without matrix units",
     },
     Variable {
         name: CACHE_DIR,
@@ -187,6 +196,8 @@ pub struct Settings {
     pub checked: bool,
     /// `HEADKL_BENCH_SHAPE`.
     pub bench_shape: Option<String>,
+    /// `HEADKL_DX_SPLIT`.
+    pub dx_split: DxSplit,
 }
 
 impl Settings {
@@ -265,6 +276,10 @@ impl Settings {
             validation: flag(VALIDATION)?,
             checked: flag(CHECKED)?,
             bench_shape,
+            dx_split: text(DX_SPLIT)?
+                .map(|v| DxSplit::parse(DX_SPLIT, &v))
+                .transpose()?
+                .unwrap_or_default(),
         })
     }
 
@@ -459,8 +474,11 @@ mod tests {
             (TRACE, "1"),
             (PIPELINE_STATS, "1"),
             (BENCH_SHAPE, "A"),
+            (DX_SPLIT, "3"),
         ])
         .unwrap();
+        assert_eq!(s.dx_split, DxSplit::Parts(3));
+        assert_eq!(settings(&[(DX_SPLIT, "AUTO")]).unwrap().dx_split, DxSplit::Auto);
         assert_eq!(s.backend, Some("vulkan"));
         assert_eq!(s.device, Some(2));
         assert!(s.requires("wgpu") && s.requires("vulkan") && !s.requires("reference"));
@@ -475,6 +493,8 @@ mod tests {
             (SEED, "0xzz"),
             (GEMM, "garbage"),
             (BENCH_SHAPE, "C"),
+            (DX_SPLIT, "17"),
+            (DX_SPLIT, "0"),
         ] {
             let e = settings(&[(name, bad)]).unwrap_err();
             let text = e.to_string();
