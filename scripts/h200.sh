@@ -6,9 +6,10 @@
 #
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
-# [bench] [anchors] [cublas]   (default: all but tune). A device call is at most
-# 10 minutes, so split the steps over two back-to-back calls, e.g.
-# `devices check example ceiling` then `bench anchors cublas`.
+# [bench] [dxsplit] [anchors] [cublas]   (default: all but tune and dxsplit).
+# A device call is at most 10 minutes, so split the steps over two
+# back-to-back calls, e.g. `devices check example ceiling` then
+# `bench anchors cublas`.
 #
 # HEADKL_BIN (default ./target/release/headkl) and DISTILL_BIN (default
 # ./target/release/examples/distill_step) name the binaries.
@@ -86,6 +87,22 @@ A-wgpu-glsl|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|wgpu|A|-
 A-wgpu||wgpu|A|--resident
 B-vulkan||vulkan|B|--resident
 LIST
+fi
+if has dxsplit; then
+    # The dx GEMM's split-K (HEADKL_DX_SPLIT) at shape A on the production
+    # GLSL tiles and on the WGSL kernels: 1 (no split) against auto, 2, 3, 4.
+    for gemm in glsl wgsl; do
+        # Named either way: the tune cache may hold either.
+        vars="HEADKL_GEMM=logits=staged:bk64:r2:s1,dx=staged:bk32:r4:s1:pf"
+        [ "$gemm" = glsl ] && vars="HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2"
+        for split in 1 auto 2 3 4; do
+            log="$out/bench-dxsplit-$gemm-$split.txt"
+            env $vars HEADKL_DX_SPLIT=$split $headkl $quiet bench --backend vulkan --shape A --iters 5 --warmup 1 \
+                --resident --json "$out/bench-dxsplit-$gemm-$split.json" >"$log" 2>&1
+            echo "bench dxsplit $gemm $split exit=$?" | tee -a "$summary"
+            grep -E "^bench: dx GEMM split|^vulkan " "$log" | tee -a "$summary"
+        done
+    done
 fi
 if has anchors; then
     PYTHONUNBUFFERED=1 python3 .anchors/torch_head_kl.py --shapes "$(echo $shapes | tr ' ' ,)" \

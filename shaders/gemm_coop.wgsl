@@ -48,17 +48,36 @@ override B_WORDS: u32 = BK / (4u * SG_ROWS);
 var<workgroup> sa: array<f16, STAGES * SA_STAGE>;
 var<workgroup> sb: array<f16, STAGES * SB_STAGE>;
 
+// One workgroup's output tile and reduction part (split-K: workgroup l is
+// part l / tiles of tile l % tiles): the part's length and its first
+// elements of A, B and C.
 struct Tile {
     valid: bool,
     row0: u32,
     col0: u32,
+    k: u32,
+    a_off: u32,
+    b_off: u32,
+    c_off: u32,
 }
 
-fn tile_of(wg: vec3<u32>) -> Tile {
+fn tile_of(wg: vec3<u32>, nn: bool) -> Tile {
     let tiles_m = (params.m + BM - 1u) / BM;
     let tiles_n = (params.n + BN - 1u) / BN;
+    let tiles = tiles_m * tiles_n;
     let l = wg.x + wg.y * params.grid_x;
-    return Tile(l < tiles_m * tiles_n, (l % tiles_m) * BM, (l / tiles_m) * BN);
+    let part = l / max(tiles, 1u);
+    let t = l % max(tiles, 1u);
+    // The part's reduction range [k0, k1): K past k1 is the next part's.
+    let k0 = min(part * params.k_part, params.k);
+    let k1 = min(k0 + params.k_part, params.k);
+    // B stored [n][k] (nt) starts the part k0 columns in; [k][n] (nn), k0 rows.
+    var b_off = k0;
+    if nn {
+        b_off = k0 * params.ldb;
+    }
+    return Tile(l < tiles * params.k_parts, (t % tiles_m) * BM, (t / tiles_m) * BN, k1 - k0,
+        params.a_offset + k0, b_off, params.c_offset + part * params.c_part_stride);
 }
 
 // One invocation's share of a step's A and B tiles, held in registers
@@ -83,38 +102,39 @@ struct Words {
     b7: vec4<u32>,
 }
 
-// Word `e` of A's tile for K step k0: rows past m repeat row m - 1 (their
-// products only reach C rows that are never stored); K past k reads zeros.
+// Word `e` of A's tile for K step k0 of the part: rows past m repeat row
+// m - 1 (their products only reach C rows that are never stored); K past the
+// part's end reads zeros.
 fn load_a(t: Tile, k0: u32, e: u32) -> vec4<u32> {
     let chunks = BK / 8u;
     let row = min(t.row0 + e / chunks, params.m - 1u);
     let kk = k0 + (e % chunks) * 8u;
-    if kk >= params.k {
+    if kk >= t.k {
         return vec4<u32>(0u);
     }
-    return a[(params.a_offset + row * params.lda + kk) / 8u];
+    return a[(t.a_off + row * params.lda + kk) / 8u];
 }
 
 // Word `e` of B's tile for K step k0: nt reads B stored [n][k] row by row
 // (columns past n repeat the last one); nn reads B stored [k][n] along n
-// (the last 8 columns repeat past n). K past k reads zeros.
+// (the last 8 columns repeat past n). K past the part's end reads zeros.
 fn load_b(nn: bool, t: Tile, k0: u32, e: u32) -> vec4<u32> {
     if nn {
         let chunks = BN / 8u;
         let kk = k0 + e / chunks;
         let col = min(t.col0 + (e % chunks) * 8u, params.n - 8u);
-        if kk >= params.k {
+        if kk >= t.k {
             return vec4<u32>(0u);
         }
-        return b[(kk * params.ldb + col) / 8u];
+        return b[(t.b_off + kk * params.ldb + col) / 8u];
     }
     let chunks = BK / 8u;
     let col = min(t.col0 + e / chunks, params.n - 1u);
     let kk = k0 + (e % chunks) * 8u;
-    if kk >= params.k {
+    if kk >= t.k {
         return vec4<u32>(0u);
     }
-    return b[(col * params.ldb + kk) / 8u];
+    return b[(t.b_off + col * params.ldb + kk) / 8u];
 }
 
 // This invocation's words of the step at k0 (word i is element lid + i * THREADS).
@@ -229,11 +249,11 @@ fn store_words(nn: bool, stage: u32, lid: u32, w: Words) {
 }
 
 // alpha * acc (+ C) into C's 16 x 16 tile at (row, col), when inside m x n.
-fn store_tile(acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
+fn store_tile(t: Tile, acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
     if row >= params.m || col >= params.n {
         return;
     }
-    let o = params.c_offset + row * params.ldc + col;
+    let o = t.c_off + row * params.ldc + col;
     let ldc = params.ldc;
     var r = params.alpha * acc;
     if params.accumulate != 0u {
@@ -260,7 +280,7 @@ fn frag_b(nn: bool, base: u32, col: u32, ks: u32) -> coop_mat16x16<f16, B> {
 // The whole kernel for either layout of B (`nn` is a constant at each entry
 // point, so the driver folds its branches away).
 fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
-    let t = tile_of(wg);
+    let t = tile_of(wg, nn);
     if !t.valid {
         return;
     }
@@ -284,7 +304,7 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
     var c31 = coop_mat16x16<f32, C>();
     var c32 = coop_mat16x16<f32, C>();
     var c33 = coop_mat16x16<f32, C>();
-    let steps = (params.k + BK - 1u) / BK;
+    let steps = (t.k + BK - 1u) / BK;
     var words = load_words(nn, t, 0u, lid);
     store_words(nn, 0u, lid, words);
     workgroupBarrier();
@@ -342,22 +362,22 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
         }
         workgroupBarrier();
     }
-    store_tile(c00, t.row0 + sm + 0u, t.col0 + sn + 0u);
-    store_tile(c01, t.row0 + sm + 0u, t.col0 + sn + 16u);
-    store_tile(c02, t.row0 + sm + 0u, t.col0 + sn + 32u);
-    store_tile(c03, t.row0 + sm + 0u, t.col0 + sn + 48u);
-    store_tile(c10, t.row0 + sm + 16u, t.col0 + sn + 0u);
-    store_tile(c11, t.row0 + sm + 16u, t.col0 + sn + 16u);
-    store_tile(c12, t.row0 + sm + 16u, t.col0 + sn + 32u);
-    store_tile(c13, t.row0 + sm + 16u, t.col0 + sn + 48u);
-    store_tile(c20, t.row0 + sm + 32u, t.col0 + sn + 0u);
-    store_tile(c21, t.row0 + sm + 32u, t.col0 + sn + 16u);
-    store_tile(c22, t.row0 + sm + 32u, t.col0 + sn + 32u);
-    store_tile(c23, t.row0 + sm + 32u, t.col0 + sn + 48u);
-    store_tile(c30, t.row0 + sm + 48u, t.col0 + sn + 0u);
-    store_tile(c31, t.row0 + sm + 48u, t.col0 + sn + 16u);
-    store_tile(c32, t.row0 + sm + 48u, t.col0 + sn + 32u);
-    store_tile(c33, t.row0 + sm + 48u, t.col0 + sn + 48u);
+    store_tile(t, c00, t.row0 + sm + 0u, t.col0 + sn + 0u);
+    store_tile(t, c01, t.row0 + sm + 0u, t.col0 + sn + 16u);
+    store_tile(t, c02, t.row0 + sm + 0u, t.col0 + sn + 32u);
+    store_tile(t, c03, t.row0 + sm + 0u, t.col0 + sn + 48u);
+    store_tile(t, c10, t.row0 + sm + 16u, t.col0 + sn + 0u);
+    store_tile(t, c11, t.row0 + sm + 16u, t.col0 + sn + 16u);
+    store_tile(t, c12, t.row0 + sm + 16u, t.col0 + sn + 32u);
+    store_tile(t, c13, t.row0 + sm + 16u, t.col0 + sn + 48u);
+    store_tile(t, c20, t.row0 + sm + 32u, t.col0 + sn + 0u);
+    store_tile(t, c21, t.row0 + sm + 32u, t.col0 + sn + 16u);
+    store_tile(t, c22, t.row0 + sm + 32u, t.col0 + sn + 32u);
+    store_tile(t, c23, t.row0 + sm + 32u, t.col0 + sn + 48u);
+    store_tile(t, c30, t.row0 + sm + 48u, t.col0 + sn + 0u);
+    store_tile(t, c31, t.row0 + sm + 48u, t.col0 + sn + 16u);
+    store_tile(t, c32, t.row0 + sm + 48u, t.col0 + sn + 32u);
+    store_tile(t, c33, t.row0 + sm + 48u, t.col0 + sn + 48u);
 }
 
 // C = A * B^T with B stored [n][k].

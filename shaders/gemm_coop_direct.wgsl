@@ -21,17 +21,36 @@ override SG_SIZE: u32 = 32u;
 const BM: u32 = 64u;
 const BN: u32 = 64u;
 
+// One workgroup's output tile and reduction part (split-K: workgroup l is
+// part l / tiles of tile l % tiles): the part's length and its first
+// elements of A, B and C.
 struct Tile {
     valid: bool,
     row0: u32,
     col0: u32,
+    k: u32,
+    a_off: u32,
+    b_off: u32,
+    c_off: u32,
 }
 
-fn tile_of(wg: vec3<u32>) -> Tile {
+fn tile_of(wg: vec3<u32>, nn: bool) -> Tile {
     let tiles_m = (params.m + BM - 1u) / BM;
     let tiles_n = (params.n + BN - 1u) / BN;
+    let tiles = tiles_m * tiles_n;
     let l = wg.x + wg.y * params.grid_x;
-    return Tile(l < tiles_m * tiles_n, (l % tiles_m) * BM, (l / tiles_m) * BN);
+    let part = l / max(tiles, 1u);
+    let t = l % max(tiles, 1u);
+    // The part's reduction range [k0, k1): K past k1 is the next part's.
+    let k0 = min(part * params.k_part, params.k);
+    let k1 = min(k0 + params.k_part, params.k);
+    // B stored [n][k] (nt) starts the part k0 columns in; [k][n] (nn), k0 rows.
+    var b_off = k0;
+    if nn {
+        b_off = k0 * params.ldb;
+    }
+    return Tile(l < tiles * params.k_parts, (t % tiles_m) * BM, (t / tiles_m) * BN, k1 - k0,
+        params.a_offset + k0, b_off, params.c_offset + part * params.c_part_stride);
 }
 
 // Row (or column) of a 16-wide fragment at `start`, moved back inside
@@ -42,11 +61,11 @@ fn inside(start: u32, extent: u32) -> u32 {
 }
 
 // alpha * acc (+ C) into C's 16 x 16 tile at (row, col), when inside m x n.
-fn store_tile(acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
+fn store_tile(t: Tile, acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
     if row >= params.m || col >= params.n {
         return;
     }
-    let o = params.c_offset + row * params.ldc + col;
+    let o = t.c_off + row * params.ldc + col;
     let ldc = params.ldc;
     var r = params.alpha * acc;
     if params.accumulate != 0u {
@@ -56,30 +75,31 @@ fn store_tile(acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
     coopStoreT(r, &c[o], ldc);
 }
 
-// Fragment of B for output columns [col, col + 16) and K rows [kk, kk + 16):
+// Fragment of B for output columns [col, col + 16) and K rows [kk, kk + 16)
+// of the part whose B starts at element b_off:
 // B stored [n][k] (nt: a column-major fragment) or [k][n] (nn: row-major).
-fn load_b(nn: bool, col: u32, kk: u32) -> coop_mat16x16<f16, B> {
+fn load_b(nn: bool, b_off: u32, col: u32, kk: u32) -> coop_mat16x16<f16, B> {
     let ldb = params.ldb;
     if nn {
-        let o = kk * ldb + col;
+        let o = b_off + kk * ldb + col;
         return coopLoadT<coop_mat16x16<f16, B>>(&b[o], ldb);
     }
-    let o = col * ldb + kk;
+    let o = b_off + col * ldb + kk;
     return coopLoad<coop_mat16x16<f16, B>>(&b[o], ldb);
 }
 
 // The whole kernel for either layout of B (`nn` is a constant at each
 // entry point, so the driver folds the branch in load_b away).
 fn gemm(wg: vec3<u32>, nn: bool) {
-    let blk = tile_of(wg);
+    let blk = tile_of(wg, nn);
     if !blk.valid {
         return;
     }
     let lda = params.lda;
-    let ra0 = params.a_offset + inside(blk.row0 + 0u, params.m) * lda;
-    let ra1 = params.a_offset + inside(blk.row0 + 16u, params.m) * lda;
-    let ra2 = params.a_offset + inside(blk.row0 + 32u, params.m) * lda;
-    let ra3 = params.a_offset + inside(blk.row0 + 48u, params.m) * lda;
+    let ra0 = blk.a_off + inside(blk.row0 + 0u, params.m) * lda;
+    let ra1 = blk.a_off + inside(blk.row0 + 16u, params.m) * lda;
+    let ra2 = blk.a_off + inside(blk.row0 + 32u, params.m) * lda;
+    let ra3 = blk.a_off + inside(blk.row0 + 48u, params.m) * lda;
     let cb0 = inside(blk.col0 + 0u, params.n);
     let cb1 = inside(blk.col0 + 16u, params.n);
     let cb2 = inside(blk.col0 + 32u, params.n);
@@ -100,7 +120,7 @@ fn gemm(wg: vec3<u32>, nn: bool) {
     var c31 = coop_mat16x16<f32, C>();
     var c32 = coop_mat16x16<f32, C>();
     var c33 = coop_mat16x16<f32, C>();
-    for (var kk = 0u; kk < params.k; kk += 16u) {
+    for (var kk = 0u; kk < blk.k; kk += 16u) {
         let oa0 = ra0 + kk;
         let a0 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa0], lda);
         let oa1 = ra1 + kk;
@@ -109,10 +129,10 @@ fn gemm(wg: vec3<u32>, nn: bool) {
         let a2 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa2], lda);
         let oa3 = ra3 + kk;
         let a3 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa3], lda);
-        let b0 = load_b(nn, cb0, kk);
-        let b1 = load_b(nn, cb1, kk);
-        let b2 = load_b(nn, cb2, kk);
-        let b3 = load_b(nn, cb3, kk);
+        let b0 = load_b(nn, blk.b_off, cb0, kk);
+        let b1 = load_b(nn, blk.b_off, cb1, kk);
+        let b2 = load_b(nn, blk.b_off, cb2, kk);
+        let b3 = load_b(nn, blk.b_off, cb3, kk);
         c00 = coopMultiplyAdd(a0, b0, c00);
         c01 = coopMultiplyAdd(a0, b1, c01);
         c02 = coopMultiplyAdd(a0, b2, c02);
@@ -130,22 +150,22 @@ fn gemm(wg: vec3<u32>, nn: bool) {
         c32 = coopMultiplyAdd(a3, b2, c32);
         c33 = coopMultiplyAdd(a3, b3, c33);
     }
-    store_tile(c00, blk.row0 + 0u, blk.col0 + 0u);
-    store_tile(c01, blk.row0 + 0u, blk.col0 + 16u);
-    store_tile(c02, blk.row0 + 0u, blk.col0 + 32u);
-    store_tile(c03, blk.row0 + 0u, blk.col0 + 48u);
-    store_tile(c10, blk.row0 + 16u, blk.col0 + 0u);
-    store_tile(c11, blk.row0 + 16u, blk.col0 + 16u);
-    store_tile(c12, blk.row0 + 16u, blk.col0 + 32u);
-    store_tile(c13, blk.row0 + 16u, blk.col0 + 48u);
-    store_tile(c20, blk.row0 + 32u, blk.col0 + 0u);
-    store_tile(c21, blk.row0 + 32u, blk.col0 + 16u);
-    store_tile(c22, blk.row0 + 32u, blk.col0 + 32u);
-    store_tile(c23, blk.row0 + 32u, blk.col0 + 48u);
-    store_tile(c30, blk.row0 + 48u, blk.col0 + 0u);
-    store_tile(c31, blk.row0 + 48u, blk.col0 + 16u);
-    store_tile(c32, blk.row0 + 48u, blk.col0 + 32u);
-    store_tile(c33, blk.row0 + 48u, blk.col0 + 48u);
+    store_tile(blk, c00, blk.row0 + 0u, blk.col0 + 0u);
+    store_tile(blk, c01, blk.row0 + 0u, blk.col0 + 16u);
+    store_tile(blk, c02, blk.row0 + 0u, blk.col0 + 32u);
+    store_tile(blk, c03, blk.row0 + 0u, blk.col0 + 48u);
+    store_tile(blk, c10, blk.row0 + 16u, blk.col0 + 0u);
+    store_tile(blk, c11, blk.row0 + 16u, blk.col0 + 16u);
+    store_tile(blk, c12, blk.row0 + 16u, blk.col0 + 32u);
+    store_tile(blk, c13, blk.row0 + 16u, blk.col0 + 48u);
+    store_tile(blk, c20, blk.row0 + 32u, blk.col0 + 0u);
+    store_tile(blk, c21, blk.row0 + 32u, blk.col0 + 16u);
+    store_tile(blk, c22, blk.row0 + 32u, blk.col0 + 32u);
+    store_tile(blk, c23, blk.row0 + 32u, blk.col0 + 48u);
+    store_tile(blk, c30, blk.row0 + 48u, blk.col0 + 0u);
+    store_tile(blk, c31, blk.row0 + 48u, blk.col0 + 16u);
+    store_tile(blk, c32, blk.row0 + 48u, blk.col0 + 32u);
+    store_tile(blk, c33, blk.row0 + 48u, blk.col0 + 48u);
 }
 
 // C = A * B^T with B stored [n][k].

@@ -65,7 +65,11 @@ layout(set = 0, binding = 0, std140) uniform Params {
     float alpha;
     uint accumulate;
     uint grid_x;
+    uint k_parts;
+    uint k_part;
+    uint c_part_stride;
     uint pad0;
+    uint pad1;
 } p;
 // f16 operands, 8 halves (16 bytes) a word: a_offset, lda and ldb are
 // multiples of 8 (core pads them to 16).
@@ -106,15 +110,65 @@ uvec4 ra[A_WORDS];
 uvec4 rb[B_WORDS];
 ACC acc[4 * TN];
 uint row0, col0, wr, wc;
+// Split-K: this workgroup's part of the reduction, its length and its first
+// elements of A, B and C (MODE 0; the diagnostic modes run part 0 only).
+uint kp, a_off, b_off, c_off;
 // This invocation's index among the staging invocations.
 uint sidx;
+// Whether the workgroup's C tile lies inside m x n (then no row or column
+// is clamped), and the word indices of this invocation's first staged word
+// of A and of B at step 0: inside such a tile, every word it loads is a
+// compile-time or uniform stride from these (set_addresses). Computing each
+// address afresh (row clamp, K test, multiply, divide) cost the K-64 tile
+// 10% (logits) and 30% (dx): docs/PERFORMANCE.md, row 22.
+bool whole_tile;
+uint a_first, b_first;
+
+void set_addresses() {
+    whole_tile = row0 + BM <= p.m && col0 + BN <= p.n;
+    // a_offset, lda and ldb are multiples of 8, col0 of 128, and the
+    // part's offsets a_off and b_off of 8 (k_part is a multiple of 64).
+    a_first = (a_off + (row0 + sidx / KW) * p.lda) / 8 + sidx % KW;
+#if NN
+    b_first = (b_off + (sidx / (BN / 8)) * p.ldb + col0) / 8 + sidx % (BN / 8);
+#else
+    b_first = (b_off + (col0 + sidx / KW) * p.ldb) / 8 + sidx % KW;
+#endif
+}
+
+// Staged words of invocation sidx at index i are i * STAGERS further on:
+// that many whole rows of the tile (every configuration has STAGERS a
+// multiple of the words in a row, KW or BN / 8).
+const uint A_ROWS_PER_I = STAGERS / KW;
+#if NN
+const uint B_ROWS_PER_I = STAGERS / (BN / 8);
+#else
+const uint B_ROWS_PER_I = STAGERS / KW;
+#endif
 
 // Step s's words into registers. Rows past m (columns past n) repeat the
 // last one: their products only reach C tiles that are never stored. K past
-// k reads zeros.
+// the part's end reads zeros.
 void load_step(uint s) {
     uint k0 = s * BK;
     uint steps = p.k / BK;
+#if PRETILED == 0
+    // The common case: a whole tile and a whole K step of the part. One add
+    // per word from a per-invocation base; no clamps, no K test.
+    if (whole_tile && k0 + BK <= kp) {
+        [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
+            ra[i] = a[a_first + s * KW + i * A_ROWS_PER_I * (p.lda / 8)];
+        }
+        [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
+#if NN
+            rb[i] = b[b_first + s * BK * (p.ldb / 8) + i * B_ROWS_PER_I * (p.ldb / 8)];
+#else
+            rb[i] = b[b_first + s * KW + i * B_ROWS_PER_I * (p.ldb / 8)];
+#endif
+        }
+        return;
+    }
+#endif
     [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
         uint e = sidx + i * STAGERS;
 #if (PRETILED & 1) != 0
@@ -122,7 +176,7 @@ void load_step(uint s) {
 #else
         uint row = min(row0 + e / KW, p.m - 1);
         uint kk = k0 + (e % KW) * 8;
-        ra[i] = kk < p.k ? a[(p.a_offset + row * p.lda + kk) / 8] : uvec4(0);
+        ra[i] = kk < kp ? a[(a_off + row * p.lda + kk) / 8] : uvec4(0);
 #endif
     }
     [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
@@ -132,11 +186,11 @@ void load_step(uint s) {
 #elif NN
         uint kk = k0 + e / (BN / 8);
         uint col = min(col0 + (e % (BN / 8)) * 8, p.n - 8);
-        rb[i] = kk < p.k ? b[(kk * p.ldb + col) / 8] : uvec4(0);
+        rb[i] = kk < kp ? b[(b_off + kk * p.ldb + col) / 8] : uvec4(0);
 #else
         uint col = min(col0 + e / KW, p.n - 1);
         uint kk = k0 + (e % KW) * 8;
-        rb[i] = kk < p.k ? b[(col * p.ldb + kk) / 8] : uvec4(0);
+        rb[i] = kk < kp ? b[(b_off + col * p.ldb + kk) / 8] : uvec4(0);
 #endif
     }
 }
@@ -195,7 +249,7 @@ void epilogue() {
             uint row = row0 + wr + i * 16;
             uint col = col0 + wc + j * 16;
             if (row < p.m && col < p.n) {
-                uint o = p.c_offset + row * p.ldc + col;
+                uint o = c_off + row * p.ldc + col;
                 OUT r = OUT(acc[i * TN + j]) * p.alpha;
                 if (p.accumulate != 0) {
                     OUT prev;
@@ -219,12 +273,33 @@ void sink(uvec4 x) {
 void main() {
     uint tiles_m = (p.m + BM - 1) / BM;
     uint tiles_n = (p.n + BN - 1) / BN;
+    uint tiles = tiles_m * tiles_n;
     uint l = gl_WorkGroupID.x + gl_WorkGroupID.y * p.grid_x;
-    if (l >= tiles_m * tiles_n) {
+#if MODE == 0
+    uint parts = p.k_parts;
+#else
+    uint parts = 1;
+#endif
+    if (l >= tiles * parts) {
         return;
     }
-    row0 = (l % tiles_m) * BM;
-    col0 = (l / tiles_m) * BN;
+    uint part = l / tiles;
+    uint tile = l % tiles;
+    row0 = (tile % tiles_m) * BM;
+    col0 = (tile / tiles_m) * BN;
+    uint k0 = min(part * p.k_part, p.k);
+#if MODE == 0
+    kp = min(k0 + p.k_part, p.k) - k0;
+#else
+    kp = p.k;
+#endif
+    a_off = p.a_offset + k0;
+#if NN
+    b_off = k0 * p.ldb;
+#else
+    b_off = k0;
+#endif
+    c_off = p.c_offset + part * p.c_part_stride;
     wr = (gl_SubgroupID / SG_COLS) * 64;
     wc = (gl_SubgroupID % SG_COLS) * (BN / SG_COLS);
 #if WS
@@ -232,7 +307,8 @@ void main() {
 #else
     sidx = gl_LocalInvocationIndex;
 #endif
-    uint steps = (p.k + BK - 1) / BK;
+    set_addresses();
+    uint steps = (kp + BK - 1) / BK;
     [[unroll]] for (uint t = 0; t < 4 * TN; t++) {
         acc[t] = ACC(0.0);
     }

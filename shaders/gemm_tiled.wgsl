@@ -17,17 +17,36 @@ const TK: u32 = 16u;
 var<workgroup> as_: array<f32, TK * TM>;
 var<workgroup> bs_: array<f32, TK * TN>;
 
+// One workgroup's output tile and reduction part (split-K: workgroup l is
+// part l / tiles of tile l % tiles): the part's length and its first
+// elements of A, B and C.
 struct Tile {
     valid: bool,
     row0: u32,
     col0: u32,
+    k: u32,
+    a_off: u32,
+    b_off: u32,
+    c_off: u32,
 }
 
-fn tile_of(wg: vec3<u32>) -> Tile {
+fn tile_of(wg: vec3<u32>, nn: bool) -> Tile {
     let tiles_m = (params.m + TM - 1u) / TM;
     let tiles_n = (params.n + TN - 1u) / TN;
+    let tiles = tiles_m * tiles_n;
     let l = wg.x + wg.y * params.grid_x;
-    return Tile(l < tiles_m * tiles_n, (l % tiles_m) * TM, (l / tiles_m) * TN);
+    let part = l / max(tiles, 1u);
+    let t = l % max(tiles, 1u);
+    // The part's reduction range [k0, k1): K past k1 is the next part's.
+    let k0 = min(part * params.k_part, params.k);
+    let k1 = min(k0 + params.k_part, params.k);
+    // B stored [n][k] (nt) starts the part k0 columns in; [k][n] (nn), k0 rows.
+    var b_off = k0;
+    if nn {
+        b_off = k0 * params.ldb;
+    }
+    return Tile(l < tiles * params.k_parts, (t % tiles_m) * TM, (t / tiles_m) * TN, k1 - k0,
+        params.a_offset + k0, b_off, params.c_offset + part * params.c_part_stride);
 }
 
 // Stages A's 64 x 16 tile at K offset k0: 1024 elements, 4 per invocation.
@@ -38,7 +57,7 @@ fn stage_a(t: Tile, k0: u32, lid: u32) {
         let row = t.row0 + i;
         var v = 0.0;
         if row < params.m {
-            v = f32(a[params.a_offset + row * params.lda + k0 + kk]);
+            v = f32(a[t.a_off + row * params.lda + k0 + kk]);
         }
         as_[kk * TM + i] = v;
     }
@@ -66,7 +85,7 @@ fn store(t: Tile, acc: array<vec4<f32>, 4>, tx: u32, ty: u32) {
         for (var s = 0u; s < 4u; s++) {
             let col = t.col0 + tx + 16u * s;
             if col < params.n {
-                let o = params.c_offset + row * params.ldc + col;
+                let o = t.c_off + row * params.ldc + col;
                 var v = params.alpha * acc[r][s];
                 if params.accumulate != 0u {
                     v += c[o];
@@ -90,9 +109,9 @@ fn stage_b(t: Tile, k0: u32, lid: u32, nn: bool) {
         let col = t.col0 + j;
         var v = 0.0;
         if col < params.n {
-            var src = col * params.ldb + k0 + kk;
+            var src = t.b_off + col * params.ldb + k0 + kk;
             if nn {
-                src = (k0 + kk) * params.ldb + col;
+                src = t.b_off + (k0 + kk) * params.ldb + col;
             }
             v = f32(b[src]);
         }
@@ -103,12 +122,12 @@ fn stage_b(t: Tile, k0: u32, lid: u32, nn: bool) {
 // The whole kernel for either layout of B (`nn` is a constant at each entry
 // point).
 fn gemm(wg: vec3<u32>, li: vec3<u32>, lid: u32, nn: bool) {
-    let t = tile_of(wg);
+    let t = tile_of(wg, nn);
     if !t.valid {
         return;
     }
     var acc: array<vec4<f32>, 4>;
-    for (var k0 = 0u; k0 < params.k; k0 += TK) {
+    for (var k0 = 0u; k0 < t.k; k0 += TK) {
         stage_a(t, k0, lid);
         stage_b(t, k0, lid, nn);
         workgroupBarrier();

@@ -165,8 +165,9 @@ impl VulkanBackend {
             full_subgroups: true,
             required_subgroup_size: plan.require_size.then_some(plan.subgroup_size),
         };
-        let (rows, cols) = CoopGemm::Glsl(kernel.tile).tile();
-        let count = (desc.m as u64).div_ceil(u64::from(rows)) * (desc.n as u64).div_ceil(u64::from(cols));
+        // One workgroup per tile and split-K part (the diagnostic modes
+        // skip the parts past the first).
+        let count = desc.workgroups_for_tile(CoopGemm::Glsl(kernel.tile).tile());
         let grid = headkl_core::fold_workgroups(count);
         let pipeline = self
             .pipelines

@@ -42,7 +42,8 @@ use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::settings::GemmSources;
 use headkl_core::{
     fold_workgroups, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc, GemmKernel,
-    KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, Settings, StagedTile, TopkDesc,
+    HeadLayout, KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, Settings, StagedTile,
+    SumPartsDesc, TopkDesc,
 };
 
 use crate::command::{Binding, Stream};
@@ -453,6 +454,23 @@ impl Backend for VulkanBackend {
             |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
             &[a, b, c],
         )
+    }
+
+    fn sum_parts(&self, parts: &VulkanBuffer, dst: &VulkanBuffer, desc: &SumPartsDesc) -> Result<()> {
+        let params = desc.check([parts, dst], self.max_binding())?;
+        self.dispatch_kernel(
+            KernelId::SumParts,
+            desc.workgroups(),
+            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
+            &[parts, dst],
+        )
+    }
+
+    fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
+        match self.gemm_for(KernelId::gemm(layout)) {
+            GemmKernel::Tiled => None,
+            coop => Some(coop.tile()),
+        }
     }
 
     fn kl_rows(

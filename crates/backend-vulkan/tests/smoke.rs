@@ -85,6 +85,8 @@ fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayou
         ldc,
         alpha,
         accumulate,
+        k_parts: 1,
+        c_part_stride: 0,
     };
     b.gemm(&a_buf, &b_buf, &c_buf, &desc).unwrap();
     let mut c = vec![0f32; c_len];

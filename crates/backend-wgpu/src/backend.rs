@@ -5,8 +5,8 @@
 use std::sync::atomic::Ordering;
 
 use headkl_core::{
-    Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, PendingDownload,
-    Result, TopkDesc,
+    Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, GemmKernel, HeadLayout, KernelId, KernelTime, KlDesc,
+    MemoryStats, PendingDownload, Result, SumPartsDesc, TopkDesc,
 };
 
 use crate::backend_error;
@@ -83,6 +83,23 @@ impl Backend for WgpuBackend {
             |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
             &[a, b, c],
         )
+    }
+
+    fn sum_parts(&self, parts: &WgpuBuffer, dst: &WgpuBuffer, desc: &SumPartsDesc) -> Result<()> {
+        let params = desc.check([parts, dst], self.info.max_binding_bytes)?;
+        self.dispatch(
+            KernelId::SumParts,
+            desc.workgroups(),
+            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
+            &[parts, dst],
+        )
+    }
+
+    fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
+        match self.kernels.gemm_kernel(KernelId::gemm(layout)) {
+            GemmKernel::Tiled => None,
+            coop => Some(coop.tile()),
+        }
     }
 
     fn kl_rows(

@@ -13,7 +13,7 @@ use std::time::Instant;
 use half::f16;
 use headkl_core::{
     Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData,
-    HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions,
+    HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions, ALIGN,
 };
 
 use crate::error::{is_validation, CliError};
@@ -410,6 +410,7 @@ impl BenchJob<'_> {
             .map_err(|e| CliError::device(format!("uploading the head to {}", info.backend), e))?;
         let upload_ms = start.elapsed().as_secs_f64() * 1e3;
         engine.set_trace(crate::environment::get().trace);
+        engine.set_dx_split(crate::environment::get().dx_split);
         let head_bytes = engine.backend().memory().current.saturating_sub(before);
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
@@ -417,6 +418,23 @@ impl BenchJob<'_> {
             "bench: head uploaded in {upload_ms:.0} ms ({}, {} slice(s))",
             fmt_bytes(head_bytes),
             engine.slices().len()
+        );
+        let plan = engine
+            .loss_plan(
+                shape.ntok,
+                shape.k,
+                false,
+                &LossOptions {
+                    budget_bytes: self.cfg.budget,
+                    ..LossOptions::default()
+                },
+            )
+            .map_err(|e| CliError::device("bench chunk plan", e))?;
+        eprintln!(
+            "bench: dx GEMM split {} ({:?} part(s) per slice at {} rows per chunk)",
+            engine.dx_split(),
+            engine.dx_parts(headkl_core::round_up(plan.rows_per_chunk.min(shape.ntok), ALIGN)),
+            plan.rows_per_chunk
         );
         Self::probe(data, self.cfg, &mut engine)?;
         let mut jobs = Vec::new();

@@ -261,6 +261,7 @@ impl BackendJob for LossJob<'_> {
         let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
             .map_err(|e| self.sources.map(e, "uploading the head"))?;
         engine.set_trace(crate::environment::get().trace);
+        engine.set_dx_split(crate::environment::get().dx_split);
         let mut out = LossOutput {
             loss: Vec::with_capacity(self.ntok),
             mean: 0.0,

@@ -1,4 +1,4 @@
-//! The backend boundary: buffers, transfers and the four kernels the driver
+//! The backend boundary: buffers, transfers and the kernels the driver
 //! sequences.
 //!
 //! A backend is a device plus an associated buffer type. Every method may
@@ -81,6 +81,14 @@ pub enum HeadLayout {
 /// zeros. Rows of A past the caller's real rows may hold anything, NaN
 /// included: row `i` of C depends only on row `i` of A, and the driver
 /// discards those rows of C.
+///
+/// Split-K: with `k_parts > 1` the reduction is cut into `k_parts` parts
+/// of [`crate::split::k_part_len`] indices (the last ones may be shorter,
+/// or empty) that run in one dispatch; part `p` computes
+/// `alpha · A[:, part] · op(B)[part, :]` and writes (or, with
+/// `accumulate`, adds) it into its own C block at
+/// `c_offset + p·c_part_stride`. The blocks must not overlap; an empty
+/// part writes `alpha · 0`. [`Backend::sum_parts`] adds them up.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmDesc {
     /// Rows of A and C.
@@ -105,12 +113,17 @@ pub struct GemmDesc {
     pub alpha: f32,
     /// Add into C instead of overwriting it.
     pub accumulate: bool,
+    /// Parts the reduction is split into (1: no split).
+    pub k_parts: usize,
+    /// Elements from one part's C block to the next's (unused with one
+    /// part).
+    pub c_part_stride: usize,
 }
 
 impl GemmDesc {
     /// `C[m][n] = A[m][k] · op(B)` on dense operands: every offset 0, each
     /// row stride the row's length (B's `k` or `n`, by `b_layout`), alpha 1,
-    /// no accumulation. Change fields with struct update syntax.
+    /// no accumulation, one part. Change fields with struct update syntax.
     pub fn dense(m: usize, n: usize, k: usize, b_layout: HeadLayout) -> Self {
         let ldb = match b_layout {
             HeadLayout::Logits => k,
@@ -128,8 +141,29 @@ impl GemmDesc {
             ldc: n,
             alpha: 1.0,
             accumulate: false,
+            k_parts: 1,
+            c_part_stride: 0,
         }
     }
+}
+
+/// The sum of a split-K GEMM's partial blocks:
+/// `dst[i] (+)= Σ_p parts[p·part_stride + i]` for `i < len`, added in
+/// increasing `p` (then into `dst` when accumulating), in f32: the same
+/// result on every run, with no atomics.
+///
+/// `len` and `part_stride` are multiples of 4 (the kernel moves 16 bytes
+/// at a time), and `part_stride ≥ len` when there are several parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SumPartsDesc {
+    /// Elements of `dst` written (and of each part read).
+    pub len: usize,
+    /// Parts to add (at least 1).
+    pub parts: usize,
+    /// Elements from one part to the next in `parts`.
+    pub part_stride: usize,
+    /// Add the sum into `dst` instead of overwriting it.
+    pub accumulate: bool,
 }
 
 /// The KL row kernel: one row per token.
@@ -317,6 +351,17 @@ pub trait Backend {
     /// [`GemmDesc::kernel`].
     fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()>;
 
+    /// Sums a split-K GEMM's partial blocks (see [`SumPartsDesc`]).
+    fn sum_parts(&self, parts: &Self::Buffer, dst: &Self::Buffer, desc: &SumPartsDesc) -> Result<()>;
+
+    /// The output tile `(rows, columns)` of the matrix-unit GEMM this
+    /// backend runs for `layout`, or `None` where it runs none (the
+    /// fallback GEMM, or no GPU): what [`crate::DxSplit::choose`] counts
+    /// workgroups with.
+    fn gemm_tile(&self, _layout: HeadLayout) -> Option<(u32, u32)> {
+        None
+    }
+
     /// The KL row kernel (see [`KlDesc`]).
     #[allow(clippy::too_many_arguments, reason = "one buffer per binding of the kernel")]
     fn kl_rows(
@@ -392,6 +437,12 @@ impl<T: Backend + ?Sized> Backend for &T {
     }
     fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()> {
         (**self).gemm(a, b, c, desc)
+    }
+    fn sum_parts(&self, parts: &Self::Buffer, dst: &Self::Buffer, desc: &SumPartsDesc) -> Result<()> {
+        (**self).sum_parts(parts, dst, desc)
+    }
+    fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
+        (**self).gemm_tile(layout)
     }
     fn kl_rows(
         &self,

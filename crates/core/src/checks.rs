@@ -7,11 +7,12 @@
 //! The GEMMs are built without runtime bounds checks: these checks are what
 //! keep their every index inside its buffer (shaders/README.md).
 
-use crate::backend::{ConvertDesc, DeviceBuffer, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use crate::backend::{ConvertDesc, DeviceBuffer, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::{Error, Result};
 use crate::kernels::{bad_descriptor, require, KernelId};
-use crate::params::{ConvertParams, GemmParams, RowParams};
+use crate::params::{ConvertParams, GemmParams, RowParams, SumPartsParams};
 use crate::problem::MAX_K;
+use crate::split::k_part_len;
 use crate::ALIGN;
 
 /// `value` as `u32`, or an error naming `field` of `kernel`.
@@ -138,6 +139,20 @@ impl GemmDesc {
                 span(0, self.k, self.ldb, self.n)
             }
         };
+        require(self.k_parts >= 1, kernel, "k_parts", self.k_parts as u128, || {
+            "must be at least 1".into()
+        })?;
+        // One part's C block, in elements from its first.
+        let c_block = span(0, self.m, self.ldc, self.n);
+        if self.k_parts > 1 {
+            require(
+                self.c_part_stride as u128 >= c_block,
+                kernel,
+                "c_part_stride",
+                self.c_part_stride as u128,
+                || format!("below one part's C block of {c_block} elements: the parts' blocks would overlap"),
+            )?;
+        }
         if self.m > 0 && self.n > 0 {
             fits(
                 kernel,
@@ -148,14 +163,9 @@ impl GemmDesc {
                 max_binding,
             )?;
             fits(kernel, "B", b_span, 2, b, max_binding)?;
-            fits(
-                kernel,
-                "C",
-                span(self.c_offset, self.m, self.ldc, self.n),
-                4,
-                c,
-                max_binding,
-            )?;
+            // The last part's block ends the region.
+            let last = self.c_offset as u128 + (self.k_parts as u128 - 1) * self.c_part_stride as u128;
+            fits(kernel, "C", last + c_block, 4, c, max_binding)?;
         }
         Ok(GemmParams {
             m: index(kernel, "m", self.m)?,
@@ -169,7 +179,39 @@ impl GemmDesc {
             alpha: self.alpha,
             accumulate: u32::from(self.accumulate),
             grid_x: 0,
-            _pad: 0,
+            k_parts: index(kernel, "k_parts", self.k_parts)?,
+            k_part: index(kernel, "k", k_part_len(self.k, self.k_parts))?,
+            c_part_stride: index(kernel, "c_part_stride", self.c_part_stride)?,
+            _pad: [0; 2],
+        })
+    }
+}
+
+impl SumPartsDesc {
+    /// Checks the sum against `[parts, dst]` and returns its block.
+    pub fn check<B: DeviceBuffer>(&self, [parts, dst]: [&B; 2], max_binding: u64) -> Result<SumPartsParams> {
+        const K: KernelId = KernelId::SumParts;
+        // The kernel moves 4 floats (16 bytes) at a time.
+        multiple(K, "len", self.len, 4)?;
+        multiple(K, "part_stride", self.part_stride, 4)?;
+        require(self.parts >= 1, K, "parts", self.parts as u128, || {
+            "must be at least 1".into()
+        })?;
+        if self.parts > 1 {
+            at_least(K, "part_stride", self.part_stride, "len", self.len)?;
+        }
+        if self.len > 0 {
+            let end = (self.parts as u128 - 1) * self.part_stride as u128 + self.len as u128;
+            fits(K, "parts", end, 4, parts, max_binding)?;
+            fits(K, "dst", self.len as u128, 4, dst, max_binding)?;
+        }
+        Ok(SumPartsParams {
+            len: index(K, "len", self.len)?,
+            parts: index(K, "parts", self.parts)?,
+            part_stride: index(K, "part_stride", self.part_stride)?,
+            accumulate: u32::from(self.accumulate),
+            grid_x: 0,
+            _pad: [0; 3],
         })
     }
 }
@@ -281,6 +323,98 @@ mod tests {
         let logits = GemmDesc::dense(16, 16, 16, HeadLayout::Logits);
         let small = Len(512);
         assert_eq!(logits.check([&small, &small, &Len(1024)], u64::MAX).unwrap().grid_x, 0);
+    }
+
+    #[test]
+    fn split_k_checks_name_the_field() {
+        // C blocks of 32 × 48 = 1536 elements.
+        let d = GemmDesc {
+            k_parts: 3,
+            c_part_stride: 1536,
+            ..GemmDesc::dense(32, 48, 272, HeadLayout::Dx)
+        };
+        let (a, b) = (Len(32 * 272 * 2), Len(272 * 48 * 2));
+        let c = Len(3 * 1536 * 4);
+        let p = d.check([&a, &b, &c], u64::MAX).unwrap();
+        assert_eq!((p.k_parts, p.k_part, p.c_part_stride), (3, 128, 1536));
+        let one = GemmDesc::dense(32, 48, 272, HeadLayout::Dx)
+            .check([&a, &b, &c], u64::MAX)
+            .unwrap();
+        assert_eq!((one.k_parts, one.k_part), (1, 320));
+        let none = GemmDesc { k_parts: 0, ..d };
+        assert_eq!(
+            field_of(none.check([&a, &b, &c], u64::MAX).unwrap_err()),
+            ("gemm_dx", "k_parts", 0)
+        );
+        let overlap = GemmDesc {
+            c_part_stride: 1535,
+            ..d
+        };
+        assert_eq!(
+            field_of(overlap.check([&a, &b, &c], u64::MAX).unwrap_err()),
+            ("gemm_dx", "c_part_stride", 1535)
+        );
+        // The last part's block ends one element past C.
+        let short = Len(3 * 1536 * 4 - 4);
+        assert_eq!(
+            field_of(d.check([&a, &b, &short], u64::MAX).unwrap_err()),
+            ("gemm_dx", "C", 3 * 1536 * 4)
+        );
+        // A stride past 32 bits is an error, not a truncation, even where
+        // the buffer would hold it.
+        let far = GemmDesc {
+            k_parts: 2,
+            c_part_stride: 1 << 32,
+            ..d
+        };
+        let big = Len(u64::MAX);
+        assert_eq!(field_of(far.check([&a, &b, &big], u64::MAX).unwrap_err()).1, "C");
+        let huge_parts = GemmDesc {
+            k_parts: 1 << 33,
+            c_part_stride: 0,
+            m: 0,
+            ..d
+        };
+        assert_eq!(
+            field_of(huge_parts.check([&a, &b, &big], u64::MAX).unwrap_err()),
+            ("gemm_dx", "k_parts", 1 << 33)
+        );
+    }
+
+    #[test]
+    fn sum_parts_checks_name_the_field() {
+        let d = SumPartsDesc {
+            len: 64,
+            parts: 3,
+            part_stride: 80,
+            accumulate: false,
+        };
+        let (parts, dst) = (Len((2 * 80 + 64) * 4), Len(64 * 4));
+        let p = d.check([&parts, &dst], u64::MAX).unwrap();
+        assert_eq!((p.len, p.parts, p.part_stride, p.accumulate), (64, 3, 80, 0));
+        for (bad, field, value) in [
+            (SumPartsDesc { parts: 0, ..d }, "parts", 0),
+            (SumPartsDesc { len: 62, ..d }, "len", 62),
+            (SumPartsDesc { part_stride: 82, ..d }, "part_stride", 82),
+            (SumPartsDesc { part_stride: 60, ..d }, "part_stride", 60),
+        ] {
+            assert_eq!(
+                field_of(bad.check([&parts, &dst], u64::MAX).unwrap_err()),
+                ("sum_parts", field, value)
+            );
+        }
+        assert_eq!(
+            field_of(d.check([&Len(4), &dst], u64::MAX).unwrap_err()),
+            ("sum_parts", "parts", (2 * 80 + 64) * 4)
+        );
+        assert_eq!(field_of(d.check([&parts, &Len(4)], u64::MAX).unwrap_err()).1, "dst");
+        // One part may have any stride.
+        let one = SumPartsDesc {
+            parts: 1,
+            part_stride: 0,
+            ..d
+        };
+        assert!(one.check([&dst, &dst], u64::MAX).is_ok());
     }
 
     #[test]

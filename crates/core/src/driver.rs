@@ -4,13 +4,14 @@
 
 use half::f16;
 
-use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, PendingDownload, TopkDesc};
+use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, PendingDownload, SumPartsDesc, TopkDesc};
 use crate::chunking::{plan_chunks, ChunkPlan};
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::slicing::{slice_vocab, VocabSlice};
+use crate::split::DxSplit;
 use crate::{round_up, ALIGN};
 
 /// Bytes of host data uploaded per transfer while packing the head, so a
@@ -87,6 +88,8 @@ pub struct Engine<B: Backend> {
     pub(crate) resident: crate::resident::ResidentState<B>,
     /// Print each `head_kl` call's host phases ([`Engine::set_trace`]).
     trace: bool,
+    /// How the dx GEMM's reduction is split ([`Engine::set_dx_split`]).
+    dx_split: DxSplit,
 }
 
 impl<B: Backend> Engine<B> {
@@ -132,7 +135,24 @@ impl<B: Backend> Engine<B> {
             scratch: ScratchCache::default(),
             resident: crate::resident::ResidentState::new(),
             trace: false,
+            dx_split: DxSplit::Auto,
         })
+    }
+
+    /// How the dx GEMM's reduction (the vocabulary) is split into parts
+    /// that run in one dispatch (`HEADKL_DX_SPLIT`, through
+    /// [`crate::Settings`]; [`DxSplit::choose`] has the automatic rule).
+    /// Frees the cached scratch, which is sized for the parts.
+    pub fn set_dx_split(&mut self, split: DxSplit) {
+        if split != self.dx_split {
+            self.release_scratch();
+        }
+        self.dx_split = split;
+    }
+
+    /// The dx GEMM's split setting.
+    pub fn dx_split(&self) -> DxSplit {
+        self.dx_split
     }
 
     /// Prints each `head_kl` call's host phases (upload, wait, download) to
@@ -183,15 +203,36 @@ impl<B: Backend> Engine<B> {
         f32_input: bool,
         (budget_bytes, max_rows): (u64, Option<usize>),
     ) -> Result<ChunkPlan> {
-        let costs = self.row_bytes(k).costs(job, f32_input);
+        let costs = self.row_bytes(job, k).costs(job, f32_input);
         let info = self.backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
         plan_chunks(ntok, &costs, budget_bytes, max_binding, max_rows)
     }
 
-    /// Bytes per token row of every scratch buffer, with `k` teacher entries.
-    fn row_bytes(&self, k: usize) -> RowBytes {
-        RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k)
+    /// Bytes per token row of every scratch buffer of `job`, with `k`
+    /// teacher entries.
+    pub(crate) fn row_bytes(&self, job: Job, k: usize) -> RowBytes {
+        let dx_blocks = match job {
+            Job::Loss => self.dx_blocks_most(),
+            Job::Topk => 0,
+        };
+        RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks)
+    }
+
+    /// The most split-K partial blocks of dx a chunk can need (every
+    /// slice's most parts), or 0 where the dx GEMM always writes dx itself.
+    fn dx_blocks_most(&self) -> usize {
+        let tile = self.backend.gemm_tile(HeadLayout::Dx);
+        let blocks: usize = self
+            .slices
+            .iter()
+            .map(|s| self.dx_split.most(s.padded_width(), tile))
+            .sum();
+        if blocks > 1 {
+            blocks
+        } else {
+            0
+        }
     }
 
     /// Uploads chunk rows `[start, start + rows)` into the padded f16 GEMM
@@ -265,6 +306,8 @@ impl<B: Backend> Engine<B> {
                 ldc: self.vocab_padded,
                 alpha: 1.0 / temperature,
                 accumulate: false,
+                k_parts: 1,
+                c_part_stride: 0,
             };
             self.backend.gemm(x16, plane, logits, &desc)?;
         }
@@ -273,24 +316,80 @@ impl<B: Backend> Engine<B> {
 
     /// The dx GEMMs of one chunk, summed over the slices in f32:
     /// `dx = alpha · Σ_slice grad[:, slice] · W_slice`.
-    pub(crate) fn dx(&self, grad: &B::Buffer, dx: &B::Buffer, rows_padded: usize, alpha: f32) -> Result<()> {
-        for (i, (slice, plane)) in self.slices.iter().zip(&self.planes).enumerate() {
+    ///
+    /// Each slice's GEMM runs split into [`Engine::dx_parts`] parts, into
+    /// partial blocks of `rows_padded × hs_padded` in `partials` (slice s's
+    /// after those of the slices before it), which one `sum_parts` adds
+    /// into dx in a fixed order. One slice in one part writes dx directly.
+    /// `partials` is the chunk's logits buffer, free once `kl_rows` has
+    /// read it, and sized for the most blocks ([`RowBytes::new`]).
+    pub(crate) fn dx(
+        &self,
+        grad: &B::Buffer,
+        dx: &B::Buffer,
+        partials: &B::Buffer,
+        rows_padded: usize,
+        alpha: f32,
+    ) -> Result<()> {
+        let parts = self.dx_parts(rows_padded);
+        let total: usize = parts.iter().sum();
+        let block = rows_padded * self.hs_padded;
+        let mut first = 0;
+        for ((slice, plane), &k_parts) in self.slices.iter().zip(&self.planes).zip(&parts) {
+            let desc = self.dx_desc(slice, rows_padded, alpha);
+            if total == 1 {
+                return self.backend.gemm(grad, plane, dx, &desc);
+            }
             let desc = GemmDesc {
-                m: rows_padded,
-                n: self.hs_padded,
-                k: slice.padded_width(),
-                a_offset: slice.offset,
-                lda: self.vocab_padded,
-                b_layout: HeadLayout::Dx,
-                ldb: self.hs_padded,
-                c_offset: 0,
-                ldc: self.hs_padded,
-                alpha,
-                accumulate: i > 0,
+                k_parts,
+                c_part_stride: block,
+                c_offset: first * block,
+                ..desc
             };
-            self.backend.gemm(grad, plane, dx, &desc)?;
+            self.backend.gemm(grad, plane, partials, &desc)?;
+            first += k_parts;
         }
-        Ok(())
+        let sum = SumPartsDesc {
+            len: block,
+            parts: total,
+            part_stride: block,
+            accumulate: false,
+        };
+        self.backend.sum_parts(partials, dx, &sum)
+    }
+
+    /// One slice's dx GEMM, unsplit: `dx (+)= alpha · grad[:, slice] · W_slice`.
+    fn dx_desc(&self, slice: &VocabSlice, rows_padded: usize, alpha: f32) -> GemmDesc {
+        GemmDesc {
+            m: rows_padded,
+            n: self.hs_padded,
+            k: slice.padded_width(),
+            a_offset: slice.offset,
+            lda: self.vocab_padded,
+            b_layout: HeadLayout::Dx,
+            ldb: self.hs_padded,
+            c_offset: 0,
+            ldc: self.hs_padded,
+            alpha,
+            accumulate: false,
+            k_parts: 1,
+            c_part_stride: 0,
+        }
+    }
+
+    /// The parts each slice's dx GEMM is split into for a chunk of
+    /// `rows_padded` rows: [`DxSplit::choose`] with this backend's GEMM
+    /// tile.
+    pub fn dx_parts(&self, rows_padded: usize) -> Vec<usize> {
+        let tile = self.backend.gemm_tile(HeadLayout::Dx);
+        self.slices
+            .iter()
+            .map(|s| {
+                let desc = self.dx_desc(s, rows_padded, 1.0);
+                let tiles = tile.map_or(0, |t| desc.tiles(t));
+                self.dx_split.choose(tiles, s.padded_width(), tile)
+            })
+            .collect()
     }
 
     fn check_hidden(&self, hidden: &Hidden<'_>) -> Result<()> {
@@ -344,7 +443,7 @@ impl<B: Backend> Engine<B> {
         let k = teacher.k();
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
-        let sizes = self.row_bytes(k);
+        let sizes = self.row_bytes(Job::Loss, k);
         let rows_per_chunk = plan.rows_per_chunk;
         let (input, rows_s) =
             self.scratch
@@ -410,7 +509,7 @@ impl<B: Backend> Engine<B> {
                 k,
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, coef, loss_buf, grad, &kl)?;
-            self.dx(grad, dx_buf, rows_padded, dx_scale as f32)?;
+            self.dx(grad, dx_buf, &s.logits, rows_padded, dx_scale as f32)?;
             let f32_bytes = std::mem::size_of::<f32>();
             let pending = begin_pair(
                 b,
@@ -501,7 +600,7 @@ impl<B: Backend> Engine<B> {
         opts.check(self.vocab)?;
         let (ntok, k) = (hidden.ntok(), opts.k);
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
-        let sizes = self.row_bytes(k);
+        let sizes = self.row_bytes(Job::Topk, k);
         let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
         let plan = self.chunk_plan(Job::Topk, ntok, k, f32_input, budget)?;
         let (input, rows_s) = self.scratch.begin(

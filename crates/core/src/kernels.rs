@@ -11,11 +11,11 @@
 
 use std::fmt;
 
-use crate::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use crate::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::{Error, Result};
 use crate::gemm_choice::{CoopGemm, KernelLimits};
 use crate::glsl_tile::GlslTile;
-use crate::params::{ConvertParams, GemmParams, ParamBlock, RowParams};
+use crate::params::{ConvertParams, GemmParams, ParamBlock, RowParams, SumPartsParams};
 
 /// One WGSL file of `shaders/`: its name (errors, caches), its text, and
 /// the parameter block its kernels read.
@@ -64,19 +64,22 @@ pub const GEMM_TILED_WGSL: Shader = shader!("gemm_tiled.wgsl", GemmParams);
 pub const GEMM_COOP_WGSL: Shader = shader!("gemm_coop.wgsl", GemmParams);
 /// `gemm_coop_direct.wgsl`: the matrix-unit GEMM without workgroup memory.
 pub const GEMM_COOP_DIRECT_WGSL: Shader = shader!("gemm_coop_direct.wgsl", GemmParams);
+/// `sum_parts.wgsl`: a split-K GEMM's partial blocks summed.
+pub const SUM_PARTS_WGSL: Shader = shader!("sum_parts.wgsl", SumPartsParams);
 
 /// Every shader file, in the order of [`KernelId::ALL`].
-pub const SHADERS: [Shader; 6] = [
+pub const SHADERS: [Shader; 7] = [
     CONVERT_WGSL,
     KL_ROWS_WGSL,
     TOPK_ROWS_WGSL,
     GEMM_TILED_WGSL,
     GEMM_COOP_WGSL,
     GEMM_COOP_DIRECT_WGSL,
+    SUM_PARTS_WGSL,
 ];
 
-/// Invocations per workgroup of the row kernels and the conversion
-/// (`WG` in their shaders).
+/// Invocations per workgroup of the row kernels, the conversion and the
+/// sum of parts (`WG` in their shaders).
 pub const ROW_WORKGROUP: u32 = 256;
 /// Output tile `(rows, columns)` per workgroup of `gemm_tiled.wgsl`
 /// (`TM`, `TN`), computed by 16 × 16 invocations.
@@ -98,6 +101,8 @@ pub enum KernelId {
     KlRows,
     /// The exact top-k row kernel ([`TopkDesc`]).
     TopkRows,
+    /// A split-K GEMM's partial blocks summed ([`SumPartsDesc`]).
+    SumParts,
 }
 
 /// How a kernel uses one storage binding.
@@ -171,12 +176,13 @@ pub struct KernelBuild {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 5] = [
+    pub const ALL: [KernelId; 6] = [
         KernelId::ConvertF16,
         KernelId::GemmLogits,
         KernelId::GemmDx,
         KernelId::KlRows,
         KernelId::TopkRows,
+        KernelId::SumParts,
     ];
 
     /// Its one name: entry point, timing label and docs.
@@ -187,6 +193,7 @@ impl KernelId {
             KernelId::GemmDx => "gemm_dx",
             KernelId::KlRows => "kl_rows",
             KernelId::TopkRows => "topk_rows",
+            KernelId::SumParts => "sum_parts",
         }
     }
 
@@ -213,7 +220,7 @@ impl KernelId {
     pub const fn bindings(self) -> &'static [Access] {
         use Access::{Read as R, ReadWrite as W};
         match self {
-            KernelId::ConvertF16 => &[R, W],
+            KernelId::ConvertF16 | KernelId::SumParts => &[R, W],
             KernelId::GemmLogits | KernelId::GemmDx => &[R, R, W],
             KernelId::KlRows => &[R, R, R, R, W, W],
             KernelId::TopkRows => &[R, W, W],
@@ -226,6 +233,7 @@ impl KernelId {
             KernelId::ConvertF16 => ConvertParams::BLOCK,
             KernelId::GemmLogits | KernelId::GemmDx => GemmParams::BLOCK,
             KernelId::KlRows | KernelId::TopkRows => RowParams::BLOCK,
+            KernelId::SumParts => SumPartsParams::BLOCK,
         }
     }
 
@@ -241,6 +249,7 @@ impl KernelId {
             KernelId::ConvertF16 => vec![CONVERT_WGSL],
             KernelId::KlRows => vec![KL_ROWS_WGSL],
             KernelId::TopkRows => vec![TOPK_ROWS_WGSL],
+            KernelId::SumParts => vec![SUM_PARTS_WGSL],
             KernelId::GemmLogits | KernelId::GemmDx => vec![GEMM_TILED_WGSL, GEMM_COOP_WGSL, GEMM_COOP_DIRECT_WGSL],
         }
     }
@@ -261,6 +270,7 @@ impl KernelId {
             // Workgroup memory as the shaders declare it (checked against
             // naga's layout by the shader tests).
             (KernelId::ConvertF16, _) => fixed(CONVERT_WGSL, 0),
+            (KernelId::SumParts, _) => fixed(SUM_PARTS_WGSL, 0),
             // red_max, red_sum, red_bad [256] and two scalars.
             (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 3 * 4 * ROW_WORKGROUP + 8),
             // hist [2048], scan [256], sel_key and sel_id [2048], 8 scalars.
@@ -344,15 +354,33 @@ impl ConvertDesc {
 }
 
 impl GemmDesc {
-    /// Workgroups of its dispatch with `gemm`: one per output tile.
+    /// Workgroups of its dispatch with `gemm`: one per output tile and part.
     pub fn workgroups(&self, gemm: GemmKernel) -> u64 {
-        let (rows, cols) = gemm.tile();
+        self.workgroups_for_tile(gemm.tile())
+    }
+
+    /// Workgroups of its dispatch with a kernel of output tile `(rows,
+    /// columns)`: one per tile and part (the shaders take workgroup `l` as
+    /// part `l / tiles` of tile `l % tiles`).
+    pub fn workgroups_for_tile(&self, (rows, cols): (u32, u32)) -> u64 {
+        self.tiles((rows, cols)) * self.k_parts as u64
+    }
+
+    /// Output tiles of one part with a kernel of tile `(rows, columns)`.
+    pub fn tiles(&self, (rows, cols): (u32, u32)) -> u64 {
         (self.m as u64).div_ceil(u64::from(rows)) * (self.n as u64).div_ceil(u64::from(cols))
     }
 
     /// Its kernel.
     pub const fn kernel(&self) -> KernelId {
         KernelId::gemm(self.b_layout)
+    }
+}
+
+impl SumPartsDesc {
+    /// Workgroups of its dispatch: one invocation per 4 elements of `dst`.
+    pub fn workgroups(&self) -> u64 {
+        (self.len as u64 / 4).div_ceil(u64::from(ROW_WORKGROUP))
     }
 }
 
@@ -432,6 +460,20 @@ mod tests {
             subgroup: 32,
         };
         assert_eq!(d.workgroups(coop), 2);
+        let split = GemmDesc {
+            k_parts: 3,
+            c_part_stride: 128 * 192,
+            ..d
+        };
+        assert_eq!(split.workgroups(GemmKernel::Tiled), 2 * 3 * 3);
+        assert_eq!(split.workgroups(coop), 2 * 3);
+        let sum = SumPartsDesc {
+            len: 4 * 256 + 4,
+            parts: 2,
+            part_stride: 2048,
+            accumulate: false,
+        };
+        assert_eq!(sum.workgroups(), 2);
         let c = ConvertDesc {
             rows: 3,
             cols: 5,

@@ -32,11 +32,12 @@ pub mod resident;
 mod scratch;
 pub mod settings;
 pub mod slicing;
+pub mod split;
 pub mod tune_cache;
 
 pub use backend::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats,
-    PendingDownload, TopkDesc,
+    PendingDownload, SumPartsDesc, TopkDesc,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, SliceOptions, TopK};
@@ -53,6 +54,7 @@ pub use resident::{
 };
 pub use settings::Settings;
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
+pub use split::DxSplit;
 pub use tune_cache::TuneCache;
 
 /// Alignment of every padded device extent (token rows, hidden columns,

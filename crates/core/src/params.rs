@@ -34,8 +34,35 @@ pub struct GemmParams {
     pub accumulate: u32,
     /// Workgroups along x of the (folded) dispatch grid.
     pub grid_x: u32,
+    /// Parts the reduction is split into (1: no split); workgroup `l`
+    /// computes part `l / tiles` of tile `l % tiles`.
+    pub k_parts: u32,
+    /// Reduction indices per part (`crate::split::k_part_len`: a multiple
+    /// of 64, at least `k` with one part).
+    pub k_part: u32,
+    /// Elements between the parts' C blocks.
+    pub c_part_stride: u32,
+    /// Padding to 16 bytes (zero: `shaders/gemm_khr.comp`'s MODE 2 relies
+    /// on `pad0` being 0).
+    pub _pad: [u32; 2],
+}
+
+/// `shaders/sum_parts.wgsl`: a split-K GEMM's partial blocks summed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct SumPartsParams {
+    /// Elements to write (a multiple of 4).
+    pub len: u32,
+    /// Parts to add.
+    pub parts: u32,
+    /// Elements between parts (a multiple of 4).
+    pub part_stride: u32,
+    /// 1: add into dst; 0: overwrite.
+    pub accumulate: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
     /// Padding to 16 bytes.
-    pub _pad: u32,
+    pub _pad: [u32; 3],
 }
 
 /// `shaders/kl_rows.wgsl`.
@@ -130,7 +157,8 @@ macro_rules! param_block {
     };
 }
 
-param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32);
+param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32, k_parts: u32, k_part: u32, c_part_stride: u32);
+param_block!(SumPartsParams: len: u32, parts: u32, part_stride: u32, accumulate: u32, grid_x: u32);
 param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32);
 param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
 param_block!(ResidentParams: rows: u32, cols: u32, vocab: u32, ld: u32, token0: u32, off_a: u32, off_b: u32, off_c: u32, off_d: u32, flags: u32, rows_padded: u32, grid_x: u32, f0: f32, f1: f32, f2: f32, f3: f32);
@@ -191,6 +219,9 @@ mod tests {
         );
         assert!(text.ends_with("var<uniform> params: RowParams;\n"), "{text}");
         assert!(GemmParams::BLOCK.wgsl().contains("    alpha: f32,\n"));
-        assert_eq!(GemmParams::BLOCK.bytes, 48);
+        assert_eq!(GemmParams::BLOCK.bytes, 64);
+        assert!(GemmParams::BLOCK
+            .wgsl()
+            .contains("    c_part_stride: u32,\n    pad0: u32,\n    pad1: u32,\n}"));
     }
 }

@@ -35,7 +35,9 @@ pub(crate) struct RowBytes {
     pub x32: u64,
     /// f16 hidden rows, padded: the logits GEMM's A.
     pub x16: u64,
-    /// f32 logits, padded vocabulary.
+    /// f32 logits, padded vocabulary; for `head_kl`, at least the dx
+    /// GEMM's split-K partial blocks (`hs_padded` f32 per row each), which
+    /// live in the logits buffer once `kl_rows` has read it.
     pub logits: u64,
     /// Teacher (or top-k) ids.
     pub ids: u64,
@@ -53,13 +55,14 @@ pub(crate) struct RowBytes {
 
 impl RowBytes {
     /// The sizes for a head of `vocab_padded × hs_padded` (real hidden size
-    /// `hs`) and `k` teacher entries.
-    pub fn new(vocab_padded: usize, hs: usize, hs_padded: usize, k: usize) -> Self {
+    /// `hs`), `k` teacher entries and at most `dx_blocks` split-K partial
+    /// blocks of dx (0 where the dx GEMM writes dx directly).
+    pub fn new(vocab_padded: usize, hs: usize, hs_padded: usize, k: usize, dx_blocks: usize) -> Self {
         let (v, h, k) = (vocab_padded as u64, hs_padded as u64, k as u64);
         Self {
             x32: hs as u64 * 4,
             x16: h * 2,
-            logits: v * 4,
+            logits: v.max(dx_blocks as u64 * h) * 4,
             ids: k * 4,
             probs: k * 4,
             coef: 4,

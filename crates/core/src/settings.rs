@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use crate::error::{Error, Result};
 use crate::gemm_choice::GemmChoice;
+use crate::split::DxSplit;
 use crate::tune_cache::CACHE_FILE;
 
 /// One environment variable: its name, the values it takes, its default and
@@ -58,6 +59,8 @@ pub const VALIDATION: &str = "HEADKL_VALIDATION";
 pub const CHECKED: &str = "HEADKL_CHECKED";
 /// `HEADKL_BENCH_SHAPE`.
 pub const BENCH_SHAPE: &str = "HEADKL_BENCH_SHAPE";
+/// `HEADKL_DX_SPLIT`.
+pub const DX_SPLIT: &str = "HEADKL_DX_SPLIT";
 
 /// The backend names `HEADKL_BACKEND` takes (`HEADKL_REQUIRE` takes all but
 /// `auto`).
@@ -106,6 +109,12 @@ pub const VARIABLES: &[Variable] = &[
         values: "KERNEL or logits=KERNEL,dx=KERNEL; KERNEL: direct, staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf] or glsl:bm<64|128|256>.bk<16|32|64>.s<1|2|4>[.i][.ws][.c4] (the GLSL tiles of shaders/gemm_khr.comp)",
         default: "the tune cache's entry, else the backend's default",
         effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch; glsl: needs subgroups of 32 and Vulkan 1.3, or wgpu with PASSTHROUGH_SHADERS)",
+    },
+    Variable {
+        name: DX_SPLIT,
+        values: "auto or 1..16",
+        default: "auto",
+        effect: "split-K parts of the dx GEMM per vocabulary slice; auto: the fewest whose workgroups reach 1300, parts of at least 4096, 1 without matrix units",
     },
     Variable {
         name: CACHE_DIR,
@@ -176,6 +185,8 @@ pub struct Settings {
     pub checked: bool,
     /// `HEADKL_BENCH_SHAPE`.
     pub bench_shape: Option<String>,
+    /// `HEADKL_DX_SPLIT`.
+    pub dx_split: DxSplit,
 }
 
 /// Variables headkl no longer reads, with what to say instead: setting one
@@ -265,6 +276,10 @@ impl Settings {
             validation: flag(VALIDATION)?,
             checked: flag(CHECKED)?,
             bench_shape,
+            dx_split: text(DX_SPLIT)?
+                .map(|v| DxSplit::parse(DX_SPLIT, &v))
+                .transpose()?
+                .unwrap_or_default(),
         })
     }
 
@@ -459,8 +474,11 @@ mod tests {
             (TRACE, "1"),
             (PIPELINE_STATS, "1"),
             (BENCH_SHAPE, "A"),
+            (DX_SPLIT, "3"),
         ])
         .unwrap();
+        assert_eq!(s.dx_split, DxSplit::Parts(3));
+        assert_eq!(settings(&[(DX_SPLIT, "AUTO")]).unwrap().dx_split, DxSplit::Auto);
         assert_eq!(s.backend, Some("vulkan"));
         assert_eq!(s.device, Some(2));
         assert!(s.requires("wgpu") && s.requires("vulkan") && !s.requires("reference"));
@@ -475,6 +493,8 @@ mod tests {
             (SEED, "0xzz"),
             (GEMM, "garbage"),
             (BENCH_SHAPE, "C"),
+            (DX_SPLIT, "17"),
+            (DX_SPLIT, "0"),
         ] {
             let e = settings(&[(name, bad)]).unwrap_err();
             let text = e.to_string();

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
-use headkl_core::{Backend, Engine, HiddenData, SliceOptions};
+use headkl_core::{Backend, DxSplit, Engine, HiddenData, KernelId, SliceOptions};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::strategies::{Case, CaseKind, CaseParams, TeacherShape};
 use headkl_reference::{CpuBackend, Tolerance};
@@ -35,16 +35,23 @@ fn params(kind: CaseKind, hidden_as_f16: bool) -> CaseParams {
 }
 
 fn check(backend: &CpuBackend, case: &Case, min_slices: usize, min_chunks: usize) {
-    let tol = Tolerance::default();
     let head = case.head_weights().unwrap();
     let mut engine = Engine::new(backend, &head, case.slice_options()).unwrap();
     assert!(engine.slices().len() >= min_slices, "{} slices", engine.slices().len());
+    let opts = case.loss_options();
+    let plan = engine.loss_plan(case.ntok, case.k, !case.hidden_as_f16, &opts).unwrap();
+    assert!(plan.chunks >= min_chunks, "{} chunks", plan.chunks);
+    check_on(&mut engine, case);
+}
+
+/// The case's job on `engine`, against the direct f64 formula.
+fn check_on<B: Backend>(engine: &mut Engine<B>, case: &Case) {
+    let tol = Tolerance::default();
+    let head = case.head_weights().unwrap();
     let f16_rows = case.hidden_f16();
     let hidden = case.hidden_rows(&f16_rows).unwrap();
     assert_eq!(matches!(hidden.data(), HiddenData::F16(_)), case.hidden_as_f16);
     let opts = case.loss_options();
-    let plan = engine.loss_plan(case.ntok, case.k, !case.hidden_as_f16, &opts).unwrap();
-    assert!(plan.chunks >= min_chunks, "{} chunks", plan.chunks);
     match case.kind {
         CaseKind::HeadKl => {
             let teacher = case.teacher().unwrap();
@@ -69,6 +76,42 @@ fn check(backend: &CpuBackend, case: &Case, min_slices: usize, min_chunks: usize
             assert!(p < 1e-5, "prob error {p:.3e}");
         }
     }
+}
+
+/// On a backend with a matrix-unit tile, `auto` splits a dx GEMM whose
+/// output is one tile but whose reduction is long: V 8200 (8208 padded,
+/// two parts of at least 4096) in one slice, 16 rows of hs 16. The split
+/// result matches the f64 formula, and the sum of parts runs once per chunk.
+#[test]
+fn auto_splits_a_long_reduction_on_few_tiles() {
+    let backend = CpuBackend::new().with_gemm_tile(Some((128, 128)));
+    let case = Case::from_params(&CaseParams {
+        vocab: 8200,
+        hs: 16,
+        ntok: 16,
+        max_rows_per_slice: None,
+        max_rows_per_chunk: None,
+        ..params(CaseKind::HeadKl, false)
+    });
+    let head = case.head_weights().unwrap();
+    let mut engine = Engine::new(&backend, &head, case.slice_options()).unwrap();
+    assert_eq!(engine.dx_split(), DxSplit::Auto);
+    assert_eq!(engine.dx_parts(16), vec![2]);
+    // No matrix units: auto never splits; a forced split does.
+    let plain = CpuBackend::new();
+    let mut unsplit = Engine::new(&plain, &head, case.slice_options()).unwrap();
+    assert_eq!(unsplit.dx_parts(16), vec![1]);
+    unsplit.set_dx_split(DxSplit::Parts(3));
+    assert_eq!(unsplit.dx_parts(16), vec![3]);
+    backend.set_profiling(true);
+    check_on(&mut engine, &case);
+    let sums = backend
+        .take_kernel_times()
+        .unwrap()
+        .iter()
+        .filter(|t| t.kernel == KernelId::SumParts.name())
+        .count();
+    assert_eq!(sums, 1);
 }
 
 #[test]

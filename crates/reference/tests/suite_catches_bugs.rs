@@ -8,7 +8,7 @@ use std::cell::Cell;
 
 use headkl_core::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, Result,
-    TopkDesc,
+    SumPartsDesc, TopkDesc,
 };
 use headkl_reference::conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
 use headkl_reference::{CpuBackend, CpuBuffer};
@@ -28,6 +28,10 @@ enum Fault {
     Diagnostics,
     TopkErrors,
     GemmDxPanics,
+    /// A split-K GEMM runs its first part only, over the whole reduction.
+    SplitFirstPartOnly,
+    /// The sum of parts leaves the last part out.
+    SumSkipsLastPart,
 }
 
 struct Faulty {
@@ -93,6 +97,7 @@ impl Backend for Faulty {
             Fault::NoAccumulate => d.accumulate = false,
             Fault::IgnoreAlpha => d.alpha = 1.0,
             Fault::GemmDxPanics if d.kernel() == KernelId::GemmDx => panic!("planted panic in gemm_dx"),
+            Fault::SplitFirstPartOnly => d.k_parts = 1,
             _ => {}
         }
         self.inner.gemm(a, b, c, &d)?;
@@ -103,6 +108,13 @@ impl Backend for Faulty {
             }
         }
         Ok(())
+    }
+    fn sum_parts(&self, parts: &CpuBuffer, dst: &CpuBuffer, d: &SumPartsDesc) -> Result<()> {
+        let mut d = *d;
+        if self.fault == Fault::SumSkipsLastPart && d.parts > 1 {
+            d.parts -= 1;
+        }
+        self.inner.sum_parts(parts, dst, &d)
     }
     fn kl_rows(
         &self,
@@ -218,7 +230,9 @@ fn a_faithful_backend_passes_everything() {
 fn each_planted_bug_is_caught() {
     let expect = [
         (Fault::NoAccumulate, Part::Kernels, "gemm result"),
-        (Fault::NoAccumulate, Part::Errors, "multi_slice_multi_chunk"),
+        // The driver sums slices with sum_parts (no GEMM accumulates), so
+        // a multi-slice case catches a sum that drops a part.
+        (Fault::SumSkipsLastPart, Part::Errors, "multi_slice_multi_chunk"),
         (Fault::IgnoreAlpha, Part::Kernels, "gemm result"),
         (Fault::IgnoreAlpha, Part::Regressions, "dx"),
         (
@@ -240,6 +254,10 @@ fn each_planted_bug_is_caught() {
         (Fault::Diagnostics, Part::Regressions, "VUID-planted"),
         (Fault::TopkErrors, Part::Regressions, "planted topk failure"),
         (Fault::GemmDxPanics, Part::Errors, "panicked: planted panic in gemm_dx"),
+        (Fault::SplitFirstPartOnly, Part::Kernels, "gemm_ab_48x80x272_parts3"),
+        (Fault::SplitFirstPartOnly, Part::Regressions, "dx_split3"),
+        (Fault::SumSkipsLastPart, Part::Kernels, "sum_parts"),
+        (Fault::SumSkipsLastPart, Part::Regressions, "dx_split2"),
     ];
     for (fault, part, needle) in expect {
         let f = failures(fault, part);

@@ -241,8 +241,11 @@ impl<B: ResidentBackend> Engine<B> {
         self.release_scratch();
         let b = &self.backend;
         let (v, h, r, k64) = (self.vocab_padded as u64, self.hs_padded as u64, rows as u64, k as u64);
+        // The logits hold the dx GEMM's split-K partials too (as the
+        // host path's do), so they take the chunk plan's size.
+        let logits_row = self.row_bytes(job, k).logits;
         let x16 = b.alloc(r * h * 2, "x16")?;
-        let logits = b.alloc(r * v * 4, "logits")?;
+        let logits = b.alloc(r * logits_row, "logits")?;
         let ids = b.alloc(r * k64 * 4, "ids")?;
         let probs = b.alloc(r * k64 * 4, "probs")?;
         let loss_buffers = if job == Job::Loss {
@@ -438,7 +441,7 @@ impl<B: ResidentBackend> Engine<B> {
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.coef, &ls.loss, &ls.grad, &kl)?;
             // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
             // device.
-            self.dx(&ls.grad, &ls.dx, rows_padded, 1.0)?;
+            self.dx(&ls.grad, &ls.dx, &s.logits, rows_padded, 1.0)?;
             let out_params = ResidentParams {
                 rows: rows as u32,
                 cols: self.hs as u32,

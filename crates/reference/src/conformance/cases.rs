@@ -1,7 +1,7 @@
 //! Driver-level cases: a [`Case`] through [`Engine`] against
 //! [`crate::direct`]; the fixed regression list; the error cases.
 
-use headkl_core::{Backend, Engine, Error, HiddenData, LossOptions};
+use headkl_core::{Backend, DxSplit, Engine, Error, HiddenData, LossOptions};
 
 use super::overlap::CountInFlight;
 use super::{engine_for, Measured};
@@ -116,6 +116,9 @@ pub(crate) struct Regression {
     exact_ids: Option<Vec<u32>>,
     /// How dx is judged.
     dx_check: DxCheck,
+    /// The dx GEMM's split, and the split-K parts each slice must then get
+    /// (`None`: the engine's default, unchecked).
+    dx_split: Option<(DxSplit, Vec<usize>)>,
 }
 
 fn params(kind: CaseKind, vocab: usize, hs: usize, ntok: usize, k: usize, seed: u64) -> CaseParams {
@@ -148,6 +151,7 @@ fn plain(case: Case) -> Regression {
         min_chunks: 1,
         exact_ids: None,
         dx_check: DxCheck::Relative,
+        dx_split: None,
     }
 }
 
@@ -188,6 +192,9 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "hidden_f16_unpadded_width_head_kl",
         "hidden_f16_unpadded_width_topk",
         "k256_v3000_topk",
+        "dx_split2_five_slices_chunks_head_kl",
+        "dx_split3_one_slice_head_kl",
+        "dx_split3_partials_outgrow_logits_head_kl",
     ]
 }
 
@@ -370,6 +377,33 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
             ties: true,
             ..params(Topk, 3000, 32, 5, 256, 28)
         }),
+        // Split-K dx GEMMs against the f64 reference: 5 slices (4 of 256
+        // vocabulary rows in parts of 128, then 76 padded to 80 in parts of
+        // 64 and 16) summed as 10 blocks, over 3 chunks.
+        "dx_split2_five_slices_chunks_head_kl" => {
+            let mut r = from(CaseParams {
+                max_rows_per_slice: Some(256),
+                max_rows_per_chunk: Some(16),
+                masked: true,
+                ..params(HeadKl, 1100, 72, 40, 12, 31)
+            });
+            r.min_slices = 5;
+            r.min_chunks = 3;
+            r.dx_split = Some((DxSplit::Parts(2), vec![2; 5]));
+            r
+        }
+        // One slice of 1504 in parts of 512, 512 and 480.
+        "dx_split3_one_slice_head_kl" => Regression {
+            dx_split: Some((DxSplit::Parts(3), vec![3])),
+            ..from(params(HeadKl, 1500, 80, 33, 16, 32))
+        },
+        // V 130 (144 padded, parts of 64, 64 and 16) and hs 320: the 3
+        // partial blocks (960 f32 a row) outgrow the logits (144) they
+        // live in, so the scratch grows for them.
+        "dx_split3_partials_outgrow_logits_head_kl" => Regression {
+            dx_split: Some((DxSplit::Parts(3), vec![3])),
+            ..from(params(HeadKl, 130, 320, 20, 8, 33))
+        },
         other => return Err(format!("no regression case named {other}")),
     };
     Ok(r)
@@ -383,6 +417,13 @@ pub(crate) fn check_regression<B: Backend + ?Sized>(
 ) -> Result<Measured, String> {
     let case = &r.case;
     let mut engine = engine_for(backend, case)?;
+    if let Some((split, want)) = &r.dx_split {
+        engine.set_dx_split(*split);
+        let parts = engine.dx_parts(headkl_core::ALIGN);
+        if &parts != want {
+            return Err(format!("dx split {split}: {parts:?} part(s) per slice, want {want:?}"));
+        }
+    }
     if engine.slices().len() < r.min_slices {
         return Err(format!(
             "the head was cut into {} slice(s); this case needs at least {}",

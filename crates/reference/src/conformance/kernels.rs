@@ -5,7 +5,8 @@
 //! Offsets and strides are multiples of 16 elements, as the driver's are.
 
 use half::f16;
-use headkl_core::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use headkl_core::split::k_part_range;
+use headkl_core::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
 
 use super::Measured;
 use crate::direct::{softmax_over, topk_of_row, DirectLoss, DirectTopK};
@@ -29,9 +30,20 @@ pub(crate) struct GemmSpec {
     ldc: usize,
     alpha: f32,
     accumulate: bool,
+    /// Split-K parts, each into its own C block (1: no split).
+    k_parts: usize,
     /// Size the buffers to the regions exactly (no poisoned tail), so the
     /// largest shape fits a small binding.
     tight: bool,
+}
+
+/// A sum of split-K partial blocks.
+#[derive(Clone, Debug)]
+pub(crate) struct SumSpec {
+    len: usize,
+    parts: usize,
+    part_stride: usize,
+    accumulate: bool,
 }
 
 /// An f32 → f16 conversion.
@@ -98,6 +110,7 @@ pub(crate) struct RowSpec {
 #[derive(Clone, Debug)]
 pub(crate) enum KernelCase {
     Gemm(GemmSpec),
+    SumParts(SumSpec),
     Convert(ConvertSpec),
     Kl(RowSpec),
     Topk(RowSpec),
@@ -132,7 +145,25 @@ fn gemm(
         ldc,
         alpha,
         accumulate,
+        k_parts: 1,
         tight: false,
+    })
+}
+
+/// [`gemm`] split into `k_parts` parts.
+fn split(case: KernelCase, k_parts: usize) -> KernelCase {
+    match case {
+        KernelCase::Gemm(g) => KernelCase::Gemm(GemmSpec { k_parts, ..g }),
+        other => other,
+    }
+}
+
+fn sum(len: usize, parts: usize, part_stride: usize, accumulate: bool) -> KernelCase {
+    KernelCase::SumParts(SumSpec {
+        len,
+        parts,
+        part_stride,
+        accumulate,
     })
 }
 
@@ -162,6 +193,18 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         gemm(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false),
         gemm(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, true),
         gemm(80, 48, 16, Red, 0, 32, 64, 16, 64, 1.0, false),
+        // Split-K: k = 272 is no multiple of the parts' 192 (2 parts) or
+        // 128 (3 parts); k = 128 in 3 parts of 64 leaves the last empty.
+        split(gemm(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 2),
+        split(gemm(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true), 3),
+        split(gemm(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true), 2),
+        split(gemm(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false), 3),
+        split(gemm(32, 144, 128, Red, 16, 144, 144, 160, 160, 2.0, false), 3),
+        split(gemm(80, 48, 128, Out, 0, 128, 128, 16, 64, 1.0, true), 3),
+        sum(64, 1, 0, false),
+        sum(1040, 3, 1056, false),
+        sum(1040, 4, 1040, true),
+        sum(4096, 2, 8192, true),
     ];
     for (layout, acc, alpha) in [(Out, false, 1.0), (Red, true, -0.5)] {
         // The largest shape, with buffers exactly the size of their regions
@@ -178,6 +221,7 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             ldc: 256,
             alpha,
             accumulate: acc,
+            k_parts: 1,
             tight: true,
         }));
     }
@@ -251,7 +295,7 @@ impl KernelCase {
     pub(crate) fn name(&self) -> String {
         match self {
             KernelCase::Gemm(g) => format!(
-                "kernels/gemm_{}_{}x{}x{}{}",
+                "kernels/gemm_{}_{}x{}x{}{}{}",
                 match g.layout {
                     HeadLayout::Logits => "abt",
                     HeadLayout::Dx => "ab",
@@ -259,7 +303,18 @@ impl KernelCase {
                 g.m,
                 g.n,
                 g.k,
-                if g.accumulate { "_acc" } else { "" }
+                if g.accumulate { "_acc" } else { "" },
+                if g.k_parts > 1 {
+                    format!("_parts{}", g.k_parts)
+                } else {
+                    String::new()
+                }
+            ),
+            KernelCase::SumParts(s) => format!(
+                "kernels/sum_parts_{}x{}{}",
+                s.parts,
+                s.len,
+                if s.accumulate { "_acc" } else { "" }
             ),
             KernelCase::Convert(c) => format!("kernels/convert_{}x{}_to_{}x{}", c.rows, c.cols, c.rows_padded, c.ld),
             KernelCase::Kl(r) => format!("kernels/kl_rows_{}", r.name),
@@ -270,6 +325,7 @@ impl KernelCase {
     pub(crate) fn describe(&self) -> String {
         match self {
             KernelCase::Gemm(g) => format!("{g:?}"),
+            KernelCase::SumParts(s) => format!("{s:?}"),
             KernelCase::Convert(c) => format!("{c:?}"),
             KernelCase::Kl(r) | KernelCase::Topk(r) => format!(
                 "rows={} vocab={} ld={} k={} rows: {:?}",
@@ -281,6 +337,7 @@ impl KernelCase {
     pub(crate) fn run<B: Backend + ?Sized>(&self, b: &B, tol: &Tolerance) -> Result<Measured, String> {
         match self {
             KernelCase::Gemm(g) => run_gemm(b, g),
+            KernelCase::SumParts(s) => run_sum_parts(b, s),
             KernelCase::Convert(c) => run_convert(b, c),
             KernelCase::Kl(r) => run_kl(b, r, tol),
             KernelCase::Topk(r) => run_topk(b, r, tol),
@@ -371,27 +428,37 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
             b_val[r * b_cols + c] = v;
         }
     }
-    // C: NaN everywhere; the region holds small integers when accumulating.
-    let len_c = g.c_offset + (g.m - 1) * g.ldc + g.n + tail;
+    // C: NaN everywhere; each part's block holds small integers when
+    // accumulating. Blocks sit a poisoned gap apart.
+    let block = (g.m - 1) * g.ldc + g.n;
+    let stride = if g.k_parts > 1 {
+        (block + 16).next_multiple_of(16)
+    } else {
+        0
+    };
+    let len_c = g.c_offset + (g.k_parts - 1) * stride + block + tail;
     let mut c = vec![f32::NAN; len_c];
-    let mut want = vec![0f64; g.m * g.n];
-    for i in 0..g.m {
-        for j in 0..g.n {
-            let mut s = 0f64;
-            for l in 0..g.k {
-                let bv = match g.layout {
-                    HeadLayout::Logits => b_val[j * g.k + l],
-                    HeadLayout::Dx => b_val[l * g.n + j],
-                };
-                s += a_val[i * g.k + l] * bv;
+    let mut want = vec![0f64; g.k_parts * g.m * g.n];
+    for p in 0..g.k_parts {
+        let range = k_part_range(g.k, g.k_parts, p);
+        for i in 0..g.m {
+            for j in 0..g.n {
+                let mut s = 0f64;
+                for l in range.clone() {
+                    let bv = match g.layout {
+                        HeadLayout::Logits => b_val[j * g.k + l],
+                        HeadLayout::Dx => b_val[l * g.n + j],
+                    };
+                    s += a_val[i * g.k + l] * bv;
+                }
+                let mut w = f64::from(g.alpha) * s;
+                if g.accumulate {
+                    let init = small(&mut rng, 8);
+                    c[g.c_offset + p * stride + i * g.ldc + j] = init as f32;
+                    w += init;
+                }
+                want[(p * g.m + i) * g.n + j] = w;
             }
-            let mut w = f64::from(g.alpha) * s;
-            if g.accumulate {
-                let init = small(&mut rng, 8);
-                c[g.c_offset + i * g.ldc + j] = init as f32;
-                w += init;
-            }
-            want[i * g.n + j] = w;
         }
     }
     let a_buf = upload(b, bytemuck::cast_slice(&a), "gemm A")?;
@@ -409,6 +476,8 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
         ldc: g.ldc,
         alpha: g.alpha,
         accumulate: g.accumulate,
+        k_parts: g.k_parts,
+        c_part_stride: stride,
     };
     b.gemm(&a_buf, &b_buf, &c_buf, &desc)
         .map_err(|e| format!("gemm: {e}"))?;
@@ -416,13 +485,21 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
     let mut inside = Bad::new();
     let mut outside = Bad::new();
     for (idx, &v) in got.iter().enumerate() {
-        let rel = idx.checked_sub(g.c_offset);
-        let (i, j) = rel.map_or((usize::MAX, usize::MAX), |r| (r / g.ldc, r % g.ldc));
-        if rel.is_some() && i < g.m && j < g.n {
-            let w = want[i * g.n + j];
+        // (part, row, column) of the element, when inside a part's block.
+        let at = idx.checked_sub(g.c_offset).and_then(|r| {
+            let (p, r) = if g.k_parts > 1 {
+                (r / stride, r % stride)
+            } else {
+                (0, r)
+            };
+            let (i, j) = (r / g.ldc, r % g.ldc);
+            (p < g.k_parts && i < g.m && j < g.n).then_some((p, i, j))
+        });
+        if let Some((p, i, j)) = at {
+            let w = want[(p * g.m + i) * g.n + j];
             // Small integers times a power of two: exact in f32.
             if f64::from(v) != w {
-                inside.push(|| format!("C[{i}][{j}] = {v}, want {w}"));
+                inside.push(|| format!("part {p}: C[{i}][{j}] = {v}, want {w}"));
             }
         } else if !v.is_nan() {
             outside.push(|| format!("element {idx} (outside C's region) = {v}, want it untouched (NaN)"));
@@ -430,6 +507,58 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
     }
     inside.check("gemm result (exact integers expected; NaN means a read outside A or B)")?;
     outside.check("gemm wrote outside its region")?;
+    Ok(Measured::default())
+}
+
+fn run_sum_parts<B: Backend + ?Sized>(b: &B, s: &SumSpec) -> Result<Measured, String> {
+    let mut rng = Rng::new(0x5A3 ^ (s.len * 31 + s.parts) as u64);
+    // Parts: small integers over 64 (exact sums in f32) inside each part,
+    // NaN in the gaps and the tail (a read outside shows as NaN).
+    let len_parts = (s.parts - 1) * s.part_stride + s.len + TAIL;
+    let mut parts = vec![f32::NAN; len_parts];
+    for p in 0..s.parts {
+        for i in 0..s.len {
+            parts[p * s.part_stride + i] = (rng.below(2001) as f32 - 1000.0) / 64.0;
+        }
+    }
+    // dst: small integers when accumulating, NaN otherwise (each element
+    // must be written), and a NaN tail that must stay.
+    let mut dst = vec![f32::NAN; s.len + TAIL];
+    if s.accumulate {
+        for v in &mut dst[..s.len] {
+            *v = rng.below(201) as f32 - 100.0;
+        }
+    }
+    let want: Vec<f64> = (0..s.len)
+        .map(|i| {
+            let sum: f64 = (0..s.parts).map(|p| f64::from(parts[p * s.part_stride + i])).sum();
+            if s.accumulate {
+                f64::from(dst[i]) + sum
+            } else {
+                sum
+            }
+        })
+        .collect();
+    let parts_buf = upload(b, bytemuck::cast_slice(&parts), "sum parts")?;
+    let dst_buf = upload(b, bytemuck::cast_slice(&dst), "sum dst")?;
+    let desc = SumPartsDesc {
+        len: s.len,
+        parts: s.parts,
+        part_stride: s.part_stride,
+        accumulate: s.accumulate,
+    };
+    b.sum_parts(&parts_buf, &dst_buf, &desc)
+        .map_err(|e| format!("sum_parts: {e}"))?;
+    let got: Vec<f32> = download(b, &dst_buf, s.len + TAIL, "dst")?;
+    let mut bad = Bad::new();
+    for (i, &v) in got.iter().enumerate() {
+        match want.get(i) {
+            Some(&w) if f64::from(v) != w => bad.push(|| format!("dst[{i}] = {v}, want {w}")),
+            None if !v.is_nan() => bad.push(|| format!("dst[{i}] past len = {v}, want it untouched (NaN)")),
+            _ => {}
+        }
+    }
+    bad.check("sum_parts (exact sums expected; NaN means a read outside the parts)")?;
     Ok(Measured::default())
 }
 

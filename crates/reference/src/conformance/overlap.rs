@@ -5,7 +5,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use headkl_core::{
-    Backend, ConvertDesc, DeviceInfo, GemmDesc, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, TopkDesc,
+    Backend, ConvertDesc, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, PendingDownload, Result,
+    SumPartsDesc, TopkDesc,
 };
 
 /// `inner`, with a count of the downloads begun and not yet ended.
@@ -66,6 +67,12 @@ impl<B: Backend + ?Sized> Backend for CountInFlight<'_, B> {
     }
     fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()> {
         self.inner.gemm(a, b, c, desc)
+    }
+    fn sum_parts(&self, parts: &Self::Buffer, dst: &Self::Buffer, desc: &SumPartsDesc) -> Result<()> {
+        self.inner.sum_parts(parts, dst, desc)
+    }
+    fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
+        self.inner.gemm_tile(layout)
     }
     fn kl_rows(
         &self,

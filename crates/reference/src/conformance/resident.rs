@@ -15,7 +15,7 @@
 
 use half::{bf16, f16};
 use headkl_core::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Error, Hidden, HiddenDtype, LossOptions,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, DxSplit, Error, Hidden, HiddenDtype, LossOptions,
     ResidentBackend, Teacher,
 };
 
@@ -74,6 +74,16 @@ fn dtype_for(case: &Case, index: usize) -> HiddenDtype {
     }
 }
 
+/// The dx split of drawn case `index`: a third each automatic, 2 and 3
+/// parts, so the resident path's split-K partials (in its logits scratch)
+/// run on every backend.
+fn split_for(index: usize) -> DxSplit {
+    match index % 3 {
+        0 => DxSplit::Auto,
+        r => DxSplit::Parts(r + 1),
+    }
+}
+
 fn nan_bytes(n: usize) -> Vec<u8> {
     bytemuck::cast_slice(&vec![f32::NAN; n]).to_vec()
 }
@@ -123,10 +133,11 @@ impl<Buf> HeadKlBuffers<Buf> {
 fn check_resident_case<B: ResidentBackend + ?Sized>(
     backend: &B,
     case: &Case,
-    dtype: HiddenDtype,
+    (dtype, split): (HiddenDtype, DxSplit),
     tol: &Tolerance,
 ) -> Result<Measured, String> {
     let mut engine = engine_for(backend, case)?;
+    engine.set_dx_split(split);
     let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
     let (bytes, values) = hidden_as(case, dtype);
     let host_hidden = Hidden::f32(&values, case.ntok, case.hs).map_err(|e| format!("hidden: {e}"))?;
@@ -341,8 +352,13 @@ fn resident_error<B: ResidentBackend + ?Sized>(backend: &B, case: &Case, checked
         .wait_device()
         .map_err(|e| format!("a second wait still reports: {e}"))?;
     let clean = error_base();
-    check_resident_case(backend, &clean, HiddenDtype::F32, &Tolerance::default())
-        .map_err(|e| format!("clean call after the error: {e}"))?;
+    check_resident_case(
+        backend,
+        &clean,
+        (HiddenDtype::F32, DxSplit::Auto),
+        &Tolerance::default(),
+    )
+    .map_err(|e| format!("clean call after the error: {e}"))?;
     Ok(err)
 }
 
@@ -415,9 +431,10 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
         let outcome = match driver_case(cfg.seed, index) {
             Ok(case) => {
                 let dtype = dtype_for(&case, index);
-                let name = format!("resident#{index} {} x={dtype:?}", case.name);
+                let split = split_for(index);
+                let name = format!("resident#{index} {} x={dtype:?} dx_split={split}", case.name);
                 run_one(backend, name, case.describe(), cfg.seed, || {
-                    check_resident_case(backend, &case, dtype, &tol)
+                    check_resident_case(backend, &case, (dtype, split), &tol)
                 })
             }
             Err(message) => CaseOutcome {

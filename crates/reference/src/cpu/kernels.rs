@@ -1,9 +1,10 @@
-//! The four kernels on host slices. The caller ([`super::CpuBackend`]) has
+//! The kernels on host slices. The caller ([`super::CpuBackend`]) has
 //! checked every extent against its buffer, so indexing here cannot go out
 //! of bounds for a descriptor it accepted.
 
 use half::f16;
-use headkl_core::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use headkl_core::split::k_part_range;
+use headkl_core::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
 
 use super::Precision;
 use crate::par;
@@ -35,8 +36,40 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |s, (x, y)| s + x * y)
 }
 
-/// `C (+)= alpha · A · op(B)` on whole buffers (see [`GemmDesc`]).
+/// `C (+)= alpha · A · op(B)` on whole buffers (see [`GemmDesc`]): each
+/// split-K part as a GEMM of its own into its C block.
 pub(crate) fn gemm(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision: Precision) {
+    for p in 0..d.k_parts {
+        let range = k_part_range(d.k, d.k_parts, p);
+        let part = GemmDesc {
+            k: range.len(),
+            a_offset: d.a_offset + range.start,
+            c_offset: d.c_offset + p * d.c_part_stride,
+            k_parts: 1,
+            c_part_stride: 0,
+            ..*d
+        };
+        if range.is_empty() {
+            // alpha · 0, or nothing added.
+            if !d.accumulate && d.m > 0 && d.n > 0 {
+                for i in 0..d.m {
+                    let row = part.c_offset + i * d.ldc;
+                    c[row..row + d.n].fill(0.0);
+                }
+            }
+            continue;
+        }
+        // The part's B starts `start` columns ([n][k]) or rows ([k][n]) in.
+        let b_start = match d.b_layout {
+            HeadLayout::Logits => range.start,
+            HeadLayout::Dx => range.start * d.ldb,
+        };
+        gemm_one(a, &b[b_start..], c, &part, precision);
+    }
+}
+
+/// One part of [`gemm`]: `C (+)= alpha · A · op(B)` with `d.k_parts` 1.
+fn gemm_one(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision: Precision) {
     let (m, n, k) = (d.m, d.n, d.k);
     if m == 0 || n == 0 {
         return;
@@ -110,6 +143,15 @@ pub(crate) fn gemm(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision:
                 };
             }
         }
+    }
+}
+
+/// `dst (+)= Σ_p parts[p·stride ..]`, summed in f64 over increasing `p`
+/// (the reference for the GPUs' f32 sum).
+pub(crate) fn sum_parts(parts: &[f32], dst: &mut [f32], d: &SumPartsDesc) {
+    for (i, o) in dst.iter_mut().enumerate().take(d.len) {
+        let s: f64 = (0..d.parts).map(|p| f64::from(parts[p * d.part_stride + i])).sum();
+        *o = if d.accumulate { f64::from(*o) + s } else { s } as f32;
     }
 }
 

@@ -27,8 +27,8 @@ use std::time::Instant;
 use half::f16;
 use headkl_core::checks::check_transfer;
 use headkl_core::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, Result,
-    TopkDesc,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, HeadLayout, KernelId, KernelTime, KlDesc,
+    MemoryStats, Result, SumPartsDesc, TopkDesc,
 };
 
 const BACKEND: &str = "reference";
@@ -158,6 +158,8 @@ pub struct CpuBackend {
     memory: Arc<MemCounter>,
     profiling: AtomicBool,
     times: Mutex<Vec<KernelTime>>,
+    /// What [`Backend::gemm_tile`] reports ([`CpuBackend::with_gemm_tile`]).
+    gemm_tile: Option<(u32, u32)>,
 }
 
 impl Default for CpuBackend {
@@ -196,7 +198,17 @@ impl CpuBackend {
             memory: Arc::new(MemCounter::default()),
             profiling: AtomicBool::new(false),
             times: Mutex::new(Vec::new()),
+            gemm_tile: None,
         }
+    }
+
+    /// The same backend reporting `tile` as its matrix-unit GEMM's output
+    /// tile ([`Backend::gemm_tile`]; the arithmetic is unchanged): a test
+    /// knob, so the driver's automatic dx split (which splits only on
+    /// matrix units) can run on the CPU.
+    pub fn with_gemm_tile(mut self, tile: Option<(u32, u32)>) -> Self {
+        self.gemm_tile = tile;
+        self
     }
 
     /// The same backend computing at `precision`.
@@ -299,6 +311,21 @@ impl Backend for CpuBackend {
             let mut out = c.write(K)?;
             let (a_words, b_words) = (a.read(K)?, b.read(K)?);
             kernels::gemm(f16s(&a_words), f16s(&b_words), f32s_mut(&mut out), d, self.precision);
+            Ok(())
+        })
+    }
+
+    fn gemm_tile(&self, _layout: HeadLayout) -> Option<(u32, u32)> {
+        self.gemm_tile
+    }
+
+    fn sum_parts(&self, parts: &CpuBuffer, dst: &CpuBuffer, d: &SumPartsDesc) -> Result<()> {
+        const K: &str = "sum_parts";
+        d.check([parts, dst], self.info.max_binding_bytes)?;
+        self.timed(KernelId::SumParts, || {
+            let mut out = dst.write(K)?;
+            let input = parts.read(K)?;
+            kernels::sum_parts(f32s(&input), f32s_mut(&mut out), d);
             Ok(())
         })
     }
