@@ -17,8 +17,8 @@
 //! staging, timestamps), `pipeline` (naga and compute pipelines), `kernels`
 //! (the device's limits and matrix-unit GEMM plan), `glsl` (the GLSL
 //! kernels, SPIR-V from `headkl-glsl`: GEMM tiles and the ceiling report's
-//! diagnostics), `conv` (errors). What each kernel is (shader, entry, bindings, workgroup) comes
-//! from the catalogue, `headkl_core::kernels`.
+//! diagnostics), `conv` (errors). What each kernel is (shader, entry,
+//! bindings, workgroup) comes from the catalogue, `headkl_core::kernels`.
 
 #![warn(missing_docs)]
 

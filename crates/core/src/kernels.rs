@@ -277,28 +277,28 @@ impl KernelId {
             (KernelId::TopkRows, _) => fixed(TOPK_ROWS_WGSL, 4 * (2048 + ROW_WORKGROUP + 2 * 2048 + 8)),
             // as_ and bs_: [16][64] f32 each.
             (_, GemmKernel::Tiled) => fixed(GEMM_TILED_WGSL, 2 * 16 * 64 * 4),
-            (_, GemmKernel::Coop { kernel, subgroup }) => KernelBuild {
-                id: self,
-                source: match (kernel, self.gemm_layout()) {
-                    (CoopGemm::Staged(_), _) => KernelSource::Wgsl(GEMM_COOP_WGSL),
-                    (CoopGemm::Direct, _) => KernelSource::Wgsl(GEMM_COOP_DIRECT_WGSL),
-                    (CoopGemm::Glsl(tile), layout) => KernelSource::Glsl {
-                        tile,
-                        layout: layout.unwrap_or(HeadLayout::Logits),
-                    },
-                },
-                entry: match kernel {
-                    CoopGemm::Glsl(_) => "main",
-                    _ => self.name(),
-                },
-                overrides: kernel.overrides(subgroup),
-                workgroup_bytes: match (kernel, self.gemm_layout()) {
-                    (CoopGemm::Glsl(tile), Some(layout)) => tile.layout_shared_bytes(layout == HeadLayout::Dx),
-                    _ => kernel.shared_bytes(),
-                },
-                invocations: kernel.invocations(subgroup),
-                matrix_units: true,
-            },
+            (_, GemmKernel::Coop { kernel, subgroup }) => {
+                // Only the GEMMs reach this arm.
+                let layout = self.gemm_layout().unwrap_or(HeadLayout::Logits);
+                let (source, entry, workgroup_bytes) = match kernel {
+                    CoopGemm::Staged(_) => (KernelSource::Wgsl(GEMM_COOP_WGSL), self.name(), kernel.shared_bytes()),
+                    CoopGemm::Direct => (KernelSource::Wgsl(GEMM_COOP_DIRECT_WGSL), self.name(), 0),
+                    CoopGemm::Glsl(tile) => (
+                        KernelSource::Glsl { tile, layout },
+                        "main",
+                        tile.layout_shared_bytes(layout == HeadLayout::Dx),
+                    ),
+                };
+                KernelBuild {
+                    id: self,
+                    source,
+                    entry,
+                    overrides: kernel.overrides(subgroup),
+                    workgroup_bytes,
+                    invocations: kernel.invocations(subgroup),
+                    matrix_units: true,
+                }
+            }
         }
     }
 
