@@ -53,8 +53,6 @@ var<workgroup> sb: array<f16, STAGES * SB_STAGE>;
 // elements of A, B and C.
 struct Tile {
     valid: bool,
-    // The C tile lies inside m x n: no row or column is clamped.
-    whole: bool,
     row0: u32,
     col0: u32,
     k: u32,
@@ -78,9 +76,7 @@ fn tile_of(wg: vec3<u32>, nn: bool) -> Tile {
     if nn {
         b_off = k0 * params.ldb;
     }
-    let row0 = (t % tiles_m) * BM;
-    let col0 = (t / tiles_m) * BN;
-    return Tile(l < tiles * params.k_parts, row0 + BM <= params.m && col0 + BN <= params.n, row0, col0, k1 - k0,
+    return Tile(l < tiles * params.k_parts, (t % tiles_m) * BM, (t / tiles_m) * BN, k1 - k0,
         params.a_offset + k0, b_off, params.c_offset + part * params.c_part_stride);
 }
 
@@ -142,72 +138,7 @@ fn load_b(nn: bool, t: Tile, k0: u32, e: u32) -> vec4<u32> {
 }
 
 // This invocation's words of the step at k0 (word i is element lid + i * THREADS).
-// This invocation's first word of A's and of B's tile at the part's step 0.
-// In a whole tile every word it loads is a uniform stride from these
-// (load_whole_words): computing each address afresh (row clamp, K test,
-// multiply, divide) cost the GLSL K-64 tile 10-30% (docs/PERFORMANCE.md,
-// row 22).
-fn first_words(nn: bool, t: Tile, lid: u32) -> vec2<u32> {
-    let ca = BK / 8u;
-    // a_off, lda and ldb are multiples of 8, col0 of 128; so is the part's
-    // b_off (k_part is a multiple of 64).
-    let a0 = (t.a_off + (t.row0 + lid / ca) * params.lda) / 8u + lid % ca;
-    if nn {
-        let cb = BN / 8u;
-        return vec2<u32>(a0, (t.b_off + (lid / cb) * params.ldb + t.col0) / 8u + lid % cb);
-    }
-    return vec2<u32>(a0, (t.b_off + (t.col0 + lid / ca) * params.ldb) / 8u + lid % ca);
-}
-
-// The words of a whole step `kstep` of a whole tile: word i of each operand
-// is i * THREADS elements on, which is THREADS / (words a row) rows below
-// word 0 (THREADS is a multiple of both BK / 8 and BN / 8).
-fn load_whole_words(nn: bool, first: vec2<u32>, kstep: u32) -> Words {
-    let ca = BK / 8u;
-    let a0 = first.x + kstep * ca;
-    let da = (THREADS / ca) * (params.lda / 8u);
-    var b0 = first.y + kstep * ca;
-    var db = (THREADS / ca) * (params.ldb / 8u);
-    if nn {
-        b0 = first.y + kstep * BK * (params.ldb / 8u);
-        db = (THREADS / (BN / 8u)) * (params.ldb / 8u);
-    }
-    var w: Words;
-    w.a0 = a[a0];
-    w.b0 = b[b0];
-    if A_WORDS > 1u {
-        w.a1 = a[a0 + da];
-    }
-    if B_WORDS > 1u {
-        w.b1 = b[b0 + db];
-    }
-    if A_WORDS > 2u {
-        w.a2 = a[a0 + 2u * da];
-        w.a3 = a[a0 + 3u * da];
-    }
-    if B_WORDS > 2u {
-        w.b2 = b[b0 + 2u * db];
-        w.b3 = b[b0 + 3u * db];
-    }
-    if A_WORDS > 4u {
-        w.a4 = a[a0 + 4u * da];
-        w.a5 = a[a0 + 5u * da];
-        w.a6 = a[a0 + 6u * da];
-        w.a7 = a[a0 + 7u * da];
-    }
-    if B_WORDS > 4u {
-        w.b4 = b[b0 + 4u * db];
-        w.b5 = b[b0 + 5u * db];
-        w.b6 = b[b0 + 6u * db];
-        w.b7 = b[b0 + 7u * db];
-    }
-    return w;
-}
-
-fn load_words(nn: bool, t: Tile, first: vec2<u32>, k0: u32, lid: u32) -> Words {
-    if t.whole && k0 + BK <= t.k {
-        return load_whole_words(nn, first, k0 / BK);
-    }
+fn load_words(nn: bool, t: Tile, k0: u32, lid: u32) -> Words {
     var w: Words;
     w.a0 = load_a(t, k0, lid);
     w.b0 = load_b(nn, t, k0, lid);
@@ -353,7 +284,6 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
     if !t.valid {
         return;
     }
-    let first = first_words(nn, t, lid);
     // This subgroup's 64 x 64 block of the workgroup tile.
     let sm = (sg / 2u) * 64u;
     let sn = (sg % 2u) * 64u;
@@ -375,7 +305,7 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
     var c32 = coop_mat16x16<f32, C>();
     var c33 = coop_mat16x16<f32, C>();
     let steps = (t.k + BK - 1u) / BK;
-    var words = load_words(nn, t, first, 0u, lid);
+    var words = load_words(nn, t, 0u, lid);
     store_words(nn, 0u, lid, words);
     workgroupBarrier();
     for (var kstep = 0u; kstep < steps; kstep++) {
@@ -383,7 +313,7 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
         if STAGES == 2u || PREFETCH {
             // The last step reloads its own tiles (in range, never stored)
             // so the loads stay unconditional.
-            words = load_words(nn, t, first, min(kstep + 1u, steps - 1u) * BK, lid);
+            words = load_words(nn, t, min(kstep + 1u, steps - 1u) * BK, lid);
         }
         let base_a = stage * SA_STAGE;
         let base_b = stage * SB_STAGE;
@@ -425,7 +355,7 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
             } else {
                 workgroupBarrier();
                 if !PREFETCH {
-                    words = load_words(nn, t, first, (kstep + 1u) * BK, lid);
+                    words = load_words(nn, t, (kstep + 1u) * BK, lid);
                 }
                 store_words(nn, 0u, lid, words);
             }
