@@ -89,7 +89,7 @@ mod tests {
 
     #[test]
     fn coop_plan_follows_the_device() {
-        let p = plan(&h200(), "staged:bk32:r2:s2", ChoiceSource::Default)
+        let p = plan(&h200(), "staged:bk32:r2:s2", ChoiceSource::Options)
             .unwrap()
             .unwrap();
         assert_eq!((p.subgroup_size, p.require_size), (32, false));
@@ -97,6 +97,11 @@ mod tests {
             p.choice,
             GemmChoice::parse("staged:bk32:r2:s2", crate::DEFAULT_GEMM).unwrap()
         );
+        // With nothing chosen, the GLSL tiles where they run.
+        let p = plan(&h200(), &crate::DEFAULT_GEMM.to_string(), ChoiceSource::Default)
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.choice, GemmChoice::GLSL_DEFAULT);
 
         // No 16×16×16 f16→f32 shape, or no memory model: fallback.
         let mut c = h200();
@@ -131,7 +136,7 @@ mod tests {
             Err(headkl_core::Error::InvalidSetting { .. })
         ));
         let p = plan(&h200(), big, ChoiceSource::Default).unwrap().unwrap();
-        assert_eq!(p.choice, crate::DEFAULT_GEMM);
+        assert_eq!(p.choice, GemmChoice::GLSL_DEFAULT);
         let mut c = h200();
         c.subgroup_ops = vk::SubgroupFeatureFlags::empty();
         assert!(!kernel_limits(&c).subgroup_builtins);

@@ -59,15 +59,13 @@ pub use crate::memory::VulkanBuffer;
 pub use headkl_core::GlslTile;
 pub use headkl_glsl::CeilingPart;
 
-/// The Vulkan backend's GEMM kernels without a tune cache or `HEADKL_GEMM`:
-/// the fastest for each GEMM on the H200 (`headkl tune`,
-/// docs/PERFORMANCE.md). Logits: K 64 per step, one stage; dx: the
-/// 256 × 128 tile, K 32 per step, one stage with register prefetch.
-///
-/// WGSL rather than the (2–4% faster on the H200) GLSL tiles: the default
-/// must run on every matrix-unit device, and the GLSL tiles need subgroups
-/// of 32 and Vulkan 1.3; `headkl tune` records a GLSL tile where one wins
-/// on the device.
+/// The Vulkan backend's WGSL GEMM kernels without a tune cache or
+/// `HEADKL_GEMM`, on a device that cannot run the GLSL tiles (subgroups
+/// other than 32, or below Vulkan 1.3); where it can, the default is
+/// [`GemmChoice::GLSL_DEFAULT`] (`headkl_core::gemm_choice::fit_choice`).
+/// The fastest WGSL pair on the H200 (`headkl tune`,
+/// docs/PERFORMANCE.md): logits K 64 per step, one stage; dx the 256 × 128
+/// tile, K 32 per step, one stage with register prefetch.
 pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
     logits: CoopGemm::Staged(StagedTile {
         bk: 64,

@@ -14,13 +14,14 @@ use crate::kernels::{GemmBuild, Kernels};
 use crate::stream::{Batch, PendingTimes, RING_SLOTS};
 use crate::{backend_error, BACKEND};
 
-/// The wgpu backend's GEMM kernels without a tune cache or `HEADKL_GEMM`:
-/// its fastest on the H200 (docs/PERFORMANCE.md), where wgpu's pipelines
-/// ran the Vulkan backend's K-64 logits tile far slower. Both GEMMs take
-/// the 256 × 128 tile, K 32 per step, one stage with register prefetch.
-/// WGSL rather than a GLSL tile: those need a Vulkan adapter with
-/// `PASSTHROUGH_SHADERS` and subgroups of 32, and have not been timed
-/// through wgpu; `headkl tune` records one where it wins on the device.
+/// The wgpu backend's WGSL GEMM kernels without a tune cache or
+/// `HEADKL_GEMM`, on an adapter that cannot run the GLSL tiles (not Vulkan
+/// with `PASSTHROUGH_SHADERS`, or subgroups other than 32); where it can,
+/// the default is [`GemmChoice::GLSL_DEFAULT`]
+/// (`headkl_core::gemm_choice::fit_choice`). The fastest WGSL pair on the
+/// H200 (docs/PERFORMANCE.md), where wgpu's pipelines ran the Vulkan
+/// backend's K-64 WGSL logits tile far slower: both GEMMs take the
+/// 256 × 128 tile, K 32 per step, one stage with register prefetch.
 pub const DEFAULT_GEMM: GemmChoice = GemmChoice {
     logits: CoopGemm::Staged(PREFETCH_256),
     dx: CoopGemm::Staged(PREFETCH_256),

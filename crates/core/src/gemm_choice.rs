@@ -239,7 +239,24 @@ pub struct GemmChoice {
     pub dx: CoopGemm,
 }
 
+// GLSL_DEFAULT names its tile by position in the one table.
+const _: () = assert!(
+    crate::glsl_tile::GLSL_TILES[7].bm == 128
+        && crate::glsl_tile::GLSL_TILES[7].bk == 64
+        && crate::glsl_tile::GLSL_TILES[7].stages == 1
+        && crate::glsl_tile::GLSL_TILES[7].sg_cols == 2
+);
+
 impl GemmChoice {
+    /// The default where the device runs the GLSL tiles (subgroups of 32,
+    /// SPIR-V loaded as is): `glsl:bm128.bk64.s1` for both GEMMs, the
+    /// fastest head_kl on the H200 (docs/PERFORMANCE.md rows 24–25; a tune
+    /// cache entry still wins).
+    pub const GLSL_DEFAULT: GemmChoice = GemmChoice {
+        logits: CoopGemm::Glsl(crate::glsl_tile::GLSL_TILES[7]),
+        dx: CoopGemm::Glsl(crate::glsl_tile::GLSL_TILES[7]),
+    };
+
     /// The fallback where the default does not fit: the smallest staged
     /// tile (12 KiB of workgroup memory, 4 subgroups).
     pub const PORTABLE: GemmChoice = GemmChoice {
@@ -362,9 +379,11 @@ impl CoopGemm {
     }
 }
 
-/// `choice` where each of its kernels fits `limits`. Where one does not, an
-/// explicit choice (options, `HEADKL_GEMM`) is an [`Error::InvalidSetting`];
-/// any other falls back to the backend's `default`, then
+/// `choice` where each of its kernels fits `limits`. A default choice
+/// becomes [`GemmChoice::GLSL_DEFAULT`] where the GLSL tiles fit. Where a
+/// kernel does not fit, an explicit choice (options, `HEADKL_GEMM`) is an
+/// [`Error::InvalidSetting`]; any other falls back to
+/// [`GemmChoice::GLSL_DEFAULT`], the backend's (WGSL) `default`,
 /// [`GemmChoice::PORTABLE`], then the direct kernel, which needs no
 /// workgroup memory.
 pub fn fit_choice(
@@ -374,13 +393,16 @@ pub fn fit_choice(
     limits: &KernelLimits,
 ) -> Result<(GemmChoice, ChoiceSource)> {
     let misfit = |c: GemmChoice| c.kernels().into_iter().find_map(|k| k.misfit(limits));
+    let glsl_fits = misfit(GemmChoice::GLSL_DEFAULT).is_none();
     match misfit(choice) {
+        None if source == ChoiceSource::Default && glsl_fits => Ok((GemmChoice::GLSL_DEFAULT, source)),
         None => Ok((choice, source)),
         Some(why) if source.is_explicit() => Err(Error::InvalidSetting {
             name: GEMM_ENV,
             value: choice.to_string(),
             reason: format!("{why} (from {source})"),
         }),
+        Some(_) if glsl_fits => Ok((GemmChoice::GLSL_DEFAULT, ChoiceSource::Default)),
         Some(_) if misfit(default).is_none() => Ok((default, ChoiceSource::Default)),
         Some(_) if misfit(GemmChoice::PORTABLE).is_none() => Ok((GemmChoice::PORTABLE, ChoiceSource::Default)),
         Some(_) => Ok((
@@ -624,10 +646,31 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // A cache entry that does not fit falls back to the default: the GLSL
+        // tiles where they run, else the backend's.
         let fitted = fit_choice(DEFAULT, big, ChoiceSource::Cache(PathBuf::from("x")), &h200).unwrap();
+        assert_eq!(fitted, (GemmChoice::GLSL_DEFAULT, ChoiceSource::Default));
+        let no_spirv = KernelLimits { spirv: false, ..h200 };
+        let fitted = fit_choice(DEFAULT, big, ChoiceSource::Cache(PathBuf::from("x")), &no_spirv).unwrap();
         assert_eq!(fitted, (DEFAULT, ChoiceSource::Default));
+        // The default itself: GLSL where it runs; the backend's on subgroups
+        // of 64 or without SPIR-V passthrough.
+        let default = fit_choice(DEFAULT, DEFAULT, ChoiceSource::Default, &h200).unwrap();
+        assert_eq!(default, (GemmChoice::GLSL_DEFAULT, ChoiceSource::Default));
+        assert_eq!(GemmChoice::GLSL_DEFAULT.to_string(), "logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk64.s1");
+        let wide = KernelLimits {
+            subgroup_size: 64,
+            ..h200
+        };
+        for limits in [no_spirv, wide] {
+            let default = fit_choice(DEFAULT, DEFAULT, ChoiceSource::Default, &limits).unwrap();
+            assert_eq!(default, (DEFAULT, ChoiceSource::Default));
+        }
+        // A fitting cache entry or explicit choice is kept.
         let ok = parse("staged:bk32:r2:s2").unwrap();
         assert_eq!(fit_choice(DEFAULT, ok, ChoiceSource::Options, &h200).unwrap().0, ok);
+        let cached = fit_choice(DEFAULT, ok, ChoiceSource::Cache(PathBuf::from("x")), &h200).unwrap();
+        assert_eq!(cached.0, ok);
 
         // Too little for the default too: the direct kernel everywhere.
         let small = KernelLimits {
