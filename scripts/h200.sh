@@ -51,11 +51,12 @@ if has check; then
         env $vars HEADKL_REQUIRE=$backend $headkl $quiet check --backend $backend --cases "$cases" >"$log" 2>&1
         echo "check $label exit=$? $(grep -E "^\s*$backend " "$log" | tail -n 1)" | tee -a "$summary"
     done <<'LIST'
-vulkan-coop||vulkan
+vulkan-default||vulkan
+vulkan-glsl-s2|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|vulkan
+vulkan-wgsl|HEADKL_GEMM=logits=staged:bk64:r2:s1,dx=staged:bk32:r4:s1:pf|vulkan
 vulkan-fallback|HEADKL_NO_COOPMAT=1|vulkan
-vulkan-glsl|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|vulkan
-wgpu-glsl|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|wgpu
-wgpu-coop||wgpu
+wgpu-default||wgpu
+wgpu-wgsl|HEADKL_GEMM=staged:bk32:r4:s1:pf|wgpu
 wgpu-fallback|HEADKL_NO_COOPMAT=1|wgpu
 LIST
 fi
@@ -82,9 +83,9 @@ if has bench; then
         grep -E "^(vulkan|wgpu|trace) " "$log" | tee -a "$summary"
     done <<'LIST'
 A-vulkan||vulkan|A|--resident --plot /tmp/headkl-out/bench-A.svg
-A-vulkan-glsl|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|vulkan|A|--resident
-A-wgpu-glsl|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|wgpu|A|--resident
+A-vulkan-wgsl|HEADKL_GEMM=logits=staged:bk64:r2:s1,dx=staged:bk32:r4:s1:pf|vulkan|A|--resident
 A-wgpu||wgpu|A|--resident
+A-wgpu-wgsl|HEADKL_GEMM=staged:bk32:r4:s1:pf|wgpu|A|--resident
 B-vulkan||vulkan|B|--resident
 LIST
 fi
@@ -94,7 +95,7 @@ if has dxsplit; then
     for gemm in glsl wgsl; do
         # Named either way: the tune cache may hold either.
         vars="HEADKL_GEMM=logits=staged:bk64:r2:s1,dx=staged:bk32:r4:s1:pf"
-        [ "$gemm" = glsl ] && vars="HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2"
+        [ "$gemm" = glsl ] && vars="HEADKL_GEMM=glsl:bm128.bk64.s1"
         for split in 1 auto 2 3 4; do
             log="$out/bench-dxsplit-$gemm-$split.txt"
             env $vars HEADKL_DX_SPLIT=$split $headkl $quiet bench --backend vulkan --shape A --iters 5 --warmup 1 \
