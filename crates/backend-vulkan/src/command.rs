@@ -1,9 +1,15 @@
-//! The command stream: one command buffer recorded until something must be
-//! waited for (a download, `finish`, a full staging or uniform ring), then
-//! submitted and waited on with a fence. Transfers go through a reusable
-//! host-visible staging buffer, uniform blocks through a host-visible ring,
-//! descriptor sets through a pool reset after each wait, and kernel times
-//! through timestamp queries.
+//! The command stream: a ring of [`SLOTS`] command buffers, each recorded
+//! until something must be waited for or its room runs out (staging,
+//! uniform blocks, descriptor sets, timestamp queries), then submitted
+//! with its own fence. Recording moves on to the next slot, which is
+//! reused only once its previous submission's fence has signalled, so the
+//! host records (and stages uploads for) one submission while the device
+//! runs the one before. Submissions go to the one queue in order, and a
+//! global barrier before every copy and dispatch orders it after all
+//! earlier work, earlier submissions included. Transfers go through each
+//! slot's host-visible staging buffer, uniform blocks through its ring,
+//! descriptor sets through its pool, and kernel times through timestamp
+//! queries (a range of one pool per slot).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -14,12 +20,19 @@ use headkl_core::{DeviceBuffer, KernelTime, Result};
 
 use crate::conv::{backend_error, vk_error};
 use crate::device::Device;
-use crate::memory::{HostBuffer, VulkanBuffer};
+use crate::memory::VulkanBuffer;
 use crate::pipeline::Pipeline;
 
 mod readback;
+mod slot;
 
-/// Staging buffer size: transfers larger than this go in pieces.
+use slot::{Slot, SlotSizes};
+
+/// Submissions in flight at once (and command buffers in the ring).
+pub(crate) const SLOTS: usize = 2;
+/// Staging buffer size per slot: transfers larger than this go in pieces.
+/// With [`SLOTS`] slots the stream holds `SLOTS ×` this in host-visible
+/// memory (128 MiB).
 pub(crate) const STAGING_BYTES: u64 = 64 << 20;
 /// Uniform blocks (and descriptor sets) per submission.
 const UNIFORM_SLOTS: u64 = 1024;
@@ -30,12 +43,10 @@ const STORAGE_PER_SET: u32 = 8;
 /// Dispatches timed per submission.
 const TIMED_DISPATCHES: u32 = 1024;
 
-/// Timestamp queries around each dispatch.
+/// Timestamp queries around each dispatch: slot `i` owns queries
+/// `[i, i + 1) · 2 · TIMED_DISPATCHES`.
 struct Timer {
     pool: vk::QueryPool,
-    /// Queries written in the current command buffer (two per dispatch).
-    used: u32,
-    labels: Vec<&'static str>,
     period_ns: f64,
     mask: u64,
 }
@@ -43,20 +54,12 @@ struct Timer {
 /// Records commands and submits them to the device's queue.
 pub(crate) struct Stream {
     device: Arc<Device>,
-    pool: vk::CommandPool,
-    cmd: vk::CommandBuffer,
-    fence: vk::Fence,
+    slots: Vec<Slot>,
+    /// The slot being recorded (`recording`), or the next one to record:
+    /// the one after the last submitted, i.e. the oldest in flight if any.
+    current: usize,
     recording: bool,
-    /// A submission not yet waited for (`submit`): the command buffer, ring,
-    /// staging and descriptor pool are reused only after its fence.
-    in_flight: bool,
-    staging: Option<HostBuffer>,
-    staging_used: u64,
-    uniforms: Option<HostBuffer>,
-    uniform_used: u64,
     uniform_stride: u64,
-    descriptor_pool: vk::DescriptorPool,
-    sets_used: u64,
     timer: Option<Timer>,
     kernel_times: Vec<KernelTime>,
     /// Submissions made, and how many of them are known to have finished
@@ -86,85 +89,45 @@ impl From<&VulkanBuffer> for Binding {
 
 impl Stream {
     /// A stream on `device`'s compute queue with a staging buffer of
-    /// `staging_bytes`.
+    /// `staging_bytes` per slot.
     pub(crate) fn new(device: Arc<Device>, staging_bytes: u64) -> Result<Self> {
+        let uniform_stride = device.caps.min_uniform_offset_alignment.max(MAX_UNIFORM_BYTES);
         let mut stream = Self {
             device: Arc::clone(&device),
-            pool: vk::CommandPool::null(),
-            cmd: vk::CommandBuffer::null(),
-            fence: vk::Fence::null(),
+            slots: (0..SLOTS).map(|_| Slot::empty()).collect(),
+            current: 0,
             recording: false,
-            in_flight: false,
-            staging: None,
-            staging_used: 0,
-            uniforms: None,
-            uniform_used: 0,
-            uniform_stride: device.caps.min_uniform_offset_alignment.max(MAX_UNIFORM_BYTES),
-            descriptor_pool: vk::DescriptorPool::null(),
-            sets_used: 0,
+            uniform_stride,
             timer: None,
             kernel_times: Vec::new(),
             submits: 0,
             completed: 0,
             readbacks: readback::Readbacks::default(),
         };
+        let sizes = SlotSizes {
+            staging_bytes,
+            uniform_bytes: UNIFORM_SLOTS * uniform_stride,
+            sets: UNIFORM_SLOTS as u32,
+            storage_per_set: STORAGE_PER_SET,
+        };
         // On error, `Drop` destroys whatever was created so far.
-        stream.create_objects(staging_bytes)?;
+        for slot in &mut stream.slots {
+            slot.create(&device, &sizes)?;
+        }
         Ok(stream)
     }
 
-    fn create_objects(&mut self, staging_bytes: u64) -> Result<()> {
-        let dev = &self.device.raw;
-        let info = vk::CommandPoolCreateInfo::default()
-            .queue_family_index(self.device.family)
-            .flags(vk::CommandPoolCreateFlags::TRANSIENT);
-        // SAFETY: valid device and family index.
-        self.pool = unsafe { dev.create_command_pool(&info, None) }.map_err(|e| vk_error(e, "vkCreateCommandPool"))?;
-        let info = vk::CommandBufferAllocateInfo::default()
-            .command_pool(self.pool)
-            .level(vk::CommandBufferLevel::PRIMARY)
-            .command_buffer_count(1);
-        // SAFETY: valid pool.
-        let buffers =
-            unsafe { dev.allocate_command_buffers(&info) }.map_err(|e| vk_error(e, "vkAllocateCommandBuffers"))?;
-        self.cmd = buffers
-            .first()
-            .copied()
-            .ok_or_else(|| backend_error("vkAllocateCommandBuffers returned no buffer"))?;
-        // SAFETY: valid device.
-        self.fence = unsafe { dev.create_fence(&vk::FenceCreateInfo::default(), None) }
-            .map_err(|e| vk_error(e, "vkCreateFence"))?;
-        self.staging = Some(HostBuffer::new(
-            &self.device,
-            staging_bytes,
-            vk::BufferUsageFlags::TRANSFER_SRC | vk::BufferUsageFlags::TRANSFER_DST,
-            true,
-            "staging buffer",
-        )?);
-        self.uniforms = Some(HostBuffer::new(
-            &self.device,
-            UNIFORM_SLOTS * self.uniform_stride,
-            vk::BufferUsageFlags::UNIFORM_BUFFER,
-            false,
-            "uniform ring",
-        )?);
-        let sizes = [
-            vk::DescriptorPoolSize {
-                ty: vk::DescriptorType::UNIFORM_BUFFER,
-                descriptor_count: UNIFORM_SLOTS as u32,
-            },
-            vk::DescriptorPoolSize {
-                ty: vk::DescriptorType::STORAGE_BUFFER,
-                descriptor_count: UNIFORM_SLOTS as u32 * STORAGE_PER_SET,
-            },
-        ];
-        let info = vk::DescriptorPoolCreateInfo::default()
-            .max_sets(UNIFORM_SLOTS as u32)
-            .pool_sizes(&sizes);
-        // SAFETY: valid device and create info.
-        self.descriptor_pool =
-            unsafe { dev.create_descriptor_pool(&info, None) }.map_err(|e| vk_error(e, "vkCreateDescriptorPool"))?;
-        Ok(())
+    /// The command buffer being recorded.
+    fn cmd(&self) -> vk::CommandBuffer {
+        self.slots[self.current].cmd
+    }
+
+    /// Submissions in flight (submitted, not yet waited for), and how many
+    /// have finished.
+    #[cfg(test)]
+    pub(crate) fn submissions(&self) -> (usize, u64) {
+        let in_flight = self.slots.iter().filter(|s| s.submission.is_some()).count();
+        (in_flight, self.completed)
     }
 
     /// Whether the queue can write timestamps.
@@ -186,15 +149,13 @@ impl Stream {
         if self.timer.is_none() {
             let info = vk::QueryPoolCreateInfo::default()
                 .query_type(vk::QueryType::TIMESTAMP)
-                .query_count(2 * TIMED_DISPATCHES);
+                .query_count(2 * TIMED_DISPATCHES * SLOTS as u32);
             // SAFETY: valid device and create info.
             let pool = unsafe { self.device.raw.create_query_pool(&info, None) }
                 .map_err(|e| vk_error(e, "vkCreateQueryPool"))?;
             let bits = self.device.caps.timestamp_valid_bits;
             self.timer = Some(Timer {
                 pool,
-                used: 0,
-                labels: Vec::new(),
                 period_ns: f64::from(self.device.caps.timestamp_period_ns),
                 mask: if bits >= 64 { u64::MAX } else { (1u64 << bits) - 1 },
             });
@@ -202,42 +163,50 @@ impl Stream {
         Ok(true)
     }
 
-    /// Takes the kernel times of the waited-for work.
+    /// Takes the kernel times of the waited-for work, in submission order.
     pub(crate) fn take_kernel_times(&mut self) -> Vec<KernelTime> {
         std::mem::take(&mut self.kernel_times)
     }
 
     fn destroy_timer(&mut self) {
         if let Some(t) = self.timer.take() {
-            // SAFETY: called after a wait; no command buffer uses the pool.
+            // SAFETY: called after a flush; no command buffer uses the pool.
             unsafe { self.device.raw.destroy_query_pool(t.pool, None) };
         }
     }
 
-    /// Starts the command buffer if it is not recording.
+    /// Starts recording the current slot if it is not recording, after
+    /// waiting for the submission it still holds (the oldest in flight).
     fn begin(&mut self) -> Result<()> {
         if self.recording {
             return Ok(());
         }
-        self.wait_in_flight()?;
+        if let Some(n) = self.slots[self.current].submission {
+            self.wait_through(n)?;
+        }
         let dev = &self.device.raw;
+        let cmd = self.cmd();
         let info = vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
         // SAFETY: the buffer is not recording or pending (its pool was reset
-        // after the last wait).
-        unsafe { dev.begin_command_buffer(self.cmd, &info) }.map_err(|e| vk_error(e, "vkBeginCommandBuffer"))?;
-        if let Some(t) = &mut self.timer {
-            // SAFETY: recording command buffer; the range is inside the pool.
-            unsafe { dev.cmd_reset_query_pool(self.cmd, t.pool, 0, 2 * TIMED_DISPATCHES) };
-            t.used = 0;
+        // after its last submission was waited for, or it never ran).
+        unsafe { dev.begin_command_buffer(cmd, &info) }.map_err(|e| vk_error(e, "vkBeginCommandBuffer"))?;
+        if let Some(t) = &self.timer {
+            let queries = 2 * TIMED_DISPATCHES;
+            // SAFETY: recording command buffer; the slot's range is inside
+            // the pool, and no pending submission uses it (waited above).
+            unsafe { dev.cmd_reset_query_pool(cmd, t.pool, self.current as u32 * queries, queries) };
         }
-        self.device.work_pending.store(true, Ordering::SeqCst);
+        // Buffers dropped from now on may be used by this recording.
+        self.device.last_use.store(self.submits + 1, Ordering::SeqCst);
         self.recording = true;
         Ok(())
     }
 
     /// Orders the next command after everything recorded or submitted
     /// before it: shader and transfer writes become visible to shader and
-    /// transfer reads and writes.
+    /// transfer reads and writes. A pipeline barrier's first scope is every
+    /// command earlier in submission order, so this also covers the
+    /// hazards between consecutive submissions of the ring.
     fn barrier(&self) {
         let stages = vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER;
         let barrier = [vk::MemoryBarrier::default()
@@ -251,7 +220,7 @@ impl Stream {
         // SAFETY: recording command buffer; a global memory barrier.
         unsafe {
             self.device.raw.cmd_pipeline_barrier(
-                self.cmd,
+                self.cmd(),
                 stages,
                 stages,
                 vk::DependencyFlags::empty(),
@@ -262,77 +231,93 @@ impl Stream {
         };
     }
 
-    /// Submits the recorded work and waits for it; then resets the command
-    /// buffer, staging, uniform ring, descriptor pool and queries, and
-    /// frees buffers dropped meanwhile.
+    /// Submits the recorded work and waits for every submission in flight;
+    /// their slots are reset and buffers dropped meanwhile are freed.
     pub(crate) fn flush(&mut self) -> Result<()> {
-        if !self.recording {
-            return self.wait_in_flight();
-        }
-        let result = self.submit_and_wait();
-        let reset = self.reset_after_wait();
-        result.and(reset)
+        let submitted = self.submit();
+        let waited = self.wait_through(self.submits);
+        submitted.and(waited)
     }
 
-    /// Submits the recorded work without waiting for it; the next
-    /// recording, transfer or flush waits for it first.
+    /// Submits the recorded work without waiting for it; recording goes on
+    /// in the next slot, which first waits for the submission it holds.
     pub(crate) fn submit(&mut self) -> Result<()> {
         if !self.recording {
             return Ok(());
         }
-        if let Err(e) = self.submit_only() {
-            // Nothing was submitted: reset as after a wait.
-            let _ = self.reset_after_wait();
+        self.recording = false;
+        let i = self.current;
+        if let Err(e) = self.submit_slot(i) {
+            // Nothing was submitted: the slot is free again.
+            // SAFETY: the slot's command buffer is not pending.
+            let _ = unsafe { self.slots[i].reset(&self.device) };
             return Err(e);
         }
-        self.recording = false;
-        self.in_flight = true;
+        self.submits += 1;
+        self.slots[i].submission = Some(self.submits);
+        self.current = (i + 1) % SLOTS;
         Ok(())
     }
 
-    /// Waits for the work [`Stream::submit`] left in flight, and resets.
-    fn wait_in_flight(&mut self) -> Result<()> {
-        if !self.in_flight {
-            return Ok(());
-        }
-        self.in_flight = false;
-        let result = self.wait_submitted();
-        let reset = self.reset_after_wait();
-        result.and(reset)
-    }
-
-    fn submit_and_wait(&mut self) -> Result<()> {
-        self.submit_only()?;
-        self.wait_submitted()
-    }
-
-    fn submit_only(&mut self) -> Result<()> {
+    fn submit_slot(&mut self, i: usize) -> Result<()> {
         let dev = &self.device.raw;
+        let slot = &self.slots[i];
         // SAFETY: the buffer is recording.
-        unsafe { dev.end_command_buffer(self.cmd) }.map_err(|e| vk_error(e, "vkEndCommandBuffer"))?;
-        let cmds = [self.cmd];
+        unsafe { dev.end_command_buffer(slot.cmd) }.map_err(|e| vk_error(e, "vkEndCommandBuffer"))?;
+        let cmds = [slot.cmd];
         let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
         // SAFETY: executable command buffer; the queue is used only by this
-        // stream, under the backend's lock; the fence is unsignaled.
-        unsafe { dev.queue_submit(self.device.queue, &submit, self.fence) }
+        // stream, under the backend's lock; the slot's fence is unsignaled
+        // (reset after its last wait).
+        unsafe { dev.queue_submit(self.device.queue, &submit, slot.fence) }
             .map_err(|e| vk_error(e, "vkQueueSubmit"))?;
-        self.submits += 1;
         Ok(())
     }
 
-    fn wait_submitted(&mut self) -> Result<()> {
+    /// Waits for every submission in flight numbered `n` or lower, oldest
+    /// first (so kernel times stay in order), and resets their slots. Every
+    /// such slot is reset even after an error (a lost device runs nothing);
+    /// the first error is returned.
+    fn wait_through(&mut self, n: u64) -> Result<()> {
+        let mut result = Ok(());
+        while let Some((submission, i)) = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.submission.map(|k| (k, i)))
+            .min()
+        {
+            if submission > n {
+                break;
+            }
+            let waited = self.wait_slot(i, submission);
+            // SAFETY: the slot's fence wait returned, or the device is lost
+            // and runs nothing.
+            let reset = unsafe { self.slots[i].reset(&self.device) };
+            self.device.finished.fetch_max(submission, Ordering::SeqCst);
+            self.device.collect_garbage();
+            result = result.and(waited).and(reset);
+        }
+        result
+    }
+
+    /// Waits for slot `i`'s fence (holding `submission`) and collects its
+    /// kernel times.
+    fn wait_slot(&mut self, i: usize, submission: u64) -> Result<()> {
         let dev = &self.device.raw;
-        // SAFETY: the fence was submitted with the command buffer.
-        unsafe { dev.wait_for_fences(&[self.fence], true, u64::MAX) }.map_err(|e| vk_error(e, "vkWaitForFences"))?;
-        self.completed = self.submits;
-        if let Some(t) = &mut self.timer {
-            if t.used > 0 {
-                let mut data = vec![0u64; t.used as usize];
-                // SAFETY: queries [0, used) were reset and written in the
-                // command buffer that just completed.
-                unsafe { dev.get_query_pool_results(t.pool, 0, &mut data, vk::QueryResultFlags::TYPE_64) }
+        let slot = &self.slots[i];
+        // SAFETY: the fence was submitted with the slot's command buffer.
+        unsafe { dev.wait_for_fences(&[slot.fence], true, u64::MAX) }.map_err(|e| vk_error(e, "vkWaitForFences"))?;
+        self.completed = self.completed.max(submission);
+        if let Some(t) = &self.timer {
+            if slot.queries_used > 0 {
+                let mut data = vec![0u64; slot.queries_used as usize];
+                let first = i as u32 * 2 * TIMED_DISPATCHES;
+                // SAFETY: the slot's queries [first, first + used) were reset
+                // and written in the command buffer that just completed.
+                unsafe { dev.get_query_pool_results(t.pool, first, &mut data, vk::QueryResultFlags::TYPE_64) }
                     .map_err(|e| vk_error(e, "vkGetQueryPoolResults"))?;
-                for (pair, label) in data.chunks_exact(2).zip(&t.labels) {
+                for (pair, label) in data.chunks_exact(2).zip(&slot.labels) {
                     let ticks = pair[1].wrapping_sub(pair[0]) & t.mask;
                     self.kernel_times.push(KernelTime {
                         kernel: label,
@@ -344,48 +329,34 @@ impl Stream {
         Ok(())
     }
 
-    fn reset_after_wait(&mut self) -> Result<()> {
-        let dev = &self.device.raw;
-        self.recording = false;
-        self.staging_used = 0;
-        self.uniform_used = 0;
-        self.sets_used = 0;
-        if let Some(t) = &mut self.timer {
-            t.used = 0;
-            t.labels.clear();
+    /// Starts recording with room for what `fits` asks of the slot: when
+    /// the recording slot is full, it is submitted and the next one begun.
+    fn begin_with_room(&mut self, fits: impl Fn(&Slot) -> bool) -> Result<()> {
+        self.begin()?;
+        if !fits(&self.slots[self.current]) {
+            self.submit()?;
+            self.begin()?;
         }
-        // SAFETY: the fence wait returned (or the device is lost and runs
-        // nothing): no command buffer or descriptor set is in use.
-        let result = unsafe {
-            dev.reset_fences(&[self.fence])
-                .and_then(|()| dev.reset_command_pool(self.pool, vk::CommandPoolResetFlags::empty()))
-                .and_then(|()| dev.reset_descriptor_pool(self.descriptor_pool, vk::DescriptorPoolResetFlags::empty()))
-        };
-        self.device.work_pending.store(false, Ordering::SeqCst);
-        self.device.collect_garbage();
-        result.map_err(|e| vk_error(e, "resetting the command stream"))
+        Ok(())
     }
 
     /// Records a copy of `data` into `dst` at `offset`, after all queued
-    /// work; flushes when the staging buffer is full.
+    /// work, through the slots' staging buffers.
     pub(crate) fn upload(&mut self, dst: &VulkanBuffer, offset: u64, data: &[u8]) -> Result<()> {
         check_transfer("upload", offset, data.len() as u64, dst.len())?;
         let mut done = 0usize;
         while done < data.len() {
-            let capacity = self.staging.as_ref().map_or(0, HostBuffer::size);
-            let room = capacity - self.staging_used;
-            if room == 0 {
-                self.flush()?;
-                continue;
-            }
-            let piece = (data.len() - done).min(room as usize);
-            self.begin()?;
-            let at = self.staging_used;
-            let Some(staging) = self.staging.as_mut() else {
-                return Err(backend_error("staging buffer missing"));
-            };
+            self.begin_with_room(|s| s.staging_used < s.staging_capacity())?;
+            let cmd = self.cmd();
+            let slot = &mut self.slots[self.current];
+            let capacity = slot.staging_capacity();
+            let at = slot.staging_used;
+            let piece = (data.len() - done).min((capacity - at) as usize);
+            let staging = slot.staging_mut()?;
             staging.write(at, &data[done..done + piece]);
             let src = staging.raw.buffer;
+            // Keep later pieces 16-byte aligned in the staging buffer.
+            slot.staging_used = ((at + piece as u64).div_ceil(16) * 16).min(capacity);
             self.barrier();
             let region = [vk::BufferCopy {
                 src_offset: at,
@@ -393,11 +364,8 @@ impl Stream {
                 size: piece as u64,
             }];
             // SAFETY: recording command buffer; both ranges are inside their
-            // buffers (checked above and by `room`).
-            unsafe { self.device.raw.cmd_copy_buffer(self.cmd, src, dst.handle(), &region) };
-            // Keep later pieces 16-byte aligned in the staging buffer.
-            self.staging_used = (at + piece as u64).div_ceil(16) * 16;
-            self.staging_used = self.staging_used.min(capacity);
+            // buffers (checked above and by the staging room).
+            unsafe { self.device.raw.cmd_copy_buffer(cmd, src, dst.handle(), &region) };
             done += piece;
         }
         Ok(())
@@ -410,15 +378,14 @@ impl Stream {
         if out.is_empty() {
             return self.flush();
         }
-        let capacity = self.staging.as_ref().map_or(0, HostBuffer::size) as usize;
         let mut done = 0usize;
         while done < out.len() {
-            let piece = (out.len() - done).min(capacity);
             self.begin()?;
-            let Some(staging) = self.staging.as_ref() else {
-                return Err(backend_error("staging buffer missing"));
-            };
-            let dst = staging.raw.buffer;
+            let i = self.current;
+            let cmd = self.cmd();
+            let slot = &self.slots[i];
+            let piece = (out.len() - done).min(slot.staging_capacity() as usize);
+            let dst = slot.staging()?.raw.buffer;
             // The barrier also orders this copy after pending uploads that
             // read the same staging range.
             self.barrier();
@@ -433,9 +400,9 @@ impl Stream {
             // SAFETY: recording command buffer; both ranges are inside their
             // buffers (checked above; `piece` ≤ staging size).
             unsafe {
-                self.device.raw.cmd_copy_buffer(self.cmd, src.handle(), dst, &region);
+                self.device.raw.cmd_copy_buffer(cmd, src.handle(), dst, &region);
                 self.device.raw.cmd_pipeline_barrier(
-                    self.cmd,
+                    cmd,
                     vk::PipelineStageFlags::TRANSFER,
                     vk::PipelineStageFlags::HOST,
                     vk::DependencyFlags::empty(),
@@ -445,10 +412,8 @@ impl Stream {
                 );
             }
             self.flush()?;
-            let Some(staging) = self.staging.as_ref() else {
-                return Err(backend_error("staging buffer missing"));
-            };
-            staging.read(0, &mut out[done..done + piece]);
+            // Slot `i`'s staging holds the piece (a reset leaves its bytes).
+            self.slots[i].staging()?.read(0, &mut out[done..done + piece]);
             done += piece;
         }
         Ok(())
@@ -484,26 +449,27 @@ impl Stream {
                 "{label}: dispatch grid {grid:?} outside the device's limits {limits:?}"
             )));
         }
-        let full_uniforms = self.uniform_used + self.uniform_stride > UNIFORM_SLOTS * self.uniform_stride;
-        let full_sets = self.sets_used >= UNIFORM_SLOTS;
-        let full_queries = self.timer.as_ref().is_some_and(|t| t.used + 2 > 2 * TIMED_DISPATCHES);
-        if full_uniforms || full_sets || full_queries {
-            self.flush()?;
-        }
-        self.begin()?;
+        let stride = self.uniform_stride;
+        let timed = self.timer.is_some();
+        self.begin_with_room(|s| {
+            s.uniform_used + stride <= UNIFORM_SLOTS * stride
+                && s.sets_used < UNIFORM_SLOTS
+                && (!timed || s.queries_used + 2 <= 2 * TIMED_DISPATCHES)
+        })?;
 
-        let at = self.uniform_used;
-        let Some(uniforms) = self.uniforms.as_mut() else {
-            return Err(backend_error("uniform ring missing"));
-        };
+        let i = self.current;
+        let cmd = self.cmd();
+        let slot = &mut self.slots[i];
+        let at = slot.uniform_used;
+        let uniforms = slot.uniforms_mut()?;
         uniforms.write(at, params);
         let uniform_buffer = uniforms.raw.buffer;
-        self.uniform_used += self.uniform_stride;
+        slot.uniform_used += stride;
 
         let dev = &self.device.raw;
         let set_layouts = [pipeline.set_layout];
         let info = vk::DescriptorSetAllocateInfo::default()
-            .descriptor_pool(self.descriptor_pool)
+            .descriptor_pool(slot.descriptor_pool)
             .set_layouts(&set_layouts);
         // SAFETY: valid pool and layout; the pool is reset only after a wait.
         let set = unsafe { dev.allocate_descriptor_sets(&info) }
@@ -511,7 +477,7 @@ impl Stream {
             .first()
             .copied()
             .ok_or_else(|| backend_error("vkAllocateDescriptorSets returned no set"))?;
-        self.sets_used += 1;
+        slot.sets_used += 1;
 
         let max_range = self.device.caps.max_storage_buffer_range / 16 * 16;
         let uniform_info = [vk::DescriptorBufferInfo {
@@ -547,31 +513,31 @@ impl Stream {
         // the ranges are inside it.
         unsafe { dev.update_descriptor_sets(&writes, &[]) };
 
-        self.barrier();
-        let timer = self.timer.as_mut().map(|t| {
-            let first = t.used;
-            t.used += 2;
-            t.labels.push(label);
+        let timer = self.timer.as_ref().map(|t| {
+            let first = i as u32 * 2 * TIMED_DISPATCHES + slot.queries_used;
+            slot.queries_used += 2;
+            slot.labels.push(label);
             (t.pool, first)
         });
+        self.barrier();
         // SAFETY: recording command buffer; pipeline, layout and set match;
         // query indices are inside the pool and were reset at begin.
         unsafe {
             if let Some((pool, first)) = timer {
-                dev.cmd_write_timestamp(self.cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first);
+                dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first);
             }
-            dev.cmd_bind_pipeline(self.cmd, vk::PipelineBindPoint::COMPUTE, pipeline.raw);
+            dev.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline.raw);
             dev.cmd_bind_descriptor_sets(
-                self.cmd,
+                cmd,
                 vk::PipelineBindPoint::COMPUTE,
                 pipeline.layout,
                 0,
                 &[set],
                 &[],
             );
-            dev.cmd_dispatch(self.cmd, grid.0, grid.1, 1);
+            dev.cmd_dispatch(cmd, grid.0, grid.1, 1);
             if let Some((pool, first)) = timer {
-                dev.cmd_write_timestamp(self.cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first + 1);
+                dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first + 1);
             }
         }
         Ok(())
@@ -580,23 +546,15 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        // Finish (or abandon, if the device is lost) what was recorded.
+        // Finish (or abandon, if the device is lost) every submission in
+        // flight before anything they use is freed.
         let _ = self.flush();
         self.destroy_timer();
         self.readbacks.destroy(&self.device);
-        let dev = &self.device.raw;
-        // SAFETY: nothing is pending after the flush; each object is
-        // destroyed once (null handles are ignored by Vulkan).
-        unsafe {
-            if let Some(s) = self.staging.take() {
-                s.destroy(&self.device);
-            }
-            if let Some(u) = self.uniforms.take() {
-                u.destroy(&self.device);
-            }
-            dev.destroy_descriptor_pool(self.descriptor_pool, None);
-            dev.destroy_fence(self.fence, None);
-            dev.destroy_command_pool(self.pool, None);
+        for slot in &mut self.slots {
+            // SAFETY: the flush waited for (or, on a lost device, abandoned)
+            // every slot's submission.
+            unsafe { slot.destroy(&self.device) };
         }
     }
 }

@@ -3,7 +3,7 @@
 //! with them.
 
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ash::vk;
@@ -69,10 +69,15 @@ pub(crate) struct Device {
     pub(crate) memory_properties: vk::PhysicalDeviceMemoryProperties,
     pub(crate) enabled: Enabled,
     pub(crate) counters: MemoryCounters,
-    /// Set while recorded or submitted work has not been waited for; a
-    /// buffer dropped meanwhile is parked in `garbage` instead of freed.
-    pub(crate) work_pending: AtomicBool,
-    garbage: Mutex<Vec<RawBuffer>>,
+    /// The stream's submissions are numbered from 1: the last one that may
+    /// use a buffer dropped now (the one being recorded, else the last
+    /// submitted), and every one up to which has finished (or was
+    /// abandoned on a lost device). A buffer dropped while `last_use` is
+    /// ahead of `finished` is parked in `garbage`, tagged with `last_use`,
+    /// until `finished` reaches the tag.
+    pub(crate) last_use: AtomicU64,
+    pub(crate) finished: AtomicU64,
+    garbage: Mutex<Vec<(u64, RawBuffer)>>,
     /// Whether headkl created the device (and destroys it).
     owned: bool,
     /// Declared last: dropped after the device is destroyed.
@@ -216,7 +221,8 @@ impl Device {
                 pipeline_stats,
             },
             counters: MemoryCounters::default(),
-            work_pending: AtomicBool::new(false),
+            last_use: AtomicU64::new(0),
+            finished: AtomicU64::new(0),
             garbage: Mutex::new(Vec::new()),
             owned: true,
             instance,
@@ -246,36 +252,49 @@ impl Device {
             memory_properties,
             enabled,
             counters: MemoryCounters::default(),
-            work_pending: AtomicBool::new(false),
+            last_use: AtomicU64::new(0),
+            finished: AtomicU64::new(0),
             garbage: Mutex::new(Vec::new()),
             owned: false,
             instance,
         })
     }
 
-    /// Frees `buffer` now, or parks it until the queued work that may use
-    /// it has been waited for.
+    /// Frees `buffer` now, or parks it until the submissions that may use
+    /// it have finished.
     pub(crate) fn release(&self, buffer: RawBuffer) {
-        if self.work_pending.load(Ordering::SeqCst) {
-            match self.garbage.lock() {
-                Ok(mut g) => g.push(buffer),
-                Err(p) => p.into_inner().push(buffer),
-            }
-        } else {
-            // SAFETY: no work is pending, so the GPU no longer uses it.
+        let last_use = self.last_use.load(Ordering::SeqCst);
+        if self.finished.load(Ordering::SeqCst) >= last_use {
+            // SAFETY: every submission that may use it has finished.
             unsafe { buffer.destroy(self) };
+            return;
+        }
+        match self.garbage.lock() {
+            Ok(mut g) => g.push((last_use, buffer)),
+            Err(p) => p.into_inner().push((last_use, buffer)),
         }
     }
 
-    /// Frees the parked buffers; called after a wait, when no work is
-    /// pending.
+    /// Frees the parked buffers whose submissions have finished; called
+    /// after each wait.
     pub(crate) fn collect_garbage(&self) {
-        let parked = match self.garbage.lock() {
-            Ok(mut g) => std::mem::take(&mut *g),
-            Err(p) => std::mem::take(&mut *p.into_inner()),
+        self.collect_garbage_through(self.finished.load(Ordering::SeqCst));
+    }
+
+    /// Frees the parked buffers last used by submission `n` or earlier.
+    fn collect_garbage_through(&self, n: u64) {
+        let due: Vec<RawBuffer> = {
+            let mut parked = match self.garbage.lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            let (due, kept) = std::mem::take(&mut *parked).into_iter().partition(|(tag, _)| *tag <= n);
+            *parked = kept;
+            due.into_iter().map(|(_, b)| b).collect()
         };
-        for buffer in parked {
-            // SAFETY: the caller waited for all submitted work.
+        for buffer in due {
+            // SAFETY: the submissions that may use it have finished (the
+            // caller waited for them, or for the whole device).
             unsafe { buffer.destroy(self) };
         }
     }
@@ -289,7 +308,7 @@ impl Drop for Device {
         unsafe {
             let _ = self.raw.device_wait_idle();
         }
-        self.collect_garbage();
+        self.collect_garbage_through(u64::MAX);
         if self.owned {
             // SAFETY: every child object was destroyed above or by its owner.
             unsafe { self.raw.destroy_device(None) };

@@ -212,6 +212,66 @@ fn buffers_dropped_while_work_is_pending_are_freed_later() {
 }
 
 #[test]
+fn two_submissions_in_flight_at_once() {
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    let timed = b.set_profiling(true);
+    let n = 1u64 << 16;
+    let add = |x: &crate::VulkanBuffer, v: f32, label: &'static str| {
+        b.dispatch(
+            &ADD,
+            key(&ADD, "add", Vec::new()),
+            n.div_ceil(64),
+            params([n as u32, v.to_bits(), 0, 0]),
+            &[x],
+            label,
+        )
+        .unwrap()
+    };
+    let submissions = || b.stream().unwrap().submissions();
+    let before = b.memory().current;
+    let x = b.alloc(n * 4, "x").unwrap();
+    let y = b.alloc(n * 4, "y").unwrap();
+    let z = b.alloc(n * 4, "z").unwrap();
+    b.upload(&x, 0, bytemuck::cast_slice(&vec![1.0f32; n as usize])).unwrap();
+    add(&x, 2.0, "first");
+    add(&z, 1.0, "first");
+    b.stream().unwrap().submit().unwrap();
+    assert_eq!(submissions(), (1, 0), "the first submission in flight");
+    // The next recording (an upload through the other slot's staging, and
+    // a dispatch reading what the first submission writes) does not wait.
+    b.upload(&y, 0, bytemuck::cast_slice(&vec![2.0f32; n as usize])).unwrap();
+    add(&x, 3.0, "second");
+    add(&y, 1.0, "second");
+    b.stream().unwrap().submit().unwrap();
+    assert_eq!(submissions(), (2, 0), "two submissions in flight, none waited for");
+    // `z` drops while the submission that uses it may run: parked.
+    drop(z);
+    assert_eq!(b.memory().current, before + 3 * n * 4, "z parked while in flight");
+    // A third recording reuses the first slot: it waits for the first
+    // submission only.
+    add(&y, 4.0, "third");
+    assert_eq!(submissions(), (1, 1), "the third recording waited for the first only");
+    let mut out = vec![0f32; n as usize];
+    b.download(&x, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
+    assert!(out.iter().all(|&v| v == 6.0), "x: 1 + 2 + 3 across two submissions");
+    assert_eq!(submissions(), (0, 3), "the download waited for everything");
+    assert_eq!(b.memory().current, before + 2 * n * 4, "z freed after the wait");
+    b.download(&y, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
+    assert!(out.iter().all(|&v| v == 7.0), "y: 2 + 1 + 4");
+    if timed {
+        let labels: Vec<&str> = b.take_kernel_times().unwrap().iter().map(|t| t.kernel).collect();
+        assert_eq!(labels, ["first", "first", "second", "second", "third"], "in submission order");
+    } else {
+        eprintln!("this queue has no timestamps: kernel-time order not checked");
+    }
+    drop((x, y));
+    assert_eq!(b.memory().current, before);
+    assert_clean(&b);
+}
+
+#[test]
 fn kernel_times_are_labelled() {
     let Some(b) = open(crate::command::STAGING_BYTES) else {
         return;

@@ -70,6 +70,7 @@ impl Stream {
             return Err(e);
         }
         self.barrier();
+        let cmd = self.cmd();
         let region = [vk::BufferCopy {
             src_offset: src.offset() + offset,
             dst_offset: 0,
@@ -83,9 +84,9 @@ impl Stream {
         unsafe {
             self.device
                 .raw
-                .cmd_copy_buffer(self.cmd, src.handle(), host.raw.buffer, &region);
+                .cmd_copy_buffer(cmd, src.handle(), host.raw.buffer, &region);
             self.device.raw.cmd_pipeline_barrier(
-                self.cmd,
+                cmd,
                 vk::PipelineStageFlags::TRANSFER,
                 vk::PipelineStageFlags::HOST,
                 vk::DependencyFlags::empty(),
@@ -147,21 +148,13 @@ impl Stream {
         waited
     }
 
-    /// Makes submission `n` finished: submits the recording if `n` is it,
-    /// then waits for the submission in flight. A batch recorded after `n`
-    /// is submitted (not waited for) once `n` is done.
+    /// Makes submission `n` finished. What is recorded is submitted first
+    /// (the ring holds it beside `n`), so the device works on it while the
+    /// host waits for `n` and reads.
     fn wait_for_submission(&mut self, n: u64) -> Result<()> {
-        if self.completed >= n {
-            // Done already: start what has been recorded since, so the
-            // device works while the host reads.
-            return self.submit_unless_in_flight();
-        }
-        if self.in_flight && self.submits >= n {
-            self.wait_in_flight()?;
-        } else {
-            // `n` is the recording batch: out it goes, and it is waited for.
-            self.submit()?;
-            self.wait_in_flight()?;
+        self.submit()?;
+        if self.completed < n {
+            self.wait_through(n)?;
         }
         if self.completed >= n {
             Ok(())
@@ -171,14 +164,6 @@ impl Stream {
                 self.completed
             )))
         }
-    }
-
-    /// Submits the recording without waiting, when nothing is in flight.
-    fn submit_unless_in_flight(&mut self) -> Result<()> {
-        if self.in_flight {
-            return Ok(());
-        }
-        self.submit()
     }
 
     /// Frees a host buffer the GPU is done with.
