@@ -67,6 +67,19 @@ pub(crate) struct Stream {
     submits: u64,
     completed: u64,
     readbacks: readback::Readbacks,
+    /// What the ring did, for the tests.
+    #[cfg(test)]
+    pub(crate) ring_stats: RingStats,
+}
+
+/// Counts of the ring's behaviour since the last reset (tests only).
+#[cfg(test)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RingStats {
+    /// The most submissions in flight at once.
+    pub(crate) most_in_flight: usize,
+    /// Recordings that had to wait for their slot's previous submission.
+    pub(crate) begin_waits: usize,
 }
 
 /// A buffer binding: the handle and its size.
@@ -103,6 +116,8 @@ impl Stream {
             submits: 0,
             completed: 0,
             readbacks: readback::Readbacks::default(),
+            #[cfg(test)]
+            ring_stats: RingStats::default(),
         };
         let sizes = SlotSizes {
             staging_bytes,
@@ -182,6 +197,10 @@ impl Stream {
             return Ok(());
         }
         if let Some(n) = self.slots[self.current].submission {
+            #[cfg(test)]
+            {
+                self.ring_stats.begin_waits += 1;
+            }
             self.wait_through(n)?;
         }
         let dev = &self.device.raw;
@@ -256,6 +275,11 @@ impl Stream {
         self.submits += 1;
         self.slots[i].submission = Some(self.submits);
         self.current = (i + 1) % SLOTS;
+        #[cfg(test)]
+        {
+            let (in_flight, _) = self.submissions();
+            self.ring_stats.most_in_flight = self.ring_stats.most_in_flight.max(in_flight);
+        }
         Ok(())
     }
 

@@ -271,6 +271,59 @@ fn two_submissions_in_flight_at_once() {
     assert_clean(&b);
 }
 
+/// A seeded pseudo-random value in `[-1, 1)` for element `i`.
+fn noise(seed: u64, i: usize) -> f32 {
+    let mut z = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    ((z >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+}
+
+#[test]
+fn host_path_records_each_chunk_while_the_previous_one_runs() {
+    use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher, TopkOptions};
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    let (vocab, hs, ntok, k) = (512, 64, 96, 4);
+    let w: Vec<f32> = (0..vocab * hs).map(|i| noise(1, i) * 0.5).collect();
+    let x: Vec<f32> = (0..ntok * hs).map(|i| noise(2, i)).collect();
+    let ids: Vec<u32> = (0..ntok * k).map(|i| ((i * 37 + i / k * 11) % vocab) as u32).collect();
+    let probs: Vec<f32> = (0..ntok * k).map(|i| 1.0 + (i % k) as f32).collect();
+    let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).unwrap();
+    let hidden = Hidden::f32(&x, ntok, hs).unwrap();
+    let teacher = Teacher::new(&ids, &probs, ntok, k, vocab).unwrap();
+    let mut engine = Engine::new(&b, &head, SliceOptions::default()).unwrap();
+    let reset = || std::mem::take(&mut b.stream().unwrap().ring_stats);
+    // Six chunks of 16 rows.
+    let loss_opts = LossOptions {
+        max_rows_per_chunk: Some(16),
+        ..LossOptions::default()
+    };
+    let topk_opts = TopkOptions {
+        max_rows_per_chunk: Some(16),
+        ..TopkOptions::new(k)
+    };
+    // A first call of each builds the pipelines and scratch.
+    engine.head_kl(&hidden, &teacher, &loss_opts).unwrap();
+    engine.topk(&hidden, &topk_opts).unwrap();
+    reset();
+    let out = engine.head_kl(&hidden, &teacher, &loss_opts).unwrap();
+    let stats = reset();
+    assert!(out.loss.iter().all(|l| l.is_finite() && *l >= 0.0), "head_kl losses");
+    assert_eq!(stats.most_in_flight, 2, "head_kl: two submissions in flight ({stats:?})");
+    assert_eq!(stats.begin_waits, 0, "head_kl: a recording waited for its slot ({stats:?})");
+    let top = engine.topk(&hidden, &topk_opts).unwrap();
+    let stats = reset();
+    assert_eq!(stats.most_in_flight, 2, "topk: two submissions in flight ({stats:?})");
+    assert_eq!(stats.begin_waits, 0, "topk: a recording waited for its slot ({stats:?})");
+    let want = headkl_reference::direct::topk_f64(&head, &hidden, k, 1.0);
+    headkl_reference::Tolerance::default()
+        .check_topk(&top.ids, &top.probs, &want)
+        .unwrap();
+    assert_clean(&b);
+}
+
 #[test]
 fn kernel_times_are_labelled() {
     let Some(b) = open(crate::command::STAGING_BYTES) else {
