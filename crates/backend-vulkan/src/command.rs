@@ -551,14 +551,7 @@ impl Stream {
                 dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first);
             }
             dev.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline.raw);
-            dev.cmd_bind_descriptor_sets(
-                cmd,
-                vk::PipelineBindPoint::COMPUTE,
-                pipeline.layout,
-                0,
-                &[set],
-                &[],
-            );
+            dev.cmd_bind_descriptor_sets(cmd, vk::PipelineBindPoint::COMPUTE, pipeline.layout, 0, &[set], &[]);
             dev.cmd_dispatch(cmd, grid.0, grid.1, 1);
             if let Some((pool, first)) = timer {
                 dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first + 1);

@@ -234,14 +234,16 @@ fn two_submissions_in_flight_at_once() {
     let x = b.alloc(n * 4, "x").unwrap();
     let y = b.alloc(n * 4, "y").unwrap();
     let z = b.alloc(n * 4, "z").unwrap();
-    b.upload(&x, 0, bytemuck::cast_slice(&vec![1.0f32; n as usize])).unwrap();
+    b.upload(&x, 0, bytemuck::cast_slice(&vec![1.0f32; n as usize]))
+        .unwrap();
     add(&x, 2.0, "first");
     add(&z, 1.0, "first");
     b.stream().unwrap().submit().unwrap();
     assert_eq!(submissions(), (1, 0), "the first submission in flight");
     // The next recording (an upload through the other slot's staging, and
     // a dispatch reading what the first submission writes) does not wait.
-    b.upload(&y, 0, bytemuck::cast_slice(&vec![2.0f32; n as usize])).unwrap();
+    b.upload(&y, 0, bytemuck::cast_slice(&vec![2.0f32; n as usize]))
+        .unwrap();
     add(&x, 3.0, "second");
     add(&y, 1.0, "second");
     b.stream().unwrap().submit().unwrap();
@@ -262,7 +264,11 @@ fn two_submissions_in_flight_at_once() {
     assert!(out.iter().all(|&v| v == 7.0), "y: 2 + 1 + 4");
     if timed {
         let labels: Vec<&str> = b.take_kernel_times().unwrap().iter().map(|t| t.kernel).collect();
-        assert_eq!(labels, ["first", "first", "second", "second", "third"], "in submission order");
+        assert_eq!(
+            labels,
+            ["first", "first", "second", "second", "third"],
+            "in submission order"
+        );
     } else {
         eprintln!("this queue has no timestamps: kernel-time order not checked");
     }
@@ -311,12 +317,21 @@ fn host_path_records_each_chunk_while_the_previous_one_runs() {
     let out = engine.head_kl(&hidden, &teacher, &loss_opts).unwrap();
     let stats = reset();
     assert!(out.loss.iter().all(|l| l.is_finite() && *l >= 0.0), "head_kl losses");
-    assert_eq!(stats.most_in_flight, 2, "head_kl: two submissions in flight ({stats:?})");
-    assert_eq!(stats.begin_waits, 0, "head_kl: a recording waited for its slot ({stats:?})");
+    assert_eq!(
+        stats.most_in_flight, 2,
+        "head_kl: two submissions in flight ({stats:?})"
+    );
+    assert_eq!(
+        stats.begin_waits, 0,
+        "head_kl: a recording waited for its slot ({stats:?})"
+    );
     let top = engine.topk(&hidden, &topk_opts).unwrap();
     let stats = reset();
     assert_eq!(stats.most_in_flight, 2, "topk: two submissions in flight ({stats:?})");
-    assert_eq!(stats.begin_waits, 0, "topk: a recording waited for its slot ({stats:?})");
+    assert_eq!(
+        stats.begin_waits, 0,
+        "topk: a recording waited for its slot ({stats:?})"
+    );
     let want = headkl_reference::direct::topk_f64(&head, &hidden, k, 1.0);
     headkl_reference::Tolerance::default()
         .check_topk(&top.ids, &top.probs, &want)

@@ -657,7 +657,10 @@ mod tests {
         // of 64 or without SPIR-V passthrough.
         let default = fit_choice(DEFAULT, DEFAULT, ChoiceSource::Default, &h200).unwrap();
         assert_eq!(default, (GemmChoice::GLSL_DEFAULT, ChoiceSource::Default));
-        assert_eq!(GemmChoice::GLSL_DEFAULT.to_string(), "logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk64.s1");
+        assert_eq!(
+            GemmChoice::GLSL_DEFAULT.to_string(),
+            "logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk64.s1"
+        );
         let wide = KernelLimits {
             subgroup_size: 64,
             ..h200
