@@ -67,6 +67,9 @@ pub(crate) struct Stream {
     submits: u64,
     completed: u64,
     readbacks: readback::Readbacks,
+    /// A download was begun in the recording: the next upload (the host
+    /// path's next chunk) submits it first where the next slot is free.
+    readback_recorded: bool,
     /// What the ring did, for the tests.
     #[cfg(test)]
     pub(crate) ring_stats: RingStats,
@@ -80,6 +83,8 @@ pub(crate) struct RingStats {
     pub(crate) most_in_flight: usize,
     /// Recordings that had to wait for their slot's previous submission.
     pub(crate) begin_waits: usize,
+    /// Submissions made.
+    pub(crate) submits: usize,
 }
 
 /// A buffer binding: the handle and its size.
@@ -116,6 +121,7 @@ impl Stream {
             submits: 0,
             completed: 0,
             readbacks: readback::Readbacks::default(),
+            readback_recorded: false,
             #[cfg(test)]
             ring_stats: RingStats::default(),
         };
@@ -265,6 +271,7 @@ impl Stream {
             return Ok(());
         }
         self.recording = false;
+        self.readback_recorded = false;
         let i = self.current;
         if let Err(e) = self.submit_slot(i) {
             // Nothing was submitted: the slot is free again.
@@ -278,6 +285,7 @@ impl Stream {
         #[cfg(test)]
         {
             let (in_flight, _) = self.submissions();
+            self.ring_stats.submits += 1;
             self.ring_stats.most_in_flight = self.ring_stats.most_in_flight.max(in_flight);
         }
         Ok(())
@@ -368,6 +376,12 @@ impl Stream {
     /// work, through the slots' staging buffers.
     pub(crate) fn upload(&mut self, dst: &VulkanBuffer, offset: u64, data: &[u8]) -> Result<()> {
         check_transfer("upload", offset, data.len() as u64, dst.len())?;
+        // The host path's first chunk goes to the device while the second
+        // is recorded (later chunks are submitted by `download_end`). Only
+        // where no wait follows: the next slot holds nothing in flight.
+        if self.readback_recorded && self.slots[(self.current + 1) % SLOTS].submission.is_none() {
+            self.submit()?;
+        }
         let mut done = 0usize;
         while done < data.len() {
             self.begin_with_room(|s| s.staging_used < s.staging_capacity())?;

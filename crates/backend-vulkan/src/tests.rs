@@ -325,6 +325,8 @@ fn host_path_records_each_chunk_while_the_previous_one_runs() {
         stats.begin_waits, 0,
         "head_kl: a recording waited for its slot ({stats:?})"
     );
+    // The first chunk is submitted when the second starts, not with it.
+    assert_eq!(stats.submits, 6, "head_kl: one submission per chunk ({stats:?})");
     let top = engine.topk(&hidden, &topk_opts).unwrap();
     let stats = reset();
     assert_eq!(stats.most_in_flight, 2, "topk: two submissions in flight ({stats:?})");
@@ -332,6 +334,7 @@ fn host_path_records_each_chunk_while_the_previous_one_runs() {
         stats.begin_waits, 0,
         "topk: a recording waited for its slot ({stats:?})"
     );
+    assert_eq!(stats.submits, 6, "topk: one submission per chunk ({stats:?})");
     let want = headkl_reference::direct::topk_f64(&head, &hidden, k, 1.0);
     headkl_reference::Tolerance::default()
         .check_topk(&top.ids, &top.probs, &want)

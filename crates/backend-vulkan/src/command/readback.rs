@@ -95,6 +95,7 @@ impl Stream {
                 &[],
             );
         }
+        self.readback_recorded = true;
         let r = &mut self.readbacks;
         let ticket = r.next_ticket;
         r.next_ticket += 1;
