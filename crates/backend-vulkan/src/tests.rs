@@ -343,6 +343,61 @@ fn host_path_records_each_chunk_while_the_previous_one_runs() {
 }
 
 #[test]
+fn resident_calls_do_not_wait_for_the_previous_one() {
+    use headkl_core::{DeviceHidden, Engine, HeadData, HeadWeights, Hidden, HiddenDtype, SliceOptions, TopkOptions};
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    let (vocab, hs, ntok, k) = (512, 64, 48, 4);
+    let w: Vec<f32> = (0..vocab * hs).map(|i| noise(3, i) * 0.5).collect();
+    let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).unwrap();
+    let mut engine = Engine::new(&b, &head, SliceOptions::default()).unwrap();
+    let opts = TopkOptions::new(k);
+    let inputs: Vec<Vec<f32>> = (0..3u64)
+        .map(|c| (0..ntok * hs).map(|i| noise(10 + c, i)).collect())
+        .collect();
+    let mut outputs = Vec::new();
+    for x in &inputs {
+        let hidden = b.alloc((ntok * hs * 4) as u64, "hidden").unwrap();
+        b.upload(&hidden, 0, bytemuck::cast_slice(x)).unwrap();
+        let ids = b.alloc((ntok * k * 4) as u64, "ids").unwrap();
+        let probs = b.alloc((ntok * k * 4) as u64, "probs").unwrap();
+        outputs.push((hidden, ids, probs));
+    }
+    // A first call builds the pipelines and scratch.
+    let device_topk = |engine: &mut Engine<&VulkanBackend>, (hidden, ids, probs): &(_, _, _)| {
+        let hidden = DeviceHidden {
+            buffer: hidden,
+            dtype: HiddenDtype::F32,
+        };
+        engine.topk_device(ntok, &hidden, ids, probs, &opts).unwrap();
+    };
+    device_topk(&mut engine, &outputs[0]);
+    engine.wait_device().unwrap();
+    std::mem::take(&mut b.stream().unwrap().ring_stats);
+    for o in &outputs {
+        device_topk(&mut engine, o);
+    }
+    let stats = std::mem::take(&mut b.stream().unwrap().ring_stats);
+    assert_eq!(stats.most_in_flight, 2, "two resident calls in flight ({stats:?})");
+    assert_eq!(
+        stats.begin_waits, 1,
+        "only the third call waited, for the first ({stats:?})"
+    );
+    engine.wait_device().unwrap();
+    for (x, (_, ids, probs)) in inputs.iter().zip(&outputs) {
+        let (mut got_ids, mut got_probs) = (vec![0u32; ntok * k], vec![0f32; ntok * k]);
+        b.download(ids, 0, bytemuck::cast_slice_mut(&mut got_ids)).unwrap();
+        b.download(probs, 0, bytemuck::cast_slice_mut(&mut got_probs)).unwrap();
+        let want = headkl_reference::direct::topk_f64(&head, &Hidden::f32(x, ntok, hs).unwrap(), k, 1.0);
+        headkl_reference::Tolerance::default()
+            .check_topk(&got_ids, &got_probs, &want)
+            .unwrap();
+    }
+    assert_clean(&b);
+}
+
+#[test]
 fn kernel_times_are_labelled() {
     let Some(b) = open(crate::command::STAGING_BYTES) else {
         return;
