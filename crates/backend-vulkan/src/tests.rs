@@ -398,6 +398,36 @@ fn resident_calls_do_not_wait_for_the_previous_one() {
 }
 
 #[test]
+fn dropping_the_backend_with_two_submissions_in_flight_waits_for_both() {
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    let n = 1u64 << 18;
+    let x = b.alloc(n * 4, "x").unwrap();
+    for _ in 0..2 {
+        b.upload(&x, 0, &vec![0u8; (n * 4) as usize]).unwrap();
+        b.dispatch(
+            &ADD,
+            key(&ADD, "add", Vec::new()),
+            n.div_ceil(64),
+            params([n as u32, 1f32.to_bits(), 0, 0]),
+            &[&x],
+            "test_add",
+        )
+        .unwrap();
+        b.stream().unwrap().submit().unwrap();
+    }
+    assert_eq!(b.stream().unwrap().submissions(), (2, 0));
+    assert_clean(&b);
+    let diagnostics = std::sync::Arc::clone(&b.device.instance.diagnostics);
+    // The backend goes first while both submissions (and `x`) may run.
+    drop(b);
+    drop(x);
+    let late = diagnostics.take();
+    assert!(late.is_empty(), "at teardown:\n{}", late.join("\n"));
+}
+
+#[test]
 fn kernel_times_are_labelled() {
     let Some(b) = open(crate::command::STAGING_BYTES) else {
         return;
