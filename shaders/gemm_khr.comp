@@ -120,7 +120,7 @@ uint sidx;
 // of A and of B at step 0: inside such a tile, every word it loads is a
 // compile-time or uniform stride from these (set_addresses). Computing each
 // address afresh (row clamp, K test, multiply, divide) cost the K-64 tile
-// 10% (logits) and 30% (dx): docs/PERFORMANCE.md, row 22.
+// 10% (logits) and 30% (dx): docs/PERFORMANCE.md, row 24.
 bool whole_tile;
 uint a_first, b_first;
 

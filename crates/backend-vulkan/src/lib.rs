@@ -256,24 +256,13 @@ impl VulkanBackend {
     /// cannot run here ([`CoopGemm::misfit`]), or where the GEMM does not
     /// run on matrix units at all.
     pub fn use_gemm(&mut self, choice: GemmChoice) -> Result<()> {
-        let refuse = |reason: String| headkl_core::Error::InvalidSetting {
-            name: headkl_core::gemm_choice::GEMM_ENV,
-            value: choice.to_string(),
-            reason,
-        };
-        let Some(plan) = &mut self.coop else {
-            return Err(refuse(format!(
-                "{} runs the tiled GEMM (no usable matrix units, or HEADKL_NO_COOPMAT)",
-                self.device.caps.name
-            )));
-        };
         let limits = kernels::kernel_limits(&self.device.caps);
-        if let Some(why) = choice.kernels().into_iter().find_map(|k| k.misfit(&limits)) {
-            return Err(refuse(why));
+        choice.check_use(&self.device.caps.name, self.coop.is_some().then_some(&limits))?;
+        if let Some(plan) = &mut self.coop {
+            plan.choice = choice;
+            plan.source = ChoiceSource::Options;
+            self.info.gemm = Some(describe_gemm(Some(plan)));
         }
-        plan.choice = choice;
-        plan.source = ChoiceSource::Options;
-        self.info.gemm = Some(describe_gemm(Some(plan)));
         Ok(())
     }
 

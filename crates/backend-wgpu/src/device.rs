@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, Weak};
 
-use headkl_core::gemm_choice::{fit_choice, resolve_choice, KernelLimits, GEMM_ENV};
+use headkl_core::gemm_choice::{fit_choice, resolve_choice, KernelLimits};
 use headkl_core::settings::{GemmSources, Settings};
 use headkl_core::{ChoiceSource, CoopGemm, DeviceInfo, Error, GemmChoice, Result, StagedTile};
 
@@ -236,23 +236,13 @@ impl WgpuBackend {
     /// a GLSL tile without `PASSTHROUGH_SHADERS` or subgroups of 32), or
     /// where the GEMM does not run on matrix units at all.
     pub fn use_gemm(&mut self, choice: GemmChoice) -> Result<()> {
-        let refuse = |reason: String| Error::InvalidSetting {
-            name: GEMM_ENV,
-            value: choice.to_string(),
-            reason,
-        };
-        let (Some(limits), Some(subgroup)) = (&self.gemm_limits, self.kernels.coop_subgroup()) else {
-            return Err(refuse(format!(
-                "{} runs the tiled GEMM (no usable matrix units, or HEADKL_NO_COOPMAT)",
-                self.info.device_name
-            )));
-        };
-        if let Some(why) = choice.kernels().into_iter().find_map(|k| k.misfit(limits)) {
-            return Err(refuse(why));
+        let coop = self.gemm_limits.zip(self.kernels.coop_subgroup());
+        choice.check_use(&self.info.device_name, coop.as_ref().map(|(limits, _)| limits))?;
+        if let Some((_, subgroup)) = coop {
+            self.kernels.set_gemm_choice(choice);
+            self.gemm_path = adapter::gemm_path(&Ok(subgroup), Some(&(choice, ChoiceSource::Options)), false);
+            self.info.gemm = Some(self.gemm_path.clone());
         }
-        self.kernels.set_gemm_choice(choice);
-        self.gemm_path = adapter::gemm_path(&Ok(subgroup), Some(&(choice, ChoiceSource::Options)), false);
-        self.info.gemm = Some(self.gemm_path.clone());
         Ok(())
     }
 

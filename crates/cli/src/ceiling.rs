@@ -6,7 +6,8 @@
 //! workgroup memory staged once, (c) the global loads only, (d) the staging
 //! only, pipelined as the GEMM does it, (e) the GEMMs: each GLSL tile
 //! (checked on the conformance suite's kernel cases and on sampled elements
-//! at this shape) and the WGSL kernel headkl runs now. Two tiles also get
+//! at this shape) and the GEMM headkl runs now (the backend's choice, by
+//! default the GLSL `bm128.bk64.s1` tile), labelled with its kernel. Two tiles also get
 //! (c), (d) and (e) with operands read as if pre-tiled (each K step's tile
 //! one contiguous run), and their GEMMs with f16 accumulators (half the
 //! accumulator registers): timings of what those levers would buy, never
@@ -161,7 +162,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
         timed.push(Timed {
             layout,
             part: CeilingPart::Gemm,
-            kernel: "current (WGSL)".to_string(),
+            kernel: current_label(current_choice, layout),
             ms: current_ms,
             check,
         });
@@ -251,6 +252,15 @@ fn sample_check(backend: &VulkanBackend, ops: &Operands, data: &TuneData) -> hea
     })
 }
 
+/// The (e) row label of the GEMM the backend runs now for `layout`: its
+/// matrix-unit kernel (`glsl:…` or a WGSL tile), or the tiled fallback.
+fn current_label(choice: Option<GemmChoice>, layout: HeadLayout) -> String {
+    match choice {
+        Some(choice) => format!("current: {}", choice.for_layout(layout)),
+        None => "current: tiled".to_string(),
+    }
+}
+
 fn layout_name(layout: HeadLayout) -> &'static str {
     match layout {
         HeadLayout::Logits => "logits (A·Bᵀ)",
@@ -286,5 +296,30 @@ fn print_report(shape: GemmShape, timed: &[Timed]) {
             "{}",
             table(&["part", "tile", "ms", "TFLOP/s", "% of (a)", "check"], &lines)
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn current_row_names_the_kernel_the_backend_runs() {
+        let glsl = GemmChoice::GLSL_DEFAULT;
+        assert_eq!(
+            current_label(Some(glsl), HeadLayout::Logits),
+            "current: glsl:bm128.bk64.s1"
+        );
+        assert_eq!(current_label(Some(glsl), HeadLayout::Dx), "current: glsl:bm128.bk64.s1");
+        let mixed = GemmChoice {
+            logits: glsl.logits,
+            dx: headkl_core::CoopGemm::Direct,
+        };
+        assert_eq!(
+            current_label(Some(mixed), HeadLayout::Logits),
+            "current: glsl:bm128.bk64.s1"
+        );
+        assert_eq!(current_label(Some(mixed), HeadLayout::Dx), "current: direct");
+        assert_eq!(current_label(None, HeadLayout::Dx), "current: tiled");
     }
 }

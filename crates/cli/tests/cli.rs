@@ -1066,30 +1066,21 @@ fn tune_and_gemm_settings_name_what_is_wrong() {
         &["devices"][..],
         &["check", "--backend", "vulkan"][..],
     ] {
-        let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
-            .args(args)
-            .env("HEADKL_GEMM", "staged:bk24")
-            .output()
-            .unwrap();
+        let with_setting = |name: &str, value: &str| {
+            Command::new(env!("CARGO_BIN_EXE_headkl"))
+                .args(args)
+                .env(name, value)
+                .output()
+                .unwrap()
+        };
+        let o = with_setting("HEADKL_GEMM", "staged:bk24");
         assert_input_error(&o, &["HEADKL_GEMM = \"staged:bk24\": bk must be 16, 32 or 64"]);
-        let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
-            .args(args)
-            .env("HEADKL_GEMM", "garbage")
-            .output()
-            .unwrap();
+        let o = with_setting("HEADKL_GEMM", "garbage");
         assert_input_error(&o, &["HEADKL_GEMM", "garbage"]);
         // A GLSL tile the build does not make; the variable that is gone.
-        let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
-            .args(args)
-            .env("HEADKL_GEMM", "logits=glsl:bm96.bk32.s2")
-            .output()
-            .unwrap();
+        let o = with_setting("HEADKL_GEMM", "logits=glsl:bm96.bk32.s2");
         assert_input_error(&o, &["HEADKL_GEMM", "glsl:bm96.bk32.s2", "not a GLSL tile"]);
-        let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
-            .args(args)
-            .env("HEADKL_GLSL_GEMM", "bm128.bk64.s1")
-            .output()
-            .unwrap();
+        let o = with_setting("HEADKL_GLSL_GEMM", "bm128.bk64.s1");
         assert_input_error(&o, &["HEADKL_GLSL_GEMM", "HEADKL_GEMM=logits=glsl:"]);
     }
     for backend in ["wgpu", "vulkan"] {

@@ -358,7 +358,8 @@ impl<B: Backend> Engine<B> {
         self.backend.sum_parts(partials, dx, &sum)
     }
 
-    /// One slice's dx GEMM, unsplit: `dx (+)= alpha · grad[:, slice] · W_slice`.
+    /// One slice's dx GEMM, unsplit: `dx = alpha · grad[:, slice] · W_slice`
+    /// (slices never accumulate into dx: several go through `sum_parts`).
     fn dx_desc(&self, slice: &VocabSlice, rows_padded: usize, alpha: f32) -> GemmDesc {
         GemmDesc {
             m: rows_padded,

@@ -281,6 +281,33 @@ impl GemmChoice {
         }
     }
 
+    /// Why a kernel of `self` cannot run within `limits`, or `None` when
+    /// both can ([`CoopGemm::misfit`]).
+    pub fn misfit(self, limits: &KernelLimits) -> Option<String> {
+        self.kernels().into_iter().find_map(|k| k.misfit(limits))
+    }
+
+    /// For a backend's `use_gemm`, which switches its GEMM after opening:
+    /// `Ok` where `self` runs on `device`, whose matrix-unit GEMM has
+    /// `limits` (`None`: the GEMM runs tiled there), else an
+    /// [`Error::InvalidSetting`] naming `HEADKL_GEMM`, `self` and why.
+    pub fn check_use(self, device: &str, limits: Option<&KernelLimits>) -> Result<()> {
+        let why = match limits {
+            None => Some(format!(
+                "{device} runs the tiled GEMM (no usable matrix units, or HEADKL_NO_COOPMAT)"
+            )),
+            Some(limits) => self.misfit(limits),
+        };
+        match why {
+            None => Ok(()),
+            Some(reason) => Err(Error::InvalidSetting {
+                name: GEMM_ENV,
+                value: self.to_string(),
+                reason,
+            }),
+        }
+    }
+
     /// Parses `KERNEL` (both layouts) or `logits=KERNEL,dx=KERNEL` (either
     /// part may be left out: it keeps `base`'s, the backend's default).
     pub fn parse(value: &str, base: GemmChoice) -> Result<Self> {
@@ -392,7 +419,7 @@ pub fn fit_choice(
     source: ChoiceSource,
     limits: &KernelLimits,
 ) -> Result<(GemmChoice, ChoiceSource)> {
-    let misfit = |c: GemmChoice| c.kernels().into_iter().find_map(|k| k.misfit(limits));
+    let misfit = |c: GemmChoice| c.misfit(limits);
     let glsl_fits = misfit(GemmChoice::GLSL_DEFAULT).is_none();
     match misfit(choice) {
         None if source == ChoiceSource::Default && glsl_fits => Ok((GemmChoice::GLSL_DEFAULT, source)),
@@ -484,6 +511,16 @@ mod tests {
         dx: CoopGemm::Staged(tile(32, 4, 1, true)),
     };
 
+    /// The H200's limits through Vulkan: 48 KiB of workgroup memory,
+    /// subgroups of 32, SPIR-V passthrough.
+    const H200: KernelLimits = KernelLimits {
+        shared_bytes: 48 << 10,
+        invocations: 1024,
+        subgroup_size: 32,
+        subgroup_builtins: true,
+        spirv: true,
+    };
+
     fn parse(value: &str) -> Result<GemmChoice> {
         GemmChoice::parse(value, DEFAULT)
     }
@@ -556,13 +593,7 @@ mod tests {
 
     #[test]
     fn a_device_that_cannot_run_the_glsl_tiles_refuses_them() {
-        let h200 = KernelLimits {
-            shared_bytes: 48 << 10,
-            invocations: 1024,
-            subgroup_size: 32,
-            subgroup_builtins: true,
-            spirv: true,
-        };
+        let h200 = H200;
         let glsl = parse("logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2").unwrap();
         assert_eq!(glsl.logits.misfit(&h200), None);
         assert_eq!(
@@ -629,14 +660,27 @@ mod tests {
     }
 
     #[test]
-    fn a_kernel_that_does_not_fit_is_an_error_only_when_asked_for() {
-        let h200 = KernelLimits {
-            shared_bytes: 48 << 10,
-            invocations: 1024,
-            subgroup_size: 32,
-            subgroup_builtins: true,
-            spirv: true,
+    fn switching_to_a_kernel_that_does_not_fit_names_why() {
+        let glsl = GemmChoice::GLSL_DEFAULT;
+        assert!(glsl.check_use("H200", Some(&H200)).is_ok());
+        let wide = KernelLimits {
+            subgroup_size: 64,
+            ..H200
         };
+        for (limits, says) in [(Some(&wide), "subgroups of 32"), (None, "lavapipe runs the tiled GEMM")] {
+            match glsl.check_use("lavapipe", limits) {
+                Err(Error::InvalidSetting { name, value, reason }) => {
+                    assert_eq!((name, value), (GEMM_ENV, glsl.to_string()));
+                    assert!(reason.contains(says), "{reason}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_kernel_that_does_not_fit_is_an_error_only_when_asked_for() {
+        let h200 = H200;
         // 60 KiB of workgroup memory on a 48 KiB device.
         let big = parse("logits=staged:bk32:r4:s2,dx=direct").unwrap();
         match fit_choice(DEFAULT, big, ChoiceSource::Environment, &h200) {

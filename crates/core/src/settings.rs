@@ -107,7 +107,7 @@ pub const VARIABLES: &[Variable] = &[
     Variable {
         name: GEMM,
         values: "KERNEL or logits=KERNEL,dx=KERNEL; KERNEL: direct, staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf] or glsl:bm<64|128|256>.bk<16|32|64>.s<1|2|4>[.i][.ws][.c4] (the GLSL tiles of shaders/gemm_khr.comp)",
-        default: "the tune cache's entry, else the backend's default",
+        default: "the tune cache's entry, else glsl:bm128.bk64.s1 where the device runs the GLSL tiles, else the backend's WGSL pair",
         effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch; glsl: needs subgroups of 32 and Vulkan 1.3, or wgpu with PASSTHROUGH_SHADERS)",
     },
     Variable {
@@ -544,6 +544,15 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// `HEADKL_GEMM`'s documented default names the GLSL default's tile.
+    #[test]
+    fn gemm_default_names_the_glsl_default() {
+        let gemm = VARIABLES.iter().find(|v| v.name == GEMM).unwrap();
+        let tile = crate::GemmChoice::GLSL_DEFAULT;
+        assert_eq!(tile.logits, tile.dx);
+        assert!(gemm.default.contains(&tile.logits.to_string()), "{}", gemm.default);
     }
 
     /// Explicit options beat `HEADKL_GEMM`, which beats the tune cache,
