@@ -73,7 +73,7 @@ impl VulkanBackend {
         }
         let (choice, source) = resolve_choice(
             options.gemm,
-            DEFAULT_GEMM,
+            headkl_core::GemmChoice::default_for(DEFAULT_GEMM, Some(&kernels::kernel_limits(&caps))),
             &options.gemm_sources,
             BACKEND,
             &caps.name,

@@ -201,7 +201,7 @@ impl VulkanBackend {
         let caps = &chosen.caps;
         let (choice, source) = resolve_choice(
             options.gemm,
-            DEFAULT_GEMM,
+            GemmChoice::default_for(DEFAULT_GEMM, Some(&kernels::kernel_limits(caps))),
             &options.gemm_sources,
             BACKEND,
             &caps.name,

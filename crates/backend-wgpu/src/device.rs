@@ -165,18 +165,18 @@ impl WgpuBackend {
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let i = &candidate.info;
+        let gemm_limits = match &candidate.coop {
+            Ok(sg) if use_coop => Some(adapter::kernel_limits(&candidate.adapter, device.features(), *sg)),
+            _ => None,
+        };
         let (choice, source) = resolve_choice(
             options.gemm,
-            DEFAULT_GEMM,
+            GemmChoice::default_for(DEFAULT_GEMM, gemm_limits.as_ref()),
             &options.gemm_sources,
             BACKEND,
             &i.device_name,
             &i.driver,
         )?;
-        let gemm_limits = match &candidate.coop {
-            Ok(sg) if use_coop => Some(adapter::kernel_limits(&candidate.adapter, device.features(), *sg)),
-            _ => None,
-        };
         let coop = match (&candidate.coop, &gemm_limits) {
             (Ok(sg), Some(limits)) => Some((*sg, fit_choice(DEFAULT_GEMM, choice, source, limits)?)),
             _ => None,

@@ -287,6 +287,18 @@ impl GemmChoice {
         self.kernels().into_iter().find_map(|k| k.misfit(limits))
     }
 
+    /// The default on a device whose matrix-unit GEMM has `limits`:
+    /// [`Self::GLSL_DEFAULT`] where its tiles fit, else the backend's
+    /// `wgsl_default`. A `HEADKL_GEMM` that names one GEMM keeps this for
+    /// the other, so naming the dx kernel does not move the logits GEMM
+    /// off the GLSL tile.
+    pub fn default_for(wgsl_default: GemmChoice, limits: Option<&KernelLimits>) -> GemmChoice {
+        match limits {
+            Some(limits) if Self::GLSL_DEFAULT.misfit(limits).is_none() => Self::GLSL_DEFAULT,
+            _ => wgsl_default,
+        }
+    }
+
     /// For a backend's `use_gemm`, which switches its GEMM after opening:
     /// `Ok` where `self` runs on `device`, whose matrix-unit GEMM has
     /// `limits` (`None`: the GEMM runs tiled there), else an
@@ -713,6 +725,13 @@ mod tests {
             let default = fit_choice(DEFAULT, DEFAULT, ChoiceSource::Default, &limits).unwrap();
             assert_eq!(default, (DEFAULT, ChoiceSource::Default));
         }
+        // Naming one GEMM keeps the device's default for the other.
+        let h200_default = GemmChoice::default_for(DEFAULT, Some(&h200));
+        assert_eq!(h200_default, GemmChoice::GLSL_DEFAULT);
+        assert_eq!(GemmChoice::default_for(DEFAULT, Some(&no_spirv)), DEFAULT);
+        assert_eq!(GemmChoice::default_for(DEFAULT, None), DEFAULT);
+        let dx_only = GemmChoice::parse("dx=staged:bk32:r4:s1:pf", h200_default).unwrap();
+        assert_eq!(dx_only.logits, GemmChoice::GLSL_DEFAULT.logits);
         // A fitting cache entry or explicit choice is kept.
         let ok = parse("staged:bk32:r2:s2").unwrap();
         assert_eq!(fit_choice(DEFAULT, ok, ChoiceSource::Options, &h200).unwrap().0, ok);
