@@ -3,7 +3,7 @@
 
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use ash::{ext, khr, vk};
 use headkl_core::Result;
@@ -109,6 +109,29 @@ pub(crate) struct Instance {
     pub(crate) owned: bool,
 }
 
+/// A bare instance (no layers, no extensions) made once per process and
+/// never destroyed, with the loader that made it.
+///
+/// The Vulkan loader unloads a driver's libraries with the last instance
+/// that loaded them, and NVIDIA's driver cannot be loaded again and again:
+/// on the H200, after 28 backends opened and dropped one after another
+/// (`headkl tune` opens one per kernel), the next `vkCreateInstance`
+/// failed with "no compatible Vulkan driver". With this instance alive the
+/// driver stays loaded and every later instance reuses it. The cost is one
+/// idle instance per process; failing to make it changes nothing else.
+static DRIVER_ANCHOR: OnceLock<Option<(ash::Entry, ash::Instance)>> = OnceLock::new();
+
+fn anchor_driver(entry: &ash::Entry) {
+    DRIVER_ANCHOR.get_or_init(|| {
+        let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_1);
+        let info = vk::InstanceCreateInfo::default().application_info(&app);
+        // SAFETY: valid entry and create info; the instance is never
+        // destroyed, so nothing made from it can outlive it.
+        let raw = unsafe { entry.create_instance(&info, None) }.ok()?;
+        Some((entry.clone(), raw))
+    });
+}
+
 impl Instance {
     /// Loads the Vulkan loader and creates an instance. With `validation`,
     /// the Khronos validation layer must be present (else an error says so).
@@ -122,6 +145,7 @@ impl Instance {
         let loader_version = unsafe { entry.try_enumerate_instance_version() }
             .map_err(|e| no_device(format!("vkEnumerateInstanceVersion failed: {e}")))?
             .unwrap_or(vk::API_VERSION_1_0);
+        anchor_driver(&entry);
         if loader_version < vk::API_VERSION_1_1 {
             return Err(no_device(format!(
                 "the Vulkan loader offers version {}; headkl needs 1.1 or newer",

@@ -19,10 +19,20 @@ pub(crate) struct Candidate {
     pub coop: Result<u32, String>,
 }
 
+/// The process's one wgpu instance (made on first use, shared by every
+/// backend opened after). A fresh instance per backend would let the
+/// Vulkan loader unload the driver each time the last one is dropped, and
+/// NVIDIA's driver cannot be loaded again and again: on the H200 the 29th
+/// backend of a `headkl tune` run found "no compatible Vulkan driver".
 pub(crate) fn instance() -> wgpu::Instance {
-    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
-    desc.backends = BACKENDS;
-    wgpu::Instance::new(desc)
+    static INSTANCE: std::sync::OnceLock<wgpu::Instance> = std::sync::OnceLock::new();
+    INSTANCE
+        .get_or_init(|| {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+            desc.backends = BACKENDS;
+            wgpu::Instance::new(desc)
+        })
+        .clone()
 }
 
 /// Every adapter of the native backends, in the instance's order.
