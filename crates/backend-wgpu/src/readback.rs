@@ -46,21 +46,7 @@ impl WgpuBackend {
                 return Ok(r.pool.swap_remove(i));
             }
         }
-        let size = bytes.next_multiple_of(1 << 16);
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let b = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("headkl readback staging"),
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        if pollster::block_on(scope.pop()).is_some() {
-            return Err(Error::OutOfMemory {
-                bytes: size,
-                what: "download staging",
-            });
-        }
-        Ok(b)
+        self.create_map_read(bytes.next_multiple_of(1 << 16), "headkl readback staging")
     }
 
     /// [`Backend::download_begin`](headkl_core::Backend::download_begin).

@@ -27,9 +27,17 @@ impl WgpuBackend {
             }
         }
         let size = bytes.next_multiple_of(1 << 20).min(MAX_STAGING).max(bytes);
+        let b = self.create_map_read(size, "headkl download staging")?;
+        *s = Some(b.clone());
+        Ok(b)
+    }
+
+    /// A new MAP_READ | COPY_DST buffer of `size` bytes, out of memory as a
+    /// typed error (the download staging and the readback pool's buffers).
+    pub(crate) fn create_map_read(&self, size: u64, label: &'static str) -> Result<wgpu::Buffer> {
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let b = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("headkl download staging"),
+            label: Some(label),
             size,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
@@ -40,7 +48,6 @@ impl WgpuBackend {
                 what: "download staging",
             });
         }
-        *s = Some(b.clone());
         Ok(b)
     }
 
