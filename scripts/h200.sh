@@ -80,13 +80,16 @@ if has bench; then
         env $vars HEADKL_TRACE=1 $headkl $quiet bench --backend $backend --shape $shape --iters 5 --warmup 1 $extra \
             --json "$out/bench-$label.json" >"$log" 2>&1
         echo "bench $label exit=$?" | tee -a "$summary"
-        grep -E "^(vulkan|wgpu|trace) " "$log" | tee -a "$summary"
+        grep -E "^(vulkan|wgpu|trace) |^bench: queue" "$log" | tee -a "$summary"
     done <<'LIST'
 A-vulkan||vulkan|A|--resident --plot /tmp/headkl-out/bench-A.svg
 A-vulkan-wgsl|HEADKL_GEMM=logits=staged:bk64:r2:s1,dx=staged:bk32:r4:s1:pf|vulkan|A|--resident
 A-wgpu||wgpu|A|--resident
 A-wgpu-wgsl|HEADKL_GEMM=staged:bk32:r4:s1:pf|wgpu|A|--resident
+A-wgpu-universal|HEADKL_QUEUE=universal|wgpu|A|
+A-vulkan-universal|HEADKL_QUEUE=universal|vulkan|A|
 B-vulkan||vulkan|B|--resident
+B-wgpu||wgpu|B|
 LIST
 fi
 if has dxsplit; then

@@ -4,7 +4,7 @@
 use std::ffi::CStr;
 
 use ash::{ext, khr, vk};
-use headkl_core::{DeviceInfo, Result};
+use headkl_core::{DeviceInfo, QueueChoice, QueueFamily, Result};
 
 use crate::conv::{device_type_name, device_type_rank, no_device, version_string, vk_error, BACKEND};
 use crate::instance::Instance;
@@ -85,8 +85,14 @@ pub(crate) struct Caps {
     pub(crate) name: String,
     pub(crate) driver: String,
     pub(crate) device_type: vk::PhysicalDeviceType,
-    /// A queue family with compute, and its timestamp bits.
+    /// The device's queue families, in the driver's order
+    /// (`headkl_core::QueueChoice::pick` chooses among them).
+    pub(crate) queue_families: Vec<QueueFamily>,
+    /// The family `QueueChoice::Auto` opens (a compute-only one where there
+    /// is one), for the listing.
     pub(crate) compute_family: Option<u32>,
+    /// Timestamp bits of the opened family (of `compute_family` until a
+    /// device is open).
     pub(crate) timestamp_valid_bits: u32,
     pub(crate) timestamp_period_ns: f32,
     pub(crate) max_storage_buffer_range: u64,
@@ -134,6 +140,7 @@ impl Caps {
             device_type: device_type_name(self.device_type).to_string(),
             matrix_units,
             gemm: None,
+            queue: None,
             matrix_shapes: self.matrix_shapes.clone(),
             shader_f16: self.features.shader_float16 && self.features.storage_buffer_16bit,
             subgroup_size: (self.subgroup_size > 0).then_some(self.subgroup_size),
@@ -255,6 +262,7 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
             props.vendor_id, props.driver_version
         ),
         device_type: props.device_type,
+        queue_families: Vec::new(),
         compute_family: None,
         timestamp_valid_bits: 0,
         timestamp_period_ns: props.limits.timestamp_period,
@@ -392,29 +400,23 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         robust_buffer_access2: robustness2.robust_buffer_access2 == vk::TRUE,
     };
 
-    // Queues: the first family with compute, preferring one without
-    // graphics (a dedicated compute queue), whatever its index.
+    // Queues: every family; the listing shows the one `HEADKL_QUEUE=auto`
+    // opens (a compute-only family where there is one).
     // SAFETY: valid instance and device; plain data back.
     let families = unsafe { vi.get_physical_device_queue_family_properties(phd) };
-    let compute: Vec<(u32, &vk::QueueFamilyProperties)> = families
+    caps.queue_families = families
         .iter()
-        .enumerate()
-        .filter(|(_, f)| f.queue_flags.contains(vk::QueueFlags::COMPUTE) && f.queue_count > 0)
-        .map(|(i, f)| (i as u32, f))
+        .map(|f| QueueFamily {
+            compute: f.queue_flags.contains(vk::QueueFlags::COMPUTE),
+            graphics: f.queue_flags.contains(vk::QueueFlags::GRAPHICS),
+            timestamp_bits: f.timestamp_valid_bits,
+            count: f.queue_count,
+        })
         .collect();
-    let chosen = compute
-        .iter()
-        .find(|(_, f)| !f.queue_flags.contains(vk::QueueFlags::GRAPHICS))
-        .or_else(|| compute.first());
-    if let Some(&(index, family)) = chosen {
-        caps.compute_family = Some(index);
-        caps.timestamp_valid_bits =
-            if props.limits.timestamp_compute_and_graphics == vk::TRUE || family.timestamp_valid_bits > 0 {
-                family.timestamp_valid_bits
-            } else {
-                0
-            };
-    }
+    caps.compute_family = QueueChoice::Auto.pick(&caps.queue_families, true).ok();
+    caps.timestamp_valid_bits = caps
+        .compute_family
+        .map_or(0, |i| caps.queue_families[i as usize].timestamp_bits);
 
     // Memory: the device-local heaps.
     // SAFETY: valid instance and device; plain data back.

@@ -10,7 +10,7 @@ use ash::vk;
 use headkl_core::{MemoryStats, Result};
 
 use crate::adapter::{Adapter, Caps, Source};
-use crate::conv::{backend_error, vk_error};
+use crate::conv::vk_error;
 use crate::instance::Instance;
 use crate::memory::RawBuffer;
 
@@ -95,10 +95,9 @@ impl Device {
         want_coop: bool,
         options: &crate::VulkanOptions,
     ) -> Result<Arc<Self>> {
-        let caps = adapter.caps.clone();
-        let Some(family) = caps.compute_family else {
-            return Err(backend_error("the device has no compute queue family"));
-        };
+        let mut caps = adapter.caps.clone();
+        let family = options.queue.pick(&caps.queue_families, true)?;
+        caps.timestamp_valid_bits = caps.queue_families[family as usize].timestamp_bits;
         let f = caps.features;
         let s = caps.sources;
         let coop = want_coop && caps.coop_capable();
@@ -229,16 +228,30 @@ impl Device {
         }))
     }
 
+    /// The queue's family in words (`family 2 (compute)`).
+    pub(crate) fn queue_description(&self) -> String {
+        match self.caps.queue_families.get(self.family as usize) {
+            Some(f) => f.describe(self.family),
+            None => format!("family {}", self.family),
+        }
+    }
+
     /// Wraps a caller's device and its queue `(family, index)`, with the
     /// features the caller says it enabled; it is never destroyed here.
     pub(crate) fn external(
         instance: Arc<Instance>,
         physical: vk::PhysicalDevice,
-        caps: Caps,
+        mut caps: Caps,
         raw: ash::Device,
         queue: (u32, u32),
         enabled: Enabled,
     ) -> Arc<Self> {
+        // Kernel timing follows the caller's family, not the one headkl
+        // would have picked.
+        caps.timestamp_valid_bits = caps
+            .queue_families
+            .get(queue.0 as usize)
+            .map_or(0, |f| f.timestamp_bits);
         // SAFETY: the caller guarantees (VulkanBackend::from_raw) that the
         // device was created with this queue.
         let handle = unsafe { raw.get_device_queue(queue.0, queue.1) };

@@ -92,6 +92,7 @@ impl VulkanBackend {
         let device = Device::external(instance, ext.physical_device, caps, ext.device, ext.queue, enabled);
         let mut info = device.caps.device_info(coop.is_some());
         info.gemm = Some(describe_gemm(coop.as_ref()));
+        info.queue = Some(format!("{}, the caller's", device.queue_description()));
         let stream = Stream::new(Arc::clone(&device), command::STAGING_BYTES)?;
         let pipelines = PipelineCache::new(Arc::clone(&device));
         Ok(Self {

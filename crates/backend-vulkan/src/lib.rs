@@ -42,8 +42,8 @@ use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::settings::GemmSources;
 use headkl_core::{
     fold_workgroups, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc, GemmKernel,
-    HeadLayout, KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, Settings, StagedTile,
-    SumPartsDesc, TopkDesc,
+    HeadLayout, KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, QueueChoice, Result,
+    Settings, StagedTile, SumPartsDesc, TopkDesc,
 };
 
 use crate::command::{Binding, Stream};
@@ -122,13 +122,15 @@ pub struct VulkanOptions {
     /// `robustBufferAccess2` where offered), as wgpu always does: to tell a
     /// speed difference between the backends from the cost of bounds checks.
     pub robust_access: bool,
+    /// The queue family to open the device on (`HEADKL_QUEUE`).
+    pub queue: QueueChoice,
 }
 
 impl VulkanOptions {
     /// Options from parsed settings: `device` if given, else
     /// `HEADKL_DEVICE`; `HEADKL_VALIDATION`, `HEADKL_NO_COOPMAT`,
-    /// `HEADKL_CHECKED`, `HEADKL_PIPELINE_STATS`, and `HEADKL_GEMM` with the
-    /// tune cache as the GEMM's sources.
+    /// `HEADKL_CHECKED`, `HEADKL_PIPELINE_STATS`, `HEADKL_QUEUE`, and
+    /// `HEADKL_GEMM` with the tune cache as the GEMM's sources.
     pub fn from_settings(settings: &Settings, device: Option<usize>) -> Self {
         Self {
             device: device.or(settings.device),
@@ -139,6 +141,7 @@ impl VulkanOptions {
             gemm_sources: settings.gemm_sources(),
             pipeline_stats: settings.pipeline_stats,
             robust_access: false,
+            queue: settings.queue,
         }
     }
 }
@@ -216,6 +219,7 @@ impl VulkanBackend {
         let coop = coop.filter(|_| device.enabled.cooperative_matrix);
         let mut info = device.caps.device_info(coop.is_some());
         info.gemm = Some(describe_gemm(coop.as_ref()));
+        info.queue = Some(device.queue_description());
         let stream = Stream::new(Arc::clone(&device), staging_bytes)?;
         let pipelines = PipelineCache::new(Arc::clone(&device));
         Ok(Self {

@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
-use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout};
+use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout, QueueChoice};
 use headkl_reference::conformance::{harness_settings, open_or_skip};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 
@@ -224,6 +224,29 @@ fn device_facts_and_errors() {
         }
         Err(other) => panic!("expected NoDevice, got {other}"),
         Ok(_) => panic!("device 999 opened"),
+    }
+
+    // The queue family: auto's pick is reported; `universal` and an index
+    // open the family they name; an index the device lacks is an
+    // InvalidSetting naming HEADKL_QUEUE.
+    let queue = info.queue.clone().expect("an open device reports its queue");
+    assert!(queue.starts_with("family "), "{queue}");
+    let with_queue = |queue| {
+        VulkanBackend::open_with(&VulkanOptions {
+            queue,
+            ..settings_options()
+        })
+    };
+    let universal = with_queue(QueueChoice::Universal).unwrap();
+    let universal_queue = universal.info().queue.clone().unwrap();
+    assert!(universal_queue.contains("graphics"), "{universal_queue}");
+    drop(universal);
+    let family0 = with_queue(QueueChoice::Family(0)).unwrap();
+    assert!(family0.info().queue.as_deref().unwrap().starts_with("family 0 ("));
+    drop(family0);
+    match with_queue(QueueChoice::Family(99)) {
+        Err(Error::InvalidSetting { name, value, .. }) => assert_eq!((name, value.as_str()), ("HEADKL_QUEUE", "99")),
+        other => panic!("family 99: {:?}", other.map(|b| b.info().queue.clone())),
     }
     assert_clean(&b);
 }

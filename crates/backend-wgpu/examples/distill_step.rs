@@ -18,7 +18,7 @@ use std::error::Error;
 
 use headkl_core::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData, HeadWeights, HiddenDtype,
-    SliceOptions, TopkOptions,
+    QueueChoice, SliceOptions, TopkOptions,
 };
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
@@ -186,13 +186,19 @@ fn open_trainer(cfg: &Config) -> Result<(wgpu::Adapter, Trainer), Box<dyn Error>
     }))?;
     // The trainer asks for what headkl needs beside its own needs.
     let features = WgpuBackend::required_features(&adapter);
-    let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
-        label: Some("trainer"),
-        required_features: features,
-        required_limits: adapter.limits(),
-        experimental_features: WgpuBackend::experimental_features(features),
-        ..Default::default()
-    }))?;
+    // headkl's request_device opens it on a compute-only queue family where
+    // the adapter has one (faster on NVIDIA than wgpu's graphics family).
+    let (device, queue) = headkl_wgpu::request_device(
+        &adapter,
+        &wgpu::DeviceDescriptor {
+            label: Some("trainer"),
+            required_features: features,
+            required_limits: adapter.limits(),
+            experimental_features: WgpuBackend::experimental_features(features),
+            ..Default::default()
+        },
+        QueueChoice::Auto,
+    )?;
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
         label: Some("distill_step.wgsl"),
         source: wgpu::ShaderSource::Wgsl(include_str!("distill_step.wgsl").into()),

@@ -1,7 +1,7 @@
 //! Adapters: listing them with what they offer, choosing one, and opening a
 //! device with the features and limits headkl needs.
 
-use headkl_core::{ChoiceSource, DeviceInfo, Error, GemmChoice, KernelLimits, Result};
+use headkl_core::{ChoiceSource, DeviceInfo, Error, GemmChoice, KernelLimits, QueueChoice, Result};
 
 use crate::BACKEND;
 
@@ -144,6 +144,7 @@ pub(crate) fn describe(adapter: wgpu::Adapter) -> Candidate {
         // info says what it does.
         matrix_units: coop.is_ok(),
         gemm: None,
+        queue: None,
         matrix_shapes: shapes,
         shader_f16: features.contains(wgpu::Features::SHADER_F16),
         subgroup_size,
@@ -242,8 +243,12 @@ pub(crate) fn experimental_for(features: wgpu::Features) -> wgpu::ExperimentalFe
 }
 
 /// Opens the device with the adapter's own limits (largest bindings and
-/// buffers, all its workgroup memory).
-pub(crate) fn open_device(c: &Candidate, features: wgpu::Features) -> Result<(wgpu::Device, wgpu::Queue)> {
+/// buffers, all its workgroup memory), on the queue family `queue` picks.
+pub(crate) fn open_device(
+    c: &Candidate,
+    features: wgpu::Features,
+    queue: QueueChoice,
+) -> Result<crate::queue::OpenedDevice> {
     let desc = wgpu::DeviceDescriptor {
         label: Some("headkl"),
         required_features: features,
@@ -252,10 +257,7 @@ pub(crate) fn open_device(c: &Candidate, features: wgpu::Features) -> Result<(wg
         memory_hints: wgpu::MemoryHints::Performance,
         trace: wgpu::Trace::Off,
     };
-    pollster::block_on(c.adapter.request_device(&desc)).map_err(|e| Error::NoDevice {
-        backend: BACKEND,
-        reason: format!("{}: request_device failed: {e}", c.info.device_name),
-    })
+    crate::queue::open(&c.adapter, &desc, queue)
 }
 
 /// A short description of the GEMM path, for logs and `headkl devices`.

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use headkl_core::gemm_choice::{fit_choice, resolve_choice, KernelLimits};
 use headkl_core::settings::{GemmSources, Settings};
-use headkl_core::{ChoiceSource, CoopGemm, DeviceInfo, Error, GemmChoice, Result, StagedTile};
+use headkl_core::{ChoiceSource, CoopGemm, DeviceInfo, Error, GemmChoice, QueueChoice, Result, StagedTile};
 
 use crate::adapter;
 use crate::buffer::{lock, Shared};
@@ -84,12 +84,15 @@ pub struct OpenOptions {
     pub gemm: Option<GemmChoice>,
     /// `HEADKL_GEMM` and the tune cache, consulted when `gemm` is `None`.
     pub gemm_sources: GemmSources,
+    /// The queue family to open the device on (`HEADKL_QUEUE`; Vulkan
+    /// adapters). A trainer's device keeps its own.
+    pub queue: QueueChoice,
 }
 
 impl OpenOptions {
     /// Options from parsed settings: `index` if given, else `HEADKL_DEVICE`;
-    /// `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED`, and `HEADKL_GEMM` with the tune
-    /// cache as the GEMM's sources.
+    /// `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED`, `HEADKL_QUEUE`, and
+    /// `HEADKL_GEMM` with the tune cache as the GEMM's sources.
     pub fn from_settings(settings: &Settings, index: Option<usize>) -> Self {
         Self {
             index: index.or(settings.device),
@@ -97,6 +100,7 @@ impl OpenOptions {
             checked: settings.checked,
             gemm: None,
             gemm_sources: settings.gemm_sources(),
+            queue: settings.queue,
         }
     }
 }
@@ -119,8 +123,10 @@ impl WgpuBackend {
         let force_tiled = options.force_tiled;
         let use_coop = candidate.coop.is_ok() && !force_tiled;
         let features = adapter::features_for(&candidate, use_coop);
-        let (device, queue) = adapter::open_device(&candidate, features)?;
-        Self::from_parts(candidate, device, queue, use_coop, force_tiled, options, true)
+        let (device, queue, queue_family) = adapter::open_device(&candidate, features, options.queue)?;
+        let mut backend = Self::from_parts(candidate, device, queue, use_coop, force_tiled, options, true)?;
+        backend.info.queue = queue_family;
+        Ok(backend)
     }
 
     /// The backend on an open device. `own_device`: the device is the

@@ -53,6 +53,12 @@ impl WgpuBackend {
     /// The matrix-unit GEMM runs where `device` has `SUBGROUP` and
     /// `EXPERIMENTAL_COOPERATIVE_MATRIX` enabled and `adapter` offers the
     /// 16×16×16 f16 shape at a fixed subgroup size; otherwise the tiled GEMM.
+    ///
+    /// On a Vulkan adapter the queue family matters: on NVIDIA, work on the
+    /// graphics family (where `Adapter::request_device` puts every wgpu
+    /// device) runs headkl's GEMMs up to 2.6× slower than on the
+    /// compute-only family. Open the device with [`crate::request_device`]
+    /// to get the family `HEADKL_QUEUE=auto` picks.
     pub fn from_device(
         adapter: &wgpu::Adapter,
         device: wgpu::Device,
@@ -95,7 +101,10 @@ impl WgpuBackend {
         let coop_enabled =
             features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SUBGROUP);
         let use_coop = candidate.coop.is_ok() && coop_enabled && !force_tiled;
-        Self::from_parts(candidate, device, queue, use_coop, force_tiled, options, false)
+        let queue_family = crate::queue::describe_family(adapter, &device).map(|q| format!("{q}, the caller's"));
+        let mut backend = Self::from_parts(candidate, device, queue, use_coop, force_tiled, options, false)?;
+        backend.info.queue = queue_family;
+        Ok(backend)
     }
 
     /// A view of the caller's `buffer`: `bytes` bytes from byte `offset`.

@@ -24,6 +24,7 @@ mod buffer;
 mod device;
 mod external;
 mod kernels;
+mod queue;
 mod readback;
 mod stream;
 mod transfer;
@@ -31,6 +32,7 @@ mod transfer;
 pub use adapter::enumerate;
 pub use buffer::WgpuBuffer;
 pub use device::{OpenOptions, WgpuBackend, DEFAULT_GEMM};
+pub use queue::request_device;
 
 /// The name this backend reports in [`headkl_core::DeviceInfo::backend`] and
 /// errors.

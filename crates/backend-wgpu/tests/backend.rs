@@ -8,9 +8,9 @@
 use half::f16;
 use headkl_core::{
     Backend, ConvertDesc, Engine, Error, GemmChoice, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, LossOptions,
-    SliceOptions, Teacher, TopkOptions,
+    QueueChoice, SliceOptions, Teacher, TopkOptions,
 };
-use headkl_reference::conformance::{gemm_choice_outcome, harness_settings, open_or_skip};
+use headkl_reference::conformance::{gemm_choice_outcome, harness_settings, open_or_skip, run_part, Part, SuiteConfig};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::Tolerance;
 use headkl_wgpu::{OpenOptions, WgpuBackend};
@@ -207,6 +207,52 @@ fn checked_build_gives_the_same_gemm() {
             );
             assert!((f64::from(got[i * 80 + j]) - exact).abs() < 1e-4, "c[{i}][{j}]");
         }
+    }
+}
+
+#[test]
+fn an_explicit_queue_family_opens_through_wgpu_hal() {
+    let Some(default) = open() else { return };
+    let default_queue = default.info().queue.clone();
+    drop(default);
+    let settings = harness_settings();
+    let options = |queue| OpenOptions {
+        queue,
+        ..OpenOptions::from_settings(&settings, None)
+    };
+    let auto = WgpuBackend::open_with(&options(QueueChoice::Auto)).unwrap();
+    let auto_queue = auto.info().queue.clone();
+    drop(auto);
+    assert_eq!(auto_queue, default_queue);
+    if default_queue.is_none() {
+        // Not a Vulkan adapter: there are no queue families to name.
+        assert!(matches!(
+            WgpuBackend::open_with(&options(QueueChoice::Family(0))),
+            Err(Error::InvalidSetting { .. })
+        ));
+        return;
+    }
+    // Family 0 exists on every Vulkan device with compute (lavapipe has only
+    // it): the device is made by headkl and handed to wgpu.
+    let b = WgpuBackend::open_with(&options(QueueChoice::Family(0))).unwrap();
+    let queue = b
+        .info()
+        .queue
+        .clone()
+        .expect("a Vulkan adapter reports its queue family");
+    assert!(queue.starts_with("family 0 ("), "{queue}");
+    let report = run_part(&b, Part::Kernels, &SuiteConfig { cases: 0, seed: 0 }, &mut |_| {});
+    assert!(
+        report.cases > 0 && report.failures.is_empty(),
+        "{:?}",
+        report.failures.first()
+    );
+    match WgpuBackend::open_with(&options(QueueChoice::Family(99))) {
+        Err(Error::InvalidSetting { name, value, .. }) => {
+            assert_eq!(name, headkl_core::settings::QUEUE);
+            assert_eq!(value, "99");
+        }
+        other => panic!("family 99: {:?}", other.map(|b| b.info().queue.clone())),
     }
 }
 

@@ -402,6 +402,9 @@ impl BenchJob<'_> {
         if let Some(gemm) = &info.gemm {
             eprintln!("bench: GEMM {gemm}");
         }
+        if let Some(queue) = &info.queue {
+            eprintln!("bench: queue {queue}");
+        }
         let before = backend.memory().current;
         let head = HeadWeights::new(HeadData::F16(&data.head), shape.vocab, shape.hs)
             .map_err(|e| CliError::device("bench head", e))?;
@@ -450,6 +453,7 @@ impl BenchJob<'_> {
             device_type: info.device_type.clone(),
             matrix_units: info.matrix_units,
             gemm: info.gemm.clone(),
+            queue: info.queue.clone(),
             shape,
             head_bytes,
             slices: engine.slices().len(),

@@ -241,6 +241,7 @@ mod tests {
             device_type: "cpu".into(),
             matrix_units: false,
             gemm: None,
+            queue: None,
             matrix_shapes: vec![],
             shader_f16: false,
             subgroup_size: None,

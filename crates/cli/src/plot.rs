@@ -219,6 +219,7 @@ mod tests {
             device_type: "cpu".into(),
             matrix_units: false,
             gemm: None,
+            queue: None,
             shape: Shape::A,
             head_bytes: 1,
             slices: 1,

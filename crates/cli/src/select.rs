@@ -575,6 +575,7 @@ mod tests {
             device_type: ty.into(),
             matrix_units: mu,
             gemm: None,
+            queue: None,
             matrix_shapes: if mu { vec![(16, 16, 16)] } else { vec![] },
             shader_f16: true,
             subgroup_size: Some(32),

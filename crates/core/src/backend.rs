@@ -41,6 +41,9 @@ pub struct DeviceInfo {
     /// Which GEMM kernels run and where that choice came from, in words
     /// (for logs and bench reports), once a device is open.
     pub gemm: Option<String>,
+    /// The queue the backend submits to, in words (`family 2 (compute)`),
+    /// once a device is open.
+    pub queue: Option<String>,
     /// Matrix-unit shapes usable for f16×f16→f32, as `(m, n, k)`.
     pub matrix_shapes: Vec<(u32, u32, u32)>,
     /// Whether shaders have f16 arithmetic and 16-bit storage.

@@ -28,6 +28,7 @@ pub mod host;
 pub mod kernels;
 pub mod params;
 pub mod problem;
+pub mod queue;
 pub mod resident;
 mod scratch;
 pub mod settings;
@@ -49,6 +50,7 @@ pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
 };
+pub use queue::{QueueChoice, QueueFamily};
 pub use resident::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend, ResidentKernel,
 };

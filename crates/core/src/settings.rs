@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use crate::error::{Error, Result};
 use crate::gemm_choice::GemmChoice;
+use crate::queue::QueueChoice;
 use crate::split::DxSplit;
 use crate::tune_cache::CACHE_FILE;
 
@@ -61,6 +62,8 @@ pub const CHECKED: &str = "HEADKL_CHECKED";
 pub const BENCH_SHAPE: &str = "HEADKL_BENCH_SHAPE";
 /// `HEADKL_DX_SPLIT`.
 pub const DX_SPLIT: &str = "HEADKL_DX_SPLIT";
+/// `HEADKL_QUEUE`.
+pub const QUEUE: &str = "HEADKL_QUEUE";
 
 /// The backend names `HEADKL_BACKEND` takes (`HEADKL_REQUIRE` takes all but
 /// `auto`).
@@ -115,6 +118,12 @@ pub const VARIABLES: &[Variable] = &[
         values: "auto or 1..16",
         default: "auto",
         effect: "split-K parts of the dx GEMM per vocabulary slice; auto: the fewest whose workgroups reach 1300, parts of at least 4096, 1 without matrix units",
+    },
+    Variable {
+        name: QUEUE,
+        values: "auto|universal|N",
+        default: "auto",
+        effect: "the queue family both GPU backends open their device on; auto: one with compute and without graphics where there is one (on NVIDIA the graphics family runs the GEMMs up to 2.6× slower); universal: the graphics family, as wgpu picks on its own; N: that family",
     },
     Variable {
         name: CACHE_DIR,
@@ -187,6 +196,8 @@ pub struct Settings {
     pub bench_shape: Option<String>,
     /// `HEADKL_DX_SPLIT`.
     pub dx_split: DxSplit,
+    /// `HEADKL_QUEUE`.
+    pub queue: QueueChoice,
 }
 
 /// Variables headkl no longer reads, with what to say instead: setting one
@@ -278,6 +289,10 @@ impl Settings {
             bench_shape,
             dx_split: text(DX_SPLIT)?
                 .map(|v| DxSplit::parse(DX_SPLIT, &v))
+                .transpose()?
+                .unwrap_or_default(),
+            queue: text(QUEUE)?
+                .map(|v| QueueChoice::parse(QUEUE, &v))
                 .transpose()?
                 .unwrap_or_default(),
         })

@@ -64,6 +64,8 @@ pub struct BenchRun {
     pub matrix_units: bool,
     /// Which GEMM kernels ran and where the choice came from.
     pub gemm: Option<String>,
+    /// The queue family the backend submitted to.
+    pub queue: Option<String>,
     /// The shape.
     pub shape: Shape,
     /// Device bytes the f16 head occupies.

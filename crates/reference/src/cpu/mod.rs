@@ -186,6 +186,7 @@ impl CpuBackend {
                 device_type: "cpu".into(),
                 matrix_units: false,
                 gemm: None,
+                queue: None,
                 matrix_shapes: Vec::new(),
                 shader_f16: true,
                 subgroup_size: None,
