@@ -26,6 +26,7 @@ var<workgroup> sel_id: array<u32, MAX_K>;
 var<workgroup> gt_count: atomic<u32>;
 var<workgroup> eq_count: atomic<u32>;
 var<workgroup> bad_flag: atomic<u32>;
+var<workgroup> more_flag: atomic<u32>;
 // Values every invocation reads through workgroupUniformLoad.
 var<workgroup> u_bad: u32;
 var<workgroup> u_prefix: u32;
@@ -168,34 +169,73 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         u_prefix = 0u;
         u_need = k;
         atomicStore(&bad_flag, 0u);
+        atomicStore(&more_flag, 0u);
         atomicStore(&gt_count, 0u);
         atomicStore(&eq_count, 0u);
     }
 
     // Threshold path (k <= WG): T, the k-th largest of the invocations'
     // largest keys, is at most the row's k-th largest key (k invocations
-    // each own a key >= T), so the top k are among the keys >= T. Two reads
-    // of the row and one atomic per candidate; when more than MAX_K keys
-    // reach T (a flat row), the radix select below runs instead.
+    // each own a key >= T), so the top k are among the keys >= T. Each
+    // invocation also keeps its 4 largest keys (id ascending among equal
+    // ones) while it reads: where every invocation's 4th is below T, those
+    // hold every key >= T and the row is read once. Otherwise a second read
+    // gathers the keys >= T, one atomic each; when more than MAX_K reach T
+    // (a flat row), the radix select below runs instead.
     if k <= WG {
-        var best = PAD_KEY;
+        var k0 = PAD_KEY;
+        var k1 = PAD_KEY;
+        var k2 = PAD_KEY;
+        var k3 = PAD_KEY;
+        var i0 = PAD_ID;
+        var i1 = PAD_ID;
+        var i2 = PAD_ID;
+        var i3 = PAD_ID;
         var bad = false;
         let base4 = base / 4u;
         for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
             let x4 = logits[base4 + j4];
             for (var c = 0u; c < 4u; c++) {
-                if j4 * 4u + c < vocab {
+                let j = j4 * 4u + c;
+                if j < vocab {
                     if non_finite(x4[c]) {
                         bad = true;
                     }
-                    best = max(best, key_of(x4[c]));
+                    // Ids rise as the invocation reads: an equal key
+                    // never displaces a kept one.
+                    let key = key_of(x4[c]);
+                    if key > k3 {
+                        if key > k2 {
+                            k3 = k2;
+                            i3 = i2;
+                            if key > k1 {
+                                k2 = k1;
+                                i2 = i1;
+                                if key > k0 {
+                                    k1 = k0;
+                                    i1 = i0;
+                                    k0 = key;
+                                    i0 = j;
+                                } else {
+                                    k1 = key;
+                                    i1 = j;
+                                }
+                            } else {
+                                k2 = key;
+                                i2 = j;
+                            }
+                        } else {
+                            k3 = key;
+                            i3 = j;
+                        }
+                    }
                 }
             }
         }
         if bad {
             atomicStore(&bad_flag, 1u);
         }
-        sel_key[lid] = best;
+        sel_key[lid] = k0;
         sel_id[lid] = lid;
         workgroupBarrier();
         if lid == 0u {
@@ -210,6 +250,34 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             u_prefix = sel_key[k - 1u];
         }
         let threshold = workgroupUniformLoad(&u_prefix);
+        // An invocation whose 4th key reaches T may hold more keys >= T
+        // than it kept.
+        if k3 >= threshold {
+            atomicStore(&more_flag, 1u);
+        }
+        workgroupBarrier();
+        if lid == 0u {
+            u_total = atomicLoad(&more_flag);
+        }
+        if workgroupUniformLoad(&u_total) == 0u {
+            let kept = array<u32, 4>(k0, k1, k2, k3);
+            let kept_ids = array<u32, 4>(i0, i1, i2, i3);
+            for (var q = 0u; q < 4u; q++) {
+                if kept[q] >= threshold {
+                    let slot = atomicAdd(&gt_count, 1u);
+                    sel_key[slot] = kept[q];
+                    sel_id[slot] = kept_ids[q];
+                }
+            }
+            workgroupBarrier();
+            if lid == 0u {
+                u_total = atomicLoad(&gt_count);
+            }
+            // At most 4 · WG = 1024 <= MAX_K pairs.
+            sort_selected(workgroupUniformLoad(&u_total), lid);
+            write_row(row, k, lid);
+            return;
+        }
         for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
             let x4 = logits[base4 + j4];
             for (var c = 0u; c < 4u; c++) {
