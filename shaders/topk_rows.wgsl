@@ -148,44 +148,6 @@ fn write_row(row: u32, k: u32, lid: u32) {
     }
 }
 
-// An invocation's 4 largest keys so far, descending, with their ids.
-struct Top4 {
-    keys: vec4<u32>,
-    ids: vec4<u32>,
-}
-
-// `t` with `(key, j)` kept if it is among the 4 largest. Ids rise as an
-// invocation reads, so an equal key never displaces a kept one.
-fn keep(t: Top4, key: u32, j: u32) -> Top4 {
-    var r = t;
-    if key > r.keys.w {
-        if key > r.keys.z {
-            r.keys.w = r.keys.z;
-            r.ids.w = r.ids.z;
-            if key > r.keys.y {
-                r.keys.z = r.keys.y;
-                r.ids.z = r.ids.y;
-                if key > r.keys.x {
-                    r.keys.y = r.keys.x;
-                    r.ids.y = r.ids.x;
-                    r.keys.x = key;
-                    r.ids.x = j;
-                } else {
-                    r.keys.y = key;
-                    r.ids.y = j;
-                }
-            } else {
-                r.keys.z = key;
-                r.ids.z = j;
-            }
-        } else {
-            r.keys.w = key;
-            r.ids.w = j;
-        }
-    }
-    return r;
-}
-
 // Marks `row` as holding a non-finite logit.
 fn write_bad(row: u32, k: u32, lid: u32) {
     if lid == 0u {
@@ -221,33 +183,55 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     // gathers the keys >= T, one atomic each; when more than MAX_K reach T
     // (a flat row), the radix select below runs instead.
     if k <= WG {
-        var top = Top4(vec4<u32>(PAD_KEY), vec4<u32>(PAD_ID));
+        var k0 = PAD_KEY;
+        var k1 = PAD_KEY;
+        var k2 = PAD_KEY;
+        var k3 = PAD_KEY;
+        var i0 = PAD_ID;
+        var i1 = PAD_ID;
+        var i2 = PAD_ID;
+        var i3 = PAD_ID;
         var bad = false;
         let base4 = base / 4u;
-        let n4 = (vocab + 3u) / 4u;
-        // Four 16-byte loads in flight per invocation: one at a time left
-        // the row read latency-bound. Indices past the row repeat its last
-        // word (never counted: `j4 + q·WG < n4` fails).
-        for (var j4 = lid; j4 < n4; j4 += 4u * WG) {
-            var x: array<vec4<f32>, 4>;
-            for (var q = 0u; q < 4u; q++) {
-                x[q] = logits[base4 + min(j4 + q * WG, n4 - 1u)];
-            }
-            for (var q = 0u; q < 4u; q++) {
-                let w = j4 + q * WG;
-                for (var c = 0u; c < 4u; c++) {
-                    let j = w * 4u + c;
-                    if w < n4 && j < vocab {
-                        if non_finite(x[q][c]) {
-                            bad = true;
+        for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
+            let x4 = logits[base4 + j4];
+            for (var c = 0u; c < 4u; c++) {
+                let j = j4 * 4u + c;
+                if j < vocab {
+                    if non_finite(x4[c]) {
+                        bad = true;
+                    }
+                    // Ids rise as the invocation reads: an equal key
+                    // never displaces a kept one.
+                    let key = key_of(x4[c]);
+                    if key > k3 {
+                        if key > k2 {
+                            k3 = k2;
+                            i3 = i2;
+                            if key > k1 {
+                                k2 = k1;
+                                i2 = i1;
+                                if key > k0 {
+                                    k1 = k0;
+                                    i1 = i0;
+                                    k0 = key;
+                                    i0 = j;
+                                } else {
+                                    k1 = key;
+                                    i1 = j;
+                                }
+                            } else {
+                                k2 = key;
+                                i2 = j;
+                            }
+                        } else {
+                            k3 = key;
+                            i3 = j;
                         }
-                        top = keep(top, key_of(x[q][c]), j);
                     }
                 }
             }
         }
-        let k0 = top.keys.x;
-        let k3 = top.keys.w;
         if bad {
             atomicStore(&bad_flag, 1u);
         }
@@ -276,11 +260,13 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             u_total = atomicLoad(&more_flag);
         }
         if workgroupUniformLoad(&u_total) == 0u {
+            let kept = array<u32, 4>(k0, k1, k2, k3);
+            let kept_ids = array<u32, 4>(i0, i1, i2, i3);
             for (var q = 0u; q < 4u; q++) {
-                if top.keys[q] >= threshold {
+                if kept[q] >= threshold {
                     let slot = atomicAdd(&gt_count, 1u);
-                    sel_key[slot] = top.keys[q];
-                    sel_id[slot] = top.ids[q];
+                    sel_key[slot] = kept[q];
+                    sel_id[slot] = kept_ids[q];
                 }
             }
             workgroupBarrier();
