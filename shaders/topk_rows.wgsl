@@ -148,6 +148,63 @@ fn write_row(row: u32, k: u32, lid: u32) {
     }
 }
 
+// An invocation's 4 largest keys so far, descending, with their ids, and
+// whether it saw a non-finite logit.
+struct Top4 {
+    keys: vec4<u32>,
+    ids: vec4<u32>,
+    bad: bool,
+}
+
+// `t` with `(key, j)` kept if it is among the 4 largest. Ids rise as an
+// invocation reads, so an equal key never displaces a kept one.
+fn keep(t: Top4, key: u32, j: u32) -> Top4 {
+    var r = t;
+    if key > r.keys.w {
+        if key > r.keys.z {
+            r.keys.w = r.keys.z;
+            r.ids.w = r.ids.z;
+            if key > r.keys.y {
+                r.keys.z = r.keys.y;
+                r.ids.z = r.ids.y;
+                if key > r.keys.x {
+                    r.keys.y = r.keys.x;
+                    r.ids.y = r.ids.x;
+                    r.keys.x = key;
+                    r.ids.x = j;
+                } else {
+                    r.keys.y = key;
+                    r.ids.y = j;
+                }
+            } else {
+                r.keys.z = key;
+                r.ids.z = j;
+            }
+        } else {
+            r.keys.w = key;
+            r.ids.w = j;
+        }
+    }
+    return r;
+}
+
+// `t` after the 4 logits of word `w` (`w < n4`; ids past `vocab` skipped).
+fn keep4(t: Top4, x: vec4<f32>, w: u32, n4: u32, vocab: u32) -> Top4 {
+    var r = t;
+    if w < n4 {
+        for (var c = 0u; c < 4u; c++) {
+            let j = w * 4u + c;
+            if j < vocab {
+                if non_finite(x[c]) {
+                    r.bad = true;
+                }
+                r = keep(r, key_of(x[c]), j);
+            }
+        }
+    }
+    return r;
+}
+
 // Marks `row` as holding a non-finite logit.
 fn write_bad(row: u32, k: u32, lid: u32) {
     if lid == 0u {
@@ -183,55 +240,26 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     // gathers the keys >= T, one atomic each; when more than MAX_K reach T
     // (a flat row), the radix select below runs instead.
     if k <= WG {
-        var k0 = PAD_KEY;
-        var k1 = PAD_KEY;
-        var k2 = PAD_KEY;
-        var k3 = PAD_KEY;
-        var i0 = PAD_ID;
-        var i1 = PAD_ID;
-        var i2 = PAD_ID;
-        var i3 = PAD_ID;
-        var bad = false;
+        var top = Top4(vec4<u32>(PAD_KEY), vec4<u32>(PAD_ID), false);
         let base4 = base / 4u;
-        for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
-            let x4 = logits[base4 + j4];
-            for (var c = 0u; c < 4u; c++) {
-                let j = j4 * 4u + c;
-                if j < vocab {
-                    if non_finite(x4[c]) {
-                        bad = true;
-                    }
-                    // Ids rise as the invocation reads: an equal key
-                    // never displaces a kept one.
-                    let key = key_of(x4[c]);
-                    if key > k3 {
-                        if key > k2 {
-                            k3 = k2;
-                            i3 = i2;
-                            if key > k1 {
-                                k2 = k1;
-                                i2 = i1;
-                                if key > k0 {
-                                    k1 = k0;
-                                    i1 = i0;
-                                    k0 = key;
-                                    i0 = j;
-                                } else {
-                                    k1 = key;
-                                    i1 = j;
-                                }
-                            } else {
-                                k2 = key;
-                                i2 = j;
-                            }
-                        } else {
-                            k3 = key;
-                            i3 = j;
-                        }
-                    }
-                }
-            }
+        let n4 = (vocab + 3u) / 4u;
+        // Four 16-byte loads in flight per invocation (one at a time left
+        // the read latency-bound), in named values: an indexed array of
+        // them went to slow local memory. Indices past the row repeat its
+        // last word; `keep4` skips them.
+        for (var j4 = lid; j4 < n4; j4 += 4u * WG) {
+            let x0 = logits[base4 + j4];
+            let x1 = logits[base4 + min(j4 + WG, n4 - 1u)];
+            let x2 = logits[base4 + min(j4 + 2u * WG, n4 - 1u)];
+            let x3 = logits[base4 + min(j4 + 3u * WG, n4 - 1u)];
+            top = keep4(top, x0, j4, n4, vocab);
+            top = keep4(top, x1, j4 + WG, n4, vocab);
+            top = keep4(top, x2, j4 + 2u * WG, n4, vocab);
+            top = keep4(top, x3, j4 + 3u * WG, n4, vocab);
         }
+        let k0 = top.keys.x;
+        let k3 = top.keys.w;
+        let bad = top.bad;
         if bad {
             atomicStore(&bad_flag, 1u);
         }
@@ -260,13 +288,11 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             u_total = atomicLoad(&more_flag);
         }
         if workgroupUniformLoad(&u_total) == 0u {
-            let kept = array<u32, 4>(k0, k1, k2, k3);
-            let kept_ids = array<u32, 4>(i0, i1, i2, i3);
             for (var q = 0u; q < 4u; q++) {
-                if kept[q] >= threshold {
+                if top.keys[q] >= threshold {
                     let slot = atomicAdd(&gt_count, 1u);
-                    sel_key[slot] = kept[q];
-                    sel_id[slot] = kept_ids[q];
+                    sel_key[slot] = top.keys[q];
+                    sel_id[slot] = top.ids[q];
                 }
             }
             workgroupBarrier();
