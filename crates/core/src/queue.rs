@@ -80,7 +80,10 @@ impl QueueChoice {
             Self::Family(i) => match families.get(i as usize) {
                 Some(f) if usable(f) => Ok(i),
                 Some(_) => Err(self.invalid("that family has no compute queue")),
-                None => Err(self.invalid(&format!("the device has {} queue families", families.len()))),
+                None => Err(self.invalid(&match families.len() {
+                    1 => "the device has 1 queue family (0)".to_string(),
+                    n => format!("the device has {n} queue families (0 to {})", n.saturating_sub(1)),
+                })),
             },
         }
     }
