@@ -81,8 +81,9 @@ impl QueueChoice {
                 Some(f) if usable(f) => Ok(i),
                 Some(_) => Err(self.invalid("that family has no compute queue")),
                 None => Err(self.invalid(&match families.len() {
+                    0 => "the device has no queue families".to_string(),
                     1 => "the device has 1 queue family (0)".to_string(),
-                    n => format!("the device has {n} queue families (0 to {})", n.saturating_sub(1)),
+                    n => format!("the device has {n} queue families (0 to {})", n - 1),
                 })),
             },
         }
