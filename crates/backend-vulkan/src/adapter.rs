@@ -413,7 +413,9 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
             count: f.queue_count,
         })
         .collect();
-    caps.compute_family = QueueChoice::Auto.pick(&caps.queue_families, true).ok();
+    // Speed before kernel timing: a compute-only family without timestamps
+    // still wins (the backend then reports wall time only).
+    caps.compute_family = QueueChoice::Auto.pick(&caps.queue_families, false).ok();
     caps.timestamp_valid_bits = caps
         .compute_family
         .map_or(0, |i| caps.queue_families[i as usize].timestamp_bits);

@@ -96,7 +96,7 @@ impl Device {
         options: &crate::VulkanOptions,
     ) -> Result<Arc<Self>> {
         let mut caps = adapter.caps.clone();
-        let family = options.queue.pick(&caps.queue_families, true)?;
+        let family = options.queue.pick(&caps.queue_families, false)?;
         caps.timestamp_valid_bits = caps.queue_families[family as usize].timestamp_bits;
         let f = caps.features;
         let s = caps.sources;
