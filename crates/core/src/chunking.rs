@@ -38,9 +38,43 @@ impl ChunkPlan {
     }
 }
 
+/// Rows of the GEMMs' row tiles that [`plan_chunks`] fills: the default
+/// matrix-unit tiles are 128 rows (the others 64, 128 or 256), and a chunk
+/// of `m` rows runs `⌈m / 128⌉` of them in both GEMMs.
+pub const TILE_ROWS: usize = 128;
+
+/// GEMM rows that chunks of `rows` compute for `ntok` tokens: each chunk's
+/// rows rounded up to whole [`TILE_ROWS`] tiles.
+fn tile_rows_computed(ntok: usize, rows: usize) -> usize {
+    let (full, last) = (ntok / rows, ntok % rows);
+    full * round_up(rows, TILE_ROWS) + if last > 0 { round_up(last, TILE_ROWS) } else { 0 }
+}
+
+/// Rows per chunk, at most `cap`: of the plans with the fewest chunks `cap`
+/// allows and with one more, each with its rows balanced and rounded up to
+/// [`ALIGN`] or to [`TILE_ROWS`], the one whose chunks compute the fewest
+/// GEMM tile rows; ties go to fewer chunks, then to larger chunks. At shape
+/// A the largest chunk that fits (1376 rows) computes 4224 rows of tiles
+/// for 4096 tokens; chunks of 1024 compute 4096.
+fn tile_filling_rows(ntok: usize, cap: usize) -> usize {
+    let fewest = ntok.div_ceil(cap);
+    let score = |rows: usize| (tile_rows_computed(ntok, rows), ntok.div_ceil(rows), usize::MAX - rows);
+    let mut best = cap;
+    for chunks in [fewest, fewest + 1] {
+        for align in [ALIGN, TILE_ROWS] {
+            let rows = round_up(ntok.div_ceil(chunks), align);
+            if rows <= cap && score(rows) < score(best) {
+                best = rows;
+            }
+        }
+    }
+    best
+}
+
 /// Rows per chunk such that all of `costs` for one chunk fit in `budget`
 /// bytes and each buffer fits in `max_binding_bytes`; rows are a multiple
-/// of [`ALIGN`] and at most `ntok` rounded up to it. `max_rows_per_chunk`
+/// of [`ALIGN`] and at most `ntok` rounded up to it, chosen so the chunks
+/// leave few partial GEMM row tiles ([`TILE_ROWS`]). `max_rows_per_chunk`
 /// forces smaller chunks (a test knob).
 pub fn plan_chunks(
     ntok: usize,
@@ -81,11 +115,11 @@ pub fn plan_chunks(
     if let Some(knob) = max_rows_per_chunk {
         cap = cap.min(((knob / ALIGN).max(1) * ALIGN) as u64);
     }
-    let rows_per_chunk = cap as usize;
+    let rows_per_chunk = tile_filling_rows(ntok, cap as usize);
     Ok(ChunkPlan {
         rows_per_chunk,
         chunks: ntok.div_ceil(rows_per_chunk),
-        scratch_bytes: per_row * cap,
+        scratch_bytes: per_row * rows_per_chunk as u64,
     })
 }
 
@@ -143,6 +177,30 @@ mod tests {
     }
 
     #[test]
+    fn chunks_fill_whole_gemm_tiles_where_the_budget_allows() {
+        // 1376 rows fit; three chunks of them compute 11 tiles each.
+        let per_row = 1_000_000u64;
+        let one = [RowCost {
+            what: "logits",
+            bytes_per_row: per_row,
+        }];
+        let p = plan_chunks(4096, &one, 1376 * per_row, u64::MAX, None).unwrap();
+        assert_eq!((p.rows_per_chunk, p.chunks), (1024, 4));
+        assert_eq!(tile_rows_computed(4096, 1376), 4224);
+        assert_eq!(tile_rows_computed(4096, 1024), 4096);
+        assert_eq!(p.scratch_bytes, 1024 * per_row);
+        // 1408 rows fit: three balanced chunks of 1408 fill their tiles.
+        let p = plan_chunks(4096, &one, 1408 * per_row, u64::MAX, None).unwrap();
+        assert_eq!((p.rows_per_chunk, p.chunks), (1408, 3));
+        // Shape B's 2352-row chunks: four balanced ones of 2048.
+        let p = plan_chunks(8192, &one, 2352 * per_row, u64::MAX, None).unwrap();
+        assert_eq!((p.rows_per_chunk, p.chunks), (2048, 4));
+        // A small call keeps its one chunk.
+        let p = plan_chunks(40, &one, 1376 * per_row, u64::MAX, None).unwrap();
+        assert_eq!((p.rows_per_chunk, p.chunks), (48, 1));
+    }
+
+    #[test]
     fn fold_keeps_small_grids_flat() {
         assert_eq!(fold_workgroups(0), (1, 1));
         assert_eq!(fold_workgroups(65_535), (65_535, 1));
@@ -178,6 +236,18 @@ mod tests {
                 Err(Error::BindingTooSmall { row_bytes, .. }) => prop_assert!(row_bytes > binding),
                 Err(e) => prop_assert!(false, "unexpected {e}"),
             }
+        }
+
+        #[test]
+        fn tile_filling_never_computes_more_than_the_largest_chunks(
+            ntok in 1usize..200_000,
+            cap_tiles in 1usize..4096,
+        ) {
+            let cap = cap_tiles * ALIGN;
+            let rows = tile_filling_rows(ntok, cap);
+            prop_assert!(rows >= ALIGN && rows <= cap && rows.is_multiple_of(ALIGN));
+            prop_assert!(tile_rows_computed(ntok, rows) <= tile_rows_computed(ntok, cap));
+            prop_assert!(ntok.div_ceil(rows) <= ntok.div_ceil(cap) + 1);
         }
 
         #[test]
