@@ -54,8 +54,9 @@ fn tile_rows_computed(ntok: usize, rows: usize) -> usize {
 /// allows and with one more, each with its rows balanced and rounded up to
 /// [`ALIGN`] or to [`TILE_ROWS`], the one whose chunks compute the fewest
 /// GEMM tile rows; ties go to fewer chunks, then to larger chunks. At shape
-/// A the largest chunk that fits (1376 rows) computes 4224 rows of tiles
-/// for 4096 tokens; chunks of 1024 compute 4096.
+/// B the largest chunk that fits the default budget (2288 rows with f16
+/// hidden rows) computes
+/// 8320 rows of tiles for 8192 tokens; four chunks of 2048 compute 8192.
 fn tile_filling_rows(ntok: usize, cap: usize) -> usize {
     let fewest = ntok.div_ceil(cap);
     let score = |rows: usize| (tile_rows_computed(ntok, rows), ntok.div_ceil(rows), usize::MAX - rows);
@@ -178,7 +179,8 @@ mod tests {
 
     #[test]
     fn chunks_fill_whole_gemm_tiles_where_the_budget_allows() {
-        // 1376 rows fit; three chunks of them compute 11 tiles each.
+        // A budget of 1376 rows: three chunks of them would compute 11
+        // tiles each, four of 1024 compute 32 in all.
         let per_row = 1_000_000u64;
         let one = [RowCost {
             what: "logits",
@@ -192,7 +194,7 @@ mod tests {
         // 1408 rows fit: three balanced chunks of 1408 fill their tiles.
         let p = plan_chunks(4096, &one, 1408 * per_row, u64::MAX, None).unwrap();
         assert_eq!((p.rows_per_chunk, p.chunks), (1408, 3));
-        // Shape B's 2352-row chunks: four balanced ones of 2048.
+        // A budget of 2352 rows needs four chunks either way: four of 2048.
         let p = plan_chunks(8192, &one, 2352 * per_row, u64::MAX, None).unwrap();
         assert_eq!((p.rows_per_chunk, p.chunks), (2048, 4));
         // A small call keeps its one chunk.
