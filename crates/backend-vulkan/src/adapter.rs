@@ -406,12 +406,7 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
     let families = unsafe { vi.get_physical_device_queue_family_properties(phd) };
     caps.queue_families = families
         .iter()
-        .map(|f| QueueFamily {
-            compute: f.queue_flags.contains(vk::QueueFlags::COMPUTE),
-            graphics: f.queue_flags.contains(vk::QueueFlags::GRAPHICS),
-            timestamp_bits: f.timestamp_valid_bits,
-            count: f.queue_count,
-        })
+        .map(|f| QueueFamily::from_vulkan(f.queue_flags.as_raw(), f.timestamp_valid_bits, f.queue_count))
         .collect();
     // Speed before kernel timing: a compute-only family without timestamps
     // still wins (the backend then reports wall time only).

@@ -230,10 +230,7 @@ impl Device {
 
     /// The queue's family in words (`family 2 (compute)`).
     pub(crate) fn queue_description(&self) -> String {
-        match self.caps.queue_families.get(self.family as usize) {
-            Some(f) => f.describe(self.family),
-            None => format!("family {}", self.family),
-        }
+        headkl_core::QueueFamily::describe_in(&self.caps.queue_families, self.family)
     }
 
     /// Wraps a caller's device and its queue `(family, index)`, with the

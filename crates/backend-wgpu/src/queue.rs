@@ -97,12 +97,7 @@ mod vulkan {
         let props = unsafe { instance.get_physical_device_queue_family_properties(hal.raw_physical_device()) };
         props
             .iter()
-            .map(|f| QueueFamily {
-                compute: f.queue_flags.contains(vk::QueueFlags::COMPUTE),
-                graphics: f.queue_flags.contains(vk::QueueFlags::GRAPHICS),
-                timestamp_bits: f.timestamp_valid_bits,
-                count: f.queue_count,
-            })
+            .map(|f| QueueFamily::from_vulkan(f.queue_flags.as_raw(), f.timestamp_valid_bits, f.queue_count))
             .collect()
     }
 
@@ -112,11 +107,10 @@ mod vulkan {
         let hal_device = unsafe { device.as_hal::<Vulkan>() }?;
         // SAFETY: as above.
         let hal = unsafe { adapter.as_hal::<Vulkan>() }?;
-        let family = hal_device.queue_family_index();
-        Some(match families(&hal).get(family as usize) {
-            Some(f) => f.describe(family),
-            None => format!("family {family}"),
-        })
+        Some(QueueFamily::describe_in(
+            &families(&hal),
+            hal_device.queue_family_index(),
+        ))
     }
 
     pub(super) fn open(
@@ -134,7 +128,7 @@ mod vulkan {
         // asks for it needs a family that has timestamps.
         let timestamps = desc.required_features.contains(wgpu::Features::TIMESTAMP_QUERY);
         let family = choice.pick(&families, timestamps)?;
-        let described = Some(families[family as usize].describe(family));
+        let described = Some(QueueFamily::describe_in(&families, family));
         // An explicit family always goes through the device made here, so
         // that path runs (and is tested) on one-family devices too.
         if family == WGPU_FAMILY && !matches!(choice, QueueChoice::Family(_)) {

@@ -99,6 +99,30 @@ impl QueueChoice {
 }
 
 impl QueueFamily {
+    /// A family from its `VkQueueFamilyProperties` fields: `queueFlags` as
+    /// raw bits, `timestampValidBits`, `queueCount`. Both GPU backends read
+    /// Vulkan's families through this.
+    pub fn from_vulkan(queue_flags: u32, timestamp_bits: u32, count: u32) -> Self {
+        // VK_QUEUE_GRAPHICS_BIT and VK_QUEUE_COMPUTE_BIT.
+        const GRAPHICS: u32 = 0x1;
+        const COMPUTE: u32 = 0x2;
+        Self {
+            compute: queue_flags & COMPUTE != 0,
+            graphics: queue_flags & GRAPHICS != 0,
+            timestamp_bits,
+            count,
+        }
+    }
+
+    /// Family `index` of `families` in words (`family 2 (compute)`), or
+    /// just its index where the list lacks it.
+    pub fn describe_in(families: &[QueueFamily], index: u32) -> String {
+        match families.get(index as usize) {
+            Some(f) => f.describe(index),
+            None => format!("family {index}"),
+        }
+    }
+
     /// The family in words, for logs and reports: `family 2 (compute)`.
     pub fn describe(&self, index: u32) -> String {
         let kind = match (self.graphics, self.compute) {
@@ -199,6 +223,17 @@ mod tests {
         let e = QueueChoice::parse(QUEUE, "graphics").unwrap_err();
         assert!(matches!(e, Error::InvalidSetting { name, .. } if name == QUEUE));
         assert_eq!(COMPUTE.describe(2), "family 2 (compute)");
+        assert_eq!(
+            QueueFamily::describe_in(&[GRAPHICS], 0),
+            "family 0 (graphics + compute)"
+        );
+        assert_eq!(QueueFamily::describe_in(&[GRAPHICS], 3), "family 3");
+        // NVIDIA's families as the driver reports them: graphics + compute
+        // + transfer + sparse (0xf), transfer + sparse (0xc), compute +
+        // transfer + sparse (0xe).
+        assert_eq!(QueueFamily::from_vulkan(0xf, 64, 16), GRAPHICS);
+        assert_eq!(QueueFamily::from_vulkan(0xc, 64, 2), TRANSFER);
+        assert_eq!(QueueFamily::from_vulkan(0xe, 64, 8), COMPUTE);
         assert_eq!(GRAPHICS.describe(0), "family 0 (graphics + compute)");
     }
 }
