@@ -22,6 +22,12 @@
 //           [BM or BN rows][BK]), to time a pre-tiled operand layout. The
 //           result is not a GEMM of the row-major operands; m, n and k
 //           must divide the tile.
+//           bit 4: the TALL tile below (with bit 2: each A row read by
+//           one subgroup only)
+//           bit 2: A, bit 3: B read straight into fragment registers, not
+//           staged, as if stored in fragment order (each 16 x 16 fragment
+//           one 512-byte run, invocation i's elements its 16 bytes i): one
+//           16-byte load per invocation and fragment, a step ahead
 //   ACC16   1 (ceiling report only): f16 accumulators, half the
 //           accumulator registers, to time what occupancy alone buys; the
 //           sums lose precision, so it is timed, never checked or used
@@ -36,12 +42,23 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_EXT_control_flow_attributes : require
 
+// TALL (PRETILED bit 4, ceiling report only): the workgroup's C tile is
+// 2 x BM rows by 64 columns, one column of BM / 32 subgroups, each 64 x 64:
+// as many tiles as BM x 128, but no two subgroups share rows of A.
+#if (PRETILED & 16) != 0
+const uint TM = 2 * BM;
+const uint BN = 64;
+const uint SGC = 1;
+#else
+const uint TM = BM;
 const uint BN = 128;
-const uint SG_ROWS = BM / 64;
+const uint SGC = SG_COLS;
+#endif
+const uint SG_ROWS = TM / 64;
 // Fragments per subgroup along n.
-const uint TN = BN / SG_COLS / 16;
+const uint TN = BN / SGC / 16;
 // The kernel requires subgroups of exactly 32 (the backend checks).
-const uint MATH_THREADS = SG_ROWS * SG_COLS * 32;
+const uint MATH_THREADS = SG_ROWS * SGC * 32;
 #if WS
 // The copying subgroups follow the math ones.
 const uint STAGERS = 128;
@@ -81,7 +98,7 @@ layout(set = 0, binding = 3, std430) buffer CBuf { float c[]; };
 // the eight rows a fragment load reads at once fall in distinct banks.
 const uint KW = BK / 8;
 const uint SA_STRIDE = KW + 1;
-const uint SA_STAGE = BM * SA_STRIDE;
+const uint SA_STAGE = TM * SA_STRIDE;
 #if NN
 const uint SB_STRIDE = BN / 8 + 1;
 const uint SB_STAGE = BK * SB_STRIDE;
@@ -89,11 +106,29 @@ const uint SB_STAGE = BK * SB_STRIDE;
 const uint SB_STRIDE = KW + 1;
 const uint SB_STAGE = BN * SB_STRIDE;
 #endif
+#define A_DIRECT ((PRETILED & 4) != 0)
+#define B_DIRECT ((PRETILED & 8) != 0)
+#if A_DIRECT
+shared uvec4 sa[1];
+#else
 shared uvec4 sa[STAGES * SA_STAGE];
+#endif
+#if B_DIRECT
+shared uvec4 sb[1];
+#else
 shared uvec4 sb[STAGES * SB_STAGE];
+#endif
+
+// With both operands read straight into fragments nothing is staged, so
+// the subgroups need not wait for each other.
+#if A_DIRECT && B_DIRECT
+#define STAGE_BARRIER()
+#else
+#define STAGE_BARRIER() barrier()
+#endif
 
 // Words each staging invocation moves per step.
-const uint A_WORDS = BM * KW / STAGERS;
+const uint A_WORDS = TM * KW / STAGERS;
 const uint B_WORDS = BN * KW / STAGERS;
 
 // The C tile as stored.
@@ -108,6 +143,14 @@ const uint B_WORDS = BN * KW / STAGERS;
 
 uvec4 ra[A_WORDS];
 uvec4 rb[B_WORDS];
+// Fragments read straight from memory (A_DIRECT, B_DIRECT): this step's
+// and the next step's 16-byte words, one per fragment and invocation.
+const uint KF = BK / 16;
+uvec4 fa_cur[4 * KF];
+uvec4 fa_nxt[4 * KF];
+uvec4 fb_cur[TN * KF];
+uvec4 fb_nxt[TN * KF];
+uint fa_first, fb_first;
 ACC acc[4 * TN];
 uint row0, col0, wr, wc;
 // Split-K: this workgroup's part of the reduction, its length and its first
@@ -125,7 +168,7 @@ bool whole_tile;
 uint a_first, b_first;
 
 void set_addresses() {
-    whole_tile = row0 + BM <= p.m && col0 + BN <= p.n;
+    whole_tile = row0 + TM <= p.m && col0 + BN <= p.n;
     // a_offset, lda and ldb are multiples of 8, col0 of 128, and the
     // part's offsets a_off and b_off of 8 (k_part is a multiple of 64).
     a_first = (a_off + (row0 + sidx / KW) * p.lda) / 8 + sidx % KW;
@@ -152,13 +195,16 @@ const uint B_ROWS_PER_I = STAGERS / KW;
 void load_step(uint s) {
     uint k0 = s * BK;
     uint steps = p.k / BK;
-#if PRETILED == 0
+#if (PRETILED & 3) == 0
     // The common case: a whole tile and a whole K step of the part. One add
     // per word from a per-invocation base; no clamps, no K test.
     if (whole_tile && k0 + BK <= kp) {
+#if !A_DIRECT
         [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
             ra[i] = a[a_first + s * KW + i * A_ROWS_PER_I * (p.lda / 8)];
         }
+#endif
+#if !B_DIRECT
         [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
 #if NN
             rb[i] = b[b_first + s * BK * (p.ldb / 8) + i * B_ROWS_PER_I * (p.ldb / 8)];
@@ -166,19 +212,23 @@ void load_step(uint s) {
             rb[i] = b[b_first + s * KW + i * B_ROWS_PER_I * (p.ldb / 8)];
 #endif
         }
+#endif
         return;
     }
 #endif
+#if !A_DIRECT
     [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
         uint e = sidx + i * STAGERS;
 #if (PRETILED & 1) != 0
-        ra[i] = a[((row0 / BM) * steps + s) * (BM * KW) + e];
+        ra[i] = a[((row0 / TM) * steps + s) * (TM * KW) + e];
 #else
         uint row = min(row0 + e / KW, p.m - 1);
         uint kk = k0 + (e % KW) * 8;
         ra[i] = kk < kp ? a[(a_off + row * p.lda + kk) / 8] : uvec4(0);
 #endif
     }
+#endif
+#if !B_DIRECT
     [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
         uint e = sidx + i * STAGERS;
 #if (PRETILED & 2) != 0
@@ -193,14 +243,67 @@ void load_step(uint s) {
         rb[i] = kk < kp ? b[(b_off + col * p.ldb + kk) / 8] : uvec4(0);
 #endif
     }
+#endif
+}
+
+// Step s's directly read fragments (timing layout: fragment (r, q) of the
+// m / 16 x k / 16 (n / 16 x k / 16 for B) grid at word (r * k / 16 + q) *
+// 32 + invocation) into the *_nxt registers.
+void load_direct(uint s) {
+#if A_DIRECT
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        [[unroll]] for (uint q = 0; q < KF; q++) {
+            fa_nxt[i * KF + q] = a[fa_first + i * (p.k / 16) * 32 + (s * KF + q) * 32];
+        }
+    }
+#endif
+#if B_DIRECT
+    [[unroll]] for (uint j = 0; j < TN; j++) {
+        [[unroll]] for (uint q = 0; q < KF; q++) {
+            fb_nxt[j * KF + q] = b[fb_first + j * (p.k / 16) * 32 + (s * KF + q) * 32];
+        }
+    }
+#endif
+}
+
+void advance_direct() {
+#if A_DIRECT
+    fa_cur = fa_nxt;
+#endif
+#if B_DIRECT
+    fb_cur = fb_nxt;
+#endif
+}
+
+FRAG_A frag_a(uvec4 w) {
+    FRAG_A f;
+    [[unroll]] for (uint e = 0; e < 4; e++) {
+        f16vec2 h = unpackFloat2x16(w[e]);
+        f[2 * e] = h.x;
+        f[2 * e + 1] = h.y;
+    }
+    return f;
+}
+
+FRAG_B frag_b(uvec4 w) {
+    FRAG_B f;
+    [[unroll]] for (uint e = 0; e < 4; e++) {
+        f16vec2 h = unpackFloat2x16(w[e]);
+        f[2 * e] = h.x;
+        f[2 * e + 1] = h.y;
+    }
+    return f;
 }
 
 // The registers into workgroup stage `st`.
 void store_step(uint st) {
+#if !A_DIRECT
     [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
         uint e = sidx + i * STAGERS;
         sa[st * SA_STAGE + (e / KW) * SA_STRIDE + e % KW] = ra[i];
     }
+#endif
+#if !B_DIRECT
     [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
         uint e = sidx + i * STAGERS;
 #if NN
@@ -209,6 +312,7 @@ void store_step(uint st) {
         sb[st * SB_STAGE + (e / KW) * SB_STRIDE + e % KW] = rb[i];
 #endif
     }
+#endif
 }
 
 // One 16-deep slice (kk, in halves) of stage `st`: 4 A and TN B
@@ -217,11 +321,17 @@ void math_slice(uint st, uint kk) {
     FRAG_A fa[4];
     FRAG_B fb[TN];
     [[unroll]] for (uint i = 0; i < 4; i++) {
+#if A_DIRECT
+        fa[i] = frag_a(fa_cur[i * KF + kk / 16]);
+#else
         coopMatLoad(fa[i], sa, st * SA_STAGE + (wr + i * 16) * SA_STRIDE + kk / 8, SA_STRIDE,
                     gl_CooperativeMatrixLayoutRowMajor);
+#endif
     }
     [[unroll]] for (uint j = 0; j < TN; j++) {
-#if NN
+#if B_DIRECT
+        fb[j] = frag_b(fb_cur[j * KF + kk / 16]);
+#elif NN
         coopMatLoad(fb[j], sb, st * SB_STAGE + kk * SB_STRIDE + (wc + j * 16) / 8, SB_STRIDE,
                     gl_CooperativeMatrixLayoutRowMajor);
 #else
@@ -271,7 +381,7 @@ void sink(uvec4 x) {
 }
 
 void main() {
-    uint tiles_m = (p.m + BM - 1) / BM;
+    uint tiles_m = (p.m + TM - 1) / TM;
     uint tiles_n = (p.n + BN - 1) / BN;
     uint tiles = tiles_m * tiles_n;
     uint l = gl_WorkGroupID.x + gl_WorkGroupID.y * p.grid_x;
@@ -285,7 +395,7 @@ void main() {
     }
     uint part = l / tiles;
     uint tile = l % tiles;
-    row0 = (tile % tiles_m) * BM;
+    row0 = (tile % tiles_m) * TM;
     col0 = (tile / tiles_m) * BN;
     uint k0 = min(part * p.k_part, p.k);
 #if MODE == 0
@@ -300,14 +410,16 @@ void main() {
     b_off = k0;
 #endif
     c_off = p.c_offset + part * p.c_part_stride;
-    wr = (gl_SubgroupID / SG_COLS) * 64;
-    wc = (gl_SubgroupID % SG_COLS) * (BN / SG_COLS);
+    wr = (gl_SubgroupID / SGC) * 64;
+    wc = (gl_SubgroupID % SGC) * (BN / SGC);
 #if WS
     sidx = gl_LocalInvocationIndex - MATH_THREADS;
 #else
     sidx = gl_LocalInvocationIndex;
 #endif
     set_addresses();
+    fa_first = ((row0 + wr) / 16) * (p.k / 16) * 32 + gl_SubgroupInvocationID;
+    fb_first = ((col0 + wc) / 16) * (p.k / 16) * 32 + gl_SubgroupInvocationID;
     uint steps = (kp + BK - 1) / BK;
     [[unroll]] for (uint t = 0; t < 4 * TN; t++) {
         acc[t] = ACC(0.0);
@@ -352,12 +464,15 @@ void main() {
 #elif MODE == 0
 #if STAGES == 2
     load_step(0);
+    load_direct(0);
     store_step(0);
+    advance_direct();
     barrier();
     for (uint s = 0; s < steps; s++) {
         uint st = s & 1;
         if (s + 1 < steps) {
             load_step(s + 1);
+            load_direct(s + 1);
         }
 #if INTERLEAVE
         math_slice(st, 0);
@@ -373,18 +488,22 @@ void main() {
             store_step(st ^ 1);
         }
 #endif
-        barrier();
+        STAGE_BARRIER();
+        advance_direct();
     }
 #else
     load_step(0);
+    load_direct(0);
     for (uint s = 0; s < steps; s++) {
         store_step(0);
-        barrier();
+        advance_direct();
+        STAGE_BARRIER();
         if (s + 1 < steps) {
             load_step(s + 1);
+            load_direct(s + 1);
         }
         math_step(0);
-        barrier();
+        STAGE_BARRIER();
     }
 #endif
     epilogue();

@@ -7,7 +7,8 @@
 //! compiled in here): each as the GEMM (mode 0) for both layouts, and the
 //! ceiling report's diagnostics (modes 2, 3, 4) for each distinct plain
 //! configuration, plus one multiply-adds-from-registers kernel (mode 1) and
-//! the pre-tiled and f16-accumulator timings of the two production tiles.
+//! the pre-tiled and f16-accumulator timings of the two production tiles
+//! and the timings of operands read straight into fragments.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -32,7 +33,8 @@ struct Variant {
     mode: u32,
     nn: bool,
     /// Operands read as if pre-tiled (ceiling report timing only): bit 0
-    /// A, bit 1 B.
+    /// A, bit 1 B; bits 2 and 3: A and B read straight into fragments;
+    /// bit 4: the tall 256 x 64 tile (`PRETILED` in the shader).
     pretiled: u32,
     /// f16 accumulators (ceiling report timing only).
     acc16: bool,
@@ -92,14 +94,35 @@ fn variants() -> Vec<Variant> {
                 });
             }
         }
+        // Fragments read straight from memory, one 16-byte load per
+        // invocation and fragment (docs/PERFORMANCE.md, row 37): A only (B
+        // staged), both (nothing staged), and A only on the tall 256 x 64
+        // tile (bit 4), where no two subgroups read the same A rows.
+        // Timing only.
+        for (bm, bk, stages, direct) in [(128, 32, 2, 4), (128, 64, 1, 4), (128, 16, 1, 12), (128, 32, 2, 20)] {
+            let t = GlslTile {
+                bm,
+                bk,
+                stages,
+                interleave: false,
+                ws: false,
+                sg_cols: 2,
+            };
+            v.push(Variant {
+                pretiled: direct,
+                ..plain(0, nn, t)
+            });
+        }
     }
     v
 }
 
 fn name(v: Variant) -> String {
     let pt = ["", "_pta", "_ptb", "_pt"][v.pretiled as usize & 3];
+    let direct = ["", "_fa", "_fb", "_fab"][(v.pretiled as usize >> 2) & 3];
+    let tall = if v.pretiled & 16 != 0 { "_tall" } else { "" };
     let h = if v.acc16 { "_h" } else { "" };
-    format!("{}{pt}{h}", v.tile.kernel_name(v.mode, v.nn))
+    format!("{}{pt}{direct}{tall}{h}", v.tile.kernel_name(v.mode, v.nn))
 }
 
 fn main() {

@@ -29,7 +29,9 @@ pub struct CeilingKernel {
     /// It reads A and B as if each K step's tile were one contiguous run
     /// (`PRETILED` in `gemm_khr.comp`): a timing of that layout, whose
     /// result is not the GEMM of the row-major operands. It needs m, n and
-    /// k to be multiples of the tile. Bit 0: A, bit 1: B.
+    /// k to be multiples of the tile. Bit 0: A, bit 1: B; bits 2 and 3: A
+    /// and B read straight into fragments as if stored in fragment order;
+    /// bit 4: a 256 × 64 C tile in place of 128 × 128.
     pub pretiled: u32,
     /// It accumulates in f16 (`ACC16`): a timing of what halving the
     /// accumulator registers buys; its sums are not accurate enough to use.
@@ -46,6 +48,10 @@ impl CeilingKernel {
     pub fn label(&self) -> String {
         let mut label = self.tile.to_string();
         label.push_str(["", " pre-tiled A", " pre-tiled B", " pre-tiled"][self.pretiled as usize & 3]);
+        label.push_str(["", " A direct", " B direct", " A+B direct"][(self.pretiled as usize >> 2) & 3]);
+        if self.pretiled & 16 != 0 {
+            label.push_str(" 256x64");
+        }
         if self.acc16 {
             label.push_str(" f16-acc");
         }

@@ -73,8 +73,10 @@ pub struct GlslKernel {
     pub name: &'static str,
     mode: u32,
     nn: bool,
-    /// Reads A (bit 0) and B (bit 1) as if pre-tiled (`PRETILED`): a
-    /// ceiling-report timing, not the GEMM of the row-major operands.
+    /// Reads A (bit 0) and B (bit 1) as if pre-tiled, or A (bit 2) and B
+    /// (bit 3) straight into fragments as if stored in fragment order, bit
+    /// 4 on a 256 × 64 C tile (`PRETILED`): a ceiling-report timing, not
+    /// the GEMM of the row-major operands.
     pub pretiled: u32,
     /// f16 accumulators (`ACC16`): a ceiling-report timing only.
     pub acc16: bool,
@@ -113,9 +115,21 @@ impl GlslKernel {
         self.tile.invocations()
     }
 
-    /// Workgroup memory in bytes.
+    /// Workgroup memory in bytes (an operand read straight into fragments,
+    /// `pretiled` bits 2 and 3, keeps one word of its stage).
     pub fn shared_bytes(&self) -> u32 {
-        self.tile.layout_shared_bytes(self.nn)
+        let t = self.tile;
+        let a = t.stages * t.bm * (t.bk / 8 + 1) * 16;
+        let b = t.layout_shared_bytes(self.nn) - a;
+        // The tall tile (bit 4): twice the rows, half the columns.
+        let (a, b) = if self.pretiled & 16 != 0 {
+            (2 * a, b.div_ceil(2) + 16)
+        } else {
+            (a, b)
+        };
+        let a = if self.pretiled & 4 != 0 { 16 } else { a };
+        let b = if self.pretiled & 8 != 0 { 16 } else { b };
+        a + b
     }
 
     /// Its SPIR-V as words (the build writes them little-endian).
@@ -283,6 +297,15 @@ mod tests {
                 );
             }
             assert!(KERNELS.iter().any(|k| k.acc16 && k.nn == nn && k.pretiled == 0));
+            // Fragments read straight from memory: A, A and B, A on the tall tile.
+            for direct in [4, 12, 20] {
+                assert!(
+                    KERNELS
+                        .iter()
+                        .any(|k| k.pretiled == direct && k.nn == nn && k.part() == CeilingPart::Gemm),
+                    "direct {direct}, nn {nn}"
+                );
+            }
         }
     }
 
