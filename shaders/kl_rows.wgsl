@@ -42,10 +42,44 @@ fn fold(ms: vec2<f32>, x: f32) -> vec2<f32> {
     return vec2<f32>(ms.x, ms.y + exp(x - ms.x));
 }
 
+// The running fold and whether a non-finite logit was seen.
+struct Fold {
+    ms: vec2<f32>,
+    bad: u32,
+}
+
+// Folds the logits of word j4 (4 logits; those past vocab skipped).
+fn fold4(st: Fold, x4: vec4<f32>, j4: u32, vocab: u32) -> Fold {
+    var out = st;
+    for (var c = 0u; c < 4u; c++) {
+        let x = x4[c];
+        if j4 * 4u + c >= vocab {
+            break;
+        }
+        if non_finite(x) {
+            out.bad = 1u;
+        } else {
+            out.ms = fold(out.ms, x);
+        }
+    }
+    return out;
+}
+
 // Merges two (max, sum of exp(x - max)) pairs.
 fn merge(m1: f32, s1: f32, m2: f32, s2: f32) -> vec2<f32> {
     let m = max(m1, m2);
     return vec2<f32>(m, s1 * exp(m1 - m) + s2 * exp(m2 - m));
+}
+
+// c * p_S for word j4's 4 logits, zero past vocab.
+fn grad4(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f16> {
+    var g = vec4<f32>(0.0);
+    for (var e = 0u; e < 4u; e++) {
+        if j4 * 4u + e < vocab {
+            g[e] = c * exp(x4[e] - lse);
+        }
+    }
+    return vec4<f16>(g);
 }
 
 @compute @workgroup_size(256)
@@ -59,23 +93,26 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
 
     // Pass 1: online max and sum of exp(s - max), plus a non-finite flag,
     // over 4 logits at a time (those past vocab skipped).
-    var ms = vec2<f32>(NEG_HUGE, 0.0);
-    var bad = 0u;
+    var st = Fold(vec2<f32>(NEG_HUGE, 0.0), 0u);
     let base4 = base / 4u;
-    for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
-        let x4 = logits[base4 + j4];
-        for (var c = 0u; c < 4u; c++) {
-            let x = x4[c];
-            if j4 * 4u + c >= vocab {
-                break;
-            }
-            if non_finite(x) {
-                bad = 1u;
-            } else {
-                ms = fold(ms, x);
-            }
-        }
+    let words = (vocab + 3u) / 4u;
+    // Four 16-byte loads in flight per invocation.
+    var j4 = lid;
+    for (; j4 + 3u * WG < words; j4 += 4u * WG) {
+        let xa = logits[base4 + j4];
+        let xb = logits[base4 + j4 + WG];
+        let xc = logits[base4 + j4 + 2u * WG];
+        let xd = logits[base4 + j4 + 3u * WG];
+        st = fold4(st, xa, j4, vocab);
+        st = fold4(st, xb, j4 + WG, vocab);
+        st = fold4(st, xc, j4 + 2u * WG, vocab);
+        st = fold4(st, xd, j4 + 3u * WG, vocab);
     }
+    for (; j4 < words; j4 += WG) {
+        st = fold4(st, logits[base4 + j4], j4, vocab);
+    }
+    let ms = st.ms;
+    let bad = st.bad;
     let m = ms.x;
     let s = ms.y;
     red_max[lid] = m;
@@ -132,15 +169,20 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
 
     // Pass 2: grad = c * p_S everywhere, zero in the padding, 4 at a time ...
     let c = coef[row];
-    for (var j4 = lid; j4 * 4u < params.ld; j4 += WG) {
-        let x4 = logits[base4 + j4];
-        var g = vec4<f32>(0.0);
-        for (var e = 0u; e < 4u; e++) {
-            if j4 * 4u + e < vocab {
-                g[e] = c * exp(x4[e] - lse);
-            }
-        }
-        grad[base4 + j4] = vec4<f16>(g);
+    let padded = params.ld / 4u;
+    var g4 = lid;
+    for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
+        let xa = logits[base4 + g4];
+        let xb = logits[base4 + g4 + WG];
+        let xc = logits[base4 + g4 + 2u * WG];
+        let xd = logits[base4 + g4 + 3u * WG];
+        grad[base4 + g4] = grad4(xa, g4, vocab, c, lse);
+        grad[base4 + g4 + WG] = grad4(xb, g4 + WG, vocab, c, lse);
+        grad[base4 + g4 + 2u * WG] = grad4(xc, g4 + 2u * WG, vocab, c, lse);
+        grad[base4 + g4 + 3u * WG] = grad4(xd, g4 + 3u * WG, vocab, c, lse);
+    }
+    for (; g4 < padded; g4 += WG) {
+        grad[base4 + g4] = grad4(logits[base4 + g4], g4, vocab, c, lse);
     }
     // ... then c * (p_S - p_T) on the teacher's columns. The barrier orders
     // these stores after the ones above within the workgroup.
