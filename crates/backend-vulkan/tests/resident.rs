@@ -5,12 +5,9 @@
 //! caller's `vk::Buffer`s.
 
 use ash::vk;
-use headkl_core::{
-    Backend, DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, Error, HeadData, HeadWeights,
-    Hidden, HiddenDtype, LossOptions, SliceOptions, Teacher,
-};
+use headkl_core::{Backend, Error};
 use headkl_reference::conformance::open_or_skip;
-use headkl_reference::Tolerance;
+use headkl_reference::conformance::trainer::{TrainerCase, TrainerOperand};
 use headkl_vulkan::{ExternalVulkan, VulkanBackend, VulkanOptions};
 
 headkl_reference::resident_conformance_tests!(
@@ -121,80 +118,33 @@ fn head_kl_on_the_trainers_device_and_buffers() {
         queue: (trainer.family, 0),
         matrix_units: false,
     };
-    let (vocab, hs, ntok, k) = (500usize, 40usize, 37usize, 8usize);
-    let w: Vec<f32> = (0..vocab * hs)
-        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 200.0)
-        .collect();
-    let x: Vec<f32> = (0..ntok * hs).map(|i| ((i * 13 % 29) as f32 - 14.0) / 10.0).collect();
-    let ids: Vec<u32> = (0..ntok * k)
-        .map(|i| ((i / k) * 7 + (i % k) * 61) as u32 % vocab as u32)
-        .collect();
-    let probs: Vec<f32> = (0..ntok * k).map(|i| 1.0 + (i % k) as f32).collect();
-    let (inputs, in_mem) = trainer.buffer(1 << 16);
-    let (outputs, out_mem) = trainer.buffer(1 << 16);
+    let case = TrainerCase::new();
+    let at = case.layout();
+    let (inputs, in_mem) = trainer.buffer(at.input_bytes);
+    let (outputs, out_mem) = trainer.buffer(at.output_bytes);
     {
         // SAFETY: the trainer's handles are valid and outlive the backend
         // (destroyed at the end of this test, after it); the device has the
         // 16-bit storage and f16 features; no other thread uses the queue.
         let backend = unsafe { VulkanBackend::from_raw(ext, &VulkanOptions::default()) }.expect("from_raw");
-        let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).expect("head");
-        let mut engine = Engine::new(
-            &backend,
-            &head,
-            SliceOptions {
-                max_rows_per_slice: Some(128),
-            },
-        )
-        .expect("engine");
-        // SAFETY: the buffers are the trainer's, made on this device with
-        // storage and transfer usage, alive until the end of the test.
-        let view = |b, off, bytes: usize| unsafe { backend.wrap_buffer(b, off, bytes as u64) }.expect("view");
-        let (x_off, ids_off, probs_off) = (256u64, 256 + 8192, 256 + 8192 + 4096);
-        let (xv, idv, pv) = (
-            view(inputs, x_off, ntok * hs * 4),
-            view(inputs, ids_off, ntok * k * 4),
-            view(inputs, probs_off, ntok * k * 4),
-        );
-        backend.upload(&xv, 0, bytemuck::cast_slice(&x)).expect("upload");
-        backend.upload(&idv, 0, bytemuck::cast_slice(&ids)).expect("upload");
-        backend.upload(&pv, 0, bytemuck::cast_slice(&probs)).expect("upload");
-        let (lv, dv) = (view(outputs, 512, ntok * 4), view(outputs, 1024, ntok * hs * 4));
-        engine
-            .head_kl_device(
-                ntok,
-                &DeviceHidden {
-                    buffer: &xv,
-                    dtype: HiddenDtype::F32,
-                },
-                &DeviceTeacher {
-                    ids: &idv,
-                    probs: &pv,
-                    k,
-                },
-                &DeviceLossOutput { loss: &lv, dx: &dv },
-                &DeviceLossOptions {
-                    max_rows_per_chunk: Some(16),
-                    ..DeviceLossOptions::default()
-                },
-            )
-            .expect("head_kl_device");
-        engine.wait_device().expect("wait");
-        let mut dx = vec![0f32; ntok * hs];
+        let view = |op: TrainerOperand| {
+            let (offset, bytes) = case.place(op);
+            let buffer = if op.in_inputs() { inputs } else { outputs };
+            // SAFETY: the buffers are the trainer's, made on this device with
+            // storage and transfer usage, alive until the end of the test.
+            unsafe { backend.wrap_buffer(buffer, offset, bytes) }.expect("view")
+        };
+        // The trainer's writes, through the views (its memory need not be
+        // host-visible); the output buffer starts zeroed.
+        for (op, bytes) in case.input_writes() {
+            backend.upload(&view(op), 0, bytes).expect("upload");
+        }
+        let zeros = vec![0u8; at.loss as usize];
         backend
-            .download(&dv, 0, bytemuck::cast_slice_mut(&mut dx))
-            .expect("download");
-        let teacher = Teacher::new(&ids, &probs, ntok, k, vocab).expect("teacher");
-        let host = engine
-            .head_kl(
-                &Hidden::f32(&x, ntok, hs).expect("hidden"),
-                &teacher,
-                &LossOptions::default(),
-            )
-            .expect("host head_kl");
-        let host_dx: Vec<f64> = host.dx.iter().map(|&v| f64::from(v)).collect();
-        Tolerance::default()
-            .check_dx_rows(&dx, &host_dx, Some(hs))
-            .expect("dx matches the host path");
+            .upload(&view(TrainerOperand::BeforeOutputs), 0, &zeros)
+            .expect("zero");
+        let mut engine = case.engine(&backend).expect("engine");
+        case.check(&mut engine, view).unwrap_or_else(|e| panic!("{e}"));
         assert!(
             matches!(engine.backend().take_diagnostics().as_slice(), []),
             "diagnostics"

@@ -46,6 +46,7 @@ mod cases;
 mod kernels;
 mod overlap;
 pub mod resident;
+pub mod trainer;
 
 use std::panic::AssertUnwindSafe;
 
