@@ -3,11 +3,10 @@
 //! after waiting for that submission only, so the next chunk's work can be
 //! queued (and run) meanwhile.
 
-use std::collections::HashMap;
 use std::sync::mpsc;
 
 use headkl_core::checks::check_transfer;
-use headkl_core::{DeviceBuffer, Error, PendingDownload, Result};
+use headkl_core::{DeviceBuffer, DownloadsInFlight, PendingDownload, Result};
 
 use crate::backend_error;
 use crate::buffer::{lock, WgpuBuffer};
@@ -32,8 +31,7 @@ pub(crate) struct Readback {
 /// The backend's downloads in flight, by ticket, and idle staging buffers.
 #[derive(Default)]
 pub(crate) struct Readbacks {
-    next_ticket: u64,
-    in_flight: HashMap<u64, Readback>,
+    in_flight: DownloadsInFlight<Readback>,
     pool: Vec<wgpu::Buffer>,
 }
 
@@ -78,44 +76,21 @@ impl WgpuBackend {
         staging.map_async(wgpu::MapMode::Read, 0..span, move |r| {
             let _ = tx.send(r);
         });
-        let mut r = lock(&self.readbacks);
-        let ticket = r.next_ticket;
-        r.next_ticket += 1;
-        r.in_flight.insert(
-            ticket,
-            Readback {
-                staging,
-                submission,
-                mapped,
-                span,
-                skip: (offset - start) as usize,
-                len,
-            },
-        );
-        Ok(PendingDownload::in_flight(ticket, len))
+        let record = Readback {
+            staging,
+            submission,
+            mapped,
+            span,
+            skip: (offset - start) as usize,
+            len,
+        };
+        Ok(lock(&self.readbacks).in_flight.begin(record, len))
     }
 
     /// [`Backend::download_end`](headkl_core::Backend::download_end).
     pub(crate) fn readback_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
-        let len = pending.len();
-        if out.len() != len {
-            return Err(Error::LengthMismatch {
-                field: "download_end output",
-                expected: len,
-                got: out.len(),
-            });
-        }
-        let ticket = match pending.into_parts() {
-            (_, Some(bytes)) => {
-                out.copy_from_slice(&bytes);
-                return Ok(());
-            }
-            (ticket, None) => ticket,
-        };
-        let Some(rb) = lock(&self.readbacks).in_flight.remove(&ticket) else {
-            return Err(backend_error(format!(
-                "download_end: no download in flight as ticket {ticket}"
-            )));
+        let Some(rb) = lock(&self.readbacks).in_flight.end(pending, out, crate::BACKEND)? else {
+            return Ok(());
         };
         self.device
             .poll(wgpu::PollType::Wait {

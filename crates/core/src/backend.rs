@@ -12,7 +12,9 @@
 //! large enough for the extents named in its descriptor: a kernel never has
 //! to check an index against a buffer length.
 
-use crate::error::Result;
+use std::collections::HashMap;
+
+use crate::error::{Error, Result};
 
 /// A device buffer as every backend's checks see it.
 pub trait DeviceBuffer {
@@ -296,6 +298,68 @@ impl PendingDownload {
     }
 }
 
+/// A backend's downloads begun and not yet ended, each a record `R` (its
+/// staging buffer, the submission that fills it) under the ticket its
+/// [`PendingDownload`] carries: the bookkeeping every backend with
+/// asynchronous downloads needs, kept in one place.
+#[derive(Debug)]
+pub struct DownloadsInFlight<R> {
+    next_ticket: u64,
+    records: HashMap<u64, R>,
+}
+
+impl<R> Default for DownloadsInFlight<R> {
+    fn default() -> Self {
+        Self {
+            next_ticket: 1,
+            records: HashMap::new(),
+        }
+    }
+}
+
+impl<R> DownloadsInFlight<R> {
+    /// Files `record` for a download of `len` bytes.
+    pub fn begin(&mut self, record: R, len: usize) -> PendingDownload {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.records.insert(ticket, record);
+        PendingDownload::in_flight(ticket, len)
+    }
+
+    /// Takes `pending`'s record back once `out` is checked to be its
+    /// length. A download that finished when it began is copied into `out`
+    /// here and gives `None`; a ticket this set never issued (or already
+    /// ended) is an error naming `backend`.
+    pub fn end(&mut self, pending: PendingDownload, out: &mut [u8], backend: &'static str) -> Result<Option<R>> {
+        let len = pending.len();
+        if out.len() != len {
+            return Err(Error::LengthMismatch {
+                field: "download_end output",
+                expected: len,
+                got: out.len(),
+            });
+        }
+        match pending.into_parts() {
+            (_, Some(bytes)) => {
+                out.copy_from_slice(&bytes);
+                Ok(None)
+            }
+            (ticket, None) => match self.records.remove(&ticket) {
+                Some(record) => Ok(Some(record)),
+                None => Err(Error::Backend {
+                    backend,
+                    message: format!("download_end: no download in flight as ticket {ticket}"),
+                }),
+            },
+        }
+    }
+
+    /// Every record still filed, removed (at teardown).
+    pub fn drain(&mut self) -> impl Iterator<Item = R> + '_ {
+        self.records.drain().map(|(_, record)| record)
+    }
+}
+
 /// A device that can run the driver: buffers, transfers and kernels.
 ///
 /// Errors are for what the caller cannot anticipate: out-of-memory, device
@@ -485,5 +549,42 @@ impl<T: Backend + ?Sized> Backend for &T {
     }
     fn take_diagnostics(&self) -> Vec<String> {
         (**self).take_diagnostics()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn downloads_in_flight_give_back_each_record_once() {
+        let mut set = DownloadsInFlight::default();
+        let (a, b) = (set.begin("a", 4), set.begin("b", 2));
+        let mut out = [0u8; 4];
+        assert!(matches!(
+            set.end(b, &mut out, "test"),
+            Err(Error::LengthMismatch {
+                expected: 2,
+                got: 4,
+                ..
+            })
+        ));
+        assert_eq!(set.end(a, &mut out, "test").ok().flatten(), Some("a"));
+        // The ready path copies and files nothing.
+        let mut ready_out = [0u8; 3];
+        assert_eq!(
+            set.end(PendingDownload::ready(vec![7, 8, 9]), &mut ready_out, "test")
+                .ok(),
+            Some(None)
+        );
+        assert_eq!(ready_out, [7, 8, 9]);
+        // A ticket ended twice (here: one never issued) names the backend.
+        match set.end(PendingDownload::in_flight(99, 4), &mut out, "test") {
+            Err(Error::Backend { backend, message }) => {
+                assert!(backend == "test" && message.contains("99"), "{message}")
+            }
+            other => panic!("expected a backend error, got {other:?}"),
+        }
+        assert_eq!(set.drain().count(), 1, "b is still filed");
     }
 }

@@ -37,8 +37,8 @@ pub mod split;
 pub mod tune_cache;
 
 pub use backend::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats,
-    PendingDownload, SumPartsDesc, TopkDesc,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, HeadLayout, KernelTime, KlDesc,
+    MemoryStats, PendingDownload, SumPartsDesc, TopkDesc,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, SliceOptions, TopK};

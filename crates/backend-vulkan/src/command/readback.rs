@@ -3,11 +3,9 @@
 //! finished. Reading first submits whatever is recorded since, so the
 //! device computes the next chunk while the host copies this one out.
 
-use std::collections::HashMap;
-
 use ash::vk;
 use headkl_core::checks::check_transfer;
-use headkl_core::{DeviceBuffer, Error, PendingDownload, Result};
+use headkl_core::{DeviceBuffer, DownloadsInFlight, PendingDownload, Result};
 
 use super::Stream;
 use crate::conv::backend_error;
@@ -28,8 +26,7 @@ struct Readback {
 /// The stream's downloads in flight, by ticket, and idle host buffers.
 #[derive(Default)]
 pub(super) struct Readbacks {
-    next_ticket: u64,
-    in_flight: HashMap<u64, Readback>,
+    in_flight: DownloadsInFlight<Readback>,
     pool: Vec<HostBuffer>,
 }
 
@@ -37,7 +34,7 @@ impl Readbacks {
     /// Frees every host buffer. The stream has waited for its work.
     pub(super) fn destroy(&mut self, device: &Device) {
         let pooled = self.pool.drain(..);
-        let in_flight = self.in_flight.drain().map(|(_, r)| r.host);
+        let in_flight = self.in_flight.drain().map(|r| r.host);
         for host in pooled.chain(in_flight) {
             // SAFETY: the stream flushed before this (Stream's drop), so the
             // GPU is done with every host buffer; each was made on `device`.
@@ -96,44 +93,21 @@ impl Stream {
             );
         }
         self.readback_recorded = true;
-        let r = &mut self.readbacks;
-        let ticket = r.next_ticket;
-        r.next_ticket += 1;
-        r.in_flight.insert(
-            ticket,
-            Readback {
-                host,
-                // The batch being recorded goes out as the next submission.
-                submission: self.submits + 1,
-                len,
-            },
-        );
-        Ok(PendingDownload::in_flight(ticket, len))
+        let record = Readback {
+            host,
+            // The batch being recorded goes out as the next submission.
+            submission: self.submits + 1,
+            len,
+        };
+        Ok(self.readbacks.in_flight.begin(record, len))
     }
 
     /// [`Backend::download_end`](headkl_core::Backend::download_end): waits
     /// for the download's batch (submitting what is recorded first, so the
     /// device keeps working while the host copies) and reads it.
     pub(crate) fn download_end(&mut self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
-        let len = pending.len();
-        if out.len() != len {
-            return Err(Error::LengthMismatch {
-                field: "download_end output",
-                expected: len,
-                got: out.len(),
-            });
-        }
-        let ticket = match pending.into_parts() {
-            (_, Some(bytes)) => {
-                out.copy_from_slice(&bytes);
-                return Ok(());
-            }
-            (ticket, None) => ticket,
-        };
-        let Some(rb) = self.readbacks.in_flight.remove(&ticket) else {
-            return Err(backend_error(format!(
-                "download_end: no download in flight as ticket {ticket}"
-            )));
+        let Some(rb) = self.readbacks.in_flight.end(pending, out, crate::conv::BACKEND)? else {
+            return Ok(());
         };
         let waited = self.wait_for_submission(rb.submission);
         if waited.is_ok() {
