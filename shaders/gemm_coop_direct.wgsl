@@ -21,37 +21,7 @@ override SG_SIZE: u32 = 32u;
 const BM: u32 = 64u;
 const BN: u32 = 64u;
 
-// One workgroup's output tile and reduction part (split-K: workgroup l is
-// part l / tiles of tile l % tiles): the part's length and its first
-// elements of A, B and C.
-struct Tile {
-    valid: bool,
-    row0: u32,
-    col0: u32,
-    k: u32,
-    a_off: u32,
-    b_off: u32,
-    c_off: u32,
-}
-
-fn tile_of(wg: vec3<u32>, nn: bool) -> Tile {
-    let tiles_m = (params.m + BM - 1u) / BM;
-    let tiles_n = (params.n + BN - 1u) / BN;
-    let tiles = tiles_m * tiles_n;
-    let l = wg.x + wg.y * params.grid_x;
-    let part = l / max(tiles, 1u);
-    let t = l % max(tiles, 1u);
-    // The part's reduction range [k0, k1): K past k1 is the next part's.
-    let k0 = min(part * params.k_part, params.k);
-    let k1 = min(k0 + params.k_part, params.k);
-    // B stored [n][k] (nt) starts the part k0 columns in; [k][n] (nn), k0 rows.
-    var b_off = k0;
-    if nn {
-        b_off = k0 * params.ldb;
-    }
-    return Tile(l < tiles * params.k_parts, (t % tiles_m) * BM, (t / tiles_m) * BN, k1 - k0,
-        params.a_offset + k0, b_off, params.c_offset + part * params.c_part_stride);
-}
+// `Tile` and `tile_of`: shaders/gemm_common.wgsl.
 
 // Row (or column) of a 16-wide fragment at `start`, moved back inside
 // `extent` (a multiple of 16): a fragment past m or n reads a valid one and
@@ -91,7 +61,7 @@ fn load_b(nn: bool, b_off: u32, col: u32, kk: u32) -> coop_mat16x16<f16, B> {
 // The whole kernel for either layout of B (`nn` is a constant at each
 // entry point, so the driver folds the branch in load_b away).
 fn gemm(wg: vec3<u32>, nn: bool) {
-    let blk = tile_of(wg, nn);
+    let blk = tile_of(wg, nn, BM, BN);
     if !blk.valid {
         return;
     }

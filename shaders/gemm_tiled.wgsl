@@ -17,37 +17,7 @@ const TK: u32 = 16u;
 var<workgroup> as_: array<f32, TK * TM>;
 var<workgroup> bs_: array<f32, TK * TN>;
 
-// One workgroup's output tile and reduction part (split-K: workgroup l is
-// part l / tiles of tile l % tiles): the part's length and its first
-// elements of A, B and C.
-struct Tile {
-    valid: bool,
-    row0: u32,
-    col0: u32,
-    k: u32,
-    a_off: u32,
-    b_off: u32,
-    c_off: u32,
-}
-
-fn tile_of(wg: vec3<u32>, nn: bool) -> Tile {
-    let tiles_m = (params.m + TM - 1u) / TM;
-    let tiles_n = (params.n + TN - 1u) / TN;
-    let tiles = tiles_m * tiles_n;
-    let l = wg.x + wg.y * params.grid_x;
-    let part = l / max(tiles, 1u);
-    let t = l % max(tiles, 1u);
-    // The part's reduction range [k0, k1): K past k1 is the next part's.
-    let k0 = min(part * params.k_part, params.k);
-    let k1 = min(k0 + params.k_part, params.k);
-    // B stored [n][k] (nt) starts the part k0 columns in; [k][n] (nn), k0 rows.
-    var b_off = k0;
-    if nn {
-        b_off = k0 * params.ldb;
-    }
-    return Tile(l < tiles * params.k_parts, (t % tiles_m) * TM, (t / tiles_m) * TN, k1 - k0,
-        params.a_offset + k0, b_off, params.c_offset + part * params.c_part_stride);
-}
+// `Tile` and `tile_of`: shaders/gemm_common.wgsl.
 
 // Stages A's 64 x 16 tile at K offset k0: 1024 elements, 4 per invocation.
 fn stage_a(t: Tile, k0: u32, lid: u32) {
@@ -122,7 +92,7 @@ fn stage_b(t: Tile, k0: u32, lid: u32, nn: bool) {
 // The whole kernel for either layout of B (`nn` is a constant at each entry
 // point).
 fn gemm(wg: vec3<u32>, li: vec3<u32>, lid: u32, nn: bool) {
-    let t = tile_of(wg, nn);
+    let t = tile_of(wg, nn, TM, TN);
     if !t.valid {
         return;
     }

@@ -52,6 +52,21 @@ macro_rules! shader {
     };
 }
 
+/// A GEMM shader: its file followed by `shaders/gemm_common.wgsl` (the
+/// workgroup's tile and split-K part, shared by every WGSL GEMM).
+macro_rules! gemm_shader {
+    ($file:literal) => {
+        Shader {
+            file: $file,
+            text: concat!(
+                include_str!(concat!("../../../shaders/", $file)),
+                include_str!("../../../shaders/gemm_common.wgsl")
+            ),
+            params: GemmParams::BLOCK,
+        }
+    };
+}
+
 /// `convert.wgsl`: f32 → f16 hidden rows.
 pub const CONVERT_WGSL: Shader = shader!("convert.wgsl", ConvertParams);
 /// `kl_rows.wgsl`: the KL row kernel.
@@ -59,11 +74,11 @@ pub const KL_ROWS_WGSL: Shader = shader!("kl_rows.wgsl", RowParams);
 /// `topk_rows.wgsl`: the exact top-k row kernel.
 pub const TOPK_ROWS_WGSL: Shader = shader!("topk_rows.wgsl", RowParams);
 /// `gemm_tiled.wgsl`: the portable GEMM (no matrix units).
-pub const GEMM_TILED_WGSL: Shader = shader!("gemm_tiled.wgsl", GemmParams);
+pub const GEMM_TILED_WGSL: Shader = gemm_shader!("gemm_tiled.wgsl");
 /// `gemm_coop.wgsl`: the matrix-unit GEMM staged through workgroup memory.
-pub const GEMM_COOP_WGSL: Shader = shader!("gemm_coop.wgsl", GemmParams);
+pub const GEMM_COOP_WGSL: Shader = gemm_shader!("gemm_coop.wgsl");
 /// `gemm_coop_direct.wgsl`: the matrix-unit GEMM without workgroup memory.
-pub const GEMM_COOP_DIRECT_WGSL: Shader = shader!("gemm_coop_direct.wgsl", GemmParams);
+pub const GEMM_COOP_DIRECT_WGSL: Shader = gemm_shader!("gemm_coop_direct.wgsl");
 /// `sum_parts.wgsl`: a split-K GEMM's partial blocks summed.
 pub const SUM_PARTS_WGSL: Shader = shader!("sum_parts.wgsl", SumPartsParams);
 
