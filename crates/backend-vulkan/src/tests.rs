@@ -76,6 +76,19 @@ fn params(words: [u32; 4]) -> impl FnOnce(u32) -> Vec<u8> {
     }
 }
 
+/// Records `x[i] += v` on the first `n` floats of `x` (the test kernel),
+/// timed as `label`.
+fn add(b: &VulkanBackend, x: &crate::VulkanBuffer, n: u64, v: f32, label: &'static str) -> headkl_core::Result<()> {
+    b.dispatch(
+        &ADD,
+        key(&ADD, "add", Vec::new()),
+        n.div_ceil(64),
+        params([n as u32, v.to_bits(), 0, 0]),
+        &[x],
+        label,
+    )
+}
+
 fn assert_clean(b: &VulkanBackend) {
     let d = b.take_diagnostics();
     assert!(d.is_empty(), "validation messages:\n{}", d.join("\n"));
@@ -123,17 +136,7 @@ fn dependent_dispatches_and_ordered_uploads() {
     let n = 5000usize;
     let x = b.alloc((n * 4) as u64, "x").unwrap();
     b.upload(&x, 0, bytemuck::cast_slice(&vec![1.0f32; n])).unwrap();
-    let run = |add: f32| {
-        b.dispatch(
-            &ADD,
-            key(&ADD, "add", Vec::new()),
-            (n as u64).div_ceil(64),
-            params([n as u32, add.to_bits(), 0, 0]),
-            &[&x],
-            "test_add",
-        )
-        .unwrap()
-    };
+    let run = |v: f32| add(&b, &x, n as u64, v, "test_add").unwrap();
     // Each dispatch reads the previous one's result.
     for _ in 0..3 {
         run(2.0);
@@ -185,15 +188,7 @@ fn buffers_dropped_while_work_is_pending_are_freed_later() {
     let n = 1 << 16;
     {
         let x = b.alloc(n * 4, "x").unwrap();
-        b.dispatch(
-            &ADD,
-            key(&ADD, "add", Vec::new()),
-            n.div_ceil(64),
-            params([n as u32, 1f32.to_bits(), 0, 0]),
-            &[&x],
-            "test_add",
-        )
-        .unwrap();
+        add(&b, &x, n, 1.0, "test_add").unwrap();
         assert!(b.memory().current >= before + n * 4);
         // `x` drops here while the dispatch is recorded but not run.
     }
@@ -218,17 +213,7 @@ fn two_submissions_in_flight_at_once() {
     };
     let timed = b.set_profiling(true);
     let n = 1u64 << 16;
-    let add = |x: &crate::VulkanBuffer, v: f32, label: &'static str| {
-        b.dispatch(
-            &ADD,
-            key(&ADD, "add", Vec::new()),
-            n.div_ceil(64),
-            params([n as u32, v.to_bits(), 0, 0]),
-            &[x],
-            label,
-        )
-        .unwrap()
-    };
+    let add = |x: &crate::VulkanBuffer, v: f32, label: &'static str| add(&b, x, n, v, label).unwrap();
     let submissions = || b.stream().unwrap().submissions();
     let before = b.memory().current;
     let x = b.alloc(n * 4, "x").unwrap();
@@ -406,15 +391,7 @@ fn dropping_the_backend_with_two_submissions_in_flight_waits_for_both() {
     let x = b.alloc(n * 4, "x").unwrap();
     for _ in 0..2 {
         b.upload(&x, 0, &vec![0u8; (n * 4) as usize]).unwrap();
-        b.dispatch(
-            &ADD,
-            key(&ADD, "add", Vec::new()),
-            n.div_ceil(64),
-            params([n as u32, 1f32.to_bits(), 0, 0]),
-            &[&x],
-            "test_add",
-        )
-        .unwrap();
+        add(&b, &x, n, 1.0, "test_add").unwrap();
         b.stream().unwrap().submit().unwrap();
     }
     assert_eq!(b.stream().unwrap().submissions(), (2, 0));
@@ -443,15 +420,7 @@ fn kernel_times_are_labelled() {
     let n = 1u64 << 18;
     let x = b.alloc(n * 4, "x").unwrap();
     for _ in 0..3 {
-        b.dispatch(
-            &ADD,
-            key(&ADD, "add", Vec::new()),
-            n.div_ceil(64),
-            params([n as u32, 1f32.to_bits(), 0, 0]),
-            &[&x],
-            "test_add",
-        )
-        .unwrap();
+        add(&b, &x, n, 1.0, "test_add").unwrap();
     }
     b.finish().unwrap();
     let times = b.take_kernel_times().unwrap();
