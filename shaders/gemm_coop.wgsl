@@ -218,20 +218,7 @@ fn store_words(nn: bool, stage: u32, lid: u32, w: Words) {
     }
 }
 
-// alpha * acc (+ C) into C's 16 x 16 tile at (row, col), when inside m x n.
-fn store_tile(t: Tile, acc: coop_mat16x16<f32, C>, row: u32, col: u32) {
-    if row >= params.m || col >= params.n {
-        return;
-    }
-    let o = t.c_off + row * params.ldc + col;
-    let ldc = params.ldc;
-    var r = params.alpha * acc;
-    if params.accumulate != 0u {
-        let prev = coopLoadT<coop_mat16x16<f32, C>>(&c[o], ldc);
-        r = r + prev;
-    }
-    coopStoreT(r, &c[o], ldc);
-}
+// `store_tile`: shaders/gemm_coop_common.wgsl.
 
 // Fragment of stage `base`'s B tile for output columns [col, col + 16) and K
 // rows [ks, ks + 16): staged [BN][BK + PAD] (nt: a column-major fragment) or

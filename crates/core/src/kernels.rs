@@ -53,7 +53,9 @@ macro_rules! shader {
 }
 
 /// A GEMM shader: its file followed by `shaders/gemm_common.wgsl` (the
-/// workgroup's tile and split-K part, shared by every WGSL GEMM).
+/// workgroup's tile and split-K part, shared by every WGSL GEMM) and, for
+/// the matrix-unit ones, `shaders/gemm_coop_common.wgsl` (the C tile's
+/// store).
 macro_rules! gemm_shader {
     ($file:literal) => {
         Shader {
@@ -61,6 +63,17 @@ macro_rules! gemm_shader {
             text: concat!(
                 include_str!(concat!("../../../shaders/", $file)),
                 include_str!("../../../shaders/gemm_common.wgsl")
+            ),
+            params: GemmParams::BLOCK,
+        }
+    };
+    ($file:literal, coop) => {
+        Shader {
+            file: $file,
+            text: concat!(
+                include_str!(concat!("../../../shaders/", $file)),
+                include_str!("../../../shaders/gemm_common.wgsl"),
+                include_str!("../../../shaders/gemm_coop_common.wgsl")
             ),
             params: GemmParams::BLOCK,
         }
@@ -76,9 +89,9 @@ pub const TOPK_ROWS_WGSL: Shader = shader!("topk_rows.wgsl", RowParams);
 /// `gemm_tiled.wgsl`: the portable GEMM (no matrix units).
 pub const GEMM_TILED_WGSL: Shader = gemm_shader!("gemm_tiled.wgsl");
 /// `gemm_coop.wgsl`: the matrix-unit GEMM staged through workgroup memory.
-pub const GEMM_COOP_WGSL: Shader = gemm_shader!("gemm_coop.wgsl");
+pub const GEMM_COOP_WGSL: Shader = gemm_shader!("gemm_coop.wgsl", coop);
 /// `gemm_coop_direct.wgsl`: the matrix-unit GEMM without workgroup memory.
-pub const GEMM_COOP_DIRECT_WGSL: Shader = gemm_shader!("gemm_coop_direct.wgsl");
+pub const GEMM_COOP_DIRECT_WGSL: Shader = gemm_shader!("gemm_coop_direct.wgsl", coop);
 /// `sum_parts.wgsl`: a split-K GEMM's partial blocks summed.
 pub const SUM_PARTS_WGSL: Shader = shader!("sum_parts.wgsl", SumPartsParams);
 
