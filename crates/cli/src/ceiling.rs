@@ -10,8 +10,10 @@
 //! default the GLSL `bm128.bk64.s1` tile), labelled with its kernel. Two tiles also get
 //! (c), (d) and (e) with operands read as if pre-tiled (each K step's tile
 //! one contiguous run), and their GEMMs with f16 accumulators (half the
-//! accumulator registers): timings of what those levers would buy, never
-//! checked, since their results are not the GEMM headkl computes.
+//! accumulator registers); a few tiles also read A (or A and B) straight
+//! into fragments as if stored in fragment order (docs/PERFORMANCE.md, row
+//! 37): timings of what those levers would buy, never checked, since their
+//! results are not the GEMM headkl computes.
 //! Each is printed as
 //! TFLOP/s (the rate of a GEMM that moves the same bytes, for (c) and (d))
 //! and as a percentage of (a).
