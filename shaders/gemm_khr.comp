@@ -23,7 +23,8 @@
 //           result is not a GEMM of the row-major operands; m, n and k
 //           must divide the tile.
 //           bit 4: the TALL tile below (with bit 2: each A row read by
-//           one subgroup only)
+//           one subgroup only); bit 5: no barriers in the main loop (a
+//           race, timed only to price the barriers)
 //           bit 2: A, bit 3: B read straight into fragment registers, not
 //           staged, as if stored in fragment order (each 16 x 16 fragment
 //           one 512-byte run, invocation i's elements its 16 bytes i): one
@@ -120,8 +121,11 @@ shared uvec4 sb[STAGES * SB_STAGE];
 #endif
 
 // With both operands read straight into fragments nothing is staged, so
-// the subgroups need not wait for each other.
-#if A_DIRECT && B_DIRECT
+// the subgroups need not wait for each other. PRETILED bit 5 (ceiling
+// report only) drops the loop's barriers anyway: the subgroups then read
+// stages other subgroups may be rewriting, so the result is garbage, but
+// the time says what the barriers cost.
+#if (A_DIRECT && B_DIRECT) || (PRETILED & 32) != 0
 #define STAGE_BARRIER()
 #else
 #define STAGE_BARRIER() barrier()

@@ -34,7 +34,8 @@ struct Variant {
     nn: bool,
     /// Operands read as if pre-tiled (ceiling report timing only): bit 0
     /// A, bit 1 B; bits 2 and 3: A and B read straight into fragments;
-    /// bit 4: the tall 256 x 64 tile (`PRETILED` in the shader).
+    /// bit 4: the tall 256 x 64 tile; bit 5: no barriers in the main loop
+    /// (`PRETILED` in the shader).
     pretiled: u32,
     /// f16 accumulators (ceiling report timing only).
     acc16: bool,
@@ -97,9 +98,22 @@ fn variants() -> Vec<Variant> {
         // Fragments read straight from memory, one 16-byte load per
         // invocation and fragment (docs/PERFORMANCE.md, row 37): A only (B
         // staged), both (nothing staged), and A only on the tall 256 x 64
-        // tile (bit 4), where no two subgroups read the same A rows.
-        // Timing only.
-        for (bm, bk, stages, direct) in [(128, 32, 2, 4), (128, 64, 1, 4), (128, 16, 1, 12), (128, 32, 2, 20)] {
+        // tile (bit 4), where no two subgroups read the same A rows; and
+        // the main loop without its barriers (bit 5). Timing only.
+        for (bm, bk, stages, direct, acc16) in [
+            (128, 32, 2, 4, false),
+            (128, 64, 1, 4, false),
+            (128, 16, 1, 12, false),
+            (128, 32, 2, 20, false),
+            // With f16 accumulators too: whether freeing 64 registers for a
+            // third workgroup an SM pays once the A stage is gone.
+            (128, 32, 2, 20, true),
+            (128, 16, 2, 20, true),
+            // Without the main loop's barriers (a race: what they cost).
+            (128, 64, 1, 32, false),
+            (128, 32, 2, 32, false),
+            (128, 32, 2, 52, false),
+        ] {
             let t = GlslTile {
                 bm,
                 bk,
@@ -110,6 +124,7 @@ fn variants() -> Vec<Variant> {
             };
             v.push(Variant {
                 pretiled: direct,
+                acc16,
                 ..plain(0, nn, t)
             });
         }
@@ -121,6 +136,11 @@ fn name(v: Variant) -> String {
     let pt = ["", "_pta", "_ptb", "_pt"][v.pretiled as usize & 3];
     let direct = ["", "_fa", "_fb", "_fab"][(v.pretiled as usize >> 2) & 3];
     let tall = if v.pretiled & 16 != 0 { "_tall" } else { "" };
+    let tall = if v.pretiled & 32 != 0 {
+        format!("{tall}_nobar")
+    } else {
+        tall.to_string()
+    };
     let h = if v.acc16 { "_h" } else { "" };
     format!("{}{pt}{direct}{tall}{h}", v.tile.kernel_name(v.mode, v.nn))
 }

@@ -31,7 +31,8 @@ pub struct CeilingKernel {
     /// result is not the GEMM of the row-major operands. It needs m, n and
     /// k to be multiples of the tile. Bit 0: A, bit 1: B; bits 2 and 3: A
     /// and B read straight into fragments as if stored in fragment order;
-    /// bit 4: a 256 × 64 C tile in place of 128 × 128.
+    /// bit 4: a 256 × 64 C tile in place of 128 × 128; bit 5: no barriers in
+    /// the main loop (a race).
     pub pretiled: u32,
     /// It accumulates in f16 (`ACC16`): a timing of what halving the
     /// accumulator registers buys; its sums are not accurate enough to use.
@@ -51,6 +52,9 @@ impl CeilingKernel {
         label.push_str(["", " A direct", " B direct", " A+B direct"][(self.pretiled as usize >> 2) & 3]);
         if self.pretiled & 16 != 0 {
             label.push_str(" 256x64");
+        }
+        if self.pretiled & 32 != 0 {
+            label.push_str(" no barriers");
         }
         if self.acc16 {
             label.push_str(" f16-acc");

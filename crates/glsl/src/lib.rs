@@ -75,8 +75,9 @@ pub struct GlslKernel {
     nn: bool,
     /// Reads A (bit 0) and B (bit 1) as if pre-tiled, or A (bit 2) and B
     /// (bit 3) straight into fragments as if stored in fragment order, bit
-    /// 4 on a 256 × 64 C tile (`PRETILED`): a ceiling-report timing, not
-    /// the GEMM of the row-major operands.
+    /// 4 on a 256 × 64 C tile, bit 5 without the main loop's barriers
+    /// (`PRETILED`): a ceiling-report timing, not the GEMM of the row-major
+    /// operands.
     pub pretiled: u32,
     /// f16 accumulators (`ACC16`): a ceiling-report timing only.
     pub acc16: bool,
@@ -297,8 +298,9 @@ mod tests {
                 );
             }
             assert!(KERNELS.iter().any(|k| k.acc16 && k.nn == nn && k.pretiled == 0));
-            // Fragments read straight from memory: A, A and B, A on the tall tile.
-            for direct in [4, 12, 20] {
+            // Fragments read straight from memory: A, A and B, A on the tall
+            // tile; without the loop's barriers, staged and A direct.
+            for direct in [4, 12, 20, 32, 52] {
                 assert!(
                     KERNELS
                         .iter()
