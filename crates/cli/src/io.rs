@@ -281,9 +281,13 @@ impl PendingOutput {
         let mut last_err = None;
         for attempt in 0..100u32 {
             let temp = dir.join(format!(".{name}.{}.{attempt}.tmp", std::process::id()));
+            // Registered before it exists: a signal between the two would
+            // otherwise leave the file behind (seen in CI). Unlinking a name
+            // that does not exist yet, or a stale one of an earlier process
+            // with this id, is harmless.
+            let on_signal = crate::signals::remove_on_signal(&temp);
             match OpenOptions::new().write(true).create_new(true).open(&temp) {
                 Ok(file) => {
-                    let on_signal = crate::signals::remove_on_signal(&temp);
                     return Ok(Self {
                         target: target.to_path_buf(),
                         temp,
