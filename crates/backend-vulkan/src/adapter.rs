@@ -91,9 +91,6 @@ pub(crate) struct Caps {
     /// The family `QueueChoice::Auto` opens (a compute-only one where there
     /// is one), for the listing.
     pub(crate) compute_family: Option<u32>,
-    /// Timestamp bits of the opened family (of `compute_family` until a
-    /// device is open).
-    pub(crate) timestamp_valid_bits: u32,
     pub(crate) timestamp_period_ns: f32,
     pub(crate) max_storage_buffer_range: u64,
     pub(crate) min_uniform_offset_alignment: u64,
@@ -264,7 +261,6 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         device_type: props.device_type,
         queue_families: Vec::new(),
         compute_family: None,
-        timestamp_valid_bits: 0,
         timestamp_period_ns: props.limits.timestamp_period,
         max_storage_buffer_range: u64::from(props.limits.max_storage_buffer_range),
         min_uniform_offset_alignment: props.limits.min_uniform_buffer_offset_alignment.max(16),
@@ -411,9 +407,6 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
     // Speed before kernel timing: a compute-only family without timestamps
     // still wins (the backend then reports wall time only).
     caps.compute_family = QueueChoice::Auto.pick(&caps.queue_families, false).ok();
-    caps.timestamp_valid_bits = caps
-        .compute_family
-        .map_or(0, |i| caps.queue_families[i as usize].timestamp_bits);
 
     // Memory: the device-local heaps.
     // SAFETY: valid instance and device; plain data back.

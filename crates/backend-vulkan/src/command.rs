@@ -153,7 +153,7 @@ impl Stream {
 
     /// Whether the queue can write timestamps.
     pub(crate) fn can_time(&self) -> bool {
-        self.device.caps.timestamp_valid_bits > 0
+        self.device.timestamp_valid_bits() > 0
     }
 
     /// Turns timing on (creating the query pool) or off. Waits for queued
@@ -174,7 +174,7 @@ impl Stream {
             // SAFETY: valid device and create info.
             let pool = unsafe { self.device.raw.create_query_pool(&info, None) }
                 .map_err(|e| vk_error(e, "vkCreateQueryPool"))?;
-            let bits = self.device.caps.timestamp_valid_bits;
+            let bits = self.device.timestamp_valid_bits();
             self.timer = Some(Timer {
                 pool,
                 period_ns: f64::from(self.device.caps.timestamp_period_ns),

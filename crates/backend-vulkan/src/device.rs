@@ -95,9 +95,8 @@ impl Device {
         want_coop: bool,
         options: &crate::VulkanOptions,
     ) -> Result<Arc<Self>> {
-        let mut caps = adapter.caps.clone();
+        let caps = adapter.caps.clone();
         let family = options.queue.pick(&caps.queue_families, false)?;
-        caps.timestamp_valid_bits = caps.queue_families[family as usize].timestamp_bits;
         let f = caps.features;
         let s = caps.sources;
         let coop = want_coop && caps.coop_capable();
@@ -228,6 +227,16 @@ impl Device {
         }))
     }
 
+    /// Valid bits of the queue's timestamps (0: it cannot time kernels).
+    /// They follow the family opened (a caller's own, for an external
+    /// device), not the one the listing shows.
+    pub(crate) fn timestamp_valid_bits(&self) -> u32 {
+        self.caps
+            .queue_families
+            .get(self.family as usize)
+            .map_or(0, |f| f.timestamp_bits)
+    }
+
     /// The queue's family in words (`family 2 (compute)`).
     pub(crate) fn queue_description(&self) -> String {
         headkl_core::QueueFamily::describe_in(&self.caps.queue_families, self.family)
@@ -238,17 +247,11 @@ impl Device {
     pub(crate) fn external(
         instance: Arc<Instance>,
         physical: vk::PhysicalDevice,
-        mut caps: Caps,
+        caps: Caps,
         raw: ash::Device,
         queue: (u32, u32),
         enabled: Enabled,
     ) -> Arc<Self> {
-        // Kernel timing follows the caller's family, not the one headkl
-        // would have picked.
-        caps.timestamp_valid_bits = caps
-            .queue_families
-            .get(queue.0 as usize)
-            .map_or(0, |f| f.timestamp_bits);
         // SAFETY: the caller guarantees (VulkanBackend::from_raw) that the
         // device was created with this queue.
         let handle = unsafe { raw.get_device_queue(queue.0, queue.1) };
