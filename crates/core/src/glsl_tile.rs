@@ -81,14 +81,18 @@ impl GlslTile {
     /// `[k][n]`): per stage, A `[BM][BK/8 + 1]` and B `[128][BK/8 + 1]`
     /// (`[BK][128/8 + 1]` with `nn`) 16-byte words.
     pub const fn layout_shared_bytes(self, nn: bool) -> u32 {
+        let (a, b) = self.stage_bytes(nn, self.bm, GLSL_BN);
+        self.stages * (a + b)
+    }
+
+    /// Bytes of one stage of A and of B for a C tile of `rows` × `cols`
+    /// (`nn`: B staged `[BK][cols/8 + 1]`, else `[cols][BK/8 + 1]`; A
+    /// `[rows][BK/8 + 1]`), in skewed 16-byte words.
+    pub const fn stage_bytes(self, nn: bool, rows: u32, cols: u32) -> (u32, u32) {
         let kw = self.bk / 8;
-        let a = self.bm * (kw + 1);
-        let b = if nn {
-            self.bk * (GLSL_BN / 8 + 1)
-        } else {
-            GLSL_BN * (kw + 1)
-        };
-        self.stages * (a + b) * 16
+        let a = rows * (kw + 1);
+        let b = if nn { self.bk * (cols / 8 + 1) } else { cols * (kw + 1) };
+        (a * 16, b * 16)
     }
 
     /// Workgroup memory in bytes of the larger of its two layouts.

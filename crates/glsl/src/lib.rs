@@ -116,20 +116,19 @@ impl GlslKernel {
         self.tile.invocations()
     }
 
-    /// Workgroup memory in bytes (an operand read straight into fragments,
-    /// `pretiled` bits 2 and 3, keeps one word of its stage).
+    /// Workgroup memory in bytes, as the shader declares it: the tall tile
+    /// (`pretiled` bit 4) stages 2·BM rows of A and 64 columns of B, and an
+    /// operand read straight into fragments (bits 2 and 3) keeps one word.
     pub fn shared_bytes(&self) -> u32 {
         let t = self.tile;
-        let a = t.stages * t.bm * (t.bk / 8 + 1) * 16;
-        let b = t.layout_shared_bytes(self.nn) - a;
-        // The tall tile (bit 4): twice the rows, half the columns.
-        let (a, b) = if self.pretiled & 16 != 0 {
-            (2 * a, b.div_ceil(2) + 16)
+        let (rows, cols) = if self.pretiled & 16 != 0 {
+            (2 * t.bm, 64)
         } else {
-            (a, b)
+            (t.bm, headkl_core::glsl_tile::GLSL_BN)
         };
-        let a = if self.pretiled & 4 != 0 { 16 } else { a };
-        let b = if self.pretiled & 8 != 0 { 16 } else { b };
+        let (a, b) = t.stage_bytes(self.nn, rows, cols);
+        let a = if self.pretiled & 4 != 0 { 16 } else { t.stages * a };
+        let b = if self.pretiled & 8 != 0 { 16 } else { t.stages * b };
         a + b
     }
 
