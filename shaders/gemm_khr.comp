@@ -279,25 +279,20 @@ void advance_direct() {
 #endif
 }
 
-FRAG_A frag_a(uvec4 w) {
-    FRAG_A f;
-    [[unroll]] for (uint e = 0; e < 4; e++) {
-        f16vec2 h = unpackFloat2x16(w[e]);
-        f[2 * e] = h.x;
-        f[2 * e + 1] = h.y;
+// A fragment of type T from this invocation's 16 bytes: its 8 elements in
+// the device's own order (GLSL has no generics, hence the macro).
+#define FRAGMENT_FROM_WORDS(T, NAME)                       \
+    T NAME(uvec4 w) {                                      \
+        T f;                                               \
+        [[unroll]] for (uint e = 0; e < 4; e++) {          \
+            f16vec2 h = unpackFloat2x16(w[e]);             \
+            f[2 * e] = h.x;                                \
+            f[2 * e + 1] = h.y;                            \
+        }                                                  \
+        return f;                                          \
     }
-    return f;
-}
-
-FRAG_B frag_b(uvec4 w) {
-    FRAG_B f;
-    [[unroll]] for (uint e = 0; e < 4; e++) {
-        f16vec2 h = unpackFloat2x16(w[e]);
-        f[2 * e] = h.x;
-        f[2 * e + 1] = h.y;
-    }
-    return f;
-}
+FRAGMENT_FROM_WORDS(FRAG_A, frag_a)
+FRAGMENT_FROM_WORDS(FRAG_B, frag_b)
 
 // The registers into workgroup stage `st`.
 void store_step(uint st) {
