@@ -25,6 +25,11 @@
 //           bit 4: the TALL tile below (with bit 2: each A row read by
 //           one subgroup only); bit 5: no barriers in the main loop (a
 //           race, timed only to price the barriers)
+//           bit 6: the operands' buffers coherent (the driver may not keep
+//           their lines in the SM's L1, which is not coherent); bit 7 (with
+//           STAGES >= 2): each word stored to workgroup memory as soon as
+//           it is loaded, STAGES - 1 steps ahead, nothing held in registers
+//           across the math. Both still compute the GEMM.
 //           bit 2: A, bit 3: B read straight into fragment registers, not
 //           staged, as if stored in fragment order (each 16 x 16 fragment
 //           one 512-byte run, invocation i's elements its 16 bytes i): one
@@ -91,8 +96,13 @@ layout(set = 0, binding = 0, std140) uniform Params {
 } p;
 // f16 operands, 8 halves (16 bytes) a word: a_offset, lda and ldb are
 // multiples of 8 (core pads them to 16).
-layout(set = 0, binding = 1, std430) readonly buffer ABuf { uvec4 a[]; };
-layout(set = 0, binding = 2, std430) readonly buffer BBuf { uvec4 b[]; };
+#if (PRETILED & 64) != 0
+#define OPERAND coherent readonly
+#else
+#define OPERAND readonly
+#endif
+layout(set = 0, binding = 1, std430) OPERAND buffer ABuf { uvec4 a[]; };
+layout(set = 0, binding = 2, std430) OPERAND buffer BBuf { uvec4 b[]; };
 layout(set = 0, binding = 3, std430) buffer CBuf { float c[]; };
 
 // Staged tiles in 16-byte words; each row is skewed by one word so that
@@ -459,6 +469,33 @@ void main() {
     if (!copier) {
         epilogue();
     }
+
+#elif MODE == 0 && (PRETILED & 128) != 0
+#if STAGES < 2
+#error "PRETILED bit 7 needs STAGES >= 2"
+#endif
+    // Each step's words stored as soon as they are loaded, STAGES - 1 steps
+    // ahead through a ring: where the driver makes a load followed by its
+    // store one asynchronous copy, the copy runs under the math. Step
+    // s + STAGES - 1 goes to the stage step s - 1 read, free since the
+    // barrier that closed that step.
+    for (uint t = 0; t + 1 < STAGES; t++) {
+        if (t < steps) {
+            load_step(t);
+            store_step(t);
+        }
+    }
+    barrier();
+    for (uint s = 0; s < steps; s++) {
+        uint next = s + STAGES - 1;
+        if (next < steps) {
+            load_step(next);
+            store_step(next % STAGES);
+        }
+        math_step(s % STAGES);
+        barrier();
+    }
+    epilogue();
 
 #elif MODE == 0
 #if STAGES == 2

@@ -7,8 +7,9 @@
 //! compiled in here): each as the GEMM (mode 0) for both layouts, and the
 //! ceiling report's diagnostics (modes 2, 3, 4) for each distinct plain
 //! configuration, plus one multiply-adds-from-registers kernel (mode 1) and
-//! the pre-tiled and f16-accumulator timings of the two production tiles
-//! and the timings of operands read straight into fragments.
+//! the pre-tiled and f16-accumulator timings of the two production tiles,
+//! the timings of operands read straight into fragments, and two exact
+//! variants of how the operands are loaded.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -34,8 +35,9 @@ struct Variant {
     nn: bool,
     /// Operands read as if pre-tiled (ceiling report timing only): bit 0
     /// A, bit 1 B; bits 2 and 3: A and B read straight into fragments;
-    /// bit 4: the tall 256 x 64 tile; bit 5: no barriers in the main loop
-    /// (`PRETILED` in the shader).
+    /// bit 4: the tall 256 x 64 tile; bit 5: no barriers in the main loop;
+    /// bit 6: coherent operand buffers; bit 7: words stored to workgroup
+    /// memory as soon as loaded (`PRETILED` in the shader).
     pretiled: u32,
     /// f16 accumulators (ceiling report timing only).
     acc16: bool,
@@ -113,6 +115,12 @@ fn variants() -> Vec<Variant> {
             (128, 64, 1, 32, false),
             (128, 32, 2, 32, false),
             (128, 32, 2, 52, false),
+            // Exact GEMMs (row 39): coherent operand loads (bit 6: L1 not
+            // allocated) on the default tile, and words stored to
+            // workgroup memory as soon as they are loaded (bit 7: a copy the
+            // driver could make asynchronous) through two stages.
+            (128, 64, 1, 64, false),
+            (128, 32, 2, 128, false),
         ] {
             let t = GlslTile {
                 bm,
@@ -141,8 +149,13 @@ fn name(v: Variant) -> String {
     } else {
         tall.to_string()
     };
+    let coherent = if v.pretiled & 64 != 0 { "_coh" } else { "" };
+    let copied = if v.pretiled & 128 != 0 { "_cp" } else { "" };
     let h = if v.acc16 { "_h" } else { "" };
-    format!("{}{pt}{direct}{tall}{h}", v.tile.kernel_name(v.mode, v.nn))
+    format!(
+        "{}{pt}{direct}{tall}{coherent}{copied}{h}",
+        v.tile.kernel_name(v.mode, v.nn)
+    )
 }
 
 fn main() {

@@ -7,7 +7,7 @@
 use headkl_core::glsl_tile::GLSL_BN;
 use headkl_core::params::GemmParams;
 use headkl_core::{CoopGemm, GemmDesc, GlslTile, HeadLayout, Result};
-use headkl_glsl::{CeilingPart, GlslKernel, KERNELS};
+use headkl_glsl::{CeilingPart, GlslKernel, EXACT_BITS, KERNELS};
 
 use crate::command::Binding;
 use crate::conv::backend_error;
@@ -32,7 +32,8 @@ pub struct CeilingKernel {
     /// k to be multiples of the tile. Bit 0: A, bit 1: B; bits 2 and 3: A
     /// and B read straight into fragments as if stored in fragment order;
     /// bit 4: a 256 × 64 C tile in place of 128 × 128; bit 5: no barriers in
-    /// the main loop (a race).
+    /// the main loop (a race). Bits 6 (coherent operand loads) and 7 (words
+    /// copied straight to workgroup memory) still compute the GEMM.
     pub pretiled: u32,
     /// It accumulates in f16 (`ACC16`): a timing of what halving the
     /// accumulator registers buys; its sums are not accurate enough to use.
@@ -42,7 +43,13 @@ pub struct CeilingKernel {
 impl CeilingKernel {
     /// Whether its result is the GEMM of the operands (then it is checked).
     pub fn exact(&self) -> bool {
-        self.pretiled == 0 && !self.acc16
+        self.pretiled & !EXACT_BITS == 0 && !self.acc16
+    }
+
+    /// Whether it is the GEMM headkl runs for its tile (the catalogue's
+    /// build: no `PRETILED` bit, f32 accumulators).
+    pub fn is_tile_gemm(&self) -> bool {
+        self.part == CeilingPart::Gemm && self.pretiled == 0 && !self.acc16
     }
 
     /// Its tile, and what it does differently from the GEMM headkl can run.
@@ -55,6 +62,12 @@ impl CeilingKernel {
         }
         if self.pretiled & 32 != 0 {
             label.push_str(" no barriers");
+        }
+        if self.pretiled & 64 != 0 {
+            label.push_str(" coherent");
+        }
+        if self.pretiled & 128 != 0 {
+            label.push_str(" copied");
         }
         if self.acc16 {
             label.push_str(" f16-acc");
@@ -121,7 +134,7 @@ impl VulkanBackend {
             return Err(backend_error(why));
         }
         let params = desc.check([a, b, c], self.max_binding())?;
-        if kernel.pretiled != 0 {
+        if kernel.pretiled & !EXACT_BITS != 0 {
             // Its reads stay inside the operands only when the tiles divide them.
             let (bm, bk, bn) = (kernel.tile.bm as usize, kernel.tile.bk as usize, GLSL_BN as usize);
             let whole = desc.m.is_multiple_of(bm) && desc.n.is_multiple_of(bn) && desc.k.is_multiple_of(bk);

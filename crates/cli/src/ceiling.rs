@@ -74,7 +74,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
 
     // The correctness gate: each GLSL GEMM tile on the suite's kernel cases.
     let mut tiles: Vec<GlslTile> = Vec::new();
-    for k in kernels.iter().filter(|k| k.part == CeilingPart::Gemm && k.exact()) {
+    for k in kernels.iter().filter(|k| k.is_tile_gemm()) {
         if !tiles.contains(&k.tile) {
             tiles.push(k.tile);
         }

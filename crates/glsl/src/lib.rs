@@ -77,7 +77,8 @@ pub struct GlslKernel {
     /// (bit 3) straight into fragments as if stored in fragment order, bit
     /// 4 on a 256 × 64 C tile, bit 5 without the main loop's barriers
     /// (`PRETILED`): a ceiling-report timing, not the GEMM of the row-major
-    /// operands.
+    /// operands. Bits 6 and 7 ([`EXACT_BITS`]) change how the GEMM loads,
+    /// not what it computes.
     pub pretiled: u32,
     /// f16 accumulators (`ACC16`): a ceiling-report timing only.
     pub acc16: bool,
@@ -86,6 +87,11 @@ pub struct GlslKernel {
     /// Little-endian SPIR-V words.
     spirv: &'static [u8],
 }
+
+/// The `pretiled` bits whose variants still compute the GEMM of the
+/// row-major operands (6: coherent operand loads, 7: words copied straight
+/// to workgroup memory): the ceiling report checks them like the tiles.
+pub const EXACT_BITS: u32 = 64 | 128;
 
 /// Every variant build.rs compiled.
 pub const KERNELS: &[GlslKernel] = include!(concat!(env!("OUT_DIR"), "/glsl_kernels.rs"));
@@ -298,8 +304,9 @@ mod tests {
             }
             assert!(KERNELS.iter().any(|k| k.acc16 && k.nn == nn && k.pretiled == 0));
             // Fragments read straight from memory: A, A and B, A on the tall
-            // tile; without the loop's barriers, staged and A direct.
-            for direct in [4, 12, 20, 32, 52] {
+            // tile; without the loop's barriers, staged and A direct; the
+            // coherent and the copied loads.
+            for direct in [4, 12, 20, 32, 52, 64, 128] {
                 assert!(
                     KERNELS
                         .iter()
