@@ -82,13 +82,19 @@ enum Row {
     Nan,
     /// One +inf among finite values.
     PosInf,
+    /// Descending, with one NaN whose sign bit is set (its order-preserving
+    /// key sorts below every other, so no selection picks it up): at logit 7300 where the row is that long
+    /// (word 1825: the fourth of the four 16-byte loads of the row kernels'
+    /// second round, where the top-k read skips every group below its
+    /// kept keys), else mid-row.
+    OneNan,
     /// ±inf alternating: what an infinite hidden value makes of its logits.
     Infs,
 }
 
 impl Row {
     fn bad(self) -> bool {
-        matches!(self, Row::Nan | Row::PosInf | Row::Infs)
+        matches!(self, Row::Nan | Row::PosInf | Row::OneNan | Row::Infs)
     }
 }
 
@@ -258,6 +264,16 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         KernelCase::Kl(rows("k_eq_v", 2, 40, 48, 40, &[Normal, ZeroProbs])),
         KernelCase::Kl(rows("residue256", 3, 2100, 2112, 8, &[Residue, Residue, Large])),
         KernelCase::Kl(rows("k2048", 2, 2100, 2112, 2048, &[Normal, Ties])),
+        // Rows long enough for the kernels' loops of four 16-byte loads
+        // (4 · 256 words and more), the last word partial.
+        KernelCase::Kl(rows(
+            "wide",
+            5,
+            20_003,
+            20_016,
+            64,
+            &[Normal, Large, OneNan, Ascending, PosInf],
+        )),
         KernelCase::Kl(rows(
             "non_finite",
             5,
@@ -287,6 +303,14 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             &[Residue, Residue, Residue, Ties],
         )),
         KernelCase::Topk(rows("non_finite", 5, 100, 112, 5, &[Normal, Nan, PosInf, Ties, Infs])),
+        KernelCase::Topk(rows(
+            "wide",
+            7,
+            20_003,
+            20_016,
+            64,
+            &[Normal, Ascending, Descending, OneNan, Residue, PosInf, Large],
+        )),
     ]);
     v
 }
@@ -637,7 +661,7 @@ fn crafted_logits(r: &RowSpec, rng: &mut Rng) -> (Vec<f32>, Vec<Vec<f64>>) {
                 Row::Flat => 0.75,
                 Row::Large => (120.0 * rng.uniform() - 60.0) as f32,
                 Row::Ties => rng.below(4) as f32,
-                Row::Descending => -0.01 * j as f32,
+                Row::Descending | Row::OneNan => -0.01 * j as f32,
                 Row::Ascending => 0.01 * j as f32,
                 Row::NegLarge => (-50.0 + rng.normal()) as f32,
                 _ => (3.0 * rng.normal()) as f32,
@@ -656,6 +680,7 @@ fn crafted_logits(r: &RowSpec, rng: &mut Rng) -> (Vec<f32>, Vec<Vec<f64>>) {
             }
             Row::Nan => row.fill(f32::NAN),
             Row::PosInf => row[r.vocab / 3] = f32::INFINITY,
+            Row::OneNan => row[if r.vocab > 7300 { 7300 } else { r.vocab / 2 }] = f32::from_bits(0xffc0_0000),
             Row::Infs => {
                 for (j, v) in row.iter_mut().enumerate() {
                     *v = if j % 3 == 1 { f32::NEG_INFINITY } else { f32::INFINITY };
