@@ -29,7 +29,9 @@
 //           their lines in the SM's L1, which is not coherent); bit 7 (with
 //           STAGES >= 2): each word stored to workgroup memory as soon as
 //           it is loaded, STAGES - 1 steps ahead, nothing held in registers
-//           across the math. Both still compute the GEMM.
+//           across the math. Both still compute the GEMM. Bit 8: 16 x 8 x 16
+//           tiles (B fragments and accumulators 8 columns wide, twice as
+//           many per subgroup) in place of 16 x 16 x 16; also the GEMM.
 //           bit 2: A, bit 3: B read straight into fragment registers, not
 //           staged, as if stored in fragment order (each 16 x 16 fragment
 //           one 512-byte run, invocation i's elements its 16 bytes i): one
@@ -61,8 +63,17 @@ const uint BN = 128;
 const uint SGC = SG_COLS;
 #endif
 const uint SG_ROWS = TM / 64;
+// Columns of a B fragment and an accumulator (PRETILED bit 8: 8).
+#if (PRETILED & 256) != 0
+#define FN 8
+#if (PRETILED & 8) != 0
+#error "B read straight into fragments needs 16-column fragments"
+#endif
+#else
+#define FN 16
+#endif
 // Fragments per subgroup along n.
-const uint TN = BN / SGC / 16;
+const uint TN = BN / SGC / FN;
 // The kernel requires subgroups of exactly 32 (the backend checks).
 const uint MATH_THREADS = SG_ROWS * SGC * 32;
 #if WS
@@ -146,14 +157,14 @@ const uint A_WORDS = TM * KW / STAGERS;
 const uint B_WORDS = BN * KW / STAGERS;
 
 // The C tile as stored.
-#define OUT coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define OUT coopmat<float, gl_ScopeSubgroup, 16, FN, gl_MatrixUseAccumulator>
 #if ACC16
-#define ACC coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define ACC coopmat<float16_t, gl_ScopeSubgroup, 16, FN, gl_MatrixUseAccumulator>
 #else
 #define ACC OUT
 #endif
 #define FRAG_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
-#define FRAG_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
+#define FRAG_B coopmat<float16_t, gl_ScopeSubgroup, 16, FN, gl_MatrixUseB>
 
 uvec4 ra[A_WORDS];
 uvec4 rb[B_WORDS];
@@ -302,7 +313,9 @@ void advance_direct() {
         return f;                                          \
     }
 FRAGMENT_FROM_WORDS(FRAG_A, frag_a)
+#if FN == 16
 FRAGMENT_FROM_WORDS(FRAG_B, frag_b)
+#endif
 
 // The registers into workgroup stage `st`.
 void store_step(uint st) {
@@ -341,10 +354,10 @@ void math_slice(uint st, uint kk) {
 #if B_DIRECT
         fb[j] = frag_b(fb_cur[j * KF + kk / 16]);
 #elif NN
-        coopMatLoad(fb[j], sb, st * SB_STAGE + kk * SB_STRIDE + (wc + j * 16) / 8, SB_STRIDE,
+        coopMatLoad(fb[j], sb, st * SB_STAGE + kk * SB_STRIDE + (wc + j * FN) / 8, SB_STRIDE,
                     gl_CooperativeMatrixLayoutRowMajor);
 #else
-        coopMatLoad(fb[j], sb, st * SB_STAGE + (wc + j * 16) * SB_STRIDE + kk / 8, SB_STRIDE,
+        coopMatLoad(fb[j], sb, st * SB_STAGE + (wc + j * FN) * SB_STRIDE + kk / 8, SB_STRIDE,
                     gl_CooperativeMatrixLayoutColumnMajor);
 #endif
     }
@@ -366,7 +379,7 @@ void epilogue() {
     [[unroll]] for (uint i = 0; i < 4; i++) {
         [[unroll]] for (uint j = 0; j < TN; j++) {
             uint row = row0 + wr + i * 16;
-            uint col = col0 + wc + j * 16;
+            uint col = col0 + wc + j * FN;
             if (row < p.m && col < p.n) {
                 uint o = c_off + row * p.ldc + col;
                 OUT r = OUT(acc[i * TN + j]) * p.alpha;
@@ -554,7 +567,7 @@ void main() {
         coopMatLoad(fa[i], a, (p.a_offset + row * p.lda) / 8, p.lda / 8, gl_CooperativeMatrixLayoutRowMajor);
     }
     [[unroll]] for (uint j = 0; j < TN; j++) {
-        uint col = min(col0 + wc + j * 16, p.n - 16);
+        uint col = min(col0 + wc + j * FN, p.n - FN);
 #if NN
         coopMatLoad(fb[j], b, col / 8, p.ldb / 8, gl_CooperativeMatrixLayoutRowMajor);
 #else

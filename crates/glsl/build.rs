@@ -37,7 +37,8 @@ struct Variant {
     /// A, bit 1 B; bits 2 and 3: A and B read straight into fragments;
     /// bit 4: the tall 256 x 64 tile; bit 5: no barriers in the main loop;
     /// bit 6: coherent operand buffers; bit 7: words stored to workgroup
-    /// memory as soon as loaded (`PRETILED` in the shader).
+    /// memory as soon as loaded; bit 8: 16 x 8 x 16 tiles (`PRETILED` in
+    /// the shader).
     pretiled: u32,
     /// f16 accumulators (ceiling report timing only).
     acc16: bool,
@@ -121,6 +122,10 @@ fn variants() -> Vec<Variant> {
             // driver could make asynchronous) through two stages.
             (128, 64, 1, 64, false),
             (128, 32, 2, 128, false),
+            // 16 x 8 x 16 tiles (bit 8), the last untried lever:
+            // exact GEMMs of the two production tiles.
+            (128, 64, 1, 256, false),
+            (128, 32, 2, 256, false),
         ] {
             let t = GlslTile {
                 bm,
@@ -151,9 +156,10 @@ fn name(v: Variant) -> String {
     };
     let coherent = if v.pretiled & 64 != 0 { "_coh" } else { "" };
     let copied = if v.pretiled & 128 != 0 { "_cp" } else { "" };
+    let narrow = if v.pretiled & 256 != 0 { "_n8" } else { "" };
     let h = if v.acc16 { "_h" } else { "" };
     format!(
-        "{}{pt}{direct}{tall}{coherent}{copied}{h}",
+        "{}{pt}{direct}{tall}{coherent}{copied}{narrow}{h}",
         v.tile.kernel_name(v.mode, v.nn)
     )
 }

@@ -32,8 +32,9 @@ pub struct CeilingKernel {
     /// k to be multiples of the tile. Bit 0: A, bit 1: B; bits 2 and 3: A
     /// and B read straight into fragments as if stored in fragment order;
     /// bit 4: a 256 × 64 C tile in place of 128 × 128; bit 5: no barriers in
-    /// the main loop (a race). Bits 6 (coherent operand loads) and 7 (words
-    /// copied straight to workgroup memory) still compute the GEMM.
+    /// the main loop (a race). Bits 6 (coherent operand loads), 7 (words
+    /// copied straight to workgroup memory) and 8 (16 × 8 × 16 tiles) still
+    /// compute the GEMM.
     pub pretiled: u32,
     /// It accumulates in f16 (`ACC16`): a timing of what halving the
     /// accumulator registers buys; its sums are not accurate enough to use.
@@ -68,6 +69,9 @@ impl CeilingKernel {
         }
         if self.pretiled & 128 != 0 {
             label.push_str(" copied");
+        }
+        if self.pretiled & 256 != 0 {
+            label.push_str(" 16x8x16");
         }
         if self.acc16 {
             label.push_str(" f16-acc");
@@ -104,6 +108,8 @@ impl VulkanBackend {
         KERNELS
             .iter()
             .filter(|k| k.shared_bytes() <= caps.max_shared_memory && k.invocations() <= caps.max_invocations)
+            // 16 × 8 × 16 tiles only where the device lists that shape.
+            .filter(|k| k.pretiled & 256 == 0 || caps.matrix_shapes.contains(&(16, 8, 16)))
             .map(|k| CeilingKernel {
                 name: k.name,
                 part: k.part(),

@@ -77,8 +77,8 @@ pub struct GlslKernel {
     /// (bit 3) straight into fragments as if stored in fragment order, bit
     /// 4 on a 256 × 64 C tile, bit 5 without the main loop's barriers
     /// (`PRETILED`): a ceiling-report timing, not the GEMM of the row-major
-    /// operands. Bits 6 and 7 ([`EXACT_BITS`]) change how the GEMM loads,
-    /// not what it computes.
+    /// operands. Bits 6–8 ([`EXACT_BITS`]) change how the GEMM loads or
+    /// multiplies, not what it computes.
     pub pretiled: u32,
     /// f16 accumulators (`ACC16`): a ceiling-report timing only.
     pub acc16: bool,
@@ -90,8 +90,9 @@ pub struct GlslKernel {
 
 /// The `pretiled` bits whose variants still compute the GEMM of the
 /// row-major operands (6: coherent operand loads, 7: words copied straight
-/// to workgroup memory): the ceiling report checks them like the tiles.
-pub const EXACT_BITS: u32 = 64 | 128;
+/// to workgroup memory, 8: 16 × 8 × 16 tiles): the ceiling report checks
+/// them like the tiles.
+pub const EXACT_BITS: u32 = 64 | 128 | 256;
 
 /// Every variant build.rs compiled.
 pub const KERNELS: &[GlslKernel] = include!(concat!(env!("OUT_DIR"), "/glsl_kernels.rs"));
@@ -306,7 +307,7 @@ mod tests {
             // Fragments read straight from memory: A, A and B, A on the tall
             // tile; without the loop's barriers, staged and A direct; the
             // coherent and the copied loads.
-            for direct in [4, 12, 20, 32, 52, 64, 128] {
+            for direct in [4, 12, 20, 32, 52, 64, 128, 256] {
                 assert!(
                     KERNELS
                         .iter()
