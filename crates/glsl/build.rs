@@ -8,8 +8,8 @@
 //! ceiling report's diagnostics (modes 2, 3, 4) for each distinct plain
 //! configuration, plus one multiply-adds-from-registers kernel (mode 1) and
 //! the pre-tiled and f16-accumulator timings of the two production tiles,
-//! the timings of operands read straight into fragments, and two exact
-//! variants of how the operands are loaded.
+//! the timings of operands read straight into fragments, and exact variants
+//! of how the GEMM loads (coherent, copied) and multiplies (16 x 8 x 16).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -33,12 +33,12 @@ use glsl_tile::{GlslTile, GLSL_TILES};
 struct Variant {
     mode: u32,
     nn: bool,
-    /// Operands read as if pre-tiled (ceiling report timing only): bit 0
-    /// A, bit 1 B; bits 2 and 3: A and B read straight into fragments;
-    /// bit 4: the tall 256 x 64 tile; bit 5: no barriers in the main loop;
-    /// bit 6: coherent operand buffers; bit 7: words stored to workgroup
-    /// memory as soon as loaded; bit 8: 16 x 8 x 16 tiles (`PRETILED` in
-    /// the shader).
+    /// Ceiling-report variants (`PRETILED` in the shader). Timings only:
+    /// bit 0 A, bit 1 B read as if pre-tiled; bits 2 and 3: A and B read
+    /// straight into fragments; bit 4: the tall 256 x 64 tile; bit 5: no
+    /// barriers in the main loop. Still the GEMM: bit 6 coherent operand
+    /// buffers; bit 7 words stored to workgroup memory as soon as loaded;
+    /// bit 8 16 x 8 x 16 tiles.
     pretiled: u32,
     /// f16 accumulators (ceiling report timing only).
     acc16: bool,

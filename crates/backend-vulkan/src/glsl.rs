@@ -7,7 +7,7 @@
 use headkl_core::glsl_tile::GLSL_BN;
 use headkl_core::params::GemmParams;
 use headkl_core::{CoopGemm, GemmDesc, GlslTile, HeadLayout, Result};
-use headkl_glsl::{CeilingPart, GlslKernel, EXACT_BITS, KERNELS};
+use headkl_glsl::{CeilingPart, GlslKernel, KERNELS};
 
 use crate::command::Binding;
 use crate::conv::backend_error;
@@ -39,18 +39,20 @@ pub struct CeilingKernel {
     /// It accumulates in f16 (`ACC16`): a timing of what halving the
     /// accumulator registers buys; its sums are not accurate enough to use.
     pub acc16: bool,
+    /// The build it describes.
+    kernel: &'static GlslKernel,
 }
 
 impl CeilingKernel {
     /// Whether its result is the GEMM of the operands (then it is checked).
     pub fn exact(&self) -> bool {
-        self.pretiled & !EXACT_BITS == 0 && !self.acc16
+        self.kernel.exact()
     }
 
     /// Whether it is the GEMM headkl runs for its tile (the catalogue's
     /// build: no `PRETILED` bit, f32 accumulators).
     pub fn is_tile_gemm(&self) -> bool {
-        self.part == CeilingPart::Gemm && self.pretiled == 0 && !self.acc16
+        self.kernel.is_tile_gemm()
     }
 
     /// Its tile, and what it does differently from the GEMM headkl can run.
@@ -108,8 +110,7 @@ impl VulkanBackend {
         KERNELS
             .iter()
             .filter(|k| k.shared_bytes() <= caps.max_shared_memory && k.invocations() <= caps.max_invocations)
-            // 16 × 8 × 16 tiles only where the device lists that shape.
-            .filter(|k| k.pretiled & 256 == 0 || caps.matrix_shapes.contains(&(16, 8, 16)))
+            .filter(|k| caps.matrix_shapes.contains(&k.matrix_shape()))
             .map(|k| CeilingKernel {
                 name: k.name,
                 part: k.part(),
@@ -117,6 +118,7 @@ impl VulkanBackend {
                 tile: k.tile,
                 pretiled: k.pretiled,
                 acc16: k.acc16,
+                kernel: k,
             })
             .collect()
     }
@@ -140,7 +142,7 @@ impl VulkanBackend {
             return Err(backend_error(why));
         }
         let params = desc.check([a, b, c], self.max_binding())?;
-        if kernel.pretiled & !EXACT_BITS != 0 {
+        if kernel.timing_layout() {
             // Its reads stay inside the operands only when the tiles divide them.
             let (bm, bk, bn) = (kernel.tile.bm as usize, kernel.tile.bk as usize, GLSL_BN as usize);
             let whole = desc.m.is_multiple_of(bm) && desc.n.is_multiple_of(bn) && desc.k.is_multiple_of(bk);

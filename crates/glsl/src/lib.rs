@@ -77,8 +77,8 @@ pub struct GlslKernel {
     /// (bit 3) straight into fragments as if stored in fragment order, bit
     /// 4 on a 256 × 64 C tile, bit 5 without the main loop's barriers
     /// (`PRETILED`): a ceiling-report timing, not the GEMM of the row-major
-    /// operands. Bits 6–8 ([`EXACT_BITS`]) change how the GEMM loads or
-    /// multiplies, not what it computes.
+    /// operands. Bits 6–8 change how the GEMM loads or multiplies, not what
+    /// it computes ([`GlslKernel::exact`]).
     pub pretiled: u32,
     /// f16 accumulators (`ACC16`): a ceiling-report timing only.
     pub acc16: bool,
@@ -92,16 +92,44 @@ pub struct GlslKernel {
 /// row-major operands (6: coherent operand loads, 7: words copied straight
 /// to workgroup memory, 8: 16 × 8 × 16 tiles): the ceiling report checks
 /// them like the tiles.
-pub const EXACT_BITS: u32 = 64 | 128 | 256;
+const EXACT_BITS: u32 = 64 | 128 | 256;
+
+/// `pretiled` bit 8: 16 × 8 × 16 tiles in place of 16 × 16 × 16.
+const NARROW_TILES: u32 = 256;
 
 /// Every variant build.rs compiled.
 pub const KERNELS: &[GlslKernel] = include!(concat!(env!("OUT_DIR"), "/glsl_kernels.rs"));
 
 impl GlslKernel {
-    /// Whether it computes the GEMM of the row-major operands in f32 (the
-    /// others are timing diagnostics).
+    /// Whether its result is the GEMM of the row-major operands in f32, so
+    /// the ceiling report checks it: the catalogue's builds and the variants
+    /// that change only how they load or multiply (`pretiled` bits 6–8).
+    /// The others are timing diagnostics.
     pub fn exact(&self) -> bool {
-        self.pretiled == 0 && !self.acc16
+        !self.timing_layout() && !self.acc16
+    }
+
+    /// Whether it is a timing variant of its reads (`pretiled` bits 0–5:
+    /// pre-tiled or fragment-order operands, the tall tile, no barriers):
+    /// its reads stay inside the operands only when the tiles divide them.
+    pub fn timing_layout(&self) -> bool {
+        self.pretiled & !EXACT_BITS != 0
+    }
+
+    /// Whether it is the GEMM headkl runs for its tile (the catalogue's
+    /// build: mode 0, no `pretiled` bit, f32 accumulators).
+    pub fn is_tile_gemm(&self) -> bool {
+        self.part() == CeilingPart::Gemm && self.pretiled == 0 && !self.acc16
+    }
+
+    /// The cooperative-matrix shape `(m, n, k)` it multiplies with: the
+    /// device must list it.
+    pub fn matrix_shape(&self) -> (u32, u32, u32) {
+        if self.pretiled & NARROW_TILES != 0 {
+            (16, 8, 16)
+        } else {
+            (16, 16, 16)
+        }
     }
 
     /// What it runs.
@@ -148,12 +176,12 @@ impl GlslKernel {
     }
 }
 
-/// The GEMM (mode 0, exact) of `tile` for `layout`, when the build
-/// compiled it (every tile of `GLSL_TILES` is).
+/// The GEMM headkl runs for `tile` and `layout` ([`GlslKernel::is_tile_gemm`]),
+/// when the build compiled it (every tile of `GLSL_TILES` is).
 pub fn gemm(tile: GlslTile, layout: HeadLayout) -> Option<&'static GlslKernel> {
     KERNELS
         .iter()
-        .find(|k| k.mode == 0 && k.exact() && k.layout() == layout && k.tile == tile)
+        .find(|k| k.is_tile_gemm() && k.layout() == layout && k.tile == tile)
 }
 
 /// The variant named `name`.
@@ -291,7 +319,7 @@ mod tests {
         for nn in [false, true] {
             assert!(KERNELS.iter().any(|k| k.part() == CeilingPart::Registers && k.nn == nn));
         }
-        let gemms = KERNELS.iter().filter(|k| k.part() == CeilingPart::Gemm && k.exact());
+        let gemms = KERNELS.iter().filter(|k| k.is_tile_gemm());
         assert_eq!(gemms.count(), 2 * GLSL_TILES.len());
         // Pre-tiled (c), (d) and (e) of the tiles headkl runs, both layouts.
         for nn in [false, true] {
@@ -306,7 +334,7 @@ mod tests {
             assert!(KERNELS.iter().any(|k| k.acc16 && k.nn == nn && k.pretiled == 0));
             // Fragments read straight from memory: A, A and B, A on the tall
             // tile; without the loop's barriers, staged and A direct; the
-            // coherent and the copied loads.
+            // coherent and the copied loads; 16 x 8 x 16 tiles.
             for direct in [4, 12, 20, 32, 52, 64, 128, 256] {
                 assert!(
                     KERNELS
