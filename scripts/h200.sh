@@ -11,6 +11,8 @@
 # back-to-back calls, e.g. `devices check example ceiling` then
 # `bench anchors cublas`.
 #
+# The ceiling step needs a binary built with the report's kernels:
+# `cargo build --release -p headkl-cli --features ceiling`.
 # HEADKL_BIN (default ./target/release/headkl) and DISTILL_BIN (default
 # ./target/release/examples/distill_step) name the binaries.
 set -u

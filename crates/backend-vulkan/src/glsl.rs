@@ -7,7 +7,7 @@
 use headkl_core::glsl_tile::GLSL_BN;
 use headkl_core::params::GemmParams;
 use headkl_core::{CoopGemm, GemmDesc, GlslTile, HeadLayout, Result};
-use headkl_glsl::{CeilingPart, GlslKernel, KERNELS};
+use headkl_glsl::{CeilingPart, GlslKernel, GlslVariant, KERNELS};
 
 use crate::command::Binding;
 use crate::conv::backend_error;
@@ -18,67 +18,43 @@ use crate::VulkanBackend;
 /// A variant the ceiling report can time on this device.
 #[derive(Clone, Debug)]
 pub struct CeilingKernel {
-    /// The label its timings carry.
+    /// The label its timings carry ([`GlslVariant::name`]).
     pub name: &'static str,
-    /// What it runs.
-    pub part: CeilingPart,
-    /// Which GEMM it mimics.
-    pub layout: HeadLayout,
-    /// Its tile configuration.
-    pub tile: GlslTile,
-    /// It reads A and B as if each K step's tile were one contiguous run
-    /// (`PRETILED` in `gemm_khr.comp`): a timing of that layout, whose
-    /// result is not the GEMM of the row-major operands. It needs m, n and
-    /// k to be multiples of the tile. Bit 0: A, bit 1: B; bits 2 and 3: A
-    /// and B read straight into fragments as if stored in fragment order;
-    /// bit 4: a 256 × 64 C tile in place of 128 × 128; bit 5: no barriers in
-    /// the main loop (a race). Bits 6 (coherent operand loads), 7 (words
-    /// copied straight to workgroup memory) and 8 (16 × 8 × 16 tiles) still
-    /// compute the GEMM.
-    pub pretiled: u32,
-    /// It accumulates in f16 (`ACC16`): a timing of what halving the
-    /// accumulator registers buys; its sums are not accurate enough to use.
-    pub acc16: bool,
+    /// What it is: its part, layout, tile and levers.
+    pub variant: GlslVariant,
     /// The build it describes.
     kernel: &'static GlslKernel,
 }
 
 impl CeilingKernel {
+    /// What it runs.
+    pub fn part(&self) -> CeilingPart {
+        self.variant.part
+    }
+
+    /// Which GEMM it mimics.
+    pub fn layout(&self) -> HeadLayout {
+        self.kernel.layout()
+    }
+
+    /// Its tile configuration.
+    pub fn tile(&self) -> GlslTile {
+        self.variant.tile
+    }
+
     /// Whether its result is the GEMM of the operands (then it is checked).
     pub fn exact(&self) -> bool {
         self.kernel.exact()
     }
 
-    /// Whether it is the GEMM headkl runs for its tile (the catalogue's
-    /// build: no `PRETILED` bit, f32 accumulators).
+    /// Whether it is the GEMM headkl runs for its tile.
     pub fn is_tile_gemm(&self) -> bool {
         self.kernel.is_tile_gemm()
     }
 
     /// Its tile, and what it does differently from the GEMM headkl can run.
     pub fn label(&self) -> String {
-        let mut label = self.tile.to_string();
-        label.push_str(["", " pre-tiled A", " pre-tiled B", " pre-tiled"][self.pretiled as usize & 3]);
-        label.push_str(["", " A direct", " B direct", " A+B direct"][(self.pretiled as usize >> 2) & 3]);
-        if self.pretiled & 16 != 0 {
-            label.push_str(" 256x64");
-        }
-        if self.pretiled & 32 != 0 {
-            label.push_str(" no barriers");
-        }
-        if self.pretiled & 64 != 0 {
-            label.push_str(" coherent");
-        }
-        if self.pretiled & 128 != 0 {
-            label.push_str(" copied");
-        }
-        if self.pretiled & 256 != 0 {
-            label.push_str(" 16x8x16");
-        }
-        if self.acc16 {
-            label.push_str(" f16-acc");
-        }
-        label
+        self.variant.label()
     }
 }
 
@@ -113,11 +89,7 @@ impl VulkanBackend {
             .filter(|k| caps.matrix_shapes.contains(&k.matrix_shape()))
             .map(|k| CeilingKernel {
                 name: k.name,
-                part: k.part(),
-                layout: k.layout(),
-                tile: k.tile,
-                pretiled: k.pretiled,
-                acc16: k.acc16,
+                variant: k.variant,
                 kernel: k,
             })
             .collect()
@@ -144,7 +116,7 @@ impl VulkanBackend {
         let params = desc.check([a, b, c], self.max_binding())?;
         if kernel.timing_layout() {
             // Its reads stay inside the operands only when the tiles divide them.
-            let (bm, bk, bn) = (kernel.tile.bm as usize, kernel.tile.bk as usize, GLSL_BN as usize);
+            let (bm, bk, bn) = (kernel.tile().bm as usize, kernel.tile().bk as usize, GLSL_BN as usize);
             let whole = desc.m.is_multiple_of(bm) && desc.n.is_multiple_of(bn) && desc.k.is_multiple_of(bk);
             if !whole || desc.a_offset != 0 || desc.lda != desc.k {
                 return Err(backend_error(format!(
@@ -198,7 +170,7 @@ impl VulkanBackend {
         };
         // One workgroup per tile and split-K part (the diagnostic modes
         // skip the parts past the first).
-        let count = desc.workgroups_for_tile(CoopGemm::Glsl(kernel.tile).tile());
+        let count = desc.workgroups_for_tile(CoopGemm::Glsl(kernel.tile()).tile());
         let grid = headkl_core::fold_workgroups(count);
         let pipeline = self
             .pipelines

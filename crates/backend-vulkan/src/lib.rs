@@ -57,7 +57,7 @@ pub use crate::external::ExternalVulkan;
 pub use crate::glsl::CeilingKernel;
 pub use crate::memory::VulkanBuffer;
 pub use headkl_core::GlslTile;
-pub use headkl_glsl::CeilingPart;
+pub use headkl_glsl::{CeilingPart, CEILING_BUILT};
 
 /// The Vulkan backend's WGSL GEMM kernels without a tune cache or
 /// `HEADKL_GEMM`, on a device that cannot run the GLSL tiles (subgroups

@@ -75,8 +75,8 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
     // The correctness gate: each GLSL GEMM tile on the suite's kernel cases.
     let mut tiles: Vec<GlslTile> = Vec::new();
     for k in kernels.iter().filter(|k| k.is_tile_gemm()) {
-        if !tiles.contains(&k.tile) {
-            tiles.push(k.tile);
+        if !tiles.contains(&k.tile()) {
+            tiles.push(k.tile());
         }
     }
     let mut gate = Vec::new();
@@ -133,15 +133,15 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
                 desc: GemmDesc::dense(m, k, n, layout),
             },
         };
-        let mine: Vec<&CeilingKernel> = kernels.iter().filter(|k| k.layout == layout).collect();
+        let mine: Vec<&CeilingKernel> = kernels.iter().filter(|k| k.layout() == layout).collect();
         let medians = time_layout(&backend, &ops, &mine, iters).map_err(dev)?;
         for (kernel, ms) in mine.iter().zip(&medians) {
             let check = if !kernel.exact() {
                 "timing only".to_string()
-            } else if kernel.part == CeilingPart::Gemm {
+            } else if kernel.part() == CeilingPart::Gemm {
                 let gate = gate
                     .iter()
-                    .find(|(t, _)| *t == kernel.tile)
+                    .find(|(t, _)| *t == kernel.tile())
                     .map_or("-".to_string(), |(_, v)| v.clone());
                 backend
                     .dispatch_glsl(kernel.name, ops.a, ops.b, ops.c, &ops.desc, kernel.name)
@@ -152,7 +152,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
             };
             timed.push(Timed {
                 layout,
-                part: kernel.part,
+                part: kernel.part(),
                 kernel: kernel.label(),
                 ms: *ms,
                 check,

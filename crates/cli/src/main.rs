@@ -201,7 +201,8 @@ Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) o
         /// Instead of tuning: the ceiling report (Vulkan): the matrix-unit
         /// GEMM taken apart, each part as TFLOP/s and % of multiply-adds
         /// from registers, plus timings of operand layouts headkl does not
-        /// use (marked "timing only")
+        /// use (marked "timing only"). Needs a build with the report's
+        /// kernels: `cargo build --release -p headkl-cli --features ceiling`
         #[arg(long)]
         ceiling: bool,
     },

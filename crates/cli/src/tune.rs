@@ -253,6 +253,13 @@ pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
             ),
         ));
     }
+    if cfg.ceiling && !headkl_vulkan::CEILING_BUILT {
+        return Err(CliError::option(
+            "--ceiling",
+            "this headkl was built without the ceiling report's kernels; build it with \
+             `cargo build --release -p headkl-cli --features ceiling`",
+        ));
+    }
     let info = select::open_and_run_gemm(&target, None, InfoJob)?;
     if cfg.ceiling && !info.matrix_units {
         return Err(CliError::option(

@@ -1097,15 +1097,23 @@ fn tune_and_gemm_settings_name_what_is_wrong() {
     }
 }
 
-/// `tune --ceiling`: the report runs the Vulkan backend's GLSL kernels;
-/// another backend, or a device without matrix units (lavapipe in CI), is a
-/// usage error (exit 2) that says why.
+/// `tune --ceiling`: the report runs the Vulkan backend's GLSL kernels,
+/// which only a build with the `ceiling` feature holds; another backend, a
+/// build without them, or a device without matrix units (lavapipe in CI),
+/// is a usage error (exit 2) that says why.
 #[test]
 fn ceiling_report_needs_vulkan_matrix_units() {
     assert_input_error(
         &headkl(&["tune", "--backend", "wgpu", "--ceiling"]),
         &["--ceiling", "--backend vulkan"],
     );
+    if !headkl_vulkan::CEILING_BUILT {
+        assert_input_error(
+            &headkl(&["tune", "--backend", "vulkan", "--ceiling"]),
+            &["--ceiling", "--features ceiling"],
+        );
+        return;
+    }
     let must = std::env::var("HEADKL_REQUIRE")
         .unwrap_or_default()
         .split(',')

@@ -1,10 +1,11 @@
 //! The GEMM tiles of `shaders/gemm_khr.comp` (GLSL, KHR cooperative
-//! matrices): each tile's defines, workgroup size, workgroup memory and
-//! name, and the list of tiles the build compiles.
+//! matrices): each tile's workgroup size, workgroup memory and name, and
+//! the list of tiles the build compiles (each variant's defines are
+//! `headkl_glsl::GlslVariant::defines`).
 //!
 //! This one file is the tile table: `crates/glsl/build.rs` compiles it in
 //! (`#[path]`) and builds exactly [`GLSL_TILES`] (with the ceiling report's
-//! diagnostic variants of each), so it uses nothing outside `core`/`std`.
+//! diagnostic variants of each when its `ceiling` feature is on), so it uses nothing outside `core`/`std`.
 
 use std::fmt;
 
@@ -15,8 +16,8 @@ pub const GLSL_BN: u32 = 128;
 /// counts subgroups of 32).
 pub const GLSL_SUBGROUP: u32 = 32;
 
-/// One tile configuration of `gemm_khr.comp`: its defines other than `MODE`
-/// and `NN`. Named `bm<BM>.bk<BK>.s<STAGES>[.i][.ws][.c<SG_COLS>]`.
+/// One tile configuration of `gemm_khr.comp`: its defines other than `MODE`,
+/// `NN` and the ceiling report's levers. Named `bm<BM>.bk<BK>.s<STAGES>[.i][.ws][.c<SG_COLS>]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GlslTile {
     /// C tile rows (`BM`: 64, 128 or 256; the columns are [`GLSL_BN`]).
@@ -65,11 +66,6 @@ pub const GLSL_TILES: [GlslTile; 13] = [
     tile(128, 64, 1, false, false, 4),
 ];
 
-/// What a variant of `gemm_khr.comp` runs (its `MODE` define): 0 is the
-/// GEMM, 1–4 the ceiling report's diagnostics. Each mode's name heads the
-/// variant's name ([`GlslTile::kernel_name`]).
-pub const GLSL_MODES: [&str; 5] = ["gemm", "regs", "smem", "loads", "staging"];
-
 impl GlslTile {
     /// Invocations per workgroup: BM / 64 × `sg_cols` math subgroups of 32,
     /// and 4 copying subgroups more with `ws`.
@@ -111,26 +107,14 @@ impl GlslTile {
         tile(self.bm, self.bk, self.stages, false, false, self.sg_cols)
     }
 
-    /// The shader's defines for `mode` ([`GLSL_MODES`]) and the layout.
-    pub fn defines(self, mode: u32, nn: bool) -> [(&'static str, u32); 8] {
-        [
-            ("MODE", mode),
-            ("NN", u32::from(nn)),
-            ("BM", self.bm),
-            ("BK", self.bk),
-            ("STAGES", self.stages),
-            ("INTERLEAVE", u32::from(self.interleave)),
-            ("WS", u32::from(self.ws)),
-            ("SG_COLS", self.sg_cols),
-        ]
-    }
-
-    /// The compiled variant's name (its timing label in the ceiling
-    /// report): `gemm_nt_bm128_bk64_s1`, `smem_nn_bm128_bk32_s2_c4`.
-    pub fn kernel_name(self, mode: u32, nn: bool) -> String {
-        let mode = GLSL_MODES.get(mode as usize).copied().unwrap_or("mode");
+    /// The name of a variant of this tile that runs `part` (`gemm`, or a
+    /// ceiling-report part) in a layout (`nn`: the dx layout): its timing
+    /// label, pipeline key and SPIR-V file, before the variant's own tags
+    /// (`headkl_glsl::GlslVariant::name`). `gemm_nt_bm128_bk64_s1`,
+    /// `smem_nn_bm128_bk32_s2_c4`.
+    pub fn kernel_name(self, part: &str, nn: bool) -> String {
         let layout = if nn { "nn" } else { "nt" };
-        let mut name = format!("{mode}_{layout}_bm{}_bk{}_s{}", self.bm, self.bk, self.stages);
+        let mut name = format!("{part}_{layout}_bm{}_bk{}_s{}", self.bm, self.bk, self.stages);
         if self.interleave {
             name.push_str("_i");
         }
@@ -179,8 +163,8 @@ mod tests {
         assert_eq!(GlslTile::from_name("bm96.bk32.s2"), None);
         let ws4 = tile(128, 32, 2, false, true, 4);
         assert_eq!(ws4.to_string(), "bm128.bk32.s2.ws.c4");
-        assert_eq!(ws4.kernel_name(0, true), "gemm_nn_bm128_bk32_s2_ws_c4");
-        assert_eq!(ws4.plain().kernel_name(2, false), "smem_nt_bm128_bk32_s2_c4");
+        assert_eq!(ws4.kernel_name("gemm", true), "gemm_nn_bm128_bk32_s2_ws_c4");
+        assert_eq!(ws4.plain().kernel_name("smem", false), "smem_nt_bm128_bk32_s2_c4");
     }
 
     #[test]
@@ -198,7 +182,6 @@ mod tests {
             assert!(t.shared_bytes() <= 48 << 10, "{t}: {} bytes", t.shared_bytes());
             assert_eq!(t.invocations() % GLSL_SUBGROUP, 0, "{t}");
             assert!(matches!(t.bm, 64 | 128 | 256) && matches!(t.bk, 16 | 32 | 64), "{t}");
-            assert_eq!(t.defines(0, true)[1], ("NN", 1));
         }
     }
 }

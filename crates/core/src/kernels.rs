@@ -178,7 +178,7 @@ impl KernelSource {
     pub fn name(&self) -> String {
         match self {
             KernelSource::Wgsl(shader) => shader.file.to_string(),
-            KernelSource::Glsl { tile, layout } => tile.kernel_name(0, *layout == HeadLayout::Dx),
+            KernelSource::Glsl { tile, layout } => tile.kernel_name("gemm", *layout == HeadLayout::Dx),
         }
     }
 }

@@ -1,0 +1,437 @@
+// The matrix-unit GEMM's shared body in GLSL (KHR cooperative matrices,
+// 16x16x16 f16 x f16 -> f32): its configuration, operands, staging,
+// multiply-adds and C store. crates/glsl/build.rs compiles each variant as
+// this file followed by gemm_khr.comp (the GEMM) or gemm_ceiling.comp (the
+// ceiling report's diagnostic parts), with the defines of its typed
+// description (crates/glsl/src/variant.rs, GlslVariant::defines);
+// shaders/README.md lists them.
+//
+//   NN      0: C = A * B^T, B stored [n][k]; 1: C = A * B, B stored [k][n]
+//   BM      C tile rows per workgroup: 64, 128 or 256; BN is 128
+//   SG_COLS 2 or 4: BM / 64 x SG_COLS math subgroups, each owning 64 rows
+//           and 128 / SG_COLS columns of C (4 x TN accumulators)
+//   BK      K staged per step: 16, 32 or 64
+//   STAGES  1: step s + 1's words go to registers before step s multiplies
+//           and are stored between two barriers; 2: they go to the other
+//           stage, one barrier a step
+//   INTERLEAVE  with STAGES 2: store step s + 1's words after the first
+//           16-deep slice of step s's multiply-adds instead of after all
+//   WS      1: warp-specialised GEMM (MODE 0 only): 4 more subgroups only
+//           copy, running STAGES - 1 steps ahead through a ring of STAGES
+//           stages, while the BM / 64 x 2 math subgroups only multiply;
+//           one barrier a step
+//   MODE    0 the GEMM (gemm_khr.comp); 1-4 the ceiling report's parts
+//           (gemm_ceiling.comp)
+// Ceiling-report levers (the production GEMMs take the first value):
+//   A_READ, B_READ  0 staged from row-major memory; 1 staged, read as if
+//           each K step's tile were one contiguous run ([tile][step][BM or
+//           BN rows][BK]: a timing, not the GEMM; m, n, k must divide the
+//           tile); 2 straight into fragment registers, not staged, as if
+//           stored in fragment order (each 16 x 16 fragment one 512-byte
+//           run, invocation i's elements its 16 bytes i): one 16-byte load
+//           per invocation and fragment, a step ahead (a timing)
+//   TALL    1: the C tile is 2 x BM rows by 64 columns (below; a timing)
+//   BARRIERS  0: no barriers in the main loop (a race, timed only to price
+//           the barriers)
+//   LOAD_KIND  0 plain; 1 the operands' buffers coherent (the driver may
+//           not keep their lines in the SM's L1, which is not coherent);
+//           2 (STAGES >= 2) each word stored to workgroup memory as soon as
+//           it is loaded, STAGES - 1 steps ahead, nothing held in
+//           registers across the math. Both still compute the GEMM
+//   FN      16, or 8 for 16 x 8 x 16 tiles (B fragments and accumulators 8
+//           columns wide, twice as many per subgroup); also the GEMM
+//   ACC16   1: f16 accumulators, half the accumulator registers, to time
+//           what occupancy alone buys; the sums lose precision, so it is
+//           timed, never checked or used
+#version 460
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_control_flow_attributes : require
+
+// TALL (ceiling report only): the workgroup's C tile is 2 x BM rows by 64
+// columns, one column of BM / 32 subgroups, each 64 x 64: as many tiles as
+// BM x 128, but no two subgroups share rows of A.
+#if TALL
+const uint TM = 2 * BM;
+const uint BN = 64;
+const uint SGC = 1;
+#else
+const uint TM = BM;
+const uint BN = 128;
+const uint SGC = SG_COLS;
+#endif
+const uint SG_ROWS = TM / 64;
+// FN: columns of a B fragment and an accumulator.
+#if FN == 8 && B_READ == 2
+#error "B read straight into fragments needs 16-column fragments"
+#endif
+// Fragments per subgroup along n.
+const uint TN = BN / SGC / FN;
+// The kernel requires subgroups of exactly 32 (the backend checks).
+const uint MATH_THREADS = SG_ROWS * SGC * 32;
+#if WS
+// The copying subgroups follow the math ones.
+const uint STAGERS = 128;
+const uint THREADS = MATH_THREADS + STAGERS;
+#else
+const uint STAGERS = MATH_THREADS;
+const uint THREADS = MATH_THREADS;
+#endif
+layout(local_size_x = THREADS, local_size_y = 1, local_size_z = 1) in;
+
+// headkl_core::params::GemmParams, byte for byte.
+layout(set = 0, binding = 0, std140) uniform Params {
+    uint m;
+    uint n;
+    uint k;
+    uint a_offset;
+    uint lda;
+    uint ldb;
+    uint c_offset;
+    uint ldc;
+    float alpha;
+    uint accumulate;
+    uint grid_x;
+    uint k_parts;
+    uint k_part;
+    uint c_part_stride;
+    uint pad0;
+    uint pad1;
+} p;
+// f16 operands, 8 halves (16 bytes) a word: a_offset, lda and ldb are
+// multiples of 8 (core pads them to 16).
+#if LOAD_KIND == 1
+#define OPERAND coherent readonly
+#else
+#define OPERAND readonly
+#endif
+layout(set = 0, binding = 1, std430) OPERAND buffer ABuf { uvec4 a[]; };
+layout(set = 0, binding = 2, std430) OPERAND buffer BBuf { uvec4 b[]; };
+layout(set = 0, binding = 3, std430) buffer CBuf { float c[]; };
+
+// Staged tiles in 16-byte words; each row is skewed by one word so that
+// the eight rows a fragment load reads at once fall in distinct banks.
+const uint KW = BK / 8;
+const uint SA_STRIDE = KW + 1;
+const uint SA_STAGE = TM * SA_STRIDE;
+#if NN
+const uint SB_STRIDE = BN / 8 + 1;
+const uint SB_STAGE = BK * SB_STRIDE;
+#else
+const uint SB_STRIDE = KW + 1;
+const uint SB_STAGE = BN * SB_STRIDE;
+#endif
+#define A_DIRECT (A_READ == 2)
+#define B_DIRECT (B_READ == 2)
+#if A_DIRECT
+shared uvec4 sa[1];
+#else
+shared uvec4 sa[STAGES * SA_STAGE];
+#endif
+#if B_DIRECT
+shared uvec4 sb[1];
+#else
+shared uvec4 sb[STAGES * SB_STAGE];
+#endif
+
+// With both operands read straight into fragments nothing is staged, so
+// the subgroups need not wait for each other. BARRIERS 0 (ceiling report
+// only) drops the loop's barriers anyway: the subgroups then read
+// stages other subgroups may be rewriting, so the result is garbage, but
+// the time says what the barriers cost.
+#if (A_DIRECT && B_DIRECT) || !BARRIERS
+#define STAGE_BARRIER()
+#else
+#define STAGE_BARRIER() barrier()
+#endif
+
+// Words each staging invocation moves per step.
+const uint A_WORDS = TM * KW / STAGERS;
+const uint B_WORDS = BN * KW / STAGERS;
+
+// The C tile as stored.
+#define OUT coopmat<float, gl_ScopeSubgroup, 16, FN, gl_MatrixUseAccumulator>
+#if ACC16
+#define ACC coopmat<float16_t, gl_ScopeSubgroup, 16, FN, gl_MatrixUseAccumulator>
+#else
+#define ACC OUT
+#endif
+#define FRAG_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
+#define FRAG_B coopmat<float16_t, gl_ScopeSubgroup, 16, FN, gl_MatrixUseB>
+
+uvec4 ra[A_WORDS];
+uvec4 rb[B_WORDS];
+// Fragments read straight from memory (A_DIRECT, B_DIRECT): this step's
+// and the next step's 16-byte words, one per fragment and invocation.
+const uint KF = BK / 16;
+uvec4 fa_cur[4 * KF];
+uvec4 fa_nxt[4 * KF];
+uvec4 fb_cur[TN * KF];
+uvec4 fb_nxt[TN * KF];
+uint fa_first, fb_first;
+ACC acc[4 * TN];
+uint row0, col0, wr, wc;
+// Split-K: this workgroup's part of the reduction, its length and its first
+// elements of A, B and C (MODE 0; the diagnostic modes run part 0 only).
+uint kp, a_off, b_off, c_off;
+// This invocation's index among the staging invocations.
+uint sidx;
+// Whether the workgroup's C tile lies inside m x n (then no row or column
+// is clamped), and the word indices of this invocation's first staged word
+// of A and of B at step 0: inside such a tile, every word it loads is a
+// compile-time or uniform stride from these (set_addresses). Computing each
+// address afresh (row clamp, K test, multiply, divide) cost the K-64 tile
+// 10% (logits) and 30% (dx): docs/PERFORMANCE.md, row 24.
+bool whole_tile;
+uint a_first, b_first;
+
+void set_addresses() {
+    whole_tile = row0 + TM <= p.m && col0 + BN <= p.n;
+    // a_offset, lda and ldb are multiples of 8, col0 of 128, and the
+    // part's offsets a_off and b_off of 8 (k_part is a multiple of 64).
+    a_first = (a_off + (row0 + sidx / KW) * p.lda) / 8 + sidx % KW;
+#if NN
+    b_first = (b_off + (sidx / (BN / 8)) * p.ldb + col0) / 8 + sidx % (BN / 8);
+#else
+    b_first = (b_off + (col0 + sidx / KW) * p.ldb) / 8 + sidx % KW;
+#endif
+}
+
+// Staged words of invocation sidx at index i are i * STAGERS further on:
+// that many whole rows of the tile (every configuration has STAGERS a
+// multiple of the words in a row, KW or BN / 8).
+const uint A_ROWS_PER_I = STAGERS / KW;
+#if NN
+const uint B_ROWS_PER_I = STAGERS / (BN / 8);
+#else
+const uint B_ROWS_PER_I = STAGERS / KW;
+#endif
+
+// Step s's words into registers. Rows past m (columns past n) repeat the
+// last one: their products only reach C tiles that are never stored. K past
+// the part's end reads zeros.
+void load_step(uint s) {
+    uint k0 = s * BK;
+    uint steps = p.k / BK;
+#if A_READ != 1 && B_READ != 1
+    // The common case: a whole tile and a whole K step of the part. One add
+    // per word from a per-invocation base; no clamps, no K test.
+    if (whole_tile && k0 + BK <= kp) {
+#if !A_DIRECT
+        [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
+            ra[i] = a[a_first + s * KW + i * A_ROWS_PER_I * (p.lda / 8)];
+        }
+#endif
+#if !B_DIRECT
+        [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
+#if NN
+            rb[i] = b[b_first + s * BK * (p.ldb / 8) + i * B_ROWS_PER_I * (p.ldb / 8)];
+#else
+            rb[i] = b[b_first + s * KW + i * B_ROWS_PER_I * (p.ldb / 8)];
+#endif
+        }
+#endif
+        return;
+    }
+#endif
+#if !A_DIRECT
+    [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
+        uint e = sidx + i * STAGERS;
+#if A_READ == 1
+        ra[i] = a[((row0 / TM) * steps + s) * (TM * KW) + e];
+#else
+        uint row = min(row0 + e / KW, p.m - 1);
+        uint kk = k0 + (e % KW) * 8;
+        ra[i] = kk < kp ? a[(a_off + row * p.lda + kk) / 8] : uvec4(0);
+#endif
+    }
+#endif
+#if !B_DIRECT
+    [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
+        uint e = sidx + i * STAGERS;
+#if B_READ == 1
+        rb[i] = b[((col0 / BN) * steps + s) * (BN * KW) + e];
+#elif NN
+        uint kk = k0 + e / (BN / 8);
+        uint col = min(col0 + (e % (BN / 8)) * 8, p.n - 8);
+        rb[i] = kk < kp ? b[(b_off + kk * p.ldb + col) / 8] : uvec4(0);
+#else
+        uint col = min(col0 + e / KW, p.n - 1);
+        uint kk = k0 + (e % KW) * 8;
+        rb[i] = kk < kp ? b[(b_off + col * p.ldb + kk) / 8] : uvec4(0);
+#endif
+    }
+#endif
+}
+
+// Step s's directly read fragments (timing layout: fragment (r, q) of the
+// m / 16 x k / 16 (n / 16 x k / 16 for B) grid at word (r * k / 16 + q) *
+// 32 + invocation) into the *_nxt registers.
+void load_direct(uint s) {
+#if A_DIRECT
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        [[unroll]] for (uint q = 0; q < KF; q++) {
+            fa_nxt[i * KF + q] = a[fa_first + i * (p.k / 16) * 32 + (s * KF + q) * 32];
+        }
+    }
+#endif
+#if B_DIRECT
+    [[unroll]] for (uint j = 0; j < TN; j++) {
+        [[unroll]] for (uint q = 0; q < KF; q++) {
+            fb_nxt[j * KF + q] = b[fb_first + j * (p.k / 16) * 32 + (s * KF + q) * 32];
+        }
+    }
+#endif
+}
+
+void advance_direct() {
+#if A_DIRECT
+    fa_cur = fa_nxt;
+#endif
+#if B_DIRECT
+    fb_cur = fb_nxt;
+#endif
+}
+
+// A fragment of type T from this invocation's 16 bytes: its 8 elements in
+// the device's own order (GLSL has no generics, hence the macro).
+#define FRAGMENT_FROM_WORDS(T, NAME)                       \
+    T NAME(uvec4 w) {                                      \
+        T f;                                               \
+        [[unroll]] for (uint e = 0; e < 4; e++) {          \
+            f16vec2 h = unpackFloat2x16(w[e]);             \
+            f[2 * e] = h.x;                                \
+            f[2 * e + 1] = h.y;                            \
+        }                                                  \
+        return f;                                          \
+    }
+FRAGMENT_FROM_WORDS(FRAG_A, frag_a)
+#if FN == 16
+FRAGMENT_FROM_WORDS(FRAG_B, frag_b)
+#endif
+
+// The registers into workgroup stage `st`.
+void store_step(uint st) {
+#if !A_DIRECT
+    [[unroll]] for (uint i = 0; i < A_WORDS; i++) {
+        uint e = sidx + i * STAGERS;
+        sa[st * SA_STAGE + (e / KW) * SA_STRIDE + e % KW] = ra[i];
+    }
+#endif
+#if !B_DIRECT
+    [[unroll]] for (uint i = 0; i < B_WORDS; i++) {
+        uint e = sidx + i * STAGERS;
+#if NN
+        sb[st * SB_STAGE + (e / (BN / 8)) * SB_STRIDE + e % (BN / 8)] = rb[i];
+#else
+        sb[st * SB_STAGE + (e / KW) * SB_STRIDE + e % KW] = rb[i];
+#endif
+    }
+#endif
+}
+
+// One 16-deep slice (kk, in halves) of stage `st`: 4 A and TN B
+// fragments, 4 x TN multiply-adds.
+void math_slice(uint st, uint kk) {
+    FRAG_A fa[4];
+    FRAG_B fb[TN];
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+#if A_DIRECT
+        fa[i] = frag_a(fa_cur[i * KF + kk / 16]);
+#else
+        coopMatLoad(fa[i], sa, st * SA_STAGE + (wr + i * 16) * SA_STRIDE + kk / 8, SA_STRIDE,
+                    gl_CooperativeMatrixLayoutRowMajor);
+#endif
+    }
+    [[unroll]] for (uint j = 0; j < TN; j++) {
+#if B_DIRECT
+        fb[j] = frag_b(fb_cur[j * KF + kk / 16]);
+#elif NN
+        coopMatLoad(fb[j], sb, st * SB_STAGE + kk * SB_STRIDE + (wc + j * FN) / 8, SB_STRIDE,
+                    gl_CooperativeMatrixLayoutRowMajor);
+#else
+        coopMatLoad(fb[j], sb, st * SB_STAGE + (wc + j * FN) * SB_STRIDE + kk / 8, SB_STRIDE,
+                    gl_CooperativeMatrixLayoutColumnMajor);
+#endif
+    }
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        [[unroll]] for (uint j = 0; j < TN; j++) {
+            acc[i * TN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * TN + j]);
+        }
+    }
+}
+
+void math_step(uint st) {
+    [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
+        math_slice(st, kk);
+    }
+}
+
+// C (+)= alpha * acc for the subgroup's 16 x 16 tiles inside m x n.
+void epilogue() {
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        [[unroll]] for (uint j = 0; j < TN; j++) {
+            uint row = row0 + wr + i * 16;
+            uint col = col0 + wc + j * FN;
+            if (row < p.m && col < p.n) {
+                uint o = c_off + row * p.ldc + col;
+                OUT r = OUT(acc[i * TN + j]) * p.alpha;
+                if (p.accumulate != 0) {
+                    OUT prev;
+                    coopMatLoad(prev, c, o, p.ldc, gl_CooperativeMatrixLayoutRowMajor);
+                    r = r + prev;
+                }
+                coopMatStore(r, c, o, p.ldc, gl_CooperativeMatrixLayoutRowMajor);
+            }
+        }
+    }
+}
+
+// Start of part k0 of the reduction in B, and this invocation's index among
+// the staging invocations.
+#if NN
+#define PART_B_OFFSET(k0) k0 * p.ldb
+#else
+#define PART_B_OFFSET(k0) k0
+#endif
+#if WS
+#define STAGER_INDEX gl_LocalInvocationIndex - MATH_THREADS
+#else
+#define STAGER_INDEX gl_LocalInvocationIndex
+#endif
+
+// Opens main(): places the workgroup on its C tile and split-K part (or
+// returns when the grid's rounding left it none), sets the invocation's
+// roles and first addresses, declares `steps` (BK-deep steps of its part)
+// and zeroes the accumulators. PARTS: the split-K parts the kernel runs;
+// PART_LEN: the length of this part's reduction, which starts at k0.
+#define ENTER_TILE(PARTS, PART_LEN) \
+    uint tiles_m = (p.m + TM - 1) / TM;                                           \
+    uint tiles_n = (p.n + BN - 1) / BN;                                           \
+    uint tiles = tiles_m * tiles_n;                                               \
+    uint l = gl_WorkGroupID.x + gl_WorkGroupID.y * p.grid_x;                      \
+    uint parts = PARTS;                                                           \
+    if (l >= tiles * parts) {                                                     \
+        return;                                                                   \
+    }                                                                             \
+    uint part = l / tiles;                                                        \
+    uint tile = l % tiles;                                                        \
+    row0 = (tile % tiles_m) * TM;                                                 \
+    col0 = (tile / tiles_m) * BN;                                                 \
+    uint k0 = min(part * p.k_part, p.k);                                          \
+    kp = PART_LEN;                                                                \
+    a_off = p.a_offset + k0;                                                      \
+    b_off = PART_B_OFFSET(k0);                                                    \
+    c_off = p.c_offset + part * p.c_part_stride;                                  \
+    wr = (gl_SubgroupID / SGC) * 64;                                              \
+    wc = (gl_SubgroupID % SGC) * (BN / SGC);                                      \
+    sidx = STAGER_INDEX;                                                          \
+    set_addresses();                                                              \
+    fa_first = ((row0 + wr) / 16) * (p.k / 16) * 32 + gl_SubgroupInvocationID;    \
+    fb_first = ((col0 + wc) / 16) * (p.k / 16) * 32 + gl_SubgroupInvocationID;    \
+    uint steps = (kp + BK - 1) / BK;                                              \
+    [[unroll]] for (uint t = 0; t < 4 * TN; t++) {                                \
+        acc[t] = ACC(0.0);                                                        \
+    }
