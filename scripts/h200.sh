@@ -6,7 +6,11 @@
 #
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
-# [bench] [dxsplit] [anchors] [cublas]   (default: all but tune and dxsplit).
+# [bench] [dxsplit] [anchors] [cublas] [twin]   (default: all but tune, dxsplit
+# and twin). `twin` runs the CUDA twin of the default GEMM tile beside cuBLAS
+# and headkl's Vulkan ceiling report (scripts/cuda_twin/run.py; TWIN_ARGS
+# adds arguments, e.g. --quick); it runs the ceiling itself, so it needs no
+# `ceiling` step beside it.
 # A device call is at most 10 minutes, so split the steps over two
 # back-to-back calls, e.g. `devices check example ceiling` then
 # `bench anchors cublas`.
@@ -111,6 +115,12 @@ fi
 if has anchors; then
     PYTHONUNBUFFERED=1 python3 .anchors/torch_head_kl.py --shapes "$(echo $shapes | tr ' ' ,)" \
         --variants floor,compiled,teacher_topk 2>&1 | tee "$out/anchors.txt" | grep -v Warning | tee -a "$summary"
+fi
+if has twin; then
+    PYTHONUNBUFFERED=1 python3 scripts/cuda_twin/run.py --headkl "$headkl" ${TWIN_ARGS:-} >"$out/twin.txt" 2>&1
+    echo "twin exit=$?" | tee -a "$summary"
+    grep -E "^twin( table|: .*(FAILED|ms,|compiled|lost|stuck))|^variant|^(cuBLAS|twin|async|vulkan)" "$out/twin.txt" \
+        | cut -c1-220 | tee -a "$summary"
 fi
 if has cublas; then
     python3 scripts/cublas_gemm.py 2>&1 | grep -v Warning | tee "$out/cublas.txt" | tee -a "$summary"
