@@ -15,6 +15,8 @@
 # back-to-back calls, e.g. `devices check example ceiling` then
 # `bench anchors cublas`.
 #
+# SHAPES (default "A B"; any of A B S M) picks the bench rows and the
+# anchors' shapes, e.g. SHAPES="S M" for the small students of issue 26.
 # HEADKL_BIN (default ./target/release/headkl) and DISTILL_BIN (default
 # ./target/release/examples/distill_step) name the binaries.
 set -u
@@ -94,6 +96,10 @@ A-wgpu-universal|HEADKL_QUEUE=universal|wgpu|A|
 A-vulkan-universal|HEADKL_QUEUE=universal|vulkan|A|
 B-vulkan||vulkan|B|--resident
 B-wgpu||wgpu|B|
+S-vulkan||vulkan|S|--resident
+S-wgpu||wgpu|S|
+M-vulkan||vulkan|M|--resident
+M-wgpu||wgpu|M|
 LIST
 fi
 if has dxsplit; then

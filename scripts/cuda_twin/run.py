@@ -28,6 +28,9 @@ A variant that computes a wrong result, fails to load or launch, or hangs is
 reported in its row (FAILED ...) and the others still run; the exit status is
 1 if any variant failed. --quick: fewer timing rounds, no second cuBLAS pass.
 --compile-only: compile and report registers (no GPU, no torch needed).
+emulate.py beside this file checks twin.cu's addressing and fragment layouts
+on the CPU (NumPy), modelling ldmatrix and mma.sync as the PTX ISA documents
+them.
 """
 import argparse
 import ctypes
