@@ -244,7 +244,7 @@ class Driver:
 
     def launch(self, fn, grid, dyn_smem, stream, args):
         holders = [ctypes.c_void_p(a.data_ptr()) if hasattr(a, "data_ptr") else ctypes.c_int(a) for a in args]
-        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
+        params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
         self.check(
             self.lib.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, dyn_smem, stream, params, None), "cuLaunchKernel"
         )
@@ -442,6 +442,9 @@ def run_child(pairs, args):
             rows.append(json.loads(line[len("TWIN-ROW ") :]))
         else:
             log("  [child] " + line)
+    if p.returncode != 0:
+        for line in p.stderr.strip().splitlines()[-10:]:
+            log("  [child stderr] " + line)
     done = {(r["variant"], r["layout"]) for r in rows}
     for v, l in pairs:
         if (v, l) not in done:
