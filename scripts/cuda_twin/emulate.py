@@ -23,20 +23,17 @@ import sys
 
 import numpy as np
 
-BM, BN, BK, THREADS = 128, 128, 64, 128
+BM, BN, BK = 128, 128, 64
 KW = BK // 8
 A_STRIDE = KW + 1
 A_STAGE = BM * A_STRIDE
-A_WORDS = B_WORDS = 8
-A_ROWS_PER_I = THREADS // KW
 
 
-def layout(nn):
+def layout(nn, threads):
     b_stride = BN // 8 + 1 if nn else KW + 1
     b_stage = BK * b_stride if nn else BN * b_stride
-    b_rows_per_i = THREADS // (BN // 8) if nn else THREADS // KW
     b_row_words = BN // 8 if nn else KW
-    return b_stride, b_stage, b_rows_per_i, b_row_words
+    return b_stride, b_stage, threads // b_row_words, b_row_words
 
 
 def ldmatrix_x4(smem_words, addrs, trans):
@@ -73,7 +70,13 @@ def mma_16816(acc, a, b0, b1):
         acc[lane, 2:4] += D[g + 8, 2 * t : 2 * t + 2]
 
 
-def run(nn, m, n, k, stages, rng):
+def run(nn, wn, m, n, k, stages, rng):
+    """twin.cu's Cfg<nn, wn> with `stages` stages (1: twin_s1, else async_ring)."""
+    threads = 64 * wn
+    warp_n = BN // wn
+    nt = warp_n // 8
+    a_words = b_words = BM * KW // threads
+    a_rows_per_i = threads // KW
     a = rng.integers(-8, 8, size=(m, k)).astype(np.float64)
     b = rng.integers(-8, 8, size=(k, n) if nn else (n, k)).astype(np.float64)
     lda, ldb, ldc = k, (n if nn else k), n
@@ -81,7 +84,7 @@ def run(nn, m, n, k, stages, rng):
     gw_a = a.reshape(-1, 8)
     gw_b = b.reshape(-1, 8)
     c = np.full((m, n), np.nan)
-    b_stride, b_stage, b_rows_per_i, b_row_words = layout(nn)
+    b_stride, b_stage, b_rows_per_i, b_row_words = layout(nn, threads)
     stage_words = A_STAGE + b_stage
     tiles_m = m // BM
     steps = k // BK
@@ -90,35 +93,35 @@ def run(nn, m, n, k, stages, rng):
         col0 = (tile // tiles_m) * BN
         ldaw, ldbw = lda // 8, ldb // 8
         smem = np.zeros((stages * stage_words, 8))
-        acc = np.zeros((4, 4, 8, 32, 4))  # warp, i, j, lane, 4
+        acc = np.zeros((2 * wn, 4, nt, 32, 4))  # warp, i, j, lane, 4
         for s in range(steps):
             st = s % stages
             sa, sb = st * stage_words, st * stage_words + A_STAGE
-            for tid in range(THREADS):
+            for tid in range(threads):
                 a_first = (row0 + tid // KW) * ldaw + tid % KW
                 if nn:
                     b_first = (tid // (BN // 8)) * ldbw + col0 // 8 + tid % (BN // 8)
                 else:
                     b_first = (col0 + tid // KW) * ldbw + tid % KW
-                for i in range(A_WORDS):
-                    e = tid + i * THREADS
-                    smem[sa + (e // KW) * A_STRIDE + e % KW] = gw_a[a_first + s * KW + i * A_ROWS_PER_I * ldaw]
-                for i in range(B_WORDS):
-                    e = tid + i * THREADS
+                for i in range(a_words):
+                    e = tid + i * threads
+                    smem[sa + (e // KW) * A_STRIDE + e % KW] = gw_a[a_first + s * KW + i * a_rows_per_i * ldaw]
+                for i in range(b_words):
+                    e = tid + i * threads
                     if nn:
                         g = b_first + (s * BK + i * b_rows_per_i) * ldbw
                     else:
                         g = b_first + s * KW + i * b_rows_per_i * ldbw
                     smem[sb + (e // b_row_words) * b_stride + e % b_row_words] = gw_b[g]
-            for warp in range(4):
-                wr, wc = (warp // 2) * 64, (warp % 2) * 64
+            for warp in range(2 * wn):
+                wr, wc = (warp // wn) * 64, (warp % wn) * warp_n
                 for kk in range(BK // 16):
                     fa = []
                     for i in range(4):
                         addrs = [sa + (wr + i * 16 + (l % 16)) * A_STRIDE + kk * 2 + l // 16 for l in range(32)]
                         fa.append(ldmatrix_x4(smem, addrs, False))
                     fb = []
-                    for jj in range(4):
+                    for jj in range(nt // 2):
                         addrs = []
                         for l in range(32):
                             q = l // 8
@@ -131,13 +134,13 @@ def run(nn, m, n, k, stages, rng):
                             addrs.append(sb + krow * b_stride + word)
                         fb.append(ldmatrix_x4(smem, addrs, nn))
                     for i in range(4):
-                        for j in range(8):
+                        for j in range(nt):
                             r = fb[j // 2]
                             mma_16816(acc[warp, i, j], fa[i], r[:, (j % 2) * 2], r[:, (j % 2) * 2 + 1])
-        for warp in range(4):
-            wr, wc = (warp // 2) * 64, (warp % 2) * 64
+        for warp in range(2 * wn):
+            wr, wc = (warp // wn) * 64, (warp % wn) * warp_n
             for i in range(4):
-                for j in range(8):
+                for j in range(nt):
                     for lane in range(32):
                         g, t = lane // 4, lane % 4
                         row = row0 + wr + i * 16 + g
@@ -153,9 +156,9 @@ def main():
     ok_all = True
     # m, n, k: 2 x 2 tiles (column-major tile order matters), 2 K steps.
     for nn in (False, True):
-        for stages in (1, 2, 3):
-            ok, err, nans = run(nn, 256, 256, 128, stages, rng)
-            name = f"{'nn (dx)' if nn else 'nt (logits)'} stages {stages}"
+        for wn, stages in ((2, 1), (2, 2), (2, 3), (4, 1)):
+            ok, err, nans = run(nn, wn, 256, 256, 128, stages, rng)
+            name = f"{'nn (dx)' if nn else 'nt (logits)'} {2 * wn} warps, stages {stages}"
             print(f"emulate {name}: {'ok' if ok else 'WRONG'} (max err {err}, {nans} unwritten)")
             ok_all &= ok
     return 0 if ok_all else 1

@@ -15,6 +15,8 @@ Variants (twin.cu says how each is built):
     async_s2  the same tile, cp.async into a 2-stage ring (72 KiB dynamic
               shared memory: above Vulkan's 48 KiB)
     async_s3  3 stages (108 KiB dynamic)
+    twin8     the twin with 8 warps of 64 x 32 (256 threads), <= 255 registers
+    twin8x2   the same held to 128 registers (two CTAs an SM)
 Layouts, as headkl's ceiling report times them (m:n:k = --shape, default
 4096:124160:5120):
     logits    C[m][n] = x[m][k] * W[n][k]^T
@@ -48,15 +50,17 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "twin.cu")
 
-BM, BN, BK, THREADS = 128, 128, 64, 128
+BM, BN, BK = 128, 128, 64
 # Words (16 bytes) of one shared stage: A [128][9], B [128][9] (nt) or [64][17] (nn).
 STAGE_BYTES = {"nt": (128 * 9 + 128 * 9) * 16, "nn": (128 * 9 + 64 * 17) * 16}
 LAYOUT_CODE = {"logits": "nt", "dx": "nn"}
-# name -> (kernel name pattern, stages, dynamic shared memory, description)
+# name -> (kernel name pattern, threads, stages, dynamic shared memory, description)
 VARIANTS = {
-    "twin": ("twin_{code}_s1", 1, False, "twin s1 (no cp.async, static smem)"),
-    "async_s2": ("async_{code}_s2", 2, True, "cp.async 2 stages (dyn smem)"),
-    "async_s3": ("async_{code}_s3", 3, True, "cp.async 3 stages (dyn smem)"),
+    "twin": ("twin_{code}_s1", 128, 1, False, "the GLSL tile as CUDA: 4 warps, no cp.async"),
+    "async_s2": ("async_{code}_s2", 128, 2, True, "cp.async, 2 stages (dynamic smem)"),
+    "async_s3": ("async_{code}_s3", 128, 3, True, "cp.async, 3 stages (dynamic smem)"),
+    "twin8": ("twin8_{code}_s1", 256, 1, False, "8 warps of 64x32, <= 255 registers"),
+    "twin8x2": ("twin8x2_{code}_s1", 256, 1, False, "8 warps of 64x32, <= 128 registers"),
 }
 CHECK_REL = 2e-4  # |C - ref| / (|a|.|b|): f32 accumulation stays far below
 HANG_S = 60.0
@@ -234,19 +238,19 @@ class Driver:
     def set_attr(self, fn, a, value):
         self.check(self.lib.cuFuncSetAttribute(fn, a, value), f"cuFuncSetAttribute {a}={value}")
 
-    def occupancy(self, fn, dyn_smem):
+    def occupancy(self, fn, threads, dyn_smem):
         v = ctypes.c_int()
         self.check(
-            self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(v), fn, THREADS, dyn_smem),
+            self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(v), fn, threads, dyn_smem),
             "cuOccupancyMaxActiveBlocksPerMultiprocessor",
         )
         return v.value
 
-    def launch(self, fn, grid, dyn_smem, stream, args):
+    def launch(self, fn, grid, threads, dyn_smem, stream, args):
         holders = [ctypes.c_void_p(a.data_ptr()) if hasattr(a, "data_ptr") else ctypes.c_int(a) for a in args]
         params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
         self.check(
-            self.lib.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, dyn_smem, stream, params, None), "cuLaunchKernel"
+            self.lib.cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, dyn_smem, stream, params, None), "cuLaunchKernel"
         )
 
 
@@ -271,7 +275,7 @@ def wait(torch, seconds):
 
 class Kernel:
     def __init__(self, drv, mod, variant, layout):
-        pattern, self.stages, self.dynamic, self.describe = VARIANTS[variant]
+        pattern, self.threads, self.stages, self.dynamic, self.describe = VARIANTS[variant]
         self.name = pattern.format(code=LAYOUT_CODE[layout])
         self.drv = drv
         self.fn = drv.function(mod, self.name)
@@ -282,7 +286,7 @@ class Kernel:
         self.regs = drv.attr(self.fn, Driver.FUNC_REGS)
         self.local = drv.attr(self.fn, Driver.FUNC_LOCAL)
         self.smem = drv.attr(self.fn, Driver.FUNC_SHARED) + self.dyn
-        self.ctas = drv.occupancy(self.fn, self.dyn)
+        self.ctas = drv.occupancy(self.fn, self.threads, self.dyn)
 
     def __call__(self, torch, a, b, c, m, n, k, lda, ldb, ldc):
         for v, what in [(m, "m"), (n, "n"), (k, "k")]:
@@ -290,7 +294,7 @@ class Kernel:
                 raise ValueError(f"{what}={v} is not a multiple of the tile")
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         grid = (m // BM) * (n // BN)
-        self.drv.launch(self.fn, grid, self.dyn, stream, [a, b, c, m, n, k, lda, ldb, ldc])
+        self.drv.launch(self.fn, grid, self.threads, self.dyn, stream, [a, b, c, m, n, k, lda, ldb, ldc])
 
 
 def operands(torch, layout, m, n, k, seed):
@@ -379,7 +383,7 @@ def run_pairs(torch, drv, mod, pairs, args, full):
     rows = []
     tensors = {}
     for i, (variant, layout) in enumerate(pairs):
-        row = {"variant": variant, "layout": layout, "describe": VARIANTS[variant][3]}
+        row = {"variant": variant, "layout": layout, "describe": VARIANTS[variant][4]}
         try:
             kern = Kernel(drv, mod, variant, layout)
             row.update(
@@ -448,7 +452,7 @@ def run_child(pairs, args):
     done = {(r["variant"], r["layout"]) for r in rows}
     for v, l in pairs:
         if (v, l) not in done:
-            rows.append({"variant": v, "layout": l, "describe": VARIANTS[v][3], "error": f"FAILED: child exit {p.returncode}"})
+            rows.append({"variant": v, "layout": l, "describe": VARIANTS[v][4], "error": f"FAILED: child exit {p.returncode}"})
     return rows
 
 

@@ -23,13 +23,16 @@
 //     distinct banks;
 //   - fragments by ldmatrix.x4 (B of the nn layout by ldmatrix.x4.trans);
 //   - __launch_bounds__(128, 2): two CTAs an SM, as the Vulkan tile runs.
-// The variants `async_{nt,nn}_s{2,3}`: the same tile and fragments, but the
-// global -> shared copy by cp.async (16 bytes, .cg) into a ring of 2 or 3
-// stages, issued STAGES - 1 steps ahead, one barrier a step; their shared
-// memory (72 / 108 KiB) is dynamic, above the 48 KiB a Vulkan workgroup may
-// have: the launcher raises the limit with
-// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
-//
+// The variants:
+//   - `async_{nt,nn}_s{2,3}`: the same tile and fragments, but the global ->
+//     shared copy by cp.async (16 bytes, .cg) into a ring of 2 or 3 stages,
+//     issued STAGES - 1 steps ahead, one barrier a step; their shared memory
+//     (72 / 108 KiB) is dynamic, above the 48 KiB a Vulkan workgroup may
+//     have: the launcher raises the limit with
+//     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+//   - `twin8_{nt,nn}_s1`, `twin8x2_{nt,nn}_s1`: the twin with 8 warps of
+//     64 x 32 (256 threads; docs/PERFORMANCE.md row 16 in Vulkan), with
+//     ptxas free to use 255 registers (one CTA an SM) or held to 128 (two).
 // Layouts (headkl's two GEMMs; f16 operands, f32 C, row-major, C = A * op(B)):
 //   nt (logits): C[m][n] = A[m][k] * B[n][k]^T
 //   nn (dx):     C[m][n] = A[m][k] * B[k][n]
@@ -51,7 +54,6 @@ struct alignas(8) Float2 {
 constexpr int BM = 128;
 constexpr int BN = 128;
 constexpr int BK = 64;
-constexpr int THREADS = 128;
 // 16-byte words in a row of a K step (A, and B of the nt layout).
 constexpr int KW = BK / 8;
 // Skewed row strides, in words.
@@ -61,22 +63,31 @@ constexpr int NT_B_STRIDE = KW + 1;
 constexpr int NN_B_STRIDE = BN / 8 + 1;
 constexpr int B_STAGE_NT = BN * NT_B_STRIDE;
 constexpr int B_STAGE_NN = BK * NN_B_STRIDE;
-// Words each thread moves per step, per operand.
-constexpr int A_WORDS = BM * KW / THREADS;
-constexpr int B_WORDS = BN * KW / THREADS;
-static_assert(A_WORDS == 8 && B_WORDS == 8, "the tile moves 8 + 8 words a thread a step");
 
-template <bool NN>
-struct Layout {
+// One configuration: the layout (NN: B stored [k][n]) and the warps across
+// the tile's 128 columns (WN: 2 as the GLSL tile, each warp 64 x 64; 4 for
+// the 8-warp variant, each warp 64 x 32); the warps are 2 x WN.
+template <bool NN_, int WN>
+struct Cfg {
+    static constexpr bool NN = NN_;
+    static constexpr int THREADS = 2 * WN * 32;
+    // Columns of C per warp and 16 x 8 mma tiles along them.
+    static constexpr int WARP_N = BN / WN;
+    static constexpr int NT = WARP_N / 8;
+    // Words each thread moves per step, per operand.
+    static constexpr int A_WORDS = BM * KW / THREADS;
+    static constexpr int B_WORDS = BN * KW / THREADS;
     static constexpr int B_STRIDE = NN ? NN_B_STRIDE : NT_B_STRIDE;
     static constexpr int B_STAGE = NN ? B_STAGE_NN : B_STAGE_NT;
     // One stage of A then B, in words.
     static constexpr int STAGE = A_STAGE + B_STAGE;
     // Rows of the staged tile between a thread's consecutive words.
-    static constexpr int B_ROWS_PER_I = NN ? THREADS / (BN / 8) : THREADS / KW;
+    static constexpr int A_ROWS_PER_I = THREADS / KW;
     static constexpr int B_ROW_WORDS = NN ? BN / 8 : KW;
+    static constexpr int B_ROWS_PER_I = THREADS / B_ROW_WORDS;
+    static_assert(A_WORDS * THREADS == BM * KW && B_WORDS * THREADS == BN * KW, "whole words a thread");
+    static_assert(NT % 2 == 0, "B fragments come two n-tiles an ldmatrix.x4");
 };
-constexpr int A_ROWS_PER_I = THREADS / KW;
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;
@@ -119,8 +130,9 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Per-thread addressing of one CTA, shared by all variants.
-template <bool NN>
+template <class C>
 struct Tile {
+    static constexpr bool NN = C::NN;
     // This thread's first word of A and of B at step 0 (as the GLSL's
     // a_first / b_first): every other word it moves is a uniform stride on.
     const Word* a_first;
@@ -138,8 +150,8 @@ struct Tile {
         col0 = (tile / tiles_m) * BN;
         const int warp = tid / 32;
         lane = tid % 32;
-        wr = (warp / 2) * 64;
-        wc = (warp % 2) * 64;
+        wr = (warp / (C::THREADS / 64)) * 64;
+        wc = (warp % (C::THREADS / 64)) * C::WARP_N;
         ldaw = lda / 8;
         ldbw = ldb / 8;
         a_first = a + (u64)(row0 + tid / KW) * ldaw + tid % KW;
@@ -152,29 +164,29 @@ struct Tile {
 
     // Global word i of A / B of step s for this thread.
     __device__ __forceinline__ const Word* a_word(int s, int i) const {
-        return a_first + (u64)s * KW + (u64)(i * A_ROWS_PER_I) * ldaw;
+        return a_first + (u64)s * KW + (u64)(i * C::A_ROWS_PER_I) * ldaw;
     }
     __device__ __forceinline__ const Word* b_word(int s, int i) const {
         if (NN) {
-            return b_first + ((u64)s * BK + i * Layout<NN>::B_ROWS_PER_I) * ldbw;
+            return b_first + ((u64)s * BK + i * C::B_ROWS_PER_I) * ldbw;
         }
-        return b_first + (u64)s * KW + (u64)(i * Layout<NN>::B_ROWS_PER_I) * ldbw;
+        return b_first + (u64)s * KW + (u64)(i * C::B_ROWS_PER_I) * ldbw;
     }
 
     // Shared word index (within a stage's A / B part) of the thread's word i.
     __device__ __forceinline__ static int sa_index(int i) {
-        const int e = threadIdx.x + i * THREADS;
+        const int e = threadIdx.x + i * C::THREADS;
         return (e / KW) * A_STRIDE + e % KW;
     }
     __device__ __forceinline__ static int sb_index(int i) {
-        const int e = threadIdx.x + i * THREADS;
-        constexpr int RW = Layout<NN>::B_ROW_WORDS;
-        return (e / RW) * Layout<NN>::B_STRIDE + e % RW;
+        const int e = threadIdx.x + i * C::THREADS;
+        constexpr int RW = C::B_ROW_WORDS;
+        return (e / RW) * C::B_STRIDE + e % RW;
     }
 
     // The 64-deep step staged at sa / sb (shared byte addresses of the
     // stage's A and B parts) into the warp's 4 x 8 accumulator tiles.
-    __device__ __forceinline__ void math_step(float (&acc)[4][8][4], u32 sa, u32 sb) const {
+    __device__ __forceinline__ void math_step(float (&acc)[4][C::NT][4], u32 sa, u32 sb) const {
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
             // A fragment i: rows wr + 16 i .. + 15, K 16 kk .. + 15. Lane l
@@ -193,27 +205,27 @@ struct Tile {
             // (n 8-15, k 8-15), so r0, r1 are n-tile 2 jj's b0, b1 and r2, r3
             // n-tile 2 jj + 1's. Lane l addresses matrix q = l / 8, its row
             // l % 8.
-            u32 fb[4][4];
+            u32 fb[C::NT / 2][4];
 #pragma unroll
-            for (int jj = 0; jj < 4; jj++) {
+            for (int jj = 0; jj < C::NT / 2; jj++) {
                 const int q = lane / 8;
                 if (NN) {
                     // B staged [k][n]: the matrix rows are k; .trans hands
                     // each lane (k 2t, 2t + 1; n g), mma's b layout.
                     const int krow = kk * 16 + (q % 2) * 8 + lane % 8;
                     const int word = (wc + jj * 16) / 8 + q / 2;
-                    ldmatrix_x4_trans(fb[jj], sb + (u32)(krow * Layout<NN>::B_STRIDE + word) * 16u);
+                    ldmatrix_x4_trans(fb[jj], sb + (u32)(krow * C::B_STRIDE + word) * 16u);
                 } else {
                     // B staged [n][k]: the matrix rows are n.
                     const int nrow = wc + jj * 16 + (q / 2) * 8 + lane % 8;
                     const int word = kk * 2 + q % 2;
-                    ldmatrix_x4(fb[jj], sb + (u32)(nrow * Layout<NN>::B_STRIDE + word) * 16u);
+                    ldmatrix_x4(fb[jj], sb + (u32)(nrow * C::B_STRIDE + word) * 16u);
                 }
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
+                for (int j = 0; j < C::NT; j++) {
                     mma_16816(acc[i][j], fa[i], fb[j / 2][(j % 2) * 2], fb[j / 2][(j % 2) * 2 + 1]);
                 }
             }
@@ -222,13 +234,13 @@ struct Tile {
 
     // C = acc: lane (g = l / 4, t = l % 4) holds rows g and g + 8, columns
     // 2 t and 2 t + 1 of each 16 x 8 tile.
-    __device__ __forceinline__ void epilogue(const float (&acc)[4][8][4], float* c, int ldc) const {
+    __device__ __forceinline__ void epilogue(const float (&acc)[4][C::NT][4], float* c, int ldc) const {
         const int g = lane / 4;
         const int t = lane % 4;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
+            for (int j = 0; j < C::NT; j++) {
                 const u64 row = row0 + wr + i * 16 + g;
                 const u64 col = col0 + wc + j * 8 + t * 2;
                 *reinterpret_cast<Float2*>(c + row * ldc + col) = Float2{acc[i][j][0], acc[i][j][1]};
@@ -240,40 +252,40 @@ struct Tile {
 
 // The twin: global -> registers a step ahead -> shared (one stage, two
 // barriers a step) -> ldmatrix -> mma.sync.
-template <bool NN>
+template <class C>
 __device__ __forceinline__ void twin_s1(const Word* __restrict__ a, const Word* __restrict__ b, float* __restrict__ c,
                                         int m, int n, int k, int lda, int ldb, int ldc) {
     __shared__ Word sa[A_STAGE];
-    __shared__ Word sb[Layout<NN>::B_STAGE];
-    const Tile<NN> tile(a, b, m, lda, ldb);
-    float acc[4][8][4];
+    __shared__ Word sb[C::B_STAGE];
+    const Tile<C> tile(a, b, m, lda, ldb);
+    float acc[4][C::NT][4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
-        for (int j = 0; j < 8; j++)
+        for (int j = 0; j < C::NT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
 
     const int steps = k / BK;
-    Word ra[A_WORDS];
-    Word rb[B_WORDS];
+    Word ra[C::A_WORDS];
+    Word rb[C::B_WORDS];
 #pragma unroll
-    for (int i = 0; i < A_WORDS; i++) ra[i] = *tile.a_word(0, i);
+    for (int i = 0; i < C::A_WORDS; i++) ra[i] = *tile.a_word(0, i);
 #pragma unroll
-    for (int i = 0; i < B_WORDS; i++) rb[i] = *tile.b_word(0, i);
+    for (int i = 0; i < C::B_WORDS; i++) rb[i] = *tile.b_word(0, i);
     const u32 sa_base = smem_addr(sa);
     const u32 sb_base = smem_addr(sb);
     for (int s = 0; s < steps; s++) {
 #pragma unroll
-        for (int i = 0; i < A_WORDS; i++) sa[Tile<NN>::sa_index(i)] = ra[i];
+        for (int i = 0; i < C::A_WORDS; i++) sa[Tile<C>::sa_index(i)] = ra[i];
 #pragma unroll
-        for (int i = 0; i < B_WORDS; i++) sb[Tile<NN>::sb_index(i)] = rb[i];
+        for (int i = 0; i < C::B_WORDS; i++) sb[Tile<C>::sb_index(i)] = rb[i];
         __syncthreads();
         if (s + 1 < steps) {
 #pragma unroll
-            for (int i = 0; i < A_WORDS; i++) ra[i] = *tile.a_word(s + 1, i);
+            for (int i = 0; i < C::A_WORDS; i++) ra[i] = *tile.a_word(s + 1, i);
 #pragma unroll
-            for (int i = 0; i < B_WORDS; i++) rb[i] = *tile.b_word(s + 1, i);
+            for (int i = 0; i < C::B_WORDS; i++) rb[i] = *tile.b_word(s + 1, i);
         }
         tile.math_step(acc, sa_base, sb_base);
         __syncthreads();
@@ -283,23 +295,23 @@ __device__ __forceinline__ void twin_s1(const Word* __restrict__ a, const Word* 
 
 // The same tile with cp.async into a ring of STAGES stages (dynamic shared
 // memory), STAGES - 1 steps ahead, one barrier a step.
-template <bool NN, int STAGES>
+template <class C, int STAGES>
 __device__ __forceinline__ void async_ring(const Word* __restrict__ a, const Word* __restrict__ b,
                                            float* __restrict__ c, int m, int n, int k, int lda, int ldb, int ldc) {
     static_assert(STAGES >= 2, "a ring needs two stages");
     extern __shared__ Word ring[];
-    const Tile<NN> tile(a, b, m, lda, ldb);
-    float acc[4][8][4];
+    const Tile<C> tile(a, b, m, lda, ldb);
+    float acc[4][C::NT][4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
-        for (int j = 0; j < 8; j++)
+        for (int j = 0; j < C::NT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
 
     const int steps = k / BK;
     const u32 base = smem_addr(ring);
-    constexpr u32 STAGE_BYTES = Layout<NN>::STAGE * 16u;
+    constexpr u32 STAGE_BYTES = C::STAGE * 16u;
     constexpr u32 B_PART = A_STAGE * 16u;
     // Copies of step s into stage st: one commit group per step, empty past
     // the last step so that the group count stays one a step.
@@ -308,9 +320,9 @@ __device__ __forceinline__ void async_ring(const Word* __restrict__ a, const Wor
             const u32 sa = base + st * STAGE_BYTES;
             const u32 sb = sa + B_PART;
 #pragma unroll
-            for (int i = 0; i < A_WORDS; i++) cp_async_16(sa + Tile<NN>::sa_index(i) * 16u, tile.a_word(s, i));
+            for (int i = 0; i < C::A_WORDS; i++) cp_async_16(sa + Tile<C>::sa_index(i) * 16u, tile.a_word(s, i));
 #pragma unroll
-            for (int i = 0; i < B_WORDS; i++) cp_async_16(sb + Tile<NN>::sb_index(i) * 16u, tile.b_word(s, i));
+            for (int i = 0; i < C::B_WORDS; i++) cp_async_16(sb + Tile<C>::sb_index(i) * 16u, tile.b_word(s, i));
         }
         cp_async_commit();
     };
@@ -336,9 +348,22 @@ __device__ __forceinline__ void async_ring(const Word* __restrict__ a, const Wor
         int ldb, int ldc
 #define TWIN_PASS a, b, c, m, n, k, lda, ldb, ldc
 
-extern "C" __global__ void __launch_bounds__(THREADS, 2) twin_nt_s1(TWIN_ARGS) { twin_s1<false>(TWIN_PASS); }
-extern "C" __global__ void __launch_bounds__(THREADS, 2) twin_nn_s1(TWIN_ARGS) { twin_s1<true>(TWIN_PASS); }
-extern "C" __global__ void __launch_bounds__(THREADS, 2) async_nt_s2(TWIN_ARGS) { async_ring<false, 2>(TWIN_PASS); }
-extern "C" __global__ void __launch_bounds__(THREADS, 2) async_nn_s2(TWIN_ARGS) { async_ring<true, 2>(TWIN_PASS); }
-extern "C" __global__ void __launch_bounds__(THREADS, 2) async_nt_s3(TWIN_ARGS) { async_ring<false, 3>(TWIN_PASS); }
-extern "C" __global__ void __launch_bounds__(THREADS, 2) async_nn_s3(TWIN_ARGS) { async_ring<true, 3>(TWIN_PASS); }
+// The GLSL tile: 4 warps of 64 x 64.
+using NT4 = Cfg<false, 2>;
+using NN4 = Cfg<true, 2>;
+// 8 warps of 64 x 32 (PERFORMANCE row 16's arrangement in Vulkan).
+using NT8 = Cfg<false, 4>;
+using NN8 = Cfg<true, 4>;
+
+extern "C" __global__ void __launch_bounds__(128, 2) twin_nt_s1(TWIN_ARGS) { twin_s1<NT4>(TWIN_PASS); }
+extern "C" __global__ void __launch_bounds__(128, 2) twin_nn_s1(TWIN_ARGS) { twin_s1<NN4>(TWIN_PASS); }
+extern "C" __global__ void __launch_bounds__(128, 2) async_nt_s2(TWIN_ARGS) { async_ring<NT4, 2>(TWIN_PASS); }
+extern "C" __global__ void __launch_bounds__(128, 2) async_nn_s2(TWIN_ARGS) { async_ring<NN4, 2>(TWIN_PASS); }
+extern "C" __global__ void __launch_bounds__(128, 2) async_nt_s3(TWIN_ARGS) { async_ring<NT4, 3>(TWIN_PASS); }
+extern "C" __global__ void __launch_bounds__(128, 2) async_nn_s3(TWIN_ARGS) { async_ring<NN4, 3>(TWIN_PASS); }
+// ptxas free to use up to 255 registers (one CTA an SM, as row 16 ran)...
+extern "C" __global__ void __launch_bounds__(256, 1) twin8_nt_s1(TWIN_ARGS) { twin_s1<NT8>(TWIN_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 1) twin8_nn_s1(TWIN_ARGS) { twin_s1<NN8>(TWIN_PASS); }
+// ... or held to 128 so that two CTAs (16 warps) fit an SM.
+extern "C" __global__ void __launch_bounds__(256, 2) twin8x2_nt_s1(TWIN_ARGS) { twin_s1<NT8>(TWIN_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) twin8x2_nn_s1(TWIN_ARGS) { twin_s1<NN8>(TWIN_PASS); }
