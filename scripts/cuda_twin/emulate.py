@@ -79,7 +79,7 @@ def run(nn, wn, m, n, k, stages, rng):
     a_rows_per_i = threads // KW
     a = rng.integers(-8, 8, size=(m, k)).astype(np.float64)
     b = rng.integers(-8, 8, size=(k, n) if nn else (n, k)).astype(np.float64)
-    lda, ldb, ldc = k, (n if nn else k), n
+    lda, ldb = k, (n if nn else k)
     # Global memory in 16-byte words of 8 halves.
     gw_a = a.reshape(-1, 8)
     gw_b = b.reshape(-1, 8)

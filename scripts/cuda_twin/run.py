@@ -158,6 +158,17 @@ def compile_nvrtc(lib_path, arch):
     return image.raw, text
 
 
+def compile_and_save(args, prefer):
+    """Compiles, reports registers, and keeps the image for child processes."""
+    image, _, ptxas = compile_twin(args.arch, args.build_dir, prefer)
+    args.cubin = os.path.join(args.build_dir, "twin.image")
+    with open(args.cubin, "wb") as f:
+        f.write(image)
+    for name, info in sorted(ptxas.items()):
+        log(f"twin: {name}: {info.get('regs')} registers, spill stores/loads {info.get('spill', '?')} bytes")
+    return image
+
+
 def compile_twin(arch, build_dir, prefer):
     """Returns (cubin bytes, compiler name, ptxas info)."""
     os.makedirs(build_dir, exist_ok=True)
@@ -411,7 +422,7 @@ def run_pairs(torch, drv, mod, pairs, args, full):
             row["ms"] = time_ms(
                 torch, lambda: kern(torch, a, b, c, km, kn, kk, lda, ldb, ldc), args.warmup, args.iters
             )
-            del c
+            c = None  # its 2 GB go before the next layout's operands
             log(f"twin: {kern.name}: {row['ms']:.3f} ms, {kern.regs} registers, {kern.ctas} CTAs/SM; {row['check']}")
         except Hang as e:
             row["error"] = f"FAILED: hung ({e})"
@@ -479,7 +490,7 @@ def cublas_rows(torch, full, args, label):
             except Exception as e:  # older torch: no out_dtype
                 row["error"] = f"n/a ({type(e).__name__})"
             rows.append(row)
-        del a, b, bt
+        a = b = bt = None
         torch.cuda.empty_cache()
     return rows
 
@@ -487,10 +498,10 @@ def cublas_rows(torch, full, args, label):
 # ---------------------------------------------------------------- headkl
 
 
-def headkl_ceiling(path, iters):
-    """Runs the Vulkan ceiling report; returns rows for (a), the default
-    tile's (e) and the current GEMM's (e), per layout."""
-    cmd = [path, "--quiet", "tune", "--backend", "vulkan", "--ceiling", "--iters", str(iters)]
+def headkl_ceiling(path, iters, shape):
+    """Runs the Vulkan ceiling report at the twin's shape; returns rows for
+    (a), the default tile's (e) and the current GEMM's (e), per layout."""
+    cmd = [path, "--quiet", "tune", "--backend", "vulkan", "--ceiling", "--iters", str(iters), "--shape", shape]
     log("twin: " + " ".join(cmd))
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -600,25 +611,39 @@ def main():
         if l not in LAYOUT_CODE:
             ap.error(f"--layouts: unknown layout {l}")
 
+    image, problem = None, None
     if args.cubin:
         with open(args.cubin, "rb") as f:
             image = f.read()
     else:
-        image, compiler, ptxas = compile_twin(args.arch, args.build_dir, args.compiler)
-        args.cubin = os.path.join(args.build_dir, "twin.image")
-        with open(args.cubin, "wb") as f:
-            f.write(image)
-        for name, info in sorted(ptxas.items()):
-            log(f"twin: {name}: {info.get('regs')} registers, spill stores/loads {info.get('spill', '?')} bytes")
+        try:
+            image = compile_and_save(args, args.compiler)
+        except RuntimeError as e:
+            problem = f"compiling: {e}"
+            log(f"twin: FAILED {problem}")
     if args.compile_only:
-        return 0
+        return 0 if image else 1
 
     import torch
 
     torch.cuda.init()
     torch.ones(1, device="cuda").item()  # the primary context, current on this thread
     drv = Driver()
-    mod = drv.load(image)
+    mod = None
+    if image:
+        try:
+            mod = drv.load(image)
+        except CudaError as e:
+            problem = f"loading the module: {e}"
+            if not args.child and args.compiler != "nvrtc":
+                # A cubin the driver refuses (a toolkit newer than it): NVRTC
+                # from PyTorch's CUDA wheels matches the runtime torch uses.
+                log(f"twin: {problem}; compiling with NVRTC instead")
+                try:
+                    mod = drv.load(compile_and_save(args, "nvrtc"))
+                    problem = None
+                except (RuntimeError, CudaError) as e2:
+                    problem += f"; with NVRTC first: {e2}"
     if args.child:
         pairs = [tuple(p.split(":")) for p in args.pairs.split(",")]
         rows, rest = run_pairs(torch, drv, mod, pairs, args, full)
@@ -631,7 +656,15 @@ def main():
         f"m:n:k {args.shape}, median of {args.iters} after {args.warmup} warm-up")
     rows = cublas_rows(torch, full, args, "cuBLAS")
     pairs = [(v, l) for v in variants for l in args.layouts]
-    twin_rows, rest = run_pairs(torch, drv, mod, pairs, args, full)
+    if mod is None:
+        log(f"twin: FAILED {problem}: no variant runs; cuBLAS and headkl still do")
+        twin_rows = [
+            {"variant": v, "layout": l, "describe": VARIANTS[v][4], "error": f"FAILED {problem}"[:300]}
+            for v, l in pairs
+        ]
+        rest = []
+    else:
+        twin_rows, rest = run_pairs(torch, drv, mod, pairs, args, full)
     rows += twin_rows
     if rest is None:  # hung: the device is stuck
         print_table(rows, full)
@@ -643,7 +676,7 @@ def main():
         rows += cublas_rows(torch, full, args, "cuBLAS again")
     if args.headkl:
         torch.cuda.empty_cache()
-        rows += headkl_ceiling(args.headkl, args.headkl_iters)
+        rows += headkl_ceiling(args.headkl, args.headkl_iters, args.shape)
     print_table(rows, full)
     failed = [r for r in rows if str(r.get("error", "")).startswith("FAILED") and not r["variant"].startswith("vulkan")]
     if failed:
