@@ -125,7 +125,7 @@ fi
 if has twin; then
     PYTHONUNBUFFERED=1 python3 scripts/cuda_twin/run.py --headkl "$headkl" ${TWIN_ARGS:-} >"$out/twin.txt" 2>&1
     echo "twin exit=$?" | tee -a "$summary"
-    grep -E "^twin( table|: .*(FAILED|ms,|compiled|lost|stuck))|^variant|^(cuBLAS|twin|async|vulkan)" "$out/twin.txt" \
+    grep -E "^twin( table|: .*(FAILED|compiled|lost|stuck))|^variant|^(cuBLAS|twin[0-9x]* |async_|vulkan)" "$out/twin.txt" \
         | cut -c1-220 | tee -a "$summary"
 fi
 if has cublas; then
