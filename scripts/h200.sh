@@ -123,10 +123,16 @@ if has anchors; then
         --variants floor,compiled,teacher_topk 2>&1 | tee "$out/anchors.txt" | grep -v Warning | tee -a "$summary"
 fi
 if has twin; then
-    PYTHONUNBUFFERED=1 python3 scripts/cuda_twin/run.py --headkl "$headkl" ${TWIN_ARGS:-} >"$out/twin.txt" 2>&1
+    # Written straight to $OUT when there is one: it comes back even if the
+    # call runs out of time (run.py prints the CUDA table before the ceiling).
+    twin_log="$out/twin.txt"
+    [ -n "${OUT:-}" ] && twin_log="$OUT/twin.txt"
+    PYTHONUNBUFFERED=1 python3 scripts/cuda_twin/run.py --headkl "$headkl" ${TWIN_ARGS:-} >"$twin_log" 2>&1
     echo "twin exit=$?" | tee -a "$summary"
-    grep -E "^twin( table|: .*(FAILED|compiled|lost|stuck))|^variant|^(cuBLAS|twin[0-9x]* |async_|vulkan)" "$out/twin.txt" \
-        | cut -c1-220 | tee -a "$summary"
+    grep -E "^twin: .*(FAILED|compiled|lost|stuck)" "$twin_log" | cut -c1-220 | tee -a "$summary"
+    # The last table (the one with the Vulkan rows, when the ceiling ran).
+    awk '/^twin table/ { buf = "" } { buf = buf $0 "\n" } END { printf "%s", buf }' "$twin_log" \
+        | grep -E "^twin table|^variant|^(cuBLAS|twin[0-9x]* |async_|vulkan)" | cut -c1-220 | tee -a "$summary"
 fi
 if has cublas; then
     python3 scripts/cublas_gemm.py 2>&1 | grep -v Warning | tee "$out/cublas.txt" | tee -a "$summary"

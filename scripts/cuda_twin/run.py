@@ -498,13 +498,19 @@ def cublas_rows(torch, full, args, label):
 # ---------------------------------------------------------------- headkl
 
 
-def headkl_ceiling(path, iters, shape):
+def headkl_ceiling(path, iters, shape, timeout_s):
     """Runs the Vulkan ceiling report at the twin's shape; returns rows for
     (a), the default tile's (e) and the current GEMM's (e), per layout."""
     cmd = [path, "--quiet", "tune", "--backend", "vulkan", "--ceiling", "--iters", str(iters), "--shape", shape]
     log("twin: " + " ".join(cmd))
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [{"variant": "vulkan", "layout": "-", "describe": "headkl ceiling report",
+                 "error": f"FAILED: no result within --headkl-timeout {timeout_s:.0f} s (killed)"}]
+    except OSError as e:
+        return [{"variant": "vulkan", "layout": "-", "describe": "headkl ceiling report", "error": f"FAILED: {e}"}]
     log(f"twin: headkl ceiling exit {p.returncode} after {time.time() - t0:.0f} s")
     rows, layout = [], None
     for line in p.stdout.splitlines():
@@ -595,6 +601,7 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--headkl", help="headkl binary: also run its Vulkan ceiling report")
     ap.add_argument("--headkl-iters", type=int, default=3)
+    ap.add_argument("--headkl-timeout", type=float, default=420, help="seconds for the ceiling report (%(default)s)")
     ap.add_argument("--cubin", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pairs", help=argparse.SUPPRESS)
@@ -675,8 +682,10 @@ def main():
     elif not args.quick:
         rows += cublas_rows(torch, full, args, "cuBLAS again")
     if args.headkl:
+        # The CUDA figures first, in case the ceiling outlasts the call.
+        print_table(rows, full)
         torch.cuda.empty_cache()
-        rows += headkl_ceiling(args.headkl, args.headkl_iters, args.shape)
+        rows += headkl_ceiling(args.headkl, args.headkl_iters, args.shape, args.headkl_timeout)
     print_table(rows, full)
     failed = [r for r in rows if str(r.get("error", "")).startswith("FAILED") and not r["variant"].startswith("vulkan")]
     if failed:
