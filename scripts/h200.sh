@@ -6,13 +6,19 @@
 #
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
-# [bench] [dxsplit] [anchors] [cublas]   (default: all but tune and dxsplit).
+# [bench] [dxsplit] [anchors] [cublas] [twin]   (default: all but tune, dxsplit
+# and twin). `twin` runs the CUDA twin of the default GEMM tile beside cuBLAS
+# and headkl's Vulkan ceiling report (scripts/cuda_twin/run.py; TWIN_ARGS
+# adds arguments, e.g. --quick); it runs the ceiling itself, so it needs no
+# `ceiling` step beside it.
 # A device call is at most 10 minutes, so split the steps over two
 # back-to-back calls, e.g. `devices check example ceiling` then
 # `bench anchors cublas`.
 #
-# The ceiling step needs a binary built with the report's kernels:
+# The ceiling and twin steps need a binary built with the report's kernels:
 # `cargo build --release -p headkl-cli --features ceiling`.
+# SHAPES (default "A B"; any of A B S M) picks the bench rows and the
+# anchors' shapes, e.g. SHAPES="S M" for the small students of issue 26.
 # HEADKL_BIN (default ./target/release/headkl) and DISTILL_BIN (default
 # ./target/release/examples/distill_step) name the binaries.
 set -u
@@ -92,6 +98,10 @@ A-wgpu-universal|HEADKL_QUEUE=universal|wgpu|A|
 A-vulkan-universal|HEADKL_QUEUE=universal|vulkan|A|
 B-vulkan||vulkan|B|--resident
 B-wgpu||wgpu|B|
+S-vulkan||vulkan|S|--resident
+S-wgpu||wgpu|S|
+M-vulkan||vulkan|M|--resident
+M-wgpu||wgpu|M|
 LIST
 fi
 if has dxsplit; then
@@ -113,6 +123,18 @@ fi
 if has anchors; then
     PYTHONUNBUFFERED=1 python3 .anchors/torch_head_kl.py --shapes "$(echo $shapes | tr ' ' ,)" \
         --variants floor,compiled,teacher_topk 2>&1 | tee "$out/anchors.txt" | grep -v Warning | tee -a "$summary"
+fi
+if has twin; then
+    # Written straight to $OUT when there is one: it comes back even if the
+    # call runs out of time (run.py prints the CUDA table before the ceiling).
+    twin_log="$out/twin.txt"
+    [ -n "${OUT:-}" ] && twin_log="$OUT/twin.txt"
+    PYTHONUNBUFFERED=1 python3 scripts/cuda_twin/run.py --headkl "$headkl" ${TWIN_ARGS:-} >"$twin_log" 2>&1
+    echo "twin exit=$?" | tee -a "$summary"
+    grep -E "^twin: .*(FAILED|compiled|lost|stuck)" "$twin_log" | cut -c1-220 | tee -a "$summary"
+    # The last table (the one with the Vulkan rows, when the ceiling ran).
+    awk '/^twin table/ { buf = "" } { buf = buf $0 "\n" } END { printf "%s", buf }' "$twin_log" \
+        | grep -E "^twin table|^variant|^(cuBLAS|twin[0-9x]* |async_|vulkan)" | cut -c1-220 | tee -a "$summary"
 fi
 if has cublas; then
     python3 scripts/cublas_gemm.py 2>&1 | grep -v Warning | tee "$out/cublas.txt" | tee -a "$summary"

@@ -127,7 +127,8 @@ Reports the median \
 and min–max wall ms per call, the GPU ms (sum of kernel timestamps per call, median) with a per-kernel \
 breakdown where the backend times kernels, effective TFLOP/s (4·ntok·V·hs for head_kl, 2·ntok·V·hs \
 for topk; from GPU time when there is one, else wall), and peak device memory beyond the head.\n\n\
-Shapes: A = 4096:248320:5120:64, B = 8192:151936:4096:64, or NTOK:V:HS:K. Without --shape each \
+Shapes: A = 4096:248320:5120:64, B = 8192:151936:4096:64, S = 8192:151936:896:64 (a 0.5B \
+student), M = 8192:128256:2048:64 (a 1B student), or NTOK:V:HS:K. Without --shape each \
 backend gets a size it finishes in seconds: reference 64:4096:256:16, a software device (lavapipe) \
 64:8192:256:64, a GPU without matrix units 256:32768:1024:64, with matrix units 1024:65536:4096:64.\n\n\
 Without --backend (or with auto) runs auto's pick; --all runs every backend that starts (the CPU \
@@ -137,7 +138,7 @@ reference is left out of --all for large shapes).",
     Bench {
         #[command(flatten)]
         backend: BackendArgs,
-        /// A, B or NTOK:V:HS:K (default: per backend, see above)
+        /// A, B, S, M or NTOK:V:HS:K (default: per backend, see above)
         #[arg(long, value_parser = parse_shape)]
         shape: Option<Shape>,
         /// Teacher entries / top-k k (overrides the shape's K)

@@ -1338,6 +1338,63 @@ fn no_runtime_dir_noise() {
     assert!(!stderr(&o).contains("XDG_RUNTIME_DIR"), "{}", stderr(&o));
 }
 
+/// `bench --all --resident` runs what can run and says what it leaves out:
+/// the GPU backends' host and resident jobs, the CPU reference's host jobs
+/// only (it has no device buffers), one table and one JSON report.
+#[test]
+fn bench_all_resident_leaves_out_only_the_references_resident_jobs() {
+    let dir = temp_dir("benchall-resident");
+    let json = dir.join("all.json");
+    let o = headkl(&[
+        "bench",
+        "--all",
+        "--resident",
+        "--shape",
+        "16:512:64:8",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("reference: no device buffers"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    let paths = |backend: &str| -> Option<Vec<String>> {
+        let run = runs.iter().find(|r| r["backend"] == backend)?;
+        Some(
+            run["jobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|j| format!("{} {}", j["job"].as_str().unwrap(), j["path"].as_str().unwrap()))
+                .collect(),
+        )
+    };
+    assert_eq!(
+        paths("reference"),
+        Some(vec!["head_kl host".to_string(), "topk host".to_string()]),
+        "{v}"
+    );
+    for backend in ["wgpu", "vulkan"] {
+        match paths(backend) {
+            Some(p) => assert!(
+                ["head_kl host", "topk host", "head_kl resident", "topk resident"]
+                    .iter()
+                    .all(|want| p.iter().any(|have| have == want)),
+                "{backend}: {p:?}"
+            ),
+            None => assert!(!required(backend), "{backend} required but not run: {err}"),
+        }
+    }
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("reference") && out.contains("TFLOP/s"), "{out}");
+    let _ = fs::remove_dir_all(dir);
+}
+
 /// `bench --all` runs one shape on every backend, labels the reference's
 /// time as CPU time, and auto never benches a software rasterizer.
 #[test]

@@ -1,4 +1,5 @@
-//! Benchmark shapes (`A`, `B`, `NTOK:V:HS:K`, and each backend's default)
+//! Benchmark shapes (`A`, `B`, `S`, `M`, `NTOK:V:HS:K`, and each backend's
+//! default)
 //! and the jobs timed on them.
 
 use std::fmt;
@@ -35,6 +36,22 @@ impl Shape {
         ntok: 8192,
         vocab: 151_936,
         hs: 4096,
+        k: 64,
+    };
+    /// Shape S: a 0.5B-parameter student's head (hs 896), the vocabulary of
+    /// shape B, 8192 tokens (issue 26).
+    pub const S: Shape = Shape {
+        ntok: 8192,
+        vocab: 151_936,
+        hs: 896,
+        k: 64,
+    };
+    /// Shape M: a 1B-parameter student's head (hs 2048, a 128 256-token
+    /// vocabulary), 8192 tokens (issue 26).
+    pub const M: Shape = Shape {
+        ntok: 8192,
+        vocab: 128_256,
+        hs: 2048,
         k: 64,
     };
 
@@ -74,12 +91,18 @@ impl FromStr for Shape {
         let shape = match s.trim() {
             "A" | "a" => Shape::A,
             "B" | "b" => Shape::B,
+            "S" | "s" => Shape::S,
+            "M" | "m" => Shape::M,
             other => {
                 let parts: Vec<&str> = other.split(':').collect();
                 let nums: Result<Vec<usize>, _> = parts.iter().map(|p| p.trim().parse::<usize>()).collect();
                 match nums.as_deref() {
                     Ok(&[ntok, vocab, hs, k]) => Shape { ntok, vocab, hs, k },
-                    _ => return Err(format!("`{s}`: expected A, B or NTOK:V:HS:K (e.g. 256:32768:1024:64)")),
+                    _ => {
+                        return Err(format!(
+                            "`{s}`: expected A, B, S, M or NTOK:V:HS:K (e.g. 256:32768:1024:64)"
+                        ))
+                    }
                 }
             }
         };
@@ -126,6 +149,14 @@ mod tests {
     fn shapes_parse() {
         assert_eq!("A".parse::<Shape>(), Ok(Shape::A));
         assert_eq!("b".parse::<Shape>(), Ok(Shape::B));
+        assert_eq!(
+            "S".parse::<Shape>().map(|s| s.to_string()),
+            Ok("8192:151936:896:64".to_string())
+        );
+        assert_eq!(
+            "m".parse::<Shape>().map(|s| s.to_string()),
+            Ok("8192:128256:2048:64".to_string())
+        );
         assert_eq!(
             "64:4096:256:16".parse::<Shape>(),
             Ok(Shape {
