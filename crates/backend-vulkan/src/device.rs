@@ -96,7 +96,7 @@ impl Device {
         options: &crate::VulkanOptions,
     ) -> Result<Arc<Self>> {
         let caps = adapter.caps.clone();
-        let family = options.queue.pick(&caps.queue_families, false)?;
+        let family = options.common.queue.pick(&caps.queue_families, false)?;
         let f = caps.features;
         let s = caps.sources;
         let coop = want_coop && caps.coop_capable();

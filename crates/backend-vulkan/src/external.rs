@@ -72,9 +72,9 @@ impl VulkanBackend {
             return Err(Error::MissingFeature(format!("{}: {why}", caps.name)));
         }
         let (choice, source) = resolve_choice(
-            options.gemm,
+            options.common.gemm,
             headkl_core::GemmChoice::default_for(DEFAULT_GEMM, Some(&kernels::kernel_limits(&caps))),
-            &options.gemm_sources,
+            &options.common.gemm_sources,
             BACKEND,
             &caps.name,
             &caps.driver,
@@ -82,7 +82,7 @@ impl VulkanBackend {
         // Without subgroup-size control (not asked of the caller) the GEMM's
         // subgroup size cannot be pinned: only a fixed size qualifies.
         let coop = match kernels::coop_plan(&caps, choice, source)? {
-            Some(plan) if ext.matrix_units && !options.force_fallback && !plan.require_size => Some(plan),
+            Some(plan) if ext.matrix_units && !options.common.force_fallback && !plan.require_size => Some(plan),
             _ => None,
         };
         let enabled = Enabled {

@@ -7,7 +7,7 @@
 //! (`VK_KHR_cooperative_matrix`, 16×16×16 f16→f32) where the device has
 //! them, else on the tiled fallback; [`VulkanOptions`] can force the
 //! fallback and pick the matrix-unit kernels (from `HEADKL_*` settings
-//! through [`VulkanOptions::from_settings`]; this crate reads no
+//! through [`VulkanOptions::from_env`]; this crate reads no
 //! environment). With validation on, the Khronos validation layer's errors are
 //! collected and returned by [`Backend::take_diagnostics`].
 //!
@@ -39,11 +39,11 @@ mod tests;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use headkl_core::gemm_choice::resolve_choice;
-use headkl_core::settings::GemmSources;
+use headkl_core::settings::{self, CommonOptions, Env};
 use headkl_core::{
     fold_workgroups, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc, GemmKernel,
-    HeadLayout, KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, QueueChoice, Result,
-    Settings, StagedTile, SumPartsDesc, TopkDesc,
+    HeadLayout, KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, StagedTile,
+    SumPartsDesc, TopkDesc,
 };
 
 use crate::command::{Binding, Stream};
@@ -98,51 +98,37 @@ pub(crate) fn describe_gemm(coop: Option<&CoopPlan>) -> String {
 /// How to open the Vulkan backend.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct VulkanOptions {
-    /// Index of the device to open (in [`enumerate`]'s order); `None` picks
-    /// the first usable one by type: discrete, integrated, virtual, cpu.
-    pub device: Option<usize>,
+    /// What both GPU backends take, under the same names: the device's
+    /// index in [`enumerate`]'s order (`None` picks the first usable one
+    /// by type: discrete, integrated, virtual, cpu), the tiled fallback
+    /// GEMM even where matrix units exist, naga's runtime bounds checks in
+    /// the GEMM too, the GEMM kernels and the queue family.
+    pub common: CommonOptions,
     /// Load the Khronos validation layer and collect its errors (opening
-    /// fails if the layer is not installed).
+    /// fails if the layer is not installed; `HEADKL_VALIDATION`).
     pub validation: bool,
-    /// Use the tiled fallback GEMM even on a device with matrix units.
-    pub force_fallback: bool,
-    /// Keep naga's runtime bounds checks in the GEMM too (they are off by
-    /// default there: core validated every extent).
-    pub checked: bool,
-    /// The matrix-unit GEMM kernels; `None`: `gemm_sources` (`HEADKL_GEMM`,
-    /// else the tune cache's entry for the device), else [`DEFAULT_GEMM`].
-    /// Explicit options win over the environment's.
-    pub gemm: Option<GemmChoice>,
-    /// `HEADKL_GEMM` and the tune cache, consulted when `gemm` is `None`.
-    pub gemm_sources: GemmSources,
-    /// Print each pipeline's register count and memory
-    /// (`VK_KHR_pipeline_executable_properties`), for GEMM tuning work.
+    /// Log each pipeline's register count and memory
+    /// (`VK_KHR_pipeline_executable_properties`), for GEMM tuning work
+    /// (`HEADKL_PIPELINE_STATS`).
     pub pipeline_stats: bool,
     /// Turn on the driver's robust buffer access (`robustBufferAccess`, and
     /// `robustBufferAccess2` where offered), as wgpu always does: to tell a
     /// speed difference between the backends from the cost of bounds checks.
     pub robust_access: bool,
-    /// The queue family to open the device on (`HEADKL_QUEUE`).
-    pub queue: QueueChoice,
 }
 
 impl VulkanOptions {
-    /// Options from parsed settings: `device` if given, else
-    /// `HEADKL_DEVICE`; `HEADKL_VALIDATION`, `HEADKL_NO_COOPMAT`,
-    /// `HEADKL_CHECKED`, `HEADKL_PIPELINE_STATS`, `HEADKL_QUEUE`, and
-    /// `HEADKL_GEMM` with the tune cache as the GEMM's sources.
-    pub fn from_settings(settings: &Settings, device: Option<usize>) -> Self {
-        Self {
-            device: device.or(settings.device),
-            validation: settings.validation,
-            force_fallback: settings.no_coopmat,
-            checked: settings.checked,
-            gemm: None,
-            gemm_sources: settings.gemm_sources(),
-            pipeline_stats: settings.pipeline_stats,
+    /// Options from the environment: [`CommonOptions::from_env`], and this
+    /// backend's own switches `HEADKL_VALIDATION` and
+    /// `HEADKL_PIPELINE_STATS`; a value that does not parse is an error
+    /// naming it.
+    pub fn from_env(env: &Env) -> Result<Self> {
+        Ok(Self {
+            common: CommonOptions::from_env(env)?,
+            validation: env.flag(settings::VALIDATION)?,
+            pipeline_stats: env.flag(settings::PIPELINE_STATS)?,
             robust_access: false,
-            queue: settings.queue,
-        }
+        })
     }
 }
 
@@ -183,7 +169,10 @@ impl VulkanBackend {
     /// Opens device `index` (or the best one) with default options.
     pub fn open(index: Option<usize>) -> Result<Self> {
         Self::open_with(&VulkanOptions {
-            device: index,
+            common: CommonOptions {
+                device: index,
+                ..CommonOptions::default()
+            },
             ..VulkanOptions::default()
         })
     }
@@ -198,19 +187,19 @@ impl VulkanBackend {
     pub(crate) fn open_inner(options: &VulkanOptions, staging_bytes: u64) -> Result<Self> {
         let instance = Instance::new(options.validation)?;
         let adapters = adapter::enumerate_adapters(&instance)?;
-        let chosen = adapter::pick(&adapters, options.device)?;
+        let chosen = adapter::pick(&adapters, options.common.device)?;
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let caps = &chosen.caps;
         let (choice, source) = resolve_choice(
-            options.gemm,
+            options.common.gemm,
             GemmChoice::default_for(DEFAULT_GEMM, Some(&kernels::kernel_limits(caps))),
-            &options.gemm_sources,
+            &options.common.gemm_sources,
             BACKEND,
             &caps.name,
             &caps.driver,
         )?;
-        let coop = if options.force_fallback {
+        let coop = if options.common.force_fallback {
             None
         } else {
             kernels::coop_plan(caps, choice, source)?
@@ -348,7 +337,7 @@ impl VulkanBackend {
             file: shader.file,
             entry: build.entry,
             // The other kernels are memory-bound: checks cost little there.
-            checked: self.options.checked || kernel.gemm_layout().is_none(),
+            checked: self.options.common.checked || kernel.gemm_layout().is_none(),
             // Cooperative ops need whole subgroups, of the size SG_SIZE says.
             full_subgroups: build.matrix_units,
             required_subgroup_size: self

@@ -2,7 +2,7 @@
 //! shared shader (the cooperative-matrix GEMM included) compiles to SPIR-V.
 
 use headkl_core::{Backend, DeviceBuffer, GemmChoice, GemmKernel, KernelId, KernelSource};
-use headkl_reference::conformance::{gemm_choice_outcome, harness_settings, open_or_skip};
+use headkl_reference::conformance::{gemm_choice_outcome, harness_env, open_or_skip};
 use naga::back::spv::Capability;
 
 use crate::pipeline::{compile, parse, PipelineKey, ShaderSource, ShaderTarget};
@@ -14,7 +14,7 @@ use crate::{VulkanBackend, VulkanOptions};
 fn open(staging: u64) -> Option<VulkanBackend> {
     let options = VulkanOptions {
         validation: true,
-        ..VulkanOptions::from_settings(&harness_settings(), None)
+        ..VulkanOptions::from_env(&harness_env()).expect("a HEADKL_* setting does not parse")
     };
     open_or_skip("vulkan", || VulkanBackend::open_inner(&options, staging))
 }

@@ -7,7 +7,7 @@
 //! makes one.)
 
 use headkl_core::{round_up, slice_vocab, Backend, ALIGN};
-use headkl_reference::conformance::{check_case, harness_settings, open_or_skip};
+use headkl_reference::conformance::{check_case, harness_env, open_or_skip};
 use headkl_reference::strategies::{Case, CaseKind, CaseParams, TeacherShape};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 
@@ -37,7 +37,7 @@ fn topk_past_the_binding_limit_runs_in_several_slices() {
     let Some(b) = open_or_skip("vulkan", || {
         VulkanBackend::open_with(&VulkanOptions {
             validation: true,
-            ..VulkanOptions::from_settings(&harness_settings(), None)
+            ..VulkanOptions::from_env(&harness_env()).expect("a HEADKL_* setting does not parse")
         })
     }) else {
         return;

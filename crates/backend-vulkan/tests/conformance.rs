@@ -5,6 +5,7 @@ headkl_reference::conformance_tests!(
     "vulkan",
     headkl_vulkan::VulkanBackend::open_with(&headkl_vulkan::VulkanOptions {
         validation: true,
-        ..headkl_vulkan::VulkanOptions::from_settings(&headkl_reference::conformance::harness_settings(), None)
+        ..headkl_vulkan::VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
     })
 );

@@ -14,7 +14,8 @@ headkl_reference::resident_conformance_tests!(
     "vulkan",
     VulkanBackend::open_with(&VulkanOptions {
         validation: true,
-        ..VulkanOptions::from_settings(&headkl_reference::conformance::harness_settings(), None)
+        ..VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
     })
 );
 

@@ -7,7 +7,7 @@
 
 use half::f16;
 use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout, QueueChoice};
-use headkl_reference::conformance::{harness_settings, open_or_skip};
+use headkl_reference::conformance::{harness_env, open_or_skip};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 
 /// Opens with `options` (built from the harness settings); skips, or fails
@@ -17,7 +17,7 @@ fn open_with(options: VulkanOptions) -> Option<VulkanBackend> {
 }
 
 fn settings_options() -> VulkanOptions {
-    VulkanOptions::from_settings(&harness_settings(), None)
+    VulkanOptions::from_env(&harness_env()).expect("a HEADKL_* setting does not parse")
 }
 
 fn open() -> Option<VulkanBackend> {
@@ -214,10 +214,7 @@ fn device_facts_and_errors() {
     assert_eq!(b.memory().peak, before);
 
     // A device index past the list is a NoDevice error naming it.
-    match VulkanBackend::open_with(&VulkanOptions {
-        device: Some(999),
-        ..VulkanOptions::default()
-    }) {
+    match VulkanBackend::open(Some(999)) {
         Err(Error::NoDevice { backend, reason }) => {
             assert_eq!(backend, "vulkan");
             assert!(reason.contains("999"), "{reason}");
@@ -232,10 +229,9 @@ fn device_facts_and_errors() {
     let queue = info.queue.clone().expect("an open device reports its queue");
     assert!(queue.starts_with("family "), "{queue}");
     let with_queue = |queue| {
-        VulkanBackend::open_with(&VulkanOptions {
-            queue,
-            ..settings_options()
-        })
+        let mut options = settings_options();
+        options.common.queue = queue;
+        VulkanBackend::open_with(&options)
     };
     let universal = with_queue(QueueChoice::Universal).unwrap();
     let universal_queue = universal.info().queue.clone().unwrap();
@@ -253,11 +249,10 @@ fn device_facts_and_errors() {
 
 #[test]
 fn forced_fallback_and_kernel_labels() {
-    let Some(b) = open_with(VulkanOptions {
-        validation: true,
-        force_fallback: true,
-        ..settings_options()
-    }) else {
+    let mut options = settings_options();
+    options.validation = true;
+    options.common.force_fallback = true;
+    let Some(b) = open_with(options) else {
         return;
     };
     assert!(!b.uses_matrix_units() && !b.info().matrix_units);

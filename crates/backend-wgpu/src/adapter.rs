@@ -268,7 +268,7 @@ pub(crate) fn gemm_path(
 ) -> String {
     match (coop, plan) {
         (Ok(sg), Some((choice, source))) => format!("cooperative {choice} (subgroup {sg}; from {source})"),
-        (Ok(_), None) if force_tiled => "tiled (forced: OpenOptions::force_tiled, from HEADKL_NO_COOPMAT)".into(),
+        (Ok(_), None) if force_tiled => "tiled (forced: CommonOptions::force_fallback, from HEADKL_NO_COOPMAT)".into(),
         (Ok(_), None) => "tiled".into(),
         (Err(why), _) => format!("tiled ({why})"),
     }

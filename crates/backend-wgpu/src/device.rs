@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, Weak};
 
 use headkl_core::gemm_choice::{fit_choice, resolve_choice, KernelLimits};
-use headkl_core::settings::{GemmSources, Settings};
-use headkl_core::{ChoiceSource, CoopGemm, DeviceInfo, Error, GemmChoice, QueueChoice, Result, StagedTile};
+use headkl_core::settings::{CommonOptions, Env};
+use headkl_core::{ChoiceSource, CoopGemm, DeviceInfo, Error, GemmChoice, Result, StagedTile};
 
 use crate::adapter;
 use crate::buffer::{lock, Shared};
@@ -67,41 +67,24 @@ pub(crate) fn wgpu_error_text(e: &wgpu::Error) -> String {
 }
 
 /// How [`WgpuBackend::open_with`] opens a device. This crate reads no
-/// environment: [`OpenOptions::from_settings`] builds options from the
-/// `HEADKL_*` settings.
+/// environment: [`OpenOptions::from_env`] builds options from the
+/// `HEADKL_*` variables its caller hands it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpenOptions {
-    /// Adapter index in [`crate::enumerate`]'s list; `None`: the best usable
-    /// adapter.
-    pub index: Option<usize>,
-    /// The tiled GEMM even where matrix units exist.
-    pub force_tiled: bool,
-    /// Build every kernel with runtime bounds checks.
-    pub checked: bool,
-    /// The matrix-unit GEMM kernels; `None`: `gemm_sources` (`HEADKL_GEMM`,
-    /// else the tune cache's entry for the adapter), else [`DEFAULT_GEMM`].
-    /// Explicit options win over the environment's.
-    pub gemm: Option<GemmChoice>,
-    /// `HEADKL_GEMM` and the tune cache, consulted when `gemm` is `None`.
-    pub gemm_sources: GemmSources,
-    /// The queue family to open the device on (`HEADKL_QUEUE`; Vulkan
-    /// adapters). A trainer's device keeps its own.
-    pub queue: QueueChoice,
+    /// What both GPU backends take, under the same names: the adapter index
+    /// in [`crate::enumerate`]'s list (`None`: the best usable adapter),
+    /// the tiled GEMM even where matrix units exist, bounds-checked
+    /// kernels, the GEMM kernels and the queue family.
+    pub common: CommonOptions,
 }
 
 impl OpenOptions {
-    /// Options from parsed settings: `index` if given, else `HEADKL_DEVICE`;
-    /// `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED`, `HEADKL_QUEUE`, and
-    /// `HEADKL_GEMM` with the tune cache as the GEMM's sources.
-    pub fn from_settings(settings: &Settings, index: Option<usize>) -> Self {
-        Self {
-            index: index.or(settings.device),
-            force_tiled: settings.no_coopmat,
-            checked: settings.checked,
-            gemm: None,
-            gemm_sources: settings.gemm_sources(),
-            queue: settings.queue,
-        }
+    /// Options from the environment: [`CommonOptions::from_env`] (wgpu has
+    /// no switches of its own).
+    pub fn from_env(env: &Env) -> Result<Self> {
+        Ok(Self {
+            common: CommonOptions::from_env(env)?,
+        })
     }
 }
 
@@ -111,19 +94,21 @@ impl WgpuBackend {
     /// any other usable adapter.
     pub fn open(index: Option<usize>) -> Result<Self> {
         Self::open_with(&OpenOptions {
-            index,
-            ..OpenOptions::default()
+            common: CommonOptions {
+                device: index,
+                ..CommonOptions::default()
+            },
         })
     }
 
     /// Opens a device as `options` say.
     pub fn open_with(options: &OpenOptions) -> Result<Self> {
         let instance = adapter::instance();
-        let candidate = adapter::choose(adapter::candidates(&instance), options.index)?;
-        let force_tiled = options.force_tiled;
+        let candidate = adapter::choose(adapter::candidates(&instance), options.common.device)?;
+        let force_tiled = options.common.force_fallback;
         let use_coop = candidate.coop.is_ok() && !force_tiled;
         let features = adapter::features_for(&candidate, use_coop);
-        let (device, queue, queue_family) = adapter::open_device(&candidate, features, options.queue)?;
+        let (device, queue, queue_family) = adapter::open_device(&candidate, features, options.common.queue)?;
         let mut backend = Self::from_parts(candidate, device, queue, use_coop, force_tiled, options, true)?;
         backend.info.queue = queue_family;
         Ok(backend)
@@ -176,9 +161,9 @@ impl WgpuBackend {
             _ => None,
         };
         let (choice, source) = resolve_choice(
-            options.gemm,
+            options.common.gemm,
             GemmChoice::default_for(DEFAULT_GEMM, gemm_limits.as_ref()),
-            &options.gemm_sources,
+            &options.common.gemm_sources,
             BACKEND,
             &i.device_name,
             &i.driver,
@@ -193,7 +178,7 @@ impl WgpuBackend {
             &device,
             GemmBuild {
                 coop: coop.map(|(sg, (choice, _))| (sg, choice)),
-                checked: options.checked,
+                checked: options.common.checked,
             },
         );
         let align = u64::from(device.limits().min_uniform_buffer_offset_alignment);

@@ -97,7 +97,7 @@ impl WgpuBackend {
                 missing.join(", ")
             )));
         }
-        let force_tiled = options.force_tiled;
+        let force_tiled = options.common.force_fallback;
         let coop_enabled =
             features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SUBGROUP);
         let use_coop = candidate.coop.is_ok() && coop_enabled && !force_tiled;

@@ -13,7 +13,7 @@
 //!
 //! This crate reads no environment: [`OpenOptions`] says which adapter,
 //! whether to force the tiled GEMM or keep bounds checks, and which
-//! matrix-unit GEMM kernels run ([`OpenOptions::from_settings`] builds them
+//! matrix-unit GEMM kernels run ([`OpenOptions::from_env`] builds them
 //! from `HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED` and
 //! `HEADKL_GEMM`; without a choice, the tune cache's entry for the adapter,
 //! else [`DEFAULT_GEMM`]).

@@ -6,18 +6,19 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
+use headkl_core::CommonOptions;
 use headkl_core::{
     Backend, ConvertDesc, Engine, Error, GemmChoice, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, LossOptions,
     QueueChoice, SliceOptions, Teacher, TopkOptions,
 };
-use headkl_reference::conformance::{gemm_choice_outcome, harness_settings, open_or_skip, run_part, Part, SuiteConfig};
+use headkl_reference::conformance::{gemm_choice_outcome, harness_env, open_or_skip, run_part, Part, SuiteConfig};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::Tolerance;
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
 fn open() -> Option<WgpuBackend> {
     open_or_skip("wgpu", || {
-        WgpuBackend::open_with(&OpenOptions::from_settings(&harness_settings(), None))
+        WgpuBackend::open_with(&OpenOptions::from_env(&harness_env()).expect("a HEADKL_* setting does not parse"))
     })
 }
 
@@ -188,9 +189,11 @@ fn checked_build_gives_the_same_gemm() {
     let got = small_gemm(&fast);
     drop(fast);
     let checked = WgpuBackend::open_with(&OpenOptions {
-        checked: true,
-        force_tiled: true,
-        ..OpenOptions::default()
+        common: CommonOptions {
+            checked: true,
+            force_fallback: true,
+            ..CommonOptions::default()
+        },
     })
     .unwrap();
     let want = small_gemm(&checked);
@@ -215,10 +218,11 @@ fn an_explicit_queue_family_opens_through_wgpu_hal() {
     let Some(default) = open() else { return };
     let default_queue = default.info().queue.clone();
     drop(default);
-    let settings = harness_settings();
-    let options = |queue| OpenOptions {
-        queue,
-        ..OpenOptions::from_settings(&settings, None)
+    let settings = OpenOptions::from_env(&harness_env()).expect("a HEADKL_* setting does not parse");
+    let options = |queue| {
+        let mut options = settings.clone();
+        options.common.queue = queue;
+        options
     };
     let auto = WgpuBackend::open_with(&options(QueueChoice::Auto)).unwrap();
     let auto_queue = auto.info().queue.clone();

@@ -2,8 +2,8 @@
 
 headkl_reference::conformance_tests!(
     "wgpu",
-    headkl_wgpu::WgpuBackend::open_with(&headkl_wgpu::OpenOptions::from_settings(
-        &headkl_reference::conformance::harness_settings(),
-        None
-    ))
+    headkl_wgpu::WgpuBackend::open_with(
+        &headkl_wgpu::OpenOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
+    )
 );

@@ -9,10 +9,10 @@ use headkl_wgpu::{OpenOptions, WgpuBackend};
 
 headkl_reference::resident_conformance_tests!(
     "wgpu",
-    WgpuBackend::open_with(&OpenOptions::from_settings(
-        &headkl_reference::conformance::harness_settings(),
-        None
-    ))
+    WgpuBackend::open_with(
+        &OpenOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
+    )
 );
 
 /// The trainer's side: an adapter and a device it opened itself.

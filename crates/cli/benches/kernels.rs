@@ -14,11 +14,12 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use half::f16;
+use headkl_core::settings::BENCH_SHAPE;
 use headkl_core::{
     Backend, Engine, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, KlDesc, LossOptions, SliceOptions, Teacher,
     TopkDesc,
 };
-use headkl_reference::conformance::harness_settings;
+use headkl_reference::conformance::{harness_env, harness_suite};
 
 /// Problem sizes of one bench run.
 struct Sizes {
@@ -35,7 +36,11 @@ struct Sizes {
 }
 
 fn sizes() -> Sizes {
-    let shape = harness_settings().bench_shape.map(|s| s.trim().to_ascii_uppercase());
+    // HEADKL_BENCH_SHAPE is this bench's own setting.
+    let shape = match harness_env().text(BENCH_SHAPE) {
+        Ok(shape) => shape.map(|s| s.trim().to_ascii_uppercase()),
+        Err(e) => panic!("bad setting: {e}"),
+    };
     match shape.as_deref() {
         Some("A") => Sizes {
             label: "A",
@@ -51,6 +56,7 @@ fn sizes() -> Sizes {
             e2e: (8192, 151_936, 4096, 64),
             measure: Duration::from_secs(5),
         },
+        Some(other) if other != "SMALL" => panic!("bad setting: {BENCH_SHAPE}={other}: expected A, B or small"),
         _ => Sizes {
             label: "small",
             gemm: (64, 1024, 256),
@@ -188,7 +194,7 @@ fn bench_backend<B: Backend>(c: &mut Criterion, b: &B, s: &Sizes) -> headkl_core
 
 /// Runs the benches on a backend, or says why it cannot.
 fn run_or_skip<B: Backend>(c: &mut Criterion, name: &str, opened: headkl_core::Result<B>, s: &Sizes) {
-    let must = harness_settings().requires(name);
+    let must = harness_suite().requires(name);
     match opened {
         Ok(b) => {
             let info = b.info();
@@ -214,11 +220,21 @@ fn kernels(c: &mut Criterion) {
     } else {
         eprintln!("reference: skipped for shape {} (the CPU would take hours)", s.label);
     }
-    let settings = harness_settings();
-    let wgpu = headkl_wgpu::OpenOptions::from_settings(&settings, None);
-    run_or_skip(c, "wgpu", headkl_wgpu::WgpuBackend::open_with(&wgpu), &s);
-    let vulkan = headkl_vulkan::VulkanOptions::from_settings(&settings, None);
-    run_or_skip(c, "vulkan", headkl_vulkan::VulkanBackend::open_with(&vulkan), &s);
+    let env = harness_env();
+    let wgpu = headkl_wgpu::OpenOptions::from_env(&env);
+    run_or_skip(
+        c,
+        "wgpu",
+        wgpu.and_then(|o| headkl_wgpu::WgpuBackend::open_with(&o)),
+        &s,
+    );
+    let vulkan = headkl_vulkan::VulkanOptions::from_env(&env);
+    run_or_skip(
+        c,
+        "vulkan",
+        vulkan.and_then(|o| headkl_vulkan::VulkanBackend::open_with(&o)),
+        &s,
+    );
 }
 
 criterion_group!(benches, kernels);

@@ -21,7 +21,7 @@
 use half::f16;
 use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
-use headkl_vulkan::{CeilingKernel, CeilingPart, GlslTile, VulkanBackend, VulkanBuffer, VulkanOptions};
+use headkl_vulkan::{CeilingKernel, CeilingPart, GlslTile, VulkanBackend, VulkanBuffer};
 
 use crate::error::CliError;
 use crate::select::{contained, Target};
@@ -54,7 +54,7 @@ struct Operands<'a> {
 /// matrix units by the caller's device info) at `shape`.
 pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliError> {
     let dev = |e| CliError::device("tune --ceiling", e);
-    let options = VulkanOptions::from_settings(crate::environment::get(), target.device);
+    let options = crate::select::vulkan_options(target.device, None);
     let mut backend = contained("vulkan", || VulkanBackend::open_with(&options)).map_err(|source| CliError::Start {
         backend: "vulkan",
         source,

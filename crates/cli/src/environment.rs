@@ -1,11 +1,70 @@
-//! The command's `HEADKL_*` settings, read once at start-up
-//! ([`headkl_core::Settings`] holds the one list and the parsers).
+//! The command's `HEADKL_*` settings, read once at start-up: each section
+//! parsed by the crate that owns it (the backends' options, the suite's
+//! settings), the command line's own here. `headkl_core::settings` holds
+//! the one list of variables.
 
 use std::sync::OnceLock;
 
-use headkl_core::Settings;
+use clap::ValueEnum;
+use headkl_core::settings::{self, Env};
+use headkl_core::DxSplit;
+use headkl_reference::conformance::SuiteSettings;
 
 use crate::error::CliError;
+use crate::select::BackendArg;
+
+/// Every setting the command reads, parsed.
+#[derive(Clone, Debug, Default)]
+pub struct Settings {
+    /// `HEADKL_BACKEND`.
+    pub backend: Option<BackendArg>,
+    /// `HEADKL_TRACE`: log each head_kl call's host phases.
+    pub trace: bool,
+    /// `HEADKL_DX_SPLIT`.
+    pub dx_split: DxSplit,
+    /// The wgpu backend's options (`HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`,
+    /// `HEADKL_CHECKED`, `HEADKL_GEMM`, `HEADKL_QUEUE`, the tune cache).
+    pub wgpu: headkl_wgpu::OpenOptions,
+    /// The Vulkan backend's: the same, and its own switches.
+    pub vulkan: headkl_vulkan::VulkanOptions,
+    /// The conformance suite's (`HEADKL_CASES`, `HEADKL_SEED`,
+    /// `HEADKL_REQUIRE`).
+    pub suite: SuiteSettings,
+}
+
+impl Settings {
+    /// Parses every section from `env`; a value that does not parse is an
+    /// error naming it.
+    pub fn from_env(env: &Env) -> headkl_core::Result<Self> {
+        let backend = match env.text(settings::BACKEND)? {
+            None => None,
+            Some(v) => Some(BackendArg::from_str(&v, true).map_err(|_| {
+                let names: Vec<String> = BackendArg::value_variants()
+                    .iter()
+                    .filter_map(|b| b.to_possible_value().map(|p| p.get_name().to_string()))
+                    .collect();
+                settings::invalid(settings::BACKEND, &v, &format!("expected one of {}", names.join(", ")))
+            })?),
+        };
+        Ok(Self {
+            backend,
+            trace: env.flag(settings::TRACE)?,
+            dx_split: env
+                .text(settings::DX_SPLIT)?
+                .map(|v| DxSplit::parse(settings::DX_SPLIT, &v))
+                .transpose()?
+                .unwrap_or_default(),
+            wgpu: headkl_wgpu::OpenOptions::from_env(env)?,
+            vulkan: headkl_vulkan::VulkanOptions::from_env(env)?,
+            suite: SuiteSettings::from_env(env)?,
+        })
+    }
+
+    /// `HEADKL_DEVICE` (both backends' options hold the same).
+    pub fn device(&self) -> Option<usize> {
+        self.wgpu.common.device
+    }
+}
 
 static SETTINGS: OnceLock<Settings> = OnceLock::new();
 
@@ -15,7 +74,7 @@ static SETTINGS: OnceLock<Settings> = OnceLock::new();
 /// (exit 2), named with its value.
 pub fn init() -> Result<(), CliError> {
     headkl_core::settings::ensure_runtime_dir();
-    let settings = Settings::from_env().map_err(CliError::Setting)?;
+    let settings = Settings::from_env(&Env::process()).map_err(CliError::Setting)?;
     // A second call keeps the first reading: the environment is read once.
     let _ = SETTINGS.set(settings);
     Ok(())
@@ -24,4 +83,40 @@ pub fn init() -> Result<(), CliError> {
 /// The settings [`init`] read (the defaults before it, as in unit tests).
 pub fn get() -> &'static Settings {
     SETTINGS.get_or_init(Settings::default)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_settings_parse_and_bad_values_name_them() {
+        let env = Env::from_pairs([
+            (settings::BACKEND, "Vulkan"),
+            (settings::DEVICE, "2"),
+            (settings::TRACE, "1"),
+            (settings::DX_SPLIT, "3"),
+            (settings::PIPELINE_STATS, "on"),
+            (settings::REQUIRE, "wgpu"),
+        ]);
+        let s = Settings::from_env(&env).unwrap();
+        assert_eq!(s.backend, Some(BackendArg::Vulkan));
+        assert_eq!(s.device(), Some(2));
+        assert_eq!(s.vulkan.common, s.wgpu.common);
+        assert!(s.trace && s.vulkan.pipeline_stats && !s.vulkan.validation);
+        assert_eq!(s.dx_split, DxSplit::Parts(3));
+        assert!(s.suite.requires("wgpu"));
+        for (name, bad) in [
+            (settings::BACKEND, "cuda"),
+            (settings::DX_SPLIT, "17"),
+            (settings::DX_SPLIT, "0"),
+            (settings::VALIDATION, "maybe"),
+            (settings::REQUIRE, "metal"),
+        ] {
+            let e = Settings::from_env(&Env::from_pairs([(name, bad)]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(name) && e.contains(bad), "{name}={bad}: {e}");
+        }
+    }
 }

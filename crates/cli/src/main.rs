@@ -282,11 +282,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Devices { backend, json } => devices::run(&backend, json),
         Command::Check { backend, cases, seed } => {
-            let settings = environment::get();
+            let suite = &environment::get().suite;
             check::run(
                 &backend,
-                cases.or(settings.cases).unwrap_or(conformance::DEFAULT_CASES),
-                seed.or(settings.seed).unwrap_or(conformance::DEFAULT_SEED),
+                cases.or(suite.cases).unwrap_or(conformance::DEFAULT_CASES),
+                seed.or(suite.seed).unwrap_or(conformance::DEFAULT_SEED),
             )
         }
         Command::Bench {

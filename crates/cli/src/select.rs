@@ -89,10 +89,8 @@ impl BackendArgs {
     pub fn with_settings(&self) -> Self {
         let settings = crate::environment::get();
         Self {
-            backend: self
-                .backend
-                .or_else(|| settings.backend.and_then(|b| BackendArg::from_str(b, true).ok())),
-            device: self.device.or(settings.device),
+            backend: self.backend.or(settings.backend),
+            device: self.device.or(settings.device()),
         }
     }
 }
@@ -265,7 +263,7 @@ pub fn enumerate_backend(kind: BackendKind) -> headkl_core::Result<Vec<DeviceInf
         BackendKind::Wgpu => contained("wgpu", headkl_wgpu::enumerate)?,
         BackendKind::Reference => vec![headkl_reference::CpuBackend::new().info().clone()],
     };
-    if crate::environment::get().no_coopmat {
+    if crate::environment::get().wgpu.common.force_fallback {
         for info in &mut infos {
             info.matrix_units = false;
         }
@@ -443,7 +441,7 @@ pub fn named_kind(arg: BackendArg) -> BackendKind {
 /// Whether `HEADKL_REQUIRE` names `kind`: failing to start it is an error,
 /// not a skip.
 pub fn required(kind: BackendKind) -> bool {
-    crate::environment::get().requires(kind.name())
+    crate::environment::get().suite.requires(kind.name())
 }
 
 /// Work that runs on any backend. `run` is generic, so each backend's
@@ -499,24 +497,35 @@ pub fn open_and_run_gemm<J: BackendJob>(
             job.run(headkl_reference::CpuBackend::new()).map_err(RunError::Job)
         }
         BackendKind::Wgpu => {
-            let options = headkl_wgpu::OpenOptions {
-                gemm,
-                ..headkl_wgpu::OpenOptions::from_settings(crate::environment::get(), device)
-            };
+            let options = wgpu_options(device, gemm);
             let b = contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&options))
                 .map_err(|e| RunError::Start(target.kind, e))?;
             job.run(b).map_err(RunError::Job)
         }
         BackendKind::Vulkan => {
-            let options = headkl_vulkan::VulkanOptions {
-                gemm,
-                ..headkl_vulkan::VulkanOptions::from_settings(crate::environment::get(), device)
-            };
+            let options = vulkan_options(device, gemm);
             let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
                 .map_err(|e| RunError::Start(target.kind, e))?;
             job.run(b).map_err(RunError::Job)
         }
     }
+}
+
+/// The settings' wgpu options on `device` (where the command names one)
+/// with the GEMM kernels `gemm` (`None`: the backend's own choice).
+fn wgpu_options(device: Option<usize>, gemm: Option<headkl_core::GemmChoice>) -> headkl_wgpu::OpenOptions {
+    let mut options = crate::environment::get().wgpu.clone();
+    options.common.device = device.or(options.common.device);
+    options.common.gemm = gemm;
+    options
+}
+
+/// [`wgpu_options`] for the Vulkan backend.
+pub fn vulkan_options(device: Option<usize>, gemm: Option<headkl_core::GemmChoice>) -> headkl_vulkan::VulkanOptions {
+    let mut options = crate::environment::get().vulkan.clone();
+    options.common.device = device.or(options.common.device);
+    options.common.gemm = gemm;
+    options
 }
 
 /// A job that also runs the device-resident entry points (a
@@ -538,13 +547,13 @@ pub fn open_and_run_resident<J: ResidentJob>(target: &Target, job: J) -> Result<
             "the reference backend has no device buffers; use --backend wgpu or vulkan",
         ))),
         BackendKind::Wgpu => {
-            let options = headkl_wgpu::OpenOptions::from_settings(crate::environment::get(), device);
+            let options = wgpu_options(device, None);
             let b = contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&options))
                 .map_err(|e| RunError::Start(target.kind, e))?;
             job.run_resident(b).map_err(RunError::Job)
         }
         BackendKind::Vulkan => {
-            let options = headkl_vulkan::VulkanOptions::from_settings(crate::environment::get(), device);
+            let options = vulkan_options(device, None);
             let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
                 .map_err(|e| RunError::Start(target.kind, e))?;
             job.run_resident(b).map_err(RunError::Job)

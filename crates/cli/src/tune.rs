@@ -472,7 +472,7 @@ fn min_ms(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 fn save(target: &Target, info: &headkl_core::DeviceInfo, choice: GemmChoice) -> Result<(), CliError> {
-    let Some(path) = crate::environment::get().tune_cache.clone() else {
+    let Some(path) = crate::environment::get().wgpu.common.gemm_sources.tune_cache.clone() else {
         return Err(CliError::option(
             "--no-save",
             "no cache folder: set HEADKL_CACHE_DIR, XDG_CACHE_HOME or HOME (or pass --no-save)",

@@ -608,7 +608,7 @@ fn device_that_does_not_exist_exits_2_and_a_backend_that_cannot_start_exits_1() 
 
 /// Whether `HEADKL_REQUIRE` (of the test run) names `backend`.
 fn required(backend: &str) -> bool {
-    headkl_core::Settings::from_env().unwrap().requires(backend)
+    headkl_reference::conformance::harness_suite().requires(backend)
 }
 
 #[test]

@@ -141,7 +141,7 @@ impl<B: Backend> Engine<B> {
 
     /// How the dx GEMM's reduction (the vocabulary) is split into parts
     /// that run in one dispatch (`HEADKL_DX_SPLIT`, through
-    /// [`crate::Settings`]; [`DxSplit::choose`] has the automatic rule).
+    /// the command line; [`DxSplit::choose`] has the automatic rule).
     /// Frees the cached scratch, which is sized for the parts.
     pub fn set_dx_split(&mut self, split: DxSplit) {
         if split != self.dx_split {
@@ -156,7 +156,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Prints each `head_kl` call's host phases (upload, wait, download) to
-    /// stderr when `on` (`HEADKL_TRACE`, through [`crate::Settings`]): to see
+    /// stderr when `on` (`HEADKL_TRACE`, read by the command line): to see
     /// where wall time beyond the kernels goes.
     pub fn set_trace(&mut self, on: bool) {
         self.trace = on;

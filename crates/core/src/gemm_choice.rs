@@ -323,15 +323,33 @@ impl GemmChoice {
     /// Parses `KERNEL` (both layouts) or `logits=KERNEL,dx=KERNEL` (either
     /// part may be left out: it keeps `base`'s, the backend's default).
     pub fn parse(value: &str, base: GemmChoice) -> Result<Self> {
+        Ok(GemmSetting::parse(value)?.over(base))
+    }
+}
+
+/// A GEMM choice as `HEADKL_GEMM` names it, parsed once: the kernel for
+/// each layout it names; a layout it leaves out keeps the backend's
+/// default ([`GemmSetting::over`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmSetting {
+    /// The logits GEMM's kernel, if named.
+    pub logits: Option<CoopGemm>,
+    /// The dx GEMM's kernel, if named.
+    pub dx: Option<CoopGemm>,
+}
+
+impl GemmSetting {
+    /// Parses `KERNEL` (both layouts) or `logits=KERNEL,dx=KERNEL`.
+    pub fn parse(value: &str) -> Result<Self> {
         let text = value.trim();
         if !text.contains('=') {
-            let kernel = CoopGemm::parse(text)?;
+            let kernel = Some(CoopGemm::parse(text)?);
             return Ok(Self {
                 logits: kernel,
                 dx: kernel,
             });
         }
-        let mut choice = base;
+        let mut setting = Self { logits: None, dx: None };
         for part in text.split(',') {
             let Some((layout, kernel)) = part.split_once('=') else {
                 return Err(invalid(
@@ -339,14 +357,32 @@ impl GemmChoice {
                     &format!("`{part}` is not `logits=KERNEL` or `dx=KERNEL`"),
                 ));
             };
-            let kernel = CoopGemm::parse(kernel)?;
+            let kernel = Some(CoopGemm::parse(kernel)?);
             match layout.trim() {
-                "logits" => choice.logits = kernel,
-                "dx" => choice.dx = kernel,
+                "logits" => setting.logits = kernel,
+                "dx" => setting.dx = kernel,
                 other => return Err(invalid(value, &format!("unknown layout `{other}` (logits, dx)"))),
             }
         }
-        Ok(choice)
+        Ok(setting)
+    }
+
+    /// The choice on top of `base`: each layout it names, else `base`'s.
+    pub fn over(self, base: GemmChoice) -> GemmChoice {
+        GemmChoice {
+            logits: self.logits.unwrap_or(base.logits),
+            dx: self.dx.unwrap_or(base.dx),
+        }
+    }
+}
+
+impl fmt::Display for GemmSetting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = [("logits", self.logits), ("dx", self.dx)]
+            .iter()
+            .filter_map(|(layout, k)| k.map(|k| format!("{layout}={k}")))
+            .collect();
+        f.write_str(&parts.join(","))
     }
 }
 
@@ -487,7 +523,7 @@ impl fmt::Display for ChoiceSource {
 }
 
 /// The choice for a device: `explicit` (the open options) if given, else
-/// `HEADKL_GEMM` as [`crate::Settings`] read it (parsed over `default`),
+/// `HEADKL_GEMM` as [`crate::settings::GemmSources`] holds it (over `default`),
 /// else the tune cache's entry for `(backend, device, driver)`, else the
 /// backend's `default`.
 pub fn resolve_choice(
@@ -501,9 +537,8 @@ pub fn resolve_choice(
     if let Some(choice) = explicit {
         return Ok((choice, ChoiceSource::Options));
     }
-    if let Some(text) = &sources.setting {
-        let choice = GemmChoice::parse(text, default)?;
-        return Ok((choice, ChoiceSource::Environment));
+    if let Some(setting) = sources.setting {
+        return Ok((setting.over(default), ChoiceSource::Environment));
     }
     if let Some(path) = &sources.tune_cache {
         if let Some(choice) = TuneCache::load(path).lookup(backend, device, driver) {

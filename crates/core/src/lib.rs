@@ -54,7 +54,7 @@ pub use queue::{QueueChoice, QueueFamily};
 pub use resident::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend, ResidentKernel,
 };
-pub use settings::Settings;
+pub use settings::{CommonOptions, Env};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use split::DxSplit;
 pub use tune_cache::TuneCache;

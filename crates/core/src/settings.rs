@@ -1,23 +1,26 @@
-//! Every `HEADKL_*` environment variable, in one list, each with one parser,
-//! read once.
+//! Every `HEADKL_*` environment variable, in one list, and the typed
+//! sections their consumers parse them into.
 //!
-//! The command's entry and the test harnesses call [`Settings::from_env`];
-//! the libraries never read the environment: they take options (built from
-//! a [`Settings`] where the caller wants the environment's). The list
-//! [`VARIABLES`] is also where the README's table and `headkl --help`'s
-//! environment section come from.
+//! The list [`VARIABLES`] is where the README's table and `headkl --help`'s
+//! environment section come from. Each consumer owns its section and parses
+//! it from an [`Env`] (the process environment, or a map in a test) once:
+//! core the options common to both GPU backends ([`CommonOptions`]), each
+//! backend its own switches (`VulkanOptions::from_env`), the test crate the
+//! suite's (`headkl_reference::conformance::SuiteSettings`), the command
+//! line its own (backend, trace, dx split, bench shape). The libraries never
+//! read the environment themselves: their callers pass options down.
 //!
 //! One rule for switches: `1`, `true`, `yes`, `on` are on; empty, `0`,
 //! `false`, `no`, `off` are off (any case); anything else is an error
 //! naming the variable, so a typo never goes unnoticed.
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
-use crate::gemm_choice::GemmChoice;
+use crate::gemm_choice::{GemmChoice, GemmSetting};
 use crate::queue::QueueChoice;
-use crate::split::DxSplit;
 use crate::tune_cache::CACHE_FILE;
 
 /// One environment variable: its name, the values it takes, its default and
@@ -64,10 +67,6 @@ pub const BENCH_SHAPE: &str = "HEADKL_BENCH_SHAPE";
 pub const DX_SPLIT: &str = "HEADKL_DX_SPLIT";
 /// `HEADKL_QUEUE`.
 pub const QUEUE: &str = "HEADKL_QUEUE";
-
-/// The backend names `HEADKL_BACKEND` takes (`HEADKL_REQUIRE` takes all but
-/// `auto`).
-pub const BACKEND_NAMES: [&str; 4] = ["auto", "vulkan", "wgpu", "reference"];
 
 /// Every `HEADKL_*` variable headkl reads, in the order the docs list them.
 pub const VARIABLES: &[Variable] = &[
@@ -163,43 +162,6 @@ pub const VARIABLES: &[Variable] = &[
     },
 ];
 
-/// Every setting, parsed. `Default` is the value with no variable set.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Settings {
-    /// `HEADKL_BACKEND`, one of [`BACKEND_NAMES`].
-    pub backend: Option<&'static str>,
-    /// `HEADKL_DEVICE`.
-    pub device: Option<usize>,
-    /// `HEADKL_REQUIRE`: backend names, lowercase.
-    pub require: Vec<&'static str>,
-    /// `HEADKL_CASES`.
-    pub cases: Option<usize>,
-    /// `HEADKL_SEED`.
-    pub seed: Option<u64>,
-    /// `HEADKL_NO_COOPMAT`.
-    pub no_coopmat: bool,
-    /// `HEADKL_GEMM`, checked here; a backend parses it over its own
-    /// default (a choice may name one layout and keep the other's default).
-    pub gemm: Option<String>,
-    /// The tune cache file: `HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
-    /// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
-    pub tune_cache: Option<PathBuf>,
-    /// `HEADKL_TRACE`.
-    pub trace: bool,
-    /// `HEADKL_PIPELINE_STATS`.
-    pub pipeline_stats: bool,
-    /// `HEADKL_VALIDATION`.
-    pub validation: bool,
-    /// `HEADKL_CHECKED`.
-    pub checked: bool,
-    /// `HEADKL_BENCH_SHAPE`.
-    pub bench_shape: Option<String>,
-    /// `HEADKL_DX_SPLIT`.
-    pub dx_split: DxSplit,
-    /// `HEADKL_QUEUE`.
-    pub queue: QueueChoice,
-}
-
 /// Variables headkl no longer reads, with what to say instead: setting one
 /// is an error rather than a silent no-op.
 pub const REMOVED: [(&str, &str); 1] = [(
@@ -207,108 +169,140 @@ pub const REMOVED: [(&str, &str); 1] = [(
     "the GLSL tiles are HEADKL_GEMM kernels now: HEADKL_GEMM=logits=glsl:TILE,dx=glsl:TILE",
 )];
 
-impl Settings {
-    /// Reads every variable from the process environment.
-    pub fn from_env() -> Result<Self> {
-        Self::from_lookup(|name| std::env::var_os(name))
+/// The environment the variables are read from: the process's, or given
+/// pairs (a test's). Reading it changes nothing.
+pub struct Env {
+    vars: Option<HashMap<String, OsString>>,
+}
+
+impl Env {
+    /// The process environment.
+    pub fn process() -> Self {
+        Self { vars: None }
     }
 
-    /// Reads every variable through `get` (a test passes a map); a value
-    /// that does not parse is [`Error::InvalidSetting`] naming it.
-    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Result<Self> {
-        let text = |name: &'static str| -> Result<Option<String>> {
-            match get(name) {
-                None => Ok(None),
-                Some(raw) => match raw.into_string() {
-                    Ok(s) if s.trim().is_empty() => Ok(None),
-                    Ok(s) => Ok(Some(s)),
-                    Err(raw) => Err(invalid(name, &raw.to_string_lossy(), "not UTF-8")),
-                },
+    /// Only these variables (a test's environment).
+    pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        Self {
+            vars: Some(
+                pairs
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), OsString::from(v)))
+                    .collect(),
+            ),
+        }
+    }
+
+    fn raw(&self, name: &str) -> Option<OsString> {
+        match &self.vars {
+            None => std::env::var_os(name),
+            Some(vars) => vars.get(name).cloned(),
+        }
+    }
+
+    /// `name`'s value, `None` when unset or blank; not UTF-8 is an error.
+    pub fn text(&self, name: &'static str) -> Result<Option<String>> {
+        match self.raw(name) {
+            None => Ok(None),
+            Some(raw) => match raw.into_string() {
+                Ok(s) if s.trim().is_empty() => Ok(None),
+                Ok(s) => Ok(Some(s)),
+                Err(raw) => Err(invalid(name, &raw.to_string_lossy(), "not UTF-8")),
+            },
+        }
+    }
+
+    /// A switch under the one rule (see the module docs); off when unset.
+    pub fn flag(&self, name: &'static str) -> Result<bool> {
+        self.text(name)?.map_or(Ok(false), |v| parse_flag(name, &v))
+    }
+
+    /// A non-negative number, decimal or `0x` hex.
+    pub fn number(&self, name: &'static str) -> Result<Option<u64>> {
+        self.text(name)?.map(|v| parse_number(name, &v)).transpose()
+    }
+
+    /// A count or index.
+    pub fn count(&self, name: &'static str) -> Result<Option<usize>> {
+        match self.text(name)? {
+            None => Ok(None),
+            Some(v) => {
+                let n = parse_number(name, &v)?;
+                usize::try_from(n).map(Some).map_err(|_| invalid(name, &v, "too large"))
             }
-        };
-        let flag = |name: &'static str| -> Result<bool> { text(name)?.map_or(Ok(false), |v| parse_flag(name, &v)) };
+        }
+    }
+
+    /// An error for each variable of [`REMOVED`] that is set.
+    pub fn check_removed(&self) -> Result<()> {
         for (name, instead) in REMOVED {
-            if let Some(value) = text(name)? {
+            if let Some(value) = self.text(name)? {
                 return Err(invalid(name, &value, &format!("no longer read: {instead}")));
             }
         }
-        let backend = text(BACKEND)?.map(|v| parse_backend(BACKEND, &v, true)).transpose()?;
-        let device = text(DEVICE)?
-            .map(|v| parse_number(DEVICE, &v).map(|n| n as usize))
-            .transpose()?;
-        let require = match text(REQUIRE)? {
-            None => Vec::new(),
-            Some(v) => v
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(|s| {
-                    parse_backend(REQUIRE, s, false).map_err(|_| {
-                        invalid(
-                            REQUIRE,
-                            &v,
-                            &format!("`{s}` is not a backend (vulkan, wgpu, reference)"),
-                        )
-                    })
-                })
-                .collect::<Result<_>>()?,
-        };
-        let cases = text(CASES)?
-            .map(|v| parse_number(CASES, &v).map(|n| n as usize))
-            .transpose()?;
-        let seed = text(SEED)?.map(|v| parse_number(SEED, &v)).transpose()?;
-        let gemm = text(GEMM)?;
-        if let Some(v) = &gemm {
-            GemmChoice::parse(v, GemmChoice::PORTABLE)?;
-        }
-        let path = |name: &'static str| text(name).ok().flatten().map(PathBuf::from);
-        let tune_cache = text(CACHE_DIR)?
+        Ok(())
+    }
+
+    /// The tune cache file: `HEADKL_CACHE_DIR`, else `$XDG_CACHE_HOME/headkl`,
+    /// else `$HOME/.cache/headkl`, then [`CACHE_FILE`]; `None` without any.
+    pub fn tune_cache(&self) -> Result<Option<PathBuf>> {
+        let path = |name: &'static str| self.text(name).ok().flatten().map(PathBuf::from);
+        Ok(self
+            .text(CACHE_DIR)?
             .map(PathBuf::from)
             .or_else(|| path("XDG_CACHE_HOME").map(|d| d.join("headkl")))
             .or_else(|| path("HOME").map(|d| d.join(".cache").join("headkl")))
-            .map(|d| d.join(CACHE_FILE));
-        let bench_shape = text(BENCH_SHAPE)?;
-        if let Some(shape) = &bench_shape {
-            if !matches!(shape.trim().to_ascii_lowercase().as_str(), "a" | "b" | "small") {
-                return Err(invalid(BENCH_SHAPE, shape, "expected A, B or small"));
-            }
-        }
+            .map(|d| d.join(CACHE_FILE)))
+    }
+}
+
+/// What both GPU backends take when they open a device, under the same
+/// names in each backend's options (`OpenOptions::common`,
+/// `VulkanOptions::common`). `Default` is the value with no variable set.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CommonOptions {
+    /// The device's index in the backend's list (`HEADKL_DEVICE`); `None`:
+    /// the best usable one.
+    pub device: Option<usize>,
+    /// The tiled fallback GEMM even where matrix units exist
+    /// (`HEADKL_NO_COOPMAT`).
+    pub force_fallback: bool,
+    /// Build every kernel with runtime bounds checks (`HEADKL_CHECKED`);
+    /// the GEMMs go without them by default: core validated every extent.
+    pub checked: bool,
+    /// The matrix-unit GEMM kernels; `None`: `gemm_sources` (`HEADKL_GEMM`,
+    /// else the tune cache's entry for the device), else the backend's
+    /// default. Explicit options win over the environment's.
+    pub gemm: Option<GemmChoice>,
+    /// `HEADKL_GEMM` and the tune cache, consulted when `gemm` is `None`.
+    pub gemm_sources: GemmSources,
+    /// The queue family to open the device on (`HEADKL_QUEUE`). A trainer's
+    /// device keeps its own.
+    pub queue: QueueChoice,
+}
+
+impl CommonOptions {
+    /// `HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`, `HEADKL_CHECKED`,
+    /// `HEADKL_QUEUE`, and `HEADKL_GEMM` with the tune cache as the GEMM's
+    /// sources; a value that does not parse is [`Error::InvalidSetting`]
+    /// naming it.
+    pub fn from_env(env: &Env) -> Result<Self> {
+        env.check_removed()?;
         Ok(Self {
-            backend,
-            device,
-            require,
-            cases,
-            seed,
-            no_coopmat: flag(NO_COOPMAT)?,
-            gemm,
-            tune_cache,
-            trace: flag(TRACE)?,
-            pipeline_stats: flag(PIPELINE_STATS)?,
-            validation: flag(VALIDATION)?,
-            checked: flag(CHECKED)?,
-            bench_shape,
-            dx_split: text(DX_SPLIT)?
-                .map(|v| DxSplit::parse(DX_SPLIT, &v))
-                .transpose()?
-                .unwrap_or_default(),
-            queue: text(QUEUE)?
+            device: env.count(DEVICE)?,
+            force_fallback: env.flag(NO_COOPMAT)?,
+            checked: env.flag(CHECKED)?,
+            gemm: None,
+            gemm_sources: GemmSources {
+                setting: env.text(GEMM)?.map(|v| GemmSetting::parse(&v)).transpose()?,
+                tune_cache: env.tune_cache()?,
+            },
+            queue: env
+                .text(QUEUE)?
                 .map(|v| QueueChoice::parse(QUEUE, &v))
                 .transpose()?
                 .unwrap_or_default(),
         })
-    }
-
-    /// Whether `HEADKL_REQUIRE` names `backend`.
-    pub fn requires(&self, backend: &str) -> bool {
-        self.require.iter().any(|b| b.eq_ignore_ascii_case(backend))
-    }
-
-    /// What a backend needs to choose its matrix-unit GEMM.
-    pub fn gemm_sources(&self) -> GemmSources {
-        GemmSources {
-            setting: self.gemm.clone(),
-            tune_cache: self.tune_cache.clone(),
-        }
     }
 }
 
@@ -316,9 +310,9 @@ impl Settings {
 /// `HEADKL_GEMM` and the tune cache (see [`crate::gemm_choice::resolve_choice`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GemmSources {
-    /// `HEADKL_GEMM`, checked by [`Settings`]; parsed over the backend's
-    /// default by [`crate::gemm_choice::resolve_choice`].
-    pub setting: Option<String>,
+    /// `HEADKL_GEMM`, parsed; laid over the backend's default by
+    /// [`crate::gemm_choice::resolve_choice`].
+    pub setting: Option<GemmSetting>,
     /// The tune cache file, if there is a place for one.
     pub tune_cache: Option<PathBuf>,
 }
@@ -342,24 +336,8 @@ pub fn parse_number(name: &'static str, value: &str) -> Result<u64> {
     .map_err(|e| invalid(name, value, &format!("not a number ({e}; decimal or 0x hex)")))
 }
 
-fn parse_backend(name: &'static str, value: &str, auto_allowed: bool) -> Result<&'static str> {
-    let v = value.trim().to_ascii_lowercase();
-    BACKEND_NAMES
-        .iter()
-        .copied()
-        .filter(|b| auto_allowed || *b != "auto")
-        .find(|b| *b == v)
-        .ok_or_else(|| {
-            let names: Vec<&str> = BACKEND_NAMES
-                .iter()
-                .copied()
-                .filter(|b| auto_allowed || *b != "auto")
-                .collect();
-            invalid(name, value, &format!("expected one of {}", names.join(", ")))
-        })
-}
-
-fn invalid(name: &'static str, value: &str, reason: &str) -> Error {
+/// The error for `name`'s `value`, and why.
+pub fn invalid(name: &'static str, value: &str, reason: &str) -> Error {
     Error::InvalidSetting {
         name,
         value: value.to_string(),
@@ -448,28 +426,25 @@ fn make_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
 
-    fn settings(vars: &[(&str, &str)]) -> Result<Settings> {
-        let map: HashMap<String, OsString> = vars.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
-        Settings::from_lookup(|name| map.get(name).cloned())
+    fn common(vars: &[(&str, &str)]) -> Result<CommonOptions> {
+        CommonOptions::from_env(&Env::from_pairs(vars.iter().copied()))
     }
 
     #[test]
     fn nothing_set_is_the_default() {
-        let s = settings(&[]).unwrap();
-        assert_eq!(s, Settings::default());
+        assert_eq!(common(&[]).unwrap(), CommonOptions::default());
     }
 
     #[test]
     fn one_rule_for_switches() {
         for on in ["1", "true", "YES", " on "] {
-            assert!(settings(&[(NO_COOPMAT, on)]).unwrap().no_coopmat, "{on}");
+            assert!(common(&[(NO_COOPMAT, on)]).unwrap().force_fallback, "{on}");
         }
         for off in ["0", "false", "No", "off", ""] {
-            assert!(!settings(&[(CHECKED, off)]).unwrap().checked, "{off}");
+            assert!(!common(&[(CHECKED, off)]).unwrap().checked, "{off}");
         }
-        let e = settings(&[(VALIDATION, "maybe")]).unwrap_err();
+        let e = Env::from_pairs([(VALIDATION, "maybe")]).flag(VALIDATION).unwrap_err();
         assert!(
             matches!(&e, Error::InvalidSetting { name, .. } if *name == VALIDATION),
             "{e}"
@@ -477,49 +452,55 @@ mod tests {
     }
 
     #[test]
-    fn every_variable_parses_and_bad_values_name_it() {
-        let s = settings(&[
-            (BACKEND, "Vulkan"),
+    fn common_options_parse_and_bad_values_name_them() {
+        let c = common(&[
             (DEVICE, "2"),
-            (REQUIRE, "wgpu, vulkan"),
-            (CASES, "32"),
-            (SEED, "0x11"),
             (GEMM, "direct"),
             (CACHE_DIR, "/tmp/x"),
-            (TRACE, "1"),
-            (PIPELINE_STATS, "1"),
-            (BENCH_SHAPE, "A"),
-            (DX_SPLIT, "3"),
+            (QUEUE, "universal"),
         ])
         .unwrap();
-        assert_eq!(s.dx_split, DxSplit::Parts(3));
-        assert_eq!(settings(&[(DX_SPLIT, "AUTO")]).unwrap().dx_split, DxSplit::Auto);
-        assert_eq!(s.backend, Some("vulkan"));
-        assert_eq!(s.device, Some(2));
-        assert!(s.requires("wgpu") && s.requires("vulkan") && !s.requires("reference"));
-        assert_eq!((s.cases, s.seed), (Some(32), Some(17)));
-        assert!(s.gemm.is_some() && s.trace && s.pipeline_stats);
-        assert_eq!(s.tune_cache, Some(PathBuf::from("/tmp/x").join(CACHE_FILE)));
+        assert_eq!(c.device, Some(2));
+        // Parsed once, into the kernel for each layout.
+        let direct = Some(crate::CoopGemm::Direct);
+        assert_eq!(
+            c.gemm_sources.setting,
+            Some(GemmSetting {
+                logits: direct,
+                dx: direct
+            })
+        );
+        let dx_only = common(&[(GEMM, "dx=direct")]).unwrap().gemm_sources.setting;
+        assert_eq!(
+            dx_only,
+            Some(GemmSetting {
+                logits: None,
+                dx: direct
+            })
+        );
+        assert_eq!(
+            c.gemm_sources.tune_cache,
+            Some(PathBuf::from("/tmp/x").join(CACHE_FILE))
+        );
+        assert_eq!(c.queue, QueueChoice::Universal);
         for (name, bad) in [
-            (BACKEND, "cuda"),
             (DEVICE, "first"),
-            (REQUIRE, "wgpu,metal"),
-            (CASES, "-1"),
-            (SEED, "0xzz"),
             (GEMM, "garbage"),
-            (BENCH_SHAPE, "C"),
-            (DX_SPLIT, "17"),
-            (DX_SPLIT, "0"),
+            (GEMM, "logits=direct,up=direct"),
+            (QUEUE, "gfx"),
         ] {
-            let e = settings(&[(name, bad)]).unwrap_err();
+            let e = common(&[(name, bad)]).unwrap_err();
             let text = e.to_string();
             assert!(text.contains(name) && text.contains(bad), "{name}={bad}: {text}");
         }
+        let e = Env::from_pairs([(SEED, "0xzz")]).number(SEED).unwrap_err().to_string();
+        assert!(e.contains(SEED) && e.contains("0xzz"), "{e}");
+        assert_eq!(Env::from_pairs([(SEED, "0x11")]).number(SEED).unwrap(), Some(17));
     }
 
     #[test]
     fn a_removed_variable_is_an_error_that_says_what_replaced_it() {
-        match settings(&[("HEADKL_GLSL_GEMM", "logits=bm128.bk64.s1")]) {
+        match common(&[("HEADKL_GLSL_GEMM", "logits=bm128.bk64.s1")]) {
             Err(Error::InvalidSetting { name, value, reason }) => {
                 assert_eq!((name, value.as_str()), ("HEADKL_GLSL_GEMM", "logits=bm128.bk64.s1"));
                 assert!(reason.contains("HEADKL_GEMM=logits=glsl:"), "{reason}");
@@ -536,10 +517,17 @@ mod tests {
 
     #[test]
     fn cache_path_falls_back_to_xdg_then_home() {
-        let s = settings(&[("XDG_CACHE_HOME", "/c"), ("HOME", "/h")]).unwrap();
-        assert_eq!(s.tune_cache, Some(PathBuf::from("/c/headkl").join(CACHE_FILE)));
-        let s = settings(&[("HOME", "/h")]).unwrap();
-        assert_eq!(s.tune_cache, Some(PathBuf::from("/h/.cache/headkl").join(CACHE_FILE)));
+        let env = Env::from_pairs([("XDG_CACHE_HOME", "/c"), ("HOME", "/h")]);
+        assert_eq!(
+            env.tune_cache().unwrap(),
+            Some(PathBuf::from("/c/headkl").join(CACHE_FILE))
+        );
+        let env = Env::from_pairs([("HOME", "/h")]);
+        assert_eq!(
+            env.tune_cache().unwrap(),
+            Some(PathBuf::from("/h/.cache/headkl").join(CACHE_FILE))
+        );
+        assert_eq!(Env::from_pairs([]).tune_cache().unwrap(), None);
     }
 
     #[test]
@@ -587,7 +575,10 @@ mod tests {
         cache.insert("vulkan", "dev", "drv", cached);
         cache.save(&cache_file).unwrap();
         let sources = GemmSources {
-            setting: Some(setting.to_string()),
+            setting: Some(GemmSetting {
+                logits: Some(setting.logits),
+                dx: Some(setting.dx),
+            }),
             tune_cache: Some(cache_file.clone()),
         };
         let pick = |e, s: &GemmSources| resolve_choice(e, default, s, "vulkan", "dev", "drv").unwrap();

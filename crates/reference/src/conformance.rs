@@ -50,7 +50,8 @@ pub mod trainer;
 
 use std::panic::AssertUnwindSafe;
 
-use headkl_core::{Backend, DeviceInfo, Engine, Settings};
+use headkl_core::settings::{self, Env};
+use headkl_core::{Backend, DeviceInfo, Engine};
 
 use crate::strategies::{case_params, Case, CaseKind, Rng};
 use crate::tolerance::Tolerance;
@@ -82,7 +83,7 @@ impl Default for SuiteConfig {
 
 impl SuiteConfig {
     /// `HEADKL_CASES` and `HEADKL_SEED` where set, else the defaults.
-    pub fn from_settings(settings: &Settings) -> Self {
+    pub fn from_settings(settings: &SuiteSettings) -> Self {
         Self {
             cases: settings.cases.unwrap_or(DEFAULT_CASES),
             seed: settings.seed.unwrap_or(DEFAULT_SEED),
@@ -90,13 +91,74 @@ impl SuiteConfig {
     }
 }
 
-/// The settings a test harness runs with: [`Settings::from_env`], after
-/// giving the process a private runtime folder where `XDG_RUNTIME_DIR` is
-/// unset (so Mesa does not complain on every enumeration). A setting that
-/// does not parse fails the test: a typo in `HEADKL_GEMM` must not pass.
-pub fn harness_settings() -> Settings {
+/// The backends `HEADKL_REQUIRE` can name.
+pub const BACKEND_NAMES: [&str; 3] = ["vulkan", "wgpu", "reference"];
+
+/// The conformance suite's settings, as the environment gives them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SuiteSettings {
+    /// `HEADKL_CASES`: drawn driver cases.
+    pub cases: Option<usize>,
+    /// `HEADKL_SEED`: the drawn cases' seed.
+    pub seed: Option<u64>,
+    /// `HEADKL_REQUIRE`: backends that must start (one of
+    /// [`BACKEND_NAMES`] each), lowercase.
+    pub require: Vec<&'static str>,
+}
+
+impl SuiteSettings {
+    /// `HEADKL_CASES`, `HEADKL_SEED` and `HEADKL_REQUIRE`; a value that does
+    /// not parse is an error naming it.
+    pub fn from_env(env: &Env) -> headkl_core::Result<Self> {
+        let require = match env.text(settings::REQUIRE)? {
+            None => Vec::new(),
+            Some(v) => v
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| {
+                    BACKEND_NAMES
+                        .iter()
+                        .copied()
+                        .find(|b| b.eq_ignore_ascii_case(s))
+                        .ok_or_else(|| {
+                            settings::invalid(
+                                settings::REQUIRE,
+                                &v,
+                                &format!("`{s}` is not a backend ({})", BACKEND_NAMES.join(", ")),
+                            )
+                        })
+                })
+                .collect::<headkl_core::Result<_>>()?,
+        };
+        Ok(Self {
+            cases: env.count(settings::CASES)?,
+            seed: env.number(settings::SEED)?,
+            require,
+        })
+    }
+
+    /// Whether `HEADKL_REQUIRE` names `backend`.
+    pub fn requires(&self, backend: &str) -> bool {
+        self.require.iter().any(|b| b.eq_ignore_ascii_case(backend))
+    }
+}
+
+/// The environment a test harness reads its settings from, after giving
+/// the process a private runtime folder where `XDG_RUNTIME_DIR` is unset
+/// (so Mesa does not complain on every enumeration). Each consumer parses
+/// its own section from it (`VulkanOptions::from_env`,
+/// `OpenOptions::from_env`, [`harness_suite`]); a setting that does not
+/// parse fails the test: a typo in `HEADKL_GEMM` must not pass.
+pub fn harness_env() -> Env {
     headkl_core::settings::ensure_runtime_dir();
-    match Settings::from_env() {
+    Env::process()
+}
+
+/// The suite's settings for a test harness ([`harness_env`]); panics on a
+/// value that does not parse.
+pub fn harness_suite() -> SuiteSettings {
+    match SuiteSettings::from_env(&harness_env()) {
         Ok(s) => s,
         Err(e) => panic!("bad setting: {e}"),
     }
@@ -484,8 +546,8 @@ pub fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case) -> Result<CaseE
 /// to stderr and returns `None`, unless `HEADKL_REQUIRE` (a comma list)
 /// names the backend, in which case it panics (the test fails).
 pub fn open_or_skip<B>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>) -> Option<B> {
-    // Before `open` enumerates anything (see `harness_settings`).
-    let settings = harness_settings();
+    // Before `open` enumerates anything (see `harness_env`).
+    let settings = harness_suite();
     match open() {
         Ok(b) => Some(b),
         Err(e) => {
@@ -505,7 +567,7 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
     let Some(backend) = open_or_skip(backend_name, open) else {
         return;
     };
-    let cfg = SuiteConfig::from_settings(&harness_settings());
+    let cfg = SuiteConfig::from_settings(&harness_suite());
     let report = run_part(&backend, part, &cfg, &mut |o| {
         if !o.passed {
             eprintln!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
@@ -586,4 +648,36 @@ macro_rules! conformance_tests {
 pub(crate) fn engine_for<'b, B: Backend + ?Sized>(backend: &'b B, case: &Case) -> Result<Engine<&'b B>, String> {
     let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
     Engine::new(backend, &head, case.slice_options()).map_err(|e| format!("Engine::new: {e}"))
+}
+
+#[cfg(test)]
+mod settings_tests {
+    use super::*;
+
+    #[test]
+    fn suite_settings_parse_and_bad_values_name_them() {
+        let env = Env::from_pairs([
+            (settings::CASES, "32"),
+            (settings::SEED, "0x11"),
+            (settings::REQUIRE, "wgpu, Vulkan"),
+        ]);
+        let s = SuiteSettings::from_env(&env).unwrap();
+        assert_eq!((s.cases, s.seed), (Some(32), Some(17)));
+        assert!(s.requires("wgpu") && s.requires("vulkan") && !s.requires("reference"));
+        assert_eq!(SuiteConfig::from_settings(&s), SuiteConfig { cases: 32, seed: 17 });
+        assert_eq!(
+            SuiteConfig::from_settings(&SuiteSettings::from_env(&Env::from_pairs([])).unwrap()),
+            SuiteConfig::default()
+        );
+        for (name, bad) in [
+            (settings::REQUIRE, "wgpu,metal"),
+            (settings::CASES, "-1"),
+            (settings::SEED, "0xzz"),
+        ] {
+            let e = SuiteSettings::from_env(&Env::from_pairs([(name, bad)]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(name) && e.contains(bad), "{name}={bad}: {e}");
+        }
+    }
 }
