@@ -477,8 +477,8 @@ impl PipelineCache {
                     .next()
                     .ok_or_else(|| backend_error("vkCreateComputePipelines returned no pipeline"))?;
                 if self.device.enabled.pipeline_stats {
-                    eprintln!(
-                        "headkl-vulkan: pipeline {}:{} {:?}: {}",
+                    log::info!(
+                        "pipeline {}:{} {:?}: {}",
                         key.file,
                         key.entry,
                         key.overrides,
