@@ -16,18 +16,20 @@ impl Log for StderrLogger {
         if !self.enabled(record.metadata()) {
             return;
         }
-        // The command's own lines carry their prefix (`headkl:`,
-        // `bench:`); a library's get its crate's name.
+        // The command's own informational lines carry their prefix
+        // (`headkl:`, `bench:`); its warnings get `headkl: warning:`; a
+        // library's lines get its crate's name.
         let crate_name = record.target().split("::").next().unwrap_or("");
-        let prefix = if crate_name == "headkl" || crate_name == "headkl_cli" {
-            String::new()
-        } else {
-            format!("{crate_name}: ")
-        };
+        let own = crate_name == "headkl" || crate_name == "headkl_cli";
         let level = match record.level() {
             Level::Error => "error: ",
             Level::Warn => "warning: ",
             Level::Info | Level::Debug | Level::Trace => "",
+        };
+        let prefix = match (own, level.is_empty()) {
+            (true, true) => String::new(),
+            (true, false) => "headkl: ".to_string(),
+            (false, _) => format!("{crate_name}: "),
         };
         eprintln!("{prefix}{level}{}", record.args());
     }

@@ -211,10 +211,7 @@ pub fn check_teacher(
 ) -> Result<(), CliError> {
     let refuse = |problem: String| {
         if allow {
-            log::warn!(
-                "headkl: {}: {problem} (used anyway: {ALLOW_MISMATCH_FLAG})",
-                teacher.display()
-            );
+            log::warn!("{}: {problem} (used anyway: {ALLOW_MISMATCH_FLAG})", teacher.display());
             Ok(())
         } else {
             Err(CliError::file(
