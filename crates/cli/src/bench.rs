@@ -89,7 +89,7 @@ impl BenchData {
     /// are O(1) as in a real model.
     fn generate(shape: Shape) -> Result<Self, CliError> {
         let start = Instant::now();
-        eprintln!(
+        log::info!(
             "bench: generating {shape} data (head {})",
             fmt_bytes((shape.vocab * shape.hs * 2) as u64)
         );
@@ -119,7 +119,7 @@ impl BenchData {
         }
         let teacher = Teacher::new(&ids, &probs, ntok, k, vocab)
             .map_err(|e| CliError::device("generating the benchmark teacher", e))?;
-        eprintln!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
+        log::info!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
         Ok(Self {
             shape,
             head,
@@ -191,7 +191,7 @@ impl BenchJob<'_> {
             return Ok(Some(topk_call));
         }
         if total >= stats::ESTIMATE_NOTE_SECS {
-            eprintln!(
+            log::info!(
                 "bench: {} calls per job at {shape} will take about {} here (from a {rows}-row probe; \
                  fewer --iters/--warmup or a smaller --shape to shorten; Ctrl-C stops)",
                 cfg.warmup + cfg.iters,
@@ -453,7 +453,7 @@ impl BenchJob<'_> {
         let info = backend.info().clone();
         let shape = shape_for(self.cfg, &info, self.kind)?;
         if self.cfg.all && self.kind == BackendKind::Reference && shape.flops(JobKind::HeadKl) > REFERENCE_MAX_FLOPS {
-            eprintln!(
+            log::info!(
                 "bench: reference: shape {shape} is too large for the CPU backend \
                  (skipped; run it alone with --backend reference)"
             );
@@ -479,7 +479,7 @@ impl BenchJob<'_> {
             return Ok(None);
         };
         let profiling = backend.set_profiling(true);
-        eprintln!(
+        log::info!(
             "bench: {} on {} ({}), matrix units {}, kernel timing {}, shape {shape}",
             info.backend,
             info.device_name,
@@ -488,10 +488,10 @@ impl BenchJob<'_> {
             if profiling { "on" } else { "off (wall time only)" }
         );
         if let Some(gemm) = &info.gemm {
-            eprintln!("bench: GEMM {gemm}");
+            log::info!("bench: GEMM {gemm}");
         }
         if let Some(queue) = &info.queue {
-            eprintln!("bench: queue {queue}");
+            log::info!("bench: queue {queue}");
         }
         let before = backend.memory().current;
         let head = HeadWeights::new(HeadData::F16(&data.head), shape.vocab, shape.hs)
@@ -505,7 +505,7 @@ impl BenchJob<'_> {
         let head_bytes = engine.backend().memory().current.saturating_sub(before);
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
-        eprintln!(
+        log::info!(
             "bench: head uploaded in {upload_ms:.0} ms ({}, {} slice(s))",
             fmt_bytes(head_bytes),
             engine.slices().len()
@@ -521,7 +521,7 @@ impl BenchJob<'_> {
                 },
             )
             .map_err(|e| CliError::device("bench chunk plan", e))?;
-        eprintln!(
+        log::info!(
             "bench: dx GEMM split {} ({:?} part(s) per slice at {} rows per chunk)",
             engine.dx_split(),
             engine.dx_parts(headkl_core::round_up(plan.rows_per_chunk.min(shape.ntok), ALIGN)),
@@ -600,7 +600,7 @@ fn skip_or_fail(kind: BackendKind, why: headkl_core::Error) -> Result<(), CliErr
     if is_validation(&why) || required(kind) {
         return Err(CliError::start(kind.name(), why));
     }
-    eprintln!("bench: {kind}: cannot start: {why} (skipped)");
+    log::warn!("bench: {kind}: cannot start: {why} (skipped)");
     Ok(())
 }
 
@@ -619,7 +619,7 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
             ..cfg.clone()
         };
         if let Some(shape) = common.shape {
-            eprintln!(
+            log::info!(
                 "bench: --all runs one shape on every backend: {shape} (the smallest default; --shape picks another)"
             );
         }
@@ -675,11 +675,11 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
             problem: e.to_string(),
         })?;
         write_atomic(path, text.as_bytes())?;
-        eprintln!("bench: wrote {}", path.display());
+        log::info!("bench: wrote {}", path.display());
     }
     if let Some(path) = &cfg.plot {
         write_atomic(path, crate::plot::svg(&report.runs).as_bytes())?;
-        eprintln!("bench: wrote {}", path.display());
+        log::info!("bench: wrote {}", path.display());
     }
     Ok(())
 }

@@ -33,7 +33,7 @@ pub(super) fn announce_estimate(backend: &str, job: JobKind, first_ms: f64, call
     };
     let total = rest + after;
     if total >= ESTIMATE_NOTE_SECS {
-        eprintln!(
+        log::info!(
             "bench: {backend} {}: the first call took {}; the rest of this bench will take about {} \
              (fewer --iters/--warmup or a smaller --shape to shorten; Ctrl-C stops)",
             job.name(),
