@@ -176,3 +176,68 @@ pub(super) fn confirm(what: &str, needs: &Needs, cfg: &BenchConfig, info: &Devic
         format!("{problem}; pass --yes to run it anyway, or a smaller --shape (or fewer --iters)"),
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(resident: bool) -> BenchConfig {
+        BenchConfig {
+            shape: None,
+            k: None,
+            iters: 10,
+            warmup: 2,
+            budget: 2 << 30,
+            json: None,
+            plot: None,
+            all: false,
+            resident,
+            yes: false,
+        }
+    }
+
+    #[test]
+    fn a_cpu_device_counts_its_memory_as_the_hosts() {
+        let cpu = headkl_reference::CpuBackend::new().info().clone();
+        let (host, device) = memory_needs(Shape::A, &cfg(false), &cpu);
+        assert_eq!(device, 0);
+        // The f16 head twice (the data and the backend's planes) and the
+        // whole 2 GiB budget: shape A's logits exceed it.
+        let head = 248_320u64 * 5120 * 2;
+        assert!(host > 2 * head + (2 << 30) && host < 2 * head + (3 << 30), "{host}");
+        let gpu = DeviceInfo {
+            backend: "vulkan",
+            device_type: "discrete".into(),
+            ..cpu
+        };
+        let (host, device) = memory_needs(Shape::A, &cfg(true), &gpu);
+        assert!(host > head && host < 2 * head, "{host}");
+        assert!(device > head + (2 << 30), "{device}");
+    }
+
+    #[test]
+    fn run_flops_count_every_call_of_every_path() {
+        let one = Shape::A.flops(JobKind::HeadKl) + Shape::A.flops(JobKind::Topk);
+        assert_eq!(run_flops(Shape::A, &cfg(false)), 12.0 * one);
+        assert_eq!(run_flops(Shape::A, &cfg(true)), 24.0 * one);
+    }
+
+    #[test]
+    fn a_fast_run_within_memory_goes_on_without_asking() {
+        let cpu = headkl_reference::CpuBackend::new().info().clone();
+        let needs = Needs {
+            secs: Some(1.0),
+            from: "test",
+            host_bytes: 1 << 20,
+            device_bytes: 0,
+        };
+        assert!(matches!(confirm("bench", &needs, &cfg(false), &cpu), Ok(false)));
+        let mut yes = cfg(false);
+        yes.yes = true;
+        let slow = Needs {
+            secs: Some(10.0 * CONFIRM_SECS),
+            ..needs
+        };
+        assert!(matches!(confirm("bench", &slow, &yes, &cpu), Ok(true)));
+    }
+}
