@@ -478,7 +478,8 @@ impl PipelineCache {
                     .ok_or_else(|| backend_error("vkCreateComputePipelines returned no pipeline"))?;
                 if self.device.enabled.pipeline_stats {
                     log::info!(
-                        "pipeline {}:{} {:?}: {}",
+                        target: headkl_core::DIAGNOSTICS_LOG_TARGET,
+                        "headkl-vulkan: pipeline {}:{} {:?}: {}",
                         key.file,
                         key.entry,
                         key.overrides,

@@ -481,7 +481,7 @@ impl BenchJob<'_> {
             return Ok(None);
         };
         let profiling = backend.set_profiling(true);
-        log::info!(
+        eprintln!(
             "bench: {} on {} ({}), matrix units {}, kernel timing {}, shape {shape}",
             info.backend,
             info.device_name,
@@ -490,10 +490,10 @@ impl BenchJob<'_> {
             if profiling { "on" } else { "off (wall time only)" }
         );
         if let Some(gemm) = &info.gemm {
-            log::info!("bench: GEMM {gemm}");
+            eprintln!("bench: GEMM {gemm}");
         }
         if let Some(queue) = &info.queue {
-            log::info!("bench: queue {queue}");
+            eprintln!("bench: queue {queue}");
         }
         let before = backend.memory().current;
         let head = HeadWeights::new(HeadData::F16(&data.head), shape.vocab, shape.hs)
@@ -507,7 +507,7 @@ impl BenchJob<'_> {
         let head_bytes = engine.backend().memory().current.saturating_sub(before);
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
-        log::info!(
+        eprintln!(
             "bench: head uploaded in {upload_ms:.0} ms ({}, {} slice(s))",
             fmt_bytes(head_bytes),
             engine.slices().len()
@@ -523,7 +523,7 @@ impl BenchJob<'_> {
                 },
             )
             .map_err(|e| CliError::device("bench chunk plan", e))?;
-        log::info!(
+        eprintln!(
             "bench: dx GEMM split {} ({:?} part(s) per slice at {} rows per chunk)",
             engine.dx_split(),
             engine.dx_parts(headkl_core::round_up(plan.rows_per_chunk.min(shape.ntok), ALIGN)),

@@ -67,7 +67,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
     }
     let kernels = backend.ceiling_kernels();
     let current = backend.gemm_kernel();
-    log::info!(
+    eprintln!(
         "ceiling: {} variants at m:n:k = {shape}, median of {iters}; current GEMM {current}",
         kernels.len()
     );
@@ -92,7 +92,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
                 report.passed, report.cases, f.name, f.message
             ),
         };
-        log::info!("ceiling: GLSL GEMM {tile}: {verdict}");
+        eprintln!("ceiling: GLSL GEMM {tile}: {verdict}");
         gate.push((tile, verdict));
     }
     if let Some(choice) = current_choice {

@@ -297,7 +297,7 @@ pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
         return crate::ceiling::run(&target, shape, cfg.iters);
     }
     let kernels = cfg.kernels.clone().unwrap_or_else(CoopGemm::candidates);
-    log::info!(
+    eprintln!(
         "tune: {} on {} (driver {}): {} kernels at m:n:k = {shape} ({:.1} GFLOP per GEMM), median of {}",
         target.kind,
         info.device_name,

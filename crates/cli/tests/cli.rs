@@ -1651,3 +1651,32 @@ fn devices_shows_no_binding_limit_for_the_cpu_reference() {
     let table = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(!table.contains("2.0 GiB"), "{table}");
 }
+
+#[test]
+fn trace_asked_for_shows_even_when_quiet() {
+    let f = Fixture::new("trace");
+    let out = f.path("out.safetensors");
+    let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+        .args([
+            "loss",
+            "--backend",
+            "reference",
+            "--quiet",
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "--teacher",
+            f.s("teacher.safetensors"),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .env("HEADKL_TRACE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let err = stderr(&o);
+    // Only the asked-for lines, as they always read: no note, no "running on".
+    assert!(err.lines().any(|l| l.starts_with("trace head_kl: ")), "{err}");
+    assert!(err.lines().all(|l| l.starts_with("trace ")), "{err}");
+}

@@ -768,6 +768,11 @@ impl Trace {
         }
         let total: f64 = self.phases.iter().map(|(_, ms)| ms).sum();
         let parts: Vec<String> = self.phases.iter().map(|(p, ms)| format!("{p} {ms:.1}")).collect();
-        log::info!("trace {}: {total:.1} ms = {}", self.job, parts.join(", "));
+        log::info!(
+            target: crate::DIAGNOSTICS_LOG_TARGET,
+            "trace {}: {total:.1} ms = {}",
+            self.job,
+            parts.join(", ")
+        );
     }
 }

@@ -100,6 +100,12 @@ pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use split::DxSplit;
 pub use tune_cache::TuneCache;
 
+/// The `log` target of the diagnostics a user switches on
+/// (`HEADKL_TRACE`'s phases, `HEADKL_PIPELINE_STATS`' statistics), logged
+/// at info level: a program that is otherwise quiet can still let them
+/// through, since they were asked for.
+pub const DIAGNOSTICS_LOG_TARGET: &str = "headkl::diagnostics";
+
 /// Alignment of every padded device extent (token rows, hidden columns,
 /// vocabulary columns): the 16×16 matrix-unit tile edge. GEMM kernels may
 /// read and write whole 16×16 tiles.
