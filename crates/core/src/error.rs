@@ -307,7 +307,7 @@ impl std::fmt::Display for Field {
     }
 }
 
-/// What kind of failure an [`Error`] is, which decides what the caller
+/// What kind of failure an [`Error`](enum@Error) is, which decides what the caller
 /// does with it (the `headkl` command: its exit code).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
