@@ -105,8 +105,8 @@ impl Device {
         let zero_init = f.zero_initialize_workgroup_memory;
         let pipeline_stats = options.pipeline_stats;
         if pipeline_stats && !f.pipeline_executable_info {
-            eprintln!(
-                "headkl-vulkan: HEADKL_PIPELINE_STATS: {} has no pipelineExecutableInfo \
+            log::warn!(
+                "HEADKL_PIPELINE_STATS: {} has no pipelineExecutableInfo \
                  (VK_KHR_pipeline_executable_properties); no statistics",
                 caps.name
             );

@@ -263,7 +263,7 @@ impl Instance {
                 line.push_str(", synchronization validation on");
             }
             if !LAYER_LINE_PRINTED.swap(true, Ordering::Relaxed) {
-                eprintln!("headkl-vulkan: validation layer loaded: {line}; debug messenger collecting errors");
+                log::info!("validation layer loaded: {line}; debug messenger collecting errors");
             }
         }
         Ok(Arc::new(Self {
@@ -297,7 +297,7 @@ impl Drop for Instance {
         // Messages that arrived after the last `take_diagnostics` (object
         // leaks reported at vkDestroyDevice, say) would otherwise be lost.
         for message in self.diagnostics.peek() {
-            eprintln!("headkl-vulkan: at shutdown: {message}");
+            log::warn!("at shutdown: {message}");
         }
         // SAFETY: every device made from this instance holds an `Arc` to it,
         // so none is left; the messenger was made from this instance.

@@ -506,7 +506,7 @@ impl Backend for VulkanBackend {
         match self.stream().and_then(|mut s| s.set_profiling(on)) {
             Ok(can) => can,
             Err(e) => {
-                eprintln!("headkl-vulkan: could not switch kernel timing: {e}");
+                log::warn!("could not switch kernel timing: {e}");
                 false
             }
         }

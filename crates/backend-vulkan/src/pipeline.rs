@@ -477,7 +477,8 @@ impl PipelineCache {
                     .next()
                     .ok_or_else(|| backend_error("vkCreateComputePipelines returned no pipeline"))?;
                 if self.device.enabled.pipeline_stats {
-                    eprintln!(
+                    log::info!(
+                        target: headkl_core::DIAGNOSTICS_LOG_TARGET,
                         "headkl-vulkan: pipeline {}:{} {:?}: {}",
                         key.file,
                         key.entry,

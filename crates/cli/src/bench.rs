@@ -26,6 +26,7 @@ use crate::select::{
 };
 use crate::text::fmt_bytes;
 
+mod preflight;
 mod shape;
 mod stats;
 mod table;
@@ -69,6 +70,9 @@ pub struct BenchConfig {
     pub all: bool,
     /// `--resident`: also time the device-resident entry points.
     pub resident: bool,
+    /// `--yes`: run even when the estimate is long or past the memory
+    /// there is.
+    pub yes: bool,
 }
 
 /// Random data of one shape: f16 head and hidden rows, and a teacher.
@@ -85,7 +89,7 @@ impl BenchData {
     /// are O(1) as in a real model.
     fn generate(shape: Shape) -> Result<Self, CliError> {
         let start = Instant::now();
-        eprintln!(
+        log::info!(
             "bench: generating {shape} data (head {})",
             fmt_bytes((shape.vocab * shape.hs * 2) as u64)
         );
@@ -115,7 +119,7 @@ impl BenchData {
         }
         let teacher = Teacher::new(&ids, &probs, ntok, k, vocab)
             .map_err(|e| CliError::device("generating the benchmark teacher", e))?;
-        eprintln!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
+        log::info!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
         Ok(Self {
             shape,
             head,
@@ -134,19 +138,25 @@ struct BenchJob<'a> {
 }
 
 impl BenchJob<'_> {
-    /// Before committing to the whole run: one top-k call on a few rows,
-    /// scaled to the shape's rows and every call of both jobs (head_kl
-    /// counted as two top-k GEMMs), and said when it comes to
-    /// [`stats::ESTIMATE_NOTE_SECS`] or more. The cost is linear in the rows
-    /// at a fixed head, so this errs long (fixed costs scale too). The
-    /// timed call is the second: the first builds the backend's pipelines,
-    /// a one-off cost that scaled up made a run of under a minute read as
-    /// half an hour.
-    fn probe<B: Backend>(d: &BenchData, cfg: &BenchConfig, engine: &mut Engine<B>) -> Result<(), CliError> {
+    /// Before committing to the whole run: a warm top-k call on a few rows
+    /// (the second of two: pipeline builds are not counted), scaled to the
+    /// shape's rows and every call of both jobs (head_kl counted as two
+    /// top-k GEMMs), and said when it comes to
+    /// [`stats::ESTIMATE_NOTE_SECS`] or more; past
+    /// [`preflight::CONFIRM_SECS`] it asks for `--yes` unless that was
+    /// asked already (`confirmed`). The cost is linear in the rows at a
+    /// fixed head, so this errs long (fixed costs scale too). Returns the
+    /// estimated seconds of one top-k call on the whole shape.
+    fn probe<B: Backend>(
+        d: &BenchData,
+        cfg: &BenchConfig,
+        engine: &mut Engine<B>,
+        confirmed: bool,
+    ) -> Result<Option<f64>, CliError> {
         let shape = d.shape;
         let rows = PROBE_ROWS;
         if shape.ntok < 4 * rows {
-            return Ok(()); // a probe would cost a good part of the first call
+            return Ok(None); // a probe would cost a good part of the first call
         }
         let hidden =
             Hidden::f16(&d.hidden[..rows * shape.hs], rows, shape.hs).map_err(|e| CliError::device("bench data", e))?;
@@ -155,7 +165,7 @@ impl BenchJob<'_> {
             ..TopkOptions::new(shape.k)
         };
         let mut probe_s = 0.0;
-        for _warm in [false, true] {
+        for _ in 0..2 {
             let start = Instant::now();
             engine
                 .topk(&hidden, &opts)
@@ -164,17 +174,31 @@ impl BenchJob<'_> {
             probe_s = start.elapsed().as_secs_f64();
         }
         let _ = engine.backend().take_kernel_times();
+        let topk_call = probe_s * (shape.ntok as f64 / rows as f64);
         let calls = (cfg.warmup + cfg.iters) as f64;
-        let total = probe_s * (shape.ntok as f64 / rows as f64) * calls * 3.0;
+        let paths = if cfg.resident { 2.0 } else { 1.0 };
+        let total = topk_call * calls * 3.0 * paths;
+        if !confirmed && total > preflight::CONFIRM_SECS {
+            let info = engine.backend().info().clone();
+            let (host_bytes, device_bytes) = preflight::memory_needs(shape, cfg, &info);
+            let needs = preflight::Needs {
+                secs: Some(total),
+                from: "from a warm 64-row probe on the whole head",
+                host_bytes,
+                device_bytes,
+            };
+            preflight::confirm(&format!("bench {} at {shape}", info.backend), &needs, cfg, &info)?;
+            return Ok(Some(topk_call));
+        }
         if total >= stats::ESTIMATE_NOTE_SECS {
-            eprintln!(
+            log::info!(
                 "bench: {} calls per job at {shape} will take about {} here (from a {rows}-row probe; \
                  fewer --iters/--warmup or a smaller --shape to shorten; Ctrl-C stops)",
                 cfg.warmup + cfg.iters,
                 stats::fmt_secs(total)
             );
         }
-        Ok(())
+        Ok(Some(topk_call))
     }
 
     fn time_job<B: Backend>(
@@ -183,6 +207,7 @@ impl BenchJob<'_> {
         engine: &mut Engine<B>,
         job: JobKind,
         head_bytes: u64,
+        topk_call: Option<f64>,
     ) -> Result<JobResult, CliError> {
         let shape = d.shape;
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(|e| CliError::device("bench data", e))?;
@@ -196,14 +221,27 @@ impl BenchJob<'_> {
         };
         // Kept across calls, as a training loop keeps its gradient buffer.
         let mut loss_out = headkl_core::LossOutput::default();
-        Self::time_calls(cfg, engine, job, "host", head_bytes, shape, |engine| match job {
-            JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
-            JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
-        })
+        Self::time_calls(
+            cfg,
+            engine,
+            job,
+            "host",
+            head_bytes,
+            shape,
+            topk_call,
+            |engine| match job {
+                JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
+                JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
+            },
+        )
     }
 
     /// Times `cfg.iters` calls of `call` (after `cfg.warmup`), each
-    /// followed by the backend's `finish`.
+    /// followed by the backend's `finish`. The bar's time left comes from
+    /// the probe's estimate of a top-k call (`topk_call`, seconds; head_kl
+    /// counted as two) until two calls are done, then from the last call,
+    /// so the bar and the probe's estimate agree.
+    #[allow(clippy::too_many_arguments, reason = "one private helper of two call sites")]
     fn time_calls<B: Backend>(
         cfg: &BenchConfig,
         engine: &mut Engine<B>,
@@ -211,13 +249,19 @@ impl BenchJob<'_> {
         path: &'static str,
         head_bytes: u64,
         shape: Shape,
+        topk_call: Option<f64>,
         mut call: impl FnMut(&mut Engine<B>) -> headkl_core::Result<()>,
     ) -> Result<JobResult, CliError> {
         // Scratch of the previous job is freed, so the peak is this job's.
         engine.release_scratch();
         engine.backend().reset_peak_memory();
         let label = format!("bench {} {} {path}", engine.backend().info().backend, job.name());
-        let mut progress = Progress::new(label, (cfg.warmup + cfg.iters) as u64);
+        let mut progress = Progress::new_estimated(label, (cfg.warmup + cfg.iters) as u64);
+        let estimate = topk_call.map(|s| match job {
+            JobKind::HeadKl => 2.0 * s,
+            JobKind::Topk => s,
+        });
+        let mut last_call: Option<f64> = None;
         let mut wall = Vec::with_capacity(cfg.iters);
         let mut gpu = Vec::with_capacity(cfg.iters);
         let mut per_kernel: BTreeMap<&'static str, (Vec<f64>, usize)> = BTreeMap::new();
@@ -228,7 +272,13 @@ impl BenchJob<'_> {
             } else {
                 format!("warm-up {}/{}", i + 1, cfg.warmup)
             };
-            progress.message(what.clone());
+            // The first call builds pipelines: not a measure of the others.
+            let per_call = if i >= 2 { last_call } else { estimate.or(last_call) };
+            let left = per_call.map(|s| s * (cfg.warmup + cfg.iters - i) as f64);
+            progress.message(match left {
+                Some(left) => format!("{what}, about {} left", stats::fmt_secs(left)),
+                None => what.clone(),
+            });
             let start = Instant::now();
             let result = call(engine);
             let b = engine.backend();
@@ -236,8 +286,11 @@ impl BenchJob<'_> {
                 .and_then(|()| b.finish())
                 .map_err(|e| CliError::device(format!("bench {} {}", b.info().backend, job.name()), e))?;
             let ms = start.elapsed().as_secs_f64() * 1e3;
-            if i == 0 {
-                announce_estimate(b.info().backend, job, ms, cfg.warmup + cfg.iters);
+            last_call = Some(ms * 1e-3);
+            // Without the probe's estimate: said after the second call, the
+            // first one's pipeline builds left out.
+            if i == 1 && topk_call.is_none() {
+                announce_estimate(b.info().backend, job, ms, cfg.warmup + cfg.iters - 1);
             }
             let times = b
                 .take_kernel_times()
@@ -304,7 +357,7 @@ impl BackendJob for BenchJob<'_> {
     type Output = Option<BenchRun>;
 
     fn run<B: Backend>(self, backend: B) -> Result<Option<BenchRun>, CliError> {
-        self.run_with(backend, |_, _, _, _| Ok(Vec::new()))
+        self.run_with(backend, |_, _, _, _, _| Ok(Vec::new()))
     }
 }
 
@@ -324,6 +377,7 @@ fn time_resident<B: ResidentBackend>(
     cfg: &BenchConfig,
     engine: &mut Engine<B>,
     head_bytes: u64,
+    topk_call: Option<f64>,
 ) -> Result<Vec<JobResult>, CliError> {
     let shape = d.shape;
     let (ntok, hs, k) = (shape.ntok, shape.hs, shape.k);
@@ -361,14 +415,32 @@ fn time_resident<B: ResidentBackend>(
         budget_bytes: cfg.budget,
         ..TopkOptions::new(k)
     };
-    let head_kl = BenchJob::time_calls(cfg, engine, JobKind::HeadKl, "resident", held, shape, |engine| {
-        engine.head_kl_device(ntok, &hidden, &teacher, &out, &loss_opts)?;
-        engine.wait_device()
-    })?;
-    let topk = BenchJob::time_calls(cfg, engine, JobKind::Topk, "resident", held, shape, |engine| {
-        engine.topk_device(ntok, &hidden, &top_ids, &top_probs, &topk_opts)?;
-        engine.wait_device()
-    })?;
+    let head_kl = BenchJob::time_calls(
+        cfg,
+        engine,
+        JobKind::HeadKl,
+        "resident",
+        held,
+        shape,
+        topk_call,
+        |engine| {
+            engine.head_kl_device(ntok, &hidden, &teacher, &out, &loss_opts)?;
+            engine.wait_device()
+        },
+    )?;
+    let topk = BenchJob::time_calls(
+        cfg,
+        engine,
+        JobKind::Topk,
+        "resident",
+        held,
+        shape,
+        topk_call,
+        |engine| {
+            engine.topk_device(ntok, &hidden, &top_ids, &top_probs, &topk_opts)?;
+            engine.wait_device()
+        },
+    )?;
     Ok(vec![head_kl, topk])
 }
 
@@ -378,17 +450,29 @@ impl BenchJob<'_> {
     fn run_with<B: Backend>(
         self,
         backend: B,
-        extra: impl FnOnce(&BenchData, &BenchConfig, &mut Engine<B>, u64) -> Result<Vec<JobResult>, CliError>,
+        extra: impl FnOnce(&BenchData, &BenchConfig, &mut Engine<B>, u64, Option<f64>) -> Result<Vec<JobResult>, CliError>,
     ) -> Result<Option<BenchRun>, CliError> {
         let info = backend.info().clone();
         let shape = shape_for(self.cfg, &info, self.kind)?;
         if self.cfg.all && self.kind == BackendKind::Reference && shape.flops(JobKind::HeadKl) > REFERENCE_MAX_FLOPS {
-            eprintln!(
+            log::info!(
                 "bench: reference: shape {shape} is too large for the CPU backend \
                  (skipped; run it alone with --backend reference)"
             );
             return Ok(None);
         }
+        // Before the data is made: a run of hours, or one past the memory
+        // there is, is said and refused here unless --yes.
+        let (host_bytes, device_bytes) = preflight::memory_needs(shape, self.cfg, &info);
+        let secs = preflight::calibrate(&backend, shape, self.cfg.budget)?
+            .map(|secs_per_flop| secs_per_flop * preflight::run_flops(shape, self.cfg));
+        let needs = preflight::Needs {
+            secs,
+            from: "at the rate of a warm 16-row call",
+            host_bytes,
+            device_bytes,
+        };
+        let confirmed = preflight::confirm(&format!("bench {} at {shape}", info.backend), &needs, self.cfg, &info)?;
         if self.cache.as_ref().is_none_or(|d| d.shape != shape) {
             *self.cache = None; // free the old data before making the new
             *self.cache = Some(BenchData::generate(shape)?);
@@ -445,12 +529,12 @@ impl BenchJob<'_> {
             engine.dx_parts(headkl_core::round_up(plan.rows_per_chunk.min(shape.ntok), ALIGN)),
             plan.rows_per_chunk
         );
-        Self::probe(data, self.cfg, &mut engine)?;
+        let topk_call = Self::probe(data, self.cfg, &mut engine, confirmed)?;
         let mut jobs = Vec::new();
         for job in [JobKind::HeadKl, JobKind::Topk] {
-            jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes)?);
+            jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes, topk_call)?);
         }
-        jobs.extend(extra(data, self.cfg, &mut engine, head_bytes)?);
+        jobs.extend(extra(data, self.cfg, &mut engine, head_bytes, topk_call)?);
         engine.backend().set_profiling(false);
         Ok(Some(BenchRun {
             backend: info.backend.to_string(),
@@ -518,7 +602,7 @@ fn skip_or_fail(kind: BackendKind, why: headkl_core::Error) -> Result<(), CliErr
     if is_validation(&why) || required(kind) {
         return Err(CliError::start(kind.name(), why));
     }
-    eprintln!("bench: {kind}: cannot start: {why} (skipped)");
+    log::warn!("bench: {kind}: cannot start: {why} (skipped)");
     Ok(())
 }
 
@@ -537,7 +621,7 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
             ..cfg.clone()
         };
         if let Some(shape) = common.shape {
-            eprintln!(
+            log::info!(
                 "bench: --all runs one shape on every backend: {shape} (the smallest default; --shape picks another)"
             );
         }
@@ -600,11 +684,11 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
             problem: e.to_string(),
         })?;
         write_atomic(path, text.as_bytes())?;
-        eprintln!("bench: wrote {}", path.display());
+        log::info!("bench: wrote {}", path.display());
     }
     if let Some(path) = &cfg.plot {
         write_atomic(path, crate::plot::svg(&report.runs).as_bytes())?;
-        eprintln!("bench: wrote {}", path.display());
+        log::info!("bench: wrote {}", path.display());
     }
     Ok(())
 }

@@ -163,7 +163,7 @@ pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> 
             return Err(CliError::Setting(why));
         }
         let must = explicit || required(kind);
-        eprintln!("{kind}: cannot start: {why}{}", if must { "" } else { " (skipped)" });
+        log::warn!("{kind}: cannot start: {why}{}", if must { "" } else { " (skipped)" });
         if !must {
             skipped.push(format!("{kind} (cannot start: {why})"));
         } else {

@@ -101,8 +101,10 @@ pub fn rows(e: &Enumeration, pick: &AutoPick) -> Vec<DeviceRow> {
                 matrix_shapes: i.matrix_shapes.clone(),
                 shader_f16: i.shader_f16,
                 subgroup_size: i.subgroup_size,
-                max_binding_bytes: Some(i.max_binding_bytes),
-                max_buffer_bytes: Some(i.max_buffer_bytes),
+                // The CPU reference has no binding limit: its 2 GiB is only
+                // where it cuts the head into slices, not a device's limit.
+                max_binding_bytes: (kind != BackendKind::Reference).then_some(i.max_binding_bytes),
+                max_buffer_bytes: (kind != BackendKind::Reference).then_some(i.max_buffer_bytes),
                 memory_bytes: i.memory_bytes,
                 runnable: i.unusable.is_none(),
                 why_not: i.unusable.clone(),

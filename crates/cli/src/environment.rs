@@ -73,7 +73,7 @@ static SETTINGS: OnceLock<Settings> = OnceLock::new();
 /// parses every variable. A value that does not parse is a bad setting
 /// (exit 2), named with its value.
 pub fn init() -> Result<(), CliError> {
-    headkl_core::settings::ensure_runtime_dir();
+    headkl_reference::conformance::ensure_runtime_dir();
     let settings = Settings::from_env(&Env::process()).map_err(CliError::Setting)?;
     // A second call keeps the first reading: the environment is read once.
     let _ = SETTINGS.set(settings);

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use headkl_core::Error as CoreError;
+use headkl_core::{Error as CoreError, ErrorKind};
 use thiserror::Error;
 
 /// Exit code for bad input: a file, tensor or option the user can fix.
@@ -152,18 +152,14 @@ impl CliError {
     }
 }
 
-/// Whether a core error is about the input (fixable by the user) rather than
-/// the device.
+/// Whether a core error is about the input or a setting (fixable by the
+/// user, exit 2) rather than the device or a bug (exit 1): the core
+/// classifies each error where it is defined ([`CoreError::kind`]).
 pub fn is_validation(e: &CoreError) -> bool {
-    !matches!(
-        e,
-        CoreError::OutOfMemory { .. }
-            | CoreError::DeviceLost(_)
-            | CoreError::MissingFeature(_)
-            | CoreError::NoDevice { .. }
-            | CoreError::Backend { .. }
-            | CoreError::BindingTooSmall { .. }
-    )
+    match e.kind() {
+        ErrorKind::Input | ErrorKind::Setting => true,
+        ErrorKind::Device | ErrorKind::Internal => false,
+    }
 }
 
 #[cfg(test)]

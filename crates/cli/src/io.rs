@@ -64,6 +64,11 @@ impl TensorFile {
         })
     }
 
+    /// The file's `__metadata__` (string keys and values), if it has one.
+    pub fn metadata(&self) -> Option<&std::collections::HashMap<String, String>> {
+        self.metadata.metadata().as_ref()
+    }
+
     /// Tensor `name`, or an error listing the tensors the file has.
     pub fn tensor(&self, name: &str) -> Result<TensorRef<'_>, CliError> {
         let Some(info) = self.metadata.info(name) else {
@@ -158,6 +163,12 @@ impl<'a> TensorRef<'a> {
     /// A core error found in this tensor's values.
     pub fn core_error(&self, e: headkl_core::Error) -> CliError {
         CliError::from_core_in_tensor(e, self.file, &self.name)
+    }
+
+    /// Which head this tensor is, for a file's metadata (its file, name
+    /// and a hash of its bytes).
+    pub fn identity(&self) -> crate::provenance::HeadIdentity {
+        crate::provenance::HeadIdentity::of(self.file, &self.name, self.data)
     }
 
     /// The file and tensor, for messages: `file (tensor `name`)`.
@@ -332,8 +343,13 @@ impl PendingOutput {
         Ok(())
     }
 
-    /// Serializes `tensors` as safetensors and commits them.
-    pub fn commit_tensors(self, tensors: &[OutTensor<'_>]) -> Result<(), CliError> {
+    /// Serializes `tensors` as safetensors, with the file's `__metadata__`
+    /// (how it was made: `crate::provenance`), and commits them.
+    pub fn commit_tensors_with(
+        self,
+        tensors: &[OutTensor<'_>],
+        metadata: Option<std::collections::HashMap<String, String>>,
+    ) -> Result<(), CliError> {
         let mut views = Vec::with_capacity(tensors.len());
         for t in tensors {
             let view = TensorView::new(t.dtype, t.shape.clone(), t.data).map_err(|e| CliError::Output {
@@ -342,7 +358,7 @@ impl PendingOutput {
             })?;
             views.push((t.name, view));
         }
-        let bytes = safetensors::serialize(views, None).map_err(|e| CliError::Output {
+        let bytes = safetensors::serialize(views, metadata).map_err(|e| CliError::Output {
             file: self.target.clone(),
             problem: format!("serialize: {e}"),
         })?;
@@ -400,22 +416,27 @@ mod tests {
         let pad = [7u8];
         let vals = [1.5f32, -2.0, 3.25];
         let out = PendingOutput::create(&path).unwrap();
-        out.commit_tensors(&[
-            OutTensor {
-                name: "a",
-                dtype: Dtype::U8,
-                shape: vec![1],
-                data: &pad,
-            },
-            OutTensor {
-                name: "b",
-                dtype: Dtype::F32,
-                shape: vec![1, 3],
-                data: bytemuck::cast_slice(&vals),
-            },
-        ])
+        let meta = std::collections::HashMap::from([("headkl.format".to_string(), "1".to_string())]);
+        out.commit_tensors_with(
+            &[
+                OutTensor {
+                    name: "a",
+                    dtype: Dtype::U8,
+                    shape: vec![1],
+                    data: &pad,
+                },
+                OutTensor {
+                    name: "b",
+                    dtype: Dtype::F32,
+                    shape: vec![1, 3],
+                    data: bytemuck::cast_slice(&vals),
+                },
+            ],
+            Some(meta.clone()),
+        )
         .unwrap();
         let f = TensorFile::open(&path).unwrap();
+        assert_eq!(f.metadata(), Some(&meta));
         let b = f.tensor("b").unwrap();
         assert_eq!(b.matrix("[r][c]").unwrap(), (1, 3));
         assert_eq!(&b.f32s()[..], &vals);

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use headkl_core::{
-    Backend, Engine, Error as CoreError, HeadData, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput,
+    Backend, Engine, Error as CoreError, Field, HeadData, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput,
     SliceOptions, Teacher, TopK, TopkOptions,
 };
 use safetensors::Dtype;
@@ -15,6 +15,7 @@ use safetensors::Dtype;
 use crate::error::CliError;
 use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, TensorRef};
 use crate::progress::{pieces, Progress};
+use crate::provenance::{check_teacher, LossRecord, LossRun, TeacherRecord};
 use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
 use crate::text::fmt_bytes;
 
@@ -62,14 +63,15 @@ impl Sources<'_> {
             E::InvalidGradScale { .. } => CliError::from_core_in_option(e, "--gscale"),
             E::BudgetZero | E::BudgetTooSmall { .. } => CliError::from_core_in_option(e, "--budget"),
             E::LengthMismatch { field, .. } => match *field {
-                "head" => self.head.core_error(e),
-                "ids" | "teacher rows" => teacher_ids.core_error(e),
-                "probs" => teacher_probs.core_error(e),
-                "weights" => match self.weights {
+                Field::Head => self.head.core_error(e),
+                Field::Ids | Field::TeacherRows => teacher_ids.core_error(e),
+                Field::Probs => teacher_probs.core_error(e),
+                Field::Weights => match self.weights {
                     Some(w) => w.core_error(e),
                     None => CliError::from_core_in_option(e, "--weights"),
                 },
-                _ => self.hidden.core_error(e),
+                Field::Hidden => self.hidden.core_error(e),
+                _ => CliError::device(context, e),
             },
             _ => CliError::device(context, e),
         }
@@ -207,7 +209,7 @@ impl BackendJob for TopkJob<'_> {
     type Output = TopK;
 
     fn run<B: Backend>(self, backend: B) -> Result<TopK, CliError> {
-        eprintln!("headkl: running on {}", describe(backend.info()));
+        log::info!("headkl: running on {}", describe(backend.info()));
         let mut progress = Progress::new("topk: head upload, then tokens", self.ntok as u64);
         let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
             .map_err(|e| self.sources.map(e, "uploading the head"))?;
@@ -251,7 +253,7 @@ impl BackendJob for LossJob<'_> {
     type Output = LossOutput;
 
     fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
-        eprintln!("headkl: running on {}", describe(backend.info()));
+        log::info!("headkl: running on {}", describe(backend.info()));
         let resolved = self
             .opts
             .resolve(self.ntok)
@@ -349,21 +351,34 @@ pub fn topk(
         },
     )?;
     let ids: Vec<i64> = result.ids.iter().map(|&i| i64::from(i)).collect();
-    pending.commit_tensors(&[
-        OutTensor {
-            name: "ids",
-            dtype: Dtype::I64,
-            shape: vec![ntok, k],
-            data: bytemuck::cast_slice(&ids),
-        },
-        OutTensor {
-            name: "probs",
-            dtype: Dtype::F32,
-            shape: vec![ntok, k],
-            data: bytemuck::cast_slice(&result.probs),
-        },
-    ])?;
-    eprintln!(
+    let record = TeacherRecord {
+        temperature,
+        k,
+        vocab,
+        hs,
+        ntok,
+        renormalized: true,
+        softcap: None,
+        head: head_t.identity(),
+    };
+    pending.commit_tensors_with(
+        &[
+            OutTensor {
+                name: "ids",
+                dtype: Dtype::I64,
+                shape: vec![ntok, k],
+                data: bytemuck::cast_slice(&ids),
+            },
+            OutTensor {
+                name: "probs",
+                dtype: Dtype::F32,
+                shape: vec![ntok, k],
+                data: bytemuck::cast_slice(&result.probs),
+            },
+        ],
+        Some(record.to_metadata()),
+    )?;
+    log::info!(
         "headkl: top-{k} of {ntok} tokens over V = {vocab} in {:.3} s; wrote {} ({})",
         start.elapsed().as_secs_f64(),
         out.display(),
@@ -377,8 +392,10 @@ pub fn topk(
 pub struct LossArgs {
     /// Teacher file with `ids` and `probs`.
     pub teacher: PathBuf,
-    /// Optional file with `weights`.
+    /// Optional file with the weights tensor.
     pub weights: Option<PathBuf>,
+    /// Name of the weights tensor in `weights` (`weights` by default).
+    pub weights_tensor: String,
     /// Temperature.
     pub temperature: f32,
     /// Gradient scale.
@@ -389,6 +406,8 @@ pub struct LossArgs {
     pub budget: u64,
     /// Output file.
     pub out: PathBuf,
+    /// Use a teacher file whose metadata does not match the run.
+    pub allow_teacher_mismatch: bool,
 }
 
 /// `headkl loss`.
@@ -407,10 +426,25 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
     let hidden_t = hidden_file.tensor(&inputs.hidden_tensor)?;
     let ids_t = teacher_file.tensor("ids")?;
     let probs_t = teacher_file.tensor("probs")?;
-    let weights_t = weights_file.as_ref().map(|f| f.tensor("weights")).transpose()?;
+    let weights_t = weights_file
+        .as_ref()
+        .map(|f| f.tensor(&args.weights_tensor))
+        .transpose()?;
 
     let (head_elems, vocab, hs) = read_head(&head_t)?;
     let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
+    let head_identity = head_t.identity();
+    check_teacher(
+        &args.teacher,
+        teacher_file.metadata(),
+        &LossRun {
+            temperature: args.temperature,
+            vocab,
+            head: &head_identity,
+            softcap: None,
+        },
+        args.allow_teacher_mismatch,
+    )?;
 
     let (id_rows, k) = ids_t.matrix("[ntok][k]")?;
     if id_rows != ntok {
@@ -464,7 +498,7 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
         max_rows_per_chunk: None,
     };
     // Every option is checked before the head goes anywhere.
-    opts.resolve(ntok).map_err(|e| sources.map(e, "loss options"))?;
+    let resolved = opts.resolve(ntok).map_err(|e| sources.map(e, "loss options"))?;
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
@@ -484,21 +518,38 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
             opts,
         },
     )?;
-    pending.commit_tensors(&[
-        OutTensor {
-            name: "loss",
-            dtype: Dtype::F32,
-            shape: vec![ntok],
-            data: bytemuck::cast_slice(&result.loss),
-        },
-        OutTensor {
-            name: "grad",
-            dtype: Dtype::F32,
-            shape: vec![ntok, hs],
-            data: bytemuck::cast_slice(&result.dx),
-        },
-    ])?;
-    eprintln!(
+    let record = LossRecord {
+        mean: result.mean,
+        temperature: args.temperature,
+        total: resolved.total,
+        gscale: resolved.gscale,
+        k,
+        vocab,
+        hs,
+        ntok,
+        softcap: None,
+        head: &head_identity,
+        teacher: &args.teacher,
+        weights: args.weights.as_deref(),
+    };
+    pending.commit_tensors_with(
+        &[
+            OutTensor {
+                name: "loss",
+                dtype: Dtype::F32,
+                shape: vec![ntok],
+                data: bytemuck::cast_slice(&result.loss),
+            },
+            OutTensor {
+                name: "grad",
+                dtype: Dtype::F32,
+                shape: vec![ntok, hs],
+                data: bytemuck::cast_slice(&result.dx),
+            },
+        ],
+        Some(record.to_metadata()),
+    )?;
+    log::info!(
         "headkl: loss over {ntok} tokens (V = {vocab}, hs = {hs}, k = {k}) in {:.3} s; wrote {}",
         start.elapsed().as_secs_f64(),
         args.out.display()

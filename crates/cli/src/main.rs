@@ -10,8 +10,10 @@ mod environment;
 mod error;
 mod io;
 mod jobs;
+mod logger;
 mod plot;
 mod progress;
+mod provenance;
 mod rng;
 mod select;
 mod signals;
@@ -44,6 +46,13 @@ fn env_help() -> String {
     )
 }
 
+/// What every subcommand's -h ends with: the rest is in --help.
+const SHORT_HELP: &str = "--help: details, the `auto` backend policy, exit codes.";
+
+/// What `headkl -h` ends with.
+const TOP_SHORT_HELP: &str =
+    "--help: the environment (HEADKL_*) and exit codes; COMMAND --help: each command's details.";
+
 /// What every subcommand's --help ends with: where the environment is listed.
 const SUB_HELP: &str = "\
 Environment: HEADKL_* variables are listed once, in `headkl --help`.
@@ -51,9 +60,9 @@ Exit codes: 0 success; 2 bad input (file, tensor, option or setting); 1 anything
 
 /// headkl: the distillation loss's vocabulary head on any Vulkan GPU.
 #[derive(Parser, Debug)]
-#[command(name = "headkl", version, after_help = env_help())]
+#[command(name = "headkl", version, after_help = TOP_SHORT_HELP, after_long_help = env_help())]
 struct Cli {
-    /// No progress bars (they are drawn only when stderr is a terminal)
+    /// No progress bars and no informational lines: results, warnings and errors only
     #[arg(long, global = true)]
     quiet: bool,
     #[command(subcommand)]
@@ -89,7 +98,8 @@ enum Command {
 f16, subgroup size, largest storage binding, memory, and whether headkl can run on it (or why not). \
 A backend that cannot enumerate (e.g. no Vulkan loader) gets one row saying why. The row `auto` \
 picks is marked with `*`, with the reason.",
-        after_help = format!("{AUTO_POLICY}\n\n--backend NAME lists only that backend's devices.\n\n{SUB_HELP}")
+        after_help = SHORT_HELP,
+        after_long_help = format!("{AUTO_POLICY}\n\n--backend NAME lists only that backend's devices.\n\n{SUB_HELP}")
     )]
     Devices {
         #[command(flatten)]
@@ -106,7 +116,8 @@ on every backend this machine can start, or only the one --backend names. Prints
 backend (cases, passed, worst loss / dx / prob errors, matrix units, device) and each failure with \
 the seed that replays it. Exits 1 on any failure, or when a backend named by --backend or \
 HEADKL_REQUIRE cannot start; other backends that cannot start are skipped with the reason.",
-        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
+        after_help = SHORT_HELP,
+        after_long_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Check {
         #[command(flatten)]
@@ -132,8 +143,12 @@ student), M = 8192:128256:2048:64 (a 1B student), or NTOK:V:HS:K. Without --shap
 backend gets a size it finishes in seconds: reference 64:4096:256:16, a software device (lavapipe) \
 64:8192:256:64, a GPU without matrix units 256:32768:1024:64, with matrix units 1024:65536:4096:64.\n\n\
 Without --backend (or with auto) runs auto's pick; --all runs every backend that starts (the CPU \
-reference is left out of --all for large shapes).",
-        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
+reference is left out of --all for large shapes).\n\n\
+Before making the data, bench times a warm call on a small head to estimate the run, and states \
+the memory it needs; past 5 minutes or past the machine's memory it asks to go on (on a terminal) \
+or refuses with exit 2 unless --yes. The bar's time left follows the same estimate.",
+        after_help = SHORT_HELP,
+        after_long_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Bench {
         #[command(flatten)]
@@ -166,6 +181,10 @@ reference is left out of --all for large shapes).",
         /// trainer's wait included), beside the host path
         #[arg(long)]
         resident: bool,
+        /// Run even when bench estimates more than 5 minutes or more memory than the machine has
+        /// (without it bench asks on a terminal, and refuses with exit 2 elsewhere)
+        #[arg(long, short = 'y')]
+        yes: bool,
     },
     /// Time every matrix-unit GEMM kernel on this device and keep the fastest
     #[command(
@@ -182,7 +201,8 @@ or HEADKL_CACHE_DIR), keyed by backend, device and driver; both GPU backends rea
 that device, unless HEADKL_GEMM names kernels.\n\n\
 Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) on a device with \
 16 GiB or more (or a discrete GPU that does not report its memory), else 1024:32768:4096.",
-        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
+        after_help = SHORT_HELP,
+        after_long_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Tune {
         #[command(flatten)]
@@ -215,8 +235,12 @@ Exact for every k ≤ 2048.\n\n\
 Inputs: --head holds tensor `weight` (or --head-tensor, e.g. `lm_head.weight` of a shard) [V][hs] in \
 F16, BF16 or F32; --hidden holds tensor `hidden` (or --hidden-tensor) [ntok][hs] in F32, F16 or BF16. \
 Output --out: `ids` I64 [ntok][k] and `probs` F32 [ntok][k], written to a temporary file and renamed \
-when complete (a failed run leaves an existing file untouched).",
-        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
+when complete (a failed run leaves an existing file untouched). Its metadata (headkl.*) records \
+how it was made: format version, temperature, k, V, hs, ntok, whether probs are renormalized over \
+the k, the softcap, and the head (file, tensor, fold64 hash of the tensor's bytes), which `loss` \
+checks.",
+        after_help = SHORT_HELP,
+        after_long_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Topk {
         #[command(flatten)]
@@ -243,10 +267,15 @@ the full vocabulary) against the teacher's top-k renormalized over its k, the we
 Σ w_t L_t / total, and its gradient dx = ∂mean/∂x. Prints the mean loss.\n\n\
 Inputs: --head and --hidden as for `topk`; --teacher holds `ids` (I64, I32 or U32) and `probs` (F32), \
 each [ntok][k]: ids distinct per row and < V, probs non-negative and finite (renormalized here); \
---weights optionally holds `weights` (F32) [ntok] (0 masks a token; default all 1). \
+--weights optionally holds `weights` (or --weights-tensor; F32) [ntok] (0 masks a token; default all 1). \
 Output --out: `loss` F32 [ntok] (per-token, unweighted) and `grad` F32 [ntok][hs] (dx), written \
-to a temporary file and renamed when complete.",
-        after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
+to a temporary file and renamed when complete; its metadata (headkl.*) holds the mean at full \
+precision and the options.\n\n\
+A teacher file made by `headkl topk` records its temperature, V and head (file, tensor, a hash of \
+the head's bytes): a mismatch with this run is refused (exit 2, both values named) unless \
+--allow-teacher-mismatch. A file without that metadata is used with a note.",
+        after_help = SHORT_HELP,
+        after_long_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Loss {
         #[command(flatten)]
@@ -256,9 +285,12 @@ to a temporary file and renamed when complete.",
         /// Teacher top-k: tensors `ids` and `probs`, each `[ntok][k]`
         #[arg(long, value_name = "T.safetensors")]
         teacher: PathBuf,
-        /// Per-token weights: tensor `weights` `[ntok]`
+        /// Per-token weights: tensor `weights` (or --weights-tensor) `[ntok]`
         #[arg(long, value_name = "W.safetensors")]
         weights: Option<PathBuf>,
+        /// Name of the weights tensor in --weights
+        #[arg(long, default_value = "weights", value_name = "NAME", requires = "weights")]
+        weights_tensor: String,
         /// Temperature τ of the student logits (> 0)
         #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
         temperature: f32,
@@ -274,11 +306,16 @@ to a temporary file and renamed when complete.",
         /// Output safetensors file
         #[arg(long, value_name = "OUT.safetensors")]
         out: PathBuf,
+        /// Use a teacher file made at another temperature, over another vocabulary or from another
+        /// head (its metadata says so) instead of refusing it
+        #[arg(long)]
+        allow_teacher_mismatch: bool,
     },
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
     progress::set_quiet(cli.quiet);
+    logger::install(cli.quiet);
     match cli.command {
         Command::Devices { backend, json } => devices::run(&backend, json),
         Command::Check { backend, cases, seed } => {
@@ -300,6 +337,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             plot,
             all,
             resident,
+            yes,
         } => bench::run(
             &backend,
             &BenchConfig {
@@ -312,6 +350,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 plot,
                 all,
                 resident,
+                yes,
             },
         ),
         Command::Tune {
@@ -351,22 +390,26 @@ fn run(cli: Cli) -> Result<(), CliError> {
             inputs,
             teacher,
             weights,
+            weights_tensor,
             temperature,
             gscale,
             total,
             budget,
             out,
+            allow_teacher_mismatch,
         } => jobs::loss(
             &backend,
             &inputs,
             &LossArgs {
                 teacher,
                 weights,
+                weights_tensor,
                 temperature,
                 gscale,
                 total,
                 budget: budget.unwrap_or(DEFAULT_BUDGET_BYTES),
                 out,
+                allow_teacher_mismatch,
             },
         ),
     }

@@ -47,6 +47,25 @@ impl Progress {
         Self { bar, interactive }
     }
 
+    /// A report over `total` steps whose time left is the caller's, in its
+    /// [`Progress::message`] (indicatif's own estimate knows nothing before
+    /// the first step ends, and then counts a first step's one-off costs).
+    pub fn new_estimated(label: impl Into<String>, total: u64) -> Self {
+        let interactive = shown();
+        let bar = if interactive {
+            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+            if let Ok(style) = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}") {
+                bar.set_style(style.progress_chars("=> "));
+            }
+            bar.set_prefix(label.into());
+            bar.enable_steady_tick(Duration::from_millis(200));
+            bar
+        } else {
+            ProgressBar::hidden()
+        };
+        Self { bar, interactive }
+    }
+
     /// Sets the message shown beside the bar (what is running now).
     pub fn message(&self, msg: impl Into<String>) {
         self.bar.set_message(msg.into());

@@ -416,11 +416,11 @@ pub fn resolve(args: &BackendArgs) -> Result<Target, RunError> {
     }
 }
 
-/// [`resolve`], saying on stderr what `auto` picked and why.
+/// [`resolve`], logging what `auto` picked and why.
 pub fn resolve_announced(args: &BackendArgs, who: &str) -> Result<Target, RunError> {
     let target = resolve(args)?;
     if let Some(reason) = &target.auto_reason {
-        eprintln!(
+        log::info!(
             "{who}: auto picked {} device {}: {reason}",
             target.kind,
             target.device.unwrap_or(0)

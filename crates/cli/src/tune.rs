@@ -315,7 +315,7 @@ pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
     );
     let start = Instant::now();
     let data = TuneData::new(shape);
-    eprintln!("tune: data ready in {:.1} s", start.elapsed().as_secs_f64());
+    log::info!("tune: data ready in {:.1} s", start.elapsed().as_secs_f64());
 
     let tflops = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.1}", shape.flops() / ms / 1e9));
     let ms = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{ms:.2}"));

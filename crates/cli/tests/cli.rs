@@ -1474,3 +1474,274 @@ fn readme_says_how_to_install() {
     let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"));
     assert!(readme.contains("cargo install --path crates/cli"));
 }
+
+// ---- Teacher files that know how they were made (issue 21) ----
+
+/// The `__metadata__` of a safetensors file.
+fn metadata(path: &Path) -> std::collections::HashMap<String, String> {
+    let bytes = fs::read(path).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    meta.metadata().clone().unwrap_or_default()
+}
+
+impl Fixture {
+    /// Runs `headkl topk` on the reference into `out` with extra args.
+    fn topk(&self, out: &str, extra: &[&str]) -> Output {
+        let mut args = vec![
+            "topk",
+            "--backend",
+            "reference",
+            "--head",
+            self.s("head.safetensors"),
+            "--hidden",
+            self.s("hidden.safetensors"),
+            "-k",
+            "4",
+            "--out",
+            self.s(out),
+        ];
+        args.extend(extra);
+        headkl(&args)
+    }
+}
+
+#[test]
+fn topk_records_how_the_teacher_was_made() {
+    let f = Fixture::new("meta-topk");
+    let o = f.topk("t.safetensors", &["--temperature", "2"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let m = metadata(&f.path("t.safetensors"));
+    for (key, want) in [
+        ("headkl.format", "1"),
+        ("headkl.temperature", "2"),
+        ("headkl.k", "4"),
+        ("headkl.vocab", "300"),
+        ("headkl.hs", "24"),
+        ("headkl.ntok", "5"),
+        ("headkl.renormalized", "true"),
+        ("headkl.softcap", "none"),
+        ("headkl.head.tensor", "weight"),
+    ] {
+        assert_eq!(m.get(key).map(String::as_str), Some(want), "{key}: {m:?}");
+    }
+    assert!(m["headkl.head.file"].ends_with("head.safetensors"), "{m:?}");
+    let hash = &m["headkl.head.hash"];
+    assert!(
+        hash.starts_with("fold64:") && hash.len() == "fold64:".len() + 16,
+        "{hash}"
+    );
+    // The same head gives the same hash; another head another one.
+    let o = f.topk("t2.safetensors", &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(&metadata(&f.path("t2.safetensors"))["headkl.head.hash"], hash);
+}
+
+#[test]
+fn loss_refuses_a_teacher_made_another_way() {
+    let f = Fixture::new("meta-loss");
+    let o = f.topk("t.safetensors", &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // Made at τ = 1, used at τ = 2: both values named, exit 2, no output.
+    let o = f.loss("t.safetensors", &["--temperature", "2"]);
+    assert_input_error(
+        &o,
+        &[
+            "t.safetensors",
+            "temperature 1",
+            "--temperature is 2",
+            "--allow-teacher-mismatch",
+        ],
+    );
+    assert!(!f.path("out.safetensors").exists());
+    // Another head of the same shape: named by its hash.
+    let other: Vec<f32> = f.head.iter().map(|v| v * 0.5).collect();
+    write_st(
+        &f.path("other_head.safetensors"),
+        &[T("weight", Dtype::F32, vec![VOCAB, HS], f32s(&other))],
+    );
+    let mut args = vec![
+        "loss",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("other_head.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "--teacher",
+        f.s("t.safetensors"),
+        "--out",
+        f.s("out.safetensors"),
+    ];
+    let o = headkl(&args);
+    assert_input_error(&o, &["made from head", "other_head.safetensors", "fold64:"]);
+    // The override runs it, with a warning naming the mismatch.
+    args.push("--allow-teacher-mismatch");
+    let o = headkl(&args);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("warning") && stderr(&o).contains("made from head"),
+        "{}",
+        stderr(&o)
+    );
+    // The matching run passes, quietly.
+    let o = f.loss("t.safetensors", &["--quiet"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "", "--quiet printed something");
+}
+
+#[test]
+fn teacher_without_metadata_works_with_a_note_and_loss_records_its_mean() {
+    let f = Fixture::new("meta-none");
+    let o = f.loss("teacher.safetensors", &["--temperature", "1.5", "--total", "4"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let err = stderr(&o);
+    let notes = err.lines().filter(|l| l.contains("no headkl metadata")).count();
+    assert_eq!(notes, 1, "{err}");
+    let m = metadata(&f.path("out.safetensors"));
+    let printed: f64 = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("mean loss: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let saved: f64 = m["headkl.mean"].parse().unwrap();
+    assert!((saved - printed).abs() <= 1e-5 * printed.abs(), "{saved} vs {printed}");
+    assert_eq!(m["headkl.temperature"], "1.5");
+    assert_eq!(m["headkl.total"], "4");
+    assert_eq!(m["headkl.k"], K.to_string());
+    assert!(m["headkl.teacher.file"].ends_with("teacher.safetensors"), "{m:?}");
+    assert_eq!(m["headkl.weights.file"], "none");
+    assert!(m["headkl.gscale"].parse::<f32>().is_ok_and(|g| g > 0.0), "{m:?}");
+    // --quiet drops the note as well.
+    let o = f.loss("teacher.safetensors", &["--quiet"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "");
+}
+
+#[test]
+fn weights_tensor_is_named_by_an_option() {
+    let f = Fixture::new("wtensor");
+    let w = [1.0f32, 0.0, 2.0, 0.5, 1.0];
+    write_st(&f.path("w.safetensors"), &[T("mask", Dtype::F32, vec![NTOK], f32s(&w))]);
+    let o = f.loss("teacher.safetensors", &["--weights", f.s("w.safetensors")]);
+    assert_input_error(&o, &["w.safetensors", "`weights`", "mask"]);
+    let o = f.loss(
+        "teacher.safetensors",
+        &["--weights", f.s("w.safetensors"), "--weights-tensor", "mask"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(metadata(&f.path("out.safetensors"))["headkl.weights.file"].ends_with("w.safetensors"));
+}
+
+// ---- Help, quiet, bench on a slow device, devices (issue 21) ----
+
+#[test]
+fn short_help_is_short_and_long_help_has_the_policy() {
+    for sub in ["topk", "loss", "bench", "devices", "check", "tune"] {
+        let short = String::from_utf8_lossy(&headkl(&[sub, "-h"]).stdout).into_owned();
+        let long = String::from_utf8_lossy(&headkl(&[sub, "--help"]).stdout).into_owned();
+        assert!(
+            !short.contains("Vulkan with matrix units"),
+            "{sub} -h has the policy:\n{short}"
+        );
+        assert!(
+            long.contains("Vulkan with matrix units"),
+            "{sub} --help lacks the policy:\n{long}"
+        );
+        assert!(short.lines().count() < long.lines().count(), "{sub}");
+    }
+    let top = String::from_utf8_lossy(&headkl(&["-h"]).stdout).into_owned();
+    assert!(!top.contains("HEADKL_GEMM"), "{top}");
+    let top_long = String::from_utf8_lossy(&headkl(&["--help"]).stdout).into_owned();
+    assert!(top_long.contains("HEADKL_GEMM"), "{top_long}");
+}
+
+#[test]
+fn auto_lines_go_through_the_logger_and_quiet_drops_them() {
+    let f = Fixture::new("quiet");
+    let run = |quiet: bool| {
+        let mut args = vec![
+            "topk",
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "-k",
+            "3",
+            "--out",
+            f.s("q.safetensors"),
+        ];
+        if quiet {
+            args.push("--quiet");
+        }
+        // auto's pick: its line is informational.
+        Command::new(env!("CARGO_BIN_EXE_headkl"))
+            .args(&args)
+            .env("HEADKL_BACKEND", "auto")
+            .env_remove("HEADKL_DEVICE")
+            .output()
+            .unwrap()
+    };
+    let loud = run(false);
+    assert_eq!(loud.status.code(), Some(0), "{}", stderr(&loud));
+    assert!(stderr(&loud).contains("auto picked"), "{}", stderr(&loud));
+    assert!(stderr(&loud).contains("running on"), "{}", stderr(&loud));
+    let quiet = run(true);
+    assert_eq!(quiet.status.code(), Some(0), "{}", stderr(&quiet));
+    assert_eq!(stderr(&quiet), "", "--quiet printed something");
+}
+
+#[test]
+fn bench_refuses_hours_on_the_cpu_reference_before_making_data() {
+    let start = std::time::Instant::now();
+    let o = headkl(&["bench", "--backend", "reference", "--shape", "A"]);
+    let secs = start.elapsed().as_secs_f64();
+    assert_input_error(&o, &["bench reference at 4096:248320:5120:64", "--yes", "of compute"]);
+    let err = stderr(&o);
+    assert!(err.contains("host"), "no memory figure: {err}");
+    // Refused from the calibration, before the 2.5 GB of data exist.
+    assert!(!err.contains("generating"), "{err}");
+    assert!(secs < 60.0, "took {secs:.1} s to refuse");
+}
+
+#[test]
+fn devices_shows_no_binding_limit_for_the_cpu_reference() {
+    let o = headkl(&["devices", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = v["devices"].as_array().unwrap();
+    let row = rows.iter().find(|r| r["backend"] == "reference").unwrap();
+    assert!(row["max_binding_bytes"].is_null(), "{row}");
+    let o = headkl(&["devices", "--backend", "reference"]);
+    let table = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(!table.contains("2.0 GiB"), "{table}");
+}
+
+#[test]
+fn trace_asked_for_shows_even_when_quiet() {
+    let f = Fixture::new("trace");
+    let out = f.path("out.safetensors");
+    let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
+        .args([
+            "loss",
+            "--backend",
+            "reference",
+            "--quiet",
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "--teacher",
+            f.s("teacher.safetensors"),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .env("HEADKL_TRACE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let err = stderr(&o);
+    // Only the asked-for lines, as they always read: no note, no "running on".
+    assert!(err.lines().any(|l| l.starts_with("trace head_kl: ")), "{err}");
+    assert!(err.lines().all(|l| l.starts_with("trace ")), "{err}");
+}

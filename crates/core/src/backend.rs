@@ -334,7 +334,7 @@ impl<R> DownloadsInFlight<R> {
         let len = pending.len();
         if out.len() != len {
             return Err(Error::LengthMismatch {
-                field: "download_end output",
+                field: crate::error::Field::DownloadOutput,
                 expected: len,
                 got: out.len(),
             });
@@ -404,7 +404,7 @@ pub trait Backend {
                 Ok(())
             }
             _ => Err(crate::Error::LengthMismatch {
-                field: "download_end output",
+                field: crate::error::Field::DownloadOutput,
                 expected: len,
                 got: out.len(),
             }),

@@ -86,7 +86,7 @@ pub struct Engine<B: Backend> {
     /// Scratch and status of the device-resident entry points
     /// (`crate::resident`).
     pub(crate) resident: crate::resident::ResidentState<B>,
-    /// Print each `head_kl` call's host phases ([`Engine::set_trace`]).
+    /// Log each `head_kl` call's host phases ([`Engine::set_trace`]).
     trace: bool,
     /// How the dx GEMM's reduction is split ([`Engine::set_dx_split`]).
     dx_split: DxSplit,
@@ -155,9 +155,9 @@ impl<B: Backend> Engine<B> {
         self.dx_split
     }
 
-    /// Prints each `head_kl` call's host phases (upload, wait, download) to
-    /// stderr when `on` (`HEADKL_TRACE`, read by the command line): to see
-    /// where wall time beyond the kernels goes.
+    /// Logs each `head_kl` call's host phases (upload, wait, download) as
+    /// one `log::info!` line when `on` (`HEADKL_TRACE`, read by the command
+    /// line): to see where wall time beyond the kernels goes.
     pub fn set_trace(&mut self, on: bool) {
         self.trace = on;
     }
@@ -434,7 +434,7 @@ impl<B: Backend> Engine<B> {
         let ntok = hidden.ntok();
         if teacher.ntok() != ntok {
             return Err(Error::LengthMismatch {
-                field: "teacher rows",
+                field: crate::error::Field::TeacherRows,
                 expected: ntok,
                 got: teacher.ntok(),
             });
@@ -768,6 +768,11 @@ impl Trace {
         }
         let total: f64 = self.phases.iter().map(|(_, ms)| ms).sum();
         let parts: Vec<String> = self.phases.iter().map(|(p, ms)| format!("{p} {ms:.1}")).collect();
-        eprintln!("trace {}: {total:.1} ms = {}", self.job, parts.join(", "));
+        log::info!(
+            target: crate::DIAGNOSTICS_LOG_TARGET,
+            "trace {}: {total:.1} ms = {}",
+            self.job,
+            parts.join(", ")
+        );
     }
 }

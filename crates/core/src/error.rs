@@ -36,7 +36,7 @@ pub enum Error {
     #[error("{field}: length {got}, expected {expected}")]
     LengthMismatch {
         /// Which input.
-        field: &'static str,
+        field: Field,
         /// Length required by the shape.
         expected: usize,
         /// Length given.
@@ -265,5 +265,144 @@ pub enum Error {
     },
 }
 
+/// Which input a [`Error::LengthMismatch`] is about: the caller routes
+/// the error to the file or option that supplied it by this, not by text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Field {
+    /// The head `[V][hs]`.
+    Head,
+    /// The hidden rows `[ntok][hs]`.
+    Hidden,
+    /// The teacher's ids `[ntok][k]`.
+    Ids,
+    /// The teacher's probabilities `[ntok][k]`.
+    Probs,
+    /// The per-token weights `[ntok]`.
+    Weights,
+    /// The teacher's rows against the hidden rows' `ntok`.
+    TeacherRows,
+    /// The host slice a download is read into (a caller of `Backend`).
+    DownloadOutput,
+}
+
+impl Field {
+    /// The name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Field::Head => "head",
+            Field::Hidden => "hidden",
+            Field::Ids => "ids",
+            Field::Probs => "probs",
+            Field::Weights => "weights",
+            Field::TeacherRows => "teacher rows",
+            Field::DownloadOutput => "download_end output",
+        }
+    }
+}
+
+impl std::fmt::Display for Field {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What kind of failure an [`Error`](enum@Error) is, which decides what the caller
+/// does with it (the `headkl` command: its exit code).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The data or an option the caller gave: fixable by the caller.
+    Input,
+    /// A setting (`HEADKL_*` variable or a backend option) that cannot be
+    /// used.
+    Setting,
+    /// The device or its driver failed or lacks something.
+    Device,
+    /// A caller of the `Backend` trait broke its contract (a descriptor or
+    /// transfer that does not fit its buffers): a bug, not bad input.
+    Internal,
+}
+
+impl Error {
+    /// The kind of this error. Every variant is listed: a new one must be
+    /// classified where it is added.
+    pub fn kind(&self) -> ErrorKind {
+        use Error as E;
+        match self {
+            E::VocabZero
+            | E::HiddenSizeZero
+            | E::NoTokens
+            | E::KZero
+            | E::KTooLarge { .. }
+            | E::HiddenSizeMismatch { .. }
+            | E::IdOutOfRange { .. }
+            | E::DuplicateId { .. }
+            | E::NegativeProbability { .. }
+            | E::NonFiniteProbability { .. }
+            | E::ProbabilityRowSum { .. }
+            | E::NegativeWeight { .. }
+            | E::NonFiniteWeight { .. }
+            | E::TotalNotPositive { .. }
+            | E::InvalidTemperature { .. }
+            | E::InvalidGradScale { .. }
+            | E::BudgetZero
+            | E::BudgetTooSmall { .. }
+            | E::NonFiniteHead { .. }
+            | E::HeadOutOfF16Range { .. }
+            | E::NonFiniteHidden { .. }
+            | E::DeviceBuffer { .. } => ErrorKind::Input,
+            E::LengthMismatch { field, .. } => match field {
+                Field::DownloadOutput => ErrorKind::Internal,
+                Field::Head | Field::Hidden | Field::Ids | Field::Probs | Field::Weights | Field::TeacherRows => {
+                    ErrorKind::Input
+                }
+            },
+            E::InvalidSetting { .. } => ErrorKind::Setting,
+            E::OutOfMemory { .. }
+            | E::DeviceLost(_)
+            | E::MissingFeature(_)
+            | E::NoDevice { .. }
+            | E::BindingTooSmall { .. }
+            | E::Backend { .. } => ErrorKind::Device,
+            E::TransferOutOfRange { .. } | E::BadDescriptor { .. } => ErrorKind::Internal,
+        }
+    }
+}
+
 /// `Result` with headkl-core's [`Error`](enum@Error).
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_follow_who_can_fix_it() {
+        assert_eq!(Error::KZero.kind(), ErrorKind::Input);
+        let length = |field| Error::LengthMismatch {
+            field,
+            expected: 4,
+            got: 3,
+        };
+        assert_eq!(length(Field::Probs).kind(), ErrorKind::Input);
+        assert_eq!(length(Field::DownloadOutput).kind(), ErrorKind::Internal);
+        assert_eq!(
+            length(Field::TeacherRows).to_string(),
+            "teacher rows: length 3, expected 4"
+        );
+        let setting = Error::InvalidSetting {
+            name: "HEADKL_GEMM",
+            value: "x".into(),
+            reason: "unknown".into(),
+        };
+        assert_eq!(setting.kind(), ErrorKind::Setting);
+        assert_eq!(Error::DeviceLost("gone".into()).kind(), ErrorKind::Device);
+        let descriptor = Error::BadDescriptor {
+            kernel: "kl_rows",
+            field: "k",
+            value: 0,
+            reason: "zero".into(),
+        };
+        assert_eq!(descriptor.kind(), ErrorKind::Internal);
+    }
+}

@@ -42,7 +42,7 @@ impl<'a> HeadWeights<'a> {
         let expected = vocab * hs;
         if got != expected {
             return Err(Error::LengthMismatch {
-                field: "head",
+                field: crate::error::Field::Head,
                 expected,
                 got,
             });

@@ -13,6 +13,47 @@
 //!
 //! The teacher is renormalized over its k (no tail bin); the student's
 //! softmax is over the full vocabulary.
+//!
+//! # Use it from Rust
+//!
+//! `Cargo.toml`: `headkl-core` (this crate) and one backend crate:
+//! `headkl-reference` (the CPU backend, accumulating in f64; no GPU
+//! needed), `headkl-wgpu` (`headkl_wgpu::WgpuBackend`) or `headkl-vulkan`
+//! (`headkl_vulkan::VulkanBackend`). An [`Engine`] uploads the head once; then each call
+//! takes host slices and returns host vectors:
+//!
+//! ```
+//! use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher, TopkOptions};
+//! use headkl_reference::CpuBackend;
+//!
+//! let (vocab, hs, ntok, k) = (1000, 64, 8, 16);
+//! let w: Vec<f32> = (0..vocab * hs).map(|i| ((i * 7 % 13) as f32 - 6.0) / 32.0).collect(); // [V][hs]
+//! let teacher_x: Vec<f32> = (0..ntok * hs).map(|i| ((i * 5 % 11) as f32 - 5.0) / 8.0).collect(); // [ntok][hs]
+//! let student_x: Vec<f32> = teacher_x.iter().map(|v| v * 0.9).collect();
+//!
+//! let head = HeadWeights::new(HeadData::F32(&w), vocab, hs)?; // or HeadData::F16 / Bf16
+//! let mut engine = Engine::new(CpuBackend::new(), &head, SliceOptions::default())?;
+//!
+//! // The teacher's top-k: ids by descending logit, probabilities over the k.
+//! let top = engine.topk(&Hidden::f32(&teacher_x, ntok, hs)?, &TopkOptions::new(k))?;
+//!
+//! // The student's loss against it, into buffers a training loop keeps.
+//! let teacher = Teacher::new(&top.ids, &top.probs, ntok, k, vocab)?;
+//! let mut out = LossOutput::default();
+//! engine.head_kl_into(&Hidden::f32(&student_x, ntok, hs)?, &teacher, &LossOptions::default(), &mut out)?;
+//! assert_eq!((out.loss.len(), out.dx.len()), (ntok, ntok * hs)); // per-token loss, ∂mean/∂x
+//! assert!(out.mean.is_finite() && out.mean >= 0.0);
+//! # Ok::<(), headkl_core::Error>(())
+//! ```
+//!
+//! On a GPU only the backend changes (`WgpuBackend::open(None)` or
+//! `VulkanBackend::open(None)` take the first device that can run headkl,
+//! `Some(i)` the i-th as `headkl devices` lists them):
+//!
+//! ```text
+//! let backend = headkl_vulkan::VulkanBackend::open(None)?; // or headkl_wgpu::WgpuBackend::open(None)?
+//! let mut engine = Engine::new(backend, &head, SliceOptions::default())?;
+//! ```
 
 #![warn(missing_docs)]
 
@@ -42,7 +83,7 @@ pub use backend::{
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, SliceOptions, TopK};
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Field, Result};
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use glsl_tile::GlslTile;
 pub use head::{HeadData, HeadWeights};
@@ -58,6 +99,12 @@ pub use settings::{CommonOptions, Env};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use split::DxSplit;
 pub use tune_cache::TuneCache;
+
+/// The `log` target of the diagnostics a user switches on
+/// (`HEADKL_TRACE`'s phases, `HEADKL_PIPELINE_STATS`' statistics), logged
+/// at info level: a program that is otherwise quiet can still let them
+/// through, since they were asked for.
+pub const DIAGNOSTICS_LOG_TARGET: &str = "headkl::diagnostics";
 
 /// Alignment of every padded device extent (token rows, hidden columns,
 /// vocabulary columns): the 16×16 matrix-unit tile edge. GEMM kernels may

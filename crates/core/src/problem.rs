@@ -50,7 +50,7 @@ impl<'a> Hidden<'a> {
         let expected = ntok * hs;
         if got != expected {
             return Err(Error::LengthMismatch {
-                field: "hidden",
+                field: crate::error::Field::Hidden,
                 expected,
                 got,
             });
@@ -137,14 +137,14 @@ impl Teacher {
         let expected = ntok * k;
         if ids_len != expected {
             return Err(Error::LengthMismatch {
-                field: "ids",
+                field: crate::error::Field::Ids,
                 expected,
                 got: ids_len,
             });
         }
         if probs.len() != expected {
             return Err(Error::LengthMismatch {
-                field: "probs",
+                field: crate::error::Field::Probs,
                 expected,
                 got: probs.len(),
             });
@@ -320,7 +320,7 @@ impl LossOptions {
             Some(w) => {
                 if w.len() != ntok {
                     return Err(Error::LengthMismatch {
-                        field: "weights",
+                        field: crate::error::Field::Weights,
                         expected: ntok,
                         got: w.len(),
                     });

@@ -134,13 +134,13 @@ pub const VARIABLES: &[Variable] = &[
         name: TRACE,
         values: "switch",
         default: "off",
-        effect: "print each head_kl call's host phases (upload, wait, download) to stderr",
+        effect: "log each head_kl call's host phases (upload, wait, download) at info level (the command prints them on stderr)",
     },
     Variable {
         name: PIPELINE_STATS,
         values: "switch",
         default: "off",
-        effect: "Vulkan backend: print each pipeline's registers and memory (VK_KHR_pipeline_executable_properties)",
+        effect: "Vulkan backend: log each pipeline's registers and memory (VK_KHR_pipeline_executable_properties) at info level",
     },
     Variable {
         name: VALIDATION,
@@ -372,57 +372,6 @@ pub fn help_text() -> String {
     out
 }
 
-/// Gives the process a private runtime folder when `XDG_RUNTIME_DIR` is
-/// unset or unusable, before anything loads Vulkan: Mesa's drivers print
-/// "error: XDG_RUNTIME_DIR is invalid or not set" on every enumeration
-/// otherwise, which reads like a headkl error on a headless machine. The
-/// folder is `headkl-runtime-<uid or user>` under the temp folder, mode 0700.
-/// Call it from the command's entry or a test harness, before threads that
-/// read the environment start.
-pub fn ensure_runtime_dir() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let usable = std::env::var_os("XDG_RUNTIME_DIR")
-            .filter(|d| !d.is_empty())
-            .is_some_and(|d| std::path::Path::new(&d).is_dir());
-        if usable {
-            return;
-        }
-        let owner = std::env::var("USER").unwrap_or_else(|_| "user".into());
-        let dir = std::env::temp_dir().join(format!("headkl-runtime-{owner}"));
-        if make_private_dir(&dir).is_ok() {
-            // Edition 2021: `set_var` is safe to call; done once, early.
-            std::env::set_var("XDG_RUNTIME_DIR", &dir);
-        }
-    });
-}
-
-fn make_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                // A link, or a folder others can read, is not a private one
-                // (another user's 0700 folder is unwritable to us: Mesa then
-                // just says so, as without this).
-                let meta = std::fs::symlink_metadata(dir)?;
-                if meta.is_dir() && meta.permissions().mode() & 0o077 == 0 {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::other("runtime folder is not private"))
-                }
-            }
-            Err(e) => Err(e),
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        std::fs::create_dir_all(dir)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -594,26 +543,6 @@ mod tests {
         );
         assert_eq!(pick(None, &GemmSources::default()), (default, ChoiceSource::Default));
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[cfg(unix)]
-    #[test]
-    fn runtime_dir_is_private() {
-        use std::os::unix::fs::PermissionsExt;
-        let base = std::env::temp_dir().join(format!("headkl-settings-rt-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&base);
-        std::fs::create_dir_all(&base).unwrap();
-        let dir = base.join("mine");
-        make_private_dir(&dir).unwrap();
-        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o700, "{mode:o}");
-        // Made already and still private: fine; readable by others: refused.
-        make_private_dir(&dir).unwrap();
-        let open = base.join("open");
-        std::fs::create_dir(&open).unwrap();
-        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
-        assert!(make_private_dir(&open).is_err());
-        let _ = std::fs::remove_dir_all(&base);
     }
 
     #[test]

@@ -120,7 +120,7 @@ fn length_mismatches() {
     assert_eq!(
         Teacher::new(&[1, 2, 3], &[0.5; 4], 2, 2, V).unwrap_err(),
         Error::LengthMismatch {
-            field: "ids",
+            field: headkl_core::error::Field::Ids,
             expected: 4,
             got: 3
         }
@@ -128,7 +128,7 @@ fn length_mismatches() {
     assert_eq!(
         Teacher::new(&[1, 2, 3, 4], &[0.5; 3], 2, 2, V).unwrap_err(),
         Error::LengthMismatch {
-            field: "probs",
+            field: headkl_core::error::Field::Probs,
             expected: 4,
             got: 3
         }
@@ -137,7 +137,7 @@ fn length_mismatches() {
     assert_eq!(
         Hidden::f32(&x, 2, 4).unwrap_err(),
         Error::LengthMismatch {
-            field: "hidden",
+            field: headkl_core::error::Field::Hidden,
             expected: 8,
             got: 10
         }
@@ -146,7 +146,7 @@ fn length_mismatches() {
     assert_eq!(
         HeadWeights::new(HeadData::F32(&w), 3, 4).unwrap_err(),
         Error::LengthMismatch {
-            field: "head",
+            field: headkl_core::error::Field::Head,
             expected: 12,
             got: 10
         }
@@ -158,7 +158,7 @@ fn length_mismatches() {
     assert_eq!(
         opts.resolve(2).unwrap_err(),
         Error::LengthMismatch {
-            field: "weights",
+            field: headkl_core::error::Field::Weights,
             expected: 2,
             got: 3
         }
@@ -350,7 +350,7 @@ fn engine_rejects_mismatched_inputs_before_allocating_scratch() {
     assert_eq!(
         engine.head_kl(&hidden, &teacher, &LossOptions::default()).unwrap_err(),
         Error::LengthMismatch {
-            field: "teacher rows",
+            field: headkl_core::error::Field::TeacherRows,
             expected: 3,
             got: 2
         }

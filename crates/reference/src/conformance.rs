@@ -43,12 +43,15 @@
 //! ```
 
 mod cases;
+mod harness;
 mod kernels;
 mod overlap;
 pub mod resident;
 pub mod trainer;
 
 use std::panic::AssertUnwindSafe;
+
+pub use harness::{ensure_runtime_dir, harness_env, harness_suite, open_or_skip};
 
 use headkl_core::settings::{self, Env};
 use headkl_core::{Backend, DeviceInfo, Engine};
@@ -141,26 +144,6 @@ impl SuiteSettings {
     /// Whether `HEADKL_REQUIRE` names `backend`.
     pub fn requires(&self, backend: &str) -> bool {
         self.require.iter().any(|b| b.eq_ignore_ascii_case(backend))
-    }
-}
-
-/// The environment a test harness reads its settings from, after giving
-/// the process a private runtime folder where `XDG_RUNTIME_DIR` is unset
-/// (so Mesa does not complain on every enumeration). Each consumer parses
-/// its own section from it (`VulkanOptions::from_env`,
-/// `OpenOptions::from_env`, [`harness_suite`]); a setting that does not
-/// parse fails the test: a typo in `HEADKL_GEMM` must not pass.
-pub fn harness_env() -> Env {
-    headkl_core::settings::ensure_runtime_dir();
-    Env::process()
-}
-
-/// The suite's settings for a test harness ([`harness_env`]); panics on a
-/// value that does not parse.
-pub fn harness_suite() -> SuiteSettings {
-    match SuiteSettings::from_env(&harness_env()) {
-        Ok(s) => s,
-        Err(e) => panic!("bad setting: {e}"),
     }
 }
 
@@ -542,24 +525,6 @@ pub fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case) -> Result<CaseE
     })
 }
 
-/// Opens a backend for a test: on failure prints `SKIP <name>: <error>`
-/// to stderr and returns `None`, unless `HEADKL_REQUIRE` (a comma list)
-/// names the backend, in which case it panics (the test fails).
-pub fn open_or_skip<B>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>) -> Option<B> {
-    // Before `open` enumerates anything (see `harness_env`).
-    let settings = harness_suite();
-    match open() {
-        Ok(b) => Some(b),
-        Err(e) => {
-            if settings.requires(backend_name) {
-                panic!("{backend_name} is required (HEADKL_REQUIRE) but could not start: {e}");
-            }
-            eprintln!("SKIP {backend_name}: {e}");
-            None
-        }
-    }
-}
-
 /// The body of each test [`crate::conformance_tests!`] generates: opens the
 /// backend (or skips), runs `part` with [`SuiteConfig::default`], prints a
 /// summary, and panics listing every failure.
@@ -574,6 +539,13 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
         }
     });
     eprintln!("conformance {}: {}", part.name(), report.summary());
+    harness::record_ran(
+        &report.backend,
+        &report.device,
+        part.name(),
+        report.passed,
+        report.cases,
+    );
     if !report.failures.is_empty() {
         let mut msg = format!(
             "{} of {} conformance cases failed on {} ({}); replay with HEADKL_SEED={:#x} HEADKL_CASES={}",
@@ -605,8 +577,8 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
 /// `conformance_regressions`, `conformance_errors`).
 ///
 /// `$open` is an expression giving `headkl_core::Result<B>` for a backend
-/// `B`; each test evaluates it once. A backend that cannot start prints
-/// `SKIP <name>: <why>`, or fails when `HEADKL_REQUIRE` names it. The
+/// `B`; each test evaluates it once. A backend that cannot start says
+/// `SKIP <name>: <why>` ([`open_or_skip`]), or fails when `HEADKL_REQUIRE` names it. The
 /// `mod <ident>,` form wraps the tests in a module, for a second
 /// instantiation in one file.
 ///

@@ -1,6 +1,7 @@
-//! headkl-reference: the f64 CPU implementation of headkl's math, the one
-//! tolerance comparator, the proptest strategies and the conformance suite
-//! every backend runs.
+//! headkl-reference: the CPU backend and the f64 implementation of
+//! headkl's math, the one tolerance comparator and, with the cargo feature
+//! `conformance`, the proptest strategies and the conformance suite every
+//! backend runs.
 //!
 //! - [`direct`]: the DESIGN §1 formulas evaluated directly in f64 on the
 //!   f16-rounded head and hidden rows, with no slicing or chunking. This is
@@ -9,16 +10,40 @@
 //!   accumulate in f64. It is the always-available `reference` backend and
 //!   lets the core driver's slicing and chunking be tested with no GPU.
 //! - [`tolerance`]: [`Tolerance`], the comparator with DESIGN §5's bounds.
-//! - [`strategies`]: proptest strategies that draw [`strategies::Case`]s.
-//! - [`conformance`]: the suite, generic over a backend, and the
-//!   [`conformance_tests!`] macro that instantiates it in a backend crate.
+//! - `strategies` (feature `conformance`): proptest strategies that draw
+//!   cases.
+//! - `conformance` (feature `conformance`): the suite, generic over a
+//!   backend, the `conformance_tests!` macro that instantiates it in a
+//!   backend crate, and the test harness (settings, logger, the per-backend
+//!   record `scripts/test.sh` prints).
+//!
+//! With default features the crate depends on `headkl-core`, `half`,
+//! `bytemuck`, `thiserror` and `log` only: a program that wants the CPU
+//! backend does not link the test machinery.
+//!
+//! ```
+//! use headkl_core::{Engine, HeadData, HeadWeights, Hidden, HiddenData, SliceOptions, TopkOptions};
+//! use headkl_reference::CpuBackend;
+//!
+//! // A head of V = 4 tokens over hs = 2, and one hidden row.
+//! let w = [1.0f32, 0.0, 0.0, 1.0, -1.0, 0.0, 0.5, 0.5];
+//! let head = HeadWeights::new(HeadData::F32(&w), 4, 2)?;
+//! let x = [2.0f32, 1.0];
+//! let hidden = Hidden::new(HiddenData::F32(&x), 1, 2)?;
+//! let mut engine = Engine::new(CpuBackend::new(), &head, SliceOptions::default())?;
+//! let top = engine.topk(&hidden, &TopkOptions::new(2))?;
+//! assert_eq!(top.ids, vec![0, 3]); // logits 2, 1, −2, 1.5
+//! # Ok::<(), headkl_core::Error>(())
+//! ```
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod cpu;
 pub mod direct;
 mod par;
+#[cfg(feature = "conformance")]
 pub mod strategies;
 pub mod tolerance;
 

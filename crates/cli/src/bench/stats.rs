@@ -21,23 +21,24 @@ pub(crate) fn sorted(mut v: Vec<f64>) -> Vec<f64> {
 /// Seconds of estimated work past which bench says how long it will take.
 pub(super) const ESTIMATE_NOTE_SECS: f64 = 20.0;
 
-/// After a job's first call: the time the remaining calls will take (and,
-/// for head_kl, the topk job after it, about half as much per call), said
+/// After a warm call of a job (`warm_ms`, with `calls` calls of the job
+/// left counting it): the time the remaining calls will take (and, for
+/// head_kl, the topk job after it, about half as much per call), said
 /// before committing to minutes.
-pub(super) fn announce_estimate(backend: &str, job: JobKind, first_ms: f64, calls: usize) {
-    let rest = first_ms * 1e-3 * (calls.saturating_sub(1)) as f64;
+pub(super) fn announce_estimate(backend: &str, job: JobKind, warm_ms: f64, calls: usize) {
+    let rest = warm_ms * 1e-3 * (calls.saturating_sub(1)) as f64;
     let after = if job == JobKind::HeadKl {
-        first_ms * 1e-3 * 0.5 * calls as f64
+        warm_ms * 1e-3 * 0.5 * calls as f64
     } else {
         0.0
     };
     let total = rest + after;
     if total >= ESTIMATE_NOTE_SECS {
-        eprintln!(
-            "bench: {backend} {}: the first call took {}; the rest of this bench will take about {} \
+        log::info!(
+            "bench: {backend} {}: a warm call took {}; the rest of this bench will take about {} \
              (fewer --iters/--warmup or a smaller --shape to shorten; Ctrl-C stops)",
             job.name(),
-            fmt_secs(first_ms * 1e-3),
+            fmt_secs(warm_ms * 1e-3),
             fmt_secs(total)
         );
     }

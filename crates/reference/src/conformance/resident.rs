@@ -471,6 +471,7 @@ pub fn run_resident_test<B: ResidentBackend>(backend_name: &str, open: impl FnOn
         }
     });
     eprintln!("conformance resident: {}", report.summary());
+    super::harness::record_ran(&report.backend, &report.device, "resident", report.passed, report.cases);
     let failures: Vec<String> = report
         .failures
         .iter()
