@@ -5,6 +5,7 @@
 // were not finite (NaN loss from kl_rows) into the status buffer.
 // Prepended by resident_common.wgsl.
 
+// [rows][4]: loss, lse, soft, hard (kl_rows); the loss is word 0.
 @group(0) @binding(1) var<storage, read> loss_chunk: array<f32>;
 @group(0) @binding(2) var<storage, read> dx_chunk: array<f32>;
 @group(0) @binding(3) var<storage, read_write> status: array<atomic<u32>>;
@@ -18,7 +19,7 @@
 fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
     if i < params.rows {
-        let l = loss_chunk[i];
+        let l = loss_chunk[i * 4u];
         loss_dst[params.off_a + i] = l;
         if non_finite(l) {
             atomicMin(&status[S_LOGITS], params.token0 + i);

@@ -3,7 +3,9 @@
 // it clamped and renormalized into the engine's scratch with the row's
 // KL coefficient, and flags a bad row in the status buffer. A bad row gets
 // zero probabilities and coefficient, so whatever its bytes it reads and
-// writes nothing out of bounds. Prepended by resident_common.wgsl.
+// writes nothing out of bounds. The row's coefficient goes into the KL
+// kernel's per-row inputs, word 0 of [rows][2] (word 1, the label, is
+// NONE: no hard term). Prepended by resident_common.wgsl.
 
 @group(0) @binding(1) var<storage, read> ids_in: array<u32>;
 @group(0) @binding(2) var<storage, read> probs_in: array<f32>;
@@ -11,7 +13,7 @@
 @group(0) @binding(4) var<storage, read_write> status: array<atomic<u32>>;
 @group(0) @binding(5) var<storage, read_write> ids_out: array<u32>;
 @group(0) @binding(6) var<storage, read_write> probs_out: array<f32>;
-@group(0) @binding(7) var<storage, read_write> coef: array<f32>;
+@group(0) @binding(7) var<storage, read_write> row_in: array<u32>;
 
 var<workgroup> row_ids: array<u32, 2048>;
 var<workgroup> red_sum: array<f32, 256>;
@@ -104,5 +106,6 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     if !any_bad {
         c = w * bitcast<f32>(atomicLoad(&status[S_COEF_MUL]));
     }
-    coef[row] = c;
+    row_in[row * 2u] = bitcast<u32>(c);
+    row_in[row * 2u + 1u] = NONE;
 }

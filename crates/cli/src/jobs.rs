@@ -215,6 +215,7 @@ impl BackendJob for TopkJob<'_> {
         let mut out = TopK {
             ids: Vec::with_capacity(self.ntok * k),
             probs: Vec::with_capacity(self.ntok * k),
+            logprobs: Vec::new(),
             ntok: self.ntok,
             k,
         };
@@ -225,6 +226,7 @@ impl BackendJob for TopkJob<'_> {
                 .map_err(|e| self.sources.map(e, "top-k"))?;
             out.ids.extend_from_slice(&piece.ids);
             out.probs.extend_from_slice(&piece.probs);
+            out.logprobs.extend_from_slice(&piece.logprobs);
             progress.inc_by((b - a) as u64);
         }
         Ok(out)
@@ -266,6 +268,7 @@ impl BackendJob for LossJob<'_> {
             loss: Vec::with_capacity(self.ntok),
             mean: 0.0,
             dx: Vec::with_capacity(self.ntok * self.hs),
+            ..LossOutput::default()
         };
         let k = self.k;
         for (a, b) in pieces(self.ntok, MIN_PIECE_ROWS) {
@@ -325,10 +328,9 @@ pub fn topk(
         total_given: false,
     };
     let opts = TopkOptions {
-        k,
         temperature,
         budget_bytes: budget,
-        max_rows_per_chunk: None,
+        ..TopkOptions::new(k)
     };
     // Every option is checked before the head goes anywhere.
     opts.check(vocab).map_err(|e| sources.map(e, "top-k options"))?;
@@ -461,7 +463,7 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
         total: args.total,
         gscale: args.gscale,
         budget_bytes: args.budget,
-        max_rows_per_chunk: None,
+        ..LossOptions::default()
     };
     // Every option is checked before the head goes anywhere.
     opts.resolve(ntok).map_err(|e| sources.map(e, "loss options"))?;

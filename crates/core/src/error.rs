@@ -137,6 +137,56 @@ pub enum Error {
         /// The value.
         value: f32,
     },
+    /// A loss option outside its range (a weight, ε, λ or the softcap).
+    #[error("{field} = {value}: {reason}")]
+    InvalidLossOption {
+        /// The option (`hard_weight`, `soft_weight`, `label_smoothing`,
+        /// `z_loss`, `softcap`).
+        field: &'static str,
+        /// Its value.
+        value: f32,
+        /// The range it must lie in.
+        reason: &'static str,
+    },
+    /// A hard-label weight above 0 with no labels to score.
+    #[error("hard_weight = {value} but no labels were given: the hard term needs labels")]
+    HardWeightWithoutLabels {
+        /// The weight.
+        value: f32,
+    },
+    /// A label that is not below the vocabulary size.
+    #[error("labels[{row}] = {label} is out of range (V = {vocab})")]
+    LabelOutOfRange {
+        /// Token row.
+        row: usize,
+        /// The label.
+        label: i64,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A teacher log-probability above 0 or NaN.
+    #[error("logprobs[{row}][{col}] = {value}: a log-probability must be ≤ 0 and not NaN")]
+    InvalidLogProbability {
+        /// Token row.
+        row: usize,
+        /// Entry within the row.
+        col: usize,
+        /// The value.
+        value: f32,
+    },
+    /// A teacher row whose mass is above 1 (beyond rounding) where the
+    /// tail mode reads it as a share of the full vocabulary.
+    #[error("probs[{row}] sums to {sum}: above 1 (tolerance {tolerance}), but tail mode {tail} reads the k entries as a share of the full vocabulary")]
+    TeacherMassAboveOne {
+        /// Token row.
+        row: usize,
+        /// The row's mass.
+        sum: f64,
+        /// The rounding allowed.
+        tolerance: f64,
+        /// The tail mode's name.
+        tail: &'static str,
+    },
     /// The memory budget is zero.
     #[error("budget = 0 bytes: the memory budget must be positive")]
     BudgetZero,

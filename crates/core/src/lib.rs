@@ -34,6 +34,7 @@ mod scratch;
 pub mod settings;
 pub mod slicing;
 pub mod split;
+pub mod terms;
 pub mod tune_cache;
 
 pub use backend::{
@@ -57,6 +58,7 @@ pub use resident::{
 pub use settings::Settings;
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use split::DxSplit;
+pub use terms::{LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
 pub use tune_cache::TuneCache;
 
 /// Alignment of every padded device extent (token rows, hidden columns,

@@ -139,7 +139,8 @@ pub(crate) struct ResidentScratch<B: Backend> {
 }
 
 struct LossScratch<B: Backend> {
-    coef: B::Buffer,
+    /// The KL kernel's per-row inputs `[rows][2]`: coefficient, label.
+    row_in: B::Buffer,
     loss: B::Buffer,
     grad: B::Buffer,
     dx: B::Buffer,
@@ -250,8 +251,8 @@ impl<B: ResidentBackend> Engine<B> {
         let probs = b.alloc(r * k64 * 4, "probs")?;
         let loss_buffers = if job == Job::Loss {
             Some(LossScratch {
-                coef: b.alloc(r * 4, "coef")?,
-                loss: b.alloc(r * 4, "loss")?,
+                row_in: b.alloc(r * 8, "row_in")?,
+                loss: b.alloc(r * 16, "loss")?,
                 grad: b.alloc(r * v * 2, "grad")?,
                 dx: b.alloc(r * h * 4, "dx")?,
             })
@@ -428,17 +429,23 @@ impl<B: ResidentBackend> Engine<B> {
             };
             b.resident_dispatch(
                 ResidentKernel::TeacherRows,
-                &[teacher.ids, teacher.probs, weights, status, &s.ids, &s.probs, &ls.coef],
+                &[
+                    teacher.ids,
+                    teacher.probs,
+                    weights,
+                    status,
+                    &s.ids,
+                    &s.probs,
+                    &ls.row_in,
+                ],
                 &teacher_params,
                 rows as u64,
             )?;
             let kl = KlDesc {
-                rows,
-                vocab: self.vocab,
-                ld: self.vocab_padded,
-                k,
+                temperature: opts.temperature,
+                ..KlDesc::plain(rows, self.vocab, self.vocab_padded, k)
             };
-            b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.coef, &ls.loss, &ls.grad, &kl)?;
+            b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
             // device.
             self.dx(&ls.grad, &ls.dx, &s.logits, rows_padded, 1.0)?;
@@ -505,12 +512,7 @@ impl<B: ResidentBackend> Engine<B> {
         };
         for (start, rows) in plan.ranges(ntok) {
             self.resident_logits(s, hidden, start, rows, opts.temperature)?;
-            let desc = TopkDesc {
-                rows,
-                vocab: self.vocab,
-                ld: self.vocab_padded,
-                k,
-            };
+            let desc = TopkDesc::plain(rows, self.vocab, self.vocab_padded, k);
             self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let params = ResidentParams {
                 rows: rows as u32,

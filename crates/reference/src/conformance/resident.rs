@@ -195,6 +195,7 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
                 loss: host.loss.iter().map(|&l| f64::from(l)).collect(),
                 mean: host.mean,
                 dx: host_dx,
+                ..direct::DirectLoss::of_losses(Vec::new())
             };
             tol.check_loss(&got_loss, mean, &host_loss)
                 .map_err(|e| format!("resident vs host path: {e}"))?;

@@ -9,7 +9,7 @@ use headkl_core::resident::status::{
     KIND_WEIGHT_NON_FINITE, NONE, S_COEF_MUL, S_DX_MUL, S_D_VALUE, S_ID_RANGE, S_KIND, S_LOGITS, S_ROW, S_TOTAL_BAD,
     S_TOTAL_BITS, S_WEIGHT, WORDS,
 };
-use headkl_core::{ResidentBackend, ResidentKernel, Result};
+use headkl_core::{ResidentBackend, ResidentKernel, Result, NO_LABEL};
 
 use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer, BACKEND};
 
@@ -71,7 +71,9 @@ impl CpuBackend {
         let mut probs_out = b[5].write("teacher_rows")?;
         let mut coef = b[6].write("teacher_rows")?;
         let (probs_in, weights) = (f32s(&probs_in), f32s(&weights));
-        let (probs_out, coef) = (f32s_mut(&mut probs_out), f32s_mut(&mut coef));
+        // The KL kernel's per-row inputs [rows][2]: coefficient bits, label
+        // (none: the resident path has no hard term).
+        let (probs_out, row_in): (_, &mut [u32]) = (f32s_mut(&mut probs_out), &mut coef);
         let coef_mul = f32::from_bits(status[S_COEF_MUL]);
         for row in 0..p.rows as usize {
             let ids = &ids_in[p.off_a as usize + row * k..][..k];
@@ -105,7 +107,9 @@ impl CpuBackend {
             if bad_value(w) {
                 w = 0.0;
             }
-            coef[row] = if any_bad { 0.0 } else { w * coef_mul };
+            let c = if any_bad { 0.0 } else { w * coef_mul };
+            row_in[row * 2] = c.to_bits();
+            row_in[row * 2 + 1] = NO_LABEL;
         }
         Ok(())
     }
@@ -142,8 +146,9 @@ impl CpuBackend {
         let dx_mul = f32::from_bits(status[S_DX_MUL]);
         let (cols, ld) = (p.cols as usize, p.ld as usize);
         for r in 0..p.rows as usize {
-            loss_dst[p.off_a as usize + r] = loss[r];
-            if !loss[r].is_finite() {
+            // [rows][4]: loss, lse, soft, hard; the loss is word 0.
+            loss_dst[p.off_a as usize + r] = loss[r * 4];
+            if !loss[r * 4].is_finite() {
                 lower(&mut status, S_LOGITS, p.token0 + r as u32);
             }
             for c in 0..cols {
