@@ -15,6 +15,7 @@ mod progress;
 mod rng;
 mod select;
 mod signals;
+mod terms;
 mod text;
 mod tune;
 
@@ -212,8 +213,10 @@ Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) o
 Exact for every k ≤ 2048.\n\n\
 Inputs: --head holds tensor `weight` (or --head-tensor, e.g. `lm_head.weight` of a shard) [V][hs] in \
 F16, BF16 or F32; --hidden holds tensor `hidden` (or --hidden-tensor) [ntok][hs] in F32, F16 or BF16. \
-Output --out: `ids` I64 [ntok][k] and `probs` F32 [ntok][k], written to a temporary file and renamed \
-when complete (a failed run leaves an existing file untouched).",
+Output --out: `ids` I64 [ntok][k] and `probs` F32 [ntok][k] (with --logprobs also `logprobs` F32 \
+[ntok][k], the log-probabilities at τ over the full vocabulary, as `loss --teacher-form logprobs` reads \
+them), written to a temporary file and renamed when complete (a failed run leaves an existing file \
+untouched).",
         after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Topk {
@@ -227,6 +230,8 @@ when complete (a failed run leaves an existing file untouched).",
         /// Temperature τ of the probabilities (> 0)
         #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
         temperature: f32,
+        #[command(flatten)]
+        topk_terms: terms::TopkTermArgs,
         /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
         #[arg(long, value_parser = parse_bytes)]
         budget: Option<u64>,
@@ -242,8 +247,14 @@ the full vocabulary) against the teacher's top-k renormalized over its k, the we
 Inputs: --head and --hidden as for `topk`; --teacher holds `ids` (I64, I32 or U32) and `probs` (F32), \
 each [ntok][k]: ids distinct per row and < V, probs non-negative and finite (renormalized here); \
 --weights optionally holds `weights` (F32) [ntok] (0 masks a token; default all 1). \
-Output --out: `loss` F32 [ntok] (per-token, unweighted) and `grad` F32 [ntok][hs] (dx), written \
-to a temporary file and renamed when complete.",
+The loss terms (README \"Loss terms\"): --teacher-form logprobs reads tensor `logprobs` (each ≤ 0, \
+over the full vocabulary) instead of `probs`; --tail bucket adds one bin for the teacher's mass outside \
+its k, --tail none ignores it; --labels with --hard-weight adds the cross-entropy against the labels \
+(with --label-smoothing); --z-loss adds λ·lse²; --softcap caps the logits c·tanh(z/c) before τ. \
+Output --out: `loss` F32 [ntok] (per-token α_soft·soft + α_hard·hard + λ·lse², unweighted: the \
+weights enter the mean and dx only), `lse` F32 [ntok] (log-sum-exp of the capped logits at τ = 1), \
+with a hard term `soft` and `hard` F32 [ntok] (the unweighted parts), and `grad` F32 [ntok][hs] \
+(dx), written to a temporary file and renamed when complete.",
         after_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
     Loss {
@@ -263,6 +274,8 @@ to a temporary file and renamed when complete.",
         /// Scale of the f16 gradient [default: 2^14 · total / max w]
         #[arg(long, allow_negative_numbers = true)]
         gscale: Option<f32>,
+        #[command(flatten)]
+        terms: terms::LossTermArgs,
         /// The weight the loss averages over [default: Σ w]
         #[arg(long, allow_negative_numbers = true)]
         total: Option<f32>,
@@ -334,6 +347,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             inputs,
             k,
             temperature,
+            topk_terms,
             budget,
             out,
         } => jobs::topk(
@@ -341,6 +355,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             &inputs,
             k,
             temperature,
+            &topk_terms,
             budget.unwrap_or(DEFAULT_BUDGET_BYTES),
             &out,
         ),
@@ -351,6 +366,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             weights,
             temperature,
             gscale,
+            terms,
             total,
             budget,
             out,
@@ -362,6 +378,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 weights,
                 temperature,
                 gscale,
+                terms,
                 total,
                 budget: budget.unwrap_or(DEFAULT_BUDGET_BYTES),
                 out,
