@@ -11,8 +11,10 @@
 //! dx_t = (w_t / (τ·total)) · Σ_j (p_S,j − p_T,j) · W_j
 //! ```
 //!
-//! The teacher is renormalized over its k (no tail bin); the student's
-//! softmax is over the full vocabulary.
+//! By default the teacher is renormalized over its k (no tail bin); the
+//! student's softmax is over the full vocabulary. [`terms`] adds the other
+//! tail modes, teacher log-probabilities, a hard-label term, the z-loss and
+//! a logit softcap (the README's "Loss terms").
 
 #![warn(missing_docs)]
 
