@@ -954,6 +954,25 @@ fn bad_loss_term_inputs_exit_2_and_write_nothing() {
     let o = f.loss("teacher.safetensors", &["--tail", "ghost"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(!out.exists());
+    // topk's softcap is checked the same way.
+    let top = f.path("top.safetensors");
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "3",
+        "--softcap",
+        "-2",
+        "--out",
+        top.to_str().unwrap(),
+    ]);
+    assert_input_error(&o, &["--softcap", "-2"]);
+    assert!(!top.exists());
 }
 
 /// BF16 hidden rows (what models emit) are read by `loss`, and give the
