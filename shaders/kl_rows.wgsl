@@ -194,9 +194,13 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     // the hard term (Σ u for label smoothing).
     let fold_terms = (flags & (F_SOFTCAP | F_TAU | F_HARD)) != 0u;
     let tail = (flags >> F_TAIL_SHIFT) & 3u;
-    let label = row_in[row * 2u + 1u];
-    // NO_LABEL (or any label past vocab) is no label.
-    let labelled = (flags & F_HARD) != 0u && label < vocab;
+    // NO_LABEL (or any label past vocab) is no label; read only with the
+    // hard term on.
+    var label = 0xffffffffu;
+    if (flags & F_HARD) != 0u {
+        label = row_in[row * 2u + 1u];
+    }
+    let labelled = label < vocab;
 
     // Pass 1: online max and sum of exp(s - max), plus a non-finite flag,
     // over 4 logits at a time (those past vocab skipped).
