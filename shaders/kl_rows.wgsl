@@ -1,5 +1,7 @@
 // The KL row kernel (headkl_core::KlDesc): one workgroup per token row.
-// See shaders/README.md.
+// See shaders/README.md. With params.flags = 0 and soft_weight = 1 it runs
+// the seed's loss (the "plain" loops); each extra term (softcap, tail mode,
+// hard label, z-loss, τ ≠ 1) is a uniform branch on the flags.
 enable f16;
 
 // <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
@@ -8,18 +10,42 @@ enable f16;
 @group(0) @binding(1) var<storage, read> logits: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> ids: array<u32>;
 @group(0) @binding(3) var<storage, read> probs: array<f32>;
-@group(0) @binding(4) var<storage, read> coef: array<f32>;
+// [rows][2]: the coefficient's f32 bits, the label (NO_LABEL: none).
+@group(0) @binding(4) var<storage, read> row_in: array<u32>;
+// [rows][4]: loss, lse at τ = 1, soft part, hard part.
 @group(0) @binding(5) var<storage, read_write> loss: array<f32>;
 @group(0) @binding(6) var<storage, read_write> grad: array<vec4<f16>>;
 
 const WG: u32 = 256u;
 const NEG_HUGE: f32 = -3.0e38;
 
+// Bits of params.flags (headkl_core::params::kl_flags).
+const F_SOFTCAP: u32 = 1u;
+const F_TAIL_SHIFT: u32 = 1u;
+const F_HARD: u32 = 8u;
+const F_Z_LOSS: u32 = 16u;
+const F_TAU: u32 = 32u;
+// Tail modes (headkl_core::TailMode::code).
+const TAIL_BUCKET: u32 = 1u;
+const TAIL_NONE: u32 = 2u;
+// Floor of the bucket's student mass 1 − Σ_k p_S (2^-24; KlDesc).
+const TAIL_FLOOR: f32 = 5.9604645e-8;
+
 var<workgroup> red_max: array<f32, WG>;
 var<workgroup> red_sum: array<f32, WG>;
 var<workgroup> red_bad: array<u32, WG>;
+// The τ = 1 fold, and a third sum (Σ u for label smoothing; Σ_k p_S).
+var<workgroup> red_max1: array<f32, WG>;
+var<workgroup> red_sum1: array<f32, WG>;
+var<workgroup> red_aux: array<f32, WG>;
 var<workgroup> row_lse: f32;
 var<workgroup> row_bad: u32;
+// The teacher's probability at the label, or -1 when the label is not
+// among the k.
+var<workgroup> row_label_p: f32;
+// Pass 2's row constants: (a, b, h, f_on) and (label_term, lse1, f_off, sum_u).
+var<workgroup> row_c0: vec4<f32>;
+var<workgroup> row_c1: vec4<f32>;
 
 fn non_finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) >= 0x7f800000u;
@@ -32,6 +58,26 @@ fn nan_f32() -> f32 {
 // Logit `j` of the row starting at element `base` (a multiple of 4).
 fn logit(base: u32, j: u32) -> f32 {
     return logits[(base + j) / 4u][j % 4u];
+}
+
+// (c·tanh(x/c), its slope 1 − tanh² = 4e/(1 + e)²) from e = exp(-2|x/c|),
+// which cannot overflow.
+fn capped(x: f32, c: f32) -> vec2<f32> {
+    let e = exp(-2.0 * abs(x / c));
+    let d = 1.0 + e;
+    return vec2<f32>(sign(x) * c * ((1.0 - e) / d), 4.0 * e / (d * d));
+}
+
+// Logit x as the loss reads it, and d/dx: capped when the softcap is on.
+fn scaled2(x: f32) -> vec2<f32> {
+    if (params.flags & F_SOFTCAP) != 0u {
+        return capped(x, params.cap);
+    }
+    return vec2<f32>(x, 1.0);
+}
+
+fn scaled(x: f32) -> f32 {
+    return scaled2(x).x;
 }
 
 // Folds x into the running (max, sum of exp(x - max)).
@@ -65,6 +111,35 @@ fn fold4(st: Fold, x4: vec4<f32>, j4: u32, vocab: u32) -> Fold {
     return out;
 }
 
+// The general fold: the capped logits at τ, at τ = 1 and their sum.
+struct FoldTerms {
+    ms: vec2<f32>,
+    ms1: vec2<f32>,
+    sum_u: f32,
+    bad: u32,
+}
+
+fn fold4_terms(st: FoldTerms, x4: vec4<f32>, j4: u32, vocab: u32) -> FoldTerms {
+    var out = st;
+    for (var c = 0u; c < 4u; c++) {
+        let x = x4[c];
+        if j4 * 4u + c >= vocab {
+            break;
+        }
+        if non_finite(x) {
+            out.bad = 1u;
+        } else {
+            let u = scaled(x);
+            out.ms = fold(out.ms, u);
+            if (params.flags & F_TAU) != 0u {
+                out.ms1 = fold(out.ms1, u * params.temperature);
+            }
+            out.sum_u += u;
+        }
+    }
+    return out;
+}
+
 // Merges two (max, sum of exp(x - max)) pairs.
 fn merge(m1: f32, s1: f32, m2: f32, s2: f32) -> vec2<f32> {
     let m = max(m1, m2);
@@ -82,6 +157,29 @@ fn grad4(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f16> {
     return vec4<f16>(g);
 }
 
+// ∂L/∂s_j without the teacher's and the label's own parts:
+// cap'·(a·p^τ + b·p¹ − h).
+fn grad_terms(x: f32, lse: f32, c0: vec4<f32>, lse1: f32) -> f32 {
+    let us = scaled2(x);
+    let pt = exp(us.x - lse);
+    var p1 = pt;
+    if (params.flags & F_TAU) != 0u {
+        p1 = exp(us.x * params.temperature - lse1);
+    }
+    return us.y * (c0.x * pt + c0.y * p1 - c0.z);
+}
+
+// c·∂L/∂s for word j4's 4 logits in the general case, zero past vocab.
+fn grad4_terms(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32, c0: vec4<f32>, lse1: f32) -> vec4<f16> {
+    var g = vec4<f32>(0.0);
+    for (var e = 0u; e < 4u; e++) {
+        if j4 * 4u + e < vocab {
+            g[e] = c * grad_terms(x4[e], lse, c0, lse1);
+        }
+    }
+    return vec4<f16>(g);
+}
+
 @compute @workgroup_size(256)
 fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = wg.x + wg.y * params.grid_x;
@@ -90,34 +188,62 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     }
     let vocab = params.vocab;
     let base = row * params.ld;
+    let flags = params.flags;
+    let plain = flags == 0u && params.soft_weight == 1.0;
+    // The general fold is needed for a cap, τ ≠ 1 (the τ = 1 softmax) and
+    // the hard term (Σ u for label smoothing).
+    let fold_terms = (flags & (F_SOFTCAP | F_TAU | F_HARD)) != 0u;
+    let tail = (flags >> F_TAIL_SHIFT) & 3u;
+    // NO_LABEL (or any label past vocab) is no label; read only with the
+    // hard term on.
+    var label = 0xffffffffu;
+    if (flags & F_HARD) != 0u {
+        label = row_in[row * 2u + 1u];
+    }
+    let labelled = label < vocab;
 
     // Pass 1: online max and sum of exp(s - max), plus a non-finite flag,
     // over 4 logits at a time (those past vocab skipped).
     var st = Fold(vec2<f32>(NEG_HUGE, 0.0), 0u);
+    var ms1 = vec2<f32>(NEG_HUGE, 0.0);
+    var sum_u = 0.0;
     let base4 = base / 4u;
     let words = (vocab + 3u) / 4u;
-    // Four 16-byte loads in flight per invocation.
-    var j4 = lid;
-    for (; j4 + 3u * WG < words; j4 += 4u * WG) {
-        let xa = logits[base4 + j4];
-        let xb = logits[base4 + j4 + WG];
-        let xc = logits[base4 + j4 + 2u * WG];
-        let xd = logits[base4 + j4 + 3u * WG];
-        st = fold4(st, xa, j4, vocab);
-        st = fold4(st, xb, j4 + WG, vocab);
-        st = fold4(st, xc, j4 + 2u * WG, vocab);
-        st = fold4(st, xd, j4 + 3u * WG, vocab);
-    }
-    for (; j4 < words; j4 += WG) {
-        st = fold4(st, logits[base4 + j4], j4, vocab);
+    if !fold_terms {
+        // Four 16-byte loads in flight per invocation.
+        var j4 = lid;
+        for (; j4 + 3u * WG < words; j4 += 4u * WG) {
+            let xa = logits[base4 + j4];
+            let xb = logits[base4 + j4 + WG];
+            let xc = logits[base4 + j4 + 2u * WG];
+            let xd = logits[base4 + j4 + 3u * WG];
+            st = fold4(st, xa, j4, vocab);
+            st = fold4(st, xb, j4 + WG, vocab);
+            st = fold4(st, xc, j4 + 2u * WG, vocab);
+            st = fold4(st, xd, j4 + 3u * WG, vocab);
+        }
+        for (; j4 < words; j4 += WG) {
+            st = fold4(st, logits[base4 + j4], j4, vocab);
+        }
+    } else {
+        var ft = FoldTerms(vec2<f32>(NEG_HUGE, 0.0), vec2<f32>(NEG_HUGE, 0.0), 0.0, 0u);
+        for (var j4 = lid; j4 < words; j4 += WG) {
+            ft = fold4_terms(ft, logits[base4 + j4], j4, vocab);
+        }
+        st = Fold(ft.ms, ft.bad);
+        ms1 = ft.ms1;
+        sum_u = ft.sum_u;
     }
     let ms = st.ms;
     let bad = st.bad;
-    let m = ms.x;
-    let s = ms.y;
-    red_max[lid] = m;
-    red_sum[lid] = s;
+    red_max[lid] = ms.x;
+    red_sum[lid] = ms.y;
     red_bad[lid] = bad;
+    if fold_terms {
+        red_max1[lid] = ms1.x;
+        red_sum1[lid] = ms1.y;
+        red_aux[lid] = sum_u;
+    }
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
         if lid < stride {
@@ -125,6 +251,12 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
             red_max[lid] = r.x;
             red_sum[lid] = r.y;
             red_bad[lid] |= red_bad[lid + stride];
+            if fold_terms {
+                let r1 = merge(red_max1[lid], red_sum1[lid], red_max1[lid + stride], red_sum1[lid + stride]);
+                red_max1[lid] = r1.x;
+                red_sum1[lid] = r1.y;
+                red_aux[lid] += red_aux[lid + stride];
+            }
         }
         workgroupBarrier();
     }
@@ -136,60 +268,180 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         }
         row_bad = b;
         row_lse = red_max[0] + log(total);
+        row_label_p = -1.0;
+        if !plain {
+            var lse1 = row_lse;
+            if (flags & F_TAU) != 0u {
+                lse1 = red_max1[0] + log(red_sum1[0]);
+            }
+            row_c1 = vec4<f32>(0.0, lse1, 1.0, red_aux[0]);
+        }
     }
     let lse = workgroupUniformLoad(&row_lse);
     let row_is_bad = workgroupUniformLoad(&row_bad);
 
-    // The loss over the teacher's k entries.
+    // The soft term over the teacher's k entries (and, outside the plain
+    // case, their mass and the student's mass on them).
     let k = params.k;
     let tbase = row * k;
     var part = 0.0;
+    var mass = 0.0;
+    var student = 0.0;
     for (var q = lid; q < k; q += WG) {
         let p = probs[tbase + q];
+        let id = ids[tbase + q];
+        let log_ps = scaled(logit(base, id)) - lse;
         if p > 0.0 {
-            let log_ps = logit(base, ids[tbase + q]) - lse;
             part += p * (log(p) - log_ps);
+        }
+        if !plain {
+            mass += p;
+            student += exp(log_ps);
+            if labelled && id == label {
+                row_label_p = p;
+            }
         }
     }
     red_sum[lid] = part;
+    if !plain {
+        red_max[lid] = mass;
+        red_aux[lid] = student;
+    }
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
         if lid < stride {
             red_sum[lid] += red_sum[lid + stride];
+            if !plain {
+                red_max[lid] += red_max[lid + stride];
+                red_aux[lid] += red_aux[lid + stride];
+            }
         }
         workgroupBarrier();
     }
     if lid == 0u {
-        if row_is_bad != 0u {
-            loss[row] = nan_f32();
+        if plain {
+            var out = vec4<f32>(red_sum[0], lse, red_sum[0], 0.0);
+            if row_is_bad != 0u {
+                out = vec4<f32>(nan_f32());
+            }
+            loss[row * 4u] = out.x;
+            loss[row * 4u + 1u] = out.y;
+            loss[row * 4u + 2u] = out.z;
+            loss[row * 4u + 3u] = out.w;
         } else {
-            loss[row] = red_sum[0];
+            let tau = params.temperature;
+            let lse1 = row_c1.y;
+            let mass_k = red_max[0];
+            var soft = red_sum[0];
+            var f_off = 1.0;
+            var f_on = 1.0;
+            if tail == TAIL_NONE {
+                f_off = mass_k;
+                f_on = mass_k;
+            } else if tail == TAIL_BUCKET {
+                let r_t = max(1.0 - mass_k, 0.0);
+                let r_s = max(1.0 - red_aux[0], TAIL_FLOOR);
+                if r_t > 0.0 {
+                    soft += r_t * (log(r_t) - log(r_s));
+                    f_off = 1.0 - r_t / r_s;
+                }
+            }
+            var alpha_hard = 0.0;
+            var eps = 0.0;
+            var hard = 0.0;
+            if labelled {
+                alpha_hard = params.hard_weight;
+                eps = params.smoothing;
+                let sum_u = row_c1.w;
+                let u_y = scaled(logit(base, label));
+                hard = lse1 - (1.0 - eps) * tau * u_y - eps * tau * sum_u / f32(vocab);
+            }
+            let lambda = params.z_loss;
+            let total_loss = params.soft_weight * soft + alpha_hard * hard + lambda * lse1 * lse1;
+            if row_is_bad != 0u {
+                loss[row * 4u] = nan_f32();
+                loss[row * 4u + 1u] = nan_f32();
+                loss[row * 4u + 2u] = nan_f32();
+                loss[row * 4u + 3u] = nan_f32();
+            } else {
+                loss[row * 4u] = total_loss;
+                loss[row * 4u + 1u] = lse1;
+                loss[row * 4u + 2u] = soft;
+                loss[row * 4u + 3u] = hard;
+            }
+            let a = params.soft_weight * f_off;
+            let b = tau * (alpha_hard + 2.0 * lambda * lse1);
+            let h = tau * alpha_hard * eps / f32(vocab);
+            row_c0 = vec4<f32>(a, b, h, f_on);
+            row_c1 = vec4<f32>(tau * alpha_hard * (1.0 - eps), lse1, f_off, 0.0);
         }
     }
 
-    // Pass 2: grad = c * p_S everywhere, zero in the padding, 4 at a time ...
-    let c = coef[row];
+    // Pass 2: grad = c * ∂L/∂s everywhere (c * p_S in the plain case), zero
+    // in the padding, 4 at a time ...
+    let c = bitcast<f32>(row_in[row * 2u]);
     let padded = params.ld / 4u;
-    var g4 = lid;
-    for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
-        let xa = logits[base4 + g4];
-        let xb = logits[base4 + g4 + WG];
-        let xc = logits[base4 + g4 + 2u * WG];
-        let xd = logits[base4 + g4 + 3u * WG];
-        grad[base4 + g4] = grad4(xa, g4, vocab, c, lse);
-        grad[base4 + g4 + WG] = grad4(xb, g4 + WG, vocab, c, lse);
-        grad[base4 + g4 + 2u * WG] = grad4(xc, g4 + 2u * WG, vocab, c, lse);
-        grad[base4 + g4 + 3u * WG] = grad4(xd, g4 + 3u * WG, vocab, c, lse);
+    if plain {
+        var g4 = lid;
+        for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
+            let xa = logits[base4 + g4];
+            let xb = logits[base4 + g4 + WG];
+            let xc = logits[base4 + g4 + 2u * WG];
+            let xd = logits[base4 + g4 + 3u * WG];
+            grad[base4 + g4] = grad4(xa, g4, vocab, c, lse);
+            grad[base4 + g4 + WG] = grad4(xb, g4 + WG, vocab, c, lse);
+            grad[base4 + g4 + 2u * WG] = grad4(xc, g4 + 2u * WG, vocab, c, lse);
+            grad[base4 + g4 + 3u * WG] = grad4(xd, g4 + 3u * WG, vocab, c, lse);
+        }
+        for (; g4 < padded; g4 += WG) {
+            grad[base4 + g4] = grad4(logits[base4 + g4], g4, vocab, c, lse);
+        }
+        // ... then c * (p_S - p_T) on the teacher's columns. The barrier orders
+        // these stores after the ones above within the workgroup.
+        storageBarrier();
+        for (var q = lid; q < k; q += WG) {
+            let id = ids[tbase + q];
+            let ps = exp(logit(base, id) - lse);
+            grad[(base + id) / 4u][id % 4u] = f16(c * (ps - probs[tbase + q]));
+        }
+        return;
     }
-    for (; g4 < padded; g4 += WG) {
-        grad[base4 + g4] = grad4(logits[base4 + g4], g4, vocab, c, lse);
+    let c0 = workgroupUniformLoad(&row_c0);
+    let c1 = workgroupUniformLoad(&row_c1);
+    let label_p = workgroupUniformLoad(&row_label_p);
+    let lse1 = c1.y;
+    for (var g4 = lid; g4 < padded; g4 += WG) {
+        grad[base4 + g4] = grad4_terms(logits[base4 + g4], g4, vocab, c, lse, c0, lse1);
     }
-    // ... then c * (p_S - p_T) on the teacher's columns. The barrier orders
-    // these stores after the ones above within the workgroup.
+    // ... then the teacher's columns: cap'·(α_soft·(f_on·p^τ − p_T) + b·p¹ − h)
+    // (the barrier orders these stores after the ones above) ...
     storageBarrier();
     for (var q = lid; q < k; q += WG) {
         let id = ids[tbase + q];
-        let ps = exp(logit(base, id) - lse);
-        grad[(base + id) / 4u][id % 4u] = f16(c * (ps - probs[tbase + q]));
+        let us = scaled2(logit(base, id));
+        let pt = exp(us.x - lse);
+        var p1 = pt;
+        if (flags & F_TAU) != 0u {
+            p1 = exp(us.x * params.temperature - lse1);
+        }
+        let d = params.soft_weight * (c0.w * pt - probs[tbase + q]) + c0.y * p1 - c0.z;
+        grad[(base + id) / 4u][id % 4u] = f16(c * us.y * d);
+    }
+    // ... then the label's column, whole, over whatever was written there
+    // (the barrier is outside the label's branch: uniform control flow).
+    storageBarrier();
+    if labelled && lid == 0u {
+        let us = scaled2(logit(base, label));
+        let pt = exp(us.x - lse);
+        var p1 = pt;
+        if (flags & F_TAU) != 0u {
+            p1 = exp(us.x * params.temperature - lse1);
+        }
+        var d = c0.x * pt;
+        if label_p >= 0.0 {
+            d = params.soft_weight * (c0.w * pt - label_p);
+        }
+        d += c0.y * p1 - c0.z - c1.x;
+        grad[(base + label) / 4u][label % 4u] = f16(c * us.y * d);
     }
 }

@@ -12,6 +12,7 @@ const S_WEIGHT: u32 = 2u;
 const S_LOGITS: u32 = 3u;
 const S_TOTAL_BAD: u32 = 4u;
 const S_TOTAL_BITS: u32 = 5u;
+const S_LABEL: u32 = 6u;
 const S_COEF_MUL: u32 = 16u;
 const S_DX_MUL: u32 = 17u;
 

@@ -5,21 +5,29 @@
 // were not finite (NaN loss from kl_rows) into the status buffer.
 // Prepended by resident_common.wgsl.
 
+// [rows][4]: loss, lse, soft, hard (kl_rows); the loss is word 0.
 @group(0) @binding(1) var<storage, read> loss_chunk: array<f32>;
 @group(0) @binding(2) var<storage, read> dx_chunk: array<f32>;
 @group(0) @binding(3) var<storage, read_write> status: array<atomic<u32>>;
 @group(0) @binding(4) var<storage, read_write> loss_dst: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dx_dst: array<f32>;
+// [ntok][3]: lse, soft, hard (written with flags bit 2).
+@group(0) @binding(6) var<storage, read_write> terms_dst: array<f32>;
 
 // params: rows, cols = hs, ld = padded hs (row stride of dx_chunk),
 // token0, off_a = the chunk's first loss element, off_b = its first dx
-// element, flags bit 1 = accumulate into dx.
+// element, flags bit 1 = accumulate into dx, bit 2 = write the terms.
 @compute @workgroup_size(256)
 fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
     if i < params.rows {
-        let l = loss_chunk[i];
+        let l = loss_chunk[i * 4u];
         loss_dst[params.off_a + i] = l;
+        if (params.flags & 4u) != 0u {
+            for (var c = 0u; c < 3u; c++) {
+                terms_dst[(params.off_a + i) * 3u + c] = loss_chunk[i * 4u + 1u + c];
+            }
+        }
         if non_finite(l) {
             atomicMin(&status[S_LOGITS], params.token0 + i);
         }

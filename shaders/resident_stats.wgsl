@@ -12,7 +12,8 @@ var<workgroup> red_bad: array<u32, 256>;
 
 // params: rows = ntok, off_a = first weight, flags bit 0 = weights given,
 // f0 = the caller's total (0: sum of weights), f1 = the caller's gscale
-// (0: 2^14 * total / max weight), f2 = 1 / temperature.
+// (0: 2^14 * total / max weight / f3), f2 = 1 / temperature, f3 = the
+// terms' gradient bound (headkl_core::LossTerms::grad_bound, ≥ 1).
 @compute @workgroup_size(256)
 fn weight_stats(@builtin(local_invocation_index) lid: u32) {
     let has_w = (params.flags & 1u) != 0u;
@@ -58,7 +59,7 @@ fn weight_stats(@builtin(local_invocation_index) lid: u32) {
     if params.f1 > 0.0 {
         gscale = params.f1;
     } else if max_w > 0.0 {
-        gscale = 16384.0 * (total / max_w);
+        gscale = 16384.0 * (total / max_w) / max(params.f3, 1.0);
     }
     var coef_mul = 0.0;
     var dx_mul = 0.0;

@@ -10,6 +10,10 @@
 @group(0) @binding(2) var<storage, read> probs_in: array<f32>;
 @group(0) @binding(3) var<storage, read> weights: array<f32>;
 @group(0) @binding(4) var<storage, read_write> status: array<atomic<u32>>;
+@group(0) @binding(5) var<storage, read> labels: array<u32>;
+
+// headkl_core::MASS_TOLERANCE.
+const MASS_TOLERANCE: f32 = 1e-3;
 
 const S_KIND: u32 = 8u;
 const S_D_ROW: u32 = 9u;
@@ -24,6 +28,9 @@ const KIND_PROB_NEGATIVE: u32 = 4u;
 const KIND_ROW_SUM: u32 = 5u;
 const KIND_WEIGHT_NON_FINITE: u32 = 6u;
 const KIND_WEIGHT_NEGATIVE: u32 = 7u;
+const KIND_LOGPROB: u32 = 8u;
+const KIND_MASS: u32 = 9u;
+const KIND_LABEL: u32 = 10u;
 
 fn record(kind: u32, row: u32, a: u32, b: u32, value: u32) {
     atomicStore(&status[S_D_ROW], row);
@@ -33,8 +40,10 @@ fn record(kind: u32, row: u32, a: u32, b: u32, value: u32) {
     atomicStore(&status[S_KIND], kind);
 }
 
-// params: rows = ntok, cols = k, off_a / off_b / off_c = the first id,
-// probability and weight of the call, flags bit 0 = weights given.
+// params: rows = ntok, cols = k, off_a / off_b / off_c / off_d = the first
+// id, probability, weight and label of the call, flags bit 0 = weights
+// given, bit 1 = log-probabilities, bits 2-3 = the tail mode, bit 4 =
+// labels given.
 @compute @workgroup_size(1)
 fn status_detail() {
     if atomicLoad(&status[S_KIND]) != 0u {
@@ -72,9 +81,19 @@ fn status_detail() {
             record(KIND_DUPLICATE, row, first, second, best);
             return;
         }
+        let logprobs = (params.flags & 2u) != 0u;
+        let tail = (params.flags >> 2u) & 3u;
         var sum = 0.0;
         for (var q = 0u; q < k; q++) {
             let p = probs_in[pb + q];
+            if logprobs {
+                if (bitcast<u32>(p) & 0x7fffffffu) > 0x7f800000u || p > 0.0 {
+                    record(KIND_LOGPROB, row, q, 0u, bitcast<u32>(p));
+                    return;
+                }
+                sum += exp(p);
+                continue;
+            }
             if non_finite(p) {
                 record(KIND_PROB_NON_FINITE, row, q, 0u, bitcast<u32>(p));
                 return;
@@ -84,6 +103,10 @@ fn status_detail() {
                 return;
             }
             sum += p;
+        }
+        if tail != 0u && sum > 1.0 + MASS_TOLERANCE && !non_finite(sum) {
+            record(KIND_MASS, row, 0u, tail, bitcast<u32>(sum));
+            return;
         }
         record(KIND_ROW_SUM, row, 0u, 0u, bitcast<u32>(sum));
         return;
@@ -96,5 +119,10 @@ fn status_detail() {
         } else {
             record(KIND_WEIGHT_NEGATIVE, wrow, 0u, 0u, bitcast<u32>(w));
         }
+        return;
+    }
+    let lrow = atomicLoad(&status[S_LABEL]);
+    if lrow != NONE && lrow < params.rows && (params.flags & 16u) != 0u {
+        record(KIND_LABEL, lrow, 0u, 0u, labels[params.off_d + lrow]);
     }
 }

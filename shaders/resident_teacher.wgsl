@@ -3,7 +3,13 @@
 // it clamped and renormalized into the engine's scratch with the row's
 // KL coefficient, and flags a bad row in the status buffer. A bad row gets
 // zero probabilities and coefficient, so whatever its bytes it reads and
-// writes nothing out of bounds. Prepended by resident_common.wgsl.
+// writes nothing out of bounds. The values are probabilities or (flags
+// bit 1) log-probabilities over the full vocabulary (each ≤ 0, -inf is 0),
+// renormalized over the k in the renormalize tail mode (flags bits 2-3 = 0)
+// and kept as given in the others, where a row whose mass is above 1 +
+// MASS_TOLERANCE is bad. The row's coefficient goes into the KL kernel's
+// per-row inputs, word 0 of [rows][2] (word 1, the label, is labels_in's).
+// Prepended by resident_common.wgsl.
 
 @group(0) @binding(1) var<storage, read> ids_in: array<u32>;
 @group(0) @binding(2) var<storage, read> probs_in: array<f32>;
@@ -11,7 +17,25 @@
 @group(0) @binding(4) var<storage, read_write> status: array<atomic<u32>>;
 @group(0) @binding(5) var<storage, read_write> ids_out: array<u32>;
 @group(0) @binding(6) var<storage, read_write> probs_out: array<f32>;
-@group(0) @binding(7) var<storage, read_write> coef: array<f32>;
+@group(0) @binding(7) var<storage, read_write> row_in: array<u32>;
+
+// headkl_core::MASS_TOLERANCE.
+const MASS_TOLERANCE: f32 = 1e-3;
+
+// Whether value v is bad for the teacher's form, and its probability.
+fn teacher_value(v: f32, logprobs: bool) -> vec2<f32> {
+    if logprobs {
+        // NaN (by its bits) or above 0 (+inf included).
+        if (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u || v > 0.0 {
+            return vec2<f32>(1.0, 0.0);
+        }
+        return vec2<f32>(0.0, exp(v));
+    }
+    if non_finite(v) || negative(v) {
+        return vec2<f32>(1.0, 0.0);
+    }
+    return vec2<f32>(0.0, v);
+}
 
 var<workgroup> row_ids: array<u32, 2048>;
 var<workgroup> red_sum: array<f32, 256>;
@@ -20,7 +44,8 @@ var<workgroup> red_range: array<u32, 256>;
 
 // params: rows, cols = k, vocab, token0 = the chunk's first token,
 // off_a / off_b = the chunk's first id / probability, off_c = the chunk's
-// first weight, flags bit 0 = weights given.
+// first weight, flags bit 0 = weights given, bit 1 = log-probabilities,
+// bits 2-3 = the tail mode (headkl_core::TailMode::code).
 @compute @workgroup_size(256)
 fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = wg.x + wg.y * params.grid_x;
@@ -28,6 +53,8 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         return;
     }
     let k = params.cols;
+    let logprobs = (params.flags & 2u) != 0u;
+    let renormalize = ((params.flags >> 2u) & 3u) == 0u;
     let base_a = params.off_a + row * k;
     let base_b = params.off_b + row * k;
     var s = 0.0;
@@ -39,11 +66,11 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         if id >= params.vocab {
             first_range = min(first_range, q);
         }
-        let p = probs_in[base_b + q];
-        if non_finite(p) || negative(p) {
+        let bp = teacher_value(probs_in[base_b + q], logprobs);
+        if bp.x != 0.0 {
             bad = 1u;
         } else {
-            s += p;
+            s += bp.y;
         }
     }
     workgroupBarrier();
@@ -68,18 +95,22 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         workgroupBarrier();
     }
     let sum = red_sum[0];
-    let row_bad = red_bad[0] != 0u || !(sum > 0.0) || non_finite(sum);
+    let mass_bad = !renormalize && sum > 1.0 + MASS_TOLERANCE;
+    let row_bad = red_bad[0] != 0u || !(sum > 0.0) || non_finite(sum) || mass_bad;
     let range_bad = red_range[0] != NONE;
     let any_bad = row_bad || range_bad;
     var inv = 0.0;
     if !any_bad {
         inv = 1.0 / sum;
+        if !renormalize {
+            inv = 1.0;
+        }
     }
     for (var q = lid; q < k; q += 256u) {
         ids_out[row * k + q] = min(row_ids[q], params.vocab - 1u);
         var p = 0.0;
         if !any_bad {
-            p = probs_in[base_b + q] * inv;
+            p = teacher_value(probs_in[base_b + q], logprobs).y * inv;
         }
         probs_out[row * k + q] = p;
     }
@@ -104,5 +135,5 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     if !any_bad {
         c = w * bitcast<f32>(atomicLoad(&status[S_COEF_MUL]));
     }
-    coef[row] = c;
+    row_in[row * 2u] = bitcast<u32>(c);
 }

@@ -123,13 +123,36 @@ fn sort_selected(count: u32, lid: u32) {
     bitonic_sort(n, lid);
 }
 
+// Bits of params.flags (headkl_core::params::row_flags).
+const F_SOFTCAP: u32 = 1u;
+const F_LOGPROBS: u32 = 64u;
+
+// A value as written: cap·tanh(x/cap) with the softcap on (from
+// e = exp(-2|x/cap|), which cannot overflow), else x.
+fn capped(x: f32) -> f32 {
+    if (params.flags & F_SOFTCAP) != 0u {
+        let e = exp(-2.0 * abs(x / params.cap));
+        return sign(x) * params.cap * ((1.0 - e) / (1.0 + e));
+    }
+    return x;
+}
+
 // Writes the first k sorted pairs of `row`: ids, and the softmax over the k
-// relative to the largest (the first).
+// relative to the largest (the first) — or, with F_LOGPROBS, the
+// log-probabilities over the row's full vocabulary (one more pass).
 fn write_row(row: u32, k: u32, lid: u32) {
-    let top = value_of(sel_key[0]);
+    let top = capped(value_of(sel_key[0]));
+    let full = (params.flags & F_LOGPROBS) != 0u;
     var part = 0.0;
-    for (var q = lid; q < k; q += WG) {
-        part += exp(value_of(sel_key[q]) - top);
+    if full {
+        let base = row * params.ld;
+        for (var j = lid; j < params.vocab; j += WG) {
+            part += exp(capped(logit(base, j)) - top);
+        }
+    } else {
+        for (var q = lid; q < k; q += WG) {
+            part += exp(capped(value_of(sel_key[q])) - top);
+        }
     }
     // Reuse `scan` as f32 bits for the reduction.
     scan[lid] = bitcast<u32>(part);
@@ -142,9 +165,15 @@ fn write_row(row: u32, k: u32, lid: u32) {
     }
     let total = bitcast<f32>(scan[0]);
     let out = row * k;
+    let log_total = log(total);
     for (var q = lid; q < k; q += WG) {
         ids[out + q] = sel_id[q];
-        probs[out + q] = exp(value_of(sel_key[q]) - top) / total;
+        let d = capped(value_of(sel_key[q])) - top;
+        if full {
+            probs[out + q] = d - log_total;
+        } else {
+            probs[out + q] = exp(d) / total;
+        }
     }
 }
 

@@ -398,7 +398,7 @@ fn topk_rows_is_exact_on_crafted_rows() {
         let probs = b.alloc((rows * k * 4) as u64, "probs").unwrap();
         b.upload(&probs, 0, bytemuck::cast_slice(&vec![f32::NAN; rows * k]))
             .unwrap();
-        b.topk_rows(&lbuf, &ids, &probs, &headkl_core::TopkDesc { rows, vocab, ld, k })
+        b.topk_rows(&lbuf, &ids, &probs, &headkl_core::TopkDesc::plain(rows, vocab, ld, k))
             .unwrap();
         let mut got_ids = vec![0u32; rows * k];
         b.download(&ids, 0, bytemuck::cast_slice_mut(&mut got_ids)).unwrap();

@@ -16,8 +16,8 @@ use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throug
 use half::f16;
 use headkl_core::settings::BENCH_SHAPE;
 use headkl_core::{
-    Backend, Engine, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, KlDesc, LossOptions, SliceOptions, Teacher,
-    TopkDesc,
+    Backend, Engine, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, KlDesc, LossOptions, LossTerms, SliceOptions,
+    TailMode, Teacher, TopkDesc,
 };
 use headkl_reference::conformance::{harness_env, harness_suite};
 
@@ -142,27 +142,41 @@ fn bench_backend<B: Backend>(c: &mut Criterion, b: &B, s: &Sizes) -> headkl_core
     let logits = upload(b, bytemuck::cast_slice(&values(rows * vocab, 4, 4.0)), "logits")?;
     let ids = upload(b, bytemuck::cast_slice(&teacher_ids(rows, vocab, kk)), "ids")?;
     let probs = upload(b, bytemuck::cast_slice(&vec![1.0 / kk as f32; rows * kk]), "probs")?;
-    let coef = upload(b, bytemuck::cast_slice(&vec![1.0f32; rows]), "coef")?;
-    let loss = b.alloc((rows * 4) as u64, "loss")?;
+    // Per-row inputs: coefficient 1 and label t % vocab.
+    let row_in: Vec<u32> = (0..rows)
+        .flat_map(|t| [1f32.to_bits(), (t * 7 % vocab) as u32])
+        .collect();
+    let coef = upload(b, bytemuck::cast_slice(&row_in), "row_in")?;
+    let loss = b.alloc((rows * 16) as u64, "loss")?;
     let grad = b.alloc((rows * vocab * 2) as u64, "grad")?;
     let out_ids = b.alloc((rows * kk * 4) as u64, "topk ids")?;
     let out_probs = b.alloc((rows * kk * 4) as u64, "topk probs")?;
-    let kl = KlDesc {
-        rows,
-        vocab,
-        ld: vocab,
-        k: kk,
+    let kl = KlDesc::plain(rows, vocab, vocab, kk);
+    // Every term on: the cost of the options against the plain kernel.
+    let kl_terms = KlDesc {
+        temperature: 2.0,
+        tail: TailMode::Bucket,
+        terms: LossTerms {
+            hard_weight: 0.5,
+            label_smoothing: 0.1,
+            z_loss: 1e-4,
+            softcap: Some(30.0),
+            ..LossTerms::default()
+        },
+        ..kl
     };
-    let topk = TopkDesc {
-        rows,
-        vocab,
-        ld: vocab,
-        k: kk,
-    };
+    let topk = TopkDesc::plain(rows, vocab, vocab, kk);
     g.throughput(Throughput::Elements((rows * vocab) as u64));
     g.bench_function(format!("kl_rows {rows}x{vocab} k{kk}"), |bch| {
         bch.iter(|| {
             b.kl_rows(&logits, &ids, &probs, &coef, &loss, &grad, &kl).unwrap();
+            b.finish().unwrap();
+        })
+    });
+    g.bench_function(format!("kl_rows+terms {rows}x{vocab} k{kk}"), |bch| {
+        bch.iter(|| {
+            b.kl_rows(&logits, &ids, &probs, &coef, &loss, &grad, &kl_terms)
+                .unwrap();
             b.finish().unwrap();
         })
     });

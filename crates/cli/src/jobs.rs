@@ -8,7 +8,7 @@ use std::time::Instant;
 use half::{bf16, f16};
 use headkl_core::{
     Backend, Engine, Error as CoreError, Field, HeadData, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput,
-    SliceOptions, Teacher, TopK, TopkOptions,
+    SliceOptions, TailMode, Teacher, TeacherForm, TopK, TopkOptions,
 };
 use safetensors::Dtype;
 
@@ -17,6 +17,7 @@ use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, Te
 use crate::progress::{pieces, Progress};
 use crate::provenance::{check_teacher, LossRecord, LossRun, TeacherRecord};
 use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
+use crate::terms::{LossTermArgs, TopkTermArgs};
 use crate::text::fmt_bytes;
 
 /// Where each input came from, so a core error can name its file and
@@ -27,6 +28,7 @@ struct Sources<'a> {
     ids: Option<&'a TensorRef<'a>>,
     probs: Option<&'a TensorRef<'a>>,
     weights: Option<&'a TensorRef<'a>>,
+    labels: Option<&'a TensorRef<'a>>,
     total_given: bool,
 }
 
@@ -44,9 +46,20 @@ impl Sources<'_> {
                 self.hidden.core_error(e)
             }
             E::IdOutOfRange { .. } | E::DuplicateId { .. } => teacher_ids.core_error(e),
-            E::NegativeProbability { .. } | E::NonFiniteProbability { .. } | E::ProbabilityRowSum { .. } => {
-                teacher_probs.core_error(e)
+            E::NegativeProbability { .. }
+            | E::NonFiniteProbability { .. }
+            | E::ProbabilityRowSum { .. }
+            | E::InvalidLogProbability { .. }
+            | E::TeacherMassAboveOne { .. } => teacher_probs.core_error(e),
+            E::LabelOutOfRange { .. } => match self.labels {
+                Some(l) => l.core_error(e),
+                None => CliError::from_core_in_option(e, "--labels"),
+            },
+            E::InvalidLossOption { field, .. } => {
+                let option = crate::terms::option_of(field);
+                CliError::from_core_in_option(e, option)
             }
+            E::HardWeightWithoutLabels { .. } => CliError::from_core_in_option(e, "--hard-weight"),
             E::KZero | E::KTooLarge { .. } => match self.ids {
                 Some(ids) => ids.core_error(e),
                 None => CliError::from_core_in_option(e, "-k"),
@@ -65,7 +78,11 @@ impl Sources<'_> {
             E::LengthMismatch { field, .. } => match *field {
                 Field::Head => self.head.core_error(e),
                 Field::Ids | Field::TeacherRows => teacher_ids.core_error(e),
-                Field::Probs => teacher_probs.core_error(e),
+                Field::Probs | Field::Logprobs => teacher_probs.core_error(e),
+                Field::Labels => match self.labels {
+                    Some(l) => l.core_error(e),
+                    None => CliError::from_core_in_option(e, "--labels"),
+                },
                 Field::Weights => match self.weights {
                     Some(w) => w.core_error(e),
                     None => CliError::from_core_in_option(e, "--weights"),
@@ -217,6 +234,7 @@ impl BackendJob for TopkJob<'_> {
         let mut out = TopK {
             ids: Vec::with_capacity(self.ntok * k),
             probs: Vec::with_capacity(self.ntok * k),
+            logprobs: Vec::new(),
             ntok: self.ntok,
             k,
         };
@@ -227,6 +245,7 @@ impl BackendJob for TopkJob<'_> {
                 .map_err(|e| self.sources.map(e, "top-k"))?;
             out.ids.extend_from_slice(&piece.ids);
             out.probs.extend_from_slice(&piece.probs);
+            out.logprobs.extend_from_slice(&piece.logprobs);
             progress.inc_by((b - a) as u64);
         }
         Ok(out)
@@ -246,6 +265,8 @@ struct LossJob<'a> {
     ids: &'a [i64],
     probs: &'a [f32],
     k: usize,
+    form: TeacherForm,
+    tail: TailMode,
     opts: LossOptions,
 }
 
@@ -268,22 +289,28 @@ impl BackendJob for LossJob<'_> {
             loss: Vec::with_capacity(self.ntok),
             mean: 0.0,
             dx: Vec::with_capacity(self.ntok * self.hs),
+            ..LossOutput::default()
         };
         let k = self.k;
         for (a, b) in pieces(self.ntok, MIN_PIECE_ROWS) {
             let hidden = hidden_rows(&self.hidden, self.hs, a, b).map_err(|e| self.sources.map(e, "hidden"))?;
-            let teacher = Teacher::from_i64(&self.ids[a * k..b * k], &self.probs[a * k..b * k], b - a, k, vocab)
+            let (ids, values) = (&self.ids[a * k..b * k], &self.probs[a * k..b * k]);
+            let teacher = Teacher::with_form(ids, values, b - a, k, vocab, self.form, self.tail)
                 .map_err(|e| self.sources.map(e, "teacher"))?;
             let opts = LossOptions {
                 weights: Some(resolved.weights[a..b].to_vec()),
                 total: Some(resolved.total),
                 gscale: Some(resolved.gscale),
+                labels: self.opts.labels.as_ref().map(|l| l[a..b].to_vec()),
                 ..self.opts.clone()
             };
             let piece = engine
                 .head_kl(&hidden, &teacher, &opts)
                 .map_err(|e| self.sources.map(e, "head_kl"))?;
             out.loss.extend_from_slice(&piece.loss);
+            out.lse.extend_from_slice(&piece.lse);
+            out.soft.extend_from_slice(&piece.soft);
+            out.hard.extend_from_slice(&piece.hard);
             out.dx.extend_from_slice(&piece.dx);
             out.mean += piece.mean;
             progress.inc_by((b - a) as u64);
@@ -308,6 +335,7 @@ pub fn topk(
     inputs: &InputArgs,
     k: usize,
     temperature: f32,
+    extra: &TopkTermArgs,
     budget: u64,
     out: &Path,
 ) -> Result<(), CliError> {
@@ -324,13 +352,15 @@ pub fn topk(
         ids: None,
         probs: None,
         weights: None,
+        labels: None,
         total_given: false,
     };
     let opts = TopkOptions {
-        k,
         temperature,
         budget_bytes: budget,
-        max_rows_per_chunk: None,
+        softcap: extra.softcap,
+        logprobs: extra.logprobs,
+        ..TopkOptions::new(k)
     };
     // Every option is checked before the head goes anywhere.
     opts.check(vocab).map_err(|e| sources.map(e, "top-k options"))?;
@@ -358,26 +388,32 @@ pub fn topk(
         hs,
         ntok,
         renormalized: true,
-        softcap: None,
+        softcap: extra.softcap,
         head: head_t.identity(),
     };
-    pending.commit_tensors_with(
-        &[
-            OutTensor {
-                name: "ids",
-                dtype: Dtype::I64,
-                shape: vec![ntok, k],
-                data: bytemuck::cast_slice(&ids),
-            },
-            OutTensor {
-                name: "probs",
-                dtype: Dtype::F32,
-                shape: vec![ntok, k],
-                data: bytemuck::cast_slice(&result.probs),
-            },
-        ],
-        Some(record.to_metadata()),
-    )?;
+    let mut tensors = vec![
+        OutTensor {
+            name: "ids",
+            dtype: Dtype::I64,
+            shape: vec![ntok, k],
+            data: bytemuck::cast_slice(&ids),
+        },
+        OutTensor {
+            name: "probs",
+            dtype: Dtype::F32,
+            shape: vec![ntok, k],
+            data: bytemuck::cast_slice(&result.probs),
+        },
+    ];
+    if extra.logprobs {
+        tensors.push(OutTensor {
+            name: "logprobs",
+            dtype: Dtype::F32,
+            shape: vec![ntok, k],
+            data: bytemuck::cast_slice(&result.logprobs),
+        });
+    }
+    pending.commit_tensors_with(&tensors, Some(record.to_metadata()))?;
     log::info!(
         "headkl: top-{k} of {ntok} tokens over V = {vocab} in {:.3} s; wrote {} ({})",
         start.elapsed().as_secs_f64(),
@@ -400,6 +436,8 @@ pub struct LossArgs {
     pub temperature: f32,
     /// Gradient scale.
     pub gscale: Option<f32>,
+    /// The loss terms and how the teacher file is read.
+    pub terms: LossTermArgs,
     /// Averaging weight.
     pub total: Option<f32>,
     /// Scratch budget in bytes.
@@ -416,20 +454,26 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
     if let Some(w) = &args.weights {
         all_inputs.push(w);
     }
+    if let Some(l) = &args.terms.labels {
+        all_inputs.push(l);
+    }
     check_output_not_input(&args.out, &all_inputs)?;
     let head_file = TensorFile::open(&inputs.head)?;
     let hidden_file = TensorFile::open(&inputs.hidden)?;
     let teacher_file = TensorFile::open(&args.teacher)?;
     let weights_file = args.weights.as_deref().map(TensorFile::open).transpose()?;
+    let labels_file = args.terms.labels.as_deref().map(TensorFile::open).transpose()?;
 
     let head_t = head_file.tensor(&inputs.head_tensor)?;
     let hidden_t = hidden_file.tensor(&inputs.hidden_tensor)?;
     let ids_t = teacher_file.tensor("ids")?;
-    let probs_t = teacher_file.tensor("probs")?;
+    // `probs`, or `logprobs` with --teacher-form logprobs.
+    let probs_t = teacher_file.tensor(args.terms.teacher_tensor())?;
     let weights_t = weights_file
         .as_ref()
         .map(|f| f.tensor(&args.weights_tensor))
         .transpose()?;
+    let labels_t = labels_file.as_ref().map(|f| f.tensor("labels")).transpose()?;
 
     let (head_elems, vocab, hs) = read_head(&head_t)?;
     let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
@@ -479,26 +523,48 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
         }
     };
 
+    let labels = match &labels_t {
+        None => None,
+        Some(l) => {
+            let len = l.vector("[ntok]")?;
+            if len != ntok {
+                return Err(l.error(format!("{len} labels, but there are ntok = {ntok} hidden rows")));
+            }
+            if !matches!(l.dtype(), Dtype::I64 | Dtype::I32) {
+                return Err(l.wrong_dtype("I64 or I32"));
+            }
+            Some(l.ids_i64()?.into_owned())
+        }
+    };
+
     let sources = Sources {
         head: &head_t,
         hidden: &hidden_t,
         ids: Some(&ids_t),
         probs: Some(&probs_t),
         weights: weights_t.as_ref(),
+        labels: labels_t.as_ref(),
         total_given: args.total.is_some(),
     };
+    let (form, tail) = (args.terms.teacher_form, args.terms.tail);
     // Checked whole before the head goes anywhere; the job builds it per piece.
-    let _validated_teacher = Teacher::from_i64(&ids, &probs, ntok, k, vocab).map_err(|e| sources.map(e, "teacher"))?;
+    let _validated_teacher =
+        Teacher::with_form(&ids, &probs, ntok, k, vocab, form, tail).map_err(|e| sources.map(e, "teacher"))?;
     let opts = LossOptions {
         temperature: args.temperature,
         weights,
         total: args.total,
         gscale: args.gscale,
         budget_bytes: args.budget,
-        max_rows_per_chunk: None,
+        terms: args.terms.terms(),
+        labels,
+        ..LossOptions::default()
     };
     // Every option is checked before the head goes anywhere.
     let resolved = opts.resolve(ntok).map_err(|e| sources.map(e, "loss options"))?;
+    resolved
+        .check_labels(vocab)
+        .map_err(|e| sources.map(e, "loss options"))?;
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
@@ -515,9 +581,12 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
             ids: &ids,
             probs: &probs,
             k,
+            form,
+            tail,
             opts,
         },
     )?;
+    let terms = args.terms.terms();
     let record = LossRecord {
         mean: result.mean,
         temperature: args.temperature,
@@ -527,28 +596,35 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
         vocab,
         hs,
         ntok,
-        softcap: None,
+        softcap: terms.softcap,
+        terms: &terms,
+        teacher_form: args.terms.teacher_form,
+        tail: args.terms.tail,
         head: &head_identity,
         teacher: &args.teacher,
         weights: args.weights.as_deref(),
+        labels: args.terms.labels.as_deref(),
     };
-    pending.commit_tensors_with(
-        &[
-            OutTensor {
-                name: "loss",
-                dtype: Dtype::F32,
-                shape: vec![ntok],
-                data: bytemuck::cast_slice(&result.loss),
-            },
-            OutTensor {
-                name: "grad",
-                dtype: Dtype::F32,
-                shape: vec![ntok, hs],
-                data: bytemuck::cast_slice(&result.dx),
-            },
-        ],
-        Some(record.to_metadata()),
-    )?;
+    fn per_token<'a>(name: &'static str, v: &'a [f32]) -> OutTensor<'a> {
+        OutTensor {
+            name,
+            dtype: Dtype::F32,
+            shape: vec![v.len()],
+            data: bytemuck::cast_slice(v),
+        }
+    }
+    let mut tensors = vec![per_token("loss", &result.loss), per_token("lse", &result.lse)];
+    if terms.hard_on() {
+        tensors.push(per_token("soft", &result.soft));
+        tensors.push(per_token("hard", &result.hard));
+    }
+    tensors.push(OutTensor {
+        name: "grad",
+        dtype: Dtype::F32,
+        shape: vec![ntok, hs],
+        data: bytemuck::cast_slice(&result.dx),
+    });
+    pending.commit_tensors_with(&tensors, Some(record.to_metadata()))?;
     log::info!(
         "headkl: loss over {ntok} tokens (V = {vocab}, hs = {hs}, k = {k}) in {:.3} s; wrote {}",
         start.elapsed().as_secs_f64(),

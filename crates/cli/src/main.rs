@@ -17,6 +17,7 @@ mod provenance;
 mod rng;
 mod select;
 mod signals;
+mod terms;
 mod text;
 mod tune;
 
@@ -234,11 +235,12 @@ Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) o
 Exact for every k ≤ 2048.\n\n\
 Inputs: --head holds tensor `weight` (or --head-tensor, e.g. `lm_head.weight` of a shard) [V][hs] in \
 F16, BF16 or F32; --hidden holds tensor `hidden` (or --hidden-tensor) [ntok][hs] in F32, F16 or BF16. \
-Output --out: `ids` I64 [ntok][k] and `probs` F32 [ntok][k], written to a temporary file and renamed \
-when complete (a failed run leaves an existing file untouched). Its metadata (headkl.*) records \
-how it was made: format version, temperature, k, V, hs, ntok, whether probs are renormalized over \
-the k, the softcap, and the head (file, tensor, fold64 hash of the tensor's bytes), which `loss` \
-checks.",
+Output --out: `ids` I64 [ntok][k] and `probs` F32 [ntok][k] (with --logprobs also `logprobs` F32 \
+[ntok][k], the log-probabilities at τ over the full vocabulary, as `loss --teacher-form logprobs` reads \
+them), written to a temporary file and renamed when complete (a failed run leaves an existing file \
+untouched). Its metadata (headkl.*) records how it was made: format version, temperature, k, V, hs, \
+ntok, whether probs are renormalized over the k, the softcap, whether log-probs are held, and the \
+head (file, tensor, fold64 hash of the tensor's bytes), which `loss` checks.",
         after_help = SHORT_HELP,
         after_long_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
     )]
@@ -253,6 +255,8 @@ checks.",
         /// Temperature τ of the probabilities (> 0)
         #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
         temperature: f32,
+        #[command(flatten)]
+        topk_terms: terms::TopkTermArgs,
         /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
         #[arg(long, value_parser = parse_bytes)]
         budget: Option<u64>,
@@ -268,11 +272,17 @@ the full vocabulary) against the teacher's top-k renormalized over its k, the we
 Inputs: --head and --hidden as for `topk`; --teacher holds `ids` (I64, I32 or U32) and `probs` (F32), \
 each [ntok][k]: ids distinct per row and < V, probs non-negative and finite (renormalized here); \
 --weights optionally holds `weights` (or --weights-tensor; F32) [ntok] (0 masks a token; default all 1). \
-Output --out: `loss` F32 [ntok] (per-token, unweighted) and `grad` F32 [ntok][hs] (dx), written \
-to a temporary file and renamed when complete; its metadata (headkl.*) holds the mean at full \
-precision and the options.\n\n\
-A teacher file made by `headkl topk` records its temperature, V and head (file, tensor, a hash of \
-the head's bytes): a mismatch with this run is refused (exit 2, both values named) unless \
+The loss terms (README \"Loss terms\"): --teacher-form logprobs reads tensor `logprobs` (each ≤ 0, \
+over the full vocabulary) instead of `probs`; --tail bucket adds one bin for the teacher's mass outside \
+its k, --tail none ignores it; --labels with --hard-weight adds the cross-entropy against the labels \
+(with --label-smoothing); --z-loss adds λ·lse²; --softcap caps the logits c·tanh(z/c) before τ. \
+Output --out: `loss` F32 [ntok] (per-token α_soft·soft + α_hard·hard + λ·lse², unweighted: the \
+weights enter the mean and dx only), `lse` F32 [ntok] (log-sum-exp of the capped logits at τ = 1), \
+with a hard term `soft` and `hard` F32 [ntok] (the unweighted parts), and `grad` F32 [ntok][hs] \
+(dx), written to a temporary file and renamed when complete; its metadata (headkl.*) holds the mean \
+at full precision and the options.\n\n\
+A teacher file made by `headkl topk` records its temperature, softcap, V and head (file, tensor, a \
+hash of the head's bytes): a mismatch with this run is refused (exit 2, both values named) unless \
 --allow-teacher-mismatch. A file without that metadata is used with a note.",
         after_help = SHORT_HELP,
         after_long_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
@@ -297,6 +307,8 @@ the head's bytes): a mismatch with this run is refused (exit 2, both values name
         /// Scale of the f16 gradient [default: 2^14 · total / max w]
         #[arg(long, allow_negative_numbers = true)]
         gscale: Option<f32>,
+        #[command(flatten)]
+        terms: terms::LossTermArgs,
         /// The weight the loss averages over [default: Σ w]
         #[arg(long, allow_negative_numbers = true)]
         total: Option<f32>,
@@ -375,6 +387,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             inputs,
             k,
             temperature,
+            topk_terms,
             budget,
             out,
         } => jobs::topk(
@@ -382,6 +395,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             &inputs,
             k,
             temperature,
+            &topk_terms,
             budget.unwrap_or(DEFAULT_BUDGET_BYTES),
             &out,
         ),
@@ -393,6 +407,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             weights_tensor,
             temperature,
             gscale,
+            terms,
             total,
             budget,
             out,
@@ -406,6 +421,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 weights_tensor,
                 temperature,
                 gscale,
+                terms,
                 total,
                 budget: budget.unwrap_or(DEFAULT_BUDGET_BYTES),
                 out,

@@ -15,6 +15,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use headkl_core::{LossTerms, TailMode, TeacherForm};
 
 use crate::error::CliError;
 
@@ -284,12 +285,20 @@ pub struct LossRecord<'a> {
     pub ntok: usize,
     /// The softcap (`None`: none).
     pub softcap: Option<f32>,
+    /// The loss terms (weights, smoothing, z-loss).
+    pub terms: &'a LossTerms,
+    /// How the teacher file held its values.
+    pub teacher_form: TeacherForm,
+    /// The teacher's tail mode.
+    pub tail: TailMode,
     /// The head.
     pub head: &'a HeadIdentity,
     /// The teacher file.
     pub teacher: &'a Path,
     /// The weights file, if any.
     pub weights: Option<&'a Path>,
+    /// The labels file, if any.
+    pub labels: Option<&'a Path>,
 }
 
 impl LossRecord<'_> {
@@ -311,12 +320,19 @@ impl LossRecord<'_> {
         m.insert("headkl.hs".into(), self.hs.to_string());
         m.insert("headkl.ntok".into(), self.ntok.to_string());
         m.insert("headkl.softcap".into(), fmt_softcap(self.softcap));
+        m.insert("headkl.soft_weight".into(), self.terms.soft_weight.to_string());
+        m.insert("headkl.hard_weight".into(), self.terms.hard_weight.to_string());
+        m.insert("headkl.label_smoothing".into(), self.terms.label_smoothing.to_string());
+        m.insert("headkl.z_loss".into(), self.terms.z_loss.to_string());
+        m.insert("headkl.teacher_form".into(), self.teacher_form.name().to_string());
+        m.insert("headkl.tail".into(), self.tail.name().to_string());
         m.insert("headkl.teacher.file".into(), self.teacher.display().to_string());
-        m.insert(
-            "headkl.weights.file".into(),
-            self.weights
-                .map_or_else(|| "none".to_string(), |w| w.display().to_string()),
-        );
+        for (key, file) in [("headkl.weights.file", self.weights), ("headkl.labels.file", self.labels)] {
+            m.insert(
+                key.into(),
+                file.map_or_else(|| "none".to_string(), |f| f.display().to_string()),
+            );
+        }
         self.head.write(&mut m);
         m
     }

@@ -738,6 +738,243 @@ fn loss_matches_direct_with_weights() {
     assert!(grad[HS..2 * HS].iter().all(|&g| g == 0.0));
 }
 
+/// The stored-teacher round trip of the README: `topk --logprobs` on the
+/// teacher's hidden rows, then `loss --teacher-form logprobs --tail bucket
+/// --labels … --hard-weight 0.5 --softcap 30 --z-loss 1e-4` for the student,
+/// each against the f64 reference.
+#[test]
+fn stored_teacher_round_trip_matches_direct() {
+    use headkl_core::{LossTerms, TailMode, TeacherForm};
+    let f = Fixture::new("round-trip");
+    let k = 16;
+    let teacher_rows = values(NTOK * HS, 3, 1.0);
+    write_st(
+        &f.path("teacher_hidden.safetensors"),
+        &[T("hidden", Dtype::F32, vec![NTOK, HS], f32s(&teacher_rows))],
+    );
+    let top = f.path("top.safetensors");
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("teacher_hidden.safetensors"),
+        "-k",
+        "16",
+        "--logprobs",
+        "--out",
+        top.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = fs::read(&top).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.tensor("logprobs").unwrap().shape(), &[NTOK, k]);
+    let ids: Vec<i64> = pod_vec(st.tensor("ids").unwrap().data());
+    let logprobs = tensor_f32(&st, "logprobs");
+    // The log-probabilities are over the full vocabulary: the k hold less than all the mass.
+    let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
+    let teacher_hidden = Hidden::f32(&teacher_rows, NTOK, HS).unwrap();
+    let z = headkl_reference::direct::logits_f64(&head, &teacher_hidden, 1.0);
+    for t in 0..NTOK {
+        let row = &z[t * VOCAB..(t + 1) * VOCAB];
+        let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        for q in 0..k {
+            let want = row[ids[t * k + q] as usize] - lse;
+            assert!(
+                (f64::from(logprobs[t * k + q]) - want).abs() < 1e-5,
+                "logprobs[{t}][{q}]"
+            );
+        }
+        let mass: f64 = logprobs[t * k..(t + 1) * k].iter().map(|&v| f64::from(v).exp()).sum();
+        assert!(mass < 0.99, "row {t}: the k hold {mass}, no tail to bucket");
+    }
+
+    let labels: Vec<i64> = vec![3, -100, 299, 0, 17];
+    write_st(
+        &f.path("labels.safetensors"),
+        &[T("labels", Dtype::I64, vec![NTOK], i64s(&labels))],
+    );
+    let o = f.loss(
+        "top.safetensors",
+        &[
+            "--teacher-form",
+            "logprobs",
+            "--tail",
+            "bucket",
+            "--labels",
+            f.s("labels.safetensors"),
+            "--hard-weight",
+            "0.5",
+            "--softcap",
+            "30",
+            "--z-loss",
+            "1e-4",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    let mean: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("mean loss: "))
+        .unwrap_or_else(|| panic!("no mean loss in stdout: {stdout}"))
+        .trim()
+        .parse()
+        .unwrap();
+    let bytes = fs::read(f.path("out.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for name in ["loss", "lse", "soft", "hard"] {
+        assert_eq!(st.tensor(name).unwrap().shape(), &[NTOK], "{name}");
+    }
+    let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
+    let teacher = Teacher::with_form(&ids, &logprobs, NTOK, k, VOCAB, TeacherForm::Logprobs, TailMode::Bucket).unwrap();
+    let opts = LossOptions {
+        terms: LossTerms {
+            hard_weight: 0.5,
+            softcap: Some(30.0),
+            z_loss: 1e-4,
+            ..LossTerms::default()
+        },
+        labels: Some(labels),
+        ..LossOptions::default()
+    };
+    let want = head_kl_f64(&head, &hidden, &teacher, &opts.resolve(NTOK).unwrap());
+    let tol = Tolerance::default();
+    tol.check_loss(&tensor_f32(&st, "loss"), mean, &want).unwrap();
+    tol.check_dx_rows(&tensor_f32(&st, "grad"), &want.dx, Some(HS)).unwrap();
+    for (name, want) in [("lse", &want.lse), ("soft", &want.soft), ("hard", &want.hard)] {
+        let got = tensor_f32(&st, name);
+        for (t, (&g, &w)) in got.iter().zip(want.iter()).enumerate() {
+            assert!(
+                (f64::from(g) - w).abs() <= 1e-4 * w.abs().max(1.0),
+                "{name}[{t}]: {g} vs {w}"
+            );
+        }
+    }
+    // The token without a label has no hard part.
+    assert_eq!(tensor_f32(&st, "hard")[1], 0.0);
+    // Without a hard term the file has no soft and hard parts, and lse all the same.
+    let o = f.loss("top.safetensors", &["--teacher-form", "logprobs", "--tail", "none"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = fs::read(f.path("out.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert!(st.tensor("soft").is_err() && st.tensor("hard").is_err());
+    assert_eq!(st.tensor("lse").unwrap().shape(), &[NTOK]);
+}
+
+/// Every bad loss-term input: a one-line typed error, exit 2, no output.
+#[test]
+fn bad_loss_term_inputs_exit_2_and_write_nothing() {
+    let f = Fixture::new("bad-terms");
+    let labels = |name: &str, v: &[i64]| {
+        write_st(&f.path(name), &[T("labels", Dtype::I64, vec![v.len()], i64s(v))]);
+        f.s(name)
+    };
+    let big = labels("big.safetensors", &[0, 1, 300, 2, 3]);
+    let short = labels("short.safetensors", &[0, 1, 2]);
+    let good = labels("good.safetensors", &[0, 1, 2, 3, -1]);
+    let lp_positive: Vec<f32> = (0..NTOK * K).map(|i| if i == 6 { 0.25 } else { -2.0 }).collect();
+    write_st(
+        &f.path("lp_bad.safetensors"),
+        &[
+            T("ids", Dtype::I64, vec![NTOK, K], i64s(&f.ids)),
+            T("logprobs", Dtype::F32, vec![NTOK, K], f32s(&lp_positive)),
+        ],
+    );
+    // Rows of the fixture's teacher hold more than 1 in all: fine renormalized, not as a share.
+    let out = f.path("out.safetensors");
+    let cases: Vec<(Vec<&str>, &str, Vec<&str>)> = vec![
+        (
+            vec!["--labels", big, "--hard-weight", "0.5"],
+            "teacher.safetensors",
+            vec!["labels", "300", "out of range"],
+        ),
+        (
+            vec!["--labels", short, "--hard-weight", "0.5"],
+            "teacher.safetensors",
+            vec!["labels", "3 labels"],
+        ),
+        (
+            vec!["--hard-weight", "0.5"],
+            "teacher.safetensors",
+            vec!["--hard-weight", "labels"],
+        ),
+        (
+            vec!["--labels", good, "--hard-weight", "-1"],
+            "teacher.safetensors",
+            vec!["--hard-weight", "-1"],
+        ),
+        (
+            vec!["--labels", good, "--hard-weight", "1", "--label-smoothing", "1"],
+            "teacher.safetensors",
+            vec!["--label-smoothing", "[0, 1)"],
+        ),
+        (
+            vec!["--softcap", "0"],
+            "teacher.safetensors",
+            vec!["--softcap", "positive"],
+        ),
+        (vec!["--softcap", "inf"], "teacher.safetensors", vec!["--softcap"]),
+        (vec!["--z-loss", "NaN"], "teacher.safetensors", vec!["--z-loss"]),
+        (
+            vec!["--soft-weight", "-0.5"],
+            "teacher.safetensors",
+            vec!["--soft-weight"],
+        ),
+        (
+            vec!["--teacher-form", "logprobs"],
+            "lp_bad.safetensors",
+            vec!["logprobs", "0.25", "≤ 0"],
+        ),
+        (
+            vec!["--teacher-form", "logprobs"],
+            "teacher.safetensors",
+            vec!["logprobs"],
+        ),
+        (
+            vec!["--tail", "bucket"],
+            "teacher.safetensors",
+            vec!["probs", "above 1", "bucket"],
+        ),
+        (
+            vec!["--tail", "none"],
+            "teacher.safetensors",
+            vec!["probs", "above 1", "none"],
+        ),
+    ];
+    for (extra, teacher, needles) in cases {
+        let _ = fs::remove_file(&out);
+        let o = f.loss(teacher, &extra);
+        assert_input_error(&o, &needles);
+        assert!(!out.exists(), "{extra:?}: an output was written");
+    }
+    // A bad --tail or --teacher-form value is a usage error: exit 2 too.
+    let o = f.loss("teacher.safetensors", &["--tail", "ghost"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(!out.exists());
+    // topk's softcap is checked the same way.
+    let top = f.path("top.safetensors");
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "3",
+        "--softcap",
+        "-2",
+        "--out",
+        top.to_str().unwrap(),
+    ]);
+    assert_input_error(&o, &["--softcap", "-2"]);
+    assert!(!top.exists());
+}
+
 /// BF16 hidden rows (what models emit) are read by `loss`, and give the
 /// reference's result on the same values.
 #[test]

@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
+use crate::terms::{LossTerms, TailMode};
 
 /// A device buffer as every backend's checks see it.
 pub trait DeviceBuffer {
@@ -173,17 +174,22 @@ pub struct SumPartsDesc {
 
 /// The KL row kernel: one row per token.
 ///
-/// Reads the logits `[rows][ld]` (f32, already divided by τ; columns
-/// `[vocab, ld)` are padding and must be ignored), the teacher's ids and
-/// probabilities `[rows][k]` (u32 and f32, renormalized, ids distinct and
-/// `< vocab`), and per-row coefficients `[rows]` (f32, `c_t = gscale·w_t/total`).
-/// Writes
-/// - `loss[t] = Σ_q p_q·(log p_q − log p_S,id_q)` (unweighted; `0·log 0 = 0`),
-///   or NaN when the row's max or softmax sum is not finite (the driver turns
-///   that into an error naming the token);
-/// - `grad[t][j] = c_t·(p_S,j − p_T,j)` as f16 for `j < vocab`, and zero for
-///   `j` in `[vocab, ld)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Reads the logits `[rows][ld]` (f32, `s = z/τ`: already divided by τ;
+/// columns `[vocab, ld)` are padding and must be ignored), the teacher's ids
+/// and probabilities `[rows][k]` (u32 and f32, ids distinct and `< vocab`;
+/// renormalized in [`TailMode::Renormalize`], a share of the full
+/// vocabulary otherwise), and per-row inputs `[rows][2]` of u32 words: the
+/// coefficient `c_t = gscale·w_t/total` (f32 bits) and the label
+/// ([`crate::NO_LABEL`]: none; else `< vocab`). With a softcap `c` the
+/// kernel caps `s` at `c/τ` (`(c/τ)·tanh(sτ/c) = c·tanh(z/c)/τ`), so the
+/// GEMM's scaling stays as it is. Writes
+/// - `loss[t] = [L_t, lse(z̃), L_soft, L_hard]` (f32 `[rows][4]`,
+///   unweighted; `L_t = α_soft·L_soft + α_hard·L_hard + λ·lse²`, the README's
+///   "Loss terms"), or a NaN `L_t` when the row's raw logits are not finite
+///   (the driver turns that into an error naming the token);
+/// - `grad[t][j] = c_t·∂L_t/∂s_j` as f16 for `j < vocab` (with the default
+///   terms `c_t·(p_S,j − p_T,j)`), and zero for `j` in `[vocab, ld)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KlDesc {
     /// Rows (tokens) to process.
     pub rows: usize,
@@ -193,6 +199,28 @@ pub struct KlDesc {
     pub ld: usize,
     /// Teacher entries per row.
     pub k: usize,
+    /// The τ the logits were divided by.
+    pub temperature: f32,
+    /// How the teacher's probabilities are read.
+    pub tail: TailMode,
+    /// The terms' weights and knobs.
+    pub terms: LossTerms,
+}
+
+impl KlDesc {
+    /// The seed's loss (τ = 1, the teacher renormalized, the soft term
+    /// alone) on a `rows × vocab` block.
+    pub fn plain(rows: usize, vocab: usize, ld: usize, k: usize) -> Self {
+        Self {
+            rows,
+            vocab,
+            ld,
+            k,
+            temperature: 1.0,
+            tail: TailMode::Renormalize,
+            terms: LossTerms::default(),
+        }
+    }
 }
 
 /// The exact top-k row kernel: one row per token.
@@ -200,10 +228,14 @@ pub struct KlDesc {
 /// Reads logits `[rows][ld]` (f32, already divided by τ; columns past
 /// `vocab` ignored). Writes `ids[t][q]` (u32), the k largest logits' column
 /// indices in descending order of logit (ties: lowest id first), and
-/// `probs[t][q]` (f32), the softmax restricted to those k. Exact for every
-/// input and every `k ≤ min(vocab, 2048)`. A row whose max or sum is not
-/// finite gets `probs[t][0] = NaN`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `probs[t][q]` (f32), the softmax restricted to those k — or, with
+/// `logprobs`, their log-probabilities over the full vocabulary. With a
+/// `cap` the values are `cap·tanh(s/cap)` (the selection stays on the raw
+/// logits: the cap is monotonic, so only ties it creates by saturating
+/// could order differently). Exact for every input and every
+/// `k ≤ min(vocab, 2048)`. A row whose max or sum is not finite gets
+/// `probs[t][0] = NaN`.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TopkDesc {
     /// Rows (tokens) to process.
     pub rows: usize,
@@ -213,6 +245,24 @@ pub struct TopkDesc {
     pub ld: usize,
     /// Entries to select per row.
     pub k: usize,
+    /// The softcap on the scaled logits, `c/τ` (`None`: no cap).
+    pub cap: Option<f32>,
+    /// Write log-probabilities over the full vocabulary.
+    pub logprobs: bool,
+}
+
+impl TopkDesc {
+    /// The seed's top-k: no cap, probabilities over the k.
+    pub fn plain(rows: usize, vocab: usize, ld: usize, k: usize) -> Self {
+        Self {
+            rows,
+            vocab,
+            ld,
+            k,
+            cap: None,
+            logprobs: false,
+        }
+    }
 }
 
 /// f32 → f16 conversion of hidden rows into the padded GEMM operand.

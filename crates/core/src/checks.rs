@@ -10,7 +10,7 @@
 use crate::backend::{ConvertDesc, DeviceBuffer, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::{Error, Result};
 use crate::kernels::{bad_descriptor, require, KernelId};
-use crate::params::{ConvertParams, GemmParams, RowParams, SumPartsParams};
+use crate::params::{row_flags, ConvertParams, GemmParams, RowParams, SumPartsParams};
 use crate::problem::MAX_K;
 use crate::split::k_part_len;
 use crate::ALIGN;
@@ -240,26 +240,53 @@ fn row_params<B: DeviceBuffer>(
         vocab: index(kernel, "vocab", vocab)?,
         ld: index(kernel, "ld", ld)?,
         k: index(kernel, "k", k)?,
-        grid_x: 0,
-        _pad: [0; 3],
+        ..RowParams::default()
     })
 }
 
 impl KlDesc {
-    /// Checks the KL rows against `[logits, ids, probs, coef, loss, grad]`
+    /// Checks the KL rows against `[logits, ids, probs, row_in, loss, grad]`
     /// and returns their block.
     pub fn check<B: DeviceBuffer>(
         &self,
-        [logits, ids, probs, coef, loss, grad]: [&B; 6],
+        [logits, ids, probs, row_in, loss, grad]: [&B; 6],
         max_binding: u64,
     ) -> Result<RowParams> {
         const K: KernelId = KernelId::KlRows;
         let shape = (self.rows, self.vocab, self.ld, self.k);
         let params = row_params(K, shape, self.vocab.min(MAX_K), logits, ids, probs, max_binding)?;
-        fits(K, "coef", self.rows as u128, 4, coef, max_binding)?;
-        fits(K, "loss", self.rows as u128, 4, loss, max_binding)?;
+        fits(K, "row_in", self.rows as u128 * 2, 4, row_in, max_binding)?;
+        fits(K, "loss", self.rows as u128 * 4, 4, loss, max_binding)?;
         fits(K, "grad", span(0, self.rows, self.ld, self.ld), 2, grad, max_binding)?;
-        Ok(params)
+        let tau = self.temperature;
+        if !(tau > 0.0 && tau.is_finite()) {
+            return Err(Error::InvalidTemperature { value: tau });
+        }
+        self.terms.check()?;
+        let t = &self.terms;
+        let mut flags = self.tail.code() << row_flags::TAIL_SHIFT;
+        if t.softcap.is_some() {
+            flags |= row_flags::SOFTCAP;
+        }
+        if t.hard_on() {
+            flags |= row_flags::HARD;
+        }
+        if t.z_loss > 0.0 {
+            flags |= row_flags::Z_LOSS;
+        }
+        if tau != 1.0 {
+            flags |= row_flags::TAU;
+        }
+        Ok(RowParams {
+            flags,
+            temperature: tau,
+            cap: t.softcap.map_or(0.0, |c| c / tau),
+            soft_weight: t.soft_weight,
+            hard_weight: t.hard_weight,
+            smoothing: t.label_smoothing,
+            z_loss: t.z_loss,
+            ..params
+        })
     }
 }
 
@@ -268,7 +295,7 @@ impl TopkDesc {
     /// their block.
     pub fn check<B: DeviceBuffer>(&self, [logits, ids, probs]: [&B; 3], max_binding: u64) -> Result<RowParams> {
         let shape = (self.rows, self.vocab, self.ld, self.k);
-        row_params(
+        let params = row_params(
             KernelId::TopkRows,
             shape,
             self.vocab.min(MAX_K),
@@ -276,7 +303,26 @@ impl TopkDesc {
             ids,
             probs,
             max_binding,
-        )
+        )?;
+        let mut flags = 0;
+        if let Some(c) = self.cap {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(Error::InvalidLossOption {
+                    field: "softcap",
+                    value: c,
+                    reason: "must be positive and finite",
+                });
+            }
+            flags |= row_flags::SOFTCAP;
+        }
+        if self.logprobs {
+            flags |= row_flags::LOGPROBS;
+        }
+        Ok(RowParams {
+            flags,
+            cap: self.cap.unwrap_or(0.0),
+            ..params
+        })
     }
 }
 
@@ -426,12 +472,7 @@ mod tests {
         };
         let big = Len(u64::MAX);
         assert_eq!(field_of(d.check([&big, &big, &big], u64::MAX).unwrap_err()).1, "C");
-        let k = TopkDesc {
-            rows: 1,
-            vocab: huge,
-            ld: huge,
-            k: 1,
-        };
+        let k = TopkDesc::plain(1, huge, huge, 1);
         assert_eq!(field_of(k.check([&big, &big, &big], u64::MAX).unwrap_err()).1, "logits");
         let c = ConvertDesc {
             rows: 1,
@@ -444,15 +485,37 @@ mod tests {
 
     #[test]
     fn row_and_convert_checks() {
-        let kl = KlDesc {
-            rows: 4,
-            vocab: 10,
-            ld: 16,
-            k: 3,
-        };
-        let (logits, ids, coef, grad) = (Len(4 * 16 * 4), Len(4 * 3 * 4), Len(16), Len(4 * 16 * 2));
+        let kl = KlDesc::plain(4, 10, 16, 3);
+        let (logits, ids, coef, grad) = (Len(4 * 16 * 4), Len(4 * 3 * 4), Len(4 * 4 * 4), Len(4 * 16 * 2));
         let p = kl.check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX).unwrap();
-        assert_eq!((p.rows, p.vocab, p.ld, p.k), (4, 10, 16, 3));
+        assert_eq!((p.rows, p.vocab, p.ld, p.k, p.flags), (4, 10, 16, 3, 0));
+        // Every term on sets its bit; the cap is given on the scaled logits.
+        let all = KlDesc {
+            temperature: 2.0,
+            tail: crate::TailMode::Unnormalized,
+            terms: crate::LossTerms {
+                hard_weight: 0.5,
+                z_loss: 1e-4,
+                softcap: Some(30.0),
+                ..crate::LossTerms::default()
+            },
+            ..kl
+        };
+        let p = all.check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX).unwrap();
+        let expected =
+            row_flags::SOFTCAP | (2 << row_flags::TAIL_SHIFT) | row_flags::HARD | row_flags::Z_LOSS | row_flags::TAU;
+        assert_eq!((p.flags, p.cap, p.hard_weight), (expected, 15.0, 0.5));
+        let bad_cap = KlDesc {
+            terms: crate::LossTerms {
+                softcap: Some(-1.0),
+                ..crate::LossTerms::default()
+            },
+            ..kl
+        };
+        assert!(matches!(
+            bad_cap.check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX),
+            Err(Error::InvalidLossOption { field: "softcap", .. })
+        ));
         let bad_k = KlDesc { k: 11, ..kl };
         assert_eq!(
             field_of(
@@ -462,7 +525,7 @@ mod tests {
             ),
             ("kl_rows", "k", 11)
         );
-        let short = Len(8);
+        let short = Len(4 * 4 * 4 - 4);
         assert_eq!(
             field_of(
                 kl.check([&logits, &ids, &ids, &coef, &short, &grad], u64::MAX)

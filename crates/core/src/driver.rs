@@ -12,6 +12,7 @@ use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, Top
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::slicing::{slice_vocab, VocabSlice};
 use crate::split::DxSplit;
+use crate::terms::NO_LABEL;
 use crate::{round_up, ALIGN};
 
 /// Bytes of host data uploaded per transfer while packing the head, so a
@@ -31,8 +32,17 @@ pub struct SliceOptions {
 /// [`Engine::head_kl_into`] call after call reuses its memory.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LossOutput {
-    /// Per-token KL `L_t` (unweighted) `[ntok]`.
+    /// Per-token loss `L_t = α_soft·L_soft + α_hard·L_hard + λ·lse²`
+    /// (unweighted: `w_t` enters `mean` and `dx` only) `[ntok]`.
     pub loss: Vec<f32>,
+    /// Per-token `lse(z̃)`, the log-sum-exp of the (capped) logits at τ = 1
+    /// `[ntok]`.
+    pub lse: Vec<f32>,
+    /// Per-token soft term `L_soft` (unweighted, before `α_soft`) `[ntok]`.
+    pub soft: Vec<f32>,
+    /// Per-token hard term `L_hard` (before `α_hard`; 0 for a token
+    /// without a label or with the hard term off) `[ntok]`.
+    pub hard: Vec<f32>,
     /// `Σ w_t L_t / total`.
     pub mean: f64,
     /// `∂L/∂x` `[ntok][hs]`.
@@ -47,6 +57,9 @@ pub struct TopK {
     pub ids: Vec<u32>,
     /// Probabilities `[ntok][k]`.
     pub probs: Vec<f32>,
+    /// With [`TopkOptions::logprobs`]: the log-probabilities over the full
+    /// vocabulary at τ `[ntok][k]`; else empty.
+    pub logprobs: Vec<f32>,
     /// Tokens.
     pub ntok: usize,
     /// Entries per row.
@@ -441,6 +454,7 @@ impl<B: Backend> Engine<B> {
         }
         teacher.check_vocab(self.vocab)?;
         let resolved = opts.resolve(ntok)?;
+        resolved.check_labels(self.vocab)?;
         let k = teacher.k();
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
@@ -474,8 +488,25 @@ impl<B: Backend> Engine<B> {
 
         let mut trace = Trace::new("head_kl", self.trace);
         let hs = self.hs;
-        let LossOutput { loss, mean, dx } = out;
-        loss.resize(ntok, 0.0);
+        let LossOutput {
+            loss,
+            lse,
+            soft,
+            hard,
+            mean,
+            dx,
+        } = out;
+        for v in [&mut *loss, &mut *lse, &mut *soft, &mut *hard] {
+            v.resize(ntok, 0.0);
+        }
+        let mut row_out = Vec::new();
+        // The kernel's per-row inputs: coefficient bits and label.
+        let row_in: Vec<u32> = resolved
+            .coef
+            .iter()
+            .zip(&resolved.labels)
+            .flat_map(|(c, &l)| [c.to_bits(), if resolved.terms.hard_on() { l } else { NO_LABEL }])
+            .collect();
         dx.resize(ntok * hs, 0.0);
         let mut dx_padded = Vec::new();
         trace.mark("output alloc");
@@ -490,7 +521,7 @@ impl<B: Backend> Engine<B> {
             let rows_padded = round_up(rows, ALIGN);
             self.load_hidden(input, &s.x16, start, rows)?;
             trace.mark("hidden upload");
-            let (coef, loss_buf, grad, dx_buf) = (&ls.coef, &ls.loss, &ls.grad, &ls.dx);
+            let (row_in_buf, loss_buf, grad, dx_buf) = (&ls.row_in, &ls.loss, &ls.grad, &ls.dx);
             b.upload(
                 &s.ids,
                 0,
@@ -501,31 +532,40 @@ impl<B: Backend> Engine<B> {
                 0,
                 bytemuck::cast_slice(&teacher.probs()[start * k..(start + rows) * k]),
             )?;
-            b.upload(coef, 0, bytemuck::cast_slice(&resolved.coef[start..start + rows]))?;
+            b.upload(
+                row_in_buf,
+                0,
+                bytemuck::cast_slice(&row_in[start * 2..(start + rows) * 2]),
+            )?;
             self.logits(&s.x16, &s.logits, rows_padded, resolved.temperature)?;
             let kl = KlDesc {
                 rows,
                 vocab: self.vocab,
                 ld: self.vocab_padded,
                 k,
+                temperature: resolved.temperature,
+                tail: teacher.tail(),
+                terms: resolved.terms,
             };
-            b.kl_rows(&s.logits, &s.ids, &s.probs, coef, loss_buf, grad, &kl)?;
+            b.kl_rows(&s.logits, &s.ids, &s.probs, row_in_buf, loss_buf, grad, &kl)?;
             self.dx(grad, dx_buf, &s.logits, rows_padded, dx_scale as f32)?;
             let f32_bytes = std::mem::size_of::<f32>();
             let pending = begin_pair(
                 b,
                 [
-                    (loss_buf, rows * f32_bytes),
+                    (loss_buf, rows * 4 * f32_bytes),
                     (dx_buf, rows * self.hs_padded * f32_bytes),
                 ],
             )?;
             trace.mark("teacher upload + record");
             if let Some(done) = pipe.push(start, rows, pending) {
-                self.read_loss_chunk(b, done, loss, dx, &mut dx_padded, &mut trace)?;
+                let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
+                self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
             }
         }
         if let Some(done) = pipe.pop() {
-            self.read_loss_chunk(b, done, loss, dx, &mut dx_padded, &mut trace)?;
+            let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
+            self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
         }
         trace.report();
         let weighted: f64 = loss
@@ -537,22 +577,29 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Waits for one `head_kl` chunk's loss and dx copies and puts them in
-    /// the output, failing on the chunk's first non-finite row.
+    /// Waits for one `head_kl` chunk's per-row outputs (loss, lse, soft,
+    /// hard: `row_out` holds them interleaved) and dx, and puts them in the
+    /// output, failing on the chunk's first non-finite row.
+    #[allow(clippy::too_many_arguments, reason = "the outputs and their staging")]
     fn read_loss_chunk(
         &self,
         b: &B,
         chunk: Chunk,
-        loss: &mut [f32],
+        [loss, lse, soft, hard]: [&mut [f32]; 4],
+        row_out: &mut Vec<f32>,
         dx: &mut [f32],
         dx_padded: &mut Vec<f32>,
         trace: &mut Trace,
     ) -> Result<()> {
         let (hs, Chunk { start, rows, pending }) = (self.hs, chunk);
         let [loss_p, dx_p] = pending;
-        if let Err(e) = b.download_end(loss_p, bytemuck::cast_slice_mut(&mut loss[start..start + rows])) {
+        row_out.resize(rows * 4, 0.0);
+        if let Err(e) = b.download_end(loss_p, bytemuck::cast_slice_mut(row_out.as_mut_slice())) {
             discard(b, dx_p);
             return Err(e);
+        }
+        for (t, r) in row_out.chunks_exact(4).enumerate() {
+            (loss[start + t], lse[start + t], soft[start + t], hard[start + t]) = (r[0], r[1], r[2], r[3]);
         }
         trace.mark("wait for kernels");
         if let Some(t) = loss[start..start + rows].iter().position(|l| !l.is_finite()) {
@@ -627,6 +674,7 @@ impl<B: Backend> Engine<B> {
     ) -> Result<TopK> {
         let k = opts.k;
         let mut ids = vec![0u32; ntok * k];
+        // The kernel's values: probabilities over the k, or log-probabilities.
         let mut probs = vec![0f32; ntok * k];
         let b = &self.backend;
         // Two chunks in flight, as in `loss_chunks`.
@@ -649,10 +697,9 @@ impl<B: Backend> Engine<B> {
             self.load_hidden(input, &s.x16, start, rows)?;
             self.logits(&s.x16, &s.logits, round_up(rows, ALIGN), opts.temperature)?;
             let desc = TopkDesc {
-                rows,
-                vocab: self.vocab,
-                ld: self.vocab_padded,
-                k,
+                cap: opts.softcap.map(|c| c / opts.temperature),
+                logprobs: opts.logprobs,
+                ..TopkDesc::plain(rows, self.vocab, self.vocab_padded, k)
             };
             b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let bytes = rows * k * std::mem::size_of::<u32>();
@@ -664,7 +711,31 @@ impl<B: Backend> Engine<B> {
         if let Some(done) = pipe.pop() {
             read(done, &mut ids, &mut probs)?;
         }
-        Ok(TopK { ids, probs, ntok, k })
+        if !opts.logprobs {
+            return Ok(TopK {
+                ids,
+                probs,
+                logprobs: Vec::new(),
+                ntok,
+                k,
+            });
+        }
+        // The softmax over the k from the log-probabilities, in f64.
+        let mut over_k = vec![0f32; ntok * k];
+        for (lp, p) in probs.chunks_exact(k).zip(over_k.chunks_exact_mut(k)) {
+            let m = lp.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+            let z: f64 = lp.iter().map(|&v| (f64::from(v) - m).exp()).sum();
+            for (o, &v) in p.iter_mut().zip(lp) {
+                *o = ((f64::from(v) - m).exp() / z) as f32;
+            }
+        }
+        Ok(TopK {
+            ids,
+            probs: over_k,
+            logprobs: probs,
+            ntok,
+            k,
+        })
     }
 }
 

@@ -137,6 +137,56 @@ pub enum Error {
         /// The value.
         value: f32,
     },
+    /// A loss option outside its range (a weight, ε, λ or the softcap).
+    #[error("{field} = {value}: {reason}")]
+    InvalidLossOption {
+        /// The option (`hard_weight`, `soft_weight`, `label_smoothing`,
+        /// `z_loss`, `softcap`).
+        field: &'static str,
+        /// Its value.
+        value: f32,
+        /// The range it must lie in.
+        reason: &'static str,
+    },
+    /// A hard-label weight above 0 with no labels to score.
+    #[error("hard_weight = {value} but no labels were given: the hard term needs labels")]
+    HardWeightWithoutLabels {
+        /// The weight.
+        value: f32,
+    },
+    /// A label that is not below the vocabulary size.
+    #[error("labels[{row}] = {label} is out of range (V = {vocab})")]
+    LabelOutOfRange {
+        /// Token row.
+        row: usize,
+        /// The label.
+        label: i64,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A teacher log-probability above 0 or NaN.
+    #[error("logprobs[{row}][{col}] = {value}: a log-probability must be ≤ 0 and not NaN")]
+    InvalidLogProbability {
+        /// Token row.
+        row: usize,
+        /// Entry within the row.
+        col: usize,
+        /// The value.
+        value: f32,
+    },
+    /// A teacher row whose mass is above 1 (beyond rounding) where the
+    /// tail mode reads it as a share of the full vocabulary.
+    #[error("probs[{row}] sums to {sum}: above 1 (tolerance {tolerance}), but tail mode {tail} reads the k entries as a share of the full vocabulary")]
+    TeacherMassAboveOne {
+        /// Token row.
+        row: usize,
+        /// The row's mass.
+        sum: f64,
+        /// The rounding allowed.
+        tolerance: f64,
+        /// The tail mode's name.
+        tail: &'static str,
+    },
     /// The memory budget is zero.
     #[error("budget = 0 bytes: the memory budget must be positive")]
     BudgetZero,
@@ -278,6 +328,10 @@ pub enum Field {
     Ids,
     /// The teacher's probabilities `[ntok][k]`.
     Probs,
+    /// The teacher's log-probabilities `[ntok][k]`.
+    Logprobs,
+    /// The hard-label term's labels `[ntok]`.
+    Labels,
     /// The per-token weights `[ntok]`.
     Weights,
     /// The teacher's rows against the hidden rows' `ntok`.
@@ -294,6 +348,8 @@ impl Field {
             Field::Hidden => "hidden",
             Field::Ids => "ids",
             Field::Probs => "probs",
+            Field::Logprobs => "logprobs",
+            Field::Labels => "labels",
             Field::Weights => "weights",
             Field::TeacherRows => "teacher rows",
             Field::DownloadOutput => "download_end output",
@@ -345,6 +401,11 @@ impl Error {
             | E::TotalNotPositive { .. }
             | E::InvalidTemperature { .. }
             | E::InvalidGradScale { .. }
+            | E::InvalidLossOption { .. }
+            | E::HardWeightWithoutLabels { .. }
+            | E::LabelOutOfRange { .. }
+            | E::InvalidLogProbability { .. }
+            | E::TeacherMassAboveOne { .. }
             | E::BudgetZero
             | E::BudgetTooSmall { .. }
             | E::NonFiniteHead { .. }
@@ -353,9 +414,14 @@ impl Error {
             | E::DeviceBuffer { .. } => ErrorKind::Input,
             E::LengthMismatch { field, .. } => match field {
                 Field::DownloadOutput => ErrorKind::Internal,
-                Field::Head | Field::Hidden | Field::Ids | Field::Probs | Field::Weights | Field::TeacherRows => {
-                    ErrorKind::Input
-                }
+                Field::Head
+                | Field::Hidden
+                | Field::Ids
+                | Field::Probs
+                | Field::Logprobs
+                | Field::Labels
+                | Field::Weights
+                | Field::TeacherRows => ErrorKind::Input,
             },
             E::InvalidSetting { .. } => ErrorKind::Setting,
             E::OutOfMemory { .. }

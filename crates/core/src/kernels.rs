@@ -299,8 +299,9 @@ impl KernelId {
             // naga's layout by the shader tests).
             (KernelId::ConvertF16, _) => fixed(CONVERT_WGSL, 0),
             (KernelId::SumParts, _) => fixed(SUM_PARTS_WGSL, 0),
-            // red_max, red_sum, red_bad [256] and two scalars.
-            (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 3 * 4 * ROW_WORKGROUP + 8),
+            // red_max, red_sum, red_bad, red_max1, red_sum1, red_aux [256],
+            // three scalars and two vec4s.
+            (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16),
             // hist [2048], scan [256], sel_key and sel_id [2048], 9 scalars.
             (KernelId::TopkRows, _) => fixed(TOPK_ROWS_WGSL, 4 * (2048 + ROW_WORKGROUP + 2 * 2048 + 9)),
             // as_ and bs_: [16][64] f32 each.
@@ -455,6 +456,29 @@ pub(crate) fn require(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kl_rows_declares_the_flag_bits_of_params() {
+        use crate::params::row_flags;
+        use crate::TailMode;
+        let text = KL_ROWS_WGSL.text;
+        for (name, value) in [
+            ("F_SOFTCAP", row_flags::SOFTCAP),
+            ("F_TAIL_SHIFT", row_flags::TAIL_SHIFT),
+            ("F_HARD", row_flags::HARD),
+            ("F_Z_LOSS", row_flags::Z_LOSS),
+            ("F_TAU", row_flags::TAU),
+            ("TAIL_BUCKET", TailMode::Bucket.code()),
+            ("TAIL_NONE", TailMode::Unnormalized.code()),
+        ] {
+            let line = format!("const {name}: u32 = {value}u;");
+            assert!(text.contains(&line), "kl_rows.wgsl lacks `{line}`");
+        }
+        for (name, value) in [("F_SOFTCAP", row_flags::SOFTCAP), ("F_LOGPROBS", row_flags::LOGPROBS)] {
+            let line = format!("const {name}: u32 = {value}u;");
+            assert!(TOPK_ROWS_WGSL.text.contains(&line), "topk_rows.wgsl lacks `{line}`");
+        }
+    }
 
     #[test]
     fn every_kernel_has_one_name_and_a_layout_round_trip() {

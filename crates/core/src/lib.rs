@@ -11,8 +11,10 @@
 //! dx_t = (w_t / (τ·total)) · Σ_j (p_S,j − p_T,j) · W_j
 //! ```
 //!
-//! The teacher is renormalized over its k (no tail bin); the student's
-//! softmax is over the full vocabulary.
+//! By default the teacher is renormalized over its k (no tail bin); the
+//! student's softmax is over the full vocabulary. [`terms`] adds the other
+//! tail modes, teacher log-probabilities, a hard-label term, the z-loss and
+//! a logit softcap (the README's "Loss terms").
 //!
 //! # Use it from Rust
 //!
@@ -75,6 +77,7 @@ mod scratch;
 pub mod settings;
 pub mod slicing;
 pub mod split;
+pub mod terms;
 pub mod tune_cache;
 
 pub use backend::{
@@ -98,6 +101,7 @@ pub use resident::{
 pub use settings::{CommonOptions, Env};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use split::DxSplit;
+pub use terms::{LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
 pub use tune_cache::TuneCache;
 
 /// The `log` target of the diagnostics a user switches on

@@ -65,9 +65,10 @@ pub struct SumPartsParams {
     pub _pad: [u32; 3],
 }
 
-/// `shaders/kl_rows.wgsl`.
+/// `shaders/kl_rows.wgsl` and `shaders/topk_rows.wgsl` (which reads the
+/// first five fields, the flags and the cap).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
 pub struct RowParams {
     /// Rows to process.
     pub rows: u32,
@@ -79,8 +80,41 @@ pub struct RowParams {
     pub k: u32,
     /// Workgroups along x of the (folded) dispatch grid.
     pub grid_x: u32,
-    /// Padding to 16 bytes.
-    pub _pad: [u32; 3],
+    /// The KL kernel's terms ([`row_flags`]); 0 is the seed's loss.
+    pub flags: u32,
+    /// τ (the logits are already divided by it).
+    pub temperature: f32,
+    /// The softcap on the scaled logits, `c/τ` (read with
+    /// [`row_flags::SOFTCAP`]).
+    pub cap: f32,
+    /// `α_soft`.
+    pub soft_weight: f32,
+    /// `α_hard`.
+    pub hard_weight: f32,
+    /// Label smoothing ε.
+    pub smoothing: f32,
+    /// z-loss λ.
+    pub z_loss: f32,
+}
+
+/// Bits of [`RowParams::flags`]; `shaders/kl_rows.wgsl` and
+/// `shaders/topk_rows.wgsl` declare the same constants (a test checks
+/// them). With every bit clear the kernels do the seed's work and no more.
+pub mod row_flags {
+    /// Softcap the logits.
+    pub const SOFTCAP: u32 = 1;
+    /// Shift of the tail mode's code ([`crate::TailMode::code`], 2 bits).
+    pub const TAIL_SHIFT: u32 = 1;
+    /// The hard-label term is on.
+    pub const HARD: u32 = 8;
+    /// The z-loss is on.
+    pub const Z_LOSS: u32 = 16;
+    /// τ ≠ 1: the softmax at τ = 1 (lse output, hard term, z-loss) needs
+    /// its own sums.
+    pub const TAU: u32 = 32;
+    /// `topk_rows`: write log-probabilities over the full vocabulary
+    /// instead of the softmax over the k.
+    pub const LOGPROBS: u32 = 64;
 }
 
 /// `shaders/convert.wgsl`.
@@ -159,7 +193,7 @@ macro_rules! param_block {
 
 param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32, k_parts: u32, k_part: u32, c_part_stride: u32);
 param_block!(SumPartsParams: len: u32, parts: u32, part_stride: u32, accumulate: u32, grid_x: u32);
-param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32);
+param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32);
 param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
 param_block!(ResidentParams: rows: u32, cols: u32, vocab: u32, ld: u32, token0: u32, off_a: u32, off_b: u32, off_c: u32, off_d: u32, flags: u32, rows_padded: u32, grid_x: u32, f0: f32, f1: f32, f2: f32, f3: f32);
 
@@ -214,9 +248,14 @@ mod tests {
         let text = RowParams::BLOCK.wgsl();
         assert!(text.starts_with("struct RowParams {\n    rows: u32,\n"), "{text}");
         assert!(
-            text.contains("    grid_x: u32,\n    pad0: u32,\n    pad1: u32,\n    pad2: u32,\n}"),
+            text.contains("    grid_x: u32,\n    flags: u32,\n    temperature: f32,\n"),
             "{text}"
         );
+        assert!(text.contains("    z_loss: f32,\n}"), "{text}");
+        assert_eq!(RowParams::BLOCK.bytes, 48);
+        assert!(ConvertParams::BLOCK
+            .wgsl()
+            .contains("    grid_x: u32,\n    pad0: u32,\n    pad1: u32,\n    pad2: u32,\n}"));
         assert!(text.ends_with("var<uniform> params: RowParams;\n"), "{text}");
         assert!(GemmParams::BLOCK.wgsl().contains("    alpha: f32,\n"));
         assert_eq!(GemmParams::BLOCK.bytes, 64);

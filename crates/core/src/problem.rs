@@ -4,6 +4,7 @@
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
+use crate::terms::{labels_to_u32, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
 
 /// Largest k the top-k kernels support.
 pub const MAX_K: usize = 2048;
@@ -101,35 +102,73 @@ impl<'a> Hidden<'a> {
 }
 
 /// The teacher's top-k `[ntok][k]`: distinct ids per row, each `< V`, and
-/// probabilities renormalized over the k.
+/// probabilities: renormalized over the k in [`TailMode::Renormalize`]
+/// (the default), as given (a share of the full vocabulary, mass at most
+/// 1) in the other tail modes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Teacher {
     ids: Vec<u32>,
     probs: Vec<f32>,
     ntok: usize,
     k: usize,
+    tail: TailMode,
 }
 
 impl Teacher {
     /// Validates and renormalizes: ids distinct per row and `< vocab`,
     /// probabilities non-negative and finite, each row with positive mass.
     pub fn new(ids: &[u32], probs: &[f32], ntok: usize, k: usize, vocab: usize) -> Result<Self> {
-        Self::build(ids.iter().map(|&i| i64::from(i)), ids.len(), probs, ntok, k, vocab)
+        let ids_len = ids.len();
+        let ids = ids.iter().map(|&i| i64::from(i));
+        Self::build(
+            ids,
+            ids_len,
+            probs,
+            ntok,
+            k,
+            vocab,
+            TeacherForm::Probs,
+            TailMode::Renormalize,
+        )
     }
 
     /// As [`Teacher::new`], from i64 ids (a negative id is out of range).
     pub fn from_i64(ids: &[i64], probs: &[f32], ntok: usize, k: usize, vocab: usize) -> Result<Self> {
-        Self::build(ids.iter().copied(), ids.len(), probs, ntok, k, vocab)
+        Self::with_form(ids, probs, ntok, k, vocab, TeacherForm::Probs, TailMode::Renormalize)
     }
 
-    fn build(
-        ids: impl Iterator<Item = i64>,
-        ids_len: usize,
-        probs: &[f32],
+    /// The teacher from `values` in `form` (probabilities, or
+    /// log-probabilities over the full vocabulary: each `≤ 0`, not NaN,
+    /// `-inf` meaning probability 0), read in tail mode `tail`: renormalized
+    /// over the k, or kept as given with the row's mass checked to be at
+    /// most 1 (beyond [`MASS_TOLERANCE`]).
+    pub fn with_form(
+        ids: &[i64],
+        values: &[f32],
         ntok: usize,
         k: usize,
         vocab: usize,
+        form: TeacherForm,
+        tail: TailMode,
     ) -> Result<Self> {
+        Self::build(ids.iter().copied(), ids.len(), values, ntok, k, vocab, form, tail)
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "the shape, the values and how to read them")]
+    fn build(
+        ids: impl Iterator<Item = i64>,
+        ids_len: usize,
+        values: &[f32],
+        ntok: usize,
+        k: usize,
+        vocab: usize,
+        form: TeacherForm,
+        tail: TailMode,
+    ) -> Result<Self> {
+        let field = match form {
+            TeacherForm::Probs => crate::error::Field::Probs,
+            TeacherForm::Logprobs => crate::error::Field::Logprobs,
+        };
         if ntok == 0 {
             return Err(Error::NoTokens);
         }
@@ -142,11 +181,11 @@ impl Teacher {
                 got: ids_len,
             });
         }
-        if probs.len() != expected {
+        if values.len() != expected {
             return Err(Error::LengthMismatch {
-                field: crate::error::Field::Probs,
+                field,
                 expected,
-                got: probs.len(),
+                got: values.len(),
             });
         }
         let mut out_ids = Vec::with_capacity(expected);
@@ -179,28 +218,69 @@ impl Teacher {
                     });
                 }
             }
-            let p_row = &probs[row * k..(row + 1) * k];
+            let v_row = &values[row * k..(row + 1) * k];
+            let first = out_probs.len();
             let mut sum = 0f64;
-            for (col, &value) in p_row.iter().enumerate() {
-                if !value.is_finite() {
-                    return Err(Error::NonFiniteProbability { row, col, value });
-                }
-                if value < 0.0 {
-                    return Err(Error::NegativeProbability { row, col, value });
-                }
-                sum += f64::from(value);
+            for (col, &value) in v_row.iter().enumerate() {
+                let p = match form {
+                    TeacherForm::Probs => {
+                        if !value.is_finite() {
+                            return Err(Error::NonFiniteProbability { row, col, value });
+                        }
+                        if value < 0.0 {
+                            return Err(Error::NegativeProbability { row, col, value });
+                        }
+                        f64::from(value)
+                    }
+                    TeacherForm::Logprobs => {
+                        if value.is_nan() || value > 0.0 {
+                            return Err(Error::InvalidLogProbability { row, col, value });
+                        }
+                        f64::from(value).exp()
+                    }
+                };
+                sum += p;
+                out_probs.push(p as f32);
             }
             if !(sum > 0.0 && sum.is_finite()) {
                 return Err(Error::ProbabilityRowSum { row, sum });
             }
-            out_probs.extend(p_row.iter().map(|&p| (f64::from(p) / sum) as f32));
+            match tail {
+                TailMode::Renormalize => {
+                    // From the f64 values: exp of a log-probability is not
+                    // rounded to f32 before the division.
+                    for (o, &v) in out_probs[first..].iter_mut().zip(v_row) {
+                        let p = match form {
+                            TeacherForm::Probs => f64::from(v),
+                            TeacherForm::Logprobs => f64::from(v).exp(),
+                        };
+                        *o = (p / sum) as f32;
+                    }
+                }
+                TailMode::Bucket | TailMode::Unnormalized => {
+                    if sum > 1.0 + MASS_TOLERANCE {
+                        return Err(Error::TeacherMassAboveOne {
+                            row,
+                            sum,
+                            tolerance: MASS_TOLERANCE,
+                            tail: tail.name(),
+                        });
+                    }
+                }
+            }
         }
         Ok(Self {
             ids: out_ids,
             probs: out_probs,
             ntok,
             k,
+            tail,
         })
+    }
+
+    /// How the soft term reads the probabilities' mass outside the k.
+    pub fn tail(&self) -> TailMode {
+        self.tail
     }
 
     /// Ids `[ntok][k]`.
@@ -208,7 +288,8 @@ impl Teacher {
         &self.ids
     }
 
-    /// Renormalized probabilities `[ntok][k]`.
+    /// Probabilities `[ntok][k]` (renormalized in
+    /// [`TailMode::Renormalize`]).
     pub fn probs(&self) -> &[f32] {
         &self.probs
     }
@@ -271,12 +352,19 @@ pub struct LossOptions {
     pub weights: Option<Vec<f32>>,
     /// The weight the step averages over; `None` means `Σ w_t`.
     pub total: Option<f32>,
-    /// Scale of the f16 gradient; `None` means `2^14 · total / max_t w_t`.
+    /// Scale of the f16 gradient; `None` means `2^14 · total / max_t w_t`,
+    /// divided by [`LossTerms::grad_bound`] when the hard term is on.
     pub gscale: Option<f32>,
     /// Device-memory budget for scratch buffers, in bytes.
     pub budget_bytes: u64,
     /// Test knob: at most this many tokens per chunk.
     pub max_rows_per_chunk: Option<usize>,
+    /// The terms' weights, label smoothing, z-loss and softcap (default:
+    /// the soft term alone).
+    pub terms: LossTerms,
+    /// Labels `[ntok]` of the hard term (a negative label: none), needed
+    /// when `terms.hard_weight > 0`.
+    pub labels: Option<Vec<i64>>,
 }
 
 impl Default for LossOptions {
@@ -288,6 +376,8 @@ impl Default for LossOptions {
             gscale: None,
             budget_bytes: DEFAULT_BUDGET_BYTES,
             max_rows_per_chunk: None,
+            terms: LossTerms::default(),
+            labels: None,
         }
     }
 }
@@ -306,6 +396,26 @@ pub struct ResolvedLoss {
     pub gscale: f32,
     /// Per-token KL-kernel coefficient `gscale · w_t / total`.
     pub coef: Vec<f32>,
+    /// The terms, checked.
+    pub terms: LossTerms,
+    /// Labels `[ntok]` ([`NO_LABEL`]: none); all [`NO_LABEL`] when none
+    /// were given. Not yet checked against the vocabulary
+    /// ([`ResolvedLoss::check_labels`]).
+    pub labels: Vec<u32>,
+}
+
+impl ResolvedLoss {
+    /// Checks the labels against a vocabulary of `vocab`.
+    pub fn check_labels(&self, vocab: usize) -> Result<()> {
+        match self.labels.iter().position(|&l| l != NO_LABEL && l as usize >= vocab) {
+            Some(row) => Err(Error::LabelOutOfRange {
+                row,
+                label: i64::from(self.labels[row]),
+                vocab,
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 impl LossOptions {
@@ -315,6 +425,24 @@ impl LossOptions {
         if self.budget_bytes == 0 {
             return Err(Error::BudgetZero);
         }
+        self.terms.check()?;
+        let labels = match &self.labels {
+            Some(l) if l.len() != ntok => {
+                return Err(Error::LengthMismatch {
+                    field: crate::error::Field::Labels,
+                    expected: ntok,
+                    got: l.len(),
+                })
+            }
+            // The vocabulary is checked by the engine (it knows V).
+            Some(l) => labels_to_u32(l, NO_LABEL as usize)?,
+            None if self.terms.hard_on() => {
+                return Err(Error::HardWeightWithoutLabels {
+                    value: self.terms.hard_weight,
+                })
+            }
+            None => vec![NO_LABEL; ntok],
+        };
         let weights = match &self.weights {
             None => vec![1.0; ntok],
             Some(w) => {
@@ -347,8 +475,12 @@ impl LossOptions {
         let gscale = match self.gscale {
             Some(g) => g,
             // Every |g| stays under 2^14, small probabilities out of f16's
-            // subnormals. All tokens masked: the gradient is 0 whatever the scale.
-            None if max_w > 0.0 => ((1u32 << 14) as f64 * f64::from(total) / f64::from(max_w)) as f32,
+            // subnormals (the extra terms' share of |g| is bounded by
+            // `grad_bound`). All tokens masked: the gradient is 0 whatever the scale.
+            None if max_w > 0.0 => {
+                let bound = self.terms.grad_bound(self.temperature);
+                ((1u32 << 14) as f64 * f64::from(total) / (f64::from(max_w) * bound)) as f32
+            }
             None => 1.0,
         };
         if !(gscale > 0.0 && gscale.is_finite()) {
@@ -364,6 +496,8 @@ impl LossOptions {
             total,
             gscale,
             coef,
+            terms: self.terms,
+            labels,
         })
     }
 }
@@ -379,6 +513,11 @@ pub struct TopkOptions {
     pub budget_bytes: u64,
     /// Test knob: at most this many tokens per chunk.
     pub max_rows_per_chunk: Option<usize>,
+    /// The logit softcap `c` (`c·tanh(z/c)` before τ; default none).
+    pub softcap: Option<f32>,
+    /// Also return the k log-probabilities over the full vocabulary at τ
+    /// ([`crate::TopK::logprobs`]), as a stored teacher would be.
+    pub logprobs: bool,
 }
 
 impl TopkOptions {
@@ -389,6 +528,8 @@ impl TopkOptions {
             temperature: 1.0,
             budget_bytes: DEFAULT_BUDGET_BYTES,
             max_rows_per_chunk: None,
+            softcap: None,
+            logprobs: false,
         }
     }
 
@@ -396,6 +537,11 @@ impl TopkOptions {
     pub fn check(&self, vocab: usize) -> Result<()> {
         check_k(self.k, vocab)?;
         check_temperature(self.temperature)?;
+        LossTerms {
+            softcap: self.softcap,
+            ..LossTerms::default()
+        }
+        .check()?;
         if self.budget_bytes == 0 {
             return Err(Error::BudgetZero);
         }

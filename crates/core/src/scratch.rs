@@ -43,9 +43,11 @@ pub(crate) struct RowBytes {
     pub ids: u64,
     /// Teacher (or top-k) probabilities.
     pub probs: u64,
-    /// Per-row loss coefficients (`head_kl`).
-    pub coef: u64,
-    /// Per-row loss (`head_kl`).
+    /// Per-row inputs of the KL kernel: coefficient and label
+    /// (`head_kl`).
+    pub row_in: u64,
+    /// Per-row outputs of the KL kernel: loss, lse, soft and hard parts
+    /// (`head_kl`).
     pub loss: u64,
     /// f16 logit gradient, padded vocabulary (`head_kl`).
     pub grad: u64,
@@ -65,8 +67,8 @@ impl RowBytes {
             logits: v.max(dx_blocks as u64 * h) * 4,
             ids: k * 4,
             probs: k * 4,
-            coef: 4,
-            loss: 4,
+            row_in: 8,
+            loss: 16,
             grad: v * 2,
             dx: h * 4,
         }
@@ -87,7 +89,7 @@ impl RowBytes {
         }
         if job == Job::Loss {
             c.extend([
-                cost("coef", self.coef),
+                cost("row_in", self.row_in),
                 cost("loss", self.loss),
                 cost("grad", self.grad),
                 cost("dx", self.dx),
@@ -119,7 +121,7 @@ impl<B: Backend> RowScratch<B> {
 
 /// The buffers only `head_kl` uses.
 pub(crate) struct LossScratch<B: Backend> {
-    pub coef: B::Buffer,
+    pub row_in: B::Buffer,
     pub loss: B::Buffer,
     pub grad: B::Buffer,
     pub dx: B::Buffer,
@@ -129,7 +131,7 @@ impl<B: Backend> LossScratch<B> {
     pub fn alloc(b: &B, sizes: &RowBytes, rows: usize) -> Result<Self> {
         let r = rows as u64;
         Ok(Self {
-            coef: b.alloc(r * sizes.coef, "coef")?,
+            row_in: b.alloc(r * sizes.row_in, "row_in")?,
             loss: b.alloc(r * sizes.loss, "loss")?,
             grad: b.alloc(r * sizes.grad, "grad")?,
             dx: b.alloc(r * sizes.dx, "dx")?,

@@ -420,3 +420,115 @@ fn nan_hidden_row_names_its_token() {
         Error::NonFiniteHidden { token: 37 }
     );
 }
+
+#[test]
+fn loss_terms_and_labels_are_checked_before_any_device_work() {
+    use headkl_core::{LossTerms, NO_LABEL};
+    let w = head_values();
+    let backend = CpuBackend::new();
+    let head = HeadWeights::new(HeadData::F32(&w), V, HS).unwrap();
+    let mut engine = Engine::new(&backend, &head, SliceOptions::default()).unwrap();
+    let head_bytes = backend.memory().peak;
+    let x = vec![0.25f32; 2 * HS];
+    let hidden = Hidden::f32(&x, 2, HS).unwrap();
+    let teacher = Teacher::new(&[1, 2, 3, 4], &[1.0; 4], 2, 2, V).unwrap();
+    let hard = |labels: Option<Vec<i64>>| LossOptions {
+        terms: LossTerms {
+            hard_weight: 0.5,
+            ..LossTerms::default()
+        },
+        labels,
+        ..LossOptions::default()
+    };
+    assert_eq!(
+        engine.head_kl(&hidden, &teacher, &hard(Some(vec![3, 40]))).unwrap_err(),
+        Error::LabelOutOfRange {
+            row: 1,
+            label: 40,
+            vocab: V
+        }
+    );
+    assert_eq!(
+        engine.head_kl(&hidden, &teacher, &hard(Some(vec![3]))).unwrap_err(),
+        Error::LengthMismatch {
+            field: headkl_core::Field::Labels,
+            expected: 2,
+            got: 1
+        }
+    );
+    assert_eq!(
+        engine.head_kl(&hidden, &teacher, &hard(None)).unwrap_err(),
+        Error::HardWeightWithoutLabels { value: 0.5 }
+    );
+    let smoothing = LossOptions {
+        terms: LossTerms {
+            label_smoothing: 1.0,
+            ..LossTerms::default()
+        },
+        ..LossOptions::default()
+    };
+    assert!(matches!(
+        engine.head_kl(&hidden, &teacher, &smoothing).unwrap_err(),
+        Error::InvalidLossOption {
+            field: "label_smoothing",
+            ..
+        }
+    ));
+    let z = LossOptions {
+        terms: LossTerms {
+            z_loss: -1e-4,
+            ..LossTerms::default()
+        },
+        ..LossOptions::default()
+    };
+    assert!(matches!(
+        engine.head_kl(&hidden, &teacher, &z).unwrap_err(),
+        Error::InvalidLossOption { field: "z_loss", .. }
+    ));
+    assert_eq!(backend.memory().peak, head_bytes, "no scratch for bad options");
+    // A negative label is no label; labels resolve to the kernels' u32.
+    let resolved = hard(Some(vec![-100, 7])).resolve(2).unwrap();
+    assert_eq!(resolved.labels, vec![NO_LABEL, 7]);
+    engine.head_kl(&hidden, &teacher, &hard(Some(vec![-100, 7]))).unwrap();
+}
+
+#[test]
+fn teacher_forms_and_tail_modes_check_their_values() {
+    use headkl_core::{TailMode, TeacherForm};
+    let ids = [1i64, 2, 3, 4];
+    let lp = |v: [f32; 4], tail| Teacher::with_form(&ids, &v, 2, 2, V, TeacherForm::Logprobs, tail);
+    assert_eq!(
+        lp([-1.0, 0.5, -1.0, -1.0], TailMode::Bucket).unwrap_err(),
+        Error::InvalidLogProbability {
+            row: 0,
+            col: 1,
+            value: 0.5
+        }
+    );
+    assert!(matches!(
+        lp([-1.0, -1.0, f32::NAN, -1.0], TailMode::Renormalize).unwrap_err(),
+        Error::InvalidLogProbability { row: 1, col: 0, .. }
+    ));
+    // ln 0.7 twice: mass 1.4 is above 1 in bucket and none mode, fine in renormalize.
+    let heavy = [0.7f32.ln(), 0.7f32.ln(), -3.0, -3.0];
+    for tail in [TailMode::Bucket, TailMode::Unnormalized] {
+        assert!(matches!(
+            lp(heavy, tail).unwrap_err(),
+            Error::TeacherMassAboveOne { row: 0, .. }
+        ));
+    }
+    let renorm = lp(heavy, TailMode::Renormalize).unwrap();
+    assert!((renorm.probs()[0] - 0.5).abs() < 1e-6);
+    // -inf is probability 0; the bucket keeps the values as given.
+    let kept = lp(
+        [-f32::INFINITY, 0.5f32.ln(), 0.25f32.ln(), 0.25f32.ln()],
+        TailMode::Bucket,
+    )
+    .unwrap();
+    assert_eq!(kept.probs()[0], 0.0);
+    assert!((kept.probs()[1] - 0.5).abs() < 1e-7 && (kept.probs()[2] - 0.25).abs() < 1e-7);
+    assert_eq!(kept.tail(), TailMode::Bucket);
+    // Rounding above 1 is allowed.
+    let p = [0.5f32, 0.5000001, 0.25, 0.25];
+    Teacher::with_form(&ids, &p, 2, 2, V, TeacherForm::Probs, TailMode::Unnormalized).unwrap();
+}

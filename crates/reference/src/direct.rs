@@ -9,7 +9,7 @@
 
 use std::cmp::Ordering;
 
-use headkl_core::{HeadWeights, Hidden, ResolvedLoss, Teacher};
+use headkl_core::{HeadWeights, Hidden, LossTerms, ResolvedLoss, TailMode, Teacher, NO_LABEL};
 
 use crate::par;
 
@@ -88,29 +88,180 @@ fn logsumexp(row: &[f64]) -> f64 {
     m + row.iter().map(|&v| (v - m).exp()).sum::<f64>().ln()
 }
 
-/// The distillation loss of DESIGN §1, in f64.
+/// The distillation loss of DESIGN §1 with the README's loss terms, in f64.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DirectLoss {
-    /// Per-token KL `L_t` `[ntok]`, unweighted.
+    /// Per-token loss `L_t` `[ntok]`, unweighted.
     pub loss: Vec<f64>,
     /// `Σ w_t L_t / total`.
     pub mean: f64,
     /// `∂mean/∂x` `[ntok][hs]`.
     pub dx: Vec<f64>,
+    /// Per-token `lse(z̃)` at τ = 1 `[ntok]`.
+    pub lse: Vec<f64>,
+    /// Per-token soft term `[ntok]`.
+    pub soft: Vec<f64>,
+    /// Per-token hard term `[ntok]` (0 without a label or a hard term).
+    pub hard: Vec<f64>,
 }
 
-/// The loss, its mean and its input gradient, straight from DESIGN §1:
+impl DirectLoss {
+    /// Just the per-token losses and their mean (as a kernel check needs).
+    pub fn of_losses(loss: Vec<f64>) -> Self {
+        let n = loss.len().max(1) as f64;
+        Self {
+            mean: loss.iter().sum::<f64>() / n,
+            loss,
+            dx: Vec::new(),
+            lse: Vec::new(),
+            soft: Vec::new(),
+            hard: Vec::new(),
+        }
+    }
+}
+
+/// One token's loss terms and `∂L_t/∂s`, the gradient with respect to
+/// the scaled logits `s = z/τ` the device holds.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RowTerms {
+    /// `L_t = α_soft·soft + α_hard·hard + λ·lse²`.
+    pub loss: f64,
+    /// `lse(z̃)` at τ = 1.
+    pub lse: f64,
+    /// `L_soft`.
+    pub soft: f64,
+    /// `L_hard` (0 without a label or a hard term).
+    pub hard: f64,
+    /// `∂L_t/∂s_j` `[V]`.
+    pub grad: Vec<f64>,
+}
+
+/// The teacher's k entries of one token as the soft term reads them.
+#[derive(Clone, Copy, Debug)]
+pub struct RowTeacher<'a> {
+    /// Ids, distinct and `< V`.
+    pub ids: &'a [u32],
+    /// Probabilities (renormalized in [`TailMode::Renormalize`]).
+    pub probs: &'a [f32],
+    /// How the mass outside the k is read.
+    pub tail: TailMode,
+}
+
+/// One token's terms, straight from the README's formulas in f64, on the
+/// scaled logits `s = z/τ` `[V]`: `z̃ = c·tanh(z/c)` (so `z̃/τ =
+/// (c/τ)·tanh(s/(c/τ))`), `log p^τ = z̃/τ − lse(z̃/τ)`, `log p¹ = z̃ −
+/// lse(z̃)`; the soft term against the teacher in its tail mode (the
+/// bucket's student mass `r_S` summed over the ids outside the k, exactly),
+/// the hard term against `label` ([`NO_LABEL`]: none) with label smoothing,
+/// the z-loss. A row with a non-finite logit gives NaN everywhere.
+pub fn row_terms_f64(s: &[f64], teacher: RowTeacher<'_>, label: u32, temperature: f32, terms: &LossTerms) -> RowTerms {
+    let vocab = s.len();
+    if s.iter().any(|v| !v.is_finite()) {
+        return RowTerms {
+            loss: f64::NAN,
+            lse: f64::NAN,
+            soft: f64::NAN,
+            hard: f64::NAN,
+            grad: vec![f64::NAN; vocab],
+        };
+    }
+    let tau = f64::from(temperature);
+    // u = z̃/τ and du/ds.
+    let (u, dcap): (Vec<f64>, Vec<f64>) = match terms.softcap {
+        None => (s.to_vec(), vec![1.0; vocab]),
+        Some(c) => {
+            let c = f64::from(c) / tau;
+            s.iter()
+                .map(|&x| {
+                    let t = (x / c).tanh();
+                    (c * t, 1.0 - t * t)
+                })
+                .unzip()
+        }
+    };
+    let lse_tau = logsumexp(&u);
+    let p_tau: Vec<f64> = u.iter().map(|&v| (v - lse_tau).exp()).collect();
+    let v1: Vec<f64> = u.iter().map(|&v| v * tau).collect();
+    let lse1 = logsumexp(&v1);
+    let p1: Vec<f64> = v1.iter().map(|&v| (v - lse1).exp()).collect();
+
+    // Soft term and its factors on p^τ off and on the teacher's ids.
+    let mut in_ids = vec![false; vocab];
+    let mut p_teacher = vec![0f64; vocab];
+    let mut soft = 0f64;
+    let mut mass = 0f64;
+    for (&id, &p) in teacher.ids.iter().zip(teacher.probs) {
+        let p = f64::from(p);
+        in_ids[id as usize] = true;
+        p_teacher[id as usize] = p;
+        mass += p;
+        if p > 0.0 {
+            soft += p * (p.ln() - (u[id as usize] - lse_tau));
+        }
+    }
+    let (f_off, f_on) = match teacher.tail {
+        TailMode::Renormalize => (1.0, 1.0),
+        TailMode::Unnormalized => (mass, mass),
+        TailMode::Bucket => {
+            let r_t = (1.0 - mass).max(0.0);
+            let r_s: f64 = (0..vocab).filter(|&j| !in_ids[j]).map(|j| p_tau[j]).sum();
+            if r_t > 0.0 {
+                soft += r_t * (r_t.ln() - r_s.ln());
+                (1.0 - r_t / r_s, 1.0)
+            } else {
+                (1.0, 1.0)
+            }
+        }
+    };
+
+    let labelled = terms.hard_on() && label != NO_LABEL;
+    let (alpha_hard, eps) = if labelled {
+        (f64::from(terms.hard_weight), f64::from(terms.label_smoothing))
+    } else {
+        (0.0, 0.0)
+    };
+    let hard = if labelled {
+        let mean_v = v1.iter().sum::<f64>() / vocab as f64;
+        lse1 - (1.0 - eps) * v1[label as usize] - eps * mean_v
+    } else {
+        0.0
+    };
+    let (alpha_soft, lambda) = (f64::from(terms.soft_weight), f64::from(terms.z_loss));
+    let loss = alpha_soft * soft + alpha_hard * hard + lambda * lse1 * lse1;
+    let grad = (0..vocab)
+        .map(|j| {
+            let f = if in_ids[j] { f_on } else { f_off };
+            let d_soft = f * p_tau[j] - p_teacher[j];
+            let onehot = if labelled && j == label as usize { 1.0 } else { 0.0 };
+            let d_hard = p1[j] - (1.0 - eps) * onehot - eps / vocab as f64;
+            let d_z = 2.0 * lambda * lse1 * p1[j];
+            dcap[j] * (alpha_soft * d_soft + tau * (alpha_hard * d_hard + d_z))
+        })
+        .collect();
+    RowTerms {
+        loss,
+        lse: lse1,
+        soft,
+        hard,
+        grad,
+    }
+}
+
+/// The loss, its mean and its input gradient, straight from DESIGN §1 and
+/// the README's loss terms:
 ///
 /// ```text
-/// L_t  = Σ_k p_T,k · (log p_T,k − log p_S,id_k)      (0·log 0 = 0)
+/// L_t  = α_soft·L_soft + α_hard·L_hard + λ·lse(z̃)²     (row_terms_f64)
 /// mean = Σ_t w_t L_t / total
-/// dx_t = (w_t / (τ·total)) · Σ_j (p_S,j − p_T,j) · W_j
+/// dx_t = (w_t / (τ·total)) · Σ_j ∂L_t/∂s_j · W_j
 /// ```
 ///
-/// The teacher's probabilities are the renormalized f32 values the device
-/// receives; weights, total and τ come from `resolved` (`gscale` plays no
-/// part: it only protects the device's f16 gradient). A token whose logits
-/// are not finite gets NaN loss and gradient.
+/// With the default terms `L_t = Σ_k p_T,k · (log p_T,k − log p_S,id_k)`
+/// and `∂L_t/∂s_j = p_S,j − p_T,j`. The teacher's probabilities are the
+/// f32 values the device receives; weights, total, τ, labels and terms
+/// come from `resolved` (`gscale` plays no part: it only protects the
+/// device's f16 gradient). A token whose logits are not finite gets NaN
+/// loss and gradient.
 pub fn head_kl_f64(
     head: &HeadWeights<'_>,
     hidden: &Hidden<'_>,
@@ -136,41 +287,25 @@ pub fn head_kl_f64(
     let total = f64::from(resolved.total);
     let tau = f64::from(resolved.temperature);
 
-    let mut loss = vec![0f64; ntok];
-    let mut dx = vec![0f64; ntok * hs];
-    // Each token's row of (loss, dx) is independent: split tokens over threads.
-    let mut rows: Vec<(f64, Vec<f64>)> = vec![(0.0, Vec::new()); ntok];
+    // Each token's row of (terms, dx) is independent: split tokens over threads.
+    let mut rows: Vec<(RowTerms, Vec<f64>)> = vec![(RowTerms::default(), Vec::new()); ntok];
     par::for_row_blocks(&mut rows, 1, ntok * vocab * hs, |first, block| {
-        let mut p_s = vec![0f64; vocab];
-        for (i, (loss_t, dx_t)) in block.iter_mut().enumerate() {
+        for (i, (terms_t, dx_t)) in block.iter_mut().enumerate() {
             let t = first + i;
+            let row_teacher = RowTeacher {
+                ids: &teacher.ids()[t * k..(t + 1) * k],
+                probs: &teacher.probs()[t * k..(t + 1) * k],
+                tail: teacher.tail(),
+            };
+            let label = resolved.labels.get(t).copied().unwrap_or(NO_LABEL);
             let row = &s[t * vocab..(t + 1) * vocab];
-            let ids = &teacher.ids()[t * k..(t + 1) * k];
-            let probs = &teacher.probs()[t * k..(t + 1) * k];
-            let lse = logsumexp(row);
-            if !lse.is_finite() {
-                *loss_t = f64::NAN;
-                *dx_t = vec![f64::NAN; hs];
-                continue;
-            }
-            let mut l = 0f64;
-            for (&id, &p) in ids.iter().zip(probs) {
-                let p = f64::from(p);
-                if p > 0.0 {
-                    l += p * (p.ln() - (row[id as usize] - lse));
-                }
-            }
-            *loss_t = l;
-            for (ps, &sj) in p_s.iter_mut().zip(row) {
-                *ps = (sj - lse).exp();
-            }
-            for (&id, &p) in ids.iter().zip(probs) {
-                p_s[id as usize] -= f64::from(p);
-            }
+            let r = row_terms_f64(row, row_teacher, label, resolved.temperature, &resolved.terms);
             let coef = f64::from(resolved.weights[t]) / (tau * total);
             let mut g = vec![0f64; hs];
-            if coef != 0.0 {
-                for (j, &d) in p_s.iter().enumerate() {
+            if !r.loss.is_finite() {
+                g.fill(f64::NAN);
+            } else if coef != 0.0 {
+                for (j, &d) in r.grad.iter().enumerate() {
                     for (gc, &wc) in g.iter_mut().zip(&w[j * hs..(j + 1) * hs]) {
                         *gc += d * wc;
                     }
@@ -178,19 +313,32 @@ pub fn head_kl_f64(
                 g.iter_mut().for_each(|v| *v *= coef);
             }
             *dx_t = g;
+            *terms_t = r;
         }
     });
-    for (t, (l, g)) in rows.into_iter().enumerate() {
-        loss[t] = l;
-        dx[t * hs..(t + 1) * hs].copy_from_slice(&g);
+    let mut out = DirectLoss {
+        loss: Vec::with_capacity(ntok),
+        mean: 0.0,
+        dx: Vec::with_capacity(ntok * hs),
+        lse: Vec::with_capacity(ntok),
+        soft: Vec::with_capacity(ntok),
+        hard: Vec::with_capacity(ntok),
+    };
+    for (r, g) in rows {
+        out.loss.push(r.loss);
+        out.lse.push(r.lse);
+        out.soft.push(r.soft);
+        out.hard.push(r.hard);
+        out.dx.extend(g);
     }
-    let mean = loss
+    out.mean = out
+        .loss
         .iter()
         .zip(&resolved.weights)
         .map(|(&l, &wt)| if wt == 0.0 { 0.0 } else { l * f64::from(wt) })
         .sum::<f64>()
         / total;
-    DirectLoss { loss, mean, dx }
+    out
 }
 
 /// The teacher's exact top-k in f64.

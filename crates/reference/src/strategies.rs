@@ -27,7 +27,8 @@ use std::fmt;
 
 use half::f16;
 use headkl_core::{
-    Error, HeadData, HeadWeights, Hidden, LossOptions, Result, SliceOptions, Teacher, TopkOptions, MAX_K,
+    Error, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, Result, SliceOptions, TailMode, Teacher, TeacherForm,
+    TopkOptions, MAX_K,
 };
 use proptest::prelude::*;
 
@@ -146,6 +147,15 @@ pub struct Case {
     pub max_rows_per_slice: Option<usize>,
     /// Force token chunks of at most this many rows.
     pub max_rows_per_chunk: Option<usize>,
+    /// How the teacher's probabilities reach [`Teacher::with_form`]
+    /// (`head_kl`): as given, or as their logarithms.
+    pub teacher_form: TeacherForm,
+    /// The teacher's tail mode (`head_kl`).
+    pub tail: TailMode,
+    /// The loss terms (`head_kl`).
+    pub terms: LossTerms,
+    /// Labels `[ntok]` of the hard term (`head_kl`; negative: none).
+    pub labels: Option<Vec<i64>>,
 }
 
 impl Case {
@@ -165,6 +175,16 @@ impl Case {
         }
         if let Some(r) = self.max_rows_per_chunk {
             s.push_str(&format!(" chunk<={r}"));
+        }
+        if self.kind == CaseKind::HeadKl
+            && (self.terms != LossTerms::default() || self.tail != TailMode::Renormalize || self.labels.is_some())
+        {
+            s.push_str(&format!(
+                " teacher={} tail={} {:?}",
+                self.teacher_form.name(),
+                self.tail.name(),
+                self.terms
+            ));
         }
         s
     }
@@ -199,9 +219,15 @@ impl Case {
         }
     }
 
-    /// The validated, renormalized teacher (`head_kl`).
+    /// The validated teacher in the case's form and tail mode (`head_kl`).
     pub fn teacher(&self) -> Result<Teacher> {
-        Teacher::new(&self.teacher_ids, &self.teacher_probs, self.ntok, self.k, self.vocab)
+        let ids: Vec<i64> = self.teacher_ids.iter().map(|&i| i64::from(i)).collect();
+        let values: Vec<f32> = match self.teacher_form {
+            TeacherForm::Probs => self.teacher_probs.clone(),
+            TeacherForm::Logprobs => self.teacher_probs.iter().map(|&p| p.ln()).collect(),
+        };
+        let (ntok, k, vocab) = (self.ntok, self.k, self.vocab);
+        Teacher::with_form(&ids, &values, ntok, k, vocab, self.teacher_form, self.tail)
     }
 
     /// Slicing options.
@@ -217,6 +243,8 @@ impl Case {
             temperature: self.temperature,
             weights: self.weights.clone(),
             max_rows_per_chunk: self.max_rows_per_chunk,
+            terms: self.terms,
+            labels: self.labels.clone(),
             ..LossOptions::default()
         }
     }
@@ -456,6 +484,10 @@ fn build(p: &CaseParams) -> Case {
         temperature: p.temperature,
         max_rows_per_slice: p.max_rows_per_slice,
         max_rows_per_chunk: p.max_rows_per_chunk,
+        teacher_form: TeacherForm::Probs,
+        tail: TailMode::Renormalize,
+        terms: LossTerms::default(),
+        labels: None,
     }
 }
 

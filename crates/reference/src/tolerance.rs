@@ -361,6 +361,7 @@ mod tests {
             loss: vec![0.5, 1.25, 2.0, 0.75],
             mean: 1.125,
             dx: vec![0.1, -0.2, 0.3, 0.05, 0.0, -0.4],
+            ..DirectLoss::of_losses(Vec::new())
         }
     }
 
@@ -484,6 +485,7 @@ mod tests {
             loss: vec![1e-9, 0.0, 2e-9],
             mean: 1e-9,
             dx: vec![0.0; 8],
+            ..DirectLoss::of_losses(Vec::new())
         };
         // absolute errors of 1e-6 on a KL near zero are f32 noise, not failures
         let got = [1e-6f32, -1e-6, 2e-6];

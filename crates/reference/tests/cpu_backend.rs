@@ -103,29 +103,14 @@ fn contract_violations_are_errors() {
     let ids = cpu.alloc(4, "ids").unwrap();
     cpu.upload(&ids, 0, &40u32.to_ne_bytes()).unwrap();
     let f = |bytes| cpu.alloc(bytes, "f").unwrap();
-    let (logits, probs, coef, loss, grad) = (f(16 * 4), f(4), f(4), f(4), f(32));
-    let kl = KlDesc {
-        rows: 1,
-        vocab: 10,
-        ld: 16,
-        k: 1,
-    };
+    let (logits, probs, coef, loss, grad) = (f(16 * 4), f(4), f(8), f(16), f(32));
+    let kl = KlDesc::plain(1, 10, 16, 1);
     let e = cpu
         .kl_rows(&logits, &ids, &probs, &coef, &loss, &grad, &kl)
         .unwrap_err();
     assert!(message(e).contains("ids[0][0] = 40 is not below vocab = 10"));
     let e = cpu
-        .topk_rows(
-            &logits,
-            &ids,
-            &probs,
-            &TopkDesc {
-                rows: 1,
-                vocab: 10,
-                ld: 16,
-                k: 11,
-            },
-        )
+        .topk_rows(&logits, &ids, &probs, &TopkDesc::plain(1, 10, 16, 11))
         .unwrap_err();
     assert_eq!(bad_field(e), ("topk_rows", "k", 11));
     let e = cpu

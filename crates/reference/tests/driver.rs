@@ -196,6 +196,9 @@ fn head_kl_into_reuses_an_output_of_any_size() {
         loss: vec![f32::NAN; 500],
         mean: f64::NAN,
         dx: vec![f32::NAN; 3],
+        lse: vec![f32::NAN; 7],
+        soft: Vec::new(),
+        hard: vec![1.0; 900],
     };
     for hs in [70, 64] {
         let c = Case::from_params(&CaseParams {

@@ -8,7 +8,7 @@ use std::cell::Cell;
 
 use headkl_core::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, Result,
-    SumPartsDesc, TopkDesc,
+    SumPartsDesc, TailMode, TopkDesc,
 };
 use headkl_reference::conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
 use headkl_reference::{CpuBackend, CpuBuffer};
@@ -32,6 +32,25 @@ enum Fault {
     SplitFirstPartOnly,
     /// The sum of parts leaves the last part out.
     SumSkipsLastPart,
+    /// The KL kernel ignores the softcap.
+    KlIgnoresSoftcap,
+    /// The KL kernel reads every tail mode as renormalize.
+    KlIgnoresTail,
+    /// The KL kernel drops the hard-label term.
+    KlIgnoresHard,
+    /// The KL kernel drops the label smoothing.
+    KlIgnoresSmoothing,
+    /// The KL kernel drops the z-loss.
+    KlIgnoresZLoss,
+    /// The KL kernel takes the soft weight as 1.
+    KlIgnoresSoftWeight,
+    /// The KL kernel's lse output is off by 1e-3.
+    KlLseOffset,
+    /// The top-k kernel ignores the softcap.
+    TopkIgnoresSoftcap,
+    /// The top-k kernel writes probabilities over the k when asked for
+    /// log-probabilities.
+    TopkIgnoresLogprobs,
 }
 
 struct Faulty {
@@ -126,6 +145,17 @@ impl Backend for Faulty {
         grad: &CpuBuffer,
         d: &KlDesc,
     ) -> Result<()> {
+        let mut d = *d;
+        match self.fault {
+            Fault::KlIgnoresSoftcap => d.terms.softcap = None,
+            Fault::KlIgnoresTail => d.tail = TailMode::Renormalize,
+            Fault::KlIgnoresHard => d.terms.hard_weight = 0.0,
+            Fault::KlIgnoresSmoothing => d.terms.label_smoothing = 0.0,
+            Fault::KlIgnoresZLoss => d.terms.z_loss = 0.0,
+            Fault::KlIgnoresSoftWeight => d.terms.soft_weight = 1.0,
+            _ => {}
+        }
+        let d = &d;
         self.inner.kl_rows(logits, ids, probs, coef, loss, grad, d)?;
         match self.fault {
             Fault::KlPadLeftNaN if d.ld > d.vocab => {
@@ -135,9 +165,11 @@ impl Backend for Faulty {
                 }
                 self.write(grad, &g);
             }
-            Fault::KlLossOffset => {
-                let mut l: Vec<f32> = self.read(loss, d.rows);
-                l.iter_mut().for_each(|v| *v += 1e-3);
+            // Per row: [loss, lse, soft, hard].
+            Fault::KlLossOffset | Fault::KlLseOffset => {
+                let word = usize::from(self.fault == Fault::KlLseOffset);
+                let mut l: Vec<f32> = self.read(loss, d.rows * 4);
+                l.iter_mut().skip(word).step_by(4).for_each(|v| *v += 1e-3);
                 self.write(loss, &l);
             }
             _ => {}
@@ -151,6 +183,13 @@ impl Backend for Faulty {
                 message: "planted topk failure".into(),
             });
         }
+        let mut d = *d;
+        match self.fault {
+            Fault::TopkIgnoresSoftcap => d.cap = None,
+            Fault::TopkIgnoresLogprobs => d.logprobs = false,
+            _ => {}
+        }
+        let d = &d;
         self.inner.topk_rows(logits, ids, probs, d)?;
         let n = d.rows * d.k;
         match self.fault {
@@ -258,6 +297,29 @@ fn each_planted_bug_is_caught() {
         (Fault::SplitFirstPartOnly, Part::Regressions, "dx_split3"),
         (Fault::SumSkipsLastPart, Part::Kernels, "sum_parts"),
         (Fault::SumSkipsLastPart, Part::Regressions, "dx_split2"),
+        // One planted fault per loss term: each kernel case of the term,
+        // and the driver-level regression case, must catch it.
+        (Fault::KlIgnoresSoftcap, Part::Kernels, "kl_rows_softcap:"),
+        (Fault::KlIgnoresSoftcap, Part::Regressions, "terms_softcap_tau2"),
+        (Fault::KlIgnoresTail, Part::Kernels, "kl_rows_tail_bucket:"),
+        (Fault::KlIgnoresTail, Part::Kernels, "kl_rows_tail_none:"),
+        (Fault::KlIgnoresTail, Part::Regressions, "terms_bucket_logprobs"),
+        (Fault::KlIgnoresHard, Part::Kernels, "kl_rows_hard:"),
+        (Fault::KlIgnoresHard, Part::Regressions, "terms_hard_smoothing"),
+        (Fault::KlIgnoresSmoothing, Part::Kernels, "kl_rows_hard:"),
+        (Fault::KlIgnoresSmoothing, Part::Regressions, "terms_hard_smoothing"),
+        (Fault::KlIgnoresZLoss, Part::Kernels, "kl_rows_z_loss:"),
+        (Fault::KlIgnoresZLoss, Part::Regressions, "terms_z_loss"),
+        (Fault::KlIgnoresSoftWeight, Part::Kernels, "kl_rows_soft_weight:"),
+        (Fault::KlIgnoresSoftWeight, Part::Regressions, "terms_everything"),
+        (Fault::KlLseOffset, Part::Kernels, "lse: "),
+        (Fault::TopkIgnoresSoftcap, Part::Kernels, "topk_rows_softcap:"),
+        (
+            Fault::TopkIgnoresSoftcap,
+            Part::Kernels,
+            "topk_rows_logprobs_softcap_wide:",
+        ),
+        (Fault::TopkIgnoresLogprobs, Part::Kernels, "topk_rows_logprobs:"),
     ];
     for (fault, part, needle) in expect {
         let f = failures(fault, part);

@@ -32,9 +32,13 @@ pub enum ResidentKernel {
     /// Weights → total, gscale and the KL and dx coefficients; bad weights
     /// flagged. One workgroup.
     WeightStats,
-    /// The caller's teacher rows checked, clamped and renormalized into
+    /// The caller's teacher rows (probabilities or log-probabilities)
+    /// checked, clamped and renormalized (in the renormalize tail mode) into
     /// scratch, with each row's KL coefficient.
     TeacherRows,
+    /// The caller's labels checked into the KL kernel's per-row inputs
+    /// (none where no labels are given).
+    LabelsIn,
     /// The caller's f32, f16 or bf16 hidden rows into the padded f16 operand.
     HiddenIn,
     /// A chunk's loss and dx into the caller's buffers.
@@ -47,9 +51,10 @@ pub enum ResidentKernel {
 
 impl ResidentKernel {
     /// Every kernel.
-    pub const ALL: [ResidentKernel; 6] = [
+    pub const ALL: [ResidentKernel; 7] = [
         ResidentKernel::WeightStats,
         ResidentKernel::TeacherRows,
+        ResidentKernel::LabelsIn,
         ResidentKernel::HiddenIn,
         ResidentKernel::LossOut,
         ResidentKernel::TopkOut,
@@ -62,6 +67,7 @@ impl ResidentKernel {
         match self {
             ResidentKernel::WeightStats => resident_shader!("resident_stats.wgsl"),
             ResidentKernel::TeacherRows => resident_shader!("resident_teacher.wgsl"),
+            ResidentKernel::LabelsIn => resident_shader!("resident_labels.wgsl"),
             ResidentKernel::HiddenIn => resident_shader!("resident_hidden.wgsl"),
             ResidentKernel::LossOut => resident_shader!("resident_loss_out.wgsl"),
             ResidentKernel::TopkOut => resident_shader!("resident_topk_out.wgsl"),
@@ -79,6 +85,7 @@ impl ResidentKernel {
         match self {
             ResidentKernel::WeightStats => "weight_stats",
             ResidentKernel::TeacherRows => "teacher_rows",
+            ResidentKernel::LabelsIn => "labels_in",
             ResidentKernel::HiddenIn => "hidden_in",
             ResidentKernel::LossOut => "loss_out",
             ResidentKernel::TopkOut => "topk_out",
@@ -99,10 +106,11 @@ impl ResidentKernel {
         match self {
             ResidentKernel::WeightStats => &[Read, ReadWrite],
             ResidentKernel::TeacherRows => &[Read, Read, Read, ReadWrite, ReadWrite, ReadWrite, ReadWrite],
+            ResidentKernel::LabelsIn => &[Read, ReadWrite, ReadWrite],
             ResidentKernel::HiddenIn => &[Read, ReadWrite],
-            ResidentKernel::LossOut => &[Read, Read, ReadWrite, ReadWrite, ReadWrite],
+            ResidentKernel::LossOut => &[Read, Read, ReadWrite, ReadWrite, ReadWrite, ReadWrite],
             ResidentKernel::TopkOut => &[Read, Read, ReadWrite, ReadWrite, ReadWrite],
-            ResidentKernel::StatusDetail => &[Read, Read, Read, ReadWrite],
+            ResidentKernel::StatusDetail => &[Read, Read, Read, ReadWrite, Read],
         }
     }
 

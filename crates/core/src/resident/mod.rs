@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::params::ResidentParams;
 use crate::problem::{check_k, TopkOptions, DEFAULT_BUDGET_BYTES};
 use crate::scratch::Job;
+use crate::terms::{LossTerms, TailMode, TeacherForm};
 use crate::{round_up, ALIGN};
 
 /// Element type of hidden rows in a device buffer.
@@ -109,6 +110,20 @@ pub struct DeviceLossOptions<'a, Buf> {
     pub budget_bytes: u64,
     /// Test knob: at most this many tokens per chunk.
     pub max_rows_per_chunk: Option<usize>,
+    /// How the teacher's `probs` buffer holds its values: probabilities
+    /// (default) or log-probabilities over the full vocabulary.
+    pub teacher_form: TeacherForm,
+    /// The teacher's tail mode (default: renormalized over the k).
+    pub tail: TailMode,
+    /// The loss terms (the same [`LossTerms`] and checks as the host path).
+    pub terms: LossTerms,
+    /// Labels u32 `[ntok]` on the device ([`crate::NO_LABEL`]: none),
+    /// needed when `terms.hard_weight > 0`. A label at or past V is flagged
+    /// like bad teacher data.
+    pub labels: Option<&'a Buf>,
+    /// Optional output: per token `[lse, soft, hard]`, f32 `[ntok][3]`
+    /// (the host path's `LossOutput::{lse, soft, hard}`).
+    pub terms_out: Option<&'a Buf>,
 }
 
 impl<Buf> Default for DeviceLossOptions<'_, Buf> {
@@ -121,6 +136,11 @@ impl<Buf> Default for DeviceLossOptions<'_, Buf> {
             accumulate_dx: false,
             budget_bytes: DEFAULT_BUDGET_BYTES,
             max_rows_per_chunk: None,
+            teacher_form: TeacherForm::Probs,
+            tail: TailMode::Renormalize,
+            terms: LossTerms::default(),
+            labels: None,
+            terms_out: None,
         }
     }
 }
@@ -139,7 +159,8 @@ pub(crate) struct ResidentScratch<B: Backend> {
 }
 
 struct LossScratch<B: Backend> {
-    coef: B::Buffer,
+    /// The KL kernel's per-row inputs `[rows][2]`: coefficient, label.
+    row_in: B::Buffer,
     loss: B::Buffer,
     grad: B::Buffer,
     dx: B::Buffer,
@@ -250,8 +271,8 @@ impl<B: ResidentBackend> Engine<B> {
         let probs = b.alloc(r * k64 * 4, "probs")?;
         let loss_buffers = if job == Job::Loss {
             Some(LossScratch {
-                coef: b.alloc(r * 4, "coef")?,
-                loss: b.alloc(r * 4, "loss")?,
+                row_in: b.alloc(r * 8, "row_in")?,
+                loss: b.alloc(r * 16, "loss")?,
                 grad: b.alloc(r * v * 2, "grad")?,
                 dx: b.alloc(r * h * 4, "dx")?,
             })
@@ -370,6 +391,18 @@ impl<B: ResidentBackend> Engine<B> {
         if let Some(w) = opts.weights {
             self.check_view("weights", w, ntok * 4)?;
         }
+        opts.terms.check()?;
+        if opts.terms.hard_on() && opts.labels.is_none() {
+            return Err(Error::HardWeightWithoutLabels {
+                value: opts.terms.hard_weight,
+            });
+        }
+        if let Some(l) = opts.labels {
+            self.check_view("labels", l, ntok * 4)?;
+        }
+        if let Some(t) = opts.terms_out {
+            self.check_view("terms_out", t, ntok * 3 * 4)?;
+        }
         if !(opts.temperature > 0.0 && opts.temperature.is_finite()) {
             return Err(Error::InvalidTemperature {
                 value: opts.temperature,
@@ -409,9 +442,17 @@ impl<B: ResidentBackend> Engine<B> {
             f0: opts.total.unwrap_or(0.0),
             f1: opts.gscale.unwrap_or(0.0),
             f2: 1.0 / opts.temperature,
+            f3: opts.terms.grad_bound(opts.temperature) as f32,
             ..ResidentParams::default()
         };
         b.resident_dispatch(ResidentKernel::WeightStats, &[weights, status], &stats, 1)?;
+        let teacher_flags = has_w | (opts.teacher_form.code() << 1) | (opts.tail.code() << 2);
+        // Labels are checked whenever given (as the host path does); the KL
+        // kernel reads them only with the hard term on.
+        let labels = opts.labels;
+        // Unread slots get a buffer already at hand.
+        let labels_buf = labels.unwrap_or(teacher.ids);
+        let terms_out = opts.terms_out.unwrap_or(&s.probs);
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
             self.resident_logits(s, hidden, start, rows, opts.temperature)?;
@@ -423,22 +464,44 @@ impl<B: ResidentBackend> Engine<B> {
                 off_a: (start * k) as u32,
                 off_b: (start * k) as u32,
                 off_c: start as u32,
-                flags: has_w,
+                flags: teacher_flags,
                 ..ResidentParams::default()
             };
             b.resident_dispatch(
                 ResidentKernel::TeacherRows,
-                &[teacher.ids, teacher.probs, weights, status, &s.ids, &s.probs, &ls.coef],
+                &[
+                    teacher.ids,
+                    teacher.probs,
+                    weights,
+                    status,
+                    &s.ids,
+                    &s.probs,
+                    &ls.row_in,
+                ],
                 &teacher_params,
                 rows as u64,
             )?;
-            let kl = KlDesc {
-                rows,
-                vocab: self.vocab,
-                ld: self.vocab_padded,
-                k,
+            let labels_params = ResidentParams {
+                rows: rows as u32,
+                vocab: self.vocab as u32,
+                token0: start as u32,
+                off_a: start as u32,
+                flags: u32::from(labels.is_some()),
+                ..ResidentParams::default()
             };
-            b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.coef, &ls.loss, &ls.grad, &kl)?;
+            b.resident_dispatch(
+                ResidentKernel::LabelsIn,
+                &[labels_buf, status, &ls.row_in],
+                &labels_params,
+                (rows as u64).div_ceil(256),
+            )?;
+            let kl = KlDesc {
+                temperature: opts.temperature,
+                tail: opts.tail,
+                terms: opts.terms,
+                ..KlDesc::plain(rows, self.vocab, self.vocab_padded, k)
+            };
+            b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
             // device.
             self.dx(&ls.grad, &ls.dx, &s.logits, rows_padded, 1.0)?;
@@ -449,12 +512,12 @@ impl<B: ResidentBackend> Engine<B> {
                 token0: start as u32,
                 off_a: start as u32,
                 off_b: (start * self.hs) as u32,
-                flags: u32::from(opts.accumulate_dx) << 1,
+                flags: (u32::from(opts.accumulate_dx) << 1) | (u32::from(opts.terms_out.is_some()) << 2),
                 ..ResidentParams::default()
             };
             b.resident_dispatch(
                 ResidentKernel::LossOut,
-                &[&ls.loss, &ls.dx, status, out.loss, out.dx],
+                &[&ls.loss, &ls.dx, status, out.loss, out.dx, terms_out],
                 &out_params,
                 ((rows * self.hs) as u64).div_ceil(256),
             )?;
@@ -462,12 +525,12 @@ impl<B: ResidentBackend> Engine<B> {
         let detail = ResidentParams {
             rows: ntok as u32,
             cols: k as u32,
-            flags: has_w,
+            flags: teacher_flags | (u32::from(labels.is_some()) << 4),
             ..ResidentParams::default()
         };
         b.resident_dispatch(
             ResidentKernel::StatusDetail,
-            &[teacher.ids, teacher.probs, weights, status],
+            &[teacher.ids, teacher.probs, weights, status, labels_buf],
             &detail,
             1,
         )?;
@@ -505,12 +568,7 @@ impl<B: ResidentBackend> Engine<B> {
         };
         for (start, rows) in plan.ranges(ntok) {
             self.resident_logits(s, hidden, start, rows, opts.temperature)?;
-            let desc = TopkDesc {
-                rows,
-                vocab: self.vocab,
-                ld: self.vocab_padded,
-                k,
-            };
+            let desc = TopkDesc::plain(rows, self.vocab, self.vocab_padded, k);
             self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let params = ResidentParams {
                 rows: rows as u32,

@@ -6,11 +6,12 @@
 //! index `token·k + entry`), first row with a repeated id, a bad
 //! probability or a zero sum, first bad weight, first row with non-finite
 //! logits (all `NONE` until set, lowered with atomic min), whether `total`
-//! was not positive and its bits, then the detail the status kernel
+//! was not positive and its bits, first bad label, then the detail the status kernel
 //! records for the first bad teacher row or weight, then the coefficients
 //! the stats kernel resolved.
 
 use crate::error::{Error, Result};
+use crate::terms::{TailMode, MASS_TOLERANCE};
 
 /// Words in the status buffer.
 pub const WORDS: usize = 32;
@@ -31,6 +32,8 @@ pub const S_LOGITS: usize = 3;
 pub const S_TOTAL_BAD: usize = 4;
 /// `total`'s bits.
 pub const S_TOTAL_BITS: usize = 5;
+/// First token whose label is neither below V nor `NONE`.
+pub const S_LABEL: usize = 6;
 /// The detail's kind (0 until the status kernel records one), followed by
 /// its row, two operands and value (`S_D_*`).
 pub const S_KIND: usize = 8;
@@ -61,11 +64,18 @@ pub const KIND_ROW_SUM: u32 = 5;
 pub const KIND_WEIGHT_NON_FINITE: u32 = 6;
 /// Detail kind: a negative weight.
 pub const KIND_WEIGHT_NEGATIVE: u32 = 7;
+/// Detail kind: a teacher log-probability above 0 or NaN.
+pub const KIND_LOGPROB: u32 = 8;
+/// Detail kind: a teacher row's mass above 1 in the bucket or none tail
+/// mode (operand b: the tail mode's code).
+pub const KIND_MASS: u32 = 9;
+/// Detail kind: a label out of range (value: the label).
+pub const KIND_LABEL: u32 = 10;
 
 /// The status words of a buffer with nothing flagged.
 pub fn cleared() -> [u32; WORDS] {
     let mut w = [0u32; WORDS];
-    for i in [S_ID_RANGE, S_ROW, S_WEIGHT, S_LOGITS] {
+    for i in [S_ID_RANGE, S_ROW, S_WEIGHT, S_LOGITS, S_LABEL] {
         w[i] = NONE;
     }
     w
@@ -107,6 +117,26 @@ pub fn to_result(words: &[u32; WORDS], vocab: usize) -> Result<()> {
         }
         KIND_WEIGHT_NON_FINITE => return Err(Error::NonFiniteWeight { row, value }),
         KIND_WEIGHT_NEGATIVE => return Err(Error::NegativeWeight { row, value }),
+        KIND_LOGPROB => return Err(Error::InvalidLogProbability { row, col: a, value }),
+        KIND_MASS => {
+            let tail = [TailMode::Renormalize, TailMode::Bucket, TailMode::Unnormalized]
+                .into_iter()
+                .find(|t| t.code() == b)
+                .unwrap_or(TailMode::Bucket);
+            return Err(Error::TeacherMassAboveOne {
+                row,
+                sum: f64::from(value),
+                tolerance: MASS_TOLERANCE,
+                tail: tail.name(),
+            });
+        }
+        KIND_LABEL => {
+            return Err(Error::LabelOutOfRange {
+                row,
+                label: i64::from(words[S_D_VALUE]),
+                vocab,
+            })
+        }
         other => {
             return Err(Error::Backend {
                 backend: "driver",
@@ -114,7 +144,7 @@ pub fn to_result(words: &[u32; WORDS], vocab: usize) -> Result<()> {
             })
         }
     }
-    if [S_ID_RANGE, S_ROW, S_WEIGHT].iter().any(|&i| words[i] != NONE) {
+    if [S_ID_RANGE, S_ROW, S_WEIGHT, S_LABEL].iter().any(|&i| words[i] != NONE) {
         // The status kernel runs after every head_kl_device call: a flag
         // without its detail means the buffer was overwritten.
         return Err(Error::Backend {

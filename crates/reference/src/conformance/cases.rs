@@ -1,7 +1,7 @@
 //! Driver-level cases: a [`Case`] through [`Engine`] against
 //! [`crate::direct`]; the fixed regression list; the error cases.
 
-use headkl_core::{Backend, DxSplit, Engine, Error, HiddenData, LossOptions};
+use headkl_core::{Backend, DxSplit, Engine, Error, HiddenData, LossOptions, LossTerms, TailMode, TeacherForm};
 
 use super::overlap::CountInFlight;
 use super::{engine_for, Measured};
@@ -195,7 +195,43 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "dx_split2_five_slices_chunks_head_kl",
         "dx_split3_one_slice_head_kl",
         "dx_split3_partials_outgrow_logits_head_kl",
+        "terms_softcap_tau2_head_kl",
+        "terms_bucket_logprobs_head_kl",
+        "terms_tail_none_head_kl",
+        "terms_hard_smoothing_head_kl",
+        "terms_z_loss_head_kl",
+        "terms_everything_slices_chunks_head_kl",
     ]
+}
+
+/// `case` with the loss terms: the teacher in `form` and `tail` mode (its
+/// rows scaled to 60–90% of the mass outside renormalize, every fourth
+/// row to all of it), `terms`, and labels when the hard term is on (every
+/// fifth token without one).
+fn with_terms(mut case: Case, form: TeacherForm, tail: TailMode, terms: LossTerms) -> Case {
+    let k = case.k;
+    for (t, row) in case.teacher_probs.chunks_exact_mut(k).enumerate() {
+        let sum: f32 = row.iter().sum();
+        let mass = match tail {
+            TailMode::Renormalize => 1.0,
+            _ if t % 4 == 3 => 1.0,
+            _ => 0.6 + 0.03 * ((t * 7) % 10) as f32,
+        };
+        row.iter_mut().for_each(|p| *p *= mass / sum);
+    }
+    case.teacher_form = form;
+    case.tail = tail;
+    case.terms = terms;
+    if terms.hard_on() {
+        let vocab = case.vocab as i64;
+        case.labels = Some(
+            (0..case.ntok as i64)
+                .map(|t| if t % 5 == 4 { -1 } else { (t * 37 + 11) % vocab })
+                .collect(),
+        );
+    }
+    case.name = format!("{}[{} {}]", case.name, form.name(), tail.name());
+    case
 }
 
 /// Builds the regression case `name`.
@@ -404,6 +440,77 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
             dx_split: Some((DxSplit::Parts(3), vec![3])),
             ..from(params(HeadKl, 130, 320, 20, 8, 33))
         },
+        "terms_softcap_tau2_head_kl" => {
+            let case = Case::from_params(&CaseParams {
+                large: true,
+                temperature: 2.0,
+                masked: true,
+                ..params(HeadKl, 300, 40, 20, 8, 34)
+            });
+            let terms = LossTerms {
+                softcap: Some(3.0),
+                ..LossTerms::default()
+            };
+            plain(with_terms(case, TeacherForm::Probs, TailMode::Renormalize, terms))
+        }
+        "terms_bucket_logprobs_head_kl" => {
+            let case = Case::from_params(&params(HeadKl, 500, 48, 24, 16, 35));
+            plain(with_terms(
+                case,
+                TeacherForm::Logprobs,
+                TailMode::Bucket,
+                LossTerms::default(),
+            ))
+        }
+        "terms_tail_none_head_kl" => {
+            let case = Case::from_params(&params(HeadKl, 257, 33, 19, 5, 36));
+            plain(with_terms(
+                case,
+                TeacherForm::Probs,
+                TailMode::Unnormalized,
+                LossTerms::default(),
+            ))
+        }
+        "terms_hard_smoothing_head_kl" => {
+            let case = Case::from_params(&CaseParams {
+                masked: true,
+                ..params(HeadKl, 400, 40, 25, 8, 37)
+            });
+            let terms = LossTerms {
+                hard_weight: 0.5,
+                label_smoothing: 0.1,
+                ..LossTerms::default()
+            };
+            plain(with_terms(case, TeacherForm::Probs, TailMode::Renormalize, terms))
+        }
+        "terms_z_loss_head_kl" => {
+            let case = Case::from_params(&params(HeadKl, 350, 24, 17, 6, 38));
+            let terms = LossTerms {
+                z_loss: 1e-2,
+                ..LossTerms::default()
+            };
+            plain(with_terms(case, TeacherForm::Probs, TailMode::Renormalize, terms))
+        }
+        "terms_everything_slices_chunks_head_kl" => {
+            let case = Case::from_params(&CaseParams {
+                masked: true,
+                temperature: 1.5,
+                max_rows_per_slice: Some(256),
+                max_rows_per_chunk: Some(16),
+                ..params(HeadKl, 700, 56, 40, 12, 39)
+            });
+            let terms = LossTerms {
+                soft_weight: 0.7,
+                hard_weight: 0.5,
+                label_smoothing: 0.1,
+                z_loss: 1e-3,
+                softcap: Some(4.0),
+            };
+            let mut r = plain(with_terms(case, TeacherForm::Logprobs, TailMode::Bucket, terms));
+            r.min_slices = 3;
+            r.min_chunks = 3;
+            r
+        }
         other => return Err(format!("no regression case named {other}")),
     };
     Ok(r)

@@ -6,10 +6,12 @@
 
 use half::f16;
 use headkl_core::split::k_part_range;
-use headkl_core::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
+use headkl_core::{
+    Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, LossTerms, SumPartsDesc, TailMode, TopkDesc, NO_LABEL,
+};
 
 use super::Measured;
-use crate::direct::{softmax_over, topk_of_row, DirectLoss, DirectTopK};
+use crate::direct::{row_terms_f64, softmax_over, topk_of_row, DirectLoss, DirectTopK, RowTeacher};
 use crate::strategies::{residue_ids, Rng};
 use crate::tolerance::Tolerance;
 
@@ -109,6 +111,14 @@ pub(crate) struct RowSpec {
     k: usize,
     patterns: Vec<Row>,
     seed: u64,
+    /// `topk_rows` only: write log-probabilities over the full row (the
+    /// cap, for both kernels, is `terms.softcap`).
+    logprobs: bool,
+    /// `kl_rows` only: τ, the tail mode and the terms (default: the
+    /// seed's loss).
+    temperature: f32,
+    tail: TailMode,
+    terms: LossTerms,
 }
 
 /// One kernel-level case.
@@ -182,7 +192,34 @@ fn rows(name: &'static str, rows: usize, vocab: usize, ld: usize, k: usize, patt
         k,
         patterns: patterns.to_vec(),
         seed: 0x5EED ^ (vocab as u64) << 16 ^ k as u64,
+        logprobs: false,
+        temperature: 1.0,
+        tail: TailMode::Renormalize,
+        terms: LossTerms::default(),
     }
+}
+
+/// A `topk_rows` case with a softcap on the scaled logits and, or,
+/// log-probabilities over the full row.
+fn topk_terms(spec: RowSpec, cap: Option<f32>, logprobs: bool) -> KernelCase {
+    KernelCase::Topk(RowSpec {
+        logprobs,
+        terms: LossTerms {
+            softcap: cap,
+            ..LossTerms::default()
+        },
+        ..spec
+    })
+}
+
+/// A `kl_rows` case with the loss terms: τ, the tail mode and the terms.
+fn kl_terms(spec: RowSpec, temperature: f32, tail: TailMode, terms: LossTerms) -> KernelCase {
+    KernelCase::Kl(RowSpec {
+        temperature,
+        tail,
+        terms,
+        ..spec
+    })
 }
 
 /// The kernel-level cases, in order.
@@ -276,6 +313,103 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             4,
             &[Normal, Nan, PosInf, NegLarge, Infs],
         )),
+    ]);
+    // The loss terms one at a time, then together (README "Loss terms").
+    let terms_rows = |name| {
+        rows(
+            name,
+            7,
+            300,
+            304,
+            8,
+            &[Normal, Flat, Large, Ties, Masked, ZeroProbs, Normal],
+        )
+    };
+    let cap = |c| LossTerms {
+        softcap: Some(c),
+        ..LossTerms::default()
+    };
+    let hard = LossTerms {
+        hard_weight: 0.7,
+        label_smoothing: 0.1,
+        ..LossTerms::default()
+    };
+    let everything = LossTerms {
+        soft_weight: 0.8,
+        hard_weight: 0.5,
+        label_smoothing: 0.1,
+        z_loss: 1e-3,
+        softcap: Some(30.0),
+    };
+    v.extend([
+        kl_terms(terms_rows("softcap"), 1.0, TailMode::Renormalize, cap(5.0)),
+        kl_terms(terms_rows("softcap_tau"), 0.5, TailMode::Renormalize, cap(5.0)),
+        kl_terms(terms_rows("tail_bucket"), 1.0, TailMode::Bucket, LossTerms::default()),
+        kl_terms(
+            terms_rows("tail_none"),
+            1.0,
+            TailMode::Unnormalized,
+            LossTerms::default(),
+        ),
+        kl_terms(terms_rows("hard"), 1.0, TailMode::Renormalize, hard),
+        kl_terms(
+            terms_rows("hard_only"),
+            1.0,
+            TailMode::Renormalize,
+            LossTerms {
+                soft_weight: 0.0,
+                hard_weight: 1.0,
+                ..LossTerms::default()
+            },
+        ),
+        kl_terms(
+            terms_rows("z_loss"),
+            1.0,
+            TailMode::Renormalize,
+            LossTerms {
+                z_loss: 1e-2,
+                ..LossTerms::default()
+            },
+        ),
+        kl_terms(
+            terms_rows("soft_weight"),
+            1.0,
+            TailMode::Renormalize,
+            LossTerms {
+                soft_weight: 0.25,
+                ..LossTerms::default()
+            },
+        ),
+        kl_terms(terms_rows("everything_tau2"), 2.0, TailMode::Bucket, everything),
+        kl_terms(terms_rows("everything_none"), 0.7, TailMode::Unnormalized, everything),
+        kl_terms(
+            rows(
+                "everything_wide",
+                4,
+                8_203,
+                8_208,
+                64,
+                &[Normal, Large, OneNan, Ascending],
+            ),
+            2.0,
+            TailMode::Bucket,
+            everything,
+        ),
+        kl_terms(
+            rows(
+                "everything_non_finite",
+                5,
+                100,
+                112,
+                4,
+                &[Normal, Nan, PosInf, NegLarge, Infs],
+            ),
+            1.5,
+            TailMode::Bucket,
+            everything,
+        ),
+    ]);
+    v.extend([
         KernelCase::Topk(rows(
             "general",
             8,
@@ -288,6 +422,42 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         KernelCase::Topk(rows("k_eq_v", 2, 40, 48, 40, &[Ties, Normal])),
         KernelCase::Topk(rows("k256_wide_stride", 2, 700, 768, 256, &[Ties, Large])),
         KernelCase::Topk(rows("k2048", 3, 2500, 2512, 2048, &[Normal, Ties, Flat])),
+        topk_terms(
+            rows(
+                "softcap",
+                6,
+                1000,
+                1008,
+                64,
+                &[Normal, Large, Ties, NegLarge, Nan, Flat],
+            ),
+            Some(5.0),
+            false,
+        ),
+        topk_terms(
+            rows(
+                "logprobs",
+                6,
+                1000,
+                1008,
+                64,
+                &[Normal, Large, Ties, NegLarge, PosInf, Flat],
+            ),
+            None,
+            true,
+        ),
+        topk_terms(
+            rows(
+                "logprobs_softcap_wide",
+                3,
+                8_203,
+                8_208,
+                256,
+                &[Normal, Large, Ascending],
+            ),
+            Some(15.0),
+            true,
+        ),
         KernelCase::Topk(rows(
             "residue256",
             4,
@@ -346,9 +516,20 @@ impl KernelCase {
             KernelCase::Gemm(g) => format!("{g:?}"),
             KernelCase::SumParts(s) => format!("{s:?}"),
             KernelCase::Convert(c) => format!("{c:?}"),
-            KernelCase::Kl(r) | KernelCase::Topk(r) => format!(
-                "rows={} vocab={} ld={} k={} rows: {:?}",
-                r.rows, r.vocab, r.ld, r.k, r.patterns
+            KernelCase::Kl(r) => format!(
+                "rows={} vocab={} ld={} k={} rows: {:?} τ={} tail={} {:?}",
+                r.rows,
+                r.vocab,
+                r.ld,
+                r.k,
+                r.patterns,
+                r.temperature,
+                r.tail.name(),
+                r.terms
+            ),
+            KernelCase::Topk(r) => format!(
+                "rows={} vocab={} ld={} k={} rows: {:?} cap={:?} logprobs={}",
+                r.rows, r.vocab, r.ld, r.k, r.patterns, r.terms.softcap, r.logprobs
             ),
         }
     }
@@ -694,7 +875,7 @@ fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Me
     let total_rows = r.rows + r.extra_rows;
     let mut ids = vec![0u32; total_rows * r.k];
     let mut probs = vec![0f32; total_rows * r.k];
-    let mut coef = vec![0f32; total_rows];
+    let mut row_in = vec![0u32; total_rows * 2];
     for t in 0..r.rows {
         let pattern = r.patterns[t % r.patterns.len()];
         let row_ids = if pattern == Row::Residue {
@@ -712,68 +893,86 @@ fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Me
             })
             .collect();
         let s: f64 = p.iter().sum();
-        p.iter_mut().for_each(|v| *v /= s);
+        // Outside renormalize, the k hold a share of the vocabulary: every
+        // third row all of it (an empty tail), the others 60–90%.
+        let mass = match r.tail {
+            TailMode::Renormalize => 1.0,
+            _ if t % 3 == 2 => 1.0,
+            _ => 0.6 + 0.3 * rng.uniform(),
+        };
+        p.iter_mut().for_each(|v| *v *= mass / s);
         for q in 0..r.k {
             ids[t * r.k + q] = row_ids[q] as u32;
             probs[t * r.k + q] = p[q] as f32;
         }
-        coef[t] = if pattern == Row::Masked {
+        let coef = if pattern == Row::Masked {
             0.0
         } else {
             1024.0 * (t + 1) as f32
         };
+        // With a hard term: the label among the k, outside them, or none.
+        let label = match t % 3 {
+            _ if !r.terms.hard_on() => NO_LABEL,
+            0 => row_ids[0] as u32,
+            1 => (0..r.vocab)
+                .find(|j| !row_ids.contains(j))
+                .map_or(NO_LABEL, |j| j as u32),
+            _ => NO_LABEL,
+        };
+        row_in[2 * t] = coef.to_bits();
+        row_in[2 * t + 1] = label;
     }
     let logits_buf = upload(b, bytemuck::cast_slice(&logits), "kl logits")?;
     let ids_buf = upload(b, bytemuck::cast_slice(&ids), "kl ids")?;
     let probs_buf = upload(b, bytemuck::cast_slice(&probs), "kl probs")?;
-    let coef_buf = upload(b, bytemuck::cast_slice(&coef), "kl coef")?;
-    let loss_buf = upload(b, bytemuck::cast_slice(&vec![f32::NAN; total_rows]), "kl loss")?;
+    let row_in_buf = upload(b, bytemuck::cast_slice(&row_in), "kl row_in")?;
+    let loss_buf = upload(b, bytemuck::cast_slice(&vec![f32::NAN; total_rows * 4]), "kl loss")?;
     let grad_buf = upload(b, bytemuck::cast_slice(&vec![f16::NAN; total_rows * r.ld]), "kl grad")?;
     let desc = KlDesc {
-        rows: r.rows,
-        vocab: r.vocab,
-        ld: r.ld,
-        k: r.k,
+        temperature: r.temperature,
+        tail: r.tail,
+        terms: r.terms,
+        ..KlDesc::plain(r.rows, r.vocab, r.ld, r.k)
     };
     b.kl_rows(
         &logits_buf,
         &ids_buf,
         &probs_buf,
-        &coef_buf,
+        &row_in_buf,
         &loss_buf,
         &grad_buf,
         &desc,
     )
     .map_err(|e| format!("kl_rows: {e}"))?;
-    let loss: Vec<f32> = download(b, &loss_buf, total_rows, "loss")?;
+    let out: Vec<f32> = download(b, &loss_buf, total_rows * 4, "loss")?;
     let grad: Vec<f16> = download(b, &grad_buf, total_rows * r.ld, "grad")?;
 
-    // The formula in f64 on the same f32 logits, for the finite rows.
-    let (mut want_loss, mut got_loss, mut want_grad, mut got_grad) = (vec![], vec![], vec![], vec![]);
+    // The formulas in f64 on the same f32 logits, for the finite rows:
+    // [loss, lse, soft, hard] and c·∂L/∂s.
+    let mut want: [Vec<f64>; 4] = Default::default();
+    let mut got: [Vec<f32>; 4] = Default::default();
+    let (mut want_grad, mut got_grad) = (vec![], vec![]);
     let mut bad = Bad::new();
     for (t, s) in rows64.iter().enumerate() {
         let pattern = r.patterns[t % r.patterns.len()];
         if pattern.bad() {
-            if !loss[t].is_nan() {
-                bad.push(|| format!("loss[{t}] = {} for a row with a non-finite logit, want NaN", loss[t]));
+            if !out[t * 4].is_nan() {
+                bad.push(|| format!("loss[{t}] = {} for a row with a non-finite logit, want NaN", out[t * 4]));
             }
             continue;
         }
-        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let lse = m + s.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
-        let mut l = 0f64;
-        let mut g: Vec<f64> = s.iter().map(|v| (v - lse).exp()).collect();
-        for q in 0..r.k {
-            let (id, p) = (ids[t * r.k + q] as usize, f64::from(probs[t * r.k + q]));
-            if p > 0.0 {
-                l += p * (p.ln() - (s[id] - lse));
-            }
-            g[id] -= p;
+        let teacher = RowTeacher {
+            ids: &ids[t * r.k..(t + 1) * r.k],
+            probs: &probs[t * r.k..(t + 1) * r.k],
+            tail: r.tail,
+        };
+        let terms = row_terms_f64(s, teacher, row_in[2 * t + 1], r.temperature, &r.terms);
+        for (i, v) in [terms.loss, terms.lse, terms.soft, terms.hard].into_iter().enumerate() {
+            want[i].push(v);
+            got[i].push(out[t * 4 + i]);
         }
-        want_loss.push(l);
-        got_loss.push(loss[t]);
-        let c = f64::from(coef[t]);
-        want_grad.extend(g.iter().map(|v| c * v));
+        let c = f64::from(f32::from_bits(row_in[2 * t]));
+        want_grad.extend(terms.grad.iter().map(|v| c * v));
         got_grad.extend(grad[t * r.ld..t * r.ld + r.vocab].iter().map(|v| v.to_f32()));
         for j in r.vocab..r.ld {
             let v = grad[t * r.ld + j].to_f32();
@@ -788,25 +987,27 @@ fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Me
         }
     }
     for t in r.rows..total_rows {
-        if !loss[t].is_nan() {
-            bad.push(|| format!("loss[{t}] (past rows = {}) was written", r.rows));
+        if let Some(i) = (0..4).find(|&i| !out[t * 4 + i].is_nan()) {
+            bad.push(|| format!("loss[{t}][{i}] (past rows = {}) was written", r.rows));
         }
         if let Some(j) = (0..r.ld).find(|&j| !grad[t * r.ld + j].is_nan()) {
             bad.push(|| format!("grad[{t}][{j}] (past rows = {}) was written", r.rows));
         }
     }
     bad.check("kl_rows")?;
-    let n = want_loss.len().max(1) as f64;
-    let want = DirectLoss {
-        mean: want_loss.iter().sum::<f64>() / n,
-        loss: want_loss,
-        dx: Vec::new(),
-    };
-    let got_mean = got_loss.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
-    let loss_err = tol.check_loss(&got_loss, got_mean, &want).map_err(|e| e.to_string())?;
+    let mut loss_err = 0f64;
+    for (i, name) in ["loss", "lse", "soft part", "hard part"].into_iter().enumerate() {
+        let want = DirectLoss::of_losses(std::mem::take(&mut want[i]));
+        let n = want.loss.len().max(1) as f64;
+        let got_mean = got[i].iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+        let err = tol
+            .check_loss(&got[i], got_mean, &want)
+            .map_err(|e| format!("{name}: {e}"))?;
+        loss_err = loss_err.max(err);
+    }
     let grad_err = tol
         .check_dx_rows(&got_grad, &want_grad, Some(r.vocab))
-        .map_err(|e| format!("grad (f16, vs c·(p_S − p_T)): {e}"))?;
+        .map_err(|e| format!("grad (f16, vs c·∂L/∂s): {e}"))?;
     Ok(Measured {
         loss: Some(loss_err),
         dx: Some(grad_err),
@@ -822,10 +1023,9 @@ fn run_topk<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<
     let ids_buf = upload(b, bytemuck::cast_slice(&vec![u32::MAX; total_rows * r.k]), "topk ids")?;
     let probs_buf = upload(b, bytemuck::cast_slice(&vec![f32::NAN; total_rows * r.k]), "topk probs")?;
     let desc = TopkDesc {
-        rows: r.rows,
-        vocab: r.vocab,
-        ld: r.ld,
-        k: r.k,
+        cap: r.terms.softcap,
+        logprobs: r.logprobs,
+        ..TopkDesc::plain(r.rows, r.vocab, r.ld, r.k)
     };
     b.topk_rows(&logits_buf, &ids_buf, &probs_buf, &desc)
         .map_err(|e| format!("topk_rows: {e}"))?;
@@ -865,7 +1065,14 @@ fn run_topk<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<
         }
         good_ids.extend_from_slice(row_ids);
         good_probs.extend_from_slice(&probs[t * r.k..(t + 1) * r.k]);
-        good_logits.extend_from_slice(s);
+        // The values are the capped logits (the selection stays on the raw).
+        match r.terms.softcap {
+            Some(c) => {
+                let c = f64::from(c);
+                good_logits.extend(s.iter().map(|&v| c * (v / c).tanh()));
+            }
+            None => good_logits.extend_from_slice(s),
+        }
         want_ids.extend(want);
     }
     for t in r.rows..total_rows {
@@ -875,6 +1082,29 @@ fn run_topk<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<
     }
     bad.check("topk_rows")?;
     let ntok = good_ids.len() / r.k;
+    let mut lp_err = None;
+    if r.logprobs {
+        // Log-probabilities over the full row; judged as values, then
+        // turned into the softmax over the k for the probability check.
+        let mut want_lp = Vec::with_capacity(good_ids.len());
+        for t in 0..ntok {
+            let row = &good_logits[t * r.vocab..(t + 1) * r.vocab];
+            let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+            want_lp.extend(want_ids[t * r.k..(t + 1) * r.k].iter().map(|&j| row[j as usize] - lse));
+        }
+        let want = DirectLoss::of_losses(want_lp);
+        let got_mean = good_probs.iter().map(|&v| f64::from(v)).sum::<f64>() / good_probs.len().max(1) as f64;
+        lp_err = Some(
+            tol.check_loss(&good_probs, got_mean, &want)
+                .map_err(|e| format!("topk logprobs: {e}"))?,
+        );
+        for lp in good_probs.chunks_exact_mut(r.k) {
+            let m = lp.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+            let z: f64 = lp.iter().map(|&v| (f64::from(v) - m).exp()).sum();
+            lp.iter_mut().for_each(|v| *v = ((f64::from(*v) - m).exp() / z) as f32);
+        }
+    }
     let mut want_probs = Vec::with_capacity(good_ids.len());
     for t in 0..ntok {
         want_probs.extend(softmax_over(
@@ -894,6 +1124,7 @@ fn run_topk<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<
         .map_err(|e| e.to_string())?;
     Ok(Measured {
         prob: Some(prob_err),
+        loss: lp_err,
         ..Measured::default()
     })
 }

@@ -16,7 +16,7 @@
 use half::{bf16, f16};
 use headkl_core::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, DxSplit, Error, Hidden, HiddenDtype, LossOptions,
-    ResidentBackend, Teacher,
+    ResidentBackend, TailMode, TeacherForm, NO_LABEL,
 };
 
 use super::{driver_case, engine_for, run_one, CaseOutcome, Measured, Recorder, SuiteConfig, SuiteReport};
@@ -94,22 +94,55 @@ struct HeadKlBuffers<Buf> {
     ids: Buf,
     probs: Buf,
     weights: Option<Buf>,
+    /// u32 labels (`NO_LABEL` for a negative one).
+    labels: Option<Buf>,
     loss: Buf,
     dx: Buf,
+    /// `[ntok][3]`: lse, soft, hard.
+    terms_out: Buf,
 }
 
 impl<Buf> HeadKlBuffers<Buf> {
     fn upload<B: ResidentBackend<Buffer = Buf> + ?Sized>(backend: &B, case: &Case) -> Result<Self, String> {
+        // The teacher's values in its form, as the host path reads them.
+        let values: Vec<f32> = match case.teacher_form {
+            TeacherForm::Probs => case.teacher_probs.clone(),
+            TeacherForm::Logprobs => case.teacher_probs.iter().map(|&p| p.ln()).collect(),
+        };
+        let labels: Option<Vec<u32>> = case
+            .labels
+            .as_ref()
+            .map(|l| l.iter().map(|&v| u32::try_from(v).unwrap_or(NO_LABEL)).collect());
         Ok(Self {
             ids: device_buffer(backend, bytemuck::cast_slice(&case.teacher_ids), "ids")?,
-            probs: device_buffer(backend, bytemuck::cast_slice(&case.teacher_probs), "probs")?,
+            probs: device_buffer(backend, bytemuck::cast_slice(&values), "probs")?,
             weights: match &case.weights {
                 Some(w) => Some(device_buffer(backend, bytemuck::cast_slice(w), "weights")?),
                 None => None,
             },
+            labels: match &labels {
+                Some(l) => Some(device_buffer(backend, bytemuck::cast_slice(l), "labels")?),
+                None => None,
+            },
             loss: device_buffer(backend, &nan_bytes(case.ntok), "loss")?,
             dx: device_buffer(backend, &nan_bytes(case.ntok * case.hs), "dx")?,
+            terms_out: device_buffer(backend, &nan_bytes(case.ntok * 3), "terms_out")?,
         })
+    }
+
+    /// The resident options carrying the case's terms and these buffers.
+    fn options(&self, case: &Case) -> DeviceLossOptions<'_, Buf> {
+        DeviceLossOptions {
+            temperature: case.temperature,
+            weights: self.weights.as_ref(),
+            max_rows_per_chunk: case.max_rows_per_chunk,
+            teacher_form: case.teacher_form,
+            tail: case.tail,
+            terms: case.terms,
+            labels: self.labels.as_ref(),
+            terms_out: Some(&self.terms_out),
+            ..DeviceLossOptions::default()
+        }
     }
 
     fn teacher(&self, k: usize) -> DeviceTeacher<'_, Buf> {
@@ -147,12 +180,7 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
         CaseKind::HeadKl => {
             let (ntok, hs) = (case.ntok, case.hs);
             let bufs = HeadKlBuffers::upload(backend, case)?;
-            let mut opts = DeviceLossOptions {
-                temperature: case.temperature,
-                weights: bufs.weights.as_ref(),
-                max_rows_per_chunk: case.max_rows_per_chunk,
-                ..DeviceLossOptions::default()
-            };
+            let mut opts = bufs.options(case);
             let (teacher, out) = (bufs.teacher(case.k), bufs.output());
             engine
                 .head_kl_device(ntok, &hidden, &teacher, &out, &opts)
@@ -195,9 +223,22 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
                 loss: host.loss.iter().map(|&l| f64::from(l)).collect(),
                 mean: host.mean,
                 dx: host_dx,
+                ..direct::DirectLoss::of_losses(Vec::new())
             };
             tol.check_loss(&got_loss, mean, &host_loss)
                 .map_err(|e| format!("resident vs host path: {e}"))?;
+            // The optional per-token terms against the host path's.
+            let terms = download_f32(backend, &bufs.terms_out, ntok * 3)?;
+            for (c, (name, host_part)) in [("lse", &host.lse), ("soft", &host.soft), ("hard", &host.hard)]
+                .into_iter()
+                .enumerate()
+            {
+                let got: Vec<f32> = (0..ntok).map(|t| terms[t * 3 + c]).collect();
+                let want = direct::DirectLoss::of_losses(host_part.iter().map(|&v| f64::from(v)).collect());
+                let got_mean = got.iter().map(|&v| f64::from(v)).sum::<f64>() / ntok as f64;
+                tol.check_loss(&got, got_mean, &want)
+                    .map_err(|e| format!("resident {name} vs host path: {e}"))?;
+            }
 
             // Accumulated into its own output: dx doubles.
             opts.accumulate_dx = true;
@@ -265,6 +306,10 @@ pub(crate) const RESIDENT_ERROR_CASES: &[(&str, &str)] = &[
         "ids[30][0] out of range and probs[3][1] negative: the host names the id first",
     ),
     ("topk_nan_hidden", "topk: +inf in hidden row 19"),
+    ("logprob_positive", "log-probabilities: logprobs[12][1] = 0.5"),
+    ("logprob_nan", "log-probabilities: logprobs[3][0] = NaN"),
+    ("mass_above_one", "tail bucket: row 9 holds 1.25 of the mass"),
+    ("label_out_of_range", "hard term: labels[27] = V + 3"),
     ("checked_mode", "checked mode: the call itself returns the error"),
 ];
 
@@ -293,7 +338,7 @@ fn error_base() -> Case {
 
 /// The host path's error for `case` (what the resident path must return).
 fn host_error<B: ResidentBackend + ?Sized>(backend: &B, case: &Case) -> Result<Error, String> {
-    let teacher = match Teacher::new(&case.teacher_ids, &case.teacher_probs, case.ntok, case.k, case.vocab) {
+    let teacher = match case.teacher() {
         Ok(t) => t,
         Err(e) => return Ok(e),
     };
@@ -324,11 +369,7 @@ fn resident_error<B: ResidentBackend + ?Sized>(backend: &B, case: &Case, checked
     let call = match case.kind {
         CaseKind::HeadKl => {
             let bufs = HeadKlBuffers::upload(backend, case)?;
-            let opts = DeviceLossOptions {
-                weights: bufs.weights.as_ref(),
-                max_rows_per_chunk: case.max_rows_per_chunk,
-                ..DeviceLossOptions::default()
-            };
+            let opts = bufs.options(case);
             engine.head_kl_device(ntok, &hidden, &bufs.teacher(k), &bufs.output(), &opts)
         }
         CaseKind::Topk => {
@@ -391,9 +432,43 @@ fn error_case(name: &str) -> Result<(Case, bool), String> {
             case.teacher_ids[12 * k + 1] = v + 100;
             checked = true;
         }
+        "logprob_positive" | "logprob_nan" => {
+            // Each row a share of the vocabulary; one value is no log-probability.
+            normalize_rows(&mut case, 0.5);
+            case.teacher_form = TeacherForm::Logprobs;
+            case.tail = TailMode::Bucket;
+            // ln(e^0.5) = 0.5 and ln(NaN) = NaN once the case takes logs.
+            if name == "logprob_positive" {
+                case.teacher_probs[12 * k + 1] = 0.5f32.exp();
+            } else {
+                case.teacher_probs[3 * k] = f32::NAN;
+            }
+        }
+        "mass_above_one" => {
+            normalize_rows(&mut case, 0.8);
+            case.tail = TailMode::Bucket;
+            case.teacher_probs[9 * k..10 * k]
+                .iter_mut()
+                .for_each(|p| *p *= 1.25 / 0.8);
+        }
+        "label_out_of_range" => {
+            case.terms.hard_weight = 0.5;
+            let mut labels: Vec<i64> = (0..case.ntok as i64).map(|t| t * 7 % 300).collect();
+            labels[27] = i64::from(v) + 3;
+            labels[4] = -1;
+            case.labels = Some(labels);
+        }
         other => return Err(format!("unknown resident error case {other}")),
     }
     Ok((case, checked))
+}
+
+/// Scales every teacher row to hold `mass` of the probability.
+fn normalize_rows(case: &mut Case, mass: f32) {
+    for row in case.teacher_probs.chunks_exact_mut(case.k) {
+        let sum: f32 = row.iter().sum();
+        row.iter_mut().for_each(|p| *p *= mass / sum);
+    }
 }
 
 fn set_weight(case: &mut Case, t: usize, value: f32) {
@@ -406,6 +481,21 @@ fn check_error_case<B: ResidentBackend + ?Sized>(backend: &B, name: &str) -> Res
     let (case, checked) = error_case(name)?;
     let want = host_error(backend, &case)?;
     let got = resident_error(backend, &case, checked)?;
+    // The device sums a row's mass in f32: the same error up to that rounding.
+    if let (
+        Error::TeacherMassAboveOne { row, sum, tail, .. },
+        Error::TeacherMassAboveOne {
+            row: want_row,
+            sum: want_sum,
+            tail: want_tail,
+            ..
+        },
+    ) = (&got, &want)
+    {
+        if row == want_row && tail == want_tail && (sum - want_sum).abs() <= 1e-5 * want_sum {
+            return Ok(Measured::default());
+        }
+    }
     // Compared as text: a NaN value in an error is never equal to itself.
     if format!("{got:?}") != format!("{want:?}") {
         return Err(format!("resident path: {got:?}\n    host path:     {want:?}"));
@@ -413,9 +503,20 @@ fn check_error_case<B: ResidentBackend + ?Sized>(backend: &B, name: &str) -> Res
     Ok(Measured::default())
 }
 
+/// The loss-term regression cases ([`super::cases`]) the resident path
+/// runs too: each term, and every term together over slices and chunks.
+pub(crate) const RESIDENT_TERM_CASES: &[&str] = &[
+    "terms_softcap_tau2_head_kl",
+    "terms_bucket_logprobs_head_kl",
+    "terms_tail_none_head_kl",
+    "terms_hard_smoothing_head_kl",
+    "terms_z_loss_head_kl",
+    "terms_everything_slices_chunks_head_kl",
+];
+
 /// Cases [`run_resident`] runs for `cfg`.
 pub fn resident_case_count(cfg: &SuiteConfig) -> usize {
-    cfg.cases + RESIDENT_ERROR_CASES.len()
+    cfg.cases + RESIDENT_TERM_CASES.len() + RESIDENT_ERROR_CASES.len()
 }
 
 /// Runs the resident cases (`cfg.cases` drawn ones) and the resident error
@@ -441,6 +542,29 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
                 name: format!("resident#{index}"),
                 description: String::new(),
                 seed: cfg.seed,
+                passed: false,
+                message,
+                loss_err: None,
+                dx_err: None,
+                prob_err: None,
+            },
+        };
+        rec.push(outcome);
+    }
+    for (i, &name) in RESIDENT_TERM_CASES.iter().enumerate() {
+        let outcome = match super::cases::regression(name) {
+            Ok(r) => {
+                let case = r.case;
+                // f32, f16 and bf16 rows in turn.
+                let dtype = [HiddenDtype::F32, HiddenDtype::Bf16, HiddenDtype::F16][i % 3];
+                run_one(backend, format!("resident_terms/{name}"), case.describe(), 0, || {
+                    check_resident_case(backend, &case, (dtype, DxSplit::Auto), &tol)
+                })
+            }
+            Err(message) => CaseOutcome {
+                name: format!("resident_terms/{name}"),
+                description: String::new(),
+                seed: 0,
                 passed: false,
                 message,
                 loss_err: None,

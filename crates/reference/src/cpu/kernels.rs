@@ -4,7 +4,7 @@
 
 use half::f16;
 use headkl_core::split::k_part_range;
-use headkl_core::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
+use headkl_core::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TailMode, TopkDesc, NO_LABEL};
 
 use super::Precision;
 use crate::par;
@@ -171,62 +171,191 @@ pub(crate) fn convert_f16(src: &[f32], dst: &mut [f16], d: &ConvertDesc) {
     }
 }
 
-/// One row of the KL kernel: returns the loss and writes the gradient row.
-#[allow(clippy::too_many_arguments, reason = "one slice per kernel binding")]
-fn kl_row(
+/// The arithmetic a KL row runs in: f64 (the reference) or f32 (a GPU's).
+trait Real:
+    Copy
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::AddAssign
+{
+    const ZERO: Self;
+    const ONE: Self;
+    fn of(v: f32) -> Self;
+    fn of_usize(v: usize) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn abs(self) -> Self;
+    fn to_f32(self) -> f32;
+    fn to_f16(self) -> f16;
+}
+
+macro_rules! real {
+    ($t:ty, $f16:path) => {
+        impl Real for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            fn of(v: f32) -> Self {
+                Self::from(v)
+            }
+            fn of_usize(v: usize) -> Self {
+                v as Self
+            }
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn abs(self) -> Self {
+                <$t>::abs(self)
+            }
+            fn to_f32(self) -> f32 {
+                self as f32
+            }
+            fn to_f16(self) -> f16 {
+                $f16(self)
+            }
+        }
+    };
+}
+real!(f32, f16::from_f32);
+real!(f64, f16::from_f64);
+
+/// The kernels' floor on the bucket's student mass `r_S = 1 − Σ_k p_S`
+/// ([`KlDesc`]): f32 resolves it to about this, and the floor keeps the
+/// bucket's gradient factor `r_T/r_S` times `p_S,j ≤ r_S` bounded.
+const TAIL_FLOOR: f32 = 1.0 / (1u32 << 24) as f32;
+
+/// `(c·tanh(x/c), d/dx)` from `e = exp(−2|x/c|)`, which cannot overflow.
+fn softcap<T: Real>(x: T, c: T) -> (T, T) {
+    let e = (T::ZERO - T::of(2.0) * (x / c).abs()).exp();
+    let t = (T::ONE - e) / (T::ONE + e);
+    let t = if x < T::ZERO { T::ZERO - t } else { t };
+    (c * t, T::of(4.0) * e / ((T::ONE + e) * (T::ONE + e)))
+}
+
+/// logsumexp of a non-empty `u`.
+fn lse_of<T: Real>(u: &[T]) -> T {
+    let m = u.iter().copied().fold(u[0], |m, v| if v > m { v } else { m });
+    let mut sum = T::ZERO;
+    for &v in u {
+        sum += (v - m).exp();
+    }
+    m + sum.ln()
+}
+
+/// One row of the KL kernel ([`KlDesc`]): returns `[L_t, lse, soft, hard]`
+/// and writes the gradient row, in arithmetic `T`.
+fn kl_row<T: Real>(
     s: &[f32],
     ids: &[u32],
     probs: &[f32],
-    coef: f32,
-    vocab: usize,
+    [coef, label]: [u32; 2],
+    d: &KlDesc,
     grad: &mut [f16],
-    precision: Precision,
-) -> f32 {
+) -> [f32; 4] {
+    let vocab = d.vocab;
     grad[vocab..].fill(f16::ZERO);
     if s.iter().any(|v| !v.is_finite()) {
         grad[..vocab].fill(f16::NAN);
-        return f32::NAN;
+        return [f32::NAN; 4];
     }
-    match precision {
-        Precision::F64 => {
-            let m = s.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
-            let lse = m + s.iter().map(|&v| (f64::from(v) - m).exp()).sum::<f64>().ln();
-            let c = f64::from(coef);
-            let mut loss = 0f64;
-            for (&id, &p) in ids.iter().zip(probs) {
-                let p = f64::from(p);
-                if p > 0.0 {
-                    loss += p * (p.ln() - (f64::from(s[id as usize]) - lse));
-                }
-            }
-            for (g, &v) in grad[..vocab].iter_mut().zip(s) {
-                *g = f16::from_f64(c * (f64::from(v) - lse).exp());
-            }
-            for (&id, &p) in ids.iter().zip(probs) {
-                let ps = (f64::from(s[id as usize]) - lse).exp();
-                grad[id as usize] = f16::from_f64(c * (ps - f64::from(p)));
-            }
-            loss as f32
+    let t = &d.terms;
+    let tau = T::of(d.temperature);
+    let (u, dcap): (Vec<T>, Vec<T>) = match t.softcap {
+        None => (s.iter().map(|&v| T::of(v)).collect(), Vec::new()),
+        Some(c) => {
+            let c = T::of(c) / tau;
+            s.iter().map(|&v| softcap(T::of(v), c)).unzip()
         }
-        Precision::F32 => {
-            let m = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let lse = m + s.iter().map(|&v| (v - m).exp()).fold(0f32, |a, e| a + e).ln();
-            let mut loss = 0f32;
-            for (&id, &p) in ids.iter().zip(probs) {
-                if p > 0.0 {
-                    loss += p * (p.ln() - (s[id as usize] - lse));
-                }
-            }
-            for (g, &v) in grad[..vocab].iter_mut().zip(s) {
-                *g = f16::from_f32(coef * (v - lse).exp());
-            }
-            for (&id, &p) in ids.iter().zip(probs) {
-                let ps = (s[id as usize] - lse).exp();
-                grad[id as usize] = f16::from_f32(coef * (ps - p));
-            }
-            loss
+    };
+    let lse_tau = lse_of(&u);
+    let tau_on = d.temperature != 1.0;
+    let lse1 = if tau_on {
+        lse_of(&u.iter().map(|&v| v * tau).collect::<Vec<T>>())
+    } else {
+        lse_tau
+    };
+    let p_tau = |j: usize| (u[j] - lse_tau).exp();
+    let p_one = |j: usize| if tau_on { (u[j] * tau - lse1).exp() } else { p_tau(j) };
+
+    let mut soft = T::ZERO;
+    let (mut mass, mut student) = (T::ZERO, T::ZERO);
+    for (&id, &p) in ids.iter().zip(probs) {
+        let p = T::of(p);
+        mass += p;
+        student += p_tau(id as usize);
+        if p > T::ZERO {
+            soft += p * (p.ln() - (u[id as usize] - lse_tau));
         }
     }
+    let (f_off, f_on) = match d.tail {
+        TailMode::Renormalize => (T::ONE, T::ONE),
+        TailMode::Unnormalized => (mass, mass),
+        TailMode::Bucket => {
+            let r_t = if mass < T::ONE { T::ONE - mass } else { T::ZERO };
+            let floor = T::of(TAIL_FLOOR);
+            let r_s = if T::ONE - student > floor {
+                T::ONE - student
+            } else {
+                floor
+            };
+            if r_t > T::ZERO {
+                soft += r_t * (r_t.ln() - r_s.ln());
+                (T::ONE - r_t / r_s, T::ONE)
+            } else {
+                (T::ONE, T::ONE)
+            }
+        }
+    };
+    let labelled = t.hard_on() && label != NO_LABEL;
+    let (alpha_hard, eps) = if labelled {
+        (T::of(t.hard_weight), T::of(t.label_smoothing))
+    } else {
+        (T::ZERO, T::ZERO)
+    };
+    let v = T::of_usize(vocab);
+    let hard = if labelled {
+        let mut sum_u = T::ZERO;
+        for &x in &u {
+            sum_u += x;
+        }
+        lse1 - (T::ONE - eps) * tau * u[label as usize] - eps * tau * sum_u / v
+    } else {
+        T::ZERO
+    };
+    let (alpha_soft, lambda) = (T::of(t.soft_weight), T::of(t.z_loss));
+    let loss = alpha_soft * soft + alpha_hard * hard + lambda * lse1 * lse1;
+
+    // grad_j = c·cap'_j·(a·p^τ_j + b·p¹_j − h) off the teacher's ids and the
+    // label, as the shader computes it.
+    let c = T::of(f32::from_bits(coef));
+    let a = alpha_soft * f_off;
+    let b = tau * (alpha_hard + T::of(2.0) * lambda * lse1);
+    let h = tau * alpha_hard * eps / v;
+    let cap = |j: usize| if dcap.is_empty() { T::ONE } else { dcap[j] };
+    for (j, g) in grad[..vocab].iter_mut().enumerate() {
+        *g = (c * cap(j) * (a * p_tau(j) + b * p_one(j) - h)).to_f16();
+    }
+    let label_term = tau * alpha_hard * (T::ONE - eps);
+    let mut label_in_ids = false;
+    for (&id, &p) in ids.iter().zip(probs) {
+        let j = id as usize;
+        let mut d = alpha_soft * (f_on * p_tau(j) - T::of(p)) + b * p_one(j) - h;
+        if labelled && id == label {
+            d = d - label_term;
+            label_in_ids = true;
+        }
+        grad[j] = (c * cap(j) * d).to_f16();
+    }
+    if labelled && !label_in_ids {
+        let j = label as usize;
+        grad[j] = (c * cap(j) * (a * p_tau(j) + b * p_one(j) - h - label_term)).to_f16();
+    }
+    [loss.to_f32(), lse1.to_f32(), soft.to_f32(), hard.to_f32()]
 }
 
 /// The KL row kernel on whole buffers (see [`KlDesc`]).
@@ -235,29 +364,28 @@ pub(crate) fn kl_rows(
     logits: &[f32],
     ids: &[u32],
     probs: &[f32],
-    coef: &[f32],
+    row_in: &[u32],
     loss: &mut [f32],
     grad: &mut [f16],
     d: &KlDesc,
     precision: Precision,
 ) {
     let (rows, ld, k, vocab) = (d.rows, d.ld, d.k, d.vocab);
-    let mut work: Vec<(&mut f32, &mut [f16])> = loss[..rows]
-        .iter_mut()
+    let mut work: Vec<(&mut [f32], &mut [f16])> = loss[..rows * 4]
+        .chunks_exact_mut(4)
         .zip(grad[..rows * ld].chunks_exact_mut(ld.max(1)))
         .collect();
     par::for_row_blocks(&mut work, 1, rows * vocab * 8, |first, block| {
         for (i, (l, g)) in block.iter_mut().enumerate() {
             let t = first + i;
-            **l = kl_row(
-                &logits[t * ld..t * ld + vocab],
-                &ids[t * k..(t + 1) * k],
-                &probs[t * k..(t + 1) * k],
-                coef[t],
-                vocab,
-                g,
-                precision,
-            );
+            let s = &logits[t * ld..t * ld + vocab];
+            let (ids_t, probs_t) = (&ids[t * k..(t + 1) * k], &probs[t * k..(t + 1) * k]);
+            let inputs = [row_in[2 * t], row_in[2 * t + 1]];
+            let out = match precision {
+                Precision::F64 => kl_row::<f64>(s, ids_t, probs_t, inputs, d, g),
+                Precision::F32 => kl_row::<f32>(s, ids_t, probs_t, inputs, d, g),
+            };
+            l.copy_from_slice(&out);
         }
     });
 }
@@ -278,6 +406,33 @@ fn topk_indices_f32(s: &[f32], k: usize) -> Vec<u32> {
     idx
 }
 
+/// The values of one top-k row in arithmetic `T`: the softmax over the k
+/// of the (capped) logits, or their log-probabilities over the full row.
+fn topk_values<T: Real>(s: &[f32], top: &[u32], d: &TopkDesc, out: &mut [f32]) {
+    let value = |v: f32| match d.cap {
+        Some(c) => softcap(T::of(v), T::of(c)).0,
+        None => T::of(v),
+    };
+    let m = value(s[top[0] as usize]);
+    let mut z = T::ZERO;
+    if d.logprobs {
+        for &v in s {
+            z += (value(v) - m).exp();
+        }
+        let log_z = z.ln();
+        for (p, &j) in out.iter_mut().zip(top) {
+            *p = (value(s[j as usize]) - m - log_z).to_f32();
+        }
+    } else {
+        for &j in top {
+            z += (value(s[j as usize]) - m).exp();
+        }
+        for (p, &j) in out.iter_mut().zip(top) {
+            *p = ((value(s[j as usize]) - m).exp() / z).to_f32();
+        }
+    }
+}
+
 /// The exact top-k row kernel on whole buffers (see [`TopkDesc`]).
 pub(crate) fn topk_rows(logits: &[f32], ids: &mut [u32], probs: &mut [f32], d: &TopkDesc, precision: Precision) {
     let (rows, ld, k, vocab) = (d.rows, d.ld, d.k, d.vocab);
@@ -296,25 +451,9 @@ pub(crate) fn topk_rows(logits: &[f32], ids: &mut [u32], probs: &mut [f32], d: &
                 continue;
             }
             let top = topk_indices_f32(s, k);
-            let m = s[top[0] as usize];
             match precision {
-                Precision::F64 => {
-                    let e: Vec<f64> = top
-                        .iter()
-                        .map(|&j| (f64::from(s[j as usize]) - f64::from(m)).exp())
-                        .collect();
-                    let z: f64 = e.iter().sum();
-                    for (p, v) in probs_t.iter_mut().zip(e) {
-                        *p = (v / z) as f32;
-                    }
-                }
-                Precision::F32 => {
-                    let e: Vec<f32> = top.iter().map(|&j| (s[j as usize] - m).exp()).collect();
-                    let z = e.iter().fold(0f32, |a, &v| a + v);
-                    for (p, v) in probs_t.iter_mut().zip(e) {
-                        *p = v / z;
-                    }
-                }
+                Precision::F64 => topk_values::<f64>(s, &top, d, probs_t),
+                Precision::F32 => topk_values::<f32>(s, &top, d, probs_t),
             }
             ids_t.copy_from_slice(&top);
         }

@@ -28,7 +28,7 @@ use half::f16;
 use headkl_core::checks::check_transfer;
 use headkl_core::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, HeadLayout, KernelId, KernelTime, KlDesc,
-    MemoryStats, Result, SumPartsDesc, TopkDesc,
+    MemoryStats, Result, SumPartsDesc, TopkDesc, NO_LABEL,
 };
 
 const BACKEND: &str = "reference";
@@ -356,11 +356,21 @@ impl Backend for CpuBackend {
                     d.vocab
                 )));
             }
+            let labels = coef_w[..d.rows * 2].iter().skip(1).step_by(2);
+            if let Some((t, &l)) = labels
+                .enumerate()
+                .find(|(_, &l)| l != NO_LABEL && l as usize >= d.vocab)
+            {
+                return Err(backend_error(format!(
+                    "{K}: row_in[{t}] has label {l}, not below vocab = {}",
+                    d.vocab
+                )));
+            }
             kernels::kl_rows(
                 f32s(&logits_w),
                 id_vals,
                 f32s(&probs_w),
-                f32s(&coef_w),
+                &coef_w,
                 f32s_mut(&mut loss_w),
                 f16s_mut(&mut grad_w),
                 d,

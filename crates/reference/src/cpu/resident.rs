@@ -6,10 +6,11 @@ use half::{bf16, f16};
 use headkl_core::params::ResidentParams;
 use headkl_core::resident::status::{
     KIND_DUPLICATE, KIND_ID_RANGE, KIND_PROB_NEGATIVE, KIND_PROB_NON_FINITE, KIND_ROW_SUM, KIND_WEIGHT_NEGATIVE,
-    KIND_WEIGHT_NON_FINITE, NONE, S_COEF_MUL, S_DX_MUL, S_D_VALUE, S_ID_RANGE, S_KIND, S_LOGITS, S_ROW, S_TOTAL_BAD,
-    S_TOTAL_BITS, S_WEIGHT, WORDS,
+    KIND_WEIGHT_NON_FINITE, NONE, S_COEF_MUL, S_DX_MUL, S_D_VALUE, S_ID_RANGE, S_KIND, S_LABEL, S_LOGITS, S_ROW,
+    S_TOTAL_BAD, S_TOTAL_BITS, S_WEIGHT, WORDS,
 };
-use headkl_core::{ResidentBackend, ResidentKernel, Result};
+use headkl_core::resident::status::{KIND_LABEL, KIND_LOGPROB, KIND_MASS};
+use headkl_core::{ResidentBackend, ResidentKernel, Result, MASS_TOLERANCE, NO_LABEL};
 
 use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer, BACKEND};
 
@@ -43,7 +44,7 @@ impl CpuBackend {
         let gscale = if p.f1 > 0.0 {
             p.f1
         } else if max > 0.0 {
-            (16384.0 * f64::from(total) / f64::from(max)) as f32
+            (16384.0 * f64::from(total) / f64::from(max) / f64::from(p.f3.max(1.0))) as f32
         } else {
             1.0
         };
@@ -71,23 +72,43 @@ impl CpuBackend {
         let mut probs_out = b[5].write("teacher_rows")?;
         let mut coef = b[6].write("teacher_rows")?;
         let (probs_in, weights) = (f32s(&probs_in), f32s(&weights));
-        let (probs_out, coef) = (f32s_mut(&mut probs_out), f32s_mut(&mut coef));
+        // The KL kernel's per-row inputs [rows][2]: coefficient bits, label
+        // (none: the resident path has no hard term).
+        let (probs_out, row_in): (_, &mut [u32]) = (f32s_mut(&mut probs_out), &mut coef);
         let coef_mul = f32::from_bits(status[S_COEF_MUL]);
+        let logprobs = p.flags & 2 != 0;
+        let renormalize = (p.flags >> 2) & 3 == 0;
+        // (bad, probability) of a value in the teacher's form.
+        let value = |v: f32| -> (bool, f64) {
+            if logprobs {
+                if v.is_nan() || v > 0.0 {
+                    (true, 0.0)
+                } else {
+                    (false, f64::from(v).exp())
+                }
+            } else if bad_value(v) {
+                (true, 0.0)
+            } else {
+                (false, f64::from(v))
+            }
+        };
         for row in 0..p.rows as usize {
             let ids = &ids_in[p.off_a as usize + row * k..][..k];
             let probs = &probs_in[p.off_b as usize + row * k..][..k];
             let first_range = ids.iter().position(|&id| id >= p.vocab);
             let repeated = (1..k).any(|q| ids[..q].contains(&ids[q]));
-            let bad_prob = probs.iter().any(|&v| bad_value(v));
-            let sum: f64 = probs.iter().filter(|v| !bad_value(**v)).map(|&v| f64::from(v)).sum();
-            let row_bad = repeated || bad_prob || !(sum > 0.0 && sum.is_finite());
+            let bad_prob = probs.iter().any(|&v| value(v).0);
+            let sum: f64 = probs.iter().map(|&v| value(v).1).sum();
+            let mass_bad = !renormalize && sum > 1.0 + MASS_TOLERANCE;
+            let row_bad = repeated || bad_prob || !(sum > 0.0 && sum.is_finite()) || mass_bad;
             let any_bad = row_bad || first_range.is_some();
+            let scale = if renormalize { 1.0 / sum } else { 1.0 };
             for q in 0..k {
                 ids_out[row * k + q] = ids[q].min(p.vocab - 1);
                 probs_out[row * k + q] = if any_bad {
                     0.0
                 } else {
-                    (f64::from(probs[q]) / sum) as f32
+                    (value(probs[q]).1 * scale) as f32
                 };
             }
             let token = p.token0 + row as u32;
@@ -105,7 +126,26 @@ impl CpuBackend {
             if bad_value(w) {
                 w = 0.0;
             }
-            coef[row] = if any_bad { 0.0 } else { w * coef_mul };
+            let c = if any_bad { 0.0 } else { w * coef_mul };
+            row_in[row * 2] = c.to_bits();
+        }
+        Ok(())
+    }
+
+    fn labels_in(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+        let labels = b[0].read("labels_in")?;
+        let mut status = b[1].write("labels_in")?;
+        let mut row_in = b[2].write("labels_in")?;
+        for row in 0..p.rows as usize {
+            let mut label = NO_LABEL;
+            if p.flags & 1 != 0 {
+                label = labels[p.off_a as usize + row];
+                if label != NO_LABEL && label >= p.vocab {
+                    lower(&mut status, S_LABEL, p.token0 + row as u32);
+                    label = NO_LABEL;
+                }
+            }
+            row_in[row * 2 + 1] = label;
         }
         Ok(())
     }
@@ -139,11 +179,22 @@ impl CpuBackend {
         let (mut loss_dst, mut dx_dst) = (b[3].write("loss_out")?, b[4].write("loss_out")?);
         let (loss, dx) = (f32s(&loss), f32s(&dx));
         let (loss_dst, dx_dst) = (f32s_mut(&mut loss_dst), f32s_mut(&mut dx_dst));
+        let mut terms_guard = if p.flags & 4 != 0 {
+            Some(b[5].write("loss_out")?)
+        } else {
+            None
+        };
+        let mut terms_dst = terms_guard.as_deref_mut().map(|w| f32s_mut(w));
         let dx_mul = f32::from_bits(status[S_DX_MUL]);
         let (cols, ld) = (p.cols as usize, p.ld as usize);
         for r in 0..p.rows as usize {
-            loss_dst[p.off_a as usize + r] = loss[r];
-            if !loss[r].is_finite() {
+            // [rows][4]: loss, lse, soft, hard; the loss is word 0.
+            loss_dst[p.off_a as usize + r] = loss[r * 4];
+            if let Some(t) = terms_dst.as_deref_mut() {
+                let o = (p.off_a as usize + r) * 3;
+                t[o..o + 3].copy_from_slice(&loss[r * 4 + 1..r * 4 + 4]);
+            }
+            if !loss[r * 4].is_finite() {
                 lower(&mut status, S_LOGITS, p.token0 + r as u32);
             }
             for c in 0..cols {
@@ -173,10 +224,11 @@ impl CpuBackend {
     }
 
     fn status_detail(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
-        let (ids, probs, weights) = (
+        let (ids, probs, weights, labels) = (
             b[0].read("status_detail")?,
             b[1].read("status_detail")?,
             b[2].read("status_detail")?,
+            b[4].read("status_detail")?,
         );
         let mut status = b[3].write("status_detail")?;
         let (probs, weights) = (f32s(&probs), f32s(&weights));
@@ -184,9 +236,11 @@ impl CpuBackend {
             return Ok(());
         }
         let k = p.cols as usize;
+        let (logprobs, tail) = (p.flags & 2 != 0, (p.flags >> 2) & 3);
         let flat = status[S_ID_RANGE];
         let row = status[S_ROW];
         let wrow = status[S_WEIGHT];
+        let lrow = status[S_LABEL];
         let mut record = |kind: u32, row: u32, a: u32, b: u32, value: u32| {
             status[S_KIND..=S_D_VALUE].copy_from_slice(&[kind, row, a, b, value]);
         };
@@ -201,15 +255,31 @@ impl CpuBackend {
             let dup = (1..k)
                 .filter_map(|q| ids[..q].iter().position(|&i| i == ids[q]).map(|j| (ids[q], j, q)))
                 .min();
+            let bad_value_at = |q: usize| {
+                let v = probs[q];
+                if logprobs {
+                    (v.is_nan() || v > 0.0).then_some(KIND_LOGPROB)
+                } else if !v.is_finite() {
+                    Some(KIND_PROB_NON_FINITE)
+                } else {
+                    (v < 0.0).then_some(KIND_PROB_NEGATIVE)
+                }
+            };
             if let Some((id, first, second)) = dup {
                 record(KIND_DUPLICATE, row, first as u32, second as u32, id);
-            } else if let Some(q) = probs.iter().position(|v| !v.is_finite()) {
-                record(KIND_PROB_NON_FINITE, row, q as u32, 0, probs[q].to_bits());
-            } else if let Some(q) = probs.iter().position(|&v| v < 0.0) {
-                record(KIND_PROB_NEGATIVE, row, q as u32, 0, probs[q].to_bits());
+            } else if let Some((q, kind)) = (0..k).find_map(|q| bad_value_at(q).map(|kind| (q, kind))) {
+                record(kind, row, q as u32, 0, probs[q].to_bits());
             } else {
-                let sum: f64 = probs.iter().map(|&v| f64::from(v)).sum();
-                record(KIND_ROW_SUM, row, 0, 0, (sum as f32).to_bits());
+                let sum: f64 = if logprobs {
+                    probs.iter().map(|&v| f64::from(v).exp()).sum()
+                } else {
+                    probs.iter().map(|&v| f64::from(v)).sum()
+                };
+                if tail != 0 && sum > 1.0 + MASS_TOLERANCE && sum.is_finite() {
+                    record(KIND_MASS, row, 0, tail, (sum as f32).to_bits());
+                } else {
+                    record(KIND_ROW_SUM, row, 0, 0, (sum as f32).to_bits());
+                }
             }
         } else if wrow != NONE && wrow < p.rows && p.flags & 1 != 0 {
             let w = weights[p.off_c as usize + wrow as usize];
@@ -224,6 +294,9 @@ impl CpuBackend {
                 0,
                 w.to_bits(),
             );
+        } else if lrow != NONE && lrow < p.rows && p.flags & 16 != 0 {
+            let label = labels[p.off_d as usize + lrow as usize];
+            record(KIND_LABEL, lrow, 0, 0, label);
         }
         Ok(())
     }
@@ -249,6 +322,7 @@ impl ResidentBackend for CpuBackend {
         let status_words = match kernel {
             ResidentKernel::WeightStats => Some(1),
             ResidentKernel::TeacherRows | ResidentKernel::StatusDetail => Some(3),
+            ResidentKernel::LabelsIn => Some(1),
             ResidentKernel::LossOut | ResidentKernel::TopkOut => Some(2),
             ResidentKernel::HiddenIn => None,
         };
@@ -266,6 +340,7 @@ impl ResidentBackend for CpuBackend {
         match kernel {
             ResidentKernel::WeightStats => self.weight_stats(buffers, params),
             ResidentKernel::TeacherRows => self.teacher_rows(buffers, params),
+            ResidentKernel::LabelsIn => self.labels_in(buffers, params),
             ResidentKernel::HiddenIn => self.hidden_in(buffers, params),
             ResidentKernel::LossOut => self.loss_out(buffers, params),
             ResidentKernel::TopkOut => self.topk_out(buffers, params),

@@ -1,0 +1,103 @@
+//! The loss-term options of `headkl loss` and `headkl topk` (README "Loss
+//! terms"): how the teacher file is read, the hard-label term and its
+//! labels file, the z-loss and the softcap.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use headkl_core::{LossTerms, TailMode, TeacherForm};
+
+/// `--teacher-form`'s value.
+fn parse_form(s: &str) -> Result<TeacherForm, String> {
+    TeacherForm::from_name(s).ok_or_else(|| format!("`{s}`: expected `probs` or `logprobs`"))
+}
+
+/// `--tail`'s value.
+fn parse_tail(s: &str) -> Result<TailMode, String> {
+    TailMode::from_name(s).ok_or_else(|| format!("`{s}`: expected `renormalize`, `bucket` or `none`"))
+}
+
+/// The options of `headkl loss` beyond the seed's loss.
+#[derive(Clone, Debug, Args)]
+pub struct LossTermArgs {
+    /// Labels of the hard term: tensor `labels` (I64 or I32) `[ntok]`; a negative label is none
+    #[arg(long, value_name = "L.safetensors")]
+    pub labels: Option<PathBuf>,
+    /// Weight α_hard of the hard-label cross-entropy (≥ 0; above 0 it needs --labels)
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub hard_weight: f32,
+    /// Weight α_soft of the distillation term (≥ 0)
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub soft_weight: f32,
+    /// Label smoothing ε of the hard term, in [0, 1)
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub label_smoothing: f32,
+    /// z-loss weight λ: adds λ·lse(z̃)² per token (≥ 0)
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub z_loss: f32,
+    /// Logit softcap c: z̃ = c·tanh(z/c) before τ and every term (> 0) [default: none]
+    #[arg(long, allow_negative_numbers = true)]
+    pub softcap: Option<f32>,
+    /// How the teacher file holds its k values: `probs` (tensor `probs`) or `logprobs` (tensor `logprobs`, over the full vocabulary)
+    #[arg(long, value_name = "FORM", default_value = "probs", value_parser = parse_form)]
+    pub teacher_form: TeacherForm,
+    /// The teacher's mass outside its k: `renormalize` (over the k), `bucket` (one extra bin) or `none` (ignored)
+    #[arg(long, value_name = "MODE", default_value = "renormalize", value_parser = parse_tail)]
+    pub tail: TailMode,
+}
+
+impl LossTermArgs {
+    /// The terms as the core takes them (checked there).
+    pub fn terms(&self) -> LossTerms {
+        LossTerms {
+            soft_weight: self.soft_weight,
+            hard_weight: self.hard_weight,
+            label_smoothing: self.label_smoothing,
+            z_loss: self.z_loss,
+            softcap: self.softcap,
+        }
+    }
+
+    /// The teacher file's tensor of values for this form.
+    pub fn teacher_tensor(&self) -> &'static str {
+        self.teacher_form.name()
+    }
+}
+
+/// The options of `headkl topk` beyond the seed's.
+#[derive(Clone, Debug, Args)]
+pub struct TopkTermArgs {
+    /// Also write `logprobs`: the top-k log-probabilities at τ over the full vocabulary (a stored teacher)
+    #[arg(long)]
+    pub logprobs: bool,
+    /// Logit softcap c: values from c·tanh(z/c) before τ (> 0) [default: none]
+    #[arg(long, allow_negative_numbers = true)]
+    pub softcap: Option<f32>,
+}
+
+/// The command-line option that sets a core option `field`.
+pub fn option_of(field: &str) -> &'static str {
+    match field {
+        "hard_weight" => "--hard-weight",
+        "soft_weight" => "--soft-weight",
+        "label_smoothing" => "--label-smoothing",
+        "z_loss" => "--z-loss",
+        "softcap" => "--softcap",
+        _ => "--labels",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_core_field_has_its_option() {
+        for field in ["hard_weight", "soft_weight", "label_smoothing", "z_loss", "softcap"] {
+            assert_eq!(option_of(field), format!("--{}", field.replace('_', "-")));
+        }
+        assert_eq!(parse_tail("bucket"), Ok(TailMode::Bucket));
+        assert_eq!(parse_form("logprobs"), Ok(TeacherForm::Logprobs));
+        assert!(parse_tail("ghost").unwrap_err().contains("renormalize"));
+    }
+}

@@ -1,0 +1,291 @@
+//! The loss's terms beyond the soft KL against a renormalized top-k: how
+//! the teacher's k entries are read (probabilities or log-probabilities
+//! over the full vocabulary; the tail renormalized, bucketed or left out),
+//! a hard-label cross-entropy with label smoothing, a z-loss and a logit
+//! softcap. The README's "Loss terms" section has the formulas; the
+//! defaults are the seed's loss exactly.
+//!
+//! One validation ([`LossTerms::check`]) serves the host path
+//! ([`crate::LossOptions`]) and the device-resident one
+//! ([`crate::DeviceLossOptions`]).
+
+use crate::error::{Error, Result};
+
+/// A token with no label (the kernels' value; a negative label on the
+/// host).
+pub const NO_LABEL: u32 = u32::MAX;
+
+/// Rounding allowed above 1 in a teacher row's mass where the tail mode
+/// reads the k entries as a share of the full vocabulary (bucket, none):
+/// f32 probabilities (or `exp` of f32 log-probabilities) of up to 2048
+/// entries sum to at most about `1 + 2048 · 2^-24 ≈ 1 + 1.2e-4`.
+pub const MASS_TOLERANCE: f64 = 1e-3;
+
+/// How the teacher's k values are given.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TeacherForm {
+    /// Probabilities `p_T,k ≥ 0`.
+    #[default]
+    Probs,
+    /// Log-probabilities `log p_T,k ≤ 0`, normalized over the full
+    /// vocabulary (as an inference server returns them).
+    Logprobs,
+}
+
+impl TeacherForm {
+    /// Its command-line name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            TeacherForm::Probs => "probs",
+            TeacherForm::Logprobs => "logprobs",
+        }
+    }
+
+    /// The form named `name` (`probs` or `logprobs`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [TeacherForm::Probs, TeacherForm::Logprobs]
+            .into_iter()
+            .find(|f| f.name() == name)
+    }
+
+    /// Its code in the device-resident kernels' flags.
+    pub const fn code(self) -> u32 {
+        match self {
+            TeacherForm::Probs => 0,
+            TeacherForm::Logprobs => 1,
+        }
+    }
+}
+
+/// What the soft term does with the teacher's mass outside its k entries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TailMode {
+    /// `q = p_T / Σ_k p_T`: KL against the teacher renormalized over its k
+    /// (the seed's loss).
+    #[default]
+    Renormalize,
+    /// The k entries plus one bucket holding the rest, `r_T = 1 − Σ_k p_T`
+    /// against the student's `r_S = 1 − Σ_k p_S,id_k`.
+    Bucket,
+    /// `Σ_k p_T (log p_T − log p_S)` over the k alone, the mass outside
+    /// ignored (not a divergence: it may be negative).
+    Unnormalized,
+}
+
+impl TailMode {
+    /// Its command-line name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            TailMode::Renormalize => "renormalize",
+            TailMode::Bucket => "bucket",
+            TailMode::Unnormalized => "none",
+        }
+    }
+
+    /// The mode named `name` (`renormalize`, `bucket` or `none`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [TailMode::Renormalize, TailMode::Bucket, TailMode::Unnormalized]
+            .into_iter()
+            .find(|m| m.name() == name)
+    }
+
+    /// Its code in the kernels' flags (bits 1–2 of `RowParams::flags`).
+    pub const fn code(self) -> u32 {
+        match self {
+            TailMode::Renormalize => 0,
+            TailMode::Bucket => 1,
+            TailMode::Unnormalized => 2,
+        }
+    }
+}
+
+/// The weights and knobs of the loss's terms, per token
+/// `L_t = α_soft·L_soft + α_hard·L_hard + λ·lse(z̃)²` on the capped
+/// logits `z̃ = c·tanh(z/c)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossTerms {
+    /// `α_soft ≥ 0`, the soft (distillation) term's weight (default 1).
+    pub soft_weight: f32,
+    /// `α_hard ≥ 0`, the hard-label cross-entropy's weight (default 0:
+    /// no hard term). Above 0 it needs labels.
+    pub hard_weight: f32,
+    /// Label smoothing `ε ∈ [0, 1)` of the hard term (default 0).
+    pub label_smoothing: f32,
+    /// `λ ≥ 0`, the z-loss weight (default 0).
+    pub z_loss: f32,
+    /// The logit softcap `c > 0` (default none).
+    pub softcap: Option<f32>,
+}
+
+impl Default for LossTerms {
+    fn default() -> Self {
+        Self {
+            soft_weight: 1.0,
+            hard_weight: 0.0,
+            label_smoothing: 0.0,
+            z_loss: 0.0,
+            softcap: None,
+        }
+    }
+}
+
+fn non_negative(field: &'static str, value: f32) -> Result<()> {
+    if value >= 0.0 && value.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::InvalidLossOption {
+            field,
+            value,
+            reason: "must be finite and at least 0",
+        })
+    }
+}
+
+impl LossTerms {
+    /// Checks every value's range.
+    pub fn check(&self) -> Result<()> {
+        non_negative("soft_weight", self.soft_weight)?;
+        non_negative("hard_weight", self.hard_weight)?;
+        non_negative("z_loss", self.z_loss)?;
+        let eps = self.label_smoothing;
+        if !(0.0..1.0).contains(&eps) {
+            return Err(Error::InvalidLossOption {
+                field: "label_smoothing",
+                value: eps,
+                reason: "must be in [0, 1)",
+            });
+        }
+        if let Some(c) = self.softcap {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(Error::InvalidLossOption {
+                    field: "softcap",
+                    value: c,
+                    reason: "must be positive and finite",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the hard-label term is on.
+    pub fn hard_on(&self) -> bool {
+        self.hard_weight > 0.0
+    }
+
+    /// A bound on `|τ·∂L_t/∂z_j|` apart from the z-loss, whose share
+    /// `2λτ·|lse|·p_j` is not known before the logits are: the default
+    /// gradient scale divides by it so the f16 gradient stays in range.
+    pub fn grad_bound(&self, temperature: f32) -> f64 {
+        let hard = f64::from(temperature) * f64::from(self.hard_weight);
+        (f64::from(self.soft_weight) + hard).max(1.0)
+    }
+}
+
+/// Labels `[ntok]` as the kernels take them: a negative label is
+/// [`NO_LABEL`]; one at or above `vocab` is an error naming its row.
+pub fn labels_to_u32(labels: &[i64], vocab: usize) -> Result<Vec<u32>> {
+    labels
+        .iter()
+        .enumerate()
+        .map(|(row, &label)| {
+            if label < 0 {
+                Ok(NO_LABEL)
+            } else if (label as u64) < vocab as u64 && label < i64::from(NO_LABEL) {
+                Ok(label as u32)
+            } else {
+                Err(Error::LabelOutOfRange { row, label, vocab })
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_bad_value_names_its_field() {
+        let bad = [
+            (
+                LossTerms {
+                    hard_weight: -1.0,
+                    ..LossTerms::default()
+                },
+                "hard_weight",
+            ),
+            (
+                LossTerms {
+                    soft_weight: f32::NAN,
+                    ..LossTerms::default()
+                },
+                "soft_weight",
+            ),
+            (
+                LossTerms {
+                    z_loss: f32::INFINITY,
+                    ..LossTerms::default()
+                },
+                "z_loss",
+            ),
+            (
+                LossTerms {
+                    label_smoothing: 1.0,
+                    ..LossTerms::default()
+                },
+                "label_smoothing",
+            ),
+            (
+                LossTerms {
+                    label_smoothing: -0.1,
+                    ..LossTerms::default()
+                },
+                "label_smoothing",
+            ),
+            (
+                LossTerms {
+                    softcap: Some(0.0),
+                    ..LossTerms::default()
+                },
+                "softcap",
+            ),
+            (
+                LossTerms {
+                    softcap: Some(f32::INFINITY),
+                    ..LossTerms::default()
+                },
+                "softcap",
+            ),
+        ];
+        for (terms, name) in bad {
+            match terms.check() {
+                Err(Error::InvalidLossOption { field, .. }) => assert_eq!(field, name),
+                other => panic!("{terms:?}: {other:?}"),
+            }
+        }
+        assert_eq!(LossTerms::default().check(), Ok(()));
+    }
+
+    #[test]
+    fn labels_map_negative_to_none_and_refuse_past_vocab() {
+        assert_eq!(labels_to_u32(&[0, -1, 9, -100], 10), Ok(vec![0, NO_LABEL, 9, NO_LABEL]));
+        assert_eq!(
+            labels_to_u32(&[0, 10], 10),
+            Err(Error::LabelOutOfRange {
+                row: 1,
+                label: 10,
+                vocab: 10
+            })
+        );
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for m in [TailMode::Renormalize, TailMode::Bucket, TailMode::Unnormalized] {
+            assert_eq!(TailMode::from_name(m.name()), Some(m));
+        }
+        for f in [TeacherForm::Probs, TeacherForm::Logprobs] {
+            assert_eq!(TeacherForm::from_name(f.name()), Some(f));
+        }
+        assert_eq!(TailMode::from_name("ghost"), None);
+    }
+}
