@@ -13,9 +13,9 @@
 //! Keys are `headkl.*`; every value is a string (safetensors' rule).
 //! [`FORMAT_VERSION`] changes when a key's meaning does.
 
+use headkl_core::{LossTerms, TailMode, TeacherForm};
 use std::collections::HashMap;
 use std::path::Path;
-use headkl_core::{LossTerms, TailMode, TeacherForm};
 
 use crate::error::CliError;
 
@@ -327,7 +327,10 @@ impl LossRecord<'_> {
         m.insert("headkl.teacher_form".into(), self.teacher_form.name().to_string());
         m.insert("headkl.tail".into(), self.tail.name().to_string());
         m.insert("headkl.teacher.file".into(), self.teacher.display().to_string());
-        for (key, file) in [("headkl.weights.file", self.weights), ("headkl.labels.file", self.labels)] {
+        for (key, file) in [
+            ("headkl.weights.file", self.weights),
+            ("headkl.labels.file", self.labels),
+        ] {
             m.insert(
                 key.into(),
                 file.map_or_else(|| "none".to_string(), |f| f.display().to_string()),
