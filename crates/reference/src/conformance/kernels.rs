@@ -6,7 +6,7 @@
 
 use half::f16;
 use headkl_core::split::k_part_range;
-use headkl_core::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
+use headkl_core::{Backend, ConvertDesc, GemmDesc, HeadLayout, Kernels, KlDesc, SumPartsDesc, TopkDesc};
 
 use super::Measured;
 use crate::direct::{softmax_over, topk_of_row, DirectLoss, DirectTopK};
