@@ -41,9 +41,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::settings::{self, CommonOptions, Env};
 use headkl_core::{
-    fold_workgroups, Backend, ChoiceSource, ConvertDesc, CoopGemm, DeviceInfo, GemmChoice, GemmDesc, GemmKernel,
-    HeadLayout, KernelId, KernelSource, KernelTime, KlDesc, MemoryStats, PendingDownload, Result, StagedTile,
-    SumPartsDesc, TopkDesc,
+    fold_workgroups, Backend, ChoiceSource, CoopGemm, DeviceInfo, GemmChoice, GemmKernel, HeadLayout, KernelId,
+    KernelSource, KernelTime, Launch, MemoryStats, PendingDownload, Result, StagedTile,
 };
 
 use crate::command::{Binding, Stream};
@@ -406,44 +405,21 @@ impl Backend for VulkanBackend {
         self.stream()?.download_end(pending, out)
     }
 
-    fn convert_f16(&self, src: &VulkanBuffer, dst: &VulkanBuffer, desc: &ConvertDesc) -> Result<()> {
-        let params = desc.check([src, dst], self.max_binding())?;
-        self.dispatch_kernel(
-            KernelId::ConvertF16,
-            desc.workgroups(),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &[src, dst],
-        )
-    }
-
-    fn gemm(&self, a: &VulkanBuffer, b: &VulkanBuffer, c: &VulkanBuffer, desc: &GemmDesc) -> Result<()> {
-        let params = desc.check([a, b, c], self.max_binding())?;
-        let kernel = desc.kernel();
-        let gemm = self.gemm_for(kernel);
-        if let KernelSource::Glsl { tile, layout } = kernel.build(gemm).source {
-            let Some(glsl) = headkl_glsl::gemm(tile, layout) else {
-                return Err(backend_error(format!(
-                    "headkl-glsl did not build glsl:{tile} for {layout:?}"
-                )));
-            };
-            return self.glsl_kernel_dispatch(glsl, a, b, c, desc, params, kernel.name());
+    fn dispatch(&self, launch: Launch<'_, VulkanBuffer>) -> Result<()> {
+        let checked = launch.check(self.max_binding())?;
+        let id = checked.id();
+        let gemm = self.gemm_for(id);
+        if let (Launch::Gemm { a, b, c, desc }, Some(params)) = (launch, checked.gemm_params()) {
+            if let KernelSource::Glsl { tile, layout } = id.build(gemm).source {
+                let Some(glsl) = headkl_glsl::gemm(tile, layout) else {
+                    return Err(backend_error(format!(
+                        "headkl-glsl did not build glsl:{tile} for {layout:?}"
+                    )));
+                };
+                return self.glsl_kernel_dispatch(glsl, a, b, c, &desc, params, id.name());
+            }
         }
-        self.dispatch_kernel(
-            kernel,
-            desc.workgroups(gemm),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &[a, b, c],
-        )
-    }
-
-    fn sum_parts(&self, parts: &VulkanBuffer, dst: &VulkanBuffer, desc: &SumPartsDesc) -> Result<()> {
-        let params = desc.check([parts, dst], self.max_binding())?;
-        self.dispatch_kernel(
-            KernelId::SumParts,
-            desc.workgroups(),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &[parts, dst],
-        )
+        self.dispatch_kernel(id, launch.workgroups(gemm), |gx| checked.bytes(gx), &launch.buffers())
     }
 
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
@@ -451,43 +427,6 @@ impl Backend for VulkanBackend {
             GemmKernel::Tiled => None,
             coop => Some(coop.tile()),
         }
-    }
-
-    fn kl_rows(
-        &self,
-        logits: &VulkanBuffer,
-        ids: &VulkanBuffer,
-        probs: &VulkanBuffer,
-        coef: &VulkanBuffer,
-        loss: &VulkanBuffer,
-        grad: &VulkanBuffer,
-        desc: &KlDesc,
-    ) -> Result<()> {
-        let buffers = [logits, ids, probs, coef, loss, grad];
-        let params = desc.check(buffers, self.max_binding())?;
-        self.dispatch_kernel(
-            KernelId::KlRows,
-            desc.workgroups(),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &buffers,
-        )
-    }
-
-    fn topk_rows(
-        &self,
-        logits: &VulkanBuffer,
-        ids: &VulkanBuffer,
-        probs: &VulkanBuffer,
-        desc: &TopkDesc,
-    ) -> Result<()> {
-        let buffers = [logits, ids, probs];
-        let params = desc.check(buffers, self.max_binding())?;
-        self.dispatch_kernel(
-            KernelId::TopkRows,
-            desc.workgroups(),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &buffers,
-        )
     }
 
     fn finish(&self) -> Result<()> {

@@ -1,12 +1,12 @@
-//! The [`Backend`] impl of [`WgpuBackend`]: allocation, and each kernel
-//! checked by core (`headkl_core::checks`) and dispatched from the
+//! The [`Backend`] impl of [`WgpuBackend`]: allocation, and one dispatch:
+//! each launch checked by core ([`Launch::check`]) and built from the
 //! catalogue (`headkl_core::kernels`).
 
 use std::sync::atomic::Ordering;
 
 use headkl_core::{
-    Backend, ConvertDesc, DeviceInfo, Error, GemmDesc, GemmKernel, HeadLayout, KernelId, KernelTime, KlDesc,
-    MemoryStats, PendingDownload, Result, SumPartsDesc, TopkDesc,
+    Backend, DeviceInfo, Error, GemmKernel, HeadLayout, KernelId, KernelTime, Launch, MemoryStats, PendingDownload,
+    Result,
 };
 
 use crate::backend_error;
@@ -64,35 +64,11 @@ impl Backend for WgpuBackend {
         self.readback_end(pending, out)
     }
 
-    fn convert_f16(&self, src: &WgpuBuffer, dst: &WgpuBuffer, desc: &ConvertDesc) -> Result<()> {
-        let params = desc.check([src, dst], self.info.max_binding_bytes)?;
-        self.dispatch(
-            KernelId::ConvertF16,
-            desc.workgroups(),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &[src, dst],
-        )
-    }
-
-    fn gemm(&self, a: &WgpuBuffer, b: &WgpuBuffer, c: &WgpuBuffer, desc: &GemmDesc) -> Result<()> {
-        let params = desc.check([a, b, c], self.info.max_binding_bytes)?;
-        let kernel = desc.kernel();
-        self.dispatch(
-            kernel,
-            desc.workgroups(self.kernels.gemm_kernel(kernel)),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &[a, b, c],
-        )
-    }
-
-    fn sum_parts(&self, parts: &WgpuBuffer, dst: &WgpuBuffer, desc: &SumPartsDesc) -> Result<()> {
-        let params = desc.check([parts, dst], self.info.max_binding_bytes)?;
-        self.dispatch(
-            KernelId::SumParts,
-            desc.workgroups(),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &[parts, dst],
-        )
+    fn dispatch(&self, launch: Launch<'_, WgpuBuffer>) -> Result<()> {
+        let checked = launch.check(self.info.max_binding_bytes)?;
+        let id = checked.id();
+        let groups = launch.workgroups(self.kernels.gemm_kernel(id));
+        self.record_dispatch(id, groups, |gx| checked.bytes(gx), &launch.buffers())
     }
 
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
@@ -100,37 +76,6 @@ impl Backend for WgpuBackend {
             GemmKernel::Tiled => None,
             coop => Some(coop.tile()),
         }
-    }
-
-    fn kl_rows(
-        &self,
-        logits: &WgpuBuffer,
-        ids: &WgpuBuffer,
-        probs: &WgpuBuffer,
-        coef: &WgpuBuffer,
-        loss: &WgpuBuffer,
-        grad: &WgpuBuffer,
-        desc: &KlDesc,
-    ) -> Result<()> {
-        let buffers = [logits, ids, probs, coef, loss, grad];
-        let params = desc.check(buffers, self.info.max_binding_bytes)?;
-        self.dispatch(
-            KernelId::KlRows,
-            desc.workgroups(),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &buffers,
-        )
-    }
-
-    fn topk_rows(&self, logits: &WgpuBuffer, ids: &WgpuBuffer, probs: &WgpuBuffer, desc: &TopkDesc) -> Result<()> {
-        let buffers = [logits, ids, probs];
-        let params = desc.check(buffers, self.info.max_binding_bytes)?;
-        self.dispatch(
-            KernelId::TopkRows,
-            desc.workgroups(),
-            |gx| bytemuck::bytes_of(&params.with_grid(gx)).to_vec(),
-            &buffers,
-        )
     }
 
     fn finish(&self) -> Result<()> {

@@ -171,7 +171,7 @@ impl ResidentBackend for WgpuBackend {
         // The folded grid's width goes into the block the kernel reads.
         let (gx, _) = fold_workgroups(workgroups);
         let block = ResidentParams { grid_x: gx, ..*params };
-        self.dispatch(
+        self.record_dispatch(
             Entry::Resident(kernel),
             workgroups,
             |_| bytemuck::bytes_of(&block).to_vec(),

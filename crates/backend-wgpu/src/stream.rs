@@ -84,7 +84,7 @@ impl WgpuBackend {
     /// Records one dispatch of `kernel` over `count` workgroups (folded),
     /// with the uniform block `params(grid_x)` and storage `buffers` at
     /// bindings 1.., timed under the kernel's name.
-    pub(crate) fn dispatch(
+    pub(crate) fn record_dispatch(
         &self,
         kernel: impl Into<Entry>,
         count: u64,

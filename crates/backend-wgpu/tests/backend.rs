@@ -6,11 +6,11 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
-use headkl_core::CommonOptions;
 use headkl_core::{
     Backend, ConvertDesc, Engine, Error, GemmChoice, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, LossOptions,
     QueueChoice, SliceOptions, Teacher, TopkOptions,
 };
+use headkl_core::{CommonOptions, Kernels};
 use headkl_reference::conformance::{gemm_choice_outcome, harness_env, open_or_skip, run_part, Part, SuiteConfig};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::Tolerance;

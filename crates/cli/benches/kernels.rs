@@ -16,8 +16,8 @@ use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throug
 use half::f16;
 use headkl_core::settings::BENCH_SHAPE;
 use headkl_core::{
-    Backend, Engine, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, KlDesc, LossOptions, LossTerms, SliceOptions,
-    TailMode, Teacher, TopkDesc,
+    Backend, Engine, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, Kernels, KlDesc, LossOptions, LossTerms,
+    SliceOptions, TailMode, Teacher, TopkDesc,
 };
 use headkl_reference::conformance::{harness_env, harness_suite};
 

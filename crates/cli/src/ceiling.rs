@@ -19,7 +19,7 @@
 //! and as a percentage of (a).
 
 use half::f16;
-use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout};
+use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout, Kernels};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
 use headkl_vulkan::{CeilingKernel, CeilingPart, GlslTile, VulkanBackend, VulkanBuffer};
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 use half::f16;
 use headkl_core::gemm_choice::GEMM_ENV;
 use headkl_core::tune_cache::TuneCache;
-use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout, KernelId};
+use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout, KernelId, Kernels};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
 
 use crate::error::CliError;

@@ -1,5 +1,6 @@
-//! The backend boundary: buffers, transfers and the kernels the driver
-//! sequences.
+//! The backend boundary: buffers, transfers, and one dispatch for the
+//! kernels the driver sequences ([`Backend::dispatch`] of a
+//! [`crate::Launch`]).
 //!
 //! A backend is a device plus an associated buffer type. Every method may
 //! queue work; [`Backend::download`] waits for everything queued before it,
@@ -15,6 +16,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
+use crate::launch::Launch;
 use crate::terms::{LossTerms, TailMode};
 
 /// A device buffer as every backend's checks see it.
@@ -461,15 +463,10 @@ pub trait Backend {
         }
     }
 
-    /// Converts hidden rows f32 → f16 (see [`ConvertDesc`]).
-    fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()>;
-
-    /// `C (+)= alpha · A · op(B)` (see [`GemmDesc`]); timed as
-    /// [`GemmDesc::kernel`].
-    fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()>;
-
-    /// Sums a split-K GEMM's partial blocks (see [`SumPartsDesc`]).
-    fn sum_parts(&self, parts: &Self::Buffer, dst: &Self::Buffer, desc: &SumPartsDesc) -> Result<()>;
+    /// Runs one kernel ([`Launch`]): checks its descriptor against its
+    /// buffers ([`Launch::check`], the only source of the parameter block)
+    /// and queues it. The driver's per-kernel calls are [`crate::Kernels`]'s.
+    fn dispatch(&self, launch: Launch<'_, Self::Buffer>) -> Result<()>;
 
     /// The output tile `(rows, columns)` of the matrix-unit GEMM this
     /// backend runs for `layout`, or `None` where it runs none (the
@@ -478,23 +475,6 @@ pub trait Backend {
     fn gemm_tile(&self, _layout: HeadLayout) -> Option<(u32, u32)> {
         None
     }
-
-    /// The KL row kernel (see [`KlDesc`]).
-    #[allow(clippy::too_many_arguments, reason = "one buffer per binding of the kernel")]
-    fn kl_rows(
-        &self,
-        logits: &Self::Buffer,
-        ids: &Self::Buffer,
-        probs: &Self::Buffer,
-        coef: &Self::Buffer,
-        loss: &Self::Buffer,
-        grad: &Self::Buffer,
-        desc: &KlDesc,
-    ) -> Result<()>;
-
-    /// The exact top-k row kernel (see [`TopkDesc`]).
-    fn topk_rows(&self, logits: &Self::Buffer, ids: &Self::Buffer, probs: &Self::Buffer, desc: &TopkDesc)
-        -> Result<()>;
 
     /// Waits for all queued work.
     fn finish(&self) -> Result<()>;
@@ -549,38 +529,11 @@ impl<T: Backend + ?Sized> Backend for &T {
     fn download_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
         (**self).download_end(pending, out)
     }
-    fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()> {
-        (**self).convert_f16(src, dst, desc)
-    }
-    fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()> {
-        (**self).gemm(a, b, c, desc)
-    }
-    fn sum_parts(&self, parts: &Self::Buffer, dst: &Self::Buffer, desc: &SumPartsDesc) -> Result<()> {
-        (**self).sum_parts(parts, dst, desc)
+    fn dispatch(&self, launch: Launch<'_, Self::Buffer>) -> Result<()> {
+        (**self).dispatch(launch)
     }
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
         (**self).gemm_tile(layout)
-    }
-    fn kl_rows(
-        &self,
-        logits: &Self::Buffer,
-        ids: &Self::Buffer,
-        probs: &Self::Buffer,
-        coef: &Self::Buffer,
-        loss: &Self::Buffer,
-        grad: &Self::Buffer,
-        desc: &KlDesc,
-    ) -> Result<()> {
-        (**self).kl_rows(logits, ids, probs, coef, loss, grad, desc)
-    }
-    fn topk_rows(
-        &self,
-        logits: &Self::Buffer,
-        ids: &Self::Buffer,
-        probs: &Self::Buffer,
-        desc: &TopkDesc,
-    ) -> Result<()> {
-        (**self).topk_rows(logits, ids, probs, desc)
     }
     fn finish(&self) -> Result<()> {
         (**self).finish()

@@ -8,6 +8,7 @@ use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, Pending
 use crate::chunking::{plan_chunks, ChunkPlan};
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
+use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::slicing::{slice_vocab, VocabSlice};

@@ -69,6 +69,7 @@ pub mod glsl_tile;
 pub mod head;
 pub mod host;
 pub mod kernels;
+pub mod launch;
 pub mod params;
 pub mod problem;
 pub mod queue;
@@ -91,6 +92,7 @@ pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTi
 pub use glsl_tile::GlslTile;
 pub use head::{HeadData, HeadWeights};
 pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
+pub use launch::{Checked, Kernels, Launch};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
 };

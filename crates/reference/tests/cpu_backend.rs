@@ -3,7 +3,7 @@
 //! the driver's contract.
 
 use half::f16;
-use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout, KlDesc, TopkDesc};
+use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout, Kernels, KlDesc, TopkDesc};
 use headkl_reference::{CpuBackend, Precision};
 
 fn gemm_desc(m: usize, n: usize, k: usize) -> GemmDesc {

@@ -7,8 +7,8 @@
 use std::cell::Cell;
 
 use headkl_core::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, KlDesc, MemoryStats, Result,
-    SumPartsDesc, TailMode, TopkDesc,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, Kernels, KlDesc, Launch,
+    MemoryStats, Result, SumPartsDesc, TailMode, TopkDesc,
 };
 use headkl_reference::conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
 use headkl_reference::{CpuBackend, CpuBuffer};
@@ -94,127 +94,27 @@ impl Backend for Faulty {
     fn download(&self, src: &CpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
         self.inner.download(src, offset, out)
     }
-    fn convert_f16(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &ConvertDesc) -> Result<()> {
-        if self.fault == Fault::ConvertPadNotZeroed {
-            // convert into a scratch copy, then write back only the real rows × cols
-            let before: Vec<u16> = self.read(dst, d.rows_padded * d.ld);
-            self.inner.convert_f16(src, dst, d)?;
-            let mut after: Vec<u16> = self.read(dst, d.rows_padded * d.ld);
-            for (i, v) in after.iter_mut().enumerate() {
-                if i / d.ld >= d.rows || i % d.ld >= d.cols {
-                    *v = before[i];
-                }
-            }
-            self.write(dst, &after);
-            return Ok(());
+    fn dispatch(&self, launch: Launch<'_, CpuBuffer>) -> Result<()> {
+        match launch {
+            Launch::ConvertF16 { src, dst, desc } => self.convert_f16(src, dst, &desc),
+            Launch::Gemm { a, b, c, desc } => self.gemm(a, b, c, &desc),
+            Launch::SumParts { parts, dst, desc } => self.sum_parts(parts, dst, &desc),
+            Launch::KlRows {
+                logits,
+                ids,
+                probs,
+                coef,
+                loss,
+                grad,
+                desc,
+            } => self.kl_rows(logits, ids, probs, coef, loss, grad, &desc),
+            Launch::TopkRows {
+                logits,
+                ids,
+                probs,
+                desc,
+            } => self.topk_rows(logits, ids, probs, &desc),
         }
-        self.inner.convert_f16(src, dst, d)
-    }
-    fn gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc) -> Result<()> {
-        let mut d = *d;
-        match self.fault {
-            Fault::NoAccumulate => d.accumulate = false,
-            Fault::IgnoreAlpha => d.alpha = 1.0,
-            Fault::GemmDxPanics if d.kernel() == KernelId::GemmDx => panic!("planted panic in gemm_dx"),
-            Fault::SplitFirstPartOnly => d.k_parts = 1,
-            _ => {}
-        }
-        self.inner.gemm(a, b, c, &d)?;
-        if self.fault == Fault::GemmWritesPastRegion {
-            let end = d.c_offset + (d.m - 1) * d.ldc + d.n;
-            if (end as u64 + 1) * 4 <= c.len() {
-                self.inner.upload(c, end as u64 * 4, &0f32.to_ne_bytes())?;
-            }
-        }
-        Ok(())
-    }
-    fn sum_parts(&self, parts: &CpuBuffer, dst: &CpuBuffer, d: &SumPartsDesc) -> Result<()> {
-        let mut d = *d;
-        if self.fault == Fault::SumSkipsLastPart && d.parts > 1 {
-            d.parts -= 1;
-        }
-        self.inner.sum_parts(parts, dst, &d)
-    }
-    fn kl_rows(
-        &self,
-        logits: &CpuBuffer,
-        ids: &CpuBuffer,
-        probs: &CpuBuffer,
-        coef: &CpuBuffer,
-        loss: &CpuBuffer,
-        grad: &CpuBuffer,
-        d: &KlDesc,
-    ) -> Result<()> {
-        let mut d = *d;
-        match self.fault {
-            Fault::KlIgnoresSoftcap => d.terms.softcap = None,
-            Fault::KlIgnoresTail => d.tail = TailMode::Renormalize,
-            Fault::KlIgnoresHard => d.terms.hard_weight = 0.0,
-            Fault::KlIgnoresSmoothing => d.terms.label_smoothing = 0.0,
-            Fault::KlIgnoresZLoss => d.terms.z_loss = 0.0,
-            Fault::KlIgnoresSoftWeight => d.terms.soft_weight = 1.0,
-            _ => {}
-        }
-        let d = &d;
-        self.inner.kl_rows(logits, ids, probs, coef, loss, grad, d)?;
-        match self.fault {
-            Fault::KlPadLeftNaN if d.ld > d.vocab => {
-                let mut g: Vec<u16> = self.read(grad, d.rows * d.ld);
-                for t in 0..d.rows {
-                    g[t * d.ld + d.vocab] = 0xFFFF;
-                }
-                self.write(grad, &g);
-            }
-            // Per row: [loss, lse, soft, hard].
-            Fault::KlLossOffset | Fault::KlLseOffset => {
-                let word = usize::from(self.fault == Fault::KlLseOffset);
-                let mut l: Vec<f32> = self.read(loss, d.rows * 4);
-                l.iter_mut().skip(word).step_by(4).for_each(|v| *v += 1e-3);
-                self.write(loss, &l);
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-    fn topk_rows(&self, logits: &CpuBuffer, ids: &CpuBuffer, probs: &CpuBuffer, d: &TopkDesc) -> Result<()> {
-        if self.fault == Fault::TopkErrors {
-            return Err(Error::Backend {
-                backend: "reference",
-                message: "planted topk failure".into(),
-            });
-        }
-        let mut d = *d;
-        match self.fault {
-            Fault::TopkIgnoresSoftcap => d.cap = None,
-            Fault::TopkIgnoresLogprobs => d.logprobs = false,
-            _ => {}
-        }
-        let d = &d;
-        self.inner.topk_rows(logits, ids, probs, d)?;
-        let n = d.rows * d.k;
-        match self.fault {
-            Fault::TopkSwapFirstTwo if d.k >= 2 => {
-                let (mut i, mut p): (Vec<u32>, Vec<f32>) = (self.read(ids, n), self.read(probs, n));
-                for t in 0..d.rows {
-                    i.swap(t * d.k, t * d.k + 1);
-                    p.swap(t * d.k, t * d.k + 1);
-                }
-                self.write(ids, &i);
-                self.write(probs, &p);
-            }
-            Fault::TopkProbsOff => {
-                let mut p: Vec<f32> = self.read(probs, n);
-                p.iter_mut().for_each(|v| *v *= 1.001);
-                self.write(probs, &p);
-            }
-            Fault::TopkNoNaNFlag => {
-                let mut p: Vec<f32> = self.read(probs, n);
-                p.iter_mut().filter(|v| v.is_nan()).for_each(|v| *v = 0.5);
-                self.write(probs, &p);
-            }
-            _ => {}
-        }
-        Ok(())
     }
     fn finish(&self) -> Result<()> {
         self.inner.finish()
@@ -338,4 +238,133 @@ fn a_failure_message_names_the_case_and_the_worst_element() {
         .find(|m| m.starts_with("regression/v17_hs17_ntok17_k17_head_kl"))
         .unwrap();
     assert!(m.contains("worst: [") && m.contains("exceeds bound 1.000e-4"), "{m}");
+}
+
+/// Each kernel of the reference with its planted fault ([`Backend::dispatch`]
+/// sends every launch here). Inherent, so they take precedence over
+/// [`Kernels`]'s methods of the same names.
+impl Faulty {
+    fn convert_f16(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &ConvertDesc) -> Result<()> {
+        if self.fault == Fault::ConvertPadNotZeroed {
+            // convert into a scratch copy, then write back only the real rows × cols
+            let before: Vec<u16> = self.read(dst, d.rows_padded * d.ld);
+            self.inner.convert_f16(src, dst, d)?;
+            let mut after: Vec<u16> = self.read(dst, d.rows_padded * d.ld);
+            for (i, v) in after.iter_mut().enumerate() {
+                if i / d.ld >= d.rows || i % d.ld >= d.cols {
+                    *v = before[i];
+                }
+            }
+            self.write(dst, &after);
+            return Ok(());
+        }
+        self.inner.convert_f16(src, dst, d)
+    }
+    fn gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc) -> Result<()> {
+        let mut d = *d;
+        match self.fault {
+            Fault::NoAccumulate => d.accumulate = false,
+            Fault::IgnoreAlpha => d.alpha = 1.0,
+            Fault::GemmDxPanics if d.kernel() == KernelId::GemmDx => panic!("planted panic in gemm_dx"),
+            Fault::SplitFirstPartOnly => d.k_parts = 1,
+            _ => {}
+        }
+        self.inner.gemm(a, b, c, &d)?;
+        if self.fault == Fault::GemmWritesPastRegion {
+            let end = d.c_offset + (d.m - 1) * d.ldc + d.n;
+            if (end as u64 + 1) * 4 <= c.len() {
+                self.inner.upload(c, end as u64 * 4, &0f32.to_ne_bytes())?;
+            }
+        }
+        Ok(())
+    }
+    fn sum_parts(&self, parts: &CpuBuffer, dst: &CpuBuffer, d: &SumPartsDesc) -> Result<()> {
+        let mut d = *d;
+        if self.fault == Fault::SumSkipsLastPart && d.parts > 1 {
+            d.parts -= 1;
+        }
+        self.inner.sum_parts(parts, dst, &d)
+    }
+    #[allow(clippy::too_many_arguments, reason = "one buffer per binding of the kernel")]
+    fn kl_rows(
+        &self,
+        logits: &CpuBuffer,
+        ids: &CpuBuffer,
+        probs: &CpuBuffer,
+        coef: &CpuBuffer,
+        loss: &CpuBuffer,
+        grad: &CpuBuffer,
+        d: &KlDesc,
+    ) -> Result<()> {
+        let mut d = *d;
+        match self.fault {
+            Fault::KlIgnoresSoftcap => d.terms.softcap = None,
+            Fault::KlIgnoresTail => d.tail = TailMode::Renormalize,
+            Fault::KlIgnoresHard => d.terms.hard_weight = 0.0,
+            Fault::KlIgnoresSmoothing => d.terms.label_smoothing = 0.0,
+            Fault::KlIgnoresZLoss => d.terms.z_loss = 0.0,
+            Fault::KlIgnoresSoftWeight => d.terms.soft_weight = 1.0,
+            _ => {}
+        }
+        let d = &d;
+        self.inner.kl_rows(logits, ids, probs, coef, loss, grad, d)?;
+        match self.fault {
+            Fault::KlPadLeftNaN if d.ld > d.vocab => {
+                let mut g: Vec<u16> = self.read(grad, d.rows * d.ld);
+                for t in 0..d.rows {
+                    g[t * d.ld + d.vocab] = 0xFFFF;
+                }
+                self.write(grad, &g);
+            }
+            // Per row: [loss, lse, soft, hard].
+            Fault::KlLossOffset | Fault::KlLseOffset => {
+                let word = usize::from(self.fault == Fault::KlLseOffset);
+                let mut l: Vec<f32> = self.read(loss, d.rows * 4);
+                l.iter_mut().skip(word).step_by(4).for_each(|v| *v += 1e-3);
+                self.write(loss, &l);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+    fn topk_rows(&self, logits: &CpuBuffer, ids: &CpuBuffer, probs: &CpuBuffer, d: &TopkDesc) -> Result<()> {
+        if self.fault == Fault::TopkErrors {
+            return Err(Error::Backend {
+                backend: "reference",
+                message: "planted topk failure".into(),
+            });
+        }
+        let mut d = *d;
+        match self.fault {
+            Fault::TopkIgnoresSoftcap => d.cap = None,
+            Fault::TopkIgnoresLogprobs => d.logprobs = false,
+            _ => {}
+        }
+        let d = &d;
+        self.inner.topk_rows(logits, ids, probs, d)?;
+        let n = d.rows * d.k;
+        match self.fault {
+            Fault::TopkSwapFirstTwo if d.k >= 2 => {
+                let (mut i, mut p): (Vec<u32>, Vec<f32>) = (self.read(ids, n), self.read(probs, n));
+                for t in 0..d.rows {
+                    i.swap(t * d.k, t * d.k + 1);
+                    p.swap(t * d.k, t * d.k + 1);
+                }
+                self.write(ids, &i);
+                self.write(probs, &p);
+            }
+            Fault::TopkProbsOff => {
+                let mut p: Vec<f32> = self.read(probs, n);
+                p.iter_mut().for_each(|v| *v *= 1.001);
+                self.write(probs, &p);
+            }
+            Fault::TopkNoNaNFlag => {
+                let mut p: Vec<f32> = self.read(probs, n);
+                p.iter_mut().filter(|v| v.is_nan()).for_each(|v| *v = 0.5);
+                self.write(probs, &p);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
 }

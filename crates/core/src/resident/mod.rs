@@ -23,6 +23,7 @@ pub use kernels::{ResidentBackend, ResidentKernel};
 use crate::backend::{Backend, KlDesc, TopkDesc};
 use crate::driver::Engine;
 use crate::error::{Error, Result};
+use crate::launch::Kernels;
 use crate::params::ResidentParams;
 use crate::problem::{check_k, TopkOptions, DEFAULT_BUDGET_BYTES};
 use crate::scratch::Job;

@@ -7,7 +7,7 @@
 use half::f16;
 use headkl_core::split::k_part_range;
 use headkl_core::{
-    Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, LossTerms, SumPartsDesc, TailMode, TopkDesc, NO_LABEL,
+    Backend, ConvertDesc, GemmDesc, HeadLayout, Kernels, KlDesc, LossTerms, SumPartsDesc, TailMode, TopkDesc, NO_LABEL,
 };
 
 use super::Measured;

@@ -4,10 +4,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use headkl_core::{
-    Backend, ConvertDesc, DeviceInfo, GemmDesc, HeadLayout, KernelTime, KlDesc, MemoryStats, PendingDownload, Result,
-    SumPartsDesc, TopkDesc,
-};
+use headkl_core::{Backend, DeviceInfo, HeadLayout, KernelTime, Launch, MemoryStats, PendingDownload, Result};
 
 /// `inner`, with a count of the downloads begun and not yet ended.
 pub(crate) struct CountInFlight<'a, B: Backend + ?Sized> {
@@ -62,38 +59,11 @@ impl<B: Backend + ?Sized> Backend for CountInFlight<'_, B> {
         self.pending.fetch_sub(1, Ordering::SeqCst);
         self.inner.download_end(pending, out)
     }
-    fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()> {
-        self.inner.convert_f16(src, dst, desc)
-    }
-    fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()> {
-        self.inner.gemm(a, b, c, desc)
-    }
-    fn sum_parts(&self, parts: &Self::Buffer, dst: &Self::Buffer, desc: &SumPartsDesc) -> Result<()> {
-        self.inner.sum_parts(parts, dst, desc)
+    fn dispatch(&self, launch: Launch<'_, Self::Buffer>) -> Result<()> {
+        self.inner.dispatch(launch)
     }
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
         self.inner.gemm_tile(layout)
-    }
-    fn kl_rows(
-        &self,
-        logits: &Self::Buffer,
-        ids: &Self::Buffer,
-        probs: &Self::Buffer,
-        coef: &Self::Buffer,
-        loss: &Self::Buffer,
-        grad: &Self::Buffer,
-        desc: &KlDesc,
-    ) -> Result<()> {
-        self.inner.kl_rows(logits, ids, probs, coef, loss, grad, desc)
-    }
-    fn topk_rows(
-        &self,
-        logits: &Self::Buffer,
-        ids: &Self::Buffer,
-        probs: &Self::Buffer,
-        desc: &TopkDesc,
-    ) -> Result<()> {
-        self.inner.topk_rows(logits, ids, probs, desc)
     }
     fn finish(&self) -> Result<()> {
         self.inner.finish()

@@ -27,7 +27,7 @@ use std::time::Instant;
 use half::f16;
 use headkl_core::checks::check_transfer;
 use headkl_core::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, HeadLayout, KernelId, KernelTime, KlDesc,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, HeadLayout, KernelId, KernelTime, KlDesc, Launch,
     MemoryStats, Result, SumPartsDesc, TopkDesc, NO_LABEL,
 };
 
@@ -294,107 +294,32 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn convert_f16(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &ConvertDesc) -> Result<()> {
-        const K: &str = "convert_f16";
-        d.check([src, dst], self.info.max_binding_bytes)?;
-        self.timed(KernelId::ConvertF16, || {
-            let mut out = dst.write(K)?;
-            let input = src.read(K)?;
-            kernels::convert_f16(f32s(&input), f16s_mut(&mut out), d);
-            Ok(())
-        })
-    }
-
-    fn gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc) -> Result<()> {
-        const K: &str = "gemm";
-        d.check([a, b, c], self.info.max_binding_bytes)?;
-        self.timed(d.kernel(), || {
-            let mut out = c.write(K)?;
-            let (a_words, b_words) = (a.read(K)?, b.read(K)?);
-            kernels::gemm(f16s(&a_words), f16s(&b_words), f32s_mut(&mut out), d, self.precision);
-            Ok(())
+    fn dispatch(&self, launch: Launch<'_, CpuBuffer>) -> Result<()> {
+        launch.check(self.info.max_binding_bytes)?;
+        self.timed(launch.id(), || match launch {
+            Launch::ConvertF16 { src, dst, desc } => self.run_convert_f16(src, dst, &desc),
+            Launch::Gemm { a, b, c, desc } => self.run_gemm(a, b, c, &desc),
+            Launch::SumParts { parts, dst, desc } => self.run_sum_parts(parts, dst, &desc),
+            Launch::KlRows {
+                logits,
+                ids,
+                probs,
+                coef,
+                loss,
+                grad,
+                desc,
+            } => self.run_kl_rows(logits, ids, probs, coef, loss, grad, &desc),
+            Launch::TopkRows {
+                logits,
+                ids,
+                probs,
+                desc,
+            } => self.run_topk_rows(logits, ids, probs, &desc),
         })
     }
 
     fn gemm_tile(&self, _layout: HeadLayout) -> Option<(u32, u32)> {
         self.gemm_tile
-    }
-
-    fn sum_parts(&self, parts: &CpuBuffer, dst: &CpuBuffer, d: &SumPartsDesc) -> Result<()> {
-        const K: &str = "sum_parts";
-        d.check([parts, dst], self.info.max_binding_bytes)?;
-        self.timed(KernelId::SumParts, || {
-            let mut out = dst.write(K)?;
-            let input = parts.read(K)?;
-            kernels::sum_parts(f32s(&input), f32s_mut(&mut out), d);
-            Ok(())
-        })
-    }
-
-    fn kl_rows(
-        &self,
-        logits: &CpuBuffer,
-        ids: &CpuBuffer,
-        probs: &CpuBuffer,
-        coef: &CpuBuffer,
-        loss: &CpuBuffer,
-        grad: &CpuBuffer,
-        d: &KlDesc,
-    ) -> Result<()> {
-        const K: &str = "kl_rows";
-        d.check([logits, ids, probs, coef, loss, grad], self.info.max_binding_bytes)?;
-        self.timed(KernelId::KlRows, || {
-            let (mut loss_w, mut grad_w) = (loss.write(K)?, grad.write(K)?);
-            let (logits_w, ids_w, probs_w, coef_w) = (logits.read(K)?, ids.read(K)?, probs.read(K)?, coef.read(K)?);
-            let id_vals: &[u32] = &ids_w[..d.rows * d.k];
-            if let Some(i) = id_vals.iter().position(|&id| id as usize >= d.vocab) {
-                return Err(backend_error(format!(
-                    "{K}: ids[{}][{}] = {} is not below vocab = {}",
-                    i / d.k,
-                    i % d.k,
-                    id_vals[i],
-                    d.vocab
-                )));
-            }
-            let labels = coef_w[..d.rows * 2].iter().skip(1).step_by(2);
-            if let Some((t, &l)) = labels
-                .enumerate()
-                .find(|(_, &l)| l != NO_LABEL && l as usize >= d.vocab)
-            {
-                return Err(backend_error(format!(
-                    "{K}: row_in[{t}] has label {l}, not below vocab = {}",
-                    d.vocab
-                )));
-            }
-            kernels::kl_rows(
-                f32s(&logits_w),
-                id_vals,
-                f32s(&probs_w),
-                &coef_w,
-                f32s_mut(&mut loss_w),
-                f16s_mut(&mut grad_w),
-                d,
-                self.precision,
-            );
-            Ok(())
-        })
-    }
-
-    fn topk_rows(&self, logits: &CpuBuffer, ids: &CpuBuffer, probs: &CpuBuffer, d: &TopkDesc) -> Result<()> {
-        const K: &str = "topk_rows";
-        d.check([logits, ids, probs], self.info.max_binding_bytes)?;
-        self.timed(KernelId::TopkRows, || {
-            let (mut ids_w, mut probs_w) = (ids.write(K)?, probs.write(K)?);
-            let logits_w = logits.read(K)?;
-            kernels::topk_rows(
-                f32s(&logits_w),
-                &mut ids_w[..],
-                f32s_mut(&mut probs_w),
-                d,
-                self.precision,
-            );
-            Ok(())
-        })
     }
 
     fn finish(&self) -> Result<()> {
@@ -424,5 +349,94 @@ impl Backend for CpuBackend {
             .lock()
             .map(|mut t| std::mem::take(&mut *t))
             .unwrap_or_default())
+    }
+}
+
+/// Each kernel on checked launches ([`Backend::dispatch`] checks and times
+/// them).
+impl CpuBackend {
+    fn run_convert_f16(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &ConvertDesc) -> Result<()> {
+        const K: &str = "convert_f16";
+        let mut out = dst.write(K)?;
+        let input = src.read(K)?;
+        kernels::convert_f16(f32s(&input), f16s_mut(&mut out), d);
+        Ok(())
+    }
+
+    fn run_gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc) -> Result<()> {
+        const K: &str = "gemm";
+        let mut out = c.write(K)?;
+        let (a_words, b_words) = (a.read(K)?, b.read(K)?);
+        kernels::gemm(f16s(&a_words), f16s(&b_words), f32s_mut(&mut out), d, self.precision);
+        Ok(())
+    }
+
+    fn run_sum_parts(&self, parts: &CpuBuffer, dst: &CpuBuffer, d: &SumPartsDesc) -> Result<()> {
+        const K: &str = "sum_parts";
+        let mut out = dst.write(K)?;
+        let input = parts.read(K)?;
+        kernels::sum_parts(f32s(&input), f32s_mut(&mut out), d);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "one buffer per binding of the kernel")]
+    fn run_kl_rows(
+        &self,
+        logits: &CpuBuffer,
+        ids: &CpuBuffer,
+        probs: &CpuBuffer,
+        coef: &CpuBuffer,
+        loss: &CpuBuffer,
+        grad: &CpuBuffer,
+        d: &KlDesc,
+    ) -> Result<()> {
+        const K: &str = "kl_rows";
+        let (mut loss_w, mut grad_w) = (loss.write(K)?, grad.write(K)?);
+        let (logits_w, ids_w, probs_w, coef_w) = (logits.read(K)?, ids.read(K)?, probs.read(K)?, coef.read(K)?);
+        let id_vals: &[u32] = &ids_w[..d.rows * d.k];
+        if let Some(i) = id_vals.iter().position(|&id| id as usize >= d.vocab) {
+            return Err(backend_error(format!(
+                "{K}: ids[{}][{}] = {} is not below vocab = {}",
+                i / d.k,
+                i % d.k,
+                id_vals[i],
+                d.vocab
+            )));
+        }
+        let labels = coef_w[..d.rows * 2].iter().skip(1).step_by(2);
+        if let Some((t, &l)) = labels
+            .enumerate()
+            .find(|(_, &l)| l != NO_LABEL && l as usize >= d.vocab)
+        {
+            return Err(backend_error(format!(
+                "{K}: row_in[{t}] has label {l}, not below vocab = {}",
+                d.vocab
+            )));
+        }
+        kernels::kl_rows(
+            f32s(&logits_w),
+            id_vals,
+            f32s(&probs_w),
+            &coef_w,
+            f32s_mut(&mut loss_w),
+            f16s_mut(&mut grad_w),
+            d,
+            self.precision,
+        );
+        Ok(())
+    }
+
+    fn run_topk_rows(&self, logits: &CpuBuffer, ids: &CpuBuffer, probs: &CpuBuffer, d: &TopkDesc) -> Result<()> {
+        const K: &str = "topk_rows";
+        let (mut ids_w, mut probs_w) = (ids.write(K)?, probs.write(K)?);
+        let logits_w = logits.read(K)?;
+        kernels::topk_rows(
+            f32s(&logits_w),
+            &mut ids_w[..],
+            f32s_mut(&mut probs_w),
+            d,
+            self.precision,
+        );
+        Ok(())
     }
 }

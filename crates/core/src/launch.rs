@@ -1,0 +1,348 @@
+//! One kernel launch: which kernel, its descriptor and its buffers in
+//! binding order ([`Launch`]), the one thing a backend's
+//! [`Backend::dispatch`] receives. [`Launch::check`] runs the kernel's
+//! descriptor checks (`crate::checks`) and is the only way to get the
+//! [`Checked`] parameter block a GPU backend binds, so an unchecked
+//! dispatch cannot be written. [`Kernels`] gives every backend the
+//! per-kernel calls the driver makes, each building its launch.
+
+use crate::backend::{Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPartsDesc, TopkDesc};
+use crate::error::Result;
+use crate::kernels::{GemmKernel, KernelId};
+use crate::params::{ConvertParams, GemmParams, RowParams, SumPartsParams};
+
+/// One kernel launch: the descriptor (see each type's docs for what the
+/// kernel computes) and the buffers, named as the kernel binds them.
+#[derive(Debug)]
+pub enum Launch<'a, B> {
+    /// Hidden rows f32 → f16 ([`ConvertDesc`]).
+    ConvertF16 {
+        /// f32 rows.
+        src: &'a B,
+        /// The padded f16 operand.
+        dst: &'a B,
+        /// The extents.
+        desc: ConvertDesc,
+    },
+    /// `C (+)= alpha · A · op(B)` ([`GemmDesc`]; its layout says which of
+    /// the two GEMM kernels).
+    Gemm {
+        /// f16 A.
+        a: &'a B,
+        /// f16 B (a head plane).
+        b: &'a B,
+        /// f32 C.
+        c: &'a B,
+        /// The extents, strides and split.
+        desc: GemmDesc,
+    },
+    /// A split-K GEMM's partial blocks summed ([`SumPartsDesc`]).
+    SumParts {
+        /// The blocks.
+        parts: &'a B,
+        /// Their sum.
+        dst: &'a B,
+        /// The lengths.
+        desc: SumPartsDesc,
+    },
+    /// The KL row kernel ([`KlDesc`]).
+    KlRows {
+        /// f32 logits `[rows][ld]`.
+        logits: &'a B,
+        /// Teacher ids `[rows][k]`.
+        ids: &'a B,
+        /// Teacher probabilities `[rows][k]`.
+        probs: &'a B,
+        /// Per-row coefficients `[rows]`.
+        coef: &'a B,
+        /// Per-row loss `[rows]`.
+        loss: &'a B,
+        /// f16 gradient `[rows][ld]`.
+        grad: &'a B,
+        /// The extents.
+        desc: KlDesc,
+    },
+    /// The exact top-k row kernel ([`TopkDesc`]).
+    TopkRows {
+        /// f32 logits `[rows][ld]`.
+        logits: &'a B,
+        /// Selected ids `[rows][k]`.
+        ids: &'a B,
+        /// Their probabilities `[rows][k]`.
+        probs: &'a B,
+        /// The extents.
+        desc: TopkDesc,
+    },
+}
+
+impl<B> Clone for Launch<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for Launch<'_, B> {}
+
+/// A launch's parameter block, checked against its buffers: only
+/// [`Launch::check`] makes one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Checked {
+    id: KernelId,
+    block: Block,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Block {
+    Convert(ConvertParams),
+    Gemm(GemmParams),
+    SumParts(SumPartsParams),
+    Rows(RowParams),
+}
+
+impl Checked {
+    /// The kernel.
+    pub fn id(&self) -> KernelId {
+        self.id
+    }
+
+    /// The parameter block's bytes for a dispatch whose grid is `grid_x`
+    /// workgroups wide (the kernels unfold a folded grid with it).
+    pub fn bytes(&self, grid_x: u32) -> Vec<u8> {
+        match self.block {
+            Block::Convert(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::Gemm(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::SumParts(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::Rows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+        }
+    }
+
+    /// The GEMM's block, for a backend that binds it to a kernel of its
+    /// own choosing (the GLSL tiles); `None` for the other kernels.
+    pub fn gemm_params(&self) -> Option<GemmParams> {
+        match self.block {
+            Block::Gemm(p) => Some(p),
+            _ => None,
+        }
+    }
+}
+
+impl<'a, B: DeviceBuffer> Launch<'a, B> {
+    /// The kernel it launches.
+    pub fn id(&self) -> KernelId {
+        match self {
+            Launch::ConvertF16 { .. } => KernelId::ConvertF16,
+            Launch::Gemm { desc, .. } => desc.kernel(),
+            Launch::SumParts { .. } => KernelId::SumParts,
+            Launch::KlRows { .. } => KernelId::KlRows,
+            Launch::TopkRows { .. } => KernelId::TopkRows,
+        }
+    }
+
+    /// Its buffers in binding order (the catalogue's
+    /// [`KernelId::bindings`]).
+    pub fn buffers(&self) -> Vec<&'a B> {
+        match *self {
+            Launch::ConvertF16 { src, dst, .. } => vec![src, dst],
+            Launch::Gemm { a, b, c, .. } => vec![a, b, c],
+            Launch::SumParts { parts, dst, .. } => vec![parts, dst],
+            Launch::KlRows {
+                logits,
+                ids,
+                probs,
+                coef,
+                loss,
+                grad,
+                ..
+            } => vec![logits, ids, probs, coef, loss, grad],
+            Launch::TopkRows { logits, ids, probs, .. } => vec![logits, ids, probs],
+        }
+    }
+
+    /// Workgroups it dispatches; a GEMM's depend on the kernel `gemm` the
+    /// backend runs for it (ignored for the other kernels).
+    pub fn workgroups(&self, gemm: GemmKernel) -> u64 {
+        match self {
+            Launch::ConvertF16 { desc, .. } => desc.workgroups(),
+            Launch::Gemm { desc, .. } => desc.workgroups(gemm),
+            Launch::SumParts { desc, .. } => desc.workgroups(),
+            Launch::KlRows { desc, .. } => desc.workgroups(),
+            Launch::TopkRows { desc, .. } => desc.workgroups(),
+        }
+    }
+
+    /// Checks the descriptor against the buffers (each a binding of at most
+    /// `max_binding` bytes): the kernel's [`crate::checks`], every backend's
+    /// first step of every dispatch.
+    pub fn check(&self, max_binding: u64) -> Result<Checked> {
+        let block = match *self {
+            Launch::ConvertF16 { src, dst, desc } => Block::Convert(desc.check([src, dst], max_binding)?),
+            Launch::Gemm { a, b, c, desc } => Block::Gemm(desc.check([a, b, c], max_binding)?),
+            Launch::SumParts { parts, dst, desc } => Block::SumParts(desc.check([parts, dst], max_binding)?),
+            Launch::KlRows {
+                logits,
+                ids,
+                probs,
+                coef,
+                loss,
+                grad,
+                desc,
+            } => Block::Rows(desc.check([logits, ids, probs, coef, loss, grad], max_binding)?),
+            Launch::TopkRows {
+                logits,
+                ids,
+                probs,
+                desc,
+            } => Block::Rows(desc.check([logits, ids, probs], max_binding)?),
+        };
+        Ok(Checked { id: self.id(), block })
+    }
+}
+
+/// The driver's kernel calls on any backend, each one [`Launch`] through
+/// [`Backend::dispatch`].
+pub trait Kernels: Backend {
+    /// Converts hidden rows f32 → f16 (see [`ConvertDesc`]).
+    fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()> {
+        self.dispatch(Launch::ConvertF16 { src, dst, desc: *desc })
+    }
+
+    /// `C (+)= alpha · A · op(B)` (see [`GemmDesc`]); timed as
+    /// [`GemmDesc::kernel`].
+    fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()> {
+        self.dispatch(Launch::Gemm { a, b, c, desc: *desc })
+    }
+
+    /// Sums a split-K GEMM's partial blocks (see [`SumPartsDesc`]).
+    fn sum_parts(&self, parts: &Self::Buffer, dst: &Self::Buffer, desc: &SumPartsDesc) -> Result<()> {
+        self.dispatch(Launch::SumParts {
+            parts,
+            dst,
+            desc: *desc,
+        })
+    }
+
+    /// The KL row kernel (see [`KlDesc`]).
+    #[allow(clippy::too_many_arguments, reason = "one buffer per binding of the kernel")]
+    fn kl_rows(
+        &self,
+        logits: &Self::Buffer,
+        ids: &Self::Buffer,
+        probs: &Self::Buffer,
+        coef: &Self::Buffer,
+        loss: &Self::Buffer,
+        grad: &Self::Buffer,
+        desc: &KlDesc,
+    ) -> Result<()> {
+        self.dispatch(Launch::KlRows {
+            logits,
+            ids,
+            probs,
+            coef,
+            loss,
+            grad,
+            desc: *desc,
+        })
+    }
+
+    /// The exact top-k row kernel (see [`TopkDesc`]).
+    fn topk_rows(
+        &self,
+        logits: &Self::Buffer,
+        ids: &Self::Buffer,
+        probs: &Self::Buffer,
+        desc: &TopkDesc,
+    ) -> Result<()> {
+        self.dispatch(Launch::TopkRows {
+            logits,
+            ids,
+            probs,
+            desc: *desc,
+        })
+    }
+}
+
+impl<T: Backend + ?Sized> Kernels for T {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::HeadLayout;
+    use crate::error::Error;
+
+    struct Len(u64);
+    impl DeviceBuffer for Len {
+        fn len(&self) -> u64 {
+            self.0
+        }
+    }
+
+    /// Each launch names its kernel and its buffers in the catalogue's
+    /// binding order, and its check is the descriptor's.
+    #[test]
+    fn launches_follow_the_catalogue() {
+        let big = Len(1 << 24);
+        let gemm = GemmDesc::dense(32, 48, 64, HeadLayout::Dx);
+        let launches = [
+            Launch::ConvertF16 {
+                src: &big,
+                dst: &big,
+                desc: ConvertDesc {
+                    rows: 3,
+                    cols: 5,
+                    rows_padded: 16,
+                    ld: 16,
+                },
+            },
+            Launch::Gemm {
+                a: &big,
+                b: &big,
+                c: &big,
+                desc: gemm,
+            },
+            Launch::SumParts {
+                parts: &big,
+                dst: &big,
+                desc: SumPartsDesc {
+                    len: 64,
+                    parts: 2,
+                    part_stride: 64,
+                    accumulate: false,
+                },
+            },
+            Launch::KlRows {
+                logits: &big,
+                ids: &big,
+                probs: &big,
+                coef: &big,
+                loss: &big,
+                grad: &big,
+                desc: KlDesc::plain(4, 40, 48, 3),
+            },
+            Launch::TopkRows {
+                logits: &big,
+                ids: &big,
+                probs: &big,
+                desc: TopkDesc::plain(4, 40, 48, 3),
+            },
+        ];
+        for launch in launches {
+            let id = launch.id();
+            assert_eq!(launch.buffers().len(), id.bindings().len(), "{id}");
+            let checked = launch.check(u64::MAX).unwrap();
+            assert_eq!(checked.id(), id);
+            assert!(!checked.bytes(1).is_empty());
+            assert_eq!(checked.gemm_params().is_some(), id.gemm_layout().is_some(), "{id}");
+            assert!(launch.workgroups(GemmKernel::Tiled) > 0, "{id}");
+        }
+        assert_eq!(launches[1].id(), KernelId::GemmDx);
+        // A buffer too small for the extents fails the check.
+        let small = Len(16);
+        let bad = Launch::Gemm {
+            a: &small,
+            b: &big,
+            c: &big,
+            desc: gemm,
+        };
+        assert!(matches!(bad.check(u64::MAX), Err(Error::BadDescriptor { .. })));
+    }
+}
