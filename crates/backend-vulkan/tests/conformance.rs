@@ -9,3 +9,14 @@ headkl_reference::conformance_tests!(
             .expect("a HEADKL_* setting does not parse")
     })
 );
+
+// Engines on one device driven from several threads, and a soak of one
+// engine, with the validation layer on.
+headkl_reference::threads_tests!(
+    "vulkan",
+    headkl_vulkan::VulkanBackend::open_with(&headkl_vulkan::VulkanOptions {
+        validation: true,
+        ..headkl_vulkan::VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
+    })
+);

@@ -7,3 +7,12 @@ headkl_reference::conformance_tests!(
             .expect("a HEADKL_* setting does not parse")
     )
 );
+
+// Engines on one device driven from several threads, and a soak of one engine.
+headkl_reference::threads_tests!(
+    "wgpu",
+    headkl_wgpu::WgpuBackend::open_with(
+        &headkl_wgpu::OpenOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
+    )
+);

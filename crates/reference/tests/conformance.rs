@@ -28,3 +28,7 @@ headkl_reference::conformance_tests!(
 // The device-resident entry points on the CPU kernels (the same cases the
 // GPU backends run).
 headkl_reference::resident_conformance_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
+
+// Engines on threads, and a soak of one engine (CpuBackend is Sync: its
+// buffers belong to the engine that made them).
+headkl_reference::threads_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
