@@ -134,23 +134,34 @@ fn resident_bytes() -> u64 {
         .map_or(0, |pages| pages * 4096)
 }
 
-/// `calls` `head_kl_into` calls on one engine with one kept output: the
-/// device memory the backend holds and the process's host memory after the
-/// first call and after the last.
+/// `calls` `head_kl_into` calls on one engine with one kept output (one
+/// slice, one chunk: the calls are many, so each is kept small): the device
+/// memory the backend holds and the process's host memory after the first
+/// call and after the last.
 pub fn soak<B: Backend>(backend: &B, calls: usize) -> Soak {
     let x = Inputs::new(0x736f_616b_0000_0001);
     let head = HeadWeights::new(HeadData::F32(&x.head), VOCAB, HS).expect("head");
-    let mut engine = Engine::new(backend, &head, slicing()).expect("engine");
-    let (top, mut out) = solve(&mut engine, &x).expect("first call");
+    let mut engine = Engine::new(backend, &head, SliceOptions::default()).expect("engine");
+    let top = engine
+        .topk(
+            &Hidden::f32(&x.teacher_x, NTOK, HS).expect("hidden"),
+            &TopkOptions::new(K),
+        )
+        .expect("top-k");
     let teacher = headkl_core::Teacher::new(&top.ids, &top.probs, NTOK, K, VOCAB).expect("teacher");
     let hidden = Hidden::f32(&x.student_x, NTOK, HS).expect("hidden");
+    let mut out = LossOutput::default();
+    let mut call = |i: usize, out: &mut LossOutput| {
+        engine
+            .head_kl_into(&hidden, &teacher, &LossOptions::default(), out)
+            .unwrap_or_else(|e| panic!("call {i}: {e}"));
+    };
+    call(0, &mut out);
     let first = (backend.memory().current, resident_bytes());
     let want = bits(&out.dx);
-    for call in 1..calls {
-        engine
-            .head_kl_into(&hidden, &teacher, &loss_options(), &mut out)
-            .unwrap_or_else(|e| panic!("call {call}: {e}"));
-        assert_eq!(bits(&out.dx), want, "call {call}: dx changed");
+    for i in 1..calls {
+        call(i, &mut out);
+        assert_eq!(bits(&out.dx), want, "call {i}: dx changed");
     }
     Soak {
         calls,
