@@ -21,7 +21,7 @@ use std::error::Error;
 use std::time::Instant;
 
 use burn::prelude::{Int, Tensor};
-use burn::tensor::{Device, FloatDType, TensorData};
+use burn::tensor::{DType, Device, FloatDType, TensorData};
 use headkl_burn::{unfused, DeviceOptions, HeadKl, LossOptions, SharedDevice, Teacher};
 use headkl_core::{Backend, HeadData, HeadWeights};
 
@@ -97,7 +97,7 @@ impl Config {
             shape: Shape::parse("A")?,
             reps: 5,
             warmup: 2,
-            dtype: FloatDType::F32,
+            dtype: FloatDType::F16,
             unfused: true,
         };
         let mut args = args.peekable();
@@ -195,7 +195,10 @@ pub fn run_on(shared: &SharedDevice, cfg: &Config) -> Result<Vec<Row>, Box<dyn E
     // scratch, made by the first call and kept, is extra memory of the step.
     let headkl_head_bytes = head.engine().backend().memory().current;
     head.engine().backend().reset_peak_memory();
-    let hidden = Tensor::<2>::from_data(TensorData::new(tiled(ntok * hs, 2, 1.0), [ntok, hs]), &device).cast(cfg.dtype);
+    // Converted on the host: a V × hs f32 tensor can be past the device's
+    // largest binding.
+    let dtype = DType::from(cfg.dtype);
+    let hidden = Tensor::<2>::from_data(TensorData::new(tiled(ntok * hs, 2, 1.0), [ntok, hs]), (&device, dtype));
     // Distinct ids per row: 104729 is prime to every V here.
     let ids: Vec<i32> = (0..ntok * k)
         .map(|i| (((i / k) * 7919 + (i % k) * 104_729) % vocab) as i32)
@@ -273,7 +276,10 @@ fn run_unfused(
 ) -> Result<Row, Box<dyn Error>> {
     let Shape { vocab, hs, .. } = cfg.shape;
     let plain = device.clone().inner();
-    let head_t = Tensor::<2>::from_data(TensorData::new(w.to_vec(), [vocab, hs]), device).cast(cfg.dtype);
+    let head_t = Tensor::<2>::from_data(
+        TensorData::new(w.to_vec(), [vocab, hs]),
+        (device, DType::from(cfg.dtype)),
+    );
     let unfused_teacher = unfused::UnfusedTeacher {
         ids: teacher.ids.clone(),
         probs: teacher.probs.clone(),
@@ -319,7 +325,7 @@ fn main() {
              --shape S       A (4096:248320:5120:64), B (8192:151936:4096:64), tiny, or NTOK:V:HS:K (default A)\n  \
              --reps N        timed reps, median reported (default 5)\n  \
              --warmup N      untimed reps first (default 2)\n  \
-             --dtype f32|f16 hidden rows and burn's head (default f32)\n  \
+             --dtype f16|f32 hidden rows and burn's head (default f16: A's f32 head, 5.1 GB, is past wgpu's 4 GiB binding)\n  \
              --headkl-only   skip burn's unfused loss (a shape it cannot fit)"
         );
         return;

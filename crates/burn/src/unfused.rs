@@ -5,6 +5,7 @@
 
 use burn::prelude::{Int, Tensor};
 use burn::tensor::activation::log_softmax;
+use burn::tensor::FloatDType;
 
 /// The teacher side of [`loss`]: ids `[ntok][k]` (burn's int dtype) and
 /// probabilities `[ntok][k]` (renormalized over the k here, as headkl
@@ -30,9 +31,14 @@ pub fn loss(
     temperature: f32,
 ) -> (Tensor<1>, Tensor<1>) {
     let [ntok, _] = hidden.dims();
-    let logits = hidden.matmul(head.clone().transpose()).div_scalar(temperature);
+    // The softmax and the loss in f32 whatever the operands' dtype (f16
+    // rows and head give f16 logits, too coarse for a 10⁵-wide softmax).
+    let logits = hidden
+        .matmul(head.clone().transpose())
+        .cast(FloatDType::F32)
+        .div_scalar(temperature);
     let log_p_student = log_softmax(logits, 1).gather(1, teacher.ids.clone());
-    let p = teacher.probs.clone();
+    let p = teacher.probs.clone().cast(FloatDType::F32);
     let p = p.clone() / p.sum_dim(1);
     // 0 · log 0 = 0: the clamp only keeps the log finite.
     let log_p_teacher = p.clone().clamp_min(1e-30).log();

@@ -13,7 +13,7 @@ fn bench_runs_both_methods_on_a_tiny_shape() {
         return;
     };
     let cfg = bench_burn::Config::from_args(
-        ["--shape", "tiny", "--reps", "2", "--warmup", "1"]
+        ["--shape", "tiny", "--reps", "2", "--warmup", "1", "--dtype", "f32"]
             .map(String::from)
             .into_iter(),
     )
