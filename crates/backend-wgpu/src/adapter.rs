@@ -41,6 +41,17 @@ pub(crate) fn candidates(instance: &wgpu::Instance) -> Vec<Candidate> {
     adapters.into_iter().map(describe).collect()
 }
 
+/// The adapter [`crate::WgpuBackend::open`] would open, on headkl's one
+/// instance: `index` in [`enumerate`]'s list, else the best usable one
+/// (discrete, then integrated, then the rest). For a caller that opens the
+/// device itself (a trainer sharing it with headkl) and needs the instance
+/// the adapter came from.
+pub fn choose_adapter(index: Option<usize>) -> Result<(wgpu::Instance, wgpu::Adapter)> {
+    let instance = instance();
+    let candidate = choose(candidates(&instance), index)?;
+    Ok((instance, candidate.adapter))
+}
+
 /// One [`DeviceInfo`] per adapter (Vulkan, Metal and DX12), in the order
 /// [`crate::WgpuBackend::open`] indexes; `unusable` says why an adapter
 /// cannot run headkl.

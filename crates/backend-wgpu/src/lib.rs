@@ -29,7 +29,7 @@ mod readback;
 mod stream;
 mod transfer;
 
-pub use adapter::enumerate;
+pub use adapter::{choose_adapter, enumerate};
 pub use buffer::WgpuBuffer;
 pub use device::{OpenOptions, WgpuBackend, DEFAULT_GEMM};
 pub use queue::request_device;

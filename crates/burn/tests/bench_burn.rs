@@ -1,0 +1,56 @@
+//! The peer benchmark runs (a tiny shape, on whatever device this machine
+//! has) and both methods compute the same loss.
+
+#[path = "../examples/bench_burn.rs"]
+mod bench_burn;
+
+use headkl_burn::{DeviceOptions, SharedDevice};
+use headkl_reference::conformance::open_or_skip;
+
+#[test]
+fn bench_runs_both_methods_on_a_tiny_shape() {
+    let Some(shared) = open_or_skip("wgpu", || SharedDevice::open(&DeviceOptions::default())) else {
+        return;
+    };
+    let cfg = bench_burn::Config::from_args(
+        ["--shape", "tiny", "--reps", "2", "--warmup", "1", "--dtype", "f32"]
+            .map(String::from)
+            .into_iter(),
+    )
+    .expect("flags");
+    let rows = bench_burn::run_on(&shared, &cfg).expect("bench");
+    assert_eq!(
+        rows.iter().map(|r| r.method).collect::<Vec<_>>(),
+        ["headkl-burn", "burn unfused"]
+    );
+    for r in &rows {
+        assert_eq!(r.all_ms.len(), 2);
+        assert!(r.ms > 0.0 && r.loss.is_finite() && r.loss > 0.0, "{r:?}");
+    }
+    let (a, b) = (rows[0].loss, rows[1].loss);
+    assert!((a - b).abs() <= 1e-3 * b.abs(), "headkl-burn {a}, burn unfused {b}");
+}
+
+#[test]
+fn shapes_parse() {
+    assert_eq!(
+        bench_burn::Shape::parse("A").expect("A"),
+        bench_burn::Shape {
+            ntok: 4096,
+            vocab: 248_320,
+            hs: 5120,
+            k: 64
+        }
+    );
+    assert_eq!(
+        bench_burn::Shape::parse("8:100:16:4").expect("custom"),
+        bench_burn::Shape {
+            ntok: 8,
+            vocab: 100,
+            hs: 16,
+            k: 4
+        }
+    );
+    assert!(bench_burn::Shape::parse("8:100:16").is_err());
+    assert!(bench_burn::Shape::parse("8:10:16:40").is_err());
+}
