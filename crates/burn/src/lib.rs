@@ -44,8 +44,8 @@ use burn::prelude::{Int, Tensor};
 use burn::tensor::{DType, Device, FloatDType, IntDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use headkl_core::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, Error, HeadWeights, HiddenDtype, Result,
-    SliceOptions, TopkOptions, DEFAULT_BUDGET_BYTES,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, Error, Field, HeadWeights, HiddenDtype,
+    Result, SliceOptions, TopkOptions, DEFAULT_BUDGET_BYTES,
 };
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
@@ -141,7 +141,7 @@ fn check_device(field: &'static str, device: &Device, expected: &Device) -> Resu
     })
 }
 
-fn check_dims(field: &'static str, got: [usize; 2], expected: [usize; 2]) -> Result<()> {
+fn check_dims(field: Field, got: [usize; 2], expected: [usize; 2]) -> Result<()> {
     if got == expected {
         return Ok(());
     }
@@ -294,9 +294,9 @@ impl HeadKl {
     ) -> Result<LossOutput> {
         let ntok = self.check_hidden(hidden)?;
         let [ids_rows, k] = teacher.ids.dims();
-        check_dims("ids", [ids_rows, k], [ntok, k])?;
+        check_dims(Field::Ids, [ids_rows, k], [ntok, k])?;
         headkl_core::check_k(k, self.vocab)?;
-        check_dims("probs", teacher.probs.dims(), [ntok, k])?;
+        check_dims(Field::Probs, teacher.probs.dims(), [ntok, k])?;
         let expected = self.shared.device();
         check_device("ids", &teacher.ids.device(), &expected)?;
         check_device("probs", &teacher.probs.device(), &expected)?;
@@ -304,7 +304,7 @@ impl HeadKl {
             let [n] = w.dims();
             if n != ntok {
                 return Err(Error::LengthMismatch {
-                    field: "weights",
+                    field: Field::Weights,
                     expected: ntok,
                     got: n,
                 });
@@ -371,6 +371,7 @@ impl HeadKl {
                 accumulate_dx: false,
                 budget_bytes: opts.budget_bytes,
                 max_rows_per_chunk: opts.max_rows_per_chunk,
+                ..DeviceLossOptions::default()
             },
         );
         let bound = binder.finish();

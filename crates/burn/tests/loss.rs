@@ -149,10 +149,14 @@ fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
             },
         )
         .expect("host head_kl");
+    let f64s = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
     let outside_f64 = DirectLoss {
-        loss: outside.loss.iter().map(|&v| f64::from(v)).collect(),
+        loss: f64s(&outside.loss),
         mean: outside.mean,
-        dx: outside.dx.iter().map(|&v| f64::from(v)).collect(),
+        dx: f64s(&outside.dx),
+        lse: f64s(&outside.lse),
+        soft: f64s(&outside.soft),
+        hard: f64s(&outside.hard),
     };
     tol.check_loss(&per_token, mean, &outside_f64)
         .expect("loss against headkl outside burn");
@@ -364,13 +368,31 @@ fn bad_input_is_a_typed_error() {
 
     let short = case.hidden(&device).slice([0..case.ntok - 1, 0..case.hs]);
     let e = head.loss(&short, &teacher, None, &opts).expect_err("rows");
-    assert!(matches!(e, Error::LengthMismatch { field: "ids", .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::LengthMismatch {
+                field: headkl_core::Field::Ids,
+                ..
+            }
+        ),
+        "{e}"
+    );
 
     let w = Tensor::<1>::ones([case.ntok + 2], &device);
     let e = head
         .loss(&case.hidden(&device), &teacher, Some(&w), &opts)
         .expect_err("weights");
-    assert!(matches!(e, Error::LengthMismatch { field: "weights", .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::LengthMismatch {
+                field: headkl_core::Field::Weights,
+                ..
+            }
+        ),
+        "{e}"
+    );
 
     let f64_rows = case.hidden(&device).cast(FloatDType::F64);
     let e = head.loss(&f64_rows, &teacher, None, &opts).expect_err("dtype");
