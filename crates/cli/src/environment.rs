@@ -46,6 +46,12 @@ impl Settings {
                 settings::invalid(settings::BACKEND, &v, &format!("expected one of {}", names.join(", ")))
             })?),
         };
+        // The options both backends share (HEADKL_GEMM among them) are
+        // parsed once, with the Vulkan backend's, and handed to wgpu.
+        let vulkan = headkl_vulkan::VulkanOptions::from_env(env)?;
+        let wgpu = headkl_wgpu::OpenOptions {
+            common: vulkan.common.clone(),
+        };
         Ok(Self {
             backend,
             trace: env.flag(settings::TRACE)?,
@@ -54,8 +60,8 @@ impl Settings {
                 .map(|v| DxSplit::parse(settings::DX_SPLIT, &v))
                 .transpose()?
                 .unwrap_or_default(),
-            wgpu: headkl_wgpu::OpenOptions::from_env(env)?,
-            vulkan: headkl_vulkan::VulkanOptions::from_env(env)?,
+            wgpu,
+            vulkan,
             suite: SuiteSettings::from_env(env)?,
         })
     }
