@@ -249,11 +249,16 @@ impl<'a> Binder<'a> {
         backend.wrap_buffer(&staging, 0, view_bytes)
     }
 
-    /// Submits the copies into staging (after burn's queued work, which
-    /// the caller flushed first).
-    pub fn submit_inputs(&mut self) {
+    /// Flushes burn's queued work (what wrote the inputs) through the
+    /// client of `any_input`, so it reaches the queue before headkl's, then
+    /// submits the copies into staging.
+    pub fn submit_inputs(&mut self, any_input: &CubeTensor) -> Result<()> {
+        any_input
+            .client
+            .flush()
+            .map_err(|e| backend_error("flushing burn's queued work", e))?;
         if self.copy_in.is_empty() {
-            return;
+            return Ok(());
         }
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
             label: Some("headkl-burn in"),
@@ -262,6 +267,7 @@ impl<'a> Binder<'a> {
             enc.copy_buffer_to_buffer(&src, offset, &dst, 0, bytes);
         }
         self.queue.submit([enc.finish()]);
+        Ok(())
     }
 
     /// Submits the copies out of staging (after headkl's work) and lets

@@ -341,13 +341,7 @@ impl HeadKl {
         };
         let loss_view = binder.bind(backend, "loss", &loss_cube, ntok as u64 * 4, Flow::Out)?;
         let dx_view = binder.bind(backend, "dx", &dx_cube, nh * 4, Flow::Out)?;
-        // burn's queued work (what wrote the inputs) goes to the queue
-        // before headkl's.
-        h_cube
-            .client
-            .flush()
-            .map_err(|e| bridge::backend_error("flushing burn's queued work", e))?;
-        binder.submit_inputs();
+        binder.submit_inputs(&h_cube)?;
         let result = self.engine.head_kl_device(
             ntok,
             &DeviceHidden {
@@ -424,11 +418,7 @@ impl HeadKl {
         let h_view = binder.bind(backend, "hidden", &h_cube, bytes, Flow::In)?;
         let ids_view = binder.bind(backend, "ids", &ids_cube, nk * 4, Flow::Out)?;
         let probs_view = binder.bind(backend, "probs", &probs_cube, nk * 4, Flow::Out)?;
-        h_cube
-            .client
-            .flush()
-            .map_err(|e| bridge::backend_error("flushing burn's queued work", e))?;
-        binder.submit_inputs();
+        binder.submit_inputs(&h_cube)?;
         let result = self.engine.topk_device(
             ntok,
             &DeviceHidden {
