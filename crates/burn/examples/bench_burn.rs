@@ -3,9 +3,9 @@
 //! in one run, with the device memory each adds.
 //!
 //! ```sh
-//! cargo run --release -p headkl-burn --example bench_burn -- --shape A
-//! cargo run --release -p headkl-burn --example bench_burn -- --shape B --reps 5
-//! cargo run --release -p headkl-burn --example bench_burn -- --shape 2048:248320:5120:64
+//! cargo run --release --manifest-path crates/burn/Cargo.toml --example bench_burn -- --shape A
+//! cargo run --release --manifest-path crates/burn/Cargo.toml --example bench_burn -- --shape B --reps 5
+//! cargo run --release --manifest-path crates/burn/Cargo.toml --example bench_burn -- --shape 2048:248320:5120:64
 //! ```
 //!
 //! Each rep: the loss of `hidden` `[ntok][hs]` (tracked) against a teacher's

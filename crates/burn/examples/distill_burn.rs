@@ -4,7 +4,7 @@
 //! device, through the frozen vocabulary head.
 //!
 //! ```sh
-//! cargo run --release -p headkl-burn --example distill_burn -- --steps 30
+//! cargo run --release --manifest-path crates/burn/Cargo.toml --example distill_burn -- --steps 30
 //! ```
 //!
 //! Every step's loss stays on the device; the host reads them once at the
