@@ -79,13 +79,17 @@ fn tau_pow() -> u32 {
     return (KL_FLAGS >> F_TAU_POW_SHIFT) & F_TAU_POW_MASK;
 }
 
-// e^n for the small integer n = tau_pow() (a constant: unrolled).
+// e^n for the small integer n = tau_pow(), straight-line (a loop here
+// left the general loops' words in local memory on the H200).
 fn pow_tau(e: f32) -> f32 {
-    var r = e;
-    for (var i = 1u; i < tau_pow(); i++) {
-        r *= e;
+    let e2 = e * e;
+    if tau_pow() == 3u {
+        return e2 * e;
     }
-    return r;
+    if tau_pow() == 4u {
+        return e2 * e2;
+    }
+    return e2;
 }
 
 // Logit x as the loss reads it, and d/dx: capped when the softcap is on.
@@ -167,13 +171,10 @@ fn fold_u(st: FoldTerms, u: f32) -> FoldTerms {
     return out;
 }
 
-fn fold4_terms(st: FoldTerms, x4: vec4<f32>, j4: u32, vocab: u32) -> FoldTerms {
+// Folds logit x when `live` (below vocab); a non-finite one only flags.
+fn fold_x(st: FoldTerms, x: f32, live: bool) -> FoldTerms {
     var out = st;
-    for (var c = 0u; c < 4u; c++) {
-        let x = x4[c];
-        if j4 * 4u + c >= vocab {
-            break;
-        }
+    if live {
         if non_finite(x) {
             out.bad = 1u;
         } else {
@@ -181,6 +182,15 @@ fn fold4_terms(st: FoldTerms, x4: vec4<f32>, j4: u32, vocab: u32) -> FoldTerms {
         }
     }
     return out;
+}
+
+// Folds the logits of word j4 (those past vocab skipped), straight-line.
+fn fold4_terms(st: FoldTerms, x4: vec4<f32>, j4: u32, vocab: u32) -> FoldTerms {
+    let j = j4 * 4u;
+    var out = fold_x(st, x4.x, j < vocab);
+    out = fold_x(out, x4.y, j + 1u < vocab);
+    out = fold_x(out, x4.z, j + 2u < vocab);
+    return fold_x(out, x4.w, j + 3u < vocab);
 }
 
 // Merges two (max, sum of exp(x - max)) pairs.
@@ -225,24 +235,27 @@ struct Pass2 {
     k1: f32,
 }
 
-// c·∂L/∂s for word j4's 4 logits in the general case, zero past vocab.
-fn grad4_terms(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f16> {
-    var g = vec4<f32>(0.0);
-    for (var e = 0u; e < 4u; e++) {
-        if j4 * 4u + e < vocab {
-            let us = scaled2(x4[e]);
-            let pt = exp(us.x - r.lse);
-            var d = 0.0;
-            if (KL_FLAGS & F_TAU) == 0u {
-                // p¹ = p^τ: one coefficient.
-                d = (r.a + r.b) * pt - r.h;
-            } else {
-                d = r.a * pt + r.b * p_one(us.x, pt, r.lse1, r.k1) - r.h;
-            }
-            g[e] = r.c * us.y * d;
-        }
+// c·∂L/∂s for logit x in the general case.
+fn grad_x(x: f32, r: Pass2) -> f32 {
+    let us = scaled2(x);
+    let pt = exp(us.x - r.lse);
+    var d = 0.0;
+    if (KL_FLAGS & F_TAU) == 0u {
+        // p¹ = p^τ: one coefficient.
+        d = (r.a + r.b) * pt - r.h;
+    } else {
+        d = r.a * pt + r.b * p_one(us.x, pt, r.lse1, r.k1) - r.h;
     }
-    return vec4<f16>(g);
+    return r.c * us.y * d;
+}
+
+// c·∂L/∂s for word j4's 4 logits in the general case, zero past vocab
+// (straight-line: all four computed, the padding's discarded).
+fn grad4_terms(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f16> {
+    let g = vec4<f32>(grad_x(x4.x, r), grad_x(x4.y, r), grad_x(x4.z, r), grad_x(x4.w, r));
+    let j = j4 * 4u;
+    let live = vec4<bool>(j < vocab, j + 1u < vocab, j + 2u < vocab, j + 3u < vocab);
+    return vec4<f16>(select(vec4<f32>(0.0), g, live));
 }
 
 @compute @workgroup_size(256)
