@@ -74,13 +74,16 @@ pub(crate) struct GemmBuild {
     pub checked: bool,
 }
 
+/// A pipeline's key: its entry and the launch's override values
+/// (`Checked::specialization`: the KL rows' term set).
+type PipelineKey = (Entry, Vec<(&'static str, u32)>);
+
 /// Layouts, modules and pipelines of one device.
 pub(crate) struct Kernels {
     layouts: HashMap<Entry, (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     /// By [`KernelSource::name`].
     modules: Mutex<HashMap<String, wgpu::ShaderModule>>,
-    /// By entry and the launch's specialization (`Checked::specialization`).
-    pipelines: Mutex<HashMap<(Entry, Vec<(&'static str, u32)>), wgpu::ComputePipeline>>,
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
     gemm: GemmBuild,
 }
 
