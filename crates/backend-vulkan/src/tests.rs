@@ -538,10 +538,10 @@ fn every_kl_rows_specialization_compiles_to_spirv() {
     let parsed = parse(shader, &target).expect("kl_rows parses");
     let mut sets = vec![0];
     for bits in 0u32..32 {
-        let (cap, hard, z, tau) = (bits & 1, bits >> 1 & 1, bits >> 2 & 1, bits >> 3 & 3);
+        let (cap, hard, z, tau) = (bits & 1, (bits >> 1) & 1, (bits >> 2) & 1, (bits >> 3) & 3);
         for tail in 0..3u32 {
-            let mut flags = f::GENERAL | tail << f::TAIL_SHIFT;
-            flags |= cap * f::SOFTCAP | hard * f::HARD | z * f::Z_LOSS;
+            let mut flags = f::GENERAL | (tail << f::TAIL_SHIFT);
+            flags |= (cap * f::SOFTCAP) | (hard * f::HARD) | (z * f::Z_LOSS);
             if tau > 0 {
                 // τ ≠ 1: not an integer, or 2 or 3.
                 flags |= f::TAU | if tau == 1 { 0 } else { tau << f::TAU_POW_SHIFT };
