@@ -1,8 +1,13 @@
 // The KL row kernel (headkl_core::KlDesc): one workgroup per token row.
-// See shaders/README.md. With params.flags = 0 and soft_weight = 1 it runs
-// the seed's loss (the "plain" loops); each extra term (softcap, tail mode,
-// hard label, z-loss, τ ≠ 1) is a uniform branch on the flags.
+// See shaders/README.md. Each term set is a pipeline of its own: KL_FLAGS
+// (params.flags, set by headkl_core::Checked::build) is an override, so the
+// driver folds every branch on it. With KL_FLAGS = 0 it runs the seed's loss
+// (the "plain" loops, compiled without the terms' code); otherwise the
+// general loops with the terms the flags name (softcap, tail mode, hard
+// label, z-loss, τ ≠ 1).
 enable f16;
+
+override KL_FLAGS: u32 = 0u;
 
 // <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
 
@@ -19,12 +24,14 @@ enable f16;
 const WG: u32 = 256u;
 const NEG_HUGE: f32 = -3.0e38;
 
-// Bits of params.flags (headkl_core::params::kl_flags).
+// Bits of KL_FLAGS = params.flags (headkl_core::params::row_flags).
 const F_SOFTCAP: u32 = 1u;
 const F_TAIL_SHIFT: u32 = 1u;
 const F_HARD: u32 = 8u;
 const F_Z_LOSS: u32 = 16u;
 const F_TAU: u32 = 32u;
+const F_TAU_POW_SHIFT: u32 = 8u;
+const F_TAU_POW_MASK: u32 = 7u;
 // Tail modes (headkl_core::TailMode::code).
 const TAIL_BUCKET: u32 = 1u;
 const TAIL_NONE: u32 = 2u;
@@ -67,9 +74,27 @@ fn capped(x: f32, c: f32, inv_c: f32) -> vec2<f32> {
     return vec2<f32>(c * t, 1.0 - t * t);
 }
 
+// τ when it is 2, 3 or 4 (then e¹ = (e^τ)^τ by multiplication), else 0.
+fn tau_pow() -> u32 {
+    return (KL_FLAGS >> F_TAU_POW_SHIFT) & F_TAU_POW_MASK;
+}
+
+// e^n for the small integer n = tau_pow(), straight-line (a loop here
+// left the general loops' words in local memory on the H200).
+fn pow_tau(e: f32) -> f32 {
+    let e2 = e * e;
+    if tau_pow() == 3u {
+        return e2 * e;
+    }
+    if tau_pow() == 4u {
+        return e2 * e2;
+    }
+    return e2;
+}
+
 // Logit x as the loss reads it, and d/dx: capped when the softcap is on.
 fn scaled2(x: f32) -> vec2<f32> {
-    if (params.flags & F_SOFTCAP) != 0u {
+    if (KL_FLAGS & F_SOFTCAP) != 0u {
         return capped(x, params.cap, 1.0 / params.cap);
     }
     return vec2<f32>(x, 1.0);
@@ -110,33 +135,62 @@ fn fold4(st: Fold, x4: vec4<f32>, j4: u32, vocab: u32) -> Fold {
     return out;
 }
 
-// The general fold: the capped logits at τ, at τ = 1 and their sum.
+// The general fold: the capped logits u at τ (max m, Σ exp(u − m)), at
+// τ = 1 (Σ exp(τ(u − m)): the same max, scaled by τ) and Σ u.
 struct FoldTerms {
-    ms: vec2<f32>,
-    ms1: vec2<f32>,
+    m: f32,
+    s: f32,
+    s1: f32,
     sum_u: f32,
     bad: u32,
 }
 
-fn fold4_terms(st: FoldTerms, x4: vec4<f32>, j4: u32, vocab: u32) -> FoldTerms {
+// Folds u with one exponential, exp(−|u − m|), whichever side of the max
+// u falls (and, for integer τ, none more for the τ = 1 sum).
+fn fold_u(st: FoldTerms, u: f32) -> FoldTerms {
     var out = st;
-    for (var c = 0u; c < 4u; c++) {
-        let x = x4[c];
-        if j4 * 4u + c >= vocab {
-            break;
+    let d = u - st.m;
+    let e = exp(-abs(d));
+    var e1 = e;
+    if (KL_FLAGS & F_TAU) != 0u {
+        if tau_pow() != 0u {
+            e1 = pow_tau(e);
+        } else {
+            e1 = exp(-abs(d) * params.temperature);
         }
+    }
+    if d > 0.0 {
+        out.m = u;
+        out.s = st.s * e + 1.0;
+        out.s1 = st.s1 * e1 + 1.0;
+    } else {
+        out.s = st.s + e;
+        out.s1 = st.s1 + e1;
+    }
+    out.sum_u += u;
+    return out;
+}
+
+// Folds logit x when `live` (below vocab); a non-finite one only flags.
+fn fold_x(st: FoldTerms, x: f32, live: bool) -> FoldTerms {
+    var out = st;
+    if live {
         if non_finite(x) {
             out.bad = 1u;
         } else {
-            let u = scaled(x);
-            out.ms = fold(out.ms, u);
-            if (params.flags & F_TAU) != 0u {
-                out.ms1 = fold(out.ms1, u * params.temperature);
-            }
-            out.sum_u += u;
+            out = fold_u(out, scaled(x));
         }
     }
     return out;
+}
+
+// Folds the logits of word j4 (those past vocab skipped), straight-line.
+fn fold4_terms(st: FoldTerms, x4: vec4<f32>, j4: u32, vocab: u32) -> FoldTerms {
+    let j = j4 * 4u;
+    var out = fold_x(st, x4.x, j < vocab);
+    out = fold_x(out, x4.y, j + 1u < vocab);
+    out = fold_x(out, x4.z, j + 2u < vocab);
+    return fold_x(out, x4.w, j + 3u < vocab);
 }
 
 // Merges two (max, sum of exp(x - max)) pairs.
@@ -156,27 +210,52 @@ fn grad4(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f16> {
     return vec4<f16>(g);
 }
 
-// ∂L/∂s_j without the teacher's and the label's own parts:
-// cap'·(a·p^τ + b·p¹ − h).
-fn grad_terms(x: f32, lse: f32, c0: vec4<f32>, lse1: f32) -> f32 {
-    let us = scaled2(x);
-    let pt = exp(us.x - lse);
-    var p1 = pt;
-    if (params.flags & F_TAU) != 0u {
-        p1 = exp(us.x * params.temperature - lse1);
+// p¹ = softmax at τ = 1 of the capped logit u, given p^τ = pt: for
+// integer τ, pt^τ·exp(τ·lse − lse1) (`k1`, once a row), no exponential.
+fn p_one(u: f32, pt: f32, lse1: f32, k1: f32) -> f32 {
+    if (KL_FLAGS & F_TAU) == 0u {
+        return pt;
     }
-    return us.y * (c0.x * pt + c0.y * p1 - c0.z);
+    if tau_pow() != 0u {
+        return pow_tau(pt) * k1;
+    }
+    return exp(u * params.temperature - lse1);
 }
 
-// c·∂L/∂s for word j4's 4 logits in the general case, zero past vocab.
-fn grad4_terms(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32, c0: vec4<f32>, lse1: f32) -> vec4<f16> {
-    var g = vec4<f32>(0.0);
-    for (var e = 0u; e < 4u; e++) {
-        if j4 * 4u + e < vocab {
-            g[e] = c * grad_terms(x4[e], lse, c0, lse1);
-        }
+// The row's constants of pass 2 in the general case.
+struct Pass2 {
+    c: f32,
+    lse: f32,
+    // a, b, h: ∂L/∂s_j = cap'·(a·p^τ + b·p¹ − h) off the teacher's ids
+    // and the label.
+    a: f32,
+    b: f32,
+    h: f32,
+    lse1: f32,
+    k1: f32,
+}
+
+// c·∂L/∂s for logit x in the general case.
+fn grad_x(x: f32, r: Pass2) -> f32 {
+    let us = scaled2(x);
+    let pt = exp(us.x - r.lse);
+    var d = 0.0;
+    if (KL_FLAGS & F_TAU) == 0u {
+        // p¹ = p^τ: one coefficient.
+        d = (r.a + r.b) * pt - r.h;
+    } else {
+        d = r.a * pt + r.b * p_one(us.x, pt, r.lse1, r.k1) - r.h;
     }
-    return vec4<f16>(g);
+    return r.c * us.y * d;
+}
+
+// c·∂L/∂s for word j4's 4 logits in the general case, zero past vocab
+// (straight-line: all four computed, the padding's discarded).
+fn grad4_terms(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f16> {
+    let g = vec4<f32>(grad_x(x4.x, r), grad_x(x4.y, r), grad_x(x4.z, r), grad_x(x4.w, r));
+    let j = j4 * 4u;
+    let live = vec4<bool>(j < vocab, j + 1u < vocab, j + 2u < vocab, j + 3u < vocab);
+    return vec4<f16>(select(vec4<f32>(0.0), g, live));
 }
 
 @compute @workgroup_size(256)
@@ -187,8 +266,8 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     }
     let vocab = params.vocab;
     let base = row * params.ld;
-    let flags = params.flags;
-    let plain = flags == 0u && params.soft_weight == 1.0;
+    let flags = KL_FLAGS;
+    let plain = flags == 0u;
     // The general fold is needed for a cap, τ ≠ 1 (the τ = 1 softmax) and
     // the hard term (Σ u for label smoothing).
     let fold_terms = (flags & (F_SOFTCAP | F_TAU | F_HARD)) != 0u;
@@ -225,12 +304,27 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
             st = fold4(st, logits[base4 + j4], j4, vocab);
         }
     } else {
-        var ft = FoldTerms(vec2<f32>(NEG_HUGE, 0.0), vec2<f32>(NEG_HUGE, 0.0), 0.0, 0u);
-        for (var j4 = lid; j4 < words; j4 += WG) {
+        // Four loads in flight here too: this pipeline's registers are its
+        // own.
+        var ft = FoldTerms(NEG_HUGE, 0.0, 0.0, 0.0, 0u);
+        var j4 = lid;
+        for (; j4 + 3u * WG < words; j4 += 4u * WG) {
+            let xa = logits[base4 + j4];
+            let xb = logits[base4 + j4 + WG];
+            let xc = logits[base4 + j4 + 2u * WG];
+            let xd = logits[base4 + j4 + 3u * WG];
+            ft = fold4_terms(ft, xa, j4, vocab);
+            ft = fold4_terms(ft, xb, j4 + WG, vocab);
+            ft = fold4_terms(ft, xc, j4 + 2u * WG, vocab);
+            ft = fold4_terms(ft, xd, j4 + 3u * WG, vocab);
+        }
+        for (; j4 < words; j4 += WG) {
             ft = fold4_terms(ft, logits[base4 + j4], j4, vocab);
         }
-        st = Fold(ft.ms, ft.bad);
-        ms1 = ft.ms1;
+        st = Fold(vec2<f32>(ft.m, ft.s), ft.bad);
+        // The τ = 1 fold as (max, sum): its max is τ·m.
+        // (max with NEG_HUGE: an invocation that saw no logit stays at it.)
+        ms1 = vec2<f32>(max(ft.m * params.temperature, NEG_HUGE), ft.s1);
         sum_u = ft.sum_u;
     }
     let ms = st.ms;
@@ -372,7 +466,8 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
             let b = tau * (alpha_hard + 2.0 * lambda * lse1);
             let h = tau * alpha_hard * eps / f32(vocab);
             row_c0 = vec4<f32>(a, b, h, f_on);
-            row_c1 = vec4<f32>(tau * alpha_hard * (1.0 - eps), lse1, f_off, 0.0);
+            // k1 = exp(τ·lse − lse1): p¹ = (p^τ)^τ·k1 (p_one).
+            row_c1 = vec4<f32>(tau * alpha_hard * (1.0 - eps), lse1, f_off, exp(tau * lse - lse1));
         }
     }
 
@@ -409,8 +504,20 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     let c1 = workgroupUniformLoad(&row_c1);
     let label_p = workgroupUniformLoad(&row_label_p);
     let lse1 = c1.y;
-    for (var g4 = lid; g4 < padded; g4 += WG) {
-        grad[base4 + g4] = grad4_terms(logits[base4 + g4], g4, vocab, c, lse, c0, lse1);
+    let r = Pass2(c, lse, c0.x, c0.y, c0.z, lse1, c1.w);
+    var g4 = lid;
+    for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
+        let xa = logits[base4 + g4];
+        let xb = logits[base4 + g4 + WG];
+        let xc = logits[base4 + g4 + 2u * WG];
+        let xd = logits[base4 + g4 + 3u * WG];
+        grad[base4 + g4] = grad4_terms(xa, g4, vocab, r);
+        grad[base4 + g4 + WG] = grad4_terms(xb, g4 + WG, vocab, r);
+        grad[base4 + g4 + 2u * WG] = grad4_terms(xc, g4 + 2u * WG, vocab, r);
+        grad[base4 + g4 + 3u * WG] = grad4_terms(xd, g4 + 3u * WG, vocab, r);
+    }
+    for (; g4 < padded; g4 += WG) {
+        grad[base4 + g4] = grad4_terms(logits[base4 + g4], g4, vocab, r);
     }
     // ... then the teacher's columns: cap'·(α_soft·(f_on·p^τ − p_T) + b·p¹ − h)
     // (the barrier orders these stores after the ones above) ...

@@ -41,8 +41,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::settings::{self, CommonOptions, Env};
 use headkl_core::{
-    fold_workgroups, Backend, ChoiceSource, CoopGemm, DeviceInfo, GemmChoice, GemmKernel, HeadLayout, KernelId,
-    KernelSource, KernelTime, Launch, MemoryStats, PendingDownload, Result, StagedTile,
+    fold_workgroups, Backend, ChoiceSource, CoopGemm, DeviceInfo, GemmChoice, GemmKernel, HeadLayout, KernelBuild,
+    KernelId, KernelSource, KernelTime, Launch, MemoryStats, PendingDownload, Result, StagedTile,
 };
 
 use crate::command::{Binding, Stream};
@@ -313,18 +313,18 @@ impl VulkanBackend {
     /// width. `buffers` are at bindings 1.., as the catalogue lists them.
     fn dispatch_kernel(
         &self,
-        kernel: KernelId,
+        build: KernelBuild,
         count: u64,
         params: impl FnOnce(u32) -> Vec<u8>,
         buffers: &[&VulkanBuffer],
     ) -> Result<()> {
+        let kernel = build.id;
         for b in buffers {
             self.check_device(b, kernel.name())?;
         }
         if count == 0 {
             return Ok(());
         }
-        let build = kernel.build(self.gemm_for(kernel));
         let KernelSource::Wgsl(shader) = build.source else {
             // Backend::gemm records the GLSL builds (glsl.rs).
             return Err(backend_error(format!(
@@ -419,7 +419,12 @@ impl Backend for VulkanBackend {
                 return self.glsl_kernel_dispatch(glsl, a, b, c, &desc, params, id.name());
             }
         }
-        self.dispatch_kernel(id, launch.workgroups(gemm), |gx| checked.bytes(gx), &launch.buffers())
+        self.dispatch_kernel(
+            checked.build(gemm),
+            launch.workgroups(gemm),
+            |gx| checked.bytes(gx),
+            &launch.buffers(),
+        )
     }
 
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {

@@ -524,6 +524,44 @@ fn every_catalogue_kernel_compiles_to_spirv() {
     assert_eq!(glsl, 2 * headkl_core::glsl_tile::GLSL_TILES.len());
 }
 
+/// Every term set of the KL rows (each a pipeline of its own, the
+/// `KL_FLAGS` override) compiles, checked and unchecked: the conformance
+/// suite runs only the sets its cases name.
+#[test]
+fn every_kl_rows_specialization_compiles_to_spirv() {
+    use headkl_core::params::row_flags as f;
+    let target = ShaderTarget::everything();
+    let build = KernelId::KlRows.build(GemmKernel::Tiled);
+    let KernelSource::Wgsl(shader) = &build.source else {
+        panic!("kl_rows is WGSL");
+    };
+    let parsed = parse(shader, &target).expect("kl_rows parses");
+    let mut sets = vec![0];
+    for bits in 0u32..32 {
+        let (cap, hard, z, tau) = (bits & 1, (bits >> 1) & 1, (bits >> 2) & 1, (bits >> 3) & 3);
+        for tail in 0..3u32 {
+            let mut flags = f::GENERAL | (tail << f::TAIL_SHIFT);
+            flags |= (cap * f::SOFTCAP) | (hard * f::HARD) | (z * f::Z_LOSS);
+            if tau > 0 {
+                // τ ≠ 1: not an integer, or 2 or 3.
+                flags |= f::TAU | if tau == 1 { 0 } else { tau << f::TAU_POW_SHIFT };
+            }
+            sets.push(flags);
+        }
+    }
+    sets.sort_unstable();
+    sets.dedup();
+    assert_eq!(sets.len(), 1 + 3 * 2 * 2 * 2 * 4);
+    for flags in sets {
+        for checked in [false, true] {
+            let overrides = vec![(headkl_core::kernels::KL_FLAGS, flags)];
+            let c = compile(&parsed, shader.file, build.entry, &overrides, &target, checked)
+                .unwrap_or_else(|e| panic!("KL_FLAGS {flags:#x} checked={checked}: {e}"));
+            assert_eq!(c.words.first(), Some(&0x0723_0203), "SPIR-V magic");
+        }
+    }
+}
+
 /// The GLSL tiles on the device the tests run on: where the GEMM has no
 /// matrix units (lavapipe in CI) naming them is a typed error and the
 /// ceiling report has nothing to run; where they are taken (the H200), the

@@ -68,7 +68,13 @@ impl Backend for WgpuBackend {
         let checked = launch.check(self.info.max_binding_bytes)?;
         let id = checked.id();
         let groups = launch.workgroups(self.kernels.gemm_kernel(id));
-        self.record_dispatch(id, groups, |gx| checked.bytes(gx), &launch.buffers())
+        self.record_dispatch(
+            id,
+            &checked.specialization(),
+            groups,
+            |gx| checked.bytes(gx),
+            &launch.buffers(),
+        )
     }
 
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {

@@ -173,6 +173,7 @@ impl ResidentBackend for WgpuBackend {
         let block = ResidentParams { grid_x: gx, ..*params };
         self.record_dispatch(
             Entry::Resident(kernel),
+            &[],
             workgroups,
             |_| bytemuck::bytes_of(&block).to_vec(),
             buffers,

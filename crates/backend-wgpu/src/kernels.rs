@@ -74,12 +74,16 @@ pub(crate) struct GemmBuild {
     pub checked: bool,
 }
 
+/// A pipeline's key: its entry and the launch's override values
+/// (`Checked::specialization`: the KL rows' term set).
+type PipelineKey = (Entry, Vec<(&'static str, u32)>);
+
 /// Layouts, modules and pipelines of one device.
 pub(crate) struct Kernels {
     layouts: HashMap<Entry, (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     /// By [`KernelSource::name`].
     modules: Mutex<HashMap<String, wgpu::ShaderModule>>,
-    pipelines: Mutex<HashMap<Entry, wgpu::ComputePipeline>>,
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
     gemm: GemmBuild,
 }
 
@@ -165,9 +169,7 @@ impl Kernels {
         if let Some((_, current)) = &mut self.gemm.coop {
             *current = choice;
             let mut pipelines = lock(&self.pipelines);
-            for id in [KernelId::GemmLogits, KernelId::GemmDx] {
-                pipelines.remove(&Entry::Driver(id));
-            }
+            pipelines.retain(|(entry, _), _| !matches!(entry, Entry::Driver(id) if id.gemm_layout().is_some()));
         }
     }
 
@@ -236,13 +238,20 @@ impl Kernels {
         Ok(module)
     }
 
-    /// The pipeline of `kernel`, built on first use. Build errors (WGSL,
-    /// driver compile) come back as `Error::Backend`.
-    pub fn pipeline(&self, device: &wgpu::Device, kernel: Entry) -> Result<wgpu::ComputePipeline> {
-        if let Some(p) = lock(&self.pipelines).get(&kernel) {
+    /// The pipeline of `kernel` with the override values `specialization`
+    /// added to its build, built on first use. Build errors (WGSL, driver
+    /// compile) come back as `Error::Backend`.
+    pub fn pipeline(
+        &self,
+        device: &wgpu::Device,
+        kernel: Entry,
+        specialization: &[(&'static str, u32)],
+    ) -> Result<wgpu::ComputePipeline> {
+        let key = (kernel, specialization.to_vec());
+        if let Some(p) = lock(&self.pipelines).get(&key) {
             return Ok(p.clone());
         }
-        let build = match kernel {
+        let mut build = match kernel {
             Entry::Driver(id) => self.build(id),
             // Built with runtime bounds checks (not a GEMM): what they
             // index comes from the caller's data.
@@ -256,6 +265,7 @@ impl Kernels {
                 matrix_units: false,
             },
         };
+        build.overrides.extend_from_slice(specialization);
         let validation = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let internal = device.push_error_scope(wgpu::ErrorFilter::Internal);
         // An early return drops the scopes' guards, which pop them.
@@ -295,7 +305,7 @@ impl Kernels {
             };
             return Err(backend_error(format!("building {file}:{}: {e}{hint}", build.entry)));
         }
-        lock(&self.pipelines).insert(kernel, pipeline.clone());
+        lock(&self.pipelines).insert(key, pipeline.clone());
         Ok(pipeline)
     }
 }

@@ -83,10 +83,12 @@ impl WgpuBackend {
 
     /// Records one dispatch of `kernel` over `count` workgroups (folded),
     /// with the uniform block `params(grid_x)` and storage `buffers` at
-    /// bindings 1.., timed under the kernel's name.
+    /// bindings 1.., timed under the kernel's name; `specialization` adds
+    /// override values to its build (`Checked::specialization`).
     pub(crate) fn record_dispatch(
         &self,
         kernel: impl Into<Entry>,
+        specialization: &[(&'static str, u32)],
         count: u64,
         params: impl FnOnce(u32) -> Vec<u8>,
         buffers: &[&WgpuBuffer],
@@ -97,7 +99,7 @@ impl WgpuBackend {
         if count == 0 {
             return Ok(());
         }
-        let pipeline = self.kernels.pipeline(&self.device, kernel)?;
+        let pipeline = self.kernels.pipeline(&self.device, kernel, specialization)?;
         let mut ids = [0u64; 8];
         for (slot, b) in ids.iter_mut().zip(buffers) {
             *slot = b.id;

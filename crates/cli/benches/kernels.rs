@@ -152,7 +152,7 @@ fn bench_backend<B: Backend>(c: &mut Criterion, b: &B, s: &Sizes) -> headkl_core
     let out_ids = b.alloc((rows * kk * 4) as u64, "topk ids")?;
     let out_probs = b.alloc((rows * kk * 4) as u64, "topk probs")?;
     let kl = KlDesc::plain(rows, vocab, vocab, kk);
-    // Every term on: the cost of the options against the plain kernel.
+    // Every term on (τ 2): the cost of the options against the plain kernel.
     let kl_terms = KlDesc {
         temperature: 2.0,
         tail: TailMode::Bucket,
@@ -164,6 +164,16 @@ fn bench_backend<B: Backend>(c: &mut Criterion, b: &B, s: &Sizes) -> headkl_core
             ..LossTerms::default()
         },
         ..kl
+    };
+    // The same terms at τ = 1 (one softmax) and at a τ that is no integer
+    // (two exponentials a logit; τ = 2 squares the first).
+    let kl_terms_t1 = KlDesc {
+        temperature: 1.0,
+        ..kl_terms
+    };
+    let kl_terms_t15 = KlDesc {
+        temperature: 1.5,
+        ..kl_terms
     };
     let topk = TopkDesc::plain(rows, vocab, vocab, kk);
     g.throughput(Throughput::Elements((rows * vocab) as u64));
@@ -180,6 +190,14 @@ fn bench_backend<B: Backend>(c: &mut Criterion, b: &B, s: &Sizes) -> headkl_core
             b.finish().unwrap();
         })
     });
+    for (tau, desc) in [("1", &kl_terms_t1), ("1.5", &kl_terms_t15)] {
+        g.bench_function(format!("kl_rows+terms t{tau} {rows}x{vocab} k{kk}"), |bch| {
+            bch.iter(|| {
+                b.kl_rows(&logits, &ids, &probs, &coef, &loss, &grad, desc).unwrap();
+                b.finish().unwrap();
+            })
+        });
+    }
     g.bench_function(format!("topk_rows {rows}x{vocab} k{kk}"), |bch| {
         bch.iter(|| {
             b.topk_rows(&logits, &out_ids, &out_probs, &topk).unwrap();

@@ -276,6 +276,13 @@ impl KlDesc {
         }
         if tau != 1.0 {
             flags |= row_flags::TAU;
+            // Small integer τ: the second softmax by multiplication.
+            if let Some(n) = [2u32, 3, 4].into_iter().find(|&n| tau == n as f32) {
+                flags |= n << row_flags::TAU_POW_SHIFT;
+            }
+        }
+        if flags != 0 || t.soft_weight != 1.0 {
+            flags |= row_flags::GENERAL;
         }
         Ok(RowParams {
             flags,
@@ -502,9 +509,33 @@ mod tests {
             ..kl
         };
         let p = all.check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX).unwrap();
-        let expected =
-            row_flags::SOFTCAP | (2 << row_flags::TAIL_SHIFT) | row_flags::HARD | row_flags::Z_LOSS | row_flags::TAU;
+        let expected = row_flags::SOFTCAP
+            | (2 << row_flags::TAIL_SHIFT)
+            | row_flags::HARD
+            | row_flags::Z_LOSS
+            | row_flags::TAU
+            | (2 << row_flags::TAU_POW_SHIFT)
+            | row_flags::GENERAL;
         assert_eq!((p.flags, p.cap, p.hard_weight), (expected, 15.0, 0.5));
+        // τ not a small integer: no power; α_soft alone is not plain.
+        let p = KlDesc {
+            temperature: 1.5,
+            ..all
+        }
+        .check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX)
+        .unwrap();
+        assert_eq!(p.flags & (row_flags::TAU_POW_MASK << row_flags::TAU_POW_SHIFT), 0);
+        let weighted = KlDesc {
+            terms: crate::LossTerms {
+                soft_weight: 0.5,
+                ..crate::LossTerms::default()
+            },
+            ..kl
+        };
+        let p = weighted
+            .check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX)
+            .unwrap();
+        assert_eq!(p.flags, row_flags::GENERAL);
         let bad_cap = KlDesc {
             terms: crate::LossTerms {
                 softcap: Some(-1.0),

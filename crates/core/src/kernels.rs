@@ -106,6 +106,11 @@ pub const SHADERS: [Shader; 7] = [
     SUM_PARTS_WGSL,
 ];
 
+/// The override of `kl_rows.wgsl` that specializes it to one term set
+/// ([`crate::params::row_flags`]; 0, its default, is the seed's loss):
+/// [`crate::Checked::build`] sets it from the launch.
+pub const KL_FLAGS: &str = "KL_FLAGS";
+
 /// Invocations per workgroup of the row kernels, the conversion and the
 /// sum of parts (`WG` in their shaders).
 pub const ROW_WORKGROUP: u32 = 256;

@@ -8,7 +8,7 @@
 
 use crate::backend::{Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::Result;
-use crate::kernels::{GemmKernel, KernelId};
+use crate::kernels::{GemmKernel, KernelBuild, KernelId, KL_FLAGS};
 use crate::params::{ConvertParams, GemmParams, RowParams, SumPartsParams};
 
 /// One kernel launch: the descriptor (see each type's docs for what the
@@ -113,6 +113,26 @@ impl Checked {
             Block::Gemm(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::SumParts(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::Rows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+        }
+    }
+
+    /// How to build the kernel for this launch where the GEMM runs as
+    /// `gemm`: the catalogue's [`KernelId::build`], with the KL rows
+    /// specialized to the launch's term set (the `KL_FLAGS` override, its
+    /// block's flags), so each set is a pipeline of its own and the seed's
+    /// loss compiles without the terms' code.
+    pub fn build(&self, gemm: GemmKernel) -> KernelBuild {
+        let mut build = self.id.build(gemm);
+        build.overrides.extend(self.specialization());
+        build
+    }
+
+    /// The override values [`build`](Self::build) adds to the catalogue's
+    /// build: `KL_FLAGS` for the KL rows, none for the other kernels.
+    pub fn specialization(&self) -> Vec<(&'static str, u32)> {
+        match (self.id, self.block) {
+            (KernelId::KlRows, Block::Rows(p)) => vec![(KL_FLAGS, p.flags)],
+            _ => Vec::new(),
         }
     }
 

@@ -115,6 +115,15 @@ pub mod row_flags {
     /// `topk_rows`: write log-probabilities over the full vocabulary
     /// instead of the softmax over the k.
     pub const LOGPROBS: u32 = 64;
+    /// `kl_rows`: anything but the seed's loss (a term above, or
+    /// `α_soft ≠ 1`), so the flags are 0 exactly on the plain path.
+    pub const GENERAL: u32 = 128;
+    /// `kl_rows`: shift of τ as a small integer (3 bits: 2, 3 or 4 when τ
+    /// is that integer, else 0), so the softmax at τ = 1 comes from the
+    /// one at τ by multiplication: `e¹ = (e^τ)^τ`.
+    pub const TAU_POW_SHIFT: u32 = 8;
+    /// Mask of the τ power's field (after the shift).
+    pub const TAU_POW_MASK: u32 = 7;
 }
 
 /// `shaders/convert.wgsl`.

@@ -395,6 +395,21 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             TailMode::Bucket,
             everything,
         ),
+        // τ = 1 (one softmax) and τ = 3 (the second softmax by cubing the
+        // first: KlDesc's integer powers), over rows long enough for the
+        // loops of four loads.
+        kl_terms(
+            rows("everything_tau1_wide", 3, 8_203, 8_208, 64, &[Normal, Large, Ascending]),
+            1.0,
+            TailMode::Bucket,
+            everything,
+        ),
+        kl_terms(
+            rows("everything_tau3_wide", 3, 8_203, 8_208, 64, &[Normal, Flat, Descending]),
+            3.0,
+            TailMode::Renormalize,
+            everything,
+        ),
         kl_terms(
             rows(
                 "everything_non_finite",
