@@ -36,31 +36,6 @@ impl ChunkPlan {
             (start, self.rows_per_chunk.min(ntok - start))
         })
     }
-
-    /// [`ChunkPlan::ranges`] with the first and the last chunk each cut in
-    /// two (where it has more than [`TILE_ROWS`] rows; the first cut at a
-    /// whole tile, the last so its second part is the smaller): where
-    /// transfers overlap the kernels, only the first chunk's upload and
-    /// the last one's download (and the host's read of it) stay serial,
-    /// and halving those chunks halves them.
-    pub fn tapered_ranges(&self, ntok: usize) -> Vec<(usize, usize)> {
-        let mut out: Vec<(usize, usize)> = Vec::with_capacity(self.chunks + 2);
-        let count = self.chunks;
-        for (c, (start, rows)) in self.ranges(ntok).enumerate() {
-            let half = round_up(rows.div_ceil(2), TILE_ROWS);
-            if rows <= TILE_ROWS || half >= rows {
-                out.push((start, rows));
-            } else if c + 1 == count {
-                let tail = rows - half;
-                out.extend([(start, half), (start + half, tail)]);
-            } else if c == 0 {
-                out.extend([(start, half), (start + half, rows - half)]);
-            } else {
-                out.push((start, rows));
-            }
-        }
-        out
-    }
 }
 
 /// Rows of the GEMMs' row tiles that [`plan_chunks`] fills: the default
@@ -166,64 +141,6 @@ pub fn fold_workgroups(count: u64) -> (u32, u32) {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    #[test]
-    fn tapered_ranges_cut_the_first_and_last_chunk_in_two() {
-        let plan = |rows_per_chunk, chunks| ChunkPlan {
-            rows_per_chunk,
-            chunks,
-            scratch_bytes: 0,
-        };
-        // Shape A at 2 GiB: four chunks of 1024.
-        assert_eq!(
-            plan(1024, 4).tapered_ranges(4096),
-            [
-                (0, 512),
-                (512, 512),
-                (1024, 1024),
-                (2048, 1024),
-                (3072, 512),
-                (3584, 512)
-            ]
-        );
-        // One chunk: cut once; a short last chunk cut at a whole tile.
-        assert_eq!(plan(640, 1).tapered_ranges(600), [(0, 384), (384, 216)]);
-        assert_eq!(plan(1408, 3).tapered_ranges(4096).last(), Some(&(3456, 640)));
-        // Chunks of one tile or less stay whole.
-        assert_eq!(plan(128, 3).tapered_ranges(300), [(0, 128), (128, 128), (256, 44)]);
-        for (rows, chunks, ntok) in [
-            (1024, 4, 4096),
-            (1408, 3, 4096),
-            (2048, 4, 8192),
-            (64, 5, 300),
-            (640, 7, 4096),
-        ] {
-            let r = plan(rows, chunks).tapered_ranges(ntok);
-            let mut next = 0;
-            for &(start, n) in &r {
-                assert!(start == next && n > 0 && n <= rows, "{r:?}");
-                next = start + n;
-            }
-            assert_eq!(next, ntok, "{r:?} covers every token");
-        }
-    }
-
-    fn costs(v_pad: u64, hs_pad: u64) -> Vec<RowCost> {
-        vec![
-            RowCost {
-                what: "logits",
-                bytes_per_row: v_pad * 4,
-            },
-            RowCost {
-                what: "grad",
-                bytes_per_row: v_pad * 2,
-            },
-            RowCost {
-                what: "dx",
-                bytes_per_row: hs_pad * 4,
-            },
-        ]
-    }
 
     #[test]
     fn budget_below_one_tile_is_an_error() {

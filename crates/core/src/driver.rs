@@ -533,7 +533,7 @@ impl<B: Backend> Engine<B> {
         // always has queued work while the host reads. Whatever is still
         // pending when this returns (an error) is drained by `pipe`'s drop.
         let mut pipe = InFlight::new(b);
-        for (chunk, (start, rows)) in host_ranges(b, plan, ntok).into_iter().enumerate() {
+        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
             self.load_hidden(input, x16, chunk, start, rows)?;
@@ -710,7 +710,7 @@ impl<B: Backend> Engine<B> {
                 None => Ok(()),
             }
         };
-        for (chunk, (start, rows)) in host_ranges(b, plan, ntok).into_iter().enumerate() {
+        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let x16 = s.x16_for(chunk);
             self.load_hidden(input, x16, chunk, start, rows)?;
             self.logits(x16, &s.logits, round_up(rows, ALIGN), opts.temperature)?;
@@ -797,16 +797,6 @@ impl<B: Backend> Drop for InFlight<'_, B> {
                 discard(self.backend, p);
             }
         }
-    }
-}
-
-/// The host path's chunks: tapered where the backend's transfers overlap
-/// the kernels ([`ChunkPlan::tapered_ranges`]).
-fn host_ranges<B: Backend>(backend: &B, plan: &ChunkPlan, ntok: usize) -> Vec<(usize, usize)> {
-    if backend.transfers_overlap() {
-        plan.tapered_ranges(ntok)
-    } else {
-        plan.ranges(ntok).collect()
     }
 }
 
