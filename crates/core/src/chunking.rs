@@ -142,6 +142,23 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn costs(v_pad: u64, hs_pad: u64) -> Vec<RowCost> {
+        vec![
+            RowCost {
+                what: "logits",
+                bytes_per_row: v_pad * 4,
+            },
+            RowCost {
+                what: "grad",
+                bytes_per_row: v_pad * 2,
+            },
+            RowCost {
+                what: "dx",
+                bytes_per_row: hs_pad * 4,
+            },
+        ]
+    }
+
     #[test]
     fn budget_below_one_tile_is_an_error() {
         let e = plan_chunks(100, &costs(1024, 64), 1000, u64::MAX, None).unwrap_err();
