@@ -14,7 +14,7 @@
 //! Module map: `instance` (loader, layer, debug messenger), `adapter`
 //! (physical devices and their capabilities), `device` (logical device and
 //! deferred frees), `memory` (buffers), `command` (recording, submission,
-//! staging, timestamps), `pipeline` (naga and compute pipelines), `kernels`
+//! staging, timestamps, copy lanes on a transfer queue), `pipeline` (naga and compute pipelines), `kernels`
 //! (the device's limits and matrix-unit GEMM plan), `glsl` (the GLSL
 //! kernels, SPIR-V from `headkl-glsl`: GEMM tiles and the ceiling report's
 //! diagnostics), `conv` (errors). What each kernel is (shader, entry,
