@@ -91,6 +91,12 @@ pub(crate) struct Caps {
     /// The family `QueueChoice::Auto` opens (a compute-only one where there
     /// is one), for the listing.
     pub(crate) compute_family: Option<u32>,
+    /// The first family with transfer and neither compute nor graphics
+    /// (a copy engine's), and its queue count: where the stream's copy
+    /// lanes run.
+    pub(crate) transfer_family: Option<(u32, u32)>,
+    /// Timeline semaphores (Vulkan 1.2 core), which the copy lanes need.
+    pub(crate) timeline_semaphore: bool,
     pub(crate) timestamp_period_ns: f32,
     pub(crate) max_storage_buffer_range: u64,
     pub(crate) min_uniform_offset_alignment: u64,
@@ -261,6 +267,8 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         device_type: props.device_type,
         queue_families: Vec::new(),
         compute_family: None,
+        transfer_family: None,
+        timeline_semaphore: false,
         timestamp_period_ns: props.limits.timestamp_period,
         max_storage_buffer_range: u64::from(props.limits.max_storage_buffer_range),
         min_uniform_offset_alignment: props.limits.min_uniform_buffer_offset_alignment.max(16),
@@ -352,8 +360,12 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
     let mut zero_init = vk::PhysicalDeviceZeroInitializeWorkgroupMemoryFeatures::default();
     let mut executable = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default();
     let mut robustness2 = vk::PhysicalDeviceRobustness2FeaturesEXT::default();
+    let mut timeline = vk::PhysicalDeviceTimelineSemaphoreFeatures::default();
     {
         let mut features2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut storage16);
+        if api >= vk::API_VERSION_1_2 {
+            features2 = features2.push_next(&mut timeline);
+        }
         if sources.float16_int8.available() {
             features2 = features2.push_next(&mut float16);
         }
@@ -395,6 +407,7 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         pipeline_executable_info: executable.pipeline_executable_info == vk::TRUE,
         robust_buffer_access2: robustness2.robust_buffer_access2 == vk::TRUE,
     };
+    caps.timeline_semaphore = api >= vk::API_VERSION_1_2 && timeline.timeline_semaphore == vk::TRUE;
 
     // Queues: every family; the listing shows the one `HEADKL_QUEUE=auto`
     // opens (a compute-only family where there is one).
@@ -407,6 +420,17 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
     // Speed before kernel timing: a compute-only family without timestamps
     // still wins (the backend then reports wall time only).
     caps.compute_family = QueueChoice::Auto.pick(&caps.queue_families, false).ok();
+    let copy_only = |f: &vk::QueueFamilyProperties| {
+        f.queue_flags.contains(vk::QueueFlags::TRANSFER)
+            && !f
+                .queue_flags
+                .intersects(vk::QueueFlags::COMPUTE | vk::QueueFlags::GRAPHICS)
+            && f.queue_count > 0
+    };
+    caps.transfer_family = families
+        .iter()
+        .position(copy_only)
+        .map(|i| (i as u32, families[i].queue_count));
 
     // Memory: the device-local heaps.
     // SAFETY: valid instance and device; plain data back.

@@ -9,8 +9,11 @@
 //! earlier work, earlier submissions included. Transfers go through each
 //! slot's host-visible staging buffer, uniform blocks through its ring,
 //! descriptor sets through its pool, and kernel times through timestamp
-//! queries (a range of one pool per slot).
+//! queries (a range of one pool per slot). Where the device has a copy
+//! queue, large uploads and downloads go on copy lanes beside the kernels
+//! (`lane`), synchronized with them by timeline semaphores.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -23,9 +26,11 @@ use crate::device::Device;
 use crate::memory::VulkanBuffer;
 use crate::pipeline::Pipeline;
 
+mod lane;
 mod readback;
 mod slot;
 
+use lane::{Dir, Lanes, Use};
 use slot::{Slot, SlotSizes};
 
 /// Submissions in flight at once (and command buffers in the ring).
@@ -70,6 +75,18 @@ pub(crate) struct Stream {
     /// A download was begun in the recording: the next upload (the host
     /// path's next chunk) submits it first where the next slot is free.
     readback_recorded: bool,
+    /// The copy lanes, where the device has copy queues.
+    lanes: Option<Lanes>,
+    /// The submissions that last used each buffer (with lanes only).
+    uses: HashMap<vk::Buffer, Use>,
+    /// The lanes' submissions the recording waits for (0: none), and
+    /// whether it holds a dispatch.
+    wait_up: u64,
+    wait_down: u64,
+    dispatched: bool,
+    /// Recordings begun, on every queue: a buffer dropped now may be used
+    /// by recordings up to this one ([`Device::release`]).
+    epochs: u64,
     /// What the ring did, for the tests.
     #[cfg(test)]
     pub(crate) ring_stats: RingStats,
@@ -85,6 +102,8 @@ pub(crate) struct RingStats {
     pub(crate) begin_waits: usize,
     /// Submissions made.
     pub(crate) submits: usize,
+    /// Submissions made on the copy lanes.
+    pub(crate) lane_submits: usize,
 }
 
 /// A buffer binding: the handle and its size.
@@ -122,6 +141,12 @@ impl Stream {
             completed: 0,
             readbacks: readback::Readbacks::default(),
             readback_recorded: false,
+            lanes: None,
+            uses: HashMap::new(),
+            wait_up: 0,
+            wait_down: 0,
+            dispatched: false,
+            epochs: 0,
             #[cfg(test)]
             ring_stats: RingStats::default(),
         };
@@ -135,6 +160,7 @@ impl Stream {
         for slot in &mut stream.slots {
             slot.create(&device, &sizes)?;
         }
+        stream.lanes = Lanes::new(&device, staging_bytes)?;
         Ok(stream)
     }
 
@@ -149,6 +175,33 @@ impl Stream {
     pub(crate) fn submissions(&self) -> (usize, u64) {
         let in_flight = self.slots.iter().filter(|s| s.submission.is_some()).count();
         (in_flight, self.completed)
+    }
+
+    /// Whether large copies run on copy lanes.
+    #[cfg(test)]
+    pub(crate) fn has_lanes(&self) -> bool {
+        self.lanes.is_some()
+    }
+
+    /// Opens the next recording's epoch: buffers dropped from now on may be
+    /// used by it.
+    fn open_epoch(&mut self) -> u64 {
+        self.epochs += 1;
+        self.device.last_use.fetch_max(self.epochs, Ordering::SeqCst);
+        self.epochs
+    }
+
+    /// Marks every epoch below the oldest still recording or in flight
+    /// finished, and frees the buffers parked until then.
+    fn update_finished(&self) {
+        let compute = self.slots.iter().filter_map(|s| s.epoch);
+        let oldest = match &self.lanes {
+            Some(l) => compute.chain(l.open_epochs()).min(),
+            None => compute.min(),
+        };
+        let finished = oldest.map_or(self.epochs, |e| e - 1);
+        self.device.finished.fetch_max(finished, Ordering::SeqCst);
+        self.device.collect_garbage();
     }
 
     /// Whether the queue can write timestamps.
@@ -221,8 +274,8 @@ impl Stream {
             // the pool, and no pending submission uses it (waited above).
             unsafe { dev.cmd_reset_query_pool(cmd, t.pool, self.current as u32 * queries, queries) };
         }
-        // Buffers dropped from now on may be used by this recording.
-        self.device.last_use.store(self.submits + 1, Ordering::SeqCst);
+        let epoch = self.open_epoch();
+        self.slots[self.current].epoch = Some(epoch);
         self.recording = true;
         Ok(())
     }
@@ -261,7 +314,10 @@ impl Stream {
     pub(crate) fn flush(&mut self) -> Result<()> {
         let submitted = self.submit();
         let waited = self.wait_through(self.submits);
-        submitted.and(waited)
+        let lanes = self.flush_lanes();
+        // Entries of finished work say nothing any more.
+        self.uses.clear();
+        submitted.and(waited).and(lanes)
     }
 
     /// Submits the recorded work without waiting for it; recording goes on
@@ -273,14 +329,19 @@ impl Stream {
         self.recording = false;
         self.readback_recorded = false;
         let i = self.current;
-        if let Err(e) = self.submit_slot(i) {
+        let submitted = self.submit_slot(i);
+        let lane_waits = (self.wait_up, self.wait_down);
+        (self.wait_up, self.wait_down, self.dispatched) = (0, 0, false);
+        if let Err(e) = submitted {
             // Nothing was submitted: the slot is free again.
             // SAFETY: the slot's command buffer is not pending.
             let _ = unsafe { self.slots[i].reset(&self.device) };
+            self.update_finished();
             return Err(e);
         }
         self.submits += 1;
         self.slots[i].submission = Some(self.submits);
+        self.slots[i].lane_waits = lane_waits;
         self.current = (i + 1) % SLOTS;
         #[cfg(test)]
         {
@@ -297,10 +358,42 @@ impl Stream {
         // SAFETY: the buffer is recording.
         unsafe { dev.end_command_buffer(slot.cmd) }.map_err(|e| vk_error(e, "vkEndCommandBuffer"))?;
         let cmds = [slot.cmd];
-        let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
-        // SAFETY: executable command buffer; the queue is used only by this
-        // stream, under the backend's lock; the slot's fence is unsignaled
-        // (reset after its last wait).
+        let Some(lanes) = &self.lanes else {
+            let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
+            // SAFETY: executable command buffer; the queue is used only by
+            // this stream, under the backend's lock; the slot's fence is
+            // unsignaled (reset after its last wait).
+            unsafe { dev.queue_submit(self.device.queue, &submit, slot.fence) }
+                .map_err(|e| vk_error(e, "vkQueueSubmit"))?;
+            return Ok(());
+        };
+        // With lanes: signal the kernels' semaphore with this submission's
+        // number, after the copies it must wait for.
+        let mut waits = Vec::with_capacity(2);
+        let mut wait_values = Vec::with_capacity(2);
+        for (semaphore, value) in [
+            (lanes.up.semaphore(), self.wait_up),
+            (lanes.down.semaphore(), self.wait_down),
+        ] {
+            if value > 0 {
+                waits.push(semaphore);
+                wait_values.push(value);
+            }
+        }
+        let stages = vec![vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER; waits.len()];
+        let signal = [lanes.compute];
+        let signal_values = [self.submits + 1];
+        let mut timeline = vk::TimelineSemaphoreSubmitInfo::default()
+            .wait_semaphore_values(&wait_values)
+            .signal_semaphore_values(&signal_values);
+        let submit = [vk::SubmitInfo::default()
+            .command_buffers(&cmds)
+            .wait_semaphores(&waits)
+            .wait_dst_stage_mask(&stages)
+            .signal_semaphores(&signal)
+            .push_next(&mut timeline)];
+        // SAFETY: as above; every waited value was submitted on its lane
+        // before (`compute_uses` submits the lane first).
         unsafe { dev.queue_submit(self.device.queue, &submit, slot.fence) }
             .map_err(|e| vk_error(e, "vkQueueSubmit"))?;
         Ok(())
@@ -323,14 +416,20 @@ impl Stream {
                 break;
             }
             let waited = self.wait_slot(i, submission);
+            let (up, down) = self.slots[i].lane_waits;
             // SAFETY: the slot's fence wait returned, or the device is lost
             // and runs nothing.
             let reset = unsafe { self.slots[i].reset(&self.device) };
-            self.device.finished.fetch_max(submission, Ordering::SeqCst);
-            self.device.collect_garbage();
-            result = result.and(waited).and(reset);
+            self.update_finished();
+            // The copies it waited for are done: their slots are freed now
+            // (their fences' waits return at once), so buffers they used
+            // can go. (After the reset: these waits may come back here.)
+            let lanes = self
+                .lane_wait_through(Dir::Up, up)
+                .and(self.lane_wait_through(Dir::Down, down));
+            result = result.and(waited).and(reset).and(lanes);
         }
-        result
+        result.and(self.reap_lanes())
     }
 
     /// Waits for slot `i`'s fence (holding `submission`) and collects its
@@ -376,6 +475,9 @@ impl Stream {
     /// work, through the slots' staging buffers.
     pub(crate) fn upload(&mut self, dst: &VulkanBuffer, offset: u64, data: &[u8]) -> Result<()> {
         check_transfer("upload", offset, data.len() as u64, dst.len())?;
+        if self.lane_takes(Dir::Up, dst, data.len() as u64)? {
+            return self.lane_upload(dst, offset, data);
+        }
         // The host path's first chunk goes to the device while the second
         // is recorded (later chunks are submitted by `download_end`). Only
         // where no wait follows: the next slot holds nothing in flight.
@@ -385,6 +487,7 @@ impl Stream {
         let mut done = 0usize;
         while done < data.len() {
             self.begin_with_room(|s| s.staging_used < s.staging_capacity())?;
+            self.compute_uses(&[dst.handle()])?;
             let cmd = self.cmd();
             let slot = &mut self.slots[self.current];
             let capacity = slot.staging_capacity();
@@ -419,6 +522,7 @@ impl Stream {
         let mut done = 0usize;
         while done < out.len() {
             self.begin()?;
+            self.compute_uses(&[src.handle()])?;
             let i = self.current;
             let cmd = self.cmd();
             let slot = &self.slots[i];
@@ -494,6 +598,11 @@ impl Stream {
                 && s.sets_used < UNIFORM_SLOTS
                 && (!timed || s.queries_used + 2 <= 2 * TIMED_DISPATCHES)
         })?;
+        if self.lanes.is_some() {
+            let handles: Vec<vk::Buffer> = buffers.iter().map(|b| b.buffer).collect();
+            self.compute_uses(&handles)?;
+        }
+        self.dispatched = true;
 
         let i = self.current;
         let cmd = self.cmd();
@@ -582,6 +691,11 @@ impl Drop for Stream {
         let _ = self.flush();
         self.destroy_timer();
         self.readbacks.destroy(&self.device);
+        if let Some(lanes) = &mut self.lanes {
+            // SAFETY: the flush waited for (or, on a lost device,
+            // abandoned) every lane submission.
+            unsafe { lanes.destroy(&self.device) };
+        }
         for slot in &mut self.slots {
             // SAFETY: the flush waited for (or, on a lost device, abandoned)
             // every slot's submission.

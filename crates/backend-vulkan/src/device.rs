@@ -59,12 +59,27 @@ impl MemoryCounters {
     }
 }
 
+/// The queues the stream's copy lanes submit to.
+pub(crate) struct CopyQueues {
+    pub(crate) family: u32,
+    /// Uploads' queue, and downloads' (another queue of the family where it
+    /// has two, so an upload never waits in line behind a download that
+    /// waits for kernels; else the same).
+    pub(crate) up: vk::Queue,
+    pub(crate) down: vk::Queue,
+}
+
 /// A logical device shared (through `Arc`) by the backend and every buffer,
 /// so a buffer outliving the backend still frees itself correctly.
 pub(crate) struct Device {
     pub(crate) raw: ash::Device,
     pub(crate) queue: vk::Queue,
     pub(crate) family: u32,
+    /// Where large copies run beside the kernels (`None`: in line).
+    pub(crate) copy_queues: Option<CopyQueues>,
+    /// The families every buffer is shared by (`CONCURRENT`) where copies
+    /// run on another family than the kernels; empty: `EXCLUSIVE`.
+    pub(crate) sharing: Vec<u32>,
     pub(crate) caps: Caps,
     pub(crate) memory_properties: vk::PhysicalDeviceMemoryProperties,
     pub(crate) enabled: Enabled,
@@ -168,10 +183,29 @@ impl Device {
         let mut robustness2 = vk::PhysicalDeviceRobustness2FeaturesEXT::default().robust_buffer_access2(true);
         let core_features = vk::PhysicalDeviceFeatures::default().robust_buffer_access(robust);
 
-        let priorities = [1.0f32];
-        let queue_info = [vk::DeviceQueueCreateInfo::default()
+        // Copy lanes: a transfer-only family's queues (two where it has
+        // them), or the kernels' own queue for `CopyQueue::Compute`.
+        let copy_family = match options.copy_queue {
+            _ if !caps.timeline_semaphore => None,
+            crate::CopyQueue::Off => None,
+            crate::CopyQueue::Compute => Some((family, 1)),
+            crate::CopyQueue::Auto => caps
+                .transfer_family
+                .filter(|&(f, _)| f != family)
+                .map(|(f, count)| (f, count.min(2))),
+        };
+        let priorities = [1.0f32; 2];
+        let mut queue_info = vec![vk::DeviceQueueCreateInfo::default()
             .queue_family_index(family)
-            .queue_priorities(&priorities)];
+            .queue_priorities(&priorities[..1])];
+        if let Some((f, count)) = copy_family.filter(|&(f, _)| f != family) {
+            queue_info.push(
+                vk::DeviceQueueCreateInfo::default()
+                    .queue_family_index(f)
+                    .queue_priorities(&priorities[..count as usize]),
+            );
+        }
+        let mut timeline = vk::PhysicalDeviceTimelineSemaphoreFeatures::default().timeline_semaphore(true);
         let mut info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queue_info)
             .enabled_extension_names(&extension_ptrs)
@@ -196,6 +230,9 @@ impl Device {
         if robust2 {
             info = info.push_next(&mut robustness2);
         }
+        if copy_family.is_some() {
+            info = info.push_next(&mut timeline);
+        }
         // SAFETY: every chained struct is core at the device's API version or
         // its extension is in the enabled list; every feature set to true is
         // reported supported by the device; all pointers outlive the call.
@@ -203,12 +240,33 @@ impl Device {
             .map_err(|e| vk_error(e, "vkCreateDevice"))?;
         // SAFETY: the family was created with one queue.
         let queue = unsafe { raw.get_device_queue(family, 0) };
+        let copy_queues = copy_family.map(|(f, count)| CopyQueues {
+            family: f,
+            up: if f == family {
+                queue
+            } else {
+                // SAFETY: the family was created with `count` ≥ 1 queues.
+                unsafe { raw.get_device_queue(f, 0) }
+            },
+            down: if f == family {
+                queue
+            } else {
+                // SAFETY: as above; index `count − 1` exists.
+                unsafe { raw.get_device_queue(f, count - 1) }
+            },
+        });
+        let sharing = match &copy_queues {
+            Some(c) if c.family != family => vec![family, c.family],
+            _ => Vec::new(),
+        };
         // SAFETY: valid instance and device; plain data back.
         let memory_properties = unsafe { instance.raw.get_physical_device_memory_properties(adapter.raw) };
         Ok(Arc::new(Self {
             raw,
             queue,
             family,
+            copy_queues,
+            sharing,
             caps,
             memory_properties,
             enabled: Enabled {
@@ -237,9 +295,23 @@ impl Device {
             .map_or(0, |f| f.timestamp_bits)
     }
 
-    /// The queue's family in words (`family 2 (compute)`).
+    /// The queue's family in words (`family 2 (compute)`), with where
+    /// large copies run.
     pub(crate) fn queue_description(&self) -> String {
-        headkl_core::QueueFamily::describe_in(&self.caps.queue_families, self.family)
+        let kernels = headkl_core::QueueFamily::describe_in(&self.caps.queue_families, self.family);
+        match &self.copy_queues {
+            None => kernels,
+            Some(c) if c.family == self.family => format!("{kernels}; copies in submissions of their own"),
+            Some(c) => format!(
+                "{kernels}; copies on family {} (transfer, {})",
+                c.family,
+                if c.up == c.down {
+                    "one queue"
+                } else {
+                    "uploads and downloads on two queues"
+                }
+            ),
+        }
     }
 
     /// Wraps a caller's device and its queue `(family, index)`, with the
@@ -261,6 +333,9 @@ impl Device {
             raw,
             queue: handle,
             family: queue.0,
+            // The caller created the device: no other queue is headkl's.
+            copy_queues: None,
+            sharing: Vec::new(),
             caps,
             memory_properties,
             enabled,

@@ -14,7 +14,7 @@
 //! Module map: `instance` (loader, layer, debug messenger), `adapter`
 //! (physical devices and their capabilities), `device` (logical device and
 //! deferred frees), `memory` (buffers), `command` (recording, submission,
-//! staging, timestamps), `pipeline` (naga and compute pipelines), `kernels`
+//! staging, timestamps, copy lanes on a transfer queue), `pipeline` (naga and compute pipelines), `kernels`
 //! (the device's limits and matrix-unit GEMM plan), `glsl` (the GLSL
 //! kernels, SPIR-V from `headkl-glsl`: GEMM tiles and the ceiling report's
 //! diagnostics), `conv` (errors). What each kernel is (shader, entry,
@@ -114,6 +114,37 @@ pub struct VulkanOptions {
     /// `robustBufferAccess2` where offered), as wgpu always does: to tell a
     /// speed difference between the backends from the cost of bounds checks.
     pub robust_access: bool,
+    /// Where large uploads and downloads run (`HEADKL_COPY_QUEUE`).
+    pub copy_queue: CopyQueue,
+}
+
+/// Where the stream runs the host path's large uploads and downloads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CopyQueue {
+    /// On a transfer-only queue family (a copy engine), beside the
+    /// kernels, where the device has one and timeline semaphores; else
+    /// [`CopyQueue::Off`].
+    #[default]
+    Auto,
+    /// In line with the kernels, in their command buffers.
+    Off,
+    /// In submissions of their own on the kernels' queue, synchronized as
+    /// on a copy queue: the copy path on a device without a transfer
+    /// family (the tests' lavapipe), and a measure of whether the driver
+    /// overlaps copies and kernels on one queue.
+    Compute,
+}
+
+impl CopyQueue {
+    /// Parses `auto`, `off` or `compute` (the setting `name`).
+    pub fn parse(name: &'static str, value: &str) -> Result<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "off" => Ok(Self::Off),
+            "compute" => Ok(Self::Compute),
+            _ => Err(settings::invalid(name, value, "expected auto, off or compute")),
+        }
+    }
 }
 
 impl VulkanOptions {
@@ -127,6 +158,10 @@ impl VulkanOptions {
             validation: env.flag(settings::VALIDATION)?,
             pipeline_stats: env.flag(settings::PIPELINE_STATS)?,
             robust_access: false,
+            copy_queue: match env.text(settings::COPY_QUEUE)? {
+                Some(v) => CopyQueue::parse(settings::COPY_QUEUE, &v)?,
+                None => CopyQueue::Auto,
+            },
         })
     }
 }
@@ -403,6 +438,10 @@ impl Backend for VulkanBackend {
 
     fn download_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
         self.stream()?.download_end(pending, out)
+    }
+
+    fn transfers_overlap(&self) -> bool {
+        self.device.copy_queues.is_some()
     }
 
     fn dispatch(&self, launch: Launch<'_, VulkanBuffer>) -> Result<()> {

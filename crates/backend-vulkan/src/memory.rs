@@ -72,10 +72,17 @@ pub(crate) fn create_buffer(
     if size > device.caps.max_buffer_bytes {
         return Err(Error::OutOfMemory { bytes, what });
     }
-    let info = vk::BufferCreateInfo::default()
-        .size(size)
-        .usage(usage)
-        .sharing_mode(vk::SharingMode::EXCLUSIVE);
+    // Shared by the kernels' and the copies' families where they differ:
+    // a queue family ownership transfer would need a release recorded on
+    // the queue that used the buffer last, in a command buffer that may
+    // already be submitted when the next use on the other queue is known.
+    let info = vk::BufferCreateInfo::default().size(size).usage(usage);
+    let info = if device.sharing.is_empty() {
+        info.sharing_mode(vk::SharingMode::EXCLUSIVE)
+    } else {
+        info.sharing_mode(vk::SharingMode::CONCURRENT)
+            .queue_family_indices(&device.sharing)
+    };
     // SAFETY: valid device and create info.
     let buffer = unsafe { device.raw.create_buffer(&info, None) }.map_err(|e| alloc_error(e, bytes, what))?;
     // SAFETY: `buffer` was just created on this device.
@@ -193,6 +200,12 @@ impl VulkanBuffer {
     /// Where a view starts in the caller's buffer (0 for headkl's own).
     pub fn offset(&self) -> u64 {
         self.view.map_or(0, |(_, offset, _)| offset)
+    }
+
+    /// Whether this is a view of a caller's buffer (shared with no other
+    /// queue family, so it stays on the kernels' queue).
+    pub(crate) fn is_view(&self) -> bool {
+        self.view.is_some()
     }
 
     /// The label given at allocation.

@@ -6,17 +6,31 @@ use headkl_reference::conformance::{gemm_choice_outcome, harness_env, open_or_sk
 use naga::back::spv::Capability;
 
 use crate::pipeline::{compile, parse, PipelineKey, ShaderSource, ShaderTarget};
-use crate::{VulkanBackend, VulkanOptions};
+use crate::{CopyQueue, VulkanBackend, VulkanOptions};
 
 /// Opens the default device with validation and a staging buffer of
 /// `staging` bytes; `None` (after saying why) when there is no device and
 /// the backend is not required.
 fn open(staging: u64) -> Option<VulkanBackend> {
+    open_copies(staging, None)
+}
+
+/// [`open`] with the copies where `copies` says (`None`: as the
+/// environment says).
+fn open_copies(staging: u64, copies: Option<CopyQueue>) -> Option<VulkanBackend> {
+    let from_env = VulkanOptions::from_env(&harness_env()).expect("a HEADKL_* setting does not parse");
     let options = VulkanOptions {
         validation: true,
-        ..VulkanOptions::from_env(&harness_env()).expect("a HEADKL_* setting does not parse")
+        copy_queue: copies.unwrap_or(from_env.copy_queue),
+        ..from_env
     };
     open_or_skip("vulkan", || VulkanBackend::open_inner(&options, staging))
+}
+
+/// [`open`] with every copy in line on the kernels' queue: the ring's
+/// own tests count its submissions.
+fn open_in_line() -> Option<VulkanBackend> {
+    open_copies(crate::command::STAGING_BYTES, Some(CopyQueue::Off))
 }
 
 /// `dst[i] = f16(src[i] · scale)` over a folded grid of `WG`-wide groups.
@@ -208,7 +222,7 @@ fn buffers_dropped_while_work_is_pending_are_freed_later() {
 
 #[test]
 fn two_submissions_in_flight_at_once() {
-    let Some(b) = open(crate::command::STAGING_BYTES) else {
+    let Some(b) = open_in_line() else {
         return;
     };
     let timed = b.set_profiling(true);
@@ -273,7 +287,7 @@ fn noise(seed: u64, i: usize) -> f32 {
 #[test]
 fn host_path_records_each_chunk_while_the_previous_one_runs() {
     use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher, TopkOptions};
-    let Some(b) = open(crate::command::STAGING_BYTES) else {
+    let Some(b) = open_in_line() else {
         return;
     };
     let (vocab, hs, ntok, k) = (512, 64, 96, 4);
@@ -327,10 +341,140 @@ fn host_path_records_each_chunk_while_the_previous_one_runs() {
     assert_clean(&b);
 }
 
+/// head_kl and topk through the host path, f32 and f16 hidden rows, over
+/// six chunks: every chunk's hidden rows go up and its dx comes down on the
+/// copy lanes (here on the kernels' own queue, which every device has),
+/// and the outputs equal the in-line path's bit for bit (the same kernels;
+/// only the synchronization differs). The second call of each reuses the
+/// scratch the first one's copies touched.
+#[test]
+fn host_path_copies_on_lanes_match_the_in_line_path() {
+    use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher, TopkOptions};
+    let Some(lanes) = open_copies(crate::command::STAGING_BYTES, Some(CopyQueue::Compute)) else {
+        return;
+    };
+    let Some(in_line) = open_in_line() else {
+        return;
+    };
+    if !lanes.stream().unwrap().has_lanes() {
+        eprintln!(
+            "{}: no timeline semaphores, no copy lanes: not checked",
+            lanes.info.device_name
+        );
+        return;
+    }
+    assert!(lanes.transfers_overlap() && !in_line.transfers_overlap());
+    let (vocab, hs, ntok, k, chunks) = (512, 64, 96, 4, 6);
+    let w: Vec<f32> = (0..vocab * hs).map(|i| noise(21, i) * 0.5).collect();
+    let x: Vec<f32> = (0..ntok * hs).map(|i| noise(22, i)).collect();
+    let x16: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
+    let ids: Vec<u32> = (0..ntok * k).map(|i| ((i * 37 + i / k * 11) % vocab) as u32).collect();
+    let probs: Vec<f32> = (0..ntok * k).map(|i| 1.0 + (i % k) as f32).collect();
+    let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).unwrap();
+    let teacher = Teacher::new(&ids, &probs, ntok, k, vocab).unwrap();
+    let loss_opts = LossOptions {
+        max_rows_per_chunk: Some(ntok / chunks),
+        ..LossOptions::default()
+    };
+    let topk_opts = TopkOptions {
+        max_rows_per_chunk: Some(ntok / chunks),
+        ..TopkOptions::new(k)
+    };
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for hidden in [Hidden::f32(&x, ntok, hs).unwrap(), Hidden::f16(&x16, ntok, hs).unwrap()] {
+        let run = |b: &VulkanBackend| {
+            let mut engine = Engine::new(b, &head, SliceOptions::default()).unwrap();
+            std::mem::take(&mut b.stream().unwrap().ring_stats);
+            let first = engine.head_kl(&hidden, &teacher, &loss_opts).unwrap();
+            let second = engine.head_kl(&hidden, &teacher, &loss_opts).unwrap();
+            let top = [0, 1].map(|_| engine.topk(&hidden, &topk_opts).unwrap());
+            let stats = std::mem::take(&mut b.stream().unwrap().ring_stats);
+            (first, second, top, stats)
+        };
+        let (first, second, top, stats) = run(&lanes);
+        let (want, _, want_top, _) = run(&in_line);
+        for (got, call) in [(&first, "first"), (&second, "second")] {
+            assert_eq!(bits(&got.dx), bits(&want.dx), "{call} head_kl: dx");
+            assert_eq!(bits(&got.loss), bits(&want.loss), "{call} head_kl: loss");
+        }
+        for (got, call) in top.iter().zip(["first", "second"]) {
+            assert_eq!(got.ids, want_top[0].ids, "{call} topk: ids");
+            assert_eq!(bits(&got.probs), bits(&want_top[0].probs), "{call} topk: probs");
+        }
+        // Per chunk, at least the hidden rows' upload (four calls) and dx's
+        // download (two head_kl calls) went on the lanes.
+        assert!(
+            stats.lane_submits >= 4 * chunks + 2 * chunks,
+            "copies on the lanes ({stats:?})"
+        );
+        assert!(stats.submits <= 4 * 2 * chunks, "kernels' submissions ({stats:?})");
+    }
+    assert_clean(&lanes);
+    assert_clean(&in_line);
+}
+
+/// The copy lanes' hazards one at a time, on plain buffers: an upload into
+/// an idle buffer goes on the lane and the kernels that read it wait for
+/// it; one into a buffer the recording uses stays in line; a download
+/// waits for the kernels that wrote its source; and kernels that write a
+/// buffer wait for the download reading it.
+#[test]
+fn lane_copies_wait_for_what_touched_their_buffer() {
+    let Some(b) = open_copies(crate::command::STAGING_BYTES, Some(CopyQueue::Compute)) else {
+        return;
+    };
+    if !b.stream().unwrap().has_lanes() {
+        eprintln!(
+            "{}: no timeline semaphores, no copy lanes: not checked",
+            b.info.device_name
+        );
+        return;
+    }
+    let n = 1u64 << 16;
+    let filled = |v: f32| vec![v; n as usize];
+    let x = b.alloc(n * 4, "x").unwrap();
+    let stats = || std::mem::take(&mut b.stream().unwrap().ring_stats);
+    stats();
+    b.upload(&x, 0, bytemuck::cast_slice(&filled(1.0))).unwrap();
+    assert_eq!(
+        stats().lane_submits,
+        1,
+        "an upload into an idle buffer goes on the lane"
+    );
+    add(&b, &x, n, 2.0, "after the lane's upload").unwrap();
+    b.upload(&x, 0, bytemuck::cast_slice(&filled(5.0))).unwrap();
+    assert_eq!(
+        stats().lane_submits,
+        0,
+        "an upload into a buffer the recording uses stays in line"
+    );
+    add(&b, &x, n, 1.0, "after the in-line upload").unwrap();
+    let pending = b.download_begin(&x, 0, (n * 4) as usize).unwrap();
+    add(&b, &x, n, 10.0, "after the download began").unwrap();
+    let s = stats();
+    assert_eq!(s.lane_submits, 1, "the download went on its lane ({s:?})");
+    let mut out = filled(0.0);
+    b.download_end(pending, bytemuck::cast_slice_mut(&mut out)).unwrap();
+    assert!(
+        out.iter().all(|&v| v == 6.0),
+        "the download saw 5 + 1, not the later add"
+    );
+    b.download(&x, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
+    assert!(out.iter().all(|&v| v == 16.0), "x: 5 + 1 + 10");
+    // The upload lane's first copy was read by the first add: 1 + 2 is
+    // overwritten by the in-line upload, so check that ordering too.
+    let y = b.alloc(n * 4, "y").unwrap();
+    b.upload(&y, 0, bytemuck::cast_slice(&filled(1.0))).unwrap();
+    add(&b, &y, n, 2.0, "after the lane's upload").unwrap();
+    b.download(&y, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
+    assert!(out.iter().all(|&v| v == 3.0), "y: the add read the lane's upload");
+    assert_clean(&b);
+}
+
 #[test]
 fn resident_calls_do_not_wait_for_the_previous_one() {
     use headkl_core::{DeviceHidden, Engine, HeadData, HeadWeights, Hidden, HiddenDtype, SliceOptions, TopkOptions};
-    let Some(b) = open(crate::command::STAGING_BYTES) else {
+    let Some(b) = open_in_line() else {
         return;
     };
     let (vocab, hs, ntok, k) = (512, 64, 48, 4);

@@ -476,6 +476,16 @@ pub trait Backend {
         None
     }
 
+    /// Whether large uploads and downloads run beside the kernels (on a
+    /// copy queue of their own) rather than in line with them. The host
+    /// path then gives the buffers they touch (the hidden rows' upload
+    /// buffer and dx) a second copy, used by odd chunks, so that chunk
+    /// `i + 1`'s upload and chunk `i`'s copy out need not wait for the
+    /// kernels of the chunk beside them.
+    fn transfers_overlap(&self) -> bool {
+        false
+    }
+
     /// Waits for all queued work.
     fn finish(&self) -> Result<()>;
 
@@ -534,6 +544,9 @@ impl<T: Backend + ?Sized> Backend for &T {
     }
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
         (**self).gemm_tile(layout)
+    }
+    fn transfers_overlap(&self) -> bool {
+        (**self).transfers_overlap()
     }
     fn finish(&self) -> Result<()> {
         (**self).finish()

@@ -230,7 +230,10 @@ impl<B: Backend> Engine<B> {
             Job::Loss => self.dx_blocks_most(),
             Job::Topk => 0,
         };
-        RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks)
+        RowBytes {
+            doubled: self.backend.transfers_overlap(),
+            ..RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks)
+        }
     }
 
     /// The most split-K partial blocks of dx a chunk can need (every
@@ -249,13 +252,25 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Uploads chunk rows `[start, start + rows)` into the padded f16 GEMM
-    /// operand.
-    fn load_hidden(&self, input: &Input<'_, B>, x16: &B::Buffer, start: usize, rows: usize) -> Result<()> {
+    /// Uploads chunk rows `[start, start + rows)` (chunk number `chunk`)
+    /// into the padded f16 GEMM operand.
+    fn load_hidden(
+        &self,
+        input: &Input<'_, B>,
+        x16: &B::Buffer,
+        chunk: usize,
+        start: usize,
+        rows: usize,
+    ) -> Result<()> {
         let hs = self.hs;
         let rows_padded = round_up(rows, ALIGN);
         match input {
-            Input::F32 { data, x32 } => {
+            Input::F32 { data, x32, x32_odd } => {
+                let x32 = if chunk % 2 == 1 {
+                    x32_odd.as_ref().unwrap_or(x32)
+                } else {
+                    x32
+                };
                 let src = &data[start * hs..(start + rows) * hs];
                 self.backend.upload(x32, 0, bytemuck::cast_slice(src))?;
                 let desc = ConvertDesc {
@@ -518,11 +533,12 @@ impl<B: Backend> Engine<B> {
         // always has queued work while the host reads. Whatever is still
         // pending when this returns (an error) is drained by `pipe`'s drop.
         let mut pipe = InFlight::new(b);
-        for (start, rows) in plan.ranges(ntok) {
+        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
-            self.load_hidden(input, &s.x16, start, rows)?;
+            let x16 = s.x16_for(chunk);
+            self.load_hidden(input, x16, chunk, start, rows)?;
             trace.mark("hidden upload");
-            let (row_in_buf, loss_buf, grad, dx_buf) = (&ls.row_in, &ls.loss, &ls.grad, &ls.dx);
+            let (row_in_buf, loss_buf, grad, dx_buf) = (&ls.row_in, &ls.loss, &ls.grad, ls.dx_for(chunk));
             b.upload(
                 &s.ids,
                 0,
@@ -538,7 +554,7 @@ impl<B: Backend> Engine<B> {
                 0,
                 bytemuck::cast_slice(&row_in[start * 2..(start + rows) * 2]),
             )?;
-            self.logits(&s.x16, &s.logits, rows_padded, resolved.temperature)?;
+            self.logits(x16, &s.logits, rows_padded, resolved.temperature)?;
             let kl = KlDesc {
                 rows,
                 vocab: self.vocab,
@@ -694,9 +710,10 @@ impl<B: Backend> Engine<B> {
                 None => Ok(()),
             }
         };
-        for (start, rows) in plan.ranges(ntok) {
-            self.load_hidden(input, &s.x16, start, rows)?;
-            self.logits(&s.x16, &s.logits, round_up(rows, ALIGN), opts.temperature)?;
+        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
+            let x16 = s.x16_for(chunk);
+            self.load_hidden(input, x16, chunk, start, rows)?;
+            self.logits(x16, &s.logits, round_up(rows, ALIGN), opts.temperature)?;
             let desc = TopkDesc {
                 cap: opts.softcap.map(|c| c / opts.temperature),
                 logprobs: opts.logprobs,

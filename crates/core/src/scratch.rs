@@ -53,6 +53,10 @@ pub(crate) struct RowBytes {
     pub grad: u64,
     /// f32 input gradient, padded hidden size (`head_kl`).
     pub dx: u64,
+    /// The buffers the host path's transfers touch (the hidden rows'
+    /// upload buffer, dx) come in two, by chunk parity
+    /// ([`Backend::transfers_overlap`]).
+    pub doubled: bool,
 }
 
 impl RowBytes {
@@ -71,6 +75,7 @@ impl RowBytes {
             loss: 16,
             grad: v * 2,
             dx: h * 4,
+            doubled: false,
         }
     }
 
@@ -87,6 +92,16 @@ impl RowBytes {
         if f32_input {
             c.push(cost("x32", self.x32));
         }
+        if self.doubled {
+            c.push(if f32_input {
+                cost("x32 (odd chunks)", self.x32)
+            } else {
+                cost("x16 (odd chunks)", self.x16)
+            });
+            if job == Job::Loss {
+                c.push(cost("dx (odd chunks)", self.dx));
+            }
+        }
         if job == Job::Loss {
             c.extend([
                 cost("row_in", self.row_in),
@@ -102,20 +117,40 @@ impl RowBytes {
 /// The buffers every job uses.
 pub(crate) struct RowScratch<B: Backend> {
     pub x16: B::Buffer,
+    /// Odd chunks' `x16` where it is uploaded to ([`RowBytes::doubled`],
+    /// input other than f32).
+    x16_odd: Option<B::Buffer>,
     pub logits: B::Buffer,
     pub ids: B::Buffer,
     pub probs: B::Buffer,
 }
 
 impl<B: Backend> RowScratch<B> {
-    pub fn alloc(b: &B, sizes: &RowBytes, rows: usize) -> Result<Self> {
+    pub fn alloc(b: &B, sizes: &RowBytes, rows: usize, f32_input: bool) -> Result<Self> {
         let r = rows as u64;
         Ok(Self {
             x16: b.alloc(r * sizes.x16, "x16")?,
+            x16_odd: match sizes.doubled && !f32_input {
+                true => Some(b.alloc(r * sizes.x16, "x16 (odd chunks)")?),
+                false => None,
+            },
             logits: b.alloc(r * sizes.logits, "logits")?,
             ids: b.alloc(r * sizes.ids, "ids")?,
             probs: b.alloc(r * sizes.probs, "probs")?,
         })
+    }
+
+    /// Chunk `chunk`'s f16 hidden rows.
+    pub fn x16_for(&self, chunk: usize) -> &B::Buffer {
+        odd_or(&self.x16, self.x16_odd.as_ref(), chunk)
+    }
+}
+
+/// `odd` for odd chunks where there is one, else `even`.
+fn odd_or<'a, T>(even: &'a T, odd: Option<&'a T>, chunk: usize) -> &'a T {
+    match odd {
+        Some(o) if chunk % 2 == 1 => o,
+        _ => even,
     }
 }
 
@@ -125,6 +160,8 @@ pub(crate) struct LossScratch<B: Backend> {
     pub loss: B::Buffer,
     pub grad: B::Buffer,
     pub dx: B::Buffer,
+    /// Odd chunks' dx ([`RowBytes::doubled`]).
+    dx_odd: Option<B::Buffer>,
 }
 
 impl<B: Backend> LossScratch<B> {
@@ -135,14 +172,28 @@ impl<B: Backend> LossScratch<B> {
             loss: b.alloc(r * sizes.loss, "loss")?,
             grad: b.alloc(r * sizes.grad, "grad")?,
             dx: b.alloc(r * sizes.dx, "dx")?,
+            dx_odd: match sizes.doubled {
+                true => Some(b.alloc(r * sizes.dx, "dx (odd chunks)")?),
+                false => None,
+            },
         })
+    }
+
+    /// Chunk `chunk`'s dx.
+    pub fn dx_for(&self, chunk: usize) -> &B::Buffer {
+        odd_or(&self.dx, self.dx_odd.as_ref(), chunk)
     }
 }
 
 /// A call's hidden rows with the buffer their upload needs.
 pub(crate) enum Input<'a, B: Backend> {
-    /// f32 rows, converted on the device through `x32`.
-    F32 { data: &'a [f32], x32: B::Buffer },
+    /// f32 rows, converted on the device through `x32` (odd chunks
+    /// through `x32_odd` where there is one, [`RowBytes::doubled`]).
+    F32 {
+        data: &'a [f32],
+        x32: B::Buffer,
+        x32_odd: Option<B::Buffer>,
+    },
     /// f16 rows, uploaded as they are.
     F16(&'a [f16]),
     /// bf16 rows, rounded to f16 on the host as they go up.
@@ -154,7 +205,7 @@ pub(crate) struct ScratchCache<B: Backend> {
     key: Option<ScratchKey>,
     rows: Option<RowScratch<B>>,
     loss: Option<LossScratch<B>>,
-    x32: Option<B::Buffer>,
+    x32: Option<(B::Buffer, Option<B::Buffer>)>,
 }
 
 impl<B: Backend> Default for ScratchCache<B> {
@@ -192,14 +243,14 @@ impl<B: Backend> ScratchCache<B> {
             self.key = Some(key);
         }
         let input = self.take_input(b, sizes, rows, hidden)?;
-        Ok((input, self.take_rows(b, sizes, rows)?))
+        Ok((input, self.take_rows(b, sizes, rows, f32_input)?))
     }
 
     /// The row buffers for the call begun (kept, or made).
-    fn take_rows(&mut self, b: &B, sizes: &RowBytes, rows: usize) -> Result<RowScratch<B>> {
+    fn take_rows(&mut self, b: &B, sizes: &RowBytes, rows: usize, f32_input: bool) -> Result<RowScratch<B>> {
         match self.rows.take() {
             Some(s) => Ok(s),
-            None => RowScratch::alloc(b, sizes, rows),
+            None => RowScratch::alloc(b, sizes, rows, f32_input),
         }
     }
 
@@ -222,11 +273,18 @@ impl<B: Backend> ScratchCache<B> {
         use crate::problem::HiddenData;
         Ok(match data {
             HiddenData::F32(data) => {
-                let x32 = match self.x32.take() {
+                let (x32, x32_odd) = match self.x32.take() {
                     Some(x) => x,
-                    None => b.alloc(rows as u64 * sizes.x32, "x32")?,
+                    None => {
+                        let bytes = rows as u64 * sizes.x32;
+                        let odd = match sizes.doubled {
+                            true => Some(b.alloc(bytes, "x32 (odd chunks)")?),
+                            false => None,
+                        };
+                        (b.alloc(bytes, "x32")?, odd)
+                    }
                 };
-                Input::F32 { data, x32 }
+                Input::F32 { data, x32, x32_odd }
             }
             HiddenData::F16(data) => Input::F16(data),
             HiddenData::Bf16(data) => Input::Bf16(data),
@@ -237,8 +295,8 @@ impl<B: Backend> ScratchCache<B> {
     pub fn put_back(&mut self, rows: RowScratch<B>, loss: Option<LossScratch<B>>, input: Input<'_, B>) {
         self.rows = Some(rows);
         self.loss = loss;
-        if let Input::F32 { x32, .. } = input {
-            self.x32 = Some(x32);
+        if let Input::F32 { x32, x32_odd, .. } = input {
+            self.x32 = Some((x32, x32_odd));
         }
     }
 }

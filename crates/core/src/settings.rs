@@ -67,6 +67,8 @@ pub const BENCH_SHAPE: &str = "HEADKL_BENCH_SHAPE";
 pub const DX_SPLIT: &str = "HEADKL_DX_SPLIT";
 /// `HEADKL_QUEUE`.
 pub const QUEUE: &str = "HEADKL_QUEUE";
+/// `HEADKL_COPY_QUEUE`.
+pub const COPY_QUEUE: &str = "HEADKL_COPY_QUEUE";
 
 /// Every `HEADKL_*` variable headkl reads, in the order the docs list them.
 pub const VARIABLES: &[Variable] = &[
@@ -123,6 +125,12 @@ pub const VARIABLES: &[Variable] = &[
         values: "auto|universal|N",
         default: "auto",
         effect: "the queue family both GPU backends open their device on; auto: one with compute and without graphics where there is one (on NVIDIA the graphics family runs the GEMMs up to 2.6× slower); universal: the graphics family, as wgpu picks on its own; N: that family",
+    },
+    Variable {
+        name: COPY_QUEUE,
+        values: "auto|off|compute",
+        default: "auto",
+        effect: "Vulkan backend: where the host path's large uploads and downloads run; auto: on a transfer-only queue family beside the kernels where the device has one (and timeline semaphores), else in line on the kernels' queue; off: in line; compute: in submissions of their own on the kernels' queue (for tests)",
     },
     Variable {
         name: CACHE_DIR,

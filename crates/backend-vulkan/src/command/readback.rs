@@ -7,7 +7,7 @@ use ash::vk;
 use headkl_core::checks::check_transfer;
 use headkl_core::{DeviceBuffer, DownloadsInFlight, PendingDownload, Result};
 
-use super::Stream;
+use super::{Dir, Stream};
 use crate::conv::backend_error;
 use crate::device::Device;
 use crate::memory::{HostBuffer, VulkanBuffer};
@@ -16,10 +16,12 @@ use crate::memory::{HostBuffer, VulkanBuffer};
 /// in flight with two outputs each.
 const POOL_BUFFERS: usize = 4;
 
-/// A download in flight: its host buffer and the submission that fills it.
+/// A download in flight: its host buffer and the submission that fills it
+/// (the kernels' queue's, or the download lane's).
 struct Readback {
     host: HostBuffer,
     submission: u64,
+    on_lane: bool,
     len: usize,
 }
 
@@ -62,7 +64,34 @@ impl Stream {
                 "download buffer",
             )?,
         };
-        if let Err(e) = self.begin() {
+        let on_lane = match self.lane_takes(Dir::Down, src, bytes) {
+            Ok(on_lane) => on_lane,
+            Err(e) => {
+                self.readbacks.pool.push(host);
+                return Err(e);
+            }
+        };
+        if on_lane {
+            return match self.lane_download(src, offset, &host, bytes) {
+                Ok(submission) => {
+                    let record = Readback {
+                        host,
+                        submission,
+                        on_lane: true,
+                        len,
+                    };
+                    Ok(self.readbacks.in_flight.begin(record, len))
+                }
+                Err(e) => {
+                    // Whatever was submitted is waited for before the host
+                    // buffer can be reused or freed.
+                    let _ = self.flush();
+                    self.readbacks.pool.push(host);
+                    Err(e)
+                }
+            };
+        }
+        if let Err(e) = self.begin().and_then(|()| self.compute_uses(&[src.handle()])) {
             self.readbacks.pool.push(host);
             return Err(e);
         }
@@ -97,6 +126,7 @@ impl Stream {
             host,
             // The batch being recorded goes out as the next submission.
             submission: self.submits + 1,
+            on_lane: false,
             len,
         };
         Ok(self.readbacks.in_flight.begin(record, len))
@@ -109,7 +139,11 @@ impl Stream {
         let Some(rb) = self.readbacks.in_flight.end(pending, out, crate::conv::BACKEND)? else {
             return Ok(());
         };
-        let waited = self.wait_for_submission(rb.submission);
+        let waited = if rb.on_lane {
+            self.wait_for_lane(Dir::Down, rb.submission)
+        } else {
+            self.wait_for_submission(rb.submission)
+        };
         if waited.is_ok() {
             rb.host.read(0, &mut out[..rb.len]);
         }

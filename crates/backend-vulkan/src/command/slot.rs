@@ -27,6 +27,12 @@ pub(super) struct Slot {
     /// The submission (numbered from 1) this slot holds in flight, until
     /// its fence has been waited for.
     pub(super) submission: Option<u64>,
+    /// Its number in the stream's count of recordings (buffer lifetimes),
+    /// while recording or in flight.
+    pub(super) epoch: Option<u64>,
+    /// The copy lanes' submissions (uploads, downloads) it waits for: done
+    /// once it is.
+    pub(super) lane_waits: (u64, u64),
 }
 
 /// The sizes of a slot's host-written objects.
@@ -55,6 +61,8 @@ impl Slot {
             queries_used: 0,
             labels: Vec::new(),
             submission: None,
+            epoch: None,
+            lane_waits: (0, 0),
         }
     }
 
@@ -150,6 +158,8 @@ impl Slot {
         self.queries_used = 0;
         self.labels.clear();
         self.submission = None;
+        self.epoch = None;
+        self.lane_waits = (0, 0);
         let dev = &device.raw;
         // SAFETY: the caller guarantees no command buffer or descriptor set
         // of this slot is in use.
