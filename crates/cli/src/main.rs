@@ -16,6 +16,7 @@ mod progress;
 mod provenance;
 mod rng;
 mod select;
+mod shard;
 mod signals;
 mod terms;
 mod text;
@@ -263,6 +264,8 @@ head (file, tensor, fold64 hash of the tensor's bytes), which `loss` checks.",
         /// Output safetensors file
         #[arg(long, value_name = "OUT.safetensors")]
         out: PathBuf,
+        #[command(flatten)]
+        shards: shard::ShardArgs,
     },
     /// The distillation loss against the teacher's top-k, and its input gradient
     #[command(
@@ -322,6 +325,8 @@ hash of the head's bytes): a mismatch with this run is refused (exit 2, both val
         /// head (its metadata says so) instead of refusing it
         #[arg(long)]
         allow_teacher_mismatch: bool,
+        #[command(flatten)]
+        shards: shard::ShardArgs,
     },
 }
 
@@ -390,6 +395,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             topk_terms,
             budget,
             out,
+            shards,
         } => jobs::topk(
             &backend,
             &inputs,
@@ -398,6 +404,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             &topk_terms,
             budget.unwrap_or(DEFAULT_BUDGET_BYTES),
             &out,
+            &shards,
         ),
         Command::Loss {
             backend,
@@ -412,6 +419,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             budget,
             out,
             allow_teacher_mismatch,
+            shards,
         } => jobs::loss(
             &backend,
             &inputs,
@@ -427,6 +435,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 out,
                 allow_teacher_mismatch,
             },
+            &shards,
         ),
     }
 }

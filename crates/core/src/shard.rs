@@ -49,7 +49,7 @@
 mod engine;
 mod merge;
 
-pub use engine::ShardEngine;
+pub use engine::{check_loss_terms, ShardEngine};
 pub use merge::{merge_loss, merge_loss_outputs, merge_topk, LossStats, TIE_WINDOW};
 
 use crate::error::{Error, Result};

@@ -125,33 +125,6 @@ impl<B: Backend> ShardEngine<B> {
         self.pending.as_ref().is_some_and(|p| p.kept.is_some())
     }
 
-    /// Refuses what the sharded loss does not compute.
-    fn check_terms(teacher: &Teacher, opts: &LossOptions) -> Result<()> {
-        let refuse = |option, value: String, hint| Err(Error::ShardUnsupported { option, value, hint });
-        let d = LossTerms::default();
-        let t = opts.terms;
-        if teacher.tail() != TailMode::Renormalize {
-            return refuse(
-                "tail",
-                teacher.tail().name().into(),
-                "use the default tail, renormalize",
-            );
-        }
-        if opts.labels.is_some() || t.hard_weight != d.hard_weight {
-            return refuse("hard-weight", t.hard_weight.to_string(), "the hard term runs unsharded");
-        }
-        if t.z_loss != d.z_loss {
-            return refuse("z-loss", t.z_loss.to_string(), "the z-loss runs unsharded");
-        }
-        if let Some(c) = t.softcap {
-            return refuse("softcap", c.to_string(), "the softcap runs unsharded");
-        }
-        if t.soft_weight != d.soft_weight {
-            return refuse("soft-weight", t.soft_weight.to_string(), "scale the loss outside");
-        }
-        Ok(())
-    }
-
     /// Phase one of the loss: the shard's logits and its per-token partials
     /// ([`LossPartials`]). Checks every input as [`Engine::head_kl`] does
     /// (ids against the whole head's `V`), refuses the terms the sharded
@@ -174,7 +147,7 @@ impl<B: Backend> ShardEngine<B> {
             });
         }
         teacher.check_vocab(self.shard.vocab())?;
-        Self::check_terms(teacher, opts)?;
+        check_loss_terms(teacher.tail(), opts)?;
         let resolved = opts.resolve(ntok)?;
         let (ids, probs, k_s) = self.pack_teacher(teacher);
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
@@ -608,6 +581,33 @@ impl<B: Backend> ShardEngine<B> {
         }
         Ok((ids, logits, lse))
     }
+}
+
+/// Refuses what the sharded loss does not compute, naming the option
+/// ([`Error::ShardUnsupported`]): a tail other than renormalize, the hard
+/// term (or labels), the z-loss, a softcap, a soft weight other than 1.
+/// [`ShardEngine::loss_partials`] calls it; a caller can call it before
+/// anything is uploaded.
+pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
+    let refuse = |option, value: String, hint| Err(Error::ShardUnsupported { option, value, hint });
+    let d = LossTerms::default();
+    let t = opts.terms;
+    if tail != TailMode::Renormalize {
+        return refuse("tail", tail.name().into(), "use the default tail, renormalize");
+    }
+    if opts.labels.is_some() || t.hard_weight != d.hard_weight {
+        return refuse("hard-weight", t.hard_weight.to_string(), "the hard term runs unsharded");
+    }
+    if t.z_loss != d.z_loss {
+        return refuse("z-loss", t.z_loss.to_string(), "the z-loss runs unsharded");
+    }
+    if let Some(c) = t.softcap {
+        return refuse("softcap", c.to_string(), "the softcap runs unsharded");
+    }
+    if t.soft_weight != d.soft_weight {
+        return refuse("soft-weight", t.soft_weight.to_string(), "scale the loss outside");
+    }
+    Ok(())
 }
 
 /// Copies `out.len()` bytes of `src` out, after all queued work, through
