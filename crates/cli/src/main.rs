@@ -187,6 +187,10 @@ or refuses with exit 2 unless --yes. The bar's time left follows the same estima
         /// (without it bench asks on a terminal, and refuses with exit 2 elsewhere)
         #[arg(long, short = 'y')]
         yes: bool,
+        /// Also time both jobs with the head in N even vocabulary shards (one engine each on this
+        /// device, called in turn: phase one, the merge, phase two), beside the unsharded rows
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
+        shards: Option<u64>,
     },
     /// Time every matrix-unit GEMM kernel on this device and keep the fastest
     #[command(
@@ -355,6 +359,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             all,
             resident,
             yes,
+            shards,
         } => bench::run(
             &backend,
             &BenchConfig {
@@ -368,6 +373,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 all,
                 resident,
                 yes,
+                shards: shards.map(|n| n as usize),
             },
         ),
         Command::Tune {

@@ -307,3 +307,61 @@ pub fn option_flag(option: &str) -> &'static str {
         _ => "--shards",
     }
 }
+
+/// `n` even shards of `head` on `backend`, for `bench --shards`.
+pub fn serial_engines<'b, B: Backend>(
+    backend: &'b B,
+    head: &HeadWeights<'_>,
+    n: usize,
+) -> Result<Vec<ShardEngine<&'b B>>, CliError> {
+    let shards = HeadShard::even(head.vocab(), n).map_err(|e| CliError::from_core_in_option(e, "--shards"))?;
+    let fail = |e| CliError::device("bench --shards: uploading the shards", e);
+    shards
+        .into_iter()
+        .map(|s| {
+            let mut e = ShardEngine::new(
+                backend,
+                &head.rows(s.v0(), s.v1()).map_err(fail)?,
+                s,
+                SliceOptions::default(),
+            )
+            .map_err(fail)?;
+            e.engine_mut().set_dx_split(crate::environment::get().dx_split);
+            Ok(e)
+        })
+        .collect()
+}
+
+/// One sharded loss call with the shards in turn on this thread: phase
+/// one on each, the merge, phase two on each (into `outs`, kept across
+/// calls), `dx` summed.
+pub fn loss_serial<B: Backend>(
+    engines: &mut [ShardEngine<B>],
+    hidden: &Hidden<'_>,
+    teacher: &Teacher,
+    opts: &LossOptions,
+    outs: &mut [LossOutput],
+) -> headkl_core::Result<LossOutput> {
+    let parts = engines
+        .iter_mut()
+        .map(|e| e.loss_partials(hidden, teacher, opts))
+        .collect::<headkl_core::Result<Vec<_>>>()?;
+    let stats = merge_loss(&parts)?;
+    for (e, out) in engines.iter_mut().zip(outs.iter_mut()) {
+        e.loss_finish(hidden, &stats, out)?;
+    }
+    merge_loss_outputs(outs)
+}
+
+/// One sharded top-k call with the shards in turn on this thread.
+pub fn topk_serial<B: Backend>(
+    engines: &mut [ShardEngine<B>],
+    hidden: &Hidden<'_>,
+    opts: &TopkOptions,
+) -> headkl_core::Result<TopK> {
+    let parts = engines
+        .iter_mut()
+        .map(|e| e.topk_partials(hidden, opts))
+        .collect::<headkl_core::Result<Vec<_>>>()?;
+    merge_topk(&parts, opts)
+}

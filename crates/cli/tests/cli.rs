@@ -2110,3 +2110,27 @@ fn sharded_loss_and_topk_write_the_unsharded_files() {
     let o = f.loss("teacher.safetensors", &["--shards", "0"]);
     assert_input_error(&o, &["--shards"]);
 }
+
+/// `bench --shards 2` times both jobs sharded beside the unsharded rows,
+/// in one run.
+#[test]
+fn bench_shards_reports_beside_unsharded() {
+    let o = headkl(&[
+        "bench",
+        "--backend",
+        "reference",
+        "--shape",
+        "64:4096:256:16",
+        "--shards",
+        "2",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for row in ["head_kl ", "topk ", "head_kl (sharded)", "topk (sharded)"] {
+        assert!(out.contains(row), "no {row} row in:\n{out}");
+    }
+}
