@@ -333,6 +333,7 @@ pub fn fmt_mean(v: f64) -> String {
 }
 
 /// `headkl topk`.
+#[allow(clippy::too_many_arguments, reason = "the command's options, as parsed")]
 pub fn topk(
     backend: &BackendArgs,
     inputs: &InputArgs,
