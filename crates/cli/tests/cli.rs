@@ -2091,6 +2091,45 @@ fn sharded_loss_and_topk_write_the_unsharded_files() {
     };
     let one = run_topk("top1.safetensors", None);
     let sharded = run_topk("top3.safetensors", Some("3"));
+    // Spread over two backends (the reference has one device: twice).
+    let spread = f.path("spread.safetensors");
+    let o = headkl(&[
+        "loss",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "--teacher",
+        f.s("teacher.safetensors"),
+        "--shards",
+        "3",
+        "--devices",
+        "0,0",
+        "--out",
+        spread.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(layout(&spread), layout(&f.path("loss3.safetensors")));
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "4",
+        "--shards",
+        "2",
+        "--devices",
+        "1",
+        "--out",
+        f.s("never.safetensors"),
+    ]);
+    assert_input_error(&o, &["--devices"]);
     assert_eq!(layout(&sharded), layout(&one));
     assert_eq!(keys(&sharded), keys(&one));
     let (b1, b3) = (fs::read(&one).unwrap(), fs::read(&sharded).unwrap());
