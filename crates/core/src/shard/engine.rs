@@ -3,7 +3,7 @@
 //! kernels (`gemm`, `kl_rows`, `topk_rows`) on the host path.
 
 use super::{HeadShard, LossPartials, LossStats, TopkPartials};
-use crate::backend::{Backend, KlDesc, TopkDesc};
+use crate::backend::{Backend, KlDesc, PendingDownload, TopkDesc};
 use crate::chunking::ChunkPlan;
 use crate::driver::{Engine, LossOutput, SliceOptions};
 use crate::error::{Error, Field, Result};
@@ -274,6 +274,33 @@ impl<B: Backend> ShardEngine<B> {
         let ntok = ids.len() / k_s;
         let (mut lse, mut lse1, mut soft) = (vec![0f32; ntok], vec![0f32; ntok], vec![0f32; ntok]);
         let mut rows_out = Vec::new();
+        let tau_on = temperature != 1.0;
+        // One chunk's outputs: [soft, lse, soft, 0] per row, then (τ ≠ 1) the
+        // lse at τ = 1 in the second download's column 1.
+        let mut read_chunk = |(start, rows, pending): Done, lse: &mut [f32], lse1: &mut [f32], soft: &mut [f32]| {
+            let mut pending = pending.into_iter();
+            rows_out.resize(rows * 4, 0f32);
+            end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
+            for (t, r) in rows_out.chunks_exact(4).enumerate() {
+                if !r[1].is_finite() {
+                    drain(b, pending);
+                    return Err(Error::NonFiniteHidden { token: start + t });
+                }
+                (soft[start + t], lse[start + t]) = (r[2], r[1]);
+            }
+            if tau_on {
+                end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
+                for (t, r) in rows_out.chunks_exact(4).enumerate() {
+                    lse1[start + t] = r[1];
+                }
+            } else {
+                lse1[start..start + rows].copy_from_slice(&lse[start..start + rows]);
+            }
+            Ok(())
+        };
+        // Two chunks in flight, as in the driver: chunk i's outputs start
+        // their copy out before chunk i−1's are read.
+        let mut pipe = Pipe::new(b);
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
             e.load_hidden(input, &s.x16, start, rows)?;
@@ -299,25 +326,27 @@ impl<B: Backend> ShardEngine<B> {
             // logsumexp of s = z/τ, its soft term at that lse.
             let desc = KlDesc::plain(rows, e.vocab, e.vocab_padded, k_s);
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
-            rows_out.resize(rows * 4, 0f32);
-            read(b, &ls.loss, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
-            for (t, r) in rows_out.chunks_exact(4).enumerate() {
-                if !r[1].is_finite() {
-                    return Err(Error::NonFiniteHidden { token: start + t });
-                }
-                (soft[start + t], lse[start + t]) = (r[2], r[1]);
-            }
-            if temperature != 1.0 {
+            let mut pending = begin(b, &[(&ls.loss, rows * 16)])?;
+            if tau_on {
                 // The kernel at τ: its lse output is at τ = 1.
                 let desc = KlDesc { temperature, ..desc };
-                b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
-                read(b, &ls.loss, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
-                for (t, r) in rows_out.chunks_exact(4).enumerate() {
-                    lse1[start + t] = r[1];
+                let more = b
+                    .kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)
+                    .and_then(|()| begin(b, &[(&ls.loss, rows * 16)]));
+                match more {
+                    Ok(p) => pending.extend(p),
+                    Err(err) => {
+                        drain(b, pending);
+                        return Err(err);
+                    }
                 }
-            } else {
-                lse1[start..start + rows].copy_from_slice(&lse[start..start + rows]);
             }
+            if let Some(done) = pipe.push((start, rows, pending)) {
+                read_chunk(done, &mut lse, &mut lse1, &mut soft)?;
+            }
+        }
+        if let Some(done) = pipe.pop() {
+            read_chunk(done, &mut lse, &mut lse1, &mut soft)?;
         }
         Ok((lse, lse1, soft))
     }
@@ -428,6 +457,20 @@ impl<B: Backend> ShardEngine<B> {
         let (k_s, hs, hs_padded) = (p.k_s, e.hs, e.hs_padded);
         let dx_scale = 1.0 / (f64::from(p.resolved.gscale) * f64::from(p.resolved.temperature));
         let mut padded = Vec::new();
+        let mut read_chunk = |(start, rows, pending): Done, dx: &mut [f32]| -> Result<()> {
+            padded.resize(rows * hs_padded, 0f32);
+            end_next(
+                b,
+                &mut pending.into_iter(),
+                bytemuck::cast_slice_mut(padded.as_mut_slice()),
+            )?;
+            let rows_dx = &mut dx[start * hs..(start + rows) * hs];
+            for (row, src) in rows_dx.chunks_exact_mut(hs).zip(padded.chunks_exact(hs_padded)) {
+                row.copy_from_slice(&src[..hs]);
+            }
+            Ok(())
+        };
+        let mut pipe = Pipe::new(b);
         for (chunk, (start, rows)) in p.plan.ranges(p.ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let logits = match &p.kept {
@@ -457,12 +500,13 @@ impl<B: Backend> ShardEngine<B> {
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
             // The logits are spent: the dx GEMM's split-K parts may use them.
             e.dx(&ls.grad, &ls.dx, logits, rows_padded, dx_scale as f32)?;
-            padded.resize(rows * hs_padded, 0f32);
-            read(b, &ls.dx, bytemuck::cast_slice_mut(padded.as_mut_slice()))?;
-            let rows_dx = &mut dx[start * hs..(start + rows) * hs];
-            for (row, src) in rows_dx.chunks_exact_mut(hs).zip(padded.chunks_exact(hs_padded)) {
-                row.copy_from_slice(&src[..hs]);
+            let pending = begin(b, &[(&ls.dx, rows * hs_padded * 4)])?;
+            if let Some(done) = pipe.push((start, rows, pending)) {
+                read_chunk(done, dx)?;
             }
+        }
+        if let Some(done) = pipe.pop() {
+            read_chunk(done, dx)?;
         }
         Ok(())
     }
@@ -544,6 +588,30 @@ impl<B: Backend> ShardEngine<B> {
         let mut lse = vec![0f32; ntok];
         let mut logprobs = Vec::new();
         let mut rows_out = Vec::new();
+        let mut read_chunk =
+            |(start, rows, pending): Done, ids: &mut [u32], logits: &mut [f32], lse: &mut [f32]| -> Result<()> {
+                let mut pending = pending.into_iter();
+                let range = start * k_s..(start + rows) * k_s;
+                end_next(b, &mut pending, bytemuck::cast_slice_mut(&mut ids[range]))?;
+                logprobs.resize(rows * k_s, 0f32);
+                end_next(b, &mut pending, bytemuck::cast_slice_mut(logprobs.as_mut_slice()))?;
+                rows_out.resize(rows * 4, 0f32);
+                end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
+                for t in 0..rows {
+                    let l = rows_out[t * 4 + 1];
+                    if !l.is_finite() || !logprobs[t * k_s].is_finite() {
+                        return Err(Error::NonFiniteHidden { token: start + t });
+                    }
+                    lse[start + t] = l;
+                    for q in 0..k_s {
+                        let i = (start + t) * k_s + q;
+                        ids[i] += v0;
+                        logits[i] = (f64::from(logprobs[t * k_s + q]) + f64::from(l)) as f32;
+                    }
+                }
+                Ok(())
+            };
+        let mut pipe = Pipe::new(b);
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
             e.load_hidden(input, &s.x16, start, rows)?;
@@ -560,24 +628,14 @@ impl<B: Backend> ShardEngine<B> {
             b.upload(&ls.row_in, 0, bytemuck::cast_slice(&row_in))?;
             let kl = KlDesc::plain(rows, e.vocab, e.vocab_padded, k_s);
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
-            let range = start * k_s..(start + rows) * k_s;
-            read(b, &s.ids, bytemuck::cast_slice_mut(&mut ids[range.clone()]))?;
-            logprobs.resize(rows * k_s, 0f32);
-            read(b, &s.probs, bytemuck::cast_slice_mut(logprobs.as_mut_slice()))?;
-            rows_out.resize(rows * 4, 0f32);
-            read(b, &ls.loss, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
-            for t in 0..rows {
-                let l = rows_out[t * 4 + 1];
-                if !l.is_finite() || !logprobs[t * k_s].is_finite() {
-                    return Err(Error::NonFiniteHidden { token: start + t });
-                }
-                lse[start + t] = l;
-                for q in 0..k_s {
-                    let i = (start + t) * k_s + q;
-                    ids[i] += v0;
-                    logits[i] = (f64::from(logprobs[t * k_s + q]) + f64::from(l)) as f32;
-                }
+            let bytes = rows * k_s * 4;
+            let pending = begin(b, &[(&s.ids, bytes), (&s.probs, bytes), (&ls.loss, rows * 16)])?;
+            if let Some(done) = pipe.push((start, rows, pending)) {
+                read_chunk(done, &mut ids, &mut logits, &mut lse)?;
             }
+        }
+        if let Some(done) = pipe.pop() {
+            read_chunk(done, &mut ids, &mut logits, &mut lse)?;
         }
         Ok((ids, logits, lse))
     }
@@ -610,11 +668,81 @@ pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
     Ok(())
 }
 
-/// Copies `out.len()` bytes of `src` out, after all queued work, through
-/// `download_begin`/`download_end`: the path every backend keeps safe for
-/// engines on several threads (wgpu's one-shot `download` shares one
-/// staging buffer across them).
-fn read<B: Backend>(b: &B, src: &B::Buffer, out: &mut [u8]) -> Result<()> {
-    let pending = b.download_begin(src, 0, out.len())?;
-    b.download_end(pending, out)
+/// A chunk whose outputs are being copied out: its first token, its rows
+/// and its downloads, in the order they were begun.
+type Done = (usize, usize, Vec<PendingDownload>);
+
+/// At most one chunk waiting to be read while the next is recorded (the
+/// driver's two chunks in flight). Dropping it (an error path) drains what
+/// is still pending, so no copy outlives the call. Downloads go through
+/// `download_begin`/`download_end`, the path every backend keeps safe for
+/// engines on several threads.
+struct Pipe<'a, B: Backend> {
+    backend: &'a B,
+    waiting: Option<Done>,
+}
+
+impl<'a, B: Backend> Pipe<'a, B> {
+    fn new(backend: &'a B) -> Self {
+        Self { backend, waiting: None }
+    }
+
+    /// Adds the chunk just recorded; hands back the one before it.
+    fn push(&mut self, chunk: Done) -> Option<Done> {
+        self.waiting.replace(chunk)
+    }
+
+    fn pop(&mut self) -> Option<Done> {
+        self.waiting.take()
+    }
+}
+
+impl<B: Backend> Drop for Pipe<'_, B> {
+    fn drop(&mut self) {
+        if let Some((_, _, pending)) = self.waiting.take() {
+            drain(self.backend, pending);
+        }
+    }
+}
+
+/// Starts copying out each `(buffer, bytes)` from offset 0; if one cannot
+/// start, those begun are drained.
+fn begin<B: Backend>(b: &B, outputs: &[(&B::Buffer, usize)]) -> Result<Vec<PendingDownload>> {
+    let mut pending = Vec::with_capacity(outputs.len());
+    for &(buf, len) in outputs {
+        match b.download_begin(buf, 0, len) {
+            Ok(p) => pending.push(p),
+            Err(e) => {
+                drain(b, pending);
+                return Err(e);
+            }
+        }
+    }
+    Ok(pending)
+}
+
+/// Waits for the next download into `out`; on an error the rest are drained.
+fn end_next<B: Backend>(b: &B, pending: &mut std::vec::IntoIter<PendingDownload>, out: &mut [u8]) -> Result<()> {
+    let Some(p) = pending.next() else {
+        return Err(Error::LengthMismatch {
+            field: Field::DownloadOutput,
+            expected: out.len(),
+            got: 0,
+        });
+    };
+    if let Err(e) = b.download_end(p, out) {
+        drain(b, pending.by_ref());
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Waits for downloads whose bytes are no longer wanted (an error is on its
+/// way out already), so their staging is free when the call returns.
+fn drain<B: Backend>(b: &B, pending: impl IntoIterator<Item = PendingDownload>) {
+    for p in pending {
+        let mut sink = vec![0u8; p.len()];
+        // The caller is already returning an error; this one adds nothing.
+        let _ = b.download_end(p, &mut sink);
+    }
 }
