@@ -600,6 +600,16 @@ fn time_sharded<B: Backend>(
     let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, "sharded", held, shape, None, |_| {
         crate::shard::loss_serial(&mut shards, &hidden, &d.teacher, &loss_opts, &mut outs).map(|_| ())
     })?;
+    eprintln!(
+        "bench: the shards {} their logits between the phases (kept where the chunk scratch and \
+         the logits fit --budget {}; else phase two recomputes them)",
+        if shards.iter().all(|s| s.kept_logits()) {
+            "kept"
+        } else {
+            "recomputed"
+        },
+        fmt_bytes(cfg.budget)
+    );
     let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, "sharded", held, shape, None, |_| {
         crate::shard::topk_serial(&mut shards, &hidden, &topk_opts).map(|_| ())
     })?;

@@ -59,6 +59,8 @@ pub struct ShardEngine<B: Backend> {
     engine: Engine<B>,
     shard: HeadShard,
     keep_logits: bool,
+    /// Whether the last phase one kept its logits.
+    kept_last: bool,
     pending: Option<PhaseOne<B>>,
 }
 
@@ -94,6 +96,7 @@ impl<B: Backend> ShardEngine<B> {
             engine: Engine::new(backend, rows, slicing)?,
             shard,
             keep_logits: true,
+            kept_last: false,
             pending: None,
         })
     }
@@ -122,7 +125,7 @@ impl<B: Backend> ShardEngine<B> {
 
     /// Whether the last phase one kept its logits.
     pub fn kept_logits(&self) -> bool {
-        self.pending.as_ref().is_some_and(|p| p.kept.is_some())
+        self.kept_last
     }
 
     /// Phase one of the loss: the shard's logits and its per-token partials
@@ -180,6 +183,7 @@ impl<B: Backend> ShardEngine<B> {
                 return Err(e);
             }
         };
+        self.kept_last = keep;
         let mut kept = keep.then(Vec::new);
         let result = self.partial_chunks(
             &plan,
