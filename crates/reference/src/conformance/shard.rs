@@ -600,6 +600,37 @@ pub fn run_shard_cases<B: Backend, D: Drive<B>>(
     rec.report
 }
 
+/// The body of the test [`shard_tests!`] generates: opens the backend (or
+/// skips), runs the sharded cases with one thread per shard, records the
+/// run for `scripts/test.sh`'s summary, and panics listing every failure.
+pub fn run_shard_test<B: Backend + Sync>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>)
+where
+    B::Buffer: Send,
+{
+    let Some(backend) = super::open_or_skip(backend_name, open) else {
+        return;
+    };
+    let report = run_shard_cases(&backend, &Threads, &mut |o| {
+        if !o.passed {
+            eprintln!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
+        }
+    });
+    eprintln!("conformance shard: {}", report.summary());
+    super::harness::record_ran(&report.backend, &report.device, "shard", report.passed, report.cases);
+    assert_eq!(report.cases, shard_case_count(), "sharded cases run");
+    let failed: Vec<String> = report
+        .failures
+        .iter()
+        .map(|f| format!("{}: {}", f.name, f.message))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} sharded case(s) failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}
+
 /// Instantiates the sharded cases for a backend (one thread per shard):
 /// `$open` as for [`crate::conformance_tests!`].
 #[macro_export]
@@ -607,24 +638,7 @@ macro_rules! shard_tests {
     ($name:literal, $open:expr $(,)?) => {
         #[test]
         fn shards_on_threads_equal_the_unsharded_result() {
-            if let Some(backend) = $crate::conformance::open_or_skip($name, || $open) {
-                let report = $crate::conformance::shard::run_shard_cases(
-                    &backend,
-                    &$crate::conformance::shard::Threads,
-                    &mut |o| {
-                        if !o.passed {
-                            eprintln!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
-                        }
-                    },
-                );
-                eprintln!("conformance shard: {}", report.summary());
-                assert_eq!(report.cases, $crate::conformance::shard::shard_case_count());
-                assert!(
-                    report.failures.is_empty(),
-                    "{} sharded case(s) failed",
-                    report.failures.len()
-                );
-            }
+            $crate::conformance::shard::run_shard_test($name, || $open);
         }
     };
 }
