@@ -20,3 +20,13 @@ headkl_reference::threads_tests!(
             .expect("a HEADKL_* setting does not parse")
     })
 );
+
+// Vocabulary-parallel: 2 and 3 shards on threads, with the validation layer on.
+headkl_reference::shard_tests!(
+    "vulkan",
+    headkl_vulkan::VulkanBackend::open_with(&headkl_vulkan::VulkanOptions {
+        validation: true,
+        ..headkl_vulkan::VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
+    })
+);

@@ -16,3 +16,12 @@ headkl_reference::threads_tests!(
             .expect("a HEADKL_* setting does not parse")
     )
 );
+
+// Vocabulary-parallel: 2 and 3 shards on threads.
+headkl_reference::shard_tests!(
+    "wgpu",
+    headkl_wgpu::WgpuBackend::open_with(
+        &headkl_wgpu::OpenOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
+    )
+);

@@ -73,6 +73,8 @@ pub struct BenchConfig {
     /// `--yes`: run even when the estimate is long or past the memory
     /// there is.
     pub yes: bool,
+    /// `--shards N`: also time both jobs with the head in N shards.
+    pub shards: Option<usize>,
 }
 
 /// Random data of one shape: f16 head and hidden rows, and a teacher.
@@ -495,6 +497,11 @@ impl BenchJob<'_> {
         if let Some(queue) = &info.queue {
             eprintln!("bench: queue {queue}");
         }
+        // The sharded jobs first, their engines dropped before the head goes up whole.
+        let sharded = match self.cfg.shards {
+            Some(n) => time_sharded(data, self.cfg, &backend, n)?,
+            None => Vec::new(),
+        };
         let before = backend.memory().current;
         let head = HeadWeights::new(HeadData::F16(&data.head), shape.vocab, shape.hs)
             .map_err(|e| CliError::device("bench head", e))?;
@@ -535,6 +542,7 @@ impl BenchJob<'_> {
             jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes, topk_call)?);
         }
         jobs.extend(extra(data, self.cfg, &mut engine, head_bytes, topk_call)?);
+        jobs.extend(sharded);
         engine.backend().set_profiling(false);
         Ok(Some(BenchRun {
             backend: info.backend.to_string(),
@@ -551,6 +559,61 @@ impl BenchJob<'_> {
             jobs,
         }))
     }
+}
+
+/// `--shards N`: both host jobs with the head cut into N even shards, one
+/// engine each on this backend, called in turn on one thread (phase one on
+/// each, the merge on the host, phase two on each, `dx` summed): the
+/// shards' work, the second phase and the merge against the unsharded
+/// call on the same device. The timing loop is [`BenchJob::time_calls`] on
+/// an anchor engine of 16 rows that only carries the backend; its head and
+/// the shards' heads are not counted in the peak.
+fn time_sharded<B: Backend>(
+    d: &BenchData,
+    cfg: &BenchConfig,
+    backend: &B,
+    n: usize,
+) -> Result<Vec<JobResult>, CliError> {
+    let shape = d.shape;
+    let fail = |e| CliError::device("bench --shards", e);
+    let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
+    let before = backend.memory().current;
+    let mut shards = crate::shard::serial_engines(backend, &head, n)?;
+    let mut anchor = Engine::new(
+        backend,
+        &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
+        SliceOptions::default(),
+    )
+    .map_err(fail)?;
+    let held = backend.memory().current.saturating_sub(before);
+    eprintln!("bench: {n} shards of the head, one engine each, called in turn");
+    let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
+    let loss_opts = LossOptions {
+        budget_bytes: cfg.budget,
+        ..LossOptions::default()
+    };
+    let topk_opts = TopkOptions {
+        budget_bytes: cfg.budget,
+        ..TopkOptions::new(shape.k)
+    };
+    let mut outs = vec![headkl_core::LossOutput::default(); n];
+    let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, "sharded", held, shape, None, |_| {
+        crate::shard::loss_serial(&mut shards, &hidden, &d.teacher, &loss_opts, &mut outs).map(|_| ())
+    })?;
+    eprintln!(
+        "bench: the shards {} their logits between the phases (kept where the chunk scratch and \
+         the logits fit --budget {}; else phase two recomputes them)",
+        if shards.iter().all(|s| s.kept_logits()) {
+            "kept"
+        } else {
+            "recomputed"
+        },
+        fmt_bytes(cfg.budget)
+    );
+    let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, "sharded", held, shape, None, |_| {
+        crate::shard::topk_serial(&mut shards, &hidden, &topk_opts).map(|_| ())
+    })?;
+    Ok(vec![head_kl, topk])
 }
 
 /// The backends to run: `--all` gives every startable one; otherwise the

@@ -4,6 +4,7 @@
 
 use headkl_core::{Backend, ResidentBackend};
 use headkl_reference::conformance::resident::{resident_case_count, run_resident};
+use headkl_reference::conformance::shard::{run_shard_cases, shard_case_count, Serial};
 use headkl_reference::conformance::{case_count, run_suite, CaseOutcome, SuiteConfig, SuiteReport};
 
 use crate::error::is_validation;
@@ -40,8 +41,12 @@ impl BackendJob for CheckJob<'_> {
     type Output = SuiteReport;
 
     fn run<B: Backend>(self, backend: B) -> Result<SuiteReport, CliError> {
-        let mut progress = progress_for(backend.info(), case_count(self.cfg));
-        let report = run_suite(&backend, self.cfg, &mut |o: &CaseOutcome| show(&mut progress, o));
+        let mut progress = progress_for(backend.info(), case_count(self.cfg) + shard_case_count());
+        let mut report = run_suite(&backend, self.cfg, &mut |o: &CaseOutcome| show(&mut progress, o));
+        // Vocabulary-parallel: the head as 2 and 3 shards (engines) on this device.
+        report.absorb(run_shard_cases(&backend, &Serial, &mut |o: &CaseOutcome| {
+            show(&mut progress, o)
+        }));
         progress.finish();
         Ok(report)
     }
@@ -54,10 +59,13 @@ impl ResidentJob for CheckJob<'_> {
     type Output = SuiteReport;
 
     fn run_resident<B: ResidentBackend>(self, backend: B) -> Result<SuiteReport, CliError> {
-        let total = case_count(self.cfg) + resident_case_count(self.cfg);
+        let total = case_count(self.cfg) + resident_case_count(self.cfg) + shard_case_count();
         let mut progress = progress_for(backend.info(), total);
         let mut report = run_suite(&backend, self.cfg, &mut |o: &CaseOutcome| show(&mut progress, o));
         report.absorb(run_resident(&backend, self.cfg, &mut |o: &CaseOutcome| {
+            show(&mut progress, o)
+        }));
+        report.absorb(run_shard_cases(&backend, &Serial, &mut |o: &CaseOutcome| {
             show(&mut progress, o)
         }));
         progress.finish();

@@ -60,6 +60,9 @@ impl Sources<'_> {
                 CliError::from_core_in_option(e, option)
             }
             E::HardWeightWithoutLabels { .. } => CliError::from_core_in_option(e, "--hard-weight"),
+            E::ShardUnsupported { option, .. } => {
+                CliError::from_core_in_option(e.clone(), crate::shard::option_flag(option))
+            }
             E::KZero | E::KTooLarge { .. } => match self.ids {
                 Some(ids) => ids.core_error(e),
                 None => CliError::from_core_in_option(e, "-k"),
@@ -330,6 +333,7 @@ pub fn fmt_mean(v: f64) -> String {
 }
 
 /// `headkl topk`.
+#[allow(clippy::too_many_arguments, reason = "the command's options, as parsed")]
 pub fn topk(
     backend: &BackendArgs,
     inputs: &InputArgs,
@@ -338,6 +342,7 @@ pub fn topk(
     extra: &TopkTermArgs,
     budget: u64,
     out: &Path,
+    shards: &crate::shard::ShardArgs,
 ) -> Result<(), CliError> {
     check_output_not_input(out, &[&inputs.head, &inputs.hidden])?;
     let head_file = TensorFile::open(&inputs.head)?;
@@ -369,17 +374,29 @@ pub fn topk(
     let pending = PendingOutput::create(out)?;
     let target = resolve_announced(backend, "headkl")?;
     let start = Instant::now();
-    let result = open_and_run(
-        &target,
-        TopkJob {
-            sources: &sources,
-            head,
-            hidden: hidden.data(),
-            ntok,
-            hs,
-            opts,
-        },
-    )?;
+    let result = match shards.plan(vocab, &target)? {
+        Some(plan) => {
+            let map = |e, c: &str| sources.map(e, c);
+            let job = crate::shard::TopkShards {
+                head,
+                hidden,
+                opts: &opts,
+                map: &map,
+            };
+            crate::shard::open_and_run_shards(&target, &plan, job)?
+        }
+        None => open_and_run(
+            &target,
+            TopkJob {
+                sources: &sources,
+                head,
+                hidden: hidden.data(),
+                ntok,
+                hs,
+                opts,
+            },
+        )?,
+    };
     let ids: Vec<i64> = result.ids.iter().map(|&i| i64::from(i)).collect();
     let record = TeacherRecord {
         temperature,
@@ -449,7 +466,12 @@ pub struct LossArgs {
 }
 
 /// `headkl loss`.
-pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Result<(), CliError> {
+pub fn loss(
+    backend: &BackendArgs,
+    inputs: &InputArgs,
+    args: &LossArgs,
+    shards: &crate::shard::ShardArgs,
+) -> Result<(), CliError> {
     let mut all_inputs: Vec<&Path> = vec![&inputs.head, &inputs.hidden, &args.teacher];
     if let Some(w) = &args.weights {
         all_inputs.push(w);
@@ -548,7 +570,7 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
     };
     let (form, tail) = (args.terms.teacher_form, args.terms.tail);
     // Checked whole before the head goes anywhere; the job builds it per piece.
-    let _validated_teacher =
+    let validated_teacher =
         Teacher::with_form(&ids, &probs, ntok, k, vocab, form, tail).map_err(|e| sources.map(e, "teacher"))?;
     let opts = LossOptions {
         temperature: args.temperature,
@@ -570,22 +592,38 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
     let pending = PendingOutput::create(&args.out)?;
     let target = resolve_announced(backend, "headkl")?;
     let start = Instant::now();
-    let result = open_and_run(
-        &target,
-        LossJob {
-            sources: &sources,
-            head,
-            hidden: hidden.data(),
-            ntok,
-            hs,
-            ids: &ids,
-            probs: &probs,
-            k,
-            form,
-            tail,
-            opts,
-        },
-    )?;
+    let plan = shards.plan(vocab, &target)?;
+    let result = match plan {
+        Some(plan) => {
+            // Refused before anything is opened or uploaded.
+            headkl_core::shard::check_loss_terms(tail, &opts).map_err(|e| sources.map(e, "loss options"))?;
+            let map = |e, c: &str| sources.map(e, c);
+            let job = crate::shard::LossShards {
+                head,
+                hidden,
+                teacher: &validated_teacher,
+                opts: &opts,
+                map: &map,
+            };
+            crate::shard::open_and_run_shards(&target, &plan, job)?
+        }
+        None => open_and_run(
+            &target,
+            LossJob {
+                sources: &sources,
+                head,
+                hidden: hidden.data(),
+                ntok,
+                hs,
+                ids: &ids,
+                probs: &probs,
+                k,
+                form,
+                tail,
+                opts,
+            },
+        )?,
+    };
     let terms = args.terms.terms();
     let record = LossRecord {
         mean: result.mean,

@@ -16,6 +16,7 @@ mod progress;
 mod provenance;
 mod rng;
 mod select;
+mod shard;
 mod signals;
 mod terms;
 mod text;
@@ -186,6 +187,10 @@ or refuses with exit 2 unless --yes. The bar's time left follows the same estima
         /// (without it bench asks on a terminal, and refuses with exit 2 elsewhere)
         #[arg(long, short = 'y')]
         yes: bool,
+        /// Also time both jobs with the head in N even vocabulary shards (one engine each on this
+        /// device, called in turn: phase one, the merge, phase two), beside the unsharded rows
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
+        shards: Option<u64>,
     },
     /// Time every matrix-unit GEMM kernel on this device and keep the fastest
     #[command(
@@ -263,6 +268,8 @@ head (file, tensor, fold64 hash of the tensor's bytes), which `loss` checks.",
         /// Output safetensors file
         #[arg(long, value_name = "OUT.safetensors")]
         out: PathBuf,
+        #[command(flatten)]
+        shards: shard::ShardArgs,
     },
     /// The distillation loss against the teacher's top-k, and its input gradient
     #[command(
@@ -322,6 +329,8 @@ hash of the head's bytes): a mismatch with this run is refused (exit 2, both val
         /// head (its metadata says so) instead of refusing it
         #[arg(long)]
         allow_teacher_mismatch: bool,
+        #[command(flatten)]
+        shards: shard::ShardArgs,
     },
 }
 
@@ -350,6 +359,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             all,
             resident,
             yes,
+            shards,
         } => bench::run(
             &backend,
             &BenchConfig {
@@ -363,6 +373,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 all,
                 resident,
                 yes,
+                shards: shards.map(|n| n as usize),
             },
         ),
         Command::Tune {
@@ -390,6 +401,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             topk_terms,
             budget,
             out,
+            shards,
         } => jobs::topk(
             &backend,
             &inputs,
@@ -398,6 +410,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             &topk_terms,
             budget.unwrap_or(DEFAULT_BUDGET_BYTES),
             &out,
+            &shards,
         ),
         Command::Loss {
             backend,
@@ -412,6 +425,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             budget,
             out,
             allow_teacher_mismatch,
+            shards,
         } => jobs::loss(
             &backend,
             &inputs,
@@ -427,6 +441,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 out,
                 allow_teacher_mismatch,
             },
+            &shards,
         ),
     }
 }

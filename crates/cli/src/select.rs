@@ -513,7 +513,7 @@ pub fn open_and_run_gemm<J: BackendJob>(
 
 /// The settings' wgpu options on `device` (where the command names one)
 /// with the GEMM kernels `gemm` (`None`: the backend's own choice).
-fn wgpu_options(device: Option<usize>, gemm: Option<headkl_core::GemmChoice>) -> headkl_wgpu::OpenOptions {
+pub(crate) fn wgpu_options(device: Option<usize>, gemm: Option<headkl_core::GemmChoice>) -> headkl_wgpu::OpenOptions {
     let mut options = crate::environment::get().wgpu.clone();
     options.common.device = device.or(options.common.device);
     options.common.gemm = gemm;

@@ -1982,3 +1982,194 @@ fn trace_asked_for_shows_even_when_quiet() {
     assert!(err.lines().any(|l| l.starts_with("trace head_kl: ")), "{err}");
     assert!(err.lines().all(|l| l.starts_with("trace ")), "{err}");
 }
+
+/// Tensor names, dtypes and shapes of a safetensors file, sorted.
+fn layout(path: &Path) -> Vec<(String, String, Vec<usize>)> {
+    let bytes = fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut v: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, format!("{:?}", t.dtype()), t.shape().to_vec()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// `loss --shards N` and `topk --shards N` write the unsharded commands'
+/// files (same tensors, dtypes, shapes and metadata keys) with the same
+/// values within the suite's tolerances; an option the shards do not take
+/// is exit 2 naming it.
+#[test]
+fn sharded_loss_and_topk_write_the_unsharded_files() {
+    let f = Fixture::new("shards");
+    let run_loss = |name: &str, shards: Option<&str>| {
+        let out = f.path(name);
+        let mut args = vec![
+            "loss",
+            "--backend",
+            "reference",
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "--teacher",
+            f.s("teacher.safetensors"),
+            "--temperature",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if let Some(n) = shards {
+            args.extend(["--shards", n]);
+        }
+        let o = headkl(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        out
+    };
+    let one = run_loss("one.safetensors", None);
+    let read = |p: &Path| {
+        let bytes = fs::read(p).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        (tensor_f32(&st, "loss"), tensor_f32(&st, "lse"), tensor_f32(&st, "grad"))
+    };
+    let (loss1, lse1, grad1) = read(&one);
+    let keys = |p: &Path| {
+        let mut k: Vec<String> = metadata(p).into_keys().collect();
+        k.sort();
+        k
+    };
+    for n in ["2", "3"] {
+        let sharded = run_loss(&format!("loss{n}.safetensors"), Some(n));
+        assert_eq!(layout(&sharded), layout(&one), "--shards {n}: tensors");
+        assert_eq!(keys(&sharded), keys(&one), "--shards {n}: metadata keys");
+        let (loss, lse, grad) = read(&sharded);
+        for (t, (a, b)) in loss.iter().zip(&loss1).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * (b.abs() + 0.1),
+                "--shards {n}: loss[{t}] {a} vs {b}"
+            );
+        }
+        for (t, (a, b)) in lse.iter().zip(&lse1).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * (b.abs() + 1.0),
+                "--shards {n}: lse[{t}] {a} vs {b}"
+            );
+        }
+        let err: f32 = grad
+            .iter()
+            .zip(&grad1)
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum::<f32>()
+            .sqrt();
+        let norm: f32 = grad1.iter().map(|b| b * b).sum::<f32>().sqrt();
+        assert!(err <= 3e-3 * norm, "--shards {n}: grad error {err} of {norm}");
+    }
+
+    let run_topk = |name: &str, shards: Option<&str>| {
+        let out = f.path(name);
+        let mut args = vec![
+            "topk",
+            "--backend",
+            "reference",
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "-k",
+            "8",
+            "--logprobs",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if let Some(n) = shards {
+            args.extend(["--shards", n]);
+        }
+        let o = headkl(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        out
+    };
+    let one = run_topk("top1.safetensors", None);
+    let sharded = run_topk("top3.safetensors", Some("3"));
+    // Spread over two backends (the reference has one device: twice).
+    let spread = f.path("spread.safetensors");
+    let o = headkl(&[
+        "loss",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "--teacher",
+        f.s("teacher.safetensors"),
+        "--shards",
+        "3",
+        "--devices",
+        "0,0",
+        "--out",
+        spread.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(layout(&spread), layout(&f.path("loss3.safetensors")));
+    let o = headkl(&[
+        "topk",
+        "--backend",
+        "reference",
+        "--head",
+        f.s("head.safetensors"),
+        "--hidden",
+        f.s("hidden.safetensors"),
+        "-k",
+        "4",
+        "--shards",
+        "2",
+        "--devices",
+        "1",
+        "--out",
+        f.s("never.safetensors"),
+    ]);
+    assert_input_error(&o, &["--devices"]);
+    assert_eq!(layout(&sharded), layout(&one));
+    assert_eq!(keys(&sharded), keys(&one));
+    let (b1, b3) = (fs::read(&one).unwrap(), fs::read(&sharded).unwrap());
+    let (s1, s3) = (
+        SafeTensors::deserialize(&b1).unwrap(),
+        SafeTensors::deserialize(&b3).unwrap(),
+    );
+    assert_eq!(s1.tensor("ids").unwrap().data(), s3.tensor("ids").unwrap().data());
+    for name in ["probs", "logprobs"] {
+        for (a, b) in tensor_f32(&s3, name).iter().zip(&tensor_f32(&s1, name)) {
+            assert!((a - b).abs() <= 1e-5 * (b.abs() + 1.0), "{name}: {a} vs {b}");
+        }
+    }
+
+    let o = f.loss("teacher.safetensors", &["--z-loss", "1e-4", "--shards", "2"]);
+    assert_input_error(&o, &["--z-loss", "sharded"]);
+    let o = f.loss("teacher.safetensors", &["--shards", "0"]);
+    assert_input_error(&o, &["--shards"]);
+}
+
+/// `bench --shards 2` times both jobs sharded beside the unsharded rows,
+/// in one run.
+#[test]
+fn bench_shards_reports_beside_unsharded() {
+    let o = headkl(&[
+        "bench",
+        "--backend",
+        "reference",
+        "--shape",
+        "64:4096:256:16",
+        "--shards",
+        "2",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for row in ["head_kl ", "topk ", "head_kl (sharded)", "topk (sharded)"] {
+        assert!(out.contains(row), "no {row} row in:\n{out}");
+    }
+}

@@ -96,7 +96,7 @@ pub struct Engine<B: Backend> {
     pub(crate) vocab_padded: usize,
     pub(crate) slices: Vec<VocabSlice>,
     pub(crate) planes: Vec<B::Buffer>,
-    scratch: ScratchCache<B>,
+    pub(crate) scratch: ScratchCache<B>,
     /// Scratch and status of the device-resident entry points
     /// (`crate::resident`).
     pub(crate) resident: crate::resident::ResidentState<B>,
@@ -254,7 +254,7 @@ impl<B: Backend> Engine<B> {
 
     /// Uploads chunk rows `[start, start + rows)` (chunk number `chunk`)
     /// into the padded f16 GEMM operand.
-    fn load_hidden(
+    pub(crate) fn load_hidden(
         &self,
         input: &Input<'_, B>,
         x16: &B::Buffer,
@@ -422,7 +422,7 @@ impl<B: Backend> Engine<B> {
             .collect()
     }
 
-    fn check_hidden(&self, hidden: &Hidden<'_>) -> Result<()> {
+    pub(crate) fn check_hidden(&self, hidden: &Hidden<'_>) -> Result<()> {
         if hidden.hs() != self.hs {
             return Err(Error::HiddenSizeMismatch {
                 expected: self.hs,

@@ -190,6 +190,66 @@ pub enum Error {
     /// The memory budget is zero.
     #[error("budget = 0 bytes: the memory budget must be positive")]
     BudgetZero,
+    /// A vocabulary shard's rows `[v0, v1)` are empty or outside the head
+    /// (`crate::shard`).
+    #[error("shard rows [{v0}, {v1}) are not a non-empty range inside the head of V = {vocab} rows")]
+    ShardRange {
+        /// First row.
+        v0: usize,
+        /// One past the last row.
+        v1: usize,
+        /// The whole head's rows.
+        vocab: usize,
+    },
+    /// An option the sharded (vocabulary-parallel) calls do not take.
+    #[error("{option} = {value}: not supported with a sharded head (vocabulary-parallel); {hint}")]
+    ShardUnsupported {
+        /// The option, as the command line names it.
+        option: &'static str,
+        /// Its value.
+        value: String,
+        /// What works instead.
+        hint: &'static str,
+    },
+    /// Shard partials (or merged statistics) that do not belong together:
+    /// another token count, k or head.
+    #[error("shard partials: {what} = {got}, expected {expected}")]
+    ShardMismatch {
+        /// What differs (`tokens`, `vocab`, `k`).
+        what: &'static str,
+        /// The value the first shard (or the pending call) has.
+        expected: usize,
+        /// The value given.
+        got: usize,
+    },
+    /// Two shards of a merge cover the same head rows.
+    #[error("shards [{first_v0}, {first_v1}) and [{second_v0}, {second_v1}) overlap")]
+    ShardOverlap {
+        /// The first shard's rows (by v0).
+        first_v0: usize,
+        /// One past its last row.
+        first_v1: usize,
+        /// The second shard's first row.
+        second_v0: usize,
+        /// One past its last row.
+        second_v1: usize,
+    },
+    /// The shards of a merge leave head rows `[from, to)` uncovered.
+    #[error("no shard covers head rows [{from}, {to}) (V = {vocab})")]
+    ShardGap {
+        /// First uncovered row.
+        from: usize,
+        /// One past the last uncovered row.
+        to: usize,
+        /// The whole head's rows.
+        vocab: usize,
+    },
+    /// A shard's phase two without its phase one.
+    #[error("shard phase two ({call}) without a phase one before it: call the partials first")]
+    ShardPhaseOrder {
+        /// The call made.
+        call: &'static str,
+    },
     /// The memory budget does not fit even one row-tile of scratch.
     #[error("budget = {budget} bytes is below the {needed} bytes one chunk of {rows} rows needs; raise the budget")]
     BudgetTooSmall {
@@ -407,6 +467,12 @@ impl Error {
             | E::InvalidLogProbability { .. }
             | E::TeacherMassAboveOne { .. }
             | E::BudgetZero
+            | E::ShardRange { .. }
+            | E::ShardUnsupported { .. }
+            | E::ShardMismatch { .. }
+            | E::ShardOverlap { .. }
+            | E::ShardGap { .. }
+            | E::ShardPhaseOrder { .. }
             | E::BudgetTooSmall { .. }
             | E::NonFiniteHead { .. }
             | E::HeadOutOfF16Range { .. }

@@ -50,6 +50,30 @@ impl<'a> HeadWeights<'a> {
         Ok(Self { data, vocab, hs })
     }
 
+    /// Rows `[v0, v1)` of this head as a head of their own (a vocabulary
+    /// shard's rows, `crate::shard`); an empty or out-of-range span is
+    /// [`Error::ShardRange`].
+    pub fn rows(&self, v0: usize, v1: usize) -> Result<HeadWeights<'a>> {
+        if !(v0 < v1 && v1 <= self.vocab) {
+            return Err(Error::ShardRange {
+                v0,
+                v1,
+                vocab: self.vocab,
+            });
+        }
+        let (a, b) = (v0 * self.hs, v1 * self.hs);
+        let data = match self.data {
+            HeadData::F32(d) => HeadData::F32(&d[a..b]),
+            HeadData::F16(d) => HeadData::F16(&d[a..b]),
+            HeadData::Bf16(d) => HeadData::Bf16(&d[a..b]),
+        };
+        Ok(HeadWeights {
+            data,
+            vocab: v1 - v0,
+            hs: self.hs,
+        })
+    }
+
     /// Vocabulary size V.
     pub fn vocab(&self) -> usize {
         self.vocab

@@ -76,6 +76,7 @@ pub mod queue;
 pub mod resident;
 mod scratch;
 pub mod settings;
+pub mod shard;
 pub mod slicing;
 pub mod split;
 pub mod terms;

@@ -47,6 +47,7 @@ mod harness;
 mod kernels;
 mod overlap;
 pub mod resident;
+pub mod shard;
 pub mod threads;
 pub mod trainer;
 

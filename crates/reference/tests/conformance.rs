@@ -32,3 +32,6 @@ headkl_reference::resident_conformance_tests!("reference", Ok::<_, headkl_core::
 // Engines on threads, and a soak of one engine (CpuBackend is Sync: its
 // buffers belong to the engine that made them).
 headkl_reference::threads_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
+
+// Vocabulary-parallel: 2 and 3 shards on threads against the reference.
+headkl_reference::shard_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));

@@ -192,6 +192,7 @@ mod tests {
             plot: None,
             all: false,
             resident,
+            shards: None,
             yes: false,
         }
     }

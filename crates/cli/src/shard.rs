@@ -1,0 +1,367 @@
+//! `--shards N` and `--devices I,J,...` of `headkl topk`, `headkl loss` and
+//! `headkl bench`: the head cut into N vocabulary shards, one engine each on
+//! its own thread, the partials merged between the two phases
+//! (`headkl_core::shard`). The outputs are the unsharded commands'.
+
+use clap::Args;
+use headkl_core::shard::{merge_loss, merge_loss_outputs, merge_topk, HeadShard, LossPartials, LossStats, ShardEngine};
+use headkl_core::{
+    Backend, Error as CoreError, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher, TopK, TopkOptions,
+};
+
+use crate::error::CliError;
+use crate::select::{contained, vulkan_options, wgpu_options, BackendKind, RunError, Target};
+
+/// `--shards` and `--devices`.
+#[derive(Args, Clone, Debug, Default)]
+pub struct ShardArgs {
+    /// Split the head into N vocabulary shards, one engine (and thread) each, their partials merged
+    /// between two phases (vocabulary-parallel); each shard but the last gets round_up(ceil(V/N), 16)
+    /// rows, the last the rest. The output is the unsharded command's
+    #[arg(long, value_name = "N")]
+    pub shards: Option<usize>,
+    /// With --shards: spread the shards over these devices of the backend (indices as `headkl
+    /// devices` lists them), shard i on device i mod (the number given) [default: --device]
+    #[arg(long, value_name = "I,J,...", value_delimiter = ',', requires = "shards")]
+    pub devices: Option<Vec<usize>>,
+}
+
+/// What the sharded run does: which rows each shard holds, on which device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardPlan {
+    /// The shards, in order.
+    pub shards: Vec<HeadShard>,
+    /// The devices opened (`None`: the backend's default).
+    pub devices: Vec<Option<usize>>,
+    /// Shard i runs on `devices[assign[i]]`.
+    pub assign: Vec<usize>,
+}
+
+impl ShardArgs {
+    /// The plan for a head of `vocab` rows on `target`, or `None` without
+    /// `--shards` (or with `--shards 1` and no `--devices`).
+    pub fn plan(&self, vocab: usize, target: &Target) -> Result<Option<ShardPlan>, CliError> {
+        let Some(n) = self.shards else { return Ok(None) };
+        if n == 0 {
+            return Err(CliError::option("--shards", "must be at least 1"));
+        }
+        if n == 1 && self.devices.is_none() {
+            return Ok(None);
+        }
+        let shards = HeadShard::even(vocab, n).map_err(|e| CliError::from_core_in_option(e, "--shards"))?;
+        let devices: Vec<Option<usize>> = match &self.devices {
+            Some(d) if d.is_empty() => return Err(CliError::option("--devices", "names no device")),
+            Some(d) => d.iter().map(|&i| Some(i)).collect(),
+            None => vec![target.device],
+        };
+        let assign = (0..n).map(|i| i % devices.len()).collect();
+        Ok(Some(ShardPlan {
+            shards,
+            devices,
+            assign,
+        }))
+    }
+}
+
+/// A job over several engines on one backend kind.
+pub trait ShardJob {
+    /// What the job returns.
+    type Output;
+    /// Runs the job on the opened backends (shard i on `backends[plan.assign[i]]`).
+    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Self::Output, CliError>;
+}
+
+/// Opens `plan`'s devices of `target`'s backend and runs `job` on them.
+pub fn open_and_run_shards<J: ShardJob>(target: &Target, plan: &ShardPlan, job: J) -> Result<J::Output, RunError> {
+    let kind = target.kind;
+    let start = |e| RunError::Start(kind, e);
+    match kind {
+        BackendKind::Reference => {
+            if plan.devices.iter().any(|d| d.is_some_and(|d| d != 0)) {
+                return Err(RunError::Job(CliError::option(
+                    "--devices",
+                    "the reference backend has one device, index 0",
+                )));
+            }
+            let backends: Vec<_> = plan
+                .devices
+                .iter()
+                .map(|_| headkl_reference::CpuBackend::new())
+                .collect();
+            job.run(&backends, plan).map_err(RunError::Job)
+        }
+        BackendKind::Wgpu => {
+            let backends = plan
+                .devices
+                .iter()
+                .map(|&d| contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&wgpu_options(d, None))))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(start)?;
+            job.run(&backends, plan).map_err(RunError::Job)
+        }
+        BackendKind::Vulkan => {
+            let backends = plan
+                .devices
+                .iter()
+                .map(|&d| {
+                    contained("vulkan", || {
+                        headkl_vulkan::VulkanBackend::open_with(&vulkan_options(d, None))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(start)?;
+            job.run(&backends, plan).map_err(RunError::Job)
+        }
+    }
+}
+
+/// Maps a core error to the input or option that caused it (the unsharded
+/// command's mapping), with a context for device errors.
+pub type MapError<'a> = &'a (dyn Fn(CoreError, &str) -> CliError + Sync);
+
+/// Each shard's engine on its own thread, built there (its head upload in
+/// parallel with the others').
+fn engine_on<'b, B: Backend>(
+    backend: &'b B,
+    head: &HeadWeights<'_>,
+    shard: HeadShard,
+    map: MapError<'_>,
+) -> Result<ShardEngine<&'b B>, CliError> {
+    let rows = head.rows(shard.v0(), shard.v1()).map_err(|e| map(e, "shard rows"))?;
+    let mut e =
+        ShardEngine::new(backend, &rows, shard, SliceOptions::default()).map_err(|e| map(e, "uploading the head"))?;
+    e.engine_mut().set_trace(crate::environment::get().trace);
+    e.engine_mut().set_dx_split(crate::environment::get().dx_split);
+    Ok(e)
+}
+
+/// The sharded loss: N engines on N threads, phase one, the merge on this
+/// thread (where a trainer's all-reduce goes), phase two, `dx` summed.
+pub struct LossShards<'a> {
+    /// The whole head.
+    pub head: HeadWeights<'a>,
+    /// The hidden rows.
+    pub hidden: Hidden<'a>,
+    /// The whole teacher.
+    pub teacher: &'a Teacher,
+    /// The options.
+    pub opts: &'a LossOptions,
+    /// Error mapping.
+    pub map: MapError<'a>,
+}
+
+/// What each shard thread sends the merge.
+type Phase1 = Result<LossPartials, CliError>;
+
+impl ShardJob for LossShards<'_> {
+    type Output = LossOutput;
+
+    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<LossOutput, CliError> {
+        log::info!(
+            "headkl: {} shards on {} device(s) of {}",
+            plan.shards.len(),
+            backends.len(),
+            crate::select::describe(backends[0].info())
+        );
+        let LossShards {
+            head,
+            hidden,
+            teacher,
+            opts,
+            map,
+        } = self;
+        let map = &map;
+        let outs = std::thread::scope(|s| -> Result<Vec<LossOutput>, CliError> {
+            let (to_merge, partials) = std::sync::mpsc::channel::<Phase1>();
+            let mut to_ranks = Vec::new();
+            let ranks: Vec<_> = plan
+                .shards
+                .iter()
+                .zip(&plan.assign)
+                .map(|(&shard, &d)| {
+                    let (tx, rx) = std::sync::mpsc::channel::<LossStats>();
+                    to_ranks.push(tx);
+                    let to_merge = to_merge.clone();
+                    let (backend, head, hidden) = (&backends[d], &head, &hidden);
+                    s.spawn(move || -> Result<LossOutput, CliError> {
+                        let phase_one = || -> Result<(ShardEngine<&B>, LossPartials), CliError> {
+                            let mut e = engine_on(backend, head, shard, *map)?;
+                            let p = e.loss_partials(hidden, teacher, opts).map_err(|e| map(e, "head_kl"))?;
+                            Ok((e, p))
+                        };
+                        let (mut engine, p) = match phase_one() {
+                            Ok(x) => x,
+                            Err(e) => {
+                                let _ = to_merge.send(Err(CliError::option("--shards", "a shard failed")));
+                                return Err(e);
+                            }
+                        };
+                        let _ = to_merge.send(Ok(p));
+                        let Ok(stats) = rx.recv() else {
+                            return Err(CliError::option("--shards", "another shard failed"));
+                        };
+                        let mut out = LossOutput::default();
+                        engine
+                            .loss_finish(hidden, &stats, &mut out)
+                            .map_err(|e| map(e, "head_kl"))?;
+                        Ok(out)
+                    })
+                })
+                .collect();
+            drop(to_merge);
+            let parts: Result<Vec<_>, CliError> = partials.iter().take(ranks.len()).collect();
+            let merged = parts.and_then(|p| merge_loss(&p).map_err(|e| map(e, "merging the shards")));
+            if let Ok(stats) = &merged {
+                for tx in &to_ranks {
+                    let _ = tx.send(stats.clone());
+                }
+            }
+            drop(to_ranks);
+            let mut outs = Vec::with_capacity(ranks.len());
+            let mut first_err = None;
+            for h in ranks {
+                match h.join() {
+                    Ok(Ok(o)) => outs.push(o),
+                    // A shard's own error before the "another shard failed" of the rest.
+                    Ok(Err(e)) => {
+                        first_err.get_or_insert(e);
+                    }
+                    Err(_) => {
+                        first_err.get_or_insert(CliError::option("--shards", "a shard's thread panicked"));
+                    }
+                }
+            }
+            if let Some(e) = first_err {
+                return Err(e);
+            }
+            merged?;
+            Ok(outs)
+        })?;
+        merge_loss_outputs(&outs).map_err(|e| map(e, "merging the shards"))
+    }
+}
+
+/// The sharded top-k: each shard's candidates on its own thread, merged.
+pub struct TopkShards<'a> {
+    /// The whole head.
+    pub head: HeadWeights<'a>,
+    /// The hidden rows.
+    pub hidden: Hidden<'a>,
+    /// The options.
+    pub opts: &'a TopkOptions,
+    /// Error mapping.
+    pub map: MapError<'a>,
+}
+
+impl ShardJob for TopkShards<'_> {
+    type Output = TopK;
+
+    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<TopK, CliError> {
+        log::info!(
+            "headkl: {} shards on {} device(s) of {}",
+            plan.shards.len(),
+            backends.len(),
+            crate::select::describe(backends[0].info())
+        );
+        let TopkShards {
+            head,
+            hidden,
+            opts,
+            map,
+        } = self;
+        let map = &map;
+        let parts = std::thread::scope(|s| {
+            let ranks: Vec<_> = plan
+                .shards
+                .iter()
+                .zip(&plan.assign)
+                .map(|(&shard, &d)| {
+                    let (backend, head, hidden) = (&backends[d], &head, &hidden);
+                    s.spawn(move || {
+                        let mut e = engine_on(backend, head, shard, *map)?;
+                        e.topk_partials(hidden, opts).map_err(|e| map(e, "top-k"))
+                    })
+                })
+                .collect();
+            ranks
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(CliError::option("--shards", "a shard's thread panicked")))
+                })
+                .collect::<Result<Vec<_>, CliError>>()
+        })?;
+        merge_topk(&parts, opts).map_err(|e| map(e, "merging the shards"))
+    }
+}
+
+/// The command-line flag of an option the sharded calls refuse
+/// ([`CoreError::ShardUnsupported`]).
+pub fn option_flag(option: &str) -> &'static str {
+    match option {
+        "tail" => "--tail",
+        "hard-weight" => "--hard-weight",
+        "z-loss" => "--z-loss",
+        "softcap" => "--softcap",
+        "soft-weight" => "--soft-weight",
+        _ => "--shards",
+    }
+}
+
+/// `n` even shards of `head` on `backend`, for `bench --shards`.
+pub fn serial_engines<'b, B: Backend>(
+    backend: &'b B,
+    head: &HeadWeights<'_>,
+    n: usize,
+) -> Result<Vec<ShardEngine<&'b B>>, CliError> {
+    let shards = HeadShard::even(head.vocab(), n).map_err(|e| CliError::from_core_in_option(e, "--shards"))?;
+    let fail = |e| CliError::device("bench --shards: uploading the shards", e);
+    shards
+        .into_iter()
+        .map(|s| {
+            let mut e = ShardEngine::new(
+                backend,
+                &head.rows(s.v0(), s.v1()).map_err(fail)?,
+                s,
+                SliceOptions::default(),
+            )
+            .map_err(fail)?;
+            e.engine_mut().set_dx_split(crate::environment::get().dx_split);
+            Ok(e)
+        })
+        .collect()
+}
+
+/// One sharded loss call with the shards in turn on this thread: phase
+/// one on each, the merge, phase two on each (into `outs`, kept across
+/// calls), `dx` summed.
+pub fn loss_serial<B: Backend>(
+    engines: &mut [ShardEngine<B>],
+    hidden: &Hidden<'_>,
+    teacher: &Teacher,
+    opts: &LossOptions,
+    outs: &mut [LossOutput],
+) -> headkl_core::Result<LossOutput> {
+    let parts = engines
+        .iter_mut()
+        .map(|e| e.loss_partials(hidden, teacher, opts))
+        .collect::<headkl_core::Result<Vec<_>>>()?;
+    let stats = merge_loss(&parts)?;
+    for (e, out) in engines.iter_mut().zip(outs.iter_mut()) {
+        e.loss_finish(hidden, &stats, out)?;
+    }
+    merge_loss_outputs(outs)
+}
+
+/// One sharded top-k call with the shards in turn on this thread.
+pub fn topk_serial<B: Backend>(
+    engines: &mut [ShardEngine<B>],
+    hidden: &Hidden<'_>,
+    opts: &TopkOptions,
+) -> headkl_core::Result<TopK> {
+    let parts = engines
+        .iter_mut()
+        .map(|e| e.topk_partials(hidden, opts))
+        .collect::<headkl_core::Result<Vec<_>>>()?;
+    merge_topk(&parts, opts)
+}

@@ -1,0 +1,755 @@
+//! [`ShardEngine`]: an [`Engine`] on a shard's rows with the two-phase
+//! calls of the module docs (`crate::shard`), written over the existing
+//! kernels (`gemm`, `kl_rows`, `topk_rows`) on the host path.
+
+use super::{HeadShard, LossPartials, LossStats, TopkPartials};
+use crate::backend::{Backend, KlDesc, PendingDownload, TopkDesc};
+use crate::chunking::ChunkPlan;
+use crate::driver::{Engine, LossOutput, SliceOptions};
+use crate::error::{Error, Field, Result};
+use crate::head::HeadWeights;
+use crate::launch::Kernels;
+use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
+use crate::scratch::{Input, Job, LossScratch, RowScratch};
+use crate::terms::{LossTerms, TailMode, NO_LABEL};
+use crate::{round_up, ALIGN};
+
+/// The floor on a shard's softmax share `α = exp(lse_s − lse)` in phase two:
+/// `q/α` stays far inside f32, and what the floor changes, `c·α·p ≤ c·2^-40`,
+/// is below the f16 gradient's resolution.
+const ALPHA_FLOOR: f64 = 1.0 / (1u64 << 40) as f64;
+
+/// An engine on rows `[v0, v1)` of a head of `V` rows: the two-phase loss
+/// and the top-k candidates of the module docs (`crate::shard`). Teacher
+/// ids are global.
+///
+/// ```
+/// use headkl_core::shard::{merge_loss, merge_loss_outputs, HeadShard, ShardEngine};
+/// use headkl_core::{HeadData, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher};
+/// use headkl_reference::CpuBackend;
+///
+/// let (vocab, hs, ntok, k) = (300, 24, 5, 4);
+/// let w: Vec<f32> = (0..vocab * hs).map(|i| ((i * 7 % 13) as f32 - 6.0) / 16.0).collect();
+/// let x: Vec<f32> = (0..ntok * hs).map(|i| ((i * 5 % 11) as f32 - 5.0) / 8.0).collect();
+/// let head = HeadWeights::new(HeadData::F32(&w), vocab, hs)?;
+/// let ids: Vec<u32> = (0..ntok * k).map(|i| (i * 31 % vocab) as u32).collect();
+/// let teacher = Teacher::new(&ids, &vec![0.25f32; ntok * k], ntok, k, vocab)?;
+/// let hidden = Hidden::f32(&x, ntok, hs)?;
+/// let opts = LossOptions::default();
+///
+/// // One engine per shard (in a trainer: one per rank).
+/// let mut shards = HeadShard::even(vocab, 2)?
+///     .into_iter()
+///     .map(|s| ShardEngine::new(CpuBackend::new(), &head.rows(s.v0(), s.v1())?, s, SliceOptions::default()))
+///     .collect::<Result<Vec<_>, _>>()?;
+/// // Phase one on every shard, then the trainer's all-reduce (here: merge_loss).
+/// let partials = shards.iter_mut().map(|e| e.loss_partials(&hidden, &teacher, &opts)).collect::<Result<Vec<_>, _>>()?;
+/// let stats = merge_loss(&partials)?;
+/// // Phase two: each shard's part of dx; the trainer sums them (all-reduce).
+/// let mut outs = vec![LossOutput::default(); shards.len()];
+/// for (e, out) in shards.iter_mut().zip(&mut outs) {
+///     e.loss_finish(&hidden, &stats, out)?;
+/// }
+/// let out = merge_loss_outputs(&outs)?;
+/// assert_eq!((out.loss.len(), out.dx.len()), (ntok, ntok * hs));
+/// assert!(out.mean >= 0.0);
+/// # Ok::<(), headkl_core::Error>(())
+/// ```
+pub struct ShardEngine<B: Backend> {
+    engine: Engine<B>,
+    shard: HeadShard,
+    keep_logits: bool,
+    /// Whether the last phase one kept its logits.
+    kept_last: bool,
+    pending: Option<PhaseOne<B>>,
+}
+
+/// What phase one leaves for phase two.
+struct PhaseOne<B: Backend> {
+    ntok: usize,
+    hs: usize,
+    resolved: ResolvedLoss,
+    plan: ChunkPlan,
+    /// The teacher's in-shard entries, local ids `[ntok][k_s]` (padding
+    /// entries: distinct ids off the row's teacher ids, probability 0).
+    ids: Vec<u32>,
+    probs: Vec<f32>,
+    k_s: usize,
+    /// The shard's own `lse` at τ.
+    lse: Vec<f32>,
+    /// The chunks' logits, where kept.
+    kept: Option<Vec<B::Buffer>>,
+}
+
+impl<B: Backend> ShardEngine<B> {
+    /// Uploads the shard's rows (`rows`: `[v1 − v0][hs]`, e.g.
+    /// `head.rows(v0, v1)` of the whole head) to `backend`.
+    pub fn new(backend: B, rows: &HeadWeights<'_>, shard: HeadShard, slicing: SliceOptions) -> Result<Self> {
+        if rows.vocab() != shard.width() {
+            return Err(Error::LengthMismatch {
+                field: Field::Head,
+                expected: shard.width() * rows.hs(),
+                got: rows.vocab() * rows.hs(),
+            });
+        }
+        Ok(Self {
+            engine: Engine::new(backend, rows, slicing)?,
+            shard,
+            keep_logits: true,
+            kept_last: false,
+            pending: None,
+        })
+    }
+
+    /// The shard.
+    pub fn shard(&self) -> HeadShard {
+        self.shard
+    }
+
+    /// The engine on the shard's rows (its vocabulary is the shard's width).
+    pub fn engine(&self) -> &Engine<B> {
+        &self.engine
+    }
+
+    /// The engine on the shard's rows, mutably (its settings).
+    pub fn engine_mut(&mut self) -> &mut Engine<B> {
+        &mut self.engine
+    }
+
+    /// Keep the shard's logits from phase one to phase two where the budget
+    /// allows (`true`, the default), or always recompute them in phase two
+    /// (a third GEMM, no memory held between the phases).
+    pub fn set_keep_logits(&mut self, keep: bool) {
+        self.keep_logits = keep;
+    }
+
+    /// Whether the last phase one kept its logits.
+    pub fn kept_logits(&self) -> bool {
+        self.kept_last
+    }
+
+    /// Phase one of the loss: the shard's logits and its per-token partials
+    /// ([`LossPartials`]). Checks every input as [`Engine::head_kl`] does
+    /// (ids against the whole head's `V`), refuses the terms the sharded
+    /// loss does not take ([`Error::ShardUnsupported`]), and keeps what
+    /// phase two needs (the logits where the budget allows).
+    pub fn loss_partials(
+        &mut self,
+        hidden: &Hidden<'_>,
+        teacher: &Teacher,
+        opts: &LossOptions,
+    ) -> Result<LossPartials> {
+        self.pending = None;
+        self.engine.check_hidden(hidden)?;
+        let ntok = hidden.ntok();
+        if teacher.ntok() != ntok {
+            return Err(Error::LengthMismatch {
+                field: Field::TeacherRows,
+                expected: ntok,
+                got: teacher.ntok(),
+            });
+        }
+        teacher.check_vocab(self.shard.vocab())?;
+        check_loss_terms(teacher.tail(), opts)?;
+        let resolved = opts.resolve(ntok)?;
+        let (ids, probs, k_s) = self.pack_teacher(teacher);
+        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
+        let plan = self.engine.chunk_plan(
+            Job::Loss,
+            ntok,
+            k_s,
+            f32_input,
+            (opts.budget_bytes, opts.max_rows_per_chunk),
+        )?;
+        let sizes = self.engine.row_bytes(Job::Loss, k_s);
+        let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
+        let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.budget_bytes;
+        self.engine.resident.release_scratch();
+        let (input, rows_s) = self.engine.scratch.begin(
+            &self.engine.backend,
+            Job::Loss,
+            &sizes,
+            (plan.rows_per_chunk, k_s),
+            hidden.data(),
+        )?;
+        let loss_s = match self
+            .engine
+            .scratch
+            .take_loss(&self.engine.backend, &sizes, plan.rows_per_chunk)
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.engine.scratch.put_back(rows_s, None, input);
+                return Err(e);
+            }
+        };
+        self.kept_last = keep;
+        let mut kept = keep.then(Vec::new);
+        let result = self.partial_chunks(
+            &plan,
+            (&input, &rows_s, &loss_s),
+            (&ids, &probs, k_s),
+            resolved.temperature,
+            kept.as_mut(),
+            sizes.logits,
+        );
+        self.engine.scratch.put_back(rows_s, Some(loss_s), input);
+        let (lse, lse1, soft) = result?;
+        // soft = Σ q (log q − s_id + lse_s) over the in-shard entries.
+        let soft_part = (0..ntok)
+            .map(|t| {
+                let mass: f64 = probs[t * k_s..(t + 1) * k_s].iter().map(|&q| f64::from(q)).sum();
+                (f64::from(soft[t]) - mass * f64::from(lse[t])) as f32
+            })
+            .collect();
+        let partials = LossPartials {
+            shard: self.shard,
+            lse: lse.clone(),
+            lse1,
+            soft_part,
+        };
+        self.pending = Some(PhaseOne {
+            ntok,
+            hs: hidden.hs(),
+            resolved,
+            plan,
+            ids,
+            probs,
+            k_s,
+            lse,
+            kept,
+        });
+        Ok(partials)
+    }
+
+    /// The teacher's entries in this shard, per row: local ids and
+    /// probabilities `[ntok][k_s]`, `k_s` the most any row has (at least
+    /// 1), the rest padded with distinct local ids off the row's entries at
+    /// probability 0 (the loss kernel writes each entry's gradient column
+    /// whole, so a padding entry must not share a column with a real one).
+    fn pack_teacher(&self, teacher: &Teacher) -> (Vec<u32>, Vec<f32>, usize) {
+        let (ntok, k, v0) = (teacher.ntok(), teacher.k(), self.shard.v0());
+        let rows = |t: usize| {
+            teacher.ids()[t * k..(t + 1) * k]
+                .iter()
+                .zip(&teacher.probs()[t * k..(t + 1) * k])
+                .filter(|(&id, _)| self.shard.contains(id as usize))
+        };
+        let k_s = (0..ntok).map(|t| rows(t).count()).max().unwrap_or(0).max(1);
+        let mut ids = Vec::with_capacity(ntok * k_s);
+        let mut probs = Vec::with_capacity(ntok * k_s);
+        let mut used = Vec::new();
+        for t in 0..ntok {
+            used.clear();
+            for (&id, &p) in rows(t) {
+                ids.push(id - v0 as u32);
+                probs.push(p);
+                used.push(id - v0 as u32);
+            }
+            used.sort_unstable();
+            // k_s ≤ min(k, width): the width has room for the padding.
+            let mut next = 0u32;
+            for _ in used.len()..k_s {
+                while used.binary_search(&next).is_ok() {
+                    next += 1;
+                }
+                ids.push(next);
+                probs.push(0.0);
+                next += 1;
+            }
+        }
+        (ids, probs, k_s)
+    }
+
+    /// Phase one's chunks: per token the shard's `lse` at τ, at τ = 1, and
+    /// the loss kernel's soft term over the in-shard entries.
+    #[allow(clippy::type_complexity, reason = "three per-token vectors")]
+    fn partial_chunks(
+        &self,
+        plan: &ChunkPlan,
+        (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
+        (ids, probs, k_s): (&[u32], &[f32], usize),
+        temperature: f32,
+        mut kept: Option<&mut Vec<B::Buffer>>,
+        logits_row_bytes: u64,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let e = &self.engine;
+        let b = &e.backend;
+        let ntok = ids.len() / k_s;
+        let (mut lse, mut lse1, mut soft) = (vec![0f32; ntok], vec![0f32; ntok], vec![0f32; ntok]);
+        let mut rows_out = Vec::new();
+        let tau_on = temperature != 1.0;
+        // One chunk's outputs: [soft, lse, soft, 0] per row, then (τ ≠ 1) the
+        // lse at τ = 1 in the second download's column 1.
+        let mut read_chunk = |(start, rows, pending): Done, lse: &mut [f32], lse1: &mut [f32], soft: &mut [f32]| {
+            let mut pending = pending.into_iter();
+            rows_out.resize(rows * 4, 0f32);
+            end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
+            for (t, r) in rows_out.chunks_exact(4).enumerate() {
+                if !r[1].is_finite() {
+                    drain(b, pending);
+                    return Err(Error::NonFiniteHidden { token: start + t });
+                }
+                (soft[start + t], lse[start + t]) = (r[2], r[1]);
+            }
+            if tau_on {
+                end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
+                for (t, r) in rows_out.chunks_exact(4).enumerate() {
+                    lse1[start + t] = r[1];
+                }
+            } else {
+                lse1[start..start + rows].copy_from_slice(&lse[start..start + rows]);
+            }
+            Ok(())
+        };
+        // Two chunks in flight, as in the driver: chunk i's outputs start
+        // their copy out before chunk i−1's are read.
+        let mut pipe = Pipe::new(b);
+        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
+            let rows_padded = round_up(rows, ALIGN);
+            let x16 = s.x16_for(chunk);
+            e.load_hidden(input, x16, chunk, start, rows)?;
+            let logits = match kept.as_deref_mut() {
+                Some(kept) => {
+                    let buf = b.alloc(plan.rows_per_chunk as u64 * logits_row_bytes, "kept shard logits")?;
+                    kept.push(buf);
+                    &kept[kept.len() - 1]
+                }
+                None => &s.logits,
+            };
+            e.logits(x16, logits, rows_padded, temperature)?;
+            b.upload(&s.ids, 0, bytemuck::cast_slice(&ids[start * k_s..(start + rows) * k_s]))?;
+            b.upload(
+                &s.probs,
+                0,
+                bytemuck::cast_slice(&probs[start * k_s..(start + rows) * k_s]),
+            )?;
+            // Coefficient 0: phase one's gradient is not used.
+            let row_in: Vec<u32> = (0..rows).flat_map(|_| [0f32.to_bits(), NO_LABEL]).collect();
+            b.upload(&ls.row_in, 0, bytemuck::cast_slice(&row_in))?;
+            // τ = 1 on the scaled logits: the kernel's lse is the shard's
+            // logsumexp of s = z/τ, its soft term at that lse.
+            let desc = KlDesc::plain(rows, e.vocab, e.vocab_padded, k_s);
+            b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
+            let mut pending = begin(b, &[(&ls.loss, rows * 16)])?;
+            if tau_on {
+                // The kernel at τ: its lse output is at τ = 1.
+                let desc = KlDesc { temperature, ..desc };
+                let more = b
+                    .kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)
+                    .and_then(|()| begin(b, &[(&ls.loss, rows * 16)]));
+                match more {
+                    Ok(p) => pending.extend(p),
+                    Err(err) => {
+                        drain(b, pending);
+                        return Err(err);
+                    }
+                }
+            }
+            if let Some(done) = pipe.push((start, rows, pending)) {
+                read_chunk(done, &mut lse, &mut lse1, &mut soft)?;
+            }
+        }
+        if let Some(done) = pipe.pop() {
+            read_chunk(done, &mut lse, &mut lse1, &mut soft)?;
+        }
+        Ok((lse, lse1, soft))
+    }
+
+    /// Phase two of the loss: from the merged statistics `stats` (the
+    /// trainer's all-reduce of every shard's [`LossPartials`], or
+    /// [`super::merge_loss`]), writes into `out` the per-token loss, lse
+    /// (at τ = 1), soft term (the loss) and hard term (0), the mean — all
+    /// the whole loss's, the same on every shard — and **the shard's part
+    /// of `dx`, overwritten**: the trainer sums `dx` over the shards.
+    /// `hidden` must be phase one's rows (they are read again where phase
+    /// one could not keep its logits).
+    pub fn loss_finish(&mut self, hidden: &Hidden<'_>, stats: &LossStats, out: &mut LossOutput) -> Result<()> {
+        let Some(p) = self.pending.take() else {
+            return Err(Error::ShardPhaseOrder { call: "loss_finish" });
+        };
+        let ntok = p.ntok;
+        if hidden.ntok() != ntok {
+            return Err(Error::ShardMismatch {
+                what: "tokens",
+                expected: ntok,
+                got: hidden.ntok(),
+            });
+        }
+        self.engine.check_hidden(hidden)?;
+        for len in [stats.lse.len(), stats.lse1.len(), stats.soft_part.len()] {
+            if len != ntok {
+                // Phase one stays pending: the caller may pass the right stats.
+                self.pending = Some(p);
+                return Err(Error::ShardMismatch {
+                    what: "tokens",
+                    expected: ntok,
+                    got: len,
+                });
+            }
+        }
+        let k_s = p.k_s;
+        // Per row: coefficient c·α and the teacher q/α (module docs).
+        let mut row_in = Vec::with_capacity(ntok * 2);
+        let mut probs = Vec::with_capacity(ntok * k_s);
+        for t in 0..ntok {
+            let alpha = (f64::from(p.lse[t]) - f64::from(stats.lse[t])).exp().max(ALPHA_FLOOR);
+            row_in.extend([((f64::from(p.resolved.coef[t]) * alpha) as f32).to_bits(), NO_LABEL]);
+            probs.extend(
+                p.probs[t * k_s..(t + 1) * k_s]
+                    .iter()
+                    .map(|&q| (f64::from(q) / alpha) as f32),
+            );
+        }
+        let LossOutput {
+            loss,
+            lse,
+            soft,
+            hard,
+            mean,
+            dx,
+        } = out;
+        loss.clear();
+        loss.extend(stats.soft_part.iter().zip(&stats.lse).map(|(&s, &l)| s + l));
+        lse.clone_from(&stats.lse1);
+        soft.clone_from(loss);
+        hard.clear();
+        hard.resize(ntok, 0.0);
+        let weighted: f64 = loss
+            .iter()
+            .zip(&p.resolved.weights)
+            .map(|(&l, &w)| f64::from(l) * f64::from(w))
+            .sum();
+        *mean = weighted / f64::from(p.resolved.total);
+        dx.resize(ntok * p.hs, 0.0);
+
+        let sizes = self.engine.row_bytes(Job::Loss, k_s);
+        self.engine.resident.release_scratch();
+        let (input, rows_s) = self.engine.scratch.begin(
+            &self.engine.backend,
+            Job::Loss,
+            &sizes,
+            (p.plan.rows_per_chunk, k_s),
+            hidden.data(),
+        )?;
+        let loss_s = match self
+            .engine
+            .scratch
+            .take_loss(&self.engine.backend, &sizes, p.plan.rows_per_chunk)
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.engine.scratch.put_back(rows_s, None, input);
+                return Err(e);
+            }
+        };
+        let result = self.finish_chunks(&p, (&input, &rows_s, &loss_s), &row_in, &probs, dx);
+        self.engine.scratch.put_back(rows_s, Some(loss_s), input);
+        result
+    }
+
+    /// Phase two's chunks: the gradient at the global lse and its dx GEMM.
+    fn finish_chunks(
+        &self,
+        p: &PhaseOne<B>,
+        (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
+        row_in: &[u32],
+        probs: &[f32],
+        dx: &mut [f32],
+    ) -> Result<()> {
+        let e = &self.engine;
+        let b = &e.backend;
+        let (k_s, hs, hs_padded) = (p.k_s, e.hs, e.hs_padded);
+        let dx_scale = 1.0 / (f64::from(p.resolved.gscale) * f64::from(p.resolved.temperature));
+        let mut padded = Vec::new();
+        let mut read_chunk = |(start, rows, pending): Done, dx: &mut [f32]| -> Result<()> {
+            padded.resize(rows * hs_padded, 0f32);
+            end_next(
+                b,
+                &mut pending.into_iter(),
+                bytemuck::cast_slice_mut(padded.as_mut_slice()),
+            )?;
+            let rows_dx = &mut dx[start * hs..(start + rows) * hs];
+            for (row, src) in rows_dx.chunks_exact_mut(hs).zip(padded.chunks_exact(hs_padded)) {
+                row.copy_from_slice(&src[..hs]);
+            }
+            Ok(())
+        };
+        let mut pipe = Pipe::new(b);
+        for (chunk, (start, rows)) in p.plan.ranges(p.ntok).enumerate() {
+            let rows_padded = round_up(rows, ALIGN);
+            let logits = match &p.kept {
+                Some(kept) => &kept[chunk],
+                None => {
+                    let x16 = s.x16_for(chunk);
+                    e.load_hidden(input, x16, chunk, start, rows)?;
+                    e.logits(x16, &s.logits, rows_padded, p.resolved.temperature)?;
+                    &s.logits
+                }
+            };
+            b.upload(
+                &s.ids,
+                0,
+                bytemuck::cast_slice(&p.ids[start * k_s..(start + rows) * k_s]),
+            )?;
+            b.upload(
+                &s.probs,
+                0,
+                bytemuck::cast_slice(&probs[start * k_s..(start + rows) * k_s]),
+            )?;
+            b.upload(
+                &ls.row_in,
+                0,
+                bytemuck::cast_slice(&row_in[start * 2..(start + rows) * 2]),
+            )?;
+            let desc = KlDesc::plain(rows, e.vocab, e.vocab_padded, k_s);
+            b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
+            // The logits are spent: the dx GEMM's split-K parts may use them.
+            e.dx(&ls.grad, &ls.dx, logits, rows_padded, dx_scale as f32)?;
+            let pending = begin(b, &[(&ls.dx, rows * hs_padded * 4)])?;
+            if let Some(done) = pipe.push((start, rows, pending)) {
+                read_chunk(done, dx)?;
+            }
+        }
+        if let Some(done) = pipe.pop() {
+            read_chunk(done, dx)?;
+        }
+        Ok(())
+    }
+
+    /// The shard's top-k candidates: per token its `min(k, width)` largest
+    /// logits at τ (global ids, descending, ties lowest id first) and its
+    /// log-sum-exp at τ ([`TopkPartials`]), for [`super::merge_topk`]. A
+    /// softcap is refused ([`Error::ShardUnsupported`]: the cap saturates,
+    /// and the merge orders by the values it gets).
+    pub fn topk_partials(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> Result<TopkPartials> {
+        self.engine.check_hidden(hidden)?;
+        opts.check(self.shard.vocab())?;
+        if let Some(c) = opts.softcap {
+            return Err(Error::ShardUnsupported {
+                option: "softcap",
+                value: c.to_string(),
+                hint: "the capped top-k runs unsharded",
+            });
+        }
+        let ntok = hidden.ntok();
+        let k_s = opts.k.min(self.shard.width());
+        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
+        // The loss job's scratch: the top-k's ids and values, and the loss
+        // kernel's outputs for the shard's lse.
+        let plan = self.engine.chunk_plan(
+            Job::Loss,
+            ntok,
+            k_s,
+            f32_input,
+            (opts.budget_bytes, opts.max_rows_per_chunk),
+        )?;
+        let sizes = self.engine.row_bytes(Job::Loss, k_s);
+        self.engine.resident.release_scratch();
+        let (input, rows_s) = self.engine.scratch.begin(
+            &self.engine.backend,
+            Job::Loss,
+            &sizes,
+            (plan.rows_per_chunk, k_s),
+            hidden.data(),
+        )?;
+        let loss_s = match self
+            .engine
+            .scratch
+            .take_loss(&self.engine.backend, &sizes, plan.rows_per_chunk)
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.engine.scratch.put_back(rows_s, None, input);
+                return Err(e);
+            }
+        };
+        let result = self.topk_chunks(&plan, (&input, &rows_s, &loss_s), ntok, k_s, opts.temperature);
+        self.engine.scratch.put_back(rows_s, Some(loss_s), input);
+        let (ids, logits, lse) = result?;
+        Ok(TopkPartials {
+            shard: self.shard,
+            ntok,
+            k: k_s,
+            ids,
+            logits,
+            lse,
+        })
+    }
+
+    #[allow(clippy::type_complexity, reason = "the partials' three vectors")]
+    fn topk_chunks(
+        &self,
+        plan: &ChunkPlan,
+        (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
+        ntok: usize,
+        k_s: usize,
+        temperature: f32,
+    ) -> Result<(Vec<u32>, Vec<f32>, Vec<f32>)> {
+        let e = &self.engine;
+        let b = &e.backend;
+        let v0 = self.shard.v0() as u32;
+        let mut ids = vec![0u32; ntok * k_s];
+        let mut logits = vec![0f32; ntok * k_s];
+        let mut lse = vec![0f32; ntok];
+        let mut logprobs = Vec::new();
+        let mut rows_out = Vec::new();
+        let mut read_chunk =
+            |(start, rows, pending): Done, ids: &mut [u32], logits: &mut [f32], lse: &mut [f32]| -> Result<()> {
+                let mut pending = pending.into_iter();
+                let range = start * k_s..(start + rows) * k_s;
+                end_next(b, &mut pending, bytemuck::cast_slice_mut(&mut ids[range]))?;
+                logprobs.resize(rows * k_s, 0f32);
+                end_next(b, &mut pending, bytemuck::cast_slice_mut(logprobs.as_mut_slice()))?;
+                rows_out.resize(rows * 4, 0f32);
+                end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
+                for t in 0..rows {
+                    let l = rows_out[t * 4 + 1];
+                    if !l.is_finite() || !logprobs[t * k_s].is_finite() {
+                        return Err(Error::NonFiniteHidden { token: start + t });
+                    }
+                    lse[start + t] = l;
+                    for q in 0..k_s {
+                        let i = (start + t) * k_s + q;
+                        ids[i] += v0;
+                        logits[i] = (f64::from(logprobs[t * k_s + q]) + f64::from(l)) as f32;
+                    }
+                }
+                Ok(())
+            };
+        let mut pipe = Pipe::new(b);
+        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
+            let rows_padded = round_up(rows, ALIGN);
+            let x16 = s.x16_for(chunk);
+            e.load_hidden(input, x16, chunk, start, rows)?;
+            e.logits(x16, &s.logits, rows_padded, temperature)?;
+            // Log-probabilities over the shard: with its lse, the logits.
+            let desc = TopkDesc {
+                logprobs: true,
+                ..TopkDesc::plain(rows, e.vocab, e.vocab_padded, k_s)
+            };
+            b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
+            // The loss kernel, coefficient 0, on the top-k as its teacher:
+            // only its lse output is read.
+            let row_in: Vec<u32> = (0..rows).flat_map(|_| [0f32.to_bits(), NO_LABEL]).collect();
+            b.upload(&ls.row_in, 0, bytemuck::cast_slice(&row_in))?;
+            let kl = KlDesc::plain(rows, e.vocab, e.vocab_padded, k_s);
+            b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
+            let bytes = rows * k_s * 4;
+            let pending = begin(b, &[(&s.ids, bytes), (&s.probs, bytes), (&ls.loss, rows * 16)])?;
+            if let Some(done) = pipe.push((start, rows, pending)) {
+                read_chunk(done, &mut ids, &mut logits, &mut lse)?;
+            }
+        }
+        if let Some(done) = pipe.pop() {
+            read_chunk(done, &mut ids, &mut logits, &mut lse)?;
+        }
+        Ok((ids, logits, lse))
+    }
+}
+
+/// Refuses what the sharded loss does not compute, naming the option
+/// ([`Error::ShardUnsupported`]): a tail other than renormalize, the hard
+/// term (or labels), the z-loss, a softcap, a soft weight other than 1.
+/// [`ShardEngine::loss_partials`] calls it; a caller can call it before
+/// anything is uploaded.
+pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
+    let refuse = |option, value: String, hint| Err(Error::ShardUnsupported { option, value, hint });
+    let d = LossTerms::default();
+    let t = opts.terms;
+    if tail != TailMode::Renormalize {
+        return refuse("tail", tail.name().into(), "use the default tail, renormalize");
+    }
+    if opts.labels.is_some() || t.hard_weight != d.hard_weight {
+        return refuse("hard-weight", t.hard_weight.to_string(), "the hard term runs unsharded");
+    }
+    if t.z_loss != d.z_loss {
+        return refuse("z-loss", t.z_loss.to_string(), "the z-loss runs unsharded");
+    }
+    if let Some(c) = t.softcap {
+        return refuse("softcap", c.to_string(), "the softcap runs unsharded");
+    }
+    if t.soft_weight != d.soft_weight {
+        return refuse("soft-weight", t.soft_weight.to_string(), "scale the loss outside");
+    }
+    Ok(())
+}
+
+/// A chunk whose outputs are being copied out: its first token, its rows
+/// and its downloads, in the order they were begun.
+type Done = (usize, usize, Vec<PendingDownload>);
+
+/// At most one chunk waiting to be read while the next is recorded (the
+/// driver's two chunks in flight). Dropping it (an error path) drains what
+/// is still pending, so no copy outlives the call. Downloads go through
+/// `download_begin`/`download_end`, the path every backend keeps safe for
+/// engines on several threads.
+struct Pipe<'a, B: Backend> {
+    backend: &'a B,
+    waiting: Option<Done>,
+}
+
+impl<'a, B: Backend> Pipe<'a, B> {
+    fn new(backend: &'a B) -> Self {
+        Self { backend, waiting: None }
+    }
+
+    /// Adds the chunk just recorded; hands back the one before it.
+    fn push(&mut self, chunk: Done) -> Option<Done> {
+        self.waiting.replace(chunk)
+    }
+
+    fn pop(&mut self) -> Option<Done> {
+        self.waiting.take()
+    }
+}
+
+impl<B: Backend> Drop for Pipe<'_, B> {
+    fn drop(&mut self) {
+        if let Some((_, _, pending)) = self.waiting.take() {
+            drain(self.backend, pending);
+        }
+    }
+}
+
+/// Starts copying out each `(buffer, bytes)` from offset 0; if one cannot
+/// start, those begun are drained.
+fn begin<B: Backend>(b: &B, outputs: &[(&B::Buffer, usize)]) -> Result<Vec<PendingDownload>> {
+    let mut pending = Vec::with_capacity(outputs.len());
+    for &(buf, len) in outputs {
+        match b.download_begin(buf, 0, len) {
+            Ok(p) => pending.push(p),
+            Err(e) => {
+                drain(b, pending);
+                return Err(e);
+            }
+        }
+    }
+    Ok(pending)
+}
+
+/// Waits for the next download into `out`; on an error the rest are drained.
+fn end_next<B: Backend>(b: &B, pending: &mut std::vec::IntoIter<PendingDownload>, out: &mut [u8]) -> Result<()> {
+    let Some(p) = pending.next() else {
+        return Err(Error::LengthMismatch {
+            field: Field::DownloadOutput,
+            expected: out.len(),
+            got: 0,
+        });
+    };
+    if let Err(e) = b.download_end(p, out) {
+        drain(b, pending.by_ref());
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Waits for downloads whose bytes are no longer wanted (an error is on its
+/// way out already), so their staging is free when the call returns.
+fn drain<B: Backend>(b: &B, pending: impl IntoIterator<Item = PendingDownload>) {
+    for p in pending {
+        let mut sink = vec![0u8; p.len()];
+        // The caller is already returning an error; this one adds nothing.
+        let _ = b.download_end(p, &mut sink);
+    }
+}
