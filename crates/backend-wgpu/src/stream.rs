@@ -4,12 +4,11 @@
 
 use std::sync::atomic::Ordering;
 
-use headkl_core::{fold_workgroups, Result};
+use headkl_core::{fold_workgroups, KernelId, Result};
 
 use crate::backend_error;
 use crate::buffer::{lock, WgpuBuffer};
 use crate::device::{wgpu_error_text, WgpuBackend};
-use crate::kernels::Entry;
 
 /// Dispatches per submitted batch (slots of the uniform ring).
 pub(crate) const RING_SLOTS: u32 = 1024;
@@ -86,12 +85,11 @@ impl WgpuBackend {
     /// bindings 1.., timed under the kernel's name.
     pub(crate) fn record_dispatch(
         &self,
-        kernel: impl Into<Entry>,
+        kernel: KernelId,
         count: u64,
         params: impl FnOnce(u32) -> Vec<u8>,
         buffers: &[&WgpuBuffer],
     ) -> Result<()> {
-        let kernel = kernel.into();
         let label = kernel.name();
         self.check()?;
         if count == 0 {
@@ -157,7 +155,12 @@ impl WgpuBackend {
         Ok(())
     }
 
-    pub(crate) fn bind_group(&self, kernel: Entry, ids: [u64; 8], buffers: &[&WgpuBuffer]) -> Result<wgpu::BindGroup> {
+    pub(crate) fn bind_group(
+        &self,
+        kernel: KernelId,
+        ids: [u64; 8],
+        buffers: &[&WgpuBuffer],
+    ) -> Result<wgpu::BindGroup> {
         let layout = self.kernels.bind_group_layout(kernel)?;
         let mut failed = None;
         let group = self.shared.bind_group((kernel, ids), || {

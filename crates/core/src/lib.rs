@@ -98,7 +98,8 @@ pub use problem::{
 };
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend, ResidentKernel,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, HiddenInDesc, LabelsInDesc,
+    LossOutDesc, ResidentBackend, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 pub use settings::{CommonOptions, Env};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
