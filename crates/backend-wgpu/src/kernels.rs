@@ -231,7 +231,10 @@ impl Kernels {
             } else {
                 ""
             };
-            return Err(backend_error(format!("building {file}:{}: {e}{hint}", build.entry)));
+            return Err(crate::driver_error(
+                format!("building {file}:{}: {e}{hint}", build.entry),
+                e,
+            ));
         }
         lock(&self.pipelines).insert(kernel, pipeline.clone());
         Ok(pipeline)

@@ -6,9 +6,8 @@ use std::sync::atomic::Ordering;
 
 use headkl_core::{fold_workgroups, KernelId, Result};
 
-use crate::backend_error;
 use crate::buffer::{lock, WgpuBuffer};
-use crate::device::{wgpu_error_text, WgpuBackend};
+use crate::device::{wgpu_failure, WgpuBackend};
 
 /// Dispatches per submitted batch (slots of the uniform ring).
 pub(crate) const RING_SLOTS: u32 = 1024;
@@ -67,7 +66,7 @@ impl WgpuBackend {
         b.labels.clear();
         self.staged_upload_bytes.store(0, Ordering::Relaxed);
         if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(backend_error(format!("submitting work: {}", wgpu_error_text(&e))));
+            return Err(wgpu_failure("submitting work", e));
         }
         if let Some(p) = pending {
             lock(&self.times).push(p);
@@ -189,7 +188,7 @@ impl WgpuBackend {
         });
         if let Some(e) = failed {
             self.shared.drop_bind_group((kernel, ids));
-            return Err(backend_error(format!("binding buffers: {}", wgpu_error_text(&e))));
+            return Err(wgpu_failure("binding buffers", e));
         }
         Ok(group)
     }

@@ -87,7 +87,7 @@ pub use backend::{
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, SliceOptions, TopK};
-pub use error::{Error, ErrorKind, Field, Result};
+pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use glsl_tile::GlslTile;
 pub use head::{HeadData, HeadWeights};
