@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use half::{bf16, f16};
@@ -12,6 +13,7 @@ use headkl_core::{
 };
 use safetensors::Dtype;
 
+use crate::environment::Settings;
 use crate::error::CliError;
 use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, TensorRef};
 use crate::progress::{pieces, Progress};
@@ -258,6 +260,8 @@ impl BackendJob for TopkJob<'_> {
 /// mean is the sum of the pieces' `Σ w_t L_t / total`.
 struct LossJob<'a> {
     sources: &'a Sources<'a>,
+    /// `HEADKL_TRACE` and `HEADKL_DX_SPLIT` for the engine.
+    settings: &'a Settings,
     head: HeadWeights<'a>,
     hidden: HiddenData<'a>,
     ntok: usize,
@@ -283,8 +287,8 @@ impl BackendJob for LossJob<'_> {
         let vocab = self.head.vocab();
         let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
             .map_err(|e| self.sources.map(e, "uploading the head"))?;
-        engine.set_trace(crate::environment::get().trace);
-        engine.set_dx_split(crate::environment::get().dx_split);
+        engine.set_trace(self.settings.trace);
+        engine.set_dx_split(self.settings.dx_split);
         let mut out = LossOutput {
             loss: Vec::with_capacity(self.ntok),
             mean: 0.0,
@@ -330,8 +334,10 @@ pub fn fmt_mean(v: f64) -> String {
 }
 
 /// `headkl topk`.
+#[allow(clippy::too_many_arguments, reason = "the command's arguments, as parsed")]
 pub fn topk(
     backend: &BackendArgs,
+    settings: &Arc<Settings>,
     inputs: &InputArgs,
     k: usize,
     temperature: f32,
@@ -367,7 +373,7 @@ pub fn topk(
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(out)?;
-    let target = resolve_announced(backend, "headkl")?;
+    let target = resolve_announced(backend, "headkl", settings)?;
     let start = Instant::now();
     let result = open_and_run(
         &target,
@@ -449,7 +455,12 @@ pub struct LossArgs {
 }
 
 /// `headkl loss`.
-pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Result<(), CliError> {
+pub fn loss(
+    backend: &BackendArgs,
+    settings: &Arc<Settings>,
+    inputs: &InputArgs,
+    args: &LossArgs,
+) -> Result<(), CliError> {
     let mut all_inputs: Vec<&Path> = vec![&inputs.head, &inputs.hidden, &args.teacher];
     if let Some(w) = &args.weights {
         all_inputs.push(w);
@@ -568,7 +579,7 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
-    let target = resolve_announced(backend, "headkl")?;
+    let target = resolve_announced(backend, "headkl", settings)?;
     let start = Instant::now();
     let result = open_and_run(
         &target,
@@ -584,6 +595,7 @@ pub fn loss(backend: &BackendArgs, inputs: &InputArgs, args: &LossArgs) -> Resul
             form,
             tail,
             opts,
+            settings,
         },
     )?;
     let terms = args.terms.terms();
