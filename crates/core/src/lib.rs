@@ -86,7 +86,7 @@ pub use backend::{
     MemoryStats, PendingDownload, SumPartsDesc, TopkDesc,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
-pub use driver::{Engine, LossOutput, SliceOptions, TopK};
+pub use driver::{Engine, LossOutput, ProgressCallback, SliceOptions, TopK};
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use glsl_tile::GlslTile;
