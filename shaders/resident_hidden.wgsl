@@ -1,6 +1,6 @@
 // Device-resident entry points: the caller's hidden rows (f32, f16 or bf16,
 // read as 32-bit words) into the padded f16 GEMM operand
-// (headkl_core::ResidentKernel::HiddenIn). Prepended by resident_common.wgsl.
+// (headkl_core::KernelId::HiddenIn). Prepended by resident_common.wgsl.
 
 @group(0) @binding(1) var<storage, read> src: array<u32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f16>;
@@ -24,9 +24,7 @@ fn half_bits(e: u32) -> u32 {
     return (src[e >> 1u] >> ((e & 1u) * 16u)) & 0xffffu;
 }
 
-// params: rows, cols = hs, rows_padded, ld = padded hs, off_a = the chunk's
-// first element (in elements of the source type), flags bits 2-3 = source
-// type (0 f32, 1 f16, 2 bf16).
+// params: HiddenInParams (src_offset in elements of the source type).
 @compute @workgroup_size(256)
 fn hidden_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
@@ -37,11 +35,10 @@ fn hidden_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     let c = i % params.ld;
     var v = f16(0.0);
     if r < params.rows && c < params.cols {
-        let e = params.off_a + r * params.cols + c;
-        let dtype = (params.flags >> 2u) & 3u;
-        if dtype == 0u {
+        let e = params.src_offset + r * params.cols + c;
+        if params.dtype == DTYPE_F32 {
             v = to_f16(bitcast<f32>(src[e]));
-        } else if dtype == 1u {
+        } else if params.dtype == DTYPE_F16 {
             v = f16(unpack2x16float(half_bits(e)).x);
         } else {
             v = to_f16(bitcast<f32>(half_bits(e) << 16u));

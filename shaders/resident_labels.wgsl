@@ -1,4 +1,4 @@
-// Device-resident head_kl, step 2b (headkl_core::ResidentKernel::LabelsIn):
+// Device-resident head_kl, step 2b (headkl_core::KernelId::LabelsIn):
 // one invocation per token row of a chunk copies the caller's label into the
 // KL kernel's per-row inputs (word 1 of [rows][2]), NONE where no labels are
 // given. A label that is neither below vocab nor NONE is flagged in the
@@ -9,8 +9,7 @@
 @group(0) @binding(2) var<storage, read_write> status: array<atomic<u32>>;
 @group(0) @binding(3) var<storage, read_write> row_in: array<u32>;
 
-// params: rows, vocab, token0 = the chunk's first token, off_a = its first
-// label, flags bit 0 = labels given.
+// params: LabelsInParams.
 @compute @workgroup_size(256)
 fn labels_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = (wg.x + wg.y * params.grid_x) * 256u + lid;
@@ -18,8 +17,8 @@ fn labels_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         return;
     }
     var label = NONE;
-    if (params.flags & 1u) != 0u {
-        label = labels[params.off_a + row];
+    if params.has_labels != 0u {
+        label = labels[params.labels_offset + row];
         if label != NONE && label >= params.vocab {
             atomicMin(&status[S_LABEL], params.token0 + row);
             label = NONE;

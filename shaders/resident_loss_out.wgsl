@@ -1,5 +1,5 @@
 // Device-resident head_kl, last step of a chunk
-// (headkl_core::ResidentKernel::LossOut): the chunk's per-token loss and dx
+// (headkl_core::KernelId::LossOut): the chunk's per-token loss and dx
 // into the caller's buffers (dx scaled by the coefficient the stats kernel
 // resolved, overwritten or accumulated), and the first token whose logits
 // were not finite (NaN loss from kl_rows) into the status buffer.
@@ -11,35 +11,33 @@
 @group(0) @binding(3) var<storage, read_write> status: array<atomic<u32>>;
 @group(0) @binding(4) var<storage, read_write> loss_dst: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dx_dst: array<f32>;
-// [ntok][3]: lse, soft, hard (written with flags bit 2).
+// [ntok][3]: lse, soft, hard (written with params.write_terms).
 @group(0) @binding(6) var<storage, read_write> terms_dst: array<f32>;
 
-// params: rows, cols = hs, ld = padded hs (row stride of dx_chunk),
-// token0, off_a = the chunk's first loss element, off_b = its first dx
-// element, flags bit 1 = accumulate into dx, bit 2 = write the terms.
+// params: LossOutParams.
 @compute @workgroup_size(256)
 fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
     if i < params.rows {
         let l = loss_chunk[i * 4u];
-        loss_dst[params.off_a + i] = l;
-        if (params.flags & 4u) != 0u {
+        loss_dst[params.loss_offset + i] = l;
+        if params.write_terms != 0u {
             for (var c = 0u; c < 3u; c++) {
-                terms_dst[(params.off_a + i) * 3u + c] = loss_chunk[i * 4u + 1u + c];
+                terms_dst[(params.loss_offset + i) * 3u + c] = loss_chunk[i * 4u + 1u + c];
             }
         }
         if non_finite(l) {
             atomicMin(&status[S_LOGITS], params.token0 + i);
         }
     }
-    if i >= params.rows * params.cols {
+    if i >= params.rows * params.hs {
         return;
     }
-    let r = i / params.cols;
-    let c = i % params.cols;
+    let r = i / params.hs;
+    let c = i % params.hs;
     let v = bitcast<f32>(atomicLoad(&status[S_DX_MUL])) * dx_chunk[r * params.ld + c];
-    let o = params.off_b + i;
-    if (params.flags & 2u) != 0u {
+    let o = params.dx_offset + i;
+    if params.accumulate != 0u {
         dx_dst[o] = dx_dst[o] + v;
     } else {
         dx_dst[o] = v;

@@ -1,4 +1,4 @@
-// Device-resident head_kl, step 1 (headkl_core::ResidentKernel::WeightStats): one
+// Device-resident head_kl, step 1 (headkl_core::KernelId::WeightStats): one
 // workgroup sums and maxes the token weights on the device, flags the first
 // bad weight, and resolves total and gscale into the status buffer's
 // coefficient words. Prepended by resident_common.wgsl.
@@ -10,20 +10,18 @@ var<workgroup> red_sum: array<f32, 256>;
 var<workgroup> red_max: array<f32, 256>;
 var<workgroup> red_bad: array<u32, 256>;
 
-// params: rows = ntok, off_a = first weight, flags bit 0 = weights given,
-// f0 = the caller's total (0: sum of weights), f1 = the caller's gscale
-// (0: 2^14 * total / max weight / f3), f2 = 1 / temperature, f3 = the
-// terms' gradient bound (headkl_core::LossTerms::grad_bound, ≥ 1).
+// params (WeightStatsParams): rows = ntok; total and gscale are the caller's
+// (0: the weights' sum, and 2^14 * total / max weight / grad_bound).
 @compute @workgroup_size(256)
 fn weight_stats(@builtin(local_invocation_index) lid: u32) {
-    let has_w = (params.flags & 1u) != 0u;
+    let has_w = params.has_weights != 0u;
     var s = 0.0;
     var m = 0.0;
     var bad = NONE;
     for (var t = lid; t < params.rows; t += 256u) {
         var w = 1.0;
         if has_w {
-            w = weights[params.off_a + t];
+            w = weights[t];
         }
         if non_finite(w) || negative(w) {
             bad = min(bad, t);
@@ -51,21 +49,21 @@ fn weight_stats(@builtin(local_invocation_index) lid: u32) {
         atomicMin(&status[S_WEIGHT], red_bad[0]);
     }
     var total = red_sum[0];
-    if params.f0 > 0.0 {
-        total = params.f0;
+    if params.total > 0.0 {
+        total = params.total;
     }
     let max_w = red_max[0];
     var gscale = 1.0;
-    if params.f1 > 0.0 {
-        gscale = params.f1;
+    if params.gscale > 0.0 {
+        gscale = params.gscale;
     } else if max_w > 0.0 {
-        gscale = 16384.0 * (total / max_w) / max(params.f3, 1.0);
+        gscale = 16384.0 * (total / max_w) / max(params.grad_bound, 1.0);
     }
     var coef_mul = 0.0;
     var dx_mul = 0.0;
     if total > 0.0 && !non_finite(total) && !non_finite(gscale) && gscale > 0.0 {
         coef_mul = gscale / total;
-        dx_mul = params.f2 / gscale;
+        dx_mul = params.inv_temperature / gscale;
     } else {
         atomicStore(&status[S_TOTAL_BAD], 1u);
         atomicStore(&status[S_TOTAL_BITS], bitcast<u32>(total));

@@ -1,5 +1,5 @@
 // Device-resident head_kl, after the last chunk
-// (headkl_core::ResidentKernel::StatusDetail): one invocation describes the first
+// (headkl_core::KernelId::StatusDetail): one invocation describes the first
 // bad teacher row or weight the other kernels flagged, in the order the
 // host checks them (ids in range over the whole teacher first; then per row
 // duplicates, probabilities, the row's sum; then weights), into the status
@@ -12,26 +12,6 @@
 @group(0) @binding(4) var<storage, read_write> status: array<atomic<u32>>;
 @group(0) @binding(5) var<storage, read> labels: array<u32>;
 
-// headkl_core::MASS_TOLERANCE.
-const MASS_TOLERANCE: f32 = 1e-3;
-
-const S_KIND: u32 = 8u;
-const S_D_ROW: u32 = 9u;
-const S_D_A: u32 = 10u;
-const S_D_B: u32 = 11u;
-const S_D_VALUE: u32 = 12u;
-
-const KIND_ID_RANGE: u32 = 1u;
-const KIND_DUPLICATE: u32 = 2u;
-const KIND_PROB_NON_FINITE: u32 = 3u;
-const KIND_PROB_NEGATIVE: u32 = 4u;
-const KIND_ROW_SUM: u32 = 5u;
-const KIND_WEIGHT_NON_FINITE: u32 = 6u;
-const KIND_WEIGHT_NEGATIVE: u32 = 7u;
-const KIND_LOGPROB: u32 = 8u;
-const KIND_MASS: u32 = 9u;
-const KIND_LABEL: u32 = 10u;
-
 fn record(kind: u32, row: u32, a: u32, b: u32, value: u32) {
     atomicStore(&status[S_D_ROW], row);
     atomicStore(&status[S_D_A], a);
@@ -40,25 +20,23 @@ fn record(kind: u32, row: u32, a: u32, b: u32, value: u32) {
     atomicStore(&status[S_KIND], kind);
 }
 
-// params: rows = ntok, cols = k, off_a / off_b / off_c / off_d = the first
-// id, probability, weight and label of the call, flags bit 0 = weights
-// given, bit 1 = log-probabilities, bits 2-3 = the tail mode, bit 4 =
-// labels given.
+// params: StatusDetailParams (rows = ntok; the caller's buffers from their
+// first element).
 @compute @workgroup_size(1)
 fn status_detail() {
     if atomicLoad(&status[S_KIND]) != 0u {
         return;
     }
-    let k = params.cols;
+    let k = params.k;
     let flat = atomicLoad(&status[S_ID_RANGE]);
     if flat != NONE {
-        record(KIND_ID_RANGE, flat / k, flat % k, ids_in[params.off_a + flat], 0u);
+        record(KIND_ID_RANGE, flat / k, flat % k, ids_in[flat], 0u);
         return;
     }
     let row = atomicLoad(&status[S_ROW]);
     if row != NONE && row < params.rows {
-        let ib = params.off_a + row * k;
-        let pb = params.off_b + row * k;
+        let ib = row * k;
+        let pb = row * k;
         // The smallest repeated id, at its first two entries.
         var best = NONE;
         var first = 0u;
@@ -81,8 +59,8 @@ fn status_detail() {
             record(KIND_DUPLICATE, row, first, second, best);
             return;
         }
-        let logprobs = (params.flags & 2u) != 0u;
-        let tail = (params.flags >> 2u) & 3u;
+        let logprobs = params.logprobs != 0u;
+        let tail = params.tail;
         var sum = 0.0;
         for (var q = 0u; q < k; q++) {
             let p = probs_in[pb + q];
@@ -104,7 +82,7 @@ fn status_detail() {
             }
             sum += p;
         }
-        if tail != 0u && sum > 1.0 + MASS_TOLERANCE && !non_finite(sum) {
+        if tail != TAIL_RENORMALIZE && sum > 1.0 + MASS_TOLERANCE && !non_finite(sum) {
             record(KIND_MASS, row, 0u, tail, bitcast<u32>(sum));
             return;
         }
@@ -112,8 +90,8 @@ fn status_detail() {
         return;
     }
     let wrow = atomicLoad(&status[S_WEIGHT]);
-    if wrow != NONE && wrow < params.rows && (params.flags & 1u) != 0u {
-        let w = weights[params.off_c + wrow];
+    if wrow != NONE && wrow < params.rows && params.has_weights != 0u {
+        let w = weights[wrow];
         if non_finite(w) {
             record(KIND_WEIGHT_NON_FINITE, wrow, 0u, 0u, bitcast<u32>(w));
         } else {
@@ -122,7 +100,7 @@ fn status_detail() {
         return;
     }
     let lrow = atomicLoad(&status[S_LABEL]);
-    if lrow != NONE && lrow < params.rows && (params.flags & 16u) != 0u {
-        record(KIND_LABEL, lrow, 0u, 0u, labels[params.off_d + lrow]);
+    if lrow != NONE && lrow < params.rows && params.has_labels != 0u {
+        record(KIND_LABEL, lrow, 0u, 0u, labels[lrow]);
     }
 }

@@ -1,12 +1,11 @@
-// Device-resident head_kl, step 2 (headkl_core::ResidentKernel::TeacherRows): one
+// Device-resident head_kl, step 2 (headkl_core::KernelId::TeacherRows): one
 // workgroup per token row of a chunk checks the caller's teacher row, writes
 // it clamped and renormalized into the engine's scratch with the row's
 // KL coefficient, and flags a bad row in the status buffer. A bad row gets
 // zero probabilities and coefficient, so whatever its bytes it reads and
-// writes nothing out of bounds. The values are probabilities or (flags
-// bit 1) log-probabilities over the full vocabulary (each ≤ 0, -inf is 0),
-// renormalized over the k in the renormalize tail mode (flags bits 2-3 = 0)
-// and kept as given in the others, where a row whose mass is above 1 +
+// writes nothing out of bounds. The values are probabilities or
+// log-probabilities over the full vocabulary (each ≤ 0, -inf is 0),
+// renormalized over the k in the renormalize tail mode and kept as given in the others, where a row whose mass is above 1 +
 // MASS_TOLERANCE is bad. The row's coefficient goes into the KL kernel's
 // per-row inputs, word 0 of [rows][2] (word 1, the label, is labels_in's).
 // Prepended by resident_common.wgsl.
@@ -18,9 +17,6 @@
 @group(0) @binding(5) var<storage, read_write> ids_out: array<u32>;
 @group(0) @binding(6) var<storage, read_write> probs_out: array<f32>;
 @group(0) @binding(7) var<storage, read_write> row_in: array<u32>;
-
-// headkl_core::MASS_TOLERANCE.
-const MASS_TOLERANCE: f32 = 1e-3;
 
 // Whether value v is bad for the teacher's form, and its probability.
 fn teacher_value(v: f32, logprobs: bool) -> vec2<f32> {
@@ -42,21 +38,19 @@ var<workgroup> red_sum: array<f32, 256>;
 var<workgroup> red_bad: array<u32, 256>;
 var<workgroup> red_range: array<u32, 256>;
 
-// params: rows, cols = k, vocab, token0 = the chunk's first token,
-// off_a / off_b = the chunk's first id / probability, off_c = the chunk's
-// first weight, flags bit 0 = weights given, bit 1 = log-probabilities,
-// bits 2-3 = the tail mode (headkl_core::TailMode::code).
+// params: TeacherRowsParams (offsets: the chunk's first id, probability and
+// weight in the caller's buffers).
 @compute @workgroup_size(256)
 fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = wg.x + wg.y * params.grid_x;
     if row >= params.rows {
         return;
     }
-    let k = params.cols;
-    let logprobs = (params.flags & 2u) != 0u;
-    let renormalize = ((params.flags >> 2u) & 3u) == 0u;
-    let base_a = params.off_a + row * k;
-    let base_b = params.off_b + row * k;
+    let k = params.k;
+    let logprobs = params.logprobs != 0u;
+    let renormalize = params.tail == TAIL_RENORMALIZE;
+    let base_a = params.ids_offset + row * k;
+    let base_b = params.probs_offset + row * k;
     var s = 0.0;
     var bad = 0u;
     var first_range = NONE;
@@ -125,8 +119,8 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         atomicMin(&status[S_ROW], token);
     }
     var w = 1.0;
-    if (params.flags & 1u) != 0u {
-        w = weights[params.off_c + row];
+    if params.has_weights != 0u {
+        w = weights[params.weights_offset + row];
         if non_finite(w) || negative(w) {
             w = 0.0;
         }

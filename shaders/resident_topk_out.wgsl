@@ -1,5 +1,5 @@
 // Device-resident topk, last step of a chunk
-// (headkl_core::ResidentKernel::TopkOut): the chunk's ids and probabilities
+// (headkl_core::KernelId::TopkOut): the chunk's ids and probabilities
 // into the caller's buffers, and the first token whose logits were not
 // finite (NaN first probability from topk_rows) into the status buffer.
 // Prepended by resident_common.wgsl.
@@ -10,18 +10,17 @@
 @group(0) @binding(4) var<storage, read_write> ids_dst: array<u32>;
 @group(0) @binding(5) var<storage, read_write> probs_dst: array<f32>;
 
-// params: rows, cols = k, token0, off_a = the chunk's first id element,
-// off_b = its first probability element.
+// params: TopkOutParams.
 @compute @workgroup_size(256)
 fn topk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
-    if i >= params.rows * params.cols {
+    if i >= params.rows * params.k {
         return;
     }
     let p = probs_chunk[i];
-    ids_dst[params.off_a + i] = ids_chunk[i];
-    probs_dst[params.off_b + i] = p;
-    if i % params.cols == 0u && non_finite(p) {
-        atomicMin(&status[S_LOGITS], params.token0 + i / params.cols);
+    ids_dst[params.ids_offset + i] = ids_chunk[i];
+    probs_dst[params.probs_offset + i] = p;
+    if i % params.k == 0u && non_finite(p) {
+        atomicMin(&status[S_LOGITS], params.token0 + i / params.k);
     }
 }

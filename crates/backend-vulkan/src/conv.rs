@@ -1,7 +1,7 @@
 //! Vulkan results → headkl errors.
 
 use ash::vk;
-use headkl_core::Error;
+use headkl_core::{DriverError, Error};
 
 /// The backend's name in errors.
 pub(crate) const BACKEND: &str = "vulkan";
@@ -18,7 +18,17 @@ pub(crate) fn vk_error(result: vk::Result, what: &str) -> Error {
             bytes: 0,
             what: "vulkan driver objects",
         },
-        other => backend_error(format!("{what} failed: {other}")),
+        other => driver_error(format!("{what} failed: {other}"), other),
+    }
+}
+
+/// An error saying `message` with the driver's (or the shader compiler's)
+/// own error kept as its source.
+pub(crate) fn driver_error(message: impl Into<String>, error: impl std::error::Error + Send + Sync + 'static) -> Error {
+    Error::Driver {
+        backend: BACKEND,
+        message: message.into(),
+        source: DriverError::new(error),
     }
 }
 
@@ -78,4 +88,37 @@ pub(crate) fn version_string(v: u32) -> String {
         vk::api_version_minor(v),
         vk::api_version_patch(v)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    /// A failed Vulkan call's error has the `vk::Result` as its source (and
+    /// says it); device loss and memory exhaustion stay typed.
+    #[test]
+    fn a_vulkan_failure_keeps_its_result_as_the_source() {
+        let e = vk_error(vk::Result::ERROR_INITIALIZATION_FAILED, "vkCreateComputePipelines");
+        assert!(matches!(e, Error::Driver { backend: BACKEND, .. }), "{e:?}");
+        let source = e.source().expect("a source");
+        assert_eq!(
+            source.downcast_ref::<vk::Result>(),
+            Some(&vk::Result::ERROR_INITIALIZATION_FAILED)
+        );
+        assert!(
+            e.to_string().starts_with("vulkan: vkCreateComputePipelines failed: "),
+            "{e}"
+        );
+        assert_eq!(e.kind(), headkl_core::ErrorKind::Device);
+        assert!(matches!(
+            vk_error(vk::Result::ERROR_DEVICE_LOST, "vkQueueSubmit"),
+            Error::DeviceLost(_)
+        ));
+        assert!(matches!(
+            alloc_error(vk::Result::ERROR_OUT_OF_DEVICE_MEMORY, 64, "x"),
+            Error::OutOfMemory { bytes: 64, .. }
+        ));
+    }
 }

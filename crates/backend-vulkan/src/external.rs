@@ -7,8 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use ash::vk;
 use headkl_core::gemm_choice::resolve_choice;
-use headkl_core::params::ResidentParams;
-use headkl_core::{Error, ResidentBackend, ResidentKernel, Result};
+use headkl_core::{Error, ResidentBackend, Result};
 
 use crate::adapter;
 use crate::command::{self, Stream};
@@ -17,7 +16,7 @@ use crate::device::{Device, Enabled};
 use crate::instance::Instance;
 use crate::kernels;
 use crate::memory::VulkanBuffer;
-use crate::pipeline::{PipelineCache, PipelineKey};
+use crate::pipeline::PipelineCache;
 use crate::{describe_gemm, VulkanBackend, VulkanOptions, DEFAULT_GEMM};
 
 /// The caller's Vulkan objects [`VulkanBackend::from_raw`] runs on.
@@ -152,39 +151,6 @@ impl ResidentBackend for VulkanBackend {
 
     fn buffer_offset(&self, buffer: &VulkanBuffer) -> u64 {
         buffer.offset()
-    }
-
-    fn resident_dispatch(
-        &self,
-        kernel: ResidentKernel,
-        buffers: &[&VulkanBuffer],
-        params: &ResidentParams,
-        workgroups: u64,
-    ) -> Result<()> {
-        kernel.check_buffers(BACKEND, buffers.len())?;
-        for b in buffers {
-            self.check_device(b, kernel.entry())?;
-        }
-        let shader = kernel.shader();
-        let key = PipelineKey {
-            file: shader.file,
-            entry: kernel.entry(),
-            overrides: Vec::new(),
-            // Built with bounds checks: what they index comes from the
-            // caller's data.
-            checked: true,
-            full_subgroups: false,
-            required_subgroup_size: None,
-        };
-        let block = *params;
-        self.dispatch(
-            &shader,
-            key,
-            workgroups,
-            |grid_x| bytemuck::bytes_of(&ResidentParams { grid_x, ..block }).to_vec(),
-            buffers,
-            kernel.entry(),
-        )
     }
 
     fn submit(&self) -> Result<()> {

@@ -165,7 +165,7 @@ impl VulkanBuffer {
         .or_else(|e| match e {
             // A device without device-local memory for buffers (none known)
             // still has some memory type that takes them.
-            Error::Backend { .. } => create_buffer(
+            Error::Backend { .. } | Error::Driver { .. } => create_buffer(
                 device,
                 bytes,
                 vk::BufferUsageFlags::STORAGE_BUFFER

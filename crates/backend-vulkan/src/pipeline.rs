@@ -10,7 +10,7 @@ use headkl_core::Result;
 use naga::back::spv;
 use naga::valid::{Capabilities, ModuleInfo, ShaderStages, SubgroupOperationSet, ValidationFlags, Validator};
 
-use crate::conv::{backend_error, vk_error};
+use crate::conv::{backend_error, driver_error, vk_error};
 use crate::device::Device;
 
 /// A WGSL file: its name (for errors and the cache) and its text.
@@ -205,7 +205,7 @@ pub(crate) fn compile(
         Some((naga::ShaderStage::Compute, entry)),
         &constants,
     )
-    .map_err(|e| backend_error(format!("{file}:{entry}: override values {overrides:?}: {e}")))?;
+    .map_err(|e| driver_error(format!("{file}:{entry}: override values {overrides:?}: {e}"), e))?;
     let Some(ep) = module
         .entry_points
         .iter()
@@ -257,7 +257,12 @@ pub(crate) fn compile(
     }));
     let words = match written {
         Ok(Ok(words)) => words,
-        Ok(Err(e)) => return Err(backend_error(format!("{file}:{entry}: SPIR-V generation failed: {e}"))),
+        Ok(Err(e)) => {
+            return Err(driver_error(
+                format!("{file}:{entry}: SPIR-V generation failed: {e}"),
+                e,
+            ))
+        }
         Err(panic) => {
             let message = panic
                 .downcast_ref::<String>()

@@ -9,9 +9,8 @@ use headkl_core::{
     Result,
 };
 
-use crate::backend_error;
 use crate::buffer::{lock, WgpuBuffer};
-use crate::device::{wgpu_error_text, WgpuBackend};
+use crate::device::{wgpu_failure, WgpuBackend};
 
 impl Backend for WgpuBackend {
     type Buffer = WgpuBuffer;
@@ -40,10 +39,7 @@ impl Backend for WgpuBackend {
             return Err(Error::OutOfMemory { bytes, what: label });
         }
         if let Some(e) = validation {
-            return Err(backend_error(format!(
-                "allocating {bytes} bytes for {label}: {}",
-                wgpu_error_text(&e)
-            )));
+            return Err(wgpu_failure(format_args!("allocating {bytes} bytes for {label}"), e));
         }
         Ok(WgpuBuffer::new(raw, bytes, self.shared.clone()))
     }

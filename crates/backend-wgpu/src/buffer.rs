@@ -6,13 +6,11 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use headkl_core::{DeviceBuffer, MemoryStats};
-
-use crate::kernels::Entry;
+use headkl_core::{DeviceBuffer, KernelId, MemoryStats};
 
 /// Bind groups are keyed by kernel (its layout) and the ids of the buffers
 /// at bindings 1.. (0 where unused).
-pub(crate) type BindKey = (Entry, [u64; 8]);
+pub(crate) type BindKey = (KernelId, [u64; 8]);
 
 /// Errors the device reported outside any call's error scope, and device
 /// loss.

@@ -58,6 +58,11 @@ pub struct WgpuBackend {
     pub(crate) readbacks: Mutex<crate::readback::Readbacks>,
 }
 
+/// `what` failed with wgpu's error `e` (kept as the source).
+pub(crate) fn wgpu_failure(what: impl std::fmt::Display, e: wgpu::Error) -> headkl_core::Error {
+    crate::driver_error(format!("{what}: {}", wgpu_error_text(&e)), e)
+}
+
 pub(crate) fn wgpu_error_text(e: &wgpu::Error) -> String {
     match e {
         wgpu::Error::OutOfMemory { .. } => "out of memory".to_string(),

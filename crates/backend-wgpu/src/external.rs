@@ -2,15 +2,13 @@
 //! `Device` and `Queue`, views of the caller's buffers, and the
 //! device-resident kernels ([`headkl_core::ResidentBackend`]).
 
-use headkl_core::params::ResidentParams;
-use headkl_core::{fold_workgroups, Error, ResidentBackend, ResidentKernel, Result};
+use headkl_core::{Error, ResidentBackend, Result};
 
 use headkl_core::gemm_choice::KernelLimits;
 
 use crate::adapter;
 use crate::buffer::WgpuBuffer;
 use crate::device::{OpenOptions, WgpuBackend};
-use crate::kernels::Entry;
 
 impl WgpuBackend {
     /// The features a device needs for headkl: `SHADER_F16`, plus
@@ -158,26 +156,6 @@ impl ResidentBackend for WgpuBackend {
 
     fn buffer_offset(&self, buffer: &WgpuBuffer) -> u64 {
         buffer.offset
-    }
-
-    fn resident_dispatch(
-        &self,
-        kernel: ResidentKernel,
-        buffers: &[&WgpuBuffer],
-        params: &ResidentParams,
-        workgroups: u64,
-    ) -> Result<()> {
-        kernel.check_buffers(crate::BACKEND, buffers.len())?;
-        // The folded grid's width goes into the block the kernel reads.
-        let (gx, _) = fold_workgroups(workgroups);
-        let block = ResidentParams { grid_x: gx, ..*params };
-        self.record_dispatch(
-            Entry::Resident(kernel),
-            &[],
-            workgroups,
-            |_| bytemuck::bytes_of(&block).to_vec(),
-            buffers,
-        )
     }
 
     fn submit(&self) -> Result<()> {

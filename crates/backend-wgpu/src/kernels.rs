@@ -10,59 +10,10 @@ use std::num::NonZeroU64;
 use std::sync::Mutex;
 
 use headkl_core::kernels::Access;
-use headkl_core::{GemmChoice, GemmKernel, KernelBuild, KernelId, KernelSource, ResidentKernel, Result};
+use headkl_core::{GemmChoice, GemmKernel, KernelBuild, KernelId, KernelSource, Result};
 
 use crate::backend_error;
 use crate::buffer::lock;
-
-/// A pipeline this backend builds: one of the driver's kernels (the
-/// catalogue, `headkl_core::kernels`) or a device-resident one
-/// (`headkl_core::resident`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Entry {
-    Driver(KernelId),
-    Resident(ResidentKernel),
-}
-
-impl From<KernelId> for Entry {
-    fn from(k: KernelId) -> Self {
-        Entry::Driver(k)
-    }
-}
-
-impl Entry {
-    /// Every pipeline.
-    fn all() -> impl Iterator<Item = Entry> {
-        KernelId::ALL
-            .into_iter()
-            .map(Entry::Driver)
-            .chain(ResidentKernel::ALL.into_iter().map(Entry::Resident))
-    }
-
-    /// Its entry point and timing label.
-    pub fn name(self) -> &'static str {
-        match self {
-            Entry::Driver(k) => k.name(),
-            Entry::Resident(r) => r.entry(),
-        }
-    }
-
-    /// Its storage bindings 1...
-    pub fn bindings(self) -> &'static [Access] {
-        match self {
-            Entry::Driver(k) => k.bindings(),
-            Entry::Resident(r) => r.bindings(),
-        }
-    }
-
-    /// Bytes of its uniform parameter block.
-    pub fn params_bytes(self) -> u64 {
-        match self {
-            Entry::Driver(k) => k.params_bytes(),
-            Entry::Resident(r) => r.shader().params.bytes as u64,
-        }
-    }
-}
 
 /// How the GEMM is built.
 #[derive(Clone, Copy, Debug)]
@@ -76,11 +27,11 @@ pub(crate) struct GemmBuild {
 
 /// A pipeline's key: its entry and the launch's override values
 /// (`Checked::specialization`: the KL rows' term set).
-type PipelineKey = (Entry, Vec<(&'static str, u32)>);
+type PipelineKey = (KernelId, Vec<(&'static str, u32)>);
 
 /// Layouts, modules and pipelines of one device.
 pub(crate) struct Kernels {
-    layouts: HashMap<Entry, (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    layouts: HashMap<KernelId, (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     /// By [`KernelSource::name`].
     modules: Mutex<HashMap<String, wgpu::ShaderModule>>,
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
@@ -90,7 +41,7 @@ pub(crate) struct Kernels {
 impl Kernels {
     pub fn new(device: &wgpu::Device, gemm: GemmBuild) -> Self {
         let mut layouts = HashMap::new();
-        for kernel in Entry::all() {
+        for kernel in KernelId::ALL {
             let mut entries = vec![wgpu::BindGroupLayoutEntry {
                 binding: 0,
                 visibility: wgpu::ShaderStages::COMPUTE,
@@ -134,7 +85,7 @@ impl Kernels {
         }
     }
 
-    pub fn bind_group_layout(&self, kernel: Entry) -> Result<&wgpu::BindGroupLayout> {
+    pub fn bind_group_layout(&self, kernel: KernelId) -> Result<&wgpu::BindGroupLayout> {
         self.layouts
             .get(&kernel)
             .map(|(bgl, _)| bgl)
@@ -169,7 +120,7 @@ impl Kernels {
         if let Some((_, current)) = &mut self.gemm.coop {
             *current = choice;
             let mut pipelines = lock(&self.pipelines);
-            pipelines.retain(|(entry, _), _| !matches!(entry, Entry::Driver(id) if id.gemm_layout().is_some()));
+            pipelines.retain(|(id, _), _| id.gemm_layout().is_none());
         }
     }
 
@@ -240,31 +191,18 @@ impl Kernels {
 
     /// The pipeline of `kernel` with the override values `specialization`
     /// added to its build, built on first use. Build errors (WGSL, driver
-    /// compile) come back as `Error::Backend`.
+    /// compile) come back as `Error::Driver`.
     pub fn pipeline(
         &self,
         device: &wgpu::Device,
-        kernel: Entry,
+        kernel: KernelId,
         specialization: &[(&'static str, u32)],
     ) -> Result<wgpu::ComputePipeline> {
         let key = (kernel, specialization.to_vec());
         if let Some(p) = lock(&self.pipelines).get(&key) {
             return Ok(p.clone());
         }
-        let mut build = match kernel {
-            Entry::Driver(id) => self.build(id),
-            // Built with runtime bounds checks (not a GEMM): what they
-            // index comes from the caller's data.
-            Entry::Resident(r) => KernelBuild {
-                id: KernelId::ConvertF16,
-                source: KernelSource::Wgsl(r.shader()),
-                entry: r.entry(),
-                overrides: Vec::new(),
-                workgroup_bytes: 0,
-                invocations: r.workgroup_size(),
-                matrix_units: false,
-            },
-        };
+        let mut build = self.build(kernel);
         build.overrides.extend_from_slice(specialization);
         let validation = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let internal = device.push_error_scope(wgpu::ErrorFilter::Internal);
@@ -303,7 +241,10 @@ impl Kernels {
             } else {
                 ""
             };
-            return Err(backend_error(format!("building {file}:{}: {e}{hint}", build.entry)));
+            return Err(crate::driver_error(
+                format!("building {file}:{}: {e}{hint}", build.entry),
+                e,
+            ));
         }
         lock(&self.pipelines).insert(key, pipeline.clone());
         Ok(pipeline)

@@ -45,3 +45,16 @@ fn backend_error(message: impl Into<String>) -> headkl_core::Error {
         message: message.into(),
     }
 }
+
+/// `headkl_core::Error::Driver` from this backend: `message`, with wgpu's
+/// own error kept as the source.
+fn driver_error(
+    message: impl Into<String>,
+    error: impl std::error::Error + Send + Sync + 'static,
+) -> headkl_core::Error {
+    headkl_core::Error::Driver {
+        backend: BACKEND,
+        message: message.into(),
+        source: headkl_core::DriverError::new(error),
+    }
+}

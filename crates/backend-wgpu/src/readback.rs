@@ -8,9 +8,8 @@ use std::sync::mpsc;
 use headkl_core::checks::check_transfer;
 use headkl_core::{DeviceBuffer, DownloadsInFlight, PendingDownload, Result};
 
-use crate::backend_error;
 use crate::buffer::{lock, WgpuBuffer};
-use crate::device::{wgpu_error_text, WgpuBackend};
+use crate::device::{wgpu_failure, WgpuBackend};
 
 /// Staging buffers kept for reuse after their download was read: two
 /// chunks in flight with two outputs each.
@@ -70,7 +69,7 @@ impl WgpuBackend {
         enc.copy_buffer_to_buffer(&src.raw, start, &staging, 0, span);
         let submission = self.queue.submit([enc.finish()]);
         if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(backend_error(format!("download: {}", wgpu_error_text(&e))));
+            return Err(wgpu_failure("download", e));
         }
         let (tx, mapped) = mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, 0..span, move |r| {
@@ -107,7 +106,7 @@ impl WgpuBackend {
             let view = rb
                 .staging
                 .get_mapped_range(0..rb.span)
-                .map_err(|e| backend_error(format!("reading a mapped buffer: {e}")))?;
+                .map_err(|e| crate::driver_error(format!("reading a mapped buffer: {e}"), e))?;
             headkl_core::host::parallel_copy(&view[rb.skip..rb.skip + rb.len], out);
         }
         rb.staging.unmap();

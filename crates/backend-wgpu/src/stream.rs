@@ -4,12 +4,10 @@
 
 use std::sync::atomic::Ordering;
 
-use headkl_core::{fold_workgroups, Result};
+use headkl_core::{fold_workgroups, KernelId, Result};
 
-use crate::backend_error;
 use crate::buffer::{lock, WgpuBuffer};
-use crate::device::{wgpu_error_text, WgpuBackend};
-use crate::kernels::Entry;
+use crate::device::{wgpu_failure, WgpuBackend};
 
 /// Dispatches per submitted batch (slots of the uniform ring).
 pub(crate) const RING_SLOTS: u32 = 1024;
@@ -68,7 +66,7 @@ impl WgpuBackend {
         b.labels.clear();
         self.staged_upload_bytes.store(0, Ordering::Relaxed);
         if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(backend_error(format!("submitting work: {}", wgpu_error_text(&e))));
+            return Err(wgpu_failure("submitting work", e));
         }
         if let Some(p) = pending {
             lock(&self.times).push(p);
@@ -87,13 +85,12 @@ impl WgpuBackend {
     /// override values to its build (`Checked::specialization`).
     pub(crate) fn record_dispatch(
         &self,
-        kernel: impl Into<Entry>,
+        kernel: KernelId,
         specialization: &[(&'static str, u32)],
         count: u64,
         params: impl FnOnce(u32) -> Vec<u8>,
         buffers: &[&WgpuBuffer],
     ) -> Result<()> {
-        let kernel = kernel.into();
         let label = kernel.name();
         self.check()?;
         if count == 0 {
@@ -159,7 +156,12 @@ impl WgpuBackend {
         Ok(())
     }
 
-    pub(crate) fn bind_group(&self, kernel: Entry, ids: [u64; 8], buffers: &[&WgpuBuffer]) -> Result<wgpu::BindGroup> {
+    pub(crate) fn bind_group(
+        &self,
+        kernel: KernelId,
+        ids: [u64; 8],
+        buffers: &[&WgpuBuffer],
+    ) -> Result<wgpu::BindGroup> {
         let layout = self.kernels.bind_group_layout(kernel)?;
         let mut failed = None;
         let group = self.shared.bind_group((kernel, ids), || {
@@ -188,7 +190,7 @@ impl WgpuBackend {
         });
         if let Some(e) = failed {
             self.shared.drop_bind_group((kernel, ids));
-            return Err(backend_error(format!("binding buffers: {}", wgpu_error_text(&e))));
+            return Err(wgpu_failure("binding buffers", e));
         }
         Ok(group)
     }

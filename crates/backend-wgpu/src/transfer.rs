@@ -7,9 +7,8 @@ use std::sync::mpsc;
 use headkl_core::checks::check_transfer;
 use headkl_core::{DeviceBuffer, Error, Result};
 
-use crate::backend_error;
 use crate::buffer::{lock, WgpuBuffer};
-use crate::device::{wgpu_error_text, WgpuBackend};
+use crate::device::{wgpu_failure, WgpuBackend};
 
 /// Largest staging buffer for downloads; bigger downloads go in pieces.
 const MAX_STAGING: u64 = 64 << 20;
@@ -66,7 +65,7 @@ impl WgpuBackend {
         {
             let view = buffer
                 .get_mapped_range(0..bytes)
-                .map_err(|e| backend_error(format!("reading a mapped buffer: {e}")))?;
+                .map_err(|e| crate::driver_error(format!("reading a mapped buffer: {e}"), e))?;
             read(&view);
         }
         buffer.unmap();
@@ -87,7 +86,7 @@ impl WgpuBackend {
             enc.copy_buffer_to_buffer(src, offset + done, &staging, 0, piece);
             self.queue.submit([enc.finish()]);
             if let Some(e) = pollster::block_on(scope.pop()) {
-                return Err(backend_error(format!("download: {}", wgpu_error_text(&e))));
+                return Err(wgpu_failure("download", e));
             }
             let dst = &mut out[done as usize..(done + piece) as usize];
             self.read_mapped(&staging, piece, |bytes| {
@@ -127,7 +126,7 @@ impl WgpuBackend {
             self.queue.write_buffer(&dst.raw, start, &merged);
         }
         if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(backend_error(format!("upload: {}", wgpu_error_text(&e))));
+            return Err(wgpu_failure("upload", e));
         }
         let staged = self.staged_upload_bytes.fetch_add(len, Ordering::Relaxed) + len;
         if staged >= UPLOAD_FLUSH_BYTES {

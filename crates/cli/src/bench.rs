@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use half::f16;
@@ -16,6 +17,7 @@ use headkl_core::{
     HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions, ALIGN,
 };
 
+use crate::environment::Settings;
 use crate::error::{is_validation, CliError};
 use crate::io::write_atomic;
 use crate::progress::Progress;
@@ -135,6 +137,8 @@ impl BenchData {
 /// the next backend.
 struct BenchJob<'a> {
     kind: BackendKind,
+    /// `HEADKL_TRACE` and `HEADKL_DX_SPLIT` for the engine.
+    settings: &'a Settings,
     cfg: &'a BenchConfig,
     cache: &'a mut Option<BenchData>,
 }
@@ -499,7 +503,7 @@ impl BenchJob<'_> {
         }
         // The sharded jobs first, their engines dropped before the head goes up whole.
         let sharded = match self.cfg.shards {
-            Some(n) => time_sharded(data, self.cfg, &backend, n)?,
+            Some(n) => time_sharded(data, self.cfg, self.settings, &backend, n)?,
             None => Vec::new(),
         };
         let before = backend.memory().current;
@@ -509,8 +513,8 @@ impl BenchJob<'_> {
         let mut engine = Engine::new(backend, &head, SliceOptions::default())
             .map_err(|e| CliError::device(format!("uploading the head to {}", info.backend), e))?;
         let upload_ms = start.elapsed().as_secs_f64() * 1e3;
-        engine.set_trace(crate::environment::get().trace);
-        engine.set_dx_split(crate::environment::get().dx_split);
+        engine.set_trace(self.settings.trace);
+        engine.set_dx_split(self.settings.dx_split);
         let head_bytes = engine.backend().memory().current.saturating_sub(before);
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
@@ -571,6 +575,7 @@ impl BenchJob<'_> {
 fn time_sharded<B: Backend>(
     d: &BenchData,
     cfg: &BenchConfig,
+    settings: &Settings,
     backend: &B,
     n: usize,
 ) -> Result<Vec<JobResult>, CliError> {
@@ -578,7 +583,7 @@ fn time_sharded<B: Backend>(
     let fail = |e| CliError::device("bench --shards", e);
     let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
     let before = backend.memory().current;
-    let mut shards = crate::shard::serial_engines(backend, &head, n)?;
+    let mut shards = crate::shard::serial_engines(backend, &head, n, settings)?;
     let mut anchor = Engine::new(
         backend,
         &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
@@ -618,18 +623,18 @@ fn time_sharded<B: Backend>(
 
 /// The backends to run: `--all` gives every startable one; otherwise the
 /// named backend or auto's pick. A bad option or setting fails here.
-fn targets(args: &BackendArgs, all: bool) -> Result<Vec<Result<Target, RunError>>, CliError> {
+fn targets(args: &BackendArgs, all: bool, settings: &Arc<Settings>) -> Result<Vec<Result<Target, RunError>>, CliError> {
     if all {
-        let args = args.with_settings();
+        let args = args.with_settings(settings);
         return BackendKind::ALL
             .iter()
-            .map(|&kind| match target_for(kind, args.device) {
+            .map(|&kind| match target_for(kind, args.device, settings) {
                 Err(RunError::Job(e)) => Err(e),
                 other => Ok(other),
             })
             .collect();
     }
-    Ok(vec![Ok(resolve_announced(args, "bench")?)])
+    Ok(vec![Ok(resolve_announced(args, "bench", settings)?)])
 }
 
 /// The one shape `--all` runs on every backend without `--shape`: the
@@ -640,7 +645,7 @@ fn common_shape(targets: &[Result<Target, RunError>]) -> Option<Shape> {
         .iter()
         .filter_map(|t| t.as_ref().ok())
         .filter_map(|t| {
-            let infos = enumerate_backend(t.kind).ok()?;
+            let infos = enumerate_backend(t.kind, &t.settings).ok()?;
             let info = infos.get(t.device.unwrap_or(0))?;
             Some(Shape::default_for(info, t.kind))
         })
@@ -661,8 +666,8 @@ fn shape_for(cfg: &BenchConfig, info: &DeviceInfo, kind: BackendKind) -> Result<
 
 /// A backend `--all` cannot start: skipped with why, unless the cause is a
 /// bad setting (exit 2) or `HEADKL_REQUIRE` names it.
-fn skip_or_fail(kind: BackendKind, why: headkl_core::Error) -> Result<(), CliError> {
-    if is_validation(&why) || required(kind) {
+fn skip_or_fail(kind: BackendKind, why: headkl_core::Error, settings: &Settings) -> Result<(), CliError> {
+    if is_validation(&why) || required(kind, settings) {
         return Err(CliError::start(kind.name(), why));
     }
     log::warn!("bench: {kind}: cannot start: {why} (skipped)");
@@ -670,13 +675,13 @@ fn skip_or_fail(kind: BackendKind, why: headkl_core::Error) -> Result<(), CliErr
 }
 
 /// Runs `headkl bench`.
-pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
+pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &BenchConfig) -> Result<(), CliError> {
     if cfg.iters == 0 {
         return Err(CliError::option("--iters", "must be at least 1"));
     }
     let mut runs = Vec::new();
     let mut data: Option<BenchData> = None;
-    let targets = targets(args, cfg.all)?;
+    let targets = targets(args, cfg.all, settings)?;
     let common;
     let cfg = if cfg.all && cfg.shape.is_none() {
         common = BenchConfig {
@@ -696,13 +701,14 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
         let target = match target {
             Ok(t) => t,
             Err(RunError::Start(kind, why)) => {
-                skip_or_fail(kind, why)?;
+                skip_or_fail(kind, why, settings)?;
                 continue;
             }
             Err(RunError::Job(e)) => return Err(e),
         };
         let job = BenchJob {
             kind: target.kind,
+            settings,
             cfg,
             cache: &mut data,
         };
@@ -721,7 +727,7 @@ pub fn run(args: &BackendArgs, cfg: &BenchConfig) -> Result<(), CliError> {
         match result {
             Ok(Some(run)) => runs.push(run),
             Ok(None) => {}
-            Err(RunError::Start(kind, why)) if cfg.all => skip_or_fail(kind, why)?,
+            Err(RunError::Start(kind, why)) if cfg.all => skip_or_fail(kind, why, settings)?,
             Err(e) => return Err(e.into()),
         }
     }

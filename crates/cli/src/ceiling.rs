@@ -54,7 +54,7 @@ struct Operands<'a> {
 /// matrix units by the caller's device info) at `shape`.
 pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliError> {
     let dev = |e| CliError::device("tune --ceiling", e);
-    let options = crate::select::vulkan_options(target.device, None);
+    let options = crate::select::vulkan_options(target, None);
     let mut backend = contained("vulkan", || VulkanBackend::open_with(&options)).map_err(|source| CliError::Start {
         backend: "vulkan",
         source,

@@ -6,7 +6,9 @@ use headkl_core::{Backend, ResidentBackend};
 use headkl_reference::conformance::resident::{resident_case_count, run_resident};
 use headkl_reference::conformance::shard::{run_shard_cases, shard_case_count, Serial};
 use headkl_reference::conformance::{case_count, run_suite, CaseOutcome, SuiteConfig, SuiteReport};
+use std::sync::Arc;
 
+use crate::environment::Settings;
 use crate::error::is_validation;
 use crate::error::CliError;
 use crate::progress::Progress;
@@ -90,13 +92,13 @@ enum Planned {
 
 /// The backends to check: the one named (auto resolves to its pick), or
 /// every backend with its best usable device. A bad option fails here.
-fn plan(args: &BackendArgs) -> Result<Vec<Planned>, CliError> {
+fn plan(args: &BackendArgs, settings: &Arc<Settings>) -> Result<Vec<Planned>, CliError> {
     if args.backend.is_some() {
-        return Ok(vec![Planned::Run(resolve_announced(args, "check")?)]);
+        return Ok(vec![Planned::Run(resolve_announced(args, "check", settings)?)]);
     }
     BackendKind::ALL
         .iter()
-        .map(|&kind| match target_for(kind, args.device) {
+        .map(|&kind| match target_for(kind, args.device, settings) {
             Ok(t) => Ok(Planned::Run(t)),
             Err(RunError::Start(kind, e)) => Ok(Planned::CannotStart(kind, e)),
             Err(RunError::Job(e)) => Err(e),
@@ -147,14 +149,14 @@ fn render(reports: &[SuiteReport]) -> String {
 }
 
 /// Runs `headkl check`.
-pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> {
+pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cases: usize, seed: u64) -> Result<(), CliError> {
     let cfg = SuiteConfig { cases, seed };
-    let args = &args.with_settings();
+    let args = &args.with_settings(settings);
     let explicit = args.backend.is_some();
     let mut reports = Vec::new();
     let mut problems = Vec::new();
     let mut skipped = Vec::new();
-    for planned in plan(args)? {
+    for planned in plan(args, settings)? {
         let (kind, why) = match planned {
             Planned::Run(target) => match check_target(&target, &cfg) {
                 Ok(report) => {
@@ -170,7 +172,7 @@ pub fn run(args: &BackendArgs, cases: usize, seed: u64) -> Result<(), CliError> 
         if is_validation(&why) {
             return Err(CliError::Setting(why));
         }
-        let must = explicit || required(kind);
+        let must = explicit || required(kind, settings);
         log::warn!("{kind}: cannot start: {why}{}", if must { "" } else { " (skipped)" });
         if !must {
             skipped.push(format!("{kind} (cannot start: {why})"));

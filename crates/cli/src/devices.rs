@@ -1,6 +1,7 @@
 //! `headkl devices`: every backend × device, what it offers, and which one
 //! `auto` picks and why.
 
+use crate::environment::Settings;
 use serde::Serialize;
 
 use crate::select::{
@@ -199,9 +200,9 @@ pub fn render(rows: &[DeviceRow], pick: &AutoPick) -> String {
 }
 
 /// Runs `headkl devices`: every backend, or only the one `--backend` names.
-pub fn run(args: &BackendArgs, json: bool) -> Result<(), crate::error::CliError> {
-    let args = &args.with_settings();
-    let e = enumerate_all();
+pub fn run(args: &BackendArgs, json: bool, settings: &Settings) -> Result<(), crate::error::CliError> {
+    let args = &args.with_settings(settings);
+    let e = enumerate_all(settings);
     let pick = auto_pick(&e.candidates, args.device);
     let mut rows = rows(&e, &pick);
     if let Some(named) = args.backend.filter(|b| *b != BackendArg::Auto) {

@@ -3,8 +3,6 @@
 //! settings), the command line's own here. `headkl_core::settings` holds
 //! the one list of variables.
 
-use std::sync::OnceLock;
-
 use clap::ValueEnum;
 use headkl_core::settings::{self, Env};
 use headkl_core::DxSplit;
@@ -72,23 +70,14 @@ impl Settings {
     }
 }
 
-static SETTINGS: OnceLock<Settings> = OnceLock::new();
-
-/// Reads the environment once: gives the process a private runtime folder
-/// where `XDG_RUNTIME_DIR` is unset (before anything loads Vulkan), then
-/// parses every variable. A value that does not parse is a bad setting
-/// (exit 2), named with its value.
-pub fn init() -> Result<(), CliError> {
+/// Reads the environment once, at start-up: gives the process a private
+/// runtime folder where `XDG_RUNTIME_DIR` is unset (before anything loads
+/// Vulkan), then parses every variable. A value that does not parse is a
+/// bad setting (exit 2), named with its value. The command passes the
+/// result down to what needs it; nothing reads it from a global.
+pub fn read() -> Result<Settings, CliError> {
     headkl_reference::conformance::ensure_runtime_dir();
-    let settings = Settings::from_env(&Env::process()).map_err(CliError::Setting)?;
-    // A second call keeps the first reading: the environment is read once.
-    let _ = SETTINGS.set(settings);
-    Ok(())
-}
-
-/// The settings [`init`] read (the defaults before it, as in unit tests).
-pub fn get() -> &'static Settings {
-    SETTINGS.get_or_init(Settings::default)
+    Settings::from_env(&Env::process()).map_err(CliError::Setting)
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use half::{bf16, f16};
@@ -12,9 +13,10 @@ use headkl_core::{
 };
 use safetensors::Dtype;
 
+use crate::environment::Settings;
 use crate::error::CliError;
 use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, TensorRef};
-use crate::progress::{pieces, Progress};
+use crate::progress::Progress;
 use crate::provenance::{check_teacher, LossRecord, LossRun, TeacherRecord};
 use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
 use crate::terms::{LossTermArgs, TopkTermArgs};
@@ -202,20 +204,8 @@ pub struct InputArgs {
     pub hidden_tensor: String,
 }
 
-/// Rows per piece at least: below this a call leaves a GPU idle.
-const MIN_PIECE_ROWS: usize = 256;
-
-/// Rows `[a, b)` of hidden rows `[ntok][hs]`.
-fn hidden_rows<'a>(data: &HiddenData<'a>, hs: usize, a: usize, b: usize) -> headkl_core::Result<Hidden<'a>> {
-    match *data {
-        HiddenData::F32(d) => Hidden::new(HiddenData::F32(&d[a * hs..b * hs]), b - a, hs),
-        HiddenData::F16(d) => Hidden::new(HiddenData::F16(&d[a * hs..b * hs]), b - a, hs),
-        HiddenData::Bf16(d) => Hidden::new(HiddenData::Bf16(&d[a * hs..b * hs]), b - a, hs),
-    }
-}
-
-/// Runs the top-k job on a backend, in pieces of rows so a terminal shows
-/// progress (rows are independent: the result is the same).
+/// Runs the top-k job on a backend in one engine call, whose progress
+/// callback drives the bar.
 struct TopkJob<'a> {
     sources: &'a Sources<'a>,
     head: HeadWeights<'a>,
@@ -230,37 +220,24 @@ impl BackendJob for TopkJob<'_> {
 
     fn run<B: Backend>(self, backend: B) -> Result<TopK, CliError> {
         log::info!("headkl: running on {}", describe(backend.info()));
-        let mut progress = Progress::new("topk: head upload, then tokens", self.ntok as u64);
+        let progress = Progress::new("topk: head upload, then tokens", self.ntok as u64);
         let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
             .map_err(|e| self.sources.map(e, "uploading the head"))?;
-        let k = self.opts.k;
-        let mut out = TopK {
-            ids: Vec::with_capacity(self.ntok * k),
-            probs: Vec::with_capacity(self.ntok * k),
-            logprobs: Vec::new(),
-            ntok: self.ntok,
-            k,
-        };
-        for (a, b) in pieces(self.ntok, MIN_PIECE_ROWS) {
-            let hidden = hidden_rows(&self.hidden, self.hs, a, b).map_err(|e| self.sources.map(e, "hidden"))?;
-            let piece = engine
-                .topk(&hidden, &self.opts)
-                .map_err(|e| self.sources.map(e, "top-k"))?;
-            out.ids.extend_from_slice(&piece.ids);
-            out.probs.extend_from_slice(&piece.probs);
-            out.logprobs.extend_from_slice(&piece.logprobs);
-            progress.inc_by((b - a) as u64);
-        }
-        Ok(out)
+        engine.set_progress(Some(progress.callback()));
+        let hidden = Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))?;
+        // One call: the engine plans the chunks and reports each one.
+        engine
+            .topk(&hidden, &self.opts)
+            .map_err(|e| self.sources.map(e, "top-k"))
     }
 }
 
-/// Runs the loss job on a backend, in pieces of rows so a terminal shows
-/// progress: `total` and `gscale` are resolved over every token first, so
-/// each token's loss and gradient are what one call would give, and the
-/// mean is the sum of the pieces' `Σ w_t L_t / total`.
+/// Runs the loss job on a backend in one engine call, whose progress
+/// callback drives the bar.
 struct LossJob<'a> {
     sources: &'a Sources<'a>,
+    /// `HEADKL_TRACE` and `HEADKL_DX_SPLIT` for the engine.
+    settings: &'a Settings,
     head: HeadWeights<'a>,
     hidden: HiddenData<'a>,
     ntok: usize,
@@ -278,47 +255,21 @@ impl BackendJob for LossJob<'_> {
 
     fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
         log::info!("headkl: running on {}", describe(backend.info()));
-        let resolved = self
-            .opts
-            .resolve(self.ntok)
-            .map_err(|e| self.sources.map(e, "loss options"))?;
-        let mut progress = Progress::new("loss: head upload, then tokens", self.ntok as u64);
+        let progress = Progress::new("loss: head upload, then tokens", self.ntok as u64);
         let vocab = self.head.vocab();
         let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
             .map_err(|e| self.sources.map(e, "uploading the head"))?;
-        engine.set_trace(crate::environment::get().trace);
-        engine.set_dx_split(crate::environment::get().dx_split);
-        let mut out = LossOutput {
-            loss: Vec::with_capacity(self.ntok),
-            mean: 0.0,
-            dx: Vec::with_capacity(self.ntok * self.hs),
-            ..LossOutput::default()
-        };
-        let k = self.k;
-        for (a, b) in pieces(self.ntok, MIN_PIECE_ROWS) {
-            let hidden = hidden_rows(&self.hidden, self.hs, a, b).map_err(|e| self.sources.map(e, "hidden"))?;
-            let (ids, values) = (&self.ids[a * k..b * k], &self.probs[a * k..b * k]);
-            let teacher = Teacher::with_form(ids, values, b - a, k, vocab, self.form, self.tail)
-                .map_err(|e| self.sources.map(e, "teacher"))?;
-            let opts = LossOptions {
-                weights: Some(resolved.weights[a..b].to_vec()),
-                total: Some(resolved.total),
-                gscale: Some(resolved.gscale),
-                labels: self.opts.labels.as_ref().map(|l| l[a..b].to_vec()),
-                ..self.opts.clone()
-            };
-            let piece = engine
-                .head_kl(&hidden, &teacher, &opts)
-                .map_err(|e| self.sources.map(e, "head_kl"))?;
-            out.loss.extend_from_slice(&piece.loss);
-            out.lse.extend_from_slice(&piece.lse);
-            out.soft.extend_from_slice(&piece.soft);
-            out.hard.extend_from_slice(&piece.hard);
-            out.dx.extend_from_slice(&piece.dx);
-            out.mean += piece.mean;
-            progress.inc_by((b - a) as u64);
-        }
-        Ok(out)
+        engine.set_trace(self.settings.trace);
+        engine.set_dx_split(self.settings.dx_split);
+        engine.set_progress(Some(progress.callback()));
+        let hidden = Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))?;
+        let teacher = Teacher::with_form(self.ids, self.probs, self.ntok, self.k, vocab, self.form, self.tail)
+            .map_err(|e| self.sources.map(e, "teacher"))?;
+        // One call: the engine resolves total and gscale over every token,
+        // plans the chunks and reports each one.
+        engine
+            .head_kl(&hidden, &teacher, &self.opts)
+            .map_err(|e| self.sources.map(e, "head_kl"))
     }
 }
 
@@ -336,6 +287,7 @@ pub fn fmt_mean(v: f64) -> String {
 #[allow(clippy::too_many_arguments, reason = "the command's options, as parsed")]
 pub fn topk(
     backend: &BackendArgs,
+    settings: &Arc<Settings>,
     inputs: &InputArgs,
     k: usize,
     temperature: f32,
@@ -372,7 +324,7 @@ pub fn topk(
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(out)?;
-    let target = resolve_announced(backend, "headkl")?;
+    let target = resolve_announced(backend, "headkl", settings)?;
     let start = Instant::now();
     let result = match shards.plan(vocab, &target)? {
         Some(plan) => {
@@ -468,6 +420,7 @@ pub struct LossArgs {
 /// `headkl loss`.
 pub fn loss(
     backend: &BackendArgs,
+    settings: &Arc<Settings>,
     inputs: &InputArgs,
     args: &LossArgs,
     shards: &crate::shard::ShardArgs,
@@ -590,7 +543,7 @@ pub fn loss(
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
-    let target = resolve_announced(backend, "headkl")?;
+    let target = resolve_announced(backend, "headkl", settings)?;
     let start = Instant::now();
     let plan = shards.plan(vocab, &target)?;
     let result = match plan {
@@ -621,6 +574,7 @@ pub fn loss(
                 form,
                 tail,
                 opts,
+                settings,
             },
         )?,
     };

@@ -24,12 +24,14 @@ mod tune;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use headkl_core::DEFAULT_BUDGET_BYTES;
 use headkl_reference::conformance;
 
 use crate::bench::{BenchConfig, Shape};
+use crate::environment::Settings;
 use crate::error::CliError;
 use crate::jobs::{InputArgs, LossArgs};
 use crate::select::{BackendArgs, AUTO_POLICY};
@@ -334,15 +336,16 @@ hash of the head's bytes): a mismatch with this run is refused (exit 2, both val
     },
 }
 
-fn run(cli: Cli) -> Result<(), CliError> {
+fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
     progress::set_quiet(cli.quiet);
     logger::install(cli.quiet);
     match cli.command {
-        Command::Devices { backend, json } => devices::run(&backend, json),
+        Command::Devices { backend, json } => devices::run(&backend, json, settings),
         Command::Check { backend, cases, seed } => {
-            let suite = &environment::get().suite;
+            let suite = &settings.suite;
             check::run(
                 &backend,
+                settings,
                 cases.or(suite.cases).unwrap_or(conformance::DEFAULT_CASES),
                 seed.or(suite.seed).unwrap_or(conformance::DEFAULT_SEED),
             )
@@ -362,6 +365,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             shards,
         } => bench::run(
             &backend,
+            settings,
             &BenchConfig {
                 shape,
                 k,
@@ -385,6 +389,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             ceiling,
         } => tune::run(
             &backend,
+            settings,
             &tune::TuneConfig {
                 shape,
                 iters,
@@ -404,6 +409,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             shards,
         } => jobs::topk(
             &backend,
+            settings,
             &inputs,
             k,
             temperature,
@@ -428,6 +434,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             shards,
         } => jobs::loss(
             &backend,
+            settings,
             &inputs,
             &LossArgs {
                 teacher,
@@ -449,7 +456,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
 fn main() -> ExitCode {
     signals::install();
     let cli = Cli::parse();
-    match environment::init().and_then(|()| run(cli)) {
+    match environment::read().and_then(|settings| run(cli, &Arc::new(settings))) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("headkl: error: {e}");

@@ -91,6 +91,13 @@ impl Progress {
         self.bar.inc(n);
     }
 
+    /// A callback that advances the bar by the steps it is given: for
+    /// [`headkl_core::Engine::set_progress`], which reports each chunk.
+    pub fn callback(&self) -> headkl_core::ProgressCallback {
+        let bar = self.bar.clone();
+        Box::new(move |n| bar.inc(n as u64))
+    }
+
     /// Removes the bar.
     pub fn finish(&self) {
         self.bar.finish_and_clear();
@@ -103,38 +110,16 @@ impl Drop for Progress {
     }
 }
 
-/// Row ranges `[start, end)` that split `ntok` rows into about 20 pieces
-/// of at least `min_rows` each, so a long job shows progress while each
-/// call stays large enough to keep the device busy. One piece when the
-/// bar is not shown: the result does not depend on it either way.
-pub fn pieces(ntok: usize, min_rows: usize) -> Vec<(usize, usize)> {
-    split(ntok, min_rows, shown())
-}
-
-fn split(ntok: usize, min_rows: usize, shown: bool) -> Vec<(usize, usize)> {
-    let per = if shown {
-        ntok.div_ceil(20).max(min_rows).max(1)
-    } else {
-        ntok.max(1)
-    };
-    (0..ntok).step_by(per).map(|a| (a, (a + per).min(ntok))).collect()
-}
-
 #[cfg(test)]
 mod tests {
-    use super::split;
+    use super::Progress;
 
     #[test]
-    fn pieces_cover_every_row_once() {
-        assert_eq!(split(1000, 256, false), vec![(0, 1000)]);
-        assert_eq!(
-            split(1000, 256, true),
-            vec![(0, 256), (256, 512), (512, 768), (768, 1000)]
-        );
-        let big = split(100_000, 256, true);
-        assert_eq!(big.len(), 20);
-        assert!(big.windows(2).all(|w| w[0].1 == w[1].0));
-        assert_eq!((big[0].0, big[19].1), (0, 100_000));
-        assert!(split(0, 256, true).is_empty());
+    fn the_callback_advances_the_bar() {
+        let p = Progress::new("test", 10);
+        let callback = p.callback();
+        callback(3);
+        callback(4);
+        assert_eq!(p.bar.position(), 7);
     }
 }

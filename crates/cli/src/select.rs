@@ -5,11 +5,13 @@
 
 use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
 use headkl_core::{Backend, DeviceInfo, ResidentBackend};
 use serde::Serialize;
 
+use crate::environment::Settings;
 use crate::error::CliError;
 
 /// The `auto` policy in words, for `--help` and `headkl devices`.
@@ -86,8 +88,7 @@ pub struct BackendArgs {
 impl BackendArgs {
     /// The options with `HEADKL_BACKEND` and `HEADKL_DEVICE` filled in where
     /// the command line left them out (the command line wins).
-    pub fn with_settings(&self) -> Self {
-        let settings = crate::environment::get();
+    pub fn with_settings(&self, settings: &Settings) -> Self {
         Self {
             backend: self.backend.or(settings.backend),
             device: self.device.or(settings.device()),
@@ -257,13 +258,13 @@ pub fn contained<T>(backend: &'static str, f: impl FnOnce() -> headkl_core::Resu
 
 /// Lists one backend's devices, as `open` would use them with the
 /// settings (`HEADKL_NO_COOPMAT` turns matrix units off in the listing).
-pub fn enumerate_backend(kind: BackendKind) -> headkl_core::Result<Vec<DeviceInfo>> {
+pub fn enumerate_backend(kind: BackendKind, settings: &Settings) -> headkl_core::Result<Vec<DeviceInfo>> {
     let mut infos = match kind {
         BackendKind::Vulkan => contained("vulkan", headkl_vulkan::enumerate)?,
         BackendKind::Wgpu => contained("wgpu", headkl_wgpu::enumerate)?,
         BackendKind::Reference => vec![headkl_reference::CpuBackend::new().info().clone()],
     };
-    if crate::environment::get().wgpu.common.force_fallback {
+    if settings.wgpu.common.force_fallback {
         for info in &mut infos {
             info.matrix_units = false;
         }
@@ -274,10 +275,10 @@ pub fn enumerate_backend(kind: BackendKind) -> headkl_core::Result<Vec<DeviceInf
 /// Lists every backend's devices; a backend that cannot enumerate is
 /// recorded with why (a machine without a Vulkan loader still lists the
 /// reference).
-pub fn enumerate_all() -> Enumeration {
+pub fn enumerate_all(settings: &Settings) -> Enumeration {
     let mut e = Enumeration::default();
     for kind in BackendKind::ALL {
-        match enumerate_backend(kind) {
+        match enumerate_backend(kind, settings) {
             Ok(infos) if infos.is_empty() => e.failures.push((kind, "no devices found".into())),
             Ok(infos) => {
                 e.candidates.extend(
@@ -296,16 +297,17 @@ pub fn enumerate_all() -> Enumeration {
 /// The device of `kind` to run on when no `auto` is involved: the best
 /// usable one (or the one `device` names), or why there is none. A device
 /// index the backend does not have is a bad option (exit 2).
-pub fn target_for(kind: BackendKind, device: Option<usize>) -> Result<Target, RunError> {
+pub fn target_for(kind: BackendKind, device: Option<usize>, settings: &Arc<Settings>) -> Result<Target, RunError> {
     if kind == BackendKind::Reference {
         check_index(kind, device, 1)?;
         return Ok(Target {
             kind,
             device,
             auto_reason: None,
+            settings: settings.clone(),
         });
     }
-    let candidates: Vec<Candidate> = enumerate_backend(kind)
+    let candidates: Vec<Candidate> = enumerate_backend(kind, settings)
         .map_err(|e| RunError::Start(kind, e))?
         .into_iter()
         .enumerate()
@@ -321,6 +323,7 @@ pub fn target_for(kind: BackendKind, device: Option<usize>) -> Result<Target, Ru
             kind,
             device: Some(c.index),
             auto_reason: None,
+            settings: settings.clone(),
         });
     }
     let why: Vec<String> = candidates
@@ -362,8 +365,8 @@ fn check_index(kind: BackendKind, device: Option<usize>, count: usize) -> Result
     }
 }
 
-/// A backend and device to open.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A backend and device to open, with the settings it opens with.
+#[derive(Clone, Debug)]
 pub struct Target {
     /// The backend.
     pub kind: BackendKind,
@@ -371,17 +374,19 @@ pub struct Target {
     pub device: Option<usize>,
     /// Why `auto` chose it, when it did.
     pub auto_reason: Option<String>,
+    /// The command's settings (the backends' options among them).
+    pub settings: Arc<Settings>,
 }
 
 /// The target one job runs on: the named backend, or `auto`'s pick
 /// (`HEADKL_BACKEND` and `HEADKL_DEVICE` fill in what the command line
 /// leaves out). A device index that no backend in question has is a bad
 /// option (exit 2).
-pub fn resolve(args: &BackendArgs) -> Result<Target, RunError> {
-    let args = args.with_settings();
+pub fn resolve(args: &BackendArgs, settings: &Arc<Settings>) -> Result<Target, RunError> {
+    let args = args.with_settings(settings);
     match args.backend.unwrap_or(BackendArg::Auto) {
         BackendArg::Auto => {
-            let e = enumerate_all();
+            let e = enumerate_all(settings);
             if let Some(d) = args.device {
                 if !e.candidates.iter().any(|c| c.index == d) {
                     return Err(RunError::Job(CliError::option(
@@ -395,6 +400,7 @@ pub fn resolve(args: &BackendArgs) -> Result<Target, RunError> {
                 kind: pick.kind,
                 device: Some(pick.index),
                 auto_reason: Some(pick.reason),
+                settings: settings.clone(),
             })
         }
         named => {
@@ -402,7 +408,10 @@ pub fn resolve(args: &BackendArgs) -> Result<Target, RunError> {
             let count = match kind {
                 BackendKind::Reference => Some(1),
                 // A backend that cannot enumerate fails at open, with why.
-                _ => enumerate_backend(kind).ok().map(|infos| infos.len()).filter(|&n| n > 0),
+                _ => enumerate_backend(kind, settings)
+                    .ok()
+                    .map(|infos| infos.len())
+                    .filter(|&n| n > 0),
             };
             if let Some(count) = count {
                 check_index(kind, args.device, count)?;
@@ -411,14 +420,15 @@ pub fn resolve(args: &BackendArgs) -> Result<Target, RunError> {
                 kind,
                 device: args.device,
                 auto_reason: None,
+                settings: settings.clone(),
             })
         }
     }
 }
 
 /// [`resolve`], logging what `auto` picked and why.
-pub fn resolve_announced(args: &BackendArgs, who: &str) -> Result<Target, RunError> {
-    let target = resolve(args)?;
+pub fn resolve_announced(args: &BackendArgs, who: &str, settings: &Arc<Settings>) -> Result<Target, RunError> {
+    let target = resolve(args, settings)?;
     if let Some(reason) = &target.auto_reason {
         log::info!(
             "{who}: auto picked {} device {}: {reason}",
@@ -440,8 +450,8 @@ pub fn named_kind(arg: BackendArg) -> BackendKind {
 
 /// Whether `HEADKL_REQUIRE` names `kind`: failing to start it is an error,
 /// not a skip.
-pub fn required(kind: BackendKind) -> bool {
-    crate::environment::get().suite.requires(kind.name())
+pub fn required(kind: BackendKind, settings: &Settings) -> bool {
+    settings.suite.requires(kind.name())
 }
 
 /// Work that runs on any backend. `run` is generic, so each backend's
@@ -497,13 +507,13 @@ pub fn open_and_run_gemm<J: BackendJob>(
             job.run(headkl_reference::CpuBackend::new()).map_err(RunError::Job)
         }
         BackendKind::Wgpu => {
-            let options = wgpu_options(device, gemm);
+            let options = wgpu_options(target, gemm);
             let b = contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&options))
                 .map_err(|e| RunError::Start(target.kind, e))?;
             job.run(b).map_err(RunError::Job)
         }
         BackendKind::Vulkan => {
-            let options = vulkan_options(device, gemm);
+            let options = vulkan_options(target, gemm);
             let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
                 .map_err(|e| RunError::Start(target.kind, e))?;
             job.run(b).map_err(RunError::Job)
@@ -513,16 +523,18 @@ pub fn open_and_run_gemm<J: BackendJob>(
 
 /// The settings' wgpu options on `device` (where the command names one)
 /// with the GEMM kernels `gemm` (`None`: the backend's own choice).
-pub(crate) fn wgpu_options(device: Option<usize>, gemm: Option<headkl_core::GemmChoice>) -> headkl_wgpu::OpenOptions {
-    let mut options = crate::environment::get().wgpu.clone();
+pub(crate) fn wgpu_options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> headkl_wgpu::OpenOptions {
+    let (settings, device) = (&target.settings, target.device);
+    let mut options = settings.wgpu.clone();
     options.common.device = device.or(options.common.device);
     options.common.gemm = gemm;
     options
 }
 
 /// [`wgpu_options`] for the Vulkan backend.
-pub fn vulkan_options(device: Option<usize>, gemm: Option<headkl_core::GemmChoice>) -> headkl_vulkan::VulkanOptions {
-    let mut options = crate::environment::get().vulkan.clone();
+pub fn vulkan_options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> headkl_vulkan::VulkanOptions {
+    let (settings, device) = (&target.settings, target.device);
+    let mut options = settings.vulkan.clone();
     options.common.device = device.or(options.common.device);
     options.common.gemm = gemm;
     options
@@ -540,20 +552,19 @@ pub trait ResidentJob {
 /// [`open_and_run`] for a [`ResidentJob`]: the GPU backends only (the CPU
 /// reference has no device buffers), which is an error naming `--resident`.
 pub fn open_and_run_resident<J: ResidentJob>(target: &Target, job: J) -> Result<J::Output, RunError> {
-    let device = target.device;
     match target.kind {
         BackendKind::Reference => Err(RunError::Job(CliError::option(
             "--resident",
             "the reference backend has no device buffers; use --backend wgpu or vulkan",
         ))),
         BackendKind::Wgpu => {
-            let options = wgpu_options(device, None);
+            let options = wgpu_options(target, None);
             let b = contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&options))
                 .map_err(|e| RunError::Start(target.kind, e))?;
             job.run_resident(b).map_err(RunError::Job)
         }
         BackendKind::Vulkan => {
-            let options = vulkan_options(device, None);
+            let options = vulkan_options(target, None);
             let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
                 .map_err(|e| RunError::Start(target.kind, e))?;
             job.run_resident(b).map_err(RunError::Job)

@@ -9,6 +9,7 @@ use headkl_core::{
     Backend, Error as CoreError, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher, TopK, TopkOptions,
 };
 
+use crate::environment::Settings;
 use crate::error::CliError;
 use crate::select::{contained, vulkan_options, wgpu_options, BackendKind, RunError, Target};
 
@@ -27,7 +28,7 @@ pub struct ShardArgs {
 }
 
 /// What the sharded run does: which rows each shard holds, on which device.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct ShardPlan {
     /// The shards, in order.
     pub shards: Vec<HeadShard>,
@@ -35,6 +36,9 @@ pub struct ShardPlan {
     pub devices: Vec<Option<usize>>,
     /// Shard i runs on `devices[assign[i]]`.
     pub assign: Vec<usize>,
+    /// The target the shards run on (its kind and settings; its device is
+    /// replaced by each entry of `devices`).
+    pub target: Target,
 }
 
 impl ShardArgs {
@@ -59,6 +63,7 @@ impl ShardArgs {
             shards,
             devices,
             assign,
+            target: target.clone(),
         }))
     }
 }
@@ -94,7 +99,11 @@ pub fn open_and_run_shards<J: ShardJob>(target: &Target, plan: &ShardPlan, job: 
             let backends = plan
                 .devices
                 .iter()
-                .map(|&d| contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&wgpu_options(d, None))))
+                .map(|&d| {
+                    contained("wgpu", || {
+                        headkl_wgpu::WgpuBackend::open_with(&wgpu_options(&on_device(target, d), None))
+                    })
+                })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(start)?;
             job.run(&backends, plan).map_err(RunError::Job)
@@ -105,13 +114,21 @@ pub fn open_and_run_shards<J: ShardJob>(target: &Target, plan: &ShardPlan, job: 
                 .iter()
                 .map(|&d| {
                     contained("vulkan", || {
-                        headkl_vulkan::VulkanBackend::open_with(&vulkan_options(d, None))
+                        headkl_vulkan::VulkanBackend::open_with(&vulkan_options(&on_device(target, d), None))
                     })
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(start)?;
             job.run(&backends, plan).map_err(RunError::Job)
         }
+    }
+}
+
+/// `target` on device `device`.
+fn on_device(target: &Target, device: Option<usize>) -> Target {
+    Target {
+        device,
+        ..target.clone()
     }
 }
 
@@ -125,13 +142,14 @@ fn engine_on<'b, B: Backend>(
     backend: &'b B,
     head: &HeadWeights<'_>,
     shard: HeadShard,
+    settings: &Settings,
     map: MapError<'_>,
 ) -> Result<ShardEngine<&'b B>, CliError> {
     let rows = head.rows(shard.v0(), shard.v1()).map_err(|e| map(e, "shard rows"))?;
     let mut e =
         ShardEngine::new(backend, &rows, shard, SliceOptions::default()).map_err(|e| map(e, "uploading the head"))?;
-    e.engine_mut().set_trace(crate::environment::get().trace);
-    e.engine_mut().set_dx_split(crate::environment::get().dx_split);
+    e.engine_mut().set_trace(settings.trace);
+    e.engine_mut().set_dx_split(settings.dx_split);
     Ok(e)
 }
 
@@ -185,7 +203,7 @@ impl ShardJob for LossShards<'_> {
                     let (backend, head, hidden) = (&backends[d], &head, &hidden);
                     s.spawn(move || -> Result<LossOutput, CliError> {
                         let phase_one = || -> Result<(ShardEngine<&B>, LossPartials), CliError> {
-                            let mut e = engine_on(backend, head, shard, *map)?;
+                            let mut e = engine_on(backend, head, shard, &plan.target.settings, *map)?;
                             let p = e.loss_partials(hidden, teacher, opts).map_err(|e| map(e, "head_kl"))?;
                             Ok((e, p))
                         };
@@ -278,7 +296,7 @@ impl ShardJob for TopkShards<'_> {
                 .map(|(&shard, &d)| {
                     let (backend, head, hidden) = (&backends[d], &head, &hidden);
                     s.spawn(move || {
-                        let mut e = engine_on(backend, head, shard, *map)?;
+                        let mut e = engine_on(backend, head, shard, &plan.target.settings, *map)?;
                         e.topk_partials(hidden, opts).map_err(|e| map(e, "top-k"))
                     })
                 })
@@ -313,6 +331,7 @@ pub fn serial_engines<'b, B: Backend>(
     backend: &'b B,
     head: &HeadWeights<'_>,
     n: usize,
+    settings: &Settings,
 ) -> Result<Vec<ShardEngine<&'b B>>, CliError> {
     let shards = HeadShard::even(head.vocab(), n).map_err(|e| CliError::from_core_in_option(e, "--shards"))?;
     let fail = |e| CliError::device("bench --shards: uploading the shards", e);
@@ -326,7 +345,8 @@ pub fn serial_engines<'b, B: Backend>(
                 SliceOptions::default(),
             )
             .map_err(fail)?;
-            e.engine_mut().set_dx_split(crate::environment::get().dx_split);
+            e.engine_mut().set_trace(settings.trace);
+            e.engine_mut().set_dx_split(settings.dx_split);
             Ok(e)
         })
         .collect()

@@ -7,6 +7,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Instant;
 
 use half::f16;
@@ -15,6 +16,7 @@ use headkl_core::tune_cache::TuneCache;
 use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout, KernelId, Kernels};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
 
+use crate::environment::Settings;
 use crate::error::CliError;
 use crate::progress::Progress;
 use crate::rng::fill_parallel;
@@ -233,8 +235,8 @@ impl BackendJob for InfoJob {
 }
 
 /// Runs `headkl tune`.
-pub fn run(args: &BackendArgs, cfg: &TuneConfig) -> Result<(), CliError> {
-    let target = select::resolve_announced(args, "tune")?;
+pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Result<(), CliError> {
+    let target = select::resolve_announced(args, "tune", settings)?;
     if target.kind == BackendKind::Reference {
         return Err(CliError::option(
             "--backend",
@@ -472,7 +474,7 @@ fn min_ms(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 fn save(target: &Target, info: &headkl_core::DeviceInfo, choice: GemmChoice) -> Result<(), CliError> {
-    let Some(path) = crate::environment::get().wgpu.common.gemm_sources.tune_cache.clone() else {
+    let Some(path) = target.settings.wgpu.common.gemm_sources.tune_cache.clone() else {
         return Err(CliError::option(
             "--no-save",
             "no cache folder: set HEADKL_CACHE_DIR, XDG_CACHE_HOME or HOME (or pass --no-save)",

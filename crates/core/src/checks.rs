@@ -10,9 +10,17 @@
 use crate::backend::{ConvertDesc, DeviceBuffer, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::{Error, Result};
 use crate::kernels::{bad_descriptor, require, KernelId};
-use crate::params::{row_flags, ConvertParams, GemmParams, RowParams, SumPartsParams};
+use crate::params::{
+    row_flags, ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams, StatusDetailParams,
+    SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+};
 use crate::problem::MAX_K;
+use crate::resident::status::WORDS;
+use crate::resident::{
+    HiddenInDesc, LabelsInDesc, LossOutDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+};
 use crate::split::k_part_len;
+use crate::terms::TeacherForm;
 use crate::ALIGN;
 
 /// `value` as `u32`, or an error naming `field` of `kernel`.
@@ -329,6 +337,253 @@ impl TopkDesc {
             flags,
             cap: self.cap.unwrap_or(0.0),
             ..params
+        })
+    }
+}
+
+// The device-resident kernels. Their buffers are the caller's views and
+// the engine's scratch; every one is checked, like the driver's, though
+// the resident kernels are also built with runtime bounds checks (what
+// they index comes from the caller's data).
+
+/// The status buffer holds its [`WORDS`] words.
+fn status_fits<B: DeviceBuffer>(kernel: KernelId, status: &B, max_binding: u64) -> Result<()> {
+    fits(kernel, "status", WORDS as u128, 4, status, max_binding)
+}
+
+/// `token0 + rows` (a token index the status buffer records) as `u32`.
+fn tokens_end(kernel: KernelId, token0: usize, rows: usize) -> Result<u32> {
+    index(kernel, "token0 + rows", token0.saturating_add(rows))
+}
+
+/// Checks `1 ≤ k ≤ MAX_K` (the teacher kernel keeps a row's ids in
+/// workgroup memory).
+fn teacher_k(kernel: KernelId, k: usize) -> Result<()> {
+    require((1..=MAX_K).contains(&k), kernel, "k", k as u128, || {
+        format!("not in 1..={MAX_K}")
+    })
+}
+
+impl WeightStatsDesc {
+    /// Checks the stats kernel against `[weights, status]` and returns its
+    /// block.
+    pub fn check<B: DeviceBuffer>(&self, [weights, status]: [&B; 2], max_binding: u64) -> Result<WeightStatsParams> {
+        const K: KernelId = KernelId::WeightStats;
+        if self.has_weights {
+            fits(K, "weights", self.rows as u128, 4, weights, max_binding)?;
+        }
+        status_fits(K, status, max_binding)?;
+        let tau = self.temperature;
+        if !(tau > 0.0 && tau.is_finite()) {
+            return Err(Error::InvalidTemperature { value: tau });
+        }
+        Ok(WeightStatsParams {
+            rows: index(K, "rows", self.rows)?,
+            has_weights: u32::from(self.has_weights),
+            grid_x: 0,
+            // 0: resolved on the device.
+            total: self.total.unwrap_or(0.0),
+            gscale: self.gscale.unwrap_or(0.0),
+            inv_temperature: 1.0 / tau,
+            grad_bound: self.grad_bound as f32,
+            _pad: 0,
+        })
+    }
+}
+
+impl TeacherRowsDesc {
+    /// Checks the teacher kernel against `[ids, probs, weights, status,
+    /// ids_out, probs_out, row_in]` and returns its block.
+    pub fn check<B: DeviceBuffer>(
+        &self,
+        [ids, probs, weights, status, ids_out, probs_out, row_in]: [&B; 7],
+        max_binding: u64,
+    ) -> Result<TeacherRowsParams> {
+        const K: KernelId = KernelId::TeacherRows;
+        let (rows, k) = (self.rows, self.k);
+        teacher_k(K, k)?;
+        require(self.vocab >= 1, K, "vocab", 0, || "must be at least 1".into())?;
+        fits(K, "ids", span(self.ids_offset, rows, k, k), 4, ids, max_binding)?;
+        fits(K, "probs", span(self.probs_offset, rows, k, k), 4, probs, max_binding)?;
+        if self.has_weights {
+            let end = self.weights_offset as u128 + rows as u128;
+            fits(K, "weights", end, 4, weights, max_binding)?;
+        }
+        status_fits(K, status, max_binding)?;
+        fits(K, "ids_out", span(0, rows, k, k), 4, ids_out, max_binding)?;
+        fits(K, "probs_out", span(0, rows, k, k), 4, probs_out, max_binding)?;
+        fits(K, "row_in", rows as u128 * 2, 4, row_in, max_binding)?;
+        // The status buffer records the first bad id as `token·k + entry`.
+        let flat = (self.token0 as u128 + rows as u128) * k as u128;
+        require(flat < 1 << 32, K, "token0", self.token0 as u128, || {
+            format!("(token0 + rows) · k = {flat} exceeds the status buffer's 32-bit index")
+        })?;
+        Ok(TeacherRowsParams {
+            rows: index(K, "rows", rows)?,
+            k: index(K, "k", k)?,
+            vocab: index(K, "vocab", self.vocab)?,
+            token0: index(K, "token0", self.token0)?,
+            ids_offset: index(K, "ids_offset", self.ids_offset)?,
+            probs_offset: index(K, "probs_offset", self.probs_offset)?,
+            weights_offset: index(K, "weights_offset", self.weights_offset)?,
+            has_weights: u32::from(self.has_weights),
+            logprobs: u32::from(self.form == TeacherForm::Logprobs),
+            tail: self.tail.code(),
+            grid_x: 0,
+            _pad: 0,
+        })
+    }
+}
+
+impl LabelsInDesc {
+    /// Checks the labels kernel against `[labels, status, row_in]` and
+    /// returns its block.
+    pub fn check<B: DeviceBuffer>(
+        &self,
+        [labels, status, row_in]: [&B; 3],
+        max_binding: u64,
+    ) -> Result<LabelsInParams> {
+        const K: KernelId = KernelId::LabelsIn;
+        if self.has_labels {
+            let end = self.labels_offset as u128 + self.rows as u128;
+            fits(K, "labels", end, 4, labels, max_binding)?;
+        }
+        status_fits(K, status, max_binding)?;
+        fits(K, "row_in", self.rows as u128 * 2, 4, row_in, max_binding)?;
+        tokens_end(K, self.token0, self.rows)?;
+        Ok(LabelsInParams {
+            rows: index(K, "rows", self.rows)?,
+            vocab: index(K, "vocab", self.vocab)?,
+            token0: index(K, "token0", self.token0)?,
+            labels_offset: index(K, "labels_offset", self.labels_offset)?,
+            has_labels: u32::from(self.has_labels),
+            grid_x: 0,
+            _pad: [0; 2],
+        })
+    }
+}
+
+impl HiddenInDesc {
+    /// Checks the hidden-rows kernel against `[src, dst]` and returns its
+    /// block.
+    pub fn check<B: DeviceBuffer>(&self, [src, dst]: [&B; 2], max_binding: u64) -> Result<HiddenInParams> {
+        const K: KernelId = KernelId::HiddenIn;
+        at_least(K, "rows_padded", self.rows_padded, "rows", self.rows)?;
+        at_least(K, "ld", self.ld, "cols", self.cols)?;
+        let src_span = span(self.src_offset, self.rows, self.cols, self.cols);
+        fits(K, "src", src_span, self.dtype.bytes() as u128, src, max_binding)?;
+        let dst_span = span(0, self.rows_padded, self.ld, self.ld);
+        fits(K, "dst", dst_span, 2, dst, max_binding)?;
+        Ok(HiddenInParams {
+            rows: index(K, "rows", self.rows)?,
+            cols: index(K, "cols", self.cols)?,
+            rows_padded: index(K, "rows_padded", self.rows_padded)?,
+            ld: index(K, "ld", self.ld)?,
+            src_offset: index(K, "src_offset", self.src_offset)?,
+            dtype: self.dtype.code(),
+            grid_x: 0,
+            _pad: 0,
+        })
+    }
+}
+
+impl LossOutDesc {
+    /// Checks the loss-out kernel against `[loss_chunk, dx_chunk, status,
+    /// loss, dx, terms]` and returns its block.
+    pub fn check<B: DeviceBuffer>(
+        &self,
+        [loss_chunk, dx_chunk, status, loss, dx, terms]: [&B; 6],
+        max_binding: u64,
+    ) -> Result<LossOutParams> {
+        const K: KernelId = KernelId::LossOut;
+        let (rows, hs) = (self.rows, self.hs);
+        at_least(K, "ld", self.ld, "hs", hs)?;
+        // kl_rows' [rows][4]: loss, lse, soft, hard.
+        fits(K, "loss_chunk", rows as u128 * 4, 4, loss_chunk, max_binding)?;
+        fits(K, "dx_chunk", span(0, rows, self.ld, hs), 4, dx_chunk, max_binding)?;
+        status_fits(K, status, max_binding)?;
+        let loss_end = self.loss_offset as u128 + rows as u128;
+        fits(K, "loss", loss_end, 4, loss, max_binding)?;
+        fits(K, "dx", span(self.dx_offset, rows, hs, hs), 4, dx, max_binding)?;
+        if self.write_terms {
+            fits(K, "terms", loss_end * 3, 4, terms, max_binding)?;
+        }
+        tokens_end(K, self.token0, rows)?;
+        // One invocation per element of the chunk's dx.
+        index(K, "rows · hs", rows.saturating_mul(hs))?;
+        Ok(LossOutParams {
+            rows: index(K, "rows", rows)?,
+            hs: index(K, "hs", hs)?,
+            ld: index(K, "ld", self.ld)?,
+            token0: index(K, "token0", self.token0)?,
+            loss_offset: index(K, "loss_offset", self.loss_offset)?,
+            dx_offset: index(K, "dx_offset", self.dx_offset)?,
+            accumulate: u32::from(self.accumulate),
+            write_terms: u32::from(self.write_terms),
+            grid_x: 0,
+            _pad: [0; 3],
+        })
+    }
+}
+
+impl TopkOutDesc {
+    /// Checks the top-k-out kernel against `[ids_chunk, probs_chunk,
+    /// status, ids, probs]` and returns its block.
+    pub fn check<B: DeviceBuffer>(
+        &self,
+        [ids_chunk, probs_chunk, status, ids, probs]: [&B; 5],
+        max_binding: u64,
+    ) -> Result<TopkOutParams> {
+        const K: KernelId = KernelId::TopkOut;
+        let (rows, k) = (self.rows, self.k);
+        require(k >= 1, K, "k", 0, || "must be at least 1".into())?;
+        fits(K, "ids_chunk", span(0, rows, k, k), 4, ids_chunk, max_binding)?;
+        fits(K, "probs_chunk", span(0, rows, k, k), 4, probs_chunk, max_binding)?;
+        status_fits(K, status, max_binding)?;
+        fits(K, "ids", span(self.ids_offset, rows, k, k), 4, ids, max_binding)?;
+        fits(K, "probs", span(self.probs_offset, rows, k, k), 4, probs, max_binding)?;
+        tokens_end(K, self.token0, rows)?;
+        Ok(TopkOutParams {
+            rows: index(K, "rows", rows)?,
+            k: index(K, "k", k)?,
+            token0: index(K, "token0", self.token0)?,
+            ids_offset: index(K, "ids_offset", self.ids_offset)?,
+            probs_offset: index(K, "probs_offset", self.probs_offset)?,
+            grid_x: 0,
+            _pad: [0; 2],
+        })
+    }
+}
+
+impl StatusDetailDesc {
+    /// Checks the status kernel against `[ids, probs, weights, status,
+    /// labels]` and returns its block.
+    pub fn check<B: DeviceBuffer>(
+        &self,
+        [ids, probs, weights, status, labels]: [&B; 5],
+        max_binding: u64,
+    ) -> Result<StatusDetailParams> {
+        const K: KernelId = KernelId::StatusDetail;
+        let (rows, k) = (self.rows, self.k);
+        teacher_k(K, k)?;
+        fits(K, "ids", span(0, rows, k, k), 4, ids, max_binding)?;
+        fits(K, "probs", span(0, rows, k, k), 4, probs, max_binding)?;
+        if self.has_weights {
+            fits(K, "weights", rows as u128, 4, weights, max_binding)?;
+        }
+        status_fits(K, status, max_binding)?;
+        if self.has_labels {
+            fits(K, "labels", rows as u128, 4, labels, max_binding)?;
+        }
+        Ok(StatusDetailParams {
+            rows: index(K, "rows", rows)?,
+            k: index(K, "k", k)?,
+            has_weights: u32::from(self.has_weights),
+            logprobs: u32::from(self.form == TeacherForm::Logprobs),
+            tail: self.tail.code(),
+            has_labels: u32::from(self.has_labels),
+            grid_x: 0,
+            _pad: 0,
         })
     }
 }

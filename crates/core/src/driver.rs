@@ -104,7 +104,14 @@ pub struct Engine<B: Backend> {
     trace: bool,
     /// How the dx GEMM's reduction is split ([`Engine::set_dx_split`]).
     dx_split: DxSplit,
+    /// Told the tokens of each chunk as its outputs are read
+    /// ([`Engine::set_progress`]).
+    progress: Option<ProgressCallback>,
 }
+
+/// A progress callback: called with the number of tokens a finished chunk
+/// of a host call (`head_kl`, `topk`) adds.
+pub type ProgressCallback = Box<dyn Fn(usize) + Send + Sync>;
 
 impl<B: Backend> Engine<B> {
     /// Uploads `head` to `backend` as f16 planes, one per vocabulary slice.
@@ -150,6 +157,7 @@ impl<B: Backend> Engine<B> {
             resident: crate::resident::ResidentState::new(),
             trace: false,
             dx_split: DxSplit::Auto,
+            progress: None,
         })
     }
 
@@ -174,6 +182,21 @@ impl<B: Backend> Engine<B> {
     /// line): to see where wall time beyond the kernels goes.
     pub fn set_trace(&mut self, on: bool) {
         self.trace = on;
+    }
+
+    /// Calls `progress` (or stops calling it, with `None`) with the tokens
+    /// each chunk of `head_kl` and `topk` adds once its outputs are read,
+    /// so one call over a long job can drive a progress bar; the results do
+    /// not depend on it.
+    pub fn set_progress(&mut self, progress: Option<ProgressCallback>) {
+        self.progress = progress;
+    }
+
+    /// Reports `rows` more tokens done.
+    fn report(&self, rows: usize) {
+        if let Some(p) = &self.progress {
+            p(rows);
+        }
     }
 
     /// The backend.
@@ -577,12 +600,16 @@ impl<B: Backend> Engine<B> {
             trace.mark("teacher upload + record");
             if let Some(done) = pipe.push(start, rows, pending) {
                 let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
+                let rows = done.rows;
                 self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
+                self.report(rows);
             }
         }
         if let Some(done) = pipe.pop() {
             let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
+            let rows = done.rows;
             self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
+            self.report(rows);
         }
         trace.report();
         let weighted: f64 = loss
@@ -723,11 +750,15 @@ impl<B: Backend> Engine<B> {
             let bytes = rows * k * std::mem::size_of::<u32>();
             let pending = begin_pair(b, [(&s.ids, bytes), (&s.probs, bytes)])?;
             if let Some(done) = pipe.push(start, rows, pending) {
+                let rows = done.rows;
                 read(done, &mut ids, &mut probs)?;
+                self.report(rows);
             }
         }
         if let Some(done) = pipe.pop() {
+            let rows = done.rows;
             read(done, &mut ids, &mut probs)?;
+            self.report(rows);
         }
         if !opts.logprobs {
             return Ok(TopK {

@@ -373,6 +373,55 @@ pub enum Error {
         /// What happened.
         message: String,
     },
+    /// A driver call failed (a Vulkan result, a wgpu error): what headkl
+    /// was doing and what the driver said (the message reads as
+    /// [`Error::Backend`]'s would), and the driver's own error, kept as
+    /// [`std::error::Error::source`].
+    #[error("{backend}: {message}")]
+    Driver {
+        /// The backend.
+        backend: &'static str,
+        /// What headkl was doing.
+        message: String,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+}
+
+/// A driver's error inside [`Error::Driver`]: shared, so the error stays
+/// `Clone`; two are equal when they read the same. `Error::source` returns
+/// the driver's error itself (downcast it to `ash::vk::Result`, say), not
+/// this wrapper.
+#[derive(Clone, Debug)]
+pub struct DriverError(std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl DriverError {
+    /// Wraps a driver's error.
+    pub fn new(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(error))
+    }
+}
+
+impl std::fmt::Display for DriverError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl PartialEq for DriverError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_string() == other.0.to_string()
+    }
+}
+
+// `Error`'s derived `source` reaches the driver's error through this (the
+// wrapper is not an error itself, so the one it holds is what callers see).
+impl std::ops::Deref for DriverError {
+    type Target = dyn std::error::Error + Send + Sync + 'static;
+    fn deref(&self) -> &Self::Target {
+        &*self.0
+    }
 }
 
 /// Which input a [`Error::LengthMismatch`] is about: the caller routes
@@ -495,7 +544,8 @@ impl Error {
             | E::MissingFeature(_)
             | E::NoDevice { .. }
             | E::BindingTooSmall { .. }
-            | E::Backend { .. } => ErrorKind::Device,
+            | E::Backend { .. }
+            | E::Driver { .. } => ErrorKind::Device,
             E::TransferOutOfRange { .. } | E::BadDescriptor { .. } => ErrorKind::Internal,
         }
     }
@@ -507,6 +557,24 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A driver error is the source itself (not a wrapper), keeps `Error`
+    /// comparable and cloneable, and classifies as a device error.
+    #[test]
+    fn a_driver_error_is_the_source() {
+        use std::error::Error as _;
+        let io = std::io::Error::other("driver said no");
+        let e = Error::Driver {
+            backend: "test",
+            message: "creating a pipeline failed: driver said no".into(),
+            source: DriverError::new(io),
+        };
+        assert_eq!(e.to_string(), "test: creating a pipeline failed: driver said no");
+        let source = e.source().expect("a source");
+        assert!(source.downcast_ref::<std::io::Error>().is_some(), "{source:?}");
+        assert_eq!(e.clone(), e);
+        assert_eq!(e.kind(), ErrorKind::Device);
+    }
 
     #[test]
     fn kinds_follow_who_can_fix_it() {

@@ -5,6 +5,11 @@
 //! so a new kernel is one [`KernelId`] variant and its rows in the `match`es
 //! below (and a row in ARCHITECTURE.md's Kernels table).
 //!
+//! The device-resident entry points' kernels (`crate::resident`) are
+//! rows of the same catalogue: each is `shaders/resident_common.wgsl`
+//! followed by its own file, with its own parameter block and the status
+//! buffer's names generated in ([`RESIDENT_MARKER`]).
+//!
 //! The sources are the WGSL files of `shaders/` ([`Shader`]) and, for the
 //! GEMM, the GLSL tiles of `gemm_khr.comp` ([`KernelSource::Glsl`]), whose
 //! SPIR-V the `headkl-glsl` crate compiles at build time.
@@ -15,7 +20,13 @@ use crate::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, To
 use crate::error::{Error, Result};
 use crate::gemm_choice::{CoopGemm, KernelLimits};
 use crate::glsl_tile::GlslTile;
-use crate::params::{ConvertParams, GemmParams, ParamBlock, RowParams, SumPartsParams};
+use crate::params::{
+    ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams,
+    StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+};
+use crate::resident::{
+    HiddenInDesc, LabelsInDesc, LossOutDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+};
 
 /// One WGSL file of `shaders/`: its name (errors, caches), its text, and
 /// the parameter block its kernels read.
@@ -34,11 +45,24 @@ pub struct Shader {
 pub const PARAMS_MARKER: &str =
     "// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>";
 
+/// The line of `shaders/resident_common.wgsl` that [`Shader::source`]
+/// replaces with the status buffer's names and the codes the resident
+/// kernels compare against ([`crate::resident::status::wgsl`]).
+pub const RESIDENT_MARKER: &str =
+    "// <resident constants: generated from crates/core/src/resident/status.rs (headkl_core::kernels::Shader::source)>";
+
 impl Shader {
     /// The WGSL to compile: the file with its parameter struct and binding
-    /// generated from `core::params` in place of [`PARAMS_MARKER`].
+    /// generated from `core::params` in place of [`PARAMS_MARKER`] (and,
+    /// in the resident kernels, their constants in place of
+    /// [`RESIDENT_MARKER`]).
     pub fn source(&self) -> String {
-        self.text.replacen(PARAMS_MARKER, &self.params.wgsl(), 1)
+        let text = self.text.replacen(PARAMS_MARKER, &self.params.wgsl(), 1);
+        if text.contains(RESIDENT_MARKER) {
+            text.replacen(RESIDENT_MARKER, &crate::resident::status::wgsl(), 1)
+        } else {
+            text
+        }
     }
 }
 
@@ -80,6 +104,22 @@ macro_rules! gemm_shader {
     };
 }
 
+/// A device-resident kernel's shader: `resident_common.wgsl` (helpers and
+/// the generated block and constants) followed by its own file (WGSL has
+/// no include).
+macro_rules! resident_shader {
+    ($file:literal, $params:ty) => {
+        Shader {
+            file: $file,
+            text: concat!(
+                include_str!("../../../shaders/resident_common.wgsl"),
+                include_str!(concat!("../../../shaders/", $file))
+            ),
+            params: <$params>::BLOCK,
+        }
+    };
+}
+
 /// `convert.wgsl`: f32 → f16 hidden rows.
 pub const CONVERT_WGSL: Shader = shader!("convert.wgsl", ConvertParams);
 /// `kl_rows.wgsl`: the KL row kernel.
@@ -95,8 +135,23 @@ pub const GEMM_COOP_DIRECT_WGSL: Shader = gemm_shader!("gemm_coop_direct.wgsl", 
 /// `sum_parts.wgsl`: a split-K GEMM's partial blocks summed.
 pub const SUM_PARTS_WGSL: Shader = shader!("sum_parts.wgsl", SumPartsParams);
 
+/// `resident_stats.wgsl`: the weights' total and gradient scale.
+pub const WEIGHT_STATS_WGSL: Shader = resident_shader!("resident_stats.wgsl", WeightStatsParams);
+/// `resident_teacher.wgsl`: the caller's teacher rows checked into scratch.
+pub const TEACHER_ROWS_WGSL: Shader = resident_shader!("resident_teacher.wgsl", TeacherRowsParams);
+/// `resident_labels.wgsl`: the caller's labels checked into scratch.
+pub const LABELS_IN_WGSL: Shader = resident_shader!("resident_labels.wgsl", LabelsInParams);
+/// `resident_hidden.wgsl`: the caller's hidden rows into the f16 operand.
+pub const HIDDEN_IN_WGSL: Shader = resident_shader!("resident_hidden.wgsl", HiddenInParams);
+/// `resident_loss_out.wgsl`: a chunk's loss and dx into the caller's buffers.
+pub const LOSS_OUT_WGSL: Shader = resident_shader!("resident_loss_out.wgsl", LossOutParams);
+/// `resident_topk_out.wgsl`: a chunk's top-k into the caller's buffers.
+pub const TOPK_OUT_WGSL: Shader = resident_shader!("resident_topk_out.wgsl", TopkOutParams);
+/// `resident_status.wgsl`: the first flagged row described.
+pub const STATUS_DETAIL_WGSL: Shader = resident_shader!("resident_status.wgsl", StatusDetailParams);
+
 /// Every shader file, in the order of [`KernelId::ALL`].
-pub const SHADERS: [Shader; 7] = [
+pub const SHADERS: [Shader; 14] = [
     CONVERT_WGSL,
     KL_ROWS_WGSL,
     TOPK_ROWS_WGSL,
@@ -104,6 +159,13 @@ pub const SHADERS: [Shader; 7] = [
     GEMM_COOP_WGSL,
     GEMM_COOP_DIRECT_WGSL,
     SUM_PARTS_WGSL,
+    WEIGHT_STATS_WGSL,
+    TEACHER_ROWS_WGSL,
+    LABELS_IN_WGSL,
+    HIDDEN_IN_WGSL,
+    LOSS_OUT_WGSL,
+    TOPK_OUT_WGSL,
+    STATUS_DETAIL_WGSL,
 ];
 
 /// The override of `kl_rows.wgsl` that specializes it to one term set
@@ -136,6 +198,23 @@ pub enum KernelId {
     TopkRows,
     /// A split-K GEMM's partial blocks summed ([`SumPartsDesc`]).
     SumParts,
+    /// Resident: the weights' total and gradient scale ([`WeightStatsDesc`]).
+    WeightStats,
+    /// Resident: the caller's teacher rows checked into scratch
+    /// ([`TeacherRowsDesc`]).
+    TeacherRows,
+    /// Resident: the caller's labels checked into scratch ([`LabelsInDesc`]).
+    LabelsIn,
+    /// Resident: the caller's hidden rows into the padded f16 operand
+    /// ([`HiddenInDesc`]).
+    HiddenIn,
+    /// Resident: a chunk's loss and dx into the caller's buffers
+    /// ([`LossOutDesc`]).
+    LossOut,
+    /// Resident: a chunk's top-k into the caller's buffers ([`TopkOutDesc`]).
+    TopkOut,
+    /// Resident: the first flagged row described ([`StatusDetailDesc`]).
+    StatusDetail,
 }
 
 /// How a kernel uses one storage binding.
@@ -209,13 +288,20 @@ pub struct KernelBuild {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 6] = [
+    pub const ALL: [KernelId; 13] = [
         KernelId::ConvertF16,
         KernelId::GemmLogits,
         KernelId::GemmDx,
         KernelId::KlRows,
         KernelId::TopkRows,
         KernelId::SumParts,
+        KernelId::WeightStats,
+        KernelId::TeacherRows,
+        KernelId::LabelsIn,
+        KernelId::HiddenIn,
+        KernelId::LossOut,
+        KernelId::TopkOut,
+        KernelId::StatusDetail,
     ];
 
     /// Its one name: entry point, timing label and docs.
@@ -227,7 +313,30 @@ impl KernelId {
             KernelId::KlRows => "kl_rows",
             KernelId::TopkRows => "topk_rows",
             KernelId::SumParts => "sum_parts",
+            KernelId::WeightStats => "weight_stats",
+            KernelId::TeacherRows => "teacher_rows",
+            KernelId::LabelsIn => "labels_in",
+            KernelId::HiddenIn => "hidden_in",
+            KernelId::LossOut => "loss_out",
+            KernelId::TopkOut => "topk_out",
+            KernelId::StatusDetail => "status_detail",
         }
+    }
+
+    /// Whether it is one of the device-resident entry points' kernels,
+    /// which read the caller's data and so are always built with runtime
+    /// bounds checks.
+    pub const fn is_resident(self) -> bool {
+        matches!(
+            self,
+            KernelId::WeightStats
+                | KernelId::TeacherRows
+                | KernelId::LabelsIn
+                | KernelId::HiddenIn
+                | KernelId::LossOut
+                | KernelId::TopkOut
+                | KernelId::StatusDetail
+        )
     }
 
     /// The GEMM kernel for `layout`.
@@ -253,10 +362,14 @@ impl KernelId {
     pub const fn bindings(self) -> &'static [Access] {
         use Access::{Read as R, ReadWrite as W};
         match self {
-            KernelId::ConvertF16 | KernelId::SumParts => &[R, W],
+            KernelId::ConvertF16 | KernelId::SumParts | KernelId::HiddenIn | KernelId::WeightStats => &[R, W],
             KernelId::GemmLogits | KernelId::GemmDx => &[R, R, W],
             KernelId::KlRows => &[R, R, R, R, W, W],
-            KernelId::TopkRows => &[R, W, W],
+            KernelId::TopkRows | KernelId::LabelsIn => &[R, W, W],
+            KernelId::TeacherRows => &[R, R, R, W, W, W, W],
+            KernelId::LossOut => &[R, R, W, W, W, W],
+            KernelId::TopkOut => &[R, R, W, W, W],
+            KernelId::StatusDetail => &[R, R, R, W, R],
         }
     }
 
@@ -267,6 +380,13 @@ impl KernelId {
             KernelId::GemmLogits | KernelId::GemmDx => GemmParams::BLOCK,
             KernelId::KlRows | KernelId::TopkRows => RowParams::BLOCK,
             KernelId::SumParts => SumPartsParams::BLOCK,
+            KernelId::WeightStats => WeightStatsParams::BLOCK,
+            KernelId::TeacherRows => TeacherRowsParams::BLOCK,
+            KernelId::LabelsIn => LabelsInParams::BLOCK,
+            KernelId::HiddenIn => HiddenInParams::BLOCK,
+            KernelId::LossOut => LossOutParams::BLOCK,
+            KernelId::TopkOut => TopkOutParams::BLOCK,
+            KernelId::StatusDetail => StatusDetailParams::BLOCK,
         }
     }
 
@@ -283,6 +403,13 @@ impl KernelId {
             KernelId::KlRows => vec![KL_ROWS_WGSL],
             KernelId::TopkRows => vec![TOPK_ROWS_WGSL],
             KernelId::SumParts => vec![SUM_PARTS_WGSL],
+            KernelId::WeightStats => vec![WEIGHT_STATS_WGSL],
+            KernelId::TeacherRows => vec![TEACHER_ROWS_WGSL],
+            KernelId::LabelsIn => vec![LABELS_IN_WGSL],
+            KernelId::HiddenIn => vec![HIDDEN_IN_WGSL],
+            KernelId::LossOut => vec![LOSS_OUT_WGSL],
+            KernelId::TopkOut => vec![TOPK_OUT_WGSL],
+            KernelId::StatusDetail => vec![STATUS_DETAIL_WGSL],
             KernelId::GemmLogits | KernelId::GemmDx => vec![GEMM_TILED_WGSL, GEMM_COOP_WGSL, GEMM_COOP_DIRECT_WGSL],
         }
     }
@@ -309,6 +436,19 @@ impl KernelId {
             (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16),
             // hist [2048], scan [256], sel_key and sel_id [2048], 9 scalars.
             (KernelId::TopkRows, _) => fixed(TOPK_ROWS_WGSL, 4 * (2048 + ROW_WORKGROUP + 2 * 2048 + 9)),
+            // red_sum, red_max, red_bad [256].
+            (KernelId::WeightStats, _) => fixed(WEIGHT_STATS_WGSL, 3 * 4 * ROW_WORKGROUP),
+            // row_ids [2048]; red_sum, red_bad, red_range [256].
+            (KernelId::TeacherRows, _) => fixed(TEACHER_ROWS_WGSL, 4 * (2048 + 3 * ROW_WORKGROUP)),
+            (KernelId::LabelsIn, _) => fixed(LABELS_IN_WGSL, 0),
+            (KernelId::HiddenIn, _) => fixed(HIDDEN_IN_WGSL, 0),
+            (KernelId::LossOut, _) => fixed(LOSS_OUT_WGSL, 0),
+            (KernelId::TopkOut, _) => fixed(TOPK_OUT_WGSL, 0),
+            // One invocation walks the flagged row.
+            (KernelId::StatusDetail, _) => KernelBuild {
+                invocations: 1,
+                ..fixed(STATUS_DETAIL_WGSL, 0)
+            },
             // as_ and bs_: [16][64] f32 each.
             (_, GemmKernel::Tiled) => fixed(GEMM_TILED_WGSL, 2 * 16 * 64 * 4),
             (_, GemmKernel::Coop { kernel, subgroup }) => {
@@ -429,6 +569,63 @@ impl TopkDesc {
     /// Workgroups of its dispatch: one per row.
     pub fn workgroups(&self) -> u64 {
         self.rows as u64
+    }
+}
+
+/// Workgroups of [`ROW_WORKGROUP`] invocations for one invocation per each
+/// of `n` elements.
+fn per_element(n: usize) -> u64 {
+    (n as u64).div_ceil(u64::from(ROW_WORKGROUP))
+}
+
+impl WeightStatsDesc {
+    /// Workgroups of its dispatch: one, which strides over the tokens.
+    pub fn workgroups(&self) -> u64 {
+        1
+    }
+}
+
+impl TeacherRowsDesc {
+    /// Workgroups of its dispatch: one per row.
+    pub fn workgroups(&self) -> u64 {
+        self.rows as u64
+    }
+}
+
+impl LabelsInDesc {
+    /// Workgroups of its dispatch: one invocation per row.
+    pub fn workgroups(&self) -> u64 {
+        per_element(self.rows)
+    }
+}
+
+impl HiddenInDesc {
+    /// Workgroups of its dispatch: one invocation per element of the
+    /// padded operand.
+    pub fn workgroups(&self) -> u64 {
+        per_element(self.rows_padded * self.ld)
+    }
+}
+
+impl LossOutDesc {
+    /// Workgroups of its dispatch: one invocation per element of the
+    /// chunk's dx (the first `rows` also copy the loss).
+    pub fn workgroups(&self) -> u64 {
+        per_element(self.rows * self.hs.max(1))
+    }
+}
+
+impl TopkOutDesc {
+    /// Workgroups of its dispatch: one invocation per entry.
+    pub fn workgroups(&self) -> u64 {
+        per_element(self.rows * self.k)
+    }
+}
+
+impl StatusDetailDesc {
+    /// Workgroups of its dispatch: one (of one invocation).
+    pub fn workgroups(&self) -> u64 {
+        1
     }
 }
 

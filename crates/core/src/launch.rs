@@ -9,7 +9,13 @@
 use crate::backend::{Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::Result;
 use crate::kernels::{GemmKernel, KernelBuild, KernelId, KL_FLAGS};
-use crate::params::{ConvertParams, GemmParams, RowParams, SumPartsParams};
+use crate::params::{
+    ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams, StatusDetailParams,
+    SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+};
+use crate::resident::{
+    HiddenInDesc, LabelsInDesc, LossOutDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+};
 
 /// One kernel launch: the descriptor (see each type's docs for what the
 /// kernel computes) and the buffers, named as the kernel binds them.
@@ -73,6 +79,101 @@ pub enum Launch<'a, B> {
         /// The extents.
         desc: TopkDesc,
     },
+    /// Resident: the weights' total and gradient scale ([`WeightStatsDesc`]).
+    WeightStats {
+        /// The caller's weights `[rows]` (any buffer without them).
+        weights: &'a B,
+        /// The status buffer.
+        status: &'a B,
+        /// The options.
+        desc: WeightStatsDesc,
+    },
+    /// Resident: teacher rows checked into scratch ([`TeacherRowsDesc`]).
+    TeacherRows {
+        /// The caller's ids.
+        ids: &'a B,
+        /// The caller's probabilities (or log-probabilities).
+        probs: &'a B,
+        /// The caller's weights (any buffer without them).
+        weights: &'a B,
+        /// The status buffer.
+        status: &'a B,
+        /// Clamped ids `[rows][k]`.
+        ids_out: &'a B,
+        /// Checked probabilities `[rows][k]`.
+        probs_out: &'a B,
+        /// The KL kernel's per-row inputs `[rows][2]`.
+        row_in: &'a B,
+        /// The extents and the teacher's form.
+        desc: TeacherRowsDesc,
+    },
+    /// Resident: labels checked into scratch ([`LabelsInDesc`]).
+    LabelsIn {
+        /// The caller's labels (any buffer without them).
+        labels: &'a B,
+        /// The status buffer.
+        status: &'a B,
+        /// The KL kernel's per-row inputs `[rows][2]`.
+        row_in: &'a B,
+        /// The extents.
+        desc: LabelsInDesc,
+    },
+    /// Resident: hidden rows into the padded f16 operand ([`HiddenInDesc`]).
+    HiddenIn {
+        /// The caller's rows.
+        src: &'a B,
+        /// The padded f16 operand.
+        dst: &'a B,
+        /// The extents and element type.
+        desc: HiddenInDesc,
+    },
+    /// Resident: a chunk's loss and dx out ([`LossOutDesc`]).
+    LossOut {
+        /// kl_rows' `[rows][4]` loss, lse, soft, hard.
+        loss_chunk: &'a B,
+        /// The chunk's dx `[rows][ld]`.
+        dx_chunk: &'a B,
+        /// The status buffer.
+        status: &'a B,
+        /// The caller's loss.
+        loss: &'a B,
+        /// The caller's dx.
+        dx: &'a B,
+        /// The caller's `[ntok][3]` terms (any buffer without them).
+        terms: &'a B,
+        /// The extents.
+        desc: LossOutDesc,
+    },
+    /// Resident: a chunk's top-k out ([`TopkOutDesc`]).
+    TopkOut {
+        /// The chunk's ids.
+        ids_chunk: &'a B,
+        /// The chunk's probabilities.
+        probs_chunk: &'a B,
+        /// The status buffer.
+        status: &'a B,
+        /// The caller's ids.
+        ids: &'a B,
+        /// The caller's probabilities.
+        probs: &'a B,
+        /// The extents.
+        desc: TopkOutDesc,
+    },
+    /// Resident: the first flagged row described ([`StatusDetailDesc`]).
+    StatusDetail {
+        /// The caller's ids.
+        ids: &'a B,
+        /// The caller's probabilities.
+        probs: &'a B,
+        /// The caller's weights (any buffer without them).
+        weights: &'a B,
+        /// The status buffer.
+        status: &'a B,
+        /// The caller's labels (any buffer without them).
+        labels: &'a B,
+        /// The extents and the teacher's form.
+        desc: StatusDetailDesc,
+    },
 }
 
 impl<B> Clone for Launch<'_, B> {
@@ -97,6 +198,13 @@ enum Block {
     Gemm(GemmParams),
     SumParts(SumPartsParams),
     Rows(RowParams),
+    WeightStats(WeightStatsParams),
+    TeacherRows(TeacherRowsParams),
+    LabelsIn(LabelsInParams),
+    HiddenIn(HiddenInParams),
+    LossOut(LossOutParams),
+    TopkOut(TopkOutParams),
+    StatusDetail(StatusDetailParams),
 }
 
 impl Checked {
@@ -113,6 +221,13 @@ impl Checked {
             Block::Gemm(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::SumParts(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::Rows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::WeightStats(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::TeacherRows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::LabelsIn(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::HiddenIn(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::LossOut(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::TopkOut(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::StatusDetail(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
         }
     }
 
@@ -155,6 +270,13 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
             Launch::SumParts { .. } => KernelId::SumParts,
             Launch::KlRows { .. } => KernelId::KlRows,
             Launch::TopkRows { .. } => KernelId::TopkRows,
+            Launch::WeightStats { .. } => KernelId::WeightStats,
+            Launch::TeacherRows { .. } => KernelId::TeacherRows,
+            Launch::LabelsIn { .. } => KernelId::LabelsIn,
+            Launch::HiddenIn { .. } => KernelId::HiddenIn,
+            Launch::LossOut { .. } => KernelId::LossOut,
+            Launch::TopkOut { .. } => KernelId::TopkOut,
+            Launch::StatusDetail { .. } => KernelId::StatusDetail,
         }
     }
 
@@ -175,6 +297,46 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
                 ..
             } => vec![logits, ids, probs, coef, loss, grad],
             Launch::TopkRows { logits, ids, probs, .. } => vec![logits, ids, probs],
+            Launch::WeightStats { weights, status, .. } => vec![weights, status],
+            Launch::TeacherRows {
+                ids,
+                probs,
+                weights,
+                status,
+                ids_out,
+                probs_out,
+                row_in,
+                ..
+            } => vec![ids, probs, weights, status, ids_out, probs_out, row_in],
+            Launch::LabelsIn {
+                labels, status, row_in, ..
+            } => vec![labels, status, row_in],
+            Launch::HiddenIn { src, dst, .. } => vec![src, dst],
+            Launch::LossOut {
+                loss_chunk,
+                dx_chunk,
+                status,
+                loss,
+                dx,
+                terms,
+                ..
+            } => vec![loss_chunk, dx_chunk, status, loss, dx, terms],
+            Launch::TopkOut {
+                ids_chunk,
+                probs_chunk,
+                status,
+                ids,
+                probs,
+                ..
+            } => vec![ids_chunk, probs_chunk, status, ids, probs],
+            Launch::StatusDetail {
+                ids,
+                probs,
+                weights,
+                status,
+                labels,
+                ..
+            } => vec![ids, probs, weights, status, labels],
         }
     }
 
@@ -187,7 +349,23 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
             Launch::SumParts { desc, .. } => desc.workgroups(),
             Launch::KlRows { desc, .. } => desc.workgroups(),
             Launch::TopkRows { desc, .. } => desc.workgroups(),
+            Launch::WeightStats { desc, .. } => desc.workgroups(),
+            Launch::TeacherRows { desc, .. } => desc.workgroups(),
+            Launch::LabelsIn { desc, .. } => desc.workgroups(),
+            Launch::HiddenIn { desc, .. } => desc.workgroups(),
+            Launch::LossOut { desc, .. } => desc.workgroups(),
+            Launch::TopkOut { desc, .. } => desc.workgroups(),
+            Launch::StatusDetail { desc, .. } => desc.workgroups(),
         }
+    }
+
+    /// Its buffers as the array its descriptor's `check` takes.
+    fn bound<const N: usize>(&self) -> Result<[&'a B; N]> {
+        let buffers = self.buffers();
+        let count = buffers.len();
+        buffers.try_into().map_err(|_| {
+            crate::kernels::bad_descriptor(self.id(), "buffers", count as u128, format!("the kernel binds {N}"))
+        })
     }
 
     /// Checks the descriptor against the buffers (each a binding of at most
@@ -213,6 +391,13 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
                 probs,
                 desc,
             } => Block::Rows(desc.check([logits, ids, probs], max_binding)?),
+            Launch::WeightStats { desc, .. } => Block::WeightStats(desc.check(self.bound()?, max_binding)?),
+            Launch::TeacherRows { desc, .. } => Block::TeacherRows(desc.check(self.bound()?, max_binding)?),
+            Launch::LabelsIn { desc, .. } => Block::LabelsIn(desc.check(self.bound()?, max_binding)?),
+            Launch::HiddenIn { desc, .. } => Block::HiddenIn(desc.check(self.bound()?, max_binding)?),
+            Launch::LossOut { desc, .. } => Block::LossOut(desc.check(self.bound()?, max_binding)?),
+            Launch::TopkOut { desc, .. } => Block::TopkOut(desc.check(self.bound()?, max_binding)?),
+            Launch::StatusDetail { desc, .. } => Block::StatusDetail(desc.check(self.bound()?, max_binding)?),
         };
         Ok(Checked { id: self.id(), block })
     }
@@ -364,5 +549,85 @@ mod tests {
             desc: gemm,
         };
         assert!(matches!(bad.check(u64::MAX), Err(Error::BadDescriptor { .. })));
+    }
+
+    /// The resident kernels are launches like the others: their buffers
+    /// follow the catalogue, every buffer (the status buffer too) is
+    /// checked, and an offset past 32 bits is an error, not a truncation.
+    #[test]
+    fn resident_launches_check_every_buffer() {
+        use crate::resident::status::WORDS;
+        use crate::{HiddenDtype, TailMode, TeacherForm};
+        let big = Len(1 << 24);
+        let teacher = TeacherRowsDesc {
+            rows: 5,
+            k: 3,
+            vocab: 40,
+            token0: 10,
+            ids_offset: 30,
+            probs_offset: 30,
+            weights_offset: 10,
+            has_weights: true,
+            form: TeacherForm::Probs,
+            tail: TailMode::Renormalize,
+        };
+        let rows = |status: &'static Len, desc| Launch::TeacherRows {
+            ids: &big,
+            probs: &big,
+            weights: &big,
+            status,
+            ids_out: &big,
+            probs_out: &big,
+            row_in: &big,
+            desc,
+        };
+        static STATUS: Len = Len((WORDS * 4) as u64);
+        static SHORT: Len = Len((WORDS * 4 - 4) as u64);
+        let launch = rows(&STATUS, teacher);
+        assert_eq!(launch.buffers().len(), KernelId::TeacherRows.bindings().len());
+        assert_eq!(launch.workgroups(GemmKernel::Tiled), 5);
+        let checked = launch.check(u64::MAX).unwrap();
+        assert_eq!(checked.id(), KernelId::TeacherRows);
+        assert_eq!(checked.bytes(7).len(), KernelId::TeacherRows.params().bytes);
+        let Err(Error::BadDescriptor { field, .. }) = rows(&SHORT, teacher).check(u64::MAX) else {
+            panic!("a short status buffer passed");
+        };
+        assert_eq!(field, "status");
+        let far = TeacherRowsDesc {
+            ids_offset: 1 << 33,
+            ..teacher
+        };
+        assert!(matches!(
+            rows(&STATUS, far).check(u64::MAX),
+            Err(Error::BadDescriptor { .. })
+        ));
+        let hidden = HiddenInDesc {
+            rows: 3,
+            cols: 5,
+            ld: 16,
+            rows_padded: 16,
+            src_offset: 10,
+            dtype: HiddenDtype::Bf16,
+        };
+        // 25 bf16 elements need 50 bytes.
+        let src = Len(48);
+        let dst = Len(16 * 16 * 2);
+        let launch = Launch::HiddenIn {
+            src: &src,
+            dst: &dst,
+            desc: hidden,
+        };
+        assert!(matches!(
+            launch.check(u64::MAX),
+            Err(Error::BadDescriptor { field: "src", .. })
+        ));
+        let src = Len(52);
+        let launch = Launch::HiddenIn {
+            src: &src,
+            dst: &dst,
+            desc: hidden,
+        };
+        assert_eq!(launch.check(u64::MAX).unwrap().id(), KernelId::HiddenIn);
+        assert_eq!(launch.workgroups(GemmKernel::Tiled), 1);
     }
 }

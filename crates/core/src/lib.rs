@@ -87,8 +87,8 @@ pub use backend::{
     MemoryStats, PendingDownload, SumPartsDesc, TopkDesc,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
-pub use driver::{Engine, LossOutput, SliceOptions, TopK};
-pub use error::{Error, ErrorKind, Field, Result};
+pub use driver::{Engine, LossOutput, ProgressCallback, SliceOptions, TopK};
+pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use glsl_tile::GlslTile;
 pub use head::{HeadData, HeadWeights};
@@ -99,7 +99,8 @@ pub use problem::{
 };
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend, ResidentKernel,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, HiddenInDesc, LabelsInDesc,
+    LossOutDesc, ResidentBackend, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 pub use settings::{CommonOptions, Env};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};

@@ -204,48 +204,179 @@ param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u
 param_block!(SumPartsParams: len: u32, parts: u32, part_stride: u32, accumulate: u32, grid_x: u32);
 param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32);
 param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
-param_block!(ResidentParams: rows: u32, cols: u32, vocab: u32, ld: u32, token0: u32, off_a: u32, off_b: u32, off_c: u32, off_d: u32, flags: u32, rows_padded: u32, grid_x: u32, f0: f32, f1: f32, f2: f32, f3: f32);
+param_block!(WeightStatsParams: rows: u32, has_weights: u32, grid_x: u32, total: f32, gscale: f32, inv_temperature: f32, grad_bound: f32);
+param_block!(TeacherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_offset: u32, probs_offset: u32, weights_offset: u32, has_weights: u32, logprobs: u32, tail: u32, grid_x: u32);
+param_block!(LabelsInParams: rows: u32, vocab: u32, token0: u32, labels_offset: u32, has_labels: u32, grid_x: u32);
+param_block!(HiddenInParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, src_offset: u32, dtype: u32, grid_x: u32);
+param_block!(LossOutParams: rows: u32, hs: u32, ld: u32, token0: u32, loss_offset: u32, dx_offset: u32, accumulate: u32, write_terms: u32, grid_x: u32);
+param_block!(TopkOutParams: rows: u32, k: u32, token0: u32, ids_offset: u32, probs_offset: u32, grid_x: u32);
+param_block!(StatusDetailParams: rows: u32, k: u32, has_weights: u32, logprobs: u32, tail: u32, has_labels: u32, grid_x: u32);
 
-/// `shaders/resident_*.wgsl`: one block for every device-resident kernel
-/// ([`crate::resident::ResidentKernel`]); each kernel's doc comment in its
-/// shader says which fields it reads.
+// The device-resident kernels' blocks (`shaders/resident_*.wgsl`, one per
+// kernel; `crate::resident` says what each kernel does). Offsets are in
+// elements of the caller's buffers; booleans are 0 or 1; `tail` is
+// `crate::TailMode::code`, `dtype` `crate::HiddenDtype::code`.
+
+/// `shaders/resident_stats.wgsl` (one workgroup).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Pod, Zeroable)]
-pub struct ResidentParams {
-    /// Rows to process.
+pub struct WeightStatsParams {
+    /// Tokens of the call.
     pub rows: u32,
-    /// Entries per row (k, or the hidden size).
-    pub cols: u32,
+    /// 1: the weights buffer holds `[rows]` weights; 0: all 1.
+    pub has_weights: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
+    /// The caller's total (0: the weights' sum).
+    pub total: f32,
+    /// The caller's gradient scale (0: from the weights).
+    pub gscale: f32,
+    /// `1/τ`.
+    pub inv_temperature: f32,
+    /// [`crate::LossTerms::grad_bound`] (≥ 1).
+    pub grad_bound: f32,
+    /// Padding to 16 bytes.
+    pub _pad: u32,
+}
+
+/// `shaders/resident_teacher.wgsl` (one workgroup per row).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TeacherRowsParams {
+    /// Rows of the chunk.
+    pub rows: u32,
+    /// Teacher entries per row.
+    pub k: u32,
     /// Real vocabulary size.
     pub vocab: u32,
-    /// Row stride of the padded scratch operand.
-    pub ld: u32,
-    /// Global index of the first row (for the status buffer).
+    /// The chunk's first token (for the status buffer).
     pub token0: u32,
-    /// Element offsets into the caller's buffers, kernel by kernel.
-    pub off_a: u32,
-    /// See `off_a`.
-    pub off_b: u32,
-    /// See `off_a`.
-    pub off_c: u32,
-    /// See `off_a`.
-    pub off_d: u32,
-    /// Bit 0: weights given; bit 1: accumulate into dx; bits 2-3: hidden
-    /// dtype (0 f32, 1 f16, 2 bf16).
-    pub flags: u32,
+    /// The chunk's first id.
+    pub ids_offset: u32,
+    /// The chunk's first probability.
+    pub probs_offset: u32,
+    /// The chunk's first weight.
+    pub weights_offset: u32,
+    /// 1: weights given.
+    pub has_weights: u32,
+    /// 1: the values are log-probabilities.
+    pub logprobs: u32,
+    /// The tail mode's code.
+    pub tail: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
+    /// Padding to 16 bytes.
+    pub _pad: u32,
+}
+
+/// `shaders/resident_labels.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct LabelsInParams {
+    /// Rows of the chunk.
+    pub rows: u32,
+    /// Real vocabulary size.
+    pub vocab: u32,
+    /// The chunk's first token.
+    pub token0: u32,
+    /// The chunk's first label.
+    pub labels_offset: u32,
+    /// 1: labels given.
+    pub has_labels: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
+    /// Padding to 16 bytes.
+    pub _pad: [u32; 2],
+}
+
+/// `shaders/resident_hidden.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HiddenInParams {
+    /// Real rows.
+    pub rows: u32,
+    /// Real columns (the hidden size).
+    pub cols: u32,
     /// Rows written in the padded operand.
     pub rows_padded: u32,
-    /// Workgroups along x of the (folded) dispatch grid (the backend fills
-    /// it in).
+    /// Row stride of the padded operand.
+    pub ld: u32,
+    /// The chunk's first element in the source.
+    pub src_offset: u32,
+    /// The source's element type.
+    pub dtype: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
     pub grid_x: u32,
-    /// Float operands, kernel by kernel.
-    pub f0: f32,
-    /// See `f0`.
-    pub f1: f32,
-    /// See `f0`.
-    pub f2: f32,
-    /// See `f0`.
-    pub f3: f32,
+    /// Padding to 16 bytes.
+    pub _pad: u32,
+}
+
+/// `shaders/resident_loss_out.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct LossOutParams {
+    /// Rows of the chunk.
+    pub rows: u32,
+    /// Hidden size.
+    pub hs: u32,
+    /// Row stride of the chunk's dx (the padded hidden size).
+    pub ld: u32,
+    /// The chunk's first token.
+    pub token0: u32,
+    /// The chunk's first loss element in the caller's buffers.
+    pub loss_offset: u32,
+    /// The chunk's first dx element in the caller's dx.
+    pub dx_offset: u32,
+    /// 1: add into dx.
+    pub accumulate: u32,
+    /// 1: write `[lse, soft, hard]` per token.
+    pub write_terms: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
+    /// Padding to 16 bytes.
+    pub _pad: [u32; 3],
+}
+
+/// `shaders/resident_topk_out.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TopkOutParams {
+    /// Rows of the chunk.
+    pub rows: u32,
+    /// Entries per row.
+    pub k: u32,
+    /// The chunk's first token.
+    pub token0: u32,
+    /// The chunk's first id in the caller's ids.
+    pub ids_offset: u32,
+    /// The chunk's first probability in the caller's probabilities.
+    pub probs_offset: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
+    /// Padding to 16 bytes.
+    pub _pad: [u32; 2],
+}
+
+/// `shaders/resident_status.wgsl` (one invocation).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct StatusDetailParams {
+    /// Tokens of the call.
+    pub rows: u32,
+    /// Teacher entries per row.
+    pub k: u32,
+    /// 1: weights given.
+    pub has_weights: u32,
+    /// 1: the teacher's values are log-probabilities.
+    pub logprobs: u32,
+    /// The tail mode's code.
+    pub tail: u32,
+    /// 1: labels given.
+    pub has_labels: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
+    /// Padding to 16 bytes.
+    pub _pad: u32,
 }
 
 #[cfg(test)]

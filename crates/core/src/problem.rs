@@ -343,6 +343,47 @@ fn check_temperature(t: f32) -> Result<()> {
     }
 }
 
+/// The option checks `head_kl` and `head_kl_device` share, in the order
+/// both make them: τ, the budget, the terms, and labels where the hard term
+/// needs them. A given `total` and `gscale` go through [`check_total`] and
+/// [`check_gscale`].
+pub(crate) fn check_loss_options(
+    temperature: f32,
+    budget_bytes: u64,
+    terms: &LossTerms,
+    has_labels: bool,
+) -> Result<()> {
+    check_temperature(temperature)?;
+    if budget_bytes == 0 {
+        return Err(Error::BudgetZero);
+    }
+    terms.check()?;
+    if terms.hard_on() && !has_labels {
+        return Err(Error::HardWeightWithoutLabels {
+            value: terms.hard_weight,
+        });
+    }
+    Ok(())
+}
+
+/// `total`, unless it is not positive and finite.
+pub(crate) fn check_total(total: f32) -> Result<f32> {
+    if total > 0.0 && total.is_finite() {
+        Ok(total)
+    } else {
+        Err(Error::TotalNotPositive { value: total })
+    }
+}
+
+/// `gscale`, unless it is not positive and finite.
+pub(crate) fn check_gscale(gscale: f32) -> Result<f32> {
+    if gscale > 0.0 && gscale.is_finite() {
+        Ok(gscale)
+    } else {
+        Err(Error::InvalidGradScale { value: gscale })
+    }
+}
+
 /// Options of `head_kl`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LossOptions {
@@ -421,11 +462,7 @@ impl ResolvedLoss {
 impl LossOptions {
     /// Checks every option and fills in the defaults for `ntok` tokens.
     pub fn resolve(&self, ntok: usize) -> Result<ResolvedLoss> {
-        check_temperature(self.temperature)?;
-        if self.budget_bytes == 0 {
-            return Err(Error::BudgetZero);
-        }
-        self.terms.check()?;
+        check_loss_options(self.temperature, self.budget_bytes, &self.terms, self.labels.is_some())?;
         let labels = match &self.labels {
             Some(l) if l.len() != ntok => {
                 return Err(Error::LengthMismatch {
@@ -436,11 +473,6 @@ impl LossOptions {
             }
             // The vocabulary is checked by the engine (it knows V).
             Some(l) => labels_to_u32(l, NO_LABEL as usize)?,
-            None if self.terms.hard_on() => {
-                return Err(Error::HardWeightWithoutLabels {
-                    value: self.terms.hard_weight,
-                })
-            }
             None => vec![NO_LABEL; ntok],
         };
         let weights = match &self.weights {
@@ -468,9 +500,7 @@ impl LossOptions {
             Some(t) => t,
             None => weights.iter().map(|&w| f64::from(w)).sum::<f64>() as f32,
         };
-        if !(total > 0.0 && total.is_finite()) {
-            return Err(Error::TotalNotPositive { value: total });
-        }
+        let total = check_total(total)?;
         let max_w = weights.iter().copied().fold(0f32, f32::max);
         let gscale = match self.gscale {
             Some(g) => g,
@@ -483,9 +513,7 @@ impl LossOptions {
             }
             None => 1.0,
         };
-        if !(gscale > 0.0 && gscale.is_finite()) {
-            return Err(Error::InvalidGradScale { value: gscale });
-        }
+        let gscale = check_gscale(gscale)?;
         let coef = weights
             .iter()
             .map(|&w| (f64::from(gscale) * f64::from(w) / f64::from(total)) as f32)

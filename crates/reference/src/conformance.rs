@@ -8,7 +8,7 @@
 //!   `kl_rows` and `topk_rows` against the formulas on the same f32 logits
 //!   (ties, one residue class mod 256, k = 1, k = 2048, non-finite rows);
 //! - **driver cases**: [`SuiteConfig::cases`] cases drawn by
-//!   [`crate::strategies`] from a seeded proptest runner, alternating
+//!   [`crate::strategies::draw_case_params`] from the suite's seed, alternating
 //!   `head_kl` and `topk`, run through [`Engine`] and compared with
 //!   [`crate::direct`] by [`Tolerance`];
 //! - **regressions**: a fixed list of named cases;
@@ -58,7 +58,7 @@ pub use harness::{ensure_runtime_dir, harness_env, harness_suite, open_or_skip};
 use headkl_core::settings::{self, Env};
 use headkl_core::{Backend, DeviceInfo, Engine};
 
-use crate::strategies::{case_params, Case, CaseKind, Rng};
+use crate::strategies::{draw_case_params, Case, CaseKind, Rng};
 use crate::tolerance::Tolerance;
 
 /// Default seed of the drawn cases when `HEADKL_SEED` is not set.
@@ -477,32 +477,20 @@ fn run_one<B: Backend + ?Sized>(
     }
 }
 
-/// The proptest seed bytes of drawn case `index` under `suite_seed`.
-fn case_seed_bytes(suite_seed: u64, index: usize) -> [u8; 32] {
-    let mut rng = Rng::new(suite_seed ^ (index as u64).wrapping_mul(0xA076_1D64_78BD_642F));
-    let mut bytes = [0u8; 32];
-    for chunk in bytes.chunks_exact_mut(8) {
-        chunk.copy_from_slice(&rng.next_u64().to_le_bytes());
-    }
-    bytes
+/// The seed of drawn case `index` under `suite_seed`.
+fn case_seed(suite_seed: u64, index: usize) -> u64 {
+    Rng::new(suite_seed ^ (index as u64).wrapping_mul(0xA076_1D64_78BD_642F)).next_u64()
 }
 
 /// Drawn case `index` of a suite seeded with `suite_seed` (even indices
 /// `head_kl`, odd `topk`): rebuilds a failing case alone for a replay.
 pub fn driver_case(suite_seed: u64, index: usize) -> Result<Case, String> {
-    use proptest::strategy::{Strategy, ValueTree};
-    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
     let kind = if index.is_multiple_of(2) {
         CaseKind::HeadKl
     } else {
         CaseKind::Topk
     };
-    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &case_seed_bytes(suite_seed, index));
-    let mut runner = TestRunner::new_with_rng(Config::default(), rng);
-    let tree = case_params(kind)
-        .new_tree(&mut runner)
-        .map_err(|e| format!("drawing case {index}: {e}"))?;
-    Ok(Case::from_params(&tree.current()))
+    Ok(Case::from_params(&draw_case_params(kind, case_seed(suite_seed, index))))
 }
 
 /// The errors one case measured (each against its [`Tolerance`] bound).

@@ -1,6 +1,6 @@
 //! headkl-reference: the CPU backend and the f64 implementation of
 //! headkl's math, the one tolerance comparator and, with the cargo feature
-//! `conformance`, the proptest strategies and the conformance suite every
+//! `conformance`, the case generator and the conformance suite every
 //! backend runs.
 //!
 //! - [`direct`]: the DESIGN §1 formulas evaluated directly in f64 on the
@@ -10,8 +10,8 @@
 //!   accumulate in f64. It is the always-available `reference` backend and
 //!   lets the core driver's slicing and chunking be tested with no GPU.
 //! - [`tolerance`]: [`Tolerance`], the comparator with DESIGN §5's bounds.
-//! - `strategies` (feature `conformance`): proptest strategies that draw
-//!   cases.
+//! - `strategies` (feature `conformance`): the cases and their seeded
+//!   generator (the crate's own, not proptest's: `headkl check` ships it).
 //! - `conformance` (feature `conformance`): the suite, generic over a
 //!   backend, the `conformance_tests!` macro that instantiates it in a
 //!   backend crate, and the test harness (settings, logger, the per-backend

@@ -1,9 +1,12 @@
-//! Proptest strategies for conformance cases (DESIGN §6).
+//! The conformance cases and how they are drawn (DESIGN §6).
 //!
-//! A strategy draws a few knobs ([`CaseParams`]: shape, flags, a data seed)
-//! and [`Case::from_params`] expands them deterministically into the head,
-//! hidden rows and teacher, so shrinking acts on the knobs, not on a
-//! million floats. What gets drawn:
+//! [`draw_case_params`] draws a few knobs ([`CaseParams`]: shape, flags, a
+//! data seed) from one seed with the crate's own small generator, and
+//! [`Case::from_params`] expands them deterministically into the head,
+//! hidden rows and teacher; the same seed gives the same case. No proptest
+//! here (the shipped `headkl check` runs the suite); the crate's own
+//! property tests wrap [`draw_case_params`] in a proptest strategy. What
+//! gets drawn:
 //! - V and hs that are not multiples of 16 or 128, and some that are; ntok
 //!   not a multiple of the chunk; k from 1 to 2048 (k > 256 only with small
 //!   hs and few tokens), always `k ≤ V`;
@@ -30,7 +33,6 @@ use headkl_core::{
     Error, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, Result, SliceOptions, TailMode, Teacher, TeacherForm,
     TopkOptions, MAX_K,
 };
-use proptest::prelude::*;
 
 /// Largest `V·hs·ntok` a drawn case has: the f64 reference and lavapipe each
 /// run one in well under a second.
@@ -566,22 +568,53 @@ struct Dims {
     max_rows_per_chunk: Option<usize>,
 }
 
+/// The suite's own seeded draws: a few helpers over [`Rng`], so the
+/// conformance suite (and `headkl check`, which ships it) needs no proptest.
+impl Rng {
+    /// Uniform in `lo..=hi` (`lo ≤ hi`).
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below(hi - lo + 1)
+    }
+
+    /// An index into `weights`, each drawn in proportion to its weight.
+    fn weighted(&mut self, weights: &[usize]) -> usize {
+        let mut x = self.below(weights.iter().sum());
+        for (i, &w) in weights.iter().enumerate() {
+            if x < w {
+                return i;
+            }
+            x -= w;
+        }
+        weights.len() - 1
+    }
+
+    /// True with probability `p`.
+    fn chance(&mut self, p: f64) -> bool {
+        self.uniform() < p
+    }
+
+    /// The `(u8, u64)` pair [`k_of`] takes.
+    fn knob(&mut self) -> (u8, u64) {
+        (self.next_u64() as u8, self.next_u64())
+    }
+}
+
 /// V: any, or a multiple of 16, or of 128.
-fn vocab_in(max: usize) -> impl Strategy<Value = usize> {
-    prop_oneof![
-        3 => 1..=max,
-        1 => (1..=max / 16).prop_map(|m| 16 * m),
-        1 => (1..=(max / 128).max(1)).prop_map(|m| 128 * m),
-    ]
+fn vocab_in(rng: &mut Rng, max: usize) -> usize {
+    match rng.weighted(&[3, 1, 1]) {
+        0 => rng.range(1, max),
+        1 => 16 * rng.range(1, max / 16),
+        _ => 128 * rng.range(1, (max / 128).max(1)),
+    }
 }
 
 /// hs: any, or a multiple of 16, or of 128.
-fn hs_in(max: usize) -> impl Strategy<Value = usize> {
-    prop_oneof![
-        3 => 1..=max,
-        1 => (1..=(max / 16).max(1)).prop_map(|m| 16 * m),
-        1 => (1..=(max / 128).max(1)).prop_map(|m| 128 * m),
-    ]
+fn hs_in(rng: &mut Rng, max: usize) -> usize {
+    match rng.weighted(&[3, 1, 1]) {
+        0 => rng.range(1, max),
+        1 => 16 * rng.range(1, (max / 16).max(1)),
+        _ => 128 * rng.range(1, (max / 128).max(1)),
+    }
 }
 
 /// k in `1..=cap`: 1, the cap (k = V when V is small), or any between.
@@ -598,182 +631,137 @@ fn cap_tokens(vocab: usize, hs: usize, ntok: usize) -> usize {
     ntok.min((MAX_WORK / (vocab * hs)).max(1))
 }
 
-fn dims() -> impl Strategy<Value = Dims> {
-    let knob = (any::<u8>(), any::<u64>());
-    let general = (
-        vocab_in(1500),
-        hs_in(MAX_HS),
-        1usize..=100,
-        knob,
-        0u8..8,
-        128usize..=512,
-        16usize..=48,
-    )
-        .prop_map(|(vocab, hs, ntok, kd, which, slice, chunk)| Dims {
-            profile: "general",
-            vocab,
-            hs,
-            ntok: cap_tokens(vocab, hs, ntok),
-            k: k_of(vocab.min(64), kd),
-            residue: false,
-            max_rows_per_slice: (which == 0).then_some(slice),
-            max_rows_per_chunk: (which == 1).then_some(chunk),
-        });
-    let big_k = (257usize..=MAX_K, any::<u64>(), 1usize..=32, 1usize..=4).prop_map(|(k, vd, hs, ntok)| {
-        let vocab = k + (vd % (MAX_VOCAB - k + 1) as u64) as usize;
-        Dims {
-            profile: "big_k",
-            vocab,
-            hs,
-            ntok: cap_tokens(vocab, hs, ntok),
-            k,
-            residue: false,
-            max_rows_per_slice: None,
-            max_rows_per_chunk: None,
+/// The shape of a case: one of five profiles, weighted 5 (general), 1
+/// (big k), 2 (residue), 2 (several slices), 2 (several chunks).
+fn dims(rng: &mut Rng) -> Dims {
+    match rng.weighted(&[5, 1, 2, 2, 2]) {
+        0 => {
+            let (vocab, hs, ntok) = (vocab_in(rng, 1500), hs_in(rng, MAX_HS), rng.range(1, 100));
+            let kd = rng.knob();
+            let which = rng.below(8);
+            let (slice, chunk) = (rng.range(128, 512), rng.range(16, 48));
+            Dims {
+                profile: "general",
+                vocab,
+                hs,
+                ntok: cap_tokens(vocab, hs, ntok),
+                k: k_of(vocab.min(64), kd),
+                residue: false,
+                max_rows_per_slice: (which == 0).then_some(slice),
+                max_rows_per_chunk: (which == 1).then_some(chunk),
+            }
         }
-    });
-    let residue = (1usize..=14, any::<u64>(), 1usize..=64, 1usize..=32).prop_map(|(k, vd, hs, ntok)| {
-        // room for k ids in one class mod 256, plus the two boosted extras of topk
-        let min_vocab = 256 * (k + 1) + 1;
-        let vocab = min_vocab + (vd % (MAX_VOCAB - min_vocab + 1) as u64) as usize;
-        Dims {
-            profile: "residue",
-            vocab,
-            hs,
-            ntok: cap_tokens(vocab, hs, ntok),
-            k,
-            residue: true,
-            max_rows_per_slice: None,
-            max_rows_per_chunk: None,
+        1 => {
+            let (k, vd, hs, ntok) = (rng.range(257, MAX_K), rng.next_u64(), rng.range(1, 32), rng.range(1, 4));
+            let vocab = k + (vd % (MAX_VOCAB - k + 1) as u64) as usize;
+            Dims {
+                profile: "big_k",
+                vocab,
+                hs,
+                ntok: cap_tokens(vocab, hs, ntok),
+                k,
+                residue: false,
+                max_rows_per_slice: None,
+                max_rows_per_chunk: None,
+            }
         }
-    });
-    let slices = (
-        600usize..=1500,
-        hs_in(200),
-        1usize..=40,
-        knob,
-        128usize..=512,
-        any::<bool>(),
-    )
-        .prop_map(|(vocab, hs, ntok, kd, slice, chunked)| Dims {
-            profile: "slices",
-            vocab,
-            hs,
-            ntok: cap_tokens(vocab, hs, ntok),
-            k: k_of(vocab.min(64), kd),
-            residue: false,
-            max_rows_per_slice: Some(slice),
-            max_rows_per_chunk: chunked.then_some(16),
-        });
-    let chunks = (
-        vocab_in(600),
-        hs_in(128),
-        40usize..=100,
-        knob,
-        16usize..=48,
-        any::<bool>(),
-    )
-        .prop_map(|(vocab, hs, ntok, kd, chunk, sliced)| Dims {
-            profile: "chunks",
-            vocab,
-            hs,
-            ntok: cap_tokens(vocab, hs, ntok),
-            k: k_of(vocab.min(32), kd),
-            residue: false,
-            max_rows_per_slice: sliced.then_some(128),
-            max_rows_per_chunk: Some(chunk),
-        });
-    prop_oneof![
-        5 => general,
-        1 => big_k,
-        2 => residue,
-        2 => slices,
-        2 => chunks,
-    ]
+        2 => {
+            let (k, vd, hs, ntok) = (rng.range(1, 14), rng.next_u64(), rng.range(1, 64), rng.range(1, 32));
+            // room for k ids in one class mod 256, plus the two boosted extras of topk
+            let min_vocab = 256 * (k + 1) + 1;
+            let vocab = min_vocab + (vd % (MAX_VOCAB - min_vocab + 1) as u64) as usize;
+            Dims {
+                profile: "residue",
+                vocab,
+                hs,
+                ntok: cap_tokens(vocab, hs, ntok),
+                k,
+                residue: true,
+                max_rows_per_slice: None,
+                max_rows_per_chunk: None,
+            }
+        }
+        3 => {
+            let (vocab, hs, ntok) = (rng.range(600, 1500), hs_in(rng, 200), rng.range(1, 40));
+            let kd = rng.knob();
+            let (slice, chunked) = (rng.range(128, 512), rng.chance(0.5));
+            Dims {
+                profile: "slices",
+                vocab,
+                hs,
+                ntok: cap_tokens(vocab, hs, ntok),
+                k: k_of(vocab.min(64), kd),
+                residue: false,
+                max_rows_per_slice: Some(slice),
+                max_rows_per_chunk: chunked.then_some(16),
+            }
+        }
+        _ => {
+            let (vocab, hs, ntok) = (vocab_in(rng, 600), hs_in(rng, 128), rng.range(40, 100));
+            let kd = rng.knob();
+            let (chunk, sliced) = (rng.range(16, 48), rng.chance(0.5));
+            Dims {
+                profile: "chunks",
+                vocab,
+                hs,
+                ntok: cap_tokens(vocab, hs, ntok),
+                k: k_of(vocab.min(32), kd),
+                residue: false,
+                max_rows_per_slice: sliced.then_some(128),
+                max_rows_per_chunk: Some(chunk),
+            }
+        }
+    }
 }
 
-fn temperature() -> impl Strategy<Value = f32> {
-    prop_oneof![
-        3 => Just(1.0f32),
-        2 => prop::sample::select(vec![0.5f32, 0.7, 1.3, 2.0, 3.5]),
-        1 => 0.25f32..4.0,
-    ]
+/// τ: 1 (weight 3), one of a few values (2), or any in `[0.25, 4)` (1).
+fn temperature(rng: &mut Rng) -> f32 {
+    match rng.weighted(&[3, 2, 1]) {
+        0 => 1.0,
+        1 => [0.5f32, 0.7, 1.3, 2.0, 3.5][rng.below(5)],
+        _ => (0.25 + 3.75 * rng.uniform()) as f32,
+    }
 }
 
-fn teacher_shape() -> impl Strategy<Value = TeacherShape> {
-    prop_oneof![
-        Just(TeacherShape::Peaked),
-        Just(TeacherShape::Flat),
-        Just(TeacherShape::Random)
-    ]
-}
-
-/// The knobs of a case of `kind`.
-pub fn case_params(kind: CaseKind) -> impl Strategy<Value = CaseParams> {
-    let flags = (
-        any::<u64>(),
-        teacher_shape(),
-        prop::bool::weighted(0.25),
-        prop::bool::weighted(0.3),
-        prop::bool::weighted(0.4),
-        temperature(),
-        any::<bool>(),
-    );
-    (dims(), flags).prop_map(
-        move |(d, (data_seed, teacher, large, ties, masked, temperature, hidden_as_f16))| CaseParams {
-            kind,
-            profile: d.profile,
-            vocab: d.vocab,
-            hs: d.hs,
-            ntok: d.ntok,
-            k: d.k,
-            data_seed,
-            teacher,
-            large,
-            ties,
-            residue: d.residue,
-            masked,
-            temperature,
-            hidden_as_f16,
-            max_rows_per_slice: d.max_rows_per_slice,
-            max_rows_per_chunk: d.max_rows_per_chunk,
-        },
-    )
-}
-
-/// A `head_kl` case.
-pub fn head_kl_case() -> impl Strategy<Value = Case> {
-    case_params(CaseKind::HeadKl).prop_map(|p| Case::from_params(&p))
-}
-
-/// A `topk` case.
-pub fn topk_case() -> impl Strategy<Value = Case> {
-    case_params(CaseKind::Topk).prop_map(|p| Case::from_params(&p))
-}
-
-/// A case of either kind.
-pub fn any_case() -> impl Strategy<Value = Case> {
-    prop_oneof![head_kl_case(), topk_case()]
+/// The knobs of a case of `kind`, drawn from `seed`: the same seed gives
+/// the same knobs everywhere (the suite's replays rest on it).
+pub fn draw_case_params(kind: CaseKind, seed: u64) -> CaseParams {
+    let rng = &mut Rng::new(seed);
+    let d = dims(rng);
+    let teacher = [TeacherShape::Peaked, TeacherShape::Flat, TeacherShape::Random][rng.below(3)];
+    CaseParams {
+        kind,
+        profile: d.profile,
+        vocab: d.vocab,
+        hs: d.hs,
+        ntok: d.ntok,
+        k: d.k,
+        data_seed: rng.next_u64(),
+        teacher,
+        large: rng.chance(0.25),
+        ties: rng.chance(0.3),
+        residue: d.residue,
+        masked: rng.chance(0.4),
+        temperature: temperature(rng),
+        hidden_as_f16: rng.chance(0.5),
+        max_rows_per_slice: d.max_rows_per_slice,
+        max_rows_per_chunk: d.max_rows_per_chunk,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::strategy::ValueTree;
-    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
-
-    fn runner(seed: u8) -> TestRunner {
-        TestRunner::new_with_rng(Config::default(), TestRng::from_seed(RngAlgorithm::ChaCha, &[seed; 32]))
-    }
 
     #[test]
     fn drawn_cases_are_valid_and_bounded() {
-        let mut r = runner(3);
         let mut seen_big_k = false;
         let mut seen_residue = false;
-        for i in 0..400 {
+        let mut profiles = std::collections::BTreeSet::new();
+        for i in 0..400u64 {
             let kind = if i % 2 == 0 { CaseKind::HeadKl } else { CaseKind::Topk };
-            let p = case_params(kind).new_tree(&mut r).unwrap().current();
+            let p = draw_case_params(kind, 3 + i.wrapping_mul(0x9E37_79B9));
+            profiles.insert(p.profile);
             let c = Case::from_params(&p);
             c.validate().unwrap_or_else(|e| panic!("{}: {e}", c.describe()));
             assert!(c.work() <= MAX_WORK, "{}", c.describe());
@@ -794,12 +782,15 @@ mod tests {
             }
         }
         assert!(seen_big_k && seen_residue);
+        assert_eq!(profiles.len(), 5, "{profiles:?}");
     }
 
     #[test]
-    fn same_params_give_the_same_case() {
-        let p = case_params(CaseKind::Topk).new_tree(&mut runner(9)).unwrap().current();
+    fn the_same_seed_draws_the_same_case() {
+        let p = draw_case_params(CaseKind::Topk, 9);
+        assert_eq!(p, draw_case_params(CaseKind::Topk, 9));
         assert_eq!(Case::from_params(&p), Case::from_params(&p));
+        assert_ne!(p, draw_case_params(CaseKind::Topk, 10));
     }
 
     #[test]

@@ -6,10 +6,21 @@
 
 use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher};
 use headkl_reference::direct::{head_kl_f64, logits_f64, softmax_over, topk_f64};
-use headkl_reference::strategies::{case_params, head_kl_case, Case, CaseKind, CaseParams, TeacherShape};
+use headkl_reference::strategies::{draw_case_params, Case, CaseKind, CaseParams, TeacherShape};
 use headkl_reference::CpuBackend;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
+
+/// A proptest strategy over the suite's cases of `kind`: a seed, drawn by
+/// proptest, through the suite's own generator.
+fn case_params(kind: CaseKind) -> impl Strategy<Value = CaseParams> {
+    any::<u64>().prop_map(move |seed| draw_case_params(kind, seed))
+}
+
+/// A `head_kl` case.
+fn head_kl_case() -> impl Strategy<Value = Case> {
+    case_params(CaseKind::HeadKl).prop_map(|p| Case::from_params(&p))
+}
 
 /// Small, f16-exact values: multiples of 2^-11 in (−0.9, 0.9), so `x ± 2^-10`
 /// is f16-exact too and rounding cannot blur a finite difference.

@@ -259,3 +259,43 @@ fn bf16_rows_match_their_f32_values() {
         .unwrap();
     assert_eq!(top_bf16, top_f32);
 }
+
+/// The progress callback hears every chunk of one call, tokens summing to
+/// ntok, and leaves the results as they are without it.
+#[test]
+fn progress_reports_every_chunk_and_changes_nothing() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let backend = CpuBackend::new();
+    for kind in [CaseKind::HeadKl, CaseKind::Topk] {
+        let case = case(kind, false);
+        let head = case.head_weights().unwrap();
+        let f16_rows = case.hidden_f16();
+        let hidden = case.hidden_rows(&f16_rows).unwrap();
+        let mut engine = Engine::new(&backend, &head, case.slice_options()).unwrap();
+        let run = |engine: &mut Engine<&CpuBackend>| match kind {
+            CaseKind::HeadKl => {
+                let out = engine
+                    .head_kl(&hidden, &case.teacher().unwrap(), &case.loss_options())
+                    .unwrap();
+                (out.loss, out.dx)
+            }
+            CaseKind::Topk => {
+                let out = engine.topk(&hidden, &case.topk_options()).unwrap();
+                (out.probs, out.ids.iter().map(|&i| i as f32).collect())
+            }
+        };
+        let quiet = run(&mut engine);
+        let (tokens, calls) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (t, c) = (tokens.clone(), calls.clone());
+        engine.set_progress(Some(Box::new(move |rows| {
+            t.fetch_add(rows, Ordering::SeqCst);
+            c.fetch_add(1, Ordering::SeqCst);
+        })));
+        let heard = run(&mut engine);
+        assert_eq!(heard, quiet, "{kind}");
+        assert_eq!(tokens.load(Ordering::SeqCst), case.ntok, "{kind}");
+        // 83 tokens in chunks of at most 20 rows: one report per chunk.
+        assert!(calls.load(Ordering::SeqCst) >= case.ntok.div_ceil(20), "{kind}");
+    }
+}

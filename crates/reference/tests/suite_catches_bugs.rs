@@ -114,6 +114,8 @@ impl Backend for Faulty {
                 probs,
                 desc,
             } => self.topk_rows(logits, ids, probs, &desc),
+            // The device-resident kernels run as the reference does.
+            other => self.inner.dispatch(other),
         }
     }
     fn finish(&self) -> Result<()> {

@@ -1,136 +1,164 @@
-//! The device-resident kernels (`shaders/resident_*.wgsl`) and the backend
-//! trait that runs them.
+//! The device-resident kernels' descriptors (`shaders/resident_*.wgsl`):
+//! what each computes, in the kernel catalogue's terms. Each is one
+//! [`crate::KernelId`] and one [`crate::Launch`] variant, checked against
+//! its buffers in `crate::checks` like the driver's kernels, and dispatched
+//! through [`Backend::dispatch`]. Offsets are in elements of the caller's
+//! buffers; the status buffer is [`super::status`]'s.
 
+use super::HiddenDtype;
 use crate::backend::Backend;
-use crate::error::{Error, Result};
-use crate::params::ResidentParams;
+use crate::error::Result;
+use crate::terms::{TailMode, TeacherForm};
 
-use crate::kernels::{Access, Shader};
-use Access::{Read, ReadWrite};
-
-macro_rules! resident_shader {
-    ($file:literal) => {
-        Shader {
-            file: $file,
-            text: concat!(
-                include_str!("../../../../shaders/resident_common.wgsl"),
-                include_str!(concat!("../../../../shaders/", $file))
-            ),
-            params: ResidentParams::BLOCK,
-        }
-    };
+/// The weights' total and gradient scale, resolved on the device into the
+/// status buffer's coefficient words; the first bad weight flagged. Buffers
+/// `[weights, status]` (weights unread without `has_weights`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WeightStatsDesc {
+    /// Tokens of the call.
+    pub rows: usize,
+    /// Whether the weights buffer holds `[rows]` weights (else all 1).
+    pub has_weights: bool,
+    /// The caller's total (`None`: the weights' sum).
+    pub total: Option<f32>,
+    /// The caller's gradient scale (`None`: `2^14 · total / max w /
+    /// grad_bound`).
+    pub gscale: Option<f32>,
+    /// τ.
+    pub temperature: f32,
+    /// [`crate::LossTerms::grad_bound`] at τ.
+    pub grad_bound: f64,
 }
 
-/// One device-resident kernel: its shader, entry point, workgroup size and
-/// storage bindings (1.. in order), as [`crate::kernels`] describes the
-/// driver's kernels. Every one takes [`ResidentParams`] at binding 0 (the
-/// declaration generated into `resident_common.wgsl`'s marker), and its
-/// shader is `shaders/resident_common.wgsl` followed by its own file (WGSL
-/// has no include).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ResidentKernel {
-    /// Weights → total, gscale and the KL and dx coefficients; bad weights
-    /// flagged. One workgroup.
-    WeightStats,
-    /// The caller's teacher rows (probabilities or log-probabilities)
-    /// checked, clamped and renormalized (in the renormalize tail mode) into
-    /// scratch, with each row's KL coefficient.
-    TeacherRows,
-    /// The caller's labels checked into the KL kernel's per-row inputs
-    /// (none where no labels are given).
-    LabelsIn,
-    /// The caller's f32, f16 or bf16 hidden rows into the padded f16 operand.
-    HiddenIn,
-    /// A chunk's loss and dx into the caller's buffers.
-    LossOut,
-    /// A chunk's top-k ids and probabilities into the caller's buffers.
-    TopkOut,
-    /// The first flagged row described for the host's error. One invocation.
-    StatusDetail,
+/// A chunk of the caller's teacher rows checked, clamped and (in the
+/// renormalize tail mode) renormalized into scratch, with each row's KL
+/// coefficient into word 0 of the per-row inputs `[rows][2]`; bad rows
+/// flagged. Buffers `[ids, probs, weights, status, ids_out, probs_out,
+/// row_in]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TeacherRowsDesc {
+    /// Rows of the chunk.
+    pub rows: usize,
+    /// Entries per row.
+    pub k: usize,
+    /// Real vocabulary size.
+    pub vocab: usize,
+    /// The chunk's first token.
+    pub token0: usize,
+    /// The chunk's first id in `ids`.
+    pub ids_offset: usize,
+    /// The chunk's first value in `probs`.
+    pub probs_offset: usize,
+    /// The chunk's first weight in `weights`.
+    pub weights_offset: usize,
+    /// Whether `weights` holds weights (else all 1).
+    pub has_weights: bool,
+    /// How `probs` holds the teacher's values.
+    pub form: TeacherForm,
+    /// The teacher's tail mode.
+    pub tail: TailMode,
 }
 
-impl ResidentKernel {
-    /// Every kernel.
-    pub const ALL: [ResidentKernel; 7] = [
-        ResidentKernel::WeightStats,
-        ResidentKernel::TeacherRows,
-        ResidentKernel::LabelsIn,
-        ResidentKernel::HiddenIn,
-        ResidentKernel::LossOut,
-        ResidentKernel::TopkOut,
-        ResidentKernel::StatusDetail,
-    ];
+/// A chunk of the caller's labels checked into word 1 of the per-row
+/// inputs `[rows][2]` ([`crate::NO_LABEL`] without labels, and for a bad
+/// one, which is flagged). Buffers `[labels, status, row_in]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LabelsInDesc {
+    /// Rows of the chunk.
+    pub rows: usize,
+    /// Real vocabulary size.
+    pub vocab: usize,
+    /// The chunk's first token.
+    pub token0: usize,
+    /// The chunk's first label in `labels`.
+    pub labels_offset: usize,
+    /// Whether `labels` holds labels.
+    pub has_labels: bool,
+}
 
-    /// Its shader: `resident_common.wgsl` then its own file; build it from
-    /// [`Shader::source`].
-    pub const fn shader(self) -> Shader {
-        match self {
-            ResidentKernel::WeightStats => resident_shader!("resident_stats.wgsl"),
-            ResidentKernel::TeacherRows => resident_shader!("resident_teacher.wgsl"),
-            ResidentKernel::LabelsIn => resident_shader!("resident_labels.wgsl"),
-            ResidentKernel::HiddenIn => resident_shader!("resident_hidden.wgsl"),
-            ResidentKernel::LossOut => resident_shader!("resident_loss_out.wgsl"),
-            ResidentKernel::TopkOut => resident_shader!("resident_topk_out.wgsl"),
-            ResidentKernel::StatusDetail => resident_shader!("resident_status.wgsl"),
-        }
-    }
+/// A chunk of the caller's hidden rows (f32, f16 or bf16) into the padded
+/// f16 GEMM operand (zeros outside `rows × cols`). Buffers `[src, dst]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HiddenInDesc {
+    /// Real rows.
+    pub rows: usize,
+    /// Real columns (the hidden size).
+    pub cols: usize,
+    /// Row stride of `dst`.
+    pub ld: usize,
+    /// Rows written in `dst`.
+    pub rows_padded: usize,
+    /// The chunk's first element in `src`.
+    pub src_offset: usize,
+    /// `src`'s element type.
+    pub dtype: HiddenDtype,
+}
 
-    /// Its own shader file in `shaders/` (after `resident_common.wgsl`).
-    pub const fn file(self) -> &'static str {
-        self.shader().file
-    }
+/// A chunk's loss (and optionally lse, soft and hard) and dx (scaled by the
+/// status buffer's dx multiplier; overwritten or accumulated) into the
+/// caller's buffers; a token with non-finite logits flagged. Buffers
+/// `[loss_chunk, dx_chunk, status, loss, dx, terms]` (terms unread without
+/// `write_terms`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LossOutDesc {
+    /// Rows of the chunk.
+    pub rows: usize,
+    /// Hidden size.
+    pub hs: usize,
+    /// Row stride of `dx_chunk`.
+    pub ld: usize,
+    /// The chunk's first token.
+    pub token0: usize,
+    /// The chunk's first element of `loss` (and row of `terms`).
+    pub loss_offset: usize,
+    /// The chunk's first element of `dx`.
+    pub dx_offset: usize,
+    /// Add into `dx` instead of overwriting it.
+    pub accumulate: bool,
+    /// Write `[lse, soft, hard]` per token into `terms`.
+    pub write_terms: bool,
+}
 
-    /// The entry point.
-    pub fn entry(self) -> &'static str {
-        match self {
-            ResidentKernel::WeightStats => "weight_stats",
-            ResidentKernel::TeacherRows => "teacher_rows",
-            ResidentKernel::LabelsIn => "labels_in",
-            ResidentKernel::HiddenIn => "hidden_in",
-            ResidentKernel::LossOut => "loss_out",
-            ResidentKernel::TopkOut => "topk_out",
-            ResidentKernel::StatusDetail => "status_detail",
-        }
-    }
+/// A chunk's top-k ids and probabilities into the caller's buffers; a
+/// token with non-finite logits flagged. Buffers `[ids_chunk, probs_chunk,
+/// status, ids, probs]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TopkOutDesc {
+    /// Rows of the chunk.
+    pub rows: usize,
+    /// Entries per row.
+    pub k: usize,
+    /// The chunk's first token.
+    pub token0: usize,
+    /// The chunk's first element of `ids`.
+    pub ids_offset: usize,
+    /// The chunk's first element of `probs`.
+    pub probs_offset: usize,
+}
 
-    /// Invocations per workgroup.
-    pub fn workgroup_size(self) -> u32 {
-        match self {
-            ResidentKernel::StatusDetail => 1,
-            _ => 256,
-        }
-    }
-
-    /// Storage bindings 1.., in order.
-    pub fn bindings(self) -> &'static [Access] {
-        match self {
-            ResidentKernel::WeightStats => &[Read, ReadWrite],
-            ResidentKernel::TeacherRows => &[Read, Read, Read, ReadWrite, ReadWrite, ReadWrite, ReadWrite],
-            ResidentKernel::LabelsIn => &[Read, ReadWrite, ReadWrite],
-            ResidentKernel::HiddenIn => &[Read, ReadWrite],
-            ResidentKernel::LossOut => &[Read, Read, ReadWrite, ReadWrite, ReadWrite, ReadWrite],
-            ResidentKernel::TopkOut => &[Read, Read, ReadWrite, ReadWrite, ReadWrite],
-            ResidentKernel::StatusDetail => &[Read, Read, Read, ReadWrite, Read],
-        }
-    }
-
-    /// Checks that a dispatch on `backend` brings one buffer for each of
-    /// its bindings.
-    pub fn check_buffers(self, backend: &'static str, buffers: usize) -> Result<()> {
-        let bindings = self.bindings().len();
-        if buffers != bindings {
-            return Err(Error::Backend {
-                backend,
-                message: format!("{}: {buffers} buffers for {bindings} bindings", self.entry()),
-            });
-        }
-        Ok(())
-    }
+/// The first bad teacher row, weight or label flagged in a call, described
+/// in the status buffer's detail words. Buffers `[ids, probs, weights,
+/// status, labels]` (weights and labels unread without them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatusDetailDesc {
+    /// Tokens of the call.
+    pub rows: usize,
+    /// Teacher entries per row.
+    pub k: usize,
+    /// Whether `weights` holds weights.
+    pub has_weights: bool,
+    /// How `probs` holds the teacher's values.
+    pub form: TeacherForm,
+    /// The teacher's tail mode.
+    pub tail: TailMode,
+    /// Whether `labels` holds labels.
+    pub has_labels: bool,
 }
 
 /// A backend that can run the device-resident entry points
 /// ([`crate::Engine::head_kl_device`], [`crate::Engine::topk_device`]) on
-/// buffers the caller owns.
+/// buffers the caller owns. Their kernels go through
+/// [`Backend::dispatch`] like the driver's.
 ///
 /// A caller's buffer is the backend's buffer type wrapping the caller's
 /// device buffer with a byte offset and length (a view); the backend binds
@@ -145,17 +173,6 @@ pub trait ResidentBackend: Backend {
     /// backend's own buffers).
     fn buffer_offset(&self, buffer: &Self::Buffer) -> u64;
 
-    /// Records one dispatch of `kernel` over `workgroups` workgroups
-    /// (folded by the backend, which fills `params.grid_x`), with `buffers`
-    /// at bindings 1.. as [`ResidentKernel::bindings`] lists them.
-    fn resident_dispatch(
-        &self,
-        kernel: ResidentKernel,
-        buffers: &[&Self::Buffer],
-        params: &ResidentParams,
-        workgroups: u64,
-    ) -> Result<()>;
-
     /// Submits everything recorded so far to the device without waiting.
     fn submit(&self) -> Result<()>;
 }
@@ -167,15 +184,6 @@ impl<T: ResidentBackend + ?Sized> ResidentBackend for &T {
     }
     fn buffer_offset(&self, buffer: &Self::Buffer) -> u64 {
         (**self).buffer_offset(buffer)
-    }
-    fn resident_dispatch(
-        &self,
-        kernel: ResidentKernel,
-        buffers: &[&Self::Buffer],
-        params: &ResidentParams,
-        workgroups: u64,
-    ) -> Result<()> {
-        (**self).resident_dispatch(kernel, buffers, params, workgroups)
     }
     fn submit(&self) -> Result<()> {
         (**self).submit()

@@ -18,15 +18,17 @@
 mod kernels;
 pub mod status;
 
-pub use kernels::{ResidentBackend, ResidentKernel};
+pub use kernels::{
+    HiddenInDesc, LabelsInDesc, LossOutDesc, ResidentBackend, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
+    WeightStatsDesc,
+};
 
 use crate::backend::{Backend, KlDesc, TopkDesc};
 use crate::driver::Engine;
 use crate::error::{Error, Result};
-use crate::launch::Kernels;
-use crate::params::ResidentParams;
-use crate::problem::{check_k, TopkOptions, DEFAULT_BUDGET_BYTES};
-use crate::scratch::Job;
+use crate::launch::{Kernels, Launch};
+use crate::problem::{check_gscale, check_k, check_loss_options, check_total, TopkOptions, DEFAULT_BUDGET_BYTES};
+use crate::scratch::{Job, LossScratch, RowBytes, RowScratch};
 use crate::terms::{LossTerms, TailMode, TeacherForm};
 use crate::{round_up, ALIGN};
 
@@ -50,7 +52,9 @@ impl HiddenDtype {
         }
     }
 
-    fn code(self) -> u32 {
+    /// Its code in [`crate::params::HiddenInParams::dtype`] (the shaders
+    /// get the same as `DTYPE_*`).
+    pub const fn code(self) -> u32 {
         match self {
             HiddenDtype::F32 => 0,
             HiddenDtype::F16 => 1,
@@ -146,25 +150,14 @@ impl<Buf> Default for DeviceLossOptions<'_, Buf> {
     }
 }
 
-/// Scratch of the resident entry points for one chunk, kept across calls.
+/// Scratch of the resident entry points, kept across calls: the host
+/// path's groups (`crate::scratch`), from the same sizes, for the key it
+/// was made for.
 pub(crate) struct ResidentScratch<B: Backend> {
-    job: Job,
-    rows: usize,
-    k: usize,
-    x16: B::Buffer,
-    logits: B::Buffer,
-    ids: B::Buffer,
-    probs: B::Buffer,
-    // head_kl only
-    loss_buffers: Option<LossScratch<B>>,
-}
-
-struct LossScratch<B: Backend> {
-    /// The KL kernel's per-row inputs `[rows][2]`: coefficient, label.
-    row_in: B::Buffer,
-    loss: B::Buffer,
-    grad: B::Buffer,
-    dx: B::Buffer,
+    key: (Job, usize, usize),
+    rows: RowScratch<B>,
+    /// `head_kl_device`'s (a scratch made for `topk_device` has none).
+    loss: Option<LossScratch<B>>,
 }
 
 /// What an [`Engine`] keeps for the resident entry points: scratch, the
@@ -198,6 +191,14 @@ fn u32_extent(field: &'static str, n: usize) -> Result<u32> {
     })
 }
 
+/// `a · b`, or the error of a shape too large to index.
+fn elements(field: &'static str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b).ok_or_else(|| Error::DeviceBuffer {
+        field,
+        reason: format!("{a} × {b} elements overflow"),
+    })
+}
+
 impl<B: ResidentBackend> Engine<B> {
     /// Checked mode: every resident call waits for the device and returns
     /// its error at once (for debugging; a trainer normally waits once per
@@ -225,9 +226,12 @@ impl<B: ResidentBackend> Engine<B> {
         status::to_result(&words, self.vocab)
     }
 
-    fn check_view(&self, field: &'static str, buffer: &B::Buffer, bytes: usize) -> Result<()> {
+    /// Checks a caller's view: `elems` elements of 4 bytes (or
+    /// `elem_bytes`) fit, and it starts where a binding may.
+    fn check_view(&self, field: &'static str, buffer: &B::Buffer, elems: usize, elem_bytes: usize) -> Result<()> {
+        let bytes = elements(field, elems, elem_bytes)?;
         let len = self.backend.buffer_len(buffer);
-        if len < bytes as u64 {
+        if u64::try_from(bytes).map_or(true, |b| len < b) {
             return Err(Error::DeviceBuffer {
                 field,
                 reason: format!("{len} bytes, the shape needs {bytes}"),
@@ -245,81 +249,94 @@ impl<B: ResidentBackend> Engine<B> {
         Ok(())
     }
 
-    fn ensure_status(&mut self) -> Result<()> {
-        if self.resident.status.is_none() {
-            let b = self.backend.alloc((status::WORDS * 4) as u64, "status")?;
-            self.backend.upload(&b, 0, bytemuck::cast_slice(&status::cleared()))?;
-            self.resident.status = Some(b);
+    /// The status buffer, taken out of the engine for a call (made the
+    /// first time); [`Self::put_back_resident`] returns it.
+    fn take_status(&mut self) -> Result<B::Buffer> {
+        if let Some(b) = self.resident.status.take() {
+            return Ok(b);
         }
-        Ok(())
+        let b = self.backend.alloc((status::WORDS * 4) as u64, "status")?;
+        self.backend.upload(&b, 0, bytemuck::cast_slice(&status::cleared()))?;
+        Ok(b)
     }
 
-    fn ensure_resident_scratch(&mut self, job: Job, rows: usize, k: usize) -> Result<()> {
-        if let Some(s) = &self.resident.scratch {
-            if s.job == job && s.rows == rows && s.k == k {
-                return Ok(());
+    /// The status buffer and the scratch of `job` for chunks of `rows`
+    /// rows of `k` entries, taken out of the engine for a call: the host
+    /// path's row group from the chunk plan's sizes (freeing scratch made
+    /// for another key first). [`Self::put_back_resident`] returns them.
+    /// The host path's row sizes without its second (odd-chunk) buffers:
+    /// nothing crosses to the host here, so there is no copy to overlap.
+    fn resident_row_bytes(&self, job: Job, k: usize) -> RowBytes {
+        RowBytes {
+            doubled: false,
+            ..self.row_bytes(job, k)
+        }
+    }
+
+    fn take_resident(&mut self, job: Job, rows: usize, k: usize) -> Result<(B::Buffer, ResidentScratch<B>)> {
+        let key = (job, rows, k);
+        let status = self.take_status()?;
+        match self.resident.scratch.take() {
+            Some(s) if s.key == key => return Ok((status, s)),
+            _ => self.release_scratch(),
+        }
+        match RowScratch::alloc(&self.backend, &self.resident_row_bytes(job, k), rows, false) {
+            Ok(rows_s) => Ok((
+                status,
+                ResidentScratch {
+                    key,
+                    rows: rows_s,
+                    loss: None,
+                },
+            )),
+            Err(e) => {
+                self.resident.status = Some(status);
+                Err(e)
             }
         }
-        self.release_scratch();
-        let b = &self.backend;
-        let (v, h, r, k64) = (self.vocab_padded as u64, self.hs_padded as u64, rows as u64, k as u64);
-        // The logits hold the dx GEMM's split-K partials too (as the
-        // host path's do), so they take the chunk plan's size.
-        let logits_row = self.row_bytes(job, k).logits;
-        let x16 = b.alloc(r * h * 2, "x16")?;
-        let logits = b.alloc(r * logits_row, "logits")?;
-        let ids = b.alloc(r * k64 * 4, "ids")?;
-        let probs = b.alloc(r * k64 * 4, "probs")?;
-        let loss_buffers = if job == Job::Loss {
-            Some(LossScratch {
-                row_in: b.alloc(r * 8, "row_in")?,
-                loss: b.alloc(r * 16, "loss")?,
-                grad: b.alloc(r * v * 2, "grad")?,
-                dx: b.alloc(r * h * 4, "dx")?,
-            })
-        } else {
-            None
-        };
-        self.resident.scratch = Some(ResidentScratch {
-            job,
-            rows,
-            k,
-            x16,
-            logits,
-            ids,
-            probs,
-            loss_buffers,
-        });
-        Ok(())
+    }
+
+    /// `head_kl_device`'s own group, kept in `scratch` or made from the
+    /// same sizes.
+    fn take_resident_loss(&self, scratch: &mut ResidentScratch<B>) -> Result<LossScratch<B>> {
+        match scratch.loss.take() {
+            Some(ls) => Ok(ls),
+            None => {
+                let (_, rows, k) = scratch.key;
+                LossScratch::alloc(&self.backend, &self.resident_row_bytes(Job::Loss, k), rows)
+            }
+        }
+    }
+
+    /// Keeps a call's status buffer and scratch for the next call, whether
+    /// or not its recording succeeded.
+    fn put_back_resident(&mut self, status: B::Buffer, scratch: ResidentScratch<B>) {
+        self.resident.status = Some(status);
+        self.resident.scratch = Some(scratch);
     }
 
     /// Records the caller's rows `[start, start + rows)` into the padded f16
     /// operand and the logits GEMMs.
     fn resident_logits(
         &self,
-        s: &ResidentScratch<B>,
+        s: &RowScratch<B>,
         hidden: &DeviceHidden<'_, B::Buffer>,
-        start: usize,
-        rows: usize,
+        (start, rows): (usize, usize),
         temperature: f32,
     ) -> Result<()> {
         let rows_padded = round_up(rows, ALIGN);
-        let params = ResidentParams {
-            rows: rows as u32,
-            cols: self.hs as u32,
-            ld: self.hs_padded as u32,
-            rows_padded: rows_padded as u32,
-            off_a: (start * self.hs) as u32,
-            flags: hidden.dtype.code() << 2,
-            ..ResidentParams::default()
-        };
-        let elements = (rows_padded * self.hs_padded) as u64;
-        self.backend.resident_dispatch(
-            ResidentKernel::HiddenIn,
-            &[hidden.buffer, &s.x16],
-            &params,
-            elements.div_ceil(256),
-        )?;
+        self.backend.dispatch(Launch::HiddenIn {
+            src: hidden.buffer,
+            dst: &s.x16,
+            desc: HiddenInDesc {
+                rows,
+                cols: self.hs,
+                ld: self.hs_padded,
+                rows_padded,
+                src_offset: elements("hidden", start, self.hs)?,
+                dtype: hidden.dtype,
+            },
+        })?;
         self.logits(&s.x16, &s.logits, rows_padded, temperature)
     }
 
@@ -327,8 +344,9 @@ impl<B: ResidentBackend> Engine<B> {
         if ntok == 0 {
             return Err(Error::NoTokens);
         }
-        u32_extent("hidden", ntok * self.hs)?;
-        self.check_view("hidden", hidden.buffer, ntok * self.hs * hidden.dtype.bytes())
+        let elems = elements("hidden", ntok, self.hs)?;
+        u32_extent("hidden", elems)?;
+        self.check_view("hidden", hidden.buffer, elems, hidden.dtype.bytes())
     }
 
     /// [`Engine::head_kl`] on device buffers (DESIGN §8): reads `ntok`
@@ -384,70 +402,70 @@ impl<B: ResidentBackend> Engine<B> {
         let k = teacher.k;
         check_k(k, self.vocab)?;
         self.check_resident_hidden(ntok, hidden)?;
-        u32_extent("ids", ntok * k)?;
-        self.check_view("ids", teacher.ids, ntok * k * 4)?;
-        self.check_view("probs", teacher.probs, ntok * k * 4)?;
-        self.check_view("loss", out.loss, ntok * 4)?;
-        self.check_view("dx", out.dx, ntok * self.hs * 4)?;
+        let entries = elements("ids", ntok, k)?;
+        u32_extent("ids", entries)?;
+        self.check_view("ids", teacher.ids, entries, 4)?;
+        self.check_view("probs", teacher.probs, entries, 4)?;
+        self.check_view("loss", out.loss, ntok, 4)?;
+        self.check_view("dx", out.dx, elements("dx", ntok, self.hs)?, 4)?;
         if let Some(w) = opts.weights {
-            self.check_view("weights", w, ntok * 4)?;
+            self.check_view("weights", w, ntok, 4)?;
         }
-        opts.terms.check()?;
-        if opts.terms.hard_on() && opts.labels.is_none() {
-            return Err(Error::HardWeightWithoutLabels {
-                value: opts.terms.hard_weight,
-            });
-        }
+        // The host path's option checks, in its order.
+        check_loss_options(opts.temperature, opts.budget_bytes, &opts.terms, opts.labels.is_some())?;
         if let Some(l) = opts.labels {
-            self.check_view("labels", l, ntok * 4)?;
+            self.check_view("labels", l, ntok, 4)?;
         }
         if let Some(t) = opts.terms_out {
-            self.check_view("terms_out", t, ntok * 3 * 4)?;
+            self.check_view("terms_out", t, elements("terms_out", ntok, 3)?, 4)?;
         }
-        if !(opts.temperature > 0.0 && opts.temperature.is_finite()) {
-            return Err(Error::InvalidTemperature {
-                value: opts.temperature,
-            });
-        }
-        if let Some(t) = opts.total {
-            if !(t > 0.0 && t.is_finite()) {
-                return Err(Error::TotalNotPositive { value: t });
-            }
-        }
-        if let Some(g) = opts.gscale {
-            if !(g > 0.0 && g.is_finite()) {
-                return Err(Error::InvalidGradScale { value: g });
-            }
-        }
-        if opts.budget_bytes == 0 {
-            return Err(Error::BudgetZero);
-        }
+        opts.total.map(check_total).transpose()?;
+        opts.gscale.map(check_gscale).transpose()?;
         let plan = self.chunk_plan(Job::Loss, ntok, k, false, (opts.budget_bytes, opts.max_rows_per_chunk))?;
-        self.ensure_status()?;
-        self.ensure_resident_scratch(Job::Loss, plan.rows_per_chunk, k)?;
+        let (status, mut scratch) = self.take_resident(Job::Loss, plan.rows_per_chunk, k)?;
         self.resident.pending = true;
+        let recorded = self.take_resident_loss(&mut scratch).and_then(|ls| {
+            let recorded = self.record_head_kl(ntok, hidden, teacher, out, opts, &plan, &status, (&scratch.rows, &ls));
+            scratch.loss = Some(ls);
+            recorded
+        });
+        self.put_back_resident(status, scratch);
+        recorded?;
+        if self.resident.checked {
+            self.wait_device()?;
+        }
+        Ok(())
+    }
 
-        let (Some(s), Some(status)) = (&self.resident.scratch, &self.resident.status) else {
-            return Err(scratch_missing());
-        };
-        let Some(ls) = &s.loss_buffers else {
-            return Err(scratch_missing());
-        };
-        let b = &self.backend;
-        let has_w = u32::from(opts.weights.is_some());
+    /// Records [`Engine::head_kl_device`]'s kernels (its checks done) and
+    /// submits them.
+    #[allow(clippy::too_many_arguments, reason = "the call's inputs and the scratch it took")]
+    fn record_head_kl(
+        &self,
+        ntok: usize,
+        hidden: &DeviceHidden<'_, B::Buffer>,
+        teacher: &DeviceTeacher<'_, B::Buffer>,
+        out: &DeviceLossOutput<'_, B::Buffer>,
+        opts: &DeviceLossOptions<'_, B::Buffer>,
+        plan: &crate::chunking::ChunkPlan,
+        status: &B::Buffer,
+        (s, ls): (&RowScratch<B>, &LossScratch<B>),
+    ) -> Result<()> {
+        let (k, b) = (teacher.k, &self.backend);
         // Without weights, the probabilities fill the (unread) weights slot.
         let weights = opts.weights.unwrap_or(teacher.probs);
-        let stats = ResidentParams {
-            rows: ntok as u32,
-            flags: has_w,
-            f0: opts.total.unwrap_or(0.0),
-            f1: opts.gscale.unwrap_or(0.0),
-            f2: 1.0 / opts.temperature,
-            f3: opts.terms.grad_bound(opts.temperature) as f32,
-            ..ResidentParams::default()
-        };
-        b.resident_dispatch(ResidentKernel::WeightStats, &[weights, status], &stats, 1)?;
-        let teacher_flags = has_w | (opts.teacher_form.code() << 1) | (opts.tail.code() << 2);
+        b.dispatch(Launch::WeightStats {
+            weights,
+            status,
+            desc: WeightStatsDesc {
+                rows: ntok,
+                has_weights: opts.weights.is_some(),
+                total: opts.total,
+                gscale: opts.gscale,
+                temperature: opts.temperature,
+                grad_bound: opts.terms.grad_bound(opts.temperature),
+            },
+        })?;
         // Labels are checked whenever given (as the host path does); the KL
         // kernel reads them only with the hard term on.
         let labels = opts.labels;
@@ -456,46 +474,41 @@ impl<B: ResidentBackend> Engine<B> {
         let terms_out = opts.terms_out.unwrap_or(&s.probs);
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
-            self.resident_logits(s, hidden, start, rows, opts.temperature)?;
-            let teacher_params = ResidentParams {
-                rows: rows as u32,
-                cols: k as u32,
-                vocab: self.vocab as u32,
-                token0: start as u32,
-                off_a: (start * k) as u32,
-                off_b: (start * k) as u32,
-                off_c: start as u32,
-                flags: teacher_flags,
-                ..ResidentParams::default()
-            };
-            b.resident_dispatch(
-                ResidentKernel::TeacherRows,
-                &[
-                    teacher.ids,
-                    teacher.probs,
-                    weights,
-                    status,
-                    &s.ids,
-                    &s.probs,
-                    &ls.row_in,
-                ],
-                &teacher_params,
-                rows as u64,
-            )?;
-            let labels_params = ResidentParams {
-                rows: rows as u32,
-                vocab: self.vocab as u32,
-                token0: start as u32,
-                off_a: start as u32,
-                flags: u32::from(labels.is_some()),
-                ..ResidentParams::default()
-            };
-            b.resident_dispatch(
-                ResidentKernel::LabelsIn,
-                &[labels_buf, status, &ls.row_in],
-                &labels_params,
-                (rows as u64).div_ceil(256),
-            )?;
+            self.resident_logits(s, hidden, (start, rows), opts.temperature)?;
+            let first_entry = elements("ids", start, k)?;
+            b.dispatch(Launch::TeacherRows {
+                ids: teacher.ids,
+                probs: teacher.probs,
+                weights,
+                status,
+                ids_out: &s.ids,
+                probs_out: &s.probs,
+                row_in: &ls.row_in,
+                desc: TeacherRowsDesc {
+                    rows,
+                    k,
+                    vocab: self.vocab,
+                    token0: start,
+                    ids_offset: first_entry,
+                    probs_offset: first_entry,
+                    weights_offset: start,
+                    has_weights: opts.weights.is_some(),
+                    form: opts.teacher_form,
+                    tail: opts.tail,
+                },
+            })?;
+            b.dispatch(Launch::LabelsIn {
+                labels: labels_buf,
+                status,
+                row_in: &ls.row_in,
+                desc: LabelsInDesc {
+                    rows,
+                    vocab: self.vocab,
+                    token0: start,
+                    labels_offset: start,
+                    has_labels: labels.is_some(),
+                },
+            })?;
             let kl = KlDesc {
                 temperature: opts.temperature,
                 tail: opts.tail,
@@ -506,40 +519,41 @@ impl<B: ResidentBackend> Engine<B> {
             // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
             // device.
             self.dx(&ls.grad, &ls.dx, &s.logits, rows_padded, 1.0)?;
-            let out_params = ResidentParams {
-                rows: rows as u32,
-                cols: self.hs as u32,
-                ld: self.hs_padded as u32,
-                token0: start as u32,
-                off_a: start as u32,
-                off_b: (start * self.hs) as u32,
-                flags: (u32::from(opts.accumulate_dx) << 1) | (u32::from(opts.terms_out.is_some()) << 2),
-                ..ResidentParams::default()
-            };
-            b.resident_dispatch(
-                ResidentKernel::LossOut,
-                &[&ls.loss, &ls.dx, status, out.loss, out.dx, terms_out],
-                &out_params,
-                ((rows * self.hs) as u64).div_ceil(256),
-            )?;
+            b.dispatch(Launch::LossOut {
+                loss_chunk: &ls.loss,
+                dx_chunk: &ls.dx,
+                status,
+                loss: out.loss,
+                dx: out.dx,
+                terms: terms_out,
+                desc: LossOutDesc {
+                    rows,
+                    hs: self.hs,
+                    ld: self.hs_padded,
+                    token0: start,
+                    loss_offset: start,
+                    dx_offset: elements("dx", start, self.hs)?,
+                    accumulate: opts.accumulate_dx,
+                    write_terms: opts.terms_out.is_some(),
+                },
+            })?;
         }
-        let detail = ResidentParams {
-            rows: ntok as u32,
-            cols: k as u32,
-            flags: teacher_flags | (u32::from(labels.is_some()) << 4),
-            ..ResidentParams::default()
-        };
-        b.resident_dispatch(
-            ResidentKernel::StatusDetail,
-            &[teacher.ids, teacher.probs, weights, status, labels_buf],
-            &detail,
-            1,
-        )?;
-        b.submit()?;
-        if self.resident.checked {
-            self.wait_device()?;
-        }
-        Ok(())
+        b.dispatch(Launch::StatusDetail {
+            ids: teacher.ids,
+            probs: teacher.probs,
+            weights,
+            status,
+            labels: labels_buf,
+            desc: StatusDetailDesc {
+                rows: ntok,
+                k,
+                has_weights: opts.weights.is_some(),
+                form: opts.teacher_form,
+                tail: opts.tail,
+                has_labels: labels.is_some(),
+            },
+        })?;
+        b.submit()
     }
 
     /// [`Engine::topk`] on device buffers: reads `ntok` hidden rows from
@@ -557,46 +571,54 @@ impl<B: ResidentBackend> Engine<B> {
         opts.check(self.vocab)?;
         let k = opts.k;
         self.check_resident_hidden(ntok, hidden)?;
-        u32_extent("ids", ntok * k)?;
-        self.check_view("ids", ids, ntok * k * 4)?;
-        self.check_view("probs", probs, ntok * k * 4)?;
+        let entries = elements("ids", ntok, k)?;
+        u32_extent("ids", entries)?;
+        self.check_view("ids", ids, entries, 4)?;
+        self.check_view("probs", probs, entries, 4)?;
         let plan = self.chunk_plan(Job::Topk, ntok, k, false, (opts.budget_bytes, opts.max_rows_per_chunk))?;
-        self.ensure_status()?;
-        self.ensure_resident_scratch(Job::Topk, plan.rows_per_chunk, k)?;
+        let (status, scratch) = self.take_resident(Job::Topk, plan.rows_per_chunk, k)?;
         self.resident.pending = true;
-        let (Some(s), Some(status)) = (&self.resident.scratch, &self.resident.status) else {
-            return Err(scratch_missing());
-        };
-        for (start, rows) in plan.ranges(ntok) {
-            self.resident_logits(s, hidden, start, rows, opts.temperature)?;
-            let desc = TopkDesc::plain(rows, self.vocab, self.vocab_padded, k);
-            self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
-            let params = ResidentParams {
-                rows: rows as u32,
-                cols: k as u32,
-                token0: start as u32,
-                off_a: (start * k) as u32,
-                off_b: (start * k) as u32,
-                ..ResidentParams::default()
-            };
-            self.backend.resident_dispatch(
-                ResidentKernel::TopkOut,
-                &[&s.ids, &s.probs, status, ids, probs],
-                &params,
-                ((rows * k) as u64).div_ceil(256),
-            )?;
-        }
-        self.backend.submit()?;
+        let recorded = self.record_topk(ntok, hidden, (ids, probs), opts, &plan, (&status, &scratch.rows));
+        self.put_back_resident(status, scratch);
+        recorded?;
         if self.resident.checked {
             self.wait_device()?;
         }
         Ok(())
     }
-}
 
-fn scratch_missing() -> Error {
-    Error::Backend {
-        backend: "driver",
-        message: "resident scratch buffers missing after allocation".into(),
+    /// Records [`Engine::topk_device`]'s kernels (its checks done) and
+    /// submits them.
+    fn record_topk(
+        &self,
+        ntok: usize,
+        hidden: &DeviceHidden<'_, B::Buffer>,
+        (ids, probs): (&B::Buffer, &B::Buffer),
+        opts: &TopkOptions,
+        plan: &crate::chunking::ChunkPlan,
+        (status, s): (&B::Buffer, &RowScratch<B>),
+    ) -> Result<()> {
+        let k = opts.k;
+        for (start, rows) in plan.ranges(ntok) {
+            self.resident_logits(s, hidden, (start, rows), opts.temperature)?;
+            let desc = TopkDesc::plain(rows, self.vocab, self.vocab_padded, k);
+            self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
+            let first_entry = elements("ids", start, k)?;
+            self.backend.dispatch(Launch::TopkOut {
+                ids_chunk: &s.ids,
+                probs_chunk: &s.probs,
+                status,
+                ids,
+                probs,
+                desc: TopkOutDesc {
+                    rows,
+                    k,
+                    token0: start,
+                    ids_offset: first_entry,
+                    probs_offset: first_entry,
+                },
+            })?;
+        }
+        self.backend.submit()
     }
 }

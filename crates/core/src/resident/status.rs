@@ -1,8 +1,8 @@
 //! The status buffer the device-resident kernels flag bad rows in, and its
 //! translation into the host path's typed errors.
 //!
-//! Words (u32), as `shaders/resident_common.wgsl` and
-//! `shaders/resident_status.wgsl` name them: first out-of-range id (flat
+//! Words (u32), generated into every resident shader under the same names
+//! ([`wgsl`]): first out-of-range id (flat
 //! index `token·k + entry`), first row with a repeated id, a bad
 //! probability or a zero sum, first bad weight, first row with non-finite
 //! logits (all `NONE` until set, lowered with atomic min), whether `total`
@@ -18,8 +18,8 @@ pub const WORDS: usize = 32;
 /// "Nothing flagged".
 pub const NONE: u32 = u32::MAX;
 
-// Word indices and detail kinds, as `resident_common.wgsl` and
-// `resident_status.wgsl` name them; public for the CPU reference's kernels.
+// Word indices and detail kinds: the shaders get them from [`wgsl`]; public
+// for the CPU reference's kernels.
 /// First out-of-range teacher id (flat index `token·k + entry`).
 pub const S_ID_RANGE: usize = 0;
 /// First teacher row with a repeated id, a bad probability or a zero sum.
@@ -71,6 +71,66 @@ pub const KIND_LOGPROB: u32 = 8;
 pub const KIND_MASS: u32 = 9;
 /// Detail kind: a label out of range (value: the label).
 pub const KIND_LABEL: u32 = 10;
+
+/// Every word index, by the name the shaders use.
+pub const WORD_NAMES: [(&str, usize); 14] = [
+    ("S_ID_RANGE", S_ID_RANGE),
+    ("S_ROW", S_ROW),
+    ("S_WEIGHT", S_WEIGHT),
+    ("S_LOGITS", S_LOGITS),
+    ("S_TOTAL_BAD", S_TOTAL_BAD),
+    ("S_TOTAL_BITS", S_TOTAL_BITS),
+    ("S_LABEL", S_LABEL),
+    ("S_KIND", S_KIND),
+    ("S_D_ROW", S_D_ROW),
+    ("S_D_A", S_D_A),
+    ("S_D_B", S_D_B),
+    ("S_D_VALUE", S_D_VALUE),
+    ("S_COEF_MUL", S_COEF_MUL),
+    ("S_DX_MUL", S_DX_MUL),
+];
+
+/// Every detail kind, by the name the shaders use.
+pub const KIND_NAMES: [(&str, u32); 10] = [
+    ("KIND_ID_RANGE", KIND_ID_RANGE),
+    ("KIND_DUPLICATE", KIND_DUPLICATE),
+    ("KIND_PROB_NON_FINITE", KIND_PROB_NON_FINITE),
+    ("KIND_PROB_NEGATIVE", KIND_PROB_NEGATIVE),
+    ("KIND_ROW_SUM", KIND_ROW_SUM),
+    ("KIND_WEIGHT_NON_FINITE", KIND_WEIGHT_NON_FINITE),
+    ("KIND_WEIGHT_NEGATIVE", KIND_WEIGHT_NEGATIVE),
+    ("KIND_LOGPROB", KIND_LOGPROB),
+    ("KIND_MASS", KIND_MASS),
+    ("KIND_LABEL", KIND_LABEL),
+];
+
+/// The codes the resident kernels compare parameters against, by the names
+/// the shaders use: the tail mode that renormalizes and the hidden rows'
+/// element types.
+pub fn code_names() -> [(&'static str, u32); 4] {
+    [
+        ("TAIL_RENORMALIZE", TailMode::Renormalize.code()),
+        ("DTYPE_F32", super::HiddenDtype::F32.code()),
+        ("DTYPE_F16", super::HiddenDtype::F16.code()),
+        ("DTYPE_BF16", super::HiddenDtype::Bf16.code()),
+    ]
+}
+
+/// The WGSL constants every resident shader gets in place of
+/// [`crate::kernels::RESIDENT_MARKER`]: `NONE`, the words, the detail
+/// kinds, the codes and `MASS_TOLERANCE`, so the shaders cannot drift from
+/// this file.
+pub fn wgsl() -> String {
+    let mut out = format!("const NONE: u32 = {NONE}u;\n");
+    for (name, word) in WORD_NAMES {
+        out.push_str(&format!("const {name}: u32 = {word}u;\n"));
+    }
+    for (name, value) in KIND_NAMES.into_iter().chain(code_names()) {
+        out.push_str(&format!("const {name}: u32 = {value}u;\n"));
+    }
+    out.push_str(&format!("const MASS_TOLERANCE: f32 = {:?};\n", MASS_TOLERANCE as f32));
+    out
+}
 
 /// The status words of a buffer with nothing flagged.
 pub fn cleared() -> [u32; WORDS] {
@@ -196,6 +256,52 @@ mod tests {
                 vocab: 10
             })
         );
+    }
+
+    /// The shaders declare none of the generated names themselves, use no
+    /// status word or kind this file does not name, and get all of them
+    /// from [`wgsl`] through `resident_common.wgsl`'s marker.
+    #[test]
+    fn the_shaders_take_their_status_names_from_here() {
+        use crate::kernels::{KernelId, RESIDENT_MARKER};
+        let generated = wgsl();
+        let names: Vec<&str> = WORD_NAMES
+            .iter()
+            .map(|(n, _)| *n)
+            .chain(KIND_NAMES.iter().map(|(n, _)| *n))
+            .chain(code_names().iter().map(|(n, _)| *n))
+            .chain(["NONE", "MASS_TOLERANCE"])
+            .collect();
+        for name in &names {
+            assert_eq!(generated.matches(&format!("const {name}:")).count(), 1, "{name}");
+        }
+        assert!(generated.contains("const S_DX_MUL: u32 = 17u;\n"), "{generated}");
+        assert!(
+            generated.contains("const MASS_TOLERANCE: f32 = 0.001;\n"),
+            "{generated}"
+        );
+        let resident: Vec<KernelId> = KernelId::ALL.into_iter().filter(|k| k.is_resident()).collect();
+        assert_eq!(resident.len(), 7);
+        for kernel in resident {
+            for shader in kernel.shaders() {
+                assert_eq!(shader.text.matches(RESIDENT_MARKER).count(), 1, "{}", shader.file);
+                let source = shader.source();
+                for name in &names {
+                    assert_eq!(
+                        source.matches(&format!("const {name}:")).count(),
+                        1,
+                        "{}: {name}",
+                        shader.file
+                    );
+                }
+                // Every S_/KIND_/DTYPE_/TAIL_ name the kernel uses is one of these.
+                for word in source.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                    if ["S_", "KIND_", "DTYPE_", "TAIL_"].iter().any(|p| word.starts_with(p)) {
+                        assert!(names.contains(&word), "{}: {word} is not generated", shader.file);
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -295,7 +295,7 @@ impl Backend for CpuBackend {
     }
 
     fn dispatch(&self, launch: Launch<'_, CpuBuffer>) -> Result<()> {
-        launch.check(self.info.max_binding_bytes)?;
+        let checked = launch.check(self.info.max_binding_bytes)?;
         self.timed(launch.id(), || match launch {
             Launch::ConvertF16 { src, dst, desc } => self.run_convert_f16(src, dst, &desc),
             Launch::Gemm { a, b, c, desc } => self.run_gemm(a, b, c, &desc),
@@ -315,6 +315,8 @@ impl Backend for CpuBackend {
                 probs,
                 desc,
             } => self.run_topk_rows(logits, ids, probs, &desc),
+            // The device-resident kernels, by the kernel id.
+            _ => self.run_resident(&checked, &launch.buffers()),
         })
     }
 

@@ -3,16 +3,24 @@
 //! GPU. Same semantics as the shaders, sums in f64.
 
 use half::{bf16, f16};
-use headkl_core::params::ResidentParams;
+use headkl_core::params::{
+    HiddenInParams, LabelsInParams, LossOutParams, StatusDetailParams, TeacherRowsParams, TopkOutParams,
+    WeightStatsParams,
+};
 use headkl_core::resident::status::{
     KIND_DUPLICATE, KIND_ID_RANGE, KIND_PROB_NEGATIVE, KIND_PROB_NON_FINITE, KIND_ROW_SUM, KIND_WEIGHT_NEGATIVE,
     KIND_WEIGHT_NON_FINITE, NONE, S_COEF_MUL, S_DX_MUL, S_D_VALUE, S_ID_RANGE, S_KIND, S_LABEL, S_LOGITS, S_ROW,
-    S_TOTAL_BAD, S_TOTAL_BITS, S_WEIGHT, WORDS,
+    S_TOTAL_BAD, S_TOTAL_BITS, S_WEIGHT,
 };
 use headkl_core::resident::status::{KIND_LABEL, KIND_LOGPROB, KIND_MASS};
-use headkl_core::{ResidentBackend, ResidentKernel, Result, MASS_TOLERANCE, NO_LABEL};
+use headkl_core::{Checked, HiddenDtype, KernelId, ResidentBackend, Result, TailMode, MASS_TOLERANCE, NO_LABEL};
 
-use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer, BACKEND};
+use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer};
+
+/// A kernel's parameter block from the bytes the GPU backends bind.
+fn block<P: bytemuck::Pod>(id: KernelId, bytes: &[u8]) -> Result<P> {
+    bytemuck::try_pod_read_unaligned(bytes).map_err(|e| backend_error(format!("{id}: parameter block: {e}")))
+}
 
 fn bad_value(x: f32) -> bool {
     !x.is_finite() || (x < 0.0)
@@ -23,15 +31,32 @@ fn lower(status: &mut [u32], word: usize, value: u32) {
 }
 
 impl CpuBackend {
-    fn weight_stats(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+    /// Runs a checked resident kernel on its buffers (in binding order),
+    /// reading the parameter block the GPU backends bind.
+    pub(super) fn run_resident(&self, checked: &Checked, b: &[&CpuBuffer]) -> Result<()> {
+        let bytes = checked.bytes(1);
+        let id = checked.id();
+        match id {
+            KernelId::WeightStats => self.weight_stats(b, &block(id, &bytes)?),
+            KernelId::TeacherRows => self.teacher_rows(b, &block(id, &bytes)?),
+            KernelId::LabelsIn => self.labels_in(b, &block(id, &bytes)?),
+            KernelId::HiddenIn => self.hidden_in(b, &block(id, &bytes)?),
+            KernelId::LossOut => self.loss_out(b, &block(id, &bytes)?),
+            KernelId::TopkOut => self.topk_out(b, &block(id, &bytes)?),
+            KernelId::StatusDetail => self.status_detail(b, &block(id, &bytes)?),
+            _ => Err(backend_error(format!("{id} is not a resident kernel"))),
+        }
+    }
+
+    fn weight_stats(&self, b: &[&CpuBuffer], p: &WeightStatsParams) -> Result<()> {
         let weights = b[0].read("weight_stats")?;
         let mut status = b[1].write("weight_stats")?;
         let w = f32s(&weights);
         let (mut sum, mut max, mut bad) = (0f64, 0f32, NONE);
-        for t in 0..p.rows as usize {
-            let mut v = if p.flags & 1 != 0 { w[p.off_a as usize + t] } else { 1.0 };
+        for t in 0..p.rows {
+            let mut v = if p.has_weights != 0 { w[t as usize] } else { 1.0 };
             if bad_value(v) {
-                bad = bad.min(t as u32);
+                bad = bad.min(t);
                 v = 0.0;
             }
             sum += f64::from(v);
@@ -40,16 +65,16 @@ impl CpuBackend {
         if bad != NONE {
             lower(&mut status, S_WEIGHT, bad);
         }
-        let total = if p.f0 > 0.0 { p.f0 } else { sum as f32 };
-        let gscale = if p.f1 > 0.0 {
-            p.f1
+        let total = if p.total > 0.0 { p.total } else { sum as f32 };
+        let gscale = if p.gscale > 0.0 {
+            p.gscale
         } else if max > 0.0 {
-            (16384.0 * f64::from(total) / f64::from(max) / f64::from(p.f3.max(1.0))) as f32
+            (16384.0 * f64::from(total) / f64::from(max) / f64::from(p.grad_bound.max(1.0))) as f32
         } else {
             1.0
         };
         let (coef_mul, dx_mul) = if total > 0.0 && total.is_finite() && gscale > 0.0 && gscale.is_finite() {
-            (gscale / total, p.f2 / gscale)
+            (gscale / total, p.inv_temperature / gscale)
         } else {
             status[S_TOTAL_BAD] = 1;
             status[S_TOTAL_BITS] = total.to_bits();
@@ -60,8 +85,8 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn teacher_rows(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
-        let k = p.cols as usize;
+    fn teacher_rows(&self, b: &[&CpuBuffer], p: &TeacherRowsParams) -> Result<()> {
+        let k = p.k as usize;
         let (ids_in, probs_in, weights) = (
             b[0].read("teacher_rows")?,
             b[1].read("teacher_rows")?,
@@ -76,8 +101,8 @@ impl CpuBackend {
         // (none: the resident path has no hard term).
         let (probs_out, row_in): (_, &mut [u32]) = (f32s_mut(&mut probs_out), &mut coef);
         let coef_mul = f32::from_bits(status[S_COEF_MUL]);
-        let logprobs = p.flags & 2 != 0;
-        let renormalize = (p.flags >> 2) & 3 == 0;
+        let logprobs = p.logprobs != 0;
+        let renormalize = p.tail == TailMode::Renormalize.code();
         // (bad, probability) of a value in the teacher's form.
         let value = |v: f32| -> (bool, f64) {
             if logprobs {
@@ -93,8 +118,8 @@ impl CpuBackend {
             }
         };
         for row in 0..p.rows as usize {
-            let ids = &ids_in[p.off_a as usize + row * k..][..k];
-            let probs = &probs_in[p.off_b as usize + row * k..][..k];
+            let ids = &ids_in[p.ids_offset as usize + row * k..][..k];
+            let probs = &probs_in[p.probs_offset as usize + row * k..][..k];
             let first_range = ids.iter().position(|&id| id >= p.vocab);
             let repeated = (1..k).any(|q| ids[..q].contains(&ids[q]));
             let bad_prob = probs.iter().any(|&v| value(v).0);
@@ -113,13 +138,13 @@ impl CpuBackend {
             }
             let token = p.token0 + row as u32;
             if let Some(q) = first_range {
-                lower(&mut status, S_ID_RANGE, token * p.cols + q as u32);
+                lower(&mut status, S_ID_RANGE, token * p.k + q as u32);
             }
             if row_bad {
                 lower(&mut status, S_ROW, token);
             }
-            let mut w = if p.flags & 1 != 0 {
-                weights[p.off_c as usize + row]
+            let mut w = if p.has_weights != 0 {
+                weights[p.weights_offset as usize + row]
             } else {
                 1.0
             };
@@ -132,14 +157,14 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn labels_in(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+    fn labels_in(&self, b: &[&CpuBuffer], p: &LabelsInParams) -> Result<()> {
         let labels = b[0].read("labels_in")?;
         let mut status = b[1].write("labels_in")?;
         let mut row_in = b[2].write("labels_in")?;
         for row in 0..p.rows as usize {
             let mut label = NO_LABEL;
-            if p.flags & 1 != 0 {
-                label = labels[p.off_a as usize + row];
+            if p.has_labels != 0 {
+                label = labels[p.labels_offset as usize + row];
                 if label != NO_LABEL && label >= p.vocab {
                     lower(&mut status, S_LABEL, p.token0 + row as u32);
                     label = NO_LABEL;
@@ -150,7 +175,7 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn hidden_in(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+    fn hidden_in(&self, b: &[&CpuBuffer], p: &HiddenInParams) -> Result<()> {
         let src = b[0].read("hidden_in")?;
         let mut dst = b[1].write("hidden_in")?;
         let dst = f16s_mut(&mut dst);
@@ -159,11 +184,13 @@ impl CpuBackend {
         for r in 0..p.rows_padded as usize {
             for c in 0..ld {
                 dst[r * ld + c] = if r < rows && c < cols {
-                    let e = p.off_a as usize + r * cols + c;
-                    match (p.flags >> 2) & 3 {
-                        0 => f16::from_f32(f32::from_bits(src[e])),
-                        1 => f16::from_bits(halves[e]),
-                        _ => f16::from_f32(bf16::from_bits(halves[e]).to_f32()),
+                    let e = p.src_offset as usize + r * cols + c;
+                    if p.dtype == HiddenDtype::F32.code() {
+                        f16::from_f32(f32::from_bits(src[e]))
+                    } else if p.dtype == HiddenDtype::F16.code() {
+                        f16::from_bits(halves[e])
+                    } else {
+                        f16::from_f32(bf16::from_bits(halves[e]).to_f32())
                     }
                 } else {
                     f16::ZERO
@@ -173,25 +200,25 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn loss_out(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+    fn loss_out(&self, b: &[&CpuBuffer], p: &LossOutParams) -> Result<()> {
         let (loss, dx) = (b[0].read("loss_out")?, b[1].read("loss_out")?);
         let mut status = b[2].write("loss_out")?;
         let (mut loss_dst, mut dx_dst) = (b[3].write("loss_out")?, b[4].write("loss_out")?);
         let (loss, dx) = (f32s(&loss), f32s(&dx));
         let (loss_dst, dx_dst) = (f32s_mut(&mut loss_dst), f32s_mut(&mut dx_dst));
-        let mut terms_guard = if p.flags & 4 != 0 {
+        let mut terms_guard = if p.write_terms != 0 {
             Some(b[5].write("loss_out")?)
         } else {
             None
         };
         let mut terms_dst = terms_guard.as_deref_mut().map(|w| f32s_mut(w));
         let dx_mul = f32::from_bits(status[S_DX_MUL]);
-        let (cols, ld) = (p.cols as usize, p.ld as usize);
+        let (cols, ld) = (p.hs as usize, p.ld as usize);
         for r in 0..p.rows as usize {
             // [rows][4]: loss, lse, soft, hard; the loss is word 0.
-            loss_dst[p.off_a as usize + r] = loss[r * 4];
+            loss_dst[p.loss_offset as usize + r] = loss[r * 4];
             if let Some(t) = terms_dst.as_deref_mut() {
-                let o = (p.off_a as usize + r) * 3;
+                let o = (p.loss_offset as usize + r) * 3;
                 t[o..o + 3].copy_from_slice(&loss[r * 4 + 1..r * 4 + 4]);
             }
             if !loss[r * 4].is_finite() {
@@ -199,23 +226,23 @@ impl CpuBackend {
             }
             for c in 0..cols {
                 let v = dx_mul * dx[r * ld + c];
-                let o = &mut dx_dst[p.off_b as usize + r * cols + c];
-                *o = if p.flags & 2 != 0 { *o + v } else { v };
+                let o = &mut dx_dst[p.dx_offset as usize + r * cols + c];
+                *o = if p.accumulate != 0 { *o + v } else { v };
             }
         }
         Ok(())
     }
 
-    fn topk_out(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+    fn topk_out(&self, b: &[&CpuBuffer], p: &TopkOutParams) -> Result<()> {
         let (ids, probs) = (b[0].read("topk_out")?, b[1].read("topk_out")?);
         let mut status = b[2].write("topk_out")?;
         let (mut ids_dst, mut probs_dst) = (b[3].write("topk_out")?, b[4].write("topk_out")?);
         let probs = f32s(&probs);
         let probs_dst = f32s_mut(&mut probs_dst);
-        let k = p.cols as usize;
+        let k = p.k as usize;
         for i in 0..p.rows as usize * k {
-            ids_dst[p.off_a as usize + i] = ids[i];
-            probs_dst[p.off_b as usize + i] = probs[i];
+            ids_dst[p.ids_offset as usize + i] = ids[i];
+            probs_dst[p.probs_offset as usize + i] = probs[i];
             if i % k == 0 && !probs[i].is_finite() {
                 lower(&mut status, S_LOGITS, p.token0 + (i / k) as u32);
             }
@@ -223,7 +250,7 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn status_detail(&self, b: &[&CpuBuffer], p: &ResidentParams) -> Result<()> {
+    fn status_detail(&self, b: &[&CpuBuffer], p: &StatusDetailParams) -> Result<()> {
         let (ids, probs, weights, labels) = (
             b[0].read("status_detail")?,
             b[1].read("status_detail")?,
@@ -235,8 +262,8 @@ impl CpuBackend {
         if status[S_KIND] != 0 {
             return Ok(());
         }
-        let k = p.cols as usize;
-        let (logprobs, tail) = (p.flags & 2 != 0, (p.flags >> 2) & 3);
+        let k = p.k as usize;
+        let (logprobs, tail) = (p.logprobs != 0, p.tail);
         let flat = status[S_ID_RANGE];
         let row = status[S_ROW];
         let wrow = status[S_WEIGHT];
@@ -245,12 +272,12 @@ impl CpuBackend {
             status[S_KIND..=S_D_VALUE].copy_from_slice(&[kind, row, a, b, value]);
         };
         if flat != NONE {
-            let id = ids[p.off_a as usize + flat as usize];
-            record(KIND_ID_RANGE, flat / p.cols, flat % p.cols, id, 0);
+            let id = ids[flat as usize];
+            record(KIND_ID_RANGE, flat / p.k, flat % p.k, id, 0);
         } else if row != NONE && row < p.rows {
             let r = row as usize;
-            let ids = &ids[p.off_a as usize + r * k..][..k];
-            let probs = &probs[p.off_b as usize + r * k..][..k];
+            let ids = &ids[r * k..][..k];
+            let probs = &probs[r * k..][..k];
             // The smallest repeated id, at its first two entries.
             let dup = (1..k)
                 .filter_map(|q| ids[..q].iter().position(|&i| i == ids[q]).map(|j| (ids[q], j, q)))
@@ -275,14 +302,14 @@ impl CpuBackend {
                 } else {
                     probs.iter().map(|&v| f64::from(v)).sum()
                 };
-                if tail != 0 && sum > 1.0 + MASS_TOLERANCE && sum.is_finite() {
+                if tail != TailMode::Renormalize.code() && sum > 1.0 + MASS_TOLERANCE && sum.is_finite() {
                     record(KIND_MASS, row, 0, tail, (sum as f32).to_bits());
                 } else {
                     record(KIND_ROW_SUM, row, 0, 0, (sum as f32).to_bits());
                 }
             }
-        } else if wrow != NONE && wrow < p.rows && p.flags & 1 != 0 {
-            let w = weights[p.off_c as usize + wrow as usize];
+        } else if wrow != NONE && wrow < p.rows && p.has_weights != 0 {
+            let w = weights[wrow as usize];
             record(
                 if w.is_finite() {
                     KIND_WEIGHT_NEGATIVE
@@ -294,8 +321,8 @@ impl CpuBackend {
                 0,
                 w.to_bits(),
             );
-        } else if lrow != NONE && lrow < p.rows && p.flags & 16 != 0 {
-            let label = labels[p.off_d as usize + lrow as usize];
+        } else if lrow != NONE && lrow < p.rows && p.has_labels != 0 {
+            let label = labels[lrow as usize];
             record(KIND_LABEL, lrow, 0, 0, label);
         }
         Ok(())
@@ -309,43 +336,6 @@ impl ResidentBackend for CpuBackend {
 
     fn buffer_offset(&self, _buffer: &CpuBuffer) -> u64 {
         0
-    }
-
-    fn resident_dispatch(
-        &self,
-        kernel: ResidentKernel,
-        buffers: &[&CpuBuffer],
-        params: &ResidentParams,
-        _workgroups: u64,
-    ) -> Result<()> {
-        kernel.check_buffers(BACKEND, buffers.len())?;
-        let status_words = match kernel {
-            ResidentKernel::WeightStats => Some(1),
-            ResidentKernel::TeacherRows | ResidentKernel::StatusDetail => Some(3),
-            ResidentKernel::LabelsIn => Some(1),
-            ResidentKernel::LossOut | ResidentKernel::TopkOut => Some(2),
-            ResidentKernel::HiddenIn => None,
-        };
-        if let Some(i) = status_words {
-            if buffers[i].bytes < (WORDS * 4) as u64 {
-                return Err(backend_error(format!(
-                    "{}: status buffer '{}' of {} bytes, needs {}",
-                    kernel.entry(),
-                    buffers[i].label,
-                    buffers[i].bytes,
-                    WORDS * 4
-                )));
-            }
-        }
-        match kernel {
-            ResidentKernel::WeightStats => self.weight_stats(buffers, params),
-            ResidentKernel::TeacherRows => self.teacher_rows(buffers, params),
-            ResidentKernel::LabelsIn => self.labels_in(buffers, params),
-            ResidentKernel::HiddenIn => self.hidden_in(buffers, params),
-            ResidentKernel::LossOut => self.loss_out(buffers, params),
-            ResidentKernel::TopkOut => self.topk_out(buffers, params),
-            ResidentKernel::StatusDetail => self.status_detail(buffers, params),
-        }
     }
 
     fn submit(&self) -> Result<()> {
