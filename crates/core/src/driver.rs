@@ -1,24 +1,20 @@
-//! The driver, written once over [`Backend`]: it uploads the head in
-//! vocabulary slices, cuts the tokens into chunks, and sequences the kernels
-//! for `head_kl` and `topk`.
+//! The host path, written once over [`Backend`]: the [`Engine`] owns the
+//! backend and the uploaded head (`HeadPlanes`, whose per-chunk kernel
+//! sequences every path shares), cuts the tokens into chunks, and runs
+//! `head_kl` and `topk` with host inputs and outputs.
 
-use half::f16;
-
-use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, KlDesc, PendingDownload, SumPartsDesc, TopkDesc};
-use crate::chunking::{plan_chunks, ChunkPlan};
+use crate::backend::{Backend, KlDesc, PendingDownload, TopkDesc};
+use crate::chunking::ChunkPlan;
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
+use crate::head_planes::HeadPlanes;
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
-use crate::slicing::{slice_vocab, VocabSlice};
+use crate::slicing::VocabSlice;
 use crate::split::DxSplit;
 use crate::terms::NO_LABEL;
 use crate::{round_up, ALIGN};
-
-/// Bytes of host data uploaded per transfer while packing the head, so a
-/// multi-GB head never needs a second multi-GB copy on the host.
-const HEAD_UPLOAD_BYTES: usize = 64 << 20;
 
 /// How the head is cut into vocabulary slices.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -90,20 +86,15 @@ pub struct TopK {
 /// ```
 pub struct Engine<B: Backend> {
     pub(crate) backend: B,
-    pub(crate) vocab: usize,
-    pub(crate) hs: usize,
-    pub(crate) hs_padded: usize,
-    pub(crate) vocab_padded: usize,
-    pub(crate) slices: Vec<VocabSlice>,
-    pub(crate) planes: Vec<B::Buffer>,
-    pub(crate) scratch: ScratchCache<B>,
+    /// The uploaded head and the kernel sequences every path shares.
+    pub(crate) head: HeadPlanes<B>,
+    /// The host path's scratch (the vocabulary shards' too).
+    scratch: ScratchCache<B>,
     /// Scratch and status of the device-resident entry points
     /// (`crate::resident`).
     pub(crate) resident: crate::resident::ResidentState<B>,
     /// Log each `head_kl` call's host phases ([`Engine::set_trace`]).
     trace: bool,
-    /// How the dx GEMM's reduction is split ([`Engine::set_dx_split`]).
-    dx_split: DxSplit,
     /// Told the tokens of each chunk as its outputs are read
     /// ([`Engine::set_progress`]).
     progress: Option<ProgressCallback>,
@@ -118,45 +109,13 @@ impl<B: Backend> Engine<B> {
     /// Fails on a head value that is not finite or is past f16's range,
     /// naming its row and column, before any of it is on the device.
     pub fn new(backend: B, head: &HeadWeights<'_>, slicing: SliceOptions) -> Result<Self> {
-        let (vocab, hs) = (head.vocab(), head.hs());
-        let hs_padded = round_up(hs, ALIGN);
-        let info = backend.info();
-        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
-        let slices = slice_vocab(vocab, hs_padded, max_binding, slicing.max_rows_per_slice)?;
-        // Scan on the host before the first allocation: a bad value should
-        // cost no device memory and no upload.
-        head.check_values()?;
-        let mut staging = Vec::new();
-        let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
-        let mut planes = Vec::with_capacity(slices.len());
-        for s in &slices {
-            let padded = s.padded_width();
-            let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
-            let mut row = 0;
-            while row < padded {
-                let rows = rows_per_upload.min(padded - row);
-                let real = rows.min(s.width.saturating_sub(row));
-                staging.clear();
-                head.pack_rows_f16(s.offset + row, real, hs_padded, &mut staging)?;
-                staging.resize(rows * hs_padded, f16::ZERO);
-                backend.upload(&plane, (row * hs_padded * 2) as u64, bytemuck::cast_slice(&staging))?;
-                row += rows;
-            }
-            planes.push(plane);
-        }
-        backend.finish()?;
+        let head = HeadPlanes::upload(&backend, head, slicing)?;
         Ok(Self {
             backend,
-            vocab,
-            hs,
-            hs_padded,
-            vocab_padded: round_up(vocab, ALIGN),
-            slices,
-            planes,
+            head,
             scratch: ScratchCache::default(),
             resident: crate::resident::ResidentState::new(),
             trace: false,
-            dx_split: DxSplit::Auto,
             progress: None,
         })
     }
@@ -166,15 +125,15 @@ impl<B: Backend> Engine<B> {
     /// the command line; [`DxSplit::choose`] has the automatic rule).
     /// Frees the cached scratch, which is sized for the parts.
     pub fn set_dx_split(&mut self, split: DxSplit) {
-        if split != self.dx_split {
+        if split != self.head.dx_split() {
             self.release_scratch();
         }
-        self.dx_split = split;
+        self.head.set_dx_split(split);
     }
 
     /// The dx GEMM's split setting.
     pub fn dx_split(&self) -> DxSplit {
-        self.dx_split
+        self.head.dx_split()
     }
 
     /// Logs each `head_kl` call's host phases (upload, wait, download) as
@@ -206,17 +165,17 @@ impl<B: Backend> Engine<B> {
 
     /// Vocabulary size.
     pub fn vocab(&self) -> usize {
-        self.vocab
+        self.head.vocab()
     }
 
     /// Hidden size.
     pub fn hs(&self) -> usize {
-        self.hs
+        self.head.hs()
     }
 
     /// The vocabulary slices the head was cut into.
     pub fn slices(&self) -> &[VocabSlice] {
-        &self.slices
+        self.head.slices()
     }
 
     /// Frees the cached scratch buffers (they are re-made on the next call).
@@ -228,231 +187,48 @@ impl<B: Backend> Engine<B> {
     /// The chunk plan `head_kl` would use for `ntok` tokens.
     pub fn loss_plan(&self, ntok: usize, k: usize, f32_input: bool, opts: &LossOptions) -> Result<ChunkPlan> {
         let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
-        self.chunk_plan(Job::Loss, ntok, k, f32_input, budget)
-    }
-
-    /// The chunk plan of `job`, budgeting every scratch buffer it allocates.
-    pub(crate) fn chunk_plan(
-        &self,
-        job: Job,
-        ntok: usize,
-        k: usize,
-        f32_input: bool,
-        (budget_bytes, max_rows): (u64, Option<usize>),
-    ) -> Result<ChunkPlan> {
-        let costs = self.row_bytes(job, k).costs(job, f32_input);
-        let info = self.backend.info();
-        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
-        plan_chunks(ntok, &costs, budget_bytes, max_binding, max_rows)
-    }
-
-    /// Bytes per token row of every scratch buffer of `job`, with `k`
-    /// teacher entries.
-    pub(crate) fn row_bytes(&self, job: Job, k: usize) -> RowBytes {
-        let dx_blocks = match job {
-            Job::Loss => self.dx_blocks_most(),
-            Job::Topk => 0,
-        };
-        RowBytes {
-            doubled: self.backend.transfers_overlap(),
-            ..RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks)
-        }
-    }
-
-    /// The most split-K partial blocks of dx a chunk can need (every
-    /// slice's most parts), or 0 where the dx GEMM always writes dx itself.
-    fn dx_blocks_most(&self) -> usize {
-        let tile = self.backend.gemm_tile(HeadLayout::Dx);
-        let blocks: usize = self
-            .slices
-            .iter()
-            .map(|s| self.dx_split.most(s.padded_width(), tile))
-            .sum();
-        if blocks > 1 {
-            blocks
-        } else {
-            0
-        }
-    }
-
-    /// Uploads chunk rows `[start, start + rows)` (chunk number `chunk`)
-    /// into the padded f16 GEMM operand.
-    pub(crate) fn load_hidden(
-        &self,
-        input: &Input<'_, B>,
-        x16: &B::Buffer,
-        chunk: usize,
-        start: usize,
-        rows: usize,
-    ) -> Result<()> {
-        let hs = self.hs;
-        let rows_padded = round_up(rows, ALIGN);
-        match input {
-            Input::F32 { data, x32, x32_odd } => {
-                let x32 = if chunk % 2 == 1 {
-                    x32_odd.as_ref().unwrap_or(x32)
-                } else {
-                    x32
-                };
-                let src = &data[start * hs..(start + rows) * hs];
-                self.backend.upload(x32, 0, bytemuck::cast_slice(src))?;
-                let desc = ConvertDesc {
-                    rows,
-                    cols: hs,
-                    rows_padded,
-                    ld: self.hs_padded,
-                };
-                self.backend.convert_f16(x32, x16, &desc)?;
-            }
-            Input::F16(d) if self.hs_padded == hs => {
-                // Rows are already the padded width: straight from the
-                // caller's slice. Rows past `rows` keep what they held
-                // (GemmDesc: rows of A past the real ones may hold anything).
-                let src = &d[start * hs..(start + rows) * hs];
-                self.backend.upload(x16, 0, bytemuck::cast_slice(src))?;
-            }
-            Input::F16(d) => {
-                let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
-                for r in 0..rows {
-                    let src = &d[(start + r) * hs..(start + r + 1) * hs];
-                    packed[r * self.hs_padded..r * self.hs_padded + hs].copy_from_slice(src);
-                }
-                self.backend.upload(x16, 0, bytemuck::cast_slice(&packed))?;
-            }
-            Input::Bf16(d) => {
-                // Rounded to f16 here, as the f16 operand is packed: the
-                // same cost as packing unpadded f16 rows.
-                let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
-                for r in 0..rows {
-                    let src = &d[(start + r) * hs..(start + r + 1) * hs];
-                    let dst = &mut packed[r * self.hs_padded..r * self.hs_padded + hs];
-                    for (o, v) in dst.iter_mut().zip(src) {
-                        *o = f16::from_f32(v.to_f32());
-                    }
-                }
-                self.backend.upload(x16, 0, bytemuck::cast_slice(&packed))?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The logits GEMMs of one chunk: `logits[:, slice] = x16 · W_sliceᵀ / τ`
-    /// (the host path's scratch and the resident path's alike).
-    pub(crate) fn logits(
-        &self,
-        x16: &B::Buffer,
-        logits: &B::Buffer,
-        rows_padded: usize,
-        temperature: f32,
-    ) -> Result<()> {
-        for (slice, plane) in self.slices.iter().zip(&self.planes) {
-            let desc = GemmDesc {
-                m: rows_padded,
-                n: slice.padded_width(),
-                k: self.hs_padded,
-                a_offset: 0,
-                lda: self.hs_padded,
-                b_layout: HeadLayout::Logits,
-                ldb: self.hs_padded,
-                c_offset: slice.offset,
-                ldc: self.vocab_padded,
-                alpha: 1.0 / temperature,
-                accumulate: false,
-                k_parts: 1,
-                c_part_stride: 0,
-            };
-            self.backend.gemm(x16, plane, logits, &desc)?;
-        }
-        Ok(())
-    }
-
-    /// The dx GEMMs of one chunk, summed over the slices in f32:
-    /// `dx = alpha · Σ_slice grad[:, slice] · W_slice`.
-    ///
-    /// Each slice's GEMM runs split into [`Engine::dx_parts`] parts, into
-    /// partial blocks of `rows_padded × hs_padded` in `partials` (slice s's
-    /// after those of the slices before it), which one `sum_parts` adds
-    /// into dx in a fixed order. One slice in one part writes dx directly.
-    /// `partials` is the chunk's logits buffer, free once `kl_rows` has
-    /// read it, and sized for the most blocks ([`RowBytes::new`]).
-    pub(crate) fn dx(
-        &self,
-        grad: &B::Buffer,
-        dx: &B::Buffer,
-        partials: &B::Buffer,
-        rows_padded: usize,
-        alpha: f32,
-    ) -> Result<()> {
-        let parts = self.dx_parts(rows_padded);
-        let total: usize = parts.iter().sum();
-        let block = rows_padded * self.hs_padded;
-        let mut first = 0;
-        for ((slice, plane), &k_parts) in self.slices.iter().zip(&self.planes).zip(&parts) {
-            let desc = self.dx_desc(slice, rows_padded, alpha);
-            if total == 1 {
-                return self.backend.gemm(grad, plane, dx, &desc);
-            }
-            let desc = GemmDesc {
-                k_parts,
-                c_part_stride: block,
-                c_offset: first * block,
-                ..desc
-            };
-            self.backend.gemm(grad, plane, partials, &desc)?;
-            first += k_parts;
-        }
-        let sum = SumPartsDesc {
-            len: block,
-            parts: total,
-            part_stride: block,
-            accumulate: false,
-        };
-        self.backend.sum_parts(partials, dx, &sum)
-    }
-
-    /// One slice's dx GEMM, unsplit: `dx = alpha · grad[:, slice] · W_slice`
-    /// (slices never accumulate into dx: several go through `sum_parts`).
-    fn dx_desc(&self, slice: &VocabSlice, rows_padded: usize, alpha: f32) -> GemmDesc {
-        GemmDesc {
-            m: rows_padded,
-            n: self.hs_padded,
-            k: slice.padded_width(),
-            a_offset: slice.offset,
-            lda: self.vocab_padded,
-            b_layout: HeadLayout::Dx,
-            ldb: self.hs_padded,
-            c_offset: 0,
-            ldc: self.hs_padded,
-            alpha,
-            accumulate: false,
-            k_parts: 1,
-            c_part_stride: 0,
-        }
+        self.head
+            .chunk_plan(&self.backend, Job::Loss, ntok, k, f32_input, budget)
     }
 
     /// The parts each slice's dx GEMM is split into for a chunk of
     /// `rows_padded` rows: [`DxSplit::choose`] with this backend's GEMM
     /// tile.
     pub fn dx_parts(&self, rows_padded: usize) -> Vec<usize> {
-        let tile = self.backend.gemm_tile(HeadLayout::Dx);
-        self.slices
-            .iter()
-            .map(|s| {
-                let desc = self.dx_desc(s, rows_padded, 1.0);
-                let tiles = tile.map_or(0, |t| desc.tiles(t));
-                self.dx_split.choose(tiles, s.padded_width(), tile)
-            })
-            .collect()
+        self.head.dx_parts(&self.backend, rows_padded)
     }
 
-    pub(crate) fn check_hidden(&self, hidden: &Hidden<'_>) -> Result<()> {
-        if hidden.hs() != self.hs {
-            return Err(Error::HiddenSizeMismatch {
-                expected: self.hs,
-                got: hidden.hs(),
-            });
+    /// The uploaded head, whose kernel sequences the vocabulary shards
+    /// share.
+    pub(crate) fn head_planes(&self) -> &HeadPlanes<B> {
+        &self.head
+    }
+
+    /// Starts a host loss call (this engine's or a vocabulary shard's) over
+    /// chunks of `rows` rows of `k` entries: frees the device-resident
+    /// scratch, so the call can use its memory, and takes the host path's
+    /// row and loss scratch. [`Self::end_host_call`] returns them.
+    pub(crate) fn begin_loss_call<'a>(
+        &mut self,
+        sizes: &RowBytes,
+        (rows, k): (usize, usize),
+        hidden: HiddenData<'a>,
+    ) -> Result<(Input<'a, B>, RowScratch<B>, LossScratch<B>)> {
+        self.resident.release_scratch();
+        let (input, rows_s) = self.scratch.begin(&self.backend, Job::Loss, sizes, (rows, k), hidden)?;
+        match self.scratch.take_loss(&self.backend, sizes, rows) {
+            Ok(loss_s) => Ok((input, rows_s, loss_s)),
+            Err(e) => {
+                self.scratch.put_back(rows_s, None, input);
+                Err(e)
+            }
         }
-        Ok(())
+    }
+
+    /// Keeps a host call's scratch for the next call, whether or not the
+    /// call succeeded.
+    pub(crate) fn end_host_call(&mut self, rows_s: RowScratch<B>, loss_s: Option<LossScratch<B>>, input: Input<'_, B>) {
+        self.scratch.put_back(rows_s, loss_s, input);
     }
 
     /// The distillation loss and its input gradient (DESIGN §1): per-token
@@ -480,7 +256,7 @@ impl<B: Backend> Engine<B> {
         opts: &LossOptions,
         out: &mut LossOutput,
     ) -> Result<()> {
-        self.check_hidden(hidden)?;
+        self.head.check_hidden(hidden)?;
         // The device-resident scratch goes, so this call can use its memory.
         self.resident.release_scratch();
         let ntok = hidden.ntok();
@@ -491,20 +267,16 @@ impl<B: Backend> Engine<B> {
                 got: teacher.ntok(),
             });
         }
-        teacher.check_vocab(self.vocab)?;
+        teacher.check_vocab(self.head.vocab())?;
         let resolved = opts.resolve(ntok)?;
-        resolved.check_labels(self.vocab)?;
+        resolved.check_labels(self.head.vocab())?;
         let k = teacher.k();
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
-        let sizes = self.row_bytes(Job::Loss, k);
-        let rows_per_chunk = plan.rows_per_chunk;
-        let (input, rows_s) =
-            self.scratch
-                .begin(&self.backend, Job::Loss, &sizes, (rows_per_chunk, k), hidden.data())?;
-        let loss_s = self.scratch.take_loss(&self.backend, &sizes, rows_per_chunk)?;
+        let sizes = self.head.row_bytes(&self.backend, Job::Loss, k);
+        let (input, rows_s, loss_s) = self.begin_loss_call(&sizes, (plan.rows_per_chunk, k), hidden.data())?;
         let result = self.loss_chunks(&plan, &input, &rows_s, &loss_s, teacher, &resolved, out);
-        self.scratch.put_back(rows_s, Some(loss_s), input);
+        self.end_host_call(rows_s, Some(loss_s), input);
         result
     }
 
@@ -526,7 +298,7 @@ impl<B: Backend> Engine<B> {
         let (ntok, k) = (teacher.ntok(), teacher.k());
 
         let mut trace = Trace::new("head_kl", self.trace);
-        let hs = self.hs;
+        let hs = self.head.hs();
         let LossOutput {
             loss,
             lse,
@@ -559,7 +331,7 @@ impl<B: Backend> Engine<B> {
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
-            self.load_hidden(input, x16, chunk, start, rows)?;
+            self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
             trace.mark("hidden upload");
             let (row_in_buf, loss_buf, grad, dx_buf) = (&ls.row_in, &ls.loss, &ls.grad, ls.dx_for(chunk));
             b.upload(
@@ -577,24 +349,25 @@ impl<B: Backend> Engine<B> {
                 0,
                 bytemuck::cast_slice(&row_in[start * 2..(start + rows) * 2]),
             )?;
-            self.logits(x16, &s.logits, rows_padded, resolved.temperature)?;
+            self.head.logits(b, x16, &s.logits, rows_padded, resolved.temperature)?;
             let kl = KlDesc {
                 rows,
-                vocab: self.vocab,
-                ld: self.vocab_padded,
+                vocab: self.head.vocab(),
+                ld: self.head.vocab_padded(),
                 k,
                 temperature: resolved.temperature,
                 tail: teacher.tail(),
                 terms: resolved.terms,
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, row_in_buf, loss_buf, grad, &kl)?;
-            self.dx(grad, dx_buf, &s.logits, rows_padded, dx_scale as f32)?;
+            self.head
+                .dx(b, (grad, dx_buf, &s.logits), rows_padded, dx_scale as f32)?;
             let f32_bytes = std::mem::size_of::<f32>();
             let pending = begin_pair(
                 b,
                 [
                     (loss_buf, rows * 4 * f32_bytes),
-                    (dx_buf, rows * self.hs_padded * f32_bytes),
+                    (dx_buf, rows * self.head.hs_padded() * f32_bytes),
                 ],
             )?;
             trace.mark("teacher upload + record");
@@ -635,7 +408,7 @@ impl<B: Backend> Engine<B> {
         dx_padded: &mut Vec<f32>,
         trace: &mut Trace,
     ) -> Result<()> {
-        let (hs, Chunk { start, rows, pending }) = (self.hs, chunk);
+        let (hs, Chunk { start, rows, pending }) = (self.head.hs(), chunk);
         let [loss_p, dx_p] = pending;
         row_out.resize(rows * 4, 0.0);
         if let Err(e) = b.download_end(loss_p, bytemuck::cast_slice_mut(row_out.as_mut_slice())) {
@@ -651,15 +424,18 @@ impl<B: Backend> Engine<B> {
             return Err(Error::NonFiniteHidden { token: start + t });
         }
         let dx_rows = &mut dx[start * hs..(start + rows) * hs];
-        if self.hs_padded == hs {
+        if self.head.hs_padded() == hs {
             // Rows are already dense: straight into the output.
             b.download_end(dx_p, bytemuck::cast_slice_mut(dx_rows))?;
             trace.mark("dx download");
         } else {
-            dx_padded.resize(rows * self.hs_padded, 0f32);
+            dx_padded.resize(rows * self.head.hs_padded(), 0f32);
             b.download_end(dx_p, bytemuck::cast_slice_mut(dx_padded.as_mut_slice()))?;
             trace.mark("dx download");
-            for (row, padded) in dx_rows.chunks_exact_mut(hs).zip(dx_padded.chunks_exact(self.hs_padded)) {
+            for (row, padded) in dx_rows
+                .chunks_exact_mut(hs)
+                .zip(dx_padded.chunks_exact(self.head.hs_padded()))
+            {
                 row.copy_from_slice(&padded[..hs]);
             }
             trace.mark("dx unpad");
@@ -687,14 +463,16 @@ impl<B: Backend> Engine<B> {
     /// # Ok::<(), headkl_core::Error>(())
     /// ```
     pub fn topk(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> Result<TopK> {
-        self.check_hidden(hidden)?;
+        self.head.check_hidden(hidden)?;
         self.resident.release_scratch();
-        opts.check(self.vocab)?;
+        opts.check(self.head.vocab())?;
         let (ntok, k) = (hidden.ntok(), opts.k);
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
-        let sizes = self.row_bytes(Job::Topk, k);
+        let sizes = self.head.row_bytes(&self.backend, Job::Topk, k);
         let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
-        let plan = self.chunk_plan(Job::Topk, ntok, k, f32_input, budget)?;
+        let plan = self
+            .head
+            .chunk_plan(&self.backend, Job::Topk, ntok, k, f32_input, budget)?;
         let (input, rows_s) = self.scratch.begin(
             &self.backend,
             Job::Topk,
@@ -739,12 +517,13 @@ impl<B: Backend> Engine<B> {
         };
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let x16 = s.x16_for(chunk);
-            self.load_hidden(input, x16, chunk, start, rows)?;
-            self.logits(x16, &s.logits, round_up(rows, ALIGN), opts.temperature)?;
+            self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
+            self.head
+                .logits(b, x16, &s.logits, round_up(rows, ALIGN), opts.temperature)?;
             let desc = TopkDesc {
                 cap: opts.softcap.map(|c| c / opts.temperature),
                 logprobs: opts.logprobs,
-                ..TopkDesc::plain(rows, self.vocab, self.vocab_padded, k)
+                ..TopkDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k)
             };
             b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let bytes = rows * k * std::mem::size_of::<u32>();

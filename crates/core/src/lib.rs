@@ -67,6 +67,7 @@ pub mod error;
 pub mod gemm_choice;
 pub mod glsl_tile;
 pub mod head;
+mod head_planes;
 pub mod host;
 pub mod kernels;
 pub mod launch;

@@ -223,7 +223,7 @@ impl<B: ResidentBackend> Engine<B> {
         self.backend
             .upload(status, 0, bytemuck::cast_slice(&status::cleared()))?;
         self.resident.pending = false;
-        status::to_result(&words, self.vocab)
+        status::to_result(&words, self.head.vocab())
     }
 
     /// Checks a caller's view: `elems` elements of 4 bytes (or
@@ -269,7 +269,7 @@ impl<B: ResidentBackend> Engine<B> {
     fn resident_row_bytes(&self, job: Job, k: usize) -> RowBytes {
         RowBytes {
             doubled: false,
-            ..self.row_bytes(job, k)
+            ..self.head.row_bytes(&self.backend, job, k)
         }
     }
 
@@ -330,21 +330,22 @@ impl<B: ResidentBackend> Engine<B> {
             dst: &s.x16,
             desc: HiddenInDesc {
                 rows,
-                cols: self.hs,
-                ld: self.hs_padded,
+                cols: self.head.hs(),
+                ld: self.head.hs_padded(),
                 rows_padded,
-                src_offset: elements("hidden", start, self.hs)?,
+                src_offset: elements("hidden", start, self.head.hs())?,
                 dtype: hidden.dtype,
             },
         })?;
-        self.logits(&s.x16, &s.logits, rows_padded, temperature)
+        self.head
+            .logits(&self.backend, &s.x16, &s.logits, rows_padded, temperature)
     }
 
     fn check_resident_hidden(&self, ntok: usize, hidden: &DeviceHidden<'_, B::Buffer>) -> Result<()> {
         if ntok == 0 {
             return Err(Error::NoTokens);
         }
-        let elems = elements("hidden", ntok, self.hs)?;
+        let elems = elements("hidden", ntok, self.head.hs())?;
         u32_extent("hidden", elems)?;
         self.check_view("hidden", hidden.buffer, elems, hidden.dtype.bytes())
     }
@@ -400,14 +401,14 @@ impl<B: ResidentBackend> Engine<B> {
         opts: &DeviceLossOptions<'_, B::Buffer>,
     ) -> Result<()> {
         let k = teacher.k;
-        check_k(k, self.vocab)?;
+        check_k(k, self.head.vocab())?;
         self.check_resident_hidden(ntok, hidden)?;
         let entries = elements("ids", ntok, k)?;
         u32_extent("ids", entries)?;
         self.check_view("ids", teacher.ids, entries, 4)?;
         self.check_view("probs", teacher.probs, entries, 4)?;
         self.check_view("loss", out.loss, ntok, 4)?;
-        self.check_view("dx", out.dx, elements("dx", ntok, self.hs)?, 4)?;
+        self.check_view("dx", out.dx, elements("dx", ntok, self.head.hs())?, 4)?;
         if let Some(w) = opts.weights {
             self.check_view("weights", w, ntok, 4)?;
         }
@@ -421,7 +422,14 @@ impl<B: ResidentBackend> Engine<B> {
         }
         opts.total.map(check_total).transpose()?;
         opts.gscale.map(check_gscale).transpose()?;
-        let plan = self.chunk_plan(Job::Loss, ntok, k, false, (opts.budget_bytes, opts.max_rows_per_chunk))?;
+        let plan = self.head.chunk_plan(
+            &self.backend,
+            Job::Loss,
+            ntok,
+            k,
+            false,
+            (opts.budget_bytes, opts.max_rows_per_chunk),
+        )?;
         let (status, mut scratch) = self.take_resident(Job::Loss, plan.rows_per_chunk, k)?;
         self.resident.pending = true;
         let recorded = self.take_resident_loss(&mut scratch).and_then(|ls| {
@@ -487,7 +495,7 @@ impl<B: ResidentBackend> Engine<B> {
                 desc: TeacherRowsDesc {
                     rows,
                     k,
-                    vocab: self.vocab,
+                    vocab: self.head.vocab(),
                     token0: start,
                     ids_offset: first_entry,
                     probs_offset: first_entry,
@@ -503,7 +511,7 @@ impl<B: ResidentBackend> Engine<B> {
                 row_in: &ls.row_in,
                 desc: LabelsInDesc {
                     rows,
-                    vocab: self.vocab,
+                    vocab: self.head.vocab(),
                     token0: start,
                     labels_offset: start,
                     has_labels: labels.is_some(),
@@ -513,12 +521,12 @@ impl<B: ResidentBackend> Engine<B> {
                 temperature: opts.temperature,
                 tail: opts.tail,
                 terms: opts.terms,
-                ..KlDesc::plain(rows, self.vocab, self.vocab_padded, k)
+                ..KlDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k)
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
             // device.
-            self.dx(&ls.grad, &ls.dx, &s.logits, rows_padded, 1.0)?;
+            self.head.dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, 1.0)?;
             b.dispatch(Launch::LossOut {
                 loss_chunk: &ls.loss,
                 dx_chunk: &ls.dx,
@@ -528,11 +536,11 @@ impl<B: ResidentBackend> Engine<B> {
                 terms: terms_out,
                 desc: LossOutDesc {
                     rows,
-                    hs: self.hs,
-                    ld: self.hs_padded,
+                    hs: self.head.hs(),
+                    ld: self.head.hs_padded(),
                     token0: start,
                     loss_offset: start,
-                    dx_offset: elements("dx", start, self.hs)?,
+                    dx_offset: elements("dx", start, self.head.hs())?,
                     accumulate: opts.accumulate_dx,
                     write_terms: opts.terms_out.is_some(),
                 },
@@ -568,14 +576,21 @@ impl<B: ResidentBackend> Engine<B> {
         probs: &B::Buffer,
         opts: &TopkOptions,
     ) -> Result<()> {
-        opts.check(self.vocab)?;
+        opts.check(self.head.vocab())?;
         let k = opts.k;
         self.check_resident_hidden(ntok, hidden)?;
         let entries = elements("ids", ntok, k)?;
         u32_extent("ids", entries)?;
         self.check_view("ids", ids, entries, 4)?;
         self.check_view("probs", probs, entries, 4)?;
-        let plan = self.chunk_plan(Job::Topk, ntok, k, false, (opts.budget_bytes, opts.max_rows_per_chunk))?;
+        let plan = self.head.chunk_plan(
+            &self.backend,
+            Job::Topk,
+            ntok,
+            k,
+            false,
+            (opts.budget_bytes, opts.max_rows_per_chunk),
+        )?;
         let (status, scratch) = self.take_resident(Job::Topk, plan.rows_per_chunk, k)?;
         self.resident.pending = true;
         let recorded = self.record_topk(ntok, hidden, (ids, probs), opts, &plan, (&status, &scratch.rows));
@@ -601,7 +616,7 @@ impl<B: ResidentBackend> Engine<B> {
         let k = opts.k;
         for (start, rows) in plan.ranges(ntok) {
             self.resident_logits(s, hidden, (start, rows), opts.temperature)?;
-            let desc = TopkDesc::plain(rows, self.vocab, self.vocab_padded, k);
+            let desc = TopkDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k);
             self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let first_entry = elements("ids", start, k)?;
             self.backend.dispatch(Launch::TopkOut {

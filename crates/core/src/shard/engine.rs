@@ -140,7 +140,7 @@ impl<B: Backend> ShardEngine<B> {
         opts: &LossOptions,
     ) -> Result<LossPartials> {
         self.pending = None;
-        self.engine.check_hidden(hidden)?;
+        self.engine.head_planes().check_hidden(hidden)?;
         let ntok = hidden.ntok();
         if teacher.ntok() != ntok {
             return Err(Error::LengthMismatch {
@@ -154,35 +154,23 @@ impl<B: Backend> ShardEngine<B> {
         let resolved = opts.resolve(ntok)?;
         let (ids, probs, k_s) = self.pack_teacher(teacher);
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
-        let plan = self.engine.chunk_plan(
+        let plan = self.engine.head_planes().chunk_plan(
+            self.engine.backend(),
             Job::Loss,
             ntok,
             k_s,
             f32_input,
             (opts.budget_bytes, opts.max_rows_per_chunk),
         )?;
-        let sizes = self.engine.row_bytes(Job::Loss, k_s);
+        let sizes = self
+            .engine
+            .head_planes()
+            .row_bytes(self.engine.backend(), Job::Loss, k_s);
         let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
         let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.budget_bytes;
-        self.engine.resident.release_scratch();
-        let (input, rows_s) = self.engine.scratch.begin(
-            &self.engine.backend,
-            Job::Loss,
-            &sizes,
-            (plan.rows_per_chunk, k_s),
-            hidden.data(),
-        )?;
-        let loss_s = match self
+        let (input, rows_s, loss_s) = self
             .engine
-            .scratch
-            .take_loss(&self.engine.backend, &sizes, plan.rows_per_chunk)
-        {
-            Ok(s) => s,
-            Err(e) => {
-                self.engine.scratch.put_back(rows_s, None, input);
-                return Err(e);
-            }
-        };
+            .begin_loss_call(&sizes, (plan.rows_per_chunk, k_s), hidden.data())?;
         self.kept_last = keep;
         let mut kept = keep.then(Vec::new);
         let result = self.partial_chunks(
@@ -193,7 +181,7 @@ impl<B: Backend> ShardEngine<B> {
             kept.as_mut(),
             sizes.logits,
         );
-        self.engine.scratch.put_back(rows_s, Some(loss_s), input);
+        self.engine.end_host_call(rows_s, Some(loss_s), input);
         let (lse, lse1, soft) = result?;
         // soft = Σ q (log q − s_id + lse_s) over the in-shard entries.
         let soft_part = (0..ntok)
@@ -273,8 +261,7 @@ impl<B: Backend> ShardEngine<B> {
         mut kept: Option<&mut Vec<B::Buffer>>,
         logits_row_bytes: u64,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        let e = &self.engine;
-        let b = &e.backend;
+        let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let ntok = ids.len() / k_s;
         let (mut lse, mut lse1, mut soft) = (vec![0f32; ntok], vec![0f32; ntok], vec![0f32; ntok]);
         let mut rows_out = Vec::new();
@@ -308,7 +295,7 @@ impl<B: Backend> ShardEngine<B> {
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
-            e.load_hidden(input, x16, chunk, start, rows)?;
+            h.load_hidden(b, input, x16, (chunk, start, rows))?;
             let logits = match kept.as_deref_mut() {
                 Some(kept) => {
                     let buf = b.alloc(plan.rows_per_chunk as u64 * logits_row_bytes, "kept shard logits")?;
@@ -317,7 +304,7 @@ impl<B: Backend> ShardEngine<B> {
                 }
                 None => &s.logits,
             };
-            e.logits(x16, logits, rows_padded, temperature)?;
+            h.logits(b, x16, logits, rows_padded, temperature)?;
             b.upload(&s.ids, 0, bytemuck::cast_slice(&ids[start * k_s..(start + rows) * k_s]))?;
             b.upload(
                 &s.probs,
@@ -329,7 +316,7 @@ impl<B: Backend> ShardEngine<B> {
             b.upload(&ls.row_in, 0, bytemuck::cast_slice(&row_in))?;
             // τ = 1 on the scaled logits: the kernel's lse is the shard's
             // logsumexp of s = z/τ, its soft term at that lse.
-            let desc = KlDesc::plain(rows, e.vocab, e.vocab_padded, k_s);
+            let desc = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k_s);
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
             let mut pending = begin(b, &[(&ls.loss, rows * 16)])?;
             if tau_on {
@@ -376,7 +363,7 @@ impl<B: Backend> ShardEngine<B> {
                 got: hidden.ntok(),
             });
         }
-        self.engine.check_hidden(hidden)?;
+        self.engine.head_planes().check_hidden(hidden)?;
         for len in [stats.lse.len(), stats.lse1.len(), stats.soft_part.len()] {
             if len != ntok {
                 // Phase one stays pending: the caller may pass the right stats.
@@ -423,28 +410,15 @@ impl<B: Backend> ShardEngine<B> {
         *mean = weighted / f64::from(p.resolved.total);
         dx.resize(ntok * p.hs, 0.0);
 
-        let sizes = self.engine.row_bytes(Job::Loss, k_s);
-        self.engine.resident.release_scratch();
-        let (input, rows_s) = self.engine.scratch.begin(
-            &self.engine.backend,
-            Job::Loss,
-            &sizes,
-            (p.plan.rows_per_chunk, k_s),
-            hidden.data(),
-        )?;
-        let loss_s = match self
+        let sizes = self
             .engine
-            .scratch
-            .take_loss(&self.engine.backend, &sizes, p.plan.rows_per_chunk)
-        {
-            Ok(s) => s,
-            Err(e) => {
-                self.engine.scratch.put_back(rows_s, None, input);
-                return Err(e);
-            }
-        };
+            .head_planes()
+            .row_bytes(self.engine.backend(), Job::Loss, k_s);
+        let (input, rows_s, loss_s) =
+            self.engine
+                .begin_loss_call(&sizes, (p.plan.rows_per_chunk, k_s), hidden.data())?;
         let result = self.finish_chunks(&p, (&input, &rows_s, &loss_s), &row_in, &probs, dx);
-        self.engine.scratch.put_back(rows_s, Some(loss_s), input);
+        self.engine.end_host_call(rows_s, Some(loss_s), input);
         result
     }
 
@@ -457,9 +431,8 @@ impl<B: Backend> ShardEngine<B> {
         probs: &[f32],
         dx: &mut [f32],
     ) -> Result<()> {
-        let e = &self.engine;
-        let b = &e.backend;
-        let (k_s, hs, hs_padded) = (p.k_s, e.hs, e.hs_padded);
+        let (b, h) = (self.engine.backend(), self.engine.head_planes());
+        let (k_s, hs, hs_padded) = (p.k_s, h.hs(), h.hs_padded());
         let dx_scale = 1.0 / (f64::from(p.resolved.gscale) * f64::from(p.resolved.temperature));
         let mut padded = Vec::new();
         let mut read_chunk = |(start, rows, pending): Done, dx: &mut [f32]| -> Result<()> {
@@ -482,8 +455,8 @@ impl<B: Backend> ShardEngine<B> {
                 Some(kept) => &kept[chunk],
                 None => {
                     let x16 = s.x16_for(chunk);
-                    e.load_hidden(input, x16, chunk, start, rows)?;
-                    e.logits(x16, &s.logits, rows_padded, p.resolved.temperature)?;
+                    h.load_hidden(b, input, x16, (chunk, start, rows))?;
+                    h.logits(b, x16, &s.logits, rows_padded, p.resolved.temperature)?;
                     &s.logits
                 }
             };
@@ -502,10 +475,10 @@ impl<B: Backend> ShardEngine<B> {
                 0,
                 bytemuck::cast_slice(&row_in[start * 2..(start + rows) * 2]),
             )?;
-            let desc = KlDesc::plain(rows, e.vocab, e.vocab_padded, k_s);
+            let desc = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k_s);
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
             // The logits are spent: the dx GEMM's split-K parts may use them.
-            e.dx(&ls.grad, &ls.dx, logits, rows_padded, dx_scale as f32)?;
+            h.dx(b, (&ls.grad, &ls.dx, logits), rows_padded, dx_scale as f32)?;
             let pending = begin(b, &[(&ls.dx, rows * hs_padded * 4)])?;
             if let Some(done) = pipe.push((start, rows, pending)) {
                 read_chunk(done, dx)?;
@@ -523,7 +496,7 @@ impl<B: Backend> ShardEngine<B> {
     /// softcap is refused ([`Error::ShardUnsupported`]: the cap saturates,
     /// and the merge orders by the values it gets).
     pub fn topk_partials(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> Result<TopkPartials> {
-        self.engine.check_hidden(hidden)?;
+        self.engine.head_planes().check_hidden(hidden)?;
         opts.check(self.shard.vocab())?;
         if let Some(c) = opts.softcap {
             return Err(Error::ShardUnsupported {
@@ -537,35 +510,23 @@ impl<B: Backend> ShardEngine<B> {
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         // The loss job's scratch: the top-k's ids and values, and the loss
         // kernel's outputs for the shard's lse.
-        let plan = self.engine.chunk_plan(
+        let plan = self.engine.head_planes().chunk_plan(
+            self.engine.backend(),
             Job::Loss,
             ntok,
             k_s,
             f32_input,
             (opts.budget_bytes, opts.max_rows_per_chunk),
         )?;
-        let sizes = self.engine.row_bytes(Job::Loss, k_s);
-        self.engine.resident.release_scratch();
-        let (input, rows_s) = self.engine.scratch.begin(
-            &self.engine.backend,
-            Job::Loss,
-            &sizes,
-            (plan.rows_per_chunk, k_s),
-            hidden.data(),
-        )?;
-        let loss_s = match self
+        let sizes = self
             .engine
-            .scratch
-            .take_loss(&self.engine.backend, &sizes, plan.rows_per_chunk)
-        {
-            Ok(s) => s,
-            Err(e) => {
-                self.engine.scratch.put_back(rows_s, None, input);
-                return Err(e);
-            }
-        };
+            .head_planes()
+            .row_bytes(self.engine.backend(), Job::Loss, k_s);
+        let (input, rows_s, loss_s) = self
+            .engine
+            .begin_loss_call(&sizes, (plan.rows_per_chunk, k_s), hidden.data())?;
         let result = self.topk_chunks(&plan, (&input, &rows_s, &loss_s), ntok, k_s, opts.temperature);
-        self.engine.scratch.put_back(rows_s, Some(loss_s), input);
+        self.engine.end_host_call(rows_s, Some(loss_s), input);
         let (ids, logits, lse) = result?;
         Ok(TopkPartials {
             shard: self.shard,
@@ -586,8 +547,7 @@ impl<B: Backend> ShardEngine<B> {
         k_s: usize,
         temperature: f32,
     ) -> Result<(Vec<u32>, Vec<f32>, Vec<f32>)> {
-        let e = &self.engine;
-        let b = &e.backend;
+        let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let v0 = self.shard.v0() as u32;
         let mut ids = vec![0u32; ntok * k_s];
         let mut logits = vec![0f32; ntok * k_s];
@@ -621,19 +581,19 @@ impl<B: Backend> ShardEngine<B> {
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
-            e.load_hidden(input, x16, chunk, start, rows)?;
-            e.logits(x16, &s.logits, rows_padded, temperature)?;
+            h.load_hidden(b, input, x16, (chunk, start, rows))?;
+            h.logits(b, x16, &s.logits, rows_padded, temperature)?;
             // Log-probabilities over the shard: with its lse, the logits.
             let desc = TopkDesc {
                 logprobs: true,
-                ..TopkDesc::plain(rows, e.vocab, e.vocab_padded, k_s)
+                ..TopkDesc::plain(rows, h.vocab(), h.vocab_padded(), k_s)
             };
             b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             // The loss kernel, coefficient 0, on the top-k as its teacher:
             // only its lse output is read.
             let row_in: Vec<u32> = (0..rows).flat_map(|_| [0f32.to_bits(), NO_LABEL]).collect();
             b.upload(&ls.row_in, 0, bytemuck::cast_slice(&row_in))?;
-            let kl = KlDesc::plain(rows, e.vocab, e.vocab_padded, k_s);
+            let kl = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k_s);
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             let bytes = rows * k_s * 4;
             let pending = begin(b, &[(&s.ids, bytes), (&s.probs, bytes), (&ls.loss, rows * 16)])?;

@@ -1,0 +1,345 @@
+//! [`HeadPlanes`]: the head as it lives on the device (its shape, its
+//! vocabulary slices and their f16 planes) and the per-chunk kernel
+//! sequences every entry point shares: the hidden rows into the padded f16
+//! operand, the logits GEMMs, the dx GEMMs with their split-K parts and
+//! `sum_parts`, and the chunk plan with its scratch sizes.
+//!
+//! The host path ([`crate::driver`]), the device-resident path
+//! ([`crate::resident`]) and the vocabulary shards ([`crate::shard`]) call
+//! these methods rather than each other's internals; the backend stays with
+//! the [`crate::Engine`] that owns both and is passed in.
+
+use half::f16;
+
+use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, SumPartsDesc};
+use crate::chunking::{plan_chunks, ChunkPlan};
+use crate::driver::SliceOptions;
+use crate::error::{Error, Result};
+use crate::head::HeadWeights;
+use crate::launch::Kernels;
+use crate::problem::Hidden;
+use crate::scratch::{Input, Job, RowBytes};
+use crate::slicing::{slice_vocab, VocabSlice};
+use crate::split::DxSplit;
+use crate::{round_up, ALIGN};
+
+/// Bytes of host data uploaded per transfer while packing the head, so a
+/// multi-GB head never needs a second multi-GB copy on the host.
+const HEAD_UPLOAD_BYTES: usize = 64 << 20;
+
+/// An uploaded head: its facts, one f16 plane per vocabulary slice, and how
+/// the dx GEMM's reduction is split.
+pub(crate) struct HeadPlanes<B: Backend> {
+    vocab: usize,
+    hs: usize,
+    hs_padded: usize,
+    vocab_padded: usize,
+    slices: Vec<VocabSlice>,
+    planes: Vec<B::Buffer>,
+    dx_split: DxSplit,
+}
+
+impl<B: Backend> HeadPlanes<B> {
+    /// Uploads `head` to `backend` as f16 planes, one per vocabulary slice.
+    /// Fails on a head value that is not finite or is past f16's range,
+    /// naming its row and column, before any of it is on the device.
+    pub(crate) fn upload(backend: &B, head: &HeadWeights<'_>, slicing: SliceOptions) -> Result<Self> {
+        let (vocab, hs) = (head.vocab(), head.hs());
+        let hs_padded = round_up(hs, ALIGN);
+        let info = backend.info();
+        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+        let slices = slice_vocab(vocab, hs_padded, max_binding, slicing.max_rows_per_slice)?;
+        // Scan on the host before the first allocation: a bad value should
+        // cost no device memory and no upload.
+        head.check_values()?;
+        let mut staging = Vec::new();
+        let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
+        let mut planes = Vec::with_capacity(slices.len());
+        for s in &slices {
+            let padded = s.padded_width();
+            let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
+            let mut row = 0;
+            while row < padded {
+                let rows = rows_per_upload.min(padded - row);
+                let real = rows.min(s.width.saturating_sub(row));
+                staging.clear();
+                head.pack_rows_f16(s.offset + row, real, hs_padded, &mut staging)?;
+                staging.resize(rows * hs_padded, f16::ZERO);
+                backend.upload(&plane, (row * hs_padded * 2) as u64, bytemuck::cast_slice(&staging))?;
+                row += rows;
+            }
+            planes.push(plane);
+        }
+        backend.finish()?;
+        Ok(Self {
+            vocab,
+            hs,
+            hs_padded,
+            vocab_padded: round_up(vocab, ALIGN),
+            slices,
+            planes,
+            dx_split: DxSplit::Auto,
+        })
+    }
+
+    /// Vocabulary size.
+    pub(crate) fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Vocabulary size rounded up to [`ALIGN`]: the logits' row stride.
+    pub(crate) fn vocab_padded(&self) -> usize {
+        self.vocab_padded
+    }
+
+    /// Hidden size.
+    pub(crate) fn hs(&self) -> usize {
+        self.hs
+    }
+
+    /// Hidden size rounded up to [`ALIGN`]: the f16 operand's and dx's row
+    /// stride.
+    pub(crate) fn hs_padded(&self) -> usize {
+        self.hs_padded
+    }
+
+    /// The vocabulary slices the head was cut into.
+    pub(crate) fn slices(&self) -> &[VocabSlice] {
+        &self.slices
+    }
+
+    /// The dx GEMM's split setting.
+    pub(crate) fn dx_split(&self) -> DxSplit {
+        self.dx_split
+    }
+
+    /// Sets the dx GEMM's split (the owner frees scratch sized for the old
+    /// one).
+    pub(crate) fn set_dx_split(&mut self, split: DxSplit) {
+        self.dx_split = split;
+    }
+
+    /// Fails unless `hidden`'s rows are this head's width.
+    pub(crate) fn check_hidden(&self, hidden: &Hidden<'_>) -> Result<()> {
+        if hidden.hs() != self.hs {
+            return Err(Error::HiddenSizeMismatch {
+                expected: self.hs,
+                got: hidden.hs(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The chunk plan of `job`, budgeting every scratch buffer it allocates.
+    pub(crate) fn chunk_plan(
+        &self,
+        backend: &B,
+        job: Job,
+        ntok: usize,
+        k: usize,
+        f32_input: bool,
+        (budget_bytes, max_rows): (u64, Option<usize>),
+    ) -> Result<ChunkPlan> {
+        let costs = self.row_bytes(backend, job, k).costs(job, f32_input);
+        let info = backend.info();
+        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+        plan_chunks(ntok, &costs, budget_bytes, max_binding, max_rows)
+    }
+
+    /// Bytes per token row of every scratch buffer of `job`, with `k`
+    /// teacher entries.
+    pub(crate) fn row_bytes(&self, backend: &B, job: Job, k: usize) -> RowBytes {
+        let dx_blocks = match job {
+            Job::Loss => self.dx_blocks_most(backend),
+            Job::Topk => 0,
+        };
+        RowBytes {
+            doubled: backend.transfers_overlap(),
+            ..RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks)
+        }
+    }
+
+    /// The most split-K partial blocks of dx a chunk can need (every
+    /// slice's most parts), or 0 where the dx GEMM always writes dx itself.
+    fn dx_blocks_most(&self, backend: &B) -> usize {
+        let tile = backend.gemm_tile(HeadLayout::Dx);
+        let blocks: usize = self
+            .slices
+            .iter()
+            .map(|s| self.dx_split.most(s.padded_width(), tile))
+            .sum();
+        if blocks > 1 {
+            blocks
+        } else {
+            0
+        }
+    }
+
+    /// Uploads chunk rows `[start, start + rows)` (chunk number `chunk`)
+    /// into the padded f16 GEMM operand.
+    pub(crate) fn load_hidden(
+        &self,
+        backend: &B,
+        input: &Input<'_, B>,
+        x16: &B::Buffer,
+        (chunk, start, rows): (usize, usize, usize),
+    ) -> Result<()> {
+        let hs = self.hs;
+        let rows_padded = round_up(rows, ALIGN);
+        match input {
+            Input::F32 { data, x32, x32_odd } => {
+                let x32 = if chunk % 2 == 1 {
+                    x32_odd.as_ref().unwrap_or(x32)
+                } else {
+                    x32
+                };
+                let src = &data[start * hs..(start + rows) * hs];
+                backend.upload(x32, 0, bytemuck::cast_slice(src))?;
+                let desc = ConvertDesc {
+                    rows,
+                    cols: hs,
+                    rows_padded,
+                    ld: self.hs_padded,
+                };
+                backend.convert_f16(x32, x16, &desc)?;
+            }
+            Input::F16(d) if self.hs_padded == hs => {
+                // Rows are already the padded width: straight from the
+                // caller's slice. Rows past `rows` keep what they held
+                // (GemmDesc: rows of A past the real ones may hold anything).
+                let src = &d[start * hs..(start + rows) * hs];
+                backend.upload(x16, 0, bytemuck::cast_slice(src))?;
+            }
+            Input::F16(d) => {
+                let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
+                for r in 0..rows {
+                    let src = &d[(start + r) * hs..(start + r + 1) * hs];
+                    packed[r * self.hs_padded..r * self.hs_padded + hs].copy_from_slice(src);
+                }
+                backend.upload(x16, 0, bytemuck::cast_slice(&packed))?;
+            }
+            Input::Bf16(d) => {
+                // Rounded to f16 here, as the f16 operand is packed: the
+                // same cost as packing unpadded f16 rows.
+                let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];
+                for r in 0..rows {
+                    let src = &d[(start + r) * hs..(start + r + 1) * hs];
+                    let dst = &mut packed[r * self.hs_padded..r * self.hs_padded + hs];
+                    for (o, v) in dst.iter_mut().zip(src) {
+                        *o = f16::from_f32(v.to_f32());
+                    }
+                }
+                backend.upload(x16, 0, bytemuck::cast_slice(&packed))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The logits GEMMs of one chunk: `logits[:, slice] = x16 · W_sliceᵀ / τ`
+    /// (the host path's scratch and the resident path's alike).
+    pub(crate) fn logits(
+        &self,
+        backend: &B,
+        x16: &B::Buffer,
+        logits: &B::Buffer,
+        rows_padded: usize,
+        temperature: f32,
+    ) -> Result<()> {
+        for (slice, plane) in self.slices.iter().zip(&self.planes) {
+            let desc = GemmDesc {
+                m: rows_padded,
+                n: slice.padded_width(),
+                k: self.hs_padded,
+                a_offset: 0,
+                lda: self.hs_padded,
+                b_layout: HeadLayout::Logits,
+                ldb: self.hs_padded,
+                c_offset: slice.offset,
+                ldc: self.vocab_padded,
+                alpha: 1.0 / temperature,
+                accumulate: false,
+                k_parts: 1,
+                c_part_stride: 0,
+            };
+            backend.gemm(x16, plane, logits, &desc)?;
+        }
+        Ok(())
+    }
+
+    /// The dx GEMMs of one chunk, summed over the slices in f32:
+    /// `dx = alpha · Σ_slice grad[:, slice] · W_slice`.
+    ///
+    /// Each slice's GEMM runs split into [`Self::dx_parts`] parts, into
+    /// partial blocks of `rows_padded × hs_padded` in `partials` (slice s's
+    /// after those of the slices before it), which one `sum_parts` adds
+    /// into dx in a fixed order. One slice in one part writes dx directly.
+    /// `partials` is the chunk's logits buffer, free once `kl_rows` has
+    /// read it, and sized for the most blocks ([`RowBytes::new`]).
+    pub(crate) fn dx(
+        &self,
+        backend: &B,
+        (grad, dx, partials): (&B::Buffer, &B::Buffer, &B::Buffer),
+        rows_padded: usize,
+        alpha: f32,
+    ) -> Result<()> {
+        let parts = self.dx_parts(backend, rows_padded);
+        let total: usize = parts.iter().sum();
+        let block = rows_padded * self.hs_padded;
+        let mut first = 0;
+        for ((slice, plane), &k_parts) in self.slices.iter().zip(&self.planes).zip(&parts) {
+            let desc = self.dx_desc(slice, rows_padded, alpha);
+            if total == 1 {
+                return backend.gemm(grad, plane, dx, &desc);
+            }
+            let desc = GemmDesc {
+                k_parts,
+                c_part_stride: block,
+                c_offset: first * block,
+                ..desc
+            };
+            backend.gemm(grad, plane, partials, &desc)?;
+            first += k_parts;
+        }
+        let sum = SumPartsDesc {
+            len: block,
+            parts: total,
+            part_stride: block,
+            accumulate: false,
+        };
+        backend.sum_parts(partials, dx, &sum)
+    }
+
+    /// One slice's dx GEMM, unsplit: `dx = alpha · grad[:, slice] · W_slice`
+    /// (slices never accumulate into dx: several go through `sum_parts`).
+    fn dx_desc(&self, slice: &VocabSlice, rows_padded: usize, alpha: f32) -> GemmDesc {
+        GemmDesc {
+            m: rows_padded,
+            n: self.hs_padded,
+            k: slice.padded_width(),
+            a_offset: slice.offset,
+            lda: self.vocab_padded,
+            b_layout: HeadLayout::Dx,
+            ldb: self.hs_padded,
+            c_offset: 0,
+            ldc: self.hs_padded,
+            alpha,
+            accumulate: false,
+            k_parts: 1,
+            c_part_stride: 0,
+        }
+    }
+
+    /// The parts each slice's dx GEMM is split into for a chunk of
+    /// `rows_padded` rows: [`DxSplit::choose`] with `backend`'s GEMM tile.
+    pub(crate) fn dx_parts(&self, backend: &B, rows_padded: usize) -> Vec<usize> {
+        let tile = backend.gemm_tile(HeadLayout::Dx);
+        self.slices
+            .iter()
+            .map(|s| {
+                let desc = self.dx_desc(s, rows_padded, 1.0);
+                let tiles = tile.map_or(0, |t| desc.tiles(t));
+                self.dx_split.choose(tiles, s.padded_width(), tile)
+            })
+            .collect()
+    }
+}
