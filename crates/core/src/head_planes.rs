@@ -138,9 +138,22 @@ impl<B: Backend> HeadPlanes<B> {
         ntok: usize,
         k: usize,
         f32_input: bool,
+        budget: (u64, Option<usize>),
+    ) -> Result<ChunkPlan> {
+        Self::plan_for(backend, &self.row_bytes(backend, job, k), job, ntok, f32_input, budget)
+    }
+
+    /// [`Self::chunk_plan`] for the row sizes `sizes` (the resident path's
+    /// have no odd-chunk copies).
+    pub(crate) fn plan_for(
+        backend: &B,
+        sizes: &RowBytes,
+        job: Job,
+        ntok: usize,
+        f32_input: bool,
         (budget_bytes, max_rows): (u64, Option<usize>),
     ) -> Result<ChunkPlan> {
-        let costs = self.row_bytes(backend, job, k).costs(job, f32_input);
+        let costs = sizes.costs(job, f32_input);
         let info = backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
         plan_chunks(ntok, &costs, budget_bytes, max_binding, max_rows)

@@ -26,6 +26,7 @@ pub use kernels::{
 use crate::backend::{Backend, KlDesc, TopkDesc};
 use crate::driver::Engine;
 use crate::error::{Error, Result};
+use crate::head_planes::HeadPlanes;
 use crate::launch::{Kernels, Launch};
 use crate::problem::{check_gscale, check_k, check_loss_options, check_total, TopkOptions, DEFAULT_BUDGET_BYTES};
 use crate::scratch::{Job, LossScratch, RowBytes, RowScratch};
@@ -422,11 +423,11 @@ impl<B: ResidentBackend> Engine<B> {
         }
         opts.total.map(check_total).transpose()?;
         opts.gscale.map(check_gscale).transpose()?;
-        let plan = self.head.chunk_plan(
+        let plan = HeadPlanes::plan_for(
             &self.backend,
+            &self.resident_row_bytes(Job::Loss, k),
             Job::Loss,
             ntok,
-            k,
             false,
             (opts.budget_bytes, opts.max_rows_per_chunk),
         )?;
@@ -583,11 +584,11 @@ impl<B: ResidentBackend> Engine<B> {
         u32_extent("ids", entries)?;
         self.check_view("ids", ids, entries, 4)?;
         self.check_view("probs", probs, entries, 4)?;
-        let plan = self.head.chunk_plan(
+        let plan = HeadPlanes::plan_for(
             &self.backend,
+            &self.resident_row_bytes(Job::Topk, k),
             Job::Topk,
             ntok,
-            k,
             false,
             (opts.budget_bytes, opts.max_rows_per_chunk),
         )?;
