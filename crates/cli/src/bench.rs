@@ -602,8 +602,10 @@ fn time_sharded<B: Backend>(
         ..TopkOptions::new(shape.k)
     };
     let mut outs = vec![headkl_core::LossOutput::default(); n];
+    let mut merged = headkl_core::LossOutput::default();
     let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, "sharded", held, shape, None, |_| {
-        crate::shard::loss_serial(&mut shards, &hidden, &d.teacher, &loss_opts, &mut outs).map(|_| ())
+        let inputs = (&hidden, &d.teacher, &loss_opts);
+        crate::shard::loss_serial(&mut shards, inputs, &mut outs, &mut merged)
     })?;
     eprintln!(
         "bench: the shards {} their logits between the phases (kept where the chunk scratch and \

@@ -4,7 +4,10 @@
 //! (`headkl_core::shard`). The outputs are the unsharded commands'.
 
 use clap::Args;
-use headkl_core::shard::{merge_loss, merge_loss_outputs, merge_topk, HeadShard, LossPartials, LossStats, ShardEngine};
+use headkl_core::shard::{
+    merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, HeadShard, LossPartials, LossStats,
+    ShardEngine,
+};
 use headkl_core::{
     Backend, Error as CoreError, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher, TopK, TopkOptions,
 };
@@ -353,15 +356,14 @@ pub fn serial_engines<'b, B: Backend>(
 }
 
 /// One sharded loss call with the shards in turn on this thread: phase
-/// one on each, the merge, phase two on each (into `outs`, kept across
-/// calls), `dx` summed.
+/// one on each, the merge, phase two on each (into `outs`), `dx` summed
+/// into `merged` (all kept across calls).
 pub fn loss_serial<B: Backend>(
     engines: &mut [ShardEngine<B>],
-    hidden: &Hidden<'_>,
-    teacher: &Teacher,
-    opts: &LossOptions,
+    (hidden, teacher, opts): (&Hidden<'_>, &Teacher, &LossOptions),
     outs: &mut [LossOutput],
-) -> headkl_core::Result<LossOutput> {
+    merged: &mut LossOutput,
+) -> headkl_core::Result<()> {
     let parts = engines
         .iter_mut()
         .map(|e| e.loss_partials(hidden, teacher, opts))
@@ -370,7 +372,7 @@ pub fn loss_serial<B: Backend>(
     for (e, out) in engines.iter_mut().zip(outs.iter_mut()) {
         e.loss_finish(hidden, &stats, out)?;
     }
-    merge_loss_outputs(outs)
+    merge_loss_outputs_into(outs, merged)
 }
 
 /// One sharded top-k call with the shards in turn on this thread.

@@ -143,6 +143,11 @@ impl<B: Backend> Engine<B> {
         self.trace = on;
     }
 
+    /// Whether [`Self::set_trace`] turned the trace on.
+    pub(crate) fn trace_on(&self) -> bool {
+        self.trace
+    }
+
     /// Calls `progress` (or stops calling it, with `None`) with the tokens
     /// each chunk of `head_kl` and `topk` adds once its outputs are read,
     /// so one call over a long job can drive a progress bar; the results do
@@ -634,14 +639,14 @@ fn discard<B: Backend>(backend: &B, pending: PendingDownload) {
 
 /// Host-side time per phase of a call, printed to stderr when the engine's
 /// trace is on.
-struct Trace {
+pub(crate) struct Trace {
     job: &'static str,
     last: Option<std::time::Instant>,
     phases: Vec<(&'static str, f64)>,
 }
 
 impl Trace {
-    fn new(job: &'static str, on: bool) -> Self {
+    pub(crate) fn new(job: &'static str, on: bool) -> Self {
         Self {
             job,
             last: on.then(std::time::Instant::now),
@@ -650,7 +655,7 @@ impl Trace {
     }
 
     /// Charges the time since the last mark to `phase`.
-    fn mark(&mut self, phase: &'static str) {
+    pub(crate) fn mark(&mut self, phase: &'static str) {
         let Some(last) = self.last else { return };
         let now = std::time::Instant::now();
         let ms = (now - last).as_secs_f64() * 1e3;
@@ -661,7 +666,7 @@ impl Trace {
         self.last = Some(now);
     }
 
-    fn report(&self) {
+    pub(crate) fn report(&self) {
         if self.last.is_none() {
             return;
         }

@@ -142,7 +142,7 @@ pub const VARIABLES: &[Variable] = &[
         name: TRACE,
         values: "switch",
         default: "off",
-        effect: "log each head_kl call's host phases (upload, wait, download) at info level (the command prints them on stderr)",
+        effect: "log each head_kl call's host phases (upload, wait, download; a shard engine's two phases) at info level (the command prints them on stderr)",
     },
     Variable {
         name: PIPELINE_STATS,

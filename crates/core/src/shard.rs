@@ -50,7 +50,7 @@ mod engine;
 mod merge;
 
 pub use engine::{check_loss_terms, ShardEngine};
-pub use merge::{merge_loss, merge_loss_outputs, merge_topk, LossStats, TIE_WINDOW};
+pub use merge::{merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, LossStats, TIE_WINDOW};
 
 use crate::error::{Error, Result};
 use crate::ALIGN;

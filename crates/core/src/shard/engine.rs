@@ -5,7 +5,7 @@
 use super::{HeadShard, LossPartials, LossStats, TopkPartials};
 use crate::backend::{Backend, KlDesc, PendingDownload, TopkDesc};
 use crate::chunking::ChunkPlan;
-use crate::driver::{Engine, LossOutput, SliceOptions};
+use crate::driver::{Engine, LossOutput, SliceOptions, Trace};
 use crate::error::{Error, Field, Result};
 use crate::head::HeadWeights;
 use crate::launch::Kernels;
@@ -140,6 +140,7 @@ impl<B: Backend> ShardEngine<B> {
         opts: &LossOptions,
     ) -> Result<LossPartials> {
         self.pending = None;
+        let mut trace = Trace::new("shard phase one", self.engine.trace_on());
         self.engine.head_planes().check_hidden(hidden)?;
         let ntok = hidden.ntok();
         if teacher.ntok() != ntok {
@@ -153,6 +154,7 @@ impl<B: Backend> ShardEngine<B> {
         check_loss_terms(teacher.tail(), opts)?;
         let resolved = opts.resolve(ntok)?;
         let (ids, probs, k_s) = self.pack_teacher(teacher);
+        trace.mark("checks + teacher pack");
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         let plan = self.engine.head_planes().chunk_plan(
             self.engine.backend(),
@@ -173,6 +175,7 @@ impl<B: Backend> ShardEngine<B> {
             .begin_loss_call(&sizes, (plan.rows_per_chunk, k_s), hidden.data())?;
         self.kept_last = keep;
         let mut kept = keep.then(Vec::new);
+        trace.mark("scratch");
         let result = self.partial_chunks(
             &plan,
             (&input, &rows_s, &loss_s),
@@ -182,6 +185,7 @@ impl<B: Backend> ShardEngine<B> {
             sizes.logits,
         );
         self.engine.end_host_call(rows_s, Some(loss_s), input);
+        trace.mark("chunks (record, wait, read)");
         let (lse, lse1, soft) = result?;
         // soft = Σ q (log q − s_id + lse_s) over the in-shard entries.
         let soft_part = (0..ntok)
@@ -207,6 +211,8 @@ impl<B: Backend> ShardEngine<B> {
             lse,
             kept,
         });
+        trace.mark("partials");
+        trace.report();
         Ok(partials)
     }
 
@@ -375,6 +381,7 @@ impl<B: Backend> ShardEngine<B> {
                 });
             }
         }
+        let mut trace = Trace::new("shard phase two", self.engine.trace_on());
         let k_s = p.k_s;
         // Per row: coefficient c·α and the teacher q/α (module docs).
         let mut row_in = Vec::with_capacity(ntok * 2);
@@ -409,6 +416,7 @@ impl<B: Backend> ShardEngine<B> {
             .sum();
         *mean = weighted / f64::from(p.resolved.total);
         dx.resize(ntok * p.hs, 0.0);
+        trace.mark("row inputs + per-token outputs");
 
         let sizes = self
             .engine
@@ -417,8 +425,11 @@ impl<B: Backend> ShardEngine<B> {
         let (input, rows_s, loss_s) =
             self.engine
                 .begin_loss_call(&sizes, (p.plan.rows_per_chunk, k_s), hidden.data())?;
-        let result = self.finish_chunks(&p, (&input, &rows_s, &loss_s), &row_in, &probs, dx);
+        trace.mark("scratch");
+        let result = self.finish_chunks(&p, (&input, &rows_s, &loss_s), (&row_in, &probs), dx, &mut trace);
         self.engine.end_host_call(rows_s, Some(loss_s), input);
+        trace.mark("scratch back");
+        trace.report();
         result
     }
 
@@ -427,9 +438,9 @@ impl<B: Backend> ShardEngine<B> {
         &self,
         p: &PhaseOne<B>,
         (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
-        row_in: &[u32],
-        probs: &[f32],
+        (row_in, probs): (&[u32], &[f32]),
         dx: &mut [f32],
+        trace: &mut Trace,
     ) -> Result<()> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let (k_s, hs, hs_padded) = (p.k_s, h.hs(), h.hs_padded());
@@ -480,12 +491,15 @@ impl<B: Backend> ShardEngine<B> {
             // The logits are spent: the dx GEMM's split-K parts may use them.
             h.dx(b, (&ls.grad, &ls.dx, logits), rows_padded, dx_scale as f32)?;
             let pending = begin(b, &[(&ls.dx, rows * hs_padded * 4)])?;
+            trace.mark("record");
             if let Some(done) = pipe.push((start, rows, pending)) {
                 read_chunk(done, dx)?;
+                trace.mark("wait + read dx");
             }
         }
         if let Some(done) = pipe.pop() {
             read_chunk(done, dx)?;
+            trace.mark("wait + read dx");
         }
         Ok(())
     }

@@ -82,6 +82,14 @@ pub fn merge_loss(parts: &[LossPartials]) -> Result<LossStats> {
 /// statistics), `dx` summed over the shards in f64 — what the trainer's
 /// all-reduce of `dx` does.
 pub fn merge_loss_outputs(parts: &[LossOutput]) -> Result<LossOutput> {
+    let mut merged = LossOutput::default();
+    merge_loss_outputs_into(parts, &mut merged)?;
+    Ok(merged)
+}
+
+/// [`merge_loss_outputs`] into `merged`, whose buffers are reused from
+/// call to call (as a training loop keeps its gradient buffer).
+pub fn merge_loss_outputs_into(parts: &[LossOutput], merged: &mut LossOutput) -> Result<()> {
     let Some(first) = parts.first() else {
         return Err(Error::ShardMismatch {
             what: "shards",
@@ -89,24 +97,40 @@ pub fn merge_loss_outputs(parts: &[LossOutput]) -> Result<LossOutput> {
             got: 0,
         });
     };
-    let mut sum = vec![0f64; first.dx.len()];
+    let len = first.dx.len();
     for p in parts {
         same_tokens(first.loss.len(), p.loss.len())?;
-        if p.dx.len() != sum.len() {
+        if p.dx.len() != len {
             return Err(Error::ShardMismatch {
                 what: "dx length",
-                expected: sum.len(),
+                expected: len,
                 got: p.dx.len(),
             });
         }
-        for (s, &v) in sum.iter_mut().zip(&p.dx) {
-            *s += f64::from(v);
-        }
     }
-    Ok(LossOutput {
-        dx: sum.into_iter().map(|v| v as f32).collect(),
-        ..first.clone()
-    })
+    // In blocks, through an f64 accumulator that stays in cache: a whole
+    // f64 copy of dx (168 MB at shape A) cost more than the shards' kernels.
+    const BLOCK: usize = 4096;
+    let dx = &mut merged.dx;
+    dx.clear();
+    let mut acc = [0f64; BLOCK];
+    for start in (0..len).step_by(BLOCK) {
+        let n = BLOCK.min(len - start);
+        let acc = &mut acc[..n];
+        acc.fill(0.0);
+        for p in parts {
+            for (a, &v) in acc.iter_mut().zip(&p.dx[start..start + n]) {
+                *a += f64::from(v);
+            }
+        }
+        dx.extend(acc.iter().map(|&a| a as f32));
+    }
+    merged.loss.clone_from(&first.loss);
+    merged.lse.clone_from(&first.lse);
+    merged.soft.clone_from(&first.soft);
+    merged.hard.clone_from(&first.hard);
+    merged.mean = first.mean;
+    Ok(())
 }
 
 /// Merges the shards' top-k candidates into the global top-k of
@@ -233,6 +257,35 @@ mod tests {
                 got: 2
             })
         ));
+    }
+
+    #[test]
+    fn dx_sums_in_f64_across_blocks_and_reuses_the_output() {
+        // Three shards, a length that is not a multiple of the block, and
+        // values whose f32 sum in shard order would round differently.
+        let len = 2 * 4096 + 37;
+        let out = |dx: Vec<f32>| LossOutput {
+            loss: vec![1.0; 2],
+            lse: vec![2.0; 2],
+            soft: vec![1.0; 2],
+            hard: vec![0.0; 2],
+            mean: 0.5,
+            dx,
+        };
+        let parts: Vec<LossOutput> = [1.0f32, 1e-8, -1.0]
+            .iter()
+            .enumerate()
+            .map(|(s, &scale)| out((0..len).map(|i| scale * (1.0 + (i + s) as f32 * 1e-3)).collect()))
+            .collect();
+        let mut merged = out(vec![f32::NAN; 5]);
+        merge_loss_outputs_into(&parts, &mut merged).expect("merge");
+        assert_eq!(merged.dx.len(), len);
+        for (i, &v) in merged.dx.iter().enumerate() {
+            let want: f64 = parts.iter().map(|p| f64::from(p.dx[i])).sum();
+            assert_eq!(v, want as f32, "element {i}");
+        }
+        assert_eq!((merged.loss.clone(), merged.mean), (vec![1.0; 2], 0.5));
+        assert_eq!(merge_loss_outputs(&parts).expect("merge").dx, merged.dx);
     }
 
     #[test]
