@@ -516,7 +516,7 @@ pub fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case) -> Result<CaseE
 }
 
 /// The body of each test [`crate::conformance_tests!`] generates: opens the
-/// backend (or skips), runs `part` with [`SuiteConfig::default`], prints a
+/// backend (or skips), runs `part` with [`SuiteConfig::default`], logs a
 /// summary, and panics listing every failure.
 pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>, part: Part) {
     let Some(backend) = open_or_skip(backend_name, open) else {
@@ -525,10 +525,10 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
     let cfg = SuiteConfig::from_settings(&harness_suite());
     let report = run_part(&backend, part, &cfg, &mut |o| {
         if !o.passed {
-            eprintln!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
+            log::error!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
         }
     });
-    eprintln!("conformance {}: {}", part.name(), report.summary());
+    log::info!("conformance {}: {}", part.name(), report.summary());
     harness::record_ran(
         &report.backend,
         &report.device,

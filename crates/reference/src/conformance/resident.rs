@@ -591,10 +591,10 @@ pub fn run_resident_test<B: ResidentBackend>(backend_name: &str, open: impl FnOn
     let cfg = SuiteConfig::default();
     let report = run_resident(&backend, &cfg, &mut |o| {
         if !o.passed {
-            eprintln!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
+            log::error!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
         }
     });
-    eprintln!("conformance resident: {}", report.summary());
+    log::info!("conformance resident: {}", report.summary());
     super::harness::record_ran(&report.backend, &report.device, "resident", report.passed, report.cases);
     let failures: Vec<String> = report
         .failures

@@ -612,10 +612,10 @@ where
     };
     let report = run_shard_cases(&backend, &Threads, &mut |o| {
         if !o.passed {
-            eprintln!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
+            log::error!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
         }
     });
-    eprintln!("conformance shard: {}", report.summary());
+    log::info!("conformance shard: {}", report.summary());
     super::harness::record_ran(&report.backend, &report.device, "shard", report.passed, report.cases);
     assert_eq!(report.cases, shard_case_count(), "sharded cases run");
     let failed: Vec<String> = report
