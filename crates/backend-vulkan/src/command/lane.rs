@@ -629,28 +629,12 @@ impl Stream {
         let dev = &self.device.raw;
         let lane = &mut self.lanes.as_mut().ok_or_else(|| backend_error("no copy lanes"))?.down;
         let cmd = lane.slots[lane.current].cmd;
-        let region = [vk::BufferCopy {
-            src_offset: src.offset() + offset,
-            dst_offset: 0,
-            size: bytes,
-        }];
-        let to_host = [vk::MemoryBarrier::default()
-            .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
-            .dst_access_mask(vk::AccessFlags::HOST_READ)];
-        // SAFETY: recording command buffer; the source range was checked
-        // by the caller and the host buffer holds at least `bytes`.
+        // SAFETY: the lane's current command buffer is recording; the
+        // source range was checked by the caller and the host buffer holds
+        // at least `bytes`.
         unsafe {
-            dev.cmd_copy_buffer(cmd, handle, host.raw.buffer, &region);
-            dev.cmd_pipeline_barrier(
-                cmd,
-                vk::PipelineStageFlags::TRANSFER,
-                vk::PipelineStageFlags::HOST,
-                vk::DependencyFlags::empty(),
-                &to_host,
-                &[],
-                &[],
-            );
-        }
+            super::readback::record_copy_to_host(dev, cmd, (handle, src.offset() + offset), host.raw.buffer, bytes)
+        };
         let m = lane.submits + 1;
         self.uses.entry(handle).or_default().down = m;
         self.lane_submit(Dir::Down)?;

@@ -96,31 +96,18 @@ impl Stream {
             return Err(e);
         }
         self.barrier();
-        let cmd = self.cmd();
-        let region = [vk::BufferCopy {
-            src_offset: src.offset() + offset,
-            dst_offset: 0,
-            size: bytes,
-        }];
-        let to_host = [vk::MemoryBarrier::default()
-            .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
-            .dst_access_mask(vk::AccessFlags::HOST_READ)];
-        // SAFETY: recording command buffer; the source range was checked
-        // above and the host buffer holds at least `bytes`.
+        // SAFETY: the current slot's command buffer is recording; the
+        // source range was checked above and the host buffer holds at least
+        // `bytes`.
         unsafe {
-            self.device
-                .raw
-                .cmd_copy_buffer(cmd, src.handle(), host.raw.buffer, &region);
-            self.device.raw.cmd_pipeline_barrier(
-                cmd,
-                vk::PipelineStageFlags::TRANSFER,
-                vk::PipelineStageFlags::HOST,
-                vk::DependencyFlags::empty(),
-                &to_host,
-                &[],
-                &[],
-            );
-        }
+            record_copy_to_host(
+                &self.device.raw,
+                self.cmd(),
+                (src.handle(), src.offset() + offset),
+                host.raw.buffer,
+                bytes,
+            )
+        };
         self.readback_recorded = true;
         let record = Readback {
             host,
@@ -180,5 +167,44 @@ impl Stream {
         // SAFETY: the caller waited for the submission that used it (or the
         // device is lost); it was made on this stream's device.
         unsafe { host.destroy(&self.device) };
+    }
+}
+
+/// Records a copy of `bytes` from `src` (buffer, byte offset) into the
+/// host-visible `host` at 0, then the barrier that makes it visible to the
+/// host's reads once the submission's fence has signalled. Both the kernels'
+/// queue and the download lane record it.
+///
+/// # Safety
+/// `cmd` is recording on `device`; `src` holds `offset + bytes` bytes and
+/// `host` at least `bytes`.
+pub(super) unsafe fn record_copy_to_host(
+    device: &ash::Device,
+    cmd: vk::CommandBuffer,
+    (src, offset): (vk::Buffer, u64),
+    host: vk::Buffer,
+    bytes: u64,
+) {
+    let region = [vk::BufferCopy {
+        src_offset: offset,
+        dst_offset: 0,
+        size: bytes,
+    }];
+    let to_host = [vk::MemoryBarrier::default()
+        .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+        .dst_access_mask(vk::AccessFlags::HOST_READ)];
+    // SAFETY: the caller's contract: a recording command buffer and ranges
+    // inside both buffers.
+    unsafe {
+        device.cmd_copy_buffer(cmd, src, host, &region);
+        device.cmd_pipeline_barrier(
+            cmd,
+            vk::PipelineStageFlags::TRANSFER,
+            vk::PipelineStageFlags::HOST,
+            vk::DependencyFlags::empty(),
+            &to_host,
+            &[],
+            &[],
+        );
     }
 }
