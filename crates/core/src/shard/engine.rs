@@ -8,9 +8,10 @@ use crate::chunking::ChunkPlan;
 use crate::driver::{Engine, LossOutput, SliceOptions, Trace};
 use crate::error::{Error, Field, Result};
 use crate::head::HeadWeights;
+use crate::head_planes::HeadPlanes;
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
-use crate::scratch::{Input, Job, LossScratch, RowScratch};
+use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch};
 use crate::terms::{LossTerms, TailMode, NO_LABEL};
 use crate::{round_up, ALIGN};
 
@@ -155,19 +156,7 @@ impl<B: Backend> ShardEngine<B> {
         let resolved = opts.resolve(ntok)?;
         let (ids, probs, k_s) = self.pack_teacher(teacher);
         trace.mark("checks + teacher pack");
-        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
-        let plan = self.engine.head_planes().chunk_plan(
-            self.engine.backend(),
-            Job::Loss,
-            ntok,
-            k_s,
-            f32_input,
-            (opts.budget_bytes, opts.max_rows_per_chunk),
-        )?;
-        let sizes = self
-            .engine
-            .head_planes()
-            .row_bytes(self.engine.backend(), Job::Loss, k_s);
+        let (plan, sizes) = self.loss_job_plan(hidden, k_s, (opts.budget_bytes, opts.max_rows_per_chunk))?;
         let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
         let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.budget_bytes;
         let (input, rows_s, loss_s) = self
@@ -214,6 +203,22 @@ impl<B: Backend> ShardEngine<B> {
         trace.mark("partials");
         trace.report();
         Ok(partials)
+    }
+
+    /// The chunk plan and row sizes of a call that runs the loss job's
+    /// scratch with `k_s` entries a row (phase one, and the top-k, whose
+    /// lse comes from the loss kernel), the sizes computed once for both.
+    fn loss_job_plan(
+        &self,
+        hidden: &Hidden<'_>,
+        k_s: usize,
+        budget: (u64, Option<usize>),
+    ) -> Result<(ChunkPlan, RowBytes)> {
+        let backend = self.engine.backend();
+        let sizes = self.engine.head_planes().row_bytes(backend, Job::Loss, k_s);
+        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
+        let plan = HeadPlanes::plan_for(backend, &sizes, Job::Loss, hidden.ntok(), f32_input, budget)?;
+        Ok((plan, sizes))
     }
 
     /// The teacher's entries in this shard, per row: local ids and
@@ -521,21 +526,9 @@ impl<B: Backend> ShardEngine<B> {
         }
         let ntok = hidden.ntok();
         let k_s = opts.k.min(self.shard.width());
-        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         // The loss job's scratch: the top-k's ids and values, and the loss
         // kernel's outputs for the shard's lse.
-        let plan = self.engine.head_planes().chunk_plan(
-            self.engine.backend(),
-            Job::Loss,
-            ntok,
-            k_s,
-            f32_input,
-            (opts.budget_bytes, opts.max_rows_per_chunk),
-        )?;
-        let sizes = self
-            .engine
-            .head_planes()
-            .row_bytes(self.engine.backend(), Job::Loss, k_s);
+        let (plan, sizes) = self.loss_job_plan(hidden, k_s, (opts.budget_bytes, opts.max_rows_per_chunk))?;
         let (input, rows_s, loss_s) = self
             .engine
             .begin_loss_call(&sizes, (plan.rows_per_chunk, k_s), hidden.data())?;
