@@ -335,6 +335,7 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
     store_tile(t, c31, t.row0 + sm + 48u, t.col0 + sn + 16u);
     store_tile(t, c32, t.row0 + sm + 48u, t.col0 + sn + 32u);
     store_tile(t, c33, t.row0 + sm + 48u, t.col0 + sn + 48u);
+    row_stats(t, BM, BN, lid, 2u * SG_ROWS * SG_SIZE);
 }
 
 // C = A * B^T with B stored [n][k].

@@ -47,7 +47,7 @@ fn load_b(nn: bool, b_off: u32, col: u32, kk: u32) -> coop_mat16x16<f16, B> {
 
 // The whole kernel for either layout of B (`nn` is a constant at each
 // entry point, so the driver folds the branch in load_b away).
-fn gemm(wg: vec3<u32>, nn: bool) {
+fn gemm(wg: vec3<u32>, lid: u32, nn: bool) {
     let blk = tile_of(wg, nn, BM, BN);
     if !blk.valid {
         return;
@@ -123,16 +123,17 @@ fn gemm(wg: vec3<u32>, nn: bool) {
     store_tile(blk, c31, blk.row0 + 48u, blk.col0 + 16u);
     store_tile(blk, c32, blk.row0 + 48u, blk.col0 + 32u);
     store_tile(blk, c33, blk.row0 + 48u, blk.col0 + 48u);
+    row_stats(blk, BM, BN, lid, SG_SIZE);
 }
 
 // C = A * B^T with B stored [n][k].
 @compute @workgroup_size(SG_SIZE)
-fn gemm_logits(@builtin(workgroup_id) wg: vec3<u32>) {
-    gemm(wg, false);
+fn gemm_logits(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    gemm(wg, lid, false);
 }
 
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(SG_SIZE)
-fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>) {
-    gemm(wg, true);
+fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    gemm(wg, lid, true);
 }

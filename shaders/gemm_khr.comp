@@ -120,4 +120,5 @@ void main() {
     epilogue();
 
 #endif
+    row_stats();
 }

@@ -48,6 +48,7 @@
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_clustered : require
 #extension GL_EXT_control_flow_attributes : require
 
 // TALL (ceiling report only): the workgroup's C tile is 2 x BM rows by 64
@@ -97,6 +98,10 @@ layout(set = 0, binding = 0, std140) uniform Params {
     uint k_parts;
     uint k_part;
     uint c_part_stride;
+    uint stats_offset;
+    uint stats_ld;
+    uint stats_first;
+    uint stats_cols;
     uint pad0;
     uint pad1;
 } p;
@@ -109,7 +114,9 @@ layout(set = 0, binding = 0, std140) uniform Params {
 #endif
 layout(set = 0, binding = 1, std430) OPERAND buffer ABuf { uvec4 a[]; };
 layout(set = 0, binding = 2, std430) OPERAND buffer BBuf { uvec4 b[]; };
-layout(set = 0, binding = 3, std430) buffer CBuf { float c[]; };
+// coherent: the row statistics re-read what other invocations of the
+// workgroup stored (row_stats).
+layout(set = 0, binding = 3, std430) coherent buffer CBuf { float c[]; };
 
 // Staged tiles in 16-byte words; each row is skewed by one word so that
 // the eight rows a fragment load reads at once fall in distinct banks.
@@ -385,6 +392,57 @@ void epilogue() {
                 }
                 coopMatStore(r, c, o, p.ldc, gl_CooperativeMatrixLayoutRowMajor);
             }
+        }
+    }
+}
+
+// The row statistics of the stored C tile (headkl_core::RowStats), when
+// p.stats_offset is not 0: for each row and 64-column group, the pair
+// (m, sum of exp(x - m)) over the real columns (< p.stats_cols), a NaN sum
+// where one is not finite. Every invocation takes part: 16 lanes read a
+// group's row, 4 columns each, and reduce it in their cluster.
+void row_stats() {
+    if (p.stats_offset == 0) {
+        return;
+    }
+    memoryBarrierBuffer();
+    barrier();
+    const uint GROUPS = BN / 64;
+    const uint PAIRS = TM * GROUPS;
+    uint q = gl_SubgroupInvocationID % 16;
+    // Both halves of a subgroup run the same trip count: PAIRS is even.
+    for (uint pr = gl_SubgroupID * 2 + gl_SubgroupInvocationID / 16; pr < PAIRS; pr += (THREADS / 32) * 2) {
+        uint row = row0 + pr / GROUPS;
+        uint g = col0 / 64 + pr % GROUPS;
+        uint col = g * 64 + q * 4;
+        float x[4];
+        float m = -3.0e38;
+        uint bad = 0;
+        [[unroll]] for (uint i = 0; i < 4; i++) {
+            x[i] = -3.0e38;
+            if (row < p.m && col + i < p.stats_cols) {
+                float v = c[c_off + row * p.ldc + col + i];
+                if (isnan(v) || isinf(v)) {
+                    bad = 1;
+                } else {
+                    x[i] = v;
+                    m = max(m, v);
+                }
+            }
+        }
+        m = subgroupClusteredMax(m, 16);
+        float s = 0.0;
+        [[unroll]] for (uint i = 0; i < 4; i++) {
+            if (x[i] > -3.0e38) {
+                s += exp(x[i] - m);
+            }
+        }
+        s = subgroupClusteredAdd(s, 16);
+        bad = subgroupClusteredOr(bad, 16);
+        if (q == 0 && row < p.m && g * 64 < p.n) {
+            uint o = p.stats_offset + row * 2 * p.stats_ld + 2 * (p.stats_first + g);
+            c[o] = m;
+            c[o + 1] = bad != 0 ? uintBitsToFloat(0x7fc00000u) : s;
         }
     }
 }

@@ -105,6 +105,7 @@ fn gemm(wg: vec3<u32>, li: vec3<u32>, lid: u32, nn: bool) {
         workgroupBarrier();
     }
     store(t, acc, li.x, li.y);
+    row_stats(t, TM, TN, lid, 256u);
 }
 
 // C = A * B^T with B stored [n][k].

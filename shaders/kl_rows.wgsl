@@ -287,7 +287,24 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     var sum_u = 0.0;
     let base4 = base / 4u;
     let words = (vocab + 3u) / 4u;
-    if !fold_terms {
+    if !fold_terms && params.stats_offset != 0u {
+        // The logits GEMM wrote the row's statistics (headkl_core::RowStats):
+        // one (max, sum) pair per 64 columns, a NaN sum where a logit was
+        // not finite. Merging them is this pass; the logits are read once.
+        let sbase = params.stats_offset / 4u + row * (params.stats_ld / 2u);
+        for (var g = lid; g < params.stats_groups; g += WG) {
+            let w = logits[sbase + g / 2u];
+            var pair = w.xy;
+            if (g & 1u) != 0u {
+                pair = w.zw;
+            }
+            if non_finite(pair.y) {
+                st.bad = 1u;
+            } else if pair.y > 0.0 {
+                st.ms = merge(st.ms.x, st.ms.y, pair.x, pair.y);
+            }
+        }
+    } else if !fold_terms {
         // Four 16-byte loads in flight per invocation.
         var j4 = lid;
         for (; j4 + 3u * WG < words; j4 += 4u * WG) {

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use headkl_core::gemm_choice::{fit_choice, resolve_choice, KernelLimits};
 use headkl_core::settings::{CommonOptions, Env};
-use headkl_core::{ChoiceSource, CoopGemm, DeviceInfo, Error, GemmChoice, Result, StagedTile};
+use headkl_core::{ChoiceSource, CoopGemm, DeviceInfo, Error, GemmChoice, KernelId, Result, StagedTile};
 
 use crate::adapter;
 use crate::buffer::{lock, Shared};
@@ -187,7 +187,7 @@ impl WgpuBackend {
             },
         );
         let align = u64::from(device.limits().min_uniform_buffer_offset_alignment);
-        let slot_stride = align.max(64);
+        let slot_stride = align.max(KernelId::MAX_PARAMS_BYTES);
         let ring = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("headkl params"),
             size: slot_stride * u64::from(RING_SLOTS),

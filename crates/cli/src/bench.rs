@@ -137,7 +137,7 @@ impl BenchData {
 /// the next backend.
 struct BenchJob<'a> {
     kind: BackendKind,
-    /// `HEADKL_TRACE` and `HEADKL_DX_SPLIT` for the engine.
+    /// `HEADKL_TRACE`, `HEADKL_DX_SPLIT` and `HEADKL_NO_ROW_STATS` for the engine.
     settings: &'a Settings,
     cfg: &'a BenchConfig,
     cache: &'a mut Option<BenchData>,
@@ -515,6 +515,7 @@ impl BenchJob<'_> {
         let upload_ms = start.elapsed().as_secs_f64() * 1e3;
         engine.set_trace(self.settings.trace);
         engine.set_dx_split(self.settings.dx_split);
+        engine.set_row_stats(!self.settings.no_row_stats);
         let head_bytes = engine.backend().memory().current.saturating_sub(before);
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();

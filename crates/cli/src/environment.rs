@@ -20,6 +20,8 @@ pub struct Settings {
     pub trace: bool,
     /// `HEADKL_DX_SPLIT`.
     pub dx_split: DxSplit,
+    /// `HEADKL_NO_ROW_STATS`: the KL rows fold the logits themselves.
+    pub no_row_stats: bool,
     /// The wgpu backend's options (`HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`,
     /// `HEADKL_CHECKED`, `HEADKL_GEMM`, `HEADKL_QUEUE`, the tune cache).
     pub wgpu: headkl_wgpu::OpenOptions,
@@ -58,6 +60,7 @@ impl Settings {
                 .map(|v| DxSplit::parse(settings::DX_SPLIT, &v))
                 .transpose()?
                 .unwrap_or_default(),
+            no_row_stats: env.flag(settings::NO_ROW_STATS)?,
             wgpu,
             vulkan,
             suite: SuiteSettings::from_env(env)?,

@@ -236,7 +236,7 @@ impl BackendJob for TopkJob<'_> {
 /// callback drives the bar.
 struct LossJob<'a> {
     sources: &'a Sources<'a>,
-    /// `HEADKL_TRACE` and `HEADKL_DX_SPLIT` for the engine.
+    /// `HEADKL_TRACE`, `HEADKL_DX_SPLIT` and `HEADKL_NO_ROW_STATS` for the engine.
     settings: &'a Settings,
     head: HeadWeights<'a>,
     hidden: HiddenData<'a>,
@@ -261,6 +261,7 @@ impl BackendJob for LossJob<'_> {
             .map_err(|e| self.sources.map(e, "uploading the head"))?;
         engine.set_trace(self.settings.trace);
         engine.set_dx_split(self.settings.dx_split);
+        engine.set_row_stats(!self.settings.no_row_stats);
         engine.set_progress(Some(progress.callback()));
         let hidden = Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))?;
         let teacher = Teacher::with_form(self.ids, self.probs, self.ntok, self.k, vocab, self.form, self.tail)

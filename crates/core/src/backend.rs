@@ -126,6 +126,43 @@ pub struct GemmDesc {
     /// Elements from one part's C block to the next's (unused with one
     /// part).
     pub c_part_stride: usize,
+    /// Also write C's row statistics ([`RowStats`]); only with one part and
+    /// no accumulation.
+    pub row_stats: Option<GemmRowStats>,
+}
+
+/// Columns of C per row-statistics group: every GEMM tile's width (64 or
+/// 128 columns) is a multiple of it, so a tile writes whole groups.
+pub const STATS_GROUP_COLS: usize = 64;
+
+/// Where a logits GEMM's epilogue writes the row statistics that let
+/// `kl_rows` read the logits once instead of twice (its first pass, the
+/// row's maximum and sum of exponentials, comes from them).
+///
+/// Each group of [`STATS_GROUP_COLS`] columns of a row gets the pair
+/// `(m, Σ exp(x − m))` over its real columns (`m` their maximum; a group
+/// with none: `(−3e38, 0)`; a group holding a non-finite value: a NaN sum),
+/// as f32 at `offset + row·2·ld + 2·group` of the same buffer as C.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowStats {
+    /// First element (f32) of the statistics, a multiple of 4.
+    pub offset: usize,
+    /// Groups per row as stored (even, so each row's pairs start on 16
+    /// bytes).
+    pub ld: usize,
+    /// Groups per row that hold statistics (at most `ld`).
+    pub groups: usize,
+}
+
+/// One GEMM's part of a [`RowStats`] region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmRowStats {
+    /// The region.
+    pub at: RowStats,
+    /// The group of this GEMM's column 0 (its C columns start on a group).
+    pub first_group: usize,
+    /// Columns of C that enter the statistics (the rest are padding).
+    pub cols: usize,
 }
 
 impl GemmDesc {
@@ -151,6 +188,7 @@ impl GemmDesc {
             accumulate: false,
             k_parts: 1,
             c_part_stride: 0,
+            row_stats: None,
         }
     }
 }
@@ -207,6 +245,11 @@ pub struct KlDesc {
     pub tail: TailMode,
     /// The terms' weights and knobs.
     pub terms: LossTerms,
+    /// Statistics the logits GEMM wrote into the logits buffer: the kernel
+    /// takes the row's maximum and sum from them instead of a first read
+    /// of the row. Used only when that first read computes nothing else
+    /// (no softcap, τ = 1, no hard label: [`KlDesc::stats_suffice`]).
+    pub row_stats: Option<RowStats>,
 }
 
 impl KlDesc {
@@ -221,7 +264,15 @@ impl KlDesc {
             temperature: 1.0,
             tail: TailMode::Renormalize,
             terms: LossTerms::default(),
+            row_stats: None,
         }
+    }
+
+    /// Whether the row statistics stand in for the kernel's whole first
+    /// pass: with a softcap, τ ≠ 1 or a hard label that pass also folds
+    /// the capped logits, the τ = 1 softmax or Σ of the logits.
+    pub fn stats_suffice(terms: &LossTerms, temperature: f32) -> bool {
+        terms.softcap.is_none() && temperature == 1.0 && !terms.hard_on()
     }
 }
 

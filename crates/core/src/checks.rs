@@ -7,7 +7,10 @@
 //! The GEMMs are built without runtime bounds checks: these checks are what
 //! keep their every index inside its buffer (shaders/README.md).
 
-use crate::backend::{ConvertDesc, DeviceBuffer, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
+use crate::backend::{
+    ConvertDesc, DeviceBuffer, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc,
+    STATS_GROUP_COLS,
+};
 use crate::error::{Error, Result};
 use crate::kernels::{bad_descriptor, require, KernelId};
 use crate::params::{
@@ -175,6 +178,11 @@ impl GemmDesc {
             let last = self.c_offset as u128 + (self.k_parts as u128 - 1) * self.c_part_stride as u128;
             fits(kernel, "C", last + c_block, 4, c, max_binding)?;
         }
+        let mut stats = [0u32; 4];
+        if let Some(rs) = &self.row_stats {
+            let c_end = self.c_offset as u128 + c_block;
+            stats = rs.check(kernel, self, c_end, c, max_binding)?;
+        }
         Ok(GemmParams {
             m: index(kernel, "m", self.m)?,
             n: index(kernel, "n", self.n)?,
@@ -190,8 +198,92 @@ impl GemmDesc {
             k_parts: index(kernel, "k_parts", self.k_parts)?,
             k_part: index(kernel, "k", k_part_len(self.k, self.k_parts))?,
             c_part_stride: index(kernel, "c_part_stride", self.c_part_stride)?,
+            stats_offset: stats[0],
+            stats_ld: stats[1],
+            stats_first: stats[2],
+            stats_cols: stats[3],
             _pad: [0; 2],
         })
+    }
+}
+
+impl RowStats {
+    /// Checks the region's layout and that `rows` rows of it fit in `buf`
+    /// from element `after` on (it must not overlap the data it describes).
+    fn check<B: DeviceBuffer>(
+        &self,
+        kernel: KernelId,
+        rows: usize,
+        after: u128,
+        buf: &B,
+        max_binding: u64,
+    ) -> Result<()> {
+        require(
+            self.offset as u128 >= after,
+            kernel,
+            "row_stats.offset",
+            self.offset as u128,
+            || format!("inside the data it describes (which ends at element {after})"),
+        )?;
+        multiple(kernel, "row_stats.offset", self.offset, 4)?;
+        multiple(kernel, "row_stats.ld", self.ld, 2)?;
+        at_least(kernel, "row_stats.ld", self.ld, "row_stats.groups", self.groups)?;
+        fits(
+            kernel,
+            "row statistics",
+            span(self.offset, rows, 2 * self.ld, 2 * self.ld),
+            4,
+            buf,
+            max_binding,
+        )
+    }
+}
+
+impl GemmRowStats {
+    /// Checks the statistics of `gemm`, whose C region ends at element
+    /// `c_end`, and returns the block's `[stats_offset, stats_ld,
+    /// stats_first, stats_cols]`.
+    fn check<B: DeviceBuffer>(
+        &self,
+        kernel: KernelId,
+        gemm: &GemmDesc,
+        c_end: u128,
+        c: &B,
+        max_binding: u64,
+    ) -> Result<[u32; 4]> {
+        require(
+            gemm.k_parts == 1 && !gemm.accumulate,
+            kernel,
+            "row_stats",
+            gemm.k_parts as u128,
+            || "row statistics need the whole product: one part, no accumulation".into(),
+        )?;
+        require(self.at.offset > 0, kernel, "row_stats.offset", 0, || {
+            "0 means no statistics".into()
+        })?;
+        let groups = self.first_group as u128 + gemm.n.div_ceil(STATS_GROUP_COLS) as u128;
+        require(
+            groups <= self.at.groups as u128,
+            kernel,
+            "row_stats.first_group",
+            self.first_group as u128,
+            || {
+                format!(
+                    "its {} columns' groups end at group {groups}, past the region's {}",
+                    gemm.n, self.at.groups
+                )
+            },
+        )?;
+        require(self.cols <= gemm.n, kernel, "row_stats.cols", self.cols as u128, || {
+            format!("past the GEMM's {} columns", gemm.n)
+        })?;
+        self.at.check(kernel, gemm.m, c_end, c, max_binding)?;
+        Ok([
+            index(kernel, "row_stats.offset", self.at.offset)?,
+            index(kernel, "row_stats.ld", self.at.ld)?,
+            index(kernel, "row_stats.first_group", self.first_group)?,
+            index(kernel, "row_stats.cols", self.cols)?,
+        ])
     }
 }
 
@@ -292,9 +384,23 @@ impl KlDesc {
         if flags != 0 || t.soft_weight != 1.0 {
             flags |= row_flags::GENERAL;
         }
+        let mut stats = (0, 0, 0);
+        if let Some(rs) = &self.row_stats {
+            if KlDesc::stats_suffice(t, tau) {
+                rs.check(K, self.rows, span(0, self.rows, self.ld, self.ld), logits, max_binding)?;
+                stats = (
+                    index(K, "row_stats.offset", rs.offset)?,
+                    index(K, "row_stats.ld", rs.ld)?,
+                    index(K, "row_stats.groups", rs.groups)?,
+                );
+            }
+        }
         Ok(RowParams {
             flags,
             temperature: tau,
+            stats_offset: stats.0,
+            stats_ld: stats.1,
+            stats_groups: stats.2,
             cap: t.softcap.map_or(0.0, |c| c / tau),
             soft_weight: t.soft_weight,
             hard_weight: t.hard_weight,

@@ -3,7 +3,7 @@
 //! sequences every path shares), cuts the tokens into chunks, and runs
 //! `head_kl` and `topk` with host inputs and outputs.
 
-use crate::backend::{Backend, KlDesc, PendingDownload, TopkDesc};
+use crate::backend::{Backend, KlDesc, PendingDownload, RowStats, TopkDesc};
 use crate::chunking::ChunkPlan;
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
@@ -13,7 +13,7 @@ use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, Top
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::slicing::VocabSlice;
 use crate::split::DxSplit;
-use crate::terms::NO_LABEL;
+use crate::terms::{LossTerms, NO_LABEL};
 use crate::{round_up, ALIGN};
 
 /// How the head is cut into vocabulary slices.
@@ -98,6 +98,9 @@ pub struct Engine<B: Backend> {
     /// Told the tokens of each chunk as its outputs are read
     /// ([`Engine::set_progress`]).
     progress: Option<ProgressCallback>,
+    /// `head_kl`'s logits GEMMs write row statistics for the KL rows
+    /// ([`Engine::set_row_stats`]).
+    row_stats: bool,
 }
 
 /// A progress callback: called with the number of tokens a finished chunk
@@ -117,7 +120,24 @@ impl<B: Backend> Engine<B> {
             resident: crate::resident::ResidentState::new(),
             trace: false,
             progress: None,
+            row_stats: true,
         })
+    }
+
+    /// Whether `head_kl`'s logits GEMMs also write each row's statistics
+    /// (maximum and sum of exponentials per 64 columns, [`crate::RowStats`])
+    /// so the KL rows read the logits once instead of twice (on by
+    /// default; `HEADKL_ROW_STATS=off` through the command line). Used only
+    /// where those statistics are the KL rows' whole first pass: no
+    /// softcap, τ = 1, no hard label. The results agree within rounding
+    /// (the row's sum is added in another order), not bit for bit.
+    pub fn set_row_stats(&mut self, on: bool) {
+        self.row_stats = on;
+    }
+
+    /// The row statistics where `head_kl` with these terms uses them.
+    pub(crate) fn row_stats_for(&self, terms: &LossTerms, temperature: f32, rows_padded: usize) -> Option<RowStats> {
+        (self.row_stats && KlDesc::stats_suffice(terms, temperature)).then(|| self.head.row_stats(rows_padded))
     }
 
     /// How the dx GEMM's reduction (the vocabulary) is split into parts
@@ -354,7 +374,9 @@ impl<B: Backend> Engine<B> {
                 0,
                 bytemuck::cast_slice(&row_in[start * 2..(start + rows) * 2]),
             )?;
-            self.head.logits(b, x16, &s.logits, rows_padded, resolved.temperature)?;
+            let row_stats = self.row_stats_for(&resolved.terms, resolved.temperature, rows_padded);
+            self.head
+                .logits(b, x16, &s.logits, rows_padded, resolved.temperature, row_stats)?;
             let kl = KlDesc {
                 rows,
                 vocab: self.head.vocab(),
@@ -363,6 +385,7 @@ impl<B: Backend> Engine<B> {
                 temperature: resolved.temperature,
                 tail: teacher.tail(),
                 terms: resolved.terms,
+                row_stats,
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, row_in_buf, loss_buf, grad, &kl)?;
             self.head
@@ -524,7 +547,7 @@ impl<B: Backend> Engine<B> {
             let x16 = s.x16_for(chunk);
             self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
             self.head
-                .logits(b, x16, &s.logits, round_up(rows, ALIGN), opts.temperature)?;
+                .logits(b, x16, &s.logits, round_up(rows, ALIGN), opts.temperature, None)?;
             let desc = TopkDesc {
                 cap: opts.softcap.map(|c| c / opts.temperature),
                 logprobs: opts.logprobs,

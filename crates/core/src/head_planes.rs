@@ -11,7 +11,9 @@
 
 use half::f16;
 
-use crate::backend::{Backend, ConvertDesc, GemmDesc, HeadLayout, SumPartsDesc};
+use crate::backend::{
+    Backend, ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, RowStats, SumPartsDesc, STATS_GROUP_COLS,
+};
 use crate::chunking::{plan_chunks, ChunkPlan};
 use crate::driver::SliceOptions;
 use crate::error::{Error, Result};
@@ -162,13 +164,33 @@ impl<B: Backend> HeadPlanes<B> {
     /// Bytes per token row of every scratch buffer of `job`, with `k`
     /// teacher entries.
     pub(crate) fn row_bytes(&self, backend: &B, job: Job, k: usize) -> RowBytes {
-        let dx_blocks = match job {
-            Job::Loss => self.dx_blocks_most(backend),
-            Job::Topk => 0,
+        let (dx_blocks, stats_words) = match job {
+            Job::Loss => (self.dx_blocks_most(backend), 2 * self.row_stats(0).ld),
+            Job::Topk => (0, 0),
         };
+        let mut sizes = RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks);
+        // The row statistics follow the chunk's logits in the same buffer.
+        sizes.logits = sizes.logits.max((self.vocab_padded + stats_words) as u64 * 4);
         RowBytes {
             doubled: backend.transfers_overlap(),
-            ..RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks)
+            ..sizes
+        }
+    }
+
+    /// Where the logits GEMMs of a `head_kl` chunk of `rows_padded` rows
+    /// write their row statistics: right after the chunk's logits in the
+    /// logits buffer, whose loss scratch [`Self::row_bytes`] sizes for them.
+    /// Each slice's columns start a new group.
+    pub(crate) fn row_stats(&self, rows_padded: usize) -> RowStats {
+        let groups = self
+            .slices
+            .iter()
+            .map(|s| s.padded_width().div_ceil(STATS_GROUP_COLS))
+            .sum();
+        RowStats {
+            offset: rows_padded * self.vocab_padded,
+            ld: round_up(groups, 2),
+            groups,
         }
     }
 
@@ -249,7 +271,8 @@ impl<B: Backend> HeadPlanes<B> {
     }
 
     /// The logits GEMMs of one chunk: `logits[:, slice] = x16 · W_sliceᵀ / τ`
-    /// (the host path's scratch and the resident path's alike).
+    /// (the host path's scratch and the resident path's alike), with the
+    /// row statistics at `stats` when given ([`Self::row_stats`]).
     pub(crate) fn logits(
         &self,
         backend: &B,
@@ -257,8 +280,16 @@ impl<B: Backend> HeadPlanes<B> {
         logits: &B::Buffer,
         rows_padded: usize,
         temperature: f32,
+        stats: Option<RowStats>,
     ) -> Result<()> {
+        let mut first_group = 0;
         for (slice, plane) in self.slices.iter().zip(&self.planes) {
+            let row_stats = stats.map(|at| GemmRowStats {
+                at,
+                first_group,
+                cols: slice.width,
+            });
+            first_group += slice.padded_width().div_ceil(STATS_GROUP_COLS);
             let desc = GemmDesc {
                 m: rows_padded,
                 n: slice.padded_width(),
@@ -273,6 +304,7 @@ impl<B: Backend> HeadPlanes<B> {
                 accumulate: false,
                 k_parts: 1,
                 c_part_stride: 0,
+                row_stats,
             };
             backend.gemm(x16, plane, logits, &desc)?;
         }
@@ -339,6 +371,7 @@ impl<B: Backend> HeadPlanes<B> {
             accumulate: false,
             k_parts: 1,
             c_part_stride: 0,
+            row_stats: None,
         }
     }
 

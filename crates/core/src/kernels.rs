@@ -390,6 +390,10 @@ impl KernelId {
         }
     }
 
+    /// The largest parameter block of any kernel, in bytes: what a
+    /// backend's ring of uniform slots must give each slot at least.
+    pub const MAX_PARAMS_BYTES: u64 = 128;
+
     /// Size in bytes of its uniform parameter block.
     pub const fn params_bytes(self) -> u64 {
         self.params().bytes as u64
@@ -692,6 +696,7 @@ mod tests {
         assert_eq!(KernelId::KlRows.gemm_layout(), None);
         for k in KernelId::ALL {
             assert_eq!(k.params_bytes() % 16, 0, "{k}");
+            assert!(k.params_bytes() <= KernelId::MAX_PARAMS_BYTES, "{k}");
             for shader in k.shaders() {
                 assert!(
                     shader.text.contains(&format!("fn {}(", k.name())),

@@ -84,8 +84,8 @@ pub mod terms;
 pub mod tune_cache;
 
 pub use backend::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, HeadLayout, KernelTime, KlDesc,
-    MemoryStats, PendingDownload, SumPartsDesc, TopkDesc,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, GemmRowStats, HeadLayout, KernelTime,
+    KlDesc, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, STATS_GROUP_COLS,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, ProgressCallback, SliceOptions, TopK};

@@ -42,6 +42,15 @@ pub struct GemmParams {
     pub k_part: u32,
     /// Elements between the parts' C blocks.
     pub c_part_stride: u32,
+    /// First element of the row statistics in C (0: none are written; see
+    /// [`crate::RowStats`]).
+    pub stats_offset: u32,
+    /// Statistics groups per row (pairs; even).
+    pub stats_ld: u32,
+    /// The group of C's column 0 of this GEMM.
+    pub stats_first: u32,
+    /// Columns of C that enter the statistics (the real vocabulary).
+    pub stats_cols: u32,
     /// Padding to 16 bytes (zero: `shaders/gemm_khr.comp`'s MODE 2 relies
     /// on `pad0` being 0).
     pub _pad: [u32; 2],
@@ -95,6 +104,16 @@ pub struct RowParams {
     pub smoothing: f32,
     /// z-loss λ.
     pub z_loss: f32,
+    /// `kl_rows`: first element of the row statistics in the logits
+    /// buffer, a multiple of 4 (0: none; the kernel folds the logits
+    /// itself). See [`crate::RowStats`].
+    pub stats_offset: u32,
+    /// `kl_rows`: statistics groups per row as stored (even).
+    pub stats_ld: u32,
+    /// `kl_rows`: statistics groups per row that hold statistics.
+    pub stats_groups: u32,
+    /// Padding to 16 bytes.
+    pub _pad: u32,
 }
 
 /// Bits of [`RowParams::flags`]; `shaders/kl_rows.wgsl` and
@@ -200,9 +219,9 @@ macro_rules! param_block {
     };
 }
 
-param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32, k_parts: u32, k_part: u32, c_part_stride: u32);
+param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32, k_parts: u32, k_part: u32, c_part_stride: u32, stats_offset: u32, stats_ld: u32, stats_first: u32, stats_cols: u32);
 param_block!(SumPartsParams: len: u32, parts: u32, part_stride: u32, accumulate: u32, grid_x: u32);
-param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32);
+param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32, stats_offset: u32, stats_ld: u32, stats_groups: u32);
 param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
 param_block!(WeightStatsParams: rows: u32, has_weights: u32, grid_x: u32, total: f32, gscale: f32, inv_temperature: f32, grad_bound: f32);
 param_block!(TeacherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_offset: u32, probs_offset: u32, weights_offset: u32, has_weights: u32, logprobs: u32, tail: u32, grid_x: u32);
@@ -391,16 +410,16 @@ mod tests {
             text.contains("    grid_x: u32,\n    flags: u32,\n    temperature: f32,\n"),
             "{text}"
         );
-        assert!(text.contains("    z_loss: f32,\n}"), "{text}");
-        assert_eq!(RowParams::BLOCK.bytes, 48);
+        assert!(text.contains("    stats_groups: u32,\n    pad0: u32,\n}"), "{text}");
+        assert_eq!(RowParams::BLOCK.bytes, 64);
         assert!(ConvertParams::BLOCK
             .wgsl()
             .contains("    grid_x: u32,\n    pad0: u32,\n    pad1: u32,\n    pad2: u32,\n}"));
         assert!(text.ends_with("var<uniform> params: RowParams;\n"), "{text}");
         assert!(GemmParams::BLOCK.wgsl().contains("    alpha: f32,\n"));
-        assert_eq!(GemmParams::BLOCK.bytes, 64);
+        assert_eq!(GemmParams::BLOCK.bytes, 80);
         assert!(GemmParams::BLOCK
             .wgsl()
-            .contains("    c_part_stride: u32,\n    pad0: u32,\n    pad1: u32,\n}"));
+            .contains("    stats_cols: u32,\n    pad0: u32,\n    pad1: u32,\n}"));
     }
 }

@@ -69,6 +69,8 @@ pub const DX_SPLIT: &str = "HEADKL_DX_SPLIT";
 pub const QUEUE: &str = "HEADKL_QUEUE";
 /// `HEADKL_COPY_QUEUE`.
 pub const COPY_QUEUE: &str = "HEADKL_COPY_QUEUE";
+/// `HEADKL_NO_ROW_STATS`.
+pub const NO_ROW_STATS: &str = "HEADKL_NO_ROW_STATS";
 
 /// Every `HEADKL_*` variable headkl reads, in the order the docs list them.
 pub const VARIABLES: &[Variable] = &[
@@ -119,6 +121,12 @@ pub const VARIABLES: &[Variable] = &[
         values: "auto or 1..16",
         default: "auto",
         effect: "split-K parts of the dx GEMM per vocabulary slice; auto: the fewest whose workgroups reach 1300, parts of at least 4096, 1 without matrix units",
+    },
+    Variable {
+        name: NO_ROW_STATS,
+        values: "switch",
+        default: "off",
+        effect: "head_kl's KL rows fold each row's logits themselves instead of taking the row statistics (max and sum of exponentials per 64 columns) that the logits GEMM writes, so they read the logits twice instead of once (`Engine::set_row_stats`; the statistics are used only with no softcap, τ = 1 and no hard label)",
     },
     Variable {
         name: QUEUE,

@@ -51,6 +51,9 @@ enum Fault {
     /// The top-k kernel writes probabilities over the k when asked for
     /// log-probabilities.
     TopkIgnoresLogprobs,
+    /// The logits GEMM's row statistics: each row's first group's sum
+    /// 1.5 times too large.
+    RowStatsSumOff,
 }
 
 struct Faulty {
@@ -222,6 +225,8 @@ fn each_planted_bug_is_caught() {
             "topk_rows_logprobs_softcap_wide:",
         ),
         (Fault::TopkIgnoresLogprobs, Part::Kernels, "topk_rows_logprobs:"),
+        (Fault::RowStatsSumOff, Part::Kernels, "gemm row statistics"),
+        (Fault::RowStatsSumOff, Part::DriverCases, "loss: error"),
     ];
     for (fault, part, needle) in expect {
         let f = failures(fault, part);
@@ -272,6 +277,15 @@ impl Faulty {
             _ => {}
         }
         self.inner.gemm(a, b, c, &d)?;
+        if let (Fault::RowStatsSumOff, Some(rs)) = (self.fault, d.row_stats) {
+            for row in 0..d.m {
+                let o = (rs.at.offset + row * 2 * rs.at.ld + 2 * rs.first_group + 1) as u64 * 4;
+                let mut word = [0u8; 4];
+                self.inner.download(c, o, &mut word)?;
+                let sum = f32::from_ne_bytes(word) * 1.5;
+                self.inner.upload(c, o, &sum.to_ne_bytes())?;
+            }
+        }
         if self.fault == Fault::GemmWritesPastRegion {
             let end = d.c_offset + (d.m - 1) * d.ldc + d.n;
             if (end as u64 + 1) * 4 <= c.len() {

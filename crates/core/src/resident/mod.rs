@@ -23,7 +23,7 @@ pub use kernels::{
     WeightStatsDesc,
 };
 
-use crate::backend::{Backend, KlDesc, TopkDesc};
+use crate::backend::{Backend, KlDesc, RowStats, TopkDesc};
 use crate::driver::Engine;
 use crate::error::{Error, Result};
 use crate::head_planes::HeadPlanes;
@@ -324,6 +324,7 @@ impl<B: ResidentBackend> Engine<B> {
         hidden: &DeviceHidden<'_, B::Buffer>,
         (start, rows): (usize, usize),
         temperature: f32,
+        row_stats: Option<RowStats>,
     ) -> Result<()> {
         let rows_padded = round_up(rows, ALIGN);
         self.backend.dispatch(Launch::HiddenIn {
@@ -339,7 +340,7 @@ impl<B: ResidentBackend> Engine<B> {
             },
         })?;
         self.head
-            .logits(&self.backend, &s.x16, &s.logits, rows_padded, temperature)
+            .logits(&self.backend, &s.x16, &s.logits, rows_padded, temperature, row_stats)
     }
 
     fn check_resident_hidden(&self, ntok: usize, hidden: &DeviceHidden<'_, B::Buffer>) -> Result<()> {
@@ -483,7 +484,8 @@ impl<B: ResidentBackend> Engine<B> {
         let terms_out = opts.terms_out.unwrap_or(&s.probs);
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
-            self.resident_logits(s, hidden, (start, rows), opts.temperature)?;
+            let row_stats = self.row_stats_for(&opts.terms, opts.temperature, rows_padded);
+            self.resident_logits(s, hidden, (start, rows), opts.temperature, row_stats)?;
             let first_entry = elements("ids", start, k)?;
             b.dispatch(Launch::TeacherRows {
                 ids: teacher.ids,
@@ -522,6 +524,7 @@ impl<B: ResidentBackend> Engine<B> {
                 temperature: opts.temperature,
                 tail: opts.tail,
                 terms: opts.terms,
+                row_stats,
                 ..KlDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k)
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
@@ -616,7 +619,7 @@ impl<B: ResidentBackend> Engine<B> {
     ) -> Result<()> {
         let k = opts.k;
         for (start, rows) in plan.ranges(ntok) {
-            self.resident_logits(s, hidden, (start, rows), opts.temperature)?;
+            self.resident_logits(s, hidden, (start, rows), opts.temperature, None)?;
             let desc = TopkDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k);
             self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let first_entry = elements("ids", start, k)?;

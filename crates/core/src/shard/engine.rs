@@ -315,7 +315,7 @@ impl<B: Backend> ShardEngine<B> {
                 }
                 None => &s.logits,
             };
-            h.logits(b, x16, logits, rows_padded, temperature)?;
+            h.logits(b, x16, logits, rows_padded, temperature, None)?;
             b.upload(&s.ids, 0, bytemuck::cast_slice(&ids[start * k_s..(start + rows) * k_s]))?;
             b.upload(
                 &s.probs,
@@ -472,7 +472,7 @@ impl<B: Backend> ShardEngine<B> {
                 None => {
                     let x16 = s.x16_for(chunk);
                     h.load_hidden(b, input, x16, (chunk, start, rows))?;
-                    h.logits(b, x16, &s.logits, rows_padded, p.resolved.temperature)?;
+                    h.logits(b, x16, &s.logits, rows_padded, p.resolved.temperature, None)?;
                     &s.logits
                 }
             };
@@ -589,7 +589,7 @@ impl<B: Backend> ShardEngine<B> {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
             h.load_hidden(b, input, x16, (chunk, start, rows))?;
-            h.logits(b, x16, &s.logits, rows_padded, temperature)?;
+            h.logits(b, x16, &s.logits, rows_padded, temperature, None)?;
             // Log-probabilities over the shard: with its lse, the logits.
             let desc = TopkDesc {
                 logprobs: true,

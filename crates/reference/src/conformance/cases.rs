@@ -119,6 +119,9 @@ pub(crate) struct Regression {
     /// The dx GEMM's split, and the split-K parts each slice must then get
     /// (`None`: the engine's default, unchecked).
     dx_split: Option<(DxSplit, Vec<usize>)>,
+    /// The logits GEMMs write row statistics for the KL rows
+    /// (`Engine::set_row_stats`; on by default).
+    row_stats: bool,
 }
 
 fn params(kind: CaseKind, vocab: usize, hs: usize, ntok: usize, k: usize, seed: u64) -> CaseParams {
@@ -152,6 +155,7 @@ fn plain(case: Case) -> Regression {
         exact_ids: None,
         dx_check: DxCheck::Relative,
         dx_split: None,
+        row_stats: true,
     }
 }
 
@@ -201,6 +205,7 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "terms_hard_smoothing_head_kl",
         "terms_z_loss_head_kl",
         "terms_everything_slices_chunks_head_kl",
+        "no_row_stats_slices_chunks_head_kl",
     ]
 }
 
@@ -511,6 +516,20 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
             r.min_chunks = 3;
             r
         }
+        // The KL rows' own first pass, with the statistics turned off (the
+        // other plain-loss cases take it from the logits GEMM's).
+        "no_row_stats_slices_chunks_head_kl" => {
+            let mut r = from(CaseParams {
+                masked: true,
+                max_rows_per_slice: Some(256),
+                max_rows_per_chunk: Some(16),
+                ..params(HeadKl, 700, 56, 40, 12, 42)
+            });
+            r.row_stats = false;
+            r.min_slices = 3;
+            r.min_chunks = 3;
+            r
+        }
         other => return Err(format!("no regression case named {other}")),
     };
     Ok(r)
@@ -524,6 +543,7 @@ pub(crate) fn check_regression<B: Backend + ?Sized>(
 ) -> Result<Measured, String> {
     let case = &r.case;
     let mut engine = engine_for(backend, case)?;
+    engine.set_row_stats(r.row_stats);
     if let Some((split, want)) = &r.dx_split {
         engine.set_dx_split(*split);
         let parts = engine.dx_parts(headkl_core::ALIGN);

@@ -7,7 +7,8 @@
 use half::f16;
 use headkl_core::split::k_part_range;
 use headkl_core::{
-    Backend, ConvertDesc, GemmDesc, HeadLayout, Kernels, KlDesc, LossTerms, SumPartsDesc, TailMode, TopkDesc, NO_LABEL,
+    Backend, ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, Kernels, KlDesc, LossTerms, RowStats, SumPartsDesc,
+    TailMode, TopkDesc, NO_LABEL, STATS_GROUP_COLS,
 };
 
 use super::Measured;
@@ -37,6 +38,9 @@ pub(crate) struct GemmSpec {
     /// Size the buffers to the regions exactly (no poisoned tail), so the
     /// largest shape fits a small binding.
     tight: bool,
+    /// Row statistics ([`headkl_core::RowStats`]): this GEMM's first group
+    /// and its real columns; the region follows C's, a poisoned gap apart.
+    stats: Option<(usize, usize)>,
 }
 
 /// A sum of split-K partial blocks.
@@ -162,7 +166,19 @@ fn gemm(
         accumulate,
         k_parts: 1,
         tight: false,
+        stats: None,
     })
+}
+
+/// [`gemm`] writing row statistics from group `first` over `cols` columns.
+fn with_stats(case: KernelCase, first: usize, cols: usize) -> KernelCase {
+    match case {
+        KernelCase::Gemm(g) => KernelCase::Gemm(GemmSpec {
+            stats: Some((first, cols)),
+            ..g
+        }),
+        other => other,
+    }
 }
 
 /// [`gemm`] split into `k_parts` parts.
@@ -243,6 +259,12 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         split(gemm(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false), 3),
         split(gemm(32, 144, 128, Red, 16, 144, 144, 160, 160, 2.0, false), 3),
         split(gemm(80, 48, 128, Out, 0, 128, 128, 16, 64, 1.0, true), 3),
+        // Row statistics: a partial last group (n = 80: 64 + 16 columns, 72
+        // real), three groups with C inside a wider row, and the largest
+        // tile-covering shape with the padding past the real columns.
+        with_stats(gemm(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 1, 72),
+        with_stats(gemm(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, false), 0, 144),
+        with_stats(gemm(144, 272, 64, Out, 0, 64, 64, 0, 272, 1.0, false), 2, 259),
         sum(64, 1, 0, false),
         sum(1040, 3, 1056, false),
         sum(1040, 4, 1040, true),
@@ -265,6 +287,7 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             accumulate: acc,
             k_parts: 1,
             tight: true,
+            stats: None,
         }));
     }
     v.extend([
@@ -651,7 +674,23 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
     } else {
         0
     };
-    let len_c = g.c_offset + (g.k_parts - 1) * stride + block + tail;
+    let c_end = g.c_offset + (g.k_parts - 1) * stride + block;
+    // The statistics region: a poisoned gap after C, one spare group per
+    // row before this GEMM's and one after (which must stay NaN).
+    let stats = g.stats.map(|(first, cols)| {
+        let groups = first + g.n.div_ceil(STATS_GROUP_COLS) + 1;
+        GemmRowStats {
+            at: RowStats {
+                offset: (c_end + 16).next_multiple_of(4),
+                ld: groups.next_multiple_of(2),
+                groups,
+            },
+            first_group: first,
+            cols,
+        }
+    });
+    let stats_end = stats.map_or(c_end, |rs| rs.at.offset + g.m * 2 * rs.at.ld);
+    let len_c = stats_end + tail;
     let mut c = vec![f32::NAN; len_c];
     let mut want = vec![0f64; g.k_parts * g.m * g.n];
     for p in 0..g.k_parts {
@@ -693,10 +732,16 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
         accumulate: g.accumulate,
         k_parts: g.k_parts,
         c_part_stride: stride,
+        row_stats: stats,
     };
     b.gemm(&a_buf, &b_buf, &c_buf, &desc)
         .map_err(|e| format!("gemm: {e}"))?;
     let got: Vec<f32> = download(b, &c_buf, len_c, "C")?;
+    let mut stats_bad = Bad::new();
+    if let Some(rs) = &stats {
+        check_row_stats(&got, rs, g, &want, &mut stats_bad);
+    }
+    let in_stats = |idx: usize| stats.is_some_and(|rs| (rs.at.offset..stats_end).contains(&idx));
     let mut inside = Bad::new();
     let mut outside = Bad::new();
     for (idx, &v) in got.iter().enumerate() {
@@ -716,13 +761,43 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
             if f64::from(v) != w {
                 inside.push(|| format!("part {p}: C[{i}][{j}] = {v}, want {w}"));
             }
-        } else if !v.is_nan() {
+        } else if !v.is_nan() && !in_stats(idx) {
             outside.push(|| format!("element {idx} (outside C's region) = {v}, want it untouched (NaN)"));
         }
     }
     inside.check("gemm result (exact integers expected; NaN means a read outside A or B)")?;
     outside.check("gemm wrote outside its region")?;
+    stats_bad.check("gemm row statistics")?;
     Ok(Measured::default())
+}
+
+/// Checks the row statistics in `got` against the exact product `want`:
+/// each of this GEMM's groups `(max, Σ exp(x − max))` over its real
+/// columns (the max exact, the sum within 1e-5), the region's other groups
+/// untouched (NaN).
+fn check_row_stats(got: &[f32], rs: &GemmRowStats, g: &GemmSpec, want: &[f64], bad: &mut Bad) {
+    let mine = rs.first_group..rs.first_group + g.n.div_ceil(STATS_GROUP_COLS);
+    for i in 0..g.m {
+        for group in 0..rs.at.ld {
+            let o = rs.at.offset + i * 2 * rs.at.ld + 2 * group;
+            let (m, s) = (got[o], got[o + 1]);
+            if !mine.contains(&group) {
+                if !(m.is_nan() && s.is_nan()) {
+                    bad.push(|| format!("row {i} group {group} (not this GEMM's) = ({m}, {s}), want NaN"));
+                }
+                continue;
+            }
+            let j0 = (group - rs.first_group) * STATS_GROUP_COLS;
+            let vals = &want[i * g.n + j0..i * g.n + (j0 + STATS_GROUP_COLS).min(rs.cols).max(j0)];
+            let (want_m, want_s) = match vals.iter().copied().reduce(f64::max) {
+                Some(top) => (top, vals.iter().map(|x| (x - top).exp()).sum()),
+                None => (-3.0e38, 0.0),
+            };
+            if f64::from(m) != want_m as f32 as f64 || (f64::from(s) - want_s).abs() > 1e-5 * want_s.max(1.0) {
+                bad.push(|| format!("row {i} group {group} = ({m}, {s}), want ({want_m}, {want_s})"));
+            }
+        }
+    }
 }
 
 fn run_sum_parts<B: Backend + ?Sized>(b: &B, s: &SumSpec) -> Result<Measured, String> {

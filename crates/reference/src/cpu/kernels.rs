@@ -4,7 +4,10 @@
 
 use half::f16;
 use headkl_core::split::k_part_range;
-use headkl_core::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TailMode, TopkDesc, NO_LABEL};
+use headkl_core::{
+    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TailMode, TopkDesc, NO_LABEL,
+    STATS_GROUP_COLS,
+};
 
 use super::Precision;
 use crate::par;
@@ -66,6 +69,47 @@ pub(crate) fn gemm(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision:
         };
         gemm_one(a, &b[b_start..], c, &part, precision);
     }
+    if let Some(rs) = &d.row_stats {
+        row_stats(c, d, rs);
+    }
+}
+
+/// The row statistics of C ([`headkl_core::RowStats`]) as the GPU GEMMs'
+/// epilogue writes them: per row and 64-column group, `(m, Σ exp(x − m))`
+/// over the real columns, a NaN sum where one is not finite.
+fn row_stats(c: &mut [f32], d: &GemmDesc, rs: &GemmRowStats) {
+    for i in 0..d.m {
+        for g in 0..d.n.div_ceil(STATS_GROUP_COLS) {
+            let cols = g * STATS_GROUP_COLS..((g + 1) * STATS_GROUP_COLS).min(rs.cols);
+            let row = &c[d.c_offset + i * d.ldc..];
+            let vals = cols.clone().map(|j| row[j]);
+            let bad = vals.clone().any(|x| !x.is_finite());
+            let m = vals.clone().filter(|x| x.is_finite()).fold(-3.0e38f32, f32::max);
+            let sum: f32 = vals.filter(|x| x.is_finite()).map(|x| (x - m).exp()).sum();
+            let o = rs.at.offset + i * 2 * rs.at.ld + 2 * (rs.first_group + g);
+            c[o] = m;
+            c[o + 1] = if bad { f32::NAN } else { sum };
+        }
+    }
+}
+
+/// The log-sum-exp of row `t` from its statistics ([`headkl_core::RowStats`]),
+/// merged as the GPU kernel merges them (NaN where a group was not finite).
+fn lse_from_stats(logits: &[f32], rs: &RowStats, t: usize) -> f32 {
+    let pairs = &logits[rs.offset + t * 2 * rs.ld..][..2 * rs.groups];
+    let (mut m, mut sum) = (-3.0e38f32, 0f32);
+    for pair in pairs.chunks_exact(2) {
+        let (m2, s2) = (pair[0], pair[1]);
+        if !s2.is_finite() {
+            return f32::NAN;
+        }
+        if s2 > 0.0 {
+            let top = m.max(m2);
+            sum = sum * (m - top).exp() + s2 * (m2 - top).exp();
+            m = top;
+        }
+    }
+    m + sum.ln()
 }
 
 /// One part of [`gemm`]: `C (+)= alpha · A · op(B)` with `d.k_parts` 1.
@@ -255,11 +299,12 @@ fn kl_row<T: Real>(
     probs: &[f32],
     [coef, label]: [u32; 2],
     d: &KlDesc,
+    stats_lse: Option<f32>,
     grad: &mut [f16],
 ) -> [f32; 4] {
     let vocab = d.vocab;
     grad[vocab..].fill(f16::ZERO);
-    if s.iter().any(|v| !v.is_finite()) {
+    if s.iter().any(|v| !v.is_finite()) || stats_lse.is_some_and(|v| !v.is_finite()) {
         grad[..vocab].fill(f16::NAN);
         return [f32::NAN; 4];
     }
@@ -272,7 +317,8 @@ fn kl_row<T: Real>(
             s.iter().map(|&v| softcap(T::of(v), c)).unzip()
         }
     };
-    let lse_tau = lse_of(&u);
+    // The GEMM's row statistics stand in for the first pass where given.
+    let lse_tau = stats_lse.map_or_else(|| lse_of(&u), T::of);
     let tau_on = d.temperature != 1.0;
     let lse1 = if tau_on {
         lse_of(&u.iter().map(|&v| v * tau).collect::<Vec<T>>())
@@ -371,6 +417,7 @@ pub(crate) fn kl_rows(
     precision: Precision,
 ) {
     let (rows, ld, k, vocab) = (d.rows, d.ld, d.k, d.vocab);
+    let stats = d.row_stats.filter(|_| KlDesc::stats_suffice(&d.terms, d.temperature));
     let mut work: Vec<(&mut [f32], &mut [f16])> = loss[..rows * 4]
         .chunks_exact_mut(4)
         .zip(grad[..rows * ld].chunks_exact_mut(ld.max(1)))
@@ -381,9 +428,10 @@ pub(crate) fn kl_rows(
             let s = &logits[t * ld..t * ld + vocab];
             let (ids_t, probs_t) = (&ids[t * k..(t + 1) * k], &probs[t * k..(t + 1) * k]);
             let inputs = [row_in[2 * t], row_in[2 * t + 1]];
+            let stats_lse = stats.map(|rs| lse_from_stats(logits, &rs, t));
             let out = match precision {
-                Precision::F64 => kl_row::<f64>(s, ids_t, probs_t, inputs, d, g),
-                Precision::F32 => kl_row::<f32>(s, ids_t, probs_t, inputs, d, g),
+                Precision::F64 => kl_row::<f64>(s, ids_t, probs_t, inputs, d, stats_lse, g),
+                Precision::F32 => kl_row::<f32>(s, ids_t, probs_t, inputs, d, stats_lse, g),
             };
             l.copy_from_slice(&out);
         }
