@@ -39,7 +39,7 @@ fn tile_of(wg: vec3<u32>, nn: bool, rows: u32, cols: u32) -> Tile {
 
 // The row statistics of the C tile just stored (headkl_core::RowStats),
 // when params.stats_offset is not 0: for each of the tile's `rows` rows and
-// 64-column groups (`cols` / 64 of them), the pair (m, sum of exp(x - m))
+// 32-column groups (`cols` / 32 of them), the pair (m, sum of exp(x - m))
 // over the real columns (< params.stats_cols), with a NaN sum where one is
 // not finite. Invocation `lid` of `threads` takes every threads-th pair;
 // call it from uniform control flow.
@@ -49,18 +49,18 @@ fn row_stats(t: Tile, rows: u32, cols: u32, lid: u32, threads: u32) {
     }
     storageBarrier();
     workgroupBarrier();
-    let groups = cols / 64u;
+    let groups = cols / 32u;
     for (var pr = lid; pr < rows * groups; pr += threads) {
         let row = t.row0 + pr / groups;
-        let g = t.col0 / 64u + pr % groups;
-        if row >= params.m || g * 64u >= params.n {
+        let g = t.col0 / 32u + pr % groups;
+        if row >= params.m || g * 32u >= params.n {
             continue;
         }
         var m = -3.0e38;
         var s = 0.0;
         var bad = false;
-        let end = min(g * 64u + 64u, params.stats_cols);
-        for (var col = g * 64u; col < end; col++) {
+        let end = min(g * 32u + 32u, params.stats_cols);
+        for (var col = g * 32u; col < end; col++) {
             let x = c[t.c_off + row * params.ldc + col];
             if (bitcast<u32>(x) & 0x7fffffffu) >= 0x7f800000u {
                 bad = true;

@@ -120,5 +120,4 @@ void main() {
     epilogue();
 
 #endif
-    row_stats();
 }

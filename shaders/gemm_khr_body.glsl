@@ -48,7 +48,6 @@
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_KHR_shader_subgroup_basic : require
-#extension GL_KHR_shader_subgroup_clustered : require
 #extension GL_EXT_control_flow_attributes : require
 
 // TALL (ceiling report only): the workgroup's C tile is 2 x BM rows by 64
@@ -114,9 +113,7 @@ layout(set = 0, binding = 0, std140) uniform Params {
 #endif
 layout(set = 0, binding = 1, std430) OPERAND buffer ABuf { uvec4 a[]; };
 layout(set = 0, binding = 2, std430) OPERAND buffer BBuf { uvec4 b[]; };
-// coherent: the row statistics re-read what other invocations of the
-// workgroup stored (row_stats).
-layout(set = 0, binding = 3, std430) coherent buffer CBuf { float c[]; };
+layout(set = 0, binding = 3, std430) buffer CBuf { float c[]; };
 
 // Staged tiles in 16-byte words; each row is skewed by one word so that
 // the eight rows a fragment load reads at once fall in distinct banks.
@@ -376,6 +373,59 @@ void math_step(uint st) {
     }
 }
 
+// The logits GEMM's row statistics (headkl_core::RowStats), when
+// p.stats_offset is not 0: for each row and 32-column group of the
+// subgroup's block, (m, sum of exp(x - m)) over the real columns
+// (< p.stats_cols), a NaN sum where one is not finite. Computed from the
+// accumulators, 16 rows x 32 columns at a time through the subgroup's own
+// part of sa (free since the main loop's last barrier), so C is never read
+// back. The logits layout with A staged only (the production tiles).
+#define ROW_STATS (!NN && !A_DIRECT)
+#if ROW_STATS
+const uint STATS_STRIDE = 9;
+void row_stats() {
+    uint base = gl_SubgroupID * 16 * STATS_STRIDE;
+    uint lane = gl_SubgroupInvocationID;
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        [[unroll]] for (uint g = 0; g < BN / SGC / 32; g++) {
+            [[unroll]] for (uint j = 0; j < 32 / FN; j++) {
+                OUT r = OUT(acc[i * TN + g * (32 / FN) + j]) * p.alpha;
+                coopMatStore(r, sa, base + j * (FN / 4), STATS_STRIDE, gl_CooperativeMatrixLayoutRowMajor);
+            }
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            uint row = row0 + wr + i * 16 + lane;
+            uint col = col0 + wc + g * 32;
+            if (lane < 16 && row < p.m && col < p.n) {
+                float m = -3.0e38;
+                float s = 0.0;
+                bool bad = false;
+                [[unroll]] for (uint w = 0; w < 8; w++) {
+                    vec4 x4 = uintBitsToFloat(sa[base + lane * STATS_STRIDE + w]);
+                    [[unroll]] for (uint e = 0; e < 4; e++) {
+                        float x = x4[e];
+                        if (col + w * 4 + e < p.stats_cols) {
+                            if (isnan(x) || isinf(x)) {
+                                bad = true;
+                            } else {
+                                // One exponential whichever side of the max x falls.
+                                float d = exp(-abs(x - m));
+                                s = x > m ? s * d + 1.0 : s + d;
+                                m = max(m, x);
+                            }
+                        }
+                    }
+                }
+                uint o = p.stats_offset + row * 2 * p.stats_ld + 2 * (p.stats_first + col / 32);
+                c[o] = m;
+                c[o + 1] = bad ? uintBitsToFloat(0x7fc00000u) : s;
+            }
+            subgroupBarrier();
+        }
+    }
+}
+#endif
+
 // C (+)= alpha * acc for the subgroup's 16 x 16 tiles inside m x n.
 void epilogue() {
     [[unroll]] for (uint i = 0; i < 4; i++) {
@@ -394,57 +444,11 @@ void epilogue() {
             }
         }
     }
-}
-
-// The row statistics of the stored C tile (headkl_core::RowStats), when
-// p.stats_offset is not 0: for each row and 64-column group, the pair
-// (m, sum of exp(x - m)) over the real columns (< p.stats_cols), a NaN sum
-// where one is not finite. Every invocation takes part: 16 lanes read a
-// group's row, 4 columns each, and reduce it in their cluster.
-void row_stats() {
-    if (p.stats_offset == 0) {
-        return;
+#if ROW_STATS
+    if (p.stats_offset != 0) {
+        row_stats();
     }
-    memoryBarrierBuffer();
-    barrier();
-    const uint GROUPS = BN / 64;
-    const uint PAIRS = TM * GROUPS;
-    uint q = gl_SubgroupInvocationID % 16;
-    // Both halves of a subgroup run the same trip count: PAIRS is even.
-    for (uint pr = gl_SubgroupID * 2 + gl_SubgroupInvocationID / 16; pr < PAIRS; pr += (THREADS / 32) * 2) {
-        uint row = row0 + pr / GROUPS;
-        uint g = col0 / 64 + pr % GROUPS;
-        uint col = g * 64 + q * 4;
-        float x[4];
-        float m = -3.0e38;
-        uint bad = 0;
-        [[unroll]] for (uint i = 0; i < 4; i++) {
-            x[i] = -3.0e38;
-            if (row < p.m && col + i < p.stats_cols) {
-                float v = c[c_off + row * p.ldc + col + i];
-                if (isnan(v) || isinf(v)) {
-                    bad = 1;
-                } else {
-                    x[i] = v;
-                    m = max(m, v);
-                }
-            }
-        }
-        m = subgroupClusteredMax(m, 16);
-        float s = 0.0;
-        [[unroll]] for (uint i = 0; i < 4; i++) {
-            if (x[i] > -3.0e38) {
-                s += exp(x[i] - m);
-            }
-        }
-        s = subgroupClusteredAdd(s, 16);
-        bad = subgroupClusteredOr(bad, 16);
-        if (q == 0 && row < p.m && g * 64 < p.n) {
-            uint o = p.stats_offset + row * 2 * p.stats_ld + 2 * (p.stats_first + g);
-            c[o] = m;
-            c[o + 1] = bad != 0 ? uintBitsToFloat(0x7fc00000u) : s;
-        }
-    }
+#endif
 }
 
 // Start of part k0 of the reduction in B, and this invocation's index among

@@ -289,7 +289,7 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     let words = (vocab + 3u) / 4u;
     if !fold_terms && params.stats_offset != 0u {
         // The logits GEMM wrote the row's statistics (headkl_core::RowStats):
-        // one (max, sum) pair per 64 columns, a NaN sum where a logit was
+        // one (max, sum) pair per 32 columns, a NaN sum where a logit was
         // not finite. Merging them is this pass; the logits are read once.
         let sbase = params.stats_offset / 4u + row * (params.stats_ld / 2u);
         for (var g = lid; g < params.stats_groups; g += WG) {

@@ -131,9 +131,10 @@ pub struct GemmDesc {
     pub row_stats: Option<GemmRowStats>,
 }
 
-/// Columns of C per row-statistics group: every GEMM tile's width (64 or
-/// 128 columns) is a multiple of it, so a tile writes whole groups.
-pub const STATS_GROUP_COLS: usize = 64;
+/// Columns of C per row-statistics group: every GEMM tile's width, and
+/// every matrix-unit subgroup's share of it (32 or 64 columns), is a
+/// multiple of it, so each writes whole groups from its own accumulators.
+pub const STATS_GROUP_COLS: usize = 32;
 
 /// Where a logits GEMM's epilogue writes the row statistics that let
 /// `kl_rows` read the logits once instead of twice (its first pass, the

@@ -125,7 +125,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Whether `head_kl`'s logits GEMMs also write each row's statistics
-    /// (maximum and sum of exponentials per 64 columns, [`crate::RowStats`])
+    /// (maximum and sum of exponentials per 32 columns, [`crate::RowStats`])
     /// so the KL rows read the logits once instead of twice (on by
     /// default; `HEADKL_ROW_STATS=off` through the command line). Used only
     /// where those statistics are the KL rows' whole first pass: no
@@ -137,7 +137,8 @@ impl<B: Backend> Engine<B> {
 
     /// The row statistics where `head_kl` with these terms uses them.
     pub(crate) fn row_stats_for(&self, terms: &LossTerms, temperature: f32, rows_padded: usize) -> Option<RowStats> {
-        (self.row_stats && KlDesc::stats_suffice(terms, temperature)).then(|| self.head.row_stats(rows_padded))
+        (self.row_stats && KlDesc::stats_suffice(terms, temperature) && self.head.row_stats_fit(&self.backend))
+            .then(|| self.head.row_stats(rows_padded))
     }
 
     /// How the dx GEMM's reduction (the vocabulary) is split into parts

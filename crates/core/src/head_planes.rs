@@ -165,7 +165,8 @@ impl<B: Backend> HeadPlanes<B> {
     /// teacher entries.
     pub(crate) fn row_bytes(&self, backend: &B, job: Job, k: usize) -> RowBytes {
         let (dx_blocks, stats_words) = match job {
-            Job::Loss => (self.dx_blocks_most(backend), 2 * self.row_stats(0).ld),
+            Job::Loss if self.row_stats_fit(backend) => (self.dx_blocks_most(backend), 2 * self.row_stats(0).ld),
+            Job::Loss => (self.dx_blocks_most(backend), 0),
             Job::Topk => (0, 0),
         };
         let mut sizes = RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks);
@@ -175,6 +176,16 @@ impl<B: Backend> HeadPlanes<B> {
             doubled: backend.transfers_overlap(),
             ..sizes
         }
+    }
+
+    /// Whether [`Self::row_bytes`] makes room for the row statistics: only
+    /// where the smallest chunk's logits with them still fit one binding
+    /// (else the KL rows fold the logits themselves).
+    pub(crate) fn row_stats_fit(&self, backend: &B) -> bool {
+        let info = backend.info();
+        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+        let words = self.vocab_padded + 2 * self.row_stats(0).ld;
+        (words * 4 * ALIGN) as u64 <= max_binding
     }
 
     /// Where the logits GEMMs of a `head_kl` chunk of `rows_padded` rows

@@ -259,9 +259,9 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         split(gemm(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false), 3),
         split(gemm(32, 144, 128, Red, 16, 144, 144, 160, 160, 2.0, false), 3),
         split(gemm(80, 48, 128, Out, 0, 128, 128, 16, 64, 1.0, true), 3),
-        // Row statistics: a partial last group (n = 80: 64 + 16 columns, 72
-        // real), three groups with C inside a wider row, and the largest
-        // tile-covering shape with the padding past the real columns.
+        // Row statistics: a partial last group (n = 80: 32 + 32 + 16
+        // columns, 72 real), C inside a wider row, and a shape past one
+        // tile each way with the padding past the real columns.
         with_stats(gemm(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 1, 72),
         with_stats(gemm(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, false), 0, 144),
         with_stats(gemm(144, 272, 64, Out, 0, 64, 64, 0, 272, 1.0, false), 2, 259),

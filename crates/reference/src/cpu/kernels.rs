@@ -75,7 +75,7 @@ pub(crate) fn gemm(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision:
 }
 
 /// The row statistics of C ([`headkl_core::RowStats`]) as the GPU GEMMs'
-/// epilogue writes them: per row and 64-column group, `(m, Σ exp(x − m))`
+/// epilogue writes them: per row and 32-column group, `(m, Σ exp(x − m))`
 /// over the real columns, a NaN sum where one is not finite.
 fn row_stats(c: &mut [f32], d: &GemmDesc, rs: &GemmRowStats) {
     for i in 0..d.m {
