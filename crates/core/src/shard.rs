@@ -48,9 +48,11 @@
 
 mod engine;
 mod merge;
+mod resident;
 
 pub use engine::{check_loss_terms, ShardEngine};
 pub use merge::{merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, LossStats, TIE_WINDOW};
+pub use resident::{merge_loss_device, STATS_PER_TOKEN};
 
 use crate::error::{Error, Result};
 use crate::ALIGN;

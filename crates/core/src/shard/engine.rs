@@ -57,12 +57,14 @@ const ALPHA_FLOOR: f64 = 1.0 / (1u64 << 40) as f64;
 /// # Ok::<(), headkl_core::Error>(())
 /// ```
 pub struct ShardEngine<B: Backend> {
-    engine: Engine<B>,
-    shard: HeadShard,
-    keep_logits: bool,
+    pub(super) engine: Engine<B>,
+    pub(super) shard: HeadShard,
+    pub(super) keep_logits: bool,
     /// Whether the last phase one kept its logits.
-    kept_last: bool,
+    pub(super) kept_last: bool,
     pending: Option<PhaseOne<B>>,
+    /// What the device-resident phase one leaves for its phase two.
+    pub(super) pending_device: Option<super::resident::DevicePhaseOne<B>>,
 }
 
 /// What phase one leaves for phase two.
@@ -99,6 +101,7 @@ impl<B: Backend> ShardEngine<B> {
             keep_logits: true,
             kept_last: false,
             pending: None,
+            pending_device: None,
         })
     }
 
@@ -621,13 +624,19 @@ impl<B: Backend> ShardEngine<B> {
 /// [`ShardEngine::loss_partials`] calls it; a caller can call it before
 /// anything is uploaded.
 pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
+    check_terms(tail, &opts.terms, opts.labels.is_some())
+}
+
+/// [`check_loss_terms`] on the terms themselves (the device-resident calls
+/// take them in [`crate::DeviceLossOptions`]).
+pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool) -> Result<()> {
     let refuse = |option, value: String, hint| Err(Error::ShardUnsupported { option, value, hint });
     let d = LossTerms::default();
-    let t = opts.terms;
+    let t = *terms;
     if tail != TailMode::Renormalize {
         return refuse("tail", tail.name().into(), "use the default tail, renormalize");
     }
-    if opts.labels.is_some() || t.hard_weight != d.hard_weight {
+    if has_labels || t.hard_weight != d.hard_weight {
         return refuse("hard-weight", t.hard_weight.to_string(), "the hard term runs unsharded");
     }
     if t.z_loss != d.z_loss {
