@@ -157,8 +157,9 @@ impl<B: Backend> ShardEngine<B> {
         teacher.check_vocab(self.shard.vocab())?;
         check_loss_terms(teacher.tail(), opts)?;
         let resolved = opts.resolve(ntok)?;
+        trace.mark("checks");
         let (ids, probs, k_s) = self.pack_teacher(teacher);
-        trace.mark("checks + teacher pack");
+        trace.mark("teacher pack");
         let (plan, sizes) = self.loss_job_plan(hidden, k_s, (opts.budget_bytes, opts.max_rows_per_chunk))?;
         let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
         let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.budget_bytes;
@@ -455,13 +456,15 @@ impl<B: Backend> ShardEngine<B> {
         let dx_scale = 1.0 / (f64::from(p.resolved.gscale) * f64::from(p.resolved.temperature));
         let mut padded = Vec::new();
         let mut read_chunk = |(start, rows, pending): Done, dx: &mut [f32]| -> Result<()> {
-            padded.resize(rows * hs_padded, 0f32);
-            end_next(
-                b,
-                &mut pending.into_iter(),
-                bytemuck::cast_slice_mut(padded.as_mut_slice()),
-            )?;
             let rows_dx = &mut dx[start * hs..(start + rows) * hs];
+            let mut pending = pending.into_iter();
+            if hs == hs_padded {
+                // No padding columns: the chunk's rows land in dx directly,
+                // not through a padded copy (84 MB a shard at shape A).
+                return end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_dx));
+            }
+            padded.resize(rows * hs_padded, 0f32);
+            end_next(b, &mut pending, bytemuck::cast_slice_mut(padded.as_mut_slice()))?;
             for (row, src) in rows_dx.chunks_exact_mut(hs).zip(padded.chunks_exact(hs_padded)) {
                 row.copy_from_slice(&src[..hs]);
             }
