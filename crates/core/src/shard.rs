@@ -40,6 +40,12 @@
 //! hard term and its labels, z-loss, softcap, a soft weight other than 1)
 //! are refused with [`Error::ShardUnsupported`] naming the option.
 //!
+//! **On device buffers.** [`ShardEngine::loss_partials_device`] and
+//! [`ShardEngine::loss_finish_device`] run the same two phases on a
+//! trainer's buffers (partials and merged statistics f32 `[ntok][3]`,
+//! [`STATS_PER_TOKEN`]), and [`merge_loss_device`] merges partials held in
+//! device buffers for engines in one process (`resident` module docs).
+//!
 //! **Top-k.** [`ShardEngine::topk_partials`] returns the shard's top-k
 //! candidates (global ids, their logits at τ) and its log-sum-exp at τ
 //! ([`TopkPartials`]); the trainer all-gathers them and [`merge_topk`]
