@@ -30,3 +30,15 @@ headkl_reference::shard_tests!(
             .expect("a HEADKL_* setting does not parse")
     })
 );
+
+// Vocabulary-parallel on device buffers: the resident two-phase loss, one
+// thread per shard, with the validation layer on.
+headkl_reference::resident_shard_tests!(
+    threads,
+    "vulkan",
+    headkl_vulkan::VulkanBackend::open_with(&headkl_vulkan::VulkanOptions {
+        validation: true,
+        ..headkl_vulkan::VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
+    })
+);

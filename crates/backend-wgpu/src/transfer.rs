@@ -17,9 +17,9 @@ const MAX_STAGING: u64 = 64 << 20;
 const UPLOAD_FLUSH_BYTES: u64 = 256 << 20;
 
 impl WgpuBackend {
-    /// A MAP_READ staging buffer of at least `bytes` (≤ [`MAX_STAGING`]).
-    pub(crate) fn staging(&self, bytes: u64) -> Result<wgpu::Buffer> {
-        let mut s = lock(&self.staging);
+    /// A MAP_READ staging buffer of at least `bytes` (≤ [`MAX_STAGING`]),
+    /// kept in `s` (the backend's, locked by the caller for its download).
+    fn staging(&self, s: &mut Option<wgpu::Buffer>, bytes: u64) -> Result<wgpu::Buffer> {
         if let Some(b) = s.as_ref() {
             if b.size() >= bytes {
                 return Ok(b.clone());
@@ -76,9 +76,14 @@ impl WgpuBackend {
     pub(crate) fn download_aligned(&self, src: &wgpu::Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
         let mut done = 0u64;
         let total = out.len() as u64;
+        // One download at a time through the shared staging buffer: engines
+        // on several threads (vocabulary shards, their status words) share
+        // a backend, and a copy into the buffer while another thread has it
+        // mapped is a validation error.
+        let mut kept = lock(&self.staging);
         while done < total {
             let piece = (total - done).min(MAX_STAGING);
-            let staging = self.staging(piece)?;
+            let staging = self.staging(&mut kept, piece)?;
             let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("headkl download"),

@@ -25,3 +25,14 @@ headkl_reference::shard_tests!(
             .expect("a HEADKL_* setting does not parse")
     )
 );
+
+// Vocabulary-parallel on device buffers: the resident two-phase loss, one
+// thread per shard.
+headkl_reference::resident_shard_tests!(
+    threads,
+    "wgpu",
+    headkl_wgpu::WgpuBackend::open_with(
+        &headkl_wgpu::OpenOptions::from_env(&headkl_reference::conformance::harness_env())
+            .expect("a HEADKL_* setting does not parse")
+    )
+);

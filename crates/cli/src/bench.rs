@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use half::f16;
+use headkl_core::shard::{merge_loss_device, HeadShard, ShardEngine, STATS_PER_TOKEN};
 use headkl_core::{
     Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData,
     HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions, ALIGN,
@@ -447,7 +448,93 @@ fn time_resident<B: ResidentBackend>(
             engine.wait_device()
         },
     )?;
-    Ok(vec![head_kl, topk])
+    let mut jobs = vec![head_kl, topk];
+    if let Some(n) = cfg.shards {
+        let inputs = (&hidden, &teacher, &out, &loss_opts);
+        jobs.push(time_sharded_resident(d, cfg, engine, n, inputs)?);
+    }
+    Ok(jobs)
+}
+
+/// `--shards N --resident`: head_kl's two phases on device buffers, the
+/// head in N even shards (engines on the same device, called in turn):
+/// phase one on each into its partials buffer, the merge
+/// (`merge_loss_device`), phase two on each (the first overwrites the
+/// call's dx, the others add to it: the sum a trainer's all-reduce makes).
+#[allow(clippy::type_complexity, reason = "the resident job's buffers")]
+fn time_sharded_resident<B: ResidentBackend>(
+    d: &BenchData,
+    cfg: &BenchConfig,
+    engine: &Engine<B>,
+    n: usize,
+    (hidden, teacher, out, opts): (
+        &DeviceHidden<'_, B::Buffer>,
+        &DeviceTeacher<'_, B::Buffer>,
+        &DeviceLossOutput<'_, B::Buffer>,
+        &DeviceLossOptions<'_, B::Buffer>,
+    ),
+) -> Result<JobResult, CliError> {
+    let shape = d.shape;
+    let backend = engine.backend();
+    let fail = |e| CliError::device("bench --shards --resident", e);
+    let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
+    let mut shards = HeadShard::even(shape.vocab, n)
+        .map_err(|e| CliError::from_core_in_option(e, "--shards"))?
+        .into_iter()
+        .map(|s| {
+            let mut e = ShardEngine::new(backend, &head.rows(s.v0(), s.v1())?, s, SliceOptions::default())?;
+            e.engine_mut().set_dx_split(engine.dx_split());
+            Ok(e)
+        })
+        .collect::<headkl_core::Result<Vec<_>>>()
+        .map_err(fail)?;
+    let partials = shards
+        .iter()
+        .map(|_| backend.alloc((shape.ntok * STATS_PER_TOKEN * 4) as u64, "bench partials"))
+        .collect::<headkl_core::Result<Vec<_>>>()
+        .map_err(fail)?;
+    let stats = backend
+        .alloc((shape.ntok * STATS_PER_TOKEN * 4) as u64, "bench merged statistics")
+        .map_err(fail)?;
+    let mut anchor = Engine::new(
+        backend,
+        &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
+        SliceOptions::default(),
+    )
+    .map_err(fail)?;
+    let held = backend.memory().current;
+    eprintln!("bench: {n} shards of the head on device buffers, one engine each, called in turn");
+    let adding = DeviceLossOptions {
+        accumulate_dx: true,
+        ..*opts
+    };
+    BenchJob::time_calls(
+        cfg,
+        &mut anchor,
+        JobKind::HeadKl,
+        "sharded resident",
+        held,
+        shape,
+        None,
+        |_| {
+            for (e, p) in shards.iter_mut().zip(&partials) {
+                e.loss_partials_device(shape.ntok, hidden, teacher, p, opts)?;
+            }
+            for e in shards.iter_mut() {
+                e.wait_device()?;
+            }
+            let views: Vec<_> = shards.iter().map(|e| e.shard()).zip(&partials).collect();
+            merge_loss_device(backend, shape.ntok, &views, &stats)?;
+            for (i, e) in shards.iter_mut().enumerate() {
+                let o = if i == 0 { opts } else { &adding };
+                e.loss_finish_device(shape.ntok, hidden, teacher, &stats, out, o)?;
+            }
+            for e in shards.iter_mut() {
+                e.wait_device()?;
+            }
+            Ok(())
+        },
+    )
 }
 
 impl BenchJob<'_> {

@@ -5,6 +5,7 @@
 use headkl_core::{Backend, ResidentBackend};
 use headkl_reference::conformance::resident::{resident_case_count, run_resident};
 use headkl_reference::conformance::shard::{run_shard_cases, shard_case_count, Serial};
+use headkl_reference::conformance::shard_resident::{resident_shard_case_count, run_resident_shard_cases};
 use headkl_reference::conformance::{case_count, run_suite, CaseOutcome, SuiteConfig, SuiteReport};
 use std::sync::Arc;
 
@@ -61,13 +62,18 @@ impl ResidentJob for CheckJob<'_> {
     type Output = SuiteReport;
 
     fn run_resident<B: ResidentBackend>(self, backend: B) -> Result<SuiteReport, CliError> {
-        let total = case_count(self.cfg) + resident_case_count(self.cfg) + shard_case_count();
+        let total =
+            case_count(self.cfg) + resident_case_count(self.cfg) + shard_case_count() + resident_shard_case_count();
         let mut progress = progress_for(backend.info(), total);
         let mut report = run_suite(&backend, self.cfg, &mut |o: &CaseOutcome| show(&mut progress, o));
         report.absorb(run_resident(&backend, self.cfg, &mut |o: &CaseOutcome| {
             show(&mut progress, o)
         }));
         report.absorb(run_shard_cases(&backend, &Serial, &mut |o: &CaseOutcome| {
+            show(&mut progress, o)
+        }));
+        // The shards' two-phase loss on device buffers.
+        report.absorb(run_resident_shard_cases(&backend, &Serial, &mut |o: &CaseOutcome| {
             show(&mut progress, o)
         }));
         progress.finish();

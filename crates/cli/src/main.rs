@@ -190,7 +190,8 @@ or refuses with exit 2 unless --yes. The bar's time left follows the same estima
         #[arg(long, short = 'y')]
         yes: bool,
         /// Also time both jobs with the head in N even vocabulary shards (one engine each on this
-        /// device, called in turn: phase one, the merge, phase two), beside the unsharded rows
+        /// device, called in turn: phase one, the merge, phase two), beside the unsharded rows; with
+        /// --resident also head_kl's two phases on device buffers (row "sharded resident")
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
         shards: Option<u64>,
     },

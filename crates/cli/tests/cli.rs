@@ -2173,3 +2173,36 @@ fn bench_shards_reports_beside_unsharded() {
         assert!(out.contains(row), "no {row} row in:\n{out}");
     }
 }
+
+/// `--shards 2 --resident` on a GPU backend adds head_kl's two phases on
+/// device buffers beside the unsharded resident row.
+#[test]
+fn bench_shards_resident_reports_the_device_two_phase_row() {
+    for backend in ["vulkan", "wgpu"] {
+        let o = headkl(&[
+            "bench",
+            "--backend",
+            backend,
+            "--resident",
+            "--shape",
+            "64:4096:256:16",
+            "--shards",
+            "2",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+        ]);
+        let err = stderr(&o);
+        if o.status.code() == Some(1) && err.contains("cannot start") && !required(backend) {
+            println!("{backend}: skipped, cannot start: {}", err.trim());
+            continue;
+        }
+        assert_eq!(o.status.code(), Some(0), "{backend}: {err}");
+        let out = String::from_utf8_lossy(&o.stdout);
+        for row in ["head_kl (resident)", "head_kl (sharded resident)", "head_kl (sharded)"] {
+            assert!(out.contains(row), "{backend}: no {row} row in:\n{out}");
+        }
+        return;
+    }
+}

@@ -14,13 +14,14 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::kernels::{bad_descriptor, require, KernelId};
 use crate::params::{
-    row_flags, ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams, StatusDetailParams,
-    SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+    row_flags, ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams, ShardRowsParams,
+    StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
 use crate::problem::MAX_K;
 use crate::resident::status::WORDS;
 use crate::resident::{
-    HiddenInDesc, LabelsInDesc, LossOutDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+    HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
+    WeightStatsDesc,
 };
 use crate::split::k_part_len;
 use crate::terms::TeacherForm;
@@ -657,6 +658,65 @@ impl TopkOutDesc {
             probs_offset: index(K, "probs_offset", self.probs_offset)?,
             grid_x: 0,
             _pad: [0; 2],
+        })
+    }
+}
+
+impl ShardRowsDesc {
+    /// Checks a shard step against `[loss_chunk, stats, partials, ids,
+    /// probs, row_in, status]` (only the buffers its stage uses) and
+    /// returns its block.
+    pub fn check<B: DeviceBuffer>(
+        &self,
+        [loss_chunk, stats, partials, ids, probs, row_in, status]: [&B; 7],
+        max_binding: u64,
+    ) -> Result<ShardRowsParams> {
+        const K: KernelId = KernelId::ShardRows;
+        let (rows, k) = (self.rows, self.k);
+        require(k >= 1, K, "k", 0, || "must be at least 1".into())?;
+        require(self.v0 < self.v1, K, "v1", self.v1 as u128, || {
+            format!("must be above v0 = {}", self.v0)
+        })?;
+        require(k <= self.v1 - self.v0, K, "k", k as u128, || {
+            format!("above the shard's {} rows", self.v1 - self.v0)
+        })?;
+        let entries = rows as u128 * k as u128;
+        // [ntok][3] rows of the partials and statistics, to the chunk's end.
+        let per_token = (self.token0 as u128 + rows as u128) * 3;
+        use ShardStage as S;
+        let stage = self.stage;
+        if matches!(stage, S::Map | S::MapFinish) {
+            fits(K, "ids", entries, 4, ids, max_binding)?;
+        }
+        if matches!(stage, S::Map | S::MapFinish | S::Partials) {
+            fits(K, "probs", entries, 4, probs, max_binding)?;
+        }
+        if stage == S::MapFinish {
+            fits(K, "row_in", rows as u128 * 2, 4, row_in, max_binding)?;
+        }
+        if matches!(stage, S::Partials | S::Lse1 | S::Loss) {
+            fits(K, "loss_chunk", rows as u128 * 4, 4, loss_chunk, max_binding)?;
+        }
+        if matches!(stage, S::MapFinish | S::Loss) {
+            fits(K, "stats", per_token, 4, stats, max_binding)?;
+        }
+        if matches!(stage, S::Partials | S::Lse1 | S::MapFinish) {
+            fits(K, "partials", per_token, 4, partials, max_binding)?;
+        }
+        if stage == S::Partials {
+            status_fits(K, status, max_binding)?;
+        }
+        index(K, "(token0 + rows) · 3", per_token as usize)?;
+        index(K, "rows · k", rows.saturating_mul(k))?;
+        Ok(ShardRowsParams {
+            rows: index(K, "rows", rows)?,
+            k: index(K, "k", k)?,
+            v0: index(K, "v0", self.v0)?,
+            v1: index(K, "v1", self.v1)?,
+            token0: tokens_end(K, self.token0, rows).and_then(|_| index(K, "token0", self.token0))?,
+            stage: stage.code(),
+            lse1_too: u32::from(self.lse1_too),
+            grid_x: 0,
         })
     }
 }

@@ -21,11 +21,12 @@ use crate::error::{Error, Result};
 use crate::gemm_choice::{CoopGemm, KernelLimits};
 use crate::glsl_tile::GlslTile;
 use crate::params::{
-    ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams,
+    ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams, ShardRowsParams,
     StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
 use crate::resident::{
-    HiddenInDesc, LabelsInDesc, LossOutDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+    HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
+    WeightStatsDesc,
 };
 
 /// One WGSL file of `shaders/`: its name (errors, caches), its text, and
@@ -147,11 +148,14 @@ pub const HIDDEN_IN_WGSL: Shader = resident_shader!("resident_hidden.wgsl", Hidd
 pub const LOSS_OUT_WGSL: Shader = resident_shader!("resident_loss_out.wgsl", LossOutParams);
 /// `resident_topk_out.wgsl`: a chunk's top-k into the caller's buffers.
 pub const TOPK_OUT_WGSL: Shader = resident_shader!("resident_topk_out.wgsl", TopkOutParams);
+/// `resident_shard.wgsl`: a vocabulary shard's per-row steps of the
+/// two-phase loss.
+pub const SHARD_ROWS_WGSL: Shader = resident_shader!("resident_shard.wgsl", ShardRowsParams);
 /// `resident_status.wgsl`: the first flagged row described.
 pub const STATUS_DETAIL_WGSL: Shader = resident_shader!("resident_status.wgsl", StatusDetailParams);
 
 /// Every shader file, in the order of [`KernelId::ALL`].
-pub const SHADERS: [Shader; 14] = [
+pub const SHADERS: [Shader; 15] = [
     CONVERT_WGSL,
     KL_ROWS_WGSL,
     TOPK_ROWS_WGSL,
@@ -166,6 +170,7 @@ pub const SHADERS: [Shader; 14] = [
     LOSS_OUT_WGSL,
     TOPK_OUT_WGSL,
     STATUS_DETAIL_WGSL,
+    SHARD_ROWS_WGSL,
 ];
 
 /// The override of `kl_rows.wgsl` that specializes it to one term set
@@ -215,6 +220,9 @@ pub enum KernelId {
     TopkOut,
     /// Resident: the first flagged row described ([`StatusDetailDesc`]).
     StatusDetail,
+    /// Resident: a vocabulary shard's per-row steps of the two-phase loss
+    /// ([`ShardRowsDesc`]).
+    ShardRows,
 }
 
 /// How a kernel uses one storage binding.
@@ -288,7 +296,7 @@ pub struct KernelBuild {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 13] = [
+    pub const ALL: [KernelId; 14] = [
         KernelId::ConvertF16,
         KernelId::GemmLogits,
         KernelId::GemmDx,
@@ -302,6 +310,7 @@ impl KernelId {
         KernelId::LossOut,
         KernelId::TopkOut,
         KernelId::StatusDetail,
+        KernelId::ShardRows,
     ];
 
     /// Its one name: entry point, timing label and docs.
@@ -320,6 +329,7 @@ impl KernelId {
             KernelId::LossOut => "loss_out",
             KernelId::TopkOut => "topk_out",
             KernelId::StatusDetail => "status_detail",
+            KernelId::ShardRows => "shard_rows",
         }
     }
 
@@ -336,6 +346,7 @@ impl KernelId {
                 | KernelId::LossOut
                 | KernelId::TopkOut
                 | KernelId::StatusDetail
+                | KernelId::ShardRows
         )
     }
 
@@ -370,6 +381,7 @@ impl KernelId {
             KernelId::LossOut => &[R, R, W, W, W, W],
             KernelId::TopkOut => &[R, R, W, W, W],
             KernelId::StatusDetail => &[R, R, R, W, R],
+            KernelId::ShardRows => &[W, R, W, W, W, W, W],
         }
     }
 
@@ -387,6 +399,7 @@ impl KernelId {
             KernelId::LossOut => LossOutParams::BLOCK,
             KernelId::TopkOut => TopkOutParams::BLOCK,
             KernelId::StatusDetail => StatusDetailParams::BLOCK,
+            KernelId::ShardRows => ShardRowsParams::BLOCK,
         }
     }
 
@@ -414,6 +427,7 @@ impl KernelId {
             KernelId::LossOut => vec![LOSS_OUT_WGSL],
             KernelId::TopkOut => vec![TOPK_OUT_WGSL],
             KernelId::StatusDetail => vec![STATUS_DETAIL_WGSL],
+            KernelId::ShardRows => vec![SHARD_ROWS_WGSL],
             KernelId::GemmLogits | KernelId::GemmDx => vec![GEMM_TILED_WGSL, GEMM_COOP_WGSL, GEMM_COOP_DIRECT_WGSL],
         }
     }
@@ -448,6 +462,7 @@ impl KernelId {
             (KernelId::HiddenIn, _) => fixed(HIDDEN_IN_WGSL, 0),
             (KernelId::LossOut, _) => fixed(LOSS_OUT_WGSL, 0),
             (KernelId::TopkOut, _) => fixed(TOPK_OUT_WGSL, 0),
+            (KernelId::ShardRows, _) => fixed(SHARD_ROWS_WGSL, 0),
             // One invocation walks the flagged row.
             (KernelId::StatusDetail, _) => KernelBuild {
                 invocations: 1,
@@ -623,6 +638,13 @@ impl TopkOutDesc {
     /// Workgroups of its dispatch: one invocation per entry.
     pub fn workgroups(&self) -> u64 {
         per_element(self.rows * self.k)
+    }
+}
+
+impl ShardRowsDesc {
+    /// Workgroups of its dispatch: one invocation per row.
+    pub fn workgroups(&self) -> u64 {
+        per_element(self.rows)
     }
 }
 

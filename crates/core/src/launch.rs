@@ -10,11 +10,12 @@ use crate::backend::{Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPa
 use crate::error::Result;
 use crate::kernels::{GemmKernel, KernelBuild, KernelId, KL_FLAGS};
 use crate::params::{
-    ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams, StatusDetailParams,
-    SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+    ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams, ShardRowsParams,
+    StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
 use crate::resident::{
-    HiddenInDesc, LabelsInDesc, LossOutDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+    HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
+    WeightStatsDesc,
 };
 
 /// One kernel launch: the descriptor (see each type's docs for what the
@@ -174,6 +175,25 @@ pub enum Launch<'a, B> {
         /// The extents and the teacher's form.
         desc: StatusDetailDesc,
     },
+    /// Resident: a vocabulary shard's per-row step ([`ShardRowsDesc`]).
+    ShardRows {
+        /// The loss kernel's `[rows][4]`.
+        loss_chunk: &'a B,
+        /// The merged statistics `[ntok][3]` (any buffer where unread).
+        stats: &'a B,
+        /// A shard's partials `[ntok][3]` (any buffer where unused).
+        partials: &'a B,
+        /// The chunk's teacher ids `[rows][k]`.
+        ids: &'a B,
+        /// Their probabilities.
+        probs: &'a B,
+        /// The loss kernel's per-row inputs `[rows][2]`.
+        row_in: &'a B,
+        /// The status buffer.
+        status: &'a B,
+        /// The step and the extents.
+        desc: ShardRowsDesc,
+    },
 }
 
 impl<B> Clone for Launch<'_, B> {
@@ -205,6 +225,7 @@ enum Block {
     LossOut(LossOutParams),
     TopkOut(TopkOutParams),
     StatusDetail(StatusDetailParams),
+    ShardRows(ShardRowsParams),
 }
 
 impl Checked {
@@ -228,6 +249,7 @@ impl Checked {
             Block::LossOut(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::TopkOut(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::StatusDetail(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::ShardRows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
         }
     }
 
@@ -277,6 +299,7 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
             Launch::LossOut { .. } => KernelId::LossOut,
             Launch::TopkOut { .. } => KernelId::TopkOut,
             Launch::StatusDetail { .. } => KernelId::StatusDetail,
+            Launch::ShardRows { .. } => KernelId::ShardRows,
         }
     }
 
@@ -337,6 +360,16 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
                 labels,
                 ..
             } => vec![ids, probs, weights, status, labels],
+            Launch::ShardRows {
+                loss_chunk,
+                stats,
+                partials,
+                ids,
+                probs,
+                row_in,
+                status,
+                ..
+            } => vec![loss_chunk, stats, partials, ids, probs, row_in, status],
         }
     }
 
@@ -356,6 +389,7 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
             Launch::LossOut { desc, .. } => desc.workgroups(),
             Launch::TopkOut { desc, .. } => desc.workgroups(),
             Launch::StatusDetail { desc, .. } => desc.workgroups(),
+            Launch::ShardRows { desc, .. } => desc.workgroups(),
         }
     }
 
@@ -398,6 +432,7 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
             Launch::LossOut { desc, .. } => Block::LossOut(desc.check(self.bound()?, max_binding)?),
             Launch::TopkOut { desc, .. } => Block::TopkOut(desc.check(self.bound()?, max_binding)?),
             Launch::StatusDetail { desc, .. } => Block::StatusDetail(desc.check(self.bound()?, max_binding)?),
+            Launch::ShardRows { desc, .. } => Block::ShardRows(desc.check(self.bound()?, max_binding)?),
         };
         Ok(Checked { id: self.id(), block })
     }

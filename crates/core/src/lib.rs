@@ -101,7 +101,8 @@ pub use problem::{
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, HiddenInDesc, LabelsInDesc,
-    LossOutDesc, ResidentBackend, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+    LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
+    WeightStatsDesc,
 };
 pub use settings::{CommonOptions, Env};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};

@@ -229,6 +229,7 @@ param_block!(LabelsInParams: rows: u32, vocab: u32, token0: u32, labels_offset: 
 param_block!(HiddenInParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, src_offset: u32, dtype: u32, grid_x: u32);
 param_block!(LossOutParams: rows: u32, hs: u32, ld: u32, token0: u32, loss_offset: u32, dx_offset: u32, accumulate: u32, write_terms: u32, grid_x: u32);
 param_block!(TopkOutParams: rows: u32, k: u32, token0: u32, ids_offset: u32, probs_offset: u32, grid_x: u32);
+param_block!(ShardRowsParams: rows: u32, k: u32, v0: u32, v1: u32, token0: u32, stage: u32, lse1_too: u32, grid_x: u32);
 param_block!(StatusDetailParams: rows: u32, k: u32, has_weights: u32, logprobs: u32, tail: u32, has_labels: u32, grid_x: u32);
 
 // The device-resident kernels' blocks (`shaders/resident_*.wgsl`, one per
@@ -374,6 +375,31 @@ pub struct TopkOutParams {
     pub grid_x: u32,
     /// Padding to 16 bytes.
     pub _pad: [u32; 2],
+}
+
+/// `shaders/resident_shard.wgsl` (one invocation per row): a vocabulary
+/// shard's per-row steps of the device-resident two-phase loss
+/// ([`crate::resident::ShardRowsDesc`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ShardRowsParams {
+    /// Rows of the chunk.
+    pub rows: u32,
+    /// Teacher entries per row.
+    pub k: u32,
+    /// The shard's first row of the head.
+    pub v0: u32,
+    /// One past its last row.
+    pub v1: u32,
+    /// The chunk's first token (its row in the `[ntok][3]` partials and
+    /// statistics).
+    pub token0: u32,
+    /// The step's code ([`crate::resident::ShardStage::code`]).
+    pub stage: u32,
+    /// 1: the partials step also writes the lse at τ = 1 (τ is 1).
+    pub lse1_too: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
 }
 
 /// `shaders/resident_status.wgsl` (one invocation).

@@ -40,6 +40,12 @@
 //! hard term and its labels, z-loss, softcap, a soft weight other than 1)
 //! are refused with [`Error::ShardUnsupported`] naming the option.
 //!
+//! **On device buffers.** [`ShardEngine::loss_partials_device`] and
+//! [`ShardEngine::loss_finish_device`] run the same two phases on a
+//! trainer's buffers (partials and merged statistics f32 `[ntok][3]`,
+//! [`STATS_PER_TOKEN`]), and [`merge_loss_device`] merges partials held in
+//! device buffers for engines in one process (`resident` module docs).
+//!
 //! **Top-k.** [`ShardEngine::topk_partials`] returns the shard's top-k
 //! candidates (global ids, their logits at τ) and its log-sum-exp at τ
 //! ([`TopkPartials`]); the trainer all-gathers them and [`merge_topk`]
@@ -48,9 +54,11 @@
 
 mod engine;
 mod merge;
+mod resident;
 
 pub use engine::{check_loss_terms, ShardEngine};
 pub use merge::{merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, LossStats, TIE_WINDOW};
+pub use resident::{merge_loss_device, STATS_PER_TOKEN};
 
 use crate::error::{Error, Result};
 use crate::ALIGN;

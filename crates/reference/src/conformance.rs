@@ -48,6 +48,7 @@ mod kernels;
 mod overlap;
 pub mod resident;
 pub mod shard;
+pub mod shard_resident;
 pub mod threads;
 pub mod trainer;
 

@@ -35,3 +35,8 @@ headkl_reference::threads_tests!("reference", Ok::<_, headkl_core::Error>(CpuBac
 
 // Vocabulary-parallel: 2 and 3 shards on threads against the reference.
 headkl_reference::shard_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
+
+// Vocabulary-parallel on device buffers (the CPU kernels): the resident
+// two-phase loss, the shards in turn (a CpuBuffer is not shared between
+// threads).
+headkl_reference::resident_shard_tests!(serial, "reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));

@@ -136,6 +136,101 @@ pub struct TopkOutDesc {
     pub probs_offset: usize,
 }
 
+/// One per-row step of a vocabulary shard's device-resident two-phase loss
+/// ([`crate::shard::ShardEngine::loss_partials_device`] and
+/// [`crate::shard::ShardEngine::loss_finish_device`]), around the
+/// unchanged loss kernel. Buffers `[loss_chunk, stats, partials, ids,
+/// probs, row_in, status]`: the loss kernel's `[rows][4]`, the merged
+/// statistics and a shard's partials (both `[ntok][3]`: lse at τ, lse at
+/// τ = 1, the teacher's in-shard terms), the chunk's teacher entries
+/// `[rows][k]` (global ids as `teacher_rows` writes them, then local), the
+/// loss kernel's per-row inputs and the status buffer; each step reads
+/// and writes only the buffers its [`ShardStage`] names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardRowsDesc {
+    /// The step.
+    pub stage: ShardStage,
+    /// Rows of the chunk.
+    pub rows: usize,
+    /// Teacher entries per row (at most the shard's width).
+    pub k: usize,
+    /// The shard's first row.
+    pub v0: usize,
+    /// One past its last row.
+    pub v1: usize,
+    /// The chunk's first token.
+    pub token0: usize,
+    /// The partials step also writes the lse at τ = 1 (τ is 1, so one
+    /// loss-kernel run gives both).
+    pub lse1_too: bool,
+}
+
+/// The steps of [`ShardRowsDesc`], in the order a chunk runs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardStage {
+    /// Phase one, before the loss kernel: the teacher's entries in the
+    /// shard get local ids; the others become probability-0 entries (on
+    /// the row's first in-shard column, or column 0), so the loss kernel's
+    /// soft term sums the in-shard entries only. Writes `ids`, `probs`.
+    Map,
+    /// Phase one, after the loss kernel at τ = 1 on the scaled logits:
+    /// `partials[t] = [lse_s, (lse_s), soft − mass·lse_s]` with the kernel's
+    /// lse and soft term and the row's in-shard mass; a non-finite lse is
+    /// flagged. Reads `loss_chunk`, `probs`; writes `partials`, `status`.
+    Partials,
+    /// Phase one, after the loss kernel at τ: its lse (at τ = 1) into
+    /// `partials[t][1]`. Reads `loss_chunk`; writes `partials`.
+    Lse1,
+    /// Phase two, before the loss kernel: with `α = max(exp(lse_s − lse),
+    /// 2^-40)` (the shard's own lse in `partials`, the merged one in
+    /// `stats`), in-shard entries get local ids and probability `q/α`, the
+    /// others duplicate the row's first in-shard entry (an identical
+    /// gradient write) or become probability 0 on column 0, and the row's
+    /// coefficient becomes `c·α`: the kernel's gradient is then the
+    /// global `c·(p_S − q)`. Reads `stats`, `partials`; writes `ids`,
+    /// `probs`, `row_in`.
+    MapFinish,
+    /// Phase two, after the loss kernel: each row of `loss_chunk` becomes
+    /// `[soft_part + lse, lse1, soft_part + lse, 0]` from `stats` (a
+    /// non-finite row, bad logits, is left as the kernel wrote it), for
+    /// `loss_out`. Reads `stats`; writes `loss_chunk`.
+    Loss,
+}
+
+impl ShardStage {
+    /// Its code in [`crate::params::ShardRowsParams::stage`] (the shader's
+    /// `STAGE_*` constants).
+    pub const fn code(self) -> u32 {
+        match self {
+            ShardStage::Map => 0,
+            ShardStage::Partials => 1,
+            ShardStage::Lse1 => 2,
+            ShardStage::MapFinish => 3,
+            ShardStage::Loss => 4,
+        }
+    }
+
+    /// Every step.
+    pub const ALL: [ShardStage; 5] = [
+        ShardStage::Map,
+        ShardStage::Partials,
+        ShardStage::Lse1,
+        ShardStage::MapFinish,
+        ShardStage::Loss,
+    ];
+
+    /// The shader's name for it (`STAGE_` and this).
+    pub const fn name(self) -> &'static str {
+        match self {
+            ShardStage::Map => "MAP",
+            ShardStage::Partials => "PARTIALS",
+            ShardStage::Lse1 => "LSE1",
+            ShardStage::MapFinish => "MAP_FINISH",
+            ShardStage::Loss => "LOSS",
+        }
+    }
+}
+
 /// The first bad teacher row, weight or label flagged in a call, described
 /// in the status buffer's detail words. Buffers `[ids, probs, weights,
 /// status, labels]` (weights and labels unread without them).
@@ -187,5 +282,19 @@ impl<T: ResidentBackend + ?Sized> ResidentBackend for &T {
     }
     fn submit(&self) -> Result<()> {
         (**self).submit()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ShardStage;
+
+    #[test]
+    fn shard_stage_codes_match_the_shader() {
+        let text = include_str!("../../../../shaders/resident_shard.wgsl");
+        for stage in ShardStage::ALL {
+            let line = format!("const STAGE_{}: u32 = {}u;", stage.name(), stage.code());
+            assert!(text.contains(&line), "resident_shard.wgsl lacks `{line}`");
+        }
     }
 }

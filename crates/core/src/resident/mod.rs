@@ -19,8 +19,8 @@ mod kernels;
 pub mod status;
 
 pub use kernels::{
-    HiddenInDesc, LabelsInDesc, LossOutDesc, ResidentBackend, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
-    WeightStatsDesc,
+    HiddenInDesc, LabelsInDesc, LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage, StatusDetailDesc,
+    TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 
 use crate::backend::{Backend, KlDesc, RowStats, TopkDesc};
@@ -156,9 +156,9 @@ impl<Buf> Default for DeviceLossOptions<'_, Buf> {
 /// was made for.
 pub(crate) struct ResidentScratch<B: Backend> {
     key: (Job, usize, usize),
-    rows: RowScratch<B>,
+    pub(crate) rows: RowScratch<B>,
     /// `head_kl_device`'s (a scratch made for `topk_device` has none).
-    loss: Option<LossScratch<B>>,
+    pub(crate) loss: Option<LossScratch<B>>,
 }
 
 /// What an [`Engine`] keeps for the resident entry points: scratch, the
@@ -180,12 +180,22 @@ impl<B: Backend> ResidentState<B> {
         }
     }
 
+    /// Marks work in flight whose status [`Engine::wait_device`] reads.
+    pub(crate) fn mark_pending(&mut self) {
+        self.pending = true;
+    }
+
+    /// Whether every call waits (checked mode).
+    pub(crate) fn checked(&self) -> bool {
+        self.checked
+    }
+
     pub(crate) fn release_scratch(&mut self) {
         self.scratch = None;
     }
 }
 
-fn u32_extent(field: &'static str, n: usize) -> Result<u32> {
+pub(crate) fn u32_extent(field: &'static str, n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| Error::DeviceBuffer {
         field,
         reason: format!("{n} elements: the kernels index with u32"),
@@ -193,7 +203,7 @@ fn u32_extent(field: &'static str, n: usize) -> Result<u32> {
 }
 
 /// `a · b`, or the error of a shape too large to index.
-fn elements(field: &'static str, a: usize, b: usize) -> Result<usize> {
+pub(crate) fn elements(field: &'static str, a: usize, b: usize) -> Result<usize> {
     a.checked_mul(b).ok_or_else(|| Error::DeviceBuffer {
         field,
         reason: format!("{a} × {b} elements overflow"),
@@ -212,6 +222,13 @@ impl<B: ResidentBackend> Engine<B> {
     /// call flagged since the last wait, as the typed error the host path
     /// gives for the same data (naming the token). Clears the status.
     pub fn wait_device(&mut self) -> Result<()> {
+        self.wait_device_for(self.head.vocab())
+    }
+
+    /// [`Self::wait_device`], naming `vocab` as the head's rows in its
+    /// errors (a vocabulary shard's engine checks ids against the whole
+    /// head).
+    pub(crate) fn wait_device_for(&mut self, vocab: usize) -> Result<()> {
         self.backend.finish()?;
         let Some(status) = &self.resident.status else {
             return Ok(());
@@ -224,12 +241,18 @@ impl<B: ResidentBackend> Engine<B> {
         self.backend
             .upload(status, 0, bytemuck::cast_slice(&status::cleared()))?;
         self.resident.pending = false;
-        status::to_result(&words, self.head.vocab())
+        status::to_result(&words, vocab)
     }
 
     /// Checks a caller's view: `elems` elements of 4 bytes (or
     /// `elem_bytes`) fit, and it starts where a binding may.
-    fn check_view(&self, field: &'static str, buffer: &B::Buffer, elems: usize, elem_bytes: usize) -> Result<()> {
+    pub(crate) fn check_view(
+        &self,
+        field: &'static str,
+        buffer: &B::Buffer,
+        elems: usize,
+        elem_bytes: usize,
+    ) -> Result<()> {
         let bytes = elements(field, elems, elem_bytes)?;
         let len = self.backend.buffer_len(buffer);
         if u64::try_from(bytes).map_or(true, |b| len < b) {
@@ -267,14 +290,14 @@ impl<B: ResidentBackend> Engine<B> {
     /// for another key first). [`Self::put_back_resident`] returns them.
     /// The host path's row sizes without its second (odd-chunk) buffers:
     /// nothing crosses to the host here, so there is no copy to overlap.
-    fn resident_row_bytes(&self, job: Job, k: usize) -> RowBytes {
+    pub(crate) fn resident_row_bytes(&self, job: Job, k: usize) -> RowBytes {
         RowBytes {
             doubled: false,
             ..self.head.row_bytes(&self.backend, job, k)
         }
     }
 
-    fn take_resident(&mut self, job: Job, rows: usize, k: usize) -> Result<(B::Buffer, ResidentScratch<B>)> {
+    pub(crate) fn take_resident(&mut self, job: Job, rows: usize, k: usize) -> Result<(B::Buffer, ResidentScratch<B>)> {
         let key = (job, rows, k);
         let status = self.take_status()?;
         match self.resident.scratch.take() {
@@ -299,7 +322,7 @@ impl<B: ResidentBackend> Engine<B> {
 
     /// `head_kl_device`'s own group, kept in `scratch` or made from the
     /// same sizes.
-    fn take_resident_loss(&self, scratch: &mut ResidentScratch<B>) -> Result<LossScratch<B>> {
+    pub(crate) fn take_resident_loss(&self, scratch: &mut ResidentScratch<B>) -> Result<LossScratch<B>> {
         match scratch.loss.take() {
             Some(ls) => Ok(ls),
             None => {
@@ -311,13 +334,13 @@ impl<B: ResidentBackend> Engine<B> {
 
     /// Keeps a call's status buffer and scratch for the next call, whether
     /// or not its recording succeeded.
-    fn put_back_resident(&mut self, status: B::Buffer, scratch: ResidentScratch<B>) {
+    pub(crate) fn put_back_resident(&mut self, status: B::Buffer, scratch: ResidentScratch<B>) {
         self.resident.status = Some(status);
         self.resident.scratch = Some(scratch);
     }
 
     /// Records the caller's rows `[start, start + rows)` into the padded f16
-    /// operand and the logits GEMMs.
+    /// operand and the logits GEMMs into the scratch's logits.
     fn resident_logits(
         &self,
         s: &RowScratch<B>,
@@ -326,10 +349,22 @@ impl<B: ResidentBackend> Engine<B> {
         temperature: f32,
         row_stats: Option<RowStats>,
     ) -> Result<()> {
+        self.resident_logits_into((&s.x16, &s.logits), hidden, (start, rows), temperature, row_stats)
+    }
+
+    /// [`Self::resident_logits`] into `logits` (a shard's kept buffer).
+    pub(crate) fn resident_logits_into(
+        &self,
+        (x16, logits): (&B::Buffer, &B::Buffer),
+        hidden: &DeviceHidden<'_, B::Buffer>,
+        (start, rows): (usize, usize),
+        temperature: f32,
+        row_stats: Option<RowStats>,
+    ) -> Result<()> {
         let rows_padded = round_up(rows, ALIGN);
         self.backend.dispatch(Launch::HiddenIn {
             src: hidden.buffer,
-            dst: &s.x16,
+            dst: x16,
             desc: HiddenInDesc {
                 rows,
                 cols: self.head.hs(),
@@ -340,10 +375,10 @@ impl<B: ResidentBackend> Engine<B> {
             },
         })?;
         self.head
-            .logits(&self.backend, &s.x16, &s.logits, rows_padded, temperature, row_stats)
+            .logits(&self.backend, x16, logits, rows_padded, temperature, row_stats)
     }
 
-    fn check_resident_hidden(&self, ntok: usize, hidden: &DeviceHidden<'_, B::Buffer>) -> Result<()> {
+    pub(crate) fn check_resident_hidden(&self, ntok: usize, hidden: &DeviceHidden<'_, B::Buffer>) -> Result<()> {
         if ntok == 0 {
             return Err(Error::NoTokens);
         }

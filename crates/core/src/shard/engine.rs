@@ -57,12 +57,14 @@ const ALPHA_FLOOR: f64 = 1.0 / (1u64 << 40) as f64;
 /// # Ok::<(), headkl_core::Error>(())
 /// ```
 pub struct ShardEngine<B: Backend> {
-    engine: Engine<B>,
-    shard: HeadShard,
-    keep_logits: bool,
+    pub(super) engine: Engine<B>,
+    pub(super) shard: HeadShard,
+    pub(super) keep_logits: bool,
     /// Whether the last phase one kept its logits.
-    kept_last: bool,
+    pub(super) kept_last: bool,
     pending: Option<PhaseOne<B>>,
+    /// What the device-resident phase one leaves for its phase two.
+    pub(super) pending_device: Option<super::resident::DevicePhaseOne<B>>,
 }
 
 /// What phase one leaves for phase two.
@@ -99,6 +101,7 @@ impl<B: Backend> ShardEngine<B> {
             keep_logits: true,
             kept_last: false,
             pending: None,
+            pending_device: None,
         })
     }
 
@@ -154,8 +157,9 @@ impl<B: Backend> ShardEngine<B> {
         teacher.check_vocab(self.shard.vocab())?;
         check_loss_terms(teacher.tail(), opts)?;
         let resolved = opts.resolve(ntok)?;
+        trace.mark("checks");
         let (ids, probs, k_s) = self.pack_teacher(teacher);
-        trace.mark("checks + teacher pack");
+        trace.mark("teacher pack");
         let (plan, sizes) = self.loss_job_plan(hidden, k_s, (opts.budget_bytes, opts.max_rows_per_chunk))?;
         let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
         let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.budget_bytes;
@@ -452,13 +456,15 @@ impl<B: Backend> ShardEngine<B> {
         let dx_scale = 1.0 / (f64::from(p.resolved.gscale) * f64::from(p.resolved.temperature));
         let mut padded = Vec::new();
         let mut read_chunk = |(start, rows, pending): Done, dx: &mut [f32]| -> Result<()> {
-            padded.resize(rows * hs_padded, 0f32);
-            end_next(
-                b,
-                &mut pending.into_iter(),
-                bytemuck::cast_slice_mut(padded.as_mut_slice()),
-            )?;
             let rows_dx = &mut dx[start * hs..(start + rows) * hs];
+            let mut pending = pending.into_iter();
+            if hs == hs_padded {
+                // No padding columns: the chunk's rows land in dx directly,
+                // not through a padded copy (84 MB a shard at shape A).
+                return end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_dx));
+            }
+            padded.resize(rows * hs_padded, 0f32);
+            end_next(b, &mut pending, bytemuck::cast_slice_mut(padded.as_mut_slice()))?;
             for (row, src) in rows_dx.chunks_exact_mut(hs).zip(padded.chunks_exact(hs_padded)) {
                 row.copy_from_slice(&src[..hs]);
             }
@@ -621,13 +627,19 @@ impl<B: Backend> ShardEngine<B> {
 /// [`ShardEngine::loss_partials`] calls it; a caller can call it before
 /// anything is uploaded.
 pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
+    check_terms(tail, &opts.terms, opts.labels.is_some())
+}
+
+/// [`check_loss_terms`] on the terms themselves (the device-resident calls
+/// take them in [`crate::DeviceLossOptions`]).
+pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool) -> Result<()> {
     let refuse = |option, value: String, hint| Err(Error::ShardUnsupported { option, value, hint });
     let d = LossTerms::default();
-    let t = opts.terms;
+    let t = *terms;
     if tail != TailMode::Renormalize {
         return refuse("tail", tail.name().into(), "use the default tail, renormalize");
     }
-    if opts.labels.is_some() || t.hard_weight != d.hard_weight {
+    if has_labels || t.hard_weight != d.hard_weight {
         return refuse("hard-weight", t.hard_weight.to_string(), "the hard term runs unsharded");
     }
     if t.z_loss != d.z_loss {

@@ -108,29 +108,60 @@ pub fn merge_loss_outputs_into(parts: &[LossOutput], merged: &mut LossOutput) ->
             });
         }
     }
-    // In blocks, through an f64 accumulator that stays in cache: a whole
-    // f64 copy of dx (168 MB at shape A) cost more than the shards' kernels.
-    const BLOCK: usize = 4096;
     let dx = &mut merged.dx;
-    dx.clear();
-    let mut acc = [0f64; BLOCK];
-    for start in (0..len).step_by(BLOCK) {
-        let n = BLOCK.min(len - start);
-        let acc = &mut acc[..n];
-        acc.fill(0.0);
-        for p in parts {
-            for (a, &v) in acc.iter_mut().zip(&p.dx[start..start + n]) {
-                *a += f64::from(v);
-            }
-        }
-        dx.extend(acc.iter().map(|&a| a as f32));
+    // Every element is written below: a kept dx of this length is not
+    // zeroed first.
+    if dx.len() != len {
+        dx.clear();
+        dx.resize(len, 0.0);
     }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    sum_dx_on(parts, dx, threads);
     merged.loss.clone_from(&first.loss);
     merged.lse.clone_from(&first.lse);
     merged.soft.clone_from(&first.soft);
     merged.hard.clone_from(&first.hard);
     merged.mean = first.mean;
     Ok(())
+}
+
+/// Sums the shards' dx into `dx` on up to `threads` threads, in element
+/// ranges of at least 2^20 (each element's sum runs over the shards in
+/// order, so the result does not depend on the split): one thread's pass
+/// over the shards' dx (tens of MB each) was a large part of the sharded
+/// call's host time.
+fn sum_dx_on(parts: &[LossOutput], dx: &mut [f32], threads: usize) {
+    const PIECE: usize = 1 << 20;
+    let per_thread = dx.len().div_ceil(threads.max(1)).max(PIECE);
+    if dx.len() <= per_thread {
+        return sum_dx(parts, 0, dx);
+    }
+    std::thread::scope(|scope| {
+        for (i, out) in dx.chunks_mut(per_thread).enumerate() {
+            scope.spawn(move || sum_dx(parts, i * per_thread, out));
+        }
+    });
+}
+
+/// `out[i] = Σ_parts dx[start + i]`, in blocks through an f64 accumulator
+/// that stays in cache (a whole f64 copy of dx, 168 MB at shape A, cost
+/// more than the shards' kernels).
+fn sum_dx(parts: &[LossOutput], start: usize, out: &mut [f32]) {
+    const BLOCK: usize = 4096;
+    let mut acc = [0f64; BLOCK];
+    for (b, out) in out.chunks_mut(BLOCK).enumerate() {
+        let at = start + b * BLOCK;
+        let acc = &mut acc[..out.len()];
+        acc.fill(0.0);
+        for p in parts {
+            for (a, &v) in acc.iter_mut().zip(&p.dx[at..at + out.len()]) {
+                *a += f64::from(v);
+            }
+        }
+        for (o, &a) in out.iter_mut().zip(acc.iter()) {
+            *o = a as f32;
+        }
+    }
 }
 
 /// Merges the shards' top-k candidates into the global top-k of
@@ -286,6 +317,26 @@ mod tests {
         }
         assert_eq!((merged.loss.clone(), merged.mean), (vec![1.0; 2], 0.5));
         assert_eq!(merge_loss_outputs(&parts).expect("merge").dx, merged.dx);
+    }
+
+    #[test]
+    fn dx_summed_on_threads_equals_one_thread() {
+        // Past three ranges of 2^20, so three threads each take one and a
+        // fourth the rest.
+        let len = 3 * (1 << 20) + 4096 + 11;
+        let parts: Vec<LossOutput> = [1.0f32, 1e-8, -1.0]
+            .iter()
+            .map(|&scale| LossOutput {
+                dx: (0..len).map(|i| scale * (1.0 + (i % 977) as f32 * 1e-3)).collect(),
+                ..LossOutput::default()
+            })
+            .collect();
+        let (mut one, mut three) = (vec![0f32; len], vec![f32::NAN; len]);
+        sum_dx_on(&parts, &mut one, 1);
+        sum_dx_on(&parts, &mut three, 3);
+        assert!(one == three, "the threaded sum differs");
+        let i = len - 1;
+        assert_eq!(one[i], parts.iter().map(|p| f64::from(p.dx[i])).sum::<f64>() as f32);
     }
 
     #[test]

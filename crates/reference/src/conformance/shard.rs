@@ -18,9 +18,9 @@ use crate::direct::{head_kl_f64, topk_f64};
 use crate::strategies::Rng;
 use crate::tolerance::Tolerance;
 
-const VOCAB: usize = 1000;
-const HS: usize = 48;
-const NTOK: usize = 40;
+pub(super) const VOCAB: usize = 1000;
+pub(super) const HS: usize = 48;
+pub(super) const NTOK: usize = 40;
 
 /// How the shards' engines are driven: [`Serial`] or [`Threads`].
 pub trait Drive<B: Backend> {
@@ -115,13 +115,13 @@ pub fn shard_case_count() -> usize {
 }
 
 /// Seeded head, hidden rows and a teacher whose ids the caller places.
-struct Inputs {
-    head: Vec<f32>,
-    x: Vec<f32>,
+pub(super) struct Inputs {
+    pub(super) head: Vec<f32>,
+    pub(super) x: Vec<f32>,
 }
 
 impl Inputs {
-    fn new(seed: u64) -> Self {
+    pub(super) fn new(seed: u64) -> Self {
         let mut rng = Rng::new(seed);
         let mut fill = |n: usize, scale: f64| (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * scale) as f32).collect();
         Self {
@@ -133,7 +133,23 @@ impl Inputs {
 
 /// A teacher of `k` distinct ids per token drawn by `pick(token, rng)`, with
 /// random positive values (probabilities, or log-probabilities).
-fn teacher(seed: u64, k: usize, form: TeacherForm, pick: impl Fn(usize, &mut Rng) -> usize) -> Result<Teacher, String> {
+pub(super) fn teacher(
+    seed: u64,
+    k: usize,
+    form: TeacherForm,
+    pick: impl Fn(usize, &mut Rng) -> usize,
+) -> Result<Teacher, String> {
+    let (ids, vals) = teacher_values(seed, k, form, pick);
+    Teacher::with_form(&ids, &vals, NTOK, k, VOCAB, form, TailMode::Renormalize).map_err(|e| e.to_string())
+}
+
+/// [`teacher`]'s ids and values as drawn (what a device buffer holds).
+pub(super) fn teacher_values(
+    seed: u64,
+    k: usize,
+    form: TeacherForm,
+    pick: impl Fn(usize, &mut Rng) -> usize,
+) -> (Vec<i64>, Vec<f32>) {
     let mut rng = Rng::new(seed);
     let mut ids = Vec::with_capacity(NTOK * k);
     let mut vals = Vec::with_capacity(NTOK * k);
@@ -154,10 +170,10 @@ fn teacher(seed: u64, k: usize, form: TeacherForm, pick: impl Fn(usize, &mut Rng
             });
         }
     }
-    Teacher::with_form(&ids, &vals, NTOK, k, VOCAB, form, TailMode::Renormalize).map_err(|e| e.to_string())
+    (ids, vals)
 }
 
-fn engines<'b, B: Backend>(
+pub(super) fn engines<'b, B: Backend>(
     backend: &'b B,
     head: &HeadWeights<'_>,
     shards: &[HeadShard],
@@ -434,7 +450,7 @@ fn topk_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
     })
 }
 
-fn expect_err<T>(what: &str, r: Result<T, Error>, ok: impl Fn(&Error) -> bool) -> Result<(), String> {
+pub(super) fn expect_err<T>(what: &str, r: Result<T, Error>, ok: impl Fn(&Error) -> bool) -> Result<(), String> {
     match r {
         Err(e) if ok(&e) => Ok(()),
         Err(e) => Err(format!("{what}: wrong error: {e}")),

@@ -4,8 +4,8 @@
 
 use half::{bf16, f16};
 use headkl_core::params::{
-    HiddenInParams, LabelsInParams, LossOutParams, StatusDetailParams, TeacherRowsParams, TopkOutParams,
-    WeightStatsParams,
+    HiddenInParams, LabelsInParams, LossOutParams, ShardRowsParams, StatusDetailParams, TeacherRowsParams,
+    TopkOutParams, WeightStatsParams,
 };
 use headkl_core::resident::status::{
     KIND_DUPLICATE, KIND_ID_RANGE, KIND_PROB_NEGATIVE, KIND_PROB_NON_FINITE, KIND_ROW_SUM, KIND_WEIGHT_NEGATIVE,
@@ -13,7 +13,9 @@ use headkl_core::resident::status::{
     S_TOTAL_BAD, S_TOTAL_BITS, S_WEIGHT,
 };
 use headkl_core::resident::status::{KIND_LABEL, KIND_LOGPROB, KIND_MASS};
-use headkl_core::{Checked, HiddenDtype, KernelId, ResidentBackend, Result, TailMode, MASS_TOLERANCE, NO_LABEL};
+use headkl_core::{
+    Checked, HiddenDtype, KernelId, ResidentBackend, Result, ShardStage, TailMode, MASS_TOLERANCE, NO_LABEL,
+};
 
 use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer};
 
@@ -22,8 +24,30 @@ fn block<P: bytemuck::Pod>(id: KernelId, bytes: &[u8]) -> Result<P> {
     bytemuck::try_pod_read_unaligned(bytes).map_err(|e| backend_error(format!("{id}: parameter block: {e}")))
 }
 
+/// The floor on a shard's softmax share α, 2^-40 (the shader's).
+const ALPHA_FLOOR: f32 = 1.0 / (1u64 << 40) as f32;
+
 fn bad_value(x: f32) -> bool {
     !x.is_finite() || (x < 0.0)
+}
+
+/// One teacher row's global ids to a shard's local ids, in place, the
+/// probabilities times `inv_alpha` (`resident_shard.wgsl`'s `map_row`): an
+/// entry outside `[v0, v1)` copies the row's first in-shard entry
+/// (`duplicate`) or gets probability 0; with none it is column 0.
+fn map_shard_row(ids: &mut [u32], probs: &mut [f32], (v0, v1): (u32, u32), inv_alpha: f32, duplicate: bool) {
+    let inside = |id: u32| id >= v0 && id < v1;
+    let first = (0..ids.len()).find(|&q| inside(ids[q]));
+    let (first_id, first_p) = first.map_or((0, 0.0), |q| (ids[q] - v0, probs[q] * inv_alpha));
+    let first_p = if duplicate { first_p } else { 0.0 };
+    for (id, p) in ids.iter_mut().zip(probs.iter_mut()) {
+        if inside(*id) {
+            *id -= v0;
+            *p *= inv_alpha;
+        } else {
+            (*id, *p) = (first_id, first_p);
+        }
+    }
 }
 
 fn lower(status: &mut [u32], word: usize, value: u32) {
@@ -44,6 +68,7 @@ impl CpuBackend {
             KernelId::LossOut => self.loss_out(b, &block(id, &bytes)?),
             KernelId::TopkOut => self.topk_out(b, &block(id, &bytes)?),
             KernelId::StatusDetail => self.status_detail(b, &block(id, &bytes)?),
+            KernelId::ShardRows => self.shard_rows(b, &block(id, &bytes)?),
             _ => Err(backend_error(format!("{id} is not a resident kernel"))),
         }
     }
@@ -228,6 +253,80 @@ impl CpuBackend {
                 let v = dx_mul * dx[r * ld + c];
                 let o = &mut dx_dst[p.dx_offset as usize + r * cols + c];
                 *o = if p.accumulate != 0 { *o + v } else { v };
+            }
+        }
+        Ok(())
+    }
+
+    /// `resident_shard.wgsl`: one step of a shard's two-phase loss, each
+    /// touching only the buffers it names (so unread slots may alias).
+    fn shard_rows(&self, b: &[&CpuBuffer], p: &ShardRowsParams) -> Result<()> {
+        const K: &str = "shard_rows";
+        let stage = ShardStage::ALL
+            .into_iter()
+            .find(|s| s.code() == p.stage)
+            .ok_or_else(|| backend_error(format!("{K}: no stage {}", p.stage)))?;
+        let (rows, k) = (p.rows as usize, p.k as usize);
+        let (v0, v1) = (p.v0, p.v1);
+        let token = |r: usize| (p.token0 as usize + r) * 3;
+        match stage {
+            ShardStage::Map => {
+                let (mut ids, mut probs) = (b[3].write(K)?, b[4].write(K)?);
+                let probs = f32s_mut(&mut probs);
+                for r in 0..rows {
+                    let range = r * k..(r + 1) * k;
+                    map_shard_row(&mut ids[range.clone()], &mut probs[range], (v0, v1), 1.0, false);
+                }
+            }
+            ShardStage::Partials => {
+                let (loss, probs) = (b[0].read(K)?, b[4].read(K)?);
+                let (mut partials, mut status) = (b[2].write(K)?, b[6].write(K)?);
+                let (loss, probs, partials) = (f32s(&loss), f32s(&probs), f32s_mut(&mut partials));
+                for r in 0..rows {
+                    let lse = loss[r * 4 + 1];
+                    let mass: f32 = probs[r * k..(r + 1) * k].iter().sum();
+                    let t = token(r);
+                    partials[t] = lse;
+                    if p.lse1_too != 0 {
+                        partials[t + 1] = lse;
+                    }
+                    partials[t + 2] = loss[r * 4 + 2] - mass * lse;
+                    if !lse.is_finite() {
+                        lower(&mut status, S_LOGITS, p.token0 + r as u32);
+                    }
+                }
+            }
+            ShardStage::Lse1 => {
+                let loss = b[0].read(K)?;
+                let mut partials = b[2].write(K)?;
+                let (loss, partials) = (f32s(&loss), f32s_mut(&mut partials));
+                for r in 0..rows {
+                    partials[token(r) + 1] = loss[r * 4 + 1];
+                }
+            }
+            ShardStage::MapFinish => {
+                let (stats, partials) = (b[1].read(K)?, b[2].read(K)?);
+                let (mut ids, mut probs, mut row_in) = (b[3].write(K)?, b[4].write(K)?, b[5].write(K)?);
+                let (stats, partials, probs) = (f32s(&stats), f32s(&partials), f32s_mut(&mut probs));
+                for r in 0..rows {
+                    let t = token(r);
+                    let alpha = (partials[t] - stats[t]).exp().max(ALPHA_FLOOR);
+                    let range = r * k..(r + 1) * k;
+                    map_shard_row(&mut ids[range.clone()], &mut probs[range], (v0, v1), 1.0 / alpha, true);
+                    row_in[r * 2] = (f32::from_bits(row_in[r * 2]) * alpha).to_bits();
+                }
+            }
+            ShardStage::Loss => {
+                let stats = b[1].read(K)?;
+                let mut loss = b[0].write(K)?;
+                let (stats, loss) = (f32s(&stats), f32s_mut(&mut loss));
+                for r in 0..rows {
+                    if loss[r * 4].is_finite() {
+                        let t = token(r);
+                        let l = stats[t + 2] + stats[t];
+                        loss[r * 4..r * 4 + 4].copy_from_slice(&[l, stats[t + 1], l, 0.0]);
+                    }
+                }
             }
         }
         Ok(())
