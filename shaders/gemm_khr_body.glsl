@@ -48,6 +48,7 @@
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_control_flow_attributes : require
 
 // TALL (ceiling report only): the workgroup's C tile is 2 x BM rows by 64
@@ -394,28 +395,43 @@ void row_stats() {
             }
             subgroupMemoryBarrierShared();
             subgroupBarrier();
-            uint row = row0 + wr + i * 16 + lane;
+            // Two lanes a row, 16 columns each: the max, then 16
+            // independent exponentials (a running fold would chain them).
+            uint r16 = lane / 2;
+            uint half_col = (lane % 2) * 16;
+            uint row = row0 + wr + i * 16 + r16;
             uint col = col0 + wc + g * 32;
-            if (lane < 16 && row < p.m && col < p.n) {
-                float m = -3.0e38;
-                float s = 0.0;
-                bool bad = false;
-                [[unroll]] for (uint w = 0; w < 8; w++) {
-                    vec4 x4 = uintBitsToFloat(sa[base + lane * STATS_STRIDE + w]);
-                    [[unroll]] for (uint e = 0; e < 4; e++) {
-                        float x = x4[e];
-                        if (col + w * 4 + e < p.stats_cols) {
-                            if (isnan(x) || isinf(x)) {
-                                bad = true;
-                            } else {
-                                // One exponential whichever side of the max x falls.
-                                float d = exp(-abs(x - m));
-                                s = x > m ? s * d + 1.0 : s + d;
-                                m = max(m, x);
-                            }
+            uint at = base + r16 * STATS_STRIDE + (lane % 2) * 4;
+            float m4[4] = float[4](-3.0e38, -3.0e38, -3.0e38, -3.0e38);
+            bool bad = false;
+            [[unroll]] for (uint w = 0; w < 4; w++) {
+                vec4 x4 = uintBitsToFloat(sa[at + w]);
+                [[unroll]] for (uint e = 0; e < 4; e++) {
+                    float x = x4[e];
+                    if (col + half_col + w * 4 + e < p.stats_cols) {
+                        if (isnan(x) || isinf(x)) {
+                            bad = true;
+                        } else {
+                            m4[e] = max(m4[e], x);
                         }
                     }
                 }
+            }
+            float m = max(max(m4[0], m4[1]), max(m4[2], m4[3]));
+            m = max(m, subgroupShuffleXor(m, 1));
+            vec4 s4 = vec4(0.0);
+            [[unroll]] for (uint w = 0; w < 4; w++) {
+                vec4 x4 = uintBitsToFloat(sa[at + w]);
+                [[unroll]] for (uint e = 0; e < 4; e++) {
+                    float x = x4[e];
+                    bool real = col + half_col + w * 4 + e < p.stats_cols && !(isnan(x) || isinf(x));
+                    s4[e] += real ? exp(x - m) : 0.0;
+                }
+            }
+            float s = (s4.x + s4.y) + (s4.z + s4.w);
+            s += subgroupShuffleXor(s, 1);
+            bad = bad || subgroupShuffleXor(uint(bad), 1) != 0;
+            if (lane % 2 == 0 && row < p.m && col < p.n) {
                 uint o = p.stats_offset + row * 2 * p.stats_ld + 2 * (p.stats_first + col / 32);
                 c[o] = m;
                 c[o + 1] = bad ? uintBitsToFloat(0x7fc00000u) : s;
