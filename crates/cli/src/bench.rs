@@ -36,7 +36,7 @@ mod table;
 pub use shape::{JobKind, Shape};
 use stats::announce_estimate;
 pub(crate) use stats::{median, sorted};
-pub use table::{render, BenchReport, BenchRun, JobResult, KernelStat};
+pub use table::{render, BenchReport, BenchRun, FilterReport, JobResult, KernelStat};
 
 /// Rows of the probe call that estimates a run's length: a few whole
 /// GEMM row tiles (16 rows over-estimated lavapipe's run 4.5x, its tiles
@@ -77,11 +77,37 @@ pub struct BenchConfig {
     pub yes: bool,
     /// `--shards N`: also time both jobs with the head in N shards.
     pub shards: Option<usize>,
+    /// `--data`.
+    pub data: DataKind,
+    /// `--filter-eps`: the dx GEMM's block filter (off: `None`).
+    pub filter_eps: Option<f32>,
 }
 
-/// Random data of one shape: f16 head and hidden rows, and a teacher.
+/// What data the bench makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    /// Uniform head and hidden rows, a random teacher: flat logits, where
+    /// the block filter skips nothing.
+    Random,
+    /// `headkl_reference::lm`: logits like a trained LM's.
+    Lm,
+}
+
+impl DataKind {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataKind::Random => "random",
+            DataKind::Lm => "lm",
+        }
+    }
+}
+
+/// The data of one shape: f16 head and hidden rows, and a teacher.
 struct BenchData {
     shape: Shape,
+    kind: DataKind,
     head: Vec<f16>,
     hidden: Vec<f16>,
     teacher: Teacher,
@@ -91,7 +117,10 @@ impl BenchData {
     /// Generates the data on every core. Head values have standard
     /// deviation 0.02 and hidden values 1 (the anchors' scales), so logits
     /// are O(1) as in a real model.
-    fn generate(shape: Shape) -> Result<Self, CliError> {
+    fn generate(shape: Shape, kind: DataKind) -> Result<Self, CliError> {
+        if kind == DataKind::Lm {
+            return Self::generate_lm(shape);
+        }
         let start = Instant::now();
         log::info!(
             "bench: generating {shape} data (head {})",
@@ -126,11 +155,65 @@ impl BenchData {
         log::info!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
         Ok(Self {
             shape,
+            kind,
             head,
             hidden,
             teacher,
         })
     }
+    /// `--data lm`: `headkl_reference::lm`'s generator with its calibrated
+    /// defaults, and its statistics printed beside the published ones.
+    fn generate_lm(shape: Shape) -> Result<Self, CliError> {
+        use headkl_reference::lm;
+        let start = Instant::now();
+        log::info!(
+            "bench: generating {shape} lm data (head {})",
+            fmt_bytes((shape.vocab * shape.hs * 2) as u64)
+        );
+        let spec = lm::LmSpec::new(shape.vocab, shape.hs, shape.ntok, shape.k, DATA_SEED);
+        let d = lm::generate(&spec).map_err(|e| CliError::option("--data lm", e))?;
+        let teacher = Teacher::new(&d.ids, &d.probs, shape.ntok, shape.k, shape.vocab)
+            .map_err(|e| CliError::device("generating the lm teacher", e))?;
+        eprintln!("{}", lm_report(&d.stats, d.inv_temp));
+        log::info!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
+        Ok(Self {
+            shape,
+            kind: DataKind::Lm,
+            head: d.head,
+            hidden: d.hidden,
+            teacher,
+        })
+    }
+}
+
+/// The lm data's statistics beside the published ones (the issue's
+/// Qwen2.5-0.5B measurement on real text, V = 151936).
+fn lm_report(st: &headkl_reference::lm::LmStats, inv_temp: f32) -> String {
+    let p = headkl_reference::lm::PUBLISHED;
+    let m = st.measured;
+    format!(
+        "bench: lm data, {} sample tokens: mean student entropy {:.2} nats (top token {:.2}), λ = {inv_temp:.3}\n\
+         bench: lm data vs published (Qwen2.5-0.5B, real text):\n\
+         bench:   entries |p_S - p_T| >= 2^-12   {:>7.3}%   published {:.3}%\n\
+         bench:   128x128 tiles kept, natural    {:>7.1}%   published {:.0}%\n\
+         bench:   128x128 tiles kept, sorted     {:>7.1}%   published {:.0}%\n\
+         bench:   128x128 tiles kept, random     {:>7.1}%   published {:.0}%\n\
+         bench:   dx blocks kept at 2^-15 (rows x 64): 64 rows {:.1}%, 128 rows {:.1}%, 128 rows sorted {:.1}%",
+        st.tokens,
+        st.entropy,
+        st.top_prob,
+        100.0 * m.kept_entries,
+        100.0 * p.kept_entries,
+        100.0 * m.tiles_natural,
+        100.0 * p.tiles_natural,
+        100.0 * m.tiles_sorted,
+        100.0 * p.tiles_sorted,
+        100.0 * m.tiles_random,
+        100.0 * p.tiles_random,
+        100.0 * st.filter_kept_64,
+        100.0 * st.filter_kept_128,
+        100.0 * st.filter_kept_128_sorted,
+    )
 }
 
 /// Runs both jobs on one backend; the data of the last shape is kept for
@@ -219,6 +302,7 @@ impl BenchJob<'_> {
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(|e| CliError::device("bench data", e))?;
         let loss_opts = LossOptions {
             budget_bytes: cfg.budget,
+            filter_eps: cfg.filter_eps,
             ..LossOptions::default()
         };
         let topk_opts = TopkOptions {
@@ -227,7 +311,7 @@ impl BenchJob<'_> {
         };
         // Kept across calls, as a training loop keeps its gradient buffer.
         let mut loss_out = headkl_core::LossOutput::default();
-        Self::time_calls(
+        let mut result = Self::time_calls(
             cfg,
             engine,
             job,
@@ -239,7 +323,68 @@ impl BenchJob<'_> {
                 JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
                 JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
             },
-        )
+        )?;
+        if job == JobKind::HeadKl {
+            result.filter = Some(Self::filter_report(d, engine, &hidden, &loss_opts, &loss_out)?);
+        }
+        Ok(result)
+    }
+    /// What the block filter did in the last timed call, and dx's error
+    /// against one unfiltered call (untimed) on the same engine.
+    fn filter_report<B: Backend>(
+        d: &BenchData,
+        engine: &mut Engine<B>,
+        hidden: &Hidden<'_>,
+        opts: &LossOptions,
+        filtered: &headkl_core::LossOutput,
+    ) -> Result<FilterReport, CliError> {
+        let Some(st) = filtered.filter else {
+            eprintln!("bench: dx block filter off ({} data)", d.kind.name());
+            return Ok(FilterReport::off(d.kind));
+        };
+        let exact = engine
+            .head_kl(
+                hidden,
+                &d.teacher,
+                &LossOptions {
+                    filter_eps: None,
+                    ..opts.clone()
+                },
+            )
+            .map_err(|e| CliError::device("bench: the unfiltered call", e))?;
+        let _ = engine.backend().take_kernel_times();
+        let norm = exact.dx.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+        let diff = exact
+            .dx
+            .iter()
+            .zip(&filtered.dx)
+            .map(|(&a, &b)| f64::from(a - b).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let rel = |v: f64| v / norm.max(f64::MIN_POSITIVE);
+        let report = FilterReport {
+            data: d.kind,
+            eps: Some(st.eps),
+            skipped: st.skipped_fraction(),
+            dx_rel_err: rel(diff),
+            bound_rel: rel(st.dropped_bound),
+            loss_identical: exact.loss == filtered.loss,
+        };
+        eprintln!(
+            "bench: dx block filter ε = {:e} ({} data): skipped {:.1}% of the dx GEMM's blocks; dx vs unfiltered: \
+             relative L2 error {:.2e} (bound {:.2e}); loss {}",
+            st.eps,
+            d.kind.name(),
+            100.0 * report.skipped,
+            report.dx_rel_err,
+            report.bound_rel,
+            if report.loss_identical {
+                "bit-identical"
+            } else {
+                "DIFFERS"
+            },
+        );
+        Ok(report)
     }
 
     /// Times `cfg.iters` calls of `call` (after `cfg.warmup`), each
@@ -355,6 +500,7 @@ impl BenchJob<'_> {
             wall_tflops: tf(median_ms),
             peak_extra_bytes: peak.saturating_sub(head_bytes),
             kernels,
+            filter: None,
         })
     }
 }
@@ -415,6 +561,7 @@ fn time_resident<B: ResidentBackend>(
     let out = DeviceLossOutput { loss: &loss, dx: &dx };
     let loss_opts = DeviceLossOptions {
         budget_bytes: cfg.budget,
+        filter_eps: cfg.filter_eps,
         ..DeviceLossOptions::default()
     };
     let topk_opts = TopkOptions {
@@ -479,9 +626,13 @@ impl BenchJob<'_> {
             device_bytes,
         };
         let confirmed = preflight::confirm(&format!("bench {} at {shape}", info.backend), &needs, self.cfg, &info)?;
-        if self.cache.as_ref().is_none_or(|d| d.shape != shape) {
+        if self
+            .cache
+            .as_ref()
+            .is_none_or(|d| d.shape != shape || d.kind != self.cfg.data)
+        {
             *self.cache = None; // free the old data before making the new
-            *self.cache = Some(BenchData::generate(shape)?);
+            *self.cache = Some(BenchData::generate(shape, self.cfg.data)?);
         }
         let Some(data) = self.cache.as_ref() else {
             return Ok(None);
@@ -776,7 +927,7 @@ mod tests {
             hs: 8,
             k: 30,
         };
-        let d = BenchData::generate(shape).unwrap();
+        let d = BenchData::generate(shape, DataKind::Random).unwrap();
         assert_eq!(d.head.len(), 40 * 8);
         assert_eq!(d.teacher.ntok(), 5);
         assert!(d.head.iter().all(|v| v.to_f32().abs() < 0.035));

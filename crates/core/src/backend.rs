@@ -126,6 +126,14 @@ pub struct GemmDesc {
     /// Elements from one part's C block to the next's (unused with one
     /// part).
     pub c_part_stride: usize,
+    /// The block filter (`crate::filter`): 0 computes every block; `r > 0`
+    /// reads the block mask of A's first `r` rows, stored in A's buffer at
+    /// element `m · lda` ([`crate::filter::mask_words`]`(lda)` words a
+    /// row), and skips each K step of a row tile whose block is clear in
+    /// all of the tile's rows below `r` (the [`HeadLayout::Dx`] GEMM
+    /// only). Needs `a_offset < lda` (A starts in row 0, so a K index's
+    /// vocabulary column is `a_offset + kk`).
+    pub mask_rows: usize,
 }
 
 impl GemmDesc {
@@ -151,6 +159,7 @@ impl GemmDesc {
             accumulate: false,
             k_parts: 1,
             c_part_stride: 0,
+            mask_rows: 0,
         }
     }
 }
@@ -207,6 +216,22 @@ pub struct KlDesc {
     pub tail: TailMode,
     /// The terms' weights and knobs.
     pub terms: LossTerms,
+    /// The block filter: also write the dx GEMM's block mask into grad
+    /// (`crate::filter`; `None`: grad alone).
+    pub filter: Option<KlFilter>,
+}
+
+/// Where and how `kl_rows` writes the dx GEMM's block mask: bit `b` of row
+/// `t` is set when some `c_t·∂L_t/∂s_j` with `j` in block `b` is above
+/// `eps·|c_t|` in magnitude (or not a number), i.e. `|∂L_t/∂s_j| > eps`;
+/// a row with `c_t = 0` has every bit clear (its gradient is zero).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KlFilter {
+    /// ε (finite, ≥ 0).
+    pub eps: f32,
+    /// First half of the mask in grad (a multiple of 4; at least
+    /// `rows · ld`): the dx GEMM reads it at `m · lda`.
+    pub mask_at: usize,
 }
 
 impl KlDesc {
@@ -221,6 +246,7 @@ impl KlDesc {
             temperature: 1.0,
             tail: TailMode::Renormalize,
             terms: LossTerms::default(),
+            filter: None,
         }
     }
 }

@@ -7,7 +7,7 @@ use crate::backend::{Backend, KlDesc, PendingDownload, TopkDesc};
 use crate::chunking::ChunkPlan;
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
-use crate::head_planes::HeadPlanes;
+use crate::head_planes::{DxFilter, HeadPlanes};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
@@ -44,6 +44,9 @@ pub struct LossOutput {
     pub mean: f64,
     /// `∂L/∂x` `[ntok][hs]`.
     pub dx: Vec<f32>,
+    /// With [`LossOptions::filter_eps`]: what the dx GEMM's block filter
+    /// skipped, and a bound on what that dropped from dx.
+    pub filter: Option<crate::FilterStats>,
 }
 
 /// Result of `topk`: `[ntok][k]` ids (descending logit, ties lowest id
@@ -192,8 +195,8 @@ impl<B: Backend> Engine<B> {
     /// The chunk plan `head_kl` would use for `ntok` tokens.
     pub fn loss_plan(&self, ntok: usize, k: usize, f32_input: bool, opts: &LossOptions) -> Result<ChunkPlan> {
         let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
-        self.head
-            .chunk_plan(&self.backend, Job::Loss, ntok, k, f32_input, budget)
+        let job = Job::loss(opts.filter_eps);
+        self.head.chunk_plan(&self.backend, job, ntok, k, f32_input, budget)
     }
 
     /// The parts each slice's dx GEMM is split into for a chunk of
@@ -215,12 +218,12 @@ impl<B: Backend> Engine<B> {
     /// row and loss scratch. [`Self::end_host_call`] returns them.
     pub(crate) fn begin_loss_call<'a>(
         &mut self,
-        sizes: &RowBytes,
+        (job, sizes): (Job, &RowBytes),
         (rows, k): (usize, usize),
         hidden: HiddenData<'a>,
     ) -> Result<(Input<'a, B>, RowScratch<B>, LossScratch<B>)> {
         self.resident.release_scratch();
-        let (input, rows_s) = self.scratch.begin(&self.backend, Job::Loss, sizes, (rows, k), hidden)?;
+        let (input, rows_s) = self.scratch.begin(&self.backend, job, sizes, (rows, k), hidden)?;
         match self.scratch.take_loss(&self.backend, sizes, rows) {
             Ok(loss_s) => Ok((input, rows_s, loss_s)),
             Err(e) => {
@@ -278,8 +281,9 @@ impl<B: Backend> Engine<B> {
         let k = teacher.k();
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
-        let sizes = self.head.row_bytes(&self.backend, Job::Loss, k);
-        let (input, rows_s, loss_s) = self.begin_loss_call(&sizes, (plan.rows_per_chunk, k), hidden.data())?;
+        let job = Job::loss(resolved.filter_eps);
+        let sizes = self.head.row_bytes(&self.backend, job, k);
+        let (input, rows_s, loss_s) = self.begin_loss_call((job, &sizes), (plan.rows_per_chunk, k), hidden.data())?;
         let result = self.loss_chunks(&plan, &input, &rows_s, &loss_s, teacher, &resolved, out);
         self.end_host_call(rows_s, Some(loss_s), input);
         result
@@ -311,7 +315,12 @@ impl<B: Backend> Engine<B> {
             hard,
             mean,
             dx,
+            filter,
         } = out;
+        *filter = resolved.filter_eps.map(|eps| crate::FilterStats {
+            eps,
+            ..Default::default()
+        });
         for v in [&mut *loss, &mut *lse, &mut *soft, &mut *hard] {
             v.resize(ntok, 0.0);
         }
@@ -363,10 +372,12 @@ impl<B: Backend> Engine<B> {
                 temperature: resolved.temperature,
                 tail: teacher.tail(),
                 terms: resolved.terms,
+                filter: self.head.kl_filter(resolved.filter_eps, rows_padded),
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, row_in_buf, loss_buf, grad, &kl)?;
+            let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
-                .dx(b, (grad, dx_buf, &s.logits), rows_padded, dx_scale as f32)?;
+                .dx(b, (grad, dx_buf, &s.logits), rows_padded, dx_scale as f32, dx_filter)?;
             let f32_bytes = std::mem::size_of::<f32>();
             let pending = begin_pair(
                 b,
@@ -375,18 +386,40 @@ impl<B: Backend> Engine<B> {
                     (dx_buf, rows * self.head.hs_padded() * f32_bytes),
                 ],
             )?;
+            // The block mask, copied out for the call's statistics.
+            let mask = match kl.filter {
+                Some(_) => {
+                    let (at, halves) = self.head.mask_span(rows, rows_padded);
+                    match b.download_begin(grad, (at * 2) as u64, halves * 2) {
+                        Ok(m) => Some(m),
+                        Err(e) => {
+                            pending.into_iter().for_each(|p| discard(b, p));
+                            return Err(e);
+                        }
+                    }
+                }
+                None => None,
+            };
             trace.mark("teacher upload + record");
-            if let Some(done) = pipe.push(start, rows, pending) {
+            if let Some(mut done) = pipe.push(start, rows, pending, mask) {
                 let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
-                let rows = done.rows;
-                self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
+                let (start, rows, mask) = (done.start, done.rows, done.mask.take());
+                if let Err(e) = self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace) {
+                    mask.into_iter().for_each(|p| discard(b, p));
+                    return Err(e);
+                }
+                self.read_mask(b, mask, (start, rows), resolved, filter)?;
                 self.report(rows);
             }
         }
-        if let Some(done) = pipe.pop() {
+        if let Some(mut done) = pipe.pop() {
             let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
-            let rows = done.rows;
-            self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
+            let (start, rows, mask) = (done.start, done.rows, done.mask.take());
+            if let Err(e) = self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace) {
+                mask.into_iter().for_each(|p| discard(b, p));
+                return Err(e);
+            }
+            self.read_mask(b, mask, (start, rows), resolved, filter)?;
             self.report(rows);
         }
         trace.report();
@@ -396,6 +429,31 @@ impl<B: Backend> Engine<B> {
             .map(|(&l, &w)| f64::from(l) * f64::from(w))
             .sum();
         *mean = weighted / f64::from(resolved.total);
+        Ok(())
+    }
+
+    /// Reads one chunk's block mask (with the filter on) into the call's
+    /// statistics ([`HeadPlanes::filter_stats`]): chunk rows `[start,
+    /// start + rows)`.
+    fn read_mask(
+        &self,
+        b: &B,
+        mask: Option<PendingDownload>,
+        (start, rows): (usize, usize),
+        resolved: &ResolvedLoss,
+        stats: &mut Option<crate::FilterStats>,
+    ) -> Result<()> {
+        let Some(pending) = mask else {
+            return Ok(());
+        };
+        let mut halves = vec![half::f16::ZERO; pending.len() / 2];
+        b.download_end(pending, bytemuck::cast_slice_mut(halves.as_mut_slice()))?;
+        let Some(st) = stats.as_mut() else {
+            return Ok(());
+        };
+        let scale = 1.0 / (f64::from(resolved.temperature) * f64::from(resolved.total));
+        let weight = |r: usize| f64::from(resolved.weights[start + r]).abs() * scale;
+        st.merge(&self.head.filter_stats(b, &halves, rows, st.eps, weight));
         Ok(())
     }
 
@@ -413,7 +471,12 @@ impl<B: Backend> Engine<B> {
         dx_padded: &mut Vec<f32>,
         trace: &mut Trace,
     ) -> Result<()> {
-        let (hs, Chunk { start, rows, pending }) = (self.head.hs(), chunk);
+        let (
+            hs,
+            Chunk {
+                start, rows, pending, ..
+            },
+        ) = (self.head.hs(), chunk);
         let [loss_p, dx_p] = pending;
         row_out.resize(rows * 4, 0.0);
         if let Err(e) = b.download_end(loss_p, bytemuck::cast_slice_mut(row_out.as_mut_slice())) {
@@ -507,7 +570,9 @@ impl<B: Backend> Engine<B> {
         // Two chunks in flight, as in `loss_chunks`.
         let mut pipe = InFlight::new(b);
         let read = |done: Chunk, ids: &mut [u32], probs: &mut [f32]| -> Result<()> {
-            let Chunk { start, rows, pending } = done;
+            let Chunk {
+                start, rows, pending, ..
+            } = done;
             let [ids_p, probs_p] = pending;
             let range = start * k..(start + rows) * k;
             if let Err(e) = b.download_end(ids_p, bytemuck::cast_slice_mut(&mut ids[range.clone()])) {
@@ -533,7 +598,7 @@ impl<B: Backend> Engine<B> {
             b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let bytes = rows * k * std::mem::size_of::<u32>();
             let pending = begin_pair(b, [(&s.ids, bytes), (&s.probs, bytes)])?;
-            if let Some(done) = pipe.push(start, rows, pending) {
+            if let Some(done) = pipe.push(start, rows, pending, None) {
                 let rows = done.rows;
                 read(done, &mut ids, &mut probs)?;
                 self.report(rows);
@@ -578,6 +643,8 @@ struct Chunk {
     start: usize,
     rows: usize,
     pending: [PendingDownload; 2],
+    /// The block filter's mask (`head_kl` with the filter).
+    mask: Option<PendingDownload>,
 }
 
 /// The chunks in flight on a backend: at most one waits to be read while
@@ -595,8 +662,19 @@ impl<'a, B: Backend> InFlight<'a, B> {
 
     /// Adds the chunk just recorded and hands back the one before it, now
     /// due to be read.
-    fn push(&mut self, start: usize, rows: usize, pending: [PendingDownload; 2]) -> Option<Chunk> {
-        self.waiting.replace(Chunk { start, rows, pending })
+    fn push(
+        &mut self,
+        start: usize,
+        rows: usize,
+        pending: [PendingDownload; 2],
+        mask: Option<PendingDownload>,
+    ) -> Option<Chunk> {
+        self.waiting.replace(Chunk {
+            start,
+            rows,
+            pending,
+            mask,
+        })
     }
 
     /// The last chunk, after the loop.
@@ -608,7 +686,7 @@ impl<'a, B: Backend> InFlight<'a, B> {
 impl<B: Backend> Drop for InFlight<'_, B> {
     fn drop(&mut self) {
         if let Some(chunk) = self.waiting.take() {
-            for p in chunk.pending {
+            for p in chunk.pending.into_iter().chain(chunk.mask) {
                 discard(self.backend, p);
             }
         }

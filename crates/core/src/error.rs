@@ -131,6 +131,12 @@ pub enum Error {
         /// The value.
         value: f32,
     },
+    /// The block filter's ε is negative or not finite.
+    #[error("filter ε = {value}: must be finite and at least 0")]
+    InvalidFilterEps {
+        /// The value.
+        value: f32,
+    },
     /// `gscale` is not positive and finite.
     #[error("gscale = {value}: must be positive and finite")]
     InvalidGradScale {
@@ -509,6 +515,7 @@ impl Error {
             | E::NonFiniteWeight { .. }
             | E::TotalNotPositive { .. }
             | E::InvalidTemperature { .. }
+            | E::InvalidFilterEps { .. }
             | E::InvalidGradScale { .. }
             | E::InvalidLossOption { .. }
             | E::HardWeightWithoutLabels { .. }

@@ -37,6 +37,16 @@ pub(crate) struct HeadPlanes<B: Backend> {
     slices: Vec<VocabSlice>,
     planes: Vec<B::Buffer>,
     dx_split: DxSplit,
+    /// `Σ ‖W_j‖` (f16 rows) over each block of [`crate::filter::BLOCK`]
+    /// vocabulary rows: the block filter's bound on what it dropped.
+    block_norms: Vec<f32>,
+}
+
+/// The dx GEMM's block filter for one chunk ([`HeadPlanes::dx`]): the
+/// chunk's real rows, whose block mask `kl_rows` left after grad's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DxFilter {
+    pub mask_rows: usize,
 }
 
 impl<B: Backend> HeadPlanes<B> {
@@ -55,6 +65,8 @@ impl<B: Backend> HeadPlanes<B> {
         let mut staging = Vec::new();
         let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
         let mut planes = Vec::with_capacity(slices.len());
+        let mut block_norms = vec![0f32; vocab.div_ceil(crate::filter::BLOCK)];
+        let mut row_f32 = vec![0f32; hs_padded];
         for s in &slices {
             let padded = s.padded_width();
             let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
@@ -64,6 +76,11 @@ impl<B: Backend> HeadPlanes<B> {
                 let real = rows.min(s.width.saturating_sub(row));
                 staging.clear();
                 head.pack_rows_f16(s.offset + row, real, hs_padded, &mut staging)?;
+                for (r, w) in staging.chunks_exact(hs_padded).enumerate() {
+                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(w, &mut row_f32);
+                    let norm = row_f32.iter().map(|v| v * v).sum::<f32>().sqrt();
+                    block_norms[(s.offset + row + r) / crate::filter::BLOCK] += norm;
+                }
                 staging.resize(rows * hs_padded, f16::ZERO);
                 backend.upload(&plane, (row * hs_padded * 2) as u64, bytemuck::cast_slice(&staging))?;
                 row += rows;
@@ -79,6 +96,7 @@ impl<B: Backend> HeadPlanes<B> {
             slices,
             planes,
             dx_split: DxSplit::Auto,
+            block_norms,
         })
     }
 
@@ -163,12 +181,13 @@ impl<B: Backend> HeadPlanes<B> {
     /// teacher entries.
     pub(crate) fn row_bytes(&self, backend: &B, job: Job, k: usize) -> RowBytes {
         let dx_blocks = match job {
-            Job::Loss => self.dx_blocks_most(backend),
+            Job::Loss | Job::LossFiltered => self.dx_blocks_most(backend),
             Job::Topk => 0,
         };
+        let mask = job == Job::LossFiltered;
         RowBytes {
             doubled: backend.transfers_overlap(),
-            ..RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks)
+            ..RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks, mask)
         }
     }
 
@@ -273,6 +292,7 @@ impl<B: Backend> HeadPlanes<B> {
                 accumulate: false,
                 k_parts: 1,
                 c_part_stride: 0,
+                mask_rows: 0,
             };
             backend.gemm(x16, plane, logits, &desc)?;
         }
@@ -288,19 +308,27 @@ impl<B: Backend> HeadPlanes<B> {
     /// into dx in a fixed order. One slice in one part writes dx directly.
     /// `partials` is the chunk's logits buffer, free once `kl_rows` has
     /// read it, and sized for the most blocks ([`RowBytes::new`]).
+    ///
+    /// With `filter` every GEMM is the filtered one ([`GemmDesc::mask_rows`]),
+    /// reading the block mask `kl_rows` left after grad's `rows_padded`
+    /// rows ([`Self::kl_filter`]).
     pub(crate) fn dx(
         &self,
         backend: &B,
         (grad, dx, partials): (&B::Buffer, &B::Buffer, &B::Buffer),
         rows_padded: usize,
         alpha: f32,
+        filter: Option<DxFilter>,
     ) -> Result<()> {
         let parts = self.dx_parts(backend, rows_padded);
         let total: usize = parts.iter().sum();
         let block = rows_padded * self.hs_padded;
         let mut first = 0;
         for ((slice, plane), &k_parts) in self.slices.iter().zip(&self.planes).zip(&parts) {
-            let desc = self.dx_desc(slice, rows_padded, alpha);
+            let desc = GemmDesc {
+                mask_rows: filter.map_or(0, |f| f.mask_rows),
+                ..self.dx_desc(slice, rows_padded, alpha)
+            };
             if total == 1 {
                 return backend.gemm(grad, plane, dx, &desc);
             }
@@ -339,6 +367,71 @@ impl<B: Backend> HeadPlanes<B> {
             accumulate: false,
             k_parts: 1,
             c_part_stride: 0,
+            mask_rows: 0,
+        }
+    }
+
+    /// Where `kl_rows` writes a chunk's block mask for ε (after grad's
+    /// `rows_padded` rows, where the dx GEMM reads it), or `None` without
+    /// the filter.
+    pub(crate) fn kl_filter(&self, eps: Option<f32>, rows_padded: usize) -> Option<crate::backend::KlFilter> {
+        eps.map(|eps| crate::backend::KlFilter {
+            eps,
+            mask_at: rows_padded * self.vocab_padded,
+        })
+    }
+
+    /// The halves of a chunk's block mask of `rows` rows, and where they
+    /// start in grad (the download [`Self::filter_stats`] reads).
+    pub(crate) fn mask_span(&self, rows: usize, rows_padded: usize) -> (usize, usize) {
+        (
+            rows_padded * self.vocab_padded,
+            crate::filter::mask_halves(rows, self.vocab_padded),
+        )
+    }
+
+    /// One chunk's block mask (`halves`, `rows` rows) counted as the dx
+    /// GEMM skips it: per row tile of `backend`'s dx GEMM (64 rows for the
+    /// fallback) and block, skipped when the block is clear in every row of
+    /// the tile. `weight(r)` is row r's `|w_t|/(τ·total)`: the bound adds
+    /// `weight(r) · ε · Σ_{skipped blocks} Σ_j ‖W_j‖` per row, in
+    /// quadrature over the rows.
+    pub(crate) fn filter_stats(
+        &self,
+        backend: &B,
+        halves: &[f16],
+        rows: usize,
+        eps: f32,
+        weight: impl Fn(usize) -> f64,
+    ) -> crate::FilterStats {
+        let words = crate::filter::mask_words(self.vocab_padded);
+        let tile = backend.gemm_tile(HeadLayout::Dx).map_or(64, |t| t.0 as usize);
+        let blocks = self.vocab_padded.div_ceil(crate::filter::BLOCK);
+        let row_word = |r: usize, w: usize| crate::filter::word_of(&halves[(r * words + w) * 4..]);
+        let (mut bound_sq, mut skipped) = (0.0f64, 0u64);
+        let tiles = round_up(rows, ALIGN).div_ceil(tile);
+        for t0 in (0..rows).step_by(tile) {
+            let tile_rows = t0..(t0 + tile).min(rows);
+            let mut dropped_norm = 0.0f64;
+            for w in 0..words {
+                let or = tile_rows.clone().fold(0u32, |acc, r| acc | row_word(r, w));
+                for bit in 0..32 {
+                    let block = w * 32 + bit;
+                    if block < blocks && or & (1 << bit) == 0 {
+                        skipped += 1;
+                        dropped_norm += f64::from(self.block_norms.get(block).copied().unwrap_or(0.0));
+                    }
+                }
+            }
+            for r in tile_rows {
+                bound_sq += (weight(r) * f64::from(eps) * dropped_norm).powi(2);
+            }
+        }
+        crate::FilterStats {
+            blocks: (tiles * blocks) as u64,
+            skipped,
+            dropped_bound: bound_sq.sqrt(),
+            eps,
         }
     }
 

@@ -64,6 +64,7 @@ pub mod checks;
 pub mod chunking;
 pub mod driver;
 pub mod error;
+pub mod filter;
 pub mod gemm_choice;
 pub mod glsl_tile;
 pub mod head;
@@ -85,11 +86,12 @@ pub mod tune_cache;
 
 pub use backend::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, HeadLayout, KernelTime, KlDesc,
-    MemoryStats, PendingDownload, SumPartsDesc, TopkDesc,
+    KlFilter, MemoryStats, PendingDownload, SumPartsDesc, TopkDesc,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, ProgressCallback, SliceOptions, TopK};
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
+pub use filter::FilterStats;
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use glsl_tile::GlslTile;
 pub use head::{HeadData, HeadWeights};

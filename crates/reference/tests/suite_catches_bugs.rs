@@ -51,6 +51,9 @@ enum Fault {
     /// The top-k kernel writes probabilities over the k when asked for
     /// log-probabilities.
     TopkIgnoresLogprobs,
+    /// The KL kernel's block mask clears blocks it must keep (it judges
+    /// them at ε = 1): the dx GEMM skips most of the gradient.
+    FilterMaskTooCoarse,
 }
 
 struct Faulty {
@@ -222,6 +225,11 @@ fn each_planted_bug_is_caught() {
             "topk_rows_logprobs_softcap_wide:",
         ),
         (Fault::TopkIgnoresLogprobs, Part::Kernels, "topk_rows_logprobs:"),
+        (
+            Fault::FilterMaskTooCoarse,
+            Part::Errors,
+            "filter_lm_dx_within_tolerance",
+        ),
     ];
     for (fault, part, needle) in expect {
         let f = failures(fault, part);
@@ -300,6 +308,11 @@ impl Faulty {
     ) -> Result<()> {
         let mut d = *d;
         match self.fault {
+            Fault::FilterMaskTooCoarse => {
+                if let Some(f) = &mut d.filter {
+                    f.eps = 1.0;
+                }
+            }
             Fault::KlIgnoresSoftcap => d.terms.softcap = None,
             Fault::KlIgnoresTail => d.tail = TailMode::Renormalize,
             Fault::KlIgnoresHard => d.terms.hard_weight = 0.0,

@@ -193,6 +193,8 @@ mod tests {
             all: false,
             resident,
             shards: None,
+            data: crate::bench::DataKind::Random,
+            filter_eps: None,
             yes: false,
         }
     }

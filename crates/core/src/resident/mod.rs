@@ -26,7 +26,7 @@ pub use kernels::{
 use crate::backend::{Backend, KlDesc, TopkDesc};
 use crate::driver::Engine;
 use crate::error::{Error, Result};
-use crate::head_planes::HeadPlanes;
+use crate::head_planes::{DxFilter, HeadPlanes};
 use crate::launch::{Kernels, Launch};
 use crate::problem::{check_gscale, check_k, check_loss_options, check_total, TopkOptions, DEFAULT_BUDGET_BYTES};
 use crate::scratch::{Job, LossScratch, RowBytes, RowScratch};
@@ -130,6 +130,9 @@ pub struct DeviceLossOptions<'a, Buf> {
     /// Optional output: per token `[lse, soft, hard]`, f32 `[ntok][3]`
     /// (the host path's `LossOutput::{lse, soft, hard}`).
     pub terms_out: Option<&'a Buf>,
+    /// The dx GEMM's block filter, as [`crate::LossOptions::filter_eps`]
+    /// (no statistics on this path: nothing comes back to the host).
+    pub filter_eps: Option<f32>,
 }
 
 impl<Buf> Default for DeviceLossOptions<'_, Buf> {
@@ -147,6 +150,7 @@ impl<Buf> Default for DeviceLossOptions<'_, Buf> {
             terms: LossTerms::default(),
             labels: None,
             terms_out: None,
+            filter_eps: None,
         }
     }
 }
@@ -303,8 +307,8 @@ impl<B: ResidentBackend> Engine<B> {
         match scratch.loss.take() {
             Some(ls) => Ok(ls),
             None => {
-                let (_, rows, k) = scratch.key;
-                LossScratch::alloc(&self.backend, &self.resident_row_bytes(Job::Loss, k), rows)
+                let (job, rows, k) = scratch.key;
+                LossScratch::alloc(&self.backend, &self.resident_row_bytes(job, k), rows)
             }
         }
     }
@@ -414,7 +418,13 @@ impl<B: ResidentBackend> Engine<B> {
             self.check_view("weights", w, ntok, 4)?;
         }
         // The host path's option checks, in its order.
-        check_loss_options(opts.temperature, opts.budget_bytes, &opts.terms, opts.labels.is_some())?;
+        check_loss_options(
+            opts.temperature,
+            opts.budget_bytes,
+            &opts.terms,
+            opts.labels.is_some(),
+            opts.filter_eps,
+        )?;
         if let Some(l) = opts.labels {
             self.check_view("labels", l, ntok, 4)?;
         }
@@ -423,15 +433,16 @@ impl<B: ResidentBackend> Engine<B> {
         }
         opts.total.map(check_total).transpose()?;
         opts.gscale.map(check_gscale).transpose()?;
+        let job = Job::loss(opts.filter_eps);
         let plan = HeadPlanes::plan_for(
             &self.backend,
-            &self.resident_row_bytes(Job::Loss, k),
-            Job::Loss,
+            &self.resident_row_bytes(job, k),
+            job,
             ntok,
             false,
             (opts.budget_bytes, opts.max_rows_per_chunk),
         )?;
-        let (status, mut scratch) = self.take_resident(Job::Loss, plan.rows_per_chunk, k)?;
+        let (status, mut scratch) = self.take_resident(job, plan.rows_per_chunk, k)?;
         self.resident.pending = true;
         let recorded = self.take_resident_loss(&mut scratch).and_then(|ls| {
             let recorded = self.record_head_kl(ntok, hidden, teacher, out, opts, &plan, &status, (&scratch.rows, &ls));
@@ -522,12 +533,15 @@ impl<B: ResidentBackend> Engine<B> {
                 temperature: opts.temperature,
                 tail: opts.tail,
                 terms: opts.terms,
+                filter: self.head.kl_filter(opts.filter_eps, rows_padded),
                 ..KlDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k)
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
             // device.
-            self.head.dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, 1.0)?;
+            let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
+            self.head
+                .dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, 1.0, dx_filter)?;
             b.dispatch(Launch::LossOut {
                 loss_chunk: &ls.loss,
                 dx_chunk: &ls.dx,

@@ -693,6 +693,7 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
         accumulate: g.accumulate,
         k_parts: g.k_parts,
         c_part_stride: stride,
+        mask_rows: 0,
     };
     b.gemm(&a_buf, &b_buf, &c_buf, &desc)
         .map_err(|e| format!("gemm: {e}"))?;
