@@ -14,7 +14,8 @@ use std::time::Instant;
 use half::f16;
 use headkl_core::{
     Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData,
-    HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions, ALIGN,
+    HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions, VocabOrder,
+    ALIGN,
 };
 
 use crate::environment::Settings;
@@ -81,6 +82,56 @@ pub struct BenchConfig {
     pub data: DataKind,
     /// `--filter-eps`: the dx GEMM's block filter (off: `None`).
     pub filter_eps: Option<f32>,
+    /// `--vocab-order`: the order the head's rows are stored in.
+    pub vocab_order: VocabOrderArg,
+}
+
+/// `--vocab-order`: `natural`, `prior` (the `lm` generator's unigram prior,
+/// likely tokens first) or a file of token ids in the order to store them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VocabOrderArg {
+    /// The head as given.
+    Natural,
+    /// By the `lm` data's prior (`--data lm` only).
+    Prior,
+    /// Token ids, whitespace-separated, position by position.
+    File(PathBuf),
+}
+
+impl VocabOrderArg {
+    /// Parses `natural`, `prior` or a path.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        Ok(match s.trim() {
+            "natural" => VocabOrderArg::Natural,
+            "prior" => VocabOrderArg::Prior,
+            "" => return Err("natural, prior or a file of token ids".into()),
+            path => VocabOrderArg::File(PathBuf::from(path)),
+        })
+    }
+
+    /// The order for `data`, or `None` for the natural one.
+    fn resolve(&self, data: &BenchData) -> Result<Option<VocabOrder>, CliError> {
+        let order = match self {
+            VocabOrderArg::Natural => return Ok(None),
+            VocabOrderArg::Prior => {
+                let prior = data.log_prior.as_ref().ok_or_else(|| {
+                    CliError::option("--vocab-order", "prior needs --data lm (the generator's unigram prior)")
+                })?;
+                VocabOrder::by_score(prior)
+            }
+            VocabOrderArg::File(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| CliError::option("--vocab-order", format!("{}: {e}", path.display())))?;
+                let ids = text
+                    .split_whitespace()
+                    .map(|w| w.parse::<u32>())
+                    .collect::<Result<Vec<u32>, _>>()
+                    .map_err(|e| CliError::option("--vocab-order", format!("{}: {e}", path.display())))?;
+                VocabOrder::new(ids)
+            }
+        };
+        order.map(Some).map_err(|e| CliError::device("--vocab-order", e))
+    }
 }
 
 /// What data the bench makes.
@@ -108,6 +159,8 @@ impl DataKind {
 struct BenchData {
     shape: Shape,
     kind: DataKind,
+    /// The `lm` data's log prior over the vocabulary (`--vocab-order prior`).
+    log_prior: Option<Vec<f32>>,
     head: Vec<f16>,
     hidden: Vec<f16>,
     teacher: Teacher,
@@ -156,11 +209,13 @@ impl BenchData {
         Ok(Self {
             shape,
             kind,
+            log_prior: None,
             head,
             hidden,
             teacher,
         })
     }
+
     /// `--data lm`: `headkl_reference::lm`'s generator with its calibrated
     /// defaults, and its statistics printed beside the published ones.
     fn generate_lm(shape: Shape) -> Result<Self, CliError> {
@@ -179,6 +234,7 @@ impl BenchData {
         Ok(Self {
             shape,
             kind: DataKind::Lm,
+            log_prior: Some(d.log_prior),
             head: d.head,
             hidden: d.hidden,
             teacher,
@@ -660,8 +716,9 @@ impl BenchJob<'_> {
         let before = backend.memory().current;
         let head = HeadWeights::new(HeadData::F16(&data.head), shape.vocab, shape.hs)
             .map_err(|e| CliError::device("bench head", e))?;
+        let order = self.cfg.vocab_order.resolve(data)?;
         let start = Instant::now();
-        let mut engine = Engine::new(backend, &head, SliceOptions::default())
+        let mut engine = Engine::with_vocab_order(backend, &head, SliceOptions::default(), order)
             .map_err(|e| CliError::device(format!("uploading the head to {}", info.backend), e))?;
         let upload_ms = start.elapsed().as_secs_f64() * 1e3;
         engine.set_trace(self.settings.trace);
@@ -670,9 +727,14 @@ impl BenchJob<'_> {
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
         eprintln!(
-            "bench: head uploaded in {upload_ms:.0} ms ({}, {} slice(s))",
+            "bench: head uploaded in {upload_ms:.0} ms ({}, {} slice(s), vocabulary order {})",
             fmt_bytes(head_bytes),
-            engine.slices().len()
+            engine.slices().len(),
+            if engine.vocab_order().is_some() {
+                "given"
+            } else {
+                "natural"
+            }
         );
         let plan = engine
             .loss_plan(
@@ -696,7 +758,11 @@ impl BenchJob<'_> {
         for job in [JobKind::HeadKl, JobKind::Topk] {
             jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes, topk_call)?);
         }
-        jobs.extend(extra(data, self.cfg, &mut engine, head_bytes, topk_call)?);
+        if self.cfg.resident && engine.vocab_order().is_some() {
+            eprintln!("bench: --resident left out: the device-resident entry points take no vocabulary order");
+        } else {
+            jobs.extend(extra(data, self.cfg, &mut engine, head_bytes, topk_call)?);
+        }
         jobs.extend(sharded);
         engine.backend().set_profiling(false);
         Ok(Some(BenchRun {

@@ -219,6 +219,12 @@ or refuses with exit 2 unless --yes. The bar's time left follows the same estima
         /// against an unfiltered call (the sharded rows run without it) [default: off]
         #[arg(long, value_parser = parse_filter_eps, value_name = "auto|E")]
         filter_eps: Option<f32>,
+        /// The order the head's rows are stored in, fixed at upload: `natural`, `prior` (the `lm`
+        /// data's unigram prior, likely tokens first, so the dx block filter finds them in fewer
+        /// blocks; needs --data lm) or a file of token ids, whitespace-separated, one per position
+        #[arg(long, value_parser = bench::VocabOrderArg::parse, value_name = "natural|prior|FILE",
+              default_value = "natural")]
+        vocab_order: bench::VocabOrderArg,
     },
     /// Time every matrix-unit GEMM kernel on this device and keep the fastest
     #[command(
@@ -396,6 +402,7 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
             shards,
             data,
             filter_eps,
+            vocab_order,
         } => bench::run(
             &backend,
             settings,
@@ -413,6 +420,7 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
                 shards: shards.map(|n| n as usize),
                 data,
                 filter_eps,
+                vocab_order,
             },
         ),
         Command::Tune {

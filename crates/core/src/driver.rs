@@ -14,6 +14,7 @@ use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache
 use crate::slicing::VocabSlice;
 use crate::split::DxSplit;
 use crate::terms::NO_LABEL;
+use crate::vocab_order::VocabOrder;
 use crate::{round_up, ALIGN};
 
 /// How the head is cut into vocabulary slices.
@@ -112,7 +113,22 @@ impl<B: Backend> Engine<B> {
     /// Fails on a head value that is not finite or is past f16's range,
     /// naming its row and column, before any of it is on the device.
     pub fn new(backend: B, head: &HeadWeights<'_>, slicing: SliceOptions) -> Result<Self> {
-        let head = HeadPlanes::upload(&backend, head, slicing)?;
+        Self::with_vocab_order(backend, head, slicing, None)
+    }
+
+    /// [`Engine::new`] with the head's rows stored in `order`
+    /// ([`VocabOrder`]; `None`: natural), fixed for the engine's life: the
+    /// dx GEMM's block filter then finds the likely tokens in fewer blocks.
+    /// Ids in and out stay token ids (the host path maps them); top-k ties
+    /// come out lowest position first. The device-resident entry points
+    /// refuse an engine with an order ([`Error::VocabOrderUnsupported`]).
+    pub fn with_vocab_order(
+        backend: B,
+        head: &HeadWeights<'_>,
+        slicing: SliceOptions,
+        order: Option<VocabOrder>,
+    ) -> Result<Self> {
+        let head = HeadPlanes::upload(&backend, head, slicing, order)?;
         Ok(Self {
             backend,
             head,
@@ -184,6 +200,11 @@ impl<B: Backend> Engine<B> {
     /// The vocabulary slices the head was cut into.
     pub fn slices(&self) -> &[VocabSlice] {
         self.head.slices()
+    }
+
+    /// The order the head's rows are stored in (`None`: natural).
+    pub fn vocab_order(&self) -> Option<&VocabOrder> {
+        self.head.order()
     }
 
     /// Frees the cached scratch buffers (they are re-made on the next call).
@@ -326,12 +347,24 @@ impl<B: Backend> Engine<B> {
         }
         let mut row_out = Vec::new();
         // The kernel's per-row inputs: coefficient bits and label.
+        // Ids and labels as positions in the head's order.
+        let order = self.head.order();
+        let at = |id: u32| order.map_or(id, |o| o.position(id));
         let row_in: Vec<u32> = resolved
             .coef
             .iter()
             .zip(&resolved.labels)
-            .flat_map(|(c, &l)| [c.to_bits(), if resolved.terms.hard_on() { l } else { NO_LABEL }])
+            .flat_map(|(c, &l)| {
+                let label = if resolved.terms.hard_on() && l != NO_LABEL {
+                    at(l)
+                } else {
+                    NO_LABEL
+                };
+                [c.to_bits(), label]
+            })
             .collect();
+        let mapped_ids: Option<Vec<u32>> = order.map(|_| teacher.ids().iter().map(|&id| at(id)).collect());
+        let teacher_ids = mapped_ids.as_deref().unwrap_or(teacher.ids());
         dx.resize(ntok * hs, 0.0);
         let mut dx_padded = Vec::new();
         trace.mark("output alloc");
@@ -351,7 +384,7 @@ impl<B: Backend> Engine<B> {
             b.upload(
                 &s.ids,
                 0,
-                bytemuck::cast_slice(&teacher.ids()[start * k..(start + rows) * k]),
+                bytemuck::cast_slice(&teacher_ids[start * k..(start + rows) * k]),
             )?;
             b.upload(
                 &s.probs,
@@ -579,11 +612,17 @@ impl<B: Backend> Engine<B> {
                 discard(b, probs_p);
                 return Err(e);
             }
-            b.download_end(probs_p, bytemuck::cast_slice_mut(&mut probs[range]))?;
-            match (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
-                Some(t) => Err(Error::NonFiniteHidden { token: start + t }),
-                None => Ok(()),
+            b.download_end(probs_p, bytemuck::cast_slice_mut(&mut probs[range.clone()]))?;
+            if let Some(t) = (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
+                return Err(Error::NonFiniteHidden { token: start + t });
             }
+            // Positions in the head's order back to ids.
+            if let Some(o) = self.head.order() {
+                for id in &mut ids[range] {
+                    *id = o.order().get(*id as usize).copied().unwrap_or(*id);
+                }
+            }
+            Ok(())
         };
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let x16 = s.x16_for(chunk);

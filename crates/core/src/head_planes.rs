@@ -21,6 +21,7 @@ use crate::problem::Hidden;
 use crate::scratch::{Input, Job, RowBytes};
 use crate::slicing::{slice_vocab, VocabSlice};
 use crate::split::DxSplit;
+use crate::vocab_order::VocabOrder;
 use crate::{round_up, ALIGN};
 
 /// Bytes of host data uploaded per transfer while packing the head, so a
@@ -40,6 +41,8 @@ pub(crate) struct HeadPlanes<B: Backend> {
     /// `Σ ‖W_j‖` (f16 rows) over each block of [`crate::filter::BLOCK`]
     /// vocabulary rows: the block filter's bound on what it dropped.
     block_norms: Vec<f32>,
+    /// The order the rows are stored in (`None`: natural).
+    order: Option<VocabOrder>,
 }
 
 /// The dx GEMM's block filter for one chunk ([`HeadPlanes::dx`]): the
@@ -53,8 +56,25 @@ impl<B: Backend> HeadPlanes<B> {
     /// Uploads `head` to `backend` as f16 planes, one per vocabulary slice.
     /// Fails on a head value that is not finite or is past f16's range,
     /// naming its row and column, before any of it is on the device.
-    pub(crate) fn upload(backend: &B, head: &HeadWeights<'_>, slicing: SliceOptions) -> Result<Self> {
+    /// With `order`, position `p` of the planes holds head row
+    /// `order.id(p)`.
+    pub(crate) fn upload(
+        backend: &B,
+        head: &HeadWeights<'_>,
+        slicing: SliceOptions,
+        order: Option<VocabOrder>,
+    ) -> Result<Self> {
         let (vocab, hs) = (head.vocab(), head.hs());
+        if let Some(o) = &order {
+            if o.len() != vocab {
+                return Err(Error::VocabOrderLength {
+                    expected: vocab,
+                    got: o.len(),
+                });
+            }
+        }
+        // The natural order needs no mapping anywhere.
+        let order = order.filter(|o| !o.is_natural());
         let hs_padded = round_up(hs, ALIGN);
         let info = backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
@@ -75,7 +95,15 @@ impl<B: Backend> HeadPlanes<B> {
                 let rows = rows_per_upload.min(padded - row);
                 let real = rows.min(s.width.saturating_sub(row));
                 staging.clear();
-                head.pack_rows_f16(s.offset + row, real, hs_padded, &mut staging)?;
+                match &order {
+                    None => head.pack_rows_f16(s.offset + row, real, hs_padded, &mut staging)?,
+                    Some(o) => {
+                        for p in s.offset + row..s.offset + row + real {
+                            // p < vocab = o.len(), which fits in u32.
+                            head.pack_rows_f16(o.id(p as u32) as usize, 1, hs_padded, &mut staging)?;
+                        }
+                    }
+                }
                 for (r, w) in staging.chunks_exact(hs_padded).enumerate() {
                     half::slice::HalfFloatSliceExt::convert_to_f32_slice(w, &mut row_f32);
                     let norm = row_f32.iter().map(|v| v * v).sum::<f32>().sqrt();
@@ -97,7 +125,13 @@ impl<B: Backend> HeadPlanes<B> {
             planes,
             dx_split: DxSplit::Auto,
             block_norms,
+            order,
         })
+    }
+
+    /// The order the head's rows are stored in (`None`: natural).
+    pub(crate) fn order(&self) -> Option<&VocabOrder> {
+        self.order.as_ref()
     }
 
     /// Vocabulary size.

@@ -83,6 +83,7 @@ pub mod slicing;
 pub mod split;
 pub mod terms;
 pub mod tune_cache;
+pub mod vocab_order;
 
 pub use backend::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, HeadLayout, KernelTime, KlDesc,
@@ -110,6 +111,7 @@ pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use split::DxSplit;
 pub use terms::{LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
 pub use tune_cache::TuneCache;
+pub use vocab_order::VocabOrder;
 
 /// The `log` target of the diagnostics a user switches on
 /// (`HEADKL_TRACE`'s phases, `HEADKL_PIPELINE_STATS`' statistics), logged

@@ -195,6 +195,7 @@ mod tests {
             shards: None,
             data: crate::bench::DataKind::Random,
             filter_eps: None,
+            vocab_order: crate::bench::VocabOrderArg::Natural,
             yes: false,
         }
     }

@@ -231,6 +231,18 @@ impl<B: ResidentBackend> Engine<B> {
         status::to_result(&words, self.head.vocab())
     }
 
+    /// The device-resident entry points take and give ids in device
+    /// buffers, which nothing maps through a vocabulary order.
+    fn refuse_vocab_order(&self) -> Result<()> {
+        match self.head.order() {
+            Some(_) => Err(Error::VocabOrderUnsupported {
+                reason: "the device-resident entry points read and write ids in device buffers, which are not \
+                         mapped through it; use the host path or an engine in the natural order",
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Checks a caller's view: `elems` elements of 4 bytes (or
     /// `elem_bytes`) fit, and it starts where a binding may.
     fn check_view(&self, field: &'static str, buffer: &B::Buffer, elems: usize, elem_bytes: usize) -> Result<()> {
@@ -405,6 +417,7 @@ impl<B: ResidentBackend> Engine<B> {
         out: &DeviceLossOutput<'_, B::Buffer>,
         opts: &DeviceLossOptions<'_, B::Buffer>,
     ) -> Result<()> {
+        self.refuse_vocab_order()?;
         let k = teacher.k;
         check_k(k, self.head.vocab())?;
         self.check_resident_hidden(ntok, hidden)?;
@@ -591,6 +604,7 @@ impl<B: ResidentBackend> Engine<B> {
         probs: &B::Buffer,
         opts: &TopkOptions,
     ) -> Result<()> {
+        self.refuse_vocab_order()?;
         opts.check(self.head.vocab())?;
         let k = opts.k;
         self.check_resident_hidden(ntok, hidden)?;

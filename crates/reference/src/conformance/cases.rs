@@ -617,6 +617,12 @@ pub(crate) const ERROR_CASES: &[(&str, &str)] = &[
          call's and dx is within the suite's dx tolerance of the f64 reference",
     ),
     (
+        "vocab_order_prior",
+        "lm-like data (V=4096, 3 slices, chunks of 48) on a head stored in the prior's order: head_kl \
+         (with and without the dx block filter at 2^-15) and topk match the f64 reference in token ids, \
+         and the filter skips more blocks than in the natural order",
+    ),
+    (
         "filter_eps_zero_bit_identical",
         "the lm-like data, plain and with τ = 2, the hard term and the z-loss: with ε = 0 loss and dx are \
          bit-identical to the unfiltered call's; at ε = 2^-15 the loss is, and dx matches the reference",
@@ -631,6 +637,15 @@ pub(crate) fn lm_case(
     max_rows_per_slice: Option<usize>,
     max_rows_per_chunk: Option<usize>,
 ) -> Result<Case, String> {
+    lm_case_and_prior(ntok, max_rows_per_slice, max_rows_per_chunk).map(|(case, _)| case)
+}
+
+/// [`lm_case`] and the generator's log prior over the vocabulary.
+fn lm_case_and_prior(
+    ntok: usize,
+    max_rows_per_slice: Option<usize>,
+    max_rows_per_chunk: Option<usize>,
+) -> Result<(Case, Vec<f32>), String> {
     let spec = crate::lm::LmSpec {
         zipf: 3.0,
         zipf_offset: 5.0,
@@ -653,7 +668,7 @@ pub(crate) fn lm_case(
     case.teacher_ids = d.ids;
     case.teacher_probs = d.probs;
     case.name = "head_kl/lm".into();
-    Ok(case)
+    Ok((case, d.log_prior))
 }
 
 /// `head_kl` on `case` with the block filter at `eps` and without: the
@@ -904,7 +919,58 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
                 filter_eps: Some(eps),
                 ..case.loss_options()
             };
-            compare(&mut engine, &case, &opts, tol)
+            let m = compare(&mut engine, &case, &opts, tol)?;
+            log::info!(
+                "filter_lm_dx_within_tolerance: skipped {:.1}% of {} blocks, dx err {:.2e} (tolerance {:.0e})",
+                100.0 * stats.skipped_fraction(),
+                stats.blocks,
+                m.dx.unwrap_or(f64::NAN),
+                tol.dx_rel
+            );
+            Ok(m)
+        }
+        "vocab_order_prior" => {
+            let (case, prior) = lm_case_and_prior(80, Some(1536), Some(48))?;
+            let order = headkl_core::VocabOrder::by_score(&prior).map_err(|e| e.to_string())?;
+            let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
+            let mut ordered = Engine::with_vocab_order(backend, &head, case.slice_options(), Some(order))
+                .map_err(|e| format!("Engine::with_vocab_order: {e}"))?;
+            let mut natural = engine_for(backend, &case)?;
+            let eps = headkl_core::filter::AUTO_EPS;
+            let filtered = LossOptions {
+                filter_eps: Some(eps),
+                ..case.loss_options()
+            };
+            let mut measured = compare(&mut ordered, &case, &case.loss_options(), tol)?;
+            let m = compare(&mut ordered, &case, &filtered, tol)?;
+            measured.dx = measured.dx.into_iter().chain(m.dx).reduce(f64::max);
+            let top = Case {
+                kind: CaseKind::Topk,
+                ..case.clone()
+            };
+            measured.prob = compare(&mut ordered, &top, &top.loss_options(), tol)?.prob;
+            let hidden = case.hidden_rows(&[]).map_err(|e| e.to_string())?;
+            let teacher = case.teacher().map_err(|e| e.to_string())?;
+            let skipped = |engine: &mut Engine<&B>| -> Result<f64, String> {
+                let out = engine
+                    .head_kl(&hidden, &teacher, &filtered)
+                    .map_err(|e| format!("head_kl: {e}"))?;
+                Ok(out.filter.ok_or("no filter statistics")?.skipped_fraction())
+            };
+            let (by_prior, by_id) = (skipped(&mut ordered)?, skipped(&mut natural)?);
+            log::info!(
+                "vocab_order_prior: the filter skipped {:.1}% of the blocks in the prior's order, {:.1}% in the natural order",
+                100.0 * by_prior,
+                100.0 * by_id
+            );
+            if by_prior <= by_id {
+                return Err(format!(
+                    "the prior's order skipped {:.1}% of the blocks, the natural order {:.1}%: no gain",
+                    100.0 * by_prior,
+                    100.0 * by_id
+                ));
+            }
+            Ok(measured)
         }
         "filter_eps_zero_bit_identical" => {
             let case = lm_case(40, None, Some(32))?;

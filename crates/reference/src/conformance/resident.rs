@@ -578,6 +578,25 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
     let host_dx: Vec<f64> = host.dx.iter().map(|&v| f64::from(v)).collect();
     tol.check_dx_rows(&got_dx, &host_dx, Some(hs))
         .map_err(|e| format!("resident vs host path: {e}"))?;
+    // An engine with a vocabulary order refuses the resident entry points
+    // (their ids in device buffers are not mapped), before any work.
+    let reversed = headkl_core::VocabOrder::new((0..case.vocab as u32).rev().collect()).map_err(|e| e.to_string())?;
+    let mut ordered = headkl_core::Engine::with_vocab_order(backend, &head, case.slice_options(), Some(reversed))
+        .map_err(|e| format!("Engine::with_vocab_order: {e}"))?;
+    match ordered.head_kl_device(
+        ntok,
+        &hidden,
+        &bufs.teacher(case.k),
+        &bufs.output(),
+        &bufs.options(&case),
+    ) {
+        Err(headkl_core::Error::VocabOrderUnsupported { .. }) => {}
+        other => {
+            return Err(format!(
+                "head_kl_device with a vocabulary order: {other:?}, want VocabOrderUnsupported"
+            ))
+        }
+    }
     Ok(Measured {
         loss: Some(loss_err),
         dx: Some(dx_err),
@@ -642,7 +661,8 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
     }
     let what = "lm-like data (V=4096, hs=32, 80 tokens, 3 slices, chunks of 48), the dx block filter at \
                 ε = 2^-15: the loss bit-identical to the unfiltered resident call's, dx within the dx tolerance \
-                of the f64 reference and of the host path with the filter";
+                of the f64 reference and of the host path with the filter; an engine with a vocabulary order \
+                refuses the resident call";
     rec.push(run_one(backend, "resident_filter/lm".into(), what.into(), 0, || {
         check_resident_filter(backend, &tol)
     }));
