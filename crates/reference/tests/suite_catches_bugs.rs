@@ -54,6 +54,8 @@ enum Fault {
     /// The KL kernel's block mask clears blocks it must keep (it judges
     /// them at ε = 1): the dx GEMM skips most of the gradient.
     FilterMaskTooCoarse,
+    /// The filtered dx GEMM computes every block (reads no mask).
+    GemmIgnoresMask,
 }
 
 struct Faulty {
@@ -226,6 +228,11 @@ fn each_planted_bug_is_caught() {
         ),
         (Fault::TopkIgnoresLogprobs, Part::Kernels, "topk_rows_logprobs:"),
         (
+            Fault::GemmIgnoresMask,
+            Part::Kernels,
+            "kernels/gemm_ab_16x16x4608_filtered:",
+        ),
+        (
             Fault::FilterMaskTooCoarse,
             Part::Errors,
             "filter_lm_dx_within_tolerance",
@@ -277,6 +284,7 @@ impl Faulty {
             Fault::IgnoreAlpha => d.alpha = 1.0,
             Fault::GemmDxPanics if d.kernel() == KernelId::GemmDx => panic!("planted panic in gemm_dx"),
             Fault::SplitFirstPartOnly => d.k_parts = 1,
+            Fault::GemmIgnoresMask => d.mask_rows = 0,
             _ => {}
         }
         self.inner.gemm(a, b, c, &d)?;

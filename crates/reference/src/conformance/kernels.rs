@@ -37,6 +37,10 @@ pub(crate) struct GemmSpec {
     /// Size the buffers to the regions exactly (no poisoned tail), so the
     /// largest shape fits a small binding.
     tight: bool,
+    /// The dx GEMM's block filter ([`GemmDesc::mask_rows`]; 0: off): every
+    /// row's mask clears the same blocks, whose A entries are not zero, so
+    /// only a kernel that skips exactly them gets C right.
+    mask_rows: usize,
 }
 
 /// A sum of split-K partial blocks.
@@ -162,7 +166,17 @@ fn gemm(
         accumulate,
         k_parts: 1,
         tight: false,
+        mask_rows: 0,
     })
+}
+
+/// [`gemm`] (layout Dx, `a_offset + k <= lda`) with the block filter on
+/// every row.
+fn filtered(case: KernelCase) -> KernelCase {
+    match case {
+        KernelCase::Gemm(g) => KernelCase::Gemm(GemmSpec { mask_rows: g.m, ..g }),
+        other => other,
+    }
 }
 
 /// [`gemm`] split into `k_parts` parts.
@@ -243,6 +257,11 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         split(gemm(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false), 3),
         split(gemm(32, 144, 128, Red, 16, 144, 144, 160, 160, 2.0, false), 3),
         split(gemm(80, 48, 128, Out, 0, 128, 128, 16, 64, 1.0, true), 3),
+        // The block filter: K across three 2048-column mask windows, A
+        // starting mid-block, whole and split.
+        filtered(gemm(16, 16, 4608, Red, 96, 4736, 16, 0, 16, 1.0, false)),
+        split(filtered(gemm(16, 32, 2560, Red, 64, 2688, 48, 16, 48, 0.5, true)), 3),
+        filtered(gemm(160, 128, 704, Red, 0, 704, 128, 0, 128, 1.0, false)),
         sum(64, 1, 0, false),
         sum(1040, 3, 1056, false),
         sum(1040, 4, 1040, true),
@@ -265,6 +284,7 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             accumulate: acc,
             k_parts: 1,
             tight: true,
+            mask_rows: 0,
         }));
     }
     v.extend([
@@ -499,7 +519,7 @@ impl KernelCase {
     pub(crate) fn name(&self) -> String {
         match self {
             KernelCase::Gemm(g) => format!(
-                "kernels/gemm_{}_{}x{}x{}{}{}",
+                "kernels/gemm_{}_{}x{}x{}{}{}{}",
                 match g.layout {
                     HeadLayout::Logits => "abt",
                     HeadLayout::Dx => "ab",
@@ -508,6 +528,7 @@ impl KernelCase {
                 g.n,
                 g.k,
                 if g.accumulate { "_acc" } else { "" },
+                if g.mask_rows > 0 { "_filtered" } else { "" },
                 if g.k_parts > 1 {
                     format!("_parts{}", g.k_parts)
                 } else {
@@ -618,14 +639,33 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
     let tail = if g.tight { 0 } else { TAIL };
     let small = |rng: &mut Rng, range: usize| rng.below(2 * range + 1) as f64 - range as f64;
     // A: [m][k] at a_offset, stride lda; NaN elsewhere (read outside = NaN in C).
-    let len_a = g.a_offset + (g.m - 1) * g.lda + g.k + tail;
+    let mask_halves = match g.mask_rows {
+        0 => 0,
+        r => g.m * g.lda - (g.a_offset + (g.m - 1) * g.lda + g.k) + headkl_core::filter::mask_halves(r, g.lda),
+    };
+    let len_a = g.a_offset + (g.m - 1) * g.lda + g.k + mask_halves + tail;
     let mut a = vec![f16::NAN; len_a];
     let mut a_val = vec![0f64; g.m * g.k];
+    // With the filter: whether column `col`'s 64-column block is kept (the
+    // same in every row; about two in three).
+    let block_kept = |col: usize| g.mask_rows == 0 || !(col / 64).is_multiple_of(3);
     for i in 0..g.m {
         for l in 0..g.k {
             let v = small(&mut rng, 3);
             a[g.a_offset + i * g.lda + l] = f16::from_f64(v);
-            a_val[i * g.k + l] = v;
+            // A skipped block adds nothing, whatever A holds there.
+            a_val[i * g.k + l] = if block_kept(g.a_offset + l) { v } else { 0.0 };
+        }
+    }
+    if g.mask_rows > 0 {
+        let words = headkl_core::filter::mask_words(g.lda);
+        let mask_at = g.m * g.lda;
+        for r in 0..g.mask_rows {
+            for w in 0..words {
+                let bits = (0..32).fold(0u32, |acc, bit| acc | u32::from(block_kept((w * 32 + bit) * 64)) << bit);
+                let at = mask_at + (r * words + w) * 4;
+                a[at..at + 4].copy_from_slice(&headkl_core::filter::halves_of(bits));
+            }
         }
     }
     // B: [n][k] or [k][n] from element 0, stride ldb.
@@ -693,7 +733,7 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
         accumulate: g.accumulate,
         k_parts: g.k_parts,
         c_part_stride: stride,
-        mask_rows: 0,
+        mask_rows: g.mask_rows,
     };
     b.gemm(&a_buf, &b_buf, &c_buf, &desc)
         .map_err(|e| format!("gemm: {e}"))?;
