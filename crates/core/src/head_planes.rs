@@ -86,7 +86,6 @@ impl<B: Backend> HeadPlanes<B> {
         let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
         let mut planes = Vec::with_capacity(slices.len());
         let mut block_norms = vec![0f32; vocab.div_ceil(crate::filter::BLOCK)];
-        let mut row_f32 = vec![0f32; hs_padded];
         for s in &slices {
             let padded = s.padded_width();
             let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
@@ -104,9 +103,7 @@ impl<B: Backend> HeadPlanes<B> {
                         }
                     }
                 }
-                for (r, w) in staging.chunks_exact(hs_padded).enumerate() {
-                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(w, &mut row_f32);
-                    let norm = row_f32.iter().map(|v| v * v).sum::<f32>().sqrt();
+                for (r, norm) in row_norms(&staging, hs_padded).into_iter().enumerate() {
                     block_norms[(s.offset + row + r) / crate::filter::BLOCK] += norm;
                 }
                 staging.resize(rows * hs_padded, f16::ZERO);
@@ -481,5 +478,68 @@ impl<B: Backend> HeadPlanes<B> {
                 self.dx_split.choose(tiles, s.padded_width(), tile)
             })
             .collect()
+    }
+}
+
+/// The L2 norm of each `ld`-wide f16 row of `rows`, on every core (the
+/// block filter's bound needs them once, at upload: a 248320 × 5120 head
+/// is 1.3 G multiply-adds).
+fn row_norms(rows: &[f16], ld: usize) -> Vec<f32> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let n = rows.len() / ld.max(1);
+    let mut out = vec![0f32; n];
+    // Chunks of 512 rows, taken in turn by this thread and the others, so
+    // a thread that cannot start leaves its share to the rest.
+    type Slot<'a> = Mutex<Option<(&'a [f16], &'a mut [f32])>>;
+    let slots: Vec<Slot<'_>> = rows
+        .chunks(512 * ld.max(1))
+        .zip(out.chunks_mut(512))
+        .map(|c| Mutex::new(Some(c)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let work = || {
+        let mut row = vec![0f32; ld];
+        while let Some(slot) = slots.get(next.fetch_add(1, Ordering::Relaxed)) {
+            // A poisoned slot (a panic elsewhere) is left as it is.
+            let Some((src, dst)) = slot.lock().ok().and_then(|mut g| g.take()) else {
+                continue;
+            };
+            for (w, o) in src.chunks_exact(ld).zip(dst) {
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(w, &mut row);
+                *o = row.iter().map(|v| v * v).sum::<f32>().sqrt();
+            }
+        }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    std::thread::scope(|scope| {
+        for _ in 1..threads.min(slots.len()) {
+            // A failed spawn leaves the work to the threads that did start.
+            let _ = std::thread::Builder::new().spawn_scoped(scope, work);
+        }
+        work();
+    });
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_norms_cover_every_row_across_the_threads() {
+        // 1300 rows (three chunks, the last short) of width 4: row r holds
+        // (3, 4, 0, 0)·(r % 7 + 1), norm 5·(r % 7 + 1).
+        let rows: Vec<f16> = (0..1300)
+            .flat_map(|r| {
+                let s = (r % 7 + 1) as f32;
+                [3.0 * s, 4.0 * s, 0.0, 0.0].map(f16::from_f32)
+            })
+            .collect();
+        let norms = row_norms(&rows, 4);
+        assert_eq!(norms.len(), 1300);
+        for (r, &n) in norms.iter().enumerate() {
+            assert_eq!(n, 5.0 * (r % 7 + 1) as f32, "row {r}");
+        }
     }
 }
