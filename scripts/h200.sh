@@ -6,8 +6,11 @@
 #
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
-# [bench] [dxsplit] [anchors] [cublas] [twin]   (default: all but tune, dxsplit
-# and twin). `twin` runs the CUDA twin of the default GEMM tile beside cuBLAS
+# [bench] [dxsplit] [filter] [anchors] [cublas] [twin]   (default: all but tune,
+# dxsplit, filter and twin). `filter` runs the dx GEMM's block filter (issue 26
+# §1): `check` on each GLSL loop structure's filtered kernel, then bench on the
+# `lm` data at A, S and M without the filter, with it, and with it on the
+# prior's vocabulary order. `twin` runs the CUDA twin of the default GEMM tile beside cuBLAS
 # and headkl's Vulkan ceiling report (scripts/cuda_twin/run.py; TWIN_ARGS
 # adds arguments, e.g. --quick); it runs the ceiling itself, so it needs no
 # `ceiling` step beside it.
@@ -119,6 +122,39 @@ if has dxsplit; then
             grep -E "^bench: dx GEMM split|^vulkan " "$log" | tee -a "$summary"
         done
     done
+fi
+if has filter; then
+    # Each GLSL main-loop structure's filtered dx GEMM (one stage, two, two
+    # interleaved, warp-specialised at two and four stages), through the
+    # suite's filtered kernel cases and the filter's head_kl cases.
+    while IFS='|' read -r label vars; do
+        log="$out/check-filter-$label.txt"
+        env $vars HEADKL_REQUIRE=vulkan $headkl $quiet check --backend vulkan --cases 4 >"$log" 2>&1
+        echo "check filter $label exit=$? $(grep -E "^\s*vulkan " "$log" | tail -n 1)" | tee -a "$summary"
+    done <<'LIST'
+s1|HEADKL_GEMM=glsl:bm128.bk64.s1
+s2|HEADKL_GEMM=glsl:bm128.bk32.s2
+s2i|HEADKL_GEMM=glsl:bm128.bk32.s2.i
+ws2|HEADKL_GEMM=glsl:bm128.bk32.s2.ws
+ws4|HEADKL_GEMM=glsl:bm128.bk16.s4.ws
+bm64|HEADKL_GEMM=glsl:bm64.bk32.s1
+wgsl|HEADKL_GEMM=logits=staged:bk64:r2:s1,dx=staged:bk32:r4:s1:pf
+direct|HEADKL_GEMM=direct
+LIST
+    # label | shape | extra arguments
+    while IFS='|' read -r label shape extra; do
+        log="$out/bench-filter-$label.txt"
+        HEADKL_TRACE=1 $headkl $quiet bench --backend vulkan --shape $shape --iters 5 --warmup 1 --data lm $extra \
+            --json "$out/bench-filter-$label.json" >"$log" 2>&1
+        echo "bench filter $label exit=$?" | tee -a "$summary"
+        grep -E "^(vulkan|trace) |^bench: (lm|dx block|  )" "$log" | tee -a "$summary"
+    done <<'LIST'
+A-off|A|
+A-auto|A|--filter-eps auto
+A-auto-prior|A|--filter-eps auto --vocab-order prior
+S-auto-prior|S|--filter-eps auto --vocab-order prior
+M-auto-prior|M|--filter-eps auto --vocab-order prior
+LIST
 fi
 if has anchors; then
     PYTHONUNBUFFERED=1 python3 .anchors/torch_head_kl.py --shapes "$(echo $shapes | tr ' ' ,)" \

@@ -48,13 +48,13 @@ void main() {
     epilogue();
 
 #elif MODE == 2
-    // Stage step 0 once, then multiply from it every step. `pad0` is 0: the
+    // Stage step 0 once, then multiply from it every step. `mask_rows` is 0 (no filter): the
     // shift only stops the compiler from hoisting the fragment loads.
     load_step(0);
     store_step(0);
     barrier();
     for (uint s = 0; s < steps; s++) {
-        uint shift = s & p.pad0;
+        uint shift = s & p.mask_rows;
         [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
             math_slice(0, kk + shift * 16);
         }

@@ -76,3 +76,60 @@ fn row_stats(t: Tile, rows: u32, cols: u32, lid: u32, threads: u32) {
         c[o + 1u] = select(s, bitcast<f32>(0x7fc00000u), bad);
     }
 }
+
+// The dx GEMM's block filter (headkl_core::filter; the gemm_dx_filtered
+// entry points): word `w` of row `row`'s block mask, stored in A's buffer
+// after A's m rows as four halves of 8 bits each (`a_half`: each shader's
+// own read of A's half `i`).
+fn mask_word(row: u32, w: u32) -> u32 {
+    let at = params.m * params.lda + 4u * (row * params.mask_ld + w);
+    return u32(a_half(at)) | (u32(a_half(at + 1u)) << 8u) | (u32(a_half(at + 2u)) << 16u)
+        | (u32(a_half(at + 3u)) << 24u);
+}
+
+// The OR of mask word `w` over the tile's rows [row0, row0 + rows) that
+// have a mask (below params.mask_rows). Every invocation computes it from
+// the same words, so a branch on it is uniform in fact.
+fn tile_mask(row0: u32, rows: u32, w: u32) -> u32 {
+    var o = 0u;
+    let end = min(row0 + rows, params.mask_rows);
+    for (var r = row0; r < end; r++) {
+        o |= mask_word(r, w);
+    }
+    return o;
+}
+
+// The filter's cursor over one tile's K steps: the 2048-column window of
+// mask bits last read.
+struct MaskCursor {
+    window: u32,
+    bits: u32,
+}
+
+fn mask_cursor() -> MaskCursor {
+    return MaskCursor(0xffffffffu, 0u);
+}
+
+// The first K step at or after `s` (of `steps`, `bk` deep) whose 64-column
+// block is set in some row of the tile (`steps` when none is left); `s`
+// itself when `filtered` is false. A starts in row 0 (a_offset < lda), so
+// step s covers columns t.a_off + s·bk onward; bk <= 64 keeps a step in
+// one block.
+fn next_live(filtered: bool, cur: ptr<function, MaskCursor>, t: Tile, rows: u32, s: u32, steps: u32, bk: u32) -> u32 {
+    if !filtered {
+        return s;
+    }
+    var q = s;
+    for (; q < steps; q++) {
+        let col = t.a_off + q * bk;
+        let win = col / 2048u;
+        if win != (*cur).window {
+            (*cur).window = win;
+            (*cur).bits = tile_mask(t.row0, rows, win);
+        }
+        if (((*cur).bits >> ((col / 64u) % 32u)) & 1u) != 0u {
+            return q;
+        }
+    }
+    return steps;
+}

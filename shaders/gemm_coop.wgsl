@@ -234,9 +234,17 @@ fn frag_b(nn: bool, base: u32, col: u32, ks: u32) -> coop_mat16x16<f16, B> {
     return coopLoad<coop_mat16x16<f16, B>>(&sb[o], ld);
 }
 
-// The whole kernel for either layout of B (`nn` is a constant at each entry
-// point, so the driver folds its branches away).
-fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
+// A's half `i` (the block filter's mask words: gemm_common.wgsl).
+fn a_half(i: u32) -> f32 {
+    let w = a[i / 8u];
+    return unpack2x16float(w[(i % 8u) / 2u])[i % 2u];
+}
+
+// The whole kernel for either layout of B, with or without the block
+// filter (`nn` and `filtered` are constants at each entry point, so the
+// driver folds their branches away: without the filter the loop is the
+// unfiltered GEMM's).
+fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool, filtered: bool) {
     let t = tile_of(wg, nn, BM, BN);
     if !t.valid {
         return;
@@ -262,62 +270,109 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
     var c32 = coop_mat16x16<f32, C>();
     var c33 = coop_mat16x16<f32, C>();
     let steps = (t.k + BK - 1u) / BK;
-    var words = load_words(nn, t, 0u, lid);
-    store_words(nn, 0u, lid, words);
-    workgroupBarrier();
-    for (var kstep = 0u; kstep < steps; kstep++) {
-        let stage = kstep % STAGES;
-        if STAGES == 2u || PREFETCH {
-            // The last step reloads its own tiles (in range, never stored)
-            // so the loads stay unconditional.
-            words = load_words(nn, t, min(kstep + 1u, steps - 1u) * BK, lid);
-        }
-        let base_a = stage * SA_STAGE;
-        let base_b = stage * SB_STAGE;
-        for (var ks = 0u; ks < BK; ks += 16u) {
-            let oa0 = base_a + (sm + 0u) * lda_s + ks;
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa0], lda_s);
-            let oa1 = base_a + (sm + 16u) * lda_s + ks;
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa1], lda_s);
-            let oa2 = base_a + (sm + 32u) * lda_s + ks;
-            let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa2], lda_s);
-            let oa3 = base_a + (sm + 48u) * lda_s + ks;
-            let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
-            let b0 = frag_b(nn, base_b, sn + 0u, ks);
-            c00 = coopMultiplyAdd(a0, b0, c00);
-            c10 = coopMultiplyAdd(a1, b0, c10);
-            c20 = coopMultiplyAdd(a2, b0, c20);
-            c30 = coopMultiplyAdd(a3, b0, c30);
-            let b1 = frag_b(nn, base_b, sn + 16u, ks);
-            c01 = coopMultiplyAdd(a0, b1, c01);
-            c11 = coopMultiplyAdd(a1, b1, c11);
-            c21 = coopMultiplyAdd(a2, b1, c21);
-            c31 = coopMultiplyAdd(a3, b1, c31);
-            let b2 = frag_b(nn, base_b, sn + 32u, ks);
-            c02 = coopMultiplyAdd(a0, b2, c02);
-            c12 = coopMultiplyAdd(a1, b2, c12);
-            c22 = coopMultiplyAdd(a2, b2, c22);
-            c32 = coopMultiplyAdd(a3, b2, c32);
-            let b3 = frag_b(nn, base_b, sn + 48u, ks);
-            c03 = coopMultiplyAdd(a0, b3, c03);
-            c13 = coopMultiplyAdd(a1, b3, c13);
-            c23 = coopMultiplyAdd(a2, b3, c23);
-            c33 = coopMultiplyAdd(a3, b3, c33);
-        }
-        if kstep + 1u < steps {
-            if STAGES == 2u {
-                // The other stage was last read in step - 1, before the
-                // barrier that ended it.
-                store_words(nn, (kstep + 1u) % 2u, lid, words);
-            } else {
-                workgroupBarrier();
-                if !PREFETCH {
-                    words = load_words(nn, t, (kstep + 1u) * BK, lid);
-                }
-                store_words(nn, 0u, lid, words);
+    if filtered {
+        // The block filter (gemm_common.wgsl's next_live): only the K steps
+        // whose 64-column block some row of the tile keeps, each loaded,
+        // stored to stage 0 and multiplied between two barriers.
+        var cur = mask_cursor();
+        var s = next_live(true, &cur, t, BM, 0u, steps, BK);
+        while s < steps {
+            let w = load_words(nn, t, s * BK, lid);
+            store_words(nn, 0u, lid, w);
+            workgroupBarrier();
+            let base_a = 0u;
+            let base_b = 0u;
+            for (var ks = 0u; ks < BK; ks += 16u) {
+                let oa0 = base_a + (sm + 0u) * lda_s + ks;
+                let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa0], lda_s);
+                let oa1 = base_a + (sm + 16u) * lda_s + ks;
+                let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa1], lda_s);
+                let oa2 = base_a + (sm + 32u) * lda_s + ks;
+                let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa2], lda_s);
+                let oa3 = base_a + (sm + 48u) * lda_s + ks;
+                let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
+                let b0 = frag_b(nn, base_b, sn + 0u, ks);
+                c00 = coopMultiplyAdd(a0, b0, c00);
+                c10 = coopMultiplyAdd(a1, b0, c10);
+                c20 = coopMultiplyAdd(a2, b0, c20);
+                c30 = coopMultiplyAdd(a3, b0, c30);
+                let b1 = frag_b(nn, base_b, sn + 16u, ks);
+                c01 = coopMultiplyAdd(a0, b1, c01);
+                c11 = coopMultiplyAdd(a1, b1, c11);
+                c21 = coopMultiplyAdd(a2, b1, c21);
+                c31 = coopMultiplyAdd(a3, b1, c31);
+                let b2 = frag_b(nn, base_b, sn + 32u, ks);
+                c02 = coopMultiplyAdd(a0, b2, c02);
+                c12 = coopMultiplyAdd(a1, b2, c12);
+                c22 = coopMultiplyAdd(a2, b2, c22);
+                c32 = coopMultiplyAdd(a3, b2, c32);
+                let b3 = frag_b(nn, base_b, sn + 48u, ks);
+                c03 = coopMultiplyAdd(a0, b3, c03);
+                c13 = coopMultiplyAdd(a1, b3, c13);
+                c23 = coopMultiplyAdd(a2, b3, c23);
+                c33 = coopMultiplyAdd(a3, b3, c33);
             }
+            workgroupBarrier();
+            s = next_live(true, &cur, t, BM, s + 1u, steps, BK);
         }
+    } else {
+        var words = load_words(nn, t, 0u, lid);
+        store_words(nn, 0u, lid, words);
         workgroupBarrier();
+        for (var kstep = 0u; kstep < steps; kstep++) {
+            let stage = kstep % STAGES;
+            if STAGES == 2u || PREFETCH {
+                // The last step reloads its own tiles (in range, never stored)
+                // so the loads stay unconditional.
+                words = load_words(nn, t, min(kstep + 1u, steps - 1u) * BK, lid);
+            }
+            let base_a = stage * SA_STAGE;
+            let base_b = stage * SB_STAGE;
+            for (var ks = 0u; ks < BK; ks += 16u) {
+                let oa0 = base_a + (sm + 0u) * lda_s + ks;
+                let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa0], lda_s);
+                let oa1 = base_a + (sm + 16u) * lda_s + ks;
+                let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa1], lda_s);
+                let oa2 = base_a + (sm + 32u) * lda_s + ks;
+                let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa2], lda_s);
+                let oa3 = base_a + (sm + 48u) * lda_s + ks;
+                let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
+                let b0 = frag_b(nn, base_b, sn + 0u, ks);
+                c00 = coopMultiplyAdd(a0, b0, c00);
+                c10 = coopMultiplyAdd(a1, b0, c10);
+                c20 = coopMultiplyAdd(a2, b0, c20);
+                c30 = coopMultiplyAdd(a3, b0, c30);
+                let b1 = frag_b(nn, base_b, sn + 16u, ks);
+                c01 = coopMultiplyAdd(a0, b1, c01);
+                c11 = coopMultiplyAdd(a1, b1, c11);
+                c21 = coopMultiplyAdd(a2, b1, c21);
+                c31 = coopMultiplyAdd(a3, b1, c31);
+                let b2 = frag_b(nn, base_b, sn + 32u, ks);
+                c02 = coopMultiplyAdd(a0, b2, c02);
+                c12 = coopMultiplyAdd(a1, b2, c12);
+                c22 = coopMultiplyAdd(a2, b2, c22);
+                c32 = coopMultiplyAdd(a3, b2, c32);
+                let b3 = frag_b(nn, base_b, sn + 48u, ks);
+                c03 = coopMultiplyAdd(a0, b3, c03);
+                c13 = coopMultiplyAdd(a1, b3, c13);
+                c23 = coopMultiplyAdd(a2, b3, c23);
+                c33 = coopMultiplyAdd(a3, b3, c33);
+            }
+            if kstep + 1u < steps {
+                if STAGES == 2u {
+                    // The other stage was last read in step - 1, before the
+                    // barrier that ended it.
+                    store_words(nn, (kstep + 1u) % 2u, lid, words);
+                } else {
+                    workgroupBarrier();
+                    if !PREFETCH {
+                        words = load_words(nn, t, (kstep + 1u) * BK, lid);
+                    }
+                    store_words(nn, 0u, lid, words);
+                }
+            }
+            workgroupBarrier();
+        }
     }
     store_tile(t, c00, t.row0 + sm + 0u, t.col0 + sn + 0u);
     store_tile(t, c01, t.row0 + sm + 0u, t.col0 + sn + 16u);
@@ -342,12 +397,19 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool) {
 @compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
 fn gemm_logits(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {
-    gemm(wg, lid, sg, false);
+    gemm(wg, lid, sg, false, false);
 }
 
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
 fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {
-    gemm(wg, lid, sg, true);
+    gemm(wg, lid, sg, true, false);
+}
+
+// gemm_dx with the block filter (headkl_core::filter).
+@compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
+fn gemm_dx_filtered(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+        @builtin(subgroup_id) sg: u32) {
+    gemm(wg, lid, sg, true, true);
 }

@@ -9,7 +9,103 @@
 void main() {
     ENTER_TILE(p.k_parts, min(k0 + p.k_part, p.k) - k0);
 
+#if FILTER
+    // The block filter: the loops below (#else), over the live steps only
+    // (next_live), counted by ordinal for the stages. Without FILTER none
+    // of this is compiled.
+    uvec2 cur = uvec2(0xffffffffu, 0u);
+    uint s = next_live(0, steps, cur);
 #if WS
+    // The copiers' own cursor `q` runs STAGES - 1 live steps ahead of the
+    // math's `s`, with its own mask window.
+    bool copier = gl_LocalInvocationIndex >= MATH_THREADS;
+    uvec2 qcur = cur;
+    uint q = s;
+    if (copier) {
+        for (uint t = 0; t + 1 < STAGES; t++) {
+            if (q < steps) {
+                load_step(q);
+                store_step(t);
+                q = next_live(q + 1, steps, qcur);
+            }
+        }
+        if (q < steps) {
+            load_step(q);
+        }
+    }
+    barrier();
+    for (uint i = 0; s < steps; i++) {
+        if (copier) {
+            // Ordinal i + STAGES - 1 (step q, in registers) to the stage
+            // ordinal i - 1 used, then ordinal i + STAGES into registers.
+            if (q < steps) {
+                store_step((i + STAGES - 1) % STAGES);
+                q = next_live(q + 1, steps, qcur);
+                if (q < steps) {
+                    load_step(q);
+                }
+            }
+        } else {
+            math_step(i % STAGES);
+        }
+        barrier();
+        s = next_live(s + 1, steps, cur);
+    }
+    if (!copier) {
+        epilogue();
+    }
+#elif STAGES == 2
+    if (s < steps) {
+        load_step(s);
+        store_step(0);
+    }
+    barrier();
+    uint st = 0;
+    while (s < steps) {
+        uint nx = next_live(s + 1, steps, cur);
+        if (nx < steps) {
+            load_step(nx);
+        }
+#if INTERLEAVE
+        math_slice(st, 0);
+        if (nx < steps) {
+            store_step(st ^ 1);
+        }
+        [[unroll]] for (uint kk = 16; kk < BK; kk += 16) {
+            math_slice(st, kk);
+        }
+#else
+        math_step(st);
+        if (nx < steps) {
+            store_step(st ^ 1);
+        }
+#endif
+        barrier();
+        s = nx;
+        st ^= 1;
+    }
+    epilogue();
+#elif STAGES == 1
+    if (s < steps) {
+        load_step(s);
+    }
+    while (s < steps) {
+        store_step(0);
+        barrier();
+        uint nx = next_live(s + 1, steps, cur);
+        if (nx < steps) {
+            load_step(nx);
+        }
+        math_step(0);
+        barrier();
+        s = nx;
+    }
+    epilogue();
+#else
+#error "FILTER: one or two stages, or WS"
+#endif
+
+#elif WS
     // Stages 0 .. STAGES - 2 filled before the loop; at step s the math
     // subgroups read stage s % STAGES while the copiers store step
     // s + STAGES - 1 into the stage step s - 1 used (free since the last

@@ -22,6 +22,10 @@
 //           one barrier a step
 //   MODE    0 the GEMM (gemm_khr.comp); 1-4 the ceiling report's parts
 //           (gemm_ceiling.comp)
+//   FILTER  1: the dx GEMM's block filter (gemm_dx_filtered, NN only):
+//           the main loop runs only the K steps whose 64-column block
+//           some row of the tile keeps (next_live); 0: the code is the
+//           GEMM's without it, line for line
 // Ceiling-report levers (the production GEMMs take the first value):
 //   A_READ, B_READ  0 staged from row-major memory; 1 staged, read as if
 //           each K step's tile were one contiguous run ([tile][step][BM or
@@ -50,6 +54,9 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_control_flow_attributes : require
+#if FILTER
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 
 // TALL (ceiling report only): the workgroup's C tile is 2 x BM rows by 64
 // columns, one column of BM / 32 subgroups, each 64 x 64: as many tiles as
@@ -102,8 +109,8 @@ layout(set = 0, binding = 0, std140) uniform Params {
     uint stats_ld;
     uint stats_first;
     uint stats_cols;
-    uint pad0;
-    uint pad1;
+    uint mask_rows;
+    uint mask_ld;
 } p;
 // f16 operands, 8 halves (16 bytes) a word: a_offset, lda and ldb are
 // multiples of 8 (core pads them to 16).
@@ -466,6 +473,52 @@ void epilogue() {
     }
 #endif
 }
+
+#if FILTER
+#if !NN || MODE != 0 || TALL || A_READ != 0 || B_READ != 0 || LOAD_KIND != 0
+#error "FILTER is the production dx GEMM's (NN, MODE 0, staged operands)"
+#endif
+// The dx GEMM's block filter (headkl_core::filter): mask word `w` of A's
+// row `row`, stored after A's m rows as four halves of 8 bits each (8
+// bytes: half of a 16-byte word).
+uint mask_word(uint row, uint w) {
+    uint at = p.m * p.lda + 4 * (row * p.mask_ld + w);
+    uvec4 v = a[at / 8];
+    bool low = (at % 8) == 0;
+    vec2 l = unpackHalf2x16(low ? v.x : v.z);
+    vec2 h = unpackHalf2x16(low ? v.y : v.w);
+    return uint(l.x) | (uint(l.y) << 8) | (uint(h.x) << 16) | (uint(h.y) << 24);
+}
+
+// The first step at or after `s` whose 64-column block is set in some row
+// of the tile that has a mask (`steps` when none is left). `cur` caches
+// (window, bits): the OR of the tile's rows' mask words for the
+// 2048-column window last read. Each subgroup ORs the rows on its own (no
+// barrier, no workgroup memory), so every invocation gets the same answer
+// and the loops that use it stay uniform. A starts in row 0 (a_offset <
+// lda), so step s covers columns a_off + s * BK onward; BK <= 64 keeps a
+// step in one block.
+uint next_live(uint s, uint steps, inout uvec2 cur) {
+    for (; s < steps; s++) {
+        uint col = a_off + s * BK;
+        uint win = col / 2048;
+        if (win != cur.x) {
+            cur.x = win;
+            uint w = 0;
+            for (uint r = gl_SubgroupInvocationID; r < TM; r += 32) {
+                if (row0 + r < p.mask_rows) {
+                    w |= mask_word(row0 + r, win);
+                }
+            }
+            cur.y = subgroupOr(w);
+        }
+        if (((cur.y >> ((col / 64) % 32)) & 1) != 0) {
+            return s;
+        }
+    }
+    return steps;
+}
+#endif
 
 // Start of part k0 of the reduction in B, and this invocation's index among
 // the staging invocations.

@@ -19,6 +19,11 @@ var<workgroup> bs_: array<f32, TK * TN>;
 
 // `Tile` and `tile_of`: shaders/gemm_common.wgsl.
 
+// A's half `i` (the block filter's mask words: gemm_common.wgsl).
+fn a_half(i: u32) -> f32 {
+    return f32(a[i]);
+}
+
 // Stages A's 64 x 16 tile at K offset k0: 1024 elements, 4 per invocation.
 fn stage_a(t: Tile, k0: u32, lid: u32) {
     for (var e = lid; e < TM * TK; e += 256u) {
@@ -89,14 +94,33 @@ fn stage_b(t: Tile, k0: u32, lid: u32, nn: bool) {
     }
 }
 
-// The whole kernel for either layout of B (`nn` is a constant at each entry
-// point).
-fn gemm(wg: vec3<u32>, li: vec3<u32>, lid: u32, nn: bool) {
+// The whole kernel for either layout of B, with or without the block
+// filter (`nn` and `filtered` are constants at each entry point, so the
+// driver folds their branches away: without the filter the loop is the
+// unfiltered GEMM's).
+fn gemm(wg: vec3<u32>, li: vec3<u32>, lid: u32, nn: bool, filtered: bool) {
     let t = tile_of(wg, nn, TM, TN);
     if !t.valid {
         return;
     }
     var acc: array<vec4<f32>, 4>;
+    if filtered {
+        // Only the K steps whose 64-column block some row of the tile
+        // keeps (gemm_common.wgsl's next_live), by the whole workgroup.
+        let steps = (t.k + TK - 1u) / TK;
+        var cur = mask_cursor();
+        var s = next_live(true, &cur, t, TM, 0u, steps, TK);
+        while s < steps {
+            stage_a(t, s * TK, lid);
+            stage_b(t, s * TK, lid, nn);
+            workgroupBarrier();
+            multiply(&acc, li.x, li.y);
+            workgroupBarrier();
+            s = next_live(true, &cur, t, TM, s + 1u, steps, TK);
+        }
+        store(t, acc, li.x, li.y);
+        return;
+    }
     for (var k0 = 0u; k0 < t.k; k0 += TK) {
         stage_a(t, k0, lid);
         stage_b(t, k0, lid, nn);
@@ -112,12 +136,20 @@ fn gemm(wg: vec3<u32>, li: vec3<u32>, lid: u32, nn: bool) {
 @compute @workgroup_size(16, 16)
 fn gemm_logits(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
-    gemm(wg, li, lid, false);
+    gemm(wg, li, lid, false, false);
 }
 
 // C = A * B with B stored [k][n].
 @compute @workgroup_size(16, 16)
 fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
-    gemm(wg, li, lid, true);
+    gemm(wg, li, lid, true, false);
+}
+
+// gemm_dx with the block filter (headkl_core::filter): skips the K steps
+// whose block is clear in every row of the tile.
+@compute @workgroup_size(16, 16)
+fn gemm_dx_filtered(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    gemm(wg, li, lid, true, true);
 }

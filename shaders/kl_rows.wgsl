@@ -32,6 +32,7 @@ const F_Z_LOSS: u32 = 16u;
 const F_TAU: u32 = 32u;
 const F_TAU_POW_SHIFT: u32 = 8u;
 const F_TAU_POW_MASK: u32 = 7u;
+const F_FILTER: u32 = 2048u;
 // Tail modes (headkl_core::TailMode::code).
 const TAIL_BUCKET: u32 = 1u;
 const TAIL_NONE: u32 = 2u;
@@ -53,6 +54,12 @@ var<workgroup> row_label_p: f32;
 // Pass 2's row constants: (a, b, h, f_on) and (label_term, lse1, f_off, sum_u).
 var<workgroup> row_c0: vec4<f32>;
 var<workgroup> row_c1: vec4<f32>;
+// The block filter (F_FILTER; headkl_core::filter): one segment's mask
+// words, each 32 blocks of 64 vocabulary entries (2048 entries, 512 grad
+// words). Only the filtered pipeline touches it.
+const SEG_WORDS: u32 = 64u;
+const SEG4: u32 = SEG_WORDS * 512u;
+var<workgroup> seg_mask: array<atomic<u32>, SEG_WORDS>;
 
 fn non_finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) >= 0x7f800000u;
@@ -267,7 +274,8 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     let vocab = params.vocab;
     let base = row * params.ld;
     let flags = KL_FLAGS;
-    let plain = flags == 0u;
+    // The filter changes what pass 2 writes, not what is computed.
+    let plain = (flags & ~F_FILTER) == 0u;
     // The general fold is needed for a cap, τ ≠ 1 (the τ = 1 softmax) and
     // the hard term (Σ u for label smoothing).
     let fold_terms = (flags & (F_SOFTCAP | F_TAU | F_HARD)) != 0u;
@@ -492,6 +500,10 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     // in the padding, 4 at a time ...
     let c = bitcast<f32>(row_in[row * 2u]);
     let padded = params.ld / 4u;
+    if (flags & F_FILTER) != 0u {
+        filtered_grad(row, lid, c, lse, plain, labelled, label);
+        return;
+    }
     if plain {
         var g4 = lid;
         for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
@@ -566,5 +578,134 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         }
         d += c0.y * p1 - c0.z - c1.x;
         grad[(base + label) / 4u][label % 4u] = f16(c * us.y * d);
+    }
+}
+
+// Whether c·∂L/∂s = g keeps its block: |∂L/∂s| above ε, or not a number.
+fn kept(g: f32, c: f32) -> bool {
+    return !(abs(g) <= params.filter_eps * abs(c));
+}
+
+// Marks the block of column `j` in the segment starting at column `col0`.
+fn mark(j: u32, col0: u32) {
+    let b = (j - col0) / 64u;
+    atomicOr(&seg_mask[b / 32u], 1u << (b % 32u));
+}
+
+// c·p_S for word g4's 4 logits, zero past vocab: grad4 before its f16
+// rounding (the same expression, so the same bits).
+fn grad4_f32(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f32> {
+    var g = vec4<f32>(0.0);
+    for (var e = 0u; e < 4u; e++) {
+        if j4 * 4u + e < vocab {
+            g[e] = c * exp(x4[e] - lse);
+        }
+    }
+    return g;
+}
+
+// grad4_terms before its f16 rounding.
+fn grad4_terms_f32(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f32> {
+    let g = vec4<f32>(grad_x(x4.x, r), grad_x(x4.y, r), grad_x(x4.z, r), grad_x(x4.w, r));
+    let j = j4 * 4u;
+    let live = vec4<bool>(j < vocab, j + 1u < vocab, j + 2u < vocab, j + 3u < vocab);
+    return select(vec4<f32>(0.0), g, live);
+}
+
+// Pass 2 with the block filter (F_FILTER): the gradient exactly as the
+// unfiltered pass writes it (same expressions, same bits), and the row's
+// block mask (headkl_core::filter), one segment of SEG_WORDS mask words at
+// a time. A block's bit is set when some entry keeps it (`kept`): the
+// bulk by c·p_S (plain) or its value, the teacher's and the label's
+// columns by their final values too (a superset: never a block the
+// gradient needs). A row with c = 0 keeps none: its gradient is zero.
+fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bool, label: u32) {
+    let c0 = workgroupUniformLoad(&row_c0);
+    let c1 = workgroupUniformLoad(&row_c1);
+    let label_p = workgroupUniformLoad(&row_label_p);
+    let lse1 = c1.y;
+    let r = Pass2(c, lse, c0.x, c0.y, c0.z, lse1, c1.w);
+    let vocab = params.vocab;
+    let base = row * params.ld;
+    let base4 = base / 4u;
+    let padded = params.ld / 4u;
+    let k = params.k;
+    let tbase = row * k;
+    for (var s4 = 0u; s4 < padded; s4 += SEG4) {
+        let e4 = min(s4 + SEG4, padded);
+        let col0 = s4 * 4u;
+        let col1 = e4 * 4u;
+        if lid < SEG_WORDS {
+            atomicStore(&seg_mask[lid], 0u);
+        }
+        workgroupBarrier();
+        for (var g4 = s4 + lid; g4 < e4; g4 += WG) {
+            let x4 = logits[base4 + g4];
+            var g = vec4<f32>(0.0);
+            if plain {
+                g = grad4_f32(x4, g4, vocab, c, lse);
+            } else {
+                g = grad4_terms_f32(x4, g4, vocab, r);
+            }
+            grad[base4 + g4] = vec4<f16>(g);
+            if kept(g.x, c) || kept(g.y, c) || kept(g.z, c) || kept(g.w, c) {
+                mark(g4 * 4u, col0);
+            }
+        }
+        // The teacher's columns over the bulk's stores (ordered by the
+        // barrier) ...
+        storageBarrier();
+        for (var q = lid; q < k; q += WG) {
+            let id = ids[tbase + q];
+            if id < col0 || id >= col1 {
+                continue;
+            }
+            var gv = 0.0;
+            if plain {
+                let ps = exp(logit(base, id) - lse);
+                gv = c * (ps - probs[tbase + q]);
+            } else {
+                let us = scaled2(logit(base, id));
+                let pt = exp(us.x - lse);
+                var p1 = pt;
+                if (KL_FLAGS & F_TAU) != 0u {
+                    p1 = exp(us.x * params.temperature - lse1);
+                }
+                let d = params.soft_weight * (c0.w * pt - probs[tbase + q]) + c0.y * p1 - c0.z;
+                gv = c * us.y * d;
+            }
+            grad[(base + id) / 4u][id % 4u] = f16(gv);
+            if kept(gv, c) {
+                mark(id, col0);
+            }
+        }
+        // ... then the label's column, whole (general case only).
+        storageBarrier();
+        if !plain && labelled && lid == 0u && label >= col0 && label < col1 {
+            let us = scaled2(logit(base, label));
+            let pt = exp(us.x - lse);
+            var p1 = pt;
+            if (KL_FLAGS & F_TAU) != 0u {
+                p1 = exp(us.x * params.temperature - lse1);
+            }
+            var d = c0.x * pt;
+            if label_p >= 0.0 {
+                d = params.soft_weight * (c0.w * pt - label_p);
+            }
+            d += c0.y * p1 - c0.z - c1.x;
+            let gv = c * us.y * d;
+            grad[(base + label) / 4u][label % 4u] = f16(gv);
+            if kept(gv, c) {
+                mark(label, col0);
+            }
+        }
+        workgroupBarrier();
+        let w = s4 / 512u + lid;
+        if lid < SEG_WORDS && w < params.mask_ld {
+            let bits = atomicLoad(&seg_mask[lid]);
+            let h = vec4<u32>(bits & 255u, (bits >> 8u) & 255u, (bits >> 16u) & 255u, bits >> 24u);
+            grad[params.mask_off4 + row * params.mask_ld + w] = vec4<f16>(vec4<f32>(h));
+        }
+        workgroupBarrier();
     }
 }

@@ -449,8 +449,8 @@ impl Backend for VulkanBackend {
         let id = checked.id();
         let gemm = self.gemm_for(id);
         if let (Launch::Gemm { a, b, c, desc }, Some(params)) = (launch, checked.gemm_params()) {
-            if let KernelSource::Glsl { tile, layout } = id.build(gemm).source {
-                let Some(glsl) = headkl_glsl::gemm(tile, layout) else {
+            if let KernelSource::Glsl { tile, layout, filter } = id.build(gemm).source {
+                let Some(glsl) = headkl_glsl::gemm(tile, layout, filter) else {
                     return Err(backend_error(format!(
                         "headkl-glsl did not build glsl:{tile} for {layout:?}"
                     )));

@@ -661,12 +661,12 @@ fn every_catalogue_kernel_compiles_to_spirv() {
         }
     }
     assert!(failures.is_empty(), "shader compile failures:\n{}", failures.join("\n"));
-    // 4 fixed kernels, the 8 device-resident ones; per GEMM the tiled
-    // kernel and 19 matrix-unit tiles at 3 subgroup sizes; each checked and
-    // unchecked.
-    assert_eq!(compiled, 2 * (4 + 8 + 2 * (1 + 19 * 3)));
-    // Every GLSL tile, both GEMMs.
-    assert_eq!(glsl, 2 * headkl_core::glsl_tile::GLSL_TILES.len());
+    // 4 fixed kernels, the 8 device-resident ones; per GEMM (logits, dx,
+    // dx filtered) the tiled kernel and 19 matrix-unit tiles at 3 subgroup
+    // sizes; each checked and unchecked.
+    assert_eq!(compiled, 2 * (4 + 8 + 3 * (1 + 19 * 3)));
+    // Every GLSL tile, all three GEMMs.
+    assert_eq!(glsl, 3 * headkl_core::glsl_tile::GLSL_TILES.len());
 }
 
 /// Every term set of the KL rows (each a pipeline of its own, the

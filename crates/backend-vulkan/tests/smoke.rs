@@ -88,6 +88,7 @@ fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayou
         k_parts: 1,
         c_part_stride: 0,
         row_stats: None,
+        mask_rows: 0,
     };
     b.gemm(&a_buf, &b_buf, &c_buf, &desc).unwrap();
     let mut c = vec![0f32; c_len];

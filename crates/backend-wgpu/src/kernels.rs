@@ -150,8 +150,8 @@ impl Kernels {
                     device.create_shader_module(desc)
                 }
             }
-            KernelSource::Glsl { tile, layout } => {
-                let Some(kernel) = headkl_glsl::gemm(tile, layout) else {
+            KernelSource::Glsl { tile, layout, filter } => {
+                let Some(kernel) = headkl_glsl::gemm(tile, layout, filter) else {
                     return Err(backend_error(format!(
                         "headkl-glsl did not build glsl:{tile} for {layout:?}"
                     )));

@@ -15,7 +15,8 @@ use half::f16;
 use headkl_core::shard::{merge_loss_device, HeadShard, ShardEngine, STATS_PER_TOKEN};
 use headkl_core::{
     Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData,
-    HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions, ALIGN,
+    HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions, VocabOrder,
+    ALIGN,
 };
 
 use crate::environment::Settings;
@@ -37,7 +38,7 @@ mod table;
 pub use shape::{JobKind, Shape};
 use stats::announce_estimate;
 pub(crate) use stats::{median, sorted};
-pub use table::{render, BenchReport, BenchRun, JobResult, KernelStat};
+pub use table::{render, BenchReport, BenchRun, FilterReport, JobResult, KernelStat};
 
 /// Rows of the probe call that estimates a run's length: a few whole
 /// GEMM row tiles (16 rows over-estimated lavapipe's run 4.5x, its tiles
@@ -78,11 +79,89 @@ pub struct BenchConfig {
     pub yes: bool,
     /// `--shards N`: also time both jobs with the head in N shards.
     pub shards: Option<usize>,
+    /// `--data`.
+    pub data: DataKind,
+    /// `--filter-eps`: the dx GEMM's block filter (off: `None`).
+    pub filter_eps: Option<f32>,
+    /// `--vocab-order`: the order the head's rows are stored in.
+    pub vocab_order: VocabOrderArg,
 }
 
-/// Random data of one shape: f16 head and hidden rows, and a teacher.
+/// `--vocab-order`: `natural`, `prior` (the `lm` generator's unigram prior,
+/// likely tokens first) or a file of token ids in the order to store them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VocabOrderArg {
+    /// The head as given.
+    Natural,
+    /// By the `lm` data's prior (`--data lm` only).
+    Prior,
+    /// Token ids, whitespace-separated, position by position.
+    File(PathBuf),
+}
+
+impl VocabOrderArg {
+    /// Parses `natural`, `prior` or a path.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        Ok(match s.trim() {
+            "natural" => VocabOrderArg::Natural,
+            "prior" => VocabOrderArg::Prior,
+            "" => return Err("natural, prior or a file of token ids".into()),
+            path => VocabOrderArg::File(PathBuf::from(path)),
+        })
+    }
+
+    /// The order for `data`, or `None` for the natural one.
+    fn resolve(&self, data: &BenchData) -> Result<Option<VocabOrder>, CliError> {
+        let order = match self {
+            VocabOrderArg::Natural => return Ok(None),
+            VocabOrderArg::Prior => {
+                let prior = data.log_prior.as_ref().ok_or_else(|| {
+                    CliError::option("--vocab-order", "prior needs --data lm (the generator's unigram prior)")
+                })?;
+                VocabOrder::by_score(prior)
+            }
+            VocabOrderArg::File(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| CliError::option("--vocab-order", format!("{}: {e}", path.display())))?;
+                let ids = text
+                    .split_whitespace()
+                    .map(|w| w.parse::<u32>())
+                    .collect::<Result<Vec<u32>, _>>()
+                    .map_err(|e| CliError::option("--vocab-order", format!("{}: {e}", path.display())))?;
+                VocabOrder::new(ids)
+            }
+        };
+        order.map(Some).map_err(|e| CliError::device("--vocab-order", e))
+    }
+}
+
+/// What data the bench makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    /// Uniform head and hidden rows, a random teacher: flat logits, where
+    /// the block filter skips nothing.
+    Random,
+    /// `headkl_reference::lm`: logits like a trained LM's.
+    Lm,
+}
+
+impl DataKind {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataKind::Random => "random",
+            DataKind::Lm => "lm",
+        }
+    }
+}
+
+/// The data of one shape: f16 head and hidden rows, and a teacher.
 struct BenchData {
     shape: Shape,
+    kind: DataKind,
+    /// The `lm` data's log prior over the vocabulary (`--vocab-order prior`).
+    log_prior: Option<Vec<f32>>,
     head: Vec<f16>,
     hidden: Vec<f16>,
     teacher: Teacher,
@@ -92,7 +171,10 @@ impl BenchData {
     /// Generates the data on every core. Head values have standard
     /// deviation 0.02 and hidden values 1 (the anchors' scales), so logits
     /// are O(1) as in a real model.
-    fn generate(shape: Shape) -> Result<Self, CliError> {
+    fn generate(shape: Shape, kind: DataKind) -> Result<Self, CliError> {
+        if kind == DataKind::Lm {
+            return Self::generate_lm(shape);
+        }
         let start = Instant::now();
         log::info!(
             "bench: generating {shape} data (head {})",
@@ -127,11 +209,68 @@ impl BenchData {
         log::info!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
         Ok(Self {
             shape,
+            kind,
+            log_prior: None,
             head,
             hidden,
             teacher,
         })
     }
+
+    /// `--data lm`: `headkl_reference::lm`'s generator with its calibrated
+    /// defaults, and its statistics printed beside the published ones.
+    fn generate_lm(shape: Shape) -> Result<Self, CliError> {
+        use headkl_reference::lm;
+        let start = Instant::now();
+        log::info!(
+            "bench: generating {shape} lm data (head {})",
+            fmt_bytes((shape.vocab * shape.hs * 2) as u64)
+        );
+        let spec = lm::LmSpec::new(shape.vocab, shape.hs, shape.ntok, shape.k, DATA_SEED);
+        let d = lm::generate(&spec).map_err(|e| CliError::option("--data lm", e))?;
+        let teacher = Teacher::new(&d.ids, &d.probs, shape.ntok, shape.k, shape.vocab)
+            .map_err(|e| CliError::device("generating the lm teacher", e))?;
+        eprintln!("{}", lm_report(&d.stats, d.inv_temp));
+        log::info!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
+        Ok(Self {
+            shape,
+            kind: DataKind::Lm,
+            log_prior: Some(d.log_prior),
+            head: d.head,
+            hidden: d.hidden,
+            teacher,
+        })
+    }
+}
+
+/// The lm data's statistics beside the published ones (the issue's
+/// Qwen2.5-0.5B measurement on real text, V = 151936).
+fn lm_report(st: &headkl_reference::lm::LmStats, inv_temp: f32) -> String {
+    let p = headkl_reference::lm::PUBLISHED;
+    let m = st.measured;
+    format!(
+        "bench: lm data, {} sample tokens: mean student entropy {:.2} nats (top token {:.2}), λ = {inv_temp:.3}\n\
+         bench: lm data vs published (Qwen2.5-0.5B, real text):\n\
+         bench:   entries |p_S - p_T| >= 2^-12   {:>7.3}%   published {:.3}%\n\
+         bench:   128x128 tiles kept, natural    {:>7.1}%   published {:.0}%\n\
+         bench:   128x128 tiles kept, sorted     {:>7.1}%   published {:.0}%\n\
+         bench:   128x128 tiles kept, random     {:>7.1}%   published {:.0}%\n\
+         bench:   dx blocks kept at 2^-15 (rows x 64): 64 rows {:.1}%, 128 rows {:.1}%, 128 rows sorted {:.1}%",
+        st.tokens,
+        st.entropy,
+        st.top_prob,
+        100.0 * m.kept_entries,
+        100.0 * p.kept_entries,
+        100.0 * m.tiles_natural,
+        100.0 * p.tiles_natural,
+        100.0 * m.tiles_sorted,
+        100.0 * p.tiles_sorted,
+        100.0 * m.tiles_random,
+        100.0 * p.tiles_random,
+        100.0 * st.filter_kept_64,
+        100.0 * st.filter_kept_128,
+        100.0 * st.filter_kept_128_sorted,
+    )
 }
 
 /// Runs both jobs on one backend; the data of the last shape is kept for
@@ -220,6 +359,7 @@ impl BenchJob<'_> {
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(|e| CliError::device("bench data", e))?;
         let loss_opts = LossOptions {
             budget_bytes: cfg.budget,
+            filter_eps: cfg.filter_eps,
             ..LossOptions::default()
         };
         let topk_opts = TopkOptions {
@@ -228,7 +368,7 @@ impl BenchJob<'_> {
         };
         // Kept across calls, as a training loop keeps its gradient buffer.
         let mut loss_out = headkl_core::LossOutput::default();
-        Self::time_calls(
+        let mut result = Self::time_calls(
             cfg,
             engine,
             job,
@@ -240,7 +380,68 @@ impl BenchJob<'_> {
                 JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
                 JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
             },
-        )
+        )?;
+        if job == JobKind::HeadKl {
+            result.filter = Some(Self::filter_report(d, engine, &hidden, &loss_opts, &loss_out)?);
+        }
+        Ok(result)
+    }
+    /// What the block filter did in the last timed call, and dx's error
+    /// against one unfiltered call (untimed) on the same engine.
+    fn filter_report<B: Backend>(
+        d: &BenchData,
+        engine: &mut Engine<B>,
+        hidden: &Hidden<'_>,
+        opts: &LossOptions,
+        filtered: &headkl_core::LossOutput,
+    ) -> Result<FilterReport, CliError> {
+        let Some(st) = filtered.filter else {
+            eprintln!("bench: dx block filter off ({} data)", d.kind.name());
+            return Ok(FilterReport::off(d.kind));
+        };
+        let exact = engine
+            .head_kl(
+                hidden,
+                &d.teacher,
+                &LossOptions {
+                    filter_eps: None,
+                    ..opts.clone()
+                },
+            )
+            .map_err(|e| CliError::device("bench: the unfiltered call", e))?;
+        let _ = engine.backend().take_kernel_times();
+        let norm = exact.dx.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+        let diff = exact
+            .dx
+            .iter()
+            .zip(&filtered.dx)
+            .map(|(&a, &b)| f64::from(a - b).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let rel = |v: f64| v / norm.max(f64::MIN_POSITIVE);
+        let report = FilterReport {
+            data: d.kind,
+            eps: Some(st.eps),
+            skipped: st.skipped_fraction(),
+            dx_rel_err: rel(diff),
+            bound_rel: rel(st.dropped_bound),
+            loss_identical: exact.loss == filtered.loss,
+        };
+        eprintln!(
+            "bench: dx block filter ε = {:e} ({} data): skipped {:.1}% of the dx GEMM's blocks; dx vs unfiltered: \
+             relative L2 error {:.2e} (bound {:.2e}); loss {}",
+            st.eps,
+            d.kind.name(),
+            100.0 * report.skipped,
+            report.dx_rel_err,
+            report.bound_rel,
+            if report.loss_identical {
+                "bit-identical"
+            } else {
+                "DIFFERS"
+            },
+        );
+        Ok(report)
     }
 
     /// Times `cfg.iters` calls of `call` (after `cfg.warmup`), each
@@ -356,6 +557,7 @@ impl BenchJob<'_> {
             wall_tflops: tf(median_ms),
             peak_extra_bytes: peak.saturating_sub(head_bytes),
             kernels,
+            filter: None,
         })
     }
 }
@@ -416,6 +618,7 @@ fn time_resident<B: ResidentBackend>(
     let out = DeviceLossOutput { loss: &loss, dx: &dx };
     let loss_opts = DeviceLossOptions {
         budget_bytes: cfg.budget,
+        filter_eps: cfg.filter_eps,
         ..DeviceLossOptions::default()
     };
     let topk_opts = TopkOptions {
@@ -566,9 +769,13 @@ impl BenchJob<'_> {
             device_bytes,
         };
         let confirmed = preflight::confirm(&format!("bench {} at {shape}", info.backend), &needs, self.cfg, &info)?;
-        if self.cache.as_ref().is_none_or(|d| d.shape != shape) {
+        if self
+            .cache
+            .as_ref()
+            .is_none_or(|d| d.shape != shape || d.kind != self.cfg.data)
+        {
             *self.cache = None; // free the old data before making the new
-            *self.cache = Some(BenchData::generate(shape)?);
+            *self.cache = Some(BenchData::generate(shape, self.cfg.data)?);
         }
         let Some(data) = self.cache.as_ref() else {
             return Ok(None);
@@ -596,8 +803,9 @@ impl BenchJob<'_> {
         let before = backend.memory().current;
         let head = HeadWeights::new(HeadData::F16(&data.head), shape.vocab, shape.hs)
             .map_err(|e| CliError::device("bench head", e))?;
+        let order = self.cfg.vocab_order.resolve(data)?;
         let start = Instant::now();
-        let mut engine = Engine::new(backend, &head, SliceOptions::default())
+        let mut engine = Engine::with_vocab_order(backend, &head, SliceOptions::default(), order)
             .map_err(|e| CliError::device(format!("uploading the head to {}", info.backend), e))?;
         let upload_ms = start.elapsed().as_secs_f64() * 1e3;
         engine.set_trace(self.settings.trace);
@@ -607,9 +815,14 @@ impl BenchJob<'_> {
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
         eprintln!(
-            "bench: head uploaded in {upload_ms:.0} ms ({}, {} slice(s))",
+            "bench: head uploaded in {upload_ms:.0} ms ({}, {} slice(s), vocabulary order {})",
             fmt_bytes(head_bytes),
-            engine.slices().len()
+            engine.slices().len(),
+            if engine.vocab_order().is_some() {
+                "given"
+            } else {
+                "natural"
+            }
         );
         let plan = engine
             .loss_plan(
@@ -633,7 +846,11 @@ impl BenchJob<'_> {
         for job in [JobKind::HeadKl, JobKind::Topk] {
             jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes, topk_call)?);
         }
-        jobs.extend(extra(data, self.cfg, &mut engine, head_bytes, topk_call)?);
+        if self.cfg.resident && engine.vocab_order().is_some() {
+            eprintln!("bench: --resident left out: the device-resident entry points take no vocabulary order");
+        } else {
+            jobs.extend(extra(data, self.cfg, &mut engine, head_bytes, topk_call)?);
+        }
         jobs.extend(sharded);
         engine.backend().set_profiling(false);
         Ok(Some(BenchRun {
@@ -864,7 +1081,7 @@ mod tests {
             hs: 8,
             k: 30,
         };
-        let d = BenchData::generate(shape).unwrap();
+        let d = BenchData::generate(shape, DataKind::Random).unwrap();
         assert_eq!(d.head.len(), 40 * 8);
         assert_eq!(d.teacher.ntok(), 5);
         assert!(d.head.iter().all(|v| v.to_f32().abs() < 0.035));

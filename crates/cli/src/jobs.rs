@@ -416,6 +416,8 @@ pub struct LossArgs {
     pub out: PathBuf,
     /// Use a teacher file whose metadata does not match the run.
     pub allow_teacher_mismatch: bool,
+    /// The dx GEMM's block filter's ε (off: `None`).
+    pub filter_eps: Option<f32>,
 }
 
 /// `headkl loss`.
@@ -534,6 +536,7 @@ pub fn loss(
         budget_bytes: args.budget,
         terms: args.terms.terms(),
         labels,
+        filter_eps: args.filter_eps,
         ..LossOptions::default()
     };
     // Every option is checked before the head goes anywhere.
@@ -624,5 +627,16 @@ pub fn loss(
         args.out.display()
     );
     println!("mean loss: {}", fmt_mean(result.mean));
+    if let Some(f) = result.filter {
+        let norm = result.dx.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+        println!(
+            "dx block filter (ε = {:e}): skipped {:.1}% of the dx GEMM's blocks; what it dropped from dx is at most \
+             {:.3e} in L2 norm ({:.2e} of ‖dx‖)",
+            f.eps,
+            100.0 * f.skipped_fraction(),
+            f.dropped_bound,
+            f.dropped_bound / norm.max(f64::MIN_POSITIVE)
+        );
+    }
     Ok(())
 }

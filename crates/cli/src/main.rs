@@ -94,6 +94,22 @@ fn parse_shape(s: &str) -> Result<Shape, String> {
     s.parse()
 }
 
+/// `--filter-eps`: `auto` (2⁻¹⁵, Cut Cross-Entropy's f16 ε) or a number ≥ 0.
+fn parse_filter_eps(s: &str) -> Result<f32, String> {
+    if s.trim() == "auto" {
+        return Ok(headkl_core::filter::AUTO_EPS);
+    }
+    let v: f32 = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("`{s}`: {e} (auto or a number >= 0)"))?;
+    if v >= 0.0 && v.is_finite() {
+        Ok(v)
+    } else {
+        Err(format!("`{s}`: must be auto or a finite number >= 0"))
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// List every backend × device, what it offers, and which one `auto` picks
@@ -194,6 +210,22 @@ or refuses with exit 2 unless --yes. The bar's time left follows the same estima
         /// --resident also head_kl's two phases on device buffers (row "sharded resident")
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
         shards: Option<u64>,
+        /// The data: `random` (uniform head and hidden rows, random teacher: the filter skips
+        /// nothing) or `lm` (logits like a trained LM's: a Zipf prior, contextual peaks, a teacher
+        /// consistent with them; its statistics are printed beside the published ones)
+        #[arg(long, value_enum, default_value_t = bench::DataKind::Random)]
+        data: bench::DataKind,
+        /// The dx GEMM's block filter: skip blocks whose |∂L/∂s| entries are all at most ε
+        /// (`auto` = 2^-15); prints the skipped fraction, a bound on what it dropped and dx's error
+        /// against an unfiltered call (the sharded rows run without it) [default: off]
+        #[arg(long, value_parser = parse_filter_eps, value_name = "auto|E")]
+        filter_eps: Option<f32>,
+        /// The order the head's rows are stored in, fixed at upload: `natural`, `prior` (the `lm`
+        /// data's unigram prior, likely tokens first, so the dx block filter finds them in fewer
+        /// blocks; needs --data lm) or a file of token ids, whitespace-separated, one per position
+        #[arg(long, value_parser = bench::VocabOrderArg::parse, value_name = "natural|prior|FILE",
+              default_value = "natural")]
+        vocab_order: bench::VocabOrderArg,
     },
     /// Time every matrix-unit GEMM kernel on this device and keep the fastest
     #[command(
@@ -332,6 +364,11 @@ hash of the head's bytes): a mismatch with this run is refused (exit 2, both val
         /// head (its metadata says so) instead of refusing it
         #[arg(long)]
         allow_teacher_mismatch: bool,
+        /// The dx GEMM's block filter: skip blocks whose |∂L/∂s| entries are all at most ε
+        /// (`auto` = 2^-15); the loss stays exact, dx drops what was skipped (a bound is printed)
+        /// [default: off]
+        #[arg(long, value_parser = parse_filter_eps, value_name = "auto|E")]
+        filter_eps: Option<f32>,
         #[command(flatten)]
         shards: shard::ShardArgs,
     },
@@ -364,6 +401,9 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
             resident,
             yes,
             shards,
+            data,
+            filter_eps,
+            vocab_order,
         } => bench::run(
             &backend,
             settings,
@@ -379,6 +419,9 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
                 resident,
                 yes,
                 shards: shards.map(|n| n as usize),
+                data,
+                filter_eps,
+                vocab_order,
             },
         ),
         Command::Tune {
@@ -432,6 +475,7 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
             budget,
             out,
             allow_teacher_mismatch,
+            filter_eps,
             shards,
         } => jobs::loss(
             &backend,
@@ -448,6 +492,7 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
                 budget: budget.unwrap_or(DEFAULT_BUDGET_BYTES),
                 out,
                 allow_teacher_mismatch,
+                filter_eps,
             },
             &shards,
         ),

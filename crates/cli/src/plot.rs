@@ -211,6 +211,7 @@ mod tests {
             wall_tflops: tflops,
             peak_extra_bytes: 0,
             kernels: vec![],
+            filter: None,
         };
         let run = |backend: &str, device: &str| BenchRun {
             backend: backend.into(),

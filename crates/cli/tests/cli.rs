@@ -2206,3 +2206,35 @@ fn bench_shards_resident_reports_the_device_two_phase_row() {
         return;
     }
 }
+
+#[test]
+fn the_dx_block_filter_reports_what_it_skipped_and_bad_values_are_refused() {
+    let f = Fixture::new("filter");
+    let o = f.loss("teacher.safetensors", &["--filter-eps", "auto"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("dx block filter (ε = 3.0517578e-5): skipped"),
+        "no filter line:\n{out}"
+    );
+    // A value the parser refuses: exit 2, naming the option.
+    let bad = f.loss("teacher.safetensors", &["--filter-eps", "nan"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+    assert!(stderr(&bad).contains("--filter-eps"), "{}", stderr(&bad));
+    // The prior's order needs the lm data's prior.
+    let b = headkl(&[
+        "bench",
+        "--backend",
+        "reference",
+        "--shape",
+        "8:512:64:8",
+        "--vocab-order",
+        "prior",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--yes",
+    ]);
+    assert_input_error(&b, &["--vocab-order", "--data lm"]);
+}

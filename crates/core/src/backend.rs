@@ -126,6 +126,14 @@ pub struct GemmDesc {
     /// Elements from one part's C block to the next's (unused with one
     /// part).
     pub c_part_stride: usize,
+    /// The block filter (`crate::filter`): 0 computes every block; `r > 0`
+    /// reads the block mask of A's first `r` rows, stored in A's buffer at
+    /// element `m · lda` ([`crate::filter::mask_words`]`(lda)` words a
+    /// row), and skips each K step of a row tile whose block is clear in
+    /// all of the tile's rows below `r` (the [`HeadLayout::Dx`] GEMM
+    /// only). Needs `a_offset < lda` (A starts in row 0, so a K index's
+    /// vocabulary column is `a_offset + kk`).
+    pub mask_rows: usize,
     /// Also write C's row statistics ([`RowStats`]); only with one part and
     /// no accumulation.
     pub row_stats: Option<GemmRowStats>,
@@ -190,6 +198,7 @@ impl GemmDesc {
             k_parts: 1,
             c_part_stride: 0,
             row_stats: None,
+            mask_rows: 0,
         }
     }
 }
@@ -251,6 +260,22 @@ pub struct KlDesc {
     /// of the row. Used only when that first read computes nothing else
     /// (no softcap, τ = 1, no hard label: [`KlDesc::stats_suffice`]).
     pub row_stats: Option<RowStats>,
+    /// The block filter: also write the dx GEMM's block mask into grad
+    /// (`crate::filter`; `None`: grad alone).
+    pub filter: Option<KlFilter>,
+}
+
+/// Where and how `kl_rows` writes the dx GEMM's block mask: bit `b` of row
+/// `t` is set when some `c_t·∂L_t/∂s_j` with `j` in block `b` is above
+/// `eps·|c_t|` in magnitude (or not a number), i.e. `|∂L_t/∂s_j| > eps`;
+/// a row with `c_t = 0` has every bit clear (its gradient is zero).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KlFilter {
+    /// ε (finite, ≥ 0).
+    pub eps: f32,
+    /// First half of the mask in grad (a multiple of 4; at least
+    /// `rows · ld`): the dx GEMM reads it at `m · lda`.
+    pub mask_at: usize,
 }
 
 impl KlDesc {
@@ -266,6 +291,7 @@ impl KlDesc {
             tail: TailMode::Renormalize,
             terms: LossTerms::default(),
             row_stats: None,
+            filter: None,
         }
     }
 

@@ -175,6 +175,31 @@ impl GemmDesc {
                 max_binding,
             )?;
             fits(kernel, "B", b_span, 2, b, max_binding)?;
+            if self.mask_rows > 0 {
+                require(
+                    self.b_layout == HeadLayout::Dx,
+                    kernel,
+                    "mask_rows",
+                    self.mask_rows as u128,
+                    || "the block filter is the dx GEMM's (layout Dx) only".into(),
+                )?;
+                at_least(kernel, "m", self.m, "mask_rows", self.mask_rows)?;
+                require(
+                    self.a_offset < self.lda,
+                    kernel,
+                    "a_offset",
+                    self.a_offset as u128,
+                    || {
+                        format!(
+                            "must be below lda = {} with the block filter (A starts in row 0)",
+                            self.lda
+                        )
+                    },
+                )?;
+                let mask_end =
+                    self.m as u128 * self.lda as u128 + crate::filter::mask_halves(self.mask_rows, self.lda) as u128;
+                fits(kernel, "A's block mask", mask_end, 2, a, max_binding)?;
+            }
             // The last part's block ends the region.
             let last = self.c_offset as u128 + (self.k_parts as u128 - 1) * self.c_part_stride as u128;
             fits(kernel, "C", last + c_block, 4, c, max_binding)?;
@@ -203,7 +228,11 @@ impl GemmDesc {
             stats_ld: stats[1],
             stats_first: stats[2],
             stats_cols: stats[3],
-            _pad: [0; 2],
+            mask_rows: index(kernel, "mask_rows", self.mask_rows)?,
+            mask_ld: match self.mask_rows {
+                0 => 0,
+                _ => index(kernel, "lda", crate::filter::mask_words(self.lda))?,
+            },
         })
     }
 }
@@ -359,6 +388,19 @@ impl KlDesc {
         fits(K, "row_in", self.rows as u128 * 2, 4, row_in, max_binding)?;
         fits(K, "loss", self.rows as u128 * 4, 4, loss, max_binding)?;
         fits(K, "grad", span(0, self.rows, self.ld, self.ld), 2, grad, max_binding)?;
+        let mut filter = (0.0, 0, 0);
+        if let Some(f) = self.filter {
+            crate::filter::check_eps(f.eps)?;
+            at_least(K, "mask_at", f.mask_at, "rows · ld", self.rows * self.ld)?;
+            multiple(K, "mask_at", f.mask_at, 4)?;
+            let end = f.mask_at as u128 + crate::filter::mask_halves(self.rows, self.ld) as u128;
+            fits(K, "grad's block mask", end, 2, grad, max_binding)?;
+            filter = (
+                f.eps,
+                index(K, "mask_at", f.mask_at / 4)?,
+                index(K, "ld", crate::filter::mask_words(self.ld))?,
+            );
+        }
         let tau = self.temperature;
         if !(tau > 0.0 && tau.is_finite()) {
             return Err(Error::InvalidTemperature { value: tau });
@@ -385,6 +427,11 @@ impl KlDesc {
         if flags != 0 || t.soft_weight != 1.0 {
             flags |= row_flags::GENERAL;
         }
+        // Set after GENERAL: the filter changes what is written, not which
+        // loops compute it.
+        if self.filter.is_some() {
+            flags |= row_flags::FILTER;
+        }
         let mut stats = (0, 0, 0);
         if let Some(rs) = &self.row_stats {
             if KlDesc::stats_suffice(t, tau) {
@@ -397,6 +444,9 @@ impl KlDesc {
             }
         }
         Ok(RowParams {
+            filter_eps: filter.0,
+            mask_off4: filter.1,
+            mask_ld: filter.2,
             flags,
             temperature: tau,
             stats_offset: stats.0,

@@ -7,13 +7,14 @@ use crate::backend::{Backend, KlDesc, PendingDownload, RowStats, TopkDesc};
 use crate::chunking::ChunkPlan;
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
-use crate::head_planes::HeadPlanes;
+use crate::head_planes::{DxFilter, HeadPlanes};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::slicing::VocabSlice;
 use crate::split::DxSplit;
 use crate::terms::{LossTerms, NO_LABEL};
+use crate::vocab_order::VocabOrder;
 use crate::{round_up, ALIGN};
 
 /// How the head is cut into vocabulary slices.
@@ -44,6 +45,9 @@ pub struct LossOutput {
     pub mean: f64,
     /// `∂L/∂x` `[ntok][hs]`.
     pub dx: Vec<f32>,
+    /// With [`LossOptions::filter_eps`]: what the dx GEMM's block filter
+    /// skipped, and a bound on what that dropped from dx.
+    pub filter: Option<crate::FilterStats>,
 }
 
 /// Result of `topk`: `[ntok][k]` ids (descending logit, ties lowest id
@@ -112,7 +116,22 @@ impl<B: Backend> Engine<B> {
     /// Fails on a head value that is not finite or is past f16's range,
     /// naming its row and column, before any of it is on the device.
     pub fn new(backend: B, head: &HeadWeights<'_>, slicing: SliceOptions) -> Result<Self> {
-        let head = HeadPlanes::upload(&backend, head, slicing)?;
+        Self::with_vocab_order(backend, head, slicing, None)
+    }
+
+    /// [`Engine::new`] with the head's rows stored in `order`
+    /// ([`VocabOrder`]; `None`: natural), fixed for the engine's life: the
+    /// dx GEMM's block filter then finds the likely tokens in fewer blocks.
+    /// Ids in and out stay token ids (the host path maps them); top-k ties
+    /// come out lowest position first. The device-resident entry points
+    /// refuse an engine with an order ([`Error::VocabOrderUnsupported`]).
+    pub fn with_vocab_order(
+        backend: B,
+        head: &HeadWeights<'_>,
+        slicing: SliceOptions,
+        order: Option<VocabOrder>,
+    ) -> Result<Self> {
+        let head = HeadPlanes::upload(&backend, head, slicing, order)?;
         Ok(Self {
             backend,
             head,
@@ -204,6 +223,11 @@ impl<B: Backend> Engine<B> {
         self.head.slices()
     }
 
+    /// The order the head's rows are stored in (`None`: natural).
+    pub fn vocab_order(&self) -> Option<&VocabOrder> {
+        self.head.order()
+    }
+
     /// Frees the cached scratch buffers (they are re-made on the next call).
     pub fn release_scratch(&mut self) {
         self.scratch = ScratchCache::default();
@@ -213,8 +237,8 @@ impl<B: Backend> Engine<B> {
     /// The chunk plan `head_kl` would use for `ntok` tokens.
     pub fn loss_plan(&self, ntok: usize, k: usize, f32_input: bool, opts: &LossOptions) -> Result<ChunkPlan> {
         let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
-        self.head
-            .chunk_plan(&self.backend, Job::Loss, ntok, k, f32_input, budget)
+        let job = Job::loss(opts.filter_eps);
+        self.head.chunk_plan(&self.backend, job, ntok, k, f32_input, budget)
     }
 
     /// The parts each slice's dx GEMM is split into for a chunk of
@@ -236,12 +260,12 @@ impl<B: Backend> Engine<B> {
     /// row and loss scratch. [`Self::end_host_call`] returns them.
     pub(crate) fn begin_loss_call<'a>(
         &mut self,
-        sizes: &RowBytes,
+        (job, sizes): (Job, &RowBytes),
         (rows, k): (usize, usize),
         hidden: HiddenData<'a>,
     ) -> Result<(Input<'a, B>, RowScratch<B>, LossScratch<B>)> {
         self.resident.release_scratch();
-        let (input, rows_s) = self.scratch.begin(&self.backend, Job::Loss, sizes, (rows, k), hidden)?;
+        let (input, rows_s) = self.scratch.begin(&self.backend, job, sizes, (rows, k), hidden)?;
         match self.scratch.take_loss(&self.backend, sizes, rows) {
             Ok(loss_s) => Ok((input, rows_s, loss_s)),
             Err(e) => {
@@ -299,8 +323,9 @@ impl<B: Backend> Engine<B> {
         let k = teacher.k();
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
-        let sizes = self.head.row_bytes(&self.backend, Job::Loss, k);
-        let (input, rows_s, loss_s) = self.begin_loss_call(&sizes, (plan.rows_per_chunk, k), hidden.data())?;
+        let job = Job::loss(resolved.filter_eps);
+        let sizes = self.head.row_bytes(&self.backend, job, k);
+        let (input, rows_s, loss_s) = self.begin_loss_call((job, &sizes), (plan.rows_per_chunk, k), hidden.data())?;
         let result = self.loss_chunks(&plan, &input, &rows_s, &loss_s, teacher, &resolved, out);
         self.end_host_call(rows_s, Some(loss_s), input);
         result
@@ -332,18 +357,35 @@ impl<B: Backend> Engine<B> {
             hard,
             mean,
             dx,
+            filter,
         } = out;
+        *filter = resolved.filter_eps.map(|eps| crate::FilterStats {
+            eps,
+            ..Default::default()
+        });
         for v in [&mut *loss, &mut *lse, &mut *soft, &mut *hard] {
             v.resize(ntok, 0.0);
         }
         let mut row_out = Vec::new();
         // The kernel's per-row inputs: coefficient bits and label.
+        // Ids and labels as positions in the head's order.
+        let order = self.head.order();
+        let at = |id: u32| order.map_or(id, |o| o.position(id));
         let row_in: Vec<u32> = resolved
             .coef
             .iter()
             .zip(&resolved.labels)
-            .flat_map(|(c, &l)| [c.to_bits(), if resolved.terms.hard_on() { l } else { NO_LABEL }])
+            .flat_map(|(c, &l)| {
+                let label = if resolved.terms.hard_on() && l != NO_LABEL {
+                    at(l)
+                } else {
+                    NO_LABEL
+                };
+                [c.to_bits(), label]
+            })
             .collect();
+        let mapped_ids: Option<Vec<u32>> = order.map(|_| teacher.ids().iter().map(|&id| at(id)).collect());
+        let teacher_ids = mapped_ids.as_deref().unwrap_or(teacher.ids());
         dx.resize(ntok * hs, 0.0);
         let mut dx_padded = Vec::new();
         trace.mark("output alloc");
@@ -363,7 +405,7 @@ impl<B: Backend> Engine<B> {
             b.upload(
                 &s.ids,
                 0,
-                bytemuck::cast_slice(&teacher.ids()[start * k..(start + rows) * k]),
+                bytemuck::cast_slice(&teacher_ids[start * k..(start + rows) * k]),
             )?;
             b.upload(
                 &s.probs,
@@ -387,10 +429,12 @@ impl<B: Backend> Engine<B> {
                 tail: teacher.tail(),
                 terms: resolved.terms,
                 row_stats,
+                filter: self.head.kl_filter(resolved.filter_eps, rows_padded),
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, row_in_buf, loss_buf, grad, &kl)?;
+            let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
-                .dx(b, (grad, dx_buf, &s.logits), rows_padded, dx_scale as f32)?;
+                .dx(b, (grad, dx_buf, &s.logits), rows_padded, dx_scale as f32, dx_filter)?;
             let f32_bytes = std::mem::size_of::<f32>();
             let pending = begin_pair(
                 b,
@@ -399,18 +443,40 @@ impl<B: Backend> Engine<B> {
                     (dx_buf, rows * self.head.hs_padded() * f32_bytes),
                 ],
             )?;
+            // The block mask, copied out for the call's statistics.
+            let mask = match kl.filter {
+                Some(_) => {
+                    let (at, halves) = self.head.mask_span(rows, rows_padded);
+                    match b.download_begin(grad, (at * 2) as u64, halves * 2) {
+                        Ok(m) => Some(m),
+                        Err(e) => {
+                            pending.into_iter().for_each(|p| discard(b, p));
+                            return Err(e);
+                        }
+                    }
+                }
+                None => None,
+            };
             trace.mark("teacher upload + record");
-            if let Some(done) = pipe.push(start, rows, pending) {
+            if let Some(mut done) = pipe.push(start, rows, pending, mask) {
                 let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
-                let rows = done.rows;
-                self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
+                let (start, rows, mask) = (done.start, done.rows, done.mask.take());
+                if let Err(e) = self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace) {
+                    mask.into_iter().for_each(|p| discard(b, p));
+                    return Err(e);
+                }
+                self.read_mask(b, mask, (start, rows), resolved, filter)?;
                 self.report(rows);
             }
         }
-        if let Some(done) = pipe.pop() {
+        if let Some(mut done) = pipe.pop() {
             let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
-            let rows = done.rows;
-            self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
+            let (start, rows, mask) = (done.start, done.rows, done.mask.take());
+            if let Err(e) = self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace) {
+                mask.into_iter().for_each(|p| discard(b, p));
+                return Err(e);
+            }
+            self.read_mask(b, mask, (start, rows), resolved, filter)?;
             self.report(rows);
         }
         trace.report();
@@ -420,6 +486,31 @@ impl<B: Backend> Engine<B> {
             .map(|(&l, &w)| f64::from(l) * f64::from(w))
             .sum();
         *mean = weighted / f64::from(resolved.total);
+        Ok(())
+    }
+
+    /// Reads one chunk's block mask (with the filter on) into the call's
+    /// statistics ([`HeadPlanes::filter_stats`]): chunk rows `[start,
+    /// start + rows)`.
+    fn read_mask(
+        &self,
+        b: &B,
+        mask: Option<PendingDownload>,
+        (start, rows): (usize, usize),
+        resolved: &ResolvedLoss,
+        stats: &mut Option<crate::FilterStats>,
+    ) -> Result<()> {
+        let Some(pending) = mask else {
+            return Ok(());
+        };
+        let mut halves = vec![half::f16::ZERO; pending.len() / 2];
+        b.download_end(pending, bytemuck::cast_slice_mut(halves.as_mut_slice()))?;
+        let Some(st) = stats.as_mut() else {
+            return Ok(());
+        };
+        let scale = 1.0 / (f64::from(resolved.temperature) * f64::from(resolved.total));
+        let weight = |r: usize| f64::from(resolved.weights[start + r]).abs() * scale;
+        st.merge(&self.head.filter_stats(b, &halves, rows, st.eps, weight));
         Ok(())
     }
 
@@ -437,7 +528,12 @@ impl<B: Backend> Engine<B> {
         dx_padded: &mut Vec<f32>,
         trace: &mut Trace,
     ) -> Result<()> {
-        let (hs, Chunk { start, rows, pending }) = (self.head.hs(), chunk);
+        let (
+            hs,
+            Chunk {
+                start, rows, pending, ..
+            },
+        ) = (self.head.hs(), chunk);
         let [loss_p, dx_p] = pending;
         row_out.resize(rows * 4, 0.0);
         if let Err(e) = b.download_end(loss_p, bytemuck::cast_slice_mut(row_out.as_mut_slice())) {
@@ -531,18 +627,26 @@ impl<B: Backend> Engine<B> {
         // Two chunks in flight, as in `loss_chunks`.
         let mut pipe = InFlight::new(b);
         let read = |done: Chunk, ids: &mut [u32], probs: &mut [f32]| -> Result<()> {
-            let Chunk { start, rows, pending } = done;
+            let Chunk {
+                start, rows, pending, ..
+            } = done;
             let [ids_p, probs_p] = pending;
             let range = start * k..(start + rows) * k;
             if let Err(e) = b.download_end(ids_p, bytemuck::cast_slice_mut(&mut ids[range.clone()])) {
                 discard(b, probs_p);
                 return Err(e);
             }
-            b.download_end(probs_p, bytemuck::cast_slice_mut(&mut probs[range]))?;
-            match (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
-                Some(t) => Err(Error::NonFiniteHidden { token: start + t }),
-                None => Ok(()),
+            b.download_end(probs_p, bytemuck::cast_slice_mut(&mut probs[range.clone()]))?;
+            if let Some(t) = (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
+                return Err(Error::NonFiniteHidden { token: start + t });
             }
+            // Positions in the head's order back to ids.
+            if let Some(o) = self.head.order() {
+                for id in &mut ids[range] {
+                    *id = o.order().get(*id as usize).copied().unwrap_or(*id);
+                }
+            }
+            Ok(())
         };
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let x16 = s.x16_for(chunk);
@@ -557,7 +661,7 @@ impl<B: Backend> Engine<B> {
             b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let bytes = rows * k * std::mem::size_of::<u32>();
             let pending = begin_pair(b, [(&s.ids, bytes), (&s.probs, bytes)])?;
-            if let Some(done) = pipe.push(start, rows, pending) {
+            if let Some(done) = pipe.push(start, rows, pending, None) {
                 let rows = done.rows;
                 read(done, &mut ids, &mut probs)?;
                 self.report(rows);
@@ -602,6 +706,8 @@ struct Chunk {
     start: usize,
     rows: usize,
     pending: [PendingDownload; 2],
+    /// The block filter's mask (`head_kl` with the filter).
+    mask: Option<PendingDownload>,
 }
 
 /// The chunks in flight on a backend: at most one waits to be read while
@@ -619,8 +725,19 @@ impl<'a, B: Backend> InFlight<'a, B> {
 
     /// Adds the chunk just recorded and hands back the one before it, now
     /// due to be read.
-    fn push(&mut self, start: usize, rows: usize, pending: [PendingDownload; 2]) -> Option<Chunk> {
-        self.waiting.replace(Chunk { start, rows, pending })
+    fn push(
+        &mut self,
+        start: usize,
+        rows: usize,
+        pending: [PendingDownload; 2],
+        mask: Option<PendingDownload>,
+    ) -> Option<Chunk> {
+        self.waiting.replace(Chunk {
+            start,
+            rows,
+            pending,
+            mask,
+        })
     }
 
     /// The last chunk, after the loop.
@@ -632,7 +749,7 @@ impl<'a, B: Backend> InFlight<'a, B> {
 impl<B: Backend> Drop for InFlight<'_, B> {
     fn drop(&mut self) {
         if let Some(chunk) = self.waiting.take() {
-            for p in chunk.pending {
+            for p in chunk.pending.into_iter().chain(chunk.mask) {
                 discard(self.backend, p);
             }
         }

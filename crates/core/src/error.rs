@@ -131,6 +131,36 @@ pub enum Error {
         /// The value.
         value: f32,
     },
+    /// A vocabulary order that is not a permutation of the head's rows.
+    #[error("vocabulary order: id {id} at position {position} is {reason}")]
+    InvalidVocabOrder {
+        /// The position at fault.
+        position: usize,
+        /// The id there.
+        id: i64,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A vocabulary order of another length than the head's vocabulary.
+    #[error("vocabulary order of {got} ids for a head of {expected} rows")]
+    VocabOrderLength {
+        /// The head's vocabulary.
+        expected: usize,
+        /// The order's length.
+        got: usize,
+    },
+    /// A vocabulary order given where it cannot apply.
+    #[error("vocabulary order: {reason}")]
+    VocabOrderUnsupported {
+        /// Why, and what works instead.
+        reason: &'static str,
+    },
+    /// The block filter's ε is negative or not finite.
+    #[error("filter ε = {value}: must be finite and at least 0")]
+    InvalidFilterEps {
+        /// The value.
+        value: f32,
+    },
     /// `gscale` is not positive and finite.
     #[error("gscale = {value}: must be positive and finite")]
     InvalidGradScale {
@@ -509,6 +539,10 @@ impl Error {
             | E::NonFiniteWeight { .. }
             | E::TotalNotPositive { .. }
             | E::InvalidTemperature { .. }
+            | E::InvalidFilterEps { .. }
+            | E::InvalidVocabOrder { .. }
+            | E::VocabOrderUnsupported { .. }
+            | E::VocabOrderLength { .. }
             | E::InvalidGradScale { .. }
             | E::InvalidLossOption { .. }
             | E::HardWeightWithoutLabels { .. }

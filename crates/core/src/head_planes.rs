@@ -23,6 +23,7 @@ use crate::problem::Hidden;
 use crate::scratch::{Input, Job, RowBytes};
 use crate::slicing::{slice_vocab, VocabSlice};
 use crate::split::DxSplit;
+use crate::vocab_order::VocabOrder;
 use crate::{round_up, ALIGN};
 
 /// Bytes of host data uploaded per transfer while packing the head, so a
@@ -39,14 +40,43 @@ pub(crate) struct HeadPlanes<B: Backend> {
     slices: Vec<VocabSlice>,
     planes: Vec<B::Buffer>,
     dx_split: DxSplit,
+    /// `Σ ‖W_j‖` (f16 rows) over each block of [`crate::filter::BLOCK`]
+    /// vocabulary rows: the block filter's bound on what it dropped.
+    block_norms: Vec<f32>,
+    /// The order the rows are stored in (`None`: natural).
+    order: Option<VocabOrder>,
+}
+
+/// The dx GEMM's block filter for one chunk ([`HeadPlanes::dx`]): the
+/// chunk's real rows, whose block mask `kl_rows` left after grad's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DxFilter {
+    pub mask_rows: usize,
 }
 
 impl<B: Backend> HeadPlanes<B> {
     /// Uploads `head` to `backend` as f16 planes, one per vocabulary slice.
     /// Fails on a head value that is not finite or is past f16's range,
     /// naming its row and column, before any of it is on the device.
-    pub(crate) fn upload(backend: &B, head: &HeadWeights<'_>, slicing: SliceOptions) -> Result<Self> {
+    /// With `order`, position `p` of the planes holds head row
+    /// `order.id(p)`.
+    pub(crate) fn upload(
+        backend: &B,
+        head: &HeadWeights<'_>,
+        slicing: SliceOptions,
+        order: Option<VocabOrder>,
+    ) -> Result<Self> {
         let (vocab, hs) = (head.vocab(), head.hs());
+        if let Some(o) = &order {
+            if o.len() != vocab {
+                return Err(Error::VocabOrderLength {
+                    expected: vocab,
+                    got: o.len(),
+                });
+            }
+        }
+        // The natural order needs no mapping anywhere.
+        let order = order.filter(|o| !o.is_natural());
         let hs_padded = round_up(hs, ALIGN);
         let info = backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
@@ -57,6 +87,7 @@ impl<B: Backend> HeadPlanes<B> {
         let mut staging = Vec::new();
         let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
         let mut planes = Vec::with_capacity(slices.len());
+        let mut block_norms = vec![0f32; vocab.div_ceil(crate::filter::BLOCK)];
         for s in &slices {
             let padded = s.padded_width();
             let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
@@ -65,7 +96,18 @@ impl<B: Backend> HeadPlanes<B> {
                 let rows = rows_per_upload.min(padded - row);
                 let real = rows.min(s.width.saturating_sub(row));
                 staging.clear();
-                head.pack_rows_f16(s.offset + row, real, hs_padded, &mut staging)?;
+                match &order {
+                    None => head.pack_rows_f16(s.offset + row, real, hs_padded, &mut staging)?,
+                    Some(o) => {
+                        for p in s.offset + row..s.offset + row + real {
+                            // p < vocab = o.len(), which fits in u32.
+                            head.pack_rows_f16(o.id(p as u32) as usize, 1, hs_padded, &mut staging)?;
+                        }
+                    }
+                }
+                for (r, norm) in row_norms(&staging, hs_padded).into_iter().enumerate() {
+                    block_norms[(s.offset + row + r) / crate::filter::BLOCK] += norm;
+                }
                 staging.resize(rows * hs_padded, f16::ZERO);
                 backend.upload(&plane, (row * hs_padded * 2) as u64, bytemuck::cast_slice(&staging))?;
                 row += rows;
@@ -81,7 +123,14 @@ impl<B: Backend> HeadPlanes<B> {
             slices,
             planes,
             dx_split: DxSplit::Auto,
+            block_norms,
+            order,
         })
+    }
+
+    /// The order the head's rows are stored in (`None`: natural).
+    pub(crate) fn order(&self) -> Option<&VocabOrder> {
+        self.order.as_ref()
     }
 
     /// Vocabulary size.
@@ -165,11 +214,14 @@ impl<B: Backend> HeadPlanes<B> {
     /// teacher entries.
     pub(crate) fn row_bytes(&self, backend: &B, job: Job, k: usize) -> RowBytes {
         let (dx_blocks, stats_words) = match job {
-            Job::Loss if self.row_stats_fit(backend) => (self.dx_blocks_most(backend), 2 * self.row_stats(0).ld),
-            Job::Loss => (self.dx_blocks_most(backend), 0),
+            Job::Loss | Job::LossFiltered if self.row_stats_fit(backend) => {
+                (self.dx_blocks_most(backend), 2 * self.row_stats(0).ld)
+            }
+            Job::Loss | Job::LossFiltered => (self.dx_blocks_most(backend), 0),
             Job::Topk => (0, 0),
         };
-        let mut sizes = RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks);
+        let mask = job == Job::LossFiltered;
+        let mut sizes = RowBytes::new(self.vocab_padded, self.hs, self.hs_padded, k, dx_blocks, mask);
         // The row statistics follow the chunk's logits in the same buffer.
         sizes.logits = sizes.logits.max((self.vocab_padded + stats_words) as u64 * 4);
         RowBytes {
@@ -316,6 +368,7 @@ impl<B: Backend> HeadPlanes<B> {
                 k_parts: 1,
                 c_part_stride: 0,
                 row_stats,
+                mask_rows: 0,
             };
             backend.gemm(x16, plane, logits, &desc)?;
         }
@@ -331,19 +384,27 @@ impl<B: Backend> HeadPlanes<B> {
     /// into dx in a fixed order. One slice in one part writes dx directly.
     /// `partials` is the chunk's logits buffer, free once `kl_rows` has
     /// read it, and sized for the most blocks ([`RowBytes::new`]).
+    ///
+    /// With `filter` every GEMM is the filtered one ([`GemmDesc::mask_rows`]),
+    /// reading the block mask `kl_rows` left after grad's `rows_padded`
+    /// rows ([`Self::kl_filter`]).
     pub(crate) fn dx(
         &self,
         backend: &B,
         (grad, dx, partials): (&B::Buffer, &B::Buffer, &B::Buffer),
         rows_padded: usize,
         alpha: f32,
+        filter: Option<DxFilter>,
     ) -> Result<()> {
         let parts = self.dx_parts(backend, rows_padded);
         let total: usize = parts.iter().sum();
         let block = rows_padded * self.hs_padded;
         let mut first = 0;
         for ((slice, plane), &k_parts) in self.slices.iter().zip(&self.planes).zip(&parts) {
-            let desc = self.dx_desc(slice, rows_padded, alpha);
+            let desc = GemmDesc {
+                mask_rows: filter.map_or(0, |f| f.mask_rows),
+                ..self.dx_desc(slice, rows_padded, alpha)
+            };
             if total == 1 {
                 return backend.gemm(grad, plane, dx, &desc);
             }
@@ -383,6 +444,71 @@ impl<B: Backend> HeadPlanes<B> {
             k_parts: 1,
             c_part_stride: 0,
             row_stats: None,
+            mask_rows: 0,
+        }
+    }
+
+    /// Where `kl_rows` writes a chunk's block mask for ε (after grad's
+    /// `rows_padded` rows, where the dx GEMM reads it), or `None` without
+    /// the filter.
+    pub(crate) fn kl_filter(&self, eps: Option<f32>, rows_padded: usize) -> Option<crate::backend::KlFilter> {
+        eps.map(|eps| crate::backend::KlFilter {
+            eps,
+            mask_at: rows_padded * self.vocab_padded,
+        })
+    }
+
+    /// The halves of a chunk's block mask of `rows` rows, and where they
+    /// start in grad (the download [`Self::filter_stats`] reads).
+    pub(crate) fn mask_span(&self, rows: usize, rows_padded: usize) -> (usize, usize) {
+        (
+            rows_padded * self.vocab_padded,
+            crate::filter::mask_halves(rows, self.vocab_padded),
+        )
+    }
+
+    /// One chunk's block mask (`halves`, `rows` rows) counted as the dx
+    /// GEMM skips it: per row tile of `backend`'s dx GEMM (64 rows for the
+    /// fallback) and block, skipped when the block is clear in every row of
+    /// the tile. `weight(r)` is row r's `|w_t|/(τ·total)`: the bound adds
+    /// `weight(r) · ε · Σ_{skipped blocks} Σ_j ‖W_j‖` per row, in
+    /// quadrature over the rows.
+    pub(crate) fn filter_stats(
+        &self,
+        backend: &B,
+        halves: &[f16],
+        rows: usize,
+        eps: f32,
+        weight: impl Fn(usize) -> f64,
+    ) -> crate::FilterStats {
+        let words = crate::filter::mask_words(self.vocab_padded);
+        let tile = backend.gemm_tile(HeadLayout::Dx).map_or(64, |t| t.0 as usize);
+        let blocks = self.vocab_padded.div_ceil(crate::filter::BLOCK);
+        let row_word = |r: usize, w: usize| crate::filter::word_of(&halves[(r * words + w) * 4..]);
+        let (mut bound_sq, mut skipped) = (0.0f64, 0u64);
+        let tiles = round_up(rows, ALIGN).div_ceil(tile);
+        for t0 in (0..rows).step_by(tile) {
+            let tile_rows = t0..(t0 + tile).min(rows);
+            let mut dropped_norm = 0.0f64;
+            for w in 0..words {
+                let or = tile_rows.clone().fold(0u32, |acc, r| acc | row_word(r, w));
+                for bit in 0..32 {
+                    let block = w * 32 + bit;
+                    if block < blocks && or & (1 << bit) == 0 {
+                        skipped += 1;
+                        dropped_norm += f64::from(self.block_norms.get(block).copied().unwrap_or(0.0));
+                    }
+                }
+            }
+            for r in tile_rows {
+                bound_sq += (weight(r) * f64::from(eps) * dropped_norm).powi(2);
+            }
+        }
+        crate::FilterStats {
+            blocks: (tiles * blocks) as u64,
+            skipped,
+            dropped_bound: bound_sq.sqrt(),
+            eps,
         }
     }
 
@@ -398,5 +524,68 @@ impl<B: Backend> HeadPlanes<B> {
                 self.dx_split.choose(tiles, s.padded_width(), tile)
             })
             .collect()
+    }
+}
+
+/// The L2 norm of each `ld`-wide f16 row of `rows`, on every core (the
+/// block filter's bound needs them once, at upload: a 248320 × 5120 head
+/// is 1.3 G multiply-adds).
+fn row_norms(rows: &[f16], ld: usize) -> Vec<f32> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let n = rows.len() / ld.max(1);
+    let mut out = vec![0f32; n];
+    // Chunks of 512 rows, taken in turn by this thread and the others, so
+    // a thread that cannot start leaves its share to the rest.
+    type Slot<'a> = Mutex<Option<(&'a [f16], &'a mut [f32])>>;
+    let slots: Vec<Slot<'_>> = rows
+        .chunks(512 * ld.max(1))
+        .zip(out.chunks_mut(512))
+        .map(|c| Mutex::new(Some(c)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let work = || {
+        let mut row = vec![0f32; ld];
+        while let Some(slot) = slots.get(next.fetch_add(1, Ordering::Relaxed)) {
+            // A poisoned slot (a panic elsewhere) is left as it is.
+            let Some((src, dst)) = slot.lock().ok().and_then(|mut g| g.take()) else {
+                continue;
+            };
+            for (w, o) in src.chunks_exact(ld).zip(dst) {
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(w, &mut row);
+                *o = row.iter().map(|v| v * v).sum::<f32>().sqrt();
+            }
+        }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    std::thread::scope(|scope| {
+        for _ in 1..threads.min(slots.len()) {
+            // A failed spawn leaves the work to the threads that did start.
+            let _ = std::thread::Builder::new().spawn_scoped(scope, work);
+        }
+        work();
+    });
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_norms_cover_every_row_across_the_threads() {
+        // 1300 rows (three chunks, the last short) of width 4: row r holds
+        // (3, 4, 0, 0)·(r % 7 + 1), norm 5·(r % 7 + 1).
+        let rows: Vec<f16> = (0..1300)
+            .flat_map(|r| {
+                let s = (r % 7 + 1) as f32;
+                [3.0 * s, 4.0 * s, 0.0, 0.0].map(f16::from_f32)
+            })
+            .collect();
+        let norms = row_norms(&rows, 4);
+        assert_eq!(norms.len(), 1300);
+        for (r, &n) in norms.iter().enumerate() {
+            assert_eq!(n, 5.0 * (r % 7 + 1) as f32, "row {r}");
+        }
     }
 }

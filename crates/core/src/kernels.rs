@@ -197,6 +197,11 @@ pub enum KernelId {
     GemmLogits,
     /// The input-gradient GEMM, `g_slice · W_slice` ([`HeadLayout::Dx`]).
     GemmDx,
+    /// [`KernelId::GemmDx`] with the block filter (`crate::filter`;
+    /// [`GemmDesc::mask_rows`] > 0): a build of its own in every GEMM
+    /// family (a WGSL entry point, a GLSL variant with `FILTER 1`), so the
+    /// unfiltered GEMM's code is unchanged.
+    GemmDxFiltered,
     /// The KL row kernel ([`KlDesc`]).
     KlRows,
     /// The exact top-k row kernel ([`TopkDesc`]).
@@ -261,6 +266,8 @@ pub enum KernelSource {
         tile: GlslTile,
         /// The layout it was built for (`NN` is [`HeadLayout::Dx`]).
         layout: HeadLayout,
+        /// The dx GEMM's block filter compiled in (`FILTER 1`).
+        filter: bool,
     },
 }
 
@@ -270,7 +277,14 @@ impl KernelSource {
     pub fn name(&self) -> String {
         match self {
             KernelSource::Wgsl(shader) => shader.file.to_string(),
-            KernelSource::Glsl { tile, layout } => tile.kernel_name("gemm", *layout == HeadLayout::Dx),
+            KernelSource::Glsl { tile, layout, filter } => {
+                let name = tile.kernel_name("gemm", *layout == HeadLayout::Dx);
+                if *filter {
+                    name + "_filter"
+                } else {
+                    name
+                }
+            }
         }
     }
 }
@@ -296,10 +310,11 @@ pub struct KernelBuild {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 14] = [
+    pub const ALL: [KernelId; 15] = [
         KernelId::ConvertF16,
         KernelId::GemmLogits,
         KernelId::GemmDx,
+        KernelId::GemmDxFiltered,
         KernelId::KlRows,
         KernelId::TopkRows,
         KernelId::SumParts,
@@ -319,6 +334,7 @@ impl KernelId {
             KernelId::ConvertF16 => "convert_f16",
             KernelId::GemmLogits => "gemm_logits",
             KernelId::GemmDx => "gemm_dx",
+            KernelId::GemmDxFiltered => "gemm_dx_filtered",
             KernelId::KlRows => "kl_rows",
             KernelId::TopkRows => "topk_rows",
             KernelId::SumParts => "sum_parts",
@@ -362,7 +378,7 @@ impl KernelId {
     pub const fn gemm_layout(self) -> Option<HeadLayout> {
         match self {
             KernelId::GemmLogits => Some(HeadLayout::Logits),
-            KernelId::GemmDx => Some(HeadLayout::Dx),
+            KernelId::GemmDx | KernelId::GemmDxFiltered => Some(HeadLayout::Dx),
             _ => None,
         }
     }
@@ -374,7 +390,7 @@ impl KernelId {
         use Access::{Read as R, ReadWrite as W};
         match self {
             KernelId::ConvertF16 | KernelId::SumParts | KernelId::HiddenIn | KernelId::WeightStats => &[R, W],
-            KernelId::GemmLogits | KernelId::GemmDx => &[R, R, W],
+            KernelId::GemmLogits | KernelId::GemmDx | KernelId::GemmDxFiltered => &[R, R, W],
             KernelId::KlRows => &[R, R, R, R, W, W],
             KernelId::TopkRows | KernelId::LabelsIn => &[R, W, W],
             KernelId::TeacherRows => &[R, R, R, W, W, W, W],
@@ -389,7 +405,7 @@ impl KernelId {
     pub const fn params(self) -> ParamBlock {
         match self {
             KernelId::ConvertF16 => ConvertParams::BLOCK,
-            KernelId::GemmLogits | KernelId::GemmDx => GemmParams::BLOCK,
+            KernelId::GemmLogits | KernelId::GemmDx | KernelId::GemmDxFiltered => GemmParams::BLOCK,
             KernelId::KlRows | KernelId::TopkRows => RowParams::BLOCK,
             KernelId::SumParts => SumPartsParams::BLOCK,
             KernelId::WeightStats => WeightStatsParams::BLOCK,
@@ -428,7 +444,9 @@ impl KernelId {
             KernelId::TopkOut => vec![TOPK_OUT_WGSL],
             KernelId::StatusDetail => vec![STATUS_DETAIL_WGSL],
             KernelId::ShardRows => vec![SHARD_ROWS_WGSL],
-            KernelId::GemmLogits | KernelId::GemmDx => vec![GEMM_TILED_WGSL, GEMM_COOP_WGSL, GEMM_COOP_DIRECT_WGSL],
+            KernelId::GemmLogits | KernelId::GemmDx | KernelId::GemmDxFiltered => {
+                vec![GEMM_TILED_WGSL, GEMM_COOP_WGSL, GEMM_COOP_DIRECT_WGSL]
+            }
         }
     }
 
@@ -450,8 +468,9 @@ impl KernelId {
             (KernelId::ConvertF16, _) => fixed(CONVERT_WGSL, 0),
             (KernelId::SumParts, _) => fixed(SUM_PARTS_WGSL, 0),
             // red_max, red_sum, red_bad, red_max1, red_sum1, red_aux [256],
-            // three scalars and two vec4s.
-            (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16),
+            // three scalars, two vec4s, and the block filter's seg_mask [64]
+            // (declared in every pipeline, touched only with the filter).
+            (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16 + 64 * 4),
             // hist [2048], scan [256], sel_key and sel_id [2048], 9 scalars.
             (KernelId::TopkRows, _) => fixed(TOPK_ROWS_WGSL, 4 * (2048 + ROW_WORKGROUP + 2 * 2048 + 9)),
             // red_sum, red_max, red_bad [256].
@@ -477,7 +496,11 @@ impl KernelId {
                     CoopGemm::Staged(_) => (KernelSource::Wgsl(GEMM_COOP_WGSL), self.name(), kernel.shared_bytes()),
                     CoopGemm::Direct => (KernelSource::Wgsl(GEMM_COOP_DIRECT_WGSL), self.name(), 0),
                     CoopGemm::Glsl(tile) => (
-                        KernelSource::Glsl { tile, layout },
+                        KernelSource::Glsl {
+                            tile,
+                            layout,
+                            filter: self == KernelId::GemmDxFiltered,
+                        },
                         "main",
                         tile.layout_shared_bytes(layout == HeadLayout::Dx),
                     ),
@@ -564,9 +587,12 @@ impl GemmDesc {
         (self.m as u64).div_ceil(u64::from(rows)) * (self.n as u64).div_ceil(u64::from(cols))
     }
 
-    /// Its kernel.
+    /// Its kernel: the filtered dx GEMM with a block mask to read.
     pub const fn kernel(&self) -> KernelId {
-        KernelId::gemm(self.b_layout)
+        match self.b_layout {
+            HeadLayout::Dx if self.mask_rows > 0 => KernelId::GemmDxFiltered,
+            layout => KernelId::gemm(layout),
+        }
     }
 }
 
@@ -778,7 +804,8 @@ mod tests {
             build.source,
             KernelSource::Glsl {
                 tile,
-                layout: HeadLayout::Dx
+                layout: HeadLayout::Dx,
+                filter: false,
             }
         );
         assert_eq!(build.source.name(), "gemm_nn_bm128_bk64_s1");

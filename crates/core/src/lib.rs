@@ -64,6 +64,7 @@ pub mod checks;
 pub mod chunking;
 pub mod driver;
 pub mod error;
+pub mod filter;
 pub mod gemm_choice;
 pub mod glsl_tile;
 pub mod head;
@@ -82,14 +83,16 @@ pub mod slicing;
 pub mod split;
 pub mod terms;
 pub mod tune_cache;
+pub mod vocab_order;
 
 pub use backend::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, GemmRowStats, HeadLayout, KernelTime,
-    KlDesc, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, STATS_GROUP_COLS,
+    KlDesc, KlFilter, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, STATS_GROUP_COLS,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
 pub use driver::{Engine, LossOutput, ProgressCallback, SliceOptions, TopK};
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
+pub use filter::FilterStats;
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use glsl_tile::GlslTile;
 pub use head::{HeadData, HeadWeights};
@@ -109,6 +112,7 @@ pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use split::DxSplit;
 pub use terms::{LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
 pub use tune_cache::TuneCache;
+pub use vocab_order::VocabOrder;
 
 /// The `log` target of the diagnostics a user switches on
 /// (`HEADKL_TRACE`'s phases, `HEADKL_PIPELINE_STATS`' statistics), logged

@@ -51,9 +51,13 @@ pub struct GemmParams {
     pub stats_first: u32,
     /// Columns of C that enter the statistics (the real vocabulary).
     pub stats_cols: u32,
-    /// Padding to 16 bytes (zero: `shaders/gemm_khr.comp`'s MODE 2 relies
-    /// on `pad0` being 0).
-    pub _pad: [u32; 2],
+    /// The dx GEMM's block filter (`crate::filter`): rows of A whose block
+    /// mask is read (0 without the filter; the ceiling report's MODE 2
+    /// relies on it being 0). The mask sits in A's buffer after A's `m`
+    /// rows, at element `m · lda`.
+    pub mask_rows: u32,
+    /// Mask words per row of A (`crate::filter::mask_words`).
+    pub mask_ld: u32,
 }
 
 /// `shaders/sum_parts.wgsl`: a split-K GEMM's partial blocks summed.
@@ -112,8 +116,16 @@ pub struct RowParams {
     pub stats_ld: u32,
     /// `kl_rows`: statistics groups per row that hold statistics.
     pub stats_groups: u32,
+    /// `kl_rows` with [`row_flags::FILTER`]: the block filter's ε on
+    /// `|∂L/∂s|` (`crate::filter`).
+    pub filter_eps: f32,
+    /// `kl_rows` with [`row_flags::FILTER`]: where the block mask starts in
+    /// grad, in 4-half words (the mask's element offset / 4).
+    pub mask_off4: u32,
+    /// `kl_rows` with [`row_flags::FILTER`]: mask words per row.
+    pub mask_ld: u32,
     /// Padding to 16 bytes.
-    pub _pad: u32,
+    pub _pad: [u32; 2],
 }
 
 /// Bits of [`RowParams::flags`]; `shaders/kl_rows.wgsl` and
@@ -143,6 +155,9 @@ pub mod row_flags {
     pub const TAU_POW_SHIFT: u32 = 8;
     /// Mask of the τ power's field (after the shift).
     pub const TAU_POW_MASK: u32 = 7;
+    /// `kl_rows`: also write the dx GEMM's block mask (`crate::filter`);
+    /// a pipeline of its own, so the kernel without it is unchanged.
+    pub const FILTER: u32 = 2048;
 }
 
 /// `shaders/convert.wgsl`.
@@ -219,9 +234,9 @@ macro_rules! param_block {
     };
 }
 
-param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32, k_parts: u32, k_part: u32, c_part_stride: u32, stats_offset: u32, stats_ld: u32, stats_first: u32, stats_cols: u32);
+param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32, k_parts: u32, k_part: u32, c_part_stride: u32, stats_offset: u32, stats_ld: u32, stats_first: u32, stats_cols: u32, mask_rows: u32, mask_ld: u32);
 param_block!(SumPartsParams: len: u32, parts: u32, part_stride: u32, accumulate: u32, grid_x: u32);
-param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32, stats_offset: u32, stats_ld: u32, stats_groups: u32);
+param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32, stats_offset: u32, stats_ld: u32, stats_groups: u32, filter_eps: f32, mask_off4: u32, mask_ld: u32);
 param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
 param_block!(WeightStatsParams: rows: u32, has_weights: u32, grid_x: u32, total: f32, gscale: f32, inv_temperature: f32, grad_bound: f32);
 param_block!(TeacherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_offset: u32, probs_offset: u32, weights_offset: u32, has_weights: u32, logprobs: u32, tail: u32, grid_x: u32);
@@ -436,8 +451,11 @@ mod tests {
             text.contains("    grid_x: u32,\n    flags: u32,\n    temperature: f32,\n"),
             "{text}"
         );
-        assert!(text.contains("    stats_groups: u32,\n    pad0: u32,\n}"), "{text}");
-        assert_eq!(RowParams::BLOCK.bytes, 64);
+        assert!(
+            text.contains("    mask_ld: u32,\n    pad0: u32,\n    pad1: u32,\n}"),
+            "{text}"
+        );
+        assert_eq!(RowParams::BLOCK.bytes, 80);
         assert!(ConvertParams::BLOCK
             .wgsl()
             .contains("    grid_x: u32,\n    pad0: u32,\n    pad1: u32,\n    pad2: u32,\n}"));
@@ -446,6 +464,6 @@ mod tests {
         assert_eq!(GemmParams::BLOCK.bytes, 80);
         assert!(GemmParams::BLOCK
             .wgsl()
-            .contains("    stats_cols: u32,\n    pad0: u32,\n    pad1: u32,\n}"));
+            .contains("    stats_cols: u32,\n    mask_rows: u32,\n    mask_ld: u32,\n}"));
     }
 }

@@ -344,14 +344,15 @@ fn check_temperature(t: f32) -> Result<()> {
 }
 
 /// The option checks `head_kl` and `head_kl_device` share, in the order
-/// both make them: τ, the budget, the terms, and labels where the hard term
-/// needs them. A given `total` and `gscale` go through [`check_total`] and
+/// both make them: τ, the budget, the terms, labels where the hard term
+/// needs them, and the block filter's ε. A given `total` and `gscale` go through [`check_total`] and
 /// [`check_gscale`].
 pub(crate) fn check_loss_options(
     temperature: f32,
     budget_bytes: u64,
     terms: &LossTerms,
     has_labels: bool,
+    filter_eps: Option<f32>,
 ) -> Result<()> {
     check_temperature(temperature)?;
     if budget_bytes == 0 {
@@ -363,6 +364,7 @@ pub(crate) fn check_loss_options(
             value: terms.hard_weight,
         });
     }
+    filter_eps.map(crate::filter::check_eps).transpose()?;
     Ok(())
 }
 
@@ -406,6 +408,14 @@ pub struct LossOptions {
     /// Labels `[ntok]` of the hard term (a negative label: none), needed
     /// when `terms.hard_weight > 0`.
     pub labels: Option<Vec<i64>>,
+    /// The dx GEMM's block filter (`crate::filter`; off by default): skip
+    /// each block of the dx GEMM whose `|∂L/∂s|` entries are all at most ε
+    /// in every row of a GEMM row tile (`crate::filter::AUTO_EPS` is Cut
+    /// Cross-Entropy's 2⁻¹⁵). The loss stays exact; dx drops the skipped
+    /// products, and [`crate::LossOutput::filter`] says how many and
+    /// bounds what they were. `Some(0.0)` skips only all-zero blocks: dx
+    /// bit for bit as without the filter.
+    pub filter_eps: Option<f32>,
 }
 
 impl Default for LossOptions {
@@ -419,6 +429,7 @@ impl Default for LossOptions {
             max_rows_per_chunk: None,
             terms: LossTerms::default(),
             labels: None,
+            filter_eps: None,
         }
     }
 }
@@ -443,6 +454,8 @@ pub struct ResolvedLoss {
     /// were given. Not yet checked against the vocabulary
     /// ([`ResolvedLoss::check_labels`]).
     pub labels: Vec<u32>,
+    /// The block filter's ε, checked.
+    pub filter_eps: Option<f32>,
 }
 
 impl ResolvedLoss {
@@ -462,7 +475,13 @@ impl ResolvedLoss {
 impl LossOptions {
     /// Checks every option and fills in the defaults for `ntok` tokens.
     pub fn resolve(&self, ntok: usize) -> Result<ResolvedLoss> {
-        check_loss_options(self.temperature, self.budget_bytes, &self.terms, self.labels.is_some())?;
+        check_loss_options(
+            self.temperature,
+            self.budget_bytes,
+            &self.terms,
+            self.labels.is_some(),
+            self.filter_eps,
+        )?;
         let labels = match &self.labels {
             Some(l) if l.len() != ntok => {
                 return Err(Error::LengthMismatch {
@@ -526,6 +545,7 @@ impl LossOptions {
             coef,
             terms: self.terms,
             labels,
+            filter_eps: self.filter_eps,
         })
     }
 }

@@ -15,7 +15,25 @@ use crate::error::Result;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Job {
     Loss,
+    /// `head_kl` with the dx GEMM's block filter: grad has room for the
+    /// block mask after its rows.
+    LossFiltered,
     Topk,
+}
+
+impl Job {
+    /// A `head_kl` job (with or without the filter).
+    pub fn is_loss(self) -> bool {
+        matches!(self, Job::Loss | Job::LossFiltered)
+    }
+
+    /// The `head_kl` job with the filter's ε (or without it).
+    pub fn loss(filter_eps: Option<f32>) -> Self {
+        match filter_eps {
+            Some(_) => Job::LossFiltered,
+            None => Job::Loss,
+        }
+    }
 }
 
 /// What the cached scratch was sized for; a call with another key frees
@@ -49,7 +67,8 @@ pub(crate) struct RowBytes {
     /// Per-row outputs of the KL kernel: loss, lse, soft and hard parts
     /// (`head_kl`).
     pub loss: u64,
-    /// f16 logit gradient, padded vocabulary (`head_kl`).
+    /// f16 logit gradient, padded vocabulary, and with the filter the
+    /// block mask (`crate::filter`) (`head_kl`).
     pub grad: u64,
     /// f32 input gradient, padded hidden size (`head_kl`).
     pub dx: u64,
@@ -62,8 +81,13 @@ pub(crate) struct RowBytes {
 impl RowBytes {
     /// The sizes for a head of `vocab_padded × hs_padded` (real hidden size
     /// `hs`), `k` teacher entries and at most `dx_blocks` split-K partial
-    /// blocks of dx (0 where the dx GEMM writes dx directly).
-    pub fn new(vocab_padded: usize, hs: usize, hs_padded: usize, k: usize, dx_blocks: usize) -> Self {
+    /// blocks of dx (0 where the dx GEMM writes dx directly), with room
+    /// for the block filter's mask when `mask`.
+    pub fn new(vocab_padded: usize, hs: usize, hs_padded: usize, k: usize, dx_blocks: usize, mask: bool) -> Self {
+        let mask_halves = match mask {
+            true => crate::filter::mask_halves(1, vocab_padded) as u64,
+            false => 0,
+        };
         let (v, h, k) = (vocab_padded as u64, hs_padded as u64, k as u64);
         Self {
             x32: hs as u64 * 4,
@@ -73,7 +97,7 @@ impl RowBytes {
             probs: k * 4,
             row_in: 8,
             loss: 16,
-            grad: v * 2,
+            grad: (v + mask_halves) * 2,
             dx: h * 4,
             doubled: false,
         }
@@ -98,11 +122,11 @@ impl RowBytes {
             } else {
                 cost("x16 (odd chunks)", self.x16)
             });
-            if job == Job::Loss {
+            if job.is_loss() {
                 c.push(cost("dx (odd chunks)", self.dx));
             }
         }
-        if job == Job::Loss {
+        if job.is_loss() {
             c.extend([
                 cost("row_in", self.row_in),
                 cost("loss", self.loss),

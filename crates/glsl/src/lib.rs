@@ -118,11 +118,12 @@ impl GlslKernel {
 }
 
 /// The GEMM headkl runs for `tile` and `layout` ([`GlslKernel::is_tile_gemm`]),
-/// when the build compiled it (every tile of `GLSL_TILES` is).
-pub fn gemm(tile: GlslTile, layout: HeadLayout) -> Option<&'static GlslKernel> {
+/// with the dx GEMM's block filter when `filter`, when the build compiled
+/// it (every tile of `GLSL_TILES` is).
+pub fn gemm(tile: GlslTile, layout: HeadLayout, filter: bool) -> Option<&'static GlslKernel> {
     KERNELS
         .iter()
-        .find(|k| k.is_tile_gemm() && k.layout() == layout && k.tile() == tile)
+        .find(|k| k.is_tile_gemm() && k.layout() == layout && k.tile() == tile && k.variant.filter == filter)
 }
 
 /// The variant named `name`.
@@ -200,10 +201,11 @@ pub fn interface(words: &[u32]) -> Option<Interface> {
 /// 1... Returns the kernel, or what is wrong.
 pub fn check_build(build: &headkl_core::KernelBuild) -> Result<&'static GlslKernel, String> {
     use headkl_core::kernels::{Access, KernelSource};
-    let KernelSource::Glsl { tile, layout } = build.source else {
+    let KernelSource::Glsl { tile, layout, filter } = build.source else {
         return Err(format!("{:?} is not a GLSL build", build.source));
     };
-    let kernel = gemm(tile, layout).ok_or_else(|| format!("glsl:{tile} for {layout:?} was not built"))?;
+    let kernel = gemm(tile, layout, filter)
+        .ok_or_else(|| format!("glsl:{tile} for {layout:?} (filter {filter}) was not built"))?;
     let name = kernel.name;
     let found = interface(&kernel.words()).ok_or_else(|| format!("{name}: not SPIR-V"))?;
     if !found.capabilities.contains(&CAPABILITY_COOPERATIVE_MATRIX) || found.memory_model != 3 {
@@ -249,7 +251,7 @@ mod tests {
         assert_eq!(KERNELS.len(), SPIRV.len());
         for tile in GLSL_TILES {
             for layout in [HeadLayout::Logits, HeadLayout::Dx] {
-                let k = gemm(tile, layout).unwrap_or_else(|| panic!("{tile} {layout:?} not built"));
+                let k = gemm(tile, layout, false).unwrap_or_else(|| panic!("{tile} {layout:?} not built"));
                 assert_eq!(k.part(), CeilingPart::Gemm);
                 assert!(k.exact() && !k.timing_layout());
                 assert_eq!(k.name, tile.kernel_name("gemm", layout == HeadLayout::Dx));
@@ -257,7 +259,13 @@ mod tests {
             }
         }
         let gemms = KERNELS.iter().filter(|k| k.is_tile_gemm());
-        assert_eq!(gemms.count(), 2 * GLSL_TILES.len());
+        // Both layouts and the filtered dx GEMM of each tile.
+        assert_eq!(gemms.count(), 3 * GLSL_TILES.len());
+        for tile in GLSL_TILES {
+            let k = gemm(tile, HeadLayout::Dx, true).unwrap_or_else(|| panic!("{tile} filtered not built"));
+            assert_eq!(k.name, format!("{}_filter", tile.kernel_name("gemm", true)));
+            assert!(k.exact());
+        }
         // The shipped build holds the production GEMMs and nothing else.
         assert_eq!(KERNELS.iter().all(|k| k.is_tile_gemm()), !CEILING_BUILT);
     }

@@ -202,6 +202,9 @@ pub struct GlslVariant {
     pub matrix: MatrixShape,
     /// The accumulators.
     pub acc: Accumulator,
+    /// The dx GEMM's block filter (`FILTER`; `gemm_dx_filtered`, `nn`
+    /// GEMMs only): skips the K steps whose block the mask clears.
+    pub filter: bool,
 }
 
 impl GlslVariant {
@@ -218,6 +221,15 @@ impl GlslVariant {
             load: LoadKind::Plain,
             matrix: MatrixShape::M16N16K16,
             acc: Accumulator::F32,
+            filter: false,
+        }
+    }
+
+    /// The filtered dx GEMM headkl runs for `tile` (`gemm_dx_filtered`).
+    pub const fn gemm_filtered(tile: GlslTile) -> Self {
+        GlslVariant {
+            filter: true,
+            ..GlslVariant::gemm(tile, true)
         }
     }
 
@@ -239,7 +251,7 @@ impl GlslVariant {
 
     /// Whether it is the GEMM headkl runs for its tile.
     pub fn is_tile_gemm(&self) -> bool {
-        *self == GlslVariant::gemm(self.tile, self.nn)
+        *self == GlslVariant::gemm(self.tile, self.nn) || *self == GlslVariant::gemm_filtered(self.tile)
     }
 
     /// Whether it reads its operands in a timing layout (pre-tiled or
@@ -276,6 +288,7 @@ impl GlslVariant {
             ("LOAD_KIND", self.load.define()),
             ("FN", self.matrix.mnk().1),
             ("ACC16", u32::from(self.acc == Accumulator::F16)),
+            ("FILTER", u32::from(self.filter)),
         ]
     }
 
@@ -300,6 +313,7 @@ impl GlslVariant {
             (self.load == LoadKind::Copied, "_cp"),
             (self.matrix == MatrixShape::M16N8K16, "_n8"),
             (self.acc == Accumulator::F16, "_h"),
+            (self.filter, "_filter"),
         ] {
             if on {
                 name.push_str(tag);
@@ -325,6 +339,7 @@ impl GlslVariant {
             (self.load == LoadKind::Copied, " copied"),
             (self.matrix == MatrixShape::M16N8K16, " 16x8x16"),
             (self.acc == Accumulator::F16, " f16-acc"),
+            (self.filter, " filtered"),
         ] {
             if on {
                 label.push_str(tag);
@@ -354,11 +369,13 @@ impl GlslVariant {
     }
 }
 
-/// The GEMMs headkl runs: every tile of `tiles`, both layouts.
+/// The GEMMs headkl runs: every tile of `tiles`, both layouts, and the
+/// filtered dx GEMM of each.
 pub fn production(tiles: &[GlslTile]) -> Vec<GlslVariant> {
     [false, true]
         .into_iter()
         .flat_map(|nn| tiles.iter().map(move |&t| GlslVariant::gemm(t, nn)))
+        .chain(tiles.iter().map(|&t| GlslVariant::gemm_filtered(t)))
         .collect()
 }
 

@@ -42,6 +42,7 @@
 pub mod conformance;
 pub mod cpu;
 pub mod direct;
+pub mod lm;
 mod par;
 #[cfg(feature = "conformance")]
 pub mod strategies;

@@ -199,6 +199,7 @@ fn head_kl_into_reuses_an_output_of_any_size() {
         lse: vec![f32::NAN; 7],
         soft: Vec::new(),
         hard: vec![1.0; 900],
+        filter: None,
     };
     for hs in [70, 64] {
         let c = Case::from_params(&CaseParams {

@@ -54,6 +54,11 @@ enum Fault {
     /// The logits GEMM's row statistics: each row's first group's sum
     /// 1.5 times too large.
     RowStatsSumOff,
+    /// The KL kernel's block mask clears blocks it must keep (it judges
+    /// them at ε = 1): the dx GEMM skips most of the gradient.
+    FilterMaskTooCoarse,
+    /// The filtered dx GEMM computes every block (reads no mask).
+    GemmIgnoresMask,
 }
 
 struct Faulty {
@@ -227,6 +232,16 @@ fn each_planted_bug_is_caught() {
         (Fault::TopkIgnoresLogprobs, Part::Kernels, "topk_rows_logprobs:"),
         (Fault::RowStatsSumOff, Part::Kernels, "gemm row statistics"),
         (Fault::RowStatsSumOff, Part::DriverCases, "loss: error"),
+        (
+            Fault::GemmIgnoresMask,
+            Part::Kernels,
+            "kernels/gemm_ab_16x16x4608_filtered:",
+        ),
+        (
+            Fault::FilterMaskTooCoarse,
+            Part::Errors,
+            "filter_lm_dx_within_tolerance",
+        ),
     ];
     for (fault, part, needle) in expect {
         let f = failures(fault, part);
@@ -274,6 +289,7 @@ impl Faulty {
             Fault::IgnoreAlpha => d.alpha = 1.0,
             Fault::GemmDxPanics if d.kernel() == KernelId::GemmDx => panic!("planted panic in gemm_dx"),
             Fault::SplitFirstPartOnly => d.k_parts = 1,
+            Fault::GemmIgnoresMask => d.mask_rows = 0,
             _ => {}
         }
         self.inner.gemm(a, b, c, &d)?;
@@ -314,6 +330,11 @@ impl Faulty {
     ) -> Result<()> {
         let mut d = *d;
         match self.fault {
+            Fault::FilterMaskTooCoarse => {
+                if let Some(f) = &mut d.filter {
+                    f.eps = 1.0;
+                }
+            }
             Fault::KlIgnoresSoftcap => d.terms.softcap = None,
             Fault::KlIgnoresTail => d.tail = TailMode::Renormalize,
             Fault::KlIgnoresHard => d.terms.hard_weight = 0.0,

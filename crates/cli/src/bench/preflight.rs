@@ -193,6 +193,9 @@ mod tests {
             all: false,
             resident,
             shards: None,
+            data: crate::bench::DataKind::Random,
+            filter_eps: None,
+            vocab_order: crate::bench::VocabOrderArg::Natural,
             yes: false,
         }
     }

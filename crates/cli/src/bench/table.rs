@@ -47,6 +47,40 @@ pub struct JobResult {
     pub peak_extra_bytes: u64,
     /// Per-kernel breakdown (empty without kernel timing).
     pub kernels: Vec<KernelStat>,
+    /// head_kl on the host path: the data and the dx block filter.
+    pub filter: Option<FilterReport>,
+}
+
+/// head_kl's data and what the dx GEMM's block filter did.
+#[derive(Clone, Debug, Serialize)]
+pub struct FilterReport {
+    /// The data (`random` skips nothing).
+    pub data: super::DataKind,
+    /// ε, or `None` with the filter off.
+    pub eps: Option<f32>,
+    /// Fraction of the dx GEMM's blocks skipped.
+    pub skipped: f64,
+    /// `‖dx − dx_unfiltered‖ / ‖dx_unfiltered‖`.
+    pub dx_rel_err: f64,
+    /// The filter's bound on that error, relative to the same norm.
+    pub bound_rel: f64,
+    /// Whether the per-token loss came out bit-identical to the unfiltered
+    /// call's (it must: the filter changes dx only).
+    pub loss_identical: bool,
+}
+
+impl FilterReport {
+    /// The filter off.
+    pub fn off(data: super::DataKind) -> Self {
+        Self {
+            data,
+            eps: None,
+            skipped: 0.0,
+            dx_rel_err: 0.0,
+            bound_rel: 0.0,
+            loss_identical: true,
+        }
+    }
 }
 
 /// One backend's results.

@@ -26,7 +26,7 @@ pub use kernels::{
 use crate::backend::{Backend, KlDesc, RowStats, TopkDesc};
 use crate::driver::Engine;
 use crate::error::{Error, Result};
-use crate::head_planes::HeadPlanes;
+use crate::head_planes::{DxFilter, HeadPlanes};
 use crate::launch::{Kernels, Launch};
 use crate::problem::{check_gscale, check_k, check_loss_options, check_total, TopkOptions, DEFAULT_BUDGET_BYTES};
 use crate::scratch::{Job, LossScratch, RowBytes, RowScratch};
@@ -130,6 +130,9 @@ pub struct DeviceLossOptions<'a, Buf> {
     /// Optional output: per token `[lse, soft, hard]`, f32 `[ntok][3]`
     /// (the host path's `LossOutput::{lse, soft, hard}`).
     pub terms_out: Option<&'a Buf>,
+    /// The dx GEMM's block filter, as [`crate::LossOptions::filter_eps`]
+    /// (no statistics on this path: nothing comes back to the host).
+    pub filter_eps: Option<f32>,
 }
 
 impl<Buf> Default for DeviceLossOptions<'_, Buf> {
@@ -147,6 +150,7 @@ impl<Buf> Default for DeviceLossOptions<'_, Buf> {
             terms: LossTerms::default(),
             labels: None,
             terms_out: None,
+            filter_eps: None,
         }
     }
 }
@@ -244,6 +248,18 @@ impl<B: ResidentBackend> Engine<B> {
         status::to_result(&words, vocab)
     }
 
+    /// The device-resident entry points take and give ids in device
+    /// buffers, which nothing maps through a vocabulary order.
+    fn refuse_vocab_order(&self) -> Result<()> {
+        match self.head.order() {
+            Some(_) => Err(Error::VocabOrderUnsupported {
+                reason: "the device-resident entry points read and write ids in device buffers, which are not \
+                         mapped through it; use the host path or an engine in the natural order",
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Checks a caller's view: `elems` elements of 4 bytes (or
     /// `elem_bytes`) fit, and it starts where a binding may.
     pub(crate) fn check_view(
@@ -326,8 +342,8 @@ impl<B: ResidentBackend> Engine<B> {
         match scratch.loss.take() {
             Some(ls) => Ok(ls),
             None => {
-                let (_, rows, k) = scratch.key;
-                LossScratch::alloc(&self.backend, &self.resident_row_bytes(Job::Loss, k), rows)
+                let (job, rows, k) = scratch.key;
+                LossScratch::alloc(&self.backend, &self.resident_row_bytes(job, k), rows)
             }
         }
     }
@@ -437,6 +453,7 @@ impl<B: ResidentBackend> Engine<B> {
         out: &DeviceLossOutput<'_, B::Buffer>,
         opts: &DeviceLossOptions<'_, B::Buffer>,
     ) -> Result<()> {
+        self.refuse_vocab_order()?;
         let k = teacher.k;
         check_k(k, self.head.vocab())?;
         self.check_resident_hidden(ntok, hidden)?;
@@ -450,7 +467,13 @@ impl<B: ResidentBackend> Engine<B> {
             self.check_view("weights", w, ntok, 4)?;
         }
         // The host path's option checks, in its order.
-        check_loss_options(opts.temperature, opts.budget_bytes, &opts.terms, opts.labels.is_some())?;
+        check_loss_options(
+            opts.temperature,
+            opts.budget_bytes,
+            &opts.terms,
+            opts.labels.is_some(),
+            opts.filter_eps,
+        )?;
         if let Some(l) = opts.labels {
             self.check_view("labels", l, ntok, 4)?;
         }
@@ -459,15 +482,16 @@ impl<B: ResidentBackend> Engine<B> {
         }
         opts.total.map(check_total).transpose()?;
         opts.gscale.map(check_gscale).transpose()?;
+        let job = Job::loss(opts.filter_eps);
         let plan = HeadPlanes::plan_for(
             &self.backend,
-            &self.resident_row_bytes(Job::Loss, k),
-            Job::Loss,
+            &self.resident_row_bytes(job, k),
+            job,
             ntok,
             false,
             (opts.budget_bytes, opts.max_rows_per_chunk),
         )?;
-        let (status, mut scratch) = self.take_resident(Job::Loss, plan.rows_per_chunk, k)?;
+        let (status, mut scratch) = self.take_resident(job, plan.rows_per_chunk, k)?;
         self.resident.pending = true;
         let recorded = self.take_resident_loss(&mut scratch).and_then(|ls| {
             let recorded = self.record_head_kl(ntok, hidden, teacher, out, opts, &plan, &status, (&scratch.rows, &ls));
@@ -560,12 +584,15 @@ impl<B: ResidentBackend> Engine<B> {
                 tail: opts.tail,
                 terms: opts.terms,
                 row_stats,
+                filter: self.head.kl_filter(opts.filter_eps, rows_padded),
                 ..KlDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k)
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
             // device.
-            self.head.dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, 1.0)?;
+            let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
+            self.head
+                .dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, 1.0, dx_filter)?;
             b.dispatch(Launch::LossOut {
                 loss_chunk: &ls.loss,
                 dx_chunk: &ls.dx,
@@ -615,6 +642,7 @@ impl<B: ResidentBackend> Engine<B> {
         probs: &B::Buffer,
         opts: &TopkOptions,
     ) -> Result<()> {
+        self.refuse_vocab_order()?;
         opts.check(self.head.vocab())?;
         let k = opts.k;
         self.check_resident_hidden(ntok, hidden)?;

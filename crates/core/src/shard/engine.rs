@@ -163,9 +163,9 @@ impl<B: Backend> ShardEngine<B> {
         let (plan, sizes) = self.loss_job_plan(hidden, k_s, (opts.budget_bytes, opts.max_rows_per_chunk))?;
         let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
         let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.budget_bytes;
-        let (input, rows_s, loss_s) = self
-            .engine
-            .begin_loss_call(&sizes, (plan.rows_per_chunk, k_s), hidden.data())?;
+        let (input, rows_s, loss_s) =
+            self.engine
+                .begin_loss_call((Job::Loss, &sizes), (plan.rows_per_chunk, k_s), hidden.data())?;
         self.kept_last = keep;
         let mut kept = keep.then(Vec::new);
         trace.mark("scratch");
@@ -411,7 +411,9 @@ impl<B: Backend> ShardEngine<B> {
             hard,
             mean,
             dx,
+            filter,
         } = out;
+        *filter = None;
         loss.clear();
         loss.extend(stats.soft_part.iter().zip(&stats.lse).map(|(&s, &l)| s + l));
         lse.clone_from(&stats.lse1);
@@ -433,7 +435,7 @@ impl<B: Backend> ShardEngine<B> {
             .row_bytes(self.engine.backend(), Job::Loss, k_s);
         let (input, rows_s, loss_s) =
             self.engine
-                .begin_loss_call(&sizes, (p.plan.rows_per_chunk, k_s), hidden.data())?;
+                .begin_loss_call((Job::Loss, &sizes), (p.plan.rows_per_chunk, k_s), hidden.data())?;
         trace.mark("scratch");
         let result = self.finish_chunks(&p, (&input, &rows_s, &loss_s), (&row_in, &probs), dx, &mut trace);
         self.engine.end_host_call(rows_s, Some(loss_s), input);
@@ -500,7 +502,7 @@ impl<B: Backend> ShardEngine<B> {
             let desc = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k_s);
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
             // The logits are spent: the dx GEMM's split-K parts may use them.
-            h.dx(b, (&ls.grad, &ls.dx, logits), rows_padded, dx_scale as f32)?;
+            h.dx(b, (&ls.grad, &ls.dx, logits), rows_padded, dx_scale as f32, None)?;
             let pending = begin(b, &[(&ls.dx, rows * hs_padded * 4)])?;
             trace.mark("record");
             if let Some(done) = pipe.push((start, rows, pending)) {
@@ -535,9 +537,9 @@ impl<B: Backend> ShardEngine<B> {
         // The loss job's scratch: the top-k's ids and values, and the loss
         // kernel's outputs for the shard's lse.
         let (plan, sizes) = self.loss_job_plan(hidden, k_s, (opts.budget_bytes, opts.max_rows_per_chunk))?;
-        let (input, rows_s, loss_s) = self
-            .engine
-            .begin_loss_call(&sizes, (plan.rows_per_chunk, k_s), hidden.data())?;
+        let (input, rows_s, loss_s) =
+            self.engine
+                .begin_loss_call((Job::Loss, &sizes), (plan.rows_per_chunk, k_s), hidden.data())?;
         let result = self.topk_chunks(&plan, (&input, &rows_s, &loss_s), ntok, k_s, opts.temperature);
         self.engine.end_host_call(rows_s, Some(loss_s), input);
         let (ids, logits, lse) = result?;
@@ -623,16 +625,17 @@ impl<B: Backend> ShardEngine<B> {
 
 /// Refuses what the sharded loss does not compute, naming the option
 /// ([`Error::ShardUnsupported`]): a tail other than renormalize, the hard
-/// term (or labels), the z-loss, a softcap, a soft weight other than 1.
+/// term (or labels), the z-loss, a softcap, a soft weight other than 1,
+/// the dx GEMM's block filter.
 /// [`ShardEngine::loss_partials`] calls it; a caller can call it before
 /// anything is uploaded.
 pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
-    check_terms(tail, &opts.terms, opts.labels.is_some())
+    check_terms(tail, &opts.terms, opts.labels.is_some(), opts.filter_eps)
 }
 
 /// [`check_loss_terms`] on the terms themselves (the device-resident calls
 /// take them in [`crate::DeviceLossOptions`]).
-pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool) -> Result<()> {
+pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool, filter_eps: Option<f32>) -> Result<()> {
     let refuse = |option, value: String, hint| Err(Error::ShardUnsupported { option, value, hint });
     let d = LossTerms::default();
     let t = *terms;
@@ -650,6 +653,9 @@ pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool) -
     }
     if t.soft_weight != d.soft_weight {
         return refuse("soft-weight", t.soft_weight.to_string(), "scale the loss outside");
+    }
+    if let Some(eps) = filter_eps {
+        return refuse("filter-eps", eps.to_string(), "the block filter runs unsharded");
     }
     Ok(())
 }

@@ -302,6 +302,7 @@ mod tests {
             hard: vec![0.0; 2],
             mean: 0.5,
             dx,
+            filter: None,
         };
         let parts: Vec<LossOutput> = [1.0f32, 1e-8, -1.0]
             .iter()

@@ -211,8 +211,14 @@ impl<B: ResidentBackend> ShardEngine<B> {
         if let Some(w) = opts.weights {
             e.check_view("weights", w, ntok, 4)?;
         }
-        check_loss_options(opts.temperature, opts.budget_bytes, &opts.terms, opts.labels.is_some())?;
-        check_terms(opts.tail, &opts.terms, opts.labels.is_some())?;
+        check_loss_options(
+            opts.temperature,
+            opts.budget_bytes,
+            &opts.terms,
+            opts.labels.is_some(),
+            opts.filter_eps,
+        )?;
+        check_terms(opts.tail, &opts.terms, opts.labels.is_some(), opts.filter_eps)?;
         opts.total.map(check_total).transpose()?;
         opts.gscale.map(check_gscale).transpose()?;
         Ok(())
@@ -450,7 +456,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             // The logits are spent: the dx GEMM's split-K parts may use
             // them. Scaled by 1/(gscale·τ) in loss_out.
-            h.dx(b, (&ls.grad, &ls.dx, logits), round_up(rows, ALIGN), 1.0)?;
+            h.dx(b, (&ls.grad, &ls.dx, logits), round_up(rows, ALIGN), 1.0, None)?;
             self.shard_step((ShardStage::Loss, false), (start, rows, k), slots)?;
             b.dispatch(Launch::LossOut {
                 loss_chunk: &ls.loss,

@@ -630,7 +630,114 @@ pub(crate) const ERROR_CASES: &[(&str, &str)] = &[
         "memory_released",
         "dropping an engine returns the backend's memory to what it was before",
     ),
+    (
+        "filter_lm_dx_within_tolerance",
+        "lm-like data (V=4096, hs=32, 80 tokens, 3 slices, chunks of 48): with the dx block filter at \
+         ε = 2^-15 a quarter or more of the blocks are skipped, the loss is bit-identical to the unfiltered \
+         call's and dx is within the suite's dx tolerance of the f64 reference",
+    ),
+    (
+        "vocab_order_prior",
+        "lm-like data (V=4096, 3 slices, chunks of 48) on a head stored in the prior's order: head_kl \
+         (with and without the dx block filter at 2^-15) and topk match the f64 reference in token ids, \
+         and the filter skips more blocks than in the natural order",
+    ),
+    (
+        "filter_eps_zero_bit_identical",
+        "the lm-like data, plain and with τ = 2, the hard term and the z-loss: with ε = 0 loss and dx are \
+         bit-identical to the unfiltered call's; at ε = 2^-15 the loss is, and dx matches the reference",
+    ),
 ];
+
+/// lm-like data ([`crate::lm`]) small enough for the f64 reference, with
+/// a steep prior so the block filter has blocks to skip even at V = 4096:
+/// `ntok` tokens, k = 16.
+pub(crate) fn lm_case(
+    ntok: usize,
+    max_rows_per_slice: Option<usize>,
+    max_rows_per_chunk: Option<usize>,
+) -> Result<Case, String> {
+    lm_case_and_prior(ntok, max_rows_per_slice, max_rows_per_chunk).map(|(case, _)| case)
+}
+
+/// [`lm_case`] and the generator's log prior over the vocabulary.
+fn lm_case_and_prior(
+    ntok: usize,
+    max_rows_per_slice: Option<usize>,
+    max_rows_per_chunk: Option<usize>,
+) -> Result<(Case, Vec<f32>), String> {
+    let spec = crate::lm::LmSpec {
+        zipf: 3.0,
+        zipf_offset: 5.0,
+        order_noise: 0.3,
+        peaks: 3,
+        peak_flatness: 1.0,
+        background: 0.5,
+        entropy: Some(1.0),
+        teacher_noise: 1.5,
+        ..crate::lm::LmSpec::new(4096, 32, ntok, 16, 0x1F17)
+    };
+    let d = crate::lm::generate(&spec)?;
+    let mut case = Case::from_params(&CaseParams {
+        max_rows_per_slice,
+        max_rows_per_chunk,
+        ..params(CaseKind::HeadKl, spec.vocab, spec.hs, ntok, spec.k, 0x1F17)
+    });
+    case.head = d.head.iter().map(|v| v.to_f32()).collect();
+    case.hidden = d.hidden.iter().map(|v| v.to_f32()).collect();
+    case.teacher_ids = d.ids;
+    case.teacher_probs = d.probs;
+    case.name = "head_kl/lm".into();
+    Ok((case, d.log_prior))
+}
+
+/// `head_kl` on `case` with the block filter at `eps` and without: the
+/// filtered output and the unfiltered one.
+fn filtered_and_not<B: Backend>(
+    engine: &mut Engine<B>,
+    case: &Case,
+    opts: &LossOptions,
+    eps: f32,
+) -> Result<(headkl_core::LossOutput, headkl_core::LossOutput), String> {
+    let hidden = case.hidden_rows(&[]).map_err(|e| e.to_string())?;
+    let teacher = case.teacher().map_err(|e| e.to_string())?;
+    let plain = engine
+        .head_kl(&hidden, &teacher, opts)
+        .map_err(|e| format!("head_kl: {e}"))?;
+    let filtered = LossOptions {
+        filter_eps: Some(eps),
+        ..opts.clone()
+    };
+    let out = engine
+        .head_kl(&hidden, &teacher, &filtered)
+        .map_err(|e| format!("head_kl with the filter: {e}"))?;
+    Ok((out, plain))
+}
+
+/// Whether two outputs agree bit for bit (loss, lse, soft, hard, and dx
+/// too when `dx`).
+fn same_bits(a: &headkl_core::LossOutput, b: &headkl_core::LossOutput, dx: bool) -> Result<(), String> {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (name, x, y) in [
+        ("loss", &a.loss, &b.loss),
+        ("lse", &a.lse, &b.lse),
+        ("soft", &a.soft, &b.soft),
+        ("hard", &a.hard, &b.hard),
+    ] {
+        if bits(x) != bits(y) {
+            return Err(format!("{name} differs from the unfiltered call's"));
+        }
+    }
+    if dx {
+        if let Some(i) = a.dx.iter().zip(&b.dx).position(|(x, y)| x.to_bits() != y.to_bits()) {
+            return Err(format!(
+                "dx[{i}] = {:e} with the filter at ε = 0, {:e} without",
+                a.dx[i], b.dx[i]
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// The base case of the error checks: V = 300, hs = 40, 40 tokens in
 /// chunks of 16.
@@ -810,6 +917,114 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
                 ));
             }
             Ok(Measured::default())
+        }
+        "filter_lm_dx_within_tolerance" => {
+            let case = lm_case(80, Some(1536), Some(48))?;
+            let mut engine = engine_for(backend, &case)?;
+            if engine.slices().len() < 3 {
+                return Err(format!("{} slice(s), want >= 3", engine.slices().len()));
+            }
+            let eps = headkl_core::filter::AUTO_EPS;
+            let (out, plain) = filtered_and_not(&mut engine, &case, &case.loss_options(), eps)?;
+            same_bits(&out, &plain, false)?;
+            let stats = out.filter.ok_or("no filter statistics with the filter on")?;
+            if stats.skipped_fraction() < 0.25 {
+                return Err(format!(
+                    "the filter skipped {:.1}% of {} blocks, want >= 25% on this data",
+                    100.0 * stats.skipped_fraction(),
+                    stats.blocks
+                ));
+            }
+            let opts = LossOptions {
+                filter_eps: Some(eps),
+                ..case.loss_options()
+            };
+            let m = compare(&mut engine, &case, &opts, tol)?;
+            log::info!(
+                "filter_lm_dx_within_tolerance: skipped {:.1}% of {} blocks, dx err {:.2e} (tolerance {:.0e})",
+                100.0 * stats.skipped_fraction(),
+                stats.blocks,
+                m.dx.unwrap_or(f64::NAN),
+                tol.dx_rel
+            );
+            Ok(m)
+        }
+        "vocab_order_prior" => {
+            let (case, prior) = lm_case_and_prior(80, Some(1536), Some(48))?;
+            let order = headkl_core::VocabOrder::by_score(&prior).map_err(|e| e.to_string())?;
+            let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
+            let mut ordered = Engine::with_vocab_order(backend, &head, case.slice_options(), Some(order))
+                .map_err(|e| format!("Engine::with_vocab_order: {e}"))?;
+            let mut natural = engine_for(backend, &case)?;
+            let eps = headkl_core::filter::AUTO_EPS;
+            let filtered = LossOptions {
+                filter_eps: Some(eps),
+                ..case.loss_options()
+            };
+            let mut measured = compare(&mut ordered, &case, &case.loss_options(), tol)?;
+            let m = compare(&mut ordered, &case, &filtered, tol)?;
+            measured.dx = measured.dx.into_iter().chain(m.dx).reduce(f64::max);
+            let top = Case {
+                kind: CaseKind::Topk,
+                ..case.clone()
+            };
+            measured.prob = compare(&mut ordered, &top, &top.loss_options(), tol)?.prob;
+            let hidden = case.hidden_rows(&[]).map_err(|e| e.to_string())?;
+            let teacher = case.teacher().map_err(|e| e.to_string())?;
+            let skipped = |engine: &mut Engine<&B>| -> Result<f64, String> {
+                let out = engine
+                    .head_kl(&hidden, &teacher, &filtered)
+                    .map_err(|e| format!("head_kl: {e}"))?;
+                Ok(out.filter.ok_or("no filter statistics")?.skipped_fraction())
+            };
+            let (by_prior, by_id) = (skipped(&mut ordered)?, skipped(&mut natural)?);
+            log::info!(
+                "vocab_order_prior: the filter skipped {:.1}% of the blocks in the prior's order, {:.1}% in the natural order",
+                100.0 * by_prior,
+                100.0 * by_id
+            );
+            if by_prior <= by_id {
+                return Err(format!(
+                    "the prior's order skipped {:.1}% of the blocks, the natural order {:.1}%: no gain",
+                    100.0 * by_prior,
+                    100.0 * by_id
+                ));
+            }
+            Ok(measured)
+        }
+        "filter_eps_zero_bit_identical" => {
+            let case = lm_case(40, None, Some(32))?;
+            let mut engine = engine_for(backend, &case)?;
+            let mut measured = Measured::default();
+            let terms = LossTerms {
+                hard_weight: 0.5,
+                z_loss: 1e-3,
+                ..LossTerms::default()
+            };
+            let general = with_terms(
+                Case {
+                    temperature: 2.0,
+                    ..case.clone()
+                },
+                TeacherForm::Probs,
+                TailMode::Renormalize,
+                terms,
+            );
+            for c in [&case, &general] {
+                let (zero, plain) = filtered_and_not(&mut engine, c, &c.loss_options(), 0.0)?;
+                same_bits(&zero, &plain, true)?;
+                let (auto, _) = filtered_and_not(&mut engine, c, &c.loss_options(), headkl_core::filter::AUTO_EPS)?;
+                same_bits(&auto, &plain, false)?;
+                let opts = LossOptions {
+                    filter_eps: Some(headkl_core::filter::AUTO_EPS),
+                    ..c.loss_options()
+                };
+                let m = compare(&mut engine, c, &opts, tol)?;
+                let worst = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).reduce(f64::max);
+                measured.loss = worst(measured.loss, m.loss);
+                measured.dx = worst(measured.dx, m.dx);
+            }
+            Ok(measured)
         }
         other => Err(format!("no error case named {other}")),
     }

@@ -41,6 +41,10 @@ pub(crate) struct GemmSpec {
     /// Row statistics ([`headkl_core::RowStats`]): this GEMM's first group
     /// and its real columns; the region follows C's, a poisoned gap apart.
     stats: Option<(usize, usize)>,
+    /// The dx GEMM's block filter ([`GemmDesc::mask_rows`]; 0: off): every
+    /// row's mask clears the same blocks, whose A entries are not zero, so
+    /// only a kernel that skips exactly them gets C right.
+    mask_rows: usize,
 }
 
 /// A sum of split-K partial blocks.
@@ -167,6 +171,7 @@ fn gemm(
         k_parts: 1,
         tight: false,
         stats: None,
+        mask_rows: 0,
     })
 }
 
@@ -177,6 +182,15 @@ fn with_stats(case: KernelCase, first: usize, cols: usize) -> KernelCase {
             stats: Some((first, cols)),
             ..g
         }),
+        other => other,
+    }
+}
+
+/// [`gemm`] (layout Dx, `a_offset + k <= lda`) with the block filter on
+/// every row.
+fn filtered(case: KernelCase) -> KernelCase {
+    match case {
+        KernelCase::Gemm(g) => KernelCase::Gemm(GemmSpec { mask_rows: g.m, ..g }),
         other => other,
     }
 }
@@ -265,6 +279,11 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         with_stats(gemm(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 1, 72),
         with_stats(gemm(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, false), 0, 144),
         with_stats(gemm(144, 272, 64, Out, 0, 64, 64, 0, 272, 1.0, false), 2, 259),
+        // The block filter: K across three 2048-column mask windows, A
+        // starting mid-block, whole and split.
+        filtered(gemm(16, 16, 4608, Red, 96, 4736, 16, 0, 16, 1.0, false)),
+        split(filtered(gemm(16, 32, 2560, Red, 64, 2688, 48, 16, 48, 0.5, true)), 3),
+        filtered(gemm(160, 128, 704, Red, 0, 704, 128, 0, 128, 1.0, false)),
         sum(64, 1, 0, false),
         sum(1040, 3, 1056, false),
         sum(1040, 4, 1040, true),
@@ -288,6 +307,7 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             k_parts: 1,
             tight: true,
             stats: None,
+            mask_rows: 0,
         }));
     }
     v.extend([
@@ -522,7 +542,7 @@ impl KernelCase {
     pub(crate) fn name(&self) -> String {
         match self {
             KernelCase::Gemm(g) => format!(
-                "kernels/gemm_{}_{}x{}x{}{}{}",
+                "kernels/gemm_{}_{}x{}x{}{}{}{}",
                 match g.layout {
                     HeadLayout::Logits => "abt",
                     HeadLayout::Dx => "ab",
@@ -531,6 +551,7 @@ impl KernelCase {
                 g.n,
                 g.k,
                 if g.accumulate { "_acc" } else { "" },
+                if g.mask_rows > 0 { "_filtered" } else { "" },
                 if g.k_parts > 1 {
                     format!("_parts{}", g.k_parts)
                 } else {
@@ -641,14 +662,33 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
     let tail = if g.tight { 0 } else { TAIL };
     let small = |rng: &mut Rng, range: usize| rng.below(2 * range + 1) as f64 - range as f64;
     // A: [m][k] at a_offset, stride lda; NaN elsewhere (read outside = NaN in C).
-    let len_a = g.a_offset + (g.m - 1) * g.lda + g.k + tail;
+    let mask_halves = match g.mask_rows {
+        0 => 0,
+        r => g.m * g.lda - (g.a_offset + (g.m - 1) * g.lda + g.k) + headkl_core::filter::mask_halves(r, g.lda),
+    };
+    let len_a = g.a_offset + (g.m - 1) * g.lda + g.k + mask_halves + tail;
     let mut a = vec![f16::NAN; len_a];
     let mut a_val = vec![0f64; g.m * g.k];
+    // With the filter: whether column `col`'s 64-column block is kept (the
+    // same in every row; about two in three).
+    let block_kept = |col: usize| g.mask_rows == 0 || !(col / 64).is_multiple_of(3);
     for i in 0..g.m {
         for l in 0..g.k {
             let v = small(&mut rng, 3);
             a[g.a_offset + i * g.lda + l] = f16::from_f64(v);
-            a_val[i * g.k + l] = v;
+            // A skipped block adds nothing, whatever A holds there.
+            a_val[i * g.k + l] = if block_kept(g.a_offset + l) { v } else { 0.0 };
+        }
+    }
+    if g.mask_rows > 0 {
+        let words = headkl_core::filter::mask_words(g.lda);
+        let mask_at = g.m * g.lda;
+        for r in 0..g.mask_rows {
+            for w in 0..words {
+                let bits = (0..32).fold(0u32, |acc, bit| acc | u32::from(block_kept((w * 32 + bit) * 64)) << bit);
+                let at = mask_at + (r * words + w) * 4;
+                a[at..at + 4].copy_from_slice(&headkl_core::filter::halves_of(bits));
+            }
         }
     }
     // B: [n][k] or [k][n] from element 0, stride ldb.
@@ -733,6 +773,7 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
         k_parts: g.k_parts,
         c_part_stride: stride,
         row_stats: stats,
+        mask_rows: g.mask_rows,
     };
     b.gemm(&a_buf, &b_buf, &c_buf, &desc)
         .map_err(|e| format!("gemm: {e}"))?;

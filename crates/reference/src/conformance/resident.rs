@@ -516,7 +516,92 @@ pub(crate) const RESIDENT_TERM_CASES: &[&str] = &[
 
 /// Cases [`run_resident`] runs for `cfg`.
 pub fn resident_case_count(cfg: &SuiteConfig) -> usize {
-    cfg.cases + RESIDENT_TERM_CASES.len() + RESIDENT_ERROR_CASES.len()
+    cfg.cases + RESIDENT_TERM_CASES.len() + 1 + RESIDENT_ERROR_CASES.len()
+}
+
+/// The block filter on the resident path (`DeviceLossOptions::filter_eps`)
+/// on lm-like data.
+fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<Measured, String> {
+    let case = super::cases::lm_case(80, Some(1536), Some(48))?;
+    let mut engine = engine_for(backend, &case)?;
+    let (ntok, hs) = (case.ntok, case.hs);
+    let (bytes, values) = hidden_as(&case, HiddenDtype::F32);
+    let x = device_buffer(backend, &bytes, "x")?;
+    let hidden = DeviceHidden {
+        buffer: &x,
+        dtype: HiddenDtype::F32,
+    };
+    let bufs = HeadKlBuffers::upload(backend, &case)?;
+    let eps = headkl_core::filter::AUTO_EPS;
+    let mut run = |filter_eps| -> Result<(Vec<f32>, Vec<f32>), String> {
+        let opts = DeviceLossOptions {
+            filter_eps,
+            ..bufs.options(&case)
+        };
+        engine
+            .head_kl_device(ntok, &hidden, &bufs.teacher(case.k), &bufs.output(), &opts)
+            .map_err(|e| format!("head_kl_device: {e}"))?;
+        engine.wait_device().map_err(|e| format!("wait_device: {e}"))?;
+        Ok((
+            download_f32(backend, &bufs.loss, ntok)?,
+            download_f32(backend, &bufs.dx, ntok * hs)?,
+        ))
+    };
+    let (loss0, _) = run(None)?;
+    let (got_loss, got_dx) = run(Some(eps))?;
+    if got_loss
+        .iter()
+        .map(|v| v.to_bits())
+        .ne(loss0.iter().map(|v| v.to_bits()))
+    {
+        return Err("the loss with the filter differs from the unfiltered resident call's".into());
+    }
+    let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
+    let host_hidden = Hidden::f32(&values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
+    let teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
+    let host_opts = headkl_core::LossOptions {
+        filter_eps: Some(eps),
+        ..case.loss_options()
+    };
+    let resolved = host_opts.resolve(ntok).map_err(|e| format!("case options: {e}"))?;
+    let want = direct::head_kl_f64(&head, &host_hidden, &teacher, &resolved);
+    let mean = got_loss.iter().map(|&l| f64::from(l)).sum::<f64>() / f64::from(resolved.total);
+    let loss_err = tol
+        .check_loss(&got_loss, mean, &want)
+        .map_err(|e| format!("resident vs reference: {e}"))?;
+    let dx_err = tol
+        .check_dx_rows(&got_dx, &want.dx, Some(hs))
+        .map_err(|e| format!("resident vs reference: {e}"))?;
+    let host = engine
+        .head_kl(&host_hidden, &teacher, &host_opts)
+        .map_err(|e| format!("host head_kl: {e}"))?;
+    let host_dx: Vec<f64> = host.dx.iter().map(|&v| f64::from(v)).collect();
+    tol.check_dx_rows(&got_dx, &host_dx, Some(hs))
+        .map_err(|e| format!("resident vs host path: {e}"))?;
+    // An engine with a vocabulary order refuses the resident entry points
+    // (their ids in device buffers are not mapped), before any work.
+    let reversed = headkl_core::VocabOrder::new((0..case.vocab as u32).rev().collect()).map_err(|e| e.to_string())?;
+    let mut ordered = headkl_core::Engine::with_vocab_order(backend, &head, case.slice_options(), Some(reversed))
+        .map_err(|e| format!("Engine::with_vocab_order: {e}"))?;
+    match ordered.head_kl_device(
+        ntok,
+        &hidden,
+        &bufs.teacher(case.k),
+        &bufs.output(),
+        &bufs.options(&case),
+    ) {
+        Err(headkl_core::Error::VocabOrderUnsupported { .. }) => {}
+        other => {
+            return Err(format!(
+                "head_kl_device with a vocabulary order: {other:?}, want VocabOrderUnsupported"
+            ))
+        }
+    }
+    Ok(Measured {
+        loss: Some(loss_err),
+        dx: Some(dx_err),
+        prob: None,
+    })
 }
 
 /// Runs the resident cases (`cfg.cases` drawn ones) and the resident error
@@ -574,6 +659,13 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
         };
         rec.push(outcome);
     }
+    let what = "lm-like data (V=4096, hs=32, 80 tokens, 3 slices, chunks of 48), the dx block filter at \
+                ε = 2^-15: the loss bit-identical to the unfiltered resident call's, dx within the dx tolerance \
+                of the f64 reference and of the host path with the filter; an engine with a vocabulary order \
+                refuses the resident call";
+    rec.push(run_one(backend, "resident_filter/lm".into(), what.into(), 0, || {
+        check_resident_filter(backend, &tol)
+    }));
     for &(name, what) in RESIDENT_ERROR_CASES {
         let outcome = run_one(backend, format!("resident_errors/{name}"), what.to_string(), 0, || {
             check_error_case(backend, name)

@@ -123,6 +123,9 @@ fn gemm_one(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision: Precis
         let src = &a[d.a_offset + i * d.lda..d.a_offset + i * d.lda + k];
         half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, row);
     }
+    if d.mask_rows > 0 {
+        skip_clear_blocks(a, &mut a32, d);
+    }
     // Split C by columns: each thread converts only its own columns of B.
     let parts = par::map_ranges(n, m * n * k, |cols| {
         let width = cols.len();
@@ -186,6 +189,42 @@ fn gemm_one(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision: Precis
                     }
                 };
             }
+        }
+    }
+}
+
+/// Row tile of the block filter on the CPU: the fallback GEMM's 64 rows
+/// (what [`headkl_core::Backend::gemm_tile`]'s `None` means).
+const FILTER_TILE: usize = 64;
+
+/// The block filter ([`GemmDesc::mask_rows`]): zeroes, in the part's A
+/// rows `a32`, every 64-column block that is clear in all the masked rows
+/// of its 64-row tile: the products a GPU tile skips.
+fn skip_clear_blocks(a: &[f16], a32: &mut [f32], d: &GemmDesc) {
+    use headkl_core::filter::{mask_words, word_of, BLOCK};
+    let (m, k) = (d.m, d.k);
+    let words = mask_words(d.lda);
+    let mask_at = d.m * d.lda;
+    let word = |row: usize, w: usize| word_of(&a[mask_at + (row * words + w) * 4..]);
+    for t0 in (0..m).step_by(FILTER_TILE) {
+        let rows = t0..(t0 + FILTER_TILE).min(m);
+        let mut kk = 0;
+        while kk < k {
+            // The part's K index kk is column a_offset + kk (A starts in row 0).
+            let col = d.a_offset + kk;
+            let block = col / BLOCK;
+            let end = ((block + 1) * BLOCK - d.a_offset).min(k);
+            let bit = 1u32 << (block % 32);
+            let live = rows
+                .clone()
+                .filter(|&r| r < d.mask_rows)
+                .any(|r| word(r, block / 32) & bit != 0);
+            if !live {
+                for r in rows.clone() {
+                    a32[r * k + kk..r * k + end].fill(0.0);
+                }
+            }
+            kk = end;
         }
     }
 }
@@ -293,6 +332,7 @@ fn lse_of<T: Real>(u: &[T]) -> T {
 
 /// One row of the KL kernel ([`KlDesc`]): returns `[L_t, lse, soft, hard]`
 /// and writes the gradient row, in arithmetic `T`.
+#[allow(clippy::too_many_arguments, reason = "the row's slices, its inputs and its outputs")]
 fn kl_row<T: Real>(
     s: &[f32],
     ids: &[u32],
@@ -301,11 +341,27 @@ fn kl_row<T: Real>(
     d: &KlDesc,
     stats_lse: Option<f32>,
     grad: &mut [f16],
+    mask: &mut [u32],
 ) -> [f32; 4] {
     let vocab = d.vocab;
     grad[vocab..].fill(f16::ZERO);
+    mask.fill(0);
+    let on = f32::from_bits(coef) != 0.0;
+    // The block filter: block of column j kept when |∂L/∂s_j| > ε or not a
+    // number (`kl_rows.wgsl`'s `kept`), never in a row with c = 0.
+    let mut mark = |j: usize, v: T| {
+        let within = v.abs() <= T::of(d.filter.map_or(0.0, |f| f.eps));
+        if on && !within {
+            if let Some(w) = mask.get_mut(j / headkl_core::filter::WORD_VOCAB) {
+                *w |= 1 << ((j / headkl_core::filter::BLOCK) % 32);
+            }
+        }
+    };
     if s.iter().any(|v| !v.is_finite()) || stats_lse.is_some_and(|v| !v.is_finite()) {
         grad[..vocab].fill(f16::NAN);
+        for j in (0..vocab).step_by(headkl_core::filter::BLOCK) {
+            mark(j, T::of(f32::NAN));
+        }
         return [f32::NAN; 4];
     }
     let t = &d.terms;
@@ -384,7 +440,12 @@ fn kl_row<T: Real>(
     let h = tau * alpha_hard * eps / v;
     let cap = |j: usize| if dcap.is_empty() { T::ONE } else { dcap[j] };
     for (j, g) in grad[..vocab].iter_mut().enumerate() {
-        *g = (c * cap(j) * (a * p_tau(j) + b * p_one(j) - h)).to_f16();
+        // The gradient's expression as without the filter (the same bits).
+        let x = a * p_tau(j) + b * p_one(j) - h;
+        *g = (c * cap(j) * x).to_f16();
+        if d.filter.is_some() {
+            mark(j, cap(j) * x);
+        }
     }
     let label_term = tau * alpha_hard * (T::ONE - eps);
     let mut label_in_ids = false;
@@ -396,10 +457,13 @@ fn kl_row<T: Real>(
             label_in_ids = true;
         }
         grad[j] = (c * cap(j) * d).to_f16();
+        mark(j, cap(j) * d);
     }
     if labelled && !label_in_ids {
         let j = label as usize;
-        grad[j] = (c * cap(j) * (a * p_tau(j) + b * p_one(j) - h - label_term)).to_f16();
+        let x = a * p_tau(j) + b * p_one(j) - h - label_term;
+        grad[j] = (c * cap(j) * x).to_f16();
+        mark(j, cap(j) * x);
     }
     [loss.to_f32(), lse1.to_f32(), soft.to_f32(), hard.to_f32()]
 }
@@ -418,24 +482,43 @@ pub(crate) fn kl_rows(
 ) {
     let (rows, ld, k, vocab) = (d.rows, d.ld, d.k, d.vocab);
     let stats = d.row_stats.filter(|_| KlDesc::stats_suffice(&d.terms, d.temperature));
-    let mut work: Vec<(&mut [f32], &mut [f16])> = loss[..rows * 4]
+    // The block filter's mask, one row of words per token (written only
+    // with `d.filter`).
+    let words = match d.filter {
+        Some(_) => headkl_core::filter::mask_words(ld),
+        None => 0,
+    };
+    let mut masks = vec![0u32; rows * words];
+    /// One row's loss, gradient and mask.
+    type Row<'a> = ((&'a mut [f32], &'a mut [f16]), &'a mut [u32]);
+    let mut work: Vec<Row<'_>> = loss[..rows * 4]
         .chunks_exact_mut(4)
         .zip(grad[..rows * ld].chunks_exact_mut(ld.max(1)))
+        .zip(
+            masks
+                .chunks_mut(words.max(1))
+                .chain(std::iter::repeat_with(|| &mut [][..])),
+        )
         .collect();
     par::for_row_blocks(&mut work, 1, rows * vocab * 8, |first, block| {
-        for (i, (l, g)) in block.iter_mut().enumerate() {
+        for (i, ((l, g), mask)) in block.iter_mut().enumerate() {
             let t = first + i;
             let s = &logits[t * ld..t * ld + vocab];
             let (ids_t, probs_t) = (&ids[t * k..(t + 1) * k], &probs[t * k..(t + 1) * k]);
             let inputs = [row_in[2 * t], row_in[2 * t + 1]];
             let stats_lse = stats.map(|rs| lse_from_stats(logits, &rs, t));
             let out = match precision {
-                Precision::F64 => kl_row::<f64>(s, ids_t, probs_t, inputs, d, stats_lse, g),
-                Precision::F32 => kl_row::<f32>(s, ids_t, probs_t, inputs, d, stats_lse, g),
+                Precision::F64 => kl_row::<f64>(s, ids_t, probs_t, inputs, d, stats_lse, g, mask),
+                Precision::F32 => kl_row::<f32>(s, ids_t, probs_t, inputs, d, stats_lse, g, mask),
             };
             l.copy_from_slice(&out);
         }
     });
+    if let Some(f) = d.filter {
+        for (i, &w) in masks.iter().enumerate() {
+            grad[f.mask_at + 4 * i..f.mask_at + 4 * i + 4].copy_from_slice(&headkl_core::filter::halves_of(w));
+        }
+    }
 }
 
 /// Column indices of the `k` largest of `s`, descending, ties lowest id
