@@ -113,8 +113,8 @@ fn mask_cursor() -> MaskCursor {
 // The first K step at or after `s` (of `steps`, `bk` deep) whose 64-column
 // block is set in some row of the tile (`steps` when none is left); `s`
 // itself when `filtered` is false. A starts in row 0 (a_offset < lda), so
-// step s covers columns t.a_off + s·bk onward (bk <= 64: one block, or two
-// when A starts inside one).
+// step s covers columns t.a_off + s·bk onward; bk <= 64 keeps a step in
+// one block.
 fn next_live(filtered: bool, cur: ptr<function, MaskCursor>, t: Tile, rows: u32, s: u32, steps: u32, bk: u32) -> u32 {
     if !filtered {
         return s;
@@ -122,22 +122,14 @@ fn next_live(filtered: bool, cur: ptr<function, MaskCursor>, t: Tile, rows: u32,
     var q = s;
     for (; q < steps; q++) {
         let col = t.a_off + q * bk;
-        // A step spans two blocks when A starts inside one: ask both.
-        let last = min(col + bk, t.a_off + t.k) - 1u;
-        if block_live(cur, t, rows, col) || (last / 64u != col / 64u && block_live(cur, t, rows, last)) {
+        let win = col / 2048u;
+        if win != (*cur).window {
+            (*cur).window = win;
+            (*cur).bits = tile_mask(t.row0, rows, win);
+        }
+        if (((*cur).bits >> ((col / 64u) % 32u)) & 1u) != 0u {
             return q;
         }
     }
     return steps;
-}
-
-// Whether the 64-column block of column `col` is set in some row of the
-// tile (`rows` rows) that has a mask; `cur` caches the window last read.
-fn block_live(cur: ptr<function, MaskCursor>, t: Tile, rows: u32, col: u32) -> bool {
-    let win = col / 2048u;
-    if win != (*cur).window {
-        (*cur).window = win;
-        (*cur).bits = tile_mask(t.row0, rows, win);
-    }
-    return (((*cur).bits >> ((col / 64u) % 32u)) & 1u) != 0u;
 }

@@ -490,35 +490,29 @@ uint mask_word(uint row, uint w) {
     return uint(l.x) | (uint(l.y) << 8) | (uint(h.x) << 16) | (uint(h.y) << 24);
 }
 
-// Whether the 64-column block of column `col` is set in some row of the
-// tile that has a mask. `cur` caches (window, bits): the OR of the tile's
-// rows' mask words for the 2048-column window last read. Each subgroup ORs
-// the rows on its own (no barrier, no workgroup memory), so every
-// invocation gets the same answer and the loops that use it stay uniform.
-bool block_live(uint col, inout uvec2 cur) {
-    uint win = col / 2048;
-    if (win != cur.x) {
-        cur.x = win;
-        uint w = 0;
-        for (uint r = gl_SubgroupInvocationID; r < TM; r += 32) {
-            if (row0 + r < p.mask_rows) {
-                w |= mask_word(row0 + r, win);
-            }
-        }
-        cur.y = subgroupOr(w);
-    }
-    return ((cur.y >> ((col / 64) % 32)) & 1) != 0;
-}
-
-// The first step at or after `s` that touches a live block (`steps` when
-// none is left). A starts in row 0 (a_offset < lda), so step s covers
-// columns a_off + s * BK onward: one block when A starts on a block, two
-// when it starts inside one (then both are asked).
+// The first step at or after `s` whose 64-column block is set in some row
+// of the tile that has a mask (`steps` when none is left). `cur` caches
+// (window, bits): the OR of the tile's rows' mask words for the
+// 2048-column window last read. Each subgroup ORs the rows on its own (no
+// barrier, no workgroup memory), so every invocation gets the same answer
+// and the loops that use it stay uniform. A starts in row 0 (a_offset <
+// lda), so step s covers columns a_off + s * BK onward; BK <= 64 keeps a
+// step in one block.
 uint next_live(uint s, uint steps, inout uvec2 cur) {
     for (; s < steps; s++) {
         uint col = a_off + s * BK;
-        uint last = min(col + BK, a_off + kp) - 1;
-        if (block_live(col, cur) || (last / 64 != col / 64 && block_live(last, cur))) {
+        uint win = col / 2048;
+        if (win != cur.x) {
+            cur.x = win;
+            uint w = 0;
+            for (uint r = gl_SubgroupInvocationID; r < TM; r += 32) {
+                if (row0 + r < p.mask_rows) {
+                    w |= mask_word(row0 + r, win);
+                }
+            }
+            cur.y = subgroupOr(w);
+        }
+        if (((cur.y >> ((col / 64) % 32)) & 1) != 0) {
             return s;
         }
     }

@@ -196,6 +196,10 @@ impl GemmDesc {
                         )
                     },
                 )?;
+                // Every K step then lies inside one block (steps of at most
+                // 64, split-K parts a multiple of 64 apart), so a kernel
+                // skips exactly the clear blocks.
+                multiple(kernel, "a_offset", self.a_offset, crate::filter::BLOCK)?;
                 let mask_end =
                     self.m as u128 * self.lda as u128 + crate::filter::mask_halves(self.mask_rows, self.lda) as u128;
                 fits(kernel, "A's block mask", mask_end, 2, a, max_binding)?;

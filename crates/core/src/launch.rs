@@ -584,6 +584,50 @@ mod tests {
             desc: gemm,
         };
         assert!(matches!(bad.check(u64::MAX), Err(Error::BadDescriptor { .. })));
+        // The block filter's A starts on a 64-column block; row statistics
+        // need the whole product in one part.
+        let filtered = |a_offset| Launch::Gemm {
+            a: &big,
+            b: &big,
+            c: &big,
+            desc: GemmDesc {
+                a_offset,
+                lda: 256,
+                k: 128,
+                mask_rows: 16,
+                ..gemm
+            },
+        };
+        assert!(filtered(64).check(u64::MAX).is_ok());
+        let Err(Error::BadDescriptor { field, .. }) = filtered(32).check(u64::MAX) else {
+            panic!("a filtered GEMM with A inside a block passed");
+        };
+        assert_eq!(field, "a_offset");
+        let stats = crate::backend::GemmRowStats {
+            at: crate::backend::RowStats {
+                offset: 1 << 16,
+                ld: 4,
+                groups: 4,
+            },
+            first_group: 0,
+            cols: 16,
+        };
+        let logits = GemmDesc {
+            k_parts: 2,
+            c_part_stride: 1 << 12,
+            row_stats: Some(stats),
+            ..GemmDesc::dense(32, 48, 64, HeadLayout::Logits)
+        };
+        let split = Launch::Gemm {
+            a: &big,
+            b: &big,
+            c: &big,
+            desc: logits,
+        };
+        let Err(Error::BadDescriptor { field, .. }) = split.check(u64::MAX) else {
+            panic!("row statistics of a split product passed");
+        };
+        assert_eq!(field, "row_stats");
     }
 
     /// The resident kernels are launches like the others: their buffers

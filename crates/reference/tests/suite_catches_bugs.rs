@@ -235,7 +235,7 @@ fn each_planted_bug_is_caught() {
         (
             Fault::GemmIgnoresMask,
             Part::Kernels,
-            "kernels/gemm_ab_16x16x4608_filtered:",
+            "kernels/gemm_ab_16x16x4544_filtered:",
         ),
         (
             Fault::FilterMaskTooCoarse,
