@@ -23,12 +23,12 @@ use crate::environment::Settings;
 use crate::error::{is_validation, CliError};
 use crate::io::write_atomic;
 use crate::progress::Progress;
-use crate::rng::{fill_parallel, XorShift64};
 use crate::select::{
     enumerate_backend, open_and_run, open_and_run_resident, required, resolve_announced, target_for, BackendArgs,
     BackendJob, BackendKind, ResidentJob, RunError, Target,
 };
 use crate::text::fmt_bytes;
+use headkl_reference::rng::{fill_parallel, XorShift64};
 
 mod preflight;
 mod shape;

@@ -14,7 +14,6 @@ mod logger;
 mod plot;
 mod progress;
 mod provenance;
-mod rng;
 mod select;
 mod shard;
 mod signals;

@@ -19,9 +19,9 @@ use headkl_reference::conformance::{self, Part, SuiteConfig};
 use crate::environment::Settings;
 use crate::error::CliError;
 use crate::progress::Progress;
-use crate::rng::fill_parallel;
 use crate::select::{self, BackendArgs, BackendJob, BackendKind, RunError, Target};
 use crate::text::table;
+use headkl_reference::rng::fill_parallel;
 
 /// The GEMM shape tuned at: `m` token rows, `n` vocabulary rows, `k` hidden
 /// size. The logits GEMM is `[m][k] · [n][k]ᵀ`; the dx GEMM `[m][n] · [n][k]`.

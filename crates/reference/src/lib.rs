@@ -44,6 +44,7 @@ pub mod cpu;
 pub mod direct;
 pub mod lm;
 mod par;
+pub mod rng;
 #[cfg(feature = "conformance")]
 pub mod strategies;
 pub mod tolerance;

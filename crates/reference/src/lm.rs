@@ -25,6 +25,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::f16;
 
+use crate::rng::XorShift64;
+
 /// Scale of the prior column: the hidden rows carry it as one massive
 /// activation (as trained LMs' hidden states have a few), so the head's
 /// column `b_j / BIAS_SCALE` stays as small as its other entries' sum and
@@ -154,43 +156,6 @@ pub struct LmStats {
     pub filter_kept_128_sorted: f64,
 }
 
-/// xorshift64* seeded through splitmix64.
-#[derive(Clone, Debug)]
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        Self(if z == 0 { 0x2545_F491_4F6C_DD1D } else { z })
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform in `(0, 1)`.
-    fn unit(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 + 0.5) * (1.0 / (1u64 << 24) as f32)
-    }
-
-    fn normal(&mut self) -> f32 {
-        let (u, v) = (self.unit(), self.unit());
-        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        ((u128::from(self.next()) * n as u128) >> 64) as usize
-    }
-}
-
 /// Runs `f(index, chunk)` over `out` in chunks of `chunk` elements on every
 /// core; chunk `i` is the same whatever the thread count.
 fn par_chunks<T: Send>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
@@ -254,7 +219,7 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
     }
     let hw = hs - 1;
     // The prior, from ranks perturbed per id.
-    let mut rng = Rng::new(spec.seed);
+    let mut rng = XorShift64::new(spec.seed);
     let log_prior: Vec<f32> = (0..vocab)
         .map(|j| -spec.zipf * (1.0 + j as f32 * (spec.order_noise * rng.normal()).exp() / spec.zipf_offset).ln())
         .collect();
@@ -263,10 +228,10 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
     let amp = 0.02 * 3f32.sqrt();
     let rows_per_chunk = (1 << 16) / hs + 1;
     par_chunks(&mut head, rows_per_chunk * hs, |i, chunk| {
-        let mut r = Rng::new(spec.seed ^ 0xA5A5_0000 ^ (i as u64).wrapping_mul(0x9E37_79B9));
+        let mut r = XorShift64::new(spec.seed ^ 0xA5A5_0000 ^ (i as u64).wrapping_mul(0x9E37_79B9));
         for (q, row) in chunk.chunks_exact_mut(hs).enumerate() {
             for v in &mut row[..hw] {
-                *v = f16::from_f32((r.unit() * 2.0 - 1.0) * amp);
+                *v = f16::from_f32((r.unit_open() * 2.0 - 1.0) * amp);
             }
             row[hw] = f16::from_f32(log_prior[i * rows_per_chunk + q] / BIAS_SCALE);
         }
@@ -285,11 +250,11 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
         cdf
     };
     let (cdf_peak, cdf) = (cdf_of(spec.peak_flatness), cdf_of(1.0));
-    let pick = |cdf: &[f64], r: &mut Rng| {
-        let u = f64::from(r.unit()) * cdf[vocab - 1];
+    let pick = |cdf: &[f64], r: &mut XorShift64| {
+        let u = f64::from(r.unit_open()) * cdf[vocab - 1];
         cdf.partition_point(|&c| c < u).min(vocab - 1)
     };
-    let draw = |r: &mut Rng| pick(&cdf, r);
+    let draw = |r: &mut XorShift64| pick(&cdf, r);
     // The peaks' cross-talk already gives every logit a Gaussian part of
     // variance Σ a_c² / hw (a random head row against a peak's direction):
     // the background tops it up to `background`, so the data do not depend
@@ -301,7 +266,7 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
     let mut x0 = vec![0f32; ntok * hs];
     let mut peaks = vec![0usize; ntok * spec.peaks];
     for t in 0..ntok {
-        let mut r = Rng::new(spec.seed ^ 0x5EED_0000_0000 ^ (t as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let mut r = XorShift64::new(spec.seed ^ 0x5EED_0000_0000 ^ (t as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
         let row = &mut x0[t * hs..(t + 1) * hs];
         for v in &mut row[..hw] {
             *v = eta * r.normal();
@@ -311,7 +276,7 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
             let strength = if p == 0 {
                 spec.peak_logit
             } else {
-                spec.peak_logit * (0.3 + 0.7 * r.unit())
+                spec.peak_logit * (0.3 + 0.7 * r.unit_open())
             };
             let c = pick(&cdf_peak, &mut r);
             peaks[t * spec.peaks + p] = c;
@@ -361,7 +326,8 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
             let mut x32 = vec![0f32; hs];
             for (q, (row_ids, row_p)) in block.iter_mut().enumerate() {
                 let t = i * 64 + q;
-                let mut r = Rng::new(spec.seed ^ 0x7EAC_0000_0000 ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                let mut r =
+                    XorShift64::new(spec.seed ^ 0x7EAC_0000_0000 ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
                 let mut n = 0;
                 for &c in &peaks[t * spec.peaks..(t + 1) * spec.peaks] {
                     if n < k && !row_ids[..n].contains(&(c as u32)) {
@@ -372,7 +338,11 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
                 while n < k {
                     // Past half the vocabulary the prior's tail is too thin
                     // to finish quickly: any id will do there.
-                    let c = if k * 2 > vocab { r.below(vocab) } else { draw(&mut r) } as u32;
+                    let c = if k * 2 > vocab {
+                        r.below(vocab as u64) as usize
+                    } else {
+                        draw(&mut r)
+                    } as u32;
                     if !row_ids[..n].contains(&c) {
                         row_ids[n] = c;
                         n += 1;
@@ -496,9 +466,9 @@ fn measure(
     let mut sorted = natural.clone();
     sorted.sort_by(|&a, &b| log_prior[b].total_cmp(&log_prior[a]).then(a.cmp(&b)));
     let mut random = natural.clone();
-    let mut r = Rng::new(seed ^ 0x9E4D);
+    let mut r = XorShift64::new(seed ^ 0x9E4D);
     for i in (1..vocab).rev() {
-        random.swap(i, r.below(i + 1));
+        random.swap(i, r.below(i as u64 + 1) as usize);
     }
     // The published tiles are 128 tokens by 128 entries; a smaller sample
     // uses all its rows.

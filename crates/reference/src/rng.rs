@@ -1,6 +1,7 @@
-//! Fast seeded random data for benchmarks: xorshift64* streams, one per
-//! fixed-size block, filled on every core. The result depends only on the
-//! seed, not on the number of threads.
+//! Fast seeded random data for benchmarks and the `lm` data
+//! ([`crate::lm`]): xorshift64* streams, one per fixed-size block, filled
+//! on every core. The result depends only on the seed, not on the number of
+//! threads.
 
 use std::thread;
 
@@ -35,6 +36,17 @@ impl XorShift64 {
     /// Uniform in `[0, 1)`.
     pub fn unit(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
+    }
+
+    /// Uniform in `(0, 1)`: never 0, so its logarithm is finite.
+    pub fn unit_open(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 + 0.5) * (1.0 / (1u64 << 24) as f32)
+    }
+
+    /// Standard normal (Box–Muller on two [`Self::unit_open`] draws).
+    pub fn normal(&mut self) -> f32 {
+        let (u, v) = (self.unit_open(), self.unit_open());
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
     }
 
     /// Uniform in `[-a, a)`.
