@@ -6,14 +6,11 @@
 use std::sync::mpsc;
 
 use headkl_core::checks::check_transfer;
+use headkl_core::host::StagingPool;
 use headkl_core::{DeviceBuffer, DownloadsInFlight, PendingDownload, Result};
 
 use crate::buffer::{lock, WgpuBuffer};
 use crate::device::{wgpu_failure, WgpuBackend};
-
-/// Staging buffers kept for reuse after their download was read: two
-/// chunks in flight with two outputs each.
-const POOL_BUFFERS: usize = 4;
 
 /// A download in flight.
 pub(crate) struct Readback {
@@ -28,10 +25,18 @@ pub(crate) struct Readback {
 }
 
 /// The backend's downloads in flight, by ticket, and idle staging buffers.
-#[derive(Default)]
 pub(crate) struct Readbacks {
     in_flight: DownloadsInFlight<Readback>,
-    pool: Vec<wgpu::Buffer>,
+    pool: StagingPool<wgpu::Buffer>,
+}
+
+impl Default for Readbacks {
+    fn default() -> Self {
+        Self {
+            in_flight: DownloadsInFlight::default(),
+            pool: StagingPool::new(wgpu::Buffer::size),
+        }
+    }
 }
 
 impl WgpuBackend {
@@ -39,8 +44,8 @@ impl WgpuBackend {
     fn readback_staging(&self, bytes: u64) -> Result<wgpu::Buffer> {
         {
             let mut r = lock(&self.readbacks);
-            if let Some(i) = r.pool.iter().position(|b| b.size() >= bytes) {
-                return Ok(r.pool.swap_remove(i));
+            if let Some(staging) = r.pool.take(bytes) {
+                return Ok(staging);
             }
         }
         self.create_map_read(bytes.next_multiple_of(1 << 16), "headkl readback staging")
@@ -110,11 +115,8 @@ impl WgpuBackend {
             headkl_core::host::parallel_copy(&view[rb.skip..rb.skip + rb.len], out);
         }
         rb.staging.unmap();
-        let mut r = lock(&self.readbacks);
-        if r.pool.len() < POOL_BUFFERS {
-            r.pool.push(rb.staging);
-        }
-        drop(r);
+        // A buffer the full pool lets go is dropped (wgpu frees it).
+        drop(lock(&self.readbacks).pool.give(rb.staging));
         self.check()
     }
 }

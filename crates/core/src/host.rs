@@ -23,8 +23,93 @@ pub fn parallel_copy(src: &[u8], dst: &mut [u8]) {
     });
 }
 
+/// Idle host staging buffers a backend's downloads reuse, by size.
+///
+/// A `head_kl` chunk downloads its per-row outputs (bytes), dx (tens of
+/// MB) and, with the block filter, its mask (a few MB), and two chunks are
+/// in flight. A download takes the smallest idle buffer that holds it, so
+/// a small download never takes the buffer dx needs (which the next dx
+/// would then allocate, and the pool free, on every chunk: allocating and
+/// freeing tens of MB of mapped memory costs milliseconds).
+pub struct StagingPool<T> {
+    idle: Vec<T>,
+    size_of: fn(&T) -> u64,
+}
+
+impl<T> StagingPool<T> {
+    /// Idle buffers kept: two chunks in flight with three downloads each.
+    pub const CAPACITY: usize = 6;
+
+    /// An empty pool of buffers whose byte size `size_of` gives.
+    pub fn new(size_of: fn(&T) -> u64) -> Self {
+        Self {
+            idle: Vec::new(),
+            size_of,
+        }
+    }
+
+    /// The smallest idle buffer of at least `bytes`, if any.
+    pub fn take(&mut self, bytes: u64) -> Option<T> {
+        let size_of = self.size_of;
+        let best = self
+            .idle
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| size_of(b) >= bytes)
+            .min_by_key(|(_, b)| size_of(b))
+            .map(|(i, _)| i)?;
+        Some(self.idle.swap_remove(best))
+    }
+
+    /// Keeps `buffer` for reuse. Over [`Self::CAPACITY`] the smallest idle
+    /// buffer (the cheapest to make again) comes back, for the caller to
+    /// free.
+    pub fn give(&mut self, buffer: T) -> Option<T> {
+        self.idle.push(buffer);
+        if self.idle.len() <= Self::CAPACITY {
+            return None;
+        }
+        let size_of = self.size_of;
+        let smallest = self
+            .idle
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, b)| size_of(b))
+            .map(|(i, _)| i)?;
+        Some(self.idle.swap_remove(smallest))
+    }
+
+    /// Every idle buffer, leaving the pool empty.
+    pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        self.idle.drain(..)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::StagingPool;
+
+    #[test]
+    fn staging_pool_gives_the_smallest_buffer_that_fits_and_frees_the_smallest() {
+        let mut pool = StagingPool::new(|b: &u64| *b);
+        assert_eq!(pool.take(1), None);
+        for size in [64u64 << 10, 20 << 20, 1 << 20, 20 << 20] {
+            assert_eq!(pool.give(size), None);
+        }
+        // A 16 KB download takes the 64 KiB buffer, a 1 MB one the 1 MiB
+        // buffer: both 20 MiB buffers stay for dx.
+        assert_eq!(pool.take(16_000), Some(64 << 10));
+        assert_eq!(pool.take(1_000_000), Some(1 << 20));
+        assert_eq!(pool.take(20 << 20), Some(20 << 20));
+        assert_eq!(pool.take(21 << 20), None);
+        for size in [1u64, 2, 3, 4, 5] {
+            assert_eq!(pool.give(size << 20), None);
+        }
+        // Seven idle: the smallest goes back to be freed.
+        assert_eq!(pool.give(6 << 20), Some(1 << 20));
+        assert_eq!(pool.drain().count(), StagingPool::<u64>::CAPACITY);
+    }
+
     #[test]
     fn parallel_copy_copies_every_byte() {
         for len in [0, 1, 1000, (8 << 20) + 13, 20 << 20] {

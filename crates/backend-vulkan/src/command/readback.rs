@@ -5,16 +5,13 @@
 
 use ash::vk;
 use headkl_core::checks::check_transfer;
+use headkl_core::host::StagingPool;
 use headkl_core::{DeviceBuffer, DownloadsInFlight, PendingDownload, Result};
 
 use super::{Dir, Stream};
 use crate::conv::backend_error;
 use crate::device::Device;
 use crate::memory::{HostBuffer, VulkanBuffer};
-
-/// Host buffers kept for reuse after their download was read: two chunks
-/// in flight with two outputs each.
-const POOL_BUFFERS: usize = 4;
 
 /// A download in flight: its host buffer and the submission that fills it
 /// (the kernels' queue's, or the download lane's).
@@ -26,16 +23,24 @@ struct Readback {
 }
 
 /// The stream's downloads in flight, by ticket, and idle host buffers.
-#[derive(Default)]
 pub(super) struct Readbacks {
     in_flight: DownloadsInFlight<Readback>,
-    pool: Vec<HostBuffer>,
+    pool: StagingPool<HostBuffer>,
+}
+
+impl Default for Readbacks {
+    fn default() -> Self {
+        Self {
+            in_flight: DownloadsInFlight::default(),
+            pool: StagingPool::new(HostBuffer::size),
+        }
+    }
 }
 
 impl Readbacks {
     /// Frees every host buffer. The stream has waited for its work.
     pub(super) fn destroy(&mut self, device: &Device) {
-        let pooled = self.pool.drain(..);
+        let pooled = self.pool.drain();
         let in_flight = self.in_flight.drain().map(|r| r.host);
         for host in pooled.chain(in_flight) {
             // SAFETY: the stream flushed before this (Stream's drop), so the
@@ -54,8 +59,8 @@ impl Stream {
             return Ok(PendingDownload::ready(Vec::new()));
         }
         let bytes = len as u64;
-        let host = match self.readbacks.pool.iter().position(|h| h.size() >= bytes) {
-            Some(i) => self.readbacks.pool.swap_remove(i),
+        let host = match self.readbacks.pool.take(bytes) {
+            Some(host) => host,
             None => HostBuffer::new(
                 &self.device,
                 bytes.next_multiple_of(1 << 16),
@@ -67,7 +72,7 @@ impl Stream {
         let on_lane = match self.lane_takes(Dir::Down, src, bytes) {
             Ok(on_lane) => on_lane,
             Err(e) => {
-                self.readbacks.pool.push(host);
+                self.give_back(host);
                 return Err(e);
             }
         };
@@ -86,13 +91,13 @@ impl Stream {
                     // Whatever was submitted is waited for before the host
                     // buffer can be reused or freed.
                     let _ = self.flush();
-                    self.readbacks.pool.push(host);
+                    self.give_back(host);
                     Err(e)
                 }
             };
         }
         if let Err(e) = self.begin().and_then(|()| self.compute_uses(&[src.handle()])) {
-            self.readbacks.pool.push(host);
+            self.give_back(host);
             return Err(e);
         }
         self.barrier();
@@ -134,13 +139,9 @@ impl Stream {
         if waited.is_ok() {
             rb.host.read(0, &mut out[..rb.len]);
         }
-        if self.readbacks.pool.len() < POOL_BUFFERS {
-            self.readbacks.pool.push(rb.host);
-        } else {
-            // The buffer is idle after the wait, or the device is lost and
-            // runs nothing.
-            self.retire(rb.host);
-        }
+        // The buffer is idle after the wait, or the device is lost and runs
+        // nothing.
+        self.give_back(rb.host);
         waited
     }
 
@@ -162,11 +163,15 @@ impl Stream {
         }
     }
 
-    /// Frees a host buffer the GPU is done with.
-    fn retire(&mut self, host: HostBuffer) {
-        // SAFETY: the caller waited for the submission that used it (or the
-        // device is lost); it was made on this stream's device.
-        unsafe { host.destroy(&self.device) };
+    /// Keeps a host buffer the GPU is done with for reuse, freeing the one
+    /// the full pool lets go.
+    fn give_back(&mut self, host: HostBuffer) {
+        if let Some(spare) = self.readbacks.pool.give(host) {
+            // SAFETY: the caller waited for the submission that used it (or
+            // the device is lost), or never submitted one; it was made on
+            // this stream's device.
+            unsafe { spare.destroy(&self.device) };
+        }
     }
 }
 
