@@ -36,7 +36,41 @@ impl ChunkPlan {
             (start, self.rows_per_chunk.min(ntok - start))
         })
     }
+
+    /// The host path's chunks: [`Self::ranges`] with the first and the
+    /// last chunk cut to about half, where chunks are at least
+    /// [`TAPER_MIN_ROWS`] and there are several. Before the first chunk's
+    /// kernels the device waits for its hidden rows' upload, and after the
+    /// last one's the host waits for its dx download; nothing overlaps
+    /// either, so halving those two chunks halves the host time the call
+    /// adds to the kernels' (the middle chunks' transfers run beside the
+    /// kernels). Every chunk stays within `rows_per_chunk`.
+    pub fn tapered_ranges(&self, ntok: usize) -> Vec<(usize, usize)> {
+        if self.chunks < 2 || self.rows_per_chunk < TAPER_MIN_ROWS {
+            return self.ranges(ntok).collect();
+        }
+        let edge = round_up(self.rows_per_chunk / 2, TILE_ROWS);
+        let mut out = vec![(0, edge)];
+        let mut start = edge;
+        while start < ntok {
+            let rows = self.rows_per_chunk.min(ntok - start);
+            if start + rows == ntok && rows >= edge + TILE_ROWS {
+                // The last chunk: its tail of `edge` rows goes on its own
+                // (a chunk of less than a tile is not worth its launches).
+                out.push((start, rows - edge));
+                out.push((ntok - edge, edge));
+            } else {
+                out.push((start, rows));
+            }
+            start += rows;
+        }
+        out
+    }
 }
+
+/// Rows per chunk from which [`ChunkPlan::tapered_ranges`] halves the
+/// first and last chunk (halves of 512 rows still fill the GPU).
+pub const TAPER_MIN_ROWS: usize = 1024;
 
 /// Rows of the GEMMs' row tiles that [`plan_chunks`] fills: the default
 /// matrix-unit tiles are 128 rows (the others 64, 128 or 256), and a chunk
@@ -200,6 +234,48 @@ mod tests {
         // A small call keeps its one chunk.
         let p = plan_chunks(40, &one, 1376 * per_row, u64::MAX, None).unwrap();
         assert_eq!((p.rows_per_chunk, p.chunks), (48, 1));
+    }
+
+    #[test]
+    fn tapered_ranges_halve_the_first_and_last_chunk_and_cover_every_token() {
+        let plan = |rows_per_chunk: usize, ntok: usize| ChunkPlan {
+            rows_per_chunk,
+            chunks: ntok.div_ceil(rows_per_chunk),
+            scratch_bytes: 0,
+        };
+        // Shape B's plan and shape A's.
+        let b = plan(2048, 8192).tapered_ranges(8192);
+        assert_eq!(b, [(0, 1024), (1024, 2048), (3072, 2048), (5120, 2048), (7168, 1024)]);
+        let a = plan(1024, 4096).tapered_ranges(4096);
+        assert_eq!(a, [(0, 512), (512, 1024), (1536, 1024), (2560, 1024), (3584, 512)]);
+        // A short last chunk stays whole; one chunk, or small ones, untouched.
+        assert_eq!(
+            plan(1024, 2000).tapered_ranges(2000),
+            [(0, 512), (512, 1024), (1536, 464)]
+        );
+        assert_eq!(plan(2048, 2048).tapered_ranges(2048), [(0, 2048)]);
+        assert_eq!(
+            plan(512, 2048).tapered_ranges(2048),
+            plan(512, 2048).ranges(2048).collect::<Vec<_>>()
+        );
+        assert_eq!(plan(1024, 1025).tapered_ranges(1025), [(0, 512), (512, 513)]);
+        for (rows_per_chunk, ntok) in [
+            (1024, 1025),
+            (1024, 1700),
+            (1408, 4096),
+            (2048, 8191),
+            (1024, 1536),
+            (1152, 5000),
+        ] {
+            let ranges = plan(rows_per_chunk, ntok).tapered_ranges(ntok);
+            let mut next = 0;
+            for &(start, rows) in &ranges {
+                assert_eq!(start, next, "{rows_per_chunk}:{ntok} {ranges:?}");
+                assert!(rows > 0 && rows <= rows_per_chunk, "{rows_per_chunk}:{ntok} {ranges:?}");
+                next += rows;
+            }
+            assert_eq!(next, ntok, "{rows_per_chunk}:{ntok} {ranges:?}");
+        }
     }
 
     #[test]

@@ -396,7 +396,7 @@ impl<B: Backend> Engine<B> {
         // always has queued work while the host reads. Whatever is still
         // pending when this returns (an error) is drained by `pipe`'s drop.
         let mut pipe = InFlight::new(b);
-        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
+        for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
             self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
@@ -648,7 +648,7 @@ impl<B: Backend> Engine<B> {
             }
             Ok(())
         };
-        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
+        for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
             let x16 = s.x16_for(chunk);
             self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
             self.head
