@@ -531,28 +531,17 @@ impl Stream {
             // The barrier also orders this copy after pending uploads that
             // read the same staging range.
             self.barrier();
-            let region = [vk::BufferCopy {
-                src_offset: src.offset() + offset + done as u64,
-                dst_offset: 0,
-                size: piece as u64,
-            }];
-            let to_host = [vk::MemoryBarrier::default()
-                .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
-                .dst_access_mask(vk::AccessFlags::HOST_READ)];
             // SAFETY: recording command buffer; both ranges are inside their
             // buffers (checked above; `piece` ≤ staging size).
             unsafe {
-                self.device.raw.cmd_copy_buffer(cmd, src.handle(), dst, &region);
-                self.device.raw.cmd_pipeline_barrier(
+                readback::record_copy_to_host(
+                    &self.device.raw,
                     cmd,
-                    vk::PipelineStageFlags::TRANSFER,
-                    vk::PipelineStageFlags::HOST,
-                    vk::DependencyFlags::empty(),
-                    &to_host,
-                    &[],
-                    &[],
-                );
-            }
+                    (src.handle(), src.offset() + offset + done as u64),
+                    dst,
+                    piece as u64,
+                )
+            };
             self.flush()?;
             // Slot `i`'s staging holds the piece (a reset leaves its bytes).
             self.slots[i].staging()?.read(0, &mut out[done..done + piece]);

@@ -403,6 +403,37 @@ impl<B: ResidentBackend> Engine<B> {
         self.check_view("hidden", hidden.buffer, elems, hidden.dtype.bytes())
     }
 
+    /// The checks every device-resident loss call makes before recording
+    /// (this engine's and a resident shard's phases): the hidden rows, the
+    /// teacher's ids and probabilities, the weights, and the options the
+    /// host path checks, in its order. `k` is the caller's to check.
+    pub(crate) fn check_resident_loss_inputs(
+        &self,
+        ntok: usize,
+        hidden: &DeviceHidden<'_, B::Buffer>,
+        teacher: &DeviceTeacher<'_, B::Buffer>,
+        opts: &DeviceLossOptions<'_, B::Buffer>,
+    ) -> Result<()> {
+        self.check_resident_hidden(ntok, hidden)?;
+        let entries = elements("ids", ntok, teacher.k)?;
+        u32_extent("ids", entries)?;
+        self.check_view("ids", teacher.ids, entries, 4)?;
+        self.check_view("probs", teacher.probs, entries, 4)?;
+        if let Some(w) = opts.weights {
+            self.check_view("weights", w, ntok, 4)?;
+        }
+        check_loss_options(
+            opts.temperature,
+            opts.budget_bytes,
+            &opts.terms,
+            opts.labels.is_some(),
+            opts.filter_eps,
+        )?;
+        opts.total.map(check_total).transpose()?;
+        opts.gscale.map(check_gscale).transpose()?;
+        Ok(())
+    }
+
     /// [`Engine::head_kl`] on device buffers (DESIGN §8): reads `ntok`
     /// hidden rows and the teacher's ids and probabilities from `hidden` and
     /// `teacher`, writes the per-token loss and `dx` into `out` (overwritten,
@@ -456,32 +487,15 @@ impl<B: ResidentBackend> Engine<B> {
         self.refuse_vocab_order()?;
         let k = teacher.k;
         check_k(k, self.head.vocab())?;
-        self.check_resident_hidden(ntok, hidden)?;
-        let entries = elements("ids", ntok, k)?;
-        u32_extent("ids", entries)?;
-        self.check_view("ids", teacher.ids, entries, 4)?;
-        self.check_view("probs", teacher.probs, entries, 4)?;
+        self.check_resident_loss_inputs(ntok, hidden, teacher, opts)?;
         self.check_view("loss", out.loss, ntok, 4)?;
         self.check_view("dx", out.dx, elements("dx", ntok, self.head.hs())?, 4)?;
-        if let Some(w) = opts.weights {
-            self.check_view("weights", w, ntok, 4)?;
-        }
-        // The host path's option checks, in its order.
-        check_loss_options(
-            opts.temperature,
-            opts.budget_bytes,
-            &opts.terms,
-            opts.labels.is_some(),
-            opts.filter_eps,
-        )?;
         if let Some(l) = opts.labels {
             self.check_view("labels", l, ntok, 4)?;
         }
         if let Some(t) = opts.terms_out {
             self.check_view("terms_out", t, elements("terms_out", ntok, 3)?, 4)?;
         }
-        opts.total.map(check_total).transpose()?;
-        opts.gscale.map(check_gscale).transpose()?;
         let job = Job::loss(opts.filter_eps);
         let plan = HeadPlanes::plan_for(
             &self.backend,

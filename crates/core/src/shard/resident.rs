@@ -28,10 +28,10 @@ use crate::chunking::ChunkPlan;
 use crate::error::{Error, Result};
 use crate::head_planes::HeadPlanes;
 use crate::launch::{Kernels, Launch};
-use crate::problem::{check_gscale, check_k, check_loss_options, check_total};
+use crate::problem::check_k;
 use crate::resident::{
-    elements, u32_extent, DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, LossOutDesc,
-    ResidentBackend, ShardRowsDesc, ShardStage, StatusDetailDesc, TeacherRowsDesc, WeightStatsDesc,
+    elements, DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, LossOutDesc, ResidentBackend,
+    ShardRowsDesc, ShardStage, StatusDetailDesc, TeacherRowsDesc, WeightStatsDesc,
 };
 use crate::scratch::{Job, LossScratch, RowScratch};
 use crate::{round_up, ALIGN};
@@ -203,25 +203,8 @@ impl<B: ResidentBackend> ShardEngine<B> {
                 hint: "the device-resident two-phase loss takes k up to the shard's rows; the host path takes any k",
             });
         }
-        e.check_resident_hidden(ntok, hidden)?;
-        let entries = elements("ids", ntok, k)?;
-        u32_extent("ids", entries)?;
-        e.check_view("ids", teacher.ids, entries, 4)?;
-        e.check_view("probs", teacher.probs, entries, 4)?;
-        if let Some(w) = opts.weights {
-            e.check_view("weights", w, ntok, 4)?;
-        }
-        check_loss_options(
-            opts.temperature,
-            opts.budget_bytes,
-            &opts.terms,
-            opts.labels.is_some(),
-            opts.filter_eps,
-        )?;
-        check_terms(opts.tail, &opts.terms, opts.labels.is_some(), opts.filter_eps)?;
-        opts.total.map(check_total).transpose()?;
-        opts.gscale.map(check_gscale).transpose()?;
-        Ok(())
+        e.check_resident_loss_inputs(ntok, hidden, teacher, opts)?;
+        check_terms(opts.tail, &opts.terms, opts.labels.is_some(), opts.filter_eps)
     }
 
     #[allow(clippy::too_many_arguments, reason = "phase two's inputs and phase one's record")]
