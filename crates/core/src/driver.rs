@@ -435,27 +435,31 @@ impl<B: Backend> Engine<B> {
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
                 .dx(b, (grad, dx_buf, &s.logits), rows_padded, dx_scale as f32, dx_filter)?;
+            // The block mask, copied out for the call's statistics. Begun
+            // before dx's download: a backend may submit the chunk's work
+            // when a large download begins, and a copy recorded after that
+            // would go out with the next chunk's work, so reading it would
+            // wait for the next chunk too and empty the device's queue.
+            let mask = match kl.filter {
+                Some(_) => {
+                    let (at, halves) = self.head.mask_span(rows, rows_padded);
+                    Some(b.download_begin(grad, (at * 2) as u64, halves * 2)?)
+                }
+                None => None,
+            };
             let f32_bytes = std::mem::size_of::<f32>();
-            let pending = begin_pair(
+            let pending = match begin_pair(
                 b,
                 [
                     (loss_buf, rows * 4 * f32_bytes),
                     (dx_buf, rows * self.head.hs_padded() * f32_bytes),
                 ],
-            )?;
-            // The block mask, copied out for the call's statistics.
-            let mask = match kl.filter {
-                Some(_) => {
-                    let (at, halves) = self.head.mask_span(rows, rows_padded);
-                    match b.download_begin(grad, (at * 2) as u64, halves * 2) {
-                        Ok(m) => Some(m),
-                        Err(e) => {
-                            pending.into_iter().for_each(|p| discard(b, p));
-                            return Err(e);
-                        }
-                    }
+            ) {
+                Ok(pending) => pending,
+                Err(e) => {
+                    mask.into_iter().for_each(|p| discard(b, p));
+                    return Err(e);
                 }
-                None => None,
             };
             trace.mark("teacher upload + record");
             if let Some(mut done) = pipe.push(start, rows, pending, mask) {

@@ -42,7 +42,32 @@ pub fn word_of(halves: &[f16]) -> u32 {
         .iter()
         .take(4)
         .enumerate()
-        .fold(0, |acc, (i, h)| acc | ((h.to_f32() as u32) & 0xff) << (8 * i))
+        .fold(0, |acc, (i, h)| acc | byte_of(*h) << (8 * i))
+}
+
+/// `(h as u32) & 0xff` (truncated toward zero, negatives and NaN 0)
+/// from the bits: the host reads a mask of rows × vocabulary/256 halves
+/// per chunk, and a float conversion each costs more than the kernels'
+/// time for it.
+fn byte_of(h: f16) -> u32 {
+    let bits = u32::from(h.to_bits());
+    let (exponent, mantissa) = ((bits >> 10) & 0x1f, bits & 0x3ff);
+    if bits & 0x8000 != 0 || exponent < 15 || (exponent == 31 && mantissa != 0) {
+        return 0;
+    }
+    if exponent == 31 {
+        // +∞ saturates.
+        return 0xff;
+    }
+    // The value is (1024 + mantissa) · 2^(exponent − 25); past 2^32 it
+    // saturates as a float conversion does.
+    let significand = u64::from(0x400 | mantissa);
+    let value = if exponent >= 25 {
+        (significand << (exponent - 25)).min(u64::from(u32::MAX))
+    } else {
+        significand >> (25 - exponent)
+    };
+    (value as u32) & 0xff
 }
 
 /// The four halves of a mask word.
@@ -98,6 +123,14 @@ pub fn check_eps(eps: f32) -> crate::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bytes_from_bits_match_the_float_conversion() {
+        for bits in 0..=u16::MAX {
+            let h = f16::from_bits(bits);
+            assert_eq!(byte_of(h), (h.to_f32() as u32) & 0xff, "{bits:#06x} ({h})");
+        }
+    }
 
     #[test]
     fn words_round_trip_through_halves() {
