@@ -435,31 +435,19 @@ impl<B: Backend> Engine<B> {
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
                 .dx(b, (grad, dx_buf, &s.logits), rows_padded, dx_scale as f32, dx_filter)?;
-            // The block mask, copied out for the call's statistics. Begun
-            // before dx's download: a backend may submit the chunk's work
-            // when a large download begins, and a copy recorded after that
-            // would go out with the next chunk's work, so reading it would
-            // wait for the next chunk too and empty the device's queue.
-            let mask = match kl.filter {
+            // The per-row outputs, dx and (with the filter, for the call's
+            // statistics) the block mask.
+            let f32_bytes = std::mem::size_of::<f32>();
+            let loss_out = (loss_buf, 0, rows * 4 * f32_bytes);
+            let dx_out = (dx_buf, 0, rows * self.head.hs_padded() * f32_bytes);
+            let (pending, mask) = match kl.filter {
                 Some(_) => {
                     let (at, halves) = self.head.mask_span(rows, rows_padded);
-                    Some(b.download_begin(grad, (at * 2) as u64, halves * 2)?)
+                    let [loss_p, dx_p, mask_p] =
+                        begin_smallest_first(b, [loss_out, dx_out, (grad, (at * 2) as u64, halves * 2)])?;
+                    ([loss_p, dx_p], Some(mask_p))
                 }
-                None => None,
-            };
-            let f32_bytes = std::mem::size_of::<f32>();
-            let pending = match begin_pair(
-                b,
-                [
-                    (loss_buf, rows * 4 * f32_bytes),
-                    (dx_buf, rows * self.head.hs_padded() * f32_bytes),
-                ],
-            ) {
-                Ok(pending) => pending,
-                Err(e) => {
-                    mask.into_iter().for_each(|p| discard(b, p));
-                    return Err(e);
-                }
+                None => (begin_smallest_first(b, [loss_out, dx_out])?, None),
             };
             trace.mark("teacher upload + record");
             if let Some(mut done) = pipe.push(start, rows, pending, mask) {
@@ -664,7 +652,7 @@ impl<B: Backend> Engine<B> {
             };
             b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let bytes = rows * k * std::mem::size_of::<u32>();
-            let pending = begin_pair(b, [(&s.ids, bytes), (&s.probs, bytes)])?;
+            let pending = begin_smallest_first(b, [(&s.ids, 0, bytes), (&s.probs, 0, bytes)])?;
             if let Some(done) = pipe.push(start, rows, pending, None) {
                 let rows = done.rows;
                 read(done, &mut ids, &mut probs)?;
@@ -760,18 +748,32 @@ impl<B: Backend> Drop for InFlight<'_, B> {
     }
 }
 
-/// Starts copying out one chunk's two outputs (`(buffer, bytes)` from
-/// offset 0). If the second cannot start, the first is drained.
-fn begin_pair<B: Backend>(backend: &B, outputs: [(&B::Buffer, usize); 2]) -> Result<[PendingDownload; 2]> {
-    let [(first, first_len), (second, second_len)] = outputs;
-    let first = backend.download_begin(first, 0, first_len)?;
-    match backend.download_begin(second, 0, second_len) {
-        Ok(second) => Ok([first, second]),
-        Err(e) => {
-            discard(backend, first);
-            Err(e)
+/// Starts copying out one chunk's outputs (`(buffer, byte offset,
+/// bytes)`), the smallest first, and returns them in the order given. A
+/// backend may submit the chunk's work when a large download begins (the
+/// Vulkan backend's copy lane); a small copy recorded after that would go
+/// out with the next chunk's work, and reading it would wait for that
+/// chunk too, emptying the device's queue. If one cannot start, those
+/// begun are drained.
+fn begin_smallest_first<B: Backend, const N: usize>(
+    backend: &B,
+    outputs: [(&B::Buffer, u64, usize); N],
+) -> Result<[PendingDownload; N]> {
+    let mut order: [usize; N] = std::array::from_fn(|i| i);
+    order.sort_by_key(|&i| outputs[i].2);
+    let mut begun: [Option<PendingDownload>; N] = std::array::from_fn(|_| None);
+    for i in order {
+        let (buffer, offset, len) = outputs[i];
+        match backend.download_begin(buffer, offset, len) {
+            Ok(p) => begun[i] = Some(p),
+            Err(e) => {
+                begun.into_iter().flatten().for_each(|p| discard(backend, p));
+                return Err(e);
+            }
         }
     }
+    // Every slot was filled above.
+    Ok(begun.map(|p| p.unwrap_or_else(|| PendingDownload::ready(Vec::new()))))
 }
 
 /// Waits for a download whose bytes are no longer wanted (an error is on
