@@ -38,17 +38,23 @@ pub const fn mask_halves(rows: usize, ld: usize) -> usize {
 
 /// Word `w` of a row's mask from its four halves.
 pub fn word_of(halves: &[f16]) -> u32 {
-    halves
-        .iter()
-        .take(4)
-        .enumerate()
-        .fold(0, |acc, (i, h)| acc | byte_of(*h) << (8 * i))
+    let bytes = byte_table();
+    halves.iter().take(4).enumerate().fold(0, |acc, (i, h)| {
+        acc | u32::from(bytes[usize::from(h.to_bits())]) << (8 * i)
+    })
 }
 
-/// `(h as u32) & 0xff` (truncated toward zero, negatives and NaN 0)
-/// from the bits: the host reads a mask of rows × vocabulary/256 halves
-/// per chunk, and a float conversion each costs more than the kernels'
-/// time for it.
+/// [`byte_of`] of every f16 bit pattern. The host reads a mask of rows ×
+/// vocabulary / 256 halves per chunk (A: half a million); a lookup is a
+/// quarter of the time of decoding each (1 ms a chunk at A, on the host
+/// path between chunks).
+fn byte_table() -> &'static [u8] {
+    static TABLE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| (0..=u16::MAX).map(|bits| byte_of(f16::from_bits(bits)) as u8).collect())
+}
+
+/// `(h as u32) & 0xff` (truncated toward zero, negatives and NaN 0),
+/// from the bits.
 fn byte_of(h: f16) -> u32 {
     let bits = u32::from(h.to_bits());
     let (exponent, mantissa) = ((bits >> 10) & 0x1f, bits & 0x3ff);
@@ -128,7 +134,13 @@ mod tests {
     fn bytes_from_bits_match_the_float_conversion() {
         for bits in 0..=u16::MAX {
             let h = f16::from_bits(bits);
-            assert_eq!(byte_of(h), (h.to_f32() as u32) & 0xff, "{bits:#06x} ({h})");
+            let want = (h.to_f32() as u32) & 0xff;
+            assert_eq!(byte_of(h), want, "{bits:#06x} ({h})");
+            assert_eq!(
+                word_of(&[f16::ZERO, h, f16::ZERO, f16::ZERO]),
+                want << 8,
+                "{bits:#06x} ({h})"
+            );
         }
     }
 

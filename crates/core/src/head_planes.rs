@@ -484,17 +484,27 @@ impl<B: Backend> HeadPlanes<B> {
         let words = crate::filter::mask_words(self.vocab_padded);
         let tile = backend.gemm_tile(HeadLayout::Dx).map_or(64, |t| t.0 as usize);
         let blocks = self.vocab_padded.div_ceil(crate::filter::BLOCK);
-        let row_word = |r: usize, w: usize| crate::filter::word_of(&halves[(r * words + w) * 4..]);
         let (mut bound_sq, mut skipped) = (0.0f64, 0u64);
         let tiles = round_up(rows, ALIGN).div_ceil(tile);
+        // The OR of a tile's rows' words, row by row (the mask is row-major).
+        let mut tile_or = vec![0u32; words];
         for t0 in (0..rows).step_by(tile) {
             let tile_rows = t0..(t0 + tile).min(rows);
+            tile_or.fill(0);
+            for r in tile_rows.clone() {
+                let row = halves.get(r * words * 4..(r + 1) * words * 4).unwrap_or_default();
+                for (or, word) in tile_or.iter_mut().zip(row.chunks_exact(4)) {
+                    *or |= crate::filter::word_of(word);
+                }
+            }
             let mut dropped_norm = 0.0f64;
-            for w in 0..words {
-                let or = tile_rows.clone().fold(0u32, |acc, r| acc | row_word(r, w));
-                for bit in 0..32 {
-                    let block = w * 32 + bit;
-                    if block < blocks && or & (1 << bit) == 0 {
+            for (w, &or) in tile_or.iter().enumerate() {
+                // The clear blocks: the zero bits, lowest first.
+                let mut clear = !or;
+                while clear != 0 {
+                    let block = w * 32 + clear.trailing_zeros() as usize;
+                    clear &= clear - 1;
+                    if block < blocks {
                         skipped += 1;
                         dropped_norm += f64::from(self.block_norms.get(block).copied().unwrap_or(0.0));
                     }
