@@ -384,8 +384,9 @@ impl<B: Backend> Engine<B> {
                 [c.to_bits(), label]
             })
             .collect();
-        let mapped_ids: Option<Vec<u32>> = order.map(|_| teacher.ids().iter().map(|&id| at(id)).collect());
-        let teacher_ids = mapped_ids.as_deref().unwrap_or(teacher.ids());
+        // A chunk's ids in the head's order, mapped as the chunk is
+        // uploaded (so all but the first chunk's mapping overlaps kernels).
+        let mut mapped_ids = Vec::new();
         dx.resize(ntok * hs, 0.0);
         let mut dx_padded = Vec::new();
         trace.mark("output alloc");
@@ -402,11 +403,16 @@ impl<B: Backend> Engine<B> {
             self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
             trace.mark("hidden upload");
             let (row_in_buf, loss_buf, grad, dx_buf) = (&ls.row_in, &ls.loss, &ls.grad, ls.dx_for(chunk));
-            b.upload(
-                &s.ids,
-                0,
-                bytemuck::cast_slice(&teacher_ids[start * k..(start + rows) * k]),
-            )?;
+            let chunk_ids = &teacher.ids()[start * k..(start + rows) * k];
+            let chunk_ids = match order {
+                Some(_) => {
+                    mapped_ids.clear();
+                    mapped_ids.extend(chunk_ids.iter().map(|&id| at(id)));
+                    mapped_ids.as_slice()
+                }
+                None => chunk_ids,
+            };
+            b.upload(&s.ids, 0, bytemuck::cast_slice(chunk_ids))?;
             b.upload(
                 &s.probs,
                 0,
