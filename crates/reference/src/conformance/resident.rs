@@ -45,6 +45,24 @@ fn download_f32<B: ResidentBackend + ?Sized>(backend: &B, b: &B::Buffer, n: usiz
     Ok(out)
 }
 
+/// A resident call's per-token losses (and their mean) and dx (`hs` per
+/// row) against the f64 reference: the loss and dx errors.
+fn check_vs_reference(
+    tol: &Tolerance,
+    (got_loss, mean): (&[f32], f64),
+    got_dx: &[f32],
+    want: &direct::DirectLoss,
+    hs: usize,
+) -> Result<(f64, f64), String> {
+    let loss = tol
+        .check_loss(got_loss, mean, want)
+        .map_err(|e| format!("resident vs reference: {e}"))?;
+    let dx = tol
+        .check_dx_rows(got_dx, &want.dx, Some(hs))
+        .map_err(|e| format!("resident vs reference: {e}"))?;
+    Ok((loss, dx))
+}
+
 /// The case's hidden rows as `dtype` bytes, and the f32 values they hold
 /// (what the reference and the host path get).
 fn hidden_as(case: &Case, dtype: HiddenDtype) -> (Vec<u8>, Vec<f32>) {
@@ -199,12 +217,7 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
                 .sum::<f64>()
                 / f64::from(resolved.total);
             let want = direct::head_kl_f64(&head, &host_hidden, &host_teacher, &resolved);
-            let loss_err = tol
-                .check_loss(&got_loss, mean, &want)
-                .map_err(|e| format!("resident vs reference: {e}"))?;
-            let dx_err = tol
-                .check_dx_rows(&got_dx, &want.dx, Some(hs))
-                .map_err(|e| format!("resident vs reference: {e}"))?;
+            let (loss_err, dx_err) = check_vs_reference(tol, (&got_loss, mean), &got_dx, &want, hs)?;
 
             // bf16 rows go through the host path as bf16 too.
             let rows_bf16: Vec<bf16> = case.hidden.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -566,12 +579,7 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
     let resolved = host_opts.resolve(ntok).map_err(|e| format!("case options: {e}"))?;
     let want = direct::head_kl_f64(&head, &host_hidden, &teacher, &resolved);
     let mean = got_loss.iter().map(|&l| f64::from(l)).sum::<f64>() / f64::from(resolved.total);
-    let loss_err = tol
-        .check_loss(&got_loss, mean, &want)
-        .map_err(|e| format!("resident vs reference: {e}"))?;
-    let dx_err = tol
-        .check_dx_rows(&got_dx, &want.dx, Some(hs))
-        .map_err(|e| format!("resident vs reference: {e}"))?;
+    let (loss_err, dx_err) = check_vs_reference(tol, (&got_loss, mean), &got_dx, &want, hs)?;
     let host = engine
         .head_kl(&host_hidden, &teacher, &host_opts)
         .map_err(|e| format!("host head_kl: {e}"))?;
