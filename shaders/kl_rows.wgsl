@@ -206,15 +206,20 @@ fn merge(m1: f32, s1: f32, m2: f32, s2: f32) -> vec2<f32> {
     return vec2<f32>(m, s1 * exp(m1 - m) + s2 * exp(m2 - m));
 }
 
-// c * p_S for word j4's 4 logits, zero past vocab.
-fn grad4(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f16> {
+// c * p_S for word j4's 4 logits, zero past vocab (f32: the filtered pass
+// also tests it against ε).
+fn grad4_f32(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f32> {
     var g = vec4<f32>(0.0);
     for (var e = 0u; e < 4u; e++) {
         if j4 * 4u + e < vocab {
             g[e] = c * exp(x4[e] - lse);
         }
     }
-    return vec4<f16>(g);
+    return g;
+}
+
+fn grad4(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f16> {
+    return vec4<f16>(grad4_f32(x4, j4, vocab, c, lse));
 }
 
 // p¹ = softmax at τ = 1 of the capped logit u, given p^τ = pt: for
@@ -258,11 +263,45 @@ fn grad_x(x: f32, r: Pass2) -> f32 {
 
 // c·∂L/∂s for word j4's 4 logits in the general case, zero past vocab
 // (straight-line: all four computed, the padding's discarded).
-fn grad4_terms(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f16> {
+fn grad4_terms_f32(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f32> {
     let g = vec4<f32>(grad_x(x4.x, r), grad_x(x4.y, r), grad_x(x4.z, r), grad_x(x4.w, r));
     let j = j4 * 4u;
     let live = vec4<bool>(j < vocab, j + 1u < vocab, j + 2u < vocab, j + 3u < vocab);
-    return vec4<f16>(select(vec4<f32>(0.0), g, live));
+    return select(vec4<f32>(0.0), g, live);
+}
+
+fn grad4_terms(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f16> {
+    return vec4<f16>(grad4_terms_f32(x4, j4, vocab, r));
+}
+
+// c·∂L/∂s at a teacher column (logit x, teacher probability p_t) in the
+// general case: cap'·(α_soft·(f_on·p^τ − p_T) + b·p¹ − h).
+fn teacher_grad(x: f32, p_t: f32, c: f32, lse: f32, c0: vec4<f32>, c1: vec4<f32>) -> f32 {
+    let us = scaled2(x);
+    let pt = exp(us.x - lse);
+    var p1 = pt;
+    if (KL_FLAGS & F_TAU) != 0u {
+        p1 = exp(us.x * params.temperature - c1.y);
+    }
+    let d = params.soft_weight * (c0.w * pt - p_t) + c0.y * p1 - c0.z;
+    return c * us.y * d;
+}
+
+// c·∂L/∂s at the label's column (logit x; label_p the teacher's
+// probability there, or -1 when the label is not among the k), whole.
+fn label_grad(x: f32, label_p: f32, c: f32, lse: f32, c0: vec4<f32>, c1: vec4<f32>) -> f32 {
+    let us = scaled2(x);
+    let pt = exp(us.x - lse);
+    var p1 = pt;
+    if (KL_FLAGS & F_TAU) != 0u {
+        p1 = exp(us.x * params.temperature - c1.y);
+    }
+    var d = c0.x * pt;
+    if label_p >= 0.0 {
+        d = params.soft_weight * (c0.w * pt - label_p);
+    }
+    d += c0.y * p1 - c0.z - c1.x;
+    return c * us.y * d;
 }
 
 @compute @workgroup_size(256)
@@ -553,31 +592,13 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     storageBarrier();
     for (var q = lid; q < k; q += WG) {
         let id = ids[tbase + q];
-        let us = scaled2(logit(base, id));
-        let pt = exp(us.x - lse);
-        var p1 = pt;
-        if (flags & F_TAU) != 0u {
-            p1 = exp(us.x * params.temperature - lse1);
-        }
-        let d = params.soft_weight * (c0.w * pt - probs[tbase + q]) + c0.y * p1 - c0.z;
-        grad[(base + id) / 4u][id % 4u] = f16(c * us.y * d);
+        grad[(base + id) / 4u][id % 4u] = f16(teacher_grad(logit(base, id), probs[tbase + q], c, lse, c0, c1));
     }
     // ... then the label's column, whole, over whatever was written there
     // (the barrier is outside the label's branch: uniform control flow).
     storageBarrier();
     if labelled && lid == 0u {
-        let us = scaled2(logit(base, label));
-        let pt = exp(us.x - lse);
-        var p1 = pt;
-        if (flags & F_TAU) != 0u {
-            p1 = exp(us.x * params.temperature - lse1);
-        }
-        var d = c0.x * pt;
-        if label_p >= 0.0 {
-            d = params.soft_weight * (c0.w * pt - label_p);
-        }
-        d += c0.y * p1 - c0.z - c1.x;
-        grad[(base + label) / 4u][label % 4u] = f16(c * us.y * d);
+        grad[(base + label) / 4u][label % 4u] = f16(label_grad(logit(base, label), label_p, c, lse, c0, c1));
     }
 }
 
@@ -590,26 +611,6 @@ fn kept(g: f32, c: f32) -> bool {
 fn mark(j: u32, col0: u32) {
     let b = (j - col0) / 64u;
     atomicOr(&seg_mask[b / 32u], 1u << (b % 32u));
-}
-
-// c·p_S for word g4's 4 logits, zero past vocab: grad4 before its f16
-// rounding (the same expression, so the same bits).
-fn grad4_f32(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f32> {
-    var g = vec4<f32>(0.0);
-    for (var e = 0u; e < 4u; e++) {
-        if j4 * 4u + e < vocab {
-            g[e] = c * exp(x4[e] - lse);
-        }
-    }
-    return g;
-}
-
-// grad4_terms before its f16 rounding.
-fn grad4_terms_f32(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f32> {
-    let g = vec4<f32>(grad_x(x4.x, r), grad_x(x4.y, r), grad_x(x4.z, r), grad_x(x4.w, r));
-    let j = j4 * 4u;
-    let live = vec4<bool>(j < vocab, j + 1u < vocab, j + 2u < vocab, j + 3u < vocab);
-    return select(vec4<f32>(0.0), g, live);
 }
 
 // Pass 2 with the block filter (F_FILTER): the gradient exactly as the
@@ -665,14 +666,7 @@ fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bo
                 let ps = exp(logit(base, id) - lse);
                 gv = c * (ps - probs[tbase + q]);
             } else {
-                let us = scaled2(logit(base, id));
-                let pt = exp(us.x - lse);
-                var p1 = pt;
-                if (KL_FLAGS & F_TAU) != 0u {
-                    p1 = exp(us.x * params.temperature - lse1);
-                }
-                let d = params.soft_weight * (c0.w * pt - probs[tbase + q]) + c0.y * p1 - c0.z;
-                gv = c * us.y * d;
+                gv = teacher_grad(logit(base, id), probs[tbase + q], c, lse, c0, c1);
             }
             grad[(base + id) / 4u][id % 4u] = f16(gv);
             if kept(gv, c) {
@@ -682,18 +676,7 @@ fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bo
         // ... then the label's column, whole (general case only).
         storageBarrier();
         if !plain && labelled && lid == 0u && label >= col0 && label < col1 {
-            let us = scaled2(logit(base, label));
-            let pt = exp(us.x - lse);
-            var p1 = pt;
-            if (KL_FLAGS & F_TAU) != 0u {
-                p1 = exp(us.x * params.temperature - lse1);
-            }
-            var d = c0.x * pt;
-            if label_p >= 0.0 {
-                d = params.soft_weight * (c0.w * pt - label_p);
-            }
-            d += c0.y * p1 - c0.z - c1.x;
-            let gv = c * us.y * d;
+            let gv = label_grad(logit(base, label), label_p, c, lse, c0, c1);
             grad[(base + label) / 4u][label % 4u] = f16(gv);
             if kept(gv, c) {
                 mark(label, col0);
