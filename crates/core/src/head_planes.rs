@@ -541,39 +541,16 @@ impl<B: Backend> HeadPlanes<B> {
 /// block filter's bound needs them once, at upload: a 248320 × 5120 head
 /// is 1.3 G multiply-adds).
 fn row_norms(rows: &[f16], ld: usize) -> Vec<f32> {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Mutex;
-    let n = rows.len() / ld.max(1);
-    let mut out = vec![0f32; n];
-    // Chunks of 512 rows, taken in turn by this thread and the others, so
-    // a thread that cannot start leaves its share to the rest.
-    type Slot<'a> = Mutex<Option<(&'a [f16], &'a mut [f32])>>;
-    let slots: Vec<Slot<'_>> = rows
-        .chunks(512 * ld.max(1))
-        .zip(out.chunks_mut(512))
-        .map(|c| Mutex::new(Some(c)))
-        .collect();
-    let next = AtomicUsize::new(0);
-    let work = || {
+    let ld = ld.max(1);
+    let mut out = vec![0f32; rows.len() / ld];
+    // Chunks of 512 rows.
+    crate::host::par_chunks(&mut out, 512, |i, norms| {
         let mut row = vec![0f32; ld];
-        while let Some(slot) = slots.get(next.fetch_add(1, Ordering::Relaxed)) {
-            // A poisoned slot (a panic elsewhere) is left as it is.
-            let Some((src, dst)) = slot.lock().ok().and_then(|mut g| g.take()) else {
-                continue;
-            };
-            for (w, o) in src.chunks_exact(ld).zip(dst) {
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(w, &mut row);
-                *o = row.iter().map(|v| v * v).sum::<f32>().sqrt();
-            }
+        let src = rows.get(i * 512 * ld..).unwrap_or_default();
+        for (w, o) in src.chunks_exact(ld).zip(norms) {
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(w, &mut row);
+            *o = row.iter().map(|v| v * v).sum::<f32>().sqrt();
         }
-    };
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
-    std::thread::scope(|scope| {
-        for _ in 1..threads.min(slots.len()) {
-            // A failed spawn leaves the work to the threads that did start.
-            let _ = std::thread::Builder::new().spawn_scoped(scope, work);
-        }
-        work();
     });
     out
 }

@@ -23,6 +23,39 @@ pub fn parallel_copy(src: &[u8], dst: &mut [u8]) {
     });
 }
 
+/// Runs `f(index, chunk)` over `out` in chunks of `chunk` elements on every
+/// core; chunk `i` is the same whatever the thread count. Threads take the
+/// chunks in turn, and a thread that cannot start leaves its share to the
+/// others (this one always works).
+pub fn par_chunks<T: Send>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    /// A chunk not yet taken by a thread.
+    type Slot<'a, T> = Mutex<Option<(usize, &'a mut [T])>>;
+    let slots: Vec<Slot<'_, T>> = out
+        .chunks_mut(chunk.max(1))
+        .enumerate()
+        .map(|c| Mutex::new(Some(c)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let work = || {
+        while let Some(slot) = slots.get(next.fetch_add(1, Ordering::Relaxed)) {
+            // A poisoned slot (a panic elsewhere) is left as it is.
+            if let Some((i, c)) = slot.lock().map(|mut g| g.take()).unwrap_or(None) {
+                f(i, c);
+            }
+        }
+    };
+    std::thread::scope(|scope| {
+        for _ in 1..threads.min(slots.len()) {
+            // A failed spawn leaves the work to the threads that did start.
+            let _ = std::thread::Builder::new().spawn_scoped(scope, work);
+        }
+        work();
+    });
+}
+
 /// Idle host staging buffers a backend's downloads reuse, by size.
 ///
 /// A `head_kl` chunk downloads its per-row outputs (bytes), dx (tens of
@@ -108,6 +141,13 @@ mod tests {
         // Seven idle: the smallest goes back to be freed.
         assert_eq!(pool.give(6 << 20), Some(1 << 20));
         assert_eq!(pool.drain().count(), StagingPool::<u64>::CAPACITY);
+    }
+
+    #[test]
+    fn par_chunks_visits_every_chunk_once_by_index() {
+        let mut out = vec![0usize; 10_007];
+        super::par_chunks(&mut out, 100, |i, c| c.iter_mut().for_each(|v| *v += i + 1));
+        assert!(out.iter().enumerate().all(|(j, &v)| v == j / 100 + 1));
     }
 
     #[test]

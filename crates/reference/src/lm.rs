@@ -21,8 +21,6 @@
 //! measures what the block filter sees on a sample of real rows (logits
 //! computed on the host from the f16 head).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use half::f16;
 
 use crate::rng::XorShift64;
@@ -156,32 +154,6 @@ pub struct LmStats {
     pub filter_kept_128_sorted: f64,
 }
 
-/// Runs `f(index, chunk)` over `out` in chunks of `chunk` elements on every
-/// core; chunk `i` is the same whatever the thread count.
-fn par_chunks<T: Send>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let chunks: Vec<(usize, &mut [T])> = out.chunks_mut(chunk.max(1)).enumerate().collect();
-    let next = AtomicUsize::new(0);
-    /// A chunk not yet taken by a thread.
-    type Slot<'a, T> = std::sync::Mutex<Option<(usize, &'a mut [T])>>;
-    let slots: Vec<Slot<'_, T>> = chunks.into_iter().map(|c| std::sync::Mutex::new(Some(c))).collect();
-    let work = || loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
-        let Some(slot) = slots.get(i) else { break };
-        let taken = slot.lock().map(|mut g| g.take()).unwrap_or(None);
-        if let Some((idx, c)) = taken {
-            f(idx, c);
-        }
-    };
-    std::thread::scope(|s| {
-        for _ in 1..threads.min(slots.len()) {
-            // A failed spawn leaves the work to the threads that did start.
-            let _ = std::thread::Builder::new().spawn_scoped(s, work);
-        }
-        work();
-    });
-}
-
 /// `Σ a_i·b_i` in f32 with eight lanes (vectorized by the compiler).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut s = [0f32; 8];
@@ -227,7 +199,7 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
     let mut head = vec![f16::ZERO; vocab * hs];
     let amp = 0.02 * 3f32.sqrt();
     let rows_per_chunk = (1 << 16) / hs + 1;
-    par_chunks(&mut head, rows_per_chunk * hs, |i, chunk| {
+    headkl_core::host::par_chunks(&mut head, rows_per_chunk * hs, |i, chunk| {
         let mut r = XorShift64::new(spec.seed ^ 0xA5A5_0000 ^ (i as u64).wrapping_mul(0x9E37_79B9));
         for (q, row) in chunk.chunks_exact_mut(hs).enumerate() {
             for v in &mut row[..hw] {
@@ -321,7 +293,7 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
     let mut probs = vec![0f32; ntok * k];
     {
         let mut rows: Vec<(&mut [u32], &mut [f32])> = ids.chunks_exact_mut(k).zip(probs.chunks_exact_mut(k)).collect();
-        par_chunks(&mut rows, 64, |i, block| {
+        headkl_core::host::par_chunks(&mut rows, 64, |i, block| {
             let mut w32 = vec![0f32; hs];
             let mut x32 = vec![0f32; hs];
             for (q, (row_ids, row_p)) in block.iter_mut().enumerate() {
@@ -388,7 +360,7 @@ fn host_logits(head: &[f16], vocab: usize, hs: usize, x: &[f32]) -> Vec<f32> {
     // Vocabulary blocks, each `[rows][BLOCK]`, transposed afterwards.
     let blocks = vocab.div_ceil(BLOCK);
     let mut out_blocks = vec![0f32; blocks * rows * BLOCK];
-    par_chunks(&mut out_blocks, rows * BLOCK, |b, out| {
+    headkl_core::host::par_chunks(&mut out_blocks, rows * BLOCK, |b, out| {
         let mut w32 = vec![0f32; hs];
         for j in b * BLOCK..((b + 1) * BLOCK).min(vocab) {
             for (o, v) in w32.iter_mut().zip(&head[j * hs..(j + 1) * hs]) {

@@ -3,8 +3,6 @@
 //! on every core. The result depends only on the seed, not on the number of
 //! threads.
 
-use std::thread;
-
 /// Elements per independently seeded block.
 const BLOCK: usize = 1 << 16;
 
@@ -63,20 +61,10 @@ impl XorShift64 {
 /// Fills `out` with `gen` on every core; block `b` draws from
 /// `XorShift64::new(seed ^ b·φ)`.
 pub fn fill_parallel<T: Send>(out: &mut [T], seed: u64, gen: impl Fn(&mut XorShift64) -> T + Sync) {
-    let threads = thread::available_parallelism().map_or(1, |n| n.get());
-    let mut blocks: Vec<(usize, &mut [T])> = out.chunks_mut(BLOCK).enumerate().collect();
-    let per_thread = blocks.len().div_ceil(threads).max(1);
-    let gen = &gen;
-    thread::scope(|s| {
-        for group in blocks.chunks_mut(per_thread) {
-            s.spawn(move || {
-                for (b, block) in group.iter_mut() {
-                    let mut rng = XorShift64::new(seed ^ (*b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                    for v in block.iter_mut() {
-                        *v = gen(&mut rng);
-                    }
-                }
-            });
+    headkl_core::host::par_chunks(out, BLOCK, |b, block| {
+        let mut rng = XorShift64::new(seed ^ (b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        for v in block.iter_mut() {
+            *v = gen(&mut rng);
         }
     });
 }
