@@ -44,6 +44,20 @@ pub fn word_of(halves: &[f16]) -> u32 {
     })
 }
 
+/// ORs into `or` (one word each) the mask words of `rows`, each row
+/// `or.len()` words of four halves from `halves`: bit `b` of word `w` ends
+/// set when some row keeps block `32·w + b`. A row past `halves` adds
+/// nothing.
+pub fn or_rows(halves: &[f16], rows: std::ops::Range<usize>, or: &mut [u32]) {
+    let words = or.len();
+    for r in rows {
+        let row = halves.get(r * words * 4..(r + 1) * words * 4).unwrap_or_default();
+        for (o, word) in or.iter_mut().zip(row.chunks_exact(4)) {
+            *o |= word_of(word);
+        }
+    }
+}
+
 /// [`byte_of`] of every f16 bit pattern. The host reads a mask of rows ×
 /// vocabulary / 256 halves per chunk (A: half a million); a lookup is a
 /// quarter of the time of decoding each (1 ms a chunk at A, on the host

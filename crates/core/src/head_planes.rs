@@ -491,12 +491,7 @@ impl<B: Backend> HeadPlanes<B> {
         for t0 in (0..rows).step_by(tile) {
             let tile_rows = t0..(t0 + tile).min(rows);
             tile_or.fill(0);
-            for r in tile_rows.clone() {
-                let row = halves.get(r * words * 4..(r + 1) * words * 4).unwrap_or_default();
-                for (or, word) in tile_or.iter_mut().zip(row.chunks_exact(4)) {
-                    *or |= crate::filter::word_of(word);
-                }
-            }
+            crate::filter::or_rows(halves, tile_rows.clone(), &mut tile_or);
             let mut dropped_norm = 0.0f64;
             for (w, &or) in tile_or.iter().enumerate() {
                 // The clear blocks: the zero bits, lowest first.

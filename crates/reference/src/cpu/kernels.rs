@@ -201,24 +201,21 @@ const FILTER_TILE: usize = 64;
 /// rows `a32`, every 64-column block that is clear in all the masked rows
 /// of its 64-row tile: the products a GPU tile skips.
 fn skip_clear_blocks(a: &[f16], a32: &mut [f32], d: &GemmDesc) {
-    use headkl_core::filter::{mask_words, word_of, BLOCK};
+    use headkl_core::filter::{mask_words, or_rows, BLOCK};
     let (m, k) = (d.m, d.k);
-    let words = mask_words(d.lda);
-    let mask_at = d.m * d.lda;
-    let word = |row: usize, w: usize| word_of(&a[mask_at + (row * words + w) * 4..]);
+    let mask = a.get(d.m * d.lda..).unwrap_or_default();
+    let mut tile_or = vec![0u32; mask_words(d.lda)];
     for t0 in (0..m).step_by(FILTER_TILE) {
         let rows = t0..(t0 + FILTER_TILE).min(m);
+        tile_or.fill(0);
+        or_rows(mask, rows.start..rows.end.min(d.mask_rows), &mut tile_or);
         let mut kk = 0;
         while kk < k {
             // The part's K index kk is column a_offset + kk (A starts in row 0).
             let col = d.a_offset + kk;
             let block = col / BLOCK;
             let end = ((block + 1) * BLOCK - d.a_offset).min(k);
-            let bit = 1u32 << (block % 32);
-            let live = rows
-                .clone()
-                .filter(|&r| r < d.mask_rows)
-                .any(|r| word(r, block / 32) & bit != 0);
+            let live = tile_or.get(block / 32).is_some_and(|w| w & (1u32 << (block % 32)) != 0);
             if !live {
                 for r in rows.clone() {
                     a32[r * k + kk..r * k + end].fill(0.0);
