@@ -230,7 +230,9 @@ impl BenchData {
         let d = lm::generate(&spec).map_err(|e| CliError::option("--data lm", e))?;
         let teacher = Teacher::new(&d.ids, &d.probs, shape.ntok, shape.k, shape.vocab)
             .map_err(|e| CliError::device("generating the lm teacher", e))?;
-        eprintln!("{}", lm_report(&d.stats, d.inv_temp));
+        for line in d.report().lines() {
+            eprintln!("bench: {line}");
+        }
         log::info!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
         Ok(Self {
             shape,
@@ -241,36 +243,6 @@ impl BenchData {
             teacher,
         })
     }
-}
-
-/// The lm data's statistics beside the published ones (the issue's
-/// Qwen2.5-0.5B measurement on real text, V = 151936).
-fn lm_report(st: &headkl_reference::lm::LmStats, inv_temp: f32) -> String {
-    let p = headkl_reference::lm::PUBLISHED;
-    let m = st.measured;
-    format!(
-        "bench: lm data, {} sample tokens: mean student entropy {:.2} nats (top token {:.2}), λ = {inv_temp:.3}\n\
-         bench: lm data vs published (Qwen2.5-0.5B, real text):\n\
-         bench:   entries |p_S - p_T| >= 2^-12   {:>7.3}%   published {:.3}%\n\
-         bench:   128x128 tiles kept, natural    {:>7.1}%   published {:.0}%\n\
-         bench:   128x128 tiles kept, sorted     {:>7.1}%   published {:.0}%\n\
-         bench:   128x128 tiles kept, random     {:>7.1}%   published {:.0}%\n\
-         bench:   dx blocks kept at 2^-15 (rows x 64): 64 rows {:.1}%, 128 rows {:.1}%, 128 rows sorted {:.1}%",
-        st.tokens,
-        st.entropy,
-        st.top_prob,
-        100.0 * m.kept_entries,
-        100.0 * p.kept_entries,
-        100.0 * m.tiles_natural,
-        100.0 * p.tiles_natural,
-        100.0 * m.tiles_sorted,
-        100.0 * p.tiles_sorted,
-        100.0 * m.tiles_random,
-        100.0 * p.tiles_random,
-        100.0 * st.filter_kept_64,
-        100.0 * st.filter_kept_128,
-        100.0 * st.filter_kept_128_sorted,
-    )
 }
 
 /// Runs both jobs on one backend; the data of the last shape is kept for

@@ -134,6 +134,39 @@ pub struct LmData {
     pub stats: LmStats,
 }
 
+impl LmData {
+    /// Its statistics beside [`PUBLISHED`], one line each (what `headkl
+    /// bench --data lm` and the `lm_stats` example print).
+    pub fn report(&self) -> String {
+        let (st, p) = (&self.stats, PUBLISHED);
+        let m = st.measured;
+        format!(
+            "lm data, {} sample tokens: mean student entropy {:.2} nats (top token {:.2}), λ = {:.3}\n\
+             lm data vs published (Qwen2.5-0.5B, real text):\n\
+             \x20 entries |p_S - p_T| >= 2^-12   {:>7.3}%   published {:.3}%\n\
+             \x20 128x128 tiles kept, natural    {:>7.1}%   published {:.0}%\n\
+             \x20 128x128 tiles kept, sorted     {:>7.1}%   published {:.0}%\n\
+             \x20 128x128 tiles kept, random     {:>7.1}%   published {:.0}%\n\
+             \x20 dx blocks kept at 2^-15 (rows x 64): 64 rows {:.1}%, 128 rows {:.1}%, 128 rows sorted {:.1}%",
+            st.tokens,
+            st.entropy,
+            st.top_prob,
+            self.inv_temp,
+            100.0 * m.kept_entries,
+            100.0 * p.kept_entries,
+            100.0 * m.tiles_natural,
+            100.0 * p.tiles_natural,
+            100.0 * m.tiles_sorted,
+            100.0 * p.tiles_sorted,
+            100.0 * m.tiles_random,
+            100.0 * p.tiles_random,
+            100.0 * st.filter_kept_64,
+            100.0 * st.filter_kept_128,
+            100.0 * st.filter_kept_128_sorted,
+        )
+    }
+}
+
 /// Statistics of a sample of rows (the first up to 128 tokens).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LmStats {
