@@ -6,9 +6,15 @@
 #
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
-# [bench] [dxsplit] [filter] [anchors] [cublas] [twin]   (default: all but tune,
-# dxsplit, filter and twin). `filter` runs the dx GEMM's block filter (issue 26
-# §1): `check` on each GLSL loop structure's filtered kernel, then bench on the
+# [bench] [dxsplit] [filter] [wgmma] [anchors] [peers] [cublas] [twin]
+# (default: all but tune, dxsplit, filter, wgmma, peers and twin). `wgmma` runs
+# the PTX tiles (shaders/gemm_wgmma.cu through VK_NVX_binary_import): their
+# CUDA check beside cuBLAS (scripts/wgmma_cuda.py), `check` with each tile
+# picked, and the bench at the shapes with them against the default tiles.
+# `peers` runs ../shared/anchors/peers.py (Liger's fused linear KL and CE,
+# Cut Cross-Entropy, torch.compile CE; carried in .anchors with its wheels).
+# `filter` runs the dx GEMM's block filter:
+# `check` on each GLSL loop structure's filtered kernel, then bench on the
 # `lm` data at A, S and M without the filter, with it, and with it on the
 # prior's vocabulary order. `twin` runs the CUDA twin of the default GEMM tile beside cuBLAS
 # and headkl's Vulkan ceiling report (scripts/cuda_twin/run.py; TWIN_ARGS
@@ -63,6 +69,7 @@ if has check; then
         echo "check $label exit=$? $(grep -E "^\s*$backend " "$log" | tail -n 1)" | tee -a "$summary"
     done <<'LIST'
 vulkan-default||vulkan
+vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan
 vulkan-glsl-s2|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|vulkan
 vulkan-wgsl|HEADKL_GEMM=logits=staged:bk64:r2:s1,dx=staged:bk32:r4:s1:pf|vulkan
 vulkan-fallback|HEADKL_NO_COOPMAT=1|vulkan
@@ -94,16 +101,20 @@ if has bench; then
         grep -E "^(vulkan|wgpu|trace) |^bench: queue" "$log" | tee -a "$summary"
     done <<'LIST'
 A-vulkan||vulkan|A|--resident --plot /tmp/headkl-out/bench-A.svg
+A-vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan|A|--resident
 A-vulkan-wgsl|HEADKL_GEMM=logits=staged:bk64:r2:s1,dx=staged:bk32:r4:s1:pf|vulkan|A|--resident
 A-wgpu||wgpu|A|--resident
 A-wgpu-wgsl|HEADKL_GEMM=staged:bk32:r4:s1:pf|wgpu|A|--resident
 A-wgpu-universal|HEADKL_QUEUE=universal|wgpu|A|
 A-vulkan-universal|HEADKL_QUEUE=universal|vulkan|A|
 B-vulkan||vulkan|B|--resident
+B-vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan|B|
 B-wgpu||wgpu|B|
 S-vulkan||vulkan|S|--resident
+S-vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan|S|
 S-wgpu||wgpu|S|
 M-vulkan||vulkan|M|--resident
+M-vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan|M|
 M-wgpu||wgpu|M|
 LIST
 fi
@@ -155,6 +166,37 @@ A-auto-prior|A|--filter-eps auto --vocab-order prior
 S-auto-prior|S|--filter-eps auto --vocab-order prior
 M-auto-prior|M|--filter-eps auto --vocab-order prior
 LIST
+fi
+if has wgmma; then
+    PYTHONUNBUFFERED=1 python3 scripts/wgmma_cuda.py >"$out/wgmma-cuda.txt" 2>&1
+    echo "wgmma cuda exit=$?" | tee -a "$summary"
+    grep -E "^cases|^time|FAIL|err" "$out/wgmma-cuda.txt" | tee -a "$summary"
+    while IFS='|' read -r label vars; do
+        log="$out/check-wgmma-$label.txt"
+        env $vars HEADKL_REQUIRE=vulkan $headkl $quiet check --backend vulkan --cases "$cases" >"$log" 2>&1
+        echo "check wgmma $label exit=$? $(grep -E "^\s*vulkan " "$log" | tail -n 1)" | tee -a "$summary"
+        grep -iE "error|fail|lost" "$log" | head -n 5 | tee -a "$summary"
+    done <<'LIST'
+bm64-bk32|HEADKL_GEMM=wgmma:bm64.bk32.s3
+bm64-bk64|HEADKL_GEMM=wgmma:bm64.bk64.s1
+bm128|HEADKL_GEMM=wgmma:bm128.bk32.s2
+mixed|HEADKL_GEMM=logits=wgmma:bm64.bk64.s1,dx=glsl:bm128.bk64.s1
+LIST
+    for shape in $shapes; do
+        for gemm in default glsl:bm128.bk64.s1 wgmma:bm64.bk32.s3 wgmma:bm64.bk64.s1 wgmma:bm128.bk32.s2; do
+            vars=""
+            [ "$gemm" = default ] || vars="HEADKL_GEMM=$gemm"
+            log="$out/bench-wgmma-$shape-${gemm//[:.]/_}.txt"
+            env $vars $headkl $quiet bench --backend vulkan --shape $shape --iters 5 --warmup 1 \
+                --json "${log%.txt}.json" >"$log" 2>&1
+            echo "bench wgmma $shape $gemm exit=$?" | tee -a "$summary"
+            grep -E "^vulkan |gemm_(logits|dx)" "$log" | tee -a "$summary"
+        done
+    done
+fi
+if has peers; then
+    PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" 2>&1 \
+        | tee "$out/peers.txt" | grep -v Warning | tee -a "$summary"
 fi
 if has anchors; then
     PYTHONUNBUFFERED=1 python3 .anchors/torch_head_kl.py --shapes "$(echo $shapes | tr ' ' ,)" \

@@ -61,6 +61,9 @@ pub(crate) struct Features {
     /// `robustBufferAccess2` (`VK_EXT_robustness2`), which wgpu turns on;
     /// `VulkanOptions::robust_access` turns it on here to compare.
     pub(crate) robust_buffer_access2: bool,
+    /// `bufferDeviceAddress` (Vulkan 1.2 core): the PTX tiles take their
+    /// buffers as device addresses.
+    pub(crate) buffer_device_address: bool,
 }
 
 /// Where each feature struct comes from.
@@ -118,10 +121,19 @@ pub(crate) struct Caps {
     /// Subgroup-scope f16×f16→f32 cooperative-matrix shapes `(m, n, k)`.
     pub(crate) matrix_shapes: Vec<(u32, u32, u32)>,
     pub(crate) memory_bytes: u64,
+    /// `VK_NVX_binary_import`: CUDA modules (PTX) launched in Vulkan
+    /// command buffers, which the PTX GEMM tiles need.
+    pub(crate) nvx_binary_import: bool,
     pub(crate) unusable: Option<String>,
 }
 
 impl Caps {
+    /// Whether the device can launch the PTX GEMM tiles
+    /// (`VK_NVX_binary_import` and buffer device addresses).
+    pub(crate) fn ptx_capable(&self) -> bool {
+        self.nvx_binary_import && self.features.buffer_device_address && self.api_version >= vk::API_VERSION_1_2
+    }
+
     /// Whether the device can run the cooperative-matrix GEMM
     /// (`VK_KHR_cooperative_matrix`, the Vulkan memory model at device scope,
     /// and the 16×16×16 f16→f32 shape).
@@ -289,6 +301,7 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         sources,
         matrix_shapes: Vec::new(),
         memory_bytes: 0,
+        nvx_binary_import: has_ext(ash::nvx::binary_import::NAME),
         unusable: None,
     };
     if props.api_version < vk::API_VERSION_1_1 {
@@ -361,10 +374,11 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
     let mut executable = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default();
     let mut robustness2 = vk::PhysicalDeviceRobustness2FeaturesEXT::default();
     let mut timeline = vk::PhysicalDeviceTimelineSemaphoreFeatures::default();
+    let mut device_address = vk::PhysicalDeviceBufferDeviceAddressFeatures::default();
     {
         let mut features2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut storage16);
         if api >= vk::API_VERSION_1_2 {
-            features2 = features2.push_next(&mut timeline);
+            features2 = features2.push_next(&mut timeline).push_next(&mut device_address);
         }
         if sources.float16_int8.available() {
             features2 = features2.push_next(&mut float16);
@@ -406,6 +420,7 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         zero_initialize_workgroup_memory: zero_init.shader_zero_initialize_workgroup_memory == vk::TRUE,
         pipeline_executable_info: executable.pipeline_executable_info == vk::TRUE,
         robust_buffer_access2: robustness2.robust_buffer_access2 == vk::TRUE,
+        buffer_device_address: api >= vk::API_VERSION_1_2 && device_address.buffer_device_address == vk::TRUE,
     };
     caps.timeline_semaphore = api >= vk::API_VERSION_1_2 && timeline.timeline_semaphore == vk::TRUE;
 

@@ -550,6 +550,51 @@ impl Stream {
         Ok(())
     }
 
+    /// Records one launch that is not a pipeline's (a PTX tile's, through
+    /// `VK_NVX_binary_import`): `record` gets the command buffer after the
+    /// barrier every dispatch gets, between its timestamps. `buffers` are
+    /// the ones it reads and writes (for the copy lanes' ordering).
+    pub(crate) fn launch(
+        &mut self,
+        buffers: &[Binding],
+        label: &'static str,
+        record: impl FnOnce(vk::CommandBuffer),
+    ) -> Result<()> {
+        let timed = self.timer.is_some();
+        self.begin_with_room(|s| !timed || s.queries_used + 2 <= 2 * TIMED_DISPATCHES)?;
+        if self.lanes.is_some() {
+            let handles: Vec<vk::Buffer> = buffers.iter().map(|b| b.buffer).collect();
+            self.compute_uses(&handles)?;
+        }
+        self.dispatched = true;
+        let i = self.current;
+        let cmd = self.cmd();
+        let slot = &mut self.slots[i];
+        let timer = self.timer.as_ref().map(|t| {
+            let first = i as u32 * 2 * TIMED_DISPATCHES + slot.queries_used;
+            slot.queries_used += 2;
+            slot.labels.push(label);
+            (t.pool, first)
+        });
+        self.barrier();
+        let dev = &self.device.raw;
+        // SAFETY: recording command buffer; query indices are inside the
+        // pool and were reset at begin.
+        unsafe {
+            if let Some((pool, first)) = timer {
+                dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first);
+            }
+        }
+        record(cmd);
+        // SAFETY: as above.
+        unsafe {
+            if let Some((pool, first)) = timer {
+                dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first + 1);
+            }
+        }
+        Ok(())
+    }
+
     /// Records one dispatch of `pipeline` with `params` at binding 0 and
     /// `buffers` at bindings 1.., on a `(x, y, 1)` grid; `label` names it in
     /// the kernel times.

@@ -28,6 +28,9 @@ pub(crate) struct Enabled {
     /// `pipelineExecutableInfo`, asked for by `HEADKL_PIPELINE_STATS=1`:
     /// each new pipeline's statistics are printed to stderr.
     pub(crate) pipeline_stats: bool,
+    /// `VK_NVX_binary_import` and `bufferDeviceAddress`: the PTX GEMM
+    /// tiles can be launched (device buffers get device addresses).
+    pub(crate) ptx: bool,
 }
 
 /// Bytes of buffer memory held now and at peak.
@@ -115,6 +118,8 @@ impl Device {
         let f = caps.features;
         let s = caps.sources;
         let coop = want_coop && caps.coop_capable();
+        // The PTX tiles are matrix-unit GEMMs: only where those run.
+        let ptx = coop && caps.ptx_capable();
         let size_control = f.subgroup_size_control;
         let full_subgroups = f.compute_full_subgroups;
         let zero_init = f.zero_initialize_workgroup_memory;
@@ -159,6 +164,9 @@ impl Device {
         }
         if robust2 {
             need(s.robustness2);
+        }
+        if ptx {
+            extensions.push(ash::nvx::binary_import::NAME);
         }
         let extension_ptrs: Vec<_> = extensions.iter().map(|e| e.as_ptr()).collect();
 
@@ -206,6 +214,7 @@ impl Device {
             );
         }
         let mut timeline = vk::PhysicalDeviceTimelineSemaphoreFeatures::default().timeline_semaphore(true);
+        let mut device_address = vk::PhysicalDeviceBufferDeviceAddressFeatures::default().buffer_device_address(true);
         let mut info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queue_info)
             .enabled_extension_names(&extension_ptrs)
@@ -232,6 +241,9 @@ impl Device {
         }
         if copy_family.is_some() {
             info = info.push_next(&mut timeline);
+        }
+        if ptx {
+            info = info.push_next(&mut device_address);
         }
         // SAFETY: every chained struct is core at the device's API version or
         // its extension is in the enabled list; every feature set to true is
@@ -275,6 +287,7 @@ impl Device {
                 full_subgroups,
                 zero_initialize_workgroup_memory: zero_init,
                 pipeline_stats,
+                ptx,
             },
             counters: MemoryCounters::default(),
             last_use: AtomicU64::new(0),

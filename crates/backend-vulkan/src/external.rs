@@ -66,7 +66,10 @@ impl VulkanBackend {
     ///   submissions are ordered with headkl's by the queue.
     pub unsafe fn from_raw(ext: ExternalVulkan, options: &VulkanOptions) -> Result<Self> {
         let instance = Instance::external(ext.entry, ext.instance, ext.api_version);
-        let caps = adapter::query_caps(&instance, ext.physical_device)?;
+        let mut caps = adapter::query_caps(&instance, ext.physical_device)?;
+        // The caller's device was not opened with VK_NVX_binary_import and
+        // buffer device addresses for headkl: no PTX tiles on it.
+        caps.nvx_binary_import = false;
         if let Some(why) = &caps.unusable {
             return Err(Error::MissingFeature(format!("{}: {why}", caps.name)));
         }
@@ -100,6 +103,7 @@ impl VulkanBackend {
             coop,
             stream: Mutex::new(stream),
             pipelines: Mutex::new(pipelines),
+            ptx: Mutex::new(None),
             device,
         })
     }

@@ -28,6 +28,7 @@ pub(crate) fn kernel_limits(caps: &Caps) -> KernelLimits {
         subgroup_builtins: caps.subgroup_ops.contains(ash::vk::SubgroupFeatureFlags::BASIC),
         // The GLSL tiles' SPIR-V 1.6 needs a Vulkan 1.3 device.
         spirv: caps.api_version >= ash::vk::API_VERSION_1_3,
+        ptx: caps.ptx_capable(),
     }
 }
 

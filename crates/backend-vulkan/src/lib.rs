@@ -31,6 +31,7 @@ mod glsl;
 mod instance;
 mod kernels;
 mod memory;
+mod nvx;
 mod pipeline;
 
 #[cfg(test)]
@@ -183,7 +184,17 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
                 dx: CoopGemm::Direct,
             };
             let coop = kernels::coop_plan(&a.caps, direct, ChoiceSource::Default);
-            a.caps.device_info(matches!(coop, Ok(Some(_))))
+            let mut info = a.caps.device_info(matches!(coop, Ok(Some(_))));
+            if info.matrix_units {
+                let limits = kernels::kernel_limits(&a.caps);
+                let ptx = match CoopGemm::Wgmma(headkl_core::wgmma_tile::WGMMA_TILES[0]).misfit(&limits) {
+                    None => "PTX tiles (wgmma): yes, if the driver takes sm_90a".to_string(),
+                    Some(why) => format!("PTX tiles (wgmma): no: {why}"),
+                };
+                let default = GemmChoice::default_for(DEFAULT_GEMM, Some(&limits));
+                info.gemm = Some(format!("default GEMM {default}; {ptx}"));
+            }
+            info
         })
         .collect())
 }
@@ -195,7 +206,9 @@ pub struct VulkanBackend {
     pub(crate) coop: Option<CoopPlan>,
     pub(crate) stream: Mutex<Stream>,
     pub(crate) pipelines: Mutex<PipelineCache>,
-    /// Declared last: dropped after the stream and pipelines.
+    /// The PTX tiles' module, made on their first launch.
+    pub(crate) ptx: Mutex<Option<nvx::PtxModule>>,
+    /// Declared last: dropped after the stream, pipelines and module.
     pub(crate) device: Arc<Device>,
 }
 
@@ -239,7 +252,26 @@ impl VulkanBackend {
             kernels::coop_plan(caps, choice, source)?
         };
         let device = Device::new(instance, chosen, coop.is_some(), options)?;
-        let coop = coop.filter(|_| device.enabled.cooperative_matrix);
+        let mut coop = coop.filter(|_| device.enabled.cooperative_matrix);
+        // The PTX tiles' module is made now, so a driver that refuses it
+        // (a GPU other than Hopper) is known before the first call: an
+        // explicit choice fails here, naming the tile; a default or cached
+        // one falls back to the GLSL tiles.
+        let mut ptx = None;
+        if let Some(plan) = coop.as_mut().filter(|p| p.choice.uses_ptx()) {
+            match nvx::PtxModule::new(&device, &plan.choice.to_string()) {
+                Ok(module) => ptx = Some(module),
+                Err(e) if plan.source.is_explicit() => return Err(e),
+                Err(e) => {
+                    let mut limits = kernels::kernel_limits(&device.caps);
+                    limits.ptx = false;
+                    let fallback = GemmChoice::preferred(&limits).unwrap_or(DEFAULT_GEMM);
+                    log::warn!("{e}; the GEMM runs {fallback} instead");
+                    plan.choice = fallback;
+                    plan.source = ChoiceSource::Default;
+                }
+            }
+        }
         let mut info = device.caps.device_info(coop.is_some());
         info.gemm = Some(describe_gemm(coop.as_ref()));
         info.queue = Some(device.queue_description());
@@ -251,6 +283,7 @@ impl VulkanBackend {
             coop,
             stream: Mutex::new(stream),
             pipelines: Mutex::new(pipelines),
+            ptx: Mutex::new(ptx),
             device,
         })
     }
@@ -457,6 +490,9 @@ impl Backend for VulkanBackend {
                 };
                 return self.glsl_kernel_dispatch(glsl, a, b, c, &desc, params, id.name());
             }
+            if let KernelSource::Ptx { tile, layout } = id.build(gemm).source {
+                return self.ptx_dispatch(tile, layout, [a, b, c], &desc, params, id.name());
+            }
         }
         self.dispatch_kernel(
             checked.build(gemm),
@@ -509,7 +545,7 @@ impl Backend for VulkanBackend {
 impl Drop for VulkanBackend {
     fn drop(&mut self) {
         // Finish queued work so the stream and pipelines can be destroyed;
-        // the fields then drop in order: stream, pipelines, device.
+        // the fields then drop in order: stream, pipelines, PTX module, device.
         if let Ok(mut s) = self.stream.lock() {
             let _ = s.flush();
         }

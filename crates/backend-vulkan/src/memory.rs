@@ -98,10 +98,14 @@ pub(crate) fn create_buffer(
         ))));
     };
     let mut dedicated = vk::MemoryDedicatedAllocateInfo::default().buffer(buffer);
-    let alloc = vk::MemoryAllocateInfo::default()
+    let mut address = vk::MemoryAllocateFlagsInfo::default().flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
+    let mut alloc = vk::MemoryAllocateInfo::default()
         .allocation_size(req.size)
         .memory_type_index(type_index)
         .push_next(&mut dedicated);
+    if usage.contains(vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS) {
+        alloc = alloc.push_next(&mut address);
+    }
     // SAFETY: valid device; the type index comes from this device's list and
     // the dedicated buffer is this (unbound) buffer.
     let memory = match unsafe { device.raw.allocate_memory(&alloc, None) } {
@@ -151,12 +155,20 @@ impl headkl_core::DeviceBuffer for VulkanBuffer {
 impl VulkanBuffer {
     /// A device-local storage buffer of `bytes` bytes.
     pub(crate) fn new(device: &Arc<Device>, bytes: u64, label: &'static str) -> Result<Self> {
+        // Where the PTX tiles can run, every buffer has a device address
+        // (their only way to the buffers).
+        let address = if device.enabled.ptx {
+            vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS
+        } else {
+            vk::BufferUsageFlags::empty()
+        };
         let raw = create_buffer(
             device,
             bytes,
             vk::BufferUsageFlags::STORAGE_BUFFER
                 | vk::BufferUsageFlags::TRANSFER_SRC
-                | vk::BufferUsageFlags::TRANSFER_DST,
+                | vk::BufferUsageFlags::TRANSFER_DST
+                | address,
             vk::MemoryPropertyFlags::DEVICE_LOCAL,
             vk::MemoryPropertyFlags::HOST_VISIBLE,
             label,
@@ -170,7 +182,8 @@ impl VulkanBuffer {
                 bytes,
                 vk::BufferUsageFlags::STORAGE_BUFFER
                     | vk::BufferUsageFlags::TRANSFER_SRC
-                    | vk::BufferUsageFlags::TRANSFER_DST,
+                    | vk::BufferUsageFlags::TRANSFER_DST
+                    | address,
                 vk::MemoryPropertyFlags::empty(),
                 vk::MemoryPropertyFlags::empty(),
                 label,
@@ -214,6 +227,22 @@ impl VulkanBuffer {
     }
 
     /// The Vulkan handle (valid while `self` lives).
+    /// The buffer's device address, for the PTX tiles. Only headkl's own
+    /// buffers have one (made with it where the device can launch them); a
+    /// view of a caller's buffer is refused.
+    pub(crate) fn device_address(&self) -> Result<u64> {
+        if self.view.is_some() || !self.device.enabled.ptx {
+            return Err(backend_error(format!(
+                "{}: the PTX tiles need a buffer headkl made with a device address",
+                self.label
+            )));
+        }
+        let info = vk::BufferDeviceAddressInfo::default().buffer(self.handle());
+        // SAFETY: the buffer is alive, was made with SHADER_DEVICE_ADDRESS
+        // (device.enabled.ptx) and its memory with DEVICE_ADDRESS.
+        Ok(unsafe { self.device.raw.get_buffer_device_address(&info) })
+    }
+
     pub(crate) fn handle(&self) -> vk::Buffer {
         if let Some((buffer, _, _)) = self.view {
             return buffer;

@@ -602,7 +602,9 @@ fn every_catalogue_kernel_compiles_to_spirv() {
     for kernel in headkl_core::CoopGemm::candidates() {
         match kernel {
             // Written for subgroups of 32 only.
-            headkl_core::CoopGemm::Glsl(_) => gemms.push(GemmKernel::Coop { kernel, subgroup: 32 }),
+            headkl_core::CoopGemm::Glsl(_) | headkl_core::CoopGemm::Wgmma(_) => {
+                gemms.push(GemmKernel::Coop { kernel, subgroup: 32 })
+            }
             _ => gemms.extend([32u32, 64, 16].map(|subgroup| GemmKernel::Coop { kernel, subgroup })),
         }
     }
@@ -614,8 +616,19 @@ fn every_catalogue_kernel_compiles_to_spirv() {
         }
     }
     let mut failures = Vec::new();
-    let (mut compiled, mut glsl) = (0, 0);
+    let (mut compiled, mut glsl, mut ptx) = (0, 0, 0);
     for build in &builds {
+        match headkl_core::wgmma_tile::check_build(build) {
+            Ok(None) => {}
+            Ok(Some(_)) => {
+                ptx += 1;
+                continue;
+            }
+            Err(e) => {
+                failures.push(e);
+                continue;
+            }
+        }
         let KernelSource::Wgsl(shader) = &build.source else {
             // SPIR-V present, with the catalogue's bindings, workgroup
             // and workgroup memory.
@@ -665,8 +678,11 @@ fn every_catalogue_kernel_compiles_to_spirv() {
     // dx filtered) the tiled kernel and 19 matrix-unit tiles at 3 subgroup
     // sizes; each checked and unchecked.
     assert_eq!(compiled, 2 * (4 + 8 + 3 * (1 + 19 * 3)));
-    // Every GLSL tile, all three GEMMs.
-    assert_eq!(glsl, 3 * headkl_core::glsl_tile::GLSL_TILES.len());
+    // Every GLSL tile, all three GEMMs, and the filtered dx GEMM's GLSL
+    // tile beside each PTX tile; the PTX tiles' logits and dx entry points.
+    let ptx_tiles = headkl_core::wgmma_tile::WGMMA_TILES.len();
+    assert_eq!(glsl, 3 * headkl_core::glsl_tile::GLSL_TILES.len() + ptx_tiles);
+    assert_eq!(ptx, 2 * ptx_tiles);
 }
 
 /// Every term set of the KL rows (each a pipeline of its own, the

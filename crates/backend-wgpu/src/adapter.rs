@@ -297,5 +297,7 @@ pub(crate) fn kernel_limits(adapter: &wgpu::Adapter, features: wgpu::Features, s
         subgroup_size: sg,
         subgroup_builtins: adapter.features().contains(wgpu::Features::SUBGROUP),
         spirv: spirv_passthrough(adapter, features),
+        // The PTX tiles need raw Vulkan command buffers (NVX launches).
+        ptx: false,
     }
 }

@@ -78,6 +78,7 @@ impl WgpuBackend {
             subgroup_size: 0,
             subgroup_builtins: features.contains(wgpu::Features::SUBGROUP),
             spirv: adapter::spirv_passthrough(adapter, features),
+            ptx: false,
         };
         if let Some(why) = headkl_core::kernels::device_misfit(&kernel_limits) {
             missing.push(why);

@@ -134,6 +134,13 @@ impl Kernels {
             return Ok(module.clone());
         }
         let module = match build.source {
+            // Refused at open (KernelLimits::ptx is false here); a PTX tile
+            // needs raw Vulkan command buffers.
+            KernelSource::Ptx { tile, .. } => {
+                return Err(backend_error(format!(
+                    "wgmma:{tile} runs on the Vulkan backend only (VK_NVX_binary_import launches)"
+                )));
+            }
             KernelSource::Wgsl(shader) => {
                 let desc = wgpu::ShaderModuleDescriptor {
                     label: Some(shader.file),

@@ -23,7 +23,7 @@ fn builds() -> Vec<KernelBuild> {
         gemms.extend(
             CoopGemm::candidates()
                 .into_iter()
-                .filter(|kernel| subgroup == 32 || !matches!(kernel, CoopGemm::Glsl(_)))
+                .filter(|kernel| subgroup == 32 || !matches!(kernel, CoopGemm::Glsl(_) | CoopGemm::Wgmma(_)))
                 .map(|kernel| GemmKernel::Coop { kernel, subgroup }),
         );
     }
@@ -51,6 +51,11 @@ fn check(build: &KernelBuild) -> Result<usize, String> {
     let shader = match build.source {
         KernelSource::Wgsl(shader) => shader,
         KernelSource::Glsl { .. } => return headkl_glsl::check_build(build).map(|k| k.words().len()),
+        // The PTX entry point, its parameter block and shared memory
+        // (headkl_core's tests check the text is the source's).
+        KernelSource::Ptx { .. } => {
+            return headkl_core::wgmma_tile::check_build(build).map(|_| headkl_core::wgmma_tile::PTX.len())
+        }
     };
     let (file, entry) = (shader.file, build.entry);
     let (module, info) = parse(file, &shader.source());
@@ -172,10 +177,12 @@ fn every_build_in_the_catalogue_matches_its_shader_and_compiles() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // 4 fixed kernels, the 8 device-resident ones, and per GEMM (logits,
     // dx, dx filtered) the tiled kernel, 19 WGSL tiles at 2 subgroup sizes
-    // and the GLSL tiles at one.
+    // and the GLSL and PTX tiles at one (the filtered dx GEMM of a PTX
+    // tile is the GLSL filter tile's).
     let tiles = headkl_core::glsl_tile::GLSL_TILES.len();
-    assert_eq!(builds.len(), 4 + 8 + 3 * (1 + 2 * 19 + tiles));
-    assert_eq!(glsl, 3 * tiles);
+    let ptx = headkl_core::wgmma_tile::WGMMA_TILES.len();
+    assert_eq!(builds.len(), 4 + 8 + 3 * (1 + 2 * 19 + tiles + ptx));
+    assert_eq!(glsl, 3 * tiles + ptx);
     assert!(words > 0);
 }
 

@@ -44,6 +44,9 @@ pub struct DeviceRow {
     pub why_not: Option<String>,
     /// Whether `auto` picks this row.
     pub auto: bool,
+    /// The GEMM kernels the backend runs there by default, and whether the
+    /// PTX tiles can run (or why not), where it says.
+    pub gemm: Option<String>,
 }
 
 /// The whole listing (JSON form).
@@ -88,6 +91,7 @@ pub fn rows(e: &Enumeration, pick: &AutoPick) -> Vec<DeviceRow> {
                 runnable: false,
                 why_not: Some(why.to_string()),
                 auto: false,
+                gemm: None,
             });
         }
         for c in e.candidates.iter().filter(|c| c.kind == kind) {
@@ -110,6 +114,7 @@ pub fn rows(e: &Enumeration, pick: &AutoPick) -> Vec<DeviceRow> {
                 runnable: i.unusable.is_none(),
                 why_not: i.unusable.clone(),
                 auto: kind == pick.kind && c.index == pick.index,
+                gemm: i.gemm.clone(),
             });
         }
     }
@@ -181,6 +186,11 @@ pub fn render(rows: &[DeviceRow], pick: &AutoPick) -> String {
         "\n* auto picks {} device {}: {}\n",
         pick.kind, pick.index, pick.reason
     ));
+    for r in rows.iter().filter(|r| r.runnable) {
+        if let (Some(gemm), Some(index)) = (&r.gemm, r.index) {
+            out.push_str(&format!("  {} device {index}: {gemm}\n", r.backend));
+        }
+    }
     for r in rows.iter().filter(|r| {
         r.backend != BackendKind::Reference
             && r.runnable

@@ -7,8 +7,10 @@
 //! `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]` (`gemm_coop.wgsl` with its `BK`,
 //! `SG_ROWS`, `STAGES` and `PREFETCH` overrides) or `glsl:<tile>`
 //! (`gemm_khr.comp` compiled with a tile of [`GLSL_TILES`], e.g.
-//! `glsl:bm128.bk64.s1`). A choice names one kernel for both layouts or one
-//! each: `logits=glsl:bm128.bk64.s1,dx=staged:bk32:r4:s1:pf`.
+//! `glsl:bm128.bk64.s1`) or `wgmma:<tile>` (the PTX tiles of
+//! `gemm_wgmma.cu`, [`WGMMA_TILES`], e.g. `wgmma:bm128.s2`). A choice names
+//! one kernel for both layouts or one each:
+//! `logits=glsl:bm128.bk64.s1,dx=staged:bk32:r4:s1:pf`.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -17,6 +19,7 @@ use crate::backend::HeadLayout;
 use crate::error::{Error, Result};
 use crate::glsl_tile::{GlslTile, GLSL_BN, GLSL_SUBGROUP, GLSL_TILES};
 use crate::tune_cache::TuneCache;
+use crate::wgmma_tile::{WgmmaTile, WGMMA_BN, WGMMA_TILES};
 
 /// The environment variable that picks the GEMM kernels.
 pub const GEMM_ENV: &str = "HEADKL_GEMM";
@@ -83,6 +86,11 @@ pub enum CoopGemm {
     /// of exactly 32, and a backend that can load SPIR-V
     /// ([`KernelLimits::spirv`]).
     Glsl(GlslTile),
+    /// `gemm_wgmma.cu` (PTX for NVIDIA Hopper's `wgmma`, launched through
+    /// `VK_NVX_binary_import`) with this tile: the Vulkan backend on a
+    /// device with that extension and buffer device addresses
+    /// ([`KernelLimits::ptx`]).
+    Wgmma(WgmmaTile),
 }
 
 impl CoopGemm {
@@ -92,6 +100,7 @@ impl CoopGemm {
             Self::Staged(t) => (t.tile_rows(), 128),
             Self::Direct => (64, 64),
             Self::Glsl(t) => (t.bm, GLSL_BN),
+            Self::Wgmma(t) => (t.bm, WGMMA_BN),
         }
     }
 
@@ -102,6 +111,7 @@ impl CoopGemm {
             Self::Direct => subgroup,
             // Written for subgroups of 32 (`misfit` refuses others).
             Self::Glsl(t) => t.invocations(),
+            Self::Wgmma(t) => t.invocations(),
         }
     }
 
@@ -111,6 +121,7 @@ impl CoopGemm {
             Self::Staged(t) => t.shared_bytes(),
             Self::Direct => 0,
             Self::Glsl(t) => t.shared_bytes(),
+            Self::Wgmma(t) => t.shared_bytes(),
         }
     }
 
@@ -126,8 +137,8 @@ impl CoopGemm {
                 ("PREFETCH", u32::from(t.prefetch)),
             ],
             Self::Direct => vec![("SG_SIZE", subgroup)],
-            // Defines, compiled in at build time.
-            Self::Glsl(_) => Vec::new(),
+            // Defines and templates, compiled in at build time.
+            Self::Glsl(_) | Self::Wgmma(_) => Vec::new(),
         }
     }
 
@@ -137,8 +148,8 @@ impl CoopGemm {
     }
 
     /// Every kernel `headkl tune` tries, cheapest to build first: the WGSL
-    /// kernels, then the GLSL tiles (which a device that cannot run them
-    /// refuses at open: [`CoopGemm::misfit`]).
+    /// kernels, then the GLSL tiles and the PTX tiles (which a device that
+    /// cannot run them refuses at open: [`CoopGemm::misfit`]).
     pub fn candidates() -> Vec<CoopGemm> {
         let mut all = vec![Self::Direct];
         for (stages, prefetch) in [(1, false), (1, true), (2, false)] {
@@ -149,12 +160,14 @@ impl CoopGemm {
             }
         }
         all.extend(GLSL_TILES.map(Self::Glsl));
+        all.extend(WGMMA_TILES.map(Self::Wgmma));
         all
     }
 
     /// Parses `direct`, `staged:bk32:r2:s2` (fields in any order, `pf`
     /// for prefetch with one stage; missing ones take the default tile's) or
-    /// `glsl:bm128.bk64.s1` (a tile of [`GLSL_TILES`]).
+    /// `glsl:bm128.bk64.s1` (a tile of [`GLSL_TILES`]) or `wgmma:bm128.s2`
+    /// (a tile of [`WGMMA_TILES`]).
     pub fn parse(value: &str) -> Result<Self> {
         let text = value.trim();
         if text.eq_ignore_ascii_case("direct") {
@@ -169,11 +182,20 @@ impl CoopGemm {
                 )
             });
         }
+        if let Some(name) = text.strip_prefix("wgmma:") {
+            return WgmmaTile::from_name(name).map(Self::Wgmma).ok_or_else(|| {
+                let known: Vec<String> = WGMMA_TILES.iter().map(|t| t.to_string()).collect();
+                invalid(
+                    value,
+                    &format!("`{name}` is not a PTX tile (one of {})", known.join(", ")),
+                )
+            });
+        }
         let mut parts = text.split(':');
         if !parts.next().is_some_and(|p| p.eq_ignore_ascii_case("staged")) {
             return Err(invalid(
                 value,
-                "expected `direct`, `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]` or `glsl:<tile>`",
+                "expected `direct`, `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]`, `glsl:<tile>` or `wgmma:<tile>`",
             ));
         }
         let mut tile = DEFAULT_STAGED;
@@ -212,6 +234,7 @@ impl fmt::Display for CoopGemm {
             }
             Self::Direct => f.write_str("direct"),
             Self::Glsl(t) => write!(f, "glsl:{t}"),
+            Self::Wgmma(t) => write!(f, "wgmma:{t}"),
         }
     }
 }
@@ -257,6 +280,16 @@ impl GemmChoice {
         dx: CoopGemm::Glsl(crate::glsl_tile::GLSL_TILES[7]),
     };
 
+    /// The default where the device launches the PTX tiles (NVIDIA Hopper
+    /// through `VK_NVX_binary_import`): the one-stage K-64 tile for the
+    /// logits and the three-stage K-32 one for dx, the fastest of
+    /// [`WGMMA_TILES`] for each on the H200 (docs/PERFORMANCE.md; a tune
+    /// cache entry still wins).
+    pub const WGMMA_DEFAULT: GemmChoice = GemmChoice {
+        logits: CoopGemm::Wgmma(WGMMA_TILES[1]),
+        dx: CoopGemm::Wgmma(WGMMA_TILES[0]),
+    };
+
     /// The fallback where the default does not fit: the smallest staged
     /// tile (12 KiB of workgroup memory, 4 subgroups).
     pub const PORTABLE: GemmChoice = GemmChoice {
@@ -288,15 +321,26 @@ impl GemmChoice {
     }
 
     /// The default on a device whose matrix-unit GEMM has `limits`:
+    /// [`Self::WGMMA_DEFAULT`] where the PTX tiles run, else
     /// [`Self::GLSL_DEFAULT`] where its tiles fit, else the backend's
     /// `wgsl_default`. A `HEADKL_GEMM` that names one GEMM keeps this for
     /// the other, so naming the dx kernel does not move the logits GEMM
-    /// off the GLSL tile.
+    /// off the default tile.
     pub fn default_for(wgsl_default: GemmChoice, limits: Option<&KernelLimits>) -> GemmChoice {
-        match limits {
-            Some(limits) if Self::GLSL_DEFAULT.misfit(limits).is_none() => Self::GLSL_DEFAULT,
-            _ => wgsl_default,
-        }
+        limits.and_then(Self::preferred).unwrap_or(wgsl_default)
+    }
+
+    /// The first of [`Self::WGMMA_DEFAULT`] and [`Self::GLSL_DEFAULT`] that
+    /// runs within `limits`.
+    pub fn preferred(limits: &KernelLimits) -> Option<GemmChoice> {
+        [Self::WGMMA_DEFAULT, Self::GLSL_DEFAULT]
+            .into_iter()
+            .find(|c| c.misfit(limits).is_none())
+    }
+
+    /// Whether a kernel of it is a PTX tile.
+    pub fn uses_ptx(self) -> bool {
+        self.kernels().iter().any(|k| matches!(k, CoopGemm::Wgmma(_)))
     }
 
     /// For a backend's `use_gemm`, which switches its GEMM after opening:
@@ -415,11 +459,23 @@ pub struct KernelLimits {
     /// a Vulkan 1.3 device; on wgpu a Vulkan adapter with
     /// `PASSTHROUGH_SHADERS`), with their KHR cooperative matrices.
     pub spirv: bool,
+    /// Whether the backend can launch the PTX tiles: the Vulkan backend on
+    /// a device with `VK_NVX_binary_import` and buffer device addresses
+    /// (the PTX itself is for sm_90a: the driver refuses it elsewhere, and
+    /// the tile's first launch says so).
+    pub ptx: bool,
 }
 
 impl CoopGemm {
     /// Why this kernel cannot run within `limits`, or `None` when it can.
     pub fn misfit(self, limits: &KernelLimits) -> Option<String> {
+        if let Self::Wgmma(_) = self {
+            if !limits.ptx {
+                return Some(format!(
+                    "{self} needs the Vulkan backend on a device with VK_NVX_binary_import and buffer device addresses (NVIDIA's driver)"
+                ));
+            }
+        }
         if let Self::Glsl(_) = self {
             if !limits.spirv {
                 return Some(format!(
@@ -455,10 +511,10 @@ impl CoopGemm {
 }
 
 /// `choice` where each of its kernels fits `limits`. A default choice
-/// becomes [`GemmChoice::GLSL_DEFAULT`] where the GLSL tiles fit. Where a
-/// kernel does not fit, an explicit choice (options, `HEADKL_GEMM`) is an
-/// [`Error::InvalidSetting`]; any other falls back to
-/// [`GemmChoice::GLSL_DEFAULT`], the backend's (WGSL) `default`,
+/// becomes [`GemmChoice::preferred`] (the PTX tiles, else the GLSL ones)
+/// where that fits. Where a kernel does not fit, an explicit choice
+/// (options, `HEADKL_GEMM`) is an [`Error::InvalidSetting`]; any other
+/// falls back to [`GemmChoice::preferred`], the backend's (WGSL) `default`,
 /// [`GemmChoice::PORTABLE`], then the direct kernel, which needs no
 /// workgroup memory.
 pub fn fit_choice(
@@ -468,19 +524,19 @@ pub fn fit_choice(
     limits: &KernelLimits,
 ) -> Result<(GemmChoice, ChoiceSource)> {
     let misfit = |c: GemmChoice| c.misfit(limits);
-    let glsl_fits = misfit(GemmChoice::GLSL_DEFAULT).is_none();
-    match misfit(choice) {
-        None if source == ChoiceSource::Default && glsl_fits => Ok((GemmChoice::GLSL_DEFAULT, source)),
-        None => Ok((choice, source)),
-        Some(why) if source.is_explicit() => Err(Error::InvalidSetting {
+    let preferred = GemmChoice::preferred(limits);
+    match (misfit(choice), preferred) {
+        (None, Some(best)) if source == ChoiceSource::Default => Ok((best, source)),
+        (None, _) => Ok((choice, source)),
+        (Some(why), _) if source.is_explicit() => Err(Error::InvalidSetting {
             name: GEMM_ENV,
             value: choice.to_string(),
             reason: format!("{why} (from {source})"),
         }),
-        Some(_) if glsl_fits => Ok((GemmChoice::GLSL_DEFAULT, ChoiceSource::Default)),
-        Some(_) if misfit(default).is_none() => Ok((default, ChoiceSource::Default)),
-        Some(_) if misfit(GemmChoice::PORTABLE).is_none() => Ok((GemmChoice::PORTABLE, ChoiceSource::Default)),
-        Some(_) => Ok((
+        (Some(_), Some(best)) => Ok((best, ChoiceSource::Default)),
+        (Some(_), None) if misfit(default).is_none() => Ok((default, ChoiceSource::Default)),
+        (Some(_), None) if misfit(GemmChoice::PORTABLE).is_none() => Ok((GemmChoice::PORTABLE, ChoiceSource::Default)),
+        (Some(_), None) => Ok((
             GemmChoice {
                 logits: CoopGemm::Direct,
                 dx: CoopGemm::Direct,
@@ -566,6 +622,7 @@ mod tests {
         subgroup_size: 32,
         subgroup_builtins: true,
         spirv: true,
+        ptx: false,
     };
 
     fn parse(value: &str) -> Result<GemmChoice> {
@@ -639,6 +696,58 @@ mod tests {
     }
 
     #[test]
+    fn ptx_tiles_are_named_and_picked_only_where_they_run() {
+        let choice = parse("logits=wgmma:bm64.bk64.s1,dx=wgmma:bm64.bk32.s3").unwrap();
+        assert_eq!(choice, GemmChoice::WGMMA_DEFAULT);
+        assert_eq!(parse(&choice.to_string()).unwrap(), choice);
+        assert!(choice.uses_ptx() && !GemmChoice::GLSL_DEFAULT.uses_ptx());
+        assert_eq!(choice.dx.tile(), (64, 128));
+        assert_eq!(choice.dx.invocations(32), 128);
+        assert_eq!(choice.dx.shared_bytes(), 3 * (64 + 128) * 32 * 2);
+        for t in WGMMA_TILES {
+            assert!(CoopGemm::candidates().contains(&CoopGemm::Wgmma(t)), "{t}");
+        }
+        match parse("wgmma:bm64.bk16.s3") {
+            Err(Error::InvalidSetting { name, value, reason }) => {
+                assert_eq!((name, value.as_str()), (GEMM_ENV, "wgmma:bm64.bk16.s3"));
+                assert!(reason.contains("bm64.bk32.s3"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Without the extension (wgpu, other drivers) they misfit: named by
+        // the user, a typed error naming the tile; by default, the GLSL tiles.
+        let why = choice.misfit(&H200).unwrap();
+        assert!(
+            why.contains("VK_NVX_binary_import") && why.contains("wgmma:bm64.bk64.s1"),
+            "{why}"
+        );
+        assert!(fit_choice(DEFAULT, choice, ChoiceSource::Environment, &H200).is_err());
+        assert_eq!(GemmChoice::default_for(DEFAULT, Some(&H200)), GemmChoice::GLSL_DEFAULT);
+        assert_eq!(
+            fit_choice(DEFAULT, DEFAULT, ChoiceSource::Default, &H200).unwrap().0,
+            GemmChoice::GLSL_DEFAULT
+        );
+        // With it they are the default, and a cached choice that cannot run
+        // falls back to them.
+        let nvx = KernelLimits { ptx: true, ..H200 };
+        assert_eq!(choice.misfit(&nvx), None);
+        assert_eq!(GemmChoice::default_for(DEFAULT, Some(&nvx)), choice);
+        assert_eq!(
+            fit_choice(DEFAULT, DEFAULT, ChoiceSource::Default, &nvx).unwrap(),
+            (choice, ChoiceSource::Default)
+        );
+        let wide = KernelLimits {
+            subgroup_size: 64,
+            ..nvx
+        };
+        let cached = ChoiceSource::Cache(PathBuf::from("gemm-tune.tsv"));
+        assert_eq!(
+            fit_choice(DEFAULT, GemmChoice::GLSL_DEFAULT, cached, &wide).unwrap(),
+            (choice, ChoiceSource::Default)
+        );
+    }
+
+    #[test]
     fn a_device_that_cannot_run_the_glsl_tiles_refuses_them() {
         let h200 = H200;
         let glsl = parse("logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2").unwrap();
@@ -703,7 +812,7 @@ mod tests {
         assert_eq!(CoopGemm::Staged(t(16, 4, 2)).invocations(32), 256);
         assert_eq!(CoopGemm::Direct.shared_bytes(), 0);
         assert_eq!(t(64, 2, 1).shared_bytes(), 36 << 10);
-        assert_eq!(CoopGemm::candidates().len(), 19 + GLSL_TILES.len());
+        assert_eq!(CoopGemm::candidates().len(), 19 + GLSL_TILES.len() + WGMMA_TILES.len());
     }
 
     #[test]

@@ -19,7 +19,7 @@ use std::fmt;
 use crate::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::{Error, Result};
 use crate::gemm_choice::{CoopGemm, KernelLimits};
-use crate::glsl_tile::GlslTile;
+use crate::glsl_tile::{GlslTile, GLSL_TILES};
 use crate::params::{
     ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams, ShardRowsParams,
     StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
@@ -28,6 +28,7 @@ use crate::resident::{
     HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
     WeightStatsDesc,
 };
+use crate::wgmma_tile::WgmmaTile;
 
 /// One WGSL file of `shaders/`: its name (errors, caches), its text, and
 /// the parameter block its kernels read.
@@ -173,6 +174,11 @@ pub const SHADERS: [Shader; 15] = [
     SHARD_ROWS_WGSL,
 ];
 
+/// The GLSL tile whose filtered build the dx GEMM runs with the block
+/// filter where the PTX tiles run the others (they have no filter):
+/// `glsl:bm128.bk64.s1`, the GLSL default.
+pub const GLSL_FILTER_TILE: GlslTile = GLSL_TILES[7];
+
 /// The override of `kl_rows.wgsl` that specializes it to one term set
 /// ([`crate::params::row_flags`]; 0, its default, is the seed's loss):
 /// [`crate::Checked::build`] sets it from the launch.
@@ -269,6 +275,15 @@ pub enum KernelSource {
         /// The dx GEMM's block filter compiled in (`FILTER 1`).
         filter: bool,
     },
+    /// An entry point of `shaders/gemm_wgmma.ptx` (NVIDIA Hopper, launched
+    /// through `VK_NVX_binary_import`): the GEMM's parameter block passed by
+    /// value and its three buffers by device address, in that order.
+    Ptx {
+        /// The tile.
+        tile: WgmmaTile,
+        /// The layout its entry point computes.
+        layout: HeadLayout,
+    },
 }
 
 impl KernelSource {
@@ -285,6 +300,7 @@ impl KernelSource {
                     name
                 }
             }
+            KernelSource::Ptx { tile, layout } => tile.entry(*layout).to_string(),
         }
     }
 }
@@ -492,6 +508,12 @@ impl KernelId {
             (_, GemmKernel::Coop { kernel, subgroup }) => {
                 // Only the GEMMs reach this arm.
                 let layout = self.gemm_layout().unwrap_or(HeadLayout::Logits);
+                // The PTX tiles have no block filter: the filtered dx GEMM
+                // runs the default GLSL tile's filtered build beside them.
+                let kernel = match kernel {
+                    CoopGemm::Wgmma(_) if self == KernelId::GemmDxFiltered => CoopGemm::Glsl(GLSL_FILTER_TILE),
+                    other => other,
+                };
                 let (source, entry, workgroup_bytes) = match kernel {
                     CoopGemm::Staged(_) => (KernelSource::Wgsl(GEMM_COOP_WGSL), self.name(), kernel.shared_bytes()),
                     CoopGemm::Direct => (KernelSource::Wgsl(GEMM_COOP_DIRECT_WGSL), self.name(), 0),
@@ -503,6 +525,11 @@ impl KernelId {
                         },
                         "main",
                         tile.layout_shared_bytes(layout == HeadLayout::Dx),
+                    ),
+                    CoopGemm::Wgmma(tile) => (
+                        KernelSource::Ptx { tile, layout },
+                        tile.entry(layout),
+                        tile.shared_bytes(),
                     ),
                 };
                 KernelBuild {
@@ -822,6 +849,7 @@ mod tests {
             subgroup_size: 32,
             subgroup_builtins: true,
             spirv: true,
+            ptx: false,
         };
         assert_eq!(device_misfit(&big), None);
         let small = KernelLimits {

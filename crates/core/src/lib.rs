@@ -84,6 +84,7 @@ pub mod split;
 pub mod terms;
 pub mod tune_cache;
 pub mod vocab_order;
+pub mod wgmma_tile;
 
 pub use backend::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, GemmRowStats, HeadLayout, KernelTime,
@@ -113,6 +114,7 @@ pub use split::DxSplit;
 pub use terms::{LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
 pub use tune_cache::TuneCache;
 pub use vocab_order::VocabOrder;
+pub use wgmma_tile::WgmmaTile;
 
 /// The `log` target of the diagnostics a user switches on
 /// (`HEADKL_TRACE`'s phases, `HEADKL_PIPELINE_STATS`' statistics), logged

@@ -112,9 +112,9 @@ pub const VARIABLES: &[Variable] = &[
     },
     Variable {
         name: GEMM,
-        values: "KERNEL or logits=KERNEL,dx=KERNEL; KERNEL: direct, staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf] or glsl:bm<64|128|256>.bk<16|32|64>.s<1|2|4>[.i][.ws][.c4] (the GLSL tiles of shaders/gemm_khr.comp)",
-        default: "the tune cache's entry, else glsl:bm128.bk64.s1 where the device runs the GLSL tiles, else the backend's WGSL pair",
-        effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch; glsl: needs subgroups of 32 and Vulkan 1.3, or wgpu with PASSTHROUGH_SHADERS)",
+        values: "KERNEL or logits=KERNEL,dx=KERNEL; KERNEL: direct, staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf], glsl:bm<64|128|256>.bk<16|32|64>.s<1|2|4>[.i][.ws][.c4] (the GLSL tiles of shaders/gemm_khr.comp) or wgmma:bm64.bk32.s3, wgmma:bm64.bk64.s1, wgmma:bm128.bk32.s2 (the PTX tiles of shaders/gemm_wgmma.cu)",
+        default: "the tune cache's entry, else logits=wgmma:bm64.bk64.s1,dx=wgmma:bm64.bk32.s3 where the Vulkan backend launches the PTX tiles, else glsl:bm128.bk64.s1 where the device runs the GLSL tiles, else the backend's WGSL pair",
+        effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch; glsl: needs subgroups of 32 and Vulkan 1.3, or wgpu with PASSTHROUGH_SHADERS; wgmma: the Vulkan backend with VK_NVX_binary_import on an NVIDIA Hopper GPU)",
     },
     Variable {
         name: DX_SPLIT,
@@ -514,13 +514,22 @@ mod tests {
         }
     }
 
-    /// `HEADKL_GEMM`'s documented default names the GLSL default's tile.
+    /// `HEADKL_GEMM`'s documented default names the PTX and GLSL defaults,
+    /// and its values every PTX tile.
     #[test]
     fn gemm_default_names_the_glsl_default() {
         let gemm = VARIABLES.iter().find(|v| v.name == GEMM).unwrap();
         let tile = crate::GemmChoice::GLSL_DEFAULT;
         assert_eq!(tile.logits, tile.dx);
         assert!(gemm.default.contains(&tile.logits.to_string()), "{}", gemm.default);
+        assert!(
+            gemm.default.contains(&crate::GemmChoice::WGMMA_DEFAULT.to_string()),
+            "{}",
+            gemm.default
+        );
+        for t in crate::wgmma_tile::WGMMA_TILES {
+            assert!(gemm.values.contains(&format!("wgmma:{t}")), "{}", gemm.values);
+        }
     }
 
     /// Explicit options beat `HEADKL_GEMM`, which beats the tune cache,
