@@ -27,7 +27,7 @@
 # The ceiling and twin steps need a binary built with the report's kernels:
 # `cargo build --release -p headkl-cli --features ceiling`.
 # SHAPES (default "A B"; any of A B S M) picks the bench rows and the
-# anchors' shapes, e.g. SHAPES="S M" for the small students of issue 26.
+# anchors' shapes, e.g. SHAPES="S M" for the small students.
 # HEADKL_BIN (default ./target/release/headkl) and DISTILL_BIN (default
 # ./target/release/examples/distill_step) name the binaries.
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The CUDA twin of headkl's default Vulkan GEMM tile (issue 26, section 4).
+"""The CUDA twin of headkl's default Vulkan GEMM tile.
 
 Compiles scripts/cuda_twin/twin.cu (nvcc for sm_90a; NVRTC from the CUDA
 wheels PyTorch ships if no nvcc works), loads it through the CUDA driver API

@@ -4,7 +4,7 @@
 // Vulkan driver is expected to lower cooperative matrices to (ldmatrix,
 // mma.sync m16n8k16), so that its time on the same H200 says how much of the
 // Vulkan GEMM's plateau belongs to the design and how much to the SPIR-V's
-// compilation (issue 26, section 4). Not shipped; scripts/cuda_twin/run.py
+// compilation. Not shipped; scripts/cuda_twin/run.py
 // compiles it (nvcc, or NVRTC from PyTorch's CUDA wheel), checks and times
 // it beside cuBLAS.
 //

@@ -73,6 +73,14 @@ pub enum CliError {
     /// `headkl check` found failures or could not start a required backend.
     #[error("{0}")]
     CheckFailed(String),
+    /// One of the command's own threads panicked: a bug, not the input.
+    #[error("{what} panicked: {message}")]
+    Panicked {
+        /// Which thread.
+        what: String,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 impl CliError {
@@ -82,9 +90,11 @@ impl CliError {
             CliError::File { .. } | CliError::Tensor { .. } | CliError::Option { .. } | CliError::Setting(_) => {
                 EXIT_INPUT
             }
-            CliError::Device { .. } | CliError::Start { .. } | CliError::Output { .. } | CliError::CheckFailed(_) => {
-                EXIT_FAILURE
-            }
+            CliError::Device { .. }
+            | CliError::Start { .. }
+            | CliError::Output { .. }
+            | CliError::CheckFailed(_)
+            | CliError::Panicked { .. } => EXIT_FAILURE,
         }
     }
 
@@ -110,6 +120,20 @@ impl CliError {
         CliError::Option {
             option,
             problem: problem.into(),
+        }
+    }
+
+    /// Thread `what` panicked with `payload` (what `JoinHandle::join`
+    /// returns): exit 1 with the panic's message.
+    pub fn panicked(what: impl Into<String>, payload: Box<dyn std::any::Any + Send>) -> Self {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".to_string());
+        CliError::Panicked {
+            what: what.into(),
+            message,
         }
     }
 
@@ -165,6 +189,18 @@ pub fn is_validation(e: &CoreError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_panicking_thread_is_a_failure_with_its_message_not_bad_input() {
+        let payload = std::thread::spawn(|| panic!("shard ran out of {}", "luck"))
+            .join()
+            .unwrap_err();
+        let e = CliError::panicked("shard 1's thread", payload);
+        assert_eq!(e.exit_code(), EXIT_FAILURE);
+        assert_eq!(e.to_string(), "shard 1's thread panicked: shard ran out of luck");
+        let payload = std::thread::spawn(|| std::panic::panic_any(7u8)).join().unwrap_err();
+        assert_eq!(CliError::panicked("t", payload).to_string(), "t panicked: no message");
+    }
 
     #[test]
     fn validation_errors_exit_2_and_device_errors_exit_1() {

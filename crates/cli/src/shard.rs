@@ -240,15 +240,15 @@ impl ShardJob for LossShards<'_> {
             drop(to_ranks);
             let mut outs = Vec::with_capacity(ranks.len());
             let mut first_err = None;
-            for h in ranks {
+            for (rank, h) in ranks.into_iter().enumerate() {
                 match h.join() {
                     Ok(Ok(o)) => outs.push(o),
                     // A shard's own error before the "another shard failed" of the rest.
                     Ok(Err(e)) => {
                         first_err.get_or_insert(e);
                     }
-                    Err(_) => {
-                        first_err.get_or_insert(CliError::option("--shards", "a shard's thread panicked"));
+                    Err(payload) => {
+                        first_err.get_or_insert(CliError::panicked(format!("shard {rank}'s thread"), payload));
                     }
                 }
             }
@@ -306,9 +306,10 @@ impl ShardJob for TopkShards<'_> {
                 .collect();
             ranks
                 .into_iter()
-                .map(|h| {
+                .enumerate()
+                .map(|(rank, h)| {
                     h.join()
-                        .unwrap_or_else(|_| Err(CliError::option("--shards", "a shard's thread panicked")))
+                        .unwrap_or_else(|payload| Err(CliError::panicked(format!("shard {rank}'s thread"), payload)))
                 })
                 .collect::<Result<Vec<_>, CliError>>()
         })?;

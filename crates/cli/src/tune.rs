@@ -36,7 +36,7 @@ pub struct GemmShape {
 }
 
 impl GemmShape {
-    /// The "GEMM alone" shape: shape A's hidden size, half its
+    /// The "GEMM alone" shape: shape A's hidden size, half its
     /// vocabulary, 4096 tokens (4.4 GB of device memory).
     pub const LARGE: GemmShape = GemmShape {
         m: 4096,

@@ -1388,7 +1388,7 @@ fn ceiling_report_needs_vulkan_matrix_units() {
     }
 }
 
-/// Issue 12's exit codes: each is the user's to fix, so exit 2 with a
+/// The exit codes: each is the user's to fix, so exit 2 with a
 /// message that says what is wrong.
 #[test]
 fn first_hour_exit_codes_and_messages() {
@@ -1712,7 +1712,7 @@ fn readme_says_how_to_install() {
     assert!(readme.contains("cargo install --path crates/cli"));
 }
 
-// ---- Teacher files that know how they were made (issue 21) ----
+// ---- Teacher files that know how they were made ----
 
 /// The `__metadata__` of a safetensors file.
 fn metadata(path: &Path) -> std::collections::HashMap<String, String> {
@@ -1870,7 +1870,7 @@ fn weights_tensor_is_named_by_an_option() {
     assert!(metadata(&f.path("out.safetensors"))["headkl.weights.file"].ends_with("w.safetensors"));
 }
 
-// ---- Help, quiet, bench on a slow device, devices (issue 21) ----
+// ---- Help, quiet, bench on a slow device, devices ----
 
 #[test]
 fn short_help_is_short_and_long_help_has_the_policy() {

@@ -32,7 +32,7 @@ use crate::rng::XorShift64;
 const BIAS_SCALE: f32 = 256.0;
 
 /// The published statistics the generator is calibrated to (Qwen2.5-0.5B,
-/// real text; the issue's §1): entries with `|p_S − p_T| ≥ 2⁻¹²`, and
+/// real text): entries with `|p_S − p_T| ≥ 2⁻¹²`, and
 /// 128×128 tiles holding one, in natural, frequency-sorted and random
 /// vocabulary order.
 pub const PUBLISHED: LmTargets = LmTargets {

@@ -39,7 +39,7 @@ impl Shape {
         k: 64,
     };
     /// Shape S: a 0.5B-parameter student's head (hs 896), the vocabulary of
-    /// shape B, 8192 tokens (issue 26).
+    /// shape B, 8192 tokens.
     pub const S: Shape = Shape {
         ntok: 8192,
         vocab: 151_936,
@@ -47,7 +47,7 @@ impl Shape {
         k: 64,
     };
     /// Shape M: a 1B-parameter student's head (hs 2048, a 128 256-token
-    /// vocabulary), 8192 tokens (issue 26).
+    /// vocabulary), 8192 tokens.
     pub const M: Shape = Shape {
         ntok: 8192,
         vocab: 128_256,
