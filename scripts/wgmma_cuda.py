@@ -9,6 +9,7 @@ check of the kernels apart from the Vulkan backend's NVX path (which
 """
 import ctypes as C
 import os
+import re
 import struct
 import sys
 
@@ -131,7 +132,7 @@ def timing(entry, bm, nn, m, n, k, parts=1):
           (entry, m, n, k, parts, ms, flop / ms / 1e9, ref, flop / ref / 1e9), flush=True)
 
 
-TILES = [(name, int(name.split("_")[0][2:])) for name in sys.argv[1:]] or [("bm64_bk32_s3", 64), ("bm64_bk64_s1", 64), ("bm128_bk32_s2", 128)]
+TILES = [(name, int(re.search(r"bm(\d+)", name).group(1))) for name in sys.argv[1:]] or [("bm64_bk32_s3", 64), ("bm64_bk64_s1", 64), ("bm128_bk32_s2", 128)]
 good = True
 for tile, bm in TILES:
     for layout, nn in (("logits", False), ("dx", True)):

@@ -134,11 +134,10 @@ struct Mma<256, TB> {
 // ---- the tile -----------------------------------------------------------
 
 // BM rows of C (BM / 64 warpgroups, 64 rows each) by BN columns, K in steps
-// of BK through STAGES stages of shared memory, DEPTH groups of multiply-adds
-// in flight (1: each step's finish before the next starts; 2: step s - 1's
-// may run on while step s's are issued, so the copies run STAGES - 2 steps
-// ahead instead of STAGES - 1). One stage: copy, wait, multiply, in turn.
-template <int BM, int BN, int BK, int STAGES, int DEPTH>
+// of BK through STAGES stages of shared memory, the copies STAGES - 1 steps
+// ahead of the multiply-adds; a step's multiply-adds finish before the next
+// step's start. One stage: copy, wait, multiply, in turn.
+template <int BM, int BN, int BK, int STAGES>
 struct Tile {
     static constexpr int THREADS = BM * 2;  // BM / 64 warpgroups of 128
     // A (and the logits layout's B) K-major: rows of BK halves, swizzled in
@@ -155,10 +154,9 @@ struct Tile {
     static constexpr int SHARED_BYTES = STAGES * STAGE_BYTES;
     static constexpr int NN_SBO = (BN / 64) * 1024;
     // Steps the copies run ahead of the multiply-adds.
-    static constexpr int AHEAD = STAGES - DEPTH;
+    static constexpr int AHEAD = STAGES - 1;
     static_assert(BK == 16 || BK == 32 || BK == 64, "BK: 16, 32 or 64");
     static_assert(BN == 128 || BN == 256, "BN: 128 or 256");
-    static_assert(AHEAD >= 0, "DEPTH stages at least");
     static_assert(SHARED_BYTES <= 42 * 1024, "stay well under the 48 KiB a block NVX launches allow");
     static_assert(STAGE_BYTES % 1024 == 0, "stages start on the swizzle's 1024-byte period");
 };
@@ -265,10 +263,10 @@ __device__ __forceinline__ void epilogue(const GemmParams& p, float* c, const fl
     }
 }
 
-template <int BM, int BN, int BK, int STAGES, int DEPTH, bool NN>
+template <int BM, int BN, int BK, int STAGES, bool NN>
 __device__ __forceinline__ void gemm(const GemmParams& p, const char* a, const char* b, float* c,
                                      char* shared) {
-    typedef Tile<BM, BN, BK, STAGES, DEPTH> T;
+    typedef Tile<BM, BN, BK, STAGES> T;
     const u32 tid = threadIdx.x;
 
     // The workgroup's tile and split-K part, as the GLSL tiles place them.
@@ -372,9 +370,8 @@ __device__ __forceinline__ void gemm(const GemmParams& p, const char* a, const c
             __syncthreads();
         } else {
             // Step s landed, is visible to the async proxy, and every
-            // warpgroup is done with step s - DEPTH's stage (its wait
-            // below, in an earlier iteration), which step s + AHEAD now
-            // overwrites.
+            // warpgroup is done with step s - 1's stage (its wait below),
+            // which step s + AHEAD now overwrites.
             copy_wait<T::AHEAD - 1>();
             fence_proxy_async();
             __syncthreads();
@@ -400,7 +397,7 @@ __device__ __forceinline__ void gemm(const GemmParams& p, const char* a, const c
             }
         }
         wgmma_commit();
-        wgmma_wait<DEPTH - 1>();
+        wgmma_wait<0>();
         fence_registers(d);
     }
     wgmma_wait<0>();
@@ -410,20 +407,20 @@ __device__ __forceinline__ void gemm(const GemmParams& p, const char* a, const c
 
 // ---- entry points: one per layout and tile (headkl_core::WgmmaTile) ----
 
-#define ENTRY(NAME, NN, BM, BN, BK, STAGES, DEPTH, MIN_BLOCKS)                                            \
+#define ENTRY(NAME, NN, BM, BN, BK, STAGES, MIN_BLOCKS)                                                   \
     extern "C" __global__ void __launch_bounds__(BM * 2, MIN_BLOCKS)                                      \
         NAME(const GemmParams p, const char* a, const char* b, float* c) {                                \
-        __shared__ __align__(1024) char shared[Tile<BM, BN, BK, STAGES, DEPTH>::SHARED_BYTES];            \
-        gemm<BM, BN, BK, STAGES, DEPTH, NN>(p, a, b, c, shared);                                          \
+        __shared__ __align__(1024) char shared[Tile<BM, BN, BK, STAGES>::SHARED_BYTES];                   \
+        gemm<BM, BN, BK, STAGES, NN>(p, a, b, c, shared);                                                 \
     }
-#define TILE(NAME, BM, BN, BK, STAGES, DEPTH, MIN_BLOCKS)                                                 \
-    ENTRY(wgmma_logits_##NAME, false, BM, BN, BK, STAGES, DEPTH, MIN_BLOCKS)                              \
-    ENTRY(wgmma_dx_##NAME, true, BM, BN, BK, STAGES, DEPTH, MIN_BLOCKS)
+#define TILE(NAME, BM, BN, BK, STAGES, MIN_BLOCKS)                                                        \
+    ENTRY(wgmma_logits_##NAME, false, BM, BN, BK, STAGES, MIN_BLOCKS)                                     \
+    ENTRY(wgmma_dx_##NAME, true, BM, BN, BK, STAGES, MIN_BLOCKS)
 
 // headkl_core::wgmma_tile::WGMMA_TILES, in its order. Four 64-row blocks
 // share an SM (their registers); BK 16 steps, two warpgroups a block, 256
-// columns and a second group of multiply-adds in flight all measured slower
-// (docs/PERFORMANCE.md).
-TILE(bm64_bk32_s3, 64, 128, 32, 3, 1, 4)
-TILE(bm64_bk64_s1, 64, 128, 64, 1, 1, 4)
-TILE(bm128_bk32_s2, 128, 128, 32, 2, 1, 2)
+// columns, a producer warp and a second group of multiply-adds in flight
+// all measured slower (docs/PERFORMANCE.md, row 52).
+TILE(bm64_bk32_s3, 64, 128, 32, 3, 4)
+TILE(bm64_bk64_s1, 64, 128, 64, 1, 4)
+TILE(bm128_bk32_s2, 128, 128, 32, 2, 2)
