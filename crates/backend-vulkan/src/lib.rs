@@ -481,25 +481,36 @@ impl Backend for VulkanBackend {
         let checked = launch.check(self.max_binding())?;
         let id = checked.id();
         let gemm = self.gemm_for(id);
-        if let (Launch::Gemm { a, b, c, desc }, Some(params)) = (launch, checked.gemm_params()) {
-            if let KernelSource::Glsl { tile, layout, filter } = id.build(gemm).source {
+        let build = checked.build(gemm);
+        // One arm per kind of kernel source: WGSL through naga, the GLSL
+        // tiles' SPIR-V, the PTX tiles through NVX. The last two are GEMMs.
+        let gemm_operands = match (launch, checked.gemm_params()) {
+            (Launch::Gemm { a, b, c, desc }, Some(params)) => Some(([a, b, c], desc, params)),
+            _ => None,
+        };
+        match (build.source, gemm_operands) {
+            (KernelSource::Wgsl(_), _) => self.dispatch_kernel(
+                build,
+                launch.workgroups(gemm),
+                |gx| checked.bytes(gx),
+                &launch.buffers(),
+            ),
+            (KernelSource::Glsl { tile, layout, filter }, Some(([a, b, c], desc, params))) => {
                 let Some(glsl) = headkl_glsl::gemm(tile, layout, filter) else {
                     return Err(backend_error(format!(
                         "headkl-glsl did not build glsl:{tile} for {layout:?}"
                     )));
                 };
-                return self.glsl_kernel_dispatch(glsl, a, b, c, &desc, params, id.name());
+                self.glsl_kernel_dispatch(glsl, a, b, c, &desc, params, id.name())
             }
-            if let KernelSource::Ptx { tile, layout } = id.build(gemm).source {
-                return self.ptx_dispatch(tile, layout, [a, b, c], &desc, params, id.name());
+            (KernelSource::Ptx { tile, layout }, Some((buffers, desc, params))) => {
+                self.ptx_dispatch(tile, layout, buffers, &desc, params, id.name())
             }
+            (source, None) => Err(backend_error(format!(
+                "{id}: {} is a GEMM's source, for a launch that is not a GEMM",
+                source.name()
+            ))),
         }
-        self.dispatch_kernel(
-            checked.build(gemm),
-            launch.workgroups(gemm),
-            |gx| checked.bytes(gx),
-            &launch.buffers(),
-        )
     }
 
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
