@@ -550,6 +550,44 @@ impl Stream {
         Ok(())
     }
 
+    /// Starts recording one kernel launch: a slot with room for it (`fits`,
+    /// and two timestamps when timing), the copy lanes ordered before it
+    /// on `buffers`. Returns the slot's index and command buffer.
+    fn open_launch(&mut self, buffers: &[Binding], fits: impl Fn(&Slot) -> bool) -> Result<(usize, vk::CommandBuffer)> {
+        let timed = self.timer.is_some();
+        self.begin_with_room(|s| fits(s) && (!timed || s.queries_used + 2 <= 2 * TIMED_DISPATCHES))?;
+        if self.lanes.is_some() {
+            let handles: Vec<vk::Buffer> = buffers.iter().map(|b| b.buffer).collect();
+            self.compute_uses(&handles)?;
+        }
+        self.dispatched = true;
+        Ok((self.current, self.cmd()))
+    }
+
+    /// Records `record`'s commands on slot `i`'s `cmd` after the barrier
+    /// every launch gets, between timestamps labelled `label` when timing.
+    fn record_timed(&mut self, i: usize, cmd: vk::CommandBuffer, label: &'static str, record: impl FnOnce()) {
+        let slot = &mut self.slots[i];
+        let timer = self.timer.as_ref().map(|t| {
+            let first = i as u32 * 2 * TIMED_DISPATCHES + slot.queries_used;
+            slot.queries_used += 2;
+            slot.labels.push(label);
+            (t.pool, first)
+        });
+        self.barrier();
+        let dev = &self.device.raw;
+        if let Some((pool, first)) = timer {
+            // SAFETY: recording command buffer; the query index is inside
+            // the pool and was reset at begin.
+            unsafe { dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first) };
+        }
+        record();
+        if let Some((pool, first)) = timer {
+            // SAFETY: as above.
+            unsafe { dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first + 1) };
+        }
+    }
+
     /// Records one launch that is not a pipeline's (a PTX tile's, through
     /// `VK_NVX_binary_import`): `record` gets the command buffer after the
     /// barrier every dispatch gets, between its timestamps. `buffers` are
@@ -560,38 +598,8 @@ impl Stream {
         label: &'static str,
         record: impl FnOnce(vk::CommandBuffer),
     ) -> Result<()> {
-        let timed = self.timer.is_some();
-        self.begin_with_room(|s| !timed || s.queries_used + 2 <= 2 * TIMED_DISPATCHES)?;
-        if self.lanes.is_some() {
-            let handles: Vec<vk::Buffer> = buffers.iter().map(|b| b.buffer).collect();
-            self.compute_uses(&handles)?;
-        }
-        self.dispatched = true;
-        let i = self.current;
-        let cmd = self.cmd();
-        let slot = &mut self.slots[i];
-        let timer = self.timer.as_ref().map(|t| {
-            let first = i as u32 * 2 * TIMED_DISPATCHES + slot.queries_used;
-            slot.queries_used += 2;
-            slot.labels.push(label);
-            (t.pool, first)
-        });
-        self.barrier();
-        let dev = &self.device.raw;
-        // SAFETY: recording command buffer; query indices are inside the
-        // pool and were reset at begin.
-        unsafe {
-            if let Some((pool, first)) = timer {
-                dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first);
-            }
-        }
-        record(cmd);
-        // SAFETY: as above.
-        unsafe {
-            if let Some((pool, first)) = timer {
-                dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first + 1);
-            }
-        }
+        let (i, cmd) = self.open_launch(buffers, |_| true)?;
+        self.record_timed(i, cmd, label, || record(cmd));
         Ok(())
     }
 
@@ -626,20 +634,9 @@ impl Stream {
             )));
         }
         let stride = self.uniform_stride;
-        let timed = self.timer.is_some();
-        self.begin_with_room(|s| {
-            s.uniform_used + stride <= UNIFORM_SLOTS * stride
-                && s.sets_used < UNIFORM_SLOTS
-                && (!timed || s.queries_used + 2 <= 2 * TIMED_DISPATCHES)
+        let (i, cmd) = self.open_launch(buffers, |s| {
+            s.uniform_used + stride <= UNIFORM_SLOTS * stride && s.sets_used < UNIFORM_SLOTS
         })?;
-        if self.lanes.is_some() {
-            let handles: Vec<vk::Buffer> = buffers.iter().map(|b| b.buffer).collect();
-            self.compute_uses(&handles)?;
-        }
-        self.dispatched = true;
-
-        let i = self.current;
-        let cmd = self.cmd();
         let slot = &mut self.slots[i];
         let at = slot.uniform_used;
         let uniforms = slot.uniforms_mut()?;
@@ -694,26 +691,17 @@ impl Stream {
         // the ranges are inside it.
         unsafe { dev.update_descriptor_sets(&writes, &[]) };
 
-        let timer = self.timer.as_ref().map(|t| {
-            let first = i as u32 * 2 * TIMED_DISPATCHES + slot.queries_used;
-            slot.queries_used += 2;
-            slot.labels.push(label);
-            (t.pool, first)
+        let device = Arc::clone(&self.device);
+        self.record_timed(i, cmd, label, || {
+            let dev = &device.raw;
+            // SAFETY: recording command buffer; pipeline, layout and set
+            // match.
+            unsafe {
+                dev.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline.raw);
+                dev.cmd_bind_descriptor_sets(cmd, vk::PipelineBindPoint::COMPUTE, pipeline.layout, 0, &[set], &[]);
+                dev.cmd_dispatch(cmd, grid.0, grid.1, 1);
+            }
         });
-        self.barrier();
-        // SAFETY: recording command buffer; pipeline, layout and set match;
-        // query indices are inside the pool and were reset at begin.
-        unsafe {
-            if let Some((pool, first)) = timer {
-                dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first);
-            }
-            dev.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline.raw);
-            dev.cmd_bind_descriptor_sets(cmd, vk::PipelineBindPoint::COMPUTE, pipeline.layout, 0, &[set], &[]);
-            dev.cmd_dispatch(cmd, grid.0, grid.1, 1);
-            if let Some((pool, first)) = timer {
-                dev.cmd_write_timestamp(cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, first + 1);
-            }
-        }
         Ok(())
     }
 }
