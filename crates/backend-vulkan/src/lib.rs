@@ -266,7 +266,13 @@ impl VulkanBackend {
                     let mut limits = kernels::kernel_limits(&device.caps);
                     limits.ptx = false;
                     let fallback = GemmChoice::preferred(&limits).unwrap_or(DEFAULT_GEMM);
-                    log::warn!("{e}; the GEMM runs {fallback} instead");
+                    // A cached choice that no longer runs is news; the
+                    // default's fallback on a GPU other than Hopper is not.
+                    if plan.source == ChoiceSource::Default {
+                        log::info!("{e}; the GEMM runs {fallback} instead");
+                    } else {
+                        log::warn!("{e}; the GEMM runs {fallback} instead (from {})", plan.source);
+                    }
                     plan.choice = fallback;
                     plan.source = ChoiceSource::Default;
                 }
