@@ -206,7 +206,8 @@ pub struct VulkanBackend {
     pub(crate) coop: Option<CoopPlan>,
     pub(crate) stream: Mutex<Stream>,
     pub(crate) pipelines: Mutex<PipelineCache>,
-    /// The PTX tiles' module, made on their first launch.
+    /// The PTX tiles' module: made at open where the GEMM choice names a
+    /// PTX tile, else on their first launch (after `use_gemm`).
     pub(crate) ptx: Mutex<Option<nvx::PtxModule>>,
     /// Declared last: dropped after the stream, pipelines and module.
     pub(crate) device: Arc<Device>,
