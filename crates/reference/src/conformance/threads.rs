@@ -183,6 +183,41 @@ pub fn soak_stays_flat<B: Backend>(backend: &B, calls: usize) -> Soak {
     s
 }
 
+/// Whether this test process runs one test alone (`--exact` among its
+/// arguments, as [`run_alone`] starts it).
+pub fn running_alone() -> bool {
+    std::env::args().any(|a| a == "--exact")
+}
+
+/// Runs test `name` of this test binary in a process of its own and fails
+/// unless it passes there, with its output. For a test that measures the
+/// process (its host memory), which the binary's other tests, running at
+/// the same time, would disturb.
+pub fn run_alone(name: &str) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::process::Command::new(exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .output()
+        .expect("starting the test binary again");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{name}, alone in its own process, failed:\n{text}"
+    );
+    assert!(
+        text.contains("1 passed"),
+        "{name} did not run in its own process:\n{text}"
+    );
+    // What it printed (its figures), for --nocapture.
+    for line in text.lines().filter(|l| l.contains(": soak ")) {
+        println!("{line}");
+    }
+}
+
 /// Instantiates the thread and soak tests for a backend: `$open` is an
 /// expression giving `headkl_core::Result<B>`, opened through
 /// [`super::open_or_skip`] (a backend that cannot start is skipped with
@@ -201,6 +236,13 @@ macro_rules! threads_tests {
 
         #[test]
         fn soak_of_many_calls_keeps_memory_flat() {
+            // Host memory is the whole process's, and the binary's other
+            // tests run beside this one: the soak runs in a test process of
+            // its own (this test alone, `--exact`), which this one waits for.
+            if !$crate::conformance::threads::running_alone() {
+                $crate::conformance::threads::run_alone("soak_of_many_calls_keeps_memory_flat");
+                return;
+            }
             if let Some(backend) = $crate::conformance::open_or_skip($name, || $open) {
                 let s = $crate::conformance::threads::soak_stays_flat(&backend, 1000);
                 println!("{}: soak {s:?}", $name);
