@@ -389,6 +389,7 @@ impl VulkanBackend {
     fn dispatch_kernel(
         &self,
         build: KernelBuild,
+        shader: ShaderSource,
         count: u64,
         params: impl FnOnce(u32) -> Vec<u8>,
         buffers: &[&VulkanBuffer],
@@ -400,13 +401,6 @@ impl VulkanBackend {
         if count == 0 {
             return Ok(());
         }
-        let KernelSource::Wgsl(shader) = build.source else {
-            // Backend::gemm records the GLSL builds (glsl.rs).
-            return Err(backend_error(format!(
-                "{kernel}: {} is not a WGSL build",
-                build.source.name()
-            )));
-        };
         let key = PipelineKey {
             file: shader.file,
             entry: build.entry,
@@ -496,8 +490,9 @@ impl Backend for VulkanBackend {
             _ => None,
         };
         match (build.source, gemm_operands) {
-            (KernelSource::Wgsl(_), _) => self.dispatch_kernel(
+            (KernelSource::Wgsl(shader), _) => self.dispatch_kernel(
                 build,
+                shader,
                 launch.workgroups(gemm),
                 |gx| checked.bytes(gx),
                 &launch.buffers(),

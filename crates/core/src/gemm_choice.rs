@@ -174,22 +174,10 @@ impl CoopGemm {
             return Ok(Self::Direct);
         }
         if let Some(name) = text.strip_prefix("glsl:") {
-            return GlslTile::from_name(name).map(Self::Glsl).ok_or_else(|| {
-                let known: Vec<String> = GLSL_TILES.iter().map(|t| t.to_string()).collect();
-                invalid(
-                    value,
-                    &format!("`{name}` is not a GLSL tile (one of {})", known.join(", ")),
-                )
-            });
+            return named_tile(value, name, "GLSL", &GLSL_TILES, GlslTile::from_name).map(Self::Glsl);
         }
         if let Some(name) = text.strip_prefix("wgmma:") {
-            return WgmmaTile::from_name(name).map(Self::Wgmma).ok_or_else(|| {
-                let known: Vec<String> = WGMMA_TILES.iter().map(|t| t.to_string()).collect();
-                invalid(
-                    value,
-                    &format!("`{name}` is not a PTX tile (one of {})", known.join(", ")),
-                )
-            });
+            return named_tile(value, name, "PTX", &WGMMA_TILES, WgmmaTile::from_name).map(Self::Wgmma);
         }
         let mut parts = text.split(':');
         if !parts.next().is_some_and(|p| p.eq_ignore_ascii_case("staged")) {
@@ -434,6 +422,24 @@ impl fmt::Display for GemmChoice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "logits={},dx={}", self.logits, self.dx)
     }
+}
+
+/// The tile of `tiles` named `name` (found by `find`), or an error naming
+/// `value` and listing the `kind` tiles there are.
+fn named_tile<T: fmt::Display>(
+    value: &str,
+    name: &str,
+    kind: &str,
+    tiles: &[T],
+    find: impl FnOnce(&str) -> Option<T>,
+) -> Result<T> {
+    find(name).ok_or_else(|| {
+        let known: Vec<String> = tiles.iter().map(|t| t.to_string()).collect();
+        invalid(
+            value,
+            &format!("`{name}` is not a {kind} tile (one of {})", known.join(", ")),
+        )
+    })
 }
 
 fn invalid(value: &str, reason: &str) -> Error {
