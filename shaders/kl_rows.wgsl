@@ -11,11 +11,20 @@ override KL_FLAGS: u32 = 0u;
 
 // <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
 
+// FLAGGED_ROW: the coefficient word of a row the device-resident kernels
+// flagged (headkl_core::resident::status::FLAGGED_ROW, a quiet NaN's bits).
+// Such a row gets a zero gradient row (and an all-clear filter mask)
+// whatever its logits, and the word's bits as its loss word (a NaN that
+// loss_out tells from bad logits); its lse, soft and hard words are
+// computed as for any row. The host path never writes it.
+// <row constants: generated from crates/core/src/resident/status.rs (headkl_core::kernels::Shader::source)>
+
 // Rows are read 4 logits (16 bytes) at a time: ld is a multiple of 16.
 @group(0) @binding(1) var<storage, read> logits: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> ids: array<u32>;
 @group(0) @binding(3) var<storage, read> probs: array<f32>;
-// [rows][2]: the coefficient's f32 bits, the label (NO_LABEL: none).
+// [rows][2]: the coefficient's f32 bits (FLAGGED_ROW: a flagged row), the
+// label (NO_LABEL: none).
 @group(0) @binding(4) var<storage, read> row_in: array<u32>;
 // [rows][4]: loss, lse at τ = 1, soft part, hard part.
 @group(0) @binding(5) var<storage, read_write> loss: array<f32>;
@@ -47,6 +56,8 @@ var<workgroup> red_max1: array<f32, WG>;
 var<workgroup> red_sum1: array<f32, WG>;
 var<workgroup> red_aux: array<f32, WG>;
 var<workgroup> row_lse: f32;
+// Bit 0: the row's logits are not finite; bit 1: the row is flagged (its
+// coefficient word is FLAGGED_ROW).
 var<workgroup> row_bad: u32;
 // The teacher's probability at the label, or -1 when the label is not
 // among the k.
@@ -423,6 +434,10 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         if non_finite(total) || !(total > 0.0) {
             b = 1u;
         }
+        // The word's bits, never a float NaN test (which may be folded).
+        if row_in[row * 2u] == FLAGGED_ROW {
+            b |= 2u;
+        }
         row_bad = b;
         row_lse = red_max[0] + log(total);
         row_label_p = -1.0;
@@ -435,7 +450,9 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         }
     }
     let lse = workgroupUniformLoad(&row_lse);
-    let row_is_bad = workgroupUniformLoad(&row_bad);
+    let row_state = workgroupUniformLoad(&row_bad);
+    let row_is_bad = row_state & 1u;
+    let flagged = (row_state & 2u) != 0u;
 
     // The soft term over the teacher's k entries (and, outside the plain
     // case, their mass and the student's mass on them).
@@ -481,6 +498,11 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
             if row_is_bad != 0u {
                 out = vec4<f32>(nan_f32());
             }
+            if flagged {
+                // The marker's bits, from the word itself (not a constant
+                // NaN, which WGSL cannot write).
+                out.x = bitcast<f32>(row_in[row * 2u]);
+            }
             loss[row * 4u] = out.x;
             loss[row * 4u + 1u] = out.y;
             loss[row * 4u + 2u] = out.z;
@@ -515,17 +537,17 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
             }
             let lambda = params.z_loss;
             let total_loss = params.soft_weight * soft + alpha_hard * hard + lambda * lse1 * lse1;
+            var out = vec4<f32>(total_loss, lse1, soft, hard);
             if row_is_bad != 0u {
-                loss[row * 4u] = nan_f32();
-                loss[row * 4u + 1u] = nan_f32();
-                loss[row * 4u + 2u] = nan_f32();
-                loss[row * 4u + 3u] = nan_f32();
-            } else {
-                loss[row * 4u] = total_loss;
-                loss[row * 4u + 1u] = lse1;
-                loss[row * 4u + 2u] = soft;
-                loss[row * 4u + 3u] = hard;
+                out = vec4<f32>(nan_f32());
             }
+            if flagged {
+                out.x = bitcast<f32>(row_in[row * 2u]);
+            }
+            loss[row * 4u] = out.x;
+            loss[row * 4u + 1u] = out.y;
+            loss[row * 4u + 2u] = out.z;
+            loss[row * 4u + 3u] = out.w;
             let a = params.soft_weight * f_off;
             let b = tau * (alpha_hard + 2.0 * lambda * lse1);
             let h = tau * alpha_hard * eps / f32(vocab);
@@ -535,6 +557,11 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         }
     }
 
+    // A flagged row contributes nothing (flagged is uniform: all return).
+    if flagged {
+        zero_row(row, lid);
+        return;
+    }
     // Pass 2: grad = c * ∂L/∂s everywhere (c * p_S in the plain case), zero
     // in the padding, 4 at a time ...
     let c = bitcast<f32>(row_in[row * 2u]);
@@ -599,6 +626,20 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     storageBarrier();
     if labelled && lid == 0u {
         grad[(base + label) / 4u][label % 4u] = f16(label_grad(logit(base, label), label_p, c, lse, c0, c1));
+    }
+}
+
+// Pass 2 of a flagged row: its gradient row 0 (padding included) whatever
+// its logits, and with the filter (F_FILTER) its mask all clear.
+fn zero_row(row: u32, lid: u32) {
+    let base4 = row * params.ld / 4u;
+    for (var g4 = lid; g4 < params.ld / 4u; g4 += WG) {
+        grad[base4 + g4] = vec4<f16>();
+    }
+    if (KL_FLAGS & F_FILTER) != 0u {
+        for (var w = lid; w < params.mask_ld; w += WG) {
+            grad[params.mask_off4 + row * params.mask_ld + w] = vec4<f16>();
+        }
     }
 }
 

@@ -3,7 +3,9 @@
 // KL kernel's per-row inputs (word 1 of [rows][2]), NONE where no labels are
 // given. A label that is neither below vocab nor NONE is flagged in the
 // status buffer and becomes NONE, so the KL kernel never reads past the
-// row. Prepended by resident_common.wgsl.
+// row, and the row's coefficient (word 0, teacher_rows') becomes
+// FLAGGED_ROW, as for a bad teacher row: a zero gradient and a NaN loss.
+// Prepended by resident_common.wgsl.
 
 @group(0) @binding(1) var<storage, read> labels: array<u32>;
 @group(0) @binding(2) var<storage, read_write> status: array<atomic<u32>>;
@@ -22,6 +24,7 @@ fn labels_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         if label != NONE && label >= params.vocab {
             atomicMin(&status[S_LABEL], params.token0 + row);
             label = NONE;
+            row_in[row * 2u] = FLAGGED_ROW;
         }
     }
     row_in[row * 2u + 1u] = label;

@@ -3,7 +3,11 @@
 // into the caller's buffers (dx scaled by the coefficient the stats kernel
 // resolved, overwritten or accumulated), and the first token whose logits
 // were not finite (NaN loss from kl_rows) into the status buffer.
-// Prepended by resident_common.wgsl.
+// A flagged row (kl_rows wrote FLAGGED_ROW's bits as its loss word) gets NaN
+// loss and terms; its dx row is already 0. Its logits are judged by its lse
+// word instead (NaN exactly when kl_rows found them not finite), so a row
+// whose only fault is the flag does not also read as bad logits in
+// S_LOGITS. Prepended by resident_common.wgsl.
 
 // [rows][4]: loss, lse, soft, hard (kl_rows); the loss is word 0.
 @group(0) @binding(1) var<storage, read> loss_chunk: array<f32>;
@@ -20,13 +24,24 @@ fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
     let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
     if i < params.rows {
         let l = loss_chunk[i * 4u];
+        // The bits, never a float NaN test (which may be folded).
+        let flagged = bitcast<u32>(l) == FLAGGED_ROW;
+        // l is a NaN for a flagged row.
         loss_dst[params.loss_offset + i] = l;
         if params.write_terms != 0u {
             for (var c = 0u; c < 3u; c++) {
-                terms_dst[(params.loss_offset + i) * 3u + c] = loss_chunk[i * 4u + 1u + c];
+                var v = loss_chunk[i * 4u + 1u + c];
+                if flagged {
+                    v = l;
+                }
+                terms_dst[(params.loss_offset + i) * 3u + c] = v;
             }
         }
-        if non_finite(l) {
+        var logits_word = l;
+        if flagged {
+            logits_word = loss_chunk[i * 4u + 1u];
+        }
+        if non_finite(logits_word) {
             atomicMin(&status[S_LOGITS], params.token0 + i);
         }
     }

@@ -87,9 +87,15 @@ fn shard_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     } else if stage == STAGE_MAP_FINISH {
         let alpha = max(exp(partials[t] - stats[t]), ALPHA_FLOOR);
         map_row(row, 1.0 / alpha, true);
-        let c = bitcast<f32>(row_in[row * 2u]);
-        row_in[row * 2u] = bitcast<u32>(c * alpha);
+        // A flagged row's word stays FLAGGED_ROW (compared as bits: a NaN
+        // times α need not keep them).
+        let word = row_in[row * 2u];
+        if word != FLAGGED_ROW {
+            row_in[row * 2u] = bitcast<u32>(bitcast<f32>(word) * alpha);
+        }
     } else if stage == STAGE_LOSS {
+        // A row with bad logits, or a flagged one (its loss word the
+        // marker, for loss_out), stays as kl_rows wrote it.
         if !non_finite(loss_chunk[row * 4u]) {
             let l = stats[t + 2u] + stats[t];
             loss_chunk[row * 4u] = l;

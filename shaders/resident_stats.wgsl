@@ -1,7 +1,9 @@
 // Device-resident head_kl, step 1 (headkl_core::KernelId::WeightStats): one
 // workgroup sums and maxes the token weights on the device, flags the first
 // bad weight, and resolves total and gscale into the status buffer's
-// coefficient words. Prepended by resident_common.wgsl.
+// coefficient words; when total is not positive the KL multiplier word is
+// FLAGGED_ROW, so teacher_rows flags every row of the call (and the dx
+// multiplier 0). Prepended by resident_common.wgsl.
 
 @group(0) @binding(1) var<storage, read> weights: array<f32>;
 @group(0) @binding(2) var<storage, read_write> status: array<atomic<u32>>;
@@ -59,15 +61,15 @@ fn weight_stats(@builtin(local_invocation_index) lid: u32) {
     } else if max_w > 0.0 {
         gscale = 16384.0 * (total / max_w) / max(params.grad_bound, 1.0);
     }
-    var coef_mul = 0.0;
+    var coef_mul = FLAGGED_ROW;
     var dx_mul = 0.0;
     if total > 0.0 && !non_finite(total) && !non_finite(gscale) && gscale > 0.0 {
-        coef_mul = gscale / total;
+        coef_mul = bitcast<u32>(gscale / total);
         dx_mul = params.inv_temperature / gscale;
     } else {
         atomicStore(&status[S_TOTAL_BAD], 1u);
         atomicStore(&status[S_TOTAL_BITS], bitcast<u32>(total));
     }
-    atomicStore(&status[S_COEF_MUL], bitcast<u32>(coef_mul));
+    atomicStore(&status[S_COEF_MUL], coef_mul);
     atomicStore(&status[S_DX_MUL], bitcast<u32>(dx_mul));
 }

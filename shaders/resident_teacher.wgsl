@@ -2,8 +2,12 @@
 // workgroup per token row of a chunk checks the caller's teacher row, writes
 // it clamped and renormalized into the engine's scratch with the row's
 // KL coefficient, and flags a bad row in the status buffer. A bad row gets
-// zero probabilities and coefficient, so whatever its bytes it reads and
-// writes nothing out of bounds. The values are probabilities or
+// zero probabilities, so whatever its bytes it reads and writes nothing out
+// of bounds, and the coefficient word FLAGGED_ROW
+// (headkl_core::resident::status::FLAGGED_ROW), as does a row of bad
+// weight and, when total is not positive (the stats kernel's multiplier
+// word is FLAGGED_ROW then), every row: kl_rows gives such a row a zero
+// gradient and a NaN loss. The values are probabilities or
 // log-probabilities over the full vocabulary (each ≤ 0, -inf is 0),
 // renormalized over the k in the renormalize tail mode and kept as given in the others, where a row whose mass is above 1 +
 // MASS_TOLERANCE is bad. The row's coefficient goes into the KL kernel's
@@ -119,15 +123,17 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         atomicMin(&status[S_ROW], token);
     }
     var w = 1.0;
+    var w_bad = false;
     if params.has_weights != 0u {
         w = weights[params.weights_offset + row];
-        if non_finite(w) || negative(w) {
-            w = 0.0;
-        }
+        // Flagged by the stats kernel (S_WEIGHT).
+        w_bad = non_finite(w) || negative(w);
     }
-    var c = 0.0;
-    if !any_bad {
-        c = w * bitcast<f32>(atomicLoad(&status[S_COEF_MUL]));
+    // Compared as bits: FLAGGED_ROW is a NaN.
+    let coef_mul = atomicLoad(&status[S_COEF_MUL]);
+    var c = FLAGGED_ROW;
+    if !any_bad && !w_bad && coef_mul != FLAGGED_ROW {
+        c = bitcast<u32>(w * bitcast<f32>(coef_mul));
     }
-    row_in[row * 2u] = bitcast<u32>(c);
+    row_in[row * 2u] = c;
 }

@@ -11,14 +11,16 @@
 use std::any::Any;
 use std::collections::HashMap;
 
+#[cfg(feature = "fusion")]
 use burn::backend::TensorMetadata;
 use burn::backend::{BackendTensor, Cube, DispatchAutodiffContext, DispatchTensor, DispatchTensorKind};
 use burn::prelude::{Int, Tensor};
-use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
+#[cfg(feature = "fusion")]
 use burn_cubecl::CubeBackend;
-use burn_fusion::stream::StreamId;
-use burn_fusion::{FusionTensor, NoOp};
+#[cfg(feature = "fusion")]
+use burn_fusion::{stream::StreamId, FusionTensor, NoOp};
+#[cfg(feature = "fusion")]
 use burn_ir::{BackendIr, InitOperationIr, OperationIr};
 use cubecl::wgpu::{AutoCompiler, WgpuServer};
 use headkl_core::{Error, Result};
@@ -26,8 +28,14 @@ use headkl_wgpu::{WgpuBackend, WgpuBuffer};
 
 use crate::device::BIND_ALIGN;
 
-/// The fusion primitive every float and int tensor on the wgpu device is.
-pub(crate) type Fused = FusionTensor<FusionCubeRuntime>;
+/// The primitive every float and int tensor on the wgpu device is: with
+/// burn's fusion, a fusion tensor over the cubecl tensor.
+#[cfg(feature = "fusion")]
+pub(crate) type Primitive = FusionTensor<burn_cubecl::fusion::FusionCubeRuntime>;
+/// The primitive every float and int tensor on the wgpu device is: without
+/// burn's fusion, the cubecl tensor itself.
+#[cfg(not(feature = "fusion"))]
+pub(crate) type Primitive = CubeTensor;
 
 /// An autodiff float primitive over [`Cube`].
 pub(crate) type AdTensor = <burn::backend::Autodiff<Cube> as burn::backend::BackendTypes>::FloatTensorPrimitive;
@@ -50,7 +58,7 @@ fn not_here(field: &'static str, what: &str) -> Error {
 /// an autodiff device, its autodiff primitive (the graph node) and
 /// checkpointing strategy.
 pub(crate) struct FloatParts {
-    pub inner: Fused,
+    pub inner: Primitive,
     pub autodiff: Option<(AdTensor, burn::backend::GradientCheckpointingStrategy)>,
 }
 
@@ -84,7 +92,7 @@ pub(crate) fn float_parts<const D: usize>(tensor: Tensor<D>, field: &'static str
     }
 }
 
-pub(crate) fn int_inner<const D: usize>(tensor: Tensor<D, Int>, field: &'static str) -> Result<Fused> {
+pub(crate) fn int_inner<const D: usize>(tensor: Tensor<D, Int>, field: &'static str) -> Result<Primitive> {
     match tensor.into_dispatch().kind {
         DispatchTensorKind::Cube(BackendTensor::Int(inner)) => Ok(inner),
         #[allow(
@@ -97,15 +105,31 @@ pub(crate) fn int_inner<const D: usize>(tensor: Tensor<D, Int>, field: &'static 
 
 /// Runs what is queued for `t` and returns its cubecl tensor (`t` stays
 /// valid: a clone is resolved).
-pub(crate) fn resolve_float(t: &Fused) -> CubeTensor {
+#[cfg(feature = "fusion")]
+pub(crate) fn resolve_float(t: &Primitive) -> CubeTensor {
     t.client.resolve_tensor_float::<CubeBackend>(t.clone())
 }
 
-pub(crate) fn resolve_int(t: &Fused) -> CubeTensor {
+#[cfg(feature = "fusion")]
+pub(crate) fn resolve_int(t: &Primitive) -> CubeTensor {
     t.client.resolve_tensor_int::<CubeBackend>(t.clone())
 }
 
-fn register(t: CubeTensor, float: bool) -> Result<Fused> {
+/// `t`'s cubecl tensor (without fusion nothing is queued apart from it).
+#[cfg(not(feature = "fusion"))]
+pub(crate) fn resolve_float(t: &Primitive) -> CubeTensor {
+    t.clone()
+}
+
+#[cfg(not(feature = "fusion"))]
+pub(crate) fn resolve_int(t: &Primitive) -> CubeTensor {
+    t.clone()
+}
+
+/// A cubecl tensor headkl wrote as burn's primitive (registered with the
+/// fusion client).
+#[cfg(feature = "fusion")]
+fn register(t: CubeTensor, float: bool) -> Result<Primitive> {
     let client = burn_fusion::get_client::<CubeBackend>(&t.device);
     let (shape, dtype) = (t.shape(), t.dtype);
     let handle = if float {
@@ -120,6 +144,12 @@ fn register(t: CubeTensor, float: bool) -> Result<Fused> {
         .ok_or_else(|| backend_error("registering an output with burn's fusion", "no tensor came back"))
 }
 
+/// A cubecl tensor headkl wrote as burn's primitive.
+#[cfg(not(feature = "fusion"))]
+fn register(t: CubeTensor, _float: bool) -> Result<Primitive> {
+    Ok(t)
+}
+
 /// A cubecl tensor headkl wrote as a burn float tensor.
 pub(crate) fn float_tensor<const D: usize>(t: CubeTensor) -> Result<Tensor<D>> {
     Ok(Tensor::from_primitive::<Cube>(register(t, true)?))
@@ -128,6 +158,31 @@ pub(crate) fn float_tensor<const D: usize>(t: CubeTensor) -> Result<Tensor<D>> {
 /// A cubecl tensor headkl wrote as a burn int tensor.
 pub(crate) fn int_tensor<const D: usize>(t: CubeTensor) -> Result<Tensor<D, Int>> {
     Ok(Tensor::from_primitive::<Cube>(register(t, false)?))
+}
+
+/// Copies `bytes` bytes of `t` (contiguous) into `dst` at `dst_offset` on
+/// the device, after burn's queued work.
+pub(crate) fn copy_into(
+    t: &CubeTensor,
+    (device, queue): (&wgpu::Device, &wgpu::Queue),
+    dst: &wgpu::Buffer,
+    dst_offset: u64,
+    bytes: u64,
+) -> Result<()> {
+    let managed = t
+        .client
+        .get_resource::<WgpuServer<AutoCompiler>>(t.handle.clone())
+        .map_err(|e| backend_error("head", e))?;
+    t.client
+        .flush()
+        .map_err(|e| backend_error("flushing burn's queued work", e))?;
+    let resource = managed.resource();
+    let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+        label: Some("headkl-burn head"),
+    });
+    enc.copy_buffer_to_buffer(&resource.buffer, resource.offset, dst, dst_offset, bytes);
+    queue.submit([enc.finish()]);
+    Ok(())
 }
 
 /// How a call's tensors reached headkl.

@@ -74,7 +74,7 @@ impl SharedDevice {
     /// (else the best usable one), on the queue family
     /// `options.headkl.common.queue` picks, with [`device_descriptor`]'s features
     /// and limits; then burn's wgpu runtime is registered on it.
-    pub fn open(options: &DeviceOptions) -> Result<Self> {
+    pub fn open(options: &DeviceOptions) -> crate::Result<Self> {
         let (instance, adapter) = headkl_wgpu::choose_adapter(options.headkl.common.device)?;
         let (wgpu_device, queue) =
             headkl_wgpu::request_device(&adapter, &device_descriptor(&adapter), options.headkl.common.queue)?;

@@ -4,12 +4,11 @@
 #[path = "../examples/bench_burn.rs"]
 mod bench_burn;
 
-use headkl_burn::{DeviceOptions, SharedDevice};
-use headkl_reference::conformance::open_or_skip;
+mod common;
 
 #[test]
 fn bench_runs_both_methods_on_a_tiny_shape() {
-    let Some(shared) = open_or_skip("wgpu", || SharedDevice::open(&DeviceOptions::default())) else {
+    let Some(shared) = common::open() else {
         return;
     };
     let cfg = bench_burn::Config::from_args(

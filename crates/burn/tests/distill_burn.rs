@@ -5,12 +5,11 @@
 #[path = "../examples/distill_burn.rs"]
 mod distill_burn;
 
-use headkl_burn::{DeviceOptions, SharedDevice};
-use headkl_reference::conformance::open_or_skip;
+mod common;
 
 #[test]
 fn distill_burn_learns_and_its_first_steps_agree_with_burns_loss() {
-    let Some(shared) = open_or_skip("wgpu", || SharedDevice::open(&DeviceOptions::default())) else {
+    let Some(shared) = common::open() else {
         return;
     };
     let cfg = distill_burn::Config::default();

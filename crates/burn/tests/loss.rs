@@ -1,114 +1,20 @@
 //! headkl's loss inside burn: against the f64 reference and headkl outside
 //! burn (the conformance tolerances), against the loss written the burn way
-//! (unfused), its gradient through burn's autodiff, top-k, the binding of
-//! burn's buffers, and bad input.
+//! (unfused), its gradient through burn's autodiff (the mean's and the
+//! per-token loss's), top-k with log-probabilities, and the binding of
+//! burn's buffers.
 
-use burn::prelude::{Int, Tensor};
+use burn::prelude::Tensor;
 use burn::tensor::{DType, FloatDType, TensorData};
-use headkl_burn::{unfused, DeviceOptions, HeadKl, LossOptions, SharedDevice, Teacher};
-use headkl_core::{
-    Engine, Error, HeadData, HeadWeights, Hidden, LossOptions as HostLossOptions, SliceOptions, TopkOptions,
-};
-use headkl_reference::conformance::open_or_skip;
-use headkl_reference::direct::{head_kl_f64, topk_f64, DirectLoss};
+use headkl_burn::prelude::*;
+use headkl_burn::unfused;
+use headkl_core::{Engine, Hidden, LossOptions as HostLossOptions, SliceOptions};
+use headkl_reference::direct::{topk_f64, DirectLoss};
 use headkl_reference::Tolerance;
 
-/// Uniform values in [-scale, scale), xorshift64* from `seed`.
-fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            let r = s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
-            (r as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
+mod common;
 
-/// A small problem: head `[V][hs]`, hidden `[ntok][hs]`, a teacher with
-/// distinct ids per row, weights.
-struct Case {
-    vocab: usize,
-    hs: usize,
-    ntok: usize,
-    k: usize,
-    head: Vec<f32>,
-    hidden: Vec<f32>,
-    ids: Vec<u32>,
-    probs: Vec<f32>,
-    weights: Vec<f32>,
-}
-
-impl Case {
-    fn new(seed: u64) -> Self {
-        // 13 is prime to 300, so ids (7t + 13j) mod V are distinct in a row.
-        let (vocab, hs, ntok, k) = (300, 40, 19, 8);
-        let ids = (0..ntok * k)
-            .map(|i| ((7 * (i / k) + 13 * (i % k)) % vocab) as u32)
-            .collect();
-        let probs = uniform(ntok * k, seed + 3, 1.0)
-            .iter()
-            .map(|u| u.abs() + 0.01)
-            .collect();
-        let mut weights: Vec<f32> = uniform(ntok, seed + 4, 1.0).iter().map(|u| u.abs() * 2.0).collect();
-        weights[3] = 0.0;
-        Self {
-            vocab,
-            hs,
-            ntok,
-            k,
-            head: uniform(vocab * hs, seed + 1, 0.5),
-            hidden: uniform(ntok * hs, seed + 2, 1.0),
-            ids,
-            probs,
-            weights,
-        }
-    }
-
-    fn head(&self) -> HeadWeights<'_> {
-        HeadWeights::new(HeadData::F32(&self.head), self.vocab, self.hs).expect("head")
-    }
-
-    fn teacher(&self, device: &burn::tensor::Device) -> Teacher {
-        let ids: Vec<i32> = self.ids.iter().map(|&i| i as i32).collect();
-        Teacher {
-            ids: Tensor::<2, Int>::from_data(TensorData::new(ids, [self.ntok, self.k]), device),
-            probs: Tensor::from_data(TensorData::new(self.probs.clone(), [self.ntok, self.k]), device),
-        }
-    }
-
-    fn hidden(&self, device: &burn::tensor::Device) -> Tensor<2> {
-        Tensor::from_data(TensorData::new(self.hidden.clone(), [self.ntok, self.hs]), device)
-    }
-
-    fn weights(&self, device: &burn::tensor::Device) -> Tensor<1> {
-        Tensor::from_data(TensorData::new(self.weights.clone(), [self.ntok]), device)
-    }
-
-    /// The f64 reference of DESIGN §1 on the f16-rounded head and rows.
-    fn reference(&self, weights: bool, total: Option<f32>) -> DirectLoss {
-        let hidden = Hidden::f32(&self.hidden, self.ntok, self.hs).expect("hidden");
-        let teacher =
-            headkl_core::Teacher::new(&self.ids, &self.probs, self.ntok, self.k, self.vocab).expect("teacher");
-        let opts = HostLossOptions {
-            weights: weights.then(|| self.weights.clone()),
-            total,
-            ..HostLossOptions::default()
-        };
-        let resolved = opts.resolve(self.ntok).expect("options");
-        head_kl_f64(&self.head(), &hidden, &teacher, &resolved)
-    }
-}
-
-fn open() -> Option<SharedDevice> {
-    open_or_skip("wgpu", || SharedDevice::open(&DeviceOptions::default()))
-}
-
-fn host_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32 data")
-}
+use common::{host_f32, open, Case};
 
 #[test]
 fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
@@ -354,78 +260,153 @@ fn topk_matches_the_reference() {
 }
 
 #[test]
-fn bad_input_is_a_typed_error() {
+fn topk_log_probabilities_are_the_host_paths() {
     let Some(shared) = open() else { return };
-    let case = Case::new(7);
+    let case = Case::new(8);
     let device = shared.device();
     let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let opts = TopkOptions {
+        logprobs: true,
+        temperature: 0.8,
+        ..TopkOptions::new(case.k)
+    };
+    let top = head.topk(&case.hidden(&device), &opts).expect("topk");
+    let logprobs = host_f32(top.logprobs.expect("log-probabilities were asked for"));
+    let probs = host_f32(top.probs);
+    head.wait().expect("device status");
+    let backend = headkl_wgpu::WgpuBackend::open(None).expect("wgpu backend");
+    let mut engine = Engine::new(backend, &case.head(), SliceOptions::default()).expect("engine");
+    let hidden = Hidden::f32(&case.hidden, case.ntok, case.hs).expect("hidden");
+    let want = engine.topk(&hidden, &opts).expect("host topk");
+    for (i, (g, w)) in logprobs.iter().zip(&want.logprobs).enumerate() {
+        assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "logprobs[{i}] {g}, host {w}");
+        assert!(*g <= 0.0, "logprobs[{i}] = {g} > 0");
+    }
+    for (i, (g, w)) in probs.iter().zip(&want.probs).enumerate() {
+        assert!((g - w).abs() <= 1e-5, "probs[{i}] {g}, host {w}");
+    }
+}
+
+#[test]
+fn the_per_token_loss_backpropagates_like_burns_own() {
+    let Some(shared) = open() else { return };
+    let case = Case::new(9);
+    let device = shared.device().autodiff();
+    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect() };
+    let head_t = Tensor::<2>::from_data(TensorData::new(round(&case.head), [case.vocab, case.hs]), &device);
+    let rows = Tensor::<2>::from_data(TensorData::new(round(&case.hidden), [case.ntok, case.hs]), &device);
     let teacher = case.teacher(&device);
-    let opts = LossOptions::default();
-
-    let wide = Tensor::<2>::zeros([case.ntok, case.hs + 1], &device);
-    let e = head.loss(&wide, &teacher, None, &opts).expect_err("hs");
-    assert!(matches!(e, Error::HiddenSizeMismatch { expected: 40, got: 41 }), "{e}");
-
-    let short = case.hidden(&device).slice([0..case.ntok - 1, 0..case.hs]);
-    let e = head.loss(&short, &teacher, None, &opts).expect_err("rows");
-    assert!(
-        matches!(
-            e,
-            Error::LengthMismatch {
-                field: headkl_core::Field::Ids,
-                ..
-            }
-        ),
-        "{e}"
-    );
-
-    let w = Tensor::<1>::ones([case.ntok + 2], &device);
-    let e = head
-        .loss(&case.hidden(&device), &teacher, Some(&w), &opts)
-        .expect_err("weights");
-    assert!(
-        matches!(
-            e,
-            Error::LengthMismatch {
-                field: headkl_core::Field::Weights,
-                ..
-            }
-        ),
-        "{e}"
-    );
-
-    let f64_rows = case.hidden(&device).cast(FloatDType::F64);
-    let e = head.loss(&f64_rows, &teacher, None, &opts).expect_err("dtype");
-    assert!(matches!(e, Error::DeviceBuffer { field: "hidden", .. }), "{e}");
-
-    let e = head
-        .loss(
-            &case.hidden(&device),
-            &teacher,
-            None,
-            &LossOptions {
-                temperature: 0.0,
-                ..LossOptions::default()
-            },
-        )
-        .expect_err("temperature");
-    assert!(matches!(e, Error::InvalidTemperature { .. }), "{e}");
-
-    // A tensor on another device.
-    let other = SharedDevice::open(&DeviceOptions::default()).expect("second device");
-    let elsewhere = case.hidden(&other.device());
-    let e = head.loss(&elsewhere, &teacher, None, &opts).expect_err("device");
-    assert!(matches!(e, Error::DeviceBuffer { field: "hidden", .. }), "{e}");
-
-    // Bad data on the device comes back from wait: an id past the vocabulary.
-    let mut ids: Vec<i32> = case.ids.iter().map(|&i| i as i32).collect();
-    ids[5 * case.k + 2] = case.vocab as i32 + 4;
-    let bad = Teacher {
-        ids: Tensor::<2, Int>::from_data(TensorData::new(ids, [case.ntok, case.k]), &device),
+    let unfused_teacher = unfused::UnfusedTeacher {
+        ids: teacher.ids.clone(),
         probs: teacher.probs.clone(),
     };
-    head.loss(&case.hidden(&device), &bad, None, &opts).expect("recorded");
-    let e = head.wait().expect_err("status");
-    assert!(matches!(e, Error::IdOutOfRange { row: 5, col: 2, .. }), "{e}");
-    head.wait().expect("the status is cleared");
+    // A reduction of the caller's own: per-token factors, one of them 0.
+    let mut factors = common::uniform(case.ntok, 91, 2.0);
+    factors[4] = 0.0;
+    let u = Tensor::<1>::from_data(TensorData::new(factors, [case.ntok]), &device);
+    // Weights (row 3 has weight 0: masked, no gradient through per_token),
+    // and a `total`, which per_token's gradient must not depend on.
+    for (weights, total) in [(false, None), (true, None), (true, Some(7.0))] {
+        let w = weights.then(|| case.weights(&device));
+        let h1 = rows.clone().require_grad();
+        let ours = head
+            .loss(
+                &h1,
+                &teacher,
+                w.as_ref(),
+                &LossOptions {
+                    total,
+                    ..LossOptions::default()
+                },
+            )
+            .expect("loss");
+        let g1 = host_f32(h1.grad(&(ours.per_token * u.clone()).sum().backward()).expect("grad"));
+        let h2 = rows.clone().require_grad();
+        let (_, theirs) = unfused::loss(h2.clone(), &head_t, &unfused_teacher, None, None, 1.0);
+        let mut mask = vec![1f32; case.ntok];
+        if weights {
+            for (m, &wt) in mask.iter_mut().zip(&case.weights) {
+                *m = if wt > 0.0 { 1.0 } else { 0.0 };
+            }
+        }
+        let masked = u.clone() * Tensor::<1>::from_data(TensorData::new(mask, [case.ntok]), &device);
+        let g2 = host_f32(h2.grad(&(theirs * masked).sum().backward()).expect("grad"));
+        let num: f32 = g1.iter().zip(&g2).map(|(x, y)| (x - y) * (x - y)).sum();
+        let den: f32 = g2.iter().map(|y| y * y).sum();
+        let rel = (num / den).sqrt();
+        assert!(
+            rel <= 3e-3,
+            "weights {weights} total {total:?}: relative L2 error {rel}"
+        );
+        if weights {
+            let row3 = &g1[3 * case.hs..4 * case.hs];
+            assert!(row3.iter().all(|&g| g == 0.0), "row 3 has weight 0: {row3:?}");
+        }
+    }
+    head.wait().expect("device status");
+}
+
+#[test]
+fn a_head_from_a_burn_tensor_is_the_head_from_the_host() {
+    let Some(shared) = open() else { return };
+    let case = Case::new(10);
+    let device = shared.device();
+    let opts = LossOptions::default();
+    let mut from_host = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl::new");
+    let w = Tensor::<2>::from_data(
+        TensorData::new(case.head.clone(), [case.vocab, case.hs]),
+        &device.clone().autodiff(),
+    );
+    let mut from_tensor = HeadKl::from_tensor(&shared, &w, &Default::default()).expect("HeadKl::from_tensor");
+    let made = from_tensor.last_binding();
+    assert_eq!((made.in_place, made.copied), (0, 1), "{made:?}");
+    assert_eq!((from_tensor.vocab(), from_tensor.hs()), (case.vocab, case.hs));
+    let (a, b) = (
+        from_host
+            .loss(
+                &case.hidden(&device),
+                &case.teacher(&device),
+                Some(&case.weights(&device)),
+                &opts,
+            )
+            .expect("loss"),
+        from_tensor
+            .loss(
+                &case.hidden(&device),
+                &case.teacher(&device),
+                Some(&case.weights(&device)),
+                &opts,
+            )
+            .expect("loss"),
+    );
+    assert_eq!(
+        host_f32(a.per_token),
+        host_f32(b.per_token),
+        "the same f16 planes, the same loss"
+    );
+    assert_eq!(host_f32(a.dx), host_f32(b.dx));
+    let k = TopkOptions::new(case.k);
+    let (ta, tb) = (
+        from_host.topk(&case.hidden(&device), &k).expect("topk"),
+        from_tensor.topk(&case.hidden(&device), &k).expect("topk"),
+    );
+    assert_eq!(host_f32(ta.probs), host_f32(tb.probs));
+    from_host.wait().expect("device status");
+    from_tensor.wait().expect("device status");
+
+    // A value f16 cannot hold is refused before anything is uploaded.
+    let mut values = case.head.clone();
+    values[7 * case.hs + 3] = 1e6;
+    let big = Tensor::<2>::from_data(TensorData::new(values, [case.vocab, case.hs]), &device);
+    let e = HeadKl::from_tensor(&shared, &big, &Default::default())
+        .err()
+        .expect("out of f16's range");
+    assert!(
+        matches!(
+            e,
+            Error::Headkl(headkl_core::Error::HeadOutOfF16Range { row: 7, col: 3, .. })
+        ),
+        "{e}"
+    );
 }

@@ -239,6 +239,12 @@ pub struct SumPartsDesc {
 ///   (the driver turns that into an error naming the token);
 /// - `grad[t][j] = c_t·∂L_t/∂s_j` as f16 for `j < vocab` (with the default
 ///   terms `c_t·(p_S,j − p_T,j)`), and zero for `j` in `[vocab, ld)`.
+///
+/// A coefficient word of [`crate::resident::status::FLAGGED_ROW`] (a row
+/// the device-resident kernels flagged; never the host path's) makes the
+/// row's gradient (and filter mask) all zero whatever its logits, and its
+/// `L_t` word that marker's bits (a NaN); its lse, soft and hard words are
+/// computed as for `c_t = 0`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KlDesc {
     /// Rows (tokens) to process.

@@ -7,7 +7,7 @@ use crate::backend::{Backend, KlDesc, PendingDownload, RowStats, TopkDesc};
 use crate::chunking::ChunkPlan;
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
-use crate::head_planes::{DxFilter, HeadPlanes};
+use crate::head_planes::{DevicePlane, DxFilter, HeadPlanes};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
@@ -117,6 +117,31 @@ impl<B: Backend> Engine<B> {
     /// naming its row and column, before any of it is on the device.
     pub fn new(backend: B, head: &HeadWeights<'_>, slicing: SliceOptions) -> Result<Self> {
         Self::with_vocab_order(backend, head, slicing, None)
+    }
+
+    /// An engine whose head `[vocab][hs]` is already on `backend`'s device
+    /// (a trainer's own tensor): no host copy of it. `fill` writes each
+    /// vocabulary slice's f16 plane ([`DevicePlane`]: the rows rounded to
+    /// f16, zero-padded), typically a device copy; `row_norms` are those
+    /// f16 rows' Euclidean norms (`[vocab]`). The caller checks the values
+    /// (finite, within f16's range) first: nothing here reads them.
+    pub fn from_device_head(
+        backend: B,
+        (vocab, hs): (usize, usize),
+        slicing: SliceOptions,
+        row_norms: &[f32],
+        mut fill: impl FnMut(&B, DevicePlane<'_, B::Buffer>) -> Result<()>,
+    ) -> Result<Self> {
+        let head = HeadPlanes::from_device(&backend, (vocab, hs), slicing, row_norms, &mut fill)?;
+        Ok(Self {
+            backend,
+            head,
+            scratch: ScratchCache::default(),
+            resident: crate::resident::ResidentState::new(),
+            trace: false,
+            progress: None,
+            row_stats: true,
+        })
     }
 
     /// [`Engine::new`] with the head's rows stored in `order`

@@ -47,6 +47,26 @@ pub(crate) struct HeadPlanes<B: Backend> {
     order: Option<VocabOrder>,
 }
 
+/// What writes a device head's planes ([`HeadPlanes::from_device`]).
+pub(crate) type PlaneFill<'a, B> = dyn FnMut(&B, DevicePlane<'_, <B as Backend>::Buffer>) -> Result<()> + 'a;
+
+/// One vocabulary slice's plane of a head already on the device
+/// ([`crate::Engine::from_device_head`]): `padded_rows` rows of `hs_padded`
+/// f16 values from byte 0 of `buffer`, row `r < rows` holding head row
+/// `first_row + r` (columns past hs zero), the rows past `rows` zero.
+pub struct DevicePlane<'a, Buf> {
+    /// The plane (fresh, of `padded_rows · hs_padded · 2` bytes).
+    pub buffer: &'a Buf,
+    /// The head row the plane starts at.
+    pub first_row: usize,
+    /// Head rows in the plane.
+    pub rows: usize,
+    /// Rows the plane holds (`rows` rounded up; the rest zero).
+    pub padded_rows: usize,
+    /// f16 values per row (hs rounded up; the rest zero).
+    pub hs_padded: usize,
+}
+
 /// The dx GEMM's block filter for one chunk ([`HeadPlanes::dx`]): the
 /// chunk's real rows, whose block mask `kl_rows` left after grad's rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,6 +145,68 @@ impl<B: Backend> HeadPlanes<B> {
             dx_split: DxSplit::Auto,
             block_norms,
             order,
+        })
+    }
+
+    /// A head already on the device: allocates one plane per vocabulary
+    /// slice (as [`HeadPlanes::upload`]) and has `fill` write each one
+    /// ([`DevicePlane`]). `row_norms` are the f16 rows' Euclidean norms
+    /// (`[vocab]`, for the block filter); the caller checked the values.
+    pub(crate) fn from_device(
+        backend: &B,
+        (vocab, hs): (usize, usize),
+        slicing: SliceOptions,
+        row_norms: &[f32],
+        fill: &mut PlaneFill<'_, B>,
+    ) -> Result<Self> {
+        if vocab == 0 {
+            return Err(Error::VocabZero);
+        }
+        if hs == 0 {
+            return Err(Error::HiddenSizeZero);
+        }
+        if row_norms.len() != vocab {
+            return Err(Error::LengthMismatch {
+                field: crate::error::Field::Head,
+                expected: vocab,
+                got: row_norms.len(),
+            });
+        }
+        let hs_padded = round_up(hs, ALIGN);
+        let info = backend.info();
+        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+        let slices = slice_vocab(vocab, hs_padded, max_binding, slicing.max_rows_per_slice)?;
+        let mut planes = Vec::with_capacity(slices.len());
+        for s in &slices {
+            let padded = s.padded_width();
+            let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
+            fill(
+                backend,
+                DevicePlane {
+                    buffer: &plane,
+                    first_row: s.offset,
+                    rows: s.width,
+                    padded_rows: padded,
+                    hs_padded,
+                },
+            )?;
+            planes.push(plane);
+        }
+        backend.finish()?;
+        let mut block_norms = vec![0f32; vocab.div_ceil(crate::filter::BLOCK)];
+        for (row, norm) in row_norms.iter().enumerate() {
+            block_norms[row / crate::filter::BLOCK] += norm;
+        }
+        Ok(Self {
+            vocab,
+            hs,
+            hs_padded,
+            vocab_padded: round_up(vocab, ALIGN),
+            slices,
+            planes,
+            dx_split: DxSplit::Auto,
+            block_norms,
+            order: None,
         })
     }
 

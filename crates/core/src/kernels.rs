@@ -53,18 +53,27 @@ pub const PARAMS_MARKER: &str =
 pub const RESIDENT_MARKER: &str =
     "// <resident constants: generated from crates/core/src/resident/status.rs (headkl_core::kernels::Shader::source)>";
 
+/// The line of `shaders/kl_rows.wgsl` that [`Shader::source`] replaces
+/// with the coefficient word's marker of a row the device flagged
+/// ([`crate::resident::status::row_wgsl`]).
+pub const ROW_MARKER: &str =
+    "// <row constants: generated from crates/core/src/resident/status.rs (headkl_core::kernels::Shader::source)>";
+
 impl Shader {
     /// The WGSL to compile: the file with its parameter struct and binding
     /// generated from `core::params` in place of [`PARAMS_MARKER`] (and,
     /// in the resident kernels, their constants in place of
-    /// [`RESIDENT_MARKER`]).
+    /// [`RESIDENT_MARKER`]; in the KL kernel, the flagged row's marker in
+    /// place of [`ROW_MARKER`]).
     pub fn source(&self) -> String {
-        let text = self.text.replacen(PARAMS_MARKER, &self.params.wgsl(), 1);
+        let mut text = self.text.replacen(PARAMS_MARKER, &self.params.wgsl(), 1);
         if text.contains(RESIDENT_MARKER) {
-            text.replacen(RESIDENT_MARKER, &crate::resident::status::wgsl(), 1)
-        } else {
-            text
+            text = text.replacen(RESIDENT_MARKER, &crate::resident::status::wgsl(), 1);
         }
+        if text.contains(ROW_MARKER) {
+            text = text.replacen(ROW_MARKER, &crate::resident::status::row_wgsl(), 1);
+        }
+        text
     }
 }
 

@@ -97,6 +97,7 @@ pub use filter::FilterStats;
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use glsl_tile::GlslTile;
 pub use head::{HeadData, HeadWeights};
+pub use head_planes::DevicePlane;
 pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
 pub use launch::{Checked, Kernels, Launch};
 pub use problem::{

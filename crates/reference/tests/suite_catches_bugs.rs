@@ -6,10 +6,12 @@
 
 use std::cell::Cell;
 
+use headkl_core::resident::status::{self, FLAGGED_ROW, S_LOGITS};
 use headkl_core::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, Kernels, KlDesc, Launch,
-    MemoryStats, Result, SumPartsDesc, TailMode, TopkDesc,
+    MemoryStats, ResidentBackend, Result, SumPartsDesc, TailMode, TopkDesc,
 };
+use headkl_reference::conformance::resident::{resident_case_count, run_resident};
 use headkl_reference::conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
 use headkl_reference::{CpuBackend, CpuBuffer};
 
@@ -59,6 +61,12 @@ enum Fault {
     FilterMaskTooCoarse,
     /// The filtered dx GEMM computes every block (reads no mask).
     GemmIgnoresMask,
+    /// The KL kernel reads a flagged row's coefficient word
+    /// (`FLAGGED_ROW`) as 0: the row's loss comes out finite.
+    KlIgnoresFlaggedRow,
+    /// The loss-out kernel reports a flagged row as non-finite logits
+    /// (it tests the loss word, not the lse).
+    LossOutFlagsFlaggedRows,
 }
 
 struct Faulty {
@@ -122,6 +130,21 @@ impl Backend for Faulty {
                 probs,
                 desc,
             } => self.topk_rows(logits, ids, probs, &desc),
+            Launch::LossOut {
+                loss_chunk,
+                status,
+                desc,
+                ..
+            } if self.fault == Fault::LossOutFlagsFlaggedRows => {
+                self.inner.dispatch(launch)?;
+                let chunk: Vec<f32> = self.read(loss_chunk, desc.rows * 4);
+                let mut words: Vec<u32> = self.read(status, status::WORDS);
+                if let Some(r) = (0..desc.rows).find(|r| chunk[r * 4].to_bits() == FLAGGED_ROW) {
+                    words[S_LOGITS] = words[S_LOGITS].min((desc.token0 + r) as u32);
+                }
+                self.write(status, &words);
+                Ok(())
+            }
             // The device-resident kernels run as the reference does.
             other => self.inner.dispatch(other),
         }
@@ -145,6 +168,18 @@ impl Backend for Faulty {
         } else {
             Vec::new()
         }
+    }
+}
+
+impl ResidentBackend for Faulty {
+    fn buffer_len(&self, buffer: &CpuBuffer) -> u64 {
+        self.inner.buffer_len(buffer)
+    }
+    fn buffer_offset(&self, buffer: &CpuBuffer) -> u64 {
+        self.inner.buffer_offset(buffer)
+    }
+    fn submit(&self) -> Result<()> {
+        self.inner.submit()
     }
 }
 
@@ -252,6 +287,54 @@ fn each_planted_bug_is_caught() {
     }
 }
 
+/// The resident cases' failures under `fault`, every failure's message.
+fn resident_failures(fault: Fault) -> Vec<String> {
+    let b = Faulty::new(fault);
+    let report = run_resident(&b, &cfg(), &mut |_| {});
+    assert_eq!(report.cases, resident_case_count(&cfg()));
+    report
+        .failures
+        .iter()
+        .map(|f| format!("{}: {}", f.name, f.message))
+        .collect()
+}
+
+/// The resident cases hold a flagged row to DESIGN §8: a KL kernel that
+/// ignores the flag leaves a finite loss, a loss-out kernel that reads the
+/// flag as bad logits leaves a wrong status word; the faithful wrapper
+/// passes.
+#[test]
+fn the_resident_suite_catches_an_ignored_flag() {
+    let f = resident_failures(Fault::None);
+    assert!(f.is_empty(), "{f:#?}");
+    for (fault, needles) in [
+        (
+            Fault::KlIgnoresFlaggedRow,
+            &[
+                "resident_errors/nan_prob: flagged row 2: loss 0, want NaN",
+                "resident_errors/id_is_vocab: flagged row 14",
+                "resident_errors/id_minus_one: flagged row 22",
+                "resident_errors/duplicate_id: flagged row 33",
+                "resident_errors/negative_prob: flagged row 17",
+                "resident_errors/nan_weight: flagged row 8",
+                "resident_errors/all_masked: flagged row 0",
+            ][..],
+        ),
+        (
+            Fault::LossOutFlagsFlaggedRows,
+            &["resident_flagged/loss_out: 2 rows: status S_LOGITS = 0x6"][..],
+        ),
+    ] {
+        let f = resident_failures(fault);
+        for needle in needles {
+            assert!(
+                f.iter().any(|m| m.contains(needle)),
+                "{fault:?}: no failure mentions {needle:?}; failures: {f:#?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_failure_message_names_the_case_and_the_worst_element() {
     let f = failures(Fault::KlLossOffset, Part::Regressions);
@@ -328,6 +411,13 @@ impl Faulty {
         grad: &CpuBuffer,
         d: &KlDesc,
     ) -> Result<()> {
+        if self.fault == Fault::KlIgnoresFlaggedRow {
+            let mut words: Vec<u32> = self.read(coef, d.rows * 2);
+            for w in words.iter_mut().step_by(2).filter(|w| **w == FLAGGED_ROW) {
+                *w = 0f32.to_bits();
+            }
+            self.write(coef, &words);
+        }
         let mut d = *d;
         match self.fault {
             Fault::FilterMaskTooCoarse => {

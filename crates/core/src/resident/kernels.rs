@@ -11,8 +11,11 @@ use crate::error::Result;
 use crate::terms::{TailMode, TeacherForm};
 
 /// The weights' total and gradient scale, resolved on the device into the
-/// status buffer's coefficient words; the first bad weight flagged. Buffers
-/// `[weights, status]` (weights unread without `has_weights`).
+/// status buffer's coefficient words; the first bad weight flagged. When
+/// `total` is not positive the KL multiplier word is
+/// [`super::status::FLAGGED_ROW`] (every row of the call is then flagged)
+/// and the dx multiplier 0. Buffers `[weights, status]` (weights unread
+/// without `has_weights`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct WeightStatsDesc {
     /// Tokens of the call.
@@ -33,8 +36,10 @@ pub struct WeightStatsDesc {
 /// A chunk of the caller's teacher rows checked, clamped and (in the
 /// renormalize tail mode) renormalized into scratch, with each row's KL
 /// coefficient into word 0 of the per-row inputs `[rows][2]`; bad rows
-/// flagged. Buffers `[ids, probs, weights, status, ids_out, probs_out,
-/// row_in]`.
+/// flagged. A bad row (zero probabilities), a row of bad weight, and every
+/// row when the stats kernel found `total` not positive, get the
+/// coefficient word [`super::status::FLAGGED_ROW`]. Buffers `[ids, probs,
+/// weights, status, ids_out, probs_out, row_in]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TeacherRowsDesc {
     /// Rows of the chunk.
@@ -61,7 +66,8 @@ pub struct TeacherRowsDesc {
 
 /// A chunk of the caller's labels checked into word 1 of the per-row
 /// inputs `[rows][2]` ([`crate::NO_LABEL`] without labels, and for a bad
-/// one, which is flagged). Buffers `[labels, status, row_in]`.
+/// one, which is flagged and makes the row's coefficient word 0
+/// [`super::status::FLAGGED_ROW`]). Buffers `[labels, status, row_in]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LabelsInDesc {
     /// Rows of the chunk.
@@ -96,9 +102,11 @@ pub struct HiddenInDesc {
 
 /// A chunk's loss (and optionally lse, soft and hard) and dx (scaled by the
 /// status buffer's dx multiplier; overwritten or accumulated) into the
-/// caller's buffers; a token with non-finite logits flagged. Buffers
-/// `[loss_chunk, dx_chunk, status, loss, dx, terms]` (terms unread without
-/// `write_terms`).
+/// caller's buffers; a token with non-finite logits flagged. A flagged row
+/// (its loss word [`super::status::FLAGGED_ROW`]'s bits) gets NaN loss and
+/// terms, and counts as non-finite logits only if its lse word is not
+/// finite. Buffers `[loss_chunk, dx_chunk, status, loss, dx, terms]`
+/// (terms unread without `write_terms`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LossOutDesc {
     /// Rows of the chunk.
@@ -186,14 +194,15 @@ pub enum ShardStage {
     /// `stats`), in-shard entries get local ids and probability `q/α`, the
     /// others duplicate the row's first in-shard entry (an identical
     /// gradient write) or become probability 0 on column 0, and the row's
-    /// coefficient becomes `c·α`: the kernel's gradient is then the
-    /// global `c·(p_S − q)`. Reads `stats`, `partials`; writes `ids`,
-    /// `probs`, `row_in`.
+    /// coefficient becomes `c·α` (a flagged row's
+    /// [`super::status::FLAGGED_ROW`] stays): the kernel's gradient is
+    /// then the global `c·(p_S − q)`. Reads `stats`, `partials`; writes
+    /// `ids`, `probs`, `row_in`.
     MapFinish,
     /// Phase two, after the loss kernel: each row of `loss_chunk` becomes
     /// `[soft_part + lse, lse1, soft_part + lse, 0]` from `stats` (a
-    /// non-finite row, bad logits, is left as the kernel wrote it), for
-    /// `loss_out`. Reads `stats`; writes `loss_chunk`.
+    /// non-finite row, bad logits or a flagged row, is left as the kernel
+    /// wrote it), for `loss_out`. Reads `stats`; writes `loss_chunk`.
     Loss,
 }
 

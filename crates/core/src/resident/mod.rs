@@ -6,7 +6,11 @@
 //! check them: ids are clamped (no kernel reads or writes out of bounds
 //! whatever the bytes), and every bad row is flagged in a small status
 //! buffer ([`status`]) that [`Engine::wait_device`] turns into the error
-//! the host path gives for the same data, naming the token.
+//! the host path gives for the same data, naming the token. A flagged row
+//! also shows in the outputs at once: its dx row is 0 and its per-token
+//! loss NaN ([`status::FLAGGED_ROW`] carries the flag from the teacher
+//! kernel to the loss kernel and out), so a step on bad data is not finite
+//! even before anyone waits.
 //!
 //! Per call: the stats kernel resolves `total` and `gscale` from the weights
 //! on the device; per token chunk (the host path's plan and budget): the
@@ -87,8 +91,8 @@ pub struct DeviceTeacher<'a, Buf> {
 }
 
 /// Where [`Engine::head_kl_device`] writes: the per-token loss f32 `[ntok]`
-/// (unweighted `L_t`) and `dx` f32 `[ntok][hs]` (`∂L/∂x` of the weighted
-/// mean).
+/// (unweighted `L_t`; NaN for a row the device flags) and `dx` f32
+/// `[ntok][hs]` (`∂L/∂x` of the weighted mean; 0 for a flagged row).
 #[derive(Debug)]
 pub struct DeviceLossOutput<'a, Buf> {
     /// Per-token loss `[ntok]`.
@@ -224,7 +228,16 @@ impl<B: ResidentBackend> Engine<B> {
 
     /// Waits for the device and reports the first bad row any resident
     /// call flagged since the last wait, as the typed error the host path
-    /// gives for the same data (naming the token). Clears the status.
+    /// gives for the same data (naming the token; the first bad row in the
+    /// host's order of checks). Clears the status.
+    ///
+    /// A trainer need not wait before its optimizer step to notice bad
+    /// data: each row this reports (a bad teacher row, weight or label, and
+    /// every row when `total` was not positive) already has a NaN
+    /// per-token loss and a zero dx row in the call's outputs (see
+    /// [`Self::head_kl_device`]), so the step's mean loss is NaN. This
+    /// still names the row, with the same error as without those NaNs: a
+    /// flagged row's NaN loss is not reported as non-finite logits.
     pub fn wait_device(&mut self) -> Result<()> {
         self.wait_device_for(self.head.vocab())
     }
@@ -441,8 +454,27 @@ impl<B: ResidentBackend> Engine<B> {
     /// submits it; nothing is copied to or from the host and nothing waits.
     /// [`Engine::wait_device`] waits and reports bad data (an id out of range
     /// or repeated, a probability negative or not finite, a row summing to
-    /// 0, a bad weight, non-finite logits) as the host path's error naming
-    /// the token; until then `out` is unspecified for bad rows.
+    /// 0, a bad weight, a bad label, `total` not positive, non-finite
+    /// logits) as the host path's error naming the token.
+    ///
+    /// Bad data also shows in `out` without a wait. A row the device flags
+    /// (a bad teacher row, a weight negative or not finite, a label past V;
+    /// every row when `total` is not positive, e.g. all weights 0):
+    /// - contributes nothing to the gradient: its `dx` row is exactly 0
+    ///   (with `opts.accumulate_dx`, nothing is added to it), whatever its
+    ///   logits;
+    /// - has a NaN per-token loss in `out.loss` (and NaN lse, soft and hard
+    ///   in `opts.terms_out`), so any mean over the call's losses is NaN:
+    ///   the step is visibly not finite before the trainer waits.
+    ///
+    /// The other rows are unaffected: bit for bit what the same call gives
+    /// with each flagged row's teacher row or label replaced by a good one
+    /// and a bad weight by 0 (so `total` and `gscale` stay as they are: a
+    /// flagged teacher row's weight still counts in the default `total`);
+    /// with `opts.filter_eps`, their dx may differ from that call's by
+    /// products the filter skips (DESIGN §5), the loss does not. A row whose
+    /// logits are not finite (and that is not flagged) has a NaN loss and,
+    /// as on the host path, unspecified dx.
     ///
     /// Shapes, options and buffer sizes are checked here, before anything is
     /// recorded.
@@ -646,7 +678,9 @@ impl<B: ResidentBackend> Engine<B> {
 
     /// [`Engine::topk`] on device buffers: reads `ntok` hidden rows from
     /// `hidden`, writes ids u32 and probabilities f32 `[ntok][k]` into
-    /// `ids` and `probs`. Records and submits without waiting;
+    /// `ids` and `probs` (with [`TopkOptions::logprobs`], the
+    /// log-probabilities over the full vocabulary at τ instead, as the
+    /// host path's `TopK::logprobs`). Records and submits without waiting;
     /// [`Engine::wait_device`] reports a row whose logits were not finite.
     pub fn topk_device(
         &mut self,
@@ -697,7 +731,13 @@ impl<B: ResidentBackend> Engine<B> {
         let k = opts.k;
         for (start, rows) in plan.ranges(ntok) {
             self.resident_logits(s, hidden, (start, rows), opts.temperature, None)?;
-            let desc = TopkDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k);
+            // As the host path's: the softcap at τ, and log-probabilities
+            // over the full vocabulary where asked for.
+            let desc = TopkDesc {
+                cap: opts.softcap.map(|c| c / opts.temperature),
+                logprobs: opts.logprobs,
+                ..TopkDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k)
+            };
             self.backend.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let first_entry = elements("ids", start, k)?;
             self.backend.dispatch(Launch::TopkOut {

@@ -9,6 +9,10 @@
 //! was not positive and its bits, first bad label, then the detail the status kernel
 //! records for the first bad teacher row or weight, then the coefficients
 //! the stats kernel resolved.
+//!
+//! A row the kernels flag also carries the flag through the chunk's
+//! scratch: its KL coefficient word is [`FLAGGED_ROW`] (see there), so its
+//! dx row is 0 and its per-token loss NaN without any host wait.
 
 use crate::error::{Error, Result};
 use crate::terms::{TailMode, MASS_TOLERANCE};
@@ -17,6 +21,27 @@ use crate::terms::{TailMode, MASS_TOLERANCE};
 pub const WORDS: usize = 32;
 /// "Nothing flagged".
 pub const NONE: u32 = u32::MAX;
+
+/// The KL coefficient word (word 0 of the loss kernel's per-row inputs
+/// `[rows][2]`) of a row the device flagged: a quiet NaN with a payload of
+/// its own (not the canonical `0x7fc00000` an arithmetic NaN usually is),
+/// which no host path writes (its coefficients are finite).
+///
+/// `teacher_rows` writes it for a bad teacher row or a bad weight, and for
+/// every row when `total` is not positive (the stats kernel leaves it in
+/// [`S_COEF_MUL`] then); `labels_in` for a bad label. Every reader compares
+/// the word's bits with it (never a float NaN test, which a compiler may
+/// fold): `kl_rows` writes a zero gradient row (and an all-clear filter
+/// mask) whatever the row's logits, and this word's bits as the row's loss
+/// word, keeping its lse, soft and hard words; `shard_rows` leaves the
+/// word as it is where it scales a coefficient and the loss row as the
+/// kernel wrote it; `loss_out` writes NaN into the caller's loss and terms
+/// for the row and flags [`S_LOGITS`] only if the row's lse word is not
+/// finite (its logits were bad too), so the status words stay truthful. A
+/// flagged row's dx is then exactly 0 (nothing added when accumulating) and
+/// any mean over the call's losses is NaN; [`to_result`] still reports the
+/// first bad row's detail.
+pub const FLAGGED_ROW: u32 = 0x7fc0_0bad;
 
 // Word indices and detail kinds: the shaders get them from [`wgsl`]; public
 // for the CPU reference's kernels.
@@ -116,12 +141,20 @@ pub fn code_names() -> [(&'static str, u32); 4] {
     ]
 }
 
+/// The WGSL constant `FLAGGED_ROW` ([`FLAGGED_ROW`]): part of [`wgsl`],
+/// and what `kl_rows.wgsl` (a driver kernel, which has no status buffer)
+/// gets in place of [`crate::kernels::ROW_MARKER`].
+pub fn row_wgsl() -> String {
+    format!("const FLAGGED_ROW: u32 = 0x{FLAGGED_ROW:08x}u;\n")
+}
+
 /// The WGSL constants every resident shader gets in place of
-/// [`crate::kernels::RESIDENT_MARKER`]: `NONE`, the words, the detail
-/// kinds, the codes and `MASS_TOLERANCE`, so the shaders cannot drift from
-/// this file.
+/// [`crate::kernels::RESIDENT_MARKER`]: `NONE`, `FLAGGED_ROW`, the words,
+/// the detail kinds, the codes and `MASS_TOLERANCE`, so the shaders cannot
+/// drift from this file.
 pub fn wgsl() -> String {
     let mut out = format!("const NONE: u32 = {NONE}u;\n");
+    out.push_str(&row_wgsl());
     for (name, word) in WORD_NAMES {
         out.push_str(&format!("const {name}: u32 = {word}u;\n"));
     }
@@ -270,7 +303,7 @@ mod tests {
             .map(|(n, _)| *n)
             .chain(KIND_NAMES.iter().map(|(n, _)| *n))
             .chain(code_names().iter().map(|(n, _)| *n))
-            .chain(["NONE", "MASS_TOLERANCE"])
+            .chain(["NONE", "FLAGGED_ROW", "MASS_TOLERANCE"])
             .collect();
         for name in &names {
             assert_eq!(generated.matches(&format!("const {name}:")).count(), 1, "{name}");
@@ -278,6 +311,10 @@ mod tests {
         assert!(generated.contains("const S_DX_MUL: u32 = 17u;\n"), "{generated}");
         assert!(
             generated.contains("const MASS_TOLERANCE: f32 = 0.001;\n"),
+            "{generated}"
+        );
+        assert!(
+            generated.contains("const FLAGGED_ROW: u32 = 0x7fc00badu;\n"),
             "{generated}"
         );
         let resident: Vec<KernelId> = KernelId::ALL.into_iter().filter(|k| k.is_resident()).collect();
@@ -302,6 +339,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The marker is a quiet NaN that neither arithmetic's canonical NaN
+    /// nor Rust's `f32::NAN` is, so only a kernel that means it writes it.
+    #[test]
+    fn the_flagged_row_marker_is_a_quiet_nan_of_its_own() {
+        let m = f32::from_bits(FLAGGED_ROW);
+        assert!(m.is_nan());
+        assert_eq!(FLAGGED_ROW & 0x7fc0_0000, 0x7fc0_0000, "quiet");
+        assert_ne!(FLAGGED_ROW, 0x7fc0_0000);
+        assert_ne!(FLAGGED_ROW, f32::NAN.to_bits());
+        assert_ne!(FLAGGED_ROW, (-f32::NAN).to_bits());
+        assert_eq!(row_wgsl(), "const FLAGGED_ROW: u32 = 0x7fc00badu;\n");
+    }
+
+    /// `kl_rows.wgsl` reads the coefficient word too: it gets the marker
+    /// from [`row_wgsl`] and declares none of its own.
+    #[test]
+    fn kl_rows_takes_the_marker_from_here() {
+        use crate::kernels::{KL_ROWS_WGSL, ROW_MARKER};
+        assert_eq!(KL_ROWS_WGSL.text.matches(ROW_MARKER).count(), 1);
+        assert!(!KL_ROWS_WGSL.text.contains("const FLAGGED_ROW"));
+        assert_eq!(KL_ROWS_WGSL.source().matches(&row_wgsl()).count(), 1);
     }
 
     #[test]

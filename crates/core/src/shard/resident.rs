@@ -20,6 +20,16 @@
 //! statistics) → `loss_out`. Phase two reads the shard's own lse from a
 //! copy the engine keeps, so the caller may all-reduce its partials buffer
 //! in place and pass it back as the statistics.
+//!
+//! **Bad rows.** `teacher_rows` flags a bad teacher row or weight (every
+//! row when `total` is not positive) as on the unsharded path, with the
+//! coefficient word [`crate::resident::status::FLAGGED_ROW`], and the rule
+//! of [`crate::Engine::head_kl_device`] holds for phase two's outputs: a
+//! flagged row's loss (and terms) is NaN on every shard and its part of dx
+//! exactly 0; the other rows are as without it. Phase one's partials of a
+//! flagged row stay finite (its teacher has no mass, so its in-shard term
+//! is 0 and its lse the shard's own): the collective merges them as any
+//! other, and phase two turns the row into NaN.
 
 use super::engine::check_terms;
 use super::{merge_loss, HeadShard, LossPartials, ShardEngine};
@@ -144,6 +154,10 @@ impl<B: ResidentBackend> ShardEngine<B> {
     /// `teacher` must be phase one's (the teacher is mapped again, the
     /// hidden rows read again where phase one could not keep its logits);
     /// the weights, `total` and `gscale` too. τ is phase one's.
+    ///
+    /// A row the device flags (module docs, "Bad rows") has a NaN loss and
+    /// terms and a zero dx part here, before any wait;
+    /// [`Self::wait_device`] names it.
     pub fn loss_finish_device(
         &mut self,
         ntok: usize,

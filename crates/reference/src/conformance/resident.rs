@@ -11,12 +11,20 @@
 //! - **errors**: each kind of bad teacher row, weight and hidden row on the
 //!   device must give exactly the error the host path gives for the same
 //!   data, at [`headkl_core::Engine::wait_device`] (or at once in checked mode), leave no
-//!   validation message, and leave the engine usable.
+//!   validation message, and leave the engine usable. A `head_kl` error
+//!   case also holds the call's outputs to DESIGN §8 against its clean
+//!   twin (the same data with the bad values replaced by good ones): each
+//!   row the device flags has a NaN loss and terms and a zero dx row, adds
+//!   nothing to an accumulated dx (with the block filter on), and every
+//!   other row is the twin's, bit for bit ([`check_flagged_rows`]);
+//!   `loss_out` run directly does not report a flagged row as bad logits
+//!   ([`check_loss_out_flags`]).
 
 use half::{bf16, f16};
+use headkl_core::resident::status::{self, FLAGGED_ROW, NONE, S_DX_MUL, S_LOGITS};
 use headkl_core::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, DxSplit, Error, Hidden, HiddenDtype, LossOptions,
-    ResidentBackend, TailMode, TeacherForm, NO_LABEL,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, DxSplit, Engine, Error, Hidden, HiddenDtype,
+    Launch, LossOptions, LossOutDesc, ResidentBackend, TailMode, TeacherForm, NO_LABEL,
 };
 
 use super::{driver_case, engine_for, run_one, CaseOutcome, Measured, Recorder, SuiteConfig, SuiteReport};
@@ -293,6 +301,36 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
                 let t = host.ids.iter().zip(&got_ids).position(|(a, b)| a != b).unwrap_or(0) / k;
                 return Err(format!("resident ids differ from the host path's first at token {t}"));
             }
+            // Log-probabilities under a softcap: the host path's too.
+            let lp_opts = headkl_core::TopkOptions {
+                logprobs: true,
+                softcap: Some(3.0),
+                ..case.topk_options()
+            };
+            engine
+                .topk_device(ntok, &hidden, &ids, &probs, &lp_opts)
+                .map_err(|e| format!("topk_device (logprobs, softcap): {e}"))?;
+            engine.wait_device().map_err(|e| format!("wait_device: {e}"))?;
+            backend
+                .download(&ids, 0, bytemuck::cast_slice_mut(&mut got_ids))
+                .map_err(|e| format!("download: {e}"))?;
+            let got_lp = download_f32(backend, &probs, ntok * k)?;
+            let host = engine
+                .topk(&host_hidden, &lp_opts)
+                .map_err(|e| format!("host topk (logprobs, softcap): {e}"))?;
+            if host.ids != got_ids {
+                return Err("resident ids under a softcap differ from the host path's".into());
+            }
+            let close = |got: f32, want: f32| (got - want).abs() <= 1e-5 * (1.0 + want.abs());
+            if let Some(i) = (0..ntok * k).find(|&i| !close(got_lp[i], host.logprobs[i])) {
+                return Err(format!(
+                    "resident logprobs[{}][{}] = {}, the host path's {}",
+                    i / k,
+                    i % k,
+                    got_lp[i],
+                    host.logprobs[i]
+                ));
+            }
             Ok(Measured {
                 prob: Some(prob),
                 ..Measured::default()
@@ -304,6 +342,8 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
 /// The error cases: name, what they show.
 pub(crate) const RESIDENT_ERROR_CASES: &[(&str, &str)] = &[
     ("id_out_of_range", "ids[21][2] = V + 5, chunks of 16"),
+    ("id_is_vocab", "ids[14][0] = V"),
+    ("id_minus_one", "ids[22][1] = -1 (0xffffffff as u32)"),
     ("row_of_huge_ids", "every id of row 37 is 0xffffffff"),
     ("duplicate_id", "ids[33][3] repeats ids[33][1]"),
     ("negative_prob", "probs[17][3] = -0.5"),
@@ -368,37 +408,53 @@ fn host_error<B: ResidentBackend + ?Sized>(backend: &B, case: &Case) -> Result<E
     .ok_or_else(|| "the host path accepted the bad data".to_string())
 }
 
-/// Runs `case` on the resident path: the error `wait_device` (or, checked,
-/// the call) returns, and then a clean call on the same engine must pass.
-fn resident_error<B: ResidentBackend + ?Sized>(backend: &B, case: &Case, checked: bool) -> Result<Error, String> {
+/// The error a resident call on bad data gave: the call's own in checked
+/// mode, else the next wait's.
+fn error_of<B: ResidentBackend + ?Sized>(
+    engine: &mut Engine<&B>,
+    checked: bool,
+    call: headkl_core::Result<()>,
+) -> Result<Error, String> {
+    match (checked, call) {
+        (true, Err(e)) => Ok(e),
+        (true, Ok(())) => Err("checked mode: the call returned Ok on bad data".into()),
+        (false, Err(e)) => Err(format!("the call failed before the device ran: {e}")),
+        (false, Ok(())) => engine
+            .wait_device()
+            .err()
+            .ok_or_else(|| "wait_device returned Ok on bad data".to_string()),
+    }
+}
+
+/// Runs the bad case on the resident path: the error `wait_device` (or,
+/// checked, the call) returns; a `head_kl` call's outputs held to its clean
+/// twin's ([`check_flagged_rows`]); and then a clean call on the same
+/// engine must pass.
+fn resident_error<B: ResidentBackend + ?Sized>(backend: &B, ec: &ErrorCase) -> Result<Error, String> {
+    let case = &ec.bad;
     let mut engine = engine_for(backend, case)?;
-    engine.set_checked(checked);
+    engine.set_checked(ec.checked);
     let x = device_buffer(backend, bytemuck::cast_slice(&case.hidden), "x")?;
     let hidden = DeviceHidden {
         buffer: &x,
         dtype: HiddenDtype::F32,
     };
     let (ntok, k) = (case.ntok, case.k);
-    let call = match case.kind {
+    let err = match case.kind {
         CaseKind::HeadKl => {
             let bufs = HeadKlBuffers::upload(backend, case)?;
             let opts = bufs.options(case);
-            engine.head_kl_device(ntok, &hidden, &bufs.teacher(k), &bufs.output(), &opts)
+            let call = engine.head_kl_device(ntok, &hidden, &bufs.teacher(k), &bufs.output(), &opts);
+            let err = error_of(&mut engine, ec.checked, call)?;
+            check_flagged_rows(backend, &mut engine, ec, (&hidden, &bufs), &err)?;
+            err
         }
         CaseKind::Topk => {
             let ids = device_buffer(backend, &vec![0u8; ntok * k * 4], "ids")?;
             let probs = device_buffer(backend, &nan_bytes(ntok * k), "probs")?;
-            engine.topk_device(ntok, &hidden, &ids, &probs, &case.topk_options())
+            let call = engine.topk_device(ntok, &hidden, &ids, &probs, &case.topk_options());
+            error_of(&mut engine, ec.checked, call)?
         }
-    };
-    let err = match (checked, call) {
-        (true, Err(e)) => e,
-        (true, Ok(())) => return Err("checked mode: the call returned Ok on bad data".into()),
-        (false, Err(e)) => return Err(format!("the call failed before the device ran: {e}")),
-        (false, Ok(())) => match engine.wait_device() {
-            Err(e) => e,
-            Ok(()) => return Err("wait_device returned Ok on bad data".into()),
-        },
     };
     // The status is cleared: the next wait reports nothing, and a clean call
     // on the same engine matches the reference.
@@ -416,64 +472,260 @@ fn resident_error<B: ResidentBackend + ?Sized>(backend: &B, case: &Case, checked
     Ok(err)
 }
 
-fn error_case(name: &str) -> Result<(Case, bool), String> {
+/// A resident error case: the bad data, its clean twin (the same data with
+/// each bad value replaced by a good one: the base case's, and a bad weight
+/// by 0, so the weights' `total` and `gscale` are the bad call's), and
+/// whether the engine runs in checked mode.
+struct ErrorCase {
+    bad: Case,
+    clean: Case,
+    checked: bool,
+}
+
+impl ErrorCase {
+    /// The rows whose teacher row, weight or label differ between the twins
+    /// (as bits): the rows the device must flag.
+    fn flagged_rows(&self) -> Vec<usize> {
+        let (a, b, k) = (&self.bad, &self.clean, self.bad.k);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let weight = |c: &Case, t: usize| c.weights.as_ref().map(|w| w[t].to_bits());
+        let label = |c: &Case, t: usize| c.labels.as_ref().map(|l| l[t]);
+        (0..a.ntok)
+            .filter(|&t| {
+                let row = t * k..(t + 1) * k;
+                a.teacher_ids[row.clone()] != b.teacher_ids[row.clone()]
+                    || bits(&a.teacher_probs[row.clone()]) != bits(&b.teacher_probs[row])
+                    || weight(a, t) != weight(b, t)
+                    || label(a, t) != label(b, t)
+            })
+            .collect()
+    }
+
+    /// The rows neither flagged nor of another hidden row in the twin:
+    /// the rows that must equal the twin's.
+    fn same_rows(&self) -> Vec<usize> {
+        let (a, b, hs) = (&self.bad, &self.clean, self.bad.hs);
+        let flagged = self.flagged_rows();
+        let row_bits = |c: &Case, t: usize| {
+            c.hidden[t * hs..(t + 1) * hs]
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()
+        };
+        (0..a.ntok)
+            .filter(|t| !flagged.contains(t) && row_bits(a, *t) == row_bits(b, *t))
+            .collect()
+    }
+}
+
+/// The value an accumulated dx starts at, element `i` (exact in f32).
+fn dx_fill(i: usize) -> f32 {
+    0.25 + (i % 7) as f32 * 0.125
+}
+
+/// A `head_kl` call on bad data (its error `err` already returned; `bufs`
+/// its outputs) against DESIGN §8: each flagged row has a NaN loss and
+/// terms and a zero dx row; the call again, accumulated into a dx holding
+/// [`dx_fill`] and with the block filter, returns the same error, adds
+/// nothing to a flagged row's dx and gives the same losses (bit for bit);
+/// the clean twin's call on the same engine gives every other row (its
+/// hidden row the same too) the same loss, terms and dx, bit for bit, and
+/// the accumulated filtered dx within the dx tolerance. Fails if a kernel
+/// ignores the flag (the flagged row's loss would be finite).
+fn check_flagged_rows<B: ResidentBackend + ?Sized>(
+    backend: &B,
+    engine: &mut Engine<&B>,
+    ec: &ErrorCase,
+    (hidden, bufs): (&DeviceHidden<'_, B::Buffer>, &HeadKlBuffers<B::Buffer>),
+    err: &Error,
+) -> Result<(), String> {
+    let (case, clean) = (&ec.bad, &ec.clean);
+    let (ntok, hs, k) = (case.ntok, case.hs, case.k);
+    let (flagged, same) = (ec.flagged_rows(), ec.same_rows());
+    let loss = download_f32(backend, &bufs.loss, ntok)?;
+    let dx = download_f32(backend, &bufs.dx, ntok * hs)?;
+    let terms = download_f32(backend, &bufs.terms_out, ntok * 3)?;
+
+    // Again, accumulated and filtered.
+    let fill: Vec<f32> = (0..ntok * hs).map(dx_fill).collect();
+    let acc_dx_buf = device_buffer(backend, bytemuck::cast_slice(&fill), "dx (accumulated)")?;
+    let acc_loss_buf = device_buffer(backend, &nan_bytes(ntok), "loss (filtered)")?;
+    let opts = DeviceLossOptions {
+        accumulate_dx: true,
+        filter_eps: Some(headkl_core::filter::AUTO_EPS),
+        ..bufs.options(case)
+    };
+    let acc_out = DeviceLossOutput {
+        loss: &acc_loss_buf,
+        dx: &acc_dx_buf,
+    };
+    let call = engine.head_kl_device(ntok, hidden, &bufs.teacher(k), &acc_out, &opts);
+    let again = error_of(engine, ec.checked, call)?;
+    if format!("{again:?}") != format!("{err:?}") {
+        return Err(format!("accumulated and filtered: {again:?}, the first call {err:?}"));
+    }
+    let acc_dx = download_f32(backend, &acc_dx_buf, ntok * hs)?;
+    let acc_loss = download_f32(backend, &acc_loss_buf, ntok)?;
+
+    // The clean twin on the same engine.
+    let x = device_buffer(backend, bytemuck::cast_slice(&clean.hidden), "x (clean twin)")?;
+    let twin = HeadKlBuffers::upload(backend, clean)?;
+    engine
+        .head_kl_device(
+            ntok,
+            &DeviceHidden {
+                buffer: &x,
+                dtype: HiddenDtype::F32,
+            },
+            &twin.teacher(k),
+            &twin.output(),
+            &twin.options(clean),
+        )
+        .map_err(|e| format!("the clean twin: {e}"))?;
+    engine.wait_device().map_err(|e| format!("the clean twin: {e}"))?;
+    let want_loss = download_f32(backend, &twin.loss, ntok)?;
+    let want_dx = download_f32(backend, &twin.dx, ntok * hs)?;
+    let want_terms = download_f32(backend, &twin.terms_out, ntok * 3)?;
+
+    for &t in &flagged {
+        if !loss[t].is_nan() {
+            return Err(format!("flagged row {t}: loss {}, want NaN", loss[t]));
+        }
+        // The marker came through kl_rows and loss_out bit for bit (what
+        // keeps loss_out from reading the row as bad logits).
+        if loss[t].to_bits() != FLAGGED_ROW {
+            return Err(format!(
+                "flagged row {t}: loss bits {:#x}, want FLAGGED_ROW's {FLAGGED_ROW:#x}",
+                loss[t].to_bits()
+            ));
+        }
+        if !terms[t * 3..t * 3 + 3].iter().all(|v| v.is_nan()) {
+            return Err(format!(
+                "flagged row {t}: terms {:?}, want NaN",
+                &terms[t * 3..t * 3 + 3]
+            ));
+        }
+        for c in 0..hs {
+            let i = t * hs + c;
+            if dx[i] != 0.0 {
+                return Err(format!("flagged row {t}: dx[{t}][{c}] = {}, want 0", dx[i]));
+            }
+            if acc_dx[i].to_bits() != fill[i].to_bits() {
+                return Err(format!(
+                    "flagged row {t}: accumulated dx[{t}][{c}] = {}, want {} (nothing added)",
+                    acc_dx[i], fill[i]
+                ));
+            }
+        }
+    }
+    if let Some(t) = (0..ntok).find(|&t| acc_loss[t].to_bits() != loss[t].to_bits()) {
+        return Err(format!(
+            "row {t}: loss with the filter {} differs from the first call's {}",
+            acc_loss[t], loss[t]
+        ));
+    }
+    let differs = |what: &str, t: usize, got: &[f32], want: &[f32]| -> Result<(), String> {
+        if got.iter().map(|v| v.to_bits()).eq(want.iter().map(|v| v.to_bits())) {
+            Ok(())
+        } else {
+            Err(format!(
+                "row {t} (not flagged): {what} {got:?} differs from the clean twin's {want:?}"
+            ))
+        }
+    };
+    for &t in &same {
+        differs("loss", t, &loss[t..=t], &want_loss[t..=t])?;
+        differs("terms", t, &terms[t * 3..t * 3 + 3], &want_terms[t * 3..t * 3 + 3])?;
+        differs("dx", t, &dx[t * hs..(t + 1) * hs], &want_dx[t * hs..(t + 1) * hs])?;
+    }
+    if !same.is_empty() {
+        let rows = |v: &[f32]| -> Vec<f32> { same.iter().flat_map(|&t| v[t * hs..(t + 1) * hs].to_vec()).collect() };
+        let added: Vec<f32> = rows(&acc_dx).iter().zip(rows(&fill)).map(|(a, f)| a - f).collect();
+        let want: Vec<f64> = rows(&want_dx).iter().map(|&v| f64::from(v)).collect();
+        Tolerance::default()
+            .check_dx_rows(&added, &want, Some(hs))
+            .map_err(|e| format!("accumulated and filtered, the rows not flagged: {e}"))?;
+    }
+    Ok(())
+}
+
+fn error_case(name: &str) -> Result<ErrorCase, String> {
     let mut case = error_base();
     let k = case.k;
     let v = case.vocab as u32;
+    // What the clean twin shares: the job, the teacher's form and tail mode,
+    // the terms and the labels.
+    match name {
+        "topk_nan_hidden" => case.kind = CaseKind::Topk,
+        "logprob_positive" | "logprob_nan" => {
+            // Each row a share of the vocabulary.
+            normalize_rows(&mut case, 0.5);
+            case.teacher_form = TeacherForm::Logprobs;
+            case.tail = TailMode::Bucket;
+        }
+        "mass_above_one" => {
+            normalize_rows(&mut case, 0.8);
+            case.tail = TailMode::Bucket;
+        }
+        "label_out_of_range" => {
+            case.terms.hard_weight = 0.5;
+            let mut labels: Vec<i64> = (0..case.ntok as i64).map(|t| t * 7 % 300).collect();
+            labels[4] = -1;
+            case.labels = Some(labels);
+        }
+        _ => {}
+    }
+    let mut clean = case.clone();
     let mut checked = false;
     match name {
         "id_out_of_range" => case.teacher_ids[21 * k + 2] = v + 5,
+        "id_is_vocab" => case.teacher_ids[14 * k] = v,
+        "id_minus_one" => case.teacher_ids[22 * k + 1] = u32::MAX,
         "row_of_huge_ids" => case.teacher_ids[37 * k..38 * k].fill(u32::MAX),
         "duplicate_id" => case.teacher_ids[33 * k + 3] = case.teacher_ids[33 * k + 1],
         "negative_prob" => case.teacher_probs[17 * k + 3] = -0.5,
         "nan_prob" => case.teacher_probs[2 * k] = f32::NAN,
         "inf_prob" => case.teacher_probs[39 * k + 1] = f32::INFINITY,
         "zero_row" => case.teacher_probs[5 * k..6 * k].fill(0.0),
-        "negative_weight" => set_weight(&mut case, 30, -1.0),
-        "nan_weight" => set_weight(&mut case, 8, f32::NAN),
+        // The twin masks the token: the same total and gscale.
+        "negative_weight" => {
+            set_weight(&mut case, 30, -1.0);
+            set_weight(&mut clean, 30, 0.0);
+        }
+        "nan_weight" => {
+            set_weight(&mut case, 8, f32::NAN);
+            set_weight(&mut clean, 8, 0.0);
+        }
         "all_masked" => case.weights = Some(vec![0.0; case.ntok]),
         "nan_hidden" => case.hidden[25 * case.hs + 3] = f32::NAN,
         "first_of_two" => {
             case.teacher_ids[30 * k] = v;
             case.teacher_probs[3 * k + 1] = -1.0;
         }
-        "topk_nan_hidden" => {
-            case.kind = CaseKind::Topk;
-            case.hidden[19 * case.hs] = f32::INFINITY;
-        }
+        "topk_nan_hidden" => case.hidden[19 * case.hs] = f32::INFINITY,
         "checked_mode" => {
             case.teacher_ids[12 * k + 1] = v + 100;
             checked = true;
         }
-        "logprob_positive" | "logprob_nan" => {
-            // Each row a share of the vocabulary; one value is no log-probability.
-            normalize_rows(&mut case, 0.5);
-            case.teacher_form = TeacherForm::Logprobs;
-            case.tail = TailMode::Bucket;
-            // ln(e^0.5) = 0.5 and ln(NaN) = NaN once the case takes logs.
-            if name == "logprob_positive" {
-                case.teacher_probs[12 * k + 1] = 0.5f32.exp();
-            } else {
-                case.teacher_probs[3 * k] = f32::NAN;
-            }
-        }
-        "mass_above_one" => {
-            normalize_rows(&mut case, 0.8);
-            case.tail = TailMode::Bucket;
-            case.teacher_probs[9 * k..10 * k]
-                .iter_mut()
-                .for_each(|p| *p *= 1.25 / 0.8);
-        }
+        // ln(e^0.5) = 0.5 and ln(NaN) = NaN once the case takes logs: no
+        // log-probability.
+        "logprob_positive" => case.teacher_probs[12 * k + 1] = 0.5f32.exp(),
+        "logprob_nan" => case.teacher_probs[3 * k] = f32::NAN,
+        "mass_above_one" => case.teacher_probs[9 * k..10 * k]
+            .iter_mut()
+            .for_each(|p| *p *= 1.25 / 0.8),
         "label_out_of_range" => {
-            case.terms.hard_weight = 0.5;
-            let mut labels: Vec<i64> = (0..case.ntok as i64).map(|t| t * 7 % 300).collect();
-            labels[27] = i64::from(v) + 3;
-            labels[4] = -1;
-            case.labels = Some(labels);
+            if let Some(labels) = case.labels.as_mut() {
+                labels[27] = i64::from(v) + 3;
+            }
         }
         other => return Err(format!("unknown resident error case {other}")),
     }
-    Ok((case, checked))
+    Ok(ErrorCase {
+        bad: case,
+        clean,
+        checked,
+    })
 }
 
 /// Scales every teacher row to hold `mass` of the probability.
@@ -491,9 +743,9 @@ fn set_weight(case: &mut Case, t: usize, value: f32) {
 }
 
 fn check_error_case<B: ResidentBackend + ?Sized>(backend: &B, name: &str) -> Result<Measured, String> {
-    let (case, checked) = error_case(name)?;
-    let want = host_error(backend, &case)?;
-    let got = resident_error(backend, &case, checked)?;
+    let ec = error_case(name)?;
+    let want = host_error(backend, &ec.bad)?;
+    let got = resident_error(backend, &ec)?;
     // The device sums a row's mass in f32: the same error up to that rounding.
     if let (
         Error::TeacherMassAboveOne { row, sum, tail, .. },
@@ -529,7 +781,96 @@ pub(crate) const RESIDENT_TERM_CASES: &[&str] = &[
 
 /// Cases [`run_resident`] runs for `cfg`.
 pub fn resident_case_count(cfg: &SuiteConfig) -> usize {
-    cfg.cases + RESIDENT_TERM_CASES.len() + 1 + RESIDENT_ERROR_CASES.len()
+    cfg.cases + RESIDENT_TERM_CASES.len() + 2 + RESIDENT_ERROR_CASES.len()
+}
+
+/// `loss_out` dispatched directly on a chunk of four rows: good, flagged
+/// (its loss word [`FLAGGED_ROW`]'s bits) with a finite lse, flagged with
+/// a NaN lse (bad logits too), good. A flagged row's loss and terms come
+/// out NaN, the good rows' as the chunk holds them; the status names as
+/// non-finite logits only the row whose lse is NaN: over the first two
+/// rows it names none.
+fn check_loss_out_flags<B: ResidentBackend + ?Sized>(backend: &B) -> Result<Measured, String> {
+    let marker = f32::from_bits(FLAGGED_ROW);
+    let nan = f32::NAN;
+    #[rustfmt::skip]
+    let chunk: [f32; 16] = [
+        1.5, 2.0, 1.5, 0.0,
+        marker, 3.0, 0.25, 0.5,
+        marker, nan, nan, nan,
+        2.5, 1.0, 2.5, 0.0,
+    ];
+    let flagged = [false, true, true, false];
+    let (hs, ld, token0) = (8usize, 16usize, 5usize);
+    let ntok = token0 + 4;
+    let dx_chunk: Vec<f32> = (0..4 * ld).map(|i| i as f32 * 0.5).collect();
+    for (rows, want_logits) in [(2usize, NONE), (4, token0 as u32 + 2)] {
+        let mut words = status::cleared();
+        words[S_DX_MUL] = 1f32.to_bits();
+        let status_buf = device_buffer(backend, bytemuck::cast_slice(&words), "status")?;
+        let loss_chunk = device_buffer(backend, bytemuck::cast_slice(&chunk), "loss chunk")?;
+        let dx_chunk_buf = device_buffer(backend, bytemuck::cast_slice(&dx_chunk), "dx chunk")?;
+        let loss = device_buffer(backend, &nan_bytes(ntok), "loss")?;
+        let dx = device_buffer(backend, &nan_bytes(ntok * hs), "dx")?;
+        let terms = device_buffer(backend, &nan_bytes(ntok * 3), "terms")?;
+        backend
+            .dispatch(Launch::LossOut {
+                loss_chunk: &loss_chunk,
+                dx_chunk: &dx_chunk_buf,
+                status: &status_buf,
+                loss: &loss,
+                dx: &dx,
+                terms: &terms,
+                desc: LossOutDesc {
+                    rows,
+                    hs,
+                    ld,
+                    token0,
+                    loss_offset: token0,
+                    dx_offset: token0 * hs,
+                    accumulate: false,
+                    write_terms: true,
+                },
+            })
+            .map_err(|e| format!("loss_out: {e}"))?;
+        backend.submit().map_err(|e| format!("submit: {e}"))?;
+        backend.finish().map_err(|e| format!("finish: {e}"))?;
+        let mut got = [0u32; status::WORDS];
+        backend
+            .download(&status_buf, 0, bytemuck::cast_slice_mut(&mut got))
+            .map_err(|e| format!("download: {e}"))?;
+        if got[S_LOGITS] != want_logits {
+            return Err(format!(
+                "{rows} rows: status S_LOGITS = {:#x}, want {want_logits:#x} (a flagged row is bad logits only with a NaN lse)",
+                got[S_LOGITS]
+            ));
+        }
+        let (got_loss, got_terms) = (
+            download_f32(backend, &loss, ntok)?,
+            download_f32(backend, &terms, ntok * 3)?,
+        );
+        for r in 0..rows {
+            let t = token0 + r;
+            let (l, tr) = (got_loss[t], &got_terms[t * 3..t * 3 + 3]);
+            let ok = if flagged[r] {
+                l.is_nan() && tr.iter().all(|v| v.is_nan())
+            } else {
+                l.to_bits() == chunk[r * 4].to_bits()
+                    && tr
+                        .iter()
+                        .zip(&chunk[r * 4 + 1..r * 4 + 4])
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+            };
+            if !ok {
+                return Err(format!(
+                    "{rows} rows: row {r} (flagged {}): loss {l}, terms {tr:?}; the chunk holds {:?}",
+                    flagged[r],
+                    &chunk[r * 4..r * 4 + 4]
+                ));
+            }
+        }
+    }
+    Ok(Measured::default())
 }
 
 /// The block filter on the resident path (`DeviceLossOptions::filter_eps`)
@@ -674,6 +1015,15 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
     rec.push(run_one(backend, "resident_filter/lm".into(), what.into(), 0, || {
         check_resident_filter(backend, &tol)
     }));
+    let what = "loss_out on rows flagged by their loss word (FLAGGED_ROW): NaN loss and terms, and non-finite \
+                logits in the status only where the lse is NaN too";
+    rec.push(run_one(
+        backend,
+        "resident_flagged/loss_out".into(),
+        what.into(),
+        0,
+        || check_loss_out_flags(backend),
+    ));
     for &(name, what) in RESIDENT_ERROR_CASES {
         let outcome = run_one(backend, format!("resident_errors/{name}"), what.to_string(), 0, || {
             check_error_case(backend, name)

@@ -40,7 +40,7 @@ pub const RESIDENT_SHARD_CASES: &[(&str, &str)] = &[
     ),
     (
         "resident/errors",
-        "typed errors: shard range, phase order, partials and statistics buffers of another token count, k above a shard, unsupported terms, a bad id named against the whole head",
+        "typed errors: shard range, phase order, partials and statistics buffers of another token count, k above a shard, unsupported terms, a bad id named against the whole head; that row through both phases: NaN loss and terms, a zero dx part on every rank, the other rows as with a good id, bit for bit",
     ),
 ];
 
@@ -516,7 +516,97 @@ fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
     })?;
     // The engine is usable after it.
     partials_rank(b, &mut es[1], &inp)?;
+    // The bad row through both phases on every shard (DESIGN §8): its loss
+    // and terms NaN and its part of dx 0 on every rank before any wait,
+    // each wait naming it; every other row as with the good teacher, bit
+    // for bit.
+    let id_past_the_head = |e: &Error| {
+        matches!(
+            e,
+            Error::IdOutOfRange {
+                row: 5,
+                col: 2,
+                vocab: VOCAB,
+                ..
+            }
+        )
+    };
+    let bad_run = two_phase_waiting(b, &mut es, &inp, &bad, Some(&id_past_the_head))?;
+    let good_run = two_phase_waiting(b, &mut es, &inp, &inp.teacher(), None)?;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for (r, (o, g)) in bad_run.iter().zip(&good_run).enumerate() {
+        for t in 0..NTOK {
+            let (row3, row) = (t * 3..t * 3 + 3, t * HS..(t + 1) * HS);
+            if t == 5 {
+                if !o.loss[t].is_nan() || !o.terms[row3.clone()].iter().all(|v| v.is_nan()) {
+                    return Err(format!(
+                        "rank {r}: flagged row 5: loss {}, terms {:?}, want NaN",
+                        o.loss[t], &o.terms[row3]
+                    ));
+                }
+                if let Some(v) = o.dx[row].iter().find(|&&v| v != 0.0) {
+                    return Err(format!("rank {r}: flagged row 5: dx part holds {v}, want 0"));
+                }
+            } else if o.loss[t].to_bits() != g.loss[t].to_bits()
+                || bits(&o.terms[row3.clone()]) != bits(&g.terms[row3])
+                || bits(&o.dx[row.clone()]) != bits(&g.dx[row])
+            {
+                return Err(format!(
+                    "rank {r}: row {t} (not flagged) differs from the run with a good id (loss {} against {})",
+                    o.loss[t], g.loss[t]
+                ));
+            }
+        }
+    }
     Ok(Measured::default())
+}
+
+/// Both phases on every engine in turn with `teacher` (and `inp`'s other
+/// inputs), the merge between, and each rank's outputs; each wait must
+/// report an error `want` accepts (`None`: none).
+fn two_phase_waiting<B: ResidentBackend>(
+    b: &B,
+    es: &mut [ShardEngine<&B>],
+    inp: &DeviceInputs<B::Buffer>,
+    teacher: &DeviceTeacher<'_, B::Buffer>,
+    want: Option<&dyn Fn(&Error) -> bool>,
+) -> Result<Vec<RankOut>, String> {
+    let err = |e: Error| e.to_string();
+    let waited = |r: Result<(), Error>, phase: &str| -> Result<(), String> {
+        match (r, want) {
+            (Ok(()), None) => Ok(()),
+            (Err(e), Some(accepts)) if accepts(&e) => Ok(()),
+            (other, _) => Err(format!("{phase}: the wait gave {other:?}")),
+        }
+    };
+    let hidden = inp.hidden();
+    let mut parts = Vec::new();
+    for e in es.iter_mut() {
+        let partials = b.alloc((NTOK * STATS_PER_TOKEN * 4) as u64, "partials").map_err(err)?;
+        e.loss_partials_device(NTOK, &hidden, teacher, &partials, &inp.options(None))
+            .map_err(err)?;
+        waited(e.wait_device(), "phase one")?;
+        parts.push((e.shard(), partials));
+    }
+    let views: Vec<(HeadShard, &B::Buffer)> = parts.iter().map(|(s, p)| (*s, p)).collect();
+    let stats = b.alloc((NTOK * STATS_PER_TOKEN * 4) as u64, "stats").map_err(err)?;
+    merge_loss_device(b, NTOK, &views, &stats).map_err(err)?;
+    let mut outs = Vec::new();
+    for e in es.iter_mut() {
+        let loss = buffer(b, bytemuck::cast_slice(&[f32::NAN; NTOK]), "loss")?;
+        let dx = buffer(b, bytemuck::cast_slice(&vec![dx_start(inp); NTOK * HS]), "dx")?;
+        let terms = buffer(b, bytemuck::cast_slice(&vec![f32::NAN; NTOK * 3]), "terms")?;
+        let out = DeviceLossOutput { loss: &loss, dx: &dx };
+        e.loss_finish_device(NTOK, &hidden, teacher, &stats, &out, &inp.options(Some(&terms)))
+            .map_err(err)?;
+        waited(e.wait_device(), "phase two")?;
+        outs.push(RankOut {
+            loss: read(b, &loss, NTOK)?,
+            dx: read(b, &dx, NTOK * HS)?,
+            terms: read(b, &terms, NTOK * 3)?,
+        });
+    }
+    Ok(outs)
 }
 
 /// One case by name.

@@ -3,6 +3,7 @@
 //! of bounds for a descriptor it accepted.
 
 use half::f16;
+use headkl_core::resident::status::FLAGGED_ROW;
 use headkl_core::split::k_part_range;
 use headkl_core::{
     ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TailMode, TopkDesc, NO_LABEL,
@@ -328,7 +329,10 @@ fn lse_of<T: Real>(u: &[T]) -> T {
 }
 
 /// One row of the KL kernel ([`KlDesc`]): returns `[L_t, lse, soft, hard]`
-/// and writes the gradient row, in arithmetic `T`.
+/// and writes the gradient row, in arithmetic `T`. A row whose coefficient
+/// word is [`FLAGGED_ROW`] (flagged by the resident kernels) gets a zero
+/// gradient row and mask whatever its logits, and the marker's bits as its
+/// loss word (`kl_rows.wgsl`).
 #[allow(clippy::too_many_arguments, reason = "the row's slices, its inputs and its outputs")]
 fn kl_row<T: Real>(
     s: &[f32],
@@ -340,6 +344,13 @@ fn kl_row<T: Real>(
     grad: &mut [f16],
     mask: &mut [u32],
 ) -> [f32; 4] {
+    if coef == FLAGGED_ROW {
+        let mut out = kl_row::<T>(s, ids, probs, [0f32.to_bits(), label], d, stats_lse, grad, mask);
+        grad.fill(f16::ZERO);
+        mask.fill(0);
+        out[0] = f32::from_bits(FLAGGED_ROW);
+        return out;
+    }
     let vocab = d.vocab;
     grad[vocab..].fill(f16::ZERO);
     mask.fill(0);

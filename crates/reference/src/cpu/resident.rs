@@ -8,9 +8,9 @@ use headkl_core::params::{
     TopkOutParams, WeightStatsParams,
 };
 use headkl_core::resident::status::{
-    KIND_DUPLICATE, KIND_ID_RANGE, KIND_PROB_NEGATIVE, KIND_PROB_NON_FINITE, KIND_ROW_SUM, KIND_WEIGHT_NEGATIVE,
-    KIND_WEIGHT_NON_FINITE, NONE, S_COEF_MUL, S_DX_MUL, S_D_VALUE, S_ID_RANGE, S_KIND, S_LABEL, S_LOGITS, S_ROW,
-    S_TOTAL_BAD, S_TOTAL_BITS, S_WEIGHT,
+    FLAGGED_ROW, KIND_DUPLICATE, KIND_ID_RANGE, KIND_PROB_NEGATIVE, KIND_PROB_NON_FINITE, KIND_ROW_SUM,
+    KIND_WEIGHT_NEGATIVE, KIND_WEIGHT_NON_FINITE, NONE, S_COEF_MUL, S_DX_MUL, S_D_VALUE, S_ID_RANGE, S_KIND, S_LABEL,
+    S_LOGITS, S_ROW, S_TOTAL_BAD, S_TOTAL_BITS, S_WEIGHT,
 };
 use headkl_core::resident::status::{KIND_LABEL, KIND_LOGPROB, KIND_MASS};
 use headkl_core::{
@@ -98,14 +98,16 @@ impl CpuBackend {
         } else {
             1.0
         };
+        // total not positive: every row of the call is flagged
+        // (teacher_rows reads the marker here).
         let (coef_mul, dx_mul) = if total > 0.0 && total.is_finite() && gscale > 0.0 && gscale.is_finite() {
-            (gscale / total, p.inv_temperature / gscale)
+            ((gscale / total).to_bits(), p.inv_temperature / gscale)
         } else {
             status[S_TOTAL_BAD] = 1;
             status[S_TOTAL_BITS] = total.to_bits();
-            (0.0, 0.0)
+            (FLAGGED_ROW, 0.0)
         };
-        status[S_COEF_MUL] = coef_mul.to_bits();
+        status[S_COEF_MUL] = coef_mul;
         status[S_DX_MUL] = dx_mul.to_bits();
         Ok(())
     }
@@ -125,7 +127,8 @@ impl CpuBackend {
         // The KL kernel's per-row inputs [rows][2]: coefficient bits, label
         // (none: the resident path has no hard term).
         let (probs_out, row_in): (_, &mut [u32]) = (f32s_mut(&mut probs_out), &mut coef);
-        let coef_mul = f32::from_bits(status[S_COEF_MUL]);
+        // Compared as bits: FLAGGED_ROW is a NaN.
+        let coef_mul = status[S_COEF_MUL];
         let logprobs = p.logprobs != 0;
         let renormalize = p.tail == TailMode::Renormalize.code();
         // (bad, probability) of a value in the teacher's form.
@@ -168,16 +171,17 @@ impl CpuBackend {
             if row_bad {
                 lower(&mut status, S_ROW, token);
             }
-            let mut w = if p.has_weights != 0 {
+            let w = if p.has_weights != 0 {
                 weights[p.weights_offset as usize + row]
             } else {
                 1.0
             };
-            if bad_value(w) {
-                w = 0.0;
-            }
-            let c = if any_bad { 0.0 } else { w * coef_mul };
-            row_in[row * 2] = c.to_bits();
+            // A bad teacher row or weight, or total not positive: flagged.
+            row_in[row * 2] = if any_bad || bad_value(w) || coef_mul == FLAGGED_ROW {
+                FLAGGED_ROW
+            } else {
+                (w * f32::from_bits(coef_mul)).to_bits()
+            };
         }
         Ok(())
     }
@@ -193,6 +197,7 @@ impl CpuBackend {
                 if label != NO_LABEL && label >= p.vocab {
                     lower(&mut status, S_LABEL, p.token0 + row as u32);
                     label = NO_LABEL;
+                    row_in[row * 2] = FLAGGED_ROW;
                 }
             }
             row_in[row * 2 + 1] = label;
@@ -240,13 +245,22 @@ impl CpuBackend {
         let dx_mul = f32::from_bits(status[S_DX_MUL]);
         let (cols, ld) = (p.hs as usize, p.ld as usize);
         for r in 0..p.rows as usize {
-            // [rows][4]: loss, lse, soft, hard; the loss is word 0.
-            loss_dst[p.loss_offset as usize + r] = loss[r * 4];
+            // [rows][4]: loss, lse, soft, hard; the loss is word 0, the
+            // marker's bits for a flagged row (NaN loss and terms; its
+            // logits judged by its lse word).
+            let l = loss[r * 4];
+            let flagged = l.to_bits() == FLAGGED_ROW;
+            loss_dst[p.loss_offset as usize + r] = l;
             if let Some(t) = terms_dst.as_deref_mut() {
                 let o = (p.loss_offset as usize + r) * 3;
-                t[o..o + 3].copy_from_slice(&loss[r * 4 + 1..r * 4 + 4]);
+                if flagged {
+                    t[o..o + 3].fill(l);
+                } else {
+                    t[o..o + 3].copy_from_slice(&loss[r * 4 + 1..r * 4 + 4]);
+                }
             }
-            if !loss[r * 4].is_finite() {
+            let logits_word = if flagged { loss[r * 4 + 1] } else { l };
+            if !logits_word.is_finite() {
                 lower(&mut status, S_LOGITS, p.token0 + r as u32);
             }
             for c in 0..cols {
@@ -313,7 +327,10 @@ impl CpuBackend {
                     let alpha = (partials[t] - stats[t]).exp().max(ALPHA_FLOOR);
                     let range = r * k..(r + 1) * k;
                     map_shard_row(&mut ids[range.clone()], &mut probs[range], (v0, v1), 1.0 / alpha, true);
-                    row_in[r * 2] = (f32::from_bits(row_in[r * 2]) * alpha).to_bits();
+                    // A flagged row's word stays the marker.
+                    if row_in[r * 2] != FLAGGED_ROW {
+                        row_in[r * 2] = (f32::from_bits(row_in[r * 2]) * alpha).to_bits();
+                    }
                 }
             }
             ShardStage::Loss => {
@@ -321,6 +338,7 @@ impl CpuBackend {
                 let mut loss = b[0].write(K)?;
                 let (stats, loss) = (f32s(&stats), f32s_mut(&mut loss));
                 for r in 0..rows {
+                    // Bad logits, or a flagged row: as the kernel wrote it.
                     if loss[r * 4].is_finite() {
                         let t = token(r);
                         let l = stats[t + 2] + stats[t];
