@@ -6,8 +6,13 @@
 #
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
-# [bench] [dxsplit] [filter] [wgmma] [anchors] [peers] [cublas] [twin]
-# (default: all but tune, dxsplit, filter, wgmma, peers and twin). `wgmma` runs
+# [bench] [dxsplit] [filter] [wgmma] [anchors] [peers] [cublas] [twin] [soak]
+# (default: all but tune, dxsplit, filter, wgmma, peers, twin and soak).
+# `soak` runs `headkl soak` (SOAK_CALLS calls a path, default 10000, at
+# SOAK_SHAPE, default S) on each of SOAK_BACKENDS (default "vulkan wgpu"):
+# memory flat and results bit-identical on the host and resident paths,
+# three engines on threads against one; one backend is about 7 minutes, so
+# give each its own device call. `wgmma` runs
 # the PTX tiles (shaders/gemm_wgmma.cu through VK_NVX_binary_import): their
 # CUDA check beside cuBLAS (scripts/wgmma_cuda.py), `check` with each tile
 # picked, and the bench at the shapes with them against the default tiles.
@@ -59,6 +64,14 @@ if has tune; then
         HEADKL_PIPELINE_STATS=1 $headkl $quiet tune --backend $backend ${TUNE_ARGS:-} >"$log" 2>&1
         echo "tune $backend exit=$?" | tee -a "$summary"
         grep -vE "^tune: (round|\[)|^headkl-vulkan: pipeline" "$log" | tail -n 26 | tee -a "$summary"
+    done
+fi
+if has soak; then
+    for backend in ${SOAK_BACKENDS:-vulkan wgpu}; do
+        log="$out/soak-$backend.txt"
+        $headkl soak --backend "$backend" --shape "${SOAK_SHAPE:-S}" --calls "${SOAK_CALLS:-10000}" >"$log" 2>&1
+        echo "soak $backend exit=$?" | tee -a "$summary"
+        grep -E "^soak:" "$log" | tee -a "$summary"
     done
 fi
 if has check; then

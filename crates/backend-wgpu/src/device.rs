@@ -14,6 +14,10 @@ use crate::kernels::{GemmBuild, Kernels};
 use crate::stream::{Batch, PendingTimes, RING_SLOTS};
 use crate::{backend_error, BACKEND};
 
+/// How long a map's callback may take to arrive once its copy is done
+/// ([`WgpuBackend::await_map`]); past it the device is taken as lost.
+const MAP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The wgpu backend's WGSL GEMM kernels without a tune cache or
 /// `HEADKL_GEMM`, on an adapter that cannot run the GLSL tiles (not Vulkan
 /// with `PASSTHROUGH_SHADERS`, or subgroups other than 32); where it can,
@@ -268,6 +272,36 @@ impl WgpuBackend {
         }
     }
 
+    /// The result of a `map_async` whose work was waited for: its
+    /// callback runs in whichever thread's poll found the copy done, which
+    /// with engines on several threads may be another thread still inside
+    /// its poll when this one returns. So the callback is awaited (polling
+    /// again meanwhile), up to [`MAP_DEADLINE`], not merely looked for.
+    pub(crate) fn await_map(
+        &self,
+        mapped: &std::sync::mpsc::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>,
+    ) -> Result<()> {
+        let deadline = std::time::Instant::now() + MAP_DEADLINE;
+        loop {
+            match mapped.recv_timeout(std::time::Duration::from_millis(1)) {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(e)) => return Err(self.lost_or(format!("mapping a buffer: {e}"))),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(self.lost_or("mapping a buffer: its callback was dropped".into()))
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if std::time::Instant::now() >= deadline {
+                        return Err(self.lost_or(format!(
+                            "mapping a buffer: no completion within {} s of its copy",
+                            MAP_DEADLINE.as_secs()
+                        )));
+                    }
+                    let _ = self.device.poll(wgpu::PollType::Poll);
+                }
+            }
+        }
+    }
+
     /// Waits for all submitted work.
     pub(crate) fn wait(&self) -> Result<()> {
         self.device
@@ -291,5 +325,36 @@ impl std::fmt::Debug for WgpuBackend {
             .field("device", &self.info.device_name)
             .field("gemm", &self.gemm_path)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use super::WgpuBackend;
+
+    /// Engines on several threads: the poll that finds a copy done may be
+    /// another thread's, which runs the map's callback after this thread's
+    /// poll has returned (seen on the H200 with three engines at shape S).
+    #[test]
+    fn a_map_callback_that_arrives_after_the_poll_is_awaited() {
+        let Some(backend) = headkl_reference::conformance::open_or_skip("wgpu", || WgpuBackend::open(None)) else {
+            return;
+        };
+        let (tx, rx) = mpsc::channel();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            let _ = tx.send(Ok(()));
+        });
+        assert_eq!(backend.await_map(&rx), Ok(()));
+        late.join().expect("the sender");
+
+        // A callback dropped unrun is an error, not a wait.
+        let (tx, rx) = mpsc::channel::<Result<(), wgpu::BufferAsyncError>>();
+        drop(tx);
+        let e = backend.await_map(&rx).expect_err("no callback will come");
+        assert!(e.to_string().contains("callback was dropped"), "{e}");
     }
 }

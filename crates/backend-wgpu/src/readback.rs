@@ -102,11 +102,7 @@ impl WgpuBackend {
                 timeout: None,
             })
             .map_err(|e| self.lost_or(format!("waiting for a download: {e}")))?;
-        match rb.mapped.try_recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(self.lost_or(format!("mapping a buffer: {e}"))),
-            Err(_) => return Err(self.lost_or("mapping a buffer: no completion".into())),
-        }
+        self.await_map(&rb.mapped)?;
         {
             let view = rb
                 .staging

@@ -57,11 +57,7 @@ impl WgpuBackend {
             let _ = tx.send(r);
         });
         self.wait()?;
-        match rx.try_recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(self.lost_or(format!("mapping a buffer: {e}"))),
-            Err(_) => return Err(self.lost_or("mapping a buffer: no completion".into())),
-        }
+        self.await_map(&rx)?;
         {
             let view = buffer
                 .get_mapped_range(0..bytes)

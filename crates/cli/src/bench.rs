@@ -157,21 +157,21 @@ impl DataKind {
 }
 
 /// The data of one shape: f16 head and hidden rows, and a teacher.
-struct BenchData {
-    shape: Shape,
+pub(crate) struct BenchData {
+    pub(crate) shape: Shape,
     kind: DataKind,
     /// The `lm` data's log prior over the vocabulary (`--vocab-order prior`).
     log_prior: Option<Vec<f32>>,
-    head: Vec<f16>,
-    hidden: Vec<f16>,
-    teacher: Teacher,
+    pub(crate) head: Vec<f16>,
+    pub(crate) hidden: Vec<f16>,
+    pub(crate) teacher: Teacher,
 }
 
 impl BenchData {
     /// Generates the data on every core. Head values have standard
     /// deviation 0.02 and hidden values 1 (the anchors' scales), so logits
     /// are O(1) as in a real model.
-    fn generate(shape: Shape, kind: DataKind) -> Result<Self, CliError> {
+    pub(crate) fn generate(shape: Shape, kind: DataKind) -> Result<Self, CliError> {
         if kind == DataKind::Lm {
             return Self::generate_lm(shape);
         }
@@ -545,7 +545,7 @@ impl BackendJob for BenchJob<'_> {
 impl ResidentJob for BenchJob<'_> {
     type Output = Option<BenchRun>;
 
-    fn run_resident<B: ResidentBackend>(self, backend: B) -> Result<Option<BenchRun>, CliError> {
+    fn run_resident<B: ResidentBackend + Sync>(self, backend: B) -> Result<Option<BenchRun>, CliError> {
         self.run_with(backend, time_resident)
     }
 }

@@ -61,7 +61,7 @@ impl BackendJob for CheckJob<'_> {
 impl ResidentJob for CheckJob<'_> {
     type Output = SuiteReport;
 
-    fn run_resident<B: ResidentBackend>(self, backend: B) -> Result<SuiteReport, CliError> {
+    fn run_resident<B: ResidentBackend + Sync>(self, backend: B) -> Result<SuiteReport, CliError> {
         let total =
             case_count(self.cfg) + resident_case_count(self.cfg) + shard_case_count() + resident_shard_case_count();
         let mut progress = progress_for(backend.info(), total);

@@ -17,6 +17,7 @@ mod provenance;
 mod select;
 mod shard;
 mod signals;
+mod soak;
 mod terms;
 mod text;
 mod tune;
@@ -226,6 +227,43 @@ or refuses with exit 2 unless --yes. The bar's time left follows the same estima
               default_value = "natural")]
         vocab_order: bench::VocabOrderArg,
     },
+    /// Call one engine many times and check that nothing drifts or leaks
+    #[command(
+        long_about = "Call one engine --calls times through the host path (head_kl with its outputs \
+kept from call to call) and --calls times through the device-resident path (inputs in device \
+buffers, a wait a call), on random f16 data: every call's loss and dx must equal the first call's \
+bit for bit (the resident path's dx is read every 100 calls), and after --warmup calls the device \
+memory the backend holds must stay exactly flat and the process's resident host memory within \
+16 MiB. Then --threads engines on threads, --thread-calls calls each, all at once: every answer \
+must equal one engine's bit for bit. Prints a line per path (calls, time, memory first → last \
+(max)) and exits 1 on any difference or growth.\n\n\
+Shapes as bench's: A, B, S, M or NTOK:V:HS:K; without --shape, the backend's bench default. \
+A GPU backend is needed (the resident path); without --backend, auto's pick.",
+        after_help = SHORT_HELP,
+        after_long_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
+    )]
+    Soak {
+        #[command(flatten)]
+        backend: BackendArgs,
+        /// A, B, S, M or NTOK:V:HS:K (default: the backend's bench default)
+        #[arg(long, value_parser = parse_shape)]
+        shape: Option<Shape>,
+        /// Calls per path
+        #[arg(long, default_value_t = 1000)]
+        calls: usize,
+        /// Calls before memory is first read (the scratch is sized by then)
+        #[arg(long, default_value_t = 10)]
+        warmup: usize,
+        /// Engines on threads after the two paths (0: none)
+        #[arg(long, default_value_t = 3)]
+        threads: usize,
+        /// Calls each thread's engine makes
+        #[arg(long, default_value_t = 20)]
+        thread_calls: usize,
+        /// Device-memory budget for scratch, bytes (K/M/G suffixes) [default: 2G]
+        #[arg(long, value_parser = parse_bytes)]
+        budget: Option<u64>,
+    },
     /// Time every matrix-unit GEMM kernel on this device and keep the fastest
     #[command(
         long_about = "Time every matrix-unit GEMM kernel (the direct one, the staged one at each \
@@ -421,6 +459,26 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
                 data,
                 filter_eps,
                 vocab_order,
+            },
+        ),
+        Command::Soak {
+            backend,
+            shape,
+            calls,
+            warmup,
+            threads,
+            thread_calls,
+            budget,
+        } => soak::run(
+            &backend,
+            settings,
+            &soak::SoakConfig {
+                shape,
+                calls,
+                warmup,
+                threads,
+                thread_calls,
+                budget: budget.unwrap_or(DEFAULT_BUDGET_BYTES),
             },
         ),
         Command::Tune {

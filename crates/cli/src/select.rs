@@ -546,7 +546,7 @@ pub trait ResidentJob {
     /// What the job returns.
     type Output;
     /// Runs the job on an opened backend.
-    fn run_resident<B: ResidentBackend>(self, backend: B) -> Result<Self::Output, CliError>;
+    fn run_resident<B: ResidentBackend + Sync>(self, backend: B) -> Result<Self::Output, CliError>;
 }
 
 /// [`open_and_run`] for a [`ResidentJob`]: the GPU backends only (the CPU

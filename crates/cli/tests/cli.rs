@@ -2238,3 +2238,47 @@ fn the_dx_block_filter_reports_what_it_skipped_and_bad_values_are_refused() {
     ]);
     assert_input_error(&b, &["--vocab-order", "--data lm"]);
 }
+
+/// `soak`: bad counts are exit 2 naming the option, before any backend is
+/// opened; a short soak on the first GPU backend that starts passes, with
+/// a line per path.
+#[test]
+fn soak_checks_its_options_and_a_short_soak_passes() {
+    assert_input_error(&headkl(&["soak", "--calls", "0"]), &["--calls", "at least 1"]);
+    assert_input_error(
+        &headkl(&["soak", "--calls", "5", "--warmup", "5"]),
+        &["--warmup", "below --calls (5)"],
+    );
+    assert_input_error(
+        &headkl(&["soak", "--threads", "2", "--thread-calls", "0"]),
+        &["--thread-calls"],
+    );
+    let o = headkl(&[
+        "soak",
+        "--backend",
+        "vulkan",
+        "--shape",
+        "8:512:32:4",
+        "--calls",
+        "30",
+        "--warmup",
+        "5",
+        "--threads",
+        "2",
+        "--thread-calls",
+        "3",
+    ]);
+    let err = stderr(&o);
+    if o.status.code() == Some(1)
+        && err.contains("cannot start")
+        && !std::env::var("HEADKL_REQUIRE").is_ok_and(|r| r.contains("vulkan"))
+    {
+        eprintln!("soak: vulkan cannot start here (skipped): {err}");
+        return;
+    }
+    assert_eq!(o.status.code(), Some(0), "soak failed:\n{err}");
+    for path in ["soak: host ", "soak: resident ", "soak: threads "] {
+        assert!(err.contains(path), "no `{path}` line:\n{err}");
+    }
+    assert!(String::from_utf8_lossy(&o.stdout).contains("soak: passed"));
+}
