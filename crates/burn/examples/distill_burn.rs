@@ -16,8 +16,8 @@ use burn::module::{Module, Param};
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::{Int, Tensor};
 use burn::tensor::{activation, Device, TensorData};
-use headkl_burn::{unfused, DeviceOptions, HeadKl, LossOptions, SharedDevice, Teacher};
-use headkl_core::{HeadData, HeadWeights, TopkOptions};
+use headkl_burn::prelude::*;
+use headkl_burn::unfused;
 
 /// Sizes and knobs of a run.
 #[derive(Clone, Debug)]

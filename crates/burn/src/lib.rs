@@ -71,10 +71,12 @@ pub use headkl_wgpu;
 use bridge::{Binder, Flow, Primitive, Staging};
 use grad::Upstream;
 
-/// Everything headkl-burn's calls take and return, in one `use`.
+/// Everything headkl-burn's calls take and return, in one `use` (not the
+/// crate's `Result` alias, which would shadow the standard one in a glob
+/// import: name it `headkl_burn::Result`).
 pub mod prelude {
     pub use crate::{
-        device_descriptor, Binding, Calls, DeviceOptions, Error, HeadKl, LossOptions, LossOutput, Result, SharedDevice,
+        device_descriptor, Binding, Calls, DeviceOptions, Error, HeadKl, LossOptions, LossOutput, SharedDevice,
         Teacher, TopK, BIND_ALIGN,
     };
     pub use headkl_core::{HeadData, HeadWeights, TopkOptions};

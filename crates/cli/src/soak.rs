@@ -431,6 +431,12 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &SoakConfig) -> Re
         return Err(CliError::option("--thread-calls", "must be at least 1 with --threads"));
     }
     let target = select::resolve_announced(args, "soak", settings)?;
+    if target.kind == BackendKind::Reference {
+        return Err(CliError::option(
+            "--backend",
+            "soak runs the device-resident path, which the reference backend has not (name vulkan or wgpu)",
+        ));
+    }
     let problems = select::open_and_run_resident(&target, SoakJob { cfg, kind: target.kind })?;
     if problems.is_empty() {
         println!("soak: passed");

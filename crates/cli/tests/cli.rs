@@ -2253,6 +2253,10 @@ fn soak_checks_its_options_and_a_short_soak_passes() {
         &headkl(&["soak", "--threads", "2", "--thread-calls", "0"]),
         &["--thread-calls"],
     );
+    assert_input_error(
+        &headkl(&["soak", "--backend", "reference", "--calls", "3", "--warmup", "1"]),
+        &["--backend", "reference"],
+    );
     let o = headkl(&[
         "soak",
         "--backend",
