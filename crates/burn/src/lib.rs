@@ -175,9 +175,7 @@ pub struct HeadKl {
 }
 
 /// f16's largest finite value, as headkl's head check uses it.
-fn half_max() -> f32 {
-    65504.0
-}
+const F16_MAX: f32 = 65504.0;
 
 /// A device as a message names it: burn's debug form without its wrapper.
 fn brief(device: &Device) -> String {
@@ -334,8 +332,7 @@ impl HeadKl {
         // The tensor outside any graph: the head is frozen.
         let plain: Tensor<2> = Tensor::from_primitive::<Cube>(bridge::float_parts(w.clone(), "head")?.inner);
         let w32 = plain.clone().cast(FloatDType::F32);
-        let limit = half_max();
-        let bad = w32.clone().abs().greater_elem(limit).bool_or(w32.clone().is_nan());
+        let bad = w32.clone().abs().greater_elem(F16_MAX).bool_or(w32.clone().is_nan());
         if bad.clone().any().into_scalar::<bool>() {
             let at = bad.int().reshape([vocab * hs]).argmax(0).into_scalar::<i64>() as usize;
             let value = w32.reshape([vocab * hs]).slice(at..at + 1).into_scalar::<f32>();

@@ -146,6 +146,59 @@ impl Meter {
     }
 }
 
+/// One path's bookkeeping over its calls: the first call's results, the
+/// first call that differed from them, and the memory readings.
+struct Tracker {
+    warmup: usize,
+    first: Option<(Vec<f32>, Vec<f32>)>,
+    differed: Option<(usize, &'static str)>,
+    meter: Meter,
+}
+
+impl Tracker {
+    fn new(warmup: usize) -> Self {
+        Self {
+            warmup,
+            first: None,
+            differed: None,
+            meter: Meter::new(),
+        }
+    }
+
+    /// Call `call`'s loss and dx (`None`: dx not read this call) against
+    /// the first call's; the memory read after warm-up and every
+    /// [`READ_EVERY`] calls.
+    fn after_call<B: Backend>(&mut self, call: usize, loss: &[f32], dx: Option<&[f32]>, backend: &B) {
+        match &self.first {
+            None => self.first = Some((loss.to_vec(), dx.unwrap_or_default().to_vec())),
+            Some((l, g)) if self.differed.is_none() => {
+                if bits(loss) != bits(l) {
+                    self.differed = Some((call, "the loss"));
+                } else if dx.is_some_and(|dx| bits(dx) != bits(g)) {
+                    self.differed = Some((call, "dx"));
+                }
+            }
+            Some(_) => {}
+        }
+        if call + 1 == self.warmup || (call >= self.warmup && call.is_multiple_of(READ_EVERY)) {
+            self.meter.read(backend);
+        }
+    }
+
+    /// The path's report, with the memory read once more at its end.
+    fn report<B: Backend>(mut self, path: &'static str, calls: usize, secs: f64, backend: &B) -> PathReport {
+        self.meter.read(backend);
+        PathReport {
+            path,
+            calls,
+            secs,
+            device: self.meter.device,
+            host: self.meter.host,
+            differed: self.differed,
+        }
+    }
+}
+
 struct SoakJob<'a> {
     cfg: &'a SoakConfig,
     kind: BackendKind,
@@ -175,39 +228,17 @@ impl Soak<'_> {
             ..LossOptions::default()
         };
         let mut out = LossOutput::default();
-        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
-        let mut meter = Meter::new();
-        let mut differed = None;
+        let mut tracker = Tracker::new(self.cfg.warmup);
         let start = Instant::now();
         for call in 0..self.cfg.calls {
             engine
                 .head_kl_into(&hidden, &d.teacher, &opts, &mut out)
                 .map_err(Self::fail("host-path call"))?;
-            match &first {
-                None => first = Some((out.loss.clone(), out.dx.clone())),
-                Some((loss, dx)) if differed.is_none() => {
-                    if bits(&out.loss) != bits(loss) {
-                        differed = Some((call, "the loss"));
-                    } else if bits(&out.dx) != bits(dx) {
-                        differed = Some((call, "dx"));
-                    }
-                }
-                Some(_) => {}
-            }
-            if call + 1 == self.cfg.warmup || (call >= self.cfg.warmup && (call % READ_EVERY == 0)) {
-                meter.read(engine.backend());
-            }
+            tracker.after_call(call, &out.loss, Some(&out.dx), engine.backend());
             progress.inc_by(1);
         }
-        meter.read(engine.backend());
-        Ok(PathReport {
-            path: "host",
-            calls: self.cfg.calls,
-            secs: start.elapsed().as_secs_f64(),
-            device: meter.device,
-            host: meter.host,
-            differed,
-        })
+        let secs = start.elapsed().as_secs_f64();
+        Ok(tracker.report("host", self.cfg.calls, secs, engine.backend()))
     }
 
     /// The device-resident path: inputs in device buffers, a wait a call;
@@ -248,9 +279,7 @@ impl Soak<'_> {
             ..DeviceLossOptions::default()
         };
         let (mut got_loss, mut got_dx) = (vec![0f32; ntok], vec![0f32; ntok * hs]);
-        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
-        let mut meter = Meter::new();
-        let mut differed = None;
+        let mut tracker = Tracker::new(self.cfg.warmup);
         let start = Instant::now();
         let calls = self.cfg.calls;
         for call in 0..calls {
@@ -262,37 +291,17 @@ impl Soak<'_> {
             backend
                 .download(&loss, 0, bytemuck::cast_slice_mut(&mut got_loss))
                 .map_err(Self::fail("reading the loss"))?;
-            let read_dx = first.is_none() || call % READ_EVERY == 0 || call + 1 == calls;
+            let read_dx = call.is_multiple_of(READ_EVERY) || call + 1 == calls;
             if read_dx {
                 backend
                     .download(&dx, 0, bytemuck::cast_slice_mut(&mut got_dx))
                     .map_err(Self::fail("reading dx"))?;
             }
-            match &first {
-                None => first = Some((got_loss.clone(), got_dx.clone())),
-                Some((l, g)) if differed.is_none() => {
-                    if bits(&got_loss) != bits(l) {
-                        differed = Some((call, "the loss"));
-                    } else if read_dx && bits(&got_dx) != bits(g) {
-                        differed = Some((call, "dx"));
-                    }
-                }
-                Some(_) => {}
-            }
-            if call + 1 == self.cfg.warmup || (call >= self.cfg.warmup && (call % READ_EVERY == 0)) {
-                meter.read(engine.backend());
-            }
+            tracker.after_call(call, &got_loss, read_dx.then_some(got_dx.as_slice()), backend);
             progress.inc_by(1);
         }
-        meter.read(engine.backend());
-        Ok(PathReport {
-            path: "resident",
-            calls,
-            secs: start.elapsed().as_secs_f64(),
-            device: meter.device,
-            host: meter.host,
-            differed,
-        })
+        let secs = start.elapsed().as_secs_f64();
+        Ok(tracker.report("resident", calls, secs, engine.backend()))
     }
 
     /// `threads` engines on threads, each making `thread_calls` calls at

@@ -133,15 +133,7 @@ impl<B: Backend> Engine<B> {
         mut fill: impl FnMut(&B, DevicePlane<'_, B::Buffer>) -> Result<()>,
     ) -> Result<Self> {
         let head = HeadPlanes::from_device(&backend, (vocab, hs), slicing, row_norms, &mut fill)?;
-        Ok(Self {
-            backend,
-            head,
-            scratch: ScratchCache::default(),
-            resident: crate::resident::ResidentState::new(),
-            trace: false,
-            progress: None,
-            row_stats: true,
-        })
+        Ok(Self::with_planes(backend, head))
     }
 
     /// [`Engine::new`] with the head's rows stored in `order`
@@ -157,7 +149,12 @@ impl<B: Backend> Engine<B> {
         order: Option<VocabOrder>,
     ) -> Result<Self> {
         let head = HeadPlanes::upload(&backend, head, slicing, order)?;
-        Ok(Self {
+        Ok(Self::with_planes(backend, head))
+    }
+
+    /// An engine around a head already on `backend`'s device.
+    fn with_planes(backend: B, head: HeadPlanes<B>) -> Self {
+        Self {
             backend,
             head,
             scratch: ScratchCache::default(),
@@ -165,7 +162,7 @@ impl<B: Backend> Engine<B> {
             trace: false,
             progress: None,
             row_stats: true,
-        })
+        }
     }
 
     /// Whether `head_kl`'s logits GEMMs also write each row's statistics
