@@ -22,6 +22,7 @@ use headkl_core::{
 use crate::environment::Settings;
 use crate::error::{is_validation, CliError};
 use crate::io::write_atomic;
+use crate::options::BudgetArg;
 use crate::progress::Progress;
 use crate::select::{
     enumerate_backend, open_and_run, open_and_run_resident, required, resolve_announced, target_for, BackendArgs,
@@ -52,38 +53,60 @@ const DATA_SEED: u64 = 0x5EED_4EAD;
 /// minutes); naming `--backend reference` still runs it.
 const REFERENCE_MAX_FLOPS: f64 = 2e11;
 
-/// Settings of one `headkl bench` run.
-#[derive(Clone, Debug)]
+/// Settings of one `headkl bench` run: its command-line options.
+#[derive(clap::Args, Clone, Debug)]
 pub struct BenchConfig {
-    /// Shape from `--shape` (with `--k` applied), or `None` for each
-    /// backend's default.
+    /// A, B, S, M or NTOK:V:HS:K (default: per backend, see above)
+    #[arg(long, value_parser = crate::parse_shape)]
     pub shape: Option<Shape>,
-    /// `--k`, applied to default shapes too.
+    /// Teacher entries / top-k k (overrides the shape's K)
+    #[arg(long)]
     pub k: Option<usize>,
-    /// Timed calls per job.
+    /// Timed calls per job
+    #[arg(long, default_value_t = 10)]
     pub iters: usize,
-    /// Untimed calls before them.
+    /// Untimed calls per job before the timed ones
+    #[arg(long, default_value_t = 2)]
     pub warmup: usize,
-    /// Scratch budget in bytes.
-    pub budget: u64,
-    /// `--json` file.
+    #[command(flatten)]
+    pub budget: BudgetArg,
+    /// Write every number as JSON to FILE
+    #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
-    /// `--plot` file.
+    /// Write an SVG bar chart to FILE.svg
+    #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
-    /// `--all`.
+    /// Run every backend this machine can start
+    #[arg(long)]
     pub all: bool,
-    /// `--resident`: also time the device-resident entry points.
+    /// Also time the device-resident entry points (inputs already in device buffers, the
+    /// trainer's wait included), beside the host path
+    #[arg(long)]
     pub resident: bool,
-    /// `--yes`: run even when the estimate is long or past the memory
-    /// there is.
+    /// Run even when bench estimates more than 5 minutes or more memory than the machine has
+    /// (without it bench asks on a terminal, and refuses with exit 2 elsewhere)
+    #[arg(long, short = 'y')]
     pub yes: bool,
-    /// `--shards N`: also time both jobs with the head in N shards.
-    pub shards: Option<usize>,
-    /// `--data`.
+    /// Also time both jobs with the head in N even vocabulary shards (one engine each on this
+    /// device, called in turn: phase one, the merge, phase two), beside the unsharded rows; with
+    /// --resident also head_kl's two phases on device buffers (row "sharded resident")
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub shards: Option<u16>,
+    /// The data: `random` (uniform head and hidden rows, random teacher: the filter skips
+    /// nothing) or `lm` (logits like a trained LM's: a Zipf prior, contextual peaks, a teacher
+    /// consistent with them; its statistics are printed beside the published ones)
+    #[arg(long, value_enum, default_value_t = DataKind::Random)]
     pub data: DataKind,
-    /// `--filter-eps`: the dx GEMM's block filter (off: `None`).
+    /// The dx GEMM's block filter: skip blocks whose |∂L/∂s| entries are all at most ε
+    /// (`auto` = 2^-15); prints the skipped fraction, a bound on what it dropped and dx's error
+    /// against an unfiltered call (the sharded rows run without it) [default: off]
+    #[arg(long, value_parser = crate::parse_filter_eps, value_name = "auto|E")]
     pub filter_eps: Option<f32>,
-    /// `--vocab-order`: the order the head's rows are stored in.
+    /// The order the head's rows are stored in, fixed at upload: `natural`, `prior` (the `lm`
+    /// data's unigram prior, likely tokens first, so the dx block filter finds them in fewer
+    /// blocks; needs --data lm) or a file of token ids, whitespace-separated, one per position
+    #[arg(long, value_parser = VocabOrderArg::parse, value_name = "natural|prior|FILE",
+          default_value = "natural")]
     pub vocab_order: VocabOrderArg,
 }
 
@@ -123,16 +146,44 @@ impl VocabOrderArg {
             VocabOrderArg::File(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| CliError::option("--vocab-order", format!("{}: {e}", path.display())))?;
-                let ids = text
-                    .split_whitespace()
-                    .map(|w| w.parse::<u32>())
-                    .collect::<Result<Vec<u32>, _>>()
-                    .map_err(|e| CliError::option("--vocab-order", format!("{}: {e}", path.display())))?;
-                VocabOrder::new(ids)
+                let order = vocab_order_from_text(path, &text)?;
+                if order.len() != data.shape.vocab {
+                    return Err(CliError::option(
+                        "--vocab-order",
+                        format!(
+                            "{}: {} token ids, but the head has V = {}",
+                            path.display(),
+                            order.len(),
+                            data.shape.vocab
+                        ),
+                    ));
+                }
+                return Ok(Some(order));
             }
         };
-        order.map(Some).map_err(|e| CliError::device("--vocab-order", e))
+        order
+            .map(Some)
+            .map_err(|e| CliError::option("--vocab-order", e.to_string()))
     }
+}
+
+/// A vocabulary-order file's text: token ids separated by whitespace,
+/// position by position, each id of `0..n` once. Anything else is an error
+/// naming the file and the first id at fault (exit 2).
+pub(crate) fn vocab_order_from_text(path: &std::path::Path, text: &str) -> Result<VocabOrder, CliError> {
+    let bad = |problem: String| CliError::option("--vocab-order", format!("{}: {problem}", path.display()));
+    let ids = text
+        .split_whitespace()
+        .enumerate()
+        .map(|(p, w)| {
+            w.parse::<u32>()
+                .map_err(|e| bad(format!("position {p}: `{}`: {e}", w.escape_debug())))
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    if ids.is_empty() {
+        return Err(bad("holds no token ids".into()));
+    }
+    VocabOrder::new(ids).map_err(|e| bad(e.to_string()))
 }
 
 /// What data the bench makes.
@@ -279,7 +330,7 @@ impl BenchJob<'_> {
         let hidden =
             Hidden::f16(&d.hidden[..rows * shape.hs], rows, shape.hs).map_err(|e| CliError::device("bench data", e))?;
         let opts = TopkOptions {
-            budget_bytes: cfg.budget,
+            budget_bytes: cfg.budget.bytes,
             ..TopkOptions::new(shape.k)
         };
         let mut probe_s = 0.0;
@@ -330,12 +381,12 @@ impl BenchJob<'_> {
         let shape = d.shape;
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(|e| CliError::device("bench data", e))?;
         let loss_opts = LossOptions {
-            budget_bytes: cfg.budget,
+            budget_bytes: cfg.budget.bytes,
             filter_eps: cfg.filter_eps,
             ..LossOptions::default()
         };
         let topk_opts = TopkOptions {
-            budget_bytes: cfg.budget,
+            budget_bytes: cfg.budget.bytes,
             ..TopkOptions::new(shape.k)
         };
         // Kept across calls, as a training loop keeps its gradient buffer.
@@ -589,12 +640,12 @@ fn time_resident<B: ResidentBackend>(
     };
     let out = DeviceLossOutput { loss: &loss, dx: &dx };
     let loss_opts = DeviceLossOptions {
-        budget_bytes: cfg.budget,
+        budget_bytes: cfg.budget.bytes,
         filter_eps: cfg.filter_eps,
         ..DeviceLossOptions::default()
     };
     let topk_opts = TopkOptions {
-        budget_bytes: cfg.budget,
+        budget_bytes: cfg.budget.bytes,
         ..TopkOptions::new(k)
     };
     let head_kl = BenchJob::time_calls(
@@ -624,7 +675,7 @@ fn time_resident<B: ResidentBackend>(
         },
     )?;
     let mut jobs = vec![head_kl, topk];
-    if let Some(n) = cfg.shards {
+    if let Some(n) = cfg.shards.map(usize::from) {
         let inputs = (&hidden, &teacher, &out, &loss_opts);
         jobs.push(time_sharded_resident(d, cfg, engine, n, inputs)?);
     }
@@ -732,7 +783,7 @@ impl BenchJob<'_> {
         // Before the data is made: a run of hours, or one past the memory
         // there is, is said and refused here unless --yes.
         let (host_bytes, device_bytes) = preflight::memory_needs(shape, self.cfg, &info);
-        let secs = preflight::calibrate(&backend, shape, self.cfg.budget)?
+        let secs = preflight::calibrate(&backend, shape, self.cfg.budget.bytes)?
             .map(|secs_per_flop| secs_per_flop * preflight::run_flops(shape, self.cfg));
         let needs = preflight::Needs {
             secs,
@@ -768,7 +819,7 @@ impl BenchJob<'_> {
             eprintln!("bench: queue {queue}");
         }
         // The sharded jobs first, their engines dropped before the head goes up whole.
-        let sharded = match self.cfg.shards {
+        let sharded = match self.cfg.shards.map(usize::from) {
             Some(n) => time_sharded(data, self.cfg, self.settings, &backend, n)?,
             None => Vec::new(),
         };
@@ -802,7 +853,7 @@ impl BenchJob<'_> {
                 shape.k,
                 false,
                 &LossOptions {
-                    budget_bytes: self.cfg.budget,
+                    budget_bytes: self.cfg.budget.bytes,
                     ..LossOptions::default()
                 },
             )
@@ -871,11 +922,11 @@ fn time_sharded<B: Backend>(
     eprintln!("bench: {n} shards of the head, one engine each, called in turn");
     let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
     let loss_opts = LossOptions {
-        budget_bytes: cfg.budget,
+        budget_bytes: cfg.budget.bytes,
         ..LossOptions::default()
     };
     let topk_opts = TopkOptions {
-        budget_bytes: cfg.budget,
+        budget_bytes: cfg.budget.bytes,
         ..TopkOptions::new(shape.k)
     };
     let mut outs = vec![headkl_core::LossOutput::default(); n];
@@ -892,7 +943,7 @@ fn time_sharded<B: Backend>(
         } else {
             "recomputed"
         },
-        fmt_bytes(cfg.budget)
+        fmt_bytes(cfg.budget.bytes)
     );
     let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, "sharded", held, shape, None, |_| {
         crate::shard::topk_serial(&mut shards, &hidden, &topk_opts).map(|_| ())
@@ -1023,7 +1074,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &BenchConfig) -> R
     let report = BenchReport {
         iters: cfg.iters,
         warmup: cfg.warmup,
-        budget_bytes: cfg.budget,
+        budget_bytes: cfg.budget.bytes,
         runs,
     };
     if let Some(path) = &cfg.json {

@@ -12,6 +12,23 @@ pub const EXIT_INPUT: u8 = 2;
 /// Exit code for everything else: device, I/O, failed checks.
 pub const EXIT_FAILURE: u8 = 1;
 
+/// `text` with its control characters escaped (`\n`, `\u{1b}`): an error is
+/// one line, whatever a file's tensor names or metadata hold.
+fn one_line(text: String) -> String {
+    if !text.chars().any(char::is_control) {
+        return text;
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// Everything a `headkl` subcommand can fail with.
 #[derive(Debug, Error)]
 pub enum CliError {
@@ -102,8 +119,8 @@ impl CliError {
     pub fn tensor(file: &Path, tensor: &str, problem: impl Into<String>) -> Self {
         CliError::Tensor {
             file: file.to_path_buf(),
-            tensor: tensor.to_string(),
-            problem: problem.into(),
+            tensor: one_line(tensor.to_string()),
+            problem: one_line(problem.into()),
         }
     }
 
@@ -111,7 +128,7 @@ impl CliError {
     pub fn file(file: &Path, problem: impl Into<String>) -> Self {
         CliError::File {
             file: file.to_path_buf(),
-            problem: problem.into(),
+            problem: one_line(problem.into()),
         }
     }
 
@@ -119,7 +136,7 @@ impl CliError {
     pub fn option(option: &'static str, problem: impl Into<String>) -> Self {
         CliError::Option {
             option,
-            problem: problem.into(),
+            problem: one_line(problem.into()),
         }
     }
 

@@ -24,10 +24,31 @@ compile_error!("safetensors data is little-endian; headkl reads it in place and 
 /// Bytes of the length prefix in front of a safetensors header.
 const PREFIX_BYTES: usize = 8;
 
+/// An input file's bytes: mapped from disk, or held (a fuzz target's input).
+enum FileBytes {
+    Mapped(Mmap),
+    #[cfg_attr(
+        not(any(test, feature = "fuzzing")),
+        allow(dead_code, reason = "made only by the fuzz targets")
+    )]
+    Held(Vec<u8>),
+}
+
+impl std::ops::Deref for FileBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            FileBytes::Mapped(map) => map,
+            FileBytes::Held(bytes) => bytes,
+        }
+    }
+}
+
 /// An input safetensors file, mapped and with its header parsed and checked.
 pub struct TensorFile {
     path: PathBuf,
-    map: Mmap,
+    map: FileBytes,
     data_start: usize,
     metadata: Metadata,
 }
@@ -55,6 +76,16 @@ impl TensorFile {
         // (as with any memory-mapped reader, truncating it underneath us
         // would fault).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| CliError::file(path, format!("cannot map: {e}")))?;
+        Self::parse(path, FileBytes::Mapped(map))
+    }
+
+    /// The same checks on bytes already in memory, named `path` in errors.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<Self, CliError> {
+        Self::parse(path, FileBytes::Held(bytes))
+    }
+
+    fn parse(path: &Path, map: FileBytes) -> Result<Self, CliError> {
         let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| header_error(path, &map, e))?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -62,6 +93,13 @@ impl TensorFile {
             data_start: PREFIX_BYTES + header_len,
             metadata,
         })
+    }
+
+    /// The names of the tensors the file holds, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.metadata.tensors().into_keys().collect();
+        names.sort();
+        names
     }
 
     /// The file's `__metadata__` (string keys and values), if it has one.
@@ -72,8 +110,7 @@ impl TensorFile {
     /// Tensor `name`, or an error listing the tensors the file has.
     pub fn tensor(&self, name: &str) -> Result<TensorRef<'_>, CliError> {
         let Some(info) = self.metadata.info(name) else {
-            let mut names: Vec<String> = self.metadata.tensors().into_keys().collect();
-            names.sort();
+            let names = self.names();
             let listed = if names.is_empty() {
                 "the file holds no tensors".to_string()
             } else if names.len() > 8 {
@@ -153,6 +190,18 @@ impl<'a> TensorRef<'a> {
     /// The element type.
     pub fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    /// The extents, outermost first.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The stored bytes.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub fn bytes(&self) -> &'a [u8] {
+        self.data
     }
 
     /// An error about this tensor.

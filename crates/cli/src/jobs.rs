@@ -24,21 +24,21 @@ use crate::text::fmt_bytes;
 
 /// Where each input came from, so a core error can name its file and
 /// tensor (or option).
-struct Sources<'a> {
-    head: &'a TensorRef<'a>,
-    hidden: &'a TensorRef<'a>,
-    ids: Option<&'a TensorRef<'a>>,
-    probs: Option<&'a TensorRef<'a>>,
-    weights: Option<&'a TensorRef<'a>>,
-    labels: Option<&'a TensorRef<'a>>,
-    total_given: bool,
+pub(crate) struct Sources<'a> {
+    pub(crate) head: &'a TensorRef<'a>,
+    pub(crate) hidden: &'a TensorRef<'a>,
+    pub(crate) ids: Option<&'a TensorRef<'a>>,
+    pub(crate) probs: Option<&'a TensorRef<'a>>,
+    pub(crate) weights: Option<&'a TensorRef<'a>>,
+    pub(crate) labels: Option<&'a TensorRef<'a>>,
+    pub(crate) total_given: bool,
 }
 
 impl Sources<'_> {
     /// Maps a core error to the input that caused it: a validation error
     /// names its file and tensor (or option) and exits 2; a device error
     /// exits 1 with `context`.
-    fn map(&self, e: CoreError, context: &str) -> CliError {
+    pub(crate) fn map(&self, e: CoreError, context: &str) -> CliError {
         use CoreError as E;
         let teacher_ids = self.ids.unwrap_or(self.hidden);
         let teacher_probs = self.probs.unwrap_or(self.hidden);
@@ -185,6 +185,75 @@ fn read_hidden<'a>(
         _ => return Err(t.wrong_dtype("F32, F16 or BF16")),
     };
     Ok((elems, ntok))
+}
+
+/// The teacher file's ids and values, checked against the run.
+pub(crate) struct TeacherInput<'a> {
+    pub ids: Cow<'a, [i64]>,
+    pub probs: Cow<'a, [f32]>,
+    pub k: usize,
+}
+
+/// Checks the teacher file against the run (its `headkl.*` metadata, then
+/// the shapes and dtypes of `ids` and the values) and reads both; the
+/// values' contents are `Teacher`'s to check.
+pub(crate) fn read_teacher<'a>(
+    path: &Path,
+    file: &TensorFile,
+    ids_t: &TensorRef<'a>,
+    probs_t: &TensorRef<'a>,
+    run: &LossRun<'_>,
+    allow_mismatch: bool,
+    (hidden_t, ntok): (&TensorRef<'_>, usize),
+) -> Result<TeacherInput<'a>, CliError> {
+    check_teacher(path, file.metadata(), run, allow_mismatch)?;
+    let (id_rows, k) = ids_t.matrix("[ntok][k]")?;
+    if id_rows != ntok {
+        return Err(ids_t.error(format!(
+            "{id_rows} rows, but the hidden rows {} have ntok = {ntok}",
+            hidden_t.describe()
+        )));
+    }
+    let ids = ids_t.ids_i64()?;
+    let probs_shape = probs_t.matrix("[ntok][k]")?;
+    if probs_shape != (ntok, k) {
+        return Err(probs_t.error(format!(
+            "shape [{}, {}], but `ids` is [{ntok}, {k}]",
+            probs_shape.0, probs_shape.1
+        )));
+    }
+    if probs_t.dtype() != Dtype::F32 {
+        return Err(probs_t.wrong_dtype("F32"));
+    }
+    Ok(TeacherInput {
+        ids,
+        probs: probs_t.f32s(),
+        k,
+    })
+}
+
+/// Per-token weights `[ntok]` (F32).
+pub(crate) fn read_weights(w: &TensorRef<'_>, ntok: usize) -> Result<Vec<f32>, CliError> {
+    let len = w.vector("[ntok]")?;
+    if len != ntok {
+        return Err(w.error(format!("{len} weights, but there are ntok = {ntok} hidden rows")));
+    }
+    if w.dtype() != Dtype::F32 {
+        return Err(w.wrong_dtype("F32"));
+    }
+    Ok(w.f32s().into_owned())
+}
+
+/// Hard labels `[ntok]` (I64 or I32).
+pub(crate) fn read_labels(l: &TensorRef<'_>, ntok: usize) -> Result<Vec<i64>, CliError> {
+    let len = l.vector("[ntok]")?;
+    if len != ntok {
+        return Err(l.error(format!("{len} labels, but there are ntok = {ntok} hidden rows")));
+    }
+    if !matches!(l.dtype(), Dtype::I64 | Dtype::I32) {
+        return Err(l.wrong_dtype("I64 or I32"));
+    }
+    Ok(l.ids_i64()?.into_owned())
 }
 
 /// Arguments shared by `topk` and `loss`: the head and the hidden rows.
@@ -456,64 +525,23 @@ pub fn loss(
     let (head_elems, vocab, hs) = read_head(&head_t)?;
     let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
     let head_identity = head_t.identity();
-    check_teacher(
+    let run = LossRun {
+        temperature: args.temperature,
+        vocab,
+        head: &head_identity,
+        softcap: None,
+    };
+    let TeacherInput { ids, probs, k } = read_teacher(
         &args.teacher,
-        teacher_file.metadata(),
-        &LossRun {
-            temperature: args.temperature,
-            vocab,
-            head: &head_identity,
-            softcap: None,
-        },
+        &teacher_file,
+        &ids_t,
+        &probs_t,
+        &run,
         args.allow_teacher_mismatch,
+        (&hidden_t, ntok),
     )?;
-
-    let (id_rows, k) = ids_t.matrix("[ntok][k]")?;
-    if id_rows != ntok {
-        return Err(ids_t.error(format!(
-            "{id_rows} rows, but the hidden rows {} have ntok = {ntok}",
-            hidden_t.describe()
-        )));
-    }
-    let ids = ids_t.ids_i64()?;
-    let probs_shape = probs_t.matrix("[ntok][k]")?;
-    if probs_shape != (ntok, k) {
-        return Err(probs_t.error(format!(
-            "shape [{}, {}], but `ids` is [{ntok}, {k}]",
-            probs_shape.0, probs_shape.1
-        )));
-    }
-    if probs_t.dtype() != Dtype::F32 {
-        return Err(probs_t.wrong_dtype("F32"));
-    }
-    let probs = probs_t.f32s();
-    let weights = match &weights_t {
-        None => None,
-        Some(w) => {
-            let len = w.vector("[ntok]")?;
-            if len != ntok {
-                return Err(w.error(format!("{len} weights, but there are ntok = {ntok} hidden rows")));
-            }
-            if w.dtype() != Dtype::F32 {
-                return Err(w.wrong_dtype("F32"));
-            }
-            Some(w.f32s().into_owned())
-        }
-    };
-
-    let labels = match &labels_t {
-        None => None,
-        Some(l) => {
-            let len = l.vector("[ntok]")?;
-            if len != ntok {
-                return Err(l.error(format!("{len} labels, but there are ntok = {ntok} hidden rows")));
-            }
-            if !matches!(l.dtype(), Dtype::I64 | Dtype::I32) {
-                return Err(l.wrong_dtype("I64 or I32"));
-            }
-            Some(l.ids_i64()?.into_owned())
-        }
-    };
+    let weights = weights_t.as_ref().map(|w| read_weights(w, ntok)).transpose()?;
+    let labels = labels_t.as_ref().map(|l| read_labels(l, ntok)).transpose()?;
 
     let sources = Sources {
         head: &head_t,

@@ -25,21 +25,26 @@ use crate::text::fmt_bytes;
 /// leak of one call's outputs would be megabytes a call.
 const HOST_SLACK_BYTES: u64 = 16 << 20;
 
-/// What `headkl soak` runs.
-#[derive(Clone, Debug)]
+/// What `headkl soak` runs: its command-line options.
+#[derive(clap::Args, Clone, Debug)]
 pub struct SoakConfig {
-    /// The problem (`None`: the backend's bench default).
+    /// A, B, S, M or NTOK:V:HS:K (default: the backend's bench default)
+    #[arg(long, value_parser = crate::parse_shape)]
     pub shape: Option<Shape>,
-    /// Calls per path.
+    /// Calls per path
+    #[arg(long, default_value_t = 1000)]
     pub calls: usize,
-    /// Calls before the memory is first read.
+    /// Calls before memory is first read (the scratch is sized by then)
+    #[arg(long, default_value_t = 10)]
     pub warmup: usize,
-    /// Engines on threads (0: none).
+    /// Engines on threads after the two paths (0: none)
+    #[arg(long, default_value_t = 3)]
     pub threads: usize,
-    /// Calls each thread's engine makes.
+    /// Calls each thread's engine makes
+    #[arg(long, default_value_t = 20)]
     pub thread_calls: usize,
-    /// Device-memory budget of each engine's scratch.
-    pub budget: u64,
+    #[command(flatten)]
+    pub budget: crate::options::BudgetArg,
 }
 
 /// One path's figures.
@@ -224,7 +229,7 @@ impl Soak<'_> {
         let shape = d.shape;
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(Self::fail("hidden rows"))?;
         let opts = LossOptions {
-            budget_bytes: self.cfg.budget,
+            budget_bytes: self.cfg.budget.bytes,
             ..LossOptions::default()
         };
         let mut out = LossOutput::default();
@@ -275,7 +280,7 @@ impl Soak<'_> {
         };
         let out = DeviceLossOutput { loss: &loss, dx: &dx };
         let opts = DeviceLossOptions {
-            budget_bytes: self.cfg.budget,
+            budget_bytes: self.cfg.budget.bytes,
             ..DeviceLossOptions::default()
         };
         let (mut got_loss, mut got_dx) = (vec![0f32; ntok], vec![0f32; ntok * hs]);
@@ -312,7 +317,7 @@ impl Soak<'_> {
         let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(Self::fail("the head"))?;
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(Self::fail("hidden rows"))?;
         let opts = LossOptions {
-            budget_bytes: self.cfg.budget,
+            budget_bytes: self.cfg.budget.bytes,
             ..LossOptions::default()
         };
         let results: Vec<Result<Vec<String>, CliError>> = std::thread::scope(|s| {
@@ -393,7 +398,7 @@ impl Soak<'_> {
             progress.finish();
             let mut out = LossOutput::default();
             let opts = LossOptions {
-                budget_bytes: self.cfg.budget,
+                budget_bytes: self.cfg.budget.bytes,
                 ..LossOptions::default()
             };
             let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(Self::fail("hidden rows"))?;

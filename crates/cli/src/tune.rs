@@ -89,20 +89,27 @@ impl FromStr for GemmShape {
     }
 }
 
-/// What `headkl tune` was asked.
-#[derive(Clone, Debug)]
+/// What `headkl tune` was asked: its command-line options.
+#[derive(clap::Args, Clone, Debug)]
 pub struct TuneConfig {
-    /// The GEMM shape; `None`: [`GemmShape::LARGE`] on a device with 16 GiB
-    /// or more (or a discrete one that does not say), else
-    /// [`GemmShape::SMALL`].
+    /// M:N:K = tokens:vocab:hidden (default: by device memory, see above)
+    #[arg(long)]
     pub shape: Option<GemmShape>,
-    /// Timed GEMMs per layout and kernel.
+    /// Timed GEMMs per kernel and layout
+    #[arg(long, default_value_t = 5)]
     pub iters: usize,
-    /// Kernels to try; `None`: every candidate.
+    /// Only these kernels, comma-separated (e.g. direct,staged:bk32:r2:s2,glsl:bm128.bk64.s1)
+    #[arg(long, value_delimiter = ',', value_parser = crate::parse_kernel)]
     pub kernels: Option<Vec<CoopGemm>>,
-    /// Record the result in the tune cache.
-    pub save: bool,
-    /// Print the ceiling report instead of tuning (`crate::ceiling`).
+    /// Print the result without writing the tune cache
+    #[arg(long)]
+    pub no_save: bool,
+    /// Instead of tuning: the ceiling report (Vulkan): the matrix-unit
+    /// GEMM taken apart, each part as TFLOP/s and % of multiply-adds
+    /// from registers, plus timings of operand layouts headkl does not
+    /// use (marked "timing only"). Needs a build with the report's
+    /// kernels: `cargo build --release -p headkl-cli --features ceiling`
+    #[arg(long)]
     pub ceiling: bool,
 }
 
@@ -436,7 +443,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
         shape.flops() / logits_ms / 1e9,
         shape.flops() / dx_ms / 1e9
     );
-    if cfg.save {
+    if !cfg.no_save {
         save(&target, &info, choice)?;
     }
     Ok(())

@@ -2237,6 +2237,36 @@ fn the_dx_block_filter_reports_what_it_skipped_and_bad_values_are_refused() {
         "--yes",
     ]);
     assert_input_error(&b, &["--vocab-order", "--data lm"]);
+    // A vocabulary-order file that is not a permutation of the head's
+    // vocabulary: exit 2, naming the option, the file and what is wrong.
+    let dir = std::env::temp_dir().join(format!("headkl-vocab-order-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bench_with = |text: &str| {
+        let path = dir.join("order.txt");
+        std::fs::write(&path, text).unwrap();
+        headkl(&[
+            "bench",
+            "--backend",
+            "reference",
+            "--shape",
+            "8:16:64:8",
+            "--vocab-order",
+            path.to_str().unwrap(),
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--yes",
+        ])
+    };
+    let twice: String = (0..16).map(|i| format!("{} ", i.min(14))).collect();
+    assert_input_error(&bench_with(&twice), &["--vocab-order", "order.txt", "given twice"]);
+    assert_input_error(
+        &bench_with("0 1 2"),
+        &["--vocab-order", "order.txt", "3 token ids", "V = 16"],
+    );
+    assert_input_error(&bench_with("0 x"), &["--vocab-order", "order.txt", "position 1"]);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `soak`: bad counts are exit 2 naming the option, before any backend is

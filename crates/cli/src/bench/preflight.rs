@@ -69,7 +69,10 @@ pub(super) fn memory_needs(shape: Shape, cfg: &BenchConfig, info: &DeviceInfo) -
     let host = vocab * hs * 2 + ntok * hs * (2 + 4) + ntok * k * 16;
     // Scratch grows to the budget, or to what the whole shape needs in one
     // chunk (its f32 logits dominate) when that is less.
-    let scratch = cfg.budget.min(pad(ntok) * pad(vocab) * 4 + pad(ntok) * pad(hs) * 8);
+    let scratch = cfg
+        .budget
+        .bytes
+        .min(pad(ntok) * pad(vocab) * 4 + pad(ntok) * pad(hs) * 8);
     let mut device = pad(vocab) * pad(hs) * 2 + scratch;
     if cfg.resident {
         device += ntok * hs * (2 + 4) + ntok * k * 16 + ntok * 4;
@@ -187,7 +190,7 @@ mod tests {
             k: None,
             iters: 10,
             warmup: 2,
-            budget: 2 << 30,
+            budget: crate::options::BudgetArg::default(),
             json: None,
             plot: None,
             all: false,
