@@ -16,6 +16,7 @@ use safetensors::Dtype;
 use crate::environment::Settings;
 use crate::error::CliError;
 use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, TensorRef};
+use crate::options::BudgetArg;
 use crate::progress::Progress;
 use crate::provenance::{check_teacher, LossRecord, LossRun, TeacherRecord};
 use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
@@ -359,13 +360,17 @@ pub fn topk(
     backend: &BackendArgs,
     settings: &Arc<Settings>,
     inputs: &InputArgs,
-    k: usize,
-    temperature: f32,
-    extra: &TopkTermArgs,
-    budget: u64,
-    out: &Path,
+    args: &TopkArgs,
     shards: &crate::shard::ShardArgs,
 ) -> Result<(), CliError> {
+    let TopkArgs {
+        k,
+        temperature,
+        terms: ref extra,
+        budget,
+        ref out,
+    } = *args;
+    let budget = budget.bytes;
     check_output_not_input(out, &[&inputs.head, &inputs.hidden])?;
     let head_file = TensorFile::open(&inputs.head)?;
     let hidden_file = TensorFile::open(&inputs.hidden)?;
@@ -462,31 +467,61 @@ pub fn topk(
     Ok(())
 }
 
-/// Options of `headkl loss` beyond the inputs.
-#[derive(Clone, Debug)]
+/// Options of `headkl loss` beyond the head and hidden rows.
+#[derive(clap::Args, Clone, Debug)]
 pub struct LossArgs {
-    /// Teacher file with `ids` and `probs`.
+    /// Teacher top-k: tensors `ids` and `probs`, each `[ntok][k]`
+    #[arg(long, value_name = "T.safetensors")]
     pub teacher: PathBuf,
-    /// Optional file with the weights tensor.
+    /// Per-token weights: tensor `weights` (or --weights-tensor) `[ntok]`
+    #[arg(long, value_name = "W.safetensors")]
     pub weights: Option<PathBuf>,
-    /// Name of the weights tensor in `weights` (`weights` by default).
+    /// Name of the weights tensor in --weights
+    #[arg(long, default_value = "weights", value_name = "NAME", requires = "weights")]
     pub weights_tensor: String,
-    /// Temperature.
+    /// Temperature τ of the student logits (> 0)
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub temperature: f32,
-    /// Gradient scale.
+    /// Scale of the f16 gradient [default: 2^14 · total / max w]
+    #[arg(long, allow_negative_numbers = true)]
     pub gscale: Option<f32>,
-    /// The loss terms and how the teacher file is read.
+    #[command(flatten)]
     pub terms: LossTermArgs,
-    /// Averaging weight.
+    /// The weight the loss averages over [default: Σ w]
+    #[arg(long, allow_negative_numbers = true)]
     pub total: Option<f32>,
-    /// Scratch budget in bytes.
-    pub budget: u64,
-    /// Output file.
+    #[command(flatten)]
+    pub budget: BudgetArg,
+    /// Output safetensors file
+    #[arg(long, value_name = "OUT.safetensors")]
     pub out: PathBuf,
-    /// Use a teacher file whose metadata does not match the run.
+    /// Use a teacher file made at another temperature, over another vocabulary or from another
+    /// head (its metadata says so) instead of refusing it
+    #[arg(long)]
     pub allow_teacher_mismatch: bool,
-    /// The dx GEMM's block filter's ε (off: `None`).
+    /// The dx GEMM's block filter: skip blocks whose |∂L/∂s| entries are all at most ε
+    /// (`auto` = 2^-15); the loss stays exact, dx drops what was skipped (a bound is printed)
+    /// [default: off]
+    #[arg(long, value_parser = crate::parse_filter_eps, value_name = "auto|E")]
     pub filter_eps: Option<f32>,
+}
+
+/// Options of `headkl topk` beyond the head and hidden rows.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TopkArgs {
+    /// Entries per row (1 ≤ k ≤ min(V, 2048))
+    #[arg(short = 'k', long = "k")]
+    pub k: usize,
+    /// Temperature τ of the probabilities (> 0)
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    #[command(flatten)]
+    pub terms: TopkTermArgs,
+    #[command(flatten)]
+    pub budget: BudgetArg,
+    /// Output safetensors file
+    #[arg(long, value_name = "OUT.safetensors")]
+    pub out: PathBuf,
 }
 
 /// `headkl loss`.
@@ -561,7 +596,7 @@ pub fn loss(
         weights,
         total: args.total,
         gscale: args.gscale,
-        budget_bytes: args.budget,
+        budget_bytes: args.budget.bytes,
         terms: args.terms.terms(),
         labels,
         filter_eps: args.filter_eps,

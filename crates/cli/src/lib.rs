@@ -34,7 +34,6 @@ pub mod fuzz;
 #[global_allocator]
 static ALLOC: fuzz::CappedAlloc = fuzz::CappedAlloc;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -249,19 +248,8 @@ head (file, tensor, fold64 hash of the tensor's bytes), which `loss` checks.",
         backend: BackendArgs,
         #[command(flatten)]
         inputs: InputArgs,
-        /// Entries per row (1 ≤ k ≤ min(V, 2048))
-        #[arg(short = 'k', long = "k")]
-        k: usize,
-        /// Temperature τ of the probabilities (> 0)
-        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-        temperature: f32,
         #[command(flatten)]
-        topk_terms: terms::TopkTermArgs,
-        #[command(flatten)]
-        budget: options::BudgetArg,
-        /// Output safetensors file
-        #[arg(long, value_name = "OUT.safetensors")]
-        out: PathBuf,
+        args: jobs::TopkArgs,
         #[command(flatten)]
         shards: shard::ShardArgs,
     },
@@ -293,40 +281,8 @@ hash of the head's bytes): a mismatch with this run is refused (exit 2, both val
         backend: BackendArgs,
         #[command(flatten)]
         inputs: InputArgs,
-        /// Teacher top-k: tensors `ids` and `probs`, each `[ntok][k]`
-        #[arg(long, value_name = "T.safetensors")]
-        teacher: PathBuf,
-        /// Per-token weights: tensor `weights` (or --weights-tensor) `[ntok]`
-        #[arg(long, value_name = "W.safetensors")]
-        weights: Option<PathBuf>,
-        /// Name of the weights tensor in --weights
-        #[arg(long, default_value = "weights", value_name = "NAME", requires = "weights")]
-        weights_tensor: String,
-        /// Temperature τ of the student logits (> 0)
-        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-        temperature: f32,
-        /// Scale of the f16 gradient [default: 2^14 · total / max w]
-        #[arg(long, allow_negative_numbers = true)]
-        gscale: Option<f32>,
         #[command(flatten)]
-        terms: terms::LossTermArgs,
-        /// The weight the loss averages over [default: Σ w]
-        #[arg(long, allow_negative_numbers = true)]
-        total: Option<f32>,
-        #[command(flatten)]
-        budget: options::BudgetArg,
-        /// Output safetensors file
-        #[arg(long, value_name = "OUT.safetensors")]
-        out: PathBuf,
-        /// Use a teacher file made at another temperature, over another vocabulary or from another
-        /// head (its metadata says so) instead of refusing it
-        #[arg(long)]
-        allow_teacher_mismatch: bool,
-        /// The dx GEMM's block filter: skip blocks whose |∂L/∂s| entries are all at most ε
-        /// (`auto` = 2^-15); the loss stays exact, dx drops what was skipped (a bound is printed)
-        /// [default: off]
-        #[arg(long, value_parser = parse_filter_eps, value_name = "auto|E")]
-        filter_eps: Option<f32>,
+        args: LossArgs,
         #[command(flatten)]
         shards: shard::ShardArgs,
     },
@@ -352,57 +308,15 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
         Command::Topk {
             backend,
             inputs,
-            k,
-            temperature,
-            topk_terms,
-            budget,
-            out,
+            args,
             shards,
-        } => jobs::topk(
-            &backend,
-            settings,
-            &inputs,
-            k,
-            temperature,
-            &topk_terms,
-            budget.bytes,
-            &out,
-            &shards,
-        ),
+        } => jobs::topk(&backend, settings, &inputs, &args, &shards),
         Command::Loss {
             backend,
             inputs,
-            teacher,
-            weights,
-            weights_tensor,
-            temperature,
-            gscale,
-            terms,
-            total,
-            budget,
-            out,
-            allow_teacher_mismatch,
-            filter_eps,
+            args,
             shards,
-        } => jobs::loss(
-            &backend,
-            settings,
-            &inputs,
-            &LossArgs {
-                teacher,
-                weights,
-                weights_tensor,
-                temperature,
-                gscale,
-                terms,
-                total,
-                budget: budget.bytes,
-                out,
-                allow_teacher_mismatch,
-                filter_eps,
-            },
-            &shards,
-        ),
+        } => jobs::loss(&backend, settings, &inputs, &args, &shards),
     }
 }
 
