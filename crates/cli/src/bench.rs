@@ -90,8 +90,8 @@ pub struct BenchConfig {
     /// Also time both jobs with the head in N even vocabulary shards (one engine each on this
     /// device, called in turn: phase one, the merge, phase two), beside the unsharded rows; with
     /// --resident also head_kl's two phases on device buffers (row "sharded resident")
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
-    pub shards: Option<u16>,
+    #[arg(long, value_name = "N", value_parser = crate::options::parse_shard_count)]
+    pub shards: Option<usize>,
     /// The data: `random` (uniform head and hidden rows, random teacher: the filter skips
     /// nothing) or `lm` (logits like a trained LM's: a Zipf prior, contextual peaks, a teacher
     /// consistent with them; its statistics are printed beside the published ones)
@@ -675,7 +675,7 @@ fn time_resident<B: ResidentBackend>(
         },
     )?;
     let mut jobs = vec![head_kl, topk];
-    if let Some(n) = cfg.shards.map(usize::from) {
+    if let Some(n) = cfg.shards {
         let inputs = (&hidden, &teacher, &out, &loss_opts);
         jobs.push(time_sharded_resident(d, cfg, engine, n, inputs)?);
     }
@@ -819,7 +819,7 @@ impl BenchJob<'_> {
             eprintln!("bench: queue {queue}");
         }
         // The sharded jobs first, their engines dropped before the head goes up whole.
-        let sharded = match self.cfg.shards.map(usize::from) {
+        let sharded = match self.cfg.shards {
             Some(n) => time_sharded(data, self.cfg, self.settings, &backend, n)?,
             None => Vec::new(),
         };

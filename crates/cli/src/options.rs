@@ -23,9 +23,36 @@ impl Default for BudgetArg {
     }
 }
 
+/// The most vocabulary shards `--shards` takes: each is an engine and a
+/// thread.
+pub const MAX_SHARDS: usize = 256;
+
+/// `--shards N`'s value, for every subcommand that takes it: 1 to
+/// [`MAX_SHARDS`].
+pub fn parse_shard_count(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("`{s}`: {e} (a number of shards, 1 to {MAX_SHARDS})"))?;
+    if (1..=MAX_SHARDS).contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!("`{s}`: must be 1 to {MAX_SHARDS}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shard_counts_are_one_to_the_most() {
+        assert_eq!(parse_shard_count("1"), Ok(1));
+        assert_eq!(parse_shard_count(" 256 "), Ok(MAX_SHARDS));
+        for bad in ["0", "257", "-1", "x", ""] {
+            assert!(parse_shard_count(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn the_budget_default_is_cores() {

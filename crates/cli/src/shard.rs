@@ -22,7 +22,7 @@ pub struct ShardArgs {
     /// Split the head into N vocabulary shards, one engine (and thread) each, their partials merged
     /// between two phases (vocabulary-parallel); each shard but the last gets round_up(ceil(V/N), 16)
     /// rows, the last the rest. The output is the unsharded command's
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = crate::options::parse_shard_count)]
     pub shards: Option<usize>,
     /// With --shards: spread the shards over these devices of the backend (indices as `headkl
     /// devices` lists them), shard i on device i mod (the number given) [default: --device]
@@ -48,10 +48,8 @@ impl ShardArgs {
     /// The plan for a head of `vocab` rows on `target`, or `None` without
     /// `--shards` (or with `--shards 1` and no `--devices`).
     pub fn plan(&self, vocab: usize, target: &Target) -> Result<Option<ShardPlan>, CliError> {
+        // The parser made n 1 to MAX_SHARDS.
         let Some(n) = self.shards else { return Ok(None) };
-        if n == 0 {
-            return Err(CliError::option("--shards", "must be at least 1"));
-        }
         if n == 1 && self.devices.is_none() {
             return Ok(None);
         }

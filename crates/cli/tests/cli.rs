@@ -2146,8 +2146,17 @@ fn sharded_loss_and_topk_write_the_unsharded_files() {
 
     let o = f.loss("teacher.safetensors", &["--z-loss", "1e-4", "--shards", "2"]);
     assert_input_error(&o, &["--z-loss", "sharded"]);
-    let o = f.loss("teacher.safetensors", &["--shards", "0"]);
-    assert_input_error(&o, &["--shards"]);
+    // The count is refused by the one parser every subcommand's --shards
+    // shares (clap's usage error: exit 2, naming the option and the range).
+    for args in [&["--shards", "0"][..], &["--shards", "257"][..]] {
+        let o = f.loss("teacher.safetensors", args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains("--shards") && err.contains("1 to 256"), "{err}");
+    }
+    let o = headkl(&["bench", "--backend", "reference", "--shards", "0"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("1 to 256"), "{}", stderr(&o));
 }
 
 /// `bench --shards 2` times both jobs sharded beside the unsharded rows,
