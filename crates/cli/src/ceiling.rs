@@ -24,7 +24,7 @@ use headkl_reference::conformance::{self, Part, SuiteConfig};
 use headkl_vulkan::{CeilingKernel, CeilingPart, GlslTile, VulkanBackend, VulkanBuffer};
 
 use crate::error::CliError;
-use crate::select::{contained, Target};
+use crate::select::Target;
 use crate::text::table;
 use crate::tune::{GemmShape, TuneData};
 
@@ -54,11 +54,7 @@ struct Operands<'a> {
 /// matrix units by the caller's device info) at `shape`.
 pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliError> {
     let dev = |e| CliError::device("tune --ceiling", e);
-    let options = crate::select::vulkan_options(target, None);
-    let mut backend = contained("vulkan", || VulkanBackend::open_with(&options)).map_err(|source| CliError::Start {
-        backend: "vulkan",
-        source,
-    })?;
+    let mut backend = crate::select::open_gpu::<VulkanBackend>(target, None)?;
     if let Some(why) = backend.glsl_unavailable() {
         return Err(CliError::option(
             "--ceiling",

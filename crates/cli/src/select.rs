@@ -9,6 +9,8 @@ use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
 use headkl_core::{Backend, DeviceInfo, ResidentBackend};
+use headkl_vulkan::VulkanBackend;
+use headkl_wgpu::WgpuBackend;
 use serde::Serialize;
 
 use crate::environment::Settings;
@@ -495,10 +497,9 @@ pub fn open_and_run_gemm<J: BackendJob>(
     gemm: Option<headkl_core::GemmChoice>,
     job: J,
 ) -> Result<J::Output, RunError> {
-    let device = target.device;
     match target.kind {
         BackendKind::Reference => {
-            if device.is_some_and(|d| d != 0) {
+            if target.device.is_some_and(|d| d != 0) {
                 return Err(RunError::Job(CliError::option(
                     "--device",
                     "the reference backend has one device, index 0",
@@ -506,38 +507,62 @@ pub fn open_and_run_gemm<J: BackendJob>(
             }
             job.run(headkl_reference::CpuBackend::new()).map_err(RunError::Job)
         }
-        BackendKind::Wgpu => {
-            let options = wgpu_options(target, gemm);
-            let b = contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&options))
-                .map_err(|e| RunError::Start(target.kind, e))?;
-            job.run(b).map_err(RunError::Job)
-        }
-        BackendKind::Vulkan => {
-            let options = vulkan_options(target, gemm);
-            let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
-                .map_err(|e| RunError::Start(target.kind, e))?;
-            job.run(b).map_err(RunError::Job)
-        }
+        BackendKind::Wgpu => job.run(open_gpu::<WgpuBackend>(target, gemm)?).map_err(RunError::Job),
+        BackendKind::Vulkan => job.run(open_gpu::<VulkanBackend>(target, gemm)?).map_err(RunError::Job),
     }
 }
 
-/// The settings' wgpu options on `device` (where the command names one)
-/// with the GEMM kernels `gemm` (`None`: the backend's own choice).
-pub(crate) fn wgpu_options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> headkl_wgpu::OpenOptions {
-    let (settings, device) = (&target.settings, target.device);
-    let mut options = settings.wgpu.clone();
-    options.common.device = device.or(options.common.device);
-    options.common.gemm = gemm;
-    options
+/// A GPU backend the command opens: its options are the settings' with the
+/// command's device and GEMM kernels laid over them.
+pub trait GpuBackend: ResidentBackend + Sync + Sized {
+    /// The backend's name in messages.
+    const NAME: &'static str;
+    /// The settings' options on `target`'s device with the GEMM kernels
+    /// `gemm` (`None`: the backend's own choice).
+    type Options;
+    /// The options for `target`.
+    fn options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> Self::Options;
+    /// Opens the backend with `options`.
+    fn open_with(options: &Self::Options) -> headkl_core::Result<Self>;
 }
 
-/// [`wgpu_options`] for the Vulkan backend.
-pub fn vulkan_options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> headkl_vulkan::VulkanOptions {
-    let (settings, device) = (&target.settings, target.device);
-    let mut options = settings.vulkan.clone();
-    options.common.device = device.or(options.common.device);
-    options.common.gemm = gemm;
-    options
+impl GpuBackend for WgpuBackend {
+    const NAME: &'static str = "wgpu";
+    type Options = headkl_wgpu::OpenOptions;
+
+    fn options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> Self::Options {
+        let mut options = target.settings.wgpu.clone();
+        options.common.device = target.device.or(options.common.device);
+        options.common.gemm = gemm;
+        options
+    }
+
+    fn open_with(options: &Self::Options) -> headkl_core::Result<Self> {
+        WgpuBackend::open_with(options)
+    }
+}
+
+impl GpuBackend for VulkanBackend {
+    const NAME: &'static str = "vulkan";
+    type Options = headkl_vulkan::VulkanOptions;
+
+    fn options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> Self::Options {
+        let mut options = target.settings.vulkan.clone();
+        options.common.device = target.device.or(options.common.device);
+        options.common.gemm = gemm;
+        options
+    }
+
+    fn open_with(options: &Self::Options) -> headkl_core::Result<Self> {
+        VulkanBackend::open_with(options)
+    }
+}
+
+/// Opens `B` on `target`'s device, a panic inside it contained; a failure
+/// is a start error of `target`'s kind.
+pub fn open_gpu<B: GpuBackend>(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> Result<B, RunError> {
+    let options = B::options(target, gemm);
+    contained(B::NAME, || B::open_with(&options)).map_err(|e| RunError::Start(target.kind, e))
 }
 
 /// A job that also runs the device-resident entry points (a
@@ -557,18 +582,12 @@ pub fn open_and_run_resident<J: ResidentJob>(target: &Target, job: J) -> Result<
             "--resident",
             "the reference backend has no device buffers; use --backend wgpu or vulkan",
         ))),
-        BackendKind::Wgpu => {
-            let options = wgpu_options(target, None);
-            let b = contained("wgpu", || headkl_wgpu::WgpuBackend::open_with(&options))
-                .map_err(|e| RunError::Start(target.kind, e))?;
-            job.run_resident(b).map_err(RunError::Job)
-        }
-        BackendKind::Vulkan => {
-            let options = vulkan_options(target, None);
-            let b = contained("vulkan", || headkl_vulkan::VulkanBackend::open_with(&options))
-                .map_err(|e| RunError::Start(target.kind, e))?;
-            job.run_resident(b).map_err(RunError::Job)
-        }
+        BackendKind::Wgpu => job
+            .run_resident(open_gpu::<WgpuBackend>(target, None)?)
+            .map_err(RunError::Job),
+        BackendKind::Vulkan => job
+            .run_resident(open_gpu::<VulkanBackend>(target, None)?)
+            .map_err(RunError::Job),
     }
 }
 

@@ -14,7 +14,9 @@ use headkl_core::{
 
 use crate::environment::Settings;
 use crate::error::CliError;
-use crate::select::{contained, vulkan_options, wgpu_options, BackendKind, RunError, Target};
+use crate::select::{open_gpu, BackendKind, GpuBackend, RunError, Target};
+use headkl_vulkan::VulkanBackend;
+use headkl_wgpu::WgpuBackend;
 
 /// `--shards` and `--devices`.
 #[derive(Args, Clone, Debug, Default)]
@@ -80,7 +82,6 @@ pub trait ShardJob {
 /// Opens `plan`'s devices of `target`'s backend and runs `job` on them.
 pub fn open_and_run_shards<J: ShardJob>(target: &Target, plan: &ShardPlan, job: J) -> Result<J::Output, RunError> {
     let kind = target.kind;
-    let start = |e| RunError::Start(kind, e);
     match kind {
         BackendKind::Reference => {
             if plan.devices.iter().any(|d| d.is_some_and(|d| d != 0)) {
@@ -96,33 +97,21 @@ pub fn open_and_run_shards<J: ShardJob>(target: &Target, plan: &ShardPlan, job: 
                 .collect();
             job.run(&backends, plan).map_err(RunError::Job)
         }
-        BackendKind::Wgpu => {
-            let backends = plan
-                .devices
-                .iter()
-                .map(|&d| {
-                    contained("wgpu", || {
-                        headkl_wgpu::WgpuBackend::open_with(&wgpu_options(&on_device(target, d), None))
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(start)?;
-            job.run(&backends, plan).map_err(RunError::Job)
-        }
-        BackendKind::Vulkan => {
-            let backends = plan
-                .devices
-                .iter()
-                .map(|&d| {
-                    contained("vulkan", || {
-                        headkl_vulkan::VulkanBackend::open_with(&vulkan_options(&on_device(target, d), None))
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(start)?;
-            job.run(&backends, plan).map_err(RunError::Job)
-        }
+        BackendKind::Wgpu => job
+            .run(&open_each::<WgpuBackend>(target, plan)?, plan)
+            .map_err(RunError::Job),
+        BackendKind::Vulkan => job
+            .run(&open_each::<VulkanBackend>(target, plan)?, plan)
+            .map_err(RunError::Job),
     }
+}
+
+/// `B` opened on each of `plan`'s devices.
+fn open_each<B: GpuBackend>(target: &Target, plan: &ShardPlan) -> Result<Vec<B>, RunError> {
+    plan.devices
+        .iter()
+        .map(|&d| open_gpu::<B>(&on_device(target, d), None))
+        .collect()
 }
 
 /// `target` on device `device`.
