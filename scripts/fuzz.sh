@@ -40,6 +40,8 @@ fi
 cargo afl config --build >/dev/null 2>&1 || true
 cargo afl build --release --manifest-path "$fuzz/Cargo.toml"
 bin=$fuzz/target/release/headkl-fuzz
+# AFL++'s tools as `cargo afl config --build` installed them.
+aflbin=$(dirname "$(find "${XDG_DATA_HOME:-$HOME/.local/share}/afl.rs" -name afl-cmin.bash | head -n 1)")
 ledger=$fuzz/campaign.tsv
 [[ -f $ledger ]] || printf 'date\ttarget\twall_s\tcpu_s\texecs\tedges_found\ttotal_edges\tbitmap_cvg\tcorpus\tcrashes\thangs\n' >"$ledger"
 
@@ -52,24 +54,41 @@ run_target() {
     local stats=$out/default/fuzzer_stats before=0
     # A resumed run's stats carry on from the last run's: count the difference.
     if [[ -f $stats ]]; then before=$(awk -F' *: *' '$1 == "execs_done" {print $2}' "$stats"); fi
-    # time(1) counts afl-fuzz and every process it waited for: the target's.
+    # CPU time: afl kills the target's processes without reaping them, so
+    # time(1) misses most of it. Every 2 s, read the user + system ticks of
+    # each process whose command line names this target (afl-fuzz, its fork
+    # server, the persistent children) and keep each one's last reading.
+    local ticks=$fuzz/out/$t.ticks started
+    : >"$ticks"
+    started=$(date +%s)
     AFL_NO_UI=1 AFL_SKIP_CPUFREQ=1 AFL_AUTORESUME=1 AFL_NO_AFFINITY=1 \
         AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 \
-        /usr/bin/time -f '%e %U %S' -o "$fuzz/out/$t.time" \
         nice -n "$nice_level" cargo afl fuzz -V $((minutes * 60)) -t 2000 -m none \
-        -i "$seeds" -o "$out" -x "$fuzz/out/$t.dict" -- "$bin" "$t" >"$fuzz/out/$t.log" 2>&1 || true
+        -i "$seeds" -o "$out" -x "$fuzz/out/$t.dict" -- "$bin" "$t" >"$fuzz/out/$t.log" 2>&1 &
+    local afl=$!
+    while kill -0 "$afl" 2>/dev/null; do
+        for pid in $(pgrep -f "headkl-fuzz $t\$"); do
+            # Fields 14 and 15 of /proc/PID/stat, after the command in parentheses.
+            sed -E 's/^[0-9]+ \(.*\) //' "/proc/$pid/stat" 2>/dev/null |
+                awk -v pid="$pid" '{print pid, $12 + $13}' >>"$ticks"
+        done
+        sleep 2
+    done
+    wait "$afl" || true
+    local wall=$(($(date +%s) - started)) cpu
+    cpu=$(awk -v hz="$(getconf CLK_TCK)" '{last[$1] = $2} END {for (p in last) s += last[p]; printf "%.0f", s / hz}' "$ticks")
     if [[ ! -f $stats ]]; then
         echo "fuzz.sh: $t: afl wrote no stats; see $fuzz/out/$t.log" >&2
         return 1
     fi
     stat() { awk -F' *: *' -v k="$1" '$1 == k {print $2}' "$stats"; }
-    read -r wall user sys <"$fuzz/out/$t.time"
-    local cpu
-    cpu=$(awk -v u="$user" -v s="$sys" 'BEGIN {printf "%.0f", u + s}')
     # The corpus, minimized to the inputs that keep its coverage.
     local min=$fuzz/out/$t.cmin
     rm -rf "$min"
-    AFL_SKIP_BIN_CHECK=1 cargo afl cmin -i "$out/default/queue" -o "$min" -- "$bin" "$t" >"$fuzz/out/$t.cmin.log" 2>&1 || true
+    # The bash afl-cmin: the Python one (what `cargo afl cmin` runs) reads
+    # no coverage from afl.rs's persistent binary and keeps nothing.
+    AFL_SKIP_BIN_CHECK=1 "$aflbin/afl-cmin.bash" -i "$out/default/queue" -o "$min" -- "$bin" "$t" \
+        >"$fuzz/out/$t.cmin.log" 2>&1 || true
     if compgen -G "$min/*" >/dev/null; then
         rm -rf "$fuzz/corpus/$t"
         mkdir -p "$fuzz/corpus/$t"
@@ -80,10 +99,10 @@ run_target() {
     crashes=$(find "$out/default/crashes" -name 'id:*' 2>/dev/null | wc -l)
     hangs=$(find "$out/default/hangs" -name 'id:*' 2>/dev/null | wc -l)
     corpus=$(find "$fuzz/corpus/$t" -type f 2>/dev/null | wc -l)
-    printf '%s\t%s\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$(date -u +%F)" "$t" "$wall" "$cpu" \
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$(date -u +%F)" "$t" "$wall" "$cpu" \
         "$(($(stat execs_done) - before))" "$(stat edges_found)" "$(stat total_edges)" "$(stat bitmap_cvg)" \
         "$corpus" "$crashes" "$hangs" >>"$ledger"
-    echo "fuzz.sh: $t: ${wall%.*} s wall, $cpu CPU-s, $(($(stat execs_done) - before)) execs, edges $(stat edges_found)/$(stat total_edges), crashes $crashes, hangs $hangs"
+    echo "fuzz.sh: $t: $wall s wall, $cpu CPU-s, $(($(stat execs_done) - before)) execs, edges $(stat edges_found)/$(stat total_edges), crashes $crashes, hangs $hangs"
 }
 
 running=0
