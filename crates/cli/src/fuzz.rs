@@ -414,17 +414,8 @@ fn teacher_file(data: &[u8]) {
             allow_mismatch,
             (&hidden_t, FIXTURE_NTOK),
         )?;
-        let names = file.names();
-        let weights_t = names
-            .iter()
-            .any(|n| n == "weights")
-            .then(|| file.tensor("weights"))
-            .transpose()?;
-        let labels_t = names
-            .iter()
-            .any(|n| n == "labels")
-            .then(|| file.tensor("labels"))
-            .transpose()?;
+        let weights_t = file.tensor_if_present("weights")?;
+        let labels_t = file.tensor_if_present("labels")?;
         let sources = crate::jobs::Sources {
             head: &head_t,
             hidden: &hidden_t,
@@ -462,11 +453,7 @@ fn teacher_file(data: &[u8]) {
             },
             ..LossOptions::default()
         };
-        let resolved = opts.resolve(FIXTURE_NTOK).map_err(|e| sources.map(e, "loss options"))?;
-        resolved
-            .check_labels(FIXTURE_VOCAB)
-            .map_err(|e| sources.map(e, "loss options"))?;
-        Ok(())
+        crate::jobs::check_loss_options(&opts, FIXTURE_NTOK, FIXTURE_VOCAB, &sources).map(drop)
     })();
     if let Err(e) = result {
         let text = e.to_string();

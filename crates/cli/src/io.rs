@@ -107,6 +107,17 @@ impl TensorFile {
         self.metadata.metadata().as_ref()
     }
 
+    /// The tensor `name` if the file holds one (`None` if not); a tensor
+    /// that is there but malformed is an error as [`Self::tensor`] gives.
+    /// (The fuzz target's teacher file may carry weights and labels.)
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub fn tensor_if_present(&self, name: &str) -> Result<Option<TensorRef<'_>>, CliError> {
+        if self.metadata.info(name).is_none() {
+            return Ok(None);
+        }
+        self.tensor(name).map(Some)
+    }
+
     /// Tensor `name`, or an error listing the tensors the file has.
     pub fn tensor(&self, name: &str) -> Result<TensorRef<'_>, CliError> {
         let Some(info) = self.metadata.info(name) else {
@@ -491,6 +502,9 @@ mod tests {
         assert_eq!(&b.f32s()[..], &vals);
         let missing = f.tensor("c").err().unwrap().to_string();
         assert!(missing.contains("`c`") && missing.contains("a, b"), "{missing}");
+        assert!(f.tensor_if_present("c").unwrap().is_none());
+        let present = f.tensor_if_present("b").unwrap().expect("b is there");
+        assert_eq!(&present.f32s()[..], &vals);
         fs::remove_dir_all(dir).unwrap();
     }
 

@@ -9,7 +9,7 @@ use std::time::Instant;
 use half::{bf16, f16};
 use headkl_core::{
     Backend, Engine, Error as CoreError, Field, HeadData, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput,
-    SliceOptions, TailMode, Teacher, TeacherForm, TopK, TopkOptions,
+    ResolvedLoss, SliceOptions, TailMode, Teacher, TeacherForm, TopK, TopkOptions,
 };
 use safetensors::Dtype;
 
@@ -243,6 +243,22 @@ pub(crate) fn read_weights(w: &TensorRef<'_>, ntok: usize) -> Result<Vec<f32>, C
         return Err(w.wrong_dtype("F32"));
     }
     Ok(w.f32s().into_owned())
+}
+
+/// The loss options' checks that need the token count and the vocabulary
+/// (weights, labels, ranges), as `loss` runs them before the head goes
+/// anywhere, returning them resolved; an error names the file it came from.
+pub(crate) fn check_loss_options(
+    opts: &LossOptions,
+    ntok: usize,
+    vocab: usize,
+    sources: &Sources,
+) -> Result<ResolvedLoss, CliError> {
+    let resolved = opts.resolve(ntok).map_err(|e| sources.map(e, "loss options"))?;
+    resolved
+        .check_labels(vocab)
+        .map_err(|e| sources.map(e, "loss options"))?;
+    Ok(resolved)
 }
 
 /// Hard labels `[ntok]` (I64 or I32).
@@ -603,10 +619,7 @@ pub fn loss(
         ..LossOptions::default()
     };
     // Every option is checked before the head goes anywhere.
-    let resolved = opts.resolve(ntok).map_err(|e| sources.map(e, "loss options"))?;
-    resolved
-        .check_labels(vocab)
-        .map_err(|e| sources.map(e, "loss options"))?;
+    let resolved = check_loss_options(&opts, ntok, vocab, &sources)?;
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;

@@ -8,6 +8,7 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
+use headkl_core::settings::CommonOptions;
 use headkl_core::{Backend, DeviceInfo, ResidentBackend};
 use headkl_vulkan::VulkanBackend;
 use headkl_wgpu::WgpuBackend;
@@ -517,24 +518,36 @@ pub fn open_and_run_gemm<J: BackendJob>(
 pub trait GpuBackend: ResidentBackend + Sync + Sized {
     /// The backend's name in messages.
     const NAME: &'static str;
-    /// The settings' options on `target`'s device with the GEMM kernels
-    /// `gemm` (`None`: the backend's own choice).
-    type Options;
-    /// The options for `target`.
-    fn options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> Self::Options;
+    /// How the backend is opened.
+    type Options: Clone;
+    /// The settings' options for this backend (the `HEADKL_*` values).
+    fn configured(settings: &Settings) -> &Self::Options;
+    /// The part of `options` every backend shares (device, GEMM kernels).
+    fn common(options: &mut Self::Options) -> &mut CommonOptions;
     /// Opens the backend with `options`.
     fn open_with(options: &Self::Options) -> headkl_core::Result<Self>;
+
+    /// The settings' options on `target`'s device with the GEMM kernels
+    /// `gemm` (`None`: the backend's own choice).
+    fn options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> Self::Options {
+        let mut options = Self::configured(&target.settings).clone();
+        let common = Self::common(&mut options);
+        common.device = target.device.or(common.device);
+        common.gemm = gemm;
+        options
+    }
 }
 
 impl GpuBackend for WgpuBackend {
     const NAME: &'static str = "wgpu";
     type Options = headkl_wgpu::OpenOptions;
 
-    fn options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> Self::Options {
-        let mut options = target.settings.wgpu.clone();
-        options.common.device = target.device.or(options.common.device);
-        options.common.gemm = gemm;
-        options
+    fn configured(settings: &Settings) -> &Self::Options {
+        &settings.wgpu
+    }
+
+    fn common(options: &mut Self::Options) -> &mut CommonOptions {
+        &mut options.common
     }
 
     fn open_with(options: &Self::Options) -> headkl_core::Result<Self> {
@@ -546,11 +559,12 @@ impl GpuBackend for VulkanBackend {
     const NAME: &'static str = "vulkan";
     type Options = headkl_vulkan::VulkanOptions;
 
-    fn options(target: &Target, gemm: Option<headkl_core::GemmChoice>) -> Self::Options {
-        let mut options = target.settings.vulkan.clone();
-        options.common.device = target.device.or(options.common.device);
-        options.common.gemm = gemm;
-        options
+    fn configured(settings: &Settings) -> &Self::Options {
+        &settings.vulkan
+    }
+
+    fn common(options: &mut Self::Options) -> &mut CommonOptions {
+        &mut options.common
     }
 
     fn open_with(options: &Self::Options) -> headkl_core::Result<Self> {
