@@ -38,6 +38,9 @@ pub struct LossTermArgs {
     /// Logit softcap c: z̃ = c·tanh(z/c) before τ and every term (> 0) [default: none]
     #[arg(long, allow_negative_numbers = true)]
     pub softcap: Option<f32>,
+    /// Logit scale S: z = S·x·Wᵀ before the softcap, τ and every term (> 0), as a model that scales its logits defines them
+    #[arg(long, value_name = "S", default_value_t = 1.0, allow_negative_numbers = true)]
+    pub logit_scale: f32,
     /// How the teacher file holds its k values: `probs` (tensor `probs`) or `logprobs` (tensor `logprobs`, over the full vocabulary)
     #[arg(long, value_name = "FORM", default_value = "probs", value_parser = parse_form)]
     pub teacher_form: TeacherForm,
@@ -55,6 +58,7 @@ impl LossTermArgs {
             label_smoothing: self.label_smoothing,
             z_loss: self.z_loss,
             softcap: self.softcap,
+            logit_scale: self.logit_scale,
         }
     }
 
@@ -83,6 +87,7 @@ pub fn option_of(field: &str) -> &'static str {
         "label_smoothing" => "--label-smoothing",
         "z_loss" => "--z-loss",
         "softcap" => "--softcap",
+        "logit_scale" => "--logit-scale",
         _ => "--labels",
     }
 }
@@ -93,7 +98,14 @@ mod tests {
 
     #[test]
     fn every_core_field_has_its_option() {
-        for field in ["hard_weight", "soft_weight", "label_smoothing", "z_loss", "softcap"] {
+        for field in [
+            "hard_weight",
+            "soft_weight",
+            "label_smoothing",
+            "z_loss",
+            "softcap",
+            "logit_scale",
+        ] {
             assert_eq!(option_of(field), format!("--{}", field.replace('_', "-")));
         }
         assert_eq!(parse_tail("bucket"), Ok(TailMode::Bucket));

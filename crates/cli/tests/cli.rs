@@ -812,6 +812,8 @@ fn stored_teacher_round_trip_matches_direct() {
             "30",
             "--z-loss",
             "1e-4",
+            "--logit-scale",
+            "1.5",
         ],
     );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
@@ -835,6 +837,7 @@ fn stored_teacher_round_trip_matches_direct() {
             hard_weight: 0.5,
             softcap: Some(30.0),
             z_loss: 1e-4,
+            logit_scale: 1.5,
             ..LossTerms::default()
         },
         labels: Some(labels),
@@ -917,6 +920,16 @@ fn bad_loss_term_inputs_exit_2_and_write_nothing() {
             vec!["--softcap", "positive"],
         ),
         (vec!["--softcap", "inf"], "teacher.safetensors", vec!["--softcap"]),
+        (
+            vec!["--logit-scale", "0"],
+            "teacher.safetensors",
+            vec!["--logit-scale", "positive"],
+        ),
+        (
+            vec!["--logit-scale", "-2"],
+            "teacher.safetensors",
+            vec!["--logit-scale"],
+        ),
         (vec!["--z-loss", "NaN"], "teacher.safetensors", vec!["--z-loss"]),
         (
             vec!["--soft-weight", "-0.5"],

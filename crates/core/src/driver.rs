@@ -412,7 +412,10 @@ impl<B: Backend> Engine<B> {
         dx.resize(ntok * hs, 0.0);
         let mut dx_padded = Vec::new();
         trace.mark("output alloc");
-        let dx_scale = 1.0 / (f64::from(resolved.gscale) * f64::from(resolved.temperature));
+        // z = S·x·Wᵀ: the logits GEMM takes S/τ, and dx the factor S.
+        let logits_tau = resolved.temperature / resolved.terms.logit_scale;
+        let dx_scale =
+            f64::from(resolved.terms.logit_scale) / (f64::from(resolved.gscale) * f64::from(resolved.temperature));
         let b = &self.backend;
         // Two chunks in flight: chunk i is recorded and its outputs' copies
         // started before chunk i−1's are waited for and read, so the device
@@ -447,7 +450,7 @@ impl<B: Backend> Engine<B> {
             )?;
             let row_stats = self.row_stats_for(&resolved.terms, resolved.temperature, rows_padded);
             self.head
-                .logits(b, x16, &s.logits, rows_padded, resolved.temperature, row_stats)?;
+                .logits(b, x16, &s.logits, rows_padded, logits_tau, row_stats)?;
             let kl = KlDesc {
                 rows,
                 vocab: self.head.vocab(),

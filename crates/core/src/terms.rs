@@ -101,7 +101,7 @@ impl TailMode {
 
 /// The weights and knobs of the loss's terms, per token
 /// `L_t = α_soft·L_soft + α_hard·L_hard + λ·lse(z̃)²` on the capped
-/// logits `z̃ = c·tanh(z/c)`.
+/// logits `z̃ = c·tanh(z/c)`, where `z = S·x·Wᵀ` with the logit scale `S`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossTerms {
     /// `α_soft ≥ 0`, the soft (distillation) term's weight (default 1).
@@ -115,6 +115,10 @@ pub struct LossTerms {
     pub z_loss: f32,
     /// The logit softcap `c > 0` (default none).
     pub softcap: Option<f32>,
+    /// The logit scale `S > 0`: `z = S·x·Wᵀ` before the softcap and τ
+    /// (default 1), as models that scale their logits (Cohere's
+    /// `logit_scale`) define them.
+    pub logit_scale: f32,
 }
 
 impl Default for LossTerms {
@@ -125,6 +129,7 @@ impl Default for LossTerms {
             label_smoothing: 0.0,
             z_loss: 0.0,
             softcap: None,
+            logit_scale: 1.0,
         }
     }
 }
@@ -153,6 +158,13 @@ impl LossTerms {
                 field: "label_smoothing",
                 value: eps,
                 reason: "must be in [0, 1)",
+            });
+        }
+        if !(self.logit_scale > 0.0 && self.logit_scale.is_finite()) {
+            return Err(Error::InvalidLossOption {
+                field: "logit_scale",
+                value: self.logit_scale,
+                reason: "must be positive and finite",
             });
         }
         if let Some(c) = self.softcap {
@@ -254,6 +266,20 @@ mod tests {
                     ..LossTerms::default()
                 },
                 "softcap",
+            ),
+            (
+                LossTerms {
+                    logit_scale: 0.0,
+                    ..LossTerms::default()
+                },
+                "logit_scale",
+            ),
+            (
+                LossTerms {
+                    logit_scale: f32::NAN,
+                    ..LossTerms::default()
+                },
+                "logit_scale",
             ),
         ];
         for (terms, name) in bad {

@@ -37,9 +37,10 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// `s = x·Wᵀ/τ` for f64 copies of `w` `[vocab][hs]` and `x` `[ntok][hs]`.
-fn logits_of(w: &[f64], x: &[f64], vocab: usize, hs: usize, temperature: f32) -> Vec<f64> {
+/// `x·Wᵀ·scale` in f64.
+fn logits_of(w: &[f64], x: &[f64], vocab: usize, hs: usize, scale: f64) -> Vec<f64> {
     let ntok = x.len() / hs;
-    let inv_tau = 1.0 / f64::from(temperature);
+    let inv_tau = scale;
     let mut s = vec![0f64; ntok * vocab];
     // Split over flattened (token, vocab) pairs so one token still uses both threads.
     let parts = par::map_ranges(ntok * vocab, ntok * vocab * hs, |range| {
@@ -75,7 +76,7 @@ pub fn logits_f64(head: &HeadWeights<'_>, hidden: &Hidden<'_>, temperature: f32)
         &hidden_f64(hidden),
         head.vocab(),
         head.hs(),
-        temperature,
+        1.0 / f64::from(temperature),
     )
 }
 
@@ -253,7 +254,7 @@ pub fn row_terms_f64(s: &[f64], teacher: RowTeacher<'_>, label: u32, temperature
 /// ```text
 /// L_t  = α_soft·L_soft + α_hard·L_hard + λ·lse(z̃)²     (row_terms_f64)
 /// mean = Σ_t w_t L_t / total
-/// dx_t = (w_t / (τ·total)) · Σ_j ∂L_t/∂s_j · W_j
+/// dx_t = (w_t·S / (τ·total)) · Σ_j ∂L_t/∂s_j · W_j     (s = S·x·Wᵀ/τ)
 /// ```
 ///
 /// With the default terms `L_t = Σ_k p_T,k · (log p_T,k − log p_S,id_k)`
@@ -283,9 +284,11 @@ pub fn head_kl_f64(
         resolved.weights.len()
     );
     let w = head_f64(head);
-    let s = logits_of(&w, &hidden_f64(hidden), vocab, hs, resolved.temperature);
     let total = f64::from(resolved.total);
     let tau = f64::from(resolved.temperature);
+    // z = S·x·Wᵀ: s = z/τ, and ds/dx carries S/τ.
+    let scale = f64::from(resolved.terms.logit_scale);
+    let s = logits_of(&w, &hidden_f64(hidden), vocab, hs, scale / tau);
 
     // Each token's row of (terms, dx) is independent: split tokens over threads.
     let mut rows: Vec<(RowTerms, Vec<f64>)> = vec![(RowTerms::default(), Vec::new()); ntok];
@@ -300,7 +303,7 @@ pub fn head_kl_f64(
             let label = resolved.labels.get(t).copied().unwrap_or(NO_LABEL);
             let row = &s[t * vocab..(t + 1) * vocab];
             let r = row_terms_f64(row, row_teacher, label, resolved.temperature, &resolved.terms);
-            let coef = f64::from(resolved.weights[t]) / (tau * total);
+            let coef = f64::from(resolved.weights[t]) * scale / (tau * total);
             let mut g = vec![0f64; hs];
             if !r.loss.is_finite() {
                 g.fill(f64::NAN);

@@ -35,6 +35,7 @@ struct Draw {
     soft_weight: f32,
     label_smoothing: f32,
     z_loss: f32,
+    logit_scale: f32,
 }
 
 fn draws() -> impl Strategy<Value = Draw> {
@@ -55,22 +56,26 @@ fn draws() -> impl Strategy<Value = Draw> {
         (
             prop_oneof![Just(0.0f32), 0.05f32..0.6],
             prop_oneof![Just(0.0f32), 1e-3f32..0.1],
+            prop_oneof![Just(1.0f32), 0.3f32..2.5],
         ),
     )
         .prop_map(
-            |((vocab, hs, k, seed), temperature, tail, form, softcap, (hard_weight, soft_weight), (eps, z))| Draw {
-                vocab,
-                hs,
-                k,
-                seed,
-                temperature,
-                tail,
-                form,
-                softcap,
-                hard_weight,
-                soft_weight,
-                label_smoothing: eps,
-                z_loss: z,
+            |((vocab, hs, k, seed), temperature, tail, form, softcap, (hard_weight, soft_weight), (eps, z, scale))| {
+                Draw {
+                    vocab,
+                    hs,
+                    k,
+                    seed,
+                    temperature,
+                    tail,
+                    form,
+                    softcap,
+                    hard_weight,
+                    soft_weight,
+                    label_smoothing: eps,
+                    z_loss: z,
+                    logit_scale: scale,
+                }
             },
         )
 }
@@ -109,6 +114,7 @@ fn problem(d: &Draw) -> (Vec<f32>, Vec<f32>, Teacher, LossOptions) {
             label_smoothing: d.label_smoothing,
             z_loss: d.z_loss,
             softcap: d.softcap,
+            logit_scale: d.logit_scale,
         },
         labels: Some(labels),
         ..LossOptions::default()
@@ -157,7 +163,7 @@ proptest! {
 fn dx_matches_a_finite_difference_with_everything_on() {
     for tail in [TailMode::Renormalize, TailMode::Bucket, TailMode::Unnormalized] {
         for form in [TeacherForm::Probs, TeacherForm::Logprobs] {
-            for softcap in [None, Some(1.5)] {
+            for (softcap, logit_scale) in [(None, 1.0), (Some(1.5), 1.0), (Some(1.5), 0.4), (None, 2.2)] {
                 let d = Draw {
                     vocab: 31,
                     hs: 5,
@@ -171,6 +177,7 @@ fn dx_matches_a_finite_difference_with_everything_on() {
                     soft_weight: 0.8,
                     label_smoothing: 0.2,
                     z_loss: 0.05,
+                    logit_scale,
                 };
                 let (rel, norm) = fd_error(&d);
                 assert!(norm > 1e-3, "{norm} for {d:?}");
@@ -205,6 +212,7 @@ fn each_term_is_its_pytorch_formula() {
         soft_weight: 1.0,
         label_smoothing: 0.0,
         z_loss: 0.0,
+        logit_scale: 1.0,
     };
     let (w, x, teacher, base) = problem(&d);
     let (vocab, hs, ntok, k) = (d.vocab, d.hs, 4, d.k);
@@ -236,6 +244,15 @@ fn each_term_is_its_pytorch_formula() {
         ..LossTerms::default()
     });
     let soft = run(LossTerms::default());
+    // The logit scale S multiplies z before the cap: zc = c·tanh(S·z/c).
+    let scale = 2.5f32;
+    let scaled_z = run(LossTerms {
+        soft_weight: 0.0,
+        z_loss: 0.25,
+        softcap: Some(cap),
+        logit_scale: scale,
+        ..LossTerms::default()
+    });
     let mut checked_bucket = 0;
     for t in 0..ntok {
         let row = &capped[t * vocab..(t + 1) * vocab];
@@ -254,6 +271,13 @@ fn each_term_is_its_pytorch_formula() {
         let lse = row.iter().map(|v| v.exp()).sum::<f64>().ln();
         assert!((z_only.lse[t] - lse).abs() < 1e-12, "lse[{t}]");
         assert!((z_only.loss[t] - 0.25 * lse * lse).abs() < 1e-12, "z-loss[{t}]");
+        let scaled_lse = z[t * vocab..(t + 1) * vocab]
+            .iter()
+            .map(|&v| (f64::from(cap) * (f64::from(scale) * v / f64::from(cap)).tanh()).exp())
+            .sum::<f64>()
+            .ln();
+        assert!((scaled_z.lse[t] - scaled_lse).abs() < 1e-12, "scaled lse[{t}]");
+        assert!((scaled_lse - lse).abs() > 1e-3, "the scale changed nothing at [{t}]");
         // The bucket: a (k+1)-way KL, teacher entries plus the rest.
         let zrow = &z[t * vocab..(t + 1) * vocab];
         let lp = log_softmax(zrow);

@@ -590,7 +590,9 @@ impl<B: ResidentBackend> Engine<B> {
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
             let row_stats = self.row_stats_for(&opts.terms, opts.temperature, rows_padded);
-            self.resident_logits(s, hidden, (start, rows), opts.temperature, row_stats)?;
+            // z = S·x·Wᵀ: S/τ here, the factor S in the dx GEMM below.
+            let logits_tau = opts.temperature / opts.terms.logit_scale;
+            self.resident_logits(s, hidden, (start, rows), logits_tau, row_stats)?;
             let first_entry = elements("ids", start, k)?;
             b.dispatch(Launch::TeacherRows {
                 ids: teacher.ids,
@@ -637,8 +639,13 @@ impl<B: ResidentBackend> Engine<B> {
             // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
             // device.
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
-            self.head
-                .dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, 1.0, dx_filter)?;
+            self.head.dx(
+                b,
+                (&ls.grad, &ls.dx, &s.logits),
+                rows_padded,
+                opts.terms.logit_scale,
+                dx_filter,
+            )?;
             b.dispatch(Launch::LossOut {
                 loss_chunk: &ls.loss,
                 dx_chunk: &ls.dx,

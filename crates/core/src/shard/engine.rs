@@ -173,7 +173,7 @@ impl<B: Backend> ShardEngine<B> {
             &plan,
             (&input, &rows_s, &loss_s),
             (&ids, &probs, k_s),
-            resolved.temperature,
+            (resolved.temperature, resolved.terms.logit_scale),
             kept.as_mut(),
             sizes.logits,
         );
@@ -272,7 +272,7 @@ impl<B: Backend> ShardEngine<B> {
         plan: &ChunkPlan,
         (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
         (ids, probs, k_s): (&[u32], &[f32], usize),
-        temperature: f32,
+        (temperature, logit_scale): (f32, f32),
         mut kept: Option<&mut Vec<B::Buffer>>,
         logits_row_bytes: u64,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
@@ -319,7 +319,8 @@ impl<B: Backend> ShardEngine<B> {
                 }
                 None => &s.logits,
             };
-            h.logits(b, x16, logits, rows_padded, temperature, None)?;
+            // z = S·x·Wᵀ: the GEMM takes S/τ.
+            h.logits(b, x16, logits, rows_padded, temperature / logit_scale, None)?;
             b.upload(&s.ids, 0, bytemuck::cast_slice(&ids[start * k_s..(start + rows) * k_s]))?;
             b.upload(
                 &s.probs,
@@ -455,7 +456,9 @@ impl<B: Backend> ShardEngine<B> {
     ) -> Result<()> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let (k_s, hs, hs_padded) = (p.k_s, h.hs(), h.hs_padded());
-        let dx_scale = 1.0 / (f64::from(p.resolved.gscale) * f64::from(p.resolved.temperature));
+        let dx_scale = f64::from(p.resolved.terms.logit_scale)
+            / (f64::from(p.resolved.gscale) * f64::from(p.resolved.temperature));
+        let logits_tau = p.resolved.temperature / p.resolved.terms.logit_scale;
         let mut padded = Vec::new();
         let mut read_chunk = |(start, rows, pending): Done, dx: &mut [f32]| -> Result<()> {
             let rows_dx = &mut dx[start * hs..(start + rows) * hs];
@@ -480,7 +483,7 @@ impl<B: Backend> ShardEngine<B> {
                 None => {
                     let x16 = s.x16_for(chunk);
                     h.load_hidden(b, input, x16, (chunk, start, rows))?;
-                    h.logits(b, x16, &s.logits, rows_padded, p.resolved.temperature, None)?;
+                    h.logits(b, x16, &s.logits, rows_padded, logits_tau, None)?;
                     &s.logits
                 }
             };

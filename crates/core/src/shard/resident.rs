@@ -378,8 +378,13 @@ impl<B: ResidentBackend> ShardEngine<B> {
                 }
                 None => &s.logits,
             };
-            self.engine
-                .resident_logits_into((&s.x16, logits), hidden, (start, rows), tau, None)?;
+            self.engine.resident_logits_into(
+                (&s.x16, logits),
+                hidden,
+                (start, rows),
+                tau / opts.terms.logit_scale,
+                None,
+            )?;
             self.record_teacher((start, rows), teacher, opts, (status, s, ls))?;
             // No statistics in phase one: the stats slot (read only) gets
             // a scratch buffer no other slot binds.
@@ -442,8 +447,13 @@ impl<B: ResidentBackend> ShardEngine<B> {
             let logits = match &p.kept {
                 Some(kept) => &kept[chunk],
                 None => {
-                    self.engine
-                        .resident_logits_into((&s.x16, &s.logits), hidden, (start, rows), tau, None)?;
+                    self.engine.resident_logits_into(
+                        (&s.x16, &s.logits),
+                        hidden,
+                        (start, rows),
+                        tau / opts.terms.logit_scale,
+                        None,
+                    )?;
                     &s.logits
                 }
             };
@@ -452,8 +462,15 @@ impl<B: ResidentBackend> ShardEngine<B> {
             let kl = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k);
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             // The logits are spent: the dx GEMM's split-K parts may use
-            // them. Scaled by 1/(gscale·τ) in loss_out.
-            h.dx(b, (&ls.grad, &ls.dx, logits), round_up(rows, ALIGN), 1.0, None)?;
+            // them. Scaled by 1/(gscale·τ) in loss_out; z = S·x·Wᵀ gives
+            // the factor S here (and S/τ to the logits GEMM).
+            h.dx(
+                b,
+                (&ls.grad, &ls.dx, logits),
+                round_up(rows, ALIGN),
+                opts.terms.logit_scale,
+                None,
+            )?;
             self.shard_step((ShardStage::Loss, false), (start, rows, k), slots)?;
             b.dispatch(Launch::LossOut {
                 loss_chunk: &ls.loss,

@@ -204,6 +204,7 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "terms_tail_none_head_kl",
         "terms_hard_smoothing_head_kl",
         "terms_z_loss_head_kl",
+        "terms_logit_scale_head_kl",
         "terms_everything_slices_chunks_head_kl",
         "no_row_stats_slices_chunks_head_kl",
         "tapered_chunks_head_kl",
@@ -498,6 +499,19 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
             };
             plain(with_terms(case, TeacherForm::Probs, TailMode::Renormalize, terms))
         }
+        // τ 1 and no cap: the KL rows take the logits GEMM's row
+        // statistics, made on the scaled logits.
+        "terms_logit_scale_head_kl" => {
+            let case = Case::from_params(&CaseParams {
+                masked: true,
+                ..params(HeadKl, 330, 40, 21, 7, 47)
+            });
+            let terms = LossTerms {
+                logit_scale: 1.75,
+                ..LossTerms::default()
+            };
+            plain(with_terms(case, TeacherForm::Probs, TailMode::Renormalize, terms))
+        }
         "terms_everything_slices_chunks_head_kl" => {
             let case = Case::from_params(&CaseParams {
                 masked: true,
@@ -512,6 +526,7 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
                 label_smoothing: 0.1,
                 z_loss: 1e-3,
                 softcap: Some(4.0),
+                logit_scale: 0.8,
             };
             let mut r = plain(with_terms(case, TeacherForm::Logprobs, TailMode::Bucket, terms));
             r.min_slices = 3;

@@ -384,6 +384,8 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         label_smoothing: 0.1,
         z_loss: 1e-3,
         softcap: Some(30.0),
+        // The scale acts in the logits GEMM, not in these rows.
+        ..LossTerms::default()
     };
     v.extend([
         kl_terms(terms_rows("softcap"), 1.0, TailMode::Renormalize, cap(5.0)),

@@ -776,6 +776,7 @@ pub(crate) const RESIDENT_TERM_CASES: &[&str] = &[
     "terms_tail_none_head_kl",
     "terms_hard_smoothing_head_kl",
     "terms_z_loss_head_kl",
+    "terms_logit_scale_head_kl",
     "terms_everything_slices_chunks_head_kl",
 ];
 

@@ -92,7 +92,7 @@ pub const SHARD_CASES: &[(&str, &str)] = &[
     ),
     (
         "loss/3-even-logprobs",
-        "3 even shards, log-probability teacher, τ = 0.7, several slices and chunks, logits kept",
+        "3 even shards, log-probability teacher, τ = 0.7, logit scale 1.3, several slices and chunks, logits kept",
     ),
     (
         "topk/2-uneven",
@@ -322,6 +322,10 @@ fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
             let opts = LossOptions {
                 temperature: 0.7,
                 max_rows_per_chunk: Some(16),
+                terms: headkl_core::LossTerms {
+                    logit_scale: 1.3,
+                    ..Default::default()
+                },
                 ..LossOptions::default()
             };
             let shards: Vec<usize> = HeadShard::even(VOCAB, 3)

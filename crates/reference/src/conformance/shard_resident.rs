@@ -32,7 +32,7 @@ pub const RESIDENT_SHARD_CASES: &[(&str, &str)] = &[
     ),
     (
         "resident/3-none-in-one",
-        "3 shards, no teacher id in the middle one, τ = 2, weights with a masked token, chunks of 16, logits recomputed",
+        "3 shards, no teacher id in the middle one, τ = 2, logit scale 0.6, weights with a masked token, chunks of 16, logits recomputed",
     ),
     (
         "resident/3-even-logprobs",
@@ -58,6 +58,7 @@ pub struct DeviceInputs<Buf> {
     k: usize,
     form: TeacherForm,
     temperature: f32,
+    logit_scale: f32,
     max_rows: Option<usize>,
     accumulate: bool,
 }
@@ -81,6 +82,10 @@ impl<Buf> DeviceInputs<Buf> {
     fn options<'a>(&'a self, terms_out: Option<&'a Buf>) -> DeviceLossOptions<'a, Buf> {
         DeviceLossOptions {
             temperature: self.temperature,
+            terms: LossTerms {
+                logit_scale: self.logit_scale,
+                ..LossTerms::default()
+            },
             weights: self.weights.as_ref(),
             max_rows_per_chunk: self.max_rows,
             teacher_form: self.form,
@@ -332,6 +337,8 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
         _ => rng.below(VOCAB),
     };
     let host_teacher = teacher(seed, k, form, pick)?;
+    // The logits GEMM's scale S (z = S·x·Wᵀ) on one case.
+    let logit_scale = if name == "resident/3-none-in-one" { 0.6 } else { 1.0 };
     let (ids, vals) = teacher_values(seed, k, form, pick);
     let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
     let inp = DeviceInputs {
@@ -345,6 +352,7 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
         k,
         form,
         temperature: tau,
+        logit_scale,
         max_rows,
         accumulate,
     };
@@ -366,6 +374,10 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
     let opts = LossOptions {
         temperature: tau,
         weights,
+        terms: LossTerms {
+            logit_scale,
+            ..LossTerms::default()
+        },
         ..LossOptions::default()
     };
     let resolved = opts.resolve(NTOK).map_err(|e| e.to_string())?;
@@ -412,6 +424,7 @@ fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
         k,
         form: TeacherForm::Probs,
         temperature: 1.0,
+        logit_scale: 1.0,
         max_rows: None,
         accumulate: false,
     };
