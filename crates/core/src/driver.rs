@@ -7,7 +7,7 @@ use crate::backend::{Backend, KlDesc, PendingDownload, RowStats, TopkDesc};
 use crate::chunking::ChunkPlan;
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
-use crate::head_planes::{DevicePlane, DxFilter, HeadPlanes};
+use crate::head_planes::{DevicePlane, DxFilter, HeadPlanes, Scaling};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
@@ -412,10 +412,7 @@ impl<B: Backend> Engine<B> {
         dx.resize(ntok * hs, 0.0);
         let mut dx_padded = Vec::new();
         trace.mark("output alloc");
-        // z = S·x·Wᵀ: the logits GEMM takes S/τ, and dx the factor S.
-        let logits_tau = resolved.temperature / resolved.terms.logit_scale;
-        let dx_scale =
-            f64::from(resolved.terms.logit_scale) / (f64::from(resolved.gscale) * f64::from(resolved.temperature));
+        let scaling = Scaling::host_loss(resolved);
         let b = &self.backend;
         // Two chunks in flight: chunk i is recorded and its outputs' copies
         // started before chunk i−1's are waited for and read, so the device
@@ -449,8 +446,7 @@ impl<B: Backend> Engine<B> {
                 bytemuck::cast_slice(&row_in[start * 2..(start + rows) * 2]),
             )?;
             let row_stats = self.row_stats_for(&resolved.terms, resolved.temperature, rows_padded);
-            self.head
-                .logits(b, x16, &s.logits, rows_padded, logits_tau, row_stats)?;
+            self.head.logits(b, x16, &s.logits, rows_padded, scaling, row_stats)?;
             let kl = KlDesc {
                 rows,
                 vocab: self.head.vocab(),
@@ -465,7 +461,7 @@ impl<B: Backend> Engine<B> {
             b.kl_rows(&s.logits, &s.ids, &s.probs, row_in_buf, loss_buf, grad, &kl)?;
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
-                .dx(b, (grad, dx_buf, &s.logits), rows_padded, dx_scale as f32, dx_filter)?;
+                .dx(b, (grad, dx_buf, &s.logits), rows_padded, scaling, dx_filter)?;
             // The per-row outputs, dx and (with the filter, for the call's
             // statistics) the block mask.
             let f32_bytes = std::mem::size_of::<f32>();
@@ -674,8 +670,14 @@ impl<B: Backend> Engine<B> {
         for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
             let x16 = s.x16_for(chunk);
             self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
-            self.head
-                .logits(b, x16, &s.logits, round_up(rows, ALIGN), opts.temperature, None)?;
+            self.head.logits(
+                b,
+                x16,
+                &s.logits,
+                round_up(rows, ALIGN),
+                Scaling::top_k(opts.temperature),
+                None,
+            )?;
             let desc = TopkDesc {
                 cap: opts.softcap.map(|c| c / opts.temperature),
                 logprobs: opts.logprobs,

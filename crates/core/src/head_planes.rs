@@ -30,6 +30,64 @@ use crate::{round_up, ALIGN};
 /// multi-GB head never needs a second multi-GB copy on the host.
 const HEAD_UPLOAD_BYTES: usize = 64 << 20;
 
+/// How the scale of z = S·x·Wᵀ reaches the head's two GEMMs: the logits
+/// GEMM writes z/τ, and dx's carries S, with 1/(gscale·τ) as well on the
+/// host paths (the resident paths leave that to `loss_out`, where gscale
+/// may come from the device). Every entry path builds one of these rather
+/// than its own alphas.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Scaling {
+    /// Temperature τ.
+    pub temperature: f32,
+    /// Logit scale S ([`crate::LossTerms::logit_scale`]; 1 for top-k).
+    pub logit_scale: f32,
+    /// The host paths' gradient scale, folded into dx's alpha.
+    pub host_gscale: Option<f32>,
+}
+
+impl Scaling {
+    /// Top-k's: z/τ, no logit scale, no gradient.
+    pub(crate) fn top_k(temperature: f32) -> Self {
+        Self {
+            temperature,
+            logit_scale: 1.0,
+            host_gscale: None,
+        }
+    }
+
+    /// A host-path loss call's (the driver and the shard engine).
+    pub(crate) fn host_loss(resolved: &crate::problem::ResolvedLoss) -> Self {
+        Self {
+            temperature: resolved.temperature,
+            logit_scale: resolved.terms.logit_scale,
+            host_gscale: Some(resolved.gscale),
+        }
+    }
+
+    /// A device-resident loss call's: dx's alpha is S alone.
+    pub(crate) fn resident_loss(temperature: f32, logit_scale: f32) -> Self {
+        Self {
+            temperature,
+            logit_scale,
+            host_gscale: None,
+        }
+    }
+
+    /// The logits GEMM's alpha, S/τ.
+    fn logits_alpha(self) -> f32 {
+        1.0 / (self.temperature / self.logit_scale)
+    }
+
+    /// The dx GEMM's alpha: S/(gscale·τ) (in f64, then rounded once) on the
+    /// host paths, S on the resident ones.
+    fn dx_alpha(self) -> f32 {
+        match self.host_gscale {
+            Some(gscale) => (f64::from(self.logit_scale) / (f64::from(gscale) * f64::from(self.temperature))) as f32,
+            None => self.logit_scale,
+        }
+    }
+}
+
 /// An uploaded head: its facts, one f16 plane per vocabulary slice, and how
 /// the dx GEMM's reduction is split.
 pub(crate) struct HeadPlanes<B: Backend> {
@@ -415,7 +473,7 @@ impl<B: Backend> HeadPlanes<B> {
         Ok(())
     }
 
-    /// The logits GEMMs of one chunk: `logits[:, slice] = x16 · W_sliceᵀ / τ`
+    /// The logits GEMMs of one chunk: `logits[:, slice] = S · x16 · W_sliceᵀ / τ`
     /// (the host path's scratch and the resident path's alike), with the
     /// row statistics at `stats` when given ([`Self::row_stats`]).
     pub(crate) fn logits(
@@ -424,7 +482,7 @@ impl<B: Backend> HeadPlanes<B> {
         x16: &B::Buffer,
         logits: &B::Buffer,
         rows_padded: usize,
-        temperature: f32,
+        scaling: Scaling,
         stats: Option<RowStats>,
     ) -> Result<()> {
         let mut first_group = 0;
@@ -445,7 +503,7 @@ impl<B: Backend> HeadPlanes<B> {
                 ldb: self.hs_padded,
                 c_offset: slice.offset,
                 ldc: self.vocab_padded,
-                alpha: 1.0 / temperature,
+                alpha: scaling.logits_alpha(),
                 accumulate: false,
                 k_parts: 1,
                 c_part_stride: 0,
@@ -458,7 +516,8 @@ impl<B: Backend> HeadPlanes<B> {
     }
 
     /// The dx GEMMs of one chunk, summed over the slices in f32:
-    /// `dx = alpha · Σ_slice grad[:, slice] · W_slice`.
+    /// `dx = alpha · Σ_slice grad[:, slice] · W_slice`, alpha as
+    /// [`Scaling`] says.
     ///
     /// Each slice's GEMM runs split into [`Self::dx_parts`] parts, into
     /// partial blocks of `rows_padded × hs_padded` in `partials` (slice s's
@@ -475,9 +534,10 @@ impl<B: Backend> HeadPlanes<B> {
         backend: &B,
         (grad, dx, partials): (&B::Buffer, &B::Buffer, &B::Buffer),
         rows_padded: usize,
-        alpha: f32,
+        scaling: Scaling,
         filter: Option<DxFilter>,
     ) -> Result<()> {
+        let alpha = scaling.dx_alpha();
         let parts = self.dx_parts(backend, rows_padded);
         let total: usize = parts.iter().sum();
         let block = rows_padded * self.hs_padded;

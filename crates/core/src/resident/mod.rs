@@ -30,7 +30,7 @@ pub use kernels::{
 use crate::backend::{Backend, KlDesc, RowStats, TopkDesc};
 use crate::driver::Engine;
 use crate::error::{Error, Result};
-use crate::head_planes::{DxFilter, HeadPlanes};
+use crate::head_planes::{DxFilter, HeadPlanes, Scaling};
 use crate::launch::{Kernels, Launch};
 use crate::problem::{check_gscale, check_k, check_loss_options, check_total, TopkOptions, DEFAULT_BUDGET_BYTES};
 use crate::scratch::{Job, LossScratch, RowBytes, RowScratch};
@@ -375,10 +375,10 @@ impl<B: ResidentBackend> Engine<B> {
         s: &RowScratch<B>,
         hidden: &DeviceHidden<'_, B::Buffer>,
         (start, rows): (usize, usize),
-        temperature: f32,
+        scaling: Scaling,
         row_stats: Option<RowStats>,
     ) -> Result<()> {
-        self.resident_logits_into((&s.x16, &s.logits), hidden, (start, rows), temperature, row_stats)
+        self.resident_logits_into((&s.x16, &s.logits), hidden, (start, rows), scaling, row_stats)
     }
 
     /// [`Self::resident_logits`] into `logits` (a shard's kept buffer).
@@ -387,7 +387,7 @@ impl<B: ResidentBackend> Engine<B> {
         (x16, logits): (&B::Buffer, &B::Buffer),
         hidden: &DeviceHidden<'_, B::Buffer>,
         (start, rows): (usize, usize),
-        temperature: f32,
+        scaling: Scaling,
         row_stats: Option<RowStats>,
     ) -> Result<()> {
         let rows_padded = round_up(rows, ALIGN);
@@ -404,7 +404,7 @@ impl<B: ResidentBackend> Engine<B> {
             },
         })?;
         self.head
-            .logits(&self.backend, x16, logits, rows_padded, temperature, row_stats)
+            .logits(&self.backend, x16, logits, rows_padded, scaling, row_stats)
     }
 
     pub(crate) fn check_resident_hidden(&self, ntok: usize, hidden: &DeviceHidden<'_, B::Buffer>) -> Result<()> {
@@ -587,12 +587,11 @@ impl<B: ResidentBackend> Engine<B> {
         // Unread slots get a buffer already at hand.
         let labels_buf = labels.unwrap_or(teacher.ids);
         let terms_out = opts.terms_out.unwrap_or(&s.probs);
+        let scaling = Scaling::resident_loss(opts.temperature, opts.terms.logit_scale);
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
             let row_stats = self.row_stats_for(&opts.terms, opts.temperature, rows_padded);
-            // z = S·x·Wᵀ: S/τ here, the factor S in the dx GEMM below.
-            let logits_tau = opts.temperature / opts.terms.logit_scale;
-            self.resident_logits(s, hidden, (start, rows), logits_tau, row_stats)?;
+            self.resident_logits(s, hidden, (start, rows), scaling, row_stats)?;
             let first_entry = elements("ids", start, k)?;
             b.dispatch(Launch::TeacherRows {
                 ids: teacher.ids,
@@ -639,13 +638,8 @@ impl<B: ResidentBackend> Engine<B> {
             // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
             // device.
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
-            self.head.dx(
-                b,
-                (&ls.grad, &ls.dx, &s.logits),
-                rows_padded,
-                opts.terms.logit_scale,
-                dx_filter,
-            )?;
+            self.head
+                .dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, scaling, dx_filter)?;
             b.dispatch(Launch::LossOut {
                 loss_chunk: &ls.loss,
                 dx_chunk: &ls.dx,
@@ -737,7 +731,7 @@ impl<B: ResidentBackend> Engine<B> {
     ) -> Result<()> {
         let k = opts.k;
         for (start, rows) in plan.ranges(ntok) {
-            self.resident_logits(s, hidden, (start, rows), opts.temperature, None)?;
+            self.resident_logits(s, hidden, (start, rows), Scaling::top_k(opts.temperature), None)?;
             // As the host path's: the softcap at τ, and log-probabilities
             // over the full vocabulary where asked for.
             let desc = TopkDesc {

@@ -8,7 +8,7 @@ use crate::chunking::ChunkPlan;
 use crate::driver::{Engine, LossOutput, SliceOptions, Trace};
 use crate::error::{Error, Field, Result};
 use crate::head::HeadWeights;
-use crate::head_planes::HeadPlanes;
+use crate::head_planes::{HeadPlanes, Scaling};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch};
@@ -173,7 +173,7 @@ impl<B: Backend> ShardEngine<B> {
             &plan,
             (&input, &rows_s, &loss_s),
             (&ids, &probs, k_s),
-            (resolved.temperature, resolved.terms.logit_scale),
+            Scaling::host_loss(&resolved),
             kept.as_mut(),
             sizes.logits,
         );
@@ -272,7 +272,7 @@ impl<B: Backend> ShardEngine<B> {
         plan: &ChunkPlan,
         (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
         (ids, probs, k_s): (&[u32], &[f32], usize),
-        (temperature, logit_scale): (f32, f32),
+        scaling: Scaling,
         mut kept: Option<&mut Vec<B::Buffer>>,
         logits_row_bytes: u64,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
@@ -280,7 +280,7 @@ impl<B: Backend> ShardEngine<B> {
         let ntok = ids.len() / k_s;
         let (mut lse, mut lse1, mut soft) = (vec![0f32; ntok], vec![0f32; ntok], vec![0f32; ntok]);
         let mut rows_out = Vec::new();
-        let tau_on = temperature != 1.0;
+        let tau_on = scaling.temperature != 1.0;
         // One chunk's outputs: [soft, lse, soft, 0] per row, then (τ ≠ 1) the
         // lse at τ = 1 in the second download's column 1.
         let mut read_chunk = |(start, rows, pending): Done, lse: &mut [f32], lse1: &mut [f32], soft: &mut [f32]| {
@@ -319,8 +319,7 @@ impl<B: Backend> ShardEngine<B> {
                 }
                 None => &s.logits,
             };
-            // z = S·x·Wᵀ: the GEMM takes S/τ.
-            h.logits(b, x16, logits, rows_padded, temperature / logit_scale, None)?;
+            h.logits(b, x16, logits, rows_padded, scaling, None)?;
             b.upload(&s.ids, 0, bytemuck::cast_slice(&ids[start * k_s..(start + rows) * k_s]))?;
             b.upload(
                 &s.probs,
@@ -337,7 +336,10 @@ impl<B: Backend> ShardEngine<B> {
             let mut pending = begin(b, &[(&ls.loss, rows * 16)])?;
             if tau_on {
                 // The kernel at τ: its lse output is at τ = 1.
-                let desc = KlDesc { temperature, ..desc };
+                let desc = KlDesc {
+                    temperature: scaling.temperature,
+                    ..desc
+                };
                 let more = b
                     .kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)
                     .and_then(|()| begin(b, &[(&ls.loss, rows * 16)]));
@@ -456,9 +458,7 @@ impl<B: Backend> ShardEngine<B> {
     ) -> Result<()> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let (k_s, hs, hs_padded) = (p.k_s, h.hs(), h.hs_padded());
-        let dx_scale = f64::from(p.resolved.terms.logit_scale)
-            / (f64::from(p.resolved.gscale) * f64::from(p.resolved.temperature));
-        let logits_tau = p.resolved.temperature / p.resolved.terms.logit_scale;
+        let scaling = Scaling::host_loss(&p.resolved);
         let mut padded = Vec::new();
         let mut read_chunk = |(start, rows, pending): Done, dx: &mut [f32]| -> Result<()> {
             let rows_dx = &mut dx[start * hs..(start + rows) * hs];
@@ -483,7 +483,7 @@ impl<B: Backend> ShardEngine<B> {
                 None => {
                     let x16 = s.x16_for(chunk);
                     h.load_hidden(b, input, x16, (chunk, start, rows))?;
-                    h.logits(b, x16, &s.logits, rows_padded, logits_tau, None)?;
+                    h.logits(b, x16, &s.logits, rows_padded, scaling, None)?;
                     &s.logits
                 }
             };
@@ -505,7 +505,7 @@ impl<B: Backend> ShardEngine<B> {
             let desc = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k_s);
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
             // The logits are spent: the dx GEMM's split-K parts may use them.
-            h.dx(b, (&ls.grad, &ls.dx, logits), rows_padded, dx_scale as f32, None)?;
+            h.dx(b, (&ls.grad, &ls.dx, logits), rows_padded, scaling, None)?;
             let pending = begin(b, &[(&ls.dx, rows * hs_padded * 4)])?;
             trace.mark("record");
             if let Some(done) = pipe.push((start, rows, pending)) {
@@ -600,7 +600,7 @@ impl<B: Backend> ShardEngine<B> {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
             h.load_hidden(b, input, x16, (chunk, start, rows))?;
-            h.logits(b, x16, &s.logits, rows_padded, temperature, None)?;
+            h.logits(b, x16, &s.logits, rows_padded, Scaling::top_k(temperature), None)?;
             // Log-probabilities over the shard: with its lse, the logits.
             let desc = TopkDesc {
                 logprobs: true,

@@ -36,7 +36,7 @@ use super::{merge_loss, HeadShard, LossPartials, ShardEngine};
 use crate::backend::{Backend, DeviceBuffer, KlDesc};
 use crate::chunking::ChunkPlan;
 use crate::error::{Error, Result};
-use crate::head_planes::HeadPlanes;
+use crate::head_planes::{HeadPlanes, Scaling};
 use crate::launch::{Kernels, Launch};
 use crate::problem::check_k;
 use crate::resident::{
@@ -369,6 +369,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
     ) -> Result<()> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let (k, tau) = (teacher.k, opts.temperature);
+        let scaling = Scaling::resident_loss(tau, opts.terms.logit_scale);
         self.record_call_ends(true, (ntok, tau), teacher, opts, status)?;
         for (start, rows) in plan.ranges(ntok) {
             let logits = match kept.as_mut() {
@@ -378,13 +379,8 @@ impl<B: ResidentBackend> ShardEngine<B> {
                 }
                 None => &s.logits,
             };
-            self.engine.resident_logits_into(
-                (&s.x16, logits),
-                hidden,
-                (start, rows),
-                tau / opts.terms.logit_scale,
-                None,
-            )?;
+            self.engine
+                .resident_logits_into((&s.x16, logits), hidden, (start, rows), scaling, None)?;
             self.record_teacher((start, rows), teacher, opts, (status, s, ls))?;
             // No statistics in phase one: the stats slot (read only) gets
             // a scratch buffer no other slot binds.
@@ -433,6 +429,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
     ) -> Result<()> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let (ntok, k, tau) = (p.ntok, p.k, p.temperature);
+        let scaling = Scaling::resident_loss(tau, opts.terms.logit_scale);
         self.record_call_ends(true, (ntok, tau), teacher, opts, status)?;
         let slots = ShardSlots {
             loss_chunk: &ls.loss,
@@ -447,13 +444,8 @@ impl<B: ResidentBackend> ShardEngine<B> {
             let logits = match &p.kept {
                 Some(kept) => &kept[chunk],
                 None => {
-                    self.engine.resident_logits_into(
-                        (&s.x16, &s.logits),
-                        hidden,
-                        (start, rows),
-                        tau / opts.terms.logit_scale,
-                        None,
-                    )?;
+                    self.engine
+                        .resident_logits_into((&s.x16, &s.logits), hidden, (start, rows), scaling, None)?;
                     &s.logits
                 }
             };
@@ -462,15 +454,8 @@ impl<B: ResidentBackend> ShardEngine<B> {
             let kl = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k);
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             // The logits are spent: the dx GEMM's split-K parts may use
-            // them. Scaled by 1/(gscale·τ) in loss_out; z = S·x·Wᵀ gives
-            // the factor S here (and S/τ to the logits GEMM).
-            h.dx(
-                b,
-                (&ls.grad, &ls.dx, logits),
-                round_up(rows, ALIGN),
-                opts.terms.logit_scale,
-                None,
-            )?;
+            // them. Scaled by 1/(gscale·τ) in loss_out.
+            h.dx(b, (&ls.grad, &ls.dx, logits), round_up(rows, ALIGN), scaling, None)?;
             self.shard_step((ShardStage::Loss, false), (start, rows, k), slots)?;
             b.dispatch(Launch::LossOut {
                 loss_chunk: &ls.loss,
