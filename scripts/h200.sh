@@ -193,10 +193,12 @@ if has wgmma; then
 bm64-bk32|HEADKL_GEMM=wgmma:bm64.bk32.s3
 bm64-bk64|HEADKL_GEMM=wgmma:bm64.bk64.s1
 bm128|HEADKL_GEMM=wgmma:bm128.bk32.s2
+bulk|HEADKL_GEMM=wgmma:bulk.bm64.bn256.bk16.s4
 mixed|HEADKL_GEMM=logits=wgmma:bm64.bk64.s1,dx=glsl:bm128.bk64.s1
 LIST
     for shape in $shapes; do
-        for gemm in default glsl:bm128.bk64.s1 wgmma:bm64.bk32.s3 wgmma:bm64.bk64.s1 wgmma:bm128.bk32.s2; do
+        for gemm in default glsl:bm128.bk64.s1 wgmma:bm64.bk32.s3 wgmma:bm64.bk64.s1 wgmma:bm128.bk32.s2 \
+            wgmma:bulk.bm64.bn256.bk16.s4; do
             vars=""
             [ "$gemm" = default ] || vars="HEADKL_GEMM=$gemm"
             log="$out/bench-wgmma-$shape-${gemm//[:.]/_}.txt"

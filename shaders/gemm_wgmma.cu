@@ -1,5 +1,9 @@
 // The matrix-unit GEMM for NVIDIA Hopper (sm_90a): wgmma from shared memory,
-// fed by 16-byte cp.async copies. It is the GLSL tiles' contract
+// in two kinds of tile. The copy tiles read the operands where they are,
+// through 16-byte cp.async copies; the bulk tiles read operands the pack
+// kernels below first laid out in global memory in the order a stage
+// holds, so that one bulk copy per operand fills a stage. Both keep the
+// GLSL tiles' contract
 // (gemm_khr_body.glsl) in CUDA C, with the same parameter block
 // (headkl_core::params::GemmParams, byte for byte) and the same layouts:
 //
@@ -174,6 +178,31 @@ __device__ __forceinline__ u32 kmajor_offset(u32 row, u32 chunk) {
 __device__ __forceinline__ u32 nmajor_offset(u32 krow, u32 chunk, u32 sbo) {
     u32 r = krow & 7;
     return (krow >> 3) * sbo + (chunk >> 3) * 1024 + r * 128 + (((chunk & 7) ^ r) << 4);
+}
+
+// One stage's multiply-adds, committed as one group: d (64 x BN) += A * B
+// for A's 64 K-major rows at `sa` (BK wide, swizzled in the mode of that
+// width) and B at `sb`, K-major (the logits layout, as A) or N-major (the
+// dx layout: 128-byte atoms of 8 K-rows x 64 columns, 1024 bytes apart
+// along N, 8-row groups (BN / 64) * 1024 apart).
+template <int BN, int BK, bool NN>
+__device__ __forceinline__ void multiply_stage(float (&d)[BN / 2], u32 sa, u32 sb) {
+    constexpr u32 ROW_BYTES = BK * 2;
+    constexpr u32 SWIZZLE = ROW_BYTES == 128 ? 1 : ROW_BYTES == 64 ? 2 : 3;
+    constexpr u32 NN_SBO = (BN / 64) * 1024;
+    fence_registers(d);
+    wgmma_fence();
+#pragma unroll
+    for (u32 q = 0; q < BK / 16; q++) {
+        // 16 K (32 bytes) into A's rows.
+        const u64 da = descriptor(sa + q * 32, 16, 8 * ROW_BYTES, SWIZZLE);
+        if (NN) {
+            Mma<BN, 1>::run(d, da, descriptor(sb + q * 2 * NN_SBO, 1024, NN_SBO, 1));
+        } else {
+            Mma<BN, 0>::run(d, da, descriptor(sb + q * 32, 16, 8 * ROW_BYTES, SWIZZLE));
+        }
+    }
+    wgmma_commit();
 }
 
 // C (+)= alpha * d for the 64 x BN block of warpgroup tid / 128 (and the
@@ -383,20 +412,8 @@ __device__ __forceinline__ void gemm(const GemmParams& p, const char* a, const c
         }
 
         const u32 sa = base + (s % STAGES) * T::STAGE_BYTES;
-        const u32 sb = sa + T::A_BYTES;
-        fence_registers(d);
-        wgmma_fence();
-#pragma unroll
-        for (u32 q = 0; q < BK / 16; q++) {
-            // A: this warpgroup's 64 rows, 16 K (32 bytes) into the row.
-            const u64 da = descriptor(sa + warpgroup * 64 * T::ROW_BYTES + q * 32, 16, 8 * T::ROW_BYTES, T::SWIZZLE);
-            if (NN) {
-                Mma<BN, 1>::run(d, da, descriptor(sb + q * 2 * T::NN_SBO, 1024, T::NN_SBO, 1));
-            } else {
-                Mma<BN, 0>::run(d, da, descriptor(sb + q * 32, 16, 8 * T::ROW_BYTES, T::SWIZZLE));
-            }
-        }
-        wgmma_commit();
+        // A: this warpgroup's 64 rows.
+        multiply_stage<BN, BK, NN>(d, sa + warpgroup * 64 * T::ROW_BYTES, sa + T::A_BYTES);
         wgmma_wait<0>();
         fence_registers(d);
     }
@@ -424,3 +441,175 @@ __device__ __forceinline__ void gemm(const GemmParams& p, const char* a, const c
 TILE(bm64_bk32_s3, 64, 128, 32, 3, 4)
 TILE(bm64_bk64_s1, 64, 128, 64, 1, 4)
 TILE(bm128_bk32_s2, 128, 128, 32, 2, 2)
+
+// ---- the bulk tiles -----------------------------------------------------
+
+__device__ __forceinline__ void bar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrives on `bar`, expecting `bytes` of copies to complete on it.
+__device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// One 1-D bulk copy global -> shared, completing `bytes` on `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+// What a pack kernel lays out: `rows` rows (M of A, N of B) by `kdim` of
+// K from `src`, `ld` elements between rows (K-major) or between K-rows
+// (N-major), into `tiles` tiles of TILE_ROWS rows by `steps` K steps of
+// BK, on a grid folded `grid_x` wide (headkl_core::params::PackParams).
+struct PackParams {
+    u32 rows, kdim, ld, tiles, steps, grid_x, pad0, pad1;
+};
+
+// Packed operands: tile t's K step s is the contiguous block
+// (t * steps + s) * TILE_ROWS * BK * 2 bytes in, in the swizzled order a
+// stage holds (kmajor_offset, nmajor_offset). Rows and K past the source
+// are zeros, so a tile never reads past what was packed. One thread a
+// 16-byte chunk (rows, kdim and ld are multiples of 8, so a chunk is
+// wholly in or out); consecutive threads read consecutive source bytes,
+// which measured faster than writing the packed operand in order
+// (docs/PERFORMANCE.md, row 54).
+template <int TILE_ROWS, int BK, bool NMAJOR>
+__device__ __forceinline__ void pack_tiles(const PackParams& p, const unsigned short* src, char* dst) {
+    const u64 e = ((u64)blockIdx.y * p.grid_x + blockIdx.x) * blockDim.x + threadIdx.x;
+    const u64 chunks_per_row = (u64)p.steps * BK / 8;
+    if (e >= (u64)p.tiles * TILE_ROWS * chunks_per_row) {
+        return;
+    }
+    u32 r, k;
+    if (NMAJOR) {
+        const u64 row_chunks = (u64)p.tiles * TILE_ROWS / 8;
+        k = (u32)(e / row_chunks);
+        r = (u32)(e % row_chunks) * 8;
+    } else {
+        r = (u32)(e / chunks_per_row);
+        k = (u32)(e % chunks_per_row) * 8;
+    }
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < p.rows && k < p.kdim) {
+        v = NMAJOR ? *(const uint4*)(src + (u64)k * p.ld + r) : *(const uint4*)(src + (u64)r * p.ld + k);
+    }
+    const u64 block = ((u64)(r / TILE_ROWS) * p.steps + k / BK) * TILE_ROWS * BK * 2;
+    const u32 inner = NMAJOR ? nmajor_offset(k % BK, (r % TILE_ROWS) / 8, (TILE_ROWS / 64) * 1024)
+                             : kmajor_offset<BK * 2>(r % TILE_ROWS, (k % BK) / 8);
+    *(uint4*)(dst + block + inner) = v;
+}
+
+template <int BN, int BK, int STAGES>
+struct BulkTile {
+    static constexpr int A_BYTES = 64 * BK * 2;
+    static constexpr int B_BYTES = BN * BK * 2;
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    // The stages, then a "full" barrier (8 bytes) a stage.
+    static constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;
+    static_assert(SHARED_BYTES <= 42 * 1024, "stay well under the 48 KiB a block NVX launches allow");
+    static_assert(STAGE_BYTES % 1024 == 0, "stages start on the swizzle's 1024-byte period");
+};
+
+// C (+)= alpha * A * B over packed A (64-row tiles) and packed B (BN-row
+// tiles, K-major for the logits, N-major for dx), p.k the packed K. One
+// warpgroup a block and no producer warp: thread 0 issues a stage's two
+// bulk copies, each stage's "full" barrier says they landed, and a stage
+// is refilled as soon as the warpgroup's own wait shows the multiply-adds
+// that read it done (one group stays in flight), so no "empty" barrier and
+// no __syncthreads in the loop. 128 threads let three blocks share an SM.
+// Split-K and the row or column offsets are the host's: it packs and
+// launches each piece (crates/backend-vulkan/src/nvx.rs).
+template <int BN, int BK, int STAGES, bool NN>
+__device__ __forceinline__ void bulk_gemm(const GemmParams& p, const char* a, const char* b, float* c, char* shared) {
+    typedef BulkTile<BN, BK, STAGES> T;
+    const u32 tid = threadIdx.x;
+    const u32 tiles_m = (p.m + 63) / 64;
+    const u32 tiles_n = (p.n + BN - 1) / BN;
+    const u32 l = blockIdx.x + blockIdx.y * p.grid_x;
+    if (l >= tiles_m * tiles_n) {
+        return;
+    }
+    const u32 tm = l % tiles_m, tn = l / tiles_m;
+    const u32 steps = (p.k + BK - 1) / BK;
+    const u32 base = smem_addr(shared);
+    const u32 bars = base + STAGES * T::STAGE_BYTES;
+    const char* a_src = a + (u64)tm * steps * T::A_BYTES;
+    const char* b_src = b + (u64)tn * steps * T::B_BYTES;
+    auto load = [&](u32 s) {
+        const u32 st = s % STAGES;
+        const u32 full = bars + 8 * st;
+        const u32 sa = base + st * T::STAGE_BYTES;
+        bar_expect(full, T::STAGE_BYTES);
+        bulk_copy(sa, a_src + (u64)s * T::A_BYTES, T::A_BYTES, full);
+        bulk_copy(sa + T::A_BYTES, b_src + (u64)s * T::B_BYTES, T::B_BYTES, full);
+    };
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; s++) {
+            bar_init(bars + 8 * s, 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (tid == 0) {
+        for (u32 s = 0; s < STAGES && s < steps; s++) {
+            load(s);
+        }
+    }
+    float d[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++) {
+        d[i] = 0.0f;
+    }
+    for (u32 s = 0; s < steps; s++) {
+        const u32 st = s % STAGES;
+        bar_wait(bars + 8 * st, (s / STAGES) & 1);
+        const u32 sa = base + st * T::STAGE_BYTES;
+        multiply_stage<BN, BK, NN>(d, sa, sa + T::A_BYTES);
+        wgmma_wait<1>();
+        fence_registers(d);
+        // Step s - 1's stage is free: step s - 1 + STAGES goes there.
+        if (tid == 0 && s > 0 && s - 1 + STAGES < steps) {
+            load(s - 1 + STAGES);
+        }
+    }
+    wgmma_wait<0>();
+    fence_registers(d);
+    epilogue<BN, NN>(p, c, d, tid, tm * 64, tn * BN, p.c_offset);
+}
+
+// ---- entry points of the bulk tiles (headkl_core::WgmmaTile, bulk) -----
+
+#define PACK(NAME, TILE_ROWS, BK, NMAJOR)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256)                                                     \
+        NAME(const PackParams p, const unsigned short* src, char* dst, const char* unused) {              \
+        pack_tiles<TILE_ROWS, BK, NMAJOR>(p, src, dst);                                                   \
+    }
+#define BULK_ENTRY(NAME, NN, BN, BK, STAGES, MIN_BLOCKS)                                                  \
+    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)                                         \
+        NAME(const GemmParams p, const char* a, const char* b, float* c) {                                \
+        __shared__ __align__(1024) char shared[BulkTile<BN, BK, STAGES>::SHARED_BYTES];                   \
+        bulk_gemm<BN, BK, STAGES, NN>(p, a, b, c, shared);                                                \
+    }
+
+// A (both GEMMs), the logits' B ([n][k]) and dx's B ([k][n]), K steps of 16.
+PACK(wgmma_pack_a_bk16, 64, 16, false)
+PACK(wgmma_pack_logits_b_bn256_bk16, 256, 16, false)
+PACK(wgmma_pack_dx_b_bn256_bk16, 256, 16, true)
+// 64 x 256 tiles, K 16 a step, four stages (41 KiB), three blocks an SM:
+// 536-567 TFLOP/s at shape A's GEMMs in the research harness, against
+// 351-404 for the copy tiles (docs/PERFORMANCE.md, row 53).
+BULK_ENTRY(wgmma_bulk_logits_bn256_bk16_s4, false, 256, 16, 4, 3)
+BULK_ENTRY(wgmma_bulk_dx_bn256_bk16_s4, true, 256, 16, 4, 3)

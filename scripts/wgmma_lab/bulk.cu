@@ -6,7 +6,8 @@
 // stage's "full" barrier, keeps one group of multiply-adds in flight and
 // has no __syncthreads in its loop:
 //   lab (m…)  a producer warp copies; NC warpgroups free stages on "empty"
-//   solo      one warpgroup, its thread 0 copies (three blocks an SM)
+//   solo      one warpgroup, its thread 0 copies (three blocks an SM):
+//             shipped as gemm_wgmma.cu's bulk tiles, timed there
 //   persist   solo, several tiles a block, the next tile's copies before
 //             the epilogue
 //   duo       two warpgroups, thread 0 copies after both freed the stage
@@ -21,30 +22,8 @@
 // TFLOP/s) the per-thread copies and per-step barriers, or the 48 KiB a
 // block?
 
-__device__ __forceinline__ void bar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void bar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT_%=;\n"
-        "}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
 }
 
 template <int NC, int BN, int BK, int STAGES>
@@ -62,42 +41,7 @@ struct Lab {
     static_assert(STAGE_BYTES % 1024 == 0, "stages start on the swizzle's period");
 };
 
-// Operands pre-tiled: tile t of `tile_rows` rows and K step s (BK wide) is
-// the contiguous block (t * steps + s) * tile_rows * BK * 2 bytes in, in the
-// swizzled order a stage holds. K-major for A and the logits' B ([rows][k]
-// source, `ld` apart), N-major for the dx B ([k][rows] source). Rows and K
-// past the source read zeros. One thread a 16-byte chunk.
-template <int TILE_ROWS, int BK, bool NMAJOR>
-__device__ __forceinline__ void pretile(const unsigned short* src, char* dst, u32 rows, u32 kdim, u32 ld,
-                                        u32 tiles, u32 steps) {
-    const u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const u64 chunks_per_row = (u64)steps * BK / 8;
-    if (e >= (u64)tiles * TILE_ROWS * chunks_per_row) {
-        return;
-    }
-    u32 r, k;
-    if (NMAJOR) {
-        // Consecutive threads read consecutive columns of one K row.
-        const u64 row_chunks = (u64)tiles * TILE_ROWS / 8;
-        k = (u32)(e / row_chunks);
-        r = (u32)(e % row_chunks) * 8;
-    } else {
-        r = (u32)(e / chunks_per_row);
-        k = (u32)(e % chunks_per_row) * 8;
-    }
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (NMAJOR) {
-        if (k < kdim && r < rows) {
-            v = *(const uint4*)(src + (u64)k * ld + r);
-        }
-    } else if (r < rows && k < kdim) {
-        v = *(const uint4*)(src + (u64)r * ld + k);
-    }
-    const u64 block = ((u64)(r / TILE_ROWS) * steps + k / BK) * TILE_ROWS * BK * 2;
-    const u32 inner = NMAJOR ? nmajor_offset(k % BK, (r % TILE_ROWS) / 8, (TILE_ROWS / 64) * 1024)
-                             : kmajor_offset<BK * 2>(r % TILE_ROWS, (k % BK) / 8);
-    *(uint4*)(dst + block + inner) = v;
-}
+// Operands pre-tiled by gemm_wgmma.cu's pack_tiles (the bulk tiles' layout).
 
 template <int NC, int BN, int BK, int STAGES, bool NN>
 __device__ __forceinline__ void lab_gemm(const GemmParams& p, const char* a, const char* b, float* c, char* shared) {
@@ -179,126 +123,9 @@ __device__ __forceinline__ void lab_gemm(const GemmParams& p, const char* a, con
     epilogue<BN, NN>(p, c, d, tid, tm * T::BM, tn * BN, p.c_offset);
 }
 
-// One warpgroup, no producer warp: thread 0 refills a stage as soon as the
-// warpgroup's own wait shows its multiply-adds done, so no "empty" barrier,
-// and 128 threads a block let three 64 x 256 blocks share an SM (registers).
-//
-// GATHER (dx only, BK 16): B is the head as the logits tiles store it
-// (pre-tiled K-major over [v][d], 256 rows by 16 columns a block), so one
-// stored head serves both GEMMs; a dx stage is BN / 16 copies of 512
-// bytes (16 rows of v, 16 columns of d each), which wgmma reads N-major
-// with the 32-byte swizzle. flags bit 0 swaps that descriptor's strides.
-template <int BN, int BK, int STAGES, bool NN, bool GATHER = false>
-__device__ __forceinline__ void solo_gemm(const GemmParams& p, const char* a, const char* b, float* c, char* shared) {
-    static_assert(!GATHER || (NN && BK == 16), "gather: dx, BK 16");
-    typedef Lab<1, BN, BK, STAGES> T;
-    const u32 tid = threadIdx.x;
-    const u32 tiles_m = (p.m + 63) / 64;
-    const u32 tiles_n = (p.n + BN - 1) / BN;
-    const u32 l = blockIdx.x + blockIdx.y * p.grid_x;
-    if (l >= tiles_m * tiles_n) {
-        return;
-    }
-    const u32 tm = l % tiles_m, tn = l / tiles_m;
-    const u32 steps = (p.k + BK - 1) / BK;
-    const u32 base = smem_addr(shared);
-    const u32 bars = base + STAGES * T::STAGE_BYTES;
-    const char* a_src = a + (u64)tm * steps * T::A_BYTES;
-    const char* b_src = b + (u64)tn * steps * T::B_BYTES;
-    const u32 lane = tid % 32;
-    const u64 n16 = (u64)tiles_n * BN / 16;
-    // Warp 0 loads (lane 0 alone unless GATHER).
-    auto load = [&](u32 s) {
-        const u32 st = s % STAGES;
-        const u32 full = bars + 8 * st;
-        const u32 sa = base + st * T::STAGE_BYTES;
-        if (lane == 0) {
-            bar_expect(full, T::STAGE_BYTES);
-            bulk_copy(sa, a_src + (u64)s * T::A_BYTES, T::A_BYTES, full);
-            if (!GATHER) {
-                bulk_copy(sa + T::A_BYTES, b_src + (u64)s * T::B_BYTES, T::B_BYTES, full);
-            }
-        }
-        if (GATHER) {
-            const u32 v0 = s * 16;
-            if (lane < BN / 16) {
-                const char* src = b + ((u64)(v0 / 256) * n16 + (u64)tn * (BN / 16) + lane) * 8192 + (v0 % 256) * 32;
-                bulk_copy(sa + T::A_BYTES + lane * 512, src, 512, full);
-            }
-        }
-    };
-    if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < STAGES; s++) {
-            bar_init(bars + 8 * s, 1);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    if (tid < 32) {
-        for (u32 s = 0; s < STAGES && s < steps; s++) {
-            load(s);
-        }
-    }
-    const bool swap = (p.mask_rows & 1) != 0;
-    float d[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; i++) {
-        d[i] = 0.0f;
-    }
-    for (u32 s = 0; s < steps; s++) {
-        const u32 st = s % STAGES;
-        bar_wait(bars + 8 * st, (s / STAGES) & 1);
-        const u32 sa = base + st * T::STAGE_BYTES;
-        const u32 sb = sa + T::A_BYTES;
-        fence_registers(d);
-        wgmma_fence();
-#pragma unroll
-        for (u32 q = 0; q < BK / 16; q++) {
-            const u64 da = descriptor(sa + q * 32, 16, 8 * T::ROW_BYTES, T::SWIZZLE);
-            if (GATHER) {
-                Mma<BN, 1>::run(d, da, descriptor(sb, swap ? 256 : 512, swap ? 512 : 256, 3));
-            } else if (NN) {
-                Mma<BN, 1>::run(d, da, descriptor(sb + q * 2 * T::NN_SBO, 1024, T::NN_SBO, 1));
-            } else {
-                Mma<BN, 0>::run(d, da, descriptor(sb + q * 32, 16, 8 * T::ROW_BYTES, T::SWIZZLE));
-            }
-        }
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_registers(d);
-        // Step s - 1's stage is free: step s - 1 + STAGES goes there.
-        if (tid < 32 && s > 0 && s - 1 + STAGES < steps) {
-            load(s - 1 + STAGES);
-        }
-    }
-    wgmma_wait<0>();
-    fence_registers(d);
-    epilogue<BN, NN>(p, c, d, tid, tm * 64, tn * BN, p.c_offset);
-}
-
-#define SOLO_ENTRY(NAME, NN, BN, BK, STAGES, MIN_BLOCKS)                                                   \
-    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)                                          \
-        NAME(const GemmParams p, const char* a, const char* b, float* c) {                                 \
-        __shared__ __align__(1024) char shared[Lab<1, BN, BK, STAGES>::SHARED_BYTES];                      \
-        solo_gemm<BN, BK, STAGES, NN>(p, a, b, c, shared);                                                 \
-    }
-#define SOLO_TILE(NAME, BN, BK, STAGES, MIN_BLOCKS)                   \
-    SOLO_ENTRY(lab_logits_##NAME, false, BN, BK, STAGES, MIN_BLOCKS) \
-    SOLO_ENTRY(lab_dx_##NAME, true, BN, BK, STAGES, MIN_BLOCKS)
-
-extern "C" __global__ void __launch_bounds__(128, 3)
-    lab_dx_gather_m64n256k16s4(const GemmParams p, const char* a, const char* b, float* c) {
-    __shared__ __align__(1024) char shared[Lab<1, 256, 16, 4>::SHARED_BYTES];
-    solo_gemm<256, 16, 4, true, true>(p, a, b, c, shared);
-}
-
-// name: solo_m64n<BN>k<BK>s<STAGES>
-SOLO_TILE(solo_m64n256k16s4, 256, 16, 4, 3)
-SOLO_TILE(solo_m64n256k16s3, 256, 16, 3, 3)
-SOLO_TILE(solo_m64n256k32s2, 256, 32, 2, 3)
-SOLO_TILE(solo_m64n128k32s3, 128, 32, 3, 4)
-SOLO_TILE(solo_m64n128k16s5, 128, 16, 5, 4)
+// solo, the winner, is gemm_wgmma.cu's bulk tile now (bulk_gemm,
+// wgmma_bulk_*); gather (dx reading the logits' head layout) lost at 248
+// TFLOP/s and is gone (docs/PERFORMANCE.md, row 53).
 
 // NC warpgroups and no producer warp: thread 0 refills a stage once every
 // warpgroup has arrived on its "empty" barrier (one block an SM at 128 x 256).
@@ -781,7 +608,7 @@ LAB_TILE(m64n128k16s6, 1, 128, 16, 6, 4)
     extern "C" __global__ void pretile_r##ROWS##_k##BK##_##NMAJOR(const unsigned short* src, char* dst,     \
                                                                   u32 rows, u32 kdim, u32 ld, u32 tiles,    \
                                                                   u32 steps) {                              \
-        pretile<ROWS, BK, NMAJOR>(src, dst, rows, kdim, ld, tiles, steps);                                  \
+        pack_tiles<ROWS, BK, NMAJOR>(PackParams{rows, kdim, ld, tiles, steps, gridDim.x, 0, 0}, src, dst);                                \
     }
 PRETILE(64, 16, false)
 PRETILE(64, 16, true)

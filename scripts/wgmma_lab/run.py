@@ -19,15 +19,15 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PTX = os.path.join(ROOT, "target", "lab", "bulk.ptx")
-# Families: m… a producer warp and NC warpgroups; solo_ one warpgroup whose
-# thread 0 copies; persist_ solo over several tiles a block; duo_ two
-# warpgroups, thread 0 copies; gather_ dx reading the logits' head layout;
-# blocked_ 8 x 8 core matrices without a swizzle; async_ solo's pipeline
-# with per-thread cp.async from row-major operands.
-TILES = ["solo_m64n256k16s4", "solo_m64n256k16s3", "solo_m64n256k32s2", "solo_m64n128k32s3", "solo_m64n128k16s5",
-         "m128n256k16s3", "m128n128k32s2", "m128n128k16s5", "m64n256k16s4", "m64n128k32s3", "m64n128k16s6",
+# Families: m… a producer warp and NC warpgroups; persist_ solo (the
+# shipped bulk tile, shaders/gemm_wgmma.cu) over several tiles a block;
+# duo_ two warpgroups, thread 0 copies; blocked_ 8 x 8 core matrices
+# without a swizzle; async_ solo's pipeline with per-thread cp.async from
+# row-major operands. Solo and gather are timed no more (row 53 has their
+# figures; solo is headkl's `wgmma:bulk.*` tile, forced through HEADKL_GEMM).
+TILES = ["m128n256k16s3", "m128n128k32s2", "m128n128k16s5", "m64n256k16s4", "m64n128k32s3", "m64n128k16s6",
          "persist_m64n256k16s4", "persist_m64n256k16s3", "persist_m64n128k32s3",
-         "duo_m128n256k16s3", "duo_m128n128k16s5", "duo_m128n128k32s2", "gather_m64n256k16s4",
+         "duo_m128n256k16s3", "duo_m128n128k16s5", "duo_m128n128k32s2",
          "blocked_m64n256k16s4", "blocked_m64n256k16s3", "blocked_m64n256k32s2",
          "async_m64n256k16s4", "async_m64n256k32s2", "async_m64n128k32s3"]
 
@@ -92,7 +92,7 @@ def launch(name, grid, threads, args):
 
 
 def shape_of(tile):
-    m, n, k, s = map(int, re.fullmatch(r"(?:solo_|blocked_|persist_|gather_|duo_|async_)?m(\d+)n(\d+)k(\d+)s(\d+)", tile).groups())
+    m, n, k, s = map(int, re.fullmatch(r"(?:blocked_|persist_|duo_|async_)?m(\d+)n(\d+)k(\d+)s(\d+)", tile).groups())
     return m, n, k, s
 
 
@@ -118,7 +118,7 @@ def run_tile(entry, tile, nn, at, bt, c, m, n, k, flags=0):
     vals = dict(m=m, n=n, k=k, lda=k, ldb=(n if nn else k), ldc=n, alpha=1.0, grid_x=gx, k_parts=1, k_part=k, mask_rows=flags)
     blob = C.create_string_buffer(struct.pack("<8If11I", *[vals.get(f, 0) for f in FIELDS]), 80)
     gy = 1 if tile.startswith("persist") else -(-tiles // gx)
-    launch(entry, (gx, gy), 128 * (bm // 64) + (0 if tile.startswith(("solo", "blocked", "persist", "gather", "duo", "async")) else 32),
+    launch(entry, (gx, gy), 128 * (bm // 64) + (0 if tile.startswith(("blocked", "persist", "duo", "async")) else 32),
            [blob, C.c_uint64(at.data_ptr()), C.c_uint64(bt.data_ptr()), C.c_uint64(c.data_ptr())])
 
 
@@ -138,12 +138,6 @@ def operands(tile, nn, a, b, m, n, k):
     bm, bn, bk, _ = shape_of(tile)
     if tile.startswith("async"):
         return a, b  # row-major, as stored today
-    if tile.startswith("gather"):
-        # b is the head [v][d] (k = v, n = d), stored as the logits tiles
-        # store it: 256 rows of v by 16 columns of d, d padded to BN.
-        at = pretile(a, m, k, k, bm, bk, False)
-        bt = pretile(b, k, n, n, 256, 16, False, steps=up(n, bn) // 16)
-        return at, bt
     if tile.startswith("blocked"):
         at = blocked(a, m, k, up(m, bm), up(k, bk))
         bt = blocked(b, k, n, up(k, bk), up(n, bn)) if nn else blocked(b, n, k, up(n, bn), up(k, bk))
@@ -212,10 +206,6 @@ for tile in tiles:
         # (flags 2); the other N-major order reads past shared memory and
         # loses the context.
         choices = ((2,) if nn else (0,)) if tile.startswith("blocked") else (0,)
-        if tile.startswith("gather"):
-            if not nn:
-                continue
-            choices = (0, 1)
         for f in choices:
             if case(tile, nn, 128, 256, 64, f):
                 flags[(tile, nn)] = f

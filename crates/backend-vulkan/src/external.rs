@@ -104,6 +104,7 @@ impl VulkanBackend {
             stream: Mutex::new(stream),
             pipelines: Mutex::new(pipelines),
             ptx: Mutex::new(None),
+            pack: Mutex::new(None),
             device,
         })
     }

@@ -23,6 +23,7 @@
 #![warn(missing_docs)]
 
 mod adapter;
+mod bulk;
 mod command;
 mod conv;
 mod device;
@@ -209,6 +210,8 @@ pub struct VulkanBackend {
     /// The PTX tiles' module: made at open where the GEMM choice names a
     /// PTX tile, else on their first launch (after `use_gemm`).
     pub(crate) ptx: Mutex<Option<nvx::PtxModule>>,
+    /// The bulk PTX tiles' pack buffers, made on their first launch.
+    pub(crate) pack: Mutex<Option<bulk::PackBuffers>>,
     /// Declared last: dropped after the stream, pipelines and module.
     pub(crate) device: Arc<Device>,
 }
@@ -291,6 +294,7 @@ impl VulkanBackend {
             stream: Mutex::new(stream),
             pipelines: Mutex::new(pipelines),
             ptx: Mutex::new(ptx),
+            pack: Mutex::new(None),
             device,
         })
     }

@@ -147,8 +147,10 @@ impl Drop for PtxModule {
 
 impl crate::VulkanBackend {
     /// Records PTX tile `tile`'s GEMM of `layout` on `[a, b, c]` (checked
-    /// by core into `params`), timed under `label`: one block per C tile and
-    /// split-K part, as the SPIR-V tiles place their workgroups.
+    /// by core into `params`), timed under `label`: the copy tiles as one
+    /// launch of a block per C tile and split-K part, as the SPIR-V tiles
+    /// place their workgroups; the bulk tiles through their pack kernels
+    /// (`crate::bulk`).
     pub(crate) fn ptx_dispatch(
         &self,
         tile: headkl_core::WgmmaTile,
@@ -172,30 +174,72 @@ impl crate::VulkanBackend {
         if desc.m == 0 || desc.n == 0 {
             return Ok(());
         }
+        if tile.feed == headkl_core::WgmmaFeed::Bulk {
+            return self.bulk_dispatch(tile, layout, [a, b, c], &params, label);
+        }
         let addresses = [a.device_address()?, b.device_address()?, c.device_address()?];
         let count = desc.workgroups_for_tile(headkl_core::CoopGemm::Wgmma(tile).tile());
         let grid = headkl_core::fold_workgroups(count);
         let params = params.with_grid(grid.0);
+        let launch = PtxLaunch {
+            entry: tile.entry(layout),
+            params: bytemuck::bytes_of(&params),
+            addresses,
+            grid,
+            threads: tile.invocations(),
+        };
+        self.ptx_launch(&what, &launch, &[a.into(), b.into(), c.into()], label)
+    }
+
+    /// Records one launch of an entry point of the PTX module (made here
+    /// on first use; `what` names the tile asking, for errors), in the
+    /// stream, timed under `label`. `bindings` are the buffers `addresses`
+    /// point into.
+    pub(crate) fn ptx_launch(
+        &self,
+        what: &str,
+        launch: &PtxLaunch<'_>,
+        bindings: &[crate::command::Binding],
+        label: &'static str,
+    ) -> Result<()> {
         let mut module = self
             .ptx
             .lock()
             .map_err(|_| backend_error("the PTX module's lock was poisoned by a panic"))?;
         if module.is_none() {
-            *module = Some(PtxModule::new(&self.device, &what)?);
+            *module = Some(PtxModule::new(&self.device, what)?);
         }
         let Some(module) = module.as_mut() else {
             return Err(backend_error(format!("{what}: no PTX module")));
         };
-        let function = module.function(tile.entry(layout))?;
-        let bindings: [crate::command::Binding; 3] = [a.into(), b.into(), c.into()];
-        let bytes = bytemuck::bytes_of(&params);
+        let function = module.function(launch.entry)?;
         let module = &*module;
-        self.stream()?.launch(&bindings, label, |cmd| {
+        self.stream()?.launch(bindings, label, |cmd| {
             // SAFETY: the stream records on this backend's device; the
             // buffers are alive and the stream keeps them referenced until
             // its submission finishes (`compute_uses`, and the engine holds
-            // them across the call).
-            unsafe { module.record(cmd, function, bytes, &addresses, grid, tile.invocations()) }
+            // them across the call; the pack buffers live as long as the
+            // backend).
+            unsafe {
+                module.record(
+                    cmd,
+                    function,
+                    launch.params,
+                    &launch.addresses,
+                    launch.grid,
+                    launch.threads,
+                )
+            }
         })
     }
+}
+
+/// One launch of a PTX entry point: its parameter block, the three buffer
+/// addresses after it, and its grid of `threads`-thread blocks.
+pub(crate) struct PtxLaunch<'a> {
+    pub(crate) entry: &'static str,
+    pub(crate) params: &'a [u8],
+    pub(crate) addresses: [u64; 3],
+    pub(crate) grid: (u32, u32),
+    pub(crate) threads: u32,
 }

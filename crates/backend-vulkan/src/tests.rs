@@ -680,7 +680,11 @@ fn every_catalogue_kernel_compiles_to_spirv() {
     assert_eq!(compiled, 2 * (4 + 8 + 3 * (1 + 19 * 3)));
     // Every GLSL tile, all three GEMMs, and the filtered dx GEMM's GLSL
     // tile beside each PTX tile; the PTX tiles' logits and dx entry points.
-    let ptx_tiles = headkl_core::wgmma_tile::WGMMA_TILES.len();
+    let ptx_tiles = headkl_core::CoopGemm::candidates()
+        .into_iter()
+        .filter(|k| matches!(k, headkl_core::CoopGemm::Wgmma(_)))
+        .count();
+    assert!(ptx_tiles >= 3, "{ptx_tiles} PTX tiles among the candidates");
     assert_eq!(glsl, 3 * headkl_core::glsl_tile::GLSL_TILES.len() + ptx_tiles);
     assert_eq!(ptx, 2 * ptx_tiles);
 }

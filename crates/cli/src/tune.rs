@@ -13,7 +13,9 @@ use std::time::Instant;
 use half::f16;
 use headkl_core::gemm_choice::GEMM_ENV;
 use headkl_core::tune_cache::TuneCache;
-use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout, KernelId, Kernels};
+use headkl_core::{
+    Backend, CoopGemm, GemmChoice, GemmDesc, GemmRowStats, HeadLayout, KernelId, Kernels, RowStats, STATS_GROUP_COLS,
+};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
 
 use crate::environment::Settings;
@@ -113,13 +115,18 @@ pub struct TuneConfig {
     pub ceiling: bool,
 }
 
+/// Rows a timed GEMM takes at a time: the host path's chunk at shape A
+/// under the default budget, so a kernel's per-GEMM cost (the bulk PTX
+/// tiles pack the head each GEMM) counts as often as in a call.
+const TUNE_CHUNK_ROWS: usize = 1024;
+
 /// One kernel's measurements.
 #[derive(Clone, Debug)]
 struct Trial {
     kernel: CoopGemm,
     /// Kernel cases passed / run, or why the kernel could not run.
     outcome: Result<(usize, usize), String>,
-    /// Median GPU ms of the logits and dx GEMMs.
+    /// Mean GPU ms a round of the logits and dx GEMMs.
     logits_ms: Option<f64>,
     dx_ms: Option<f64>,
 }
@@ -193,7 +200,22 @@ impl BackendJob for TrialJob<'_> {
         let x = backend.alloc((m * k * 2) as u64, "tune x").map_err(dev)?;
         let head = backend.alloc((n * k * 2) as u64, "tune head").map_err(dev)?;
         let grad = backend.alloc((m * n * 2) as u64, "tune grad").map_err(dev)?;
-        let logits = backend.alloc((m * n * 4) as u64, "tune logits").map_err(dev)?;
+        // The logits GEMM as head_kl runs it: with the row statistics
+        // (after C), whose epilogue is part of its cost.
+        let groups = n.div_ceil(STATS_GROUP_COLS);
+        let row_stats = GemmRowStats {
+            at: RowStats {
+                offset: m * n,
+                ld: groups.div_ceil(2) * 2,
+                groups,
+            },
+            first_group: 0,
+            cols: n,
+        };
+        let stats_floats = m * row_stats.at.ld * 2;
+        let logits = backend
+            .alloc(((m * n + stats_floats) * 4) as u64, "tune logits")
+            .map_err(dev)?;
         let dx = backend.alloc((m * k * 4) as u64, "tune dx").map_err(dev)?;
         let data = self.data;
         backend.upload(&x, 0, bytemuck::cast_slice(&data.hidden)).map_err(dev)?;
@@ -203,14 +225,40 @@ impl BackendJob for TrialJob<'_> {
         backend
             .upload(&grad, 0, bytemuck::cast_slice(&data.head[..m * n]))
             .map_err(dev)?;
-        let logits_desc = GemmDesc::dense(m, n, k, HeadLayout::Logits);
-        let dx_desc = GemmDesc::dense(m, k, n, HeadLayout::Dx);
+        // Each GEMM as the calls run it: in chunks of rows against the one
+        // head (a kernel that prepares the head per GEMM pays it per chunk).
+        let chunks: Vec<(GemmDesc, GemmDesc)> = (0..m)
+            .step_by(TUNE_CHUNK_ROWS)
+            .map(|start| {
+                let rows = TUNE_CHUNK_ROWS.min(m - start);
+                let logits = GemmDesc {
+                    a_offset: start * k,
+                    c_offset: start * n,
+                    row_stats: Some(GemmRowStats {
+                        at: RowStats {
+                            offset: m * n + start * row_stats.at.ld * 2,
+                            ..row_stats.at
+                        },
+                        ..row_stats
+                    }),
+                    ..GemmDesc::dense(rows, n, k, HeadLayout::Logits)
+                };
+                let dx = GemmDesc {
+                    a_offset: start * n,
+                    c_offset: start * k,
+                    ..GemmDesc::dense(rows, k, n, HeadLayout::Dx)
+                };
+                (logits, dx)
+            })
+            .collect();
         // One untimed call each builds the pipelines and warms the clocks.
         for timed_round in [false, true] {
             let rounds = if timed_round { self.iters } else { 1 };
             for _ in 0..rounds {
-                backend.gemm(&x, &head, &logits, &logits_desc).map_err(dev)?;
-                backend.gemm(&grad, &head, &dx, &dx_desc).map_err(dev)?;
+                for (logits_desc, dx_desc) in &chunks {
+                    backend.gemm(&x, &head, &logits, logits_desc).map_err(dev)?;
+                    backend.gemm(&grad, &head, &dx, dx_desc).map_err(dev)?;
+                }
             }
             backend.finish().map_err(dev)?;
             if !timed_round {
@@ -219,15 +267,17 @@ impl BackendJob for TrialJob<'_> {
         }
         let times = backend.take_kernel_times().map_err(dev)?;
         backend.set_profiling(false);
-        let median_of = |kernel: KernelId| {
+        // A GEMM's time a round: its launches' and, for the bulk PTX
+        // tiles, their packs' (several of each a GEMM), over the rounds.
+        let per_round = |kernel: KernelId| {
             let v: Vec<f64> = times
                 .iter()
-                .filter(|t| t.kernel == kernel.name())
+                .filter(|t| t.kernel == kernel.name() || t.kernel == kernel.pack_label())
                 .map(|t| t.ms)
                 .collect();
-            (!v.is_empty()).then(|| crate::bench::median(&crate::bench::sorted(v)))
+            (!v.is_empty()).then(|| v.iter().sum::<f64>() / self.iters as f64)
         };
-        Ok((outcome, median_of(KernelId::GemmLogits), median_of(KernelId::GemmDx)))
+        Ok((outcome, per_round(KernelId::GemmLogits), per_round(KernelId::GemmDx)))
     }
 }
 
@@ -314,7 +364,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
     }
     let kernels = cfg.kernels.clone().unwrap_or_else(CoopGemm::candidates);
     eprintln!(
-        "tune: {} on {} (driver {}): {} kernels at m:n:k = {shape} ({:.1} GFLOP per GEMM), median of {}",
+        "tune: {} on {} (driver {}): {} kernels at m:n:k = {shape} ({:.1} GFLOP per GEMM, in chunks of {TUNE_CHUNK_ROWS} rows, the logits with its row statistics), mean of {}",
         target.kind,
         info.device_name,
         info.driver,
@@ -411,7 +461,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
         })
         .collect();
     println!(
-        "{} {} (driver {}), m:n:k = {shape}, GPU ms: median of {}, the faster of two rounds for contenders",
+        "{} {} (driver {}), m:n:k = {shape} in chunks of {TUNE_CHUNK_ROWS} rows, GPU ms: mean of {}, the faster of two rounds for contenders",
         target.kind, info.device_name, info.driver, cfg.iters
     );
     print!(

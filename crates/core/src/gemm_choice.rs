@@ -19,7 +19,7 @@ use crate::backend::HeadLayout;
 use crate::error::{Error, Result};
 use crate::glsl_tile::{GlslTile, GLSL_BN, GLSL_SUBGROUP, GLSL_TILES};
 use crate::tune_cache::TuneCache;
-use crate::wgmma_tile::{WgmmaTile, WGMMA_BN, WGMMA_TILES};
+use crate::wgmma_tile::{WgmmaTile, WGMMA_TILES};
 
 /// The environment variable that picks the GEMM kernels.
 pub const GEMM_ENV: &str = "HEADKL_GEMM";
@@ -100,7 +100,7 @@ impl CoopGemm {
             Self::Staged(t) => (t.tile_rows(), 128),
             Self::Direct => (64, 64),
             Self::Glsl(t) => (t.bm, GLSL_BN),
-            Self::Wgmma(t) => (t.bm, WGMMA_BN),
+            Self::Wgmma(t) => (t.bm, t.bn()),
         }
     }
 
@@ -148,8 +148,9 @@ impl CoopGemm {
     }
 
     /// Every kernel `headkl tune` tries, cheapest to build first: the WGSL
-    /// kernels, then the GLSL tiles and the PTX tiles (which a device that
-    /// cannot run them refuses at open: [`CoopGemm::misfit`]).
+    /// kernels, then the GLSL tiles and the PTX copy tiles (which a device
+    /// that cannot run them refuses at open: [`CoopGemm::misfit`]); not the
+    /// PTX bulk tiles (below).
     pub fn candidates() -> Vec<CoopGemm> {
         let mut all = vec![Self::Direct];
         for (stages, prefetch) in [(1, false), (1, true), (2, false)] {
@@ -160,7 +161,16 @@ impl CoopGemm {
             }
         }
         all.extend(GLSL_TILES.map(Self::Glsl));
-        all.extend(WGMMA_TILES.map(Self::Wgmma));
+        // The bulk PTX tiles pack the head every GEMM, a call's every chunk
+        // of rows: faster alone, slower in head_kl at shape A (docs/
+        // PERFORMANCE.md, row 54), and `tune` times neither a call's chunks
+        // of dx nor its split-K parts. `HEADKL_GEMM` can name them.
+        all.extend(
+            WGMMA_TILES
+                .into_iter()
+                .filter(|t| t.feed == crate::WgmmaFeed::Copies)
+                .map(Self::Wgmma),
+        );
         all
     }
 
@@ -711,7 +721,9 @@ mod tests {
         assert_eq!(choice.dx.invocations(32), 128);
         assert_eq!(choice.dx.shared_bytes(), 3 * (64 + 128) * 32 * 2);
         for t in WGMMA_TILES {
-            assert!(CoopGemm::candidates().contains(&CoopGemm::Wgmma(t)), "{t}");
+            let tuned = CoopGemm::candidates().contains(&CoopGemm::Wgmma(t));
+            assert_eq!(tuned, t.feed == crate::WgmmaFeed::Copies, "{t}");
+            assert_eq!(parse(&format!("wgmma:{t}")).unwrap().logits, CoopGemm::Wgmma(t));
         }
         match parse("wgmma:bm64.bk16.s3") {
             Err(Error::InvalidSetting { name, value, reason }) => {
@@ -818,7 +830,8 @@ mod tests {
         assert_eq!(CoopGemm::Staged(t(16, 4, 2)).invocations(32), 256);
         assert_eq!(CoopGemm::Direct.shared_bytes(), 0);
         assert_eq!(t(64, 2, 1).shared_bytes(), 36 << 10);
-        assert_eq!(CoopGemm::candidates().len(), 19 + GLSL_TILES.len() + WGMMA_TILES.len());
+        // The PTX copy tiles; not the bulk ones.
+        assert_eq!(CoopGemm::candidates().len(), 19 + GLSL_TILES.len() + 3);
     }
 
     #[test]

@@ -399,6 +399,16 @@ impl KernelId {
         }
     }
 
+    /// The kernel-time label of a bulk PTX tile's pack launches for this
+    /// GEMM (`crate::wgmma_tile::PackKind`): `gemm_logits_pack` or
+    /// `gemm_dx_pack`; a GEMM's time is its own label's and this one's.
+    pub const fn pack_label(self) -> &'static str {
+        match self {
+            KernelId::GemmLogits => "gemm_logits_pack",
+            _ => "gemm_dx_pack",
+        }
+    }
+
     /// The head layout of a GEMM kernel (`None` for the others).
     pub const fn gemm_layout(self) -> Option<HeadLayout> {
         match self {

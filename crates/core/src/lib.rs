@@ -115,7 +115,7 @@ pub use split::DxSplit;
 pub use terms::{LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
 pub use tune_cache::TuneCache;
 pub use vocab_order::VocabOrder;
-pub use wgmma_tile::WgmmaTile;
+pub use wgmma_tile::{WgmmaFeed, WgmmaTile};
 
 /// The `log` target of the diagnostics a user switches on
 /// (`HEADKL_TRACE`'s phases, `HEADKL_PIPELINE_STATS`' statistics), logged

@@ -60,6 +60,30 @@ pub struct GemmParams {
     pub mask_ld: u32,
 }
 
+/// `shaders/gemm_wgmma.cu`'s pack kernels: `rows` rows (M of A, N of B) by
+/// `kdim` of K, `ld` elements apart, laid out as the bulk tiles' stages
+/// hold them ([`crate::wgmma_tile::PackKind`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct PackParams {
+    /// Rows of the source (M of A, N of B).
+    pub rows: u32,
+    /// Reduction length of the source.
+    pub kdim: u32,
+    /// Elements between the source's rows (K-major) or K-rows (N-major).
+    pub ld: u32,
+    /// Packed tiles along the rows.
+    pub tiles: u32,
+    /// Packed K steps of 16.
+    pub steps: u32,
+    /// Workgroups along x of the (folded) launch grid.
+    pub grid_x: u32,
+    /// Padding to 16-byte blocks.
+    pub pad0: u32,
+    /// Padding to 16-byte blocks.
+    pub pad1: u32,
+}
+
 /// `shaders/sum_parts.wgsl`: a split-K GEMM's partial blocks summed.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -235,6 +259,7 @@ macro_rules! param_block {
 }
 
 param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32, k_parts: u32, k_part: u32, c_part_stride: u32, stats_offset: u32, stats_ld: u32, stats_first: u32, stats_cols: u32, mask_rows: u32, mask_ld: u32);
+param_block!(PackParams: rows: u32, kdim: u32, ld: u32, tiles: u32, steps: u32, grid_x: u32, pad0: u32, pad1: u32);
 param_block!(SumPartsParams: len: u32, parts: u32, part_stride: u32, accumulate: u32, grid_x: u32);
 param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32, stats_offset: u32, stats_ld: u32, stats_groups: u32, filter_eps: f32, mask_off4: u32, mask_ld: u32);
 param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
