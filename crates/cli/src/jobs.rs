@@ -9,7 +9,7 @@ use std::time::Instant;
 use half::{bf16, f16};
 use headkl_core::{
     Backend, Engine, Error as CoreError, Field, HeadData, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput,
-    ResolvedLoss, SliceOptions, TailMode, Teacher, TeacherForm, TopK, TopkOptions,
+    Reduction, ResolvedLoss, SliceOptions, TailMode, Teacher, TeacherForm, TopK, TopkOptions,
 };
 use safetensors::Dtype;
 
@@ -74,6 +74,7 @@ impl Sources<'_> {
                 Some(w) => w.core_error(e),
                 None => CliError::from_core_in_option(e, "--weights"),
             },
+            E::TotalWithReduction { .. } => CliError::from_core_in_option(e, "--reduction"),
             E::TotalNotPositive { .. } => match (self.total_given, self.weights) {
                 (false, Some(w)) => w.error(format!("{e} (every weight is 0; pass --total)")),
                 _ => CliError::from_core_in_option(e, "--total"),
@@ -360,6 +361,11 @@ impl BackendJob for LossJob<'_> {
     }
 }
 
+/// `--reduction`'s value.
+fn parse_reduction(s: &str) -> Result<Reduction, String> {
+    Reduction::from_name(s).ok_or_else(|| format!("`{s}`: expected `mean`, `sum`, `batchmean` or `none`"))
+}
+
 /// The mean loss with six significant digits: the loss is computed from
 /// f16 operands, so further digits are noise.
 pub fn fmt_mean(v: f64) -> String {
@@ -503,9 +509,14 @@ pub struct LossArgs {
     pub gscale: Option<f32>,
     #[command(flatten)]
     pub terms: LossTermArgs,
-    /// The weight the loss averages over [default: Σ w]
+    /// The weight the loss averages over (with --reduction mean) [default: Σ w]
     #[arg(long, allow_negative_numbers = true)]
     pub total: Option<f32>,
+    /// How the per-token losses w_t·L_t reduce, as PyTorch's `reduction`: `mean` (Σ w L / total),
+    /// `sum`, `batchmean` (Σ w L / ntok) or `none` (the output's `loss` tensor per token; the
+    /// printed loss and the gradient are the sum's)
+    #[arg(long, value_name = "R", default_value = "mean", value_parser = parse_reduction)]
+    pub reduction: Reduction,
     #[command(flatten)]
     pub budget: BudgetArg,
     /// Output safetensors file
@@ -611,6 +622,7 @@ pub fn loss(
         temperature: args.temperature,
         weights,
         total: args.total,
+        reduction: args.reduction,
         gscale: args.gscale,
         budget_bytes: args.budget.bytes,
         terms: args.terms.terms(),
@@ -661,6 +673,7 @@ pub fn loss(
     let terms = args.terms.terms();
     let record = LossRecord {
         mean: result.mean,
+        reduction: args.reduction,
         temperature: args.temperature,
         total: resolved.total,
         gscale: resolved.gscale,
@@ -702,7 +715,13 @@ pub fn loss(
         start.elapsed().as_secs_f64(),
         args.out.display()
     );
-    println!("mean loss: {}", fmt_mean(result.mean));
+    match args.reduction {
+        Reduction::None => println!(
+            "sum loss: {} (reduction none: the per-token losses are the output's `loss`)",
+            fmt_mean(result.mean)
+        ),
+        r => println!("{} loss: {}", r.name(), fmt_mean(result.mean)),
+    }
     if let Some(f) = result.filter {
         let norm = result.dx.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
         println!(

@@ -267,8 +267,10 @@ pub fn check_teacher(
 
 /// What `loss` records about its output.
 pub struct LossRecord<'a> {
-    /// The mean loss `Σ w_t L_t / total`, at full precision.
+    /// The loss `Σ w_t L_t / total`, at full precision.
     pub mean: f64,
+    /// How the per-token losses reduced (it set `total`).
+    pub reduction: headkl_core::Reduction,
     /// Temperature.
     pub temperature: f32,
     /// The weight the mean averages over (given or `Σ w`).
@@ -312,6 +314,7 @@ impl LossRecord<'_> {
         );
         // f64's Display is the shortest string that reads back the same.
         m.insert("headkl.mean".into(), self.mean.to_string());
+        m.insert("headkl.reduction".into(), self.reduction.name().to_string());
         m.insert("headkl.temperature".into(), self.temperature.to_string());
         m.insert("headkl.total".into(), self.total.to_string());
         m.insert("headkl.gscale".into(), self.gscale.to_string());

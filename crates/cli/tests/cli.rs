@@ -738,6 +738,86 @@ fn loss_matches_direct_with_weights() {
     assert!(grad[HS..2 * HS].iter().all(|&g| g == 0.0));
 }
 
+/// `--reduction sum` and `batchmean` print the weighted sum of the
+/// per-token losses over 1 and over ntok, and scale the gradient with it
+/// (against the mean's, same weights); `none` prints the sum too. A total
+/// beside a reduction other than the mean, or an unknown reduction, is
+/// exit 2 naming `--reduction`.
+#[test]
+fn loss_reductions_set_the_denominator() {
+    let f = Fixture::new("reduction");
+    let weights = [1.0f32, 0.0, 2.0, 0.5, 1.0];
+    let sum_w: f64 = weights.iter().map(|&w| f64::from(w)).sum();
+    write_st(
+        &f.path("w.safetensors"),
+        &[T("weights", Dtype::F32, vec![NTOK], f32s(&weights))],
+    );
+    let run = |reduction: &str, prefix: &str| {
+        let o = f.loss(
+            "teacher.safetensors",
+            &["--weights", f.s("w.safetensors"), "--reduction", reduction],
+        );
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        let value: f64 = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} in stdout: {stdout}"))
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let bytes = fs::read(f.path("out.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let meta = metadata(&f.path("out.safetensors"));
+        assert_eq!(meta.get("headkl.reduction").map(String::as_str), Some(reduction));
+        (value, tensor_f32(&st, "grad"), tensor_f32(&st, "loss"))
+    };
+    let (mean, grad_mean, per_token) = run("mean", "mean loss: ");
+    let weighted: f64 = per_token
+        .iter()
+        .zip(&weights)
+        .map(|(&l, &w)| f64::from(l) * f64::from(w))
+        .sum();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs().max(1e-3);
+    assert!(
+        close(mean * sum_w, weighted),
+        "mean {mean} · Σw {sum_w} against Σ w·L {weighted}"
+    );
+    for (reduction, prefix, over) in [
+        ("sum", "sum loss: ", 1.0),
+        ("batchmean", "batchmean loss: ", NTOK as f64),
+        ("none", "sum loss: ", 1.0),
+    ] {
+        let (value, grad, _) = run(reduction, prefix);
+        assert!(
+            close(value, weighted / over),
+            "{reduction}: {value}, want {}",
+            weighted / over
+        );
+        // dx scales as the loss does.
+        let factor = sum_w / over;
+        for (g, m) in grad.iter().zip(&grad_mean) {
+            let want = f64::from(*m) * factor;
+            assert!(
+                (f64::from(*g) - want).abs() <= 1e-3 * want.abs().max(1e-6),
+                "{reduction}: dx {g}, want {want}"
+            );
+        }
+    }
+    let o = f.loss("teacher.safetensors", &["--reduction", "sum", "--total", "2"]);
+    assert_input_error(&o, &["--reduction", "total = 2", "sum"]);
+    // clap's own refusal: exit 2, the option and the values named.
+    let o = f.loss("teacher.safetensors", &["--reduction", "elementwise"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--reduction") && stderr(&o).contains("batchmean"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 /// The stored-teacher round trip of the README: `topk --logprobs` on the
 /// teacher's hidden rows, then `loss --teacher-form logprobs --tail bucket
 /// --labels … --hard-weight 0.5 --softcap 30 --z-loss 1e-4` for the student,

@@ -118,6 +118,14 @@ pub enum Error {
         /// The value.
         value: f32,
     },
+    /// A `total` with a reduction other than the mean, which sets its own.
+    #[error("total = {value} with reduction = {reduction}: a total is the mean's denominator (reduction = mean)")]
+    TotalWithReduction {
+        /// The reduction's name.
+        reduction: &'static str,
+        /// The total given.
+        value: f32,
+    },
     /// `total` is not positive and finite (also: every weight is 0 and no
     /// total was given).
     #[error("total = {value}: must be positive and finite")]
@@ -538,6 +546,7 @@ impl Error {
             | E::NegativeWeight { .. }
             | E::NonFiniteWeight { .. }
             | E::TotalNotPositive { .. }
+            | E::TotalWithReduction { .. }
             | E::InvalidTemperature { .. }
             | E::InvalidFilterEps { .. }
             | E::InvalidVocabOrder { .. }

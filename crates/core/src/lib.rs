@@ -101,7 +101,8 @@ pub use head_planes::DevicePlane;
 pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
 pub use launch::{Checked, Kernels, Launch};
 pub use problem::{
-    check_k, Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES, MAX_K,
+    check_k, Hidden, HiddenData, LossOptions, Reduction, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES,
+    MAX_K,
 };
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident::{

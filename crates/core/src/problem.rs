@@ -386,6 +386,60 @@ pub(crate) fn check_gscale(gscale: f32) -> Result<f32> {
     }
 }
 
+/// How the per-token losses `w_t·L_t` reduce to the call's loss, as
+/// PyTorch's `reduction` argument; dx is always the reduced loss's
+/// gradient.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Reduction {
+    /// `Σ w_t L_t / total`, `total` the caller's or `Σ w_t`:
+    /// `F.cross_entropy`'s mean, the weights a mask.
+    #[default]
+    Mean,
+    /// `Σ w_t L_t`.
+    Sum,
+    /// `Σ w_t L_t / ntok`: `F.kl_div(…, reduction="batchmean")` over
+    /// `[ntok, V]` rows (its `"mean"` is this over `V` more).
+    BatchMean,
+    /// The per-token losses themselves ([`crate::LossOutput::loss`]); the
+    /// call's loss and dx are the sum's, as autograd gives them from a
+    /// gradient of ones.
+    None,
+}
+
+impl Reduction {
+    /// Every reduction, by name.
+    pub const ALL: [Reduction; 4] = [Self::Mean, Self::Sum, Self::BatchMean, Self::None];
+
+    /// PyTorch's name: `mean`, `sum`, `batchmean` or `none`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Mean => "mean",
+            Self::Sum => "sum",
+            Self::BatchMean => "batchmean",
+            Self::None => "none",
+        }
+    }
+
+    /// The reduction named `name`, if there is one.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// The total the weighted sum divides by over `ntok` tokens: the
+    /// caller's `given` total (mean only) or, `None`, the weights' sum.
+    pub(crate) fn total(self, given: Option<f32>, ntok: usize) -> Result<Option<f32>> {
+        match (self, given) {
+            (Self::Mean, given) => Ok(given),
+            (reduction, Some(value)) => Err(Error::TotalWithReduction {
+                reduction: reduction.name(),
+                value,
+            }),
+            (Self::Sum | Self::None, None) => Ok(Some(1.0)),
+            (Self::BatchMean, None) => Ok(Some(ntok as f32)),
+        }
+    }
+}
+
 /// Options of `head_kl`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LossOptions {
@@ -393,8 +447,11 @@ pub struct LossOptions {
     pub temperature: f32,
     /// Per-token weights `w_t ≥ 0` (0 masks a token); `None` means all 1.
     pub weights: Option<Vec<f32>>,
-    /// The weight the step averages over; `None` means `Σ w_t`.
+    /// The weight the step averages over; `None` means `Σ w_t`. Only with
+    /// [`Reduction::Mean`].
     pub total: Option<f32>,
+    /// How the per-token losses reduce (default: the mean).
+    pub reduction: Reduction,
     /// Scale of the f16 gradient; `None` means `2^14 · total / max_t w_t`,
     /// divided by [`LossTerms::grad_bound`] when the hard term is on.
     pub gscale: Option<f32>,
@@ -424,6 +481,7 @@ impl Default for LossOptions {
             temperature: 1.0,
             weights: None,
             total: None,
+            reduction: Reduction::Mean,
             gscale: None,
             budget_bytes: DEFAULT_BUDGET_BYTES,
             max_rows_per_chunk: None,
@@ -515,7 +573,7 @@ impl LossOptions {
                 w.clone()
             }
         };
-        let total = match self.total {
+        let total = match self.reduction.total(self.total, ntok)? {
             Some(t) => t,
             None => weights.iter().map(|&w| f64::from(w)).sum::<f64>() as f32,
         };
@@ -594,5 +652,42 @@ impl TopkOptions {
             return Err(Error::BudgetZero);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each reduction's total, from the weights and the token count alone;
+    /// a total given beside a reduction other than the mean is refused.
+    #[test]
+    fn reductions_set_the_total() {
+        let opts = |reduction, total| LossOptions {
+            weights: Some(vec![0.5, 0.0, 2.0, 1.0]),
+            total,
+            reduction,
+            ..LossOptions::default()
+        };
+        let total = |reduction, given| opts(reduction, given).resolve(4).map(|r| r.total);
+        assert_eq!(total(Reduction::Mean, None), Ok(3.5));
+        assert_eq!(total(Reduction::Mean, Some(7.0)), Ok(7.0));
+        assert_eq!(total(Reduction::Sum, None), Ok(1.0));
+        assert_eq!(total(Reduction::None, None), Ok(1.0));
+        assert_eq!(total(Reduction::BatchMean, None), Ok(4.0));
+        assert_eq!(
+            total(Reduction::Sum, Some(2.0)),
+            Err(Error::TotalWithReduction {
+                reduction: "sum",
+                value: 2.0
+            })
+        );
+        // The per-token coefficient is gscale·w/total.
+        let r = opts(Reduction::Sum, None).resolve(4).unwrap();
+        assert_eq!(r.coef[2], r.gscale * 2.0);
+        for reduction in Reduction::ALL {
+            assert_eq!(Reduction::from_name(reduction.name()), Some(reduction));
+        }
+        assert_eq!(Reduction::from_name("elementwise_mean"), None);
     }
 }

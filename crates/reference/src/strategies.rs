@@ -30,8 +30,8 @@ use std::fmt;
 
 use half::f16;
 use headkl_core::{
-    Error, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, Result, SliceOptions, TailMode, Teacher, TeacherForm,
-    TopkOptions, MAX_K,
+    Error, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, Reduction, Result, SliceOptions, TailMode, Teacher,
+    TeacherForm, TopkOptions, MAX_K,
 };
 
 /// Largest `V·hs·ntok` a drawn case has: the f64 reference and lavapipe each
@@ -158,6 +158,8 @@ pub struct Case {
     pub terms: LossTerms,
     /// Labels `[ntok]` of the hard term (`head_kl`; negative: none).
     pub labels: Option<Vec<i64>>,
+    /// How the per-token losses reduce (`head_kl`).
+    pub reduction: Reduction,
 }
 
 impl Case {
@@ -177,6 +179,9 @@ impl Case {
         }
         if let Some(r) = self.max_rows_per_chunk {
             s.push_str(&format!(" chunk<={r}"));
+        }
+        if self.reduction != Reduction::Mean {
+            s.push_str(&format!(" reduction={}", self.reduction.name()));
         }
         if self.kind == CaseKind::HeadKl
             && (self.terms != LossTerms::default() || self.tail != TailMode::Renormalize || self.labels.is_some())
@@ -247,6 +252,7 @@ impl Case {
             max_rows_per_chunk: self.max_rows_per_chunk,
             terms: self.terms,
             labels: self.labels.clone(),
+            reduction: self.reduction,
             ..LossOptions::default()
         }
     }
@@ -490,6 +496,7 @@ fn build(p: &CaseParams) -> Case {
         tail: TailMode::Renormalize,
         terms: LossTerms::default(),
         labels: None,
+        reduction: Reduction::Mean,
     }
 }
 

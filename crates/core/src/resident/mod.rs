@@ -109,8 +109,10 @@ pub struct DeviceLossOptions<'a, Buf> {
     /// Per-token weights f32 `[ntok]` on the device; `None`: all 1.
     pub weights: Option<&'a Buf>,
     /// The weight the step averages over; `None`: `Σ w_t`, summed on the
-    /// device.
+    /// device. Only with [`crate::Reduction::Mean`].
     pub total: Option<f32>,
+    /// How the per-token losses reduce (default: the mean).
+    pub reduction: crate::Reduction,
     /// Scale of the f16 gradient; `None`: `2^14 · total / max_t w_t`, on
     /// the device.
     pub gscale: Option<f32>,
@@ -145,6 +147,7 @@ impl<Buf> Default for DeviceLossOptions<'_, Buf> {
             temperature: 1.0,
             weights: None,
             total: None,
+            reduction: crate::Reduction::Mean,
             gscale: None,
             accumulate_dx: false,
             budget_bytes: DEFAULT_BUDGET_BYTES,
@@ -442,7 +445,7 @@ impl<B: ResidentBackend> Engine<B> {
             opts.labels.is_some(),
             opts.filter_eps,
         )?;
-        opts.total.map(check_total).transpose()?;
+        opts.reduction.total(opts.total, ntok)?.map(check_total).transpose()?;
         opts.gscale.map(check_gscale).transpose()?;
         Ok(())
     }
@@ -575,7 +578,7 @@ impl<B: ResidentBackend> Engine<B> {
             desc: WeightStatsDesc {
                 rows: ntok,
                 has_weights: opts.weights.is_some(),
-                total: opts.total,
+                total: opts.reduction.total(opts.total, ntok)?,
                 gscale: opts.gscale,
                 temperature: opts.temperature,
                 grad_bound: opts.terms.grad_bound(opts.temperature),

@@ -328,7 +328,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
                 desc: WeightStatsDesc {
                     rows: ntok,
                     has_weights: opts.weights.is_some(),
-                    total: opts.total,
+                    total: opts.reduction.total(opts.total, ntok)?,
                     gscale: opts.gscale,
                     temperature,
                     grad_bound: opts.terms.grad_bound(temperature),

@@ -205,6 +205,8 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "terms_hard_smoothing_head_kl",
         "terms_z_loss_head_kl",
         "terms_logit_scale_head_kl",
+        "reduction_sum_masked_head_kl",
+        "reduction_batchmean_chunks_head_kl",
         "terms_everything_slices_chunks_head_kl",
         "no_row_stats_slices_chunks_head_kl",
         "tapered_chunks_head_kl",
@@ -511,6 +513,28 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
                 ..LossTerms::default()
             };
             plain(with_terms(case, TeacherForm::Probs, TailMode::Renormalize, terms))
+        }
+        // PyTorch's reductions set the total: 1 for the sum (and none),
+        // ntok for batchmean, whatever the weights.
+        "reduction_sum_masked_head_kl" => {
+            let mut case = Case::from_params(&CaseParams {
+                masked: true,
+                ..params(HeadKl, 300, 32, 19, 6, 48)
+            });
+            case.reduction = headkl_core::Reduction::Sum;
+            plain(case)
+        }
+        "reduction_batchmean_chunks_head_kl" => {
+            let mut case = Case::from_params(&CaseParams {
+                masked: true,
+                temperature: 2.0,
+                max_rows_per_chunk: Some(16),
+                ..params(HeadKl, 420, 24, 37, 5, 49)
+            });
+            case.reduction = headkl_core::Reduction::BatchMean;
+            let mut r = plain(case);
+            r.min_chunks = 2;
+            r
         }
         "terms_everything_slices_chunks_head_kl" => {
             let case = Case::from_params(&CaseParams {

@@ -166,6 +166,7 @@ impl<Buf> HeadKlBuffers<Buf> {
             tail: case.tail,
             terms: case.terms,
             labels: self.labels.as_ref(),
+            reduction: case.reduction,
             terms_out: Some(&self.terms_out),
             ..DeviceLossOptions::default()
         }
@@ -778,6 +779,8 @@ pub(crate) const RESIDENT_TERM_CASES: &[&str] = &[
     "terms_z_loss_head_kl",
     "terms_logit_scale_head_kl",
     "terms_everything_slices_chunks_head_kl",
+    "reduction_sum_masked_head_kl",
+    "reduction_batchmean_chunks_head_kl",
 ];
 
 /// Cases [`run_resident`] runs for `cfg`.
