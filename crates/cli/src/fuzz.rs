@@ -596,6 +596,7 @@ fn teacher_seeds() -> Vec<(String, Vec<u8>)> {
         ntok: FIXTURE_NTOK,
         renormalized,
         softcap: None,
+        logit_scale: 1.0,
         head: head.clone(),
     };
     let ids: Vec<i64> = (0..FIXTURE_NTOK * FIXTURE_K)

@@ -413,6 +413,7 @@ pub fn topk(
         temperature,
         budget_bytes: budget,
         softcap: extra.softcap,
+        logit_scale: extra.logit_scale,
         logprobs: extra.logprobs,
         ..TopkOptions::new(k)
     };
@@ -455,6 +456,7 @@ pub fn topk(
         ntok,
         renormalized: true,
         softcap: extra.softcap,
+        logit_scale: extra.logit_scale,
         head: head_t.identity(),
     };
     let mut tensors = vec![

@@ -116,6 +116,10 @@ pub struct TeacherRecord {
     /// The logit softcap the logits were capped with, if any (`None`: no
     /// softcap; recorded as `none`).
     pub softcap: Option<f32>,
+    /// The logit scale S the logits were made with (`z = S·x·Wᵀ`; a file
+    /// without the key was made at 1). The teacher's own: a student's
+    /// `--logit-scale` need not match it.
+    pub logit_scale: f32,
     /// The head.
     pub head: HeadIdentity,
 }
@@ -140,6 +144,7 @@ impl TeacherRecord {
         m.insert("headkl.ntok".into(), self.ntok.to_string());
         m.insert("headkl.renormalized".into(), self.renormalized.to_string());
         m.insert("headkl.softcap".into(), fmt_softcap(self.softcap));
+        m.insert("headkl.logit_scale".into(), self.logit_scale.to_string());
         self.head.write(&mut m);
         m
     }
@@ -170,6 +175,10 @@ impl TeacherRecord {
             Err(_) | Ok("none") => None,
             Ok(v) => Some(parse("headkl.softcap", v)?),
         };
+        let logit_scale = match get("headkl.logit_scale") {
+            Err(_) => 1.0,
+            Ok(v) => parse("headkl.logit_scale", v)?,
+        };
         Ok(Some(Self {
             temperature: parse("headkl.temperature", get("headkl.temperature")?)?,
             k: parse("headkl.k", get("headkl.k")?)?,
@@ -178,6 +187,7 @@ impl TeacherRecord {
             ntok: parse("headkl.ntok", get("headkl.ntok")?)?,
             renormalized: parse("headkl.renormalized", get("headkl.renormalized")?)?,
             softcap,
+            logit_scale,
             head: HeadIdentity {
                 file: get("headkl.head.file")?.to_string(),
                 tensor: get("headkl.head.tensor")?.to_string(),
@@ -357,6 +367,7 @@ mod tests {
             ntok: 5,
             renormalized: true,
             softcap: None,
+            logit_scale: 1.0,
             head: HeadIdentity::of(Path::new("head.safetensors"), "weight", &[1, 2, 3]),
         }
     }
@@ -384,12 +395,17 @@ mod tests {
         assert_eq!(TeacherRecord::from_metadata(Some(&m)), Ok(Some(r.clone())));
         let capped = TeacherRecord {
             softcap: Some(30.0),
-            ..r
+            logit_scale: 0.125,
+            ..r.clone()
         };
         assert_eq!(
             TeacherRecord::from_metadata(Some(&capped.to_metadata())),
             Ok(Some(capped))
         );
+        // A file from before the key: made at S = 1.
+        let mut older = r.to_metadata();
+        older.remove("headkl.logit_scale");
+        assert_eq!(TeacherRecord::from_metadata(Some(&older)), Ok(Some(r.clone())));
         assert_eq!(TeacherRecord::from_metadata(None), Ok(None));
         assert_eq!(TeacherRecord::from_metadata(Some(&HashMap::new())), Ok(None));
     }

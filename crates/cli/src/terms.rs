@@ -77,6 +77,9 @@ pub struct TopkTermArgs {
     /// Logit softcap c: values from c·tanh(z/c) before τ (> 0) [default: none]
     #[arg(long, allow_negative_numbers = true)]
     pub softcap: Option<f32>,
+    /// Logit scale S: z = S·x·Wᵀ before the softcap and τ (> 0), as the teacher model scales its logits
+    #[arg(long, value_name = "S", default_value_t = 1.0, allow_negative_numbers = true)]
+    pub logit_scale: f32,
 }
 
 /// The command-line option that sets a core option `field`.

@@ -694,6 +694,48 @@ fn topk_matches_direct() {
     Tolerance::default().check_topk(&ids, &probs, &want).unwrap();
 }
 
+/// `topk --logit-scale 2 --temperature 1.6` is the top-k of 2·z/1.6, the
+/// reference's at τ = 0.8, and the file records the scale; a scale that is
+/// not positive is exit 2 naming `--logit-scale`.
+#[test]
+fn topk_logit_scale_matches_direct() {
+    let f = Fixture::new("topk-scale");
+    let out = f.path("top.safetensors");
+    let run = |scale: &str| {
+        headkl(&[
+            "topk",
+            "--backend",
+            "reference",
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("hidden.safetensors"),
+            "-k",
+            "7",
+            "--temperature",
+            "1.6",
+            "--logit-scale",
+            scale,
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let o = run("2");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = fs::read(&out).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let ids: Vec<i64> = pod_vec(st.tensor("ids").unwrap().data());
+    let ids: Vec<u32> = ids.iter().map(|&i| u32::try_from(i).unwrap()).collect();
+    let probs = tensor_f32(&st, "probs");
+    let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
+    let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
+    Tolerance::default()
+        .check_topk(&ids, &probs, &topk_f64(&head, &hidden, 7, 0.8))
+        .unwrap();
+    assert_eq!(metadata(&out).get("headkl.logit_scale").map(String::as_str), Some("2"));
+    assert_input_error(&run("0"), &["--logit-scale", "logit_scale = 0"]);
+}
+
 #[test]
 fn loss_matches_direct_with_weights() {
     let f = Fixture::new("loss");

@@ -670,14 +670,8 @@ impl<B: Backend> Engine<B> {
         for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
             let x16 = s.x16_for(chunk);
             self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
-            self.head.logits(
-                b,
-                x16,
-                &s.logits,
-                round_up(rows, ALIGN),
-                Scaling::top_k(opts.temperature),
-                None,
-            )?;
+            self.head
+                .logits(b, x16, &s.logits, round_up(rows, ALIGN), Scaling::top_k(opts), None)?;
             let desc = TopkDesc {
                 cap: opts.softcap.map(|c| c / opts.temperature),
                 logprobs: opts.logprobs,

@@ -179,7 +179,7 @@ pub enum Error {
     #[error("{field} = {value}: {reason}")]
     InvalidLossOption {
         /// The option (`hard_weight`, `soft_weight`, `label_smoothing`,
-        /// `z_loss`, `softcap`).
+        /// `z_loss`, `softcap`, `logit_scale`).
         field: &'static str,
         /// Its value.
         value: f32,

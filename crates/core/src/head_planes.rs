@@ -39,18 +39,19 @@ const HEAD_UPLOAD_BYTES: usize = 64 << 20;
 pub(crate) struct Scaling {
     /// Temperature τ.
     pub temperature: f32,
-    /// Logit scale S ([`crate::LossTerms::logit_scale`]; 1 for top-k).
+    /// Logit scale S ([`crate::LossTerms::logit_scale`],
+    /// [`crate::TopkOptions::logit_scale`]).
     pub logit_scale: f32,
     /// The host paths' gradient scale, folded into dx's alpha.
     pub host_gscale: Option<f32>,
 }
 
 impl Scaling {
-    /// Top-k's: z/τ, no logit scale, no gradient.
-    pub(crate) fn top_k(temperature: f32) -> Self {
+    /// Top-k's: z/τ with z = S·x·Wᵀ, no gradient.
+    pub(crate) fn top_k(opts: &crate::TopkOptions) -> Self {
         Self {
-            temperature,
-            logit_scale: 1.0,
+            temperature: opts.temperature,
+            logit_scale: opts.logit_scale,
             host_gscale: None,
         }
     }

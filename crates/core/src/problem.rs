@@ -621,6 +621,9 @@ pub struct TopkOptions {
     pub max_rows_per_chunk: Option<usize>,
     /// The logit softcap `c` (`c·tanh(z/c)` before τ; default none).
     pub softcap: Option<f32>,
+    /// Logit scale S: z = S·x·Wᵀ before the softcap and τ (default 1), as
+    /// [`LossTerms::logit_scale`] for the loss.
+    pub logit_scale: f32,
     /// Also return the k log-probabilities over the full vocabulary at τ
     /// ([`crate::TopK::logprobs`]), as a stored teacher would be.
     pub logprobs: bool,
@@ -635,6 +638,7 @@ impl TopkOptions {
             budget_bytes: DEFAULT_BUDGET_BYTES,
             max_rows_per_chunk: None,
             softcap: None,
+            logit_scale: 1.0,
             logprobs: false,
         }
     }
@@ -645,6 +649,7 @@ impl TopkOptions {
         check_temperature(self.temperature)?;
         LossTerms {
             softcap: self.softcap,
+            logit_scale: self.logit_scale,
             ..LossTerms::default()
         }
         .check()?;

@@ -180,6 +180,9 @@ impl Case {
         if let Some(r) = self.max_rows_per_chunk {
             s.push_str(&format!(" chunk<={r}"));
         }
+        if self.kind == CaseKind::Topk && self.terms.logit_scale != 1.0 {
+            s.push_str(&format!(" logit_scale={}", self.terms.logit_scale));
+        }
         if self.reduction != Reduction::Mean {
             s.push_str(&format!(" reduction={}", self.reduction.name()));
         }
@@ -262,8 +265,15 @@ impl Case {
         TopkOptions {
             temperature: self.temperature,
             max_rows_per_chunk: self.max_rows_per_chunk,
+            logit_scale: self.terms.logit_scale,
             ..TopkOptions::new(self.k)
         }
+    }
+
+    /// The temperature the f64 reference's top-k takes for this case: with
+    /// no softcap, softmax(S·z/τ) is softmax(z/(τ/S)).
+    pub fn topk_temperature(&self) -> f32 {
+        self.temperature / self.terms.logit_scale
     }
 
     /// Checks the case's own consistency (lengths, `k ≤ min(V, 2048)`).

@@ -348,9 +348,10 @@ fn tail_modes_agree_on_a_full_teacher_and_a_wide_cap_is_no_cap() {
     }
 }
 
-/// `topk` with `logprobs` and a softcap: the log-probabilities over the full
-/// vocabulary of the capped logits at τ, and the softmax over the k of the
-/// same, as `torch.log_softmax(c·tanh(z/c)/τ)` gathered at the top ids.
+/// `topk` with `logprobs`, a softcap and a logit scale: the log-probabilities
+/// over the full vocabulary of the capped scaled logits at τ, and the softmax
+/// over the k of the same, as `torch.log_softmax(c·tanh(S·z/c)/τ)` gathered
+/// at the top ids.
 #[test]
 fn topk_logprobs_are_the_full_log_softmax_of_the_capped_logits() {
     use headkl_core::{Engine, SliceOptions, TopkOptions};
@@ -360,11 +361,12 @@ fn topk_logprobs_are_the_full_log_softmax_of_the_capped_logits() {
     let x: Vec<f32> = (0..ntok * hs).map(|i| f16_exact(i, 22)).collect();
     let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).unwrap();
     let hidden = Hidden::f32(&x, ntok, hs).unwrap();
-    let (cap, tau) = (2.5f32, 1.5f32);
+    let (cap, tau, scale) = (2.5f32, 1.5f32, 1.25f32);
     let mut engine = Engine::new(CpuBackend::new(), &head, SliceOptions::default()).unwrap();
     let opts = TopkOptions {
         temperature: tau,
         softcap: Some(cap),
+        logit_scale: scale,
         logprobs: true,
         ..TopkOptions::new(k)
     };
@@ -374,7 +376,7 @@ fn topk_logprobs_are_the_full_log_softmax_of_the_capped_logits() {
     for t in 0..ntok {
         let u: Vec<f64> = z[t * vocab..(t + 1) * vocab]
             .iter()
-            .map(|&v| f64::from(cap) * (v / f64::from(cap)).tanh() / f64::from(tau))
+            .map(|&v| f64::from(cap) * (f64::from(scale) * v / f64::from(cap)).tanh() / f64::from(tau))
             .collect();
         let lp = log_softmax(&u);
         let ids = &top.ids[t * k..(t + 1) * k];

@@ -734,7 +734,7 @@ impl<B: ResidentBackend> Engine<B> {
     ) -> Result<()> {
         let k = opts.k;
         for (start, rows) in plan.ranges(ntok) {
-            self.resident_logits(s, hidden, (start, rows), Scaling::top_k(opts.temperature), None)?;
+            self.resident_logits(s, hidden, (start, rows), Scaling::top_k(opts), None)?;
             // As the host path's: the softcap at τ, and log-probabilities
             // over the full vocabulary where asked for.
             let desc = TopkDesc {

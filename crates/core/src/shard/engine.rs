@@ -543,7 +543,7 @@ impl<B: Backend> ShardEngine<B> {
         let (input, rows_s, loss_s) =
             self.engine
                 .begin_loss_call((Job::Loss, &sizes), (plan.rows_per_chunk, k_s), hidden.data())?;
-        let result = self.topk_chunks(&plan, (&input, &rows_s, &loss_s), ntok, k_s, opts.temperature);
+        let result = self.topk_chunks(&plan, (&input, &rows_s, &loss_s), ntok, k_s, Scaling::top_k(opts));
         self.engine.end_host_call(rows_s, Some(loss_s), input);
         let (ids, logits, lse) = result?;
         Ok(TopkPartials {
@@ -563,7 +563,7 @@ impl<B: Backend> ShardEngine<B> {
         (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
         ntok: usize,
         k_s: usize,
-        temperature: f32,
+        scaling: Scaling,
     ) -> Result<(Vec<u32>, Vec<f32>, Vec<f32>)> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let v0 = self.shard.v0() as u32;
@@ -600,7 +600,7 @@ impl<B: Backend> ShardEngine<B> {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
             h.load_hidden(b, input, x16, (chunk, start, rows))?;
-            h.logits(b, x16, &s.logits, rows_padded, Scaling::top_k(temperature), None)?;
+            h.logits(b, x16, &s.logits, rows_padded, scaling, None)?;
             // Log-probabilities over the shard: with its lse, the logits.
             let desc = TopkDesc {
                 logprobs: true,

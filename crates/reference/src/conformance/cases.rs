@@ -91,7 +91,7 @@ fn compare_with<B: Backend>(
                     out.ntok, out.k, case.ntok, case.k
                 ));
             }
-            let want = direct::topk_f64(&head, &hidden, case.k, case.temperature);
+            let want = direct::topk_f64(&head, &hidden, case.k, case.topk_temperature());
             let prob = tol.check_topk(&out.ids, &out.probs, &want).map_err(|e| e.to_string())?;
             Ok(Measured {
                 prob: Some(prob),
@@ -207,6 +207,7 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "terms_logit_scale_head_kl",
         "reduction_sum_masked_head_kl",
         "reduction_batchmean_chunks_head_kl",
+        "logit_scale_chunks_topk",
         "terms_everything_slices_chunks_head_kl",
         "no_row_stats_slices_chunks_head_kl",
         "tapered_chunks_head_kl",
@@ -535,6 +536,16 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
             let mut r = plain(case);
             r.min_chunks = 2;
             r
+        }
+        // A teacher whose logits are scaled: top-k at S·z/τ.
+        "logit_scale_chunks_topk" => {
+            let mut case = Case::from_params(&CaseParams {
+                temperature: 1.25,
+                max_rows_per_chunk: Some(16),
+                ..params(Topk, 520, 32, 35, 9, 50)
+            });
+            case.terms.logit_scale = 1.6;
+            plain(case)
         }
         "terms_everything_slices_chunks_head_kl" => {
             let case = Case::from_params(&CaseParams {

@@ -291,7 +291,7 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
                 .download(&ids, 0, bytemuck::cast_slice_mut(&mut got_ids))
                 .map_err(|e| format!("download: {e}"))?;
             let got_probs = download_f32(backend, &probs, ntok * k)?;
-            let want = direct::topk_f64(&head, &host_hidden, k, case.temperature);
+            let want = direct::topk_f64(&head, &host_hidden, k, case.topk_temperature());
             let prob = tol
                 .check_topk(&got_ids, &got_probs, &want)
                 .map_err(|e| format!("resident vs reference: {e}"))?;
@@ -781,6 +781,7 @@ pub(crate) const RESIDENT_TERM_CASES: &[&str] = &[
     "terms_everything_slices_chunks_head_kl",
     "reduction_sum_masked_head_kl",
     "reduction_batchmean_chunks_head_kl",
+    "logit_scale_chunks_topk",
 ];
 
 /// Cases [`run_resident`] runs for `cfg`.
