@@ -6,8 +6,12 @@
 #
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
-# [bench] [dxsplit] [filter] [wgmma] [anchors] [peers] [cublas] [twin] [soak]
-# (default: all but tune, dxsplit, filter, wgmma, peers, twin and soak).
+# [bench] [dxsplit] [filter] [wgmma] [divergence] [anchors] [peers] [cublas]
+# [twin] [soak] (default: all but tune, dxsplit, filter, wgmma, divergence,
+# peers, twin and soak).
+# `divergence` times head_kl with each divergence (bench --divergence
+# forward, reverse, jsd at β 0.5) at each shape of SHAPES, host and
+# resident, then Liger's fused linear KL and JSD (peers.py) in the same call.
 # `soak` runs `headkl soak` (SOAK_CALLS calls a path, default 10000, at
 # SOAK_SHAPE, default S) on each of SOAK_BACKENDS (default "vulkan wgpu"):
 # memory flat and results bit-identical on the host and resident paths,
@@ -208,6 +212,19 @@ LIST
             grep -E "^vulkan |gemm_(logits|dx)" "$log" | tee -a "$summary"
         done
     done
+fi
+if has divergence; then
+    for shape in $shapes; do
+        for divergence in forward reverse jsd; do
+            log="$out/bench-divergence-$shape-$divergence.txt"
+            $headkl $quiet bench --backend vulkan --shape $shape --iters 5 --warmup 1 --resident \
+                --divergence $divergence --json "${log%.txt}.json" >"$log" 2>&1
+            echo "bench divergence $shape $divergence exit=$?" | tee -a "$summary"
+            grep -E "^vulkan " "$log" | tee -a "$summary"
+        done
+    done
+    PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" --variants liger_kl,liger_jsd \
+        2>&1 | tee "$out/peers-divergence.txt" | grep -v Warning | tee -a "$summary"
 fi
 if has peers; then
     PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" 2>&1 \

@@ -42,6 +42,10 @@ const F_TAU: u32 = 32u;
 const F_TAU_POW_SHIFT: u32 = 8u;
 const F_TAU_POW_MASK: u32 = 7u;
 const F_FILTER: u32 = 2048u;
+const F_DIV_SHIFT: u32 = 12u;
+// Divergences (headkl_core::Divergence::code); 0 is the forward KL.
+const DIV_REVERSE: u32 = 1u;
+const DIV_JSD: u32 = 2u;
 // Tail modes (headkl_core::TailMode::code).
 const TAIL_BUCKET: u32 = 1u;
 const TAIL_NONE: u32 = 2u;
@@ -65,6 +69,9 @@ var<workgroup> row_label_p: f32;
 // Pass 2's row constants: (a, b, h, f_on) and (label_term, lse1, f_off, sum_u).
 var<workgroup> row_c0: vec4<f32>;
 var<workgroup> row_c1: vec4<f32>;
+// Reverse KL and JSD (docs/DESIGN.md §1): E = Σ_bins q·f'(q, t) and
+// log N, the student's normalizer on the k (log Σ_k p_S renormalized, else 0).
+var<workgroup> row_div: vec2<f32>;
 // The block filter (F_FILTER; headkl_core::filter): one segment's mask
 // words, each 32 blocks of 64 vocabulary entries (2048 entries, 512 grad
 // words). Only the filtered pipeline touches it.
@@ -78,6 +85,46 @@ fn non_finite(x: f32) -> bool {
 
 fn nan_f32() -> f32 {
     return bitcast<f32>(0x7fc00000u);
+}
+
+fn div_code() -> u32 {
+    return (KL_FLAGS >> F_DIV_SHIFT) & 3u;
+}
+
+// One bin of the reverse KL or the JSD (DESIGN §1): (f, f') at the
+// student's share q (log_q its log) and the teacher's t. A bin the student
+// gives nothing adds nothing (its gradient carries the factor q).
+fn div_term(q: f32, log_q: f32, t: f32) -> vec2<f32> {
+    if div_code() == DIV_REVERSE {
+        if q > 0.0 {
+            let r = log_q - log(max(t, TAIL_FLOOR));
+            return vec2<f32>(q * r, r + 1.0);
+        }
+        return vec2<f32>(0.0);
+    }
+    let beta = params.beta;
+    let m = beta * t + (1.0 - beta) * q;
+    var out = vec2<f32>(0.0);
+    if t > 0.0 {
+        out.x = beta * t * (log(t) - log(m));
+    }
+    if q > 0.0 {
+        let r = log_q - log(m);
+        out.x += (1.0 - beta) * q * r;
+        out.y = (1.0 - beta) * r;
+    }
+    return out;
+}
+
+// The soft term's ∂/∂s at a teacher column (capped logit u, p^τ = pt,
+// the teacher's p_t): f_on·p^τ − p_T forward, else q·(f'(q, t) − E).
+fn soft_on(u: f32, pt: f32, p_t: f32, lse: f32, f_on: f32) -> f32 {
+    if div_code() == 0u {
+        return f_on * pt - p_t;
+    }
+    let log_q = u - lse - row_div.y;
+    let q = exp(log_q);
+    return q * (div_term(q, log_q, p_t).y - row_div.x);
 }
 
 // Logit `j` of the row starting at element `base` (a multiple of 4).
@@ -294,7 +341,7 @@ fn teacher_grad(x: f32, p_t: f32, c: f32, lse: f32, c0: vec4<f32>, c1: vec4<f32>
     if (KL_FLAGS & F_TAU) != 0u {
         p1 = exp(us.x * params.temperature - c1.y);
     }
-    let d = params.soft_weight * (c0.w * pt - p_t) + c0.y * p1 - c0.z;
+    let d = params.soft_weight * soft_on(us.x, pt, p_t, lse, c0.w) + c0.y * p1 - c0.z;
     return c * us.y * d;
 }
 
@@ -309,7 +356,7 @@ fn label_grad(x: f32, label_p: f32, c: f32, lse: f32, c0: vec4<f32>, c1: vec4<f3
     }
     var d = c0.x * pt;
     if label_p >= 0.0 {
-        d = params.soft_weight * (c0.w * pt - label_p);
+        d = params.soft_weight * soft_on(us.x, pt, label_p, lse, c0.w);
     }
     d += c0.y * p1 - c0.z - c1.x;
     return c * us.y * d;
@@ -492,6 +539,37 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         }
         workgroupBarrier();
     }
+    let mass_k = red_max[0];
+    let student_k = red_aux[0];
+    // The reverse KL and the JSD need the row's student mass on the k
+    // first (renormalized: q = p_S/Σ_k p_S): a second pass over the k sums
+    // the bins' f (into red_sum) and q·f' (into red_aux).
+    var log_norm = 0.0;
+    if div_code() != 0u {
+        if tail == 0u {
+            log_norm = log(max(student_k, 1e-37));
+        }
+        workgroupBarrier();
+        var f_sum = 0.0;
+        var e_sum = 0.0;
+        for (var q = lid; q < k; q += WG) {
+            let log_q = scaled(logit(base, ids[tbase + q])) - lse - log_norm;
+            let qv = exp(log_q);
+            let ft = div_term(qv, log_q, probs[tbase + q]);
+            f_sum += ft.x;
+            e_sum += qv * ft.y;
+        }
+        red_sum[lid] = f_sum;
+        red_aux[lid] = e_sum;
+        workgroupBarrier();
+        for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+            if lid < stride {
+                red_sum[lid] += red_sum[lid + stride];
+                red_aux[lid] += red_aux[lid + stride];
+            }
+            workgroupBarrier();
+        }
+    }
     if lid == 0u {
         if plain {
             var out = vec4<f32>(red_sum[0], lse, red_sum[0], 0.0);
@@ -510,16 +588,32 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         } else {
             let tau = params.temperature;
             let lse1 = row_c1.y;
-            let mass_k = red_max[0];
             var soft = red_sum[0];
             var f_off = 1.0;
             var f_on = 1.0;
-            if tail == TAIL_NONE {
+            if div_code() != 0u {
+                // f_off: the factor on p^τ off the k, f'(tail) − E with a
+                // tail bin, −E over the k alone, 0 renormalized (q over the
+                // k does not depend on the logits outside it).
+                var e = red_aux[0];
+                f_off = 0.0;
+                if tail == TAIL_BUCKET {
+                    let r_t = max(1.0 - mass_k, 0.0);
+                    let r_s = max(1.0 - student_k, TAIL_FLOOR);
+                    let ft = div_term(r_s, log(r_s), r_t);
+                    soft += ft.x;
+                    e += r_s * ft.y;
+                    f_off = ft.y - e;
+                } else if tail == TAIL_NONE {
+                    f_off = -e;
+                }
+                row_div = vec2<f32>(e, log_norm);
+            } else if tail == TAIL_NONE {
                 f_off = mass_k;
                 f_on = mass_k;
             } else if tail == TAIL_BUCKET {
                 let r_t = max(1.0 - mass_k, 0.0);
-                let r_s = max(1.0 - red_aux[0], TAIL_FLOOR);
+                let r_s = max(1.0 - student_k, TAIL_FLOOR);
                 if r_t > 0.0 {
                     soft += r_t * (log(r_t) - log(r_s));
                     f_off = 1.0 - r_t / r_s;

@@ -14,9 +14,9 @@ use std::time::Instant;
 use half::f16;
 use headkl_core::shard::{merge_loss_device, HeadShard, ShardEngine, STATS_PER_TOKEN};
 use headkl_core::{
-    Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData,
-    HeadWeights, Hidden, HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher, TopkOptions, VocabOrder,
-    ALIGN,
+    Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Divergence, Engine,
+    HeadData, HeadWeights, Hidden, HiddenDtype, LossOptions, LossTerms, ResidentBackend, SliceOptions, Teacher,
+    TopkOptions, VocabOrder, ALIGN,
 };
 
 use crate::environment::Settings;
@@ -108,6 +108,36 @@ pub struct BenchConfig {
     #[arg(long, value_parser = VocabOrderArg::parse, value_name = "natural|prior|FILE",
           default_value = "natural")]
     pub vocab_order: VocabOrderArg,
+    /// head_kl's divergence, as `loss --divergence`: `forward`, `reverse` or `jsd` (the sharded
+    /// rows compute the forward KL alone)
+    #[arg(long, value_name = "D", default_value = "forward", value_parser = crate::terms::parse_divergence)]
+    pub divergence: Divergence,
+    /// β of --divergence jsd, in [0, 1] [default: 0.5]
+    #[arg(long, value_name = "B", allow_negative_numbers = true)]
+    pub beta: Option<f32>,
+}
+
+impl BenchConfig {
+    /// head_kl's terms: the divergence (and β) asked for, checked, the
+    /// rest the defaults.
+    fn loss_terms(&self) -> Result<LossTerms, CliError> {
+        let divergence = crate::terms::with_beta(self.divergence, self.beta)?;
+        let terms = LossTerms {
+            divergence,
+            ..LossTerms::default()
+        };
+        terms.check().map_err(|e| CliError::from_core_in_option(e, "--beta"))?;
+        if self.shards.is_some() && divergence.effective() != Divergence::Forward {
+            return Err(CliError::option(
+                "--divergence",
+                format!(
+                    "--divergence {} with --shards: the sharded loss computes the forward KL alone",
+                    divergence.name()
+                ),
+            ));
+        }
+        Ok(terms)
+    }
 }
 
 /// `--vocab-order`: `natural`, `prior` (the `lm` generator's unigram prior,
@@ -383,6 +413,7 @@ impl BenchJob<'_> {
         let loss_opts = LossOptions {
             budget_bytes: cfg.budget.bytes,
             filter_eps: cfg.filter_eps,
+            terms: cfg.loss_terms()?,
             ..LossOptions::default()
         };
         let topk_opts = TopkOptions {
@@ -642,6 +673,7 @@ fn time_resident<B: ResidentBackend>(
     let loss_opts = DeviceLossOptions {
         budget_bytes: cfg.budget.bytes,
         filter_eps: cfg.filter_eps,
+        terms: cfg.loss_terms()?,
         ..DeviceLossOptions::default()
     };
     let topk_opts = TopkOptions {
@@ -1009,6 +1041,17 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &BenchConfig) -> R
     if cfg.iters == 0 {
         return Err(CliError::option("--iters", "must be at least 1"));
     }
+    let terms = cfg.loss_terms()?;
+    if terms.divergence != Divergence::Forward {
+        log::info!(
+            "bench: head_kl computes the {} divergence{}",
+            terms.divergence.name(),
+            match terms.divergence {
+                Divergence::Jsd { beta } => format!(" (β {beta})"),
+                _ => String::new(),
+            }
+        );
+    }
     let mut runs = Vec::new();
     let mut data: Option<BenchData> = None;
     let targets = targets(args, cfg.all, settings)?;
@@ -1074,6 +1117,11 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &BenchConfig) -> R
     let report = BenchReport {
         iters: cfg.iters,
         warmup: cfg.warmup,
+        divergence: terms.divergence.name().to_string(),
+        beta: match terms.divergence {
+            Divergence::Jsd { beta } => Some(beta),
+            _ => None,
+        },
         budget_bytes: cfg.budget.bytes,
         runs,
     };

@@ -63,6 +63,7 @@ impl Sources<'_> {
                 CliError::from_core_in_option(e, option)
             }
             E::HardWeightWithoutLabels { .. } => CliError::from_core_in_option(e, "--hard-weight"),
+            E::IgnoreMaskWithoutLabels => CliError::from_core_in_option(e, "--ignore-mask"),
             E::ShardUnsupported { option, .. } => {
                 CliError::from_core_in_option(e.clone(), crate::shard::option_flag(option))
             }
@@ -561,6 +562,7 @@ pub fn loss(
     args: &LossArgs,
     shards: &crate::shard::ShardArgs,
 ) -> Result<(), CliError> {
+    args.terms.check()?;
     let mut all_inputs: Vec<&Path> = vec![&inputs.head, &inputs.hidden, &args.teacher];
     if let Some(w) = &args.weights {
         all_inputs.push(w);
@@ -629,6 +631,8 @@ pub fn loss(
         budget_bytes: args.budget.bytes,
         terms: args.terms.terms(),
         labels,
+        ignore_index: args.terms.ignore_index,
+        ignore_mask: args.terms.ignore_mask,
         filter_eps: args.filter_eps,
         ..LossOptions::default()
     };

@@ -337,6 +337,10 @@ impl LossRecord<'_> {
         m.insert("headkl.hard_weight".into(), self.terms.hard_weight.to_string());
         m.insert("headkl.label_smoothing".into(), self.terms.label_smoothing.to_string());
         m.insert("headkl.z_loss".into(), self.terms.z_loss.to_string());
+        m.insert("headkl.divergence".into(), self.terms.divergence.name().to_string());
+        if let headkl_core::Divergence::Jsd { beta } = self.terms.divergence {
+            m.insert("headkl.beta".into(), beta.to_string());
+        }
         m.insert("headkl.teacher_form".into(), self.teacher_form.name().to_string());
         m.insert("headkl.tail".into(), self.tail.name().to_string());
         m.insert("headkl.teacher.file".into(), self.teacher.display().to_string());

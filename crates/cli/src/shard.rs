@@ -313,6 +313,7 @@ pub fn option_flag(option: &str) -> &'static str {
         "z-loss" => "--z-loss",
         "softcap" => "--softcap",
         "soft-weight" => "--soft-weight",
+        "divergence" => "--divergence",
         _ => "--shards",
     }
 }

@@ -860,6 +860,143 @@ fn loss_reductions_set_the_denominator() {
     );
 }
 
+/// `--divergence reverse` and `--divergence jsd --beta 0.3` (bucket tail)
+/// against the f64 reference, recorded in the output's metadata; a bad
+/// divergence, β out of range and `--beta` without `jsd` are exit 2
+/// naming the option.
+#[test]
+fn loss_divergences_match_direct_and_bad_values_name_the_option() {
+    use headkl_core::{Divergence, LossTerms, TailMode, TeacherForm};
+    let f = Fixture::new("divergence");
+    // The k hold 70% of each row's mass, the rest the bucket's.
+    let probs: Vec<f32> = f.probs.iter().map(|p| p * 0.7).collect();
+    f.write_teacher("partial.safetensors", &f.ids, &probs);
+    let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
+    let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
+    let teacher = Teacher::with_form(&f.ids, &probs, NTOK, K, VOCAB, TeacherForm::Probs, TailMode::Bucket).unwrap();
+    let forward: f64 = {
+        let o = f.loss("partial.safetensors", &["--tail", "bucket"]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("mean loss: "))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    for (divergence, extra) in [
+        (Divergence::Reverse, vec!["--divergence", "reverse"]),
+        (
+            Divergence::Jsd { beta: 0.3 },
+            vec!["--divergence", "jsd", "--beta", "0.3"],
+        ),
+    ] {
+        let mut args = vec!["--tail", "bucket", "--temperature", "1.5"];
+        args.extend(&extra);
+        let o = f.loss("partial.safetensors", &args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        let mean: f64 = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("mean loss: "))
+            .unwrap_or_else(|| panic!("no mean loss in stdout: {stdout}"))
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(
+            (mean - forward).abs() > 1e-3,
+            "{divergence:?}: {mean} is the forward loss"
+        );
+        let bytes = fs::read(f.path("out.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let opts = LossOptions {
+            temperature: 1.5,
+            terms: LossTerms {
+                divergence,
+                ..LossTerms::default()
+            },
+            ..LossOptions::default()
+        };
+        let want = head_kl_f64(&head, &hidden, &teacher, &opts.resolve(NTOK).unwrap());
+        let tol = Tolerance::default();
+        tol.check_loss(&tensor_f32(&st, "loss"), mean, &want).unwrap();
+        tol.check_dx_rows(&tensor_f32(&st, "grad"), &want.dx, Some(HS)).unwrap();
+        let meta = metadata(&f.path("out.safetensors"));
+        assert_eq!(
+            meta.get("headkl.divergence").map(String::as_str),
+            Some(divergence.name())
+        );
+        assert_eq!(
+            meta.get("headkl.beta").map(String::as_str),
+            extra.get(3).copied(),
+            "β is recorded for the JSD alone"
+        );
+    }
+    for (args, needles) in [
+        (vec!["--divergence", "jsd", "--beta", "1.5"], vec!["--beta", "1.5"]),
+        (vec!["--divergence", "reverse", "--beta", "0.2"], vec!["--beta", "jsd"]),
+        (vec!["--divergence", "backward"], vec!["--divergence", "backward"]),
+    ] {
+        let o = f.loss("partial.safetensors", &args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        for n in needles {
+            assert!(stderr(&o).contains(n), "{args:?}: {n} not in {}", stderr(&o));
+        }
+    }
+}
+
+/// `--ignore-mask` drops the tokens whose label is ignored (−100, or the
+/// `--ignore-index`) from the soft term too: the same loss and dx as
+/// weights of 0 there, the hard term off. Without labels it is exit 2
+/// naming `--ignore-mask`.
+#[test]
+fn ignore_mask_equals_zero_weights_on_the_ignored_tokens() {
+    let f = Fixture::new("ignore-mask");
+    let labels: [i64; NTOK] = [5, -100, 17, 9, 40];
+    write_st(
+        &f.path("labels.safetensors"),
+        &[T("labels", Dtype::I64, vec![NTOK], i64s(&labels))],
+    );
+    // Token 1 (−100) and, with --ignore-index 9, token 3.
+    write_st(
+        &f.path("w.safetensors"),
+        &[T("weights", Dtype::F32, vec![NTOK], f32s(&[1.0, 0.0, 1.0, 0.0, 1.0]))],
+    );
+    let run = |extra: &[&str]| {
+        let o = f.loss("teacher.safetensors", extra);
+        assert_eq!(o.status.code(), Some(0), "{extra:?}: {}", stderr(&o));
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        let mean: f64 = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("mean loss: "))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let bytes = fs::read(f.path("out.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        (mean, tensor_f32(&st, "grad"))
+    };
+    let labels_path = f.s("labels.safetensors");
+    let (masked, masked_dx) = run(&["--labels", labels_path, "--ignore-mask", "--ignore-index", "9"]);
+    let (weighted, weighted_dx) = run(&["--weights", f.s("w.safetensors")]);
+    let (plain, _) = run(&[]);
+    assert!(
+        (masked - weighted).abs() <= 1e-6 * weighted.abs(),
+        "{masked} vs {weighted}"
+    );
+    assert!((masked - plain).abs() > 1e-4, "the mask changed nothing: {masked}");
+    assert_eq!(masked_dx, weighted_dx);
+    assert!(masked_dx[HS..2 * HS]
+        .iter()
+        .chain(&masked_dx[3 * HS..4 * HS])
+        .all(|&g| g == 0.0));
+    let o = f.loss("teacher.safetensors", &["--ignore-mask"]);
+    assert_input_error(&o, &["--ignore-mask", "labels"]);
+}
+
 /// The stored-teacher round trip of the README: `topk --logprobs` on the
 /// teacher's hidden rows, then `loss --teacher-form logprobs --tail bucket
 /// --labels … --hard-weight 0.5 --softcap 30 --z-loss 1e-4` for the student,

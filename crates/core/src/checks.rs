@@ -428,6 +428,8 @@ impl KlDesc {
                 flags |= n << row_flags::TAU_POW_SHIFT;
             }
         }
+        let divergence = t.divergence.effective();
+        flags |= divergence.code() << row_flags::DIVERGENCE_SHIFT;
         if flags != 0 || t.soft_weight != 1.0 {
             flags |= row_flags::GENERAL;
         }
@@ -461,6 +463,7 @@ impl KlDesc {
             hard_weight: t.hard_weight,
             smoothing: t.label_smoothing,
             z_loss: t.z_loss,
+            beta: divergence.beta(),
             ..params
         })
     }

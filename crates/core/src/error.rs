@@ -192,6 +192,9 @@ pub enum Error {
         /// The weight.
         value: f32,
     },
+    /// `ignore_mask` with no labels to say which tokens are ignored.
+    #[error("ignore_mask is set but no labels were given: the mask comes from the labels")]
+    IgnoreMaskWithoutLabels,
     /// A label that is not below the vocabulary size.
     #[error("labels[{row}] = {label} is out of range (V = {vocab})")]
     LabelOutOfRange {
@@ -555,6 +558,7 @@ impl Error {
             | E::InvalidGradScale { .. }
             | E::InvalidLossOption { .. }
             | E::HardWeightWithoutLabels { .. }
+            | E::IgnoreMaskWithoutLabels
             | E::LabelOutOfRange { .. }
             | E::InvalidLogProbability { .. }
             | E::TeacherMassAboveOne { .. }

@@ -503,9 +503,10 @@ impl KernelId {
             (KernelId::ConvertF16, _) => fixed(CONVERT_WGSL, 0),
             (KernelId::SumParts, _) => fixed(SUM_PARTS_WGSL, 0),
             // red_max, red_sum, red_bad, red_max1, red_sum1, red_aux [256],
-            // three scalars, two vec4s, and the block filter's seg_mask [64]
-            // (declared in every pipeline, touched only with the filter).
-            (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16 + 64 * 4),
+            // three scalars, two vec4s, the divergences' vec2, and the block
+            // filter's seg_mask [64] (declared in every pipeline, touched
+            // only with the filter).
+            (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16 + 8 + 64 * 4),
             // hist [2048], scan [256], sel_key and sel_id [2048], 9 scalars.
             (KernelId::TopkRows, _) => fixed(TOPK_ROWS_WGSL, 4 * (2048 + ROW_WORKGROUP + 2 * 2048 + 9)),
             // red_sum, red_max, red_bad [256].
@@ -768,8 +769,11 @@ mod tests {
             ("F_HARD", row_flags::HARD),
             ("F_Z_LOSS", row_flags::Z_LOSS),
             ("F_TAU", row_flags::TAU),
+            ("F_DIV_SHIFT", row_flags::DIVERGENCE_SHIFT),
             ("TAIL_BUCKET", TailMode::Bucket.code()),
             ("TAIL_NONE", TailMode::Unnormalized.code()),
+            ("DIV_REVERSE", crate::Divergence::Reverse.code()),
+            ("DIV_JSD", crate::Divergence::Jsd { beta: 0.5 }.code()),
         ] {
             let line = format!("const {name}: u32 = {value}u;");
             assert!(text.contains(&line), "kl_rows.wgsl lacks `{line}`");

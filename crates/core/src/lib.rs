@@ -102,7 +102,7 @@ pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
 pub use launch::{Checked, Kernels, Launch};
 pub use problem::{
     check_k, Hidden, HiddenData, LossOptions, Reduction, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES,
-    MAX_K,
+    DEFAULT_IGNORE_INDEX, MAX_K,
 };
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident::{
@@ -113,7 +113,7 @@ pub use resident::{
 pub use settings::{CommonOptions, Env};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use split::DxSplit;
-pub use terms::{LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
+pub use terms::{Divergence, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL, PROB_FLOOR};
 pub use tune_cache::TuneCache;
 pub use vocab_order::VocabOrder;
 pub use wgmma_tile::{WgmmaFeed, WgmmaTile};

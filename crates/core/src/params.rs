@@ -148,8 +148,10 @@ pub struct RowParams {
     pub mask_off4: u32,
     /// `kl_rows` with [`row_flags::FILTER`]: mask words per row.
     pub mask_ld: u32,
+    /// `kl_rows`: β of the JSD (read with the divergence's code 2).
+    pub beta: f32,
     /// Padding to 16 bytes.
-    pub _pad: [u32; 2],
+    pub _pad: u32,
 }
 
 /// Bits of [`RowParams::flags`]; `shaders/kl_rows.wgsl` and
@@ -182,6 +184,9 @@ pub mod row_flags {
     /// `kl_rows`: also write the dx GEMM's block mask (`crate::filter`);
     /// a pipeline of its own, so the kernel without it is unchanged.
     pub const FILTER: u32 = 2048;
+    /// `kl_rows`: shift of the soft term's divergence
+    /// ([`crate::Divergence::code`], 2 bits: 0 forward, 1 reverse, 2 JSD).
+    pub const DIVERGENCE_SHIFT: u32 = 12;
 }
 
 /// `shaders/convert.wgsl`.
@@ -261,7 +266,7 @@ macro_rules! param_block {
 param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u32, c_offset: u32, ldc: u32, alpha: f32, accumulate: u32, grid_x: u32, k_parts: u32, k_part: u32, c_part_stride: u32, stats_offset: u32, stats_ld: u32, stats_first: u32, stats_cols: u32, mask_rows: u32, mask_ld: u32);
 param_block!(PackParams: rows: u32, kdim: u32, ld: u32, tiles: u32, steps: u32, grid_x: u32, pad0: u32, pad1: u32);
 param_block!(SumPartsParams: len: u32, parts: u32, part_stride: u32, accumulate: u32, grid_x: u32);
-param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32, stats_offset: u32, stats_ld: u32, stats_groups: u32, filter_eps: f32, mask_off4: u32, mask_ld: u32);
+param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32, stats_offset: u32, stats_ld: u32, stats_groups: u32, filter_eps: f32, mask_off4: u32, mask_ld: u32, beta: f32);
 param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
 param_block!(WeightStatsParams: rows: u32, has_weights: u32, grid_x: u32, total: f32, gscale: f32, inv_temperature: f32, grad_bound: f32);
 param_block!(TeacherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_offset: u32, probs_offset: u32, weights_offset: u32, has_weights: u32, logprobs: u32, tail: u32, grid_x: u32);
@@ -477,7 +482,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("    mask_ld: u32,\n    pad0: u32,\n    pad1: u32,\n}"),
+            text.contains("    mask_ld: u32,\n    beta: f32,\n    pad0: u32,\n}"),
             "{text}"
         );
         assert_eq!(RowParams::BLOCK.bytes, 80);

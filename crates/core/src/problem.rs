@@ -462,9 +462,17 @@ pub struct LossOptions {
     /// The terms' weights, label smoothing, z-loss and softcap (default:
     /// the soft term alone).
     pub terms: LossTerms,
-    /// Labels `[ntok]` of the hard term (a negative label: none), needed
-    /// when `terms.hard_weight > 0`.
+    /// Labels `[ntok]` of the hard term (a negative label, or one equal to
+    /// `ignore_index`: none), needed when `terms.hard_weight > 0`.
     pub labels: Option<Vec<i64>>,
+    /// The label that means none (default −100, PyTorch's `ignore_index`;
+    /// any negative label is none too).
+    pub ignore_index: i64,
+    /// Drop the tokens without a label (ignored or negative) from every
+    /// term, not only the hard one: their weight becomes 0, so they leave
+    /// the mean's `Σ w` too, as Liger's `shift_labels` does. Needs
+    /// `labels`; works with the hard term off.
+    pub ignore_mask: bool,
     /// The dx GEMM's block filter (`crate::filter`; off by default): skip
     /// each block of the dx GEMM whose `|∂L/∂s|` entries are all at most ε
     /// in every row of a GEMM row tile (`crate::filter::AUTO_EPS` is Cut
@@ -487,10 +495,15 @@ impl Default for LossOptions {
             max_rows_per_chunk: None,
             terms: LossTerms::default(),
             labels: None,
+            ignore_index: DEFAULT_IGNORE_INDEX,
+            ignore_mask: false,
             filter_eps: None,
         }
     }
 }
+
+/// PyTorch's default `ignore_index`.
+pub const DEFAULT_IGNORE_INDEX: i64 = -100;
 
 /// [`LossOptions`] resolved against a token count: every default filled in
 /// and every value checked.
@@ -548,11 +561,17 @@ impl LossOptions {
                     got: l.len(),
                 })
             }
-            // The vocabulary is checked by the engine (it knows V).
-            Some(l) => labels_to_u32(l, NO_LABEL as usize)?,
+            // The vocabulary is checked by the engine (it knows V); the
+            // ignored label is none whatever its value.
+            Some(l) => {
+                let ignore = self.ignore_index;
+                let mapped: Vec<i64> = l.iter().map(|&v| if v == ignore { -1 } else { v }).collect();
+                labels_to_u32(&mapped, NO_LABEL as usize)?
+            }
+            None if self.ignore_mask => return Err(Error::IgnoreMaskWithoutLabels),
             None => vec![NO_LABEL; ntok],
         };
-        let weights = match &self.weights {
+        let mut weights = match &self.weights {
             None => vec![1.0; ntok],
             Some(w) => {
                 if w.len() != ntok {
@@ -573,6 +592,13 @@ impl LossOptions {
                 w.clone()
             }
         };
+        if self.ignore_mask {
+            for (w, &label) in weights.iter_mut().zip(&labels) {
+                if label == NO_LABEL {
+                    *w = 0.0;
+                }
+            }
+        }
         let total = match self.reduction.total(self.total, ntok)? {
             Some(t) => t,
             None => weights.iter().map(|&w| f64::from(w)).sum::<f64>() as f32,
@@ -663,6 +689,33 @@ impl TopkOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The ignored label (and any negative one) is no label; with the mask
+    /// its token's weight is 0 and leaves the mean's total; the mask needs
+    /// labels.
+    #[test]
+    fn ignore_index_and_mask() {
+        let opts = |ignore_mask| LossOptions {
+            weights: Some(vec![1.0, 2.0, 0.5, 1.0]),
+            labels: Some(vec![7, 50_000, -1, 3]),
+            ignore_index: 50_000,
+            ignore_mask,
+            ..LossOptions::default()
+        };
+        let kept = opts(false).resolve(4).unwrap();
+        assert_eq!(kept.labels, vec![7, NO_LABEL, NO_LABEL, 3]);
+        assert_eq!((kept.weights[1], kept.total), (2.0, 4.5));
+        let masked = opts(true).resolve(4).unwrap();
+        assert_eq!(masked.labels, kept.labels);
+        assert_eq!(masked.weights, vec![1.0, 0.0, 0.0, 1.0]);
+        assert_eq!(masked.total, 2.0);
+        assert_eq!(masked.coef[1], 0.0);
+        let no_labels = LossOptions {
+            ignore_mask: true,
+            ..LossOptions::default()
+        };
+        assert_eq!(no_labels.resolve(4), Err(Error::IgnoreMaskWithoutLabels));
+    }
 
     /// Each reduction's total, from the weights and the token count alone;
     /// a total given beside a reduction other than the mean is refused.

@@ -99,6 +99,82 @@ impl TailMode {
     }
 }
 
+/// Which divergence the soft term measures between the teacher's top-k
+/// distribution and the student's (`docs/DESIGN.md` §1 defines each over
+/// the k ids plus the tail bin of every [`TailMode`]; at k = V each is its
+/// full-vocabulary definition).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Divergence {
+    /// `KL(p_T ‖ p_S)`, the seed's loss.
+    #[default]
+    Forward,
+    /// `KL(p_S ‖ p_T)` over the teacher file's ids (on-policy
+    /// distillation: the ids are the student's own top-k).
+    Reverse,
+    /// The generalized Jensen–Shannon divergence of TRL's GKD:
+    /// `β·KL(p_T ‖ m) + (1−β)·KL(p_S ‖ m)`, `m = β·p_T + (1−β)·p_S`, with
+    /// TRL's endpoints: β = 0 is the forward KL, β = 1 the reverse.
+    Jsd {
+        /// `β ∈ [0, 1]`.
+        beta: f32,
+    },
+}
+
+impl Divergence {
+    /// Its command-line name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Divergence::Forward => "forward",
+            Divergence::Reverse => "reverse",
+            Divergence::Jsd { .. } => "jsd",
+        }
+    }
+
+    /// The divergence named `name` (`forward`, `reverse` or `jsd`, the
+    /// last with `beta`).
+    pub fn from_name(name: &str, beta: f32) -> Option<Self> {
+        match name {
+            "forward" => Some(Divergence::Forward),
+            "reverse" => Some(Divergence::Reverse),
+            "jsd" => Some(Divergence::Jsd { beta }),
+            _ => None,
+        }
+    }
+
+    /// What the kernels compute: a JSD at β = 0 or 1 is TRL's endpoint,
+    /// the forward or the reverse KL.
+    pub fn effective(self) -> Self {
+        match self {
+            Divergence::Jsd { beta: 0.0 } => Divergence::Forward,
+            Divergence::Jsd { beta: 1.0 } => Divergence::Reverse,
+            d => d,
+        }
+    }
+
+    /// Its code in the kernels' flags (`row_flags::DIVERGENCE_SHIFT`), of
+    /// [`Divergence::effective`].
+    pub const fn code(self) -> u32 {
+        match self {
+            Divergence::Forward => 0,
+            Divergence::Reverse => 1,
+            Divergence::Jsd { .. } => 2,
+        }
+    }
+
+    /// β of a JSD (0 otherwise).
+    pub const fn beta(self) -> f32 {
+        match self {
+            Divergence::Jsd { beta } => beta,
+            _ => 0.0,
+        }
+    }
+}
+
+/// Floor of a bin's probability inside a logarithm where 0 would make the
+/// loss infinite (2⁻²⁴, about what f32 resolves below 1): the student's
+/// tail `r_S` in bucket mode, the teacher's bins in the reverse KL.
+pub const PROB_FLOOR: f64 = 1.0 / 16_777_216.0;
+
 /// The weights and knobs of the loss's terms, per token
 /// `L_t = α_soft·L_soft + α_hard·L_hard + λ·lse(z̃)²` on the capped
 /// logits `z̃ = c·tanh(z/c)`, where `z = S·x·Wᵀ` with the logit scale `S`.
@@ -119,6 +195,8 @@ pub struct LossTerms {
     /// (default 1), as models that scale their logits (Cohere's
     /// `logit_scale`) define them.
     pub logit_scale: f32,
+    /// The soft term's divergence (default: the forward KL).
+    pub divergence: Divergence,
 }
 
 impl Default for LossTerms {
@@ -130,6 +208,7 @@ impl Default for LossTerms {
             z_loss: 0.0,
             softcap: None,
             logit_scale: 1.0,
+            divergence: Divergence::Forward,
         }
     }
 }
@@ -167,6 +246,15 @@ impl LossTerms {
                 reason: "must be positive and finite",
             });
         }
+        if let Divergence::Jsd { beta } = self.divergence {
+            if !(0.0..=1.0).contains(&beta) {
+                return Err(Error::InvalidLossOption {
+                    field: "beta",
+                    value: beta,
+                    reason: "must be in [0, 1]",
+                });
+            }
+        }
         if let Some(c) = self.softcap {
             if !(c > 0.0 && c.is_finite()) {
                 return Err(Error::InvalidLossOption {
@@ -189,7 +277,16 @@ impl LossTerms {
     /// gradient scale divides by it so the f16 gradient stays in range.
     pub fn grad_bound(&self, temperature: f32) -> f64 {
         let hard = f64::from(temperature) * f64::from(self.hard_weight);
-        (f64::from(self.soft_weight) + hard).max(1.0)
+        // The soft term's |∂/∂s_j| = q_j·|f'_j − E| (DESIGN §1): at most
+        // 1 forward, 2 for the JSD (|q·(1−β)·log(q/m)| < 1), and for the
+        // reverse KL up to the floored teacher's log, ln 2²⁴ + 1, twice.
+        let soft = f64::from(self.soft_weight)
+            * match self.divergence.effective() {
+                Divergence::Forward => 1.0,
+                Divergence::Jsd { .. } => 2.0,
+                Divergence::Reverse => 2.0 * (1.0 - PROB_FLOOR.ln()),
+            };
+        (soft + hard).max(1.0)
     }
 }
 
@@ -281,6 +378,20 @@ mod tests {
                 },
                 "logit_scale",
             ),
+            (
+                LossTerms {
+                    divergence: Divergence::Jsd { beta: 1.5 },
+                    ..LossTerms::default()
+                },
+                "beta",
+            ),
+            (
+                LossTerms {
+                    divergence: Divergence::Jsd { beta: f32::NAN },
+                    ..LossTerms::default()
+                },
+                "beta",
+            ),
         ];
         for (terms, name) in bad {
             match terms.check() {
@@ -313,5 +424,12 @@ mod tests {
             assert_eq!(TeacherForm::from_name(f.name()), Some(f));
         }
         assert_eq!(TailMode::from_name("ghost"), None);
+        for d in [Divergence::Forward, Divergence::Reverse, Divergence::Jsd { beta: 0.25 }] {
+            assert_eq!(Divergence::from_name(d.name(), 0.25), Some(d));
+        }
+        assert_eq!(Divergence::from_name("kl", 0.5), None);
+        assert_eq!(Divergence::Jsd { beta: 0.0 }.effective(), Divergence::Forward);
+        assert_eq!(Divergence::Jsd { beta: 1.0 }.effective(), Divergence::Reverse);
+        assert_eq!(Divergence::Jsd { beta: 0.5 }.effective().code(), 2);
     }
 }

@@ -9,7 +9,7 @@
 
 use std::cmp::Ordering;
 
-use headkl_core::{HeadWeights, Hidden, LossTerms, ResolvedLoss, TailMode, Teacher, NO_LABEL};
+use headkl_core::{Divergence, HeadWeights, Hidden, LossTerms, ResolvedLoss, TailMode, Teacher, NO_LABEL};
 
 use crate::par;
 
@@ -200,17 +200,31 @@ pub fn row_terms_f64(s: &[f64], teacher: RowTeacher<'_>, label: u32, temperature
             soft += p * (p.ln() - (u[id as usize] - lse_tau));
         }
     }
-    let (f_off, f_on) = match teacher.tail {
-        TailMode::Renormalize => (1.0, 1.0),
-        TailMode::Unnormalized => (mass, mass),
-        TailMode::Bucket => {
-            let r_t = (1.0 - mass).max(0.0);
-            let r_s: f64 = (0..vocab).filter(|&j| !in_ids[j]).map(|j| p_tau[j]).sum();
-            if r_t > 0.0 {
-                soft += r_t * (r_t.ln() - r_s.ln());
-                (1.0 - r_t / r_s, 1.0)
-            } else {
-                (1.0, 1.0)
+    let r_s: f64 = (0..vocab)
+        .filter(|&j| !in_ids[j])
+        .map(|j| p_tau[j])
+        .sum::<f64>()
+        .max(headkl_core::PROB_FLOOR);
+    let divergence = terms.divergence.effective();
+    // Reverse KL and JSD: `d_soft[j]` is the whole ∂L_soft/∂u_j.
+    let mut d_soft_div: Option<Vec<f64>> = None;
+    let (f_off, f_on) = if divergence != Divergence::Forward {
+        let (loss, grad) = divergence_f64(divergence, teacher, &p_tau, r_s, mass);
+        soft = loss;
+        d_soft_div = Some(grad);
+        (0.0, 0.0)
+    } else {
+        match teacher.tail {
+            TailMode::Renormalize => (1.0, 1.0),
+            TailMode::Unnormalized => (mass, mass),
+            TailMode::Bucket => {
+                let r_t = (1.0 - mass).max(0.0);
+                if r_t > 0.0 {
+                    soft += r_t * (r_t.ln() - r_s.ln());
+                    (1.0 - r_t / r_s, 1.0)
+                } else {
+                    (1.0, 1.0)
+                }
             }
         }
     };
@@ -232,7 +246,10 @@ pub fn row_terms_f64(s: &[f64], teacher: RowTeacher<'_>, label: u32, temperature
     let grad = (0..vocab)
         .map(|j| {
             let f = if in_ids[j] { f_on } else { f_off };
-            let d_soft = f * p_tau[j] - p_teacher[j];
+            let d_soft = match &d_soft_div {
+                Some(g) => g[j],
+                None => f * p_tau[j] - p_teacher[j],
+            };
             let onehot = if labelled && j == label as usize { 1.0 } else { 0.0 };
             let d_hard = p1[j] - (1.0 - eps) * onehot - eps / vocab as f64;
             let d_z = 2.0 * lambda * lse1 * p1[j];
@@ -246,6 +263,96 @@ pub fn row_terms_f64(s: &[f64], teacher: RowTeacher<'_>, label: u32, temperature
         hard,
         grad,
     }
+}
+
+/// The reverse KL or the JSD of one token over its bins (DESIGN §1), in
+/// f64 from the definitions: the student's bins `q` (`p_S` at the k, the
+/// tail `r_S` in bucket mode; over the k renormalized to 1 in renormalize
+/// mode), the teacher's `t` (its tail `1 − Σ_k p_T`), `L = Σ_bins f(q, t)`
+/// and, by the chain rule through the softmax, `∂L/∂u_j = Σ_i f'_i ∂q_i/∂u_j`.
+/// Returns the loss and `∂L/∂u` `[V]`.
+fn divergence_f64(divergence: Divergence, teacher: RowTeacher<'_>, p: &[f64], r_s: f64, mass: f64) -> (f64, Vec<f64>) {
+    let vocab = p.len();
+    let renormalize = teacher.tail == TailMode::Renormalize;
+    let norm: f64 = if renormalize {
+        teacher.ids.iter().map(|&id| p[id as usize]).sum()
+    } else {
+        1.0
+    };
+    // (f, f') of one bin.
+    let bin = |q: f64, t: f64| -> (f64, f64) {
+        match divergence {
+            Divergence::Reverse if q > 0.0 => {
+                let r = (q / t.max(headkl_core::PROB_FLOOR)).ln();
+                (q * r, r + 1.0)
+            }
+            Divergence::Reverse => (0.0, 0.0),
+            _ => {
+                let beta = f64::from(divergence.beta());
+                let m = beta * t + (1.0 - beta) * q;
+                let teacher_side = if t > 0.0 { beta * t * (t / m).ln() } else { 0.0 };
+                let (student_side, slope) = if q > 0.0 {
+                    ((1.0 - beta) * q * (q / m).ln(), (1.0 - beta) * (q / m).ln())
+                } else {
+                    (0.0, 0.0)
+                };
+                (teacher_side + student_side, slope)
+            }
+        }
+    };
+    let mut loss = 0.0;
+    // ∂L/∂q per bin: the k, then the tail (bucket mode).
+    let mut slopes = Vec::with_capacity(teacher.ids.len());
+    for (&id, &t) in teacher.ids.iter().zip(teacher.probs) {
+        let (f, slope) = bin(p[id as usize] / norm, f64::from(t));
+        loss += f;
+        slopes.push(slope);
+    }
+    let tail_slope = if teacher.tail == TailMode::Bucket {
+        let (f, slope) = bin(r_s, (1.0 - mass).max(0.0));
+        loss += f;
+        slope
+    } else {
+        0.0
+    };
+    // Renormalized, ∂q_i/∂u_j = q_i(δ_ij − q_j) for j in the k and 0
+    // outside; otherwise ∂p_i/∂u_j = p_i(δ_ij − p_j) and ∂r_S/∂u_j =
+    // p_j([j ∉ k] − r_S).
+    let mut grad = vec![0f64; vocab];
+    let in_k: Vec<Option<usize>> = {
+        let mut at = vec![None; vocab];
+        for (q, &id) in teacher.ids.iter().enumerate() {
+            at[id as usize] = Some(q);
+        }
+        at
+    };
+    let q_of = |j: usize| p[j] / norm;
+    let e_k: f64 = teacher
+        .ids
+        .iter()
+        .zip(&slopes)
+        .map(|(&id, s)| q_of(id as usize) * s)
+        .sum();
+    for (j, g) in grad.iter_mut().enumerate() {
+        *g = if renormalize {
+            match in_k[j] {
+                Some(q) => q_of(j) * (slopes[q] - e_k),
+                None => 0.0,
+            }
+        } else {
+            let own = match in_k[j] {
+                Some(q) => p[j] * slopes[q],
+                None => 0.0,
+            };
+            let tail = if teacher.tail == TailMode::Bucket {
+                tail_slope * p[j] * (f64::from(u8::from(in_k[j].is_none())) - r_s)
+            } else {
+                0.0
+            };
+            own - p[j] * e_k + tail
+        };
+    }
+    (loss, grad)
 }
 
 /// The loss, its mean and its input gradient, straight from DESIGN §1 and

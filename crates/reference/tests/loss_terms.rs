@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
-use headkl_core::{HeadData, HeadWeights, Hidden, LossOptions, LossTerms, TailMode, Teacher, TeacherForm};
+use headkl_core::{Divergence, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, TailMode, Teacher, TeacherForm};
 use headkl_reference::direct::{head_kl_f64, logits_f64};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
@@ -36,6 +36,7 @@ struct Draw {
     label_smoothing: f32,
     z_loss: f32,
     logit_scale: f32,
+    divergence: Divergence,
 }
 
 fn draws() -> impl Strategy<Value = Draw> {
@@ -58,9 +59,23 @@ fn draws() -> impl Strategy<Value = Draw> {
             prop_oneof![Just(0.0f32), 1e-3f32..0.1],
             prop_oneof![Just(1.0f32), 0.3f32..2.5],
         ),
+        prop_oneof![
+            Just(Divergence::Forward),
+            Just(Divergence::Reverse),
+            (0.05f32..0.95).prop_map(|beta| Divergence::Jsd { beta })
+        ],
     )
         .prop_map(
-            |((vocab, hs, k, seed), temperature, tail, form, softcap, (hard_weight, soft_weight), (eps, z, scale))| {
+            |(
+                (vocab, hs, k, seed),
+                temperature,
+                tail,
+                form,
+                softcap,
+                (hard_weight, soft_weight),
+                (eps, z, scale),
+                divergence,
+            )| {
                 Draw {
                     vocab,
                     hs,
@@ -75,6 +90,7 @@ fn draws() -> impl Strategy<Value = Draw> {
                     label_smoothing: eps,
                     z_loss: z,
                     logit_scale: scale,
+                    divergence,
                 }
             },
         )
@@ -115,6 +131,7 @@ fn problem(d: &Draw) -> (Vec<f32>, Vec<f32>, Teacher, LossOptions) {
             z_loss: d.z_loss,
             softcap: d.softcap,
             logit_scale: d.logit_scale,
+            divergence: d.divergence,
         },
         labels: Some(labels),
         ..LossOptions::default()
@@ -161,7 +178,11 @@ proptest! {
 /// teacher form: the combinations the issue names, not left to the draw.
 #[test]
 fn dx_matches_a_finite_difference_with_everything_on() {
-    for tail in [TailMode::Renormalize, TailMode::Bucket, TailMode::Unnormalized] {
+    let divergences = [Divergence::Forward, Divergence::Reverse, Divergence::Jsd { beta: 0.3 }];
+    for (tail, divergence) in [TailMode::Renormalize, TailMode::Bucket, TailMode::Unnormalized]
+        .into_iter()
+        .flat_map(|tail| divergences.map(|d| (tail, d)))
+    {
         for form in [TeacherForm::Probs, TeacherForm::Logprobs] {
             for (softcap, logit_scale) in [(None, 1.0), (Some(1.5), 1.0), (Some(1.5), 0.4), (None, 2.2)] {
                 let d = Draw {
@@ -178,6 +199,7 @@ fn dx_matches_a_finite_difference_with_everything_on() {
                     label_smoothing: 0.2,
                     z_loss: 0.05,
                     logit_scale,
+                    divergence,
                 };
                 let (rel, norm) = fd_error(&d);
                 assert!(norm > 1e-3, "{norm} for {d:?}");
@@ -213,6 +235,7 @@ fn each_term_is_its_pytorch_formula() {
         label_smoothing: 0.0,
         z_loss: 0.0,
         logit_scale: 1.0,
+        divergence: Divergence::Forward,
     };
     let (w, x, teacher, base) = problem(&d);
     let (vocab, hs, ntok, k) = (d.vocab, d.hs, 4, d.k);
@@ -397,4 +420,81 @@ fn topk_logprobs_are_the_full_log_softmax_of_the_capped_logits() {
     // log-probabilities come back.
     let plain = engine.topk(&hidden, &TopkOptions::new(k)).unwrap();
     assert!(plain.logprobs.is_empty());
+}
+
+/// With the teacher over the whole vocabulary (k = V), each divergence in
+/// each tail mode is its full-vocabulary definition, as PyTorch writes it:
+/// `F.kl_div(log_t, log_s, log_target=True)` for the reverse KL, TRL's
+/// `generalized_jsd_loss` (the mixture by `logsumexp`) for the JSD.
+#[test]
+fn each_divergence_at_k_equal_v_is_its_full_vocabulary_definition() {
+    let (vocab, hs, ntok) = (17, 4, 3);
+    let w: Vec<f32> = (0..vocab * hs).map(|i| f16_exact(i, 31) * 2.0).collect();
+    let x: Vec<f32> = (0..ntok * hs).map(|i| f16_exact(i, 32)).collect();
+    let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).unwrap();
+    let hidden = Hidden::f32(&x, ntok, hs).unwrap();
+    // Every id, in a shuffled order, with a teacher softmax over them.
+    let ids: Vec<i64> = (0..ntok * vocab)
+        .map(|i| ((i * 7 + i / vocab) % vocab) as i64)
+        .collect();
+    let raw: Vec<f64> = (0..ntok * vocab).map(|i| f64::from(f16_exact(i, 33)) * 3.0).collect();
+    let mut log_t = vec![0f64; ntok * vocab];
+    for t in 0..ntok {
+        let lp = log_softmax(&raw[t * vocab..(t + 1) * vocab]);
+        log_t[t * vocab..(t + 1) * vocab].copy_from_slice(&lp);
+    }
+    let values: Vec<f32> = log_t.iter().map(|&v| v as f32).collect();
+    let temperature = 1.3f32;
+    let student = logits_f64(&head, &hidden, 1.0);
+    let mut checked = 0;
+    for divergence in [Divergence::Forward, Divergence::Reverse, Divergence::Jsd { beta: 0.35 }] {
+        for tail in [TailMode::Renormalize, TailMode::Bucket, TailMode::Unnormalized] {
+            let teacher = Teacher::with_form(&ids, &values, ntok, vocab, vocab, TeacherForm::Logprobs, tail).unwrap();
+            let opts = LossOptions {
+                temperature,
+                terms: LossTerms {
+                    divergence,
+                    ..LossTerms::default()
+                },
+                ..LossOptions::default()
+            };
+            let out = head_kl_f64(&head, &hidden, &teacher, &opts.resolve(ntok).unwrap());
+            for t in 0..ntok {
+                let u: Vec<f64> = student[t * vocab..(t + 1) * vocab]
+                    .iter()
+                    .map(|v| v / f64::from(temperature))
+                    .collect();
+                let log_s = log_softmax(&u);
+                // The teacher as the device reads it: f32 values, by id.
+                let mut lt = vec![0f64; vocab];
+                for q in 0..vocab {
+                    lt[ids[t * vocab + q] as usize] = f64::from(values[t * vocab + q]);
+                }
+                let kl = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(&la, &lb)| la.exp() * (la - lb)).sum::<f64>();
+                let want = match divergence {
+                    Divergence::Forward => kl(&lt, &log_s),
+                    Divergence::Reverse => kl(&log_s, &lt),
+                    Divergence::Jsd { beta } => {
+                        let b = f64::from(beta);
+                        let log_m: Vec<f64> = log_s
+                            .iter()
+                            .zip(&lt)
+                            .map(|(&s, &t)| ((s + (1.0 - b).ln()).exp() + (t + b.ln()).exp()).ln())
+                            .collect();
+                        b * kl(&lt, &log_m) + (1.0 - b) * kl(&log_s, &log_m)
+                    }
+                };
+                // f32 teacher values sum to 1 within ~1e-7: the modes differ
+                // by that much at most.
+                assert!(
+                    (out.loss[t] - want).abs() < 1e-5,
+                    "{divergence:?} {tail:?} row {t}: {} vs {want}",
+                    out.loss[t]
+                );
+                assert!(want > 1e-3, "a divergence this small checks nothing: {want}");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 27);
 }

@@ -8,8 +8,8 @@ use std::cell::Cell;
 
 use headkl_core::resident::status::{self, FLAGGED_ROW, S_LOGITS};
 use headkl_core::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, KernelId, KernelTime, Kernels, KlDesc, Launch,
-    MemoryStats, ResidentBackend, Result, SumPartsDesc, TailMode, TopkDesc,
+    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Divergence, Error, GemmDesc, KernelId, KernelTime, Kernels, KlDesc,
+    Launch, MemoryStats, ResidentBackend, Result, SumPartsDesc, TailMode, TopkDesc,
 };
 use headkl_reference::conformance::resident::{resident_case_count, run_resident};
 use headkl_reference::conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
@@ -46,6 +46,10 @@ enum Fault {
     KlIgnoresZLoss,
     /// The KL kernel takes the soft weight as 1.
     KlIgnoresSoftWeight,
+    /// The KL kernel computes the forward KL whatever the divergence.
+    KlIgnoresDivergence,
+    /// The KL kernel takes the JSD's β as 0.5.
+    KlIgnoresBeta,
     /// The KL kernel's lse output is off by 1e-3.
     KlLseOffset,
     /// The top-k kernel ignores the softcap.
@@ -257,6 +261,29 @@ fn each_planted_bug_is_caught() {
         (Fault::KlIgnoresZLoss, Part::Regressions, "terms_z_loss"),
         (Fault::KlIgnoresSoftWeight, Part::Kernels, "kl_rows_soft_weight:"),
         (Fault::KlIgnoresSoftWeight, Part::Regressions, "terms_everything"),
+        (
+            Fault::KlIgnoresDivergence,
+            Part::Kernels,
+            "kl_rows_reverse_renormalize:",
+        ),
+        (Fault::KlIgnoresDivergence, Part::Kernels, "kl_rows_jsd_bucket:"),
+        (
+            Fault::KlIgnoresDivergence,
+            Part::Regressions,
+            "divergence_reverse_tail_none",
+        ),
+        (
+            Fault::KlIgnoresDivergence,
+            Part::Regressions,
+            "divergence_jsd_renormalize_tau2",
+        ),
+        (Fault::KlIgnoresBeta, Part::Kernels, "kl_rows_jsd_none_everything:"),
+        (
+            Fault::KlIgnoresBeta,
+            Part::Regressions,
+            "divergence_jsd_bucket_everything",
+        ),
+        (Fault::KlIgnoresTail, Part::Kernels, "kl_rows_reverse_bucket_tau:"),
         (Fault::KlLseOffset, Part::Kernels, "lse: "),
         (Fault::TopkIgnoresSoftcap, Part::Kernels, "topk_rows_softcap:"),
         (
@@ -431,6 +458,12 @@ impl Faulty {
             Fault::KlIgnoresSmoothing => d.terms.label_smoothing = 0.0,
             Fault::KlIgnoresZLoss => d.terms.z_loss = 0.0,
             Fault::KlIgnoresSoftWeight => d.terms.soft_weight = 1.0,
+            Fault::KlIgnoresDivergence => d.terms.divergence = Divergence::Forward,
+            Fault::KlIgnoresBeta => {
+                if let Divergence::Jsd { beta } = &mut d.terms.divergence {
+                    *beta = 0.5;
+                }
+            }
             _ => {}
         }
         let d = &d;

@@ -200,6 +200,8 @@ mod tests {
             filter_eps: None,
             vocab_order: crate::bench::VocabOrderArg::Natural,
             yes: false,
+            divergence: headkl_core::Divergence::Forward,
+            beta: None,
         }
     }
 

@@ -119,6 +119,10 @@ pub struct BenchReport {
     pub iters: usize,
     /// Untimed calls per job.
     pub warmup: usize,
+    /// head_kl's divergence (`forward`, `reverse`, `jsd`).
+    pub divergence: String,
+    /// β of the JSD.
+    pub beta: Option<f32>,
     /// Scratch budget in bytes.
     pub budget_bytes: u64,
     /// One entry per backend.

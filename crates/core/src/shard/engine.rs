@@ -629,7 +629,7 @@ impl<B: Backend> ShardEngine<B> {
 /// Refuses what the sharded loss does not compute, naming the option
 /// ([`Error::ShardUnsupported`]): a tail other than renormalize, the hard
 /// term (or labels), the z-loss, a softcap, a soft weight other than 1,
-/// the dx GEMM's block filter.
+/// the dx GEMM's block filter, a divergence other than the forward KL.
 /// [`ShardEngine::loss_partials`] calls it; a caller can call it before
 /// anything is uploaded.
 pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
@@ -659,6 +659,13 @@ pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool, f
     }
     if let Some(eps) = filter_eps {
         return refuse("filter-eps", eps.to_string(), "the block filter runs unsharded");
+    }
+    if t.divergence.effective() != crate::Divergence::Forward {
+        return refuse(
+            "divergence",
+            t.divergence.name().into(),
+            "the reverse KL and the JSD run unsharded",
+        );
     }
     Ok(())
 }

@@ -1,7 +1,9 @@
 //! Driver-level cases: a [`Case`] through [`Engine`] against
 //! [`crate::direct`]; the fixed regression list; the error cases.
 
-use headkl_core::{Backend, DxSplit, Engine, Error, HiddenData, LossOptions, LossTerms, TailMode, TeacherForm};
+use headkl_core::{
+    Backend, Divergence, DxSplit, Engine, Error, HiddenData, LossOptions, LossTerms, TailMode, TeacherForm,
+};
 
 use super::overlap::CountInFlight;
 use super::{engine_for, Measured};
@@ -209,6 +211,12 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "reduction_batchmean_chunks_head_kl",
         "logit_scale_chunks_topk",
         "terms_everything_slices_chunks_head_kl",
+        "divergence_reverse_renormalize_head_kl",
+        "divergence_reverse_bucket_logprobs_chunks_head_kl",
+        "divergence_reverse_tail_none_head_kl",
+        "divergence_jsd_renormalize_tau2_head_kl",
+        "divergence_jsd_bucket_everything_slices_head_kl",
+        "divergence_jsd_tail_none_head_kl",
         "no_row_stats_slices_chunks_head_kl",
         "tapered_chunks_head_kl",
         "tapered_chunks_topk",
@@ -217,15 +225,16 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
 
 /// `case` with the loss terms: the teacher in `form` and `tail` mode (its
 /// rows scaled to 60–90% of the mass outside renormalize, every fourth
-/// row to all of it), `terms`, and labels when the hard term is on (every
-/// fifth token without one).
+/// row to all of it but under the reverse KL, whose floored teacher tail
+/// makes a tail of rounding error ill-conditioned), `terms`, and labels
+/// when the hard term is on (every fifth token without one).
 fn with_terms(mut case: Case, form: TeacherForm, tail: TailMode, terms: LossTerms) -> Case {
     let k = case.k;
     for (t, row) in case.teacher_probs.chunks_exact_mut(k).enumerate() {
         let sum: f32 = row.iter().sum();
         let mass = match tail {
             TailMode::Renormalize => 1.0,
-            _ if t % 4 == 3 => 1.0,
+            _ if t % 4 == 3 && terms.divergence.effective() != Divergence::Reverse => 1.0,
             _ => 0.6 + 0.03 * ((t * 7) % 10) as f32,
         };
         row.iter_mut().for_each(|p| *p *= mass / sum);
@@ -562,11 +571,86 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
                 z_loss: 1e-3,
                 softcap: Some(4.0),
                 logit_scale: 0.8,
+                divergence: Divergence::Forward,
             };
             let mut r = plain(with_terms(case, TeacherForm::Logprobs, TailMode::Bucket, terms));
             r.min_slices = 3;
             r.min_chunks = 3;
             r
+        }
+        // The reverse KL and the JSD (DESIGN §1) in each tail mode.
+        "divergence_reverse_renormalize_head_kl" => {
+            let case = Case::from_params(&CaseParams {
+                masked: true,
+                ..params(HeadKl, 310, 40, 23, 9, 51)
+            });
+            let terms = LossTerms {
+                divergence: Divergence::Reverse,
+                ..LossTerms::default()
+            };
+            plain(with_terms(case, TeacherForm::Probs, TailMode::Renormalize, terms))
+        }
+        "divergence_reverse_bucket_logprobs_chunks_head_kl" => {
+            let case = Case::from_params(&CaseParams {
+                temperature: 1.5,
+                max_rows_per_chunk: Some(16),
+                ..params(HeadKl, 420, 32, 37, 7, 52)
+            });
+            let terms = LossTerms {
+                divergence: Divergence::Reverse,
+                ..LossTerms::default()
+            };
+            let mut r = plain(with_terms(case, TeacherForm::Logprobs, TailMode::Bucket, terms));
+            r.min_chunks = 2;
+            r
+        }
+        "divergence_reverse_tail_none_head_kl" => {
+            let case = Case::from_params(&params(HeadKl, 257, 33, 19, 5, 53));
+            let terms = LossTerms {
+                divergence: Divergence::Reverse,
+                ..LossTerms::default()
+            };
+            plain(with_terms(case, TeacherForm::Probs, TailMode::Unnormalized, terms))
+        }
+        "divergence_jsd_renormalize_tau2_head_kl" => {
+            let case = Case::from_params(&CaseParams {
+                temperature: 2.0,
+                masked: true,
+                ..params(HeadKl, 300, 40, 20, 8, 54)
+            });
+            let terms = LossTerms {
+                divergence: Divergence::Jsd { beta: 0.5 },
+                ..LossTerms::default()
+            };
+            plain(with_terms(case, TeacherForm::Probs, TailMode::Renormalize, terms))
+        }
+        "divergence_jsd_bucket_everything_slices_head_kl" => {
+            let case = Case::from_params(&CaseParams {
+                masked: true,
+                temperature: 1.5,
+                max_rows_per_slice: Some(256),
+                ..params(HeadKl, 700, 56, 40, 12, 55)
+            });
+            let terms = LossTerms {
+                soft_weight: 0.7,
+                hard_weight: 0.5,
+                label_smoothing: 0.1,
+                z_loss: 1e-3,
+                softcap: Some(4.0),
+                logit_scale: 0.8,
+                divergence: Divergence::Jsd { beta: 0.3 },
+            };
+            let mut r = plain(with_terms(case, TeacherForm::Logprobs, TailMode::Bucket, terms));
+            r.min_slices = 3;
+            r
+        }
+        "divergence_jsd_tail_none_head_kl" => {
+            let case = Case::from_params(&params(HeadKl, 350, 24, 17, 6, 56));
+            let terms = LossTerms {
+                divergence: Divergence::Jsd { beta: 0.8 },
+                ..LossTerms::default()
+            };
+            plain(with_terms(case, TeacherForm::Probs, TailMode::Unnormalized, terms))
         }
         // The KL rows' own first pass, with the statistics turned off (the
         // other plain-loss cases take it from the logits GEMM's).

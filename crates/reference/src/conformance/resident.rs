@@ -782,6 +782,9 @@ pub(crate) const RESIDENT_TERM_CASES: &[&str] = &[
     "reduction_sum_masked_head_kl",
     "reduction_batchmean_chunks_head_kl",
     "logit_scale_chunks_topk",
+    "divergence_reverse_bucket_logprobs_chunks_head_kl",
+    "divergence_jsd_bucket_everything_slices_head_kl",
+    "divergence_reverse_renormalize_head_kl",
 ];
 
 /// Cases [`run_resident`] runs for `cfg`.

@@ -6,8 +6,8 @@ use half::f16;
 use headkl_core::resident::status::FLAGGED_ROW;
 use headkl_core::split::k_part_range;
 use headkl_core::{
-    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TailMode, TopkDesc, NO_LABEL,
-    STATS_GROUP_COLS,
+    ConvertDesc, Divergence, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TailMode, TopkDesc,
+    NO_LABEL, STATS_GROUP_COLS,
 };
 
 use super::Precision;
@@ -318,6 +318,37 @@ fn softcap<T: Real>(x: T, c: T) -> (T, T) {
     (c * t, T::of(4.0) * e / ((T::ONE + e) * (T::ONE + e)))
 }
 
+/// One bin of the reverse KL or the JSD (`kl_rows.wgsl`'s `div_term`):
+/// `(f, f')` at the student's share `q` (`log_q` its log) and the
+/// teacher's `t`.
+fn div_term<T: Real>(divergence: Divergence, q: T, log_q: T, t: T) -> (T, T) {
+    match divergence {
+        Divergence::Reverse => {
+            if q > T::ZERO {
+                let floor = T::of(TAIL_FLOOR);
+                let r = log_q - (if t > floor { t } else { floor }).ln();
+                (q * r, r + T::ONE)
+            } else {
+                (T::ZERO, T::ZERO)
+            }
+        }
+        _ => {
+            let beta = T::of(divergence.beta());
+            let m = beta * t + (T::ONE - beta) * q;
+            let (mut f, mut slope) = (T::ZERO, T::ZERO);
+            if t > T::ZERO {
+                f = beta * t * (t.ln() - m.ln());
+            }
+            if q > T::ZERO {
+                let r = log_q - m.ln();
+                f += (T::ONE - beta) * q * r;
+                slope = (T::ONE - beta) * r;
+            }
+            (f, slope)
+        }
+    }
+}
+
 /// logsumexp of a non-empty `u`.
 fn lse_of<T: Real>(u: &[T]) -> T {
     let m = u.iter().copied().fold(u[0], |m, v| if v > m { v } else { m });
@@ -402,23 +433,67 @@ fn kl_row<T: Real>(
             soft += p * (p.ln() - (u[id as usize] - lse_tau));
         }
     }
-    let (f_off, f_on) = match d.tail {
-        TailMode::Renormalize => (T::ONE, T::ONE),
-        TailMode::Unnormalized => (mass, mass),
-        TailMode::Bucket => {
-            let r_t = if mass < T::ONE { T::ONE - mass } else { T::ZERO };
-            let floor = T::of(TAIL_FLOOR);
-            let r_s = if T::ONE - student > floor {
-                T::ONE - student
-            } else {
-                floor
-            };
-            if r_t > T::ZERO {
-                soft += r_t * (r_t.ln() - r_s.ln());
-                (T::ONE - r_t / r_s, T::ONE)
-            } else {
-                (T::ONE, T::ONE)
+    let floor = T::of(TAIL_FLOOR);
+    let r_t = if mass < T::ONE { T::ONE - mass } else { T::ZERO };
+    let r_s = if T::ONE - student > floor {
+        T::ONE - student
+    } else {
+        floor
+    };
+    let divergence = t.divergence.effective();
+    // Reverse and JSD: the bins' E = Σ q·f' and the student's log-normalizer
+    // on the k (renormalized), as the shader's second pass over the k.
+    let mut div = (T::ZERO, T::ZERO);
+    let (f_off, f_on) = if divergence != Divergence::Forward {
+        let log_norm = if d.tail == TailMode::Renormalize {
+            let tiny = T::of(1e-37);
+            (if student > tiny { student } else { tiny }).ln()
+        } else {
+            T::ZERO
+        };
+        soft = T::ZERO;
+        let mut e = T::ZERO;
+        for (&id, &p) in ids.iter().zip(probs) {
+            let log_q = u[id as usize] - lse_tau - log_norm;
+            let q = log_q.exp();
+            let (f, slope) = div_term(divergence, q, log_q, T::of(p));
+            soft += f;
+            e += q * slope;
+        }
+        let f_off = match d.tail {
+            TailMode::Renormalize => T::ZERO,
+            TailMode::Unnormalized => T::ZERO - e,
+            TailMode::Bucket => {
+                let (f, slope) = div_term(divergence, r_s, r_s.ln(), r_t);
+                soft += f;
+                e += r_s * slope;
+                slope - e
             }
+        };
+        div = (e, log_norm);
+        (f_off, T::ONE)
+    } else {
+        match d.tail {
+            TailMode::Renormalize => (T::ONE, T::ONE),
+            TailMode::Unnormalized => (mass, mass),
+            TailMode::Bucket => {
+                if r_t > T::ZERO {
+                    soft += r_t * (r_t.ln() - r_s.ln());
+                    (T::ONE - r_t / r_s, T::ONE)
+                } else {
+                    (T::ONE, T::ONE)
+                }
+            }
+        }
+    };
+    // The soft term's ∂/∂s at a teacher column (`kl_rows.wgsl`'s `soft_on`).
+    let soft_on = |j: usize, p: f32| {
+        if divergence == Divergence::Forward {
+            f_on * p_tau(j) - T::of(p)
+        } else {
+            let log_q = u[j] - lse_tau - div.1;
+            let q = log_q.exp();
+            q * (div_term(divergence, q, log_q, T::of(p)).1 - div.0)
         }
     };
     let labelled = t.hard_on() && label != NO_LABEL;
@@ -459,7 +534,7 @@ fn kl_row<T: Real>(
     let mut label_in_ids = false;
     for (&id, &p) in ids.iter().zip(probs) {
         let j = id as usize;
-        let mut d = alpha_soft * (f_on * p_tau(j) - T::of(p)) + b * p_one(j) - h;
+        let mut d = alpha_soft * soft_on(j, p) + b * p_one(j) - h;
         if labelled && id == label {
             d = d - label_term;
             label_in_ids = true;
