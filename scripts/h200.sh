@@ -6,9 +6,12 @@
 #
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
-# [bench] [dxsplit] [filter] [wgmma] [divergence] [anchors] [peers] [cublas]
-# [twin] [soak] (default: all but tune, dxsplit, filter, wgmma, divergence,
-# peers, twin and soak).
+# [bench] [dxsplit] [filter] [wgmma] [divergence] [ce] [anchors] [peers]
+# [cublas] [twin] [soak] (default: all but tune, dxsplit, filter, wgmma,
+# divergence, ce, peers, twin and soak).
+# `ce` times head_kl as the cross-entropy alone (bench --soft-weight 0
+# --hard-weight 1 --labels random) at each shape, host and resident, then Cut
+# Cross-Entropy, Liger's fused linear CE and torch.compile's CE (peers.py).
 # `divergence` times head_kl with each divergence (bench --divergence
 # forward, reverse, jsd at β 0.5) at each shape of SHAPES, host and
 # resident, then Liger's fused linear KL and JSD (peers.py) in the same call.
@@ -225,6 +228,17 @@ if has divergence; then
     done
     PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" --variants liger_kl,liger_jsd \
         2>&1 | tee "$out/peers-divergence.txt" | grep -v Warning | tee -a "$summary"
+fi
+if has ce; then
+    for shape in $shapes; do
+        log="$out/bench-ce-$shape.txt"
+        $headkl $quiet bench --backend vulkan --shape $shape --iters 5 --warmup 1 --resident \
+            --soft-weight 0 --hard-weight 1 --labels random --json "${log%.txt}.json" >"$log" 2>&1
+        echo "bench ce $shape exit=$?" | tee -a "$summary"
+        grep -E "^vulkan " "$log" | tee -a "$summary"
+    done
+    PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" \
+        --variants cce_ce,liger_ce,compiled_ce 2>&1 | tee "$out/peers-ce.txt" | grep -v Warning | tee -a "$summary"
 fi
 if has peers; then
     PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" 2>&1 \

@@ -115,6 +115,30 @@ pub struct BenchConfig {
     /// β of --divergence jsd, in [0, 1] [default: 0.5]
     #[arg(long, value_name = "B", allow_negative_numbers = true)]
     pub beta: Option<f32>,
+    /// head_kl's soft-term weight α_soft, as `loss --soft-weight` (0 with --hard-weight 1
+    /// --labels random: the cross-entropy alone)
+    #[arg(long, value_name = "W", default_value_t = 1.0, allow_negative_numbers = true)]
+    pub soft_weight: f32,
+    /// head_kl's hard-label weight α_hard, as `loss --hard-weight` (needs --labels)
+    #[arg(long, value_name = "W", default_value_t = 0.0, allow_negative_numbers = true)]
+    pub hard_weight: f32,
+    /// Labels of the hard term: `random` (uniform over the vocabulary, seeded)
+    #[arg(long, value_enum, value_name = "random")]
+    pub labels: Option<BenchLabels>,
+}
+
+/// `bench --labels`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchLabels {
+    /// One label a token, uniform over the vocabulary (seeded).
+    Random,
+}
+
+/// The tokens' labels for `--labels random`: uniform over the vocabulary,
+/// from a fixed seed (so runs compare).
+fn random_labels(shape: Shape) -> Vec<i64> {
+    let mut rng = XorShift64::new(DATA_SEED + 3);
+    (0..shape.ntok).map(|_| rng.below(shape.vocab as u64) as i64).collect()
 }
 
 impl BenchConfig {
@@ -124,16 +148,26 @@ impl BenchConfig {
         let divergence = crate::terms::with_beta(self.divergence, self.beta)?;
         let terms = LossTerms {
             divergence,
+            soft_weight: self.soft_weight,
+            hard_weight: self.hard_weight,
             ..LossTerms::default()
         };
-        terms.check().map_err(|e| CliError::from_core_in_option(e, "--beta"))?;
-        if self.shards.is_some() && divergence.effective() != Divergence::Forward {
+        terms.check().map_err(|e| match &e {
+            headkl_core::Error::InvalidLossOption { field, .. } => {
+                CliError::from_core_in_option(e.clone(), crate::terms::option_of(field))
+            }
+            _ => CliError::from_core_in_option(e, "--divergence"),
+        })?;
+        if terms.hard_on() && self.labels.is_none() {
             return Err(CliError::option(
-                "--divergence",
-                format!(
-                    "--divergence {} with --shards: the sharded loss computes the forward KL alone",
-                    divergence.name()
-                ),
+                "--hard-weight",
+                format!("--hard-weight {} needs --labels random", self.hard_weight),
+            ));
+        }
+        if self.shards.is_some() && (terms != LossTerms::default() || self.labels.is_some()) {
+            return Err(CliError::option(
+                "--shards",
+                "the sharded rows time the default loss: leave out --divergence, --soft-weight, --hard-weight and --labels",
             ));
         }
         Ok(terms)
@@ -414,6 +448,7 @@ impl BenchJob<'_> {
             budget_bytes: cfg.budget.bytes,
             filter_eps: cfg.filter_eps,
             terms: cfg.loss_terms()?,
+            labels: cfg.labels.map(|_| random_labels(shape)),
             ..LossOptions::default()
         };
         let topk_opts = TopkOptions {
@@ -670,10 +705,18 @@ fn time_resident<B: ResidentBackend>(
         k,
     };
     let out = DeviceLossOutput { loss: &loss, dx: &dx };
+    let labels = match cfg.labels {
+        Some(_) => {
+            let labels: Vec<u32> = random_labels(shape).into_iter().map(|l| l as u32).collect();
+            Some(buffer(engine, bytemuck::cast_slice(&labels), "bench labels")?)
+        }
+        None => None,
+    };
     let loss_opts = DeviceLossOptions {
         budget_bytes: cfg.budget.bytes,
         filter_eps: cfg.filter_eps,
         terms: cfg.loss_terms()?,
+        labels: labels.as_ref(),
         ..DeviceLossOptions::default()
     };
     let topk_opts = TopkOptions {
@@ -1042,6 +1085,14 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &BenchConfig) -> R
         return Err(CliError::option("--iters", "must be at least 1"));
     }
     let terms = cfg.loss_terms()?;
+    if terms != LossTerms::default() {
+        log::info!(
+            "bench: head_kl with α_soft {}, α_hard {}{}",
+            terms.soft_weight,
+            terms.hard_weight,
+            if cfg.labels.is_some() { " (random labels)" } else { "" }
+        );
+    }
     if terms.divergence != Divergence::Forward {
         log::info!(
             "bench: head_kl computes the {} divergence{}",
@@ -1118,6 +1169,8 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &BenchConfig) -> R
         iters: cfg.iters,
         warmup: cfg.warmup,
         divergence: terms.divergence.name().to_string(),
+        soft_weight: terms.soft_weight,
+        hard_weight: terms.hard_weight,
         beta: match terms.divergence {
             Divergence::Jsd { beta } => Some(beta),
             _ => None,

@@ -401,6 +401,7 @@ fn teacher_file(data: &[u8]) {
         let head = head_t.identity();
         let run = LossRun {
             temperature: 1.0,
+            temperature_option: "--temperature",
             vocab: FIXTURE_VOCAB,
             head: &head,
             softcap: None,

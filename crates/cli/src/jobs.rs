@@ -591,8 +591,13 @@ pub fn loss(
     let (head_elems, vocab, hs) = read_head(&head_t)?;
     let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
     let head_identity = head_t.identity();
+    // A teacher made at another temperature is checked against that one.
     let run = LossRun {
-        temperature: args.temperature,
+        temperature: args.terms.teacher_temperature.unwrap_or(args.temperature),
+        temperature_option: match args.terms.teacher_temperature {
+            Some(_) => "--teacher-temperature",
+            None => "--temperature",
+        },
         vocab,
         head: &head_identity,
         softcap: None,
@@ -620,8 +625,19 @@ pub fn loss(
     };
     let (form, tail) = (args.terms.teacher_form, args.terms.tail);
     // Checked whole before the head goes anywhere; the job builds it per piece.
-    let validated_teacher =
+    let mut validated_teacher =
         Teacher::with_form(&ids, &probs, ntok, k, vocab, form, tail).map_err(|e| sources.map(e, "teacher"))?;
+    // Read at the run's temperature: rescaled, then checked again.
+    let probs = match args.terms.teacher_temperature {
+        Some(from) => {
+            let rescaled = headkl_core::rescale_teacher(&probs, k, form, tail, from, args.temperature)
+                .map_err(|e| sources.map(e, "teacher"))?;
+            validated_teacher = Teacher::with_form(&ids, &rescaled, ntok, k, vocab, form, tail)
+                .map_err(|e| sources.map(e, "teacher"))?;
+            Cow::Owned(rescaled)
+        }
+        None => probs,
+    };
     let opts = LossOptions {
         temperature: args.temperature,
         weights,

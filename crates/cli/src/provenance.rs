@@ -199,8 +199,11 @@ impl TeacherRecord {
 
 /// What a `loss` run would use a teacher file with.
 pub struct LossRun<'a> {
-    /// `--temperature`.
+    /// The temperature the teacher should have been made at:
+    /// `--teacher-temperature`, else `--temperature`.
     pub temperature: f32,
+    /// The option that set it.
+    pub temperature_option: &'static str,
     /// The head's vocabulary size.
     pub vocab: usize,
     /// The head.
@@ -245,8 +248,8 @@ pub fn check_teacher(
     let mut problems = Vec::new();
     if record.temperature != run.temperature {
         problems.push(format!(
-            "made at temperature {}, but --temperature is {}",
-            record.temperature, run.temperature
+            "made at temperature {}, but {} is {}",
+            record.temperature, run.temperature_option, run.temperature
         ));
     }
     if record.softcap != run.softcap {
@@ -432,6 +435,7 @@ mod tests {
         let other_head = HeadIdentity::of(Path::new("other.safetensors"), "weight", &[9]);
         let run = |temperature, vocab, head| LossRun {
             temperature,
+            temperature_option: "--temperature",
             vocab,
             head,
             softcap: None,

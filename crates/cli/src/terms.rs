@@ -75,6 +75,9 @@ pub struct LossTermArgs {
     /// How the teacher file holds its k values: `probs` (tensor `probs`) or `logprobs` (tensor `logprobs`, over the full vocabulary)
     #[arg(long, value_name = "FORM", default_value = "probs", value_parser = parse_form)]
     pub teacher_form: TeacherForm,
+    /// The temperature the teacher file's values were made at, when not --temperature (an inference server's log-probabilities come at 1): its k ids (and tail bin) are rescaled to --temperature and renormalized; the file's recorded temperature is checked against this [default: --temperature]
+    #[arg(long, value_name = "T", allow_negative_numbers = true)]
+    pub teacher_temperature: Option<f32>,
     /// The teacher's mass outside its k: `renormalize` (over the k), `bucket` (one extra bin) or `none` (ignored)
     #[arg(long, value_name = "MODE", default_value = "renormalize", value_parser = parse_tail)]
     pub tail: TailMode,
@@ -136,6 +139,8 @@ pub fn option_of(field: &str) -> &'static str {
         "softcap" => "--softcap",
         "logit_scale" => "--logit-scale",
         "beta" => "--beta",
+        "teacher_temperature" => "--teacher-temperature",
+        "temperature" => "--temperature",
         _ => "--labels",
     }
 }
@@ -154,6 +159,8 @@ mod tests {
             "softcap",
             "logit_scale",
             "beta",
+            "teacher_temperature",
+            "temperature",
         ] {
             assert_eq!(option_of(field), format!("--{}", field.replace('_', "-")));
         }

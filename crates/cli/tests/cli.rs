@@ -1443,6 +1443,63 @@ fn bench_writes_json_and_plot() {
     let _ = fs::remove_dir_all(dir);
 }
 
+/// `bench` takes head_kl's loss options: cross-entropy alone (`--soft-weight
+/// 0 --hard-weight 1 --labels random`) and a divergence run and are
+/// recorded in the JSON; a hard weight without labels, `--beta` beside
+/// another divergence and loss options beside `--shards` are exit 2 naming
+/// the option.
+#[test]
+fn bench_takes_the_loss_options() {
+    let dir = temp_dir("bench-terms");
+    let json = dir.join("b.json");
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--backend",
+            "reference",
+            "--shape",
+            "8:512:64:8",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+        ];
+        args.push(json.to_str().unwrap());
+        args.extend(extra);
+        headkl(&args)
+    };
+    for (extra, key, want) in [
+        (
+            vec!["--soft-weight", "0", "--hard-weight", "1", "--labels", "random"],
+            "hard_weight",
+            serde_json::json!(1.0),
+        ),
+        (
+            vec!["--divergence", "jsd", "--beta", "0.25"],
+            "beta",
+            serde_json::json!(0.25),
+        ),
+    ] {
+        let o = bench(&extra);
+        assert_eq!(o.status.code(), Some(0), "{extra:?}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
+        assert_eq!(v[key], want, "{extra:?}: {v}");
+        let head_kl = &v["runs"][0]["jobs"][0];
+        assert!(head_kl["median_ms"].as_f64().unwrap() > 0.0, "{head_kl}");
+    }
+    for (extra, needle) in [
+        (vec!["--hard-weight", "1"], "--hard-weight"),
+        (vec!["--beta", "0.5"], "--beta"),
+        (vec!["--soft-weight", "-1"], "--soft-weight"),
+        (vec!["--divergence", "reverse", "--shards", "2"], "--shards"),
+    ] {
+        let o = bench(&extra);
+        assert_input_error(&o, &[needle]);
+    }
+    let _ = fs::remove_dir_all(dir);
+}
+
 /// `bench --resident`: the device-resident rows beside the host path's, on
 /// each GPU backend (skipped with a printed reason when one cannot start,
 /// unless HEADKL_REQUIRE names it); on the reference an option error.
@@ -2043,6 +2100,65 @@ fn topk_records_how_the_teacher_was_made() {
     let o = f.topk("t2.safetensors", &[]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(&metadata(&f.path("t2.safetensors"))["headkl.head.hash"], hash);
+}
+
+/// A teacher stored at τ = 1 and read with `--teacher-temperature 1` at
+/// `--temperature 2` gives the loss of the teacher made at τ = 2 (its top-k
+/// renormalized: the rescaling is exact there); without it the file's
+/// temperature is refused, naming the option to pass.
+#[test]
+fn teacher_temperature_reads_a_teacher_made_at_another_one() {
+    let f = Fixture::new("teacher-tau");
+    for (out, tau) in [("t1.safetensors", "1"), ("t2.safetensors", "2")] {
+        let o = f.topk(out, &["--temperature", tau, "--logprobs"]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    }
+    let mean = |teacher: &str, extra: &[&str]| {
+        let mut args = vec!["--temperature", "2", "--teacher-form", "logprobs"];
+        args.extend(extra);
+        let o = f.loss(teacher, &args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        let m: f64 = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("mean loss: "))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        m
+    };
+    let direct = mean("t2.safetensors", &[]);
+    let rescaled = mean("t1.safetensors", &["--teacher-temperature", "1"]);
+    assert!(
+        (direct - rescaled).abs() <= 1e-5 * direct.abs(),
+        "{direct} vs {rescaled}"
+    );
+    let o = f.loss("t1.safetensors", &["--temperature", "2", "--teacher-form", "logprobs"]);
+    assert_input_error(&o, &["temperature 1", "--temperature is 2"]);
+    let o = f.loss(
+        "t1.safetensors",
+        &[
+            "--temperature",
+            "2",
+            "--teacher-form",
+            "logprobs",
+            "--teacher-temperature",
+            "3",
+        ],
+    );
+    assert_input_error(&o, &["temperature 1", "--teacher-temperature is 3"]);
+    let o = f.loss(
+        "t1.safetensors",
+        &[
+            "--teacher-form",
+            "logprobs",
+            "--teacher-temperature",
+            "-1",
+            "--allow-teacher-mismatch",
+        ],
+    );
+    assert_input_error(&o, &["--teacher-temperature", "-1"]);
 }
 
 #[test]

@@ -113,7 +113,7 @@ pub use resident::{
 pub use settings::{CommonOptions, Env};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
 pub use split::DxSplit;
-pub use terms::{Divergence, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL, PROB_FLOOR};
+pub use terms::{rescale_teacher, Divergence, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL, PROB_FLOOR};
 pub use tune_cache::TuneCache;
 pub use vocab_order::VocabOrder;
 pub use wgmma_tile::{WgmmaFeed, WgmmaTile};

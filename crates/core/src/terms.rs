@@ -290,6 +290,61 @@ impl LossTerms {
     }
 }
 
+/// Teacher values `[ntok][k]` made at temperature `from` (a server's
+/// log-probabilities come at τ = 1), read as made at `to`: since
+/// `log p^to = (from/to)·log p^from + c`, each row's bins (the k ids, and
+/// in `bucket` and `none` mode the tail `1 − Σ_k p` as one bin) are raised
+/// to `from/to` and renormalized over those bins; the k come back in
+/// `form`. Exact for the k renormalized among themselves (the
+/// `renormalize` mode, and at k = V); the tail's members are unknown, so
+/// `bucket` and `none` rescale it as one bin (README "Loss terms").
+/// Values are not checked here: pass the output to [`crate::Teacher::with_form`].
+pub fn rescale_teacher(
+    values: &[f32],
+    k: usize,
+    form: TeacherForm,
+    tail: TailMode,
+    from: f32,
+    to: f32,
+) -> Result<Vec<f32>> {
+    for (field, value) in [("teacher_temperature", from), ("temperature", to)] {
+        if !(value > 0.0 && value.is_finite()) {
+            return Err(Error::InvalidLossOption {
+                field,
+                value,
+                reason: "must be positive and finite",
+            });
+        }
+    }
+    let power = f64::from(from) / f64::from(to);
+    let mut out = Vec::with_capacity(values.len());
+    for row in values.chunks(k.max(1)) {
+        let p: Vec<f64> = row
+            .iter()
+            .map(|&v| match form {
+                TeacherForm::Probs => f64::from(v),
+                TeacherForm::Logprobs => f64::from(v).exp(),
+            })
+            .collect();
+        let tail_mass = match tail {
+            TailMode::Renormalize => 0.0,
+            _ => (1.0 - p.iter().sum::<f64>()).max(0.0),
+        };
+        let raised: Vec<f64> = p.iter().map(|&v| if v > 0.0 { v.powf(power) } else { 0.0 }).collect();
+        let norm = raised.iter().sum::<f64>() + if tail_mass > 0.0 { tail_mass.powf(power) } else { 0.0 };
+        if !(norm > 0.0 && norm.is_finite()) {
+            // An empty or broken row: left for the teacher's checks to name.
+            out.extend_from_slice(row);
+            continue;
+        }
+        out.extend(raised.iter().map(|&v| match form {
+            TeacherForm::Probs => (v / norm) as f32,
+            TeacherForm::Logprobs => (v / norm).ln() as f32,
+        }));
+    }
+    Ok(out)
+}
+
 /// Labels `[ntok]` as the kernels take them: a negative label is
 /// [`NO_LABEL`]; one at or above `vocab` is an error naming its row.
 pub fn labels_to_u32(labels: &[i64], vocab: usize) -> Result<Vec<u32>> {
@@ -400,6 +455,55 @@ mod tests {
             }
         }
         assert_eq!(LossTerms::default().check(), Ok(()));
+    }
+
+    /// At k = V the rescaled teacher is the softmax at the new temperature,
+    /// in every mode and form; at the same temperature nothing changes.
+    #[test]
+    fn rescaled_teacher_is_the_softmax_at_the_new_temperature() {
+        let z = [1.5f64, -0.25, 0.75, 3.0, -2.0];
+        let softmax = |tau: f64| {
+            let e: Vec<f64> = z.iter().map(|v| (v / tau).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            e.into_iter().map(|v| v / sum).collect::<Vec<f64>>()
+        };
+        let at_one = softmax(1.0);
+        let want = softmax(2.5);
+        for form in [TeacherForm::Probs, TeacherForm::Logprobs] {
+            let values: Vec<f32> = at_one
+                .iter()
+                .map(|&p| match form {
+                    TeacherForm::Probs => p as f32,
+                    TeacherForm::Logprobs => p.ln() as f32,
+                })
+                .collect();
+            for tail in [TailMode::Renormalize, TailMode::Bucket, TailMode::Unnormalized] {
+                let got = rescale_teacher(&values, z.len(), form, tail, 1.0, 2.5).unwrap();
+                for (g, w) in got.iter().zip(&want) {
+                    let g = match form {
+                        TeacherForm::Probs => f64::from(*g),
+                        TeacherForm::Logprobs => f64::from(*g).exp(),
+                    };
+                    assert!((g - w).abs() < 1e-6, "{form:?} {tail:?}: {g} vs {w}");
+                }
+                let same = rescale_teacher(&values, z.len(), form, tail, 2.0, 2.0).unwrap();
+                for (a, b) in same.iter().zip(&values) {
+                    assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+                }
+            }
+        }
+        // A partial row in bucket mode keeps its tail as one bin: mass
+        // 0.5 on the k, 0.5 in the tail, at power 2 → 0.25 + 0.25 + 0.5.
+        let got = rescale_teacher(&[0.25, 0.25], 2, TeacherForm::Probs, TailMode::Bucket, 2.0, 1.0).unwrap();
+        assert!((got[0] - 0.0625 / 0.375).abs() < 1e-6, "{got:?}");
+        assert_eq!(
+            rescale_teacher(&[0.5], 1, TeacherForm::Probs, TailMode::Bucket, 0.0, 1.0),
+            Err(Error::InvalidLossOption {
+                field: "teacher_temperature",
+                value: 0.0,
+                reason: "must be positive and finite"
+            })
+        );
     }
 
     #[test]

@@ -202,6 +202,9 @@ mod tests {
             yes: false,
             divergence: headkl_core::Divergence::Forward,
             beta: None,
+            soft_weight: 1.0,
+            hard_weight: 0.0,
+            labels: None,
         }
     }
 

@@ -123,6 +123,10 @@ pub struct BenchReport {
     pub divergence: String,
     /// β of the JSD.
     pub beta: Option<f32>,
+    /// head_kl's soft-term weight.
+    pub soft_weight: f32,
+    /// head_kl's hard-label weight (random labels when above 0).
+    pub hard_weight: f32,
     /// Scratch budget in bytes.
     pub budget_bytes: u64,
     /// One entry per backend.
