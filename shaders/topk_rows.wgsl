@@ -126,6 +126,7 @@ fn sort_selected(count: u32, lid: u32) {
 // Bits of params.flags (headkl_core::params::row_flags).
 const F_SOFTCAP: u32 = 1u;
 const F_LOGPROBS: u32 = 64u;
+const F_GATHER: u32 = 16384u;
 
 // A value as written: cap·tanh(x/cap) with the softcap on (from
 // e = exp(-2|x/cap|), which cannot overflow), else x.
@@ -173,6 +174,73 @@ fn write_row(row: u32, k: u32, lid: u32) {
             probs[out + q] = d - log_total;
         } else {
             probs[out + q] = exp(d) / total;
+        }
+    }
+}
+
+// F_GATHER: no selection. The log-probabilities over the full row at the
+// caller's ids (the first k − 1 columns of `ids`; an id at or past vocab
+// gets -inf) and the row's log-sum-exp in the last column; a row with a
+// non-finite logit gets NaN in its first value (as write_bad).
+fn gather_row(row: u32, k: u32, lid: u32) {
+    let base = row * params.ld;
+    let vocab = params.vocab;
+    var m = -3.0e38;
+    var bad = 0u;
+    for (var j = lid; j < vocab; j += WG) {
+        let x = logit(base, j);
+        if non_finite(x) {
+            bad = 1u;
+        } else {
+            m = max(m, capped(x));
+        }
+    }
+    scan[lid] = bitcast<u32>(m);
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if lid < s {
+            scan[lid] = bitcast<u32>(max(bitcast<f32>(scan[lid]), bitcast<f32>(scan[lid + s])));
+        }
+        workgroupBarrier();
+    }
+    let row_max = bitcast<f32>(scan[0]);
+    workgroupBarrier();
+    scan[lid] = bad;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if lid < s {
+            scan[lid] |= scan[lid + s];
+        }
+        workgroupBarrier();
+    }
+    let row_bad = scan[0];
+    workgroupBarrier();
+    var part = 0.0;
+    for (var j = lid; j < vocab; j += WG) {
+        part += exp(capped(logit(base, j)) - row_max);
+    }
+    scan[lid] = bitcast<u32>(part);
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if lid < s {
+            scan[lid] = bitcast<u32>(bitcast<f32>(scan[lid]) + bitcast<f32>(scan[lid + s]));
+        }
+        workgroupBarrier();
+    }
+    let lse = row_max + log(bitcast<f32>(scan[0]));
+    let out = row * k;
+    for (var q = lid; q + 1u < k; q += WG) {
+        let id = ids[out + q];
+        var v = bitcast<f32>(0xff800000u);
+        if id < vocab {
+            v = capped(logit(base, id)) - lse;
+        }
+        probs[out + q] = v;
+    }
+    if lid == 0u {
+        probs[out + k - 1u] = lse;
+        if row_bad != 0u {
+            probs[out] = bitcast<f32>(0x7fc00000u);
         }
     }
 }
@@ -250,6 +318,10 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     let vocab = params.vocab;
     let k = params.k;
     let base = row * params.ld;
+    if (params.flags & F_GATHER) != 0u {
+        gather_row(row, k, lid);
+        return;
+    }
 
     if lid == 0u {
         u_prefix = 0u;

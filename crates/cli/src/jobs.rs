@@ -125,7 +125,7 @@ impl HeadElems<'_> {
 }
 
 /// Reads a head tensor `[V][hs]` (F16, BF16 or F32).
-fn read_head<'a>(t: &TensorRef<'a>) -> Result<(HeadElems<'a>, usize, usize), CliError> {
+pub(crate) fn read_head<'a>(t: &TensorRef<'a>) -> Result<(HeadElems<'a>, usize, usize), CliError> {
     let (vocab, hs) = t.matrix("[V][hs]")?;
     if vocab == 0 || hs == 0 {
         return Err(t.error(format!("shape [{vocab}, {hs}]: the head needs V ≥ 1 and hs ≥ 1")));
@@ -140,14 +140,14 @@ fn read_head<'a>(t: &TensorRef<'a>) -> Result<(HeadElems<'a>, usize, usize), Cli
 }
 
 /// Hidden rows' elements, borrowed from the file or copied.
-enum HiddenElems<'a> {
+pub(crate) enum HiddenElems<'a> {
     F16(Cow<'a, [f16]>),
     F32(Cow<'a, [f32]>),
     Bf16(Cow<'a, [bf16]>),
 }
 
 impl HiddenElems<'_> {
-    fn data(&self) -> HiddenData<'_> {
+    pub(crate) fn data(&self) -> HiddenData<'_> {
         match self {
             HiddenElems::F16(d) => HiddenData::F16(d),
             HiddenElems::F32(d) => HiddenData::F32(d),
@@ -158,7 +158,7 @@ impl HiddenElems<'_> {
 
 /// Reads hidden rows `[ntok][hs]` (F32, F16 or BF16) and checks hs against the
 /// head's.
-fn read_hidden<'a>(
+pub(crate) fn read_hidden<'a>(
     t: &TensorRef<'a>,
     head: &TensorRef<'_>,
     head_hs: usize,

@@ -10,6 +10,7 @@ mod check;
 mod devices;
 mod environment;
 mod error;
+mod gather;
 mod io;
 mod jobs;
 mod logger;
@@ -253,6 +254,22 @@ head (file, tensor, fold64 hash of the tensor's bytes), which `loss` checks.",
         #[command(flatten)]
         shards: shard::ShardArgs,
     },
+    /// Log-probabilities over the full vocabulary at given ids (score the student's top-k with the teacher)
+    #[command(
+        long_about = "The log-probabilities at --temperature over the full vocabulary of x·Wᵀ at the ids --ids gives, and each token's log-sum-exp, with no [ntok][V] tensor leaving the device: what `torch.log_softmax(z / τ, -1).gather(-1, ids)` computes (z = S·x·Wᵀ, softcapped if asked). For on-policy distillation: run `topk` on the student's hidden rows, `gather` on the teacher's at those ids, then `loss --divergence reverse --teacher-form logprobs` on the student.
+
+Inputs: --head and --hidden as for `topk`; --ids holds `ids` (I64, I32 or U32) [ntok][k], k ≤ 2048, ids below V (repeats allowed; a negative id is none and gets -inf), e.g. a `topk` output. Output --out: `ids` I64 [ntok][k], `logprobs` F32 [ntok][k] and `lse` F32 [ntok], with the metadata `topk` writes (its temperature, softcap, logit scale, V and head), which `loss` checks.",
+        after_help = SHORT_HELP,
+        after_long_help = format!("{AUTO_POLICY}\n\n{SUB_HELP}")
+    )]
+    Gather {
+        #[command(flatten)]
+        backend: BackendArgs,
+        #[command(flatten)]
+        inputs: InputArgs,
+        #[command(flatten)]
+        args: gather::GatherArgs,
+    },
     /// The distillation loss against the teacher's top-k, and its input gradient
     #[command(
         long_about = "The distillation loss: per token, the KL of the student (softmax of x·Wᵀ/τ over \
@@ -317,6 +334,7 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
             args,
             shards,
         } => jobs::loss(&backend, settings, &inputs, &args, &shards),
+        Command::Gather { backend, inputs, args } => gather::run(&backend, settings, &inputs, &args),
     }
 }
 

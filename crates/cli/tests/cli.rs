@@ -947,6 +947,108 @@ fn loss_divergences_match_direct_and_bad_values_name_the_option() {
     }
 }
 
+/// On-policy distillation's round trip: `topk` of the student, `gather` of
+/// the teacher at those ids, then `loss --divergence reverse --teacher-form
+/// logprobs`; the loss is the reverse KL on the student's top-k, both
+/// sides renormalized over it, computed here in f64 from the logits. Ids
+/// past V are exit 2 naming the ids tensor.
+#[test]
+fn topk_gather_reverse_loss_round_trip_matches_f64() {
+    let f = Fixture::new("gather");
+    let teacher_hidden = values(NTOK * HS, 9, 1.0);
+    write_st(
+        &f.path("teacher_hidden.safetensors"),
+        &[T("hidden", Dtype::F32, vec![NTOK, HS], f32s(&teacher_hidden))],
+    );
+    let tau = "1.5";
+    let o = f.topk("student_top.safetensors", &["--temperature", tau]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let gather = |ids: &str, out: &str| {
+        headkl(&[
+            "gather",
+            "--backend",
+            "reference",
+            "--head",
+            f.s("head.safetensors"),
+            "--hidden",
+            f.s("teacher_hidden.safetensors"),
+            "--ids",
+            f.s(ids),
+            "--temperature",
+            tau,
+            "--out",
+            f.s(out),
+        ])
+    };
+    let o = gather("student_top.safetensors", "teacher_at.safetensors");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = f.loss(
+        "teacher_at.safetensors",
+        &[
+            "--temperature",
+            tau,
+            "--teacher-form",
+            "logprobs",
+            "--divergence",
+            "reverse",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    let mean: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("mean loss: "))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let loss = tensor_f32(
+        &SafeTensors::deserialize(&fs::read(f.path("out.safetensors")).unwrap()).unwrap(),
+        "loss",
+    );
+    // The f64 reverse KL from the logits.
+    let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
+    let student = headkl_reference::direct::logits_f64(&head, &Hidden::f32(&f.hidden, NTOK, HS).unwrap(), 1.5);
+    let teacher = headkl_reference::direct::logits_f64(&head, &Hidden::f32(&teacher_hidden, NTOK, HS).unwrap(), 1.5);
+    let top = topk_f64(&head, &Hidden::f32(&f.hidden, NTOK, HS).unwrap(), K, 1.5);
+    let log_softmax = |row: &[f64]| {
+        let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        row.iter().map(|v| v - lse).collect::<Vec<f64>>()
+    };
+    let mut want = Vec::with_capacity(NTOK);
+    for t in 0..NTOK {
+        let (ls, lt) = (
+            log_softmax(&student[t * VOCAB..(t + 1) * VOCAB]),
+            log_softmax(&teacher[t * VOCAB..(t + 1) * VOCAB]),
+        );
+        let ids = &top.ids[t * K..(t + 1) * K];
+        let renorm = |l: &[f64]| {
+            let v: Vec<f64> = ids.iter().map(|&j| l[j as usize]).collect();
+            let z = v.iter().map(|x| x.exp()).sum::<f64>().ln();
+            v.into_iter().map(|x| x - z).collect::<Vec<f64>>()
+        };
+        let (qs, qt) = (renorm(&ls), renorm(&lt));
+        want.push(qs.iter().zip(&qt).map(|(a, b)| a.exp() * (a - b)).sum::<f64>());
+    }
+    Tolerance::default()
+        .check_loss(&loss, mean, &headkl_reference::direct::DirectLoss::of_losses(want))
+        .unwrap();
+    // The gather's own file: the student's ids, log-probabilities ≤ 0, an lse a token.
+    let st_bytes = fs::read(f.path("teacher_at.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&st_bytes).unwrap();
+    assert_eq!(st.tensor("lse").unwrap().shape(), &[NTOK]);
+    assert!(tensor_f32(&st, "logprobs").iter().all(|&v| v <= 0.0));
+    let bad: Vec<i64> = vec![VOCAB as i64; NTOK * K];
+    write_st(
+        &f.path("bad_ids.safetensors"),
+        &[T("ids", Dtype::I64, vec![NTOK, K], i64s(&bad))],
+    );
+    let o = gather("bad_ids.safetensors", "never.safetensors");
+    assert_input_error(&o, &["bad_ids.safetensors", "ids", "300"]);
+    assert!(!f.path("never.safetensors").exists());
+}
+
 /// `--ignore-mask` drops the tokens whose label is ignored (−100, or the
 /// `--ignore-index`) from the soft term too: the same loss and dx as
 /// weights of 0 there, the hard term off. Without labels it is exit 2

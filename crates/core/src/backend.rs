@@ -335,6 +335,11 @@ pub struct TopkDesc {
     pub cap: Option<f32>,
     /// Write log-probabilities over the full vocabulary.
     pub logprobs: bool,
+    /// Gather instead of select ([`crate::params::row_flags::GATHER`]):
+    /// `ids` holds the caller's ids in the first `k − 1` columns, and the
+    /// kernel writes their log-probabilities and the row's lse (last
+    /// column) into `probs`.
+    pub gather: bool,
 }
 
 impl TopkDesc {
@@ -347,6 +352,7 @@ impl TopkDesc {
             k,
             cap: None,
             logprobs: false,
+            gather: false,
         }
     }
 }

@@ -474,15 +474,9 @@ impl TopkDesc {
     /// their block.
     pub fn check<B: DeviceBuffer>(&self, [logits, ids, probs]: [&B; 3], max_binding: u64) -> Result<RowParams> {
         let shape = (self.rows, self.vocab, self.ld, self.k);
-        let params = row_params(
-            KernelId::TopkRows,
-            shape,
-            self.vocab.min(MAX_K),
-            logits,
-            ids,
-            probs,
-            max_binding,
-        )?;
+        // A gather's k columns are the ids and the lse.
+        let max_k = self.vocab.min(MAX_K) + usize::from(self.gather);
+        let params = row_params(KernelId::TopkRows, shape, max_k, logits, ids, probs, max_binding)?;
         let mut flags = 0;
         if let Some(c) = self.cap {
             if !(c > 0.0 && c.is_finite()) {
@@ -496,6 +490,9 @@ impl TopkDesc {
         }
         if self.logprobs {
             flags |= row_flags::LOGPROBS;
+        }
+        if self.gather {
+            flags |= row_flags::GATHER;
         }
         Ok(RowParams {
             flags,

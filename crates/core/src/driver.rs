@@ -17,6 +17,9 @@ use crate::terms::{LossTerms, NO_LABEL};
 use crate::vocab_order::VocabOrder;
 use crate::{round_up, ALIGN};
 
+mod gather;
+pub use gather::Gathered;
+
 /// How the head is cut into vocabulary slices.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SliceOptions {

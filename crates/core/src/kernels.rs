@@ -778,7 +778,11 @@ mod tests {
             let line = format!("const {name}: u32 = {value}u;");
             assert!(text.contains(&line), "kl_rows.wgsl lacks `{line}`");
         }
-        for (name, value) in [("F_SOFTCAP", row_flags::SOFTCAP), ("F_LOGPROBS", row_flags::LOGPROBS)] {
+        for (name, value) in [
+            ("F_SOFTCAP", row_flags::SOFTCAP),
+            ("F_LOGPROBS", row_flags::LOGPROBS),
+            ("F_GATHER", row_flags::GATHER),
+        ] {
             let line = format!("const {name}: u32 = {value}u;");
             assert!(TOPK_ROWS_WGSL.text.contains(&line), "topk_rows.wgsl lacks `{line}`");
         }

@@ -187,6 +187,11 @@ pub mod row_flags {
     /// `kl_rows`: shift of the soft term's divergence
     /// ([`crate::Divergence::code`], 2 bits: 0 forward, 1 reverse, 2 JSD).
     pub const DIVERGENCE_SHIFT: u32 = 12;
+    /// `topk_rows`: no selection; write the log-probabilities over the
+    /// full vocabulary at the ids the caller put in `ids` (one past the
+    /// vocabulary: none, `-inf`), and the row's log-sum-exp in the last
+    /// of the k columns.
+    pub const GATHER: u32 = 16384;
 }
 
 /// `shaders/convert.wgsl`.

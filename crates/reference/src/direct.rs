@@ -500,6 +500,31 @@ pub fn softmax_over(row: &[f64], ids: &[u32]) -> Vec<f64> {
     e.into_iter().map(|v| v / z).collect()
 }
 
+/// `log_softmax(s)` over the full vocabulary at `ids` `[ntok][k]` (a
+/// negative id: `-inf`), and each row's lse, with `s = x·Wᵀ/τ` in f64:
+/// what `Engine::logprobs_at` computes (no softcap).
+pub fn logprobs_at_f64(
+    head: &HeadWeights<'_>,
+    hidden: &Hidden<'_>,
+    ids: &[i64],
+    k: usize,
+    temperature: f32,
+) -> (Vec<f64>, Vec<f64>) {
+    let vocab = head.vocab();
+    let s = logits_f64(head, hidden, temperature);
+    let mut logprobs = Vec::with_capacity(ids.len());
+    let mut lse = Vec::with_capacity(hidden.ntok());
+    for (t, row) in s.chunks_exact(vocab).enumerate() {
+        let row_lse = logsumexp(row);
+        lse.push(row_lse);
+        logprobs.extend(ids[t * k..(t + 1) * k].iter().map(|&id| match usize::try_from(id) {
+            Ok(j) => row[j] - row_lse,
+            Err(_) => f64::NEG_INFINITY,
+        }));
+    }
+    (logprobs, lse)
+}
+
 /// The exact top-k of `s = x·Wᵀ/τ` per row (descending logit, ties lowest
 /// id first) and the softmax over those k.
 pub fn topk_f64(head: &HeadWeights<'_>, hidden: &Hidden<'_>, k: usize, temperature: f32) -> DirectTopK {

@@ -50,6 +50,8 @@ enum Fault {
     KlIgnoresDivergence,
     /// The KL kernel takes the JSD's β as 0.5.
     KlIgnoresBeta,
+    /// The gather writes each row's lse 1e-2 too high.
+    GatherLseOff,
     /// The KL kernel's lse output is off by 1e-3.
     KlLseOffset,
     /// The top-k kernel ignores the softcap.
@@ -284,6 +286,8 @@ fn each_planted_bug_is_caught() {
             "divergence_jsd_bucket_everything",
         ),
         (Fault::KlIgnoresTail, Part::Kernels, "kl_rows_reverse_bucket_tau:"),
+        (Fault::GatherLseOff, Part::Kernels, "topk_rows_gather:"),
+        (Fault::GatherLseOff, Part::DriverCases, "logprobs_at"),
         (Fault::KlLseOffset, Part::Kernels, "lse: "),
         (Fault::TopkIgnoresSoftcap, Part::Kernels, "topk_rows_softcap:"),
         (
@@ -504,6 +508,13 @@ impl Faulty {
         self.inner.topk_rows(logits, ids, probs, d)?;
         let n = d.rows * d.k;
         match self.fault {
+            Fault::GatherLseOff if d.gather => {
+                let mut p: Vec<f32> = self.read(probs, n);
+                for row in p.chunks_exact_mut(d.k) {
+                    row[d.k - 1] += 1e-2;
+                }
+                self.write(probs, &p);
+            }
             Fault::TopkSwapFirstTwo if d.k >= 2 => {
                 let (mut i, mut p): (Vec<u32>, Vec<f32>) = (self.read(ids, n), self.read(probs, n));
                 for t in 0..d.rows {

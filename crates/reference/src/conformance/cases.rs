@@ -7,7 +7,7 @@ use headkl_core::{
 
 use super::overlap::CountInFlight;
 use super::{engine_for, Measured};
-use crate::direct;
+use crate::direct::{self, DirectLoss};
 use crate::strategies::{Case, CaseKind, CaseParams, TeacherShape};
 use crate::tolerance::Tolerance;
 
@@ -95,12 +95,59 @@ fn compare_with<B: Backend>(
             }
             let want = direct::topk_f64(&head, &hidden, case.k, case.topk_temperature());
             let prob = tol.check_topk(&out.ids, &out.probs, &want).map_err(|e| e.to_string())?;
+            let gathered = check_gather(engine, case, &head, &hidden, &out.ids, tol)?;
             Ok(Measured {
                 prob: Some(prob),
+                loss: Some(gathered),
                 ..Measured::default()
             })
         }
     }
+}
+
+/// `Engine::logprobs_at` on a top-k case, against the f64 log-softmax: at
+/// the top ids in the first half of each row, other ids (repeats allowed)
+/// in the second, and none (−1, which must come back `-inf`) in the last
+/// column when k > 1. Returns the worst error of the log-probabilities and
+/// lse, judged as losses are.
+fn check_gather<B: Backend>(
+    engine: &mut Engine<B>,
+    case: &Case,
+    head: &headkl_core::HeadWeights<'_>,
+    hidden: &headkl_core::Hidden<'_>,
+    top_ids: &[u32],
+    tol: &Tolerance,
+) -> Result<f64, String> {
+    let (k, vocab) = (case.k, case.vocab);
+    let ids: Vec<i64> = top_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| match i % k {
+            q if k > 1 && q == k - 1 => -1,
+            q if q >= k / 2 => ((u64::from(id) * 7 + 3) % vocab as u64) as i64,
+            _ => i64::from(id),
+        })
+        .collect();
+    let out = engine
+        .logprobs_at(hidden, &ids, &case.topk_options())
+        .map_err(|e| format!("logprobs_at: {e}"))?;
+    let (want_lp, want_lse) = direct::logprobs_at_f64(head, hidden, &ids, k, case.topk_temperature());
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for (i, (&g, &w)) in out.logprobs.iter().zip(&want_lp).enumerate() {
+        if w == f64::NEG_INFINITY {
+            if g != f32::NEG_INFINITY {
+                return Err(format!("logprobs_at[{}][{}] = {g} for id −1, want -inf", i / k, i % k));
+            }
+        } else {
+            got.push(g);
+            want.push(w);
+        }
+    }
+    got.extend_from_slice(&out.lse);
+    want.extend_from_slice(&want_lse);
+    let mean = got.iter().map(|&v| f64::from(v)).sum::<f64>() / got.len().max(1) as f64;
+    tol.check_loss(&got, mean, &DirectLoss::of_losses(want))
+        .map_err(|e| format!("logprobs_at (log-probabilities, then lse): {e}"))
 }
 
 /// A fixed case with what it must also show.

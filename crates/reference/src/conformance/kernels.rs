@@ -137,6 +137,9 @@ pub(crate) enum KernelCase {
     Convert(ConvertSpec),
     Kl(RowSpec),
     Topk(RowSpec),
+    /// `topk_rows` in gather mode: `k` ids a row (the kernel's k is one
+    /// more, the lse's column).
+    Gather(RowSpec),
 }
 
 #[allow(
@@ -576,6 +579,18 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             &[Normal, Descending, OneNan, Residue],
         )),
         KernelCase::Topk(rows("wide_b", 3, 8_203, 8_208, 64, &[Ascending, Large, PosInf])),
+        // The gather: ids with repeats and a none, non-finite rows, a cap,
+        // k = V (k + 1 columns) and rows long enough for every loop.
+        KernelCase::Gather(rows("gather", 6, 300, 304, 8, &[Normal, Large, Nan, Ties, Flat, Infs])),
+        KernelCase::Gather(RowSpec {
+            terms: LossTerms {
+                softcap: Some(5.0),
+                ..LossTerms::default()
+            },
+            ..rows("gather_softcap", 4, 300, 304, 8, &[Normal, Large, Descending])
+        }),
+        KernelCase::Gather(rows("gather_k_eq_v", 2, 40, 48, 40, &[Normal, Ties])),
+        KernelCase::Gather(rows("gather_wide", 3, 8_203, 8_208, 64, &[Normal, OneNan, Ascending])),
     ]);
     v
 }
@@ -609,6 +624,7 @@ impl KernelCase {
             KernelCase::Convert(c) => format!("kernels/convert_{}x{}_to_{}x{}", c.rows, c.cols, c.rows_padded, c.ld),
             KernelCase::Kl(r) => format!("kernels/kl_rows_{}", r.name),
             KernelCase::Topk(r) => format!("kernels/topk_rows_{}", r.name),
+            KernelCase::Gather(r) => format!("kernels/topk_rows_{}", r.name),
         }
     }
 
@@ -632,6 +648,10 @@ impl KernelCase {
                 "rows={} vocab={} ld={} k={} rows: {:?} cap={:?} logprobs={}",
                 r.rows, r.vocab, r.ld, r.k, r.patterns, r.terms.softcap, r.logprobs
             ),
+            KernelCase::Gather(r) => format!(
+                "rows={} vocab={} ld={} ids={} rows: {:?} cap={:?} (gather)",
+                r.rows, r.vocab, r.ld, r.k, r.patterns, r.terms.softcap
+            ),
         }
     }
 
@@ -642,6 +662,7 @@ impl KernelCase {
             KernelCase::Convert(c) => run_convert(b, c),
             KernelCase::Kl(r) => run_kl(b, r, tol),
             KernelCase::Topk(r) => run_topk(b, r, tol),
+            KernelCase::Gather(r) => run_gather(b, r, tol),
         }
     }
 }
@@ -1186,6 +1207,89 @@ fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Me
     Ok(Measured {
         loss: Some(loss_err),
         dx: Some(grad_err),
+        ..Measured::default()
+    })
+}
+
+/// The gather: each row's ids drawn distinct, then the second repeating
+/// the first and (k > 2) the last none; the output NaN-poisoned, the rows
+/// past `rows` checked unwritten.
+fn run_gather<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Measured, String> {
+    let mut rng = Rng::new(r.seed);
+    let (logits, rows64) = crafted_logits(r, &mut rng);
+    let total_rows = r.rows + r.extra_rows;
+    let (k, cols) = (r.k, r.k + 1);
+    let mut ids = vec![u32::MAX; total_rows * cols];
+    for t in 0..r.rows {
+        let row = &mut ids[t * cols..t * cols + k];
+        for (q, id) in rng.distinct(r.vocab, k).into_iter().enumerate() {
+            row[q] = id as u32;
+        }
+        if k > 2 {
+            row[1] = row[0];
+            row[k - 1] = u32::MAX;
+        }
+    }
+    let logits_buf = upload(b, bytemuck::cast_slice(&logits), "gather logits")?;
+    let ids_buf = upload(b, bytemuck::cast_slice(&ids), "gather ids")?;
+    let probs_buf = upload(
+        b,
+        bytemuck::cast_slice(&vec![f32::NAN; total_rows * cols]),
+        "gather out",
+    )?;
+    let desc = TopkDesc {
+        cap: r.terms.softcap,
+        gather: true,
+        ..TopkDesc::plain(r.rows, r.vocab, r.ld, cols)
+    };
+    b.topk_rows(&logits_buf, &ids_buf, &probs_buf, &desc)
+        .map_err(|e| format!("topk_rows (gather): {e}"))?;
+    let out: Vec<f32> = download(b, &probs_buf, total_rows * cols, "gather out")?;
+    let mut bad = Bad::new();
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for (t, s) in rows64.iter().enumerate() {
+        let pattern = r.patterns[t % r.patterns.len()];
+        let row = &out[t * cols..(t + 1) * cols];
+        if pattern.bad() {
+            if !row[0].is_nan() {
+                bad.push(|| format!("out[{t}][0] = {} for a row with a non-finite logit, want NaN", row[0]));
+            }
+            continue;
+        }
+        let values: Vec<f64> = match r.terms.softcap {
+            Some(c) => s.iter().map(|&v| f64::from(c) * (v / f64::from(c)).tanh()).collect(),
+            None => s.clone(),
+        };
+        let m = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + values.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        for q in 0..k {
+            let id = ids[t * cols + q];
+            match values.get(id as usize) {
+                Some(&v) => {
+                    got.push(row[q]);
+                    want.push(v - lse);
+                }
+                None if row[q] != f32::NEG_INFINITY => {
+                    bad.push(|| format!("out[{t}][{q}] = {} for no id, want -inf", row[q]));
+                }
+                None => {}
+            }
+        }
+        got.push(row[k]);
+        want.push(lse);
+    }
+    for t in r.rows..total_rows {
+        if out[t * cols..(t + 1) * cols].iter().any(|v| !v.is_nan()) {
+            bad.push(|| format!("row {t} (past rows = {}) was written", r.rows));
+        }
+    }
+    bad.check("topk_rows (gather)")?;
+    let mean = got.iter().map(|&v| f64::from(v)).sum::<f64>() / got.len().max(1) as f64;
+    let err = tol
+        .check_loss(&got, mean, &DirectLoss::of_losses(want))
+        .map_err(|e| format!("gather (log-probabilities and lse): {e}"))?;
+    Ok(Measured {
+        loss: Some(err),
         ..Measured::default()
     })
 }

@@ -647,6 +647,29 @@ fn topk_values<T: Real>(s: &[f32], top: &[u32], d: &TopkDesc, out: &mut [f32]) {
     }
 }
 
+/// One row of the gather ([`TopkDesc::gather`]): the log-probabilities
+/// over the row at the ids of the first `k − 1` columns (`-inf` for an id
+/// at or past the vocabulary), the lse in the last.
+fn gather_values<T: Real>(s: &[f32], ids: &[u32], d: &TopkDesc, out: &mut [f32]) {
+    let value = |v: f32| match d.cap {
+        Some(c) => softcap(T::of(v), T::of(c)).0,
+        None => T::of(v),
+    };
+    let values: Vec<T> = s.iter().map(|&v| value(v)).collect();
+    let lse = lse_of(&values);
+    // k ≥ 1 (the descriptor's check): the last column is the lse's.
+    let Some((last, firsts)) = out.split_last_mut() else {
+        return;
+    };
+    for (p, &id) in firsts.iter_mut().zip(ids) {
+        *p = match values.get(id as usize) {
+            Some(&v) => (v - lse).to_f32(),
+            None => f32::NEG_INFINITY,
+        };
+    }
+    *last = lse.to_f32();
+}
+
 /// The exact top-k row kernel on whole buffers (see [`TopkDesc`]).
 pub(crate) fn topk_rows(logits: &[f32], ids: &mut [u32], probs: &mut [f32], d: &TopkDesc, precision: Precision) {
     let (rows, ld, k, vocab) = (d.rows, d.ld, d.k, d.vocab);
@@ -657,6 +680,17 @@ pub(crate) fn topk_rows(logits: &[f32], ids: &mut [u32], probs: &mut [f32], d: &
     par::for_row_blocks(&mut work, 1, rows * vocab * 4, |first, block| {
         for (i, (ids_t, probs_t)) in block.iter_mut().enumerate() {
             let s = &logits[(first + i) * ld..(first + i) * ld + vocab];
+            if d.gather {
+                if s.iter().any(|v| !v.is_finite()) {
+                    probs_t[0] = f32::NAN;
+                    continue;
+                }
+                match precision {
+                    Precision::F64 => gather_values::<f64>(s, ids_t, d, probs_t),
+                    Precision::F32 => gather_values::<f32>(s, ids_t, d, probs_t),
+                }
+                continue;
+            }
             if s.iter().any(|v| !v.is_finite()) {
                 for (q, id) in ids_t.iter_mut().enumerate() {
                     *id = q as u32;

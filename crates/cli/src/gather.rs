@@ -1,0 +1,180 @@
+//! `headkl gather`: the log-probabilities over the full vocabulary at ids
+//! the caller gives (the teacher's side of on-policy distillation: score
+//! the student's top-k with the teacher), written as a teacher file that
+//! `loss --teacher-form logprobs` reads as it is.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use headkl_core::{Backend, Engine, Gathered, HeadWeights, Hidden, HiddenData, SliceOptions, TopkOptions};
+use safetensors::Dtype;
+
+use crate::environment::Settings;
+use crate::error::CliError;
+use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile};
+use crate::jobs::{read_head, read_hidden, InputArgs, Sources};
+use crate::options::BudgetArg;
+use crate::progress::Progress;
+use crate::provenance::TeacherRecord;
+use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
+use crate::text::fmt_bytes;
+
+/// Options of `headkl gather` beyond the head and hidden rows.
+#[derive(clap::Args, Clone, Debug)]
+pub struct GatherArgs {
+    /// The ids to score: tensor `ids` (I64, I32 or U32) `[ntok][k]`, k ≤ 2048; a negative id is none (its value -inf). A `topk` output's `ids` tensor works as it is
+    #[arg(long, value_name = "I.safetensors")]
+    pub ids: PathBuf,
+    /// Temperature τ of the log-probabilities (> 0)
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Logit softcap c: values from c·tanh(z/c) before τ (> 0) [default: none]
+    #[arg(long, allow_negative_numbers = true)]
+    pub softcap: Option<f32>,
+    /// Logit scale S: z = S·x·Wᵀ before the softcap and τ (> 0)
+    #[arg(long, value_name = "S", default_value_t = 1.0, allow_negative_numbers = true)]
+    pub logit_scale: f32,
+    #[command(flatten)]
+    pub budget: BudgetArg,
+    /// Output safetensors file: `ids` I64 and `logprobs` F32 `[ntok][k]`, `lse` F32 `[ntok]`
+    #[arg(long, value_name = "OUT.safetensors")]
+    pub out: PathBuf,
+}
+
+/// Runs the gather on a backend in one engine call.
+struct GatherJob<'a> {
+    sources: &'a Sources<'a>,
+    head: HeadWeights<'a>,
+    hidden: HiddenData<'a>,
+    ntok: usize,
+    hs: usize,
+    ids: &'a [i64],
+    opts: TopkOptions,
+}
+
+impl BackendJob for GatherJob<'_> {
+    type Output = Gathered;
+
+    fn run<B: Backend>(self, backend: B) -> Result<Gathered, CliError> {
+        log::info!("headkl: running on {}", describe(backend.info()));
+        let progress = Progress::new("gather: head upload, then tokens", self.ntok as u64);
+        let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
+            .map_err(|e| self.sources.map(e, "uploading the head"))?;
+        engine.set_progress(Some(progress.callback()));
+        let hidden = Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))?;
+        engine
+            .logprobs_at(&hidden, self.ids, &self.opts)
+            .map_err(|e| self.sources.map(e, "gather"))
+    }
+}
+
+/// `headkl gather`.
+pub fn run(
+    backend: &BackendArgs,
+    settings: &Arc<Settings>,
+    inputs: &InputArgs,
+    args: &GatherArgs,
+) -> Result<(), CliError> {
+    check_output_not_input(&args.out, &[&inputs.head, &inputs.hidden, &args.ids])?;
+    let head_file = TensorFile::open(&inputs.head)?;
+    let hidden_file = TensorFile::open(&inputs.hidden)?;
+    let ids_file = TensorFile::open(&args.ids)?;
+    let head_t = head_file.tensor(&inputs.head_tensor)?;
+    let hidden_t = hidden_file.tensor(&inputs.hidden_tensor)?;
+    let ids_t = ids_file.tensor("ids")?;
+    let (head_elems, vocab, hs) = read_head(&head_t)?;
+    let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
+    let (id_rows, k) = ids_t.matrix("[ntok][k]")?;
+    if id_rows != ntok {
+        return Err(ids_t.error(format!(
+            "{id_rows} rows, but the hidden rows {} have ntok = {ntok}",
+            hidden_t.describe()
+        )));
+    }
+    let ids = ids_t.ids_i64()?;
+    let sources = Sources {
+        head: &head_t,
+        hidden: &hidden_t,
+        ids: Some(&ids_t),
+        probs: None,
+        weights: None,
+        labels: None,
+        total_given: false,
+    };
+    let opts = TopkOptions {
+        temperature: args.temperature,
+        budget_bytes: args.budget.bytes,
+        softcap: args.softcap,
+        logit_scale: args.logit_scale,
+        ..TopkOptions::new(k)
+    };
+    // Every option and id is checked before the head goes anywhere.
+    opts.check(vocab).map_err(|e| sources.map(e, "gather options"))?;
+    if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= vocab as i64) {
+        let e = headkl_core::Error::IdOutOfRange {
+            row: i / k,
+            col: i % k,
+            id,
+            vocab,
+        };
+        return Err(sources.map(e, "ids"));
+    }
+    let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
+    let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
+    let pending = PendingOutput::create(&args.out)?;
+    let target = resolve_announced(backend, "headkl", settings)?;
+    let start = Instant::now();
+    let result = open_and_run(
+        &target,
+        GatherJob {
+            sources: &sources,
+            head,
+            hidden: hidden.data(),
+            ntok,
+            hs,
+            ids: &ids,
+            opts,
+        },
+    )?;
+    // Not renormalized: log-probabilities over the full vocabulary.
+    let record = TeacherRecord {
+        temperature: args.temperature,
+        k,
+        vocab,
+        hs,
+        ntok,
+        renormalized: false,
+        softcap: args.softcap,
+        logit_scale: args.logit_scale,
+        head: head_t.identity(),
+    };
+    let tensors = [
+        OutTensor {
+            name: "ids",
+            dtype: Dtype::I64,
+            shape: vec![ntok, k],
+            data: bytemuck::cast_slice(&ids),
+        },
+        OutTensor {
+            name: "logprobs",
+            dtype: Dtype::F32,
+            shape: vec![ntok, k],
+            data: bytemuck::cast_slice(&result.logprobs),
+        },
+        OutTensor {
+            name: "lse",
+            dtype: Dtype::F32,
+            shape: vec![ntok],
+            data: bytemuck::cast_slice(&result.lse),
+        },
+    ];
+    pending.commit_tensors_with(&tensors, Some(record.to_metadata()))?;
+    log::info!(
+        "headkl: log-probabilities at {k} ids of {ntok} tokens over V = {vocab} in {:.3} s; wrote {} ({})",
+        start.elapsed().as_secs_f64(),
+        args.out.display(),
+        fmt_bytes((ids.len() * 12 + ntok * 4) as u64)
+    );
+    Ok(())
+}

@@ -1,0 +1,132 @@
+//! `Engine::logprobs_at`: the log-probabilities over the full vocabulary at
+//! ids the caller gives (the teacher's side of on-policy distillation: the
+//! student's top-k ids, scored by the teacher), with each token's lse. The
+//! logits GEMM as `topk` runs it, then the top-k kernel's gather mode
+//! ([`TopkDesc::gather`]): no `[ntok][V]` tensor leaves the device.
+
+use super::{Engine, Error, Result};
+use crate::backend::{Backend, TopkDesc};
+use crate::head_planes::Scaling;
+use crate::launch::Kernels;
+use crate::problem::{Hidden, HiddenData, TopkOptions};
+use crate::scratch::Job;
+use crate::{round_up, ALIGN};
+
+/// Result of [`Engine::logprobs_at`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Gathered {
+    /// `log p^τ` over the full vocabulary at each given id `[ntok][k]`
+    /// (`-inf` where the id was none).
+    pub logprobs: Vec<f32>,
+    /// Each token's `lse` of its (capped, scaled) logits at τ `[ntok]`.
+    pub lse: Vec<f32>,
+    /// Tokens.
+    pub ntok: usize,
+    /// Ids per token.
+    pub k: usize,
+}
+
+/// An id the kernel reads as none (past any vocabulary).
+const NONE: u32 = u32::MAX;
+
+impl<B: Backend> Engine<B> {
+    /// The log-probabilities at τ over the full vocabulary of the logits
+    /// `z = S·x·Wᵀ` (softcapped if asked: `opts` as for [`Engine::topk`],
+    /// whose `k` is the ids per token and whose `logprobs` plays no part)
+    /// at `ids` `[ntok][k]` (a negative id is none and gets `-inf`), and
+    /// each token's lse: what `torch.log_softmax(c·tanh(z/c)/τ, -1)
+    /// .gather(-1, ids)` gives. Ids are checked before anything reaches the
+    /// device.
+    pub fn logprobs_at(&mut self, hidden: &Hidden<'_>, ids: &[i64], opts: &TopkOptions) -> Result<Gathered> {
+        self.head.check_hidden(hidden)?;
+        self.resident.release_scratch();
+        let vocab = self.head.vocab();
+        opts.check(vocab)?;
+        let (ntok, k) = (hidden.ntok(), opts.k);
+        if ids.len() != ntok * k {
+            return Err(Error::LengthMismatch {
+                field: crate::error::Field::Ids,
+                expected: ntok * k,
+                got: ids.len(),
+            });
+        }
+        let mut positions = Vec::with_capacity(ids.len());
+        for (i, &id) in ids.iter().enumerate() {
+            positions.push(if id < 0 {
+                NONE
+            } else if (id as u64) < vocab as u64 {
+                // The head's rows may be stored in another order.
+                let id = id as u32;
+                self.head.order().map_or(id, |o| o.position(id))
+            } else {
+                return Err(Error::IdOutOfRange {
+                    row: i / k,
+                    col: i % k,
+                    id,
+                    vocab,
+                });
+            });
+        }
+        // The kernel's columns: the ids, then the lse.
+        let cols = k + 1;
+        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
+        let sizes = self.head.row_bytes(&self.backend, Job::Topk, cols);
+        let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
+        let plan = self
+            .head
+            .chunk_plan(&self.backend, Job::Topk, ntok, cols, f32_input, budget)?;
+        let (input, s) = self.scratch.begin(
+            &self.backend,
+            Job::Topk,
+            &sizes,
+            (plan.rows_per_chunk, cols),
+            hidden.data(),
+        )?;
+        let mut out = Gathered {
+            logprobs: vec![0f32; ntok * k],
+            lse: vec![0f32; ntok],
+            ntok,
+            k,
+        };
+        let b = &self.backend;
+        let mut run = || -> Result<()> {
+            let mut row_ids = Vec::new();
+            let mut values = Vec::new();
+            for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
+                let x16 = s.x16_for(chunk);
+                self.head.load_hidden(b, &input, x16, (chunk, start, rows))?;
+                self.head
+                    .logits(b, x16, &s.logits, round_up(rows, ALIGN), Scaling::top_k(opts), None)?;
+                row_ids.clear();
+                for t in start..start + rows {
+                    row_ids.extend_from_slice(&positions[t * k..(t + 1) * k]);
+                    row_ids.push(NONE);
+                }
+                b.upload(&s.ids, 0, bytemuck::cast_slice(&row_ids))?;
+                let desc = TopkDesc {
+                    cap: opts.softcap.map(|c| c / opts.temperature),
+                    gather: true,
+                    ..TopkDesc::plain(rows, vocab, self.head.vocab_padded(), cols)
+                };
+                b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
+                values.resize(rows * cols, 0f32);
+                let pending = b.download_begin(&s.probs, 0, rows * cols * 4)?;
+                b.download_end(pending, bytemuck::cast_slice_mut(&mut values))?;
+                for (t, row) in values.chunks_exact(cols).enumerate() {
+                    // NaN in the first value (or the lse): a non-finite logit.
+                    if row[0].is_nan() || !row[k].is_finite() {
+                        return Err(Error::NonFiniteHidden { token: start + t });
+                    }
+                    let token = start + t;
+                    out.logprobs[token * k..(token + 1) * k].copy_from_slice(&row[..k]);
+                    out.lse[token] = row[k];
+                }
+                self.report(rows);
+            }
+            Ok(())
+        };
+        let result = run();
+        self.scratch.put_back(s, None, input);
+        result.map(|()| out)
+    }
+}
