@@ -55,8 +55,8 @@ use burn::prelude::{Int, Tensor};
 use burn::tensor::{activation, DType, Device, FloatDType, IntDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use headkl_core::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadWeights, HiddenDtype, SliceOptions,
-    TopkOptions, DEFAULT_BUDGET_BYTES,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadWeights, HiddenDtype, LossTerms,
+    Reduction, SliceOptions, TopkOptions, DEFAULT_BUDGET_BYTES,
 };
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
@@ -79,7 +79,7 @@ pub mod prelude {
         device_descriptor, Binding, Calls, DeviceOptions, Error, HeadKl, LossOptions, LossOutput, SharedDevice,
         Teacher, TopK, BIND_ALIGN,
     };
-    pub use headkl_core::{HeadData, HeadWeights, TopkOptions};
+    pub use headkl_core::{Divergence, HeadData, HeadWeights, LossTerms, Reduction, TopkOptions};
     pub use headkl_wgpu::OpenOptions;
 }
 
@@ -105,8 +105,16 @@ pub struct LossOptions {
     /// Temperature τ (default 1).
     pub temperature: f32,
     /// The weight the mean divides by; `None`: `Σ w_t` (`ntok` without
-    /// weights), summed on the device.
+    /// weights), summed on the device. Only with [`Reduction::Mean`].
     pub total: Option<f32>,
+    /// How the per-token losses reduce into `loss`, as PyTorch's
+    /// `reduction` (`none` returns the sum in `loss`; `per_token` holds the
+    /// losses); dx is the reduced loss's gradient.
+    pub reduction: Reduction,
+    /// The loss's terms: the divergence (forward, reverse, JSD), the soft
+    /// weight, the z-loss, the softcap and the logit scale (README "Loss
+    /// terms"; the hard term needs labels, which this call does not take).
+    pub terms: LossTerms,
     /// Scale of the f16 gradient; `None`: headkl's default, on the device.
     pub gscale: Option<f32>,
     /// Device-memory budget of headkl's scratch, in bytes.
@@ -120,6 +128,8 @@ impl Default for LossOptions {
         Self {
             temperature: 1.0,
             total: None,
+            reduction: Reduction::Mean,
+            terms: LossTerms::default(),
             gscale: None,
             budget_bytes: DEFAULT_BUDGET_BYTES,
             max_rows_per_chunk: None,
@@ -561,6 +571,8 @@ impl HeadKl {
                 temperature: opts.temperature,
                 weights: w_view.as_ref(),
                 total: opts.total,
+                reduction: opts.reduction,
+                terms: opts.terms,
                 gscale: opts.gscale,
                 accumulate_dx: false,
                 budget_bytes: opts.budget_bytes,
@@ -585,7 +597,14 @@ impl HeadKl {
             None => per_token.clone(),
         };
         let sum = weighted.sum();
-        let mean = match (opts.total, &w) {
+        // The denominator the reduction sets (the device checked that a
+        // given total comes with the mean alone).
+        let total = match opts.reduction {
+            Reduction::Mean => opts.total,
+            Reduction::Sum | Reduction::None => Some(1.0),
+            Reduction::BatchMean => Some(ntok as f32),
+        };
+        let mean = match (total, &w) {
             (Some(total), _) => sum.div_scalar(total),
             (None, Some(w)) => sum / w.clone().sum(),
             (None, None) => sum.div_scalar(ntok as f32),
@@ -599,7 +618,7 @@ impl HeadKl {
         };
         // dx row t is w_t/total · ∂L_t/∂x_t: the per-token node's factor
         // is total/w_t (0 where w_t is not positive: those rows are masked).
-        let factor = match (&w, opts.total) {
+        let factor = match (&w, total) {
             (None, total) => Tensor::<1>::full([ntok], total.unwrap_or(ntok as f32), &expected),
             (Some(w), total) => {
                 let total = match total {

@@ -70,6 +70,76 @@ fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
         .expect("dx against headkl outside burn");
 }
 
+/// The loss options pass through: the reverse KL with `reduction = sum`
+/// gives the f64 reference's per-token losses, their weighted sum as
+/// `loss` and the sum's gradient as dx; a total beside the sum is headkl's
+/// typed error.
+#[test]
+fn reduction_and_divergence_reach_the_device() {
+    let Some(shared) = open() else { return };
+    let case = Case::new(3);
+    let device = shared.device();
+    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let terms = LossTerms {
+        divergence: Divergence::Reverse,
+        ..LossTerms::default()
+    };
+    let opts = LossOptions {
+        reduction: Reduction::Sum,
+        terms,
+        ..LossOptions::default()
+    };
+    let out = head
+        .loss(
+            &case.hidden(&device),
+            &case.teacher(&device),
+            Some(&case.weights(&device)),
+            &opts,
+        )
+        .expect("loss");
+    let (per_token, sum, dx) = (
+        host_f32(out.per_token),
+        f64::from(host_f32(out.loss)[0]),
+        host_f32(out.dx),
+    );
+    head.wait().expect("device status");
+    let hidden = Hidden::f32(&case.hidden, case.ntok, case.hs).expect("hidden");
+    let teacher = headkl_core::Teacher::new(&case.ids, &case.probs, case.ntok, case.k, case.vocab).expect("teacher");
+    let resolved = HostLossOptions {
+        weights: Some(case.weights.clone()),
+        reduction: Reduction::Sum,
+        terms,
+        ..HostLossOptions::default()
+    }
+    .resolve(case.ntok)
+    .expect("options");
+    let want = headkl_reference::direct::head_kl_f64(&case.head(), &hidden, &teacher, &resolved);
+    let tol = Tolerance::default();
+    tol.check_loss(&per_token, sum, &want).expect("reverse KL, summed");
+    tol.check_dx_rows(&dx, &want.dx, Some(case.hs)).expect("the sum's dx");
+    let forward = case.reference(true, None);
+    assert!(
+        (want.loss[0] - forward.loss[0]).abs() > 1e-4,
+        "the reverse KL equals the forward one: the test checks nothing"
+    );
+    let refused = head.loss(
+        &case.hidden(&device),
+        &case.teacher(&device),
+        None,
+        &LossOptions {
+            total: Some(2.0),
+            ..opts
+        },
+    );
+    assert!(
+        matches!(
+            refused,
+            Err(Error::Headkl(headkl_core::Error::TotalWithReduction { .. }))
+        ),
+        "{refused:?}"
+    );
+}
+
 #[test]
 fn backward_puts_dx_times_the_upstream_gradient_into_hidden() {
     let Some(shared) = open() else { return };
