@@ -659,38 +659,27 @@ fn tensor_f32(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
     pod_vec(t.data())
 }
 
-#[test]
-fn topk_matches_direct() {
-    let f = Fixture::new("topk");
-    let k = 7;
-    let out = f.path("top.safetensors");
-    let o = headkl(&[
-        "topk",
-        "--backend",
-        "reference",
-        "--head",
-        f.s("head.safetensors"),
-        "--hidden",
-        f.s("hidden.safetensors"),
-        "-k",
-        "7",
-        "--temperature",
-        "0.8",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let bytes = fs::read(&out).unwrap();
+/// A `topk` output's ids (I64 `[NTOK][k]`, as u32) and probabilities.
+fn read_topk(path: &Path, k: usize) -> (Vec<u32>, Vec<f32>) {
+    let bytes = fs::read(path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let ids_t = st.tensor("ids").unwrap();
     assert_eq!(ids_t.dtype(), Dtype::I64);
     assert_eq!(ids_t.shape(), &[NTOK, k]);
     let ids: Vec<i64> = pod_vec(ids_t.data());
-    let ids: Vec<u32> = ids.iter().map(|&i| u32::try_from(i).unwrap()).collect();
-    let probs = tensor_f32(&st, "probs");
+    let ids = ids.iter().map(|&i| u32::try_from(i).unwrap()).collect();
+    (ids, tensor_f32(&st, "probs"))
+}
+
+#[test]
+fn topk_matches_direct() {
+    let f = Fixture::new("topk");
+    let o = f.topk_k("top.safetensors", 7, &["--temperature", "0.8"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let (ids, probs) = read_topk(&f.path("top.safetensors"), 7);
     let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
     let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
-    let want = topk_f64(&head, &hidden, k, 0.8);
+    let want = topk_f64(&head, &hidden, 7, 0.8);
     Tolerance::default().check_topk(&ids, &probs, &want).unwrap();
 }
 
@@ -701,32 +690,10 @@ fn topk_matches_direct() {
 fn topk_logit_scale_matches_direct() {
     let f = Fixture::new("topk-scale");
     let out = f.path("top.safetensors");
-    let run = |scale: &str| {
-        headkl(&[
-            "topk",
-            "--backend",
-            "reference",
-            "--head",
-            f.s("head.safetensors"),
-            "--hidden",
-            f.s("hidden.safetensors"),
-            "-k",
-            "7",
-            "--temperature",
-            "1.6",
-            "--logit-scale",
-            scale,
-            "--out",
-            out.to_str().unwrap(),
-        ])
-    };
+    let run = |scale: &str| f.topk_k("top.safetensors", 7, &["--temperature", "1.6", "--logit-scale", scale]);
     let o = run("2");
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let bytes = fs::read(&out).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let ids: Vec<i64> = pod_vec(st.tensor("ids").unwrap().data());
-    let ids: Vec<u32> = ids.iter().map(|&i| u32::try_from(i).unwrap()).collect();
-    let probs = tensor_f32(&st, "probs");
+    let (ids, probs) = read_topk(&out, 7);
     let head = HeadWeights::new(HeadData::F32(&f.head), VOCAB, HS).unwrap();
     let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
     Tolerance::default()
@@ -2155,6 +2122,12 @@ fn metadata(path: &Path) -> std::collections::HashMap<String, String> {
 impl Fixture {
     /// Runs `headkl topk` on the reference into `out` with extra args.
     fn topk(&self, out: &str, extra: &[&str]) -> Output {
+        self.topk_k(out, K, extra)
+    }
+
+    /// Runs `headkl topk -k k` on the reference with extra args.
+    fn topk_k(&self, out: &str, k: usize, extra: &[&str]) -> Output {
+        let k = k.to_string();
         let mut args = vec![
             "topk",
             "--backend",
@@ -2164,7 +2137,7 @@ impl Fixture {
             "--hidden",
             self.s("hidden.safetensors"),
             "-k",
-            "4",
+            &k,
             "--out",
             self.s(out),
         ];

@@ -423,13 +423,15 @@ impl<B: ResidentBackend> Engine<B> {
     /// (this engine's and a resident shard's phases): the hidden rows, the
     /// teacher's ids and probabilities, the weights, and the options the
     /// host path checks, in its order. `k` is the caller's to check.
+    /// Returns the total the reduction sets (`None`: `Σ w`, summed on the
+    /// device), checked.
     pub(crate) fn check_resident_loss_inputs(
         &self,
         ntok: usize,
         hidden: &DeviceHidden<'_, B::Buffer>,
         teacher: &DeviceTeacher<'_, B::Buffer>,
         opts: &DeviceLossOptions<'_, B::Buffer>,
-    ) -> Result<()> {
+    ) -> Result<Option<f32>> {
         self.check_resident_hidden(ntok, hidden)?;
         let entries = elements("ids", ntok, teacher.k)?;
         u32_extent("ids", entries)?;
@@ -445,9 +447,9 @@ impl<B: ResidentBackend> Engine<B> {
             opts.labels.is_some(),
             opts.filter_eps,
         )?;
-        opts.reduction.total(opts.total, ntok)?.map(check_total).transpose()?;
+        let total = opts.reduction.total(opts.total, ntok)?.map(check_total).transpose()?;
         opts.gscale.map(check_gscale).transpose()?;
-        Ok(())
+        Ok(total)
     }
 
     /// [`Engine::head_kl`] on device buffers (DESIGN §8): reads `ntok`
@@ -522,7 +524,7 @@ impl<B: ResidentBackend> Engine<B> {
         self.refuse_vocab_order()?;
         let k = teacher.k;
         check_k(k, self.head.vocab())?;
-        self.check_resident_loss_inputs(ntok, hidden, teacher, opts)?;
+        let total = self.check_resident_loss_inputs(ntok, hidden, teacher, opts)?;
         self.check_view("loss", out.loss, ntok, 4)?;
         self.check_view("dx", out.dx, elements("dx", ntok, self.head.hs())?, 4)?;
         if let Some(l) = opts.labels {
@@ -543,7 +545,16 @@ impl<B: ResidentBackend> Engine<B> {
         let (status, mut scratch) = self.take_resident(job, plan.rows_per_chunk, k)?;
         self.resident.pending = true;
         let recorded = self.take_resident_loss(&mut scratch).and_then(|ls| {
-            let recorded = self.record_head_kl(ntok, hidden, teacher, out, opts, &plan, &status, (&scratch.rows, &ls));
+            let recorded = self.record_head_kl(
+                ntok,
+                hidden,
+                teacher,
+                out,
+                (opts, total),
+                &plan,
+                &status,
+                (&scratch.rows, &ls),
+            );
             scratch.loss = Some(ls);
             recorded
         });
@@ -564,7 +575,7 @@ impl<B: ResidentBackend> Engine<B> {
         hidden: &DeviceHidden<'_, B::Buffer>,
         teacher: &DeviceTeacher<'_, B::Buffer>,
         out: &DeviceLossOutput<'_, B::Buffer>,
-        opts: &DeviceLossOptions<'_, B::Buffer>,
+        (opts, total): (&DeviceLossOptions<'_, B::Buffer>, Option<f32>),
         plan: &crate::chunking::ChunkPlan,
         status: &B::Buffer,
         (s, ls): (&RowScratch<B>, &LossScratch<B>),
@@ -578,7 +589,7 @@ impl<B: ResidentBackend> Engine<B> {
             desc: WeightStatsDesc {
                 rows: ntok,
                 has_weights: opts.weights.is_some(),
-                total: opts.reduction.total(opts.total, ntok)?,
+                total,
                 gscale: opts.gscale,
                 temperature: opts.temperature,
                 grad_bound: opts.terms.grad_bound(opts.temperature),
