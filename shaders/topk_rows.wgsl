@@ -181,53 +181,67 @@ fn write_row(row: u32, k: u32, lid: u32) {
 // F_GATHER: no selection. The log-probabilities over the full row at the
 // caller's ids (the first k − 1 columns of `ids`; an id at or past vocab
 // gets -inf) and the row's log-sum-exp in the last column; a row with a
-// non-finite logit gets NaN in its first value (as write_bad).
+// non-finite logit gets NaN in its first value (as write_bad). One read of
+// the row, 16 bytes at a time, folding (max, Σ exp(u − max)) online.
+struct GatherFold {
+    m: f32,
+    s: f32,
+    bad: u32,
+}
+
+// Folds logit x when `live` (below vocab); a non-finite one only flags.
+fn gather_fold(st: GatherFold, x: f32, live: bool) -> GatherFold {
+    var out = st;
+    if live {
+        if non_finite(x) {
+            out.bad = 1u;
+        } else {
+            let u = capped(x);
+            if u > out.m {
+                out.s = out.s * exp(out.m - u) + 1.0;
+                out.m = u;
+            } else {
+                out.s += exp(u - out.m);
+            }
+        }
+    }
+    return out;
+}
+
 fn gather_row(row: u32, k: u32, lid: u32) {
     let base = row * params.ld;
     let vocab = params.vocab;
-    var m = -3.0e38;
-    var bad = 0u;
-    for (var j = lid; j < vocab; j += WG) {
-        let x = logit(base, j);
-        if non_finite(x) {
-            bad = 1u;
-        } else {
-            m = max(m, capped(x));
-        }
+    let base4 = base / 4u;
+    let n4 = (vocab + 3u) / 4u;
+    // Straight-line over each word's four logits (no indexed component).
+    var st = GatherFold(-3.0e38, 0.0, 0u);
+    for (var j4 = lid; j4 < n4; j4 += WG) {
+        let x4 = logits[base4 + j4];
+        let j = j4 * 4u;
+        st = gather_fold(st, x4.x, j < vocab);
+        st = gather_fold(st, x4.y, j + 1u < vocab);
+        st = gather_fold(st, x4.z, j + 2u < vocab);
+        st = gather_fold(st, x4.w, j + 3u < vocab);
     }
-    scan[lid] = bitcast<u32>(m);
+    // The selection's arrays hold the merge (no selection runs here).
+    sel_key[lid] = bitcast<u32>(st.m);
+    sel_id[lid] = bitcast<u32>(st.s);
+    scan[lid] = st.bad;
     workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if lid < s {
-            scan[lid] = bitcast<u32>(max(bitcast<f32>(scan[lid]), bitcast<f32>(scan[lid + s])));
+    for (var h = WG / 2u; h > 0u; h >>= 1u) {
+        if lid < h {
+            let m1 = bitcast<f32>(sel_key[lid]);
+            let m2 = bitcast<f32>(sel_key[lid + h]);
+            let m = max(m1, m2);
+            let s = bitcast<f32>(sel_id[lid]) * exp(m1 - m) + bitcast<f32>(sel_id[lid + h]) * exp(m2 - m);
+            sel_key[lid] = bitcast<u32>(m);
+            sel_id[lid] = bitcast<u32>(s);
+            scan[lid] |= scan[lid + h];
         }
         workgroupBarrier();
     }
-    let row_max = bitcast<f32>(scan[0]);
-    workgroupBarrier();
-    scan[lid] = bad;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if lid < s {
-            scan[lid] |= scan[lid + s];
-        }
-        workgroupBarrier();
-    }
+    let lse = bitcast<f32>(sel_key[0]) + log(bitcast<f32>(sel_id[0]));
     let row_bad = scan[0];
-    workgroupBarrier();
-    var part = 0.0;
-    for (var j = lid; j < vocab; j += WG) {
-        part += exp(capped(logit(base, j)) - row_max);
-    }
-    scan[lid] = bitcast<u32>(part);
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if lid < s {
-            scan[lid] = bitcast<u32>(bitcast<f32>(scan[lid]) + bitcast<f32>(scan[lid + s]));
-        }
-        workgroupBarrier();
-    }
-    let lse = row_max + log(bitcast<f32>(scan[0]));
     let out = row * k;
     for (var q = lid; q + 1u < k; q += WG) {
         let id = ids[out + q];

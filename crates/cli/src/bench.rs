@@ -125,6 +125,10 @@ pub struct BenchConfig {
     /// Labels of the hard term: `random` (uniform over the vocabulary, seeded)
     #[arg(long, value_enum, value_name = "random")]
     pub labels: Option<BenchLabels>,
+    /// Also time `gather` (the log-probabilities at the teacher's k ids a token,
+    /// `Engine::logprobs_at`) on the host path
+    #[arg(long)]
+    pub gather: bool,
 }
 
 /// `bench --labels`.
@@ -455,6 +459,11 @@ impl BenchJob<'_> {
             budget_bytes: cfg.budget.bytes,
             ..TopkOptions::new(shape.k)
         };
+        // The gather scores the teacher's own ids.
+        let gather_ids: Vec<i64> = match job {
+            JobKind::Gather => d.teacher.ids().iter().map(|&i| i64::from(i)).collect(),
+            _ => Vec::new(),
+        };
         // Kept across calls, as a training loop keeps its gradient buffer.
         let mut loss_out = headkl_core::LossOutput::default();
         let mut result = Self::time_calls(
@@ -468,6 +477,7 @@ impl BenchJob<'_> {
             |engine| match job {
                 JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
                 JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
+                JobKind::Gather => engine.logprobs_at(&hidden, &gather_ids, &topk_opts).map(|_| ()),
             },
         )?;
         if job == JobKind::HeadKl {
@@ -556,7 +566,7 @@ impl BenchJob<'_> {
         let mut progress = Progress::new_estimated(label, (cfg.warmup + cfg.iters) as u64);
         let estimate = topk_call.map(|s| match job {
             JobKind::HeadKl => 2.0 * s,
-            JobKind::Topk => s,
+            JobKind::Topk | JobKind::Gather => s,
         });
         let mut last_call: Option<f64> = None;
         let mut wall = Vec::with_capacity(cfg.iters);
@@ -941,7 +951,8 @@ impl BenchJob<'_> {
         );
         let topk_call = Self::probe(data, self.cfg, &mut engine, confirmed)?;
         let mut jobs = Vec::new();
-        for job in [JobKind::HeadKl, JobKind::Topk] {
+        let gather = self.cfg.gather.then_some(JobKind::Gather);
+        for job in [JobKind::HeadKl, JobKind::Topk].into_iter().chain(gather) {
             jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes, topk_call)?);
         }
         if self.cfg.resident && engine.vocab_order().is_some() {

@@ -1557,6 +1557,17 @@ fn bench_takes_the_loss_options() {
         let head_kl = &v["runs"][0]["jobs"][0];
         assert!(head_kl["median_ms"].as_f64().unwrap() > 0.0, "{head_kl}");
     }
+    // `--gather` adds the gather job's row.
+    let o = bench(&["--gather"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
+    let jobs: Vec<&str> = v["runs"][0]["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["job"].as_str().unwrap())
+        .collect();
+    assert_eq!(jobs, ["head_kl", "topk", "gather"], "{v}");
     for (extra, needle) in [
         (vec!["--hard-weight", "1"], "--hard-weight"),
         (vec!["--beta", "0.5"], "--beta"),

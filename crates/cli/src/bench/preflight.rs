@@ -205,6 +205,7 @@ mod tests {
             soft_weight: 1.0,
             hard_weight: 0.0,
             labels: None,
+            gather: false,
         }
     }
 

@@ -68,12 +68,13 @@ impl Shape {
         Shape { ntok, vocab, hs, k }
     }
 
-    /// `4·ntok·V·hs` for head_kl (two GEMMs), half that for topk.
+    /// `4·ntok·V·hs` for head_kl (two GEMMs), half that for topk and the
+    /// gather (one).
     pub fn flops(&self, job: JobKind) -> f64 {
         let one = 2.0 * self.ntok as f64 * self.vocab as f64 * self.hs as f64;
         match job {
             JobKind::HeadKl => 2.0 * one,
-            JobKind::Topk => one,
+            JobKind::Topk | JobKind::Gather => one,
         }
     }
 }
@@ -129,6 +130,9 @@ pub enum JobKind {
     /// The teacher's top-k.
     #[serde(rename = "topk")]
     Topk,
+    /// The log-probabilities at given ids (`Engine::logprobs_at`).
+    #[serde(rename = "gather")]
+    Gather,
 }
 
 impl JobKind {
@@ -137,6 +141,7 @@ impl JobKind {
         match self {
             JobKind::HeadKl => "head_kl",
             JobKind::Topk => "topk",
+            JobKind::Gather => "gather",
         }
     }
 }
