@@ -4,8 +4,8 @@
 //! logits GEMM as `topk` runs it, then the top-k kernel's gather mode
 //! ([`TopkDesc::gather`]): no `[ntok][V]` tensor leaves the device.
 
-use super::{Engine, Error, Result};
-use crate::backend::{Backend, TopkDesc};
+use super::{Chunk, Engine, Error, InFlight, Result};
+use crate::backend::{Backend, PendingDownload, TopkDesc};
 use crate::head_planes::Scaling;
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, TopkOptions};
@@ -90,8 +90,30 @@ impl<B: Backend> Engine<B> {
         };
         let b = &self.backend;
         let mut run = || -> Result<()> {
-            let mut row_ids = Vec::new();
+            // Two chunks in flight, as in `topk`: a chunk's values are read
+            // while the next one runs.
+            let mut pipe = InFlight::new(b);
             let mut values = Vec::new();
+            let mut read = |done: Chunk, out: &mut Gathered| -> Result<()> {
+                let Chunk {
+                    start, rows, pending, ..
+                } = done;
+                let [values_p, _] = pending;
+                values.resize(rows * cols, 0f32);
+                b.download_end(values_p, bytemuck::cast_slice_mut(&mut values))?;
+                for (t, row) in values.chunks_exact(cols).enumerate() {
+                    // NaN in the first value (or the lse): a non-finite logit.
+                    if row[0].is_nan() || !row[k].is_finite() {
+                        return Err(Error::NonFiniteHidden { token: start + t });
+                    }
+                    let token = start + t;
+                    out.logprobs[token * k..(token + 1) * k].copy_from_slice(&row[..k]);
+                    out.lse[token] = row[k];
+                }
+                self.report(rows);
+                Ok(())
+            };
+            let mut row_ids = Vec::new();
             for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
                 let x16 = s.x16_for(chunk);
                 self.head.load_hidden(b, &input, x16, (chunk, start, rows))?;
@@ -109,19 +131,14 @@ impl<B: Backend> Engine<B> {
                     ..TopkDesc::plain(rows, vocab, self.head.vocab_padded(), cols)
                 };
                 b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
-                values.resize(rows * cols, 0f32);
-                let pending = b.download_begin(&s.probs, 0, rows * cols * 4)?;
-                b.download_end(pending, bytemuck::cast_slice_mut(&mut values))?;
-                for (t, row) in values.chunks_exact(cols).enumerate() {
-                    // NaN in the first value (or the lse): a non-finite logit.
-                    if row[0].is_nan() || !row[k].is_finite() {
-                        return Err(Error::NonFiniteHidden { token: start + t });
-                    }
-                    let token = start + t;
-                    out.logprobs[token * k..(token + 1) * k].copy_from_slice(&row[..k]);
-                    out.lse[token] = row[k];
+                let values_p = b.download_begin(&s.probs, 0, rows * cols * 4)?;
+                let pending = [values_p, PendingDownload::ready(Vec::new())];
+                if let Some(done) = pipe.push(start, rows, pending, None) {
+                    read(done, &mut out)?;
                 }
-                self.report(rows);
+            }
+            if let Some(done) = pipe.pop() {
+                read(done, &mut out)?;
             }
             Ok(())
         };
