@@ -111,15 +111,7 @@ pub fn run(
     };
     // Every option and id is checked before the head goes anywhere.
     opts.check(vocab).map_err(|e| sources.map(e, "gather options"))?;
-    if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= vocab as i64) {
-        let e = headkl_core::Error::IdOutOfRange {
-            row: i / k,
-            col: i % k,
-            id,
-            vocab,
-        };
-        return Err(sources.map(e, "ids"));
-    }
+    headkl_core::check_gather_ids(&ids, ntok, k, vocab).map_err(|e| sources.map(e, "ids"))?;
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;

@@ -167,6 +167,18 @@ fn stderr(o: &Output) -> String {
 }
 
 /// Exit 2, a one-line error containing every needle, no panic.
+/// The `mean loss: ` line a `loss` run printed, as a number.
+fn printed_mean(o: &Output) -> f64 {
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("mean loss: "))
+        .unwrap_or_else(|| panic!("no mean loss in stdout: {stdout}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
 fn assert_input_error(o: &Output, needles: &[&str]) {
     let err = stderr(o);
     assert_eq!(o.status.code(), Some(2), "expected exit 2, stderr:\n{err}");
@@ -716,14 +728,7 @@ fn loss_matches_direct_with_weights() {
         &["--weights", f.s("w.safetensors"), "--temperature", "1.5"],
     );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
-    let mean: f64 = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("mean loss: "))
-        .unwrap_or_else(|| panic!("no mean loss in stdout: {stdout}"))
-        .trim()
-        .parse()
-        .unwrap();
+    let mean = printed_mean(&o);
     let bytes = fs::read(f.path("out.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(st.tensor("loss").unwrap().shape(), &[NTOK]);
@@ -844,14 +849,7 @@ fn loss_divergences_match_direct_and_bad_values_name_the_option() {
     let forward: f64 = {
         let o = f.loss("partial.safetensors", &["--tail", "bucket"]);
         assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix("mean loss: "))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap()
+        printed_mean(&o)
     };
     for (divergence, extra) in [
         (Divergence::Reverse, vec!["--divergence", "reverse"]),
@@ -864,14 +862,7 @@ fn loss_divergences_match_direct_and_bad_values_name_the_option() {
         args.extend(&extra);
         let o = f.loss("partial.safetensors", &args);
         assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
-        let mean: f64 = stdout
-            .lines()
-            .find_map(|l| l.strip_prefix("mean loss: "))
-            .unwrap_or_else(|| panic!("no mean loss in stdout: {stdout}"))
-            .trim()
-            .parse()
-            .unwrap();
+        let mean = printed_mean(&o);
         assert!(
             (mean - forward).abs() > 1e-3,
             "{divergence:?}: {mean} is the forward loss"
@@ -961,14 +952,7 @@ fn topk_gather_reverse_loss_round_trip_matches_f64() {
         ],
     );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
-    let mean: f64 = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("mean loss: "))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let mean = printed_mean(&o);
     let loss = tensor_f32(
         &SafeTensors::deserialize(&fs::read(f.path("out.safetensors")).unwrap()).unwrap(),
         "loss",
@@ -1036,14 +1020,7 @@ fn ignore_mask_equals_zero_weights_on_the_ignored_tokens() {
     let run = |extra: &[&str]| {
         let o = f.loss("teacher.safetensors", extra);
         assert_eq!(o.status.code(), Some(0), "{extra:?}: {}", stderr(&o));
-        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
-        let mean: f64 = stdout
-            .lines()
-            .find_map(|l| l.strip_prefix("mean loss: "))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let mean = printed_mean(&o);
         let bytes = fs::read(f.path("out.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         (mean, tensor_f32(&st, "grad"))
@@ -1145,14 +1122,7 @@ fn stored_teacher_round_trip_matches_direct() {
         ],
     );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
-    let mean: f64 = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("mean loss: "))
-        .unwrap_or_else(|| panic!("no mean loss in stdout: {stdout}"))
-        .trim()
-        .parse()
-        .unwrap();
+    let mean = printed_mean(&o);
     let bytes = fs::read(f.path("out.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     for name in ["loss", "lse", "soft", "hard"] {
@@ -2204,15 +2174,7 @@ fn teacher_temperature_reads_a_teacher_made_at_another_one() {
         args.extend(extra);
         let o = f.loss(teacher, &args);
         assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
-        let m: f64 = stdout
-            .lines()
-            .find_map(|l| l.strip_prefix("mean loss: "))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        m
+        printed_mean(&o)
     };
     let direct = mean("t2.safetensors", &[]);
     let rescaled = mean("t1.safetensors", &["--teacher-temperature", "1"]);
@@ -2309,12 +2271,7 @@ fn teacher_without_metadata_works_with_a_note_and_loss_records_its_mean() {
     let notes = err.lines().filter(|l| l.contains("no headkl metadata")).count();
     assert_eq!(notes, 1, "{err}");
     let m = metadata(&f.path("out.safetensors"));
-    let printed: f64 = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("mean loss: "))
-        .unwrap()
-        .parse()
-        .unwrap();
+    let printed = printed_mean(&o);
     let saved: f64 = m["headkl.mean"].parse().unwrap();
     assert!((saved - printed).abs() <= 1e-5 * printed.abs(), "{saved} vs {printed}");
     assert_eq!(m["headkl.temperature"], "1.5");

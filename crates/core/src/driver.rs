@@ -18,7 +18,7 @@ use crate::vocab_order::VocabOrder;
 use crate::{round_up, ALIGN};
 
 mod gather;
-pub use gather::Gathered;
+pub use gather::{check_gather_ids, Gathered};
 
 /// How the head is cut into vocabulary slices.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -613,23 +613,35 @@ impl<B: Backend> Engine<B> {
         self.head.check_hidden(hidden)?;
         self.resident.release_scratch();
         opts.check(self.head.vocab())?;
-        let (ntok, k) = (hidden.ntok(), opts.k);
-        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
-        let sizes = self.head.row_bytes(&self.backend, Job::Topk, k);
-        let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
-        let plan = self
-            .head
-            .chunk_plan(&self.backend, Job::Topk, ntok, k, f32_input, budget)?;
-        let (input, rows_s) = self.scratch.begin(
-            &self.backend,
-            Job::Topk,
-            &sizes,
-            (plan.rows_per_chunk, k),
-            hidden.data(),
-        )?;
+        let ntok = hidden.ntok();
+        let (plan, input, rows_s) = self.begin_row_job(hidden, opts.k, opts)?;
         let result = self.topk_chunks(&plan, &input, &rows_s, ntok, opts);
         self.scratch.put_back(rows_s, None, input);
         result
+    }
+
+    /// The chunk plan and scratch of a call shaped as `topk`'s (`topk`
+    /// itself, the gather): `width` values a row, `opts`' budget.
+    fn begin_row_job<'a>(
+        &mut self,
+        hidden: &Hidden<'a>,
+        width: usize,
+        opts: &TopkOptions,
+    ) -> Result<(ChunkPlan, Input<'a, B>, RowScratch<B>)> {
+        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
+        let sizes = self.head.row_bytes(&self.backend, Job::Topk, width);
+        let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
+        let plan = self
+            .head
+            .chunk_plan(&self.backend, Job::Topk, hidden.ntok(), width, f32_input, budget)?;
+        let (input, rows) = self.scratch.begin(
+            &self.backend,
+            Job::Topk,
+            &sizes,
+            (plan.rows_per_chunk, width),
+            hidden.data(),
+        )?;
+        Ok((plan, input, rows))
     }
 
     /// `topk`'s chunks, with its scratch.

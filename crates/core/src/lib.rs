@@ -91,7 +91,7 @@ pub use backend::{
     KlDesc, KlFilter, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, STATS_GROUP_COLS,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
-pub use driver::{Engine, Gathered, LossOutput, ProgressCallback, SliceOptions, TopK};
+pub use driver::{check_gather_ids, Engine, Gathered, LossOutput, ProgressCallback, SliceOptions, TopK};
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use filter::FilterStats;
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};

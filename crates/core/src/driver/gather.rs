@@ -8,8 +8,7 @@ use super::{Chunk, Engine, Error, InFlight, Result};
 use crate::backend::{Backend, PendingDownload, TopkDesc};
 use crate::head_planes::Scaling;
 use crate::launch::Kernels;
-use crate::problem::{Hidden, HiddenData, TopkOptions};
-use crate::scratch::Job;
+use crate::problem::{Hidden, TopkOptions};
 use crate::{round_up, ALIGN};
 
 /// Result of [`Engine::logprobs_at`].
@@ -29,6 +28,28 @@ pub struct Gathered {
 /// An id the kernel reads as none (past any vocabulary).
 const NONE: u32 = u32::MAX;
 
+/// The checks [`Engine::logprobs_at`] makes on its ids, for a caller to
+/// make before anything is uploaded: `ntok · k` of them, each negative
+/// (none) or below `vocab`.
+pub fn check_gather_ids(ids: &[i64], ntok: usize, k: usize, vocab: usize) -> Result<()> {
+    if ids.len() != ntok * k {
+        return Err(Error::LengthMismatch {
+            field: crate::error::Field::Ids,
+            expected: ntok * k,
+            got: ids.len(),
+        });
+    }
+    match ids.iter().position(|&id| id >= 0 && id as u64 >= vocab as u64) {
+        Some(i) => Err(Error::IdOutOfRange {
+            row: i / k,
+            col: i % k,
+            id: ids[i],
+            vocab,
+        }),
+        None => Ok(()),
+    }
+}
+
 impl<B: Backend> Engine<B> {
     /// The log-probabilities at τ over the full vocabulary of the logits
     /// `z = S·x·Wᵀ` (softcapped if asked: `opts` as for [`Engine::topk`],
@@ -43,45 +64,18 @@ impl<B: Backend> Engine<B> {
         let vocab = self.head.vocab();
         opts.check(vocab)?;
         let (ntok, k) = (hidden.ntok(), opts.k);
-        if ids.len() != ntok * k {
-            return Err(Error::LengthMismatch {
-                field: crate::error::Field::Ids,
-                expected: ntok * k,
-                got: ids.len(),
-            });
-        }
-        let mut positions = Vec::with_capacity(ids.len());
-        for (i, &id) in ids.iter().enumerate() {
-            positions.push(if id < 0 {
-                NONE
-            } else if (id as u64) < vocab as u64 {
-                // The head's rows may be stored in another order.
-                let id = id as u32;
-                self.head.order().map_or(id, |o| o.position(id))
-            } else {
-                return Err(Error::IdOutOfRange {
-                    row: i / k,
-                    col: i % k,
-                    id,
-                    vocab,
-                });
-            });
-        }
+        check_gather_ids(ids, ntok, k, vocab)?;
+        // The head's rows may be stored in another order.
+        let positions: Vec<u32> = ids
+            .iter()
+            .map(|&id| match u32::try_from(id) {
+                Ok(id) => self.head.order().map_or(id, |o| o.position(id)),
+                Err(_) => NONE,
+            })
+            .collect();
         // The kernel's columns: the ids, then the lse.
         let cols = k + 1;
-        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
-        let sizes = self.head.row_bytes(&self.backend, Job::Topk, cols);
-        let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
-        let plan = self
-            .head
-            .chunk_plan(&self.backend, Job::Topk, ntok, cols, f32_input, budget)?;
-        let (input, s) = self.scratch.begin(
-            &self.backend,
-            Job::Topk,
-            &sizes,
-            (plan.rows_per_chunk, cols),
-            hidden.data(),
-        )?;
+        let (plan, input, s) = self.begin_row_job(hidden, cols, opts)?;
         let mut out = Gathered {
             logprobs: vec![0f32; ntok * k],
             lse: vec![0f32; ntok],

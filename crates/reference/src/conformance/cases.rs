@@ -270,6 +270,20 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
     ]
 }
 
+/// Every loss term on at once, with `divergence` (the "everything"
+/// regression cases).
+fn every_term(divergence: Divergence) -> LossTerms {
+    LossTerms {
+        soft_weight: 0.7,
+        hard_weight: 0.5,
+        label_smoothing: 0.1,
+        z_loss: 1e-3,
+        softcap: Some(4.0),
+        logit_scale: 0.8,
+        divergence,
+    }
+}
+
 /// `case` with the loss terms: the teacher in `form` and `tail` mode (its
 /// rows scaled to 60–90% of the mass outside renormalize, every fourth
 /// row to all of it but under the reverse KL, whose floored teacher tail
@@ -611,15 +625,7 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
                 max_rows_per_chunk: Some(16),
                 ..params(HeadKl, 700, 56, 40, 12, 39)
             });
-            let terms = LossTerms {
-                soft_weight: 0.7,
-                hard_weight: 0.5,
-                label_smoothing: 0.1,
-                z_loss: 1e-3,
-                softcap: Some(4.0),
-                logit_scale: 0.8,
-                divergence: Divergence::Forward,
-            };
+            let terms = every_term(Divergence::Forward);
             let mut r = plain(with_terms(case, TeacherForm::Logprobs, TailMode::Bucket, terms));
             r.min_slices = 3;
             r.min_chunks = 3;
@@ -678,15 +684,7 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
                 max_rows_per_slice: Some(256),
                 ..params(HeadKl, 700, 56, 40, 12, 55)
             });
-            let terms = LossTerms {
-                soft_weight: 0.7,
-                hard_weight: 0.5,
-                label_smoothing: 0.1,
-                z_loss: 1e-3,
-                softcap: Some(4.0),
-                logit_scale: 0.8,
-                divergence: Divergence::Jsd { beta: 0.3 },
-            };
+            let terms = every_term(Divergence::Jsd { beta: 0.3 });
             let mut r = plain(with_terms(case, TeacherForm::Logprobs, TailMode::Bucket, terms));
             r.min_slices = 3;
             r
