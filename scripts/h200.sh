@@ -6,15 +6,18 @@
 #
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
-# [bench] [dxsplit] [filter] [wgmma] [divergence] [ce] [anchors] [peers]
+# [bench] [dxsplit] [filter] [wgmma] [divergence] [fullvocab] [ce] [anchors] [peers]
 # [cublas] [twin] [soak] (default: all but tune, dxsplit, filter, wgmma,
-# divergence, ce, peers, twin and soak).
+# divergence, fullvocab, ce, peers, twin and soak).
 # `ce` times head_kl as the cross-entropy alone (bench --soft-weight 0
 # --hard-weight 1 --labels random) at each shape, host and resident, then Cut
 # Cross-Entropy, Liger's fused linear CE and torch.compile's CE (peers.py).
 # `divergence` times head_kl with each divergence (bench --divergence
 # forward, reverse, jsd at β 0.5) at each shape of SHAPES, host and
 # resident, then Liger's fused linear KL and JSD (peers.py) in the same call.
+# `fullvocab` times the exact full-vocabulary JSD (β 0.5) from teacher hidden
+# rows (bench --teacher-hs: the shape's hs, and 4096 at S) beside Liger's
+# fused linear JSD at the same teacher sizes (peers.py --variants liger_jsd).
 # `soak` runs `headkl soak` (SOAK_CALLS calls a path, default 10000, at
 # SOAK_SHAPE, default S) on each of SOAK_BACKENDS (default "vulkan wgpu"):
 # memory flat and results bit-identical on the host and resident paths,
@@ -228,6 +231,25 @@ if has divergence; then
     done
     PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" --variants liger_kl,liger_jsd \
         2>&1 | tee "$out/peers-divergence.txt" | grep -v Warning | tee -a "$summary"
+fi
+if has fullvocab; then
+    # The teacher's hs: the student's (the shape's), and 4096 at S.
+    for run in $(for shape in $shapes; do
+                     case $shape in A) echo A:5120;; B) echo B:4096;; S) echo S:896 S:4096;; M) echo M:2048;; esac
+                 done); do
+        shape=${run%%:*} ths=${run##*:}
+        log="$out/bench-fullvocab-$shape-$ths.txt"
+        $headkl $quiet bench --backend vulkan --shape $shape --iters 5 --warmup 1 --teacher-hs $ths \
+            --divergence jsd --beta 0.5 --json "${log%.txt}.json" >"$log" 2>&1
+        echo "bench fullvocab $shape teacher hs $ths exit=$?" | tee -a "$summary"
+        grep -E "^vulkan " "$log" | tee -a "$summary"
+    done
+    PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" --variants liger_jsd \
+        2>&1 | tee "$out/peers-fullvocab.txt" | grep -v Warning | tee -a "$summary"
+    case " $shapes " in *" S "*)
+        PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes S --variants liger_jsd --teacher-hs 4096 \
+            2>&1 | tee "$out/peers-fullvocab-S-4096.txt" | grep -v Warning | tee -a "$summary";;
+    esac
 fi
 if has ce; then
     for shape in $shapes; do

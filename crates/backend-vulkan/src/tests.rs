@@ -674,10 +674,10 @@ fn every_catalogue_kernel_compiles_to_spirv() {
         }
     }
     assert!(failures.is_empty(), "shader compile failures:\n{}", failures.join("\n"));
-    // 4 fixed kernels, the 8 device-resident ones; per GEMM (logits, dx,
+    // 4 fixed kernels, the 10 device-resident ones; per GEMM (logits, dx,
     // dx filtered) the tiled kernel and 19 matrix-unit tiles at 3 subgroup
     // sizes; each checked and unchecked.
-    assert_eq!(compiled, 2 * (4 + 8 + 3 * (1 + 19 * 3)));
+    assert_eq!(compiled, 2 * (4 + 10 + 3 * (1 + 19 * 3)));
     // Every GLSL tile, all three GEMMs, and the filtered dx GEMM's GLSL
     // tile beside each PTX tile; the PTX tiles' logits and dx entry points.
     let ptx_tiles = headkl_core::CoopGemm::candidates()
@@ -717,6 +717,13 @@ fn every_kl_rows_specialization_compiles_to_spirv() {
     sets.sort_unstable();
     sets.dedup();
     assert_eq!(sets.len(), 1 + 3 * 2 * 2 * 2 * 4);
+    // The dense teacher's rows: each divergence, τ = 1, τ not an integer,
+    // τ = 2.
+    for divergence in 0..3u32 {
+        for tau in [0, f::TAU, f::TAU | (2 << f::TAU_POW_SHIFT)] {
+            sets.push(f::GENERAL | f::DENSE_TEACHER | (divergence << f::DIVERGENCE_SHIFT) | tau);
+        }
+    }
     for flags in sets {
         for checked in [false, true] {
             let overrides = vec![(headkl_core::kernels::KL_FLAGS, flags)];

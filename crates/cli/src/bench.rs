@@ -129,6 +129,11 @@ pub struct BenchConfig {
     /// `Engine::logprobs_at`) on the host path
     #[arg(long)]
     pub gather: bool,
+    /// Also time the exact full-vocabulary head_kl from teacher hidden rows of hidden size N
+    /// (`loss --teacher-hidden`; a random teacher head [V][N], uploaded outside the timing), with
+    /// --divergence and --beta
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub teacher_hs: Option<u32>,
 }
 
 /// `bench --labels`.
@@ -464,6 +469,26 @@ impl BenchJob<'_> {
             JobKind::Gather => d.teacher.ids().iter().map(|&i| i64::from(i)).collect(),
             _ => Vec::new(),
         };
+        // The full-vocabulary loss's teacher: its head goes up outside the
+        // timing, as a trainer uploads it once.
+        let teacher_hidden = match job {
+            JobKind::FullVocab { teacher_hs } => {
+                let (head, hidden) = teacher_data(shape, teacher_hs);
+                let teacher_head = HeadWeights::new(HeadData::F16(&head), shape.vocab, teacher_hs)
+                    .map_err(|e| CliError::device("bench teacher head", e))?;
+                engine
+                    .set_teacher_head(&teacher_head, SliceOptions::default())
+                    .map_err(|e| CliError::device("bench: uploading the teacher's head", e))?;
+                hidden
+            }
+            _ => Vec::new(),
+        };
+        let teacher_rows = match job {
+            JobKind::FullVocab { teacher_hs } => Some(
+                Hidden::f16(&teacher_hidden, shape.ntok, teacher_hs).map_err(|e| CliError::device("bench data", e))?,
+            ),
+            _ => None,
+        };
         // Kept across calls, as a training loop keeps its gradient buffer.
         let mut loss_out = headkl_core::LossOutput::default();
         let mut result = Self::time_calls(
@@ -478,11 +503,16 @@ impl BenchJob<'_> {
                 JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
                 JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
                 JobKind::Gather => engine.logprobs_at(&hidden, &gather_ids, &topk_opts).map(|_| ()),
+                JobKind::FullVocab { .. } => match &teacher_rows {
+                    Some(t) => engine.head_kl_full_vocab_into(&hidden, t, &loss_opts, &mut loss_out),
+                    None => Err(headkl_core::Error::NoTeacherHead),
+                },
             },
         )?;
         if job == JobKind::HeadKl {
             result.filter = Some(Self::filter_report(d, engine, &hidden, &loss_opts, &loss_out)?);
         }
+        engine.remove_teacher_head();
         Ok(result)
     }
     /// What the block filter did in the last timed call, and dx's error
@@ -564,10 +594,7 @@ impl BenchJob<'_> {
         engine.backend().reset_peak_memory();
         let label = format!("bench {} {} {path}", engine.backend().info().backend, job.name());
         let mut progress = Progress::new_estimated(label, (cfg.warmup + cfg.iters) as u64);
-        let estimate = topk_call.map(|s| match job {
-            JobKind::HeadKl => 2.0 * s,
-            JobKind::Topk | JobKind::Gather => s,
-        });
+        let estimate = topk_call.map(|s| s * shape.flops(job) / shape.flops(JobKind::Topk));
         let mut last_call: Option<f64> = None;
         let mut wall = Vec::with_capacity(cfg.iters);
         let mut gpu = Vec::with_capacity(cfg.iters);
@@ -952,7 +979,15 @@ impl BenchJob<'_> {
         let topk_call = Self::probe(data, self.cfg, &mut engine, confirmed)?;
         let mut jobs = Vec::new();
         let gather = self.cfg.gather.then_some(JobKind::Gather);
-        for job in [JobKind::HeadKl, JobKind::Topk].into_iter().chain(gather) {
+        let full_vocab = self
+            .cfg
+            .teacher_hs
+            .map(|n| JobKind::FullVocab { teacher_hs: n as usize });
+        for job in [JobKind::HeadKl, JobKind::Topk]
+            .into_iter()
+            .chain(gather)
+            .chain(full_vocab)
+        {
             jobs.push(Self::time_job(data, self.cfg, &mut engine, job, head_bytes, topk_call)?);
         }
         if self.cfg.resident && engine.vocab_order().is_some() {
@@ -977,6 +1012,17 @@ impl BenchJob<'_> {
             jobs,
         }))
     }
+}
+
+/// `--teacher-hs N`: a random teacher head `[V][N]` and hidden rows
+/// `[ntok][N]` at the student's scales (seeded apart from its data).
+fn teacher_data(shape: Shape, teacher_hs: usize) -> (Vec<f16>, Vec<f16>) {
+    let head_a = 0.02 * 3f32.sqrt();
+    let mut head = vec![f16::ZERO; shape.vocab * teacher_hs];
+    fill_parallel(&mut head, DATA_SEED + 10, |r| f16::from_f32(r.symmetric(head_a)));
+    let mut hidden = vec![f16::ZERO; shape.ntok * teacher_hs];
+    fill_parallel(&mut hidden, DATA_SEED + 11, |r| f16::from_f32(r.symmetric(3f32.sqrt())));
+    (head, hidden)
 }
 
 /// `--shards N`: both host jobs with the head cut into N even shards, one

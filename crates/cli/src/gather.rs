@@ -75,6 +75,7 @@ pub fn run(
     settings: &Arc<Settings>,
     inputs: &InputArgs,
     args: &GatherArgs,
+    shards: &crate::shard::ShardArgs,
 ) -> Result<(), CliError> {
     check_output_not_input(&args.out, &[&inputs.head, &inputs.hidden, &args.ids])?;
     let head_file = TensorFile::open(&inputs.head)?;
@@ -117,18 +118,31 @@ pub fn run(
     let pending = PendingOutput::create(&args.out)?;
     let target = resolve_announced(backend, "headkl", settings)?;
     let start = Instant::now();
-    let result = open_and_run(
-        &target,
-        GatherJob {
-            sources: &sources,
-            head,
-            hidden: hidden.data(),
-            ntok,
-            hs,
-            ids: &ids,
-            opts,
-        },
-    )?;
+    let result = match shards.plan(vocab, &target)? {
+        Some(plan) => {
+            let map = |e, c: &str| sources.map(e, c);
+            let job = crate::shard::GatherShards {
+                head,
+                hidden,
+                ids: &ids,
+                opts: &opts,
+                map: &map,
+            };
+            crate::shard::open_and_run_shards(&target, &plan, job)?
+        }
+        None => open_and_run(
+            &target,
+            GatherJob {
+                sources: &sources,
+                head,
+                hidden: hidden.data(),
+                ntok,
+                hs,
+                ids: &ids,
+                opts,
+            },
+        )?,
+    };
     // Not renormalized: log-probabilities over the full vocabulary.
     let record = TeacherRecord {
         temperature: args.temperature,

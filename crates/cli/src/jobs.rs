@@ -67,6 +67,7 @@ impl Sources<'_> {
             E::ShardUnsupported { option, .. } => {
                 CliError::from_core_in_option(e.clone(), crate::shard::option_flag(option))
             }
+            E::FullVocabUnsupported { option, .. } => CliError::from_core_in_option(e.clone(), option),
             E::KZero | E::KTooLarge { .. } => match self.ids {
                 Some(ids) => ids.core_error(e),
                 None => CliError::from_core_in_option(e, "-k"),
@@ -496,8 +497,28 @@ pub fn topk(
 #[derive(clap::Args, Clone, Debug)]
 pub struct LossArgs {
     /// Teacher top-k: tensors `ids` and `probs`, each `[ntok][k]`
-    #[arg(long, value_name = "T.safetensors")]
-    pub teacher: PathBuf,
+    #[arg(long, value_name = "T.safetensors", required_unless_present = "teacher_hidden")]
+    pub teacher: Option<PathBuf>,
+    /// Instead of --teacher: the teacher's hidden rows `[ntok][hs_T]` (F32, F16 or BF16), for the
+    /// exact divergence over the full vocabulary with --teacher-head (its logits are made chunk
+    /// by chunk and never stored; the soft term alone: no --hard-weight, --z-loss, --softcap or
+    /// --filter-eps)
+    #[arg(
+        long,
+        value_name = "TH.safetensors",
+        conflicts_with = "teacher",
+        requires = "teacher_head"
+    )]
+    pub teacher_hidden: Option<PathBuf>,
+    /// Name of the hidden tensor in --teacher-hidden
+    #[arg(long, default_value = "hidden", value_name = "NAME")]
+    pub teacher_hidden_tensor: String,
+    /// The teacher's head `[V][hs_T]` for --teacher-hidden: the student's V, any hidden size
+    #[arg(long, value_name = "TW.safetensors", requires = "teacher_hidden")]
+    pub teacher_head: Option<PathBuf>,
+    /// Name of the head tensor in --teacher-head
+    #[arg(long, default_value = "weight", value_name = "NAME")]
+    pub teacher_head_tensor: String,
     /// Per-token weights: tensor `weights` (or --weights-tensor) `[ntok]`
     #[arg(long, value_name = "W.safetensors")]
     pub weights: Option<PathBuf>,
@@ -563,7 +584,19 @@ pub fn loss(
     shards: &crate::shard::ShardArgs,
 ) -> Result<(), CliError> {
     args.terms.check()?;
-    let mut all_inputs: Vec<&Path> = vec![&inputs.head, &inputs.hidden, &args.teacher];
+    let teacher_path = match (&args.teacher, &args.teacher_hidden, &args.teacher_head) {
+        (_, Some(hidden), Some(head)) => {
+            return crate::full_vocab::loss(backend, settings, inputs, args, shards, (hidden, head));
+        }
+        (Some(t), _, _) => t.as_path(),
+        _ => {
+            return Err(CliError::option(
+                "--teacher",
+                "required (or --teacher-hidden with --teacher-head)",
+            ))
+        }
+    };
+    let mut all_inputs: Vec<&Path> = vec![&inputs.head, &inputs.hidden, teacher_path];
     if let Some(w) = &args.weights {
         all_inputs.push(w);
     }
@@ -573,7 +606,7 @@ pub fn loss(
     check_output_not_input(&args.out, &all_inputs)?;
     let head_file = TensorFile::open(&inputs.head)?;
     let hidden_file = TensorFile::open(&inputs.hidden)?;
-    let teacher_file = TensorFile::open(&args.teacher)?;
+    let teacher_file = TensorFile::open(teacher_path)?;
     let weights_file = args.weights.as_deref().map(TensorFile::open).transpose()?;
     let labels_file = args.terms.labels.as_deref().map(TensorFile::open).transpose()?;
 
@@ -603,7 +636,7 @@ pub fn loss(
         softcap: None,
     };
     let TeacherInput { ids, probs, k } = read_teacher(
-        &args.teacher,
+        teacher_path,
         &teacher_file,
         &ids_t,
         &probs_t,
@@ -708,10 +741,23 @@ pub fn loss(
         teacher_form: args.terms.teacher_form,
         tail: args.terms.tail,
         head: &head_identity,
-        teacher: &args.teacher,
+        teacher: teacher_path,
         weights: args.weights.as_deref(),
         labels: args.terms.labels.as_deref(),
     };
+    write_loss((pending, &args.out), &result, &record, args.reduction, start)
+}
+
+/// Writes `loss`'s output file and prints the loss (and the filter's
+/// report).
+pub(crate) fn write_loss(
+    (pending, out): (PendingOutput, &Path),
+    result: &LossOutput,
+    record: &LossRecord<'_>,
+    reduction: Reduction,
+    start: Instant,
+) -> Result<(), CliError> {
+    let (ntok, vocab, hs, k) = (record.ntok, record.vocab, record.hs, record.k);
     fn per_token<'a>(name: &'static str, v: &'a [f32]) -> OutTensor<'a> {
         OutTensor {
             name,
@@ -721,7 +767,7 @@ pub fn loss(
         }
     }
     let mut tensors = vec![per_token("loss", &result.loss), per_token("lse", &result.lse)];
-    if terms.hard_on() {
+    if record.terms.hard_on() {
         tensors.push(per_token("soft", &result.soft));
         tensors.push(per_token("hard", &result.hard));
     }
@@ -735,9 +781,9 @@ pub fn loss(
     log::info!(
         "headkl: loss over {ntok} tokens (V = {vocab}, hs = {hs}, k = {k}) in {:.3} s; wrote {}",
         start.elapsed().as_secs_f64(),
-        args.out.display()
+        out.display()
     );
-    match args.reduction {
+    match reduction {
         Reduction::None => println!(
             "sum loss: {} (reduction none: the per-token losses are the output's `loss`)",
             fmt_mean(result.mean)

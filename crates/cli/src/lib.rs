@@ -10,6 +10,7 @@ mod check;
 mod devices;
 mod environment;
 mod error;
+mod full_vocab;
 mod gather;
 mod io;
 mod jobs;
@@ -118,6 +119,10 @@ fn parse_filter_eps(s: &str) -> Result<f32, String> {
 }
 
 #[derive(Subcommand, Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "the parsed command line: one value a process, never moved in a loop"
+)]
 enum Command {
     /// List every backend × device, what it offers, and which one `auto` picks
     #[command(
@@ -269,6 +274,8 @@ Inputs: --head and --hidden as for `topk`; --ids holds `ids` (I64, I32 or U32) [
         inputs: InputArgs,
         #[command(flatten)]
         args: gather::GatherArgs,
+        #[command(flatten)]
+        shards: shard::ShardArgs,
     },
     /// The distillation loss against the teacher's top-k, and its input gradient
     #[command(
@@ -334,7 +341,12 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
             args,
             shards,
         } => jobs::loss(&backend, settings, &inputs, &args, &shards),
-        Command::Gather { backend, inputs, args } => gather::run(&backend, settings, &inputs, &args),
+        Command::Gather {
+            backend,
+            inputs,
+            args,
+            shards,
+        } => gather::run(&backend, settings, &inputs, &args, &shards),
     }
 }
 

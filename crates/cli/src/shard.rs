@@ -1,15 +1,16 @@
-//! `--shards N` and `--devices I,J,...` of `headkl topk`, `headkl loss` and
-//! `headkl bench`: the head cut into N vocabulary shards, one engine each on
+//! `--shards N` and `--devices I,J,...` of `headkl topk`, `headkl gather`,
+//! `headkl loss` and `headkl bench`: the head cut into N vocabulary shards, one engine each on
 //! its own thread, the partials merged between the two phases
 //! (`headkl_core::shard`). The outputs are the unsharded commands'.
 
 use clap::Args;
 use headkl_core::shard::{
-    merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, HeadShard, LossPartials, LossStats,
-    ShardEngine,
+    merge_gather, merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, HeadShard, LossPartials,
+    LossStats, ShardEngine,
 };
 use headkl_core::{
-    Backend, Error as CoreError, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher, TopK, TopkOptions,
+    Backend, Error as CoreError, Gathered, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher, TopK,
+    TopkOptions,
 };
 
 use crate::environment::Settings;
@@ -301,6 +302,65 @@ impl ShardJob for TopkShards<'_> {
                 .collect::<Result<Vec<_>, CliError>>()
         })?;
         merge_topk(&parts, opts).map_err(|e| map(e, "merging the shards"))
+    }
+}
+
+/// The sharded gather: each shard's log-probabilities and lse on its own
+/// thread, merged.
+pub struct GatherShards<'a> {
+    /// The whole head.
+    pub head: HeadWeights<'a>,
+    /// The hidden rows.
+    pub hidden: Hidden<'a>,
+    /// The global ids `[ntok][k]` (negative: none).
+    pub ids: &'a [i64],
+    /// The options (`k`: ids per token).
+    pub opts: &'a TopkOptions,
+    /// Error mapping.
+    pub map: MapError<'a>,
+}
+
+impl ShardJob for GatherShards<'_> {
+    type Output = Gathered;
+
+    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Gathered, CliError> {
+        log::info!(
+            "headkl: {} shards on {} device(s) of {}",
+            plan.shards.len(),
+            backends.len(),
+            crate::select::describe(backends[0].info())
+        );
+        let GatherShards {
+            head,
+            hidden,
+            ids,
+            opts,
+            map,
+        } = self;
+        let map = &map;
+        let parts = std::thread::scope(|s| {
+            let ranks: Vec<_> = plan
+                .shards
+                .iter()
+                .zip(&plan.assign)
+                .map(|(&shard, &d)| {
+                    let (backend, head, hidden) = (&backends[d], &head, &hidden);
+                    s.spawn(move || {
+                        let mut e = engine_on(backend, head, shard, &plan.target.settings, *map)?;
+                        e.gather_partials(hidden, ids, opts).map_err(|e| map(e, "gather"))
+                    })
+                })
+                .collect();
+            ranks
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| {
+                    h.join()
+                        .unwrap_or_else(|payload| Err(CliError::panicked(format!("shard {rank}'s thread"), payload)))
+                })
+                .collect::<Result<Vec<_>, CliError>>()
+        })?;
+        merge_gather(&parts).map_err(|e| map(e, "merging the shards"))
     }
 }
 

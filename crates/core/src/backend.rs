@@ -269,6 +269,13 @@ pub struct KlDesc {
     /// The block filter: also write the dx GEMM's block mask into grad
     /// (`crate::filter`; `None`: grad alone).
     pub filter: Option<KlFilter>,
+    /// The teacher is dense (the exact full-vocabulary divergence,
+    /// DESIGN §1): `probs` holds the teacher's logits at τ, `[rows][ld]`
+    /// f32 laid out as the student's, `ids` is not read and `k` is 1, the
+    /// tail mode plays no part. Only the soft term, its weight, τ, the
+    /// divergence and the logit scale apply (no softcap, hard label,
+    /// z-loss, filter or row statistics).
+    pub dense_teacher: bool,
 }
 
 /// Where and how `kl_rows` writes the dx GEMM's block mask: bit `b` of row
@@ -298,6 +305,7 @@ impl KlDesc {
             terms: LossTerms::default(),
             row_stats: None,
             filter: None,
+            dense_teacher: false,
         }
     }
 

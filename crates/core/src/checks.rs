@@ -14,14 +14,14 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::kernels::{bad_descriptor, require, KernelId};
 use crate::params::{
-    row_flags, ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams, ShardRowsParams,
-    StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+    row_flags, ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams,
+    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
 use crate::problem::MAX_K;
 use crate::resident::status::WORDS;
 use crate::resident::{
-    HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
-    WeightStatsDesc,
+    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage, StatusDetailDesc,
+    TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 use crate::split::k_part_len;
 use crate::terms::TeacherForm;
@@ -412,6 +412,23 @@ impl KlDesc {
         self.terms.check()?;
         let t = &self.terms;
         let mut flags = self.tail.code() << row_flags::TAIL_SHIFT;
+        if self.dense_teacher {
+            // probs holds the teacher's logits, laid out as the student's;
+            // the dense rows compute the soft term alone.
+            require(self.k == 1, K, "k", self.k as u128, || {
+                "must be 1 with a dense teacher".into()
+            })?;
+            fits(K, "probs", span(0, self.rows, self.ld, self.ld), 4, probs, max_binding)?;
+            for (on, what) in [
+                (t.softcap.is_some(), "softcap"),
+                (t.hard_on(), "hard_weight"),
+                (t.z_loss > 0.0, "z_loss"),
+                (self.filter.is_some(), "filter"),
+            ] {
+                require(!on, K, what, 1, || "not taken with a dense teacher".into())?;
+            }
+            flags = row_flags::DENSE_TEACHER;
+        }
         if t.softcap.is_some() {
             flags |= row_flags::SOFTCAP;
         }
@@ -439,7 +456,7 @@ impl KlDesc {
             flags |= row_flags::FILTER;
         }
         let mut stats = (0, 0, 0);
-        if let Some(rs) = &self.row_stats {
+        if let Some(rs) = self.row_stats.filter(|_| !self.dense_teacher) {
             if KlDesc::stats_suffice(t, tau) {
                 rs.check(K, self.rows, span(0, self.rows, self.ld, self.ld), logits, max_binding)?;
                 stats = (
@@ -684,6 +701,70 @@ impl LossOutDesc {
             grid_x: 0,
             _pad: [0; 3],
         })
+    }
+}
+
+impl GatherRowsDesc {
+    /// The block both gather kernels read, its extents checked.
+    fn params(&self, kernel: KernelId) -> Result<GatherRowsParams> {
+        require(self.k >= 1 && self.k <= MAX_K, kernel, "k", self.k as u128, || {
+            format!("not in 1..={MAX_K}")
+        })?;
+        tokens_end(kernel, self.token0, self.rows)?;
+        Ok(GatherRowsParams {
+            rows: index(kernel, "rows", self.rows)?,
+            k: index(kernel, "k", self.k)?,
+            vocab: index(kernel, "vocab", self.vocab)?,
+            token0: index(kernel, "token0", self.token0)?,
+            ids_offset: index(kernel, "ids_offset", self.ids_offset)?,
+            out_offset: index(kernel, "out_offset", self.out_offset)?,
+            grid_x: 0,
+            _pad: 0,
+        })
+    }
+
+    /// Checks the gather-in kernel against `[ids, status, ids_chunk]`.
+    pub fn check_in<B: DeviceBuffer>(
+        &self,
+        [ids, status, ids_chunk]: [&B; 3],
+        max_binding: u64,
+    ) -> Result<GatherRowsParams> {
+        const K: KernelId = KernelId::GatherIn;
+        let (rows, k) = (self.rows, self.k);
+        fits(K, "ids", span(self.ids_offset, rows, k, k), 4, ids, max_binding)?;
+        status_fits(K, status, max_binding)?;
+        fits(K, "ids_chunk", span(0, rows, k + 1, k + 1), 4, ids_chunk, max_binding)?;
+        self.params(K)
+    }
+
+    /// Checks the gather-out kernel against `[values_chunk, status,
+    /// logprobs, lse]`.
+    pub fn check_out<B: DeviceBuffer>(
+        &self,
+        [values_chunk, status, logprobs, lse]: [&B; 4],
+        max_binding: u64,
+    ) -> Result<GatherRowsParams> {
+        const K: KernelId = KernelId::GatherOut;
+        let (rows, k) = (self.rows, self.k);
+        fits(
+            K,
+            "values_chunk",
+            span(0, rows, k + 1, k + 1),
+            4,
+            values_chunk,
+            max_binding,
+        )?;
+        status_fits(K, status, max_binding)?;
+        fits(
+            K,
+            "logprobs",
+            span(self.out_offset, rows, k, k),
+            4,
+            logprobs,
+            max_binding,
+        )?;
+        fits(K, "lse", span(self.token0, rows, 1, 1), 4, lse, max_binding)?;
+        self.params(K)
     }
 }
 

@@ -108,6 +108,11 @@ pub struct Engine<B: Backend> {
     /// `head_kl`'s logits GEMMs write row statistics for the KL rows
     /// ([`Engine::set_row_stats`]).
     row_stats: bool,
+    /// The teacher's head for the exact full-vocabulary divergence
+    /// ([`Engine::set_teacher_head`]).
+    teacher_head: Option<HeadPlanes<B>>,
+    /// The teacher's hidden rows' upload and logits scratch.
+    teacher_scratch: ScratchCache<B>,
 }
 
 /// A progress callback: called with the number of tokens a finished chunk
@@ -165,6 +170,8 @@ impl<B: Backend> Engine<B> {
             trace: false,
             progress: None,
             row_stats: true,
+            teacher_head: None,
+            teacher_scratch: ScratchCache::default(),
         }
     }
 
@@ -256,6 +263,7 @@ impl<B: Backend> Engine<B> {
     /// Frees the cached scratch buffers (they are re-made on the next call).
     pub fn release_scratch(&mut self) {
         self.scratch = ScratchCache::default();
+        self.teacher_scratch = ScratchCache::default();
         self.resident.release_scratch();
     }
 
@@ -351,8 +359,135 @@ impl<B: Backend> Engine<B> {
         let job = Job::loss(resolved.filter_eps);
         let sizes = self.head.row_bytes(&self.backend, job, k);
         let (input, rows_s, loss_s) = self.begin_loss_call((job, &sizes), (plan.rows_per_chunk, k), hidden.data())?;
-        let result = self.loss_chunks(&plan, &input, &rows_s, &loss_s, teacher, &resolved, out);
+        let teacher = LossTeacher::TopK(teacher);
+        let result = self.loss_chunks(&plan, &input, &rows_s, &loss_s, (ntok, &teacher), &resolved, out);
         self.end_host_call(rows_s, Some(loss_s), input);
+        result
+    }
+
+    /// Uploads the teacher's head `[V][hs_T]` for
+    /// [`Engine::head_kl_full_vocab`], in place of any before it. It shares
+    /// the student's vocabulary, not its hidden size; values are checked as
+    /// [`Engine::new`] checks the student's.
+    pub fn set_teacher_head(&mut self, head: &HeadWeights<'_>, slicing: SliceOptions) -> Result<()> {
+        if head.vocab() != self.head.vocab() {
+            return Err(Error::TeacherHeadMismatch {
+                what: "vocab",
+                expected: self.head.vocab(),
+                got: head.vocab(),
+            });
+        }
+        if self.head.order().is_some() {
+            return Err(Error::VocabOrderUnsupported {
+                reason: "the teacher's head is stored in the natural order; use an engine without a vocabulary order",
+            });
+        }
+        // The old head and its scratch go first, so the new one can use
+        // their memory.
+        self.teacher_head = None;
+        self.teacher_scratch = ScratchCache::default();
+        self.teacher_head = Some(HeadPlanes::upload(&self.backend, head, slicing, None)?);
+        Ok(())
+    }
+
+    /// Frees the teacher's head and its scratch.
+    pub fn remove_teacher_head(&mut self) {
+        self.teacher_head = None;
+        self.teacher_scratch = ScratchCache::default();
+    }
+
+    /// The teacher head's hidden size, once [`Engine::set_teacher_head`]
+    /// has uploaded one.
+    pub fn teacher_hs(&self) -> Option<usize> {
+        self.teacher_head.as_ref().map(|h| h.hs())
+    }
+
+    /// The exact full-vocabulary divergence (DESIGN §1 "The teacher's
+    /// hidden rows"): the teacher is `softmax(x_T · W_Tᵀ / τ)` over all V,
+    /// from its hidden rows `teacher_hidden` `[ntok][hs_T]` and the head of
+    /// [`Engine::set_teacher_head`]. Its logits are made chunk by chunk
+    /// beside the student's and never stored, so memory stays within the
+    /// budget. Every divergence, τ, the soft weight, per-token weights,
+    /// the reductions, `ignore_mask` and the logit scale (on the student)
+    /// apply; the softcap, the hard term, the z-loss and the block filter
+    /// are refused ([`Error::FullVocabUnsupported`]).
+    pub fn head_kl_full_vocab(
+        &mut self,
+        hidden: &Hidden<'_>,
+        teacher_hidden: &Hidden<'_>,
+        opts: &LossOptions,
+    ) -> Result<LossOutput> {
+        let mut out = LossOutput::default();
+        self.head_kl_full_vocab_into(hidden, teacher_hidden, opts, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Engine::head_kl_full_vocab`] into `out` (as [`Engine::head_kl_into`]).
+    pub fn head_kl_full_vocab_into(
+        &mut self,
+        hidden: &Hidden<'_>,
+        teacher_hidden: &Hidden<'_>,
+        opts: &LossOptions,
+        out: &mut LossOutput,
+    ) -> Result<()> {
+        let Some(teacher_head) = self.teacher_head.as_ref() else {
+            return Err(Error::NoTeacherHead);
+        };
+        self.head.check_hidden(hidden)?;
+        teacher_head.check_hidden(teacher_hidden)?;
+        let ntok = hidden.ntok();
+        if teacher_hidden.ntok() != ntok {
+            return Err(Error::TeacherHeadMismatch {
+                what: "hidden rows' tokens",
+                expected: ntok,
+                got: teacher_hidden.ntok(),
+            });
+        }
+        let resolved = opts.resolve(ntok)?;
+        resolved.check_labels(self.head.vocab())?;
+        check_full_vocab_terms(&resolved)?;
+        self.resident.release_scratch();
+        let t_f32 = matches!(teacher_hidden.data(), HiddenData::F32(_));
+        let f32_input = matches!(hidden.data(), HiddenData::F32(_));
+        let sizes = self.head.row_bytes(&self.backend, Job::Loss, 1);
+        let t_sizes = teacher_head.row_bytes(&self.backend, Job::Topk, 1);
+        let mut costs = sizes.costs(Job::Loss, f32_input);
+        costs.extend(
+            t_sizes
+                .costs(Job::Topk, t_f32)
+                .into_iter()
+                .map(|c| crate::chunking::RowCost {
+                    what: teacher_cost_name(c.what),
+                    ..c
+                }),
+        );
+        let info = self.backend.info();
+        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+        let plan = crate::chunking::plan_chunks(ntok, &costs, opts.budget_bytes, max_binding, opts.max_rows_per_chunk)?;
+        let rows = plan.rows_per_chunk;
+        let (t_input, t_rows) =
+            self.teacher_scratch
+                .begin(&self.backend, Job::Topk, &t_sizes, (rows, 1), teacher_hidden.data())?;
+        let (input, rows_s, loss_s) = match self.begin_loss_call((Job::Loss, &sizes), (rows, 1), hidden.data()) {
+            Ok(taken) => taken,
+            Err(e) => {
+                self.teacher_scratch.put_back(t_rows, None, t_input);
+                return Err(e);
+            }
+        };
+        let result = match self.teacher_head.as_ref() {
+            Some(head) => {
+                let teacher = LossTeacher::Hidden {
+                    head,
+                    input: &t_input,
+                    scratch: &t_rows,
+                };
+                self.loss_chunks(&plan, &input, &rows_s, &loss_s, (ntok, &teacher), &resolved, out)
+            }
+            None => Err(Error::NoTeacherHead),
+        };
+        self.end_host_call(rows_s, Some(loss_s), input);
+        self.teacher_scratch.put_back(t_rows, None, t_input);
         result
     }
 
@@ -367,12 +502,10 @@ impl<B: Backend> Engine<B> {
         input: &Input<'_, B>,
         s: &RowScratch<B>,
         ls: &LossScratch<B>,
-        teacher: &Teacher,
+        (ntok, teacher): (usize, &LossTeacher<'_, '_, B>),
         resolved: &ResolvedLoss,
         out: &mut LossOutput,
     ) -> Result<()> {
-        let (ntok, k) = (teacher.ntok(), teacher.k());
-
         let mut trace = Trace::new("head_kl", self.trace);
         let hs = self.head.hs();
         let LossOutput {
@@ -428,27 +561,46 @@ impl<B: Backend> Engine<B> {
             self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
             trace.mark("hidden upload");
             let (row_in_buf, loss_buf, grad, dx_buf) = (&ls.row_in, &ls.loss, &ls.grad, ls.dx_for(chunk));
-            let chunk_ids = &teacher.ids()[start * k..(start + rows) * k];
-            let chunk_ids = match order {
-                Some(_) => {
-                    mapped_ids.clear();
-                    mapped_ids.extend(chunk_ids.iter().map(|&id| at(id)));
-                    mapped_ids.as_slice()
-                }
-                None => chunk_ids,
-            };
-            b.upload(&s.ids, 0, bytemuck::cast_slice(chunk_ids))?;
-            b.upload(
-                &s.probs,
-                0,
-                bytemuck::cast_slice(&teacher.probs()[start * k..(start + rows) * k]),
-            )?;
             b.upload(
                 row_in_buf,
                 0,
                 bytemuck::cast_slice(&row_in[start * 2..(start + rows) * 2]),
             )?;
-            let row_stats = self.row_stats_for(&resolved.terms, resolved.temperature, rows_padded);
+            // The teacher's values: the chunk's top-k rows, or its logits
+            // at τ made here from its hidden rows (never stored beyond the
+            // chunk).
+            let (k, tail, probs, dense) = match teacher {
+                LossTeacher::TopK(teacher) => {
+                    let k = teacher.k();
+                    let chunk_ids = &teacher.ids()[start * k..(start + rows) * k];
+                    let chunk_ids = match order {
+                        Some(_) => {
+                            mapped_ids.clear();
+                            mapped_ids.extend(chunk_ids.iter().map(|&id| at(id)));
+                            mapped_ids.as_slice()
+                        }
+                        None => chunk_ids,
+                    };
+                    b.upload(&s.ids, 0, bytemuck::cast_slice(chunk_ids))?;
+                    b.upload(
+                        &s.probs,
+                        0,
+                        bytemuck::cast_slice(&teacher.probs()[start * k..(start + rows) * k]),
+                    )?;
+                    (k, teacher.tail(), &s.probs, false)
+                }
+                LossTeacher::Hidden { head, input, scratch } => {
+                    let t_x16 = scratch.x16_for(chunk);
+                    head.load_hidden(b, input, t_x16, (chunk, start, rows))?;
+                    let teacher_scaling = Scaling::teacher(resolved.temperature);
+                    head.logits(b, t_x16, &scratch.logits, rows_padded, teacher_scaling, None)?;
+                    (1, crate::TailMode::Renormalize, &scratch.logits, true)
+                }
+            };
+            let row_stats = match dense {
+                true => None,
+                false => self.row_stats_for(&resolved.terms, resolved.temperature, rows_padded),
+            };
             self.head.logits(b, x16, &s.logits, rows_padded, scaling, row_stats)?;
             let kl = KlDesc {
                 rows,
@@ -456,12 +608,13 @@ impl<B: Backend> Engine<B> {
                 ld: self.head.vocab_padded(),
                 k,
                 temperature: resolved.temperature,
-                tail: teacher.tail(),
+                tail,
                 terms: resolved.terms,
                 row_stats,
                 filter: self.head.kl_filter(resolved.filter_eps, rows_padded),
+                dense_teacher: dense,
             };
-            b.kl_rows(&s.logits, &s.ids, &s.probs, row_in_buf, loss_buf, grad, &kl)?;
+            b.kl_rows(&s.logits, &s.ids, probs, row_in_buf, loss_buf, grad, &kl)?;
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
                 .dx(b, (grad, dx_buf, &s.logits), rows_padded, scaling, dx_filter)?;
@@ -731,6 +884,56 @@ impl<B: Backend> Engine<B> {
             ntok,
             k,
         })
+    }
+}
+
+/// Where a loss call's teacher comes from.
+enum LossTeacher<'c, 'h, B: Backend> {
+    /// A top-k file's rows, uploaded chunk by chunk.
+    TopK(&'c Teacher),
+    /// The teacher's hidden rows through its head: each chunk's logits at
+    /// τ, the dense teacher of [`KlDesc::dense_teacher`].
+    Hidden {
+        head: &'c HeadPlanes<B>,
+        input: &'c Input<'h, B>,
+        scratch: &'c RowScratch<B>,
+    },
+}
+
+/// Refuses the terms the full-vocabulary divergence
+/// ([`Engine::head_kl_full_vocab`]) does not compute, naming the option as
+/// the command line does: callers check before uploading anything.
+pub fn check_full_vocab_terms(resolved: &ResolvedLoss) -> Result<()> {
+    let t = &resolved.terms;
+    let refused = [
+        (t.softcap.map(|c| c.to_string()), "--softcap"),
+        (t.hard_on().then(|| t.hard_weight.to_string()), "--hard-weight"),
+        ((t.z_loss > 0.0).then(|| t.z_loss.to_string()), "--z-loss"),
+        (resolved.filter_eps.map(|e| e.to_string()), "--filter-eps"),
+    ];
+    match refused
+        .into_iter()
+        .find_map(|(value, option)| value.map(|v| (option, v)))
+    {
+        Some((option, value)) => Err(Error::FullVocabUnsupported {
+            option,
+            value,
+            hint:
+                "the full-vocabulary divergence computes the soft term alone; use a top-k teacher for the other terms",
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A teacher buffer's name in the chunk plan's errors.
+fn teacher_cost_name(what: &'static str) -> &'static str {
+    match what {
+        "x16" => "teacher x16",
+        "x16 (odd chunks)" => "teacher x16 (odd chunks)",
+        "x32" => "teacher x32",
+        "x32 (odd chunks)" => "teacher x32 (odd chunks)",
+        "logits" => "teacher logits",
+        _ => "teacher row buffers",
     }
 }
 

@@ -252,6 +252,34 @@ pub enum Error {
         /// What works instead.
         hint: &'static str,
     },
+    /// An option the exact full-vocabulary divergence (the teacher's
+    /// hidden rows and head, [`crate::Engine::head_kl_full_vocab`]) does
+    /// not take.
+    #[error("{option} = {value}: not supported with the teacher's hidden rows (the exact full-vocabulary divergence); {hint}")]
+    FullVocabUnsupported {
+        /// The option, as the command line names it.
+        option: &'static str,
+        /// Its value.
+        value: String,
+        /// What works instead.
+        hint: &'static str,
+    },
+    /// [`crate::Engine::head_kl_full_vocab`] on an engine without a
+    /// teacher head ([`crate::Engine::set_teacher_head`]).
+    #[error(
+        "no teacher head: upload one with Engine::set_teacher_head (--teacher-head) before the full-vocabulary loss"
+    )]
+    NoTeacherHead,
+    /// A teacher head or its hidden rows that do not fit the student's.
+    #[error("teacher {what} = {got}, expected {expected}")]
+    TeacherHeadMismatch {
+        /// What differs (`vocab`, `hidden rows' hs`, `tokens`).
+        what: &'static str,
+        /// The student's (or the teacher head's) value.
+        expected: usize,
+        /// The teacher's.
+        got: usize,
+    },
     /// Shard partials (or merged statistics) that do not belong together:
     /// another token count, k or head.
     #[error("shard partials: {what} = {got}, expected {expected}")]
@@ -565,6 +593,9 @@ impl Error {
             | E::BudgetZero
             | E::ShardRange { .. }
             | E::ShardUnsupported { .. }
+            | E::FullVocabUnsupported { .. }
+            | E::NoTeacherHead
+            | E::TeacherHeadMismatch { .. }
             | E::ShardMismatch { .. }
             | E::ShardOverlap { .. }
             | E::ShardGap { .. }

@@ -56,6 +56,16 @@ impl Scaling {
         }
     }
 
+    /// The teacher's logits of the full-vocabulary divergence: z_T/τ, no
+    /// logit scale, no gradient.
+    pub(crate) fn teacher(temperature: f32) -> Self {
+        Self {
+            temperature,
+            logit_scale: 1.0,
+            host_gscale: None,
+        }
+    }
+
     /// A host-path loss call's (the driver and the shard engine).
     pub(crate) fn host_loss(resolved: &crate::problem::ResolvedLoss) -> Self {
         Self {

@@ -21,12 +21,12 @@ use crate::error::{Error, Result};
 use crate::gemm_choice::{CoopGemm, KernelLimits};
 use crate::glsl_tile::{GlslTile, GLSL_TILES};
 use crate::params::{
-    ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams, ShardRowsParams,
-    StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+    ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams,
+    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
 use crate::resident::{
-    HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
-    WeightStatsDesc,
+    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc,
+    TopkOutDesc, WeightStatsDesc,
 };
 use crate::wgmma_tile::WgmmaTile;
 
@@ -158,6 +158,11 @@ pub const HIDDEN_IN_WGSL: Shader = resident_shader!("resident_hidden.wgsl", Hidd
 pub const LOSS_OUT_WGSL: Shader = resident_shader!("resident_loss_out.wgsl", LossOutParams);
 /// `resident_topk_out.wgsl`: a chunk's top-k into the caller's buffers.
 pub const TOPK_OUT_WGSL: Shader = resident_shader!("resident_topk_out.wgsl", TopkOutParams);
+/// `resident_gather_in.wgsl`: the caller's gather ids checked into scratch.
+pub const GATHER_IN_WGSL: Shader = resident_shader!("resident_gather_in.wgsl", GatherRowsParams);
+/// `resident_gather_out.wgsl`: a chunk's gathered values into the caller's
+/// buffers.
+pub const GATHER_OUT_WGSL: Shader = resident_shader!("resident_gather_out.wgsl", GatherRowsParams);
 /// `resident_shard.wgsl`: a vocabulary shard's per-row steps of the
 /// two-phase loss.
 pub const SHARD_ROWS_WGSL: Shader = resident_shader!("resident_shard.wgsl", ShardRowsParams);
@@ -165,7 +170,7 @@ pub const SHARD_ROWS_WGSL: Shader = resident_shader!("resident_shard.wgsl", Shar
 pub const STATUS_DETAIL_WGSL: Shader = resident_shader!("resident_status.wgsl", StatusDetailParams);
 
 /// Every shader file, in the order of [`KernelId::ALL`].
-pub const SHADERS: [Shader; 15] = [
+pub const SHADERS: [Shader; 17] = [
     CONVERT_WGSL,
     KL_ROWS_WGSL,
     TOPK_ROWS_WGSL,
@@ -181,6 +186,8 @@ pub const SHADERS: [Shader; 15] = [
     TOPK_OUT_WGSL,
     STATUS_DETAIL_WGSL,
     SHARD_ROWS_WGSL,
+    GATHER_IN_WGSL,
+    GATHER_OUT_WGSL,
 ];
 
 /// The GLSL tile whose filtered build the dx GEMM runs with the block
@@ -243,6 +250,12 @@ pub enum KernelId {
     /// Resident: a vocabulary shard's per-row steps of the two-phase loss
     /// ([`ShardRowsDesc`]).
     ShardRows,
+    /// Resident: the caller's gather ids checked into scratch
+    /// ([`GatherRowsDesc`]).
+    GatherIn,
+    /// Resident: a chunk's gathered log-probabilities and lse into the
+    /// caller's buffers ([`GatherRowsDesc`]).
+    GatherOut,
 }
 
 /// How a kernel uses one storage binding.
@@ -335,7 +348,7 @@ pub struct KernelBuild {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 15] = [
+    pub const ALL: [KernelId; 17] = [
         KernelId::ConvertF16,
         KernelId::GemmLogits,
         KernelId::GemmDx,
@@ -351,6 +364,8 @@ impl KernelId {
         KernelId::TopkOut,
         KernelId::StatusDetail,
         KernelId::ShardRows,
+        KernelId::GatherIn,
+        KernelId::GatherOut,
     ];
 
     /// Its one name: entry point, timing label and docs.
@@ -371,6 +386,8 @@ impl KernelId {
             KernelId::TopkOut => "topk_out",
             KernelId::StatusDetail => "status_detail",
             KernelId::ShardRows => "shard_rows",
+            KernelId::GatherIn => "gather_in",
+            KernelId::GatherOut => "gather_out",
         }
     }
 
@@ -388,6 +405,8 @@ impl KernelId {
                 | KernelId::TopkOut
                 | KernelId::StatusDetail
                 | KernelId::ShardRows
+                | KernelId::GatherIn
+                | KernelId::GatherOut
         )
     }
 
@@ -433,6 +452,8 @@ impl KernelId {
             KernelId::TopkOut => &[R, R, W, W, W],
             KernelId::StatusDetail => &[R, R, R, W, R],
             KernelId::ShardRows => &[W, R, W, W, W, W, W],
+            KernelId::GatherIn => &[R, W, W],
+            KernelId::GatherOut => &[R, W, W, W],
         }
     }
 
@@ -451,6 +472,7 @@ impl KernelId {
             KernelId::TopkOut => TopkOutParams::BLOCK,
             KernelId::StatusDetail => StatusDetailParams::BLOCK,
             KernelId::ShardRows => ShardRowsParams::BLOCK,
+            KernelId::GatherIn | KernelId::GatherOut => GatherRowsParams::BLOCK,
         }
     }
 
@@ -479,6 +501,8 @@ impl KernelId {
             KernelId::TopkOut => vec![TOPK_OUT_WGSL],
             KernelId::StatusDetail => vec![STATUS_DETAIL_WGSL],
             KernelId::ShardRows => vec![SHARD_ROWS_WGSL],
+            KernelId::GatherIn => vec![GATHER_IN_WGSL],
+            KernelId::GatherOut => vec![GATHER_OUT_WGSL],
             KernelId::GemmLogits | KernelId::GemmDx | KernelId::GemmDxFiltered => {
                 vec![GEMM_TILED_WGSL, GEMM_COOP_WGSL, GEMM_COOP_DIRECT_WGSL]
             }
@@ -518,6 +542,8 @@ impl KernelId {
             (KernelId::LossOut, _) => fixed(LOSS_OUT_WGSL, 0),
             (KernelId::TopkOut, _) => fixed(TOPK_OUT_WGSL, 0),
             (KernelId::ShardRows, _) => fixed(SHARD_ROWS_WGSL, 0),
+            (KernelId::GatherIn, _) => fixed(GATHER_IN_WGSL, 0),
+            (KernelId::GatherOut, _) => fixed(GATHER_OUT_WGSL, 0),
             // One invocation walks the flagged row.
             (KernelId::StatusDetail, _) => KernelBuild {
                 invocations: 1,
@@ -714,6 +740,14 @@ impl TopkOutDesc {
     }
 }
 
+impl GatherRowsDesc {
+    /// Workgroups of either kernel's dispatch: one invocation per column
+    /// of the chunk's `[rows][k + 1]` gather rows.
+    pub fn workgroups(&self) -> u64 {
+        per_element(self.rows * (self.k + 1))
+    }
+}
+
 impl ShardRowsDesc {
     /// Workgroups of its dispatch: one invocation per row.
     pub fn workgroups(&self) -> u64 {
@@ -770,6 +804,7 @@ mod tests {
             ("F_Z_LOSS", row_flags::Z_LOSS),
             ("F_TAU", row_flags::TAU),
             ("F_DIV_SHIFT", row_flags::DIVERGENCE_SHIFT),
+            ("F_DENSE", row_flags::DENSE_TEACHER),
             ("TAIL_BUCKET", TailMode::Bucket.code()),
             ("TAIL_NONE", TailMode::Unnormalized.code()),
             ("DIV_REVERSE", crate::Divergence::Reverse.code()),

@@ -10,12 +10,12 @@ use crate::backend::{Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPa
 use crate::error::Result;
 use crate::kernels::{GemmKernel, KernelBuild, KernelId, KL_FLAGS};
 use crate::params::{
-    ConvertParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams, ShardRowsParams,
-    StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+    ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams,
+    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
 use crate::resident::{
-    HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
-    WeightStatsDesc,
+    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc,
+    TopkOutDesc, WeightStatsDesc,
 };
 
 /// One kernel launch: the descriptor (see each type's docs for what the
@@ -160,6 +160,31 @@ pub enum Launch<'a, B> {
         /// The extents.
         desc: TopkOutDesc,
     },
+    /// Resident: the caller's gather ids into a chunk's gather rows
+    /// ([`GatherRowsDesc`]).
+    GatherIn {
+        /// The caller's ids u32 `[ntok][k]`.
+        ids: &'a B,
+        /// The status buffer.
+        status: &'a B,
+        /// The chunk's gather rows `[rows][k + 1]`.
+        ids_chunk: &'a B,
+        /// The extents.
+        desc: GatherRowsDesc,
+    },
+    /// Resident: a chunk's gathered values out ([`GatherRowsDesc`]).
+    GatherOut {
+        /// The chunk's values `[rows][k + 1]` (the top-k kernel's gather).
+        values_chunk: &'a B,
+        /// The status buffer.
+        status: &'a B,
+        /// The caller's log-probabilities `[ntok][k]`.
+        logprobs: &'a B,
+        /// The caller's lse `[ntok]`.
+        lse: &'a B,
+        /// The extents.
+        desc: GatherRowsDesc,
+    },
     /// Resident: the first flagged row described ([`StatusDetailDesc`]).
     StatusDetail {
         /// The caller's ids.
@@ -224,6 +249,7 @@ enum Block {
     HiddenIn(HiddenInParams),
     LossOut(LossOutParams),
     TopkOut(TopkOutParams),
+    GatherRows(GatherRowsParams),
     StatusDetail(StatusDetailParams),
     ShardRows(ShardRowsParams),
 }
@@ -248,6 +274,7 @@ impl Checked {
             Block::HiddenIn(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::LossOut(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::TopkOut(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
+            Block::GatherRows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::StatusDetail(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
             Block::ShardRows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
         }
@@ -298,6 +325,8 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
             Launch::HiddenIn { .. } => KernelId::HiddenIn,
             Launch::LossOut { .. } => KernelId::LossOut,
             Launch::TopkOut { .. } => KernelId::TopkOut,
+            Launch::GatherIn { .. } => KernelId::GatherIn,
+            Launch::GatherOut { .. } => KernelId::GatherOut,
             Launch::StatusDetail { .. } => KernelId::StatusDetail,
             Launch::ShardRows { .. } => KernelId::ShardRows,
         }
@@ -352,6 +381,16 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
                 probs,
                 ..
             } => vec![ids_chunk, probs_chunk, status, ids, probs],
+            Launch::GatherIn {
+                ids, status, ids_chunk, ..
+            } => vec![ids, status, ids_chunk],
+            Launch::GatherOut {
+                values_chunk,
+                status,
+                logprobs,
+                lse,
+                ..
+            } => vec![values_chunk, status, logprobs, lse],
             Launch::StatusDetail {
                 ids,
                 probs,
@@ -388,6 +427,7 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
             Launch::HiddenIn { desc, .. } => desc.workgroups(),
             Launch::LossOut { desc, .. } => desc.workgroups(),
             Launch::TopkOut { desc, .. } => desc.workgroups(),
+            Launch::GatherIn { desc, .. } | Launch::GatherOut { desc, .. } => desc.workgroups(),
             Launch::StatusDetail { desc, .. } => desc.workgroups(),
             Launch::ShardRows { desc, .. } => desc.workgroups(),
         }
@@ -431,6 +471,8 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
             Launch::HiddenIn { desc, .. } => Block::HiddenIn(desc.check(self.bound()?, max_binding)?),
             Launch::LossOut { desc, .. } => Block::LossOut(desc.check(self.bound()?, max_binding)?),
             Launch::TopkOut { desc, .. } => Block::TopkOut(desc.check(self.bound()?, max_binding)?),
+            Launch::GatherIn { desc, .. } => Block::GatherRows(desc.check_in(self.bound()?, max_binding)?),
+            Launch::GatherOut { desc, .. } => Block::GatherRows(desc.check_out(self.bound()?, max_binding)?),
             Launch::StatusDetail { desc, .. } => Block::StatusDetail(desc.check(self.bound()?, max_binding)?),
             Launch::ShardRows { desc, .. } => Block::ShardRows(desc.check(self.bound()?, max_binding)?),
         };

@@ -91,7 +91,9 @@ pub use backend::{
     KlDesc, KlFilter, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, STATS_GROUP_COLS,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
-pub use driver::{check_gather_ids, Engine, Gathered, LossOutput, ProgressCallback, SliceOptions, TopK};
+pub use driver::{
+    check_full_vocab_terms, check_gather_ids, Engine, Gathered, LossOutput, ProgressCallback, SliceOptions, TopK,
+};
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use filter::FilterStats;
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
@@ -106,9 +108,9 @@ pub use problem::{
 };
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, HiddenInDesc, LabelsInDesc,
-    LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage, StatusDetailDesc, TeacherRowsDesc, TopkOutDesc,
-    WeightStatsDesc,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, GatherRowsDesc, HiddenDtype, HiddenInDesc,
+    LabelsInDesc, LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage, StatusDetailDesc, TeacherRowsDesc,
+    TopkOutDesc, WeightStatsDesc,
 };
 pub use settings::{CommonOptions, Env};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};

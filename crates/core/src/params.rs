@@ -192,6 +192,10 @@ pub mod row_flags {
     /// vocabulary: none, `-inf`), and the row's log-sum-exp in the last
     /// of the k columns.
     pub const GATHER: u32 = 16384;
+    /// `kl_rows`: the teacher is dense: `probs` holds the teacher's logits
+    /// at τ, `[rows][ld]` like the student's, and the soft term is the
+    /// exact divergence over the full vocabulary (`ids` is not read).
+    pub const DENSE_TEACHER: u32 = 32768;
 }
 
 /// `shaders/convert.wgsl`.
@@ -281,6 +285,7 @@ param_block!(LossOutParams: rows: u32, hs: u32, ld: u32, token0: u32, loss_offse
 param_block!(TopkOutParams: rows: u32, k: u32, token0: u32, ids_offset: u32, probs_offset: u32, grid_x: u32);
 param_block!(ShardRowsParams: rows: u32, k: u32, v0: u32, v1: u32, token0: u32, stage: u32, lse1_too: u32, grid_x: u32);
 param_block!(StatusDetailParams: rows: u32, k: u32, has_weights: u32, logprobs: u32, tail: u32, has_labels: u32, grid_x: u32);
+param_block!(GatherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_offset: u32, out_offset: u32, grid_x: u32);
 
 // The device-resident kernels' blocks (`shaders/resident_*.wgsl`, one per
 // kernel; `crate::resident` says what each kernel does). Offsets are in
@@ -405,6 +410,29 @@ pub struct LossOutParams {
     pub grid_x: u32,
     /// Padding to 16 bytes.
     pub _pad: [u32; 3],
+}
+
+/// `shaders/resident_gather_in.wgsl` and `shaders/resident_gather_out.wgsl`
+/// (one invocation per column of a chunk's `[rows][k + 1]` gather rows).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct GatherRowsParams {
+    /// Rows of the chunk.
+    pub rows: u32,
+    /// Ids per token (the gather rows hold one more column, the lse).
+    pub k: u32,
+    /// Vocabulary size.
+    pub vocab: u32,
+    /// The chunk's first token.
+    pub token0: u32,
+    /// The chunk's first id in the caller's ids.
+    pub ids_offset: u32,
+    /// The chunk's first log-probability in the caller's output.
+    pub out_offset: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
+    /// Padding to 16 bytes.
+    pub _pad: u32,
 }
 
 /// `shaders/resident_topk_out.wgsl`.

@@ -57,7 +57,9 @@ mod merge;
 mod resident;
 
 pub use engine::{check_loss_terms, ShardEngine};
-pub use merge::{merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, LossStats, TIE_WINDOW};
+pub use merge::{
+    merge_gather, merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, LossStats, TIE_WINDOW,
+};
 pub use resident::{merge_loss_device, STATS_PER_TOKEN};
 
 use crate::error::{Error, Result};
@@ -220,6 +222,26 @@ pub struct TopkPartials {
     pub ids: Vec<u32>,
     /// Their logits at τ, `s = z/τ` `[ntok][k]`.
     pub logits: Vec<f32>,
+    /// `logsumexp_j∈shard(s_j)` `[ntok]`.
+    pub lse: Vec<f32>,
+}
+
+/// One shard's part of a gather ([`ShardEngine::gather_partials`]), for
+/// [`merge_gather`]: what a trainer's collective all-gathers (or, the
+/// log-probabilities being `-inf` off the shard, all-reduces by max after
+/// adding the lse).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GatherPartials {
+    /// The shard they come from.
+    pub shard: HeadShard,
+    /// Tokens.
+    pub ntok: usize,
+    /// Ids per token.
+    pub k: usize,
+    /// At each id inside the shard, its log-probability over the shard's
+    /// rows alone, `s_id − logsumexp_j∈shard(s_j)`; `-inf` at ids outside
+    /// it and at none `[ntok][k]`.
+    pub logprobs: Vec<f32>,
     /// `logsumexp_j∈shard(s_j)` `[ntok]`.
     pub lse: Vec<f32>,
 }

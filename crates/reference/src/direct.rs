@@ -451,6 +451,44 @@ pub fn head_kl_f64(
     out
 }
 
+/// The dense teacher of the full-vocabulary divergence as a top-k teacher
+/// at k = V: every id in order and `softmax(x_T·W_Tᵀ/τ)` in f64, rounded
+/// to f32 (`[ntok][V]` each). DESIGN §1 defines the full-vocabulary mode as
+/// the top-k mode at k = V, so this is its reference teacher.
+pub fn dense_teacher_f64(head: &HeadWeights<'_>, hidden: &Hidden<'_>, temperature: f32) -> (Vec<u32>, Vec<f32>) {
+    let vocab = head.vocab();
+    let t = logits_f64(head, hidden, temperature);
+    let mut probs = Vec::with_capacity(t.len());
+    for row in t.chunks_exact(vocab) {
+        let lse = logsumexp(row);
+        probs.extend(row.iter().map(|&v| (v - lse).exp() as f32));
+    }
+    let ids = (0..hidden.ntok()).flat_map(|_| 0..vocab as u32).collect();
+    (ids, probs)
+}
+
+/// The exact full-vocabulary divergence in f64: [`head_kl_f64`] against
+/// [`dense_teacher_f64`] in renormalize mode (k = V).
+pub fn head_kl_full_vocab_f64(
+    head: &HeadWeights<'_>,
+    hidden: &Hidden<'_>,
+    teacher_head: &HeadWeights<'_>,
+    teacher_hidden: &Hidden<'_>,
+    resolved: &ResolvedLoss,
+) -> DirectLoss {
+    let (vocab, ntok) = (head.vocab(), hidden.ntok());
+    assert_eq!(teacher_head.vocab(), vocab, "direct: the heads' vocabularies differ");
+    assert_eq!(
+        teacher_hidden.ntok(),
+        ntok,
+        "direct: the hidden rows' token counts differ"
+    );
+    let (ids, probs) = dense_teacher_f64(teacher_head, teacher_hidden, resolved.temperature);
+    let teacher =
+        Teacher::new(&ids, &probs, ntok, vocab, vocab).expect("direct: the dense teacher is a valid top-k teacher");
+    head_kl_f64(head, hidden, &teacher, resolved)
+}
+
 /// The teacher's exact top-k in f64.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DirectTopK {

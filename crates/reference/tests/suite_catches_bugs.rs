@@ -52,6 +52,9 @@ enum Fault {
     KlIgnoresBeta,
     /// The gather writes each row's lse 1e-2 too high.
     GatherLseOff,
+    /// The KL kernel reads a dense teacher's logits one column off (each
+    /// row rotated by one within the vocabulary).
+    KlDenseTeacherShifted,
     /// The KL kernel's lse output is off by 1e-3.
     KlLseOffset,
     /// The top-k kernel ignores the softcap.
@@ -73,6 +76,9 @@ enum Fault {
     /// The loss-out kernel reports a flagged row as non-finite logits
     /// (it tests the loss word, not the lse).
     LossOutFlagsFlaggedRows,
+    /// The resident gather's ids kernel reads an id past V as none without
+    /// flagging it.
+    GatherInIgnoresRange,
 }
 
 struct Faulty {
@@ -148,6 +154,12 @@ impl Backend for Faulty {
                 if let Some(r) = (0..desc.rows).find(|r| chunk[r * 4].to_bits() == FLAGGED_ROW) {
                     words[S_LOGITS] = words[S_LOGITS].min((desc.token0 + r) as u32);
                 }
+                self.write(status, &words);
+                Ok(())
+            }
+            Launch::GatherIn { status, .. } if self.fault == Fault::GatherInIgnoresRange => {
+                let words: Vec<u32> = self.read(status, status::WORDS);
+                self.inner.dispatch(launch)?;
                 self.write(status, &words);
                 Ok(())
             }
@@ -287,6 +299,23 @@ fn each_planted_bug_is_caught() {
         ),
         (Fault::KlIgnoresTail, Part::Kernels, "kl_rows_reverse_bucket_tau:"),
         (Fault::GatherLseOff, Part::Kernels, "topk_rows_gather:"),
+        (
+            Fault::KlDenseTeacherShifted,
+            Part::Regressions,
+            "full_vocab_forward_masked",
+        ),
+        (
+            Fault::KlDenseTeacherShifted,
+            Part::Regressions,
+            "full_vocab_jsd_f16_unpadded",
+        ),
+        (Fault::KlIgnoresDivergence, Part::Regressions, "full_vocab_reverse_tau2"),
+        (Fault::KlIgnoresBeta, Part::Regressions, "full_vocab_jsd_logit_scale"),
+        (
+            Fault::KlIgnoresSoftWeight,
+            Part::Regressions,
+            "full_vocab_jsd_logit_scale",
+        ),
         (Fault::GatherLseOff, Part::DriverCases, "logprobs_at"),
         (Fault::KlLseOffset, Part::Kernels, "lse: "),
         (Fault::TopkIgnoresSoftcap, Part::Kernels, "topk_rows_softcap:"),
@@ -355,6 +384,7 @@ fn the_resident_suite_catches_an_ignored_flag() {
             Fault::LossOutFlagsFlaggedRows,
             &["resident_flagged/loss_out: 2 rows: status S_LOGITS = 0x6"][..],
         ),
+        (Fault::GatherInIgnoresRange, &["want IdOutOfRange"][..]),
     ] {
         let f = resident_failures(fault);
         for needle in needles {
@@ -448,6 +478,13 @@ impl Faulty {
                 *w = 0f32.to_bits();
             }
             self.write(coef, &words);
+        }
+        if self.fault == Fault::KlDenseTeacherShifted && d.dense_teacher {
+            let mut t: Vec<f32> = self.read(probs, d.rows * d.ld);
+            for row in t.chunks_exact_mut(d.ld) {
+                row[..d.vocab].rotate_left(1);
+            }
+            self.write(probs, &t);
         }
         let mut d = *d;
         match self.fault {

@@ -206,6 +206,7 @@ mod tests {
             hard_weight: 0.0,
             labels: None,
             gather: false,
+            teacher_hs: None,
         }
     }
 

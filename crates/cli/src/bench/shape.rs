@@ -69,12 +69,14 @@ impl Shape {
     }
 
     /// `4·ntok·V·hs` for head_kl (two GEMMs), half that for topk and the
-    /// gather (one).
+    /// gather (one), and the teacher's logits GEMM `2·ntok·V·hs_T` on top
+    /// of head_kl's for the full-vocabulary loss.
     pub fn flops(&self, job: JobKind) -> f64 {
-        let one = 2.0 * self.ntok as f64 * self.vocab as f64 * self.hs as f64;
+        let gemm = |hs: usize| 2.0 * self.ntok as f64 * self.vocab as f64 * hs as f64;
         match job {
-            JobKind::HeadKl => 2.0 * one,
-            JobKind::Topk | JobKind::Gather => one,
+            JobKind::HeadKl => 2.0 * gemm(self.hs),
+            JobKind::Topk | JobKind::Gather => gemm(self.hs),
+            JobKind::FullVocab { teacher_hs } => 2.0 * gemm(self.hs) + gemm(teacher_hs),
         }
     }
 }
@@ -133,6 +135,13 @@ pub enum JobKind {
     /// The log-probabilities at given ids (`Engine::logprobs_at`).
     #[serde(rename = "gather")]
     Gather,
+    /// The exact full-vocabulary loss from teacher hidden rows of this
+    /// hidden size (`Engine::head_kl_full_vocab`).
+    #[serde(rename = "head_kl_full_vocab")]
+    FullVocab {
+        /// The teacher's hidden size.
+        teacher_hs: usize,
+    },
 }
 
 impl JobKind {
@@ -142,6 +151,7 @@ impl JobKind {
             JobKind::HeadKl => "head_kl",
             JobKind::Topk => "topk",
             JobKind::Gather => "gather",
+            JobKind::FullVocab { .. } => "head_kl_full_vocab",
         }
     }
 }

@@ -144,6 +144,32 @@ pub struct TopkOutDesc {
     pub probs_offset: usize,
 }
 
+/// The device-resident gather's steps around the top-k kernel's gather
+/// mode ([`crate::Engine::logprobs_at_device`]): `GatherIn` copies a
+/// chunk's ids from the caller's u32 `[ntok][k]` into the kernel's
+/// `[rows][k + 1]` rows (none, `0xffffffff`, stays none; an id at or past
+/// V is flagged as [`crate::resident::status::S_ID_RANGE`] and becomes
+/// none; the last column is none, for the lse); `GatherOut` copies the
+/// kernel's values out, the k log-probabilities into the caller's
+/// `[ntok][k]` and the lse into `[ntok]`, flagging a token whose logits
+/// were not finite. Buffers `[ids, status, ids_chunk]` and
+/// `[values_chunk, status, logprobs, lse]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatherRowsDesc {
+    /// Rows of the chunk.
+    pub rows: usize,
+    /// Ids per token.
+    pub k: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// The chunk's first token.
+    pub token0: usize,
+    /// The chunk's first element of the caller's ids.
+    pub ids_offset: usize,
+    /// The chunk's first element of the caller's log-probabilities.
+    pub out_offset: usize,
+}
+
 /// One per-row step of a vocabulary shard's device-resident two-phase loss
 /// ([`crate::shard::ShardEngine::loss_partials_device`] and
 /// [`crate::shard::ShardEngine::loss_finish_device`]), around the

@@ -19,12 +19,13 @@
 //! the dx GEMMs, and the chunk's loss and dx into the caller's buffers; at
 //! the end the status kernel describes the first bad row.
 
+mod gather;
 mod kernels;
 pub mod status;
 
 pub use kernels::{
-    HiddenInDesc, LabelsInDesc, LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage, StatusDetailDesc,
-    TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage,
+    StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 
 use crate::backend::{Backend, KlDesc, RowStats, TopkDesc};

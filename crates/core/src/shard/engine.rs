@@ -2,7 +2,7 @@
 //! calls of the module docs (`crate::shard`), written over the existing
 //! kernels (`gemm`, `kl_rows`, `topk_rows`) on the host path.
 
-use super::{HeadShard, LossPartials, LossStats, TopkPartials};
+use super::{GatherPartials, HeadShard, LossPartials, LossStats, TopkPartials};
 use crate::backend::{Backend, KlDesc, PendingDownload, TopkDesc};
 use crate::chunking::ChunkPlan;
 use crate::driver::{Engine, LossOutput, SliceOptions, Trace};
@@ -623,6 +623,54 @@ impl<B: Backend> ShardEngine<B> {
             read_chunk(done, &mut ids, &mut logits, &mut lse)?;
         }
         Ok((ids, logits, lse))
+    }
+}
+
+impl<B: Backend> ShardEngine<B> {
+    /// The shard's part of [`Engine::logprobs_at`] at global `ids`
+    /// `[ntok][k]` (negative: none), for [`super::merge_gather`]: the
+    /// log-probabilities over the shard alone at the ids inside it, and its
+    /// lse. A softcap is taken (it caps each logit alone). Where k exceeds
+    /// what one call over the shard takes (its width, at most
+    /// [`crate::problem::MAX_K`]), the ids go in column blocks, the
+    /// shard's logits made once a block.
+    ///
+    /// [`Engine::logprobs_at`]: crate::Engine::logprobs_at
+    pub fn gather_partials(&mut self, hidden: &Hidden<'_>, ids: &[i64], opts: &TopkOptions) -> Result<GatherPartials> {
+        let (ntok, k) = (hidden.ntok(), opts.k);
+        if k == 0 {
+            return Err(Error::KZero);
+        }
+        crate::check_gather_ids(ids, ntok, k, self.shard.vocab())?;
+        let (v0, v1) = (self.shard.v0() as i64, self.shard.v1() as i64);
+        let block = k.min(self.shard.width()).min(crate::problem::MAX_K);
+        let mut out = GatherPartials {
+            shard: self.shard,
+            ntok,
+            k,
+            logprobs: vec![f32::NEG_INFINITY; ntok * k],
+            lse: Vec::new(),
+        };
+        let mut local = Vec::with_capacity(ntok * block);
+        for c0 in (0..k).step_by(block) {
+            let c1 = (c0 + block).min(k);
+            local.clear();
+            for row in ids.chunks_exact(k) {
+                local.extend(
+                    row[c0..c1]
+                        .iter()
+                        .map(|&id| if (v0..v1).contains(&id) { id - v0 } else { -1 }),
+                );
+            }
+            let g = self
+                .engine
+                .logprobs_at(hidden, &local, &TopkOptions { k: c1 - c0, ..*opts })?;
+            for (t, row) in g.logprobs.chunks_exact(c1 - c0).enumerate() {
+                out.logprobs[t * k + c0..t * k + c1].copy_from_slice(row);
+            }
+            out.lse = g.lse;
+        }
+        Ok(out)
     }
 }
 

@@ -2,8 +2,8 @@
 //! collective does between the two phases, for a single process that
 //! drives several engines itself.
 
-use super::{check_cover, LossPartials, TopkPartials};
-use crate::driver::{LossOutput, TopK};
+use super::{check_cover, GatherPartials, LossPartials, TopkPartials};
+use crate::driver::{Gathered, LossOutput, TopK};
 use crate::error::{Error, Result};
 use crate::problem::{check_k, TopkOptions};
 
@@ -246,6 +246,49 @@ pub fn merge_topk(parts: &[TopkPartials], opts: &TopkOptions) -> Result<TopK> {
 
 fn near(a: f64, b: f64) -> bool {
     (a - b).abs() <= TIE_WINDOW * (a.abs() + b.abs() + 1.0)
+}
+
+/// Merges the shards' gather partials into [`Engine::logprobs_at`]'s
+/// result: each token's lse by log-sum-exp over the shards, and at each id
+/// the one shard holding it moves its log-probability to the global lse
+/// (`-inf` for none). Fails on partials of other token or id counts and
+/// on shards that overlap or leave rows uncovered.
+///
+/// [`Engine::logprobs_at`]: crate::Engine::logprobs_at
+pub fn merge_gather(parts: &[GatherPartials]) -> Result<Gathered> {
+    check_cover(&parts.iter().map(|p| p.shard).collect::<Vec<_>>())?;
+    let (ntok, k) = (parts[0].ntok, parts[0].k);
+    for p in parts {
+        same_tokens(ntok, p.ntok)?;
+        same_tokens(ntok, p.lse.len())?;
+        for (what, expected, got) in [("k", k, p.k), ("logprobs length", ntok * k, p.logprobs.len())] {
+            if expected != got {
+                return Err(Error::ShardMismatch { what, expected, got });
+            }
+        }
+    }
+    let mut out = Gathered {
+        logprobs: vec![f32::NEG_INFINITY; ntok * k],
+        lse: vec![0f32; ntok],
+        ntok,
+        k,
+    };
+    for t in 0..ntok {
+        let lse = log_sum_exp(parts.iter().map(|p| f64::from(p.lse[t])));
+        out.lse[t] = lse as f32;
+        for p in parts {
+            let shard_lse = f64::from(p.lse[t]);
+            for (o, &v) in out.logprobs[t * k..(t + 1) * k]
+                .iter_mut()
+                .zip(&p.logprobs[t * k..(t + 1) * k])
+            {
+                if v > f32::NEG_INFINITY {
+                    *o = (f64::from(v) + shard_lse - lse) as f32;
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -171,6 +171,10 @@ pub(crate) struct Regression {
     /// The logits GEMMs write row statistics for the KL rows
     /// (`Engine::set_row_stats`; on by default).
     row_stats: bool,
+    /// The full-vocabulary divergence: this case's head and hidden rows
+    /// are the teacher's (`Engine::head_kl_full_vocab`), and the call is
+    /// also made in the top-k mode at k = V.
+    teacher_hidden: Option<Case>,
 }
 
 fn params(kind: CaseKind, vocab: usize, hs: usize, ntok: usize, k: usize, seed: u64) -> CaseParams {
@@ -205,7 +209,23 @@ fn plain(case: Case) -> Regression {
         dx_check: DxCheck::Relative,
         dx_split: None,
         row_stats: true,
+        teacher_hidden: None,
     }
+}
+
+/// A full-vocabulary regression: the student's case `p` (its teacher rows
+/// unused) with `divergence`, and a teacher of hidden size `teacher_hs`
+/// over the same vocabulary, its rows as f16 when the student's are.
+fn full_vocab(p: CaseParams, divergence: Divergence, teacher_hs: usize) -> Regression {
+    let mut r = from(CaseParams { k: 1, ..p });
+    r.case.terms.divergence = divergence;
+    r.case.name = format!("{}[{}]", r.case.name, divergence.name());
+    r.teacher_hidden = Some(Case::from_params(&CaseParams {
+        hs: teacher_hs,
+        data_seed: p.data_seed ^ 0x7ea,
+        ..p
+    }));
+    r
 }
 
 fn from(p: CaseParams) -> Regression {
@@ -267,6 +287,10 @@ pub(crate) fn regression_names() -> &'static [&'static str] {
         "no_row_stats_slices_chunks_head_kl",
         "tapered_chunks_head_kl",
         "tapered_chunks_topk",
+        "full_vocab_forward_masked_head_kl",
+        "full_vocab_reverse_tau2_slices_chunks_head_kl",
+        "full_vocab_jsd_logit_scale_slices_chunks_head_kl",
+        "full_vocab_jsd_f16_unpadded_head_kl",
     ]
 }
 
@@ -726,9 +750,106 @@ pub(crate) fn regression(name: &str) -> Result<Regression, String> {
             max_rows_per_chunk: Some(1024),
             ..params(Topk, 130, 24, 2300, 5, 44)
         }),
+        // The exact full-vocabulary divergence from the teacher's hidden
+        // rows (another hidden size), each also in the top-k mode at k = V.
+        "full_vocab_forward_masked_head_kl" => full_vocab(
+            CaseParams {
+                masked: true,
+                ..params(HeadKl, 300, 24, 20, 1, 45)
+            },
+            Divergence::Forward,
+            40,
+        ),
+        "full_vocab_reverse_tau2_slices_chunks_head_kl" => {
+            let mut r = full_vocab(
+                CaseParams {
+                    temperature: 2.0,
+                    max_rows_per_slice: Some(256),
+                    max_rows_per_chunk: Some(16),
+                    ..params(HeadKl, 700, 56, 40, 1, 46)
+                },
+                Divergence::Reverse,
+                16,
+            );
+            r.min_slices = 3;
+            r.min_chunks = 3;
+            r
+        }
+        "full_vocab_jsd_logit_scale_slices_chunks_head_kl" => {
+            let mut r = full_vocab(
+                CaseParams {
+                    temperature: 1.5,
+                    masked: true,
+                    max_rows_per_slice: Some(512),
+                    max_rows_per_chunk: Some(16),
+                    ..params(HeadKl, 1500, 56, 36, 1, 47)
+                },
+                Divergence::Jsd { beta: 0.3 },
+                72,
+            );
+            r.case.terms.soft_weight = 0.7;
+            r.case.terms.logit_scale = 0.8;
+            r.min_slices = 3;
+            r.min_chunks = 3;
+            r
+        }
+        "full_vocab_jsd_f16_unpadded_head_kl" => full_vocab(
+            CaseParams {
+                hidden_as_f16: true,
+                ..params(HeadKl, 130, 20, 9, 1, 48)
+            },
+            Divergence::Jsd { beta: 0.5 },
+            36,
+        ),
         other => return Err(format!("no regression case named {other}")),
     };
     Ok(r)
+}
+
+/// A full-vocabulary case: `Engine::head_kl_full_vocab` against the f64
+/// reference (the top-k mode at k = V with the teacher's softmax), then
+/// the engine's own top-k mode on that teacher against the same.
+fn compare_full_vocab<B: Backend>(
+    engine: &mut Engine<B>,
+    case: &Case,
+    teacher_case: &Case,
+    opts: &LossOptions,
+    tol: &Tolerance,
+) -> Result<Measured, String> {
+    let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
+    let f16_rows = case.hidden_f16();
+    let hidden = case.hidden_rows(&f16_rows).map_err(|e| format!("case hidden: {e}"))?;
+    let t_head = teacher_case.head_weights().map_err(|e| format!("teacher head: {e}"))?;
+    let t_f16 = teacher_case.hidden_f16();
+    let t_hidden = teacher_case
+        .hidden_rows(&t_f16)
+        .map_err(|e| format!("teacher hidden: {e}"))?;
+    engine
+        .set_teacher_head(&t_head, teacher_case.slice_options())
+        .map_err(|e| format!("set_teacher_head: {e}"))?;
+    let out = engine
+        .head_kl_full_vocab(&hidden, &t_hidden, opts)
+        .map_err(|e| format!("head_kl_full_vocab: {e}"))?;
+    let resolved = opts.resolve(case.ntok).map_err(|e| format!("case options: {e}"))?;
+    let want = direct::head_kl_full_vocab_f64(&head, &hidden, &t_head, &t_hidden, &resolved);
+    let loss = tol.check_loss(&out.loss, out.mean, &want).map_err(|e| e.to_string())?;
+    let dx = tol
+        .check_dx_rows(&out.dx, &want.dx, Some(case.hs))
+        .map_err(|e| e.to_string())?;
+    // The same teacher at k = V through the top-k mode.
+    let (ids, probs) = direct::dense_teacher_f64(&t_head, &t_hidden, case.temperature);
+    let teacher = headkl_core::Teacher::new(&ids, &probs, case.ntok, case.vocab, case.vocab)
+        .map_err(|e| format!("dense teacher: {e}"))?;
+    let top_k = engine
+        .head_kl(&hidden, &teacher, opts)
+        .map_err(|e| format!("head_kl at k = V: {e}"))?;
+    tol.check_loss(&top_k.loss, top_k.mean, &want)
+        .map_err(|e| format!("the top-k mode at k = V: {e}"))?;
+    Ok(Measured {
+        loss: Some(loss),
+        dx: Some(dx),
+        ..Measured::default()
+    })
 }
 
 /// Runs a regression case.
@@ -770,7 +891,10 @@ pub(crate) fn check_regression<B: Backend + ?Sized>(
             return Err(format!("{chunks} chunk(s); this case needs at least {}", r.min_chunks));
         }
     }
-    let measured = compare_with(&mut engine, case, &opts, tol, r.dx_check)?;
+    let measured = match &r.teacher_hidden {
+        Some(teacher_case) => compare_full_vocab(&mut engine, case, teacher_case, &opts, tol)?,
+        None => compare_with(&mut engine, case, &opts, tol, r.dx_check)?,
+    };
     if let Some(want) = &r.exact_ids {
         let f16_rows = case.hidden_f16();
         let hidden = case.hidden_rows(&f16_rows).map_err(|e| e.to_string())?;

@@ -332,12 +332,82 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
                     host.logprobs[i]
                 ));
             }
+            check_gather_device(backend, &mut engine, (&hidden, &host_hidden), &got_ids, &lp_opts)?;
             Ok(Measured {
                 prob: Some(prob),
                 ..Measured::default()
             })
         }
     }
+}
+
+/// `Engine::logprobs_at_device` at `top` (a top-k's ids; none, `u32::MAX`,
+/// in the last column when k > 1) against the host path's
+/// `Engine::logprobs_at` on the same rows; then an id past V planted in
+/// the middle token: `wait_device` names it as the host path would, and
+/// the engine runs the clean ids again.
+fn check_gather_device<B: ResidentBackend + ?Sized>(
+    backend: &B,
+    engine: &mut Engine<&B>,
+    (hidden, host_hidden): (&DeviceHidden<'_, B::Buffer>, &Hidden<'_>),
+    top: &[u32],
+    opts: &headkl_core::TopkOptions,
+) -> Result<(), String> {
+    let (ntok, k, vocab) = (host_hidden.ntok(), opts.k, engine.vocab());
+    let mut ids = top.to_vec();
+    if k > 1 {
+        ids.iter_mut().skip(k - 1).step_by(k).for_each(|id| *id = u32::MAX);
+    }
+    let ids_buf = device_buffer(backend, bytemuck::cast_slice(&ids), "gather ids")?;
+    let logprobs = device_buffer(backend, &nan_bytes(ntok * k), "gather logprobs")?;
+    let lse = device_buffer(backend, &nan_bytes(ntok), "gather lse")?;
+    let run = |engine: &mut Engine<&B>| {
+        engine
+            .logprobs_at_device(ntok, hidden, &ids_buf, (&logprobs, &lse), opts)
+            .and_then(|()| engine.wait_device())
+    };
+    run(engine).map_err(|e| format!("logprobs_at_device: {e}"))?;
+    let (got, got_lse) = (
+        download_f32(backend, &logprobs, ntok * k)?,
+        download_f32(backend, &lse, ntok)?,
+    );
+    let host_ids: Vec<i64> = ids
+        .iter()
+        .map(|&id| if id == u32::MAX { -1 } else { i64::from(id) })
+        .collect();
+    let host = engine
+        .logprobs_at(host_hidden, &host_ids, opts)
+        .map_err(|e| format!("host logprobs_at: {e}"))?;
+    let close = |got: f32, want: f32| got == want || (got - want).abs() <= 1e-5 * (1.0 + want.abs());
+    if let Some(i) = (0..ntok * k).find(|&i| !close(got[i], host.logprobs[i])) {
+        return Err(format!(
+            "resident gather [{}][{}] = {}, the host path's {}",
+            i / k,
+            i % k,
+            got[i],
+            host.logprobs[i]
+        ));
+    }
+    if let Some(t) = (0..ntok).find(|&t| !close(got_lse[t], host.lse[t])) {
+        return Err(format!(
+            "resident gather lse[{t}] = {}, the host path's {}",
+            got_lse[t], host.lse[t]
+        ));
+    }
+    let (row, bad) = (ntok / 2, vocab as u32 + 5);
+    let mut planted = ids.clone();
+    planted[row * k] = bad;
+    backend
+        .upload(&ids_buf, 0, bytemuck::cast_slice(&planted))
+        .map_err(|e| format!("upload: {e}"))?;
+    match run(engine) {
+        Err(Error::IdOutOfRange { row: r, col: 0, id, .. }) if r == row && id == i64::from(bad) => {}
+        other => return Err(format!("an id past V at [{row}][0]: {other:?}, want IdOutOfRange")),
+    }
+    backend
+        .upload(&ids_buf, 0, bytemuck::cast_slice(&ids))
+        .map_err(|e| format!("upload: {e}"))?;
+    run(engine).map_err(|e| format!("logprobs_at_device after the error: {e}"))
 }
 
 /// The error cases: name, what they show.

@@ -104,6 +104,10 @@ pub const SHARD_CASES: &[(&str, &str)] = &[
         "equal head rows in different shards: the lowest id wins, as unsharded",
     ),
     (
+        "gather/3-k-split",
+        "3 shards, the first narrower than k = 12 (its ids in column blocks), ids across all three, repeats and none, τ = 1.5",
+    ),
+    (
         "errors",
         "typed errors: range, token count, overlap, gap, phase order, unsupported terms",
     ),
@@ -454,6 +458,71 @@ fn topk_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
     })
 }
 
+/// The sharded gather: each shard's partials (in turn), merged, against
+/// the f64 log-softmax at the ids; a shard given another shard's partials
+/// twice is refused.
+fn gather_case<B: Backend>(backend: &B) -> Result<Measured, String> {
+    let x = Inputs::new(0x7368_6172_6403);
+    let head = HeadWeights::new(HeadData::F32(&x.head), VOCAB, HS).map_err(|e| e.to_string())?;
+    let hidden = Hidden::f32(&x.x, NTOK, HS).map_err(|e| e.to_string())?;
+    let shards = HeadShard::split_at(VOCAB, &[8, 500]).map_err(|e| e.to_string())?;
+    let k = 12;
+    // Ids in every shard (shard 0 gets four a token), a repeat, and none
+    // in the last column.
+    let ids: Vec<i64> = (0..NTOK * k)
+        .map(|i| {
+            let (t, q) = ((i / k) as i64, (i % k) as i64);
+            match q {
+                0..=3 => (t + q) % 8,
+                4 => (t + 3) % 8,
+                11 => -1,
+                _ => (t * 97 + q * 131) % VOCAB as i64,
+            }
+        })
+        .collect();
+    let opts = TopkOptions {
+        temperature: 1.5,
+        max_rows_per_chunk: Some(16),
+        ..TopkOptions::new(k)
+    };
+    let mut parts = Vec::new();
+    for mut e in engines(backend, &head, &shards, SliceOptions::default(), false)? {
+        parts.push(e.gather_partials(&hidden, &ids, &opts).map_err(|e| e.to_string())?);
+    }
+    let got = headkl_core::shard::merge_gather(&parts).map_err(|e| e.to_string())?;
+    let (want, want_lse) = crate::direct::logprobs_at_f64(&head, &hidden, &ids, k, opts.temperature);
+    let mut worst = 0f64;
+    for (i, (&g, &w)) in got.logprobs.iter().zip(&want).enumerate() {
+        if w == f64::NEG_INFINITY {
+            if g != f32::NEG_INFINITY {
+                return Err(format!("logprobs[{}][{}] = {g}, want -inf (none)", i / k, i % k));
+            }
+            continue;
+        }
+        let err = (f64::from(g) - w).abs() / (w.abs() + 1.0);
+        worst = worst.max(err);
+        if err > 1e-4 {
+            return Err(format!("logprobs[{}][{}] = {g}, reference {w}", i / k, i % k));
+        }
+    }
+    for (t, (&g, &w)) in got.lse.iter().zip(&want_lse).enumerate() {
+        if (f64::from(g) - w).abs() > 1e-4 * (w.abs() + 1.0) {
+            return Err(format!("lse[{t}] = {g}, reference {w}"));
+        }
+    }
+    let twice = [parts[0].clone(), parts[0].clone(), parts[1].clone(), parts[2].clone()];
+    expect_err(
+        "the first shard's partials twice",
+        headkl_core::shard::merge_gather(&twice),
+        |e| matches!(e, Error::ShardOverlap { .. }),
+    )?;
+    Ok(Measured {
+        loss: Some(worst),
+        dx: None,
+        prob: None,
+    })
+}
+
 pub(super) fn expect_err<T>(what: &str, r: Result<T, Error>, ok: impl Fn(&Error) -> bool) -> Result<(), String> {
     match r {
         Err(e) if ok(&e) => Ok(()),
@@ -600,6 +669,7 @@ pub(crate) fn run_shard_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, d
     match name {
         n if n.starts_with("loss/") => loss_case(backend, n, drive),
         n if n.starts_with("topk/") => topk_case(backend, n, drive),
+        n if n.starts_with("gather/") => gather_case(backend),
         "errors" => errors_case(backend),
         other => Err(format!("no sharded case {other}")),
     }

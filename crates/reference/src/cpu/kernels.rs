@@ -551,6 +551,85 @@ fn kl_row<T: Real>(
     [loss.to_f32(), lse1.to_f32(), soft.to_f32(), hard.to_f32()]
 }
 
+/// One row of the KL kernel with a dense teacher ([`KlDesc::dense_teacher`]:
+/// `t` the teacher's logits at τ): the exact divergence over the whole
+/// vocabulary in log space, `[α_soft·L, lse, L, 0]`, and the gradient row
+/// `c·α_soft·∂L/∂s`. A flagged row is handled as in [`kl_row`].
+fn dense_row<T: Real>(s: &[f32], t: &[f32], coef: u32, d: &KlDesc, grad: &mut [f16]) -> [f32; 4] {
+    let vocab = d.vocab;
+    grad[vocab..].fill(f16::ZERO);
+    if s.iter().chain(t).any(|v| !v.is_finite()) {
+        grad[..vocab].fill(f16::NAN);
+        return [f32::NAN; 4];
+    }
+    let u: Vec<T> = s.iter().map(|&v| T::of(v)).collect();
+    let w: Vec<T> = t.iter().map(|&v| T::of(v)).collect();
+    let (lse, lse_t) = (lse_of(&u), lse_of(&w));
+    let tau = T::of(d.temperature);
+    let lse1 = if d.temperature != 1.0 {
+        lse_of(&u.iter().map(|&v| v * tau).collect::<Vec<T>>())
+    } else {
+        lse
+    };
+    let log_s: Vec<T> = u.iter().map(|&v| v - lse).collect();
+    let log_t: Vec<T> = w.iter().map(|&v| v - lse_t).collect();
+    let divergence = d.terms.divergence.effective();
+    // (f, f') of one column of the reverse KL (its teacher floored as in
+    // `div_term`) or the JSD, with the logs exact.
+    let log_floor = T::of(headkl_core::PROB_FLOOR.ln() as f32);
+    let div = |ls: T, lt: T| -> (T, T) {
+        let q = ls.exp();
+        if divergence == Divergence::Reverse {
+            let r = ls - if lt > log_floor { lt } else { log_floor };
+            return if q > T::ZERO {
+                (q * r, r + T::ONE)
+            } else {
+                (T::ZERO, T::ZERO)
+            };
+        }
+        let (beta, p) = (T::of(divergence.beta()), lt.exp());
+        let log_m = (beta * p + (T::ONE - beta) * q).ln();
+        let (mut f, mut slope) = (T::ZERO, T::ZERO);
+        if p > T::ZERO {
+            f += beta * p * (lt - log_m);
+        }
+        if q > T::ZERO {
+            f += (T::ONE - beta) * q * (ls - log_m);
+            slope = (T::ONE - beta) * (ls - log_m);
+        }
+        (f, slope)
+    };
+    let (mut soft, mut e) = (T::ZERO, T::ZERO);
+    for (&ls, &lt) in log_s.iter().zip(&log_t) {
+        if divergence == Divergence::Forward {
+            soft += lt.exp() * (lt - ls);
+        } else {
+            let (f, slope) = div(ls, lt);
+            soft += f;
+            e += ls.exp() * slope;
+        }
+    }
+    let cw = T::of(f32::from_bits(coef)) * T::of(d.terms.soft_weight);
+    for ((g, &ls), &lt) in grad[..vocab].iter_mut().zip(&log_s).zip(&log_t) {
+        let dl = match divergence {
+            Divergence::Forward => ls.exp() - lt.exp(),
+            _ => ls.exp() * (div(ls, lt).1 - e),
+        };
+        *g = (cw * dl).to_f16();
+    }
+    let mut out = [
+        (T::of(d.terms.soft_weight) * soft).to_f32(),
+        lse1.to_f32(),
+        soft.to_f32(),
+        0.0,
+    ];
+    if coef == FLAGGED_ROW {
+        grad.fill(f16::ZERO);
+        out[0] = f32::from_bits(FLAGGED_ROW);
+    }
+    out
+}
+
 /// The KL row kernel on whole buffers (see [`KlDesc`]).
 #[allow(clippy::too_many_arguments, reason = "one slice per kernel binding")]
 pub(crate) fn kl_rows(
@@ -587,8 +666,17 @@ pub(crate) fn kl_rows(
         for (i, ((l, g), mask)) in block.iter_mut().enumerate() {
             let t = first + i;
             let s = &logits[t * ld..t * ld + vocab];
-            let (ids_t, probs_t) = (&ids[t * k..(t + 1) * k], &probs[t * k..(t + 1) * k]);
             let inputs = [row_in[2 * t], row_in[2 * t + 1]];
+            if d.dense_teacher {
+                let teacher = &probs[t * ld..t * ld + vocab];
+                let out = match precision {
+                    Precision::F64 => dense_row::<f64>(s, teacher, inputs[0], d, g),
+                    Precision::F32 => dense_row::<f32>(s, teacher, inputs[0], d, g),
+                };
+                l.copy_from_slice(&out);
+                continue;
+            }
+            let (ids_t, probs_t) = (&ids[t * k..(t + 1) * k], &probs[t * k..(t + 1) * k]);
             let stats_lse = stats.map(|rs| lse_from_stats(logits, &rs, t));
             let out = match precision {
                 Precision::F64 => kl_row::<f64>(s, ids_t, probs_t, inputs, d, stats_lse, g, mask),

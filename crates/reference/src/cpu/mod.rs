@@ -395,7 +395,8 @@ impl CpuBackend {
         const K: &str = "kl_rows";
         let (mut loss_w, mut grad_w) = (loss.write(K)?, grad.write(K)?);
         let (logits_w, ids_w, probs_w, coef_w) = (logits.read(K)?, ids.read(K)?, probs.read(K)?, coef.read(K)?);
-        let id_vals: &[u32] = &ids_w[..d.rows * d.k];
+        // A dense teacher's kernel does not read the ids.
+        let id_vals: &[u32] = if d.dense_teacher { &[] } else { &ids_w[..d.rows * d.k] };
         if let Some(i) = id_vals.iter().position(|&id| id as usize >= d.vocab) {
             return Err(backend_error(format!(
                 "{K}: ids[{}][{}] = {} is not below vocab = {}",

@@ -4,8 +4,8 @@
 
 use half::{bf16, f16};
 use headkl_core::params::{
-    HiddenInParams, LabelsInParams, LossOutParams, ShardRowsParams, StatusDetailParams, TeacherRowsParams,
-    TopkOutParams, WeightStatsParams,
+    GatherRowsParams, HiddenInParams, LabelsInParams, LossOutParams, ShardRowsParams, StatusDetailParams,
+    TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
 use headkl_core::resident::status::{
     FLAGGED_ROW, KIND_DUPLICATE, KIND_ID_RANGE, KIND_PROB_NEGATIVE, KIND_PROB_NON_FINITE, KIND_ROW_SUM,
@@ -69,6 +69,8 @@ impl CpuBackend {
             KernelId::TopkOut => self.topk_out(b, &block(id, &bytes)?),
             KernelId::StatusDetail => self.status_detail(b, &block(id, &bytes)?),
             KernelId::ShardRows => self.shard_rows(b, &block(id, &bytes)?),
+            KernelId::GatherIn => self.gather_in(b, &block(id, &bytes)?),
+            KernelId::GatherOut => self.gather_out(b, &block(id, &bytes)?),
             _ => Err(backend_error(format!("{id} is not a resident kernel"))),
         }
     }
@@ -362,6 +364,51 @@ impl CpuBackend {
             probs_dst[p.probs_offset as usize + i] = probs[i];
             if i % k == 0 && !probs[i].is_finite() {
                 lower(&mut status, S_LOGITS, p.token0 + (i / k) as u32);
+            }
+        }
+        Ok(())
+    }
+
+    fn gather_in(&self, b: &[&CpuBuffer], p: &GatherRowsParams) -> Result<()> {
+        let ids = b[0].read("gather_in")?;
+        let mut status = b[1].write("gather_in")?;
+        let mut chunk = b[2].write("gather_in")?;
+        let (k, cols) = (p.k as usize, p.k as usize + 1);
+        for i in 0..p.rows as usize * cols {
+            let (row, col) = (i / cols, i % cols);
+            let mut id = NONE;
+            if col < k {
+                id = ids[p.ids_offset as usize + row * k + col];
+                if id != NONE && id >= p.vocab {
+                    lower(&mut status, S_ID_RANGE, (p.token0 + row as u32) * p.k + col as u32);
+                    id = NONE;
+                }
+            }
+            chunk[i] = id;
+        }
+        Ok(())
+    }
+
+    fn gather_out(&self, b: &[&CpuBuffer], p: &GatherRowsParams) -> Result<()> {
+        let values = b[0].read("gather_out")?;
+        let mut status = b[1].write("gather_out")?;
+        let (mut logprobs, mut lse) = (b[2].write("gather_out")?, b[3].write("gather_out")?);
+        let values = f32s(&values);
+        let (logprobs, lse) = (f32s_mut(&mut logprobs), f32s_mut(&mut lse));
+        let (k, cols) = (p.k as usize, p.k as usize + 1);
+        for (i, &v) in values[..p.rows as usize * cols].iter().enumerate() {
+            let (row, col) = (i / cols, i % cols);
+            let token = p.token0 + row as u32;
+            if col < k {
+                logprobs[p.out_offset as usize + row * k + col] = v;
+                if col == 0 && v.is_nan() {
+                    lower(&mut status, S_LOGITS, token);
+                }
+            } else {
+                lse[token as usize] = v;
+                if !v.is_finite() {
+                    lower(&mut status, S_LOGITS, token);
+                }
             }
         }
         Ok(())
