@@ -33,25 +33,11 @@ override KL_FLAGS: u32 = 0u;
 const WG: u32 = 256u;
 const NEG_HUGE: f32 = -3.0e38;
 
-// Bits of KL_FLAGS = params.flags (headkl_core::params::row_flags).
-const F_SOFTCAP: u32 = 1u;
-const F_TAIL_SHIFT: u32 = 1u;
-const F_HARD: u32 = 8u;
-const F_Z_LOSS: u32 = 16u;
-const F_TAU: u32 = 32u;
-const F_TAU_POW_SHIFT: u32 = 8u;
-const F_TAU_POW_MASK: u32 = 7u;
-const F_FILTER: u32 = 2048u;
-const F_DIV_SHIFT: u32 = 12u;
-const F_DENSE: u32 = 32768u;
-// Divergences (headkl_core::Divergence::code); 0 is the forward KL.
-const DIV_REVERSE: u32 = 1u;
-const DIV_JSD: u32 = 2u;
-// Tail modes (headkl_core::TailMode::code).
-const TAIL_BUCKET: u32 = 1u;
-const TAIL_NONE: u32 = 2u;
-// Floor of the bucket's student mass 1 − Σ_k p_S (2^-24; KlDesc).
-const TAIL_FLOOR: f32 = 5.9604645e-8;
+// Bits of KL_FLAGS = params.flags, the divergences' codes (0 is the
+// forward KL), the tail modes' codes, and the floors TAIL_FLOOR = 2^-24 on
+// the bucket's student mass and the reverse KL's teacher, LOG_PROB_FLOOR
+// its log (headkl_core::params::row_flags).
+// <row flags: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
 
 var<workgroup> red_max: array<f32, WG>;
 var<workgroup> red_sum: array<f32, WG>;
@@ -74,10 +60,12 @@ var<workgroup> row_c1: vec4<f32>;
 // log N, the student's normalizer on the k (log Σ_k p_S renormalized, else 0).
 var<workgroup> row_div: vec2<f32>;
 // The block filter (F_FILTER; headkl_core::filter): one segment's mask
-// words, each 32 blocks of 64 vocabulary entries (2048 entries, 512 grad
-// words). Only the filtered pipeline touches it.
+// words, each 32 blocks of FILTER_BLOCK vocabulary entries. Only the
+// filtered pipeline touches it.
 const SEG_WORDS: u32 = 64u;
-const SEG4: u32 = SEG_WORDS * 512u;
+// 16-byte grad words a mask word covers: 32 blocks of FILTER_BLOCK.
+const WORD4: u32 = 32u * FILTER_BLOCK / 4u;
+const SEG4: u32 = SEG_WORDS * WORD4;
 var<workgroup> seg_mask: array<atomic<u32>, SEG_WORDS>;
 
 fn non_finite(x: f32) -> bool {
@@ -749,7 +737,7 @@ fn kept(g: f32, c: f32) -> bool {
 
 // Marks the block of column `j` in the segment starting at column `col0`.
 fn mark(j: u32, col0: u32) {
-    let b = (j - col0) / 64u;
+    let b = (j - col0) / FILTER_BLOCK;
     atomicOr(&seg_mask[b / 32u], 1u << (b % 32u));
 }
 
@@ -823,7 +811,7 @@ fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bo
             }
         }
         workgroupBarrier();
-        let w = s4 / 512u + lid;
+        let w = s4 / WORD4 + lid;
         if lid < SEG_WORDS && w < params.mask_ld {
             let bits = atomicLoad(&seg_mask[lid]);
             let h = vec4<u32>(bits & 255u, (bits >> 8u) & 255u, (bits >> 16u) & 255u, bits >> 24u);
@@ -837,10 +825,6 @@ fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bo
 // `probs` holds the teacher's logits at τ, [rows][ld] as the student's,
 // and the soft term is the exact divergence over the whole vocabulary.
 // Only the soft term, its weight, τ and the divergence apply.
-
-// ln 2^-24: the reverse KL's floor on the teacher's log-probability, as
-// div_term's TAIL_FLOOR on its probability (the gradient stays bounded).
-const LOG_PROB_FLOOR: f32 = -16.635532;
 
 // Folds x into the running (max, Σ exp(x − max), Σ exp(x − max)·w): the
 // weighted sum rescales with the max, so Σ p·w = A/S once the row is seen.

@@ -5,19 +5,7 @@
 @group(0) @binding(1) var<storage, read> src: array<u32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f16>;
 
-// Smallest |x| that rounds to f16 infinity (65504 + half an ulp).
-const F16_OVERFLOW_BITS: u32 = 0x477ff000u;
-
-// f32 -> f16 decided on the bits, as convert.wgsl does: out-of-range values
-// become +-inf and NaN stays NaN.
-fn to_f16(x: f32) -> f16 {
-    let bits = bitcast<u32>(x);
-    let mag = bits & 0x7fffffffu;
-    if mag < F16_OVERFLOW_BITS || mag > 0x7f800000u {
-        return f16(x);
-    }
-    return f16(bitcast<f32>((bits & 0x80000000u) | 0x7f800000u));
-}
+// to_f16: f16_round.wgsl, appended by the catalogue.
 
 // The 16-bit half `e` of the word array (element index in halves).
 fn half_bits(e: u32) -> u32 {

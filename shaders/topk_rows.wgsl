@@ -123,10 +123,9 @@ fn sort_selected(count: u32, lid: u32) {
     bitonic_sort(n, lid);
 }
 
-// Bits of params.flags (headkl_core::params::row_flags).
-const F_SOFTCAP: u32 = 1u;
-const F_LOGPROBS: u32 = 64u;
-const F_GATHER: u32 = 16384u;
+// Bits of params.flags (headkl_core::params::row_flags; those of the KL
+// rows come along, unused here).
+// <row flags: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
 
 // A value as written: cap·tanh(x/cap) with the softcap on (from
 // e = exp(-2|x/cap|), which cannot overflow), else x.

@@ -197,9 +197,17 @@ fn every_shader_file_belongs_to_a_kernel() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|n| n.ends_with(".wgsl"))
         .collect();
-    // The header the device-resident kernels share and the GEMMs' shared
-    // tails.
-    let shared = |file: &str| ["resident_common.wgsl", "gemm_common.wgsl", "gemm_coop_common.wgsl"].contains(&file);
+    // The header the device-resident kernels share, the GEMMs' shared
+    // tails and the f16 rounding the two conversions share.
+    let shared = |file: &str| {
+        [
+            "resident_common.wgsl",
+            "gemm_common.wgsl",
+            "gemm_coop_common.wgsl",
+            "f16_round.wgsl",
+        ]
+        .contains(&file)
+    };
     for file in &files {
         assert!(
             SHADERS.iter().any(|s| s.file == file) || shared(file),
@@ -213,5 +221,5 @@ fn every_shader_file_belongs_to_a_kernel() {
             shader.file
         );
     }
-    assert_eq!(files.len(), SHADERS.len() + 3);
+    assert_eq!(files.len(), SHADERS.len() + 4);
 }

@@ -131,7 +131,7 @@ pub struct BenchConfig {
     pub gather: bool,
     /// Also time the exact full-vocabulary head_kl from teacher hidden rows of hidden size N
     /// (`loss --teacher-hidden`; a random teacher head [V][N], uploaded outside the timing), with
-    /// --divergence and --beta
+    /// --divergence, --beta and --soft-weight (not --hard-weight; without --filter-eps)
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub teacher_hs: Option<u32>,
 }
@@ -167,6 +167,12 @@ impl BenchConfig {
             }
             _ => CliError::from_core_in_option(e, "--divergence"),
         })?;
+        if terms.hard_on() && self.teacher_hs.is_some() {
+            return Err(CliError::option(
+                "--teacher-hs",
+                "the full-vocabulary loss computes the soft term alone: leave out --hard-weight",
+            ));
+        }
         if terms.hard_on() && self.labels.is_none() {
             return Err(CliError::option(
                 "--hard-weight",
@@ -489,6 +495,11 @@ impl BenchJob<'_> {
             ),
             _ => None,
         };
+        // The full-vocabulary loss has no dx filter (refused there).
+        let full_vocab_opts = LossOptions {
+            filter_eps: None,
+            ..loss_opts.clone()
+        };
         // Kept across calls, as a training loop keeps its gradient buffer.
         let mut loss_out = headkl_core::LossOutput::default();
         let mut result = Self::time_calls(
@@ -504,7 +515,7 @@ impl BenchJob<'_> {
                 JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
                 JobKind::Gather => engine.logprobs_at(&hidden, &gather_ids, &topk_opts).map(|_| ()),
                 JobKind::FullVocab { .. } => match &teacher_rows {
-                    Some(t) => engine.head_kl_full_vocab_into(&hidden, t, &loss_opts, &mut loss_out),
+                    Some(t) => engine.head_kl_full_vocab_into(&hidden, t, &full_vocab_opts, &mut loss_out),
                     None => Err(headkl_core::Error::NoTeacherHead),
                 },
             },
@@ -1228,6 +1239,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &BenchConfig) -> R
         divergence: terms.divergence.name().to_string(),
         soft_weight: terms.soft_weight,
         hard_weight: terms.hard_weight,
+        teacher_hs: cfg.teacher_hs,
         beta: match terms.divergence {
             Divergence::Jsd { beta } => Some(beta),
             _ => None,

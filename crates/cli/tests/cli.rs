@@ -1733,7 +1733,23 @@ fn bench_takes_the_loss_options() {
         .map(|j| j["job"].as_str().unwrap())
         .collect();
     assert_eq!(jobs, ["head_kl", "topk", "gather"], "{v}");
+    // `--teacher-hs N` adds the full-vocabulary loss's row (the filter is
+    // the top-k rows' alone); it takes no hard term.
+    let o = bench(&["--teacher-hs", "24", "--divergence", "reverse", "--filter-eps", "auto"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["teacher_hs"], serde_json::json!(24), "{v}");
+    let full = &v["runs"][0]["jobs"][2];
+    assert_eq!(full["job"], "head_kl_full_vocab", "{v}");
+    assert!(full["median_ms"].as_f64().unwrap() > 0.0, "{full}");
+    let o = bench(&["--teacher-hs", "0"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--teacher-hs"), "{}", stderr(&o));
     for (extra, needle) in [
+        (
+            vec!["--teacher-hs", "24", "--hard-weight", "1", "--labels", "random"],
+            "--teacher-hs",
+        ),
         (vec!["--hard-weight", "1"], "--hard-weight"),
         (vec!["--beta", "0.5"], "--beta"),
         (vec!["--soft-weight", "-1"], "--soft-weight"),

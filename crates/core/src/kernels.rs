@@ -59,12 +59,19 @@ pub const RESIDENT_MARKER: &str =
 pub const ROW_MARKER: &str =
     "// <row constants: generated from crates/core/src/resident/status.rs (headkl_core::kernels::Shader::source)>";
 
+/// The line of `shaders/kl_rows.wgsl` and `shaders/topk_rows.wgsl` that
+/// [`Shader::source`] replaces with the row kernels' flag bits and codes
+/// ([`crate::params::row_flags::wgsl`]).
+pub const FLAGS_MARKER: &str =
+    "// <row flags: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>";
+
 impl Shader {
     /// The WGSL to compile: the file with its parameter struct and binding
     /// generated from `core::params` in place of [`PARAMS_MARKER`] (and,
     /// in the resident kernels, their constants in place of
     /// [`RESIDENT_MARKER`]; in the KL kernel, the flagged row's marker in
-    /// place of [`ROW_MARKER`]).
+    /// place of [`ROW_MARKER`]; in the row kernels, their flag bits and
+    /// codes in place of [`FLAGS_MARKER`]).
     pub fn source(&self) -> String {
         let mut text = self.text.replacen(PARAMS_MARKER, &self.params.wgsl(), 1);
         if text.contains(RESIDENT_MARKER) {
@@ -72,6 +79,9 @@ impl Shader {
         }
         if text.contains(ROW_MARKER) {
             text = text.replacen(ROW_MARKER, &crate::resident::status::row_wgsl(), 1);
+        }
+        if text.contains(FLAGS_MARKER) {
+            text = text.replacen(FLAGS_MARKER, &crate::params::row_flags::wgsl(), 1);
         }
         text
     }
@@ -131,8 +141,15 @@ macro_rules! resident_shader {
     };
 }
 
-/// `convert.wgsl`: f32 → f16 hidden rows.
-pub const CONVERT_WGSL: Shader = shader!("convert.wgsl", ConvertParams);
+/// `convert.wgsl`: f32 → f16 hidden rows (with `f16_round.wgsl`'s `to_f16`).
+pub const CONVERT_WGSL: Shader = Shader {
+    file: "convert.wgsl",
+    text: concat!(
+        include_str!("../../../shaders/convert.wgsl"),
+        include_str!("../../../shaders/f16_round.wgsl")
+    ),
+    params: ConvertParams::BLOCK,
+};
 /// `kl_rows.wgsl`: the KL row kernel.
 pub const KL_ROWS_WGSL: Shader = shader!("kl_rows.wgsl", RowParams);
 /// `topk_rows.wgsl`: the exact top-k row kernel.
@@ -152,8 +169,17 @@ pub const WEIGHT_STATS_WGSL: Shader = resident_shader!("resident_stats.wgsl", We
 pub const TEACHER_ROWS_WGSL: Shader = resident_shader!("resident_teacher.wgsl", TeacherRowsParams);
 /// `resident_labels.wgsl`: the caller's labels checked into scratch.
 pub const LABELS_IN_WGSL: Shader = resident_shader!("resident_labels.wgsl", LabelsInParams);
-/// `resident_hidden.wgsl`: the caller's hidden rows into the f16 operand.
-pub const HIDDEN_IN_WGSL: Shader = resident_shader!("resident_hidden.wgsl", HiddenInParams);
+/// `resident_hidden.wgsl`: the caller's hidden rows into the f16 operand
+/// (with `f16_round.wgsl`'s `to_f16`, as `convert.wgsl`).
+pub const HIDDEN_IN_WGSL: Shader = Shader {
+    file: "resident_hidden.wgsl",
+    text: concat!(
+        include_str!("../../../shaders/resident_common.wgsl"),
+        include_str!("../../../shaders/resident_hidden.wgsl"),
+        include_str!("../../../shaders/f16_round.wgsl")
+    ),
+    params: HiddenInParams::BLOCK,
+};
 /// `resident_loss_out.wgsl`: a chunk's loss and dx into the caller's buffers.
 pub const LOSS_OUT_WGSL: Shader = resident_shader!("resident_loss_out.wgsl", LossOutParams);
 /// `resident_topk_out.wgsl`: a chunk's top-k into the caller's buffers.
@@ -792,34 +818,34 @@ pub(crate) fn require(
 mod tests {
     use super::*;
 
+    /// The row kernels take their flag bits and codes from
+    /// `row_flags::wgsl` and declare none of their own.
     #[test]
-    fn kl_rows_declares_the_flag_bits_of_params() {
+    fn the_row_kernels_take_their_flags_from_params() {
         use crate::params::row_flags;
-        use crate::TailMode;
-        let text = KL_ROWS_WGSL.text;
+        let generated = row_flags::wgsl();
         for (name, value) in [
             ("F_SOFTCAP", row_flags::SOFTCAP),
-            ("F_TAIL_SHIFT", row_flags::TAIL_SHIFT),
-            ("F_HARD", row_flags::HARD),
-            ("F_Z_LOSS", row_flags::Z_LOSS),
-            ("F_TAU", row_flags::TAU),
-            ("F_DIV_SHIFT", row_flags::DIVERGENCE_SHIFT),
             ("F_DENSE", row_flags::DENSE_TEACHER),
-            ("TAIL_BUCKET", TailMode::Bucket.code()),
-            ("TAIL_NONE", TailMode::Unnormalized.code()),
-            ("DIV_REVERSE", crate::Divergence::Reverse.code()),
+            ("F_GATHER", row_flags::GATHER),
+            ("TAIL_NONE", crate::TailMode::Unnormalized.code()),
             ("DIV_JSD", crate::Divergence::Jsd { beta: 0.5 }.code()),
         ] {
-            let line = format!("const {name}: u32 = {value}u;");
-            assert!(text.contains(&line), "kl_rows.wgsl lacks `{line}`");
+            assert!(
+                generated.contains(&format!("const {name}: u32 = {value}u;\n")),
+                "{generated}"
+            );
         }
-        for (name, value) in [
-            ("F_SOFTCAP", row_flags::SOFTCAP),
-            ("F_LOGPROBS", row_flags::LOGPROBS),
-            ("F_GATHER", row_flags::GATHER),
-        ] {
-            let line = format!("const {name}: u32 = {value}u;");
-            assert!(TOPK_ROWS_WGSL.text.contains(&line), "topk_rows.wgsl lacks `{line}`");
+        assert!(
+            generated.contains("const TAIL_FLOOR: f32 = 5.9604645e-8;\n"),
+            "{generated}"
+        );
+        for shader in [KL_ROWS_WGSL, TOPK_ROWS_WGSL] {
+            assert_eq!(shader.text.matches(FLAGS_MARKER).count(), 1, "{}", shader.file);
+            let source = shader.source();
+            for line in generated.lines() {
+                assert_eq!(source.matches(line).count(), 1, "{}: {line}", shader.file);
+            }
         }
     }
 

@@ -155,8 +155,8 @@ pub struct RowParams {
 }
 
 /// Bits of [`RowParams::flags`]; `shaders/kl_rows.wgsl` and
-/// `shaders/topk_rows.wgsl` declare the same constants (a test checks
-/// them). With every bit clear the kernels do the seed's work and no more.
+/// `shaders/topk_rows.wgsl` get them as constants from [`row_flags::wgsl`].
+/// With every bit clear the kernels do the seed's work and no more.
 pub mod row_flags {
     /// Softcap the logits.
     pub const SOFTCAP: u32 = 1;
@@ -196,6 +196,43 @@ pub mod row_flags {
     /// at τ, `[rows][ld]` like the student's, and the soft term is the
     /// exact divergence over the full vocabulary (`ids` is not read).
     pub const DENSE_TEACHER: u32 = 32768;
+
+    /// The declarations `shaders/kl_rows.wgsl` and `shaders/topk_rows.wgsl`
+    /// get in place of [`crate::kernels::FLAGS_MARKER`]: these bits, the
+    /// divergences' and tail modes' codes they select, and the floors on a
+    /// probability ([`crate::PROB_FLOOR`]) and its log, so no shader
+    /// spells a host value by hand.
+    pub fn wgsl() -> String {
+        use crate::{Divergence, TailMode};
+        let mut s = String::new();
+        for (name, value) in [
+            ("F_SOFTCAP", SOFTCAP),
+            ("F_TAIL_SHIFT", TAIL_SHIFT),
+            ("F_HARD", HARD),
+            ("F_Z_LOSS", Z_LOSS),
+            ("F_TAU", TAU),
+            ("F_LOGPROBS", LOGPROBS),
+            ("F_TAU_POW_SHIFT", TAU_POW_SHIFT),
+            ("F_TAU_POW_MASK", TAU_POW_MASK),
+            ("F_FILTER", FILTER),
+            ("F_DIV_SHIFT", DIVERGENCE_SHIFT),
+            ("F_GATHER", GATHER),
+            ("F_DENSE", DENSE_TEACHER),
+            ("DIV_REVERSE", Divergence::Reverse.code()),
+            ("DIV_JSD", Divergence::Jsd { beta: 0.5 }.code()),
+            ("TAIL_BUCKET", TailMode::Bucket.code()),
+            ("TAIL_NONE", TailMode::Unnormalized.code()),
+            // The dx block filter's block of vocabulary rows (its mask's bit).
+            ("FILTER_BLOCK", crate::filter::BLOCK as u32),
+        ] {
+            s.push_str(&format!("const {name}: u32 = {value}u;\n"));
+        }
+        // f32's shortest round-trip digits: the value the host's f32 holds.
+        let floor = crate::PROB_FLOOR as f32;
+        s.push_str(&format!("const TAIL_FLOOR: f32 = {floor:e};\n"));
+        s.push_str(&format!("const LOG_PROB_FLOOR: f32 = {:e};\n", floor.ln()));
+        s
+    }
 }
 
 /// `shaders/convert.wgsl`.

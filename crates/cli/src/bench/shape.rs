@@ -123,25 +123,28 @@ impl Shape {
     }
 }
 
-/// Which job is timed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// Which job is timed; in the JSON, its [`JobKind::name`] (the report
+/// records the teacher's hidden size as `teacher_hs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JobKind {
     /// The loss and its gradient.
-    #[serde(rename = "head_kl")]
     HeadKl,
     /// The teacher's top-k.
-    #[serde(rename = "topk")]
     Topk,
     /// The log-probabilities at given ids (`Engine::logprobs_at`).
-    #[serde(rename = "gather")]
     Gather,
     /// The exact full-vocabulary loss from teacher hidden rows of this
     /// hidden size (`Engine::head_kl_full_vocab`).
-    #[serde(rename = "head_kl_full_vocab")]
     FullVocab {
         /// The teacher's hidden size.
         teacher_hs: usize,
     },
+}
+
+impl Serialize for JobKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
 }
 
 impl JobKind {

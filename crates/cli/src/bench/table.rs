@@ -127,6 +127,9 @@ pub struct BenchReport {
     pub soft_weight: f32,
     /// head_kl's hard-label weight (random labels when above 0).
     pub hard_weight: f32,
+    /// The teacher's hidden size of the `head_kl_full_vocab` job
+    /// (`--teacher-hs`).
+    pub teacher_hs: Option<u32>,
     /// Scratch budget in bytes.
     pub budget_bytes: u64,
     /// One entry per backend.
