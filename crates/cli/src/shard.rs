@@ -144,6 +144,51 @@ fn engine_on<'b, B: Backend>(
     Ok(e)
 }
 
+/// The one-phase sharded jobs (top-k, the gather): each shard's engine
+/// built on its own thread and `job` run on it; the results in shard order
+/// (a panicking thread's as an error).
+fn on_each_shard<B, T>(
+    backends: &[B],
+    plan: &ShardPlan,
+    head: &HeadWeights<'_>,
+    map: MapError<'_>,
+    job: impl Fn(&mut ShardEngine<&B>) -> Result<T, CliError> + Sync,
+) -> Result<Vec<T>, CliError>
+where
+    B: Backend + Sync,
+    T: Send,
+{
+    log::info!(
+        "headkl: {} shards on {} device(s) of {}",
+        plan.shards.len(),
+        backends.len(),
+        crate::select::describe(backends[0].info())
+    );
+    let job = &job;
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = plan
+            .shards
+            .iter()
+            .zip(&plan.assign)
+            .map(|(&shard, &d)| {
+                let backend = &backends[d];
+                s.spawn(move || {
+                    let mut e = engine_on(backend, head, shard, &plan.target.settings, map)?;
+                    job(&mut e)
+                })
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join()
+                    .unwrap_or_else(|payload| Err(CliError::panicked(format!("shard {rank}'s thread"), payload)))
+            })
+            .collect()
+    })
+}
+
 /// The sharded loss: N engines on N threads, phase one, the merge on this
 /// thread (where a trainer's all-reduce goes), phase two, `dx` summed.
 pub struct LossShards<'a> {
@@ -266,40 +311,14 @@ impl ShardJob for TopkShards<'_> {
     type Output = TopK;
 
     fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<TopK, CliError> {
-        log::info!(
-            "headkl: {} shards on {} device(s) of {}",
-            plan.shards.len(),
-            backends.len(),
-            crate::select::describe(backends[0].info())
-        );
         let TopkShards {
             head,
             hidden,
             opts,
             map,
         } = self;
-        let map = &map;
-        let parts = std::thread::scope(|s| {
-            let ranks: Vec<_> = plan
-                .shards
-                .iter()
-                .zip(&plan.assign)
-                .map(|(&shard, &d)| {
-                    let (backend, head, hidden) = (&backends[d], &head, &hidden);
-                    s.spawn(move || {
-                        let mut e = engine_on(backend, head, shard, &plan.target.settings, *map)?;
-                        e.topk_partials(hidden, opts).map_err(|e| map(e, "top-k"))
-                    })
-                })
-                .collect();
-            ranks
-                .into_iter()
-                .enumerate()
-                .map(|(rank, h)| {
-                    h.join()
-                        .unwrap_or_else(|payload| Err(CliError::panicked(format!("shard {rank}'s thread"), payload)))
-                })
-                .collect::<Result<Vec<_>, CliError>>()
+        let parts = on_each_shard(backends, plan, &head, map, |e| {
+            e.topk_partials(&hidden, opts).map_err(|e| map(e, "top-k"))
         })?;
         merge_topk(&parts, opts).map_err(|e| map(e, "merging the shards"))
     }
@@ -324,12 +343,6 @@ impl ShardJob for GatherShards<'_> {
     type Output = Gathered;
 
     fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Gathered, CliError> {
-        log::info!(
-            "headkl: {} shards on {} device(s) of {}",
-            plan.shards.len(),
-            backends.len(),
-            crate::select::describe(backends[0].info())
-        );
         let GatherShards {
             head,
             hidden,
@@ -337,28 +350,8 @@ impl ShardJob for GatherShards<'_> {
             opts,
             map,
         } = self;
-        let map = &map;
-        let parts = std::thread::scope(|s| {
-            let ranks: Vec<_> = plan
-                .shards
-                .iter()
-                .zip(&plan.assign)
-                .map(|(&shard, &d)| {
-                    let (backend, head, hidden) = (&backends[d], &head, &hidden);
-                    s.spawn(move || {
-                        let mut e = engine_on(backend, head, shard, &plan.target.settings, *map)?;
-                        e.gather_partials(hidden, ids, opts).map_err(|e| map(e, "gather"))
-                    })
-                })
-                .collect();
-            ranks
-                .into_iter()
-                .enumerate()
-                .map(|(rank, h)| {
-                    h.join()
-                        .unwrap_or_else(|payload| Err(CliError::panicked(format!("shard {rank}'s thread"), payload)))
-                })
-                .collect::<Result<Vec<_>, CliError>>()
+        let parts = on_each_shard(backends, plan, &head, map, |e| {
+            e.gather_partials(&hidden, ids, opts).map_err(|e| map(e, "gather"))
         })?;
         merge_gather(&parts).map_err(|e| map(e, "merging the shards"))
     }

@@ -11,11 +11,11 @@ use crate::backend::TopkDesc;
 use crate::chunking::ChunkPlan;
 use crate::driver::Engine;
 use crate::error::Result;
-use crate::head_planes::{HeadPlanes, Scaling};
+use crate::head_planes::Scaling;
 use crate::launch::{Kernels, Launch};
 use crate::problem::TopkOptions;
 use crate::resident::DeviceHidden;
-use crate::scratch::{Job, RowScratch};
+use crate::scratch::RowScratch;
 use crate::terms::{TailMode, TeacherForm};
 
 impl<B: ResidentBackend> Engine<B> {
@@ -45,31 +45,9 @@ impl<B: ResidentBackend> Engine<B> {
         self.check_view("logprobs", logprobs, entries, 4)?;
         self.check_view("lse", lse, ntok, 4)?;
         // The kernel's columns: the ids, then the lse.
-        let cols = k + 1;
-        let plan = HeadPlanes::plan_for(
-            &self.backend,
-            &self.resident_row_bytes(Job::Topk, cols),
-            Job::Topk,
-            ntok,
-            false,
-            (opts.budget_bytes, opts.max_rows_per_chunk),
-        )?;
-        let (status, scratch) = self.take_resident(Job::Topk, plan.rows_per_chunk, cols)?;
-        self.resident.pending = true;
-        let recorded = self.record_gather(
-            ntok,
-            hidden,
-            (ids, logprobs, lse),
-            opts,
-            &plan,
-            (&status, &scratch.rows),
-        );
-        self.put_back_resident(status, scratch);
-        recorded?;
-        if self.resident.checked {
-            self.wait_device()?;
-        }
-        Ok(())
+        self.resident_row_call((ntok, k + 1), opts, |e, plan, scratch| {
+            e.record_gather(ntok, hidden, (ids, logprobs, lse), opts, plan, scratch)
+        })
     }
 
     /// Records [`Engine::logprobs_at_device`]'s kernels (its checks done)

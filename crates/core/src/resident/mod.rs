@@ -714,17 +714,33 @@ impl<B: ResidentBackend> Engine<B> {
         u32_extent("ids", entries)?;
         self.check_view("ids", ids, entries, 4)?;
         self.check_view("probs", probs, entries, 4)?;
+        self.resident_row_call((ntok, k), opts, |e, plan, scratch| {
+            e.record_topk(ntok, hidden, (ids, probs), opts, plan, scratch)
+        })
+    }
+
+    /// A resident call shaped as `topk`'s (`topk_device`, the gather's
+    /// `logprobs_at_device`), its checks done: plans `ntok` rows of `width`
+    /// columns within `opts`' budget, takes the status and row scratch,
+    /// marks the call pending, has `record` record and submit, puts the
+    /// scratch back whatever it returned, and in checked mode waits.
+    pub(crate) fn resident_row_call(
+        &mut self,
+        (ntok, width): (usize, usize),
+        opts: &TopkOptions,
+        record: impl FnOnce(&Self, &crate::chunking::ChunkPlan, (&B::Buffer, &RowScratch<B>)) -> Result<()>,
+    ) -> Result<()> {
         let plan = HeadPlanes::plan_for(
             &self.backend,
-            &self.resident_row_bytes(Job::Topk, k),
+            &self.resident_row_bytes(Job::Topk, width),
             Job::Topk,
             ntok,
             false,
             (opts.budget_bytes, opts.max_rows_per_chunk),
         )?;
-        let (status, scratch) = self.take_resident(Job::Topk, plan.rows_per_chunk, k)?;
+        let (status, scratch) = self.take_resident(Job::Topk, plan.rows_per_chunk, width)?;
         self.resident.pending = true;
-        let recorded = self.record_topk(ntok, hidden, (ids, probs), opts, &plan, (&status, &scratch.rows));
+        let recorded = record(self, &plan, (&status, &scratch.rows));
         self.put_back_resident(status, scratch);
         recorded?;
         if self.resident.checked {
