@@ -1,0 +1,468 @@
+//! `headkl._native.Engine`: a head uploaded once to the chosen backend (the
+//! whole head, or one vocabulary shard of it), and the calls on host
+//! memory: the loss with its gradient, the sharded loss's two phases, the
+//! top-k and the gather. Each call releases the GIL while it runs; the
+//! engine is behind a mutex, so calls from several threads take turns.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use headkl_cli::embed::{open_gpu, resolve, BackendArg, BackendArgs, BackendKind, Settings};
+use headkl_core::settings::Env;
+use headkl_core::shard::{HeadShard, LossStats, ShardEngine};
+use headkl_core::{
+    rescale_teacher, Backend, DeviceInfo, Engine, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher,
+    TopkOptions,
+};
+use headkl_reference::CpuBackend;
+use headkl_vulkan::VulkanBackend;
+use headkl_wgpu::WgpuBackend;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{start, to_py};
+use crate::memory::HostArray;
+use crate::options::{loss_options, topk_options, TeacherReading};
+
+/// A host array spec as Python passes it: `(address, elements, dtype)`.
+pub type Spec = (usize, usize, String);
+
+/// The whole head, or one shard of it.
+enum Engines<B: Backend> {
+    Whole(Box<Engine<B>>),
+    Shard(Box<ShardEngine<B>>),
+}
+
+impl<B: Backend> Engines<B> {
+    fn new(backend: B, head: &HeadWeights<'_>, shard: Option<HeadShard>) -> headkl_core::Result<Self> {
+        let slicing = SliceOptions::default();
+        Ok(match shard {
+            None => Engines::Whole(Box::new(Engine::new(backend, head, slicing)?)),
+            Some(shard) => Engines::Shard(Box::new(ShardEngine::new(backend, head, shard, slicing)?)),
+        })
+    }
+
+    fn engine(&mut self) -> &mut Engine<B> {
+        match self {
+            Engines::Whole(e) => e,
+            Engines::Shard(s) => s.engine_mut(),
+        }
+    }
+
+    fn shard(&mut self) -> PyResult<&mut ShardEngine<B>> {
+        match self {
+            Engines::Shard(s) => Ok(s),
+            Engines::Whole(_) => Err(PyRuntimeError::new_err(
+                "this engine holds the whole head: the two-phase loss needs a shard",
+            )),
+        }
+    }
+
+    fn info(&mut self) -> DeviceInfo {
+        self.engine().backend().info().clone()
+    }
+}
+
+/// One of the three backends.
+enum Held {
+    Reference(Engines<CpuBackend>),
+    Wgpu(Engines<WgpuBackend>),
+    Vulkan(Engines<VulkanBackend>),
+}
+
+/// Runs `$body` with `$e` bound to the held backend's engines.
+macro_rules! on_held {
+    ($held:expr, $e:ident => $body:expr) => {
+        match $held {
+            Held::Reference($e) => $body,
+            Held::Wgpu($e) => $body,
+            Held::Vulkan($e) => $body,
+        }
+    };
+}
+
+/// `backend=` as the package spells it.
+pub fn backend_arg(backend: &str) -> PyResult<BackendArg> {
+    Ok(match backend {
+        "auto" => BackendArg::Auto,
+        "vulkan" => BackendArg::Vulkan,
+        "wgpu" => BackendArg::Wgpu,
+        "reference" => BackendArg::Reference,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "backend={other:?}: expected one of auto, vulkan, wgpu, reference"
+            )))
+        }
+    })
+}
+
+/// The backend a name and device index resolve to, opened with the
+/// `HEADKL_*` settings, as the `headkl` command opens it.
+fn open(backend: &str, device: Option<usize>, head: &HeadWeights<'_>, shard: Option<HeadShard>) -> PyResult<Held> {
+    let arg = backend_arg(backend)?;
+    let settings = Arc::new(Settings::from_env(&Env::process()).map_err(to_py)?);
+    let args = BackendArgs {
+        backend: Some(arg),
+        device,
+    };
+    let target = resolve(&args, &settings).map_err(start)?;
+    let held = match target.kind {
+        BackendKind::Reference => Held::Reference(Engines::new(CpuBackend::new(), head, shard).map_err(to_py)?),
+        BackendKind::Wgpu => Held::Wgpu(
+            Engines::new(open_gpu::<WgpuBackend>(&target, None).map_err(start)?, head, shard).map_err(to_py)?,
+        ),
+        BackendKind::Vulkan => Held::Vulkan(
+            Engines::new(open_gpu::<VulkanBackend>(&target, None).map_err(start)?, head, shard).map_err(to_py)?,
+        ),
+    };
+    Ok(held)
+}
+
+/// The teacher from ids and values read as `reading` says; with a teacher
+/// temperature, the values are checked as given, then rescaled to the
+/// loss's temperature (README "Loss terms").
+fn teacher(
+    ids: &[i64],
+    values: &[f32],
+    (ntok, k, vocab): (usize, usize, usize),
+    reading: TeacherReading,
+    temperature: f32,
+) -> headkl_core::Result<Teacher> {
+    let given = Teacher::with_form(ids, values, ntok, k, vocab, reading.form, reading.tail)?;
+    match reading.temperature {
+        Some(from) if from != temperature => {
+            let rescaled = rescale_teacher(values, k, reading.form, reading.tail, from, temperature)?;
+            Teacher::with_form(ids, &rescaled, ntok, k, vocab, reading.form, reading.tail)
+        }
+        _ => Ok(given),
+    }
+}
+
+/// The per-token arrays of a loss call: labels and weights, each optional.
+fn with_rows(opts: &mut LossOptions, labels: Option<&[i64]>, weights: Option<&[f32]>) {
+    opts.labels = labels.map(<[i64]>::to_vec);
+    opts.weights = weights.map(<[f32]>::to_vec);
+}
+
+/// A frozen head on a device: `Engine(head, vocab, hs, backend, device,
+/// shard)`, `shard` `(v0, v1, vocab)` for the rows `[v0, v1)` of a head
+/// of `vocab` rows (then `head` holds those rows alone).
+#[pyclass(module = "headkl._native", name = "Engine")]
+pub struct PyEngine {
+    held: Mutex<Held>,
+    /// The last loss call's outputs, reused call to call.
+    out: Mutex<LossOutput>,
+    info: DeviceInfo,
+    vocab: usize,
+    hs: usize,
+}
+
+impl PyEngine {
+    fn held(&self) -> PyResult<MutexGuard<'_, Held>> {
+        self.held
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("an earlier call panicked inside the engine"))
+    }
+
+    fn out(&self) -> PyResult<MutexGuard<'_, LossOutput>> {
+        self.out
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("an earlier call panicked inside the engine"))
+    }
+
+    fn hidden<'a>(&self, spec: Spec, ntok: usize) -> PyResult<Hidden<'a>> {
+        let x = HostArray::new("hidden", spec)?;
+        // SAFETY: the Python wrapper holds the tensor until the call returns.
+        let data = unsafe { x.hidden()? };
+        Hidden::new(data, ntok, self.hs).map_err(to_py)
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (head, vocab, hs, backend, device=None, shard=None))]
+    fn new(
+        py: Python<'_>,
+        head: Spec,
+        vocab: usize,
+        hs: usize,
+        backend: &str,
+        device: Option<usize>,
+        shard: Option<(usize, usize, usize)>,
+    ) -> PyResult<Self> {
+        let head = HostArray::new("weight", head)?;
+        // SAFETY: the Python wrapper holds the weight tensor for the call;
+        // the engine copies it to the device before returning.
+        let data = unsafe { head.head()? };
+        let shard = shard
+            .map(|(v0, v1, total)| HeadShard::new(v0, v1, total))
+            .transpose()
+            .map_err(to_py)?;
+        let backend = backend.to_owned();
+        let mut held = py.detach(move || -> PyResult<Held> {
+            let weights = HeadWeights::new(data, vocab, hs).map_err(to_py)?;
+            open(&backend, device, &weights, shard)
+        })?;
+        let info = on_held!(&mut held, e => e.info());
+        Ok(Self {
+            held: Mutex::new(held),
+            out: Mutex::new(LossOutput::default()),
+            info,
+            vocab: shard.map_or(vocab, |s| s.vocab()),
+            hs,
+        })
+    }
+
+    /// The device: backend, name, type, driver and whether it has matrix units.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("backend", self.info.backend)?;
+        d.set_item("name", &self.info.device_name)?;
+        d.set_item("type", &self.info.device_type)?;
+        d.set_item("driver", &self.info.driver)?;
+        d.set_item("matrix_units", self.info.matrix_units)?;
+        d.set_item("gemm", self.info.gemm.clone())?;
+        Ok(d)
+    }
+
+    /// The loss and its gradient: writes `dx` `[ntok][hs]` (f32) and the
+    /// per-token losses `loss` `[ntok]`; returns the reduced loss.
+    #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
+    #[pyo3(signature = (hidden, ntok, ids, values, k, labels, weights, dx, loss, options))]
+    fn head_kl(
+        &self,
+        py: Python<'_>,
+        hidden: Spec,
+        ntok: usize,
+        ids: Spec,
+        values: Spec,
+        k: usize,
+        labels: Option<Spec>,
+        weights: Option<Spec>,
+        dx: Spec,
+        loss: Spec,
+        options: &Bound<'_, PyDict>,
+    ) -> PyResult<f64> {
+        let (mut opts, reading) = loss_options(options)?;
+        let hidden = self.hidden(hidden, ntok)?;
+        let ids = HostArray::new("teacher_ids", ids)?;
+        let values = HostArray::new("teacher_values", values)?;
+        let labels = labels.map(|s| HostArray::new("labels", s)).transpose()?;
+        let weights = weights.map(|s| HostArray::new("weights", s)).transpose()?;
+        let dx = HostArray::new("dx", dx)?;
+        let loss = HostArray::new("loss", loss)?;
+        // SAFETY: the Python wrapper holds every tensor until the call
+        // returns and allocated `dx` and `loss` for it alone.
+        let (ids, values, labels, weights, dx, loss) = unsafe {
+            (
+                ids.i64s()?,
+                values.f32s()?,
+                labels.map(|l| l.i64s()).transpose()?,
+                weights.map(|w| w.f32s()).transpose()?,
+                dx.f32s_mut()?,
+                loss.f32s_mut()?,
+            )
+        };
+        with_rows(&mut opts, labels, weights);
+        let vocab = self.vocab;
+        let (mut held, mut out) = (self.held()?, self.out()?);
+        let (held, out) = (&mut *held, &mut *out);
+        py.detach(|| -> PyResult<f64> {
+            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.temperature).map_err(to_py)?;
+            on_held!(held, e => e.engine().head_kl_into(&hidden, &teacher, &opts, out)).map_err(to_py)?;
+            copy_out(out, dx, loss)?;
+            Ok(out.mean)
+        })
+    }
+
+    /// Phase one of the sharded loss: writes this shard's `lse`, `lse1`
+    /// and `soft_part` `[ntok]` (what the collective merges).
+    #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
+    #[pyo3(signature = (hidden, ntok, ids, values, k, weights, lse, lse1, soft_part, options))]
+    fn loss_partials(
+        &self,
+        py: Python<'_>,
+        hidden: Spec,
+        ntok: usize,
+        ids: Spec,
+        values: Spec,
+        k: usize,
+        weights: Option<Spec>,
+        lse: Spec,
+        lse1: Spec,
+        soft_part: Spec,
+        options: &Bound<'_, PyDict>,
+    ) -> PyResult<()> {
+        let (mut opts, reading) = loss_options(options)?;
+        let hidden = self.hidden(hidden, ntok)?;
+        let [ids, values, lse, lse1, soft_part] = [
+            ("teacher_ids", ids),
+            ("teacher_values", values),
+            ("lse", lse),
+            ("lse1", lse1),
+            ("soft_part", soft_part),
+        ]
+        .map(|(what, spec)| HostArray::new(what, spec));
+        let weights = weights.map(|s| HostArray::new("weights", s)).transpose()?;
+        // SAFETY: as in `head_kl`.
+        let (ids, values, weights, outs) = unsafe {
+            (
+                ids?.i64s()?,
+                values?.f32s()?,
+                weights.map(|w| w.f32s()).transpose()?,
+                [lse?.f32s_mut()?, lse1?.f32s_mut()?, soft_part?.f32s_mut()?],
+            )
+        };
+        with_rows(&mut opts, None, weights);
+        let vocab = self.vocab;
+        let mut held = self.held()?;
+        let held = &mut *held;
+        py.detach(|| -> PyResult<()> {
+            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.temperature).map_err(to_py)?;
+            let parts = on_held!(held, e => e.shard()?.loss_partials(&hidden, &teacher, &opts)).map_err(to_py)?;
+            for (out, part) in outs.into_iter().zip([&parts.lse, &parts.lse1, &parts.soft_part]) {
+                copy_into(out, part, "partials")?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Phase two of the sharded loss from the merged statistics: writes
+    /// this shard's part of `dx` (the collective sums it) and the per-token
+    /// losses; returns the reduced loss (the whole loss's, on every shard).
+    #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
+    #[pyo3(signature = (hidden, ntok, lse, lse1, soft_part, dx, loss))]
+    fn loss_finish(
+        &self,
+        py: Python<'_>,
+        hidden: Spec,
+        ntok: usize,
+        lse: Spec,
+        lse1: Spec,
+        soft_part: Spec,
+        dx: Spec,
+        loss: Spec,
+    ) -> PyResult<f64> {
+        let hidden = self.hidden(hidden, ntok)?;
+        let stats = [("lse", lse), ("lse1", lse1), ("soft_part", soft_part)].map(|(w, s)| HostArray::new(w, s));
+        let dx = HostArray::new("dx", dx)?;
+        let loss = HostArray::new("loss", loss)?;
+        // SAFETY: as in `head_kl`.
+        let (stats, dx, loss) = unsafe {
+            let [a, b, c] = stats;
+            (
+                LossStats {
+                    lse: a?.f32s()?.to_vec(),
+                    lse1: b?.f32s()?.to_vec(),
+                    soft_part: c?.f32s()?.to_vec(),
+                },
+                dx.f32s_mut()?,
+                loss.f32s_mut()?,
+            )
+        };
+        let (mut held, mut out) = (self.held()?, self.out()?);
+        let (held, out) = (&mut *held, &mut *out);
+        py.detach(|| -> PyResult<f64> {
+            on_held!(held, e => e.shard()?.loss_finish(&hidden, &stats, out)).map_err(to_py)?;
+            copy_out(out, dx, loss)?;
+            Ok(out.mean)
+        })
+    }
+
+    /// The exact top-k: writes `ids` (int64) and `probs` `[ntok][k]`, and
+    /// the full-vocabulary log-probabilities where `logprobs` is given.
+    #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
+    #[pyo3(signature = (hidden, ntok, k, ids, probs, logprobs, options))]
+    fn topk(
+        &self,
+        py: Python<'_>,
+        hidden: Spec,
+        ntok: usize,
+        k: usize,
+        ids: Spec,
+        probs: Spec,
+        logprobs: Option<Spec>,
+        options: &Bound<'_, PyDict>,
+    ) -> PyResult<()> {
+        let mut opts: TopkOptions = topk_options(k, options)?;
+        opts.logprobs = logprobs.is_some();
+        let hidden = self.hidden(hidden, ntok)?;
+        let ids = HostArray::new("ids", ids)?;
+        let probs = HostArray::new("probs", probs)?;
+        let logprobs = logprobs.map(|s| HostArray::new("logprobs", s)).transpose()?;
+        // SAFETY: as in `head_kl`.
+        let (ids, probs, logprobs) = unsafe {
+            (
+                ids.i64s_mut()?,
+                probs.f32s_mut()?,
+                logprobs.map(|l| l.f32s_mut()).transpose()?,
+            )
+        };
+        let mut held = self.held()?;
+        let held = &mut *held;
+        py.detach(|| -> PyResult<()> {
+            let top = on_held!(held, e => e.engine().topk(&hidden, &opts)).map_err(to_py)?;
+            if ids.len() != top.ids.len() {
+                return Err(PyRuntimeError::new_err("ids: wrong length for the top-k"));
+            }
+            for (o, &i) in ids.iter_mut().zip(&top.ids) {
+                *o = i64::from(i);
+            }
+            copy_into(probs, &top.probs, "probs")?;
+            if let Some(lp) = logprobs {
+                copy_into(lp, &top.logprobs, "logprobs")?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The log-probabilities at the given ids (`ids` int64 `[ntok][k]`, a
+    /// negative id is none and reads `-inf`): writes `logprobs` `[ntok][k]`
+    /// and `lse` `[ntok]`.
+    #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
+    #[pyo3(signature = (hidden, ntok, ids, k, logprobs, lse, options))]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        hidden: Spec,
+        ntok: usize,
+        ids: Spec,
+        k: usize,
+        logprobs: Spec,
+        lse: Spec,
+        options: &Bound<'_, PyDict>,
+    ) -> PyResult<()> {
+        let opts = topk_options(k, options)?;
+        let hidden = self.hidden(hidden, ntok)?;
+        let ids = HostArray::new("ids", ids)?;
+        let logprobs = HostArray::new("logprobs", logprobs)?;
+        let lse = HostArray::new("lse", lse)?;
+        // SAFETY: as in `head_kl`.
+        let (ids, logprobs, lse) = unsafe { (ids.i64s()?, logprobs.f32s_mut()?, lse.f32s_mut()?) };
+        let mut held = self.held()?;
+        let held = &mut *held;
+        py.detach(|| -> PyResult<()> {
+            let got = on_held!(held, e => e.engine().logprobs_at(&hidden, ids, &opts)).map_err(to_py)?;
+            copy_into(logprobs, &got.logprobs, "logprobs")?;
+            copy_into(lse, &got.lse, "lse")
+        })
+    }
+}
+
+fn copy_into(out: &mut [f32], from: &[f32], what: &str) -> PyResult<()> {
+    if out.len() != from.len() {
+        return Err(PyRuntimeError::new_err(format!(
+            "{what}: {} elements given for {}",
+            out.len(),
+            from.len()
+        )));
+    }
+    out.copy_from_slice(from);
+    Ok(())
+}
+
+fn copy_out(out: &LossOutput, dx: &mut [f32], loss: &mut [f32]) -> PyResult<()> {
+    copy_into(dx, &out.dx, "dx")?;
+    copy_into(loss, &out.loss, "loss")
+}

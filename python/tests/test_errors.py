@@ -1,0 +1,117 @@
+"""Misuse is a Python exception naming the argument, raised before the
+device; a KeyboardInterrupt leaves the engine usable."""
+
+import threading
+import _thread
+
+import pytest
+import torch
+
+import headkl
+import headkl.torch as ht
+from test_loss import HS, V, problem
+
+
+@pytest.fixture
+def setup():
+    weight, hidden, ids, values, labels, weights = problem(1)
+    return ht.HeadKLLoss(weight, backend="reference"), hidden, ids, values, labels
+
+
+def test_wrong_dtype_names_the_argument(setup):
+    loss_fn, hidden, ids, values, _ = setup
+    with pytest.raises(TypeError, match="hidden"):
+        loss_fn(hidden.long(), ids, values)
+    with pytest.raises(TypeError, match="teacher_ids"):
+        loss_fn(hidden, ids.float(), values)
+    with pytest.raises(TypeError, match="teacher_values"):
+        loss_fn(hidden, ids, values.long())
+    with pytest.raises(TypeError, match="hidden"):
+        loss_fn(hidden.tolist(), ids, values)
+
+
+def test_wrong_shape_names_the_argument(setup):
+    loss_fn, hidden, ids, values, labels = setup
+    with pytest.raises(ValueError, match="hidden"):
+        loss_fn(hidden[..., :-1], ids, values)
+    with pytest.raises(ValueError, match="teacher_values"):
+        loss_fn(hidden, ids, values[..., :-1])
+    with pytest.raises(ValueError, match="teacher_ids"):
+        loss_fn(hidden, ids[:1], values[:1])
+    with pytest.raises(ValueError, match="labels"):
+        loss_fn(hidden, ids, values, labels=labels[:1])
+    with pytest.raises(ValueError, match="weights"):
+        loss_fn(hidden, ids, values, weights=torch.ones(5))
+
+
+def test_wrong_device_names_the_argument(setup):
+    loss_fn, hidden, ids, values, _ = setup
+    with pytest.raises(TypeError, match="hidden"):
+        loss_fn(hidden.to("meta"), ids, values)
+
+
+def test_bad_values_name_what_is_wrong(setup):
+    loss_fn, hidden, ids, values, _ = setup
+    bad = ids.clone()
+    bad[0, 0, 0] = V
+    with pytest.raises(ValueError, match=str(V)):
+        loss_fn(hidden, bad, values)
+    neg = values.clone()
+    neg[0, 0, 0] = -0.5
+    with pytest.raises(ValueError, match="-0.5"):
+        loss_fn(hidden, ids, neg)
+    nan = hidden.clone()
+    nan[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="(?i)finite|nan"):
+        loss_fn(nan, ids, values)
+
+
+def test_bad_options_are_refused_before_the_device():
+    weight = problem(1)[0]
+    for kw, name in [
+        (dict(reduction="avg"), "reduction"),
+        (dict(tail="drop"), "tail"),
+        (dict(divergence="tv"), "divergence"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(label_smoothing=1.5), "label_smoothing"),
+        (dict(teacher_temperature=-1.0), "teacher_temperature"),
+        (dict(weight_hard_loss=-1.0), "hard_weight"),
+        (dict(backend="cuda"), "backend"),
+        (dict(shard=(0, 100), vocab_size=V, divergence="reverse"), "divergence"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            ht.HeadKLLoss(weight if "shard" not in kw else weight[:100], **kw)
+    with pytest.raises(ValueError, match="shard"):
+        ht.HeadKLLoss(weight, shard=(0, 100), vocab_size=V)
+    with pytest.raises(ValueError, match="weight"):
+        ht.HeadKLLoss(weight[0])
+
+
+def test_hard_term_without_labels_is_refused(setup):
+    weight = problem(1)[0]
+    _, hidden, ids, values, _ = setup
+    loss_fn = ht.HeadKLLoss(weight, weight_hard_loss=1.0, backend="reference")
+    with pytest.raises(ValueError, match="label"):
+        loss_fn(hidden, ids, values)
+
+
+def test_keyboard_interrupt_leaves_the_engine_usable():
+    weight, hidden, ids, values, _, _ = problem(2, lead=(512,))
+    loss_fn = ht.HeadKLLoss(weight, backend="reference")
+    want = loss_fn(hidden, ids, values).item()
+    timer = threading.Timer(0.05, _thread.interrupt_main)
+    timer.start()
+    interrupted = False
+    try:
+        for _ in range(10_000):
+            loss_fn(hidden, ids, values)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        timer.cancel()
+    assert interrupted
+    assert loss_fn(hidden, ids, values).item() == want
+
+
+def test_device_error_is_a_runtime_error():
+    assert issubclass(headkl.DeviceError, RuntimeError)
