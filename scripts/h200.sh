@@ -7,8 +7,11 @@
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
 # [bench] [dxsplit] [filter] [wgmma] [divergence] [fullvocab] [ce] [anchors] [peers]
-# [cublas] [twin] [soak] (default: all but tune, dxsplit, filter, wgmma,
-# divergence, fullvocab, ce, peers, twin and soak).
+# [cublas] [twin] [soak] [torch] (default: all but tune, dxsplit, filter,
+# wgmma, divergence, fullvocab, ce, peers, twin, soak and torch).
+# `torch` runs the Python package (a wheel carried in .wheel): its tests with
+# the zero-copy CUDA ones, the example on CUDA tensors, and the loss from
+# PyTorch at each shape beside the Rust resident path and the peers.
 # `ce` times head_kl as the cross-entropy alone (bench --soft-weight 0
 # --hard-weight 1 --labels random) at each shape, host and resident, then Cut
 # Cross-Entropy, Liger's fused linear CE and torch.compile's CE (peers.py).
@@ -261,6 +264,32 @@ if has ce; then
     done
     PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" \
         --variants cce_ce,liger_ce,compiled_ce 2>&1 | tee "$out/peers-ce.txt" | grep -v Warning | tee -a "$summary"
+fi
+if has torch; then
+    # The Python package (a wheel built here, `pip wheel --no-deps -w .wheel
+    # ./python`, carried in .wheel): its tests with both GPU backends
+    # required, the zero-copy CUDA ones among them; the example on CUDA
+    # tensors; then the loss from PyTorch on CUDA tensors at each shape
+    # beside the Rust device-resident path, Liger's fused linear KL and
+    # torch.compile, and at A with 32768 tokens.
+    pydir=/tmp/headkl-python
+    mkdir -p "$pydir" && python3 -m zipfile -e .wheel/*.whl "$pydir"
+    HEADKL_REQUIRE=vulkan,wgpu PYTHONPATH="$pydir:$PWD/python/tests" python3 -m pytest -q -p no:cacheprovider \
+        python/tests 2>&1 | tee "$out/torch-tests.txt" | tail -n 3 | tee -a "$summary"
+    PYTHONPATH="$pydir" python3 python/examples/distill.py --headkl "$headkl" --device cuda --backend vulkan \
+        2>&1 | tee "$out/torch-distill.txt" | tail -n 1 | tee -a "$summary"
+    for shape in $shapes; do
+        $headkl $quiet bench --backend vulkan --shape $shape --iters 5 --warmup 1 --resident 2>&1 \
+            | grep -E "^vulkan .*head_kl \(resident\)" | tee -a "$summary"
+    done
+    PYTHONUNBUFFERED=1 PYTHONPATH="$pydir" python3 python/examples/bench_cuda.py --shapes "$(echo $shapes | tr ' ' ,)" \
+        2>&1 | grep -v Warning | tee "$out/torch-bench.txt" | tee -a "$summary"
+    PYTHONUNBUFFERED=1 PYTHONPATH="$pydir" python3 python/examples/bench_cuda.py --shapes A --ntok 32768 --iters 3 \
+        2>&1 | grep -v Warning | tee -a "$out/torch-bench.txt" | tee -a "$summary"
+    PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" --variants liger_kl \
+        2>&1 | grep -v Warning | tee "$out/torch-peers.txt" | tee -a "$summary"
+    PYTHONUNBUFFERED=1 python3 .anchors/torch_head_kl.py --shapes "$(echo $shapes | tr ' ' ,)" --variants compiled \
+        2>&1 | grep -v Warning | tee -a "$out/torch-peers.txt" | tee -a "$summary"
 fi
 if has peers; then
     PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" 2>&1 \

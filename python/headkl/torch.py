@@ -12,9 +12,14 @@ and ``loss.backward()`` gives ``hidden.grad``; no ``[ntok][V]`` tensor is
 ever made. The other divergences, tail modes and terms are keywords of
 ``HeadKLLoss`` (the README's "Loss terms" has each one's PyTorch formula).
 
-Tensors on the CPU are read and written in place. CUDA tensors go through
-host copies for now (logged once on the ``headkl`` logger); the zero-copy
-CUDA path is not built yet.
+Tensors on the CPU are read and written in place. CUDA tensors go
+zero-copy where the engine runs on the Vulkan backend of the same GPU: the
+engine's input and output buffers are Vulkan memory CUDA maps, and one
+timeline semaphore orders the two on the device (torch's current stream
+signals it once the inputs are in, and waits on it before reading the
+outputs), with no host wait inside a step. Anywhere else CUDA tensors go
+through host copies, said once on the ``headkl`` logger;
+``host_copy_bytes()`` counts the bytes they moved.
 """
 
 from __future__ import annotations
@@ -58,6 +63,21 @@ _NAMES = {
     torch.int64: "int64",
 }
 _warned_host_copies = False
+_host_copy_bytes = 0
+
+
+def host_copy_bytes() -> int:
+    """Bytes headkl has copied between CUDA tensors and the host since
+    import (0 while every CUDA call went zero-copy)."""
+    return _host_copy_bytes
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host result moved to the caller's device, counted where it leaves the host."""
+    global _host_copy_bytes
+    if device.type != "cpu":
+        _host_copy_bytes += t.numel() * t.element_size()
+    return t.to(device)
 
 
 def _spec(t: torch.Tensor) -> Tuple[int, int, str]:
@@ -65,17 +85,16 @@ def _spec(t: torch.Tensor) -> Tuple[int, int, str]:
     return (t.data_ptr(), t.numel(), _NAMES[t.dtype])
 
 
-def _on_host(name: str, t: torch.Tensor) -> torch.Tensor:
+def _on_host(name: str, t: torch.Tensor, why: str = "") -> torch.Tensor:
     """``t`` as a contiguous CPU tensor: itself where it already is one."""
-    global _warned_host_copies
+    global _warned_host_copies, _host_copy_bytes
     if t.device.type == "cpu":
         return t.detach().contiguous()
     if t.device.type == "cuda":
         if not _warned_host_copies:
-            log.warning(
-                "headkl: CUDA tensors go through host copies (the zero-copy CUDA path is not built yet)"
-            )
+            log.warning("headkl: CUDA tensors go through host copies%s", f" ({why})" if why else "")
             _warned_host_copies = True
+        _host_copy_bytes += t.numel() * t.element_size()
         return t.detach().to("cpu").contiguous()
     raise TypeError(f"{name}: tensors on {t.device.type} are not supported (use cpu or cuda)")
 
@@ -148,15 +167,16 @@ class Head:
         """The device: backend, name, type, driver, matrix units, GEMM kernels."""
         return self._engine.info()
 
-    def _hidden(self, hidden) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    def _hidden(self, hidden) -> Tuple[torch.Tensor, Tuple[int, ...]]:
         hidden = _tensor("hidden", hidden, _FLOATS)
         if hidden.dim() < 1 or hidden.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden: last dimension must be the head's hidden size {self.hidden_size}, got shape {tuple(hidden.shape)}"
             )
+        if hidden.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"hidden: tensors on {hidden.device.type} are not supported (use cpu or cuda)")
         lead = tuple(hidden.shape[:-1])
-        flat = hidden.reshape(-1, self.hidden_size)
-        return flat, _on_host("hidden", flat), lead
+        return hidden.reshape(-1, self.hidden_size), lead
 
     def topk(
         self,
@@ -174,7 +194,8 @@ class Head:
         log-probabilities over the whole vocabulary (``form="logprobs"``)."""
         if form not in ("probs", "logprobs"):
             raise ValueError(f"form={form!r}: expected probs or logprobs")
-        flat, host, lead = self._hidden(hidden)
+        flat, lead = self._hidden(hidden)
+        host = _on_host("hidden", flat)
         ntok = host.shape[0]
         ids = torch.empty((ntok, k), dtype=torch.int64)
         probs = torch.empty((ntok, k), dtype=torch.float32)
@@ -185,7 +206,7 @@ class Head:
         )
         values = probs if logprobs is None else logprobs
         shape = lead + (k,)
-        return TopK(ids.reshape(shape).to(hidden.device), values.reshape(shape).to(hidden.device))
+        return TopK(_to_device(ids.reshape(shape), hidden.device), _to_device(values.reshape(shape), hidden.device))
 
     def gather(
         self,
@@ -199,19 +220,20 @@ class Head:
         """The log-probabilities over the whole vocabulary at ``ids``
         ``[..., k]`` (a negative id is none and reads ``-inf``), and each
         row's log-sum-exp: the teacher's side of a stored top-k."""
-        flat, host, lead = self._hidden(hidden)
+        flat, lead = self._hidden(hidden)
         ids = _ids("ids", ids)
         _same_device("ids", ids, hidden)
         if ids.dim() < 1 or tuple(ids.shape[:-1]) != lead:
             raise ValueError(f"ids: expected shape {lead} + (k,), got {tuple(ids.shape)}")
         k = ids.shape[-1]
+        host = _on_host("hidden", flat)
         ntok = host.shape[0]
         ids_host = _on_host("ids", ids.reshape(ntok, k))
         logprobs = torch.empty((ntok, k), dtype=torch.float32)
         lse = torch.empty(ntok, dtype=torch.float32)
         options = {"temperature": temperature, "softcap": softcap, "logit_scale": logit_scale}
         self._engine.gather(_spec(host), ntok, _spec(ids_host), k, _spec(logprobs), _spec(lse), options)
-        return Gathered(logprobs.reshape(lead + (k,)).to(hidden.device), lse.reshape(lead).to(hidden.device))
+        return Gathered(_to_device(logprobs.reshape(lead + (k,)), hidden.device), _to_device(lse.reshape(lead), hidden.device))
 
 
 def topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float = 1.0, **kwargs) -> TopK:
@@ -362,6 +384,18 @@ class HeadKLLoss(nn.Module):
         """The device the loss runs on."""
         return self.head.info
 
+    @property
+    def zero_copy(self) -> bool:
+        """Whether the last CUDA call went zero-copy."""
+        return getattr(self, "_zc", None) is not None and getattr(self, "_no_zero_copy", None) is None
+
+    def synchronize(self) -> None:
+        """Waits for the device and raises what the last zero-copy call
+        flagged there (an id ≥ V, a non-finite row: ``ValueError``). The
+        zero-copy path checks each call's flags when the next call starts,
+        so a bad step raises one call late unless this is called."""
+        self.head._engine.synchronize()
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -372,8 +406,8 @@ class HeadKLLoss(nn.Module):
         weights: Optional[torch.Tensor] = None,
         total: Optional[float] = None,
     ) -> torch.Tensor:
-        flat, host, lead = self.head._hidden(hidden)
-        ntok, hs = host.shape
+        flat, lead = self.head._hidden(hidden)
+        ntok, hs = flat.shape
         teacher_ids = _ids("teacher_ids", teacher_ids)
         teacher_values = _tensor("teacher_values", teacher_values, _FLOATS + (torch.float64,))
         if teacher_ids.dim() < 1 or tuple(teacher_ids.shape[:-1]) != lead:
@@ -385,54 +419,175 @@ class HeadKLLoss(nn.Module):
         k = teacher_ids.shape[-1]
         for name, t in (("teacher_ids", teacher_ids), ("teacher_values", teacher_values)):
             _same_device(name, t, hidden)
-        ids = _on_host("teacher_ids", teacher_ids.reshape(ntok, k))
-        values = _on_host("teacher_values", teacher_values.reshape(ntok, k).to(torch.float32))
-        labels_host = weights_host = None
         if labels is not None:
             labels = _ids("labels", labels)
             _rows("labels", labels, lead)
             _same_device("labels", labels, hidden)
-            labels_host = _on_host("labels", labels.reshape(ntok))
+            labels = labels.reshape(ntok)
         if weights is not None:
             weights = _tensor("weights", weights, _FLOATS + (torch.float64,))
             _rows("weights", weights, lead)
             _same_device("weights", weights, hidden)
-            weights_host = _on_host("weights", weights.reshape(ntok).to(torch.float32))
-        options = dict(self.options, total=None if total is None else float(total))
-        engine = self.head._engine
-        group = self.process_group
-
-        def run():
-            dx = torch.empty((ntok, hs), dtype=torch.float32)
-            per_token = torch.empty(ntok, dtype=torch.float32)
-            spec = lambda t: None if t is None else _spec(t)  # noqa: E731
-            if self.head.shard is None:
-                mean = engine.head_kl(
-                    _spec(host), ntok, _spec(ids), _spec(values), k,
-                    spec(labels_host), spec(weights_host), _spec(dx), _spec(per_token), options,
-                )  # fmt: skip
-            else:
-                if labels_host is not None:
-                    raise ValueError("labels: the sharded loss takes no hard term or ignore mask")
-                stats = [torch.empty(ntok, dtype=torch.float32) for _ in range(3)]
-                engine.loss_partials(
-                    _spec(host), ntok, _spec(ids), _spec(values), k, spec(weights_host),
-                    *(_spec(s) for s in stats), options,
-                )  # fmt: skip
-                merged = _merge_partials(stats, group)
-                mean = engine.loss_finish(_spec(host), ntok, *(_spec(s) for s in merged), _spec(dx), _spec(per_token))
-                dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=group)
-            if self.reduction == "none":
-                w = torch.ones(ntok) if weights_host is None else weights_host
-                if self.options["ignore_mask"] and labels_host is not None:
-                    valid = (labels_host >= 0) & (labels_host != self.options["ignore_index"])
-                    w = w * valid
-                loss = (per_token * w).reshape(lead)
-            else:
-                loss = torch.tensor(mean, dtype=torch.float32)
-            return loss.to(hidden.device), dx.to(hidden.device)
-
+            weights = weights.reshape(ntok).to(torch.float32)
+        if self.options["hard_weight"] > 0 and labels is None:
+            raise ValueError(f"labels: needed with weight_hard_loss={self.options['hard_weight']}")
+        inputs = (flat, teacher_ids.reshape(ntok, k), teacher_values.reshape(ntok, k), labels, weights)
+        total = None if total is None else float(total)
+        zero_copy = self._zero_copy(hidden.device) if hidden.device.type == "cuda" else None
+        if zero_copy is not None:
+            run = lambda: zero_copy.loss(self, *inputs, total)  # noqa: E731
+        else:
+            run = lambda: self._host_loss(*inputs, total, hidden.device)  # noqa: E731
         return _HeadKLFunction.apply(flat, run).reshape(lead if self.reduction == "none" else ())
+
+    def _zero_copy(self, device: torch.device):
+        """The zero-copy path for CUDA tensors on ``device``, or None (then
+        host copies, logged once with why)."""
+        if self.head.shard is not None or self.options["teacher_temperature"] is not None:
+            why = "a vocabulary shard" if self.head.shard is not None else "teacher_temperature"
+            self._no_zero_copy = f"{why} runs through host copies"
+        if getattr(self, "_no_zero_copy", None) is None and getattr(self, "_zc", None) is None:
+            try:
+                self._zc = _ZeroCopy(self.head._engine, device)
+            except Exception as e:  # noqa: BLE001 - any reason to fall back is said once
+                self._no_zero_copy = str(e)
+        if getattr(self, "_no_zero_copy", None) is not None:
+            global _warned_host_copies
+            if not _warned_host_copies:
+                log.warning("headkl: CUDA tensors go through host copies (%s)", self._no_zero_copy)
+                _warned_host_copies = True
+            return None
+        return self._zc
+
+    def _weights(self, labels, weights, ntok, device):
+        """The per-token weights after ``ignore_mask``."""
+        w = torch.ones(ntok, device=device) if weights is None else weights
+        if self.options["ignore_mask"] and labels is not None:
+            w = w * ((labels >= 0) & (labels != self.options["ignore_index"]))
+        return w
+
+    def _reduce(self, per_token, w, total):
+        """The loss from the unweighted per-token losses, as the engine reduces it."""
+        if self.reduction == "none":
+            return per_token * w
+        weighted = (per_token.double() * w.double()).sum()
+        if self.reduction == "mean":
+            return (weighted / (w.double().sum() if total is None else total)).float()
+        if self.reduction == "batchmean":
+            return (weighted / per_token.shape[0]).float()
+        return weighted.float()
+
+    def _host_loss(self, flat, ids, values, labels, weights, total, device):
+        host = _on_host("hidden", flat)
+        ntok, hs = host.shape
+        k = ids.shape[1]
+        ids = _on_host("teacher_ids", ids)
+        values = _on_host("teacher_values", values.to(torch.float32))
+        labels_host = None if labels is None else _on_host("labels", labels)
+        weights_host = None if weights is None else _on_host("weights", weights)
+        options = dict(self.options, total=total)
+        engine = self.head._engine
+        dx = torch.empty((ntok, hs), dtype=torch.float32)
+        per_token = torch.empty(ntok, dtype=torch.float32)
+        spec = lambda t: None if t is None else _spec(t)  # noqa: E731
+        if self.head.shard is None:
+            mean = engine.head_kl(
+                _spec(host), ntok, _spec(ids), _spec(values), k,
+                spec(labels_host), spec(weights_host), _spec(dx), _spec(per_token), options,
+            )  # fmt: skip
+        else:
+            if labels_host is not None:
+                raise ValueError("labels: the sharded loss takes no hard term or ignore mask")
+            stats = [torch.empty(ntok, dtype=torch.float32) for _ in range(3)]
+            engine.loss_partials(
+                _spec(host), ntok, _spec(ids), _spec(values), k, spec(weights_host),
+                *(_spec(s) for s in stats), options,
+            )  # fmt: skip
+            merged = _merge_partials(stats, self.process_group)
+            mean = engine.loss_finish(_spec(host), ntok, *(_spec(s) for s in merged), _spec(dx), _spec(per_token))
+            dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=self.process_group)
+        if self.reduction == "none":
+            loss = per_token * self._weights(labels_host, weights_host, ntok, "cpu")
+        else:
+            loss = torch.tensor(mean, dtype=torch.float32)
+        return _to_device(loss, device), _to_device(dx, device)
+
+
+class _ZeroCopy:
+    """The engine's buffers shared with CUDA, and its timeline semaphore
+    imported into CUDA: the loss on CUDA tensors with no host copy and no
+    host wait inside a step."""
+
+    def __init__(self, engine, device: torch.device):
+        from . import _cuda
+
+        why = engine.interop()
+        if why is not None:
+            raise RuntimeError(why)
+        self._cuda = _cuda
+        self.engine = engine
+        self.ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.init()
+        self.driver = _cuda.Driver()
+        self.driver.ensure_context(self.ordinal)
+        if bytes(self.driver.device_uuid(self.ordinal)) != bytes(engine.device_uuid()):
+            raise RuntimeError(f"the engine's Vulkan device is not CUDA device {self.ordinal}")
+        self.timeline = self.driver.import_timeline(engine.export_timeline())
+        self.value = 0
+        self.buffers = {}
+
+    def view(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A CUDA tensor over the shared buffer ``name`` (grown as needed)."""
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = max(count * torch.empty((), dtype=dtype).element_size(), 4)
+        have = self.buffers.get(name)
+        if have is None or have[3] < nbytes:
+            if have is not None:
+                # CUDA's last use of the old buffer must be done before it goes.
+                torch.cuda.current_stream(self.ordinal).synchronize()
+                self.engine.free_buffer(have[0])
+                have[1].close()
+            capacity = -(-nbytes * 5 // 4 // 65536) * 65536
+            handle, fd, allocation = self.engine.export_buffer(capacity)
+            memory = self.driver.import_memory(fd, allocation, dedicated=True)
+            pointer = memory.map(0, capacity)
+            have = self.buffers[name] = (handle, memory, pointer, capacity)
+        return self._cuda.tensor_at(have[2], tuple(shape), dtype, self.ordinal, owner=have[1])
+
+    def loss(self, module, flat, ids, values, labels, weights, total):
+        ntok, hs = flat.shape
+        k = ids.shape[1]
+        o = module.options
+        self.view("hidden", (ntok, hs), flat.dtype).copy_(flat)
+        self.view("ids", (ntok, k), torch.int32).copy_(ids)
+        self.view("values", (ntok, k), torch.float32).copy_(values)
+        w = module._weights(labels, weights, ntok, flat.device)
+        weights_handle = labels_handle = None
+        if weights is not None or (o["ignore_mask"] and labels is not None):
+            self.view("weights", (ntok,), torch.float32).copy_(w)
+            weights_handle = self.buffers["weights"][0]
+        if o["hard_weight"] > 0:
+            none = (labels < 0) | (labels == o["ignore_index"])
+            self.view("labels", (ntok,), torch.int32).copy_(torch.where(none, torch.full_like(labels, -1), labels))
+            labels_handle = self.buffers["labels"][0]
+        loss_view = self.view("loss", (ntok,), torch.float32)
+        dx_view = self.view("dx", (ntok, hs), torch.float32)
+        stream = torch.cuda.current_stream(self.ordinal).cuda_stream
+        ready, done = self.value + 1, self.value + 2
+        self.value = done
+        self.timeline.signal(ready, stream)
+        options = dict(o, ignore_mask=False, total=total)
+        b = self.buffers
+        self.engine.head_kl_shared(
+            ntok, k, _NAMES[flat.dtype], b["hidden"][0], b["ids"][0], b["values"][0], weights_handle,
+            labels_handle, b["loss"][0], b["dx"][0], options, ready, done,
+        )  # fmt: skip
+        self.timeline.wait(done, stream)
+        # Copies on the device: the next step writes the shared buffers again.
+        per_token, dx = loss_view.clone(), dx_view.clone()
+        return module._reduce(per_token, w, total), dx
 
 
 def _merge_partials(stats, group):

@@ -23,6 +23,7 @@ use pyo3::types::PyDict;
 use crate::errors::{start, to_py};
 use crate::memory::HostArray;
 use crate::options::{loss_options, topk_options, TeacherReading};
+use crate::shared::{self, LossBuffers, SharedBuffers};
 
 /// A host array spec as Python passes it: `(address, elements, dtype)`.
 pub type Spec = (usize, usize, String);
@@ -155,11 +156,19 @@ pub struct PyEngine {
     info: DeviceInfo,
     vocab: usize,
     hs: usize,
+    /// Buffers exported to CUDA (the Vulkan backend only).
+    shared: Mutex<SharedBuffers>,
 }
 
 impl PyEngine {
     fn held(&self) -> PyResult<MutexGuard<'_, Held>> {
         self.held
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("an earlier call panicked inside the engine"))
+    }
+
+    fn shared(&self) -> PyResult<MutexGuard<'_, SharedBuffers>> {
+        self.shared
             .lock()
             .map_err(|_| PyRuntimeError::new_err("an earlier call panicked inside the engine"))
     }
@@ -211,6 +220,7 @@ impl PyEngine {
             info,
             vocab: shard.map_or(vocab, |s| s.vocab()),
             hs,
+            shared: Mutex::new(SharedBuffers::default()),
         })
     }
 
@@ -447,6 +457,128 @@ impl PyEngine {
             copy_into(logprobs, &got.logprobs, "logprobs")?;
             copy_into(lse, &got.lse, "lse")
         })
+    }
+
+    /// The device memory headkl holds: `(now, peak)` bytes (head, scratch
+    /// and shared buffers); `reset_peak` restarts the peak count.
+    #[pyo3(signature = (reset_peak=false))]
+    fn memory(&self, reset_peak: bool) -> PyResult<(u64, u64)> {
+        let mut held = self.held()?;
+        Ok(on_held!(&mut *held, e => {
+            let backend = e.engine().backend();
+            let stats = backend.memory();
+            if reset_peak {
+                backend.reset_peak_memory();
+            }
+            (stats.current, stats.peak)
+        }))
+    }
+
+    /// `None` where CUDA tensors can go zero-copy on this engine, else why not.
+    fn interop(&self) -> PyResult<Option<String>> {
+        let mut held = self.held()?;
+        Ok(vulkan_whole(&mut held).err())
+    }
+
+    /// The device's UUID (16 bytes), to match it with a CUDA device.
+    fn device_uuid(&self) -> PyResult<Vec<u8>> {
+        let mut held = self.held()?;
+        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
+        Ok(engine.backend().device_uuid().to_vec())
+    }
+
+    /// Exports a device buffer of `bytes` bytes: `(handle, fd, allocation
+    /// bytes)`; the fd is the caller's (CUDA's import takes it over).
+    fn export_buffer(&self, bytes: u64) -> PyResult<(usize, i32, u64)> {
+        let mut held = self.held()?;
+        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
+        self.shared()?.export(engine.backend(), bytes)
+    }
+
+    /// Frees an exported buffer once the device is done with it.
+    fn free_buffer(&self, py: Python<'_>, handle: usize) -> PyResult<()> {
+        let mut held = self.held()?;
+        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
+        py.detach(|| engine.backend().finish()).map_err(to_py)?;
+        self.shared()?.free(handle);
+        Ok(())
+    }
+
+    /// An fd of the shared timeline semaphore (the caller's).
+    fn export_timeline(&self) -> PyResult<i32> {
+        use std::os::fd::IntoRawFd;
+        let mut held = self.held()?;
+        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
+        Ok(engine.backend().export_timeline().map_err(to_py)?.into_raw_fd())
+    }
+
+    /// The loss on shared buffers (handles from `export_buffer`): waits on
+    /// the timeline for `wait`, signals `signal` when done; returns at once.
+    #[allow(clippy::too_many_arguments, reason = "one buffer an argument, as Python passes them")]
+    #[pyo3(signature = (ntok, k, dtype, hidden, ids, values, weights, labels, loss, dx, options, wait, signal))]
+    fn head_kl_shared(
+        &self,
+        py: Python<'_>,
+        ntok: usize,
+        k: usize,
+        dtype: &str,
+        hidden: usize,
+        ids: usize,
+        values: usize,
+        weights: Option<usize>,
+        labels: Option<usize>,
+        loss: usize,
+        dx: usize,
+        options: &Bound<'_, PyDict>,
+        wait: u64,
+        signal: u64,
+    ) -> PyResult<()> {
+        let (opts, reading) = loss_options(options)?;
+        let dtype = shared::hidden_dtype(dtype)?;
+        let buffers = LossBuffers {
+            hidden,
+            ids,
+            values,
+            weights,
+            labels,
+            loss,
+            dx,
+        };
+        let mut held = self.held()?;
+        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
+        let shared = self.shared()?;
+        let shared = &*shared;
+        py.detach(|| {
+            shared::head_kl(
+                engine,
+                shared,
+                (ntok, k, dtype),
+                &buffers,
+                &opts,
+                &reading,
+                (wait, signal),
+            )
+        })
+    }
+
+    /// Waits for the device and raises what the last zero-copy call flagged.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let mut held = self.held()?;
+        match vulkan_whole(&mut held) {
+            Ok(engine) => py.detach(|| shared::synchronize(engine)),
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+/// The Vulkan engine over the whole head, or why the zero-copy path
+/// cannot run on this one.
+fn vulkan_whole(held: &mut Held) -> Result<&mut Engine<VulkanBackend>, String> {
+    match held {
+        Held::Vulkan(Engines::Whole(e)) => e.backend().interop().map(|()| &mut **e).map_err(|e| e.to_string()),
+        Held::Vulkan(Engines::Shard(_)) => Err("a vocabulary shard runs through host copies".into()),
+        Held::Wgpu(_) => Err("the wgpu backend cannot share memory with CUDA (Vulkan only)".into()),
+        Held::Reference(_) => Err("the reference backend runs on the CPU".into()),
     }
 }
 

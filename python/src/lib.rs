@@ -7,6 +7,7 @@ mod engine;
 mod errors;
 mod memory;
 mod options;
+mod shared;
 
 use headkl_cli::embed::{auto_pick, enumerate_all, open_gpu, resolve, BackendArgs, BackendKind, Settings};
 use headkl_core::settings::Env;

@@ -124,6 +124,12 @@ pub(crate) struct Caps {
     /// `VK_NVX_binary_import`: CUDA modules (PTX) launched in Vulkan
     /// command buffers, which the PTX GEMM tiles need.
     pub(crate) nvx_binary_import: bool,
+    /// `VK_KHR_external_memory_fd` and `VK_KHR_external_semaphore_fd`:
+    /// memory and timeline semaphores another API (CUDA) can import.
+    pub(crate) external_fd: bool,
+    /// `VkPhysicalDeviceIDProperties::deviceUUID`: what CUDA's
+    /// `cuDeviceGetUuid` gives for the same GPU.
+    pub(crate) device_uuid: [u8; 16],
     pub(crate) unusable: Option<String>,
 }
 
@@ -302,6 +308,8 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         matrix_shapes: Vec::new(),
         memory_bytes: 0,
         nvx_binary_import: has_ext(ash::nvx::binary_import::NAME),
+        external_fd: has_ext(khr::external_memory_fd::NAME) && has_ext(khr::external_semaphore_fd::NAME),
+        device_uuid: [0; 16],
         unusable: None,
     };
     if props.api_version < vk::API_VERSION_1_1 {
@@ -318,10 +326,12 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
     let mut maintenance4 = vk::PhysicalDeviceMaintenance4Properties::default();
     let mut size_control = vk::PhysicalDeviceSubgroupSizeControlProperties::default();
     let mut driver = vk::PhysicalDeviceDriverProperties::default();
+    let mut id = vk::PhysicalDeviceIDProperties::default();
     {
         let mut props2 = vk::PhysicalDeviceProperties2::default()
             .push_next(&mut subgroup)
-            .push_next(&mut maintenance3);
+            .push_next(&mut maintenance3)
+            .push_next(&mut id);
         if sources.maintenance4.available() {
             props2 = props2.push_next(&mut maintenance4);
         }
@@ -342,6 +352,7 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         caps.max_allocation_bytes = maintenance3.max_memory_allocation_size;
     }
     caps.max_buffer_bytes = caps.max_buffer_bytes.min(caps.max_allocation_bytes);
+    caps.device_uuid = id.device_uuid;
     caps.subgroup_size = subgroup.subgroup_size;
     if subgroup.supported_stages.contains(vk::ShaderStageFlags::COMPUTE) {
         caps.subgroup_ops = subgroup.supported_operations;

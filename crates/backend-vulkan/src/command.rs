@@ -77,6 +77,8 @@ pub(crate) struct Stream {
     readback_recorded: bool,
     /// The copy lanes, where the device has copy queues.
     lanes: Option<Lanes>,
+    /// The timeline semaphore shared with another API, once made.
+    shared: Option<SharedTimeline>,
     /// The submissions that last used each buffer (with lanes only).
     uses: HashMap<vk::Buffer, Use>,
     /// The lanes' submissions the recording waits for (0: none), and
@@ -142,6 +144,7 @@ impl Stream {
             readbacks: readback::Readbacks::default(),
             readback_recorded: false,
             lanes: None,
+            shared: None,
             uses: HashMap::new(),
             wait_up: 0,
             wait_down: 0,
@@ -358,45 +361,96 @@ impl Stream {
         // SAFETY: the buffer is recording.
         unsafe { dev.end_command_buffer(slot.cmd) }.map_err(|e| vk_error(e, "vkEndCommandBuffer"))?;
         let cmds = [slot.cmd];
-        let Some(lanes) = &self.lanes else {
-            let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
-            // SAFETY: executable command buffer; the queue is used only by
-            // this stream, under the backend's lock; the slot's fence is
-            // unsignaled (reset after its last wait).
-            unsafe { dev.queue_submit(self.device.queue, &submit, slot.fence) }
-                .map_err(|e| vk_error(e, "vkQueueSubmit"))?;
-            return Ok(());
-        };
+        let mut sync = TimelineSync::default();
         // With lanes: signal the kernels' semaphore with this submission's
         // number, after the copies it must wait for.
-        let mut waits = Vec::with_capacity(2);
-        let mut wait_values = Vec::with_capacity(2);
-        for (semaphore, value) in [
-            (lanes.up.semaphore(), self.wait_up),
-            (lanes.down.semaphore(), self.wait_down),
-        ] {
-            if value > 0 {
-                waits.push(semaphore);
-                wait_values.push(value);
+        if let Some(lanes) = &self.lanes {
+            for (semaphore, value) in [
+                (lanes.up.semaphore(), self.wait_up),
+                (lanes.down.semaphore(), self.wait_down),
+            ] {
+                if value > 0 {
+                    sync.wait(semaphore, value);
+                }
             }
+            sync.signal(lanes.compute, self.submits + 1);
         }
-        let stages = vec![vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER; waits.len()];
-        let signal = [lanes.compute];
-        let signal_values = [self.submits + 1];
-        let mut timeline = vk::TimelineSemaphoreSubmitInfo::default()
-            .wait_semaphore_values(&wait_values)
-            .signal_semaphore_values(&signal_values);
-        let submit = [vk::SubmitInfo::default()
-            .command_buffers(&cmds)
-            .wait_semaphores(&waits)
-            .wait_dst_stage_mask(&stages)
-            .signal_semaphores(&signal)
-            .push_next(&mut timeline)];
-        // SAFETY: as above; every waited value was submitted on its lane
-        // before (`compute_uses` submits the lane first).
-        unsafe { dev.queue_submit(self.device.queue, &submit, slot.fence) }
-            .map_err(|e| vk_error(e, "vkQueueSubmit"))?;
+        if let Some(shared) = &mut self.shared {
+            shared.take_into(&mut sync);
+        }
+        // SAFETY: executable command buffer; the queue is used only by this
+        // stream, under the backend's lock; the slot's fence is unsignaled
+        // (reset after its last wait); every waited lane value was
+        // submitted on its lane before (`compute_uses` submits the lane
+        // first).
+        unsafe { sync.submit(dev, self.device.queue, &cmds, slot.fence) }
+    }
+
+    /// The shared timeline semaphore (made, exportable as an opaque fd, on
+    /// first use).
+    pub(crate) fn shared_timeline(&mut self) -> Result<vk::Semaphore> {
+        if let Some(shared) = &self.shared {
+            return Ok(shared.semaphore);
+        }
+        let mut kind = vk::SemaphoreTypeCreateInfo::default()
+            .semaphore_type(vk::SemaphoreType::TIMELINE)
+            .initial_value(0);
+        let mut export =
+            vk::ExportSemaphoreCreateInfo::default().handle_types(vk::ExternalSemaphoreHandleTypeFlags::OPAQUE_FD);
+        let info = vk::SemaphoreCreateInfo::default()
+            .push_next(&mut kind)
+            .push_next(&mut export);
+        // SAFETY: valid device with timeline semaphores and
+        // VK_KHR_external_semaphore_fd enabled (the caller checks
+        // `enabled.external_fd`).
+        let semaphore =
+            unsafe { self.device.raw.create_semaphore(&info, None) }.map_err(|e| vk_error(e, "vkCreateSemaphore"))?;
+        self.shared = Some(SharedTimeline {
+            semaphore,
+            wait: None,
+            signal: None,
+        });
+        Ok(semaphore)
+    }
+
+    /// The shared timeline's value now (the tests' view of it).
+    #[cfg(test)]
+    pub(crate) fn shared_value(&self) -> u64 {
+        let Some(shared) = &self.shared else {
+            return 0;
+        };
+        // SAFETY: a live timeline semaphore of this device.
+        unsafe { self.device.raw.get_semaphore_counter_value(shared.semaphore) }.unwrap_or(u64::MAX)
+    }
+
+    /// The next submission waits (before its kernels and copies) for the
+    /// shared timeline to reach `value`.
+    pub(crate) fn wait_shared(&mut self, value: u64) -> Result<()> {
+        self.shared_timeline()?;
+        if let Some(shared) = &mut self.shared {
+            shared.wait = Some(shared.wait.map_or(value, |w| w.max(value)));
+        }
         Ok(())
+    }
+
+    /// Submits what is recorded and signals the shared timeline with
+    /// `value` once every submission so far has finished (a semaphore
+    /// signal's first scope is every command earlier in submission order).
+    pub(crate) fn signal_shared(&mut self, value: u64) -> Result<()> {
+        self.shared_timeline()?;
+        if let Some(shared) = &mut self.shared {
+            shared.signal = Some(value);
+        }
+        if self.recording {
+            return self.submit();
+        }
+        let mut sync = TimelineSync::default();
+        if let Some(shared) = &mut self.shared {
+            shared.take_into(&mut sync);
+        }
+        // SAFETY: a submission of no command buffers and no fence; the
+        // queue is this stream's, under the backend's lock.
+        unsafe { sync.submit(&self.device.raw, self.device.queue, &[], vk::Fence::null()) }
     }
 
     /// Waits for every submission in flight numbered `n` or lower, oldest
@@ -706,6 +760,75 @@ impl Stream {
     }
 }
 
+/// The timeline semaphore shared with another API, and what the next
+/// submission waits for and signals on it.
+struct SharedTimeline {
+    semaphore: vk::Semaphore,
+    wait: Option<u64>,
+    signal: Option<u64>,
+}
+
+impl SharedTimeline {
+    fn take_into(&mut self, sync: &mut TimelineSync) {
+        if let Some(value) = self.wait.take() {
+            sync.wait(self.semaphore, value);
+        }
+        if let Some(value) = self.signal.take() {
+            sync.signal(self.semaphore, value);
+        }
+    }
+}
+
+/// A submission's timeline waits and signals.
+#[derive(Default)]
+struct TimelineSync {
+    waits: Vec<vk::Semaphore>,
+    wait_values: Vec<u64>,
+    signals: Vec<vk::Semaphore>,
+    signal_values: Vec<u64>,
+}
+
+impl TimelineSync {
+    fn wait(&mut self, semaphore: vk::Semaphore, value: u64) {
+        self.waits.push(semaphore);
+        self.wait_values.push(value);
+    }
+
+    fn signal(&mut self, semaphore: vk::Semaphore, value: u64) {
+        self.signals.push(semaphore);
+        self.signal_values.push(value);
+    }
+
+    /// Submits `cmds` to `queue` with these waits and signals.
+    ///
+    /// # Safety
+    /// The command buffers are executable, the queue is externally
+    /// synchronized by the caller, `fence` is null or unsignaled, and every
+    /// semaphore is a live timeline semaphore of this device.
+    unsafe fn submit(
+        &self,
+        dev: &ash::Device,
+        queue: vk::Queue,
+        cmds: &[vk::CommandBuffer],
+        fence: vk::Fence,
+    ) -> Result<()> {
+        let stages = vec![vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER; self.waits.len()];
+        let mut timeline = vk::TimelineSemaphoreSubmitInfo::default()
+            .wait_semaphore_values(&self.wait_values)
+            .signal_semaphore_values(&self.signal_values);
+        let mut submit = vk::SubmitInfo::default()
+            .command_buffers(cmds)
+            .wait_semaphores(&self.waits)
+            .wait_dst_stage_mask(&stages)
+            .signal_semaphores(&self.signals);
+        if !(self.waits.is_empty() && self.signals.is_empty()) {
+            submit = submit.push_next(&mut timeline);
+        }
+        // SAFETY: per the contract above.
+        unsafe { dev.queue_submit(queue, &[submit], fence) }.map_err(|e| vk_error(e, "vkQueueSubmit"))
+    }
+}
+
 impl Drop for Stream {
     fn drop(&mut self) {
         // Finish (or abandon, if the device is lost) every submission in
@@ -713,6 +836,12 @@ impl Drop for Stream {
         let _ = self.flush();
         self.destroy_timer();
         self.readbacks.destroy(&self.device);
+        if let Some(shared) = self.shared.take() {
+            // SAFETY: the flush waited for (or abandoned) every submission
+            // that waits for or signals it; an importer keeps its own
+            // reference to the payload.
+            unsafe { self.device.raw.destroy_semaphore(shared.semaphore, None) };
+        }
         if let Some(lanes) = &mut self.lanes {
             // SAFETY: the flush waited for (or, on a lost device,
             // abandoned) every lane submission.

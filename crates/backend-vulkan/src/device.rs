@@ -31,6 +31,9 @@ pub(crate) struct Enabled {
     /// `VK_NVX_binary_import` and `bufferDeviceAddress`: the PTX GEMM
     /// tiles can be launched (device buffers get device addresses).
     pub(crate) ptx: bool,
+    /// `VK_KHR_external_memory_fd`, `VK_KHR_external_semaphore_fd` and
+    /// timeline semaphores: buffers and a timeline CUDA can import.
+    pub(crate) external_fd: bool,
 }
 
 /// Bytes of buffer memory held now and at peak.
@@ -168,6 +171,11 @@ impl Device {
         if ptx {
             extensions.push(ash::nvx::binary_import::NAME);
         }
+        let external_fd = caps.external_fd && caps.timeline_semaphore;
+        if external_fd {
+            extensions.push(ash::khr::external_memory_fd::NAME);
+            extensions.push(ash::khr::external_semaphore_fd::NAME);
+        }
         let extension_ptrs: Vec<_> = extensions.iter().map(|e| e.as_ptr()).collect();
 
         let mut storage16 = vk::PhysicalDevice16BitStorageFeatures::default()
@@ -239,7 +247,7 @@ impl Device {
         if robust2 {
             info = info.push_next(&mut robustness2);
         }
-        if copy_family.is_some() {
+        if copy_family.is_some() || external_fd {
             info = info.push_next(&mut timeline);
         }
         if ptx {
@@ -288,6 +296,7 @@ impl Device {
                 zero_initialize_workgroup_memory: zero_init,
                 pipeline_stats,
                 ptx,
+                external_fd,
             },
             counters: MemoryCounters::default(),
             last_use: AtomicU64::new(0),

@@ -30,6 +30,7 @@ mod device;
 mod external;
 mod glsl;
 mod instance;
+mod interop;
 mod kernels;
 mod memory;
 mod nvx;
@@ -56,6 +57,7 @@ use crate::pipeline::{PipelineCache, PipelineKey, ShaderSource};
 
 pub use crate::external::ExternalVulkan;
 pub use crate::glsl::CeilingKernel;
+pub use crate::interop::ExportedBuffer;
 pub use crate::memory::VulkanBuffer;
 pub use headkl_core::GlslTile;
 pub use headkl_glsl::{CeilingPart, CEILING_BUILT};

@@ -56,18 +56,43 @@ pub(crate) fn find_memory_type(
         .map(|i| i as u32)
 }
 
-/// Creates a buffer of `bytes` bytes with dedicated memory of a type that
-/// has `required` (and, if possible, none of `avoid`). Memory exhaustion is
-/// [`Error::OutOfMemory`] naming `what` and the bytes asked.
+/// Where a buffer's memory goes: a type that has `required` (and, if
+/// possible, none of `avoid`), and whether another API may import it
+/// through a POSIX fd (`VK_KHR_external_memory_fd`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Placement {
+    pub(crate) required: vk::MemoryPropertyFlags,
+    pub(crate) avoid: vk::MemoryPropertyFlags,
+    pub(crate) export: bool,
+}
+
+impl Placement {
+    /// Memory with `required`, preferably none of `avoid`, not exported.
+    pub(crate) fn new(required: vk::MemoryPropertyFlags, avoid: vk::MemoryPropertyFlags) -> Self {
+        Self {
+            required,
+            avoid,
+            export: false,
+        }
+    }
+}
+
+/// Creates a buffer of `bytes` bytes with dedicated memory placed as
+/// `placement` says. Memory exhaustion is [`Error::OutOfMemory`] naming
+/// `what` and the bytes asked.
 pub(crate) fn create_buffer(
     device: &Device,
     bytes: u64,
     usage: vk::BufferUsageFlags,
-    required: vk::MemoryPropertyFlags,
-    avoid: vk::MemoryPropertyFlags,
+    placement: Placement,
     what: &'static str,
     counted: bool,
 ) -> Result<RawBuffer> {
+    let Placement {
+        required,
+        avoid,
+        export,
+    } = placement;
     let size = bytes.max(4).div_ceil(4) * 4;
     if size > device.caps.max_buffer_bytes {
         return Err(Error::OutOfMemory { bytes, what });
@@ -76,7 +101,12 @@ pub(crate) fn create_buffer(
     // a queue family ownership transfer would need a release recorded on
     // the queue that used the buffer last, in a command buffer that may
     // already be submitted when the next use on the other queue is known.
-    let info = vk::BufferCreateInfo::default().size(size).usage(usage);
+    let mut external =
+        vk::ExternalMemoryBufferCreateInfo::default().handle_types(vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD);
+    let mut info = vk::BufferCreateInfo::default().size(size).usage(usage);
+    if export {
+        info = info.push_next(&mut external);
+    }
     let info = if device.sharing.is_empty() {
         info.sharing_mode(vk::SharingMode::EXCLUSIVE)
     } else {
@@ -99,12 +129,17 @@ pub(crate) fn create_buffer(
     };
     let mut dedicated = vk::MemoryDedicatedAllocateInfo::default().buffer(buffer);
     let mut address = vk::MemoryAllocateFlagsInfo::default().flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
+    let mut exported =
+        vk::ExportMemoryAllocateInfo::default().handle_types(vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD);
     let mut alloc = vk::MemoryAllocateInfo::default()
         .allocation_size(req.size)
         .memory_type_index(type_index)
         .push_next(&mut dedicated);
     if usage.contains(vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS) {
         alloc = alloc.push_next(&mut address);
+    }
+    if export {
+        alloc = alloc.push_next(&mut exported);
     }
     // SAFETY: valid device; the type index comes from this device's list and
     // the dedicated buffer is this (unbound) buffer.
@@ -155,6 +190,16 @@ impl headkl_core::DeviceBuffer for VulkanBuffer {
 impl VulkanBuffer {
     /// A device-local storage buffer of `bytes` bytes.
     pub(crate) fn new(device: &Arc<Device>, bytes: u64, label: &'static str) -> Result<Self> {
+        Self::allocate(device, bytes, label, false)
+    }
+
+    /// A device-local storage buffer whose memory another API may import
+    /// through a POSIX fd ([`Self::export_fd`]).
+    pub(crate) fn exportable(device: &Arc<Device>, bytes: u64, label: &'static str) -> Result<Self> {
+        Self::allocate(device, bytes, label, true)
+    }
+
+    fn allocate(device: &Arc<Device>, bytes: u64, label: &'static str, export: bool) -> Result<Self> {
         // Where the PTX tiles can run, every buffer has a device address
         // (their only way to the buffers).
         let address = if device.enabled.ptx {
@@ -162,33 +207,27 @@ impl VulkanBuffer {
         } else {
             vk::BufferUsageFlags::empty()
         };
-        let raw = create_buffer(
-            device,
-            bytes,
-            vk::BufferUsageFlags::STORAGE_BUFFER
-                | vk::BufferUsageFlags::TRANSFER_SRC
-                | vk::BufferUsageFlags::TRANSFER_DST
-                | address,
-            vk::MemoryPropertyFlags::DEVICE_LOCAL,
-            vk::MemoryPropertyFlags::HOST_VISIBLE,
-            label,
-            true,
-        )
-        .or_else(|e| match e {
+        let usage = vk::BufferUsageFlags::STORAGE_BUFFER
+            | vk::BufferUsageFlags::TRANSFER_SRC
+            | vk::BufferUsageFlags::TRANSFER_DST
+            | address;
+        let local = Placement {
+            export,
+            ..Placement::new(
+                vk::MemoryPropertyFlags::DEVICE_LOCAL,
+                vk::MemoryPropertyFlags::HOST_VISIBLE,
+            )
+        };
+        let raw = create_buffer(device, bytes, usage, local, label, true).or_else(|e| match e {
             // A device without device-local memory for buffers (none known)
             // still has some memory type that takes them.
-            Error::Backend { .. } | Error::Driver { .. } => create_buffer(
-                device,
-                bytes,
-                vk::BufferUsageFlags::STORAGE_BUFFER
-                    | vk::BufferUsageFlags::TRANSFER_SRC
-                    | vk::BufferUsageFlags::TRANSFER_DST
-                    | address,
-                vk::MemoryPropertyFlags::empty(),
-                vk::MemoryPropertyFlags::empty(),
-                label,
-                true,
-            ),
+            Error::Backend { .. } | Error::Driver { .. } => {
+                let any = Placement {
+                    export,
+                    ..Placement::new(vk::MemoryPropertyFlags::empty(), vk::MemoryPropertyFlags::empty())
+                };
+                create_buffer(device, bytes, usage, any, label, true)
+            }
             other => Err(other),
         })?;
         Ok(Self {
@@ -197,6 +236,29 @@ impl VulkanBuffer {
             view: None,
             label,
         })
+    }
+
+    /// A POSIX fd of an [`Self::exportable`] buffer's memory
+    /// (`VK_KHR_external_memory_fd`, opaque), and the bytes allocated (what
+    /// the importer maps). Each call gives a new fd, which the caller owns.
+    pub(crate) fn export_fd(&self) -> Result<(std::os::fd::OwnedFd, u64)> {
+        use std::os::fd::FromRawFd;
+        let Some(raw) = self.raw.as_ref() else {
+            return Err(backend_error(format!(
+                "{}: a caller's buffer cannot be exported",
+                self.label
+            )));
+        };
+        let loader = ash::khr::external_memory_fd::Device::new(&self.device.instance.raw, &self.device.raw);
+        let info = vk::MemoryGetFdInfoKHR::default()
+            .memory(raw.memory)
+            .handle_type(vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD);
+        // SAFETY: the memory is alive and was allocated exportable as an
+        // opaque fd (the caller made the buffer with `exportable`, on a
+        // device with VK_KHR_external_memory_fd enabled).
+        let fd = unsafe { loader.get_memory_fd(&info) }.map_err(|e| crate::conv::vk_error(e, "vkGetMemoryFdKHR"))?;
+        // SAFETY: vkGetMemoryFdKHR returned a new fd that we now own.
+        Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, raw.allocated))
     }
 
     /// A view of `bytes` bytes at `offset` of a caller's `buffer` (made on
@@ -295,8 +357,10 @@ impl HostBuffer {
                 device,
                 bytes,
                 usage,
-                coherent | vk::MemoryPropertyFlags::HOST_CACHED,
-                vk::MemoryPropertyFlags::empty(),
+                Placement::new(
+                    coherent | vk::MemoryPropertyFlags::HOST_CACHED,
+                    vk::MemoryPropertyFlags::empty(),
+                ),
                 what,
                 false,
             )
@@ -305,8 +369,7 @@ impl HostBuffer {
                     device,
                     bytes,
                     usage,
-                    coherent,
-                    vk::MemoryPropertyFlags::empty(),
+                    Placement::new(coherent, vk::MemoryPropertyFlags::empty()),
                     what,
                     false,
                 )
@@ -316,8 +379,7 @@ impl HostBuffer {
                 device,
                 bytes,
                 usage,
-                coherent,
-                vk::MemoryPropertyFlags::empty(),
+                Placement::new(coherent, vk::MemoryPropertyFlags::empty()),
                 what,
                 false,
             )?

@@ -527,6 +527,42 @@ fn resident_calls_do_not_wait_for_the_previous_one() {
 }
 
 #[test]
+fn exported_buffers_and_the_shared_timeline_order_the_work() {
+    let Some(b) = open(crate::command::STAGING_BYTES) else {
+        return;
+    };
+    if let Err(e) = b.interop() {
+        // A device without the extensions says which; nothing else runs.
+        let why = e.to_string();
+        assert!(why.contains("cannot share memory with CUDA"), "{why}");
+        eprintln!("interop not tested on this device: {why}");
+        return;
+    }
+    let n = 3000usize;
+    let exported = b.export_buffer((n * 4) as u64, "shared").unwrap();
+    assert!(exported.allocation_bytes >= (n * 4) as u64);
+    let memory_fd = std::fs::File::from(exported.fd);
+    let timeline_fd = std::fs::File::from(b.export_timeline().unwrap());
+    for fd in [&memory_fd, &timeline_fd] {
+        fd.metadata().expect("an exported fd is open");
+    }
+    let x = exported.buffer;
+    b.upload(&x, 0, bytemuck::cast_slice(&vec![1.0f32; n])).unwrap();
+    // What another API would do: signal 1 once the inputs are in; headkl's
+    // next submission waits for it and signals 2 when done.
+    b.signal_timeline(1).unwrap();
+    b.wait_timeline(1).unwrap();
+    add(&b, &x, n as u64, 2.0, "test_add").unwrap();
+    b.signal_timeline(2).unwrap();
+    b.finish().unwrap();
+    assert_eq!(b.stream().unwrap().shared_value(), 2);
+    let mut out = vec![0f32; n];
+    b.download(&x, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
+    assert!(out.iter().all(|&v| v == 3.0));
+    assert_clean(&b);
+}
+
+#[test]
 fn dropping_the_backend_with_two_submissions_in_flight_waits_for_both() {
     let Some(b) = open(crate::command::STAGING_BYTES) else {
         return;

@@ -1,0 +1,92 @@
+"""Times headkl's loss on CUDA tensors from PyTorch: forward and backward
+of ``HeadKLLoss`` on bf16 hidden rows at the bench's shapes, zero-copy
+(the engine's Vulkan buffers mapped into CUDA), with CUDA events on
+torch's stream.
+
+    python python/examples/bench_cuda.py --shapes S,A --iters 10
+
+Per shape it prints one line: the step's GPU milliseconds (median of the
+iterations), the bytes headkl moved through the host during the timed
+steps (0 on the zero-copy path), and the peak CUDA memory torch allocated
+beyond the inputs and the device memory headkl's engine held beyond its
+head (scratch and the buffers shared with CUDA). Compare with ``headkl bench --resident --shape X`` (the
+Rust device-resident path) and the peers in the same device call.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import headkl.torch as ht
+
+# ntok : V : hs : k, as `headkl bench --shape` names them.
+SHAPES = {
+    "A": (4096, 248320, 5120, 64),
+    "B": (8192, 151936, 4096, 64),
+    "S": (8192, 151936, 896, 64),
+    "M": (8192, 128256, 2048, 64),
+}
+
+
+def arguments():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="S,A", help="comma-separated shapes of A, B, S, M (default S,A)")
+    p.add_argument("--ntok", type=int, default=None, help="tokens instead of the shape's (e.g. 32768)")
+    p.add_argument("--iters", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--backend", default="vulkan", help="headkl backend (default vulkan)")
+    return p.parse_args()
+
+
+def main():
+    args = arguments()
+    device = torch.device("cuda")
+    for name in args.shapes.split(","):
+        ntok, vocab, hs, k = SHAPES[name]
+        ntok = args.ntok or ntok
+        g = torch.Generator().manual_seed(1)
+        weight = (torch.randn(vocab, hs, generator=g) / hs**0.5).to(torch.bfloat16)
+        started = time.perf_counter()
+        loss_fn = ht.HeadKLLoss(weight, backend=args.backend)
+        upload_s = time.perf_counter() - started
+        hidden = torch.randn(ntok, hs, device=device).to(torch.bfloat16)
+        # Distinct per row: k ids a stride of V/k apart from a random start.
+        start = torch.randint(0, vocab, (ntok, 1), device=device)
+        ids = (start + torch.arange(k, device=device) * (vocab // k)) % vocab
+        probs = torch.softmax(torch.randn(ntok, k, device=device), -1)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        head_bytes, _ = loss_fn.head._engine.memory(reset_peak=True)
+        base = torch.cuda.memory_allocated()
+        times = []
+        copied = 0
+        for step in range(args.warmup + args.iters):
+            x = hidden.detach().requires_grad_()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before = ht.host_copy_bytes()
+            begin.record()
+            loss = loss_fn(x, ids, probs)
+            loss.backward()
+            end.record()
+            if step >= args.warmup:
+                copied += ht.host_copy_bytes() - before
+                end.synchronize()
+                times.append(begin.elapsed_time(end))
+        loss_fn.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        _, engine_peak = loss_fn.head._engine.memory()
+        headkl_extra = (engine_peak - head_bytes) / 2**30
+        print(
+            f"torch {name} {ntok}:{vocab}:{hs}:{k} {'zero-copy' if loss_fn.zero_copy else 'host copies'}: "
+            f"step {statistics.median(times):.2f} ms (min {min(times):.2f}), host bytes {copied}, "
+            f"peak extra: torch {peak:.2f} GiB + headkl {headkl_extra:.2f} GiB (beyond its {head_bytes / 2**30:.2f} GiB head), "
+            f"head upload {upload_s:.1f} s, loss {loss.item():.4f}",
+            flush=True,
+        )
+        del loss_fn
+
+
+if __name__ == "__main__":
+    main()

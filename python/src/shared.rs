@@ -1,0 +1,149 @@
+//! The zero-copy path for CUDA tensors: buffers the Vulkan backend exports
+//! as opaque fds (CUDA maps them, torch sees them as CUDA tensors), the
+//! backend's shared timeline semaphore (CUDA signals it once the inputs are
+//! written and waits on it before reading the outputs), and the loss run on
+//! those buffers with `Engine::head_kl_device`: no byte goes through the
+//! host and the host never waits inside a step.
+
+use std::os::fd::IntoRawFd;
+
+use headkl_core::{DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HiddenDtype, LossOptions};
+use headkl_vulkan::{VulkanBackend, VulkanBuffer};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::errors::to_py;
+use crate::options::TeacherReading;
+
+/// The exported buffers, by the handle Python holds (a freed one leaves
+/// `None` behind, so handles stay stable).
+#[derive(Default)]
+pub struct SharedBuffers {
+    buffers: Vec<Option<VulkanBuffer>>,
+}
+
+impl SharedBuffers {
+    /// Exports a buffer of `bytes` bytes: its handle, the fd (the caller,
+    /// CUDA's import, takes it over) and the bytes allocated behind it.
+    pub fn export(&mut self, backend: &VulkanBackend, bytes: u64) -> PyResult<(usize, i32, u64)> {
+        let exported = backend.export_buffer(bytes, "shared with CUDA").map_err(to_py)?;
+        self.buffers.push(Some(exported.buffer));
+        Ok((
+            self.buffers.len() - 1,
+            exported.fd.into_raw_fd(),
+            exported.allocation_bytes,
+        ))
+    }
+
+    /// Frees a buffer (after the device is done with it).
+    pub fn free(&mut self, handle: usize) {
+        if let Some(slot) = self.buffers.get_mut(handle) {
+            *slot = None;
+        }
+    }
+
+    fn get(&self, what: &str, handle: usize) -> PyResult<&VulkanBuffer> {
+        self.buffers
+            .get(handle)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| PyValueError::new_err(format!("{what}: no shared buffer {handle}")))
+    }
+}
+
+/// The shared buffers of one loss call, by handle.
+pub struct LossBuffers {
+    pub hidden: usize,
+    pub ids: usize,
+    pub values: usize,
+    pub weights: Option<usize>,
+    pub labels: Option<usize>,
+    pub loss: usize,
+    pub dx: usize,
+}
+
+/// Parses `float32`, `float16`, `bfloat16`.
+pub fn hidden_dtype(name: &str) -> PyResult<HiddenDtype> {
+    Ok(match name {
+        "float32" => HiddenDtype::F32,
+        "float16" => HiddenDtype::F16,
+        "bfloat16" => HiddenDtype::Bf16,
+        other => return Err(PyValueError::new_err(format!("hidden: dtype {other} is not a float"))),
+    })
+}
+
+/// What the device path does not take, named (the Python side sends those
+/// calls through the host path).
+pub fn refuse_host_only(opts: &LossOptions, reading: &TeacherReading) -> PyResult<()> {
+    let refuse = |what: &str| Err(PyValueError::new_err(format!("{what}: not on the zero-copy path")));
+    if reading.temperature.is_some() {
+        return refuse("teacher_temperature");
+    }
+    if opts.ignore_mask {
+        return refuse("ignore_mask");
+    }
+    Ok(())
+}
+
+/// One loss call on the shared buffers: waits for the shared timeline to
+/// reach `wait` (CUDA wrote the inputs), runs the loss, and signals `signal`
+/// once it is done. Errors the device flags (a bad id, a non-finite row)
+/// are checked at the next call's start or at `synchronize`.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the call's shape, buffers, options and timeline values"
+)]
+pub fn head_kl(
+    engine: &mut Engine<VulkanBackend>,
+    shared: &SharedBuffers,
+    (ntok, k, dtype): (usize, usize, HiddenDtype),
+    b: &LossBuffers,
+    opts: &LossOptions,
+    reading: &TeacherReading,
+    (wait, signal): (u64, u64),
+) -> PyResult<()> {
+    refuse_host_only(opts, reading)?;
+    // The previous call's flags, now that it has run.
+    engine.wait_device().map_err(to_py)?;
+    let device_opts = DeviceLossOptions {
+        temperature: opts.temperature,
+        weights: b.weights.map(|h| shared.get("weights", h)).transpose()?,
+        total: opts.total,
+        reduction: opts.reduction,
+        gscale: opts.gscale,
+        accumulate_dx: false,
+        budget_bytes: opts.budget_bytes,
+        max_rows_per_chunk: opts.max_rows_per_chunk,
+        teacher_form: reading.form,
+        tail: reading.tail,
+        terms: opts.terms,
+        labels: b.labels.map(|h| shared.get("labels", h)).transpose()?,
+        terms_out: None,
+        filter_eps: opts.filter_eps,
+    };
+    let hidden = DeviceHidden {
+        buffer: shared.get("hidden", b.hidden)?,
+        dtype,
+    };
+    let teacher = DeviceTeacher {
+        ids: shared.get("teacher_ids", b.ids)?,
+        probs: shared.get("teacher_values", b.values)?,
+        k,
+    };
+    let out = DeviceLossOutput {
+        loss: shared.get("loss", b.loss)?,
+        dx: shared.get("dx", b.dx)?,
+    };
+    let backend = engine.backend();
+    backend.wait_timeline(wait).map_err(to_py)?;
+    let ran = engine.head_kl_device(ntok, &hidden, &teacher, &out, &device_opts);
+    // Signal whatever happened: CUDA waits for this value, and a call that
+    // failed before the device must not leave it waiting forever.
+    let signalled = engine.backend().signal_timeline(signal);
+    ran.map_err(to_py)?;
+    signalled.map_err(to_py)
+}
+
+/// Waits for every call on the device and returns what it flagged.
+pub fn synchronize(engine: &mut Engine<VulkanBackend>) -> PyResult<()> {
+    engine.wait_device().map_err(to_py)
+}

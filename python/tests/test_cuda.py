@@ -1,0 +1,80 @@
+"""CUDA tensors: the zero-copy path (Vulkan memory and a timeline semaphore
+shared with CUDA) against the same loss on CPU tensors and against PyTorch
+float64, with no byte through the host. Needs a CUDA device that a Vulkan
+driver also exposes (the H200): elsewhere each test is skipped with why."""
+
+import pytest
+import torch
+
+import headkl.torch as ht
+from reference import reference
+from test_loss import HS, K, close, problem
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def cuda_loss(**kw):
+    weight = problem(7)[0]
+    loss_fn = ht.HeadKLLoss(weight, backend="vulkan", **kw)
+    if loss_fn.head._engine.interop() is not None:
+        pytest.skip(f"no zero-copy on this device: {loss_fn.head._engine.interop()}")
+    return loss_fn
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [{}, dict(reduction="none", temperature=2.0), dict(weight_hard_loss=0.5, label_smoothing=0.1), dict(tail="bucket")],
+    ids=["default", "none-tau2", "hard", "bucket"],
+)
+def test_zero_copy_matches_torch_f64_and_moves_nothing_through_the_host(opts):
+    weight, hidden, ids, values, labels, weights = problem(7)
+    loss_fn = cuda_loss(**opts)
+    before = ht.host_copy_bytes()
+    for step in range(3):
+        x = hidden.cuda().requires_grad_()
+        loss = loss_fn(x, ids.cuda(), values.cuda(), labels=labels.cuda(), weights=weights.cuda())
+        assert loss_fn.zero_copy, "the CUDA call went through host copies"
+        loss.sum().backward()
+    torch.cuda.synchronize()
+    loss_fn.synchronize()
+    assert ht.host_copy_bytes() == before, "bytes went through the host"
+    want_loss, want_dx = reference(
+        hidden.reshape(-1, HS), weight, ids.reshape(-1, K), values.reshape(-1, K),
+        labels=labels.reshape(-1), weights=weights.reshape(-1), **opts,
+    )  # fmt: skip
+    close(loss.detach().cpu().reshape(-1), want_loss.reshape(-1), "loss", rel=1e-4)
+    close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")
+
+
+def test_zero_copy_bf16_rows_and_a_growing_batch():
+    loss_fn = cuda_loss()
+    for lead in [(2, 5), (4, 9), (1, 3)]:
+        weight, hidden, ids, values, _, _ = problem(11, lead=lead)
+        x = hidden.to(torch.bfloat16).cuda().requires_grad_()
+        loss = loss_fn(x, ids.cuda(), values.cuda())
+        loss.backward()
+        want_loss, want_dx = reference(hidden.reshape(-1, HS), problem(7)[0], ids.reshape(-1, K), values.reshape(-1, K))
+        close(loss.detach().cpu().reshape(1), want_loss.reshape(1), "loss", rel=1e-3)
+        close(x.grad.float().cpu().reshape(-1, HS), want_dx, "dx", rel=2e-2)
+
+
+def test_a_bad_id_on_the_device_raises_at_synchronize_and_the_engine_recovers():
+    weight, hidden, ids, values, _, _ = problem(7)
+    loss_fn = cuda_loss()
+    bad = ids.clone()
+    bad[0, 0, 0] = 10_000
+    loss_fn(hidden.cuda(), bad.cuda(), values.cuda())
+    with pytest.raises(ValueError, match="10000"):
+        loss_fn.synchronize()
+    good = loss_fn(hidden.cuda(), ids.cuda(), values.cuda())
+    loss_fn.synchronize()
+    want, _ = reference(hidden.reshape(-1, HS), weight, ids.reshape(-1, K), values.reshape(-1, K))
+    close(good.detach().cpu().reshape(1), want.reshape(1), "loss", rel=1e-4)
+
+
+def test_the_host_path_on_cuda_tensors_is_counted():
+    weight, hidden, ids, values, _, _ = problem(7)
+    loss_fn = ht.HeadKLLoss(weight, backend="reference")
+    before = ht.host_copy_bytes()
+    loss_fn(hidden.cuda(), ids.cuda(), values.cuda())
+    assert ht.host_copy_bytes() > before
