@@ -38,6 +38,7 @@ from torch import nn
 from . import _native
 
 __all__ = [
+    "FullVocabKLLoss",
     "Head",
     "HeadKLLoss",
     "TopK",
@@ -270,6 +271,49 @@ class _HeadKLFunction(torch.autograd.Function):
         return (dx * scale).to(ctx.dtype), None
 
 
+def _loss_options(**o) -> dict:
+    """The loss's keywords as the native module takes them (headkl's own
+    names), the names of the enumerations checked here."""
+    for name, allowed in (
+        ("reduction", _REDUCTIONS),
+        ("tail", _TAILS),
+        ("teacher_form", _FORMS),
+        ("divergence", _DIVERGENCES),
+    ):
+        if o.get(name, allowed[0]) not in allowed:
+            raise ValueError(f"{name}={o[name]!r}: expected one of {', '.join(allowed)}")
+    floats = ("temperature", "teacher_temperature", "beta", "soft_weight", "hard_weight", "label_smoothing",
+              "z_loss", "softcap", "logit_scale", "gscale")  # fmt: skip
+    out = {}
+    for key, value in o.items():
+        if key in floats and value is not None:
+            value = float(value)
+        elif key == "filter_eps" and value is not None and value != "auto":
+            value = float(value)
+        out[key] = value
+    return out
+
+
+def _effective_weights(options: dict, labels, weights, ntok: int, device):
+    """The per-token weights after ``ignore_mask``."""
+    w = torch.ones(ntok, device=device) if weights is None else weights
+    if options.get("ignore_mask") and labels is not None:
+        w = w * ((labels >= 0) & (labels != options.get("ignore_index", -100)))
+    return w
+
+
+def _reduced(reduction: str, per_token, w, total):
+    """The loss from the unweighted per-token losses, as the engine reduces it."""
+    if reduction == "none":
+        return per_token * w
+    weighted = (per_token.double() * w.double()).sum()
+    if reduction == "mean":
+        return (weighted / (w.double().sum() if total is None else total)).float()
+    if reduction == "batchmean":
+        return (weighted / per_token.shape[0]).float()
+    return weighted.float()
+
+
 _REDUCTIONS = ("mean", "sum", "batchmean", "none")
 _TAILS = ("renormalize", "bucket", "none")
 _FORMS = ("probs", "logprobs")
@@ -308,7 +352,9 @@ class HeadKLLoss(nn.Module):
     - ``ignore_index`` (−100; any negative label is none too) and
       ``ignore_mask`` (drop tokens without a label from every term).
     - ``filter_eps``: skip the gradient GEMM's blocks whose ``|∂L/∂s|`` are
-      all ≤ ε (the loss stays exact); ``budget_bytes``: device scratch.
+      all ≤ ε (``"auto"``: 2⁻¹⁵, Cut Cross-Entropy's; the loss stays exact);
+      ``gscale``: the f16 gradient's scale (default from the weights);
+      ``budget_bytes``: device scratch.
     - ``backend``, ``device``: as ``Head``'s.
     - ``shard=(v0, v1)``, ``vocab_size``, ``process_group``: vocabulary
       parallel. ``weight`` is the rows ``[v0, v1)``; every rank of
@@ -337,7 +383,8 @@ class HeadKLLoss(nn.Module):
         logit_scale: float = 1.0,
         ignore_index: int = -100,
         ignore_mask: bool = False,
-        filter_eps: Optional[float] = None,
+        filter_eps=None,
+        gscale: Optional[float] = None,
         budget_bytes: Optional[int] = None,
         backend: str = "auto",
         device: Optional[int] = None,
@@ -346,33 +393,26 @@ class HeadKLLoss(nn.Module):
         process_group=None,
     ):
         super().__init__()
-        for name, value, allowed in (
-            ("reduction", reduction, _REDUCTIONS),
-            ("tail", tail, _TAILS),
-            ("teacher_form", teacher_form, _FORMS),
-            ("divergence", divergence, _DIVERGENCES),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
-        self.options = {
-            "temperature": float(temperature),
-            "reduction": reduction,
-            "tail": tail,
-            "teacher_form": teacher_form,
-            "teacher_temperature": None if teacher_temperature is None else float(teacher_temperature),
-            "divergence": divergence,
-            "beta": float(beta),
-            "soft_weight": float(weight_soft_loss),
-            "hard_weight": float(weight_hard_loss),
-            "label_smoothing": float(label_smoothing),
-            "z_loss": float(lse_square_scale),
-            "softcap": None if softcap is None else float(softcap),
-            "logit_scale": float(logit_scale),
-            "ignore_index": int(ignore_index),
-            "ignore_mask": bool(ignore_mask),
-            "filter_eps": None if filter_eps is None else float(filter_eps),
-            "budget_bytes": budget_bytes,
-        }
+        self.options = _loss_options(
+            temperature=temperature,
+            reduction=reduction,
+            tail=tail,
+            teacher_form=teacher_form,
+            teacher_temperature=teacher_temperature,
+            divergence=divergence,
+            beta=beta,
+            soft_weight=weight_soft_loss,
+            hard_weight=weight_hard_loss,
+            label_smoothing=label_smoothing,
+            z_loss=lse_square_scale,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            ignore_index=ignore_index,
+            ignore_mask=ignore_mask,
+            filter_eps=filter_eps,
+            gscale=gscale,
+            budget_bytes=budget_bytes,
+        )
         # Every value is checked here, before the head goes to a device.
         _native.check_loss_options(self.options, shard is not None)
         self.reduction = reduction
@@ -460,22 +500,10 @@ class HeadKLLoss(nn.Module):
         return self._zc
 
     def _weights(self, labels, weights, ntok, device):
-        """The per-token weights after ``ignore_mask``."""
-        w = torch.ones(ntok, device=device) if weights is None else weights
-        if self.options["ignore_mask"] and labels is not None:
-            w = w * ((labels >= 0) & (labels != self.options["ignore_index"]))
-        return w
+        return _effective_weights(self.options, labels, weights, ntok, device)
 
     def _reduce(self, per_token, w, total):
-        """The loss from the unweighted per-token losses, as the engine reduces it."""
-        if self.reduction == "none":
-            return per_token * w
-        weighted = (per_token.double() * w.double()).sum()
-        if self.reduction == "mean":
-            return (weighted / (w.double().sum() if total is None else total)).float()
-        if self.reduction == "batchmean":
-            return (weighted / per_token.shape[0]).float()
-        return weighted.float()
+        return _reduced(self.reduction, per_token, w, total)
 
     def _host_loss(self, flat, ids, values, labels, weights, total, device):
         host = _on_host("hidden", flat)
@@ -511,6 +539,119 @@ class HeadKLLoss(nn.Module):
         else:
             loss = torch.tensor(mean, dtype=torch.float32)
         return _to_device(loss, device), _to_device(dx, device)
+
+
+class FullVocabKLLoss(nn.Module):
+    """The exact full-vocabulary divergence of the student from a teacher
+    given by its own hidden rows and head, as Liger's
+    ``LigerFusedLinearJSD`` computes it: ``p_T = softmax(x_T·W_Tᵀ/τ)`` over
+    the whole vocabulary, never stored whole (a chunk of rows at a time).
+
+    ``FullVocabKLLoss(weight, teacher_weight, *, divergence="jsd",
+    beta=0.5, ...)`` uploads both heads once (they share V, not hs);
+    ``forward(hidden, teacher_hidden, *, labels=None, weights=None,
+    total=None)`` returns the loss, whose backward gives ``hidden.grad``.
+    Keywords as ``HeadKLLoss``'s that apply: ``temperature``, ``reduction``,
+    ``divergence``, ``beta``, ``weight_soft_loss``, ``logit_scale`` (the
+    student's), ``ignore_index``, ``ignore_mask``, ``gscale``,
+    ``budget_bytes``, ``backend``, ``device``. It runs on host memory (CUDA
+    tensors through host copies).
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        reduction: str = "mean",
+        divergence: str = "jsd",
+        beta: float = 0.5,
+        weight_soft_loss: float = 1.0,
+        logit_scale: float = 1.0,
+        ignore_index: int = -100,
+        ignore_mask: bool = False,
+        gscale: Optional[float] = None,
+        budget_bytes: Optional[int] = None,
+        backend: str = "auto",
+        device: Optional[int] = None,
+    ):
+        super().__init__()
+        self.options = _loss_options(
+            temperature=temperature,
+            reduction=reduction,
+            divergence=divergence,
+            beta=beta,
+            soft_weight=weight_soft_loss,
+            logit_scale=logit_scale,
+            ignore_index=ignore_index,
+            ignore_mask=ignore_mask,
+            gscale=gscale,
+            budget_bytes=budget_bytes,
+        )
+        _native.check_loss_options(self.options, False)
+        self.reduction = reduction
+        self.head = Head(weight, backend=backend, device=device)
+        teacher_weight = _tensor("teacher_weight", teacher_weight, _FLOATS, ndim=2)
+        if teacher_weight.shape[0] != self.head.vocab_size:
+            raise ValueError(
+                f"teacher_weight: {teacher_weight.shape[0]} rows, but weight has {self.head.vocab_size} (the heads share V)"
+            )
+        self.teacher_hidden_size = teacher_weight.shape[1]
+        host = _on_host("teacher_weight", teacher_weight)
+        self.head._engine.set_teacher_head(_spec(host), host.shape[0], host.shape[1])
+
+    @property
+    def info(self) -> dict:
+        """The device the loss runs on."""
+        return self.head.info
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        *,
+        labels: Optional[torch.Tensor] = None,
+        weights: Optional[torch.Tensor] = None,
+        total: Optional[float] = None,
+    ) -> torch.Tensor:
+        flat, lead = self.head._hidden(hidden)
+        ntok, hs = flat.shape
+        teacher_hidden = _tensor("teacher_hidden", teacher_hidden, _FLOATS)
+        _same_device("teacher_hidden", teacher_hidden, hidden)
+        if tuple(teacher_hidden.shape) != lead + (self.teacher_hidden_size,):
+            raise ValueError(
+                f"teacher_hidden: expected shape {lead + (self.teacher_hidden_size,)}, got {tuple(teacher_hidden.shape)}"
+            )
+        if labels is not None:
+            labels = _ids("labels", labels)
+            _rows("labels", labels, lead)
+            _same_device("labels", labels, hidden)
+            labels = _on_host("labels", labels.reshape(ntok))
+        if weights is not None:
+            weights = _tensor("weights", weights, _FLOATS + (torch.float64,))
+            _rows("weights", weights, lead)
+            _same_device("weights", weights, hidden)
+            weights = _on_host("weights", weights.reshape(ntok).to(torch.float32))
+        options = dict(self.options, total=None if total is None else float(total))
+
+        def run():
+            host = _on_host("hidden", flat)
+            teacher = _on_host("teacher_hidden", teacher_hidden.reshape(ntok, -1))
+            dx = torch.empty((ntok, hs), dtype=torch.float32)
+            per_token = torch.empty(ntok, dtype=torch.float32)
+            spec = lambda t: None if t is None else _spec(t)  # noqa: E731
+            mean = self.head._engine.head_kl_full_vocab(
+                _spec(host), ntok, _spec(teacher), teacher.shape[1], spec(labels), spec(weights),
+                _spec(dx), _spec(per_token), options,
+            )  # fmt: skip
+            if self.reduction == "none":
+                loss = per_token * _effective_weights(self.options, labels, weights, ntok, "cpu")
+            else:
+                loss = torch.tensor(mean, dtype=torch.float32)
+            return _to_device(loss, hidden.device), _to_device(dx, hidden.device)
+
+        return _HeadKLFunction.apply(flat, run).reshape(lead if self.reduction == "none" else ())
 
 
 class _ZeroCopy:

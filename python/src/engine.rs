@@ -286,6 +286,66 @@ impl PyEngine {
         })
     }
 
+    /// Uploads the teacher's head `[vocab][hs]` for the full-vocabulary loss.
+    fn set_teacher_head(&self, py: Python<'_>, head: Spec, vocab: usize, hs: usize) -> PyResult<()> {
+        let head = HostArray::new("teacher_weight", head)?;
+        // SAFETY: the Python wrapper holds the tensor for the call; the
+        // engine copies it to the device before returning.
+        let data = unsafe { head.head()? };
+        let mut held = self.held()?;
+        let held = &mut *held;
+        py.detach(|| -> PyResult<()> {
+            let weights = HeadWeights::new(data, vocab, hs).map_err(to_py)?;
+            on_held!(held, e => e.engine().set_teacher_head(&weights, SliceOptions::default())).map_err(to_py)
+        })
+    }
+
+    /// The exact full-vocabulary loss against the teacher's own hidden
+    /// rows (`teacher_hidden` `[ntok][teacher_hs]`, through the teacher's
+    /// head): writes `dx` and the per-token losses; returns the reduced loss.
+    #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
+    #[pyo3(signature = (hidden, ntok, teacher_hidden, teacher_hs, labels, weights, dx, loss, options))]
+    fn head_kl_full_vocab(
+        &self,
+        py: Python<'_>,
+        hidden: Spec,
+        ntok: usize,
+        teacher_hidden: Spec,
+        teacher_hs: usize,
+        labels: Option<Spec>,
+        weights: Option<Spec>,
+        dx: Spec,
+        loss: Spec,
+        options: &Bound<'_, PyDict>,
+    ) -> PyResult<f64> {
+        let (mut opts, _) = loss_options(options)?;
+        let hidden = self.hidden(hidden, ntok)?;
+        let teacher = HostArray::new("teacher_hidden", teacher_hidden)?;
+        let labels = labels.map(|s| HostArray::new("labels", s)).transpose()?;
+        let weights = weights.map(|s| HostArray::new("weights", s)).transpose()?;
+        let dx = HostArray::new("dx", dx)?;
+        let loss = HostArray::new("loss", loss)?;
+        // SAFETY: as in `head_kl`.
+        let (teacher, labels, weights, dx, loss) = unsafe {
+            (
+                teacher.hidden()?,
+                labels.map(|l| l.i64s()).transpose()?,
+                weights.map(|w| w.f32s()).transpose()?,
+                dx.f32s_mut()?,
+                loss.f32s_mut()?,
+            )
+        };
+        let teacher = Hidden::new(teacher, ntok, teacher_hs).map_err(to_py)?;
+        with_rows(&mut opts, labels, weights);
+        let (mut held, mut out) = (self.held()?, self.out()?);
+        let (held, out) = (&mut *held, &mut *out);
+        py.detach(|| -> PyResult<f64> {
+            on_held!(held, e => e.engine().head_kl_full_vocab_into(&hidden, &teacher, &opts, out)).map_err(to_py)?;
+            copy_out(out, dx, loss)?;
+            Ok(out.mean)
+        })
+    }
+
     /// Phase one of the sharded loss: writes this shard's `lse`, `lse1`
     /// and `soft_part` `[ntok]` (what the collective merges).
     #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]

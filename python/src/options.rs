@@ -40,6 +40,7 @@ const LOSS_KEYS: &[&str] = &[
     "ignore_mask",
     "filter_eps",
     "total",
+    "gscale",
     "budget_bytes",
     "max_rows_per_chunk",
 ];
@@ -147,7 +148,11 @@ pub fn loss_options(kwargs: &Bound<'_, PyDict>) -> PyResult<(LossOptions, Teache
         opts.ignore_index = i;
     }
     opts.ignore_mask = kw.get::<bool>("ignore_mask")?.unwrap_or(false);
-    opts.filter_eps = kw.get::<f32>("filter_eps")?;
+    opts.filter_eps = match kwargs.get_item("filter_eps")? {
+        Some(v) if v.extract::<String>().is_ok_and(|s| s == "auto") => Some(headkl_core::filter::AUTO_EPS),
+        _ => kw.get::<f32>("filter_eps")?,
+    };
+    opts.gscale = kw.get::<f32>("gscale")?;
     opts.total = kw.get::<f32>("total")?;
     if let Some(b) = kw.get::<u64>("budget_bytes")? {
         opts.budget_bytes = b;

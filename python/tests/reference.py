@@ -93,3 +93,25 @@ def _rescale(p, tail, power):
     if tail != "renormalize":
         norm = norm + (1 - p.sum(-1, keepdim=True)).clamp_min(0).pow(power)
     return raised / norm
+
+
+def full_vocab_reference(x, weight, teacher_hidden, teacher_weight, weights=None, divergence="jsd", beta=0.5, temperature=1.0):
+    """(mean loss, dx) of ``FullVocabKLLoss`` in float64: each divergence at
+    k = V with the teacher's exact softmax (DESIGN §1, "The teacher's hidden
+    rows"), the reverse KL's floor on log t."""
+    x = x.detach().to(torch.float16).double().requires_grad_()
+    ls = F.log_softmax((x @ weight.to(torch.float16).double().T) / temperature, -1)
+    zt = teacher_hidden.to(torch.float16).double() @ teacher_weight.to(torch.float16).double().T
+    lt = F.log_softmax(zt / temperature, -1)
+    if divergence == "forward":
+        per = (lt.exp() * (lt - ls)).sum(-1)
+    elif divergence == "reverse":
+        per = (ls.exp() * (ls - lt.clamp_min(torch.log(torch.tensor(FLOOR, dtype=lt.dtype))))).sum(-1)
+    else:
+        b = torch.tensor(beta, dtype=ls.dtype)
+        lm = torch.logaddexp(ls + torch.log(1 - b), lt + torch.log(b))
+        per = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    w = torch.ones(x.shape[0], dtype=torch.float64) if weights is None else weights.double()
+    out = (w * per).sum() / w.sum()
+    out.backward()
+    return out.detach(), x.grad

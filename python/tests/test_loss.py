@@ -115,3 +115,43 @@ def test_the_engine_is_reused_call_after_call(backend):
     first = loss_fn(hidden, ids, values).item()
     for _ in range(3):
         assert loss_fn(hidden, ids, values).item() == first
+
+
+@pytest.mark.parametrize("divergence,beta", [("forward", 0.5), ("reverse", 0.5), ("jsd", 0.3)])
+def test_full_vocabulary_loss_matches_torch_f64(backend, divergence, beta):
+    """FullVocabKLLoss: the teacher from its own hidden rows and head (of
+    another hidden size), over the whole vocabulary."""
+    from reference import full_vocab_reference
+
+    weight, hidden, _, _, _, weights = problem(13)
+    g = torch.Generator().manual_seed(14)
+    teacher_hs = 24
+    teacher_weight = torch.randint(-8, 9, (V, teacher_hs), generator=g).float() / 32
+    teacher_hidden = torch.randint(-8, 9, hidden.shape[:-1] + (teacher_hs,), generator=g).float() / 16
+    loss_fn = ht.FullVocabKLLoss(weight, teacher_weight, divergence=divergence, beta=beta, temperature=1.5, backend=backend)
+    x = hidden.clone().requires_grad_()
+    loss = loss_fn(x, teacher_hidden, weights=weights)
+    loss.backward()
+    want_loss, want_dx = full_vocab_reference(
+        hidden.reshape(-1, HS), weight, teacher_hidden.reshape(-1, teacher_hs), teacher_weight,
+        weights=weights.reshape(-1), divergence=divergence, beta=beta, temperature=1.5,
+    )  # fmt: skip
+    close(loss.reshape(1), want_loss.reshape(1), "loss", rel=1e-4)
+    close(x.grad.reshape(-1, HS), want_dx, "dx")
+    with pytest.raises(ValueError, match="teacher_hidden"):
+        loss_fn(x, teacher_hidden[..., :-1])
+
+
+def test_gradient_scale_and_the_auto_filter(backend):
+    """``gscale`` changes only how the f16 gradient is scaled; the filter
+    ("auto": 2^-15) keeps the loss exact and drops only tiny products."""
+    weight, hidden, ids, values, _, _ = problem(17)
+    want_loss, want_dx = reference(hidden.reshape(-1, HS), weight, ids.reshape(-1, K), values.reshape(-1, K))
+    for kw, rel in [(dict(gscale=512.0), 2e-3), (dict(filter_eps="auto"), 2e-2)]:
+        x = hidden.clone().requires_grad_()
+        loss = ht.HeadKLLoss(weight, backend=backend, **kw)(x, ids, values)
+        loss.backward()
+        close(loss.reshape(1), want_loss.reshape(1), f"loss {kw}", rel=1e-4)
+        close(x.grad.reshape(-1, HS), want_dx, f"dx {kw}", rel=rel)
+    with pytest.raises(ValueError, match="gscale"):
+        ht.HeadKLLoss(weight, gscale=-1.0)
