@@ -76,7 +76,8 @@ def host_copy_bytes() -> int:
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host result moved to the caller's device, counted where it leaves the host."""
     global _host_copy_bytes
-    if device.type != "cpu":
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type != "cpu":
         _host_copy_bytes += t.numel() * t.element_size()
     return t.to(device)
 
@@ -124,6 +125,23 @@ def _same_device(name: str, t: torch.Tensor, hidden: torch.Tensor) -> None:
 def _rows(name: str, t: torch.Tensor, lead: Tuple[int, ...]) -> None:
     if tuple(t.shape) != lead:
         raise ValueError(f"{name}: expected shape {lead} (hidden's leading dimensions), got {tuple(t.shape)}")
+
+
+def _row_arrays(labels, weights, lead: Tuple[int, ...], hidden: torch.Tensor):
+    """The per-token ``labels`` (int64) and ``weights`` (float32), each
+    optional, checked against hidden's leading dimensions and device and
+    flattened to ``[ntok]``."""
+    if labels is not None:
+        labels = _ids("labels", labels)
+        _rows("labels", labels, lead)
+        _same_device("labels", labels, hidden)
+        labels = labels.reshape(-1)
+    if weights is not None:
+        weights = _tensor("weights", weights, _FLOATS + (torch.float64,))
+        _rows("weights", weights, lead)
+        _same_device("weights", weights, hidden)
+        weights = weights.reshape(-1).to(torch.float32)
+    return labels, weights
 
 
 class Head:
@@ -459,16 +477,7 @@ class HeadKLLoss(nn.Module):
         k = teacher_ids.shape[-1]
         for name, t in (("teacher_ids", teacher_ids), ("teacher_values", teacher_values)):
             _same_device(name, t, hidden)
-        if labels is not None:
-            labels = _ids("labels", labels)
-            _rows("labels", labels, lead)
-            _same_device("labels", labels, hidden)
-            labels = labels.reshape(ntok)
-        if weights is not None:
-            weights = _tensor("weights", weights, _FLOATS + (torch.float64,))
-            _rows("weights", weights, lead)
-            _same_device("weights", weights, hidden)
-            weights = weights.reshape(ntok).to(torch.float32)
+        labels, weights = _row_arrays(labels, weights, lead, hidden)
         if self.options["hard_weight"] > 0 and labels is None:
             raise ValueError(f"labels: needed with weight_hard_loss={self.options['hard_weight']}")
         inputs = (flat, teacher_ids.reshape(ntok, k), teacher_values.reshape(ntok, k), labels, weights)
@@ -531,8 +540,12 @@ class HeadKLLoss(nn.Module):
                 _spec(host), ntok, _spec(ids), _spec(values), k, spec(weights_host),
                 *(_spec(s) for s in stats), options,
             )  # fmt: skip
-            merged = _merge_partials(stats, self.process_group)
+            # The collective runs on the caller's device: NCCL takes CUDA
+            # tensors only, gloo takes both.
+            merged = _merge_partials([_to_device(t, device) for t in stats], self.process_group)
+            merged = [_on_host("partials", t) for t in merged]
             mean = engine.loss_finish(_spec(host), ntok, *(_spec(s) for s in merged), _spec(dx), _spec(per_token))
+            dx = _to_device(dx, device)
             dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=self.process_group)
         if self.reduction == "none":
             loss = per_token * self._weights(labels_host, weights_host, ntok, "cpu")
@@ -623,16 +636,9 @@ class FullVocabKLLoss(nn.Module):
             raise ValueError(
                 f"teacher_hidden: expected shape {lead + (self.teacher_hidden_size,)}, got {tuple(teacher_hidden.shape)}"
             )
-        if labels is not None:
-            labels = _ids("labels", labels)
-            _rows("labels", labels, lead)
-            _same_device("labels", labels, hidden)
-            labels = _on_host("labels", labels.reshape(ntok))
-        if weights is not None:
-            weights = _tensor("weights", weights, _FLOATS + (torch.float64,))
-            _rows("weights", weights, lead)
-            _same_device("weights", weights, hidden)
-            weights = _on_host("weights", weights.reshape(ntok).to(torch.float32))
+        labels, weights = _row_arrays(labels, weights, lead, hidden)
+        labels = None if labels is None else _on_host("labels", labels)
+        weights = None if weights is None else _on_host("weights", weights)
         options = dict(self.options, total=None if total is None else float(total))
 
         def run():

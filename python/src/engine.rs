@@ -139,10 +139,39 @@ fn teacher(
     }
 }
 
-/// The per-token arrays of a loss call: labels and weights, each optional.
-fn with_rows(opts: &mut LossOptions, labels: Option<&[i64]>, weights: Option<&[f32]>) {
-    opts.labels = labels.map(<[i64]>::to_vec);
-    opts.weights = weights.map(<[f32]>::to_vec);
+/// A loss call's outputs, `dx` `[ntok][hs]` and the per-token losses.
+struct LossArrays<'a> {
+    dx: &'a mut [f32],
+    loss: &'a mut [f32],
+}
+
+impl LossArrays<'_> {
+    /// Reads the optional labels and weights into `opts` and views the
+    /// outputs.
+    ///
+    /// # Safety
+    /// The Python wrapper holds every tensor until the call returns and
+    /// allocated `dx` and `loss` for it alone.
+    unsafe fn new(
+        opts: &mut LossOptions,
+        labels: Option<Spec>,
+        weights: Option<Spec>,
+        dx: Spec,
+        loss: Spec,
+    ) -> PyResult<Self> {
+        let labels = labels.map(|s| HostArray::new("labels", s)).transpose()?;
+        let weights = weights.map(|s| HostArray::new("weights", s)).transpose()?;
+        let (dx, loss) = (HostArray::new("dx", dx)?, HostArray::new("loss", loss)?);
+        // SAFETY: per this function's contract.
+        unsafe {
+            opts.labels = labels.map(|l| l.i64s().map(<[i64]>::to_vec)).transpose()?;
+            opts.weights = weights.map(|w| w.f32s().map(<[f32]>::to_vec)).transpose()?;
+            Ok(Self {
+                dx: dx.f32s_mut()?,
+                loss: loss.f32s_mut()?,
+            })
+        }
+    }
 }
 
 /// A frozen head on a device: `Engine(head, vocab, hs, backend, device,
@@ -258,23 +287,15 @@ impl PyEngine {
         let hidden = self.hidden(hidden, ntok)?;
         let ids = HostArray::new("teacher_ids", ids)?;
         let values = HostArray::new("teacher_values", values)?;
-        let labels = labels.map(|s| HostArray::new("labels", s)).transpose()?;
-        let weights = weights.map(|s| HostArray::new("weights", s)).transpose()?;
-        let dx = HostArray::new("dx", dx)?;
-        let loss = HostArray::new("loss", loss)?;
         // SAFETY: the Python wrapper holds every tensor until the call
         // returns and allocated `dx` and `loss` for it alone.
-        let (ids, values, labels, weights, dx, loss) = unsafe {
+        let (ids, values, LossArrays { dx, loss }) = unsafe {
             (
                 ids.i64s()?,
                 values.f32s()?,
-                labels.map(|l| l.i64s()).transpose()?,
-                weights.map(|w| w.f32s()).transpose()?,
-                dx.f32s_mut()?,
-                loss.f32s_mut()?,
+                LossArrays::new(&mut opts, labels, weights, dx, loss)?,
             )
         };
-        with_rows(&mut opts, labels, weights);
         let vocab = self.vocab;
         let (mut held, mut out) = (self.held()?, self.out()?);
         let (held, out) = (&mut *held, &mut *out);
@@ -321,22 +342,14 @@ impl PyEngine {
         let (mut opts, _) = loss_options(options)?;
         let hidden = self.hidden(hidden, ntok)?;
         let teacher = HostArray::new("teacher_hidden", teacher_hidden)?;
-        let labels = labels.map(|s| HostArray::new("labels", s)).transpose()?;
-        let weights = weights.map(|s| HostArray::new("weights", s)).transpose()?;
-        let dx = HostArray::new("dx", dx)?;
-        let loss = HostArray::new("loss", loss)?;
         // SAFETY: as in `head_kl`.
-        let (teacher, labels, weights, dx, loss) = unsafe {
+        let (teacher, LossArrays { dx, loss }) = unsafe {
             (
                 teacher.hidden()?,
-                labels.map(|l| l.i64s()).transpose()?,
-                weights.map(|w| w.f32s()).transpose()?,
-                dx.f32s_mut()?,
-                loss.f32s_mut()?,
+                LossArrays::new(&mut opts, labels, weights, dx, loss)?,
             )
         };
         let teacher = Hidden::new(teacher, ntok, teacher_hs).map_err(to_py)?;
-        with_rows(&mut opts, labels, weights);
         let (mut held, mut out) = (self.held()?, self.out()?);
         let (held, out) = (&mut *held, &mut *out);
         py.detach(|| -> PyResult<f64> {
@@ -384,7 +397,7 @@ impl PyEngine {
                 [lse?.f32s_mut()?, lse1?.f32s_mut()?, soft_part?.f32s_mut()?],
             )
         };
-        with_rows(&mut opts, None, weights);
+        opts.weights = weights.map(<[f32]>::to_vec);
         let vocab = self.vocab;
         let mut held = self.held()?;
         let held = &mut *held;

@@ -352,37 +352,14 @@ impl HostBuffer {
         what: &'static str,
     ) -> Result<Self> {
         let coherent = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+        let make = |required| {
+            let placement = Placement::new(required, vk::MemoryPropertyFlags::empty());
+            create_buffer(device, bytes, usage, placement, what, false)
+        };
         let raw = if cached {
-            create_buffer(
-                device,
-                bytes,
-                usage,
-                Placement::new(
-                    coherent | vk::MemoryPropertyFlags::HOST_CACHED,
-                    vk::MemoryPropertyFlags::empty(),
-                ),
-                what,
-                false,
-            )
-            .or_else(|_| {
-                create_buffer(
-                    device,
-                    bytes,
-                    usage,
-                    Placement::new(coherent, vk::MemoryPropertyFlags::empty()),
-                    what,
-                    false,
-                )
-            })?
+            make(coherent | vk::MemoryPropertyFlags::HOST_CACHED).or_else(|_| make(coherent))?
         } else {
-            create_buffer(
-                device,
-                bytes,
-                usage,
-                Placement::new(coherent, vk::MemoryPropertyFlags::empty()),
-                what,
-                false,
-            )?
+            make(coherent)?
         };
         // SAFETY: host-visible memory, not yet mapped, whole range.
         let mapped = unsafe {
