@@ -1,51 +1,90 @@
-"""CUDA's side of the zero-copy path: the driver API of ``libcuda.so.1``
-(the NVIDIA driver's own library, loaded with ``ctypes.CDLL``; no CUDA
-toolkit, no extra package) imports the memory and the timeline semaphore
-the Vulkan backend exports as POSIX fds, and orders torch's stream with
-them.
+"""CUDA's side of headkl's zero-copy path.
 
-Loading the library happens in ``Driver()`` only, so importing this module
-never fails on a machine without CUDA.
+PyTorch (CUDA) and headkl's Vulkan device share memory and one timeline
+semaphore: the Vulkan backend exports them as POSIX opaque fds
+(VK_KHR_external_memory_fd, VK_KHR_external_semaphore_fd), and this module
+imports them into CUDA through the CUDA *driver* API.
+
+The driver API comes from ``libcuda.so.1``, the library the NVIDIA driver
+itself installs, loaded with ``ctypes.CDLL`` by ``Driver()``; no CUDA
+toolkit and no extra package is needed. Nothing is loaded at import time, so
+``import headkl._cuda`` works on any machine; ``Driver()`` raises
+``CudaUnavailable`` where libcuda or an entry point it needs is missing.
+
+The ctypes structures below mirror cuda.h (CUDA 12.6) byte for byte on
+x86-64 Linux (LP64); the size and offset asserts at the bottom of that
+section run at import and stop a layout slip before any call is made.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
-from typing import List, Optional
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = [
+    "CudaUnavailable",
+    "CudaError",
+    "Driver",
+    "ExternalMemory",
+    "ExternalTimeline",
+    "tensor_at",
+]
+
+log = logging.getLogger("headkl")
+
+# --- Types and constants (cuda.h) -------------------------------------------
 
 CUresult = ctypes.c_int
-CUdeviceptr = ctypes.c_ulonglong
+CUdevice = ctypes.c_int
+CUdeviceptr = ctypes.c_ulonglong  # unsigned long long on LP64
+CUcontext = ctypes.c_void_p
+CUstream = ctypes.c_void_p
+CUexternalMemory = ctypes.c_void_p
+CUexternalSemaphore = ctypes.c_void_p
 
-# CUexternalMemoryHandleType / CUexternalSemaphoreHandleType (cuda.h).
-_MEMORY_OPAQUE_FD = 1
-_SEMAPHORE_TIMELINE_FD = 9
-_MEMORY_DEDICATED = 1
+CUDA_SUCCESS = 0
+CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD = 1
+CU_EXTERNAL_SEMAPHORE_HANDLE_TYPE_TIMELINE_SEMAPHORE_FD = 9
+CUDA_EXTERNAL_MEMORY_DEDICATED = 0x1
+
+
+class _CUuuid(ctypes.Structure):
+    """CUuuid: ``char bytes[16]``."""
+
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
 
 
 class _Win32Handle(ctypes.Structure):
+    """The ``win32`` member of the handle unions (unused on Linux, but it
+    sets the union's size to 16)."""
+
     _fields_ = [("handle", ctypes.c_void_p), ("name", ctypes.c_void_p)]
 
 
-class _Handle(ctypes.Union):
-    _fields_ = [("fd", ctypes.c_int), ("win32", _Win32Handle), ("nvSciObj", ctypes.c_void_p)]
-
-
-class _MemoryHandleDesc(ctypes.Structure):
-    """CUDA_EXTERNAL_MEMORY_HANDLE_DESC."""
+class _MemoryHandle(ctypes.Union):
+    """CUDA_EXTERNAL_MEMORY_HANDLE_DESC::handle."""
 
     _fields_ = [
-        ("type", ctypes.c_int),
-        ("handle", _Handle),
+        ("fd", ctypes.c_int),
+        ("win32", _Win32Handle),
+        ("nvSciBufObject", ctypes.c_void_p),
+    ]
+
+
+class CUDA_EXTERNAL_MEMORY_HANDLE_DESC(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),  # CUexternalMemoryHandleType
+        ("handle", _MemoryHandle),
         ("size", ctypes.c_ulonglong),
         ("flags", ctypes.c_uint),
         ("reserved", ctypes.c_uint * 16),
     ]
 
 
-class _BufferDesc(ctypes.Structure):
-    """CUDA_EXTERNAL_MEMORY_BUFFER_DESC."""
-
+class CUDA_EXTERNAL_MEMORY_BUFFER_DESC(ctypes.Structure):
     _fields_ = [
         ("offset", ctypes.c_ulonglong),
         ("size", ctypes.c_ulonglong),
@@ -54,272 +93,486 @@ class _BufferDesc(ctypes.Structure):
     ]
 
 
-class _SemaphoreHandleDesc(ctypes.Structure):
-    """CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC."""
+class _SemaphoreHandle(ctypes.Union):
+    """CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC::handle."""
 
     _fields_ = [
-        ("type", ctypes.c_int),
-        ("handle", _Handle),
+        ("fd", ctypes.c_int),
+        ("win32", _Win32Handle),
+        ("nvSciSyncObj", ctypes.c_void_p),
+    ]
+
+
+class CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),  # CUexternalSemaphoreHandleType
+        ("handle", _SemaphoreHandle),
         ("flags", ctypes.c_uint),
         ("reserved", ctypes.c_uint * 16),
     ]
 
 
+class _Fence(ctypes.Structure):
+    """params.fence: the timeline value to signal or wait for."""
+
+    _fields_ = [("value", ctypes.c_ulonglong)]
+
+
 class _NvSciSync(ctypes.Union):
+    """params.nvSciSync."""
+
     _fields_ = [("fence", ctypes.c_void_p), ("reserved", ctypes.c_ulonglong)]
 
 
-class _SignalInner(ctypes.Structure):
+class _KeyedMutexSignal(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_ulonglong)]
+
+
+class _SignalParamsInner(ctypes.Structure):
+    """CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS::params."""
+
     _fields_ = [
-        ("fence_value", ctypes.c_ulonglong),
+        ("fence", _Fence),
         ("nvSciSync", _NvSciSync),
-        ("keyedMutex_key", ctypes.c_ulonglong),
+        ("keyedMutex", _KeyedMutexSignal),
         ("reserved", ctypes.c_uint * 12),
     ]
 
 
-class _SignalParams(ctypes.Structure):
-    """CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS."""
-
-    _fields_ = [("params", _SignalInner), ("flags", ctypes.c_uint), ("reserved", ctypes.c_uint * 16)]
+class CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS(ctypes.Structure):
+    _fields_ = [
+        ("params", _SignalParamsInner),
+        ("flags", ctypes.c_uint),
+        ("reserved", ctypes.c_uint * 16),
+    ]
 
 
 class _KeyedMutexWait(ctypes.Structure):
     _fields_ = [("key", ctypes.c_ulonglong), ("timeoutMs", ctypes.c_uint)]
 
 
-class _WaitInner(ctypes.Structure):
+class _WaitParamsInner(ctypes.Structure):
+    """CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS::params."""
+
     _fields_ = [
-        ("fence_value", ctypes.c_ulonglong),
+        ("fence", _Fence),
         ("nvSciSync", _NvSciSync),
         ("keyedMutex", _KeyedMutexWait),
         ("reserved", ctypes.c_uint * 10),
     ]
 
 
-class _WaitParams(ctypes.Structure):
-    """CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS."""
+class CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS(ctypes.Structure):
+    _fields_ = [
+        ("params", _WaitParamsInner),
+        ("flags", ctypes.c_uint),
+        ("reserved", ctypes.c_uint * 16),
+    ]
 
-    _fields_ = [("params", _WaitInner), ("flags", ctypes.c_uint), ("reserved", ctypes.c_uint * 16)]
 
+# The layouts cuda.h gives on x86-64 Linux. The driver reads these bytes
+# blindly, so a slip here would corrupt a call instead of failing it.
+assert ctypes.sizeof(ctypes.c_void_p) == 8, "headkl._cuda assumes a 64-bit process"
+assert ctypes.sizeof(_CUuuid) == 16
+assert ctypes.sizeof(_MemoryHandle) == 16
+assert ctypes.sizeof(CUDA_EXTERNAL_MEMORY_HANDLE_DESC) == 104
+assert CUDA_EXTERNAL_MEMORY_HANDLE_DESC.handle.offset == 8
+assert CUDA_EXTERNAL_MEMORY_HANDLE_DESC.size.offset == 24
+assert CUDA_EXTERNAL_MEMORY_HANDLE_DESC.flags.offset == 32
+assert CUDA_EXTERNAL_MEMORY_HANDLE_DESC.reserved.offset == 36
+assert ctypes.sizeof(CUDA_EXTERNAL_MEMORY_BUFFER_DESC) == 88
+assert CUDA_EXTERNAL_MEMORY_BUFFER_DESC.flags.offset == 16
+assert CUDA_EXTERNAL_MEMORY_BUFFER_DESC.reserved.offset == 20
+assert ctypes.sizeof(CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC) == 96
+assert CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC.handle.offset == 8
+assert CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC.flags.offset == 24
+assert CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC.reserved.offset == 28
+assert ctypes.sizeof(_SignalParamsInner) == 72
+assert _SignalParamsInner.reserved.offset == 24
+assert ctypes.sizeof(CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS) == 144
+assert CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS.flags.offset == 72
+assert CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS.reserved.offset == 76
+assert ctypes.sizeof(_WaitParamsInner) == 72
+assert _WaitParamsInner.keyedMutex.offset == 16
+assert _WaitParamsInner.reserved.offset == 32
+assert ctypes.sizeof(CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS) == 144
+assert CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS.flags.offset == 72
+assert CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS.reserved.offset == 76
 
-# The sizes cuda.h gives on x86-64 Linux: a mismatch would corrupt the calls.
-assert ctypes.sizeof(_MemoryHandleDesc) == 104
-assert ctypes.sizeof(_BufferDesc) == 88
-assert ctypes.sizeof(_SemaphoreHandleDesc) == 96
-assert ctypes.sizeof(_SignalParams) == 144
-assert ctypes.sizeof(_WaitParams) == 144
+# --- Errors ------------------------------------------------------------------
 
 
 class CudaUnavailable(RuntimeError):
-    """libcuda cannot be loaded, or lacks an entry point the path needs."""
+    """libcuda cannot be loaded, or lacks an entry point this module needs."""
 
 
 class CudaError(RuntimeError):
-    """A CUDA driver call failed."""
+    """A CUDA driver call returned something other than CUDA_SUCCESS."""
+
+    def __init__(self, function: str, code: int = -1, name: Optional[str] = None):
+        self.function = function
+        self.code = code
+        self.name = name
+        what = f"{name}, CUresult {code}" if name else f"CUresult {code}"
+        super().__init__(f"{function} failed ({what})")
 
 
-_SIGNATURES = {
+# --- Entry points ------------------------------------------------------------
+
+# Every function called, by the name libcuda exports (cuda.h's macros map
+# e.g. cuMemFree to cuMemFree_v2), with its argument types; all return
+# CUresult. The names without a suffix are the legacy-default-stream
+# variants, which is what PyTorch (built without per-thread default streams)
+# uses too.
+_REQUIRED: Dict[str, List[Any]] = {
     "cuInit": [ctypes.c_uint],
     "cuGetErrorName": [CUresult, ctypes.POINTER(ctypes.c_char_p)],
-    "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
-    "cuDeviceGetUuid": [ctypes.POINTER(ctypes.c_char * 16), ctypes.c_int],
-    "cuCtxGetCurrent": [ctypes.POINTER(ctypes.c_void_p)],
-    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
-    "cuCtxSetCurrent": [ctypes.c_void_p],
-    "cuImportExternalMemory": [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_MemoryHandleDesc)],
-    "cuExternalMemoryGetMappedBuffer": [ctypes.POINTER(CUdeviceptr), ctypes.c_void_p, ctypes.POINTER(_BufferDesc)],
-    "cuDestroyExternalMemory": [ctypes.c_void_p],
+    "cuDeviceGet": [ctypes.POINTER(CUdevice), ctypes.c_int],
+    "cuCtxGetCurrent": [ctypes.POINTER(CUcontext)],
+    "cuCtxSetCurrent": [CUcontext],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(CUcontext), CUdevice],
+    "cuImportExternalMemory": [
+        ctypes.POINTER(CUexternalMemory),
+        ctypes.POINTER(CUDA_EXTERNAL_MEMORY_HANDLE_DESC),
+    ],
+    "cuExternalMemoryGetMappedBuffer": [
+        ctypes.POINTER(CUdeviceptr),
+        CUexternalMemory,
+        ctypes.POINTER(CUDA_EXTERNAL_MEMORY_BUFFER_DESC),
+    ],
     "cuMemFree_v2": [CUdeviceptr],
-    "cuImportExternalSemaphore": [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_SemaphoreHandleDesc)],
+    "cuDestroyExternalMemory": [CUexternalMemory],
+    "cuImportExternalSemaphore": [
+        ctypes.POINTER(CUexternalSemaphore),
+        ctypes.POINTER(CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC),
+    ],
     "cuSignalExternalSemaphoresAsync": [
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(_SignalParams),
+        ctypes.POINTER(CUexternalSemaphore),
+        ctypes.POINTER(CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS),
         ctypes.c_uint,
-        ctypes.c_void_p,
+        CUstream,
     ],
     "cuWaitExternalSemaphoresAsync": [
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(_WaitParams),
+        ctypes.POINTER(CUexternalSemaphore),
+        ctypes.POINTER(CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS),
         ctypes.c_uint,
-        ctypes.c_void_p,
+        CUstream,
     ],
-    "cuDestroyExternalSemaphore": [ctypes.c_void_p],
+    "cuDestroyExternalSemaphore": [CUexternalSemaphore],
+}
+
+# Used where present: cuDeviceGetUuid_v2 (CUDA 11.4+) gives the same UUID
+# Vulkan's VkPhysicalDeviceIDProperties::deviceUUID does, also under MIG;
+# cuCtxGetDevice lets ensure_context notice another device's context.
+_OPTIONAL: Dict[str, List[Any]] = {
+    "cuDeviceGetUuid_v2": [ctypes.POINTER(_CUuuid), CUdevice],
+    "cuDeviceGetUuid": [ctypes.POINTER(_CUuuid), CUdevice],
+    "cuCtxGetDevice": [ctypes.POINTER(CUdevice)],
 }
 
 
 class Driver:
-    """The CUDA driver API from ``libcuda.so.1``, initialised once."""
+    """The CUDA driver API of ``libcuda.so.1`` (ctypes.CDLL), with cuInit(0)
+    done once, here."""
 
     def __init__(self, path: str = "libcuda.so.1"):
         try:
-            lib = ctypes.CDLL(path)
+            self._lib = ctypes.CDLL(path)
         except OSError as e:
-            raise CudaUnavailable(f"cannot load {path} (the NVIDIA driver's CUDA library): {e}") from None
-        self._fns = {}
-        for name, argtypes in _SIGNATURES.items():
-            try:
-                fn = getattr(lib, name)
-            except AttributeError:
-                raise CudaUnavailable(f"{path} has no {name}") from None
-            fn.argtypes = argtypes
-            fn.restype = CUresult
+            raise CudaUnavailable(
+                f"cannot load {path}, the NVIDIA driver's CUDA library ({e}); "
+                "the zero-copy path needs an NVIDIA GPU and its driver"
+            ) from None
+        self.path = path
+        self._fns: Dict[str, Callable[..., int]] = {}
+        for name, argtypes in _REQUIRED.items():
+            fn = self._bind(name, argtypes)
+            if fn is None:
+                raise CudaUnavailable(f"{path} has no entry point {name} (driver too old?)")
             self._fns[name] = fn
+        for name, argtypes in _OPTIONAL.items():
+            fn = self._bind(name, argtypes)
+            if fn is not None:
+                self._fns[name] = fn
+        uuid_name = "cuDeviceGetUuid_v2" if "cuDeviceGetUuid_v2" in self._fns else "cuDeviceGetUuid"
+        if uuid_name not in self._fns:
+            raise CudaUnavailable(f"{path} has neither cuDeviceGetUuid_v2 nor cuDeviceGetUuid")
+        self._uuid_name = uuid_name
         self.call("cuInit", 0)
+        log.debug("CUDA driver API loaded from %s", path)
 
-    def call(self, name: str, *args) -> None:
-        """Calls ``name``; a result other than CUDA_SUCCESS raises CudaError."""
-        result = self._fns[name](*args)
-        if result != 0:
-            text = ctypes.c_char_p()
-            self._fns["cuGetErrorName"](result, ctypes.byref(text))
-            what = text.value.decode() if text.value else "unknown"
-            raise CudaError(f"{name} failed: {what} ({result})")
+    def _bind(self, name: str, argtypes: List[Any]) -> Optional[Callable[..., int]]:
+        try:
+            fn = getattr(self._lib, name)
+        except AttributeError:
+            return None
+        fn.argtypes = argtypes
+        fn.restype = CUresult
+        return fn
+
+    def error_name(self, code: int) -> Optional[str]:
+        """cuGetErrorName's text for ``code`` ("CUDA_ERROR_..."), or None."""
+        text = ctypes.c_char_p()
+        if self._fns["cuGetErrorName"](code, ctypes.byref(text)) != CUDA_SUCCESS or not text.value:
+            return None
+        return text.value.decode("ascii", "replace")
+
+    def call(self, name: str, *args: Any) -> None:
+        """Calls entry point ``name``; a result other than CUDA_SUCCESS
+        raises CudaError with the function's name, the code and its name."""
+        code = self._fns[name](*args)
+        if code != CUDA_SUCCESS:
+            raise CudaError(name, code, self.error_name(code))
+
+    def _device(self, ordinal: int) -> int:
+        device = CUdevice()
+        self.call("cuDeviceGet", ctypes.byref(device), ordinal)
+        return device.value
 
     def device_uuid(self, ordinal: int) -> bytes:
-        """The 16-byte UUID of CUDA device ``ordinal``."""
-        device = ctypes.c_int()
-        self.call("cuDeviceGet", ctypes.byref(device), ordinal)
-        uuid = (ctypes.c_char * 16)()
-        self.call("cuDeviceGetUuid", ctypes.byref(uuid), device.value)
-        return bytes(uuid.raw)
+        """The 16-byte UUID of CUDA device ``ordinal`` (to match against the
+        Vulkan device's)."""
+        uuid = _CUuuid()
+        self.call(self._uuid_name, ctypes.byref(uuid), self._device(ordinal))
+        return bytes(uuid.bytes)
 
     def ensure_context(self, ordinal: int) -> None:
-        """Makes device ``ordinal``'s primary context (torch's) current
-        where this thread has none."""
-        current = ctypes.c_void_p()
+        """Makes device ``ordinal``'s primary context (the one torch uses)
+        current on this thread where none is; after torch.cuda has run on
+        this thread that is usually already so."""
+        current = CUcontext()
         self.call("cuCtxGetCurrent", ctypes.byref(current))
+        device = self._device(ordinal)
         if current.value:
-            return
-        device = ctypes.c_int()
-        self.call("cuDeviceGet", ctypes.byref(device), ordinal)
-        context = ctypes.c_void_p()
-        self.call("cuDevicePrimaryCtxRetain", ctypes.byref(context), device.value)
-        self.call("cuCtxSetCurrent", context)
+            if "cuCtxGetDevice" not in self._fns:
+                return
+            on = CUdevice()
+            self.call("cuCtxGetDevice", ctypes.byref(on))
+            if on.value == device:
+                return
+            # Imports land in the current context's device: with another
+            # device's context current they would be on the wrong GPU. This
+            # is what cudaSetDevice(ordinal) does.
+            log.debug("the current CUDA context is another device's; making device %d's primary context current", ordinal)
+        primary = CUcontext()
+        # The reference stays retained for the process's life, as torch's does.
+        self.call("cuDevicePrimaryCtxRetain", ctypes.byref(primary), device)
+        self.call("cuCtxSetCurrent", primary)
 
     def import_memory(self, fd: int, size: int, dedicated: bool = True) -> "ExternalMemory":
-        """Imports an opaque fd of ``size`` bytes of memory; on success CUDA
-        owns the fd."""
-        desc = _MemoryHandleDesc(type=_MEMORY_OPAQUE_FD, size=size, flags=_MEMORY_DEDICATED if dedicated else 0)
+        """Imports ``size`` bytes of Vulkan memory exported as an opaque fd.
+        On success CUDA owns ``fd``; on failure it is closed here."""
+        desc = CUDA_EXTERNAL_MEMORY_HANDLE_DESC()
+        desc.type = CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD
         desc.handle.fd = fd
-        handle = ctypes.c_void_p()
-        try:
-            self.call("cuImportExternalMemory", ctypes.byref(handle), ctypes.byref(desc))
-        except CudaError:
-            os.close(fd)
-            raise
-        return ExternalMemory(self, handle, size)
+        desc.size = size
+        desc.flags = CUDA_EXTERNAL_MEMORY_DEDICATED if dedicated else 0
+        handle = CUexternalMemory()
+        code = self._fns["cuImportExternalMemory"](ctypes.byref(handle), ctypes.byref(desc))
+        if code != CUDA_SUCCESS:
+            _close_quietly(fd)
+            raise CudaError("cuImportExternalMemory", code, self.error_name(code))
+        return ExternalMemory(self, handle.value, size)
 
     def import_timeline(self, fd: int) -> "ExternalTimeline":
-        """Imports an opaque fd of a Vulkan timeline semaphore; on success
-        CUDA owns the fd."""
-        desc = _SemaphoreHandleDesc(type=_SEMAPHORE_TIMELINE_FD)
+        """Imports a Vulkan timeline semaphore exported as an opaque fd.
+        On success CUDA owns ``fd``; on failure it is closed here."""
+        desc = CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC()
+        desc.type = CU_EXTERNAL_SEMAPHORE_HANDLE_TYPE_TIMELINE_SEMAPHORE_FD
         desc.handle.fd = fd
-        handle = ctypes.c_void_p()
-        try:
-            self.call("cuImportExternalSemaphore", ctypes.byref(handle), ctypes.byref(desc))
-        except CudaError:
-            os.close(fd)
-            raise
-        return ExternalTimeline(self, handle)
+        handle = CUexternalSemaphore()
+        code = self._fns["cuImportExternalSemaphore"](ctypes.byref(handle), ctypes.byref(desc))
+        if code != CUDA_SUCCESS:
+            _close_quietly(fd)
+            raise CudaError("cuImportExternalSemaphore", code, self.error_name(code))
+        return ExternalTimeline(self, handle.value)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _finalizing() -> bool:
+    # At interpreter shutdown libcuda may already be torn down (and torch's
+    # context with it): calling it then can crash, and the process is going.
+    return sys is None or sys.is_finalizing()
 
 
 class ExternalMemory:
-    """Imported memory and the device pointers mapped from it."""
+    """Memory imported from Vulkan (cuImportExternalMemory of an OPAQUE_FD)
+    and the device pointers mapped from it."""
 
-    def __init__(self, driver: Driver, handle: ctypes.c_void_p, size: int):
-        self._driver = driver
-        self._handle: Optional[ctypes.c_void_p] = handle
+    def __init__(self, driver: Driver, handle: int, size: int):
+        self._driver = driver  # keeps libcuda loaded while this lives
+        self._handle: Optional[int] = handle
         self._mapped: List[int] = []
         self.size = size
 
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
     def map(self, offset: int, size: int) -> int:
-        """A device pointer to ``size`` bytes at ``offset``."""
+        """A CUdeviceptr to ``size`` bytes at ``offset`` of the memory
+        (cuExternalMemoryGetMappedBuffer); freed by close()."""
         if self._handle is None:
-            raise CudaError("the memory was closed")
-        desc = _BufferDesc(offset=offset, size=size)
+            raise RuntimeError("ExternalMemory.map: the memory was closed")
+        desc = CUDA_EXTERNAL_MEMORY_BUFFER_DESC()
+        desc.offset = offset
+        desc.size = size
         pointer = CUdeviceptr()
         self._driver.call("cuExternalMemoryGetMappedBuffer", ctypes.byref(pointer), self._handle, ctypes.byref(desc))
         self._mapped.append(pointer.value)
         return pointer.value
 
     def close(self) -> None:
-        """Frees the mapped pointers and the import (once)."""
+        """Frees every mapped pointer (cuMemFree), then the import
+        (cuDestroyExternalMemory). Idempotent; every step is tried, and the
+        first failure is raised at the end."""
         if self._handle is None:
             return
         handle, self._handle = self._handle, None
-        for pointer in self._mapped:
-            self._driver.call("cuMemFree_v2", pointer)
-        self._mapped.clear()
-        self._driver.call("cuDestroyExternalMemory", handle)
+        mapped, self._mapped = self._mapped, []
+        first: Optional[CudaError] = None
+        for pointer in mapped:
+            try:
+                self._driver.call("cuMemFree_v2", pointer)
+            except CudaError as e:
+                first = first or e
+        try:
+            self._driver.call("cuDestroyExternalMemory", handle)
+        except CudaError as e:
+            first = first or e
+        if first is not None:
+            raise first
 
-    def __del__(self):
+    def __del__(self) -> None:
+        if _finalizing():
+            return
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown or a lost context
+        except Exception:  # noqa: BLE001 - nothing to report to from a finaliser
             pass
 
 
 class ExternalTimeline:
-    """An imported Vulkan timeline semaphore, signalled and waited on in
-    stream order."""
+    """A Vulkan timeline semaphore imported into CUDA
+    (CU_EXTERNAL_SEMAPHORE_HANDLE_TYPE_TIMELINE_SEMAPHORE_FD), signalled and
+    waited on in a stream's order."""
 
-    def __init__(self, driver: Driver, handle: ctypes.c_void_p):
+    def __init__(self, driver: Driver, handle: int):
         self._driver = driver
-        self._handle: Optional[ctypes.c_void_p] = handle
+        self._handle: Optional[int] = handle
 
-    def _array(self):
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def _handles(self, what: str) -> "ctypes.Array[ctypes.c_void_p]":
         if self._handle is None:
-            raise CudaError("the semaphore was closed")
-        return (ctypes.c_void_p * 1)(self._handle)
+            raise RuntimeError(f"ExternalTimeline.{what}: the semaphore was closed")
+        return (CUexternalSemaphore * 1)(self._handle)
 
     def signal(self, value: int, stream: int) -> None:
-        """The stream sets the timeline to ``value`` once its earlier work is done."""
-        params = _SignalParams()
-        params.params.fence_value = value
-        self._driver.call("cuSignalExternalSemaphoresAsync", self._array(), ctypes.byref(params), 1, stream)
+        """Once the work queued on ``stream`` before this is done, the
+        timeline is set to ``value`` (cuSignalExternalSemaphoresAsync)."""
+        params = CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS()
+        params.params.fence.value = value
+        self._driver.call(
+            "cuSignalExternalSemaphoresAsync", self._handles("signal"), ctypes.byref(params), 1, stream or None
+        )
 
     def wait(self, value: int, stream: int) -> None:
-        """The stream's later work waits for the timeline to reach ``value``."""
-        params = _WaitParams()
-        params.params.fence_value = value
-        self._driver.call("cuWaitExternalSemaphoresAsync", self._array(), ctypes.byref(params), 1, stream)
+        """Work queued on ``stream`` after this waits until the timeline
+        reaches ``value`` (cuWaitExternalSemaphoresAsync); the host does not
+        wait."""
+        params = CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS()
+        params.params.fence.value = value
+        self._driver.call(
+            "cuWaitExternalSemaphoresAsync", self._handles("wait"), ctypes.byref(params), 1, stream or None
+        )
 
     def close(self) -> None:
+        """cuDestroyExternalSemaphore; idempotent. Signals and waits already
+        queued must be done first (the driver requires it)."""
         if self._handle is None:
             return
         handle, self._handle = self._handle, None
         self._driver.call("cuDestroyExternalSemaphore", handle)
 
-    def __del__(self):
+    def __del__(self) -> None:
+        if _finalizing():
+            return
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown or a lost context
+        except Exception:  # noqa: BLE001 - nothing to report to from a finaliser
             pass
 
 
-_TYPESTR = {"float32": "<f4", "float16": "<f2", "int32": "<i4", "int64": "<i8", "bfloat16": "<i2"}
+# --- Tensors over device pointers -------------------------------------------
+
+# __cuda_array_interface__ typestrs by torch dtype name. bfloat16 has none:
+# it travels as int16 and is reinterpreted after (same size, no copy).
+_TYPESTR = {
+    "float32": "<f4",
+    "float16": "<f2",
+    "bfloat16": "<i2",
+    "int32": "<i4",
+    "int64": "<i8",
+    "uint32": "<u4",
+}
 
 
-def _interface(pointer: int, shape: tuple, dtype) -> dict:
-    """The ``__cuda_array_interface__`` (version 3) of a C-contiguous array."""
-    name = str(dtype).replace("torch.", "")
-    return {"shape": tuple(shape), "typestr": _TYPESTR[name], "data": (pointer, False), "version": 3, "strides": None, "stream": None}
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
 
 
-class _Array:
-    """What torch.as_tensor reads; it keeps the owner of the memory alive."""
+def _interface(pointer: int, shape: Sequence[int], dtype: Any) -> Dict[str, Any]:
+    """The ``__cuda_array_interface__`` (version 3) of a C-contiguous array
+    of ``shape`` and torch ``dtype`` at device pointer ``pointer``."""
+    name = _dtype_name(dtype)
+    try:
+        typestr = _TYPESTR[name]
+    except KeyError:
+        raise TypeError(f"tensor_at: no __cuda_array_interface__ typestr for {dtype}") from None
+    return {
+        "version": 3,
+        "shape": tuple(int(d) for d in shape),
+        "typestr": typestr,
+        "data": (int(pointer), False),  # False: writable
+        "strides": None,  # C-contiguous
+        "stream": None,  # ordering is the caller's (the timeline semaphore)
+    }
 
-    def __init__(self, interface: dict, owner: object):
+
+class _CudaArray:
+    """What torch.as_tensor reads. torch keeps this object referenced for
+    the tensor's life, so it holds ``owner`` (the imported memory) too."""
+
+    def __init__(self, interface: Dict[str, Any], owner: object):
         self.__cuda_array_interface__ = interface
         self.owner = owner
 
 
-def tensor_at(pointer: int, shape: tuple, dtype, device_index: int, owner: object):
-    """A torch CUDA tensor viewing ``pointer`` (no copy); it keeps ``owner``
-    alive."""
+def tensor_at(pointer: int, shape: tuple, dtype: Any, device_index: int, owner: object):
+    """A torch CUDA tensor on device ``device_index`` viewing ``pointer``
+    (no copy), of ``shape`` and ``dtype``, C-contiguous; it keeps ``owner``
+    alive as long as it (or a view of it) lives."""
     import torch
 
+    array = _CudaArray(_interface(pointer, shape, dtype), owner)
     with torch.cuda.device(device_index):
-        t = torch.as_tensor(_Array(_interface(pointer, shape, dtype), owner), device=f"cuda:{device_index}")
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+        tensor = torch.as_tensor(array, device=torch.device("cuda", device_index))
+    if _dtype_name(dtype) == "bfloat16":
+        tensor = tensor.view(torch.bfloat16)
+    # as_tensor copies where the pointer's device differs from the one
+    # asked for; a copy would silently break the sharing.
+    if tensor.numel() and tensor.data_ptr() != int(pointer):
+        raise RuntimeError(
+            f"tensor_at: torch copied the memory at {pointer:#x} instead of viewing it "
+            f"(is it on CUDA device {device_index}?)"
+        )
+    return tensor

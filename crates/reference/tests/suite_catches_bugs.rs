@@ -9,9 +9,11 @@ use std::cell::Cell;
 use headkl_core::resident::status::{self, FLAGGED_ROW, S_LOGITS};
 use headkl_core::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Divergence, Error, GemmDesc, KernelId, KernelTime, Kernels, KlDesc,
-    Launch, MemoryStats, ResidentBackend, Result, SumPartsDesc, TailMode, TopkDesc,
+    Launch, MemoryStats, ResidentBackend, Result, ShardStage, SumPartsDesc, TailMode, TopkDesc,
 };
 use headkl_reference::conformance::resident::{resident_case_count, run_resident};
+use headkl_reference::conformance::shard::Serial;
+use headkl_reference::conformance::shard_resident::{resident_shard_case_count, run_resident_shard_cases};
 use headkl_reference::conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
 use headkl_reference::{CpuBackend, CpuBuffer};
 
@@ -79,6 +81,9 @@ enum Fault {
     /// The resident gather's ids kernel reads an id past V as none without
     /// flagging it.
     GatherInIgnoresRange,
+    /// `shard_rows`' partials step writes the row's lse 1/64 high (the
+    /// merged log-sum-exp, and so every shard's loss and gradient, drift).
+    ShardRowsLseOff,
 }
 
 struct Faulty {
@@ -161,6 +166,18 @@ impl Backend for Faulty {
                 let words: Vec<u32> = self.read(status, status::WORDS);
                 self.inner.dispatch(launch)?;
                 self.write(status, &words);
+                Ok(())
+            }
+            Launch::ShardRows { partials, desc, .. }
+                if self.fault == Fault::ShardRowsLseOff && desc.stage == ShardStage::Partials =>
+            {
+                self.inner.dispatch(launch)?;
+                let n = (desc.token0 + desc.rows) * 3;
+                let mut words: Vec<f32> = self.read(partials, n);
+                for r in desc.token0..desc.token0 + desc.rows {
+                    words[r * 3] += 1.0 / 64.0;
+                }
+                self.write(partials, &words);
                 Ok(())
             }
             // The device-resident kernels run as the reference does.
@@ -394,6 +411,27 @@ fn the_resident_suite_catches_an_ignored_flag() {
             );
         }
     }
+}
+
+/// The shards' two-phase loss on device buffers catches a `shard_rows`
+/// step that writes a wrong statistic; the faithful wrapper passes.
+#[test]
+fn the_resident_shard_cases_catch_a_wrong_partial() {
+    let run = |fault| {
+        let b = Faulty::new(fault);
+        let report = run_resident_shard_cases(&b, &Serial, &mut |_| {});
+        assert_eq!(report.cases, resident_shard_case_count());
+        report
+            .failures
+            .iter()
+            .map(|f| format!("{}: {}", f.name, f.message))
+            .collect::<Vec<_>>()
+    };
+    let clean = run(Fault::None);
+    assert!(clean.is_empty(), "{clean:#?}");
+    let f = run(Fault::ShardRowsLseOff);
+    assert!(!f.is_empty(), "a drifted shard lse went unnoticed");
+    assert!(f.iter().any(|m| m.contains("loss")), "{f:#?}");
 }
 
 #[test]
