@@ -353,7 +353,7 @@ class Driver:
             # Imports land in the current context's device: with another
             # device's context current they would be on the wrong GPU. This
             # is what cudaSetDevice(ordinal) does.
-            log.debug("the current CUDA context is another device's; making device %d's primary context current", ordinal)
+            log.debug("another device's CUDA context is current; making device %d's primary one current", ordinal)
         primary = CUcontext()
         # The reference stays retained for the process's life, as torch's does.
         self.call("cuDevicePrimaryCtxRetain", ctypes.byref(primary), device)

@@ -177,6 +177,8 @@ class Head:
             raise ValueError(f"vocab_size: {vocab_size}, but weight has {rows} rows and no shard is given")
         host = _on_host("weight", weight)
         self._engine = _native.Engine(_spec(host), rows, hs, backend, device, shard_spec)
+        self._zc = None
+        self._no_zc = None if shard is None else "a vocabulary shard runs through host copies"
         self.shard = None if shard is None else (shard_spec[0], shard_spec[1])
         self.vocab_size = rows if shard_spec is None else shard_spec[2]
         self.hidden_size = hs
@@ -185,6 +187,29 @@ class Head:
     def info(self) -> dict:
         """The device: backend, name, type, driver, matrix units, GEMM kernels."""
         return self._engine.info()
+
+    def synchronize(self) -> None:
+        """Waits for the device and raises what the last zero-copy call
+        flagged there (``ValueError``: an id ≥ V, a non-finite row)."""
+        self._engine.synchronize()
+
+    def _zero_copy(self, device: torch.device, why_not: Optional[str] = None):
+        """The engine's buffers shared with CUDA device ``device``, or None
+        (then host copies, logged once with why): ``why_not`` names a
+        caller's reason."""
+        if why_not is None and self._zc is None and self._no_zc is None:
+            try:
+                self._zc = _ZeroCopy(self._engine, device)
+            except Exception as e:  # noqa: BLE001 - any reason to fall back is said once
+                self._no_zc = str(e)
+        reason = why_not or self._no_zc
+        if reason is not None:
+            global _warned_host_copies
+            if not _warned_host_copies:
+                log.warning("headkl: CUDA tensors go through host copies (%s)", reason)
+                _warned_host_copies = True
+            return None
+        return self._zc
 
     def _hidden(self, hidden) -> Tuple[torch.Tensor, Tuple[int, ...]]:
         hidden = _tensor("hidden", hidden, _FLOATS)
@@ -214,17 +239,29 @@ class Head:
         if form not in ("probs", "logprobs"):
             raise ValueError(f"form={form!r}: expected probs or logprobs")
         flat, lead = self._hidden(hidden)
+        options = {"temperature": temperature, "softcap": softcap, "logit_scale": logit_scale}
+        shape = lead + (k,)
+        zc = self._zero_copy(hidden.device) if hidden.device.type == "cuda" else None
+        if zc is not None:
+            ntok = flat.shape[0]
+            zc.view("hidden", tuple(flat.shape), flat.dtype).copy_(flat)
+            ids_view = zc.view("ids", (ntok, k), torch.int32)
+            values_view = zc.view("values", (ntok, k), torch.float32)
+            b = zc.buffers
+            zc.call(lambda ready, done: self._engine.topk_shared(
+                ntok, k, _NAMES[flat.dtype], b["hidden"][0], b["ids"][0], b["values"][0], form == "logprobs",
+                options, ready, done,
+            ))  # fmt: skip
+            return TopK(ids_view.to(torch.int64).reshape(shape), values_view.clone().reshape(shape))
         host = _on_host("hidden", flat)
         ntok = host.shape[0]
         ids = torch.empty((ntok, k), dtype=torch.int64)
         probs = torch.empty((ntok, k), dtype=torch.float32)
         logprobs = torch.empty((ntok, k), dtype=torch.float32) if form == "logprobs" else None
-        options = {"temperature": temperature, "softcap": softcap, "logit_scale": logit_scale}
         self._engine.topk(
             _spec(host), ntok, k, _spec(ids), _spec(probs), None if logprobs is None else _spec(logprobs), options
         )
         values = probs if logprobs is None else logprobs
-        shape = lead + (k,)
         return TopK(_to_device(ids.reshape(shape), hidden.device), _to_device(values.reshape(shape), hidden.device))
 
     def gather(
@@ -245,12 +282,26 @@ class Head:
         if ids.dim() < 1 or tuple(ids.shape[:-1]) != lead:
             raise ValueError(f"ids: expected shape {lead} + (k,), got {tuple(ids.shape)}")
         k = ids.shape[-1]
+        options = {"temperature": temperature, "softcap": softcap, "logit_scale": logit_scale}
+        zc = self._zero_copy(hidden.device) if hidden.device.type == "cuda" else None
+        if zc is not None:
+            ntok = flat.shape[0]
+            zc.view("hidden", tuple(flat.shape), flat.dtype).copy_(flat)
+            flat_ids = ids.reshape(ntok, k)
+            zc.view("ids", (ntok, k), torch.int32).copy_(torch.where(flat_ids < 0, torch.full_like(flat_ids, -1), flat_ids))
+            logprobs_view = zc.view("logprobs", (ntok, k), torch.float32)
+            lse_view = zc.view("lse", (ntok,), torch.float32)
+            b = zc.buffers
+            zc.call(lambda ready, done: self._engine.gather_shared(
+                ntok, k, _NAMES[flat.dtype], b["hidden"][0], b["ids"][0], b["logprobs"][0], b["lse"][0],
+                options, ready, done,
+            ))  # fmt: skip
+            return Gathered(logprobs_view.clone().reshape(lead + (k,)), lse_view.clone().reshape(lead))
         host = _on_host("hidden", flat)
         ntok = host.shape[0]
         ids_host = _on_host("ids", ids.reshape(ntok, k))
         logprobs = torch.empty((ntok, k), dtype=torch.float32)
         lse = torch.empty(ntok, dtype=torch.float32)
-        options = {"temperature": temperature, "softcap": softcap, "logit_scale": logit_scale}
         self._engine.gather(_spec(host), ntok, _spec(ids_host), k, _spec(logprobs), _spec(lse), options)
         return Gathered(_to_device(logprobs.reshape(lead + (k,)), hidden.device), _to_device(lse.reshape(lead), hidden.device))
 
@@ -445,7 +496,7 @@ class HeadKLLoss(nn.Module):
     @property
     def zero_copy(self) -> bool:
         """Whether the last CUDA call went zero-copy."""
-        return getattr(self, "_zc", None) is not None and getattr(self, "_no_zero_copy", None) is None
+        return getattr(self, "_used_zero_copy", None) is not None
 
     def synchronize(self) -> None:
         """Waits for the device and raises what the last zero-copy call
@@ -492,21 +543,11 @@ class HeadKLLoss(nn.Module):
     def _zero_copy(self, device: torch.device):
         """The zero-copy path for CUDA tensors on ``device``, or None (then
         host copies, logged once with why)."""
-        if self.head.shard is not None or self.options["teacher_temperature"] is not None:
-            why = "a vocabulary shard" if self.head.shard is not None else "teacher_temperature"
-            self._no_zero_copy = f"{why} runs through host copies"
-        if getattr(self, "_no_zero_copy", None) is None and getattr(self, "_zc", None) is None:
-            try:
-                self._zc = _ZeroCopy(self.head._engine, device)
-            except Exception as e:  # noqa: BLE001 - any reason to fall back is said once
-                self._no_zero_copy = str(e)
-        if getattr(self, "_no_zero_copy", None) is not None:
-            global _warned_host_copies
-            if not _warned_host_copies:
-                log.warning("headkl: CUDA tensors go through host copies (%s)", self._no_zero_copy)
-                _warned_host_copies = True
-            return None
-        return self._zc
+        why = None
+        if self.options["teacher_temperature"] is not None:
+            why = "teacher_temperature runs through host copies"
+        self._used_zero_copy = self.head._zero_copy(device, why)
+        return self._used_zero_copy
 
     def _weights(self, labels, weights, ntok, device):
         return _effective_weights(self.options, labels, weights, ntok, device)
@@ -703,6 +744,18 @@ class _ZeroCopy:
             have = self.buffers[name] = (handle, memory, pointer, capacity)
         return self._cuda.tensor_at(have[2], tuple(shape), dtype, self.ordinal, owner=have[1])
 
+    def call(self, run) -> None:
+        """``run(ready, done)`` between torch's stream and headkl's queue:
+        the stream signals ``ready`` once its earlier work (the inputs'
+        copies) is done, headkl's submission waits for it and signals
+        ``done``, and the stream's later work waits for ``done``."""
+        stream = torch.cuda.current_stream(self.ordinal).cuda_stream
+        ready, done = self.value + 1, self.value + 2
+        self.value = done
+        self.timeline.signal(ready, stream)
+        run(ready, done)
+        self.timeline.wait(done, stream)
+
     def loss(self, module, flat, ids, values, labels, weights, total):
         ntok, hs = flat.shape
         k = ids.shape[1]
@@ -721,17 +774,12 @@ class _ZeroCopy:
             labels_handle = self.buffers["labels"][0]
         loss_view = self.view("loss", (ntok,), torch.float32)
         dx_view = self.view("dx", (ntok, hs), torch.float32)
-        stream = torch.cuda.current_stream(self.ordinal).cuda_stream
-        ready, done = self.value + 1, self.value + 2
-        self.value = done
-        self.timeline.signal(ready, stream)
         options = dict(o, ignore_mask=False, total=total)
         b = self.buffers
-        self.engine.head_kl_shared(
+        self.call(lambda ready, done: self.engine.head_kl_shared(
             ntok, k, _NAMES[flat.dtype], b["hidden"][0], b["ids"][0], b["values"][0], weights_handle,
             labels_handle, b["loss"][0], b["dx"][0], options, ready, done,
-        )  # fmt: skip
-        self.timeline.wait(done, stream)
+        ))  # fmt: skip
         # Copies on the device: the next step writes the shared buffers again.
         per_token, dx = loss_view.clone(), dx_view.clone()
         return module._reduce(per_token, w, total), dx

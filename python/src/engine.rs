@@ -627,8 +627,80 @@ impl PyEngine {
                 shared,
                 (ntok, k, dtype),
                 &buffers,
+                (&opts, &reading),
+                (wait, signal),
+            )
+        })
+    }
+
+    /// The top-k on shared buffers (`ids` u32, `values` f32 `[ntok][k]`:
+    /// probabilities, or log-probabilities with `logprobs`).
+    #[allow(clippy::too_many_arguments, reason = "one buffer an argument, as Python passes them")]
+    #[pyo3(signature = (ntok, k, dtype, hidden, ids, values, logprobs, options, wait, signal))]
+    fn topk_shared(
+        &self,
+        py: Python<'_>,
+        ntok: usize,
+        k: usize,
+        dtype: &str,
+        hidden: usize,
+        ids: usize,
+        values: usize,
+        logprobs: bool,
+        options: &Bound<'_, PyDict>,
+        wait: u64,
+        signal: u64,
+    ) -> PyResult<()> {
+        let mut opts = topk_options(k, options)?;
+        opts.logprobs = logprobs;
+        let dtype = shared::hidden_dtype(dtype)?;
+        let mut held = self.held()?;
+        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
+        let shared = self.shared()?;
+        let shared = &*shared;
+        py.detach(|| {
+            shared::topk(
+                engine,
+                shared,
+                (ntok, dtype),
+                (hidden, ids, values),
                 &opts,
-                &reading,
+                (wait, signal),
+            )
+        })
+    }
+
+    /// The gather on shared buffers (`ids` u32 `[ntok][k]`, `0xffffffff`
+    /// none; `logprobs` f32 `[ntok][k]`, `lse` f32 `[ntok]`).
+    #[allow(clippy::too_many_arguments, reason = "one buffer an argument, as Python passes them")]
+    #[pyo3(signature = (ntok, k, dtype, hidden, ids, logprobs, lse, options, wait, signal))]
+    fn gather_shared(
+        &self,
+        py: Python<'_>,
+        ntok: usize,
+        k: usize,
+        dtype: &str,
+        hidden: usize,
+        ids: usize,
+        logprobs: usize,
+        lse: usize,
+        options: &Bound<'_, PyDict>,
+        wait: u64,
+        signal: u64,
+    ) -> PyResult<()> {
+        let opts = topk_options(k, options)?;
+        let dtype = shared::hidden_dtype(dtype)?;
+        let mut held = self.held()?;
+        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
+        let shared = self.shared()?;
+        let shared = &*shared;
+        py.detach(|| {
+            shared::gather(
+                engine,
+                shared,
+                (ntok, dtype),
+                (hidden, ids, logprobs, lse),
+                &opts,
                 (wait, signal),
             )
         })

@@ -7,7 +7,9 @@
 
 use std::os::fd::IntoRawFd;
 
-use headkl_core::{DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HiddenDtype, LossOptions};
+use headkl_core::{
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HiddenDtype, LossOptions, TopkOptions,
+};
 use headkl_vulkan::{VulkanBackend, VulkanBuffer};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -97,9 +99,8 @@ pub fn head_kl(
     shared: &SharedBuffers,
     (ntok, k, dtype): (usize, usize, HiddenDtype),
     b: &LossBuffers,
-    opts: &LossOptions,
-    reading: &TeacherReading,
-    (wait, signal): (u64, u64),
+    (opts, reading): (&LossOptions, &TeacherReading),
+    timeline: (u64, u64),
 ) -> PyResult<()> {
     refuse_host_only(opts, reading)?;
     // The previous call's flags, now that it has run.
@@ -133,14 +134,68 @@ pub fn head_kl(
         loss: shared.get("loss", b.loss)?,
         dx: shared.get("dx", b.dx)?,
     };
-    let backend = engine.backend();
-    backend.wait_timeline(wait).map_err(to_py)?;
-    let ran = engine.head_kl_device(ntok, &hidden, &teacher, &out, &device_opts);
-    // Signal whatever happened: CUDA waits for this value, and a call that
-    // failed before the device must not leave it waiting forever.
+    around_call(timeline, engine, |engine| {
+        engine.head_kl_device(ntok, &hidden, &teacher, &out, &device_opts)
+    })
+}
+
+/// Runs `call` between a wait for `wait` on the shared timeline and a
+/// signal of `signal`; the signal is given whatever happened (CUDA waits
+/// for it, and a call that failed before the device must not leave it
+/// waiting forever).
+fn around_call(
+    (wait, signal): (u64, u64),
+    engine: &mut Engine<VulkanBackend>,
+    call: impl FnOnce(&mut Engine<VulkanBackend>) -> headkl_core::Result<()>,
+) -> PyResult<()> {
+    engine.backend().wait_timeline(wait).map_err(to_py)?;
+    let ran = call(engine);
     let signalled = engine.backend().signal_timeline(signal);
     ran.map_err(to_py)?;
     signalled.map_err(to_py)
+}
+
+/// The exact top-k on shared buffers: ids u32 and probabilities (or the
+/// full-vocabulary log-probabilities) f32 `[ntok][k]`.
+pub fn topk(
+    engine: &mut Engine<VulkanBackend>,
+    shared: &SharedBuffers,
+    (ntok, dtype): (usize, HiddenDtype),
+    (hidden, ids, values): (usize, usize, usize),
+    opts: &TopkOptions,
+    timeline: (u64, u64),
+) -> PyResult<()> {
+    engine.wait_device().map_err(to_py)?;
+    let hidden = DeviceHidden {
+        buffer: shared.get("hidden", hidden)?,
+        dtype,
+    };
+    let (ids, values) = (shared.get("ids", ids)?, shared.get("values", values)?);
+    around_call(timeline, engine, |engine| {
+        engine.topk_device(ntok, &hidden, ids, values, opts)
+    })
+}
+
+/// The log-probabilities at given ids (u32 `[ntok][k]`, `0xffffffff`
+/// none) on shared buffers, and each row's lse.
+pub fn gather(
+    engine: &mut Engine<VulkanBackend>,
+    shared: &SharedBuffers,
+    (ntok, dtype): (usize, HiddenDtype),
+    (hidden, ids, logprobs, lse): (usize, usize, usize, usize),
+    opts: &TopkOptions,
+    timeline: (u64, u64),
+) -> PyResult<()> {
+    engine.wait_device().map_err(to_py)?;
+    let hidden = DeviceHidden {
+        buffer: shared.get("hidden", hidden)?,
+        dtype,
+    };
+    let ids = shared.get("ids", ids)?;
+    let outs = (shared.get("logprobs", logprobs)?, shared.get("lse", lse)?);
+    around_call(timeline, engine, |engine| {
+        engine.logprobs_at_device(ntok, &hidden, ids, outs, opts)
+    })
 }
 
 /// Waits for every call on the device and returns what it flagged.

@@ -78,3 +78,29 @@ def test_the_host_path_on_cuda_tensors_is_counted():
     before = ht.host_copy_bytes()
     loss_fn(hidden.cuda(), ids.cuda(), values.cuda())
     assert ht.host_copy_bytes() > before
+
+
+def test_zero_copy_topk_and_gather_match_the_host_path():
+    weight, hidden, ids, _, _, _ = problem(5)
+    weight = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)) / 8
+    head = ht.Head(weight, backend="vulkan")
+    if head._engine.interop() is not None:
+        pytest.skip(f"no zero-copy on this device: {head._engine.interop()}")
+    on_host = ht.Head(weight, backend="vulkan")
+    before = ht.host_copy_bytes()
+    top = head.topk(hidden.cuda(), 12, temperature=1.5)
+    lp = head.topk(hidden.cuda(), 12, temperature=1.5, form="logprobs")
+    ids[0, 0, 0] = -1
+    got = head.gather(hidden.cuda(), ids.cuda(), temperature=2.0)
+    torch.cuda.synchronize()
+    head.synchronize()
+    assert ht.host_copy_bytes() == before, "bytes went through the host"
+    want = on_host.topk(hidden, 12, temperature=1.5)
+    assert torch.equal(top.ids.cpu(), want.ids)
+    assert (top.values.cpu() - want.values).abs().max() < 1e-6
+    assert (lp.values.cpu() - on_host.topk(hidden, 12, temperature=1.5, form="logprobs").values).abs().max() < 1e-5
+    want_g = on_host.gather(hidden, ids, temperature=2.0)
+    assert got.logprobs[0, 0, 0].item() == -float("inf")
+    mask = ids >= 0
+    assert (got.logprobs.cpu()[mask] - want_g.logprobs[mask]).abs().max() < 1e-5
+    assert (got.lse.cpu() - want_g.lse).abs().max() < 1e-5
