@@ -202,6 +202,20 @@ impl PyEngine {
             .map_err(|_| PyRuntimeError::new_err("an earlier call panicked inside the engine"))
     }
 
+    /// Runs `call` on the Vulkan engine and its shared buffers with the GIL
+    /// released.
+    fn on_shared<T: Send>(
+        &self,
+        py: Python<'_>,
+        call: impl FnOnce(&mut Engine<VulkanBackend>, &SharedBuffers) -> PyResult<T> + Send,
+    ) -> PyResult<T> {
+        let mut held = self.held()?;
+        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
+        let shared = self.shared()?;
+        let shared = &*shared;
+        py.detach(|| call(engine, shared))
+    }
+
     fn out(&self) -> PyResult<MutexGuard<'_, LossOutput>> {
         self.out
             .lock()
@@ -617,11 +631,7 @@ impl PyEngine {
             loss,
             dx,
         };
-        let mut held = self.held()?;
-        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
-        let shared = self.shared()?;
-        let shared = &*shared;
-        py.detach(|| {
+        self.on_shared(py, |engine, shared| {
             shared::head_kl(
                 engine,
                 shared,
@@ -654,11 +664,7 @@ impl PyEngine {
         let mut opts = topk_options(k, options)?;
         opts.logprobs = logprobs;
         let dtype = shared::hidden_dtype(dtype)?;
-        let mut held = self.held()?;
-        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
-        let shared = self.shared()?;
-        let shared = &*shared;
-        py.detach(|| {
+        self.on_shared(py, |engine, shared| {
             shared::topk(
                 engine,
                 shared,
@@ -690,11 +696,7 @@ impl PyEngine {
     ) -> PyResult<()> {
         let opts = topk_options(k, options)?;
         let dtype = shared::hidden_dtype(dtype)?;
-        let mut held = self.held()?;
-        let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
-        let shared = self.shared()?;
-        let shared = &*shared;
-        py.detach(|| {
+        self.on_shared(py, |engine, shared| {
             shared::gather(
                 engine,
                 shared,
