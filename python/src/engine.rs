@@ -20,7 +20,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{start, to_py};
+use crate::errors::{start, to_py, to_py_as};
 use crate::memory::HostArray;
 use crate::options::{loss_options, topk_options, TeacherReading};
 use crate::shared::{self, LossBuffers, SharedBuffers};
@@ -138,6 +138,14 @@ fn teacher(
         _ => Ok(given),
     }
 }
+
+/// The teacher's fields in headkl's messages, and the arguments of
+/// `HeadKLLoss.forward` that hold them.
+const TEACHER_ARGUMENTS: &[(&str, &str)] = &[
+    ("ids", "teacher_ids"),
+    ("probs", "teacher_values"),
+    ("logprobs", "teacher_values"),
+];
 
 /// A loss call's outputs, `dx` `[ntok][hs]` and the per-token losses.
 struct LossArrays<'a> {
@@ -314,7 +322,8 @@ impl PyEngine {
         let (mut held, mut out) = (self.held()?, self.out()?);
         let (held, out) = (&mut *held, &mut *out);
         py.detach(|| -> PyResult<f64> {
-            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.temperature).map_err(to_py)?;
+            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.temperature)
+                .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
             on_held!(held, e => e.engine().head_kl_into(&hidden, &teacher, &opts, out)).map_err(to_py)?;
             copy_out(out, dx, loss)?;
             Ok(out.mean)
@@ -416,7 +425,8 @@ impl PyEngine {
         let mut held = self.held()?;
         let held = &mut *held;
         py.detach(|| -> PyResult<()> {
-            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.temperature).map_err(to_py)?;
+            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.temperature)
+                .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
             let parts = on_held!(held, e => e.shard()?.loss_partials(&hidden, &teacher, &opts)).map_err(to_py)?;
             for (out, part) in outs.into_iter().zip([&parts.lse, &parts.lse1, &parts.soft_part]) {
                 copy_into(out, part, "partials")?;

@@ -16,10 +16,27 @@ create_exception!(
 
 /// The exception for `e`.
 pub fn to_py(e: Error) -> PyErr {
+    let text = e.to_string();
+    exception(&e, text)
+}
+
+/// [`to_py`] with the message's leading field named as the Python
+/// argument that held it (`ids[3][1] = …` → `teacher_ids[3][1] = …`).
+pub fn to_py_as(e: Error, names: &[(&str, &str)]) -> PyErr {
+    let text = e.to_string();
+    let renamed = names.iter().find_map(|(field, argument)| {
+        text.strip_prefix(field)
+            .filter(|rest| rest.starts_with(['[', ':', ' ']))
+            .map(|rest| format!("{argument}{rest}"))
+    });
+    exception(&e, renamed.unwrap_or(text))
+}
+
+fn exception(e: &Error, text: String) -> PyErr {
     match e.kind() {
-        ErrorKind::Input | ErrorKind::Setting => PyValueError::new_err(e.to_string()),
-        ErrorKind::Device => DeviceError::new_err(e.to_string()),
-        ErrorKind::Internal => PyRuntimeError::new_err(e.to_string()),
+        ErrorKind::Input | ErrorKind::Setting => PyValueError::new_err(text),
+        ErrorKind::Device => DeviceError::new_err(text),
+        ErrorKind::Internal => PyRuntimeError::new_err(text),
     }
 }
 
