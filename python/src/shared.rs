@@ -103,8 +103,7 @@ pub fn head_kl(
     timeline: (u64, u64),
 ) -> PyResult<()> {
     refuse_host_only(opts, reading)?;
-    // The previous call's flags, now that it has run.
-    engine.wait_device().map_err(to_py)?;
+    let hidden = begin(engine, shared, b.hidden, dtype)?;
     let device_opts = DeviceLossOptions {
         temperature: opts.temperature,
         weights: b.weights.map(|h| shared.get("weights", h)).transpose()?,
@@ -121,10 +120,6 @@ pub fn head_kl(
         terms_out: None,
         filter_eps: opts.filter_eps,
     };
-    let hidden = DeviceHidden {
-        buffer: shared.get("hidden", b.hidden)?,
-        dtype,
-    };
     let teacher = DeviceTeacher {
         ids: shared.get("teacher_ids", b.ids)?,
         probs: shared.get("teacher_values", b.values)?,
@@ -136,6 +131,21 @@ pub fn head_kl(
     };
     around_call(timeline, engine, |engine| {
         engine.head_kl_device(ntok, &hidden, &teacher, &out, &device_opts)
+    })
+}
+
+/// Checks the previous call's flags (it has run by now: its inputs were
+/// signalled before this call), then views the hidden rows.
+fn begin<'a>(
+    engine: &mut Engine<VulkanBackend>,
+    shared: &'a SharedBuffers,
+    hidden: usize,
+    dtype: HiddenDtype,
+) -> PyResult<DeviceHidden<'a, VulkanBuffer>> {
+    engine.wait_device().map_err(to_py)?;
+    Ok(DeviceHidden {
+        buffer: shared.get("hidden", hidden)?,
+        dtype,
     })
 }
 
@@ -165,11 +175,7 @@ pub fn topk(
     opts: &TopkOptions,
     timeline: (u64, u64),
 ) -> PyResult<()> {
-    engine.wait_device().map_err(to_py)?;
-    let hidden = DeviceHidden {
-        buffer: shared.get("hidden", hidden)?,
-        dtype,
-    };
+    let hidden = begin(engine, shared, hidden, dtype)?;
     let (ids, values) = (shared.get("ids", ids)?, shared.get("values", values)?);
     around_call(timeline, engine, |engine| {
         engine.topk_device(ntok, &hidden, ids, values, opts)
@@ -186,11 +192,7 @@ pub fn gather(
     opts: &TopkOptions,
     timeline: (u64, u64),
 ) -> PyResult<()> {
-    engine.wait_device().map_err(to_py)?;
-    let hidden = DeviceHidden {
-        buffer: shared.get("hidden", hidden)?,
-        dtype,
-    };
+    let hidden = begin(engine, shared, hidden, dtype)?;
     let ids = shared.get("ids", ids)?;
     let outs = (shared.get("logprobs", logprobs)?, shared.get("lse", lse)?);
     around_call(timeline, engine, |engine| {
