@@ -7,8 +7,10 @@
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
 # [bench] [dxsplit] [filter] [wgmma] [divergence] [fullvocab] [ce] [anchors] [peers]
-# [cublas] [twin] [soak] [torch] (default: all but tune, dxsplit, filter,
-# wgmma, divergence, fullvocab, ce, peers, twin, soak and torch).
+# [cublas] [twin] [soak] [torch] [faults] (default: all but tune, dxsplit, filter,
+# wgmma, divergence, fullvocab, ce, peers, twin, soak, torch and faults).
+# `faults` marks a PTX tile failed in a fresh tune cache and shows the
+# default passing over it (devices, check) until a tune clears the mark.
 # `torch` runs the Python package (a wheel carried in .wheel): its tests with
 # the zero-copy CUDA ones, the example on CUDA tensors, and the loss from
 # PyTorch at each shape beside the Rust resident path and the peers.
@@ -103,6 +105,31 @@ wgpu-default||wgpu
 wgpu-wgsl|HEADKL_GEMM=staged:bk32:r4:s1:pf|wgpu
 wgpu-fallback|HEADKL_NO_COOPMAT=1|wgpu
 LIST
+fi
+if has faults; then
+    # A PTX tile marked failed in the tune cache (as a refused module or a
+    # device lost under it would mark it) is not picked by the default:
+    # `devices` says why, `check` runs the GLSL tiles, and a tune clears it.
+    faults="$out/faults"
+    mkdir -p "$faults"
+    HEADKL_CACHE_DIR="$faults" $headkl devices >"$faults/devices-before.txt" 2>&1
+    HEADKL_CACHE_DIR="$faults" $headkl devices --json >"$faults/devices.json" 2>"$faults/devices-json-err.txt"
+    python3 - "$faults" <<'PY'
+import json, sys
+folder = sys.argv[1]
+listing = json.load(open(f"{folder}/devices.json"))
+rows = listing if isinstance(listing, list) else listing.get("devices", [])
+dev = next(r for r in rows if r.get("backend") == "vulkan" and r.get("matrix_units"))
+line = f"vulkan\t{dev['name']}\t{dev['driver']}\tfailed:wgmma:bm64.bk64.s1\tdevice lost: planted by h200.sh\n"
+open(f"{folder}/gemm-tune.tsv", "w").write(line)
+PY
+    HEADKL_CACHE_DIR="$faults" $headkl devices >"$faults/devices-marked.txt" 2>&1
+    HEADKL_CACHE_DIR="$faults" HEADKL_REQUIRE=vulkan $headkl check --backend vulkan --cases 4 >"$faults/check-marked.txt" 2>&1
+    echo "faults check exit=$?" | tee -a "$summary"
+    grep -hE "vulkan device|GEMM|gemm" "$faults"/devices-before.txt "$faults"/devices-marked.txt "$faults/check-marked.txt" | cut -c1-300 | tee -a "$summary"
+    HEADKL_CACHE_DIR="$faults" $headkl $quiet tune --backend vulkan --kernels wgmma:bm64.bk64.s1,glsl:bm128.bk64.s1 --shape 2048:32768:2048 --iters 2 >"$faults/tune.txt" 2>&1
+    echo "faults tune exit=$? $(grep -E '^best' "$faults/tune.txt")" | tee -a "$summary"
+    cat "$faults/gemm-tune.tsv" | tee -a "$summary"
 fi
 if has example; then
     # The training step that learns, on the H200: the loss must fall by half.

@@ -105,6 +105,7 @@ impl VulkanBackend {
             pipelines: Mutex::new(pipelines),
             ptx: Mutex::new(None),
             pack: Mutex::new(None),
+            ptx_lost: std::sync::atomic::AtomicBool::new(false),
             device,
         })
     }

@@ -37,6 +37,17 @@ pub(crate) fn kernel_limits(caps: &Caps) -> KernelLimits {
 /// pinned). `choice` is fitted to the device's limits
 /// ([`fit_choice`]).
 pub(crate) fn coop_plan(caps: &Caps, choice: GemmChoice, source: ChoiceSource) -> Result<Option<CoopPlan>> {
+    coop_plan_within(caps, choice, source, &kernel_limits(caps))
+}
+
+/// [`coop_plan`] within `limits` (the device's, less the PTX tiles where
+/// they failed there before: `crate::tile_faults`).
+pub(crate) fn coop_plan_within(
+    caps: &Caps,
+    choice: GemmChoice,
+    source: ChoiceSource,
+    limits: &KernelLimits,
+) -> Result<Option<CoopPlan>> {
     if !caps.coop_capable() {
         return Ok(None);
     }
@@ -51,7 +62,7 @@ pub(crate) fn coop_plan(caps: &Caps, choice: GemmChoice, source: ChoiceSource) -
     if require_size && !pinnable {
         return Ok(None);
     }
-    let (choice, source) = fit_choice(crate::DEFAULT_GEMM, choice, source, &kernel_limits(caps))?;
+    let (choice, source) = fit_choice(crate::DEFAULT_GEMM, choice, source, limits)?;
     Ok(Some(CoopPlan {
         subgroup_size: size,
         require_size,

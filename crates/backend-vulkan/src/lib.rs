@@ -35,10 +35,12 @@ mod kernels;
 mod memory;
 mod nvx;
 mod pipeline;
+mod tile_faults;
 
 #[cfg(test)]
 mod tests;
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use headkl_core::gemm_choice::resolve_choice;
@@ -177,6 +179,12 @@ impl VulkanOptions {
 /// listing). Fails with [`headkl_core::Error::NoDevice`] when there is no
 /// Vulkan loader.
 pub fn enumerate() -> Result<Vec<DeviceInfo>> {
+    enumerate_with(&settings::GemmSources::default())
+}
+
+/// [`enumerate`], saying where the tune cache in `sources` marks the PTX
+/// tiles failed on a device (so no default picks them there).
+pub fn enumerate_with(sources: &settings::GemmSources) -> Result<Vec<DeviceInfo>> {
     let instance = Instance::new(false)?;
     let adapters = adapter::enumerate_adapters(&instance)?;
     Ok(adapters
@@ -189,11 +197,21 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
             let coop = kernels::coop_plan(&a.caps, direct, ChoiceSource::Default);
             let mut info = a.caps.device_info(matches!(coop, Ok(Some(_))));
             if info.matrix_units {
-                let limits = kernels::kernel_limits(&a.caps);
-                let ptx = match CoopGemm::Wgmma(headkl_core::wgmma_tile::WGMMA_TILES[0]).misfit(&limits) {
-                    None => "PTX tiles (wgmma): yes, if the driver takes sm_90a".to_string(),
-                    Some(why) => format!("PTX tiles (wgmma): no: {why}"),
+                let mut limits = kernels::kernel_limits(&a.caps);
+                let default = GemmChoice::default_for(DEFAULT_GEMM, Some(&limits));
+                let mark = tile_faults::marked(default, &ChoiceSource::Default, sources.tune_cache.as_deref(), &a.caps);
+                let ptx = match (
+                    CoopGemm::Wgmma(headkl_core::wgmma_tile::WGMMA_TILES[0]).misfit(&limits),
+                    mark,
+                ) {
+                    (Some(why), _) => format!("PTX tiles (wgmma): no: {why}"),
+                    (None, Some(m)) => format!(
+                        "PTX tiles (wgmma): failed here before ({}: {}), so not the default until `headkl tune`",
+                        m.tile, m.reason
+                    ),
+                    (None, None) => "PTX tiles (wgmma): yes, if the driver takes sm_90a".to_string(),
                 };
+                limits.ptx &= ptx.ends_with("sm_90a");
                 let default = GemmChoice::default_for(DEFAULT_GEMM, Some(&limits));
                 info.gemm = Some(format!("default GEMM {default}; {ptx}"));
             }
@@ -214,6 +232,9 @@ pub struct VulkanBackend {
     pub(crate) ptx: Mutex<Option<nvx::PtxModule>>,
     /// The bulk PTX tiles' pack buffers, made on their first launch.
     pub(crate) pack: Mutex<Option<bulk::PackBuffers>>,
+    /// Whether a device loss was already blamed on the PTX tiles
+    /// ([`VulkanBackend::watch`]).
+    pub(crate) ptx_lost: AtomicBool,
     /// Declared last: dropped after the stream, pipelines and module.
     pub(crate) device: Arc<Device>,
 }
@@ -244,31 +265,46 @@ impl VulkanBackend {
         // Resolved (and a bad HEADKL_GEMM reported) even where the tiled
         // GEMM runs, so a typo never goes unnoticed.
         let caps = &chosen.caps;
+        let mut limits = kernels::kernel_limits(caps);
         let (choice, source) = resolve_choice(
             options.common.gemm,
-            GemmChoice::default_for(DEFAULT_GEMM, Some(&kernels::kernel_limits(caps))),
+            GemmChoice::default_for(DEFAULT_GEMM, Some(&limits)),
             &options.common.gemm_sources,
             BACKEND,
             &caps.name,
             &caps.driver,
         )?;
+        let tune_cache = options.common.gemm_sources.tune_cache.as_deref();
+        if let Some(failed) = tile_faults::marked(choice, &source, tune_cache, caps) {
+            log::info!(
+                "{} failed on this device before ({}); the GEMM runs the GLSL tiles until `headkl tune` runs it again",
+                failed.tile,
+                failed.reason
+            );
+            limits.ptx = false;
+        }
         let coop = if options.common.force_fallback {
             None
         } else {
-            kernels::coop_plan(caps, choice, source)?
+            kernels::coop_plan_within(caps, choice, source, &limits)?
         };
         let device = Device::new(instance, chosen, coop.is_some(), options)?;
         let mut coop = coop.filter(|_| device.enabled.cooperative_matrix);
         // The PTX tiles' module is made now, so a driver that refuses it
-        // (a GPU other than Hopper) is known before the first call: an
-        // explicit choice fails here, naming the tile; a default or cached
-        // one falls back to the GLSL tiles.
+        // (a GPU other than Hopper) is known before the first call: the
+        // tiles are marked failed in the tune cache; an explicit choice
+        // fails here, naming them; a default or cached one falls back to
+        // the GLSL tiles.
         let mut ptx = None;
         if let Some(plan) = coop.as_mut().filter(|p| p.choice.uses_ptx()) {
             match nvx::PtxModule::new(&device, &plan.choice.to_string()) {
                 Ok(module) => ptx = Some(module),
-                Err(e) if plan.source.is_explicit() => return Err(e),
                 Err(e) => {
+                    let said = tile_faults::mark(tune_cache, &device.caps, plan.choice, &e.to_string());
+                    let e = tile_faults::explained(e, &said);
+                    if plan.source.is_explicit() {
+                        return Err(e);
+                    }
                     let mut limits = kernels::kernel_limits(&device.caps);
                     limits.ptx = false;
                     let fallback = GemmChoice::preferred(&limits).unwrap_or(DEFAULT_GEMM);
@@ -297,6 +333,7 @@ impl VulkanBackend {
             pipelines: Mutex::new(pipelines),
             ptx: Mutex::new(ptx),
             pack: Mutex::new(None),
+            ptx_lost: AtomicBool::new(false),
             device,
         })
     }
@@ -352,6 +389,20 @@ impl VulkanBackend {
     /// The Vulkan API version the device is driven at, as `major.minor.patch`.
     pub fn api_version(&self) -> String {
         conv::version_string(self.device.caps.api_version)
+    }
+
+    /// `result`, where a device lost while the GEMM runs the PTX tiles
+    /// marks them failed on this device in the tune cache (the first time)
+    /// and says so in the error: they are the kernels with a known way to
+    /// lose this driver's device (shared memory past 48 KiB a block).
+    fn watch<T>(&self, result: Result<T>) -> Result<T> {
+        tile_faults::blame_loss(
+            result,
+            self.coop.as_ref().map(|p| p.choice),
+            &self.ptx_lost,
+            self.options.common.gemm_sources.tune_cache.as_deref(),
+            &self.device.caps,
+        )
     }
 
     pub(crate) fn stream(&self) -> Result<MutexGuard<'_, Stream>> {
@@ -450,41 +501,9 @@ impl VulkanBackend {
     }
 }
 
-impl Backend for VulkanBackend {
-    type Buffer = VulkanBuffer;
-
-    fn info(&self) -> &DeviceInfo {
-        &self.info
-    }
-
-    fn alloc(&self, bytes: u64, label: &'static str) -> Result<VulkanBuffer> {
-        VulkanBuffer::new(&self.device, bytes, label)
-    }
-
-    fn upload(&self, dst: &VulkanBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        self.check_device(dst, "upload")?;
-        self.stream()?.upload(dst, offset, data)
-    }
-
-    fn download(&self, src: &VulkanBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        self.check_device(src, "download")?;
-        self.stream()?.download(src, offset, out)
-    }
-
-    fn download_begin(&self, src: &VulkanBuffer, offset: u64, len: usize) -> Result<PendingDownload> {
-        self.check_device(src, "download")?;
-        self.stream()?.download_begin(src, offset, len)
-    }
-
-    fn download_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
-        self.stream()?.download_end(pending, out)
-    }
-
-    fn transfers_overlap(&self) -> bool {
-        self.device.copy_queues.is_some()
-    }
-
-    fn dispatch(&self, launch: Launch<'_, VulkanBuffer>) -> Result<()> {
+impl VulkanBackend {
+    /// Records `launch` ([`Backend::dispatch`]).
+    fn record_launch(&self, launch: Launch<'_, VulkanBuffer>) -> Result<()> {
         let checked = launch.check(self.max_binding())?;
         let id = checked.id();
         let gemm = self.gemm_for(id);
@@ -520,6 +539,46 @@ impl Backend for VulkanBackend {
             ))),
         }
     }
+}
+
+impl Backend for VulkanBackend {
+    type Buffer = VulkanBuffer;
+
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn alloc(&self, bytes: u64, label: &'static str) -> Result<VulkanBuffer> {
+        VulkanBuffer::new(&self.device, bytes, label)
+    }
+
+    fn upload(&self, dst: &VulkanBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        self.check_device(dst, "upload")?;
+        self.watch(self.stream()?.upload(dst, offset, data))
+    }
+
+    fn download(&self, src: &VulkanBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.check_device(src, "download")?;
+        self.watch(self.stream()?.download(src, offset, out))
+    }
+
+    fn download_begin(&self, src: &VulkanBuffer, offset: u64, len: usize) -> Result<PendingDownload> {
+        self.check_device(src, "download")?;
+        self.watch(self.stream()?.download_begin(src, offset, len))
+    }
+
+    fn download_end(&self, pending: PendingDownload, out: &mut [u8]) -> Result<()> {
+        self.watch(self.stream()?.download_end(pending, out))
+    }
+
+    fn transfers_overlap(&self) -> bool {
+        self.device.copy_queues.is_some()
+    }
+
+    fn dispatch(&self, launch: Launch<'_, VulkanBuffer>) -> Result<()> {
+        // A full batch is submitted while recording.
+        self.watch(self.record_launch(launch))
+    }
 
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
         match self.gemm_for(KernelId::gemm(layout)) {
@@ -529,7 +588,7 @@ impl Backend for VulkanBackend {
     }
 
     fn finish(&self) -> Result<()> {
-        self.stream()?.flush()
+        self.watch(self.stream()?.flush())
     }
 
     fn memory(&self) -> MemoryStats {
@@ -552,7 +611,7 @@ impl Backend for VulkanBackend {
 
     fn take_kernel_times(&self) -> Result<Vec<KernelTime>> {
         let mut stream = self.stream()?;
-        stream.flush()?;
+        self.watch(stream.flush())?;
         Ok(stream.take_kernel_times())
     }
 

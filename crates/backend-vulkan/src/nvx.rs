@@ -207,7 +207,15 @@ impl crate::VulkanBackend {
             .lock()
             .map_err(|_| backend_error("the PTX module's lock was poisoned by a panic"))?;
         if module.is_none() {
-            *module = Some(PtxModule::new(&self.device, what)?);
+            let made = PtxModule::new(&self.device, what).map_err(|e| match self.coop.as_ref() {
+                Some(plan) if plan.choice.uses_ptx() => {
+                    let cache = self.options.common.gemm_sources.tune_cache.as_deref();
+                    let said = crate::tile_faults::mark(cache, &self.device.caps, plan.choice, &e.to_string());
+                    crate::tile_faults::explained(e, &said)
+                }
+                _ => e,
+            })?;
+            *module = Some(made);
         }
         let Some(module) = module.as_mut() else {
             return Err(backend_error(format!("{what}: no PTX module")));

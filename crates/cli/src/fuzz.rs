@@ -479,6 +479,14 @@ fn tune_cache(data: &[u8]) {
             "an entry that cannot be looked up: {entry:?}"
         );
     }
+    for failed in &cache.failed {
+        assert!(
+            cache
+                .failed_tiles(&failed.backend, &failed.device, &failed.driver)
+                .contains(&failed),
+            "a failed tile that cannot be looked up: {failed:?}"
+        );
+    }
     // What headkl writes reads back the same.
     let written = cache.to_text();
     assert_eq!(TuneCache::parse(&written), cache, "{written:?}");
@@ -667,6 +675,13 @@ fn tune_cache_seeds() -> Vec<(String, Vec<u8>)> {
             cache.insert("vulkan", device, "580.159.04", choice);
         }
     }
+    cache.mark_failed(
+        "vulkan",
+        "NVIDIA H200",
+        "580.159.04",
+        GemmChoice::WGMMA_DEFAULT.dx,
+        "device lost: vkQueueSubmit: VK_ERROR_DEVICE_LOST",
+    );
     vec![("cache".into(), cache.to_text().into_bytes())]
 }
 

@@ -263,7 +263,9 @@ pub fn contained<T>(backend: &'static str, f: impl FnOnce() -> headkl_core::Resu
 /// settings (`HEADKL_NO_COOPMAT` turns matrix units off in the listing).
 pub fn enumerate_backend(kind: BackendKind, settings: &Settings) -> headkl_core::Result<Vec<DeviceInfo>> {
     let mut infos = match kind {
-        BackendKind::Vulkan => contained("vulkan", headkl_vulkan::enumerate)?,
+        BackendKind::Vulkan => contained("vulkan", || {
+            headkl_vulkan::enumerate_with(&settings.vulkan.common.gemm_sources)
+        })?,
         BackendKind::Wgpu => contained("wgpu", headkl_wgpu::enumerate)?,
         BackendKind::Reference => vec![headkl_reference::CpuBackend::new().info().clone()],
     };

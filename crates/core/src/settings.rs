@@ -144,7 +144,7 @@ pub const VARIABLES: &[Variable] = &[
         name: CACHE_DIR,
         values: "folder",
         default: "$XDG_CACHE_HOME/headkl, else ~/.cache/headkl",
-        effect: "where `headkl tune` keeps its cache (gemm-tune.tsv)",
+        effect: "where `headkl tune` keeps its cache (gemm-tune.tsv), and where the Vulkan backend marks PTX tiles that failed on a device",
     },
     Variable {
         name: TRACE,
