@@ -3,11 +3,12 @@
 //! sequences every path shares), cuts the tokens into chunks, and runs
 //! `head_kl` and `topk` with host inputs and outputs.
 
-use crate::backend::{Backend, KlDesc, PendingDownload, RowStats, TopkDesc};
+use crate::backend::{Backend, KlDesc, RowStats, TopkDesc};
 use crate::chunking::ChunkPlan;
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
 use crate::head_planes::{DevicePlane, DxFilter, HeadPlanes, Scaling};
+use crate::in_flight::{Copying, InFlight};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
@@ -554,7 +555,7 @@ impl<B: Backend> Engine<B> {
         // started before chunk i−1's are waited for and read, so the device
         // always has queued work while the host reads. Whatever is still
         // pending when this returns (an error) is drained by `pipe`'s drop.
-        let mut pipe = InFlight::new(b);
+        let mut pipe = InFlight::new();
         for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
@@ -623,36 +624,30 @@ impl<B: Backend> Engine<B> {
             let f32_bytes = std::mem::size_of::<f32>();
             let loss_out = (loss_buf, 0, rows * 4 * f32_bytes);
             let dx_out = (dx_buf, 0, rows * self.head.hs_padded() * f32_bytes);
-            let (pending, mask) = match kl.filter {
+            let copying = match kl.filter {
                 Some(_) => {
                     let (at, halves) = self.head.mask_span(rows, rows_padded);
-                    let [loss_p, dx_p, mask_p] =
-                        begin_smallest_first(b, [loss_out, dx_out, (grad, (at * 2) as u64, halves * 2)])?;
-                    ([loss_p, dx_p], Some(mask_p))
+                    Copying::begin(
+                        b,
+                        (start, rows),
+                        &[loss_out, dx_out, (grad, (at * 2) as u64, halves * 2)],
+                    )?
                 }
-                None => (begin_smallest_first(b, [loss_out, dx_out])?, None),
+                None => Copying::begin(b, (start, rows), &[loss_out, dx_out])?,
             };
             trace.mark("teacher upload + record");
-            if let Some(mut done) = pipe.push(start, rows, pending, mask) {
+            if let Some(mut done) = pipe.push(copying) {
                 let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
-                let (start, rows, mask) = (done.start, done.rows, done.mask.take());
-                if let Err(e) = self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace) {
-                    mask.into_iter().for_each(|p| discard(b, p));
-                    return Err(e);
-                }
-                self.read_mask(b, mask, (start, rows), resolved, filter)?;
-                self.report(rows);
+                self.read_loss_chunk(&mut done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
+                self.read_mask(&mut done, resolved, filter)?;
+                self.report(done.rows);
             }
         }
         if let Some(mut done) = pipe.pop() {
             let outs = [&mut **loss, &mut **lse, &mut **soft, &mut **hard];
-            let (start, rows, mask) = (done.start, done.rows, done.mask.take());
-            if let Err(e) = self.read_loss_chunk(b, done, outs, &mut row_out, dx, &mut dx_padded, &mut trace) {
-                mask.into_iter().for_each(|p| discard(b, p));
-                return Err(e);
-            }
-            self.read_mask(b, mask, (start, rows), resolved, filter)?;
-            self.report(rows);
+            self.read_loss_chunk(&mut done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
+            self.read_mask(&mut done, resolved, filter)?;
+            self.report(done.rows);
         }
         trace.report();
         let weighted: f64 = loss
@@ -664,22 +659,20 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Reads one chunk's block mask (with the filter on) into the call's
-    /// statistics ([`HeadPlanes::filter_stats`]): chunk rows `[start,
-    /// start + rows)`.
+    /// Reads one chunk's block mask (its last download, with the filter
+    /// on) into the call's statistics ([`HeadPlanes::filter_stats`]).
     fn read_mask(
         &self,
-        b: &B,
-        mask: Option<PendingDownload>,
-        (start, rows): (usize, usize),
+        chunk: &mut Copying<'_, B>,
         resolved: &ResolvedLoss,
         stats: &mut Option<crate::FilterStats>,
     ) -> Result<()> {
-        let Some(pending) = mask else {
+        let Some(len) = chunk.next_len() else {
             return Ok(());
         };
-        let mut halves = vec![half::f16::ZERO; pending.len() / 2];
-        b.download_end(pending, bytemuck::cast_slice_mut(halves.as_mut_slice()))?;
+        let (b, start, rows) = (&self.backend, chunk.start, chunk.rows);
+        let mut halves = vec![half::f16::ZERO; len / 2];
+        chunk.read_next(bytemuck::cast_slice_mut(halves.as_mut_slice()))?;
         let Some(st) = stats.as_mut() else {
             return Ok(());
         };
@@ -695,42 +688,31 @@ impl<B: Backend> Engine<B> {
     #[allow(clippy::too_many_arguments, reason = "the outputs and their staging")]
     fn read_loss_chunk(
         &self,
-        b: &B,
-        chunk: Chunk,
+        chunk: &mut Copying<'_, B>,
         [loss, lse, soft, hard]: [&mut [f32]; 4],
         row_out: &mut Vec<f32>,
         dx: &mut [f32],
         dx_padded: &mut Vec<f32>,
         trace: &mut Trace,
     ) -> Result<()> {
-        let (
-            hs,
-            Chunk {
-                start, rows, pending, ..
-            },
-        ) = (self.head.hs(), chunk);
-        let [loss_p, dx_p] = pending;
+        let (hs, start, rows) = (self.head.hs(), chunk.start, chunk.rows);
         row_out.resize(rows * 4, 0.0);
-        if let Err(e) = b.download_end(loss_p, bytemuck::cast_slice_mut(row_out.as_mut_slice())) {
-            discard(b, dx_p);
-            return Err(e);
-        }
+        chunk.read_next(bytemuck::cast_slice_mut(row_out.as_mut_slice()))?;
         for (t, r) in row_out.chunks_exact(4).enumerate() {
             (loss[start + t], lse[start + t], soft[start + t], hard[start + t]) = (r[0], r[1], r[2], r[3]);
         }
         trace.mark("wait for kernels");
         if let Some(t) = loss[start..start + rows].iter().position(|l| !l.is_finite()) {
-            discard(b, dx_p);
             return Err(Error::NonFiniteHidden { token: start + t });
         }
         let dx_rows = &mut dx[start * hs..(start + rows) * hs];
         if self.head.hs_padded() == hs {
             // Rows are already dense: straight into the output.
-            b.download_end(dx_p, bytemuck::cast_slice_mut(dx_rows))?;
+            chunk.read_next(bytemuck::cast_slice_mut(dx_rows))?;
             trace.mark("dx download");
         } else {
             dx_padded.resize(rows * self.head.hs_padded(), 0f32);
-            b.download_end(dx_p, bytemuck::cast_slice_mut(dx_padded.as_mut_slice()))?;
+            chunk.read_next(bytemuck::cast_slice_mut(dx_padded.as_mut_slice()))?;
             trace.mark("dx download");
             for (row, padded) in dx_rows
                 .chunks_exact_mut(hs)
@@ -812,18 +794,12 @@ impl<B: Backend> Engine<B> {
         let mut probs = vec![0f32; ntok * k];
         let b = &self.backend;
         // Two chunks in flight, as in `loss_chunks`.
-        let mut pipe = InFlight::new(b);
-        let read = |done: Chunk, ids: &mut [u32], probs: &mut [f32]| -> Result<()> {
-            let Chunk {
-                start, rows, pending, ..
-            } = done;
-            let [ids_p, probs_p] = pending;
+        let mut pipe = InFlight::new();
+        let read = |mut done: Copying<'_, B>, ids: &mut [u32], probs: &mut [f32]| -> Result<()> {
+            let (start, rows) = (done.start, done.rows);
             let range = start * k..(start + rows) * k;
-            if let Err(e) = b.download_end(ids_p, bytemuck::cast_slice_mut(&mut ids[range.clone()])) {
-                discard(b, probs_p);
-                return Err(e);
-            }
-            b.download_end(probs_p, bytemuck::cast_slice_mut(&mut probs[range.clone()]))?;
+            done.read_next(bytemuck::cast_slice_mut(&mut ids[range.clone()]))?;
+            done.read_next(bytemuck::cast_slice_mut(&mut probs[range.clone()]))?;
             if let Some(t) = (0..rows).find(|&t| !probs[(start + t) * k].is_finite()) {
                 return Err(Error::NonFiniteHidden { token: start + t });
             }
@@ -847,8 +823,8 @@ impl<B: Backend> Engine<B> {
             };
             b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
             let bytes = rows * k * std::mem::size_of::<u32>();
-            let pending = begin_smallest_first(b, [(&s.ids, 0, bytes), (&s.probs, 0, bytes)])?;
-            if let Some(done) = pipe.push(start, rows, pending, None) {
+            let copying = Copying::begin(b, (start, rows), &[(&s.ids, 0, bytes), (&s.probs, 0, bytes)])?;
+            if let Some(done) = pipe.push(copying) {
                 let rows = done.rows;
                 read(done, &mut ids, &mut probs)?;
                 self.report(rows);
@@ -935,98 +911,6 @@ fn teacher_cost_name(what: &'static str) -> &'static str {
         "logits" => "teacher logits",
         _ => "teacher row buffers",
     }
-}
-
-/// One chunk whose outputs are being copied out: its token range and its
-/// two downloads (loss and dx, or ids and probabilities).
-struct Chunk {
-    start: usize,
-    rows: usize,
-    pending: [PendingDownload; 2],
-    /// The block filter's mask (`head_kl` with the filter).
-    mask: Option<PendingDownload>,
-}
-
-/// The chunks in flight on a backend: at most one waits to be read while
-/// the next is recorded. Dropping it (an error path) waits for and discards
-/// whatever is still pending, so no copy outlives the call.
-struct InFlight<'a, B: Backend> {
-    backend: &'a B,
-    waiting: Option<Chunk>,
-}
-
-impl<'a, B: Backend> InFlight<'a, B> {
-    fn new(backend: &'a B) -> Self {
-        Self { backend, waiting: None }
-    }
-
-    /// Adds the chunk just recorded and hands back the one before it, now
-    /// due to be read.
-    fn push(
-        &mut self,
-        start: usize,
-        rows: usize,
-        pending: [PendingDownload; 2],
-        mask: Option<PendingDownload>,
-    ) -> Option<Chunk> {
-        self.waiting.replace(Chunk {
-            start,
-            rows,
-            pending,
-            mask,
-        })
-    }
-
-    /// The last chunk, after the loop.
-    fn pop(&mut self) -> Option<Chunk> {
-        self.waiting.take()
-    }
-}
-
-impl<B: Backend> Drop for InFlight<'_, B> {
-    fn drop(&mut self) {
-        if let Some(chunk) = self.waiting.take() {
-            for p in chunk.pending.into_iter().chain(chunk.mask) {
-                discard(self.backend, p);
-            }
-        }
-    }
-}
-
-/// Starts copying out one chunk's outputs (`(buffer, byte offset,
-/// bytes)`), the smallest first, and returns them in the order given. A
-/// backend may submit the chunk's work when a large download begins (the
-/// Vulkan backend's copy lane); a small copy recorded after that would go
-/// out with the next chunk's work, and reading it would wait for that
-/// chunk too, emptying the device's queue. If one cannot start, those
-/// begun are drained.
-fn begin_smallest_first<B: Backend, const N: usize>(
-    backend: &B,
-    outputs: [(&B::Buffer, u64, usize); N],
-) -> Result<[PendingDownload; N]> {
-    let mut order: [usize; N] = std::array::from_fn(|i| i);
-    order.sort_by_key(|&i| outputs[i].2);
-    let mut begun: [Option<PendingDownload>; N] = std::array::from_fn(|_| None);
-    for i in order {
-        let (buffer, offset, len) = outputs[i];
-        match backend.download_begin(buffer, offset, len) {
-            Ok(p) => begun[i] = Some(p),
-            Err(e) => {
-                begun.into_iter().flatten().for_each(|p| discard(backend, p));
-                return Err(e);
-            }
-        }
-    }
-    // Every slot was filled above.
-    Ok(begun.map(|p| p.unwrap_or_else(|| PendingDownload::ready(Vec::new()))))
-}
-
-/// Waits for a download whose bytes are no longer wanted (an error is on
-/// its way out already), so its staging is free when the call returns.
-fn discard<B: Backend>(backend: &B, pending: PendingDownload) {
-    let mut sink = vec![0u8; pending.len()];
-    // The caller is already returning an error; this one adds nothing.
-    let _ = backend.download_end(pending, &mut sink);
 }
 
 /// Host-side time per phase of a call, printed to stderr when the engine's

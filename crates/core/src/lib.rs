@@ -70,6 +70,7 @@ pub mod glsl_tile;
 pub mod head;
 mod head_planes;
 pub mod host;
+mod in_flight;
 pub mod kernels;
 pub mod launch;
 pub mod params;

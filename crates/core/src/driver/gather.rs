@@ -4,9 +4,10 @@
 //! logits GEMM as `topk` runs it, then the top-k kernel's gather mode
 //! ([`TopkDesc::gather`]): no `[ntok][V]` tensor leaves the device.
 
-use super::{Chunk, Engine, Error, InFlight, Result};
-use crate::backend::{Backend, PendingDownload, TopkDesc};
+use super::{Engine, Error, Result};
+use crate::backend::{Backend, TopkDesc};
 use crate::head_planes::Scaling;
+use crate::in_flight::{Copying, InFlight};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, TopkOptions};
 use crate::{round_up, ALIGN};
@@ -86,15 +87,12 @@ impl<B: Backend> Engine<B> {
         let mut run = || -> Result<()> {
             // Two chunks in flight, as in `topk`: a chunk's values are read
             // while the next one runs.
-            let mut pipe = InFlight::new(b);
+            let mut pipe = InFlight::new();
             let mut values = Vec::new();
-            let mut read = |done: Chunk, out: &mut Gathered| -> Result<()> {
-                let Chunk {
-                    start, rows, pending, ..
-                } = done;
-                let [values_p, _] = pending;
+            let mut read = |mut done: Copying<'_, B>, out: &mut Gathered| -> Result<()> {
+                let (start, rows) = (done.start, done.rows);
                 values.resize(rows * cols, 0f32);
-                b.download_end(values_p, bytemuck::cast_slice_mut(&mut values))?;
+                done.read_next(bytemuck::cast_slice_mut(&mut values))?;
                 for (t, row) in values.chunks_exact(cols).enumerate() {
                     // NaN in the first value (or the lse): a non-finite logit.
                     if row[0].is_nan() || !row[k].is_finite() {
@@ -125,9 +123,8 @@ impl<B: Backend> Engine<B> {
                     ..TopkDesc::plain(rows, vocab, self.head.vocab_padded(), cols)
                 };
                 b.topk_rows(&s.logits, &s.ids, &s.probs, &desc)?;
-                let values_p = b.download_begin(&s.probs, 0, rows * cols * 4)?;
-                let pending = [values_p, PendingDownload::ready(Vec::new())];
-                if let Some(done) = pipe.push(start, rows, pending, None) {
+                let copying = Copying::begin(b, (start, rows), &[(&s.probs, 0, rows * cols * 4)])?;
+                if let Some(done) = pipe.push(copying) {
                     read(done, &mut out)?;
                 }
             }

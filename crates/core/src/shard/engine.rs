@@ -3,12 +3,13 @@
 //! kernels (`gemm`, `kl_rows`, `topk_rows`) on the host path.
 
 use super::{GatherPartials, HeadShard, LossPartials, LossStats, TopkPartials};
-use crate::backend::{Backend, KlDesc, PendingDownload, TopkDesc};
+use crate::backend::{Backend, KlDesc, TopkDesc};
 use crate::chunking::ChunkPlan;
 use crate::driver::{Engine, LossOutput, SliceOptions, Trace};
 use crate::error::{Error, Field, Result};
 use crate::head::HeadWeights;
 use crate::head_planes::{HeadPlanes, Scaling};
+use crate::in_flight::{Copying, InFlight};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch};
@@ -283,19 +284,18 @@ impl<B: Backend> ShardEngine<B> {
         let tau_on = scaling.temperature != 1.0;
         // One chunk's outputs: [soft, lse, soft, 0] per row, then (τ ≠ 1) the
         // lse at τ = 1 in the second download's column 1.
-        let mut read_chunk = |(start, rows, pending): Done, lse: &mut [f32], lse1: &mut [f32], soft: &mut [f32]| {
-            let mut pending = pending.into_iter();
+        let mut read_chunk = |mut done: Copying<'_, B>, lse: &mut [f32], lse1: &mut [f32], soft: &mut [f32]| {
+            let (start, rows) = (done.start, done.rows);
             rows_out.resize(rows * 4, 0f32);
-            end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
+            done.read_next(bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
             for (t, r) in rows_out.chunks_exact(4).enumerate() {
                 if !r[1].is_finite() {
-                    drain(b, pending);
                     return Err(Error::NonFiniteHidden { token: start + t });
                 }
                 (soft[start + t], lse[start + t]) = (r[2], r[1]);
             }
             if tau_on {
-                end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
+                done.read_next(bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
                 for (t, r) in rows_out.chunks_exact(4).enumerate() {
                     lse1[start + t] = r[1];
                 }
@@ -306,7 +306,7 @@ impl<B: Backend> ShardEngine<B> {
         };
         // Two chunks in flight, as in the driver: chunk i's outputs start
         // their copy out before chunk i−1's are read.
-        let mut pipe = Pipe::new(b);
+        let mut pipe = InFlight::new();
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
@@ -333,25 +333,17 @@ impl<B: Backend> ShardEngine<B> {
             // logsumexp of s = z/τ, its soft term at that lse.
             let desc = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k_s);
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
-            let mut pending = begin(b, &[(&ls.loss, rows * 16)])?;
+            let mut copying = Copying::begin(b, (start, rows), &[(&ls.loss, 0, rows * 16)])?;
             if tau_on {
                 // The kernel at τ: its lse output is at τ = 1.
                 let desc = KlDesc {
                     temperature: scaling.temperature,
                     ..desc
                 };
-                let more = b
-                    .kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)
-                    .and_then(|()| begin(b, &[(&ls.loss, rows * 16)]));
-                match more {
-                    Ok(p) => pending.extend(p),
-                    Err(err) => {
-                        drain(b, pending);
-                        return Err(err);
-                    }
-                }
+                b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
+                copying.begin_more(&[(&ls.loss, 0, rows * 16)])?;
             }
-            if let Some(done) = pipe.push((start, rows, pending)) {
+            if let Some(done) = pipe.push(copying) {
                 read_chunk(done, &mut lse, &mut lse1, &mut soft)?;
             }
         }
@@ -460,22 +452,22 @@ impl<B: Backend> ShardEngine<B> {
         let (k_s, hs, hs_padded) = (p.k_s, h.hs(), h.hs_padded());
         let scaling = Scaling::host_loss(&p.resolved);
         let mut padded = Vec::new();
-        let mut read_chunk = |(start, rows, pending): Done, dx: &mut [f32]| -> Result<()> {
+        let mut read_chunk = |mut done: Copying<'_, B>, dx: &mut [f32]| -> Result<()> {
+            let (start, rows) = (done.start, done.rows);
             let rows_dx = &mut dx[start * hs..(start + rows) * hs];
-            let mut pending = pending.into_iter();
             if hs == hs_padded {
                 // No padding columns: the chunk's rows land in dx directly,
                 // not through a padded copy (84 MB a shard at shape A).
-                return end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_dx));
+                return done.read_next(bytemuck::cast_slice_mut(rows_dx));
             }
             padded.resize(rows * hs_padded, 0f32);
-            end_next(b, &mut pending, bytemuck::cast_slice_mut(padded.as_mut_slice()))?;
+            done.read_next(bytemuck::cast_slice_mut(padded.as_mut_slice()))?;
             for (row, src) in rows_dx.chunks_exact_mut(hs).zip(padded.chunks_exact(hs_padded)) {
                 row.copy_from_slice(&src[..hs]);
             }
             Ok(())
         };
-        let mut pipe = Pipe::new(b);
+        let mut pipe = InFlight::new();
         for (chunk, (start, rows)) in p.plan.ranges(p.ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let logits = match &p.kept {
@@ -506,9 +498,9 @@ impl<B: Backend> ShardEngine<B> {
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &desc)?;
             // The logits are spent: the dx GEMM's split-K parts may use them.
             h.dx(b, (&ls.grad, &ls.dx, logits), rows_padded, scaling, None)?;
-            let pending = begin(b, &[(&ls.dx, rows * hs_padded * 4)])?;
+            let copying = Copying::begin(b, (start, rows), &[(&ls.dx, 0, rows * hs_padded * 4)])?;
             trace.mark("record");
-            if let Some(done) = pipe.push((start, rows, pending)) {
+            if let Some(done) = pipe.push(copying) {
                 read_chunk(done, dx)?;
                 trace.mark("wait + read dx");
             }
@@ -573,14 +565,14 @@ impl<B: Backend> ShardEngine<B> {
         let mut logprobs = Vec::new();
         let mut rows_out = Vec::new();
         let mut read_chunk =
-            |(start, rows, pending): Done, ids: &mut [u32], logits: &mut [f32], lse: &mut [f32]| -> Result<()> {
-                let mut pending = pending.into_iter();
+            |mut done: Copying<'_, B>, ids: &mut [u32], logits: &mut [f32], lse: &mut [f32]| -> Result<()> {
+                let (start, rows) = (done.start, done.rows);
                 let range = start * k_s..(start + rows) * k_s;
-                end_next(b, &mut pending, bytemuck::cast_slice_mut(&mut ids[range]))?;
+                done.read_next(bytemuck::cast_slice_mut(&mut ids[range]))?;
                 logprobs.resize(rows * k_s, 0f32);
-                end_next(b, &mut pending, bytemuck::cast_slice_mut(logprobs.as_mut_slice()))?;
+                done.read_next(bytemuck::cast_slice_mut(logprobs.as_mut_slice()))?;
                 rows_out.resize(rows * 4, 0f32);
-                end_next(b, &mut pending, bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
+                done.read_next(bytemuck::cast_slice_mut(rows_out.as_mut_slice()))?;
                 for t in 0..rows {
                     let l = rows_out[t * 4 + 1];
                     if !l.is_finite() || !logprobs[t * k_s].is_finite() {
@@ -595,7 +587,7 @@ impl<B: Backend> ShardEngine<B> {
                 }
                 Ok(())
             };
-        let mut pipe = Pipe::new(b);
+        let mut pipe = InFlight::new();
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
@@ -614,8 +606,9 @@ impl<B: Backend> ShardEngine<B> {
             let kl = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k_s);
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
             let bytes = rows * k_s * 4;
-            let pending = begin(b, &[(&s.ids, bytes), (&s.probs, bytes), (&ls.loss, rows * 16)])?;
-            if let Some(done) = pipe.push((start, rows, pending)) {
+            let outputs = [(&s.ids, 0, bytes), (&s.probs, 0, bytes), (&ls.loss, 0, rows * 16)];
+            let copying = Copying::begin(b, (start, rows), &outputs)?;
+            if let Some(done) = pipe.push(copying) {
                 read_chunk(done, &mut ids, &mut logits, &mut lse)?;
             }
         }
@@ -716,83 +709,4 @@ pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool, f
         );
     }
     Ok(())
-}
-
-/// A chunk whose outputs are being copied out: its first token, its rows
-/// and its downloads, in the order they were begun.
-type Done = (usize, usize, Vec<PendingDownload>);
-
-/// At most one chunk waiting to be read while the next is recorded (the
-/// driver's two chunks in flight). Dropping it (an error path) drains what
-/// is still pending, so no copy outlives the call. Downloads go through
-/// `download_begin`/`download_end`, the path every backend keeps safe for
-/// engines on several threads.
-struct Pipe<'a, B: Backend> {
-    backend: &'a B,
-    waiting: Option<Done>,
-}
-
-impl<'a, B: Backend> Pipe<'a, B> {
-    fn new(backend: &'a B) -> Self {
-        Self { backend, waiting: None }
-    }
-
-    /// Adds the chunk just recorded; hands back the one before it.
-    fn push(&mut self, chunk: Done) -> Option<Done> {
-        self.waiting.replace(chunk)
-    }
-
-    fn pop(&mut self) -> Option<Done> {
-        self.waiting.take()
-    }
-}
-
-impl<B: Backend> Drop for Pipe<'_, B> {
-    fn drop(&mut self) {
-        if let Some((_, _, pending)) = self.waiting.take() {
-            drain(self.backend, pending);
-        }
-    }
-}
-
-/// Starts copying out each `(buffer, bytes)` from offset 0; if one cannot
-/// start, those begun are drained.
-fn begin<B: Backend>(b: &B, outputs: &[(&B::Buffer, usize)]) -> Result<Vec<PendingDownload>> {
-    let mut pending = Vec::with_capacity(outputs.len());
-    for &(buf, len) in outputs {
-        match b.download_begin(buf, 0, len) {
-            Ok(p) => pending.push(p),
-            Err(e) => {
-                drain(b, pending);
-                return Err(e);
-            }
-        }
-    }
-    Ok(pending)
-}
-
-/// Waits for the next download into `out`; on an error the rest are drained.
-fn end_next<B: Backend>(b: &B, pending: &mut std::vec::IntoIter<PendingDownload>, out: &mut [u8]) -> Result<()> {
-    let Some(p) = pending.next() else {
-        return Err(Error::LengthMismatch {
-            field: Field::DownloadOutput,
-            expected: out.len(),
-            got: 0,
-        });
-    };
-    if let Err(e) = b.download_end(p, out) {
-        drain(b, pending.by_ref());
-        return Err(e);
-    }
-    Ok(())
-}
-
-/// Waits for downloads whose bytes are no longer wanted (an error is on its
-/// way out already), so their staging is free when the call returns.
-fn drain<B: Backend>(b: &B, pending: impl IntoIterator<Item = PendingDownload>) {
-    for p in pending {
-        let mut sink = vec![0u8; p.len()];
-        // The caller is already returning an error; this one adds nothing.
-        let _ = b.download_end(p, &mut sink);
-    }
 }
