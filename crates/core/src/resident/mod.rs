@@ -173,6 +173,179 @@ pub(crate) struct ResidentScratch<B: Backend> {
     pub(crate) loss: Option<LossScratch<B>>,
 }
 
+/// A resident call's buffers, taken out of the engine by
+/// [`Engine::begin_resident_call`] and given back by
+/// [`Engine::end_resident_call`]: the status buffer, the row scratch and,
+/// where `L` is [`LossScratch`], the loss group.
+pub(crate) struct ResidentCall<B: Backend, L> {
+    /// The status buffer the call's kernels flag rows in.
+    pub(crate) status: B::Buffer,
+    scratch: ResidentScratch<B>,
+    /// The loss group (`()` for a call without one).
+    pub(crate) loss: L,
+}
+
+impl<B: Backend, L> ResidentCall<B, L> {
+    /// The row scratch.
+    pub(crate) fn rows(&self) -> &RowScratch<B> {
+        &self.scratch.rows
+    }
+
+    /// The call's first launch: the weights' statistics (their sum, or
+    /// `total`, and the gradient's scale) into the status buffer.
+    pub(crate) fn weight_stats(
+        &self,
+        b: &B,
+        (ntok, temperature, total): (usize, f32, Option<f32>),
+        teacher: &DeviceTeacher<'_, B::Buffer>,
+        opts: &DeviceLossOptions<'_, B::Buffer>,
+    ) -> Result<()> {
+        b.dispatch(Launch::WeightStats {
+            // Without weights, the probabilities fill the (unread) slot.
+            weights: opts.weights.unwrap_or(teacher.probs),
+            status: &self.status,
+            desc: WeightStatsDesc {
+                rows: ntok,
+                has_weights: opts.weights.is_some(),
+                total,
+                gscale: opts.gscale,
+                temperature,
+                grad_bound: opts.terms.grad_bound(temperature),
+            },
+        })
+    }
+
+    /// The call's last launch: the first bad row's detail into the status
+    /// buffer, for [`Engine::wait_device`]. `labels`, where given, are
+    /// checked too.
+    pub(crate) fn status_detail(
+        &self,
+        b: &B,
+        ntok: usize,
+        teacher: &DeviceTeacher<'_, B::Buffer>,
+        opts: &DeviceLossOptions<'_, B::Buffer>,
+        labels: Option<&B::Buffer>,
+    ) -> Result<()> {
+        b.dispatch(Launch::StatusDetail {
+            ids: teacher.ids,
+            probs: teacher.probs,
+            weights: opts.weights.unwrap_or(teacher.probs),
+            status: &self.status,
+            // Unread without labels: a buffer already at hand.
+            labels: labels.unwrap_or(teacher.ids),
+            desc: StatusDetailDesc {
+                rows: ntok,
+                k: teacher.k,
+                has_weights: opts.weights.is_some(),
+                form: opts.teacher_form,
+                tail: opts.tail,
+                has_labels: labels.is_some(),
+            },
+        })
+    }
+}
+
+impl<B: Backend> ResidentCall<B, LossScratch<B>> {
+    /// Chunk `[start, start + rows)`'s loss and dx (rows of `hs`, `ld`
+    /// apart in the chunk) into the caller's outputs, and with
+    /// `opts.terms_out` its terms.
+    pub(crate) fn loss_out(
+        &self,
+        b: &B,
+        (start, rows): (usize, usize),
+        (hs, ld): (usize, usize),
+        out: &DeviceLossOutput<'_, B::Buffer>,
+        opts: &DeviceLossOptions<'_, B::Buffer>,
+    ) -> Result<()> {
+        b.dispatch(Launch::LossOut {
+            loss_chunk: &self.loss.loss,
+            dx_chunk: &self.loss.dx,
+            status: &self.status,
+            loss: out.loss,
+            dx: out.dx,
+            // Unread without terms: a buffer already at hand.
+            terms: opts.terms_out.unwrap_or(&self.rows().probs),
+            desc: LossOutDesc {
+                rows,
+                hs,
+                ld,
+                token0: start,
+                loss_offset: start,
+                dx_offset: elements("dx", start, hs)?,
+                accumulate: opts.accumulate_dx,
+                write_terms: opts.terms_out.is_some(),
+            },
+        })
+    }
+
+    /// Chunk `[start, start + rows)`'s teacher rows, checked into the
+    /// scratch (ids against a head of `vocab` rows) and their weights into
+    /// the loss group's per-row input.
+    pub(crate) fn teacher_rows(
+        &self,
+        b: &B,
+        (start, rows, vocab): (usize, usize, usize),
+        teacher: &DeviceTeacher<'_, B::Buffer>,
+        opts: &DeviceLossOptions<'_, B::Buffer>,
+    ) -> Result<()> {
+        let first_entry = elements("ids", start, teacher.k)?;
+        let s = self.rows();
+        b.dispatch(Launch::TeacherRows {
+            ids: teacher.ids,
+            probs: teacher.probs,
+            weights: opts.weights.unwrap_or(teacher.probs),
+            status: &self.status,
+            ids_out: &s.ids,
+            probs_out: &s.probs,
+            row_in: &self.loss.row_in,
+            desc: TeacherRowsDesc {
+                rows,
+                k: teacher.k,
+                vocab,
+                token0: start,
+                ids_offset: first_entry,
+                probs_offset: first_entry,
+                weights_offset: start,
+                has_weights: opts.weights.is_some(),
+                form: opts.teacher_form,
+                tail: opts.tail,
+            },
+        })
+    }
+}
+
+/// What a resident call takes beside its rows: nothing, or the loss group.
+pub(crate) trait CallLoss<B: ResidentBackend>: Sized {
+    /// Takes it out of `scratch` (or makes it from the scratch's sizes).
+    fn take(engine: &Engine<B>, scratch: &mut ResidentScratch<B>) -> Result<Self>;
+    /// What goes back into the scratch.
+    fn kept(self) -> Option<LossScratch<B>>;
+}
+
+impl<B: ResidentBackend> CallLoss<B> for () {
+    fn take(_: &Engine<B>, _: &mut ResidentScratch<B>) -> Result<Self> {
+        Ok(())
+    }
+    fn kept(self) -> Option<LossScratch<B>> {
+        None
+    }
+}
+
+impl<B: ResidentBackend> CallLoss<B> for LossScratch<B> {
+    fn take(engine: &Engine<B>, scratch: &mut ResidentScratch<B>) -> Result<Self> {
+        match scratch.loss.take() {
+            Some(ls) => Ok(ls),
+            None => {
+                let (job, rows, k) = scratch.key;
+                LossScratch::alloc(&engine.backend, &engine.resident_row_bytes(job, k), rows)
+            }
+        }
+    }
+    fn kept(self) -> Option<LossScratch<B>> {
+        Some(self)
+    }
+}
+
 /// What an [`Engine`] keeps for the resident entry points: scratch, the
 /// status buffer, and whether work is in flight since the last wait.
 pub(crate) struct ResidentState<B: Backend> {
@@ -190,11 +363,6 @@ impl<B: Backend> ResidentState<B> {
             pending: false,
             checked: false,
         }
-    }
-
-    /// Marks work in flight whose status [`Engine::wait_device`] reads.
-    pub(crate) fn mark_pending(&mut self) {
-        self.pending = true;
     }
 
     /// Whether every call waits (checked mode).
@@ -307,7 +475,7 @@ impl<B: ResidentBackend> Engine<B> {
     }
 
     /// The status buffer, taken out of the engine for a call (made the
-    /// first time); [`Self::put_back_resident`] returns it.
+    /// first time).
     fn take_status(&mut self) -> Result<B::Buffer> {
         if let Some(b) = self.resident.status.take() {
             return Ok(b);
@@ -317,10 +485,6 @@ impl<B: ResidentBackend> Engine<B> {
         Ok(b)
     }
 
-    /// The status buffer and the scratch of `job` for chunks of `rows`
-    /// rows of `k` entries, taken out of the engine for a call: the host
-    /// path's row group from the chunk plan's sizes (freeing scratch made
-    /// for another key first). [`Self::put_back_resident`] returns them.
     /// The host path's row sizes without its second (odd-chunk) buffers:
     /// nothing crosses to the host here, so there is no copy to overlap.
     pub(crate) fn resident_row_bytes(&self, job: Job, k: usize) -> RowBytes {
@@ -330,46 +494,62 @@ impl<B: ResidentBackend> Engine<B> {
         }
     }
 
-    pub(crate) fn take_resident(&mut self, job: Job, rows: usize, k: usize) -> Result<(B::Buffer, ResidentScratch<B>)> {
+    /// Begins a resident call: takes the status buffer and the scratch of
+    /// `job` for chunks of `rows` rows of `k` entries out of the engine
+    /// (the host path's row group from the chunk plan's sizes, freeing
+    /// scratch made for another key first; with `L` = [`LossScratch`],
+    /// `head_kl_device`'s own group too) and marks work in flight for
+    /// [`Engine::wait_device`]. [`Self::end_resident_call`] gives them back.
+    pub(crate) fn begin_resident_call<L: CallLoss<B>>(
+        &mut self,
+        (job, rows, k): (Job, usize, usize),
+    ) -> Result<ResidentCall<B, L>> {
         let key = (job, rows, k);
         let status = self.take_status()?;
-        match self.resident.scratch.take() {
-            Some(s) if s.key == key => return Ok((status, s)),
-            _ => self.release_scratch(),
-        }
-        match RowScratch::alloc(&self.backend, &self.resident_row_bytes(job, k), rows, false) {
-            Ok(rows_s) => Ok((
-                status,
-                ResidentScratch {
-                    key,
-                    rows: rows_s,
-                    loss: None,
-                },
-            )),
+        let mut scratch = match self.resident.scratch.take() {
+            Some(s) if s.key == key => s,
+            _ => {
+                self.release_scratch();
+                match RowScratch::alloc(&self.backend, &self.resident_row_bytes(job, k), rows, false) {
+                    Ok(rows) => ResidentScratch { key, rows, loss: None },
+                    Err(e) => {
+                        self.resident.status = Some(status);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        let loss = match L::take(self, &mut scratch) {
+            Ok(loss) => loss,
             Err(e) => {
                 self.resident.status = Some(status);
-                Err(e)
+                self.resident.scratch = Some(scratch);
+                return Err(e);
             }
-        }
+        };
+        self.resident.pending = true;
+        Ok(ResidentCall { status, scratch, loss })
     }
 
-    /// `head_kl_device`'s own group, kept in `scratch` or made from the
-    /// same sizes.
-    pub(crate) fn take_resident_loss(&self, scratch: &mut ResidentScratch<B>) -> Result<LossScratch<B>> {
-        match scratch.loss.take() {
-            Some(ls) => Ok(ls),
-            None => {
-                let (job, rows, k) = scratch.key;
-                LossScratch::alloc(&self.backend, &self.resident_row_bytes(job, k), rows)
-            }
+    /// Ends a resident call: keeps its status buffer and scratch for the
+    /// next call, whether or not its recording succeeded (`recorded`,
+    /// passed on).
+    pub(crate) fn end_resident_call<T, L: CallLoss<B>>(
+        &mut self,
+        call: ResidentCall<B, L>,
+        recorded: Result<T>,
+    ) -> Result<T> {
+        let ResidentCall {
+            status,
+            mut scratch,
+            loss,
+        } = call;
+        if let Some(ls) = loss.kept() {
+            scratch.loss = Some(ls);
         }
-    }
-
-    /// Keeps a call's status buffer and scratch for the next call, whether
-    /// or not its recording succeeded.
-    pub(crate) fn put_back_resident(&mut self, status: B::Buffer, scratch: ResidentScratch<B>) {
         self.resident.status = Some(status);
         self.resident.scratch = Some(scratch);
+        recorded
     }
 
     /// Records the caller's rows `[start, start + rows)` into the padded f16
@@ -543,24 +723,9 @@ impl<B: ResidentBackend> Engine<B> {
             false,
             (opts.budget_bytes, opts.max_rows_per_chunk),
         )?;
-        let (status, mut scratch) = self.take_resident(job, plan.rows_per_chunk, k)?;
-        self.resident.pending = true;
-        let recorded = self.take_resident_loss(&mut scratch).and_then(|ls| {
-            let recorded = self.record_head_kl(
-                ntok,
-                hidden,
-                teacher,
-                out,
-                (opts, total),
-                &plan,
-                &status,
-                (&scratch.rows, &ls),
-            );
-            scratch.loss = Some(ls);
-            recorded
-        });
-        self.put_back_resident(status, scratch);
-        recorded?;
+        let call: ResidentCall<B, LossScratch<B>> = self.begin_resident_call((job, plan.rows_per_chunk, k))?;
+        let recorded = self.record_head_kl(ntok, hidden, teacher, out, (opts, total), &plan, &call);
+        self.end_resident_call(call, recorded)?;
         if self.resident.checked {
             self.wait_device()?;
         }
@@ -578,57 +743,22 @@ impl<B: ResidentBackend> Engine<B> {
         out: &DeviceLossOutput<'_, B::Buffer>,
         (opts, total): (&DeviceLossOptions<'_, B::Buffer>, Option<f32>),
         plan: &crate::chunking::ChunkPlan,
-        status: &B::Buffer,
-        (s, ls): (&RowScratch<B>, &LossScratch<B>),
+        call: &ResidentCall<B, LossScratch<B>>,
     ) -> Result<()> {
         let (k, b) = (teacher.k, &self.backend);
-        // Without weights, the probabilities fill the (unread) weights slot.
-        let weights = opts.weights.unwrap_or(teacher.probs);
-        b.dispatch(Launch::WeightStats {
-            weights,
-            status,
-            desc: WeightStatsDesc {
-                rows: ntok,
-                has_weights: opts.weights.is_some(),
-                total,
-                gscale: opts.gscale,
-                temperature: opts.temperature,
-                grad_bound: opts.terms.grad_bound(opts.temperature),
-            },
-        })?;
+        let (status, s, ls) = (&call.status, call.rows(), &call.loss);
+        call.weight_stats(b, (ntok, opts.temperature, total), teacher, opts)?;
         // Labels are checked whenever given (as the host path does); the KL
         // kernel reads them only with the hard term on.
         let labels = opts.labels;
         // Unread slots get a buffer already at hand.
         let labels_buf = labels.unwrap_or(teacher.ids);
-        let terms_out = opts.terms_out.unwrap_or(&s.probs);
         let scaling = Scaling::resident_loss(opts.temperature, opts.terms.logit_scale);
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
             let row_stats = self.row_stats_for(&opts.terms, opts.temperature, rows_padded);
             self.resident_logits(s, hidden, (start, rows), scaling, row_stats)?;
-            let first_entry = elements("ids", start, k)?;
-            b.dispatch(Launch::TeacherRows {
-                ids: teacher.ids,
-                probs: teacher.probs,
-                weights,
-                status,
-                ids_out: &s.ids,
-                probs_out: &s.probs,
-                row_in: &ls.row_in,
-                desc: TeacherRowsDesc {
-                    rows,
-                    k,
-                    vocab: self.head.vocab(),
-                    token0: start,
-                    ids_offset: first_entry,
-                    probs_offset: first_entry,
-                    weights_offset: start,
-                    has_weights: opts.weights.is_some(),
-                    form: opts.teacher_form,
-                    tail: opts.tail,
-                },
-            })?;
+            call.teacher_rows(b, (start, rows, self.head.vocab()), teacher, opts)?;
             b.dispatch(Launch::LabelsIn {
                 labels: labels_buf,
                 status,
@@ -655,40 +785,9 @@ impl<B: ResidentBackend> Engine<B> {
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
                 .dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, scaling, dx_filter)?;
-            b.dispatch(Launch::LossOut {
-                loss_chunk: &ls.loss,
-                dx_chunk: &ls.dx,
-                status,
-                loss: out.loss,
-                dx: out.dx,
-                terms: terms_out,
-                desc: LossOutDesc {
-                    rows,
-                    hs: self.head.hs(),
-                    ld: self.head.hs_padded(),
-                    token0: start,
-                    loss_offset: start,
-                    dx_offset: elements("dx", start, self.head.hs())?,
-                    accumulate: opts.accumulate_dx,
-                    write_terms: opts.terms_out.is_some(),
-                },
-            })?;
+            call.loss_out(b, (start, rows), (self.head.hs(), self.head.hs_padded()), out, opts)?;
         }
-        b.dispatch(Launch::StatusDetail {
-            ids: teacher.ids,
-            probs: teacher.probs,
-            weights,
-            status,
-            labels: labels_buf,
-            desc: StatusDetailDesc {
-                rows: ntok,
-                k,
-                has_weights: opts.weights.is_some(),
-                form: opts.teacher_form,
-                tail: opts.tail,
-                has_labels: labels.is_some(),
-            },
-        })?;
+        call.status_detail(b, ntok, teacher, opts, labels)?;
         b.submit()
     }
 
@@ -738,11 +837,9 @@ impl<B: ResidentBackend> Engine<B> {
             false,
             (opts.budget_bytes, opts.max_rows_per_chunk),
         )?;
-        let (status, scratch) = self.take_resident(Job::Topk, plan.rows_per_chunk, width)?;
-        self.resident.pending = true;
-        let recorded = record(self, &plan, (&status, &scratch.rows));
-        self.put_back_resident(status, scratch);
-        recorded?;
+        let call: ResidentCall<B, ()> = self.begin_resident_call((Job::Topk, plan.rows_per_chunk, width))?;
+        let recorded = record(self, &plan, (&call.status, call.rows()));
+        self.end_resident_call(call, recorded)?;
         if self.resident.checked {
             self.wait_device()?;
         }

@@ -40,10 +40,10 @@ use crate::head_planes::{HeadPlanes, Scaling};
 use crate::launch::{Kernels, Launch};
 use crate::problem::check_k;
 use crate::resident::{
-    elements, DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, LossOutDesc, ResidentBackend,
-    ShardRowsDesc, ShardStage, StatusDetailDesc, TeacherRowsDesc, WeightStatsDesc,
+    elements, DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, ResidentBackend, ResidentCall,
+    ShardRowsDesc, ShardStage,
 };
-use crate::scratch::{Job, LossScratch, RowScratch};
+use crate::scratch::{Job, LossScratch};
 use crate::{round_up, ALIGN};
 
 /// f32 values per token in a partials or merged-statistics buffer:
@@ -114,22 +114,17 @@ impl<B: ResidentBackend> ShardEngine<B> {
         let own = e
             .backend()
             .alloc((ntok * STATS_PER_TOKEN * 4) as u64, "shard partials (engine's copy)")?;
-        let (status, mut scratch) = self.engine.take_resident(Job::Loss, plan.rows_per_chunk, k)?;
-        self.engine.resident.mark_pending();
+        let call: ResidentCall<B, LossScratch<B>> =
+            self.engine.begin_resident_call((Job::Loss, plan.rows_per_chunk, k))?;
         let mut kept = keep.then(Vec::new);
-        let recorded = self.engine.take_resident_loss(&mut scratch).and_then(|ls| {
-            let r = self.record_partials(
-                (ntok, hidden, teacher, opts),
-                (partials, &own),
-                &plan,
-                (&status, &scratch.rows, &ls),
-                kept.as_mut().map(|k| (k, sizes.logits)),
-            );
-            scratch.loss = Some(ls);
-            r
-        });
-        self.engine.put_back_resident(status, scratch);
-        recorded?;
+        let recorded = self.record_partials(
+            (ntok, hidden, teacher, opts),
+            (partials, &own),
+            &plan,
+            &call,
+            kept.as_mut().map(|k| (k, sizes.logits)),
+        );
+        self.engine.end_resident_call(call, recorded)?;
         self.kept_last = keep;
         self.pending_device = Some(DevicePhaseOne {
             ntok,
@@ -178,15 +173,11 @@ impl<B: ResidentBackend> ShardEngine<B> {
             self.pending_device = Some(p);
             return Err(e);
         }
-        let (status, mut scratch) = self.engine.take_resident(Job::Loss, p.plan.rows_per_chunk, p.k)?;
-        self.engine.resident.mark_pending();
-        let recorded = self.engine.take_resident_loss(&mut scratch).and_then(|ls| {
-            let r = self.record_finish((hidden, teacher, stats, out, opts), &p, (&status, &scratch.rows, &ls));
-            scratch.loss = Some(ls);
-            r
-        });
-        self.engine.put_back_resident(status, scratch);
-        recorded?;
+        let call: ResidentCall<B, LossScratch<B>> =
+            self.engine
+                .begin_resident_call((Job::Loss, p.plan.rows_per_chunk, p.k))?;
+        let recorded = self.record_finish((hidden, teacher, stats, out, opts), &p, &call);
+        self.engine.end_resident_call(call, recorded)?;
         if self.engine.resident.checked() {
             self.wait_device()?;
         }
@@ -275,83 +266,6 @@ impl<B: ResidentBackend> ShardEngine<B> {
         })
     }
 
-    /// The weights' statistics and, per chunk, the teacher rows checked
-    /// into scratch (global ids), shared by both phases.
-    fn record_teacher(
-        &self,
-        (start, rows): (usize, usize),
-        teacher: &DeviceTeacher<'_, B::Buffer>,
-        opts: &DeviceLossOptions<'_, B::Buffer>,
-        (status, s, ls): (&B::Buffer, &RowScratch<B>, &LossScratch<B>),
-    ) -> Result<()> {
-        let k = teacher.k;
-        let first_entry = elements("ids", start, k)?;
-        self.engine.backend().dispatch(Launch::TeacherRows {
-            ids: teacher.ids,
-            probs: teacher.probs,
-            weights: opts.weights.unwrap_or(teacher.probs),
-            status,
-            ids_out: &s.ids,
-            probs_out: &s.probs,
-            row_in: &ls.row_in,
-            desc: TeacherRowsDesc {
-                rows,
-                k,
-                vocab: self.shard.vocab(),
-                token0: start,
-                ids_offset: first_entry,
-                probs_offset: first_entry,
-                weights_offset: start,
-                has_weights: opts.weights.is_some(),
-                form: opts.teacher_form,
-                tail: opts.tail,
-            },
-        })
-    }
-
-    /// The per-call kernels around the chunks: the weights' statistics
-    /// first, the status detail last.
-    fn record_call_ends(
-        &self,
-        first: bool,
-        (ntok, temperature): (usize, f32),
-        teacher: &DeviceTeacher<'_, B::Buffer>,
-        opts: &DeviceLossOptions<'_, B::Buffer>,
-        status: &B::Buffer,
-    ) -> Result<()> {
-        let b = self.engine.backend();
-        let weights = opts.weights.unwrap_or(teacher.probs);
-        if first {
-            return b.dispatch(Launch::WeightStats {
-                weights,
-                status,
-                desc: WeightStatsDesc {
-                    rows: ntok,
-                    has_weights: opts.weights.is_some(),
-                    total: opts.reduction.total(opts.total, ntok)?,
-                    gscale: opts.gscale,
-                    temperature,
-                    grad_bound: opts.terms.grad_bound(temperature),
-                },
-            });
-        }
-        b.dispatch(Launch::StatusDetail {
-            ids: teacher.ids,
-            probs: teacher.probs,
-            weights,
-            status,
-            labels: teacher.ids,
-            desc: StatusDetailDesc {
-                rows: ntok,
-                k: teacher.k,
-                has_weights: opts.weights.is_some(),
-                form: opts.teacher_form,
-                tail: opts.tail,
-                has_labels: false,
-            },
-        })
-    }
-
     /// Records phase one (its checks done) and submits it.
     #[allow(clippy::type_complexity, reason = "the call's inputs, outputs and scratch")]
     fn record_partials(
@@ -364,13 +278,14 @@ impl<B: ResidentBackend> ShardEngine<B> {
         ),
         (partials, own): (&B::Buffer, &B::Buffer),
         plan: &ChunkPlan,
-        (status, s, ls): (&B::Buffer, &RowScratch<B>, &LossScratch<B>),
+        call: &ResidentCall<B, LossScratch<B>>,
         mut kept: Option<(&mut Vec<B::Buffer>, u64)>,
     ) -> Result<()> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
+        let (status, s, ls) = (&call.status, call.rows(), &call.loss);
         let (k, tau) = (teacher.k, opts.temperature);
         let scaling = Scaling::resident_loss(tau, opts.terms.logit_scale);
-        self.record_call_ends(true, (ntok, tau), teacher, opts, status)?;
+        call.weight_stats(b, (ntok, tau, opts.reduction.total(opts.total, ntok)?), teacher, opts)?;
         for (start, rows) in plan.ranges(ntok) {
             let logits = match kept.as_mut() {
                 Some((kept, row_bytes)) => {
@@ -381,7 +296,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
             };
             self.engine
                 .resident_logits_into((&s.x16, logits), hidden, (start, rows), scaling, None)?;
-            self.record_teacher((start, rows), teacher, opts, (status, s, ls))?;
+            call.teacher_rows(b, (start, rows, self.shard.vocab()), teacher, opts)?;
             // No statistics in phase one: the stats slot (read only) gets
             // a scratch buffer no other slot binds.
             let slots = |partials| ShardSlots {
@@ -409,7 +324,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
                 self.shard_step((ShardStage::Lse1, false), (start, rows, k), slots(partials))?;
             }
         }
-        self.record_call_ends(false, (ntok, tau), teacher, opts, status)?;
+        call.status_detail(b, ntok, teacher, opts, None)?;
         b.submit()
     }
 
@@ -425,12 +340,13 @@ impl<B: ResidentBackend> ShardEngine<B> {
             &DeviceLossOptions<'_, B::Buffer>,
         ),
         p: &DevicePhaseOne<B>,
-        (status, s, ls): (&B::Buffer, &RowScratch<B>, &LossScratch<B>),
+        call: &ResidentCall<B, LossScratch<B>>,
     ) -> Result<()> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
+        let (status, s, ls) = (&call.status, call.rows(), &call.loss);
         let (ntok, k, tau) = (p.ntok, p.k, p.temperature);
         let scaling = Scaling::resident_loss(tau, opts.terms.logit_scale);
-        self.record_call_ends(true, (ntok, tau), teacher, opts, status)?;
+        call.weight_stats(b, (ntok, tau, opts.reduction.total(opts.total, ntok)?), teacher, opts)?;
         let slots = ShardSlots {
             loss_chunk: &ls.loss,
             stats,
@@ -449,7 +365,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
                     &s.logits
                 }
             };
-            self.record_teacher((start, rows), teacher, opts, (status, s, ls))?;
+            call.teacher_rows(b, (start, rows, self.shard.vocab()), teacher, opts)?;
             self.shard_step((ShardStage::MapFinish, false), (start, rows, k), slots)?;
             let kl = KlDesc::plain(rows, h.vocab(), h.vocab_padded(), k);
             b.kl_rows(logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
@@ -457,26 +373,9 @@ impl<B: ResidentBackend> ShardEngine<B> {
             // them. Scaled by 1/(gscale·τ) in loss_out.
             h.dx(b, (&ls.grad, &ls.dx, logits), round_up(rows, ALIGN), scaling, None)?;
             self.shard_step((ShardStage::Loss, false), (start, rows, k), slots)?;
-            b.dispatch(Launch::LossOut {
-                loss_chunk: &ls.loss,
-                dx_chunk: &ls.dx,
-                status,
-                loss: out.loss,
-                dx: out.dx,
-                terms: opts.terms_out.unwrap_or(&s.probs),
-                desc: LossOutDesc {
-                    rows,
-                    hs: h.hs(),
-                    ld: h.hs_padded(),
-                    token0: start,
-                    loss_offset: start,
-                    dx_offset: elements("dx", start, h.hs())?,
-                    accumulate: opts.accumulate_dx,
-                    write_terms: opts.terms_out.is_some(),
-                },
-            })?;
+            call.loss_out(b, (start, rows), (h.hs(), h.hs_padded()), out, opts)?;
         }
-        self.record_call_ends(false, (ntok, tau), teacher, opts, status)?;
+        call.status_detail(b, ntok, teacher, opts, None)?;
         b.submit()
     }
 }
