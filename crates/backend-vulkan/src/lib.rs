@@ -201,7 +201,7 @@ pub fn enumerate_with(sources: &settings::GemmSources) -> Result<Vec<DeviceInfo>
                 let default = GemmChoice::default_for(DEFAULT_GEMM, Some(&limits));
                 let mark = tile_faults::marked(default, &ChoiceSource::Default, sources.tune_cache.as_deref(), &a.caps);
                 let ptx = match (
-                    CoopGemm::Wgmma(headkl_core::wgmma_tile::WGMMA_TILES[0]).misfit(&limits),
+                    CoopGemm::Wgmma(headkl_core::wgmma_tile::WGMMA_BM64_BK32_S3).misfit(&limits),
                     mark,
                 ) {
                     (Some(why), _) => format!("PTX tiles (wgmma): no: {why}"),

@@ -260,22 +260,14 @@ pub struct GemmChoice {
     pub dx: CoopGemm,
 }
 
-// GLSL_DEFAULT names its tile by position in the one table.
-const _: () = assert!(
-    crate::glsl_tile::GLSL_TILES[7].bm == 128
-        && crate::glsl_tile::GLSL_TILES[7].bk == 64
-        && crate::glsl_tile::GLSL_TILES[7].stages == 1
-        && crate::glsl_tile::GLSL_TILES[7].sg_cols == 2
-);
-
 impl GemmChoice {
     /// The default where the device runs the GLSL tiles (subgroups of 32,
     /// SPIR-V loaded as is): `glsl:bm128.bk64.s1` for both GEMMs, the
     /// fastest head_kl on the H200 (docs/PERFORMANCE.md rows 24–25; a tune
     /// cache entry still wins).
     pub const GLSL_DEFAULT: GemmChoice = GemmChoice {
-        logits: CoopGemm::Glsl(crate::glsl_tile::GLSL_TILES[7]),
-        dx: CoopGemm::Glsl(crate::glsl_tile::GLSL_TILES[7]),
+        logits: CoopGemm::Glsl(crate::glsl_tile::GLSL_BM128_BK64_S1),
+        dx: CoopGemm::Glsl(crate::glsl_tile::GLSL_BM128_BK64_S1),
     };
 
     /// The default where the device launches the PTX tiles (NVIDIA Hopper
@@ -284,8 +276,8 @@ impl GemmChoice {
     /// [`WGMMA_TILES`] for each on the H200 (docs/PERFORMANCE.md; a tune
     /// cache entry still wins).
     pub const WGMMA_DEFAULT: GemmChoice = GemmChoice {
-        logits: CoopGemm::Wgmma(WGMMA_TILES[1]),
-        dx: CoopGemm::Wgmma(WGMMA_TILES[0]),
+        logits: CoopGemm::Wgmma(crate::wgmma_tile::WGMMA_BM64_BK64_S1),
+        dx: CoopGemm::Wgmma(crate::wgmma_tile::WGMMA_BM64_BK32_S3),
     };
 
     /// The fallback where the default does not fit: the smallest staged

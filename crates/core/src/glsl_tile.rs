@@ -48,6 +48,10 @@ const fn tile(bm: u32, bk: u32, stages: u32, interleave: bool, ws: bool, sg_cols
     }
 }
 
+/// `glsl:bm128.bk64.s1`: 128 × 128, K steps of 64, one stage, 2 × 2
+/// subgroups; the default where the GLSL tiles run, and the filter tile.
+pub const GLSL_BM128_BK64_S1: GlslTile = tile(128, 64, 1, false, false, 2);
+
 /// Every GEMM tile the build compiles (both layouts each), which
 /// `HEADKL_GEMM` can name and `headkl tune` times.
 pub const GLSL_TILES: [GlslTile; 13] = [
@@ -58,7 +62,7 @@ pub const GLSL_TILES: [GlslTile; 13] = [
     tile(128, 32, 2, true, false, 2),
     tile(128, 32, 2, false, true, 2),
     tile(128, 16, 4, false, true, 2),
-    tile(128, 64, 1, false, false, 2),
+    GLSL_BM128_BK64_S1,
     tile(256, 32, 1, false, false, 2),
     tile(256, 16, 2, false, false, 2),
     tile(128, 32, 2, false, false, 4),

@@ -19,7 +19,7 @@ use std::fmt;
 use crate::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::{Error, Result};
 use crate::gemm_choice::{CoopGemm, KernelLimits};
-use crate::glsl_tile::{GlslTile, GLSL_TILES};
+use crate::glsl_tile::GlslTile;
 use crate::params::{
     ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams,
     ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
@@ -219,7 +219,7 @@ pub const SHADERS: [Shader; 17] = [
 /// The GLSL tile whose filtered build the dx GEMM runs with the block
 /// filter where the PTX tiles run the others (they have no filter):
 /// `glsl:bm128.bk64.s1`, the GLSL default.
-pub const GLSL_FILTER_TILE: GlslTile = GLSL_TILES[7];
+pub const GLSL_FILTER_TILE: GlslTile = crate::glsl_tile::GLSL_BM128_BK64_S1;
 
 /// The override of `kl_rows.wgsl` that specializes it to one term set
 /// ([`crate::params::row_flags`]; 0, its default, is the seed's loss):

@@ -57,22 +57,30 @@ pub struct WgmmaTile {
     pub feed: WgmmaFeed,
 }
 
+/// `wgmma:bm64.bk32.s3`: 64 × 128, K steps of 32 in three stages; the
+/// dx GEMM's default where the PTX tiles run.
+pub const WGMMA_BM64_BK32_S3: WgmmaTile = WgmmaTile {
+    bm: 64,
+    bk: 32,
+    stages: 3,
+    feed: WgmmaFeed::Copies,
+};
+
+/// `wgmma:bm64.bk64.s1`: 64 × 128, K steps of 64 in one stage; the logits
+/// GEMM's default where the PTX tiles run.
+pub const WGMMA_BM64_BK64_S1: WgmmaTile = WgmmaTile {
+    bm: 64,
+    bk: 64,
+    stages: 1,
+    feed: WgmmaFeed::Copies,
+};
+
 /// Every PTX tile (both layouts each), which `HEADKL_GEMM` can name and
 /// `headkl tune` times; the source's `TILE` lines, in their order, then
 /// its `BULK_ENTRY` lines.
 pub const WGMMA_TILES: [WgmmaTile; 4] = [
-    WgmmaTile {
-        bm: 64,
-        bk: 32,
-        stages: 3,
-        feed: WgmmaFeed::Copies,
-    },
-    WgmmaTile {
-        bm: 64,
-        bk: 64,
-        stages: 1,
-        feed: WgmmaFeed::Copies,
-    },
+    WGMMA_BM64_BK32_S3,
+    WGMMA_BM64_BK64_S1,
     WgmmaTile {
         bm: 128,
         bk: 32,
