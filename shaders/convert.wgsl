@@ -9,9 +9,9 @@ enable f16;
 
 // to_f16: f16_round.wgsl, appended by the catalogue.
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn convert_f16(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
     if i >= params.rows_padded * params.ld {
         return;
     }

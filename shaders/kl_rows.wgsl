@@ -30,7 +30,6 @@ override KL_FLAGS: u32 = 0u;
 @group(0) @binding(5) var<storage, read_write> loss: array<f32>;
 @group(0) @binding(6) var<storage, read_write> grad: array<vec4<f16>>;
 
-const WG: u32 = 256u;
 const NEG_HUGE: f32 = -3.0e38;
 
 // Bits of KL_FLAGS = params.flags, the divergences' codes (0 is the
@@ -62,7 +61,6 @@ var<workgroup> row_div: vec2<f32>;
 // The block filter (F_FILTER; headkl_core::filter): one segment's mask
 // words, each 32 blocks of FILTER_BLOCK vocabulary entries. Only the
 // filtered pipeline touches it.
-const SEG_WORDS: u32 = 64u;
 // 16-byte grad words a mask word covers: 32 blocks of FILTER_BLOCK.
 const WORD4: u32 = 32u * FILTER_BLOCK / 4u;
 const SEG4: u32 = SEG_WORDS * WORD4;
@@ -351,7 +349,7 @@ fn label_grad(x: f32, label_p: f32, c: f32, lse: f32, c0: vec4<f32>, c1: vec4<f3
     return c * us.y * d;
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = wg.x + wg.y * params.grid_x;
     if row >= params.rows {

@@ -11,9 +11,9 @@
 @group(0) @binding(3) var<storage, read_write> ids_chunk: array<u32>;
 
 // params: GatherRowsParams.
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn gather_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
     let cols = params.k + 1u;
     if i >= params.rows * cols {
         return;

@@ -12,9 +12,9 @@
 @group(0) @binding(4) var<storage, read_write> lse: array<f32>;
 
 // params: GatherRowsParams.
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn gather_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
     let cols = params.k + 1u;
     if i >= params.rows * cols {
         return;

@@ -13,9 +13,9 @@ fn half_bits(e: u32) -> u32 {
 }
 
 // params: HiddenInParams (src_offset in elements of the source type).
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn hidden_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
     if i >= params.rows_padded * params.ld {
         return;
     }

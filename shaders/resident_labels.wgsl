@@ -12,9 +12,9 @@
 @group(0) @binding(3) var<storage, read_write> row_in: array<u32>;
 
 // params: LabelsInParams.
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn labels_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let row = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    let row = (wg.x + wg.y * params.grid_x) * WG + lid;
     if row >= params.rows {
         return;
     }

@@ -19,9 +19,9 @@
 @group(0) @binding(6) var<storage, read_write> terms_dst: array<f32>;
 
 // params: LossOutParams.
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
     if i < params.rows {
         let l = loss_chunk[i * 4u];
         // The bits, never a float NaN test (which may be folded).

@@ -5,14 +5,9 @@
 // lse at τ, lse at τ = 1, the teacher's in-shard terms. Each step touches
 // only the buffers it names. Prepended by resident_common.wgsl.
 
-// headkl_core::ShardStage::code (a core test holds these to it).
-const STAGE_MAP: u32 = 0u;
-const STAGE_PARTIALS: u32 = 1u;
-const STAGE_LSE1: u32 = 2u;
-const STAGE_MAP_FINISH: u32 = 3u;
-const STAGE_LOSS: u32 = 4u;
-// The floor on the shard's softmax share α (2^-40, as the host path).
-const ALPHA_FLOOR: f32 = 9.094947e-13;
+// STAGE_* (headkl_core::ShardStage::code) and ALPHA_FLOOR, the floor on
+// the shard's softmax share α (2^-40, as the host path), come with the
+// parameter block.
 
 // kl_rows' [rows][4]: loss, lse at τ = 1, soft, hard.
 @group(0) @binding(1) var<storage, read_write> loss_chunk: array<f32>;
@@ -58,9 +53,9 @@ fn map_row(row: u32, inv_alpha: f32, duplicate: bool) {
 }
 
 // params: ShardRowsParams.
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn shard_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let row = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    let row = (wg.x + wg.y * params.grid_x) * WG + lid;
     if row >= params.rows {
         return;
     }

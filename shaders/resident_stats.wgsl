@@ -8,19 +8,19 @@
 @group(0) @binding(1) var<storage, read> weights: array<f32>;
 @group(0) @binding(2) var<storage, read_write> status: array<atomic<u32>>;
 
-var<workgroup> red_sum: array<f32, 256>;
-var<workgroup> red_max: array<f32, 256>;
-var<workgroup> red_bad: array<u32, 256>;
+var<workgroup> red_sum: array<f32, WG>;
+var<workgroup> red_max: array<f32, WG>;
+var<workgroup> red_bad: array<u32, WG>;
 
 // params (WeightStatsParams): rows = ntok; total and gscale are the caller's
 // (0: the weights' sum, and 2^14 * total / max weight / grad_bound).
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn weight_stats(@builtin(local_invocation_index) lid: u32) {
     let has_w = params.has_weights != 0u;
     var s = 0.0;
     var m = 0.0;
     var bad = NONE;
-    for (var t = lid; t < params.rows; t += 256u) {
+    for (var t = lid; t < params.rows; t += WG) {
         var w = 1.0;
         if has_w {
             w = weights[t];

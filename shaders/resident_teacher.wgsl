@@ -37,14 +37,14 @@ fn teacher_value(v: f32, logprobs: bool) -> vec2<f32> {
     return vec2<f32>(0.0, v);
 }
 
-var<workgroup> row_ids: array<u32, 2048>;
-var<workgroup> red_sum: array<f32, 256>;
-var<workgroup> red_bad: array<u32, 256>;
-var<workgroup> red_range: array<u32, 256>;
+var<workgroup> row_ids: array<u32, MAX_K>;
+var<workgroup> red_sum: array<f32, WG>;
+var<workgroup> red_bad: array<u32, WG>;
+var<workgroup> red_range: array<u32, WG>;
 
 // params: TeacherRowsParams (offsets: the chunk's first id, probability and
 // weight in the caller's buffers).
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = wg.x + wg.y * params.grid_x;
     if row >= params.rows {
@@ -58,7 +58,7 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     var s = 0.0;
     var bad = 0u;
     var first_range = NONE;
-    for (var q = lid; q < k; q += 256u) {
+    for (var q = lid; q < k; q += WG) {
         let id = ids_in[base_a + q];
         row_ids[q] = id;
         if id >= params.vocab {
@@ -72,7 +72,7 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         }
     }
     workgroupBarrier();
-    for (var q = lid; q < k; q += 256u) {
+    for (var q = lid; q < k; q += WG) {
         let id = row_ids[q];
         for (var j = 0u; j < q; j++) {
             if row_ids[j] == id {
@@ -104,7 +104,7 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
             inv = 1.0;
         }
     }
-    for (var q = lid; q < k; q += 256u) {
+    for (var q = lid; q < k; q += WG) {
         ids_out[row * k + q] = min(row_ids[q], params.vocab - 1u);
         var p = 0.0;
         if !any_bad {

@@ -11,9 +11,9 @@
 @group(0) @binding(5) var<storage, read_write> probs_dst: array<f32>;
 
 // params: TopkOutParams.
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn topk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
     if i >= params.rows * params.k {
         return;
     }

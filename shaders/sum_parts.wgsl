@@ -7,9 +7,9 @@
 @group(0) @binding(1) var<storage, read> parts: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn sum_parts(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * 256u + lid;
+    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
     if i >= params.len / 4u {
         return;
     }

@@ -11,15 +11,12 @@
 @group(0) @binding(2) var<storage, read_write> ids: array<u32>;
 @group(0) @binding(3) var<storage, read_write> probs: array<f32>;
 
-const WG: u32 = 256u;
-const MAX_K: u32 = 2048u;
 // Sorts after every real key: real keys of finite logits are never 0.
 const PAD_KEY: u32 = 0u;
 const PAD_ID: u32 = 0xffffffffu;
 
 // Digit histogram: 11-bit digits.
-const HIST: u32 = 2048u;
-var<workgroup> hist: array<atomic<u32>, HIST>;
+var<workgroup> hist: array<atomic<u32>, TOPK_HIST>;
 var<workgroup> scan: array<u32, WG>;
 var<workgroup> sel_key: array<u32, MAX_K>;
 var<workgroup> sel_id: array<u32, MAX_K>;
@@ -322,7 +319,7 @@ fn write_bad(row: u32, k: u32, lid: u32) {
     }
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = wg.x + wg.y * params.grid_x;
     if row >= params.rows {
@@ -459,13 +456,13 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     var bucket = 0u;
     for (var digit_pass = 0u; digit_pass < 3u; digit_pass++) {
         var shift = 21u - 11u * digit_pass;
-        var bins = HIST;
+        var bins = TOPK_HIST;
         if digit_pass == 2u {
             shift = 0u;
-            bins = HIST / 2u;
+            bins = TOPK_HIST / 2u;
         }
         let digit_mask = bins - 1u;
-        for (var i = lid; i < HIST; i += WG) {
+        for (var i = lid; i < TOPK_HIST; i += WG) {
             atomicStore(&hist[i], 0u);
         }
         workgroupBarrier();

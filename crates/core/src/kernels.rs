@@ -73,7 +73,8 @@ impl Shader {
     /// place of [`ROW_MARKER`]; in the row kernels, their flag bits and
     /// codes in place of [`FLAGS_MARKER`]).
     pub fn source(&self) -> String {
-        let mut text = self.text.replacen(PARAMS_MARKER, &self.params.wgsl(), 1);
+        let block = self.params.wgsl() + &shared_wgsl();
+        let mut text = self.text.replacen(PARAMS_MARKER, &block, 1);
         if text.contains(RESIDENT_MARKER) {
             text = text.replacen(RESIDENT_MARKER, &crate::resident::status::wgsl(), 1);
         }
@@ -226,9 +227,39 @@ pub const GLSL_FILTER_TILE: GlslTile = crate::glsl_tile::GLSL_BM128_BK64_S1;
 /// [`crate::Checked::build`] sets it from the launch.
 pub const KL_FLAGS: &str = "KL_FLAGS";
 
-/// Invocations per workgroup of the row kernels, the conversion and the
-/// sum of parts (`WG` in their shaders).
+/// Invocations per workgroup of the row kernels, the conversion, the sum
+/// of parts and the resident kernels (`WG` in their shaders).
 pub const ROW_WORKGROUP: u32 = 256;
+/// Entries of `topk_rows`' radix histogram: 11-bit digits (`TOPK_HIST`).
+pub const TOPK_HIST: u32 = 2048;
+/// The block filter's mask words one `kl_rows` workgroup builds at a time
+/// (`SEG_WORDS`).
+pub const FILTER_SEG_WORDS: u32 = 64;
+
+/// The constants every WGSL shader gets after its parameter block (in
+/// place of [`PARAMS_MARKER`]), so no shader spells a host value by hand:
+/// the workgroup size, `MAX_K`, the top-k histogram, the filter's segment,
+/// the shard steps' codes and the floor on a shard's softmax share.
+pub fn shared_wgsl() -> String {
+    let mut s = String::from("// headkl_core's constants (kernels::shared_wgsl).\n");
+    let max_k = crate::problem::MAX_K as u32;
+    let stages = crate::resident::ShardStage::ALL.map(|st| (st.name(), st.code()));
+    for (name, value) in [
+        ("WG", ROW_WORKGROUP),
+        ("MAX_K", max_k),
+        ("TOPK_HIST", TOPK_HIST),
+        ("SEG_WORDS", FILTER_SEG_WORDS),
+    ] {
+        s.push_str(&format!("const {name}: u32 = {value}u;\n"));
+    }
+    for (name, code) in stages {
+        s.push_str(&format!("const STAGE_{name}: u32 = {code}u;\n"));
+    }
+    // f32's shortest round-trip digits: the value the host's f32 holds.
+    let floor = crate::shard::ALPHA_FLOOR as f32;
+    s.push_str(&format!("const ALPHA_FLOOR: f32 = {floor:e};\n"));
+    s
+}
 /// Output tile `(rows, columns)` per workgroup of `gemm_tiled.wgsl`
 /// (`TM`, `TN`), computed by 16 × 16 invocations.
 pub const TILED_TILE: (u32, u32) = (64, 64);
@@ -552,17 +583,26 @@ impl KernelId {
             // naga's layout by the shader tests).
             (KernelId::ConvertF16, _) => fixed(CONVERT_WGSL, 0),
             (KernelId::SumParts, _) => fixed(SUM_PARTS_WGSL, 0),
-            // red_max, red_sum, red_bad, red_max1, red_sum1, red_aux [256],
+            // red_max, red_sum, red_bad, red_max1, red_sum1, red_aux [WG],
             // three scalars, two vec4s, the divergences' vec2, and the block
-            // filter's seg_mask [64] (declared in every pipeline, touched
-            // only with the filter).
-            (KernelId::KlRows, _) => fixed(KL_ROWS_WGSL, 6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16 + 8 + 64 * 4),
-            // hist [2048], scan [256], sel_key and sel_id [2048], 9 scalars.
-            (KernelId::TopkRows, _) => fixed(TOPK_ROWS_WGSL, 4 * (2048 + ROW_WORKGROUP + 2 * 2048 + 9)),
-            // red_sum, red_max, red_bad [256].
+            // filter's seg_mask [SEG_WORDS] (declared in every pipeline,
+            // touched only with the filter).
+            (KernelId::KlRows, _) => fixed(
+                KL_ROWS_WGSL,
+                6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16 + 8 + 4 * FILTER_SEG_WORDS,
+            ),
+            // hist [TOPK_HIST], scan [WG], sel_key and sel_id [MAX_K], 9 scalars.
+            (KernelId::TopkRows, _) => fixed(
+                TOPK_ROWS_WGSL,
+                4 * (TOPK_HIST + ROW_WORKGROUP + 2 * crate::problem::MAX_K as u32 + 9),
+            ),
+            // red_sum, red_max, red_bad [WG].
             (KernelId::WeightStats, _) => fixed(WEIGHT_STATS_WGSL, 3 * 4 * ROW_WORKGROUP),
-            // row_ids [2048]; red_sum, red_bad, red_range [256].
-            (KernelId::TeacherRows, _) => fixed(TEACHER_ROWS_WGSL, 4 * (2048 + 3 * ROW_WORKGROUP)),
+            // row_ids [MAX_K]; red_sum, red_bad, red_range [WG].
+            (KernelId::TeacherRows, _) => fixed(
+                TEACHER_ROWS_WGSL,
+                4 * (crate::problem::MAX_K as u32 + 3 * ROW_WORKGROUP),
+            ),
             (KernelId::LabelsIn, _) => fixed(LABELS_IN_WGSL, 0),
             (KernelId::HiddenIn, _) => fixed(HIDDEN_IN_WGSL, 0),
             (KernelId::LossOut, _) => fixed(LOSS_OUT_WGSL, 0),
@@ -869,6 +909,33 @@ mod tests {
                 assert_eq!(shader.params, k.params(), "{}", shader.file);
                 assert_eq!(shader.text.matches(PARAMS_MARKER).count(), 1, "{}", shader.file);
                 assert!(shader.source().contains("var<uniform> params: "), "{}", shader.file);
+            }
+        }
+    }
+
+    #[test]
+    fn every_shader_takes_the_host_constants_from_core() {
+        let shared = shared_wgsl();
+        for stage in crate::resident::ShardStage::ALL {
+            let line = format!("const STAGE_{}: u32 = {}u;\n", stage.name(), stage.code());
+            assert!(shared.contains(&line), "{shared}");
+        }
+        assert!(shared.contains("const WG: u32 = 256u;\n"), "{shared}");
+        assert!(shared.contains("const MAX_K: u32 = 2048u;\n"), "{shared}");
+        // 2^-40 in f32's shortest digits.
+        assert!(shared.contains("const ALPHA_FLOOR: f32 = 9.094947e-13;\n"), "{shared}");
+        let names: Vec<&str> = shared
+            .lines()
+            .filter_map(|l| l.strip_prefix("const "))
+            .filter_map(|l| l.split(':').next())
+            .collect();
+        for k in KernelId::ALL {
+            for shader in k.shaders() {
+                assert_eq!(shader.source().matches(&shared).count(), 1, "{}", shader.file);
+                for name in &names {
+                    let own = format!("const {name}:");
+                    assert!(!shader.text.contains(&own), "{} declares {name} itself", shader.file);
+                }
             }
         }
     }

@@ -56,6 +56,7 @@ mod engine;
 mod merge;
 mod resident;
 
+pub(crate) use engine::ALPHA_FLOOR;
 pub use engine::{check_loss_terms, ShardEngine};
 pub use merge::{
     merge_gather, merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, LossStats, TIE_WINDOW,

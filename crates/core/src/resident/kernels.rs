@@ -319,17 +319,3 @@ impl<T: ResidentBackend + ?Sized> ResidentBackend for &T {
         (**self).submit()
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::ShardStage;
-
-    #[test]
-    fn shard_stage_codes_match_the_shader() {
-        let text = include_str!("../../../../shaders/resident_shard.wgsl");
-        for stage in ShardStage::ALL {
-            let line = format!("const STAGE_{}: u32 = {}u;", stage.name(), stage.code());
-            assert!(text.contains(&line), "resident_shard.wgsl lacks `{line}`");
-        }
-    }
-}

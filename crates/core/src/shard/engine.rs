@@ -19,7 +19,7 @@ use crate::{round_up, ALIGN};
 /// The floor on a shard's softmax share `α = exp(lse_s − lse)` in phase two:
 /// `q/α` stays far inside f32, and what the floor changes, `c·α·p ≤ c·2^-40`,
 /// is below the f16 gradient's resolution.
-const ALPHA_FLOOR: f64 = 1.0 / (1u64 << 40) as f64;
+pub(crate) const ALPHA_FLOOR: f64 = 1.0 / (1u64 << 40) as f64;
 
 /// An engine on rows `[v0, v1)` of a head of `V` rows: the two-phase loss
 /// and the top-k candidates of the module docs (`crate::shard`). Teacher
