@@ -5,8 +5,8 @@
 
 use clap::Args;
 use headkl_core::shard::{
-    merge_gather, merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, HeadShard, LossPartials,
-    LossStats, ShardEngine,
+    merge_gather, merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, two_phases_on_threads,
+    HeadShard, LossPartials, LossStats, ShardEngine,
 };
 use headkl_core::{
     Backend, Error as CoreError, Gathered, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher, TopK,
@@ -204,9 +204,6 @@ pub struct LossShards<'a> {
     pub map: MapError<'a>,
 }
 
-/// What each shard thread sends the merge.
-type Phase1 = Result<LossPartials, CliError>;
-
 impl ShardJob for LossShards<'_> {
     type Output = LossOutput;
 
@@ -225,72 +222,31 @@ impl ShardJob for LossShards<'_> {
             map,
         } = self;
         let map = &map;
-        let outs = std::thread::scope(|s| -> Result<Vec<LossOutput>, CliError> {
-            let (to_merge, partials) = std::sync::mpsc::channel::<Phase1>();
-            let mut to_ranks = Vec::new();
-            let ranks: Vec<_> = plan
-                .shards
-                .iter()
-                .zip(&plan.assign)
-                .map(|(&shard, &d)| {
-                    let (tx, rx) = std::sync::mpsc::channel::<LossStats>();
-                    to_ranks.push(tx);
-                    let to_merge = to_merge.clone();
-                    let (backend, head, hidden) = (&backends[d], &head, &hidden);
-                    s.spawn(move || -> Result<LossOutput, CliError> {
-                        let phase_one = || -> Result<(ShardEngine<&B>, LossPartials), CliError> {
-                            let mut e = engine_on(backend, head, shard, &plan.target.settings, *map)?;
-                            let p = e.loss_partials(hidden, teacher, opts).map_err(|e| map(e, "head_kl"))?;
-                            Ok((e, p))
-                        };
-                        let (mut engine, p) = match phase_one() {
-                            Ok(x) => x,
-                            Err(e) => {
-                                let _ = to_merge.send(Err(CliError::option("--shards", "a shard failed")));
-                                return Err(e);
-                            }
-                        };
-                        let _ = to_merge.send(Ok(p));
-                        let Ok(stats) = rx.recv() else {
-                            return Err(CliError::option("--shards", "another shard failed"));
-                        };
-                        let mut out = LossOutput::default();
-                        engine
-                            .loss_finish(hidden, &stats, &mut out)
-                            .map_err(|e| map(e, "head_kl"))?;
-                        Ok(out)
-                    })
-                })
-                .collect();
-            drop(to_merge);
-            let parts: Result<Vec<_>, CliError> = partials.iter().take(ranks.len()).collect();
-            let merged = parts.and_then(|p| merge_loss(&p).map_err(|e| map(e, "merging the shards")));
-            if let Ok(stats) = &merged {
-                for tx in &to_ranks {
-                    let _ = tx.send(stats.clone());
-                }
-            }
-            drop(to_ranks);
-            let mut outs = Vec::with_capacity(ranks.len());
-            let mut first_err = None;
-            for (rank, h) in ranks.into_iter().enumerate() {
-                match h.join() {
-                    Ok(Ok(o)) => outs.push(o),
-                    // A shard's own error before the "another shard failed" of the rest.
-                    Ok(Err(e)) => {
-                        first_err.get_or_insert(e);
-                    }
-                    Err(payload) => {
-                        first_err.get_or_insert(CliError::panicked(format!("shard {rank}'s thread"), payload));
-                    }
-                }
-            }
-            if let Some(e) = first_err {
-                return Err(e);
-            }
-            merged?;
-            Ok(outs)
-        })?;
+        let ranks: Vec<_> = plan.shards.iter().copied().zip(plan.assign.iter().copied()).collect();
+        let outs = two_phases_on_threads(
+            ranks,
+            |_, (shard, d)| {
+                let mut e = engine_on(&backends[d], &head, shard, &plan.target.settings, *map)?;
+                let p = e.loss_partials(&hidden, teacher, opts).map_err(|e| map(e, "head_kl"))?;
+                Ok((e, p))
+            },
+            |parts: Vec<LossPartials>| {
+                let stats = merge_loss(&parts).map_err(|e| map(e, "merging the shards"))?;
+                Ok(vec![stats; parts.len()])
+            },
+            |mut engine: ShardEngine<&B>, stats: LossStats| {
+                let mut out = LossOutput::default();
+                engine
+                    .loss_finish(&hidden, &stats, &mut out)
+                    .map_err(|e| map(e, "head_kl"))?;
+                Ok(out)
+            },
+            |rank, message| CliError::Panicked {
+                what: format!("shard {rank}'s thread"),
+                message,
+            },
+            || CliError::option("--shards", "another shard failed"),
+        )?;
         merge_loss_outputs(&outs).map_err(|e| map(e, "merging the shards"))
     }
 }

@@ -54,6 +54,7 @@
 
 mod engine;
 mod merge;
+mod ranks;
 mod resident;
 
 pub(crate) use engine::ALPHA_FLOOR;
@@ -61,6 +62,7 @@ pub use engine::{check_loss_terms, ShardEngine};
 pub use merge::{
     merge_gather, merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, LossStats, TIE_WINDOW,
 };
+pub use ranks::two_phases_on_threads;
 pub use resident::{merge_loss_device, STATS_PER_TOKEN};
 
 use crate::error::{Error, Result};

@@ -5,9 +5,9 @@
 //! (a rank each, the merge between them as a collective would be), and
 //! [`run_shard_cases`] (what `headkl check` adds) drives the shards in turn.
 
-use std::sync::mpsc;
-
-use headkl_core::shard::{merge_loss, merge_loss_outputs, merge_topk, HeadShard, LossPartials, ShardEngine};
+use headkl_core::shard::{
+    merge_loss, merge_loss_outputs, merge_topk, two_phases_on_threads, HeadShard, LossPartials, ShardEngine,
+};
 use headkl_core::{
     Backend, Error, HeadData, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, TailMode, Teacher,
     TeacherForm, TopK, TopkOptions,
@@ -208,50 +208,26 @@ where
         keep: bool,
     ) -> Result<LossOutput, String> {
         let err = |e: Error| e.to_string();
-        let outs = std::thread::scope(|s| {
-            let (to_merge, partials) = mpsc::channel::<Result<LossPartials, String>>();
-            let mut to_ranks = Vec::new();
-            let ranks: Vec<_> = engines
-                .into_iter()
-                .map(|mut e| {
-                    let (tx, rx) = mpsc::channel();
-                    to_ranks.push(tx);
-                    let to_merge = to_merge.clone();
-                    s.spawn(move || -> Result<LossOutput, String> {
-                        let p = e.loss_partials(hidden, teacher, opts).map_err(err);
-                        let failed = p.is_err();
-                        to_merge.send(p).map_err(|e| e.to_string())?;
-                        if failed {
-                            return Err("phase one failed".into());
-                        }
-                        // The "all-reduce": the merged statistics come back.
-                        let Ok(stats) = rx.recv() else {
-                            return Err("no merged statistics".into());
-                        };
-                        check_kept(&e, keep)?;
-                        let mut out = LossOutput::default();
-                        e.loss_finish(hidden, &stats, &mut out).map_err(err)?;
-                        Ok(out)
-                    })
-                })
-                .collect();
-            drop(to_merge);
-            let parts: Result<Vec<_>, String> = partials.iter().take(ranks.len()).collect();
-            let merged = parts.and_then(|p| merge_loss(&p).map_err(err));
-            if let Ok(stats) = &merged {
-                for tx in &to_ranks {
-                    // A rank that has gone has its error to report.
-                    let _ = tx.send(stats.clone());
-                }
-            }
-            drop(to_ranks);
-            let outs: Vec<Result<LossOutput, String>> = ranks
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("a shard's thread panicked".into())))
-                .collect();
-            merged?;
-            outs.into_iter().collect::<Result<Vec<_>, String>>()
-        })?;
+        let outs = two_phases_on_threads(
+            engines,
+            |_, mut e| {
+                let p = e.loss_partials(hidden, teacher, opts).map_err(err)?;
+                Ok((e, p))
+            },
+            |parts: Vec<LossPartials>| {
+                // The "all-reduce": the merged statistics go back to each.
+                let stats = merge_loss(&parts).map_err(err)?;
+                Ok(vec![stats; parts.len()])
+            },
+            |mut e, stats| {
+                check_kept(&e, keep)?;
+                let mut out = LossOutput::default();
+                e.loss_finish(hidden, &stats, &mut out).map_err(err)?;
+                Ok(out)
+            },
+            |rank, message| format!("shard {rank}'s thread panicked: {message}"),
+            || "phase one failed".to_string(),
+        )?;
         merge_loss_outputs(&outs).map_err(err)
     }
 

@@ -10,9 +10,7 @@
 //! back) and the shards in turn on the CPU reference ([`Serial`]), whose
 //! buffers are not shared between threads; `headkl check` runs it serially.
 
-use std::sync::mpsc;
-
-use headkl_core::shard::{merge_loss_device, HeadShard, ShardEngine, STATS_PER_TOKEN};
+use headkl_core::shard::{merge_loss_device, two_phases_on_threads, HeadShard, ShardEngine, STATS_PER_TOKEN};
 use headkl_core::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Error, HeadData, HeadWeights, Hidden,
     HiddenDtype, LossOptions, LossTerms, ResidentBackend, SliceOptions, TeacherForm,
@@ -227,50 +225,18 @@ where
         engines: Vec<ShardEngine<&B>>,
         inp: &DeviceInputs<B::Buffer>,
     ) -> Result<Vec<RankOut>, String> {
-        std::thread::scope(|s| {
-            let (to_merge, partials) = mpsc::channel::<Result<(HeadShard, B::Buffer), String>>();
-            let mut to_ranks = Vec::new();
-            let ranks: Vec<_> = engines
-                .into_iter()
-                .map(|mut e| {
-                    let (tx, rx) = mpsc::channel::<B::Buffer>();
-                    to_ranks.push(tx);
-                    let to_merge = to_merge.clone();
-                    s.spawn(move || -> Result<RankOut, String> {
-                        let p = partials_rank(b, &mut e, inp).map(|p| (e.shard(), p));
-                        let failed = p.is_err();
-                        to_merge.send(p).map_err(|e| e.to_string())?;
-                        if failed {
-                            return Err("phase one failed".into());
-                        }
-                        let Ok(stats) = rx.recv() else {
-                            return Err("no merged statistics".into());
-                        };
-                        finish_rank(b, &mut e, inp, &stats)
-                    })
-                })
-                .collect();
-            drop(to_merge);
-            let parts: Result<Vec<_>, String> = partials.iter().take(ranks.len()).collect();
-            let merged = parts.and_then(|p| collective(b, &p));
-            let merged_ok = match merged {
-                Ok(stats) => {
-                    for (tx, st) in to_ranks.iter().zip(stats) {
-                        // A rank that has gone has its error to report.
-                        let _ = tx.send(st);
-                    }
-                    Ok(())
-                }
-                Err(e) => Err(e),
-            };
-            drop(to_ranks);
-            let outs: Vec<Result<RankOut, String>> = ranks
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("a shard's thread panicked".into())))
-                .collect();
-            merged_ok?;
-            outs.into_iter().collect()
-        })
+        two_phases_on_threads(
+            engines,
+            |_, mut e| {
+                let p = partials_rank(b, &mut e, inp)?;
+                let shard = e.shard();
+                Ok((e, (shard, p)))
+            },
+            |parts: Vec<(HeadShard, B::Buffer)>| collective(b, &parts),
+            |mut e, stats| finish_rank(b, &mut e, inp, &stats),
+            |rank, message| format!("shard {rank}'s thread panicked: {message}"),
+            || "phase one failed".to_string(),
+        )
     }
 }
 
