@@ -102,20 +102,7 @@ pub(crate) fn loss(
         hidden: &t_hidden_t,
         ..sources
     };
-    let opts = LossOptions {
-        temperature: args.temperature,
-        weights,
-        total: args.total,
-        reduction: args.reduction,
-        gscale: args.gscale,
-        budget_bytes: args.budget.bytes,
-        terms: terms.terms(),
-        labels,
-        ignore_index: terms.ignore_index,
-        ignore_mask: terms.ignore_mask,
-        filter_eps: args.filter_eps,
-        ..LossOptions::default()
-    };
+    let opts = args.loss_options(weights, labels);
     let resolved = check_loss_options(&opts, ntok, vocab, &sources)?;
     headkl_core::check_full_vocab_terms(&resolved).map_err(|e| sources.map(e, "loss options"))?;
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;

@@ -557,6 +557,28 @@ pub struct LossArgs {
     pub filter_eps: Option<f32>,
 }
 
+impl LossArgs {
+    /// The loss options these flags set, with the weights and labels read
+    /// from their files (`headkl loss`, with the top-k teacher or the
+    /// teacher's hidden rows).
+    pub(crate) fn loss_options(&self, weights: Option<Vec<f32>>, labels: Option<Vec<i64>>) -> LossOptions {
+        LossOptions {
+            temperature: self.temperature,
+            weights,
+            total: self.total,
+            reduction: self.reduction,
+            gscale: self.gscale,
+            budget_bytes: self.budget.bytes,
+            terms: self.terms.terms(),
+            labels,
+            ignore_index: self.terms.ignore_index,
+            ignore_mask: self.terms.ignore_mask,
+            filter_eps: self.filter_eps,
+            ..LossOptions::default()
+        }
+    }
+}
+
 /// Options of `headkl topk` beyond the head and hidden rows.
 #[derive(clap::Args, Clone, Debug)]
 pub struct TopkArgs {
@@ -671,20 +693,7 @@ pub fn loss(
         }
         None => probs,
     };
-    let opts = LossOptions {
-        temperature: args.temperature,
-        weights,
-        total: args.total,
-        reduction: args.reduction,
-        gscale: args.gscale,
-        budget_bytes: args.budget.bytes,
-        terms: args.terms.terms(),
-        labels,
-        ignore_index: args.terms.ignore_index,
-        ignore_mask: args.terms.ignore_mask,
-        filter_eps: args.filter_eps,
-        ..LossOptions::default()
-    };
+    let opts = args.loss_options(weights, labels);
     // Every option is checked before the head goes anywhere.
     let resolved = check_loss_options(&opts, ntok, vocab, &sources)?;
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
