@@ -11,12 +11,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use half::f16;
-use headkl_core::shard::{merge_loss_device, HeadShard, ShardEngine, STATS_PER_TOKEN};
 use headkl_core::{
-    Backend, DeviceHidden, DeviceInfo, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Divergence, Engine,
-    HeadData, HeadWeights, Hidden, HiddenDtype, LossOptions, LossTerms, ResidentBackend, SliceOptions, Teacher,
-    TopkOptions, VocabOrder, ALIGN,
+    Backend, DeviceInfo, Divergence, Engine, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, ResidentBackend,
+    SliceOptions, TopkOptions, ALIGN,
 };
 
 use crate::environment::Settings;
@@ -29,14 +26,22 @@ use crate::select::{
     BackendJob, BackendKind, ResidentJob, RunError, Target,
 };
 use crate::text::fmt_bytes;
-use headkl_reference::rng::{fill_parallel, XorShift64};
 
+mod data;
 mod preflight;
+mod resident;
 mod shape;
+mod sharded;
 mod stats;
 mod table;
 
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) use data::vocab_order_from_text;
+use data::{random_labels, teacher_data};
+pub(crate) use data::{BenchData, DataKind, VocabOrderArg};
+use resident::time_resident;
 pub use shape::{JobKind, Shape};
+use sharded::time_sharded;
 use stats::announce_estimate;
 pub(crate) use stats::{median, sorted};
 pub use table::{render, BenchReport, BenchRun, FilterReport, JobResult, KernelStat};
@@ -143,13 +148,6 @@ pub enum BenchLabels {
     Random,
 }
 
-/// The tokens' labels for `--labels random`: uniform over the vocabulary,
-/// from a fixed seed (so runs compare).
-fn random_labels(shape: Shape) -> Vec<i64> {
-    let mut rng = XorShift64::new(DATA_SEED + 3);
-    (0..shape.ntok).map(|_| rng.below(shape.vocab as u64) as i64).collect()
-}
-
 impl BenchConfig {
     /// head_kl's terms: the divergence (and β) asked for, checked, the
     /// rest the defaults.
@@ -186,192 +184,6 @@ impl BenchConfig {
             ));
         }
         Ok(terms)
-    }
-}
-
-/// `--vocab-order`: `natural`, `prior` (the `lm` generator's unigram prior,
-/// likely tokens first) or a file of token ids in the order to store them.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum VocabOrderArg {
-    /// The head as given.
-    Natural,
-    /// By the `lm` data's prior (`--data lm` only).
-    Prior,
-    /// Token ids, whitespace-separated, position by position.
-    File(PathBuf),
-}
-
-impl VocabOrderArg {
-    /// Parses `natural`, `prior` or a path.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        Ok(match s.trim() {
-            "natural" => VocabOrderArg::Natural,
-            "prior" => VocabOrderArg::Prior,
-            "" => return Err("natural, prior or a file of token ids".into()),
-            path => VocabOrderArg::File(PathBuf::from(path)),
-        })
-    }
-
-    /// The order for `data`, or `None` for the natural one.
-    fn resolve(&self, data: &BenchData) -> Result<Option<VocabOrder>, CliError> {
-        let order = match self {
-            VocabOrderArg::Natural => return Ok(None),
-            VocabOrderArg::Prior => {
-                let prior = data.log_prior.as_ref().ok_or_else(|| {
-                    CliError::option("--vocab-order", "prior needs --data lm (the generator's unigram prior)")
-                })?;
-                VocabOrder::by_score(prior)
-            }
-            VocabOrderArg::File(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| CliError::option("--vocab-order", format!("{}: {e}", path.display())))?;
-                let order = vocab_order_from_text(path, &text)?;
-                if order.len() != data.shape.vocab {
-                    return Err(CliError::option(
-                        "--vocab-order",
-                        format!(
-                            "{}: {} token ids, but the head has V = {}",
-                            path.display(),
-                            order.len(),
-                            data.shape.vocab
-                        ),
-                    ));
-                }
-                return Ok(Some(order));
-            }
-        };
-        order
-            .map(Some)
-            .map_err(|e| CliError::option("--vocab-order", e.to_string()))
-    }
-}
-
-/// A vocabulary-order file's text: token ids separated by whitespace,
-/// position by position, each id of `0..n` once. Anything else is an error
-/// naming the file and the first id at fault (exit 2).
-pub(crate) fn vocab_order_from_text(path: &std::path::Path, text: &str) -> Result<VocabOrder, CliError> {
-    let bad = |problem: String| CliError::option("--vocab-order", format!("{}: {problem}", path.display()));
-    let ids = text
-        .split_whitespace()
-        .enumerate()
-        .map(|(p, w)| {
-            w.parse::<u32>()
-                .map_err(|e| bad(format!("position {p}: `{}`: {e}", w.escape_debug())))
-        })
-        .collect::<Result<Vec<u32>, _>>()?;
-    if ids.is_empty() {
-        return Err(bad("holds no token ids".into()));
-    }
-    VocabOrder::new(ids).map_err(|e| bad(e.to_string()))
-}
-
-/// What data the bench makes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DataKind {
-    /// Uniform head and hidden rows, a random teacher: flat logits, where
-    /// the block filter skips nothing.
-    Random,
-    /// `headkl_reference::lm`: logits like a trained LM's.
-    Lm,
-}
-
-impl DataKind {
-    /// Its name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            DataKind::Random => "random",
-            DataKind::Lm => "lm",
-        }
-    }
-}
-
-/// The data of one shape: f16 head and hidden rows, and a teacher.
-pub(crate) struct BenchData {
-    pub(crate) shape: Shape,
-    kind: DataKind,
-    /// The `lm` data's log prior over the vocabulary (`--vocab-order prior`).
-    log_prior: Option<Vec<f32>>,
-    pub(crate) head: Vec<f16>,
-    pub(crate) hidden: Vec<f16>,
-    pub(crate) teacher: Teacher,
-}
-
-impl BenchData {
-    /// Generates the data on every core. Head values have standard
-    /// deviation 0.02 and hidden values 1 (the anchors' scales), so logits
-    /// are O(1) as in a real model.
-    pub(crate) fn generate(shape: Shape, kind: DataKind) -> Result<Self, CliError> {
-        if kind == DataKind::Lm {
-            return Self::generate_lm(shape);
-        }
-        let start = Instant::now();
-        log::info!(
-            "bench: generating {shape} data (head {})",
-            fmt_bytes((shape.vocab * shape.hs * 2) as u64)
-        );
-        let head_a = 0.02 * 3f32.sqrt();
-        let mut head = vec![f16::ZERO; shape.vocab * shape.hs];
-        fill_parallel(&mut head, DATA_SEED, |r| f16::from_f32(r.symmetric(head_a)));
-        let mut hidden = vec![f16::ZERO; shape.ntok * shape.hs];
-        fill_parallel(&mut hidden, DATA_SEED + 1, |r| f16::from_f32(r.symmetric(3f32.sqrt())));
-        let (ntok, k, vocab) = (shape.ntok, shape.k, shape.vocab);
-        let mut ids = vec![0u32; ntok * k];
-        let mut probs = vec![0f32; ntok * k];
-        let mut rng = XorShift64::new(DATA_SEED + 2);
-        for t in 0..ntok {
-            let row = &mut ids[t * k..(t + 1) * k];
-            let mut q = 0;
-            while q < k {
-                let id = rng.below(vocab as u64) as u32;
-                // k ≤ 2048 and ≤ V: a linear scan is cheap next to the GEMMs.
-                if !row[..q].contains(&id) {
-                    row[q] = id;
-                    q += 1;
-                }
-            }
-            for p in &mut probs[t * k..(t + 1) * k] {
-                *p = (3.0 * rng.unit()).exp();
-            }
-        }
-        let teacher = Teacher::new(&ids, &probs, ntok, k, vocab)
-            .map_err(|e| CliError::device("generating the benchmark teacher", e))?;
-        log::info!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
-        Ok(Self {
-            shape,
-            kind,
-            log_prior: None,
-            head,
-            hidden,
-            teacher,
-        })
-    }
-
-    /// `--data lm`: `headkl_reference::lm`'s generator with its calibrated
-    /// defaults, and its statistics printed beside the published ones.
-    fn generate_lm(shape: Shape) -> Result<Self, CliError> {
-        use headkl_reference::lm;
-        let start = Instant::now();
-        log::info!(
-            "bench: generating {shape} lm data (head {})",
-            fmt_bytes((shape.vocab * shape.hs * 2) as u64)
-        );
-        let spec = lm::LmSpec::new(shape.vocab, shape.hs, shape.ntok, shape.k, DATA_SEED);
-        let d = lm::generate(&spec).map_err(|e| CliError::option("--data lm", e))?;
-        let teacher = Teacher::new(&d.ids, &d.probs, shape.ntok, shape.k, shape.vocab)
-            .map_err(|e| CliError::device("generating the lm teacher", e))?;
-        for line in d.report().lines() {
-            eprintln!("bench: {line}");
-        }
-        log::info!("bench: data ready in {:.1} s", start.elapsed().as_secs_f64());
-        Ok(Self {
-            shape,
-            kind: DataKind::Lm,
-            log_prior: Some(d.log_prior),
-            head: d.head,
-            hidden: d.hidden,
-            teacher,
-        })
     }
 }
 
@@ -715,177 +527,6 @@ impl ResidentJob for BenchJob<'_> {
     }
 }
 
-/// The device-resident jobs: the bench data uploaded to device buffers once
-/// (outside the timing), then `head_kl_device` and `topk_device`, each call
-/// timed with the trainer's `wait_device`.
-fn time_resident<B: ResidentBackend>(
-    d: &BenchData,
-    cfg: &BenchConfig,
-    engine: &mut Engine<B>,
-    head_bytes: u64,
-    topk_call: Option<f64>,
-) -> Result<Vec<JobResult>, CliError> {
-    let shape = d.shape;
-    let (ntok, hs, k) = (shape.ntok, shape.hs, shape.k);
-    let fail = |e| CliError::device("bench --resident: device buffers", e);
-    let buffer = |engine: &Engine<B>, data: &[u8], label| -> Result<B::Buffer, CliError> {
-        let b = engine.backend().alloc(data.len() as u64, label).map_err(fail)?;
-        engine.backend().upload(&b, 0, data).map_err(fail)?;
-        Ok(b)
-    };
-    let x = buffer(engine, bytemuck::cast_slice(&d.hidden), "bench x")?;
-    let ids = buffer(engine, bytemuck::cast_slice(d.teacher.ids()), "bench ids")?;
-    let probs = buffer(engine, bytemuck::cast_slice(d.teacher.probs()), "bench probs")?;
-    let loss = buffer(engine, &vec![0u8; ntok * 4], "bench loss")?;
-    let dx = buffer(engine, &vec![0u8; ntok * hs * 4], "bench dx")?;
-    let top_ids = buffer(engine, &vec![0u8; ntok * k * 4], "bench topk ids")?;
-    let top_probs = buffer(engine, &vec![0u8; ntok * k * 4], "bench topk probs")?;
-    // The head and these buffers (the trainer's, in a real run) are not
-    // counted in the jobs' peak extra memory.
-    let held = engine.backend().memory().current.max(head_bytes);
-    let hidden = DeviceHidden {
-        buffer: &x,
-        dtype: HiddenDtype::F16,
-    };
-    let teacher = DeviceTeacher {
-        ids: &ids,
-        probs: &probs,
-        k,
-    };
-    let out = DeviceLossOutput { loss: &loss, dx: &dx };
-    let labels = match cfg.labels {
-        Some(_) => {
-            let labels: Vec<u32> = random_labels(shape).into_iter().map(|l| l as u32).collect();
-            Some(buffer(engine, bytemuck::cast_slice(&labels), "bench labels")?)
-        }
-        None => None,
-    };
-    let loss_opts = DeviceLossOptions {
-        budget_bytes: cfg.budget.bytes,
-        filter_eps: cfg.filter_eps,
-        terms: cfg.loss_terms()?,
-        labels: labels.as_ref(),
-        ..DeviceLossOptions::default()
-    };
-    let topk_opts = TopkOptions {
-        budget_bytes: cfg.budget.bytes,
-        ..TopkOptions::new(k)
-    };
-    let head_kl = BenchJob::time_calls(
-        cfg,
-        engine,
-        JobKind::HeadKl,
-        "resident",
-        held,
-        shape,
-        topk_call,
-        |engine| {
-            engine.head_kl_device(ntok, &hidden, &teacher, &out, &loss_opts)?;
-            engine.wait_device()
-        },
-    )?;
-    let topk = BenchJob::time_calls(
-        cfg,
-        engine,
-        JobKind::Topk,
-        "resident",
-        held,
-        shape,
-        topk_call,
-        |engine| {
-            engine.topk_device(ntok, &hidden, &top_ids, &top_probs, &topk_opts)?;
-            engine.wait_device()
-        },
-    )?;
-    let mut jobs = vec![head_kl, topk];
-    if let Some(n) = cfg.shards {
-        let inputs = (&hidden, &teacher, &out, &loss_opts);
-        jobs.push(time_sharded_resident(d, cfg, engine, n, inputs)?);
-    }
-    Ok(jobs)
-}
-
-/// `--shards N --resident`: head_kl's two phases on device buffers, the
-/// head in N even shards (engines on the same device, called in turn):
-/// phase one on each into its partials buffer, the merge
-/// (`merge_loss_device`), phase two on each (the first overwrites the
-/// call's dx, the others add to it: the sum a trainer's all-reduce makes).
-#[allow(clippy::type_complexity, reason = "the resident job's buffers")]
-fn time_sharded_resident<B: ResidentBackend>(
-    d: &BenchData,
-    cfg: &BenchConfig,
-    engine: &Engine<B>,
-    n: usize,
-    (hidden, teacher, out, opts): (
-        &DeviceHidden<'_, B::Buffer>,
-        &DeviceTeacher<'_, B::Buffer>,
-        &DeviceLossOutput<'_, B::Buffer>,
-        &DeviceLossOptions<'_, B::Buffer>,
-    ),
-) -> Result<JobResult, CliError> {
-    let shape = d.shape;
-    let backend = engine.backend();
-    let fail = |e| CliError::device("bench --shards --resident", e);
-    let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
-    let mut shards = HeadShard::even(shape.vocab, n)
-        .map_err(|e| CliError::from_core_in_option(e, "--shards"))?
-        .into_iter()
-        .map(|s| {
-            let mut e = ShardEngine::new(backend, &head.rows(s.v0(), s.v1())?, s, SliceOptions::default())?;
-            e.engine_mut().set_dx_split(engine.dx_split());
-            Ok(e)
-        })
-        .collect::<headkl_core::Result<Vec<_>>>()
-        .map_err(fail)?;
-    let partials = shards
-        .iter()
-        .map(|_| backend.alloc((shape.ntok * STATS_PER_TOKEN * 4) as u64, "bench partials"))
-        .collect::<headkl_core::Result<Vec<_>>>()
-        .map_err(fail)?;
-    let stats = backend
-        .alloc((shape.ntok * STATS_PER_TOKEN * 4) as u64, "bench merged statistics")
-        .map_err(fail)?;
-    let mut anchor = Engine::new(
-        backend,
-        &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
-        SliceOptions::default(),
-    )
-    .map_err(fail)?;
-    let held = backend.memory().current;
-    eprintln!("bench: {n} shards of the head on device buffers, one engine each, called in turn");
-    let adding = DeviceLossOptions {
-        accumulate_dx: true,
-        ..*opts
-    };
-    BenchJob::time_calls(
-        cfg,
-        &mut anchor,
-        JobKind::HeadKl,
-        "sharded resident",
-        held,
-        shape,
-        None,
-        |_| {
-            for (e, p) in shards.iter_mut().zip(&partials) {
-                e.loss_partials_device(shape.ntok, hidden, teacher, p, opts)?;
-            }
-            for e in shards.iter_mut() {
-                e.wait_device()?;
-            }
-            let views: Vec<_> = shards.iter().map(|e| e.shard()).zip(&partials).collect();
-            merge_loss_device(backend, shape.ntok, &views, &stats)?;
-            for (i, e) in shards.iter_mut().enumerate() {
-                let o = if i == 0 { opts } else { &adding };
-                e.loss_finish_device(shape.ntok, hidden, teacher, &stats, out, o)?;
-            }
-            for e in shards.iter_mut() {
-                e.wait_device()?;
-            }
-            Ok(())
-        },
-    )
-}
-
 impl BenchJob<'_> {
     /// Opens the engine and times the host jobs, then whatever `extra`
     /// times on the same engine.
@@ -1023,75 +664,6 @@ impl BenchJob<'_> {
             jobs,
         }))
     }
-}
-
-/// `--teacher-hs N`: a random teacher head `[V][N]` and hidden rows
-/// `[ntok][N]` at the student's scales (seeded apart from its data).
-fn teacher_data(shape: Shape, teacher_hs: usize) -> (Vec<f16>, Vec<f16>) {
-    let head_a = 0.02 * 3f32.sqrt();
-    let mut head = vec![f16::ZERO; shape.vocab * teacher_hs];
-    fill_parallel(&mut head, DATA_SEED + 10, |r| f16::from_f32(r.symmetric(head_a)));
-    let mut hidden = vec![f16::ZERO; shape.ntok * teacher_hs];
-    fill_parallel(&mut hidden, DATA_SEED + 11, |r| f16::from_f32(r.symmetric(3f32.sqrt())));
-    (head, hidden)
-}
-
-/// `--shards N`: both host jobs with the head cut into N even shards, one
-/// engine each on this backend, called in turn on one thread (phase one on
-/// each, the merge on the host, phase two on each, `dx` summed): the
-/// shards' work, the second phase and the merge against the unsharded
-/// call on the same device. The timing loop is [`BenchJob::time_calls`] on
-/// an anchor engine of 16 rows that only carries the backend; its head and
-/// the shards' heads are not counted in the peak.
-fn time_sharded<B: Backend>(
-    d: &BenchData,
-    cfg: &BenchConfig,
-    settings: &Settings,
-    backend: &B,
-    n: usize,
-) -> Result<Vec<JobResult>, CliError> {
-    let shape = d.shape;
-    let fail = |e| CliError::device("bench --shards", e);
-    let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
-    let before = backend.memory().current;
-    let mut shards = crate::shard::serial_engines(backend, &head, n, settings)?;
-    let mut anchor = Engine::new(
-        backend,
-        &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
-        SliceOptions::default(),
-    )
-    .map_err(fail)?;
-    let held = backend.memory().current.saturating_sub(before);
-    eprintln!("bench: {n} shards of the head, one engine each, called in turn");
-    let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
-    let loss_opts = LossOptions {
-        budget_bytes: cfg.budget.bytes,
-        ..LossOptions::default()
-    };
-    let topk_opts = TopkOptions {
-        budget_bytes: cfg.budget.bytes,
-        ..TopkOptions::new(shape.k)
-    };
-    let mut outs = vec![headkl_core::LossOutput::default(); n];
-    let mut merged = headkl_core::LossOutput::default();
-    let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, "sharded", held, shape, None, |_| {
-        let inputs = (&hidden, &d.teacher, &loss_opts);
-        crate::shard::loss_serial(&mut shards, inputs, &mut outs, &mut merged)
-    })?;
-    eprintln!(
-        "bench: the shards {} their logits between the phases (kept where the chunk scratch and \
-         the logits fit --budget {}; else phase two recomputes them)",
-        if shards.iter().all(|s| s.kept_logits()) {
-            "kept"
-        } else {
-            "recomputed"
-        },
-        fmt_bytes(cfg.budget.bytes)
-    );
-    let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, "sharded", held, shape, None, |_| {
-        crate::shard::topk_serial(&mut shards, &hidden, &topk_opts).map(|_| ())
-    })?;
-    Ok(vec![head_kl, topk])
 }
 
 /// The backends to run: `--all` gives every startable one; otherwise the

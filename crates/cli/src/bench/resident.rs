@@ -1,0 +1,182 @@
+//! The device-resident rows of `bench --resident`: head_kl and topk on device buffers, and with `--shards` head_kl's two phases on device buffers.
+
+use headkl_core::shard::{merge_loss_device, HeadShard, ShardEngine, STATS_PER_TOKEN};
+use headkl_core::{
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData, HeadWeights, HiddenDtype,
+    ResidentBackend, SliceOptions, TopkOptions, ALIGN,
+};
+
+use super::data::{random_labels, BenchData};
+use super::{BenchConfig, BenchJob, JobKind, JobResult};
+use crate::error::CliError;
+
+/// The device-resident jobs: the bench data uploaded to device buffers once
+/// (outside the timing), then `head_kl_device` and `topk_device`, each call
+/// timed with the trainer's `wait_device`.
+pub(super) fn time_resident<B: ResidentBackend>(
+    d: &BenchData,
+    cfg: &BenchConfig,
+    engine: &mut Engine<B>,
+    head_bytes: u64,
+    topk_call: Option<f64>,
+) -> Result<Vec<JobResult>, CliError> {
+    let shape = d.shape;
+    let (ntok, hs, k) = (shape.ntok, shape.hs, shape.k);
+    let fail = |e| CliError::device("bench --resident: device buffers", e);
+    let buffer = |engine: &Engine<B>, data: &[u8], label| -> Result<B::Buffer, CliError> {
+        let b = engine.backend().alloc(data.len() as u64, label).map_err(fail)?;
+        engine.backend().upload(&b, 0, data).map_err(fail)?;
+        Ok(b)
+    };
+    let x = buffer(engine, bytemuck::cast_slice(&d.hidden), "bench x")?;
+    let ids = buffer(engine, bytemuck::cast_slice(d.teacher.ids()), "bench ids")?;
+    let probs = buffer(engine, bytemuck::cast_slice(d.teacher.probs()), "bench probs")?;
+    let loss = buffer(engine, &vec![0u8; ntok * 4], "bench loss")?;
+    let dx = buffer(engine, &vec![0u8; ntok * hs * 4], "bench dx")?;
+    let top_ids = buffer(engine, &vec![0u8; ntok * k * 4], "bench topk ids")?;
+    let top_probs = buffer(engine, &vec![0u8; ntok * k * 4], "bench topk probs")?;
+    // The head and these buffers (the trainer's, in a real run) are not
+    // counted in the jobs' peak extra memory.
+    let held = engine.backend().memory().current.max(head_bytes);
+    let hidden = DeviceHidden {
+        buffer: &x,
+        dtype: HiddenDtype::F16,
+    };
+    let teacher = DeviceTeacher {
+        ids: &ids,
+        probs: &probs,
+        k,
+    };
+    let out = DeviceLossOutput { loss: &loss, dx: &dx };
+    let labels = match cfg.labels {
+        Some(_) => {
+            let labels: Vec<u32> = random_labels(shape).into_iter().map(|l| l as u32).collect();
+            Some(buffer(engine, bytemuck::cast_slice(&labels), "bench labels")?)
+        }
+        None => None,
+    };
+    let loss_opts = DeviceLossOptions {
+        budget_bytes: cfg.budget.bytes,
+        filter_eps: cfg.filter_eps,
+        terms: cfg.loss_terms()?,
+        labels: labels.as_ref(),
+        ..DeviceLossOptions::default()
+    };
+    let topk_opts = TopkOptions {
+        budget_bytes: cfg.budget.bytes,
+        ..TopkOptions::new(k)
+    };
+    let head_kl = BenchJob::time_calls(
+        cfg,
+        engine,
+        JobKind::HeadKl,
+        "resident",
+        held,
+        shape,
+        topk_call,
+        |engine| {
+            engine.head_kl_device(ntok, &hidden, &teacher, &out, &loss_opts)?;
+            engine.wait_device()
+        },
+    )?;
+    let topk = BenchJob::time_calls(
+        cfg,
+        engine,
+        JobKind::Topk,
+        "resident",
+        held,
+        shape,
+        topk_call,
+        |engine| {
+            engine.topk_device(ntok, &hidden, &top_ids, &top_probs, &topk_opts)?;
+            engine.wait_device()
+        },
+    )?;
+    let mut jobs = vec![head_kl, topk];
+    if let Some(n) = cfg.shards {
+        let inputs = (&hidden, &teacher, &out, &loss_opts);
+        jobs.push(time_sharded_resident(d, cfg, engine, n, inputs)?);
+    }
+    Ok(jobs)
+}
+
+/// `--shards N --resident`: head_kl's two phases on device buffers, the
+/// head in N even shards (engines on the same device, called in turn):
+/// phase one on each into its partials buffer, the merge
+/// (`merge_loss_device`), phase two on each (the first overwrites the
+/// call's dx, the others add to it: the sum a trainer's all-reduce makes).
+#[allow(clippy::type_complexity, reason = "the resident job's buffers")]
+fn time_sharded_resident<B: ResidentBackend>(
+    d: &BenchData,
+    cfg: &BenchConfig,
+    engine: &Engine<B>,
+    n: usize,
+    (hidden, teacher, out, opts): (
+        &DeviceHidden<'_, B::Buffer>,
+        &DeviceTeacher<'_, B::Buffer>,
+        &DeviceLossOutput<'_, B::Buffer>,
+        &DeviceLossOptions<'_, B::Buffer>,
+    ),
+) -> Result<JobResult, CliError> {
+    let shape = d.shape;
+    let backend = engine.backend();
+    let fail = |e| CliError::device("bench --shards --resident", e);
+    let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
+    let mut shards = HeadShard::even(shape.vocab, n)
+        .map_err(|e| CliError::from_core_in_option(e, "--shards"))?
+        .into_iter()
+        .map(|s| {
+            let mut e = ShardEngine::new(backend, &head.rows(s.v0(), s.v1())?, s, SliceOptions::default())?;
+            e.engine_mut().set_dx_split(engine.dx_split());
+            Ok(e)
+        })
+        .collect::<headkl_core::Result<Vec<_>>>()
+        .map_err(fail)?;
+    let partials = shards
+        .iter()
+        .map(|_| backend.alloc((shape.ntok * STATS_PER_TOKEN * 4) as u64, "bench partials"))
+        .collect::<headkl_core::Result<Vec<_>>>()
+        .map_err(fail)?;
+    let stats = backend
+        .alloc((shape.ntok * STATS_PER_TOKEN * 4) as u64, "bench merged statistics")
+        .map_err(fail)?;
+    let mut anchor = Engine::new(
+        backend,
+        &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
+        SliceOptions::default(),
+    )
+    .map_err(fail)?;
+    let held = backend.memory().current;
+    eprintln!("bench: {n} shards of the head on device buffers, one engine each, called in turn");
+    let adding = DeviceLossOptions {
+        accumulate_dx: true,
+        ..*opts
+    };
+    BenchJob::time_calls(
+        cfg,
+        &mut anchor,
+        JobKind::HeadKl,
+        "sharded resident",
+        held,
+        shape,
+        None,
+        |_| {
+            for (e, p) in shards.iter_mut().zip(&partials) {
+                e.loss_partials_device(shape.ntok, hidden, teacher, p, opts)?;
+            }
+            for e in shards.iter_mut() {
+                e.wait_device()?;
+            }
+            let views: Vec<_> = shards.iter().map(|e| e.shard()).zip(&partials).collect();
+            merge_loss_device(backend, shape.ntok, &views, &stats)?;
+            for (i, e) in shards.iter_mut().enumerate() {
+                let o = if i == 0 { opts } else { &adding };
+                e.loss_finish_device(shape.ntok, hidden, teacher, &stats, out, o)?;
+            }
+            for e in shards.iter_mut() {
+                e.wait_device()?;
+            }
+            Ok(())
+        },
+    )
+}

@@ -1,0 +1,67 @@
+//! The sharded rows of `bench --shards`: both host jobs with the head in even vocabulary shards.
+
+use headkl_core::{Backend, Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, TopkOptions, ALIGN};
+
+use super::data::BenchData;
+use super::{BenchConfig, BenchJob, JobKind, JobResult};
+use crate::environment::Settings;
+use crate::error::CliError;
+use crate::text::fmt_bytes;
+
+/// `--shards N`: both host jobs with the head cut into N even shards, one
+/// engine each on this backend, called in turn on one thread (phase one on
+/// each, the merge on the host, phase two on each, `dx` summed): the
+/// shards' work, the second phase and the merge against the unsharded
+/// call on the same device. The timing loop is [`BenchJob::time_calls`] on
+/// an anchor engine of 16 rows that only carries the backend; its head and
+/// the shards' heads are not counted in the peak.
+pub(super) fn time_sharded<B: Backend>(
+    d: &BenchData,
+    cfg: &BenchConfig,
+    settings: &Settings,
+    backend: &B,
+    n: usize,
+) -> Result<Vec<JobResult>, CliError> {
+    let shape = d.shape;
+    let fail = |e| CliError::device("bench --shards", e);
+    let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
+    let before = backend.memory().current;
+    let mut shards = crate::shard::serial_engines(backend, &head, n, settings)?;
+    let mut anchor = Engine::new(
+        backend,
+        &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
+        SliceOptions::default(),
+    )
+    .map_err(fail)?;
+    let held = backend.memory().current.saturating_sub(before);
+    eprintln!("bench: {n} shards of the head, one engine each, called in turn");
+    let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
+    let loss_opts = LossOptions {
+        budget_bytes: cfg.budget.bytes,
+        ..LossOptions::default()
+    };
+    let topk_opts = TopkOptions {
+        budget_bytes: cfg.budget.bytes,
+        ..TopkOptions::new(shape.k)
+    };
+    let mut outs = vec![headkl_core::LossOutput::default(); n];
+    let mut merged = headkl_core::LossOutput::default();
+    let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, "sharded", held, shape, None, |_| {
+        let inputs = (&hidden, &d.teacher, &loss_opts);
+        crate::shard::loss_serial(&mut shards, inputs, &mut outs, &mut merged)
+    })?;
+    eprintln!(
+        "bench: the shards {} their logits between the phases (kept where the chunk scratch and \
+         the logits fit --budget {}; else phase two recomputes them)",
+        if shards.iter().all(|s| s.kept_logits()) {
+            "kept"
+        } else {
+            "recomputed"
+        },
+        fmt_bytes(cfg.budget.bytes)
+    );
+    let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, "sharded", held, shape, None, |_| {
+        crate::shard::topk_serial(&mut shards, &hidden, &topk_opts).map(|_| ())
+    })?;
+    Ok(vec![head_kl, topk])
+}
