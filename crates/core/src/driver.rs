@@ -291,17 +291,21 @@ impl<B: Backend> Engine<B> {
     /// Starts a host loss call (this engine's or a vocabulary shard's) over
     /// chunks of `rows` rows of `k` entries: frees the device-resident
     /// scratch, so the call can use its memory, and takes the host path's
-    /// row and loss scratch. [`Self::end_host_call`] returns them.
+    /// row and loss scratch. [`Self::end_host_call`] gives them back.
     pub(crate) fn begin_loss_call<'a>(
         &mut self,
         (job, sizes): (Job, &RowBytes),
         (rows, k): (usize, usize),
         hidden: HiddenData<'a>,
-    ) -> Result<(Input<'a, B>, RowScratch<B>, LossScratch<B>)> {
+    ) -> Result<HostCall<'a, B>> {
         self.resident.release_scratch();
         let (input, rows_s) = self.scratch.begin(&self.backend, job, sizes, (rows, k), hidden)?;
         match self.scratch.take_loss(&self.backend, sizes, rows) {
-            Ok(loss_s) => Ok((input, rows_s, loss_s)),
+            Ok(loss) => Ok(HostCall {
+                input,
+                rows: rows_s,
+                loss,
+            }),
             Err(e) => {
                 self.scratch.put_back(rows_s, None, input);
                 Err(e)
@@ -310,9 +314,10 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Keeps a host call's scratch for the next call, whether or not the
-    /// call succeeded.
-    pub(crate) fn end_host_call(&mut self, rows_s: RowScratch<B>, loss_s: Option<LossScratch<B>>, input: Input<'_, B>) {
-        self.scratch.put_back(rows_s, loss_s, input);
+    /// call succeeded (`result`, passed on).
+    pub(crate) fn end_host_call<T>(&mut self, call: HostCall<'_, B>, result: Result<T>) -> Result<T> {
+        self.scratch.put_back(call.rows, Some(call.loss), call.input);
+        result
     }
 
     /// The distillation loss and its input gradient (DESIGN §1): per-token
@@ -359,11 +364,10 @@ impl<B: Backend> Engine<B> {
         let plan = self.loss_plan(ntok, k, f32_input, opts)?;
         let job = Job::loss(resolved.filter_eps);
         let sizes = self.head.row_bytes(&self.backend, job, k);
-        let (input, rows_s, loss_s) = self.begin_loss_call((job, &sizes), (plan.rows_per_chunk, k), hidden.data())?;
+        let call = self.begin_loss_call((job, &sizes), (plan.rows_per_chunk, k), hidden.data())?;
         let teacher = LossTeacher::TopK(teacher);
-        let result = self.loss_chunks(&plan, &input, &rows_s, &loss_s, (ntok, &teacher), &resolved, out);
-        self.end_host_call(rows_s, Some(loss_s), input);
-        result
+        let result = self.loss_chunks(&plan, &call, (ntok, &teacher), &resolved, out);
+        self.end_host_call(call, result)
     }
 
     /// Uploads the teacher's head `[V][hs_T]` for
@@ -469,8 +473,8 @@ impl<B: Backend> Engine<B> {
         let (t_input, t_rows) =
             self.teacher_scratch
                 .begin(&self.backend, Job::Topk, &t_sizes, (rows, 1), teacher_hidden.data())?;
-        let (input, rows_s, loss_s) = match self.begin_loss_call((Job::Loss, &sizes), (rows, 1), hidden.data()) {
-            Ok(taken) => taken,
+        let call = match self.begin_loss_call((Job::Loss, &sizes), (rows, 1), hidden.data()) {
+            Ok(call) => call,
             Err(e) => {
                 self.teacher_scratch.put_back(t_rows, None, t_input);
                 return Err(e);
@@ -483,30 +487,25 @@ impl<B: Backend> Engine<B> {
                     input: &t_input,
                     scratch: &t_rows,
                 };
-                self.loss_chunks(&plan, &input, &rows_s, &loss_s, (ntok, &teacher), &resolved, out)
+                self.loss_chunks(&plan, &call, (ntok, &teacher), &resolved, out)
             }
             None => Err(Error::NoTeacherHead),
         };
-        self.end_host_call(rows_s, Some(loss_s), input);
+        let result = self.end_host_call(call, result);
         self.teacher_scratch.put_back(t_rows, None, t_input);
         result
     }
 
-    /// `head_kl`'s chunks, with its scratch.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the call's inputs and the scratch groups it took"
-    )]
+    /// `head_kl`'s chunks, with the scratch its call took.
     fn loss_chunks(
         &self,
         plan: &ChunkPlan,
-        input: &Input<'_, B>,
-        s: &RowScratch<B>,
-        ls: &LossScratch<B>,
+        call: &HostCall<'_, B>,
         (ntok, teacher): (usize, &LossTeacher<'_, '_, B>),
         resolved: &ResolvedLoss,
         out: &mut LossOutput,
     ) -> Result<()> {
+        let (input, s, ls) = (&call.input, &call.rows, &call.loss);
         let mut trace = Trace::new("head_kl", self.trace);
         let hs = self.head.hs();
         let LossOutput {
@@ -911,6 +910,18 @@ fn teacher_cost_name(what: &'static str) -> &'static str {
         "logits" => "teacher logits",
         _ => "teacher row buffers",
     }
+}
+
+/// A host loss call's scratch, taken out of the engine by
+/// [`Engine::begin_loss_call`] and given back by [`Engine::end_host_call`]:
+/// the hidden rows' input, the row group and the loss group.
+pub(crate) struct HostCall<'a, B: Backend> {
+    /// The hidden rows, as the chunks read them.
+    pub(crate) input: Input<'a, B>,
+    /// The row group (the f16 operand, logits, teacher rows).
+    pub(crate) rows: RowScratch<B>,
+    /// The loss group (per-row inputs and outputs, gradient, dx).
+    pub(crate) loss: LossScratch<B>,
 }
 
 /// Host-side time per phase of a call, printed to stderr when the engine's

@@ -5,14 +5,14 @@
 use super::{GatherPartials, HeadShard, LossPartials, LossStats, TopkPartials};
 use crate::backend::{Backend, KlDesc, TopkDesc};
 use crate::chunking::ChunkPlan;
-use crate::driver::{Engine, LossOutput, SliceOptions, Trace};
+use crate::driver::{Engine, HostCall, LossOutput, SliceOptions, Trace};
 use crate::error::{Error, Field, Result};
 use crate::head::HeadWeights;
 use crate::head_planes::{HeadPlanes, Scaling};
 use crate::in_flight::{Copying, InFlight};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
-use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch};
+use crate::scratch::{Job, RowBytes};
 use crate::terms::{LossTerms, TailMode, NO_LABEL};
 use crate::{round_up, ALIGN};
 
@@ -164,23 +164,22 @@ impl<B: Backend> ShardEngine<B> {
         let (plan, sizes) = self.loss_job_plan(hidden, k_s, (opts.budget_bytes, opts.max_rows_per_chunk))?;
         let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
         let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.budget_bytes;
-        let (input, rows_s, loss_s) =
-            self.engine
-                .begin_loss_call((Job::Loss, &sizes), (plan.rows_per_chunk, k_s), hidden.data())?;
+        let call = self
+            .engine
+            .begin_loss_call((Job::Loss, &sizes), (plan.rows_per_chunk, k_s), hidden.data())?;
         self.kept_last = keep;
         let mut kept = keep.then(Vec::new);
         trace.mark("scratch");
         let result = self.partial_chunks(
             &plan,
-            (&input, &rows_s, &loss_s),
+            &call,
             (&ids, &probs, k_s),
             Scaling::host_loss(&resolved),
             kept.as_mut(),
             sizes.logits,
         );
-        self.engine.end_host_call(rows_s, Some(loss_s), input);
+        let (lse, lse1, soft) = self.engine.end_host_call(call, result)?;
         trace.mark("chunks (record, wait, read)");
-        let (lse, lse1, soft) = result?;
         // soft = Σ q (log q − s_id + lse_s) over the in-shard entries.
         let soft_part = (0..ntok)
             .map(|t| {
@@ -271,13 +270,14 @@ impl<B: Backend> ShardEngine<B> {
     fn partial_chunks(
         &self,
         plan: &ChunkPlan,
-        (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
+        call: &HostCall<'_, B>,
         (ids, probs, k_s): (&[u32], &[f32], usize),
         scaling: Scaling,
         mut kept: Option<&mut Vec<B::Buffer>>,
         logits_row_bytes: u64,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
+        let (input, s, ls) = (&call.input, &call.rows, &call.loss);
         let ntok = ids.len() / k_s;
         let (mut lse, mut lse1, mut soft) = (vec![0f32; ntok], vec![0f32; ntok], vec![0f32; ntok]);
         let mut rows_out = Vec::new();
@@ -428,12 +428,12 @@ impl<B: Backend> ShardEngine<B> {
             .engine
             .head_planes()
             .row_bytes(self.engine.backend(), Job::Loss, k_s);
-        let (input, rows_s, loss_s) =
-            self.engine
-                .begin_loss_call((Job::Loss, &sizes), (p.plan.rows_per_chunk, k_s), hidden.data())?;
+        let call = self
+            .engine
+            .begin_loss_call((Job::Loss, &sizes), (p.plan.rows_per_chunk, k_s), hidden.data())?;
         trace.mark("scratch");
-        let result = self.finish_chunks(&p, (&input, &rows_s, &loss_s), (&row_in, &probs), dx, &mut trace);
-        self.engine.end_host_call(rows_s, Some(loss_s), input);
+        let result = self.finish_chunks(&p, &call, (&row_in, &probs), dx, &mut trace);
+        let result = self.engine.end_host_call(call, result);
         trace.mark("scratch back");
         trace.report();
         result
@@ -443,12 +443,13 @@ impl<B: Backend> ShardEngine<B> {
     fn finish_chunks(
         &self,
         p: &PhaseOne<B>,
-        (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
+        call: &HostCall<'_, B>,
         (row_in, probs): (&[u32], &[f32]),
         dx: &mut [f32],
         trace: &mut Trace,
     ) -> Result<()> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
+        let (input, s, ls) = (&call.input, &call.rows, &call.loss);
         let (k_s, hs, hs_padded) = (p.k_s, h.hs(), h.hs_padded());
         let scaling = Scaling::host_loss(&p.resolved);
         let mut padded = Vec::new();
@@ -532,12 +533,11 @@ impl<B: Backend> ShardEngine<B> {
         // The loss job's scratch: the top-k's ids and values, and the loss
         // kernel's outputs for the shard's lse.
         let (plan, sizes) = self.loss_job_plan(hidden, k_s, (opts.budget_bytes, opts.max_rows_per_chunk))?;
-        let (input, rows_s, loss_s) =
-            self.engine
-                .begin_loss_call((Job::Loss, &sizes), (plan.rows_per_chunk, k_s), hidden.data())?;
-        let result = self.topk_chunks(&plan, (&input, &rows_s, &loss_s), ntok, k_s, Scaling::top_k(opts));
-        self.engine.end_host_call(rows_s, Some(loss_s), input);
-        let (ids, logits, lse) = result?;
+        let call = self
+            .engine
+            .begin_loss_call((Job::Loss, &sizes), (plan.rows_per_chunk, k_s), hidden.data())?;
+        let result = self.topk_chunks(&plan, &call, ntok, k_s, Scaling::top_k(opts));
+        let (ids, logits, lse) = self.engine.end_host_call(call, result)?;
         Ok(TopkPartials {
             shard: self.shard,
             ntok,
@@ -552,12 +552,13 @@ impl<B: Backend> ShardEngine<B> {
     fn topk_chunks(
         &self,
         plan: &ChunkPlan,
-        (input, s, ls): (&Input<'_, B>, &RowScratch<B>, &LossScratch<B>),
+        call: &HostCall<'_, B>,
         ntok: usize,
         k_s: usize,
         scaling: Scaling,
     ) -> Result<(Vec<u32>, Vec<f32>, Vec<f32>)> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
+        let (input, s, ls) = (&call.input, &call.rows, &call.loss);
         let v0 = self.shard.v0() as u32;
         let mut ids = vec![0u32; ntok * k_s];
         let mut logits = vec![0f32; ntok * k_s];
