@@ -144,6 +144,9 @@ pub struct Interface {
     /// Set-0 descriptor bindings, sorted: the uniform block (`None`) or a
     /// storage buffer (`Some(writable)`).
     pub bindings: Vec<(u32, Option<bool>)>,
+    /// The byte offset of each member of the uniform block, in member
+    /// order, as the SPIR-V decorates them.
+    pub uniform_offsets: Vec<u32>,
 }
 
 /// The capability of KHR cooperative matrices (`CooperativeMatrixKHR`).
@@ -162,12 +165,14 @@ pub fn interface(words: &[u32]) -> Option<Interface> {
     const LOCAL_SIZE: u32 = 17;
     const BINDING: u32 = 33;
     const NON_WRITABLE: u32 = 24;
+    const OFFSET: u32 = 35;
     const UNIFORM: u32 = 2;
     if words.first() != Some(&0x0723_0203) || words.len() < 5 {
         return None;
     }
     let mut out = Interface::default();
     let (mut binding_of, mut pointee, mut variables, mut read_only) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut member_offsets = Vec::new();
     let mut i = 5;
     while i < words.len() {
         let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
@@ -178,6 +183,7 @@ pub fn interface(words: &[u32]) -> Option<Interface> {
             (EXECUTION_MODE, [_, LOCAL_SIZE, x, y, z, ..]) => out.local_size = Some([*x, *y, *z]),
             (DECORATE, [target, BINDING, n, ..]) => binding_of.push((*target, *n)),
             (MEMBER_DECORATE, [target, _, NON_WRITABLE, ..]) => read_only.push(*target),
+            (MEMBER_DECORATE, [target, member, OFFSET, offset, ..]) => member_offsets.push((*target, *member, *offset)),
             (TYPE_POINTER, [id, _, ty, ..]) => pointee.push((*id, *ty)),
             (VARIABLE, [ty, id, class, ..]) => variables.push((*id, *ty, *class)),
             _ => {}
@@ -189,6 +195,15 @@ pub fn interface(words: &[u32]) -> Option<Interface> {
         let &(_, block) = pointee.iter().find(|p| p.0 == ptr)?;
         let kind = (class != UNIFORM).then(|| !read_only.contains(&block));
         out.bindings.push((binding, kind));
+        if class == UNIFORM {
+            let mut members: Vec<(u32, u32)> = member_offsets
+                .iter()
+                .filter(|m| m.0 == block)
+                .map(|m| (m.1, m.2))
+                .collect();
+            members.sort_unstable();
+            out.uniform_offsets = members.into_iter().map(|m| m.1).collect();
+        }
     }
     out.bindings.sort_unstable();
     Some(out)
@@ -221,6 +236,19 @@ pub fn check_build(build: &headkl_core::KernelBuild) -> Result<&'static GlslKern
         return Err(format!(
             "{name}: bindings {:?}, the catalogue's are {want:?}",
             found.bindings
+        ));
+    }
+    // The Params block is declared by hand: its members must sit where
+    // core's GemmParams puts its fields, and fill the block.
+    let block = headkl_core::params::GemmParams::BLOCK;
+    let core_offsets: Vec<u32> = block.fields.iter().map(|f| f.1 as u32).collect();
+    let members = found.uniform_offsets.len();
+    if found.uniform_offsets.get(..core_offsets.len()) != Some(&core_offsets[..])
+        || found.uniform_offsets.last().map(|&o| o as usize + 4) != Some(block.bytes)
+    {
+        return Err(format!(
+            "{name}: Params members at {:?} ({members}), core's GemmParams fields at {core_offsets:?} in {} bytes",
+            found.uniform_offsets, block.bytes
         ));
     }
     if build.entry != "main" || found.local_size != Some([build.invocations, 1, 1]) {
@@ -363,6 +391,12 @@ mod tests {
                 assert_eq!(Some(kernel.layout()), id.gemm_layout());
             }
         }
+        // The Params block's offsets as the SPIR-V decorates them: one
+        // 4-byte member after another, filling the block.
+        let kernel = gemm(GLSL_TILES[0], headkl_core::HeadLayout::Logits, false).expect("built");
+        let found = interface(&kernel.words()).expect("SPIR-V");
+        let bytes = headkl_core::params::GemmParams::BLOCK.bytes as u32;
+        assert_eq!(found.uniform_offsets, (0..bytes / 4).map(|i| 4 * i).collect::<Vec<_>>());
         // A WGSL build is not one; bad words are not SPIR-V.
         assert!(check_build(&KernelId::GemmDx.build(GemmKernel::Tiled)).is_err());
         assert_eq!(interface(&[1, 2, 3]), None);
