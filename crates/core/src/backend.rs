@@ -96,7 +96,7 @@ pub enum HeadLayout {
 /// `alpha · A[:, part] · op(B)[part, :]` and writes (or, with
 /// `accumulate`, adds) it into its own C block at
 /// `c_offset + p·c_part_stride`. The blocks must not overlap; an empty
-/// part writes `alpha · 0`. [`Backend::sum_parts`] adds them up.
+/// part writes `alpha · 0`. [`crate::Kernels::sum_parts`] adds them up.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmDesc {
     /// Rows of A and C.

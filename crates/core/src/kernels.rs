@@ -264,55 +264,113 @@ pub fn shared_wgsl() -> String {
 /// (`TM`, `TN`), computed by 16 × 16 invocations.
 pub const TILED_TILE: (u32, u32) = (64, 64);
 
-/// A kernel the driver dispatches. Its [`name`](Self::name) is its entry
-/// point in every shader that implements it, its label in kernel timings,
-/// and (for the GEMMs, without the `gemm_` prefix) its key in `HEADKL_GEMM`
-/// and the tune cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum KernelId {
+/// The catalogue's table: one row per kernel, with its name, its storage
+/// bindings (`R` read, `W` written) in the order the [`crate::Backend`]
+/// method takes the buffers, its parameter block, and whether it is a
+/// device-resident kernel. It makes [`KernelId`] and the facts
+/// [`KernelId::name`], [`KernelId::bindings`], [`KernelId::params`] and
+/// [`KernelId::is_resident`] read from it; a new kernel is one row here plus
+/// its shader, its build arm and its descriptor.
+macro_rules! catalogue {
+    ($(
+        $(#[$doc:meta])*
+        $id:ident => $name:literal, [$($access:ident),*], $params:ty, $resident:literal;
+    )*) => {
+        /// A kernel the driver dispatches. Its [`name`](Self::name) is its
+        /// entry point in every shader that implements it, its label in
+        /// kernel timings, and (for the GEMMs, without the `gemm_` prefix)
+        /// its key in `HEADKL_GEMM` and the tune cache.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum KernelId {
+            $($(#[$doc])* $id,)*
+        }
+
+        impl KernelId {
+            /// Every kernel.
+            pub const ALL: [KernelId; [$(stringify!($id)),*].len()] = [$(KernelId::$id),*];
+
+            /// Its one name: entry point, timing label and docs.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(KernelId::$id => $name,)*
+                }
+            }
+
+            /// Its storage bindings, at bindings 1.. (binding 0 is the
+            /// uniform parameter block), in the order the
+            /// [`crate::Backend`] method takes the buffers.
+            pub const fn bindings(self) -> &'static [Access] {
+                const R: Access = Access::Read;
+                const W: Access = Access::ReadWrite;
+                match self {
+                    $(KernelId::$id => &[$($access),*],)*
+                }
+            }
+
+            /// Its uniform parameter block (the descriptor's `check`
+            /// returns one).
+            pub const fn params(self) -> ParamBlock {
+                match self {
+                    $(KernelId::$id => <$params>::BLOCK,)*
+                }
+            }
+
+            /// Whether it is one of the device-resident entry points'
+            /// kernels, which read the caller's data and so are always
+            /// built with runtime bounds checks.
+            pub const fn is_resident(self) -> bool {
+                match self {
+                    $(KernelId::$id => $resident,)*
+                }
+            }
+        }
+    };
+}
+
+catalogue! {
     /// f32 → f16 hidden rows ([`ConvertDesc`]).
-    ConvertF16,
+    ConvertF16 => "convert_f16", [R, W], ConvertParams, false;
     /// The logits GEMM, `x · W_sliceᵀ` ([`HeadLayout::Logits`]).
-    GemmLogits,
+    GemmLogits => "gemm_logits", [R, R, W], GemmParams, false;
     /// The input-gradient GEMM, `g_slice · W_slice` ([`HeadLayout::Dx`]).
-    GemmDx,
+    GemmDx => "gemm_dx", [R, R, W], GemmParams, false;
     /// [`KernelId::GemmDx`] with the block filter (`crate::filter`;
     /// [`GemmDesc::mask_rows`] > 0): a build of its own in every GEMM
     /// family (a WGSL entry point, a GLSL variant with `FILTER 1`), so the
     /// unfiltered GEMM's code is unchanged.
-    GemmDxFiltered,
+    GemmDxFiltered => "gemm_dx_filtered", [R, R, W], GemmParams, false;
     /// The KL row kernel ([`KlDesc`]).
-    KlRows,
+    KlRows => "kl_rows", [R, R, R, R, W, W], RowParams, false;
     /// The exact top-k row kernel ([`TopkDesc`]).
-    TopkRows,
+    TopkRows => "topk_rows", [R, W, W], RowParams, false;
     /// A split-K GEMM's partial blocks summed ([`SumPartsDesc`]).
-    SumParts,
+    SumParts => "sum_parts", [R, W], SumPartsParams, false;
     /// Resident: the weights' total and gradient scale ([`WeightStatsDesc`]).
-    WeightStats,
+    WeightStats => "weight_stats", [R, W], WeightStatsParams, true;
     /// Resident: the caller's teacher rows checked into scratch
     /// ([`TeacherRowsDesc`]).
-    TeacherRows,
+    TeacherRows => "teacher_rows", [R, R, R, W, W, W, W], TeacherRowsParams, true;
     /// Resident: the caller's labels checked into scratch ([`LabelsInDesc`]).
-    LabelsIn,
+    LabelsIn => "labels_in", [R, W, W], LabelsInParams, true;
     /// Resident: the caller's hidden rows into the padded f16 operand
     /// ([`HiddenInDesc`]).
-    HiddenIn,
+    HiddenIn => "hidden_in", [R, W], HiddenInParams, true;
     /// Resident: a chunk's loss and dx into the caller's buffers
     /// ([`LossOutDesc`]).
-    LossOut,
+    LossOut => "loss_out", [R, R, W, W, W, W], LossOutParams, true;
     /// Resident: a chunk's top-k into the caller's buffers ([`TopkOutDesc`]).
-    TopkOut,
+    TopkOut => "topk_out", [R, R, W, W, W], TopkOutParams, true;
     /// Resident: the first flagged row described ([`StatusDetailDesc`]).
-    StatusDetail,
+    StatusDetail => "status_detail", [R, R, R, W, R], StatusDetailParams, true;
     /// Resident: a vocabulary shard's per-row steps of the two-phase loss
     /// ([`ShardRowsDesc`]).
-    ShardRows,
+    ShardRows => "shard_rows", [W, R, W, W, W, W, W], ShardRowsParams, true;
     /// Resident: the caller's gather ids checked into scratch
     /// ([`GatherRowsDesc`]).
-    GatherIn,
+    GatherIn => "gather_in", [R, W, W], GatherRowsParams, true;
     /// Resident: a chunk's gathered log-probabilities and lse into the
     /// caller's buffers ([`GatherRowsDesc`]).
-    GatherOut,
+    GatherOut => "gather_out", [R, W, W, W], GatherRowsParams, true;
 }
 
 /// How a kernel uses one storage binding.
@@ -404,69 +462,6 @@ pub struct KernelBuild {
 }
 
 impl KernelId {
-    /// Every kernel.
-    pub const ALL: [KernelId; 17] = [
-        KernelId::ConvertF16,
-        KernelId::GemmLogits,
-        KernelId::GemmDx,
-        KernelId::GemmDxFiltered,
-        KernelId::KlRows,
-        KernelId::TopkRows,
-        KernelId::SumParts,
-        KernelId::WeightStats,
-        KernelId::TeacherRows,
-        KernelId::LabelsIn,
-        KernelId::HiddenIn,
-        KernelId::LossOut,
-        KernelId::TopkOut,
-        KernelId::StatusDetail,
-        KernelId::ShardRows,
-        KernelId::GatherIn,
-        KernelId::GatherOut,
-    ];
-
-    /// Its one name: entry point, timing label and docs.
-    pub const fn name(self) -> &'static str {
-        match self {
-            KernelId::ConvertF16 => "convert_f16",
-            KernelId::GemmLogits => "gemm_logits",
-            KernelId::GemmDx => "gemm_dx",
-            KernelId::GemmDxFiltered => "gemm_dx_filtered",
-            KernelId::KlRows => "kl_rows",
-            KernelId::TopkRows => "topk_rows",
-            KernelId::SumParts => "sum_parts",
-            KernelId::WeightStats => "weight_stats",
-            KernelId::TeacherRows => "teacher_rows",
-            KernelId::LabelsIn => "labels_in",
-            KernelId::HiddenIn => "hidden_in",
-            KernelId::LossOut => "loss_out",
-            KernelId::TopkOut => "topk_out",
-            KernelId::StatusDetail => "status_detail",
-            KernelId::ShardRows => "shard_rows",
-            KernelId::GatherIn => "gather_in",
-            KernelId::GatherOut => "gather_out",
-        }
-    }
-
-    /// Whether it is one of the device-resident entry points' kernels,
-    /// which read the caller's data and so are always built with runtime
-    /// bounds checks.
-    pub const fn is_resident(self) -> bool {
-        matches!(
-            self,
-            KernelId::WeightStats
-                | KernelId::TeacherRows
-                | KernelId::LabelsIn
-                | KernelId::HiddenIn
-                | KernelId::LossOut
-                | KernelId::TopkOut
-                | KernelId::StatusDetail
-                | KernelId::ShardRows
-                | KernelId::GatherIn
-                | KernelId::GatherOut
-        )
-    }
-
     /// The GEMM kernel for `layout`.
     pub const fn gemm(layout: HeadLayout) -> KernelId {
         match layout {
@@ -491,45 +486,6 @@ impl KernelId {
             KernelId::GemmLogits => Some(HeadLayout::Logits),
             KernelId::GemmDx | KernelId::GemmDxFiltered => Some(HeadLayout::Dx),
             _ => None,
-        }
-    }
-
-    /// Its storage bindings, at bindings 1.. (binding 0 is the uniform
-    /// parameter block), in the order the [`crate::Backend`] method takes
-    /// the buffers.
-    pub const fn bindings(self) -> &'static [Access] {
-        use Access::{Read as R, ReadWrite as W};
-        match self {
-            KernelId::ConvertF16 | KernelId::SumParts | KernelId::HiddenIn | KernelId::WeightStats => &[R, W],
-            KernelId::GemmLogits | KernelId::GemmDx | KernelId::GemmDxFiltered => &[R, R, W],
-            KernelId::KlRows => &[R, R, R, R, W, W],
-            KernelId::TopkRows | KernelId::LabelsIn => &[R, W, W],
-            KernelId::TeacherRows => &[R, R, R, W, W, W, W],
-            KernelId::LossOut => &[R, R, W, W, W, W],
-            KernelId::TopkOut => &[R, R, W, W, W],
-            KernelId::StatusDetail => &[R, R, R, W, R],
-            KernelId::ShardRows => &[W, R, W, W, W, W, W],
-            KernelId::GatherIn => &[R, W, W],
-            KernelId::GatherOut => &[R, W, W, W],
-        }
-    }
-
-    /// Its uniform parameter block (the descriptor's `check` returns one).
-    pub const fn params(self) -> ParamBlock {
-        match self {
-            KernelId::ConvertF16 => ConvertParams::BLOCK,
-            KernelId::GemmLogits | KernelId::GemmDx | KernelId::GemmDxFiltered => GemmParams::BLOCK,
-            KernelId::KlRows | KernelId::TopkRows => RowParams::BLOCK,
-            KernelId::SumParts => SumPartsParams::BLOCK,
-            KernelId::WeightStats => WeightStatsParams::BLOCK,
-            KernelId::TeacherRows => TeacherRowsParams::BLOCK,
-            KernelId::LabelsIn => LabelsInParams::BLOCK,
-            KernelId::HiddenIn => HiddenInParams::BLOCK,
-            KernelId::LossOut => LossOutParams::BLOCK,
-            KernelId::TopkOut => TopkOutParams::BLOCK,
-            KernelId::StatusDetail => StatusDetailParams::BLOCK,
-            KernelId::ShardRows => ShardRowsParams::BLOCK,
-            KernelId::GatherIn | KernelId::GatherOut => GatherRowsParams::BLOCK,
         }
     }
 
