@@ -266,15 +266,28 @@ pub const TILED_TILE: (u32, u32) = (64, 64);
 
 /// The catalogue's table: one row per kernel, with its name, its storage
 /// bindings (`R` read, `W` written) in the order the [`crate::Backend`]
-/// method takes the buffers, its parameter block, and whether it is a
-/// device-resident kernel. It makes [`KernelId`] and the facts
-/// [`KernelId::name`], [`KernelId::bindings`], [`KernelId::params`] and
-/// [`KernelId::is_resident`] read from it; a new kernel is one row here plus
-/// its shader, its build arm and its descriptor.
+/// method takes the buffers, its parameter block, whether it is a
+/// device-resident kernel and, for every kernel but the GEMMs, its WGSL
+/// shader with its workgroup memory and invocations. It makes [`KernelId`]
+/// and the facts [`KernelId::name`], [`KernelId::bindings`],
+/// [`KernelId::params`], [`KernelId::is_resident`], [`KernelId::shaders`]
+/// and (but for the GEMMs) [`KernelId::build`] read from it; a new kernel
+/// is one row here plus its shader, its descriptor and its `Launch`.
 macro_rules! catalogue {
+    (@build) => {
+        None
+    };
+    (@build $shader:ident, $bytes:expr, $invocations:expr) => {
+        Some(WgslRow {
+            shader: $shader,
+            workgroup_bytes: $bytes,
+            invocations: $invocations,
+        })
+    };
     ($(
         $(#[$doc:meta])*
-        $id:ident => $name:literal, [$($access:ident),*], $params:ty, $resident:literal;
+        $id:ident => $name:literal, [$($access:ident),*], $params:ty, $resident:literal
+            $(, $shader:ident: $bytes:expr, $invocations:expr)?;
     )*) => {
         /// A kernel the driver dispatches. Its [`name`](Self::name) is its
         /// entry point in every shader that implements it, its label in
@@ -323,13 +336,34 @@ macro_rules! catalogue {
                     $(KernelId::$id => $resident,)*
                 }
             }
+
+            /// Its one WGSL build, for every kernel but the GEMMs (whose
+            /// build depends on the device's [`GemmKernel`]).
+            const fn wgsl_row(self) -> Option<WgslRow> {
+                match self {
+                    $(KernelId::$id => catalogue!(@build $($shader, $bytes, $invocations)?),)*
+                }
+            }
         }
     };
 }
 
+/// [`crate::problem::MAX_K`] as the shaders' `u32`.
+const MAX_K_U32: u32 = crate::problem::MAX_K as u32;
+
+/// A kernel's one WGSL build, as its catalogue row gives it.
+#[derive(Clone, Copy)]
+struct WgslRow {
+    shader: Shader,
+    /// Workgroup memory as the shader declares it (checked against naga's
+    /// layout by the shader tests).
+    workgroup_bytes: u32,
+    invocations: u32,
+}
+
 catalogue! {
     /// f32 → f16 hidden rows ([`ConvertDesc`]).
-    ConvertF16 => "convert_f16", [R, W], ConvertParams, false;
+    ConvertF16 => "convert_f16", [R, W], ConvertParams, false, CONVERT_WGSL: 0, ROW_WORKGROUP;
     /// The logits GEMM, `x · W_sliceᵀ` ([`HeadLayout::Logits`]).
     GemmLogits => "gemm_logits", [R, R, W], GemmParams, false;
     /// The input-gradient GEMM, `g_slice · W_slice` ([`HeadLayout::Dx`]).
@@ -340,37 +374,50 @@ catalogue! {
     /// unfiltered GEMM's code is unchanged.
     GemmDxFiltered => "gemm_dx_filtered", [R, R, W], GemmParams, false;
     /// The KL row kernel ([`KlDesc`]).
-    KlRows => "kl_rows", [R, R, R, R, W, W], RowParams, false;
+    KlRows => "kl_rows", [R, R, R, R, W, W], RowParams, false,
+        // red_max, red_sum, red_bad, red_max1, red_sum1, red_aux [WG], three
+        // scalars, two vec4s, the divergences' vec2, and the block filter's
+        // seg_mask [SEG_WORDS] (declared in every pipeline, touched only
+        // with the filter).
+        KL_ROWS_WGSL: 6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16 + 8 + 4 * FILTER_SEG_WORDS, ROW_WORKGROUP;
     /// The exact top-k row kernel ([`TopkDesc`]).
-    TopkRows => "topk_rows", [R, W, W], RowParams, false;
+    TopkRows => "topk_rows", [R, W, W], RowParams, false,
+        // hist [TOPK_HIST], scan [WG], sel_key and sel_id [MAX_K], 9 scalars.
+        TOPK_ROWS_WGSL: 4 * (TOPK_HIST + ROW_WORKGROUP + 2 * MAX_K_U32 + 9), ROW_WORKGROUP;
     /// A split-K GEMM's partial blocks summed ([`SumPartsDesc`]).
-    SumParts => "sum_parts", [R, W], SumPartsParams, false;
+    SumParts => "sum_parts", [R, W], SumPartsParams, false, SUM_PARTS_WGSL: 0, ROW_WORKGROUP;
     /// Resident: the weights' total and gradient scale ([`WeightStatsDesc`]).
-    WeightStats => "weight_stats", [R, W], WeightStatsParams, true;
+    WeightStats => "weight_stats", [R, W], WeightStatsParams, true,
+        // red_sum, red_max, red_bad [WG].
+        WEIGHT_STATS_WGSL: 3 * 4 * ROW_WORKGROUP, ROW_WORKGROUP;
     /// Resident: the caller's teacher rows checked into scratch
     /// ([`TeacherRowsDesc`]).
-    TeacherRows => "teacher_rows", [R, R, R, W, W, W, W], TeacherRowsParams, true;
+    TeacherRows => "teacher_rows", [R, R, R, W, W, W, W], TeacherRowsParams, true,
+        // row_ids [MAX_K]; red_sum, red_bad, red_range [WG].
+        TEACHER_ROWS_WGSL: 4 * (MAX_K_U32 + 3 * ROW_WORKGROUP), ROW_WORKGROUP;
     /// Resident: the caller's labels checked into scratch ([`LabelsInDesc`]).
-    LabelsIn => "labels_in", [R, W, W], LabelsInParams, true;
+    LabelsIn => "labels_in", [R, W, W], LabelsInParams, true, LABELS_IN_WGSL: 0, ROW_WORKGROUP;
     /// Resident: the caller's hidden rows into the padded f16 operand
     /// ([`HiddenInDesc`]).
-    HiddenIn => "hidden_in", [R, W], HiddenInParams, true;
+    HiddenIn => "hidden_in", [R, W], HiddenInParams, true, HIDDEN_IN_WGSL: 0, ROW_WORKGROUP;
     /// Resident: a chunk's loss and dx into the caller's buffers
     /// ([`LossOutDesc`]).
-    LossOut => "loss_out", [R, R, W, W, W, W], LossOutParams, true;
+    LossOut => "loss_out", [R, R, W, W, W, W], LossOutParams, true, LOSS_OUT_WGSL: 0, ROW_WORKGROUP;
     /// Resident: a chunk's top-k into the caller's buffers ([`TopkOutDesc`]).
-    TopkOut => "topk_out", [R, R, W, W, W], TopkOutParams, true;
+    TopkOut => "topk_out", [R, R, W, W, W], TopkOutParams, true, TOPK_OUT_WGSL: 0, ROW_WORKGROUP;
     /// Resident: the first flagged row described ([`StatusDetailDesc`]).
-    StatusDetail => "status_detail", [R, R, R, W, R], StatusDetailParams, true;
+    StatusDetail => "status_detail", [R, R, R, W, R], StatusDetailParams, true,
+        // One invocation walks the flagged row.
+        STATUS_DETAIL_WGSL: 0, 1;
     /// Resident: a vocabulary shard's per-row steps of the two-phase loss
     /// ([`ShardRowsDesc`]).
-    ShardRows => "shard_rows", [W, R, W, W, W, W, W], ShardRowsParams, true;
+    ShardRows => "shard_rows", [W, R, W, W, W, W, W], ShardRowsParams, true, SHARD_ROWS_WGSL: 0, ROW_WORKGROUP;
     /// Resident: the caller's gather ids checked into scratch
     /// ([`GatherRowsDesc`]).
-    GatherIn => "gather_in", [R, W, W], GatherRowsParams, true;
+    GatherIn => "gather_in", [R, W, W], GatherRowsParams, true, GATHER_IN_WGSL: 0, ROW_WORKGROUP;
     /// Resident: a chunk's gathered log-probabilities and lse into the
     /// caller's buffers ([`GatherRowsDesc`]).
-    GatherOut => "gather_out", [R, W, W, W], GatherRowsParams, true;
+    GatherOut => "gather_out", [R, W, W, W], GatherRowsParams, true, GATHER_OUT_WGSL: 0, ROW_WORKGROUP;
 }
 
 /// How a kernel uses one storage binding.
@@ -501,24 +548,9 @@ impl KernelId {
     /// Every shader that implements it (the GEMMs have one per
     /// [`GemmKernel`] family).
     pub fn shaders(self) -> Vec<Shader> {
-        match self {
-            KernelId::ConvertF16 => vec![CONVERT_WGSL],
-            KernelId::KlRows => vec![KL_ROWS_WGSL],
-            KernelId::TopkRows => vec![TOPK_ROWS_WGSL],
-            KernelId::SumParts => vec![SUM_PARTS_WGSL],
-            KernelId::WeightStats => vec![WEIGHT_STATS_WGSL],
-            KernelId::TeacherRows => vec![TEACHER_ROWS_WGSL],
-            KernelId::LabelsIn => vec![LABELS_IN_WGSL],
-            KernelId::HiddenIn => vec![HIDDEN_IN_WGSL],
-            KernelId::LossOut => vec![LOSS_OUT_WGSL],
-            KernelId::TopkOut => vec![TOPK_OUT_WGSL],
-            KernelId::StatusDetail => vec![STATUS_DETAIL_WGSL],
-            KernelId::ShardRows => vec![SHARD_ROWS_WGSL],
-            KernelId::GatherIn => vec![GATHER_IN_WGSL],
-            KernelId::GatherOut => vec![GATHER_OUT_WGSL],
-            KernelId::GemmLogits | KernelId::GemmDx | KernelId::GemmDxFiltered => {
-                vec![GEMM_TILED_WGSL, GEMM_COOP_WGSL, GEMM_COOP_DIRECT_WGSL]
-            }
+        match self.wgsl_row() {
+            Some(row) => vec![row.shader],
+            None => vec![GEMM_TILED_WGSL, GEMM_COOP_WGSL, GEMM_COOP_DIRECT_WGSL],
         }
     }
 
@@ -534,43 +566,13 @@ impl KernelId {
             invocations: ROW_WORKGROUP,
             matrix_units: false,
         };
+        if let Some(row) = self.wgsl_row() {
+            return KernelBuild {
+                invocations: row.invocations,
+                ..fixed(row.shader, row.workgroup_bytes)
+            };
+        }
         match (self, gemm) {
-            // Workgroup memory as the shaders declare it (checked against
-            // naga's layout by the shader tests).
-            (KernelId::ConvertF16, _) => fixed(CONVERT_WGSL, 0),
-            (KernelId::SumParts, _) => fixed(SUM_PARTS_WGSL, 0),
-            // red_max, red_sum, red_bad, red_max1, red_sum1, red_aux [WG],
-            // three scalars, two vec4s, the divergences' vec2, and the block
-            // filter's seg_mask [SEG_WORDS] (declared in every pipeline,
-            // touched only with the filter).
-            (KernelId::KlRows, _) => fixed(
-                KL_ROWS_WGSL,
-                6 * 4 * ROW_WORKGROUP + 3 * 4 + 2 * 16 + 8 + 4 * FILTER_SEG_WORDS,
-            ),
-            // hist [TOPK_HIST], scan [WG], sel_key and sel_id [MAX_K], 9 scalars.
-            (KernelId::TopkRows, _) => fixed(
-                TOPK_ROWS_WGSL,
-                4 * (TOPK_HIST + ROW_WORKGROUP + 2 * crate::problem::MAX_K as u32 + 9),
-            ),
-            // red_sum, red_max, red_bad [WG].
-            (KernelId::WeightStats, _) => fixed(WEIGHT_STATS_WGSL, 3 * 4 * ROW_WORKGROUP),
-            // row_ids [MAX_K]; red_sum, red_bad, red_range [WG].
-            (KernelId::TeacherRows, _) => fixed(
-                TEACHER_ROWS_WGSL,
-                4 * (crate::problem::MAX_K as u32 + 3 * ROW_WORKGROUP),
-            ),
-            (KernelId::LabelsIn, _) => fixed(LABELS_IN_WGSL, 0),
-            (KernelId::HiddenIn, _) => fixed(HIDDEN_IN_WGSL, 0),
-            (KernelId::LossOut, _) => fixed(LOSS_OUT_WGSL, 0),
-            (KernelId::TopkOut, _) => fixed(TOPK_OUT_WGSL, 0),
-            (KernelId::ShardRows, _) => fixed(SHARD_ROWS_WGSL, 0),
-            (KernelId::GatherIn, _) => fixed(GATHER_IN_WGSL, 0),
-            (KernelId::GatherOut, _) => fixed(GATHER_OUT_WGSL, 0),
-            // One invocation walks the flagged row.
-            (KernelId::StatusDetail, _) => KernelBuild {
-                invocations: 1,
-                ..fixed(STATUS_DETAIL_WGSL, 0)
-            },
             // as_ and bs_: [16][64] f32 each.
             (_, GemmKernel::Tiled) => fixed(GEMM_TILED_WGSL, 2 * 16 * 64 * 4),
             (_, GemmKernel::Coop { kernel, subgroup }) => {
