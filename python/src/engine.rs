@@ -84,17 +84,7 @@ macro_rules! on_held {
 
 /// `backend=` as the package spells it.
 pub fn backend_arg(backend: &str) -> PyResult<BackendArg> {
-    Ok(match backend {
-        "auto" => BackendArg::Auto,
-        "vulkan" => BackendArg::Vulkan,
-        "wgpu" => BackendArg::Wgpu,
-        "reference" => BackendArg::Reference,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "backend={other:?}: expected one of auto, vulkan, wgpu, reference"
-            )))
-        }
-    })
+    BackendArg::parse(backend, false).map_err(|why| PyValueError::new_err(format!("backend={backend:?}: {why}")))
 }
 
 /// The backend a name and device index resolve to, opened with the

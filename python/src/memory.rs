@@ -19,7 +19,8 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    fn parse(name: &str) -> PyResult<Self> {
+    /// The dtype named `name` (torch's spelling).
+    pub fn parse(name: &str) -> PyResult<Self> {
         Ok(match name {
             "float32" => Dtype::F32,
             "float16" => Dtype::F16,
@@ -27,6 +28,16 @@ impl Dtype {
             "int64" => Dtype::I64,
             other => return Err(PyTypeError::new_err(format!("unsupported dtype {other}"))),
         })
+    }
+
+    /// The hidden rows' element type it is, if it is a float.
+    pub fn hidden(self) -> Option<headkl_core::HiddenDtype> {
+        match self {
+            Dtype::F32 => Some(headkl_core::HiddenDtype::F32),
+            Dtype::F16 => Some(headkl_core::HiddenDtype::F16),
+            Dtype::Bf16 => Some(headkl_core::HiddenDtype::Bf16),
+            Dtype::I64 => None,
+        }
     }
 
     fn size(self) -> usize {

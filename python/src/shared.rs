@@ -65,12 +65,10 @@ pub struct LossBuffers {
 
 /// Parses `float32`, `float16`, `bfloat16`.
 pub fn hidden_dtype(name: &str) -> PyResult<HiddenDtype> {
-    Ok(match name {
-        "float32" => HiddenDtype::F32,
-        "float16" => HiddenDtype::F16,
-        "bfloat16" => HiddenDtype::Bf16,
-        other => return Err(PyValueError::new_err(format!("hidden: dtype {other} is not a float"))),
-    })
+    crate::memory::Dtype::parse(name)
+        .ok()
+        .and_then(crate::memory::Dtype::hidden)
+        .ok_or_else(|| PyValueError::new_err(format!("hidden: dtype {name} is not a float")))
 }
 
 /// What the device path does not take, named (the Python side sends those

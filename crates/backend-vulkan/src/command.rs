@@ -389,9 +389,20 @@ impl Stream {
     /// The shared timeline semaphore (made, exportable as an opaque fd, on
     /// first use).
     pub(crate) fn shared_timeline(&mut self) -> Result<vk::Semaphore> {
-        if let Some(shared) = &self.shared {
-            return Ok(shared.semaphore);
-        }
+        Ok(self.shared_mut()?.semaphore)
+    }
+
+    /// The shared timeline and its pending wait and signal, made on first
+    /// use.
+    fn shared_mut(&mut self) -> Result<&mut SharedTimeline> {
+        let shared = match self.shared.take() {
+            Some(shared) => shared,
+            None => self.new_shared_timeline()?,
+        };
+        Ok(self.shared.insert(shared))
+    }
+
+    fn new_shared_timeline(&self) -> Result<SharedTimeline> {
         let mut kind = vk::SemaphoreTypeCreateInfo::default()
             .semaphore_type(vk::SemaphoreType::TIMELINE)
             .initial_value(0);
@@ -405,12 +416,11 @@ impl Stream {
         // `enabled.external_fd`).
         let semaphore =
             unsafe { self.device.raw.create_semaphore(&info, None) }.map_err(|e| vk_error(e, "vkCreateSemaphore"))?;
-        self.shared = Some(SharedTimeline {
+        Ok(SharedTimeline {
             semaphore,
             wait: None,
             signal: None,
-        });
-        Ok(semaphore)
+        })
     }
 
     /// The shared timeline's value now (the tests' view of it).
@@ -426,10 +436,8 @@ impl Stream {
     /// The next submission waits (before its kernels and copies) for the
     /// shared timeline to reach `value`.
     pub(crate) fn wait_shared(&mut self, value: u64) -> Result<()> {
-        self.shared_timeline()?;
-        if let Some(shared) = &mut self.shared {
-            shared.wait = Some(shared.wait.map_or(value, |w| w.max(value)));
-        }
+        let shared = self.shared_mut()?;
+        shared.wait = Some(shared.wait.map_or(value, |w| w.max(value)));
         Ok(())
     }
 
@@ -437,17 +445,12 @@ impl Stream {
     /// `value` once every submission so far has finished (a semaphore
     /// signal's first scope is every command earlier in submission order).
     pub(crate) fn signal_shared(&mut self, value: u64) -> Result<()> {
-        self.shared_timeline()?;
-        if let Some(shared) = &mut self.shared {
-            shared.signal = Some(value);
-        }
+        self.shared_mut()?.signal = Some(value);
         if self.recording {
             return self.submit();
         }
         let mut sync = TimelineSync::default();
-        if let Some(shared) = &mut self.shared {
-            shared.take_into(&mut sync);
-        }
+        self.shared_mut()?.take_into(&mut sync);
         // SAFETY: a submission of no command buffers and no fence; the
         // queue is this stream's, under the backend's lock.
         unsafe { sync.submit(&self.device.raw, self.device.queue, &[], vk::Fence::null()) }

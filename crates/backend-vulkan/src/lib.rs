@@ -200,10 +200,9 @@ pub fn enumerate_with(sources: &settings::GemmSources) -> Result<Vec<DeviceInfo>
                 let mut limits = kernels::kernel_limits(&a.caps);
                 let default = GemmChoice::default_for(DEFAULT_GEMM, Some(&limits));
                 let mark = tile_faults::marked(default, &ChoiceSource::Default, sources.tune_cache.as_deref(), &a.caps);
-                let ptx = match (
-                    CoopGemm::Wgmma(headkl_core::wgmma_tile::WGMMA_BM64_BK32_S3).misfit(&limits),
-                    mark,
-                ) {
+                let misfit = CoopGemm::Wgmma(headkl_core::wgmma_tile::WGMMA_BM64_BK32_S3).misfit(&limits);
+                limits.ptx &= misfit.is_none() && mark.is_none();
+                let ptx = match (misfit, mark) {
                     (Some(why), _) => format!("PTX tiles (wgmma): no: {why}"),
                     (None, Some(m)) => format!(
                         "PTX tiles (wgmma): failed here before ({}: {}), so not the default until `headkl tune`",
@@ -211,7 +210,6 @@ pub fn enumerate_with(sources: &settings::GemmSources) -> Result<Vec<DeviceInfo>
                     ),
                     (None, None) => "PTX tiles (wgmma): yes, if the driver takes sm_90a".to_string(),
                 };
-                limits.ptx &= ptx.ends_with("sm_90a");
                 let default = GemmChoice::default_for(DEFAULT_GEMM, Some(&limits));
                 info.gemm = Some(format!("default GEMM {default}; {ptx}"));
             }

@@ -3,7 +3,6 @@
 //! settings), the command line's own here. `headkl_core::settings` holds
 //! the one list of variables.
 
-use clap::ValueEnum;
 use headkl_core::settings::{self, Env};
 use headkl_core::DxSplit;
 use headkl_reference::conformance::SuiteSettings;
@@ -38,13 +37,7 @@ impl Settings {
     pub fn from_env(env: &Env) -> headkl_core::Result<Self> {
         let backend = match env.text(settings::BACKEND)? {
             None => None,
-            Some(v) => Some(BackendArg::from_str(&v, true).map_err(|_| {
-                let names: Vec<String> = BackendArg::value_variants()
-                    .iter()
-                    .filter_map(|b| b.to_possible_value().map(|p| p.get_name().to_string()))
-                    .collect();
-                settings::invalid(settings::BACKEND, &v, &format!("expected one of {}", names.join(", ")))
-            })?),
+            Some(v) => Some(BackendArg::parse(&v, true).map_err(|why| settings::invalid(settings::BACKEND, &v, &why))?),
         };
         // The options both backends share (HEADKL_GEMM among them) are
         // parsed once, with the Vulkan backend's, and handed to wgpu.

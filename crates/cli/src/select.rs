@@ -44,6 +44,20 @@ pub enum BackendArg {
     Reference,
 }
 
+impl BackendArg {
+    /// The backend named `name` (as `--backend` spells it; any case where
+    /// `ignore_case`), or `expected one of …` naming them all.
+    pub fn parse(name: &str, ignore_case: bool) -> Result<Self, String> {
+        BackendArg::from_str(name, ignore_case).map_err(|_| {
+            let names: Vec<String> = BackendArg::value_variants()
+                .iter()
+                .filter_map(|b| b.to_possible_value().map(|p| p.get_name().to_string()))
+                .collect();
+            format!("expected one of {}", names.join(", "))
+        })
+    }
+}
+
 /// A concrete backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
