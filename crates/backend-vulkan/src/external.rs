@@ -3,21 +3,19 @@
 //! `vk::Buffer`s; and the device-resident kernels
 //! ([`headkl_core::ResidentBackend`]).
 
-use std::sync::{Arc, Mutex};
 
 use ash::vk;
 use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::{Error, ResidentBackend, Result};
 
 use crate::adapter;
-use crate::command::{self, Stream};
+use crate::command;
 use crate::conv::BACKEND;
 use crate::device::{Device, Enabled};
 use crate::instance::Instance;
 use crate::kernels;
 use crate::memory::VulkanBuffer;
-use crate::pipeline::PipelineCache;
-use crate::{describe_gemm, VulkanBackend, VulkanOptions, DEFAULT_GEMM};
+use crate::{VulkanBackend, VulkanOptions, DEFAULT_GEMM};
 
 /// The caller's Vulkan objects [`VulkanBackend::from_raw`] runs on.
 pub struct ExternalVulkan {
@@ -92,22 +90,8 @@ impl VulkanBackend {
             ..Enabled::default()
         };
         let device = Device::external(instance, ext.physical_device, caps, ext.device, ext.queue, enabled);
-        let mut info = device.caps.device_info(coop.is_some());
-        info.gemm = Some(describe_gemm(coop.as_ref()));
-        info.queue = Some(format!("{}, the caller's", device.queue_description()));
-        let stream = Stream::new(Arc::clone(&device), command::STAGING_BYTES)?;
-        let pipelines = PipelineCache::new(Arc::clone(&device));
-        Ok(Self {
-            info,
-            options: options.clone(),
-            coop,
-            stream: Mutex::new(stream),
-            pipelines: Mutex::new(pipelines),
-            ptx: Mutex::new(None),
-            pack: Mutex::new(None),
-            ptx_lost: std::sync::atomic::AtomicBool::new(false),
-            device,
-        })
+        let queue = format!("{}, the caller's", device.queue_description());
+        Self::assemble(device, options, coop, None, queue, command::STAGING_BYTES)
     }
 
     /// A view of `bytes` bytes at byte `offset` of the caller's `buffer`.

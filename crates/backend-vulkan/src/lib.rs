@@ -318,9 +318,24 @@ impl VulkanBackend {
                 }
             }
         }
+        let queue = device.queue_description();
+        Self::assemble(device, options, coop, ptx, queue, staging_bytes)
+    }
+
+    /// The backend on an opened device (`open_with` and the caller's
+    /// device): its info (with `queue` as its queue's description), a
+    /// stream with `staging_bytes` of staging, no pipelines yet.
+    pub(crate) fn assemble(
+        device: Arc<Device>,
+        options: &VulkanOptions,
+        coop: Option<CoopPlan>,
+        ptx: Option<nvx::PtxModule>,
+        queue: String,
+        staging_bytes: u64,
+    ) -> Result<Self> {
         let mut info = device.caps.device_info(coop.is_some());
         info.gemm = Some(describe_gemm(coop.as_ref()));
-        info.queue = Some(device.queue_description());
+        info.queue = Some(queue);
         let stream = Stream::new(Arc::clone(&device), staging_bytes)?;
         let pipelines = PipelineCache::new(Arc::clone(&device));
         Ok(Self {

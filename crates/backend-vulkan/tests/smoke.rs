@@ -44,17 +44,25 @@ const POISON: u32 = 0x7fc0_dead;
 
 #[allow(clippy::too_many_arguments, reason = "a GEMM case spelled out field by field")]
 fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayout, accumulate: bool, seed: usize) {
-    let (a_offset, lda) = (32, k + 16);
-    let ldb = match layout {
-        HeadLayout::Logits => k + 32,
-        HeadLayout::Dx => n + 16,
+    let desc = GemmDesc {
+        a_offset: 32,
+        lda: k + 16,
+        ldb: match layout {
+            HeadLayout::Logits => k + 32,
+            HeadLayout::Dx => n + 16,
+        },
+        c_offset: 48,
+        ldc: n + 32,
+        alpha: 0.5,
+        accumulate,
+        ..GemmDesc::dense(m, n, k, layout)
     };
+    let (a_offset, lda, ldb) = (desc.a_offset, desc.lda, desc.ldb);
+    let (c_offset, ldc, alpha) = (desc.c_offset, desc.ldc, desc.alpha);
     let b_rows = match layout {
         HeadLayout::Logits => n,
         HeadLayout::Dx => k,
     };
-    let (c_offset, ldc) = (48, n + 32);
-    let alpha = 0.5f32;
     let a = exact_values(a_offset + m * lda, seed);
     let bm = exact_values(b_rows * ldb, seed + 1);
     let c_len = c_offset + m * ldc + 16;
@@ -73,23 +81,6 @@ fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayou
     b.upload(&a_buf, 0, bytemuck::cast_slice(&a)).unwrap();
     b.upload(&b_buf, 0, bytemuck::cast_slice(&bm)).unwrap();
     b.upload(&c_buf, 0, bytemuck::cast_slice(&c0)).unwrap();
-    let desc = GemmDesc {
-        m,
-        n,
-        k,
-        a_offset,
-        lda,
-        b_layout: layout,
-        ldb,
-        c_offset,
-        ldc,
-        alpha,
-        accumulate,
-        k_parts: 1,
-        c_part_stride: 0,
-        row_stats: None,
-        mask_rows: 0,
-    };
     b.gemm(&a_buf, &b_buf, &c_buf, &desc).unwrap();
     let mut c = vec![0f32; c_len];
     b.download(&c_buf, 0, bytemuck::cast_slice_mut(&mut c)).unwrap();

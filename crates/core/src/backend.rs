@@ -666,6 +666,17 @@ impl<T: Backend + ?Sized> Backend for &T {
     }
 }
 
+/// A buffer that is only a length: what the descriptor checks read.
+#[cfg(test)]
+pub(crate) struct Len(pub(crate) u64);
+
+#[cfg(test)]
+impl DeviceBuffer for Len {
+    fn len(&self) -> u64 {
+        self.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -893,12 +893,7 @@ impl StatusDetailDesc {
 mod tests {
     use super::*;
 
-    struct Len(u64);
-    impl DeviceBuffer for Len {
-        fn len(&self) -> u64 {
-            self.0
-        }
-    }
+    use crate::backend::Len;
 
     fn field_of(e: Error) -> (&'static str, &'static str, u128) {
         match e {

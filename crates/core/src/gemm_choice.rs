@@ -474,6 +474,21 @@ pub struct KernelLimits {
     pub ptx: bool,
 }
 
+impl KernelLimits {
+    /// The H200's limits through Vulkan without the PTX tiles: 48 KiB of
+    /// workgroup memory, subgroups of 32, SPIR-V passthrough (the tests'
+    /// device).
+    #[cfg(test)]
+    pub(crate) const H200_SPIRV: KernelLimits = KernelLimits {
+        shared_bytes: 48 << 10,
+        invocations: 1024,
+        subgroup_size: 32,
+        subgroup_builtins: true,
+        spirv: true,
+        ptx: false,
+    };
+}
+
 impl CoopGemm {
     /// Why this kernel cannot run within `limits`, or `None` when it can.
     pub fn misfit(self, limits: &KernelLimits) -> Option<String> {
@@ -622,16 +637,7 @@ mod tests {
         dx: CoopGemm::Staged(tile(32, 4, 1, true)),
     };
 
-    /// The H200's limits through Vulkan: 48 KiB of workgroup memory,
-    /// subgroups of 32, SPIR-V passthrough.
-    const H200: KernelLimits = KernelLimits {
-        shared_bytes: 48 << 10,
-        invocations: 1024,
-        subgroup_size: 32,
-        subgroup_builtins: true,
-        spirv: true,
-        ptx: false,
-    };
+    const H200: KernelLimits = KernelLimits::H200_SPIRV;
 
     fn parse(value: &str) -> Result<GemmChoice> {
         GemmChoice::parse(value, DEFAULT)

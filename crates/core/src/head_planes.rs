@@ -204,17 +204,7 @@ impl<B: Backend> HeadPlanes<B> {
             planes.push(plane);
         }
         backend.finish()?;
-        Ok(Self {
-            vocab,
-            hs,
-            hs_padded,
-            vocab_padded: round_up(vocab, ALIGN),
-            slices,
-            planes,
-            dx_split: DxSplit::Auto,
-            block_norms,
-            order,
-        })
+        Ok(Self::assemble(vocab, hs, slices, planes, block_norms, order))
     }
 
     /// A head already on the device: allocates one plane per vocabulary
@@ -266,17 +256,30 @@ impl<B: Backend> HeadPlanes<B> {
         for (row, norm) in row_norms.iter().enumerate() {
             block_norms[row / crate::filter::BLOCK] += norm;
         }
-        Ok(Self {
+        Ok(Self::assemble(vocab, hs, slices, planes, block_norms, None))
+    }
+
+    /// The head from its uploaded planes (`upload` and `from_device`'s
+    /// last step): the padded extents derived, the dx split automatic.
+    fn assemble(
+        vocab: usize,
+        hs: usize,
+        slices: Vec<VocabSlice>,
+        planes: Vec<B::Buffer>,
+        block_norms: Vec<f32>,
+        order: Option<VocabOrder>,
+    ) -> Self {
+        Self {
             vocab,
             hs,
-            hs_padded,
+            hs_padded: round_up(hs, ALIGN),
             vocab_padded: round_up(vocab, ALIGN),
             slices,
             planes,
             dx_split: DxSplit::Auto,
             block_norms,
-            order: None,
-        })
+            order,
+        }
     }
 
     /// The order the head's rows are stored in (`None`: natural).

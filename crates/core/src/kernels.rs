@@ -956,14 +956,7 @@ mod tests {
 
     #[test]
     fn a_device_is_checked_against_every_kernel() {
-        let big = KernelLimits {
-            shared_bytes: 48 << 10,
-            invocations: 1024,
-            subgroup_size: 32,
-            subgroup_builtins: true,
-            spirv: true,
-            ptx: false,
-        };
+        let big = KernelLimits::H200_SPIRV;
         assert_eq!(device_misfit(&big), None);
         let small = KernelLimits {
             shared_bytes: 16 << 10,

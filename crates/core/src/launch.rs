@@ -18,207 +18,179 @@ use crate::resident::{
     TopkOutDesc, WeightStatsDesc,
 };
 
-/// One kernel launch: the descriptor (see each type's docs for what the
-/// kernel computes) and the buffers, named as the kernel binds them.
-#[derive(Debug)]
-pub enum Launch<'a, B> {
-    /// Hidden rows f32 → f16 ([`ConvertDesc`]).
-    ConvertF16 {
-        /// f32 rows.
-        src: &'a B,
-        /// The padded f16 operand.
-        dst: &'a B,
-        /// The extents.
-        desc: ConvertDesc,
-    },
-    /// `C (+)= alpha · A · op(B)` ([`GemmDesc`]; its layout says which of
-    /// the two GEMM kernels).
-    Gemm {
-        /// f16 A.
-        a: &'a B,
-        /// f16 B (a head plane).
-        b: &'a B,
-        /// f32 C.
-        c: &'a B,
-        /// The extents, strides and split.
-        desc: GemmDesc,
-    },
-    /// A split-K GEMM's partial blocks summed ([`SumPartsDesc`]).
-    SumParts {
-        /// The blocks.
-        parts: &'a B,
-        /// Their sum.
-        dst: &'a B,
-        /// The lengths.
-        desc: SumPartsDesc,
-    },
-    /// The KL row kernel ([`KlDesc`]).
-    KlRows {
-        /// f32 logits `[rows][ld]`.
-        logits: &'a B,
-        /// Teacher ids `[rows][k]`.
-        ids: &'a B,
-        /// Teacher probabilities `[rows][k]`.
-        probs: &'a B,
-        /// Per-row coefficients `[rows]`.
-        coef: &'a B,
-        /// Per-row loss `[rows]`.
-        loss: &'a B,
-        /// f16 gradient `[rows][ld]`.
-        grad: &'a B,
-        /// The extents.
-        desc: KlDesc,
-    },
-    /// The exact top-k row kernel ([`TopkDesc`]).
-    TopkRows {
-        /// f32 logits `[rows][ld]`.
-        logits: &'a B,
-        /// Selected ids `[rows][k]`.
-        ids: &'a B,
-        /// Their probabilities `[rows][k]`.
-        probs: &'a B,
-        /// The extents.
-        desc: TopkDesc,
-    },
+/// The launch table: one row a [`Launch`] variant, giving its descriptor
+/// type, its buffers in binding order (the row's docs say what each holds),
+/// its kernel, its workgroups and the check that makes its parameter block.
+/// The macro makes the enum and every per-variant arm ([`Launch::id`], [`Launch::buffers`],
+/// [`Launch::workgroups`], [`Launch::check`]) from it. `desc` and `gemm`
+/// name the row's descriptor and the backend's GEMM kernel in the rows'
+/// expressions.
+macro_rules! launches {
+    (
+        binders($desc:ident, $gemm:ident);
+        $(
+            $(#[$doc:meta])*
+            $variant:ident($Desc:ty) { $($buffer:ident),+ }
+                => kernel $id:expr, workgroups $workgroups:expr, $block:ident($check:ident);
+        )+
+    ) => {
+        /// One kernel launch: the descriptor (see each type's docs for what
+        /// the kernel computes) and the buffers, named as the kernel binds
+        /// them.
+        #[derive(Debug)]
+        pub enum Launch<'a, B> {
+            $(
+                $(#[$doc])*
+                $variant {
+                    $(
+                        #[doc = concat!("The `", stringify!($buffer), "` binding (the variant's docs say what it holds).")]
+                        $buffer: &'a B,
+                    )+
+                    /// What the kernel computes over them: the extents and options.
+                    $desc: $Desc,
+                },
+            )+
+        }
+
+        impl<'a, B: DeviceBuffer> Launch<'a, B> {
+            /// The kernel it launches.
+            pub fn id(&self) -> KernelId {
+                match *self {
+                    $( Launch::$variant { $desc, .. } => { let _ = &$desc; $id } )+
+                }
+            }
+
+            /// Its buffers in binding order (the catalogue's
+            /// [`KernelId::bindings`]).
+            pub fn buffers(&self) -> Vec<&'a B> {
+                match *self {
+                    $( Launch::$variant { $($buffer,)+ .. } => vec![$($buffer),+], )+
+                }
+            }
+
+            /// Workgroups it dispatches; a GEMM's depend on the kernel `gemm`
+            /// the backend runs for it (ignored for the other kernels).
+            pub fn workgroups(&self, $gemm: GemmKernel) -> u64 {
+                match *self {
+                    $( Launch::$variant { $desc, .. } => $workgroups, )+
+                }
+            }
+
+            /// Checks the descriptor against the buffers (each a binding of
+            /// at most `max_binding` bytes): the kernel's [`crate::checks`],
+            /// every backend's first step of every dispatch.
+            pub fn check(&self, max_binding: u64) -> Result<Checked> {
+                let block = match *self {
+                    $( Launch::$variant { $($buffer,)+ $desc } => {
+                        Block::$block($desc.$check([$($buffer),+], max_binding)?)
+                    } )+
+                };
+                Ok(Checked { id: self.id(), block })
+            }
+        }
+    };
+}
+
+launches! {
+    binders(desc, gemm);
+
+    /// Hidden rows f32 → f16 ([`ConvertDesc`]). Bindings: `src`: f32 rows; `dst`:
+    /// the padded f16 operand.
+    ConvertF16(ConvertDesc) { src, dst }
+        => kernel KernelId::ConvertF16, workgroups desc.workgroups(), Convert(check);
+
+    /// `C (+)= alpha · A · op(B)` ([`GemmDesc`]; its layout says which of the two
+    /// GEMM kernels). Bindings: `a`: f16 A; `b`: f16 B (a head plane); `c`: f32 C.
+    Gemm(GemmDesc) { a, b, c }
+        => kernel desc.kernel(), workgroups desc.workgroups(gemm), Gemm(check);
+
+    /// A split-K GEMM's partial blocks summed ([`SumPartsDesc`]). Bindings:
+    /// `parts`: the blocks; `dst`: their sum.
+    SumParts(SumPartsDesc) { parts, dst }
+        => kernel KernelId::SumParts, workgroups desc.workgroups(), SumParts(check);
+
+    /// The KL row kernel ([`KlDesc`]). Bindings: `logits`: f32 logits `[rows][ld]`;
+    /// `ids`: teacher ids `[rows][k]`; `probs`: teacher probabilities `[rows][k]`;
+    /// `coef`: per-row coefficients `[rows]`; `loss`: per-row loss `[rows]`;
+    /// `grad`: f16 gradient `[rows][ld]`.
+    KlRows(KlDesc) { logits, ids, probs, coef, loss, grad }
+        => kernel KernelId::KlRows, workgroups desc.workgroups(), Rows(check);
+
+    /// The exact top-k row kernel ([`TopkDesc`]). Bindings: `logits`: f32 logits
+    /// `[rows][ld]`; `ids`: selected ids `[rows][k]`; `probs`: their probabilities
+    /// `[rows][k]`.
+    TopkRows(TopkDesc) { logits, ids, probs }
+        => kernel KernelId::TopkRows, workgroups desc.workgroups(), Rows(check);
+
     /// Resident: the weights' total and gradient scale ([`WeightStatsDesc`]).
-    WeightStats {
-        /// The caller's weights `[rows]` (any buffer without them).
-        weights: &'a B,
-        /// The status buffer.
-        status: &'a B,
-        /// The options.
-        desc: WeightStatsDesc,
-    },
-    /// Resident: teacher rows checked into scratch ([`TeacherRowsDesc`]).
-    TeacherRows {
-        /// The caller's ids.
-        ids: &'a B,
-        /// The caller's probabilities (or log-probabilities).
-        probs: &'a B,
-        /// The caller's weights (any buffer without them).
-        weights: &'a B,
-        /// The status buffer.
-        status: &'a B,
-        /// Clamped ids `[rows][k]`.
-        ids_out: &'a B,
-        /// Checked probabilities `[rows][k]`.
-        probs_out: &'a B,
-        /// The KL kernel's per-row inputs `[rows][2]`.
-        row_in: &'a B,
-        /// The extents and the teacher's form.
-        desc: TeacherRowsDesc,
-    },
-    /// Resident: labels checked into scratch ([`LabelsInDesc`]).
-    LabelsIn {
-        /// The caller's labels (any buffer without them).
-        labels: &'a B,
-        /// The status buffer.
-        status: &'a B,
-        /// The KL kernel's per-row inputs `[rows][2]`.
-        row_in: &'a B,
-        /// The extents.
-        desc: LabelsInDesc,
-    },
+    /// Bindings: `weights`: the caller's weights `[rows]` (any buffer without
+    /// them); `status`: the status buffer.
+    WeightStats(WeightStatsDesc) { weights, status }
+        => kernel KernelId::WeightStats, workgroups desc.workgroups(), WeightStats(check);
+
+    /// Resident: teacher rows checked into scratch ([`TeacherRowsDesc`]). Bindings:
+    /// `ids`: the caller's ids; `probs`: the caller's probabilities (or
+    /// log-probabilities); `weights`: the caller's weights (any buffer without
+    /// them); `status`: the status buffer; `ids_out`: clamped ids `[rows][k]`;
+    /// `probs_out`: checked probabilities `[rows][k]`; `row_in`: the KL kernel's
+    /// per-row inputs `[rows][2]`.
+    TeacherRows(TeacherRowsDesc) { ids, probs, weights, status, ids_out, probs_out, row_in }
+        => kernel KernelId::TeacherRows, workgroups desc.workgroups(), TeacherRows(check);
+
+    /// Resident: labels checked into scratch ([`LabelsInDesc`]). Bindings:
+    /// `labels`: the caller's labels (any buffer without them); `status`: the
+    /// status buffer; `row_in`: the KL kernel's per-row inputs `[rows][2]`.
+    LabelsIn(LabelsInDesc) { labels, status, row_in }
+        => kernel KernelId::LabelsIn, workgroups desc.workgroups(), LabelsIn(check);
+
     /// Resident: hidden rows into the padded f16 operand ([`HiddenInDesc`]).
-    HiddenIn {
-        /// The caller's rows.
-        src: &'a B,
-        /// The padded f16 operand.
-        dst: &'a B,
-        /// The extents and element type.
-        desc: HiddenInDesc,
-    },
-    /// Resident: a chunk's loss and dx out ([`LossOutDesc`]).
-    LossOut {
-        /// kl_rows' `[rows][4]` loss, lse, soft, hard.
-        loss_chunk: &'a B,
-        /// The chunk's dx `[rows][ld]`.
-        dx_chunk: &'a B,
-        /// The status buffer.
-        status: &'a B,
-        /// The caller's loss.
-        loss: &'a B,
-        /// The caller's dx.
-        dx: &'a B,
-        /// The caller's `[ntok][3]` terms (any buffer without them).
-        terms: &'a B,
-        /// The extents.
-        desc: LossOutDesc,
-    },
-    /// Resident: a chunk's top-k out ([`TopkOutDesc`]).
-    TopkOut {
-        /// The chunk's ids.
-        ids_chunk: &'a B,
-        /// The chunk's probabilities.
-        probs_chunk: &'a B,
-        /// The status buffer.
-        status: &'a B,
-        /// The caller's ids.
-        ids: &'a B,
-        /// The caller's probabilities.
-        probs: &'a B,
-        /// The extents.
-        desc: TopkOutDesc,
-    },
+    /// Bindings: `src`: the caller's rows; `dst`: the padded f16 operand.
+    HiddenIn(HiddenInDesc) { src, dst }
+        => kernel KernelId::HiddenIn, workgroups desc.workgroups(), HiddenIn(check);
+
+    /// Resident: a chunk's loss and dx out ([`LossOutDesc`]). Bindings:
+    /// `loss_chunk`: kl_rows' `[rows][4]` loss, lse, soft, hard; `dx_chunk`: the
+    /// chunk's dx `[rows][ld]`; `status`: the status buffer; `loss`: the caller's
+    /// loss; `dx`: the caller's dx; `terms`: the caller's `[ntok][3]` terms (any
+    /// buffer without them).
+    LossOut(LossOutDesc) { loss_chunk, dx_chunk, status, loss, dx, terms }
+        => kernel KernelId::LossOut, workgroups desc.workgroups(), LossOut(check);
+
+    /// Resident: a chunk's top-k out ([`TopkOutDesc`]). Bindings: `ids_chunk`: the
+    /// chunk's ids; `probs_chunk`: the chunk's probabilities; `status`: the status
+    /// buffer; `ids`: the caller's ids; `probs`: the caller's probabilities.
+    TopkOut(TopkOutDesc) { ids_chunk, probs_chunk, status, ids, probs }
+        => kernel KernelId::TopkOut, workgroups desc.workgroups(), TopkOut(check);
+
     /// Resident: the caller's gather ids into a chunk's gather rows
-    /// ([`GatherRowsDesc`]).
-    GatherIn {
-        /// The caller's ids u32 `[ntok][k]`.
-        ids: &'a B,
-        /// The status buffer.
-        status: &'a B,
-        /// The chunk's gather rows `[rows][k + 1]`.
-        ids_chunk: &'a B,
-        /// The extents.
-        desc: GatherRowsDesc,
-    },
-    /// Resident: a chunk's gathered values out ([`GatherRowsDesc`]).
-    GatherOut {
-        /// The chunk's values `[rows][k + 1]` (the top-k kernel's gather).
-        values_chunk: &'a B,
-        /// The status buffer.
-        status: &'a B,
-        /// The caller's log-probabilities `[ntok][k]`.
-        logprobs: &'a B,
-        /// The caller's lse `[ntok]`.
-        lse: &'a B,
-        /// The extents.
-        desc: GatherRowsDesc,
-    },
-    /// Resident: the first flagged row described ([`StatusDetailDesc`]).
-    StatusDetail {
-        /// The caller's ids.
-        ids: &'a B,
-        /// The caller's probabilities.
-        probs: &'a B,
-        /// The caller's weights (any buffer without them).
-        weights: &'a B,
-        /// The status buffer.
-        status: &'a B,
-        /// The caller's labels (any buffer without them).
-        labels: &'a B,
-        /// The extents and the teacher's form.
-        desc: StatusDetailDesc,
-    },
-    /// Resident: a vocabulary shard's per-row step ([`ShardRowsDesc`]).
-    ShardRows {
-        /// The loss kernel's `[rows][4]`.
-        loss_chunk: &'a B,
-        /// The merged statistics `[ntok][3]` (any buffer where unread).
-        stats: &'a B,
-        /// A shard's partials `[ntok][3]` (any buffer where unused).
-        partials: &'a B,
-        /// The chunk's teacher ids `[rows][k]`.
-        ids: &'a B,
-        /// Their probabilities.
-        probs: &'a B,
-        /// The loss kernel's per-row inputs `[rows][2]`.
-        row_in: &'a B,
-        /// The status buffer.
-        status: &'a B,
-        /// The step and the extents.
-        desc: ShardRowsDesc,
-    },
+    /// ([`GatherRowsDesc`]). Bindings: `ids`: the caller's ids u32 `[ntok][k]`;
+    /// `status`: the status buffer; `ids_chunk`: the chunk's gather rows
+    /// `[rows][k + 1]`.
+    GatherIn(GatherRowsDesc) { ids, status, ids_chunk }
+        => kernel KernelId::GatherIn, workgroups desc.workgroups(), GatherRows(check_in);
+
+    /// Resident: a chunk's gathered values out ([`GatherRowsDesc`]). Bindings:
+    /// `values_chunk`: the chunk's values `[rows][k + 1]` (the top-k kernel's
+    /// gather); `status`: the status buffer; `logprobs`: the caller's
+    /// log-probabilities `[ntok][k]`; `lse`: the caller's lse `[ntok]`.
+    GatherOut(GatherRowsDesc) { values_chunk, status, logprobs, lse }
+        => kernel KernelId::GatherOut, workgroups desc.workgroups(), GatherRows(check_out);
+
+    /// Resident: the first flagged row described ([`StatusDetailDesc`]). Bindings:
+    /// `ids`: the caller's ids; `probs`: the caller's probabilities; `weights`: the
+    /// caller's weights (any buffer without them); `status`: the status buffer;
+    /// `labels`: the caller's labels (any buffer without them).
+    StatusDetail(StatusDetailDesc) { ids, probs, weights, status, labels }
+        => kernel KernelId::StatusDetail, workgroups desc.workgroups(), StatusDetail(check);
+
+    /// Resident: a vocabulary shard's per-row step ([`ShardRowsDesc`]). Bindings:
+    /// `loss_chunk`: the loss kernel's `[rows][4]`; `stats`: the merged statistics
+    /// `[ntok][3]` (any buffer where unread); `partials`: a shard's partials
+    /// `[ntok][3]` (any buffer where unused); `ids`: the chunk's teacher ids
+    /// `[rows][k]`; `probs`: their probabilities; `row_in`: the loss kernel's
+    /// per-row inputs `[rows][2]`; `status`: the status buffer.
+    ShardRows(ShardRowsDesc) { loss_chunk, stats, partials, ids, probs, row_in, status }
+        => kernel KernelId::ShardRows, workgroups desc.workgroups(), ShardRows(check);
 }
 
 impl<B> Clone for Launch<'_, B> {
@@ -229,16 +201,40 @@ impl<B> Clone for Launch<'_, B> {
 
 impl<B> Copy for Launch<'_, B> {}
 
-/// A launch's parameter block, checked against its buffers: only
-/// [`Launch::check`] makes one.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Checked {
-    id: KernelId,
-    block: Block,
+impl<'a, B: DeviceBuffer> Launch<'a, B> {
+    /// Its buffers in binding order as an array of `N` (a kernel's run
+    /// names them by destructuring it); an error where the kernel binds a
+    /// different number.
+    pub fn bound<const N: usize>(&self) -> Result<[&'a B; N]> {
+        let buffers = self.buffers();
+        let count = buffers.len();
+        buffers.try_into().map_err(|_| {
+            crate::kernels::bad_descriptor(self.id(), "buffers", count as u128, format!("the kernel binds {N}"))
+        })
+    }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Block {
+/// The parameter blocks a check makes, one variant a block type; the macro
+/// makes [`Block`] and [`Checked::bytes`]' arms.
+macro_rules! blocks {
+    ($( $block:ident($Params:ty), )+) => {
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        enum Block {
+            $( $block($Params), )+
+        }
+
+        impl Block {
+            /// The block's bytes for a grid `grid_x` workgroups wide.
+            fn bytes(&self, grid_x: u32) -> Vec<u8> {
+                match *self {
+                    $( Block::$block(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(), )+
+                }
+            }
+        }
+    };
+}
+
+blocks! {
     Convert(ConvertParams),
     Gemm(GemmParams),
     SumParts(SumPartsParams),
@@ -254,6 +250,14 @@ enum Block {
     ShardRows(ShardRowsParams),
 }
 
+/// A launch's parameter block, checked against its buffers: only
+/// [`Launch::check`] makes one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Checked {
+    id: KernelId,
+    block: Block,
+}
+
 impl Checked {
     /// The kernel.
     pub fn id(&self) -> KernelId {
@@ -263,21 +267,7 @@ impl Checked {
     /// The parameter block's bytes for a dispatch whose grid is `grid_x`
     /// workgroups wide (the kernels unfold a folded grid with it).
     pub fn bytes(&self, grid_x: u32) -> Vec<u8> {
-        match self.block {
-            Block::Convert(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::Gemm(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::SumParts(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::Rows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::WeightStats(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::TeacherRows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::LabelsIn(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::HiddenIn(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::LossOut(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::TopkOut(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::GatherRows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::StatusDetail(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-            Block::ShardRows(p) => bytemuck::bytes_of(&p.with_grid(grid_x)).to_vec(),
-        }
+        self.block.bytes(grid_x)
     }
 
     /// How to build the kernel for this launch where the GEMM runs as
@@ -307,176 +297,6 @@ impl Checked {
             Block::Gemm(p) => Some(p),
             _ => None,
         }
-    }
-}
-
-impl<'a, B: DeviceBuffer> Launch<'a, B> {
-    /// The kernel it launches.
-    pub fn id(&self) -> KernelId {
-        match self {
-            Launch::ConvertF16 { .. } => KernelId::ConvertF16,
-            Launch::Gemm { desc, .. } => desc.kernel(),
-            Launch::SumParts { .. } => KernelId::SumParts,
-            Launch::KlRows { .. } => KernelId::KlRows,
-            Launch::TopkRows { .. } => KernelId::TopkRows,
-            Launch::WeightStats { .. } => KernelId::WeightStats,
-            Launch::TeacherRows { .. } => KernelId::TeacherRows,
-            Launch::LabelsIn { .. } => KernelId::LabelsIn,
-            Launch::HiddenIn { .. } => KernelId::HiddenIn,
-            Launch::LossOut { .. } => KernelId::LossOut,
-            Launch::TopkOut { .. } => KernelId::TopkOut,
-            Launch::GatherIn { .. } => KernelId::GatherIn,
-            Launch::GatherOut { .. } => KernelId::GatherOut,
-            Launch::StatusDetail { .. } => KernelId::StatusDetail,
-            Launch::ShardRows { .. } => KernelId::ShardRows,
-        }
-    }
-
-    /// Its buffers in binding order (the catalogue's
-    /// [`KernelId::bindings`]).
-    pub fn buffers(&self) -> Vec<&'a B> {
-        match *self {
-            Launch::ConvertF16 { src, dst, .. } => vec![src, dst],
-            Launch::Gemm { a, b, c, .. } => vec![a, b, c],
-            Launch::SumParts { parts, dst, .. } => vec![parts, dst],
-            Launch::KlRows {
-                logits,
-                ids,
-                probs,
-                coef,
-                loss,
-                grad,
-                ..
-            } => vec![logits, ids, probs, coef, loss, grad],
-            Launch::TopkRows { logits, ids, probs, .. } => vec![logits, ids, probs],
-            Launch::WeightStats { weights, status, .. } => vec![weights, status],
-            Launch::TeacherRows {
-                ids,
-                probs,
-                weights,
-                status,
-                ids_out,
-                probs_out,
-                row_in,
-                ..
-            } => vec![ids, probs, weights, status, ids_out, probs_out, row_in],
-            Launch::LabelsIn {
-                labels, status, row_in, ..
-            } => vec![labels, status, row_in],
-            Launch::HiddenIn { src, dst, .. } => vec![src, dst],
-            Launch::LossOut {
-                loss_chunk,
-                dx_chunk,
-                status,
-                loss,
-                dx,
-                terms,
-                ..
-            } => vec![loss_chunk, dx_chunk, status, loss, dx, terms],
-            Launch::TopkOut {
-                ids_chunk,
-                probs_chunk,
-                status,
-                ids,
-                probs,
-                ..
-            } => vec![ids_chunk, probs_chunk, status, ids, probs],
-            Launch::GatherIn {
-                ids, status, ids_chunk, ..
-            } => vec![ids, status, ids_chunk],
-            Launch::GatherOut {
-                values_chunk,
-                status,
-                logprobs,
-                lse,
-                ..
-            } => vec![values_chunk, status, logprobs, lse],
-            Launch::StatusDetail {
-                ids,
-                probs,
-                weights,
-                status,
-                labels,
-                ..
-            } => vec![ids, probs, weights, status, labels],
-            Launch::ShardRows {
-                loss_chunk,
-                stats,
-                partials,
-                ids,
-                probs,
-                row_in,
-                status,
-                ..
-            } => vec![loss_chunk, stats, partials, ids, probs, row_in, status],
-        }
-    }
-
-    /// Workgroups it dispatches; a GEMM's depend on the kernel `gemm` the
-    /// backend runs for it (ignored for the other kernels).
-    pub fn workgroups(&self, gemm: GemmKernel) -> u64 {
-        match self {
-            Launch::ConvertF16 { desc, .. } => desc.workgroups(),
-            Launch::Gemm { desc, .. } => desc.workgroups(gemm),
-            Launch::SumParts { desc, .. } => desc.workgroups(),
-            Launch::KlRows { desc, .. } => desc.workgroups(),
-            Launch::TopkRows { desc, .. } => desc.workgroups(),
-            Launch::WeightStats { desc, .. } => desc.workgroups(),
-            Launch::TeacherRows { desc, .. } => desc.workgroups(),
-            Launch::LabelsIn { desc, .. } => desc.workgroups(),
-            Launch::HiddenIn { desc, .. } => desc.workgroups(),
-            Launch::LossOut { desc, .. } => desc.workgroups(),
-            Launch::TopkOut { desc, .. } => desc.workgroups(),
-            Launch::GatherIn { desc, .. } | Launch::GatherOut { desc, .. } => desc.workgroups(),
-            Launch::StatusDetail { desc, .. } => desc.workgroups(),
-            Launch::ShardRows { desc, .. } => desc.workgroups(),
-        }
-    }
-
-    /// Its buffers as the array its descriptor's `check` takes.
-    fn bound<const N: usize>(&self) -> Result<[&'a B; N]> {
-        let buffers = self.buffers();
-        let count = buffers.len();
-        buffers.try_into().map_err(|_| {
-            crate::kernels::bad_descriptor(self.id(), "buffers", count as u128, format!("the kernel binds {N}"))
-        })
-    }
-
-    /// Checks the descriptor against the buffers (each a binding of at most
-    /// `max_binding` bytes): the kernel's [`crate::checks`], every backend's
-    /// first step of every dispatch.
-    pub fn check(&self, max_binding: u64) -> Result<Checked> {
-        let block = match *self {
-            Launch::ConvertF16 { src, dst, desc } => Block::Convert(desc.check([src, dst], max_binding)?),
-            Launch::Gemm { a, b, c, desc } => Block::Gemm(desc.check([a, b, c], max_binding)?),
-            Launch::SumParts { parts, dst, desc } => Block::SumParts(desc.check([parts, dst], max_binding)?),
-            Launch::KlRows {
-                logits,
-                ids,
-                probs,
-                coef,
-                loss,
-                grad,
-                desc,
-            } => Block::Rows(desc.check([logits, ids, probs, coef, loss, grad], max_binding)?),
-            Launch::TopkRows {
-                logits,
-                ids,
-                probs,
-                desc,
-            } => Block::Rows(desc.check([logits, ids, probs], max_binding)?),
-            Launch::WeightStats { desc, .. } => Block::WeightStats(desc.check(self.bound()?, max_binding)?),
-            Launch::TeacherRows { desc, .. } => Block::TeacherRows(desc.check(self.bound()?, max_binding)?),
-            Launch::LabelsIn { desc, .. } => Block::LabelsIn(desc.check(self.bound()?, max_binding)?),
-            Launch::HiddenIn { desc, .. } => Block::HiddenIn(desc.check(self.bound()?, max_binding)?),
-            Launch::LossOut { desc, .. } => Block::LossOut(desc.check(self.bound()?, max_binding)?),
-            Launch::TopkOut { desc, .. } => Block::TopkOut(desc.check(self.bound()?, max_binding)?),
-            Launch::GatherIn { desc, .. } => Block::GatherRows(desc.check_in(self.bound()?, max_binding)?),
-            Launch::GatherOut { desc, .. } => Block::GatherRows(desc.check_out(self.bound()?, max_binding)?),
-            Launch::StatusDetail { desc, .. } => Block::StatusDetail(desc.check(self.bound()?, max_binding)?),
-            Launch::ShardRows { desc, .. } => Block::ShardRows(desc.check(self.bound()?, max_binding)?),
-        };
-        Ok(Checked { id: self.id(), block })
     }
 }
 
@@ -551,12 +371,7 @@ mod tests {
     use crate::backend::HeadLayout;
     use crate::error::Error;
 
-    struct Len(u64);
-    impl DeviceBuffer for Len {
-        fn len(&self) -> u64 {
-            self.0
-        }
-    }
+    use crate::backend::Len;
 
     /// Each launch names its kernel and its buffers in the catalogue's
     /// binding order, and its check is the descriptor's.

@@ -118,18 +118,8 @@ impl Teacher {
     /// Validates and renormalizes: ids distinct per row and `< vocab`,
     /// probabilities non-negative and finite, each row with positive mass.
     pub fn new(ids: &[u32], probs: &[f32], ntok: usize, k: usize, vocab: usize) -> Result<Self> {
-        let ids_len = ids.len();
-        let ids = ids.iter().map(|&i| i64::from(i));
-        Self::build(
-            ids,
-            ids_len,
-            probs,
-            ntok,
-            k,
-            vocab,
-            TeacherForm::Probs,
-            TailMode::Renormalize,
-        )
+        let ids: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();
+        Self::with_form(&ids, probs, ntok, k, vocab, TeacherForm::Probs, TailMode::Renormalize)
     }
 
     /// As [`Teacher::new`], from i64 ids (a negative id is out of range).
@@ -151,20 +141,7 @@ impl Teacher {
         form: TeacherForm,
         tail: TailMode,
     ) -> Result<Self> {
-        Self::build(ids.iter().copied(), ids.len(), values, ntok, k, vocab, form, tail)
-    }
-
-    #[allow(clippy::too_many_arguments, reason = "the shape, the values and how to read them")]
-    fn build(
-        ids: impl Iterator<Item = i64>,
-        ids_len: usize,
-        values: &[f32],
-        ntok: usize,
-        k: usize,
-        vocab: usize,
-        form: TeacherForm,
-        tail: TailMode,
-    ) -> Result<Self> {
+        let ids_len = ids.len();
         let field = match form {
             TeacherForm::Probs => crate::error::Field::Probs,
             TeacherForm::Logprobs => crate::error::Field::Logprobs,
@@ -189,7 +166,7 @@ impl Teacher {
             });
         }
         let mut out_ids = Vec::with_capacity(expected);
-        for (i, id) in ids.enumerate() {
+        for (i, &id) in ids.iter().enumerate() {
             if id < 0 || id as u64 >= vocab as u64 {
                 return Err(Error::IdOutOfRange {
                     row: i / k,

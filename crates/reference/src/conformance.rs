@@ -171,6 +171,23 @@ pub struct CaseOutcome {
     pub prob_err: Option<f64>,
 }
 
+impl CaseOutcome {
+    /// A case that failed before it ran: `message` says why it could not be
+    /// built.
+    fn unbuilt(name: String, seed: u64, message: String) -> Self {
+        CaseOutcome {
+            name,
+            description: String::new(),
+            seed,
+            passed: false,
+            message,
+            loss_err: None,
+            dx_err: None,
+            prob_err: None,
+        }
+    }
+}
+
 /// The results of a run.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SuiteReport {
@@ -204,6 +221,14 @@ impl SuiteReport {
         self.worst_loss_err = self.worst_loss_err.max(other.worst_loss_err);
         self.worst_dx_err = self.worst_dx_err.max(other.worst_dx_err);
         self.worst_prob_err = self.worst_prob_err.max(other.worst_prob_err);
+    }
+
+    /// Each failure as one `name: message` line.
+    pub fn failure_lines(&self) -> Vec<String> {
+        self.failures
+            .iter()
+            .map(|f| format!("{}: {}", f.name, f.message))
+            .collect()
     }
 
     /// One line: backend, device, passed/run and the worst errors.
@@ -351,16 +376,7 @@ pub fn run_part<B: Backend + ?Sized>(
                         cases::check_case(backend, &case, &tol)
                     })
                 }
-                Err(message) => CaseOutcome {
-                    name: format!("driver#{index}"),
-                    description: String::new(),
-                    seed: cfg.seed,
-                    passed: false,
-                    message,
-                    loss_err: None,
-                    dx_err: None,
-                    prob_err: None,
-                },
+                Err(message) => CaseOutcome::unbuilt(format!("driver#{index}"), cfg.seed, message),
             };
             rec.push(outcome);
         }
@@ -520,23 +536,13 @@ pub fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case) -> Result<CaseE
 /// backend (or skips), runs `part` with [`SuiteConfig::default`], logs a
 /// summary, and panics listing every failure.
 pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>, part: Part) {
-    let Some(backend) = open_or_skip(backend_name, open) else {
+    let cfg = SuiteConfig::from_settings(&harness_suite());
+    let name = part.name();
+    let Some(report) = harness::run_recorded(backend_name, open, name, name, |backend, progress| {
+        run_part(backend, part, &cfg, progress)
+    }) else {
         return;
     };
-    let cfg = SuiteConfig::from_settings(&harness_suite());
-    let report = run_part(&backend, part, &cfg, &mut |o| {
-        if !o.passed {
-            log::error!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
-        }
-    });
-    log::info!("conformance {}: {}", part.name(), report.summary());
-    harness::record_ran(
-        &report.backend,
-        &report.device,
-        part.name(),
-        report.passed,
-        report.cases,
-    );
     if !report.failures.is_empty() {
         let mut msg = format!(
             "{} of {} conformance cases failed on {} ({}); replay with HEADKL_SEED={:#x} HEADKL_CASES={}",

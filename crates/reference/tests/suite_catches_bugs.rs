@@ -8,8 +8,8 @@ use std::cell::Cell;
 
 use headkl_core::resident::status::{self, FLAGGED_ROW, S_LOGITS};
 use headkl_core::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Divergence, Error, GemmDesc, KernelId, KernelTime, Kernels, KlDesc,
-    Launch, MemoryStats, ResidentBackend, Result, ShardStage, SumPartsDesc, TailMode, TopkDesc,
+    Backend, ConvertDesc, DeviceBuffer, Divergence, Error, GemmDesc, KernelId, Kernels, KlDesc, Launch,
+    ResidentBackend, Result, ShardStage, SumPartsDesc, TailMode, TopkDesc,
 };
 use headkl_reference::conformance::resident::{resident_case_count, run_resident};
 use headkl_reference::conformance::shard::Serial;
@@ -115,38 +115,14 @@ impl Faulty {
 impl Backend for Faulty {
     type Buffer = CpuBuffer;
 
-    fn info(&self) -> &DeviceInfo {
-        self.inner.info()
-    }
-    fn alloc(&self, bytes: u64, label: &'static str) -> Result<CpuBuffer> {
-        self.inner.alloc(bytes, label)
-    }
-    fn upload(&self, dst: &CpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        self.inner.upload(dst, offset, data)
-    }
-    fn download(&self, src: &CpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        self.inner.download(src, offset, out)
-    }
+    headkl_reference::forward_backend!(info, alloc, upload, download);
     fn dispatch(&self, launch: Launch<'_, CpuBuffer>) -> Result<()> {
         match launch {
             Launch::ConvertF16 { src, dst, desc } => self.convert_f16(src, dst, &desc),
             Launch::Gemm { a, b, c, desc } => self.gemm(a, b, c, &desc),
             Launch::SumParts { parts, dst, desc } => self.sum_parts(parts, dst, &desc),
-            Launch::KlRows {
-                logits,
-                ids,
-                probs,
-                coef,
-                loss,
-                grad,
-                desc,
-            } => self.kl_rows(logits, ids, probs, coef, loss, grad, &desc),
-            Launch::TopkRows {
-                logits,
-                ids,
-                probs,
-                desc,
-            } => self.topk_rows(logits, ids, probs, &desc),
+            Launch::KlRows { desc, .. } => self.kl_rows(launch.bound()?, &desc),
+            Launch::TopkRows { desc, .. } => self.topk_rows(launch.bound()?, &desc),
             Launch::LossOut {
                 loss_chunk,
                 status,
@@ -184,18 +160,7 @@ impl Backend for Faulty {
             other => self.inner.dispatch(other),
         }
     }
-    fn finish(&self) -> Result<()> {
-        self.inner.finish()
-    }
-    fn memory(&self) -> MemoryStats {
-        self.inner.memory()
-    }
-    fn reset_peak_memory(&self) {
-        self.inner.reset_peak_memory()
-    }
-    fn take_kernel_times(&self) -> Result<Vec<KernelTime>> {
-        self.inner.take_kernel_times()
-    }
+    headkl_reference::forward_backend!(finish, memory, reset_peak_memory, take_kernel_times);
     fn take_diagnostics(&self) -> Vec<String> {
         self.calls.set(self.calls.get() + 1);
         if self.fault == Fault::Diagnostics && self.calls.get().is_multiple_of(5) {
@@ -229,11 +194,7 @@ fn failures(fault: Fault, part: Part) -> Vec<String> {
     let report = run_part(&b, part, &cfg(), &mut |_| seen += 1);
     assert_eq!(seen, report.cases);
     assert_eq!(report.cases, part_case_count(part, &cfg()));
-    report
-        .failures
-        .iter()
-        .map(|f| format!("{}: {}", f.name, f.message))
-        .collect()
+    report.failure_lines()
 }
 
 #[test]
@@ -247,120 +208,141 @@ fn a_faithful_backend_passes_everything() {
 
 #[test]
 fn each_planted_bug_is_caught() {
-    let expect = [
-        (Fault::NoAccumulate, Part::Kernels, "gemm result"),
-        // The driver sums slices with sum_parts (no GEMM accumulates), so
-        // a multi-slice case catches a sum that drops a part.
-        (Fault::SumSkipsLastPart, Part::Errors, "multi_slice_multi_chunk"),
-        (Fault::IgnoreAlpha, Part::Kernels, "gemm result"),
-        (Fault::IgnoreAlpha, Part::Regressions, "dx"),
+    use Part::{DriverCases, Errors, Kernels, Regressions};
+    // Each planted fault, and the parts and messages that must catch it.
+    let expect: &[(Fault, &[(Part, &str)])] = &[
+        (Fault::NoAccumulate, &[(Kernels, "gemm result")]),
+        (
+            Fault::SumSkipsLastPart,
+            &[
+                // The driver sums slices with sum_parts (no GEMM accumulates),
+                // so a multi-slice case catches a sum that drops a part.
+                (Errors, "multi_slice_multi_chunk"),
+                (Kernels, "sum_parts"),
+                (Regressions, "dx_split2"),
+            ],
+        ),
+        (Fault::IgnoreAlpha, &[(Kernels, "gemm result"), (Regressions, "dx")]),
         (
             Fault::GemmWritesPastRegion,
-            Part::Kernels,
-            "gemm wrote outside its region",
+            &[(Kernels, "gemm wrote outside its region")],
         ),
-        (Fault::KlPadLeftNaN, Part::Kernels, "in the pad, want 0"),
-        (Fault::KlPadLeftNaN, Part::Regressions, "dx"),
-        (Fault::KlLossOffset, Part::Kernels, "loss: error"),
-        (Fault::KlLossOffset, Part::DriverCases, "loss: error"),
-        (Fault::TopkSwapFirstTwo, Part::Kernels, "ids["),
-        (Fault::TopkSwapFirstTwo, Part::Regressions, "topk ids"),
-        (Fault::TopkProbsOff, Part::Kernels, "topk probs"),
-        (Fault::TopkProbsOff, Part::DriverCases, "topk probs"),
-        (Fault::TopkNoNaNFlag, Part::Kernels, "want NaN"),
-        (Fault::TopkNoNaNFlag, Part::Errors, "NonFiniteHidden"),
-        (Fault::ConvertPadNotZeroed, Part::Kernels, "in the pad, want 0"),
-        (Fault::Diagnostics, Part::Regressions, "VUID-planted"),
-        (Fault::TopkErrors, Part::Regressions, "planted topk failure"),
-        (Fault::GemmDxPanics, Part::Errors, "panicked: planted panic in gemm_dx"),
-        (Fault::SplitFirstPartOnly, Part::Kernels, "gemm_ab_48x80x272_parts3"),
-        (Fault::SplitFirstPartOnly, Part::Regressions, "dx_split3"),
-        (Fault::SumSkipsLastPart, Part::Kernels, "sum_parts"),
-        (Fault::SumSkipsLastPart, Part::Regressions, "dx_split2"),
+        (
+            Fault::KlPadLeftNaN,
+            &[(Kernels, "in the pad, want 0"), (Regressions, "dx")],
+        ),
+        (
+            Fault::KlLossOffset,
+            &[(Kernels, "loss: error"), (DriverCases, "loss: error")],
+        ),
+        (Fault::TopkSwapFirstTwo, &[(Kernels, "ids["), (Regressions, "topk ids")]),
+        (
+            Fault::TopkProbsOff,
+            &[(Kernels, "topk probs"), (DriverCases, "topk probs")],
+        ),
+        (
+            Fault::TopkNoNaNFlag,
+            &[(Kernels, "want NaN"), (Errors, "NonFiniteHidden")],
+        ),
+        (Fault::ConvertPadNotZeroed, &[(Kernels, "in the pad, want 0")]),
+        (Fault::Diagnostics, &[(Regressions, "VUID-planted")]),
+        (Fault::TopkErrors, &[(Regressions, "planted topk failure")]),
+        (Fault::GemmDxPanics, &[(Errors, "panicked: planted panic in gemm_dx")]),
+        (
+            Fault::SplitFirstPartOnly,
+            &[(Kernels, "gemm_ab_48x80x272_parts3"), (Regressions, "dx_split3")],
+        ),
         // One planted fault per loss term: each kernel case of the term,
         // and the driver-level regression case, must catch it.
-        (Fault::KlIgnoresSoftcap, Part::Kernels, "kl_rows_softcap:"),
-        (Fault::KlIgnoresSoftcap, Part::Regressions, "terms_softcap_tau2"),
-        (Fault::KlIgnoresTail, Part::Kernels, "kl_rows_tail_bucket:"),
-        (Fault::KlIgnoresTail, Part::Kernels, "kl_rows_tail_none:"),
-        (Fault::KlIgnoresTail, Part::Regressions, "terms_bucket_logprobs"),
-        (Fault::KlIgnoresHard, Part::Kernels, "kl_rows_hard:"),
-        (Fault::KlIgnoresHard, Part::Regressions, "terms_hard_smoothing"),
-        (Fault::KlIgnoresSmoothing, Part::Kernels, "kl_rows_hard:"),
-        (Fault::KlIgnoresSmoothing, Part::Regressions, "terms_hard_smoothing"),
-        (Fault::KlIgnoresZLoss, Part::Kernels, "kl_rows_z_loss:"),
-        (Fault::KlIgnoresZLoss, Part::Regressions, "terms_z_loss"),
-        (Fault::KlIgnoresSoftWeight, Part::Kernels, "kl_rows_soft_weight:"),
-        (Fault::KlIgnoresSoftWeight, Part::Regressions, "terms_everything"),
         (
-            Fault::KlIgnoresDivergence,
-            Part::Kernels,
-            "kl_rows_reverse_renormalize:",
-        ),
-        (Fault::KlIgnoresDivergence, Part::Kernels, "kl_rows_jsd_bucket:"),
-        (
-            Fault::KlIgnoresDivergence,
-            Part::Regressions,
-            "divergence_reverse_tail_none",
+            Fault::KlIgnoresSoftcap,
+            &[(Kernels, "kl_rows_softcap:"), (Regressions, "terms_softcap_tau2")],
         ),
         (
-            Fault::KlIgnoresDivergence,
-            Part::Regressions,
-            "divergence_jsd_renormalize_tau2",
-        ),
-        (Fault::KlIgnoresBeta, Part::Kernels, "kl_rows_jsd_none_everything:"),
-        (
-            Fault::KlIgnoresBeta,
-            Part::Regressions,
-            "divergence_jsd_bucket_everything",
-        ),
-        (Fault::KlIgnoresTail, Part::Kernels, "kl_rows_reverse_bucket_tau:"),
-        (Fault::GatherLseOff, Part::Kernels, "topk_rows_gather:"),
-        (
-            Fault::KlDenseTeacherShifted,
-            Part::Regressions,
-            "full_vocab_forward_masked",
+            Fault::KlIgnoresTail,
+            &[
+                (Kernels, "kl_rows_tail_bucket:"),
+                (Kernels, "kl_rows_tail_none:"),
+                (Regressions, "terms_bucket_logprobs"),
+                (Kernels, "kl_rows_reverse_bucket_tau:"),
+            ],
         ),
         (
-            Fault::KlDenseTeacherShifted,
-            Part::Regressions,
-            "full_vocab_jsd_f16_unpadded",
+            Fault::KlIgnoresHard,
+            &[(Kernels, "kl_rows_hard:"), (Regressions, "terms_hard_smoothing")],
         ),
-        (Fault::KlIgnoresDivergence, Part::Regressions, "full_vocab_reverse_tau2"),
-        (Fault::KlIgnoresBeta, Part::Regressions, "full_vocab_jsd_logit_scale"),
+        (
+            Fault::KlIgnoresSmoothing,
+            &[(Kernels, "kl_rows_hard:"), (Regressions, "terms_hard_smoothing")],
+        ),
+        (
+            Fault::KlIgnoresZLoss,
+            &[(Kernels, "kl_rows_z_loss:"), (Regressions, "terms_z_loss")],
+        ),
         (
             Fault::KlIgnoresSoftWeight,
-            Part::Regressions,
-            "full_vocab_jsd_logit_scale",
+            &[
+                (Kernels, "kl_rows_soft_weight:"),
+                (Regressions, "terms_everything"),
+                (Regressions, "full_vocab_jsd_logit_scale"),
+            ],
         ),
-        (Fault::GatherLseOff, Part::DriverCases, "logprobs_at"),
-        (Fault::KlLseOffset, Part::Kernels, "lse: "),
-        (Fault::TopkIgnoresSoftcap, Part::Kernels, "topk_rows_softcap:"),
+        (
+            Fault::KlIgnoresDivergence,
+            &[
+                (Kernels, "kl_rows_reverse_renormalize:"),
+                (Kernels, "kl_rows_jsd_bucket:"),
+                (Regressions, "divergence_reverse_tail_none"),
+                (Regressions, "divergence_jsd_renormalize_tau2"),
+                (Regressions, "full_vocab_reverse_tau2"),
+            ],
+        ),
+        (
+            Fault::KlIgnoresBeta,
+            &[
+                (Kernels, "kl_rows_jsd_none_everything:"),
+                (Regressions, "divergence_jsd_bucket_everything"),
+                (Regressions, "full_vocab_jsd_logit_scale"),
+            ],
+        ),
+        (
+            Fault::GatherLseOff,
+            &[(Kernels, "topk_rows_gather:"), (DriverCases, "logprobs_at")],
+        ),
+        (
+            Fault::KlDenseTeacherShifted,
+            &[
+                (Regressions, "full_vocab_forward_masked"),
+                (Regressions, "full_vocab_jsd_f16_unpadded"),
+            ],
+        ),
+        (Fault::KlLseOffset, &[(Kernels, "lse: ")]),
         (
             Fault::TopkIgnoresSoftcap,
-            Part::Kernels,
-            "topk_rows_logprobs_softcap_wide:",
+            &[
+                (Kernels, "topk_rows_softcap:"),
+                (Kernels, "topk_rows_logprobs_softcap_wide:"),
+            ],
         ),
-        (Fault::TopkIgnoresLogprobs, Part::Kernels, "topk_rows_logprobs:"),
-        (Fault::RowStatsSumOff, Part::Kernels, "gemm row statistics"),
-        (Fault::RowStatsSumOff, Part::DriverCases, "loss: error"),
+        (Fault::TopkIgnoresLogprobs, &[(Kernels, "topk_rows_logprobs:")]),
+        (
+            Fault::RowStatsSumOff,
+            &[(Kernels, "gemm row statistics"), (DriverCases, "loss: error")],
+        ),
         (
             Fault::GemmIgnoresMask,
-            Part::Kernels,
-            "kernels/gemm_ab_16x16x4544_filtered:",
+            &[(Kernels, "kernels/gemm_ab_16x16x4544_filtered:")],
         ),
-        (
-            Fault::FilterMaskTooCoarse,
-            Part::Errors,
-            "filter_lm_dx_within_tolerance",
-        ),
+        (Fault::FilterMaskTooCoarse, &[(Errors, "filter_lm_dx_within_tolerance")]),
     ];
-    for (fault, part, needle) in expect {
-        let f = failures(fault, part);
-        assert!(
-            f.iter().any(|m| m.contains(needle)),
-            "{fault:?} in {part:?}: no failure mentions {needle:?}; failures: {f:#?}"
-        );
+    for &(fault, caught_in) in expect {
+        for &(part, needle) in caught_in {
+            let f = failures(fault, part);
+            assert!(
+                f.iter().any(|m| m.contains(needle)),
+                "{fault:?} in {part:?}: no failure mentions {needle:?}; failures: {f:#?}"
+            );
+        }
     }
 }
 
@@ -369,11 +351,7 @@ fn resident_failures(fault: Fault) -> Vec<String> {
     let b = Faulty::new(fault);
     let report = run_resident(&b, &cfg(), &mut |_| {});
     assert_eq!(report.cases, resident_case_count(&cfg()));
-    report
-        .failures
-        .iter()
-        .map(|f| format!("{}: {}", f.name, f.message))
-        .collect()
+    report.failure_lines()
 }
 
 /// The resident cases hold a flagged row to DESIGN §8: a KL kernel that
@@ -421,11 +399,7 @@ fn the_resident_shard_cases_catch_a_wrong_partial() {
         let b = Faulty::new(fault);
         let report = run_resident_shard_cases(&b, &Serial, &mut |_| {});
         assert_eq!(report.cases, resident_shard_case_count());
-        report
-            .failures
-            .iter()
-            .map(|f| format!("{}: {}", f.name, f.message))
-            .collect::<Vec<_>>()
+        report.failure_lines()
     };
     let clean = run(Fault::None);
     assert!(clean.is_empty(), "{clean:#?}");
@@ -499,17 +473,7 @@ impl Faulty {
         }
         self.inner.sum_parts(parts, dst, &d)
     }
-    #[allow(clippy::too_many_arguments, reason = "one buffer per binding of the kernel")]
-    fn kl_rows(
-        &self,
-        logits: &CpuBuffer,
-        ids: &CpuBuffer,
-        probs: &CpuBuffer,
-        coef: &CpuBuffer,
-        loss: &CpuBuffer,
-        grad: &CpuBuffer,
-        d: &KlDesc,
-    ) -> Result<()> {
+    fn kl_rows(&self, [logits, ids, probs, coef, loss, grad]: [&CpuBuffer; 6], d: &KlDesc) -> Result<()> {
         if self.fault == Fault::KlIgnoresFlaggedRow {
             let mut words: Vec<u32> = self.read(coef, d.rows * 2);
             for w in words.iter_mut().step_by(2).filter(|w| **w == FLAGGED_ROW) {
@@ -566,7 +530,7 @@ impl Faulty {
         }
         Ok(())
     }
-    fn topk_rows(&self, logits: &CpuBuffer, ids: &CpuBuffer, probs: &CpuBuffer, d: &TopkDesc) -> Result<()> {
+    fn topk_rows(&self, [logits, ids, probs]: [&CpuBuffer; 3], d: &TopkDesc) -> Result<()> {
         if self.fault == Fault::TopkErrors {
             return Err(Error::Backend {
                 backend: "reference",

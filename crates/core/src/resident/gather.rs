@@ -6,7 +6,7 @@
 //! status kernel describes a flagged id, so `wait_device` returns the host
 //! path's error for it.
 
-use super::{elements, u32_extent, GatherRowsDesc, ResidentBackend, StatusDetailDesc};
+use super::{elements, GatherRowsDesc, ResidentBackend, StatusDetailDesc};
 use crate::backend::TopkDesc;
 use crate::chunking::ChunkPlan;
 use crate::driver::Engine;
@@ -35,13 +35,8 @@ impl<B: ResidentBackend> Engine<B> {
         (logprobs, lse): (&B::Buffer, &B::Buffer),
         opts: &TopkOptions,
     ) -> Result<()> {
-        self.refuse_vocab_order()?;
-        opts.check(self.head.vocab())?;
+        let entries = self.check_topk_call(ntok, hidden, ids, opts)?;
         let k = opts.k;
-        self.check_resident_hidden(ntok, hidden)?;
-        let entries = elements("ids", ntok, k)?;
-        u32_extent("ids", entries)?;
-        self.check_view("ids", ids, entries, 4)?;
         self.check_view("logprobs", logprobs, entries, 4)?;
         self.check_view("lse", lse, ntok, 4)?;
         // The kernel's columns: the ids, then the lse.

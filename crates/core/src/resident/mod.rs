@@ -591,6 +591,25 @@ impl<B: ResidentBackend> Engine<B> {
             .logits(&self.backend, x16, logits, rows_padded, scaling, row_stats)
     }
 
+    /// The checks a top-k-shaped call (`topk_device`, `logprobs_at_device`)
+    /// makes before its outputs': the options, the hidden rows and the
+    /// `ids` view of `[ntok][k]` u32; the number of entries.
+    pub(crate) fn check_topk_call(
+        &self,
+        ntok: usize,
+        hidden: &DeviceHidden<'_, B::Buffer>,
+        ids: &B::Buffer,
+        opts: &TopkOptions,
+    ) -> Result<usize> {
+        self.refuse_vocab_order()?;
+        opts.check(self.head.vocab())?;
+        self.check_resident_hidden(ntok, hidden)?;
+        let entries = elements("ids", ntok, opts.k)?;
+        u32_extent("ids", entries)?;
+        self.check_view("ids", ids, entries, 4)?;
+        Ok(entries)
+    }
+
     pub(crate) fn check_resident_hidden(&self, ntok: usize, hidden: &DeviceHidden<'_, B::Buffer>) -> Result<()> {
         if ntok == 0 {
             return Err(Error::NoTokens);
@@ -805,15 +824,9 @@ impl<B: ResidentBackend> Engine<B> {
         probs: &B::Buffer,
         opts: &TopkOptions,
     ) -> Result<()> {
-        self.refuse_vocab_order()?;
-        opts.check(self.head.vocab())?;
-        let k = opts.k;
-        self.check_resident_hidden(ntok, hidden)?;
-        let entries = elements("ids", ntok, k)?;
-        u32_extent("ids", entries)?;
-        self.check_view("ids", ids, entries, 4)?;
+        let entries = self.check_topk_call(ntok, hidden, ids, opts)?;
         self.check_view("probs", probs, entries, 4)?;
-        self.resident_row_call((ntok, k), opts, |e, plan, scratch| {
+        self.resident_row_call((ntok, opts.k), opts, |e, plan, scratch| {
             e.record_topk(ntok, hidden, (ids, probs), opts, plan, scratch)
         })
     }

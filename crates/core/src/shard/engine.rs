@@ -399,29 +399,21 @@ impl<B: Backend> ShardEngine<B> {
                     .map(|&q| (f64::from(q) / alpha) as f32),
             );
         }
-        let LossOutput {
-            loss,
-            lse,
-            soft,
-            hard,
-            mean,
-            dx,
-            filter,
-        } = out;
-        *filter = None;
-        loss.clear();
-        loss.extend(stats.soft_part.iter().zip(&stats.lse).map(|(&s, &l)| s + l));
-        lse.clone_from(&stats.lse1);
-        soft.clone_from(loss);
-        hard.clear();
-        hard.resize(ntok, 0.0);
-        let weighted: f64 = loss
+        out.filter = None;
+        out.loss.clear();
+        out.loss.extend(stats.soft_part.iter().zip(&stats.lse).map(|(&s, &l)| s + l));
+        out.lse.clone_from(&stats.lse1);
+        out.soft.clone_from(&out.loss);
+        out.hard.clear();
+        out.hard.resize(ntok, 0.0);
+        let weighted: f64 = out
+            .loss
             .iter()
             .zip(&p.resolved.weights)
             .map(|(&l, &w)| f64::from(l) * f64::from(w))
             .sum();
-        *mean = weighted / f64::from(p.resolved.total);
-        dx.resize(ntok * p.hs, 0.0);
+        out.mean = weighted / f64::from(p.resolved.total);
+        out.dx.resize(ntok * p.hs, 0.0);
         trace.mark("row inputs + per-token outputs");
 
         let sizes = self
@@ -432,7 +424,7 @@ impl<B: Backend> ShardEngine<B> {
             .engine
             .begin_loss_call((Job::Loss, &sizes), (p.plan.rows_per_chunk, k_s), hidden.data())?;
         trace.mark("scratch");
-        let result = self.finish_chunks(&p, &call, (&row_in, &probs), dx, &mut trace);
+        let result = self.finish_chunks(&p, &call, (&row_in, &probs), &mut out.dx, &mut trace);
         let result = self.engine.end_host_call(call, result);
         trace.mark("scratch back");
         trace.report();

@@ -177,7 +177,9 @@ pub(crate) struct Regression {
     teacher_hidden: Option<Case>,
 }
 
-fn params(kind: CaseKind, vocab: usize, hs: usize, ntok: usize, k: usize, seed: u64) -> CaseParams {
+/// A regression case's parameters: random teacher, no crafted rows, τ = 1,
+/// the default slicing.
+pub(super) fn params(kind: CaseKind, vocab: usize, hs: usize, ntok: usize, k: usize, seed: u64) -> CaseParams {
     CaseParams {
         kind,
         profile: "regression",

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use headkl_core::Env;
 
-use super::SuiteSettings;
+use super::{CaseOutcome, SuiteReport, SuiteSettings};
 
 /// The environment a test harness reads its settings from, after giving
 /// the process a private runtime folder where `XDG_RUNTIME_DIR` is unset
@@ -63,9 +63,45 @@ pub fn open_or_skip<B>(backend_name: &str, open: impl FnOnce() -> headkl_core::R
     }
 }
 
+/// A conformance test's run, the part every such test shares: opens the
+/// backend (or skips it: `None`), runs `suite` on it with each failure
+/// logged as it comes, logs the summary as `conformance <label>: …` and
+/// records the run as `part` for `scripts/test.sh`. The caller judges the
+/// report.
+pub(crate) fn run_recorded<B>(
+    backend_name: &str,
+    open: impl FnOnce() -> headkl_core::Result<B>,
+    label: &str,
+    part: &str,
+    suite: impl FnOnce(&B, &mut dyn FnMut(&CaseOutcome)) -> SuiteReport,
+) -> Option<SuiteReport> {
+    let backend = open_or_skip(backend_name, open)?;
+    let report = suite(&backend, &mut |o| {
+        if !o.passed {
+            log::error!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
+        }
+    });
+    log::info!("conformance {label}: {}", report.summary());
+    record_ran(&report.backend, &report.device, part, report.passed, report.cases);
+    Some(report)
+}
+
+/// Panics unless `report` ran `cases` cases (`<what> cases run`) and all
+/// passed (`<n> <what> case(s) failed:` and a `name: message` line each).
+pub(crate) fn assert_all_passed(report: &SuiteReport, cases: usize, what: &str) {
+    assert_eq!(report.cases, cases, "{what} cases run");
+    let failed = report.failure_lines();
+    assert!(
+        failed.is_empty(),
+        "{} {what} case(s) failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}
+
 /// Records that a conformance test ran `part` on `backend` (`device`):
 /// `passed` of `cases` cases.
-pub(crate) fn record_ran(backend: &str, device: &str, part: &str, passed: usize, cases: usize) {
+fn record_ran(backend: &str, device: &str, part: &str, passed: usize, cases: usize) {
     record(&format!(
         "{backend}\tran\t{}\t{part}\t{passed}\t{cases}",
         one_line(device)

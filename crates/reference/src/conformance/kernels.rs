@@ -1017,10 +1017,19 @@ fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertSpec) -> Result<Measured, 
     Ok(Measured::default())
 }
 
+impl RowSpec {
+    /// The rows of every buffer: `rows` and the extra ones past them.
+    fn total_rows(&self) -> usize {
+        self.rows + self.extra_rows
+    }
+}
+
 /// Crafted logits `[rows + extra][ld]` (pad columns NaN: they must be
-/// ignored) and their f64 copies per real row.
-fn crafted_logits(r: &RowSpec, rng: &mut Rng) -> (Vec<f32>, Vec<Vec<f64>>) {
-    let total_rows = r.rows + r.extra_rows;
+/// ignored) and their f64 copies per real row, drawn from the case's seed;
+/// with the generator, for the case's further draws.
+fn crafted_logits(r: &RowSpec) -> (Rng, Vec<f32>, Vec<Vec<f64>>) {
+    let mut rng = Rng::new(r.seed);
+    let total_rows = r.total_rows();
     let mut logits = vec![f32::NAN; total_rows * r.ld];
     let mut rows64 = Vec::with_capacity(r.rows);
     for t in 0..r.rows {
@@ -1040,7 +1049,7 @@ fn crafted_logits(r: &RowSpec, rng: &mut Rng) -> (Vec<f32>, Vec<Vec<f64>>) {
         match pattern {
             Row::Residue => {
                 let count = (r.k + 2).min(r.vocab.div_ceil(256));
-                let ids = residue_ids(rng, r.vocab, count);
+                let ids = residue_ids(&mut rng, r.vocab, count);
                 for (rank, &j) in ids.iter().enumerate() {
                     row[j] = 12.0 + 0.25 * (count - rank) as f32;
                 }
@@ -1060,13 +1069,12 @@ fn crafted_logits(r: &RowSpec, rng: &mut Rng) -> (Vec<f32>, Vec<Vec<f64>>) {
         }
         rows64.push(row.iter().map(|&v| f64::from(v)).collect());
     }
-    (logits, rows64)
+    (rng, logits, rows64)
 }
 
 fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Measured, String> {
-    let mut rng = Rng::new(r.seed);
-    let (logits, rows64) = crafted_logits(r, &mut rng);
-    let total_rows = r.rows + r.extra_rows;
+    let (mut rng, logits, rows64) = crafted_logits(r);
+    let total_rows = r.total_rows();
     let mut ids = vec![0u32; total_rows * r.k];
     let mut probs = vec![0f32; total_rows * r.k];
     let mut row_in = vec![0u32; total_rows * 2];
@@ -1215,9 +1223,8 @@ fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Me
 /// the first and (k > 2) the last none; the output NaN-poisoned, the rows
 /// past `rows` checked unwritten.
 fn run_gather<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Measured, String> {
-    let mut rng = Rng::new(r.seed);
-    let (logits, rows64) = crafted_logits(r, &mut rng);
-    let total_rows = r.rows + r.extra_rows;
+    let (mut rng, logits, rows64) = crafted_logits(r);
+    let total_rows = r.total_rows();
     let (k, cols) = (r.k, r.k + 1);
     let mut ids = vec![u32::MAX; total_rows * cols];
     for t in 0..r.rows {
@@ -1295,9 +1302,8 @@ fn run_gather<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Resul
 }
 
 fn run_topk<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Measured, String> {
-    let mut rng = Rng::new(r.seed);
-    let (logits, rows64) = crafted_logits(r, &mut rng);
-    let total_rows = r.rows + r.extra_rows;
+    let (_, logits, rows64) = crafted_logits(r);
+    let total_rows = r.total_rows();
     let logits_buf = upload(b, bytemuck::cast_slice(&logits), "topk logits")?;
     let ids_buf = upload(b, bytemuck::cast_slice(&vec![u32::MAX; total_rows * r.k]), "topk ids")?;
     let probs_buf = upload(b, bytemuck::cast_slice(&vec![f32::NAN; total_rows * r.k]), "topk probs")?;

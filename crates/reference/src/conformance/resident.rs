@@ -29,11 +29,11 @@ use headkl_core::{
 
 use super::{driver_case, engine_for, run_one, CaseOutcome, Measured, Recorder, SuiteConfig, SuiteReport};
 use crate::direct;
-use crate::strategies::{Case, CaseKind, CaseParams, TeacherShape};
+use crate::strategies::{Case, CaseKind, CaseParams};
 use crate::tolerance::Tolerance;
 
 /// Uploads `data` into a fresh device buffer.
-fn device_buffer<B: ResidentBackend + ?Sized>(
+pub(super) fn device_buffer<B: ResidentBackend + ?Sized>(
     backend: &B,
     data: &[u8],
     what: &'static str,
@@ -45,7 +45,12 @@ fn device_buffer<B: ResidentBackend + ?Sized>(
     Ok(b)
 }
 
-fn download_f32<B: ResidentBackend + ?Sized>(backend: &B, b: &B::Buffer, n: usize) -> Result<Vec<f32>, String> {
+/// `n` f32 values from the start of `b`.
+pub(super) fn download_f32<B: ResidentBackend + ?Sized>(
+    backend: &B,
+    b: &B::Buffer,
+    n: usize,
+) -> Result<Vec<f32>, String> {
     let mut out = vec![0f32; n];
     backend
         .download(b, 0, bytemuck::cast_slice_mut(&mut out))
@@ -439,22 +444,10 @@ pub(crate) const RESIDENT_ERROR_CASES: &[(&str, &str)] = &[
 
 fn error_base() -> Case {
     let mut case = Case::from_params(&CaseParams {
-        kind: CaseKind::HeadKl,
         profile: "resident-errors",
-        vocab: 300,
-        hs: 24,
-        ntok: 40,
-        k: 4,
-        data_seed: 77,
-        teacher: TeacherShape::Random,
-        large: false,
-        ties: false,
-        residue: false,
-        masked: false,
-        temperature: 1.0,
-        hidden_as_f16: false,
         max_rows_per_slice: Some(128),
         max_rows_per_chunk: Some(16),
+        ..super::cases::params(CaseKind::HeadKl, 300, 24, 40, 4, 77)
     });
     case.weights = Some((0..case.ntok).map(|t| 0.5 + (t % 3) as f32).collect());
     case
@@ -1050,16 +1043,7 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
                     check_resident_case(backend, &case, (dtype, split), &tol)
                 })
             }
-            Err(message) => CaseOutcome {
-                name: format!("resident#{index}"),
-                description: String::new(),
-                seed: cfg.seed,
-                passed: false,
-                message,
-                loss_err: None,
-                dx_err: None,
-                prob_err: None,
-            },
+            Err(message) => CaseOutcome::unbuilt(format!("resident#{index}"), cfg.seed, message),
         };
         rec.push(outcome);
     }
@@ -1073,16 +1057,7 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
                     check_resident_case(backend, &case, (dtype, DxSplit::Auto), &tol)
                 })
             }
-            Err(message) => CaseOutcome {
-                name: format!("resident_terms/{name}"),
-                description: String::new(),
-                seed: 0,
-                passed: false,
-                message,
-                loss_err: None,
-                dx_err: None,
-                prob_err: None,
-            },
+            Err(message) => CaseOutcome::unbuilt(format!("resident_terms/{name}"), 0, message),
         };
         rec.push(outcome);
     }
@@ -1113,17 +1088,13 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
 
 /// The body of the test [`crate::resident_conformance_tests!`] generates.
 pub fn run_resident_test<B: ResidentBackend>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>) {
-    let Some(backend) = super::open_or_skip(backend_name, open) else {
+    let cfg = SuiteConfig::default();
+    let name = "resident";
+    let Some(report) = super::harness::run_recorded(backend_name, open, name, name, |backend, progress| {
+        run_resident(backend, &cfg, progress)
+    }) else {
         return;
     };
-    let cfg = SuiteConfig::default();
-    let report = run_resident(&backend, &cfg, &mut |o| {
-        if !o.passed {
-            log::error!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
-        }
-    });
-    log::info!("conformance resident: {}", report.summary());
-    super::harness::record_ran(&report.backend, &report.device, "resident", report.passed, report.cases);
     let failures: Vec<String> = report
         .failures
         .iter()

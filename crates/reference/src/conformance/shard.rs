@@ -147,6 +147,38 @@ pub(super) fn teacher(
     Teacher::with_form(&ids, &vals, NTOK, k, VOCAB, form, TailMode::Renormalize).map_err(|e| e.to_string())
 }
 
+/// A teacher id outside the middle shard of the cuts `[96, 700]` (none in
+/// `96..700`); token 1's ids all in the last shard.
+pub(super) fn none_in_the_middle(t: usize, rng: &mut Rng) -> usize {
+    let id = if t == 1 {
+        700 + rng.below(300)
+    } else {
+        rng.below(VOCAB - 604)
+    };
+    if (96..700).contains(&id) {
+        id + 604
+    } else {
+        id
+    }
+}
+
+/// Varied token weights, token 3's 0 (masked).
+pub(super) fn weights_with_a_masked_token() -> Vec<f32> {
+    let mut w: Vec<f32> = (0..NTOK).map(|t| 0.25 + (t % 5) as f32 * 0.5).collect();
+    w[3] = 0.0;
+    w
+}
+
+/// The cuts between three even shards of the head.
+pub(super) fn even_thirds() -> Result<Vec<usize>, String> {
+    Ok(HeadShard::even(VOCAB, 3)
+        .map_err(|e| e.to_string())?
+        .iter()
+        .skip(1)
+        .map(|s| s.v0())
+        .collect())
+}
+
 /// [`teacher`]'s ids and values as drawn (what a device buffer holds).
 pub(super) fn teacher_values(
     seed: u64,
@@ -275,23 +307,10 @@ fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
             (vec![208], t, opts, true, SliceOptions::default())
         }
         "loss/3-none-in-one" => {
-            let t = teacher(2, 6, TeacherForm::Probs, |t, rng| {
-                let id = if t == 1 {
-                    700 + rng.below(300)
-                } else {
-                    rng.below(VOCAB - 604)
-                };
-                if (96..700).contains(&id) {
-                    id + 604
-                } else {
-                    id
-                }
-            })?;
-            let mut w: Vec<f32> = (0..NTOK).map(|t| 0.25 + (t % 5) as f32 * 0.5).collect();
-            w[3] = 0.0;
+            let t = teacher(2, 6, TeacherForm::Probs, none_in_the_middle)?;
             let opts = LossOptions {
                 temperature: 2.0,
-                weights: Some(w),
+                weights: Some(weights_with_a_masked_token()),
                 max_rows_per_chunk: Some(16),
                 ..LossOptions::default()
             };
@@ -308,12 +327,7 @@ fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
                 },
                 ..LossOptions::default()
             };
-            let shards: Vec<usize> = HeadShard::even(VOCAB, 3)
-                .map_err(|e| e.to_string())?
-                .iter()
-                .skip(1)
-                .map(|s| s.v0())
-                .collect();
+            let shards = even_thirds()?;
             let slicing = SliceOptions {
                 max_rows_per_slice: Some(128),
             };
@@ -507,6 +521,18 @@ pub(super) fn expect_err<T>(what: &str, r: Result<T, Error>, ok: impl Fn(&Error)
     }
 }
 
+/// A merge's refusal of partials one token short of [`NTOK`].
+pub(super) fn one_token_short(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::ShardMismatch {
+            what: "tokens",
+            expected: NTOK,
+            got
+        } if *got == NTOK - 1
+    )
+}
+
 fn errors_case<B: Backend>(backend: &B) -> Result<Measured, String> {
     let x = Inputs::new(0x7368_6172_6403);
     let head = HeadWeights::new(HeadData::F32(&x.head), VOCAB, HS).map_err(|e| e.to_string())?;
@@ -551,16 +577,7 @@ fn errors_case<B: Backend>(backend: &B) -> Result<Measured, String> {
     expect_err(
         "partials of another token count",
         merge_loss(&[p0.clone(), short]),
-        |e| {
-            matches!(
-                e,
-                Error::ShardMismatch {
-                    what: "tokens",
-                    expected: NTOK,
-                    got
-                } if *got == NTOK - 1
-            )
-        },
+        one_token_short,
     )?;
     let overlap = LossPartials {
         shard: HeadShard::new(300, VOCAB, VOCAB).map_err(|e| e.to_string())?,
@@ -657,10 +674,23 @@ pub fn run_shard_cases<B: Backend, D: Drive<B>>(
     drive: &D,
     progress: &mut dyn FnMut(&CaseOutcome),
 ) -> SuiteReport {
+    run_named_cases(backend, SHARD_CASES, progress, |name| {
+        run_shard_case(backend, name, drive)
+    })
+}
+
+/// Each case of `cases` (name and what it checks) run by `run` under its
+/// name, as `shard/<name>`, into one report.
+pub(super) fn run_named_cases<B: Backend + ?Sized>(
+    backend: &B,
+    cases: &[(&str, &str)],
+    progress: &mut dyn FnMut(&CaseOutcome),
+    run: impl Fn(&str) -> Result<Measured, String>,
+) -> SuiteReport {
     let mut rec = Recorder::new(backend.info(), progress);
-    for &(name, what) in SHARD_CASES {
+    for &(name, what) in cases {
         rec.push(run_one(backend, format!("shard/{name}"), what.to_string(), 0, || {
-            run_shard_case(backend, name, drive)
+            run(name)
         }));
     }
     rec.report
@@ -673,28 +703,12 @@ pub fn run_shard_test<B: Backend + Sync>(backend_name: &str, open: impl FnOnce()
 where
     B::Buffer: Send,
 {
-    let Some(backend) = super::open_or_skip(backend_name, open) else {
+    let Some(report) = super::harness::run_recorded(backend_name, open, "shard", "shard", |backend, progress| {
+        run_shard_cases(backend, &Threads, progress)
+    }) else {
         return;
     };
-    let report = run_shard_cases(&backend, &Threads, &mut |o| {
-        if !o.passed {
-            log::error!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
-        }
-    });
-    log::info!("conformance shard: {}", report.summary());
-    super::harness::record_ran(&report.backend, &report.device, "shard", report.passed, report.cases);
-    assert_eq!(report.cases, shard_case_count(), "sharded cases run");
-    let failed: Vec<String> = report
-        .failures
-        .iter()
-        .map(|f| format!("{}: {}", f.name, f.message))
-        .collect();
-    assert!(
-        failed.is_empty(),
-        "{} sharded case(s) failed:\n{}",
-        failed.len(),
-        failed.join("\n")
-    );
+    super::harness::assert_all_passed(&report, shard_case_count(), "sharded");
 }
 
 /// Instantiates the sharded cases for a backend (one thread per shard):

@@ -16,8 +16,12 @@ use headkl_core::{
     HiddenDtype, LossOptions, LossTerms, ResidentBackend, SliceOptions, TeacherForm,
 };
 
-use super::shard::{engines, expect_err, teacher, teacher_values, Inputs, Serial, Threads, HS, NTOK, VOCAB};
-use super::{run_one, CaseOutcome, Measured, Recorder, SuiteReport};
+use super::resident::{device_buffer, download_f32};
+use super::shard::{
+    engines, even_thirds, expect_err, none_in_the_middle, one_token_short, run_named_cases, teacher, teacher_values,
+    weights_with_a_masked_token, Inputs, Serial, Threads, HS, NTOK, VOCAB,
+};
+use super::{CaseOutcome, Measured, SuiteReport};
 use crate::direct::head_kl_f64;
 use crate::strategies::Rng;
 use crate::tolerance::Tolerance;
@@ -101,19 +105,37 @@ pub struct RankOut {
     terms: Vec<f32>,
 }
 
-fn buffer<B: ResidentBackend + ?Sized>(b: &B, data: &[u8], what: &'static str) -> Result<B::Buffer, String> {
-    let buf = b
-        .alloc(data.len().max(4) as u64, what)
-        .map_err(|e| format!("alloc {what}: {e}"))?;
-    b.upload(&buf, 0, data).map_err(|e| format!("upload {what}: {e}"))?;
-    Ok(buf)
+/// A rank's phase-two outputs on the device: loss and terms NaN-poisoned,
+/// dx at [`dx_start`].
+struct RankBuffers<Buf> {
+    loss: Buf,
+    dx: Buf,
+    terms: Buf,
 }
 
-fn read<B: ResidentBackend + ?Sized>(b: &B, buf: &B::Buffer, n: usize) -> Result<Vec<f32>, String> {
-    let mut out = vec![0f32; n];
-    b.download(buf, 0, bytemuck::cast_slice_mut(&mut out))
-        .map_err(|e| format!("download: {e}"))?;
-    Ok(out)
+impl<Buf> RankBuffers<Buf> {
+    fn new<B: ResidentBackend<Buffer = Buf>>(b: &B, inp: &DeviceInputs<Buf>) -> Result<Self, String> {
+        Ok(Self {
+            loss: device_buffer(b, bytemuck::cast_slice(&[f32::NAN; NTOK]), "loss")?,
+            dx: device_buffer(b, bytemuck::cast_slice(&vec![dx_start(inp); NTOK * HS]), "dx")?,
+            terms: device_buffer(b, bytemuck::cast_slice(&vec![f32::NAN; NTOK * 3]), "terms")?,
+        })
+    }
+
+    fn output(&self) -> DeviceLossOutput<'_, Buf> {
+        DeviceLossOutput {
+            loss: &self.loss,
+            dx: &self.dx,
+        }
+    }
+
+    fn read_back<B: ResidentBackend<Buffer = Buf>>(&self, b: &B) -> Result<RankOut, String> {
+        Ok(RankOut {
+            loss: download_f32(b, &self.loss, NTOK)?,
+            dx: download_f32(b, &self.dx, NTOK * HS)?,
+            terms: download_f32(b, &self.terms, NTOK * 3)?,
+        })
+    }
 }
 
 /// The value dx starts at (NaN where overwritten, 0.5 where accumulated).
@@ -133,25 +155,18 @@ fn finish_rank<B: ResidentBackend>(
     stats: &B::Buffer,
 ) -> Result<RankOut, String> {
     let err = |e: Error| e.to_string();
-    let loss = buffer(b, bytemuck::cast_slice(&[f32::NAN; NTOK]), "loss")?;
-    let dx = buffer(b, bytemuck::cast_slice(&vec![dx_start(inp); NTOK * HS]), "dx")?;
-    let terms = buffer(b, bytemuck::cast_slice(&vec![f32::NAN; NTOK * 3]), "terms")?;
-    let out = DeviceLossOutput { loss: &loss, dx: &dx };
+    let out = RankBuffers::new(b, inp)?;
     e.loss_finish_device(
         NTOK,
         &inp.hidden(),
         &inp.teacher(),
         stats,
-        &out,
-        &inp.options(Some(&terms)),
+        &out.output(),
+        &inp.options(Some(&out.terms)),
     )
     .map_err(err)?;
     e.wait_device().map_err(err)?;
-    Ok(RankOut {
-        loss: read(b, &loss, NTOK)?,
-        dx: read(b, &dx, NTOK * HS)?,
-        terms: read(b, &terms, NTOK * 3)?,
-    })
+    out.read_back(b)
 }
 
 /// Phase one on one rank: its partials in a fresh device buffer.
@@ -258,9 +273,7 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
             false,
         ),
         "resident/3-none-in-one" => {
-            let mut w: Vec<f32> = (0..NTOK).map(|t| 0.25 + (t % 5) as f32 * 0.5).collect();
-            w[3] = 0.0;
-            weights = Some(w);
+            weights = Some(weights_with_a_masked_token());
             (
                 vec![96, 700],
                 6,
@@ -274,12 +287,7 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
             )
         }
         _ => {
-            let cuts = HeadShard::even(VOCAB, 3)
-                .map_err(|e| e.to_string())?
-                .iter()
-                .skip(1)
-                .map(|s| s.v0())
-                .collect();
+            let cuts = even_thirds()?;
             let slicing = SliceOptions {
                 max_rows_per_slice: Some(128),
             };
@@ -288,18 +296,7 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
     };
     let pick = |t: usize, rng: &mut Rng| match name {
         "resident/2-uneven" if t == 0 => rng.below(208),
-        "resident/3-none-in-one" => {
-            let id = if t == 1 {
-                700 + rng.below(300)
-            } else {
-                rng.below(VOCAB - 604)
-            };
-            if (96..700).contains(&id) {
-                id + 604
-            } else {
-                id
-            }
-        }
+        "resident/3-none-in-one" => none_in_the_middle(t, rng),
         _ => rng.below(VOCAB),
     };
     let host_teacher = teacher(seed, k, form, pick)?;
@@ -308,11 +305,11 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
     let (ids, vals) = teacher_values(seed, k, form, pick);
     let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
     let inp = DeviceInputs {
-        x: buffer(b, bytemuck::cast_slice(&x.x), "x")?,
-        ids: buffer(b, bytemuck::cast_slice(&ids), "ids")?,
-        probs: buffer(b, bytemuck::cast_slice(&vals), "probs")?,
+        x: device_buffer(b, bytemuck::cast_slice(&x.x), "x")?,
+        ids: device_buffer(b, bytemuck::cast_slice(&ids), "ids")?,
+        probs: device_buffer(b, bytemuck::cast_slice(&vals), "probs")?,
         weights: match &weights {
-            Some(w) => Some(buffer(b, bytemuck::cast_slice(w), "weights")?),
+            Some(w) => Some(device_buffer(b, bytemuck::cast_slice(w), "weights")?),
             None => None,
         },
         k,
@@ -383,9 +380,9 @@ fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
     let (ids, vals) = teacher_values(8, k, TeacherForm::Probs, |_, rng| rng.below(VOCAB));
     let mut ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
     let inp = DeviceInputs {
-        x: buffer(b, bytemuck::cast_slice(&x.x), "x")?,
-        ids: buffer(b, bytemuck::cast_slice(&ids), "ids")?,
-        probs: buffer(b, bytemuck::cast_slice(&vals), "probs")?,
+        x: device_buffer(b, bytemuck::cast_slice(&x.x), "x")?,
+        ids: device_buffer(b, bytemuck::cast_slice(&ids), "ids")?,
+        probs: device_buffer(b, bytemuck::cast_slice(&vals), "probs")?,
         weights: None,
         k,
         form: TeacherForm::Probs,
@@ -439,16 +436,7 @@ fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
     expect_err(
         "merged into a buffer of fewer tokens",
         merge_loss_device(b, NTOK, &views, &short),
-        |e| {
-            matches!(
-                e,
-                Error::ShardMismatch {
-                    what: "tokens",
-                    expected: NTOK,
-                    got
-                } if *got == NTOK - 1
-            )
-        },
+        one_token_short,
     )?;
     expect_err(
         "a missing shard",
@@ -474,7 +462,7 @@ fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
     // An id past the whole head on the device: the host path's error,
     // naming V (not the shard's width), at the wait.
     ids[5 * k + 2] = VOCAB as u32;
-    let bad_ids = buffer(b, bytemuck::cast_slice(&ids), "bad ids")?;
+    let bad_ids = device_buffer(b, bytemuck::cast_slice(&ids), "bad ids")?;
     let bad = DeviceTeacher {
         ids: &bad_ids,
         ..inp.teacher()
@@ -482,23 +470,6 @@ fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
     es[1]
         .loss_partials_device(NTOK, &hidden, &bad, &partials, &opts)
         .map_err(err)?;
-    expect_err("an id past the head", es[1].wait_device(), |e| {
-        matches!(
-            e,
-            Error::IdOutOfRange {
-                row: 5,
-                col: 2,
-                vocab: VOCAB,
-                ..
-            }
-        )
-    })?;
-    // The engine is usable after it.
-    partials_rank(b, &mut es[1], &inp)?;
-    // The bad row through both phases on every shard (DESIGN §8): its loss
-    // and terms NaN and its part of dx 0 on every rank before any wait,
-    // each wait naming it; every other row as with the good teacher, bit
-    // for bit.
     let id_past_the_head = |e: &Error| {
         matches!(
             e,
@@ -510,6 +481,13 @@ fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
             }
         )
     };
+    expect_err("an id past the head", es[1].wait_device(), id_past_the_head)?;
+    // The engine is usable after it.
+    partials_rank(b, &mut es[1], &inp)?;
+    // The bad row through both phases on every shard (DESIGN §8): its loss
+    // and terms NaN and its part of dx 0 on every rank before any wait,
+    // each wait naming it; every other row as with the good teacher, bit
+    // for bit.
     let bad_run = two_phase_waiting(b, &mut es, &inp, &bad, Some(&id_past_the_head))?;
     let good_run = two_phase_waiting(b, &mut es, &inp, &inp.teacher(), None)?;
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
@@ -572,18 +550,18 @@ fn two_phase_waiting<B: ResidentBackend>(
     merge_loss_device(b, NTOK, &views, &stats).map_err(err)?;
     let mut outs = Vec::new();
     for e in es.iter_mut() {
-        let loss = buffer(b, bytemuck::cast_slice(&[f32::NAN; NTOK]), "loss")?;
-        let dx = buffer(b, bytemuck::cast_slice(&vec![dx_start(inp); NTOK * HS]), "dx")?;
-        let terms = buffer(b, bytemuck::cast_slice(&vec![f32::NAN; NTOK * 3]), "terms")?;
-        let out = DeviceLossOutput { loss: &loss, dx: &dx };
-        e.loss_finish_device(NTOK, &hidden, teacher, &stats, &out, &inp.options(Some(&terms)))
-            .map_err(err)?;
+        let out = RankBuffers::new(b, inp)?;
+        e.loss_finish_device(
+            NTOK,
+            &hidden,
+            teacher,
+            &stats,
+            &out.output(),
+            &inp.options(Some(&out.terms)),
+        )
+        .map_err(err)?;
         waited(e.wait_device(), "phase two")?;
-        outs.push(RankOut {
-            loss: read(b, &loss, NTOK)?,
-            dx: read(b, &dx, NTOK * HS)?,
-            terms: read(b, &terms, NTOK * 3)?,
-        });
+        outs.push(out.read_back(b)?);
     }
     Ok(outs)
 }
@@ -602,13 +580,9 @@ pub fn run_resident_shard_cases<B: ResidentBackend, D: DeviceDrive<B>>(
     drive: &D,
     progress: &mut dyn FnMut(&CaseOutcome),
 ) -> SuiteReport {
-    let mut rec = Recorder::new(backend.info(), progress);
-    for &(name, what) in RESIDENT_SHARD_CASES {
-        rec.push(run_one(backend, format!("shard/{name}"), what.to_string(), 0, || {
-            run_case(backend, name, drive)
-        }));
-    }
-    rec.report
+    run_named_cases(backend, RESIDENT_SHARD_CASES, progress, |name| {
+        run_case(backend, name, drive)
+    })
 }
 
 /// The body of the test [`resident_shard_tests!`] generates.
@@ -617,34 +591,13 @@ pub fn run_resident_shard_test<B: ResidentBackend, D: DeviceDrive<B>>(
     drive: &D,
     open: impl FnOnce() -> headkl_core::Result<B>,
 ) {
-    let Some(backend) = super::open_or_skip(backend_name, open) else {
+    let (label, part) = ("resident shard", "shard_resident");
+    let Some(report) = super::harness::run_recorded(backend_name, open, label, part, |backend, progress| {
+        run_resident_shard_cases(backend, drive, progress)
+    }) else {
         return;
     };
-    let report = run_resident_shard_cases(&backend, drive, &mut |o| {
-        if !o.passed {
-            log::error!("FAIL {}: {}\n    {}", o.name, o.description, o.message);
-        }
-    });
-    log::info!("conformance resident shard: {}", report.summary());
-    super::harness::record_ran(
-        &report.backend,
-        &report.device,
-        "shard_resident",
-        report.passed,
-        report.cases,
-    );
-    assert_eq!(report.cases, resident_shard_case_count(), "resident sharded cases run");
-    let failed: Vec<String> = report
-        .failures
-        .iter()
-        .map(|f| format!("{}: {}", f.name, f.message))
-        .collect();
-    assert!(
-        failed.is_empty(),
-        "{} resident sharded case(s) failed:\n{}",
-        failed.len(),
-        failed.join("\n")
-    );
+    super::harness::assert_all_passed(&report, resident_shard_case_count(), "resident sharded");
 }
 
 /// Instantiates the resident sharded cases for a backend: `threads` (one
@@ -652,22 +605,18 @@ pub fn run_resident_shard_test<B: ResidentBackend, D: DeviceDrive<B>>(
 /// `serial`, and `$open` as for [`crate::resident_conformance_tests!`].
 #[macro_export]
 macro_rules! resident_shard_tests {
-    (threads, $name:literal, $open:expr $(,)?) => {
-        #[test]
-        fn shards_resident_two_phase_equal_the_unsharded_result() {
-            $crate::conformance::shard_resident::run_resident_shard_test(
-                $name,
-                &$crate::conformance::shard::Threads,
-                || $open,
-            );
-        }
+    (@drive threads) => {
+        $crate::conformance::shard::Threads
     };
-    (serial, $name:literal, $open:expr $(,)?) => {
+    (@drive serial) => {
+        $crate::conformance::shard::Serial
+    };
+    ($drive:ident, $name:literal, $open:expr $(,)?) => {
         #[test]
         fn shards_resident_two_phase_equal_the_unsharded_result() {
             $crate::conformance::shard_resident::run_resident_shard_test(
                 $name,
-                &$crate::conformance::shard::Serial,
+                &$crate::resident_shard_tests!(@drive $drive),
                 || $open,
             );
         }

@@ -300,21 +300,8 @@ impl Backend for CpuBackend {
             Launch::ConvertF16 { src, dst, desc } => self.run_convert_f16(src, dst, &desc),
             Launch::Gemm { a, b, c, desc } => self.run_gemm(a, b, c, &desc),
             Launch::SumParts { parts, dst, desc } => self.run_sum_parts(parts, dst, &desc),
-            Launch::KlRows {
-                logits,
-                ids,
-                probs,
-                coef,
-                loss,
-                grad,
-                desc,
-            } => self.run_kl_rows(logits, ids, probs, coef, loss, grad, &desc),
-            Launch::TopkRows {
-                logits,
-                ids,
-                probs,
-                desc,
-            } => self.run_topk_rows(logits, ids, probs, &desc),
+            Launch::KlRows { desc, .. } => self.run_kl_rows(launch.bound()?, &desc),
+            Launch::TopkRows { desc, .. } => self.run_topk_rows(launch.bound()?, &desc),
             // The device-resident kernels, by the kernel id.
             _ => self.run_resident(&checked, &launch.buffers()),
         })
@@ -381,17 +368,7 @@ impl CpuBackend {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments, reason = "one buffer per binding of the kernel")]
-    fn run_kl_rows(
-        &self,
-        logits: &CpuBuffer,
-        ids: &CpuBuffer,
-        probs: &CpuBuffer,
-        coef: &CpuBuffer,
-        loss: &CpuBuffer,
-        grad: &CpuBuffer,
-        d: &KlDesc,
-    ) -> Result<()> {
+    fn run_kl_rows(&self, [logits, ids, probs, coef, loss, grad]: [&CpuBuffer; 6], d: &KlDesc) -> Result<()> {
         const K: &str = "kl_rows";
         let (mut loss_w, mut grad_w) = (loss.write(K)?, grad.write(K)?);
         let (logits_w, ids_w, probs_w, coef_w) = (logits.read(K)?, ids.read(K)?, probs.read(K)?, coef.read(K)?);
@@ -429,7 +406,7 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn run_topk_rows(&self, logits: &CpuBuffer, ids: &CpuBuffer, probs: &CpuBuffer, d: &TopkDesc) -> Result<()> {
+    fn run_topk_rows(&self, [logits, ids, probs]: [&CpuBuffer; 3], d: &TopkDesc) -> Result<()> {
         const K: &str = "topk_rows";
         let (mut ids_w, mut probs_w) = (ids.write(K)?, probs.write(K)?);
         let logits_w = logits.read(K)?;
