@@ -3,7 +3,6 @@
 //! `vk::Buffer`s; and the device-resident kernels
 //! ([`headkl_core::ResidentBackend`]).
 
-
 use ash::vk;
 use headkl_core::gemm_choice::resolve_choice;
 use headkl_core::{Error, ResidentBackend, Result};
