@@ -102,13 +102,7 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
     let grad = backend.alloc((m * n * 2) as u64, "ceiling grad").map_err(dev)?;
     let logits = backend.alloc((m * n * 4) as u64, "ceiling logits").map_err(dev)?;
     let dx = backend.alloc((m * k * 4) as u64, "ceiling dx").map_err(dev)?;
-    backend.upload(&x, 0, bytemuck::cast_slice(&data.hidden)).map_err(dev)?;
-    backend
-        .upload(&head, 0, bytemuck::cast_slice(&data.head[..n * k]))
-        .map_err(dev)?;
-    backend
-        .upload(&grad, 0, bytemuck::cast_slice(&data.head[..m * n]))
-        .map_err(dev)?;
+    data.upload(&backend, &x, &head, &grad).map_err(dev)?;
     if !backend.set_profiling(true) {
         return Err(CliError::option("--ceiling", "this device has no kernel timestamps"));
     }

@@ -203,6 +203,23 @@ pub fn is_validation(e: &CoreError) -> bool {
     }
 }
 
+/// Joins scoped threads in the order given: each thread's result, or for
+/// one that panicked, [`CliError::panicked`] under `name(index)`.
+pub(crate) fn join_in_order<T, C: FromIterator<Result<T, CliError>>>(
+    threads: Vec<std::thread::ScopedJoinHandle<'_, Result<T, CliError>>>,
+    name: impl Fn(usize) -> String,
+) -> C {
+    threads
+        .into_iter()
+        .enumerate()
+        .map(|(i, thread)| {
+            thread
+                .join()
+                .unwrap_or_else(|payload| Err(CliError::panicked(name(i), payload)))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,17 +7,17 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use headkl_core::{Backend, Engine, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput, SliceOptions, TailMode};
+use headkl_core::{Backend, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput, SliceOptions, TailMode};
 
 use crate::environment::Settings;
 use crate::error::CliError;
 use crate::io::{check_output_not_input, PendingOutput, TensorFile};
 use crate::jobs::{
-    check_loss_options, read_head, read_hidden, read_labels, read_weights, write_loss, InputArgs, LossArgs, Sources,
+    check_loss_options, read_head, read_hidden, read_labels, read_weights, write_loss, InputArgs, JobInputs, LossArgs,
+    Sources,
 };
-use crate::progress::Progress;
 use crate::provenance::LossRecord;
-use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
+use crate::select::{open_and_run, resolve_announced, BackendArgs, BackendJob};
 
 /// `headkl loss` with `(teacher_hidden, teacher_head)` in place of a top-k
 /// file.
@@ -58,11 +58,7 @@ pub(crate) fn loss(
     let hidden_t = hidden_file.tensor(&inputs.hidden_tensor)?;
     let t_head_t = t_head_file.tensor(&args.teacher_head_tensor)?;
     let t_hidden_t = t_hidden_file.tensor(&args.teacher_hidden_tensor)?;
-    let weights_t = weights_file
-        .as_ref()
-        .map(|f| f.tensor(&args.weights_tensor))
-        .transpose()?;
-    let labels_t = labels_file.as_ref().map(|f| f.tensor("labels")).transpose()?;
+    let (weights_t, labels_t) = args.weights_and_labels(weights_file.as_ref(), labels_file.as_ref())?;
 
     let (head_elems, vocab, hs) = read_head(&head_t)?;
     let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
@@ -89,13 +85,10 @@ pub(crate) fn loss(
     let weights = weights_t.as_ref().map(|w| read_weights(w, ntok)).transpose()?;
     let labels = labels_t.as_ref().map(|l| read_labels(l, ntok)).transpose()?;
     let sources = Sources {
-        head: &head_t,
-        hidden: &hidden_t,
-        ids: None,
-        probs: None,
         weights: weights_t.as_ref(),
         labels: labels_t.as_ref(),
         total_given: args.total.is_some(),
+        ..Sources::new(&head_t, &hidden_t)
     };
     let teacher_sources = Sources {
         head: &t_head_t,
@@ -120,15 +113,11 @@ pub(crate) fn loss(
     let result = open_and_run(
         &target,
         FullVocabJob {
-            sources: &sources,
+            inputs: JobInputs::new(&sources, head, hidden_elems.data(), ntok, hs),
             teacher_sources: &teacher_sources,
             settings,
-            head,
-            hidden: hidden_elems.data(),
             t_head,
             t_hidden: t_hidden_elems.data(),
-            ntok,
-            hs,
             t_hs,
             opts,
         },
@@ -168,15 +157,11 @@ fn first_non_finite(rows: HiddenData<'_>, hs: usize) -> Option<(usize, usize)> {
 
 /// Runs the full-vocabulary loss on a backend in one engine call.
 struct FullVocabJob<'a> {
-    sources: &'a Sources<'a>,
+    inputs: JobInputs<'a>,
     teacher_sources: &'a Sources<'a>,
     settings: &'a Settings,
-    head: HeadWeights<'a>,
-    hidden: HiddenData<'a>,
     t_head: HeadWeights<'a>,
     t_hidden: HiddenData<'a>,
-    ntok: usize,
-    hs: usize,
     t_hs: usize,
     opts: LossOptions,
 }
@@ -185,21 +170,18 @@ impl BackendJob for FullVocabJob<'_> {
     type Output = LossOutput;
 
     fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
-        log::info!("headkl: running on {}", describe(backend.info()));
-        let progress = Progress::new("loss: the heads' upload, then tokens", self.ntok as u64);
-        let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
-            .map_err(|e| self.sources.map(e, "uploading the head"))?;
+        let inputs = &self.inputs;
+        let (_progress, mut engine) = inputs.start_engine(backend, "loss: the heads' upload, then tokens")?;
         engine
             .set_teacher_head(&self.t_head, SliceOptions::default())
             .map_err(|e| self.teacher_sources.map(e, "uploading the teacher's head"))?;
         engine.set_trace(self.settings.trace);
         engine.set_dx_split(self.settings.dx_split);
-        engine.set_progress(Some(progress.callback()));
-        let hidden = Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))?;
-        let t_hidden = Hidden::new(self.t_hidden, self.ntok, self.t_hs)
+        let hidden = inputs.hidden()?;
+        let t_hidden = Hidden::new(self.t_hidden, inputs.ntok, self.t_hs)
             .map_err(|e| self.teacher_sources.map(e, "teacher hidden"))?;
         engine
             .head_kl_full_vocab(&hidden, &t_hidden, &self.opts)
-            .map_err(|e| self.sources.map(e, "head_kl_full_vocab"))
+            .map_err(|e| inputs.sources.map(e, "head_kl_full_vocab"))
     }
 }

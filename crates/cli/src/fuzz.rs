@@ -417,15 +417,12 @@ fn teacher_file(data: &[u8]) {
         )?;
         let weights_t = file.tensor_if_present("weights")?;
         let labels_t = file.tensor_if_present("labels")?;
-        let sources = crate::jobs::Sources {
-            head: &head_t,
-            hidden: &hidden_t,
-            ids: Some(&ids_t),
-            probs: Some(&probs_t),
-            weights: weights_t.as_ref(),
-            labels: labels_t.as_ref(),
-            total_given: false,
-        };
+        let sources = crate::jobs::Sources::new(&head_t, &hidden_t).with_teacher(
+            &ids_t,
+            &probs_t,
+            weights_t.as_ref(),
+            labels_t.as_ref(),
+        );
         Teacher::with_form(
             &input.ids,
             &input.probs,

@@ -7,17 +7,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use headkl_core::{Backend, Engine, Gathered, HeadWeights, Hidden, HiddenData, SliceOptions, TopkOptions};
-use safetensors::Dtype;
+use headkl_core::{Backend, Gathered, HeadWeights, Hidden, TopkOptions};
 
 use crate::environment::Settings;
 use crate::error::CliError;
 use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile};
-use crate::jobs::{read_head, read_hidden, InputArgs, Sources};
+use crate::jobs::{read_head, read_hidden, read_ids, InputArgs, JobInputs, Sources};
 use crate::options::BudgetArg;
-use crate::progress::Progress;
 use crate::provenance::TeacherRecord;
-use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
+use crate::select::{open_and_run, resolve_announced, BackendArgs, BackendJob};
 use crate::text::fmt_bytes;
 
 /// Options of `headkl gather` beyond the head and hidden rows.
@@ -44,11 +42,7 @@ pub struct GatherArgs {
 
 /// Runs the gather on a backend in one engine call.
 struct GatherJob<'a> {
-    sources: &'a Sources<'a>,
-    head: HeadWeights<'a>,
-    hidden: HiddenData<'a>,
-    ntok: usize,
-    hs: usize,
+    inputs: JobInputs<'a>,
     ids: &'a [i64],
     opts: TopkOptions,
 }
@@ -57,15 +51,12 @@ impl BackendJob for GatherJob<'_> {
     type Output = Gathered;
 
     fn run<B: Backend>(self, backend: B) -> Result<Gathered, CliError> {
-        log::info!("headkl: running on {}", describe(backend.info()));
-        let progress = Progress::new("gather: head upload, then tokens", self.ntok as u64);
-        let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
-            .map_err(|e| self.sources.map(e, "uploading the head"))?;
-        engine.set_progress(Some(progress.callback()));
-        let hidden = Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))?;
+        let inputs = &self.inputs;
+        let (_progress, mut engine) = inputs.start_engine(backend, "gather: head upload, then tokens")?;
+        let hidden = inputs.hidden()?;
         engine
             .logprobs_at(&hidden, self.ids, &self.opts)
-            .map_err(|e| self.sources.map(e, "gather"))
+            .map_err(|e| inputs.sources.map(e, "gather"))
     }
 }
 
@@ -86,22 +77,10 @@ pub fn run(
     let ids_t = ids_file.tensor("ids")?;
     let (head_elems, vocab, hs) = read_head(&head_t)?;
     let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
-    let (id_rows, k) = ids_t.matrix("[ntok][k]")?;
-    if id_rows != ntok {
-        return Err(ids_t.error(format!(
-            "{id_rows} rows, but the hidden rows {} have ntok = {ntok}",
-            hidden_t.describe()
-        )));
-    }
-    let ids = ids_t.ids_i64()?;
+    let (ids, k) = read_ids(&ids_t, (&hidden_t, ntok))?;
     let sources = Sources {
-        head: &head_t,
-        hidden: &hidden_t,
         ids: Some(&ids_t),
-        probs: None,
-        weights: None,
-        labels: None,
-        total_given: false,
+        ..Sources::new(&head_t, &hidden_t)
     };
     let opts = TopkOptions {
         temperature: args.temperature,
@@ -133,11 +112,7 @@ pub fn run(
         None => open_and_run(
             &target,
             GatherJob {
-                sources: &sources,
-                head,
-                hidden: hidden.data(),
-                ntok,
-                hs,
+                inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
                 ids: &ids,
                 opts,
             },
@@ -156,24 +131,9 @@ pub fn run(
         head: head_t.identity(),
     };
     let tensors = [
-        OutTensor {
-            name: "ids",
-            dtype: Dtype::I64,
-            shape: vec![ntok, k],
-            data: bytemuck::cast_slice(&ids),
-        },
-        OutTensor {
-            name: "logprobs",
-            dtype: Dtype::F32,
-            shape: vec![ntok, k],
-            data: bytemuck::cast_slice(&result.logprobs),
-        },
-        OutTensor {
-            name: "lse",
-            dtype: Dtype::F32,
-            shape: vec![ntok],
-            data: bytemuck::cast_slice(&result.lse),
-        },
+        OutTensor::i64("ids", vec![ntok, k], &ids),
+        OutTensor::f32("logprobs", vec![ntok, k], &result.logprobs),
+        OutTensor::f32("lse", vec![ntok], &result.lse),
     ];
     pending.commit_tensors_with(&tensors, Some(record.to_metadata()))?;
     log::info!(

@@ -309,6 +309,28 @@ pub struct OutTensor<'a> {
     pub data: &'a [u8],
 }
 
+impl<'a> OutTensor<'a> {
+    /// An I64 tensor of `shape`.
+    pub fn i64(name: &'static str, shape: Vec<usize>, data: &'a [i64]) -> Self {
+        Self {
+            name,
+            dtype: Dtype::I64,
+            shape,
+            data: bytemuck::cast_slice(data),
+        }
+    }
+
+    /// An F32 tensor of `shape`.
+    pub fn f32(name: &'static str, shape: Vec<usize>, data: &'a [f32]) -> Self {
+        Self {
+            name,
+            dtype: Dtype::F32,
+            shape,
+            data: bytemuck::cast_slice(data),
+        }
+    }
+}
+
 /// An output file being made: a temporary sibling is created up front (so
 /// an unwritable directory fails before the work), filled, and renamed over
 /// the target by [`PendingOutput::commit`]. Dropped uncommitted, it removes

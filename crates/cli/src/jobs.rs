@@ -35,7 +35,38 @@ pub(crate) struct Sources<'a> {
     pub(crate) total_given: bool,
 }
 
-impl Sources<'_> {
+impl<'a> Sources<'a> {
+    /// The sources of a job on the head and hidden rows alone.
+    pub(crate) fn new(head: &'a TensorRef<'a>, hidden: &'a TensorRef<'a>) -> Self {
+        Self {
+            head,
+            hidden,
+            ids: None,
+            probs: None,
+            weights: None,
+            labels: None,
+            total_given: false,
+        }
+    }
+
+    /// With a teacher file's ids and probabilities, and the weights and
+    /// labels it may hold beside them.
+    pub(crate) fn with_teacher(
+        self,
+        ids: &'a TensorRef<'a>,
+        probs: &'a TensorRef<'a>,
+        weights: Option<&'a TensorRef<'a>>,
+        labels: Option<&'a TensorRef<'a>>,
+    ) -> Self {
+        Self {
+            ids: Some(ids),
+            probs: Some(probs),
+            weights,
+            labels,
+            ..self
+        }
+    }
+
     /// Maps a core error to the input that caused it: a validation error
     /// names its file and tensor (or option) and exits 2; a device error
     /// exits 1 with `context`.
@@ -198,6 +229,22 @@ pub(crate) struct TeacherInput<'a> {
     pub k: usize,
 }
 
+/// The ids of an `[ntok][k]` tensor and their `k`, its rows checked
+/// against the hidden rows'.
+pub(crate) fn read_ids<'a>(
+    ids_t: &TensorRef<'a>,
+    (hidden_t, ntok): (&TensorRef<'_>, usize),
+) -> Result<(Cow<'a, [i64]>, usize), CliError> {
+    let (id_rows, k) = ids_t.matrix("[ntok][k]")?;
+    if id_rows != ntok {
+        return Err(ids_t.error(format!(
+            "{id_rows} rows, but the hidden rows {} have ntok = {ntok}",
+            hidden_t.describe()
+        )));
+    }
+    Ok((ids_t.ids_i64()?, k))
+}
+
 /// Checks the teacher file against the run (its `headkl.*` metadata, then
 /// the shapes and dtypes of `ids` and the values) and reads both; the
 /// values' contents are `Teacher`'s to check.
@@ -211,14 +258,7 @@ pub(crate) fn read_teacher<'a>(
     (hidden_t, ntok): (&TensorRef<'_>, usize),
 ) -> Result<TeacherInput<'a>, CliError> {
     check_teacher(path, file.metadata(), run, allow_mismatch)?;
-    let (id_rows, k) = ids_t.matrix("[ntok][k]")?;
-    if id_rows != ntok {
-        return Err(ids_t.error(format!(
-            "{id_rows} rows, but the hidden rows {} have ntok = {ntok}",
-            hidden_t.describe()
-        )));
-    }
-    let ids = ids_t.ids_i64()?;
+    let (ids, k) = read_ids(ids_t, (hidden_t, ntok))?;
     let probs_shape = probs_t.matrix("[ntok][k]")?;
     if probs_shape != (ntok, k) {
         return Err(probs_t.error(format!(
@@ -293,14 +333,56 @@ pub struct InputArgs {
     pub hidden_tensor: String,
 }
 
+/// What every one-call job runs on: the head and hidden rows, and where
+/// they came from.
+pub(crate) struct JobInputs<'a> {
+    pub(crate) sources: &'a Sources<'a>,
+    pub(crate) head: HeadWeights<'a>,
+    hidden: HiddenData<'a>,
+    pub(crate) ntok: usize,
+    hs: usize,
+}
+
+impl<'a> JobInputs<'a> {
+    pub(crate) fn new(
+        sources: &'a Sources<'a>,
+        head: HeadWeights<'a>,
+        hidden: HiddenData<'a>,
+        ntok: usize,
+        hs: usize,
+    ) -> Self {
+        Self {
+            sources,
+            head,
+            hidden,
+            ntok,
+            hs,
+        }
+    }
+
+    /// How every one-call job starts: logs the device, opens a bar over
+    /// the tokens labelled `label`, and uploads the head to an engine
+    /// whose progress callback drives the bar. The caller keeps the bar
+    /// for the call (bound before the engine, so it outlives it).
+    pub(crate) fn start_engine<B: Backend>(&self, backend: B, label: &str) -> Result<(Progress, Engine<B>), CliError> {
+        log::info!("headkl: running on {}", describe(backend.info()));
+        let progress = Progress::new(label, self.ntok as u64);
+        let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
+            .map_err(|e| self.sources.map(e, "uploading the head"))?;
+        engine.set_progress(Some(progress.callback()));
+        Ok((progress, engine))
+    }
+
+    /// The hidden rows `[ntok][hs]`.
+    pub(crate) fn hidden(&self) -> Result<Hidden<'a>, CliError> {
+        Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))
+    }
+}
+
 /// Runs the top-k job on a backend in one engine call, whose progress
 /// callback drives the bar.
 struct TopkJob<'a> {
-    sources: &'a Sources<'a>,
-    head: HeadWeights<'a>,
-    hidden: HiddenData<'a>,
-    ntok: usize,
-    hs: usize,
+    inputs: JobInputs<'a>,
     opts: TopkOptions,
 }
 
@@ -308,29 +390,22 @@ impl BackendJob for TopkJob<'_> {
     type Output = TopK;
 
     fn run<B: Backend>(self, backend: B) -> Result<TopK, CliError> {
-        log::info!("headkl: running on {}", describe(backend.info()));
-        let progress = Progress::new("topk: head upload, then tokens", self.ntok as u64);
-        let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
-            .map_err(|e| self.sources.map(e, "uploading the head"))?;
-        engine.set_progress(Some(progress.callback()));
-        let hidden = Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))?;
+        let inputs = &self.inputs;
+        let (_progress, mut engine) = inputs.start_engine(backend, "topk: head upload, then tokens")?;
+        let hidden = inputs.hidden()?;
         // One call: the engine plans the chunks and reports each one.
         engine
             .topk(&hidden, &self.opts)
-            .map_err(|e| self.sources.map(e, "top-k"))
+            .map_err(|e| inputs.sources.map(e, "top-k"))
     }
 }
 
 /// Runs the loss job on a backend in one engine call, whose progress
 /// callback drives the bar.
 struct LossJob<'a> {
-    sources: &'a Sources<'a>,
     /// `HEADKL_TRACE`, `HEADKL_DX_SPLIT` and `HEADKL_NO_ROW_STATS` for the engine.
     settings: &'a Settings,
-    head: HeadWeights<'a>,
-    hidden: HiddenData<'a>,
-    ntok: usize,
-    hs: usize,
+    inputs: JobInputs<'a>,
     ids: &'a [i64],
     probs: &'a [f32],
     k: usize,
@@ -343,23 +418,20 @@ impl BackendJob for LossJob<'_> {
     type Output = LossOutput;
 
     fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
-        log::info!("headkl: running on {}", describe(backend.info()));
-        let progress = Progress::new("loss: head upload, then tokens", self.ntok as u64);
-        let vocab = self.head.vocab();
-        let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
-            .map_err(|e| self.sources.map(e, "uploading the head"))?;
+        let inputs = &self.inputs;
+        let vocab = inputs.head.vocab();
+        let (_progress, mut engine) = inputs.start_engine(backend, "loss: head upload, then tokens")?;
         engine.set_trace(self.settings.trace);
         engine.set_dx_split(self.settings.dx_split);
         engine.set_row_stats(!self.settings.no_row_stats);
-        engine.set_progress(Some(progress.callback()));
-        let hidden = Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))?;
-        let teacher = Teacher::with_form(self.ids, self.probs, self.ntok, self.k, vocab, self.form, self.tail)
-            .map_err(|e| self.sources.map(e, "teacher"))?;
+        let hidden = inputs.hidden()?;
+        let teacher = Teacher::with_form(self.ids, self.probs, inputs.ntok, self.k, vocab, self.form, self.tail)
+            .map_err(|e| inputs.sources.map(e, "teacher"))?;
         // One call: the engine resolves total and gscale over every token,
         // plans the chunks and reports each one.
         engine
             .head_kl(&hidden, &teacher, &self.opts)
-            .map_err(|e| self.sources.map(e, "head_kl"))
+            .map_err(|e| inputs.sources.map(e, "head_kl"))
     }
 }
 
@@ -402,15 +474,7 @@ pub fn topk(
     let hidden_t = hidden_file.tensor(&inputs.hidden_tensor)?;
     let (head_elems, vocab, hs) = read_head(&head_t)?;
     let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
-    let sources = Sources {
-        head: &head_t,
-        hidden: &hidden_t,
-        ids: None,
-        probs: None,
-        weights: None,
-        labels: None,
-        total_given: false,
-    };
+    let sources = Sources::new(&head_t, &hidden_t);
     let opts = TopkOptions {
         temperature,
         budget_bytes: budget,
@@ -440,11 +504,7 @@ pub fn topk(
         None => open_and_run(
             &target,
             TopkJob {
-                sources: &sources,
-                head,
-                hidden: hidden.data(),
-                ntok,
-                hs,
+                inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
                 opts,
             },
         )?,
@@ -462,26 +522,11 @@ pub fn topk(
         head: head_t.identity(),
     };
     let mut tensors = vec![
-        OutTensor {
-            name: "ids",
-            dtype: Dtype::I64,
-            shape: vec![ntok, k],
-            data: bytemuck::cast_slice(&ids),
-        },
-        OutTensor {
-            name: "probs",
-            dtype: Dtype::F32,
-            shape: vec![ntok, k],
-            data: bytemuck::cast_slice(&result.probs),
-        },
+        OutTensor::i64("ids", vec![ntok, k], &ids),
+        OutTensor::f32("probs", vec![ntok, k], &result.probs),
     ];
     if extra.logprobs {
-        tensors.push(OutTensor {
-            name: "logprobs",
-            dtype: Dtype::F32,
-            shape: vec![ntok, k],
-            data: bytemuck::cast_slice(&result.logprobs),
-        });
+        tensors.push(OutTensor::f32("logprobs", vec![ntok, k], &result.logprobs));
     }
     pending.commit_tensors_with(&tensors, Some(record.to_metadata()))?;
     log::info!(
@@ -558,6 +603,17 @@ pub struct LossArgs {
 }
 
 impl LossArgs {
+    /// The `--weights` and `--labels` tensors, from their files where given.
+    pub(crate) fn weights_and_labels<'f>(
+        &self,
+        weights_file: Option<&'f TensorFile>,
+        labels_file: Option<&'f TensorFile>,
+    ) -> Result<(Option<TensorRef<'f>>, Option<TensorRef<'f>>), CliError> {
+        let weights = weights_file.map(|f| f.tensor(&self.weights_tensor)).transpose()?;
+        let labels = labels_file.map(|f| f.tensor("labels")).transpose()?;
+        Ok((weights, labels))
+    }
+
     /// The loss options these flags set, with the weights and labels read
     /// from their files (`headkl loss`, with the top-k teacher or the
     /// teacher's hidden rows).
@@ -637,11 +693,7 @@ pub fn loss(
     let ids_t = teacher_file.tensor("ids")?;
     // `probs`, or `logprobs` with --teacher-form logprobs.
     let probs_t = teacher_file.tensor(args.terms.teacher_tensor())?;
-    let weights_t = weights_file
-        .as_ref()
-        .map(|f| f.tensor(&args.weights_tensor))
-        .transpose()?;
-    let labels_t = labels_file.as_ref().map(|f| f.tensor("labels")).transpose()?;
+    let (weights_t, labels_t) = args.weights_and_labels(weights_file.as_ref(), labels_file.as_ref())?;
 
     let (head_elems, vocab, hs) = read_head(&head_t)?;
     let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
@@ -670,13 +722,8 @@ pub fn loss(
     let labels = labels_t.as_ref().map(|l| read_labels(l, ntok)).transpose()?;
 
     let sources = Sources {
-        head: &head_t,
-        hidden: &hidden_t,
-        ids: Some(&ids_t),
-        probs: Some(&probs_t),
-        weights: weights_t.as_ref(),
-        labels: labels_t.as_ref(),
         total_given: args.total.is_some(),
+        ..Sources::new(&head_t, &hidden_t).with_teacher(&ids_t, &probs_t, weights_t.as_ref(), labels_t.as_ref())
     };
     let (form, tail) = (args.terms.teacher_form, args.terms.tail);
     // Checked whole before the head goes anywhere; the job builds it per piece.
@@ -719,11 +766,7 @@ pub fn loss(
         None => open_and_run(
             &target,
             LossJob {
-                sources: &sources,
-                head,
-                hidden: hidden.data(),
-                ntok,
-                hs,
+                inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
                 ids: &ids,
                 probs: &probs,
                 k,
@@ -768,24 +811,14 @@ pub(crate) fn write_loss(
 ) -> Result<(), CliError> {
     let (ntok, vocab, hs, k) = (record.ntok, record.vocab, record.hs, record.k);
     fn per_token<'a>(name: &'static str, v: &'a [f32]) -> OutTensor<'a> {
-        OutTensor {
-            name,
-            dtype: Dtype::F32,
-            shape: vec![v.len()],
-            data: bytemuck::cast_slice(v),
-        }
+        OutTensor::f32(name, vec![v.len()], v)
     }
     let mut tensors = vec![per_token("loss", &result.loss), per_token("lse", &result.lse)];
     if record.terms.hard_on() {
         tensors.push(per_token("soft", &result.soft));
         tensors.push(per_token("hard", &result.hard));
     }
-    tensors.push(OutTensor {
-        name: "grad",
-        dtype: Dtype::F32,
-        shape: vec![ntok, hs],
-        data: bytemuck::cast_slice(&result.dx),
-    });
+    tensors.push(OutTensor::f32("grad", vec![ntok, hs], &result.dx));
     pending.commit_tensors_with(&tensors, Some(record.to_metadata()))?;
     log::info!(
         "headkl: loss over {ntok} tokens (V = {vocab}, hs = {hs}, k = {k}) in {:.3} s; wrote {}",

@@ -30,34 +30,33 @@ pub struct Progress {
 impl Progress {
     /// Starts a report over `total` steps, labelled `label`.
     pub fn new(label: impl Into<String>, total: u64) -> Self {
-        let interactive = shown();
-        let bar = if interactive {
-            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-            if let Ok(style) = ProgressStyle::with_template(
-                "{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} (about {eta} left) {msg}",
-            ) {
-                bar.set_style(style.progress_chars("=> "));
-            }
-            bar.set_prefix(label.into());
-            bar.enable_steady_tick(Duration::from_millis(200));
-            bar
-        } else {
-            ProgressBar::hidden()
-        };
-        Self { bar, interactive }
+        Self::with_template(
+            label.into(),
+            total,
+            "{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} (about {eta} left) {msg}",
+        )
     }
 
     /// A report over `total` steps whose time left is the caller's, in its
     /// [`Progress::message`] (indicatif's own estimate knows nothing before
     /// the first step ends, and then counts a first step's one-off costs).
     pub fn new_estimated(label: impl Into<String>, total: u64) -> Self {
+        Self::with_template(
+            label.into(),
+            total,
+            "{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}",
+        )
+    }
+
+    /// A report drawn with indicatif's `template` when bars are shown.
+    fn with_template(label: String, total: u64, template: &str) -> Self {
         let interactive = shown();
         let bar = if interactive {
             let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-            if let Ok(style) = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}") {
+            if let Ok(style) = ProgressStyle::with_template(template) {
                 bar.set_style(style.progress_chars("=> "));
             }
-            bar.set_prefix(label.into());
+            bar.set_prefix(label);
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
         } else {

@@ -14,7 +14,7 @@ use headkl_core::{
 };
 
 use crate::environment::Settings;
-use crate::error::CliError;
+use crate::error::{join_in_order, CliError};
 use crate::select::{open_gpu, BackendKind, GpuBackend, RunError, Target};
 use headkl_vulkan::VulkanBackend;
 use headkl_wgpu::WgpuBackend;
@@ -178,14 +178,7 @@ where
                 })
             })
             .collect();
-        ranks
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                h.join()
-                    .unwrap_or_else(|payload| Err(CliError::panicked(format!("shard {rank}'s thread"), payload)))
-            })
-            .collect()
+        join_in_order(ranks, |rank| format!("shard {rank}'s thread"))
     })
 }
 

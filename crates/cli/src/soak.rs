@@ -10,13 +10,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headkl_core::{
-    Backend, DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData, HeadWeights, Hidden,
-    HiddenDtype, LossOptions, LossOutput, ResidentBackend, SliceOptions,
+    Backend, DeviceLossOptions, Engine, HeadData, HeadWeights, Hidden, LossOptions, LossOutput, ResidentBackend,
+    SliceOptions,
 };
 
 use crate::bench::{BenchData, DataKind, Shape};
 use crate::environment::Settings;
-use crate::error::CliError;
+use crate::error::{join_in_order, CliError};
 use crate::progress::Progress;
 use crate::select::{self, BackendArgs, BackendKind, ResidentJob};
 use crate::text::fmt_bytes;
@@ -257,28 +257,13 @@ impl Soak<'_> {
         let d = self.data;
         let shape = d.shape;
         let (ntok, hs, k) = (shape.ntok, shape.hs, shape.k);
-        let fail = Self::fail("device buffers");
-        let backend = engine.backend();
-        let buffer = |data: &[u8], label| -> Result<B::Buffer, CliError> {
-            let b = backend.alloc(data.len() as u64, label).map_err(&fail)?;
-            backend.upload(&b, 0, data).map_err(&fail)?;
-            Ok(b)
-        };
-        let x = buffer(bytemuck::cast_slice(&d.hidden), "soak x")?;
-        let ids = buffer(bytemuck::cast_slice(d.teacher.ids()), "soak ids")?;
-        let probs = buffer(bytemuck::cast_slice(d.teacher.probs()), "soak probs")?;
-        let loss = buffer(&vec![0u8; ntok * 4], "soak loss")?;
-        let dx = buffer(&vec![0u8; ntok * hs * 4], "soak dx")?;
-        let hidden = DeviceHidden {
-            buffer: &x,
-            dtype: HiddenDtype::F16,
-        };
-        let teacher = DeviceTeacher {
-            ids: &ids,
-            probs: &probs,
-            k,
-        };
-        let out = DeviceLossOutput { loss: &loss, dx: &dx };
+        let buffers = d
+            .upload_loss_buffers(
+                engine.backend(),
+                ["soak x", "soak ids", "soak probs", "soak loss", "soak dx"],
+            )
+            .map_err(Self::fail("device buffers"))?;
+        let (hidden, teacher, out) = buffers.views(k);
         let opts = DeviceLossOptions {
             budget_bytes: self.cfg.budget.bytes,
             ..DeviceLossOptions::default()
@@ -294,12 +279,12 @@ impl Soak<'_> {
             engine.wait_device().map_err(Self::fail("resident call's wait"))?;
             let backend = engine.backend();
             backend
-                .download(&loss, 0, bytemuck::cast_slice_mut(&mut got_loss))
+                .download(&buffers.loss, 0, bytemuck::cast_slice_mut(&mut got_loss))
                 .map_err(Self::fail("reading the loss"))?;
             let read_dx = call.is_multiple_of(READ_EVERY) || call + 1 == calls;
             if read_dx {
                 backend
-                    .download(&dx, 0, bytemuck::cast_slice_mut(&mut got_dx))
+                    .download(&buffers.dx, 0, bytemuck::cast_slice_mut(&mut got_dx))
                     .map_err(Self::fail("reading dx"))?;
             }
             tracker.after_call(call, &got_loss, read_dx.then_some(got_dx.as_slice()), backend);
@@ -342,14 +327,7 @@ impl Soak<'_> {
                     })
                 })
                 .collect();
-            workers
-                .into_iter()
-                .enumerate()
-                .map(|(t, w)| {
-                    w.join()
-                        .unwrap_or_else(|payload| Err(CliError::panicked(format!("soak thread {t}"), payload)))
-                })
-                .collect()
+            join_in_order(workers, |t| format!("soak thread {t}"))
         });
         let mut problems = Vec::new();
         for r in results {

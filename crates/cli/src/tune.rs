@@ -155,6 +155,21 @@ impl TuneData {
         fill_parallel(&mut head, 0x7475_6e65_0002, |r| f16::from_f32(r.symmetric(1.0)));
         Self { shape, hidden, head }
     }
+
+    /// Uploads x, the head and the gradient into `backend`'s buffers of
+    /// their sizes.
+    pub(crate) fn upload<B: Backend>(
+        &self,
+        backend: &B,
+        x: &B::Buffer,
+        head: &B::Buffer,
+        grad: &B::Buffer,
+    ) -> headkl_core::Result<()> {
+        let GemmShape { m, n, k } = self.shape;
+        backend.upload(x, 0, bytemuck::cast_slice(&self.hidden))?;
+        backend.upload(head, 0, bytemuck::cast_slice(&self.head[..n * k]))?;
+        backend.upload(grad, 0, bytemuck::cast_slice(&self.head[..m * n]))
+    }
 }
 
 /// Times one kernel (both layouts) on an opened backend.
@@ -218,13 +233,7 @@ impl BackendJob for TrialJob<'_> {
             .map_err(dev)?;
         let dx = backend.alloc((m * k * 4) as u64, "tune dx").map_err(dev)?;
         let data = self.data;
-        backend.upload(&x, 0, bytemuck::cast_slice(&data.hidden)).map_err(dev)?;
-        backend
-            .upload(&head, 0, bytemuck::cast_slice(&data.head[..n * k]))
-            .map_err(dev)?;
-        backend
-            .upload(&grad, 0, bytemuck::cast_slice(&data.head[..m * n]))
-            .map_err(dev)?;
+        data.upload(&backend, &x, &head, &grad).map_err(dev)?;
         // Each GEMM as the calls run it: in chunks of rows against the one
         // head (a kernel that prepares the head per GEMM pays it per chunk).
         let chunks: Vec<(GemmDesc, GemmDesc)> = (0..m)

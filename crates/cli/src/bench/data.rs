@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use half::f16;
-use headkl_core::{Teacher, VocabOrder};
+use headkl_core::{Backend, DeviceHidden, DeviceLossOutput, DeviceTeacher, HiddenDtype, Teacher, VocabOrder};
 use headkl_reference::rng::{fill_parallel, XorShift64};
 
 use super::{Shape, DATA_SEED};
@@ -115,6 +115,52 @@ impl DataKind {
     }
 }
 
+/// The device buffers of one resident `head_kl` call over [`BenchData`]:
+/// its hidden rows and teacher, and zeroed loss and dx outputs.
+pub(crate) struct LossBuffers<Buf> {
+    pub(crate) x: Buf,
+    pub(crate) ids: Buf,
+    pub(crate) probs: Buf,
+    pub(crate) loss: Buf,
+    pub(crate) dx: Buf,
+}
+
+impl<Buf> LossBuffers<Buf> {
+    /// The buffers as a resident `head_kl` call takes them: f16 hidden rows,
+    /// a teacher of `k` entries a token, and the outputs.
+    pub(crate) fn views(&self, k: usize) -> (DeviceHidden<'_, Buf>, DeviceTeacher<'_, Buf>, DeviceLossOutput<'_, Buf>) {
+        let hidden = DeviceHidden {
+            buffer: &self.x,
+            dtype: HiddenDtype::F16,
+        };
+        let teacher = DeviceTeacher {
+            ids: &self.ids,
+            probs: &self.probs,
+            k,
+        };
+        let out = DeviceLossOutput {
+            loss: &self.loss,
+            dx: &self.dx,
+        };
+        (hidden, teacher, out)
+    }
+}
+
+/// Labels of [`LossBuffers`]' buffers in the device's debug tools, in the
+/// order x, ids, probs, loss, dx.
+pub(crate) type LossBufferLabels = [&'static str; 5];
+
+/// A device buffer of `data`'s size holding `data`.
+pub(crate) fn upload_buffer<B: Backend>(
+    backend: &B,
+    data: &[u8],
+    label: &'static str,
+) -> Result<B::Buffer, headkl_core::Error> {
+    let buffer = backend.alloc(data.len() as u64, label)?;
+    backend.upload(&buffer, 0, data)?;
+    Ok(buffer)
+}
+
 /// The data of one shape: f16 head and hidden rows, and a teacher.
 pub(crate) struct BenchData {
     pub(crate) shape: Shape,
@@ -127,6 +173,23 @@ pub(crate) struct BenchData {
 }
 
 impl BenchData {
+    /// Uploads the hidden rows and teacher, and zeroed outputs, for a
+    /// resident `head_kl` call.
+    pub(crate) fn upload_loss_buffers<B: Backend>(
+        &self,
+        backend: &B,
+        [x, ids, probs, loss, dx]: LossBufferLabels,
+    ) -> Result<LossBuffers<B::Buffer>, headkl_core::Error> {
+        let (ntok, hs) = (self.shape.ntok, self.shape.hs);
+        Ok(LossBuffers {
+            x: upload_buffer(backend, bytemuck::cast_slice(&self.hidden), x)?,
+            ids: upload_buffer(backend, bytemuck::cast_slice(self.teacher.ids()), ids)?,
+            probs: upload_buffer(backend, bytemuck::cast_slice(self.teacher.probs()), probs)?,
+            loss: upload_buffer(backend, &vec![0u8; ntok * 4], loss)?,
+            dx: upload_buffer(backend, &vec![0u8; ntok * hs * 4], dx)?,
+        })
+    }
+
     /// Generates the data on every core. Head values have standard
     /// deviation 0.02 and hidden values 1 (the anchors' scales), so logits
     /// are O(1) as in a real model.

@@ -2,11 +2,11 @@
 
 use headkl_core::shard::{merge_loss_device, HeadShard, ShardEngine, STATS_PER_TOKEN};
 use headkl_core::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData, HeadWeights, HiddenDtype,
-    ResidentBackend, SliceOptions, TopkOptions, ALIGN,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData, HeadWeights, ResidentBackend,
+    SliceOptions, TopkOptions, ALIGN,
 };
 
-use super::data::{random_labels, BenchData};
+use super::data::{random_labels, upload_buffer, BenchData};
 use super::{BenchConfig, BenchJob, JobKind, JobResult};
 use crate::error::CliError;
 
@@ -21,33 +21,21 @@ pub(super) fn time_resident<B: ResidentBackend>(
     topk_call: Option<f64>,
 ) -> Result<Vec<JobResult>, CliError> {
     let shape = d.shape;
-    let (ntok, hs, k) = (shape.ntok, shape.hs, shape.k);
+    let (ntok, k) = (shape.ntok, shape.k);
     let fail = |e| CliError::device("bench --resident: device buffers", e);
-    let buffer = |engine: &Engine<B>, data: &[u8], label| -> Result<B::Buffer, CliError> {
-        let b = engine.backend().alloc(data.len() as u64, label).map_err(fail)?;
-        engine.backend().upload(&b, 0, data).map_err(fail)?;
-        Ok(b)
-    };
-    let x = buffer(engine, bytemuck::cast_slice(&d.hidden), "bench x")?;
-    let ids = buffer(engine, bytemuck::cast_slice(d.teacher.ids()), "bench ids")?;
-    let probs = buffer(engine, bytemuck::cast_slice(d.teacher.probs()), "bench probs")?;
-    let loss = buffer(engine, &vec![0u8; ntok * 4], "bench loss")?;
-    let dx = buffer(engine, &vec![0u8; ntok * hs * 4], "bench dx")?;
+    let buffer = |engine: &Engine<B>, data: &[u8], label| upload_buffer(engine.backend(), data, label).map_err(fail);
+    let buffers = d
+        .upload_loss_buffers(
+            engine.backend(),
+            ["bench x", "bench ids", "bench probs", "bench loss", "bench dx"],
+        )
+        .map_err(fail)?;
     let top_ids = buffer(engine, &vec![0u8; ntok * k * 4], "bench topk ids")?;
     let top_probs = buffer(engine, &vec![0u8; ntok * k * 4], "bench topk probs")?;
     // The head and these buffers (the trainer's, in a real run) are not
     // counted in the jobs' peak extra memory.
     let held = engine.backend().memory().current.max(head_bytes);
-    let hidden = DeviceHidden {
-        buffer: &x,
-        dtype: HiddenDtype::F16,
-    };
-    let teacher = DeviceTeacher {
-        ids: &ids,
-        probs: &probs,
-        k,
-    };
-    let out = DeviceLossOutput { loss: &loss, dx: &dx };
+    let (hidden, teacher, out) = buffers.views(k);
     let labels = match cfg.labels {
         Some(_) => {
             let labels: Vec<u32> = random_labels(shape).into_iter().map(|l| l as u32).collect();
