@@ -41,7 +41,7 @@ use data::{random_labels, teacher_data};
 pub(crate) use data::{BenchData, DataKind, VocabOrderArg};
 use resident::time_resident;
 pub use shape::{JobKind, Shape};
-use sharded::time_sharded;
+use sharded::{time_sharded, time_sharded_on_devices};
 use stats::announce_estimate;
 pub(crate) use stats::{median, sorted};
 pub use table::{render, BenchReport, BenchRun, FilterReport, JobResult, KernelStat};
@@ -97,6 +97,12 @@ pub struct BenchConfig {
     /// --resident also head_kl's two phases on device buffers (row "sharded resident")
     #[arg(long, value_name = "N", value_parser = crate::options::parse_shard_count)]
     pub shards: Option<usize>,
+    /// With --shards: time the sharded host rows with the shards spread over these devices of the
+    /// backend (indices as `headkl devices` lists them; shard i on device i mod the number given),
+    /// one thread each as ranks would run (row "sharded, threads"), instead of in turn on this
+    /// device; the sharded resident row stays on this device
+    #[arg(long, value_name = "I,J,...", value_delimiter = ',', requires = "shards")]
+    pub devices: Option<Vec<usize>>,
     /// The data: `random` (uniform head and hidden rows, random teacher: the filter skips
     /// nothing) or `lm` (logits like a trained LM's: a Zipf prior, contextual peaks, a teacher
     /// consistent with them; its statistics are printed beside the published ones)
@@ -191,6 +197,8 @@ impl BenchConfig {
 /// the next backend.
 struct BenchJob<'a> {
     kind: BackendKind,
+    /// The backend and device it runs on (`--devices` opens more of it).
+    target: &'a Target,
     /// `HEADKL_TRACE`, `HEADKL_DX_SPLIT` and `HEADKL_NO_ROW_STATS` for the engine.
     settings: &'a Settings,
     cfg: &'a BenchConfig,
@@ -583,9 +591,10 @@ impl BenchJob<'_> {
             eprintln!("bench: queue {queue}");
         }
         // The sharded jobs first, their engines dropped before the head goes up whole.
-        let sharded = match self.cfg.shards {
-            Some(n) => time_sharded(data, self.cfg, self.settings, &backend, n)?,
-            None => Vec::new(),
+        let sharded = match (self.cfg.shards, &self.cfg.devices) {
+            (Some(n), Some(devices)) => time_sharded_on_devices(data, self.cfg, self.target, n, devices)?,
+            (Some(n), None) => time_sharded(data, self.cfg, self.settings, &backend, n)?,
+            (None, _) => Vec::new(),
         };
         let before = backend.memory().current;
         let head = HeadWeights::new(HeadData::F16(&data.head), shape.vocab, shape.hs)
@@ -772,6 +781,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &BenchConfig) -> R
         };
         let job = BenchJob {
             kind: target.kind,
+            target: &target,
             settings,
             cfg,
             cache: &mut data,

@@ -77,7 +77,9 @@ pub trait ShardJob {
     /// What the job returns.
     type Output;
     /// Runs the job on the opened backends (shard i on `backends[plan.assign[i]]`).
-    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Self::Output, CliError>;
+    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Self::Output, CliError>
+    where
+        B::Buffer: Send;
 }
 
 /// Opens `plan`'s devices of `target`'s backend and runs `job` on them.
@@ -129,7 +131,7 @@ pub type MapError<'a> = &'a (dyn Fn(CoreError, &str) -> CliError + Sync);
 
 /// Each shard's engine on its own thread, built there (its head upload in
 /// parallel with the others').
-fn engine_on<'b, B: Backend>(
+pub(crate) fn engine_on<'b, B: Backend>(
     backend: &'b B,
     head: &HeadWeights<'_>,
     shard: HeadShard,
@@ -200,7 +202,10 @@ pub struct LossShards<'a> {
 impl ShardJob for LossShards<'_> {
     type Output = LossOutput;
 
-    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<LossOutput, CliError> {
+    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<LossOutput, CliError>
+    where
+        B::Buffer: Send,
+    {
         log::info!(
             "headkl: {} shards on {} device(s) of {}",
             plan.shards.len(),
@@ -259,7 +264,10 @@ pub struct TopkShards<'a> {
 impl ShardJob for TopkShards<'_> {
     type Output = TopK;
 
-    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<TopK, CliError> {
+    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<TopK, CliError>
+    where
+        B::Buffer: Send,
+    {
         let TopkShards {
             head,
             hidden,
@@ -291,7 +299,10 @@ pub struct GatherShards<'a> {
 impl ShardJob for GatherShards<'_> {
     type Output = Gathered;
 
-    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Gathered, CliError> {
+    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Gathered, CliError>
+    where
+        B::Buffer: Send,
+    {
         let GatherShards {
             head,
             hidden,
@@ -377,4 +388,76 @@ pub fn topk_serial<B: Backend>(
         .map(|e| e.topk_partials(hidden, opts))
         .collect::<headkl_core::Result<Vec<_>>>()?;
     merge_topk(&parts, opts)
+}
+
+/// What a rank's thread that panicked, or stopped because another rank
+/// failed, is as a core error (the timing loop's error type).
+fn rank_panicked(rank: usize, message: String) -> CoreError {
+    CoreError::Backend {
+        backend: "shards",
+        message: format!("shard {rank}'s thread panicked: {message}"),
+    }
+}
+
+fn rank_stopped() -> CoreError {
+    CoreError::Backend {
+        backend: "shards",
+        message: "stopped: another shard failed".into(),
+    }
+}
+
+/// One sharded loss call with each shard on its own thread, its engine
+/// kept across calls (`bench --shards --devices`): phase one on every
+/// thread, the merge on this one, phase two, `dx` summed into `merged`.
+pub fn loss_on_threads<B: Backend + Sync>(
+    engines: &mut [ShardEngine<&B>],
+    (hidden, teacher, opts): (&Hidden<'_>, &Teacher, &LossOptions),
+    outs: &mut [LossOutput],
+    merged: &mut LossOutput,
+) -> headkl_core::Result<()>
+where
+    B::Buffer: Send,
+{
+    let ranks: Vec<_> = engines.iter_mut().zip(outs.iter_mut()).collect();
+    two_phases_on_threads(
+        ranks,
+        |_, (engine, out)| {
+            let partials = engine.loss_partials(hidden, teacher, opts)?;
+            Ok(((engine, out), partials))
+        },
+        |parts: Vec<LossPartials>| {
+            let stats = merge_loss(&parts)?;
+            Ok(vec![stats; parts.len()])
+        },
+        |(engine, out), stats: LossStats| engine.loss_finish(hidden, &stats, out),
+        rank_panicked,
+        rank_stopped,
+    )?;
+    merge_loss_outputs_into(outs, merged)
+}
+
+/// One sharded top-k call with each shard on its own thread, its engine
+/// kept across calls; the candidates merged on this thread.
+pub fn topk_on_threads<B: Backend + Sync>(
+    engines: &mut [ShardEngine<&B>],
+    hidden: &Hidden<'_>,
+    opts: &TopkOptions,
+) -> headkl_core::Result<TopK>
+where
+    B::Buffer: Send,
+{
+    let mut merged = None;
+    two_phases_on_threads(
+        engines.iter_mut().collect(),
+        |_, engine| Ok(((), engine.topk_partials(hidden, opts)?)),
+        // One phase: the merge is the result, and the ranks get nothing back.
+        |parts| {
+            merged = Some(merge_topk(&parts, opts)?);
+            Ok(vec![(); parts.len()])
+        },
+        |(), ()| Ok(()),
+        rank_panicked,
+        rank_stopped,
+    )?;
+    merged.ok_or_else(rank_stopped)
 }

@@ -2548,6 +2548,37 @@ fn bench_shards_reports_beside_unsharded() {
     }
 }
 
+/// `--shards 3 --devices 0,0` runs the sharded rows on threads, one engine
+/// each on the devices listed (here the one device twice); a device the
+/// backend lacks is refused, and `--devices` needs `--shards`.
+#[test]
+fn bench_shards_on_devices_run_on_threads() {
+    let args = ["--backend", "reference", "--shape", "64:4096:256:16", "--shards", "3"];
+    let o = bench_once(&[&args[..], &["--devices", "0,0"]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for row in [
+        "head_kl ",
+        "topk ",
+        "head_kl (sharded, threads)",
+        "topk (sharded, threads)",
+    ] {
+        assert!(out.contains(row), "no {row} row in:\n{out}");
+    }
+    assert!(!out.contains("head_kl (sharded) "), "the in-turn row ran too:\n{out}");
+    assert!(
+        stderr(&o).contains("3 shards of the head on 2 device(s), one thread each"),
+        "{}",
+        stderr(&o)
+    );
+    let far = bench_once(&[&args[..], &["--devices", "0,1"]].concat());
+    assert_eq!(far.status.code(), Some(2), "{}", stderr(&far));
+    assert!(stderr(&far).contains("--devices"), "{}", stderr(&far));
+    let alone = bench_once(&["--backend", "reference", "--devices", "0"]);
+    assert_eq!(alone.status.code(), Some(2), "{}", stderr(&alone));
+    assert!(stderr(&alone).contains("--shards"), "{}", stderr(&alone));
+}
+
 /// `--shards 2 --resident` on a GPU backend adds head_kl's two phases on
 /// device buffers beside the unsharded resident row.
 #[test]

@@ -196,6 +196,7 @@ mod tests {
             all: false,
             resident,
             shards: None,
+            devices: None,
             data: crate::bench::DataKind::Random,
             filter_eps: None,
             vocab_order: crate::bench::VocabOrderArg::Natural,
