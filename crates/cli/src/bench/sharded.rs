@@ -39,14 +39,7 @@ pub(super) fn time_sharded<B: Backend>(
     let held = backend.memory().current.saturating_sub(before);
     eprintln!("bench: {n} shards of the head, one engine each, called in turn");
     let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
-    let loss_opts = LossOptions {
-        budget_bytes: cfg.budget.bytes,
-        ..LossOptions::default()
-    };
-    let topk_opts = TopkOptions {
-        budget_bytes: cfg.budget.bytes,
-        ..TopkOptions::new(shape.k)
-    };
+    let (loss_opts, topk_opts) = sharded_options(cfg, shape.k);
     let mut outs = vec![headkl_core::LossOutput::default(); n];
     let mut merged = headkl_core::LossOutput::default();
     let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, "sharded", held, shape, None, |_| {
@@ -67,6 +60,20 @@ pub(super) fn time_sharded<B: Backend>(
         crate::shard::topk_serial(&mut shards, &hidden, &topk_opts).map(|_| ())
     })?;
     Ok(vec![head_kl, topk])
+}
+
+/// The sharded rows' options: the default loss (what the shards take) and
+/// top-k `k`, within `--budget`.
+fn sharded_options(cfg: &BenchConfig, k: usize) -> (LossOptions, TopkOptions) {
+    let loss = LossOptions {
+        budget_bytes: cfg.budget.bytes,
+        ..LossOptions::default()
+    };
+    let topk = TopkOptions {
+        budget_bytes: cfg.budget.bytes,
+        ..TopkOptions::new(k)
+    };
+    (loss, topk)
 }
 
 /// `--shards N --devices I,J,...`: both host jobs with the shards on
@@ -131,14 +138,7 @@ impl ShardJob for DeviceShards<'_> {
             n = plan.shards.len()
         );
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
-        let loss_opts = LossOptions {
-            budget_bytes: cfg.budget.bytes,
-            ..LossOptions::default()
-        };
-        let topk_opts = TopkOptions {
-            budget_bytes: cfg.budget.bytes,
-            ..TopkOptions::new(shape.k)
-        };
+        let (loss_opts, topk_opts) = sharded_options(cfg, shape.k);
         let mut outs = vec![headkl_core::LossOutput::default(); engines.len()];
         let mut merged = headkl_core::LossOutput::default();
         let path = "sharded, threads";
