@@ -64,14 +64,20 @@ class _Win32Handle(ctypes.Structure):
     _fields_ = [("handle", ctypes.c_void_p), ("name", ctypes.c_void_p)]
 
 
+def _handle_fields(nv_sci_name: str) -> List[Any]:
+    """The fields of a handle union: the two differ only in the name of
+    their NvSci member."""
+    return [
+        ("fd", ctypes.c_int),
+        ("win32", _Win32Handle),
+        (nv_sci_name, ctypes.c_void_p),
+    ]
+
+
 class _MemoryHandle(ctypes.Union):
     """CUDA_EXTERNAL_MEMORY_HANDLE_DESC::handle."""
 
-    _fields_ = [
-        ("fd", ctypes.c_int),
-        ("win32", _Win32Handle),
-        ("nvSciBufObject", ctypes.c_void_p),
-    ]
+    _fields_ = _handle_fields("nvSciBufObject")
 
 
 class CUDA_EXTERNAL_MEMORY_HANDLE_DESC(ctypes.Structure):
@@ -96,11 +102,7 @@ class CUDA_EXTERNAL_MEMORY_BUFFER_DESC(ctypes.Structure):
 class _SemaphoreHandle(ctypes.Union):
     """CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC::handle."""
 
-    _fields_ = [
-        ("fd", ctypes.c_int),
-        ("win32", _Win32Handle),
-        ("nvSciSyncObj", ctypes.c_void_p),
-    ]
+    _fields_ = _handle_fields("nvSciSyncObj")
 
 
 class CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC(ctypes.Structure):
@@ -128,23 +130,35 @@ class _KeyedMutexSignal(ctypes.Structure):
     _fields_ = [("key", ctypes.c_ulonglong)]
 
 
-class _SignalParamsInner(ctypes.Structure):
-    """CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS::params."""
-
-    _fields_ = [
+def _params_inner_fields(keyed_mutex: Any, reserved_words: int) -> List[Any]:
+    """The fields of a signal's or a wait's ``params`` member: the two
+    differ only in keyedMutex and the reserved words after it."""
+    return [
         ("fence", _Fence),
         ("nvSciSync", _NvSciSync),
-        ("keyedMutex", _KeyedMutexSignal),
-        ("reserved", ctypes.c_uint * 12),
+        ("keyedMutex", keyed_mutex),
+        ("reserved", ctypes.c_uint * reserved_words),
     ]
 
 
-class CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS(ctypes.Structure):
-    _fields_ = [
-        ("params", _SignalParamsInner),
+def _params_fields(inner: Any) -> List[Any]:
+    """The fields of CUDA_EXTERNAL_SEMAPHORE_{SIGNAL,WAIT}_PARAMS around
+    their ``params`` member."""
+    return [
+        ("params", inner),
         ("flags", ctypes.c_uint),
         ("reserved", ctypes.c_uint * 16),
     ]
+
+
+class _SignalParamsInner(ctypes.Structure):
+    """CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS::params."""
+
+    _fields_ = _params_inner_fields(_KeyedMutexSignal, 12)
+
+
+class CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS(ctypes.Structure):
+    _fields_ = _params_fields(_SignalParamsInner)
 
 
 class _KeyedMutexWait(ctypes.Structure):
@@ -154,20 +168,11 @@ class _KeyedMutexWait(ctypes.Structure):
 class _WaitParamsInner(ctypes.Structure):
     """CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS::params."""
 
-    _fields_ = [
-        ("fence", _Fence),
-        ("nvSciSync", _NvSciSync),
-        ("keyedMutex", _KeyedMutexWait),
-        ("reserved", ctypes.c_uint * 10),
-    ]
+    _fields_ = _params_inner_fields(_KeyedMutexWait, 10)
 
 
 class CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS(ctypes.Structure):
-    _fields_ = [
-        ("params", _WaitParamsInner),
-        ("flags", ctypes.c_uint),
-        ("reserved", ctypes.c_uint * 16),
-    ]
+    _fields_ = _params_fields(_WaitParamsInner)
 
 
 # The layouts cuda.h gives on x86-64 Linux. The driver reads these bytes
@@ -187,17 +192,18 @@ assert ctypes.sizeof(CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC) == 96
 assert CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC.handle.offset == 8
 assert CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC.flags.offset == 24
 assert CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC.reserved.offset == 28
-assert ctypes.sizeof(_SignalParamsInner) == 72
 assert _SignalParamsInner.reserved.offset == 24
-assert ctypes.sizeof(CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS) == 144
-assert CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS.flags.offset == 72
-assert CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS.reserved.offset == 76
-assert ctypes.sizeof(_WaitParamsInner) == 72
 assert _WaitParamsInner.keyedMutex.offset == 16
 assert _WaitParamsInner.reserved.offset == 32
-assert ctypes.sizeof(CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS) == 144
-assert CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS.flags.offset == 72
-assert CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS.reserved.offset == 76
+for _inner, _params in (
+    (_SignalParamsInner, CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS),
+    (_WaitParamsInner, CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS),
+):
+    assert ctypes.sizeof(_inner) == 72
+    assert ctypes.sizeof(_params) == 144
+    assert _params.flags.offset == 72
+    assert _params.reserved.offset == 76
+del _inner, _params
 
 # --- Errors ------------------------------------------------------------------
 
@@ -367,12 +373,8 @@ class Driver:
         desc.handle.fd = fd
         desc.size = size
         desc.flags = CUDA_EXTERNAL_MEMORY_DEDICATED if dedicated else 0
-        handle = CUexternalMemory()
-        code = self._fns["cuImportExternalMemory"](ctypes.byref(handle), ctypes.byref(desc))
-        if code != CUDA_SUCCESS:
-            _close_quietly(fd)
-            raise CudaError("cuImportExternalMemory", code, self.error_name(code))
-        return ExternalMemory(self, handle.value, size)
+        handle = self._import("cuImportExternalMemory", CUexternalMemory(), desc, fd)
+        return ExternalMemory(self, handle, size)
 
     def import_timeline(self, fd: int) -> "ExternalTimeline":
         """Imports a Vulkan timeline semaphore exported as an opaque fd.
@@ -380,12 +382,17 @@ class Driver:
         desc = CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC()
         desc.type = CU_EXTERNAL_SEMAPHORE_HANDLE_TYPE_TIMELINE_SEMAPHORE_FD
         desc.handle.fd = fd
-        handle = CUexternalSemaphore()
-        code = self._fns["cuImportExternalSemaphore"](ctypes.byref(handle), ctypes.byref(desc))
+        return ExternalTimeline(self, self._import("cuImportExternalSemaphore", CUexternalSemaphore(), desc, fd))
+
+    def _import(self, name: str, handle: Any, desc: Any, fd: int) -> int:
+        """Calls the import entry point ``name`` into ``handle`` with
+        ``desc``, which names ``fd``: the handle's value; on failure ``fd``
+        is closed here (on success CUDA owns it)."""
+        code = self._fns[name](ctypes.byref(handle), ctypes.byref(desc))
         if code != CUDA_SUCCESS:
             _close_quietly(fd)
-            raise CudaError("cuImportExternalSemaphore", code, self.error_name(code))
-        return ExternalTimeline(self, handle.value)
+            raise CudaError(name, code, self.error_name(code))
+        return handle.value
 
 
 def _close_quietly(fd: int) -> None:
@@ -401,19 +408,39 @@ def _finalizing() -> bool:
     return sys is None or sys.is_finalizing()
 
 
-class ExternalMemory:
-    """Memory imported from Vulkan (cuImportExternalMemory of an OPAQUE_FD)
-    and the device pointers mapped from it."""
+class _Imported:
+    """What ExternalMemory and ExternalTimeline share: the driver, kept
+    loaded while the import lives, and its handle (None once closed), with
+    close() called when it is collected."""
 
-    def __init__(self, driver: Driver, handle: int, size: int):
+    def __init__(self, driver: Driver, handle: int):
         self._driver = driver  # keeps libcuda loaded while this lives
         self._handle: Optional[int] = handle
-        self._mapped: List[int] = []
-        self.size = size
 
     @property
     def closed(self) -> bool:
         return self._handle is None
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        if _finalizing():
+            return
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to from a finaliser
+            pass
+
+
+class ExternalMemory(_Imported):
+    """Memory imported from Vulkan (cuImportExternalMemory of an OPAQUE_FD)
+    and the device pointers mapped from it."""
+
+    def __init__(self, driver: Driver, handle: int, size: int):
+        super().__init__(driver, handle)
+        self._mapped: List[int] = []
+        self.size = size
 
     def map(self, offset: int, size: int) -> int:
         """A CUdeviceptr to ``size`` bytes at ``offset`` of the memory
@@ -449,27 +476,11 @@ class ExternalMemory:
         if first is not None:
             raise first
 
-    def __del__(self) -> None:
-        if _finalizing():
-            return
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - nothing to report to from a finaliser
-            pass
 
-
-class ExternalTimeline:
+class ExternalTimeline(_Imported):
     """A Vulkan timeline semaphore imported into CUDA
     (CU_EXTERNAL_SEMAPHORE_HANDLE_TYPE_TIMELINE_SEMAPHORE_FD), signalled and
     waited on in a stream's order."""
-
-    def __init__(self, driver: Driver, handle: int):
-        self._driver = driver
-        self._handle: Optional[int] = handle
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
 
     def _handles(self, what: str) -> "ctypes.Array[ctypes.c_void_p]":
         if self._handle is None:
@@ -502,14 +513,6 @@ class ExternalTimeline:
             return
         handle, self._handle = self._handle, None
         self._driver.call("cuDestroyExternalSemaphore", handle)
-
-    def __del__(self) -> None:
-        if _finalizing():
-            return
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - nothing to report to from a finaliser
-            pass
 
 
 # --- Tensors over device pointers -------------------------------------------

@@ -249,8 +249,8 @@ class Head:
             values_view = zc.view("values", (ntok, k), torch.float32)
             b = zc.buffers
             zc.call(lambda ready, done: self._engine.topk_shared(
-                ntok, k, _NAMES[flat.dtype], b["hidden"][0], b["ids"][0], b["values"][0], form == "logprobs",
-                options, ready, done,
+                (ntok, k, _NAMES[flat.dtype]), (b["hidden"][0], b["ids"][0], b["values"][0]), form == "logprobs",
+                options, (ready, done),
             ))  # fmt: skip
             return TopK(ids_view.to(torch.int64).reshape(shape), values_view.clone().reshape(shape))
         host = _on_host("hidden", flat)
@@ -293,8 +293,8 @@ class Head:
             lse_view = zc.view("lse", (ntok,), torch.float32)
             b = zc.buffers
             zc.call(lambda ready, done: self._engine.gather_shared(
-                ntok, k, _NAMES[flat.dtype], b["hidden"][0], b["ids"][0], b["logprobs"][0], b["lse"][0],
-                options, ready, done,
+                (ntok, k, _NAMES[flat.dtype]), (b["hidden"][0], b["ids"][0], b["logprobs"][0], b["lse"][0]),
+                options, (ready, done),
             ))  # fmt: skip
             return Gathered(logprobs_view.clone().reshape(lead + (k,)), lse_view.clone().reshape(lead))
         host = _on_host("hidden", flat)
@@ -389,7 +389,30 @@ _FORMS = ("probs", "logprobs")
 _DIVERGENCES = ("forward", "reverse", "jsd")
 
 
-class HeadKLLoss(nn.Module):
+class _HeadLoss(nn.Module):
+    """What HeadKLLoss and FullVocabKLLoss share: ``self.head``, the loss's
+    ``options`` and its ``reduction``."""
+
+    @property
+    def info(self) -> dict:
+        """The device the loss runs on."""
+        return self.head.info
+
+    def _weights(self, labels, weights, ntok, device):
+        return _effective_weights(self.options, labels, weights, ntok, device)
+
+    def _host_result(self, mean, per_token, dx, labels, weights, device):
+        """A host call's outputs on ``device``: the loss (the weighted
+        per-token losses with reduction="none", else the engine's reduced
+        ``mean``) and ``dx``."""
+        if self.reduction == "none":
+            loss = per_token * self._weights(labels, weights, per_token.shape[0], "cpu")
+        else:
+            loss = torch.tensor(mean, dtype=torch.float32)
+        return _to_device(loss, device), _to_device(dx, device)
+
+
+class HeadKLLoss(_HeadLoss):
     """The distillation loss of hidden rows against a teacher's top-k,
     through the frozen head ``weight`` ``[V][hs]`` (uploaded once).
 
@@ -489,11 +512,6 @@ class HeadKLLoss(nn.Module):
         self.process_group = process_group
 
     @property
-    def info(self) -> dict:
-        """The device the loss runs on."""
-        return self.head.info
-
-    @property
     def zero_copy(self) -> bool:
         """Whether the last CUDA call went zero-copy."""
         return getattr(self, "_used_zero_copy", None) is not None
@@ -516,7 +534,7 @@ class HeadKLLoss(nn.Module):
         total: Optional[float] = None,
     ) -> torch.Tensor:
         flat, lead = self.head._hidden(hidden)
-        ntok, hs = flat.shape
+        ntok = flat.shape[0]
         teacher_ids = _ids("teacher_ids", teacher_ids)
         teacher_values = _tensor("teacher_values", teacher_values, _FLOATS + (torch.float64,))
         if teacher_ids.dim() < 1 or tuple(teacher_ids.shape[:-1]) != lead:
@@ -549,9 +567,6 @@ class HeadKLLoss(nn.Module):
         self._used_zero_copy = self.head._zero_copy(device, why)
         return self._used_zero_copy
 
-    def _weights(self, labels, weights, ntok, device):
-        return _effective_weights(self.options, labels, weights, ntok, device)
-
     def _reduce(self, per_token, w, total):
         return _reduced(self.reduction, per_token, w, total)
 
@@ -570,32 +585,28 @@ class HeadKLLoss(nn.Module):
         spec = lambda t: None if t is None else _spec(t)  # noqa: E731
         if self.head.shard is None:
             mean = engine.head_kl(
-                _spec(host), ntok, _spec(ids), _spec(values), k,
-                spec(labels_host), spec(weights_host), _spec(dx), _spec(per_token), options,
+                _spec(host), ntok, (_spec(ids), _spec(values), k),
+                spec(labels_host), spec(weights_host), (_spec(dx), _spec(per_token)), options,
             )  # fmt: skip
         else:
             if labels_host is not None:
                 raise ValueError("labels: the sharded loss takes no hard term or ignore mask")
             stats = [torch.empty(ntok, dtype=torch.float32) for _ in range(3)]
             engine.loss_partials(
-                _spec(host), ntok, _spec(ids), _spec(values), k, spec(weights_host),
+                _spec(host), ntok, (_spec(ids), _spec(values), k), spec(weights_host),
                 *(_spec(s) for s in stats), options,
             )  # fmt: skip
             # The collective runs on the caller's device: NCCL takes CUDA
             # tensors only, gloo takes both.
             merged = _merge_partials([_to_device(t, device) for t in stats], self.process_group)
             merged = [_on_host("partials", t) for t in merged]
-            mean = engine.loss_finish(_spec(host), ntok, *(_spec(s) for s in merged), _spec(dx), _spec(per_token))
+            mean = engine.loss_finish(_spec(host), ntok, *(_spec(s) for s in merged), (_spec(dx), _spec(per_token)))
             dx = _to_device(dx, device)
             dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=self.process_group)
-        if self.reduction == "none":
-            loss = per_token * self._weights(labels_host, weights_host, ntok, "cpu")
-        else:
-            loss = torch.tensor(mean, dtype=torch.float32)
-        return _to_device(loss, device), _to_device(dx, device)
+        return self._host_result(mean, per_token, dx, labels_host, weights_host, device)
 
 
-class FullVocabKLLoss(nn.Module):
+class FullVocabKLLoss(_HeadLoss):
     """The exact full-vocabulary divergence of the student from a teacher
     given by its own hidden rows and head, as Liger's
     ``LigerFusedLinearJSD`` computes it: ``p_T = softmax(x_T·W_Tᵀ/τ)`` over
@@ -655,11 +666,6 @@ class FullVocabKLLoss(nn.Module):
         host = _on_host("teacher_weight", teacher_weight)
         self.head._engine.set_teacher_head(_spec(host), host.shape[0], host.shape[1])
 
-    @property
-    def info(self) -> dict:
-        """The device the loss runs on."""
-        return self.head.info
-
     def forward(
         self,
         hidden: torch.Tensor,
@@ -690,13 +696,9 @@ class FullVocabKLLoss(nn.Module):
             spec = lambda t: None if t is None else _spec(t)  # noqa: E731
             mean = self.head._engine.head_kl_full_vocab(
                 _spec(host), ntok, _spec(teacher), teacher.shape[1], spec(labels), spec(weights),
-                _spec(dx), _spec(per_token), options,
+                (_spec(dx), _spec(per_token)), options,
             )  # fmt: skip
-            if self.reduction == "none":
-                loss = per_token * _effective_weights(self.options, labels, weights, ntok, "cpu")
-            else:
-                loss = torch.tensor(mean, dtype=torch.float32)
-            return _to_device(loss, hidden.device), _to_device(dx, hidden.device)
+            return self._host_result(mean, per_token, dx, labels, weights, hidden.device)
 
         return _HeadKLFunction.apply(flat, run).reshape(lead if self.reduction == "none" else ())
 
@@ -777,8 +779,8 @@ class _ZeroCopy:
         options = dict(o, ignore_mask=False, total=total)
         b = self.buffers
         self.call(lambda ready, done: self.engine.head_kl_shared(
-            ntok, k, _NAMES[flat.dtype], b["hidden"][0], b["ids"][0], b["values"][0], weights_handle,
-            labels_handle, b["loss"][0], b["dx"][0], options, ready, done,
+            (ntok, k, _NAMES[flat.dtype]), b["hidden"][0], b["ids"][0], b["values"][0], weights_handle,
+            labels_handle, b["loss"][0], b["dx"][0], options, (ready, done),
         ))  # fmt: skip
         # Copies on the device: the next step writes the shared buffers again.
         per_token, dx = loss_view.clone(), dx_view.clone()

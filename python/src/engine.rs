@@ -10,8 +10,8 @@ use headkl_cli::embed::{open_gpu, resolve, BackendArg, BackendArgs, BackendKind,
 use headkl_core::settings::Env;
 use headkl_core::shard::{HeadShard, LossStats, ShardEngine};
 use headkl_core::{
-    rescale_teacher, Backend, DeviceInfo, Engine, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, Teacher,
-    TopkOptions,
+    rescale_teacher, Backend, DeviceInfo, Engine, HeadWeights, Hidden, HiddenDtype, LossOptions, LossOutput,
+    SliceOptions, Teacher, TopkOptions,
 };
 use headkl_reference::CpuBackend;
 use headkl_vulkan::VulkanBackend;
@@ -154,8 +154,7 @@ impl LossArrays<'_> {
         opts: &mut LossOptions,
         labels: Option<Spec>,
         weights: Option<Spec>,
-        dx: Spec,
-        loss: Spec,
+        (dx, loss): (Spec, Spec),
     ) -> PyResult<Self> {
         let labels = labels.map(|s| HostArray::new("labels", s)).transpose()?;
         let weights = weights.map(|s| HostArray::new("weights", s)).transpose()?;
@@ -187,37 +186,54 @@ pub struct PyEngine {
     shared: Mutex<SharedBuffers>,
 }
 
+/// `mutex` locked; a panic inside the engine that poisoned it is an error.
+fn lock<T>(mutex: &Mutex<T>) -> PyResult<MutexGuard<'_, T>> {
+    mutex
+        .lock()
+        .map_err(|_| PyRuntimeError::new_err("an earlier call panicked inside the engine"))
+}
+
 impl PyEngine {
     fn held(&self) -> PyResult<MutexGuard<'_, Held>> {
-        self.held
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("an earlier call panicked inside the engine"))
+        lock(&self.held)
     }
 
     fn shared(&self) -> PyResult<MutexGuard<'_, SharedBuffers>> {
-        self.shared
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("an earlier call panicked inside the engine"))
+        lock(&self.shared)
     }
 
     /// Runs `call` on the Vulkan engine and its shared buffers with the GIL
-    /// released.
+    /// released, the hidden rows' dtype `dtype` parsed.
     fn on_shared<T: Send>(
         &self,
         py: Python<'_>,
-        call: impl FnOnce(&mut Engine<VulkanBackend>, &SharedBuffers) -> PyResult<T> + Send,
+        dtype: &str,
+        call: impl FnOnce(&mut Engine<VulkanBackend>, &SharedBuffers, HiddenDtype) -> PyResult<T> + Send,
     ) -> PyResult<T> {
+        let dtype = shared::hidden_dtype(dtype)?;
         let mut held = self.held()?;
         let engine = vulkan_whole(&mut held).map_err(PyRuntimeError::new_err)?;
         let shared = self.shared()?;
         let shared = &*shared;
-        py.detach(|| call(engine, shared))
+        py.detach(|| call(engine, shared, dtype))
     }
 
-    fn out(&self) -> PyResult<MutexGuard<'_, LossOutput>> {
-        self.out
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("an earlier call panicked inside the engine"))
+    /// Runs a loss call with the GIL released on the held engines and the
+    /// reused outputs, then copies `dx` and the per-token losses out:
+    /// returns the reduced loss.
+    fn loss_call(
+        &self,
+        py: Python<'_>,
+        (dx, loss): (&mut [f32], &mut [f32]),
+        call: impl FnOnce(&mut Held, &mut LossOutput) -> PyResult<()> + Send,
+    ) -> PyResult<f64> {
+        let (mut held, mut out) = (self.held()?, lock(&self.out)?);
+        let (held, out) = (&mut *held, &mut *out);
+        py.detach(|| -> PyResult<f64> {
+            call(held, out)?;
+            copy_out(out, dx, loss)?;
+            Ok(out.mean)
+        })
     }
 
     fn hidden<'a>(&self, spec: Spec, ntok: usize) -> PyResult<Hidden<'a>> {
@@ -277,26 +293,25 @@ impl PyEngine {
         Ok(d)
     }
 
-    /// The loss and its gradient: writes `dx` `[ntok][hs]` (f32) and the
-    /// per-token losses `loss` `[ntok]`; returns the reduced loss.
+    /// The loss and its gradient, `teacher_topk` `(ids, values, k)`: writes
+    /// `out` `(dx, loss)`, `dx` `[ntok][hs]` (f32) and the per-token losses
+    /// `loss` `[ntok]`; returns the reduced loss.
     #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
-    #[pyo3(signature = (hidden, ntok, ids, values, k, labels, weights, dx, loss, options))]
+    #[pyo3(signature = (hidden, ntok, teacher_topk, labels, weights, out, options))]
     fn head_kl(
         &self,
         py: Python<'_>,
         hidden: Spec,
         ntok: usize,
-        ids: Spec,
-        values: Spec,
-        k: usize,
+        teacher_topk: (Spec, Spec, usize),
         labels: Option<Spec>,
         weights: Option<Spec>,
-        dx: Spec,
-        loss: Spec,
+        out: (Spec, Spec),
         options: &Bound<'_, PyDict>,
     ) -> PyResult<f64> {
         let (mut opts, reading) = loss_options(options)?;
         let hidden = self.hidden(hidden, ntok)?;
+        let (ids, values, k) = teacher_topk;
         let ids = HostArray::new("teacher_ids", ids)?;
         let values = HostArray::new("teacher_values", values)?;
         // SAFETY: the Python wrapper holds every tensor until the call
@@ -305,18 +320,14 @@ impl PyEngine {
             (
                 ids.i64s()?,
                 values.f32s()?,
-                LossArrays::new(&mut opts, labels, weights, dx, loss)?,
+                LossArrays::new(&mut opts, labels, weights, out)?,
             )
         };
         let vocab = self.vocab;
-        let (mut held, mut out) = (self.held()?, self.out()?);
-        let (held, out) = (&mut *held, &mut *out);
-        py.detach(|| -> PyResult<f64> {
+        self.loss_call(py, (dx, loss), |held, out| {
             let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.temperature)
                 .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
-            on_held!(held, e => e.engine().head_kl_into(&hidden, &teacher, &opts, out)).map_err(to_py)?;
-            copy_out(out, dx, loss)?;
-            Ok(out.mean)
+            on_held!(held, e => e.engine().head_kl_into(&hidden, &teacher, &opts, out)).map_err(to_py)
         })
     }
 
@@ -336,9 +347,10 @@ impl PyEngine {
 
     /// The exact full-vocabulary loss against the teacher's own hidden
     /// rows (`teacher_hidden` `[ntok][teacher_hs]`, through the teacher's
-    /// head): writes `dx` and the per-token losses; returns the reduced loss.
+    /// head): writes `out` `(dx, loss)` as `head_kl` does; returns the
+    /// reduced loss.
     #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
-    #[pyo3(signature = (hidden, ntok, teacher_hidden, teacher_hs, labels, weights, dx, loss, options))]
+    #[pyo3(signature = (hidden, ntok, teacher_hidden, teacher_hs, labels, weights, out, options))]
     fn head_kl_full_vocab(
         &self,
         py: Python<'_>,
@@ -348,42 +360,32 @@ impl PyEngine {
         teacher_hs: usize,
         labels: Option<Spec>,
         weights: Option<Spec>,
-        dx: Spec,
-        loss: Spec,
+        out: (Spec, Spec),
         options: &Bound<'_, PyDict>,
     ) -> PyResult<f64> {
         let (mut opts, _) = loss_options(options)?;
         let hidden = self.hidden(hidden, ntok)?;
         let teacher = HostArray::new("teacher_hidden", teacher_hidden)?;
         // SAFETY: as in `head_kl`.
-        let (teacher, LossArrays { dx, loss }) = unsafe {
-            (
-                teacher.hidden()?,
-                LossArrays::new(&mut opts, labels, weights, dx, loss)?,
-            )
-        };
+        let (teacher, LossArrays { dx, loss }) =
+            unsafe { (teacher.hidden()?, LossArrays::new(&mut opts, labels, weights, out)?) };
         let teacher = Hidden::new(teacher, ntok, teacher_hs).map_err(to_py)?;
-        let (mut held, mut out) = (self.held()?, self.out()?);
-        let (held, out) = (&mut *held, &mut *out);
-        py.detach(|| -> PyResult<f64> {
-            on_held!(held, e => e.engine().head_kl_full_vocab_into(&hidden, &teacher, &opts, out)).map_err(to_py)?;
-            copy_out(out, dx, loss)?;
-            Ok(out.mean)
+        self.loss_call(py, (dx, loss), |held, out| {
+            on_held!(held, e => e.engine().head_kl_full_vocab_into(&hidden, &teacher, &opts, out)).map_err(to_py)
         })
     }
 
-    /// Phase one of the sharded loss: writes this shard's `lse`, `lse1`
-    /// and `soft_part` `[ntok]` (what the collective merges).
+    /// Phase one of the sharded loss (`teacher_topk` as in `head_kl`): writes
+    /// this shard's `lse`, `lse1` and `soft_part` `[ntok]` (what the
+    /// collective merges).
     #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
-    #[pyo3(signature = (hidden, ntok, ids, values, k, weights, lse, lse1, soft_part, options))]
+    #[pyo3(signature = (hidden, ntok, teacher_topk, weights, lse, lse1, soft_part, options))]
     fn loss_partials(
         &self,
         py: Python<'_>,
         hidden: Spec,
         ntok: usize,
-        ids: Spec,
-        values: Spec,
-        k: usize,
+        teacher_topk: (Spec, Spec, usize),
         weights: Option<Spec>,
         lse: Spec,
         lse1: Spec,
@@ -392,6 +394,7 @@ impl PyEngine {
     ) -> PyResult<()> {
         let (mut opts, reading) = loss_options(options)?;
         let hidden = self.hidden(hidden, ntok)?;
+        let (ids, values, k) = teacher_topk;
         let [ids, values, lse, lse1, soft_part] = [
             ("teacher_ids", ids),
             ("teacher_values", values),
@@ -426,10 +429,11 @@ impl PyEngine {
     }
 
     /// Phase two of the sharded loss from the merged statistics: writes
-    /// this shard's part of `dx` (the collective sums it) and the per-token
-    /// losses; returns the reduced loss (the whole loss's, on every shard).
+    /// `out` `(dx, loss)`, this shard's part of `dx` (the collective sums
+    /// it) and the per-token losses; returns the reduced loss (the whole
+    /// loss's, on every shard).
     #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
-    #[pyo3(signature = (hidden, ntok, lse, lse1, soft_part, dx, loss))]
+    #[pyo3(signature = (hidden, ntok, lse, lse1, soft_part, out))]
     fn loss_finish(
         &self,
         py: Python<'_>,
@@ -438,11 +442,11 @@ impl PyEngine {
         lse: Spec,
         lse1: Spec,
         soft_part: Spec,
-        dx: Spec,
-        loss: Spec,
+        out: (Spec, Spec),
     ) -> PyResult<f64> {
         let hidden = self.hidden(hidden, ntok)?;
         let stats = [("lse", lse), ("lse1", lse1), ("soft_part", soft_part)].map(|(w, s)| HostArray::new(w, s));
+        let (dx, loss) = out;
         let dx = HostArray::new("dx", dx)?;
         let loss = HostArray::new("loss", loss)?;
         // SAFETY: as in `head_kl`.
@@ -458,12 +462,8 @@ impl PyEngine {
                 loss.f32s_mut()?,
             )
         };
-        let (mut held, mut out) = (self.held()?, self.out()?);
-        let (held, out) = (&mut *held, &mut *out);
-        py.detach(|| -> PyResult<f64> {
-            on_held!(held, e => e.shard()?.loss_finish(&hidden, &stats, out)).map_err(to_py)?;
-            copy_out(out, dx, loss)?;
-            Ok(out.mean)
+        self.loss_call(py, (dx, loss), |held, out| {
+            on_held!(held, e => e.shard()?.loss_finish(&hidden, &stats, out)).map_err(to_py)
         })
     }
 
@@ -599,16 +599,16 @@ impl PyEngine {
         Ok(engine.backend().export_timeline().map_err(to_py)?.into_raw_fd())
     }
 
-    /// The loss on shared buffers (handles from `export_buffer`): waits on
-    /// the timeline for `wait`, signals `signal` when done; returns at once.
+    /// The loss on shared buffers (handles from `export_buffer`), `shape`
+    /// `(ntok, k, hidden dtype)`: waits on the timeline for `wait` and
+    /// signals `signal` when done (`timeline` `(wait, signal)`); returns at
+    /// once.
     #[allow(clippy::too_many_arguments, reason = "one buffer an argument, as Python passes them")]
-    #[pyo3(signature = (ntok, k, dtype, hidden, ids, values, weights, labels, loss, dx, options, wait, signal))]
+    #[pyo3(signature = (shape, hidden, ids, values, weights, labels, loss, dx, options, timeline))]
     fn head_kl_shared(
         &self,
         py: Python<'_>,
-        ntok: usize,
-        k: usize,
-        dtype: &str,
+        shape: (usize, usize, String),
         hidden: usize,
         ids: usize,
         values: usize,
@@ -617,11 +617,10 @@ impl PyEngine {
         loss: usize,
         dx: usize,
         options: &Bound<'_, PyDict>,
-        wait: u64,
-        signal: u64,
+        timeline: (u64, u64),
     ) -> PyResult<()> {
+        let (ntok, k, dtype) = shape;
         let (opts, reading) = loss_options(options)?;
-        let dtype = shared::hidden_dtype(dtype)?;
         let buffers = LossBuffers {
             hidden,
             ids,
@@ -631,80 +630,50 @@ impl PyEngine {
             loss,
             dx,
         };
-        self.on_shared(py, |engine, shared| {
-            shared::head_kl(
-                engine,
-                shared,
-                (ntok, k, dtype),
-                &buffers,
-                (&opts, &reading),
-                (wait, signal),
-            )
+        self.on_shared(py, &dtype, |engine, shared, dtype| {
+            shared::head_kl(engine, shared, (ntok, k, dtype), &buffers, (&opts, &reading), timeline)
         })
     }
 
-    /// The top-k on shared buffers (`ids` u32, `values` f32 `[ntok][k]`:
-    /// probabilities, or log-probabilities with `logprobs`).
-    #[allow(clippy::too_many_arguments, reason = "one buffer an argument, as Python passes them")]
-    #[pyo3(signature = (ntok, k, dtype, hidden, ids, values, logprobs, options, wait, signal))]
+    /// The top-k on shared buffers, `buffers` `(hidden, ids, values)`:
+    /// `ids` u32, `values` f32 `[ntok][k]`, probabilities, or
+    /// log-probabilities with `logprobs`. `shape` and `timeline` as in
+    /// `head_kl_shared`.
+    #[pyo3(signature = (shape, buffers, logprobs, options, timeline))]
     fn topk_shared(
         &self,
         py: Python<'_>,
-        ntok: usize,
-        k: usize,
-        dtype: &str,
-        hidden: usize,
-        ids: usize,
-        values: usize,
+        shape: (usize, usize, String),
+        buffers: (usize, usize, usize),
         logprobs: bool,
         options: &Bound<'_, PyDict>,
-        wait: u64,
-        signal: u64,
+        timeline: (u64, u64),
     ) -> PyResult<()> {
+        let (ntok, k, dtype) = shape;
         let mut opts = topk_options(k, options)?;
         opts.logprobs = logprobs;
-        let dtype = shared::hidden_dtype(dtype)?;
-        self.on_shared(py, |engine, shared| {
-            shared::topk(
-                engine,
-                shared,
-                (ntok, dtype),
-                (hidden, ids, values),
-                &opts,
-                (wait, signal),
-            )
+        self.on_shared(py, &dtype, |engine, shared, dtype| {
+            shared::topk(engine, shared, (ntok, dtype), buffers, &opts, timeline)
         })
     }
 
-    /// The gather on shared buffers (`ids` u32 `[ntok][k]`, `0xffffffff`
-    /// none; `logprobs` f32 `[ntok][k]`, `lse` f32 `[ntok]`).
-    #[allow(clippy::too_many_arguments, reason = "one buffer an argument, as Python passes them")]
-    #[pyo3(signature = (ntok, k, dtype, hidden, ids, logprobs, lse, options, wait, signal))]
+    /// The gather on shared buffers, `buffers` `(hidden, ids, logprobs,
+    /// lse)`: `ids` u32 `[ntok][k]`, `0xffffffff` none; `logprobs` f32
+    /// `[ntok][k]`, `lse` f32 `[ntok]`. `shape` and `timeline` as in
+    /// `head_kl_shared`.
+    #[pyo3(signature = (shape, buffers, options, timeline))]
     fn gather_shared(
         &self,
         py: Python<'_>,
-        ntok: usize,
-        k: usize,
-        dtype: &str,
-        hidden: usize,
-        ids: usize,
-        logprobs: usize,
-        lse: usize,
+        shape: (usize, usize, String),
+        buffers: (usize, usize, usize, usize),
         options: &Bound<'_, PyDict>,
-        wait: u64,
-        signal: u64,
+        timeline: (u64, u64),
     ) -> PyResult<()> {
+        let (ntok, k, dtype) = shape;
         let opts = topk_options(k, options)?;
-        let dtype = shared::hidden_dtype(dtype)?;
-        self.on_shared(py, |engine, shared| {
-            shared::gather(
-                engine,
-                shared,
-                (ntok, dtype),
-                (hidden, ids, logprobs, lse),
-                &opts,
-                (wait, signal),
-            )
+        self.on_shared(py, &dtype, |engine, shared, dtype| {
+            shared::gather(engine, shared, (ntok, dtype), buffers, &opts, timeline)
         })
     }
 

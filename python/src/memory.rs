@@ -154,20 +154,35 @@ impl HostArray {
         Ok(unsafe { self.slice_mut() })
     }
 
+    /// The float elements in their own dtype, through the constructor for
+    /// that dtype (the variants of [`HiddenData`] or [`HeadData`]).
+    ///
+    /// # Safety
+    /// See [`Self::slice`].
+    unsafe fn floats<'a, T>(
+        &self,
+        f32s: fn(&'a [f32]) -> T,
+        f16s: fn(&'a [f16]) -> T,
+        bf16s: fn(&'a [bf16]) -> T,
+    ) -> PyResult<T> {
+        Ok(match self.dtype {
+            // SAFETY: the dtype is f32; the lifetime is the caller's contract.
+            Dtype::F32 => f32s(unsafe { self.slice() }),
+            // SAFETY: the dtype is f16; the lifetime is the caller's contract.
+            Dtype::F16 => f16s(unsafe { self.slice() }),
+            // SAFETY: the dtype is bf16; the lifetime is the caller's contract.
+            Dtype::Bf16 => bf16s(unsafe { self.slice() }),
+            Dtype::I64 => return Err(self.not_float()),
+        })
+    }
+
     /// Hidden rows in their own dtype.
     ///
     /// # Safety
     /// See [`Self::slice`].
     pub unsafe fn hidden<'a>(&self) -> PyResult<HiddenData<'a>> {
-        Ok(match self.dtype {
-            // SAFETY: the dtype is f32; the lifetime is the caller's contract.
-            Dtype::F32 => HiddenData::F32(unsafe { self.slice::<f32>() }),
-            // SAFETY: the dtype is f16; the lifetime is the caller's contract.
-            Dtype::F16 => HiddenData::F16(unsafe { self.slice::<f16>() }),
-            // SAFETY: the dtype is bf16; the lifetime is the caller's contract.
-            Dtype::Bf16 => HiddenData::Bf16(unsafe { self.slice::<bf16>() }),
-            Dtype::I64 => return Err(self.not_float()),
-        })
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.floats(HiddenData::F32, HiddenData::F16, HiddenData::Bf16) }
     }
 
     /// A head in its own dtype.
@@ -175,15 +190,8 @@ impl HostArray {
     /// # Safety
     /// See [`Self::slice`].
     pub unsafe fn head<'a>(&self) -> PyResult<HeadData<'a>> {
-        Ok(match self.dtype {
-            // SAFETY: the dtype is f32; the lifetime is the caller's contract.
-            Dtype::F32 => HeadData::F32(unsafe { self.slice::<f32>() }),
-            // SAFETY: the dtype is f16; the lifetime is the caller's contract.
-            Dtype::F16 => HeadData::F16(unsafe { self.slice::<f16>() }),
-            // SAFETY: the dtype is bf16; the lifetime is the caller's contract.
-            Dtype::Bf16 => HeadData::Bf16(unsafe { self.slice::<bf16>() }),
-            Dtype::I64 => return Err(self.not_float()),
-        })
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.floats(HeadData::F32, HeadData::F16, HeadData::Bf16) }
     }
 
     fn not_float(&self) -> PyErr {

@@ -25,6 +25,11 @@ use burn::tensor::{DType, Device, FloatDType, TensorData};
 use headkl_burn::{unfused, DeviceOptions, HeadKl, LossOptions, SharedDevice, Teacher};
 use headkl_core::{Backend, HeadData, HeadWeights};
 
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{each_flag, parsed, uniform};
+
 /// A problem shape.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Shape {
@@ -100,20 +105,14 @@ impl Config {
             dtype: FloatDType::F16,
             unfused: true,
         };
-        let mut args = args.peekable();
-        while let Some(flag) = args.next() {
-            if flag == "--headkl-only" {
-                cfg.unfused = false;
-                continue;
-            }
-            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-            let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
-            match flag.as_str() {
-                "--shape" => cfg.shape = Shape::parse(&value)?,
-                "--reps" => cfg.reps = value.parse().map_err(|e| bad(&e))?,
-                "--warmup" => cfg.warmup = value.parse().map_err(|e| bad(&e))?,
+        each_flag(args, "--headkl-only", |flag, value| {
+            match flag {
+                "--headkl-only" => cfg.unfused = false,
+                "--shape" => cfg.shape = Shape::parse(value)?,
+                "--reps" => cfg.reps = parsed(flag, value)?,
+                "--warmup" => cfg.warmup = parsed(flag, value)?,
                 "--dtype" => {
-                    cfg.dtype = match value.as_str() {
+                    cfg.dtype = match value {
                         "f32" => FloatDType::F32,
                         "f16" => FloatDType::F16,
                         _ => return Err(format!("--dtype {value}: f32 or f16")),
@@ -125,7 +124,8 @@ impl Config {
                     ))
                 }
             }
-        }
+            Ok(())
+        })?;
         if cfg.reps == 0 {
             return Err("--reps must be at least 1".into());
         }
@@ -151,17 +151,7 @@ pub struct Row {
 /// Cheap deterministic values: a 64 Ki block of xorshift64* uniforms in
 /// [-scale, scale), tiled (a V × hs head is too large to draw one by one).
 fn tiled(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let block = 1 << 16;
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let values: Vec<f32> = (0..block.min(n).max(1))
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            let r = s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
-            (r as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect();
+    let values = uniform((1 << 16).min(n).max(1), seed, scale);
     // A stride prime to the block, so rows do not repeat each other.
     (0..n).map(|i| values[(i * 7919) % values.len()]).collect()
 }
@@ -220,26 +210,9 @@ pub fn run_on(shared: &SharedDevice, cfg: &Config) -> Result<Vec<Row>, Box<dyn E
         head.wait()?;
         Ok(out.loss.into_scalar::<f32>())
     };
-    for _ in 0..cfg.warmup {
-        step_headkl(&mut head)?;
-    }
-    plain.memory_cleanup();
-    let pool0 = pool_reserved(&plain);
-    let mut all_ms = Vec::new();
-    let mut loss = 0.0;
-    for _ in 0..cfg.reps {
-        let t = Instant::now();
-        loss = step_headkl(&mut head)?;
-        all_ms.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    let scratch = head.engine().backend().memory().peak.saturating_sub(headkl_head_bytes);
-    rows.push(Row {
-        method: "headkl-burn",
-        ms: median(&all_ms),
-        all_ms,
-        extra_bytes: pool_reserved(&plain).saturating_sub(pool0) + scratch,
-        loss,
-    });
+    let mut row = timed("headkl-burn", cfg, &plain, || step_headkl(&mut head))?;
+    row.extra_bytes += head.engine().backend().memory().peak.saturating_sub(headkl_head_bytes);
+    rows.push(row);
     // headkl's scratch and head planes go before burn's run.
     drop(head);
 
@@ -292,23 +265,34 @@ fn run_unfused(
         device.sync()?;
         Ok(mean.into_scalar::<f32>())
     };
+    timed("burn unfused", cfg, &plain, step_burn)
+}
+
+/// `step` run `cfg.warmup` times, then timed `cfg.reps` times from a
+/// cleaned pool: the row, with the pool's growth as its extra memory.
+fn timed(
+    method: &'static str,
+    cfg: &Config,
+    plain: &Device,
+    mut step: impl FnMut() -> Result<f32, Box<dyn Error>>,
+) -> Result<Row, Box<dyn Error>> {
     for _ in 0..cfg.warmup {
-        step_burn()?;
+        step()?;
     }
     plain.memory_cleanup();
-    let pool0 = pool_reserved(&plain);
+    let pool0 = pool_reserved(plain);
     let mut all_ms = Vec::new();
     let mut loss = 0.0;
     for _ in 0..cfg.reps {
         let t = Instant::now();
-        loss = step_burn()?;
+        loss = step()?;
         all_ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
     Ok(Row {
-        method: "burn unfused",
+        method,
         ms: median(&all_ms),
         all_ms,
-        extra_bytes: pool_reserved(&plain).saturating_sub(pool0),
+        extra_bytes: pool_reserved(plain).saturating_sub(pool0),
         loss,
     })
 }

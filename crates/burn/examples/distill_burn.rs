@@ -19,6 +19,11 @@ use burn::tensor::{activation, Device, TensorData};
 use headkl_burn::prelude::*;
 use headkl_burn::unfused;
 
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{each_flag, parsed, uniform};
+
 /// Sizes and knobs of a run.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -68,51 +73,32 @@ impl Config {
     /// `--steps N` and the other `--name value` flags.
     pub fn from_args(args: impl Iterator<Item = String>) -> Result<Self, String> {
         let mut cfg = Config::default();
-        let mut args = args.peekable();
-        while let Some(flag) = args.next() {
-            if flag == "--unfused" {
-                cfg.unfused = true;
-                continue;
-            }
-            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-            let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
-            match flag.as_str() {
-                "--steps" => cfg.steps = value.parse().map_err(|e| bad(&e))?,
-                "--ntok" => cfg.ntok = value.parse().map_err(|e| bad(&e))?,
-                "--inputs" => cfg.inputs = value.parse().map_err(|e| bad(&e))?,
-                "--vocab" => cfg.vocab = value.parse().map_err(|e| bad(&e))?,
-                "--hs" => cfg.hs = value.parse().map_err(|e| bad(&e))?,
-                "--embed" => cfg.embed = value.parse().map_err(|e| bad(&e))?,
-                "--mlp" => cfg.mlp = value.parse().map_err(|e| bad(&e))?,
-                "--k" => cfg.k = value.parse().map_err(|e| bad(&e))?,
-                "--lr" => cfg.lr = value.parse().map_err(|e| bad(&e))?,
-                "--seed" => cfg.seed = value.parse().map_err(|e| bad(&e))?,
+        each_flag(args, "--unfused", |flag, value| {
+            match flag {
+                "--unfused" => cfg.unfused = true,
+                "--steps" => cfg.steps = parsed(flag, value)?,
+                "--ntok" => cfg.ntok = parsed(flag, value)?,
+                "--inputs" => cfg.inputs = parsed(flag, value)?,
+                "--vocab" => cfg.vocab = parsed(flag, value)?,
+                "--hs" => cfg.hs = parsed(flag, value)?,
+                "--embed" => cfg.embed = parsed(flag, value)?,
+                "--mlp" => cfg.mlp = parsed(flag, value)?,
+                "--k" => cfg.k = parsed(flag, value)?,
+                "--lr" => cfg.lr = parsed(flag, value)?,
+                "--seed" => cfg.seed = parsed(flag, value)?,
                 _ => {
                     return Err(format!(
                         "unknown flag {flag} (flags: --steps --ntok --inputs --vocab --hs --embed --mlp --k --lr --seed --unfused)"
                     ))
                 }
             }
-        }
+            Ok(())
+        })?;
         if cfg.steps == 0 {
             return Err("--steps must be at least 1".into());
         }
         Ok(cfg)
     }
-}
-
-/// Uniform values in [-scale, scale), xorshift64* from `seed`.
-pub fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            let r = s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
-            (r as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
 }
 
 fn matrix(rows: usize, cols: usize, seed: u64, scale: f32, device: &Device) -> Tensor<2> {

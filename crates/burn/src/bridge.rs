@@ -242,7 +242,9 @@ pub(crate) struct Binder<'a> {
 }
 
 impl<'a> Binder<'a> {
-    pub fn new(device: &'a wgpu::Device, queue: &'a wgpu::Queue, staging: &'a mut Staging) -> Self {
+    /// A binder whose count starts from `earlier`, the call's copies made
+    /// before binding (into contiguous tensors).
+    pub fn new(device: &'a wgpu::Device, queue: &'a wgpu::Queue, staging: &'a mut Staging, earlier: Binding) -> Self {
         Self {
             device,
             queue,
@@ -250,7 +252,7 @@ impl<'a> Binder<'a> {
             keep: Vec::new(),
             copy_in: Vec::new(),
             copy_out: Vec::new(),
-            stats: Binding::default(),
+            stats: earlier,
         }
     }
 

@@ -540,7 +540,7 @@ impl HeadKl {
         let dx_cube = output(&h_cube, Shape::new([ntok, self.hs]), DType::F32);
 
         let (nk, nh) = ((ntok * k) as u64, (ntok * self.hs) as u64);
-        let mut binder = Binder::new(self.shared.wgpu_device(), self.shared.queue(), &mut self.staging);
+        let mut binder = Binder::new(self.shared.wgpu_device(), self.shared.queue(), &mut self.staging, stats);
         let backend = self.engine.backend();
         let h_view = binder.bind(backend, "hidden", &h_cube, nh * hdtype.bytes() as u64, Flow::In)?;
         let ids_view = binder.bind(backend, "teacher.ids", &ids_cube, nk * 4, Flow::In)?;
@@ -582,11 +582,7 @@ impl HeadKl {
         );
         let bound = binder.finish();
         result?;
-        self.last = Binding {
-            in_place: bound.in_place,
-            copied: stats.copied + bound.copied,
-            copied_bytes: stats.copied_bytes + bound.copied_bytes,
-        };
+        self.last = bound;
         self.submitted("loss", signed)?;
 
         let per_token: Tensor<1> = bridge::float_tensor(loss_cube)?;
@@ -666,7 +662,7 @@ impl HeadKl {
         let ids_cube = output(&h_cube, Shape::new([ntok, k]), DType::I32);
         let values_cube = output(&h_cube, Shape::new([ntok, k]), DType::F32);
         let nk = (ntok * k) as u64;
-        let mut binder = Binder::new(self.shared.wgpu_device(), self.shared.queue(), &mut self.staging);
+        let mut binder = Binder::new(self.shared.wgpu_device(), self.shared.queue(), &mut self.staging, stats);
         let backend = self.engine.backend();
         let bytes = (ntok * self.hs * hdtype.bytes()) as u64;
         let h_view = binder.bind(backend, "hidden", &h_cube, bytes, Flow::In)?;
@@ -685,11 +681,7 @@ impl HeadKl {
         );
         let bound = binder.finish();
         result?;
-        self.last = Binding {
-            in_place: bound.in_place,
-            copied: stats.copied + bound.copied,
-            copied_bytes: stats.copied_bytes + bound.copied_bytes,
-        };
+        self.last = bound;
         self.submitted("topk", false)?;
         let ids = bridge::int_tensor(ids_cube)?;
         let values: Tensor<2> = bridge::float_tensor(values_cube)?;

@@ -18,6 +18,16 @@ pub struct UnfusedTeacher {
     pub probs: Tensor<2>,
 }
 
+impl From<&crate::Teacher> for UnfusedTeacher {
+    /// The same tensors as headkl's teacher.
+    fn from(teacher: &crate::Teacher) -> Self {
+        Self {
+            ids: teacher.ids.clone(),
+            probs: teacher.probs.clone(),
+        }
+    }
+}
+
 /// Mean loss `[1]` and per-token loss `[ntok]` of `hidden` `[ntok][hs]`
 /// against the teacher through the head `head` `[V][hs]`, token `weights`
 /// `[ntok]` (none: all 1) and `total` (none: `Σ w_t`), at temperature τ:

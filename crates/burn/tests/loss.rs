@@ -8,28 +8,21 @@ use burn::prelude::Tensor;
 use burn::tensor::{DType, FloatDType, TensorData};
 use headkl_burn::prelude::*;
 use headkl_burn::unfused;
-use headkl_core::{Engine, Hidden, LossOptions as HostLossOptions, SliceOptions};
+use headkl_core::LossOptions as HostLossOptions;
 use headkl_reference::direct::{topk_f64, DirectLoss};
 use headkl_reference::Tolerance;
 
 mod common;
 
-use common::{host_f32, open, Case};
+use common::{host_f32, open, relative_l2, Case};
 
 #[test]
 fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
     let Some(shared) = open() else { return };
     let case = Case::new(1);
     let device = shared.device();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
-    let out = head
-        .loss(
-            &case.hidden(&device),
-            &case.teacher(&device),
-            Some(&case.weights(&device)),
-            &LossOptions::default(),
-        )
-        .expect("loss");
+    let mut head = case.head_kl(&shared);
+    let out = case.loss(&mut head, &device, true, &LossOptions::default());
     let per_token = host_f32(out.per_token);
     let mean = f64::from(host_f32(out.loss)[0]);
     let dx = host_f32(out.dx);
@@ -43,12 +36,11 @@ fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
         .expect("dx against the f64 reference");
 
     // headkl outside burn: its own wgpu backend, the host path, same data.
-    let backend = headkl_wgpu::WgpuBackend::open(None).expect("wgpu backend");
-    let mut engine = Engine::new(backend, &case.head(), SliceOptions::default()).expect("engine");
-    let outside = engine
+    let outside = case
+        .host_engine()
         .head_kl(
-            &Hidden::f32(&case.hidden, case.ntok, case.hs).expect("hidden"),
-            &headkl_core::Teacher::new(&case.ids, &case.probs, case.ntok, case.k, case.vocab).expect("teacher"),
+            &case.host_hidden(),
+            &case.host_teacher(),
             &HostLossOptions {
                 weights: Some(case.weights.clone()),
                 ..HostLossOptions::default()
@@ -79,7 +71,7 @@ fn reduction_and_divergence_reach_the_device() {
     let Some(shared) = open() else { return };
     let case = Case::new(3);
     let device = shared.device();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&shared);
     let terms = LossTerms {
         divergence: Divergence::Reverse,
         ..LossTerms::default()
@@ -89,22 +81,13 @@ fn reduction_and_divergence_reach_the_device() {
         terms,
         ..LossOptions::default()
     };
-    let out = head
-        .loss(
-            &case.hidden(&device),
-            &case.teacher(&device),
-            Some(&case.weights(&device)),
-            &opts,
-        )
-        .expect("loss");
+    let out = case.loss(&mut head, &device, true, &opts);
     let (per_token, sum, dx) = (
         host_f32(out.per_token),
         f64::from(host_f32(out.loss)[0]),
         host_f32(out.dx),
     );
     head.wait().expect("device status");
-    let hidden = Hidden::f32(&case.hidden, case.ntok, case.hs).expect("hidden");
-    let teacher = headkl_core::Teacher::new(&case.ids, &case.probs, case.ntok, case.k, case.vocab).expect("teacher");
     let resolved = HostLossOptions {
         weights: Some(case.weights.clone()),
         reduction: Reduction::Sum,
@@ -113,7 +96,8 @@ fn reduction_and_divergence_reach_the_device() {
     }
     .resolve(case.ntok)
     .expect("options");
-    let want = headkl_reference::direct::head_kl_f64(&case.head(), &hidden, &teacher, &resolved);
+    let want =
+        headkl_reference::direct::head_kl_f64(&case.head(), &case.host_hidden(), &case.host_teacher(), &resolved);
     let tol = Tolerance::default();
     tol.check_loss(&per_token, sum, &want).expect("reverse KL, summed");
     tol.check_dx_rows(&dx, &want.dx, Some(case.hs)).expect("the sum's dx");
@@ -145,7 +129,7 @@ fn backward_puts_dx_times_the_upstream_gradient_into_hidden() {
     let Some(shared) = open() else { return };
     let case = Case::new(2);
     let device = shared.device().autodiff();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&shared);
     let hidden = case.hidden(&device).require_grad();
     let out = head
         .loss(&hidden, &case.teacher(&device), None, &LossOptions::default())
@@ -171,42 +155,22 @@ fn agrees_with_the_loss_written_the_burn_way() {
     let Some(shared) = open() else { return };
     let case = Case::new(3);
     let device = shared.device().autodiff();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&shared);
     // The burn loss on the f16-rounded head and rows, as headkl's operands.
-    let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect() };
-    let head_t = Tensor::<2>::from_data(TensorData::new(round(&case.head), [case.vocab, case.hs]), &device);
-    let hidden_rounded = Tensor::<2>::from_data(TensorData::new(round(&case.hidden), [case.ntok, case.hs]), &device);
-    let teacher = case.teacher(&device);
-    let unfused_teacher = unfused::UnfusedTeacher {
-        ids: teacher.ids.clone(),
-        probs: teacher.probs.clone(),
-    };
+    let burn_way = case.burn_way(&device);
     for (weights, total) in [(false, None), (true, None), (true, Some(5.0))] {
         let w = weights.then(|| case.weights(&device));
-        let h1 = hidden_rounded.clone().require_grad();
-        let ours = head
-            .loss(
-                &h1,
-                &teacher,
-                w.as_ref(),
-                &LossOptions {
-                    total,
-                    ..LossOptions::default()
-                },
-            )
-            .expect("loss");
+        let (h1, ours) = burn_way.tracked_loss(&mut head, w.as_ref(), total);
         let g1 = host_f32(h1.grad(&ours.loss.clone().backward()).expect("grad"));
-        let h2 = hidden_rounded.clone().require_grad();
-        let (theirs, _) = unfused::loss(h2.clone(), &head_t, &unfused_teacher, w, total, 1.0);
+        let h2 = burn_way.rows.clone().require_grad();
+        let (theirs, _) = unfused::loss(h2.clone(), &burn_way.head, &burn_way.unfused_teacher, w, total, 1.0);
         let g2 = host_f32(h2.grad(&theirs.clone().backward()).expect("grad"));
         let (a, b) = (host_f32(ours.loss)[0], host_f32(theirs)[0]);
         assert!(
             (a - b).abs() <= 1e-3 * b.abs(),
             "weights {weights} total {total:?}: headkl {a}, burn {b}"
         );
-        let num: f32 = g1.iter().zip(&g2).map(|(x, y)| (x - y) * (x - y)).sum();
-        let den: f32 = g2.iter().map(|y| y * y).sum();
-        let rel = (num / den).sqrt();
+        let rel = relative_l2(&g1, &g2);
         assert!(
             rel <= 3e-3,
             "weights {weights} total {total:?}: gradient relative L2 error {rel}"
@@ -222,7 +186,7 @@ fn f16_rows_read_in_place_and_get_an_f16_gradient() {
     let Some(shared) = open() else { return };
     let case = Case::new(4);
     let device = shared.device().autodiff();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&shared);
     let teacher = case.teacher(&device);
     let want = case.reference(false, None);
     let hidden = case.hidden(&device).cast(FloatDType::F16).require_grad();
@@ -243,15 +207,8 @@ fn burns_buffers_are_bound_in_place_or_copied_on_a_less_aligned_device() {
     let Some(shared) = open() else { return };
     let case = Case::new(5);
     let device = shared.device();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
-    let first = head
-        .loss(
-            &case.hidden(&device),
-            &case.teacher(&device),
-            None,
-            &LossOptions::default(),
-        )
-        .expect("loss");
+    let mut head = case.head_kl(&shared);
+    let first = case.loss(&mut head, &device, false, &LossOptions::default());
     let bound = head.last_binding();
     assert_eq!((bound.in_place, bound.copied), (5, 0), "{bound:?}");
     let want = host_f32(first.per_token);
@@ -281,17 +238,10 @@ fn burns_buffers_are_bound_in_place_or_copied_on_a_less_aligned_device() {
         .init()
         .expect("burn device");
     let trainers = SharedDevice::from_setup(&setup, trainer_device.clone());
-    let mut head = HeadKl::new(&trainers, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&trainers);
     let mut copied = 0;
     for _ in 0..3 {
-        let out = head
-            .loss(
-                &case.hidden(&trainer_device),
-                &case.teacher(&trainer_device),
-                None,
-                &LossOptions::default(),
-            )
-            .expect("loss");
+        let out = case.loss(&mut head, &trainer_device, false, &LossOptions::default());
         copied += head.last_binding().copied;
         assert_eq!(host_f32(out.per_token), want, "the same loss, bound in place or copied");
     }
@@ -309,7 +259,7 @@ fn topk_matches_the_reference() {
     let Some(shared) = open() else { return };
     let case = Case::new(6);
     let device = shared.device();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&shared);
     let top = head
         .topk(&case.hidden(&device), &TopkOptions::new(case.k))
         .expect("topk");
@@ -324,8 +274,7 @@ fn topk_matches_the_reference() {
         .collect();
     let probs = host_f32(top.probs);
     head.wait().expect("device status");
-    let hidden = Hidden::f32(&case.hidden, case.ntok, case.hs).expect("hidden");
-    let want = topk_f64(&case.head(), &hidden, case.k, 1.0);
+    let want = topk_f64(&case.head(), &case.host_hidden(), case.k, 1.0);
     Tolerance::default().check_topk(&ids, &probs, &want).expect("top-k");
 }
 
@@ -334,7 +283,7 @@ fn topk_log_probabilities_are_the_host_paths() {
     let Some(shared) = open() else { return };
     let case = Case::new(8);
     let device = shared.device();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&shared);
     let opts = TopkOptions {
         logprobs: true,
         temperature: 0.8,
@@ -344,10 +293,7 @@ fn topk_log_probabilities_are_the_host_paths() {
     let logprobs = host_f32(top.logprobs.expect("log-probabilities were asked for"));
     let probs = host_f32(top.probs);
     head.wait().expect("device status");
-    let backend = headkl_wgpu::WgpuBackend::open(None).expect("wgpu backend");
-    let mut engine = Engine::new(backend, &case.head(), SliceOptions::default()).expect("engine");
-    let hidden = Hidden::f32(&case.hidden, case.ntok, case.hs).expect("hidden");
-    let want = engine.topk(&hidden, &opts).expect("host topk");
+    let want = case.host_engine().topk(&case.host_hidden(), &opts).expect("host topk");
     for (i, (g, w)) in logprobs.iter().zip(&want.logprobs).enumerate() {
         assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "logprobs[{i}] {g}, host {w}");
         assert!(*g <= 0.0, "logprobs[{i}] = {g} > 0");
@@ -362,15 +308,8 @@ fn the_per_token_loss_backpropagates_like_burns_own() {
     let Some(shared) = open() else { return };
     let case = Case::new(9);
     let device = shared.device().autodiff();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
-    let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect() };
-    let head_t = Tensor::<2>::from_data(TensorData::new(round(&case.head), [case.vocab, case.hs]), &device);
-    let rows = Tensor::<2>::from_data(TensorData::new(round(&case.hidden), [case.ntok, case.hs]), &device);
-    let teacher = case.teacher(&device);
-    let unfused_teacher = unfused::UnfusedTeacher {
-        ids: teacher.ids.clone(),
-        probs: teacher.probs.clone(),
-    };
+    let mut head = case.head_kl(&shared);
+    let burn_way = case.burn_way(&device);
     // A reduction of the caller's own: per-token factors, one of them 0.
     let mut factors = common::uniform(case.ntok, 91, 2.0);
     factors[4] = 0.0;
@@ -379,21 +318,10 @@ fn the_per_token_loss_backpropagates_like_burns_own() {
     // and a `total`, which per_token's gradient must not depend on.
     for (weights, total) in [(false, None), (true, None), (true, Some(7.0))] {
         let w = weights.then(|| case.weights(&device));
-        let h1 = rows.clone().require_grad();
-        let ours = head
-            .loss(
-                &h1,
-                &teacher,
-                w.as_ref(),
-                &LossOptions {
-                    total,
-                    ..LossOptions::default()
-                },
-            )
-            .expect("loss");
+        let (h1, ours) = burn_way.tracked_loss(&mut head, w.as_ref(), total);
         let g1 = host_f32(h1.grad(&(ours.per_token * u.clone()).sum().backward()).expect("grad"));
-        let h2 = rows.clone().require_grad();
-        let (_, theirs) = unfused::loss(h2.clone(), &head_t, &unfused_teacher, None, None, 1.0);
+        let h2 = burn_way.rows.clone().require_grad();
+        let (_, theirs) = unfused::loss(h2.clone(), &burn_way.head, &burn_way.unfused_teacher, None, None, 1.0);
         let mut mask = vec![1f32; case.ntok];
         if weights {
             for (m, &wt) in mask.iter_mut().zip(&case.weights) {
@@ -402,9 +330,7 @@ fn the_per_token_loss_backpropagates_like_burns_own() {
         }
         let masked = u.clone() * Tensor::<1>::from_data(TensorData::new(mask, [case.ntok]), &device);
         let g2 = host_f32(h2.grad(&(theirs * masked).sum().backward()).expect("grad"));
-        let num: f32 = g1.iter().zip(&g2).map(|(x, y)| (x - y) * (x - y)).sum();
-        let den: f32 = g2.iter().map(|y| y * y).sum();
-        let rel = (num / den).sqrt();
+        let rel = relative_l2(&g1, &g2);
         assert!(
             rel <= 3e-3,
             "weights {weights} total {total:?}: relative L2 error {rel}"
@@ -433,22 +359,8 @@ fn a_head_from_a_burn_tensor_is_the_head_from_the_host() {
     assert_eq!((made.in_place, made.copied), (0, 1), "{made:?}");
     assert_eq!((from_tensor.vocab(), from_tensor.hs()), (case.vocab, case.hs));
     let (a, b) = (
-        from_host
-            .loss(
-                &case.hidden(&device),
-                &case.teacher(&device),
-                Some(&case.weights(&device)),
-                &opts,
-            )
-            .expect("loss"),
-        from_tensor
-            .loss(
-                &case.hidden(&device),
-                &case.teacher(&device),
-                Some(&case.weights(&device)),
-                &opts,
-            )
-            .expect("loss"),
+        case.loss(&mut from_host, &device, true, &opts),
+        case.loss(&mut from_tensor, &device, true, &opts),
     );
     assert_eq!(
         host_f32(a.per_token),

@@ -5,7 +5,7 @@
 
 use burn::module::{Module, Param};
 use burn::optim::{AdamConfig, GradientsParams};
-use burn::prelude::{Int, Tensor};
+use burn::prelude::Tensor;
 use burn::tensor::{FloatDType, TensorData};
 use headkl_burn::prelude::*;
 
@@ -18,7 +18,7 @@ fn misuse_is_a_typed_error_in_the_callers_terms() {
     let Some(shared) = open() else { return };
     let case = Case::new(7);
     let device = shared.device();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&shared);
     let teacher = case.teacher(&device);
     let opts = LossOptions::default();
 
@@ -156,7 +156,7 @@ fn a_bad_teacher_row_contributes_nothing_to_the_step_a_readme_loop_applies() {
     let Some(shared) = open() else { return };
     let case = Case::new(11);
     let device = shared.device().autodiff();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&shared);
     let hs = case.hs;
     let cases = [
         Bad::IdEqualToVocab,
@@ -169,10 +169,7 @@ fn a_bad_teacher_row_contributes_nothing_to_the_step_a_readme_loop_applies() {
     ];
     for (n, bad) in cases.into_iter().enumerate() {
         let (ids, probs, weights) = bad.plant(&case);
-        let teacher = Teacher {
-            ids: Tensor::<2, Int>::from_data(TensorData::new(ids, [case.ntok, case.k]), &device),
-            probs: Tensor::from_data(TensorData::new(probs, [case.ntok, case.k]), &device),
-        };
+        let teacher = case.teacher_of(ids, probs, &device);
         let w = weights.map(|w| Tensor::<1>::from_data(TensorData::new(w, [case.ntok]), &device));
 
         // The loop: loss, backward, the optimizer's step, then wait.
@@ -239,12 +236,9 @@ fn checked_mode_reports_before_the_step_and_unwaited_calls_are_named() {
     let Some(shared) = open() else { return };
     let case = Case::new(12);
     let device = shared.device();
-    let mut head = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl");
+    let mut head = case.head_kl(&shared);
     let (ids, probs, _) = Bad::DuplicateId.plant(&case);
-    let bad = Teacher {
-        ids: Tensor::<2, Int>::from_data(TensorData::new(ids, [case.ntok, case.k]), &device),
-        probs: Tensor::from_data(TensorData::new(probs, [case.ntok, case.k]), &device),
-    };
+    let bad = case.teacher_of(ids, probs, &device);
     let good = case.teacher(&device);
     let opts = LossOptions::default();
 

@@ -5,23 +5,20 @@
 use burn::prelude::{Int, Tensor};
 use burn::tensor::TensorData;
 use headkl_burn::prelude::*;
-use headkl_core::{Hidden, LossOptions as HostLossOptions};
+use headkl_burn::unfused::UnfusedTeacher;
+use headkl_core::{Engine, Hidden, LossOptions as HostLossOptions, SliceOptions};
 use headkl_reference::conformance::open_or_skip;
 use headkl_reference::direct::{head_kl_f64, DirectLoss};
+use headkl_wgpu::WgpuBackend;
 
-/// Uniform values in [-scale, scale), xorshift64* from `seed`.
-pub fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            let r = s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
-            (r as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
+#[path = "../../examples/common/mod.rs"]
+#[allow(
+    clippy::duplicate_mod,
+    reason = "the tests that include an example load this module there too"
+)]
+mod example_common;
+
+pub use example_common::uniform;
 
 /// A small problem: head `[V][hs]`, hidden `[ntok][hs]`, a teacher with
 /// distinct ids per row, weights.
@@ -69,9 +66,15 @@ impl Case {
 
     pub fn teacher(&self, device: &burn::tensor::Device) -> Teacher {
         let ids: Vec<i32> = self.ids.iter().map(|&i| i as i32).collect();
+        self.teacher_of(ids, self.probs.clone(), device)
+    }
+
+    /// A teacher of this case's shape `[ntok][k]` with these ids and
+    /// probabilities.
+    pub fn teacher_of(&self, ids: Vec<i32>, probs: Vec<f32>, device: &burn::tensor::Device) -> Teacher {
         Teacher {
             ids: Tensor::<2, Int>::from_data(TensorData::new(ids, [self.ntok, self.k]), device),
-            probs: Tensor::from_data(TensorData::new(self.probs.clone(), [self.ntok, self.k]), device),
+            probs: Tensor::from_data(TensorData::new(probs, [self.ntok, self.k]), device),
         }
     }
 
@@ -83,11 +86,61 @@ impl Case {
         Tensor::from_data(TensorData::new(self.weights.clone(), [self.ntok]), device)
     }
 
+    /// The hidden rows as headkl outside burn takes them.
+    pub fn host_hidden(&self) -> Hidden<'_> {
+        Hidden::f32(&self.hidden, self.ntok, self.hs).expect("hidden")
+    }
+
+    /// The teacher as headkl outside burn takes it.
+    pub fn host_teacher(&self) -> headkl_core::Teacher {
+        headkl_core::Teacher::new(&self.ids, &self.probs, self.ntok, self.k, self.vocab).expect("teacher")
+    }
+
+    /// headkl outside burn: its own wgpu backend, the host path, this head.
+    pub fn host_engine(&self) -> Engine<WgpuBackend> {
+        let backend = WgpuBackend::open(None).expect("wgpu backend");
+        Engine::new(backend, &self.head(), SliceOptions::default()).expect("engine")
+    }
+
+    /// The head uploaded to `shared`.
+    pub fn head_kl(&self, shared: &SharedDevice) -> HeadKl {
+        HeadKl::new(shared, &self.head(), &Default::default()).expect("HeadKl")
+    }
+
+    /// `head`'s loss of these rows and teacher on `device`, with the
+    /// weights where `weights` says.
+    pub fn loss(
+        &self,
+        head: &mut HeadKl,
+        device: &burn::tensor::Device,
+        weights: bool,
+        opts: &LossOptions,
+    ) -> LossOutput {
+        // Made in the order of the call's arguments, as the tests did.
+        let (hidden, teacher) = (self.hidden(device), self.teacher(device));
+        let w = weights.then(|| self.weights(device));
+        head.loss(&hidden, &teacher, w.as_ref(), opts).expect("loss")
+    }
+
+    /// What the loss written the burn way takes on `device`: the head and
+    /// the rows rounded to f16 (headkl's operands), and the teacher.
+    pub fn burn_way(&self, device: &burn::tensor::Device) -> BurnWay {
+        let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect() };
+        let head = Tensor::from_data(TensorData::new(round(&self.head), [self.vocab, self.hs]), device);
+        let rows = Tensor::from_data(TensorData::new(round(&self.hidden), [self.ntok, self.hs]), device);
+        let teacher = self.teacher(device);
+        BurnWay {
+            head,
+            rows,
+            unfused_teacher: UnfusedTeacher::from(&teacher),
+            teacher,
+        }
+    }
+
     /// The f64 reference of DESIGN §1 on the f16-rounded head and rows.
     pub fn reference(&self, weights: bool, total: Option<f32>) -> DirectLoss {
-        let hidden = Hidden::f32(&self.hidden, self.ntok, self.hs).expect("hidden");
-        let teacher =
-            headkl_core::Teacher::new(&self.ids, &self.probs, self.ntok, self.k, self.vocab).expect("teacher");
+        let hidden = self.host_hidden();
+        let teacher = self.host_teacher();
         let opts = HostLossOptions {
             weights: weights.then(|| self.weights.clone()),
             total,
@@ -96,6 +149,41 @@ impl Case {
         let resolved = opts.resolve(self.ntok).expect("options");
         head_kl_f64(&self.head(), &hidden, &teacher, &resolved)
     }
+}
+
+/// A [`Case`] as both losses take it: headkl's (`teacher`) and the one
+/// written the burn way (`head`, `unfused_teacher`), on the same rows.
+pub struct BurnWay {
+    pub head: Tensor<2>,
+    pub rows: Tensor<2>,
+    pub teacher: Teacher,
+    pub unfused_teacher: UnfusedTeacher,
+}
+
+impl BurnWay {
+    /// headkl's loss of fresh tracked copies of the rows with these
+    /// `weights` and `total`: the tracked rows and the output.
+    pub fn tracked_loss(
+        &self,
+        head: &mut HeadKl,
+        weights: Option<&Tensor<1>>,
+        total: Option<f32>,
+    ) -> (Tensor<2>, LossOutput) {
+        let rows = self.rows.clone().require_grad();
+        let opts = LossOptions {
+            total,
+            ..LossOptions::default()
+        };
+        let out = head.loss(&rows, &self.teacher, weights, &opts).expect("loss");
+        (rows, out)
+    }
+}
+
+/// `‖a − b‖ / ‖b‖`.
+pub fn relative_l2(a: &[f32], b: &[f32]) -> f32 {
+    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f32 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
 }
 
 /// The shared device, or `None` where no wgpu device could start (and
