@@ -325,7 +325,7 @@ impl PyEngine {
         };
         let vocab = self.vocab;
         self.loss_call(py, (dx, loss), |held, out| {
-            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.temperature)
+            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.config.temperature)
                 .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
             on_held!(held, e => e.engine().head_kl_into(&hidden, &teacher, &opts, out)).map_err(to_py)
         })
@@ -418,7 +418,7 @@ impl PyEngine {
         let mut held = self.held()?;
         let held = &mut *held;
         py.detach(|| -> PyResult<()> {
-            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.temperature)
+            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.config.temperature)
                 .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
             let parts = on_held!(held, e => e.shard()?.loss_partials(&hidden, &teacher, &opts)).map_err(to_py)?;
             for (out, part) in outs.into_iter().zip([&parts.lse, &parts.lse1, &parts.soft_part]) {

@@ -137,10 +137,11 @@ fn check_loss_options(options: &Bound<'_, PyDict>, sharded: bool) -> PyResult<()
         headkl_core::shard::check_loss_terms(reading.tail, &opts).map_err(to_py)?;
     }
     if let Some(from) = reading.temperature {
-        headkl_core::rescale_teacher(&[], 1, reading.form, reading.tail, from, opts.temperature).map_err(to_py)?;
+        headkl_core::rescale_teacher(&[], 1, reading.form, reading.tail, from, opts.config.temperature)
+            .map_err(to_py)?;
     }
     // Labels arrive with each call; here only their presence matters.
-    if opts.terms.hard_on() || opts.ignore_mask {
+    if opts.config.terms.hard_on() || opts.ignore_mask {
         opts.labels = Some(vec![0]);
     }
     opts.resolve(1).map(drop).map_err(to_py)

@@ -118,10 +118,10 @@ pub fn loss_options(kwargs: &Bound<'_, PyDict>) -> PyResult<(LossOptions, Teache
     let mut opts = LossOptions::default();
     let mut terms = LossTerms::default();
     if let Some(t) = kw.get::<f32>("temperature")? {
-        opts.temperature = t;
+        opts.config.temperature = t;
     }
     if let Some(r) = kw.name("reduction", reduction, "mean, sum, batchmean, none")? {
-        opts.reduction = r;
+        opts.config.reduction = r;
     }
     let beta = kw.get::<f32>("beta")?.unwrap_or(0.5);
     if let Some(d) = kw.name(
@@ -143,21 +143,21 @@ pub fn loss_options(kwargs: &Bound<'_, PyDict>) -> PyResult<(LossOptions, Teache
         }
     }
     terms.softcap = kw.get::<f32>("softcap")?;
-    opts.terms = terms;
+    opts.config.terms = terms;
     if let Some(i) = kw.get::<i64>("ignore_index")? {
         opts.ignore_index = i;
     }
     opts.ignore_mask = kw.get::<bool>("ignore_mask")?.unwrap_or(false);
-    opts.filter_eps = match kwargs.get_item("filter_eps")? {
+    opts.config.filter_eps = match kwargs.get_item("filter_eps")? {
         Some(v) if v.extract::<String>().is_ok_and(|s| s == "auto") => Some(headkl_core::filter::AUTO_EPS),
         _ => kw.get::<f32>("filter_eps")?,
     };
-    opts.gscale = kw.get::<f32>("gscale")?;
-    opts.total = kw.get::<f32>("total")?;
+    opts.config.gscale = kw.get::<f32>("gscale")?;
+    opts.config.total = kw.get::<f32>("total")?;
     if let Some(b) = kw.get::<u64>("budget_bytes")? {
-        opts.budget_bytes = b;
+        opts.config.budget_bytes = b;
     }
-    opts.max_rows_per_chunk = kw.get::<usize>("max_rows_per_chunk")?;
+    opts.config.max_rows_per_chunk = kw.get::<usize>("max_rows_per_chunk")?;
     let reading = TeacherReading {
         form: kw
             .name("teacher_form", TeacherForm::from_name, "probs, logprobs")?

@@ -103,25 +103,18 @@ pub fn head_kl(
     refuse_host_only(opts, reading)?;
     let hidden = begin(engine, shared, b.hidden, dtype)?;
     let device_opts = DeviceLossOptions {
-        temperature: opts.temperature,
+        config: opts.config,
         weights: b.weights.map(|h| shared.get("weights", h)).transpose()?,
-        total: opts.total,
-        reduction: opts.reduction,
-        gscale: opts.gscale,
-        accumulate_dx: false,
-        budget_bytes: opts.budget_bytes,
-        max_rows_per_chunk: opts.max_rows_per_chunk,
-        teacher_form: reading.form,
-        tail: reading.tail,
-        terms: opts.terms,
         labels: b.labels.map(|h| shared.get("labels", h)).transpose()?,
+        accumulate_dx: false,
         terms_out: None,
-        filter_eps: opts.filter_eps,
     };
     let teacher = DeviceTeacher {
         ids: shared.get("teacher_ids", b.ids)?,
         probs: shared.get("teacher_values", b.values)?,
         k,
+        form: reading.form,
+        tail: reading.tail,
     };
     let out = DeviceLossOutput {
         loss: shared.get("loss", b.loss)?,

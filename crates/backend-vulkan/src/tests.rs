@@ -286,7 +286,9 @@ fn noise(seed: u64, i: usize) -> f32 {
 
 #[test]
 fn host_path_records_each_chunk_while_the_previous_one_runs() {
-    use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher, TopkOptions};
+    use headkl_core::{
+        Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, SliceOptions, Teacher, TopkOptions,
+    };
     let Some(b) = open_in_line() else {
         return;
     };
@@ -301,10 +303,10 @@ fn host_path_records_each_chunk_while_the_previous_one_runs() {
     let mut engine = Engine::new(&b, &head, SliceOptions::default()).unwrap();
     let reset = || std::mem::take(&mut b.stream().unwrap().ring_stats);
     // Six chunks of 16 rows.
-    let loss_opts = LossOptions {
+    let loss_opts = LossOptions::from(LossConfig {
         max_rows_per_chunk: Some(16),
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     let topk_opts = TopkOptions {
         max_rows_per_chunk: Some(16),
         ..TopkOptions::new(k)
@@ -349,7 +351,9 @@ fn host_path_records_each_chunk_while_the_previous_one_runs() {
 /// scratch the first one's copies touched.
 #[test]
 fn host_path_copies_on_lanes_match_the_in_line_path() {
-    use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher, TopkOptions};
+    use headkl_core::{
+        Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, SliceOptions, Teacher, TopkOptions,
+    };
     let Some(lanes) = open_copies(crate::command::STAGING_BYTES, Some(CopyQueue::Compute)) else {
         return;
     };
@@ -372,10 +376,10 @@ fn host_path_copies_on_lanes_match_the_in_line_path() {
     let probs: Vec<f32> = (0..ntok * k).map(|i| 1.0 + (i % k) as f32).collect();
     let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).unwrap();
     let teacher = Teacher::new(&ids, &probs, ntok, k, vocab).unwrap();
-    let loss_opts = LossOptions {
+    let loss_opts = LossOptions::from(LossConfig {
         max_rows_per_chunk: Some(ntok / chunks),
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     let topk_opts = TopkOptions {
         max_rows_per_chunk: Some(ntok / chunks),
         ..TopkOptions::new(k)

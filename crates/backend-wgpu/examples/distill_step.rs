@@ -325,11 +325,7 @@ pub fn run(cfg: &Config) -> Result<Vec<f32>, Box<dyn Error>> {
 
     let forward_group = tr.bind([&feats, &student_map, &hidden, &loss, &history]);
     let sgd_group = tr.bind([&feats, &student_map, &dx, &loss, &history]);
-    let teacher = DeviceTeacher {
-        ids: &ids_v,
-        probs: &probs_v,
-        k,
-    };
+    let teacher = DeviceTeacher::new(&ids_v, &probs_v, k);
     let out = DeviceLossOutput {
         loss: &loss_v,
         dx: &dx_v,

@@ -22,7 +22,8 @@ use std::time::Instant;
 
 use burn::prelude::{Int, Tensor};
 use burn::tensor::{DType, Device, FloatDType, TensorData};
-use headkl_burn::{unfused, DeviceOptions, HeadKl, LossOptions, SharedDevice, Teacher};
+use headkl_burn::prelude::LossConfig;
+use headkl_burn::{unfused, DeviceOptions, HeadKl, SharedDevice, Teacher};
 use headkl_core::{Backend, HeadData, HeadWeights};
 
 #[path = "common/mod.rs"]
@@ -203,7 +204,7 @@ pub fn run_on(shared: &SharedDevice, cfg: &Config) -> Result<Vec<Row>, Box<dyn E
     // headkl-burn.
     let step_headkl = |head: &mut HeadKl| -> Result<f32, Box<dyn Error>> {
         let h = hidden.clone().require_grad();
-        let out = head.loss(&h, &teacher, None, &LossOptions::default())?;
+        let out = head.loss(&h, &teacher, None, &LossConfig::default())?;
         let grads = out.loss.clone().backward();
         let _grad = h.grad(&grads);
         device.sync()?;

@@ -199,7 +199,7 @@ pub fn run_on(shared: &SharedDevice, cfg: &Config) -> Result<Vec<f32>, Box<dyn E
         let loss = if cfg.unfused {
             unfused::loss(hidden, &head_tensor, &unfused_teacher, None, None, 1.0).0
         } else {
-            head.loss(&hidden, &teacher, None, &LossOptions::default())?.loss
+            head.loss(&hidden, &teacher, None, &LossConfig::default())?.loss
         };
         losses.push(loss.clone().detach());
         let grads = GradientsParams::from_grads(loss.backward(), &student);

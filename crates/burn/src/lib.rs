@@ -21,7 +21,7 @@
 //!
 //! // The student's hidden rows, from its own layers; the loss is a node of burn's graph.
 //! let hidden = Tensor::<2>::random([ntok, hs], burn::tensor::Distribution::Default, &device).require_grad();
-//! let out = head.loss(&hidden, &teacher, None, &LossOptions::default())?;
+//! let out = head.loss(&hidden, &teacher, None, &LossConfig::default())?;
 //! let grads = out.loss.backward(); // dx into hidden's gradient, and on into the student's parameters
 //! head.wait()?; // what the device flagged (bad teacher data), naming the call
 //! # Ok(()) }
@@ -55,8 +55,8 @@ use burn::prelude::{Int, Tensor};
 use burn::tensor::{activation, DType, Device, FloatDType, IntDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use headkl_core::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadWeights, HiddenDtype, LossTerms,
-    Reduction, SliceOptions, TopkOptions, DEFAULT_BUDGET_BYTES,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadWeights, HiddenDtype, LossConfig,
+    Reduction, SliceOptions, TopkOptions,
 };
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
@@ -76,10 +76,10 @@ use grad::Upstream;
 /// import: name it `headkl_burn::Result`).
 pub mod prelude {
     pub use crate::{
-        device_descriptor, Binding, Calls, DeviceOptions, Error, HeadKl, LossOptions, LossOutput, SharedDevice,
-        Teacher, TopK, BIND_ALIGN,
+        device_descriptor, Binding, Calls, DeviceOptions, Error, HeadKl, LossOutput, SharedDevice, Teacher, TopK,
+        BIND_ALIGN,
     };
-    pub use headkl_core::{Divergence, HeadData, HeadWeights, LossTerms, Reduction, TopkOptions};
+    pub use headkl_core::{Divergence, HeadData, HeadWeights, LossConfig, LossTerms, Reduction, TopkOptions};
     pub use headkl_wgpu::OpenOptions;
 }
 
@@ -96,45 +96,6 @@ pub struct Teacher {
     pub ids: Tensor<2, Int>,
     /// Probabilities `[ntok][k]`.
     pub probs: Tensor<2>,
-}
-
-/// Options of [`HeadKl::loss`] (headkl's `DeviceLossOptions` without the
-/// buffers).
-#[derive(Clone, Debug)]
-pub struct LossOptions {
-    /// Temperature τ (default 1).
-    pub temperature: f32,
-    /// The weight the mean divides by; `None`: `Σ w_t` (`ntok` without
-    /// weights), summed on the device. Only with [`Reduction::Mean`].
-    pub total: Option<f32>,
-    /// How the per-token losses reduce into `loss`, as PyTorch's
-    /// `reduction` (`none` returns the sum in `loss`; `per_token` holds the
-    /// losses); dx is the reduced loss's gradient.
-    pub reduction: Reduction,
-    /// The loss's terms: the divergence (forward, reverse, JSD), the soft
-    /// weight, the z-loss, the softcap and the logit scale (README "Loss
-    /// terms"; the hard term needs labels, which this call does not take).
-    pub terms: LossTerms,
-    /// Scale of the f16 gradient; `None`: headkl's default, on the device.
-    pub gscale: Option<f32>,
-    /// Device-memory budget of headkl's scratch, in bytes.
-    pub budget_bytes: u64,
-    /// Test knob: at most this many tokens per chunk.
-    pub max_rows_per_chunk: Option<usize>,
-}
-
-impl Default for LossOptions {
-    fn default() -> Self {
-        Self {
-            temperature: 1.0,
-            total: None,
-            reduction: Reduction::Mean,
-            terms: LossTerms::default(),
-            gscale: None,
-            budget_bytes: DEFAULT_BUDGET_BYTES,
-            max_rows_per_chunk: None,
-        }
-    }
 }
 
 /// What [`HeadKl::loss`] returns. A row the device flags (a bad teacher
@@ -479,12 +440,18 @@ impl HeadKl {
     /// with no host wait: a flagged row's `per_token` entry is NaN (so is
     /// `loss`) and its gradient 0, and [`HeadKl::wait`] names the call and
     /// the row.
+    ///
+    /// `opts` is headkl's [`LossConfig`], as every path takes it: τ, the
+    /// reduction into `loss` (PyTorch's `reduction`: `none` returns the sum
+    /// in `loss`, and `per_token` holds the losses; dx is the reduced
+    /// loss's gradient), the terms (the hard term needs labels, which this
+    /// call does not take), the dx block filter, the scratch budget.
     pub fn loss(
         &mut self,
         hidden: &Tensor<2>,
         teacher: &Teacher,
         weights: Option<&Tensor<1>>,
-        opts: &LossOptions,
+        opts: &LossConfig,
     ) -> Result<LossOutput> {
         let ntok = self.check_hidden(hidden)?;
         let [ids_rows, k] = teacher.ids.dims();
@@ -558,25 +525,14 @@ impl HeadKl {
                 buffer: &h_view,
                 dtype: hdtype,
             },
-            &DeviceTeacher {
-                ids: &ids_view,
-                probs: &probs_view,
-                k,
-            },
+            &DeviceTeacher::new(&ids_view, &probs_view, k),
             &DeviceLossOutput {
                 loss: &loss_view,
                 dx: &dx_view,
             },
             &DeviceLossOptions {
-                temperature: opts.temperature,
+                config: *opts,
                 weights: w_view.as_ref(),
-                total: opts.total,
-                reduction: opts.reduction,
-                terms: opts.terms,
-                gscale: opts.gscale,
-                accumulate_dx: false,
-                budget_bytes: opts.budget_bytes,
-                max_rows_per_chunk: opts.max_rows_per_chunk,
                 ..DeviceLossOptions::default()
             },
         );

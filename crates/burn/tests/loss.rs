@@ -22,7 +22,7 @@ fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
     let case = Case::new(1);
     let device = shared.device();
     let mut head = case.head_kl(&shared);
-    let out = case.loss(&mut head, &device, true, &LossOptions::default());
+    let out = case.loss(&mut head, &device, true, &LossConfig::default());
     let per_token = host_f32(out.per_token);
     let mean = f64::from(host_f32(out.loss)[0]);
     let dx = host_f32(out.dx);
@@ -76,10 +76,10 @@ fn reduction_and_divergence_reach_the_device() {
         divergence: Divergence::Reverse,
         ..LossTerms::default()
     };
-    let opts = LossOptions {
+    let opts = LossConfig {
         reduction: Reduction::Sum,
         terms,
-        ..LossOptions::default()
+        ..LossConfig::default()
     };
     let out = case.loss(&mut head, &device, true, &opts);
     let (per_token, sum, dx) = (
@@ -89,9 +89,12 @@ fn reduction_and_divergence_reach_the_device() {
     );
     head.wait().expect("device status");
     let resolved = HostLossOptions {
+        config: LossConfig {
+            reduction: Reduction::Sum,
+            terms,
+            ..LossConfig::default()
+        },
         weights: Some(case.weights.clone()),
-        reduction: Reduction::Sum,
-        terms,
         ..HostLossOptions::default()
     }
     .resolve(case.ntok)
@@ -110,7 +113,7 @@ fn reduction_and_divergence_reach_the_device() {
         &case.hidden(&device),
         &case.teacher(&device),
         None,
-        &LossOptions {
+        &LossConfig {
             total: Some(2.0),
             ..opts
         },
@@ -132,7 +135,7 @@ fn backward_puts_dx_times_the_upstream_gradient_into_hidden() {
     let mut head = case.head_kl(&shared);
     let hidden = case.hidden(&device).require_grad();
     let out = head
-        .loss(&hidden, &case.teacher(&device), None, &LossOptions::default())
+        .loss(&hidden, &case.teacher(&device), None, &LossConfig::default())
         .expect("loss");
     // Upstream gradient 3: the loss scaled before backward.
     let grads = out.loss.clone().mul_scalar(3.0).backward();
@@ -191,7 +194,7 @@ fn f16_rows_read_in_place_and_get_an_f16_gradient() {
     let want = case.reference(false, None);
     let hidden = case.hidden(&device).cast(FloatDType::F16).require_grad();
     let out = head
-        .loss(&hidden, &teacher, None, &LossOptions::default())
+        .loss(&hidden, &teacher, None, &LossConfig::default())
         .expect("loss");
     let grads = out.loss.clone().backward();
     let grad = hidden.grad(&grads).expect("grad");
@@ -208,7 +211,7 @@ fn burns_buffers_are_bound_in_place_or_copied_on_a_less_aligned_device() {
     let case = Case::new(5);
     let device = shared.device();
     let mut head = case.head_kl(&shared);
-    let first = case.loss(&mut head, &device, false, &LossOptions::default());
+    let first = case.loss(&mut head, &device, false, &LossConfig::default());
     let bound = head.last_binding();
     assert_eq!((bound.in_place, bound.copied), (5, 0), "{bound:?}");
     let want = host_f32(first.per_token);
@@ -241,7 +244,7 @@ fn burns_buffers_are_bound_in_place_or_copied_on_a_less_aligned_device() {
     let mut head = case.head_kl(&trainers);
     let mut copied = 0;
     for _ in 0..3 {
-        let out = case.loss(&mut head, &trainer_device, false, &LossOptions::default());
+        let out = case.loss(&mut head, &trainer_device, false, &LossConfig::default());
         copied += head.last_binding().copied;
         assert_eq!(host_f32(out.per_token), want, "the same loss, bound in place or copied");
     }
@@ -348,7 +351,7 @@ fn a_head_from_a_burn_tensor_is_the_head_from_the_host() {
     let Some(shared) = open() else { return };
     let case = Case::new(10);
     let device = shared.device();
-    let opts = LossOptions::default();
+    let opts = LossConfig::default();
     let mut from_host = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl::new");
     let w = Tensor::<2>::from_data(
         TensorData::new(case.head.clone(), [case.vocab, case.hs]),

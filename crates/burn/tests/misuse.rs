@@ -20,7 +20,7 @@ fn misuse_is_a_typed_error_in_the_callers_terms() {
     let device = shared.device();
     let mut head = case.head_kl(&shared);
     let teacher = case.teacher(&device);
-    let opts = LossOptions::default();
+    let opts = LossConfig::default();
 
     let wide = Tensor::<2>::zeros([case.ntok, case.hs + 1], &device);
     let e = head.loss(&wide, &teacher, None, &opts).expect_err("hs");
@@ -57,9 +57,9 @@ fn misuse_is_a_typed_error_in_the_callers_terms() {
             &case.hidden(&device),
             &teacher,
             None,
-            &LossOptions {
+            &LossConfig {
                 temperature: 0.0,
-                ..LossOptions::default()
+                ..LossConfig::default()
             },
         )
         .expect_err("temperature");
@@ -179,7 +179,7 @@ fn a_bad_teacher_row_contributes_nothing_to_the_step_a_readme_loop_applies() {
         let before = host_f32(student.x.val());
         let mut optim = AdamConfig::new().init();
         let out = head
-            .loss(&student.x.val(), &teacher, w.as_ref(), &LossOptions::default())
+            .loss(&student.x.val(), &teacher, w.as_ref(), &LossConfig::default())
             .unwrap_or_else(|e| panic!("{bad:?}: the call is recorded: {e}"));
         let loss = host_f32(out.loss.clone());
         let per_token = host_f32(out.per_token.clone());
@@ -240,7 +240,7 @@ fn checked_mode_reports_before_the_step_and_unwaited_calls_are_named() {
     let (ids, probs, _) = Bad::DuplicateId.plant(&case);
     let bad = case.teacher_of(ids, probs, &device);
     let good = case.teacher(&device);
-    let opts = LossOptions::default();
+    let opts = LossConfig::default();
 
     // Two calls without a wait between: the error names both.
     head.loss(&case.hidden(&device), &good, None, &opts).expect("call 1");

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headkl_core::{
-    Backend, DeviceInfo, Divergence, Engine, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, ResidentBackend,
-    SliceOptions, TopkOptions, ALIGN,
+    Backend, DeviceInfo, Divergence, Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, LossTerms,
+    ResidentBackend, SliceOptions, TopkOptions, ALIGN,
 };
 
 use crate::environment::Settings;
@@ -280,9 +280,12 @@ impl BenchJob<'_> {
         let shape = d.shape;
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(|e| CliError::device("bench data", e))?;
         let loss_opts = LossOptions {
-            budget_bytes: cfg.budget.bytes,
-            filter_eps: cfg.filter_eps,
-            terms: cfg.loss_terms()?,
+            config: LossConfig {
+                budget_bytes: cfg.budget.bytes,
+                filter_eps: cfg.filter_eps,
+                terms: cfg.loss_terms()?,
+                ..LossConfig::default()
+            },
             labels: cfg.labels.map(|_| random_labels(shape)),
             ..LossOptions::default()
         };
@@ -317,7 +320,10 @@ impl BenchJob<'_> {
         };
         // The full-vocabulary loss has no dx filter (refused there).
         let full_vocab_opts = LossOptions {
-            filter_eps: None,
+            config: LossConfig {
+                filter_eps: None,
+                ..loss_opts.config
+            },
             ..loss_opts.clone()
         };
         // Kept across calls, as a training loop keeps its gradient buffer.
@@ -364,7 +370,10 @@ impl BenchJob<'_> {
                 hidden,
                 &d.teacher,
                 &LossOptions {
-                    filter_eps: None,
+                    config: LossConfig {
+                        filter_eps: None,
+                        ..opts.config
+                    },
                     ..opts.clone()
                 },
             )
@@ -625,10 +634,10 @@ impl BenchJob<'_> {
                 shape.ntok,
                 shape.k,
                 false,
-                &LossOptions {
+                &LossOptions::from(LossConfig {
                     budget_bytes: self.cfg.budget.bytes,
-                    ..LossOptions::default()
-                },
+                    ..LossConfig::default()
+                }),
             )
             .map_err(|e| CliError::device("bench chunk plan", e))?;
         eprintln!(

@@ -20,7 +20,7 @@ use clap::Parser;
 use half::{bf16, f16};
 use headkl_core::settings::{Env, REMOVED, VARIABLES};
 use headkl_core::tune_cache::TuneCache;
-use headkl_core::{GemmChoice, LossOptions, LossTerms, TailMode, Teacher, TeacherForm};
+use headkl_core::{GemmChoice, LossConfig, LossOptions, LossTerms, TailMode, Teacher, TeacherForm};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
@@ -443,12 +443,15 @@ fn teacher_file(data: &[u8]) {
             .transpose()?;
         let hard = labels.is_some();
         let opts = LossOptions {
+            config: LossConfig {
+                terms: LossTerms {
+                    hard_weight: if hard { 0.5 } else { 0.0 },
+                    ..LossTerms::default()
+                },
+                ..LossConfig::default()
+            },
             weights,
             labels,
-            terms: LossTerms {
-                hard_weight: if hard { 0.5 } else { 0.0 },
-                ..LossTerms::default()
-            },
             ..LossOptions::default()
         };
         crate::jobs::check_loss_options(&opts, FIXTURE_NTOK, FIXTURE_VOCAB, &sources).map(drop)

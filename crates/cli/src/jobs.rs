@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use headkl_core::{
-    Backend, Engine, Error as CoreError, Field, HeadData, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput,
-    Reduction, ResolvedLoss, SliceOptions, TailMode, Teacher, TeacherForm, TopK, TopkOptions,
+    Backend, Engine, Error as CoreError, Field, HeadData, HeadWeights, Hidden, HiddenData, LossConfig, LossOptions,
+    LossOutput, Reduction, ResolvedLoss, SliceOptions, TailMode, Teacher, TeacherForm, TopK, TopkOptions,
 };
 use safetensors::Dtype;
 
@@ -619,18 +619,20 @@ impl LossArgs {
     /// teacher's hidden rows).
     pub(crate) fn loss_options(&self, weights: Option<Vec<f32>>, labels: Option<Vec<i64>>) -> LossOptions {
         LossOptions {
-            temperature: self.temperature,
+            config: LossConfig {
+                temperature: self.temperature,
+                total: self.total,
+                reduction: self.reduction,
+                gscale: self.gscale,
+                budget_bytes: self.budget.bytes,
+                terms: self.terms.terms(),
+                filter_eps: self.filter_eps,
+                ..LossConfig::default()
+            },
             weights,
-            total: self.total,
-            reduction: self.reduction,
-            gscale: self.gscale,
-            budget_bytes: self.budget.bytes,
-            terms: self.terms.terms(),
             labels,
             ignore_index: self.terms.ignore_index,
             ignore_mask: self.terms.ignore_mask,
-            filter_eps: self.filter_eps,
-            ..LossOptions::default()
         }
     }
 }

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headkl_core::{
-    Backend, DeviceLossOptions, Engine, HeadData, HeadWeights, Hidden, LossOptions, LossOutput, ResidentBackend,
-    SliceOptions,
+    Backend, DeviceLossOptions, Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, LossOutput,
+    ResidentBackend, SliceOptions,
 };
 
 use crate::bench::{BenchData, DataKind, Shape};
@@ -228,10 +228,10 @@ impl Soak<'_> {
         let d = self.data;
         let shape = d.shape;
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(Self::fail("hidden rows"))?;
-        let opts = LossOptions {
+        let opts = LossOptions::from(LossConfig {
             budget_bytes: self.cfg.budget.bytes,
-            ..LossOptions::default()
-        };
+            ..LossConfig::default()
+        });
         let mut out = LossOutput::default();
         let mut tracker = Tracker::new(self.cfg.warmup);
         let start = Instant::now();
@@ -264,10 +264,10 @@ impl Soak<'_> {
             )
             .map_err(Self::fail("device buffers"))?;
         let (hidden, teacher, out) = buffers.views(k);
-        let opts = DeviceLossOptions {
+        let opts = DeviceLossOptions::from(LossConfig {
             budget_bytes: self.cfg.budget.bytes,
-            ..DeviceLossOptions::default()
-        };
+            ..LossConfig::default()
+        });
         let (mut got_loss, mut got_dx) = (vec![0f32; ntok], vec![0f32; ntok * hs]);
         let mut tracker = Tracker::new(self.cfg.warmup);
         let start = Instant::now();
@@ -301,10 +301,10 @@ impl Soak<'_> {
         let shape = d.shape;
         let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(Self::fail("the head"))?;
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(Self::fail("hidden rows"))?;
-        let opts = LossOptions {
+        let opts = LossOptions::from(LossConfig {
             budget_bytes: self.cfg.budget.bytes,
-            ..LossOptions::default()
-        };
+            ..LossConfig::default()
+        });
         let results: Vec<Result<Vec<String>, CliError>> = std::thread::scope(|s| {
             let workers: Vec<_> = (0..self.cfg.threads)
                 .map(|t| {
@@ -375,10 +375,10 @@ impl Soak<'_> {
             problems.extend(resident.problems());
             progress.finish();
             let mut out = LossOutput::default();
-            let opts = LossOptions {
+            let opts = LossOptions::from(LossConfig {
                 budget_bytes: self.cfg.budget.bytes,
-                ..LossOptions::default()
-            };
+                ..LossConfig::default()
+            });
             let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(Self::fail("hidden rows"))?;
             engine
                 .head_kl_into(&hidden, &d.teacher, &opts, &mut out)

@@ -10,7 +10,7 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::f16;
-use headkl_core::{HeadData, HeadWeights, Hidden, LossOptions, Teacher};
+use headkl_core::{HeadData, HeadWeights, Hidden, LossConfig, LossOptions, Teacher};
 use headkl_reference::direct::{head_kl_f64, topk_f64, DirectLoss};
 use headkl_reference::Tolerance;
 use safetensors::tensor::TensorView;
@@ -231,14 +231,14 @@ fn loss_mean(st: &SafeTensors<'_>) -> f64 {
 
 /// The divergence tests' options: `divergence` at τ = 1.5.
 fn divergence_at_tau_1_5(divergence: headkl_core::Divergence) -> LossOptions {
-    LossOptions {
+    LossOptions::from(LossConfig {
         temperature: 1.5,
         terms: headkl_core::LossTerms {
             divergence,
             ..headkl_core::LossTerms::default()
         },
-        ..LossOptions::default()
-    }
+        ..LossConfig::default()
+    })
 }
 
 fn assert_input_error(o: &Output, needles: &[&str]) {
@@ -685,7 +685,10 @@ fn loss_matches_direct_with_weights() {
     let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
     let teacher = Teacher::from_i64(&f.ids, &f.probs, NTOK, K, VOCAB).unwrap();
     let opts = LossOptions {
-        temperature: 1.5,
+        config: LossConfig {
+            temperature: 1.5,
+            ..LossConfig::default()
+        },
         weights: Some(weights.to_vec()),
         ..LossOptions::default()
     };
@@ -1227,12 +1230,15 @@ fn stored_teacher_round_trip_matches_direct() {
     let hidden = Hidden::f32(&f.hidden, NTOK, HS).unwrap();
     let teacher = Teacher::with_form(&ids, &logprobs, NTOK, k, VOCAB, TeacherForm::Logprobs, TailMode::Bucket).unwrap();
     let opts = LossOptions {
-        terms: LossTerms {
-            hard_weight: 0.5,
-            softcap: Some(30.0),
-            z_loss: 1e-4,
-            logit_scale: 1.5,
-            ..LossTerms::default()
+        config: LossConfig {
+            terms: LossTerms {
+                hard_weight: 0.5,
+                softcap: Some(30.0),
+                z_loss: 1e-4,
+                logit_scale: 1.5,
+                ..LossTerms::default()
+            },
+            ..LossConfig::default()
         },
         labels: Some(labels),
         ..LossOptions::default()

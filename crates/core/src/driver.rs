@@ -49,7 +49,7 @@ pub struct LossOutput {
     pub mean: f64,
     /// `∂L/∂x` `[ntok][hs]`.
     pub dx: Vec<f32>,
-    /// With [`LossOptions::filter_eps`]: what the dx GEMM's block filter
+    /// With [`crate::LossConfig::filter_eps`]: what the dx GEMM's block filter
     /// skipped, and a bound on what that dropped from dx.
     pub filter: Option<crate::FilterStats>,
 }
@@ -270,8 +270,8 @@ impl<B: Backend> Engine<B> {
 
     /// The chunk plan `head_kl` would use for `ntok` tokens.
     pub fn loss_plan(&self, ntok: usize, k: usize, f32_input: bool, opts: &LossOptions) -> Result<ChunkPlan> {
-        let budget = (opts.budget_bytes, opts.max_rows_per_chunk);
-        let job = Job::loss(opts.filter_eps);
+        let budget = (opts.config.budget_bytes, opts.config.max_rows_per_chunk);
+        let job = Job::loss(opts.config.filter_eps);
         self.head.chunk_plan(&self.backend, job, ntok, k, f32_input, budget)
     }
 
@@ -468,7 +468,13 @@ impl<B: Backend> Engine<B> {
         );
         let info = self.backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
-        let plan = crate::chunking::plan_chunks(ntok, &costs, opts.budget_bytes, max_binding, opts.max_rows_per_chunk)?;
+        let plan = crate::chunking::plan_chunks(
+            ntok,
+            &costs,
+            opts.config.budget_bytes,
+            max_binding,
+            opts.config.max_rows_per_chunk,
+        )?;
         let rows = plan.rows_per_chunk;
         let (t_input, t_rows) =
             self.teacher_scratch

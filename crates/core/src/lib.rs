@@ -104,8 +104,8 @@ pub use head_planes::DevicePlane;
 pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
 pub use launch::{Checked, Kernels, Launch};
 pub use problem::{
-    check_k, Hidden, HiddenData, LossOptions, Reduction, ResolvedLoss, Teacher, TopkOptions, DEFAULT_BUDGET_BYTES,
-    DEFAULT_IGNORE_INDEX, MAX_K,
+    check_k, Hidden, HiddenData, LossConfig, LossOptions, Reduction, ResolvedLoss, Teacher, TopkOptions,
+    DEFAULT_BUDGET_BYTES, DEFAULT_IGNORE_INDEX, MAX_K,
 };
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident::{

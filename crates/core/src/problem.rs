@@ -320,31 +320,6 @@ fn check_temperature(t: f32) -> Result<()> {
     }
 }
 
-/// The option checks `head_kl` and `head_kl_device` share, in the order
-/// both make them: τ, the budget, the terms, labels where the hard term
-/// needs them, and the block filter's ε. A given `total` and `gscale` go through [`check_total`] and
-/// [`check_gscale`].
-pub(crate) fn check_loss_options(
-    temperature: f32,
-    budget_bytes: u64,
-    terms: &LossTerms,
-    has_labels: bool,
-    filter_eps: Option<f32>,
-) -> Result<()> {
-    check_temperature(temperature)?;
-    if budget_bytes == 0 {
-        return Err(Error::BudgetZero);
-    }
-    terms.check()?;
-    if terms.hard_on() && !has_labels {
-        return Err(Error::HardWeightWithoutLabels {
-            value: terms.hard_weight,
-        });
-    }
-    filter_eps.map(crate::filter::check_eps).transpose()?;
-    Ok(())
-}
-
 /// `total`, unless it is not positive and finite.
 pub(crate) fn check_total(total: f32) -> Result<f32> {
     if total > 0.0 && total.is_finite() {
@@ -417,30 +392,97 @@ impl Reduction {
     }
 }
 
-/// Options of `head_kl`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LossOptions {
+/// What a loss call is asked on every path: the host call
+/// ([`LossOptions::config`]), the call on device buffers
+/// ([`crate::DeviceLossOptions::config`]) and headkl-burn's `HeadKl::loss`
+/// take it whole, and [`LossConfig::check`] holds it to its ranges in one
+/// place. What differs between the paths (weights and labels on the host
+/// or in device buffers) is beside it in each path's options.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossConfig {
     /// Temperature τ (default 1).
     pub temperature: f32,
-    /// Per-token weights `w_t ≥ 0` (0 masks a token); `None` means all 1.
-    pub weights: Option<Vec<f32>>,
-    /// The weight the step averages over; `None` means `Σ w_t`. Only with
-    /// [`Reduction::Mean`].
+    /// The weight the step averages over; `None` means `Σ w_t` (summed on
+    /// the device on the device path). Only with [`Reduction::Mean`].
     pub total: Option<f32>,
     /// How the per-token losses reduce (default: the mean).
     pub reduction: Reduction,
     /// Scale of the f16 gradient; `None` means `2^14 · total / max_t w_t`,
     /// divided by [`LossTerms::grad_bound`] when the hard term is on.
     pub gscale: Option<f32>,
+    /// The terms: the soft term's divergence and weight, the hard term's
+    /// weight and label smoothing, the z-loss, the softcap and the logit
+    /// scale (default: the forward KL alone).
+    pub terms: LossTerms,
+    /// The dx GEMM's block filter (`crate::filter`; off by default): skip
+    /// each block of the dx GEMM whose `|∂L/∂s|` entries are all at most ε
+    /// in every row of a GEMM row tile (`crate::filter::AUTO_EPS` is Cut
+    /// Cross-Entropy's 2⁻¹⁵). The loss stays exact; dx drops the skipped
+    /// products, and on the host path [`crate::LossOutput::filter`] says
+    /// how many and bounds what they were. `Some(0.0)` skips only all-zero
+    /// blocks: dx bit for bit as without the filter.
+    pub filter_eps: Option<f32>,
     /// Device-memory budget for scratch buffers, in bytes.
     pub budget_bytes: u64,
     /// Test knob: at most this many tokens per chunk.
     pub max_rows_per_chunk: Option<usize>,
-    /// The terms' weights, label smoothing, z-loss and softcap (default:
-    /// the soft term alone).
-    pub terms: LossTerms,
+}
+
+impl Default for LossConfig {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            total: None,
+            reduction: Reduction::Mean,
+            gscale: None,
+            terms: LossTerms::default(),
+            filter_eps: None,
+            budget_bytes: DEFAULT_BUDGET_BYTES,
+            max_rows_per_chunk: None,
+        }
+    }
+}
+
+impl LossConfig {
+    /// Checks the values every path checks first, in this order: τ, the
+    /// budget, the terms, labels where the hard term needs them
+    /// (`has_labels`: the call brought some), the block filter's ε. A given
+    /// `total` and `gscale` are checked once the call knows its tokens
+    /// ([`LossConfig::total_for`]; the host path also derives them from
+    /// the weights).
+    pub fn check(&self, has_labels: bool) -> Result<()> {
+        check_temperature(self.temperature)?;
+        if self.budget_bytes == 0 {
+            return Err(Error::BudgetZero);
+        }
+        self.terms.check()?;
+        if self.terms.hard_on() && !has_labels {
+            return Err(Error::HardWeightWithoutLabels {
+                value: self.terms.hard_weight,
+            });
+        }
+        self.filter_eps.map(crate::filter::check_eps).transpose()?;
+        Ok(())
+    }
+
+    /// The total the weighted sum divides by over `ntok` tokens, checked:
+    /// the given one (mean only), the reduction's, or `None` for the
+    /// weights' sum.
+    pub fn total_for(&self, ntok: usize) -> Result<Option<f32>> {
+        self.reduction.total(self.total, ntok)?.map(check_total).transpose()
+    }
+}
+
+/// Options of `head_kl`: the call's [`LossConfig`], and its weights and
+/// labels on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossOptions {
+    /// τ, the reduction, the terms, the budget: what every path takes.
+    pub config: LossConfig,
+    /// Per-token weights `w_t ≥ 0` (0 masks a token); `None` means all 1.
+    pub weights: Option<Vec<f32>>,
     /// Labels `[ntok]` of the hard term (a negative label, or one equal to
-    /// `ignore_index`: none), needed when `terms.hard_weight > 0`.
+    /// `ignore_index`: none), needed when `config.terms.hard_weight > 0`.
     pub labels: Option<Vec<i64>>,
     /// The label that means none (default −100, PyTorch's `ignore_index`;
     /// any negative label is none too).
@@ -450,31 +492,26 @@ pub struct LossOptions {
     /// the mean's `Σ w` too, as Liger's `shift_labels` does. Needs
     /// `labels`; works with the hard term off.
     pub ignore_mask: bool,
-    /// The dx GEMM's block filter (`crate::filter`; off by default): skip
-    /// each block of the dx GEMM whose `|∂L/∂s|` entries are all at most ε
-    /// in every row of a GEMM row tile (`crate::filter::AUTO_EPS` is Cut
-    /// Cross-Entropy's 2⁻¹⁵). The loss stays exact; dx drops the skipped
-    /// products, and [`crate::LossOutput::filter`] says how many and
-    /// bounds what they were. `Some(0.0)` skips only all-zero blocks: dx
-    /// bit for bit as without the filter.
-    pub filter_eps: Option<f32>,
 }
 
 impl Default for LossOptions {
     fn default() -> Self {
         Self {
-            temperature: 1.0,
+            config: LossConfig::default(),
             weights: None,
-            total: None,
-            reduction: Reduction::Mean,
-            gscale: None,
-            budget_bytes: DEFAULT_BUDGET_BYTES,
-            max_rows_per_chunk: None,
-            terms: LossTerms::default(),
             labels: None,
             ignore_index: DEFAULT_IGNORE_INDEX,
             ignore_mask: false,
-            filter_eps: None,
+        }
+    }
+}
+
+impl From<LossConfig> for LossOptions {
+    /// The options of a call without weights or labels.
+    fn from(config: LossConfig) -> Self {
+        Self {
+            config,
+            ..Self::default()
         }
     }
 }
@@ -523,13 +560,8 @@ impl ResolvedLoss {
 impl LossOptions {
     /// Checks every option and fills in the defaults for `ntok` tokens.
     pub fn resolve(&self, ntok: usize) -> Result<ResolvedLoss> {
-        check_loss_options(
-            self.temperature,
-            self.budget_bytes,
-            &self.terms,
-            self.labels.is_some(),
-            self.filter_eps,
-        )?;
+        let config = &self.config;
+        config.check(self.labels.is_some())?;
         let labels = match &self.labels {
             Some(l) if l.len() != ntok => {
                 return Err(Error::LengthMismatch {
@@ -576,19 +608,19 @@ impl LossOptions {
                 }
             }
         }
-        let total = match self.reduction.total(self.total, ntok)? {
+        let total = match config.reduction.total(config.total, ntok)? {
             Some(t) => t,
             None => weights.iter().map(|&w| f64::from(w)).sum::<f64>() as f32,
         };
         let total = check_total(total)?;
         let max_w = weights.iter().copied().fold(0f32, f32::max);
-        let gscale = match self.gscale {
+        let gscale = match config.gscale {
             Some(g) => g,
             // Every |g| stays under 2^14, small probabilities out of f16's
             // subnormals (the extra terms' share of |g| is bounded by
             // `grad_bound`). All tokens masked: the gradient is 0 whatever the scale.
             None if max_w > 0.0 => {
-                let bound = self.terms.grad_bound(self.temperature);
+                let bound = config.terms.grad_bound(config.temperature);
                 ((1u32 << 14) as f64 * f64::from(total) / (f64::from(max_w) * bound)) as f32
             }
             None => 1.0,
@@ -599,14 +631,14 @@ impl LossOptions {
             .map(|&w| (f64::from(gscale) * f64::from(w) / f64::from(total)) as f32)
             .collect();
         Ok(ResolvedLoss {
-            temperature: self.temperature,
+            temperature: config.temperature,
             weights,
             total,
             gscale,
             coef,
-            terms: self.terms,
+            terms: config.terms,
             labels,
-            filter_eps: self.filter_eps,
+            filter_eps: config.filter_eps,
         })
     }
 }
@@ -699,9 +731,12 @@ mod tests {
     #[test]
     fn reductions_set_the_total() {
         let opts = |reduction, total| LossOptions {
+            config: LossConfig {
+                total,
+                reduction,
+                ..LossConfig::default()
+            },
             weights: Some(vec![0.5, 0.0, 2.0, 1.0]),
-            total,
-            reduction,
             ..LossOptions::default()
         };
         let total = |reduction, given| opts(reduction, given).resolve(4).map(|r| r.total);

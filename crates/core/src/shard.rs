@@ -24,7 +24,7 @@
 //! the library needs no callback into the trainer. The cost is that the
 //! shard's logits must live from phase one to phase two: they are kept in
 //! device memory (one buffer per chunk) when the chunk scratch plus all
-//! kept logits fit [`crate::LossOptions::budget_bytes`]; otherwise phase two
+//! kept logits fit [`crate::LossConfig::budget_bytes`]; otherwise phase two
 //! recomputes them (a third GEMM: the hidden rows are passed again).
 //! [`ShardEngine::set_keep_logits`] turns keeping off.
 //!

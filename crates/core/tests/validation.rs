@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 use headkl_core::{
-    Backend, Engine, Error, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher, TopkOptions,
+    Backend, Engine, Error, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, SliceOptions, Teacher, TopkOptions,
 };
 use headkl_reference::CpuBackend;
 
@@ -201,10 +201,10 @@ fn weights_negative_or_non_finite() {
 
 #[test]
 fn total_not_positive() {
-    let opts = LossOptions {
+    let opts = LossOptions::from(LossConfig {
         total: Some(0.0),
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     assert_eq!(opts.resolve(2).unwrap_err(), Error::TotalNotPositive { value: 0.0 });
     // every token masked and no total given: Σ w = 0
     let opts = LossOptions {
@@ -212,20 +212,20 @@ fn total_not_positive() {
         ..LossOptions::default()
     };
     assert_eq!(opts.resolve(2).unwrap_err(), Error::TotalNotPositive { value: 0.0 });
-    let opts = LossOptions {
+    let opts = LossOptions::from(LossConfig {
         total: Some(f32::NAN),
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     assert!(matches!(opts.resolve(2).unwrap_err(), Error::TotalNotPositive { .. }));
 }
 
 #[test]
 fn temperature_not_positive_finite() {
     for t in [0.0, -1.0, f32::INFINITY, f32::NAN] {
-        let opts = LossOptions {
+        let opts = LossOptions::from(LossConfig {
             temperature: t,
-            ..LossOptions::default()
-        };
+            ..LossConfig::default()
+        });
         assert!(
             matches!(opts.resolve(1).unwrap_err(), Error::InvalidTemperature { .. }),
             "τ = {t}"
@@ -244,10 +244,10 @@ fn temperature_not_positive_finite() {
 #[test]
 fn gscale_not_positive_finite() {
     for g in [0.0, -4.0, f32::NAN] {
-        let opts = LossOptions {
+        let opts = LossOptions::from(LossConfig {
             gscale: Some(g),
-            ..LossOptions::default()
-        };
+            ..LossConfig::default()
+        });
         assert!(
             matches!(opts.resolve(1).unwrap_err(), Error::InvalidGradScale { .. }),
             "gscale = {g}"
@@ -271,10 +271,10 @@ fn default_gscale_bounds_the_f16_gradient() {
 
 #[test]
 fn zero_budget() {
-    let opts = LossOptions {
+    let opts = LossOptions::from(LossConfig {
         budget_bytes: 0,
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     assert_eq!(opts.resolve(1).unwrap_err(), Error::BudgetZero);
     let top = TopkOptions {
         budget_bytes: 0,
@@ -376,10 +376,10 @@ fn engine_rejects_mismatched_inputs_before_allocating_scratch() {
             max: V
         }
     );
-    let tiny = LossOptions {
+    let tiny = LossOptions::from(LossConfig {
         budget_bytes: 64,
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     assert!(matches!(
         engine.head_kl(&hidden, &teacher, &tiny).unwrap_err(),
         Error::BudgetTooSmall { .. }
@@ -403,10 +403,10 @@ fn nan_hidden_row_names_its_token() {
     let hidden = Hidden::f32(&x, 40, HS).unwrap();
     let ids: Vec<u32> = (0..40).collect();
     let teacher = Teacher::new(&ids, &[1.0; 40], 40, 1, V).unwrap();
-    let opts = LossOptions {
+    let opts = LossOptions::from(LossConfig {
         max_rows_per_chunk: Some(16),
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     assert_eq!(
         engine.head_kl(&hidden, &teacher, &opts).unwrap_err(),
         Error::NonFiniteHidden { token: 37 }
@@ -433,9 +433,12 @@ fn loss_terms_and_labels_are_checked_before_any_device_work() {
     let hidden = Hidden::f32(&x, 2, HS).unwrap();
     let teacher = Teacher::new(&[1, 2, 3, 4], &[1.0; 4], 2, 2, V).unwrap();
     let hard = |labels: Option<Vec<i64>>| LossOptions {
-        terms: LossTerms {
-            hard_weight: 0.5,
-            ..LossTerms::default()
+        config: LossConfig {
+            terms: LossTerms {
+                hard_weight: 0.5,
+                ..LossTerms::default()
+            },
+            ..LossConfig::default()
         },
         labels,
         ..LossOptions::default()
@@ -460,13 +463,13 @@ fn loss_terms_and_labels_are_checked_before_any_device_work() {
         engine.head_kl(&hidden, &teacher, &hard(None)).unwrap_err(),
         Error::HardWeightWithoutLabels { value: 0.5 }
     );
-    let smoothing = LossOptions {
+    let smoothing = LossOptions::from(LossConfig {
         terms: LossTerms {
             label_smoothing: 1.0,
             ..LossTerms::default()
         },
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     assert!(matches!(
         engine.head_kl(&hidden, &teacher, &smoothing).unwrap_err(),
         Error::InvalidLossOption {
@@ -474,13 +477,13 @@ fn loss_terms_and_labels_are_checked_before_any_device_work() {
             ..
         }
     ));
-    let z = LossOptions {
+    let z = LossOptions::from(LossConfig {
         terms: LossTerms {
             z_loss: -1e-4,
             ..LossTerms::default()
         },
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     assert!(matches!(
         engine.head_kl(&hidden, &teacher, &z).unwrap_err(),
         Error::InvalidLossOption { field: "z_loss", .. }

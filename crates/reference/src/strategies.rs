@@ -30,8 +30,8 @@ use std::fmt;
 
 use half::f16;
 use headkl_core::{
-    Error, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, Reduction, Result, SliceOptions, TailMode, Teacher,
-    TeacherForm, TopkOptions, MAX_K,
+    Error, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, LossTerms, Reduction, Result, SliceOptions,
+    TailMode, Teacher, TeacherForm, TopkOptions, MAX_K,
 };
 
 /// Largest `V·hs·ntok` a drawn case has: the f64 reference and lavapipe each
@@ -250,12 +250,15 @@ impl Case {
     /// `head_kl` options.
     pub fn loss_options(&self) -> LossOptions {
         LossOptions {
-            temperature: self.temperature,
+            config: LossConfig {
+                temperature: self.temperature,
+                max_rows_per_chunk: self.max_rows_per_chunk,
+                terms: self.terms,
+                reduction: self.reduction,
+                ..LossConfig::default()
+            },
             weights: self.weights.clone(),
-            max_rows_per_chunk: self.max_rows_per_chunk,
-            terms: self.terms,
             labels: self.labels.clone(),
-            reduction: self.reduction,
             ..LossOptions::default()
         }
     }

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
-use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, Teacher};
+use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, SliceOptions, Teacher};
 use headkl_reference::direct::{head_kl_f64, logits_f64, softmax_over, topk_f64};
 use headkl_reference::strategies::{draw_case_params, Case, CaseKind, CaseParams, TeacherShape};
 use headkl_reference::CpuBackend;
@@ -39,9 +39,12 @@ fn dx_matches_a_central_finite_difference_of_the_mean_loss() {
     let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).unwrap();
     let teacher = Teacher::new(&ids, &probs, ntok, k, vocab).unwrap();
     let opts = LossOptions {
-        temperature: 1.5,
+        config: LossConfig {
+            temperature: 1.5,
+            total: Some(4.0),
+            ..LossConfig::default()
+        },
         weights: Some(vec![1.0, 0.0, 2.5]),
-        total: Some(4.0),
         ..LossOptions::default()
     };
     let resolved = opts.resolve(ntok).unwrap();

@@ -5,7 +5,9 @@
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
-use headkl_core::{Divergence, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, TailMode, Teacher, TeacherForm};
+use headkl_core::{
+    Divergence, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, LossTerms, TailMode, Teacher, TeacherForm,
+};
 use headkl_reference::direct::{head_kl_f64, logits_f64};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
@@ -121,18 +123,21 @@ fn problem(d: &Draw) -> (Vec<f32>, Vec<f32>, Teacher, LossOptions) {
     let teacher = Teacher::with_form(&ids, &values, ntok, k, vocab, d.form, d.tail).unwrap();
     let labels = vec![(d.seed % vocab as u64) as i64, 1, -1, (vocab - 1) as i64];
     let opts = LossOptions {
-        temperature: d.temperature,
-        weights: Some(vec![1.0, 0.0, 2.0, 0.5]),
-        total: Some(3.0),
-        terms: LossTerms {
-            soft_weight: d.soft_weight,
-            hard_weight: d.hard_weight,
-            label_smoothing: d.label_smoothing,
-            z_loss: d.z_loss,
-            softcap: d.softcap,
-            logit_scale: d.logit_scale,
-            divergence: d.divergence,
+        config: LossConfig {
+            temperature: d.temperature,
+            total: Some(3.0),
+            terms: LossTerms {
+                soft_weight: d.soft_weight,
+                hard_weight: d.hard_weight,
+                label_smoothing: d.label_smoothing,
+                z_loss: d.z_loss,
+                softcap: d.softcap,
+                logit_scale: d.logit_scale,
+                divergence: d.divergence,
+            },
+            ..LossConfig::default()
         },
+        weights: Some(vec![1.0, 0.0, 2.0, 0.5]),
         labels: Some(labels),
         ..LossOptions::default()
     };
@@ -250,7 +255,10 @@ fn each_term_is_its_pytorch_formula() {
     let labels = base.labels.clone().unwrap();
     let eps = 0.3f32;
     let run = |terms: LossTerms| {
-        let opts = LossOptions { terms, ..base.clone() };
+        let opts = LossOptions {
+            config: LossConfig { terms, ..base.config },
+            ..base.clone()
+        };
         head_kl_f64(&head, &hidden, &teacher, &opts.resolve(ntok).unwrap())
     };
     let hard = run(LossTerms {
@@ -358,13 +366,13 @@ fn tail_modes_agree_on_a_full_teacher_and_a_wide_cap_is_no_cap() {
         }
     }
     let teacher = Teacher::from_i64(&ids, &probs, ntok, k, vocab).unwrap();
-    let wide = LossOptions {
+    let wide = LossOptions::from(LossConfig {
         terms: LossTerms {
             softcap: Some(1e4),
             ..LossTerms::default()
         },
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     let capped = head_kl_f64(&head, &hidden, &teacher, &wide.resolve(ntok).unwrap());
     for (a, b) in capped.loss.iter().zip(&out[0].loss) {
         assert!((a - b).abs() < 1e-6, "{a} vs {b}");
@@ -450,14 +458,14 @@ fn each_divergence_at_k_equal_v_is_its_full_vocabulary_definition() {
     for divergence in [Divergence::Forward, Divergence::Reverse, Divergence::Jsd { beta: 0.35 }] {
         for tail in [TailMode::Renormalize, TailMode::Bucket, TailMode::Unnormalized] {
             let teacher = Teacher::with_form(&ids, &values, ntok, vocab, vocab, TeacherForm::Logprobs, tail).unwrap();
-            let opts = LossOptions {
+            let opts = LossOptions::from(LossConfig {
                 temperature,
                 terms: LossTerms {
                     divergence,
                     ..LossTerms::default()
                 },
-                ..LossOptions::default()
-            };
+                ..LossConfig::default()
+            });
             let out = head_kl_f64(&head, &hidden, &teacher, &opts.resolve(ntok).unwrap());
             for t in 0..ntok {
                 let u: Vec<f64> = student[t * vocab..(t + 1) * vocab]

@@ -114,7 +114,7 @@ impl Case {
         head: &mut HeadKl,
         device: &burn::tensor::Device,
         weights: bool,
-        opts: &LossOptions,
+        opts: &LossConfig,
     ) -> LossOutput {
         // Made in the order of the call's arguments, as the tests did.
         let (hidden, teacher) = (self.hidden(device), self.teacher(device));
@@ -142,8 +142,11 @@ impl Case {
         let hidden = self.host_hidden();
         let teacher = self.host_teacher();
         let opts = HostLossOptions {
+            config: LossConfig {
+                total,
+                ..LossConfig::default()
+            },
             weights: weights.then(|| self.weights.clone()),
-            total,
             ..HostLossOptions::default()
         };
         let resolved = opts.resolve(self.ntok).expect("options");
@@ -170,9 +173,9 @@ impl BurnWay {
         total: Option<f32>,
     ) -> (Tensor<2>, LossOutput) {
         let rows = self.rows.clone().require_grad();
-        let opts = LossOptions {
+        let opts = LossConfig {
             total,
-            ..LossOptions::default()
+            ..LossConfig::default()
         };
         let out = head.loss(&rows, &self.teacher, weights, &opts).expect("loss");
         (rows, out)

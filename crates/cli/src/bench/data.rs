@@ -133,11 +133,7 @@ impl<Buf> LossBuffers<Buf> {
             buffer: &self.x,
             dtype: HiddenDtype::F16,
         };
-        let teacher = DeviceTeacher {
-            ids: &self.ids,
-            probs: &self.probs,
-            k,
-        };
+        let teacher = DeviceTeacher::new(&self.ids, &self.probs, k);
         let out = DeviceLossOutput {
             loss: &self.loss,
             dx: &self.dx,

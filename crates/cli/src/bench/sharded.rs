@@ -1,7 +1,9 @@
 //! The sharded rows of `bench --shards`: both host jobs with the head in even vocabulary shards.
 
 use headkl_core::shard::ShardEngine;
-use headkl_core::{Backend, Engine, HeadData, HeadWeights, Hidden, LossOptions, SliceOptions, TopkOptions, ALIGN};
+use headkl_core::{
+    Backend, Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, SliceOptions, TopkOptions, ALIGN,
+};
 
 use super::data::BenchData;
 use super::{BenchConfig, BenchJob, JobKind, JobResult};
@@ -65,10 +67,10 @@ pub(super) fn time_sharded<B: Backend>(
 /// The sharded rows' options: the default loss (what the shards take) and
 /// top-k `k`, within `--budget`.
 fn sharded_options(cfg: &BenchConfig, k: usize) -> (LossOptions, TopkOptions) {
-    let loss = LossOptions {
+    let loss = LossOptions::from(LossConfig {
         budget_bytes: cfg.budget.bytes,
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     let topk = TopkOptions {
         budget_bytes: cfg.budget.bytes,
         ..TopkOptions::new(k)

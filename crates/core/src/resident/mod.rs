@@ -33,9 +33,9 @@ use crate::driver::Engine;
 use crate::error::{Error, Result};
 use crate::head_planes::{DxFilter, HeadPlanes, Scaling};
 use crate::launch::{Kernels, Launch};
-use crate::problem::{check_gscale, check_k, check_loss_options, check_total, TopkOptions, DEFAULT_BUDGET_BYTES};
+use crate::problem::{check_gscale, check_k, LossConfig, TopkOptions};
 use crate::scratch::{Job, LossScratch, RowBytes, RowScratch};
-use crate::terms::{LossTerms, TailMode, TeacherForm};
+use crate::terms::{TailMode, TeacherForm};
 use crate::{round_up, ALIGN};
 
 /// Element type of hidden rows in a device buffer.
@@ -85,10 +85,28 @@ pub struct DeviceHidden<'a, Buf> {
 pub struct DeviceTeacher<'a, Buf> {
     /// Ids `[ntok][k]`.
     pub ids: &'a Buf,
-    /// Probabilities `[ntok][k]`.
+    /// Probabilities `[ntok][k]` (or log-probabilities: `form`).
     pub probs: &'a Buf,
     /// Entries per row.
     pub k: usize,
+    /// How `probs` holds its values: probabilities or log-probabilities
+    /// over the full vocabulary (as [`crate::Teacher::with_form`]'s).
+    pub form: TeacherForm,
+    /// The tail mode (as the host [`crate::Teacher`]'s).
+    pub tail: TailMode,
+}
+
+impl<'a, Buf> DeviceTeacher<'a, Buf> {
+    /// Probabilities renormalized over the k (the default form and tail).
+    pub fn new(ids: &'a Buf, probs: &'a Buf, k: usize) -> Self {
+        Self {
+            ids,
+            probs,
+            k,
+            form: TeacherForm::Probs,
+            tail: TailMode::Renormalize,
+        }
+    }
 }
 
 /// Where [`Engine::head_kl_device`] writes: the per-token loss f32 `[ntok]`
@@ -102,63 +120,45 @@ pub struct DeviceLossOutput<'a, Buf> {
     pub dx: &'a Buf,
 }
 
-/// Options of [`Engine::head_kl_device`].
+/// Options of [`Engine::head_kl_device`]: the call's [`LossConfig`], and
+/// its weights, labels and extra outputs in device buffers.
 #[derive(Debug)]
 pub struct DeviceLossOptions<'a, Buf> {
-    /// Temperature τ (default 1).
-    pub temperature: f32,
+    /// τ, the reduction, the terms, the budget: what every path takes (a
+    /// `total` left `None` is summed on the device, and so is the default
+    /// `gscale`; no filter statistics come back to the host here).
+    pub config: LossConfig,
     /// Per-token weights f32 `[ntok]` on the device; `None`: all 1.
     pub weights: Option<&'a Buf>,
-    /// The weight the step averages over; `None`: `Σ w_t`, summed on the
-    /// device. Only with [`crate::Reduction::Mean`].
-    pub total: Option<f32>,
-    /// How the per-token losses reduce (default: the mean).
-    pub reduction: crate::Reduction,
-    /// Scale of the f16 gradient; `None`: `2^14 · total / max_t w_t`, on
-    /// the device.
-    pub gscale: Option<f32>,
+    /// Labels u32 `[ntok]` on the device ([`crate::NO_LABEL`]: none),
+    /// needed when `config.terms.hard_weight > 0`. A label at or past V is
+    /// flagged like bad teacher data.
+    pub labels: Option<&'a Buf>,
     /// Add the gradient into `dx` instead of overwriting it.
     pub accumulate_dx: bool,
-    /// Device-memory budget for scratch buffers, in bytes.
-    pub budget_bytes: u64,
-    /// Test knob: at most this many tokens per chunk.
-    pub max_rows_per_chunk: Option<usize>,
-    /// How the teacher's `probs` buffer holds its values: probabilities
-    /// (default) or log-probabilities over the full vocabulary.
-    pub teacher_form: TeacherForm,
-    /// The teacher's tail mode (default: renormalized over the k).
-    pub tail: TailMode,
-    /// The loss terms (the same [`LossTerms`] and checks as the host path).
-    pub terms: LossTerms,
-    /// Labels u32 `[ntok]` on the device ([`crate::NO_LABEL`]: none),
-    /// needed when `terms.hard_weight > 0`. A label at or past V is flagged
-    /// like bad teacher data.
-    pub labels: Option<&'a Buf>,
     /// Optional output: per token `[lse, soft, hard]`, f32 `[ntok][3]`
     /// (the host path's `LossOutput::{lse, soft, hard}`).
     pub terms_out: Option<&'a Buf>,
-    /// The dx GEMM's block filter, as [`crate::LossOptions::filter_eps`]
-    /// (no statistics on this path: nothing comes back to the host).
-    pub filter_eps: Option<f32>,
 }
 
 impl<Buf> Default for DeviceLossOptions<'_, Buf> {
     fn default() -> Self {
         Self {
-            temperature: 1.0,
+            config: LossConfig::default(),
             weights: None,
-            total: None,
-            reduction: crate::Reduction::Mean,
-            gscale: None,
-            accumulate_dx: false,
-            budget_bytes: DEFAULT_BUDGET_BYTES,
-            max_rows_per_chunk: None,
-            teacher_form: TeacherForm::Probs,
-            tail: TailMode::Renormalize,
-            terms: LossTerms::default(),
             labels: None,
+            accumulate_dx: false,
             terms_out: None,
-            filter_eps: None,
+        }
+    }
+}
+
+impl<Buf> From<LossConfig> for DeviceLossOptions<'_, Buf> {
+    /// The options of a call without weights, labels or extra outputs.
+    fn from(config: LossConfig) -> Self {
+        Self {
+            config,
+            ..Self::default()
         }
     }
 }
@@ -208,9 +208,9 @@ impl<B: Backend, L> ResidentCall<B, L> {
                 rows: ntok,
                 has_weights: opts.weights.is_some(),
                 total,
-                gscale: opts.gscale,
+                gscale: opts.config.gscale,
                 temperature,
-                grad_bound: opts.terms.grad_bound(temperature),
+                grad_bound: opts.config.terms.grad_bound(temperature),
             },
         })
     }
@@ -237,8 +237,8 @@ impl<B: Backend, L> ResidentCall<B, L> {
                 rows: ntok,
                 k: teacher.k,
                 has_weights: opts.weights.is_some(),
-                form: opts.teacher_form,
-                tail: opts.tail,
+                form: teacher.form,
+                tail: teacher.tail,
                 has_labels: labels.is_some(),
             },
         })
@@ -307,8 +307,8 @@ impl<B: Backend> ResidentCall<B, LossScratch<B>> {
                 probs_offset: first_entry,
                 weights_offset: start,
                 has_weights: opts.weights.is_some(),
-                form: opts.teacher_form,
-                tail: opts.tail,
+                form: teacher.form,
+                tail: teacher.tail,
             },
         })
     }
@@ -640,15 +640,9 @@ impl<B: ResidentBackend> Engine<B> {
         if let Some(w) = opts.weights {
             self.check_view("weights", w, ntok, 4)?;
         }
-        check_loss_options(
-            opts.temperature,
-            opts.budget_bytes,
-            &opts.terms,
-            opts.labels.is_some(),
-            opts.filter_eps,
-        )?;
-        let total = opts.reduction.total(opts.total, ntok)?.map(check_total).transpose()?;
-        opts.gscale.map(check_gscale).transpose()?;
+        opts.config.check(opts.labels.is_some())?;
+        let total = opts.config.total_for(ntok)?;
+        opts.config.gscale.map(check_gscale).transpose()?;
         Ok(total)
     }
 
@@ -676,7 +670,7 @@ impl<B: ResidentBackend> Engine<B> {
     /// with each flagged row's teacher row or label replaced by a good one
     /// and a bad weight by 0 (so `total` and `gscale` stay as they are: a
     /// flagged teacher row's weight still counts in the default `total`);
-    /// with `opts.filter_eps`, their dx may differ from that call's by
+    /// with `opts.config.filter_eps`, their dx may differ from that call's by
     /// products the filter skips (DESIGN §5), the loss does not. A row whose
     /// logits are not finite (and that is not flagged) has a NaN loss and,
     /// as on the host path, unspecified dx.
@@ -703,7 +697,7 @@ impl<B: ResidentBackend> Engine<B> {
     /// engine.head_kl_device(
     ///     ntok,
     ///     &DeviceHidden { buffer: &x, dtype: HiddenDtype::F32 },
-    ///     &DeviceTeacher { ids: &ids, probs: &probs, k },
+    ///     &DeviceTeacher::new(&ids, &probs, k),
     ///     &DeviceLossOutput { loss: &loss, dx: &dx },
     ///     &DeviceLossOptions::default(),
     /// )?;
@@ -733,14 +727,14 @@ impl<B: ResidentBackend> Engine<B> {
         if let Some(t) = opts.terms_out {
             self.check_view("terms_out", t, elements("terms_out", ntok, 3)?, 4)?;
         }
-        let job = Job::loss(opts.filter_eps);
+        let job = Job::loss(opts.config.filter_eps);
         let plan = HeadPlanes::plan_for(
             &self.backend,
             &self.resident_row_bytes(job, k),
             job,
             ntok,
             false,
-            (opts.budget_bytes, opts.max_rows_per_chunk),
+            (opts.config.budget_bytes, opts.config.max_rows_per_chunk),
         )?;
         let call: ResidentCall<B, LossScratch<B>> = self.begin_resident_call((job, plan.rows_per_chunk, k))?;
         let recorded = self.record_head_kl(ntok, hidden, teacher, out, (opts, total), &plan, &call);
@@ -766,16 +760,16 @@ impl<B: ResidentBackend> Engine<B> {
     ) -> Result<()> {
         let (k, b) = (teacher.k, &self.backend);
         let (status, s, ls) = (&call.status, call.rows(), &call.loss);
-        call.weight_stats(b, (ntok, opts.temperature, total), teacher, opts)?;
+        call.weight_stats(b, (ntok, opts.config.temperature, total), teacher, opts)?;
         // Labels are checked whenever given (as the host path does); the KL
         // kernel reads them only with the hard term on.
         let labels = opts.labels;
         // Unread slots get a buffer already at hand.
         let labels_buf = labels.unwrap_or(teacher.ids);
-        let scaling = Scaling::resident_loss(opts.temperature, opts.terms.logit_scale);
+        let scaling = Scaling::resident_loss(opts.config.temperature, opts.config.terms.logit_scale);
         for (start, rows) in plan.ranges(ntok) {
             let rows_padded = round_up(rows, ALIGN);
-            let row_stats = self.row_stats_for(&opts.terms, opts.temperature, rows_padded);
+            let row_stats = self.row_stats_for(&opts.config.terms, opts.config.temperature, rows_padded);
             self.resident_logits(s, hidden, (start, rows), scaling, row_stats)?;
             call.teacher_rows(b, (start, rows, self.head.vocab()), teacher, opts)?;
             b.dispatch(Launch::LabelsIn {
@@ -791,11 +785,11 @@ impl<B: ResidentBackend> Engine<B> {
                 },
             })?;
             let kl = KlDesc {
-                temperature: opts.temperature,
-                tail: opts.tail,
-                terms: opts.terms,
+                temperature: opts.config.temperature,
+                tail: teacher.tail,
+                terms: opts.config.terms,
                 row_stats,
-                filter: self.head.kl_filter(opts.filter_eps, rows_padded),
+                filter: self.head.kl_filter(opts.config.filter_eps, rows_padded),
                 ..KlDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k)
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;

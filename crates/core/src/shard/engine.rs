@@ -161,9 +161,10 @@ impl<B: Backend> ShardEngine<B> {
         trace.mark("checks");
         let (ids, probs, k_s) = self.pack_teacher(teacher);
         trace.mark("teacher pack");
-        let (plan, sizes) = self.loss_job_plan(hidden, k_s, (opts.budget_bytes, opts.max_rows_per_chunk))?;
+        let (plan, sizes) =
+            self.loss_job_plan(hidden, k_s, (opts.config.budget_bytes, opts.config.max_rows_per_chunk))?;
         let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
-        let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.budget_bytes;
+        let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.config.budget_bytes;
         let call = self
             .engine
             .begin_loss_call((Job::Loss, &sizes), (plan.rows_per_chunk, k_s), hidden.data())?;
@@ -401,7 +402,8 @@ impl<B: Backend> ShardEngine<B> {
         }
         out.filter = None;
         out.loss.clear();
-        out.loss.extend(stats.soft_part.iter().zip(&stats.lse).map(|(&s, &l)| s + l));
+        out.loss
+            .extend(stats.soft_part.iter().zip(&stats.lse).map(|(&s, &l)| s + l));
         out.lse.clone_from(&stats.lse1);
         out.soft.clone_from(&out.loss);
         out.hard.clear();
@@ -667,7 +669,7 @@ impl<B: Backend> ShardEngine<B> {
 /// [`ShardEngine::loss_partials`] calls it; a caller can call it before
 /// anything is uploaded.
 pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
-    check_terms(tail, &opts.terms, opts.labels.is_some(), opts.filter_eps)
+    check_terms(tail, &opts.config.terms, opts.labels.is_some(), opts.config.filter_eps)
 }
 
 /// [`check_loss_terms`] on the terms themselves (the device-resident calls

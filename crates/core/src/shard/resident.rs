@@ -107,10 +107,10 @@ impl<B: ResidentBackend> ShardEngine<B> {
             Job::Loss,
             ntok,
             false,
-            (opts.budget_bytes, opts.max_rows_per_chunk),
+            (opts.config.budget_bytes, opts.config.max_rows_per_chunk),
         )?;
         let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
-        let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.budget_bytes;
+        let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.config.budget_bytes;
         let own = e
             .backend()
             .alloc((ntok * STATS_PER_TOKEN * 4) as u64, "shard partials (engine's copy)")?;
@@ -129,7 +129,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
         self.pending_device = Some(DevicePhaseOne {
             ntok,
             k,
-            temperature: opts.temperature,
+            temperature: opts.config.temperature,
             plan,
             own,
             kept,
@@ -209,7 +209,12 @@ impl<B: ResidentBackend> ShardEngine<B> {
             });
         }
         e.check_resident_loss_inputs(ntok, hidden, teacher, opts)?;
-        check_terms(opts.tail, &opts.terms, opts.labels.is_some(), opts.filter_eps)
+        check_terms(
+            teacher.tail,
+            &opts.config.terms,
+            opts.labels.is_some(),
+            opts.config.filter_eps,
+        )
     }
 
     #[allow(clippy::too_many_arguments, reason = "phase two's inputs and phase one's record")]
@@ -283,9 +288,14 @@ impl<B: ResidentBackend> ShardEngine<B> {
     ) -> Result<()> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let (status, s, ls) = (&call.status, call.rows(), &call.loss);
-        let (k, tau) = (teacher.k, opts.temperature);
-        let scaling = Scaling::resident_loss(tau, opts.terms.logit_scale);
-        call.weight_stats(b, (ntok, tau, opts.reduction.total(opts.total, ntok)?), teacher, opts)?;
+        let (k, tau) = (teacher.k, opts.config.temperature);
+        let scaling = Scaling::resident_loss(tau, opts.config.terms.logit_scale);
+        call.weight_stats(
+            b,
+            (ntok, tau, opts.config.reduction.total(opts.config.total, ntok)?),
+            teacher,
+            opts,
+        )?;
         for (start, rows) in plan.ranges(ntok) {
             let logits = match kept.as_mut() {
                 Some((kept, row_bytes)) => {
@@ -345,8 +355,13 @@ impl<B: ResidentBackend> ShardEngine<B> {
         let (b, h) = (self.engine.backend(), self.engine.head_planes());
         let (status, s, ls) = (&call.status, call.rows(), &call.loss);
         let (ntok, k, tau) = (p.ntok, p.k, p.temperature);
-        let scaling = Scaling::resident_loss(tau, opts.terms.logit_scale);
-        call.weight_stats(b, (ntok, tau, opts.reduction.total(opts.total, ntok)?), teacher, opts)?;
+        let scaling = Scaling::resident_loss(tau, opts.config.terms.logit_scale);
+        call.weight_stats(
+            b,
+            (ntok, tau, opts.config.reduction.total(opts.config.total, ntok)?),
+            teacher,
+            opts,
+        )?;
         let slots = ShardSlots {
             loss_chunk: &ls.loss,
             stats,

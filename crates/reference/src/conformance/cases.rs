@@ -2,7 +2,7 @@
 //! [`crate::direct`]; the fixed regression list; the error cases.
 
 use headkl_core::{
-    Backend, Divergence, DxSplit, Engine, Error, HiddenData, LossOptions, LossTerms, TailMode, TeacherForm,
+    Backend, Divergence, DxSplit, Engine, Error, HiddenData, LossConfig, LossOptions, LossTerms, TailMode, TeacherForm,
 };
 
 use super::overlap::CountInFlight;
@@ -153,9 +153,9 @@ fn check_gather<B: Backend>(
 /// A fixed case with what it must also show.
 pub(crate) struct Regression {
     pub(crate) case: Case,
-    /// `LossOptions::total` override.
+    /// `LossConfig::total` override.
     total: Option<f32>,
-    /// `LossOptions::gscale` override.
+    /// `LossConfig::gscale` override.
     gscale: Option<f32>,
     /// The head must be cut into at least this many slices.
     min_slices: usize,
@@ -878,8 +878,11 @@ pub(crate) fn check_regression<B: Backend + ?Sized>(
         ));
     }
     let opts = LossOptions {
-        total: r.total,
-        gscale: r.gscale,
+        config: LossConfig {
+            total: r.total,
+            gscale: r.gscale,
+            ..case.loss_options().config
+        },
         ..case.loss_options()
     };
     if case.kind == CaseKind::HeadKl && r.min_chunks > 1 {
@@ -1026,7 +1029,10 @@ fn filtered_and_not<B: Backend>(
         .head_kl(&hidden, &teacher, opts)
         .map_err(|e| format!("head_kl: {e}"))?;
     let filtered = LossOptions {
-        filter_eps: Some(eps),
+        config: LossConfig {
+            filter_eps: Some(eps),
+            ..opts.config
+        },
         ..opts.clone()
     };
     let out = engine
@@ -1257,7 +1263,10 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
                 ));
             }
             let opts = LossOptions {
-                filter_eps: Some(eps),
+                config: LossConfig {
+                    filter_eps: Some(eps),
+                    ..case.loss_options().config
+                },
                 ..case.loss_options()
             };
             let m = compare(&mut engine, &case, &opts, tol)?;
@@ -1279,7 +1288,10 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
             let mut natural = engine_for(backend, &case)?;
             let eps = headkl_core::filter::AUTO_EPS;
             let filtered = LossOptions {
-                filter_eps: Some(eps),
+                config: LossConfig {
+                    filter_eps: Some(eps),
+                    ..case.loss_options().config
+                },
                 ..case.loss_options()
             };
             let mut measured = compare(&mut ordered, &case, &case.loss_options(), tol)?;
@@ -1337,7 +1349,10 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
                 let (auto, _) = filtered_and_not(&mut engine, c, &c.loss_options(), headkl_core::filter::AUTO_EPS)?;
                 same_bits(&auto, &plain, false)?;
                 let opts = LossOptions {
-                    filter_eps: Some(headkl_core::filter::AUTO_EPS),
+                    config: LossConfig {
+                        filter_eps: Some(headkl_core::filter::AUTO_EPS),
+                        ..c.loss_options().config
+                    },
                     ..c.loss_options()
                 };
                 let m = compare(&mut engine, c, &opts, tol)?;

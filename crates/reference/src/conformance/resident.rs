@@ -24,7 +24,7 @@ use half::{bf16, f16};
 use headkl_core::resident::status::{self, FLAGGED_ROW, NONE, S_DX_MUL, S_LOGITS};
 use headkl_core::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, DxSplit, Engine, Error, Hidden, HiddenDtype,
-    Launch, LossOptions, LossOutDesc, ResidentBackend, TailMode, TeacherForm, NO_LABEL,
+    Launch, LossConfig, LossOptions, LossOutDesc, ResidentBackend, TailMode, TeacherForm, NO_LABEL,
 };
 
 use super::{driver_case, engine_for, run_one, CaseOutcome, Measured, Recorder, SuiteConfig, SuiteReport};
@@ -124,6 +124,9 @@ fn nan_bytes(n: usize) -> Vec<u8> {
 struct HeadKlBuffers<Buf> {
     ids: Buf,
     probs: Buf,
+    /// How `probs` holds the teacher, and its tail mode (the case's).
+    form: TeacherForm,
+    tail: TailMode,
     weights: Option<Buf>,
     /// u32 labels (`NO_LABEL` for a negative one).
     labels: Option<Buf>,
@@ -147,6 +150,8 @@ impl<Buf> HeadKlBuffers<Buf> {
         Ok(Self {
             ids: device_buffer(backend, bytemuck::cast_slice(&case.teacher_ids), "ids")?,
             probs: device_buffer(backend, bytemuck::cast_slice(&values), "probs")?,
+            form: case.teacher_form,
+            tail: case.tail,
             weights: match &case.weights {
                 Some(w) => Some(device_buffer(backend, bytemuck::cast_slice(w), "weights")?),
                 None => None,
@@ -164,14 +169,15 @@ impl<Buf> HeadKlBuffers<Buf> {
     /// The resident options carrying the case's terms and these buffers.
     fn options(&self, case: &Case) -> DeviceLossOptions<'_, Buf> {
         DeviceLossOptions {
-            temperature: case.temperature,
+            config: LossConfig {
+                temperature: case.temperature,
+                max_rows_per_chunk: case.max_rows_per_chunk,
+                terms: case.terms,
+                reduction: case.reduction,
+                ..LossConfig::default()
+            },
             weights: self.weights.as_ref(),
-            max_rows_per_chunk: case.max_rows_per_chunk,
-            teacher_form: case.teacher_form,
-            tail: case.tail,
-            terms: case.terms,
             labels: self.labels.as_ref(),
-            reduction: case.reduction,
             terms_out: Some(&self.terms_out),
             ..DeviceLossOptions::default()
         }
@@ -179,9 +185,9 @@ impl<Buf> HeadKlBuffers<Buf> {
 
     fn teacher(&self, k: usize) -> DeviceTeacher<'_, Buf> {
         DeviceTeacher {
-            ids: &self.ids,
-            probs: &self.probs,
-            k,
+            form: self.form,
+            tail: self.tail,
+            ..DeviceTeacher::new(&self.ids, &self.probs, k)
         }
     }
 
@@ -615,8 +621,11 @@ fn check_flagged_rows<B: ResidentBackend + ?Sized>(
     let acc_dx_buf = device_buffer(backend, bytemuck::cast_slice(&fill), "dx (accumulated)")?;
     let acc_loss_buf = device_buffer(backend, &nan_bytes(ntok), "loss (filtered)")?;
     let opts = DeviceLossOptions {
+        config: LossConfig {
+            filter_eps: Some(headkl_core::filter::AUTO_EPS),
+            ..bufs.options(case).config
+        },
         accumulate_dx: true,
-        filter_eps: Some(headkl_core::filter::AUTO_EPS),
         ..bufs.options(case)
     };
     let acc_out = DeviceLossOutput {
@@ -944,7 +953,7 @@ fn check_loss_out_flags<B: ResidentBackend + ?Sized>(backend: &B) -> Result<Meas
     Ok(Measured::default())
 }
 
-/// The block filter on the resident path (`DeviceLossOptions::filter_eps`)
+/// The block filter on the resident path (`LossConfig::filter_eps` in `DeviceLossOptions`)
 /// on lm-like data.
 fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<Measured, String> {
     let case = super::cases::lm_case(80, Some(1536), Some(48))?;
@@ -960,7 +969,10 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
     let eps = headkl_core::filter::AUTO_EPS;
     let mut run = |filter_eps| -> Result<(Vec<f32>, Vec<f32>), String> {
         let opts = DeviceLossOptions {
-            filter_eps,
+            config: LossConfig {
+                filter_eps,
+                ..bufs.options(&case).config
+            },
             ..bufs.options(&case)
         };
         engine
@@ -985,7 +997,10 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
     let host_hidden = Hidden::f32(&values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
     let teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
     let host_opts = headkl_core::LossOptions {
-        filter_eps: Some(eps),
+        config: headkl_core::LossConfig {
+            filter_eps: Some(eps),
+            ..case.loss_options().config
+        },
         ..case.loss_options()
     };
     let resolved = host_opts.resolve(ntok).map_err(|e| format!("case options: {e}"))?;

@@ -9,8 +9,8 @@ use headkl_core::shard::{
     merge_loss, merge_loss_outputs, merge_topk, two_phases_on_threads, HeadShard, LossPartials, ShardEngine,
 };
 use headkl_core::{
-    Backend, Error, HeadData, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, TailMode, Teacher,
-    TeacherForm, TopK, TopkOptions,
+    Backend, Error, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, LossOutput, SliceOptions, TailMode,
+    Teacher, TeacherForm, TopK, TopkOptions,
 };
 
 use super::{run_one, CaseOutcome, Measured, Recorder, SuiteReport};
@@ -309,24 +309,27 @@ fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
         "loss/3-none-in-one" => {
             let t = teacher(2, 6, TeacherForm::Probs, none_in_the_middle)?;
             let opts = LossOptions {
-                temperature: 2.0,
+                config: LossConfig {
+                    temperature: 2.0,
+                    max_rows_per_chunk: Some(16),
+                    ..LossConfig::default()
+                },
                 weights: Some(weights_with_a_masked_token()),
-                max_rows_per_chunk: Some(16),
                 ..LossOptions::default()
             };
             (vec![96, 700], t, opts, false, SliceOptions::default())
         }
         _ => {
             let t = teacher(3, 12, TeacherForm::Logprobs, |_, rng| rng.below(VOCAB))?;
-            let opts = LossOptions {
+            let opts = LossOptions::from(LossConfig {
                 temperature: 0.7,
                 max_rows_per_chunk: Some(16),
                 terms: headkl_core::LossTerms {
                     logit_scale: 1.3,
                     ..Default::default()
                 },
-                ..LossOptions::default()
-            };
+                ..LossConfig::default()
+            });
             let shards = even_thirds()?;
             let slicing = SliceOptions {
                 max_rows_per_slice: Some(128),
@@ -617,13 +620,13 @@ fn errors_case<B: Backend>(backend: &B) -> Result<Measured, String> {
     expect_err("tail bucket", es[1].loss_partials(&hidden, &bucket, &opts), |e| {
         matches!(e, Error::ShardUnsupported { option: "tail", .. })
     })?;
-    let z = LossOptions {
+    let z = LossOptions::from(LossConfig {
         terms: headkl_core::LossTerms {
             z_loss: 1e-4,
             ..Default::default()
         },
-        ..LossOptions::default()
-    };
+        ..LossConfig::default()
+    });
     expect_err("z-loss", es[1].loss_partials(&hidden, &teacher, &z), |e| {
         matches!(e, Error::ShardUnsupported { option: "z-loss", .. })
     })?;

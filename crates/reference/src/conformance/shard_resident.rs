@@ -13,7 +13,7 @@
 use headkl_core::shard::{merge_loss_device, two_phases_on_threads, HeadShard, ShardEngine, STATS_PER_TOKEN};
 use headkl_core::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Error, HeadData, HeadWeights, Hidden,
-    HiddenDtype, LossOptions, LossTerms, ResidentBackend, SliceOptions, TeacherForm,
+    HiddenDtype, LossConfig, LossOptions, LossTerms, ResidentBackend, SliceOptions, TeacherForm,
 };
 
 use super::resident::{device_buffer, download_f32};
@@ -75,22 +75,23 @@ impl<Buf> DeviceInputs<Buf> {
 
     fn teacher(&self) -> DeviceTeacher<'_, Buf> {
         DeviceTeacher {
-            ids: &self.ids,
-            probs: &self.probs,
-            k: self.k,
+            form: self.form,
+            ..DeviceTeacher::new(&self.ids, &self.probs, self.k)
         }
     }
 
     fn options<'a>(&'a self, terms_out: Option<&'a Buf>) -> DeviceLossOptions<'a, Buf> {
         DeviceLossOptions {
-            temperature: self.temperature,
-            terms: LossTerms {
-                logit_scale: self.logit_scale,
-                ..LossTerms::default()
+            config: LossConfig {
+                temperature: self.temperature,
+                terms: LossTerms {
+                    logit_scale: self.logit_scale,
+                    ..LossTerms::default()
+                },
+                max_rows_per_chunk: self.max_rows,
+                ..LossConfig::default()
             },
             weights: self.weights.as_ref(),
-            max_rows_per_chunk: self.max_rows,
-            teacher_form: self.form,
             accumulate_dx: self.accumulate,
             terms_out,
             ..DeviceLossOptions::default()
@@ -335,12 +336,15 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
         }
     }
     let opts = LossOptions {
-        temperature: tau,
-        weights,
-        terms: LossTerms {
-            logit_scale,
-            ..LossTerms::default()
+        config: LossConfig {
+            temperature: tau,
+            terms: LossTerms {
+                logit_scale,
+                ..LossTerms::default()
+            },
+            ..LossConfig::default()
         },
+        weights,
         ..LossOptions::default()
     };
     let resolved = opts.resolve(NTOK).map_err(|e| e.to_string())?;
@@ -415,9 +419,12 @@ fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
         |e| matches!(e, Error::ShardUnsupported { option: "k", .. }),
     )?;
     let z = DeviceLossOptions {
-        terms: LossTerms {
-            z_loss: 1e-4,
-            ..LossTerms::default()
+        config: LossConfig {
+            terms: LossTerms {
+                z_loss: 1e-4,
+                ..LossTerms::default()
+            },
+            ..inp.options(None).config
         },
         ..inp.options(None)
     };

@@ -4,7 +4,8 @@
 //! device can be shared across threads ([`threads_tests!`]).
 
 use headkl_core::{
-    Backend, Engine, HeadData, HeadWeights, Hidden, LossOptions, LossOutput, SliceOptions, TopK, TopkOptions,
+    Backend, Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, LossOutput, SliceOptions, TopK,
+    TopkOptions,
 };
 
 use crate::strategies::Rng;
@@ -46,10 +47,10 @@ fn slicing() -> SliceOptions {
 const ROWS_PER_CHUNK: Option<usize> = Some(16);
 
 fn loss_options() -> LossOptions {
-    LossOptions {
+    LossOptions::from(LossConfig {
         max_rows_per_chunk: ROWS_PER_CHUNK,
-        ..LossOptions::default()
-    }
+        ..LossConfig::default()
+    })
 }
 
 /// One engine's teacher top-k, then the student's loss against it.

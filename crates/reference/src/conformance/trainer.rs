@@ -8,7 +8,7 @@
 
 use headkl_core::{
     Backend, DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData, HeadWeights, Hidden,
-    HiddenDtype, LossOptions, ResidentBackend, SliceOptions, Teacher,
+    HiddenDtype, LossConfig, LossOptions, ResidentBackend, SliceOptions, Teacher,
 };
 
 use crate::tolerance::Tolerance;
@@ -200,18 +200,17 @@ impl TrainerCase {
                     buffer: &hidden,
                     dtype: HiddenDtype::F32,
                 },
-                &DeviceTeacher {
-                    ids: &ids,
-                    probs: &probs,
-                    k,
-                },
+                &DeviceTeacher::new(&ids, &probs, k),
                 &DeviceLossOutput {
                     loss: &loss_view,
                     dx: &dx_view,
                 },
                 &DeviceLossOptions {
+                    config: LossConfig {
+                        max_rows_per_chunk: Some(16),
+                        ..LossConfig::default()
+                    },
                     weights: Some(&weights),
-                    max_rows_per_chunk: Some(16),
                     ..DeviceLossOptions::default()
                 },
             )
