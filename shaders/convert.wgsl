@@ -1,8 +1,8 @@
 // f32 -> f16 conversion of hidden rows into the padded GEMM operand
-// (headkl_core::ConvertDesc). See shaders/README.md.
+// (headkl_core::toolkit::ConvertDesc). See shaders/README.md.
 enable f16;
 
-// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// <params: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f16>;

@@ -1,6 +1,6 @@
 
 // ---- shaders/gemm_common.wgsl: appended to every WGSL GEMM shader by
-// headkl_core::kernels (WGSL has no include; it goes after the file, whose
+// headkl_core::toolkit::kernels (WGSL has no include; it goes after the file, whose
 // `enable` directives must come first).
 
 // One workgroup's output tile and reduction part (split-K: workgroup l is
@@ -37,7 +37,7 @@ fn tile_of(wg: vec3<u32>, nn: bool, rows: u32, cols: u32) -> Tile {
         params.a_offset + k0, b_off, params.c_offset + part * params.c_part_stride);
 }
 
-// The row statistics of the C tile just stored (headkl_core::RowStats),
+// The row statistics of the C tile just stored (headkl_core::toolkit::RowStats),
 // when params.stats_offset is not 0: for each of the tile's `rows` rows and
 // 32-column groups (`cols` / 32 of them), the pair (m, sum of exp(x - m))
 // over the real columns (< params.stats_cols), with a NaN sum where one is

@@ -7,7 +7,7 @@ enable wgpu_cooperative_matrix;
 // not across the workgroup).
 diagnostic(off, derivative_uniformity);
 
-// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// <params: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 // f16 buffers read 8 halves (16 bytes) at a time.
 @group(0) @binding(1) var<storage, read> a: array<vec4<u32>>;

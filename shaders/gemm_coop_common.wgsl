@@ -1,6 +1,6 @@
 
 // ---- shaders/gemm_coop_common.wgsl: appended (after gemm_common.wgsl) to
-// the two matrix-unit WGSL GEMMs by headkl_core::kernels.
+// the two matrix-unit WGSL GEMMs by headkl_core::toolkit::kernels.
 
 // alpha * acc (+ C) into C's 16 x 16 tile at (row, col), when inside m x n.
 fn store_tile(t: Tile, acc: coop_mat16x16<f32, C>, row: u32, col: u32) {

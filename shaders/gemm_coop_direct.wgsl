@@ -8,7 +8,7 @@ enable wgpu_cooperative_matrix;
 // uniformity analysis cannot see are workgroup-uniform.
 diagnostic(off, derivative_uniformity);
 
-// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// <params: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 @group(0) @binding(1) var<storage, read> a: array<f16>;
 @group(0) @binding(2) var<storage, read> b: array<f16>;

@@ -89,7 +89,7 @@ const uint THREADS = MATH_THREADS;
 #endif
 layout(local_size_x = THREADS, local_size_y = 1, local_size_z = 1) in;
 
-// headkl_core::params::GemmParams, byte for byte.
+// headkl_core::toolkit::params::GemmParams, byte for byte.
 layout(set = 0, binding = 0, std140) uniform Params {
     uint m;
     uint n;
@@ -381,7 +381,7 @@ void math_step(uint st) {
     }
 }
 
-// The logits GEMM's row statistics (headkl_core::RowStats), when
+// The logits GEMM's row statistics (headkl_core::toolkit::RowStats), when
 // p.stats_offset is not 0: for each row and 32-column group of the
 // subgroup's block, (m, sum of exp(x - m)) over the real columns
 // (< p.stats_cols), a NaN sum where one is not finite. Computed from the

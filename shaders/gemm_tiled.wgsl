@@ -3,7 +3,7 @@
 // (lavapipe included). See shaders/README.md.
 enable f16;
 
-// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// <params: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 @group(0) @binding(1) var<storage, read> a: array<f16>;
 @group(0) @binding(2) var<storage, read> b: array<f16>;

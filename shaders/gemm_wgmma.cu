@@ -17,7 +17,7 @@
 // nvidia-cuda-nvrtc-cu12, pinned there) into gemm_wgmma.ptx, which the
 // Vulkan backend hands to the driver through VK_NVX_binary_import: no CUDA
 // toolkit is needed to build or run headkl. The PTX's first line records
-// this file's hash, and a test checks it (crates/core/src/wgmma_tile.rs).
+// this file's hash, and a test checks it (crates/core/src/toolkit/wgmma_tile.rs).
 //
 // Shared memory is at most 48 KiB a block there (docs/DESIGN.md), so a
 // tile keeps a few small stages and several blocks share an SM to hide the

@@ -1,6 +1,6 @@
-// The KL row kernel (headkl_core::KlDesc): one workgroup per token row.
+// The KL row kernel (headkl_core::toolkit::KlDesc): one workgroup per token row.
 // See shaders/README.md. Each term set is a pipeline of its own: KL_FLAGS
-// (params.flags, set by headkl_core::Checked::build) is an override, so the
+// (params.flags, set by headkl_core::toolkit::Checked::build) is an override, so the
 // driver folds every branch on it. With KL_FLAGS = 0 it runs the seed's loss
 // (the "plain" loops, compiled without the terms' code); otherwise the
 // general loops with the terms the flags name (softcap, tail mode, hard
@@ -9,7 +9,7 @@ enable f16;
 
 override KL_FLAGS: u32 = 0u;
 
-// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// <params: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 // FLAGGED_ROW: the coefficient word of a row the device-resident kernels
 // flagged (headkl_core::resident::status::FLAGGED_ROW, a quiet NaN's bits).
@@ -17,7 +17,7 @@ override KL_FLAGS: u32 = 0u;
 // whatever its logits, and the word's bits as its loss word (a NaN that
 // loss_out tells from bad logits); its lse, soft and hard words are
 // computed as for any row. The host path never writes it.
-// <row constants: generated from crates/core/src/resident/status.rs (headkl_core::kernels::Shader::source)>
+// <row constants: generated from crates/core/src/resident/status.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 // Rows are read 4 logits (16 bytes) at a time: ld is a multiple of 16.
 @group(0) @binding(1) var<storage, read> logits: array<vec4<f32>>;
@@ -35,8 +35,8 @@ const NEG_HUGE: f32 = -3.0e38;
 // Bits of KL_FLAGS = params.flags, the divergences' codes (0 is the
 // forward KL), the tail modes' codes, and the floors TAIL_FLOOR = 2^-24 on
 // the bucket's student mass and the reverse KL's teacher, LOG_PROB_FLOOR
-// its log (headkl_core::params::row_flags).
-// <row flags: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// its log (headkl_core::toolkit::params::row_flags).
+// <row flags: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 var<workgroup> red_max: array<f32, WG>;
 var<workgroup> red_sum: array<f32, WG>;
@@ -384,7 +384,7 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     let base4 = base / 4u;
     let words = (vocab + 3u) / 4u;
     if !fold_terms && params.stats_offset != 0u {
-        // The logits GEMM wrote the row's statistics (headkl_core::RowStats):
+        // The logits GEMM wrote the row's statistics (headkl_core::toolkit::RowStats):
         // one (max, sum) pair per 32 columns, a NaN sum where a logit was
         // not finite. Merging them is this pass; the logits are read once.
         let sbase = params.stats_offset / 4u + row * (params.stats_ld / 2u);

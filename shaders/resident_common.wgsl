@@ -1,12 +1,12 @@
 // Shared by the resident_*.wgsl kernels: the catalogue prepends this file to
-// each (headkl_core::kernels, WGSL has no include). See shaders/README.md, "Device-resident kernels".
+// each (headkl_core::toolkit::kernels, WGSL has no include). See shaders/README.md, "Device-resident kernels".
 enable f16;
 
-// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// <params: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 // The status buffer's words and detail kinds, the codes the kernels compare
 // parameters against, and MASS_TOLERANCE (headkl_core::resident::status::wgsl).
-// <resident constants: generated from crates/core/src/resident/status.rs (headkl_core::kernels::Shader::source)>
+// <resident constants: generated from crates/core/src/resident/status.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 fn non_finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) >= 0x7f800000u;

@@ -1,4 +1,4 @@
-// Device-resident gather, step 1 of a chunk (headkl_core::KernelId::GatherIn):
+// Device-resident gather, step 1 of a chunk (headkl_core::toolkit::KernelId::GatherIn):
 // one invocation per column of the chunk's [rows][k + 1] gather rows copies
 // the caller's id (u32 [ntok][k]) for the top-k kernel's gather mode. None
 // (0xffffffff, an i32 −1) stays none; an id at or past vocab is flagged in

@@ -1,5 +1,5 @@
 // Device-resident gather, last step of a chunk
-// (headkl_core::KernelId::GatherOut): one invocation per column of the
+// (headkl_core::toolkit::KernelId::GatherOut): one invocation per column of the
 // chunk's [rows][k + 1] values from the top-k kernel's gather mode copies
 // the k log-probabilities into the caller's [ntok][k] and the last column,
 // the row's lse, into [ntok]; a token whose logits were not finite (a NaN

@@ -1,6 +1,6 @@
 // Device-resident entry points: the caller's hidden rows (f32, f16 or bf16,
 // read as 32-bit words) into the padded f16 GEMM operand
-// (headkl_core::KernelId::HiddenIn). Prepended by resident_common.wgsl.
+// (headkl_core::toolkit::KernelId::HiddenIn). Prepended by resident_common.wgsl.
 
 @group(0) @binding(1) var<storage, read> src: array<u32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f16>;

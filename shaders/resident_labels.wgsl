@@ -1,4 +1,4 @@
-// Device-resident head_kl, step 2b (headkl_core::KernelId::LabelsIn):
+// Device-resident head_kl, step 2b (headkl_core::toolkit::KernelId::LabelsIn):
 // one invocation per token row of a chunk copies the caller's label into the
 // KL kernel's per-row inputs (word 1 of [rows][2]), NONE where no labels are
 // given. A label that is neither below vocab nor NONE is flagged in the

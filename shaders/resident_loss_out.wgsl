@@ -1,5 +1,5 @@
 // Device-resident head_kl, last step of a chunk
-// (headkl_core::KernelId::LossOut): the chunk's per-token loss and dx
+// (headkl_core::toolkit::KernelId::LossOut): the chunk's per-token loss and dx
 // into the caller's buffers (dx scaled by the coefficient the stats kernel
 // resolved, overwritten or accumulated), and the first token whose logits
 // were not finite (NaN loss from kl_rows) into the status buffer.

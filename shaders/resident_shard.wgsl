@@ -1,11 +1,11 @@
 // Device-resident two-phase loss of a vocabulary shard
-// (headkl_core::KernelId::ShardRows, headkl_core::ShardRowsDesc): one
+// (headkl_core::toolkit::KernelId::ShardRows, headkl_core::toolkit::ShardRowsDesc): one
 // invocation per token row of a chunk runs one step (params.stage) around
 // the unchanged kl_rows. Partials and merged statistics are [ntok][3]:
 // lse at τ, lse at τ = 1, the teacher's in-shard terms. Each step touches
 // only the buffers it names. Prepended by resident_common.wgsl.
 
-// STAGE_* (headkl_core::ShardStage::code) and ALPHA_FLOOR, the floor on
+// STAGE_* (headkl_core::toolkit::ShardStage::code) and ALPHA_FLOOR, the floor on
 // the shard's softmax share α (2^-40, as the host path), come with the
 // parameter block.
 

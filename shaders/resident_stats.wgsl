@@ -1,4 +1,4 @@
-// Device-resident head_kl, step 1 (headkl_core::KernelId::WeightStats): one
+// Device-resident head_kl, step 1 (headkl_core::toolkit::KernelId::WeightStats): one
 // workgroup sums and maxes the token weights on the device, flags the first
 // bad weight, and resolves total and gscale into the status buffer's
 // coefficient words; when total is not positive the KL multiplier word is

@@ -1,5 +1,5 @@
 // Device-resident head_kl, after the last chunk
-// (headkl_core::KernelId::StatusDetail): one invocation describes the first
+// (headkl_core::toolkit::KernelId::StatusDetail): one invocation describes the first
 // bad teacher row or weight the other kernels flagged, in the order the
 // host checks them (ids in range over the whole teacher first; then per row
 // duplicates, probabilities, the row's sum; then weights), into the status

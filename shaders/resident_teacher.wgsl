@@ -1,4 +1,4 @@
-// Device-resident head_kl, step 2 (headkl_core::KernelId::TeacherRows): one
+// Device-resident head_kl, step 2 (headkl_core::toolkit::KernelId::TeacherRows): one
 // workgroup per token row of a chunk checks the caller's teacher row, writes
 // it clamped and renormalized into the engine's scratch with the row's
 // KL coefficient, and flags a bad row in the status buffer. A bad row gets

@@ -1,5 +1,5 @@
 // Device-resident topk, last step of a chunk
-// (headkl_core::KernelId::TopkOut): the chunk's ids and probabilities
+// (headkl_core::toolkit::KernelId::TopkOut): the chunk's ids and probabilities
 // into the caller's buffers, and the first token whose logits were not
 // finite (NaN first probability from topk_rows) into the status buffer.
 // Prepended by resident_common.wgsl.

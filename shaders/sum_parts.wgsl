@@ -1,8 +1,8 @@
-// A split-K GEMM's partial blocks summed (headkl_core::SumPartsDesc):
+// A split-K GEMM's partial blocks summed (headkl_core::toolkit::SumPartsDesc):
 // dst[i] (+)= parts[i] + parts[stride + i] + ..., in increasing part, in f32,
 // 4 elements (16 bytes) per invocation. See shaders/README.md.
 
-// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// <params: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 @group(0) @binding(1) var<storage, read> parts: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;

@@ -1,9 +1,9 @@
-// The exact top-k row kernel (headkl_core::TopkDesc): one workgroup per
+// The exact top-k row kernel (headkl_core::toolkit::TopkDesc): one workgroup per
 // token row; a threshold from the invocations' largest keys (k <= 256) or a
 // radix select over order-preserving keys, then a bitonic sort of the
 // selected. See shaders/README.md.
 
-// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// <params: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 // Rows are read 4 logits (16 bytes) at a time where it pays: ld is a
 // multiple of 16.
@@ -120,9 +120,9 @@ fn sort_selected(count: u32, lid: u32) {
     bitonic_sort(n, lid);
 }
 
-// Bits of params.flags (headkl_core::params::row_flags; those of the KL
+// Bits of params.flags (headkl_core::toolkit::params::row_flags; those of the KL
 // rows come along, unused here).
-// <row flags: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>
+// <row flags: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>
 
 // A value as written: cap·tanh(x/cap) with the softcap on (from
 // e = exp(-2|x/cap|), which cannot overflow), else x.

@@ -4,7 +4,7 @@
 //!
 //! Which variants, and each one's defines and name, come from the typed
 //! description in `src/variant.rs` (compiled in here and in the library):
-//! the GEMM of every tile of core's `GLSL_TILES` (`crates/core/src/glsl_tile.rs`,
+//! the GEMM of every tile of core's `GLSL_TILES` (`crates/core/src/toolkit/glsl_tile.rs`,
 //! compiled in too) for both layouts, and with the `ceiling` feature the
 //! ceiling report's diagnostic variants. Each variant's source is
 //! `shaders/gemm_khr_body.glsl` followed by its own file (`gemm_khr.comp`
@@ -22,7 +22,7 @@ use glslang::{
     dead_code,
     reason = "the build uses the tile table, not every helper of core's module"
 )]
-#[path = "../core/src/glsl_tile.rs"]
+#[path = "../core/src/toolkit/glsl_tile.rs"]
 mod glsl_tile;
 
 #[allow(
@@ -45,7 +45,7 @@ fn main() {
     let shaders = manifest.join("../../shaders");
     println!(
         "cargo:rerun-if-changed={}",
-        manifest.join("../core/src/glsl_tile.rs").display()
+        manifest.join("../core/src/toolkit/glsl_tile.rs").display()
     );
     println!("cargo:rerun-if-changed={}", manifest.join("src/variant.rs").display());
     println!("cargo:rerun-if-changed=build.rs");

@@ -7,8 +7,8 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use headkl_cli::embed::{open_gpu, resolve, BackendArg, BackendArgs, BackendKind, Settings};
-use headkl_core::settings::Env;
 use headkl_core::shard::{HeadShard, LossStats, ShardEngine};
+use headkl_core::toolkit::settings::Env;
 use headkl_core::{
     rescale_teacher, Backend, DeviceInfo, Engine, HeadWeights, Hidden, HiddenDtype, LossOptions, LossOutput,
     SliceOptions, Teacher, TopkOptions,

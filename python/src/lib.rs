@@ -10,7 +10,7 @@ mod options;
 mod shared;
 
 use headkl_cli::embed::{auto_pick, enumerate_all, open_gpu, resolve, BackendArgs, BackendKind, Settings};
-use headkl_core::settings::Env;
+use headkl_core::toolkit::settings::Env;
 use headkl_core::{Backend, ResidentBackend};
 use headkl_reference::conformance::resident::run_resident;
 use headkl_reference::conformance::shard::{run_shard_cases, Serial};

@@ -1,6 +1,6 @@
 // The CUDA twin of headkl's default GLSL GEMM tile, `glsl:bm128.bk64.s1`
 // (shaders/gemm_khr.comp with BM 128, BK 64, STAGES 1, SG_COLS 2; the tile
-// table is crates/core/src/glsl_tile.rs), written with the instructions the
+// table is crates/core/src/toolkit/glsl_tile.rs), written with the instructions the
 // Vulkan driver is expected to lower cooperative matrices to (ldmatrix,
 // mma.sync m16n8k16), so that its time on the same H200 says how much of the
 // Vulkan GEMM's plateau belongs to the design and how much to the SPIR-V's

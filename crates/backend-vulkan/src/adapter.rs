@@ -4,7 +4,8 @@
 use std::ffi::CStr;
 
 use ash::{ext, khr, vk};
-use headkl_core::{DeviceInfo, QueueChoice, QueueFamily, Result};
+use headkl_core::toolkit::QueueFamily;
+use headkl_core::{DeviceInfo, QueueChoice, Result};
 
 use crate::conv::{device_type_name, device_type_rank, no_device, version_string, vk_error, BACKEND};
 use crate::instance::Instance;
@@ -501,7 +502,8 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
     } else if !caps.features.uniform_and_storage_buffer_16bit {
         Some("no 16-bit uniform and storage buffers (uniformAndStorageBuffer16BitAccess)".into())
     } else {
-        headkl_core::kernels::device_misfit(&crate::kernels::kernel_limits(&caps)).map(|why| format!("lacks {why}"))
+        headkl_core::toolkit::kernels::device_misfit(&crate::kernels::kernel_limits(&caps))
+            .map(|why| format!("lacks {why}"))
     };
     Ok(caps)
 }

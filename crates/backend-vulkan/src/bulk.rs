@@ -1,13 +1,14 @@
-//! The bulk PTX tiles (`headkl_core::WgmmaFeed::Bulk`) on this backend:
-//! each GEMM as the pack and GEMM launches of `headkl_core::wgmma_tile::
+//! The bulk PTX tiles (`headkl_core::toolkit::WgmmaFeed::Bulk`) on this backend:
+//! each GEMM as the pack and GEMM launches of `headkl_core::toolkit::wgmma_tile::
 //! bulk_plan`, through two pack buffers of `BULK_PACK_BYTES` each (A's and
 //! B's) that the backend makes on the first bulk launch and keeps. Every
 //! launch is ordered after the one before it (the stream's barrier), so
 //! the pieces can reuse the buffers.
 
-use headkl_core::params::GemmParams;
-use headkl_core::wgmma_tile::{bulk_plan, BulkStep, PackKind, BULK_PACK_BYTES};
-use headkl_core::{fold_workgroups, HeadLayout, Result, WgmmaTile};
+use headkl_core::toolkit::params::GemmParams;
+use headkl_core::toolkit::wgmma_tile::{bulk_plan, BulkStep, PackKind, BULK_PACK_BYTES};
+use headkl_core::toolkit::{fold_workgroups, HeadLayout, WgmmaTile};
+use headkl_core::Result;
 
 use crate::conv::backend_error;
 use crate::memory::VulkanBuffer;
@@ -22,7 +23,7 @@ pub(crate) struct PackBuffers {
 impl crate::VulkanBackend {
     /// Records bulk tile `tile`'s GEMM of `layout` on `[a, b, c]`, `params`
     /// its checked block: the GEMMs timed under `label`, the packs under
-    /// [`headkl_core::KernelId::pack_label`]'s (so the kernel times show
+    /// [`headkl_core::toolkit::KernelId::pack_label`]'s (so the kernel times show
     /// both, and `headkl tune` adds them).
     pub(crate) fn bulk_dispatch(
         &self,
@@ -32,8 +33,8 @@ impl crate::VulkanBackend {
         params: &GemmParams,
         label: &'static str,
     ) -> Result<()> {
-        let what = headkl_core::CoopGemm::Wgmma(tile).to_string();
-        let pack_label = headkl_core::KernelId::gemm(layout).pack_label();
+        let what = headkl_core::toolkit::CoopGemm::Wgmma(tile).to_string();
+        let pack_label = headkl_core::toolkit::KernelId::gemm(layout).pack_label();
         let steps =
             bulk_plan(layout, params, BULK_PACK_BYTES).map_err(|why| backend_error(format!("{what}: {why}")))?;
         let mut pack = self

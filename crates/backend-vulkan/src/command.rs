@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ash::vk;
-use headkl_core::checks::check_transfer;
+use headkl_core::toolkit::checks::check_transfer;
 use headkl_core::{DeviceBuffer, KernelTime, Result};
 
 use crate::conv::{backend_error, vk_error};

@@ -320,7 +320,7 @@ impl Device {
     /// The queue's family in words (`family 2 (compute)`), with where
     /// large copies run.
     pub(crate) fn queue_description(&self) -> String {
-        let kernels = headkl_core::QueueFamily::describe_in(&self.caps.queue_families, self.family);
+        let kernels = headkl_core::toolkit::QueueFamily::describe_in(&self.caps.queue_families, self.family);
         match &self.copy_queues {
             None => kernels,
             Some(c) if c.family == self.family => format!("{kernels}; copies in submissions of their own"),

@@ -4,7 +4,7 @@
 //! ([`headkl_core::ResidentBackend`]).
 
 use ash::vk;
-use headkl_core::gemm_choice::resolve_choice;
+use headkl_core::toolkit::gemm_choice::resolve_choice;
 use headkl_core::{Error, ResidentBackend, Result};
 
 use crate::adapter;

@@ -4,9 +4,10 @@
 //! ceiling report (`headkl tune --ceiling`) times every variant, its
 //! diagnostic kernels included, through [`VulkanBackend::dispatch_glsl`].
 
-use headkl_core::glsl_tile::GLSL_BN;
-use headkl_core::params::GemmParams;
-use headkl_core::{CoopGemm, GemmDesc, GlslTile, HeadLayout, Result};
+use headkl_core::toolkit::glsl_tile::GLSL_BN;
+use headkl_core::toolkit::params::GemmParams;
+use headkl_core::toolkit::{CoopGemm, GemmDesc, GlslTile, HeadLayout};
+use headkl_core::Result;
 use headkl_glsl::{CeilingPart, GlslKernel, GlslVariant, KERNELS};
 
 use crate::command::Binding;
@@ -69,7 +70,7 @@ impl VulkanBackend {
                 self.device.caps.name
             ));
         };
-        let smallest = headkl_core::glsl_tile::GLSL_TILES
+        let smallest = headkl_core::toolkit::glsl_tile::GLSL_TILES
             .iter()
             .copied()
             .min_by_key(|t| t.shared_bytes())?;
@@ -171,7 +172,7 @@ impl VulkanBackend {
         // One workgroup per tile and split-K part (the diagnostic modes
         // skip the parts past the first).
         let count = desc.workgroups_for_tile(CoopGemm::Glsl(kernel.tile()).tile());
-        let grid = headkl_core::fold_workgroups(count);
+        let grid = headkl_core::toolkit::fold_workgroups(count);
         let pipeline = self
             .pipelines
             .lock()

@@ -1,8 +1,9 @@
-//! How the catalogue's kernels (`headkl_core::kernels`) run on a device:
+//! How the catalogue's kernels (`headkl_core::toolkit::kernels`) run on a device:
 //! the device's limits and its matrix-unit GEMM plan.
 
-use headkl_core::gemm_choice::fit_choice;
-use headkl_core::{ChoiceSource, GemmChoice, KernelLimits, Result};
+use headkl_core::toolkit::gemm_choice::fit_choice;
+use headkl_core::toolkit::KernelLimits;
+use headkl_core::{ChoiceSource, GemmChoice, Result};
 
 use crate::adapter::Caps;
 
@@ -180,13 +181,16 @@ mod tests {
     #[test]
     fn a_device_too_small_for_the_row_kernels_is_unusable_at_listing() {
         // The catalogue's check the adapter listing applies (adapter.rs).
-        assert_eq!(headkl_core::kernels::device_misfit(&kernel_limits(&h200())), None);
+        assert_eq!(
+            headkl_core::toolkit::kernels::device_misfit(&kernel_limits(&h200())),
+            None
+        );
         let mut c = h200();
         c.max_shared_memory = 16 << 10;
-        let why = headkl_core::kernels::device_misfit(&kernel_limits(&c)).unwrap();
+        let why = headkl_core::toolkit::kernels::device_misfit(&kernel_limits(&c)).unwrap();
         assert!(why.contains("topk_rows"), "{why}");
         c.max_shared_memory = 48 << 10;
         c.max_invocations = 128;
-        assert!(headkl_core::kernels::device_misfit(&kernel_limits(&c)).is_some());
+        assert!(headkl_core::toolkit::kernels::device_misfit(&kernel_limits(&c)).is_some());
     }
 }

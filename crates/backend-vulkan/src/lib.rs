@@ -18,7 +18,7 @@
 //! (the device's limits and matrix-unit GEMM plan), `glsl` (the GLSL
 //! kernels, SPIR-V from `headkl-glsl`: GEMM tiles and the ceiling report's
 //! diagnostics), `conv` (errors). What each kernel is (shader, entry,
-//! bindings, workgroup) comes from the catalogue, `headkl_core::kernels`.
+//! bindings, workgroup) comes from the catalogue, `headkl_core::toolkit::kernels`.
 
 #![warn(missing_docs)]
 
@@ -43,12 +43,13 @@ mod tests;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use headkl_core::gemm_choice::resolve_choice;
-use headkl_core::settings::{self, CommonOptions, Env};
-use headkl_core::{
-    fold_workgroups, Backend, ChoiceSource, CoopGemm, DeviceInfo, GemmChoice, GemmKernel, HeadLayout, KernelBuild,
-    KernelId, KernelSource, KernelTime, Launch, MemoryStats, PendingDownload, Result, StagedTile,
+use headkl_core::toolkit::gemm_choice::resolve_choice;
+use headkl_core::toolkit::settings::{self, CommonOptions, Env};
+use headkl_core::toolkit::{
+    fold_workgroups, CoopGemm, GemmKernel, HeadLayout, KernelBuild, KernelId, KernelSource, Launch, PendingDownload,
+    StagedTile,
 };
+use headkl_core::{Backend, ChoiceSource, DeviceInfo, GemmChoice, KernelTime, MemoryStats, Result};
 
 use crate::command::{Binding, Stream};
 use crate::conv::{backend_error, BACKEND};
@@ -61,13 +62,13 @@ pub use crate::external::ExternalVulkan;
 pub use crate::glsl::CeilingKernel;
 pub use crate::interop::ExportedBuffer;
 pub use crate::memory::VulkanBuffer;
-pub use headkl_core::GlslTile;
+pub use headkl_core::toolkit::GlslTile;
 pub use headkl_glsl::{CeilingPart, CEILING_BUILT};
 
 /// The Vulkan backend's WGSL GEMM kernels without a tune cache or
 /// `HEADKL_GEMM`, on a device that cannot run the GLSL tiles (subgroups
 /// other than 32, or below Vulkan 1.3); where it can, the default is
-/// [`GemmChoice::GLSL_DEFAULT`] (`headkl_core::gemm_choice::fit_choice`).
+/// [`GemmChoice::GLSL_DEFAULT`] (`headkl_core::toolkit::gemm_choice::fit_choice`).
 /// The fastest WGSL pair on the H200 (`headkl tune`,
 /// docs/PERFORMANCE.md): logits K 64 per step, one stage; dx the 256 × 128
 /// tile, K 32 per step, one stage with register prefetch.
@@ -200,7 +201,7 @@ pub fn enumerate_with(sources: &settings::GemmSources) -> Result<Vec<DeviceInfo>
                 let mut limits = kernels::kernel_limits(&a.caps);
                 let default = GemmChoice::default_for(DEFAULT_GEMM, Some(&limits));
                 let mark = tile_faults::marked(default, &ChoiceSource::Default, sources.tune_cache.as_deref(), &a.caps);
-                let misfit = CoopGemm::Wgmma(headkl_core::wgmma_tile::WGMMA_BM64_BK32_S3).misfit(&limits);
+                let misfit = CoopGemm::Wgmma(headkl_core::toolkit::wgmma_tile::WGMMA_BM64_BK32_S3).misfit(&limits);
                 limits.ptx &= misfit.is_none() && mark.is_none();
                 let ptx = match (misfit, mark) {
                     (Some(why), _) => format!("PTX tiles (wgmma): no: {why}"),

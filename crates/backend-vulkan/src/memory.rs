@@ -391,7 +391,7 @@ impl HostBuffer {
         // is host-coherent and the GPU is not using this range (the stream
         // hands out each range once per submission).
         let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize), data.len()) };
-        headkl_core::host::parallel_copy(data, dst);
+        headkl_core::toolkit::host::parallel_copy(data, dst);
     }
 
     /// Copies the mapping at `offset` into `out`.
@@ -402,7 +402,7 @@ impl HostBuffer {
         // stream waited on the fence) and coherent memory needs no
         // invalidation.
         let src = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), out.len()) };
-        headkl_core::host::parallel_copy(src, out);
+        headkl_core::toolkit::host::parallel_copy(src, out);
     }
 
     /// Unmaps and frees the buffer.

@@ -1,4 +1,4 @@
-//! The PTX GEMM tiles (`headkl_core::wgmma_tile`) on this backend: one
+//! The PTX GEMM tiles (`headkl_core::toolkit::wgmma_tile`) on this backend: one
 //! CUDA module of `shaders/gemm_wgmma.ptx` per device, made through
 //! `VK_NVX_binary_import` on the first launch (the driver assembles the
 //! PTX then), and its functions by entry point. The launches themselves
@@ -8,7 +8,7 @@ use std::ffi::CString;
 use std::sync::Arc;
 
 use ash::vk;
-use headkl_core::wgmma_tile::PTX;
+use headkl_core::toolkit::wgmma_tile::PTX;
 use headkl_core::Result;
 
 use crate::conv::{backend_error, vk_error};
@@ -153,14 +153,14 @@ impl crate::VulkanBackend {
     /// (`crate::bulk`).
     pub(crate) fn ptx_dispatch(
         &self,
-        tile: headkl_core::WgmmaTile,
-        layout: headkl_core::HeadLayout,
+        tile: headkl_core::toolkit::WgmmaTile,
+        layout: headkl_core::toolkit::HeadLayout,
         [a, b, c]: [&crate::memory::VulkanBuffer; 3],
-        desc: &headkl_core::GemmDesc,
-        params: headkl_core::params::GemmParams,
+        desc: &headkl_core::toolkit::GemmDesc,
+        params: headkl_core::toolkit::params::GemmParams,
         label: &'static str,
     ) -> Result<()> {
-        let what = headkl_core::CoopGemm::Wgmma(tile).to_string();
+        let what = headkl_core::toolkit::CoopGemm::Wgmma(tile).to_string();
         if desc.b_layout != layout {
             return Err(backend_error(format!(
                 "{what}: {} is built for {layout:?}, asked for {:?}",
@@ -174,12 +174,12 @@ impl crate::VulkanBackend {
         if desc.m == 0 || desc.n == 0 {
             return Ok(());
         }
-        if tile.feed == headkl_core::WgmmaFeed::Bulk {
+        if tile.feed == headkl_core::toolkit::WgmmaFeed::Bulk {
             return self.bulk_dispatch(tile, layout, [a, b, c], &params, label);
         }
         let addresses = [a.device_address()?, b.device_address()?, c.device_address()?];
-        let count = desc.workgroups_for_tile(headkl_core::CoopGemm::Wgmma(tile).tile());
-        let grid = headkl_core::fold_workgroups(count);
+        let count = desc.workgroups_for_tile(headkl_core::toolkit::CoopGemm::Wgmma(tile).tile());
+        let grid = headkl_core::toolkit::fold_workgroups(count);
         let params = params.with_grid(grid.0);
         let launch = PtxLaunch {
             entry: tile.entry(layout),

@@ -14,7 +14,7 @@ use crate::conv::{backend_error, driver_error, vk_error};
 use crate::device::Device;
 
 /// A WGSL file: its name (for errors and the cache) and its text.
-pub(crate) type ShaderSource = headkl_core::kernels::Shader;
+pub(crate) type ShaderSource = headkl_core::toolkit::kernels::Shader;
 
 /// What the generated SPIR-V may use on the target device.
 #[derive(Clone, Debug)]

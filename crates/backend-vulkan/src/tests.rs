@@ -1,7 +1,9 @@
 //! Plumbing tests with the crate's own tiny kernels, and the check that every
 //! shared shader (the cooperative-matrix GEMM included) compiles to SPIR-V.
 
-use headkl_core::{Backend, DeviceBuffer, GemmChoice, GemmKernel, KernelId, KernelSource};
+use headkl_core::{Backend, DeviceBuffer, GemmChoice};
+
+use headkl_core::toolkit::{GemmKernel, KernelId, KernelSource};
 use headkl_reference::conformance::{gemm_choice_outcome, harness_env, open_or_skip};
 use naga::back::spv::Capability;
 
@@ -37,7 +39,7 @@ fn open_in_line() -> Option<VulkanBackend> {
 const SCALE: ShaderSource = ShaderSource {
     file: "test_scale.wgsl",
     // Declares its own parameters (no marker): `params` goes unused.
-    params: headkl_core::params::RowParams::BLOCK,
+    params: headkl_core::toolkit::params::RowParams::BLOCK,
     text: r#"
 enable f16;
 struct P { n: u32, scale: f32, grid_x: u32, pad: u32 }
@@ -57,7 +59,7 @@ fn scale_f16(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
 /// `x[i] += p.add` for `i < n` (one invocation per element, 64 wide).
 const ADD: ShaderSource = ShaderSource {
     file: "test_add.wgsl",
-    params: headkl_core::params::RowParams::BLOCK,
+    params: headkl_core::toolkit::params::RowParams::BLOCK,
     text: r#"
 struct P { n: u32, add: f32, grid_x: u32, pad: u32 }
 @group(0) @binding(0) var<uniform> p: P;
@@ -639,10 +641,10 @@ fn spirv_declarations(words: &[u32]) -> (Vec<Capability>, u32) {
 fn every_catalogue_kernel_compiles_to_spirv() {
     let target = ShaderTarget::everything();
     let mut gemms = vec![GemmKernel::Tiled];
-    for kernel in headkl_core::CoopGemm::candidates() {
+    for kernel in headkl_core::toolkit::CoopGemm::candidates() {
         match kernel {
             // Written for subgroups of 32 only.
-            headkl_core::CoopGemm::Glsl(_) | headkl_core::CoopGemm::Wgmma(_) => {
+            headkl_core::toolkit::CoopGemm::Glsl(_) | headkl_core::toolkit::CoopGemm::Wgmma(_) => {
                 gemms.push(GemmKernel::Coop { kernel, subgroup: 32 })
             }
             _ => gemms.extend([32u32, 64, 16].map(|subgroup| GemmKernel::Coop { kernel, subgroup })),
@@ -658,7 +660,7 @@ fn every_catalogue_kernel_compiles_to_spirv() {
     let mut failures = Vec::new();
     let (mut compiled, mut glsl, mut ptx) = (0, 0, 0);
     for build in &builds {
-        match headkl_core::wgmma_tile::check_build(build) {
+        match headkl_core::toolkit::wgmma_tile::check_build(build) {
             Ok(None) => {}
             Ok(Some(_)) => {
                 ptx += 1;
@@ -720,12 +722,12 @@ fn every_catalogue_kernel_compiles_to_spirv() {
     assert_eq!(compiled, 2 * (4 + 10 + 3 * (1 + 19 * 3)));
     // Every GLSL tile, all three GEMMs, and the filtered dx GEMM's GLSL
     // tile beside each PTX tile; the PTX tiles' logits and dx entry points.
-    let ptx_tiles = headkl_core::CoopGemm::candidates()
+    let ptx_tiles = headkl_core::toolkit::CoopGemm::candidates()
         .into_iter()
-        .filter(|k| matches!(k, headkl_core::CoopGemm::Wgmma(_)))
+        .filter(|k| matches!(k, headkl_core::toolkit::CoopGemm::Wgmma(_)))
         .count();
     assert!(ptx_tiles >= 3, "{ptx_tiles} PTX tiles among the candidates");
-    assert_eq!(glsl, 3 * headkl_core::glsl_tile::GLSL_TILES.len() + ptx_tiles);
+    assert_eq!(glsl, 3 * headkl_core::toolkit::glsl_tile::GLSL_TILES.len() + ptx_tiles);
     assert_eq!(ptx, 2 * ptx_tiles);
 }
 
@@ -734,7 +736,7 @@ fn every_catalogue_kernel_compiles_to_spirv() {
 /// suite runs only the sets its cases name.
 #[test]
 fn every_kl_rows_specialization_compiles_to_spirv() {
-    use headkl_core::params::row_flags as f;
+    use headkl_core::toolkit::params::row_flags as f;
     let target = ShaderTarget::everything();
     let build = KernelId::KlRows.build(GemmKernel::Tiled);
     let KernelSource::Wgsl(shader) = &build.source else {
@@ -766,7 +768,7 @@ fn every_kl_rows_specialization_compiles_to_spirv() {
     }
     for flags in sets {
         for checked in [false, true] {
-            let overrides = vec![(headkl_core::kernels::KL_FLAGS, flags)];
+            let overrides = vec![(headkl_core::toolkit::kernels::KL_FLAGS, flags)];
             let c = compile(&parsed, shader.file, build.entry, &overrides, &target, checked)
                 .unwrap_or_else(|e| panic!("KL_FLAGS {flags:#x} checked={checked}: {e}"));
             assert_eq!(c.words.first(), Some(&0x0723_0203), "SPIR-V magic");

@@ -1,5 +1,5 @@
 //! The PTX tiles' failures on a device, kept in the tune cache
-//! ([`headkl_core::tune_cache::FailedTile`]). Read at open: a default or
+//! ([`headkl_core::toolkit::tune_cache::FailedTile`]). Read at open: a default or
 //! cached choice whose PTX tile failed on this device and driver before
 //! runs the GLSL tiles instead, until `headkl tune` runs them again (an
 //! explicit choice still runs them). Written where the driver refuses the
@@ -8,8 +8,9 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use headkl_core::tune_cache::{FailedTile, TuneCache};
-use headkl_core::{ChoiceSource, CoopGemm, Error, GemmChoice, Result};
+use headkl_core::toolkit::tune_cache::{FailedTile, TuneCache};
+use headkl_core::toolkit::CoopGemm;
+use headkl_core::{ChoiceSource, Error, GemmChoice, Result};
 
 use crate::adapter::Caps;
 use crate::conv::BACKEND;
@@ -119,7 +120,7 @@ mod tests {
     #[test]
     fn a_mark_keeps_defaults_and_cached_choices_off_the_tile_until_a_tune() {
         let dir = std::env::temp_dir().join(format!("headkl-tile-faults-{}", std::process::id()));
-        let path = dir.join(headkl_core::tune_cache::CACHE_FILE);
+        let path = dir.join(headkl_core::toolkit::tune_cache::CACHE_FILE);
         let caps = h200();
         let wgmma = GemmChoice::WGMMA_DEFAULT;
         let cached = ChoiceSource::Cache(PathBuf::from("x"));
@@ -162,7 +163,7 @@ mod tests {
     #[test]
     fn a_device_lost_under_the_ptx_tiles_marks_them_once() {
         let dir = std::env::temp_dir().join(format!("headkl-tile-loss-{}", std::process::id()));
-        let path = dir.join(headkl_core::tune_cache::CACHE_FILE);
+        let path = dir.join(headkl_core::toolkit::tune_cache::CACHE_FILE);
         let caps = h200();
         let wgmma = GemmChoice::WGMMA_DEFAULT;
         let lost = || -> Result<()> { Err(Error::DeviceLost("vkQueueSubmit: VK_ERROR_DEVICE_LOST".into())) };

@@ -6,7 +6,8 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
-use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout, Kernels, QueueChoice};
+use headkl_core::toolkit::{ConvertDesc, GemmDesc, HeadLayout, Kernels};
+use headkl_core::{Backend, Error, QueueChoice};
 use headkl_reference::conformance::{harness_env, open_or_skip};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 

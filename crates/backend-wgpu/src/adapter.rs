@@ -1,7 +1,9 @@
 //! Adapters: listing them with what they offer, choosing one, and opening a
 //! device with the features and limits headkl needs.
 
-use headkl_core::{ChoiceSource, DeviceInfo, Error, GemmChoice, KernelLimits, QueueChoice, Result};
+use headkl_core::{ChoiceSource, DeviceInfo, Error, GemmChoice, QueueChoice, Result};
+
+use headkl_core::toolkit::KernelLimits;
 
 use crate::BACKEND;
 
@@ -114,7 +116,7 @@ fn unusable_reason(adapter: &wgpu::Adapter) -> Option<String> {
     if !features.contains(wgpu::Features::SHADER_F16) {
         missing.push("SHADER_F16 (f16 arithmetic and 16-bit storage)".to_string());
     }
-    if let Some(why) = headkl_core::kernels::device_misfit(&kernel_limits(adapter, adapter.features(), 0)) {
+    if let Some(why) = headkl_core::toolkit::kernels::device_misfit(&kernel_limits(adapter, adapter.features(), 0)) {
         missing.push(why);
     }
     if missing.is_empty() {

@@ -1,13 +1,12 @@
 //! The [`Backend`] impl of [`WgpuBackend`]: allocation, and one dispatch:
 //! each launch checked by core ([`Launch::check`]) and built from the
-//! catalogue (`headkl_core::kernels`).
+//! catalogue (`headkl_core::toolkit::kernels`).
 
 use std::sync::atomic::Ordering;
 
-use headkl_core::{
-    Backend, DeviceInfo, Error, GemmKernel, HeadLayout, KernelId, KernelTime, Launch, MemoryStats, PendingDownload,
-    Result,
-};
+use headkl_core::{Backend, DeviceInfo, Error, KernelTime, MemoryStats, Result};
+
+use headkl_core::toolkit::{GemmKernel, HeadLayout, KernelId, Launch, PendingDownload};
 
 use crate::buffer::{lock, WgpuBuffer};
 use crate::device::{wgpu_failure, WgpuBackend};

@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use headkl_core::{DeviceBuffer, KernelId, MemoryStats};
+use headkl_core::{DeviceBuffer, MemoryStats};
+
+use headkl_core::toolkit::KernelId;
 
 /// Bind groups are keyed by kernel (its layout) and the ids of the buffers
 /// at bindings 1.. (0 where unused).

@@ -4,9 +4,10 @@
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, Weak};
 
-use headkl_core::gemm_choice::{fit_choice, resolve_choice, KernelLimits};
-use headkl_core::settings::{CommonOptions, Env};
-use headkl_core::{ChoiceSource, CoopGemm, DeviceInfo, Error, GemmChoice, KernelId, Result, StagedTile};
+use headkl_core::toolkit::gemm_choice::{fit_choice, resolve_choice, KernelLimits};
+use headkl_core::toolkit::settings::{CommonOptions, Env};
+use headkl_core::toolkit::{CoopGemm, KernelId, StagedTile};
+use headkl_core::{ChoiceSource, DeviceInfo, Error, GemmChoice, Result};
 
 use crate::adapter;
 use crate::buffer::{lock, Shared};
@@ -22,7 +23,7 @@ const MAP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
 /// `HEADKL_GEMM`, on an adapter that cannot run the GLSL tiles (not Vulkan
 /// with `PASSTHROUGH_SHADERS`, or subgroups other than 32); where it can,
 /// the default is [`GemmChoice::GLSL_DEFAULT`]
-/// (`headkl_core::gemm_choice::fit_choice`). The fastest WGSL pair on the
+/// (`headkl_core::toolkit::gemm_choice::fit_choice`). The fastest WGSL pair on the
 /// H200 (docs/PERFORMANCE.md), where wgpu's pipelines ran the Vulkan
 /// backend's K-64 WGSL logits tile far slower: both GEMMs take the
 /// 256 × 128 tile, K 32 per step, one stage with register prefetch.

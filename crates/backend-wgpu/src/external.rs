@@ -4,7 +4,7 @@
 
 use headkl_core::{Error, ResidentBackend, Result};
 
-use headkl_core::gemm_choice::KernelLimits;
+use headkl_core::toolkit::gemm_choice::KernelLimits;
 
 use crate::adapter;
 use crate::buffer::WgpuBuffer;
@@ -21,7 +21,7 @@ impl WgpuBackend {
     /// `max_storage_buffer_binding_size` and `max_buffer_size` limits (the
     /// head is cut into slices that fit the binding limit) and
     /// the workgroup memory and size the row kernels need
-    /// (`headkl_core::kernels::device_misfit`).
+    /// (`headkl_core::toolkit::kernels::device_misfit`).
     pub fn required_features(adapter: &wgpu::Adapter) -> wgpu::Features {
         let candidate = adapter::describe(adapter.clone());
         adapter::features_for(&candidate, candidate.coop.is_ok())
@@ -80,7 +80,7 @@ impl WgpuBackend {
             spirv: adapter::spirv_passthrough(adapter, features),
             ptx: false,
         };
-        if let Some(why) = headkl_core::kernels::device_misfit(&kernel_limits) {
+        if let Some(why) = headkl_core::toolkit::kernels::device_misfit(&kernel_limits) {
             missing.push(why);
         }
         if limits.max_storage_buffers_per_shader_stage < 7 {

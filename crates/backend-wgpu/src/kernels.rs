@@ -1,4 +1,4 @@
-//! The catalogue's kernels (`headkl_core::kernels`) as wgpu objects:
+//! The catalogue's kernels (`headkl_core::toolkit::kernels`) as wgpu objects:
 //! bind-group layouts, shader modules and compute pipelines, built once per
 //! backend on first use. WGSL goes through naga; the GLSL GEMM tiles'
 //! SPIR-V (`headkl-glsl`) goes to the driver as is, through
@@ -9,8 +9,9 @@ use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::Mutex;
 
-use headkl_core::kernels::Access;
-use headkl_core::{GemmChoice, GemmKernel, KernelBuild, KernelId, KernelSource, Result};
+use headkl_core::toolkit::kernels::Access;
+use headkl_core::toolkit::{GemmKernel, KernelBuild, KernelId, KernelSource};
+use headkl_core::{GemmChoice, Result};
 
 use crate::backend_error;
 use crate::buffer::lock;

@@ -10,7 +10,9 @@
 //! `physical_device_features`), and handed to wgpu (`device_from_raw`,
 //! `Adapter::create_device_from_hal`).
 
-use headkl_core::{Error, QueueChoice, QueueFamily, Result};
+use headkl_core::{Error, QueueChoice, Result};
+
+use headkl_core::toolkit::QueueFamily;
 
 use crate::BACKEND;
 
@@ -44,7 +46,7 @@ pub(crate) fn open(
     }
     if let QueueChoice::Family(_) = choice {
         return Err(Error::InvalidSetting {
-            name: headkl_core::settings::QUEUE,
+            name: headkl_core::toolkit::settings::QUEUE,
             value: choice.to_string(),
             reason: format!(
                 "a queue family index applies to Vulkan adapters; this one is {:?}",

@@ -5,9 +5,10 @@
 
 use std::sync::mpsc;
 
-use headkl_core::checks::check_transfer;
-use headkl_core::host::StagingPool;
-use headkl_core::{DeviceBuffer, DownloadsInFlight, PendingDownload, Result};
+use headkl_core::toolkit::checks::check_transfer;
+use headkl_core::toolkit::host::StagingPool;
+use headkl_core::toolkit::{DownloadsInFlight, PendingDownload};
+use headkl_core::{DeviceBuffer, Result};
 
 use crate::buffer::{lock, WgpuBuffer};
 use crate::device::{wgpu_failure, WgpuBackend};
@@ -108,7 +109,7 @@ impl WgpuBackend {
                 .staging
                 .get_mapped_range(0..rb.span)
                 .map_err(|e| crate::driver_error(format!("reading a mapped buffer: {e}"), e))?;
-            headkl_core::host::parallel_copy(&view[rb.skip..rb.skip + rb.len], out);
+            headkl_core::toolkit::host::parallel_copy(&view[rb.skip..rb.skip + rb.len], out);
         }
         rb.staging.unmap();
         // A buffer the full pool lets go is dropped (wgpu frees it).

@@ -4,7 +4,9 @@
 
 use std::sync::atomic::Ordering;
 
-use headkl_core::{fold_workgroups, KernelId, Result};
+use headkl_core::Result;
+
+use headkl_core::toolkit::{fold_workgroups, KernelId};
 
 use crate::buffer::{lock, WgpuBuffer};
 use crate::device::{wgpu_failure, WgpuBackend};

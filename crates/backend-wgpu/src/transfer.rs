@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 
-use headkl_core::checks::check_transfer;
+use headkl_core::toolkit::checks::check_transfer;
 use headkl_core::{DeviceBuffer, Error, Result};
 
 use crate::buffer::{lock, WgpuBuffer};
@@ -91,7 +91,7 @@ impl WgpuBackend {
             }
             let dst = &mut out[done as usize..(done + piece) as usize];
             self.read_mapped(&staging, piece, |bytes| {
-                headkl_core::host::parallel_copy(&bytes[..dst.len()], dst)
+                headkl_core::toolkit::host::parallel_copy(&bytes[..dst.len()], dst)
             })?;
             done += piece;
         }

@@ -6,11 +6,13 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
+use headkl_core::toolkit::Kernels;
+use headkl_core::toolkit::{ConvertDesc, GemmDesc, HeadLayout};
+use headkl_core::CommonOptions;
 use headkl_core::{
-    Backend, ConvertDesc, Engine, Error, GemmChoice, GemmDesc, HeadData, HeadLayout, HeadWeights, Hidden, LossOptions,
-    QueueChoice, SliceOptions, Teacher, TopkOptions,
+    Backend, Engine, Error, GemmChoice, HeadData, HeadWeights, Hidden, LossOptions, QueueChoice, SliceOptions, Teacher,
+    TopkOptions,
 };
-use headkl_core::{CommonOptions, Kernels};
 use headkl_reference::conformance::{gemm_choice_outcome, harness_env, open_or_skip, run_part, Part, SuiteConfig};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::Tolerance;
@@ -253,7 +255,7 @@ fn an_explicit_queue_family_opens_through_wgpu_hal() {
     );
     match WgpuBackend::open_with(&options(QueueChoice::Family(99))) {
         Err(Error::InvalidSetting { name, value, .. }) => {
-            assert_eq!(name, headkl_core::settings::QUEUE);
+            assert_eq!(name, headkl_core::toolkit::settings::QUEUE);
             assert_eq!(value, "99");
         }
         other => panic!("family 99: {:?}", other.map(|b| b.info().queue.clone())),
@@ -398,8 +400,13 @@ fn topk_rows_is_exact_on_crafted_rows() {
         let probs = b.alloc((rows * k * 4) as u64, "probs").unwrap();
         b.upload(&probs, 0, bytemuck::cast_slice(&vec![f32::NAN; rows * k]))
             .unwrap();
-        b.topk_rows(&lbuf, &ids, &probs, &headkl_core::TopkDesc::plain(rows, vocab, ld, k))
-            .unwrap();
+        b.topk_rows(
+            &lbuf,
+            &ids,
+            &probs,
+            &headkl_core::toolkit::TopkDesc::plain(rows, vocab, ld, k),
+        )
+        .unwrap();
         let mut got_ids = vec![0u32; rows * k];
         b.download(&ids, 0, bytemuck::cast_slice_mut(&mut got_ids)).unwrap();
         let got_probs = download_f32(&b, &probs, rows * k);

@@ -1,4 +1,4 @@
-//! The kernel catalogue (`headkl_core::kernels`) against the shaders it
+//! The kernel catalogue (`headkl_core::toolkit::kernels`) against the shaders it
 //! names, without a device: every build of every kernel (each GEMM family,
 //! every matrix-unit tile at subgroups 32 and 64) parses, validates with
 //! every capability, resolves its overrides and translates to SPIR-V as the
@@ -11,8 +11,8 @@
 //! passes through: present, with the catalogue's bindings, workgroup and
 //! workgroup memory (`headkl_glsl::check_build`).
 
-use headkl_core::kernels::{Access, SHADERS};
-use headkl_core::{CoopGemm, GemmKernel, KernelBuild, KernelId, KernelSource};
+use headkl_core::toolkit::kernels::{Access, SHADERS};
+use headkl_core::toolkit::{CoopGemm, GemmKernel, KernelBuild, KernelId, KernelSource};
 use naga::back::spv;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 
@@ -54,7 +54,8 @@ fn check(build: &KernelBuild) -> Result<usize, String> {
         // The PTX entry point, its parameter block and shared memory
         // (headkl_core's tests check the text is the source's).
         KernelSource::Ptx { .. } => {
-            return headkl_core::wgmma_tile::check_build(build).map(|_| headkl_core::wgmma_tile::PTX.len())
+            return headkl_core::toolkit::wgmma_tile::check_build(build)
+                .map(|_| headkl_core::toolkit::wgmma_tile::PTX.len())
         }
     };
     let (file, entry) = (shader.file, build.entry);
@@ -179,11 +180,11 @@ fn every_build_in_the_catalogue_matches_its_shader_and_compiles() {
     // dx, dx filtered) the tiled kernel, 19 WGSL tiles at 2 subgroup sizes
     // and the GLSL and PTX tiles at one (the filtered dx GEMM of a PTX
     // tile is the GLSL filter tile's).
-    let tiles = headkl_core::glsl_tile::GLSL_TILES.len();
+    let tiles = headkl_core::toolkit::glsl_tile::GLSL_TILES.len();
     // The PTX tiles `tune` tries (not the bulk ones).
-    let ptx = headkl_core::CoopGemm::candidates()
+    let ptx = headkl_core::toolkit::CoopGemm::candidates()
         .into_iter()
-        .filter(|k| matches!(k, headkl_core::CoopGemm::Wgmma(_)))
+        .filter(|k| matches!(k, headkl_core::toolkit::CoopGemm::Wgmma(_)))
         .count();
     assert_eq!(builds.len(), 4 + 10 + 3 * (1 + 2 * 19 + tiles + ptx));
     assert_eq!(glsl, 3 * tiles + ptx);

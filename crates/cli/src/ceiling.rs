@@ -19,7 +19,8 @@
 //! and as a percentage of (a).
 
 use half::f16;
-use headkl_core::{Backend, CoopGemm, GemmChoice, GemmDesc, HeadLayout, Kernels};
+use headkl_core::toolkit::{CoopGemm, GemmDesc, HeadLayout, Kernels};
+use headkl_core::{Backend, GemmChoice};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
 use headkl_vulkan::{CeilingKernel, CeilingPart, GlslTile, VulkanBackend, VulkanBuffer};
 
@@ -305,7 +306,7 @@ mod tests {
         assert_eq!(current_label(Some(glsl), HeadLayout::Dx), "current: glsl:bm128.bk64.s1");
         let mixed = GemmChoice {
             logits: glsl.logits,
-            dx: headkl_core::CoopGemm::Direct,
+            dx: headkl_core::toolkit::CoopGemm::Direct,
         };
         assert_eq!(
             current_label(Some(mixed), HeadLayout::Logits),

@@ -1,9 +1,9 @@
 //! The command's `HEADKL_*` settings, read once at start-up: each section
 //! parsed by the crate that owns it (the backends' options, the suite's
-//! settings), the command line's own here. `headkl_core::settings` holds
+//! settings), the command line's own here. `headkl_core::toolkit::settings` holds
 //! the one list of variables.
 
-use headkl_core::settings::{self, Env};
+use headkl_core::toolkit::settings::{self, Env};
 use headkl_core::DxSplit;
 use headkl_reference::conformance::SuiteSettings;
 

@@ -18,8 +18,8 @@ use std::sync::OnceLock;
 
 use clap::Parser;
 use half::{bf16, f16};
-use headkl_core::settings::{Env, REMOVED, VARIABLES};
-use headkl_core::tune_cache::TuneCache;
+use headkl_core::toolkit::settings::{Env, REMOVED, VARIABLES};
+use headkl_core::toolkit::tune_cache::TuneCache;
 use headkl_core::{GemmChoice, LossConfig, LossOptions, LossTerms, TailMode, Teacher, TeacherForm};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};

@@ -67,11 +67,11 @@ setting, named in the message); 1 anything else (device errors, failed
 checks).";
 
 /// The environment section of `headkl --help`, from the one list of
-/// variables in `headkl_core::settings`.
+/// variables in `headkl_core::toolkit::settings`.
 fn env_help() -> String {
     format!(
         "{}\n{EXIT_HELP}\n\nEach subcommand's --help has its details; `headkl --help` lists the environment.",
-        headkl_core::settings::help_text()
+        headkl_core::toolkit::settings::help_text()
     )
 }
 
@@ -107,8 +107,8 @@ fn parse_seed(s: &str) -> Result<u64, String> {
     .map_err(|e| format!("`{s}`: {e} (decimal or 0x hex)"))
 }
 
-fn parse_kernel(s: &str) -> Result<headkl_core::CoopGemm, String> {
-    headkl_core::CoopGemm::parse(s).map_err(|e| e.to_string())
+fn parse_kernel(s: &str) -> Result<headkl_core::toolkit::CoopGemm, String> {
+    headkl_core::toolkit::CoopGemm::parse(s).map_err(|e| e.to_string())
 }
 
 fn parse_shape(s: &str) -> Result<Shape, String> {
@@ -409,7 +409,7 @@ mod tests {
         assert!(help.contains("headkl --help"), "{help}");
         // The environment is listed once, in the top-level help, whole.
         let top = Cli::command().render_long_help().to_string();
-        for v in headkl_core::settings::VARIABLES {
+        for v in headkl_core::toolkit::settings::VARIABLES {
             assert_eq!(top.matches(&format!("  {}=", v.name)).count(), 1, "{}:\n{top}", v.name);
             assert!(
                 !help.contains(&format!("  {}=", v.name)),

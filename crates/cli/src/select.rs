@@ -8,7 +8,7 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
-use headkl_core::settings::CommonOptions;
+use headkl_core::toolkit::settings::CommonOptions;
 use headkl_core::{Backend, DeviceInfo, ResidentBackend};
 use headkl_vulkan::VulkanBackend;
 use headkl_wgpu::WgpuBackend;

@@ -11,11 +11,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use half::f16;
-use headkl_core::gemm_choice::GEMM_ENV;
-use headkl_core::tune_cache::TuneCache;
-use headkl_core::{
-    Backend, CoopGemm, GemmChoice, GemmDesc, GemmRowStats, HeadLayout, KernelId, Kernels, RowStats, STATS_GROUP_COLS,
+use headkl_core::toolkit::gemm_choice::GEMM_ENV;
+use headkl_core::toolkit::tune_cache::TuneCache;
+use headkl_core::toolkit::{
+    CoopGemm, GemmDesc, GemmRowStats, HeadLayout, KernelId, Kernels, RowStats, STATS_GROUP_COLS,
 };
+use headkl_core::{Backend, GemmChoice};
 use headkl_reference::conformance::{self, Part, SuiteConfig};
 
 use crate::environment::Settings;

@@ -1,6 +1,8 @@
 //! headkl-core: the distillation loss's shapes, validation and errors, the
-//! vocabulary slicing and token chunking math, the kernel traits a backend
-//! implements, and the driver ([`Engine`]) written once over them.
+//! vocabulary slicing, and the driver ([`Engine`]) written once over any
+//! backend. What a backend implements and reads (the [`Backend`] trait, the
+//! kernel catalogue, launches, parameter blocks, GEMM tiles, settings) is
+//! [`toolkit`]; the root is what a trainer uses.
 //!
 //! The math (DESIGN §1): per token, with `s = x·Wᵀ/τ` and
 //! `log p_S = s − logsumexp(s)`,
@@ -59,67 +61,49 @@
 
 #![warn(missing_docs)]
 
-pub mod backend;
-pub mod checks;
-pub mod chunking;
 pub mod driver;
 pub mod error;
 pub mod filter;
-pub mod gemm_choice;
-pub mod glsl_tile;
 pub mod head;
 mod head_planes;
-pub mod host;
 mod in_flight;
-pub mod kernels;
-pub mod launch;
-pub mod params;
 pub mod problem;
-pub mod queue;
 pub mod resident;
 mod scratch;
-pub mod settings;
 pub mod shard;
 pub mod slicing;
-pub mod split;
 pub mod terms;
-pub mod tune_cache;
+pub mod toolkit;
 pub mod vocab_order;
-pub mod wgmma_tile;
 
-pub use backend::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, GemmRowStats, HeadLayout, KernelTime,
-    KlDesc, KlFilter, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, STATS_GROUP_COLS,
-};
-pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
+// The toolkit's modules and items by their short paths inside this crate
+// (`crate::kernels`, `crate::GemmDesc`); outside it they are
+// `headkl_core::toolkit::…`.
+#[allow(unused_imports, reason = "a glob: each name is used by some of the crate's modules")]
+use toolkit::*;
+
 pub use driver::{
     check_full_vocab_terms, check_gather_ids, Engine, Gathered, LossOutput, ProgressCallback, SliceOptions, TopK,
 };
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use filter::FilterStats;
-pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
-pub use glsl_tile::GlslTile;
 pub use head::{HeadData, HeadWeights};
 pub use head_planes::DevicePlane;
-pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
-pub use launch::{Checked, Kernels, Launch};
 pub use problem::{
     check_k, Hidden, HiddenData, LossConfig, LossOptions, Reduction, ResolvedLoss, Teacher, TopkOptions,
     DEFAULT_BUDGET_BYTES, DEFAULT_IGNORE_INDEX, MAX_K,
 };
-pub use queue::{QueueChoice, QueueFamily};
-pub use resident::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, GatherRowsDesc, HiddenDtype, HiddenInDesc,
-    LabelsInDesc, LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage, StatusDetailDesc, TeacherRowsDesc,
-    TopkOutDesc, WeightStatsDesc,
-};
-pub use settings::{CommonOptions, Env};
+pub use resident::{DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend};
 pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
-pub use split::DxSplit;
 pub use terms::{rescale_teacher, Divergence, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL, PROB_FLOOR};
-pub use tune_cache::TuneCache;
 pub use vocab_order::VocabOrder;
-pub use wgmma_tile::{WgmmaFeed, WgmmaTile};
+// What a caller of the engine meets from the toolkit: the backend bound
+// and what it reports, the options a backend opens with, the chunk plan
+// and the dx split it may set.
+pub use toolkit::{
+    Backend, ChoiceSource, ChunkPlan, CommonOptions, DeviceBuffer, DeviceInfo, DxSplit, GemmChoice, KernelTime,
+    MemoryStats, QueueChoice,
+};
 
 /// The `log` target of the diagnostics a user switches on
 /// (`HEADKL_TRACE`'s phases, `HEADKL_PIPELINE_STATS`' statistics), logged

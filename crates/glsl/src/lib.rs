@@ -1,14 +1,14 @@
 //! headkl-glsl: the SPIR-V of the GLSL GEMM (`shaders/gemm_khr_body.glsl`
 //! with `shaders/gemm_khr.comp`, KHR cooperative matrices), compiled at
 //! build time by the `glslang` crate (build.rs) for every GEMM tile of
-//! core's catalogue ([`headkl_core::glsl_tile::GLSL_TILES`], both layouts).
+//! core's catalogue ([`headkl_core::toolkit::glsl_tile::GLSL_TILES`], both layouts).
 //! With the `ceiling` feature it also holds the ceiling report's diagnostic
 //! variants (`shaders/gemm_ceiling.comp` and the levers of
 //! [`GlslVariant`]); the shipped build leaves them out. Both GPU backends
 //! load it: the Vulkan backend directly, wgpu through `PASSTHROUGH_SHADERS`.
 //!
 //! A variant's bindings and parameter block are the GEMM's in the
-//! catalogue (`headkl_core::kernels::KernelId::bindings`, `GemmParams` at
+//! catalogue (`headkl_core::toolkit::kernels::KernelId::bindings`, `GemmParams` at
 //! binding 0); its entry point is `main`. It needs subgroups of exactly 32
 //! and a Vulkan 1.3 device (SPIR-V 1.6).
 
@@ -16,8 +16,8 @@
 
 use std::sync::LazyLock;
 
-use headkl_core::glsl_tile::GLSL_TILES;
-use headkl_core::{GlslTile, HeadLayout};
+use headkl_core::toolkit::glsl_tile::GLSL_TILES;
+use headkl_core::toolkit::{GlslTile, HeadLayout};
 
 pub mod variant;
 
@@ -214,8 +214,8 @@ pub fn interface(words: &[u32]) -> Option<Interface> {
 /// catalogue's workgroup size and workgroup memory, its uniform parameter
 /// block at binding 0 and its storage buffers (with their access) at
 /// 1... Returns the kernel, or what is wrong.
-pub fn check_build(build: &headkl_core::KernelBuild) -> Result<&'static GlslKernel, String> {
-    use headkl_core::kernels::{Access, KernelSource};
+pub fn check_build(build: &headkl_core::toolkit::KernelBuild) -> Result<&'static GlslKernel, String> {
+    use headkl_core::toolkit::kernels::{Access, KernelSource};
     let KernelSource::Glsl { tile, layout, filter } = build.source else {
         return Err(format!("{:?} is not a GLSL build", build.source));
     };
@@ -240,7 +240,7 @@ pub fn check_build(build: &headkl_core::KernelBuild) -> Result<&'static GlslKern
     }
     // The Params block is declared by hand: its members must sit where
     // core's GemmParams puts its fields, and fill the block.
-    let block = headkl_core::params::GemmParams::BLOCK;
+    let block = headkl_core::toolkit::params::GemmParams::BLOCK;
     let core_offsets: Vec<u32> = block.fields.iter().map(|f| f.1 as u32).collect();
     let members = found.uniform_offsets.len();
     if found.uniform_offsets.get(..core_offsets.len()) != Some(&core_offsets[..])
@@ -270,7 +270,7 @@ pub fn check_build(build: &headkl_core::KernelBuild) -> Result<&'static GlslKern
 #[cfg(test)]
 mod tests {
     use super::*;
-    use headkl_core::glsl_tile::GLSL_TILES;
+    use headkl_core::toolkit::glsl_tile::GLSL_TILES;
 
     #[test]
     fn every_catalogue_tile_is_built_for_both_layouts() {
@@ -367,19 +367,19 @@ mod tests {
             .filter_map(|l| l.trim().strip_suffix(';'))
             .filter_map(|l| l.split_whitespace().nth(1))
             .collect();
-        let core: Vec<&str> = headkl_core::params::GemmParams::BLOCK
+        let core: Vec<&str> = headkl_core::toolkit::params::GemmParams::BLOCK
             .fields
             .iter()
             .map(|f| f.0)
             .collect();
         assert_eq!(&names[..core.len()], &core[..]);
-        assert_eq!(names.len() * 4, headkl_core::params::GemmParams::BLOCK.bytes);
+        assert_eq!(names.len() * 4, headkl_core::toolkit::params::GemmParams::BLOCK.bytes);
     }
 
     /// Every catalogue build of every GLSL tile matches its SPIR-V.
     #[test]
     fn catalogue_builds_match_their_spirv() {
-        use headkl_core::{CoopGemm, GemmKernel, KernelId};
+        use headkl_core::toolkit::{CoopGemm, GemmKernel, KernelId};
         for tile in GLSL_TILES {
             let gemm = GemmKernel::Coop {
                 kernel: CoopGemm::Glsl(tile),
@@ -393,9 +393,9 @@ mod tests {
         }
         // The Params block's offsets as the SPIR-V decorates them: one
         // 4-byte member after another, filling the block.
-        let kernel = gemm(GLSL_TILES[0], headkl_core::HeadLayout::Logits, false).expect("built");
+        let kernel = gemm(GLSL_TILES[0], headkl_core::toolkit::HeadLayout::Logits, false).expect("built");
         let found = interface(&kernel.words()).expect("SPIR-V");
-        let bytes = headkl_core::params::GemmParams::BLOCK.bytes as u32;
+        let bytes = headkl_core::toolkit::params::GemmParams::BLOCK.bytes as u32;
         assert_eq!(found.uniform_offsets, (0..bytes / 4).map(|i| 4 * i).collect::<Vec<_>>());
         // A WGSL build is not one; bad words are not SPIR-V.
         assert!(check_build(&KernelId::GemmDx.build(GemmKernel::Tiled)).is_err());

@@ -56,7 +56,7 @@ use std::panic::AssertUnwindSafe;
 
 pub use harness::{ensure_runtime_dir, harness_env, harness_suite, open_or_skip};
 
-use headkl_core::settings::{self, Env};
+use headkl_core::toolkit::settings::{self, Env};
 use headkl_core::{Backend, DeviceInfo, Engine};
 
 use crate::strategies::{draw_case_params, Case, CaseKind, Rng};
@@ -344,7 +344,9 @@ pub fn gemm_choice_outcome<B: Backend + ?Sized>(
             }
         }
         Err(headkl_core::Error::InvalidSetting { name, value, reason })
-            if name == headkl_core::gemm_choice::GEMM_ENV && value == choice.to_string() && !reason.is_empty() =>
+            if name == headkl_core::toolkit::gemm_choice::GEMM_ENV
+                && value == choice.to_string()
+                && !reason.is_empty() =>
         {
             Ok(false)
         }

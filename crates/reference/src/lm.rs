@@ -232,7 +232,7 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
     let mut head = vec![f16::ZERO; vocab * hs];
     let amp = 0.02 * 3f32.sqrt();
     let rows_per_chunk = (1 << 16) / hs + 1;
-    headkl_core::host::par_chunks(&mut head, rows_per_chunk * hs, |i, chunk| {
+    headkl_core::toolkit::host::par_chunks(&mut head, rows_per_chunk * hs, |i, chunk| {
         let mut r = XorShift64::new(spec.seed ^ 0xA5A5_0000 ^ (i as u64).wrapping_mul(0x9E37_79B9));
         for (q, row) in chunk.chunks_exact_mut(hs).enumerate() {
             for v in &mut row[..hw] {
@@ -326,7 +326,7 @@ pub fn generate(spec: &LmSpec) -> Result<LmData, String> {
     let mut probs = vec![0f32; ntok * k];
     {
         let mut rows: Vec<(&mut [u32], &mut [f32])> = ids.chunks_exact_mut(k).zip(probs.chunks_exact_mut(k)).collect();
-        headkl_core::host::par_chunks(&mut rows, 64, |i, block| {
+        headkl_core::toolkit::host::par_chunks(&mut rows, 64, |i, block| {
             let mut w32 = vec![0f32; hs];
             let mut x32 = vec![0f32; hs];
             for (q, (row_ids, row_p)) in block.iter_mut().enumerate() {
@@ -393,7 +393,7 @@ fn host_logits(head: &[f16], vocab: usize, hs: usize, x: &[f32]) -> Vec<f32> {
     // Vocabulary blocks, each `[rows][BLOCK]`, transposed afterwards.
     let blocks = vocab.div_ceil(BLOCK);
     let mut out_blocks = vec![0f32; blocks * rows * BLOCK];
-    headkl_core::host::par_chunks(&mut out_blocks, rows * BLOCK, |b, out| {
+    headkl_core::toolkit::host::par_chunks(&mut out_blocks, rows * BLOCK, |b, out| {
         let mut w32 = vec![0f32; hs];
         for j in b * BLOCK..((b + 1) * BLOCK).min(vocab) {
             for (o, v) in w32.iter_mut().zip(&head[j * hs..(j + 1) * hs]) {

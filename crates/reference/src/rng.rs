@@ -61,7 +61,7 @@ impl XorShift64 {
 /// Fills `out` with `gen` on every core; block `b` draws from
 /// `XorShift64::new(seed ^ b·φ)`.
 pub fn fill_parallel<T: Send>(out: &mut [T], seed: u64, gen: impl Fn(&mut XorShift64) -> T + Sync) {
-    headkl_core::host::par_chunks(out, BLOCK, |b, block| {
+    headkl_core::toolkit::host::par_chunks(out, BLOCK, |b, block| {
         let mut rng = XorShift64::new(seed ^ (b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         for v in block.iter_mut() {
             *v = gen(&mut rng);

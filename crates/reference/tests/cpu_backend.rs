@@ -3,7 +3,8 @@
 //! the driver's contract.
 
 use half::f16;
-use headkl_core::{Backend, ConvertDesc, Error, GemmDesc, HeadLayout, Kernels, KlDesc, TopkDesc};
+use headkl_core::toolkit::{ConvertDesc, GemmDesc, HeadLayout, Kernels, KlDesc, TopkDesc};
+use headkl_core::{Backend, Error};
 use headkl_reference::{CpuBackend, Precision};
 
 fn gemm_desc(m: usize, n: usize, k: usize) -> GemmDesc {

@@ -4,7 +4,9 @@
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
-use headkl_core::{Backend, DxSplit, Engine, HiddenData, KernelId, SliceOptions};
+use headkl_core::{Backend, DxSplit, Engine, HiddenData, SliceOptions};
+
+use headkl_core::toolkit::KernelId;
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::strategies::{Case, CaseKind, CaseParams, TeacherShape};
 use headkl_reference::{CpuBackend, Tolerance};

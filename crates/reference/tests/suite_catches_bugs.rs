@@ -7,10 +7,10 @@
 use std::cell::Cell;
 
 use headkl_core::resident::status::{self, FLAGGED_ROW, S_LOGITS};
-use headkl_core::{
-    Backend, ConvertDesc, DeviceBuffer, Divergence, Error, GemmDesc, KernelId, Kernels, KlDesc, Launch,
-    ResidentBackend, Result, ShardStage, SumPartsDesc, TailMode, TopkDesc,
+use headkl_core::toolkit::{
+    ConvertDesc, GemmDesc, KernelId, Kernels, KlDesc, Launch, ShardStage, SumPartsDesc, TopkDesc,
 };
+use headkl_core::{Backend, DeviceBuffer, Divergence, Error, ResidentBackend, Result, TailMode};
 use headkl_reference::conformance::resident::{resident_case_count, run_resident};
 use headkl_reference::conformance::shard::Serial;
 use headkl_reference::conformance::shard_resident::{resident_shard_case_count, run_resident_shard_cases};

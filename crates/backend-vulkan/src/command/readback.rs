@@ -4,9 +4,10 @@
 //! device computes the next chunk while the host copies this one out.
 
 use ash::vk;
-use headkl_core::checks::check_transfer;
-use headkl_core::host::StagingPool;
-use headkl_core::{DeviceBuffer, DownloadsInFlight, PendingDownload, Result};
+use headkl_core::toolkit::checks::check_transfer;
+use headkl_core::toolkit::host::StagingPool;
+use headkl_core::toolkit::{DownloadsInFlight, PendingDownload};
+use headkl_core::{DeviceBuffer, Result};
 
 use super::{Dir, Stream};
 use crate::conv::backend_error;

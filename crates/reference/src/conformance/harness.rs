@@ -12,7 +12,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use headkl_core::Env;
+use headkl_core::toolkit::Env;
 
 use super::{CaseOutcome, SuiteReport, SuiteSettings};
 

@@ -5,11 +5,12 @@
 //! Offsets and strides are multiples of 16 elements, as the driver's are.
 
 use half::f16;
-use headkl_core::split::k_part_range;
-use headkl_core::{
-    Backend, ConvertDesc, Divergence, GemmDesc, GemmRowStats, HeadLayout, Kernels, KlDesc, LossTerms, RowStats,
-    SumPartsDesc, TailMode, TopkDesc, NO_LABEL, STATS_GROUP_COLS,
+use headkl_core::toolkit::split::k_part_range;
+use headkl_core::toolkit::{
+    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, Kernels, KlDesc, RowStats, SumPartsDesc, TopkDesc,
+    STATS_GROUP_COLS,
 };
+use headkl_core::{Backend, Divergence, LossTerms, TailMode, NO_LABEL};
 
 use super::Measured;
 use crate::direct::{row_terms_f64, softmax_over, topk_of_row, DirectLoss, DirectTopK, RowTeacher};
@@ -38,7 +39,7 @@ pub(crate) struct GemmSpec {
     /// Size the buffers to the regions exactly (no poisoned tail), so the
     /// largest shape fits a small binding.
     tight: bool,
-    /// Row statistics ([`headkl_core::RowStats`]): this GEMM's first group
+    /// Row statistics ([`headkl_core::toolkit::RowStats`]): this GEMM's first group
     /// and its real columns; the region follows C's, a poisoned gap apart.
     stats: Option<(usize, usize)>,
     /// The dx GEMM's block filter ([`GemmDesc::mask_rows`]; 0: off): every

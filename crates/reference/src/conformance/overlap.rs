@@ -4,7 +4,9 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use headkl_core::{Backend, PendingDownload, Result};
+use headkl_core::{Backend, Result};
+
+use headkl_core::toolkit::PendingDownload;
 
 /// `inner`, with a count of the downloads begun and not yet ended.
 pub(crate) struct CountInFlight<'a, B: Backend + ?Sized> {
@@ -94,12 +96,12 @@ macro_rules! forward_backend {
         }
     };
     (@ dispatch) => {
-        fn dispatch(&self, launch: headkl_core::Launch<'_, Self::Buffer>) -> headkl_core::Result<()> {
+        fn dispatch(&self, launch: headkl_core::toolkit::Launch<'_, Self::Buffer>) -> headkl_core::Result<()> {
             self.inner.dispatch(launch)
         }
     };
     (@ gemm_tile) => {
-        fn gemm_tile(&self, layout: headkl_core::HeadLayout) -> Option<(u32, u32)> {
+        fn gemm_tile(&self, layout: headkl_core::toolkit::HeadLayout) -> Option<(u32, u32)> {
             self.inner.gemm_tile(layout)
         }
     };

@@ -22,9 +22,10 @@
 
 use half::{bf16, f16};
 use headkl_core::resident::status::{self, FLAGGED_ROW, NONE, S_DX_MUL, S_LOGITS};
+use headkl_core::toolkit::{Launch, LossOutDesc};
 use headkl_core::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, DxSplit, Engine, Error, Hidden, HiddenDtype,
-    Launch, LossConfig, LossOptions, LossOutDesc, ResidentBackend, TailMode, TeacherForm, NO_LABEL,
+    LossConfig, LossOptions, ResidentBackend, TailMode, TeacherForm, NO_LABEL,
 };
 
 use super::{driver_case, engine_for, run_one, CaseOutcome, Measured, Recorder, SuiteConfig, SuiteReport};

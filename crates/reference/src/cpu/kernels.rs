@@ -4,11 +4,11 @@
 
 use half::f16;
 use headkl_core::resident::status::FLAGGED_ROW;
-use headkl_core::split::k_part_range;
-use headkl_core::{
-    ConvertDesc, Divergence, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TailMode, TopkDesc,
-    NO_LABEL, STATS_GROUP_COLS,
+use headkl_core::toolkit::split::k_part_range;
+use headkl_core::toolkit::{
+    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc, STATS_GROUP_COLS,
 };
+use headkl_core::{Divergence, TailMode, NO_LABEL};
 
 use super::Precision;
 use crate::par;
@@ -75,7 +75,7 @@ pub(crate) fn gemm(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision:
     }
 }
 
-/// The row statistics of C ([`headkl_core::RowStats`]) as the GPU GEMMs'
+/// The row statistics of C ([`headkl_core::toolkit::RowStats`]) as the GPU GEMMs'
 /// epilogue writes them: per row and 32-column group, `(m, Σ exp(x − m))`
 /// over the real columns, a NaN sum where one is not finite.
 fn row_stats(c: &mut [f32], d: &GemmDesc, rs: &GemmRowStats) {
@@ -94,7 +94,7 @@ fn row_stats(c: &mut [f32], d: &GemmDesc, rs: &GemmRowStats) {
     }
 }
 
-/// The log-sum-exp of row `t` from its statistics ([`headkl_core::RowStats`]),
+/// The log-sum-exp of row `t` from its statistics ([`headkl_core::toolkit::RowStats`]),
 /// merged as the GPU kernel merges them (NaN where a group was not finite).
 fn lse_from_stats(logits: &[f32], rs: &RowStats, t: usize) -> f32 {
     let pairs = &logits[rs.offset + t * 2 * rs.ld..][..2 * rs.groups];

@@ -1,13 +1,13 @@
 //! [`CpuBackend`]: the always-available `reference` backend.
 //!
-//! Its kernels follow `headkl_core::backend`'s doc comments to the letter,
+//! Its kernels follow `headkl_core::toolkit::backend`'s doc comments to the letter,
 //! accumulating in f64 and storing each buffer's element type (f32, or f16
 //! through `half`). It is stricter than the contract requires of a GPU
 //! kernel, so it doubles as a check of the core driver:
 //! - new buffers are filled with `0xFF` bytes (NaN as f32 and as f16), so an
 //!   element a kernel forgets to write poisons the results;
 //! - every descriptor goes through the same checks in core as on the GPU
-//!   backends (`headkl_core::checks`: an [`Error::BadDescriptor`]), and
+//!   backends (`headkl_core::toolkit::checks`: an [`Error::BadDescriptor`]), and
 //!   teacher ids are checked against the vocabulary; never a panic;
 //! - a buffer bound twice to one kernel as input and output is an error.
 //!
@@ -25,11 +25,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use half::f16;
-use headkl_core::checks::check_transfer;
-use headkl_core::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, Error, GemmDesc, HeadLayout, KernelId, KernelTime, KlDesc, Launch,
-    MemoryStats, Result, SumPartsDesc, TopkDesc, NO_LABEL,
-};
+use headkl_core::toolkit::checks::check_transfer;
+use headkl_core::toolkit::{ConvertDesc, GemmDesc, HeadLayout, KernelId, KlDesc, Launch, SumPartsDesc, TopkDesc};
+use headkl_core::{Backend, DeviceBuffer, DeviceInfo, Error, KernelTime, MemoryStats, Result, NO_LABEL};
 
 const BACKEND: &str = "reference";
 

@@ -3,19 +3,18 @@
 //! GPU. Same semantics as the shaders, sums in f64.
 
 use half::{bf16, f16};
-use headkl_core::params::{
-    GatherRowsParams, HiddenInParams, LabelsInParams, LossOutParams, ShardRowsParams, StatusDetailParams,
-    TeacherRowsParams, TopkOutParams, WeightStatsParams,
-};
 use headkl_core::resident::status::{
     FLAGGED_ROW, KIND_DUPLICATE, KIND_ID_RANGE, KIND_PROB_NEGATIVE, KIND_PROB_NON_FINITE, KIND_ROW_SUM,
     KIND_WEIGHT_NEGATIVE, KIND_WEIGHT_NON_FINITE, NONE, S_COEF_MUL, S_DX_MUL, S_D_VALUE, S_ID_RANGE, S_KIND, S_LABEL,
     S_LOGITS, S_ROW, S_TOTAL_BAD, S_TOTAL_BITS, S_WEIGHT,
 };
 use headkl_core::resident::status::{KIND_LABEL, KIND_LOGPROB, KIND_MASS};
-use headkl_core::{
-    Checked, HiddenDtype, KernelId, ResidentBackend, Result, ShardStage, TailMode, MASS_TOLERANCE, NO_LABEL,
+use headkl_core::toolkit::params::{
+    GatherRowsParams, HiddenInParams, LabelsInParams, LossOutParams, ShardRowsParams, StatusDetailParams,
+    TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
+use headkl_core::toolkit::{Checked, KernelId, ShardStage};
+use headkl_core::{HiddenDtype, ResidentBackend, Result, TailMode, MASS_TOLERANCE, NO_LABEL};
 
 use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer};
 

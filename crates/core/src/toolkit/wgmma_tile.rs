@@ -14,11 +14,11 @@ use std::fmt;
 use crate::backend::HeadLayout;
 
 /// The PTX text of every tile's entry points (`shaders/gemm_wgmma.ptx`).
-pub const PTX: &str = include_str!("../../../shaders/gemm_wgmma.ptx");
+pub const PTX: &str = include_str!("../../../../shaders/gemm_wgmma.ptx");
 
 /// The CUDA C it is generated from (`shaders/gemm_wgmma.cu`), for the check
 /// that the two agree.
-const SOURCE: &[u8] = include_bytes!("../../../shaders/gemm_wgmma.cu");
+const SOURCE: &[u8] = include_bytes!("../../../../shaders/gemm_wgmma.cu");
 
 /// How a PTX tile's stages are filled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -45,25 +45,25 @@ pub struct Shader {
 /// The line of every shader that [`Shader::source`] replaces with the
 /// parameter block's declaration.
 pub const PARAMS_MARKER: &str =
-    "// <params: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>";
+    "// <params: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>";
 
 /// The line of `shaders/resident_common.wgsl` that [`Shader::source`]
 /// replaces with the status buffer's names and the codes the resident
 /// kernels compare against ([`crate::resident::status::wgsl`]).
 pub const RESIDENT_MARKER: &str =
-    "// <resident constants: generated from crates/core/src/resident/status.rs (headkl_core::kernels::Shader::source)>";
+    "// <resident constants: generated from crates/core/src/resident/status.rs (headkl_core::toolkit::kernels::Shader::source)>";
 
 /// The line of `shaders/kl_rows.wgsl` that [`Shader::source`] replaces
 /// with the coefficient word's marker of a row the device flagged
 /// ([`crate::resident::status::row_wgsl`]).
 pub const ROW_MARKER: &str =
-    "// <row constants: generated from crates/core/src/resident/status.rs (headkl_core::kernels::Shader::source)>";
+    "// <row constants: generated from crates/core/src/resident/status.rs (headkl_core::toolkit::kernels::Shader::source)>";
 
 /// The line of `shaders/kl_rows.wgsl` and `shaders/topk_rows.wgsl` that
 /// [`Shader::source`] replaces with the row kernels' flag bits and codes
 /// ([`crate::params::row_flags::wgsl`]).
 pub const FLAGS_MARKER: &str =
-    "// <row flags: generated from crates/core/src/params.rs (headkl_core::kernels::Shader::source)>";
+    "// <row flags: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>";
 
 impl Shader {
     /// The WGSL to compile: the file with its parameter struct and binding
@@ -92,7 +92,7 @@ macro_rules! shader {
     ($file:literal, $params:ty) => {
         Shader {
             file: $file,
-            text: include_str!(concat!("../../../shaders/", $file)),
+            text: include_str!(concat!("../../../../shaders/", $file)),
             params: <$params>::BLOCK,
         }
     };
@@ -107,8 +107,8 @@ macro_rules! gemm_shader {
         Shader {
             file: $file,
             text: concat!(
-                include_str!(concat!("../../../shaders/", $file)),
-                include_str!("../../../shaders/gemm_common.wgsl")
+                include_str!(concat!("../../../../shaders/", $file)),
+                include_str!("../../../../shaders/gemm_common.wgsl")
             ),
             params: GemmParams::BLOCK,
         }
@@ -117,9 +117,9 @@ macro_rules! gemm_shader {
         Shader {
             file: $file,
             text: concat!(
-                include_str!(concat!("../../../shaders/", $file)),
-                include_str!("../../../shaders/gemm_common.wgsl"),
-                include_str!("../../../shaders/gemm_coop_common.wgsl")
+                include_str!(concat!("../../../../shaders/", $file)),
+                include_str!("../../../../shaders/gemm_common.wgsl"),
+                include_str!("../../../../shaders/gemm_coop_common.wgsl")
             ),
             params: GemmParams::BLOCK,
         }
@@ -134,8 +134,8 @@ macro_rules! resident_shader {
         Shader {
             file: $file,
             text: concat!(
-                include_str!("../../../shaders/resident_common.wgsl"),
-                include_str!(concat!("../../../shaders/", $file))
+                include_str!("../../../../shaders/resident_common.wgsl"),
+                include_str!(concat!("../../../../shaders/", $file))
             ),
             params: <$params>::BLOCK,
         }
@@ -146,8 +146,8 @@ macro_rules! resident_shader {
 pub const CONVERT_WGSL: Shader = Shader {
     file: "convert.wgsl",
     text: concat!(
-        include_str!("../../../shaders/convert.wgsl"),
-        include_str!("../../../shaders/f16_round.wgsl")
+        include_str!("../../../../shaders/convert.wgsl"),
+        include_str!("../../../../shaders/f16_round.wgsl")
     ),
     params: ConvertParams::BLOCK,
 };
@@ -175,9 +175,9 @@ pub const LABELS_IN_WGSL: Shader = resident_shader!("resident_labels.wgsl", Labe
 pub const HIDDEN_IN_WGSL: Shader = Shader {
     file: "resident_hidden.wgsl",
     text: concat!(
-        include_str!("../../../shaders/resident_common.wgsl"),
-        include_str!("../../../shaders/resident_hidden.wgsl"),
-        include_str!("../../../shaders/f16_round.wgsl")
+        include_str!("../../../../shaders/resident_common.wgsl"),
+        include_str!("../../../../shaders/resident_hidden.wgsl"),
+        include_str!("../../../../shaders/f16_round.wgsl")
     ),
     params: HiddenInParams::BLOCK,
 };
