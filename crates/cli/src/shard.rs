@@ -331,32 +331,6 @@ pub fn option_flag(option: &str) -> &'static str {
     }
 }
 
-/// `n` even shards of `head` on `backend`, for `bench --shards`.
-pub fn serial_engines<'b, B: Backend>(
-    backend: &'b B,
-    head: &HeadWeights<'_>,
-    n: usize,
-    settings: &Settings,
-) -> Result<Vec<ShardEngine<&'b B>>, CliError> {
-    let shards = HeadShard::even(head.vocab(), n).map_err(|e| CliError::from_core_in_option(e, "--shards"))?;
-    let fail = |e| CliError::device("bench --shards: uploading the shards", e);
-    shards
-        .into_iter()
-        .map(|s| {
-            let mut e = ShardEngine::new(
-                backend,
-                &head.rows(s.v0(), s.v1()).map_err(fail)?,
-                s,
-                SliceOptions::default(),
-            )
-            .map_err(fail)?;
-            e.engine_mut().set_trace(settings.trace);
-            e.engine_mut().set_dx_split(settings.dx_split);
-            Ok(e)
-        })
-        .collect()
-}
-
 /// One sharded loss call with the shards in turn on this thread: phase
 /// one on each, the merge, phase two on each (into `outs`), `dx` summed
 /// into `merged` (all kept across calls).

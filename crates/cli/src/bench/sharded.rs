@@ -1,8 +1,9 @@
 //! The sharded rows of `bench --shards`: both host jobs with the head in even vocabulary shards.
 
-use headkl_core::shard::ShardEngine;
+use headkl_core::shard::{HeadShard, ShardEngine};
 use headkl_core::{
-    Backend, Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, SliceOptions, TopkOptions, ALIGN,
+    Backend, Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, LossOutput, SliceOptions, Teacher,
+    TopkOptions, ALIGN,
 };
 
 use super::data::BenchData;
@@ -17,9 +18,7 @@ use crate::text::fmt_bytes;
 /// engine each on this backend, called in turn on one thread (phase one on
 /// each, the merge on the host, phase two on each, `dx` summed): the
 /// shards' work, the second phase and the merge against the unsharded
-/// call on the same device. The timing loop is [`BenchJob::time_calls`] on
-/// an anchor engine of 16 rows that only carries the backend; its head and
-/// the shards' heads are not counted in the peak.
+/// call on the same device.
 pub(super) fn time_sharded<B: Backend>(
     d: &BenchData,
     cfg: &BenchConfig,
@@ -27,63 +26,15 @@ pub(super) fn time_sharded<B: Backend>(
     backend: &B,
     n: usize,
 ) -> Result<Vec<JobResult>, CliError> {
-    let shape = d.shape;
-    let fail = |e| CliError::device("bench --shards", e);
-    let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
-    let before = backend.memory().current;
-    let mut shards = crate::shard::serial_engines(backend, &head, n, settings)?;
-    let mut anchor = Engine::new(
-        backend,
-        &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
-        SliceOptions::default(),
-    )
-    .map_err(fail)?;
-    let held = backend.memory().current.saturating_sub(before);
-    eprintln!("bench: {n} shards of the head, one engine each, called in turn");
-    let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
-    let (loss_opts, topk_opts) = sharded_options(cfg, shape.k);
-    let mut outs = vec![headkl_core::LossOutput::default(); n];
-    let mut merged = headkl_core::LossOutput::default();
-    let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, "sharded", held, shape, None, |_| {
-        let inputs = (&hidden, &d.teacher, &loss_opts);
-        crate::shard::loss_serial(&mut shards, inputs, &mut outs, &mut merged)
-    })?;
-    eprintln!(
-        "bench: the shards {} their logits between the phases (kept where the chunk scratch and \
-         the logits fit --budget {}; else phase two recomputes them)",
-        if shards.iter().all(|s| s.kept_logits()) {
-            "kept"
-        } else {
-            "recomputed"
-        },
-        fmt_bytes(cfg.budget.bytes)
-    );
-    let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, "sharded", held, shape, None, |_| {
-        crate::shard::topk_serial(&mut shards, &hidden, &topk_opts).map(|_| ())
-    })?;
-    Ok(vec![head_kl, topk])
-}
-
-/// The sharded rows' options: the default loss (what the shards take) and
-/// top-k `k`, within `--budget`.
-fn sharded_options(cfg: &BenchConfig, k: usize) -> (LossOptions, TopkOptions) {
-    let loss = LossOptions::from(LossConfig {
-        budget_bytes: cfg.budget.bytes,
-        ..LossConfig::default()
-    });
-    let topk = TopkOptions {
-        budget_bytes: cfg.budget.bytes,
-        ..TopkOptions::new(k)
-    };
-    (loss, topk)
+    let shards = HeadShard::even(d.shape.vocab, n).map_err(|e| CliError::from_core_in_option(e, "--shards"))?;
+    let on_this_device: Vec<_> = shards.into_iter().map(|shard| (shard, 0)).collect();
+    time_shards::<B, InTurn>(d, cfg, std::slice::from_ref(backend), &on_this_device, settings)
 }
 
 /// `--shards N --devices I,J,...`: both host jobs with the shards on
 /// `target`'s backend opened on those devices (shard i on device i mod
 /// their number), each shard on its own thread with its engine kept across
-/// calls, the merge on this thread, as ranks would run. The timing loop
-/// runs on an anchor engine of 16 rows on the first device; the memory
-/// figure is every device's.
+/// calls, the merge on this thread, as ranks would run.
 pub(super) fn time_sharded_on_devices(
     d: &BenchData,
     cfg: &BenchConfig,
@@ -114,43 +65,133 @@ impl ShardJob for DeviceShards<'_> {
     where
         B::Buffer: Send,
     {
-        let DeviceShards { d, cfg } = self;
-        let shape = d.shape;
-        let fail = |e| CliError::device("bench --shards --devices", e);
-        let map = |e, what: &str| CliError::device(format!("bench --shards --devices: {what}"), e);
-        let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
-        let in_use = |backends: &[B]| backends.iter().map(|b| b.memory().current).sum::<u64>();
-        let before = in_use(backends);
-        let mut engines: Vec<ShardEngine<&B>> = plan
-            .shards
-            .iter()
-            .zip(&plan.assign)
-            .map(|(&shard, &device)| engine_on(&backends[device], &head, shard, &plan.target.settings, &map))
-            .collect::<Result<_, _>>()?;
-        let mut anchor = Engine::new(
-            &backends[0],
-            &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
-            SliceOptions::default(),
-        )
-        .map_err(fail)?;
-        let held = in_use(backends).saturating_sub(before);
-        eprintln!(
-            "bench: {n} shards of the head on {} device(s), one thread each",
-            backends.len(),
-            n = plan.shards.len()
-        );
-        let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
-        let (loss_opts, topk_opts) = sharded_options(cfg, shape.k);
-        let mut outs = vec![headkl_core::LossOutput::default(); engines.len()];
-        let mut merged = headkl_core::LossOutput::default();
-        let path = "sharded, threads";
-        let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, path, held, shape, None, |_| {
-            let inputs = (&hidden, &d.teacher, &loss_opts);
-            crate::shard::loss_on_threads(&mut engines, inputs, &mut outs, &mut merged)
-        })?;
-        let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, path, held, shape, None, |_| {
-            crate::shard::topk_on_threads(&mut engines, &hidden, &topk_opts).map(|_| ())
-        })?;
-        Ok(vec![head_kl, topk])
+        let placed: Vec<_> = plan.shards.iter().copied().zip(plan.assign.iter().copied()).collect();
+        time_shards::<B, Threads>(self.d, self.cfg, backends, &placed, &plan.target.settings)
     }
+}
+
+/// How each timed call runs the shards' engines.
+trait ShardCalls<B: Backend> {
+    /// The rows' path label.
+    const PATH: &'static str;
+    /// What a device error is reported under.
+    const CONTEXT: &'static str;
+    /// The log line that says how `shards` engines on `devices` run.
+    fn describe(shards: usize, devices: usize) -> String;
+    /// One sharded loss call (`crate::shard::loss_serial`'s arguments).
+    fn loss(
+        engines: &mut [ShardEngine<&B>],
+        inputs: (&Hidden<'_>, &Teacher, &LossOptions),
+        outs: &mut [LossOutput],
+        merged: &mut LossOutput,
+    ) -> headkl_core::Result<()>;
+    /// One sharded top-k call.
+    fn topk(engines: &mut [ShardEngine<&B>], hidden: &Hidden<'_>, opts: &TopkOptions) -> headkl_core::Result<()>;
+}
+
+/// In turn on this thread.
+struct InTurn;
+
+impl<B: Backend> ShardCalls<B> for InTurn {
+    const PATH: &'static str = "sharded";
+    const CONTEXT: &'static str = "bench --shards";
+    fn describe(shards: usize, _devices: usize) -> String {
+        format!("bench: {shards} shards of the head, one engine each, called in turn")
+    }
+    fn loss(
+        engines: &mut [ShardEngine<&B>],
+        inputs: (&Hidden<'_>, &Teacher, &LossOptions),
+        outs: &mut [LossOutput],
+        merged: &mut LossOutput,
+    ) -> headkl_core::Result<()> {
+        crate::shard::loss_serial(engines, inputs, outs, merged)
+    }
+    fn topk(engines: &mut [ShardEngine<&B>], hidden: &Hidden<'_>, opts: &TopkOptions) -> headkl_core::Result<()> {
+        crate::shard::topk_serial(engines, hidden, opts).map(|_| ())
+    }
+}
+
+/// One thread a shard.
+struct Threads;
+
+impl<B: Backend + Sync> ShardCalls<B> for Threads
+where
+    B::Buffer: Send,
+{
+    const PATH: &'static str = "sharded, threads";
+    const CONTEXT: &'static str = "bench --shards --devices";
+    fn describe(shards: usize, devices: usize) -> String {
+        format!("bench: {shards} shards of the head on {devices} device(s), one thread each")
+    }
+    fn loss(
+        engines: &mut [ShardEngine<&B>],
+        inputs: (&Hidden<'_>, &Teacher, &LossOptions),
+        outs: &mut [LossOutput],
+        merged: &mut LossOutput,
+    ) -> headkl_core::Result<()> {
+        crate::shard::loss_on_threads(engines, inputs, outs, merged)
+    }
+    fn topk(engines: &mut [ShardEngine<&B>], hidden: &Hidden<'_>, opts: &TopkOptions) -> headkl_core::Result<()> {
+        crate::shard::topk_on_threads(engines, hidden, opts).map(|_| ())
+    }
+}
+
+/// Both jobs timed with each of `shards` on `backends[device]`, called as
+/// `C` runs them. The timing loop is [`BenchJob::time_calls`] on an anchor
+/// engine of 16 rows on the first backend that only carries it; its head
+/// and the shards' heads are not counted in the peak, and the memory they
+/// hold is every backend's.
+fn time_shards<B: Backend, C: ShardCalls<B>>(
+    d: &BenchData,
+    cfg: &BenchConfig,
+    backends: &[B],
+    shards: &[(HeadShard, usize)],
+    settings: &Settings,
+) -> Result<Vec<JobResult>, CliError> {
+    let shape = d.shape;
+    let fail = |e| CliError::device(C::CONTEXT, e);
+    let map = |e, what: &str| CliError::device(format!("{}: {what}", C::CONTEXT), e);
+    let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
+    let in_use = || backends.iter().map(|b| b.memory().current).sum::<u64>();
+    let before = in_use();
+    let mut engines: Vec<ShardEngine<&B>> = shards
+        .iter()
+        .map(|&(shard, device)| engine_on(&backends[device], &head, shard, settings, &map))
+        .collect::<Result<_, _>>()?;
+    let mut anchor = Engine::new(
+        &backends[0],
+        &head.rows(0, shape.vocab.min(ALIGN)).map_err(fail)?,
+        SliceOptions::default(),
+    )
+    .map_err(fail)?;
+    let held = in_use().saturating_sub(before);
+    eprintln!("{}", C::describe(shards.len(), backends.len()));
+    let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
+    let loss_opts = LossOptions::from(LossConfig {
+        budget_bytes: cfg.budget.bytes,
+        ..LossConfig::default()
+    });
+    let topk_opts = TopkOptions {
+        budget_bytes: cfg.budget.bytes,
+        ..TopkOptions::new(shape.k)
+    };
+    let mut outs = vec![LossOutput::default(); engines.len()];
+    let mut merged = LossOutput::default();
+    let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, C::PATH, held, shape, None, |_| {
+        C::loss(&mut engines, (&hidden, &d.teacher, &loss_opts), &mut outs, &mut merged)
+    })?;
+    eprintln!(
+        "bench: the shards {} their logits between the phases (kept where the chunk scratch and \
+         the logits fit --budget {}; else phase two recomputes them)",
+        if engines.iter().all(|s| s.kept_logits()) {
+            "kept"
+        } else {
+            "recomputed"
+        },
+        fmt_bytes(cfg.budget.bytes)
+    );
+    let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, C::PATH, held, shape, None, |_| {
+        C::topk(&mut engines, &hidden, &topk_opts)
+    })?;
+    Ok(vec![head_kl, topk])
 }
