@@ -196,10 +196,12 @@ impl<B: Backend, L> ResidentCall<B, L> {
     pub(crate) fn weight_stats(
         &self,
         b: &B,
-        (ntok, temperature, total): (usize, f32, Option<f32>),
+        (ntok, temperature): (usize, f32),
         teacher: &DeviceTeacher<'_, B::Buffer>,
         opts: &DeviceLossOptions<'_, B::Buffer>,
     ) -> Result<()> {
+        // The total the reduction sets (`None`: `Σ w`, summed on the device).
+        let total = opts.config.total_for(ntok)?;
         b.dispatch(Launch::WeightStats {
             // Without weights, the probabilities fill the (unread) slot.
             weights: opts.weights.unwrap_or(teacher.probs),
@@ -623,15 +625,13 @@ impl<B: ResidentBackend> Engine<B> {
     /// (this engine's and a resident shard's phases): the hidden rows, the
     /// teacher's ids and probabilities, the weights, and the options the
     /// host path checks, in its order. `k` is the caller's to check.
-    /// Returns the total the reduction sets (`None`: `Σ w`, summed on the
-    /// device), checked.
     pub(crate) fn check_resident_loss_inputs(
         &self,
         ntok: usize,
         hidden: &DeviceHidden<'_, B::Buffer>,
         teacher: &DeviceTeacher<'_, B::Buffer>,
         opts: &DeviceLossOptions<'_, B::Buffer>,
-    ) -> Result<Option<f32>> {
+    ) -> Result<()> {
         self.check_resident_hidden(ntok, hidden)?;
         let entries = elements("ids", ntok, teacher.k)?;
         u32_extent("ids", entries)?;
@@ -641,9 +641,9 @@ impl<B: ResidentBackend> Engine<B> {
             self.check_view("weights", w, ntok, 4)?;
         }
         opts.config.check(opts.labels.is_some())?;
-        let total = opts.config.total_for(ntok)?;
+        opts.config.total_for(ntok)?;
         opts.config.gscale.map(check_gscale).transpose()?;
-        Ok(total)
+        Ok(())
     }
 
     /// [`Engine::head_kl`] on device buffers (DESIGN §8): reads `ntok`
@@ -718,7 +718,7 @@ impl<B: ResidentBackend> Engine<B> {
         self.refuse_vocab_order()?;
         let k = teacher.k;
         check_k(k, self.head.vocab())?;
-        let total = self.check_resident_loss_inputs(ntok, hidden, teacher, opts)?;
+        self.check_resident_loss_inputs(ntok, hidden, teacher, opts)?;
         self.check_view("loss", out.loss, ntok, 4)?;
         self.check_view("dx", out.dx, elements("dx", ntok, self.head.hs())?, 4)?;
         if let Some(l) = opts.labels {
@@ -737,7 +737,7 @@ impl<B: ResidentBackend> Engine<B> {
             (opts.config.budget_bytes, opts.config.max_rows_per_chunk),
         )?;
         let call: ResidentCall<B, LossScratch<B>> = self.begin_resident_call((job, plan.rows_per_chunk, k))?;
-        let recorded = self.record_head_kl(ntok, hidden, teacher, out, (opts, total), &plan, &call);
+        let recorded = self.record_head_kl(ntok, hidden, teacher, out, opts, &plan, &call);
         self.end_resident_call(call, recorded)?;
         if self.resident.checked {
             self.wait_device()?;
@@ -754,13 +754,13 @@ impl<B: ResidentBackend> Engine<B> {
         hidden: &DeviceHidden<'_, B::Buffer>,
         teacher: &DeviceTeacher<'_, B::Buffer>,
         out: &DeviceLossOutput<'_, B::Buffer>,
-        (opts, total): (&DeviceLossOptions<'_, B::Buffer>, Option<f32>),
+        opts: &DeviceLossOptions<'_, B::Buffer>,
         plan: &crate::chunking::ChunkPlan,
         call: &ResidentCall<B, LossScratch<B>>,
     ) -> Result<()> {
         let (k, b) = (teacher.k, &self.backend);
         let (status, s, ls) = (&call.status, call.rows(), &call.loss);
-        call.weight_stats(b, (ntok, opts.config.temperature, total), teacher, opts)?;
+        call.weight_stats(b, (ntok, opts.config.temperature), teacher, opts)?;
         // Labels are checked whenever given (as the host path does); the KL
         // kernel reads them only with the hard term on.
         let labels = opts.labels;

@@ -290,12 +290,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
         let (status, s, ls) = (&call.status, call.rows(), &call.loss);
         let (k, tau) = (teacher.k, opts.config.temperature);
         let scaling = Scaling::resident_loss(tau, opts.config.terms.logit_scale);
-        call.weight_stats(
-            b,
-            (ntok, tau, opts.config.reduction.total(opts.config.total, ntok)?),
-            teacher,
-            opts,
-        )?;
+        call.weight_stats(b, (ntok, tau), teacher, opts)?;
         for (start, rows) in plan.ranges(ntok) {
             let logits = match kept.as_mut() {
                 Some((kept, row_bytes)) => {
@@ -356,12 +351,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
         let (status, s, ls) = (&call.status, call.rows(), &call.loss);
         let (ntok, k, tau) = (p.ntok, p.k, p.temperature);
         let scaling = Scaling::resident_loss(tau, opts.config.terms.logit_scale);
-        call.weight_stats(
-            b,
-            (ntok, tau, opts.config.reduction.total(opts.config.total, ntok)?),
-            teacher,
-            opts,
-        )?;
+        call.weight_stats(b, (ntok, tau), teacher, opts)?;
         let slots = ShardSlots {
             loss_chunk: &ls.loss,
             stats,
