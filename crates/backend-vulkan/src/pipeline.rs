@@ -34,6 +34,27 @@ pub(crate) struct ShaderTarget {
 /// the wgpu backend relies on too, so they skip WGSL's zeroing.
 const ZERO_INIT_WORKGROUP_MEMORY: bool = false;
 
+/// Each subgroup operation the device reports: the naga operations it lets
+/// the validator accept, and the SPIR-V capability the writer may declare.
+const SUBGROUP_OPS: [(vk::SubgroupFeatureFlags, SubgroupOperationSet, spv::Capability); 7] = {
+    use spv::Capability as C;
+    use vk::SubgroupFeatureFlags as F;
+    use SubgroupOperationSet as S;
+    [
+        (F::BASIC, S::BASIC, C::GroupNonUniform),
+        (F::VOTE, S::VOTE, C::GroupNonUniformVote),
+        (F::ARITHMETIC, S::ARITHMETIC, C::GroupNonUniformArithmetic),
+        (F::BALLOT, S::BALLOT, C::GroupNonUniformBallot),
+        (F::SHUFFLE, S::SHUFFLE, C::GroupNonUniformShuffle),
+        (
+            F::SHUFFLE_RELATIVE,
+            S::SHUFFLE_RELATIVE,
+            C::GroupNonUniformShuffleRelative,
+        ),
+        (F::QUAD, S::QUAD_FRAGMENT_COMPUTE, C::GroupNonUniformQuad),
+    ]
+};
+
 impl ShaderTarget {
     /// The target for an opened device.
     pub(crate) fn for_device(device: &Device) -> Self {
@@ -70,24 +91,9 @@ impl ShaderTarget {
         let mut caps = Capabilities::SHADER_FLOAT16 | Capabilities::SHADER_FLOAT16_IN_FLOAT32;
         let mut ops = SubgroupOperationSet::empty();
         let vk_ops = self.subgroup_ops;
-        let map = [
-            (vk::SubgroupFeatureFlags::BASIC, SubgroupOperationSet::BASIC),
-            (vk::SubgroupFeatureFlags::VOTE, SubgroupOperationSet::VOTE),
-            (vk::SubgroupFeatureFlags::ARITHMETIC, SubgroupOperationSet::ARITHMETIC),
-            (vk::SubgroupFeatureFlags::BALLOT, SubgroupOperationSet::BALLOT),
-            (vk::SubgroupFeatureFlags::SHUFFLE, SubgroupOperationSet::SHUFFLE),
-            (
-                vk::SubgroupFeatureFlags::SHUFFLE_RELATIVE,
-                SubgroupOperationSet::SHUFFLE_RELATIVE,
-            ),
-            (
-                vk::SubgroupFeatureFlags::QUAD,
-                SubgroupOperationSet::QUAD_FRAGMENT_COMPUTE,
-            ),
-        ];
-        for (v, n) in map {
-            if vk_ops.contains(v) {
-                ops |= n;
+        for (flag, set, _) in SUBGROUP_OPS {
+            if vk_ops.contains(flag) {
+                ops |= set;
             }
         }
         if vk_ops.contains(vk::SubgroupFeatureFlags::BASIC) {
@@ -115,21 +121,9 @@ impl ShaderTarget {
             C::UniformAndStorageBuffer16BitAccess,
         ];
         let ops = self.subgroup_ops;
-        let map = [
-            (vk::SubgroupFeatureFlags::BASIC, C::GroupNonUniform),
-            (vk::SubgroupFeatureFlags::VOTE, C::GroupNonUniformVote),
-            (vk::SubgroupFeatureFlags::ARITHMETIC, C::GroupNonUniformArithmetic),
-            (vk::SubgroupFeatureFlags::BALLOT, C::GroupNonUniformBallot),
-            (vk::SubgroupFeatureFlags::SHUFFLE, C::GroupNonUniformShuffle),
-            (
-                vk::SubgroupFeatureFlags::SHUFFLE_RELATIVE,
-                C::GroupNonUniformShuffleRelative,
-            ),
-            (vk::SubgroupFeatureFlags::QUAD, C::GroupNonUniformQuad),
-        ];
-        for (v, c) in map {
-            if ops.contains(v) {
-                caps.push(c);
+        for (flag, _, capability) in SUBGROUP_OPS {
+            if ops.contains(flag) {
+                caps.push(capability);
             }
         }
         if self.cooperative_matrix {
@@ -264,11 +258,7 @@ pub(crate) fn compile(
             ))
         }
         Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
+            let message = headkl_core::toolkit::panic_message(&*panic);
             return Err(backend_error(format!(
                 "{file}:{entry}: naga's SPIR-V writer panicked: {message}"
             )));

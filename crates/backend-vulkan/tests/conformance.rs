@@ -1,44 +1,26 @@
 //! The shared conformance suite (headkl-reference) on the Vulkan backend,
 //! with the Khronos validation layer on: any validation error fails a case.
 
-headkl_reference::conformance_tests!(
-    "vulkan",
+/// The backend every suite below runs on: the `HEADKL_*` settings, with
+/// the validation layer on.
+fn open() -> headkl_core::Result<headkl_vulkan::VulkanBackend> {
+    let options = headkl_vulkan::VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
+        .expect("a HEADKL_* setting does not parse");
     headkl_vulkan::VulkanBackend::open_with(&headkl_vulkan::VulkanOptions {
         validation: true,
-        ..headkl_vulkan::VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
-            .expect("a HEADKL_* setting does not parse")
+        ..options
     })
-);
+}
+
+headkl_reference::conformance_tests!("vulkan", open());
 
 // Engines on one device driven from several threads, and a soak of one
 // engine, with the validation layer on.
-headkl_reference::threads_tests!(
-    "vulkan",
-    headkl_vulkan::VulkanBackend::open_with(&headkl_vulkan::VulkanOptions {
-        validation: true,
-        ..headkl_vulkan::VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
-            .expect("a HEADKL_* setting does not parse")
-    })
-);
+headkl_reference::threads_tests!("vulkan", open());
 
 // Vocabulary-parallel: 2 and 3 shards on threads, with the validation layer on.
-headkl_reference::shard_tests!(
-    "vulkan",
-    headkl_vulkan::VulkanBackend::open_with(&headkl_vulkan::VulkanOptions {
-        validation: true,
-        ..headkl_vulkan::VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
-            .expect("a HEADKL_* setting does not parse")
-    })
-);
+headkl_reference::shard_tests!("vulkan", open());
 
 // Vocabulary-parallel on device buffers: the resident two-phase loss, one
 // thread per shard, with the validation layer on.
-headkl_reference::resident_shard_tests!(
-    threads,
-    "vulkan",
-    headkl_vulkan::VulkanBackend::open_with(&headkl_vulkan::VulkanOptions {
-        validation: true,
-        ..headkl_vulkan::VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
-            .expect("a HEADKL_* setting does not parse")
-    })
-);
+headkl_reference::resident_shard_tests!(threads, "vulkan", open());

@@ -16,6 +16,15 @@ const MAX_STAGING: u64 = 64 << 20;
 /// to the device, so a multi-GB head upload never stages it all at once.
 const UPLOAD_FLUSH_BYTES: u64 = 256 << 20;
 
+/// Where a transfer lands in the underlying buffer (a view of a caller's
+/// buffer starts inside it): `offset`, and the 4-byte-aligned bytes
+/// `[start, end)` around it.
+struct Span {
+    offset: u64,
+    start: u64,
+    end: u64,
+}
+
 impl WgpuBackend {
     /// A MAP_READ staging buffer of at least `bytes` (≤ [`MAX_STAGING`]),
     /// kept in `s` (the backend's, locked by the caller for its download).
@@ -98,21 +107,32 @@ impl WgpuBackend {
         Ok(())
     }
 
+    /// Checks a transfer of `len` bytes at `offset` into `buffer` and submits
+    /// what is queued, so the transfer is ordered after it: its [`Span`], or
+    /// `None` for an empty transfer.
+    fn begin_transfer(&self, what: &'static str, buffer: &WgpuBuffer, offset: u64, len: u64) -> Result<Option<Span>> {
+        self.check()?;
+        check_transfer(what, offset, len, buffer.len())?;
+        if len == 0 {
+            return Ok(None);
+        }
+        let offset = offset + buffer.offset;
+        self.flush()?;
+        Ok(Some(Span {
+            offset,
+            start: offset & !3,
+            end: (offset + len).next_multiple_of(4),
+        }))
+    }
+
     /// [`Backend::upload`](headkl_core::Backend::upload).
     pub(crate) fn upload_bytes(&self, dst: &WgpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        self.check()?;
         let len = data.len() as u64;
-        check_transfer("upload", offset, len, dst.len())?;
-        if len == 0 {
+        // write_buffer lands before the next submit: the flush in
+        // begin_transfer orders the upload after what is queued.
+        let Some(Span { offset, start, end }) = self.begin_transfer("upload", dst, offset, len)? else {
             return Ok(());
-        }
-        // A view of a caller's buffer starts inside it.
-        let offset = offset + dst.offset;
-        // write_buffer lands before the next submit: submit what is queued
-        // first so the upload is ordered after it.
-        self.flush()?;
-        let start = offset & !3;
-        let end = (offset + len).next_multiple_of(4);
+        };
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         if start == offset && end == offset + len {
             self.queue.write_buffer(&dst.raw, offset, data);
@@ -141,16 +161,10 @@ impl WgpuBackend {
 
     /// [`Backend::download`](headkl_core::Backend::download).
     pub(crate) fn download_bytes(&self, src: &WgpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        self.check()?;
         let len = out.len() as u64;
-        check_transfer("download", offset, len, src.len())?;
-        if len == 0 {
+        let Some(Span { offset, start, end }) = self.begin_transfer("download", src, offset, len)? else {
             return Ok(());
-        }
-        let offset = offset + src.offset;
-        self.flush()?;
-        let start = offset & !3;
-        let end = (offset + len).next_multiple_of(4);
+        };
         if start == offset && end == offset + len {
             self.download_aligned(&src.raw, offset, out)?;
         } else {

@@ -349,13 +349,7 @@ impl<B: Backend> Engine<B> {
         // The device-resident scratch goes, so this call can use its memory.
         self.resident.release_scratch();
         let ntok = hidden.ntok();
-        if teacher.ntok() != ntok {
-            return Err(Error::LengthMismatch {
-                field: crate::error::Field::TeacherRows,
-                expected: ntok,
-                got: teacher.ntok(),
-            });
-        }
+        crate::error::Field::TeacherRows.check_len(ntok, teacher.ntok())?;
         teacher.check_vocab(self.head.vocab())?;
         let resolved = opts.resolve(ntok)?;
         resolved.check_labels(self.head.vocab())?;
@@ -597,9 +591,14 @@ impl<B: Backend> Engine<B> {
                 }
                 LossTeacher::Hidden { head, input, scratch } => {
                     let t_x16 = scratch.x16_for(chunk);
-                    head.load_hidden(b, input, t_x16, (chunk, start, rows))?;
-                    let teacher_scaling = Scaling::teacher(resolved.temperature);
-                    head.logits(b, t_x16, &scratch.logits, rows_padded, teacher_scaling, None)?;
+                    head.chunk_logits(
+                        b,
+                        input,
+                        t_x16,
+                        (chunk, start, rows),
+                        &scratch.logits,
+                        Scaling::teacher(resolved.temperature),
+                    )?;
                     (1, crate::TailMode::Renormalize, &scratch.logits, true)
                 }
             };
@@ -655,12 +654,7 @@ impl<B: Backend> Engine<B> {
             self.report(done.rows);
         }
         trace.report();
-        let weighted: f64 = loss
-            .iter()
-            .zip(&resolved.weights)
-            .map(|(&l, &w)| f64::from(l) * f64::from(w))
-            .sum();
-        *mean = weighted / f64::from(resolved.total);
+        *mean = resolved.mean_of(loss);
         Ok(())
     }
 
@@ -818,9 +812,8 @@ impl<B: Backend> Engine<B> {
         };
         for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
             let x16 = s.x16_for(chunk);
-            self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
             self.head
-                .logits(b, x16, &s.logits, round_up(rows, ALIGN), Scaling::top_k(opts), None)?;
+                .chunk_logits(b, input, x16, (chunk, start, rows), &s.logits, Scaling::top_k(opts))?;
             let desc = TopkDesc {
                 cap: opts.softcap.map(|c| c / opts.temperature),
                 logprobs: opts.logprobs,

@@ -533,6 +533,20 @@ impl Field {
             Field::DownloadOutput => "download_end output",
         }
     }
+
+    /// [`Error::LengthMismatch`] naming this field unless `got` is
+    /// `expected`.
+    pub(crate) fn check_len(self, expected: usize, got: usize) -> Result<()> {
+        if got == expected {
+            Ok(())
+        } else {
+            Err(Error::LengthMismatch {
+                field: self,
+                expected,
+                got,
+            })
+        }
+    }
 }
 
 impl std::fmt::Display for Field {

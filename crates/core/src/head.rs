@@ -1,20 +1,13 @@
 //! The frozen head `W` `[V][hs]` as the caller gives it, its one scan for
 //! values f16 cannot hold, and its packing into padded f16 planes.
 
-use half::{bf16, f16};
+use half::f16;
 
 use crate::error::{Error, Result};
 
-/// The element type and data of a head.
-#[derive(Clone, Copy, Debug)]
-pub enum HeadData<'a> {
-    /// f32 values (each must fit f16's range).
-    F32(&'a [f32]),
-    /// f16 values.
-    F16(&'a [f16]),
-    /// bf16 values (each must fit f16's range).
-    Bf16(&'a [bf16]),
-}
+/// The element type and data of a head: f32 and bf16 values must fit
+/// f16's range (checked when the head is packed).
+pub type HeadData<'a> = crate::floats::FloatSlice<'a>;
 
 /// A head `[vocab][hs]` whose length matches its shape.
 #[derive(Clone, Copy, Debug)]
@@ -28,25 +21,7 @@ impl<'a> HeadWeights<'a> {
     /// Checks the shape (`vocab > 0`, `hs > 0`, `len = vocab · hs`). Values
     /// are checked when the head is packed (upload).
     pub fn new(data: HeadData<'a>, vocab: usize, hs: usize) -> Result<Self> {
-        if vocab == 0 {
-            return Err(Error::VocabZero);
-        }
-        if hs == 0 {
-            return Err(Error::HiddenSizeZero);
-        }
-        let got = match data {
-            HeadData::F32(d) => d.len(),
-            HeadData::F16(d) => d.len(),
-            HeadData::Bf16(d) => d.len(),
-        };
-        let expected = vocab * hs;
-        if got != expected {
-            return Err(Error::LengthMismatch {
-                field: crate::error::Field::Head,
-                expected,
-                got,
-            });
-        }
+        data.check_shape(vocab, hs, Error::VocabZero, crate::error::Field::Head)?;
         Ok(Self { data, vocab, hs })
     }
 
@@ -61,14 +36,8 @@ impl<'a> HeadWeights<'a> {
                 vocab: self.vocab,
             });
         }
-        let (a, b) = (v0 * self.hs, v1 * self.hs);
-        let data = match self.data {
-            HeadData::F32(d) => HeadData::F32(&d[a..b]),
-            HeadData::F16(d) => HeadData::F16(&d[a..b]),
-            HeadData::Bf16(d) => HeadData::Bf16(&d[a..b]),
-        };
         Ok(HeadWeights {
-            data,
+            data: self.data.slice(v0 * self.hs..v1 * self.hs),
             vocab: v1 - v0,
             hs: self.hs,
         })
@@ -134,12 +103,7 @@ impl<'a> HeadWeights<'a> {
 
     /// Element `(row, col)` as the device holds it (rounded to f16).
     pub fn get_f16_rounded(&self, row: usize, col: usize) -> f32 {
-        let i = row * self.hs + col;
-        match self.data {
-            HeadData::F32(d) => f16::from_f32(d[i]).to_f32(),
-            HeadData::F16(d) => d[i].to_f32(),
-            HeadData::Bf16(d) => f16::from_f32(d[i].to_f32()).to_f32(),
-        }
+        self.data.f16_rounded_at(row * self.hs + col)
     }
 }
 

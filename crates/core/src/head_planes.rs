@@ -224,13 +224,7 @@ impl<B: Backend> HeadPlanes<B> {
         if hs == 0 {
             return Err(Error::HiddenSizeZero);
         }
-        if row_norms.len() != vocab {
-            return Err(Error::LengthMismatch {
-                field: crate::error::Field::Head,
-                expected: vocab,
-                got: row_norms.len(),
-            });
-        }
+        crate::error::Field::Head.check_len(vocab, row_norms.len())?;
         let hs_padded = round_up(hs, ALIGN);
         let info = backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
@@ -485,6 +479,22 @@ impl<B: Backend> HeadPlanes<B> {
             }
         }
         Ok(())
+    }
+
+    /// Chunk `chunk`'s rows `[start, start + rows)` up into `x16`
+    /// ([`Self::load_hidden`]) and their logits into `logits`
+    /// ([`Self::logits`], without row statistics).
+    pub(crate) fn chunk_logits(
+        &self,
+        backend: &B,
+        input: &Input<'_, B>,
+        x16: &B::Buffer,
+        (chunk, start, rows): (usize, usize, usize),
+        logits: &B::Buffer,
+        scaling: Scaling,
+    ) -> Result<()> {
+        self.load_hidden(backend, input, x16, (chunk, start, rows))?;
+        self.logits(backend, x16, logits, round_up(rows, ALIGN), scaling, None)
     }
 
     /// The logits GEMMs of one chunk: `logits[:, slice] = S · x16 · W_sliceᵀ / τ`

@@ -64,6 +64,7 @@
 pub mod driver;
 pub mod error;
 pub mod filter;
+pub mod floats;
 pub mod head;
 mod head_planes;
 mod in_flight;
@@ -87,6 +88,7 @@ pub use driver::{
 };
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use filter::FilterStats;
+pub use floats::FloatSlice;
 pub use head::{HeadData, HeadWeights};
 pub use head_planes::DevicePlane;
 pub use problem::{

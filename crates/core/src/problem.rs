@@ -12,17 +12,9 @@ pub const MAX_K: usize = 2048;
 /// Default device-memory budget for scratch buffers: 2 GiB.
 pub const DEFAULT_BUDGET_BYTES: u64 = 2 << 30;
 
-/// The element type and data of hidden rows.
-#[derive(Clone, Copy, Debug)]
-pub enum HiddenData<'a> {
-    /// f32 rows.
-    F32(&'a [f32]),
-    /// f16 rows.
-    F16(&'a [f16]),
-    /// bf16 rows (what models emit): rounded to f16 on the host as they go
-    /// up; a value past f16's range becomes ±inf, which the row kernels flag.
-    Bf16(&'a [bf16]),
-}
+/// The element type and data of hidden rows: a bf16 value past f16's
+/// range becomes ±inf on the way up, which the row kernels flag.
+pub type HiddenData<'a> = crate::floats::FloatSlice<'a>;
 
 /// Hidden rows `x` `[ntok][hs]`, already normed. Their values are not
 /// scanned on the host: the row kernels flag a row whose logits are not
@@ -37,25 +29,7 @@ pub struct Hidden<'a> {
 impl<'a> Hidden<'a> {
     /// Checks `data.len() == ntok · hs`, `ntok > 0` and `hs > 0`.
     pub fn new(data: HiddenData<'a>, ntok: usize, hs: usize) -> Result<Self> {
-        if ntok == 0 {
-            return Err(Error::NoTokens);
-        }
-        if hs == 0 {
-            return Err(Error::HiddenSizeZero);
-        }
-        let got = match data {
-            HiddenData::F32(d) => d.len(),
-            HiddenData::F16(d) => d.len(),
-            HiddenData::Bf16(d) => d.len(),
-        };
-        let expected = ntok * hs;
-        if got != expected {
-            return Err(Error::LengthMismatch {
-                field: crate::error::Field::Hidden,
-                expected,
-                got,
-            });
-        }
+        data.check_shape(ntok, hs, Error::NoTokens, crate::error::Field::Hidden)?;
         Ok(Self { data, ntok, hs })
     }
 
@@ -92,12 +66,7 @@ impl<'a> Hidden<'a> {
     /// Row `t` as f32 (rounded to f16 first when the data is f32, so the
     /// values are what the device multiplies).
     pub fn row_f16_rounded(&self, t: usize) -> Vec<f32> {
-        let r = t * self.hs..(t + 1) * self.hs;
-        match self.data {
-            HiddenData::F32(d) => d[r].iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
-            HiddenData::F16(d) => d[r].iter().map(|v| v.to_f32()).collect(),
-            HiddenData::Bf16(d) => d[r].iter().map(|v| f16::from_f32(v.to_f32()).to_f32()).collect(),
-        }
+        self.data.f16_rounded(t * self.hs..(t + 1) * self.hs)
     }
 }
 
@@ -151,20 +120,8 @@ impl Teacher {
         }
         check_k(k, vocab)?;
         let expected = ntok * k;
-        if ids_len != expected {
-            return Err(Error::LengthMismatch {
-                field: crate::error::Field::Ids,
-                expected,
-                got: ids_len,
-            });
-        }
-        if values.len() != expected {
-            return Err(Error::LengthMismatch {
-                field,
-                expected,
-                got: values.len(),
-            });
-        }
+        crate::error::Field::Ids.check_len(expected, ids_len)?;
+        field.check_len(expected, values.len())?;
         let mut out_ids = Vec::with_capacity(expected);
         for (i, &id) in ids.iter().enumerate() {
             if id < 0 || id as u64 >= vocab as u64 {
@@ -544,6 +501,16 @@ pub struct ResolvedLoss {
 }
 
 impl ResolvedLoss {
+    /// The call's mean loss: the per-token `loss` weighted, over the total.
+    pub fn mean_of(&self, loss: &[f32]) -> f64 {
+        let weighted: f64 = loss
+            .iter()
+            .zip(&self.weights)
+            .map(|(&l, &w)| f64::from(l) * f64::from(w))
+            .sum();
+        weighted / f64::from(self.total)
+    }
+
     /// Checks the labels against a vocabulary of `vocab`.
     pub fn check_labels(&self, vocab: usize) -> Result<()> {
         match self.labels.iter().position(|&l| l != NO_LABEL && l as usize >= vocab) {
@@ -583,13 +550,7 @@ impl LossOptions {
         let mut weights = match &self.weights {
             None => vec![1.0; ntok],
             Some(w) => {
-                if w.len() != ntok {
-                    return Err(Error::LengthMismatch {
-                        field: crate::error::Field::Weights,
-                        expected: ntok,
-                        got: w.len(),
-                    });
-                }
+                crate::error::Field::Weights.check_len(ntok, w.len())?;
                 for (row, &value) in w.iter().enumerate() {
                     if !value.is_finite() {
                         return Err(Error::NonFiniteWeight { row, value });

@@ -225,6 +225,19 @@ fn non_negative(field: &'static str, value: f32) -> Result<()> {
     }
 }
 
+/// Checks a logit softcap `c·tanh(z/c)`: `c` positive and finite.
+pub(crate) fn check_softcap(c: f32) -> Result<()> {
+    if c > 0.0 && c.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::InvalidLossOption {
+            field: "softcap",
+            value: c,
+            reason: "must be positive and finite",
+        })
+    }
+}
+
 impl LossTerms {
     /// Checks every value's range.
     pub fn check(&self) -> Result<()> {
@@ -256,13 +269,7 @@ impl LossTerms {
             }
         }
         if let Some(c) = self.softcap {
-            if !(c > 0.0 && c.is_finite()) {
-                return Err(Error::InvalidLossOption {
-                    field: "softcap",
-                    value: c,
-                    reason: "must be positive and finite",
-                });
-            }
+            check_softcap(c)?;
         }
         Ok(())
     }

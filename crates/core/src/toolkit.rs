@@ -16,7 +16,9 @@
 //! - [`host`]: host staging; [`queue`]: the queue family a device opens
 //!   on; [`settings`]: the `HEADKL_*` variables and the options every
 //!   backend opens with;
-//! - [`chunking`], [`split`]: the token chunks and the dx GEMM's split-K.
+//! - [`chunking`], [`split`]: the token chunks and the dx GEMM's split-K;
+//! - [`panic_message`]: a caught panic's text, for the errors that report
+//!   one.
 //!
 //! The device-resident kernels' descriptors live with their entry points
 //! (`crate::resident::kernels`) and are re-exported here.
@@ -54,3 +56,13 @@ pub use settings::{CommonOptions, Env};
 pub use split::DxSplit;
 pub use tune_cache::TuneCache;
 pub use wgmma_tile::{WgmmaFeed, WgmmaTile};
+
+/// A caught panic's message (what `catch_unwind` or `JoinHandle::join`
+/// returns), where it carries text.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}

@@ -292,6 +292,23 @@ impl GlslVariant {
         ]
     }
 
+    /// The switches this variant turns away from the production GEMM, as
+    /// (name tag, label tag) pairs in the order both spell them.
+    fn departures(&self) -> impl Iterator<Item = (&'static str, &'static str)> {
+        [
+            (self.tall, "_tall", " 256x64"),
+            (!self.barriers, "_nobar", " no barriers"),
+            (self.load == LoadKind::Coherent, "_coh", " coherent"),
+            (self.load == LoadKind::Copied, "_cp", " copied"),
+            (self.matrix == MatrixShape::M16N8K16, "_n8", " 16x8x16"),
+            (self.acc == Accumulator::F16, "_h", " f16-acc"),
+            (self.filter, "_filter", " filtered"),
+        ]
+        .into_iter()
+        .filter(|&(on, _, _)| on)
+        .map(|(_, name, label)| (name, label))
+    }
+
     /// Its name: pipeline caches, timing labels, the SPIR-V's file
     /// (`gemm_nt_bm128_bk64_s1`, `loads_nn_bm128_bk32_s2_pt`).
     pub fn name(&self) -> String {
@@ -306,18 +323,8 @@ impl GlslVariant {
             };
         name.push_str(pair(Pretiled, "_pta", "_ptb", "_pt"));
         name.push_str(pair(Fragments, "_fa", "_fb", "_fab"));
-        for (on, tag) in [
-            (self.tall, "_tall"),
-            (!self.barriers, "_nobar"),
-            (self.load == LoadKind::Coherent, "_coh"),
-            (self.load == LoadKind::Copied, "_cp"),
-            (self.matrix == MatrixShape::M16N8K16, "_n8"),
-            (self.acc == Accumulator::F16, "_h"),
-            (self.filter, "_filter"),
-        ] {
-            if on {
-                name.push_str(tag);
-            }
+        for (name_tag, _) in self.departures() {
+            name.push_str(name_tag);
         }
         name
     }
@@ -332,18 +339,8 @@ impl GlslVariant {
         };
         label.push_str(&read(self.a, " pre-tiled A", " A direct"));
         label.push_str(&read(self.b, " pre-tiled B", " B direct"));
-        for (on, tag) in [
-            (self.tall, " 256x64"),
-            (!self.barriers, " no barriers"),
-            (self.load == LoadKind::Coherent, " coherent"),
-            (self.load == LoadKind::Copied, " copied"),
-            (self.matrix == MatrixShape::M16N8K16, " 16x8x16"),
-            (self.acc == Accumulator::F16, " f16-acc"),
-            (self.filter, " filtered"),
-        ] {
-            if on {
-                label.push_str(tag);
-            }
+        for (_, label_tag) in self.departures() {
+            label.push_str(label_tag);
         }
         label
     }

@@ -163,12 +163,8 @@ pub struct CaseOutcome {
     pub passed: bool,
     /// What failed (empty when passed).
     pub message: String,
-    /// Loss error measured (relative), where the case checks a loss.
-    pub loss_err: Option<f64>,
-    /// dx error measured (relative L2), where the case checks a gradient.
-    pub dx_err: Option<f64>,
-    /// Worst top-k probability error (relative), where the case checks top-k.
-    pub prob_err: Option<f64>,
+    /// The errors it measured.
+    pub errors: CaseErrors,
 }
 
 impl CaseOutcome {
@@ -181,9 +177,7 @@ impl CaseOutcome {
             seed,
             passed: false,
             message,
-            loss_err: None,
-            dx_err: None,
-            prob_err: None,
+            errors: CaseErrors::default(),
         }
     }
 }
@@ -279,12 +273,16 @@ impl Part {
     }
 }
 
-/// What a case measured.
+/// The errors one case measured, each where the case checks it (and
+/// against its [`Tolerance`] bound).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct Measured {
-    pub(crate) loss: Option<f64>,
-    pub(crate) dx: Option<f64>,
-    pub(crate) prob: Option<f64>,
+pub struct CaseErrors {
+    /// Loss error (relative).
+    pub loss: Option<f64>,
+    /// dx error (relative L2).
+    pub dx: Option<f64>,
+    /// Worst top-k probability error (relative).
+    pub prob: Option<f64>,
 }
 
 /// Cases the whole suite runs for `cfg`.
@@ -436,9 +434,9 @@ impl<'a> Recorder<'a> {
                 *w = w.max(e);
             }
         };
-        worst(&mut r.worst_loss_err, o.loss_err);
-        worst(&mut r.worst_dx_err, o.dx_err);
-        worst(&mut r.worst_prob_err, o.prob_err);
+        worst(&mut r.worst_loss_err, o.errors.loss);
+        worst(&mut r.worst_dx_err, o.errors.dx);
+        worst(&mut r.worst_prob_err, o.errors.prob);
         (self.progress)(&o);
         if o.passed {
             r.passed += 1;
@@ -455,23 +453,19 @@ fn run_one<B: Backend + ?Sized>(
     name: String,
     description: String,
     seed: u64,
-    f: impl FnOnce() -> Result<Measured, String>,
+    f: impl FnOnce() -> Result<CaseErrors, String>,
 ) -> CaseOutcome {
     let result = match std::panic::catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(payload) => {
-            let msg = payload
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
+            let msg = headkl_core::toolkit::panic_message(&*payload);
             Err(format!("panicked: {msg}"))
         }
     };
     let diagnostics = backend.take_diagnostics();
     let (mut passed, mut message, m) = match result {
         Ok(m) => (true, String::new(), m),
-        Err(e) => (false, e, Measured::default()),
+        Err(e) => (false, e, CaseErrors::default()),
     };
     if !diagnostics.is_empty() {
         passed = false;
@@ -490,9 +484,7 @@ fn run_one<B: Backend + ?Sized>(
         seed,
         passed,
         message,
-        loss_err: m.loss,
-        dx_err: m.dx,
-        prob_err: m.prob,
+        errors: m,
     }
 }
 
@@ -512,26 +504,11 @@ pub fn driver_case(suite_seed: u64, index: usize) -> Result<Case, String> {
     Ok(Case::from_params(&draw_case_params(kind, case_seed(suite_seed, index))))
 }
 
-/// The errors one case measured (each against its [`Tolerance`] bound).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct CaseErrors {
-    /// Loss error (relative), for `head_kl`.
-    pub loss_err: Option<f64>,
-    /// dx error (relative L2), for `head_kl`.
-    pub dx_err: Option<f64>,
-    /// Worst probability error (relative), for `topk`.
-    pub prob_err: Option<f64>,
-}
-
 /// Runs `case` on `backend` through the driver and compares it with the
 /// direct f64 formula: `Ok` with the errors measured, or `Err` with what
 /// failed (a backend error, or a [`crate::Mismatch`] message).
 pub fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case) -> Result<CaseErrors, String> {
-    cases::check_case(backend, case, &Tolerance::default()).map(|m| CaseErrors {
-        loss_err: m.loss,
-        dx_err: m.dx,
-        prob_err: m.prob,
-    })
+    cases::check_case(backend, case, &Tolerance::default())
 }
 
 /// The body of each test [`crate::conformance_tests!`] generates: opens the
@@ -596,22 +573,22 @@ macro_rules! conformance_tests {
         }
     };
     ($name:literal, $open:expr $(,)?) => {
-        #[test]
-        fn conformance_kernels() {
-            $crate::conformance::run_test($name, || $open, $crate::conformance::Part::Kernels);
-        }
-        #[test]
-        fn conformance_driver_cases() {
-            $crate::conformance::run_test($name, || $open, $crate::conformance::Part::DriverCases);
-        }
-        #[test]
-        fn conformance_regressions() {
-            $crate::conformance::run_test($name, || $open, $crate::conformance::Part::Regressions);
-        }
-        #[test]
-        fn conformance_errors() {
-            $crate::conformance::run_test($name, || $open, $crate::conformance::Part::Errors);
-        }
+        $crate::conformance_tests!(
+            @parts $name,
+            $open,
+            conformance_kernels: Kernels,
+            conformance_driver_cases: DriverCases,
+            conformance_regressions: Regressions,
+            conformance_errors: Errors,
+        );
+    };
+    (@parts $name:literal, $open:expr, $($test:ident: $part:ident),+ $(,)?) => {
+        $(
+            #[test]
+            fn $test() {
+                $crate::conformance::run_test($name, || $open, $crate::conformance::Part::$part);
+            }
+        )+
     };
 }
 

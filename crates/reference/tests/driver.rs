@@ -161,18 +161,8 @@ fn one_engine_serves_calls_of_different_shapes() {
         c.ntok = ntok;
         c.k = k;
         c.hidden.truncate(ntok * c.hs);
-        c.teacher_ids = kl
-            .teacher_ids
-            .chunks(19)
-            .take(ntok)
-            .flat_map(|r| r[..k].to_vec())
-            .collect();
-        c.teacher_probs = kl
-            .teacher_probs
-            .chunks(19)
-            .take(ntok)
-            .flat_map(|r| r[..k].to_vec())
-            .collect();
+        c.teacher_ids = leading(&kl.teacher_ids, 19, (ntok, k));
+        c.teacher_probs = leading(&kl.teacher_probs, 19, (ntok, k));
         c.weights = None;
         c.max_rows_per_chunk = chunk;
         let hidden = c.hidden_rows(&[]).unwrap();
@@ -233,33 +223,13 @@ fn bf16_rows_match_their_f32_values() {
     let teacher = c.teacher().unwrap();
     let opts = c.loss_options();
     let mut engine = Engine::new(&backend, &head, c.slice_options()).unwrap();
-    let from_bf16 = engine
-        .head_kl(
-            &headkl_core::Hidden::bf16(&rows, c.ntok, c.hs).unwrap(),
-            &teacher,
-            &opts,
-        )
-        .unwrap();
-    let from_f32 = engine
-        .head_kl(
-            &headkl_core::Hidden::f32(&values, c.ntok, c.hs).unwrap(),
-            &teacher,
-            &opts,
-        )
-        .unwrap();
+    let as_bf16 = headkl_core::Hidden::bf16(&rows, c.ntok, c.hs).unwrap();
+    let as_f32 = headkl_core::Hidden::f32(&values, c.ntok, c.hs).unwrap();
+    let from_bf16 = engine.head_kl(&as_bf16, &teacher, &opts).unwrap();
+    let from_f32 = engine.head_kl(&as_f32, &teacher, &opts).unwrap();
     assert_eq!(from_bf16, from_f32);
-    let top_bf16 = engine
-        .topk(
-            &headkl_core::Hidden::bf16(&rows, c.ntok, c.hs).unwrap(),
-            &c.topk_options(),
-        )
-        .unwrap();
-    let top_f32 = engine
-        .topk(
-            &headkl_core::Hidden::f32(&values, c.ntok, c.hs).unwrap(),
-            &c.topk_options(),
-        )
-        .unwrap();
+    let top_bf16 = engine.topk(&as_bf16, &c.topk_options()).unwrap();
+    let top_f32 = engine.topk(&as_f32, &c.topk_options()).unwrap();
     assert_eq!(top_bf16, top_f32);
 }
 
@@ -301,4 +271,9 @@ fn progress_reports_every_chunk_and_changes_nothing() {
         // 83 tokens in chunks of at most 20 rows: one report per chunk.
         assert!(calls.load(Ordering::SeqCst) >= case.ntok.div_ceil(20), "{kind}");
     }
+}
+
+/// The first `k` entries of the first `ntok` rows of `rows`, `width` a row.
+fn leading<T: Copy>(rows: &[T], width: usize, (ntok, k): (usize, usize)) -> Vec<T> {
+    rows.chunks(width).take(ntok).flat_map(|r| r[..k].to_vec()).collect()
 }

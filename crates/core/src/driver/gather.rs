@@ -10,7 +10,6 @@ use crate::head_planes::Scaling;
 use crate::in_flight::{Copying, InFlight};
 use crate::launch::Kernels;
 use crate::problem::{Hidden, TopkOptions};
-use crate::{round_up, ALIGN};
 
 /// Result of [`Engine::logprobs_at`].
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -33,13 +32,7 @@ const NONE: u32 = u32::MAX;
 /// make before anything is uploaded: `ntok · k` of them, each negative
 /// (none) or below `vocab`.
 pub fn check_gather_ids(ids: &[i64], ntok: usize, k: usize, vocab: usize) -> Result<()> {
-    if ids.len() != ntok * k {
-        return Err(Error::LengthMismatch {
-            field: crate::error::Field::Ids,
-            expected: ntok * k,
-            got: ids.len(),
-        });
-    }
+    crate::error::Field::Ids.check_len(ntok * k, ids.len())?;
     match ids.iter().position(|&id| id >= 0 && id as u64 >= vocab as u64) {
         Some(i) => Err(Error::IdOutOfRange {
             row: i / k,
@@ -108,9 +101,8 @@ impl<B: Backend> Engine<B> {
             let mut row_ids = Vec::new();
             for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
                 let x16 = s.x16_for(chunk);
-                self.head.load_hidden(b, &input, x16, (chunk, start, rows))?;
                 self.head
-                    .logits(b, x16, &s.logits, round_up(rows, ALIGN), Scaling::top_k(opts), None)?;
+                    .chunk_logits(b, &input, x16, (chunk, start, rows), &s.logits, Scaling::top_k(opts))?;
                 row_ids.clear();
                 for t in start..start + rows {
                     row_ids.extend_from_slice(&positions[t * k..(t + 1) * k]);

@@ -148,13 +148,7 @@ impl<B: Backend> ShardEngine<B> {
         let mut trace = Trace::new("shard phase one", self.engine.trace_on());
         self.engine.head_planes().check_hidden(hidden)?;
         let ntok = hidden.ntok();
-        if teacher.ntok() != ntok {
-            return Err(Error::LengthMismatch {
-                field: Field::TeacherRows,
-                expected: ntok,
-                got: teacher.ntok(),
-            });
-        }
+        Field::TeacherRows.check_len(ntok, teacher.ntok())?;
         teacher.check_vocab(self.shard.vocab())?;
         check_loss_terms(teacher.tail(), opts)?;
         let resolved = opts.resolve(ntok)?;
@@ -309,9 +303,6 @@ impl<B: Backend> ShardEngine<B> {
         // their copy out before chunk i−1's are read.
         let mut pipe = InFlight::new();
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
-            let rows_padded = round_up(rows, ALIGN);
-            let x16 = s.x16_for(chunk);
-            h.load_hidden(b, input, x16, (chunk, start, rows))?;
             let logits = match kept.as_deref_mut() {
                 Some(kept) => {
                     let buf = b.alloc(plan.rows_per_chunk as u64 * logits_row_bytes, "kept shard logits")?;
@@ -320,7 +311,7 @@ impl<B: Backend> ShardEngine<B> {
                 }
                 None => &s.logits,
             };
-            h.logits(b, x16, logits, rows_padded, scaling, None)?;
+            h.chunk_logits(b, input, s.x16_for(chunk), (chunk, start, rows), logits, scaling)?;
             b.upload(&s.ids, 0, bytemuck::cast_slice(&ids[start * k_s..(start + rows) * k_s]))?;
             b.upload(
                 &s.probs,
@@ -408,13 +399,7 @@ impl<B: Backend> ShardEngine<B> {
         out.soft.clone_from(&out.loss);
         out.hard.clear();
         out.hard.resize(ntok, 0.0);
-        let weighted: f64 = out
-            .loss
-            .iter()
-            .zip(&p.resolved.weights)
-            .map(|(&l, &w)| f64::from(l) * f64::from(w))
-            .sum();
-        out.mean = weighted / f64::from(p.resolved.total);
+        out.mean = p.resolved.mean_of(&out.loss);
         out.dx.resize(ntok * p.hs, 0.0);
         trace.mark("row inputs + per-token outputs");
 
@@ -469,8 +454,7 @@ impl<B: Backend> ShardEngine<B> {
                 Some(kept) => &kept[chunk],
                 None => {
                     let x16 = s.x16_for(chunk);
-                    h.load_hidden(b, input, x16, (chunk, start, rows))?;
-                    h.logits(b, x16, &s.logits, rows_padded, scaling, None)?;
+                    h.chunk_logits(b, input, x16, (chunk, start, rows), &s.logits, scaling)?;
                     &s.logits
                 }
             };
@@ -584,10 +568,8 @@ impl<B: Backend> ShardEngine<B> {
             };
         let mut pipe = InFlight::new();
         for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
-            let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
-            h.load_hidden(b, input, x16, (chunk, start, rows))?;
-            h.logits(b, x16, &s.logits, rows_padded, scaling, None)?;
+            h.chunk_logits(b, input, x16, (chunk, start, rows), &s.logits, scaling)?;
             // Log-probabilities over the shard: with its lse, the logits.
             let desc = TopkDesc {
                 logprobs: true,

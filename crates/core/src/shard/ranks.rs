@@ -3,7 +3,7 @@
 //! them. The command's `--shards` and the conformance suite's threaded
 //! drive run their shards through it.
 
-use std::any::Any;
+use crate::toolkit::panic_message;
 use std::sync::mpsc;
 
 /// How one rank's thread ended.
@@ -124,15 +124,6 @@ where
         }
         Ok(outs)
     })
-}
-
-/// A panic's message, where it carries text.
-fn panic_message(payload: &(dyn Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 #[cfg(test)]

@@ -482,13 +482,7 @@ impl<R> DownloadsInFlight<R> {
     /// ended) is an error naming `backend`.
     pub fn end(&mut self, pending: PendingDownload, out: &mut [u8], backend: &'static str) -> Result<Option<R>> {
         let len = pending.len();
-        if out.len() != len {
-            return Err(Error::LengthMismatch {
-                field: crate::error::Field::DownloadOutput,
-                expected: len,
-                got: out.len(),
-            });
-        }
+        crate::error::Field::DownloadOutput.check_len(len, out.len())?;
         match pending.into_parts() {
             (_, Some(bytes)) => {
                 out.copy_from_slice(&bytes);

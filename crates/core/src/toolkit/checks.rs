@@ -496,13 +496,7 @@ impl TopkDesc {
         let params = row_params(KernelId::TopkRows, shape, max_k, logits, ids, probs, max_binding)?;
         let mut flags = 0;
         if let Some(c) = self.cap {
-            if !(c > 0.0 && c.is_finite()) {
-                return Err(Error::InvalidLossOption {
-                    field: "softcap",
-                    value: c,
-                    reason: "must be positive and finite",
-                });
-            }
+            crate::terms::check_softcap(c)?;
             flags |= row_flags::SOFTCAP;
         }
         if self.logprobs {

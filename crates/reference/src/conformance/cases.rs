@@ -6,13 +6,13 @@ use headkl_core::{
 };
 
 use super::overlap::CountInFlight;
-use super::{engine_for, Measured};
+use super::{engine_for, CaseErrors};
 use crate::direct::{self, DirectLoss};
 use crate::strategies::{Case, CaseKind, CaseParams, TeacherShape};
 use crate::tolerance::Tolerance;
 
 /// Runs `case` through the driver and compares with the reference.
-pub(crate) fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case, tol: &Tolerance) -> Result<Measured, String> {
+pub(crate) fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case, tol: &Tolerance) -> Result<CaseErrors, String> {
     let mut engine = engine_for(backend, case)?;
     compare(&mut engine, case, &case.loss_options(), tol)
 }
@@ -32,7 +32,7 @@ fn compare<B: Backend>(
     case: &Case,
     opts: &LossOptions,
     tol: &Tolerance,
-) -> Result<Measured, String> {
+) -> Result<CaseErrors, String> {
     compare_with(engine, case, opts, tol, DxCheck::Relative)
 }
 
@@ -44,7 +44,7 @@ fn compare_with<B: Backend>(
     opts: &LossOptions,
     tol: &Tolerance,
     dx_check: DxCheck,
-) -> Result<Measured, String> {
+) -> Result<CaseErrors, String> {
     let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
     let f16_rows = case.hidden_f16();
     let hidden = case.hidden_rows(&f16_rows).map_err(|e| format!("case hidden: {e}"))?;
@@ -73,10 +73,10 @@ fn compare_with<B: Backend>(
                 }
             };
             match (loss, dx) {
-                (Ok(l), Ok(d)) => Ok(Measured {
+                (Ok(l), Ok(d)) => Ok(CaseErrors {
                     loss: Some(l),
                     dx: Some(d),
-                    ..Measured::default()
+                    ..CaseErrors::default()
                 }),
                 (Err(e), Ok(_)) => Err(e.to_string()),
                 (Ok(_), Err(e)) => Err(e),
@@ -96,10 +96,10 @@ fn compare_with<B: Backend>(
             let want = direct::topk_f64(&head, &hidden, case.k, case.topk_temperature());
             let prob = tol.check_topk(&out.ids, &out.probs, &want).map_err(|e| e.to_string())?;
             let gathered = check_gather(engine, case, &head, &hidden, &out.ids, tol)?;
-            Ok(Measured {
+            Ok(CaseErrors {
                 prob: Some(prob),
                 loss: Some(gathered),
-                ..Measured::default()
+                ..CaseErrors::default()
             })
         }
     }
@@ -817,7 +817,7 @@ fn compare_full_vocab<B: Backend>(
     teacher_case: &Case,
     opts: &LossOptions,
     tol: &Tolerance,
-) -> Result<Measured, String> {
+) -> Result<CaseErrors, String> {
     let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
     let f16_rows = case.hidden_f16();
     let hidden = case.hidden_rows(&f16_rows).map_err(|e| format!("case hidden: {e}"))?;
@@ -847,10 +847,10 @@ fn compare_full_vocab<B: Backend>(
         .map_err(|e| format!("head_kl at k = V: {e}"))?;
     tol.check_loss(&top_k.loss, top_k.mean, &want)
         .map_err(|e| format!("the top-k mode at k = V: {e}"))?;
-    Ok(Measured {
+    Ok(CaseErrors {
         loss: Some(loss),
         dx: Some(dx),
-        ..Measured::default()
+        ..CaseErrors::default()
     })
 }
 
@@ -859,7 +859,7 @@ pub(crate) fn check_regression<B: Backend + ?Sized>(
     backend: &B,
     r: &Regression,
     tol: &Tolerance,
-) -> Result<Measured, String> {
+) -> Result<CaseErrors, String> {
     let case = &r.case;
     let mut engine = engine_for(backend, case)?;
     engine.set_row_stats(r.row_stats);
@@ -1102,7 +1102,7 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
     backend: &B,
     name: &str,
     tol: &Tolerance,
-) -> Result<Measured, String> {
+) -> Result<CaseErrors, String> {
     match name {
         "nan_row_head_kl" => {
             let mut case = error_base(CaseKind::HeadKl, 40);
@@ -1111,7 +1111,7 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
             let hidden = case.hidden_rows(&[]).map_err(|e| e.to_string())?;
             let teacher = case.teacher().map_err(|e| e.to_string())?;
             expect_non_finite("head_kl", engine.head_kl(&hidden, &teacher, &case.loss_options()), 21)?;
-            Ok(Measured::default())
+            Ok(CaseErrors::default())
         }
         "inf_then_nan_topk" => {
             let mut case = error_base(CaseKind::Topk, 40);
@@ -1120,13 +1120,13 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
             let mut engine = engine_for(backend, &case)?;
             let hidden = case.hidden_rows(&[]).map_err(|e| e.to_string())?;
             expect_non_finite("topk", engine.topk(&hidden, &case.topk_options()), 3)?;
-            Ok(Measured::default())
+            Ok(CaseErrors::default())
         }
         "past_f16_range_head_kl" => {
             let mut case = error_base(CaseKind::HeadKl, 40);
             case.hidden[33 * case.hs + 11] = 1e5;
             both_fail(backend, &case, 33)?;
-            Ok(Measured::default())
+            Ok(CaseErrors::default())
         }
         "f16_rows_nan" => {
             let mut case = error_base(CaseKind::HeadKl, 20);
@@ -1138,7 +1138,7 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
                 return Err("the case must pass f16 rows".into());
             }
             both_fail(backend, &case, 5)?;
-            Ok(Measured::default())
+            Ok(CaseErrors::default())
         }
         "recovers_after_error" => {
             let clean = error_base(CaseKind::HeadKl, 40);
@@ -1157,13 +1157,13 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
             };
             let top = compare(&mut engine, &topk_case, &clean.loss_options(), tol)
                 .map_err(|e| format!("after the error: {e}"))?;
-            Ok(Measured { prob: top.prob, ..kl })
+            Ok(CaseErrors { prob: top.prob, ..kl })
         }
         "two_chunks_in_flight" => {
             let counted = CountInFlight::new(backend);
             let clean = error_base(CaseKind::HeadKl, 40);
             let mut engine = engine_for(&counted, &clean)?;
-            let mut measured = Measured::default();
+            let mut measured = CaseErrors::default();
             for kind in [CaseKind::HeadKl, CaseKind::Topk] {
                 let case = Case { kind, ..clean.clone() };
                 let m = compare(&mut engine, &case, &clean.loss_options(), tol)?;
@@ -1175,7 +1175,7 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
                         counted.pending()
                     ));
                 }
-                measured = Measured {
+                measured = CaseErrors {
                     prob: m.prob.or(measured.prob),
                     loss: m.loss.or(measured.loss),
                     dx: m.dx.or(measured.dx),
@@ -1198,7 +1198,7 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
             Ok(measured)
         }
         "multi_slice_multi_chunk" => {
-            let mut measured = Measured::default();
+            let mut measured = CaseErrors::default();
             for kind in [CaseKind::HeadKl, CaseKind::Topk] {
                 let case = Case::from_params(&CaseParams {
                     max_rows_per_slice: Some(256),
@@ -1243,7 +1243,7 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
                     "memory().current = {after} after the engine was dropped, was {before}"
                 ));
             }
-            Ok(Measured::default())
+            Ok(CaseErrors::default())
         }
         "filter_lm_dx_within_tolerance" => {
             let case = lm_case(80, Some(1536), Some(48))?;
@@ -1328,7 +1328,7 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
         "filter_eps_zero_bit_identical" => {
             let case = lm_case(40, None, Some(32))?;
             let mut engine = engine_for(backend, &case)?;
-            let mut measured = Measured::default();
+            let mut measured = CaseErrors::default();
             let terms = LossTerms {
                 hard_weight: 0.5,
                 z_loss: 1e-3,

@@ -12,7 +12,7 @@ use headkl_core::toolkit::{
 };
 use headkl_core::{Backend, Divergence, LossTerms, TailMode, NO_LABEL};
 
-use super::Measured;
+use super::CaseErrors;
 use crate::direct::{row_terms_f64, softmax_over, topk_of_row, DirectLoss, DirectTopK, RowTeacher};
 use crate::strategies::{residue_ids, Rng};
 use crate::tolerance::Tolerance;
@@ -46,24 +46,6 @@ pub(crate) struct GemmSpec {
     /// row's mask clears the same blocks, whose A entries are not zero, so
     /// only a kernel that skips exactly them gets C right.
     mask_rows: usize,
-}
-
-/// A sum of split-K partial blocks.
-#[derive(Clone, Debug)]
-pub(crate) struct SumSpec {
-    len: usize,
-    parts: usize,
-    part_stride: usize,
-    accumulate: bool,
-}
-
-/// An f32 → f16 conversion.
-#[derive(Clone, Debug)]
-pub(crate) struct ConvertSpec {
-    rows: usize,
-    cols: usize,
-    rows_padded: usize,
-    ld: usize,
 }
 
 /// How a crafted logits row looks.
@@ -134,8 +116,8 @@ pub(crate) struct RowSpec {
 #[derive(Clone, Debug)]
 pub(crate) enum KernelCase {
     Gemm(GemmSpec),
-    SumParts(SumSpec),
-    Convert(ConvertSpec),
+    SumParts(SumPartsDesc),
+    Convert(ConvertDesc),
     Kl(RowSpec),
     Topk(RowSpec),
     /// `topk_rows` in gather mode: `k` ids a row (the kernel's k is one
@@ -143,43 +125,32 @@ pub(crate) enum KernelCase {
     Gather(RowSpec),
 }
 
-#[allow(
-    clippy::too_many_arguments,
-    reason = "one argument per GemmDesc field, so a case reads as one line"
-)]
-fn gemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    layout: HeadLayout,
-    a_offset: usize,
-    lda: usize,
-    ldb: usize,
-    c_offset: usize,
-    ldc: usize,
-    alpha: f32,
-    accumulate: bool,
-) -> KernelCase {
-    KernelCase::Gemm(GemmSpec {
-        m,
-        n,
-        k,
-        layout,
-        a_offset,
-        lda,
-        ldb,
-        c_offset,
-        ldc,
-        alpha,
-        accumulate,
-        k_parts: 1,
-        tight: false,
-        stats: None,
-        mask_rows: 0,
-    })
+/// A GEMM case, one argument per [`GemmDesc`] field so a case reads as one
+/// line: `gemm!(m, n, k, layout, a_offset, lda, ldb, c_offset, ldc, alpha,
+/// accumulate)`, unsplit, without statistics or filter.
+macro_rules! gemm {
+    ($m:expr, $n:expr, $k:expr, $layout:expr, $a_offset:expr, $lda:expr, $ldb:expr, $c_offset:expr, $ldc:expr, $alpha:expr, $accumulate:expr) => {
+        KernelCase::Gemm(GemmSpec {
+            m: $m,
+            n: $n,
+            k: $k,
+            layout: $layout,
+            a_offset: $a_offset,
+            lda: $lda,
+            ldb: $ldb,
+            c_offset: $c_offset,
+            ldc: $ldc,
+            alpha: $alpha,
+            accumulate: $accumulate,
+            k_parts: 1,
+            tight: false,
+            stats: None,
+            mask_rows: 0,
+        })
+    };
 }
 
-/// [`gemm`] writing row statistics from group `first` over `cols` columns.
+/// [`gemm!`] writing row statistics from group `first` over `cols` columns.
 fn with_stats(case: KernelCase, first: usize, cols: usize) -> KernelCase {
     match case {
         KernelCase::Gemm(g) => KernelCase::Gemm(GemmSpec {
@@ -190,7 +161,7 @@ fn with_stats(case: KernelCase, first: usize, cols: usize) -> KernelCase {
     }
 }
 
-/// [`gemm`] (layout Dx, `a_offset + k <= lda`) with the block filter on
+/// [`gemm!`] (layout Dx, `a_offset + k <= lda`) with the block filter on
 /// every row.
 fn filtered(case: KernelCase) -> KernelCase {
     match case {
@@ -199,7 +170,7 @@ fn filtered(case: KernelCase) -> KernelCase {
     }
 }
 
-/// [`gemm`] split into `k_parts` parts.
+/// [`gemm!`] split into `k_parts` parts.
 fn split(case: KernelCase, k_parts: usize) -> KernelCase {
     match case {
         KernelCase::Gemm(g) => KernelCase::Gemm(GemmSpec { k_parts, ..g }),
@@ -208,7 +179,7 @@ fn split(case: KernelCase, k_parts: usize) -> KernelCase {
 }
 
 fn sum(len: usize, parts: usize, part_stride: usize, accumulate: bool) -> KernelCase {
-    KernelCase::SumParts(SumSpec {
+    KernelCase::SumParts(SumPartsDesc {
         len,
         parts,
         part_stride,
@@ -261,34 +232,34 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
     use HeadLayout::{Dx as Red, Logits as Out};
     use Row::*;
     let mut v = vec![
-        gemm(16, 16, 16, Out, 0, 16, 16, 0, 16, 1.0, false),
-        gemm(16, 16, 16, Red, 0, 16, 16, 0, 16, 2.0, true),
-        gemm(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false),
-        gemm(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true),
-        gemm(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true),
-        gemm(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false),
-        gemm(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, true),
-        gemm(80, 48, 16, Red, 0, 32, 64, 16, 64, 1.0, false),
+        gemm!(16, 16, 16, Out, 0, 16, 16, 0, 16, 1.0, false),
+        gemm!(16, 16, 16, Red, 0, 16, 16, 0, 16, 2.0, true),
+        gemm!(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false),
+        gemm!(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true),
+        gemm!(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true),
+        gemm!(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false),
+        gemm!(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, true),
+        gemm!(80, 48, 16, Red, 0, 32, 64, 16, 64, 1.0, false),
         // Split-K: k = 272 is no multiple of the parts' 192 (2 parts) or
         // 128 (3 parts); k = 128 in 3 parts of 64 leaves the last empty.
-        split(gemm(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 2),
-        split(gemm(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true), 3),
-        split(gemm(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true), 2),
-        split(gemm(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false), 3),
-        split(gemm(32, 144, 128, Red, 16, 144, 144, 160, 160, 2.0, false), 3),
-        split(gemm(80, 48, 128, Out, 0, 128, 128, 16, 64, 1.0, true), 3),
+        split(gemm!(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 2),
+        split(gemm!(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true), 3),
+        split(gemm!(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true), 2),
+        split(gemm!(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false), 3),
+        split(gemm!(32, 144, 128, Red, 16, 144, 144, 160, 160, 2.0, false), 3),
+        split(gemm!(80, 48, 128, Out, 0, 128, 128, 16, 64, 1.0, true), 3),
         // Row statistics: a partial last group (n = 80: 32 + 32 + 16
         // columns, 72 real), C inside a wider row, and a shape past one
         // tile each way with the padding past the real columns.
-        with_stats(gemm(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 1, 72),
-        with_stats(gemm(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, false), 0, 144),
-        with_stats(gemm(144, 272, 64, Out, 0, 64, 64, 0, 272, 1.0, false), 2, 259),
+        with_stats(gemm!(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 1, 72),
+        with_stats(gemm!(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, false), 0, 144),
+        with_stats(gemm!(144, 272, 64, Out, 0, 64, 64, 0, 272, 1.0, false), 2, 259),
         // The block filter: K across three 2048-column mask windows, A
         // starting two blocks in (a filtered GEMM's A starts on a block),
         // whole and split.
-        filtered(gemm(16, 16, 4544, Red, 128, 4736, 16, 0, 16, 1.0, false)),
-        split(filtered(gemm(16, 32, 2560, Red, 64, 2688, 48, 16, 48, 0.5, true)), 3),
-        filtered(gemm(160, 128, 704, Red, 0, 704, 128, 0, 128, 1.0, false)),
+        filtered(gemm!(16, 16, 4544, Red, 128, 4736, 16, 0, 16, 1.0, false)),
+        split(filtered(gemm!(16, 32, 2560, Red, 64, 2688, 48, 16, 48, 0.5, true)), 3),
+        filtered(gemm!(160, 128, 704, Red, 0, 704, 128, 0, 128, 1.0, false)),
         sum(64, 1, 0, false),
         sum(1040, 3, 1056, false),
         sum(1040, 4, 1040, true),
@@ -316,19 +287,19 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         }));
     }
     v.extend([
-        KernelCase::Convert(ConvertSpec {
+        KernelCase::Convert(ConvertDesc {
             rows: 5,
             cols: 13,
             rows_padded: 16,
             ld: 32,
         }),
-        KernelCase::Convert(ConvertSpec {
+        KernelCase::Convert(ConvertDesc {
             rows: 16,
             cols: 48,
             rows_padded: 16,
             ld: 48,
         }),
-        KernelCase::Convert(ConvertSpec {
+        KernelCase::Convert(ConvertDesc {
             rows: 33,
             cols: 100,
             rows_padded: 48,
@@ -656,7 +627,7 @@ impl KernelCase {
         }
     }
 
-    pub(crate) fn run<B: Backend + ?Sized>(&self, b: &B, tol: &Tolerance) -> Result<Measured, String> {
+    pub(crate) fn run<B: Backend + ?Sized>(&self, b: &B, tol: &Tolerance) -> Result<CaseErrors, String> {
         match self {
             KernelCase::Gemm(g) => run_gemm(b, g),
             KernelCase::SumParts(s) => run_sum_parts(b, s),
@@ -721,7 +692,7 @@ impl Bad {
     }
 }
 
-fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String> {
+fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<CaseErrors, String> {
     let mut rng = Rng::new(0x6E44 ^ (g.m * 7 + g.n * 131 + g.k) as u64);
     let tail = if g.tight { 0 } else { TAIL };
     let small = |rng: &mut Rng, range: usize| rng.below(2 * range + 1) as f64 - range as f64;
@@ -873,7 +844,7 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<Measured, String
     inside.check("gemm result (exact integers expected; NaN means a read outside A or B)")?;
     outside.check("gemm wrote outside its region")?;
     stats_bad.check("gemm row statistics")?;
-    Ok(Measured::default())
+    Ok(CaseErrors::default())
 }
 
 /// Checks the row statistics in `got` against the exact product `want`:
@@ -905,7 +876,7 @@ fn check_row_stats(got: &[f32], rs: &GemmRowStats, g: &GemmSpec, want: &[f64], b
     }
 }
 
-fn run_sum_parts<B: Backend + ?Sized>(b: &B, s: &SumSpec) -> Result<Measured, String> {
+fn run_sum_parts<B: Backend + ?Sized>(b: &B, s: &SumPartsDesc) -> Result<CaseErrors, String> {
     let mut rng = Rng::new(0x5A3 ^ (s.len * 31 + s.parts) as u64);
     // Parts: small integers over 64 (exact sums in f32) inside each part,
     // NaN in the gaps and the tail (a read outside shows as NaN).
@@ -936,13 +907,7 @@ fn run_sum_parts<B: Backend + ?Sized>(b: &B, s: &SumSpec) -> Result<Measured, St
         .collect();
     let parts_buf = upload(b, bytemuck::cast_slice(&parts), "sum parts")?;
     let dst_buf = upload(b, bytemuck::cast_slice(&dst), "sum dst")?;
-    let desc = SumPartsDesc {
-        len: s.len,
-        parts: s.parts,
-        part_stride: s.part_stride,
-        accumulate: s.accumulate,
-    };
-    b.sum_parts(&parts_buf, &dst_buf, &desc)
+    b.sum_parts(&parts_buf, &dst_buf, s)
         .map_err(|e| format!("sum_parts: {e}"))?;
     let got: Vec<f32> = download(b, &dst_buf, s.len + TAIL, "dst")?;
     let mut bad = Bad::new();
@@ -954,7 +919,7 @@ fn run_sum_parts<B: Backend + ?Sized>(b: &B, s: &SumSpec) -> Result<Measured, St
         }
     }
     bad.check("sum_parts (exact sums expected; NaN means a read outside the parts)")?;
-    Ok(Measured::default())
+    Ok(CaseErrors::default())
 }
 
 /// Spacing of f16 values around `v` (a normal f16 magnitude).
@@ -963,7 +928,7 @@ fn f16_ulp(v: f32) -> f32 {
     2f32.powf(e - 10.0)
 }
 
-fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertSpec) -> Result<Measured, String> {
+fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertDesc) -> Result<CaseErrors, String> {
     let src: Vec<f32> = (0..c.rows * c.cols)
         .map(|i| match i % 9 {
             0 => (i % 17) as f32 - 8.0,
@@ -980,13 +945,7 @@ fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertSpec) -> Result<Measured, 
     let dst_len = c.rows_padded * c.ld + TAIL;
     let src_buf = upload(b, bytemuck::cast_slice(&src), "convert src")?;
     let dst_buf = upload(b, bytemuck::cast_slice(&vec![f16::NAN; dst_len]), "convert dst")?;
-    let desc = ConvertDesc {
-        rows: c.rows,
-        cols: c.cols,
-        rows_padded: c.rows_padded,
-        ld: c.ld,
-    };
-    b.convert_f16(&src_buf, &dst_buf, &desc)
+    b.convert_f16(&src_buf, &dst_buf, c)
         .map_err(|e| format!("convert_f16: {e}"))?;
     let got: Vec<f16> = download(b, &dst_buf, dst_len, "dst")?;
     let mut bad = Bad::new();
@@ -1015,7 +974,7 @@ fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertSpec) -> Result<Measured, 
         }
     }
     bad.check("convert_f16")?;
-    Ok(Measured::default())
+    Ok(CaseErrors::default())
 }
 
 impl RowSpec {
@@ -1073,7 +1032,7 @@ fn crafted_logits(r: &RowSpec) -> (Rng, Vec<f32>, Vec<Vec<f64>>) {
     (rng, logits, rows64)
 }
 
-fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Measured, String> {
+fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<CaseErrors, String> {
     let (mut rng, logits, rows64) = crafted_logits(r);
     let total_rows = r.total_rows();
     let mut ids = vec![0u32; total_rows * r.k];
@@ -1213,17 +1172,17 @@ fn run_kl<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Me
     let grad_err = tol
         .check_dx_rows(&got_grad, &want_grad, Some(r.vocab))
         .map_err(|e| format!("grad (f16, vs c·∂L/∂s): {e}"))?;
-    Ok(Measured {
+    Ok(CaseErrors {
         loss: Some(loss_err),
         dx: Some(grad_err),
-        ..Measured::default()
+        ..CaseErrors::default()
     })
 }
 
 /// The gather: each row's ids drawn distinct, then the second repeating
 /// the first and (k > 2) the last none; the output NaN-poisoned, the rows
 /// past `rows` checked unwritten.
-fn run_gather<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Measured, String> {
+fn run_gather<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<CaseErrors, String> {
     let (mut rng, logits, rows64) = crafted_logits(r);
     let total_rows = r.total_rows();
     let (k, cols) = (r.k, r.k + 1);
@@ -1296,13 +1255,13 @@ fn run_gather<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Resul
     let err = tol
         .check_loss(&got, mean, &DirectLoss::of_losses(want))
         .map_err(|e| format!("gather (log-probabilities and lse): {e}"))?;
-    Ok(Measured {
+    Ok(CaseErrors {
         loss: Some(err),
-        ..Measured::default()
+        ..CaseErrors::default()
     })
 }
 
-fn run_topk<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<Measured, String> {
+fn run_topk<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<CaseErrors, String> {
     let (_, logits, rows64) = crafted_logits(r);
     let total_rows = r.total_rows();
     let logits_buf = upload(b, bytemuck::cast_slice(&logits), "topk logits")?;
@@ -1408,9 +1367,9 @@ fn run_topk<B: Backend + ?Sized>(b: &B, r: &RowSpec, tol: &Tolerance) -> Result<
     let prob_err = tol
         .check_topk(&good_ids, &good_probs, &want)
         .map_err(|e| e.to_string())?;
-    Ok(Measured {
+    Ok(CaseErrors {
         prob: Some(prob_err),
         loss: lp_err,
-        ..Measured::default()
+        ..CaseErrors::default()
     })
 }

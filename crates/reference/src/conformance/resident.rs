@@ -28,7 +28,7 @@ use headkl_core::{
     LossConfig, LossOptions, ResidentBackend, TailMode, TeacherForm, NO_LABEL,
 };
 
-use super::{driver_case, engine_for, run_one, CaseOutcome, Measured, Recorder, SuiteConfig, SuiteReport};
+use super::{driver_case, engine_for, run_one, CaseErrors, CaseOutcome, Recorder, SuiteConfig, SuiteReport};
 use crate::direct;
 use crate::strategies::{Case, CaseKind, CaseParams};
 use crate::tolerance::Tolerance;
@@ -75,6 +75,48 @@ fn check_vs_reference(
         .check_dx_rows(got_dx, &want.dx, Some(hs))
         .map_err(|e| format!("resident vs reference: {e}"))?;
     Ok((loss, dx))
+}
+
+/// The same loss through the host path (`engine.head_kl`), its dx checked
+/// against the resident call's `got_dx` (`hs` per row): the host output and
+/// its dx in f64.
+fn check_vs_host_path<B: ResidentBackend + ?Sized>(
+    engine: &mut Engine<&B>,
+    rows: &Hidden<'_>,
+    teacher: &headkl_core::Teacher,
+    opts: &LossOptions,
+    got_dx: &[f32],
+    hs: usize,
+    tol: &Tolerance,
+) -> Result<(headkl_core::LossOutput, Vec<f64>), String> {
+    let host = engine
+        .head_kl(rows, teacher, opts)
+        .map_err(|e| format!("host head_kl: {e}"))?;
+    let host_dx: Vec<f64> = host.dx.iter().map(|&v| f64::from(v)).collect();
+    tol.check_dx_rows(got_dx, &host_dx, Some(hs))
+        .map_err(|e| format!("resident vs host path: {e}"))?;
+    Ok((host, host_dx))
+}
+
+/// Values of rows `width` wide against the host path's, each within
+/// 1e-5 relative (equal infinities pass): the first that is not, named
+/// `what[row][col]` (`what[row]` when `width` is 1).
+fn check_close_to_host(what: &str, got: &[f32], host: &[f32], width: usize) -> Result<(), String> {
+    let close = |got: f32, want: f32| got == want || (got - want).abs() <= 1e-5 * (1.0 + want.abs());
+    if got.len() != host.len() {
+        return Err(format!("{what}: {} values, the host path's {}", got.len(), host.len()));
+    }
+    match (0..got.len()).find(|&i| !close(got[i], host[i])) {
+        None => Ok(()),
+        Some(i) if width == 1 => Err(format!("{what}[{i}] = {}, the host path's {}", got[i], host[i])),
+        Some(i) => Err(format!(
+            "{what}[{}][{}] = {}, the host path's {}",
+            i / width,
+            i % width,
+            got[i],
+            host[i]
+        )),
+    }
 }
 
 /// The case's hidden rows as `dtype` bytes, and the f32 values they hold
@@ -207,7 +249,7 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
     case: &Case,
     (dtype, split): (HiddenDtype, DxSplit),
     tol: &Tolerance,
-) -> Result<Measured, String> {
+) -> Result<CaseErrors, String> {
     let mut engine = engine_for(backend, case)?;
     engine.set_dx_split(split);
     let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
@@ -231,12 +273,7 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
             let host_teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
             let host_opts = case.loss_options();
             let resolved = host_opts.resolve(ntok).map_err(|e| format!("case options: {e}"))?;
-            let mean = got_loss
-                .iter()
-                .zip(&resolved.weights)
-                .map(|(&l, &w)| f64::from(l) * f64::from(w))
-                .sum::<f64>()
-                / f64::from(resolved.total);
+            let mean = resolved.mean_of(&got_loss);
             let want = direct::head_kl_f64(&head, &host_hidden, &host_teacher, &resolved);
             let (loss_err, dx_err) = check_vs_reference(tol, (&got_loss, mean), &got_dx, &want, hs)?;
 
@@ -247,12 +284,8 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
             } else {
                 host_hidden
             };
-            let host = engine
-                .head_kl(&host_rows, &host_teacher, &host_opts)
-                .map_err(|e| format!("host head_kl: {e}"))?;
-            let host_dx: Vec<f64> = host.dx.iter().map(|&v| f64::from(v)).collect();
-            tol.check_dx_rows(&got_dx, &host_dx, Some(hs))
-                .map_err(|e| format!("resident vs host path: {e}"))?;
+            let (host, host_dx) =
+                check_vs_host_path(&mut engine, &host_rows, &host_teacher, &host_opts, &got_dx, hs, tol)?;
             let host_loss = direct::DirectLoss {
                 loss: host.loss.iter().map(|&l| f64::from(l)).collect(),
                 mean: host.mean,
@@ -284,10 +317,10 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
             let twice: Vec<f64> = got_dx.iter().map(|&v| 2.0 * f64::from(v)).collect();
             tol.check_dx_rows(&doubled, &twice, Some(hs))
                 .map_err(|e| format!("accumulate_dx: {e}"))?;
-            Ok(Measured {
+            Ok(CaseErrors {
                 loss: Some(loss_err),
                 dx: Some(dx_err),
-                ..Measured::default()
+                ..CaseErrors::default()
             })
         }
         CaseKind::Topk => {
@@ -334,20 +367,11 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
             if host.ids != got_ids {
                 return Err("resident ids under a softcap differ from the host path's".into());
             }
-            let close = |got: f32, want: f32| (got - want).abs() <= 1e-5 * (1.0 + want.abs());
-            if let Some(i) = (0..ntok * k).find(|&i| !close(got_lp[i], host.logprobs[i])) {
-                return Err(format!(
-                    "resident logprobs[{}][{}] = {}, the host path's {}",
-                    i / k,
-                    i % k,
-                    got_lp[i],
-                    host.logprobs[i]
-                ));
-            }
+            check_close_to_host("resident logprobs", &got_lp, &host.logprobs, k)?;
             check_gather_device(backend, &mut engine, (&hidden, &host_hidden), &got_ids, &lp_opts)?;
-            Ok(Measured {
+            Ok(CaseErrors {
                 prob: Some(prob),
-                ..Measured::default()
+                ..CaseErrors::default()
             })
         }
     }
@@ -390,22 +414,8 @@ fn check_gather_device<B: ResidentBackend + ?Sized>(
     let host = engine
         .logprobs_at(host_hidden, &host_ids, opts)
         .map_err(|e| format!("host logprobs_at: {e}"))?;
-    let close = |got: f32, want: f32| got == want || (got - want).abs() <= 1e-5 * (1.0 + want.abs());
-    if let Some(i) = (0..ntok * k).find(|&i| !close(got[i], host.logprobs[i])) {
-        return Err(format!(
-            "resident gather [{}][{}] = {}, the host path's {}",
-            i / k,
-            i % k,
-            got[i],
-            host.logprobs[i]
-        ));
-    }
-    if let Some(t) = (0..ntok).find(|&t| !close(got_lse[t], host.lse[t])) {
-        return Err(format!(
-            "resident gather lse[{t}] = {}, the host path's {}",
-            got_lse[t], host.lse[t]
-        ));
-    }
+    check_close_to_host("resident gather", &got, &host.logprobs, k)?;
+    check_close_to_host("resident gather lse", &got_lse, &host.lse, 1)?;
     let (row, bad) = (ntok / 2, vocab as u32 + 5);
     let mut planted = ids.clone();
     planted[row * k] = bad;
@@ -816,7 +826,7 @@ fn set_weight(case: &mut Case, t: usize, value: f32) {
     }
 }
 
-fn check_error_case<B: ResidentBackend + ?Sized>(backend: &B, name: &str) -> Result<Measured, String> {
+fn check_error_case<B: ResidentBackend + ?Sized>(backend: &B, name: &str) -> Result<CaseErrors, String> {
     let ec = error_case(name)?;
     let want = host_error(backend, &ec.bad)?;
     let got = resident_error(backend, &ec)?;
@@ -832,37 +842,37 @@ fn check_error_case<B: ResidentBackend + ?Sized>(backend: &B, name: &str) -> Res
     ) = (&got, &want)
     {
         if row == want_row && tail == want_tail && (sum - want_sum).abs() <= 1e-5 * want_sum {
-            return Ok(Measured::default());
+            return Ok(CaseErrors::default());
         }
     }
     // Compared as text: a NaN value in an error is never equal to itself.
     if format!("{got:?}") != format!("{want:?}") {
         return Err(format!("resident path: {got:?}\n    host path:     {want:?}"));
     }
-    Ok(Measured::default())
+    Ok(CaseErrors::default())
 }
 
-/// The loss-term regression cases ([`super::cases`]) the resident path
-/// runs too: each term, and every term together over slices and chunks.
-pub(crate) const RESIDENT_TERM_CASES: &[&str] = &[
-    "terms_softcap_tau2_head_kl",
-    "terms_bucket_logprobs_head_kl",
-    "terms_tail_none_head_kl",
-    "terms_hard_smoothing_head_kl",
-    "terms_z_loss_head_kl",
-    "terms_logit_scale_head_kl",
-    "terms_everything_slices_chunks_head_kl",
-    "reduction_sum_masked_head_kl",
-    "reduction_batchmean_chunks_head_kl",
+/// The regression cases ([`super::cases`]) the resident path runs too:
+/// every loss-term and reduction case, and these, over chunks and slices.
+const RESIDENT_ALSO: &[&str] = &[
     "logit_scale_chunks_topk",
     "divergence_reverse_bucket_logprobs_chunks_head_kl",
     "divergence_jsd_bucket_everything_slices_head_kl",
     "divergence_reverse_renormalize_head_kl",
 ];
 
+/// [`RESIDENT_ALSO`] and every `terms_…` and `reduction_…` regression
+/// case, in the regression order.
+pub(crate) fn resident_term_cases() -> impl Iterator<Item = &'static str> {
+    super::cases::regression_names()
+        .iter()
+        .copied()
+        .filter(|name| name.starts_with("terms_") || name.starts_with("reduction_") || RESIDENT_ALSO.contains(name))
+}
+
 /// Cases [`run_resident`] runs for `cfg`.
 pub fn resident_case_count(cfg: &SuiteConfig) -> usize {
-    cfg.cases + RESIDENT_TERM_CASES.len() + 2 + RESIDENT_ERROR_CASES.len()
+    cfg.cases + resident_term_cases().count() + 2 + RESIDENT_ERROR_CASES.len()
 }
 
 /// `loss_out` dispatched directly on a chunk of four rows: good, flagged
@@ -871,7 +881,7 @@ pub fn resident_case_count(cfg: &SuiteConfig) -> usize {
 /// out NaN, the good rows' as the chunk holds them; the status names as
 /// non-finite logits only the row whose lse is NaN: over the first two
 /// rows it names none.
-fn check_loss_out_flags<B: ResidentBackend + ?Sized>(backend: &B) -> Result<Measured, String> {
+fn check_loss_out_flags<B: ResidentBackend + ?Sized>(backend: &B) -> Result<CaseErrors, String> {
     let marker = f32::from_bits(FLAGGED_ROW);
     let nan = f32::NAN;
     #[rustfmt::skip]
@@ -951,12 +961,12 @@ fn check_loss_out_flags<B: ResidentBackend + ?Sized>(backend: &B) -> Result<Meas
             }
         }
     }
-    Ok(Measured::default())
+    Ok(CaseErrors::default())
 }
 
 /// The block filter on the resident path (`LossConfig::filter_eps` in `DeviceLossOptions`)
 /// on lm-like data.
-fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<Measured, String> {
+fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<CaseErrors, String> {
     let case = super::cases::lm_case(80, Some(1536), Some(48))?;
     let mut engine = engine_for(backend, &case)?;
     let (ntok, hs) = (case.ntok, case.hs);
@@ -1008,12 +1018,7 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
     let want = direct::head_kl_f64(&head, &host_hidden, &teacher, &resolved);
     let mean = got_loss.iter().map(|&l| f64::from(l)).sum::<f64>() / f64::from(resolved.total);
     let (loss_err, dx_err) = check_vs_reference(tol, (&got_loss, mean), &got_dx, &want, hs)?;
-    let host = engine
-        .head_kl(&host_hidden, &teacher, &host_opts)
-        .map_err(|e| format!("host head_kl: {e}"))?;
-    let host_dx: Vec<f64> = host.dx.iter().map(|&v| f64::from(v)).collect();
-    tol.check_dx_rows(&got_dx, &host_dx, Some(hs))
-        .map_err(|e| format!("resident vs host path: {e}"))?;
+    check_vs_host_path(&mut engine, &host_hidden, &teacher, &host_opts, &got_dx, hs, tol)?;
     // An engine with a vocabulary order refuses the resident entry points
     // (their ids in device buffers are not mapped), before any work.
     let reversed = headkl_core::VocabOrder::new((0..case.vocab as u32).rev().collect()).map_err(|e| e.to_string())?;
@@ -1033,7 +1038,7 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
             ))
         }
     }
-    Ok(Measured {
+    Ok(CaseErrors {
         loss: Some(loss_err),
         dx: Some(dx_err),
         prob: None,
@@ -1063,7 +1068,7 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
         };
         rec.push(outcome);
     }
-    for (i, &name) in RESIDENT_TERM_CASES.iter().enumerate() {
+    for (i, name) in resident_term_cases().enumerate() {
         let outcome = match super::cases::regression(name) {
             Ok(r) => {
                 let case = r.case;

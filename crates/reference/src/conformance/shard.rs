@@ -13,7 +13,7 @@ use headkl_core::{
     Teacher, TeacherForm, TopK, TopkOptions,
 };
 
-use super::{run_one, CaseOutcome, Measured, Recorder, SuiteReport};
+use super::{run_one, CaseErrors, CaseOutcome, Recorder, SuiteReport};
 use crate::direct::{head_kl_f64, topk_f64};
 use crate::strategies::Rng;
 use crate::tolerance::Tolerance;
@@ -290,7 +290,7 @@ fn check_kept<B: Backend>(e: &ShardEngine<B>, keep: bool) -> Result<(), String> 
     Ok(())
 }
 
-fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Result<Measured, String> {
+fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Result<CaseErrors, String> {
     let x = Inputs::new(0x7368_6172_6401);
     let head = HeadWeights::new(HeadData::F32(&x.head), VOCAB, HS).map_err(|e| e.to_string())?;
     let hidden = Hidden::f32(&x.x, NTOK, HS).map_err(|e| e.to_string())?;
@@ -358,14 +358,14 @@ fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
             return Err(format!("lse[{t}] = {g}, reference {w}"));
         }
     }
-    Ok(Measured {
+    Ok(CaseErrors {
         loss: Some(loss),
         dx: Some(dx),
         prob: None,
     })
 }
 
-fn topk_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Result<Measured, String> {
+fn topk_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Result<CaseErrors, String> {
     let mut x = Inputs::new(0x7368_6172_6402);
     let (cuts, opts) = match name {
         "topk/2-uneven" => (
@@ -444,7 +444,7 @@ fn topk_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
             }
         }
     }
-    Ok(Measured {
+    Ok(CaseErrors {
         loss: None,
         dx: None,
         prob: Some(prob),
@@ -454,7 +454,7 @@ fn topk_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
 /// The sharded gather: each shard's partials (in turn), merged, against
 /// the f64 log-softmax at the ids; a shard given another shard's partials
 /// twice is refused.
-fn gather_case<B: Backend>(backend: &B) -> Result<Measured, String> {
+fn gather_case<B: Backend>(backend: &B) -> Result<CaseErrors, String> {
     let x = Inputs::new(0x7368_6172_6403);
     let head = HeadWeights::new(HeadData::F32(&x.head), VOCAB, HS).map_err(|e| e.to_string())?;
     let hidden = Hidden::f32(&x.x, NTOK, HS).map_err(|e| e.to_string())?;
@@ -509,7 +509,7 @@ fn gather_case<B: Backend>(backend: &B) -> Result<Measured, String> {
         headkl_core::shard::merge_gather(&twice),
         |e| matches!(e, Error::ShardOverlap { .. }),
     )?;
-    Ok(Measured {
+    Ok(CaseErrors {
         loss: Some(worst),
         dx: None,
         prob: None,
@@ -536,7 +536,7 @@ pub(super) fn one_token_short(e: &Error) -> bool {
     )
 }
 
-fn errors_case<B: Backend>(backend: &B) -> Result<Measured, String> {
+fn errors_case<B: Backend>(backend: &B) -> Result<CaseErrors, String> {
     let x = Inputs::new(0x7368_6172_6403);
     let head = HeadWeights::new(HeadData::F32(&x.head), VOCAB, HS).map_err(|e| e.to_string())?;
     let hidden = Hidden::f32(&x.x, NTOK, HS).map_err(|e| e.to_string())?;
@@ -657,11 +657,15 @@ fn errors_case<B: Backend>(backend: &B) -> Result<Measured, String> {
         merge_topk(&[t0, t1], &TopkOptions::new(8)),
         |e| matches!(e, Error::ShardMismatch { what: "k", .. }),
     )?;
-    Ok(Measured::default())
+    Ok(CaseErrors::default())
 }
 
 /// One sharded case by name.
-pub(crate) fn run_shard_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Result<Measured, String> {
+pub(crate) fn run_shard_case<B: Backend, D: Drive<B>>(
+    backend: &B,
+    name: &str,
+    drive: &D,
+) -> Result<CaseErrors, String> {
     match name {
         n if n.starts_with("loss/") => loss_case(backend, n, drive),
         n if n.starts_with("topk/") => topk_case(backend, n, drive),
@@ -688,7 +692,7 @@ pub(super) fn run_named_cases<B: Backend + ?Sized>(
     backend: &B,
     cases: &[(&str, &str)],
     progress: &mut dyn FnMut(&CaseOutcome),
-    run: impl Fn(&str) -> Result<Measured, String>,
+    run: impl Fn(&str) -> Result<CaseErrors, String>,
 ) -> SuiteReport {
     let mut rec = Recorder::new(backend.info(), progress);
     for &(name, what) in cases {

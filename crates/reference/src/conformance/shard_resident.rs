@@ -21,7 +21,7 @@ use super::shard::{
     engines, even_thirds, expect_err, none_in_the_middle, one_token_short, run_named_cases, teacher, teacher_values,
     weights_with_a_masked_token, Inputs, Serial, Threads, HS, NTOK, VOCAB,
 };
-use super::{CaseOutcome, Measured, SuiteReport};
+use super::{CaseErrors, CaseOutcome, SuiteReport};
 use crate::direct::head_kl_f64;
 use crate::strategies::Rng;
 use crate::tolerance::Tolerance;
@@ -256,7 +256,7 @@ where
     }
 }
 
-fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D) -> Result<Measured, String> {
+fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D) -> Result<CaseErrors, String> {
     let x = Inputs::new(0x7368_6172_6404);
     let head = HeadWeights::new(HeadData::F32(&x.head), VOCAB, HS).map_err(|e| e.to_string())?;
     let hidden = Hidden::f32(&x.x, NTOK, HS).map_err(|e| e.to_string())?;
@@ -350,12 +350,7 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
     let resolved = opts.resolve(NTOK).map_err(|e| e.to_string())?;
     let want = head_kl_f64(&head, &hidden, &host_teacher, &resolved);
     let got = &outs[0].loss;
-    let mean = got
-        .iter()
-        .zip(&resolved.weights)
-        .map(|(&l, &w)| f64::from(l) * f64::from(w))
-        .sum::<f64>()
-        / f64::from(resolved.total);
+    let mean = resolved.mean_of(got);
     let tol = Tolerance::default();
     let loss = tol.check_loss(got, mean, &want).map_err(|m| m.to_string())?;
     let dx = tol.check_dx_rows(&dx, &want.dx, Some(HS)).map_err(|m| m.to_string())?;
@@ -366,14 +361,14 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
             return Err(format!("terms[{t}] = {row:?}, reference lse {w}, loss {}", got[t]));
         }
     }
-    Ok(Measured {
+    Ok(CaseErrors {
         loss: Some(loss),
         dx: Some(dx),
         prob: None,
     })
 }
 
-fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
+fn errors_case<B: ResidentBackend>(b: &B) -> Result<CaseErrors, String> {
     let err = |e: Error| e.to_string();
     let x = Inputs::new(0x7368_6172_6405);
     let head = HeadWeights::new(HeadData::F32(&x.head), VOCAB, HS).map_err(err)?;
@@ -522,7 +517,7 @@ fn errors_case<B: ResidentBackend>(b: &B) -> Result<Measured, String> {
             }
         }
     }
-    Ok(Measured::default())
+    Ok(CaseErrors::default())
 }
 
 /// Both phases on every engine in turn with `teacher` (and `inp`'s other
@@ -574,7 +569,7 @@ fn two_phase_waiting<B: ResidentBackend>(
 }
 
 /// One case by name.
-fn run_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D) -> Result<Measured, String> {
+fn run_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D) -> Result<CaseErrors, String> {
     match name {
         "resident/errors" => errors_case(b),
         n => loss_case(b, n, drive),
