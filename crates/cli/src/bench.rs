@@ -191,6 +191,17 @@ impl BenchConfig {
         }
         Ok(terms)
     }
+
+    /// head_kl's config on the host and resident paths: `loss_terms`, the
+    /// budget and the dx block filter.
+    fn loss_config(&self) -> Result<LossConfig, CliError> {
+        Ok(LossConfig {
+            budget_bytes: self.budget.bytes,
+            filter_eps: self.filter_eps,
+            terms: self.loss_terms()?,
+            ..LossConfig::default()
+        })
+    }
 }
 
 /// Runs both jobs on one backend; the data of the last shape is kept for
@@ -280,12 +291,7 @@ impl BenchJob<'_> {
         let shape = d.shape;
         let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(|e| CliError::device("bench data", e))?;
         let loss_opts = LossOptions {
-            config: LossConfig {
-                budget_bytes: cfg.budget.bytes,
-                filter_eps: cfg.filter_eps,
-                terms: cfg.loss_terms()?,
-                ..LossConfig::default()
-            },
+            config: cfg.loss_config()?,
             labels: cfg.labels.map(|_| random_labels(shape)),
             ..LossOptions::default()
         };
@@ -668,13 +674,7 @@ impl BenchJob<'_> {
         jobs.extend(sharded);
         engine.backend().set_profiling(false);
         Ok(Some(BenchRun {
-            backend: info.backend.to_string(),
-            device: info.device_name.clone(),
-            driver: info.driver.clone(),
-            device_type: info.device_type.clone(),
-            matrix_units: info.matrix_units,
-            gemm: info.gemm.clone(),
-            queue: info.queue.clone(),
+            info,
             shape,
             head_bytes,
             slices: engine.slices().len(),

@@ -143,11 +143,7 @@ impl CliError {
     /// Thread `what` panicked with `payload` (what `JoinHandle::join`
     /// returns): exit 1 with the panic's message.
     pub fn panicked(what: impl Into<String>, payload: Box<dyn std::any::Any + Send>) -> Self {
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "no message".to_string());
+        let message = headkl_core::toolkit::panic_message(&*payload);
         CliError::Panicked {
             what: what.into(),
             message,
@@ -233,7 +229,7 @@ mod tests {
         assert_eq!(e.exit_code(), EXIT_FAILURE);
         assert_eq!(e.to_string(), "shard 1's thread panicked: shard ran out of luck");
         let payload = std::thread::spawn(|| std::panic::panic_any(7u8)).join().unwrap_err();
-        assert_eq!(CliError::panicked("t", payload).to_string(), "t panicked: no message");
+        assert_eq!(CliError::panicked("t", payload).to_string(), "t panicked: a panic without a message");
     }
 
     #[test]

@@ -5,7 +5,6 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
 
 use headkl_core::{Backend, Gathered, HeadWeights, Hidden, TopkOptions};
 
@@ -15,7 +14,8 @@ use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile};
 use crate::jobs::{read_head, read_hidden, read_ids, InputArgs, JobInputs, Sources};
 use crate::options::BudgetArg;
 use crate::provenance::TeacherRecord;
-use crate::select::{open_and_run, resolve_announced, BackendArgs, BackendJob};
+use crate::select::{BackendArgs, BackendJob};
+use crate::shard::GatherShards;
 use crate::text::fmt_bytes;
 
 /// Options of `headkl gather` beyond the head and hidden rows.
@@ -44,7 +44,7 @@ pub struct GatherArgs {
 struct GatherJob<'a> {
     inputs: JobInputs<'a>,
     ids: &'a [i64],
-    opts: TopkOptions,
+    opts: &'a TopkOptions,
 }
 
 impl BackendJob for GatherJob<'_> {
@@ -55,7 +55,7 @@ impl BackendJob for GatherJob<'_> {
         let (_progress, mut engine) = inputs.start_engine(backend, "gather: head upload, then tokens")?;
         let hidden = inputs.hidden()?;
         engine
-            .logprobs_at(&hidden, self.ids, &self.opts)
+            .logprobs_at(&hidden, self.ids, self.opts)
             .map_err(|e| inputs.sources.map(e, "gather"))
     }
 }
@@ -95,29 +95,26 @@ pub fn run(
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
-    let target = resolve_announced(backend, "headkl", settings)?;
-    let start = Instant::now();
-    let result = match shards.plan(vocab, &target)? {
-        Some(plan) => {
-            let map = |e, c: &str| sources.map(e, c);
-            let job = crate::shard::GatherShards {
+    let map = |e, c: &str| sources.map(e, c);
+    let (result, start) = shards.run_job(
+        backend,
+        settings,
+        vocab,
+        || {
+            Ok(GatherShards {
                 head,
                 hidden,
                 ids: &ids,
                 opts: &opts,
                 map: &map,
-            };
-            crate::shard::open_and_run_shards(&target, &plan, job)?
-        }
-        None => open_and_run(
-            &target,
-            GatherJob {
-                inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
-                ids: &ids,
-                opts,
-            },
-        )?,
-    };
+            })
+        },
+        || GatherJob {
+            inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
+            ids: &ids,
+            opts: &opts,
+        },
+    )?;
     // Not renormalized: log-probabilities over the full vocabulary.
     let record = TeacherRecord {
         temperature: args.temperature,

@@ -19,7 +19,8 @@ use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, Te
 use crate::options::BudgetArg;
 use crate::progress::Progress;
 use crate::provenance::{check_teacher, LossRecord, LossRun, TeacherRecord};
-use crate::select::{describe, open_and_run, resolve_announced, BackendArgs, BackendJob};
+use crate::select::{describe, BackendArgs, BackendJob};
+use crate::shard::{LossShards, TopkShards};
 use crate::terms::{LossTermArgs, TopkTermArgs};
 use crate::text::fmt_bytes;
 
@@ -383,7 +384,7 @@ impl<'a> JobInputs<'a> {
 /// callback drives the bar.
 struct TopkJob<'a> {
     inputs: JobInputs<'a>,
-    opts: TopkOptions,
+    opts: &'a TopkOptions,
 }
 
 impl BackendJob for TopkJob<'_> {
@@ -395,7 +396,7 @@ impl BackendJob for TopkJob<'_> {
         let hidden = inputs.hidden()?;
         // One call: the engine plans the chunks and reports each one.
         engine
-            .topk(&hidden, &self.opts)
+            .topk(&hidden, self.opts)
             .map_err(|e| inputs.sources.map(e, "top-k"))
     }
 }
@@ -411,7 +412,7 @@ struct LossJob<'a> {
     k: usize,
     form: TeacherForm,
     tail: TailMode,
-    opts: LossOptions,
+    opts: &'a LossOptions,
 }
 
 impl BackendJob for LossJob<'_> {
@@ -430,7 +431,7 @@ impl BackendJob for LossJob<'_> {
         // One call: the engine resolves total and gscale over every token,
         // plans the chunks and reports each one.
         engine
-            .head_kl(&hidden, &teacher, &self.opts)
+            .head_kl(&hidden, &teacher, self.opts)
             .map_err(|e| inputs.sources.map(e, "head_kl"))
     }
 }
@@ -488,27 +489,24 @@ pub fn topk(
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(out)?;
-    let target = resolve_announced(backend, "headkl", settings)?;
-    let start = Instant::now();
-    let result = match shards.plan(vocab, &target)? {
-        Some(plan) => {
-            let map = |e, c: &str| sources.map(e, c);
-            let job = crate::shard::TopkShards {
+    let map = |e, c: &str| sources.map(e, c);
+    let (result, start) = shards.run_job(
+        backend,
+        settings,
+        vocab,
+        || {
+            Ok(TopkShards {
                 head,
                 hidden,
                 opts: &opts,
                 map: &map,
-            };
-            crate::shard::open_and_run_shards(&target, &plan, job)?
-        }
-        None => open_and_run(
-            &target,
-            TopkJob {
-                inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
-                opts,
-            },
-        )?,
-    };
+            })
+        },
+        || TopkJob {
+            inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
+            opts: &opts,
+        },
+    )?;
     let ids: Vec<i64> = result.ids.iter().map(|&i| i64::from(i)).collect();
     let record = TeacherRecord {
         temperature,
@@ -748,37 +746,33 @@ pub fn loss(
     let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
     let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
-    let target = resolve_announced(backend, "headkl", settings)?;
-    let start = Instant::now();
-    let plan = shards.plan(vocab, &target)?;
-    let result = match plan {
-        Some(plan) => {
+    let map = |e, c: &str| sources.map(e, c);
+    let (result, start) = shards.run_job(
+        backend,
+        settings,
+        vocab,
+        || {
             // Refused before anything is opened or uploaded.
             headkl_core::shard::check_loss_terms(tail, &opts).map_err(|e| sources.map(e, "loss options"))?;
-            let map = |e, c: &str| sources.map(e, c);
-            let job = crate::shard::LossShards {
+            Ok(LossShards {
                 head,
                 hidden,
                 teacher: &validated_teacher,
                 opts: &opts,
                 map: &map,
-            };
-            crate::shard::open_and_run_shards(&target, &plan, job)?
-        }
-        None => open_and_run(
-            &target,
-            LossJob {
-                inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
-                ids: &ids,
-                probs: &probs,
-                k,
-                form,
-                tail,
-                opts,
-                settings,
-            },
-        )?,
-    };
+            })
+        },
+        || LossJob {
+            inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
+            ids: &ids,
+            probs: &probs,
+            k,
+            form,
+            tail,
+            opts: &opts,
+            settings,
+        },
+    )?;
     let terms = args.terms.terms();
     let record = LossRecord {
         mean: result.mean,

@@ -4,6 +4,7 @@
 use std::fmt::Write;
 
 use crate::bench::BenchRun;
+use crate::text::fmt_stepped;
 
 const HEIGHT: f64 = 420.0;
 const TOP: f64 = 60.0;
@@ -47,14 +48,8 @@ fn nice_max(v: f64) -> f64 {
 fn fmt_num(v: f64) -> String {
     if v == 0.0 {
         "0".into()
-    } else if v >= 100.0 {
-        format!("{v:.0}")
-    } else if v >= 1.0 {
-        format!("{v:.1}")
-    } else if v >= 0.01 {
-        format!("{v:.3}")
     } else {
-        format!("{v:.2e}")
+        fmt_stepped(v, &[(100.0, 0), (1.0, 1), (0.01, 3)])
     }
 }
 
@@ -132,9 +127,9 @@ pub fn svg(runs: &[BenchRun]) -> String {
                 s,
                 r#"<rect x="{x:.1}" y="{top:.1}" width="{BAR}" height="{:.1}" fill="{}"><title>{} {} {} at {}: {} ms ({} time), {} {unit}</title></rect>"#,
                 (base - top).max(0.5),
-                colour(&run.backend),
-                esc(&run.backend),
-                esc(&run.device),
+                colour(run.info.backend),
+                esc(run.info.backend),
+                esc(&run.info.device_name),
                 job,
                 run.shape,
                 fmt_num(j.gpu_ms.unwrap_or(j.median_ms)),
@@ -154,9 +149,9 @@ pub fn svg(runs: &[BenchRun]) -> String {
                 s,
                 r#"<text x="{cx:.1}" y="{:.1}" font-size="11" text-anchor="middle">{}</text>"#,
                 base + 14.0,
-                esc(&run.backend)
+                esc(run.info.backend)
             );
-            let mut device = run.device.clone();
+            let mut device = run.info.device_name.clone();
             if device.chars().count() > 14 {
                 device = device.chars().take(13).collect::<String>() + "…";
             }
@@ -195,6 +190,7 @@ pub fn svg(runs: &[BenchRun]) -> String {
 mod tests {
     use super::*;
     use crate::bench::{JobKind, JobResult, Shape};
+    use headkl_core::{Backend, DeviceInfo};
 
     #[test]
     fn one_bar_per_backend_per_job() {
@@ -213,14 +209,13 @@ mod tests {
             kernels: vec![],
             filter: None,
         };
-        let run = |backend: &str, device: &str| BenchRun {
-            backend: backend.into(),
-            device: device.into(),
-            driver: String::new(),
-            device_type: "cpu".into(),
-            matrix_units: false,
-            gemm: None,
-            queue: None,
+        let cpu = headkl_reference::CpuBackend::new().info().clone();
+        let run = |backend: &'static str, device: &str| BenchRun {
+            info: DeviceInfo {
+                backend,
+                device_name: device.into(),
+                ..cpu.clone()
+            },
             shape: Shape::A,
             head_bytes: 1,
             slices: 1,

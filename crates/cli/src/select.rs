@@ -260,11 +260,7 @@ pub fn contained<T>(backend: &'static str, f: impl FnOnce() -> headkl_core::Resu
     match panic::catch_unwind(AssertUnwindSafe(f)) {
         Ok(result) => result,
         Err(payload) => {
-            let msg = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+            let msg = headkl_core::toolkit::panic_message(&*payload);
             Err(headkl_core::Error::Backend {
                 backend,
                 message: format!("panicked: {msg}"),
@@ -554,39 +550,31 @@ pub trait GpuBackend: ResidentBackend + Sync + Sized {
     }
 }
 
-impl GpuBackend for WgpuBackend {
-    const NAME: &'static str = "wgpu";
-    type Options = headkl_wgpu::OpenOptions;
+/// [`GpuBackend`] for `$backend`, named `$name` in messages: its options,
+/// of type `$options`, are the settings' field `$settings`.
+macro_rules! gpu_backend {
+    ($backend:ident, $name:literal, $options:ty, $settings:ident) => {
+        impl GpuBackend for $backend {
+            const NAME: &'static str = $name;
+            type Options = $options;
 
-    fn configured(settings: &Settings) -> &Self::Options {
-        &settings.wgpu
-    }
+            fn configured(settings: &Settings) -> &Self::Options {
+                &settings.$settings
+            }
 
-    fn common(options: &mut Self::Options) -> &mut CommonOptions {
-        &mut options.common
-    }
+            fn common(options: &mut Self::Options) -> &mut CommonOptions {
+                &mut options.common
+            }
 
-    fn open_with(options: &Self::Options) -> headkl_core::Result<Self> {
-        WgpuBackend::open_with(options)
-    }
+            fn open_with(options: &Self::Options) -> headkl_core::Result<Self> {
+                $backend::open_with(options)
+            }
+        }
+    };
 }
 
-impl GpuBackend for VulkanBackend {
-    const NAME: &'static str = "vulkan";
-    type Options = headkl_vulkan::VulkanOptions;
-
-    fn configured(settings: &Settings) -> &Self::Options {
-        &settings.vulkan
-    }
-
-    fn common(options: &mut Self::Options) -> &mut CommonOptions {
-        &mut options.common
-    }
-
-    fn open_with(options: &Self::Options) -> headkl_core::Result<Self> {
-        VulkanBackend::open_with(options)
-    }
-}
+gpu_backend!(WgpuBackend, "wgpu", headkl_wgpu::OpenOptions, wgpu);
+gpu_backend!(VulkanBackend, "vulkan", headkl_vulkan::VulkanOptions, vulkan);
 
 /// Opens `B` on `target`'s device, a panic inside it contained; a failure
 /// is a start error of `target`'s kind.

@@ -3,6 +3,9 @@
 //! its own thread, the partials merged between the two phases
 //! (`headkl_core::shard`). The outputs are the unsharded commands'.
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use clap::Args;
 use headkl_core::shard::{
     merge_gather, merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, two_phases_on_threads,
@@ -15,7 +18,9 @@ use headkl_core::{
 
 use crate::environment::Settings;
 use crate::error::{join_in_order, CliError};
-use crate::select::{open_gpu, BackendKind, GpuBackend, RunError, Target};
+use crate::select::{
+    open_and_run, open_gpu, resolve_announced, BackendArgs, BackendJob, BackendKind, GpuBackend, RunError, Target,
+};
 use headkl_vulkan::VulkanBackend;
 use headkl_wgpu::WgpuBackend;
 
@@ -69,6 +74,31 @@ impl ShardArgs {
             assign,
             target: target.clone(),
         }))
+    }
+
+    /// Runs a command's job (`topk`, `gather`, `loss`) on the backend
+    /// `backend` resolves to: the job `sharded` makes, on the shards
+    /// [`Self::plan`] gives, or without shards `whole`, on one engine.
+    /// Returns the result and when the run started (the backend resolved).
+    pub(crate) fn run_job<S, J>(
+        &self,
+        backend: &BackendArgs,
+        settings: &Arc<Settings>,
+        vocab: usize,
+        sharded: impl FnOnce() -> Result<S, CliError>,
+        whole: impl FnOnce() -> J,
+    ) -> Result<(J::Output, Instant), CliError>
+    where
+        S: ShardJob<Output = J::Output>,
+        J: BackendJob,
+    {
+        let target = resolve_announced(backend, "headkl", settings)?;
+        let start = Instant::now();
+        let result = match self.plan(vocab, &target)? {
+            Some(plan) => open_and_run_shards(&target, &plan, sharded()?)?,
+            None => open_and_run(&target, whole())?,
+        };
+        Ok((result, start))
     }
 }
 
@@ -146,28 +176,36 @@ pub(crate) fn engine_on<'b, B: Backend>(
     Ok(e)
 }
 
-/// The one-phase sharded jobs (top-k, the gather): each shard's engine
-/// built on its own thread and `job` run on it; the results in shard order
-/// (a panicking thread's as an error).
-fn on_each_shard<B, T>(
-    backends: &[B],
-    plan: &ShardPlan,
-    head: &HeadWeights<'_>,
-    map: MapError<'_>,
-    job: impl Fn(&mut ShardEngine<&B>) -> Result<T, CliError> + Sync,
-) -> Result<Vec<T>, CliError>
-where
-    B: Backend + Sync,
-    T: Send,
-{
+/// Says how many shards run on how many devices of which backend.
+fn announce<B: Backend>(backends: &[B], plan: &ShardPlan) {
     log::info!(
         "headkl: {} shards on {} device(s) of {}",
         plan.shards.len(),
         backends.len(),
         crate::select::describe(backends[0].info())
     );
-    let job = &job;
-    std::thread::scope(|s| {
+}
+
+/// The one-phase sharded jobs (top-k, the gather): each shard's engine
+/// built on its own thread and `partials` run on it (its error mapped
+/// under `what`), then the partials, in shard order, merged on this
+/// thread (a panicking thread is an error).
+fn merged_over_shards<B, P, T>(
+    backends: &[B],
+    plan: &ShardPlan,
+    head: &HeadWeights<'_>,
+    map: MapError<'_>,
+    what: &str,
+    partials: impl Fn(&mut ShardEngine<&B>) -> headkl_core::Result<P> + Sync,
+    merge: impl FnOnce(&[P]) -> headkl_core::Result<T>,
+) -> Result<T, CliError>
+where
+    B: Backend + Sync,
+    P: Send,
+{
+    announce(backends, plan);
+    let partials = &partials;
+    let parts: Result<Vec<P>, _> = std::thread::scope(|s| {
         let ranks: Vec<_> = plan
             .shards
             .iter()
@@ -176,12 +214,13 @@ where
                 let backend = &backends[d];
                 s.spawn(move || {
                     let mut e = engine_on(backend, head, shard, &plan.target.settings, map)?;
-                    job(&mut e)
+                    partials(&mut e).map_err(|e| map(e, what))
                 })
             })
             .collect();
         join_in_order(ranks, |rank| format!("shard {rank}'s thread"))
-    })
+    });
+    merge(&parts?).map_err(|e| map(e, "merging the shards"))
 }
 
 /// The sharded loss: N engines on N threads, phase one, the merge on this
@@ -206,12 +245,7 @@ impl ShardJob for LossShards<'_> {
     where
         B::Buffer: Send,
     {
-        log::info!(
-            "headkl: {} shards on {} device(s) of {}",
-            plan.shards.len(),
-            backends.len(),
-            crate::select::describe(backends[0].info())
-        );
+        announce(backends, plan);
         let LossShards {
             head,
             hidden,
@@ -268,16 +302,15 @@ impl ShardJob for TopkShards<'_> {
     where
         B::Buffer: Send,
     {
-        let TopkShards {
-            head,
-            hidden,
-            opts,
-            map,
-        } = self;
-        let parts = on_each_shard(backends, plan, &head, map, |e| {
-            e.topk_partials(&hidden, opts).map_err(|e| map(e, "top-k"))
-        })?;
-        merge_topk(&parts, opts).map_err(|e| map(e, "merging the shards"))
+        merged_over_shards(
+            backends,
+            plan,
+            &self.head,
+            self.map,
+            "top-k",
+            |e| e.topk_partials(&self.hidden, self.opts),
+            |parts| merge_topk(parts, self.opts),
+        )
     }
 }
 
@@ -303,17 +336,15 @@ impl ShardJob for GatherShards<'_> {
     where
         B::Buffer: Send,
     {
-        let GatherShards {
-            head,
-            hidden,
-            ids,
-            opts,
-            map,
-        } = self;
-        let parts = on_each_shard(backends, plan, &head, map, |e| {
-            e.gather_partials(&hidden, ids, opts).map_err(|e| map(e, "gather"))
-        })?;
-        merge_gather(&parts).map_err(|e| map(e, "merging the shards"))
+        merged_over_shards(
+            backends,
+            plan,
+            &self.head,
+            self.map,
+            "gather",
+            |e| e.gather_partials(&self.hidden, self.ids, self.opts),
+            merge_gather,
+        )
     }
 }
 

@@ -1,4 +1,5 @@
-//! Small text helpers: byte sizes in and out, and plain aligned tables.
+//! Small text helpers: byte sizes in and out, numbers to a few decimals,
+//! and plain aligned tables.
 
 /// Formats a byte count with a binary unit (`512 B`, `1.5 KiB`, `2.0 GiB`).
 pub fn fmt_bytes(bytes: u64) -> String {
@@ -38,6 +39,15 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         return Err(format!("`{s}`: out of range"));
     }
     Ok(bytes as u64)
+}
+
+/// Formats `v` with the decimals of the first `(at_least, decimals)` step it
+/// reaches, trying them in order; below every step, as `{:.2e}`.
+pub fn fmt_stepped(v: f64, steps: &[(f64, usize)]) -> String {
+    match steps.iter().find(|&&(at_least, _)| v >= at_least) {
+        Some(&(_, decimals)) => format!("{v:.decimals$}"),
+        None => format!("{v:.2e}"),
+    }
 }
 
 /// Renders rows under a header with columns padded to their widest cell.
@@ -87,6 +97,15 @@ mod tests {
         assert!(parse_bytes("").is_err());
         assert_eq!(fmt_bytes(100), "100 B");
         assert_eq!(fmt_bytes(3 << 29), "1.5 GiB");
+    }
+
+    #[test]
+    fn stepped_decimals_follow_the_size() {
+        let steps = [(100.0, 0), (10.0, 1)];
+        assert_eq!(fmt_stepped(123.4, &steps), "123");
+        assert_eq!(fmt_stepped(12.34, &steps), "12.3");
+        assert_eq!(fmt_stepped(1.234, &steps), "1.23e0");
+        assert_eq!(fmt_stepped(f64::NAN, &steps), "NaN");
     }
 
     #[test]

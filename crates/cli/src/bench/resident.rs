@@ -2,8 +2,8 @@
 
 use headkl_core::shard::{merge_loss_device, HeadShard, ShardEngine, STATS_PER_TOKEN};
 use headkl_core::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData, HeadWeights, LossConfig,
-    ResidentBackend, SliceOptions, TopkOptions, ALIGN,
+    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadData, HeadWeights, ResidentBackend,
+    SliceOptions, TopkOptions, ALIGN,
 };
 
 use super::data::{random_labels, upload_buffer, BenchData};
@@ -44,12 +44,7 @@ pub(super) fn time_resident<B: ResidentBackend>(
         None => None,
     };
     let loss_opts = DeviceLossOptions {
-        config: LossConfig {
-            budget_bytes: cfg.budget.bytes,
-            filter_eps: cfg.filter_eps,
-            terms: cfg.loss_terms()?,
-            ..LossConfig::default()
-        },
+        config: cfg.loss_config()?,
         labels: labels.as_ref(),
         ..DeviceLossOptions::default()
     };

@@ -1,10 +1,12 @@
 //! What bench measured, per kernel, job and backend (the `--json` report),
 //! and the results table.
 
-use serde::Serialize;
+use headkl_core::DeviceInfo;
+use serde::ser::SerializeStruct;
+use serde::{Serialize, Serializer};
 
 use super::shape::{JobKind, Shape};
-use crate::text::{fmt_bytes, table};
+use crate::text::{fmt_bytes, fmt_stepped, table};
 
 /// One kernel's share of a call.
 #[derive(Clone, Debug, Serialize)]
@@ -86,20 +88,10 @@ impl FilterReport {
 /// One backend's results.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchRun {
-    /// Backend.
-    pub backend: String,
-    /// Device name.
-    pub device: String,
-    /// Driver.
-    pub driver: String,
-    /// Device type.
-    pub device_type: String,
-    /// Whether the GEMM ran on matrix units.
-    pub matrix_units: bool,
-    /// Which GEMM kernels ran and where the choice came from.
-    pub gemm: Option<String>,
-    /// The queue family the backend submitted to.
-    pub queue: Option<String>,
+    /// The device it ran on, written as the keys `backend`, `device`,
+    /// `driver`, `device_type`, `matrix_units`, `gemm` and `queue`.
+    #[serde(flatten, serialize_with = "device_keys")]
+    pub info: DeviceInfo,
     /// The shape.
     pub shape: Shape,
     /// Device bytes the f16 head occupies.
@@ -110,6 +102,20 @@ pub struct BenchRun {
     pub upload_ms: f64,
     /// The timed jobs.
     pub jobs: Vec<JobResult>,
+}
+
+/// The report's keys for the device a run was on (`scripts/h200.sh` reads
+/// `backend` and `matrix_units`).
+fn device_keys<S: Serializer>(info: &DeviceInfo, serializer: S) -> Result<S::Ok, S::Error> {
+    let mut keys = serializer.serialize_struct("DeviceInfo", 7)?;
+    keys.serialize_field("backend", info.backend)?;
+    keys.serialize_field("device", &info.device_name)?;
+    keys.serialize_field("driver", &info.driver)?;
+    keys.serialize_field("device_type", &info.device_type)?;
+    keys.serialize_field("matrix_units", &info.matrix_units)?;
+    keys.serialize_field("gemm", &info.gemm)?;
+    keys.serialize_field("queue", &info.queue)?;
+    keys.end()
 }
 
 /// The whole report (`--json`).
@@ -137,23 +143,11 @@ pub struct BenchReport {
 }
 
 fn fmt_tflops(v: f64) -> String {
-    if v >= 10.0 {
-        format!("{v:.1}")
-    } else if v >= 0.01 {
-        format!("{v:.3}")
-    } else {
-        format!("{v:.2e}")
-    }
+    fmt_stepped(v, &[(10.0, 1), (0.01, 3)])
 }
 
 fn fmt_ms(ms: f64) -> String {
-    if ms >= 100.0 {
-        format!("{ms:.0}")
-    } else if ms >= 10.0 {
-        format!("{ms:.1}")
-    } else {
-        format!("{ms:.2}")
-    }
+    fmt_stepped(ms, &[(100.0, 0), (10.0, 1), (f64::NEG_INFINITY, 2)])
 }
 
 /// The results table.
@@ -162,9 +156,9 @@ pub fn render(runs: &[BenchRun]) -> String {
     for r in runs {
         for j in &r.jobs {
             rows.push(vec![
-                r.backend.clone(),
-                r.device.clone(),
-                if r.matrix_units { "on" } else { "off" }.into(),
+                r.info.backend.to_string(),
+                r.info.device_name.clone(),
+                if r.info.matrix_units { "on" } else { "off" }.into(),
                 r.shape.to_string(),
                 if j.path == "host" {
                     j.job.name().to_string()
@@ -209,7 +203,7 @@ pub fn render(runs: &[BenchRun]) -> String {
                 .collect();
             out.push_str(&format!(
                 "{} {} {}: {}\n",
-                r.backend,
+                r.info.backend,
                 j.job.name(),
                 j.path,
                 parts.join(", ")
@@ -217,4 +211,35 @@ pub fn render(runs: &[BenchRun]) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use headkl_core::Backend;
+
+    #[test]
+    fn a_run_writes_the_device_keys_first_in_order() {
+        let info = DeviceInfo {
+            device_name: "cpu".into(),
+            driver: "d".into(),
+            gemm: Some("tiled".into()),
+            ..headkl_reference::CpuBackend::new().info().clone()
+        };
+        let run = BenchRun {
+            info,
+            shape: Shape::A,
+            head_bytes: 1,
+            slices: 1,
+            upload_ms: 1.0,
+            jobs: vec![],
+        };
+        let json = serde_json::to_string(&run).unwrap();
+        assert!(
+            json.starts_with(
+                r#"{"backend":"reference","device":"cpu","driver":"d","device_type":"cpu","matrix_units":false,"gemm":"tiled","queue":null,"shape":{"#
+            ),
+            "{json}"
+        );
+    }
 }
