@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from cuda_timing import event_median_ms
+
 
 def load_anchor(path):
     spec = importlib.util.spec_from_file_location("torch_head_kl", path)
@@ -33,17 +35,7 @@ def sustained_timeit(warm_s, timed_reps):
         while time.monotonic() - start < warm_s:
             fn()
             torch.cuda.synchronize()
-        times = []
-        for _ in range(timed_reps):
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        times.sort()
-        return times[len(times) // 2]
+        return event_median_ms(fn, timed_reps)
 
     return timeit
 

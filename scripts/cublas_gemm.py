@@ -8,20 +8,13 @@ import argparse
 
 import torch
 
+from cuda_timing import event_median_ms
+
 
 def median_ms(fn, iters):
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
-    return times[len(times) // 2]
+    return event_median_ms(fn, iters)
 
 
 def main():

@@ -7,8 +7,8 @@
 # Usage (from the repository root, with .gl, .anchors and the binaries
 # carried): bash scripts/h200.sh [devices] [check] [example] [ceiling] [tune]
 # [bench] [dxsplit] [filter] [wgmma] [divergence] [fullvocab] [ce] [anchors] [peers]
-# [cublas] [twin] [soak] [torch] [faults] (default: all but tune, dxsplit, filter,
-# wgmma, divergence, fullvocab, ce, peers, twin, soak, torch and faults).
+# [cublas] [soak] [torch] [faults] (default: all but tune, dxsplit, filter,
+# wgmma, divergence, fullvocab, ce, peers, soak, torch and faults).
 # `faults` marks a PTX tile failed in a fresh tune cache and shows the
 # default passing over it (devices, check) until a tune clears the mark.
 # `torch` runs the Python package (a wheel carried in .wheel): its tests with
@@ -36,15 +36,12 @@
 # `filter` runs the dx GEMM's block filter:
 # `check` on each GLSL loop structure's filtered kernel, then bench on the
 # `lm` data at A, S and M without the filter, with it, and with it on the
-# prior's vocabulary order. `twin` runs the CUDA twin of the default GEMM tile beside cuBLAS
-# and headkl's Vulkan ceiling report (scripts/cuda_twin/run.py; TWIN_ARGS
-# adds arguments, e.g. --quick); it runs the ceiling itself, so it needs no
-# `ceiling` step beside it.
+# prior's vocabulary order.
 # A device call is at most 10 minutes, so split the steps over two
 # back-to-back calls, e.g. `devices check example ceiling` then
 # `bench anchors cublas`.
 #
-# The ceiling and twin steps need a binary built with the report's kernels:
+# The ceiling step needs a binary built with the report's kernels:
 # `cargo build --release -p headkl-cli --features ceiling`.
 # SHAPES (default "A B"; any of A B S M) picks the bench rows and the
 # anchors' shapes, e.g. SHAPES="S M" for the small students.
@@ -325,18 +322,6 @@ fi
 if has anchors; then
     PYTHONUNBUFFERED=1 python3 .anchors/torch_head_kl.py --shapes "$(echo $shapes | tr ' ' ,)" \
         --variants floor,compiled,teacher_topk 2>&1 | tee "$out/anchors.txt" | grep -v Warning | tee -a "$summary"
-fi
-if has twin; then
-    # Written straight to $OUT when there is one: it comes back even if the
-    # call runs out of time (run.py prints the CUDA table before the ceiling).
-    twin_log="$out/twin.txt"
-    [ -n "${OUT:-}" ] && twin_log="$OUT/twin.txt"
-    PYTHONUNBUFFERED=1 python3 scripts/cuda_twin/run.py --headkl "$headkl" ${TWIN_ARGS:-} >"$twin_log" 2>&1
-    echo "twin exit=$?" | tee -a "$summary"
-    grep -E "^twin: .*(FAILED|compiled|lost|stuck)" "$twin_log" | cut -c1-220 | tee -a "$summary"
-    # The last table (the one with the Vulkan rows, when the ceiling ran).
-    awk '/^twin table/ { buf = "" } { buf = buf $0 "\n" } END { printf "%s", buf }' "$twin_log" \
-        | grep -E "^twin table|^variant|^(cuBLAS|twin[0-9x]* |async_|vulkan)" | cut -c1-220 | tee -a "$summary"
 fi
 if has cublas; then
     python3 scripts/cublas_gemm.py 2>&1 | grep -v Warning | tee "$out/cublas.txt" | tee -a "$summary"

@@ -22,6 +22,11 @@ use headkl_core::{
 };
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{each_flag, parsed, uniform};
+
 /// Sizes and knobs of a run.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -62,45 +67,26 @@ impl Config {
     /// `--steps N` and the other `--name value` flags.
     pub fn from_args(args: impl Iterator<Item = String>) -> Result<Self, String> {
         let mut cfg = Config::default();
-        let mut args = args.peekable();
-        while let Some(flag) = args.next() {
-            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-            let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
-            match flag.as_str() {
-                "--steps" => cfg.steps = value.parse().map_err(|e| bad(&e))?,
-                "--ntok" => cfg.ntok = value.parse().map_err(|e| bad(&e))?,
-                "--vocab" => cfg.vocab = value.parse().map_err(|e| bad(&e))?,
-                "--hs" => cfg.hs = value.parse().map_err(|e| bad(&e))?,
-                "--features" => cfg.features = value.parse().map_err(|e| bad(&e))?,
-                "--k" => cfg.k = value.parse().map_err(|e| bad(&e))?,
-                "--lr" => cfg.lr = value.parse().map_err(|e| bad(&e))?,
-                "--seed" => cfg.seed = value.parse().map_err(|e| bad(&e))?,
-                _ => {
-                    return Err(format!(
-                        "unknown flag {flag} (flags: --steps --ntok --vocab --hs --features --k --lr --seed)"
-                    ))
-                }
+        let flags = "--steps --ntok --vocab --hs --features --k --lr --seed";
+        each_flag(args, None, flags, |flag, value| {
+            match flag {
+                "--steps" => cfg.steps = parsed(flag, value)?,
+                "--ntok" => cfg.ntok = parsed(flag, value)?,
+                "--vocab" => cfg.vocab = parsed(flag, value)?,
+                "--hs" => cfg.hs = parsed(flag, value)?,
+                "--features" => cfg.features = parsed(flag, value)?,
+                "--k" => cfg.k = parsed(flag, value)?,
+                "--lr" => cfg.lr = parsed(flag, value)?,
+                "--seed" => cfg.seed = parsed(flag, value)?,
+                _ => return Ok(false),
             }
-        }
+            Ok(true)
+        })?;
         if cfg.steps == 0 {
             return Err("--steps must be at least 1".into());
         }
         Ok(cfg)
     }
-}
-
-/// Uniform values in [-scale, scale), xorshift64* from `seed`.
-fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            let r = s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
-            (r as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
 }
 
 /// The block `distill_step.wgsl` reads.
@@ -355,41 +341,20 @@ pub fn run(cfg: &Config) -> Result<Vec<f32>, Box<dyn Error>> {
     reason = "the convergence test includes this file for `run` and never calls `main`"
 )]
 fn main() {
-    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
-        let d = Config::default();
-        println!(
-            "distill_step: train a small student against a fixed teacher's top-k on the GPU\n\n\
-             Flags (each takes a value):\n  \
-             --steps N     SGD steps (default {})\n  \
-             --ntok N      tokens per step (default {})\n  \
-             --vocab N     vocabulary size (default {})\n  \
-             --hs N        hidden size (default {})\n  \
-             --features N  features per token, rows of the learned map (default {})\n  \
-             --k N         teacher top-k (default {})\n  \
-             --lr F        learning rate (default {})\n  \
-             --seed N      seed of the head, features and teacher map (default {})\n\n\
-             Prints one line per step, then `loss: first <f> last <f>`.",
-            d.steps, d.ntok, d.vocab, d.hs, d.features, d.k, d.lr, d.seed
-        );
-        return;
-    }
-    let cfg = match Config::from_args(std::env::args().skip(1)) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("distill_step: {e}");
-            std::process::exit(2);
-        }
-    };
-    match run(&cfg) {
-        Ok(losses) => {
-            for (i, l) in losses.iter().enumerate() {
-                println!("step {i} loss {l:.6}");
-            }
-            println!("loss: first {} last {}", losses[0], losses[losses.len() - 1]);
-        }
-        Err(e) => {
-            eprintln!("distill_step: {e}");
-            std::process::exit(1);
-        }
-    }
+    let d = Config::default();
+    let help = format!(
+        "distill_step: train a small student against a fixed teacher's top-k on the GPU\n\n\
+         Flags (each takes a value):\n  \
+         --steps N     SGD steps (default {})\n  \
+         --ntok N      tokens per step (default {})\n  \
+         --vocab N     vocabulary size (default {})\n  \
+         --hs N        hidden size (default {})\n  \
+         --features N  features per token, rows of the learned map (default {})\n  \
+         --k N         teacher top-k (default {})\n  \
+         --lr F        learning rate (default {})\n  \
+         --seed N      seed of the head, features and teacher map (default {})\n\n\
+         Prints one line per step, then `loss: first <f> last <f>`.",
+        d.steps, d.ntok, d.vocab, d.hs, d.features, d.k, d.lr, d.seed
+    );
+    common::example_main("distill_step", &help, Config::from_args, run, common::print_losses);
 }

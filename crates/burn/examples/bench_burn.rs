@@ -26,7 +26,7 @@ use headkl_burn::prelude::LossConfig;
 use headkl_burn::{unfused, DeviceOptions, HeadKl, SharedDevice, Teacher};
 use headkl_core::{Backend, HeadData, HeadWeights};
 
-#[path = "common/mod.rs"]
+#[path = "../../backend-wgpu/examples/common/mod.rs"]
 mod common;
 
 use common::{each_flag, parsed, uniform};
@@ -106,7 +106,8 @@ impl Config {
             dtype: FloatDType::F16,
             unfused: true,
         };
-        each_flag(args, "--headkl-only", |flag, value| {
+        let flags = "--shape --reps --warmup --dtype --headkl-only";
+        each_flag(args, Some("--headkl-only"), flags, |flag, value| {
             match flag {
                 "--headkl-only" => cfg.unfused = false,
                 "--shape" => cfg.shape = Shape::parse(value)?,
@@ -119,13 +120,9 @@ impl Config {
                         _ => return Err(format!("--dtype {value}: f32 or f16")),
                     }
                 }
-                _ => {
-                    return Err(format!(
-                        "unknown flag {flag} (flags: --shape --reps --warmup --dtype --headkl-only)"
-                    ))
-                }
+                _ => return Ok(false),
             }
-            Ok(())
+            Ok(true)
         })?;
         if cfg.reps == 0 {
             return Err("--reps must be at least 1".into());
@@ -303,61 +300,46 @@ fn timed(
     reason = "the bench test includes this file for `run_on` and never calls `main`"
 )]
 fn main() {
-    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+    let help = "bench_burn: burn's unfused loss against headkl-burn, forward and backward, same device, one run\n\n\
+         Flags:\n  \
+         --shape S       A (4096:248320:5120:64), B (8192:151936:4096:64), tiny, or NTOK:V:HS:K (default A)\n  \
+         --reps N        timed reps, median reported (default 5)\n  \
+         --warmup N      untimed reps first (default 2)\n  \
+         --dtype f16|f32 hidden rows and burn's head (default f16: A's f32 head, 5.1 GB, is past wgpu's 4 GiB binding)\n  \
+         --headkl-only   skip burn's unfused loss (a shape it cannot fit)";
+    common::example_main("bench_burn", help, Config::from_args, open_and_run, print_rows);
+}
+
+/// The device opened, the run's header line, then [`run_on`].
+fn open_and_run(cfg: &Config) -> Result<Vec<Row>, Box<dyn Error>> {
+    let shared = SharedDevice::open(&DeviceOptions::default())?;
+    let info = shared.adapter().get_info();
+    println!(
+        "shape {} (ntok:V:hs:k), {} ({:?}, driver {} {}), {:?} rows, median of {} reps after {} warm-up",
+        cfg.shape, info.name, info.backend, info.driver, info.driver_info, cfg.dtype, cfg.reps, cfg.warmup
+    );
+    run_on(&shared, cfg)
+}
+
+fn print_rows(rows: Vec<Row>) {
+    println!(
+        "{:<14} {:>14} {:>18} {:>12}",
+        "method", "fwd+bwd ms", "extra memory GiB", "loss"
+    );
+    for r in &rows {
         println!(
-            "bench_burn: burn's unfused loss against headkl-burn, forward and backward, same device, one run\n\n\
-             Flags:\n  \
-             --shape S       A (4096:248320:5120:64), B (8192:151936:4096:64), tiny, or NTOK:V:HS:K (default A)\n  \
-             --reps N        timed reps, median reported (default 5)\n  \
-             --warmup N      untimed reps first (default 2)\n  \
-             --dtype f16|f32 hidden rows and burn's head (default f16: A's f32 head, 5.1 GB, is past wgpu's 4 GiB binding)\n  \
-             --headkl-only   skip burn's unfused loss (a shape it cannot fit)"
+            "{:<14} {:>14.2} {:>18.3} {:>12.6}",
+            r.method,
+            r.ms,
+            gib(r.extra_bytes),
+            r.loss
         );
-        return;
     }
-    let cfg = match Config::from_args(std::env::args().skip(1)) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("bench_burn: {e}");
-            std::process::exit(2);
-        }
-    };
-    let result = SharedDevice::open(&DeviceOptions::default())
-        .map_err(Box::<dyn Error>::from)
-        .and_then(|shared| {
-            let info = shared.adapter().get_info();
-            println!(
-                "shape {} (ntok:V:hs:k), {} ({:?}, driver {} {}), {:?} rows, median of {} reps after {} warm-up",
-                cfg.shape, info.name, info.backend, info.driver, info.driver_info, cfg.dtype, cfg.reps, cfg.warmup
-            );
-            run_on(&shared, &cfg)
-        });
-    match result {
-        Ok(rows) => {
-            println!(
-                "{:<14} {:>14} {:>18} {:>12}",
-                "method", "fwd+bwd ms", "extra memory GiB", "loss"
-            );
-            for r in &rows {
-                println!(
-                    "{:<14} {:>14.2} {:>18.3} {:>12.6}",
-                    r.method,
-                    r.ms,
-                    gib(r.extra_bytes),
-                    r.loss
-                );
-            }
-            if let [ours, theirs] = &rows[..] {
-                println!(
-                    "burn unfused / headkl-burn: {:.2}x time, {:.2}x memory",
-                    theirs.ms / ours.ms,
-                    theirs.extra_bytes as f64 / ours.extra_bytes.max(1) as f64
-                );
-            }
-        }
-        Err(e) => {
-            eprintln!("bench_burn: {e}");
-            std::process::exit(1);
-        }
+    if let [ours, theirs] = &rows[..] {
+        println!(
+            "burn unfused / headkl-burn: {:.2}x time, {:.2}x memory",
+            theirs.ms / ours.ms,
+            theirs.extra_bytes as f64 / ours.extra_bytes.max(1) as f64
+        );
     }
 }

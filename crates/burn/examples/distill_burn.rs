@@ -19,7 +19,7 @@ use burn::tensor::{activation, Device, TensorData};
 use headkl_burn::prelude::*;
 use headkl_burn::unfused;
 
-#[path = "common/mod.rs"]
+#[path = "../../backend-wgpu/examples/common/mod.rs"]
 mod common;
 
 use common::{each_flag, parsed, uniform};
@@ -73,7 +73,8 @@ impl Config {
     /// `--steps N` and the other `--name value` flags.
     pub fn from_args(args: impl Iterator<Item = String>) -> Result<Self, String> {
         let mut cfg = Config::default();
-        each_flag(args, "--unfused", |flag, value| {
+        let flags = "--steps --ntok --inputs --vocab --hs --embed --mlp --k --lr --seed --unfused";
+        each_flag(args, Some("--unfused"), flags, |flag, value| {
             match flag {
                 "--unfused" => cfg.unfused = true,
                 "--steps" => cfg.steps = parsed(flag, value)?,
@@ -86,13 +87,9 @@ impl Config {
                 "--k" => cfg.k = parsed(flag, value)?,
                 "--lr" => cfg.lr = parsed(flag, value)?,
                 "--seed" => cfg.seed = parsed(flag, value)?,
-                _ => {
-                    return Err(format!(
-                        "unknown flag {flag} (flags: --steps --ntok --inputs --vocab --hs --embed --mlp --k --lr --seed --unfused)"
-                    ))
-                }
+                _ => return Ok(false),
             }
-            Ok(())
+            Ok(true)
         })?;
         if cfg.steps == 0 {
             return Err("--steps must be at least 1".into());
@@ -216,44 +213,23 @@ pub fn run_on(shared: &SharedDevice, cfg: &Config) -> Result<Vec<f32>, Box<dyn E
     reason = "the convergence test includes this file for `run` and never calls `main`"
 )]
 fn main() {
-    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
-        let d = Config::default();
-        println!(
-            "distill_burn: train a small burn student against a fixed teacher's top-k through headkl's loss\n\n\
-             Flags (each takes a value, but --unfused):\n  \
-             --steps N   Adam steps (default {})\n  \
-             --ntok N    tokens per step (default {})\n  \
-             --inputs N  distinct input tokens (default {})\n  \
-             --vocab N   vocabulary size of the head (default {})\n  \
-             --hs N      hidden size (default {})\n  \
-             --embed N   embedding width (default {})\n  \
-             --mlp N     MLP width (default {})\n  \
-             --k N       teacher top-k (default {})\n  \
-             --lr F      Adam's learning rate (default {})\n  \
-             --seed N    seed (default {})\n  \
-             --unfused   the loss written the burn way (matmul, log_softmax, gather) instead of headkl's\n\n\
-             Prints one line per step, then `loss: first <f> last <f>`.",
-            d.steps, d.ntok, d.inputs, d.vocab, d.hs, d.embed, d.mlp, d.k, d.lr, d.seed
-        );
-        return;
-    }
-    let cfg = match Config::from_args(std::env::args().skip(1)) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("distill_burn: {e}");
-            std::process::exit(2);
-        }
-    };
-    match run(&cfg) {
-        Ok(losses) => {
-            for (i, l) in losses.iter().enumerate() {
-                println!("step {i} loss {l:.6}");
-            }
-            println!("loss: first {} last {}", losses[0], losses[losses.len() - 1]);
-        }
-        Err(e) => {
-            eprintln!("distill_burn: {e}");
-            std::process::exit(1);
-        }
-    }
+    let d = Config::default();
+    let help = format!(
+        "distill_burn: train a small burn student against a fixed teacher's top-k through headkl's loss\n\n\
+         Flags (each takes a value, but --unfused):\n  \
+         --steps N   Adam steps (default {})\n  \
+         --ntok N    tokens per step (default {})\n  \
+         --inputs N  distinct input tokens (default {})\n  \
+         --vocab N   vocabulary size of the head (default {})\n  \
+         --hs N      hidden size (default {})\n  \
+         --embed N   embedding width (default {})\n  \
+         --mlp N     MLP width (default {})\n  \
+         --k N       teacher top-k (default {})\n  \
+         --lr F      Adam's learning rate (default {})\n  \
+         --seed N    seed (default {})\n  \
+         --unfused   the loss written the burn way (matmul, log_softmax, gather) instead of headkl's\n\n\
+         Prints one line per step, then `loss: first <f> last <f>`.",
+        d.steps, d.ntok, d.inputs, d.vocab, d.hs, d.embed, d.mlp, d.k, d.lr, d.seed
+    );
+    common::example_main("distill_burn", &help, Config::from_args, run, common::print_losses);
 }

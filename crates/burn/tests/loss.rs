@@ -14,14 +14,13 @@ use headkl_reference::Tolerance;
 
 mod common;
 
-use common::{host_f32, open, relative_l2, Case};
+use common::{host_f32, open, open_case, relative_l2, Case};
 
 #[test]
 fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(1);
-    let device = shared.device();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(1) else {
+        return;
+    };
     let out = case.loss(&mut head, &device, true, &LossConfig::default());
     let per_token = host_f32(out.per_token);
     let mean = f64::from(host_f32(out.loss)[0]);
@@ -68,10 +67,9 @@ fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
 /// typed error.
 #[test]
 fn reduction_and_divergence_reach_the_device() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(3);
-    let device = shared.device();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(3) else {
+        return;
+    };
     let terms = LossTerms {
         divergence: Divergence::Reverse,
         ..LossTerms::default()
@@ -129,10 +127,10 @@ fn reduction_and_divergence_reach_the_device() {
 
 #[test]
 fn backward_puts_dx_times_the_upstream_gradient_into_hidden() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(2);
-    let device = shared.device().autodiff();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(2) else {
+        return;
+    };
+    let device = device.autodiff();
     let hidden = case.hidden(&device).require_grad();
     let out = head
         .loss(&hidden, &case.teacher(&device), None, &LossConfig::default())
@@ -155,10 +153,10 @@ fn backward_puts_dx_times_the_upstream_gradient_into_hidden() {
 
 #[test]
 fn agrees_with_the_loss_written_the_burn_way() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(3);
-    let device = shared.device().autodiff();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(3) else {
+        return;
+    };
+    let device = device.autodiff();
     // The burn loss on the f16-rounded head and rows, as headkl's operands.
     let burn_way = case.burn_way(&device);
     for (weights, total) in [(false, None), (true, None), (true, Some(5.0))] {
@@ -186,10 +184,10 @@ fn agrees_with_the_loss_written_the_burn_way() {
 fn f16_rows_read_in_place_and_get_an_f16_gradient() {
     // (burn's wgpu backend compiles WGSL, which has no bf16: burn cannot
     // hold bf16 tensors there, so only f16 is tried.)
-    let Some(shared) = open() else { return };
-    let case = Case::new(4);
-    let device = shared.device().autodiff();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(4) else {
+        return;
+    };
+    let device = device.autodiff();
     let teacher = case.teacher(&device);
     let want = case.reference(false, None);
     let hidden = case.hidden(&device).cast(FloatDType::F16).require_grad();
@@ -207,10 +205,9 @@ fn f16_rows_read_in_place_and_get_an_f16_gradient() {
 
 #[test]
 fn burns_buffers_are_bound_in_place_or_copied_on_a_less_aligned_device() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(5);
-    let device = shared.device();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(5) else {
+        return;
+    };
     let first = case.loss(&mut head, &device, false, &LossConfig::default());
     let bound = head.last_binding();
     assert_eq!((bound.in_place, bound.copied), (5, 0), "{bound:?}");
@@ -259,10 +256,9 @@ fn burns_buffers_are_bound_in_place_or_copied_on_a_less_aligned_device() {
 
 #[test]
 fn topk_matches_the_reference() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(6);
-    let device = shared.device();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(6) else {
+        return;
+    };
     let top = head
         .topk(&case.hidden(&device), &TopkOptions::new(case.k))
         .expect("topk");
@@ -283,10 +279,9 @@ fn topk_matches_the_reference() {
 
 #[test]
 fn topk_log_probabilities_are_the_host_paths() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(8);
-    let device = shared.device();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(8) else {
+        return;
+    };
     let opts = TopkOptions {
         logprobs: true,
         temperature: 0.8,
@@ -308,10 +303,10 @@ fn topk_log_probabilities_are_the_host_paths() {
 
 #[test]
 fn the_per_token_loss_backpropagates_like_burns_own() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(9);
-    let device = shared.device().autodiff();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(9) else {
+        return;
+    };
+    let device = device.autodiff();
     let burn_way = case.burn_way(&device);
     // A reduction of the caller's own: per-token factors, one of them 0.
     let mut factors = common::uniform(case.ntok, 91, 2.0);

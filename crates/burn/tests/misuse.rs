@@ -11,14 +11,13 @@ use headkl_burn::prelude::*;
 
 mod common;
 
-use common::{host_f32, open, Case};
+use common::{host_f32, open_case, Case};
 
 #[test]
 fn misuse_is_a_typed_error_in_the_callers_terms() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(7);
-    let device = shared.device();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(7) else {
+        return;
+    };
     let teacher = case.teacher(&device);
     let opts = LossConfig::default();
 
@@ -153,10 +152,10 @@ impl Bad {
 
 #[test]
 fn a_bad_teacher_row_contributes_nothing_to_the_step_a_readme_loop_applies() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(11);
-    let device = shared.device().autodiff();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(11) else {
+        return;
+    };
+    let device = device.autodiff();
     let hs = case.hs;
     let cases = [
         Bad::IdEqualToVocab,
@@ -233,10 +232,9 @@ fn a_bad_teacher_row_contributes_nothing_to_the_step_a_readme_loop_applies() {
 
 #[test]
 fn checked_mode_reports_before_the_step_and_unwaited_calls_are_named() {
-    let Some(shared) = open() else { return };
-    let case = Case::new(12);
-    let device = shared.device();
-    let mut head = case.head_kl(&shared);
+    let Some((case, device, mut head)) = open_case(12) else {
+        return;
+    };
     let (ids, probs, _) = Bad::DuplicateId.plant(&case);
     let bad = case.teacher_of(ids, probs, &device);
     let good = case.teacher(&device);

@@ -11,7 +11,7 @@ use headkl_reference::conformance::open_or_skip;
 use headkl_reference::direct::{head_kl_f64, DirectLoss};
 use headkl_wgpu::WgpuBackend;
 
-#[path = "../../examples/common/mod.rs"]
+#[path = "../../../backend-wgpu/examples/common/mod.rs"]
 #[allow(
     clippy::duplicate_mod,
     reason = "the tests that include an example load this module there too"
@@ -201,6 +201,15 @@ pub fn open() -> Option<SharedDevice> {
             },
         })
     })
+}
+
+/// What most tests start with: [`open`]'s device (`None` where it gives
+/// none), case `seed` and its head there.
+pub fn open_case(seed: u64) -> Option<(Case, burn::tensor::Device, HeadKl)> {
+    let shared = open()?;
+    let case = Case::new(seed);
+    let head = case.head_kl(&shared);
+    Some((case, shared.device(), head))
 }
 
 pub fn host_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
