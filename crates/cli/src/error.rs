@@ -229,7 +229,10 @@ mod tests {
         assert_eq!(e.exit_code(), EXIT_FAILURE);
         assert_eq!(e.to_string(), "shard 1's thread panicked: shard ran out of luck");
         let payload = std::thread::spawn(|| std::panic::panic_any(7u8)).join().unwrap_err();
-        assert_eq!(CliError::panicked("t", payload).to_string(), "t panicked: a panic without a message");
+        assert_eq!(
+            CliError::panicked("t", payload).to_string(),
+            "t panicked: a panic without a message"
+        );
     }
 
     #[test]
