@@ -98,9 +98,11 @@ pub(crate) fn loss(
     let opts = args.loss_options(weights, labels);
     let resolved = check_loss_options(&opts, ntok, vocab, &sources)?;
     headkl_core::check_full_vocab_terms(&resolved).map_err(|e| sources.map(e, "loss options"))?;
-    let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
+    let inputs = JobInputs::check(&sources, head_elems.data(), hidden_elems.data(), vocab, ntok, hs)?;
     let t_head =
         HeadWeights::new(t_head_elems.data(), vocab, t_hs).map_err(|e| teacher_sources.map(e, "teacher head"))?;
+    let t_hidden =
+        Hidden::new(t_hidden_elems.data(), ntok, t_hs).map_err(|e| teacher_sources.map(e, "teacher hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
     let target = resolve_announced(backend, "headkl", settings)?;
     if shards.plan(vocab, &target)?.is_some() {
@@ -113,12 +115,11 @@ pub(crate) fn loss(
     let result = open_and_run(
         &target,
         FullVocabJob {
-            inputs: JobInputs::new(&sources, head, hidden_elems.data(), ntok, hs),
+            inputs,
             teacher_sources: &teacher_sources,
             settings,
             t_head,
-            t_hidden: t_hidden_elems.data(),
-            t_hs,
+            t_hidden,
             opts,
         },
     )?;
@@ -161,8 +162,7 @@ struct FullVocabJob<'a> {
     teacher_sources: &'a Sources<'a>,
     settings: &'a Settings,
     t_head: HeadWeights<'a>,
-    t_hidden: HiddenData<'a>,
-    t_hs: usize,
+    t_hidden: Hidden<'a>,
     opts: LossOptions,
 }
 
@@ -177,11 +177,8 @@ impl BackendJob for FullVocabJob<'_> {
             .map_err(|e| self.teacher_sources.map(e, "uploading the teacher's head"))?;
         engine.set_trace(self.settings.trace);
         engine.set_dx_split(self.settings.dx_split);
-        let hidden = inputs.hidden()?;
-        let t_hidden = Hidden::new(self.t_hidden, inputs.ntok, self.t_hs)
-            .map_err(|e| self.teacher_sources.map(e, "teacher hidden"))?;
         engine
-            .head_kl_full_vocab(&hidden, &t_hidden, &self.opts)
+            .head_kl_full_vocab(&inputs.hidden, &self.t_hidden, &self.opts)
             .map_err(|e| inputs.sources.map(e, "head_kl_full_vocab"))
     }
 }

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use headkl_core::{Backend, Gathered, HeadWeights, Hidden, TopkOptions};
+use headkl_core::{Backend, Gathered, TopkOptions};
 
 use crate::environment::Settings;
 use crate::error::CliError;
@@ -53,9 +53,8 @@ impl BackendJob for GatherJob<'_> {
     fn run<B: Backend>(self, backend: B) -> Result<Gathered, CliError> {
         let inputs = &self.inputs;
         let (_progress, mut engine) = inputs.start_engine(backend, "gather: head upload, then tokens")?;
-        let hidden = inputs.hidden()?;
         engine
-            .logprobs_at(&hidden, self.ids, self.opts)
+            .logprobs_at(&inputs.hidden, self.ids, self.opts)
             .map_err(|e| inputs.sources.map(e, "gather"))
     }
 }
@@ -92,8 +91,7 @@ pub fn run(
     // Every option and id is checked before the head goes anywhere.
     opts.check(vocab).map_err(|e| sources.map(e, "gather options"))?;
     headkl_core::check_gather_ids(&ids, ntok, k, vocab).map_err(|e| sources.map(e, "ids"))?;
-    let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
-    let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
+    let inputs = JobInputs::check(&sources, head_elems.data(), hidden_elems.data(), vocab, ntok, hs)?;
     let pending = PendingOutput::create(&args.out)?;
     let map = |e, c: &str| sources.map(e, c);
     let (result, start) = shards.run_job(
@@ -102,15 +100,15 @@ pub fn run(
         vocab,
         || {
             Ok(GatherShards {
-                head,
-                hidden,
+                head: inputs.head,
+                hidden: inputs.hidden,
                 ids: &ids,
                 opts: &opts,
                 map: &map,
             })
         },
         || GatherJob {
-            inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
+            inputs,
             ids: &ids,
             opts: &opts,
         },

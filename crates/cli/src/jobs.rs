@@ -9,7 +9,7 @@ use std::time::Instant;
 use half::{bf16, f16};
 use headkl_core::{
     Backend, Engine, Error as CoreError, Field, HeadData, HeadWeights, Hidden, HiddenData, LossConfig, LossOptions,
-    LossOutput, Reduction, ResolvedLoss, SliceOptions, TailMode, Teacher, TeacherForm, TopK, TopkOptions,
+    LossOutput, Reduction, ResolvedLoss, SliceOptions, Teacher, TopK, TopkOptions,
 };
 use safetensors::Dtype;
 
@@ -334,31 +334,31 @@ pub struct InputArgs {
     pub hidden_tensor: String,
 }
 
-/// What every one-call job runs on: the head and hidden rows, and where
-/// they came from.
+/// What every one-call job runs on: the head and hidden rows, checked, and
+/// where they came from.
+#[derive(Clone, Copy)]
 pub(crate) struct JobInputs<'a> {
     pub(crate) sources: &'a Sources<'a>,
     pub(crate) head: HeadWeights<'a>,
-    hidden: HiddenData<'a>,
-    pub(crate) ntok: usize,
-    hs: usize,
+    pub(crate) hidden: Hidden<'a>,
 }
 
 impl<'a> JobInputs<'a> {
-    pub(crate) fn new(
+    /// The head `[vocab][hs]` and hidden rows `[ntok][hs]` checked, an
+    /// error named by `sources`.
+    pub(crate) fn check(
         sources: &'a Sources<'a>,
-        head: HeadWeights<'a>,
+        head: HeadData<'a>,
         hidden: HiddenData<'a>,
+        vocab: usize,
         ntok: usize,
         hs: usize,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, CliError> {
+        Ok(Self {
             sources,
-            head,
-            hidden,
-            ntok,
-            hs,
-        }
+            head: HeadWeights::new(head, vocab, hs).map_err(|e| sources.map(e, "head"))?,
+            hidden: Hidden::new(hidden, ntok, hs).map_err(|e| sources.map(e, "hidden"))?,
+        })
     }
 
     /// How every one-call job starts: logs the device, opens a bar over
@@ -367,16 +367,11 @@ impl<'a> JobInputs<'a> {
     /// for the call (bound before the engine, so it outlives it).
     pub(crate) fn start_engine<B: Backend>(&self, backend: B, label: &str) -> Result<(Progress, Engine<B>), CliError> {
         log::info!("headkl: running on {}", describe(backend.info()));
-        let progress = Progress::new(label, self.ntok as u64);
+        let progress = Progress::new(label, self.hidden.ntok() as u64);
         let mut engine = Engine::new(backend, &self.head, SliceOptions::default())
             .map_err(|e| self.sources.map(e, "uploading the head"))?;
         engine.set_progress(Some(progress.callback()));
         Ok((progress, engine))
-    }
-
-    /// The hidden rows `[ntok][hs]`.
-    pub(crate) fn hidden(&self) -> Result<Hidden<'a>, CliError> {
-        Hidden::new(self.hidden, self.ntok, self.hs).map_err(|e| self.sources.map(e, "hidden"))
     }
 }
 
@@ -393,10 +388,9 @@ impl BackendJob for TopkJob<'_> {
     fn run<B: Backend>(self, backend: B) -> Result<TopK, CliError> {
         let inputs = &self.inputs;
         let (_progress, mut engine) = inputs.start_engine(backend, "topk: head upload, then tokens")?;
-        let hidden = inputs.hidden()?;
         // One call: the engine plans the chunks and reports each one.
         engine
-            .topk(&hidden, self.opts)
+            .topk(&inputs.hidden, self.opts)
             .map_err(|e| inputs.sources.map(e, "top-k"))
     }
 }
@@ -407,11 +401,7 @@ struct LossJob<'a> {
     /// `HEADKL_TRACE`, `HEADKL_DX_SPLIT` and `HEADKL_NO_ROW_STATS` for the engine.
     settings: &'a Settings,
     inputs: JobInputs<'a>,
-    ids: &'a [i64],
-    probs: &'a [f32],
-    k: usize,
-    form: TeacherForm,
-    tail: TailMode,
+    teacher: &'a Teacher,
     opts: &'a LossOptions,
 }
 
@@ -420,18 +410,14 @@ impl BackendJob for LossJob<'_> {
 
     fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
         let inputs = &self.inputs;
-        let vocab = inputs.head.vocab();
         let (_progress, mut engine) = inputs.start_engine(backend, "loss: head upload, then tokens")?;
         engine.set_trace(self.settings.trace);
         engine.set_dx_split(self.settings.dx_split);
         engine.set_row_stats(!self.settings.no_row_stats);
-        let hidden = inputs.hidden()?;
-        let teacher = Teacher::with_form(self.ids, self.probs, inputs.ntok, self.k, vocab, self.form, self.tail)
-            .map_err(|e| inputs.sources.map(e, "teacher"))?;
         // One call: the engine resolves total and gscale over every token,
         // plans the chunks and reports each one.
         engine
-            .head_kl(&hidden, &teacher, self.opts)
+            .head_kl(&inputs.hidden, self.teacher, self.opts)
             .map_err(|e| inputs.sources.map(e, "head_kl"))
     }
 }
@@ -486,8 +472,7 @@ pub fn topk(
     };
     // Every option is checked before the head goes anywhere.
     opts.check(vocab).map_err(|e| sources.map(e, "top-k options"))?;
-    let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
-    let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
+    let inputs = JobInputs::check(&sources, head_elems.data(), hidden_elems.data(), vocab, ntok, hs)?;
     let pending = PendingOutput::create(out)?;
     let map = |e, c: &str| sources.map(e, c);
     let (result, start) = shards.run_job(
@@ -496,16 +481,13 @@ pub fn topk(
         vocab,
         || {
             Ok(TopkShards {
-                head,
-                hidden,
+                head: inputs.head,
+                hidden: inputs.hidden,
                 opts: &opts,
                 map: &map,
             })
         },
-        || TopkJob {
-            inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
-            opts: &opts,
-        },
+        || TopkJob { inputs, opts: &opts },
     )?;
     let ids: Vec<i64> = result.ids.iter().map(|&i| i64::from(i)).collect();
     let record = TeacherRecord {
@@ -726,25 +708,20 @@ pub fn loss(
         ..Sources::new(&head_t, &hidden_t).with_teacher(&ids_t, &probs_t, weights_t.as_ref(), labels_t.as_ref())
     };
     let (form, tail) = (args.terms.teacher_form, args.terms.tail);
-    // Checked whole before the head goes anywhere; the job builds it per piece.
-    let mut validated_teacher =
+    // Checked whole before the head goes anywhere.
+    let mut teacher =
         Teacher::with_form(&ids, &probs, ntok, k, vocab, form, tail).map_err(|e| sources.map(e, "teacher"))?;
     // Read at the run's temperature: rescaled, then checked again.
-    let probs = match args.terms.teacher_temperature {
-        Some(from) => {
-            let rescaled = headkl_core::rescale_teacher(&probs, k, form, tail, from, args.temperature)
-                .map_err(|e| sources.map(e, "teacher"))?;
-            validated_teacher = Teacher::with_form(&ids, &rescaled, ntok, k, vocab, form, tail)
-                .map_err(|e| sources.map(e, "teacher"))?;
-            Cow::Owned(rescaled)
-        }
-        None => probs,
-    };
+    if let Some(from) = args.terms.teacher_temperature {
+        let rescaled = headkl_core::rescale_teacher(&probs, k, form, tail, from, args.temperature)
+            .map_err(|e| sources.map(e, "teacher"))?;
+        teacher =
+            Teacher::with_form(&ids, &rescaled, ntok, k, vocab, form, tail).map_err(|e| sources.map(e, "teacher"))?;
+    }
     let opts = args.loss_options(weights, labels);
     // Every option is checked before the head goes anywhere.
     let resolved = check_loss_options(&opts, ntok, vocab, &sources)?;
-    let head = HeadWeights::new(head_elems.data(), vocab, hs).map_err(|e| sources.map(e, "head"))?;
-    let hidden = Hidden::new(hidden_elems.data(), ntok, hs).map_err(|e| sources.map(e, "hidden"))?;
+    let inputs = JobInputs::check(&sources, head_elems.data(), hidden_elems.data(), vocab, ntok, hs)?;
     let pending = PendingOutput::create(&args.out)?;
     let map = |e, c: &str| sources.map(e, c);
     let (result, start) = shards.run_job(
@@ -755,20 +732,16 @@ pub fn loss(
             // Refused before anything is opened or uploaded.
             headkl_core::shard::check_loss_terms(tail, &opts).map_err(|e| sources.map(e, "loss options"))?;
             Ok(LossShards {
-                head,
-                hidden,
-                teacher: &validated_teacher,
+                head: inputs.head,
+                hidden: inputs.hidden,
+                teacher: &teacher,
                 opts: &opts,
                 map: &map,
             })
         },
         || LossJob {
-            inputs: JobInputs::new(&sources, head, hidden.data(), ntok, hs),
-            ids: &ids,
-            probs: &probs,
-            k,
-            form,
-            tail,
+            inputs,
+            teacher: &teacher,
             opts: &opts,
             settings,
         },

@@ -530,16 +530,10 @@ impl LossOptions {
         let config = &self.config;
         config.check(self.labels.is_some())?;
         let labels = match &self.labels {
-            Some(l) if l.len() != ntok => {
-                return Err(Error::LengthMismatch {
-                    field: crate::error::Field::Labels,
-                    expected: ntok,
-                    got: l.len(),
-                })
-            }
             // The vocabulary is checked by the engine (it knows V); the
             // ignored label is none whatever its value.
             Some(l) => {
+                crate::error::Field::Labels.check_len(ntok, l.len())?;
                 let ignore = self.ignore_index;
                 let mapped: Vec<i64> = l.iter().map(|&v| if v == ignore { -1 } else { v }).collect();
                 labels_to_u32(&mapped, NO_LABEL as usize)?

@@ -89,13 +89,8 @@ impl<B: Backend> ShardEngine<B> {
     /// Uploads the shard's rows (`rows`: `[v1 − v0][hs]`, e.g.
     /// `head.rows(v0, v1)` of the whole head) to `backend`.
     pub fn new(backend: B, rows: &HeadWeights<'_>, shard: HeadShard, slicing: SliceOptions) -> Result<Self> {
-        if rows.vocab() != shard.width() {
-            return Err(Error::LengthMismatch {
-                field: Field::Head,
-                expected: shard.width() * rows.hs(),
-                got: rows.vocab() * rows.hs(),
-            });
-        }
+        // In values, as the head's own check counts them (hs > 0 there).
+        Field::Head.check_len(shard.width() * rows.hs(), rows.vocab() * rows.hs())?;
         Ok(Self {
             engine: Engine::new(backend, rows, slicing)?,
             shard,
