@@ -6,16 +6,14 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use headkl_cli::embed::{open_gpu, resolve, BackendArg, BackendArgs, BackendKind, Settings};
-use headkl_core::shard::{HeadShard, LossStats, ShardEngine};
+use headkl_core::shard::{HeadShard, LossStats};
 use headkl_core::toolkit::settings::Env;
 use headkl_core::{
     rescale_teacher, Backend, DeviceInfo, Engine, HeadWeights, Hidden, HiddenDtype, LossOptions, LossOutput,
     SliceOptions, Teacher, TopkOptions,
 };
-use headkl_reference::CpuBackend;
+use headkl_runtime::{AnyEngine, BackendArg, BackendKind, HostShard, Selection, Settings};
 use headkl_vulkan::VulkanBackend;
-use headkl_wgpu::WgpuBackend;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -28,85 +26,27 @@ use crate::shared::{self, LossBuffers, SharedBuffers};
 /// A host array spec as Python passes it: `(address, elements, dtype)`.
 pub type Spec = (usize, usize, String);
 
-/// The whole head, or one shard of it.
-enum Engines<B: Backend> {
-    Whole(Box<Engine<B>>),
-    Shard(Box<ShardEngine<B>>),
-}
-
-impl<B: Backend> Engines<B> {
-    fn new(backend: B, head: &HeadWeights<'_>, shard: Option<HeadShard>) -> headkl_core::Result<Self> {
-        let slicing = SliceOptions::default();
-        Ok(match shard {
-            None => Engines::Whole(Box::new(Engine::new(backend, head, slicing)?)),
-            Some(shard) => Engines::Shard(Box::new(ShardEngine::new(backend, head, shard, slicing)?)),
-        })
-    }
-
-    fn engine(&mut self) -> &mut Engine<B> {
-        match self {
-            Engines::Whole(e) => e,
-            Engines::Shard(s) => s.engine_mut(),
-        }
-    }
-
-    fn shard(&mut self) -> PyResult<&mut ShardEngine<B>> {
-        match self {
-            Engines::Shard(s) => Ok(s),
-            Engines::Whole(_) => Err(PyRuntimeError::new_err(
-                "this engine holds the whole head: the two-phase loss needs a shard",
-            )),
-        }
-    }
-
-    fn info(&mut self) -> DeviceInfo {
-        self.engine().backend().info().clone()
-    }
-}
-
-/// One of the three backends.
-enum Held {
-    Reference(Engines<CpuBackend>),
-    Wgpu(Engines<WgpuBackend>),
-    Vulkan(Engines<VulkanBackend>),
-}
-
-/// Runs `$body` with `$e` bound to the held backend's engines.
-macro_rules! on_held {
-    ($held:expr, $e:ident => $body:expr) => {
-        match $held {
-            Held::Reference($e) => $body,
-            Held::Wgpu($e) => $body,
-            Held::Vulkan($e) => $body,
-        }
-    };
-}
-
 /// `backend=` as the package spells it.
 pub fn backend_arg(backend: &str) -> PyResult<BackendArg> {
     BackendArg::parse(backend, false).map_err(|why| PyValueError::new_err(format!("backend={backend:?}: {why}")))
 }
 
-/// The backend a name and device index resolve to, opened with the
+/// The engine a backend name and device index resolve to, opened with the
 /// `HEADKL_*` settings, as the `headkl` command opens it.
-fn open(backend: &str, device: Option<usize>, head: &HeadWeights<'_>, shard: Option<HeadShard>) -> PyResult<Held> {
-    let arg = backend_arg(backend)?;
-    let settings = Arc::new(Settings::from_env(&Env::process()).map_err(to_py)?);
-    let args = BackendArgs {
-        backend: Some(arg),
+fn open(backend: &str, device: Option<usize>, head: &HeadWeights<'_>, shard: Option<HeadShard>) -> PyResult<AnyEngine> {
+    let selection = Selection {
+        backend: Some(backend_arg(backend)?),
         device,
     };
-    let target = resolve(&args, &settings).map_err(start)?;
-    let held = match target.kind {
-        BackendKind::Reference => Held::Reference(Engines::new(CpuBackend::new(), head, shard).map_err(to_py)?),
-        BackendKind::Wgpu => Held::Wgpu(
-            Engines::new(open_gpu::<WgpuBackend>(&target, None).map_err(start)?, head, shard).map_err(to_py)?,
-        ),
-        BackendKind::Vulkan => Held::Vulkan(
-            Engines::new(open_gpu::<VulkanBackend>(&target, None).map_err(start)?, head, shard).map_err(to_py)?,
-        ),
-    };
-    Ok(held)
+    let settings = Arc::new(Settings::from_env(&Env::process()).map_err(to_py)?);
+    let target = headkl_runtime::resolve(selection, &settings).map_err(start)?;
+    AnyEngine::open(&target, head, shard).map_err(start)
+}
+
+/// The two-phase loss's shard, or why this engine has none.
+fn shard(held: &mut AnyEngine) -> PyResult<&mut dyn HostShard> {
+    held.shard()
+        .ok_or_else(|| PyRuntimeError::new_err("this engine holds the whole head: the two-phase loss needs a shard"))
 }
 
 /// The teacher from ids and values read as `reading` says; with a teacher
@@ -176,7 +116,7 @@ impl LossArrays<'_> {
 /// of `vocab` rows (then `head` holds those rows alone).
 #[pyclass(module = "headkl._native", name = "Engine")]
 pub struct PyEngine {
-    held: Mutex<Held>,
+    held: Mutex<AnyEngine>,
     /// The last loss call's outputs, reused call to call.
     out: Mutex<LossOutput>,
     info: DeviceInfo,
@@ -194,7 +134,7 @@ fn lock<T>(mutex: &Mutex<T>) -> PyResult<MutexGuard<'_, T>> {
 }
 
 impl PyEngine {
-    fn held(&self) -> PyResult<MutexGuard<'_, Held>> {
+    fn held(&self) -> PyResult<MutexGuard<'_, AnyEngine>> {
         lock(&self.held)
     }
 
@@ -225,7 +165,7 @@ impl PyEngine {
         &self,
         py: Python<'_>,
         (dx, loss): (&mut [f32], &mut [f32]),
-        call: impl FnOnce(&mut Held, &mut LossOutput) -> PyResult<()> + Send,
+        call: impl FnOnce(&mut AnyEngine, &mut LossOutput) -> PyResult<()> + Send,
     ) -> PyResult<f64> {
         let (mut held, mut out) = (self.held()?, lock(&self.out)?);
         let (held, out) = (&mut *held, &mut *out);
@@ -266,11 +206,11 @@ impl PyEngine {
             .transpose()
             .map_err(to_py)?;
         let backend = backend.to_owned();
-        let mut held = py.detach(move || -> PyResult<Held> {
+        let mut held = py.detach(move || -> PyResult<AnyEngine> {
             let weights = HeadWeights::new(data, vocab, hs).map_err(to_py)?;
             open(&backend, device, &weights, shard)
         })?;
-        let info = on_held!(&mut held, e => e.info());
+        let info = held.engine().info().clone();
         Ok(Self {
             held: Mutex::new(held),
             out: Mutex::new(LossOutput::default()),
@@ -327,7 +267,7 @@ impl PyEngine {
         self.loss_call(py, (dx, loss), |held, out| {
             let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.config.temperature)
                 .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
-            on_held!(held, e => e.engine().head_kl_into(&hidden, &teacher, &opts, out)).map_err(to_py)
+            held.engine().head_kl_into(&hidden, &teacher, &opts, out).map_err(to_py)
         })
     }
 
@@ -341,7 +281,9 @@ impl PyEngine {
         let held = &mut *held;
         py.detach(|| -> PyResult<()> {
             let weights = HeadWeights::new(data, vocab, hs).map_err(to_py)?;
-            on_held!(held, e => e.engine().set_teacher_head(&weights, SliceOptions::default())).map_err(to_py)
+            held.engine()
+                .set_teacher_head(&weights, SliceOptions::default())
+                .map_err(to_py)
         })
     }
 
@@ -371,7 +313,9 @@ impl PyEngine {
             unsafe { (teacher.hidden()?, LossArrays::new(&mut opts, labels, weights, out)?) };
         let teacher = Hidden::new(teacher, ntok, teacher_hs).map_err(to_py)?;
         self.loss_call(py, (dx, loss), |held, out| {
-            on_held!(held, e => e.engine().head_kl_full_vocab_into(&hidden, &teacher, &opts, out)).map_err(to_py)
+            held.engine()
+                .head_kl_full_vocab_into(&hidden, &teacher, &opts, out)
+                .map_err(to_py)
         })
     }
 
@@ -420,7 +364,7 @@ impl PyEngine {
         py.detach(|| -> PyResult<()> {
             let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.config.temperature)
                 .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
-            let parts = on_held!(held, e => e.shard()?.loss_partials(&hidden, &teacher, &opts)).map_err(to_py)?;
+            let parts = shard(held)?.loss_partials(&hidden, &teacher, &opts).map_err(to_py)?;
             for (out, part) in outs.into_iter().zip([&parts.lse, &parts.lse1, &parts.soft_part]) {
                 copy_into(out, part, "partials")?;
             }
@@ -463,7 +407,7 @@ impl PyEngine {
             )
         };
         self.loss_call(py, (dx, loss), |held, out| {
-            on_held!(held, e => e.shard()?.loss_finish(&hidden, &stats, out)).map_err(to_py)
+            shard(held)?.loss_finish(&hidden, &stats, out).map_err(to_py)
         })
     }
 
@@ -499,7 +443,7 @@ impl PyEngine {
         let mut held = self.held()?;
         let held = &mut *held;
         py.detach(|| -> PyResult<()> {
-            let top = on_held!(held, e => e.engine().topk(&hidden, &opts)).map_err(to_py)?;
+            let top = held.engine().topk(&hidden, &opts).map_err(to_py)?;
             if ids.len() != top.ids.len() {
                 return Err(PyRuntimeError::new_err("ids: wrong length for the top-k"));
             }
@@ -540,7 +484,7 @@ impl PyEngine {
         let mut held = self.held()?;
         let held = &mut *held;
         py.detach(|| -> PyResult<()> {
-            let got = on_held!(held, e => e.engine().logprobs_at(&hidden, ids, &opts)).map_err(to_py)?;
+            let got = held.engine().logprobs_at(&hidden, ids, &opts).map_err(to_py)?;
             copy_into(logprobs, &got.logprobs, "logprobs")?;
             copy_into(lse, &got.lse, "lse")
         })
@@ -551,14 +495,12 @@ impl PyEngine {
     #[pyo3(signature = (reset_peak=false))]
     fn memory(&self, reset_peak: bool) -> PyResult<(u64, u64)> {
         let mut held = self.held()?;
-        Ok(on_held!(&mut *held, e => {
-            let backend = e.engine().backend();
-            let stats = backend.memory();
-            if reset_peak {
-                backend.reset_peak_memory();
-            }
-            (stats.current, stats.peak)
-        }))
+        let engine = held.engine();
+        let stats = engine.memory();
+        if reset_peak {
+            engine.reset_peak_memory();
+        }
+        Ok((stats.current, stats.peak))
     }
 
     /// `None` where CUDA tensors can go zero-copy on this engine, else why not.
@@ -689,12 +631,17 @@ impl PyEngine {
 
 /// The Vulkan engine over the whole head, or why the zero-copy path
 /// cannot run on this one.
-fn vulkan_whole(held: &mut Held) -> Result<&mut Engine<VulkanBackend>, String> {
-    match held {
-        Held::Vulkan(Engines::Whole(e)) => e.backend().interop().map(|()| &mut **e).map_err(|e| e.to_string()),
-        Held::Vulkan(Engines::Shard(_)) => Err("a vocabulary shard runs through host copies".into()),
-        Held::Wgpu(_) => Err("the wgpu backend cannot share memory with CUDA (Vulkan only)".into()),
-        Held::Reference(_) => Err("the reference backend runs on the CPU".into()),
+fn vulkan_whole(held: &mut AnyEngine) -> Result<&mut Engine<VulkanBackend>, String> {
+    let kind = held.engine().info().backend;
+    if held.shard().is_some() && kind == BackendKind::Vulkan.name() {
+        return Err("a vocabulary shard runs through host copies".into());
+    }
+    match held.whole_on::<VulkanBackend>() {
+        Some(e) => e.backend().interop().map(|()| e).map_err(|e| e.to_string()),
+        None if kind == BackendKind::Reference.name() => Err("the reference backend runs on the CPU".into()),
+        None => Err(format!(
+            "the {kind} backend cannot share memory with CUDA (Vulkan only)"
+        )),
     }
 }
 

@@ -40,14 +40,22 @@ fn exception(e: &Error, text: String) -> PyErr {
     }
 }
 
-/// A backend that could not be opened, or a bad backend option.
-pub fn start(e: headkl_cli::embed::RunError) -> PyErr {
-    use headkl_cli::embed::RunError;
+/// A backend that could not be opened, a bad backend option, or an
+/// engine that could not be made.
+pub fn start(e: headkl_runtime::Error) -> PyErr {
+    use headkl_runtime::{Error as RuntimeError, Field};
     match e {
-        RunError::Start(kind, source) => match source.kind() {
+        RuntimeError::Start { kind, source } => match source.kind() {
             ErrorKind::Setting | ErrorKind::Input => PyValueError::new_err(format!("{kind}: {source}")),
             _ => DeviceError::new_err(format!("{kind} could not start: {source}")),
         },
-        RunError::Job(e) => PyValueError::new_err(e.to_string()),
+        RuntimeError::BadOption { field, message } => {
+            let argument = match field {
+                Field::Device => "device",
+                Field::Devices => "devices",
+            };
+            PyValueError::new_err(format!("{argument}: {message}"))
+        }
+        RuntimeError::Engine { source } => to_py(source),
     }
 }

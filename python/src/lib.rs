@@ -9,13 +9,13 @@ mod memory;
 mod options;
 mod shared;
 
-use headkl_cli::embed::{auto_pick, enumerate_all, open_gpu, resolve, BackendArgs, BackendKind, Settings};
 use headkl_core::toolkit::settings::Env;
 use headkl_core::{Backend, ResidentBackend};
 use headkl_reference::conformance::resident::run_resident;
 use headkl_reference::conformance::shard::{run_shard_cases, Serial};
 use headkl_reference::conformance::shard_resident::run_resident_shard_cases;
 use headkl_reference::conformance::{run_suite, SuiteConfig, SuiteReport};
+use headkl_runtime::{auto_pick, enumerate_all, open_and_run, resolve, Job, Selection, Settings};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use std::sync::Arc;
@@ -55,20 +55,27 @@ fn devices(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     Ok(list)
 }
 
-/// Runs the conformance suite (the one `headkl check` runs) on one
-/// backend: the host cases and the sharded ones, and on a GPU the
-/// device-resident ones too.
-fn suite<B: Backend>(backend: &B, cfg: &SuiteConfig) -> SuiteReport {
-    let mut report = run_suite(backend, cfg, &mut |_| ());
-    report.absorb(run_shard_cases(backend, &Serial, &mut |_| ()));
-    report
-}
+/// The conformance suite (the one `headkl check` runs) on one backend:
+/// the host cases and the sharded ones, and on a GPU the device-resident
+/// ones too.
+struct Suite(SuiteConfig);
 
-fn suite_resident<B: ResidentBackend>(backend: &B, cfg: &SuiteConfig) -> SuiteReport {
-    let mut report = suite(backend, cfg);
-    report.absorb(run_resident(backend, cfg, &mut |_| ()));
-    report.absorb(run_resident_shard_cases(backend, &Serial, &mut |_| ()));
-    report
+impl Job for Suite {
+    type Output = SuiteReport;
+
+    fn run<B: Backend>(self, backend: B) -> SuiteReport {
+        let mut report = run_suite(&backend, &self.0, &mut |_| ());
+        report.absorb(run_shard_cases(&backend, &Serial, &mut |_| ()));
+        report
+    }
+
+    fn run_resident<B: ResidentBackend>(self, backend: B) -> SuiteReport {
+        let mut report = run_suite(&backend, &self.0, &mut |_| ());
+        report.absorb(run_shard_cases(&backend, &Serial, &mut |_| ()));
+        report.absorb(run_resident(&backend, &self.0, &mut |_| ()));
+        report.absorb(run_resident_shard_cases(&backend, &Serial, &mut |_| ()));
+        report
+    }
 }
 
 /// `headkl check` from Python: the conformance suite on `backend`
@@ -89,25 +96,12 @@ fn check<'py>(
     let settings = settings()?;
     let cfg = SuiteConfig { cases, seed };
     let report = py.detach(|| -> PyResult<SuiteReport> {
-        let target = resolve(
-            &BackendArgs {
-                backend: Some(arg),
-                device,
-            },
-            &settings,
-        )
-        .map_err(start)?;
-        Ok(match target.kind {
-            BackendKind::Reference => suite(&headkl_reference::CpuBackend::new(), &cfg),
-            BackendKind::Wgpu => suite_resident(
-                &open_gpu::<headkl_wgpu::WgpuBackend>(&target, None).map_err(start)?,
-                &cfg,
-            ),
-            BackendKind::Vulkan => suite_resident(
-                &open_gpu::<headkl_vulkan::VulkanBackend>(&target, None).map_err(start)?,
-                &cfg,
-            ),
-        })
+        let selection = Selection {
+            backend: Some(arg),
+            device,
+        };
+        let target = resolve(selection, &settings).map_err(start)?;
+        open_and_run(&target, None, Suite(cfg)).map_err(start)
     })?;
     let d = PyDict::new(py);
     d.set_item("backend", &report.backend)?;

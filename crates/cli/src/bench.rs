@@ -22,8 +22,8 @@ use crate::io::write_atomic;
 use crate::options::BudgetArg;
 use crate::progress::Progress;
 use crate::select::{
-    enumerate_backend, open_and_run, open_and_run_resident, required, resolve_announced, target_for, BackendArgs,
-    BackendJob, BackendKind, ResidentJob, RunError, Target,
+    enumerate_backend, no_device_buffers, open_and_run, required, resolve_announced, target_for, BackendArgs,
+    BackendKind, Job, RunError, Target,
 };
 use crate::text::fmt_bytes;
 
@@ -211,8 +211,11 @@ struct BenchJob<'a> {
     /// The backend and device it runs on (`--devices` opens more of it).
     target: &'a Target,
     /// `HEADKL_TRACE`, `HEADKL_DX_SPLIT` and `HEADKL_NO_ROW_STATS` for the engine.
-    settings: &'a Settings,
+    settings: &'a headkl_runtime::Settings,
     cfg: &'a BenchConfig,
+    /// Whether the device-resident jobs run too (on a backend with device
+    /// buffers).
+    resident: bool,
     cache: &'a mut Option<BenchData>,
 }
 
@@ -534,19 +537,19 @@ impl BenchJob<'_> {
     }
 }
 
-impl BackendJob for BenchJob<'_> {
-    type Output = Option<BenchRun>;
+impl Job for BenchJob<'_> {
+    type Output = Result<Option<BenchRun>, CliError>;
 
-    fn run<B: Backend>(self, backend: B) -> Result<Option<BenchRun>, CliError> {
+    fn run<B: Backend>(self, backend: B) -> Self::Output {
         self.run_with(backend, |_, _, _, _, _| Ok(Vec::new()))
     }
-}
 
-impl ResidentJob for BenchJob<'_> {
-    type Output = Option<BenchRun>;
-
-    fn run_resident<B: ResidentBackend + Sync>(self, backend: B) -> Result<Option<BenchRun>, CliError> {
-        self.run_with(backend, time_resident)
+    fn run_resident<B: ResidentBackend<Buffer: Send> + Sync>(self, backend: B) -> Self::Output {
+        if self.resident {
+            self.run_with(backend, time_resident)
+        } else {
+            self.run(backend)
+        }
     }
 }
 
@@ -619,9 +622,7 @@ impl BenchJob<'_> {
         let mut engine = Engine::with_vocab_order(backend, &head, SliceOptions::default(), order)
             .map_err(|e| CliError::device(format!("uploading the head to {}", info.backend), e))?;
         let upload_ms = start.elapsed().as_secs_f64() * 1e3;
-        engine.set_trace(self.settings.trace);
-        engine.set_dx_split(self.settings.dx_split);
-        engine.set_row_stats(!self.settings.no_row_stats);
+        self.settings.apply(&mut engine);
         let head_bytes = engine.backend().memory().current.saturating_sub(before);
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
@@ -788,25 +789,24 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &BenchConfig) -> R
             }
             Err(RunError::Job(e)) => return Err(e),
         };
-        let job = BenchJob {
-            kind: target.kind,
-            target: &target,
-            settings,
-            cfg,
-            cache: &mut data,
-        };
         // `--all --resident`: the CPU reference has no device buffers, so it
         // runs its host jobs only (naming `--backend reference` with
         // `--resident` stays an error).
-        let resident = cfg.resident && !(cfg.all && target.kind == BackendKind::Reference);
-        if cfg.resident && !resident {
+        if cfg.resident && !target.kind.has_device_buffers() {
+            if !cfg.all {
+                return Err(no_device_buffers("--resident"));
+            }
             eprintln!("bench: reference: no device buffers, so its --resident jobs are left out (host jobs only)");
         }
-        let result = if resident {
-            open_and_run_resident(&target, job)
-        } else {
-            open_and_run(&target, job)
+        let job = BenchJob {
+            kind: target.kind,
+            target: &target,
+            settings: &settings.runtime,
+            cfg,
+            resident: cfg.resident,
+            cache: &mut data,
         };
+        let result = open_and_run(&target, job);
         match result {
             Ok(Some(run)) => runs.push(run),
             Ok(None) => {}

@@ -55,7 +55,8 @@ struct Operands<'a> {
 /// matrix units by the caller's device info) at `shape`.
 pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliError> {
     let dev = |e| CliError::device("tune --ceiling", e);
-    let mut backend = crate::select::open_gpu::<VulkanBackend>(target, None)?;
+    let mut backend =
+        <VulkanBackend as headkl_runtime::RuntimeBackend>::open(target, None).map_err(crate::select::RunError::from)?;
     if let Some(why) = backend.glsl_unavailable() {
         return Err(CliError::option(
             "--ceiling",

@@ -14,8 +14,7 @@ use crate::error::is_validation;
 use crate::error::CliError;
 use crate::progress::Progress;
 use crate::select::{
-    open_and_run, open_and_run_resident, required, resolve_announced, target_for, BackendArgs, BackendJob, BackendKind,
-    ResidentJob, RunError, Target,
+    open_and_run, required, resolve_announced, target_for, BackendArgs, BackendKind, Job, RunError, Target,
 };
 use crate::text::table;
 
@@ -40,8 +39,11 @@ fn progress_for(info: &headkl_core::DeviceInfo, cases: usize) -> Progress {
     Progress::new(format!("check {} ({})", info.backend, info.device_name), cases as u64)
 }
 
-impl BackendJob for CheckJob<'_> {
-    type Output = SuiteReport;
+/// On a GPU backend the suite also runs the device-resident cases: the
+/// resident entry points against the reference and the host path, and
+/// bad data on the device turned into the host path's typed errors.
+impl Job for CheckJob<'_> {
+    type Output = Result<SuiteReport, CliError>;
 
     fn run<B: Backend>(self, backend: B) -> Result<SuiteReport, CliError> {
         let mut progress = progress_for(backend.info(), case_count(self.cfg) + shard_case_count());
@@ -53,13 +55,6 @@ impl BackendJob for CheckJob<'_> {
         progress.finish();
         Ok(report)
     }
-}
-
-/// On a GPU backend the suite also runs the device-resident cases: the
-/// resident entry points against the reference and the host path, and
-/// bad data on the device turned into the host path's typed errors.
-impl ResidentJob for CheckJob<'_> {
-    type Output = SuiteReport;
 
     fn run_resident<B: ResidentBackend + Sync>(self, backend: B) -> Result<SuiteReport, CliError> {
         let total =
@@ -78,15 +73,6 @@ impl ResidentJob for CheckJob<'_> {
         }));
         progress.finish();
         Ok(report)
-    }
-}
-
-/// The suite on `target`: with the resident cases where it has device
-/// buffers (the GPU backends).
-fn check_target(target: &Target, cfg: &SuiteConfig) -> Result<SuiteReport, RunError> {
-    match target.kind {
-        BackendKind::Reference => open_and_run(target, CheckJob { cfg }),
-        BackendKind::Wgpu | BackendKind::Vulkan => open_and_run_resident(target, CheckJob { cfg }),
     }
 }
 
@@ -164,7 +150,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cases: usize, seed: u64
     let mut skipped = Vec::new();
     for planned in plan(args, settings)? {
         let (kind, why) = match planned {
-            Planned::Run(target) => match check_target(&target, &cfg) {
+            Planned::Run(target) => match open_and_run(&target, CheckJob { cfg: &cfg }) {
                 Ok(report) => {
                     reports.push(report);
                     continue;

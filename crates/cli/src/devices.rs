@@ -5,8 +5,9 @@ use crate::environment::Settings;
 use serde::Serialize;
 
 use crate::select::{
-    auto_pick, enumerate_all, named_kind, AutoPick, BackendArg, BackendArgs, BackendKind, Enumeration, SOFTWARE_REASON,
+    auto_pick, enumerate_all, AutoPick, BackendArg, BackendArgs, BackendKind, Enumeration, SOFTWARE_REASON,
 };
+
 use crate::text::{fmt_bytes, table};
 
 /// One row of the listing (JSON form).
@@ -212,11 +213,10 @@ pub fn render(rows: &[DeviceRow], pick: &AutoPick) -> String {
 /// Runs `headkl devices`: every backend, or only the one `--backend` names.
 pub fn run(args: &BackendArgs, json: bool, settings: &Settings) -> Result<(), crate::error::CliError> {
     let args = &args.with_settings(settings);
-    let e = enumerate_all(settings);
+    let e = enumerate_all(&settings.runtime);
     let pick = auto_pick(&e.candidates, args.device);
     let mut rows = rows(&e, &pick);
-    if let Some(named) = args.backend.filter(|b| *b != BackendArg::Auto) {
-        let kind = named_kind(named);
+    if let Some(BackendArg::Named(kind)) = args.backend {
         rows.retain(|r| r.backend == kind);
     }
     if json {
@@ -242,8 +242,8 @@ pub fn run(args: &BackendArgs, json: bool, settings: &Settings) -> Result<(), cr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::select::Candidate;
     use headkl_core::DeviceInfo;
+    use headkl_runtime::Candidate;
 
     #[test]
     fn failed_backend_gets_one_row_and_one_auto_mark() {

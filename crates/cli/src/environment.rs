@@ -1,31 +1,21 @@
-//! The command's `HEADKL_*` settings, read once at start-up: each section
-//! parsed by the crate that owns it (the backends' options, the suite's
-//! settings), the command line's own here. `headkl_core::toolkit::settings` holds
-//! the one list of variables.
+//! The command's `HEADKL_*` settings, read once at start-up: the runtime's
+//! (the backends' options and the engine's switches) and the conformance
+//! suite's. `headkl_core::toolkit::settings` holds the one list of
+//! variables.
 
-use headkl_core::toolkit::settings::{self, Env};
-use headkl_core::DxSplit;
+use std::sync::Arc;
+
+use headkl_core::toolkit::settings::Env;
 use headkl_reference::conformance::SuiteSettings;
 
 use crate::error::CliError;
-use crate::select::BackendArg;
 
 /// Every setting the command reads, parsed.
 #[derive(Clone, Debug, Default)]
 pub struct Settings {
-    /// `HEADKL_BACKEND`.
-    pub backend: Option<BackendArg>,
-    /// `HEADKL_TRACE`: log each head_kl call's host phases.
-    pub trace: bool,
-    /// `HEADKL_DX_SPLIT`.
-    pub dx_split: DxSplit,
-    /// `HEADKL_NO_ROW_STATS`: the KL rows fold the logits themselves.
-    pub no_row_stats: bool,
-    /// The wgpu backend's options (`HEADKL_DEVICE`, `HEADKL_NO_COOPMAT`,
-    /// `HEADKL_CHECKED`, `HEADKL_GEMM`, `HEADKL_QUEUE`, the tune cache).
-    pub wgpu: headkl_wgpu::OpenOptions,
-    /// The Vulkan backend's: the same, and its own switches.
-    pub vulkan: headkl_vulkan::VulkanOptions,
+    /// The runtime's: `HEADKL_BACKEND`, the backends' options, the engine's
+    /// switches.
+    pub runtime: Arc<headkl_runtime::Settings>,
     /// The conformance suite's (`HEADKL_CASES`, `HEADKL_SEED`,
     /// `HEADKL_REQUIRE`).
     pub suite: SuiteSettings,
@@ -35,34 +25,10 @@ impl Settings {
     /// Parses every section from `env`; a value that does not parse is an
     /// error naming it.
     pub fn from_env(env: &Env) -> headkl_core::Result<Self> {
-        let backend = match env.text(settings::BACKEND)? {
-            None => None,
-            Some(v) => Some(BackendArg::parse(&v, true).map_err(|why| settings::invalid(settings::BACKEND, &v, &why))?),
-        };
-        // The options both backends share (HEADKL_GEMM among them) are
-        // parsed once, with the Vulkan backend's, and handed to wgpu.
-        let vulkan = headkl_vulkan::VulkanOptions::from_env(env)?;
-        let wgpu = headkl_wgpu::OpenOptions {
-            common: vulkan.common.clone(),
-        };
         Ok(Self {
-            backend,
-            trace: env.flag(settings::TRACE)?,
-            dx_split: env
-                .text(settings::DX_SPLIT)?
-                .map(|v| DxSplit::parse(settings::DX_SPLIT, &v))
-                .transpose()?
-                .unwrap_or_default(),
-            no_row_stats: env.flag(settings::NO_ROW_STATS)?,
-            wgpu,
-            vulkan,
+            runtime: Arc::new(headkl_runtime::Settings::from_env(env)?),
             suite: SuiteSettings::from_env(env)?,
         })
-    }
-
-    /// `HEADKL_DEVICE` (both backends' options hold the same).
-    pub fn device(&self) -> Option<usize> {
-        self.wgpu.common.device
     }
 }
 
@@ -78,6 +44,9 @@ pub fn read() -> Result<Settings, CliError> {
 
 #[cfg(test)]
 mod tests {
+    use headkl_core::toolkit::settings;
+    use headkl_runtime::{BackendArg, BackendKind};
+
     use super::*;
 
     #[test]
@@ -85,25 +54,13 @@ mod tests {
         let env = Env::from_pairs([
             (settings::BACKEND, "Vulkan"),
             (settings::DEVICE, "2"),
-            (settings::TRACE, "1"),
-            (settings::DX_SPLIT, "3"),
-            (settings::PIPELINE_STATS, "on"),
             (settings::REQUIRE, "wgpu"),
         ]);
         let s = Settings::from_env(&env).unwrap();
-        assert_eq!(s.backend, Some(BackendArg::Vulkan));
-        assert_eq!(s.device(), Some(2));
-        assert_eq!(s.vulkan.common, s.wgpu.common);
-        assert!(s.trace && s.vulkan.pipeline_stats && !s.vulkan.validation);
-        assert_eq!(s.dx_split, DxSplit::Parts(3));
+        assert_eq!(s.runtime.backend, Some(BackendArg::Named(BackendKind::Vulkan)));
+        assert_eq!(s.runtime.device(), Some(2));
         assert!(s.suite.requires("wgpu"));
-        for (name, bad) in [
-            (settings::BACKEND, "cuda"),
-            (settings::DX_SPLIT, "17"),
-            (settings::DX_SPLIT, "0"),
-            (settings::VALIDATION, "maybe"),
-            (settings::REQUIRE, "metal"),
-        ] {
+        for (name, bad) in [(settings::BACKEND, "cuda"), (settings::REQUIRE, "metal")] {
             let e = Settings::from_env(&Env::from_pairs([(name, bad)]))
                 .unwrap_err()
                 .to_string();

@@ -17,7 +17,7 @@ use crate::jobs::{
     Sources,
 };
 use crate::provenance::LossRecord;
-use crate::select::{open_and_run, resolve_announced, BackendArgs, BackendJob};
+use crate::select::{open_and_run, resolve_announced, BackendArgs, Job};
 
 /// `headkl loss` with `(teacher_hidden, teacher_head)` in place of a top-k
 /// file.
@@ -166,8 +166,8 @@ struct FullVocabJob<'a> {
     opts: LossOptions,
 }
 
-impl BackendJob for FullVocabJob<'_> {
-    type Output = LossOutput;
+impl Job for FullVocabJob<'_> {
+    type Output = Result<LossOutput, CliError>;
 
     fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
         let inputs = &self.inputs;
@@ -175,8 +175,8 @@ impl BackendJob for FullVocabJob<'_> {
         engine
             .set_teacher_head(&self.t_head, SliceOptions::default())
             .map_err(|e| self.teacher_sources.map(e, "uploading the teacher's head"))?;
-        engine.set_trace(self.settings.trace);
-        engine.set_dx_split(self.settings.dx_split);
+        engine.set_trace(self.settings.runtime.trace);
+        engine.set_dx_split(self.settings.runtime.dx_split);
         engine
             .head_kl_full_vocab(&inputs.hidden, &self.t_hidden, &self.opts)
             .map_err(|e| inputs.sources.map(e, "head_kl_full_vocab"))

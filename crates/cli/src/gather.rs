@@ -14,7 +14,7 @@ use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile};
 use crate::jobs::{read_head, read_hidden, read_ids, InputArgs, JobInputs, Sources};
 use crate::options::BudgetArg;
 use crate::provenance::TeacherRecord;
-use crate::select::{BackendArgs, BackendJob};
+use crate::select::{BackendArgs, Job};
 use crate::shard::GatherShards;
 use crate::text::fmt_bytes;
 
@@ -47,8 +47,8 @@ struct GatherJob<'a> {
     opts: &'a TopkOptions,
 }
 
-impl BackendJob for GatherJob<'_> {
-    type Output = Gathered;
+impl Job for GatherJob<'_> {
+    type Output = Result<Gathered, CliError>;
 
     fn run<B: Backend>(self, backend: B) -> Result<Gathered, CliError> {
         let inputs = &self.inputs;
@@ -98,8 +98,9 @@ pub fn run(
         backend,
         settings,
         vocab,
-        || {
+        |plan| {
             Ok(GatherShards {
+                plan,
                 head: inputs.head,
                 hidden: inputs.hidden,
                 ids: &ids,

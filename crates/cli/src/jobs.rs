@@ -19,7 +19,7 @@ use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, Te
 use crate::options::BudgetArg;
 use crate::progress::Progress;
 use crate::provenance::{check_teacher, LossRecord, LossRun, TeacherRecord};
-use crate::select::{describe, BackendArgs, BackendJob};
+use crate::select::{describe, BackendArgs, Job};
 use crate::shard::{LossShards, TopkShards};
 use crate::terms::{LossTermArgs, TopkTermArgs};
 use crate::text::fmt_bytes;
@@ -382,8 +382,8 @@ struct TopkJob<'a> {
     opts: &'a TopkOptions,
 }
 
-impl BackendJob for TopkJob<'_> {
-    type Output = TopK;
+impl Job for TopkJob<'_> {
+    type Output = Result<TopK, CliError>;
 
     fn run<B: Backend>(self, backend: B) -> Result<TopK, CliError> {
         let inputs = &self.inputs;
@@ -405,15 +405,13 @@ struct LossJob<'a> {
     opts: &'a LossOptions,
 }
 
-impl BackendJob for LossJob<'_> {
-    type Output = LossOutput;
+impl Job for LossJob<'_> {
+    type Output = Result<LossOutput, CliError>;
 
     fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
         let inputs = &self.inputs;
         let (_progress, mut engine) = inputs.start_engine(backend, "loss: head upload, then tokens")?;
-        engine.set_trace(self.settings.trace);
-        engine.set_dx_split(self.settings.dx_split);
-        engine.set_row_stats(!self.settings.no_row_stats);
+        self.settings.runtime.apply(&mut engine);
         // One call: the engine resolves total and gscale over every token,
         // plans the chunks and reports each one.
         engine
@@ -479,8 +477,9 @@ pub fn topk(
         backend,
         settings,
         vocab,
-        || {
+        |plan| {
             Ok(TopkShards {
+                plan,
                 head: inputs.head,
                 hidden: inputs.hidden,
                 opts: &opts,
@@ -728,10 +727,11 @@ pub fn loss(
         backend,
         settings,
         vocab,
-        || {
+        |plan| {
             // Refused before anything is opened or uploaded.
             headkl_core::shard::check_loss_terms(tail, &opts).map_err(|e| sources.map(e, "loss options"))?;
             Ok(LossShards {
+                plan,
                 head: inputs.head,
                 hidden: inputs.hidden,
                 teacher: &teacher,

@@ -30,19 +30,6 @@ mod tune;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzz;
 
-/// What a program that embeds headkl (the Python package) shares with the
-/// command, so that both pick and open devices one way: the settings read
-/// from `HEADKL_*`, the enumeration, the `auto` policy and the opening of
-/// a chosen backend.
-pub mod embed {
-    pub use crate::environment::{read as read_settings, Settings};
-    pub use crate::error::CliError;
-    pub use crate::select::{
-        auto_pick, describe, enumerate_all, open_gpu, resolve, BackendArg, BackendArgs, BackendKind, Candidate,
-        Enumeration, GpuBackend, RunError, Target, AUTO_POLICY,
-    };
-}
-
 // The unit tests replay the fuzz corpora under the same allocation cap as
 // the harness.
 #[cfg(test)]

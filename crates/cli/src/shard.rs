@@ -18,11 +18,8 @@ use headkl_core::{
 
 use crate::environment::Settings;
 use crate::error::{join_in_order, CliError};
-use crate::select::{
-    open_and_run, open_gpu, resolve_announced, BackendArgs, BackendJob, BackendKind, GpuBackend, RunError, Target,
-};
-use headkl_vulkan::VulkanBackend;
-use headkl_wgpu::WgpuBackend;
+use crate::select::{open_and_run, resolve_announced, BackendArgs, Job, RunError, ShardsJob, Target};
+use headkl_runtime::RuntimeBackend;
 
 /// `--shards` and `--devices`.
 #[derive(Args, Clone, Debug, Default)]
@@ -77,82 +74,40 @@ impl ShardArgs {
     }
 
     /// Runs a command's job (`topk`, `gather`, `loss`) on the backend
-    /// `backend` resolves to: the job `sharded` makes, on the shards
-    /// [`Self::plan`] gives, or without shards `whole`, on one engine.
+    /// `backend` resolves to: the job `sharded` makes for the plan
+    /// [`Self::plan`] gives, on its shards, or without shards `whole`, on
+    /// one engine.
     /// Returns the result and when the run started (the backend resolved).
-    pub(crate) fn run_job<S, J>(
+    pub(crate) fn run_job<T, S, J>(
         &self,
         backend: &BackendArgs,
         settings: &Arc<Settings>,
         vocab: usize,
-        sharded: impl FnOnce() -> Result<S, CliError>,
+        sharded: impl FnOnce(ShardPlan) -> Result<S, CliError>,
         whole: impl FnOnce() -> J,
-    ) -> Result<(J::Output, Instant), CliError>
+    ) -> Result<(T, Instant), CliError>
     where
-        S: ShardJob<Output = J::Output>,
-        J: BackendJob,
+        S: ShardsJob<Output = Result<T, CliError>>,
+        J: Job<Output = Result<T, CliError>>,
     {
         let target = resolve_announced(backend, "headkl", settings)?;
         let start = Instant::now();
         let result = match self.plan(vocab, &target)? {
-            Some(plan) => open_and_run_shards(&target, &plan, sharded()?)?,
+            Some(plan) => open_and_run_shards(&target, &plan.devices.clone(), sharded(plan)?)?,
             None => open_and_run(&target, whole())?,
         };
         Ok((result, start))
     }
 }
 
-/// A job over several engines on one backend kind.
-pub trait ShardJob {
-    /// What the job returns.
-    type Output;
-    /// Runs the job on the opened backends (shard i on `backends[plan.assign[i]]`).
-    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Self::Output, CliError>
-    where
-        B::Buffer: Send;
-}
-
-/// Opens `plan`'s devices of `target`'s backend and runs `job` on them.
-pub fn open_and_run_shards<J: ShardJob>(target: &Target, plan: &ShardPlan, job: J) -> Result<J::Output, RunError> {
-    let kind = target.kind;
-    match kind {
-        BackendKind::Reference => {
-            if plan.devices.iter().any(|d| d.is_some_and(|d| d != 0)) {
-                return Err(RunError::Job(CliError::option(
-                    "--devices",
-                    "the reference backend has one device, index 0",
-                )));
-            }
-            let backends: Vec<_> = plan
-                .devices
-                .iter()
-                .map(|_| headkl_reference::CpuBackend::new())
-                .collect();
-            job.run(&backends, plan).map_err(RunError::Job)
-        }
-        BackendKind::Wgpu => job
-            .run(&open_each::<WgpuBackend>(target, plan)?, plan)
-            .map_err(RunError::Job),
-        BackendKind::Vulkan => job
-            .run(&open_each::<VulkanBackend>(target, plan)?, plan)
-            .map_err(RunError::Job),
-    }
-}
-
-/// `B` opened on each of `plan`'s devices.
-fn open_each<B: GpuBackend>(target: &Target, plan: &ShardPlan) -> Result<Vec<B>, RunError> {
-    plan.devices
-        .iter()
-        .map(|&d| open_gpu::<B>(&on_device(target, d), None))
-        .collect()
-}
-
-/// `target` on device `device`.
-fn on_device(target: &Target, device: Option<usize>) -> Target {
-    Target {
-        device,
-        ..target.clone()
-    }
+/// Opens `devices` of `target`'s backend and runs `job` on them (shard i
+/// of the job's plan on `backends[plan.assign[i]]`).
+pub fn open_and_run_shards<T, J: ShardsJob<Output = Result<T, CliError>>>(
+    target: &Target,
+    devices: &[Option<usize>],
+    job: J,
+) -> Result<T, RunError> {
+    headkl_runtime::open_and_run_shards(target, devices, job)?.map_err(RunError::Job)
 }
 
 /// Maps a core error to the input or option that caused it (the unsharded
@@ -165,7 +120,7 @@ pub(crate) fn engine_on<'b, B: Backend>(
     backend: &'b B,
     head: &HeadWeights<'_>,
     shard: HeadShard,
-    settings: &Settings,
+    settings: &headkl_runtime::Settings,
     map: MapError<'_>,
 ) -> Result<ShardEngine<&'b B>, CliError> {
     let rows = head.rows(shard.v0(), shard.v1()).map_err(|e| map(e, "shard rows"))?;
@@ -226,6 +181,8 @@ where
 /// The sharded loss: N engines on N threads, phase one, the merge on this
 /// thread (where a trainer's all-reduce goes), phase two, `dx` summed.
 pub struct LossShards<'a> {
+    /// The shards and where they run.
+    pub plan: ShardPlan,
     /// The whole head.
     pub head: HeadWeights<'a>,
     /// The hidden rows.
@@ -238,22 +195,20 @@ pub struct LossShards<'a> {
     pub map: MapError<'a>,
 }
 
-impl ShardJob for LossShards<'_> {
-    type Output = LossOutput;
+impl ShardsJob for LossShards<'_> {
+    type Output = Result<LossOutput, CliError>;
 
-    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<LossOutput, CliError>
-    where
-        B::Buffer: Send,
-    {
-        announce(backends, plan);
+    fn run<B: RuntimeBackend>(self, backends: &[B]) -> Self::Output {
         let LossShards {
+            plan,
             head,
             hidden,
             teacher,
             opts,
             map,
         } = self;
-        let map = &map;
+        let (plan, map) = (&plan, &map);
+        announce(backends, plan);
         let ranks: Vec<_> = plan.shards.iter().copied().zip(plan.assign.iter().copied()).collect();
         let outs = two_phases_on_threads(
             ranks,
@@ -285,6 +240,8 @@ impl ShardJob for LossShards<'_> {
 
 /// The sharded top-k: each shard's candidates on its own thread, merged.
 pub struct TopkShards<'a> {
+    /// The shards and where they run.
+    pub plan: ShardPlan,
     /// The whole head.
     pub head: HeadWeights<'a>,
     /// The hidden rows.
@@ -295,13 +252,11 @@ pub struct TopkShards<'a> {
     pub map: MapError<'a>,
 }
 
-impl ShardJob for TopkShards<'_> {
-    type Output = TopK;
+impl ShardsJob for TopkShards<'_> {
+    type Output = Result<TopK, CliError>;
 
-    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<TopK, CliError>
-    where
-        B::Buffer: Send,
-    {
+    fn run<B: RuntimeBackend>(self, backends: &[B]) -> Self::Output {
+        let plan = &self.plan;
         merged_over_shards(
             backends,
             plan,
@@ -317,6 +272,8 @@ impl ShardJob for TopkShards<'_> {
 /// The sharded gather: each shard's log-probabilities and lse on its own
 /// thread, merged.
 pub struct GatherShards<'a> {
+    /// The shards and where they run.
+    pub plan: ShardPlan,
     /// The whole head.
     pub head: HeadWeights<'a>,
     /// The hidden rows.
@@ -329,13 +286,11 @@ pub struct GatherShards<'a> {
     pub map: MapError<'a>,
 }
 
-impl ShardJob for GatherShards<'_> {
-    type Output = Gathered;
+impl ShardsJob for GatherShards<'_> {
+    type Output = Result<Gathered, CliError>;
 
-    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Gathered, CliError>
-    where
-        B::Buffer: Send,
-    {
+    fn run<B: RuntimeBackend>(self, backends: &[B]) -> Self::Output {
+        let plan = &self.plan;
         merged_over_shards(
             backends,
             plan,

@@ -18,7 +18,7 @@ use crate::bench::{BenchData, DataKind, Shape};
 use crate::environment::Settings;
 use crate::error::{join_in_order, CliError};
 use crate::progress::Progress;
-use crate::select::{self, BackendArgs, BackendKind, ResidentJob};
+use crate::select::{self, no_device_buffers, BackendArgs, BackendKind, Job};
 use crate::text::fmt_bytes;
 
 /// Host memory a soak may gain after warm-up: allocator noise, where a
@@ -337,8 +337,12 @@ impl Soak<'_> {
     }
 }
 
-impl ResidentJob for SoakJob<'_> {
-    type Output = Vec<String>;
+impl Job for SoakJob<'_> {
+    type Output = Result<Vec<String>, CliError>;
+
+    fn run<B: Backend>(self, _: B) -> Self::Output {
+        Err(no_device_buffers("--backend"))
+    }
 
     fn run_resident<B: ResidentBackend + Sync>(self, backend: B) -> Result<Vec<String>, CliError> {
         let info = backend.info().clone();
@@ -429,7 +433,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &SoakConfig) -> Re
             "soak runs the device-resident path, which the reference backend has not (name vulkan or wgpu)",
         ));
     }
-    let problems = select::open_and_run_resident(&target, SoakJob { cfg, kind: target.kind })?;
+    let problems = select::open_and_run(&target, SoakJob { cfg, kind: target.kind })?;
     if problems.is_empty() {
         println!("soak: passed");
         return Ok(());

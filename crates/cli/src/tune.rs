@@ -22,7 +22,7 @@ use headkl_reference::conformance::{self, Part, SuiteConfig};
 use crate::environment::Settings;
 use crate::error::CliError;
 use crate::progress::Progress;
-use crate::select::{self, BackendArgs, BackendJob, BackendKind, RunError, Target};
+use crate::select::{self, BackendArgs, BackendKind, Job, RunError, Target};
 use crate::text::table;
 use headkl_reference::rng::fill_parallel;
 
@@ -179,10 +179,10 @@ struct TrialJob<'a> {
     iters: usize,
 }
 
-impl BackendJob for TrialJob<'_> {
-    type Output = (Result<(usize, usize), String>, Option<f64>, Option<f64>);
+impl Job for TrialJob<'_> {
+    type Output = Result<(Result<(usize, usize), String>, Option<f64>, Option<f64>), CliError>;
 
-    fn run<B: Backend>(self, backend: B) -> Result<Self::Output, CliError> {
+    fn run<B: Backend>(self, backend: B) -> Self::Output {
         if !backend.info().matrix_units {
             return Err(CliError::option(
                 "--backend",
@@ -294,9 +294,9 @@ impl BackendJob for TrialJob<'_> {
 /// Reads the device's name, driver and memory.
 struct InfoJob;
 
-impl BackendJob for InfoJob {
-    type Output = headkl_core::DeviceInfo;
-    fn run<B: Backend>(self, backend: B) -> Result<Self::Output, CliError> {
+impl Job for InfoJob {
+    type Output = Result<headkl_core::DeviceInfo, CliError>;
+    fn run<B: Backend>(self, backend: B) -> Self::Output {
         Ok(backend.info().clone())
     }
 }

@@ -8,11 +8,12 @@ use headkl_core::{
 
 use super::data::BenchData;
 use super::{BenchConfig, BenchJob, JobKind, JobResult};
-use crate::environment::Settings;
 use crate::error::CliError;
+use crate::select::ShardsJob;
 use crate::select::Target;
-use crate::shard::{engine_on, open_and_run_shards, ShardArgs, ShardJob, ShardPlan};
+use crate::shard::{engine_on, open_and_run_shards, ShardArgs, ShardPlan};
 use crate::text::fmt_bytes;
+use headkl_runtime::{RuntimeBackend, Settings};
 
 /// `--shards N`: both host jobs with the head cut into N even shards, one
 /// engine each on this backend, called in turn on one thread (phase one on
@@ -49,22 +50,22 @@ pub(super) fn time_sharded_on_devices(
     let Some(plan) = args.plan(d.shape.vocab, target)? else {
         return Ok(Vec::new());
     };
-    open_and_run_shards(target, &plan, DeviceShards { d, cfg }).map_err(CliError::from)
+    let devices = plan.devices.clone();
+    open_and_run_shards(target, &devices, DeviceShards { d, cfg, plan }).map_err(CliError::from)
 }
 
 /// The sharded rows' timing on the opened devices.
 struct DeviceShards<'a> {
     d: &'a BenchData,
     cfg: &'a BenchConfig,
+    plan: ShardPlan,
 }
 
-impl ShardJob for DeviceShards<'_> {
-    type Output = Vec<JobResult>;
+impl ShardsJob for DeviceShards<'_> {
+    type Output = Result<Vec<JobResult>, CliError>;
 
-    fn run<B: Backend + Sync>(self, backends: &[B], plan: &ShardPlan) -> Result<Vec<JobResult>, CliError>
-    where
-        B::Buffer: Send,
-    {
+    fn run<B: RuntimeBackend>(self, backends: &[B]) -> Self::Output {
+        let plan = &self.plan;
         let placed: Vec<_> = plan.shards.iter().copied().zip(plan.assign.iter().copied()).collect();
         time_shards::<B, Threads>(self.d, self.cfg, backends, &placed, &plan.target.settings)
     }

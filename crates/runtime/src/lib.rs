@@ -1,0 +1,32 @@
+//! headkl's runtime: the one layer that opens any backend. It lists every
+//! backend's devices, holds the `auto` policy and the `HEADKL_*` settings
+//! the backends open with, and runs work on whichever backend a [`Target`]
+//! names, through one match over the backends ([`on_kind`]). The `headkl`
+//! command and the Python package both stand on it, so they pick and open
+//! devices one way.
+//!
+//! Work that runs on a backend is generic over it, so each backend's
+//! buffer type stays static: a [`Job`] for one device, a [`ShardsJob`] for
+//! several devices of one backend, or an [`AnyEngine`], an engine whose
+//! backend is chosen at run time (the Python package holds one).
+//!
+//! A new backend is one [`BackendKind`] variant, one [`RuntimeBackend`]
+//! impl and one arm of [`on_kind`], all in this crate.
+
+mod backend;
+mod engine;
+mod error;
+mod kind;
+mod policy;
+mod run;
+mod settings;
+mod target;
+
+pub use backend::{contained, on_kind, RuntimeBackend, Visit};
+pub use engine::{AnyEngine, HostEngine, HostShard};
+pub use error::{Error, Field};
+pub use kind::{BackendArg, BackendKind};
+pub use policy::{auto_pick, best_gpu, describe, is_software, AutoPick, Candidate, AUTO_POLICY, SOFTWARE_REASON};
+pub use run::{open_and_run, open_and_run_shards, open_backend, Job, OpenVisit, ShardsJob};
+pub use settings::Settings;
+pub use target::{enumerate_all, enumerate_backend, resolve, target_for, Enumeration, Selection, Target};
