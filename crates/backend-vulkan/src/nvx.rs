@@ -8,8 +8,8 @@ use std::ffi::CString;
 use std::sync::Arc;
 
 use ash::vk;
-use headkl_core::toolkit::wgmma_tile::PTX;
 use headkl_core::Result;
+use headkl_ptx::PTX;
 
 use crate::conv::{backend_error, vk_error};
 use crate::device::Device;

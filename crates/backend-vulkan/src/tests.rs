@@ -660,7 +660,7 @@ fn every_catalogue_kernel_compiles_to_spirv() {
     let mut failures = Vec::new();
     let (mut compiled, mut glsl, mut ptx) = (0, 0, 0);
     for build in &builds {
-        match headkl_core::toolkit::wgmma_tile::check_build(build) {
+        match headkl_ptx::check_build(build) {
             Ok(None) => {}
             Ok(Some(_)) => {
                 ptx += 1;

@@ -53,10 +53,7 @@ fn check(build: &KernelBuild) -> Result<usize, String> {
         KernelSource::Glsl { .. } => return headkl_glsl::check_build(build).map(|k| k.words().len()),
         // The PTX entry point, its parameter block and shared memory
         // (headkl_core's tests check the text is the source's).
-        KernelSource::Ptx { .. } => {
-            return headkl_core::toolkit::wgmma_tile::check_build(build)
-                .map(|_| headkl_core::toolkit::wgmma_tile::PTX.len())
-        }
+        KernelSource::Ptx { .. } => return headkl_ptx::check_build(build).map(|_| headkl_ptx::PTX.len()),
     };
     let (file, entry) = (shader.file, build.entry);
     let (module, info) = parse(file, &shader.source());
