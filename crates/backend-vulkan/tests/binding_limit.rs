@@ -8,7 +8,7 @@
 
 use headkl_core::{round_up, slice_vocab, Backend, ALIGN};
 use headkl_reference::conformance::{check_case, harness_env, open_or_skip};
-use headkl_reference::strategies::{Case, CaseKind, CaseParams, TeacherShape};
+use headkl_reference::generator::{Case, CaseKind, CaseParams, TeacherShape};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 
 fn case(kind: CaseKind, vocab: usize, hs: usize) -> Case {

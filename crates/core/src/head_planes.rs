@@ -4,7 +4,7 @@
 //! operand, the logits GEMMs, the dx GEMMs with their split-K parts and
 //! `sum_parts`, and the chunk plan with its scratch sizes.
 //!
-//! The host path ([`crate::driver`]), the device-resident path
+//! The host path ([`crate::engine`]), the device-resident path
 //! ([`crate::resident`]) and the vocabulary shards ([`crate::shard`]) call
 //! these methods rather than each other's internals; the backend stays with
 //! the [`crate::Engine`] that owns both and is passed in.
@@ -15,7 +15,7 @@ use crate::backend::{
     Backend, ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, RowStats, SumPartsDesc, STATS_GROUP_COLS,
 };
 use crate::chunking::{plan_chunks, ChunkPlan};
-use crate::driver::SliceOptions;
+use crate::engine::SliceOptions;
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
 use crate::launch::Kernels;

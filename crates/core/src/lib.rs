@@ -1,5 +1,5 @@
 //! headkl-core: the distillation loss's shapes, validation and errors, the
-//! vocabulary slicing, and the driver ([`Engine`]) written once over any
+//! vocabulary slicing, and the engine ([`Engine`]) written once over any
 //! backend. What a backend implements and reads (the [`Backend`] trait, the
 //! kernel catalogue, launches, parameter blocks, GEMM tiles, settings) is
 //! [`toolkit`]; the root is what a trainer uses.
@@ -61,7 +61,7 @@
 
 #![warn(missing_docs)]
 
-pub mod driver;
+pub mod engine;
 pub mod error;
 pub mod filter;
 pub mod floats;
@@ -83,7 +83,7 @@ pub mod vocab_order;
 #[allow(unused_imports, reason = "a glob: each name is used by some of the crate's modules")]
 use toolkit::*;
 
-pub use driver::{
+pub use engine::{
     check_full_vocab_terms, check_gather_ids, Engine, Gathered, LossOutput, ProgressCallback, SliceOptions, TopK,
 };
 pub use error::{DriverError, Error, ErrorKind, Field, Result};

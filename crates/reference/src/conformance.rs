@@ -8,7 +8,7 @@
 //!   `kl_rows` and `topk_rows` against the formulas on the same f32 logits
 //!   (ties, one residue class mod 256, k = 1, k = 2048, non-finite rows);
 //! - **driver cases**: [`SuiteConfig::cases`] cases drawn by
-//!   [`crate::strategies::draw_case_params`] from the suite's seed, alternating
+//!   [`crate::generator::draw_case_params`] from the suite's seed, alternating
 //!   `head_kl` and `topk`, run through [`Engine`] and compared with
 //!   [`crate::direct`] by [`Tolerance`];
 //! - **regressions**: a fixed list of named cases;
@@ -59,7 +59,7 @@ pub use harness::{ensure_runtime_dir, harness_env, harness_suite, open_or_skip};
 use headkl_core::toolkit::settings::{self, Env};
 use headkl_core::{Backend, DeviceInfo, Engine};
 
-use crate::strategies::{draw_case_params, Case, CaseKind, Rng};
+use crate::generator::{draw_case_params, Case, CaseKind, Rng};
 use crate::tolerance::Tolerance;
 
 /// Default seed of the drawn cases when `HEADKL_SEED` is not set.

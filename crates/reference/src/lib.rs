@@ -10,7 +10,7 @@
 //!   accumulate in f64. It is the always-available `reference` backend and
 //!   lets the core driver's slicing and chunking be tested with no GPU.
 //! - [`tolerance`]: [`Tolerance`], the comparator with DESIGN §5's bounds.
-//! - `strategies` (feature `conformance`): the cases and their seeded
+//! - `generator` (feature `conformance`): the cases and their seeded
 //!   generator (the crate's own, not proptest's: `headkl check` ships it).
 //! - `conformance` (feature `conformance`): the suite, generic over a
 //!   backend, the `conformance_tests!` macro that instantiates it in a
@@ -42,11 +42,11 @@
 pub mod conformance;
 pub mod cpu;
 pub mod direct;
+#[cfg(feature = "conformance")]
+pub mod generator;
 pub mod lm;
 mod par;
 pub mod rng;
-#[cfg(feature = "conformance")]
-pub mod strategies;
 pub mod tolerance;
 
 pub use cpu::{CpuBackend, CpuBuffer, Precision};

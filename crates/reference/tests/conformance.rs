@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
-use headkl_reference::strategies::MIN_BINDING_BYTES;
+use headkl_reference::generator::MIN_BINDING_BYTES;
 use headkl_reference::{CpuBackend, Precision};
 
 headkl_reference::conformance_tests!(

@@ -6,7 +6,7 @@
 
 use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, SliceOptions, Teacher};
 use headkl_reference::direct::{head_kl_f64, logits_f64, softmax_over, topk_f64};
-use headkl_reference::strategies::{draw_case_params, Case, CaseKind, CaseParams, TeacherShape};
+use headkl_reference::generator::{draw_case_params, Case, CaseKind, CaseParams, TeacherShape};
 use headkl_reference::CpuBackend;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};

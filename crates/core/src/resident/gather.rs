@@ -9,7 +9,7 @@
 use super::{elements, GatherRowsDesc, ResidentBackend, StatusDetailDesc};
 use crate::backend::TopkDesc;
 use crate::chunking::ChunkPlan;
-use crate::driver::Engine;
+use crate::engine::Engine;
 use crate::error::Result;
 use crate::head_planes::Scaling;
 use crate::launch::{Kernels, Launch};

@@ -29,7 +29,7 @@ pub use kernels::{
 };
 
 use crate::backend::{Backend, KlDesc, RowStats, TopkDesc};
-use crate::driver::Engine;
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::head_planes::{DxFilter, HeadPlanes, Scaling};
 use crate::launch::{Kernels, Launch};

@@ -5,7 +5,7 @@
 use super::{GatherPartials, HeadShard, LossPartials, LossStats, TopkPartials};
 use crate::backend::{Backend, KlDesc, TopkDesc};
 use crate::chunking::ChunkPlan;
-use crate::driver::{Engine, HostCall, LossOutput, SliceOptions, Trace};
+use crate::engine::{Engine, HostCall, LossOutput, SliceOptions, Trace};
 use crate::error::{Error, Field, Result};
 use crate::head::HeadWeights;
 use crate::head_planes::{HeadPlanes, Scaling};

@@ -3,7 +3,7 @@
 //! drives several engines itself.
 
 use super::{check_cover, GatherPartials, LossPartials, TopkPartials};
-use crate::driver::{Gathered, LossOutput, TopK};
+use crate::engine::{Gathered, LossOutput, TopK};
 use crate::error::{Error, Result};
 use crate::problem::{check_k, TopkOptions};
 

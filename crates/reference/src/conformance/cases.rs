@@ -8,7 +8,7 @@ use headkl_core::{
 use super::overlap::CountInFlight;
 use super::{engine_for, CaseErrors};
 use crate::direct::{self, DirectLoss};
-use crate::strategies::{Case, CaseKind, CaseParams, TeacherShape};
+use crate::generator::{Case, CaseKind, CaseParams, TeacherShape};
 use crate::tolerance::Tolerance;
 
 /// Runs `case` through the driver and compares with the reference.

@@ -14,7 +14,7 @@ use headkl_core::{Backend, Divergence, LossTerms, TailMode, NO_LABEL};
 
 use super::CaseErrors;
 use crate::direct::{row_terms_f64, softmax_over, topk_of_row, DirectLoss, DirectTopK, RowTeacher};
-use crate::strategies::{residue_ids, Rng};
+use crate::generator::{residue_ids, Rng};
 use crate::tolerance::Tolerance;
 
 /// Extra elements after every region, poisoned, to catch overruns.
@@ -267,7 +267,7 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
     ];
     for (layout, acc, alpha) in [(Out, false, 1.0), (Red, true, -0.5)] {
         // The largest shape, with buffers exactly the size of their regions
-        // (C is 256 KiB) so it fits `strategies::MIN_BINDING_BYTES`.
+        // (C is 256 KiB) so it fits `generator::MIN_BINDING_BYTES`.
         v.push(KernelCase::Gemm(GemmSpec {
             m: 256,
             n: 256,

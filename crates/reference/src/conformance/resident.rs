@@ -30,7 +30,7 @@ use headkl_core::{
 
 use super::{driver_case, engine_for, run_one, CaseErrors, CaseOutcome, Recorder, SuiteConfig, SuiteReport};
 use crate::direct;
-use crate::strategies::{Case, CaseKind, CaseParams};
+use crate::generator::{Case, CaseKind, CaseParams};
 use crate::tolerance::Tolerance;
 
 /// Uploads `data` into a fresh device buffer.

@@ -15,7 +15,7 @@ use headkl_core::{
 
 use super::{run_one, CaseErrors, CaseOutcome, Recorder, SuiteReport};
 use crate::direct::{head_kl_f64, topk_f64};
-use crate::strategies::Rng;
+use crate::generator::Rng;
 use crate::tolerance::Tolerance;
 
 pub(super) const VOCAB: usize = 1000;

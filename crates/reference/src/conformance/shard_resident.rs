@@ -23,7 +23,7 @@ use super::shard::{
 };
 use super::{CaseErrors, CaseOutcome, SuiteReport};
 use crate::direct::head_kl_f64;
-use crate::strategies::Rng;
+use crate::generator::Rng;
 use crate::tolerance::Tolerance;
 
 /// The cases: name and what each checks.

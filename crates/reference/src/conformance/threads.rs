@@ -8,7 +8,7 @@ use headkl_core::{
     TopkOptions,
 };
 
-use crate::strategies::Rng;
+use crate::generator::Rng;
 
 /// The problem every engine solves: a head of several slices (so each call
 /// runs several GEMMs a chunk) and a few chunks of tokens.
