@@ -184,14 +184,12 @@ impl<B: Backend> HeadPlanes<B> {
             while row < padded {
                 let rows = rows_per_upload.min(padded - row);
                 let real = rows.min(s.width.saturating_sub(row));
-                staging.clear();
+                let first = s.offset + row;
                 match &order {
-                    None => head.pack_rows_f16(s.offset + row, real, hs_padded, &mut staging)?,
+                    None => head.pack_checked_rows(|r| first + r, real, hs_padded, &mut staging),
+                    // first + r < vocab = o.len(), which fits in u32.
                     Some(o) => {
-                        for p in s.offset + row..s.offset + row + real {
-                            // p < vocab = o.len(), which fits in u32.
-                            head.pack_rows_f16(o.id(p as u32) as usize, 1, hs_padded, &mut staging)?;
-                        }
+                        head.pack_checked_rows(|r| o.id((first + r) as u32) as usize, real, hs_padded, &mut staging)
                     }
                 }
                 for (r, norm) in row_norms(&staging, hs_padded).into_iter().enumerate() {
