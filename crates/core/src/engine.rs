@@ -3,32 +3,24 @@
 //! sequences every path shares), cuts the tokens into chunks, and runs
 //! `head_kl` and `topk` with host inputs and outputs.
 
-use crate::backend::{Backend, KlDesc, RowStats, TopkDesc};
-use crate::chunking::ChunkPlan;
+use crate::align::{round_up, ALIGN};
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
 use crate::head_planes::{DevicePlane, DxFilter, HeadPlanes, Scaling};
 use crate::in_flight::{Copying, InFlight};
-use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
+use crate::slicing::SliceOptions;
 use crate::slicing::VocabSlice;
-use crate::split::DxSplit;
 use crate::terms::{LossTerms, NO_LABEL};
+use crate::toolkit::backend::{Backend, KlDesc, RowStats, TopkDesc};
+use crate::toolkit::chunking::ChunkPlan;
+use crate::toolkit::launch::Kernels;
+use crate::toolkit::split::DxSplit;
 use crate::vocab_order::VocabOrder;
-use crate::{round_up, ALIGN};
 
 mod gather;
 pub use gather::{check_gather_ids, Gathered};
-
-/// How the head is cut into vocabulary slices.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SliceOptions {
-    /// Test knob: at most this many vocabulary rows per slice (rounded down
-    /// to a multiple of 128, at least 128), to reach the multi-slice path
-    /// with a small head.
-    pub max_rows_per_slice: Option<usize>,
-}
 
 /// Result of `head_kl`. A caller that keeps one and passes it to
 /// [`Engine::head_kl_into`] call after call reuses its memory.
@@ -49,9 +41,9 @@ pub struct LossOutput {
     pub mean: f64,
     /// `∂L/∂x` `[ntok][hs]`.
     pub dx: Vec<f32>,
-    /// With [`crate::LossConfig::filter_eps`]: what the dx GEMM's block filter
+    /// With [`crate::problem::LossConfig::filter_eps`]: what the dx GEMM's block filter
     /// skipped, and a bound on what that dropped from dx.
-    pub filter: Option<crate::FilterStats>,
+    pub filter: Option<crate::filter::FilterStats>,
 }
 
 /// Result of `topk`: `[ntok][k]` ids (descending logit, ties lowest id
@@ -100,7 +92,7 @@ pub struct Engine<B: Backend> {
     scratch: ScratchCache<B>,
     /// Scratch and status of the device-resident entry points
     /// (`crate::resident`).
-    pub(crate) resident: crate::resident::ResidentState<B>,
+    pub(crate) resident: crate::scratch::ResidentState<B>,
     /// Log each `head_kl` call's host phases ([`Engine::set_trace`]).
     trace: bool,
     /// Told the tokens of each chunk as its outputs are read
@@ -167,7 +159,7 @@ impl<B: Backend> Engine<B> {
             backend,
             head,
             scratch: ScratchCache::default(),
-            resident: crate::resident::ResidentState::new(),
+            resident: crate::scratch::ResidentState::new(),
             trace: false,
             progress: None,
             row_stats: true,
@@ -177,7 +169,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Whether `head_kl`'s logits GEMMs also write each row's statistics
-    /// (maximum and sum of exponentials per 32 columns, [`crate::RowStats`])
+    /// (maximum and sum of exponentials per 32 columns, [`crate::toolkit::RowStats`])
     /// so the KL rows read the logits once instead of twice (on by
     /// default; `HEADKL_ROW_STATS=off` through the command line). Used only
     /// where those statistics are the KL rows' whole first pass: no
@@ -455,14 +447,14 @@ impl<B: Backend> Engine<B> {
             t_sizes
                 .costs(Job::Topk, t_f32)
                 .into_iter()
-                .map(|c| crate::chunking::RowCost {
+                .map(|c| crate::toolkit::chunking::RowCost {
                     what: teacher_cost_name(c.what),
                     ..c
                 }),
         );
         let info = self.backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
-        let plan = crate::chunking::plan_chunks(
+        let plan = crate::toolkit::chunking::plan_chunks(
             ntok,
             &costs,
             opts.config.budget_bytes,
@@ -517,7 +509,7 @@ impl<B: Backend> Engine<B> {
             dx,
             filter,
         } = out;
-        *filter = resolved.filter_eps.map(|eps| crate::FilterStats {
+        *filter = resolved.filter_eps.map(|eps| crate::filter::FilterStats {
             eps,
             ..Default::default()
         });
@@ -599,7 +591,7 @@ impl<B: Backend> Engine<B> {
                         &scratch.logits,
                         Scaling::teacher(resolved.temperature),
                     )?;
-                    (1, crate::TailMode::Renormalize, &scratch.logits, true)
+                    (1, crate::terms::TailMode::Renormalize, &scratch.logits, true)
                 }
             };
             let row_stats = match dense {
@@ -664,7 +656,7 @@ impl<B: Backend> Engine<B> {
         &self,
         chunk: &mut Copying<'_, B>,
         resolved: &ResolvedLoss,
-        stats: &mut Option<crate::FilterStats>,
+        stats: &mut Option<crate::filter::FilterStats>,
     ) -> Result<()> {
         let Some(len) = chunk.next_len() else {
             return Ok(());
@@ -959,7 +951,7 @@ impl Trace {
         let total: f64 = self.phases.iter().map(|(_, ms)| ms).sum();
         let parts: Vec<String> = self.phases.iter().map(|(p, ms)| format!("{p} {ms:.1}")).collect();
         log::info!(
-            target: crate::DIAGNOSTICS_LOG_TARGET,
+            target: crate::toolkit::settings::DIAGNOSTICS_LOG_TARGET,
             "trace {}: {total:.1} ms = {}",
             self.job,
             parts.join(", ")

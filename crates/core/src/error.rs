@@ -253,7 +253,7 @@ pub enum Error {
         hint: &'static str,
     },
     /// An option the exact full-vocabulary divergence (the teacher's
-    /// hidden rows and head, [`crate::Engine::head_kl_full_vocab`]) does
+    /// hidden rows and head, [`crate::engine::Engine::head_kl_full_vocab`]) does
     /// not take.
     #[error("{option} = {value}: not supported with the teacher's hidden rows (the exact full-vocabulary divergence); {hint}")]
     FullVocabUnsupported {
@@ -264,8 +264,8 @@ pub enum Error {
         /// What works instead.
         hint: &'static str,
     },
-    /// [`crate::Engine::head_kl_full_vocab`] on an engine without a
-    /// teacher head ([`crate::Engine::set_teacher_head`]).
+    /// [`crate::engine::Engine::head_kl_full_vocab`] on an engine without a
+    /// teacher head ([`crate::engine::Engine::set_teacher_head`]).
     #[error(
         "no teacher head: upload one with Engine::set_teacher_head (--teacher-head) before the full-vocabulary loss"
     )]
@@ -425,7 +425,7 @@ pub enum Error {
     /// The driver never builds one: this is a caller of `Backend` at fault.
     #[error("{kernel}: {field} = {value}: {reason}")]
     BadDescriptor {
-        /// The kernel ([`crate::KernelId::name`]).
+        /// The kernel ([`crate::toolkit::KernelId::name`]).
         kernel: &'static str,
         /// The descriptor field or buffer.
         field: &'static str,

@@ -132,11 +132,11 @@ impl FilterStats {
 }
 
 /// Checks ε: finite and not negative.
-pub fn check_eps(eps: f32) -> crate::Result<()> {
+pub fn check_eps(eps: f32) -> crate::error::Result<()> {
     if eps >= 0.0 && eps.is_finite() {
         Ok(())
     } else {
-        Err(crate::Error::InvalidFilterEps { value: eps })
+        Err(crate::error::Error::InvalidFilterEps { value: eps })
     }
 }
 

@@ -83,7 +83,7 @@ impl<'a> HeadWeights<'a> {
     ) {
         out.clear();
         out.resize(rows * ld, f16::ZERO);
-        crate::host::par_chunks(out, ROWS_PER_PIECE * ld.max(1), |piece, block| {
+        crate::toolkit::host::par_chunks(out, ROWS_PER_PIECE * ld.max(1), |piece, block| {
             for (r, dst) in block.chunks_exact_mut(ld.max(1)).enumerate() {
                 self.pack_row(row_of(piece * ROWS_PER_PIECE + r), dst);
             }
@@ -110,7 +110,7 @@ impl<'a> HeadWeights<'a> {
     /// naming its row and column.
     pub fn check_values(&self) -> Result<()> {
         let mut found: Vec<Result<()>> = (0..self.vocab.div_ceil(ROWS_PER_PIECE)).map(|_| Ok(())).collect();
-        crate::host::par_chunks(&mut found, 1, |piece, slot| {
+        crate::toolkit::host::par_chunks(&mut found, 1, |piece, slot| {
             let rows = piece * ROWS_PER_PIECE..((piece + 1) * ROWS_PER_PIECE).min(self.vocab);
             slot[0] = rows.into_iter().try_for_each(|row| self.check_row(row));
         });

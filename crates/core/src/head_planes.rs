@@ -7,24 +7,24 @@
 //! The host path ([`crate::engine`]), the device-resident path
 //! ([`crate::resident`]) and the vocabulary shards ([`crate::shard`]) call
 //! these methods rather than each other's internals; the backend stays with
-//! the [`crate::Engine`] that owns both and is passed in.
+//! the [`crate::engine::Engine`] that owns both and is passed in.
 
 use half::f16;
 
-use crate::backend::{
-    Backend, ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, RowStats, SumPartsDesc, STATS_GROUP_COLS,
-};
-use crate::chunking::{plan_chunks, ChunkPlan};
-use crate::engine::SliceOptions;
+use crate::align::{round_up, ALIGN};
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
-use crate::launch::Kernels;
 use crate::problem::Hidden;
 use crate::scratch::{Input, Job, RowBytes};
+use crate::slicing::SliceOptions;
 use crate::slicing::{slice_vocab, VocabSlice};
-use crate::split::DxSplit;
+use crate::toolkit::backend::{
+    Backend, ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, RowStats, SumPartsDesc, STATS_GROUP_COLS,
+};
+use crate::toolkit::chunking::{plan_chunks, ChunkPlan};
+use crate::toolkit::launch::Kernels;
+use crate::toolkit::split::DxSplit;
 use crate::vocab_order::VocabOrder;
-use crate::{round_up, ALIGN};
 
 /// Bytes of host data uploaded per transfer while packing the head, so a
 /// multi-GB head never needs a second multi-GB copy on the host.
@@ -39,8 +39,8 @@ const HEAD_UPLOAD_BYTES: usize = 64 << 20;
 pub(crate) struct Scaling {
     /// Temperature τ.
     pub temperature: f32,
-    /// Logit scale S ([`crate::LossTerms::logit_scale`],
-    /// [`crate::TopkOptions::logit_scale`]).
+    /// Logit scale S ([`crate::terms::LossTerms::logit_scale`],
+    /// [`crate::problem::TopkOptions::logit_scale`]).
     pub logit_scale: f32,
     /// The host paths' gradient scale, folded into dx's alpha.
     pub host_gscale: Option<f32>,
@@ -48,7 +48,7 @@ pub(crate) struct Scaling {
 
 impl Scaling {
     /// Top-k's: z/τ with z = S·x·Wᵀ, no gradient.
-    pub(crate) fn top_k(opts: &crate::TopkOptions) -> Self {
+    pub(crate) fn top_k(opts: &crate::problem::TopkOptions) -> Self {
         Self {
             temperature: opts.temperature,
             logit_scale: opts.logit_scale,
@@ -120,7 +120,7 @@ pub(crate) struct HeadPlanes<B: Backend> {
 pub(crate) type PlaneFill<'a, B> = dyn FnMut(&B, DevicePlane<'_, <B as Backend>::Buffer>) -> Result<()> + 'a;
 
 /// One vocabulary slice's plane of a head already on the device
-/// ([`crate::Engine::from_device_head`]): `padded_rows` rows of `hs_padded`
+/// ([`crate::engine::Engine::from_device_head`]): `padded_rows` rows of `hs_padded`
 /// f16 values from byte 0 of `buffer`, row `r < rows` holding head row
 /// `first_row + r` (columns past hs zero), the rows past `rows` zero.
 pub struct DevicePlane<'a, Buf> {
@@ -615,8 +615,8 @@ impl<B: Backend> HeadPlanes<B> {
     /// Where `kl_rows` writes a chunk's block mask for ε (after grad's
     /// `rows_padded` rows, where the dx GEMM reads it), or `None` without
     /// the filter.
-    pub(crate) fn kl_filter(&self, eps: Option<f32>, rows_padded: usize) -> Option<crate::backend::KlFilter> {
-        eps.map(|eps| crate::backend::KlFilter {
+    pub(crate) fn kl_filter(&self, eps: Option<f32>, rows_padded: usize) -> Option<crate::toolkit::backend::KlFilter> {
+        eps.map(|eps| crate::toolkit::backend::KlFilter {
             eps,
             mask_at: rows_padded * self.vocab_padded,
         })
@@ -644,7 +644,7 @@ impl<B: Backend> HeadPlanes<B> {
         rows: usize,
         eps: f32,
         weight: impl Fn(usize) -> f64,
-    ) -> crate::FilterStats {
+    ) -> crate::filter::FilterStats {
         let words = crate::filter::mask_words(self.vocab_padded);
         let tile = backend.gemm_tile(HeadLayout::Dx).map_or(64, |t| t.0 as usize);
         let blocks = self.vocab_padded.div_ceil(crate::filter::BLOCK);
@@ -673,7 +673,7 @@ impl<B: Backend> HeadPlanes<B> {
                 bound_sq += (weight(r) * f64::from(eps) * dropped_norm).powi(2);
             }
         }
-        crate::FilterStats {
+        crate::filter::FilterStats {
             blocks: (tiles * blocks) as u64,
             skipped,
             dropped_bound: bound_sq.sqrt(),
@@ -703,7 +703,7 @@ fn row_norms(rows: &[f16], ld: usize) -> Vec<f32> {
     let ld = ld.max(1);
     let mut out = vec![0f32; rows.len() / ld];
     // Chunks of 512 rows.
-    crate::host::par_chunks(&mut out, 512, |i, norms| {
+    crate::toolkit::host::par_chunks(&mut out, 512, |i, norms| {
         let mut row = vec![0f32; ld];
         let src = rows.get(i * 512 * ld..).unwrap_or_default();
         for (w, o) in src.chunks_exact(ld).zip(norms) {

@@ -1,4 +1,4 @@
-//! The host path's chunks in flight, for the [`crate::Engine`] and the
+//! The host path's chunks in flight, for the [`crate::engine::Engine`] and the
 //! shard engine alike: chunk i's outputs start their copy out before chunk
 //! i−1's are waited for and read, so the device always has queued work
 //! while the host reads. Downloads go through
@@ -10,8 +10,8 @@
 //! [`Copying`] drops, so no copy outlives the call and its staging is free
 //! when the call returns.
 
-use crate::backend::{Backend, PendingDownload};
 use crate::error::{Error, Field, Result};
+use crate::toolkit::backend::{Backend, PendingDownload};
 
 /// One output to copy out: a buffer, a byte offset in it and a length.
 pub(crate) type Output<'b, B> = (&'b <B as Backend>::Buffer, u64, usize);
@@ -126,8 +126,8 @@ impl<'a, B: Backend> InFlight<'a, B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{DeviceBuffer, DeviceInfo, MemoryStats};
-    use crate::launch::Launch;
+    use crate::toolkit::backend::{DeviceBuffer, DeviceInfo, MemoryStats};
+    use crate::toolkit::launch::Launch;
     use std::cell::RefCell;
 
     struct Buf(u64);

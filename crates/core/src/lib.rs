@@ -61,6 +61,7 @@
 
 #![warn(missing_docs)]
 
+mod align;
 pub mod engine;
 pub mod error;
 pub mod filter;
@@ -77,15 +78,8 @@ pub mod terms;
 pub mod toolkit;
 pub mod vocab_order;
 
-// The toolkit's modules and items by their short paths inside this crate
-// (`crate::kernels`, `crate::GemmDesc`); outside it they are
-// `headkl_core::toolkit::…`.
-#[allow(unused_imports, reason = "a glob: each name is used by some of the crate's modules")]
-use toolkit::*;
-
-pub use engine::{
-    check_full_vocab_terms, check_gather_ids, Engine, Gathered, LossOutput, ProgressCallback, SliceOptions, TopK,
-};
+pub use align::{round_up, ALIGN};
+pub use engine::{check_full_vocab_terms, check_gather_ids, Engine, Gathered, LossOutput, ProgressCallback, TopK};
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use filter::FilterStats;
 pub use floats::FloatSlice;
@@ -96,8 +90,9 @@ pub use problem::{
     DEFAULT_BUDGET_BYTES, DEFAULT_IGNORE_INDEX, MAX_K,
 };
 pub use resident::{DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend};
-pub use slicing::{slice_vocab, VocabSlice, SLICE_ROWS};
+pub use slicing::{slice_vocab, SliceOptions, VocabSlice, SLICE_ROWS};
 pub use terms::{rescale_teacher, Divergence, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL, PROB_FLOOR};
+pub use toolkit::settings::DIAGNOSTICS_LOG_TARGET;
 pub use vocab_order::VocabOrder;
 // What a caller of the engine meets from the toolkit: the backend bound
 // and what it reports, the options a backend opens with, the chunk plan
@@ -106,19 +101,3 @@ pub use toolkit::{
     Backend, ChoiceSource, ChunkPlan, CommonOptions, DeviceBuffer, DeviceInfo, DxSplit, GemmChoice, KernelTime,
     MemoryStats, QueueChoice,
 };
-
-/// The `log` target of the diagnostics a user switches on
-/// (`HEADKL_TRACE`'s phases, `HEADKL_PIPELINE_STATS`' statistics), logged
-/// at info level: a program that is otherwise quiet can still let them
-/// through, since they were asked for.
-pub const DIAGNOSTICS_LOG_TARGET: &str = "headkl::diagnostics";
-
-/// Alignment of every padded device extent (token rows, hidden columns,
-/// vocabulary columns): the 16×16 matrix-unit tile edge. GEMM kernels may
-/// read and write whole 16×16 tiles.
-pub const ALIGN: usize = 16;
-
-/// `x` rounded up to a multiple of `to`.
-pub const fn round_up(x: usize, to: usize) -> usize {
-    x.div_ceil(to) * to
-}

@@ -309,7 +309,7 @@ pub enum Reduction {
     /// `Σ w_t L_t / ntok`: `F.kl_div(…, reduction="batchmean")` over
     /// `[ntok, V]` rows (its `"mean"` is this over `V` more).
     BatchMean,
-    /// The per-token losses themselves ([`crate::LossOutput::loss`]); the
+    /// The per-token losses themselves ([`crate::engine::LossOutput::loss`]); the
     /// call's loss and dx are the sum's, as autograd gives them from a
     /// gradient of ones.
     None,
@@ -351,7 +351,7 @@ impl Reduction {
 
 /// What a loss call is asked on every path: the host call
 /// ([`LossOptions::config`]), the call on device buffers
-/// ([`crate::DeviceLossOptions::config`]) and headkl-burn's `HeadKl::loss`
+/// ([`crate::resident::DeviceLossOptions::config`]) and headkl-burn's `HeadKl::loss`
 /// take it whole, and [`LossConfig::check`] holds it to its ranges in one
 /// place. What differs between the paths (weights and labels on the host
 /// or in device buffers) is beside it in each path's options.
@@ -375,7 +375,7 @@ pub struct LossConfig {
     /// each block of the dx GEMM whose `|∂L/∂s|` entries are all at most ε
     /// in every row of a GEMM row tile (`crate::filter::AUTO_EPS` is Cut
     /// Cross-Entropy's 2⁻¹⁵). The loss stays exact; dx drops the skipped
-    /// products, and on the host path [`crate::LossOutput::filter`] says
+    /// products, and on the host path [`crate::engine::LossOutput::filter`] says
     /// how many and bounds what they were. `Some(0.0)` skips only all-zero
     /// blocks: dx bit for bit as without the filter.
     pub filter_eps: Option<f32>,
@@ -615,7 +615,7 @@ pub struct TopkOptions {
     /// [`LossTerms::logit_scale`] for the loss.
     pub logit_scale: f32,
     /// Also return the k log-probabilities over the full vocabulary at τ
-    /// ([`crate::TopK::logprobs`]), as a stored teacher would be.
+    /// ([`crate::engine::TopK::logprobs`]), as a stored teacher would be.
     pub logprobs: bool,
 }
 

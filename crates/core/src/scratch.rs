@@ -7,9 +7,9 @@
 
 use half::{bf16, f16};
 
-use crate::backend::Backend;
-use crate::chunking::RowCost;
 use crate::error::Result;
+use crate::toolkit::backend::Backend;
+use crate::toolkit::chunking::RowCost;
 
 /// Which job a scratch set is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -224,7 +224,7 @@ pub(crate) enum Input<'a, B: Backend> {
     Bf16(&'a [bf16]),
 }
 
-/// The scratch an [`crate::Engine`] keeps between calls.
+/// The scratch an [`crate::engine::Engine`] keeps between calls.
 pub(crate) struct ScratchCache<B: Backend> {
     key: Option<ScratchKey>,
     rows: Option<RowScratch<B>>,
@@ -322,5 +322,44 @@ impl<B: Backend> ScratchCache<B> {
         if let Input::F32 { x32, x32_odd, .. } = input {
             self.x32 = Some((x32, x32_odd));
         }
+    }
+}
+
+/// Scratch of the resident entry points, kept across calls: the host
+/// path's groups (`crate::scratch`), from the same sizes, for the key it
+/// was made for.
+pub(crate) struct ResidentScratch<B: Backend> {
+    pub(crate) key: (Job, usize, usize),
+    pub(crate) rows: RowScratch<B>,
+    /// `head_kl_device`'s (a scratch made for `topk_device` has none).
+    pub(crate) loss: Option<LossScratch<B>>,
+}
+
+/// What an [`crate::engine::Engine`] keeps for the resident entry points: scratch, the
+/// status buffer, and whether work is in flight since the last wait.
+pub(crate) struct ResidentState<B: Backend> {
+    pub(crate) scratch: Option<ResidentScratch<B>>,
+    pub(crate) status: Option<B::Buffer>,
+    pub(crate) pending: bool,
+    pub(crate) checked: bool,
+}
+
+impl<B: Backend> ResidentState<B> {
+    pub(crate) fn new() -> Self {
+        Self {
+            scratch: None,
+            status: None,
+            pending: false,
+            checked: false,
+        }
+    }
+
+    /// Whether every call waits (checked mode).
+    pub(crate) fn checked(&self) -> bool {
+        self.checked
+    }
+
+    pub(crate) fn release_scratch(&mut self) {
+        self.scratch = None;
     }
 }

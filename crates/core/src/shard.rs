@@ -24,7 +24,7 @@
 //! the library needs no callback into the trainer. The cost is that the
 //! shard's logits must live from phase one to phase two: they are kept in
 //! device memory (one buffer per chunk) when the chunk scratch plus all
-//! kept logits fit [`crate::LossConfig::budget_bytes`]; otherwise phase two
+//! kept logits fit [`crate::problem::LossConfig::budget_bytes`]; otherwise phase two
 //! recomputes them (a third GEMM: the hidden rows are passed again).
 //! [`ShardEngine::set_keep_logits`] turns keeping off.
 //!
@@ -57,7 +57,6 @@ mod merge;
 mod ranks;
 mod resident;
 
-pub(crate) use engine::ALPHA_FLOOR;
 pub use engine::{check_loss_terms, ShardEngine};
 pub use merge::{
     merge_gather, merge_loss, merge_loss_outputs, merge_loss_outputs_into, merge_topk, LossStats, TIE_WINDOW,
@@ -65,8 +64,8 @@ pub use merge::{
 pub use ranks::two_phases_on_threads;
 pub use resident::{merge_loss_device, STATS_PER_TOKEN};
 
+use crate::align::ALIGN;
 use crate::error::{Error, Result};
-use crate::ALIGN;
 
 /// Rows `[v0, v1)` of a head of `vocab` rows: one engine's (or rank's)
 /// share of the vocabulary. Teacher ids stay global.
@@ -95,7 +94,7 @@ impl HeadShard {
         if n == 0 {
             return Err(Error::ShardRange { v0: 0, v1: 0, vocab });
         }
-        let per = crate::round_up(vocab.div_ceil(n), ALIGN);
+        let per = crate::align::round_up(vocab.div_ceil(n), ALIGN);
         (0..n)
             .map(|i| Self::new((i * per).min(vocab), ((i + 1) * per).min(vocab), vocab))
             .collect()

@@ -1,8 +1,8 @@
 //! Vocabulary slices: cut the head `[V][hs]` into row ranges whose f16
 //! planes each fit the device's largest storage binding.
 
+use crate::align::{round_up, ALIGN};
 use crate::error::{Error, Result};
-use crate::{round_up, ALIGN};
 
 /// Granularity of slice widths: every slice but the last is a multiple of
 /// this many vocabulary rows, so slice offsets stay aligned to any GEMM tile.
@@ -69,6 +69,15 @@ pub fn slice_vocab(
     }
     debug_assert_eq!(offset, vocab);
     Ok(slices)
+}
+
+/// How the head is cut into vocabulary slices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SliceOptions {
+    /// Test knob: at most this many vocabulary rows per slice (rounded down
+    /// to a multiple of 128, at least 128), to reach the multi-slice path
+    /// with a small head.
+    pub max_rows_per_slice: Option<usize>,
 }
 
 #[cfg(test)]

@@ -6,8 +6,8 @@
 //! defaults are the seed's loss exactly.
 //!
 //! One validation ([`LossTerms::check`]) serves the host path
-//! ([`crate::LossOptions`]) and the device-resident one
-//! ([`crate::DeviceLossOptions`]).
+//! ([`crate::problem::LossOptions`]) and the device-resident one
+//! ([`crate::resident::DeviceLossOptions`]).
 
 use crate::error::{Error, Result};
 
@@ -305,7 +305,7 @@ impl LossTerms {
 /// `form`. Exact for the k renormalized among themselves (the
 /// `renormalize` mode, and at k = V); the tail's members are unknown, so
 /// `bucket` and `none` rescale it as one bin (README "Loss terms").
-/// Values are not checked here: pass the output to [`crate::Teacher::with_form`].
+/// Values are not checked here: pass the output to [`crate::problem::Teacher::with_form`].
 pub fn rescale_teacher(
     values: &[f32],
     k: usize,

@@ -20,8 +20,9 @@
 //! - [`panic_message`]: a caught panic's text, for the errors that report
 //!   one.
 //!
-//! The device-resident kernels' descriptors live with their entry points
-//! (`crate::resident::kernels`) and are re-exported here.
+//! - [`resident_kernels`], [`status`]: the device-resident kernels'
+//!   descriptors and the status buffer's words they write (their entry
+//!   points, `crate::resident`, use them).
 
 pub mod backend;
 pub mod checks;
@@ -33,15 +34,13 @@ pub mod kernels;
 pub mod launch;
 pub mod params;
 pub mod queue;
+pub mod resident_kernels;
 pub mod settings;
 pub mod split;
+pub mod status;
 pub mod tune_cache;
 pub mod wgmma_tile;
 
-pub use crate::resident::{
-    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage, StatusDetailDesc,
-    TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
-};
 pub use backend::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, GemmRowStats, HeadLayout, KernelTime,
     KlDesc, KlFilter, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, STATS_GROUP_COLS,
@@ -52,6 +51,10 @@ pub use glsl_tile::GlslTile;
 pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
 pub use launch::{Checked, Kernels, Launch};
 pub use queue::{QueueChoice, QueueFamily};
+pub use resident_kernels::{
+    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage, StatusDetailDesc,
+    TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+};
 pub use settings::{CommonOptions, Env};
 pub use split::DxSplit;
 pub use tune_cache::TuneCache;

@@ -5,11 +5,11 @@
 //! ([`TopkDesc::gather`]): no `[ntok][V]` tensor leaves the device.
 
 use super::{Engine, Error, Result};
-use crate::backend::{Backend, TopkDesc};
 use crate::head_planes::Scaling;
 use crate::in_flight::{Copying, InFlight};
-use crate::launch::Kernels;
 use crate::problem::{Hidden, TopkOptions};
+use crate::toolkit::backend::{Backend, TopkDesc};
+use crate::toolkit::launch::Kernels;
 
 /// Result of [`Engine::logprobs_at`].
 #[derive(Clone, Debug, Default, PartialEq)]

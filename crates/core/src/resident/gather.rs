@@ -7,16 +7,16 @@
 //! path's error for it.
 
 use super::{elements, GatherRowsDesc, ResidentBackend, StatusDetailDesc};
-use crate::backend::TopkDesc;
-use crate::chunking::ChunkPlan;
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::head_planes::Scaling;
-use crate::launch::{Kernels, Launch};
 use crate::problem::TopkOptions;
 use crate::resident::DeviceHidden;
 use crate::scratch::RowScratch;
 use crate::terms::{TailMode, TeacherForm};
+use crate::toolkit::backend::TopkDesc;
+use crate::toolkit::chunking::ChunkPlan;
+use crate::toolkit::launch::{Kernels, Launch};
 
 impl<B: ResidentBackend> Engine<B> {
     /// [`Engine::logprobs_at`] on device buffers: reads `ntok` hidden rows
@@ -25,7 +25,7 @@ impl<B: ResidentBackend> Engine<B> {
     /// log-probabilities at τ over the full vocabulary f32 `[ntok][k]` into
     /// `logprobs` and each token's lse f32 `[ntok]` into `lse`. Records and
     /// submits without waiting; [`Engine::wait_device`] reports an id at or
-    /// past V ([`crate::Error::IdOutOfRange`], as the host path; the id is
+    /// past V ([`crate::error::Error::IdOutOfRange`], as the host path; the id is
     /// read as none meanwhile) or a row whose logits were not finite.
     pub fn logprobs_at_device(
         &mut self,

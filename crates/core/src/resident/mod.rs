@@ -20,54 +20,24 @@
 //! the end the status kernel describes the first bad row.
 
 mod gather;
-mod kernels;
-pub mod status;
 
-pub use kernels::{
-    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage,
+// The resident kernels' descriptors and the status buffer's words are the
+// toolkit's (a backend implements them); the entry points here use them.
+pub use crate::toolkit::resident_kernels::{
+    GatherRowsDesc, HiddenDtype, HiddenInDesc, LabelsInDesc, LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage,
     StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
+pub use crate::toolkit::status;
 
-use crate::backend::{Backend, KlDesc, RowStats, TopkDesc};
+use crate::align::{round_up, ALIGN};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::head_planes::{DxFilter, HeadPlanes, Scaling};
-use crate::launch::{Kernels, Launch};
 use crate::problem::{check_gscale, check_k, LossConfig, TopkOptions};
-use crate::scratch::{Job, LossScratch, RowBytes, RowScratch};
+use crate::scratch::{Job, LossScratch, ResidentScratch, RowBytes, RowScratch};
 use crate::terms::{TailMode, TeacherForm};
-use crate::{round_up, ALIGN};
-
-/// Element type of hidden rows in a device buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HiddenDtype {
-    /// IEEE binary32.
-    F32,
-    /// IEEE binary16.
-    F16,
-    /// bfloat16 (the top half of a binary32).
-    Bf16,
-}
-
-impl HiddenDtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
-        match self {
-            HiddenDtype::F32 => 4,
-            HiddenDtype::F16 | HiddenDtype::Bf16 => 2,
-        }
-    }
-
-    /// Its code in [`crate::params::HiddenInParams::dtype`] (the shaders
-    /// get the same as `DTYPE_*`).
-    pub const fn code(self) -> u32 {
-        match self {
-            HiddenDtype::F32 => 0,
-            HiddenDtype::F16 => 1,
-            HiddenDtype::Bf16 => 2,
-        }
-    }
-}
+use crate::toolkit::backend::{Backend, KlDesc, RowStats, TopkDesc};
+use crate::toolkit::launch::{Kernels, Launch};
 
 /// Hidden rows `[ntok][hs]` in a device buffer.
 #[derive(Debug)]
@@ -90,9 +60,9 @@ pub struct DeviceTeacher<'a, Buf> {
     /// Entries per row.
     pub k: usize,
     /// How `probs` holds its values: probabilities or log-probabilities
-    /// over the full vocabulary (as [`crate::Teacher::with_form`]'s).
+    /// over the full vocabulary (as [`crate::problem::Teacher::with_form`]'s).
     pub form: TeacherForm,
-    /// The tail mode (as the host [`crate::Teacher`]'s).
+    /// The tail mode (as the host [`crate::problem::Teacher`]'s).
     pub tail: TailMode,
 }
 
@@ -130,7 +100,7 @@ pub struct DeviceLossOptions<'a, Buf> {
     pub config: LossConfig,
     /// Per-token weights f32 `[ntok]` on the device; `None`: all 1.
     pub weights: Option<&'a Buf>,
-    /// Labels u32 `[ntok]` on the device ([`crate::NO_LABEL`]: none),
+    /// Labels u32 `[ntok]` on the device ([`crate::terms::NO_LABEL`]: none),
     /// needed when `config.terms.hard_weight > 0`. A label at or past V is
     /// flagged like bad teacher data.
     pub labels: Option<&'a Buf>,
@@ -161,16 +131,6 @@ impl<Buf> From<LossConfig> for DeviceLossOptions<'_, Buf> {
             ..Self::default()
         }
     }
-}
-
-/// Scratch of the resident entry points, kept across calls: the host
-/// path's groups (`crate::scratch`), from the same sizes, for the key it
-/// was made for.
-pub(crate) struct ResidentScratch<B: Backend> {
-    key: (Job, usize, usize),
-    pub(crate) rows: RowScratch<B>,
-    /// `head_kl_device`'s (a scratch made for `topk_device` has none).
-    pub(crate) loss: Option<LossScratch<B>>,
 }
 
 /// A resident call's buffers, taken out of the engine by
@@ -345,35 +305,6 @@ impl<B: ResidentBackend> CallLoss<B> for LossScratch<B> {
     }
     fn kept(self) -> Option<LossScratch<B>> {
         Some(self)
-    }
-}
-
-/// What an [`Engine`] keeps for the resident entry points: scratch, the
-/// status buffer, and whether work is in flight since the last wait.
-pub(crate) struct ResidentState<B: Backend> {
-    scratch: Option<ResidentScratch<B>>,
-    status: Option<B::Buffer>,
-    pending: bool,
-    checked: bool,
-}
-
-impl<B: Backend> ResidentState<B> {
-    pub(crate) fn new() -> Self {
-        Self {
-            scratch: None,
-            status: None,
-            pending: false,
-            checked: false,
-        }
-    }
-
-    /// Whether every call waits (checked mode).
-    pub(crate) fn checked(&self) -> bool {
-        self.checked
-    }
-
-    pub(crate) fn release_scratch(&mut self) {
-        self.scratch = None;
     }
 }
 
@@ -755,7 +686,7 @@ impl<B: ResidentBackend> Engine<B> {
         teacher: &DeviceTeacher<'_, B::Buffer>,
         out: &DeviceLossOutput<'_, B::Buffer>,
         opts: &DeviceLossOptions<'_, B::Buffer>,
-        plan: &crate::chunking::ChunkPlan,
+        plan: &crate::toolkit::chunking::ChunkPlan,
         call: &ResidentCall<B, LossScratch<B>>,
     ) -> Result<()> {
         let (k, b) = (teacher.k, &self.backend);
@@ -834,7 +765,7 @@ impl<B: ResidentBackend> Engine<B> {
         &mut self,
         (ntok, width): (usize, usize),
         opts: &TopkOptions,
-        record: impl FnOnce(&Self, &crate::chunking::ChunkPlan, (&B::Buffer, &RowScratch<B>)) -> Result<()>,
+        record: impl FnOnce(&Self, &crate::toolkit::chunking::ChunkPlan, (&B::Buffer, &RowScratch<B>)) -> Result<()>,
     ) -> Result<()> {
         let plan = HeadPlanes::plan_for(
             &self.backend,
@@ -861,7 +792,7 @@ impl<B: ResidentBackend> Engine<B> {
         hidden: &DeviceHidden<'_, B::Buffer>,
         (ids, probs): (&B::Buffer, &B::Buffer),
         opts: &TopkOptions,
-        plan: &crate::chunking::ChunkPlan,
+        plan: &crate::toolkit::chunking::ChunkPlan,
         (status, s): (&B::Buffer, &RowScratch<B>),
     ) -> Result<()> {
         let k = opts.k;

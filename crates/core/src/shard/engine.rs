@@ -3,23 +3,19 @@
 //! kernels (`gemm`, `kl_rows`, `topk_rows`) on the host path.
 
 use super::{GatherPartials, HeadShard, LossPartials, LossStats, TopkPartials};
-use crate::backend::{Backend, KlDesc, TopkDesc};
-use crate::chunking::ChunkPlan;
-use crate::engine::{Engine, HostCall, LossOutput, SliceOptions, Trace};
+use crate::align::{round_up, ALIGN};
+use crate::engine::{Engine, HostCall, LossOutput, Trace};
 use crate::error::{Error, Field, Result};
 use crate::head::HeadWeights;
 use crate::head_planes::{HeadPlanes, Scaling};
 use crate::in_flight::{Copying, InFlight};
-use crate::launch::Kernels;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Job, RowBytes};
+use crate::slicing::SliceOptions;
 use crate::terms::{LossTerms, TailMode, NO_LABEL};
-use crate::{round_up, ALIGN};
-
-/// The floor on a shard's softmax share `α = exp(lse_s − lse)` in phase two:
-/// `q/α` stays far inside f32, and what the floor changes, `c·α·p ≤ c·2^-40`,
-/// is below the f16 gradient's resolution.
-pub(crate) const ALPHA_FLOOR: f64 = 1.0 / (1u64 << 40) as f64;
+use crate::toolkit::backend::{Backend, KlDesc, TopkDesc};
+use crate::toolkit::chunking::ChunkPlan;
+use crate::toolkit::launch::Kernels;
 
 /// An engine on rows `[v0, v1)` of a head of `V` rows: the two-phase loss
 /// and the top-k candidates of the module docs (`crate::shard`). Teacher
@@ -378,7 +374,9 @@ impl<B: Backend> ShardEngine<B> {
         let mut row_in = Vec::with_capacity(ntok * 2);
         let mut probs = Vec::with_capacity(ntok * k_s);
         for t in 0..ntok {
-            let alpha = (f64::from(p.lse[t]) - f64::from(stats.lse[t])).exp().max(ALPHA_FLOOR);
+            let alpha = (f64::from(p.lse[t]) - f64::from(stats.lse[t]))
+                .exp()
+                .max(crate::toolkit::resident_kernels::ALPHA_FLOOR);
             row_in.extend([((f64::from(p.resolved.coef[t]) * alpha) as f32).to_bits(), NO_LABEL]);
             probs.extend(
                 p.probs[t * k_s..(t + 1) * k_s]
@@ -600,13 +598,13 @@ impl<B: Backend> ShardEngine<B> {
     /// [`crate::problem::MAX_K`]), the ids go in column blocks, the
     /// shard's logits made once a block.
     ///
-    /// [`Engine::logprobs_at`]: crate::Engine::logprobs_at
+    /// [`Engine::logprobs_at`]: crate::engine::Engine::logprobs_at
     pub fn gather_partials(&mut self, hidden: &Hidden<'_>, ids: &[i64], opts: &TopkOptions) -> Result<GatherPartials> {
         let (ntok, k) = (hidden.ntok(), opts.k);
         if k == 0 {
             return Err(Error::KZero);
         }
-        crate::check_gather_ids(ids, ntok, k, self.shard.vocab())?;
+        crate::engine::check_gather_ids(ids, ntok, k, self.shard.vocab())?;
         let (v0, v1) = (self.shard.v0() as i64, self.shard.v1() as i64);
         let block = k.min(self.shard.width()).min(crate::problem::MAX_K);
         let mut out = GatherPartials {
@@ -650,7 +648,7 @@ pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
 }
 
 /// [`check_loss_terms`] on the terms themselves (the device-resident calls
-/// take them in [`crate::DeviceLossOptions`]).
+/// take them in [`crate::resident::DeviceLossOptions`]).
 pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool, filter_eps: Option<f32>) -> Result<()> {
     let refuse = |option, value: String, hint| Err(Error::ShardUnsupported { option, value, hint });
     let d = LossTerms::default();
@@ -673,7 +671,7 @@ pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool, f
     if let Some(eps) = filter_eps {
         return refuse("filter-eps", eps.to_string(), "the block filter runs unsharded");
     }
-    if t.divergence.effective() != crate::Divergence::Forward {
+    if t.divergence.effective() != crate::terms::Divergence::Forward {
         return refuse(
             "divergence",
             t.divergence.name().into(),

@@ -254,7 +254,7 @@ fn near(a: f64, b: f64) -> bool {
 /// (`-inf` for none). Fails on partials of other token or id counts and
 /// on shards that overlap or leave rows uncovered.
 ///
-/// [`Engine::logprobs_at`]: crate::Engine::logprobs_at
+/// [`Engine::logprobs_at`]: crate::engine::Engine::logprobs_at
 pub fn merge_gather(parts: &[GatherPartials]) -> Result<Gathered> {
     check_cover(&parts.iter().map(|p| p.shard).collect::<Vec<_>>())?;
     let (ntok, k) = (parts[0].ntok, parts[0].k);

@@ -24,7 +24,7 @@
 //! **Bad rows.** `teacher_rows` flags a bad teacher row or weight (every
 //! row when `total` is not positive) as on the unsharded path, with the
 //! coefficient word [`crate::resident::status::FLAGGED_ROW`], and the rule
-//! of [`crate::Engine::head_kl_device`] holds for phase two's outputs: a
+//! of [`crate::engine::Engine::head_kl_device`] holds for phase two's outputs: a
 //! flagged row's loss (and terms) is NaN on every shard and its part of dx
 //! exactly 0; the other rows are as without it. Phase one's partials of a
 //! flagged row stay finite (its teacher has no mass, so its in-shard term
@@ -33,18 +33,18 @@
 
 use super::engine::check_terms;
 use super::{merge_loss, HeadShard, LossPartials, ShardEngine};
-use crate::backend::{Backend, DeviceBuffer, KlDesc};
-use crate::chunking::ChunkPlan;
+use crate::align::{round_up, ALIGN};
 use crate::error::{Error, Result};
 use crate::head_planes::{HeadPlanes, Scaling};
-use crate::launch::{Kernels, Launch};
 use crate::problem::check_k;
 use crate::resident::{
     elements, DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, ResidentBackend, ResidentCall,
     ShardRowsDesc, ShardStage,
 };
 use crate::scratch::{Job, LossScratch};
-use crate::{round_up, ALIGN};
+use crate::toolkit::backend::{Backend, DeviceBuffer, KlDesc};
+use crate::toolkit::chunking::ChunkPlan;
+use crate::toolkit::launch::{Kernels, Launch};
 
 /// f32 values per token in a partials or merged-statistics buffer:
 /// `[lse, lse1, soft_part]`.
@@ -81,7 +81,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
     /// caller's; its collective merges them, or [`merge_loss_device`]).
     /// The teacher's ids are global and checked against the whole head.
     /// Records and submits without waiting, as
-    /// [`crate::Engine::head_kl_device`]; [`Self::wait_device`] reports bad data.
+    /// [`crate::engine::Engine::head_kl_device`]; [`Self::wait_device`] reports bad data.
     ///
     /// Takes the sharded loss's terms ([`super::check_loss_terms`]'s list,
     /// else [`Error::ShardUnsupported`]) and `k` up to the shard's width
@@ -185,7 +185,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
     }
 
     /// Waits for the device and reports the first bad row either phase
-    /// flagged since the last wait, as [`crate::Engine::wait_device`] does (ids
+    /// flagged since the last wait, as [`crate::engine::Engine::wait_device`] does (ids
     /// named against the whole head).
     pub fn wait_device(&mut self) -> Result<()> {
         self.engine.wait_device_for(self.shard.vocab())

@@ -1,6 +1,6 @@
 //! The backend boundary: buffers, transfers, and one dispatch for the
 //! kernels the driver sequences ([`Backend::dispatch`] of a
-//! [`crate::Launch`]).
+//! [`crate::toolkit::Launch`]).
 //!
 //! A backend is a device plus an associated buffer type. Every method may
 //! queue work; [`Backend::download`] waits for everything queued before it,
@@ -16,8 +16,8 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
-use crate::launch::Launch;
 use crate::terms::{LossTerms, TailMode};
+use crate::toolkit::launch::Launch;
 
 /// A device buffer as every backend's checks see it.
 pub trait DeviceBuffer {
@@ -70,11 +70,11 @@ pub struct DeviceInfo {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadLayout {
     /// B is stored `[n][k]` (the head as stored, `[V][hs]`): `C = A · Bᵀ`,
-    /// the logits `x · W_sliceᵀ` ([`crate::KernelId::GemmLogits`]).
+    /// the logits `x · W_sliceᵀ` ([`crate::toolkit::KernelId::GemmLogits`]).
     Logits,
     /// B is stored `[k][n]` (the same head plane, read the other way):
     /// `C = A · B`, the input gradient `g_slice · W_slice`
-    /// ([`crate::KernelId::GemmDx`]).
+    /// ([`crate::toolkit::KernelId::GemmDx`]).
     Dx,
 }
 
@@ -82,7 +82,7 @@ pub enum HeadLayout {
 /// accumulation, f32 output.
 ///
 /// Offsets and leading dimensions are in elements. `m`, `n` and `k` are
-/// multiples of [`crate::ALIGN`], `a_offset`, `lda` and `ldb` multiples of
+/// multiples of [`crate::align::ALIGN`], `a_offset`, `lda` and `ldb` multiples of
 /// 8, and every operand region they name is
 /// inside its buffer, so a kernel working in 16×16 tiles may read and write
 /// whole tiles. Padding along `k` (in A and B) and along `n` (in B) holds
@@ -91,12 +91,12 @@ pub enum HeadLayout {
 /// discards those rows of C.
 ///
 /// Split-K: with `k_parts > 1` the reduction is cut into `k_parts` parts
-/// of [`crate::split::k_part_len`] indices (the last ones may be shorter,
+/// of [`crate::toolkit::split::k_part_len`] indices (the last ones may be shorter,
 /// or empty) that run in one dispatch; part `p` computes
 /// `alpha · A[:, part] · op(B)[part, :]` and writes (or, with
 /// `accumulate`, adds) it into its own C block at
 /// `c_offset + p·c_part_stride`. The blocks must not overlap; an empty
-/// part writes `alpha · 0`. [`crate::Kernels::sum_parts`] adds them up.
+/// part writes `alpha · 0`. [`crate::toolkit::Kernels::sum_parts`] adds them up.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmDesc {
     /// Rows of A and C.
@@ -230,7 +230,7 @@ pub struct SumPartsDesc {
 /// renormalized in [`TailMode::Renormalize`], a share of the full
 /// vocabulary otherwise), and per-row inputs `[rows][2]` of u32 words: the
 /// coefficient `c_t = gscale·w_t/total` (f32 bits) and the label
-/// ([`crate::NO_LABEL`]: none; else `< vocab`). With a softcap `c` the
+/// ([`crate::terms::NO_LABEL`]: none; else `< vocab`). With a softcap `c` the
 /// kernel caps `s` at `c/τ` (`(c/τ)·tanh(sτ/c) = c·tanh(z/c)/τ`), so the
 /// GEMM's scaling stays as it is. Writes
 /// - `loss[t] = [L_t, lse(z̃), L_soft, L_hard]` (f32 `[rows][4]`,
@@ -240,7 +240,7 @@ pub struct SumPartsDesc {
 /// - `grad[t][j] = c_t·∂L_t/∂s_j` as f16 for `j < vocab` (with the default
 ///   terms `c_t·(p_S,j − p_T,j)`), and zero for `j` in `[vocab, ld)`.
 ///
-/// A coefficient word of [`crate::resident::status::FLAGGED_ROW`] (a row
+/// A coefficient word of [`crate::toolkit::status::FLAGGED_ROW`] (a row
 /// the device-resident kernels flagged; never the host path's) makes the
 /// row's gradient (and filter mask) all zero whatever its logits, and its
 /// `L_t` word that marker's bits (a NaN); its lse, soft and hard words are
@@ -251,7 +251,7 @@ pub struct KlDesc {
     pub rows: usize,
     /// Real vocabulary size.
     pub vocab: usize,
-    /// Row stride of `logits` and `grad` (a multiple of [`crate::ALIGN`]).
+    /// Row stride of `logits` and `grad` (a multiple of [`crate::align::ALIGN`]).
     pub ld: usize,
     /// Teacher entries per row.
     pub k: usize,
@@ -343,7 +343,7 @@ pub struct TopkDesc {
     pub cap: Option<f32>,
     /// Write log-probabilities over the full vocabulary.
     pub logprobs: bool,
-    /// Gather instead of select ([`crate::params::row_flags::GATHER`]):
+    /// Gather instead of select ([`crate::toolkit::params::row_flags::GATHER`]):
     /// `ids` holds the caller's ids in the first `k − 1` columns, and the
     /// kernel writes their log-probabilities and the row's lse (last
     /// column) into `probs`.
@@ -385,7 +385,7 @@ pub struct ConvertDesc {
 /// Per-kernel GPU time from timestamp queries.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelTime {
-    /// Which kernel: its [`crate::KernelId::name`].
+    /// Which kernel: its [`crate::toolkit::KernelId::name`].
     pub kernel: &'static str,
     /// Its duration in milliseconds.
     pub ms: f64,
@@ -547,7 +547,7 @@ pub trait Backend {
                 out.copy_from_slice(&bytes);
                 Ok(())
             }
-            _ => Err(crate::Error::LengthMismatch {
+            _ => Err(crate::error::Error::LengthMismatch {
                 field: crate::error::Field::DownloadOutput,
                 expected: len,
                 got: out.len(),
@@ -557,12 +557,12 @@ pub trait Backend {
 
     /// Runs one kernel ([`Launch`]): checks its descriptor against its
     /// buffers ([`Launch::check`], the only source of the parameter block)
-    /// and queues it. The driver's per-kernel calls are [`crate::Kernels`]'s.
+    /// and queues it. The driver's per-kernel calls are [`crate::toolkit::Kernels`]'s.
     fn dispatch(&self, launch: Launch<'_, Self::Buffer>) -> Result<()>;
 
     /// The output tile `(rows, columns)` of the matrix-unit GEMM this
     /// backend runs for `layout`, or `None` where it runs none (the
-    /// fallback GEMM, or no GPU): what [`crate::DxSplit::choose`] counts
+    /// fallback GEMM, or no GPU): what [`crate::toolkit::DxSplit::choose`] counts
     /// workgroups with.
     fn gemm_tile(&self, _layout: HeadLayout) -> Option<(u32, u32)> {
         None

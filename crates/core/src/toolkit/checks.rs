@@ -7,25 +7,25 @@
 //! The GEMMs are built without runtime bounds checks: these checks are what
 //! keep their every index inside its buffer (shaders/README.md).
 
-use crate::backend::{
+use crate::align::ALIGN;
+use crate::error::{Error, Result};
+use crate::problem::MAX_K;
+use crate::terms::TeacherForm;
+use crate::toolkit::backend::{
     ConvertDesc, DeviceBuffer, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc,
     STATS_GROUP_COLS,
 };
-use crate::error::{Error, Result};
-use crate::kernels::{bad_descriptor, require, KernelId};
-use crate::params::{
+use crate::toolkit::kernels::{bad_descriptor, require, KernelId};
+use crate::toolkit::params::{
     row_flags, ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams,
     ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
-use crate::problem::MAX_K;
-use crate::resident::status::WORDS;
-use crate::resident::{
+use crate::toolkit::resident_kernels::{
     GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage, StatusDetailDesc,
     TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
-use crate::split::k_part_len;
-use crate::terms::TeacherForm;
-use crate::ALIGN;
+use crate::toolkit::split::k_part_len;
+use crate::toolkit::status::WORDS;
 
 /// `value` as `u32`, or an error naming `field` of `kernel`.
 fn index(kernel: KernelId, field: &'static str, value: usize) -> Result<u32> {
@@ -887,7 +887,7 @@ impl StatusDetailDesc {
 mod tests {
     use super::*;
 
-    use crate::backend::Len;
+    use crate::toolkit::backend::Len;
 
     fn field_of(e: Error) -> (&'static str, &'static str, u128) {
         match e {
@@ -1044,12 +1044,12 @@ mod tests {
         // Every term on sets its bit; the cap is given on the scaled logits.
         let all = KlDesc {
             temperature: 2.0,
-            tail: crate::TailMode::Unnormalized,
-            terms: crate::LossTerms {
+            tail: crate::terms::TailMode::Unnormalized,
+            terms: crate::terms::LossTerms {
                 hard_weight: 0.5,
                 z_loss: 1e-4,
                 softcap: Some(30.0),
-                ..crate::LossTerms::default()
+                ..crate::terms::LossTerms::default()
             },
             ..kl
         };
@@ -1071,9 +1071,9 @@ mod tests {
         .unwrap();
         assert_eq!(p.flags & (row_flags::TAU_POW_MASK << row_flags::TAU_POW_SHIFT), 0);
         let weighted = KlDesc {
-            terms: crate::LossTerms {
+            terms: crate::terms::LossTerms {
                 soft_weight: 0.5,
-                ..crate::LossTerms::default()
+                ..crate::terms::LossTerms::default()
             },
             ..kl
         };
@@ -1082,9 +1082,9 @@ mod tests {
             .unwrap();
         assert_eq!(p.flags, row_flags::GENERAL);
         let bad_cap = KlDesc {
-            terms: crate::LossTerms {
+            terms: crate::terms::LossTerms {
                 softcap: Some(-1.0),
-                ..crate::LossTerms::default()
+                ..crate::terms::LossTerms::default()
             },
             ..kl
         };

@@ -1,8 +1,8 @@
 //! Token chunking: how many rows one pass of the kernels takes, from a byte
 //! budget and the device's binding limit; and workgroup grid folding.
 
+use crate::align::{round_up, ALIGN};
 use crate::error::{Error, Result};
-use crate::{round_up, ALIGN};
 
 /// Most workgroups a dispatch may have along one dimension.
 pub const MAX_WORKGROUPS_PER_DIM: u32 = 65_535;

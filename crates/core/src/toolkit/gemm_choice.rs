@@ -1,7 +1,7 @@
 //! Which matrix-unit GEMM kernel runs for each head layout, the names users
 //! and the tune cache give them, and how a choice is resolved and fitted to
-//! a device. (The cache itself is `crate::tune_cache`; the kernels' shaders
-//! and tiles, `crate::kernels`.)
+//! a device. (The cache itself is `crate::toolkit::tune_cache`; the kernels' shaders
+//! and tiles, `crate::toolkit::kernels`.)
 //!
 //! A kernel is named `direct` (`gemm_coop_direct.wgsl`),
 //! `staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf]` (`gemm_coop.wgsl` with its `BK`,
@@ -15,11 +15,11 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use crate::backend::HeadLayout;
 use crate::error::{Error, Result};
-use crate::glsl_tile::{GlslTile, GLSL_BN, GLSL_SUBGROUP, GLSL_TILES};
-use crate::tune_cache::TuneCache;
-use crate::wgmma_tile::{WgmmaTile, WGMMA_TILES};
+use crate::toolkit::backend::HeadLayout;
+use crate::toolkit::glsl_tile::{GlslTile, GLSL_BN, GLSL_SUBGROUP, GLSL_TILES};
+use crate::toolkit::tune_cache::TuneCache;
+use crate::toolkit::wgmma_tile::{WgmmaTile, WGMMA_TILES};
 
 /// The environment variable that picks the GEMM kernels.
 pub const GEMM_ENV: &str = "HEADKL_GEMM";
@@ -168,7 +168,7 @@ impl CoopGemm {
         all.extend(
             WGMMA_TILES
                 .into_iter()
-                .filter(|t| t.feed == crate::WgmmaFeed::Copies)
+                .filter(|t| t.feed == crate::toolkit::WgmmaFeed::Copies)
                 .map(Self::Wgmma),
         );
         all
@@ -266,8 +266,8 @@ impl GemmChoice {
     /// fastest head_kl on the H200 (docs/PERFORMANCE.md rows 24–25; a tune
     /// cache entry still wins).
     pub const GLSL_DEFAULT: GemmChoice = GemmChoice {
-        logits: CoopGemm::Glsl(crate::glsl_tile::GLSL_BM128_BK64_S1),
-        dx: CoopGemm::Glsl(crate::glsl_tile::GLSL_BM128_BK64_S1),
+        logits: CoopGemm::Glsl(crate::toolkit::glsl_tile::GLSL_BM128_BK64_S1),
+        dx: CoopGemm::Glsl(crate::toolkit::glsl_tile::GLSL_BM128_BK64_S1),
     };
 
     /// The default where the device launches the PTX tiles (NVIDIA Hopper
@@ -276,8 +276,8 @@ impl GemmChoice {
     /// [`WGMMA_TILES`] for each on the H200 (docs/PERFORMANCE.md; a tune
     /// cache entry still wins).
     pub const WGMMA_DEFAULT: GemmChoice = GemmChoice {
-        logits: CoopGemm::Wgmma(crate::wgmma_tile::WGMMA_BM64_BK64_S1),
-        dx: CoopGemm::Wgmma(crate::wgmma_tile::WGMMA_BM64_BK32_S3),
+        logits: CoopGemm::Wgmma(crate::toolkit::wgmma_tile::WGMMA_BM64_BK64_S1),
+        dx: CoopGemm::Wgmma(crate::toolkit::wgmma_tile::WGMMA_BM64_BK32_S3),
     };
 
     /// The fallback where the default does not fit: the smallest staged
@@ -602,13 +602,13 @@ impl fmt::Display for ChoiceSource {
 }
 
 /// The choice for a device: `explicit` (the open options) if given, else
-/// `HEADKL_GEMM` as [`crate::settings::GemmSources`] holds it (over `default`),
+/// `HEADKL_GEMM` as [`crate::toolkit::settings::GemmSources`] holds it (over `default`),
 /// else the tune cache's entry for `(backend, device, driver)`, else the
 /// backend's `default`.
 pub fn resolve_choice(
     explicit: Option<GemmChoice>,
     default: GemmChoice,
-    sources: &crate::settings::GemmSources,
+    sources: &crate::toolkit::settings::GemmSources,
     backend: &str,
     device: &str,
     driver: &str,
@@ -720,7 +720,7 @@ mod tests {
         assert_eq!(choice.dx.shared_bytes(), 3 * (64 + 128) * 32 * 2);
         for t in WGMMA_TILES {
             let tuned = CoopGemm::candidates().contains(&CoopGemm::Wgmma(t));
-            assert_eq!(tuned, t.feed == crate::WgmmaFeed::Copies, "{t}");
+            assert_eq!(tuned, t.feed == crate::toolkit::WgmmaFeed::Copies, "{t}");
             assert_eq!(parse(&format!("wgmma:{t}")).unwrap().logits, CoopGemm::Wgmma(t));
         }
         match parse("wgmma:bm64.bk16.s3") {

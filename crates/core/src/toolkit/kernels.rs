@@ -16,19 +16,19 @@
 
 use std::fmt;
 
-use crate::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::{Error, Result};
-use crate::gemm_choice::{CoopGemm, KernelLimits};
-use crate::glsl_tile::GlslTile;
-use crate::params::{
+use crate::toolkit::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
+use crate::toolkit::gemm_choice::{CoopGemm, KernelLimits};
+use crate::toolkit::glsl_tile::GlslTile;
+use crate::toolkit::params::{
     ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams,
     ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
-use crate::resident::{
+use crate::toolkit::resident_kernels::{
     GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc,
     TopkOutDesc, WeightStatsDesc,
 };
-use crate::wgmma_tile::WgmmaTile;
+use crate::toolkit::wgmma_tile::WgmmaTile;
 
 /// One WGSL file of `shaders/`: its name (errors, caches), its text, and
 /// the parameter block its kernels read.
@@ -49,19 +49,19 @@ pub const PARAMS_MARKER: &str =
 
 /// The line of `shaders/resident_common.wgsl` that [`Shader::source`]
 /// replaces with the status buffer's names and the codes the resident
-/// kernels compare against ([`crate::resident::status::wgsl`]).
+/// kernels compare against ([`crate::toolkit::status::wgsl`]).
 pub const RESIDENT_MARKER: &str =
     "// <resident constants: generated from crates/core/src/resident/status.rs (headkl_core::toolkit::kernels::Shader::source)>";
 
 /// The line of `shaders/kl_rows.wgsl` that [`Shader::source`] replaces
 /// with the coefficient word's marker of a row the device flagged
-/// ([`crate::resident::status::row_wgsl`]).
+/// ([`crate::toolkit::status::row_wgsl`]).
 pub const ROW_MARKER: &str =
     "// <row constants: generated from crates/core/src/resident/status.rs (headkl_core::toolkit::kernels::Shader::source)>";
 
 /// The line of `shaders/kl_rows.wgsl` and `shaders/topk_rows.wgsl` that
 /// [`Shader::source`] replaces with the row kernels' flag bits and codes
-/// ([`crate::params::row_flags::wgsl`]).
+/// ([`crate::toolkit::params::row_flags::wgsl`]).
 pub const FLAGS_MARKER: &str =
     "// <row flags: generated from crates/core/src/toolkit/params.rs (headkl_core::toolkit::kernels::Shader::source)>";
 
@@ -76,13 +76,13 @@ impl Shader {
         let block = self.params.wgsl() + &shared_wgsl();
         let mut text = self.text.replacen(PARAMS_MARKER, &block, 1);
         if text.contains(RESIDENT_MARKER) {
-            text = text.replacen(RESIDENT_MARKER, &crate::resident::status::wgsl(), 1);
+            text = text.replacen(RESIDENT_MARKER, &crate::toolkit::status::wgsl(), 1);
         }
         if text.contains(ROW_MARKER) {
-            text = text.replacen(ROW_MARKER, &crate::resident::status::row_wgsl(), 1);
+            text = text.replacen(ROW_MARKER, &crate::toolkit::status::row_wgsl(), 1);
         }
         if text.contains(FLAGS_MARKER) {
-            text = text.replacen(FLAGS_MARKER, &crate::params::row_flags::wgsl(), 1);
+            text = text.replacen(FLAGS_MARKER, &crate::toolkit::params::row_flags::wgsl(), 1);
         }
         text
     }
@@ -220,11 +220,11 @@ pub const SHADERS: [Shader; 17] = [
 /// The GLSL tile whose filtered build the dx GEMM runs with the block
 /// filter where the PTX tiles run the others (they have no filter):
 /// `glsl:bm128.bk64.s1`, the GLSL default.
-pub const GLSL_FILTER_TILE: GlslTile = crate::glsl_tile::GLSL_BM128_BK64_S1;
+pub const GLSL_FILTER_TILE: GlslTile = crate::toolkit::glsl_tile::GLSL_BM128_BK64_S1;
 
 /// The override of `kl_rows.wgsl` that specializes it to one term set
-/// ([`crate::params::row_flags`]; 0, its default, is the seed's loss):
-/// [`crate::Checked::build`] sets it from the launch.
+/// ([`crate::toolkit::params::row_flags`]; 0, its default, is the seed's loss):
+/// [`crate::toolkit::Checked::build`] sets it from the launch.
 pub const KL_FLAGS: &str = "KL_FLAGS";
 
 /// Invocations per workgroup of the row kernels, the conversion, the sum
@@ -243,7 +243,7 @@ pub const FILTER_SEG_WORDS: u32 = 64;
 pub fn shared_wgsl() -> String {
     let mut s = String::from("// headkl_core's constants (kernels::shared_wgsl).\n");
     let max_k = crate::problem::MAX_K as u32;
-    let stages = crate::resident::ShardStage::ALL.map(|st| (st.name(), st.code()));
+    let stages = crate::toolkit::resident_kernels::ShardStage::ALL.map(|st| (st.name(), st.code()));
     for (name, value) in [
         ("WG", ROW_WORKGROUP),
         ("MAX_K", max_k),
@@ -256,7 +256,7 @@ pub fn shared_wgsl() -> String {
         s.push_str(&format!("const STAGE_{name}: u32 = {code}u;\n"));
     }
     // f32's shortest round-trip digits: the value the host's f32 holds.
-    let floor = crate::shard::ALPHA_FLOOR as f32;
+    let floor = crate::toolkit::resident_kernels::ALPHA_FLOOR as f32;
     s.push_str(&format!("const ALPHA_FLOOR: f32 = {floor:e};\n"));
     s
 }
@@ -265,7 +265,7 @@ pub fn shared_wgsl() -> String {
 pub const TILED_TILE: (u32, u32) = (64, 64);
 
 /// The catalogue's table: one row per kernel, with its name, its storage
-/// bindings (`R` read, `W` written) in the order the [`crate::Backend`]
+/// bindings (`R` read, `W` written) in the order the [`crate::toolkit::Backend`]
 /// method takes the buffers, its parameter block, whether it is a
 /// device-resident kernel and, for every kernel but the GEMMs, its WGSL
 /// shader with its workgroup memory and invocations. It makes [`KernelId`]
@@ -311,7 +311,7 @@ macro_rules! catalogue {
 
             /// Its storage bindings, at bindings 1.. (binding 0 is the
             /// uniform parameter block), in the order the
-            /// [`crate::Backend`] method takes the buffers.
+            /// [`crate::toolkit::Backend`] method takes the buffers.
             pub const fn bindings(self) -> &'static [Access] {
                 const R: Access = Access::Read;
                 const W: Access = Access::ReadWrite;
@@ -518,7 +518,7 @@ impl KernelId {
     }
 
     /// The kernel-time label of a bulk PTX tile's pack launches for this
-    /// GEMM (`crate::wgmma_tile::PackKind`): `gemm_logits_pack` or
+    /// GEMM (`crate::toolkit::wgmma_tile::PackKind`): `gemm_logits_pack` or
     /// `gemm_dx_pack`; a GEMM's time is its own label's and this one's.
     pub const fn pack_label(self) -> &'static str {
         match self {
@@ -787,7 +787,7 @@ impl StatusDetailDesc {
 }
 
 /// An error naming a kernel descriptor's field: the driver never builds
-/// one, so this is a bug in a caller of [`crate::Backend`].
+/// one, so this is a bug in a caller of [`crate::toolkit::Backend`].
 pub(crate) fn bad_descriptor(kernel: KernelId, field: &'static str, value: u128, reason: String) -> Error {
     Error::BadDescriptor {
         kernel: kernel.name(),
@@ -820,14 +820,14 @@ mod tests {
     /// `row_flags::wgsl` and declare none of their own.
     #[test]
     fn the_row_kernels_take_their_flags_from_params() {
-        use crate::params::row_flags;
+        use crate::toolkit::params::row_flags;
         let generated = row_flags::wgsl();
         for (name, value) in [
             ("F_SOFTCAP", row_flags::SOFTCAP),
             ("F_DENSE", row_flags::DENSE_TEACHER),
             ("F_GATHER", row_flags::GATHER),
-            ("TAIL_NONE", crate::TailMode::Unnormalized.code()),
-            ("DIV_JSD", crate::Divergence::Jsd { beta: 0.5 }.code()),
+            ("TAIL_NONE", crate::terms::TailMode::Unnormalized.code()),
+            ("DIV_JSD", crate::terms::Divergence::Jsd { beta: 0.5 }.code()),
         ] {
             assert!(
                 generated.contains(&format!("const {name}: u32 = {value}u;\n")),
@@ -874,7 +874,7 @@ mod tests {
     #[test]
     fn every_shader_takes_the_host_constants_from_core() {
         let shared = shared_wgsl();
-        for stage in crate::resident::ShardStage::ALL {
+        for stage in crate::toolkit::resident_kernels::ShardStage::ALL {
             let line = format!("const STAGE_{}: u32 = {}u;\n", stage.name(), stage.code());
             assert!(shared.contains(&line), "{shared}");
         }
@@ -939,7 +939,7 @@ mod tests {
         };
         assert_eq!(d.workgroups(glsl), 2);
         let build = KernelId::GemmDx.build(glsl);
-        let tile = crate::GlslTile::from_name("bm128.bk64.s1").unwrap();
+        let tile = crate::toolkit::GlslTile::from_name("bm128.bk64.s1").unwrap();
         assert_eq!(
             build.source,
             KernelSource::Glsl {

@@ -1,19 +1,19 @@
 //! One kernel launch: which kernel, its descriptor and its buffers in
 //! binding order ([`Launch`]), the one thing a backend's
 //! [`Backend::dispatch`] receives. [`Launch::check`] runs the kernel's
-//! descriptor checks (`crate::checks`) and is the only way to get the
+//! descriptor checks (`crate::toolkit::checks`) and is the only way to get the
 //! [`Checked`] parameter block a GPU backend binds, so an unchecked
 //! dispatch cannot be written. [`Kernels`] gives every backend the
 //! per-kernel calls the driver makes, each building its launch.
 
-use crate::backend::{Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPartsDesc, TopkDesc};
 use crate::error::Result;
-use crate::kernels::{GemmKernel, KernelBuild, KernelId, KL_FLAGS};
-use crate::params::{
+use crate::toolkit::backend::{Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPartsDesc, TopkDesc};
+use crate::toolkit::kernels::{GemmKernel, KernelBuild, KernelId, KL_FLAGS};
+use crate::toolkit::params::{
     ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams,
     ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
-use crate::resident::{
+use crate::toolkit::resident_kernels::{
     GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc,
     TopkOutDesc, WeightStatsDesc,
 };
@@ -77,7 +77,7 @@ macro_rules! launches {
             }
 
             /// Checks the descriptor against the buffers (each a binding of
-            /// at most `max_binding` bytes): the kernel's [`crate::checks`],
+            /// at most `max_binding` bytes): the kernel's [`crate::toolkit::checks`],
             /// every backend's first step of every dispatch.
             pub fn check(&self, max_binding: u64) -> Result<Checked> {
                 let block = match *self {
@@ -209,7 +209,12 @@ impl<'a, B: DeviceBuffer> Launch<'a, B> {
         let buffers = self.buffers();
         let count = buffers.len();
         buffers.try_into().map_err(|_| {
-            crate::kernels::bad_descriptor(self.id(), "buffers", count as u128, format!("the kernel binds {N}"))
+            crate::toolkit::kernels::bad_descriptor(
+                self.id(),
+                "buffers",
+                count as u128,
+                format!("the kernel binds {N}"),
+            )
         })
     }
 }
@@ -368,10 +373,10 @@ impl<T: Backend + ?Sized> Kernels for T {}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::HeadLayout;
     use crate::error::Error;
+    use crate::toolkit::backend::HeadLayout;
 
-    use crate::backend::Len;
+    use crate::toolkit::backend::Len;
 
     /// Each launch names its kernel and its buffers in the catalogue's
     /// binding order, and its check is the descriptor's.
@@ -460,8 +465,8 @@ mod tests {
             panic!("a filtered GEMM with A inside a block passed");
         };
         assert_eq!(field, "a_offset");
-        let stats = crate::backend::GemmRowStats {
-            at: crate::backend::RowStats {
+        let stats = crate::toolkit::backend::GemmRowStats {
+            at: crate::toolkit::backend::RowStats {
                 offset: 1 << 16,
                 ld: 4,
                 groups: 4,
@@ -492,8 +497,9 @@ mod tests {
     /// checked, and an offset past 32 bits is an error, not a truncation.
     #[test]
     fn resident_launches_check_every_buffer() {
-        use crate::resident::status::WORDS;
-        use crate::{HiddenDtype, TailMode, TeacherForm};
+        use crate::terms::{TailMode, TeacherForm};
+        use crate::toolkit::resident_kernels::HiddenDtype;
+        use crate::toolkit::status::WORDS;
         let big = Len(1 << 24);
         let teacher = TeacherRowsDesc {
             rows: 5,

@@ -3,7 +3,7 @@
 //! structs at `@group(0) @binding(0)` from [`ParamBlock::wgsl`] (WGSL has no
 //! include). Every field is 4 bytes and each block
 //! is a multiple of 16 bytes, so the std140 and std430 layouts agree.
-//! Blocks are made only by the descriptor checks (`crate::checks`), which
+//! Blocks are made only by the descriptor checks (`crate::toolkit::checks`), which
 //! refuse extents past 32 bits instead of truncating them.
 
 use bytemuck::{Pod, Zeroable};
@@ -37,13 +37,13 @@ pub struct GemmParams {
     /// Parts the reduction is split into (1: no split); workgroup `l`
     /// computes part `l / tiles` of tile `l % tiles`.
     pub k_parts: u32,
-    /// Reduction indices per part (`crate::split::k_part_len`: a multiple
+    /// Reduction indices per part (`crate::toolkit::split::k_part_len`: a multiple
     /// of 64, at least `k` with one part).
     pub k_part: u32,
     /// Elements between the parts' C blocks.
     pub c_part_stride: u32,
     /// First element of the row statistics in C (0: none are written; see
-    /// [`crate::RowStats`]).
+    /// [`crate::toolkit::RowStats`]).
     pub stats_offset: u32,
     /// Statistics groups per row (pairs; even).
     pub stats_ld: u32,
@@ -62,7 +62,7 @@ pub struct GemmParams {
 
 /// `shaders/gemm_wgmma.cu`'s pack kernels: `rows` rows (M of A, N of B) by
 /// `kdim` of K, `ld` elements apart, laid out as the bulk tiles' stages
-/// hold them ([`crate::wgmma_tile::PackKind`]).
+/// hold them ([`crate::toolkit::wgmma_tile::PackKind`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct PackParams {
@@ -134,7 +134,7 @@ pub struct RowParams {
     pub z_loss: f32,
     /// `kl_rows`: first element of the row statistics in the logits
     /// buffer, a multiple of 4 (0: none; the kernel folds the logits
-    /// itself). See [`crate::RowStats`].
+    /// itself). See [`crate::toolkit::RowStats`].
     pub stats_offset: u32,
     /// `kl_rows`: statistics groups per row as stored (even).
     pub stats_ld: u32,
@@ -160,7 +160,7 @@ pub struct RowParams {
 pub mod row_flags {
     /// Softcap the logits.
     pub const SOFTCAP: u32 = 1;
-    /// Shift of the tail mode's code ([`crate::TailMode::code`], 2 bits).
+    /// Shift of the tail mode's code ([`crate::terms::TailMode::code`], 2 bits).
     pub const TAIL_SHIFT: u32 = 1;
     /// The hard-label term is on.
     pub const HARD: u32 = 8;
@@ -185,7 +185,7 @@ pub mod row_flags {
     /// a pipeline of its own, so the kernel without it is unchanged.
     pub const FILTER: u32 = 2048;
     /// `kl_rows`: shift of the soft term's divergence
-    /// ([`crate::Divergence::code`], 2 bits: 0 forward, 1 reverse, 2 JSD).
+    /// ([`crate::terms::Divergence::code`], 2 bits: 0 forward, 1 reverse, 2 JSD).
     pub const DIVERGENCE_SHIFT: u32 = 12;
     /// `topk_rows`: no selection; write the log-probabilities over the
     /// full vocabulary at the ids the caller put in `ids` (one past the
@@ -198,12 +198,12 @@ pub mod row_flags {
     pub const DENSE_TEACHER: u32 = 32768;
 
     /// The declarations `shaders/kl_rows.wgsl` and `shaders/topk_rows.wgsl`
-    /// get in place of [`crate::kernels::FLAGS_MARKER`]: these bits, the
+    /// get in place of [`crate::toolkit::kernels::FLAGS_MARKER`]: these bits, the
     /// divergences' and tail modes' codes they select, and the floors on a
-    /// probability ([`crate::PROB_FLOOR`]) and its log, so no shader
+    /// probability ([`crate::terms::PROB_FLOOR`]) and its log, so no shader
     /// spells a host value by hand.
     pub fn wgsl() -> String {
-        use crate::{Divergence, TailMode};
+        use crate::terms::{Divergence, TailMode};
         let mut s = String::new();
         for (name, value) in [
             ("F_SOFTCAP", SOFTCAP),
@@ -228,7 +228,7 @@ pub mod row_flags {
             s.push_str(&format!("const {name}: u32 = {value}u;\n"));
         }
         // f32's shortest round-trip digits: the value the host's f32 holds.
-        let floor = crate::PROB_FLOOR as f32;
+        let floor = crate::terms::PROB_FLOOR as f32;
         s.push_str(&format!("const TAIL_FLOOR: f32 = {floor:e};\n"));
         s.push_str(&format!("const LOG_PROB_FLOOR: f32 = {:e};\n", floor.ln()));
         s
@@ -271,7 +271,7 @@ pub struct ParamBlock {
 impl ParamBlock {
     /// The WGSL declaration of the struct (padded to its size with `padN`
     /// fields) and of the uniform `params` at group 0, binding 0: the part
-    /// of every shader that `crate::kernels::Shader::source` inserts.
+    /// of every shader that `crate::toolkit::kernels::Shader::source` inserts.
     pub fn wgsl(&self) -> String {
         let mut out = format!("struct {} {{\n", self.name);
         let mut end = 0;
@@ -327,7 +327,7 @@ param_block!(GatherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_o
 // The device-resident kernels' blocks (`shaders/resident_*.wgsl`, one per
 // kernel; `crate::resident` says what each kernel does). Offsets are in
 // elements of the caller's buffers; booleans are 0 or 1; `tail` is
-// `crate::TailMode::code`, `dtype` `crate::HiddenDtype::code`.
+// `crate::terms::TailMode::code`, `dtype` `crate::toolkit::resident_kernels::HiddenDtype::code`.
 
 /// `shaders/resident_stats.wgsl` (one workgroup).
 #[repr(C)]
@@ -345,7 +345,7 @@ pub struct WeightStatsParams {
     pub gscale: f32,
     /// `1/τ`.
     pub inv_temperature: f32,
-    /// [`crate::LossTerms::grad_bound`] (≥ 1).
+    /// [`crate::terms::LossTerms::grad_bound`] (≥ 1).
     pub grad_bound: f32,
     /// Padding to 16 bytes.
     pub _pad: u32,
@@ -494,7 +494,7 @@ pub struct TopkOutParams {
 
 /// `shaders/resident_shard.wgsl` (one invocation per row): a vocabulary
 /// shard's per-row steps of the device-resident two-phase loss
-/// ([`crate::resident::ShardRowsDesc`]).
+/// ([`crate::toolkit::resident_kernels::ShardRowsDesc`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct ShardRowsParams {
@@ -509,7 +509,7 @@ pub struct ShardRowsParams {
     /// The chunk's first token (its row in the `[ntok][3]` partials and
     /// statistics).
     pub token0: u32,
-    /// The step's code ([`crate::resident::ShardStage::code`]).
+    /// The step's code ([`crate::toolkit::resident_kernels::ShardStage::code`]).
     pub stage: u32,
     /// 1: the partials step also writes the lse at τ = 1 (τ is 1).
     pub lse1_too: u32,

@@ -10,7 +10,7 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::settings::QUEUE;
+use crate::toolkit::settings::QUEUE;
 
 /// Which queue family to open the device on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

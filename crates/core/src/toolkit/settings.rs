@@ -19,9 +19,15 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
-use crate::gemm_choice::{GemmChoice, GemmSetting};
-use crate::queue::QueueChoice;
-use crate::tune_cache::CACHE_FILE;
+use crate::toolkit::gemm_choice::{GemmChoice, GemmSetting};
+use crate::toolkit::queue::QueueChoice;
+use crate::toolkit::tune_cache::CACHE_FILE;
+
+/// The `log` target of the diagnostics a user switches on
+/// (`HEADKL_TRACE`'s phases, `HEADKL_PIPELINE_STATS`' statistics), logged
+/// at info level: a program that is otherwise quiet can still let them
+/// through, since they were asked for.
+pub const DIAGNOSTICS_LOG_TARGET: &str = "headkl::diagnostics";
 
 /// One environment variable: its name, the values it takes, its default and
 /// what it does.
@@ -50,9 +56,9 @@ pub const SEED: &str = "HEADKL_SEED";
 /// `HEADKL_NO_COOPMAT`.
 pub const NO_COOPMAT: &str = "HEADKL_NO_COOPMAT";
 /// `HEADKL_GEMM`.
-pub const GEMM: &str = crate::gemm_choice::GEMM_ENV;
+pub const GEMM: &str = crate::toolkit::gemm_choice::GEMM_ENV;
 /// `HEADKL_CACHE_DIR`.
-pub const CACHE_DIR: &str = crate::tune_cache::CACHE_DIR_ENV;
+pub const CACHE_DIR: &str = crate::toolkit::tune_cache::CACHE_DIR_ENV;
 /// `HEADKL_TRACE`.
 pub const TRACE: &str = "HEADKL_TRACE";
 /// `HEADKL_PIPELINE_STATS`.
@@ -323,11 +329,11 @@ impl CommonOptions {
 }
 
 /// Where a backend's GEMM choice can come from besides its open options:
-/// `HEADKL_GEMM` and the tune cache (see [`crate::gemm_choice::resolve_choice`]).
+/// `HEADKL_GEMM` and the tune cache (see [`crate::toolkit::gemm_choice::resolve_choice`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GemmSources {
     /// `HEADKL_GEMM`, parsed; laid over the backend's default by
-    /// [`crate::gemm_choice::resolve_choice`].
+    /// [`crate::toolkit::gemm_choice::resolve_choice`].
     pub setting: Option<GemmSetting>,
     /// The tune cache file, if there is a place for one.
     pub tune_cache: Option<PathBuf>,
@@ -427,7 +433,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.device, Some(2));
         // Parsed once, into the kernel for each layout.
-        let direct = Some(crate::CoopGemm::Direct);
+        let direct = Some(crate::toolkit::CoopGemm::Direct);
         assert_eq!(
             c.gemm_sources.setting,
             Some(GemmSetting {
@@ -519,15 +525,16 @@ mod tests {
     #[test]
     fn gemm_default_names_the_glsl_default() {
         let gemm = VARIABLES.iter().find(|v| v.name == GEMM).unwrap();
-        let tile = crate::GemmChoice::GLSL_DEFAULT;
+        let tile = crate::toolkit::GemmChoice::GLSL_DEFAULT;
         assert_eq!(tile.logits, tile.dx);
         assert!(gemm.default.contains(&tile.logits.to_string()), "{}", gemm.default);
         assert!(
-            gemm.default.contains(&crate::GemmChoice::WGMMA_DEFAULT.to_string()),
+            gemm.default
+                .contains(&crate::toolkit::GemmChoice::WGMMA_DEFAULT.to_string()),
             "{}",
             gemm.default
         );
-        for t in crate::wgmma_tile::WGMMA_TILES {
+        for t in crate::toolkit::wgmma_tile::WGMMA_TILES {
             assert!(gemm.values.contains(&format!("wgmma:{t}")), "{}", gemm.values);
         }
     }
@@ -536,8 +543,8 @@ mod tests {
     /// which beats the backend's default.
     #[test]
     fn gemm_choice_precedence() {
-        use crate::gemm_choice::{resolve_choice, ChoiceSource, CoopGemm};
-        use crate::tune_cache::TuneCache;
+        use crate::toolkit::gemm_choice::{resolve_choice, ChoiceSource, CoopGemm};
+        use crate::toolkit::tune_cache::TuneCache;
         let dir = std::env::temp_dir().join(format!("headkl-settings-gemm-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let cache_file = dir.join(CACHE_FILE);

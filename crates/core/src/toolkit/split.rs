@@ -1,6 +1,6 @@
 //! Split-K for the dx GEMM: how a GEMM's reduction is cut into parts that
 //! run in one dispatch into f32 partial blocks (summed afterwards, in a
-//! fixed order, by [`crate::KernelId::SumParts`]), and how many parts the
+//! fixed order, by [`crate::toolkit::KernelId::SumParts`]), and how many parts the
 //! driver asks for (`HEADKL_DX_SPLIT`, [`DxSplit`]).
 //!
 //! The dx GEMM's output is small (`rows × hs`), so its 128 × 128 tiles make

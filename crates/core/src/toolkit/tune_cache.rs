@@ -5,10 +5,10 @@
 
 use std::path::Path;
 
-use crate::gemm_choice::{CoopGemm, GemmChoice};
+use crate::toolkit::gemm_choice::{CoopGemm, GemmChoice};
 
 /// The environment variable that moves the tune cache's folder (read by
-/// [`crate::settings`], which also finds the default folder).
+/// [`crate::toolkit::settings`], which also finds the default folder).
 pub const CACHE_DIR_ENV: &str = "HEADKL_CACHE_DIR";
 /// The tune cache's file name within its folder.
 pub const CACHE_FILE: &str = "gemm-tune.tsv";

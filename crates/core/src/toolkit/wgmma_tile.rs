@@ -8,7 +8,7 @@
 
 use std::fmt;
 
-use crate::backend::HeadLayout;
+use crate::toolkit::backend::HeadLayout;
 
 /// How a PTX tile's stages are filled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -125,8 +125,8 @@ impl PackKind {
     }
 
     /// Its parameter block for `rows` by `kdim` at `ld`.
-    pub fn params(self, rows: u32, kdim: u32, ld: u32) -> crate::params::PackParams {
-        crate::params::PackParams {
+    pub fn params(self, rows: u32, kdim: u32, ld: u32) -> crate::toolkit::params::PackParams {
+        crate::toolkit::params::PackParams {
             rows,
             kdim,
             ld,
@@ -154,10 +154,10 @@ pub enum BulkStep {
         /// First element of the source, in the GEMM's A or B buffer.
         src_offset: u64,
         /// The pack kernel's block.
-        params: crate::params::PackParams,
+        params: crate::toolkit::params::PackParams,
     },
     /// The bulk GEMM on the packed operands (its `grid_x` still to fill).
-    Gemm(crate::params::GemmParams),
+    Gemm(crate::toolkit::params::GemmParams),
 }
 
 /// A bulk tile's GEMM as pack and GEMM launches over pieces whose packed
@@ -166,12 +166,12 @@ pub enum BulkStep {
 /// once a piece) by columns (B packed a piece each, C's columns and the row
 /// statistics' groups shifted to match); dx in pieces of K that add into
 /// the part's C block after the first. `params` is the checked
-/// block of the whole GEMM ([`crate::GemmDesc::check`]: m, n, k multiples
+/// block of the whole GEMM ([`crate::toolkit::GemmDesc::check`]: m, n, k multiples
 /// of 16, offsets and strides of 8). The block filter is not a bulk
 /// tile's (it runs the GLSL filter tile).
 pub fn bulk_plan(
     layout: HeadLayout,
-    params: &crate::params::GemmParams,
+    params: &crate::toolkit::params::GemmParams,
     pack_bytes: u64,
 ) -> Result<Vec<BulkStep>, String> {
     let p = *params;
@@ -183,7 +183,7 @@ pub fn bulk_plan(
     let index = |what: &str, v: u64| u32::try_from(v).map_err(|_| format!("{what} = {v} does not fit 32 bits"));
     let whole = |value: u64, unit: u64| value / unit * unit;
     let mut steps = Vec::new();
-    let gemm = |m: u64, n: u64, k: u64| crate::params::GemmParams {
+    let gemm = |m: u64, n: u64, k: u64| crate::toolkit::params::GemmParams {
         m: m as u32,
         n: n as u32,
         k: k as u32,
@@ -345,7 +345,7 @@ impl fmt::Display for WgmmaTile {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::params::GemmParams;
+    use crate::toolkit::params::GemmParams;
 
     /// Packed sizes are whole tiles of whole K steps, so a bulk tile never
     /// reads past what its pack kernel wrote.
@@ -406,7 +406,7 @@ mod tests {
     /// [tiles · rows][steps · 16] matrix of its source, each GEMM on the
     /// last two packs.
     fn emulate_plan(layout: HeadLayout, steps: &[BulkStep], a: &[f64], b: &[f64], c: &mut [f64]) {
-        let pack = |kind: PackKind, src: &[f64], at: u64, q: &crate::params::PackParams| {
+        let pack = |kind: PackKind, src: &[f64], at: u64, q: &crate::toolkit::params::PackParams| {
             let (rows, ks) = (u64::from(q.tiles * kind.tile_rows()), u64::from(q.steps) * 16);
             let mut out = vec![0.0; (rows * ks) as usize];
             for r in 0..u64::from(q.rows) {

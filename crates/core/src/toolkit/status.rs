@@ -135,21 +135,21 @@ pub const KIND_NAMES: [(&str, u32); 10] = [
 pub fn code_names() -> [(&'static str, u32); 4] {
     [
         ("TAIL_RENORMALIZE", TailMode::Renormalize.code()),
-        ("DTYPE_F32", super::HiddenDtype::F32.code()),
-        ("DTYPE_F16", super::HiddenDtype::F16.code()),
-        ("DTYPE_BF16", super::HiddenDtype::Bf16.code()),
+        ("DTYPE_F32", super::resident_kernels::HiddenDtype::F32.code()),
+        ("DTYPE_F16", super::resident_kernels::HiddenDtype::F16.code()),
+        ("DTYPE_BF16", super::resident_kernels::HiddenDtype::Bf16.code()),
     ]
 }
 
 /// The WGSL constant `FLAGGED_ROW` ([`FLAGGED_ROW`]): part of [`wgsl`],
 /// and what `kl_rows.wgsl` (a driver kernel, which has no status buffer)
-/// gets in place of [`crate::kernels::ROW_MARKER`].
+/// gets in place of [`crate::toolkit::kernels::ROW_MARKER`].
 pub fn row_wgsl() -> String {
     format!("const FLAGGED_ROW: u32 = 0x{FLAGGED_ROW:08x}u;\n")
 }
 
 /// The WGSL constants every resident shader gets in place of
-/// [`crate::kernels::RESIDENT_MARKER`]: `NONE`, `FLAGGED_ROW`, the words,
+/// [`crate::toolkit::kernels::RESIDENT_MARKER`]: `NONE`, `FLAGGED_ROW`, the words,
 /// the detail kinds, the codes and `MASS_TOLERANCE`, so the shaders cannot
 /// drift from this file.
 pub fn wgsl() -> String {
@@ -296,7 +296,7 @@ mod tests {
     /// from [`wgsl`] through `resident_common.wgsl`'s marker.
     #[test]
     fn the_shaders_take_their_status_names_from_here() {
-        use crate::kernels::{KernelId, RESIDENT_MARKER};
+        use crate::toolkit::kernels::{KernelId, RESIDENT_MARKER};
         let generated = wgsl();
         let names: Vec<&str> = WORD_NAMES
             .iter()
@@ -358,7 +358,7 @@ mod tests {
     /// from [`row_wgsl`] and declares none of its own.
     #[test]
     fn kl_rows_takes_the_marker_from_here() {
-        use crate::kernels::{KL_ROWS_WGSL, ROW_MARKER};
+        use crate::toolkit::kernels::{KL_ROWS_WGSL, ROW_MARKER};
         assert_eq!(KL_ROWS_WGSL.text.matches(ROW_MARKER).count(), 1);
         assert!(!KL_ROWS_WGSL.text.contains("const FLAGGED_ROW"));
         assert_eq!(KL_ROWS_WGSL.source().matches(&row_wgsl()).count(), 1);

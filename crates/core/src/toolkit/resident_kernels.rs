@@ -1,14 +1,45 @@
 //! The device-resident kernels' descriptors (`shaders/resident_*.wgsl`):
 //! what each computes, in the kernel catalogue's terms. Each is one
-//! [`crate::KernelId`] and one [`crate::Launch`] variant, checked against
-//! its buffers in `crate::checks` like the driver's kernels, and dispatched
+//! [`crate::toolkit::KernelId`] and one [`crate::toolkit::Launch`] variant, checked against
+//! its buffers in `crate::toolkit::checks` like the driver's kernels, and dispatched
 //! through [`Backend::dispatch`]. Offsets are in elements of the caller's
-//! buffers; the status buffer is [`super::status`]'s.
+//! buffers; the status buffer is [`super::status`]'s. Their entry points
+//! are `crate::resident`'s.
 
-use super::HiddenDtype;
-use crate::backend::Backend;
 use crate::error::Result;
 use crate::terms::{TailMode, TeacherForm};
+use crate::toolkit::backend::Backend;
+
+/// Element type of hidden rows in a device buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HiddenDtype {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16 (the top half of a binary32).
+    Bf16,
+}
+
+impl HiddenDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            HiddenDtype::F32 => 4,
+            HiddenDtype::F16 | HiddenDtype::Bf16 => 2,
+        }
+    }
+
+    /// Its code in [`crate::toolkit::params::HiddenInParams::dtype`] (the shaders
+    /// get the same as `DTYPE_*`).
+    pub const fn code(self) -> u32 {
+        match self {
+            HiddenDtype::F32 => 0,
+            HiddenDtype::F16 => 1,
+            HiddenDtype::Bf16 => 2,
+        }
+    }
+}
 
 /// The weights' total and gradient scale, resolved on the device into the
 /// status buffer's coefficient words; the first bad weight flagged. When
@@ -29,7 +60,7 @@ pub struct WeightStatsDesc {
     pub gscale: Option<f32>,
     /// τ.
     pub temperature: f32,
-    /// [`crate::LossTerms::grad_bound`] at τ.
+    /// [`crate::terms::LossTerms::grad_bound`] at τ.
     pub grad_bound: f64,
 }
 
@@ -65,7 +96,7 @@ pub struct TeacherRowsDesc {
 }
 
 /// A chunk of the caller's labels checked into word 1 of the per-row
-/// inputs `[rows][2]` ([`crate::NO_LABEL`] without labels, and for a bad
+/// inputs `[rows][2]` ([`crate::terms::NO_LABEL`] without labels, and for a bad
 /// one, which is flagged and makes the row's coefficient word 0
 /// [`super::status::FLAGGED_ROW`]). Buffers `[labels, status, row_in]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,10 +176,10 @@ pub struct TopkOutDesc {
 }
 
 /// The device-resident gather's steps around the top-k kernel's gather
-/// mode ([`crate::Engine::logprobs_at_device`]): `GatherIn` copies a
+/// mode ([`crate::engine::Engine::logprobs_at_device`]): `GatherIn` copies a
 /// chunk's ids from the caller's u32 `[ntok][k]` into the kernel's
 /// `[rows][k + 1]` rows (none, `0xffffffff`, stays none; an id at or past
-/// V is flagged as [`crate::resident::status::S_ID_RANGE`] and becomes
+/// V is flagged as [`crate::toolkit::status::S_ID_RANGE`] and becomes
 /// none; the last column is none, for the lse); `GatherOut` copies the
 /// kernel's values out, the k log-probabilities into the caller's
 /// `[ntok][k]` and the lse into `[ntok]`, flagging a token whose logits
@@ -233,7 +264,7 @@ pub enum ShardStage {
 }
 
 impl ShardStage {
-    /// Its code in [`crate::params::ShardRowsParams::stage`] (the shader's
+    /// Its code in [`crate::toolkit::params::ShardRowsParams::stage`] (the shader's
     /// `STAGE_*` constants).
     pub const fn code(self) -> u32 {
         match self {
@@ -286,7 +317,7 @@ pub struct StatusDetailDesc {
 }
 
 /// A backend that can run the device-resident entry points
-/// ([`crate::Engine::head_kl_device`], [`crate::Engine::topk_device`]) on
+/// ([`crate::engine::Engine::head_kl_device`], [`crate::engine::Engine::topk_device`]) on
 /// buffers the caller owns. Their kernels go through
 /// [`Backend::dispatch`] like the driver's.
 ///
@@ -319,3 +350,8 @@ impl<T: ResidentBackend + ?Sized> ResidentBackend for &T {
         (**self).submit()
     }
 }
+
+/// The floor on a shard's softmax share `α = exp(lse_s − lse)` in phase two:
+/// `q/α` stays far inside f32, and what the floor changes, `c·α·p ≤ c·2^-40`,
+/// is below the f16 gradient's resolution.
+pub const ALPHA_FLOOR: f64 = 1.0 / (1u64 << 40) as f64;
