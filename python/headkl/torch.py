@@ -1,5 +1,6 @@
 """headkl for PyTorch: the fused top-k distillation loss with its gradient,
-the teacher's exact top-k and the gather, on a frozen head uploaded once.
+the teacher's exact top-k and the gather, on a frozen head uploaded once
+(and uploaded again where it changes: see ``Head``).
 
 The head ``weight`` is ``[V][hs]`` (``nn.Linear(hs, V).weight``, or an
 embedding matrix), float32, float16 or bfloat16; the hidden rows are
@@ -9,7 +10,9 @@ embedding matrix), float32, float16 or bfloat16; the hidden rows are
     loss = Σ_t w_t L_t / Σ_t w_t                           (reduction="mean")
 
 and ``loss.backward()`` gives ``hidden.grad``; no ``[ntok][V]`` tensor is
-ever made. The other divergences, tail modes and terms are keywords of
+ever made. The head gets no gradient: the losses refuse a head that
+requires grad (pass ``weight.detach()``); a trainable head is not
+supported yet. The other divergences, tail modes and terms are keywords of
 ``HeadKLLoss`` (the README's "Loss terms" has each one's PyTorch formula).
 
 Tensors on the CPU are read and written in place. CUDA tensors go
@@ -25,8 +28,10 @@ through host copies, said once on the ``headkl`` logger;
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
+import operator
 import struct
 from collections import namedtuple
 from typing import Optional, Sequence, Tuple
@@ -34,6 +39,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C import _functions as _autograd_functions
 
 from . import _native
 
@@ -63,6 +69,8 @@ _NAMES = {
     torch.bfloat16: "bfloat16",
     torch.int64: "int64",
 }
+# The most entries a top-k row holds: the engine's MAX_K (crates/core/src/problem.rs).
+_MAX_K = 2048
 _warned_host_copies = False
 _host_copy_bytes = 0
 
@@ -112,6 +120,58 @@ def _tensor(name: str, t, dtypes: Sequence[torch.dtype], ndim: Optional[int] = N
     return t
 
 
+def _frozen(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``, refused where it requires grad: a loss returns no gradient for
+    a head, and a dropped gradient must not pass in silence."""
+    if t.requires_grad:
+        raise ValueError(
+            f"{name}: requires grad, but headkl treats the head as frozen and returns no gradient for it "
+            f"(a trainable head's gradient is not supported yet); pass {name}.detach() for a frozen head"
+        )
+    return t
+
+
+def _stamp(t: torch.Tensor) -> Tuple[Optional[int], int]:
+    """What tells whether ``t`` changed: its version counter (bumped by every
+    in-place change, and shared with the tensor it was detached or sliced
+    from) and where its data is (moved by ``t.data = ...`` or ``t.set_()``)."""
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        version = None
+    return version, t.data_ptr()
+
+
+def _changed(name: str, t: torch.Tensor, stamp: Tuple[Optional[int], int]) -> Optional[str]:
+    """Why ``t`` differs from when ``stamp`` was taken, or None."""
+    version, pointer = _stamp(t)
+    if pointer != stamp[1]:
+        return f"{name}'s storage was replaced"
+    if version != stamp[0]:
+        return f"{name} changed in place (tensor version {stamp[0]} -> {version})"
+    return None
+
+
+def _top_k(k, vocab: int) -> int:
+    """``k`` as an int, checked against ``min(V, 2048)`` before anything is
+    allocated for it."""
+    if isinstance(k, bool):
+        raise TypeError(f"k: expected an int, got {k!r}")
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise TypeError(f"k: expected an int, got {type(k).__name__}") from None
+    limit = min(vocab, _MAX_K)
+    if k < 1:
+        raise ValueError(f"k: {k}; the top-k needs at least one entry per row (1 <= k <= {limit})")
+    if k > limit:
+        raise ValueError(
+            f"k: {k} is more than {limit}, the most the top-k takes (k <= min(V = {vocab}, {_MAX_K})); "
+            "for the full vocabulary use FullVocabKLLoss"
+        )
+    return k
+
+
 def _ids(name: str, t) -> torch.Tensor:
     t = _tensor(name, t, (torch.int64, torch.int32))
     return t.to(torch.int64)
@@ -137,6 +197,9 @@ def _row_arrays(labels, weights, lead: Tuple[int, ...], hidden: torch.Tensor):
         _same_device("labels", labels, hidden)
         labels = labels.reshape(-1)
     if weights is not None:
+        if isinstance(weights, torch.Tensor) and not (weights.dtype.is_floating_point or weights.dtype.is_complex):
+            # A mask (bool or integer, as an attention mask comes): 1 keeps a token, 0 drops it.
+            weights = weights.to(torch.float32)
         weights = _tensor("weights", weights, _FLOATS + (torch.float64,))
         _rows("weights", weights, lead)
         _same_device("weights", weights, hidden)
@@ -145,13 +208,22 @@ def _row_arrays(labels, weights, lead: Tuple[int, ...], hidden: torch.Tensor):
 
 
 class Head:
-    """A frozen head ``weight`` ``[V][hs]`` uploaded once to a backend.
+    """A head ``weight`` ``[V][hs]`` uploaded once to a backend.
 
     ``backend``: ``"auto"`` (the best GPU, else the f64 CPU reference),
     ``"vulkan"``, ``"wgpu"`` or ``"reference"``; ``device``: the index
     within it, as ``headkl.devices()`` lists them. For a vocabulary shard,
     ``shard=(v0, v1)`` with ``vocab_size=V``: ``weight`` then holds the rows
     ``[v0, v1)`` alone.
+
+    The head is never stale: the tensor given is kept (not copied) with its
+    version counter, and a call that finds it changed since the upload (an
+    in-place change such as an optimizer step or an EMA update, also made
+    through the parameter ``weight`` was detached from, or its storage
+    replaced with ``weight.set_()``) uploads it again first, said on the
+    ``headkl`` logger. ``weight.data = ...`` on the parameter after
+    ``.detach()`` is not seen: the detached tensor keeps the old storage.
+    The results of ``topk`` and ``gather`` carry no gradient.
     """
 
     def __init__(
@@ -175,23 +247,110 @@ class Head:
             shard_spec = (v0, v1, int(vocab_size))
         elif vocab_size is not None and vocab_size != rows:
             raise ValueError(f"vocab_size: {vocab_size}, but weight has {rows} rows and no shard is given")
-        host = _on_host("weight", weight)
-        self._engine = _native.Engine(_spec(host), rows, hs, backend, device, shard_spec)
+        self._open = (backend, device, shard_spec)
+        self._weight = weight
+        self._teacher = None  # FullVocabKLLoss's teacher head, kept as the head is
+        self._engine = None
         self._zc = None
         self._no_zc = None if shard is None else "a vocabulary shard runs through host copies"
+        self._uploads = self._teacher_uploads = 0
         self.shard = None if shard is None else (shard_spec[0], shard_spec[1])
         self.vocab_size = rows if shard_spec is None else shard_spec[2]
         self.hidden_size = hs
+        self._upload()
+
+    def _upload(self) -> None:
+        """Makes the engine from the head as it is now (and the teacher's
+        head, where one is set), in place of the last one: that one's
+        zero-copy buffers and device memory go first."""
+        self._release()
+        weight = self._weight
+        stamp = _stamp(weight)
+        host = _on_host("weight", weight)
+        engine = _native.Engine(_spec(host), weight.shape[0], weight.shape[1], *self._open)
+        if self._teacher is not None:
+            teacher_stamp = self._teacher_onto(engine)
+        self._engine, self._stamp = engine, stamp
+        self._uploads += 1
+        if self._teacher is not None:
+            self._teacher_stamp = teacher_stamp
+            self._teacher_uploads += 1
+
+    def _teacher_onto(self, engine):
+        """Uploads the teacher's head to ``engine``; returns its stamp as read."""
+        stamp = _stamp(self._teacher)
+        host = _on_host("teacher_weight", self._teacher)
+        engine.set_teacher_head(_spec(host), host.shape[0], host.shape[1])
+        return stamp
+
+    def _set_teacher(self, teacher_weight: torch.Tensor) -> None:
+        """Sets the teacher's head (FullVocabKLLoss's), kept and re-read as the head is."""
+        self._teacher = teacher_weight
+        self._teacher_hidden_size = teacher_weight.shape[1]
+        self._teacher_stamp = self._teacher_onto(self._engine)
+        self._teacher_uploads += 1
+
+    def _release(self) -> None:
+        """Lets the engine go: once the device is done with the last
+        zero-copy call (whose flagged errors are raised here, as the next
+        call would), its shared buffers are freed."""
+        if self._zc is not None:
+            self._engine.synchronize()
+            zc, self._zc = self._zc, None
+            zc.close()
+        self._engine = None
+
+    def _refresh(self) -> None:
+        """Uploads the head again where it changed since it was uploaded
+        (the teacher's head alone where only that one changed), said on the
+        ``headkl`` logger: a call never runs on a stale head."""
+        why = "the last upload failed" if self._engine is None else _changed("weight", self._weight, self._stamp)
+        if why is None and self._teacher is not None:
+            teacher_why = _changed("teacher_weight", self._teacher, self._teacher_stamp)
+            if teacher_why is not None:
+                self._same_shape("teacher_weight", self._teacher, self._teacher_shape)
+                log.info("headkl: re-read the teacher's head: %s since it was uploaded", teacher_why)
+                self._teacher_stamp = self._teacher_onto(self._engine)
+                self._teacher_uploads += 1
+            return
+        if why is None:
+            return
+        self._same_shape("weight", self._weight, (self._weight_rows, self.hidden_size))
+        if self._teacher is not None:
+            self._same_shape("teacher_weight", self._teacher, self._teacher_shape)
+        log.info("headkl: re-read the head: %s since it was uploaded", why)
+        self._upload()
+
+    @property
+    def _weight_rows(self) -> int:
+        return self.vocab_size if self.shard is None else self.shard[1] - self.shard[0]
+
+    @property
+    def _teacher_shape(self) -> Tuple[int, int]:
+        return (self.vocab_size, self._teacher_hidden_size)
+
+    @staticmethod
+    def _same_shape(name: str, t: torch.Tensor, shape: Tuple[int, int]) -> None:
+        """A kept head changed must keep its shape (and a head's dtype)."""
+        _tensor(name, t, _FLOATS)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(
+                f"{name}: its shape changed from {tuple(shape)} to {tuple(t.shape)} since it was uploaded; "
+                "make a new one for another head"
+            )
 
     @property
     def info(self) -> dict:
         """The device: backend, name, type, driver, matrix units, GEMM kernels."""
+        if self._engine is None:
+            self._refresh()
         return self._engine.info()
 
     def synchronize(self) -> None:
         """Waits for the device and raises what the last zero-copy call
         flagged there (``ValueError``: an id ≥ V, a non-finite row)."""
-        self._engine.synchronize()
+        if self._engine is not None:
+            self._engine.synchronize()
 
     def _zero_copy(self, device: torch.device, why_not: Optional[str] = None):
         """The engine's buffers shared with CUDA device ``device``, or None
@@ -238,9 +397,11 @@ class Head:
         log-probabilities over the whole vocabulary (``form="logprobs"``)."""
         if form not in ("probs", "logprobs"):
             raise ValueError(f"form={form!r}: expected probs or logprobs")
+        k = _top_k(k, self.vocab_size)
         flat, lead = self._hidden(hidden)
         options = {"temperature": temperature, "softcap": softcap, "logit_scale": logit_scale}
         shape = lead + (k,)
+        self._refresh()
         zc = self._zero_copy(hidden.device) if hidden.device.type == "cuda" else None
         if zc is not None:
             ntok = flat.shape[0]
@@ -283,6 +444,7 @@ class Head:
             raise ValueError(f"ids: expected shape {lead} + (k,), got {tuple(ids.shape)}")
         k = ids.shape[-1]
         options = {"temperature": temperature, "softcap": softcap, "logit_scale": logit_scale}
+        self._refresh()
         zc = self._zero_copy(hidden.device) if hidden.device.type == "cuda" else None
         if zc is not None:
             ntok = flat.shape[0]
@@ -310,6 +472,8 @@ def topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float 
     """``Head(weight).topk(hidden, k, temperature=...)``: uploads the head for
     this call alone; keep a ``Head`` to call it again. ``backend`` and
     ``device`` go to ``Head``, the rest to ``Head.topk``."""
+    weight = _tensor("weight", weight, _FLOATS, ndim=2)
+    _top_k(k, weight.shape[0])  # before the head is uploaded
     head_kw = {key: kwargs.pop(key) for key in ("backend", "device") if key in kwargs}
     return Head(weight, **head_kw).topk(hidden, k, temperature=temperature, **kwargs)
 
@@ -321,9 +485,31 @@ def gather(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temper
     return Head(weight, **head_kw).gather(hidden, ids, temperature=temperature, **kwargs)
 
 
+def _once_differentiable(backward):
+    """``torch.autograd.function.once_differentiable``, also where the
+    incoming gradient needs none: the gradient comes from the saved ``dx``,
+    a function of the hidden rows with no derivative here, so with
+    ``create_graph=True`` its use is PyTorch's "differentiate twice" error
+    rather than a second derivative of zero."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *args):
+        with torch.no_grad():
+            outputs = backward(ctx, *args)
+        if not torch.is_grad_enabled():
+            return outputs
+        error = _autograd_functions.DelayedError(
+            b"trying to differentiate twice a function that was marked with @once_differentiable", len(outputs)
+        )
+        marked = [None if o is None else o.detach().requires_grad_() for o in outputs]
+        return error(*marked)
+
+    return wrapper
+
+
 class _HeadKLFunction(torch.autograd.Function):
     """The loss, computed with its gradient in one call; backward scales the
-    kept gradient by the incoming one."""
+    kept gradient by the incoming one (once: a second derivative raises)."""
 
     @staticmethod
     def forward(ctx, hidden, run):
@@ -334,6 +520,7 @@ class _HeadKLFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx, grad):
         (dx,) = ctx.saved_tensors
         scale = grad.reshape(-1, 1) if ctx.per_token else grad
@@ -422,9 +609,15 @@ class HeadKLLoss(_HeadLoss):
     log-probabilities with ``teacher_form="logprobs"``), ``labels``
     ``[...]`` for the hard term and ``ignore_mask``, per-token ``weights``
     ``[...]`` (0 masks a token) and the ``total`` the mean divides by
-    (default ``Σ weights``). Returns the loss: a scalar, or ``[...]`` with
-    ``reduction="none"`` (the weighted per-token losses); its backward
-    gives ``hidden.grad``. The head gets no gradient.
+    (default ``Σ weights``; a bool or integer mask is taken as 0/1).
+    Returns the loss: a scalar, or ``[...]`` with ``reduction="none"`` (the
+    weighted per-token losses); its backward gives ``hidden.grad``.
+
+    The head gets no gradient: a ``weight`` that requires grad is refused
+    (pass ``weight.detach()``; a trainable head is not supported yet). A
+    head changed after the loss was made (in place, as an optimizer or an
+    EMA update does, also through the parameter it was detached from) is
+    uploaded again at the next call, said on the ``headkl`` logger.
 
     Keywords (the ``headkl loss`` options, under PyTorch's or Liger's name):
 
@@ -507,6 +700,7 @@ class HeadKLLoss(_HeadLoss):
         )
         # Every value is checked here, before the head goes to a device.
         _native.check_loss_options(self.options, shard is not None)
+        weight = _frozen("weight", _tensor("weight", weight, _FLOATS, ndim=2))
         self.reduction = reduction
         self.head = Head(weight, backend=backend, device=device, shard=shard, vocab_size=vocab_size)
         self.process_group = process_group
@@ -514,14 +708,14 @@ class HeadKLLoss(_HeadLoss):
     @property
     def zero_copy(self) -> bool:
         """Whether the last CUDA call went zero-copy."""
-        return getattr(self, "_used_zero_copy", None) is not None
+        return getattr(self, "_used_zero_copy", False)
 
     def synchronize(self) -> None:
         """Waits for the device and raises what the last zero-copy call
         flagged there (an id ≥ V, a non-finite row: ``ValueError``). The
         zero-copy path checks each call's flags when the next call starts,
         so a bad step raises one call late unless this is called."""
-        self.head._engine.synchronize()
+        self.head.synchronize()
 
     def forward(
         self,
@@ -551,6 +745,7 @@ class HeadKLLoss(_HeadLoss):
             raise ValueError(f"labels: needed with weight_hard_loss={self.options['hard_weight']}")
         inputs = (flat, teacher_ids.reshape(ntok, k), teacher_values.reshape(ntok, k), labels, weights)
         total = None if total is None else float(total)
+        self.head._refresh()
         zero_copy = self._zero_copy(hidden.device) if hidden.device.type == "cuda" else None
         if zero_copy is not None:
             run = lambda: zero_copy.loss(self, *inputs, total)  # noqa: E731
@@ -564,8 +759,10 @@ class HeadKLLoss(_HeadLoss):
         why = None
         if self.options["teacher_temperature"] is not None:
             why = "teacher_temperature runs through host copies"
-        self._used_zero_copy = self.head._zero_copy(device, why)
-        return self._used_zero_copy
+        # A flag, not the buffers: a head read again lets the last engine go.
+        zero_copy = self.head._zero_copy(device, why)
+        self._used_zero_copy = zero_copy is not None
+        return zero_copy
 
     def _reduce(self, per_token, w, total):
         return _reduced(self.reduction, per_token, w, total)
@@ -620,7 +817,10 @@ class FullVocabKLLoss(_HeadLoss):
     ``divergence``, ``beta``, ``weight_soft_loss``, ``logit_scale`` (the
     student's), ``ignore_index``, ``ignore_mask``, ``gscale``,
     ``budget_bytes``, ``backend``, ``device``. It runs on host memory (CUDA
-    tensors through host copies).
+    tensors through host copies). Neither head gets a gradient: a
+    ``weight`` or ``teacher_weight`` that requires grad is refused (pass
+    ``.detach()``); either head changed after the loss was made is
+    uploaded again at the next call, as ``HeadKLLoss``'s is.
     """
 
     def __init__(
@@ -655,16 +855,16 @@ class FullVocabKLLoss(_HeadLoss):
             budget_bytes=budget_bytes,
         )
         _native.check_loss_options(self.options, False)
+        weight = _frozen("weight", _tensor("weight", weight, _FLOATS, ndim=2))
+        teacher_weight = _frozen("teacher_weight", _tensor("teacher_weight", teacher_weight, _FLOATS, ndim=2))
+        if teacher_weight.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"teacher_weight: {teacher_weight.shape[0]} rows, but weight has {weight.shape[0]} (the heads share V)"
+            )
         self.reduction = reduction
         self.head = Head(weight, backend=backend, device=device)
-        teacher_weight = _tensor("teacher_weight", teacher_weight, _FLOATS, ndim=2)
-        if teacher_weight.shape[0] != self.head.vocab_size:
-            raise ValueError(
-                f"teacher_weight: {teacher_weight.shape[0]} rows, but weight has {self.head.vocab_size} (the heads share V)"
-            )
         self.teacher_hidden_size = teacher_weight.shape[1]
-        host = _on_host("teacher_weight", teacher_weight)
-        self.head._engine.set_teacher_head(_spec(host), host.shape[0], host.shape[1])
+        self.head._set_teacher(teacher_weight)
 
     def forward(
         self,
@@ -687,6 +887,7 @@ class FullVocabKLLoss(_HeadLoss):
         labels = None if labels is None else _on_host("labels", labels)
         weights = None if weights is None else _on_host("weights", weights)
         options = dict(self.options, total=None if total is None else float(total))
+        self.head._refresh()
 
         def run():
             host = _on_host("hidden", flat)
@@ -725,6 +926,17 @@ class _ZeroCopy:
         self.timeline = self.driver.import_timeline(engine.export_timeline())
         self.value = 0
         self.buffers = {}
+
+    def close(self) -> None:
+        """Frees the shared buffers and the imported semaphore, once the
+        device is done with them (before the engine goes: the head was
+        uploaded again)."""
+        torch.cuda.synchronize(self.ordinal)
+        buffers, self.buffers = self.buffers, {}
+        for handle, memory, _, _ in buffers.values():
+            self.engine.free_buffer(handle)
+            memory.close()
+        self.timeline.close()
 
     def view(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A CUDA tensor over the shared buffer ``name`` (grown as needed)."""

@@ -104,3 +104,39 @@ def test_zero_copy_topk_and_gather_match_the_host_path():
     mask = ids >= 0
     assert (got.logprobs.cpu()[mask] - want_g.logprobs[mask]).abs().max() < 1e-5
     assert (got.lse.cpu() - want_g.lse).abs().max() < 1e-5
+
+
+def test_zero_copy_re_reads_a_changed_head():
+    """A head changed in place between zero-copy calls: the engine is made
+    again (the shared buffers and semaphore of the last one let go once the
+    device is done), and the next calls go zero-copy on the new head."""
+    weight, hidden, ids, values, _, _ = problem(7)
+    held = weight.clone()
+    loss_fn = ht.HeadKLLoss(held, backend="vulkan")
+    if loss_fn.head._engine.interop() is not None:
+        pytest.skip(f"no zero-copy on this device: {loss_fn.head._engine.interop()}")
+    head = ht.Head(held, backend="vulkan")
+    before = ht.host_copy_bytes()
+    stale = loss_fn(hidden.cuda(), ids.cuda(), values.cuda())
+    stale_top = head.topk(hidden.cuda(), 12)
+    assert loss_fn.zero_copy
+    held.mul_(2)
+    for _ in range(2):
+        x = hidden.cuda().requires_grad_()
+        loss = loss_fn(x, ids.cuda(), values.cuda())
+        assert loss_fn.zero_copy, "the CUDA call went through host copies"
+        loss.backward()
+        top = head.topk(hidden.cuda(), 12)
+    torch.cuda.synchronize()
+    loss_fn.synchronize()
+    head.synchronize()
+    assert ht.host_copy_bytes() == before, "bytes went through the host"
+    assert loss_fn.head._uploads == head._uploads == 2
+    want_loss, want_dx = reference(hidden.reshape(-1, HS), weight * 2, ids.reshape(-1, K), values.reshape(-1, K))
+    close(loss.detach().cpu().reshape(1), want_loss.reshape(1), "loss", rel=1e-4)
+    close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")
+    assert abs(loss.item() - stale.item()) > 1e-3
+    want_top = ht.Head(held.clone(), backend="vulkan").topk(hidden, 12)
+    assert torch.equal(top.ids.cpu(), want_top.ids)
+    assert (top.values.cpu() - want_top.values).abs().max() < 1e-6
+    assert (top.values - stale_top.values).abs().max() > 1e-3
