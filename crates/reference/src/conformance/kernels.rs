@@ -130,7 +130,7 @@ pub(crate) enum KernelCase {
 /// accumulate)`, unsplit, without statistics or filter.
 macro_rules! gemm {
     ($m:expr, $n:expr, $k:expr, $layout:expr, $a_offset:expr, $lda:expr, $ldb:expr, $c_offset:expr, $ldc:expr, $alpha:expr, $accumulate:expr) => {
-        KernelCase::Gemm(GemmSpec {
+        GemmSpec {
             m: $m,
             n: $n,
             k: $k,
@@ -146,48 +146,245 @@ macro_rules! gemm {
             tight: false,
             stats: None,
             mask_rows: 0,
-        })
+        }
     };
 }
 
-/// [`gemm!`] writing row statistics from group `first` over `cols` columns.
-fn with_stats(case: KernelCase, first: usize, cols: usize) -> KernelCase {
-    match case {
-        KernelCase::Gemm(g) => KernelCase::Gemm(GemmSpec {
+impl GemmSpec {
+    /// [`gemm!`] writing row statistics from group `first` over `cols` columns.
+    const fn with_stats(self, first: usize, cols: usize) -> Self {
+        GemmSpec {
             stats: Some((first, cols)),
-            ..g
-        }),
-        other => other,
+            ..self
+        }
+    }
+
+    /// [`gemm!`] (layout Dx, `a_offset + k <= lda`) with the block filter on
+    /// every row.
+    const fn filtered(self) -> Self {
+        GemmSpec {
+            mask_rows: self.m,
+            ..self
+        }
+    }
+
+    /// [`gemm!`] split into `k_parts` parts.
+    const fn split(self, k_parts: usize) -> Self {
+        GemmSpec { k_parts, ..self }
+    }
+
+    /// [`gemm!`] with buffers exactly the size of their regions.
+    const fn tight(self) -> Self {
+        GemmSpec { tight: true, ..self }
     }
 }
 
-/// [`gemm!`] (layout Dx, `a_offset + k <= lda`) with the block filter on
-/// every row.
-fn filtered(case: KernelCase) -> KernelCase {
-    match case {
-        KernelCase::Gemm(g) => KernelCase::Gemm(GemmSpec { mask_rows: g.m, ..g }),
-        other => other,
+/// The GEMM cases (`Out`: the logits layout, `Red`: the dx layout).
+#[rustfmt::skip]
+const GEMMS: &[GemmSpec] = {
+    use HeadLayout::{Dx as Red, Logits as Out};
+    &[
+        gemm!(16, 16, 16, Out, 0, 16, 16, 0, 16, 1.0, false),
+        gemm!(16, 16, 16, Red, 0, 16, 16, 0, 16, 2.0, true),
+        gemm!(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false),
+        gemm!(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true),
+        gemm!(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true),
+        gemm!(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false),
+        gemm!(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, true),
+        gemm!(80, 48, 16, Red, 0, 32, 64, 16, 64, 1.0, false),
+        // Split-K: k = 272 is no multiple of the parts' 192 (2 parts) or
+        // 128 (3 parts); k = 128 in 3 parts of 64 leaves the last empty.
+        gemm!(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false).split(2),
+        gemm!(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true).split(3),
+        gemm!(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true).split(2),
+        gemm!(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false).split(3),
+        gemm!(32, 144, 128, Red, 16, 144, 144, 160, 160, 2.0, false).split(3),
+        gemm!(80, 48, 128, Out, 0, 128, 128, 16, 64, 1.0, true).split(3),
+        // Row statistics: a partial last group (n = 80: 32 + 32 + 16
+        // columns, 72 real), C inside a wider row, and a shape past one
+        // tile each way with the padding past the real columns.
+        gemm!(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false).with_stats(1, 72),
+        gemm!(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, false).with_stats(0, 144),
+        gemm!(144, 272, 64, Out, 0, 64, 64, 0, 272, 1.0, false).with_stats(2, 259),
+        // The block filter: K across three 2048-column mask windows, A
+        // starting two blocks in (a filtered GEMM's A starts on a block),
+        // whole and split.
+        gemm!(16, 16, 4544, Red, 128, 4736, 16, 0, 16, 1.0, false).filtered(),
+        gemm!(16, 32, 2560, Red, 64, 2688, 48, 16, 48, 0.5, true).filtered().split(3),
+        gemm!(160, 128, 704, Red, 0, 704, 128, 0, 128, 1.0, false).filtered(),
+    ]
+};
+
+/// The `sum_parts` cases: `(len, parts, part_stride, accumulate)`.
+const SUMS: &[(usize, usize, usize, bool)] = &[
+    (64, 1, 0, false),
+    (1040, 3, 1056, false),
+    (1040, 4, 1040, true),
+    (4096, 2, 8192, true),
+];
+
+/// The largest shape, with buffers exactly the size of their regions
+/// (C is 256 KiB) so it fits `generator::MIN_BINDING_BYTES`.
+const LARGEST_GEMMS: &[GemmSpec] = &[
+    gemm!(256, 256, 256, HeadLayout::Logits, 0, 256, 256, 0, 256, 1.0, false).tight(),
+    gemm!(256, 256, 256, HeadLayout::Dx, 0, 256, 256, 0, 256, -0.5, true).tight(),
+];
+
+/// The `convert_f16` cases: `(rows, cols, rows_padded, ld)`.
+const CONVERTS: &[(usize, usize, usize, usize)] = &[(5, 13, 16, 32), (16, 48, 16, 48), (33, 100, 48, 112)];
+
+/// A row kernel case's name and rows: how many, the vocabulary, the row
+/// stride, k (the gather: ids a row) and each row's pattern.
+type Rows = (&'static str, usize, usize, usize, usize, &'static [Row]);
+
+/// The plain `kl_rows` cases (τ 1, renormalized tail, the soft term alone).
+#[rustfmt::skip]
+const KL_ROWS: &[Rows] = {
+    use Row::*;
+    &[
+        ("general", 7, 300, 304, 8, &[Normal, Flat, Large, Ties, Descending, Masked, ZeroProbs]),
+        ("k1", 3, 77, 80, 1, &[Normal, Large, Flat]),
+        ("k_eq_v", 2, 40, 48, 40, &[Normal, ZeroProbs]),
+        ("residue256", 3, 2100, 2112, 8, &[Residue, Residue, Large]),
+        ("k2048", 2, 2100, 2112, 2048, &[Normal, Ties]),
+        // Rows long enough for two rounds of the kernels' loops of four
+        // 16-byte loads (2051 words), the last word partial; few enough
+        // rows that each buffer fits the smallest binding the suite runs
+        // with (256 KiB).
+        ("wide", 4, 8_203, 8_208, 64, &[Normal, Large, OneNan, Ascending]),
+        ("non_finite", 5, 100, 112, 4, &[Normal, Nan, PosInf, NegLarge, Infs]),
+    ]
+};
+
+/// The rows of most loss-term cases, named `name`.
+const fn terms_rows(name: &'static str) -> Rows {
+    use Row::*;
+    const PATTERNS: &[Row] = &[Normal, Flat, Large, Ties, Masked, ZeroProbs, Normal];
+    (name, 7, 300, 304, 8, PATTERNS)
+}
+
+/// A softcap `c` alone.
+fn cap(c: f32) -> LossTerms {
+    LossTerms {
+        softcap: Some(c),
+        ..LossTerms::default()
     }
 }
 
-/// [`gemm!`] split into `k_parts` parts.
-fn split(case: KernelCase, k_parts: usize) -> KernelCase {
-    match case {
-        KernelCase::Gemm(g) => KernelCase::Gemm(GemmSpec { k_parts, ..g }),
-        other => other,
+/// Every term at once but the logit scale, which acts in the logits GEMM,
+/// not in these rows.
+fn everything() -> LossTerms {
+    LossTerms {
+        soft_weight: 0.8,
+        hard_weight: 0.5,
+        label_smoothing: 0.1,
+        z_loss: 1e-3,
+        softcap: Some(30.0),
+        ..LossTerms::default()
     }
 }
 
-fn sum(len: usize, parts: usize, part_stride: usize, accumulate: bool) -> KernelCase {
-    KernelCase::SumParts(SumPartsDesc {
-        len,
-        parts,
-        part_stride,
-        accumulate,
-    })
+/// `divergence` in place of the forward KL, alone.
+fn only(divergence: Divergence) -> LossTerms {
+    LossTerms {
+        divergence,
+        ..LossTerms::default()
+    }
 }
 
-fn rows(name: &'static str, rows: usize, vocab: usize, ld: usize, k: usize, patterns: &[Row]) -> RowSpec {
+/// `divergence` in place of the forward KL, with [`everything`].
+fn everything_with(divergence: Divergence) -> LossTerms {
+    LossTerms {
+        divergence,
+        ..everything()
+    }
+}
+
+/// The JSD of these cases.
+const JSD: Divergence = Divergence::Jsd { beta: 0.4 };
+
+/// A `kl_rows` case with the loss terms: the rows, τ, the tail mode and
+/// the terms.
+type KlTerms = (Rows, f32, TailMode, fn() -> LossTerms);
+
+/// The `kl_rows` cases with the loss terms one at a time, then together
+/// (README "Loss terms").
+#[rustfmt::skip]
+const KL_TERMS: &[KlTerms] = {
+    use Divergence::Reverse;
+    use Row::*;
+    use TailMode::{Bucket, Renormalize, Unnormalized};
+    &[
+        (terms_rows("softcap"), 1.0, Renormalize, || cap(5.0)),
+        (terms_rows("softcap_tau"), 0.5, Renormalize, || cap(5.0)),
+        (terms_rows("tail_bucket"), 1.0, Bucket, LossTerms::default),
+        (terms_rows("tail_none"), 1.0, Unnormalized, LossTerms::default),
+        (terms_rows("hard"), 1.0, Renormalize,
+            || LossTerms { hard_weight: 0.7, label_smoothing: 0.1, ..LossTerms::default() }),
+        (terms_rows("hard_only"), 1.0, Renormalize,
+            || LossTerms { soft_weight: 0.0, hard_weight: 1.0, ..LossTerms::default() }),
+        (terms_rows("z_loss"), 1.0, Renormalize, || LossTerms { z_loss: 1e-2, ..LossTerms::default() }),
+        (terms_rows("soft_weight"), 1.0, Renormalize, || LossTerms { soft_weight: 0.25, ..LossTerms::default() }),
+        (terms_rows("everything_tau2"), 2.0, Bucket, everything),
+        // The reverse KL and the JSD in each tail mode (DESIGN §1).
+        (terms_rows("reverse_renormalize"), 1.0, Renormalize, || only(Reverse)),
+        (terms_rows("reverse_bucket_tau"), 1.5, Bucket, || only(Reverse)),
+        (terms_rows("reverse_none"), 1.0, Unnormalized, || only(Reverse)),
+        (terms_rows("jsd_renormalize_tau"), 0.7, Renormalize, || only(JSD)),
+        (terms_rows("jsd_bucket"), 1.0, Bucket, || only(JSD)),
+        (terms_rows("jsd_none_everything"), 2.0, Unnormalized, || everything_with(JSD)),
+        (("reverse_everything_wide", 3, 8_203, 8_208, 64, &[Normal, Large, Ascending]), 1.0, Bucket,
+            || everything_with(Reverse)),
+        (terms_rows("everything_none"), 0.7, Unnormalized, everything),
+        (("everything_wide", 4, 8_203, 8_208, 64, &[Normal, Large, OneNan, Ascending]), 2.0, Bucket, everything),
+        // τ = 1 (one softmax) and τ = 3 (the second softmax by cubing the
+        // first: KlDesc's integer powers), over rows long enough for the
+        // loops of four loads.
+        (("everything_tau1_wide", 3, 8_203, 8_208, 64, &[Normal, Large, Ascending]), 1.0, Bucket, everything),
+        (("everything_tau3_wide", 3, 8_203, 8_208, 64, &[Normal, Flat, Descending]), 3.0, Renormalize, everything),
+        (("everything_non_finite", 5, 100, 112, 4, &[Normal, Nan, PosInf, NegLarge, Infs]), 1.5, Bucket, everything),
+    ]
+};
+
+/// The `topk_rows` cases: the rows, a softcap on the scaled logits, and
+/// whether the kernel also writes log-probabilities over the full row.
+#[rustfmt::skip]
+const TOPK: &[(Rows, Option<f32>, bool)] = {
+    use Row::*;
+    &[
+        (("general", 8, 1000, 1008, 64, &[Normal, Flat, Large, Ties, Descending, Ascending, NegLarge, Normal]),
+            None, false),
+        (("k1", 4, 77, 80, 1, &[Normal, Flat, Ties, Ascending]), None, false),
+        (("k_eq_v", 2, 40, 48, 40, &[Ties, Normal]), None, false),
+        (("k256_wide_stride", 2, 700, 768, 256, &[Ties, Large]), None, false),
+        (("k2048", 3, 2500, 2512, 2048, &[Normal, Ties, Flat]), None, false),
+        (("softcap", 6, 1000, 1008, 64, &[Normal, Large, Ties, NegLarge, Nan, Flat]), Some(5.0), false),
+        (("logprobs", 6, 1000, 1008, 64, &[Normal, Large, Ties, NegLarge, PosInf, Flat]), None, true),
+        (("logprobs_softcap_wide", 3, 8_203, 8_208, 256, &[Normal, Large, Ascending]), Some(15.0), true),
+        (("residue256", 4, 4000, 4000, 14, &[Residue, Residue, Residue, Ties]), None, false),
+        (("non_finite", 5, 100, 112, 5, &[Normal, Nan, PosInf, Ties, Infs]), None, false),
+        (("wide", 4, 8_203, 8_208, 64, &[Normal, Descending, OneNan, Residue]), None, false),
+        (("wide_b", 3, 8_203, 8_208, 64, &[Ascending, Large, PosInf]), None, false),
+    ]
+};
+
+/// The gather cases, the rows and a softcap: ids with repeats and a none,
+/// non-finite rows, a cap, k = V (k + 1 columns) and rows long enough for
+/// every loop.
+#[rustfmt::skip]
+const GATHER: &[(Rows, Option<f32>)] = {
+    use Row::*;
+    &[
+        (("gather", 6, 300, 304, 8, &[Normal, Large, Nan, Ties, Flat, Infs]), None),
+        (("gather_softcap", 4, 300, 304, 8, &[Normal, Large, Descending]), Some(5.0)),
+        (("gather_k_eq_v", 2, 40, 48, 40, &[Normal, Ties]), None),
+        (("gather_wide", 3, 8_203, 8_208, 64, &[Normal, OneNan, Ascending]), None),
+    ]
+};
+
+/// The row spec of `rows`: the default terms, τ 1, a renormalized tail,
+/// and a seed of its vocabulary and k.
+fn rows(&(name, rows, vocab, ld, k, patterns): &Rows) -> RowSpec {
     RowSpec {
         name,
         rows,
@@ -204,367 +401,61 @@ fn rows(name: &'static str, rows: usize, vocab: usize, ld: usize, k: usize, patt
     }
 }
 
-/// A `topk_rows` case with a softcap on the scaled logits and, or,
-/// log-probabilities over the full row.
-fn topk_terms(spec: RowSpec, cap: Option<f32>, logprobs: bool) -> KernelCase {
-    KernelCase::Topk(RowSpec {
-        logprobs,
+/// `rows` with a softcap `cap` on the scaled logits.
+fn capped(r: &Rows, cap: Option<f32>) -> RowSpec {
+    RowSpec {
         terms: LossTerms {
             softcap: cap,
             ..LossTerms::default()
         },
-        ..spec
-    })
-}
-
-/// A `kl_rows` case with the loss terms: τ, the tail mode and the terms.
-fn kl_terms(spec: RowSpec, temperature: f32, tail: TailMode, terms: LossTerms) -> KernelCase {
-    KernelCase::Kl(RowSpec {
-        temperature,
-        tail,
-        terms,
-        ..spec
-    })
-}
-
-/// The kernel-level cases, in order.
-pub(crate) fn kernel_cases() -> Vec<KernelCase> {
-    use HeadLayout::{Dx as Red, Logits as Out};
-    use Row::*;
-    let mut v = vec![
-        gemm!(16, 16, 16, Out, 0, 16, 16, 0, 16, 1.0, false),
-        gemm!(16, 16, 16, Red, 0, 16, 16, 0, 16, 2.0, true),
-        gemm!(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false),
-        gemm!(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true),
-        gemm!(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true),
-        gemm!(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false),
-        gemm!(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, true),
-        gemm!(80, 48, 16, Red, 0, 32, 64, 16, 64, 1.0, false),
-        // Split-K: k = 272 is no multiple of the parts' 192 (2 parts) or
-        // 128 (3 parts); k = 128 in 3 parts of 64 leaves the last empty.
-        split(gemm!(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 2),
-        split(gemm!(48, 80, 272, Out, 0, 272, 272, 0, 80, -0.25, true), 3),
-        split(gemm!(48, 80, 272, Red, 128, 304, 96, 48, 112, 0.5, true), 2),
-        split(gemm!(48, 80, 272, Red, 0, 272, 80, 0, 80, 1.0, false), 3),
-        split(gemm!(32, 144, 128, Red, 16, 144, 144, 160, 160, 2.0, false), 3),
-        split(gemm!(80, 48, 128, Out, 0, 128, 128, 16, 64, 1.0, true), 3),
-        // Row statistics: a partial last group (n = 80: 32 + 32 + 16
-        // columns, 72 real), C inside a wider row, and a shape past one
-        // tile each way with the padding past the real columns.
-        with_stats(gemm!(48, 80, 272, Out, 32, 288, 304, 48, 112, 0.5, false), 1, 72),
-        with_stats(gemm!(32, 144, 48, Out, 16, 64, 48, 160, 160, 2.0, false), 0, 144),
-        with_stats(gemm!(144, 272, 64, Out, 0, 64, 64, 0, 272, 1.0, false), 2, 259),
-        // The block filter: K across three 2048-column mask windows, A
-        // starting two blocks in (a filtered GEMM's A starts on a block),
-        // whole and split.
-        filtered(gemm!(16, 16, 4544, Red, 128, 4736, 16, 0, 16, 1.0, false)),
-        split(filtered(gemm!(16, 32, 2560, Red, 64, 2688, 48, 16, 48, 0.5, true)), 3),
-        filtered(gemm!(160, 128, 704, Red, 0, 704, 128, 0, 128, 1.0, false)),
-        sum(64, 1, 0, false),
-        sum(1040, 3, 1056, false),
-        sum(1040, 4, 1040, true),
-        sum(4096, 2, 8192, true),
-    ];
-    for (layout, acc, alpha) in [(Out, false, 1.0), (Red, true, -0.5)] {
-        // The largest shape, with buffers exactly the size of their regions
-        // (C is 256 KiB) so it fits `generator::MIN_BINDING_BYTES`.
-        v.push(KernelCase::Gemm(GemmSpec {
-            m: 256,
-            n: 256,
-            k: 256,
-            layout,
-            a_offset: 0,
-            lda: 256,
-            ldb: 256,
-            c_offset: 0,
-            ldc: 256,
-            alpha,
-            accumulate: acc,
-            k_parts: 1,
-            tight: true,
-            stats: None,
-            mask_rows: 0,
-        }));
+        ..rows(r)
     }
-    v.extend([
+}
+
+/// The kernel-level cases, in order: the tables above turned into cases.
+pub(crate) fn kernel_cases() -> Vec<KernelCase> {
+    let gemm = |g: &GemmSpec| KernelCase::Gemm(g.clone());
+    let sum = |&(len, parts, part_stride, accumulate): &(usize, usize, usize, bool)| {
+        KernelCase::SumParts(SumPartsDesc {
+            len,
+            parts,
+            part_stride,
+            accumulate,
+        })
+    };
+    let convert = |&(rows, cols, rows_padded, ld): &(usize, usize, usize, usize)| {
         KernelCase::Convert(ConvertDesc {
-            rows: 5,
-            cols: 13,
-            rows_padded: 16,
-            ld: 32,
-        }),
-        KernelCase::Convert(ConvertDesc {
-            rows: 16,
-            cols: 48,
-            rows_padded: 16,
-            ld: 48,
-        }),
-        KernelCase::Convert(ConvertDesc {
-            rows: 33,
-            cols: 100,
-            rows_padded: 48,
-            ld: 112,
-        }),
-    ]);
-    v.extend([
-        KernelCase::Kl(rows(
-            "general",
-            7,
-            300,
-            304,
-            8,
-            &[Normal, Flat, Large, Ties, Descending, Masked, ZeroProbs],
-        )),
-        KernelCase::Kl(rows("k1", 3, 77, 80, 1, &[Normal, Large, Flat])),
-        KernelCase::Kl(rows("k_eq_v", 2, 40, 48, 40, &[Normal, ZeroProbs])),
-        KernelCase::Kl(rows("residue256", 3, 2100, 2112, 8, &[Residue, Residue, Large])),
-        KernelCase::Kl(rows("k2048", 2, 2100, 2112, 2048, &[Normal, Ties])),
-        // Rows long enough for two rounds of the kernels' loops of four
-        // 16-byte loads (2051 words), the last word partial; few enough
-        // rows that each buffer fits the smallest binding the suite runs
-        // with (256 KiB).
-        KernelCase::Kl(rows("wide", 4, 8_203, 8_208, 64, &[Normal, Large, OneNan, Ascending])),
-        KernelCase::Kl(rows(
-            "non_finite",
-            5,
-            100,
-            112,
-            4,
-            &[Normal, Nan, PosInf, NegLarge, Infs],
-        )),
-    ]);
-    // The loss terms one at a time, then together (README "Loss terms").
-    let terms_rows = |name| {
-        rows(
-            name,
-            7,
-            300,
-            304,
-            8,
-            &[Normal, Flat, Large, Ties, Masked, ZeroProbs, Normal],
-        )
+            rows,
+            cols,
+            rows_padded,
+            ld,
+        })
     };
-    let cap = |c| LossTerms {
-        softcap: Some(c),
-        ..LossTerms::default()
+    let kl_terms = |(r, temperature, tail, terms): &KlTerms| {
+        KernelCase::Kl(RowSpec {
+            temperature: *temperature,
+            tail: *tail,
+            terms: terms(),
+            ..rows(r)
+        })
     };
-    let hard = LossTerms {
-        hard_weight: 0.7,
-        label_smoothing: 0.1,
-        ..LossTerms::default()
+    let topk = |(r, cap, logprobs): &(Rows, Option<f32>, bool)| {
+        KernelCase::Topk(RowSpec {
+            logprobs: *logprobs,
+            ..capped(r, *cap)
+        })
     };
-    let everything = LossTerms {
-        soft_weight: 0.8,
-        hard_weight: 0.5,
-        label_smoothing: 0.1,
-        z_loss: 1e-3,
-        softcap: Some(30.0),
-        // The scale acts in the logits GEMM, not in these rows.
-        ..LossTerms::default()
-    };
-    let reverse = LossTerms {
-        divergence: Divergence::Reverse,
-        ..LossTerms::default()
-    };
-    let jsd = LossTerms {
-        divergence: Divergence::Jsd { beta: 0.4 },
-        ..LossTerms::default()
-    };
-    v.extend([
-        kl_terms(terms_rows("softcap"), 1.0, TailMode::Renormalize, cap(5.0)),
-        kl_terms(terms_rows("softcap_tau"), 0.5, TailMode::Renormalize, cap(5.0)),
-        kl_terms(terms_rows("tail_bucket"), 1.0, TailMode::Bucket, LossTerms::default()),
-        kl_terms(
-            terms_rows("tail_none"),
-            1.0,
-            TailMode::Unnormalized,
-            LossTerms::default(),
-        ),
-        kl_terms(terms_rows("hard"), 1.0, TailMode::Renormalize, hard),
-        kl_terms(
-            terms_rows("hard_only"),
-            1.0,
-            TailMode::Renormalize,
-            LossTerms {
-                soft_weight: 0.0,
-                hard_weight: 1.0,
-                ..LossTerms::default()
-            },
-        ),
-        kl_terms(
-            terms_rows("z_loss"),
-            1.0,
-            TailMode::Renormalize,
-            LossTerms {
-                z_loss: 1e-2,
-                ..LossTerms::default()
-            },
-        ),
-        kl_terms(
-            terms_rows("soft_weight"),
-            1.0,
-            TailMode::Renormalize,
-            LossTerms {
-                soft_weight: 0.25,
-                ..LossTerms::default()
-            },
-        ),
-        kl_terms(terms_rows("everything_tau2"), 2.0, TailMode::Bucket, everything),
-        // The reverse KL and the JSD in each tail mode (DESIGN §1).
-        kl_terms(terms_rows("reverse_renormalize"), 1.0, TailMode::Renormalize, reverse),
-        kl_terms(terms_rows("reverse_bucket_tau"), 1.5, TailMode::Bucket, reverse),
-        kl_terms(terms_rows("reverse_none"), 1.0, TailMode::Unnormalized, reverse),
-        kl_terms(terms_rows("jsd_renormalize_tau"), 0.7, TailMode::Renormalize, jsd),
-        kl_terms(terms_rows("jsd_bucket"), 1.0, TailMode::Bucket, jsd),
-        kl_terms(
-            terms_rows("jsd_none_everything"),
-            2.0,
-            TailMode::Unnormalized,
-            LossTerms {
-                divergence: jsd.divergence,
-                ..everything
-            },
-        ),
-        kl_terms(
-            rows(
-                "reverse_everything_wide",
-                3,
-                8_203,
-                8_208,
-                64,
-                &[Normal, Large, Ascending],
-            ),
-            1.0,
-            TailMode::Bucket,
-            LossTerms {
-                divergence: reverse.divergence,
-                ..everything
-            },
-        ),
-        kl_terms(terms_rows("everything_none"), 0.7, TailMode::Unnormalized, everything),
-        kl_terms(
-            rows(
-                "everything_wide",
-                4,
-                8_203,
-                8_208,
-                64,
-                &[Normal, Large, OneNan, Ascending],
-            ),
-            2.0,
-            TailMode::Bucket,
-            everything,
-        ),
-        // τ = 1 (one softmax) and τ = 3 (the second softmax by cubing the
-        // first: KlDesc's integer powers), over rows long enough for the
-        // loops of four loads.
-        kl_terms(
-            rows("everything_tau1_wide", 3, 8_203, 8_208, 64, &[Normal, Large, Ascending]),
-            1.0,
-            TailMode::Bucket,
-            everything,
-        ),
-        kl_terms(
-            rows("everything_tau3_wide", 3, 8_203, 8_208, 64, &[Normal, Flat, Descending]),
-            3.0,
-            TailMode::Renormalize,
-            everything,
-        ),
-        kl_terms(
-            rows(
-                "everything_non_finite",
-                5,
-                100,
-                112,
-                4,
-                &[Normal, Nan, PosInf, NegLarge, Infs],
-            ),
-            1.5,
-            TailMode::Bucket,
-            everything,
-        ),
-    ]);
-    v.extend([
-        KernelCase::Topk(rows(
-            "general",
-            8,
-            1000,
-            1008,
-            64,
-            &[Normal, Flat, Large, Ties, Descending, Ascending, NegLarge, Normal],
-        )),
-        KernelCase::Topk(rows("k1", 4, 77, 80, 1, &[Normal, Flat, Ties, Ascending])),
-        KernelCase::Topk(rows("k_eq_v", 2, 40, 48, 40, &[Ties, Normal])),
-        KernelCase::Topk(rows("k256_wide_stride", 2, 700, 768, 256, &[Ties, Large])),
-        KernelCase::Topk(rows("k2048", 3, 2500, 2512, 2048, &[Normal, Ties, Flat])),
-        topk_terms(
-            rows(
-                "softcap",
-                6,
-                1000,
-                1008,
-                64,
-                &[Normal, Large, Ties, NegLarge, Nan, Flat],
-            ),
-            Some(5.0),
-            false,
-        ),
-        topk_terms(
-            rows(
-                "logprobs",
-                6,
-                1000,
-                1008,
-                64,
-                &[Normal, Large, Ties, NegLarge, PosInf, Flat],
-            ),
-            None,
-            true,
-        ),
-        topk_terms(
-            rows(
-                "logprobs_softcap_wide",
-                3,
-                8_203,
-                8_208,
-                256,
-                &[Normal, Large, Ascending],
-            ),
-            Some(15.0),
-            true,
-        ),
-        KernelCase::Topk(rows(
-            "residue256",
-            4,
-            4000,
-            4000,
-            14,
-            &[Residue, Residue, Residue, Ties],
-        )),
-        KernelCase::Topk(rows("non_finite", 5, 100, 112, 5, &[Normal, Nan, PosInf, Ties, Infs])),
-        KernelCase::Topk(rows(
-            "wide",
-            4,
-            8_203,
-            8_208,
-            64,
-            &[Normal, Descending, OneNan, Residue],
-        )),
-        KernelCase::Topk(rows("wide_b", 3, 8_203, 8_208, 64, &[Ascending, Large, PosInf])),
-        // The gather: ids with repeats and a none, non-finite rows, a cap,
-        // k = V (k + 1 columns) and rows long enough for every loop.
-        KernelCase::Gather(rows("gather", 6, 300, 304, 8, &[Normal, Large, Nan, Ties, Flat, Infs])),
-        KernelCase::Gather(RowSpec {
-            terms: LossTerms {
-                softcap: Some(5.0),
-                ..LossTerms::default()
-            },
-            ..rows("gather_softcap", 4, 300, 304, 8, &[Normal, Large, Descending])
-        }),
-        KernelCase::Gather(rows("gather_k_eq_v", 2, 40, 48, 40, &[Normal, Ties])),
-        KernelCase::Gather(rows("gather_wide", 3, 8_203, 8_208, 64, &[Normal, OneNan, Ascending])),
-    ]);
-    v
+    GEMMS
+        .iter()
+        .map(gemm)
+        .chain(SUMS.iter().map(sum))
+        .chain(LARGEST_GEMMS.iter().map(gemm))
+        .chain(CONVERTS.iter().map(convert))
+        .chain(KL_ROWS.iter().map(|r| KernelCase::Kl(rows(r))))
+        .chain(KL_TERMS.iter().map(kl_terms))
+        .chain(TOPK.iter().map(topk))
+        .chain(GATHER.iter().map(|(r, cap)| KernelCase::Gather(capped(r, *cap))))
+        .collect()
 }
 
 impl KernelCase {
