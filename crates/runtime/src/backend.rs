@@ -109,55 +109,42 @@ fn open_gpu<B, O: Clone>(
     contained(kind.name(), || open(&options)).map_err(|source| Error::Start { kind, source })
 }
 
-impl RuntimeBackend for WgpuBackend {
-    const KIND: BackendKind = BackendKind::Wgpu;
+/// [`RuntimeBackend`] for the GPU backend `$backend` of kind `$kind`,
+/// whose options are the settings' field `$options` and whose devices
+/// `$enumerate` lists: the two GPU backends differ only in these.
+macro_rules! gpu_backend {
+    ($backend:ty, $kind:expr, $options:ident, $enumerate:expr) => {
+        impl RuntimeBackend for $backend {
+            const KIND: BackendKind = $kind;
 
-    fn enumerate(_: &Settings) -> headkl_core::Result<Vec<DeviceInfo>> {
-        contained(Self::KIND.name(), headkl_wgpu::enumerate)
-    }
+            fn enumerate(settings: &Settings) -> headkl_core::Result<Vec<DeviceInfo>> {
+                let list: fn(&Settings) -> headkl_core::Result<Vec<DeviceInfo>> = $enumerate;
+                contained(Self::KIND.name(), || list(settings))
+            }
 
-    fn open(target: &Target, gemm: Option<GemmChoice>) -> Result<Self, Error> {
-        let options = &target.settings.wgpu;
-        open_gpu(
-            target,
-            gemm,
-            options,
-            |o| &mut o.common,
-            WgpuBackend::open_with,
-            Self::KIND,
-        )
-    }
+            fn open(target: &Target, gemm: Option<GemmChoice>) -> Result<Self, Error> {
+                let options = &target.settings.$options;
+                open_gpu(
+                    target,
+                    gemm,
+                    options,
+                    |o| &mut o.common,
+                    <$backend>::open_with,
+                    Self::KIND,
+                )
+            }
 
-    fn accept<J: Job>(self, job: J) -> J::Output {
-        job.run_resident(self)
-    }
+            fn accept<J: Job>(self, job: J) -> J::Output {
+                job.run_resident(self)
+            }
+        }
+    };
 }
 
-impl RuntimeBackend for VulkanBackend {
-    const KIND: BackendKind = BackendKind::Vulkan;
-
-    fn enumerate(settings: &Settings) -> headkl_core::Result<Vec<DeviceInfo>> {
-        contained(Self::KIND.name(), || {
-            headkl_vulkan::enumerate_with(&settings.vulkan.common.gemm_sources)
-        })
-    }
-
-    fn open(target: &Target, gemm: Option<GemmChoice>) -> Result<Self, Error> {
-        let options = &target.settings.vulkan;
-        open_gpu(
-            target,
-            gemm,
-            options,
-            |o| &mut o.common,
-            VulkanBackend::open_with,
-            Self::KIND,
-        )
-    }
-
-    fn accept<J: Job>(self, job: J) -> J::Output {
-        job.run_resident(self)
-    }
-}
+gpu_backend!(WgpuBackend, BackendKind::Wgpu, wgpu, |_| headkl_wgpu::enumerate());
+gpu_backend!(VulkanBackend, BackendKind::Vulkan, vulkan, |settings| {
+    headkl_vulkan::enumerate_with(&settings.vulkan.common.gemm_sources)
+});
 
 #[cfg(test)]
 mod tests {
