@@ -1,8 +1,12 @@
 """headkl: the distillation loss's frozen vocabulary head on any Vulkan GPU.
 
-``headkl.torch`` has the PyTorch API: ``HeadKLLoss`` (an ``nn.Module`` whose
-backward gives ``hidden.grad``), ``Head`` (top-k and gather on a head
-uploaded once), and the functions ``topk`` and ``gather``.
+The PyTorch API (these import torch) is laid out as Liger-Kernel's is:
+``headkl.nn`` has the loss modules ``HeadKLLoss`` and ``FullVocabKLLoss``
+(``nn.Module``s whose backward gives ``hidden.grad``), ``headkl.head`` has
+``Head`` (top-k and gather on a head uploaded once), ``headkl.functional``
+the functions ``topk`` and ``gather``, ``headkl.ops`` the operations over
+tensors under them and ``headkl.distributed`` the vocabulary-parallel
+loss's collectives. ``headkl.torch`` has all of these under one name.
 
 This module needs no torch:
 

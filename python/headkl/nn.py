@@ -1,0 +1,293 @@
+"""headkl's loss modules, thin ``nn.Module``s over ``headkl.ops``: each
+checks its keywords and uploads its head once (a ``Head``) when it is made,
+and its ``forward`` is one call; ``repr`` shows the options it was made
+with.
+
+- ``HeadKLLoss``: the distillation loss of hidden rows against a teacher's
+  top-k, through the frozen head;
+- ``FullVocabKLLoss``: the exact full-vocabulary divergence from a teacher
+  given by its own hidden rows and head.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import _native
+from ._checks import _FLOATS, _frozen, _tensor
+from ._options import _loss_options, _options_repr
+from .head import Head
+from .ops import full_vocab_kl_loss, head_kl_loss
+
+__all__ = ["FullVocabKLLoss", "HeadKLLoss"]
+
+
+class _HeadLoss(nn.Module):
+    """What HeadKLLoss and FullVocabKLLoss share: ``self.head``, the loss's
+    ``options`` and its ``reduction``."""
+
+    head: Head
+    options: dict
+    reduction: str
+    # The keywords extra_repr shows at any value (the rest where not the default).
+    _SHOWN: Tuple[str, ...] = ()
+
+    @property
+    def info(self) -> dict:
+        """The device the loss runs on."""
+        return self.head.info
+
+    def _fields(self) -> dict:
+        return {"vocab_size": self.head.vocab_size, "hidden_size": self.head.hidden_size}
+
+    def extra_repr(self) -> str:
+        """The head's sizes and the options the loss was made with: the
+        main ones always, the rest where not the default."""
+        if getattr(self, "head", None) is None:  # not made (yet)
+            return ""
+        backend, device, _ = self.head._open
+        keywords = {"backend": backend, "device": device, "shard": self.head.shard}
+        return _options_repr(type(self).__init__, self.options, self._fields(), keywords, self._SHOWN)
+
+
+class HeadKLLoss(_HeadLoss):
+    """The distillation loss of hidden rows against a teacher's top-k,
+    through the frozen head ``weight`` ``[V][hs]`` (uploaded once).
+
+    ``forward(hidden, teacher_ids, teacher_values, *, labels=None,
+    weights=None, total=None)``: ``hidden`` ``[..., hs]``, the teacher's
+    ``[..., k]`` ids (int64) and values (probabilities, or
+    log-probabilities with ``teacher_form="logprobs"``), ``labels``
+    ``[...]`` for the hard term and ``ignore_mask``, per-token ``weights``
+    ``[...]`` (0 masks a token) and the ``total`` the mean divides by
+    (default ``Σ weights``; a bool or integer mask is taken as 0/1).
+    Returns the loss: a scalar, or ``[...]`` with ``reduction="none"`` (the
+    weighted per-token losses); its backward gives ``hidden.grad``.
+
+    The head gets no gradient: a ``weight`` that requires grad is refused
+    (pass ``weight.detach()``; a trainable head is not supported yet). A
+    head changed after the loss was made (in place, as an optimizer or an
+    EMA update does, also through the parameter it was detached from) is
+    uploaded again at the next call, said on the ``headkl`` logger.
+
+    Keywords (the ``headkl loss`` options, under PyTorch's or Liger's name):
+
+    - ``temperature`` τ (default 1): ``s = z/τ``; a ``τ²`` factor is the caller's.
+    - ``reduction``: ``"mean"`` (``Σ w L / Σ w``), ``"sum"``, ``"batchmean"``
+      (``/ ntok``, ``F.kl_div``'s) or ``"none"``.
+    - ``tail``: ``"renormalize"`` (the teacher's k renormalized), ``"bucket"``
+      (the mass outside the k as one bin, matched by the student's own) or
+      ``"none"`` (the k as given).
+    - ``teacher_form``: ``"probs"`` or ``"logprobs"``; ``teacher_temperature``:
+      the temperature the teacher's values were made at (rescaled to τ).
+    - ``divergence``: ``"forward"`` (KL(p_T‖p_S)), ``"reverse"`` or ``"jsd"``
+      with ``beta`` (TRL's generalized JSD; 0 forward, 1 reverse).
+    - ``weight_soft_loss`` (α_soft, 1), ``weight_hard_loss`` (α_hard, 0: the
+      cross-entropy against ``labels``), ``label_smoothing``,
+      ``lse_square_scale`` (the z-loss λ), ``softcap``, ``logit_scale``.
+    - ``ignore_index`` (−100; any negative label is none too) and
+      ``ignore_mask`` (drop tokens without a label from every term).
+    - ``filter_eps``: skip the gradient GEMM's blocks whose ``|∂L/∂s|`` are
+      all ≤ ε (``"auto"``: 2⁻¹⁵, Cut Cross-Entropy's; the loss stays exact);
+      ``gscale``: the f16 gradient's scale (default from the weights);
+      ``budget_bytes``: device scratch.
+    - ``backend``, ``device``: as ``Head``'s.
+    - ``shard=(v0, v1)``, ``vocab_size``, ``process_group``: vocabulary
+      parallel. ``weight`` is the rows ``[v0, v1)``; every rank of
+      ``process_group`` (default: the world) calls forward with the same
+      rows and teacher, and the two phases meet through
+      ``torch.distributed.all_reduce``. The sharded loss takes the forward
+      KL with the default tail and no hard term, z-loss, softcap or filter.
+    """
+
+    _SHOWN = ("temperature", "reduction", "tail", "divergence", "backend")
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        reduction: str = "mean",
+        tail: str = "renormalize",
+        teacher_form: str = "probs",
+        teacher_temperature: Optional[float] = None,
+        divergence: str = "forward",
+        beta: float = 0.5,
+        weight_soft_loss: float = 1.0,
+        weight_hard_loss: float = 0.0,
+        label_smoothing: float = 0.0,
+        lse_square_scale: float = 0.0,
+        softcap: Optional[float] = None,
+        logit_scale: float = 1.0,
+        ignore_index: int = -100,
+        ignore_mask: bool = False,
+        filter_eps=None,
+        gscale: Optional[float] = None,
+        budget_bytes: Optional[int] = None,
+        backend: str = "auto",
+        device: Optional[int] = None,
+        shard: Optional[Tuple[int, int]] = None,
+        vocab_size: Optional[int] = None,
+        process_group=None,
+    ):
+        super().__init__()
+        self.options = _loss_options(
+            temperature=temperature,
+            reduction=reduction,
+            tail=tail,
+            teacher_form=teacher_form,
+            teacher_temperature=teacher_temperature,
+            divergence=divergence,
+            beta=beta,
+            soft_weight=weight_soft_loss,
+            hard_weight=weight_hard_loss,
+            label_smoothing=label_smoothing,
+            z_loss=lse_square_scale,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            ignore_index=ignore_index,
+            ignore_mask=ignore_mask,
+            filter_eps=filter_eps,
+            gscale=gscale,
+            budget_bytes=budget_bytes,
+        )
+        # Every value is checked here, before the head goes to a device.
+        _native.check_loss_options(self.options, shard is not None)
+        weight = _frozen("weight", _tensor("weight", weight, _FLOATS, ndim=2))
+        self.reduction = reduction
+        self.head = Head(weight, backend=backend, device=device, shard=shard, vocab_size=vocab_size)
+        self.process_group = process_group
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether the last CUDA call went zero-copy."""
+        return self.head._loss_zero_copy
+
+    def synchronize(self) -> None:
+        """Waits for the device and raises what the last zero-copy call
+        flagged there (an id ≥ V, a non-finite row: ``ValueError``). The
+        zero-copy path checks each call's flags when the next call starts,
+        so a bad step raises one call late unless this is called."""
+        self.head.synchronize()
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        teacher_ids: torch.Tensor,
+        teacher_values: torch.Tensor,
+        *,
+        labels: Optional[torch.Tensor] = None,
+        weights: Optional[torch.Tensor] = None,
+        total: Optional[float] = None,
+    ) -> torch.Tensor:
+        """The loss of ``hidden`` ``[..., hs]`` against the teacher's top-k:
+        ``teacher_ids`` ``[..., k]`` (int64 or int32) and ``teacher_values``
+        (probabilities, or log-probabilities with ``teacher_form="logprobs"``).
+
+        ``labels`` ``[...]``: the hard term's targets (needed with
+        ``weight_hard_loss``) and what ``ignore_mask`` drops; ``weights``
+        ``[...]``: per-token weights (0 masks a token; a bool or integer
+        mask is taken as 0/1); ``total``: what the mean divides by (default
+        ``Σ weights``). Returns a scalar, or ``[...]`` with
+        ``reduction="none"`` (the weighted per-token losses); its backward
+        gives ``hidden.grad`` (once: a second derivative raises).
+        """
+        return head_kl_loss(
+            self.head, self.options, hidden, teacher_ids, teacher_values,
+            labels=labels, weights=weights, total=total, process_group=self.process_group,
+        )  # fmt: skip
+
+
+class FullVocabKLLoss(_HeadLoss):
+    """The exact full-vocabulary divergence of the student from a teacher
+    given by its own hidden rows and head, as Liger's
+    ``LigerFusedLinearJSD`` computes it: ``p_T = softmax(x_T·W_Tᵀ/τ)`` over
+    the whole vocabulary, never stored whole (a chunk of rows at a time).
+
+    ``FullVocabKLLoss(weight, teacher_weight, *, divergence="jsd",
+    beta=0.5, ...)`` uploads both heads once (they share V, not hs);
+    ``forward(hidden, teacher_hidden, *, labels=None, weights=None,
+    total=None)`` returns the loss, whose backward gives ``hidden.grad``.
+    Keywords as ``HeadKLLoss``'s that apply: ``temperature``, ``reduction``,
+    ``divergence``, ``beta``, ``weight_soft_loss``, ``logit_scale`` (the
+    student's), ``ignore_index``, ``ignore_mask``, ``gscale``,
+    ``budget_bytes``, ``backend``, ``device``. It runs on host memory (CUDA
+    tensors through host copies). Neither head gets a gradient: a
+    ``weight`` or ``teacher_weight`` that requires grad is refused (pass
+    ``.detach()``); either head changed after the loss was made is
+    uploaded again at the next call, as ``HeadKLLoss``'s is.
+    """
+
+    _SHOWN = ("temperature", "reduction", "divergence", "beta", "backend")
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        reduction: str = "mean",
+        divergence: str = "jsd",
+        beta: float = 0.5,
+        weight_soft_loss: float = 1.0,
+        logit_scale: float = 1.0,
+        ignore_index: int = -100,
+        ignore_mask: bool = False,
+        gscale: Optional[float] = None,
+        budget_bytes: Optional[int] = None,
+        backend: str = "auto",
+        device: Optional[int] = None,
+    ):
+        super().__init__()
+        self.options = _loss_options(
+            temperature=temperature,
+            reduction=reduction,
+            divergence=divergence,
+            beta=beta,
+            soft_weight=weight_soft_loss,
+            logit_scale=logit_scale,
+            ignore_index=ignore_index,
+            ignore_mask=ignore_mask,
+            gscale=gscale,
+            budget_bytes=budget_bytes,
+        )
+        _native.check_loss_options(self.options, False)
+        weight = _frozen("weight", _tensor("weight", weight, _FLOATS, ndim=2))
+        teacher_weight = _frozen("teacher_weight", _tensor("teacher_weight", teacher_weight, _FLOATS, ndim=2))
+        if teacher_weight.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"teacher_weight: {teacher_weight.shape[0]} rows, but weight has {weight.shape[0]} (the heads share V)"
+            )
+        self.reduction = reduction
+        self.head = Head(weight, backend=backend, device=device)
+        self.teacher_hidden_size = teacher_weight.shape[1]
+        self.head._set_teacher(teacher_weight)
+
+    def _fields(self) -> dict:
+        return dict(super()._fields(), teacher_hidden_size=self.teacher_hidden_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        *,
+        labels: Optional[torch.Tensor] = None,
+        weights: Optional[torch.Tensor] = None,
+        total: Optional[float] = None,
+    ) -> torch.Tensor:
+        """The divergence of the student's ``hidden`` ``[..., hs]`` from the
+        teacher's ``teacher_hidden`` ``[..., teacher_hidden_size]`` (the
+        same tokens), each through its own head over the whole vocabulary.
+
+        ``labels`` ``[...]``: what ``ignore_mask`` drops; ``weights``
+        ``[...]``: per-token weights (0 masks a token; a bool or integer
+        mask is taken as 0/1); ``total``: what the mean divides by (default
+        ``Σ weights``). Returns a scalar, or ``[...]`` with
+        ``reduction="none"``; its backward gives ``hidden.grad``.
+        """
+        return full_vocab_kl_loss(
+            self.head, self.options, hidden, teacher_hidden, labels=labels, weights=weights, total=total
+        )
