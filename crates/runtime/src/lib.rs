@@ -12,6 +12,30 @@
 //!
 //! A new backend is one [`BackendKind`] variant, one [`RuntimeBackend`]
 //! impl and one arm of [`on_kind`], all in this crate.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use headkl_core::{HeadData, HeadWeights, Hidden, LossOptions, LossOutput, Teacher};
+//! use headkl_runtime::{resolve, AnyEngine, BackendArg, BackendKind, Selection, Settings};
+//!
+//! let (vocab, hs, ntok) = (64, 16, 4);
+//! let w: Vec<f32> = (0..vocab * hs).map(|i| ((i % 7) as f32 - 3.0) / 8.0).collect();
+//! let x: Vec<f32> = (0..ntok * hs).map(|i| ((i % 5) as f32 - 2.0) / 4.0).collect();
+//! let head = HeadWeights::new(HeadData::F32(&w), vocab, hs)?;
+//!
+//! // `Selection::default()` is `auto` (or HEADKL_BACKEND); here the CPU reference.
+//! let settings = Arc::new(Settings::default());
+//! let chosen = Selection { backend: Some(BackendArg::Named(BackendKind::Reference)), device: None };
+//! let target = resolve(chosen, &settings)?;
+//! let mut any = AnyEngine::open(&target, &head, None)?; // None: the whole head
+//!
+//! let teacher = Teacher::new(&[1, 2, 3, 4], &[1.0; 4], ntok, 1, vocab)?;
+//! let mut out = LossOutput::default();
+//! any.engine().head_kl_into(&Hidden::f32(&x, ntok, hs)?, &teacher, &LossOptions::default(), &mut out)?;
+//! assert_eq!(any.engine().info().backend, "reference");
+//! assert!(out.mean.is_finite() && out.dx.len() == ntok * hs);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod backend;
 mod engine;
