@@ -6,6 +6,7 @@
 use crate::align::{round_up, ALIGN};
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
+use crate::head_grad::HeadGrad;
 use crate::head_planes::{DevicePlane, DxFilter, HeadPlanes, Scaling};
 use crate::in_flight::{Copying, InFlight};
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
@@ -44,6 +45,10 @@ pub struct LossOutput {
     /// With [`crate::problem::LossConfig::filter_eps`]: what the dx GEMM's block filter
     /// skipped, and a bound on what that dropped from dx.
     pub filter: Option<crate::filter::FilterStats>,
+    /// With [`crate::problem::LossConfig::head_grad`]: `∂mean/∂W`
+    /// `[vocab][hs]` in f32, rows in the head's natural id order; else
+    /// empty.
+    pub head_grad: Vec<f32>,
 }
 
 /// Result of `topk`: `[ntok][k]` ids (descending logit, ties lowest id
@@ -352,7 +357,9 @@ impl<B: Backend> Engine<B> {
         let sizes = self.head.row_bytes(&self.backend, job, k);
         let call = self.begin_loss_call((job, &sizes), (plan.rows_per_chunk, k), hidden.data())?;
         let teacher = LossTeacher::TopK(teacher);
-        let result = self.loss_chunks(&plan, &call, (ntok, &teacher), &resolved, out);
+        let result = self.head_grad_for(opts).and_then(|head_grad| {
+            self.loss_chunks(&plan, &call, (ntok, &teacher), (&resolved, head_grad.as_ref()), out)
+        });
         self.end_host_call(call, result)
     }
 
@@ -479,7 +486,9 @@ impl<B: Backend> Engine<B> {
                     input: &t_input,
                     scratch: &t_rows,
                 };
-                self.loss_chunks(&plan, &call, (ntok, &teacher), &resolved, out)
+                self.head_grad_for(opts).and_then(|head_grad| {
+                    self.loss_chunks(&plan, &call, (ntok, &teacher), (&resolved, head_grad.as_ref()), out)
+                })
             }
             None => Err(Error::NoTeacherHead),
         };
@@ -488,13 +497,23 @@ impl<B: Backend> Engine<B> {
         result
     }
 
-    /// `head_kl`'s chunks, with the scratch its call took.
+    /// The device memory the head's gradient builds up in, when `opts`
+    /// asks for it.
+    fn head_grad_for(&self, opts: &LossOptions) -> Result<Option<HeadGrad<B>>> {
+        match opts.config.head_grad {
+            true => HeadGrad::alloc(&self.backend, &self.head).map(Some),
+            false => Ok(None),
+        }
+    }
+
+    /// `head_kl`'s chunks, with the scratch its call took, adding each
+    /// chunk's share of the head's gradient into `head_grad` when given.
     fn loss_chunks(
         &self,
         plan: &ChunkPlan,
         call: &HostCall<'_, B>,
         (ntok, teacher): (usize, &LossTeacher<'_, '_, B>),
-        resolved: &ResolvedLoss,
+        (resolved, head_grad): (&ResolvedLoss, Option<&HeadGrad<B>>),
         out: &mut LossOutput,
     ) -> Result<()> {
         let (input, s, ls) = (&call.input, &call.rows, &call.loss);
@@ -508,6 +527,7 @@ impl<B: Backend> Engine<B> {
             mean,
             dx,
             filter,
+            head_grad: head_grad_out,
         } = out;
         *filter = resolved.filter_eps.map(|eps| crate::filter::FilterStats {
             eps,
@@ -615,6 +635,11 @@ impl<B: Backend> Engine<B> {
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
                 .dx(b, (grad, dx_buf, &s.logits), rows_padded, scaling, dx_filter)?;
+            if let Some(head_grad) = head_grad {
+                // The logits buffer is free again once dx's parts are summed.
+                let buffers = (grad, x16, &s.logits);
+                head_grad.add_chunk(b, &self.head, buffers, (rows, rows_padded), scaling, chunk > 0)?;
+            }
             // The per-row outputs, dx and (with the filter, for the call's
             // statistics) the block mask.
             let f32_bytes = std::mem::size_of::<f32>();
@@ -644,6 +669,13 @@ impl<B: Backend> Engine<B> {
             self.read_loss_chunk(&mut done, outs, &mut row_out, dx, &mut dx_padded, &mut trace)?;
             self.read_mask(&mut done, resolved, filter)?;
             self.report(done.rows);
+        }
+        match head_grad {
+            Some(head_grad) => {
+                head_grad.read(b, &self.head, head_grad_out)?;
+                trace.mark("head_grad download");
+            }
+            None => head_grad_out.clear(),
         }
         trace.report();
         *mean = resolved.mean_of(loss);

@@ -252,6 +252,15 @@ pub enum Error {
         /// What works instead.
         hint: &'static str,
     },
+    /// The head's gradient ([`crate::problem::LossConfig::head_grad`])
+    /// asked of an entry point that does not compute it.
+    #[error("head_grad = true: not supported by {entry}; {hint}")]
+    HeadGradUnsupported {
+        /// The entry point.
+        entry: &'static str,
+        /// What works instead.
+        hint: &'static str,
+    },
     /// An option the exact full-vocabulary divergence (the teacher's
     /// hidden rows and head, [`crate::engine::Engine::head_kl_full_vocab`]) does
     /// not take.
@@ -608,6 +617,7 @@ impl Error {
             | E::ShardRange { .. }
             | E::ShardUnsupported { .. }
             | E::FullVocabUnsupported { .. }
+            | E::HeadGradUnsupported { .. }
             | E::NoTeacherHead
             | E::TeacherHeadMismatch { .. }
             | E::ShardMismatch { .. }

@@ -91,7 +91,7 @@ impl Scaling {
 
     /// The dx GEMM's alpha: S/(gscale·τ) (in f64, then rounded once) on the
     /// host paths, S on the resident ones.
-    fn dx_alpha(self) -> f32 {
+    pub(crate) fn dx_alpha(self) -> f32 {
         match self.host_gscale {
             Some(gscale) => (f64::from(self.logit_scale) / (f64::from(gscale) * f64::from(self.temperature))) as f32,
             None => self.logit_scale,
@@ -449,10 +449,14 @@ impl<B: Backend> HeadPlanes<B> {
             }
             Input::F16(d) if self.hs_padded == hs => {
                 // Rows are already the padded width: straight from the
-                // caller's slice. Rows past `rows` keep what they held
-                // (GemmDesc: rows of A past the real ones may hold anything).
+                // caller's slice. The rows past `rows` are zeroed, as the
+                // other inputs' are: the head's gradient reduces over them.
                 let src = &d[start * hs..(start + rows) * hs];
                 backend.upload(x16, 0, bytemuck::cast_slice(src))?;
+                if rows_padded > rows {
+                    let zeros = vec![f16::ZERO; (rows_padded - rows) * hs];
+                    backend.upload(x16, (rows * hs * 2) as u64, bytemuck::cast_slice(&zeros))?;
+                }
             }
             Input::F16(d) => {
                 let mut packed = vec![f16::ZERO; rows_padded * self.hs_padded];

@@ -379,6 +379,14 @@ pub struct LossConfig {
     /// how many and bounds what they were. `Some(0.0)` skips only all-zero
     /// blocks: dx bit for bit as without the filter.
     pub filter_eps: Option<f32>,
+    /// Also compute the head's gradient `∂mean/∂W` (`[V][hs]`, f32) into
+    /// [`crate::engine::LossOutput::head_grad`] (off by default: a frozen
+    /// head costs nothing more). It goes through the same logits gradient
+    /// as dx, so every term, divergence, weight and reduction gives it;
+    /// the block filter does not apply to it (it is exact). The host
+    /// entry points take it; the device-resident ones and the shards
+    /// refuse it ([`crate::Error::HeadGradUnsupported`]).
+    pub head_grad: bool,
     /// Device-memory budget for scratch buffers, in bytes.
     pub budget_bytes: u64,
     /// Test knob: at most this many tokens per chunk.
@@ -394,6 +402,7 @@ impl Default for LossConfig {
             gscale: None,
             terms: LossTerms::default(),
             filter_eps: None,
+            head_grad: false,
             budget_bytes: DEFAULT_BUDGET_BYTES,
             max_rows_per_chunk: None,
         }

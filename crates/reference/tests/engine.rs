@@ -192,6 +192,7 @@ fn head_kl_into_reuses_an_output_of_any_size() {
         soft: Vec::new(),
         hard: vec![1.0; 900],
         filter: None,
+        head_grad: vec![f32::NAN; 11],
     };
     for hs in [70, 64] {
         let c = Case::from_params(&CaseParams {

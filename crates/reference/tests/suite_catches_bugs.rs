@@ -8,7 +8,7 @@ use std::cell::Cell;
 
 use headkl_core::resident::status::{self, FLAGGED_ROW, S_LOGITS};
 use headkl_core::toolkit::{
-    ConvertDesc, GemmDesc, KernelId, Kernels, KlDesc, Launch, ShardStage, SumPartsDesc, TopkDesc,
+    ConvertDesc, GemmDesc, KernelId, Kernels, KlDesc, Launch, ShardStage, SumPartsDesc, TopkDesc, TransposeDesc,
 };
 use headkl_core::{Backend, DeviceBuffer, Divergence, Error, ResidentBackend, Result, TailMode};
 use headkl_reference::conformance::resident::{resident_case_count, run_resident};
@@ -36,6 +36,8 @@ enum Fault {
     SplitFirstPartOnly,
     /// The sum of parts leaves the last part out.
     SumSkipsLastPart,
+    /// The head gradient's transpose drops each chunk's last token.
+    TransposeDropsLastRow,
     /// The KL kernel ignores the softcap.
     KlIgnoresSoftcap,
     /// The KL kernel reads every tail mode as renormalize.
@@ -121,6 +123,7 @@ impl Backend for Faulty {
             Launch::ConvertF16 { src, dst, desc } => self.convert_f16(src, dst, &desc),
             Launch::Gemm { a, b, c, desc } => self.gemm(a, b, c, &desc),
             Launch::SumParts { parts, dst, desc } => self.sum_parts(parts, dst, &desc),
+            Launch::Transpose { src, dst, desc } => self.transpose(src, dst, &desc),
             Launch::KlRows { desc, .. } => self.kl_rows(launch.bound()?, &desc),
             Launch::TopkRows { desc, .. } => self.topk_rows(launch.bound()?, &desc),
             Launch::LossOut {
@@ -472,6 +475,13 @@ impl Faulty {
             d.parts -= 1;
         }
         self.inner.sum_parts(parts, dst, &d)
+    }
+    fn transpose(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &TransposeDesc) -> Result<()> {
+        let mut d = *d;
+        if self.fault == Fault::TransposeDropsLastRow && d.rows > 0 {
+            d.rows -= 1;
+        }
+        self.inner.transpose(src, dst, &d)
     }
     fn kl_rows(&self, [logits, ids, probs, coef, loss, grad]: [&CpuBuffer; 6], d: &KlDesc) -> Result<()> {
         if self.fault == Fault::KlIgnoresFlaggedRow {

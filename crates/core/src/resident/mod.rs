@@ -572,6 +572,12 @@ impl<B: ResidentBackend> Engine<B> {
             self.check_view("weights", w, ntok, 4)?;
         }
         opts.config.check(opts.labels.is_some())?;
+        if opts.config.head_grad {
+            return Err(Error::HeadGradUnsupported {
+                entry: "the device-resident loss",
+                hint: "the host call (Engine::head_kl) returns the head's gradient",
+            });
+        }
         opts.config.total_for(ntok)?;
         opts.config.gscale.map(check_gscale).transpose()?;
         Ok(())

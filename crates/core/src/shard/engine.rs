@@ -640,10 +640,17 @@ impl<B: Backend> ShardEngine<B> {
 /// Refuses what the sharded loss does not compute, naming the option
 /// ([`Error::ShardUnsupported`]): a tail other than renormalize, the hard
 /// term (or labels), the z-loss, a softcap, a soft weight other than 1,
-/// the dx GEMM's block filter, a divergence other than the forward KL.
-/// [`ShardEngine::loss_partials`] calls it; a caller can call it before
+/// the dx GEMM's block filter, a divergence other than the forward KL, the
+/// head's gradient. [`ShardEngine::loss_partials`] calls it; a caller can call it before
 /// anything is uploaded.
 pub fn check_loss_terms(tail: TailMode, opts: &LossOptions) -> Result<()> {
+    if opts.config.head_grad {
+        return Err(Error::ShardUnsupported {
+            option: "head-grad",
+            value: "true".into(),
+            hint: "the head's gradient runs unsharded",
+        });
+    }
     check_terms(tail, &opts.config.terms, opts.labels.is_some(), opts.config.filter_eps)
 }
 

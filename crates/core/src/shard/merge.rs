@@ -339,6 +339,7 @@ mod tests {
         // values whose f32 sum in shard order would round differently.
         let len = 2 * 4096 + 37;
         let out = |dx: Vec<f32>| LossOutput {
+            head_grad: Vec::new(),
             loss: vec![1.0; 2],
             lse: vec![2.0; 2],
             soft: vec![1.0; 2],

@@ -382,6 +382,24 @@ pub struct ConvertDesc {
     pub ld: usize,
 }
 
+/// f16 rows turned into columns: `dst[c·rows_padded + r] =
+/// src[r·ld_src + c]` for `r < rows`, and 0 for `rows ≤ r < rows_padded`,
+/// for every `c < cols`. The head's gradient GEMM
+/// ([`crate::problem::LossConfig::head_grad`]) reads a chunk's logits
+/// gradient `[rows][ld_src]` this way, as `[cols][rows_padded]` with the
+/// tokens as its reduction; the zeros are the reduction's padding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransposeDesc {
+    /// Real rows of `src`.
+    pub rows: usize,
+    /// Columns of `dst` (≥ rows): its row stride.
+    pub rows_padded: usize,
+    /// Columns of `src` moved (rows of `dst`).
+    pub cols: usize,
+    /// Row stride of `src` (≥ cols).
+    pub ld_src: usize,
+}
+
 /// Per-kernel GPU time from timestamp queries.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelTime {

@@ -13,12 +13,13 @@ use crate::problem::MAX_K;
 use crate::terms::TeacherForm;
 use crate::toolkit::backend::{
     ConvertDesc, DeviceBuffer, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc,
-    STATS_GROUP_COLS,
+    TransposeDesc, STATS_GROUP_COLS,
 };
 use crate::toolkit::kernels::{bad_descriptor, require, KernelId};
 use crate::toolkit::params::{
     row_flags, ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams,
-    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
+    WeightStatsParams,
 };
 use crate::toolkit::resident_kernels::{
     GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage, StatusDetailDesc,
@@ -318,6 +319,43 @@ impl GemmRowStats {
             index(kernel, "row_stats.first_group", self.first_group)?,
             index(kernel, "row_stats.cols", self.cols)?,
         ])
+    }
+}
+
+impl TransposeDesc {
+    /// Checks the transpose against `[src, dst]` and returns its block.
+    pub fn check<B: DeviceBuffer>(&self, [src, dst]: [&B; 2], max_binding: u64) -> Result<TransposeParams> {
+        const K: KernelId = KernelId::Transpose;
+        at_least(K, "rows_padded", self.rows_padded, "rows", self.rows)?;
+        at_least(K, "ld_src", self.ld_src, "cols", self.cols)?;
+        if self.rows > 0 && self.cols > 0 {
+            fits(
+                K,
+                "src",
+                span(0, self.rows, self.ld_src, self.cols),
+                2,
+                src,
+                max_binding,
+            )?;
+        }
+        if self.rows_padded > 0 && self.cols > 0 {
+            fits(
+                K,
+                "dst",
+                span(0, self.cols, self.rows_padded, self.rows_padded),
+                2,
+                dst,
+                max_binding,
+            )?;
+        }
+        Ok(TransposeParams {
+            rows: index(K, "rows", self.rows)?,
+            rows_padded: index(K, "rows_padded", self.rows_padded)?,
+            cols: index(K, "cols", self.cols)?,
+            ld_src: index(K, "ld_src", self.ld_src)?,
+            grid_x: 0,
+            _pad: [0; 3],
+        })
     }
 }
 

@@ -17,12 +17,13 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::toolkit::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc};
+use crate::toolkit::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc, TransposeDesc};
 use crate::toolkit::gemm_choice::{CoopGemm, KernelLimits};
 use crate::toolkit::glsl_tile::GlslTile;
 use crate::toolkit::params::{
     ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams,
-    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
+    WeightStatsParams,
 };
 use crate::toolkit::resident_kernels::{
     GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc,
@@ -163,6 +164,8 @@ pub const GEMM_COOP_WGSL: Shader = gemm_shader!("gemm_coop.wgsl", coop);
 pub const GEMM_COOP_DIRECT_WGSL: Shader = gemm_shader!("gemm_coop_direct.wgsl", coop);
 /// `sum_parts.wgsl`: a split-K GEMM's partial blocks summed.
 pub const SUM_PARTS_WGSL: Shader = shader!("sum_parts.wgsl", SumPartsParams);
+/// `transpose.wgsl`: f16 rows into columns, for the head's gradient.
+pub const TRANSPOSE_WGSL: Shader = shader!("transpose.wgsl", TransposeParams);
 
 /// `resident_stats.wgsl`: the weights' total and gradient scale.
 pub const WEIGHT_STATS_WGSL: Shader = resident_shader!("resident_stats.wgsl", WeightStatsParams);
@@ -386,6 +389,10 @@ catalogue! {
         TOPK_ROWS_WGSL: 4 * (TOPK_HIST + ROW_WORKGROUP + 2 * MAX_K_U32 + 9), ROW_WORKGROUP;
     /// A split-K GEMM's partial blocks summed ([`SumPartsDesc`]).
     SumParts => "sum_parts", [R, W], SumPartsParams, false, SUM_PARTS_WGSL: 0, ROW_WORKGROUP;
+    /// f16 rows into columns for the head's gradient GEMM ([`TransposeDesc`]).
+    Transpose => "transpose", [R, W], TransposeParams, false,
+        // tile [32 × 33] f32.
+        TRANSPOSE_WGSL: 4 * TRANSPOSE_TILE * (TRANSPOSE_TILE + 1), ROW_WORKGROUP;
     /// Resident: the weights' total and gradient scale ([`WeightStatsDesc`]).
     WeightStats => "weight_stats", [R, W], WeightStatsParams, true,
         // red_sum, red_max, red_bad [WG].
@@ -697,6 +704,18 @@ impl SumPartsDesc {
     /// Workgroups of its dispatch: one invocation per 4 elements of `dst`.
     pub fn workgroups(&self) -> u64 {
         (self.len as u64 / 4).div_ceil(u64::from(ROW_WORKGROUP))
+    }
+}
+
+/// Rows and columns of `transpose.wgsl`'s tile (its `TILE`).
+pub const TRANSPOSE_TILE: u32 = 32;
+
+impl TransposeDesc {
+    /// Workgroups of its dispatch: one per 32 × 32 tile of `src`'s
+    /// `rows_padded × cols`.
+    pub fn workgroups(&self) -> u64 {
+        let tile = TRANSPOSE_TILE as usize;
+        (self.cols.div_ceil(tile) * self.rows_padded.div_ceil(tile)) as u64
     }
 }
 

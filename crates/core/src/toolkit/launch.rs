@@ -7,11 +7,14 @@
 //! per-kernel calls the driver makes, each building its launch.
 
 use crate::error::Result;
-use crate::toolkit::backend::{Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPartsDesc, TopkDesc};
+use crate::toolkit::backend::{
+    Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPartsDesc, TopkDesc, TransposeDesc,
+};
 use crate::toolkit::kernels::{GemmKernel, KernelBuild, KernelId, KL_FLAGS};
 use crate::toolkit::params::{
     ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams,
-    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
+    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
+    WeightStatsParams,
 };
 use crate::toolkit::resident_kernels::{
     GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc,
@@ -108,6 +111,11 @@ launches! {
     /// `parts`: the blocks; `dst`: their sum.
     SumParts(SumPartsDesc) { parts, dst }
         => kernel KernelId::SumParts, workgroups desc.workgroups(), SumParts(check);
+
+    /// f16 rows into columns ([`TransposeDesc`]). Bindings: `src`: f16 rows;
+    /// `dst`: their columns.
+    Transpose(TransposeDesc) { src, dst }
+        => kernel KernelId::Transpose, workgroups desc.workgroups(), Transpose(check);
 
     /// The KL row kernel ([`KlDesc`]). Bindings: `logits`: f32 logits `[rows][ld]`;
     /// `ids`: teacher ids `[rows][k]`; `probs`: teacher probabilities `[rows][k]`;
@@ -243,6 +251,7 @@ blocks! {
     Convert(ConvertParams),
     Gemm(GemmParams),
     SumParts(SumPartsParams),
+    Transpose(TransposeParams),
     Rows(RowParams),
     WeightStats(WeightStatsParams),
     TeacherRows(TeacherRowsParams),
@@ -326,6 +335,11 @@ pub trait Kernels: Backend {
             dst,
             desc: *desc,
         })
+    }
+
+    /// f16 rows into columns (see [`TransposeDesc`]).
+    fn transpose(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &TransposeDesc) -> Result<()> {
+        self.dispatch(Launch::Transpose { src, dst, desc: *desc })
     }
 
     /// The KL row kernel (see [`KlDesc`]).

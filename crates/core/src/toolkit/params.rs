@@ -253,6 +253,24 @@ pub struct ConvertParams {
     pub _pad: [u32; 3],
 }
 
+/// `shaders/transpose.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TransposeParams {
+    /// Real rows in src.
+    pub rows: u32,
+    /// Columns of dst (its row stride).
+    pub rows_padded: u32,
+    /// Columns of src moved.
+    pub cols: u32,
+    /// Row stride of src.
+    pub ld_src: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
+    /// Padding to 16 bytes.
+    pub _pad: [u32; 3],
+}
+
 /// One field of a parameter block: its name in the shader's struct, its
 /// byte offset and its WGSL type (padding fields are left out).
 pub type ParamField = (&'static str, usize, &'static str);
@@ -314,6 +332,7 @@ param_block!(PackParams: rows: u32, kdim: u32, ld: u32, tiles: u32, steps: u32, 
 param_block!(SumPartsParams: len: u32, parts: u32, part_stride: u32, accumulate: u32, grid_x: u32);
 param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32, stats_offset: u32, stats_ld: u32, stats_groups: u32, filter_eps: f32, mask_off4: u32, mask_ld: u32, beta: f32);
 param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
+param_block!(TransposeParams: rows: u32, rows_padded: u32, cols: u32, ld_src: u32, grid_x: u32);
 param_block!(WeightStatsParams: rows: u32, has_weights: u32, grid_x: u32, total: f32, gscale: f32, inv_temperature: f32, grad_bound: f32);
 param_block!(TeacherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_offset: u32, probs_offset: u32, weights_offset: u32, has_weights: u32, logprobs: u32, tail: u32, grid_x: u32);
 param_block!(LabelsInParams: rows: u32, vocab: u32, token0: u32, labels_offset: u32, has_labels: u32, grid_x: u32);

@@ -6,7 +6,8 @@ use half::f16;
 use headkl_core::resident::status::FLAGGED_ROW;
 use headkl_core::toolkit::split::k_part_range;
 use headkl_core::toolkit::{
-    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc, STATS_GROUP_COLS,
+    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc, TransposeDesc,
+    STATS_GROUP_COLS,
 };
 use headkl_core::{Divergence, TailMode, NO_LABEL};
 
@@ -233,6 +234,17 @@ pub(crate) fn sum_parts(parts: &[f32], dst: &mut [f32], d: &SumPartsDesc) {
     for (i, o) in dst.iter_mut().enumerate().take(d.len) {
         let s: f64 = (0..d.parts).map(|p| f64::from(parts[p * d.part_stride + i])).sum();
         *o = if d.accumulate { f64::from(*o) + s } else { s } as f32;
+    }
+}
+
+/// f16 rows into columns, zeros for the rows past `rows`
+/// ([`TransposeDesc`]).
+pub(crate) fn transpose(src: &[f16], dst: &mut [f16], d: &TransposeDesc) {
+    for c in 0..d.cols {
+        let column = &mut dst[c * d.rows_padded..(c + 1) * d.rows_padded];
+        for (r, o) in column.iter_mut().enumerate() {
+            *o = if r < d.rows { src[r * d.ld_src + c] } else { f16::ZERO };
+        }
     }
 }
 

@@ -26,7 +26,9 @@ use std::time::Instant;
 
 use half::f16;
 use headkl_core::toolkit::checks::check_transfer;
-use headkl_core::toolkit::{ConvertDesc, GemmDesc, HeadLayout, KernelId, KlDesc, Launch, SumPartsDesc, TopkDesc};
+use headkl_core::toolkit::{
+    ConvertDesc, GemmDesc, HeadLayout, KernelId, KlDesc, Launch, SumPartsDesc, TopkDesc, TransposeDesc,
+};
 use headkl_core::{Backend, DeviceBuffer, DeviceInfo, Error, KernelTime, MemoryStats, Result, NO_LABEL};
 
 const BACKEND: &str = "reference";
@@ -298,6 +300,7 @@ impl Backend for CpuBackend {
             Launch::ConvertF16 { src, dst, desc } => self.run_convert_f16(src, dst, &desc),
             Launch::Gemm { a, b, c, desc } => self.run_gemm(a, b, c, &desc),
             Launch::SumParts { parts, dst, desc } => self.run_sum_parts(parts, dst, &desc),
+            Launch::Transpose { src, dst, desc } => self.run_transpose(src, dst, &desc),
             Launch::KlRows { desc, .. } => self.run_kl_rows(launch.bound()?, &desc),
             Launch::TopkRows { desc, .. } => self.run_topk_rows(launch.bound()?, &desc),
             // The device-resident kernels, by the kernel id.
@@ -363,6 +366,14 @@ impl CpuBackend {
         let mut out = dst.write(K)?;
         let input = parts.read(K)?;
         kernels::sum_parts(f32s(&input), f32s_mut(&mut out), d);
+        Ok(())
+    }
+
+    fn run_transpose(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &TransposeDesc) -> Result<()> {
+        const K: &str = "transpose";
+        let mut out = dst.write(K)?;
+        let input = src.read(K)?;
+        kernels::transpose(f16s(&input), f16s_mut(&mut out), d);
         Ok(())
     }
 

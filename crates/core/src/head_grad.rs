@@ -1,0 +1,112 @@
+//! The head's gradient `∂mean/∂W` ([`crate::problem::LossConfig::head_grad`]):
+//! per chunk, `dW[p] += alpha · Σ_t g[t][p] · x16[t]` over the chunk's
+//! tokens, where `g` is the f16 logits gradient `kl_rows` wrote for dx and
+//! alpha dx's ([`Scaling`]). The GEMMs take A as `[m][k]` rows, so the
+//! chunk's `g` is first turned into columns (`transpose`, into the logits
+//! buffer, which dx has finished with); the tokens are then the reduction
+//! and `x16` is B as stored (`[k][n]`, [`HeadLayout::Dx`]).
+//!
+//! The f32 result builds up on the device over the call's chunks in
+//! pieces of rows, each within one binding, and is read back once at the
+//! end, rows in the head's natural id order.
+
+use crate::align::ALIGN;
+use crate::error::Result;
+use crate::head_planes::{HeadPlanes, Scaling};
+use crate::toolkit::backend::{Backend, GemmDesc, HeadLayout, TransposeDesc};
+use crate::toolkit::launch::Kernels;
+
+/// One piece of the head's gradient: rows `[first, first + rows)` of the
+/// padded vocabulary (positions in the head's order), `hs_padded` f32
+/// columns each.
+struct Piece<Buf> {
+    first: usize,
+    rows: usize,
+    buffer: Buf,
+}
+
+/// The head's gradient on the device while a call's chunks add into it.
+pub(crate) struct HeadGrad<B: Backend> {
+    pieces: Vec<Piece<B::Buffer>>,
+}
+
+impl<B: Backend> HeadGrad<B> {
+    /// The pieces for `head`: each vocabulary slice's padded rows, cut so a
+    /// piece's f32 rows fit in one binding.
+    pub(crate) fn alloc(backend: &B, head: &HeadPlanes<B>) -> Result<Self> {
+        let info = backend.info();
+        let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+        let row_bytes = (head.hs_padded() * std::mem::size_of::<f32>()) as u64;
+        let most_rows = ((max_binding / row_bytes) as usize / ALIGN * ALIGN).max(ALIGN);
+        let mut pieces = Vec::new();
+        for slice in head.slices() {
+            let end = slice.offset + slice.padded_width();
+            let mut first = slice.offset;
+            while first < end {
+                let rows = most_rows.min(end - first);
+                let buffer = backend.alloc(rows as u64 * row_bytes, "head_grad")?;
+                pieces.push(Piece { first, rows, buffer });
+                first += rows;
+            }
+        }
+        Ok(Self { pieces })
+    }
+
+    /// Adds one chunk's share: `grad` holds its f16 logits gradient
+    /// (`[rows_padded][vocab_padded]`, `rows` real), `x16` its f16 hidden
+    /// rows with zeros past `rows`, and `columns` (the chunk's logits
+    /// buffer) takes `grad` turned into columns. The first chunk
+    /// (`accumulate` false) overwrites.
+    pub(crate) fn add_chunk(
+        &self,
+        backend: &B,
+        head: &HeadPlanes<B>,
+        (grad, x16, columns): (&B::Buffer, &B::Buffer, &B::Buffer),
+        (rows, rows_padded): (usize, usize),
+        scaling: Scaling,
+        accumulate: bool,
+    ) -> Result<()> {
+        let transpose = TransposeDesc {
+            rows,
+            rows_padded,
+            cols: head.vocab_padded(),
+            ld_src: head.vocab_padded(),
+        };
+        backend.transpose(grad, columns, &transpose)?;
+        for piece in &self.pieces {
+            let desc = GemmDesc {
+                a_offset: piece.first * rows_padded,
+                lda: rows_padded,
+                alpha: scaling.dx_alpha(),
+                accumulate,
+                ..GemmDesc::dense(piece.rows, head.hs_padded(), rows_padded, HeadLayout::Dx)
+            };
+            backend.gemm(columns, x16, &piece.buffer, &desc)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the gradient into `out` (`[vocab][hs]`, resized), each
+    /// position's row to its head row.
+    pub(crate) fn read(&self, backend: &B, head: &HeadPlanes<B>, out: &mut Vec<f32>) -> Result<()> {
+        let (vocab, hs, hs_padded) = (head.vocab(), head.hs(), head.hs_padded());
+        out.clear();
+        out.resize(vocab * hs, 0.0);
+        let order = head.order();
+        let mut rows_f32 = Vec::new();
+        for piece in &self.pieces {
+            let real = vocab.saturating_sub(piece.first).min(piece.rows);
+            if real == 0 {
+                continue;
+            }
+            rows_f32.resize(real * hs_padded, 0f32);
+            backend.download(&piece.buffer, 0, bytemuck::cast_slice_mut(rows_f32.as_mut_slice()))?;
+            for (r, row) in rows_f32.chunks_exact(hs_padded).enumerate() {
+                let position = piece.first + r;
+                let id = order.map_or(position, |o| o.id(position as u32) as usize);
+                out[id * hs..(id + 1) * hs].copy_from_slice(&row[..hs]);
+            }
+        }
+        Ok(())
+    }
+}
