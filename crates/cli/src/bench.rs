@@ -145,6 +145,10 @@ pub struct BenchConfig {
     /// --divergence, --beta and --soft-weight (not --hard-weight; without --filter-eps)
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub teacher_hs: Option<u32>,
+    /// Also time head_kl with the head's gradient (`loss --head-grad`: a third GEMM a chunk,
+    /// read back once a call) on the host path, row `head_kl_head_grad`
+    #[arg(long)]
+    pub head_grad: bool,
 }
 
 /// `bench --labels`.
@@ -335,6 +339,14 @@ impl BenchJob<'_> {
             },
             ..loss_opts.clone()
         };
+        // The head's gradient has no dx filter to skip blocks with.
+        let head_grad_opts = LossOptions {
+            config: LossConfig {
+                head_grad: true,
+                ..loss_opts.config
+            },
+            ..loss_opts.clone()
+        };
         // Kept across calls, as a training loop keeps its gradient buffer.
         let mut loss_out = headkl_core::LossOutput::default();
         let mut result = Self::time_calls(
@@ -347,6 +359,7 @@ impl BenchJob<'_> {
             topk_call,
             |engine| match job {
                 JobKind::HeadKl => engine.head_kl_into(&hidden, &d.teacher, &loss_opts, &mut loss_out),
+                JobKind::HeadGrad => engine.head_kl_into(&hidden, &d.teacher, &head_grad_opts, &mut loss_out),
                 JobKind::Topk => engine.topk(&hidden, &topk_opts).map(|_| ()),
                 JobKind::Gather => engine.logprobs_at(&hidden, &gather_ids, &topk_opts).map(|_| ()),
                 JobKind::FullVocab { .. } => match &teacher_rows {
@@ -656,12 +669,14 @@ impl BenchJob<'_> {
         let topk_call = Self::probe(data, self.cfg, &mut engine, confirmed)?;
         let mut jobs = Vec::new();
         let gather = self.cfg.gather.then_some(JobKind::Gather);
+        let head_grad = self.cfg.head_grad.then_some(JobKind::HeadGrad);
         let full_vocab = self
             .cfg
             .teacher_hs
             .map(|n| JobKind::FullVocab { teacher_hs: n as usize });
         for job in [JobKind::HeadKl, JobKind::Topk]
             .into_iter()
+            .chain(head_grad)
             .chain(gather)
             .chain(full_vocab)
         {

@@ -14,7 +14,7 @@ use crate::error::CliError;
 use crate::io::{check_output_not_input, PendingOutput, TensorFile};
 use crate::jobs::{
     check_loss_options, read_head, read_hidden, read_labels, read_weights, write_loss, InputArgs, JobInputs, LossArgs,
-    Sources,
+    LossOutputs, Sources,
 };
 use crate::provenance::LossRecord;
 use crate::select::{open_and_run, resolve_announced, BackendArgs, Job};
@@ -104,6 +104,7 @@ pub(crate) fn loss(
     let t_hidden =
         Hidden::new(t_hidden_elems.data(), ntok, t_hs).map_err(|e| teacher_sources.map(e, "teacher hidden"))?;
     let pending = PendingOutput::create(&args.out)?;
+    let head_grad_out = args.head_grad_output(&all_inputs)?;
     let target = resolve_announced(backend, "headkl", settings)?;
     if shards.plan(vocab, &target)?.is_some() {
         return Err(CliError::option(
@@ -143,7 +144,11 @@ pub(crate) fn loss(
         weights: args.weights.as_deref(),
         labels: terms.labels.as_deref(),
     };
-    write_loss((pending, &args.out), &result, &record, args.reduction, start)
+    let outputs = LossOutputs {
+        out: (pending, &args.out),
+        head_grad: head_grad_out.zip(args.head_grad.as_deref()),
+    };
+    write_loss(outputs, &result, &record, args.reduction, start)
 }
 
 /// The first `(row, column)` of `rows` (`hs` wide) that is not finite.

@@ -466,13 +466,18 @@ pub fn write_atomic(target: &Path, bytes: &[u8]) -> Result<(), CliError> {
 /// Refuses an output path that names one of the inputs: renaming over an
 /// input the run is reading would lose it.
 pub fn check_output_not_input(out: &Path, inputs: &[&Path]) -> Result<(), CliError> {
+    check_output_of("--out", out, inputs)
+}
+
+/// [`check_output_not_input`] for the output file of `option`.
+pub fn check_output_of(option: &'static str, out: &Path, inputs: &[&Path]) -> Result<(), CliError> {
     let Ok(out_canon) = out.canonicalize() else {
         return Ok(()); // does not exist yet, so it is no input
     };
     for input in inputs {
         if input.canonicalize().is_ok_and(|c| c == out_canon) {
             return Err(CliError::option(
-                "--out",
+                option,
                 format!("{} is also an input; choose another output file", out.display()),
             ));
         }

@@ -579,9 +579,33 @@ pub struct LossArgs {
     /// [default: off]
     #[arg(long, value_parser = crate::parse_filter_eps, value_name = "auto|E")]
     pub filter_eps: Option<f32>,
+    /// Also write the head's gradient ∂loss/∂W `[V][hs]` (F32 tensor `grad`, the same scaling as
+    /// the output's `grad` for the hidden rows) to this safetensors file, for a trainable head.
+    /// The block filter does not apply to it; not with --shards
+    #[arg(long, value_name = "DW.safetensors")]
+    pub head_grad: Option<PathBuf>,
 }
 
 impl LossArgs {
+    /// `--head-grad`'s file, checked against the inputs and `--out` and
+    /// opened for writing (before anything is computed, so a bad path
+    /// fails first).
+    pub(crate) fn head_grad_output(&self, inputs: &[&Path]) -> Result<Option<PendingOutput>, CliError> {
+        let Some(path) = &self.head_grad else {
+            return Ok(None);
+        };
+        let mut taken = inputs.to_vec();
+        taken.push(&self.out);
+        crate::io::check_output_of("--head-grad", path, &taken)?;
+        if path == &self.out {
+            return Err(CliError::option(
+                "--head-grad",
+                "is the same file as --out; choose another",
+            ));
+        }
+        PendingOutput::create(path).map(Some)
+    }
+
     /// The `--weights` and `--labels` tensors, from their files where given.
     pub(crate) fn weights_and_labels<'f>(
         &self,
@@ -606,6 +630,7 @@ impl LossArgs {
                 budget_bytes: self.budget.bytes,
                 terms: self.terms.terms(),
                 filter_eps: self.filter_eps,
+                head_grad: self.head_grad.is_some(),
                 ..LossConfig::default()
             },
             weights,
@@ -722,6 +747,7 @@ pub fn loss(
     let resolved = check_loss_options(&opts, ntok, vocab, &sources)?;
     let inputs = JobInputs::check(&sources, head_elems.data(), hidden_elems.data(), vocab, ntok, hs)?;
     let pending = PendingOutput::create(&args.out)?;
+    let head_grad_out = args.head_grad_output(&all_inputs)?;
     let map = |e, c: &str| sources.map(e, c);
     let (result, start) = shards.run_job(
         backend,
@@ -766,13 +792,27 @@ pub fn loss(
         weights: args.weights.as_deref(),
         labels: args.terms.labels.as_deref(),
     };
-    write_loss((pending, &args.out), &result, &record, args.reduction, start)
+    let outputs = LossOutputs {
+        out: (pending, &args.out),
+        head_grad: head_grad_out.zip(args.head_grad.as_deref()),
+    };
+    write_loss(outputs, &result, &record, args.reduction, start)
 }
 
-/// Writes `loss`'s output file and prints the loss (and the filter's
+/// `loss`'s output files, opened for writing: `--out`'s and, for a
+/// trainable head, `--head-grad`'s.
+pub(crate) struct LossOutputs<'p> {
+    pub out: (PendingOutput, &'p Path),
+    pub head_grad: Option<(PendingOutput, &'p Path)>,
+}
+
+/// Writes `loss`'s output files and prints the loss (and the filter's
 /// report).
 pub(crate) fn write_loss(
-    (pending, out): (PendingOutput, &Path),
+    LossOutputs {
+        out: (pending, out),
+        head_grad,
+    }: LossOutputs<'_>,
     result: &LossOutput,
     record: &LossRecord<'_>,
     reduction: Reduction,
@@ -794,6 +834,14 @@ pub(crate) fn write_loss(
         start.elapsed().as_secs_f64(),
         out.display()
     );
+    if let Some((pending, path)) = head_grad {
+        let grad = [OutTensor::f32("grad", vec![vocab, hs], &result.head_grad)];
+        pending.commit_tensors_with(&grad, Some(record.to_metadata()))?;
+        log::info!(
+            "headkl: wrote the head's gradient [{vocab}][{hs}] to {}",
+            path.display()
+        );
+    }
     match reduction {
         Reduction::None => println!(
             "sum loss: {} (reduction none: the per-token losses are the output's `loss`)",

@@ -207,6 +207,7 @@ mod tests {
             hard_weight: 0.0,
             labels: None,
             gather: false,
+            head_grad: false,
             teacher_hs: None,
         }
     }

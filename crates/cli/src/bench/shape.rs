@@ -75,6 +75,7 @@ impl Shape {
         let gemm = |hs: usize| 2.0 * self.ntok as f64 * self.vocab as f64 * hs as f64;
         match job {
             JobKind::HeadKl => 2.0 * gemm(self.hs),
+            JobKind::HeadGrad => 3.0 * gemm(self.hs),
             JobKind::Topk | JobKind::Gather => gemm(self.hs),
             JobKind::FullVocab { teacher_hs } => 2.0 * gemm(self.hs) + gemm(teacher_hs),
         }
@@ -129,6 +130,8 @@ impl Shape {
 pub enum JobKind {
     /// The loss and its gradient.
     HeadKl,
+    /// The loss, its gradient and the head's (`LossConfig::head_grad`).
+    HeadGrad,
     /// The teacher's top-k.
     Topk,
     /// The log-probabilities at given ids (`Engine::logprobs_at`).
@@ -152,6 +155,7 @@ impl JobKind {
     pub fn name(self) -> &'static str {
         match self {
             JobKind::HeadKl => "head_kl",
+            JobKind::HeadGrad => "head_kl_head_grad",
             JobKind::Topk => "topk",
             JobKind::Gather => "gather",
             JobKind::FullVocab { .. } => "head_kl_full_vocab",
