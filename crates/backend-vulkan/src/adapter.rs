@@ -321,7 +321,21 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         return Ok(caps);
     }
 
-    // Properties.
+    read_properties(vi, phd, &mut caps);
+    read_features(vi, phd, &mut caps);
+    read_queues(vi, phd, &mut caps);
+    read_memory(vi, phd, &mut caps);
+    if has_ext(khr::cooperative_matrix::NAME) {
+        read_matrix_shapes(instance, phd, &mut caps);
+    }
+    caps.unusable = unusable_reason(&caps);
+    Ok(caps)
+}
+
+/// The properties headkl reads through `vkGetPhysicalDeviceProperties2`:
+/// buffer limits, subgroups, the driver's name and the device's UUID.
+fn read_properties(vi: &ash::Instance, phd: vk::PhysicalDevice, caps: &mut Caps) {
+    let sources = caps.sources;
     let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
     let mut maintenance3 = vk::PhysicalDeviceMaintenance3Properties::default();
     let mut maintenance4 = vk::PhysicalDeviceMaintenance4Properties::default();
@@ -374,8 +388,11 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
             format!("{name} ({info})")
         };
     }
+}
 
-    // Features.
+/// The features headkl needs or uses (`vkGetPhysicalDeviceFeatures2`).
+fn read_features(vi: &ash::Instance, phd: vk::PhysicalDevice, caps: &mut Caps) {
+    let (api, sources) = (caps.api_version, caps.sources);
     let mut storage16 = vk::PhysicalDevice16BitStorageFeatures::default();
     let mut float16 = vk::PhysicalDeviceShaderFloat16Int8Features::default();
     let mut memory_model = vk::PhysicalDeviceVulkanMemoryModelFeatures::default();
@@ -435,9 +452,12 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         buffer_device_address: api >= vk::API_VERSION_1_2 && device_address.buffer_device_address == vk::TRUE,
     };
     caps.timeline_semaphore = api >= vk::API_VERSION_1_2 && timeline.timeline_semaphore == vk::TRUE;
+}
 
-    // Queues: every family; the listing shows the one `HEADKL_QUEUE=auto`
-    // opens (a compute-only family where there is one).
+/// Every queue family, and the compute and copy-only ones headkl opens.
+fn read_queues(vi: &ash::Instance, phd: vk::PhysicalDevice, caps: &mut Caps) {
+    // The listing shows the one `HEADKL_QUEUE=auto` opens (a compute-only
+    // family where there is one).
     // SAFETY: valid instance and device; plain data back.
     let families = unsafe { vi.get_physical_device_queue_family_properties(phd) };
     caps.queue_families = families
@@ -458,8 +478,10 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         .iter()
         .position(copy_only)
         .map(|i| (i as u32, families[i].queue_count));
+}
 
-    // Memory: the device-local heaps.
+/// The device-local heaps' bytes.
+fn read_memory(vi: &ash::Instance, phd: vk::PhysicalDevice, caps: &mut Caps) {
     // SAFETY: valid instance and device; plain data back.
     let memory = unsafe { vi.get_physical_device_memory_properties(phd) };
     caps.memory_bytes = memory
@@ -468,32 +490,37 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
         .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
         .map(|h| h.size)
         .sum();
+}
 
-    // Matrix units.
-    if has_ext(khr::cooperative_matrix::NAME) {
-        let loader = khr::cooperative_matrix::Instance::new(&instance.entry, vi);
-        // SAFETY: the extension is supported by this device; plain data back.
-        // A failed query leaves the set empty (the fallback GEMM runs).
-        if let Ok(list) = unsafe { loader.get_physical_device_cooperative_matrix_properties(phd) } {
-            let mut shapes: Vec<(u32, u32, u32)> = list
-                .iter()
-                .filter(|p| {
-                    p.scope == vk::ScopeKHR::SUBGROUP
-                        && p.a_type == vk::ComponentTypeKHR::FLOAT16
-                        && p.b_type == vk::ComponentTypeKHR::FLOAT16
-                        && p.c_type == vk::ComponentTypeKHR::FLOAT32
-                        && p.result_type == vk::ComponentTypeKHR::FLOAT32
-                        && p.saturating_accumulation == vk::FALSE
-                })
-                .map(|p| (p.m_size, p.n_size, p.k_size))
-                .collect();
-            shapes.sort_unstable();
-            shapes.dedup();
-            caps.matrix_shapes = shapes;
-        }
+/// The matrix units' f16 × f16 → f32 subgroup shapes (the device has
+/// `VK_KHR_cooperative_matrix`).
+fn read_matrix_shapes(instance: &Instance, phd: vk::PhysicalDevice, caps: &mut Caps) {
+    let vi = &instance.raw;
+    let loader = khr::cooperative_matrix::Instance::new(&instance.entry, vi);
+    // SAFETY: the extension is supported by this device; plain data back.
+    // A failed query leaves the set empty (the fallback GEMM runs).
+    if let Ok(list) = unsafe { loader.get_physical_device_cooperative_matrix_properties(phd) } {
+        let mut shapes: Vec<(u32, u32, u32)> = list
+            .iter()
+            .filter(|p| {
+                p.scope == vk::ScopeKHR::SUBGROUP
+                    && p.a_type == vk::ComponentTypeKHR::FLOAT16
+                    && p.b_type == vk::ComponentTypeKHR::FLOAT16
+                    && p.c_type == vk::ComponentTypeKHR::FLOAT32
+                    && p.result_type == vk::ComponentTypeKHR::FLOAT32
+                    && p.saturating_accumulation == vk::FALSE
+            })
+            .map(|p| (p.m_size, p.n_size, p.k_size))
+            .collect();
+        shapes.sort_unstable();
+        shapes.dedup();
+        caps.matrix_shapes = shapes;
     }
+}
 
-    caps.unusable = if caps.compute_family.is_none() {
+/// Why the device cannot run headkl, or `None`.
+fn unusable_reason(caps: &Caps) -> Option<String> {
+    if caps.compute_family.is_none() {
         Some("no queue family with compute".into())
     } else if !caps.features.shader_float16 {
         Some("no f16 shader arithmetic (shaderFloat16)".into())
@@ -502,8 +529,7 @@ pub(crate) fn query_caps(instance: &Instance, phd: vk::PhysicalDevice) -> Result
     } else if !caps.features.uniform_and_storage_buffer_16bit {
         Some("no 16-bit uniform and storage buffers (uniformAndStorageBuffer16BitAccess)".into())
     } else {
-        headkl_core::toolkit::kernels::device_misfit(&crate::kernels::kernel_limits(&caps))
+        headkl_core::toolkit::kernels::device_misfit(&crate::kernels::kernel_limits(caps))
             .map(|why| format!("lacks {why}"))
-    };
-    Ok(caps)
+    }
 }
