@@ -304,6 +304,39 @@ impl Job for InfoJob {
 /// Runs `headkl tune`.
 pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Result<(), CliError> {
     let target = select::resolve_announced(args, "tune", settings)?;
+    check_target(&target, cfg)?;
+    let info = select::open_and_run_gemm(&target, None, InfoJob)?;
+    let shape = tune_shape(&target, &info, cfg)?;
+    if cfg.ceiling {
+        return crate::ceiling::run(&target, shape, cfg.iters);
+    }
+    let kernels = cfg.kernels.clone().unwrap_or_else(CoopGemm::candidates);
+    eprintln!(
+        "tune: {} on {} (driver {}): {} kernels at m:n:k = {shape} ({:.1} GFLOP per GEMM, in chunks of {TUNE_CHUNK_ROWS} rows, the logits with its row statistics), mean of {}",
+        target.kind,
+        info.device_name,
+        info.driver,
+        kernels.len(),
+        shape.flops() / 1e9,
+        cfg.iters
+    );
+    let start = Instant::now();
+    let data = TuneData::new(shape);
+    log::info!("tune: data ready in {:.1} s", start.elapsed().as_secs_f64());
+
+    let trials = time_kernels(&target, &data, &kernels, cfg.iters);
+    print_trials(&target, &info, shape, cfg.iters, &trials);
+    let choice = best_choice(&target, shape, &trials)?;
+    if !cfg.no_save {
+        save(&target, &info, choice)?;
+    }
+    Ok(())
+}
+
+/// Refuses what `tune` cannot do on `target` before anything opens: the
+/// reference backend, no iterations, the ceiling report off Vulkan or
+/// without its kernels.
+fn check_target(target: &Target, cfg: &TuneConfig) -> Result<(), CliError> {
     if target.kind == BackendKind::Reference {
         return Err(CliError::option(
             "--backend",
@@ -329,7 +362,12 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
              `cargo build --release -p headkl-cli --features ceiling`",
         ));
     }
-    let info = select::open_and_run_gemm(&target, None, InfoJob)?;
+    Ok(())
+}
+
+/// The shape to tune at: `--shape`, else by the device's memory; refused
+/// where the device has no matrix units or too little memory.
+fn tune_shape(target: &Target, info: &headkl_core::DeviceInfo, cfg: &TuneConfig) -> Result<GemmShape, CliError> {
     if cfg.ceiling && !info.matrix_units {
         return Err(CliError::option(
             "--ceiling",
@@ -369,23 +407,13 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
             ));
         }
     }
-    if cfg.ceiling {
-        return crate::ceiling::run(&target, shape, cfg.iters);
-    }
-    let kernels = cfg.kernels.clone().unwrap_or_else(CoopGemm::candidates);
-    eprintln!(
-        "tune: {} on {} (driver {}): {} kernels at m:n:k = {shape} ({:.1} GFLOP per GEMM, in chunks of {TUNE_CHUNK_ROWS} rows, the logits with its row statistics), mean of {}",
-        target.kind,
-        info.device_name,
-        info.driver,
-        kernels.len(),
-        shape.flops() / 1e9,
-        cfg.iters
-    );
-    let start = Instant::now();
-    let data = TuneData::new(shape);
-    log::info!("tune: data ready in {:.1} s", start.elapsed().as_secs_f64());
+    Ok(shape)
+}
 
+/// Both rounds: every kernel once, then the contenders again (the faster
+/// of their two means kept).
+fn time_kernels(target: &Target, data: &TuneData, kernels: &[CoopGemm], iters: usize) -> Vec<Trial> {
+    let shape = data.shape;
     let tflops = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.1}", shape.flops() / ms / 1e9));
     let ms = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{ms:.2}"));
     let run_trial = |kernel: CoopGemm| -> Trial {
@@ -393,11 +421,8 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
             logits: kernel,
             dx: kernel,
         };
-        let job = TrialJob {
-            data: &data,
-            iters: cfg.iters,
-        };
-        let (outcome, logits_ms, dx_ms) = match select::open_and_run_gemm(&target, Some(choice), job) {
+        let job = TrialJob { data, iters };
+        let (outcome, logits_ms, dx_ms) = match select::open_and_run_gemm(target, Some(choice), job) {
             Ok(measured) => measured,
             Err(RunError::Start(_, why)) => (Err(format!("does not start: {why}")), None, None),
             Err(RunError::Job(e)) => (Err(e.to_string()), None, None),
@@ -453,6 +478,13 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
         }
     }
 
+    trials
+}
+
+/// The table of every kernel's cases and times.
+fn print_trials(target: &Target, info: &headkl_core::DeviceInfo, shape: GemmShape, iters: usize, trials: &[Trial]) {
+    let tflops = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.1}", shape.flops() / ms / 1e9));
+    let ms = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{ms:.2}"));
     let rows: Vec<Vec<String>> = trials
         .iter()
         .map(|t| {
@@ -472,7 +504,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
         .collect();
     println!(
         "{} {} (driver {}), m:n:k = {shape} in chunks of {TUNE_CHUNK_ROWS} rows, GPU ms: mean of {}, the faster of two rounds for contenders",
-        target.kind, info.device_name, info.driver, cfg.iters
+        target.kind, info.device_name, info.driver, iters
     );
     print!(
         "{}",
@@ -481,6 +513,10 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
             &rows
         )
     );
+}
+
+/// The fastest correct kernel for each GEMM.
+fn best_choice(target: &Target, shape: GemmShape, trials: &[Trial]) -> Result<GemmChoice, CliError> {
     let best = |f: fn(&Trial) -> Option<f64>| {
         trials
             .iter()
@@ -503,10 +539,7 @@ pub fn run(args: &BackendArgs, settings: &Arc<Settings>, cfg: &TuneConfig) -> Re
         shape.flops() / logits_ms / 1e9,
         shape.flops() / dx_ms / 1e9
     );
-    if !cfg.no_save {
-        save(&target, &info, choice)?;
-    }
-    Ok(())
+    Ok(choice)
 }
 
 /// How far behind the first round's best a kernel may be and still run a
