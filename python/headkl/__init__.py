@@ -1,8 +1,9 @@
-"""headkl: the distillation loss's frozen vocabulary head on any Vulkan GPU.
+"""headkl: the distillation loss's vocabulary head on any Vulkan GPU.
 
 The PyTorch API (these import torch) is laid out as Liger-Kernel's is:
 ``headkl.nn`` has the loss modules ``HeadKLLoss`` and ``FullVocabKLLoss``
-(``nn.Module``s whose backward gives ``hidden.grad``), ``headkl.head`` has
+(``nn.Module``s whose backward gives ``hidden.grad``, and the head's
+gradient where the head requires grad), ``headkl.head`` has
 ``Head`` (top-k and gather on a head uploaded once), ``headkl.functional``
 the functions ``topk`` and ``gather``, ``headkl.ops`` the operations over
 tensors under them and ``headkl.distributed`` the vocabulary-parallel

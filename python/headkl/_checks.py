@@ -1,7 +1,8 @@
 """The checks of what a call is given, before anything goes to a device: each
 refusal names the argument (``TypeError`` for a wrong type or dtype,
-``ValueError`` for a wrong shape, value or device); and what tells whether a
-kept head changed since it was uploaded (``_stamp``, ``_changed``)."""
+``ValueError`` for a wrong shape, value or device); whether a call computes
+the head's gradient (``_trainable``); and what tells whether a kept head
+changed since it was uploaded (``_stamp``, ``_changed``)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,36 @@ def _tensor(name: str, t, dtypes: Sequence[torch.dtype], ndim: Optional[int] = N
 
 
 def _frozen(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t``, refused where it requires grad: a loss returns no gradient for
-    a head, and a dropped gradient must not pass in silence."""
+    """``t`` (a teacher's tensor), refused where it requires grad: the loss
+    returns no gradient for it, and a dropped gradient must not pass in
+    silence."""
     if t.requires_grad:
         raise ValueError(
-            f"{name}: requires grad, but headkl treats the head as frozen and returns no gradient for it "
-            f"(a trainable head's gradient is not supported yet); pass {name}.detach() for a frozen head"
+            f"{name}: requires grad, but headkl returns no gradient for the teacher's side (only hidden and the "
+            f"student's head weight get one); pass {name}.detach(), or make it under torch.no_grad()"
         )
     return t
+
+
+def _trainable(head) -> Optional[torch.Tensor]:
+    """The head's tensor where this call computes its gradient (it requires
+    grad and grad is on), else None (a frozen head: nothing more is done);
+    the sharded loss refuses it."""
+    weight = head._weight
+    if not (weight.requires_grad and torch.is_grad_enabled()):
+        return None
+    _unsharded(weight, head.shard)
+    return weight
+
+
+def _unsharded(weight: torch.Tensor, shard) -> None:
+    """Refuses a head that requires grad with ``shard``: the sharded loss
+    does not compute the head's gradient."""
+    if shard is not None and weight.requires_grad:
+        raise ValueError(
+            "weight: requires grad, but the sharded loss (shard=...) does not compute the head's gradient; "
+            "pass weight.detach() for a frozen head, or run the loss unsharded"
+        )
 
 
 def _stamp(t: torch.Tensor) -> Tuple[Optional[int], int]:

@@ -18,6 +18,7 @@ _NAMES = {
     torch.int64: "int64",
 }
 _warned_host_copies = False
+_said_head_grad_on_host = False
 _host_copy_bytes = 0
 
 
@@ -34,6 +35,19 @@ def _warn_host_copies(why: str = "") -> None:
     if not _warned_host_copies:
         log.warning("headkl: CUDA tensors go through host copies%s", f" ({why})" if why else "")
         _warned_host_copies = True
+
+
+def _say_head_grad_on_host() -> None:
+    """Says once, on the ``headkl`` logger (WARNING), why a loss whose head
+    requires grad takes host copies for CUDA tensors."""
+    global _said_head_grad_on_host
+    if not _said_head_grad_on_host:
+        log.warning(
+            "headkl: the head requires grad, and the zero-copy path does not compute the head's gradient: "
+            "the loss runs on host memory while it does (detach the head, or set requires_grad_(False), "
+            "to go zero-copy)"
+        )
+        _said_head_grad_on_host = True
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -4,7 +4,7 @@ and its ``forward`` is one call; ``repr`` shows the options it was made
 with.
 
 - ``HeadKLLoss``: the distillation loss of hidden rows against a teacher's
-  top-k, through the frozen head;
+  top-k, through the head (frozen, or trainable: tied or not);
 - ``FullVocabKLLoss``: the exact full-vocabulary divergence from a teacher
   given by its own hidden rows and head.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import _native
-from ._checks import _FLOATS, _frozen, _tensor
+from ._checks import _FLOATS, _frozen, _tensor, _unsharded
 from ._options import _loss_options, _options_repr
 from .head import Head
 from .ops import full_vocab_kl_loss, head_kl_loss
@@ -55,7 +55,8 @@ class _HeadLoss(nn.Module):
 
 class HeadKLLoss(_HeadLoss):
     """The distillation loss of hidden rows against a teacher's top-k,
-    through the frozen head ``weight`` ``[V][hs]`` (uploaded once).
+    through the head ``weight`` ``[V][hs]`` (uploaded once, and again
+    whenever it changes).
 
     ``forward(hidden, teacher_ids, teacher_values, *, labels=None,
     weights=None, total=None)``: ``hidden`` ``[..., hs]``, the teacher's
@@ -67,11 +68,29 @@ class HeadKLLoss(_HeadLoss):
     Returns the loss: a scalar, or ``[...]`` with ``reduction="none"`` (the
     weighted per-token losses); its backward gives ``hidden.grad``.
 
-    The head gets no gradient: a ``weight`` that requires grad is refused
-    (pass ``weight.detach()``; a trainable head is not supported yet). A
-    head changed after the loss was made (in place, as an optimizer or an
-    EMA update does, also through the parameter it was detached from) is
-    uploaded again at the next call, said on the ``headkl`` logger.
+    **Frozen or trainable head.** Pass ``lm_head.weight.detach()`` (or a
+    parameter with ``requires_grad=False``) for a frozen head: the loss
+    costs what it always did and the head gets no gradient. Pass the
+    parameter itself (``lm_head.weight``, or a tied ``embed.weight``) for a
+    trainable one: while it requires grad and grad is on, each call also
+    computes ``∂loss/∂W`` (on host memory, f32, the same f16 GEMM inputs as
+    ``dx``) and backward returns it scaled by the incoming gradient, in the
+    weight's dtype on its device, so autograd adds it to ``weight.grad``
+    (a tied embedding gets both its uses' shares). Under
+    ``torch.no_grad()`` a trainable head costs nothing more. CUDA tensors
+    with a head that requires grad go through host copies, not zero-copy
+    (the device-resident loss does not compute the head's gradient; said
+    once on the ``headkl`` logger). With ``reduction="none"`` and an
+    upstream gradient that differs between tokens, the head's gradient
+    takes a second call in backward. The sharded loss refuses a head that
+    requires grad.
+
+    The head is never stale: a head changed after the loss was made (in
+    place, as an optimizer step or an EMA update does, also through the
+    parameter it was detached from) is uploaded again at the next call,
+    said on the ``headkl`` logger (INFO). A trainable head is so uploaded
+    again after every optimizer step (correct, if slow for a large head:
+    the upload is the step's extra cost beside the gradient's download).
 
     Keywords (the ``headkl loss`` options, under PyTorch's or Liger's name):
 
@@ -156,7 +175,8 @@ class HeadKLLoss(_HeadLoss):
         )
         # Every value is checked here, before the head goes to a device.
         _native.check_loss_options(self.options, shard is not None)
-        weight = _frozen("weight", _tensor("weight", weight, _FLOATS, ndim=2))
+        weight = _tensor("weight", weight, _FLOATS, ndim=2)
+        _unsharded(weight, shard)  # before the head goes to a device
         self.reduction = reduction
         self.head = Head(weight, backend=backend, device=device, shard=shard, vocab_size=vocab_size)
         self.process_group = process_group
@@ -193,7 +213,8 @@ class HeadKLLoss(_HeadLoss):
         mask is taken as 0/1); ``total``: what the mean divides by (default
         ``Σ weights``). Returns a scalar, or ``[...]`` with
         ``reduction="none"`` (the weighted per-token losses); its backward
-        gives ``hidden.grad`` (once: a second derivative raises).
+        gives ``hidden.grad`` and, where the head requires grad, the head's
+        (once: a second derivative raises).
         """
         return head_kl_loss(
             self.head, self.options, hidden, teacher_ids, teacher_values,
@@ -215,10 +236,15 @@ class FullVocabKLLoss(_HeadLoss):
     ``divergence``, ``beta``, ``weight_soft_loss``, ``logit_scale`` (the
     student's), ``ignore_index``, ``ignore_mask``, ``gscale``,
     ``budget_bytes``, ``backend``, ``device``. It runs on host memory (CUDA
-    tensors through host copies). Neither head gets a gradient: a
-    ``weight`` or ``teacher_weight`` that requires grad is refused (pass
-    ``.detach()``); either head changed after the loss was made is
-    uploaded again at the next call, as ``HeadKLLoss``'s is.
+    tensors through host copies). The student's head ``weight`` may be
+    frozen or trainable (tied or not), as ``HeadKLLoss``'s: where it
+    requires grad, backward gives its gradient too. The teacher gets no
+    gradient: a ``teacher_weight`` that requires grad is refused when the
+    loss is made, and a ``teacher_hidden`` that requires grad (with grad
+    on) at the call, rather than its gradient dropped in silence (pass
+    ``.detach()``, or run the teacher under ``torch.no_grad()``). Either
+    head changed after the loss was made is uploaded again at the next
+    call, as ``HeadKLLoss``'s is.
     """
 
     _SHOWN = ("temperature", "reduction", "divergence", "beta", "backend")
@@ -255,7 +281,7 @@ class FullVocabKLLoss(_HeadLoss):
             budget_bytes=budget_bytes,
         )
         _native.check_loss_options(self.options, False)
-        weight = _frozen("weight", _tensor("weight", weight, _FLOATS, ndim=2))
+        weight = _tensor("weight", weight, _FLOATS, ndim=2)
         teacher_weight = _frozen("teacher_weight", _tensor("teacher_weight", teacher_weight, _FLOATS, ndim=2))
         if teacher_weight.shape[0] != weight.shape[0]:
             raise ValueError(
@@ -286,7 +312,9 @@ class FullVocabKLLoss(_HeadLoss):
         ``[...]``: per-token weights (0 masks a token; a bool or integer
         mask is taken as 0/1); ``total``: what the mean divides by (default
         ``Σ weights``). Returns a scalar, or ``[...]`` with
-        ``reduction="none"``; its backward gives ``hidden.grad``.
+        ``reduction="none"``; its backward gives ``hidden.grad`` and, where
+        the student's head requires grad, its gradient. ``teacher_hidden``
+        must not require grad (with grad on): the teacher gets none.
         """
         return full_vocab_kl_loss(
             self.head, self.options, hidden, teacher_hidden, labels=labels, weights=weights, total=total

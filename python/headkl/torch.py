@@ -1,6 +1,6 @@
 """headkl for PyTorch: the fused top-k distillation loss with its gradient,
-the teacher's exact top-k and the gather, on a frozen head uploaded once
-(and uploaded again where it changes: see ``Head``).
+the teacher's exact top-k and the gather, on a head uploaded once (and
+uploaded again where it changes: see ``Head``).
 
 The head ``weight`` is ``[V][hs]`` (``nn.Linear(hs, V).weight``, or an
 embedding matrix), float32, float16 or bfloat16; the hidden rows are
@@ -10,10 +10,12 @@ embedding matrix), float32, float16 or bfloat16; the hidden rows are
     loss = Σ_t w_t L_t / Σ_t w_t                           (reduction="mean")
 
 and ``loss.backward()`` gives ``hidden.grad``; no ``[ntok][V]`` tensor is
-ever made. The head gets no gradient: the losses refuse a head that
-requires grad (pass ``weight.detach()``); a trainable head is not
-supported yet. The other divergences, tail modes and terms are keywords of
-``HeadKLLoss`` (the README's "Loss terms" has each one's PyTorch formula).
+ever made. A frozen head (``weight.detach()``) gets no gradient and costs
+nothing more; a head that requires grad (a trainable ``lm_head.weight``, or
+an embedding tied to it) gets ``weight.grad`` through autograd as well,
+computed on host memory in the same call. The other divergences, tail
+modes and terms are keywords of ``HeadKLLoss`` (the README's "Loss terms"
+has each one's PyTorch formula).
 
 Tensors on the CPU are read and written in place. CUDA tensors go
 zero-copy where the engine runs on the Vulkan backend of the same GPU: the
@@ -52,6 +54,8 @@ from ._checks import (  # noqa: F401
     _stamp,
     _tensor,
     _top_k,
+    _trainable,
+    _unsharded,
 )
 from ._host import _NAMES, _on_host, _spec, _to_device, host_copy_bytes  # noqa: F401
 from ._options import _DIVERGENCES, _FORMS, _REDUCTIONS, _TAILS, _loss_options  # noqa: F401
@@ -62,7 +66,7 @@ from .functional import gather, topk
 from .head import Head
 from .nn import FullVocabKLLoss, HeadKLLoss, _HeadLoss  # noqa: F401
 from .ops._reduce import _effective_weights, _reduced  # noqa: F401
-from .ops.autograd import _HeadKLFunction, _once_differentiable  # noqa: F401
+from .ops.autograd import _HeadKLFunction, _LossCall, _once_differentiable  # noqa: F401
 from .ops.topk import Gathered, TopK
 
 __all__ = [

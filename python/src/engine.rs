@@ -77,28 +77,47 @@ const TEACHER_ARGUMENTS: &[(&str, &str)] = &[
     ("logprobs", "teacher_values"),
 ];
 
-/// A loss call's outputs, `dx` `[ntok][hs]` and the per-token losses.
+/// A loss call's outputs, `dx` `[ntok][hs]` and the per-token losses, and
+/// where asked the head's gradient `[vocab][hs]`.
 struct LossArrays<'a> {
     dx: &'a mut [f32],
     loss: &'a mut [f32],
+    head_grad: Option<&'a mut [f32]>,
 }
 
 impl LossArrays<'_> {
     /// Reads the optional labels and weights into `opts` and views the
-    /// outputs.
+    /// outputs; a `head_grad` array asks the call for the head's gradient
+    /// (`LossConfig::head_grad`), of `head_len` elements (`vocab · hs`).
     ///
     /// # Safety
     /// The Python wrapper holds every tensor until the call returns and
-    /// allocated `dx` and `loss` for it alone.
+    /// allocated `dx`, `loss` and `head_grad` for it alone.
     unsafe fn new(
         opts: &mut LossOptions,
         labels: Option<Spec>,
         weights: Option<Spec>,
         (dx, loss): (Spec, Spec),
+        (head_grad, head_len): (Option<Spec>, usize),
     ) -> PyResult<Self> {
         let labels = labels.map(|s| HostArray::new("labels", s)).transpose()?;
         let weights = weights.map(|s| HostArray::new("weights", s)).transpose()?;
         let (dx, loss) = (HostArray::new("dx", dx)?, HostArray::new("loss", loss)?);
+        let head_grad = head_grad.map(|s| HostArray::new("head_grad", s)).transpose()?;
+        match (&head_grad, opts.config.head_grad) {
+            (None, true) => {
+                return Err(PyValueError::new_err(
+                    "head_grad=True: the head's gradient needs an output array [vocab][hs] (float32)",
+                ))
+            }
+            (Some(array), _) if array.elements() != head_len => {
+                return Err(PyValueError::new_err(format!(
+                    "head_grad: {} elements given for a head of {head_len} (vocab · hs)",
+                    array.elements()
+                )))
+            }
+            _ => opts.config.head_grad = head_grad.is_some(),
+        }
         // SAFETY: per this function's contract.
         unsafe {
             opts.labels = labels.map(|l| l.i64s().map(<[i64]>::to_vec)).transpose()?;
@@ -106,12 +125,13 @@ impl LossArrays<'_> {
             Ok(Self {
                 dx: dx.f32s_mut()?,
                 loss: loss.f32s_mut()?,
+                head_grad: head_grad.map(|h| h.f32s_mut()).transpose()?,
             })
         }
     }
 }
 
-/// A frozen head on a device: `Engine(head, vocab, hs, backend, device,
+/// A head on a device: `Engine(head, vocab, hs, backend, device,
 /// shard)`, `shard` `(v0, v1, vocab)` for the rows `[v0, v1)` of a head
 /// of `vocab` rows (then `head` holds those rows alone).
 #[pyclass(module = "headkl._native", name = "Engine")]
@@ -159,19 +179,24 @@ impl PyEngine {
     }
 
     /// Runs a loss call with the GIL released on the held engines and the
-    /// reused outputs, then copies `dx` and the per-token losses out:
-    /// returns the reduced loss.
+    /// reused outputs, then copies `dx`, the per-token losses and (where
+    /// given) the head's gradient out: returns the reduced loss.
     fn loss_call(
         &self,
         py: Python<'_>,
-        (dx, loss): (&mut [f32], &mut [f32]),
+        arrays: LossArrays<'_>,
         call: impl FnOnce(&mut AnyEngine, &mut LossOutput) -> PyResult<()> + Send,
     ) -> PyResult<f64> {
         let (mut held, mut out) = (self.held()?, lock(&self.out)?);
         let (held, out) = (&mut *held, &mut *out);
         py.detach(|| -> PyResult<f64> {
+            if arrays.head_grad.is_none() {
+                // A frozen head's call keeps no gradient buffer from an
+                // earlier trainable one.
+                out.head_grad = Vec::new();
+            }
             call(held, out)?;
-            copy_out(out, dx, loss)?;
+            copy_out(out, arrays)?;
             Ok(out.mean)
         })
     }
@@ -235,9 +260,11 @@ impl PyEngine {
 
     /// The loss and its gradient, `teacher_topk` `(ids, values, k)`: writes
     /// `out` `(dx, loss)`, `dx` `[ntok][hs]` (f32) and the per-token losses
-    /// `loss` `[ntok]`; returns the reduced loss.
+    /// `loss` `[ntok]`, and with `head_grad` (f32 `[vocab][hs]`) the head's
+    /// gradient `∂loss/∂W` (the reduced loss's, as `dx` is); returns the
+    /// reduced loss.
     #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
-    #[pyo3(signature = (hidden, ntok, teacher_topk, labels, weights, out, options))]
+    #[pyo3(signature = (hidden, ntok, teacher_topk, labels, weights, out, options, head_grad=None))]
     fn head_kl(
         &self,
         py: Python<'_>,
@@ -248,23 +275,25 @@ impl PyEngine {
         weights: Option<Spec>,
         out: (Spec, Spec),
         options: &Bound<'_, PyDict>,
+        head_grad: Option<Spec>,
     ) -> PyResult<f64> {
         let (mut opts, reading) = loss_options(options)?;
         let hidden = self.hidden(hidden, ntok)?;
         let (ids, values, k) = teacher_topk;
         let ids = HostArray::new("teacher_ids", ids)?;
         let values = HostArray::new("teacher_values", values)?;
+        let head_len = self.vocab * self.hs;
         // SAFETY: the Python wrapper holds every tensor until the call
-        // returns and allocated `dx` and `loss` for it alone.
-        let (ids, values, LossArrays { dx, loss }) = unsafe {
+        // returns and allocated `dx`, `loss` and `head_grad` for it alone.
+        let (ids, values, arrays) = unsafe {
             (
                 ids.i64s()?,
                 values.f32s()?,
-                LossArrays::new(&mut opts, labels, weights, out)?,
+                LossArrays::new(&mut opts, labels, weights, out, (head_grad, head_len))?,
             )
         };
         let vocab = self.vocab;
-        self.loss_call(py, (dx, loss), |held, out| {
+        self.loss_call(py, arrays, |held, out| {
             let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.config.temperature)
                 .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
             held.engine().head_kl_into(&hidden, &teacher, &opts, out).map_err(to_py)
@@ -289,10 +318,10 @@ impl PyEngine {
 
     /// The exact full-vocabulary loss against the teacher's own hidden
     /// rows (`teacher_hidden` `[ntok][teacher_hs]`, through the teacher's
-    /// head): writes `out` `(dx, loss)` as `head_kl` does; returns the
-    /// reduced loss.
+    /// head): writes `out` `(dx, loss)` and `head_grad` (the student's head
+    /// alone) as `head_kl` does; returns the reduced loss.
     #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
-    #[pyo3(signature = (hidden, ntok, teacher_hidden, teacher_hs, labels, weights, out, options))]
+    #[pyo3(signature = (hidden, ntok, teacher_hidden, teacher_hs, labels, weights, out, options, head_grad=None))]
     fn head_kl_full_vocab(
         &self,
         py: Python<'_>,
@@ -304,15 +333,21 @@ impl PyEngine {
         weights: Option<Spec>,
         out: (Spec, Spec),
         options: &Bound<'_, PyDict>,
+        head_grad: Option<Spec>,
     ) -> PyResult<f64> {
         let (mut opts, _) = loss_options(options)?;
         let hidden = self.hidden(hidden, ntok)?;
         let teacher = HostArray::new("teacher_hidden", teacher_hidden)?;
+        let head_len = self.vocab * self.hs;
         // SAFETY: as in `head_kl`.
-        let (teacher, LossArrays { dx, loss }) =
-            unsafe { (teacher.hidden()?, LossArrays::new(&mut opts, labels, weights, out)?) };
+        let (teacher, arrays) = unsafe {
+            (
+                teacher.hidden()?,
+                LossArrays::new(&mut opts, labels, weights, out, (head_grad, head_len))?,
+            )
+        };
         let teacher = Hidden::new(teacher, ntok, teacher_hs).map_err(to_py)?;
-        self.loss_call(py, (dx, loss), |held, out| {
+        self.loss_call(py, arrays, |held, out| {
             held.engine()
                 .head_kl_full_vocab_into(&hidden, &teacher, &opts, out)
                 .map_err(to_py)
@@ -394,7 +429,7 @@ impl PyEngine {
         let dx = HostArray::new("dx", dx)?;
         let loss = HostArray::new("loss", loss)?;
         // SAFETY: as in `head_kl`.
-        let (stats, dx, loss) = unsafe {
+        let (stats, arrays) = unsafe {
             let [a, b, c] = stats;
             (
                 LossStats {
@@ -402,11 +437,14 @@ impl PyEngine {
                     lse1: b?.f32s()?.to_vec(),
                     soft_part: c?.f32s()?.to_vec(),
                 },
-                dx.f32s_mut()?,
-                loss.f32s_mut()?,
+                LossArrays {
+                    dx: dx.f32s_mut()?,
+                    loss: loss.f32s_mut()?,
+                    head_grad: None,
+                },
             )
         };
-        self.loss_call(py, (dx, loss), |held, out| {
+        self.loss_call(py, arrays, |held, out| {
             shard(held)?.loss_finish(&hidden, &stats, out).map_err(to_py)
         })
     }
@@ -657,7 +695,11 @@ fn copy_into(out: &mut [f32], from: &[f32], what: &str) -> PyResult<()> {
     Ok(())
 }
 
-fn copy_out(out: &LossOutput, dx: &mut [f32], loss: &mut [f32]) -> PyResult<()> {
-    copy_into(dx, &out.dx, "dx")?;
-    copy_into(loss, &out.loss, "loss")
+fn copy_out(out: &LossOutput, arrays: LossArrays<'_>) -> PyResult<()> {
+    copy_into(arrays.dx, &out.dx, "dx")?;
+    copy_into(arrays.loss, &out.loss, "loss")?;
+    match arrays.head_grad {
+        Some(head_grad) => copy_into(head_grad, &out.head_grad, "head_grad"),
+        None => Ok(()),
+    }
 }

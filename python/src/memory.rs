@@ -77,6 +77,11 @@ impl HostArray {
         Ok(Self { what, addr, len, dtype })
     }
 
+    /// Its element count.
+    pub fn elements(&self) -> usize {
+        self.len
+    }
+
     fn expect(&self, dtype: Dtype) -> PyResult<()> {
         if self.dtype != dtype {
             return Err(PyTypeError::new_err(format!(

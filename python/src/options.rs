@@ -39,6 +39,7 @@ const LOSS_KEYS: &[&str] = &[
     "ignore_index",
     "ignore_mask",
     "filter_eps",
+    "head_grad",
     "total",
     "gscale",
     "budget_bytes",
@@ -152,6 +153,7 @@ pub fn loss_options(kwargs: &Bound<'_, PyDict>) -> PyResult<(LossOptions, Teache
         Some(v) if v.extract::<String>().is_ok_and(|s| s == "auto") => Some(headkl_core::filter::AUTO_EPS),
         _ => kw.get::<f32>("filter_eps")?,
     };
+    opts.config.head_grad = kw.get::<bool>("head_grad")?.unwrap_or(false);
     opts.config.gscale = kw.get::<f32>("gscale")?;
     opts.config.total = kw.get::<f32>("total")?;
     if let Some(b) = kw.get::<u64>("budget_bytes")? {

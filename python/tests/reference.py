@@ -42,13 +42,15 @@ def _soft(ls, t, tail, divergence, beta):
     return beta * (torch.xlogy(tt, tt) - tt * lm).sum(-1) + (1 - beta) * (q.exp() * (q - lm)).sum(-1)
 
 
-def reference(x, weight, ids, values, labels=None, weights=None, total=None, **o):
+def reference(x, weight, ids, values, labels=None, weights=None, total=None, head_grad=False, upstream=None, **o):
     """(loss, dx) of ``HeadKLLoss(weight, **o)(x, ids, values, labels=…,
-    weights=…, total=…)`` in float64."""
+    weights=…, total=…)`` in float64; with ``head_grad`` (loss, dx, dW),
+    the head's gradient too. ``upstream`` is the gradient backward is given
+    (default 1; per token with ``reduction="none"``)."""
     tau = o.get("temperature", 1.0)
     tail = o.get("tail", "renormalize")
     x = x.detach().to(torch.float16).double().requires_grad_()
-    w16 = weight.detach().to(torch.float16).double()
+    w16 = weight.detach().to(torch.float16).double().requires_grad_(head_grad)
     z = o.get("logit_scale", 1.0) * (x @ w16.T)
     if o.get("softcap") is not None:
         c = o["softcap"]
@@ -74,14 +76,15 @@ def reference(x, weight, ids, values, labels=None, weights=None, total=None, **o
     reduction = o.get("reduction", "mean")
     if reduction == "none":
         out = w * loss
-        out.sum().backward()
     else:
         out = (w * loss).sum()
         if reduction == "mean":
             out = out / (w.sum() if total is None else total)
         elif reduction == "batchmean":
             out = out / x.shape[0]
-        out.backward()
+    (out * (1.0 if upstream is None else upstream)).sum().backward()
+    if head_grad:
+        return out.detach(), x.grad, w16.grad
     return out.detach(), x.grad
 
 
@@ -95,12 +98,15 @@ def _rescale(p, tail, power):
     return raised / norm
 
 
-def full_vocab_reference(x, weight, teacher_hidden, teacher_weight, weights=None, divergence="jsd", beta=0.5, temperature=1.0):
-    """(mean loss, dx) of ``FullVocabKLLoss`` in float64: each divergence at
-    k = V with the teacher's exact softmax (DESIGN §1, "The teacher's hidden
-    rows"), the reverse KL's floor on log t."""
+def full_vocab_reference(x, weight, teacher_hidden, teacher_weight, weights=None, divergence="jsd", beta=0.5,
+                         temperature=1.0, reduction="mean", head_grad=False, upstream=None):  # fmt: skip
+    """(loss, dx) of ``FullVocabKLLoss`` in float64: each divergence at k = V
+    with the teacher's exact softmax (DESIGN §1, "The teacher's hidden
+    rows"), the reverse KL's floor on log t; with ``head_grad`` (loss, dx,
+    dW), and ``upstream`` as ``reference``'s."""
     x = x.detach().to(torch.float16).double().requires_grad_()
-    ls = F.log_softmax((x @ weight.to(torch.float16).double().T) / temperature, -1)
+    w16 = weight.detach().to(torch.float16).double().requires_grad_(head_grad)
+    ls = F.log_softmax((x @ w16.T) / temperature, -1)
     zt = teacher_hidden.to(torch.float16).double() @ teacher_weight.to(torch.float16).double().T
     lt = F.log_softmax(zt / temperature, -1)
     if divergence == "forward":
@@ -112,6 +118,8 @@ def full_vocab_reference(x, weight, teacher_hidden, teacher_weight, weights=None
         lm = torch.logaddexp(ls + torch.log(1 - b), lt + torch.log(b))
         per = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
     w = torch.ones(x.shape[0], dtype=torch.float64) if weights is None else weights.double()
-    out = (w * per).sum() / w.sum()
-    out.backward()
+    out = {"mean": lambda: (w * per).sum() / w.sum(), "sum": lambda: (w * per).sum(), "none": lambda: w * per}[reduction]()
+    (out * (1.0 if upstream is None else upstream)).sum().backward()
+    if head_grad:
+        return out.detach(), x.grad, w16.grad
     return out.detach(), x.grad

@@ -3,6 +3,8 @@ shared with CUDA) against the same loss on CPU tensors and against PyTorch
 float64, with no byte through the host. Needs a CUDA device that a Vulkan
 driver also exposes (the H200): elsewhere each test is skipped with why."""
 
+import logging
+
 import pytest
 import torch
 
@@ -140,3 +142,37 @@ def test_zero_copy_re_reads_a_changed_head():
     assert torch.equal(top.ids.cpu(), want_top.ids)
     assert (top.values.cpu() - want_top.values).abs().max() < 1e-6
     assert (top.values - stale_top.values).abs().max() > 1e-3
+
+
+def test_a_trainable_head_on_cuda_goes_through_host_copies_and_gets_its_gradient(caplog):
+    """A head that requires grad, on the GPU with the rows: the call takes
+    the host path (the device-resident loss does not compute the head's
+    gradient), says why once on the ``headkl`` logger, and the gradient
+    comes back on the head's device in its dtype; under ``torch.no_grad()``
+    the same loss goes zero-copy again."""
+    import headkl._host
+
+    caplog.set_level(logging.INFO, logger="headkl")
+    headkl._host._said_head_grad_on_host = False
+    weight, hidden, ids, values, _, _ = problem(7)
+    w = weight.cuda().to(torch.bfloat16).requires_grad_()
+    loss_fn = ht.HeadKLLoss(w, backend="vulkan")
+    if loss_fn.head._engine.interop() is not None:
+        pytest.skip(f"no zero-copy on this device: {loss_fn.head._engine.interop()}")
+    for _ in range(2):
+        w.grad = None
+        x = hidden.cuda().requires_grad_()
+        loss = loss_fn(x, ids.cuda(), values.cuda())
+        assert not loss_fn.zero_copy
+        (loss * 3).backward()
+    assert w.grad.device == w.device and w.grad.dtype == torch.bfloat16
+    _, want_dx, want_dw = reference(hidden.reshape(-1, HS), weight.to(torch.bfloat16).float(), ids.reshape(-1, K),
+                                    values.reshape(-1, K), head_grad=True, upstream=3.0)  # fmt: skip
+    close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")
+    close(w.grad.double().cpu(), want_dw, "weight.grad", rel=1e-2)
+    said = [r.getMessage() for r in caplog.records if "zero-copy path does not compute the head's gradient" in r.getMessage()]
+    assert len(said) == 1, said
+    with torch.no_grad():
+        loss_fn(hidden.cuda(), ids.cuda(), values.cuda())
+    assert loss_fn.zero_copy
+    loss_fn.synchronize()

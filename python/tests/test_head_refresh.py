@@ -1,5 +1,5 @@
-"""The head is never silently wrong: a head that requires grad is refused by
-the losses (headkl returns no gradient for it), and a head changed after it
+"""The head is never silently wrong: a trainable head is read again after
+each optimizer step, and a head changed after it
 was uploaded (in place, through the parameter it was detached from, or its
 storage replaced) is uploaded again at the next call, said once per re-read
 on the ``headkl`` logger. Also the first-hour mends: ``k`` past the top-k's
@@ -34,26 +34,27 @@ def loss_and_grad(loss_fn, hidden, *args, **kw):
 
 
 # --- A head that requires grad -----------------------------------------------
+# (its gradient: test_head_grad.py)
 
 
-def test_a_head_that_requires_grad_is_refused_with_what_to_do():
-    weight = problem(1)[0]
+def test_a_trainable_parameter_is_taken_and_read_again_after_each_step():
+    """``HeadKLLoss(lm_head.weight)``: the parameter itself, trained by its
+    optimizer through the loss's own gradient; each step's call runs on the
+    head as the last step left it."""
+    weight, hidden, ids, values, _, _ = problem(1)
     lm_head = torch.nn.Linear(HS, V, bias=False)
-    message = (
-        r"^weight: requires grad, but headkl treats the head as frozen and returns no gradient for it "
-        r".*not supported yet.*pass weight\.detach\(\) for a frozen head"
-    )
-    with pytest.raises(ValueError, match=message):
-        ht.HeadKLLoss(lm_head.weight, backend="reference")
-    with pytest.raises(ValueError, match=message):
-        ht.FullVocabKLLoss(lm_head.weight, weight, backend="reference")
-    with pytest.raises(ValueError, match=r"^teacher_weight: requires grad.*pass teacher_weight\.detach\(\)"):
-        ht.FullVocabKLLoss(weight, lm_head.weight, backend="reference")
-    # A frozen head: detached, or a parameter with requires_grad off.
-    ht.HeadKLLoss(lm_head.weight.detach(), backend="reference")
-    ht.FullVocabKLLoss(lm_head.weight.detach(), weight, backend="reference")
-    lm_head.weight.requires_grad_(False)
-    ht.HeadKLLoss(lm_head.weight, backend="reference")
+    with torch.no_grad():
+        lm_head.weight.copy_(weight)
+    loss_fn = ht.HeadKLLoss(lm_head.weight, backend="reference")
+    opt = torch.optim.SGD(lm_head.parameters(), lr=1.0)
+    for step in range(3):
+        opt.zero_grad()
+        got = loss_fn(hidden, ids, values)
+        want = ht.HeadKLLoss(lm_head.weight.detach().clone(), backend="reference")(hidden, ids, values)
+        assert got.item() == pytest.approx(want.item(), rel=1e-6), step
+        got.backward()
+        opt.step()
+    assert loss_fn.head._uploads == 3
 
 
 def test_head_takes_a_parameter_and_follows_its_optimizer():

@@ -1,7 +1,9 @@
-"""The README's PyTorch snippet runs as written, with the tensors it
-names made first (a user's first minutes)."""
+"""The README's PyTorch snippets run as written, with the tensors they
+name made first (a user's first minutes)."""
 
 import os
+import re
+import textwrap
 
 import torch
 
@@ -18,14 +20,41 @@ teacher_ids, teacher_probs = headkl.torch.topk(teacher_hidden, lm_head.weight, 1
 """
 
 
-def test_the_readme_snippet_runs():
+def snippets():
+    """The ```python blocks of the section "Use it from PyTorch" (a block
+    inside a list item dedented)."""
     with open(README, encoding="utf-8") as f:
         text = f.read()
     section = text[text.index("## Use it from PyTorch") :]
-    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    section = section[: section.index("\n## ", 1)]
+    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", section, flags=re.S | re.M)
+    return [textwrap.dedent(body) for _, body in blocks]
+
+
+def run(snippet):
     scope = {}
     exec(compile(PRELUDE + snippet, "README.md", "exec"), scope)
+    return scope
+
+
+def test_the_readme_snippet_runs():
+    scope = run(snippets()[0])
     assert scope["hidden"].grad is not None and scope["hidden"].grad.abs().sum() > 0
     assert scope["loss"].dim() == 0 and torch.isfinite(scope["loss"])
     assert scope["top"].ids.shape == (2, 8, 64)
     assert torch.isfinite(scope["lp"].logprobs).all()
+
+
+def test_the_trainable_tied_and_frozen_head_snippet_runs():
+    blocks = snippets()
+    assert len(blocks) == 2, len(blocks)
+    scope = run(blocks[0] + blocks[1])  # in order, as a reader runs them
+    assert scope["lm_head"].weight.grad is not None and scope["lm_head"].weight.grad.abs().sum() > 0
+    embed = scope["embed"]
+    assert embed.weight.grad is not None and embed.weight.grad.abs().sum() > 0
+    # The head's share reaches rows no token looked up (the lookup's alone would not).
+    unused = torch.ones(embed.weight.shape[0], dtype=torch.bool)
+    unused[scope["tokens"].reshape(-1)] = False
+    assert embed.weight.grad[unused].abs().sum() > 0
+    assert scope["tied_fn"].head._uploads == 2
+    assert not scope["frozen_fn"].head._weight.requires_grad

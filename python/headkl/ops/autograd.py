@@ -1,10 +1,12 @@
-"""The autograd Function under both losses: the engine gives the loss and
-its gradient ``dx`` in one call (forward), and backward scales the kept
-``dx`` by the incoming gradient, once: a second derivative raises."""
+"""The autograd Function under both losses: the engine gives the loss, its
+gradient ``dx`` and, where the head requires grad, the head's gradient in
+one call (forward), and backward scales the kept gradients by the incoming
+one, once: a second derivative raises."""
 
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch._C import _functions as _autograd_functions
@@ -32,25 +34,70 @@ def _once_differentiable(backward):
     return wrapper
 
 
-class _HeadKLFunction(torch.autograd.Function):
-    """The loss, computed with its gradient in one call; backward scales the
-    kept gradient by the incoming one (once: a second derivative raises).
+class _LossCall(NamedTuple):
+    """What ``_HeadKLFunction`` runs: ``forward()`` the call that returns
+    the loss (a scalar, or ``[ntok]``), ``dx`` and the head's gradient
+    (None where not asked), and ``head_grad_of(g)`` the head's gradient
+    alone of ``Σ_t g_t · loss_t`` for per-token losses (``reduction="none"``)
+    and an upstream gradient ``g ≥ 0`` (None where not needed)."""
 
-    ``apply(hidden, run)``: ``hidden`` the ``[ntok][hs]`` rows the gradient
-    is for, ``run()`` the call on them (host or zero-copy) that returns the
-    loss (a scalar, or ``[ntok]``) and ``dx``."""
+    forward: Callable[[], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+    head_grad_of: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+
+class _HeadKLFunction(torch.autograd.Function):
+    """The loss, computed with its gradients in one call; backward scales the
+    kept gradients by the incoming one (once: a second derivative raises).
+
+    ``apply(hidden, weight, call)``: ``hidden`` the ``[ntok][hs]`` rows the
+    gradient ``dx`` is for; ``weight`` the head ``[V][hs]`` where the call
+    computes its gradient (``call.forward`` returns it, f32 on the weight's
+    device), else None; ``call`` a ``_LossCall``. The head's gradient comes
+    back in the weight's dtype on its device, as PyTorch's ``.grad`` is, so
+    a head tied to an input embedding gets the sum of both uses through
+    autograd. With per-token losses (``reduction="none"``) the upstream
+    gradient ``g`` weighs each token's share of the head's gradient: the
+    call's gradient (made for ``g = 1``) times ``min(g)``, plus, where ``g``
+    is not uniform, ``call.head_grad_of(g − min(g))``, one more call."""
 
     @staticmethod
-    def forward(ctx, hidden, run):
-        loss, dx = run()
-        ctx.save_for_backward(dx)
+    def forward(ctx, hidden, weight, call):
+        loss, dx, head_grad = call.forward()
         ctx.per_token = loss.dim() > 0
         ctx.dtype = hidden.dtype
+        ctx.head_grad = head_grad
+        ctx.head_grad_of = call.head_grad_of if head_grad is not None and ctx.per_token else None
+        if ctx.head_grad_of is not None:
+            # The second call must see the head forward saw: autograd's
+            # version check raises if it was changed in place since.
+            ctx.save_for_backward(dx, weight)
+        else:
+            ctx.save_for_backward(dx)
+        if head_grad is not None:
+            ctx.weight_dtype, ctx.weight_device = weight.dtype, weight.device
         return loss
 
     @staticmethod
     @_once_differentiable
     def backward(ctx, grad):
-        (dx,) = ctx.saved_tensors
+        dx = ctx.saved_tensors[0]
         scale = grad.reshape(-1, 1) if ctx.per_token else grad
-        return (dx * scale).to(ctx.dtype), None
+        grad_hidden = (dx * scale).to(ctx.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.head_grad is not None and ctx.needs_input_grad[1]:
+            grad_weight = _head_gradient(ctx, grad.to(ctx.head_grad.device))
+        return grad_hidden, grad_weight, None
+
+
+def _head_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """The head's gradient for the upstream ``grad``, in the weight's dtype
+    on its device."""
+    if not ctx.per_token:
+        out = ctx.head_grad * grad
+    else:
+        low = grad.min() if grad.numel() else grad.new_zeros(())
+        out = ctx.head_grad * low
+        rest = grad - low
+        if bool((rest > 0).any()):
+            out = out + ctx.head_grad_of(rest).to(out.device)
+    return out.to(device=ctx.weight_device, dtype=ctx.weight_dtype)

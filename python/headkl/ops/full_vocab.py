@@ -1,6 +1,8 @@
 """The full-vocabulary divergence over tensors (``FullVocabKLLoss``'s
 forward): the teacher given by its own hidden rows and head, on host
-memory (CUDA tensors through host copies)."""
+memory (CUDA tensors through host copies). The student's head gets a
+gradient where it requires grad; the teacher's side gets none and is
+refused where it requires grad."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ from typing import Optional
 
 import torch
 
-from .._checks import _FLOATS, _row_arrays, _same_device, _tensor
-from .._host import _on_host, _spec
-from ._reduce import _host_result
-from .autograd import _HeadKLFunction
+from .._checks import _FLOATS, _frozen, _row_arrays, _same_device, _tensor, _trainable
+from .._host import _on_host, _spec, _to_device
+from ._reduce import _effective_weights, _host_result
+from .autograd import _HeadKLFunction, _LossCall
 
 
 def full_vocab_kl_loss(
@@ -28,7 +30,8 @@ def full_vocab_kl_loss(
     ``Head`` with the teacher's head set) from ``teacher_hidden`` ``[...,
     hs_T]`` through the teacher's head, with ``options`` as
     ``_loss_options`` makes them: a scalar, or ``[...]`` with
-    ``reduction="none"``; its backward gives ``hidden.grad``. The
+    ``reduction="none"``; its backward gives ``hidden.grad``, and the
+    student's ``weight.grad`` where that head requires grad. The
     arguments are ``FullVocabKLLoss.forward``'s."""
     flat, lead = head._hidden(hidden)
     ntok, hs = flat.shape
@@ -39,22 +42,34 @@ def full_vocab_kl_loss(
         raise ValueError(
             f"teacher_hidden: expected shape {lead + (teacher_hidden_size,)}, got {tuple(teacher_hidden.shape)}"
         )
+    if torch.is_grad_enabled():
+        # The teacher gets no gradient: refused rather than dropped in silence.
+        _frozen("teacher_hidden", teacher_hidden)
+        _frozen("teacher_weight", head._teacher)
     labels, weights = _row_arrays(labels, weights, lead, hidden)
     labels = None if labels is None else _on_host("labels", labels)
     weights = None if weights is None else _on_host("weights", weights)
     options = dict(options, total=None if total is None else float(total))
+    weight = _trainable(head)
     head._refresh()
 
-    def run():
+    def run(options=options, weights=weights):
         host = _on_host("hidden", flat)
         teacher = _on_host("teacher_hidden", teacher_hidden.reshape(ntok, -1))
         dx = torch.empty((ntok, hs), dtype=torch.float32)
         per_token = torch.empty(ntok, dtype=torch.float32)
+        head_grad = None if weight is None else torch.empty((head.vocab_size, hs), dtype=torch.float32)
         spec = lambda t: None if t is None else _spec(t)  # noqa: E731
         mean = head._engine.head_kl_full_vocab(
             _spec(host), ntok, _spec(teacher), teacher.shape[1], spec(labels), spec(weights),
-            (_spec(dx), _spec(per_token)), options,
+            (_spec(dx), _spec(per_token)), options, spec(head_grad),
         )  # fmt: skip
-        return _host_result(options, mean, per_token, dx, labels, weights, hidden.device)
+        loss, dx = _host_result(options, mean, per_token, dx, labels, weights, hidden.device)
+        return loss, dx, None if head_grad is None else _to_device(head_grad, weight.device)
 
-    return _HeadKLFunction.apply(flat, run).reshape(lead if options["reduction"] == "none" else ())
+    def head_grad_of(g):
+        w = _effective_weights(options, labels, weights, ntok, "cpu") * _on_host("grad", g).to(torch.float32)
+        return run(dict(options, reduction="sum", total=None), w)[2]
+
+    call = _LossCall(run, head_grad_of if weight is not None and options["reduction"] == "none" else None)
+    return _HeadKLFunction.apply(flat, weight, call).reshape(lead if options["reduction"] == "none" else ())

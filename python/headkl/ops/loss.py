@@ -1,7 +1,8 @@
 """The top-k distillation loss over tensors (``HeadKLLoss``'s forward): the
 inputs checked, the head re-read where it changed, and the loss with its
-gradient through the zero-copy path (CUDA tensors on the engine's own GPU)
-or on host memory (the sharded loss's phases through ``distributed``)."""
+gradients through the zero-copy path (CUDA tensors on the engine's own GPU)
+or on host memory (the sharded loss's phases through ``distributed``); the
+head's gradient, where it requires grad, on host memory."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Optional
 
 import torch
 
-from .._checks import _row_arrays, _teacher_top_k
-from .._host import _on_host, _spec
+from .._checks import _row_arrays, _teacher_top_k, _trainable
+from .._host import _on_host, _say_head_grad_on_host, _spec, _to_device
 from ..distributed import sharded_loss
 from ._reduce import _effective_weights, _host_result, _reduced
-from .autograd import _HeadKLFunction
+from .autograd import _HeadKLFunction, _LossCall
 
 
 def head_kl_loss(
@@ -31,9 +32,10 @@ def head_kl_loss(
     """The loss of ``hidden`` ``[..., hs]`` against the teacher's top-k
     ``[..., k]`` through ``head`` (a ``Head``), with ``options`` as
     ``_loss_options`` makes them: a scalar, or ``[...]`` with
-    ``reduction="none"``; its backward gives ``hidden.grad``. The
-    arguments are ``HeadKLLoss.forward``'s; ``process_group`` is the
-    sharded loss's (a head with ``shard``)."""
+    ``reduction="none"``; its backward gives ``hidden.grad``, and the
+    head's ``weight.grad`` where the head's tensor requires grad (and grad
+    is on). The arguments are ``HeadKLLoss.forward``'s; ``process_group``
+    is the sharded loss's (a head with ``shard``)."""
     flat, lead = head._hidden(hidden)
     ntok = flat.shape[0]
     teacher_ids, teacher_values = _teacher_top_k(teacher_ids, teacher_values, lead, hidden)
@@ -41,21 +43,40 @@ def head_kl_loss(
     labels, weights = _row_arrays(labels, weights, lead, hidden)
     if options["hard_weight"] > 0 and labels is None:
         raise ValueError(f"labels: needed with weight_hard_loss={options['hard_weight']}")
+    weight = _trainable(head)
     inputs = (flat, teacher_ids.reshape(ntok, k), teacher_values.reshape(ntok, k), labels, weights)
     total = None if total is None else float(total)
     head._refresh()
-    zero_copy = _zero_copy(head, options, hidden.device) if hidden.device.type == "cuda" else None
+    zero_copy = None
+    if hidden.device.type == "cuda":
+        zero_copy = _zero_copy(head, options, hidden.device, weight is not None)
     if zero_copy is not None:
-        run = lambda: _device_loss(zero_copy, options, *inputs, total)  # noqa: E731
+        call = _LossCall(lambda: _device_loss(zero_copy, options, *inputs, total) + (None,))
     else:
-        run = lambda: _host_loss(head, options, process_group, *inputs, total, hidden.device)  # noqa: E731
-    return _HeadKLFunction.apply(flat, run).reshape(lead if options["reduction"] == "none" else ())
+        grad_device = None if weight is None else weight.device
+
+        def head_grad_of(g):
+            g = g.to(device=hidden.device, dtype=torch.float32)
+            w = _effective_weights(options, labels, weights, ntok, hidden.device) * g
+            sums = dict(options, reduction="sum")
+            return _host_loss(head, sums, process_group, *inputs[:4], w, None, hidden.device, grad_device)[2]
+
+        call = _LossCall(
+            lambda: _host_loss(head, options, process_group, *inputs, total, hidden.device, grad_device),
+            head_grad_of if weight is not None and options["reduction"] == "none" else None,
+        )
+    return _HeadKLFunction.apply(flat, weight, call).reshape(lead if options["reduction"] == "none" else ())
 
 
-def _zero_copy(head, options: dict, device: torch.device):
+def _zero_copy(head, options: dict, device: torch.device, head_grad: bool):
     """The zero-copy path for CUDA tensors on ``device``, or None (then
-    host copies, logged once with why); the head keeps whether the loss's
-    last CUDA call went zero-copy (``HeadKLLoss.zero_copy``)."""
+    host copies, logged once with why; always where the head's gradient is
+    asked: the device-resident loss does not compute it); the head keeps
+    whether the loss's last CUDA call went zero-copy (``HeadKLLoss.zero_copy``)."""
+    if head_grad:
+        _say_head_grad_on_host()
+        head._loss_zero_copy = False
+        return None
     why = None
     if options["teacher_temperature"] is not None:
         why = "teacher_temperature runs through host copies"
@@ -72,8 +93,9 @@ def _device_loss(zero_copy, options: dict, flat, ids, values, labels, weights, t
     return _reduced(options["reduction"], per_token, w, total), dx
 
 
-def _host_loss(head, options: dict, group, flat, ids, values, labels, weights, total, device):
-    """The loss and ``dx`` on host memory, on ``device``."""
+def _host_loss(head, options: dict, group, flat, ids, values, labels, weights, total, device, grad_device=None):
+    """The loss, ``dx`` (on ``device``) and, with ``grad_device``, the
+    head's gradient (f32, there; else None), on host memory."""
     host = _on_host("hidden", flat)
     ntok, hs = host.shape
     k = ids.shape[1]
@@ -87,12 +109,17 @@ def _host_loss(head, options: dict, group, flat, ids, values, labels, weights, t
     per_token = torch.empty(ntok, dtype=torch.float32)
     spec = lambda t: None if t is None else _spec(t)  # noqa: E731
     teacher = (_spec(ids), _spec(values), k)
+    head_grad = None
     if head.shard is None:
+        if grad_device is not None:
+            head_grad = torch.empty((head.vocab_size, hs), dtype=torch.float32)
         mean = engine.head_kl(
-            _spec(host), ntok, teacher, spec(labels_host), spec(weights_host), (_spec(dx), _spec(per_token)), options
-        )
+            _spec(host), ntok, teacher, spec(labels_host), spec(weights_host), (_spec(dx), _spec(per_token)), options,
+            spec(head_grad),
+        )  # fmt: skip
     else:
         if labels_host is not None:
             raise ValueError("labels: the sharded loss takes no hard term or ignore mask")
         mean, dx = sharded_loss(engine, host, teacher, spec(weights_host), options, (dx, per_token), device, group)
-    return _host_result(options, mean, per_token, dx, labels_host, weights_host, device)
+    loss, dx = _host_result(options, mean, per_token, dx, labels_host, weights_host, device)
+    return loss, dx, None if head_grad is None else _to_device(head_grad, grad_device)
