@@ -111,6 +111,9 @@ pub struct Engine<B: Backend> {
     teacher_head: Option<HeadPlanes<B>>,
     /// The teacher's hidden rows' upload and logits scratch.
     teacher_scratch: ScratchCache<B>,
+    /// The head's gradient's device memory, kept from one call that asks
+    /// for it to the next ([`Engine::release_scratch`] frees it).
+    head_grad: Option<HeadGrad<B>>,
 }
 
 /// A progress callback: called with the number of tokens a finished chunk
@@ -170,6 +173,7 @@ impl<B: Backend> Engine<B> {
             row_stats: true,
             teacher_head: None,
             teacher_scratch: ScratchCache::default(),
+            head_grad: None,
         }
     }
 
@@ -262,6 +266,7 @@ impl<B: Backend> Engine<B> {
     pub fn release_scratch(&mut self) {
         self.scratch = ScratchCache::default();
         self.teacher_scratch = ScratchCache::default();
+        self.head_grad = None;
         self.resident.release_scratch();
     }
 
@@ -357,9 +362,12 @@ impl<B: Backend> Engine<B> {
         let sizes = self.head.row_bytes(&self.backend, job, k);
         let call = self.begin_loss_call((job, &sizes), (plan.rows_per_chunk, k), hidden.data())?;
         let teacher = LossTeacher::TopK(teacher);
-        let result = self.head_grad_for(opts).and_then(|head_grad| {
-            self.loss_chunks(&plan, &call, (ntok, &teacher), (&resolved, head_grad.as_ref()), out)
-        });
+        let head_grad = match self.take_head_grad(opts) {
+            Ok(head_grad) => head_grad,
+            Err(e) => return self.end_host_call(call, Err(e)),
+        };
+        let result = self.loss_chunks(&plan, &call, (ntok, &teacher), (&resolved, head_grad.as_ref()), out);
+        self.head_grad = head_grad.or(self.head_grad.take());
         self.end_host_call(call, result)
     }
 
@@ -472,6 +480,13 @@ impl<B: Backend> Engine<B> {
         let (t_input, t_rows) =
             self.teacher_scratch
                 .begin(&self.backend, Job::Topk, &t_sizes, (rows, 1), teacher_hidden.data())?;
+        let head_grad = match self.take_head_grad(opts) {
+            Ok(head_grad) => head_grad,
+            Err(e) => {
+                self.teacher_scratch.put_back(t_rows, None, t_input);
+                return Err(e);
+            }
+        };
         let call = match self.begin_loss_call((Job::Loss, &sizes), (rows, 1), hidden.data()) {
             Ok(call) => call,
             Err(e) => {
@@ -486,23 +501,25 @@ impl<B: Backend> Engine<B> {
                     input: &t_input,
                     scratch: &t_rows,
                 };
-                self.head_grad_for(opts).and_then(|head_grad| {
-                    self.loss_chunks(&plan, &call, (ntok, &teacher), (&resolved, head_grad.as_ref()), out)
-                })
+                self.loss_chunks(&plan, &call, (ntok, &teacher), (&resolved, head_grad.as_ref()), out)
             }
             None => Err(Error::NoTeacherHead),
         };
+        self.head_grad = head_grad.or(self.head_grad.take());
         let result = self.end_host_call(call, result);
         self.teacher_scratch.put_back(t_rows, None, t_input);
         result
     }
 
     /// The device memory the head's gradient builds up in, when `opts`
-    /// asks for it.
-    fn head_grad_for(&self, opts: &LossOptions) -> Result<Option<HeadGrad<B>>> {
-        match opts.config.head_grad {
-            true => HeadGrad::alloc(&self.backend, &self.head).map(Some),
-            false => Ok(None),
+    /// asks for it: the last call's, else fresh.
+    fn take_head_grad(&mut self, opts: &LossOptions) -> Result<Option<HeadGrad<B>>> {
+        if !opts.config.head_grad {
+            return Ok(None);
+        }
+        match self.head_grad.take() {
+            Some(kept) => Ok(Some(kept)),
+            None => HeadGrad::alloc(&self.backend, &self.head).map(Some),
         }
     }
 

@@ -16,6 +16,9 @@ use crate::head_planes::{HeadPlanes, Scaling};
 use crate::toolkit::backend::{Backend, GemmDesc, HeadLayout, TransposeDesc};
 use crate::toolkit::launch::Kernels;
 
+/// Bytes read back at a time where rows need unpadding or reordering.
+const READ_BLOCK_BYTES: usize = 64 << 20;
+
 /// One piece of the head's gradient: rows `[first, first + rows)` of the
 /// padded vocabulary (positions in the head's order), `hs_padded` f32
 /// columns each.
@@ -86,25 +89,39 @@ impl<B: Backend> HeadGrad<B> {
         Ok(())
     }
 
-    /// Reads the gradient into `out` (`[vocab][hs]`, resized), each
-    /// position's row to its head row.
+    /// Reads the gradient into `out` (`[vocab][hs]`, resized; every row
+    /// is written), each position's row to its head row. Dense rows in the
+    /// natural order go straight into `out`; the others through a block of
+    /// [`READ_BLOCK_BYTES`] at a time.
     pub(crate) fn read(&self, backend: &B, head: &HeadPlanes<B>, out: &mut Vec<f32>) -> Result<()> {
         let (vocab, hs, hs_padded) = (head.vocab(), head.hs(), head.hs_padded());
-        out.clear();
         out.resize(vocab * hs, 0.0);
         let order = head.order();
-        let mut rows_f32 = Vec::new();
+        let row_bytes = hs_padded * std::mem::size_of::<f32>();
+        let block_rows = (READ_BLOCK_BYTES / row_bytes).max(1);
+        let mut block = Vec::new();
         for piece in &self.pieces {
             let real = vocab.saturating_sub(piece.first).min(piece.rows);
             if real == 0 {
                 continue;
             }
-            rows_f32.resize(real * hs_padded, 0f32);
-            backend.download(&piece.buffer, 0, bytemuck::cast_slice_mut(rows_f32.as_mut_slice()))?;
-            for (r, row) in rows_f32.chunks_exact(hs_padded).enumerate() {
-                let position = piece.first + r;
-                let id = order.map_or(position, |o| o.id(position as u32) as usize);
-                out[id * hs..(id + 1) * hs].copy_from_slice(&row[..hs]);
+            if order.is_none() && hs_padded == hs {
+                let rows = &mut out[piece.first * hs..(piece.first + real) * hs];
+                backend.download(&piece.buffer, 0, bytemuck::cast_slice_mut(rows))?;
+                continue;
+            }
+            let mut first = 0;
+            while first < real {
+                let rows = block_rows.min(real - first);
+                block.resize(rows * hs_padded, 0f32);
+                let offset = (first * row_bytes) as u64;
+                backend.download(&piece.buffer, offset, bytemuck::cast_slice_mut(block.as_mut_slice()))?;
+                for (r, row) in block.chunks_exact(hs_padded).enumerate() {
+                    let position = piece.first + first + r;
+                    let id = order.map_or(position, |o| o.id(position as u32) as usize);
+                    out[id * hs..(id + 1) * hs].copy_from_slice(&row[..hs]);
+                }
+                first += rows;
             }
         }
         Ok(())
