@@ -1,6 +1,6 @@
 //! The conformance suite, written once and generic over a [`Backend`].
 //!
-//! Four parts ([`Part`]):
+//! Five parts ([`Part`]):
 //! - **kernels**: the backend's primitives called directly on crafted
 //!   inputs with poisoned (NaN) outputs: GEMM in both head layouts with
 //!   exact small-integer data (results exact in f32), offsets, wide
@@ -12,6 +12,12 @@
 //!   `head_kl` and `topk`, run through [`Engine`] and compared with
 //!   [`crate::direct`] by [`Tolerance`];
 //! - **regressions**: a fixed list of named cases;
+//! - **head gradient**: `LossConfig::head_grad` against
+//!   [`crate::direct::head_kl_and_head_grad_f64`] over a fixed list of
+//!   named cases (every divergence and term, weights and reductions,
+//!   chunks, slices, a vocabulary order, f32/f16/bf16 rows, the
+//!   full-vocabulary teacher, the block filter), with the gradient off,
+//!   on and on again on one engine;
 //! - **errors**: non-finite hidden rows must fail with
 //!   [`headkl_core::Error::NonFiniteHidden`] naming the first bad token;
 //!   several slices with several chunks; recovery after an error; memory
@@ -203,6 +209,9 @@ pub struct SuiteReport {
     pub worst_dx_err: f64,
     /// Worst top-k probability error over all cases.
     pub worst_prob_err: f64,
+    /// Worst error of the head's gradient over all cases (0 when none
+    /// measured).
+    pub worst_head_grad_err: f64,
 }
 
 impl SuiteReport {
@@ -215,6 +224,7 @@ impl SuiteReport {
         self.worst_loss_err = self.worst_loss_err.max(other.worst_loss_err);
         self.worst_dx_err = self.worst_dx_err.max(other.worst_dx_err);
         self.worst_prob_err = self.worst_prob_err.max(other.worst_prob_err);
+        self.worst_head_grad_err = self.worst_head_grad_err.max(other.worst_head_grad_err);
     }
 
     /// Each failure as one `name: message` line.
@@ -225,10 +235,16 @@ impl SuiteReport {
             .collect()
     }
 
-    /// One line: backend, device, passed/run and the worst errors.
+    /// One line: backend, device, passed/run and the worst errors (the
+    /// head gradient's where a case measured it).
     pub fn summary(&self) -> String {
+        let head_grad = if self.worst_head_grad_err > 0.0 {
+            format!(", head_grad err {:.2e}", self.worst_head_grad_err)
+        } else {
+            String::new()
+        };
         format!(
-            "{} on {}{}: {}/{} passed; worst loss err {:.2e}, dx err {:.2e}, prob err {:.2e}",
+            "{} on {}{}: {}/{} passed; worst loss err {:.2e}, dx err {:.2e}, prob err {:.2e}{head_grad}",
             self.backend,
             self.device,
             if self.matrix_units { " (matrix units)" } else { "" },
@@ -250,6 +266,8 @@ pub enum Part {
     DriverCases,
     /// The fixed regression cases.
     Regressions,
+    /// The head's gradient (`LossConfig::head_grad`) cases.
+    HeadGrad,
     /// Non-finite inputs, multi-slice/multi-chunk, recovery, memory.
     Errors,
     /// All of the above.
@@ -263,6 +281,7 @@ impl Part {
             Part::Kernels => "kernels",
             Part::DriverCases => "driver_cases",
             Part::Regressions => "regressions",
+            Part::HeadGrad => "head_grad",
             Part::Errors => "errors",
             Part::All => "all",
         }
@@ -283,6 +302,8 @@ pub struct CaseErrors {
     pub dx: Option<f64>,
     /// Worst top-k probability error (relative).
     pub prob: Option<f64>,
+    /// The head's gradient error (relative L2).
+    pub head_grad: Option<f64>,
 }
 
 /// Cases the whole suite runs for `cfg`.
@@ -301,6 +322,9 @@ pub fn part_case_count(part: Part, cfg: &SuiteConfig) -> usize {
     }
     if part.includes(Part::Regressions) {
         n += cases::regression_names().len();
+    }
+    if part.includes(Part::HeadGrad) {
+        n += cases::head_grad_names().len();
     }
     if part.includes(Part::Errors) {
         n += cases::ERROR_CASES.len();
@@ -391,6 +415,15 @@ pub fn run_part<B: Backend + ?Sized>(
             rec.push(outcome);
         }
     }
+    if part.includes(Part::HeadGrad) {
+        for &name in cases::head_grad_names() {
+            let description = cases::describe_head_grad_case(name);
+            let outcome = run_one(backend, format!("head_grad/{name}"), description, 0, || {
+                cases::check_head_grad_case(backend, name, &tol)
+            });
+            rec.push(outcome);
+        }
+    }
     if part.includes(Part::Errors) {
         for &(name, what) in cases::ERROR_CASES {
             let outcome = run_one(backend, format!("errors/{name}"), what.to_string(), 0, || {
@@ -421,6 +454,7 @@ impl<'a> Recorder<'a> {
                 worst_loss_err: 0.0,
                 worst_dx_err: 0.0,
                 worst_prob_err: 0.0,
+                worst_head_grad_err: 0.0,
             },
             progress,
         }
@@ -437,6 +471,7 @@ impl<'a> Recorder<'a> {
         worst(&mut r.worst_loss_err, o.errors.loss);
         worst(&mut r.worst_dx_err, o.errors.dx);
         worst(&mut r.worst_prob_err, o.errors.prob);
+        worst(&mut r.worst_head_grad_err, o.errors.head_grad);
         (self.progress)(&o);
         if o.passed {
             r.passed += 1;
@@ -550,7 +585,8 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
 
 /// Instantiates the conformance suite as `#[test]` functions
 /// (`conformance_kernels`, `conformance_driver_cases`,
-/// `conformance_regressions`, `conformance_errors`).
+/// `conformance_regressions`, `conformance_head_grad`,
+/// `conformance_errors`).
 ///
 /// `$open` is an expression giving `headkl_core::Result<B>` for a backend
 /// `B`; each test evaluates it once. A backend that cannot start says
@@ -579,6 +615,7 @@ macro_rules! conformance_tests {
             conformance_kernels: Kernels,
             conformance_driver_cases: DriverCases,
             conformance_regressions: Regressions,
+            conformance_head_grad: HeadGrad,
             conformance_errors: Errors,
         );
     };

@@ -376,6 +376,40 @@ pub fn head_kl_f64(
     teacher: &Teacher,
     resolved: &ResolvedLoss,
 ) -> DirectLoss {
+    head_kl_of(head, hidden, teacher, resolved, false).0
+}
+
+/// [`head_kl_f64`] and the head's gradient `∂mean/∂W` `[V][hs]` (what
+/// `LossConfig::head_grad` asks of a backend), from the same per-token
+/// `∂L_t/∂s_j` and the same coefficient as dx:
+///
+/// ```text
+/// dW_j = Σ_t (w_t·S / (τ·total)) · ∂L_t/∂s_j · x_t
+/// ```
+///
+/// with `x_t` the f16-rounded hidden row. A token whose loss is not finite
+/// (its dx row is NaN) makes every element of dW NaN, whatever its weight:
+/// every row of the head meets it. It costs about as much again as
+/// [`head_kl_f64`] (one more O(ntok·V·hs) pass), so only the callers that
+/// check the head's gradient pay for it.
+pub fn head_kl_and_head_grad_f64(
+    head: &HeadWeights<'_>,
+    hidden: &Hidden<'_>,
+    teacher: &Teacher,
+    resolved: &ResolvedLoss,
+) -> (DirectLoss, Vec<f64>) {
+    head_kl_of(head, hidden, teacher, resolved, true)
+}
+
+/// [`head_kl_f64`], and with `head_grad` the head's gradient (else an
+/// empty vector).
+fn head_kl_of(
+    head: &HeadWeights<'_>,
+    hidden: &Hidden<'_>,
+    teacher: &Teacher,
+    resolved: &ResolvedLoss,
+    head_grad: bool,
+) -> (DirectLoss, Vec<f64>) {
     check_hs(head, hidden);
     let (vocab, hs, ntok, k) = (head.vocab(), head.hs(), hidden.ntok(), teacher.k());
     assert_eq!(
@@ -391,11 +425,18 @@ pub fn head_kl_f64(
         resolved.weights.len()
     );
     let w = head_f64(head);
+    let x = hidden_f64(hidden);
     let total = f64::from(resolved.total);
     let tau = f64::from(resolved.temperature);
-    // z = S·x·Wᵀ: s = z/τ, and ds/dx carries S/τ.
+    // z = S·x·Wᵀ: s = z/τ, and ds/dx (and ds/dW) carries S/τ.
     let scale = f64::from(resolved.terms.logit_scale);
-    let s = logits_of(&w, &hidden_f64(hidden), vocab, hs, scale / tau);
+    let s = logits_of(&w, &x, vocab, hs, scale / tau);
+    // dx's (and dW's) coefficient of token t.
+    let coef: Vec<f64> = resolved
+        .weights
+        .iter()
+        .map(|&wt| f64::from(wt) * scale / (tau * total))
+        .collect();
 
     // Each token's row of (terms, dx) is independent: split tokens over threads.
     let mut rows: Vec<(RowTerms, Vec<f64>)> = vec![(RowTerms::default(), Vec::new()); ntok];
@@ -410,22 +451,26 @@ pub fn head_kl_f64(
             let label = resolved.labels.get(t).copied().unwrap_or(NO_LABEL);
             let row = &s[t * vocab..(t + 1) * vocab];
             let r = row_terms_f64(row, row_teacher, label, resolved.temperature, &resolved.terms);
-            let coef = f64::from(resolved.weights[t]) * scale / (tau * total);
             let mut g = vec![0f64; hs];
             if !r.loss.is_finite() {
                 g.fill(f64::NAN);
-            } else if coef != 0.0 {
+            } else if coef[t] != 0.0 {
                 for (j, &d) in r.grad.iter().enumerate() {
                     for (gc, &wc) in g.iter_mut().zip(&w[j * hs..(j + 1) * hs]) {
                         *gc += d * wc;
                     }
                 }
-                g.iter_mut().for_each(|v| *v *= coef);
+                g.iter_mut().for_each(|v| *v *= coef[t]);
             }
             *dx_t = g;
             *terms_t = r;
         }
     });
+    let dw = if head_grad {
+        head_grad_of(&rows, &coef, &x, vocab, hs)
+    } else {
+        Vec::new()
+    };
     let mut out = DirectLoss {
         loss: Vec::with_capacity(ntok),
         mean: 0.0,
@@ -448,7 +493,36 @@ pub fn head_kl_f64(
         .map(|(&l, &wt)| if wt == 0.0 { 0.0 } else { l * f64::from(wt) })
         .sum::<f64>()
         / total;
-    out
+    (out, dw)
+}
+
+/// `dW_j = Σ_t coef_t · ∂L_t/∂s_j · x_t` `[vocab][hs]` from each token's
+/// terms (`rows`), split over the head's rows. A token with a non-finite
+/// loss has a NaN gradient in every column, so it turns every row NaN,
+/// masked or not (`0 · NaN` is NaN), as its dx row is NaN.
+fn head_grad_of(rows: &[(RowTerms, Vec<f64>)], coef: &[f64], x: &[f64], vocab: usize, hs: usize) -> Vec<f64> {
+    let mut dw = vec![0f64; vocab * hs];
+    if hs == 0 {
+        return dw;
+    }
+    par::for_row_blocks(&mut dw, hs, rows.len() * vocab * hs, |first, block| {
+        for (t, ((r, _), &c)) in rows.iter().zip(coef).enumerate() {
+            let finite = r.loss.is_finite();
+            if finite && c == 0.0 {
+                continue;
+            }
+            let x_t = &x[t * hs..(t + 1) * hs];
+            for (i, dw_j) in block.chunks_exact_mut(hs).enumerate() {
+                let a = if finite { c * r.grad[first + i] } else { f64::NAN };
+                if a != 0.0 {
+                    for (o, &xc) in dw_j.iter_mut().zip(x_t) {
+                        *o += a * xc;
+                    }
+                }
+            }
+        }
+    });
+    dw
 }
 
 /// The dense teacher of the full-vocabulary divergence as a top-k teacher
@@ -476,6 +550,28 @@ pub fn head_kl_full_vocab_f64(
     teacher_hidden: &Hidden<'_>,
     resolved: &ResolvedLoss,
 ) -> DirectLoss {
+    full_vocab_of(head, hidden, (teacher_head, teacher_hidden), resolved, false).0
+}
+
+/// [`head_kl_full_vocab_f64`] and the head's gradient, as
+/// [`head_kl_and_head_grad_f64`] gives it (the teacher's head gets none).
+pub fn head_kl_full_vocab_and_head_grad_f64(
+    head: &HeadWeights<'_>,
+    hidden: &Hidden<'_>,
+    teacher_head: &HeadWeights<'_>,
+    teacher_hidden: &Hidden<'_>,
+    resolved: &ResolvedLoss,
+) -> (DirectLoss, Vec<f64>) {
+    full_vocab_of(head, hidden, (teacher_head, teacher_hidden), resolved, true)
+}
+
+fn full_vocab_of(
+    head: &HeadWeights<'_>,
+    hidden: &Hidden<'_>,
+    (teacher_head, teacher_hidden): (&HeadWeights<'_>, &Hidden<'_>),
+    resolved: &ResolvedLoss,
+    head_grad: bool,
+) -> (DirectLoss, Vec<f64>) {
     let (vocab, ntok) = (head.vocab(), hidden.ntok());
     assert_eq!(teacher_head.vocab(), vocab, "direct: the heads' vocabularies differ");
     assert_eq!(
@@ -486,7 +582,7 @@ pub fn head_kl_full_vocab_f64(
     let (ids, probs) = dense_teacher_f64(teacher_head, teacher_hidden, resolved.temperature);
     let teacher =
         Teacher::new(&ids, &probs, ntok, vocab, vocab).expect("direct: the dense teacher is a valid top-k teacher");
-    head_kl_f64(head, hidden, &teacher, resolved)
+    head_kl_of(head, hidden, &teacher, resolved, head_grad)
 }
 
 /// The teacher's exact top-k in f64.

@@ -19,6 +19,16 @@ pub const LOSS_FLOOR: f64 = 0.1;
 /// all-zero (fully masked) or near-zero gradient is judged absolutely.
 pub const DX_FLOOR: f64 = 1e-5;
 
+/// Floor on the per-element RMS of the reference head gradient in its
+/// error's denominator, as [`DX_FLOOR`] for dx. dW's elements are smaller
+/// than dx's (`dW_j` carries `p_S,j`, of order 1/V, where `dx_t` carries
+/// `Σ_j |∂L_t/∂s_j| ≤ 2`), so dx's floor would judge a large vocabulary's
+/// dW absolutely, and loosely. What an all-zero dW picks up on a device is
+/// far below this: the f16 gradient's absolute rounding near 0 (its
+/// subnormal spacing, 2^-24 of the scaled gradient) times
+/// `alpha = S/(gscale·τ)` is about 2^-38·S/(τ·total) per token.
+pub const HEAD_GRAD_FLOOR: f64 = 1e-9;
+
 /// Floor on a reference probability in its relative error: probabilities
 /// below it (f32 underflows near 1e-38) are judged absolutely.
 pub const PROB_FLOOR: f64 = 1e-30;
@@ -33,6 +43,9 @@ pub struct Tolerance {
     pub loss_rel: f64,
     /// Relative L2 error of dx over the whole tensor (3e-3).
     pub dx_rel: f64,
+    /// Relative L2 error of the head's gradient `∂mean/∂W` over the whole
+    /// tensor (3e-3, as dx: see [`Tolerance::check_head_grad`]).
+    pub head_grad_rel: f64,
     /// Relative error of each top-k probability (1e-4).
     pub prob_rel: f64,
     /// Top-k ids may differ from the reference where the two logits differ
@@ -45,6 +58,7 @@ impl Default for Tolerance {
         Self {
             loss_rel: 1e-4,
             dx_rel: 3e-3,
+            head_grad_rel: 3e-3,
             prob_rel: 1e-4,
             tie_gap: 1e-3,
         }
@@ -174,6 +188,34 @@ fn within(error: f64, bound: f64) -> bool {
     error <= bound
 }
 
+/// A gradient `what` against the reference: [`rel_l2`] with `floor`
+/// within `bound`, the worst elements printed as `[row][col]` for rows of
+/// `row_len`. The one relative-L2 comparison of dx and the head's gradient.
+fn rel_l2_within(
+    what: &str,
+    got: &[f32],
+    want: &[f64],
+    (floor, bound): (f64, f64),
+    row_len: Option<usize>,
+) -> Result<f64, Mismatch> {
+    if got.len() != want.len() {
+        return Err(length_mismatch(what, got.len(), want.len()));
+    }
+    let err = rel_l2(got, want, floor);
+    if !within(err, bound) {
+        let d = |i: usize| abs_diff(f64::from(got[i]), want[i]);
+        return Err(Mismatch {
+            what: what.into(),
+            error: err,
+            bound,
+            detail: format!("relative L2 over {} elements", got.len()),
+            row_len,
+            worst: worst_by(got.len(), d, |i| f64::from(got[i]), |i| want[i]),
+        });
+    }
+    Ok(err)
+}
+
 impl Tolerance {
     /// Per-token losses and the mean against the reference: the relative L2
     /// error over tokens (denominator floored at [`LOSS_FLOOR`]`·√ntok`) and
@@ -223,22 +265,38 @@ impl Tolerance {
     /// [`Tolerance::check_dx`], printing indices as `[token][column]` for
     /// rows of `hs` elements.
     pub fn check_dx_rows(&self, got: &[f32], want: &[f64], hs: Option<usize>) -> Result<f64, Mismatch> {
-        if got.len() != want.len() {
-            return Err(length_mismatch("dx", got.len(), want.len()));
-        }
-        let err = rel_l2(got, want, DX_FLOOR);
-        if !within(err, self.dx_rel) {
-            let d = |i: usize| abs_diff(f64::from(got[i]), want[i]);
-            return Err(Mismatch {
-                what: "dx".into(),
-                error: err,
-                bound: self.dx_rel,
-                detail: format!("relative L2 over {} elements", got.len()),
-                row_len: hs,
-                worst: worst_by(got.len(), d, |i| f64::from(got[i]), |i| want[i]),
-            });
-        }
-        Ok(err)
+        rel_l2_within("dx", got, want, (DX_FLOOR, self.dx_rel), hs)
+    }
+
+    /// The head's gradient `∂mean/∂W` `[V][hs]` against the reference
+    /// ([`crate::direct::head_kl_and_head_grad_f64`]): relative L2 error
+    /// over the whole tensor (denominator floored at
+    /// [`HEAD_GRAD_FLOOR`]`·√len`) within `head_grad_rel`; indices print
+    /// as `[id][column]`.
+    ///
+    /// The bound is dx's, for dx's reasons. A device computes
+    /// `dW_j = alpha · Σ_t ĝ_tj · x̂_t` in f32 with `alpha = S/(gscale·τ)`,
+    /// `ĝ` the f16 logits gradient dx reads and `x̂` the f16 hidden rows;
+    /// the reference takes the same f16 `x̂` and `W` (which reaches dW only
+    /// through the logits), so what differs is:
+    /// - ĝ's rounding to f16, a relative `δ_tj` with `|δ| ≤ u = 2^-11`
+    ///   (gscale keeps the bulk of `|g|` normal and below 2^14): dW's error
+    ///   is `Σ_t δ_tj g_tj x̂_t`, element for element the terms dx's error
+    ///   sums (`Σ_j δ_tj g_tj W_j`), over the tokens instead of the
+    ///   vocabulary. Rounding errors of different elements add in
+    ///   quadrature, about `u/√3 ≈ 2.8e-4` of `‖dW‖`; neither reduction
+    ///   cancels systematically (`dW_j`'s tokens have hidden rows of either
+    ///   sign, as `dx_t`'s vocabulary rows do), and the bound, dx's 3e-3 ≈ 6u,
+    ///   leaves the same room for partial cancellation;
+    /// - the f32 logits and softmax, which move `g` by the loss's errors
+    ///   (1e-4 relative at most, DESIGN §5) in both gradients alike;
+    /// - the f32 sum over the tokens (within a chunk, then across chunks
+    ///   into the f32 result) in place of dx's over the vocabulary: at
+    ///   most `ntok·2^-24` relative, about 1e-4 for the suite's 2300
+    ///   tokens, and `√ntok·2^-24` in practice; `alpha`'s one rounding to
+    ///   f32 adds 2^-24.
+    pub fn check_head_grad(&self, got: &[f32], want: &[f64], hs: usize) -> Result<f64, Mismatch> {
+        rel_l2_within("head_grad", got, want, (HEAD_GRAD_FLOOR, self.head_grad_rel), Some(hs))
     }
 
     /// Top-k ids and probabilities against the reference.
@@ -497,6 +555,39 @@ mod tests {
         let mut dx = [0f32; 8];
         dx[3] = 1e-4;
         assert!(tol.check_dx(&dx, &want.dx).is_err());
+    }
+
+    #[test]
+    fn head_grad_is_judged_as_dx_with_its_own_floor_and_names() {
+        let tol = Tolerance::default();
+        // [V = 3][hs = 2]
+        let want = vec![2e-7, -1e-7, 0.0, 4e-8, -3e-7, 1e-8];
+        assert!(tol.check_head_grad(&as_f32(&want), &want, 2).unwrap() < 1e-6);
+        let noisy: Vec<f32> = want.iter().map(|&v| (v * (1.0 + 5e-4)) as f32).collect();
+        assert!(tol.check_head_grad(&noisy, &want, 2).is_ok());
+        // One row's gradient 2% off: well within dx's floor, not dW's.
+        let mut got = as_f32(&want);
+        got[4] *= 1.02;
+        let e = tol.check_head_grad(&got, &want, 2).unwrap_err();
+        assert_eq!(e.what, "head_grad");
+        assert!(
+            e.to_string().contains("head_grad: error") && e.to_string().contains("[2][0] got"),
+            "{e}"
+        );
+        assert!(tol.check_dx(&got, &want).is_ok(), "dx's floor judges this absolutely");
+        // NaN and a length mismatch fail.
+        got[4] = f32::NAN;
+        assert!(tol.check_head_grad(&got, &want, 2).is_err());
+        let e = tol.check_head_grad(&[0.0; 4], &want, 2).unwrap_err();
+        assert!(
+            e.to_string().contains("head_grad") && e.to_string().contains("length 4"),
+            "{e}"
+        );
+        // An all-zero reference: zeros pass, a visible value fails.
+        assert!(tol.check_head_grad(&[0.0; 6], &[0.0; 6], 2).is_ok());
+        assert!(tol
+            .check_head_grad(&[0.0, 0.0, 0.0, 1e-9, 0.0, 0.0], &[0.0; 6], 2)
+            .is_err());
     }
 
     #[test]

@@ -1,11 +1,18 @@
-//! The direct f64 formulas checked against first principles: dx against a
-//! central finite difference of the mean loss, KL ≥ 0, KL = 0 when the
-//! teacher is the student, top-k against a full sort.
+//! The direct f64 formulas checked against first principles: dx and the
+//! head's gradient against a central finite difference of the mean loss,
+//! KL ≥ 0, KL = 0 when the teacher is the student, top-k against a full
+//! sort.
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
-use headkl_core::{Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, SliceOptions, Teacher};
-use headkl_reference::direct::{head_kl_f64, logits_f64, softmax_over, topk_f64};
+use headkl_core::{
+    Divergence, Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, LossTerms, Reduction, SliceOptions,
+    TailMode, Teacher, TeacherForm,
+};
+use headkl_reference::direct::{
+    head_kl_and_head_grad_f64, head_kl_f64, head_kl_full_vocab_and_head_grad_f64, head_kl_full_vocab_f64, logits_f64,
+    softmax_over, topk_f64,
+};
 use headkl_reference::generator::{draw_case_params, Case, CaseKind, CaseParams, TeacherShape};
 use headkl_reference::CpuBackend;
 use proptest::prelude::*;
@@ -74,6 +81,173 @@ fn dx_matches_a_central_finite_difference_of_the_mean_loss() {
     );
     // the masked token has no gradient
     assert!(analytic[hs..2 * hs].iter().all(|&v| v == 0.0));
+}
+
+/// `‖a − b‖₂ / ‖b‖₂`, and `‖b‖₂`.
+fn rel_err(a: &[f64], b: &[f64]) -> (f64, f64) {
+    let err: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt();
+    (err / norm, norm)
+}
+
+#[test]
+fn head_grad_matches_a_central_finite_difference_of_the_mean_loss() {
+    let (vocab, hs, ntok, k) = (29, 5, 4, 4);
+    // |W| < 1.8 and multiples of 2^-10, so W ± 2^-10 is f16-exact.
+    let w: Vec<f32> = (0..vocab * hs).map(|i| f16_exact(i, 3) * 2.0).collect();
+    let x: Vec<f32> = (0..ntok * hs).map(|i| f16_exact(i, 4)).collect();
+    let ids: Vec<i64> = (0..ntok * k).map(|i| ((i * 7 + i / k) % vocab) as i64).collect();
+    let probs: Vec<f32> = (0..ntok * k).map(|i| 0.05 + (i % 4) as f32 * 0.05).collect();
+    let hidden = Hidden::f32(&x, ntok, hs).unwrap();
+    // The plain loss with weights (one masked) and an explicit total, then
+    // every term with the JSD in bucket mode and the sum.
+    let every = LossTerms {
+        soft_weight: 0.7,
+        hard_weight: 0.5,
+        label_smoothing: 0.1,
+        z_loss: 1e-2,
+        softcap: Some(4.0),
+        logit_scale: 0.8,
+        divergence: Divergence::Jsd { beta: 0.3 },
+    };
+    let setups = [
+        (
+            TailMode::Renormalize,
+            LossConfig {
+                temperature: 1.5,
+                total: Some(4.0),
+                ..LossConfig::default()
+            },
+        ),
+        (
+            TailMode::Bucket,
+            LossConfig {
+                temperature: 2.0,
+                terms: every,
+                reduction: Reduction::Sum,
+                ..LossConfig::default()
+            },
+        ),
+    ];
+    for (tail, config) in setups {
+        let teacher = Teacher::with_form(&ids, &probs, ntok, k, vocab, TeacherForm::Probs, tail).unwrap();
+        let opts = LossOptions {
+            config,
+            weights: Some(vec![1.0, 0.0, 2.5, 0.5]),
+            labels: Some(vec![3, -100, 17, 28]),
+            ..LossOptions::default()
+        };
+        let resolved = opts.resolve(ntok).unwrap();
+        let mean_at = |w: &[f32]| {
+            let h = HeadWeights::new(HeadData::F32(w), vocab, hs).unwrap();
+            head_kl_f64(&h, &hidden, &teacher, &resolved).mean
+        };
+        let h0 = HeadWeights::new(HeadData::F32(&w), vocab, hs).unwrap();
+        let (out, analytic) = head_kl_and_head_grad_f64(&h0, &hidden, &teacher, &resolved);
+        assert_eq!(out, head_kl_f64(&h0, &hidden, &teacher, &resolved));
+        assert_eq!(analytic.len(), vocab * hs);
+        let h = 1.0 / 1024.0;
+        let numeric: Vec<f64> = (0..w.len())
+            .map(|i| {
+                let (mut plus, mut minus) = (w.clone(), w.clone());
+                plus[i] += h;
+                minus[i] -= h;
+                (mean_at(&plus) - mean_at(&minus)) / (2.0 * f64::from(h))
+            })
+            .collect();
+        let (err, norm) = rel_err(&numeric, &analytic);
+        assert!(norm > 1e-3, "{tail:?}: a gradient this small checks nothing: {norm}");
+        assert!(
+            err < 1e-5,
+            "{tail:?}: relative error {err:.3e}\nnumeric  {numeric:?}\nanalytic {analytic:?}"
+        );
+    }
+}
+
+#[test]
+fn head_grad_sums_the_tokens_and_a_non_finite_token_makes_it_nan() {
+    // One token at a time (the others masked, the total fixed): the
+    // tokens' gradients add up to the whole call's.
+    let case = Case::from_params(&CaseParams {
+        masked: false,
+        ..draw_case_params(CaseKind::HeadKl, 0xD1)
+    });
+    let head = case.head_weights().unwrap();
+    let f16_rows = case.hidden_f16();
+    let hidden = case.hidden_rows(&f16_rows).unwrap();
+    let teacher = case.teacher().unwrap();
+    let total = case.ntok as f32;
+    let opts_with = |weights: Vec<f32>| LossOptions {
+        config: LossConfig {
+            total: Some(total),
+            ..case.loss_options().config
+        },
+        weights: Some(weights),
+        ..case.loss_options()
+    };
+    let all = opts_with(vec![1.0; case.ntok]).resolve(case.ntok).unwrap();
+    let (_, whole) = head_kl_and_head_grad_f64(&head, &hidden, &teacher, &all);
+    let mut summed = vec![0f64; whole.len()];
+    for t in 0..case.ntok {
+        let mut w = vec![0f32; case.ntok];
+        w[t] = 1.0;
+        let one = opts_with(w).resolve(case.ntok).unwrap();
+        let (_, part) = head_kl_and_head_grad_f64(&head, &hidden, &teacher, &one);
+        summed.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+    }
+    let (err, _) = rel_err(&summed, &whole);
+    assert!(err < 1e-12, "{err:e} for {}", case.describe());
+    let mut masked = vec![1.0; case.ntok];
+    masked[0] = 0.0;
+    let masked = opts_with(masked).resolve(case.ntok).unwrap();
+    let mut none = vec![0.0; case.ntok];
+    none[0] = 1.0;
+    let none = opts_with(none).resolve(case.ntok).unwrap();
+    // A NaN in a hidden row (masked or not): its loss and dx row are NaN,
+    // and so is every element of dW (every head row meets it).
+    let mut x = case.hidden.clone();
+    x[case.hs + 1] = f32::NAN;
+    let poisoned = Hidden::f32(&x, case.ntok, case.hs).unwrap();
+    for resolved in [&all, &masked, &none] {
+        let (out, dw) = head_kl_and_head_grad_f64(&head, &poisoned, &teacher, resolved);
+        assert!(out.loss[1].is_nan() && out.dx[case.hs..2 * case.hs].iter().all(|v| v.is_nan()));
+        assert!(dw.iter().all(|v| v.is_nan()), "one non-finite token: dW all NaN");
+    }
+    // Every token but the first masked, and then the first alone: the
+    // masked tokens add nothing.
+    let (_, first_only) = head_kl_and_head_grad_f64(&head, &hidden, &teacher, &none);
+    let (_, rest) = head_kl_and_head_grad_f64(&head, &hidden, &teacher, &masked);
+    let both: Vec<f64> = first_only.iter().zip(&rest).map(|(a, b)| a + b).collect();
+    assert!(rel_err(&both, &whole).0 < 1e-12);
+}
+
+#[test]
+fn the_full_vocabulary_head_grad_is_the_top_k_one_at_k_eq_v() {
+    let (vocab, hs, ths, ntok) = (23, 6, 4, 3);
+    let w: Vec<f32> = (0..vocab * hs).map(|i| f16_exact(i, 5) * 2.0).collect();
+    let tw: Vec<f32> = (0..vocab * ths).map(|i| f16_exact(i, 6) * 2.0).collect();
+    let x: Vec<f32> = (0..ntok * hs).map(|i| f16_exact(i, 7)).collect();
+    let tx: Vec<f32> = (0..ntok * ths).map(|i| f16_exact(i, 8)).collect();
+    let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).unwrap();
+    let t_head = HeadWeights::new(HeadData::F32(&tw), vocab, ths).unwrap();
+    let hidden = Hidden::f32(&x, ntok, hs).unwrap();
+    let t_hidden = Hidden::f32(&tx, ntok, ths).unwrap();
+    let resolved = LossOptions::from(LossConfig {
+        temperature: 1.5,
+        ..LossConfig::default()
+    })
+    .resolve(ntok)
+    .unwrap();
+    let (out, dw) = head_kl_full_vocab_and_head_grad_f64(&head, &hidden, &t_head, &t_hidden, &resolved);
+    assert_eq!(
+        out,
+        head_kl_full_vocab_f64(&head, &hidden, &t_head, &t_hidden, &resolved)
+    );
+    let (ids, probs) = headkl_reference::direct::dense_teacher_f64(&t_head, &t_hidden, 1.5);
+    let teacher = Teacher::new(&ids, &probs, ntok, vocab, vocab).unwrap();
+    let (_, top_k) = head_kl_and_head_grad_f64(&head, &hidden, &teacher, &resolved);
+    assert_eq!(dw, top_k);
+    assert!(dw.iter().any(|&v| v != 0.0));
 }
 
 proptest! {

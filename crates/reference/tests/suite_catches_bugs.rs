@@ -207,14 +207,23 @@ fn a_faithful_backend_passes_everything() {
     assert_eq!(report.cases, case_count(&cfg()));
     assert!(report.failures.is_empty(), "{:#?}", report.failures);
     assert!(report.worst_loss_err > 0.0 && report.worst_dx_err > 0.0 && report.worst_prob_err > 0.0);
+    assert!(report.worst_head_grad_err > 0.0, "no case measured the head's gradient");
 }
 
 #[test]
 fn each_planted_bug_is_caught() {
-    use Part::{DriverCases, Errors, Kernels, Regressions};
+    use Part::{DriverCases, Errors, HeadGrad, Kernels, Regressions};
     // Each planted fault, and the parts and messages that must catch it.
     let expect: &[(Fault, &[(Part, &str)])] = &[
-        (Fault::NoAccumulate, &[(Kernels, "gemm result")]),
+        // The head's gradient is the one GEMM the driver accumulates into
+        // (across chunks): a case of several chunks catches it.
+        (
+            Fault::NoAccumulate,
+            &[
+                (Kernels, "gemm result"),
+                (HeadGrad, "head_grad/chunks_ragged_last: head_grad: error"),
+            ],
+        ),
         (
             Fault::SumSkipsLastPart,
             &[
@@ -225,7 +234,32 @@ fn each_planted_bug_is_caught() {
                 (Regressions, "dx_split2"),
             ],
         ),
-        (Fault::IgnoreAlpha, &[(Kernels, "gemm result"), (Regressions, "dx")]),
+        (
+            Fault::IgnoreAlpha,
+            &[
+                (Kernels, "gemm result"),
+                (Regressions, "dx"),
+                (HeadGrad, "head_grad: error"),
+            ],
+        ),
+        // Each chunk's last token dropped from the gradient: the kernel
+        // case, and the head-gradient cases of one chunk and of several
+        // (the last one ragged), on every input dtype.
+        (
+            Fault::TransposeDropsLastRow,
+            &[
+                (Kernels, "kernels/transpose_33x100_ld112_to_100x48:"),
+                (HeadGrad, "head_grad/forward_ragged_v257_hs33: head_grad: error"),
+                (HeadGrad, "head_grad/chunks_ragged_last: head_grad: error"),
+                (HeadGrad, "head_grad/f16_hs64_one_partial_tile: head_grad: error"),
+                (HeadGrad, "head_grad/bf16_ragged_chunks: head_grad: error"),
+                (
+                    HeadGrad,
+                    "head_grad/full_vocab_reverse_tau2_slices_chunks: head_grad: error",
+                ),
+                (HeadGrad, "head_grad/filter_lm: head_grad: error"),
+            ],
+        ),
         (
             Fault::GemmWritesPastRegion,
             &[(Kernels, "gemm wrote outside its region")],

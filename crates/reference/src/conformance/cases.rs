@@ -1,13 +1,15 @@
 //! Driver-level cases: a [`Case`] through [`Engine`] against
 //! [`crate::direct`]; the fixed regression list ([`mod@regression`]); the
-//! error cases ([`errors`]).
+//! head's gradient ([`head_grad`]); the error cases ([`errors`]).
 
 mod errors;
+mod head_grad;
 mod regression;
 
 use headkl_core::{Backend, Engine, LossOptions};
 
 pub(crate) use errors::{check_error_case, lm_case, ERROR_CASES};
+pub(crate) use head_grad::{check_head_grad_case, describe_head_grad_case, head_grad_names};
 pub(super) use regression::params;
 pub(crate) use regression::{check_regression, regression, regression_names};
 
@@ -59,6 +61,12 @@ fn compare_with<B: Backend>(
             let out = engine
                 .head_kl(&hidden, &teacher, opts)
                 .map_err(|e| format!("head_kl: {e}"))?;
+            if !opts.config.head_grad && !out.head_grad.is_empty() {
+                return Err(format!(
+                    "head_kl without head_grad returned {} values of the head's gradient, want none",
+                    out.head_grad.len()
+                ));
+            }
             let resolved = opts.resolve(case.ntok).map_err(|e| format!("case options: {e}"))?;
             let want = direct::head_kl_f64(&head, &hidden, &teacher, &resolved);
             let loss = tol.check_loss(&out.loss, out.mean, &want);

@@ -7,7 +7,7 @@
 use half::f16;
 use headkl_core::toolkit::split::k_part_range;
 use headkl_core::toolkit::{
-    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, Kernels, KlDesc, RowStats, SumPartsDesc, TopkDesc,
+    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, Kernels, KlDesc, RowStats, SumPartsDesc, TopkDesc, TransposeDesc,
     STATS_GROUP_COLS,
 };
 use headkl_core::{Backend, Divergence, LossTerms, TailMode, NO_LABEL};
@@ -118,6 +118,7 @@ pub(crate) enum KernelCase {
     Gemm(GemmSpec),
     SumParts(SumPartsDesc),
     Convert(ConvertDesc),
+    Transpose(TransposeDesc),
     Kl(RowSpec),
     Topk(RowSpec),
     /// `topk_rows` in gather mode: `k` ids a row (the kernel's k is one
@@ -232,6 +233,21 @@ const LARGEST_GEMMS: &[GemmSpec] = &[
 
 /// The `convert_f16` cases: `(rows, cols, rows_padded, ld)`.
 const CONVERTS: &[(usize, usize, usize, usize)] = &[(5, 13, 16, 32), (16, 48, 16, 48), (33, 100, 48, 112)];
+
+/// The `transpose` cases: `(rows, rows_padded, cols, ld_src)`. Shapes
+/// that do not divide the kernel's 32 × 32 tile either way, `rows <
+/// rows_padded` (zeros), `ld_src > cols`, none of the rows real, and one
+/// of many tiles each way whose buffers still fit the smallest binding
+/// the suite runs with (256 KiB).
+const TRANSPOSES: &[(usize, usize, usize, usize)] = &[
+    (5, 16, 13, 16),
+    (16, 16, 48, 48),
+    (32, 32, 64, 64),
+    (33, 48, 100, 112),
+    (40, 64, 257, 272),
+    (0, 16, 7, 16),
+    (100, 112, 1000, 1008),
+];
 
 /// A row kernel case's name and rows: how many, the vocabulary, the row
 /// stride, k (the gather: ids a row) and each row's pattern.
@@ -431,6 +447,14 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             ld,
         })
     };
+    let transpose = |&(rows, rows_padded, cols, ld_src): &(usize, usize, usize, usize)| {
+        KernelCase::Transpose(TransposeDesc {
+            rows,
+            rows_padded,
+            cols,
+            ld_src,
+        })
+    };
     let kl_terms = |(r, temperature, tail, terms): &KlTerms| {
         KernelCase::Kl(RowSpec {
             temperature: *temperature,
@@ -451,6 +475,7 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         .chain(SUMS.iter().map(sum))
         .chain(LARGEST_GEMMS.iter().map(gemm))
         .chain(CONVERTS.iter().map(convert))
+        .chain(TRANSPOSES.iter().map(transpose))
         .chain(KL_ROWS.iter().map(|r| KernelCase::Kl(rows(r))))
         .chain(KL_TERMS.iter().map(kl_terms))
         .chain(TOPK.iter().map(topk))
@@ -485,6 +510,10 @@ impl KernelCase {
                 if s.accumulate { "_acc" } else { "" }
             ),
             KernelCase::Convert(c) => format!("kernels/convert_{}x{}_to_{}x{}", c.rows, c.cols, c.rows_padded, c.ld),
+            KernelCase::Transpose(t) => format!(
+                "kernels/transpose_{}x{}_ld{}_to_{}x{}",
+                t.rows, t.cols, t.ld_src, t.cols, t.rows_padded
+            ),
             KernelCase::Kl(r) => format!("kernels/kl_rows_{}", r.name),
             KernelCase::Topk(r) => format!("kernels/topk_rows_{}", r.name),
             KernelCase::Gather(r) => format!("kernels/topk_rows_{}", r.name),
@@ -496,6 +525,7 @@ impl KernelCase {
             KernelCase::Gemm(g) => format!("{g:?}"),
             KernelCase::SumParts(s) => format!("{s:?}"),
             KernelCase::Convert(c) => format!("{c:?}"),
+            KernelCase::Transpose(t) => format!("{t:?}"),
             KernelCase::Kl(r) => format!(
                 "rows={} vocab={} ld={} k={} rows: {:?} τ={} tail={} {:?}",
                 r.rows,
@@ -523,6 +553,7 @@ impl KernelCase {
             KernelCase::Gemm(g) => run_gemm(b, g),
             KernelCase::SumParts(s) => run_sum_parts(b, s),
             KernelCase::Convert(c) => run_convert(b, c),
+            KernelCase::Transpose(t) => run_transpose(b, t),
             KernelCase::Kl(r) => run_kl(b, r, tol),
             KernelCase::Topk(r) => run_topk(b, r, tol),
             KernelCase::Gather(r) => run_gather(b, r, tol),
@@ -865,6 +896,59 @@ fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertDesc) -> Result<CaseErrors
         }
     }
     bad.check("convert_f16")?;
+    Ok(CaseErrors::default())
+}
+
+/// The value `transpose`'s source holds at `[r][c]`: small multiples of
+/// 1/64 (exact in f16), distinct along both rows and columns, with every
+/// seventh of either sign's largest f16 magnitude and zeros of both signs
+/// among them.
+fn transpose_value(r: usize, c: usize) -> f16 {
+    match (r * 131 + c * 17) % 97 {
+        0 => f16::MAX,
+        1 => f16::MIN,
+        2 => f16::NEG_ZERO,
+        3 => f16::ZERO,
+        _ => f16::from_f32((((r * 31 + c * 7) % 2001) as f32 - 1000.0) / 64.0),
+    }
+}
+
+fn run_transpose<B: Backend + ?Sized>(b: &B, t: &TransposeDesc) -> Result<CaseErrors, String> {
+    // src: the real rows' `cols` columns hold values; the pad columns
+    // (up to ld_src) and the rows past `rows` (up to rows_padded) hold
+    // NaN, which the kernel must not move; a NaN tail after.
+    let src_len = t.rows_padded * t.ld_src + TAIL;
+    let mut src = vec![f16::NAN; src_len];
+    for r in 0..t.rows {
+        for c in 0..t.cols {
+            src[r * t.ld_src + c] = transpose_value(r, c);
+        }
+    }
+    // dst: NaN everywhere, each element of its `cols × rows_padded` must be
+    // written and the tail after left alone.
+    let dst_len = t.cols * t.rows_padded + TAIL;
+    let src_buf = upload(b, bytemuck::cast_slice(&src), "transpose src")?;
+    let dst_buf = upload(b, bytemuck::cast_slice(&vec![f16::NAN; dst_len]), "transpose dst")?;
+    b.transpose(&src_buf, &dst_buf, t)
+        .map_err(|e| format!("transpose: {e}"))?;
+    let got: Vec<f16> = download(b, &dst_buf, dst_len, "dst")?;
+    let mut bad = Bad::new();
+    for (idx, g) in got.iter().enumerate() {
+        let (c, r) = (idx / t.rows_padded.max(1), idx % t.rows_padded.max(1));
+        if idx >= t.cols * t.rows_padded {
+            if !g.is_nan() {
+                bad.push(|| format!("element {idx} past cols·rows_padded = {g}, want it untouched (NaN)"));
+            }
+        } else if r < t.rows {
+            let want = transpose_value(r, c);
+            if g.to_bits() != want.to_bits() {
+                bad.push(|| format!("dst[{c}][{r}] = {g}, want src[{r}][{c}] = {want}"));
+            }
+        } else if g.to_bits() != f16::ZERO.to_bits() {
+            bad.push(|| format!("dst[{c}][{r}] = {g} for a row past rows = {}, want 0", t.rows));
+        }
+    }
+    bad.check("transpose (exact values expected; NaN means a pad or a row past rows was moved)")?;
     Ok(CaseErrors::default())
 }
 

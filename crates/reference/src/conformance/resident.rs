@@ -872,7 +872,7 @@ pub(crate) fn resident_term_cases() -> impl Iterator<Item = &'static str> {
 
 /// Cases [`run_resident`] runs for `cfg`.
 pub fn resident_case_count(cfg: &SuiteConfig) -> usize {
-    cfg.cases + resident_term_cases().count() + 2 + RESIDENT_ERROR_CASES.len()
+    cfg.cases + resident_term_cases().count() + 3 + RESIDENT_ERROR_CASES.len()
 }
 
 /// `loss_out` dispatched directly on a chunk of four rows: good, flagged
@@ -1041,8 +1041,75 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
     Ok(CaseErrors {
         loss: Some(loss_err),
         dx: Some(dx_err),
-        prob: None,
+        ..CaseErrors::default()
     })
+}
+
+/// The head's gradient asked of the resident loss: refused with
+/// [`Error::HeadGradUnsupported`] before anything is recorded (the
+/// outputs keep their NaN), and the same call without it then matches the
+/// host path.
+fn check_resident_head_grad_refused<B: ResidentBackend + ?Sized>(
+    backend: &B,
+    tol: &Tolerance,
+) -> Result<CaseErrors, String> {
+    let case = error_base();
+    let mut engine = engine_for(backend, &case)?;
+    let (ntok, hs) = (case.ntok, case.hs);
+    let (bytes, values) = hidden_as(&case, HiddenDtype::F32);
+    let x = device_buffer(backend, &bytes, "x")?;
+    let hidden = DeviceHidden {
+        buffer: &x,
+        dtype: HiddenDtype::F32,
+    };
+    let bufs = HeadKlBuffers::upload(backend, &case)?;
+    let asked = DeviceLossOptions {
+        config: LossConfig {
+            head_grad: true,
+            ..bufs.options(&case).config
+        },
+        ..bufs.options(&case)
+    };
+    match engine.head_kl_device(ntok, &hidden, &bufs.teacher(case.k), &bufs.output(), &asked) {
+        Err(Error::HeadGradUnsupported { .. }) => {}
+        Err(other) => {
+            return Err(format!(
+                "head_kl_device with head_grad: {other}, want HeadGradUnsupported"
+            ))
+        }
+        Ok(()) => return Err("head_kl_device with head_grad: accepted, want HeadGradUnsupported".into()),
+    }
+    engine
+        .wait_device()
+        .map_err(|e| format!("wait_device after the refusal: {e}"))?;
+    let untouched = download_f32(backend, &bufs.loss, ntok)?;
+    if let Some(t) = untouched.iter().position(|v| !v.is_nan()) {
+        return Err(format!("the refused call wrote loss[{t}] = {}", untouched[t]));
+    }
+    engine
+        .head_kl_device(
+            ntok,
+            &hidden,
+            &bufs.teacher(case.k),
+            &bufs.output(),
+            &bufs.options(&case),
+        )
+        .map_err(|e| format!("head_kl_device after the refusal: {e}"))?;
+    engine.wait_device().map_err(|e| format!("wait_device: {e}"))?;
+    let got_dx = download_f32(backend, &bufs.dx, ntok * hs)?;
+    let host_hidden = Hidden::f32(&values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
+    let teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
+    let (host, _) = check_vs_host_path(
+        &mut engine,
+        &host_hidden,
+        &teacher,
+        &case.loss_options(),
+        &got_dx,
+        hs,
+        tol,
+    )?;
+    check_close_to_host("loss", &download_f32(backend, &bufs.loss, ntok)?, &host.loss, 1)?;
+    Ok(CaseErrors::default())
 }
 
 /// Runs the resident cases (`cfg.cases` drawn ones) and the resident error
@@ -1097,6 +1164,16 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
         what.into(),
         0,
         || check_loss_out_flags(backend),
+    ));
+    let what = "LossConfig::head_grad with the device-resident loss: head_kl_device refuses it \
+                (HeadGradUnsupported) before any work (its outputs untouched), and the engine then runs the \
+                call without it against the host path";
+    rec.push(run_one(
+        backend,
+        "resident_head_grad/refused".into(),
+        what.into(),
+        0,
+        || check_resident_head_grad_refused(backend, &tol),
     ));
     for &(name, what) in RESIDENT_ERROR_CASES {
         let outcome = run_one(backend, format!("resident_errors/{name}"), what.to_string(), 0, || {

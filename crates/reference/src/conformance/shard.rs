@@ -361,7 +361,7 @@ fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
     Ok(CaseErrors {
         loss: Some(loss),
         dx: Some(dx),
-        prob: None,
+        ..CaseErrors::default()
     })
 }
 
@@ -445,9 +445,8 @@ fn topk_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
         }
     }
     Ok(CaseErrors {
-        loss: None,
-        dx: None,
         prob: Some(prob),
+        ..CaseErrors::default()
     })
 }
 
@@ -511,8 +510,7 @@ fn gather_case<B: Backend>(backend: &B) -> Result<CaseErrors, String> {
     )?;
     Ok(CaseErrors {
         loss: Some(worst),
-        dx: None,
-        prob: None,
+        ..CaseErrors::default()
     })
 }
 

@@ -364,7 +364,7 @@ fn loss_case<B: ResidentBackend, D: DeviceDrive<B>>(b: &B, name: &str, drive: &D
     Ok(CaseErrors {
         loss: Some(loss),
         dx: Some(dx),
-        prob: None,
+        ..CaseErrors::default()
     })
 }
 

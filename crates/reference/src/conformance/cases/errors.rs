@@ -1,7 +1,8 @@
 //! The error cases ([`ERROR_CASES`]), by the kind of error they check:
 //! non-finite hidden rows ([`NON_FINITE`]); the engine around an error and
 //! its resources (recovery, downloads in flight, several slices and
-//! chunks, memory); the dx block filter on lm-like data.
+//! chunks, memory); the dx block filter on lm-like data; the head's
+//! gradient where it is refused.
 
 use headkl_core::{Backend, Engine, Error, HiddenData, LossConfig, LossOptions, LossTerms, TailMode, TeacherForm};
 
@@ -60,6 +61,12 @@ pub(crate) const ERROR_CASES: &[(&str, &str)] = &[
          and the filter skips more blocks than in the natural order",
     ),
     (
+        "head_grad_refused_by_shards",
+        "LossConfig::head_grad with the sharded loss: shard::check_loss_terms and ShardEngine::loss_partials \
+         refuse it (ShardUnsupported, option head-grad) before any work, and the shard's engine then runs \
+         the same call without it",
+    ),
+    (
         "filter_eps_zero_bit_identical",
         "the lm-like data, plain and with τ = 2, the hard term and the z-loss: with ε = 0 loss and dx are \
          bit-identical to the unfiltered call's; at ε = 2^-15 the loss is, and dx matches the reference",
@@ -83,6 +90,7 @@ pub(crate) fn check_error_case<B: Backend + ?Sized>(
         "filter_lm_dx_within_tolerance" => filter_lm_dx_within_tolerance(backend, tol),
         "vocab_order_prior" => vocab_order_prior(backend, tol),
         "filter_eps_zero_bit_identical" => filter_eps_zero_bit_identical(backend, tol),
+        "head_grad_refused_by_shards" => head_grad_refused_by_shards(backend),
         other => Err(format!("no error case named {other}")),
     }
 }
@@ -206,6 +214,7 @@ fn two_chunks_in_flight<B: Backend + ?Sized>(backend: &B, tol: &Tolerance) -> Re
             prob: m.prob.or(measured.prob),
             loss: m.loss.or(measured.loss),
             dx: m.dx.or(measured.dx),
+            head_grad: m.head_grad.or(measured.head_grad),
         };
     }
     let mut poisoned = clean.clone();
@@ -393,6 +402,54 @@ fn filter_eps_zero_bit_identical<B: Backend + ?Sized>(backend: &B, tol: &Toleran
     Ok(measured)
 }
 
+/// The sharded loss refuses the head's gradient, naming the option, and
+/// the shard's engine is usable after the refusal.
+fn head_grad_refused_by_shards<B: Backend + ?Sized>(backend: &B) -> Result<CaseErrors, String> {
+    use headkl_core::shard::{check_loss_terms, HeadShard, ShardEngine};
+    let case = error_base(CaseKind::HeadKl, 40);
+    let head = case.head_weights().map_err(|e| e.to_string())?;
+    let hidden = case.hidden_rows(&[]).map_err(|e| e.to_string())?;
+    let teacher = case.teacher().map_err(|e| e.to_string())?;
+    let plain = case.loss_options();
+    let opts = LossOptions {
+        config: LossConfig {
+            head_grad: true,
+            ..plain.config
+        },
+        ..plain.clone()
+    };
+    fn refused<T>(what: &str, got: headkl_core::Result<T>) -> Result<(), String> {
+        match got {
+            Err(Error::ShardUnsupported {
+                option: "head-grad", ..
+            }) => Ok(()),
+            Err(e) => Err(format!(
+                "{what} with head_grad: got error \"{e}\", want ShardUnsupported {{ option: \"head-grad\" }}"
+            )),
+            Ok(_) => Err(format!("{what} with head_grad: succeeded, want ShardUnsupported")),
+        }
+    }
+    refused("shard::check_loss_terms", check_loss_terms(teacher.tail(), &opts))?;
+    let shard = HeadShard::new(0, 160, case.vocab).map_err(|e| e.to_string())?;
+    let rows = head.rows(shard.v0(), shard.v1()).map_err(|e| e.to_string())?;
+    let mut engine = ShardEngine::new(backend, &rows, shard, case.slice_options()).map_err(|e| e.to_string())?;
+    refused(
+        "ShardEngine::loss_partials",
+        engine.loss_partials(&hidden, &teacher, &opts),
+    )?;
+    let partials = engine
+        .loss_partials(&hidden, &teacher, &plain)
+        .map_err(|e| format!("loss_partials without head_grad, after the refusal: {e}"))?;
+    if partials.lse.len() != case.ntok {
+        return Err(format!(
+            "loss_partials after the refusal: {} rows, want {}",
+            partials.lse.len(),
+            case.ntok
+        ));
+    }
+    Ok(CaseErrors::default())
+}
+
 /// The base case of the error checks: V = 300, hs = 40, 40 tokens in
 /// chunks of 16.
 fn error_base(kind: CaseKind, ntok: usize) -> Case {
@@ -436,7 +493,7 @@ pub(crate) fn lm_case(
 }
 
 /// [`lm_case`] and the generator's log prior over the vocabulary.
-fn lm_case_and_prior(
+pub(super) fn lm_case_and_prior(
     ntok: usize,
     max_rows_per_slice: Option<usize>,
     max_rows_per_chunk: Option<usize>,

@@ -98,7 +98,7 @@ fn from(p: CaseParams) -> Regression {
 
 /// Every loss term on at once, with `divergence` (the "everything"
 /// regression cases).
-fn every_term(divergence: Divergence) -> LossTerms {
+pub(super) fn every_term(divergence: Divergence) -> LossTerms {
     LossTerms {
         soft_weight: 0.7,
         hard_weight: 0.5,
@@ -111,7 +111,7 @@ fn every_term(divergence: Divergence) -> LossTerms {
 }
 
 /// `divergence` alone.
-fn only(divergence: Divergence) -> LossTerms {
+pub(super) fn only(divergence: Divergence) -> LossTerms {
     LossTerms {
         divergence,
         ..LossTerms::default()
