@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import headkl.torch as ht
 from reference import full_vocab_reference, reference
 from test_head_refresh import full_vocab_problem
-from test_loss import CASES, HS, K, V, close, problem
+from test_loss import CASES, HS, K, V, case_problem, close, problem
 
 
 class Spy:
@@ -47,12 +47,7 @@ def spied(loss_fn):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_head_gradient_matches_torch_f64(backend, case):
-    opts = dict(CASES[case])
-    use_labels, use_weights, total = opts.pop("_labels", False), opts.pop("_weights", False), opts.pop("_total", None)
-    weight, hidden, ids, values, labels, weights = problem(7, form=opts.get("teacher_form", "probs"))
-    if opts.get("ignore_index", -100) != -100:
-        labels.view(-1)[3] = opts["ignore_index"]
-    call = dict(labels=labels if use_labels else None, weights=weights if use_weights else None, total=total)
+    opts, (weight, hidden, ids, values), call = case_problem(case)
     # An upstream gradient of 3; per token with "none", uneven (negative, zero and positive).
     none = opts.get("reduction") == "none"
     upstream = torch.linspace(-1.0, 2.0, hidden[..., 0].numel()).reshape(hidden.shape[:-1]) if none else 3.0

@@ -49,6 +49,19 @@ CASES = {
 }
 
 
+def case_problem(case):
+    """CASES[case]'s loss options and problem: ``(opts, (weight, hidden,
+    ids, values), call)``, ``call`` the forward's labels, weights and
+    total."""
+    opts = dict(CASES[case])
+    use_labels, use_weights, total = opts.pop("_labels", False), opts.pop("_weights", False), opts.pop("_total", None)
+    weight, hidden, ids, values, labels, weights = problem(7, form=opts.get("teacher_form", "probs"))
+    if opts.get("ignore_index", -100) != -100:
+        labels.view(-1)[3] = opts["ignore_index"]
+    call = dict(labels=labels if use_labels else None, weights=weights if use_weights else None, total=total)
+    return opts, (weight, hidden, ids, values), call
+
+
 def close(got, want, what, rel=2e-3):
     scale = want.abs().max().item() + 1e-6
     err = (got.double() - want).abs().max().item()
