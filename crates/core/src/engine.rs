@@ -6,8 +6,7 @@
 use crate::align::{round_up, ALIGN};
 use crate::error::{Error, Result};
 use crate::head::HeadWeights;
-use crate::head_grad::HeadGrad;
-use crate::head_planes::{DevicePlane, DxFilter, HeadPlanes, Scaling};
+use crate::head_planes::{DevicePlane, DxFilter, HeadGrad, HeadPlanes, Scaling};
 use crate::in_flight::{Copying, InFlight};
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};

@@ -67,7 +67,6 @@ pub mod error;
 pub mod filter;
 pub mod floats;
 pub mod head;
-mod head_grad;
 mod head_planes;
 mod in_flight;
 pub mod problem;

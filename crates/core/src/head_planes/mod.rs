@@ -26,6 +26,9 @@ use crate::toolkit::launch::Kernels;
 use crate::toolkit::split::DxSplit;
 use crate::vocab_order::VocabOrder;
 
+mod grad;
+pub(crate) use grad::HeadGrad;
+
 /// Bytes of host data uploaded per transfer while packing the head, so a
 /// multi-GB head never needs a second multi-GB copy on the host.
 const HEAD_UPLOAD_BYTES: usize = 64 << 20;

@@ -10,9 +10,9 @@
 //! pieces of rows, each within one binding, and is read back once at the
 //! end, rows in the head's natural id order.
 
+use super::{HeadPlanes, Scaling};
 use crate::align::ALIGN;
 use crate::error::Result;
-use crate::head_planes::{HeadPlanes, Scaling};
 use crate::toolkit::backend::{Backend, GemmDesc, HeadLayout, TransposeDesc};
 use crate::toolkit::launch::Kernels;
 
