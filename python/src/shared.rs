@@ -108,6 +108,7 @@ pub fn head_kl(
         labels: b.labels.map(|h| shared.get("labels", h)).transpose()?,
         accumulate_dx: false,
         terms_out: None,
+        head_grad_out: None,
     };
     let teacher = DeviceTeacher {
         ids: shared.get("teacher_ids", b.ids)?,

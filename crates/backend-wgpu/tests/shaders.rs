@@ -173,7 +173,7 @@ fn every_build_in_the_catalogue_matches_its_shader_and_compiles() {
         glsl += usize::from(matches!(build.source, KernelSource::Glsl { .. }));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    // 4 fixed kernels, the 10 device-resident ones, and per GEMM (logits,
+    // 5 fixed kernels, the 11 device-resident ones, and per GEMM (logits,
     // dx, dx filtered) the tiled kernel, 19 WGSL tiles at 2 subgroup sizes
     // and the GLSL and PTX tiles at one (the filtered dx GEMM of a PTX
     // tile is the GLSL filter tile's).
@@ -183,7 +183,7 @@ fn every_build_in_the_catalogue_matches_its_shader_and_compiles() {
         .into_iter()
         .filter(|k| matches!(k, headkl_core::toolkit::CoopGemm::Wgmma(_)))
         .count();
-    assert_eq!(builds.len(), 4 + 10 + 3 * (1 + 2 * 19 + tiles + ptx));
+    assert_eq!(builds.len(), 5 + 11 + 3 * (1 + 2 * 19 + tiles + ptx));
     assert_eq!(glsl, 3 * tiles + ptx);
     assert!(words > 0);
 }

@@ -361,7 +361,7 @@ impl<B: Backend> Engine<B> {
         let sizes = self.head.row_bytes(&self.backend, job, k);
         let call = self.begin_loss_call((job, &sizes), (plan.rows_per_chunk, k), hidden.data())?;
         let teacher = LossTeacher::TopK(teacher);
-        let head_grad = match self.take_head_grad(opts) {
+        let head_grad = match self.take_head_grad(opts.config.head_grad) {
             Ok(head_grad) => head_grad,
             Err(e) => return self.end_host_call(call, Err(e)),
         };
@@ -479,7 +479,7 @@ impl<B: Backend> Engine<B> {
         let (t_input, t_rows) =
             self.teacher_scratch
                 .begin(&self.backend, Job::Topk, &t_sizes, (rows, 1), teacher_hidden.data())?;
-        let head_grad = match self.take_head_grad(opts) {
+        let head_grad = match self.take_head_grad(opts.config.head_grad) {
             Ok(head_grad) => head_grad,
             Err(e) => {
                 self.teacher_scratch.put_back(t_rows, None, t_input);
@@ -510,16 +510,21 @@ impl<B: Backend> Engine<B> {
         result
     }
 
-    /// The device memory the head's gradient builds up in, when `opts`
+    /// The device memory the head's gradient builds up in, when a call
     /// asks for it: the last call's, else fresh.
-    fn take_head_grad(&mut self, opts: &LossOptions) -> Result<Option<HeadGrad<B>>> {
-        if !opts.config.head_grad {
+    pub(crate) fn take_head_grad(&mut self, asked: bool) -> Result<Option<HeadGrad<B>>> {
+        if !asked {
             return Ok(None);
         }
         match self.head_grad.take() {
             Some(kept) => Ok(Some(kept)),
             None => HeadGrad::alloc(&self.backend, &self.head).map(Some),
         }
+    }
+
+    /// Keeps the head's gradient's device memory for the next call.
+    pub(crate) fn keep_head_grad(&mut self, pieces: HeadGrad<B>) {
+        self.head_grad = Some(pieces);
     }
 
     /// `head_kl`'s chunks, with the scratch its call took, adding each

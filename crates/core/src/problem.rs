@@ -384,8 +384,9 @@ pub struct LossConfig {
     /// head costs nothing more). It goes through the same logits gradient
     /// as dx, so every term, divergence, weight and reduction gives it;
     /// the block filter does not apply to it (it is exact). The host
-    /// entry points take it; the device-resident ones and the shards
-    /// refuse it ([`crate::Error::HeadGradUnsupported`]).
+    /// entry points return it; the device-resident loss writes it into
+    /// [`crate::resident::DeviceLossOptions::head_grad_out`]; the shards
+    /// refuse it ([`crate::Error::ShardUnsupported`]).
     pub head_grad: bool,
     /// Device-memory budget for scratch buffers, in bytes.
     pub budget_bytes: u64,

@@ -52,8 +52,8 @@ pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
 pub use launch::{Checked, Kernels, Launch};
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident_kernels::{
-    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage, StatusDetailDesc,
-    TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+    GatherRowsDesc, HeadGradOutDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage,
+    StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 pub use settings::{CommonOptions, Env};
 pub use split::DxSplit;

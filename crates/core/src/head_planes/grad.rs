@@ -14,7 +14,8 @@ use super::{HeadPlanes, Scaling};
 use crate::align::ALIGN;
 use crate::error::Result;
 use crate::toolkit::backend::{Backend, GemmDesc, HeadLayout, TransposeDesc};
-use crate::toolkit::launch::Kernels;
+use crate::toolkit::launch::{Kernels, Launch};
+use crate::toolkit::resident_kernels::HeadGradOutDesc;
 
 /// Bytes read back at a time where rows need unpadding or reordering.
 const READ_BLOCK_BYTES: usize = 64 << 20;
@@ -85,6 +86,38 @@ impl<B: Backend> HeadGrad<B> {
                 ..GemmDesc::dense(piece.rows, head.hs_padded(), rows_padded, HeadLayout::Dx)
             };
             backend.gemm(columns, x16, &piece.buffer, &desc)?;
+        }
+        Ok(())
+    }
+
+    /// The device-resident call's last step: every piece's rows of the
+    /// head into the caller's `[vocab][hs]` buffer `dst`, scaled by the
+    /// status buffer's dx multiplier (`resident_head_grad_out.wgsl`). The
+    /// resident calls take no vocabulary order, so positions are ids.
+    pub(crate) fn write_out(
+        &self,
+        backend: &B,
+        head: &HeadPlanes<B>,
+        status: &B::Buffer,
+        dst: &B::Buffer,
+    ) -> Result<()> {
+        let (vocab, hs) = (head.vocab(), head.hs());
+        for piece in &self.pieces {
+            let rows = vocab.saturating_sub(piece.first).min(piece.rows);
+            if rows == 0 {
+                continue;
+            }
+            backend.dispatch(Launch::HeadGradOut {
+                piece: &piece.buffer,
+                status,
+                dst,
+                desc: HeadGradOutDesc {
+                    rows,
+                    hs,
+                    ld: head.hs_padded(),
+                    dst_offset: piece.first * hs,
+                },
+            })?;
         }
         Ok(())
     }

@@ -32,7 +32,7 @@ pub use crate::toolkit::status;
 use crate::align::{round_up, ALIGN};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::head_planes::{DxFilter, HeadPlanes, Scaling};
+use crate::head_planes::{DxFilter, HeadGrad, HeadPlanes, Scaling};
 use crate::problem::{check_gscale, check_k, LossConfig, TopkOptions};
 use crate::scratch::{Job, LossScratch, ResidentScratch, RowBytes, RowScratch};
 use crate::terms::{TailMode, TeacherForm};
@@ -109,6 +109,11 @@ pub struct DeviceLossOptions<'a, Buf> {
     /// Optional output: per token `[lse, soft, hard]`, f32 `[ntok][3]`
     /// (the host path's `LossOutput::{lse, soft, hard}`).
     pub terms_out: Option<&'a Buf>,
+    /// The head's gradient `∂mean/∂W`, f32 `[V][hs]` on the device,
+    /// overwritten (rows in id order): given, it is computed (with
+    /// `config.head_grad` it must be given). It must fit in one binding
+    /// (the device's `max_binding_bytes`).
+    pub head_grad_out: Option<&'a Buf>,
 }
 
 impl<Buf> Default for DeviceLossOptions<'_, Buf> {
@@ -119,6 +124,7 @@ impl<Buf> Default for DeviceLossOptions<'_, Buf> {
             labels: None,
             accumulate_dx: false,
             terms_out: None,
+            head_grad_out: None,
         }
     }
 }
@@ -572,12 +578,6 @@ impl<B: ResidentBackend> Engine<B> {
             self.check_view("weights", w, ntok, 4)?;
         }
         opts.config.check(opts.labels.is_some())?;
-        if opts.config.head_grad {
-            return Err(Error::HeadGradUnsupported {
-                entry: "the device-resident loss",
-                hint: "the host call (Engine::head_kl) returns the head's gradient",
-            });
-        }
         opts.config.total_for(ntok)?;
         opts.config.gscale.map(check_gscale).transpose()?;
         Ok(())
@@ -664,6 +664,7 @@ impl<B: ResidentBackend> Engine<B> {
         if let Some(t) = opts.terms_out {
             self.check_view("terms_out", t, elements("terms_out", ntok, 3)?, 4)?;
         }
+        let head_grad_out = self.check_head_grad_out(opts)?;
         let job = Job::loss(opts.config.filter_eps);
         let plan = HeadPlanes::plan_for(
             &self.backend,
@@ -674,7 +675,18 @@ impl<B: ResidentBackend> Engine<B> {
             (opts.config.budget_bytes, opts.config.max_rows_per_chunk),
         )?;
         let call: ResidentCall<B, LossScratch<B>> = self.begin_resident_call((job, plan.rows_per_chunk, k))?;
-        let recorded = self.record_head_kl(ntok, hidden, teacher, out, opts, &plan, &call);
+        let head_grad = match head_grad_out {
+            Some(dst) => match self.take_head_grad(true) {
+                Ok(pieces) => pieces.map(|p| (p, dst)),
+                Err(e) => return self.end_resident_call(call, Err(e)),
+            },
+            None => None,
+        };
+        let grad = head_grad.as_ref().map(|(pieces, dst)| (pieces, *dst));
+        let recorded = self.record_head_kl(ntok, (hidden, teacher), out, opts, &plan, &call, grad);
+        if let Some((pieces, _)) = head_grad {
+            self.keep_head_grad(pieces);
+        }
         self.end_resident_call(call, recorded)?;
         if self.resident.checked {
             self.wait_device()?;
@@ -682,18 +694,45 @@ impl<B: ResidentBackend> Engine<B> {
         Ok(())
     }
 
+    /// `opts.head_grad_out`, checked, when given (it asks for the head's
+    /// gradient, as `opts.config.head_grad` does); an error where the
+    /// config asks for it without a buffer.
+    fn check_head_grad_out<'o>(&self, opts: &DeviceLossOptions<'o, B::Buffer>) -> Result<Option<&'o B::Buffer>> {
+        match (opts.config.head_grad, opts.head_grad_out) {
+            (false, None) => Ok(None),
+            (_, Some(dst)) => {
+                let (vocab, hs) = (self.head.vocab(), self.head.hs());
+                self.check_view("head_grad_out", dst, elements("head_grad_out", vocab, hs)?, 4)?;
+                let info = self.backend.info();
+                let bytes = (vocab * hs * 4) as u64;
+                if bytes > info.max_binding_bytes.min(info.max_buffer_bytes) {
+                    return Err(Error::HeadGradUnsupported {
+                        entry: "the device-resident loss at this head's size (its f32 gradient is past the device's largest binding)",
+                        hint: "the host call (Engine::head_kl) returns it",
+                    });
+                }
+                Ok(Some(dst))
+            }
+            (true, None) => Err(Error::HeadGradUnsupported {
+                entry: "the device-resident loss without an output buffer",
+                hint: "give DeviceLossOptions::head_grad_out, f32 [V][hs]",
+            }),
+        }
+    }
+
     /// Records [`Engine::head_kl_device`]'s kernels (its checks done) and
-    /// submits them.
+    /// submits them; with `head_grad`, the head's gradient built in its
+    /// pieces and copied into the caller's buffer.
     #[allow(clippy::too_many_arguments, reason = "the call's inputs and the scratch it took")]
     fn record_head_kl(
         &self,
         ntok: usize,
-        hidden: &DeviceHidden<'_, B::Buffer>,
-        teacher: &DeviceTeacher<'_, B::Buffer>,
+        (hidden, teacher): (&DeviceHidden<'_, B::Buffer>, &DeviceTeacher<'_, B::Buffer>),
         out: &DeviceLossOutput<'_, B::Buffer>,
         opts: &DeviceLossOptions<'_, B::Buffer>,
         plan: &crate::toolkit::chunking::ChunkPlan,
         call: &ResidentCall<B, LossScratch<B>>,
+        head_grad: Option<(&HeadGrad<B>, &B::Buffer)>,
     ) -> Result<()> {
         let (k, b) = (teacher.k, &self.backend);
         let (status, s, ls) = (&call.status, call.rows(), &call.loss);
@@ -704,7 +743,7 @@ impl<B: ResidentBackend> Engine<B> {
         // Unread slots get a buffer already at hand.
         let labels_buf = labels.unwrap_or(teacher.ids);
         let scaling = Scaling::resident_loss(opts.config.temperature, opts.config.terms.logit_scale);
-        for (start, rows) in plan.ranges(ntok) {
+        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let row_stats = self.row_stats_for(&opts.config.terms, opts.config.temperature, rows_padded);
             self.resident_logits(s, hidden, (start, rows), scaling, row_stats)?;
@@ -735,7 +774,14 @@ impl<B: ResidentBackend> Engine<B> {
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
                 .dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, scaling, dx_filter)?;
+            if let Some((pieces, _)) = head_grad {
+                let buffers = (&ls.grad, &s.x16, &s.logits);
+                pieces.add_chunk(b, &self.head, buffers, (rows, rows_padded), scaling, chunk > 0)?;
+            }
             call.loss_out(b, (start, rows), (self.head.hs(), self.head.hs_padded()), out, opts)?;
+        }
+        if let Some((pieces, dst)) = head_grad {
+            pieces.write_out(b, &self.head, &call.status, dst)?;
         }
         call.status_detail(b, ntok, teacher, opts, labels)?;
         b.submit()

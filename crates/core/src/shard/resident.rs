@@ -209,6 +209,13 @@ impl<B: ResidentBackend> ShardEngine<B> {
             });
         }
         e.check_resident_loss_inputs(ntok, hidden, teacher, opts)?;
+        if opts.config.head_grad || opts.head_grad_out.is_some() {
+            return Err(Error::ShardUnsupported {
+                option: "head-grad",
+                value: "true".into(),
+                hint: "the head's gradient runs unsharded",
+            });
+        }
         check_terms(
             teacher.tail,
             &opts.config.terms,

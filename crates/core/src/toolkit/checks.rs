@@ -17,13 +17,13 @@ use crate::toolkit::backend::{
 };
 use crate::toolkit::kernels::{bad_descriptor, require, KernelId};
 use crate::toolkit::params::{
-    row_flags, ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams,
-    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
-    WeightStatsParams,
+    row_flags, ConvertParams, GatherRowsParams, GemmParams, HeadGradOutParams, HiddenInParams, LabelsInParams,
+    LossOutParams, RowParams, ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams,
+    TransposeParams, WeightStatsParams,
 };
 use crate::toolkit::resident_kernels::{
-    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage, StatusDetailDesc,
-    TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+    GatherRowsDesc, HeadGradOutDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage,
+    StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 use crate::toolkit::split::k_part_len;
 use crate::toolkit::status::WORDS;
@@ -730,6 +730,29 @@ impl LossOutDesc {
             dx_offset: index(K, "dx_offset", self.dx_offset)?,
             accumulate: u32::from(self.accumulate),
             write_terms: u32::from(self.write_terms),
+            grid_x: 0,
+            _pad: [0; 3],
+        })
+    }
+}
+
+impl HeadGradOutDesc {
+    /// Checks the head-gradient copy against `[piece, status, dst]` and
+    /// returns its block.
+    pub fn check<B: DeviceBuffer>(&self, [piece, status, dst]: [&B; 3], max_binding: u64) -> Result<HeadGradOutParams> {
+        const K: KernelId = KernelId::HeadGradOut;
+        let (rows, hs) = (self.rows, self.hs);
+        at_least(K, "ld", self.ld, "hs", hs)?;
+        fits(K, "piece", span(0, rows, self.ld, hs), 4, piece, max_binding)?;
+        status_fits(K, status, max_binding)?;
+        fits(K, "dst", span(self.dst_offset, rows, hs, hs), 4, dst, max_binding)?;
+        // One invocation per element copied.
+        index(K, "rows · hs", rows.saturating_mul(hs))?;
+        Ok(HeadGradOutParams {
+            rows: index(K, "rows", rows)?,
+            hs: index(K, "hs", hs)?,
+            ld: index(K, "ld", self.ld)?,
+            dst_offset: index(K, "dst_offset", self.dst_offset)?,
             grid_x: 0,
             _pad: [0; 3],
         })

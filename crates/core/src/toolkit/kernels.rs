@@ -21,13 +21,13 @@ use crate::toolkit::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPart
 use crate::toolkit::gemm_choice::{CoopGemm, KernelLimits};
 use crate::toolkit::glsl_tile::GlslTile;
 use crate::toolkit::params::{
-    ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock, RowParams,
-    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
-    WeightStatsParams,
+    ConvertParams, GatherRowsParams, GemmParams, HeadGradOutParams, HiddenInParams, LabelsInParams, LossOutParams,
+    ParamBlock, RowParams, ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams,
+    TransposeParams, WeightStatsParams,
 };
 use crate::toolkit::resident_kernels::{
-    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc,
-    TopkOutDesc, WeightStatsDesc,
+    GatherRowsDesc, HeadGradOutDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc,
+    TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 use crate::toolkit::wgmma_tile::WgmmaTile;
 
@@ -186,6 +186,8 @@ pub const HIDDEN_IN_WGSL: Shader = Shader {
 };
 /// `resident_loss_out.wgsl`: a chunk's loss and dx into the caller's buffers.
 pub const LOSS_OUT_WGSL: Shader = resident_shader!("resident_loss_out.wgsl", LossOutParams);
+/// `resident_head_grad_out.wgsl`: the head's gradient into the caller's buffer.
+pub const HEAD_GRAD_OUT_WGSL: Shader = resident_shader!("resident_head_grad_out.wgsl", HeadGradOutParams);
 /// `resident_topk_out.wgsl`: a chunk's top-k into the caller's buffers.
 pub const TOPK_OUT_WGSL: Shader = resident_shader!("resident_topk_out.wgsl", TopkOutParams);
 /// `resident_gather_in.wgsl`: the caller's gather ids checked into scratch.
@@ -200,7 +202,7 @@ pub const SHARD_ROWS_WGSL: Shader = resident_shader!("resident_shard.wgsl", Shar
 pub const STATUS_DETAIL_WGSL: Shader = resident_shader!("resident_status.wgsl", StatusDetailParams);
 
 /// Every shader file, in the order of [`KernelId::ALL`].
-pub const SHADERS: [Shader; 17] = [
+pub const SHADERS: [Shader; 19] = [
     CONVERT_WGSL,
     KL_ROWS_WGSL,
     TOPK_ROWS_WGSL,
@@ -208,6 +210,7 @@ pub const SHADERS: [Shader; 17] = [
     GEMM_COOP_WGSL,
     GEMM_COOP_DIRECT_WGSL,
     SUM_PARTS_WGSL,
+    TRANSPOSE_WGSL,
     WEIGHT_STATS_WGSL,
     TEACHER_ROWS_WGSL,
     LABELS_IN_WGSL,
@@ -218,6 +221,7 @@ pub const SHADERS: [Shader; 17] = [
     SHARD_ROWS_WGSL,
     GATHER_IN_WGSL,
     GATHER_OUT_WGSL,
+    HEAD_GRAD_OUT_WGSL,
 ];
 
 /// The GLSL tile whose filtered build the dx GEMM runs with the block
@@ -425,6 +429,9 @@ catalogue! {
     /// Resident: a chunk's gathered log-probabilities and lse into the
     /// caller's buffers ([`GatherRowsDesc`]).
     GatherOut => "gather_out", [R, W, W, W], GatherRowsParams, true, GATHER_OUT_WGSL: 0, ROW_WORKGROUP;
+    /// Resident: a piece of the head's gradient into the caller's buffer
+    /// ([`HeadGradOutDesc`]).
+    HeadGradOut => "head_grad_out", [R, W, W], HeadGradOutParams, true, HEAD_GRAD_OUT_WGSL: 0, ROW_WORKGROUP;
 }
 
 /// How a kernel uses one storage binding.
@@ -773,6 +780,13 @@ impl LossOutDesc {
     /// chunk's dx (the first `rows` also copy the loss).
     pub fn workgroups(&self) -> u64 {
         per_element(self.rows * self.hs.max(1))
+    }
+}
+
+impl HeadGradOutDesc {
+    /// Workgroups of its dispatch: one invocation per element copied.
+    pub fn workgroups(&self) -> u64 {
+        per_element(self.rows * self.hs)
     }
 }
 

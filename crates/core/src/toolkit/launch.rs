@@ -12,13 +12,13 @@ use crate::toolkit::backend::{
 };
 use crate::toolkit::kernels::{GemmKernel, KernelBuild, KernelId, KL_FLAGS};
 use crate::toolkit::params::{
-    ConvertParams, GatherRowsParams, GemmParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams,
-    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
+    ConvertParams, GatherRowsParams, GemmParams, HeadGradOutParams, HiddenInParams, LabelsInParams, LossOutParams,
+    RowParams, ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
     WeightStatsParams,
 };
 use crate::toolkit::resident_kernels::{
-    GatherRowsDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc, TeacherRowsDesc,
-    TopkOutDesc, WeightStatsDesc,
+    GatherRowsDesc, HeadGradOutDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc,
+    TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 
 /// The launch table: one row a [`Launch`] variant, giving its descriptor
@@ -164,6 +164,12 @@ launches! {
     LossOut(LossOutDesc) { loss_chunk, dx_chunk, status, loss, dx, terms }
         => kernel KernelId::LossOut, workgroups desc.workgroups(), LossOut(check);
 
+    /// Resident: a piece of the head's gradient out ([`HeadGradOutDesc`]).
+    /// Bindings: `piece`: its f32 rows; `status`: the status buffer; `dst`: the
+    /// caller's `[V][hs]` gradient.
+    HeadGradOut(HeadGradOutDesc) { piece, status, dst }
+        => kernel KernelId::HeadGradOut, workgroups desc.workgroups(), HeadGradOut(check);
+
     /// Resident: a chunk's top-k out ([`TopkOutDesc`]). Bindings: `ids_chunk`: the
     /// chunk's ids; `probs_chunk`: the chunk's probabilities; `status`: the status
     /// buffer; `ids`: the caller's ids; `probs`: the caller's probabilities.
@@ -258,6 +264,7 @@ blocks! {
     LabelsIn(LabelsInParams),
     HiddenIn(HiddenInParams),
     LossOut(LossOutParams),
+    HeadGradOut(HeadGradOutParams),
     TopkOut(TopkOutParams),
     GatherRows(GatherRowsParams),
     StatusDetail(StatusDetailParams),

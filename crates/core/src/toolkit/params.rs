@@ -338,6 +338,7 @@ param_block!(TeacherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_
 param_block!(LabelsInParams: rows: u32, vocab: u32, token0: u32, labels_offset: u32, has_labels: u32, grid_x: u32);
 param_block!(HiddenInParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, src_offset: u32, dtype: u32, grid_x: u32);
 param_block!(LossOutParams: rows: u32, hs: u32, ld: u32, token0: u32, loss_offset: u32, dx_offset: u32, accumulate: u32, write_terms: u32, grid_x: u32);
+param_block!(HeadGradOutParams: rows: u32, hs: u32, ld: u32, dst_offset: u32, grid_x: u32);
 param_block!(TopkOutParams: rows: u32, k: u32, token0: u32, ids_offset: u32, probs_offset: u32, grid_x: u32);
 param_block!(ShardRowsParams: rows: u32, k: u32, v0: u32, v1: u32, token0: u32, stage: u32, lse1_too: u32, grid_x: u32);
 param_block!(StatusDetailParams: rows: u32, k: u32, has_weights: u32, logprobs: u32, tail: u32, has_labels: u32, grid_x: u32);
@@ -440,6 +441,24 @@ pub struct HiddenInParams {
     pub grid_x: u32,
     /// Padding to 16 bytes.
     pub _pad: u32,
+}
+
+/// `shaders/resident_head_grad_out.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HeadGradOutParams {
+    /// Rows of the piece copied.
+    pub rows: u32,
+    /// Elements per row of dst.
+    pub hs: u32,
+    /// Row stride of the piece.
+    pub ld: u32,
+    /// First element of dst written.
+    pub dst_offset: u32,
+    /// Workgroups along x of the (folded) dispatch grid.
+    pub grid_x: u32,
+    /// Padding to 16 bytes.
+    pub _pad: [u32; 3],
 }
 
 /// `shaders/resident_loss_out.wgsl`.

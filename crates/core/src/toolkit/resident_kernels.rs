@@ -158,6 +158,21 @@ pub struct LossOutDesc {
     pub write_terms: bool,
 }
 
+/// One piece of the head's gradient (`rows` f32 rows, `ld` apart) into the
+/// caller's `[V][hs]` buffer from element `dst_offset`, scaled by the
+/// status buffer's dx multiplier. Buffers `[piece, status, dst]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadGradOutDesc {
+    /// Rows of the piece copied (the head's rows in it).
+    pub rows: usize,
+    /// Hidden size: elements per row of `dst`.
+    pub hs: usize,
+    /// Row stride of `piece` (≥ hs).
+    pub ld: usize,
+    /// First element of `dst` written.
+    pub dst_offset: usize,
+}
+
 /// A chunk's top-k ids and probabilities into the caller's buffers; a
 /// token with non-finite logits flagged. Buffers `[ids_chunk, probs_chunk,
 /// status, ids, probs]`.

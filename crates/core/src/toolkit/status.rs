@@ -318,7 +318,7 @@ mod tests {
             "{generated}"
         );
         let resident: Vec<KernelId> = KernelId::ALL.into_iter().filter(|k| k.is_resident()).collect();
-        assert_eq!(resident.len(), 10);
+        assert_eq!(resident.len(), 11);
         for kernel in resident {
             for shader in kernel.shaders() {
                 assert_eq!(shader.text.matches(RESIDENT_MARKER).count(), 1, "{}", shader.file);

@@ -872,7 +872,7 @@ pub(crate) fn resident_term_cases() -> impl Iterator<Item = &'static str> {
 
 /// Cases [`run_resident`] runs for `cfg`.
 pub fn resident_case_count(cfg: &SuiteConfig) -> usize {
-    cfg.cases + resident_term_cases().count() + 3 + RESIDENT_ERROR_CASES.len()
+    cfg.cases + resident_term_cases().count() + 4 + RESIDENT_ERROR_CASES.len()
 }
 
 /// `loss_out` dispatched directly on a chunk of four rows: good, flagged
@@ -1112,6 +1112,85 @@ fn check_resident_head_grad_refused<B: ResidentBackend + ?Sized>(
     Ok(CaseErrors::default())
 }
 
+/// The head's gradient from the device-resident loss (several slices and
+/// chunks, per-token weights, f32, bf16 and f16 rows in turn): written
+/// into a NaN-poisoned `[V][hs]` buffer, it is within the tolerance of the
+/// f64 reference and of the host path's, a second call overwrites it with
+/// the same bits, and the loss and dx are those of the call without it.
+fn check_resident_head_grad<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<CaseErrors, String> {
+    let case = error_base();
+    let mut engine = engine_for(backend, &case)?;
+    let (ntok, hs, vocab) = (case.ntok, case.hs, case.vocab);
+    let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
+    let teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
+    let resolved = case
+        .loss_options()
+        .resolve(ntok)
+        .map_err(|e| format!("case options: {e}"))?;
+    let bufs = HeadKlBuffers::upload(backend, &case)?;
+    let poison = vec![f32::NAN; vocab * hs];
+    let dw = device_buffer(backend, bytemuck::cast_slice(&poison), "head_grad_out")?;
+    let mut worst = CaseErrors::default();
+    for dtype in [HiddenDtype::F32, HiddenDtype::Bf16, HiddenDtype::F16] {
+        let (bytes, values) = hidden_as(&case, dtype);
+        let x = device_buffer(backend, &bytes, "x")?;
+        let hidden = DeviceHidden { buffer: &x, dtype };
+        let mut run = |with_grad: bool| -> Result<(Vec<f32>, Vec<f32>), String> {
+            let opts = DeviceLossOptions {
+                config: LossConfig {
+                    head_grad: with_grad,
+                    ..bufs.options(&case).config
+                },
+                head_grad_out: with_grad.then_some(&dw),
+                ..bufs.options(&case)
+            };
+            engine
+                .head_kl_device(ntok, &hidden, &bufs.teacher(case.k), &bufs.output(), &opts)
+                .map_err(|e| format!("{dtype:?}: head_kl_device (head_grad {with_grad}): {e}"))?;
+            engine
+                .wait_device()
+                .map_err(|e| format!("{dtype:?}: wait_device: {e}"))?;
+            let loss = download_f32(backend, &bufs.loss, ntok)?;
+            let dx = download_f32(backend, &bufs.dx, ntok * hs)?;
+            Ok((loss, dx))
+        };
+        let plain = run(false)?;
+        let with = run(true)?;
+        if with != plain {
+            return Err(format!("{dtype:?}: the loss or dx changed with the head's gradient"));
+        }
+        let got = download_f32(backend, &dw, vocab * hs)?;
+        run(true)?;
+        if download_f32(backend, &dw, vocab * hs)?
+            .iter()
+            .map(|v| v.to_bits())
+            .ne(got.iter().map(|v| v.to_bits()))
+        {
+            return Err(format!("{dtype:?}: a second call gave another head gradient"));
+        }
+        let host_hidden = Hidden::f32(&values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
+        let (_, want) = direct::head_kl_and_head_grad_f64(&head, &host_hidden, &teacher, &resolved);
+        let err = tol
+            .check_head_grad(&got, &want, hs)
+            .map_err(|m| format!("{dtype:?}: against the f64 reference: {m}"))?;
+        let host_opts = LossOptions {
+            config: LossConfig {
+                head_grad: true,
+                ..case.loss_options().config
+            },
+            ..case.loss_options()
+        };
+        let host = engine
+            .head_kl(&host_hidden, &teacher, &host_opts)
+            .map_err(|e| format!("{dtype:?}: host head_kl: {e}"))?;
+        let host_dw: Vec<f64> = host.head_grad.iter().map(|&v| f64::from(v)).collect();
+        tol.check_head_grad(&got, &host_dw, hs)
+            .map_err(|m| format!("{dtype:?}: against the host path: {m}"))?;
+        worst.head_grad = Some(worst.head_grad.map_or(err, |w: f64| w.max(err)));
+    }
+    Ok(worst)
+}
+
 /// Runs the resident cases (`cfg.cases` drawn ones) and the resident error
 /// cases on `backend`.
 pub fn run_resident<B: ResidentBackend + ?Sized>(
@@ -1174,6 +1253,16 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
         what.into(),
         0,
         || check_resident_head_grad_refused(backend, &tol),
+    ));
+    let what = "the head's gradient from head_kl_device (DeviceLossOptions::head_grad_out) on f32, bf16 and f16 \
+                rows, 3 slices, chunks of 16, weighted: against the f64 reference and the host path, the same \
+                bits on a second call, loss and dx as without it";
+    rec.push(run_one(
+        backend,
+        "resident_head_grad/matches".into(),
+        what.into(),
+        0,
+        || check_resident_head_grad(backend, &tol),
     ));
     for &(name, what) in RESIDENT_ERROR_CASES {
         let outcome = run_one(backend, format!("resident_errors/{name}"), what.to_string(), 0, || {

@@ -10,8 +10,8 @@ use headkl_core::resident::status::{
 };
 use headkl_core::resident::status::{KIND_LABEL, KIND_LOGPROB, KIND_MASS};
 use headkl_core::toolkit::params::{
-    GatherRowsParams, HiddenInParams, LabelsInParams, LossOutParams, ShardRowsParams, StatusDetailParams,
-    TeacherRowsParams, TopkOutParams, WeightStatsParams,
+    GatherRowsParams, HeadGradOutParams, HiddenInParams, LabelsInParams, LossOutParams, ShardRowsParams,
+    StatusDetailParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
 use headkl_core::toolkit::{Checked, KernelId, ShardStage};
 use headkl_core::{HiddenDtype, ResidentBackend, Result, TailMode, MASS_TOLERANCE, NO_LABEL};
@@ -65,6 +65,7 @@ impl CpuBackend {
             KernelId::LabelsIn => self.labels_in(b, &block(id, &bytes)?),
             KernelId::HiddenIn => self.hidden_in(b, &block(id, &bytes)?),
             KernelId::LossOut => self.loss_out(b, &block(id, &bytes)?),
+            KernelId::HeadGradOut => self.head_grad_out(b, &block(id, &bytes)?),
             KernelId::TopkOut => self.topk_out(b, &block(id, &bytes)?),
             KernelId::StatusDetail => self.status_detail(b, &block(id, &bytes)?),
             KernelId::ShardRows => self.shard_rows(b, &block(id, &bytes)?),
@@ -226,6 +227,25 @@ impl CpuBackend {
                 } else {
                     f16::ZERO
                 };
+            }
+        }
+        Ok(())
+    }
+
+    fn head_grad_out(&self, b: &[&CpuBuffer], p: &HeadGradOutParams) -> Result<()> {
+        const K: &str = "head_grad_out";
+        let piece = b[0].read(K)?;
+        let status = b[1].read(K)?;
+        let mut dst = b[2].write(K)?;
+        let (piece, dst) = (f32s(&piece), f32s_mut(&mut dst));
+        let mul = f32::from_bits(status[S_DX_MUL]);
+        let (hs, ld, first) = (p.hs as usize, p.ld as usize, p.dst_offset as usize);
+        for (r, row) in dst[first..first + p.rows as usize * hs]
+            .chunks_exact_mut(hs)
+            .enumerate()
+        {
+            for (o, &v) in row.iter_mut().zip(&piece[r * ld..r * ld + hs]) {
+                *o = mul * v;
             }
         }
         Ok(())
