@@ -144,6 +144,22 @@ impl<B: Backend> Engine<B> {
         Ok(Self::with_planes(backend, head))
     }
 
+    /// Reads the head again from the device (a trainable head after an
+    /// optimizer step): `fill` rewrites each vocabulary slice's plane in
+    /// place, as for [`Engine::from_device_head`] (same vocab and hs, the
+    /// same [`DevicePlane`]s, no allocation), and `row_norms` are the new
+    /// f16 rows' norms. Costs the device copies `fill` makes; the caller
+    /// checks the values first. Waits for work in flight that reads the
+    /// planes before the first write.
+    pub fn refill_device_head(
+        &mut self,
+        row_norms: &[f32],
+        mut fill: impl FnMut(&B, DevicePlane<'_, B::Buffer>) -> Result<()>,
+    ) -> Result<()> {
+        self.backend.finish()?;
+        self.head.refill(&self.backend, row_norms, &mut fill)
+    }
+
     /// [`Engine::new`] with the head's rows stored in `order`
     /// ([`VocabOrder`]; `None`: natural), fixed for the engine's life: the
     /// dx GEMM's block filter then finds the likely tokens in fewer blocks.

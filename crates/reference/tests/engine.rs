@@ -278,3 +278,62 @@ fn progress_reports_every_chunk_and_changes_nothing() {
 fn leading<T: Copy>(rows: &[T], width: usize, (ntok, k): (usize, usize)) -> Vec<T> {
     rows.chunks(width).take(ntok).flat_map(|r| r[..k].to_vec()).collect()
 }
+
+/// A head read from the device (`Engine::from_device_head`) and read again
+/// after it changed (`Engine::refill_device_head`, planes rewritten in
+/// place) gives what an engine made from the new head gives, bit for bit,
+/// the head's gradient included; a wrong number of row norms is refused.
+#[test]
+fn a_refilled_device_head_is_the_new_head() {
+    use half::f16;
+    use headkl_core::{DevicePlane, HeadData, HeadWeights, LossConfig, LossOptions};
+    let backend = CpuBackend::new();
+    let c = case(CaseKind::HeadKl, false);
+    let (vocab, hs) = (c.vocab, c.hs);
+    let before: Vec<f32> = c.head.iter().map(|v| v * 0.5).collect();
+    let after = c.head.clone();
+    // Writes `w`'s rows, rounded to f16 and zero-padded, into the plane.
+    let fill_from = |w: &[f32]| {
+        let w16: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        move |b: &&CpuBackend, plane: DevicePlane<'_, _>| {
+            let mut rows = vec![f16::ZERO; plane.padded_rows * plane.hs_padded];
+            for r in 0..plane.rows {
+                let src = &w16[(plane.first_row + r) * hs..(plane.first_row + r + 1) * hs];
+                rows[r * plane.hs_padded..r * plane.hs_padded + hs].copy_from_slice(src);
+            }
+            b.upload(plane.buffer, 0, bytemuck::cast_slice(&rows))
+        }
+    };
+    let norms = |w: &[f32]| -> Vec<f32> {
+        w.chunks_exact(hs)
+            .map(|r| r.iter().map(|&v| f16::from_f32(v).to_f32().powi(2)).sum::<f32>().sqrt())
+            .collect()
+    };
+    let slicing = c.slice_options();
+    let mut engine =
+        Engine::from_device_head(&backend, (vocab, hs), slicing, &norms(&before), fill_from(&before)).unwrap();
+    let rows = c.hidden_f16();
+    let hidden = c.hidden_rows(&rows).unwrap();
+    let teacher = c.teacher().unwrap();
+    let opts = LossOptions {
+        config: LossConfig {
+            head_grad: true,
+            ..c.loss_options().config
+        },
+        ..c.loss_options()
+    };
+    let old = engine.head_kl(&hidden, &teacher, &opts).unwrap();
+    assert!(engine
+        .refill_device_head(&norms(&after)[1..], fill_from(&after))
+        .is_err());
+    engine.refill_device_head(&norms(&after), fill_from(&after)).unwrap();
+    let refilled = engine.head_kl(&hidden, &teacher, &opts).unwrap();
+    let head = HeadWeights::new(HeadData::F32(&after), vocab, hs).unwrap();
+    let fresh = Engine::new(&backend, &head, slicing)
+        .unwrap()
+        .head_kl(&hidden, &teacher, &opts)
+        .unwrap();
+    assert_ne!(old.loss, fresh.loss);
+    assert_eq!(refilled, fresh);
+    assert_eq!(refilled.head_grad.len(), vocab * hs);
+}

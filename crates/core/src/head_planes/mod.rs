@@ -254,6 +254,38 @@ impl<B: Backend> HeadPlanes<B> {
         Ok(Self::assemble(vocab, hs, slices, planes, block_norms, None))
     }
 
+    /// Rewrites every plane in place with `fill` (as [`Self::from_device`]
+    /// wrote them; same slices, no allocation) and takes the new rows'
+    /// norms: a trainer's head that changed since, read again by a device
+    /// copy. Refused for a head stored in a vocabulary order (the fill
+    /// writes rows in id order).
+    pub(crate) fn refill(&mut self, backend: &B, row_norms: &[f32], fill: &mut PlaneFill<'_, B>) -> Result<()> {
+        if self.order.is_some() {
+            return Err(Error::VocabOrderUnsupported {
+                reason: "a head refilled from the device is stored in the natural order",
+            });
+        }
+        crate::error::Field::Head.check_len(self.vocab, row_norms.len())?;
+        for (s, plane) in self.slices.iter().zip(&self.planes) {
+            fill(
+                backend,
+                DevicePlane {
+                    buffer: plane,
+                    first_row: s.offset,
+                    rows: s.width,
+                    padded_rows: s.padded_width(),
+                    hs_padded: self.hs_padded,
+                },
+            )?;
+        }
+        backend.finish()?;
+        self.block_norms.fill(0.0);
+        for (row, norm) in row_norms.iter().enumerate() {
+            self.block_norms[row / crate::filter::BLOCK] += norm;
+        }
+        Ok(())
+    }
+
     /// The head from its uploaded planes (`upload` and `from_device`'s
     /// last step): the padded extents derived, the dx split automatic.
     fn assemble(
