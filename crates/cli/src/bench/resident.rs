@@ -79,11 +79,74 @@ pub(super) fn time_resident<B: ResidentBackend>(
         },
     )?;
     let mut jobs = vec![head_kl, topk];
+    if cfg.head_grad {
+        jobs.extend(time_resident_head_grad(
+            d,
+            cfg,
+            engine,
+            (&hidden, &teacher, &out, &loss_opts),
+            topk_call,
+        )?);
+    }
     if let Some(n) = cfg.shards {
         let inputs = (&hidden, &teacher, &out, &loss_opts);
         jobs.push(time_sharded_resident(d, cfg, engine, n, inputs)?);
     }
     Ok(jobs)
+}
+
+/// `--head-grad --resident`: head_kl with the head's gradient into a
+/// device buffer (`DeviceLossOptions::head_grad_out`), nothing read back;
+/// left out, with the reason, where the f32 `[V][hs]` is past one binding.
+#[allow(clippy::type_complexity, reason = "the resident job's buffers")]
+fn time_resident_head_grad<B: ResidentBackend>(
+    d: &BenchData,
+    cfg: &BenchConfig,
+    engine: &mut Engine<B>,
+    (hidden, teacher, out, opts): (
+        &DeviceHidden<'_, B::Buffer>,
+        &DeviceTeacher<'_, B::Buffer>,
+        &DeviceLossOutput<'_, B::Buffer>,
+        &DeviceLossOptions<'_, B::Buffer>,
+    ),
+    topk_call: Option<f64>,
+) -> Result<Option<JobResult>, CliError> {
+    let shape = d.shape;
+    let bytes = (shape.vocab * shape.hs * 4) as u64;
+    let info = engine.backend().info();
+    let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
+    if bytes > max_binding {
+        eprintln!(
+            "bench: --resident --head-grad left out: the f32 head gradient ({}) is past the device's largest binding ({}); \
+             the host row times it",
+            crate::text::fmt_bytes(bytes),
+            crate::text::fmt_bytes(max_binding)
+        );
+        return Ok(None);
+    }
+    let dw = engine
+        .backend()
+        .alloc(bytes, "bench head_grad")
+        .map_err(|e| CliError::device("bench --resident --head-grad", e))?;
+    let held = engine.backend().memory().current;
+    let with_grad = DeviceLossOptions {
+        head_grad_out: Some(&dw),
+        ..*opts
+    };
+    let result = BenchJob::time_calls(
+        cfg,
+        engine,
+        JobKind::HeadGrad,
+        "resident",
+        held,
+        shape,
+        topk_call,
+        |engine| {
+            engine.head_kl_device(shape.ntok, hidden, teacher, out, &with_grad)?;
+            engine.wait_device()
+        },
+    )?;
+    Ok(Some(result))
 }
 
 /// `--shards N --resident`: head_kl's two phases on device buffers, the
