@@ -12,6 +12,7 @@ import torch
 from . import _native
 from ._checks import _FLOATS, _changed, _stamp, _tensor
 from ._host import _on_host, _spec, _warn_host_copies
+from ._registry import _register
 from ._zero_copy import _ZeroCopy
 from .ops.topk import Gathered, TopK, head_gather, head_topk
 
@@ -71,6 +72,8 @@ class Head:
         self.shard = None if shard_spec is None else (shard_spec[0], shard_spec[1])
         self.vocab_size = rows if shard_spec is None else shard_spec[2]
         self.hidden_size = hs
+        # What headkl's custom ops take in place of the head (headkl.ops.custom).
+        self._handle = _register(self)
         self._upload()
 
     def __repr__(self) -> str:

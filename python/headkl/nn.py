@@ -92,6 +92,13 @@ class HeadKLLoss(_HeadLoss):
     again after every optimizer step (correct, if slow for a large head:
     the upload is the step's extra cost beside the gradient's download).
 
+    **torch.compile.** With torch >= 2.4 each call is one ``torch.library``
+    custom op (``headkl::head_kl_loss``, with its fake and autograd), so
+    ``torch.compile(model, fullgraph=True)`` traces a model that uses the
+    loss with no graph break (``headkl.torch.CUSTOM_OPS`` says whether it
+    does; the sharded loss runs through a ``torch.autograd.Function``, as
+    every loss does on an older torch).
+
     Keywords (the ``headkl loss`` options, under PyTorch's or Liger's name):
 
     - ``temperature`` τ (default 1): ``s = z/τ``; a ``τ²`` factor is the caller's.

@@ -35,6 +35,12 @@ PyTorch face as it was before, every name kept:
 - ``headkl.ops``: the operations over tensors under them (the two losses'
   autograd, the top-k and gather);
 - ``headkl.distributed``: the vocabulary-parallel loss's collectives.
+
+``CUSTOM_OPS`` says whether headkl's operations run as ``torch.library``
+custom ops (``headkl::head_kl_loss`` and the rest: torch >= 2.4), which
+``torch.compile(fullgraph=True)`` traces with no graph break; where not,
+``CUSTOM_OPS_REASON`` says why, and the losses run through a
+``torch.autograd.Function`` with the same results and errors.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ from .head import Head
 from .nn import FullVocabKLLoss, HeadKLLoss, _HeadLoss  # noqa: F401
 from .ops._reduce import _effective_weights, _reduced  # noqa: F401
 from .ops.autograd import _HeadKLFunction, _LossCall, _once_differentiable  # noqa: F401
+from .ops.custom import CUSTOM_OPS, CUSTOM_OPS_REASON
 from .ops.topk import Gathered, TopK
 
 __all__ = [
@@ -79,6 +86,8 @@ __all__ = [
     "gather",
     "read_safetensors",
     "write_safetensors",
+    "CUSTOM_OPS",
+    "CUSTOM_OPS_REASON",
 ]
 
 log = logging.getLogger("headkl")

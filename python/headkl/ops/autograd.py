@@ -1,7 +1,9 @@
-"""The autograd Function under both losses: the engine gives the loss, its
-gradient ``dx`` and, where the head requires grad, the head's gradient in
-one call (forward), and backward scales the kept gradients by the incoming
-one, once: a second derivative raises."""
+"""The autograd Function under both losses where headkl's custom ops are
+off (``headkl.ops.custom``: an older torch, or a sharded head): the engine
+gives the loss, its gradient ``dx`` and, where the head requires grad, the
+head's gradient in one call (forward), and backward scales the kept
+gradients by the incoming one, once: a second derivative raises. The
+custom ops' autograd shares ``_head_gradient`` and ``_once_differentiable``."""
 
 from __future__ import annotations
 
@@ -85,19 +87,23 @@ class _HeadKLFunction(torch.autograd.Function):
         grad_hidden = (dx * scale).to(ctx.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.head_grad is not None and ctx.needs_input_grad[1]:
-            grad_weight = _head_gradient(ctx, grad.to(ctx.head_grad.device))
+            grad = grad.to(ctx.head_grad.device)
+            grad_weight = _head_gradient(ctx.head_grad, grad, ctx.head_grad_of, ctx.weight_dtype, ctx.weight_device)
         return grad_hidden, grad_weight, None
 
 
-def _head_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
-    """The head's gradient for the upstream ``grad``, in the weight's dtype
-    on its device."""
-    if not ctx.per_token:
-        out = ctx.head_grad * grad
+def _head_gradient(head_grad, grad, head_grad_of, dtype, device) -> torch.Tensor:
+    """The head's gradient for the upstream ``grad`` from ``head_grad`` (the
+    call's, for a unit upstream gradient), in ``dtype`` on ``device``: a
+    scalar ``grad`` scales it; per-token losses (``head_grad_of`` given)
+    take ``min(grad)`` of it and ``head_grad_of(grad − min(grad))`` where
+    ``grad`` is not uniform."""
+    if head_grad_of is None:
+        out = head_grad * grad
     else:
         low = grad.min() if grad.numel() else grad.new_zeros(())
-        out = ctx.head_grad * low
+        out = head_grad * low
         rest = grad - low
         if bool((rest > 0).any()):
-            out = out + ctx.head_grad_of(rest).to(out.device)
-    return out.to(device=ctx.weight_device, dtype=ctx.weight_dtype)
+            out = out + head_grad_of(rest).to(out.device)
+    return out.to(device=device, dtype=dtype)

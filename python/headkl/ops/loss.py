@@ -1,8 +1,10 @@
 """The top-k distillation loss over tensors (``HeadKLLoss``'s forward): the
-inputs checked, the head re-read where it changed, and the loss with its
-gradients through the zero-copy path (CUDA tensors on the engine's own GPU)
-or on host memory (the sharded loss's phases through ``distributed``); the
-head's gradient, where it requires grad, on host memory."""
+inputs checked, then one ``headkl::head_kl_loss`` custom op where torch has
+them (``custom``), else the autograd Function; either re-reads the head
+where it changed and computes the loss with its gradients through the
+zero-copy path (CUDA tensors on the engine's own GPU) or on host memory
+(the sharded loss's phases through ``distributed``); the head's gradient,
+where it requires grad, on host memory."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from .._host import _on_host, _say_head_grad_on_host, _spec, _to_device
 from ..distributed import sharded_loss
 from ._reduce import _effective_weights, _host_result, _reduced
 from .autograd import _HeadKLFunction, _LossCall
+from .custom import _custom_op_for, head_kl_op
 
 
 def head_kl_loss(
@@ -44,28 +47,42 @@ def head_kl_loss(
     if options["hard_weight"] > 0 and labels is None:
         raise ValueError(f"labels: needed with weight_hard_loss={options['hard_weight']}")
     weight = _trainable(head)
-    inputs = (flat, teacher_ids.reshape(ntok, k), teacher_values.reshape(ntok, k), labels, weights)
+    ids, values = teacher_ids.reshape(ntok, k), teacher_values.reshape(ntok, k)
     total = None if total is None else float(total)
+    if _custom_op_for(head, options):
+        loss = head_kl_op(head, options, flat, ids, values, labels, weights, weight, total)
+    else:
+        call = _loss_call(head, options, (flat, ids, values, labels, weights), total, weight, process_group)
+        loss = _HeadKLFunction.apply(flat, weight, call)
+    return loss.reshape(lead if options["reduction"] == "none" else ())
+
+
+def _loss_call(head, options: dict, inputs, total: Optional[float], weight, process_group=None) -> _LossCall:
+    """The engine's call for the checked ``inputs`` (``flat``, ``ids``,
+    ``values``, ``labels``, ``weights``, each ``[ntok]`` first), on the
+    head re-read first where it changed: the autograd Function's forward,
+    and the body of the ``headkl::head_kl_loss`` custom op; ``weight`` the
+    head's tensor where its gradient is asked, else None."""
+    flat, _, _, labels, weights = inputs
+    ntok = flat.shape[0]
     head._refresh()
     zero_copy = None
-    if hidden.device.type == "cuda":
-        zero_copy = _zero_copy(head, options, hidden.device, weight is not None)
+    if flat.device.type == "cuda":
+        zero_copy = _zero_copy(head, options, flat.device, weight is not None)
     if zero_copy is not None:
-        call = _LossCall(lambda: _device_loss(zero_copy, options, *inputs, total) + (None,))
-    else:
-        grad_device = None if weight is None else weight.device
+        return _LossCall(lambda: _device_loss(zero_copy, options, *inputs, total) + (None,))
+    grad_device = None if weight is None else weight.device
 
-        def head_grad_of(g):
-            g = g.to(device=hidden.device, dtype=torch.float32)
-            w = _effective_weights(options, labels, weights, ntok, hidden.device) * g
-            sums = dict(options, reduction="sum")
-            return _host_loss(head, sums, process_group, *inputs[:4], w, None, hidden.device, grad_device)[2]
+    def head_grad_of(g):
+        g = g.to(device=flat.device, dtype=torch.float32)
+        w = _effective_weights(options, labels, weights, ntok, flat.device) * g
+        sums = dict(options, reduction="sum")
+        return _host_loss(head, sums, process_group, *inputs[:4], w, None, flat.device, grad_device)[2]
 
-        call = _LossCall(
-            lambda: _host_loss(head, options, process_group, *inputs, total, hidden.device, grad_device),
-            head_grad_of if weight is not None and options["reduction"] == "none" else None,
-        )
-    return _HeadKLFunction.apply(flat, weight, call).reshape(lead if options["reduction"] == "none" else ())
+    return _LossCall(
+        lambda: _host_loss(head, options, process_group, *inputs, total, flat.device, grad_device),
+        head_grad_of if weight is not None and options["reduction"] == "none" else None,
+    )
 
 
 def _zero_copy(head, options: dict, device: torch.device, head_grad: bool):

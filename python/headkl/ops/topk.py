@@ -1,7 +1,8 @@
 """The teacher's exact top-k and the gather over tensors, on a ``Head``
 (``Head.topk`` and ``Head.gather``): through the zero-copy path where the
-head has one for the hidden rows' GPU, else on host memory. Their results
-carry no gradient."""
+head has one for the hidden rows' GPU, else on host memory; each one
+``headkl::topk`` or ``headkl::gather`` custom op where torch has them
+(``custom``). Their results carry no gradient."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from .._checks import _ids, _same_device, _top_k
 from .._host import _NAMES, _on_host, _spec, _to_device
+from .custom import _custom_op_for, gather_op, topk_op
 
 TopK = namedtuple("TopK", ["ids", "values"])
 TopK.__doc__ = "The top-k: ids [..., k] (int64, by descending logit) and their values (probs or logprobs)."
@@ -36,30 +38,39 @@ def head_topk(
     k = _top_k(k, head.vocab_size)
     flat, lead = head._hidden(hidden)
     options = {"temperature": temperature, "softcap": softcap, "logit_scale": logit_scale}
-    shape = lead + (k,)
+    if _custom_op_for(head, options):
+        ids, values = topk_op(head, flat, k, options, form == "logprobs")
+    else:
+        ids, values = _topk(head, flat, k, options, form == "logprobs")
+    return TopK(ids.reshape(lead + (k,)), values.reshape(lead + (k,)))
+
+
+def _topk(head, flat: torch.Tensor, k: int, options: dict, logprobs: bool):
+    """The top-k of the checked rows ``flat`` ``[ntok][hs]`` on ``head``
+    (re-read first where it changed): ids and values ``[ntok][k]`` on their
+    device; the body of the ``headkl::topk`` custom op."""
     head._refresh()
-    zc = head._zero_copy(hidden.device) if hidden.device.type == "cuda" else None
+    ntok = flat.shape[0]
+    zc = head._zero_copy(flat.device) if flat.device.type == "cuda" else None
     if zc is not None:
-        ntok = flat.shape[0]
         zc.view("hidden", tuple(flat.shape), flat.dtype).copy_(flat)
         ids_view = zc.view("ids", (ntok, k), torch.int32)
         values_view = zc.view("values", (ntok, k), torch.float32)
         b = zc.buffers
         zc.call(lambda ready, done: head._engine.topk_shared(
-            (ntok, k, _NAMES[flat.dtype]), (b["hidden"][0], b["ids"][0], b["values"][0]), form == "logprobs",
+            (ntok, k, _NAMES[flat.dtype]), (b["hidden"][0], b["ids"][0], b["values"][0]), logprobs,
             options, (ready, done),
         ))  # fmt: skip
-        return TopK(ids_view.to(torch.int64).reshape(shape), values_view.clone().reshape(shape))
+        return ids_view.to(torch.int64), values_view.clone()
     host = _on_host("hidden", flat)
-    ntok = host.shape[0]
     ids = torch.empty((ntok, k), dtype=torch.int64)
     probs = torch.empty((ntok, k), dtype=torch.float32)
-    logprobs = torch.empty((ntok, k), dtype=torch.float32) if form == "logprobs" else None
+    logprob_out = torch.empty((ntok, k), dtype=torch.float32) if logprobs else None
     head._engine.topk(
-        _spec(host), ntok, k, _spec(ids), _spec(probs), None if logprobs is None else _spec(logprobs), options
+        _spec(host), ntok, k, _spec(ids), _spec(probs), None if logprob_out is None else _spec(logprob_out), options
     )
-    values = probs if logprobs is None else logprobs
-    return TopK(_to_device(ids.reshape(shape), hidden.device), _to_device(values.reshape(shape), hidden.device))
+    values = probs if logprob_out is None else logprob_out
+    return _to_device(ids, flat.device), _to_device(values, flat.device)
 
 
 def head_gather(
@@ -80,13 +91,25 @@ def head_gather(
         raise ValueError(f"ids: expected shape {lead} + (k,), got {tuple(ids.shape)}")
     k = ids.shape[-1]
     options = {"temperature": temperature, "softcap": softcap, "logit_scale": logit_scale}
+    flat_ids = ids.reshape(flat.shape[0], k)
+    if _custom_op_for(head, options):
+        logprobs, lse = gather_op(head, flat, flat_ids, options)
+    else:
+        logprobs, lse = _gather(head, flat, flat_ids, options)
+    return Gathered(logprobs.reshape(lead + (k,)), lse.reshape(lead))
+
+
+def _gather(head, flat: torch.Tensor, ids: torch.Tensor, options: dict):
+    """The gather of the checked rows ``flat`` ``[ntok][hs]`` at ``ids``
+    ``[ntok][k]`` on ``head`` (re-read first where it changed):
+    log-probabilities ``[ntok][k]`` and log-sum-exps ``[ntok]`` on their
+    device; the body of the ``headkl::gather`` custom op."""
     head._refresh()
-    zc = head._zero_copy(hidden.device) if hidden.device.type == "cuda" else None
+    ntok, k = ids.shape
+    zc = head._zero_copy(flat.device) if flat.device.type == "cuda" else None
     if zc is not None:
-        ntok = flat.shape[0]
         zc.view("hidden", tuple(flat.shape), flat.dtype).copy_(flat)
-        flat_ids = ids.reshape(ntok, k)
-        zc.view("ids", (ntok, k), torch.int32).copy_(torch.where(flat_ids < 0, torch.full_like(flat_ids, -1), flat_ids))
+        zc.view("ids", (ntok, k), torch.int32).copy_(torch.where(ids < 0, torch.full_like(ids, -1), ids))
         logprobs_view = zc.view("logprobs", (ntok, k), torch.float32)
         lse_view = zc.view("lse", (ntok,), torch.float32)
         b = zc.buffers
@@ -94,13 +117,10 @@ def head_gather(
             (ntok, k, _NAMES[flat.dtype]), (b["hidden"][0], b["ids"][0], b["logprobs"][0], b["lse"][0]),
             options, (ready, done),
         ))  # fmt: skip
-        return Gathered(logprobs_view.clone().reshape(lead + (k,)), lse_view.clone().reshape(lead))
+        return logprobs_view.clone(), lse_view.clone()
     host = _on_host("hidden", flat)
-    ntok = host.shape[0]
-    ids_host = _on_host("ids", ids.reshape(ntok, k))
+    ids_host = _on_host("ids", ids)
     logprobs = torch.empty((ntok, k), dtype=torch.float32)
     lse = torch.empty(ntok, dtype=torch.float32)
     head._engine.gather(_spec(host), ntok, _spec(ids_host), k, _spec(logprobs), _spec(lse), options)
-    return Gathered(
-        _to_device(logprobs.reshape(lead + (k,)), hidden.device), _to_device(lse.reshape(lead), hidden.device)
-    )
+    return _to_device(logprobs, flat.device), _to_device(lse, flat.device)
