@@ -176,57 +176,33 @@ impl<B: Backend> HeadPlanes<B> {
         // Scan on the host before the first allocation: a bad value should
         // cost no device memory and no upload.
         head.check_values()?;
+        let mut staging = Vec::new();
         let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
-        // Every upload piece, in order: its slice, its first row in the
-        // slice, its rows and the real ones among them.
-        let mut pieces = Vec::new();
-        for (index, s) in slices.iter().enumerate() {
-            let padded = s.padded_width();
-            for row in (0..padded).step_by(rows_per_upload) {
-                let rows = rows_per_upload.min(padded - row);
-                pieces.push((index, row, rows, rows.min(s.width.saturating_sub(row))));
-            }
-        }
-        // A piece packed into `staging` (padded rows, zeros past the real
-        // ones), returning its rows' norms.
-        let pack = |&(index, row, rows, real): &(usize, usize, usize, usize), staging: &mut Vec<f16>| {
-            let first = slices[index].offset + row;
-            match &order {
-                None => head.pack_checked_rows(|r| first + r, real, hs_padded, staging),
-                // first + r < vocab = o.len(), which fits in u32.
-                Some(o) => head.pack_checked_rows(|r| o.id((first + r) as u32) as usize, real, hs_padded, staging),
-            }
-            let norms = row_norms(staging, hs_padded);
-            staging.resize(rows * hs_padded, f16::ZERO);
-            norms
-        };
-        let planes = slices
-            .iter()
-            .map(|s| backend.alloc((s.padded_width() * hs_padded * 2) as u64, "head slice"))
-            .collect::<Result<Vec<_>>>()?;
+        let mut planes = Vec::with_capacity(slices.len());
         let mut block_norms = vec![0f32; vocab.div_ceil(crate::filter::BLOCK)];
-        // Two staging buffers: the next piece is packed on another thread
-        // while this one is copied up, so the upload runs at the copy's
-        // rate rather than the pack's plus the copy's.
-        let (mut current, mut next) = (Vec::new(), Vec::new());
-        let mut norms = pieces.first().map(|p| pack(p, &mut current)).unwrap_or_default();
-        for (i, piece) in pieces.iter().enumerate() {
-            let (index, row, _, _) = *piece;
-            let next_norms = std::thread::scope(|scope| {
-                let packer = pieces.get(i + 1).map(|p| scope.spawn(|| pack(p, &mut next)));
-                let uploaded = backend.upload(
-                    &planes[index],
-                    (row * hs_padded * 2) as u64,
-                    bytemuck::cast_slice(&current),
-                );
-                let packed = packer.map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
-                uploaded.map(|()| packed.unwrap_or_default())
-            })?;
-            for (r, norm) in norms.into_iter().enumerate() {
-                block_norms[(slices[index].offset + row + r) / crate::filter::BLOCK] += norm;
+        for s in &slices {
+            let padded = s.padded_width();
+            let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
+            let mut row = 0;
+            while row < padded {
+                let rows = rows_per_upload.min(padded - row);
+                let real = rows.min(s.width.saturating_sub(row));
+                let first = s.offset + row;
+                match &order {
+                    None => head.pack_checked_rows(|r| first + r, real, hs_padded, &mut staging),
+                    // first + r < vocab = o.len(), which fits in u32.
+                    Some(o) => {
+                        head.pack_checked_rows(|r| o.id((first + r) as u32) as usize, real, hs_padded, &mut staging)
+                    }
+                }
+                for (r, norm) in row_norms(&staging, hs_padded).into_iter().enumerate() {
+                    block_norms[(s.offset + row + r) / crate::filter::BLOCK] += norm;
+                }
+                staging.resize(rows * hs_padded, f16::ZERO);
+                backend.upload(&plane, (row * hs_padded * 2) as u64, bytemuck::cast_slice(&staging))?;
+                row += rows;
             }
-            std::mem::swap(&mut current, &mut next);
-            norms = next_norms;
+            planes.push(plane);
         }
         backend.finish()?;
         Ok(Self::assemble(vocab, hs, slices, planes, block_norms, order))
