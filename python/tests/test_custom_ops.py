@@ -1,4 +1,4 @@
-"""headkl under ``torch.compile`` (issue 53): where the running torch has
+"""headkl under ``torch.compile``: where the running torch has
 ``torch.library.custom_op`` (torch >= 2.4) the losses, the top-k and the
 gather are ``headkl::`` custom ops that ``torch.library.opcheck`` passes,
 that ``torch.compile(fullgraph=True)`` traces with no graph break, and

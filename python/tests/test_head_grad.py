@@ -1,4 +1,4 @@
-"""A head that requires grad (issue 52, "Trainable and tied heads"): the
+"""A head that requires grad (a trainable or tied head): the
 losses return its gradient through autograd, checked against the loss
 written in PyTorch float64 (tests/reference.py) for every option; a tiny
 student whose input embedding is tied to its head trains step for step as
