@@ -58,6 +58,24 @@ pub enum Error {
         /// The head's device, briefly.
         expected: String,
     },
+    /// A trainable head ([`crate::HeadKl::loss_with_head`]) whose shape
+    /// differs from the engine's head.
+    #[error("head is [{}][{}], the engine's head [{}][{}]", got[0], got[1], expected[0], expected[1])]
+    HeadShape {
+        /// The tensor's dims.
+        got: [usize; 2],
+        /// The engine's `[vocab][hs]`.
+        expected: [usize; 2],
+    },
+    /// A backward step's call for a trainable head's gradient (the
+    /// per-token loss's node, [`crate::HeadKl::loss_with_head`]) failed: the
+    /// head got no gradient from that node. Reported by the next
+    /// [`crate::HeadKl::wait`] (a backward step cannot return an error).
+    #[error("the head's gradient in a backward step: {source}; the head got none from the per-token loss")]
+    Backward {
+        /// What failed.
+        source: Box<Error>,
+    },
     /// What the device flagged in calls made since the last
     /// [`crate::HeadKl::wait`] (a bad teacher row or weight, a bad
     /// `total`, non-finite logits), reported by `wait` (or at once in
@@ -80,7 +98,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Calls {
     /// `(number, what)` of each call since the last wait, oldest first
-    /// (`what`: `"loss"` or `"topk"`).
+    /// (`what`: `"loss"`, `"topk"`, or `"head gradient"` for a backward
+    /// step's call for a trainable head, which reads the teacher of the
+    /// loss call it backpropagates).
     pub calls: Vec<(u64, &'static str)>,
 }
 

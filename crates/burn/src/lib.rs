@@ -32,6 +32,13 @@
 //! submitted to the same queue, reading and writing burn's buffers where
 //! they lie (see [`Binding`] for when a device copy is made instead).
 //!
+//! The head above is frozen: uploaded once, outside burn's graph. A
+//! trainable head (a `Param`, or the input embedding's weight tied as the
+//! head) goes to [`HeadKl::loss_with_head`] with the hidden rows on each
+//! call: it is read again into the engine (a device copy, and a host wait
+//! for its check), and the loss is a node with two parents, so backward
+//! gives the head its gradient beside the rows'.
+//!
 //! Bad teacher data cannot slip into a step unseen: a row the device flags
 //! has a NaN per-token loss (so the mean is NaN) and a zero gradient row,
 //! and [`HeadKl::wait`] names the call; [`HeadKl::set_checked`] reports at
@@ -44,9 +51,14 @@
 
 mod bridge;
 mod device;
+mod engine;
 mod error;
 mod grad;
+mod head;
 pub mod unfused;
+
+use std::ops::{Deref, DerefMut};
+use std::sync::MutexGuard;
 
 use burn::backend::ops::{FloatTensorOps, IntTensorOps};
 use burn::backend::Cube;
@@ -54,10 +66,7 @@ use burn::backend::TensorMetadata;
 use burn::prelude::{Int, Tensor};
 use burn::tensor::{activation, DType, Device, FloatDType, IntDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
-use headkl_core::{
-    DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, Engine, HeadWeights, HiddenDtype, LossConfig,
-    Reduction, SliceOptions, TopkOptions,
-};
+use headkl_core::{DeviceHidden, Engine, HeadWeights, HiddenDtype, LossConfig, Reduction, SliceOptions, TopkOptions};
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
 pub use bridge::Binding;
@@ -68,16 +77,17 @@ pub use headkl_core;
 /// headkl's wgpu backend, for its options.
 pub use headkl_wgpu;
 
-use bridge::{Binder, Flow, Primitive, Staging};
-use grad::Upstream;
+use bridge::{AdTensor, Binder, Flow, Primitive};
+use engine::{Core, LossInputs, SharedCore};
+use grad::{HeadGradOf, PerTokenHead, Upstream};
 
 /// Everything headkl-burn's calls take and return, in one `use` (not the
 /// crate's `Result` alias, which would shadow the standard one in a glob
 /// import: name it `headkl_burn::Result`).
 pub mod prelude {
     pub use crate::{
-        device_descriptor, Binding, Calls, DeviceOptions, Error, HeadKl, LossOutput, SharedDevice, Teacher, TopK,
-        BIND_ALIGN,
+        device_descriptor, Binding, Calls, DeviceOptions, EngineGuard, Error, HeadKl, LossOutput, SharedDevice,
+        Teacher, TopK, BIND_ALIGN,
     };
     pub use headkl_core::{Divergence, HeadData, HeadWeights, LossConfig, LossTerms, Reduction, TopkOptions};
     pub use headkl_wgpu::OpenOptions;
@@ -98,23 +108,31 @@ pub struct Teacher {
     pub probs: Tensor<2>,
 }
 
-/// What [`HeadKl::loss`] returns. A row the device flags (a bad teacher
-/// row or weight) has a NaN `per_token` entry, so `loss` is NaN, and a
-/// zero `dx` row: it contributes nothing to the gradient.
+/// What [`HeadKl::loss`] and [`HeadKl::loss_with_head`] return. A row the
+/// device flags (a bad teacher row or weight) has a NaN `per_token` entry,
+/// so `loss` is NaN, and a zero `dx` row: it contributes nothing to the
+/// gradient (nor to the head's).
 #[derive(Clone, Debug)]
 pub struct LossOutput {
     /// The mean loss `Σ_t w_t L_t / total`, shape `[1]`. On an autodiff
     /// device with `hidden` tracked, `loss.backward()` puts
-    /// `dx · upstream` into `hidden`'s gradient.
+    /// `dx · upstream` into `hidden`'s gradient (and, with a trainable
+    /// head, `head_grad · upstream` into the head's).
     pub loss: Tensor<1>,
     /// The per-token loss `L_t` (unweighted), f32 `[ntok]`: PyTorch's
     /// `reduction="none"`. With `hidden` tracked it is a node of the graph
     /// too: a reduction of the caller's own backpropagates `∂L_t/∂x_t`
     /// times its upstream into row t, for every row of positive weight
-    /// (a row of weight 0 or a flagged row gets none).
+    /// (a row of weight 0 or a flagged row gets none). With a trainable
+    /// head, the head gets `Σ_t u_t ∂L_t/∂W` over those rows for an
+    /// upstream `u`, which costs two more loss calls in the backward step.
     pub per_token: Tensor<1>,
     /// `∂loss/∂hidden`, f32 `[ntok][hs]`, outside the graph.
     pub dx: Tensor<2>,
+    /// With a trainable head ([`HeadKl::loss_with_head`], the head
+    /// tracked): `∂loss/∂W`, f32 `[V][hs]`, outside the graph; `None`
+    /// for a frozen head.
+    pub head_grad: Option<Tensor<2>>,
 }
 
 /// The teacher's top-k from [`HeadKl::topk`].
@@ -129,24 +147,45 @@ pub struct TopK {
     pub logprobs: Option<Tensor<2>>,
 }
 
-/// headkl's engine on a [`SharedDevice`], holding the head (uploaded once).
+/// A trainable head, checked: its primitive, its float dtype, and its
+/// graph node where it is tracked.
+struct HeadParts {
+    inner: Primitive,
+    dtype: FloatDType,
+    tracked: Option<(AdTensor, burn::backend::GradientCheckpointingStrategy)>,
+}
+
+/// headkl's engine on a [`SharedDevice`], holding the head: uploaded once
+/// for a frozen head ([`HeadKl::loss`]), read again from the head tensor
+/// by each call for a trainable one ([`HeadKl::loss_with_head`]).
 pub struct HeadKl {
-    engine: Engine<WgpuBackend>,
+    /// The engine, shared with the graph's nodes of a trainable head.
+    core: SharedCore,
     shared: SharedDevice,
-    staging: Staging,
     vocab: usize,
     hs: usize,
     last: Binding,
-    /// Calls are numbered from 1; the next one's number.
-    next_call: u64,
-    /// The calls made since the last wait, and whether each gave its ids
-    /// as signed integers.
-    since_wait: Vec<(u64, &'static str, bool)>,
     checked: bool,
 }
 
-/// f16's largest finite value, as headkl's head check uses it.
-const F16_MAX: f32 = 65504.0;
+/// [`HeadKl::engine`]'s hold on headkl's engine. The engine is locked
+/// while this lives: drop it before the next call and before a backward
+/// step through a trainable head's per-token loss.
+pub struct EngineGuard<'a>(MutexGuard<'a, Core>);
+
+impl Deref for EngineGuard<'_> {
+    type Target = Engine<WgpuBackend>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0.engine
+    }
+}
+
+impl DerefMut for EngineGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0.engine
+    }
+}
 
 /// A device as a message names it: burn's debug form without its wrapper.
 fn brief(device: &Device) -> String {
@@ -268,17 +307,18 @@ impl HeadKl {
     pub fn new(shared: &SharedDevice, head: &HeadWeights<'_>, options: &OpenOptions) -> Result<Self> {
         let backend = shared.backend(options)?;
         let engine = Engine::new(backend, head, SliceOptions::default())?;
-        Ok(Self {
-            engine,
+        Ok(Self::around(engine, shared, Binding::default()))
+    }
+
+    fn around(engine: Engine<WgpuBackend>, shared: &SharedDevice, last: Binding) -> Self {
+        Self {
+            vocab: engine.vocab(),
+            hs: engine.hs(),
+            core: SharedCore::new(engine, shared.clone()),
             shared: shared.clone(),
-            staging: Staging::default(),
-            vocab: head.vocab(),
-            hs: head.hs(),
-            last: Binding::default(),
-            next_call: 1,
-            since_wait: Vec::new(),
+            last,
             checked: false,
-        })
+        }
     }
 
     /// headkl's engine with the head `w` (`[vocab][hs]`, f32, f16 or bf16),
@@ -287,78 +327,31 @@ impl HeadKl {
     /// copy of it. The host reads whether a value is not finite or past
     /// f16's range (then the first one, as headkl's error naming its row
     /// and column) and the rows' norms (`[vocab]` f32, for the dx block
-    /// filter). [`HeadKl::last_binding`] reports the copy.
+    /// filter). [`HeadKl::last_binding`] reports the copy. The tensor is
+    /// read once, outside any graph: [`HeadKl::loss`] treats the head as
+    /// frozen; [`HeadKl::loss_with_head`] takes it (or its later values)
+    /// as a trainable head.
     pub fn from_tensor(shared: &SharedDevice, w: &Tensor<2>, options: &OpenOptions) -> Result<Self> {
-        let [vocab, hs] = w.dims();
-        check_device("head", &w.device(), &shared.device())?;
-        if !matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-            return Err(dtype_error("head", w.dtype(), "f32, f16 or bf16"));
-        }
-        if vocab == 0 {
-            return Err(headkl_core::Error::VocabZero.into());
-        }
-        if hs == 0 {
-            return Err(headkl_core::Error::HiddenSizeZero.into());
-        }
-        // The tensor outside any graph: the head is frozen.
-        let plain: Tensor<2> = Tensor::from_primitive::<Cube>(bridge::float_parts(w.clone(), "head")?.inner);
-        let w32 = plain.clone().cast(FloatDType::F32);
-        let bad = w32.clone().abs().greater_elem(F16_MAX).bool_or(w32.clone().is_nan());
-        if bad.clone().any().into_scalar::<bool>() {
-            let at = bad.int().reshape([vocab * hs]).argmax(0).into_scalar::<i64>() as usize;
-            let value = w32.reshape([vocab * hs]).slice(at..at + 1).into_scalar::<f32>();
-            let (row, col) = (at / hs, at % hs);
-            let e = if value.is_finite() {
-                headkl_core::Error::HeadOutOfF16Range { row, col, value }
-            } else {
-                headkl_core::Error::NonFiniteHead { row, col, value }
-            };
-            return Err(e.into());
-        }
-        let w16 = plain.cast(FloatDType::F16);
-        let norms = w16
-            .clone()
-            .cast(FloatDType::F32)
-            .powi_scalar(2)
-            .sum_dim(1)
-            .sqrt()
-            .reshape([vocab])
-            .into_data()
-            .try_to_vec::<f32>()
-            .map_err(|e| bridge::backend_error("the head's row norms", format!("{e:?}")))?;
-
-        let device = shared.device();
-        let handles = (shared.wgpu_device(), shared.queue());
+        let ([vocab, hs], parts) = head::check(w, shared)?;
+        let prepared = head::prepare(head::plain(parts.inner))?;
         let mut copied_bytes = 0u64;
         let backend = shared.backend(options)?;
-        let engine = Engine::from_device_head(backend, (vocab, hs), SliceOptions::default(), &norms, |_, plane| {
-            let rows = plane.first_row..plane.first_row + plane.rows;
-            let part = w16.clone().slice([rows, 0..hs]);
-            let padded = Tensor::<2>::zeros([plane.padded_rows, plane.hs_padded], &device)
-                .cast(FloatDType::F16)
-                .slice_assign([0..plane.rows, 0..hs], part);
-            let inner = bridge::float_parts(padded, "head")?.inner;
-            let cube = contiguous(bridge::resolve_float(&inner), &mut Binding::default());
-            let bytes = (plane.padded_rows * plane.hs_padded * 2) as u64;
-            bridge::copy_into(&cube, handles, plane.buffer.raw(), plane.buffer.offset(), bytes)?;
-            copied_bytes += bytes;
-            Ok(())
-        })?;
-        Ok(Self {
-            engine,
-            shared: shared.clone(),
-            staging: Staging::default(),
-            vocab,
-            hs,
-            last: Binding {
-                in_place: 0,
-                copied: 1,
-                copied_bytes,
+        let engine = Engine::from_device_head(
+            backend,
+            (vocab, hs),
+            SliceOptions::default(),
+            &prepared.norms,
+            |_, plane| {
+                copied_bytes += head::fill_plane(&prepared.w16, plane, shared)?;
+                Ok(())
             },
-            next_call: 1,
-            since_wait: Vec::new(),
-            checked: false,
-        })
+        )?;
+        let last = Binding {
+            in_place: 0,
+            copied: 1,
+            copied_bytes,
+        };
+        Ok(Self::around(engine, shared, last))
     }
 
     /// The head's vocabulary size.
@@ -381,9 +374,10 @@ impl HeadKl {
         self.last
     }
 
-    /// headkl's engine (its backend, timing and trace switches).
-    pub fn engine(&mut self) -> &mut Engine<WgpuBackend> {
-        &mut self.engine
+    /// headkl's engine (its backend, timing and trace switches), locked
+    /// while the guard lives ([`EngineGuard`]).
+    pub fn engine(&mut self) -> EngineGuard<'_> {
+        EngineGuard(self.core.lock())
     }
 
     /// Checked mode: every call waits for the device and returns what it
@@ -397,21 +391,32 @@ impl HeadKl {
     /// since the last wait (an id out of range or repeated, a bad
     /// probability or weight, a `total` that is not positive, non-finite
     /// logits) as [`Error::OnDevice`], naming the calls and the token.
+    /// A backward step whose call for a trainable head's gradient failed
+    /// is reported first, as [`Error::Backward`].
     pub fn wait(&mut self) -> Result<()> {
-        let calls = std::mem::take(&mut self.since_wait);
+        let mut core = self.core.lock();
+        let calls = std::mem::take(&mut core.since_wait);
+        let deferred = core.deferred.take();
         let signed = calls.iter().any(|&(_, _, signed)| signed);
-        self.engine.wait_device().map_err(|source| Error::OnDevice {
+        let flagged = core.engine.wait_device().map_err(|source| Error::OnDevice {
             calls: Calls {
                 calls: calls.iter().map(|&(n, what, _)| (n, what)).collect(),
             },
             source: as_given(source, signed),
-        })
+        });
+        match deferred {
+            Some(e) => {
+                if let Err(also) = flagged {
+                    log::error!("headkl-burn: {also}");
+                }
+                Err(e)
+            }
+            None => flagged,
+        }
     }
 
-    /// Numbers a call whose work was submitted; in checked mode, waits.
-    fn submitted(&mut self, what: &'static str, signed: bool) -> Result<()> {
-        self.since_wait.push((self.next_call, what, signed));
-        self.next_call += 1;
+    /// In checked mode, waits (after a call's work was submitted).
+    fn after_call(&mut self) -> Result<()> {
         if self.checked {
             self.wait()?;
         }
@@ -431,15 +436,15 @@ impl HeadKl {
     }
 
     /// The distillation loss of `hidden` (`[ntok][hs]`, f32/f16/bf16)
-    /// against `teacher`, with optional token `weights` (`[ntok]`; 0 masks
-    /// a token). Returns burn tensors; where `hidden` is a tracked tensor
-    /// of an autodiff device, `out.loss.backward()` delivers `dx` scaled by
-    /// the upstream gradient into `hidden`'s gradient, and `out.per_token`
-    /// is tracked as well. Shapes, dtypes and devices are checked before
-    /// anything is recorded. Bad teacher data is checked on the device,
-    /// with no host wait: a flagged row's `per_token` entry is NaN (so is
-    /// `loss`) and its gradient 0, and [`HeadKl::wait`] names the call and
-    /// the row.
+    /// against `teacher` through the engine's head, frozen: with optional
+    /// token `weights` (`[ntok]`; 0 masks a token). Returns burn tensors;
+    /// where `hidden` is a tracked tensor of an autodiff device,
+    /// `out.loss.backward()` delivers `dx` scaled by the upstream gradient
+    /// into `hidden`'s gradient, and `out.per_token` is tracked as well.
+    /// Shapes, dtypes and devices are checked before anything is
+    /// recorded. Bad teacher data is checked on the device, with no host
+    /// wait: a flagged row's `per_token` entry is NaN (so is `loss`) and
+    /// its gradient 0, and [`HeadKl::wait`] names the call and the row.
     ///
     /// `opts` is headkl's [`LossConfig`], as every path takes it: τ, the
     /// reduction into `loss` (PyTorch's `reduction`: `none` returns the sum
@@ -449,6 +454,57 @@ impl HeadKl {
     pub fn loss(
         &mut self,
         hidden: &Tensor<2>,
+        teacher: &Teacher,
+        weights: Option<&Tensor<1>>,
+        opts: &LossConfig,
+    ) -> Result<LossOutput> {
+        self.loss_through(hidden, None, teacher, weights, opts)
+    }
+
+    /// [`HeadKl::loss`] through a trainable head: `head` (`[vocab][hs]`,
+    /// f32/f16/bf16, the engine's shape, on its device) is the head's value
+    /// now, a `Param`'s value or a weight tied to the input embedding, and
+    /// a second parent of the loss in burn's graph. `loss.backward()` then
+    /// puts `∂loss/∂W · upstream` into `head`'s gradient (in its dtype) beside
+    /// `dx · upstream` into `hidden`'s; a tied weight gets the sum of both
+    /// uses, as burn adds them. `out.head_grad` holds `∂loss/∂W` (f32).
+    ///
+    /// The head is read again on every call: checked (a value that is not
+    /// finite or past f16's range is headkl's error naming its row and
+    /// column), rounded to f16 and copied into the engine's planes on the
+    /// device. That costs a device copy of the f16 head and a host wait:
+    /// the check and the rows' norms (`[vocab]` f32) are read back in one
+    /// read, and the engine lets its work in flight finish before it
+    /// rewrites the planes. Every call, not
+    /// only when the head changed: in training it changes with every
+    /// optimizer step, and burn cannot say cheaply that a tensor still
+    /// holds the values last read (an optimizer may update a buffer in
+    /// place). The engine keeps the head read last, so later
+    /// [`HeadKl::loss`] and [`HeadKl::topk`] calls use it.
+    ///
+    /// The head's gradient `[V][hs]` f32 must fit in one binding of the
+    /// device (headkl's `HeadGradUnsupported` otherwise, before anything
+    /// is read). A head outside the graph (untracked) is read as well and
+    /// gets no gradient, at no further cost. Backpropagating
+    /// `out.per_token` into the head makes two more loss calls in the
+    /// backward step (the head gets `Σ_t u_t ∂L_t/∂W` for the upstream
+    /// `u`, over rows of positive weight; a failure is reported by the
+    /// next [`HeadKl::wait`], even in checked mode).
+    pub fn loss_with_head(
+        &mut self,
+        hidden: &Tensor<2>,
+        head: &Tensor<2>,
+        teacher: &Teacher,
+        weights: Option<&Tensor<1>>,
+        opts: &LossConfig,
+    ) -> Result<LossOutput> {
+        self.loss_through(hidden, Some(head), teacher, weights, opts)
+    }
+
+    fn loss_through(
+        &mut self,
+        hidden: &Tensor<2>,
+        head: Option<&Tensor<2>>,
         teacher: &Teacher,
         weights: Option<&Tensor<1>>,
         opts: &LossConfig,
@@ -485,6 +541,11 @@ impl HeadKl {
             check_device("weights", &w.device(), &expected)?;
         }
         let (hdtype, float_dtype) = hidden_dtype(hidden.dtype())?;
+        let head = match head {
+            Some(w) => Some(self.check_head(w)?),
+            None => None,
+        };
+        let trained = head.as_ref().is_some_and(|h| h.tracked.is_some());
         let signed = signed_ids(teacher.ids.dtype());
 
         let parts = bridge::float_parts(hidden.clone(), "hidden")?;
@@ -497,52 +558,44 @@ impl HeadKl {
             Some(w) => Some(as_f32(bridge::float_parts(w.clone(), "weights")?.inner, "weights")?),
             None => None,
         };
-
-        let mut stats = Binding::default();
-        let h_cube = contiguous(bridge::resolve_float(&parts.inner), &mut stats);
-        let ids_cube = contiguous(bridge::resolve_int(&ids), &mut stats);
-        let probs_cube = contiguous(bridge::resolve_float(&probs), &mut stats);
-        let w_cube = w.as_ref().map(|w| contiguous(bridge::resolve_float(w), &mut stats));
-        let loss_cube = output(&h_cube, Shape::new([ntok]), DType::F32);
-        let dx_cube = output(&h_cube, Shape::new([ntok, self.hs]), DType::F32);
-
-        let (nk, nh) = ((ntok * k) as u64, (ntok * self.hs) as u64);
-        let mut binder = Binder::new(self.shared.wgpu_device(), self.shared.queue(), &mut self.staging, stats);
-        let backend = self.engine.backend();
-        let h_view = binder.bind(backend, "hidden", &h_cube, nh * hdtype.bytes() as u64, Flow::In)?;
-        let ids_view = binder.bind(backend, "teacher.ids", &ids_cube, nk * 4, Flow::In)?;
-        let probs_view = binder.bind(backend, "teacher.probs", &probs_cube, nk * 4, Flow::In)?;
-        let w_view = match &w_cube {
-            Some(c) => Some(binder.bind(backend, "weights", c, ntok as u64 * 4, Flow::In)?),
-            None => None,
-        };
-        let loss_view = binder.bind(backend, "loss", &loss_cube, ntok as u64 * 4, Flow::Out)?;
-        let dx_view = binder.bind(backend, "dx", &dx_cube, nh * 4, Flow::Out)?;
-        binder.submit_inputs(&h_cube)?;
-        let result = self.engine.head_kl_device(
+        let inputs = LossInputs {
             ntok,
-            &DeviceHidden {
-                buffer: &h_view,
-                dtype: hdtype,
-            },
-            &DeviceTeacher::new(&ids_view, &probs_view, k),
-            &DeviceLossOutput {
-                loss: &loss_view,
-                dx: &dx_view,
-            },
-            &DeviceLossOptions {
-                config: *opts,
-                weights: w_view.as_ref(),
-                ..DeviceLossOptions::default()
-            },
-        );
-        let bound = binder.finish();
-        result?;
-        self.last = bound;
-        self.submitted("loss", signed)?;
+            k,
+            hidden: parts.inner.clone(),
+            hdtype,
+            ids,
+            probs,
+            weights: w.clone(),
+            signed,
+        };
 
-        let per_token: Tensor<1> = bridge::float_tensor(loss_cube)?;
-        let dx: Tensor<2> = bridge::float_tensor(dx_cube)?;
+        let mut core = self.core.lock();
+        let mut head_read = None;
+        if let Some(h) = &head {
+            if trained {
+                core.check_head_grad_fits()?;
+            }
+            // The options that fail on the host fail before the head is read.
+            opts.check(false)?;
+            opts.total_for(ntok)?;
+            let version = core.new_version();
+            let bytes = core.read_head(&head::plain(h.inner.clone()), version)?;
+            head_read = Some((version, bytes));
+        }
+        let cubes = core.loss_call("loss", &inputs, *opts, trained);
+        drop(core);
+        let cubes = cubes?;
+        let mut bound = cubes.binding;
+        if let Some((_, bytes)) = head_read {
+            bound.copied += 1;
+            bound.copied_bytes += bytes;
+        }
+        self.last = bound;
+        self.after_call()?;
+
+        let per_token: Tensor<1> = bridge::float_tensor(cubes.loss)?;
+        let dx: Tensor<2> = bridge::float_tensor(cubes.dx)?;
+        let head_grad: Option<Tensor<2>> = cubes.head_grad.map(bridge::float_tensor).transpose()?;
         let w = w.map(Tensor::<1>::from_primitive::<Cube>);
         let weighted = match &w {
             Some(w) => per_token.clone() * w.clone(),
@@ -561,47 +614,122 @@ impl HeadKl {
             (None, Some(w)) => sum / w.clone().sum(),
             (None, None) => sum.div_scalar(ntok as f32),
         };
-        let Some((ad, strategy)) = parts.autodiff else {
-            return Ok(LossOutput {
-                loss: mean,
-                per_token,
-                dx,
-            });
+        // The graph the outputs join: none, the rows' (a frozen head), or
+        // the rows' and the head's (rows outside the graph are an untracked
+        // leaf there).
+        let tracked_head = head.and_then(|h| h.tracked.map(|(ad, strategy)| (ad, strategy, h.inner, h.dtype)));
+        let trainable = match (tracked_head, &head_grad, head_read) {
+            (Some(h), Some(dw), Some((version, _))) => Some((h, dw.clone(), version)),
+            _ => None,
+        };
+        let (rows_ad, strategy, trainable) = match (parts.autodiff, trainable) {
+            (None, None) => {
+                return Ok(LossOutput {
+                    loss: mean,
+                    per_token,
+                    dx,
+                    head_grad,
+                })
+            }
+            (Some((ad, strategy)), trainable) => (ad, strategy, trainable),
+            (None, Some(t)) => (AdTensor::new(parts.inner.clone()), t.0 .1, Some(t)),
         };
         // dx row t is w_t/total · ∂L_t/∂x_t: the per-token node's factor
         // is total/w_t (0 where w_t is not positive: those rows are masked).
-        let factor = match (&w, total) {
-            (None, total) => Tensor::<1>::full([ntok], total.unwrap_or(ntok as f32), &expected),
-            (Some(w), total) => {
+        let unweighted_total = total.unwrap_or(ntok as f32);
+        let weighted = match &w {
+            None => None,
+            Some(w) => {
                 let total = match total {
                     Some(t) => Tensor::<1>::full([1], t, &expected),
                     None => w.clone().sum(),
                 };
                 let masked = w.clone().lower_equal_elem(0.0).bool_or(w.clone().is_nan());
-                (w.clone().recip() * total).mask_fill(masked, 0.0)
+                Some((w.clone(), total, masked))
             }
         };
+        let factor = match &weighted {
+            None => Tensor::<1>::full([ntok], unweighted_total, &expected),
+            Some((w, total, masked)) => (w.clone().recip() * total.clone()).mask_fill(masked.clone(), 0.0),
+        };
         let dx_inner = bridge::float_parts(dx.clone(), "dx")?.inner;
-        let loss = grad::attach(
-            ad.clone(),
+        let per_row = Upstream::PerRow {
+            factor: Box::new(bridge::float_parts(factor, "per_token")?.inner),
+            ntok,
+        };
+        let mean_inner = bridge::float_parts(mean, "loss")?.inner;
+        let per_token_inner = bridge::float_parts(per_token, "per_token")?.inner;
+
+        let Some(((head_ad, _, head_inner, head_dtype), dw, version)) = trainable else {
+            // A frozen head: the rows are the nodes' one parent.
+            let loss = grad::attach(
+                rows_ad.clone(),
+                strategy,
+                dx_inner.clone(),
+                Upstream::Scalar,
+                float_dtype,
+                mean_inner,
+            );
+            let per_token = grad::attach(rows_ad, strategy, dx_inner, per_row, float_dtype, per_token_inner);
+            return Ok(LossOutput {
+                loss,
+                per_token,
+                dx,
+                head_grad,
+            });
+        };
+        // The rows the per-token node gives a gradient (positive weight).
+        let mask = match weighted {
+            Some((_, _, masked)) => masked.bool_not().float(),
+            None => Tensor::<1>::ones([ntok], &expected),
+        };
+        let dw_inner = bridge::float_parts(dw, "head_grad")?.inner;
+        let per_token_head = PerTokenHead {
+            core: self.core.clone(),
+            inputs,
+            config: *opts,
+            head: head_inner,
+            version,
+            mask: bridge::float_parts(mask, "per_token")?.inner,
+        };
+        let loss = grad::attach_trainable(
+            (rows_ad.clone(), head_ad.clone()),
             strategy,
-            dx_inner.clone(),
-            Upstream::Scalar,
-            float_dtype,
-            bridge::float_parts(mean, "loss")?.inner,
+            (dx_inner.clone(), Upstream::Scalar, float_dtype),
+            (HeadGradOf::Call(Box::new(dw_inner)), head_dtype),
+            mean_inner,
         );
-        let per_token = grad::attach(
-            ad,
+        let per_token = grad::attach_trainable(
+            (rows_ad, head_ad),
             strategy,
-            dx_inner,
-            Upstream::PerRow {
-                factor: Box::new(bridge::float_parts(factor, "per_token")?.inner),
-                ntok,
-            },
-            float_dtype,
-            bridge::float_parts(per_token, "per_token")?.inner,
+            (dx_inner, per_row, float_dtype),
+            (HeadGradOf::PerToken(Box::new(per_token_head)), head_dtype),
+            per_token_inner,
         );
-        Ok(LossOutput { loss, per_token, dx })
+        Ok(LossOutput {
+            loss,
+            per_token,
+            dx,
+            head_grad,
+        })
+    }
+
+    /// A trainable head checked against the engine's: shape, device,
+    /// dtype; taken apart, with its graph node where it is tracked.
+    fn check_head(&self, w: &Tensor<2>) -> Result<HeadParts> {
+        let (dims, parts) = head::check(w, &self.shared)?;
+        if dims != [self.vocab, self.hs] {
+            return Err(Error::HeadShape {
+                got: dims,
+                expected: [self.vocab, self.hs],
+            });
+        }
+        let (_, dtype) = hidden_dtype(w.dtype()).map_err(|_| dtype_error("head", w.dtype(), "f32, f16 or bf16"))?;
+        Ok(HeadParts {
+            inner: parts.inner,
+            dtype,
+            tracked: parts.autodiff.filter(|(ad, _)| ad.is_tracked()),
+        })
     }
 
     /// The teacher's exact top-k of `hidden` (`[ntok][hs]`): ids i32 and
@@ -618,14 +746,16 @@ impl HeadKl {
         let ids_cube = output(&h_cube, Shape::new([ntok, k]), DType::I32);
         let values_cube = output(&h_cube, Shape::new([ntok, k]), DType::F32);
         let nk = (ntok * k) as u64;
-        let mut binder = Binder::new(self.shared.wgpu_device(), self.shared.queue(), &mut self.staging, stats);
-        let backend = self.engine.backend();
+        let mut guard = self.core.lock();
+        let core = &mut *guard;
+        let mut binder = Binder::new(core.shared.wgpu_device(), core.shared.queue(), &mut core.staging, stats);
+        let backend = core.engine.backend();
         let bytes = (ntok * self.hs * hdtype.bytes()) as u64;
         let h_view = binder.bind(backend, "hidden", &h_cube, bytes, Flow::In)?;
         let ids_view = binder.bind(backend, "ids", &ids_cube, nk * 4, Flow::Out)?;
         let values_view = binder.bind(backend, "probs", &values_cube, nk * 4, Flow::Out)?;
         binder.submit_inputs(&h_cube)?;
-        let result = self.engine.topk_device(
+        let result = core.engine.topk_device(
             ntok,
             &DeviceHidden {
                 buffer: &h_view,
@@ -637,8 +767,10 @@ impl HeadKl {
         );
         let bound = binder.finish();
         result?;
+        core.submitted("topk", false);
+        drop(guard);
         self.last = bound;
-        self.submitted("topk", false)?;
+        self.after_call()?;
         let ids = bridge::int_tensor(ids_cube)?;
         let values: Tensor<2> = bridge::float_tensor(values_cube)?;
         if !opts.logprobs {
