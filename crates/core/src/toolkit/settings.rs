@@ -45,6 +45,8 @@ pub struct Variable {
 
 /// `HEADKL_BACKEND`.
 pub const BACKEND: &str = "HEADKL_BACKEND";
+/// `HEADKL_CUSTOM_OPS` (read by the PyTorch package).
+pub const CUSTOM_OPS: &str = "HEADKL_CUSTOM_OPS";
 /// `HEADKL_DEVICE`.
 pub const DEVICE: &str = "HEADKL_DEVICE";
 /// `HEADKL_REQUIRE`.
@@ -181,6 +183,12 @@ pub const VARIABLES: &[Variable] = &[
         values: "A|B|small",
         default: "small",
         effect: "the shape `cargo bench -p headkl-cli` times",
+    },
+    Variable {
+        name: CUSTOM_OPS,
+        values: "0|1",
+        default: "1",
+        effect: "the PyTorch package: 0 runs the losses through its autograd.Function instead of torch.library custom ops",
     },
 ];
 
