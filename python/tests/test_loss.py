@@ -70,12 +70,7 @@ def close(got, want, what, rel=2e-3):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_loss_and_gradient_match_torch_f64(backend, case):
-    opts = dict(CASES[case])
-    use_labels, use_weights, total = opts.pop("_labels", False), opts.pop("_weights", False), opts.pop("_total", None)
-    weight, hidden, ids, values, labels, weights = problem(7, form=opts.get("teacher_form", "probs"))
-    if opts.get("ignore_index", -100) != -100:
-        labels.view(-1)[3] = opts["ignore_index"]
-    call = dict(labels=labels if use_labels else None, weights=weights if use_weights else None, total=total)
+    opts, (weight, hidden, ids, values), call = case_problem(case)
     want_loss, want_dx = reference(hidden.reshape(-1, HS), weight, ids.reshape(-1, K), values.reshape(-1, K),
                                    **{k: (v.reshape(-1) if isinstance(v, torch.Tensor) else v) for k, v in call.items()},
                                    **opts)  # fmt: skip
