@@ -1,15 +1,24 @@
 #!/usr/bin/env python3
-"""Compiles shaders/gemm_wgmma.cu to shaders/gemm_wgmma.ptx with NVRTC.
+"""Compiles headkl's CUDA C to PTX with NVRTC: shaders/gemm_wgmma.cu to
+shaders/gemm_wgmma.ptx (the Hopper GEMM tiles, sm_90a), and
+shaders/cuda/kernels.cu with the headers beside it to shaders/cuda/kernels.ptx
+(the CUDA backend's row, resident and shard kernels, compute_80: any NVIDIA
+GPU from Ampere on).
 
-The PTX is what the Vulkan backend hands the NVIDIA driver through
-VK_NVX_binary_import (the driver assembles it), so building headkl needs no
-CUDA toolkit; this script is how the text is made from its source. NVRTC
-comes from the Python registry's wheel, pinned below, so the output is the
-same on every machine. The PTX's first line records the source's FNV-1a
-64-bit hash; a test of headkl-core checks it against the .cu it sits beside.
+The driver assembles the PTX (through VK_NVX_binary_import on Vulkan,
+cuModuleLoadData on CUDA), so building headkl needs no CUDA toolkit; this
+script is how the text is made from its source. NVRTC comes from the Python
+registry's wheel, pinned below, so the output is the same on every machine.
+Each PTX's first line records the FNV-1a 64-bit hash of its sources (the .cu,
+then its directory's .cuh files in name order); a test of headkl-ptx checks
+it against the files it sits beside.
 
-  scripts/ptx.sh            regenerate the PTX
+  scripts/ptx.sh            regenerate every PTX
+  scripts/ptx.sh kernels.cu regenerate only the PTX of sources ending so
   scripts/ptx.sh --check    fail if the committed PTX is not what the source gives
+  scripts/ptx.sh --try kl_rows.cuh
+                            compile one header of shaders/cuda alone and
+                            assemble it (writes only under target/nvrtc)
   scripts/ptx.sh --ptxas    also assemble it for sm_90a with the pinned ptxas
                             and print registers, spills and shared memory
 """
@@ -21,10 +30,15 @@ import sys
 NVRTC_WHEEL = "nvidia-cuda-nvrtc-cu12==12.8.93"
 NVCC_WHEEL = "nvidia-cuda-nvcc-cu12==12.8.93"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE = os.path.join(ROOT, "shaders", "gemm_wgmma.cu")
-TARGET = os.path.join(ROOT, "shaders", "gemm_wgmma.ptx")
 CACHE = os.environ.get("HEADKL_NVRTC_DIR", os.path.join(ROOT, "target", "nvrtc"))
-OPTIONS = [b"--gpu-architecture=sm_90a", b"--std=c++17", b"-default-device"]
+# (source, target, arch, with its directory's headers)
+PROGRAMS = [
+    ("shaders/gemm_wgmma.cu", "shaders/gemm_wgmma.ptx", "sm_90a", False),
+    ("shaders/cuda/kernels.cu", "shaders/cuda/kernels.ptx", "compute_80", True),
+]
+# gemm_wgmma.cu declares its functions without __device__; kernels.cu does,
+# and keeps its constants on the host side (constexpr, folded into the code).
+DEFAULT_DEVICE = {"shaders/gemm_wgmma.cu"}
 
 
 def fnv1a64(data: bytes) -> int:
@@ -35,18 +49,33 @@ def fnv1a64(data: bytes) -> int:
 
 
 def ensure(wheel: str, probe: str) -> str:
-    path = os.path.join(CACHE, probe)
+    # One folder per wheel: pip's --target will not merge into another's.
+    folder = os.path.join(CACHE, wheel.split("==")[0])
+    path = os.path.join(folder, probe)
     if not os.path.exists(path):
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", CACHE, wheel], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", folder, wheel], check=True)
     return path
 
 
-def compile_ptx(source: bytes) -> bytes:
+def headers(source_path: str):
+    """The .cuh files beside a source, in name order: (name, bytes)."""
+    folder = os.path.dirname(source_path)
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".cuh"))
+    return [(n, open(os.path.join(folder, n), "rb").read()) for n in names]
+
+
+def compile_ptx(source: bytes, name: str, arch: str, includes, default_device: bool) -> bytes:
     lib = ctypes.CDLL(ensure(NVRTC_WHEEL, "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"))
     prog = ctypes.c_void_p()
-    check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"gemm_wgmma.cu", 0, None, None))
-    opts = (ctypes.c_char_p * len(OPTIONS))(*OPTIONS)
-    status = lib.nvrtcCompileProgram(prog, len(OPTIONS), opts)
+    count = len(includes)
+    contents = (ctypes.c_char_p * max(count, 1))(*[body for _, body in includes])
+    names = (ctypes.c_char_p * max(count, 1))(*[n.encode() for n, _ in includes])
+    check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, name.encode(), count, contents, names))
+    options = [b"--gpu-architecture=" + arch.encode(), b"--std=c++17"]
+    if default_device:
+        options.append(b"-default-device")
+    opts = (ctypes.c_char_p * len(options))(*options)
+    status = lib.nvrtcCompileProgram(prog, len(options), opts)
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
@@ -67,23 +96,54 @@ def check(lib, status):
         sys.exit("nvrtc: " + lib.nvrtcGetErrorString(status).decode())
 
 
-def main():
-    source = open(SOURCE, "rb").read()
-    header = "// generated by scripts/ptx.sh from shaders/gemm_wgmma.cu (fnv1a64 %016x): do not edit\n" % fnv1a64(source)
-    text = header + compile_ptx(source).decode()
+def build(source_rel: str, target_rel: str, arch: str, with_headers: bool):
+    source_path = os.path.join(ROOT, source_rel)
+    target_path = os.path.join(ROOT, target_rel)
+    source = open(source_path, "rb").read()
+    includes = headers(source_path) if with_headers else []
+    digest = fnv1a64(source + b"".join(body for _, body in includes))
+    header = "// generated by scripts/ptx.sh from %s (fnv1a64 %016x): do not edit\n" % (source_rel, digest)
+    text = header + compile_ptx(source, os.path.basename(source_rel), arch, includes, source_rel in DEFAULT_DEVICE).decode()
     if "--check" in sys.argv:
-        if not os.path.exists(TARGET) or open(TARGET).read() != text:
-            sys.exit("shaders/gemm_wgmma.ptx is not what shaders/gemm_wgmma.cu gives: run scripts/ptx.sh")
-        print("shaders/gemm_wgmma.ptx matches its source")
+        if not os.path.exists(target_path) or open(target_path).read() != text:
+            sys.exit("%s is not what %s gives: run scripts/ptx.sh" % (target_rel, source_rel))
+        print("%s matches its source" % target_rel)
     else:
-        with open(TARGET, "w") as f:
+        with open(target_path, "w") as f:
             f.write(text)
-        print("wrote shaders/gemm_wgmma.ptx (%d lines)" % text.count("\n"))
+        print("wrote %s (%d lines)" % (target_rel, text.count("\n")))
     if "--ptxas" in sys.argv:
         ptxas = ensure(NVCC_WHEEL, "nvidia/cuda_nvcc/bin/ptxas")
         os.chmod(ptxas, 0o755)
-        out = os.path.join(CACHE, "gemm_wgmma.cubin")
-        subprocess.run([ptxas, "-arch=sm_90a", "-v", TARGET, "-o", out], check=True)
+        out = os.path.join(CACHE, os.path.basename(target_rel) + ".cubin")
+        subprocess.run([ptxas, "-arch=sm_90a", "-v", target_path, "-o", out], check=True)
+
+
+def try_header(name: str):
+    """Compiles one header of shaders/cuda alone (after common.cuh) and
+    assembles it for sm_90a, writing nothing under shaders/: how a kernel
+    in progress is checked without the others."""
+    folder = os.path.join(ROOT, "shaders", "cuda")
+    source = b'#include "common.cuh"\n#include "' + name.encode() + b'"\n'
+    ptx = compile_ptx(source, "try_" + name, "compute_80", headers(os.path.join(folder, "kernels.cu")), False)
+    os.makedirs(CACHE, exist_ok=True)
+    out = os.path.join(CACHE, "try_" + name + ".ptx")
+    with open(out, "wb") as f:
+        f.write(ptx)
+    ptxas = ensure(NVCC_WHEEL, "nvidia/cuda_nvcc/bin/ptxas")
+    os.chmod(ptxas, 0o755)
+    subprocess.run([ptxas, "-arch=sm_90a", "-v", out, "-o", out + ".cubin"], check=True)
+    print("%s compiles (PTX in %s)" % (name, out))
+
+
+def main():
+    if "--try" in sys.argv:
+        try_header(sys.argv[sys.argv.index("--try") + 1])
+        return
+    only = [a for a in sys.argv[1:] if not a.startswith("--")]
+    for source, target, arch, with_headers in PROGRAMS:
+        if not only or any(source.endswith(o) or target.endswith(o) for o in only):
+            build(source, target, arch, with_headers)
 
 
 if __name__ == "__main__":

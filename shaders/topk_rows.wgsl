@@ -341,6 +341,8 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         atomicStore(&gt_count, 0u);
         atomicStore(&eq_count, 0u);
     }
+    // The resets land before any invocation can flag the row below.
+    workgroupBarrier();
 
     // Threshold path (k <= WG): T, the k-th largest of the invocations'
     // largest keys, is at most the row's k-th largest key (k invocations

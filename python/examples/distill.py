@@ -36,7 +36,7 @@ def arguments():
     p.add_argument("--lr", type=float, default=0.02, help="Adam's learning rate (default 0.02)")
     p.add_argument("--seed", type=int, default=1, help="seed of the head, teacher, student and tokens")
     p.add_argument("--headkl", default=None, help="the headkl command (default: `headkl` on PATH)")
-    p.add_argument("--backend", default="auto", help="headkl backend: auto, vulkan, wgpu, reference")
+    p.add_argument("--backend", default="auto", help="headkl backend: auto, cuda, vulkan, wgpu, reference")
     p.add_argument("--device", default="cpu", help="where the student's tensors live: cpu or cuda")
     return p.parse_args()
 

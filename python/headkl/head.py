@@ -5,13 +5,14 @@ top-k and the gather on it. Both loss modules keep one."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
 from . import _native
 from ._checks import _FLOATS, _changed, _stamp, _tensor
 from ._host import _on_host, _spec, _warn_host_copies
+from ._cuda_direct import _CudaDirect
 from ._registry import _register
 from ._zero_copy import _ZeroCopy
 from .ops.topk import Gathered, TopK, head_gather, head_topk
@@ -65,7 +66,7 @@ class Head:
         self._weight = weight
         self._teacher: Optional[torch.Tensor] = None  # FullVocabKLLoss's teacher head, kept as the head is
         self._engine: Any = None  # the native Engine
-        self._zc: Optional[_ZeroCopy] = None
+        self._zc: Optional[Union[_ZeroCopy, _CudaDirect]] = None
         self._no_zc = None if shard is None else "a vocabulary shard runs through host copies"
         self._loss_zero_copy = False  # whether the loss's last CUDA call went zero-copy
         self._uploads = self._teacher_uploads = 0
@@ -185,7 +186,10 @@ class Head:
         caller's reason."""
         if why_not is None and self._zc is None and self._no_zc is None:
             try:
-                self._zc = _ZeroCopy(self._engine, device)
+                if self._engine.info()["backend"] == "cuda":
+                    self._zc = _CudaDirect(self._engine, device)
+                else:
+                    self._zc = _ZeroCopy(self._engine, device)
             except Exception as e:  # noqa: BLE001 - any reason to fall back is said once
                 self._no_zc = str(e)
         reason = why_not or self._no_zc

@@ -18,6 +18,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::cuda;
 use crate::errors::{start, to_py, to_py_as};
 use crate::memory::HostArray;
 use crate::options::{loss_options, topk_options, TeacherReading};
@@ -657,9 +658,87 @@ impl PyEngine {
         })
     }
 
-    /// Waits for the device and raises what the last zero-copy call flagged.
+    /// The loss on CUDA tensors by `(address, bytes)`, on the CUDA
+    /// backend, queued on `stream` (PyTorch's current one); `shape` as in
+    /// `head_kl_shared`. Returns once the work is queued.
+    #[allow(clippy::too_many_arguments, reason = "one tensor an argument, as Python passes them")]
+    #[pyo3(signature = (shape, hidden, ids, values, weights, labels, loss, dx, options, stream))]
+    fn head_kl_cuda(
+        &self,
+        py: Python<'_>,
+        shape: (usize, usize, String),
+        hidden: cuda::Device,
+        ids: cuda::Device,
+        values: cuda::Device,
+        weights: Option<cuda::Device>,
+        labels: Option<cuda::Device>,
+        loss: cuda::Device,
+        dx: cuda::Device,
+        options: &Bound<'_, PyDict>,
+        stream: u64,
+    ) -> PyResult<()> {
+        let (ntok, k, dtype) = shape;
+        let (opts, reading) = loss_options(options)?;
+        let tensors = cuda::LossTensors {
+            hidden,
+            ids,
+            values,
+            weights,
+            labels,
+            loss,
+            dx,
+        };
+        let mut held = self.held()?;
+        let engine = cuda::cuda_whole(&mut held).map_err(cuda::not_cuda)?;
+        py.detach(|| cuda::head_kl(engine, (ntok, k, &dtype), &tensors, (&opts, &reading), stream))
+    }
+
+    /// The top-k on CUDA tensors `(hidden, ids, values)` by `(address,
+    /// bytes)`, queued on `stream`; `shape` `(ntok, k, hidden dtype)`.
+    #[pyo3(signature = (shape, tensors, logprobs, options, stream))]
+    fn topk_cuda(
+        &self,
+        py: Python<'_>,
+        shape: (usize, usize, String),
+        tensors: (cuda::Device, cuda::Device, cuda::Device),
+        logprobs: bool,
+        options: &Bound<'_, PyDict>,
+        stream: u64,
+    ) -> PyResult<()> {
+        let (ntok, k, dtype) = shape;
+        let mut opts = topk_options(k, options)?;
+        opts.logprobs = logprobs;
+        let mut held = self.held()?;
+        let engine = cuda::cuda_whole(&mut held).map_err(cuda::not_cuda)?;
+        py.detach(|| cuda::topk(engine, (ntok, &dtype), tensors, &opts, stream))
+    }
+
+    /// The gather on CUDA tensors `(hidden, ids, logprobs, lse)` by
+    /// `(address, bytes)`, queued on `stream`; `shape` `(ntok, k, hidden
+    /// dtype)`.
+    #[pyo3(signature = (shape, tensors, options, stream))]
+    fn gather_cuda(
+        &self,
+        py: Python<'_>,
+        shape: (usize, usize, String),
+        tensors: (cuda::Device, cuda::Device, cuda::Device, cuda::Device),
+        options: &Bound<'_, PyDict>,
+        stream: u64,
+    ) -> PyResult<()> {
+        let (ntok, k, dtype) = shape;
+        let opts = topk_options(k, options)?;
+        let mut held = self.held()?;
+        let engine = cuda::cuda_whole(&mut held).map_err(cuda::not_cuda)?;
+        py.detach(|| cuda::gather(engine, (ntok, &dtype), tensors, &opts, stream))
+    }
+
+    /// Waits for the device and raises what the last zero-copy or CUDA
+    /// call flagged.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let mut held = self.held()?;
+        if let Ok(engine) = cuda::cuda_whole(&mut held) {
+            return py.detach(|| engine.wait_device().map_err(to_py));
+        }
         match vulkan_whole(&mut held) {
             Ok(engine) => py.detach(|| shared::synchronize(engine)),
             Err(_) => Ok(()),

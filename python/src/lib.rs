@@ -3,6 +3,7 @@
 //! takes tensors as `(address, elements, dtype)` after the Python side has
 //! checked them, and runs headkl's engine on them in place.
 
+mod cuda;
 mod engine;
 mod errors;
 mod memory;

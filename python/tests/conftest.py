@@ -18,7 +18,7 @@ import headkl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-BACKENDS = ("reference", "vulkan", "wgpu")
+BACKENDS = ("reference", "cuda", "vulkan", "wgpu")
 
 
 def _required():

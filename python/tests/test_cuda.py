@@ -1,7 +1,9 @@
-"""CUDA tensors: the zero-copy path (Vulkan memory and a timeline semaphore
-shared with CUDA) against the same loss on CPU tensors and against PyTorch
-float64, with no byte through the host. Needs a CUDA device that a Vulkan
-driver also exposes (the H200): elsewhere each test is skipped with why."""
+"""CUDA tensors with no byte through the host, on each GPU path: the CUDA
+backend (the engine on the tensors' own memory, on torch's stream) and
+Vulkan's zero-copy path (Vulkan memory and a timeline semaphore shared with
+CUDA), against the same loss on CPU tensors and against PyTorch float64.
+Needs a CUDA device (and, for Vulkan, a Vulkan driver exposing it): elsewhere
+each test is skipped with why."""
 
 import logging
 
@@ -9,17 +11,36 @@ import pytest
 import torch
 
 import headkl.torch as ht
+from conftest import _required, _why_not
 from reference import reference
 from test_loss import HS, K, close, problem
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-def cuda_loss(**kw):
+@pytest.fixture(params=("cuda", "vulkan"))
+def gpu(request):
+    """The backend whose direct path on CUDA tensors a test runs."""
+    name = request.param
+    why = _why_not(name)
+    if why is not None:
+        if name in _required():
+            pytest.fail(f"{name} cannot start and HEADKL_REQUIRE names it: {why}")
+        pytest.skip(f"{name} cannot start: {why}")
+    return name
+
+
+def direct_or_skip(head, gpu):
+    """Skips where Vulkan cannot share memory with CUDA on this device (the
+    CUDA backend always runs on CUDA tensors)."""
+    if gpu == "vulkan" and head._engine.interop() is not None:
+        pytest.skip(f"no zero-copy on this device: {head._engine.interop()}")
+
+
+def cuda_loss(gpu, **kw):
     weight = problem(7)[0]
-    loss_fn = ht.HeadKLLoss(weight, backend="vulkan", **kw)
-    if loss_fn.head._engine.interop() is not None:
-        pytest.skip(f"no zero-copy on this device: {loss_fn.head._engine.interop()}")
+    loss_fn = ht.HeadKLLoss(weight, backend=gpu, **kw)
+    direct_or_skip(loss_fn.head, gpu)
     return loss_fn
 
 
@@ -28,9 +49,9 @@ def cuda_loss(**kw):
     [{}, dict(reduction="none", temperature=2.0), dict(weight_hard_loss=0.5, label_smoothing=0.1), dict(tail="bucket")],
     ids=["default", "none-tau2", "hard", "bucket"],
 )
-def test_zero_copy_matches_torch_f64_and_moves_nothing_through_the_host(opts):
+def test_zero_copy_matches_torch_f64_and_moves_nothing_through_the_host(opts, gpu):
     weight, hidden, ids, values, labels, weights = problem(7)
-    loss_fn = cuda_loss(**opts)
+    loss_fn = cuda_loss(gpu, **opts)
     before = ht.host_copy_bytes()
     for step in range(3):
         x = hidden.cuda().requires_grad_()
@@ -48,8 +69,8 @@ def test_zero_copy_matches_torch_f64_and_moves_nothing_through_the_host(opts):
     close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")
 
 
-def test_zero_copy_bf16_rows_and_a_growing_batch():
-    loss_fn = cuda_loss()
+def test_zero_copy_bf16_rows_and_a_growing_batch(gpu):
+    loss_fn = cuda_loss(gpu)
     for lead in [(2, 5), (4, 9), (1, 3)]:
         weight, hidden, ids, values, _, _ = problem(11, lead=lead)
         x = hidden.to(torch.bfloat16).cuda().requires_grad_()
@@ -60,9 +81,9 @@ def test_zero_copy_bf16_rows_and_a_growing_batch():
         close(x.grad.float().cpu().reshape(-1, HS), want_dx, "dx", rel=2e-2)
 
 
-def test_a_bad_id_on_the_device_raises_at_synchronize_and_the_engine_recovers():
+def test_a_bad_id_on_the_device_raises_at_synchronize_and_the_engine_recovers(gpu):
     weight, hidden, ids, values, _, _ = problem(7)
-    loss_fn = cuda_loss()
+    loss_fn = cuda_loss(gpu)
     bad = ids.clone()
     bad[0, 0, 0] = 10_000
     loss_fn(hidden.cuda(), bad.cuda(), values.cuda())
@@ -82,13 +103,12 @@ def test_the_host_path_on_cuda_tensors_is_counted():
     assert ht.host_copy_bytes() > before
 
 
-def test_zero_copy_topk_and_gather_match_the_host_path():
+def test_zero_copy_topk_and_gather_match_the_host_path(gpu):
     weight, hidden, ids, _, _, _ = problem(5)
     weight = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)) / 8
-    head = ht.Head(weight, backend="vulkan")
-    if head._engine.interop() is not None:
-        pytest.skip(f"no zero-copy on this device: {head._engine.interop()}")
-    on_host = ht.Head(weight, backend="vulkan")
+    head = ht.Head(weight, backend=gpu)
+    direct_or_skip(head, gpu)
+    on_host = ht.Head(weight, backend=gpu)
     before = ht.host_copy_bytes()
     top = head.topk(hidden.cuda(), 12, temperature=1.5)
     lp = head.topk(hidden.cuda(), 12, temperature=1.5, form="logprobs")
@@ -108,16 +128,15 @@ def test_zero_copy_topk_and_gather_match_the_host_path():
     assert (got.lse.cpu() - want_g.lse).abs().max() < 1e-5
 
 
-def test_zero_copy_re_reads_a_changed_head():
+def test_zero_copy_re_reads_a_changed_head(gpu):
     """A head changed in place between zero-copy calls: the engine is made
     again (the shared buffers and semaphore of the last one let go once the
     device is done), and the next calls go zero-copy on the new head."""
     weight, hidden, ids, values, _, _ = problem(7)
     held = weight.clone()
-    loss_fn = ht.HeadKLLoss(held, backend="vulkan")
-    if loss_fn.head._engine.interop() is not None:
-        pytest.skip(f"no zero-copy on this device: {loss_fn.head._engine.interop()}")
-    head = ht.Head(held, backend="vulkan")
+    loss_fn = ht.HeadKLLoss(held, backend=gpu)
+    direct_or_skip(loss_fn.head, gpu)
+    head = ht.Head(held, backend=gpu)
     before = ht.host_copy_bytes()
     stale = loss_fn(hidden.cuda(), ids.cuda(), values.cuda())
     stale_top = head.topk(hidden.cuda(), 12)
@@ -138,13 +157,13 @@ def test_zero_copy_re_reads_a_changed_head():
     close(loss.detach().cpu().reshape(1), want_loss.reshape(1), "loss", rel=1e-4)
     close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")
     assert abs(loss.item() - stale.item()) > 1e-3
-    want_top = ht.Head(held.clone(), backend="vulkan").topk(hidden, 12)
+    want_top = ht.Head(held.clone(), backend=gpu).topk(hidden, 12)
     assert torch.equal(top.ids.cpu(), want_top.ids)
     assert (top.values.cpu() - want_top.values).abs().max() < 1e-6
     assert (top.values - stale_top.values).abs().max() > 1e-3
 
 
-def test_a_trainable_head_on_cuda_goes_through_host_copies_and_gets_its_gradient(caplog):
+def test_a_trainable_head_on_cuda_goes_through_host_copies_and_gets_its_gradient(caplog, gpu):
     """A head that requires grad, on the GPU with the rows: the call takes
     the host path (the device-resident loss does not compute the head's
     gradient), says why once on the ``headkl`` logger, and the gradient
@@ -156,9 +175,8 @@ def test_a_trainable_head_on_cuda_goes_through_host_copies_and_gets_its_gradient
     headkl._host._said_head_grad_on_host = False
     weight, hidden, ids, values, _, _ = problem(7)
     w = weight.cuda().to(torch.bfloat16).requires_grad_()
-    loss_fn = ht.HeadKLLoss(w, backend="vulkan")
-    if loss_fn.head._engine.interop() is not None:
-        pytest.skip(f"no zero-copy on this device: {loss_fn.head._engine.interop()}")
+    loss_fn = ht.HeadKLLoss(w, backend=gpu)
+    direct_or_skip(loss_fn.head, gpu)
     for _ in range(2):
         w.grad = None
         x = hidden.cuda().requires_grad_()
@@ -176,3 +194,32 @@ def test_a_trainable_head_on_cuda_goes_through_host_copies_and_gets_its_gradient
         loss_fn(hidden.cuda(), ids.cuda(), values.cuda())
     assert loss_fn.zero_copy
     loss_fn.synchronize()
+
+
+def test_a_step_on_the_cuda_backend_makes_no_host_sync():
+    """torch's sync debug mode set to error: a forward and backward step on
+    the CUDA backend queues on torch's stream and never waits on the host
+    (a sync would raise), and its results match PyTorch float64."""
+    if _why_not("cuda") is not None:
+        if "cuda" in _required():
+            pytest.fail(f"cuda cannot start and HEADKL_REQUIRE names it: {_why_not('cuda')}")
+        pytest.skip(f"cuda cannot start: {_why_not('cuda')}")
+    weight, hidden, ids, values, labels, weights = problem(7)
+    loss_fn = ht.HeadKLLoss(weight, backend="cuda", weight_hard_loss=0.5)
+    x0, ids, values, labels, weights = (t.cuda() for t in (hidden, ids, values, labels, weights))
+    loss_fn(x0, ids, values, labels=labels, weights=weights)  # the first call makes the engine's scratch
+    torch.cuda.synchronize()
+    x = x0.clone().requires_grad_()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = loss_fn(x, ids, values, labels=labels, weights=weights)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert loss_fn.zero_copy
+    want_loss, want_dx = reference(
+        hidden.reshape(-1, HS), weight, ids.cpu().reshape(-1, K), values.cpu().reshape(-1, K),
+        labels=labels.cpu().reshape(-1), weights=weights.cpu().reshape(-1), weight_hard_loss=0.5,
+    )  # fmt: skip
+    close(loss.detach().cpu().reshape(1), want_loss.reshape(1), "loss", rel=1e-4)
+    close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")

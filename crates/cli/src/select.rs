@@ -22,7 +22,7 @@ fn parse_backend(name: &str) -> Result<BackendArg, String> {
 /// `--backend` and `--device`, shared by every subcommand.
 #[derive(Args, Clone, Debug, Default)]
 pub struct BackendArgs {
-    /// Backend to run on: auto, vulkan, wgpu or reference [env: HEADKL_BACKEND]
+    /// Backend to run on: auto, cuda, vulkan, wgpu or reference [env: HEADKL_BACKEND]
     #[arg(long, value_parser = parse_backend)]
     pub backend: Option<BackendArg>,
     /// Device index within the backend, as `headkl devices` lists them

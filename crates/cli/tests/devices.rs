@@ -100,7 +100,7 @@ fn devices_json_marks_one_auto_row() {
     assert_eq!(rows.iter().filter(|r| r["auto"] == true).count(), 1, "{v}");
     assert!(v["auto"]["reason"].as_str().is_some_and(|r| !r.is_empty()));
     // Every backend shows up: with devices, or with one row saying why not.
-    for b in ["vulkan", "wgpu", "reference"] {
+    for b in ["cuda", "vulkan", "wgpu", "reference"] {
         assert!(rows.iter().any(|r| r["backend"] == b), "no row for {b}: {v}");
     }
     let o = headkl(&["devices"]);

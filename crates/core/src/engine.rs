@@ -285,10 +285,17 @@ impl<B: Backend> Engine<B> {
         self.resident.release_scratch();
     }
 
+    /// The block filter's ε as this backend runs it: `None` where its dx
+    /// GEMM cannot skip blocks ([`Backend::gemm_block_filter`]; dx is then
+    /// exact, as with ε = 0, and no mask is written or read).
+    pub(crate) fn filter_eps(&self, eps: Option<f32>) -> Option<f32> {
+        eps.filter(|_| self.backend.gemm_block_filter())
+    }
+
     /// The chunk plan `head_kl` would use for `ntok` tokens.
     pub fn loss_plan(&self, ntok: usize, k: usize, f32_input: bool, opts: &LossOptions) -> Result<ChunkPlan> {
         let budget = (opts.config.budget_bytes, opts.config.max_rows_per_chunk);
-        let job = Job::loss(opts.config.filter_eps);
+        let job = Job::loss(self.filter_eps(opts.config.filter_eps));
         self.head.chunk_plan(&self.backend, job, ntok, k, f32_input, budget)
     }
 
@@ -368,7 +375,8 @@ impl<B: Backend> Engine<B> {
         let ntok = hidden.ntok();
         crate::error::Field::TeacherRows.check_len(ntok, teacher.ntok())?;
         teacher.check_vocab(self.head.vocab())?;
-        let resolved = opts.resolve(ntok)?;
+        let mut resolved = opts.resolve(ntok)?;
+        resolved.filter_eps = self.filter_eps(resolved.filter_eps);
         resolved.check_labels(self.head.vocab())?;
         let k = teacher.k();
         let f32_input = matches!(hidden.data(), HiddenData::F32(_));
@@ -464,7 +472,8 @@ impl<B: Backend> Engine<B> {
                 got: teacher_hidden.ntok(),
             });
         }
-        let resolved = opts.resolve(ntok)?;
+        let mut resolved = opts.resolve(ntok)?;
+        resolved.filter_eps = self.filter_eps(resolved.filter_eps);
         resolved.check_labels(self.head.vocab())?;
         check_full_vocab_terms(&resolved)?;
         self.resident.release_scratch();

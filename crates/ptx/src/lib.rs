@@ -10,6 +10,9 @@
 //! the backends that launch the tiles link it, not core, the CPU
 //! reference or burn.
 
+pub mod header;
+pub mod kernels;
+
 use headkl_core::toolkit::params::GemmParams;
 use headkl_core::toolkit::{KernelBuild, KernelSource};
 
@@ -30,13 +33,16 @@ pub fn fnv1a64(data: &[u8]) -> u64 {
 /// Whether [`PTX`]'s header records the hash of the source it sits beside,
 /// i.e. whether it was regenerated after the source last changed.
 pub fn source_matches() -> bool {
-    let recorded = PTX
-        .lines()
+    recorded_hash(PTX) == Some(fnv1a64(SOURCE))
+}
+
+/// The source hash a generated PTX's first line records.
+fn recorded_hash(ptx: &str) -> Option<u64> {
+    ptx.lines()
         .next()
         .and_then(|line| line.split("fnv1a64 ").nth(1))
         .and_then(|rest| rest.get(..16))
-        .and_then(|hex| u64::from_str_radix(hex, 16).ok());
-    recorded == Some(fnv1a64(SOURCE))
+        .and_then(|hex| u64::from_str_radix(hex, 16).ok())
 }
 
 /// Checks a catalogue build of a PTX tile against [`PTX`]: its entry point

@@ -104,7 +104,7 @@ impl SuiteConfig {
 }
 
 /// The backends `HEADKL_REQUIRE` can name.
-pub const BACKEND_NAMES: [&str; 3] = ["vulkan", "wgpu", "reference"];
+pub const BACKEND_NAMES: [&str; 4] = ["cuda", "vulkan", "wgpu", "reference"];
 
 /// The conformance suite's settings, as the environment gives them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -6,6 +6,7 @@ use std::panic::{self, AssertUnwindSafe};
 
 use headkl_core::toolkit::settings::CommonOptions;
 use headkl_core::{Backend, DeviceInfo, GemmChoice};
+use headkl_cuda::CudaBackend;
 use headkl_reference::CpuBackend;
 use headkl_vulkan::VulkanBackend;
 use headkl_wgpu::WgpuBackend;
@@ -46,6 +47,7 @@ pub trait Visit {
 /// The one match over the backends: `visit` with `kind`'s type.
 pub fn on_kind<V: Visit>(kind: BackendKind, visit: V) -> V::Output {
     match kind {
+        BackendKind::Cuda => visit.visit::<CudaBackend>(),
         BackendKind::Vulkan => visit.visit::<VulkanBackend>(),
         BackendKind::Wgpu => visit.visit::<WgpuBackend>(),
         BackendKind::Reference => visit.visit::<CpuBackend>(),
@@ -111,7 +113,7 @@ fn open_gpu<B, O: Clone>(
 
 /// [`RuntimeBackend`] for the GPU backend `$backend` of kind `$kind`,
 /// whose options are the settings' field `$options` and whose devices
-/// `$enumerate` lists: the two GPU backends differ only in these.
+/// `$enumerate` lists: the GPU backends differ only in these.
 macro_rules! gpu_backend {
     ($backend:ty, $kind:expr, $options:ident, $enumerate:expr) => {
         impl RuntimeBackend for $backend {
@@ -141,6 +143,7 @@ macro_rules! gpu_backend {
     };
 }
 
+gpu_backend!(CudaBackend, BackendKind::Cuda, cuda, |_| headkl_cuda::enumerate());
 gpu_backend!(WgpuBackend, BackendKind::Wgpu, wgpu, |_| headkl_wgpu::enumerate());
 gpu_backend!(VulkanBackend, BackendKind::Vulkan, vulkan, |settings| {
     headkl_vulkan::enumerate_with(&settings.vulkan.common.gemm_sources)

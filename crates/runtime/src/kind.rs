@@ -46,6 +46,8 @@ impl BackendArg {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
+    /// NVIDIA's CUDA: cuBLASLt and the CUDA C kernels.
+    Cuda,
     /// Raw Vulkan through ash.
     Vulkan,
     /// wgpu.
@@ -56,11 +58,17 @@ pub enum BackendKind {
 
 impl BackendKind {
     /// Every backend, in the `auto` policy's order.
-    pub const ALL: [BackendKind; 3] = [BackendKind::Vulkan, BackendKind::Wgpu, BackendKind::Reference];
+    pub const ALL: [BackendKind; 4] = [
+        BackendKind::Cuda,
+        BackendKind::Vulkan,
+        BackendKind::Wgpu,
+        BackendKind::Reference,
+    ];
 
     /// The backend's name as `--backend` and `HEADKL_REQUIRE` spell it.
     pub fn name(self) -> &'static str {
         match self {
+            BackendKind::Cuda => "cuda",
             BackendKind::Vulkan => "vulkan",
             BackendKind::Wgpu => "wgpu",
             BackendKind::Reference => "reference",
@@ -95,7 +103,16 @@ mod tests {
             Ok(BackendArg::Named(BackendKind::Vulkan))
         );
         let why = BackendArg::parse("Vulkan", false).unwrap_err();
-        assert_eq!(why, "expected one of auto, vulkan, wgpu, reference");
-        assert!(BackendArg::parse("cuda", true).is_err());
+        assert_eq!(why, "expected one of auto, cuda, vulkan, wgpu, reference");
+        assert_eq!(
+            BackendArg::parse("CUDA", true),
+            Ok(BackendArg::Named(BackendKind::Cuda))
+        );
+        assert!(BackendArg::parse("metal", true).is_err());
+        // HEADKL_REQUIRE's names (the suite's) are these backends'.
+        assert_eq!(
+            BackendKind::ALL.map(BackendKind::name),
+            headkl_reference::conformance::BACKEND_NAMES
+        );
     }
 }

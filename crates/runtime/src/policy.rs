@@ -8,11 +8,13 @@ use crate::kind::BackendKind;
 /// The `auto` policy in words, for `--help` and `headkl devices`.
 pub const AUTO_POLICY: &str = "\
 auto picks the first usable device in this order:
-  1. Vulkan with matrix units (cooperative matrices)
-  2. wgpu with matrix units
-  3. Vulkan without matrix units (tiled fallback GEMM)
-  4. wgpu without matrix units
-  5. reference (the f64 CPU backend; always there, so auto never fails)
+  1. CUDA (an NVIDIA GPU from Ampere on, with the driver and cuBLASLt 12
+     or 13 found: cuBLASLt's GEMMs outrun what Vulkan may launch there)
+  2. Vulkan with matrix units (cooperative matrices)
+  3. wgpu with matrix units
+  4. Vulkan without matrix units (tiled fallback GEMM)
+  5. wgpu without matrix units
+  6. reference (the f64 CPU backend; always there, so auto never fails)
 Within one step a discrete GPU beats an integrated one, which beats a
 virtual one; then the lower index. A software rasterizer (device type cpu:
 lavapipe/llvmpipe, SwiftShader) is never picked: it runs the same work on
@@ -70,6 +72,7 @@ fn step(c: &Candidate) -> Option<u8> {
         return None;
     }
     match (c.kind, c.info.matrix_units) {
+        (BackendKind::Cuda, _) => Some(0),
         (BackendKind::Vulkan, true) => Some(1),
         (BackendKind::Wgpu, true) => Some(2),
         (BackendKind::Vulkan, false) => Some(3),
@@ -94,7 +97,9 @@ pub fn best_gpu(candidates: &[Candidate], device: Option<usize>) -> Option<&Cand
 pub fn auto_pick(candidates: &[Candidate], device: Option<usize>) -> AutoPick {
     if let Some(c) = best_gpu(candidates, device) {
         let name = &c.info.device_name;
-        let reason = if c.info.matrix_units {
+        let reason = if c.kind == BackendKind::Cuda {
+            format!("cuda device {} ({name}) opens: CUDA comes first on NVIDIA", c.index)
+        } else if c.info.matrix_units {
             let shapes: Vec<String> = c
                 .info
                 .matrix_shapes
@@ -107,7 +112,7 @@ pub fn auto_pick(candidates: &[Candidate], device: Option<usize>) -> AutoPick {
                 c.index,
                 shapes.join(", "),
                 if c.kind == BackendKind::Vulkan {
-                    "Vulkan with matrix units comes first"
+                    "no CUDA device; Vulkan with matrix units comes next"
                 } else {
                     "no Vulkan device with matrix units"
                 }
@@ -128,9 +133,9 @@ pub fn auto_pick(candidates: &[Candidate], device: Option<usize>) -> AutoPick {
         .iter()
         .any(|c| c.kind != BackendKind::Reference && c.info.unusable.is_none() && is_software(&c.info));
     let why = match (device, software) {
-        (Some(d), _) => format!("no usable Vulkan or wgpu GPU with index {d}"),
+        (Some(d), _) => format!("no usable CUDA, Vulkan or wgpu GPU with index {d}"),
         (None, true) => "the only Vulkan/wgpu devices are software rasterizers, slower than the reference".to_string(),
-        (None, false) => "no usable Vulkan or wgpu device".to_string(),
+        (None, false) => "no usable CUDA, Vulkan or wgpu device".to_string(),
     };
     AutoPick {
         kind: BackendKind::Reference,

@@ -24,6 +24,8 @@ pub struct Settings {
     pub wgpu: headkl_wgpu::OpenOptions,
     /// The Vulkan backend's: the same, and its own switches.
     pub vulkan: headkl_vulkan::VulkanOptions,
+    /// The CUDA backend's: the shared options (its GEMMs are cuBLASLt's).
+    pub cuda: headkl_cuda::CudaOptions,
 }
 
 impl Settings {
@@ -40,6 +42,9 @@ impl Settings {
         let wgpu = headkl_wgpu::OpenOptions {
             common: vulkan.common.clone(),
         };
+        let cuda = headkl_cuda::CudaOptions {
+            common: vulkan.common.clone(),
+        };
         Ok(Self {
             backend,
             trace: env.flag(settings::TRACE)?,
@@ -51,6 +56,7 @@ impl Settings {
             no_row_stats: env.flag(settings::NO_ROW_STATS)?,
             wgpu,
             vulkan,
+            cuda,
         })
     }
 

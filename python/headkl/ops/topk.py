@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .._checks import _ids, _same_device, _top_k
+from .._cuda_direct import _CudaDirect
 from .._host import _NAMES, _on_host, _spec, _to_device
 from .custom import _custom_op_for, gather_op, topk_op
 
@@ -52,6 +53,8 @@ def _topk(head, flat: torch.Tensor, k: int, options: dict, logprobs: bool):
     head._refresh()
     ntok = flat.shape[0]
     zc = head._zero_copy(flat.device) if flat.device.type == "cuda" else None
+    if isinstance(zc, _CudaDirect):
+        return zc.topk(flat, k, options, logprobs)
     if zc is not None:
         zc.view("hidden", tuple(flat.shape), flat.dtype).copy_(flat)
         ids_view = zc.view("ids", (ntok, k), torch.int32)
@@ -107,6 +110,8 @@ def _gather(head, flat: torch.Tensor, ids: torch.Tensor, options: dict):
     head._refresh()
     ntok, k = ids.shape
     zc = head._zero_copy(flat.device) if flat.device.type == "cuda" else None
+    if isinstance(zc, _CudaDirect):
+        return zc.gather(flat, ids, options)
     if zc is not None:
         zc.view("hidden", tuple(flat.shape), flat.dtype).copy_(flat)
         zc.view("ids", (ntok, k), torch.int32).copy_(torch.where(ids < 0, torch.full_like(ids, -1), ids))

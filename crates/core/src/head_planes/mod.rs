@@ -415,6 +415,9 @@ impl<B: Backend> HeadPlanes<B> {
     /// where the smallest chunk's logits with them still fit one binding
     /// (else the KL rows fold the logits themselves).
     pub(crate) fn row_stats_fit(&self, backend: &B) -> bool {
+        if !backend.gemm_row_stats() {
+            return false;
+        }
         let info = backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
         let words = self.vocab_padded + 2 * self.row_stats(0).ld;

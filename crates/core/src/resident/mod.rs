@@ -665,7 +665,7 @@ impl<B: ResidentBackend> Engine<B> {
             self.check_view("terms_out", t, elements("terms_out", ntok, 3)?, 4)?;
         }
         let head_grad_out = self.check_head_grad_out(opts)?;
-        let job = Job::loss(opts.config.filter_eps);
+        let job = Job::loss(self.filter_eps(opts.config.filter_eps));
         let plan = HeadPlanes::plan_for(
             &self.backend,
             &self.resident_row_bytes(job, k),
@@ -765,7 +765,9 @@ impl<B: ResidentBackend> Engine<B> {
                 tail: teacher.tail,
                 terms: opts.config.terms,
                 row_stats,
-                filter: self.head.kl_filter(opts.config.filter_eps, rows_padded),
+                filter: self
+                    .head
+                    .kl_filter(self.filter_eps(opts.config.filter_eps), rows_padded),
                 ..KlDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k)
             };
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;

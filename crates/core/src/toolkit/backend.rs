@@ -586,6 +586,22 @@ pub trait Backend {
         None
     }
 
+    /// Whether this backend's logits GEMM writes row statistics
+    /// ([`GemmDesc::row_stats`]). A backend whose GEMM comes from a library
+    /// with no such epilogue (cuBLASLt) says no, and the KL rows then fold
+    /// the logits themselves.
+    fn gemm_row_stats(&self) -> bool {
+        true
+    }
+
+    /// Whether this backend's dx GEMM skips the block filter's clear
+    /// blocks ([`GemmDesc::mask_rows`], [`crate::toolkit::KernelId::GemmDxFiltered`]).
+    /// One that cannot (cuBLASLt's GEMMs) refuses the filtered GEMM, and
+    /// the engine then runs the loss without the filter: dx exact.
+    fn gemm_block_filter(&self) -> bool {
+        true
+    }
+
     /// Whether large uploads and downloads run beside the kernels (on a
     /// copy queue of their own) rather than in line with them. The host
     /// path then gives the buffers they touch (the hidden rows' upload
@@ -654,6 +670,12 @@ impl<T: Backend + ?Sized> Backend for &T {
     }
     fn gemm_tile(&self, layout: HeadLayout) -> Option<(u32, u32)> {
         (**self).gemm_tile(layout)
+    }
+    fn gemm_row_stats(&self) -> bool {
+        (**self).gemm_row_stats()
+    }
+    fn gemm_block_filter(&self) -> bool {
+        (**self).gemm_block_filter()
     }
     fn transfers_overlap(&self) -> bool {
         (**self).transfers_overlap()

@@ -84,7 +84,7 @@ pub const NO_ROW_STATS: &str = "HEADKL_NO_ROW_STATS";
 pub const VARIABLES: &[Variable] = &[
     Variable {
         name: BACKEND,
-        values: "auto|vulkan|wgpu|reference",
+        values: "auto|cuda|vulkan|wgpu|reference",
         default: "auto",
         effect: "the command's backend (`--backend` wins)",
     },
