@@ -180,7 +180,12 @@ impl Gemm {
         })?;
         let plan = match plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(&key, stream, (a, b, alpha))?),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                // Without accumulation the call overwrites C next, so the
+                // candidates may write there; else they get a scratch C.
+                let timing_c = (!accumulate).then_some(c);
+                e.insert(self.plan(&key, stream, (a, b, timing_c, alpha))?)
+            }
         };
         let beta: f32 = if accumulate { 1.0 } else { 0.0 };
         // SAFETY: the plan's layouts describe the operands at these
@@ -215,8 +220,9 @@ impl Gemm {
 
     /// The plan for `key`: cuBLASLt's descriptors and, of the heuristic's
     /// candidates, the one that ran fastest on the call's own operands `a`
-    /// and `b` (into a scratch C, so the call's C is untouched).
-    fn plan(&self, key: &Key, stream: sys::CUstream, (a, b, alpha): (u64, u64, f32)) -> Result<Plan> {
+    /// and `b`, into `c` (a C the call overwrites next) or, where that is
+    /// `None`, a scratch C.
+    fn plan(&self, key: &Key, stream: sys::CUstream, (a, b, c, alpha): (u64, u64, Option<u64>, f32)) -> Result<Plan> {
         let name = if key.logits { "logits" } else { "dx" };
         let what = |step: &str| format!("planning the {name} GEMM {}x{}x{}: {step}", key.m, key.n, key.k);
         use lts::cudaDataType_t::{CUDA_R_16F, CUDA_R_32F};
@@ -330,30 +336,35 @@ impl Gemm {
                 })
             }
             [only] => *only,
-            several => self.fastest(&plan, several, stream, (a, b, alpha), key)?,
+            several => self.fastest(&plan, several, stream, (a, b, c, alpha), key)?,
         };
         Ok(plan)
     }
 
-    /// Of `algos`, the one that runs `plan` fastest on `a` and `b` into a
-    /// scratch C (timed with events on `stream`, which the host waits for:
-    /// once per shape).
+    /// Of `algos`, the one that runs `plan` fastest on `a` and `b` into
+    /// `c`, or a scratch C where that is `None` (timed with events on
+    /// `stream`, which the host waits for: once per shape).
     fn fastest(
         &self,
         plan: &Plan,
         algos: &[lts::cublasLtMatmulAlgo_t],
         stream: sys::CUstream,
-        (a, b, alpha): (u64, u64, f32),
+        (a, b, c, alpha): (u64, u64, Option<u64>, f32),
         key: &Key,
     ) -> Result<lts::cublasLtMatmulAlgo_t> {
-        let bytes = 4 * (key.ldc * (key.m - 1) + key.n);
-        // SAFETY: the context is current; freed below.
-        let scratch =
-            unsafe { result::malloc_sync(bytes) }.map_err(|e| alloc("GEMM timing scratch", bytes as u64, e))?;
-        let timed = self.time_each(plan, algos, stream, (a, b, scratch, alpha));
-        // SAFETY: our allocation; the timing waited for the stream.
-        let _ = unsafe { result::free_sync(scratch) };
-        let times = timed?;
+        let times = match c {
+            Some(c) => self.time_each(plan, algos, stream, (a, b, c, alpha))?,
+            None => {
+                let bytes = 4 * (key.ldc * (key.m - 1) + key.n);
+                // SAFETY: the context is current; freed below.
+                let scratch =
+                    unsafe { result::malloc_sync(bytes) }.map_err(|e| alloc("GEMM timing scratch", bytes as u64, e))?;
+                let timed = self.time_each(plan, algos, stream, (a, b, scratch, alpha));
+                // SAFETY: our allocation; the timing waited for the stream.
+                let _ = unsafe { result::free_sync(scratch) };
+                timed?
+            }
+        };
         let best = times
             .iter()
             .enumerate()
