@@ -60,7 +60,7 @@ mod tests {
         assert_eq!(s.runtime.backend, Some(BackendArg::Named(BackendKind::Vulkan)));
         assert_eq!(s.runtime.device(), Some(2));
         assert!(s.suite.requires("wgpu"));
-        for (name, bad) in [(settings::BACKEND, "cuda"), (settings::REQUIRE, "metal")] {
+        for (name, bad) in [(settings::BACKEND, "metal"), (settings::REQUIRE, "metal")] {
             let e = Settings::from_env(&Env::from_pairs([(name, bad)]))
                 .unwrap_err()
                 .to_string();

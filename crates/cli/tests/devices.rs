@@ -50,11 +50,13 @@ fn device_that_does_not_exist_exits_2_and_a_backend_that_cannot_start_exits_1() 
     assert_input_error(&o, &["--device", "97"]);
     // A backend with no device to start (the Vulkan loader finds no driver):
     // exit 1 with the reason, and `check` counts it skipped, not passed.
+    // No Vulkan driver, and no CUDA device visible where CUDA is installed.
     let no_driver = [
         ("VK_ICD_FILENAMES", "/nonexistent/icd.json"),
         ("VK_DRIVER_FILES", "/nonexistent/icd.json"),
+        ("CUDA_VISIBLE_DEVICES", ""),
     ];
-    for backend in ["wgpu", "vulkan"] {
+    for backend in ["cuda", "wgpu", "vulkan"] {
         let mut c = Command::new(env!("CARGO_BIN_EXE_headkl"));
         c.args(f.args("loss", backend, "head.safetensors", "hidden.safetensors"))
             .args(["--teacher", f.s("teacher.safetensors"), "--out", f.s("o.safetensors")]);
@@ -76,7 +78,7 @@ fn device_that_does_not_exist_exits_2_and_a_backend_that_cannot_start_exits_1() 
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
     assert_eq!(o.status.code(), Some(0), "{out}\n{}", stderr(&o));
-    assert!(out.contains("on 1 backend(s)") && out.contains("2 skipped"), "{out}");
+    assert!(out.contains("on 1 backend(s)") && out.contains("3 skipped"), "{out}");
     let o = Command::new(env!("CARGO_BIN_EXE_headkl"))
         .args(["check", "--cases", "0"])
         .envs(no_driver)
