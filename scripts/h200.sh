@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the lent H200 (see ../shared/GPU.md): devices, the conformance suite
-# on both GPU backends with and without matrix units, the training example,
+# Runs on the lent H100 or H200 (see ../shared/GPU.md): devices, the conformance suite
+# on the GPU backends (CUDA; Vulkan and wgpu with and without matrix units), the training example,
 # the GEMM ceiling report, the bench (host and device-resident paths), the
 # PyTorch anchors and cuBLAS, so the ratios come from one machine.
 #
@@ -93,6 +93,7 @@ if has check; then
         env $vars HEADKL_REQUIRE=$backend $headkl $quiet check --backend $backend --cases "$cases" >"$log" 2>&1
         echo "check $label exit=$? $(grep -E "^\s*$backend " "$log" | tail -n 1)" | tee -a "$summary"
     done <<'LIST'
+cuda-default||cuda
 vulkan-default||vulkan
 vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan
 vulkan-glsl-s2|HEADKL_GEMM=logits=glsl:bm128.bk64.s1,dx=glsl:bm128.bk32.s2|vulkan
@@ -148,8 +149,9 @@ if has bench; then
         env $vars HEADKL_TRACE=1 $headkl $quiet bench --backend $backend --shape $shape --iters 5 --warmup 1 $extra \
             --json "$out/bench-$label.json" >"$log" 2>&1
         echo "bench $label exit=$?" | tee -a "$summary"
-        grep -E "^(vulkan|wgpu|trace) |^bench: queue" "$log" | tee -a "$summary"
+        grep -E "^(cuda|vulkan|wgpu|trace) |^bench: queue" "$log" | tee -a "$summary"
     done <<'LIST'
+A-cuda||cuda|A|--resident
 A-vulkan||vulkan|A|--resident --plot /tmp/headkl-out/bench-A.svg
 A-vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan|A|--resident
 A-vulkan-wgsl|HEADKL_GEMM=logits=staged:bk64:r2:s1,dx=staged:bk32:r4:s1:pf|vulkan|A|--resident
@@ -157,12 +159,15 @@ A-wgpu||wgpu|A|--resident
 A-wgpu-wgsl|HEADKL_GEMM=staged:bk32:r4:s1:pf|wgpu|A|--resident
 A-wgpu-universal|HEADKL_QUEUE=universal|wgpu|A|
 A-vulkan-universal|HEADKL_QUEUE=universal|vulkan|A|
+B-cuda||cuda|B|--resident
 B-vulkan||vulkan|B|--resident
 B-vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan|B|
 B-wgpu||wgpu|B|
+S-cuda||cuda|S|--resident
 S-vulkan||vulkan|S|--resident
 S-vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan|S|
 S-wgpu||wgpu|S|
+M-cuda||cuda|M|--resident
 M-vulkan||vulkan|M|--resident
 M-vulkan-glsl|HEADKL_GEMM=glsl:bm128.bk64.s1|vulkan|M|
 M-wgpu||wgpu|M|
@@ -298,7 +303,7 @@ if has torch; then
     # torch.compile, and at A with 32768 tokens.
     pydir=/tmp/headkl-python
     mkdir -p "$pydir" && python3 -m zipfile -e .wheel/*.whl "$pydir"
-    HEADKL_REQUIRE=vulkan,wgpu PYTHONPATH="$pydir:$PWD/python/tests" python3 -m pytest -q -p no:cacheprovider \
+    HEADKL_REQUIRE=cuda,vulkan,wgpu PYTHONPATH="$pydir:$PWD/python/tests" python3 -m pytest -q -p no:cacheprovider \
         python/tests 2>&1 | tee "$out/torch-tests.txt" | tail -n 3 | tee -a "$summary"
     PYTHONPATH="$pydir" python3 python/examples/distill.py --headkl "$headkl" --device cuda --backend vulkan \
         2>&1 | tee "$out/torch-distill.txt" | tail -n 1 | tee -a "$summary"
@@ -306,8 +311,11 @@ if has torch; then
         $headkl $quiet bench --backend vulkan --shape $shape --iters 5 --warmup 1 --resident 2>&1 \
             | grep -E "^vulkan .*head_kl \(resident\)" | tee -a "$summary"
     done
-    PYTHONUNBUFFERED=1 PYTHONPATH="$pydir" python3 python/examples/bench_cuda.py --shapes "$(echo $shapes | tr ' ' ,)" \
-        2>&1 | grep -v Warning | tee "$out/torch-bench.txt" | tee -a "$summary"
+    for backend in cuda vulkan; do
+        PYTHONUNBUFFERED=1 PYTHONPATH="$pydir" python3 python/examples/bench_cuda.py --backend $backend \
+            --shapes "$(echo $shapes | tr ' ' ,)" 2>&1 | grep -v Warning | sed "s/^/$backend /" \
+            | tee -a "$out/torch-bench.txt" | tee -a "$summary"
+    done
     PYTHONUNBUFFERED=1 PYTHONPATH="$pydir" python3 python/examples/bench_cuda.py --shapes A --ntok 32768 --iters 3 \
         2>&1 | grep -v Warning | tee -a "$out/torch-bench.txt" | tee -a "$summary"
     PYTHONUNBUFFERED=1 python3 .anchors/peers.py --shapes "$(echo $shapes | tr ' ' ,)" --variants liger_kl \

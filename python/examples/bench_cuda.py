@@ -1,9 +1,10 @@
 """Times headkl's loss on CUDA tensors from PyTorch: forward and backward
-of ``HeadKLLoss`` on bf16 hidden rows at the bench's shapes, zero-copy
-(the engine's Vulkan buffers mapped into CUDA), with CUDA events on
-torch's stream.
+of ``HeadKLLoss`` on bf16 hidden rows at the bench's shapes, with no byte
+through the host (on the CUDA backend the engine runs on the tensors
+themselves on torch's stream; on Vulkan its buffers are mapped into CUDA),
+with CUDA events on torch's stream.
 
-    python python/examples/bench_cuda.py --shapes S,A --iters 10
+    python python/examples/bench_cuda.py --shapes S,A --iters 10 --backend cuda
 
 Per shape it prints one line: the step's GPU milliseconds (median of the
 iterations), the bytes headkl moved through the host during the timed
@@ -36,7 +37,7 @@ def arguments():
     p.add_argument("--ntok", type=int, default=None, help="tokens instead of the shape's (e.g. 32768)")
     p.add_argument("--iters", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--backend", default="vulkan", help="headkl backend (default vulkan)")
+    p.add_argument("--backend", default="auto", help="headkl backend: auto (cuda on NVIDIA), cuda or vulkan")
     return p.parse_args()
 
 
