@@ -6,6 +6,7 @@ changed since it was uploaded (``_stamp``, ``_changed``)."""
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Optional, Sequence, Tuple
 
@@ -149,4 +150,22 @@ def _teacher_top_k(teacher_ids, teacher_values, lead: Tuple[int, ...], hidden: t
         )
     for name, t in (("teacher_ids", teacher_ids), ("teacher_values", teacher_values)):
         _same_device(name, t, hidden)
+    if teacher_values.requires_grad:
+        _say_teacher_values_get_no_gradient()
     return teacher_ids, teacher_values
+
+
+_said_teacher_no_grad = False
+
+
+def _say_teacher_values_get_no_gradient() -> None:
+    """Says once, on the ``headkl`` logger (WARNING), that teacher values
+    that require grad get none: the loss treats the teacher as a fixed
+    target, as a distillation loss does."""
+    global _said_teacher_no_grad
+    if not _said_teacher_no_grad:
+        logging.getLogger("headkl").warning(
+            "headkl: teacher_values requires grad, but the loss gives the teacher no gradient "
+            "(it is a fixed target); pass teacher_values.detach() to say so"
+        )
+        _said_teacher_no_grad = True

@@ -1,7 +1,9 @@
 """CUDA tensors on headkl's CUDA backend: the engine runs on the tensors'
 own memory (their device addresses) and queues on ``torch.cuda``'s current
 stream, so there is no copy into separate buffers, no semaphore and no host
-wait inside a step; the outputs come from PyTorch's allocator. ``Head``
+wait inside a step; the outputs come from PyTorch's allocator. A trainable
+head gets its gradient the same way (``loss(..., head_grad=True)``), and a
+head changed in place is read again on the device (``refill``). ``Head``
 holds one ``_CudaDirect`` per engine where its backend is ``cuda``, in
 place of the Vulkan zero-copy path (``_zero_copy``), with the same calls.
 
@@ -17,6 +19,11 @@ import torch
 
 from ._host import _NAMES
 
+# The largest byte range one kernel binding spans on the CUDA backend (its
+# kernels index in 32 bits): a trainable head's f32 gradient must fit.
+_MAX_BINDING = (1 << 32) - 4
+_F16_MAX = 65504.0
+
 
 def _memory(t: torch.Tensor) -> Tuple[int, int]:
     """A contiguous tensor's ``(address, bytes)``."""
@@ -26,11 +33,12 @@ def _memory(t: torch.Tensor) -> Tuple[int, int]:
 class _CudaDirect:
     """The CUDA engine on CUDA tensors of one device."""
 
-    def __init__(self, engine, device: torch.device):
+    def __init__(self, engine, device: torch.device, vocab: int):
         backend = engine.info()["backend"]
         if backend != "cuda":
             raise RuntimeError(f"the {backend} backend does not run on CUDA tensors directly")
         self.engine = engine
+        self.vocab = vocab
         self.ordinal = device.index if device.index is not None else torch.cuda.current_device()
         # The engine's device is the tensors' (both count CUDA's devices in
         # CUDA's order; HEADKL_DEVICE or device= picked it).
@@ -44,10 +52,40 @@ class _CudaDirect:
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.ordinal).cuda_stream
 
-    def loss(self, options: dict, flat, ids, values, labels, weights, w, total):
+    def head_grad_why_not(self, vocab: int, hs: int):
+        """None where the head's gradient can come from this path, else why not."""
+        need = vocab * hs * 4
+        if need > _MAX_BINDING:
+            return f"the head's f32 gradient ({need / 2**30:.1f} GiB) is past the CUDA kernels' 4 GiB binding"
+        return None
+
+    def refill(self, weight: torch.Tensor) -> None:
+        """Reads ``weight`` (the head, changed since it was read) again into
+        the engine on the device: its values checked and its f16 rows'
+        norms read (one small read to the host), the planes rewritten by
+        device copies on torch's stream."""
+        w = weight.detach()
+        w16 = w.to(torch.float16).contiguous()
+        w32 = w.float()
+        bad_rows = (~torch.isfinite(w32) | (w32.abs() > _F16_MAX)).any(1)
+        norms = w16.float().pow(2).sum(1).sqrt()
+        read = torch.stack([norms, bad_rows.float()], 1).cpu()
+        bad = torch.nonzero(read[:, 1]).flatten()
+        if bad.numel():
+            row = int(bad[0])
+            values = w32[row].cpu()
+            col = int(torch.nonzero(~torch.isfinite(values) | (values.abs() > _F16_MAX)).flatten()[0])
+            what = "is not finite" if not bool(torch.isfinite(values[col])) else "is past f16's range"
+            raise ValueError(f"weight: row {row}, column {col}: {float(values[col])} {what}")
+        stream = torch.cuda.current_stream(self.ordinal).cuda_stream
+        self.engine.refill_head_cuda(_memory(w16), read[:, 0].tolist(), stream)
+
+    def loss(self, options: dict, flat, ids, values, labels, weights, w, total, head_grad: bool = False):
         """The unweighted per-token losses and ``dx`` for the checked
-        ``[ntok]`` rows, as new CUDA tensors; ``w`` is the per-token weights
-        after ``ignore_mask``, which the engine takes in place of the mask."""
+        ``[ntok]`` rows, as new CUDA tensors, and with ``head_grad`` the
+        head's gradient f32 ``[V][hs]`` (else None); ``w`` is the per-token
+        weights after ``ignore_mask``, which the engine takes in place of
+        the mask."""
         ntok, hs = flat.shape
         k = ids.shape[1]
         o = options
@@ -62,12 +100,16 @@ class _CudaDirect:
             labels32 = torch.where(none, torch.full_like(labels, -1), labels).to(torch.int32).contiguous()
         per_token = torch.empty(ntok, dtype=torch.float32, device=flat.device)
         dx = torch.empty((ntok, hs), dtype=torch.float32, device=flat.device)
+        dw = None
+        if head_grad:
+            dw = torch.empty((self.vocab, hs), dtype=torch.float32, device=flat.device)
         maybe = lambda t: None if t is None else _memory(t)  # noqa: E731
         self.engine.head_kl_cuda(
             (ntok, k, _NAMES[flat.dtype]), _memory(flat), _memory(ids32), _memory(values32), maybe(weights32),
             maybe(labels32), _memory(per_token), _memory(dx), dict(o, ignore_mask=False, total=total), self._stream(),
+            maybe(dw),
         )  # fmt: skip
-        return per_token, dx
+        return per_token, dx, dw
 
     def topk(self, flat: torch.Tensor, k: int, options: dict, logprobs: bool):
         """Ids (int64) and values (f32) ``[ntok][k]`` of the checked rows."""

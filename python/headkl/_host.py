@@ -37,15 +37,15 @@ def _warn_host_copies(why: str = "") -> None:
         _warned_host_copies = True
 
 
-def _say_head_grad_on_host() -> None:
+def _say_head_grad_on_host(why: str = "the zero-copy path does not compute the head's gradient") -> None:
     """Says once, on the ``headkl`` logger (WARNING), why a loss whose head
     requires grad takes host copies for CUDA tensors."""
     global _said_head_grad_on_host
     if not _said_head_grad_on_host:
         log.warning(
-            "headkl: the head requires grad, and the zero-copy path does not compute the head's gradient: "
-            "the loss runs on host memory while it does (detach the head, or set requires_grad_(False), "
-            "to go zero-copy)"
+            "headkl: the head requires grad, and %s: the loss runs on host memory while it does "
+            "(detach the head, or set requires_grad_(False), to go zero-copy)",
+            why,
         )
         _said_head_grad_on_host = True
 

@@ -146,8 +146,27 @@ class Head:
         self._same_shape("weight", self._weight, (self._weight_rows, self.hidden_size))
         if self._teacher is not None:
             self._same_shape("teacher_weight", self._teacher, self._teacher_shape)
+        if self._refill_on_device():
+            log.info("headkl: re-read the head on the device: %s since it was read", why)
+            return
         log.info("headkl: re-read the head: %s since it was uploaded", why)
         self._upload()
+
+    def _refill_on_device(self) -> bool:
+        """Where the head is a CUDA tensor and the engine the CUDA backend
+        on its device (and no teacher head rides along): reads it again
+        there, with no host copy of it (``_CudaDirect.refill``); False
+        where it cannot, and the head is uploaded again from the host."""
+        w = self._weight
+        if self._engine is None or not w.is_cuda or self.shard is not None or self._teacher is not None:
+            return False
+        zc = self._zero_copy(w.device, quiet=True)
+        if not isinstance(zc, _CudaDirect):
+            return False
+        zc.refill(w)
+        self._stamp = _stamp(w)
+        self._uploads += 1
+        return True
 
     @property
     def _weight_rows(self) -> int:
@@ -180,21 +199,23 @@ class Head:
         if self._engine is not None:
             self._engine.synchronize()
 
-    def _zero_copy(self, device: torch.device, why_not: Optional[str] = None):
-        """The engine's buffers shared with CUDA device ``device``, or None
-        (then host copies, logged once with why): ``why_not`` names a
-        caller's reason."""
+    def _zero_copy(self, device: torch.device, why_not: Optional[str] = None, quiet: bool = False):
+        """The engine's direct path for CUDA tensors on device ``device``
+        (the CUDA backend's, or Vulkan memory shared with CUDA), or None
+        (then host copies, logged once with why, unless ``quiet``):
+        ``why_not`` names a caller's reason."""
         if why_not is None and self._zc is None and self._no_zc is None:
             try:
                 if self._engine.info()["backend"] == "cuda":
-                    self._zc = _CudaDirect(self._engine, device)
+                    self._zc = _CudaDirect(self._engine, device, self.vocab_size)
                 else:
                     self._zc = _ZeroCopy(self._engine, device)
             except Exception as e:  # noqa: BLE001 - any reason to fall back is said once
                 self._no_zc = str(e)
         reason = why_not or self._no_zc
         if reason is not None:
-            _warn_host_copies(reason)
+            if not quiet:
+                _warn_host_copies(reason)
             return None
         return self._zc
 

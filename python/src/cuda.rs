@@ -31,6 +31,8 @@ pub struct LossTensors {
     pub labels: Option<Device>,
     pub loss: Device,
     pub dx: Device,
+    /// The head's gradient f32 `[V][hs]`, where the head is trainable.
+    pub head_grad: Option<Device>,
 }
 
 /// The CUDA engine over the whole head, or why this one is not.
@@ -89,13 +91,17 @@ pub fn head_kl(
     let weights = t.weights.map(|w| unsafe { borrow(w) });
     // SAFETY: as above.
     let labels = t.labels.map(|l| unsafe { borrow(l) });
+    // SAFETY: as above.
+    let head_grad = t.head_grad.map(|g| unsafe { borrow(g) });
+    let mut config = opts.config;
+    config.head_grad = head_grad.is_some();
     let device_opts = DeviceLossOptions {
-        config: opts.config,
+        config,
         weights: weights.as_ref(),
         labels: labels.as_ref(),
         accumulate_dx: false,
         terms_out: None,
-        head_grad_out: None,
+        head_grad_out: head_grad.as_ref(),
     };
     let teacher = DeviceTeacher {
         ids: &ids,
@@ -111,6 +117,39 @@ pub fn head_kl(
     };
     engine
         .head_kl_device(ntok, &hidden, &teacher, &out, &device_opts)
+        .map_err(to_py)
+}
+
+/// Reads a trainable head again from PyTorch's f16 copy of it (`[V][hs]`,
+/// dense, at `w16`) into the engine's planes, on `stream`: device copies
+/// only. `row_norms` are the f16 rows' norms (the Python side checked the
+/// values first).
+pub fn refill_head(engine: &mut Engine<CudaBackend>, w16: Device, row_norms: &[f32], stream: u64) -> PyResult<()> {
+    let (vocab, hs) = (engine.vocab(), engine.hs());
+    let row_bytes = hs * 2;
+    if w16.1 != (vocab * row_bytes) as u64 {
+        return Err(PyValueError::new_err(format!(
+            "weight: {} bytes of f16 given for a [{vocab}][{hs}] head",
+            w16.1
+        )));
+    }
+    on_stream(engine, stream)?;
+    engine
+        .refill_device_head(row_norms, |backend, plane| {
+            let src = w16.0 + (plane.first_row * row_bytes) as u64;
+            // SAFETY: rows first_row.. of the f16 copy the Python side holds
+            // for the call, inside it (its size checked above); the copy is
+            // queued on torch's stream, so the tensor's memory is reused
+            // only after it.
+            unsafe {
+                backend.copy_rows_from(
+                    plane.buffer,
+                    plane.hs_padded * 2,
+                    (src, row_bytes),
+                    (row_bytes, plane.rows),
+                )
+            }
+        })
         .map_err(to_py)
 }
 

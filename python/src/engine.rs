@@ -662,7 +662,7 @@ impl PyEngine {
     /// backend, queued on `stream` (PyTorch's current one); `shape` as in
     /// `head_kl_shared`. Returns once the work is queued.
     #[allow(clippy::too_many_arguments, reason = "one tensor an argument, as Python passes them")]
-    #[pyo3(signature = (shape, hidden, ids, values, weights, labels, loss, dx, options, stream))]
+    #[pyo3(signature = (shape, hidden, ids, values, weights, labels, loss, dx, options, stream, head_grad=None))]
     fn head_kl_cuda(
         &self,
         py: Python<'_>,
@@ -676,6 +676,7 @@ impl PyEngine {
         dx: cuda::Device,
         options: &Bound<'_, PyDict>,
         stream: u64,
+        head_grad: Option<cuda::Device>,
     ) -> PyResult<()> {
         let (ntok, k, dtype) = shape;
         let (opts, reading) = loss_options(options)?;
@@ -687,10 +688,20 @@ impl PyEngine {
             labels,
             loss,
             dx,
+            head_grad,
         };
         let mut held = self.held()?;
         let engine = cuda::cuda_whole(&mut held).map_err(cuda::not_cuda)?;
         py.detach(|| cuda::head_kl(engine, (ntok, k, &dtype), &tensors, (&opts, &reading), stream))
+    }
+
+    /// Reads the head again from PyTorch's f16 copy of it on the device
+    /// (`(address, bytes)`, dense `[V][hs]`), queued on `stream`;
+    /// `row_norms` are its rows' norms.
+    fn refill_head_cuda(&self, py: Python<'_>, w16: cuda::Device, row_norms: Vec<f32>, stream: u64) -> PyResult<()> {
+        let mut held = self.held()?;
+        let engine = cuda::cuda_whole(&mut held).map_err(cuda::not_cuda)?;
+        py.detach(|| cuda::refill_head(engine, w16, &row_norms, stream))
     }
 
     /// The top-k on CUDA tensors `(hidden, ids, values)` by `(address,

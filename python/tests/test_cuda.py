@@ -163,12 +163,13 @@ def test_zero_copy_re_reads_a_changed_head(gpu):
     assert (top.values - stale_top.values).abs().max() > 1e-3
 
 
-def test_a_trainable_head_on_cuda_goes_through_host_copies_and_gets_its_gradient(caplog, gpu):
-    """A head that requires grad, on the GPU with the rows: the call takes
-    the host path (the device-resident loss does not compute the head's
-    gradient), says why once on the ``headkl`` logger, and the gradient
-    comes back on the head's device in its dtype; under ``torch.no_grad()``
-    the same loss goes zero-copy again."""
+def test_a_trainable_head_on_cuda_gets_its_gradient(caplog, gpu):
+    """A head that requires grad, on the GPU with the rows. On the CUDA
+    backend the same direct call gives the head's gradient; on Vulkan the
+    call takes the host path (its zero-copy loss does not compute it) and
+    says why once on the ``headkl`` logger. Either way the gradient comes
+    back on the head's device in its dtype, and under ``torch.no_grad()``
+    the loss goes zero-copy."""
     import headkl._host
 
     caplog.set_level(logging.INFO, logger="headkl")
@@ -177,23 +178,62 @@ def test_a_trainable_head_on_cuda_goes_through_host_copies_and_gets_its_gradient
     w = weight.cuda().to(torch.bfloat16).requires_grad_()
     loss_fn = ht.HeadKLLoss(w, backend=gpu)
     direct_or_skip(loss_fn.head, gpu)
+    before = ht.host_copy_bytes()
     for _ in range(2):
         w.grad = None
         x = hidden.cuda().requires_grad_()
         loss = loss_fn(x, ids.cuda(), values.cuda())
-        assert not loss_fn.zero_copy
+        assert loss_fn.zero_copy == (gpu == "cuda")
         (loss * 3).backward()
+    torch.cuda.synchronize()
     assert w.grad.device == w.device and w.grad.dtype == torch.bfloat16
     _, want_dx, want_dw = reference(hidden.reshape(-1, HS), weight.to(torch.bfloat16).float(), ids.reshape(-1, K),
                                     values.reshape(-1, K), head_grad=True, upstream=3.0)  # fmt: skip
     close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")
     close(w.grad.double().cpu(), want_dw, "weight.grad", rel=1e-2)
-    said = [r.getMessage() for r in caplog.records if "zero-copy path does not compute the head's gradient" in r.getMessage()]
-    assert len(said) == 1, said
+    said = [r.getMessage() for r in caplog.records if "the head requires grad" in r.getMessage()]
+    if gpu == "cuda":
+        assert said == [] and ht.host_copy_bytes() == before, said
+    else:
+        assert len(said) == 1 and "zero-copy path does not compute" in said[0], said
     with torch.no_grad():
         loss_fn(hidden.cuda(), ids.cuda(), values.cuda())
     assert loss_fn.zero_copy
     loss_fn.synchronize()
+
+
+def test_a_trainable_head_on_the_cuda_backend_trains_on_the_device():
+    """SGD on a CUDA head through the CUDA backend, per-token losses with an
+    uneven upstream gradient: every step's loss and the final head match
+    the same steps in float64, no byte of the rows or the head crosses to
+    the host, and each step's changed head is read again on the device."""
+    if _why_not("cuda") is not None:
+        if "cuda" in _required():
+            pytest.fail(f"cuda cannot start and HEADKL_REQUIRE names it: {_why_not('cuda')}")
+        pytest.skip(f"cuda cannot start: {_why_not('cuda')}")
+    weight, hidden, ids, values, _, _ = problem(7)
+    w = weight.cuda().requires_grad_()
+    loss_fn = ht.HeadKLLoss(w, backend="cuda", reduction="none")
+    opt = torch.optim.SGD([w], lr=0.5)
+    want_w = weight.double().clone()
+    x, i, v = hidden.cuda(), ids.cuda(), values.cuda()
+    up = torch.linspace(0.5, 2.0, hidden.numel() // HS).reshape(hidden.shape[:-1])
+    before = ht.host_copy_bytes()
+    for step in range(4):
+        opt.zero_grad()
+        loss = loss_fn(x, i, v)
+        assert loss_fn.zero_copy, "the CUDA call went through host copies"
+        loss.backward(up.cuda())
+        opt.step()
+        want_loss, _, want_dw = reference(hidden.reshape(-1, HS), want_w, ids.reshape(-1, K), values.reshape(-1, K),
+                                          head_grad=True, upstream=up.reshape(-1).double(), reduction="none")  # fmt: skip
+        close(loss.detach().cpu().reshape(-1), want_loss.reshape(-1), f"loss at step {step}", rel=1e-4)
+        want_w -= 0.5 * want_dw
+    torch.cuda.synchronize()
+    loss_fn.synchronize()
+    assert ht.host_copy_bytes() == before, "bytes went through the host"
+    assert loss_fn.head._uploads == 4, "the head is read again after each step but the last"
+    close(w.detach().double().cpu(), want_w, "the trained head", rel=1e-3)
 
 
 def test_a_step_on_the_cuda_backend_makes_no_host_sync():

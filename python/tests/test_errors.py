@@ -116,3 +116,29 @@ def test_keyboard_interrupt_leaves_the_engine_usable():
 
 def test_device_error_is_a_runtime_error():
     assert issubclass(headkl.DeviceError, RuntimeError)
+
+
+def test_teacher_values_that_require_grad_are_said_to_get_none(caplog):
+    """Teacher values that require grad get no gradient (the teacher is a
+    fixed target): said once on the headkl logger, and the loss and the
+    rows' gradient are those of the detached values."""
+    import logging
+
+    import headkl._checks
+
+    caplog.set_level(logging.WARNING, logger="headkl")
+    headkl._checks._said_teacher_no_grad = False
+    weight, hidden, ids, values, _, _ = problem(3)
+    loss_fn = ht.HeadKLLoss(weight, backend="reference")
+    live = values.clone().requires_grad_()
+    for _ in range(2):
+        x = hidden.clone().requires_grad_()
+        loss = loss_fn(x, ids, live)
+        loss.backward()
+    assert live.grad is None
+    y = hidden.clone().requires_grad_()
+    want = loss_fn(y, ids, values)
+    want.backward()
+    assert loss.item() == want.item() and torch.equal(x.grad, y.grad)
+    said = [r.getMessage() for r in caplog.records if "teacher_values requires grad" in r.getMessage()]
+    assert len(said) == 1, said

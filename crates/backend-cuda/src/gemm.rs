@@ -95,6 +95,91 @@ impl std::fmt::Debug for Gemm {
     }
 }
 
+/// One step of a [`GemmDesc`] on cuBLASLt, at device addresses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Call {
+    /// An empty split-K part without accumulation: C's block is `alpha · 0`.
+    Zero { c: u64, ldc: usize, n: usize, m: usize },
+    /// One product, laid out as `key` says, on the operands at `a`, `b`, `c`.
+    Matmul { key: Key, a: u64, b: u64, c: u64 },
+}
+
+/// The steps of `desc` on the buffers at `(a, b, c)`: one product per
+/// split-K part, each on its slice of K and into its own C block.
+fn calls(desc: &GemmDesc, (a, b, c): (u64, u64, u64)) -> Vec<Call> {
+    let (m, n, k) = (desc.m, desc.n, desc.k);
+    if m == 0 || n == 0 {
+        return Vec::new();
+    }
+    let parts = desc.k_parts.max(1);
+    let mut out = Vec::with_capacity(parts);
+    for part in 0..parts {
+        let range = k_part_range(k, parts, part);
+        let (k0, kk) = (range.start, range.len());
+        let c_at = c + 4 * (desc.c_offset + part * desc.c_part_stride) as u64;
+        if kk == 0 {
+            if !desc.accumulate {
+                out.push(Call::Zero {
+                    c: c_at,
+                    ldc: desc.ldc,
+                    n,
+                    m,
+                });
+            }
+            continue;
+        }
+        let a_at = a + 2 * (desc.a_offset + k0) as u64;
+        let b_at = match desc.b_layout {
+            HeadLayout::Logits => b + 2 * k0 as u64,
+            HeadLayout::Dx => b + 2 * (k0 * desc.ldb) as u64,
+        };
+        let key = Key {
+            logits: desc.b_layout == HeadLayout::Logits,
+            m,
+            n,
+            k: kk,
+            lda: desc.lda,
+            ldb: desc.ldb,
+            ldc: desc.ldc,
+            align: [alignment(a_at), alignment(b_at), alignment(c_at)],
+        };
+        out.push(Call::Matmul {
+            key,
+            a: a_at,
+            b: b_at,
+            c: c_at,
+        });
+    }
+    out
+}
+
+/// cuBLASLt's view of a [`Key`]: its operation on A, and the stored shape
+/// `(rows, columns, leading dimension)` of its A (our head), B (our rows)
+/// and C, all column-major.
+struct Layouts {
+    op_a: i32,
+    a: (usize, usize, usize),
+    b: (usize, usize, usize),
+    c: (usize, usize, usize),
+}
+
+impl Key {
+    fn layouts(&self) -> Layouts {
+        // The head plane is stored `[n][k]` (logits: column-major k × n,
+        // transposed) or `[k][n]` (dx: column-major n × k, as it is).
+        let (op_a, a) = match self.logits {
+            true => (CUBLAS_OP_T, (self.k, self.n, self.ldb)),
+            false => (CUBLAS_OP_N, (self.n, self.k, self.ldb)),
+        };
+        Layouts {
+            op_a,
+            a,
+            b: (self.k, self.m, self.lda),
+            c: (self.n, self.m, self.ldc),
+        }
+    }
+}
+
 fn alignment(address: u64) -> u32 {
     if address == 0 {
         256
@@ -121,41 +206,17 @@ impl Gemm {
     /// (their device addresses), split-K parts and all. Row statistics are
     /// the caller's (cuBLASLt has no such epilogue).
     pub fn run(&self, stream: sys::CUstream, a: u64, b: u64, c: u64, desc: &GemmDesc) -> Result<()> {
-        let (m, n, k) = (desc.m, desc.n, desc.k);
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        for part in 0..desc.k_parts.max(1) {
-            let range = k_part_range(k, desc.k_parts.max(1), part);
-            let (k0, kk) = (range.start, range.len());
-            let c_at = c + 4 * (desc.c_offset + part * desc.c_part_stride) as u64;
-            if kk == 0 {
-                // An empty part writes alpha · 0.
-                if !desc.accumulate {
+        for call in calls(desc, (a, b, c)) {
+            match call {
+                Call::Zero { c, ldc, n, m } => {
                     // SAFETY: the descriptor check put C's m rows of n
                     // columns, ldc apart, inside its buffer.
-                    unsafe { sys::cuMemsetD2D32Async(c_at, desc.ldc * 4, 0, n, m, stream) }
+                    unsafe { sys::cuMemsetD2D32Async(c, ldc * 4, 0, n, m, stream) }
                         .result()
                         .map_err(|e| driver("zeroing an empty split-K part", e))?;
                 }
-                continue;
+                Call::Matmul { key, a, b, c } => self.matmul(stream, key, a, b, c, desc.alpha, desc.accumulate)?,
             }
-            let a_at = a + 2 * (desc.a_offset + k0) as u64;
-            let b_at = match desc.b_layout {
-                HeadLayout::Logits => b + 2 * k0 as u64,
-                HeadLayout::Dx => b + 2 * (k0 * desc.ldb) as u64,
-            };
-            let key = Key {
-                logits: desc.b_layout == HeadLayout::Logits,
-                m,
-                n,
-                k: kk,
-                lda: desc.lda,
-                ldb: desc.ldb,
-                ldc: desc.ldc,
-                align: [alignment(a_at), alignment(b_at), alignment(c_at)],
-            };
-            self.matmul(stream, key, a_at, b_at, c_at, desc.alpha, desc.accumulate)?;
         }
         Ok(())
     }
@@ -226,12 +287,10 @@ impl Gemm {
         let name = if key.logits { "logits" } else { "dx" };
         let what = |step: &str| format!("planning the {name} GEMM {}x{}x{}: {step}", key.m, key.n, key.k);
         use lts::cudaDataType_t::{CUDA_R_16F, CUDA_R_32F};
-        // cuBLASLt's A: the head plane, stored `[n][k]` (logits) or `[k][n]`
-        // (dx); its B: the rows `[m][k]`; its C: `[m][n]`, all row-major.
-        let (op_a, a_rows, a_cols) = match key.logits {
-            true => (CUBLAS_OP_T, key.k, key.n),
-            false => (CUBLAS_OP_N, key.n, key.k),
-        };
+        // cuBLASLt's A: the head plane; its B: the rows `[m][k]`; its C:
+        // `[m][n]`, all row-major (Key::layouts).
+        let layouts = key.layouts();
+        let op_a = layouts.op_a;
         let desc = lt::create_matmul_desc(lts::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F)
             .map_err(|e| cublas(what("matmul descriptor"), e))?;
         let mut plan = Plan {
@@ -261,12 +320,12 @@ impl Gemm {
             )
             .map_err(|e| cublas(what("TRANSB"), e))?;
         }
-        plan.a = lt::create_matrix_layout(CUDA_R_16F, a_rows as u64, a_cols as u64, key.ldb as i64)
-            .map_err(|e| cublas(what("head layout"), e))?;
-        plan.b = lt::create_matrix_layout(CUDA_R_16F, key.k as u64, key.m as u64, key.lda as i64)
-            .map_err(|e| cublas(what("rows layout"), e))?;
-        plan.c = lt::create_matrix_layout(CUDA_R_32F, key.n as u64, key.m as u64, key.ldc as i64)
-            .map_err(|e| cublas(what("output layout"), e))?;
+        let layout = |ty, (rows, cols, ld): (usize, usize, usize)| {
+            lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
+        };
+        plan.a = layout(CUDA_R_16F, layouts.a).map_err(|e| cublas(what("head layout"), e))?;
+        plan.b = layout(CUDA_R_16F, layouts.b).map_err(|e| cublas(what("rows layout"), e))?;
+        plan.c = layout(CUDA_R_32F, layouts.c).map_err(|e| cublas(what("output layout"), e))?;
         let pref = lt::create_matmul_pref().map_err(|e| cublas(what("preference"), e))?;
         let workspace = WORKSPACE_BYTES as u64;
         // cuBLASLt's A is our B (the head), its B our A (the rows).
@@ -466,6 +525,114 @@ impl Drop for Gemm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// cuBLASLt's product as its documentation defines it, on f64 copies
+    /// of our buffers `rows` (our A), `head` (our B) and `c` (element `i`
+    /// of a buffer at byte `i · size`): `D = alpha · op(A) · B + beta · C`,
+    /// column-major, D over C, where cuBLASLt's A is the head and its B
+    /// the rows.
+    fn emulate(call: &Call, (rows, head, c): (&[f64], &[f64], &mut [f64]), alpha: f64, beta: f64) {
+        match *call {
+            Call::Zero { c: at, ldc, n, m } => {
+                for j in 0..m {
+                    for i in 0..n {
+                        c[at as usize / 4 + i + j * ldc] = 0.0;
+                    }
+                }
+            }
+            Call::Matmul {
+                key,
+                a: a_at,
+                b: b_at,
+                c: c_at,
+            } => {
+                let l = key.layouts();
+                let (rows0, head0, c0) = (a_at as usize / 2, b_at as usize / 2, c_at as usize / 4);
+                // op(A) is n × k; B is k × m; D is n × m.
+                let op_a = |i: usize, p: usize| match l.op_a {
+                    CUBLAS_OP_T => head[head0 + p + i * l.a.2],
+                    _ => head[head0 + i + p * l.a.2],
+                };
+                for j in 0..key.m {
+                    for i in 0..key.n {
+                        let dot: f64 = (0..key.k).map(|p| op_a(i, p) * rows[rows0 + p + j * l.b.2]).sum();
+                        let at = c0 + i + j * l.c.2;
+                        c[at] = alpha * dot + beta * c[at];
+                    }
+                }
+            }
+        }
+    }
+
+    /// The calls of a descriptor compute core's row-major product, split-K
+    /// parts (one of them empty), offsets, strides and accumulation
+    /// included: exact small integers, each case against the definition.
+    #[test]
+    fn the_calls_compute_cores_row_major_product() {
+        for (layout, k_parts, accumulate) in [
+            (HeadLayout::Logits, 1, false),
+            (HeadLayout::Dx, 1, true),
+            (HeadLayout::Logits, 3, true),
+            (HeadLayout::Dx, 4, false),
+        ] {
+            // K 150: parts of 64 (core's split rounds up to a multiple of 64),
+            // so 3 parts are 64, 64, 22 and 4 parts leave the last empty.
+            let (m, n, k) = (5, 7, 150);
+            let desc = GemmDesc {
+                a_offset: 8,
+                lda: k + 8 + 16,
+                ldb: match layout {
+                    HeadLayout::Logits => k + 16,
+                    HeadLayout::Dx => n + 9,
+                },
+                c_offset: 4,
+                ldc: n + 3,
+                alpha: 0.5,
+                accumulate,
+                k_parts,
+                c_part_stride: 64,
+                ..GemmDesc::dense(m, n, k, layout)
+            };
+            let value = |i: usize| ((i * 7 + 3) % 11) as f64 - 5.0;
+            let a: Vec<f64> = (0..desc.lda * m + 64).map(value).collect();
+            let b: Vec<f64> = (0..desc.ldb * k.max(n) + 64).map(|i| value(i + 5)).collect();
+            let c_len = desc.c_offset + (k_parts - 1) * desc.c_part_stride + desc.ldc * m;
+            let c0: Vec<f64> = (0..c_len).map(|i| value(i + 2)).collect();
+            let mut c = c0.clone();
+            let beta = if accumulate { 1.0 } else { 0.0 };
+            let steps = calls(&desc, (0, 0, 0));
+            for call in &steps {
+                emulate(call, (&a, &b, &mut c), f64::from(desc.alpha), beta);
+            }
+            for part in 0..k_parts {
+                let range = k_part_range(k, k_parts, part);
+                for i in 0..m {
+                    for j in 0..n {
+                        let dot: f64 = range
+                            .clone()
+                            .map(|p| {
+                                let head = match layout {
+                                    HeadLayout::Logits => b[j * desc.ldb + p],
+                                    HeadLayout::Dx => b[p * desc.ldb + j],
+                                };
+                                a[desc.a_offset + i * desc.lda + p] * head
+                            })
+                            .sum();
+                        let at = desc.c_offset + part * desc.c_part_stride + i * desc.ldc + j;
+                        let want = 0.5 * dot + beta * c0[at];
+                        assert_eq!(c[at], want, "{layout:?} parts {k_parts} part {part} C[{i}][{j}]");
+                    }
+                }
+            }
+            // An empty part is zeroed, or left alone when adding.
+            let zeros = steps.iter().filter(|s| matches!(s, Call::Zero { .. })).count();
+            let empty = (0..k_parts).filter(|&p| k_part_range(k, k_parts, p).is_empty()).count();
+            assert_eq!(zeros, if accumulate { 0 } else { empty }, "{layout:?} {k_parts}");
+        }
+        assert_eq!(k_part_range(150, 4, 3).len(), 0, "the case has an empty part");
+        let empty = GemmDesc::dense(0, 8, 16, HeadLayout::Dx);
+        assert!(calls(&empty, (0, 0, 0)).is_empty());
+    }
 
     #[test]
     fn alignment_is_the_largest_power_of_two_up_to_256() {

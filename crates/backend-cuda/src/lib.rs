@@ -189,6 +189,67 @@ impl CudaBackend {
         unsafe { self.device().set_stream(stream as sys::CUstream) }
     }
 
+    /// Copies `rows` rows of `width` bytes from device address `src`
+    /// (`src_pitch` bytes apart) into `dst` (`dst_pitch` bytes apart, from
+    /// its start), on the kernels' stream after `dst`'s pending copies: a
+    /// trainable head's f16 rows into its padded plane
+    /// (`Engine::refill_device_head`). The padding is left as it is.
+    ///
+    /// # Safety
+    ///
+    /// `src..src + (rows - 1)·src_pitch + width` must be live device memory
+    /// of this context that stays unchanged until the copy has run (work
+    /// the caller queues on the same stream later is ordered after it).
+    pub unsafe fn copy_rows_from(
+        &self,
+        dst: &CudaBuffer,
+        dst_pitch: usize,
+        (src, src_pitch): (u64, usize),
+        (width, rows): (usize, usize),
+    ) -> Result<()> {
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        let need = (rows as u64 - 1) * dst_pitch as u64 + width as u64;
+        if width > dst_pitch || need > dst.len() {
+            return Err(Error::TransferOutOfRange {
+                what: "copy_rows_from",
+                offset: 0,
+                bytes: need,
+                len: dst.len(),
+            });
+        }
+        self.device().bind()?;
+        let stream = self.device().stream();
+        self.hazards()?.before_kernel(stream, &[dst.id()])?;
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst.device_ptr(),
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch,
+            WidthInBytes: width,
+            Height: rows,
+        };
+        // SAFETY: the destination range was checked above; the source is
+        // the caller's by contract.
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) }
+            .result()
+            .map_err(|e| conv::driver(format_args!("copying {rows} rows of {width} bytes into a head plane"), e))?;
+        let event = transfer::Event::record(stream)?;
+        self.hazards()?.after_kernel(&event, &[dst.id()]);
+        Ok(())
+    }
+
     fn device(&self) -> &device::Device {
         &self.shared.device
     }

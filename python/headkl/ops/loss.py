@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .._checks import _row_arrays, _teacher_top_k, _trainable
+from .._cuda_direct import _CudaDirect
 from .._host import _on_host, _say_head_grad_on_host, _spec, _to_device
 from ..distributed import sharded_loss
 from ._reduce import _effective_weights, _host_result, _reduced
@@ -69,8 +70,20 @@ def _loss_call(head, options: dict, inputs, total: Optional[float], weight, proc
     zero_copy = None
     if flat.device.type == "cuda":
         zero_copy = _zero_copy(head, options, flat.device, weight is not None)
+    if zero_copy is not None and weight is not None:
+        # The CUDA backend: the head's gradient from the same call.
+        def head_grad_on_device(g):
+            g = g.to(device=flat.device, dtype=torch.float32)
+            w = _effective_weights(options, labels, weights, ntok, flat.device) * g
+            sums = dict(options, reduction="sum")
+            return zero_copy.loss(sums, flat, inputs[1], inputs[2], labels, w, w, None, head_grad=True)[2]
+
+        return _LossCall(
+            lambda: _device_loss(zero_copy, options, *inputs, total, head_grad=True),
+            head_grad_on_device if options["reduction"] == "none" else None,
+        )
     if zero_copy is not None:
-        return _LossCall(lambda: _device_loss(zero_copy, options, *inputs, total) + (None,))
+        return _LossCall(lambda: _device_loss(zero_copy, options, *inputs, total))
     grad_device = None if weight is None else weight.device
 
     def head_grad_of(g):
@@ -86,28 +99,40 @@ def _loss_call(head, options: dict, inputs, total: Optional[float], weight, proc
 
 
 def _zero_copy(head, options: dict, device: torch.device, head_grad: bool):
-    """The zero-copy path for CUDA tensors on ``device``, or None (then
-    host copies, logged once with why; always where the head's gradient is
-    asked: the device-resident loss does not compute it); the head keeps
-    whether the loss's last CUDA call went zero-copy (``HeadKLLoss.zero_copy``)."""
-    if head_grad:
-        _say_head_grad_on_host()
-        head._loss_zero_copy = False
-        return None
+    """The direct path for CUDA tensors on ``device``, or None (then host
+    copies, logged once with why); where the head's gradient is asked, only
+    the CUDA backend's path computes it (Vulkan's zero-copy path does not);
+    the head keeps whether the loss's last CUDA call went zero-copy
+    (``HeadKLLoss.zero_copy``)."""
     why = None
     if options["teacher_temperature"] is not None:
         why = "teacher_temperature runs through host copies"
     # A flag, not the buffers: a head read again lets the last engine go.
     zero_copy = head._zero_copy(device, why)
+    if zero_copy is not None and head_grad:
+        no_grad = (
+            "the zero-copy path does not compute the head's gradient"
+            if not isinstance(zero_copy, _CudaDirect)
+            else zero_copy.head_grad_why_not(head.vocab_size, head.hidden_size)
+        )
+        if no_grad is not None:
+            _say_head_grad_on_host(no_grad)
+            zero_copy = None
     head._loss_zero_copy = zero_copy is not None
     return zero_copy
 
 
-def _device_loss(zero_copy, options: dict, flat, ids, values, labels, weights, total):
-    """The loss and ``dx`` through the engine's buffers shared with CUDA."""
+def _device_loss(zero_copy, options: dict, flat, ids, values, labels, weights, total, head_grad: bool = False):
+    """The loss, ``dx`` and, with ``head_grad``, the head's gradient (else
+    None) through the direct path (the CUDA backend's, or the engine's
+    buffers shared with CUDA)."""
     w = _effective_weights(options, labels, weights, flat.shape[0], flat.device)
-    per_token, dx = zero_copy.loss(options, flat, ids, values, labels, weights, w, total)
-    return _reduced(options["reduction"], per_token, w, total), dx
+    if head_grad:
+        per_token, dx, dw = zero_copy.loss(options, flat, ids, values, labels, weights, w, total, head_grad=True)
+    else:
+        per_token, dx = zero_copy.loss(options, flat, ids, values, labels, weights, w, total)[:2]
+        dw = None
+    return _reduced(options["reduction"], per_token, w, total), dx, dw
 
 
 def _host_loss(head, options: dict, group, flat, ids, values, labels, weights, total, device, grad_device=None):
