@@ -33,12 +33,17 @@ def _why_not(backend):
     return "; ".join(d.get("error", "no devices") for d in rows) or "no devices"
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    name = request.param
+def start_or_skip(name):
+    """``name`` where that backend has a device; else the test is skipped
+    with why, or fails where ``HEADKL_REQUIRE`` names the backend."""
     why = _why_not(name)
     if why is not None:
         if name in _required():
             pytest.fail(f"{name} cannot start and HEADKL_REQUIRE names it: {why}")
         pytest.skip(f"{name} cannot start: {why}")
     return name
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return start_or_skip(request.param)

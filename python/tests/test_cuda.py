@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import headkl.torch as ht
-from conftest import _required, _why_not
+from conftest import start_or_skip
 from reference import reference
 from test_loss import HS, K, close, problem
 
@@ -21,13 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 @pytest.fixture(params=("cuda", "vulkan"))
 def gpu(request):
     """The backend whose direct path on CUDA tensors a test runs."""
-    name = request.param
-    why = _why_not(name)
-    if why is not None:
-        if name in _required():
-            pytest.fail(f"{name} cannot start and HEADKL_REQUIRE names it: {why}")
-        pytest.skip(f"{name} cannot start: {why}")
-    return name
+    return start_or_skip(request.param)
 
 
 def direct_or_skip(head, gpu):
@@ -207,10 +201,7 @@ def test_a_trainable_head_on_the_cuda_backend_trains_on_the_device():
     uneven upstream gradient: every step's loss and the final head match
     the same steps in float64, no byte of the rows or the head crosses to
     the host, and each step's changed head is read again on the device."""
-    if _why_not("cuda") is not None:
-        if "cuda" in _required():
-            pytest.fail(f"cuda cannot start and HEADKL_REQUIRE names it: {_why_not('cuda')}")
-        pytest.skip(f"cuda cannot start: {_why_not('cuda')}")
+    start_or_skip("cuda")
     weight, hidden, ids, values, _, _ = problem(7)
     w = weight.cuda().requires_grad_()
     loss_fn = ht.HeadKLLoss(w, backend="cuda", reduction="none")
@@ -240,10 +231,7 @@ def test_a_step_on_the_cuda_backend_makes_no_host_sync():
     """torch's sync debug mode set to error: a forward and backward step on
     the CUDA backend queues on torch's stream and never waits on the host
     (a sync would raise), and its results match PyTorch float64."""
-    if _why_not("cuda") is not None:
-        if "cuda" in _required():
-            pytest.fail(f"cuda cannot start and HEADKL_REQUIRE names it: {_why_not('cuda')}")
-        pytest.skip(f"cuda cannot start: {_why_not('cuda')}")
+    start_or_skip("cuda")
     weight, hidden, ids, values, labels, weights = problem(7)
     loss_fn = ht.HeadKLLoss(weight, backend="cuda", weight_hard_loss=0.5)
     x0, ids, values, labels, weights = (t.cuda() for t in (hidden, ids, values, labels, weights))

@@ -250,9 +250,31 @@ impl Gemm {
         };
         let beta: f32 = if accumulate { 1.0 } else { 0.0 };
         // SAFETY: the plan's layouts describe the operands at these
-        // addresses, which the descriptor check put inside their buffers;
-        // the workspace is ours; C is both input and output, as cuBLASLt
-        // allows when their layouts agree.
+        // addresses, which the descriptor check put inside their buffers.
+        unsafe { self.launch(plan, &plan.algo, stream, (a, b, c), (alpha, beta)) }.map_err(|e| {
+            let name = if key.logits { "logits" } else { "dx" };
+            cublas(format_args!("cuBLASLt {name} GEMM {}x{}x{}", key.m, key.n, key.k), e)
+        })
+    }
+
+    /// Queues `plan` with `algo` on `stream`: `C = alpha · A · op(B) + beta
+    /// · C` on our operands at `(a, b, c)` (cuBLASLt's A is our head `b`,
+    /// its B our rows `a`; C is both input and output, as cuBLASLt allows
+    /// when their layouts agree), in our workspace.
+    ///
+    /// # Safety
+    ///
+    /// The plan's layouts must describe live device memory at these
+    /// addresses, with the context current.
+    unsafe fn launch(
+        &self,
+        plan: &Plan,
+        algo: &lts::cublasLtMatmulAlgo_t,
+        stream: sys::CUstream,
+        (a, b, c): (u64, u64, u64),
+        (alpha, beta): (f32, f32),
+    ) -> std::result::Result<(), cudarc::cublaslt::result::CublasError> {
+        // SAFETY: the caller's contract; the scalars live through the call.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -267,16 +289,12 @@ impl Gemm {
                 plan.c,
                 c as *mut c_void,
                 plan.c,
-                &plan.algo,
+                algo,
                 self.workspace as *mut c_void,
                 WORKSPACE_BYTES,
                 stream as lts::cudaStream_t,
             )
         }
-        .map_err(|e| {
-            let name = if key.logits { "logits" } else { "dx" };
-            cublas(format_args!("cuBLASLt {name} GEMM {}x{}x{}", key.m, key.n, key.k), e)
-        })
     }
 
     /// The plan for `key`: cuBLASLt's descriptors and, of the heuristic's
@@ -459,27 +477,8 @@ impl Gemm {
         let beta = 0f32;
         let mut times = Vec::with_capacity(algos.len());
         for algo in algos {
-            // SAFETY: as in `matmul`, into the scratch C of C's extent.
-            let run = || unsafe {
-                lt::matmul(
-                    self.handle,
-                    plan.desc,
-                    &alpha as *const f32 as *const c_void,
-                    &beta as *const f32 as *const c_void,
-                    b as *const c_void,
-                    plan.a,
-                    a as *const c_void,
-                    plan.b,
-                    c as *const c_void,
-                    plan.c,
-                    c as *mut c_void,
-                    plan.c,
-                    algo,
-                    self.workspace as *mut c_void,
-                    WORKSPACE_BYTES,
-                    stream as lts::cudaStream_t,
-                )
-            };
+            // SAFETY: as in `matmul`, into a C of the call's C's extent.
+            let run = || unsafe { self.launch(plan, algo, stream, (a, b, c), (alpha, beta)) };
             if run().is_err() {
                 times.push(f32::INFINITY);
                 continue;

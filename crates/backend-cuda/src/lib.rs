@@ -244,7 +244,12 @@ impl CudaBackend {
         // the caller's by contract.
         unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) }
             .result()
-            .map_err(|e| conv::driver(format_args!("copying {rows} rows of {width} bytes into a head plane"), e))?;
+            .map_err(|e| {
+                conv::driver(
+                    format_args!("copying {rows} rows of {width} bytes into a head plane"),
+                    e,
+                )
+            })?;
         let event = transfer::Event::record(stream)?;
         self.hazards()?.after_kernel(&event, &[dst.id()]);
         Ok(())

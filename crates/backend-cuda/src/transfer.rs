@@ -225,8 +225,7 @@ impl Staging {
             .step_by(SLOT_BYTES)
             .map(|start| (start, SLOT_BYTES.min(out.len() - start)))
             .collect();
-        for (slot, used) in &mut self.slots {
-            let _ = slot;
+        for (_, used) in &mut self.slots {
             if let Some(event) = used.take() {
                 event.synchronize()?;
             }
