@@ -343,6 +343,13 @@ fn check_target(target: &Target, cfg: &TuneConfig) -> Result<(), CliError> {
             "the reference backend has no matrix units to tune (name vulkan or wgpu, or run where auto finds a GPU)",
         ));
     }
+    if target.kind == BackendKind::Cuda {
+        return Err(CliError::option(
+            "--backend",
+            "the CUDA backend's GEMMs are cuBLASLt's, and it times them itself on each shape's first call \
+             (the fastest of cuBLASLt's candidates): nothing to tune (name vulkan or wgpu)",
+        ));
+    }
     if cfg.iters == 0 {
         return Err(CliError::option("--iters", "must be at least 1"));
     }

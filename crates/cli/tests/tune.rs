@@ -27,6 +27,15 @@ fn tune_and_gemm_settings_name_what_is_wrong() {
     let o = headkl(&["tune", "--kernels", "direct,staged:bk24"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("bk must be 16, 32 or 64"), "{}", stderr(&o));
+    // The CUDA backend times cuBLASLt's candidates itself: refused, with
+    // why, before anything opens (so the same here and on an NVIDIA GPU).
+    let o = headkl(&["tune", "--backend", "cuda"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--backend") && stderr(&o).contains("cuBLASLt"),
+        "{}",
+        stderr(&o)
+    );
 
     // A bad setting is exit 2 before any backend is touched, and fails
     // `check` (it is not a backend that "cannot start").
