@@ -25,8 +25,8 @@ pub struct Device {
     /// The stream the kernels queue on now: ours, or a caller's
     /// ([`Device::set_stream`]).
     stream: AtomicPtr<sys::CUstream_st>,
-    /// The stream made at open (null where a caller's was given), destroyed
-    /// at drop.
+    /// The stream made at open, destroyed at drop (null only where open
+    /// failed before making it).
     own_stream: sys::CUstream,
     /// The copies' stream, beside it (always ours).
     pub(crate) copy: sys::CUstream,
@@ -40,9 +40,9 @@ unsafe impl Send for Device {}
 unsafe impl Sync for Device {}
 
 impl Device {
-    /// Retains device `ordinal`'s primary context and makes a stream on it
-    /// (`stream`: the caller's instead).
-    pub fn open(ordinal: usize, stream: Option<sys::CUstream>) -> Result<Self> {
+    /// Retains device `ordinal`'s primary context and makes its streams (a
+    /// caller's stream comes later, through [`Device::set_stream`]).
+    pub fn open(ordinal: usize) -> Result<Self> {
         init()?;
         let count = device_count()?;
         if ordinal >= count {
@@ -63,15 +63,9 @@ impl Device {
             copy: std::ptr::null_mut(),
         };
         opened.bind()?;
-        let stream = match stream {
-            Some(s) => s,
-            None => {
-                opened.own_stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-                    .map_err(|e| driver("creating a stream", e))?;
-                opened.own_stream
-            }
-        };
-        opened.stream.store(stream, Ordering::Release);
+        opened.own_stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver("creating a stream", e))?;
+        opened.stream.store(opened.own_stream, Ordering::Release);
         opened.copy = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(|e| driver("creating the copy stream", e))?;
         Ok(opened)

@@ -101,24 +101,9 @@ impl CudaBackend {
     }
 
     /// Opens the device `options` name (the first usable one by default) on
-    /// a stream of its own.
+    /// a stream of its own; [`CudaBackend::set_stream`] moves it to a
+    /// caller's.
     pub fn open_with(options: &CudaOptions) -> Result<Self> {
-        Self::open_on(options, None)
-    }
-
-    /// Opens the device `options` name, queueing on `stream` (a caller's
-    /// stream in the device's primary context, PyTorch's current one) or
-    /// on a stream of its own.
-    ///
-    /// # Safety
-    ///
-    /// A given stream must belong to the device's primary context and
-    /// outlive the backend.
-    pub unsafe fn open_on_stream(options: &CudaOptions, stream: u64) -> Result<Self> {
-        Self::open_on(options, Some(stream as sys::CUstream))
-    }
-
-    fn open_on(options: &CudaOptions, stream: Option<sys::CUstream>) -> Result<Self> {
         device::init()?;
         let infos = enumerate()?;
         let ordinal = match options.common.device {
@@ -144,7 +129,7 @@ impl CudaBackend {
                 reason: format!("device {ordinal} ({}): {why}", info.device_name),
             });
         }
-        let device = Arc::new(device::Device::open(ordinal, stream)?);
+        let device = Arc::new(device::Device::open(ordinal)?);
         let kernels = kernels::Module::load()?;
         let gemm = gemm::Gemm::new()?;
         let staging = transfer::Staging::new()?;
