@@ -11,6 +11,8 @@ _REDUCTIONS = ("mean", "sum", "batchmean", "none")
 _TAILS = ("renormalize", "bucket", "none")
 _FORMS = ("probs", "logprobs")
 _DIVERGENCES = ("forward", "reverse", "jsd")
+# Whether float32 hidden rows and heads may be computed as float16 (``_precision``); a Head's, not the engine's.
+_F32_INPUTS = ("f16", "error")
 
 # The modules' keywords (PyTorch's or Liger's names) whose native name differs.
 _NATIVE_NAMES = {"weight_soft_loss": "soft_weight", "weight_hard_loss": "hard_weight", "lse_square_scale": "z_loss"}

@@ -9,10 +9,11 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from . import _native
 from ._checks import _FLOATS, _changed, _stamp, _tensor
-from ._host import _on_host, _spec, _warn_host_copies
 from ._cuda_direct import _CudaDirect
+from ._engine import _open_engine, _teacher_onto
+from ._host import _on_host, _warn_host_copies
+from ._precision import _f32_input, _f32_inputs, _say_f32
 from ._registry import _register
 from ._zero_copy import _ZeroCopy
 from .ops.topk import Gathered, TopK, head_gather, head_topk
@@ -39,6 +40,21 @@ class Head:
     ``headkl`` logger. ``weight.data = ...`` on the parameter after
     ``.detach()`` is not seen: the detached tensor keeps the old storage.
     The results of ``topk`` and ``gather`` carry no gradient.
+
+    ``f32_inputs``: float32 hidden rows and heads are computed as float16
+    (the GEMMs' input): ``"f16"`` (the default) takes them so, said once at
+    INFO on the ``headkl`` logger (about 3e-4 relative error on the
+    gradients; a value past ±65504 is refused, naming it and how to scale);
+    ``"error"`` refuses them with a ``TypeError`` (pass float16 or bfloat16).
+
+    **Copies.** ``copy.deepcopy``, ``pickle`` and ``torch.save`` keep the
+    head's tensor (a parameter as itself: in a deep copy of a model, a head
+    tied to a parameter stays tied to the copied one), the backend's name
+    and the options; the native engine is not carried: the copy opens its
+    own, on the same backend name and device, at its first call. A copy of
+    a head made from ``param.detach()`` shares the copied parameter's data
+    but not its version counter: it sees the copy's ``set_()``, not its
+    in-place steps (pass the parameter itself, or make the loss again).
     """
 
     def __init__(
@@ -49,8 +65,11 @@ class Head:
         device: Optional[int] = None,
         shard: Optional[Tuple[int, int]] = None,
         vocab_size: Optional[int] = None,
+        f32_inputs: str = "f16",
     ):
         weight = _tensor("weight", weight, _FLOATS, ndim=2)
+        self.f32_inputs = _f32_inputs(f32_inputs)
+        _f32_input("weight", weight, self.f32_inputs)
         rows, hs = weight.shape
         shard_spec = None
         if shard is not None:
@@ -75,7 +94,29 @@ class Head:
         self.hidden_size = hs
         # What headkl's custom ops take in place of the head (headkl.ops.custom).
         self._handle = _register(self)
+        _say_f32(weight)
         self._upload()
+
+    # What a copy does not carry: the native engine and what hangs on it
+    # (zero-copy buffers, device memory), the registry's handle, the stamps
+    # of the tensors as they were uploaded; the copy makes its own.
+    _NOT_COPIED = ("_engine", "_zc", "_handle", "_stamp", "_teacher_stamp", "_loss_zero_copy", "_no_zc")
+
+    def __getstate__(self) -> dict:
+        """The head's tensors (a parameter as itself), its backend's name and
+        options, for ``copy``, ``pickle`` and ``torch.save``; not the native
+        engine (not picklable, and bound to this process's device)."""
+        return {key: value for key, value in self.__dict__.items() if key not in self._NOT_COPIED}
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy: the engine opens on the same backend name and device at
+        its first call (``_refresh``), and the copy takes its own handle."""
+        self.__dict__.update(state)
+        self._engine, self._zc, self._loss_zero_copy = None, None, False
+        self._no_zc = None if self.shard is None else "a vocabulary shard runs through host copies"
+        # No upload yet: what tells _refresh this is a copy to open.
+        self._uploads = self._teacher_uploads = 0
+        self._handle = _register(self)
 
     def __repr__(self) -> str:
         backend, device, _ = self._open
@@ -85,6 +126,8 @@ class Head:
             parts.append(f"device={device!r}")
         if self.shard is not None:
             parts.append(f"shard={self.shard!r}")
+        if self.f32_inputs != "f16":
+            parts.append(f"f32_inputs={self.f32_inputs!r}")
         return f"{type(self).__name__}({', '.join(parts)})"
 
     def _upload(self) -> None:
@@ -94,8 +137,7 @@ class Head:
         self._release()
         weight = self._weight
         stamp = _stamp(weight)
-        host = _on_host("weight", weight)
-        engine = _native.Engine(_spec(host), weight.shape[0], weight.shape[1], *self._open)
+        engine = _open_engine(weight, _on_host("weight", weight), self._open)
         if self._teacher is not None:
             teacher_stamp = self._teacher_onto(engine)
         self._engine, self._stamp = engine, stamp
@@ -107,12 +149,13 @@ class Head:
     def _teacher_onto(self, engine):
         """Uploads the teacher's head to ``engine``; returns its stamp as read."""
         stamp = _stamp(self._teacher)
-        host = _on_host("teacher_weight", self._teacher)
-        engine.set_teacher_head(_spec(host), host.shape[0], host.shape[1])
+        _teacher_onto(engine, self._teacher)
         return stamp
 
     def _set_teacher(self, teacher_weight: torch.Tensor) -> None:
         """Sets the teacher's head (FullVocabKLLoss's), kept and re-read as the head is."""
+        _f32_input("teacher_weight", teacher_weight, self.f32_inputs)
+        _say_f32(teacher_weight)
         self._teacher = teacher_weight
         self._teacher_hidden_size = teacher_weight.shape[1]
         self._teacher_stamp = self._teacher_onto(self._engine)
@@ -132,6 +175,14 @@ class Head:
         """Uploads the head again where it changed since it was uploaded
         (the teacher's head alone where only that one changed), said on the
         ``headkl`` logger: a call never runs on a stale head."""
+        if self._engine is None and self._uploads == 0:
+            # A copy (or an unpickled head): its engine opens at its first call.
+            log.debug("headkl: opening the engine of a copied head on backend %r", self._open[0])
+            self._same_shape("weight", self._weight, (self._weight_rows, self.hidden_size))
+            if self._teacher is not None:
+                self._same_shape("teacher_weight", self._teacher, self._teacher_shape)
+            self._upload()
+            return
         why = "the last upload failed" if self._engine is None else _changed("weight", self._weight, self._stamp)
         if why is None and self._teacher is not None:
             teacher_why = _changed("teacher_weight", self._teacher, self._teacher_stamp)
@@ -221,6 +272,7 @@ class Head:
 
     def _hidden(self, hidden) -> Tuple[torch.Tensor, Tuple[int, ...]]:
         hidden = _tensor("hidden", hidden, _FLOATS)
+        _f32_input("hidden", hidden, self.f32_inputs)
         if hidden.dim() < 1 or hidden.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden: last dimension must be the head's hidden size {self.hidden_size}, got shape {tuple(hidden.shape)}"

@@ -49,7 +49,8 @@ class _HeadLoss(nn.Module):
         if getattr(self, "head", None) is None:  # not made (yet)
             return ""
         backend, device, _ = self.head._open
-        keywords = {"backend": backend, "device": device, "shard": self.head.shard}
+        head = self.head
+        keywords = {"backend": backend, "device": device, "shard": head.shard, "f32_inputs": head.f32_inputs}
         return _options_repr(type(self).__init__, self.options, self._fields(), keywords, self._SHOWN)
 
 
@@ -99,6 +100,12 @@ class HeadKLLoss(_HeadLoss):
     does; the sharded loss runs through a ``torch.autograd.Function``, as
     every loss does on an older torch).
 
+    **Copies.** ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a model
+    that holds the loss keep its head (a parameter as itself: a tied head
+    stays tied to the copied parameter) and options, not the native engine:
+    the copy opens its own on the same backend name at its first call
+    (``Head`` says more).
+
     Keywords (the ``headkl loss`` options, under PyTorch's or Liger's name):
 
     - ``temperature`` τ (default 1): ``s = z/τ``; a ``τ²`` factor is the caller's.
@@ -121,6 +128,13 @@ class HeadKLLoss(_HeadLoss):
       ``gscale``: the f16 gradient's scale (default from the weights);
       ``budget_bytes``: device scratch.
     - ``backend``, ``device``: as ``Head``'s.
+    - ``f32_inputs``: float32 ``hidden`` and ``weight`` are computed as
+      float16 (the GEMMs' input). ``"f16"`` (the default) takes them so,
+      said once at INFO on the ``headkl`` logger: about 3e-4 relative error
+      on the gradients, and a value past ±65504 refused (a ``ValueError``
+      naming it and how to scale: ``hidden / 2**s`` with
+      ``logit_scale=2**s`` gives the same loss). ``"error"`` refuses float32
+      with a ``TypeError``: pass float16 or bfloat16 tensors.
     - ``shard=(v0, v1)``, ``vocab_size``, ``process_group``: vocabulary
       parallel. ``weight`` is the rows ``[v0, v1)``; every rank of
       ``process_group`` (default: the world) calls forward with the same
@@ -158,6 +172,7 @@ class HeadKLLoss(_HeadLoss):
         shard: Optional[Tuple[int, int]] = None,
         vocab_size: Optional[int] = None,
         process_group=None,
+        f32_inputs: str = "f16",
     ):
         super().__init__()
         self.options = _loss_options(
@@ -185,7 +200,9 @@ class HeadKLLoss(_HeadLoss):
         weight = _tensor("weight", weight, _FLOATS, ndim=2)
         _unsharded(weight, shard)  # before the head goes to a device
         self.reduction = reduction
-        self.head = Head(weight, backend=backend, device=device, shard=shard, vocab_size=vocab_size)
+        self.head = Head(
+            weight, backend=backend, device=device, shard=shard, vocab_size=vocab_size, f32_inputs=f32_inputs
+        )
         self.process_group = process_group
 
     @property
@@ -242,16 +259,17 @@ class FullVocabKLLoss(_HeadLoss):
     Keywords as ``HeadKLLoss``'s that apply: ``temperature``, ``reduction``,
     ``divergence``, ``beta``, ``weight_soft_loss``, ``logit_scale`` (the
     student's), ``ignore_index``, ``ignore_mask``, ``gscale``,
-    ``budget_bytes``, ``backend``, ``device``. It runs on host memory (CUDA
-    tensors through host copies). The student's head ``weight`` may be
-    frozen or trainable (tied or not), as ``HeadKLLoss``'s: where it
-    requires grad, backward gives its gradient too. The teacher gets no
-    gradient: a ``teacher_weight`` that requires grad is refused when the
-    loss is made, and a ``teacher_hidden`` that requires grad (with grad
-    on) at the call, rather than its gradient dropped in silence (pass
-    ``.detach()``, or run the teacher under ``torch.no_grad()``). Either
-    head changed after the loss was made is uploaded again at the next
-    call, as ``HeadKLLoss``'s is.
+    ``budget_bytes``, ``backend``, ``device``, ``f32_inputs`` (which covers
+    the teacher's ``teacher_hidden`` and ``teacher_weight`` too). It runs on
+    host memory (CUDA tensors through host copies). The student's head
+    ``weight`` may be frozen or trainable (tied or not), as
+    ``HeadKLLoss``'s: where it requires grad, backward gives its gradient
+    too. The teacher gets no gradient: a ``teacher_weight`` that requires
+    grad is refused when the loss is made, and a ``teacher_hidden`` that
+    requires grad (with grad on) at the call, rather than its gradient
+    dropped in silence (pass ``.detach()``, or run the teacher under
+    ``torch.no_grad()``). Either head changed after the loss was made is
+    uploaded again at the next call, as ``HeadKLLoss``'s is.
     """
 
     _SHOWN = ("temperature", "reduction", "divergence", "beta", "backend")
@@ -273,6 +291,7 @@ class FullVocabKLLoss(_HeadLoss):
         budget_bytes: Optional[int] = None,
         backend: str = "auto",
         device: Optional[int] = None,
+        f32_inputs: str = "f16",
     ):
         super().__init__()
         self.options = _loss_options(
@@ -295,7 +314,7 @@ class FullVocabKLLoss(_HeadLoss):
                 f"teacher_weight: {teacher_weight.shape[0]} rows, but weight has {weight.shape[0]} (the heads share V)"
             )
         self.reduction = reduction
-        self.head = Head(weight, backend=backend, device=device)
+        self.head = Head(weight, backend=backend, device=device, f32_inputs=f32_inputs)
         self.teacher_hidden_size = teacher_weight.shape[1]
         self.head._set_teacher(teacher_weight)
 

@@ -31,7 +31,8 @@ PyTorch face as it was before, every name kept:
 
 - ``headkl.nn``: the loss modules ``HeadKLLoss`` and ``FullVocabKLLoss``;
 - ``headkl.head``: ``Head``, a head uploaded once (``topk``, ``gather``);
-- ``headkl.functional``: ``topk`` and ``gather`` on a head given per call;
+- ``headkl.functional``: ``topk``, ``gather`` and the losses ``head_kl_loss``
+  and ``full_vocab_kl_loss`` on a head given per call;
 - ``headkl.ops``: the operations over tensors under them (the two losses'
   autograd, the top-k and gather);
 - ``headkl.distributed``: the vocabulary-parallel loss's collectives.

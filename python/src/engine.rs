@@ -33,15 +33,22 @@ pub fn backend_arg(backend: &str) -> PyResult<BackendArg> {
 }
 
 /// The engine a backend name and device index resolve to, opened with the
-/// `HEADKL_*` settings, as the `headkl` command opens it.
-fn open(backend: &str, device: Option<usize>, head: &HeadWeights<'_>, shard: Option<HeadShard>) -> PyResult<AnyEngine> {
+/// `HEADKL_*` settings, as the `headkl` command opens it; with why `auto`
+/// chose it, where it did.
+fn open(
+    backend: &str,
+    device: Option<usize>,
+    head: &HeadWeights<'_>,
+    shard: Option<HeadShard>,
+) -> PyResult<(AnyEngine, Option<String>)> {
     let selection = Selection {
         backend: Some(backend_arg(backend)?),
         device,
     };
     let settings = Arc::new(Settings::from_env(&Env::process()).map_err(to_py)?);
     let target = headkl_runtime::resolve(selection, &settings).map_err(start)?;
-    AnyEngine::open(&target, head, shard).map_err(start)
+    let engine = AnyEngine::open(&target, head, shard).map_err(start)?;
+    Ok((engine, target.auto_reason.clone()))
 }
 
 /// The two-phase loss's shard, or why this engine has none.
@@ -141,6 +148,8 @@ pub struct PyEngine {
     /// The last loss call's outputs, reused call to call.
     out: Mutex<LossOutput>,
     info: DeviceInfo,
+    /// Why `auto` chose this device (`None`: a backend was named).
+    auto_reason: Option<String>,
     vocab: usize,
     hs: usize,
     /// Buffers exported to CUDA (the Vulkan backend only).
@@ -232,7 +241,7 @@ impl PyEngine {
             .transpose()
             .map_err(to_py)?;
         let backend = backend.to_owned();
-        let mut held = py.detach(move || -> PyResult<AnyEngine> {
+        let (mut held, auto_reason) = py.detach(move || -> PyResult<(AnyEngine, Option<String>)> {
             let weights = HeadWeights::new(data, vocab, hs).map_err(to_py)?;
             open(&backend, device, &weights, shard)
         })?;
@@ -241,6 +250,7 @@ impl PyEngine {
             held: Mutex::new(held),
             out: Mutex::new(LossOutput::default()),
             info,
+            auto_reason,
             vocab: shard.map_or(vocab, |s| s.vocab()),
             hs,
             shared: Mutex::new(SharedBuffers::default()),
@@ -256,6 +266,7 @@ impl PyEngine {
         d.set_item("driver", &self.info.driver)?;
         d.set_item("matrix_units", self.info.matrix_units)?;
         d.set_item("gemm", self.info.gemm.clone())?;
+        d.set_item("auto_reason", self.auto_reason.clone())?;
         Ok(d)
     }
 

@@ -142,3 +142,65 @@ def test_teacher_values_that_require_grad_are_said_to_get_none(caplog):
     assert loss.item() == want.item() and torch.equal(x.grad, y.grad)
     said = [r.getMessage() for r in caplog.records if "teacher_values requires grad" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_log_probabilities_passed_as_probabilities_say_teacher_form():
+    weight, hidden, ids, values, _, _ = problem(4)
+    loss_fn = ht.HeadKLLoss(weight, backend="reference")
+    hint = r"^teacher_values\[0\]\[0\] = .* is negative: teacher_values look like log-probabilities .*"
+    hint += "teacher_form='logprobs'"
+    with pytest.raises(ValueError, match=hint):
+        loss_fn(hidden, ids, values.log())
+    mixed = values.clone()
+    mixed[0, 0, 0] = -0.5
+    with pytest.raises(ValueError, match=r"is negative; if teacher_values are log-probabilities, pass teacher_form="):
+        loss_fn(hidden, ids, mixed)
+    as_logprobs = ht.HeadKLLoss(weight, teacher_form="logprobs", backend="reference")
+    with pytest.raises(ValueError, match=r"^teacher_values\[0\]\[0\].*look like probabilities: .*teacher_form='probs'"):
+        as_logprobs(hidden, ids, values)
+
+
+def test_a_bad_head_value_names_the_argument():
+    """The caller's argument (``weight``, ``teacher_weight``), not the engine's ``head[17][3]``."""
+    from test_head_refresh import full_vocab_problem
+
+    weight = problem(1)[0]
+    bad = weight.clone()
+    bad[17, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"^weight\[17\]\[3\] = NaN is not finite$"):
+        ht.HeadKLLoss(bad, backend="reference")
+    with pytest.raises(ValueError, match=r"^weight\[17\]\[3\] = NaN"):
+        ht.topk(torch.zeros(2, HS), bad, 3, backend="reference")
+    # Changed after the upload: the re-read names it too.
+    loss_fn = ht.HeadKLLoss(weight, backend="reference")
+    _, hidden, ids, values, _, _ = problem(1)
+    weight[2, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"^weight\[2\]\[5\] = inf is not finite"):
+        loss_fn(hidden, ids, values)
+    w, tw, _, _, _ = full_vocab_problem()
+    tw[5, 1] = float("-inf")
+    with pytest.raises(ValueError, match=r"^teacher_weight\[5\]\[1\] = -inf is not finite"):
+        ht.FullVocabKLLoss(w, tw, backend="reference")
+
+
+def test_auto_says_what_it_picked_and_why(caplog, monkeypatch):
+    import logging
+
+    import headkl._engine
+
+    monkeypatch.setattr(headkl._engine, "_said_auto", set())
+    caplog.set_level(logging.INFO, logger="headkl")
+    loss_fn = ht.HeadKLLoss(problem(1)[0], backend="auto")
+    picked = loss_fn.info["backend"]
+    said = [r.getMessage() for r in caplog.records if "backend='auto' picked" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"headkl: backend='auto' picked {picked} ("), said
+    assert [r.levelno for r in caplog.records if r.getMessage() == said[0]] == [logging.INFO]
+    why = said[0].split("): ", 1)[1]
+    assert len(why) > 20 and "headkl devices" in why, why
+    # Once per device picked, not per head.
+    ht.Head(problem(1)[0], backend="auto")
+    assert sum("backend='auto' picked" in r.getMessage() for r in caplog.records) == 1
+    # A named backend is no pick.
+    monkeypatch.setattr(headkl._engine, "_said_auto", set())
+    ht.Head(problem(1)[0], backend="reference")
+    assert sum("backend='auto' picked" in r.getMessage() for r in caplog.records) == 1

@@ -28,7 +28,8 @@ def test_public_callables_have_their_own_docs():
         assert cls.__doc__ and cls.forward.__doc__, cls
         # Not torch's generic nn.Module.forward text.
         assert "Define the computation performed at every call" not in cls.forward.__doc__
-    for fn in (ht.topk, ht.gather, ht.Head.topk, ht.Head.gather):
+    functional = (headkl.functional.head_kl_loss, headkl.functional.full_vocab_kl_loss)
+    for fn in (ht.topk, ht.gather, ht.Head.topk, ht.Head.gather, headkl.devices, headkl.check) + functional:
         assert fn.__doc__, fn
 
 
@@ -49,3 +50,7 @@ def test_the_modules_show_their_options():
     r = repr(ht.HeadKLLoss(w, temperature=2.0, tail="bucket", backend="reference"))
     assert r.startswith("HeadKLLoss(") and "temperature=2.0" in r and "tail='bucket'" in r, r
     assert "backend='reference'" in r, r
+    r = repr(ht.FullVocabKLLoss(w, torch.randn(64, 4), divergence="forward", weight_soft_loss=0.5, backend="reference"))
+    assert r.startswith("FullVocabKLLoss(vocab_size=64, hidden_size=8, teacher_hidden_size=4,"), r
+    assert "divergence='forward'" in r and "weight_soft_loss=0.5" in r and "beta=0.5" in r, r
+    assert "ignore_index" not in r and "f32_inputs" not in r, r  # defaults not shown

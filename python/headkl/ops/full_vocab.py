@@ -13,7 +13,9 @@ from typing import Optional
 import torch
 
 from .._checks import _FLOATS, _frozen, _row_arrays, _same_device, _tensor, _trainable
+from .._hints import explaining
 from .._host import _on_host, _spec, _to_device
+from .._precision import _f32_input, _say_f32
 from ._reduce import _effective_weights, _host_result
 from .autograd import _HeadKLFunction, _LossCall
 from .custom import _custom_op_for, full_vocab_kl_op
@@ -40,6 +42,7 @@ def full_vocab_kl_loss(
     ntok, hs = flat.shape
     teacher_hidden_size = head._teacher_hidden_size
     teacher_hidden = _tensor("teacher_hidden", teacher_hidden, _FLOATS)
+    _f32_input("teacher_hidden", teacher_hidden, head.f32_inputs)
     _same_device("teacher_hidden", teacher_hidden, hidden)
     if tuple(teacher_hidden.shape) != lead + (teacher_hidden_size,):
         raise ValueError(
@@ -72,6 +75,7 @@ def _loss_call(head, options: dict, flat, teacher, labels, weights, weight, tota
     weights = None if weights is None else _on_host("weights", weights)
     options = dict(options, total=total)
     head._refresh()
+    _say_f32(flat, teacher)
 
     def run(options=options, weights=weights):
         host = _on_host("hidden", flat)
@@ -80,10 +84,11 @@ def _loss_call(head, options: dict, flat, teacher, labels, weights, weight, tota
         per_token = torch.empty(ntok, dtype=torch.float32)
         head_grad = None if weight is None else torch.empty((head.vocab_size, hs), dtype=torch.float32)
         spec = lambda t: None if t is None else _spec(t)  # noqa: E731
-        mean = head._engine.head_kl_full_vocab(
-            _spec(host), ntok, _spec(teacher_host), teacher_host.shape[1], spec(labels), spec(weights),
-            (_spec(dx), _spec(per_token)), options, spec(head_grad),
-        )  # fmt: skip
+        with explaining(options, flat, teacher_hidden=teacher):
+            mean = head._engine.head_kl_full_vocab(
+                _spec(host), ntok, _spec(teacher_host), teacher_host.shape[1], spec(labels), spec(weights),
+                (_spec(dx), _spec(per_token)), options, spec(head_grad),
+            )  # fmt: skip
         loss, dx = _host_result(options, mean, per_token, dx, labels, weights, flat.device)
         return loss, dx, None if head_grad is None else _to_device(head_grad, weight.device)
 

@@ -14,7 +14,9 @@ import torch
 
 from .._checks import _row_arrays, _teacher_top_k, _trainable
 from .._cuda_direct import _CudaDirect
+from .._hints import explaining
 from .._host import _on_host, _say_head_grad_on_host, _spec, _to_device
+from .._precision import _say_f32
 from ..distributed import sharded_loss
 from ._reduce import _effective_weights, _host_result, _reduced
 from .autograd import _HeadKLFunction, _LossCall
@@ -67,6 +69,7 @@ def _loss_call(head, options: dict, inputs, total: Optional[float], weight, proc
     flat, _, _, labels, weights = inputs
     ntok = flat.shape[0]
     head._refresh()
+    _say_f32(flat)
     zero_copy = None
     if flat.device.type == "cuda":
         zero_copy = _zero_copy(head, options, flat.device, weight is not None)
@@ -137,7 +140,14 @@ def _device_loss(zero_copy, options: dict, flat, ids, values, labels, weights, t
 
 def _host_loss(head, options: dict, group, flat, ids, values, labels, weights, total, device, grad_device=None):
     """The loss, ``dx`` (on ``device``) and, with ``grad_device``, the
-    head's gradient (f32, there; else None), on host memory."""
+    head's gradient (f32, there; else None), on host memory; the engine's
+    refusals with what to do (``explaining``)."""
+    with explaining(options, flat, values):
+        return _host_call(head, options, group, flat, ids, values, labels, weights, total, device, grad_device)
+
+
+def _host_call(head, options: dict, group, flat, ids, values, labels, weights, total, device, grad_device):
+    """``_host_loss``'s engine call, the whole head's or the sharded loss's phases."""
     host = _on_host("hidden", flat)
     ntok, hs = host.shape
     k = ids.shape[1]

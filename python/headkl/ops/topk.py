@@ -13,7 +13,9 @@ import torch
 
 from .._checks import _ids, _same_device, _top_k
 from .._cuda_direct import _CudaDirect
+from .._hints import explaining
 from .._host import _NAMES, _on_host, _spec, _to_device
+from .._precision import _say_f32
 from .custom import _custom_op_for, gather_op, topk_op
 
 TopK = namedtuple("TopK", ["ids", "values"])
@@ -51,6 +53,7 @@ def _topk(head, flat: torch.Tensor, k: int, options: dict, logprobs: bool):
     (re-read first where it changed): ids and values ``[ntok][k]`` on their
     device; the body of the ``headkl::topk`` custom op."""
     head._refresh()
+    _say_f32(flat)
     ntok = flat.shape[0]
     zc = head._zero_copy(flat.device) if flat.device.type == "cuda" else None
     if isinstance(zc, _CudaDirect):
@@ -69,9 +72,10 @@ def _topk(head, flat: torch.Tensor, k: int, options: dict, logprobs: bool):
     ids = torch.empty((ntok, k), dtype=torch.int64)
     probs = torch.empty((ntok, k), dtype=torch.float32)
     logprob_out = torch.empty((ntok, k), dtype=torch.float32) if logprobs else None
-    head._engine.topk(
-        _spec(host), ntok, k, _spec(ids), _spec(probs), None if logprob_out is None else _spec(logprob_out), options
-    )
+    with explaining(hidden=flat):
+        head._engine.topk(
+            _spec(host), ntok, k, _spec(ids), _spec(probs), None if logprob_out is None else _spec(logprob_out), options
+        )
     values = probs if logprob_out is None else logprob_out
     return _to_device(ids, flat.device), _to_device(values, flat.device)
 
@@ -108,6 +112,7 @@ def _gather(head, flat: torch.Tensor, ids: torch.Tensor, options: dict):
     log-probabilities ``[ntok][k]`` and log-sum-exps ``[ntok]`` on their
     device; the body of the ``headkl::gather`` custom op."""
     head._refresh()
+    _say_f32(flat)
     ntok, k = ids.shape
     zc = head._zero_copy(flat.device) if flat.device.type == "cuda" else None
     if isinstance(zc, _CudaDirect):
@@ -127,5 +132,6 @@ def _gather(head, flat: torch.Tensor, ids: torch.Tensor, options: dict):
     ids_host = _on_host("ids", ids)
     logprobs = torch.empty((ntok, k), dtype=torch.float32)
     lse = torch.empty(ntok, dtype=torch.float32)
-    head._engine.gather(_spec(host), ntok, _spec(ids_host), k, _spec(logprobs), _spec(lse), options)
+    with explaining(hidden=flat):
+        head._engine.gather(_spec(host), ntok, _spec(ids_host), k, _spec(logprobs), _spec(lse), options)
     return _to_device(logprobs, flat.device), _to_device(lse, flat.device)
