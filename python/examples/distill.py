@@ -1,11 +1,14 @@
 """A small PyTorch student distilled through headkl's loss from a teacher
-top-k file made by ``headkl topk``.
+top-k file the package makes (or ``headkl topk``, with ``--headkl``).
 
-    python python/examples/distill.py --headkl target/release/headkl --steps 40
+    python python/examples/distill.py --steps 40
 
 1. A fixed teacher network gives hidden rows ``3·tanh(E[token]·M)`` for a
-   batch of tokens; the head ``W`` ``[V][hs]`` and those rows are written as
-   safetensors, and ``headkl topk`` writes the teacher's top-k file from them.
+   batch of tokens; the teacher's exact top-k of them through the head ``W``
+   ``[V][hs]`` (``headkl.functional.topk``) is written as a safetensors
+   teacher file (``ids``, ``probs``), as a trainer would keep it, and read
+   back. With ``--headkl PATH`` the command writes it instead, from the head
+   and the rows written as safetensors.
 2. The student (token embeddings and a two-layer MLP, torch's Adam) learns
    to match that top-k through ``headkl.torch.HeadKLLoss`` on the same head.
 
@@ -17,12 +20,12 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import torch
 
 import headkl.torch as ht
+from headkl.functional import topk
 
 
 def arguments():
@@ -35,21 +38,23 @@ def arguments():
     p.add_argument("--k", type=int, default=16, help="the teacher's top-k (default 16)")
     p.add_argument("--lr", type=float, default=0.02, help="Adam's learning rate (default 0.02)")
     p.add_argument("--seed", type=int, default=1, help="seed of the head, teacher, student and tokens")
-    p.add_argument("--headkl", default=None, help="the headkl command (default: `headkl` on PATH)")
+    p.add_argument("--headkl", default=None, help="make the teacher file with this headkl command (default: the package)")
     p.add_argument("--backend", default="auto", help="headkl backend: auto, cuda, vulkan, wgpu, reference")
     p.add_argument("--device", default="cpu", help="where the student's tensors live: cpu or cuda")
     return p.parse_args()
 
 
 def teacher_file(args, weight, hidden, workdir):
-    """The teacher's top-k, written by ``headkl topk`` from the head and the
-    teacher's hidden rows."""
-    command = args.headkl or shutil.which("headkl")
-    if command is None:
-        sys.exit("distill: no `headkl` command on PATH; build it (cargo build --release -p headkl-cli) and pass --headkl")
+    """The teacher's top-k file, from the head and the teacher's hidden rows:
+    made by the package, or by ``headkl topk`` where ``--headkl`` names it."""
+    out = os.path.join(workdir, "teacher_topk.safetensors")
+    if args.headkl is None:
+        top = topk(hidden, weight, args.k, backend=args.backend)
+        ht.write_safetensors(out, {"ids": top.ids, "probs": top.values})
+        return ht.read_safetensors(out)
+    command = shutil.which(args.headkl) or args.headkl
     head_path = os.path.join(workdir, "head.safetensors")
     hidden_path = os.path.join(workdir, "teacher_hidden.safetensors")
-    out = os.path.join(workdir, "teacher_topk.safetensors")
     ht.write_safetensors(head_path, {"weight": weight})
     ht.write_safetensors(hidden_path, {"hidden": hidden})
     subprocess.run(
