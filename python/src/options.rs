@@ -150,7 +150,7 @@ pub fn loss_options(kwargs: &Bound<'_, PyDict>) -> PyResult<(LossOptions, Teache
     }
     opts.ignore_mask = kw.get::<bool>("ignore_mask")?.unwrap_or(false);
     opts.config.filter_eps = match kwargs.get_item("filter_eps")? {
-        Some(v) if v.extract::<String>().is_ok_and(|s| s == "auto") => Some(headkl_core::filter::AUTO_EPS),
+        Some(v) if v.extract::<String>().is_ok_and(|s| s == "auto") => Some(headkl_core::problem::filter::AUTO_EPS),
         _ => kw.get::<f32>("filter_eps")?,
     };
     opts.config.head_grad = kw.get::<bool>("head_grad")?.unwrap_or(false);

@@ -105,7 +105,7 @@ fn parse_shape(s: &str) -> Result<Shape, String> {
 /// `--filter-eps`: `auto` (2⁻¹⁵, Cut Cross-Entropy's f16 ε) or a number ≥ 0.
 fn parse_filter_eps(s: &str) -> Result<f32, String> {
     if s.trim() == "auto" {
-        return Ok(headkl_core::filter::AUTO_EPS);
+        return Ok(headkl_core::problem::filter::AUTO_EPS);
     }
     let v: f32 = s
         .trim()

@@ -4,22 +4,27 @@
 //! `head_kl` and `topk` with host inputs and outputs.
 
 use crate::align::{round_up, ALIGN};
+use crate::engine::head::HeadWeights;
+use crate::engine::head_planes::{DevicePlane, DxFilter, HeadGrad, HeadPlanes, Scaling};
+use crate::engine::in_flight::{Copying, InFlight};
+use crate::engine::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::error::{Error, Result};
-use crate::head::HeadWeights;
-use crate::head_planes::{DevicePlane, DxFilter, HeadGrad, HeadPlanes, Scaling};
-use crate::in_flight::{Copying, InFlight};
+use crate::problem::slicing::SliceOptions;
+use crate::problem::slicing::VocabSlice;
+use crate::problem::terms::{LossTerms, NO_LABEL};
+use crate::problem::vocab_order::VocabOrder;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
-use crate::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
-use crate::slicing::SliceOptions;
-use crate::slicing::VocabSlice;
-use crate::terms::{LossTerms, NO_LABEL};
 use crate::toolkit::backend::{Backend, KlDesc, RowStats, TopkDesc};
 use crate::toolkit::chunking::ChunkPlan;
 use crate::toolkit::launch::Kernels;
 use crate::toolkit::split::DxSplit;
-use crate::vocab_order::VocabOrder;
 
 mod gather;
+pub mod head;
+pub(crate) mod head_planes;
+pub(crate) mod in_flight;
+pub(crate) mod scratch;
+
 pub use gather::{check_gather_ids, Gathered};
 
 /// Result of `head_kl`. A caller that keeps one and passes it to
@@ -43,7 +48,7 @@ pub struct LossOutput {
     pub dx: Vec<f32>,
     /// With [`crate::problem::LossConfig::filter_eps`]: what the dx GEMM's block filter
     /// skipped, and a bound on what that dropped from dx.
-    pub filter: Option<crate::filter::FilterStats>,
+    pub filter: Option<crate::problem::filter::FilterStats>,
     /// With [`crate::problem::LossConfig::head_grad`]: `∂mean/∂W`
     /// `[vocab][hs]` in f32, rows in the head's natural id order; else
     /// empty.
@@ -96,7 +101,7 @@ pub struct Engine<B: Backend> {
     scratch: ScratchCache<B>,
     /// Scratch and status of the device-resident entry points
     /// (`crate::resident`).
-    pub(crate) resident: crate::scratch::ResidentState<B>,
+    pub(crate) resident: crate::engine::scratch::ResidentState<B>,
     /// Log each `head_kl` call's host phases ([`Engine::set_trace`]).
     trace: bool,
     /// Told the tokens of each chunk as its outputs are read
@@ -182,7 +187,7 @@ impl<B: Backend> Engine<B> {
             backend,
             head,
             scratch: ScratchCache::default(),
-            resident: crate::scratch::ResidentState::new(),
+            resident: crate::engine::scratch::ResidentState::new(),
             trace: false,
             progress: None,
             row_stats: true,
@@ -575,7 +580,7 @@ impl<B: Backend> Engine<B> {
             filter,
             head_grad: head_grad_out,
         } = out;
-        *filter = resolved.filter_eps.map(|eps| crate::filter::FilterStats {
+        *filter = resolved.filter_eps.map(|eps| crate::problem::filter::FilterStats {
             eps,
             ..Default::default()
         });
@@ -657,7 +662,7 @@ impl<B: Backend> Engine<B> {
                         &scratch.logits,
                         Scaling::teacher(resolved.temperature),
                     )?;
-                    (1, crate::terms::TailMode::Renormalize, &scratch.logits, true)
+                    (1, crate::problem::terms::TailMode::Renormalize, &scratch.logits, true)
                 }
             };
             let row_stats = match dense {
@@ -734,7 +739,7 @@ impl<B: Backend> Engine<B> {
         &self,
         chunk: &mut Copying<'_, B>,
         resolved: &ResolvedLoss,
-        stats: &mut Option<crate::filter::FilterStats>,
+        stats: &mut Option<crate::problem::filter::FilterStats>,
     ) -> Result<()> {
         let Some(len) = chunk.next_len() else {
             return Ok(());

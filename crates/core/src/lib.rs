@@ -14,7 +14,7 @@
 //! ```
 //!
 //! By default the teacher is renormalized over its k (no tail bin); the
-//! student's softmax is over the full vocabulary. [`terms`] adds the other
+//! student's softmax is over the full vocabulary. [`problem::terms`] adds the other
 //! tail modes, teacher log-probabilities, a hard-label term, the z-loss and
 //! a logit softcap (the README's "Loss terms").
 //!
@@ -64,36 +64,29 @@
 mod align;
 pub mod engine;
 pub mod error;
-pub mod filter;
-pub mod floats;
-pub mod head;
-mod head_planes;
-mod in_flight;
 pub mod problem;
 pub mod resident;
-mod scratch;
 pub mod shard;
-pub mod slicing;
-pub mod terms;
 pub mod toolkit;
-pub mod vocab_order;
 
 pub use align::{round_up, ALIGN};
+pub use engine::head::{HeadData, HeadWeights};
+pub use engine::head_planes::DevicePlane;
 pub use engine::{check_full_vocab_terms, check_gather_ids, Engine, Gathered, LossOutput, ProgressCallback, TopK};
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
-pub use filter::FilterStats;
-pub use floats::FloatSlice;
-pub use head::{HeadData, HeadWeights};
-pub use head_planes::DevicePlane;
+pub use problem::filter::FilterStats;
+pub use problem::floats::FloatSlice;
+pub use problem::slicing::{slice_vocab, SliceOptions, VocabSlice, SLICE_ROWS};
+pub use problem::terms::{
+    rescale_teacher, Divergence, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL, PROB_FLOOR,
+};
+pub use problem::vocab_order::VocabOrder;
 pub use problem::{
     check_k, Hidden, HiddenData, LossConfig, LossOptions, Reduction, ResolvedLoss, Teacher, TopkOptions,
     DEFAULT_BUDGET_BYTES, DEFAULT_IGNORE_INDEX, MAX_K,
 };
 pub use resident::{DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, HiddenDtype, ResidentBackend};
-pub use slicing::{slice_vocab, SliceOptions, VocabSlice, SLICE_ROWS};
-pub use terms::{rescale_teacher, Divergence, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL, PROB_FLOOR};
 pub use toolkit::settings::DIAGNOSTICS_LOG_TARGET;
-pub use vocab_order::VocabOrder;
 // What a caller of the engine meets from the toolkit: the backend bound
 // and what it reports, the options a backend opens with, the chunk plan
 // and the dx split it may set.

@@ -1,10 +1,21 @@
-//! Validated inputs: hidden rows, the teacher's top-k, and the options of
-//! each job. Everything is checked here, once, before any device sees it.
+//! The problem a call poses, validated: hidden rows, the teacher's top-k
+//! and the options of each job (here), the loss terms ([`terms`]), the
+//! vocabulary filter ([`filter`]), the vocabulary's slices and order
+//! ([`slicing`], [`vocab_order`]) and the float views inputs arrive in
+//! ([`floats`]). Everything is checked here, once, before any device sees
+//! it. This is the floor the toolkit and the engine stand on: it imports
+//! only the error type.
+
+pub mod filter;
+pub mod floats;
+pub mod slicing;
+pub mod terms;
+pub mod vocab_order;
 
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
-use crate::terms::{labels_to_u32, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
+use crate::problem::terms::{labels_to_u32, LossTerms, TailMode, TeacherForm, MASS_TOLERANCE, NO_LABEL};
 
 /// Largest k the top-k kernels support.
 pub const MAX_K: usize = 2048;
@@ -14,7 +25,7 @@ pub const DEFAULT_BUDGET_BYTES: u64 = 2 << 30;
 
 /// The element type and data of hidden rows: a bf16 value past f16's
 /// range becomes ±inf on the way up, which the row kernels flag.
-pub type HiddenData<'a> = crate::floats::FloatSlice<'a>;
+pub type HiddenData<'a> = crate::problem::floats::FloatSlice<'a>;
 
 /// Hidden rows `x` `[ntok][hs]`, already normed. Their values are not
 /// scanned on the host: the row kernels flag a row whose logits are not
@@ -371,9 +382,9 @@ pub struct LossConfig {
     /// weight and label smoothing, the z-loss, the softcap and the logit
     /// scale (default: the forward KL alone).
     pub terms: LossTerms,
-    /// The dx GEMM's block filter (`crate::filter`; off by default): skip
+    /// The dx GEMM's block filter (`crate::problem::filter`; off by default): skip
     /// each block of the dx GEMM whose `|∂L/∂s|` entries are all at most ε
-    /// in every row of a GEMM row tile (`crate::filter::AUTO_EPS` is Cut
+    /// in every row of a GEMM row tile (`crate::problem::filter::AUTO_EPS` is Cut
     /// Cross-Entropy's 2⁻¹⁵). The loss stays exact; dx drops the skipped
     /// products, and on the host path [`crate::engine::LossOutput::filter`] says
     /// how many and bounds what they were. `Some(0.0)` skips only all-zero
@@ -428,7 +439,7 @@ impl LossConfig {
                 value: self.terms.hard_weight,
             });
         }
-        self.filter_eps.map(crate::filter::check_eps).transpose()?;
+        self.filter_eps.map(crate::problem::filter::check_eps).transpose()?;
         Ok(())
     }
 

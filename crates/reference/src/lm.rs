@@ -429,7 +429,7 @@ fn measure(
 ) -> LmStats {
     let rows = logits0.len() / vocab;
     let big = 1.0 / 4096.0f64;
-    let eps = f64::from(headkl_core::filter::AUTO_EPS);
+    let eps = f64::from(headkl_core::problem::filter::AUTO_EPS);
     // |p_S − p_T| per sample entry.
     let mut diff = vec![0f32; rows * vocab];
     let (mut entropy, mut top) = (0.0, 0.0);

@@ -5,8 +5,8 @@
 //! ([`TopkDesc::gather`]): no `[ntok][V]` tensor leaves the device.
 
 use super::{Engine, Error, Result};
-use crate::head_planes::Scaling;
-use crate::in_flight::{Copying, InFlight};
+use crate::engine::head_planes::Scaling;
+use crate::engine::in_flight::{Copying, InFlight};
 use crate::problem::{Hidden, TopkOptions};
 use crate::toolkit::backend::{Backend, TopkDesc};
 use crate::toolkit::launch::Kernels;

@@ -7,13 +7,13 @@
 //! path's error for it.
 
 use super::{elements, GatherRowsDesc, ResidentBackend, StatusDetailDesc};
+use crate::engine::head_planes::Scaling;
+use crate::engine::scratch::RowScratch;
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::head_planes::Scaling;
+use crate::problem::terms::{TailMode, TeacherForm};
 use crate::problem::TopkOptions;
 use crate::resident::DeviceHidden;
-use crate::scratch::RowScratch;
-use crate::terms::{TailMode, TeacherForm};
 use crate::toolkit::backend::TopkDesc;
 use crate::toolkit::chunking::ChunkPlan;
 use crate::toolkit::launch::{Kernels, Launch};

@@ -30,12 +30,12 @@ pub use crate::toolkit::resident_kernels::{
 pub use crate::toolkit::status;
 
 use crate::align::{round_up, ALIGN};
+use crate::engine::head_planes::{DxFilter, HeadGrad, HeadPlanes, Scaling};
+use crate::engine::scratch::{Job, LossScratch, ResidentScratch, RowBytes, RowScratch};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::head_planes::{DxFilter, HeadGrad, HeadPlanes, Scaling};
+use crate::problem::terms::{TailMode, TeacherForm};
 use crate::problem::{check_gscale, check_k, LossConfig, TopkOptions};
-use crate::scratch::{Job, LossScratch, ResidentScratch, RowBytes, RowScratch};
-use crate::terms::{TailMode, TeacherForm};
 use crate::toolkit::backend::{Backend, KlDesc, RowStats, TopkDesc};
 use crate::toolkit::launch::{Kernels, Launch};
 
@@ -100,7 +100,7 @@ pub struct DeviceLossOptions<'a, Buf> {
     pub config: LossConfig,
     /// Per-token weights f32 `[ntok]` on the device; `None`: all 1.
     pub weights: Option<&'a Buf>,
-    /// Labels u32 `[ntok]` on the device ([`crate::terms::NO_LABEL`]: none),
+    /// Labels u32 `[ntok]` on the device ([`crate::problem::terms::NO_LABEL`]: none),
     /// needed when `config.terms.hard_weight > 0`. A label at or past V is
     /// flagged like bad teacher data.
     pub labels: Option<&'a Buf>,

@@ -4,15 +4,15 @@
 
 use super::{GatherPartials, HeadShard, LossPartials, LossStats, TopkPartials};
 use crate::align::{round_up, ALIGN};
+use crate::engine::head::HeadWeights;
+use crate::engine::head_planes::{HeadPlanes, Scaling};
+use crate::engine::in_flight::{Copying, InFlight};
+use crate::engine::scratch::{Job, RowBytes};
 use crate::engine::{Engine, HostCall, LossOutput, Trace};
 use crate::error::{Error, Field, Result};
-use crate::head::HeadWeights;
-use crate::head_planes::{HeadPlanes, Scaling};
-use crate::in_flight::{Copying, InFlight};
+use crate::problem::slicing::SliceOptions;
+use crate::problem::terms::{LossTerms, TailMode, NO_LABEL};
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
-use crate::scratch::{Job, RowBytes};
-use crate::slicing::SliceOptions;
-use crate::terms::{LossTerms, TailMode, NO_LABEL};
 use crate::toolkit::backend::{Backend, KlDesc, TopkDesc};
 use crate::toolkit::chunking::ChunkPlan;
 use crate::toolkit::launch::Kernels;
@@ -678,7 +678,7 @@ pub(super) fn check_terms(tail: TailMode, terms: &LossTerms, has_labels: bool, f
     if let Some(eps) = filter_eps {
         return refuse("filter-eps", eps.to_string(), "the block filter runs unsharded");
     }
-    if t.divergence.effective() != crate::terms::Divergence::Forward {
+    if t.divergence.effective() != crate::problem::terms::Divergence::Forward {
         return refuse(
             "divergence",
             t.divergence.name().into(),

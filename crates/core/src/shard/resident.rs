@@ -34,14 +34,14 @@
 use super::engine::check_terms;
 use super::{merge_loss, HeadShard, LossPartials, ShardEngine};
 use crate::align::{round_up, ALIGN};
+use crate::engine::head_planes::{HeadPlanes, Scaling};
+use crate::engine::scratch::{Job, LossScratch};
 use crate::error::{Error, Result};
-use crate::head_planes::{HeadPlanes, Scaling};
 use crate::problem::check_k;
 use crate::resident::{
     elements, DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, ResidentBackend, ResidentCall,
     ShardRowsDesc, ShardStage,
 };
-use crate::scratch::{Job, LossScratch};
 use crate::toolkit::backend::{Backend, DeviceBuffer, KlDesc};
 use crate::toolkit::chunking::ChunkPlan;
 use crate::toolkit::launch::{Kernels, Launch};

@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
-use crate::terms::{LossTerms, TailMode};
+use crate::problem::terms::{LossTerms, TailMode};
 use crate::toolkit::launch::Launch;
 
 /// A device buffer as every backend's checks see it.
@@ -126,9 +126,9 @@ pub struct GemmDesc {
     /// Elements from one part's C block to the next's (unused with one
     /// part).
     pub c_part_stride: usize,
-    /// The block filter (`crate::filter`): 0 computes every block; `r > 0`
+    /// The block filter (`crate::problem::filter`): 0 computes every block; `r > 0`
     /// reads the block mask of A's first `r` rows, stored in A's buffer at
-    /// element `m · lda` ([`crate::filter::mask_words`]`(lda)` words a
+    /// element `m · lda` ([`crate::problem::filter::mask_words`]`(lda)` words a
     /// row), and skips each K step of a row tile whose block is clear in
     /// all of the tile's rows below `r` (the [`HeadLayout::Dx`] GEMM
     /// only). Needs `a_offset < lda` (A starts in row 0, so a K index's
@@ -230,7 +230,7 @@ pub struct SumPartsDesc {
 /// renormalized in [`TailMode::Renormalize`], a share of the full
 /// vocabulary otherwise), and per-row inputs `[rows][2]` of u32 words: the
 /// coefficient `c_t = gscale·w_t/total` (f32 bits) and the label
-/// ([`crate::terms::NO_LABEL`]: none; else `< vocab`). With a softcap `c` the
+/// ([`crate::problem::terms::NO_LABEL`]: none; else `< vocab`). With a softcap `c` the
 /// kernel caps `s` at `c/τ` (`(c/τ)·tanh(sτ/c) = c·tanh(z/c)/τ`), so the
 /// GEMM's scaling stays as it is. Writes
 /// - `loss[t] = [L_t, lse(z̃), L_soft, L_hard]` (f32 `[rows][4]`,
@@ -267,7 +267,7 @@ pub struct KlDesc {
     /// (no softcap, τ = 1, no hard label: [`KlDesc::stats_suffice`]).
     pub row_stats: Option<RowStats>,
     /// The block filter: also write the dx GEMM's block mask into grad
-    /// (`crate::filter`; `None`: grad alone).
+    /// (`crate::problem::filter`; `None`: grad alone).
     pub filter: Option<KlFilter>,
     /// The teacher is dense (the exact full-vocabulary divergence,
     /// DESIGN §1): `probs` holds the teacher's logits at τ, `[rows][ld]`

@@ -9,8 +9,8 @@
 
 use crate::align::ALIGN;
 use crate::error::{Error, Result};
+use crate::problem::terms::TeacherForm;
 use crate::problem::MAX_K;
-use crate::terms::TeacherForm;
 use crate::toolkit::backend::{
     ConvertDesc, DeviceBuffer, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc,
     TransposeDesc, STATS_GROUP_COLS,
@@ -200,9 +200,9 @@ impl GemmDesc {
                 // Every K step then lies inside one block (steps of at most
                 // 64, split-K parts a multiple of 64 apart), so a kernel
                 // skips exactly the clear blocks.
-                multiple(kernel, "a_offset", self.a_offset, crate::filter::BLOCK)?;
-                let mask_end =
-                    self.m as u128 * self.lda as u128 + crate::filter::mask_halves(self.mask_rows, self.lda) as u128;
+                multiple(kernel, "a_offset", self.a_offset, crate::problem::filter::BLOCK)?;
+                let mask_end = self.m as u128 * self.lda as u128
+                    + crate::problem::filter::mask_halves(self.mask_rows, self.lda) as u128;
                 fits(kernel, "A's block mask", mask_end, 2, a, max_binding)?;
             }
             // The last part's block ends the region.
@@ -236,7 +236,7 @@ impl GemmDesc {
             mask_rows: index(kernel, "mask_rows", self.mask_rows)?,
             mask_ld: match self.mask_rows {
                 0 => 0,
-                _ => index(kernel, "lda", crate::filter::mask_words(self.lda))?,
+                _ => index(kernel, "lda", crate::problem::filter::mask_words(self.lda))?,
             },
         })
     }
@@ -432,15 +432,15 @@ impl KlDesc {
         fits(K, "grad", span(0, self.rows, self.ld, self.ld), 2, grad, max_binding)?;
         let mut filter = (0.0, 0, 0);
         if let Some(f) = self.filter {
-            crate::filter::check_eps(f.eps)?;
+            crate::problem::filter::check_eps(f.eps)?;
             at_least(K, "mask_at", f.mask_at, "rows · ld", self.rows * self.ld)?;
             multiple(K, "mask_at", f.mask_at, 4)?;
-            let end = f.mask_at as u128 + crate::filter::mask_halves(self.rows, self.ld) as u128;
+            let end = f.mask_at as u128 + crate::problem::filter::mask_halves(self.rows, self.ld) as u128;
             fits(K, "grad's block mask", end, 2, grad, max_binding)?;
             filter = (
                 f.eps,
                 index(K, "mask_at", f.mask_at / 4)?,
-                index(K, "ld", crate::filter::mask_words(self.ld))?,
+                index(K, "ld", crate::problem::filter::mask_words(self.ld))?,
             );
         }
         let tau = self.temperature;
@@ -534,7 +534,7 @@ impl TopkDesc {
         let params = row_params(KernelId::TopkRows, shape, max_k, logits, ids, probs, max_binding)?;
         let mut flags = 0;
         if let Some(c) = self.cap {
-            crate::terms::check_softcap(c)?;
+            crate::problem::terms::check_softcap(c)?;
             flags |= row_flags::SOFTCAP;
         }
         if self.logprobs {
@@ -1105,12 +1105,12 @@ mod tests {
         // Every term on sets its bit; the cap is given on the scaled logits.
         let all = KlDesc {
             temperature: 2.0,
-            tail: crate::terms::TailMode::Unnormalized,
-            terms: crate::terms::LossTerms {
+            tail: crate::problem::terms::TailMode::Unnormalized,
+            terms: crate::problem::terms::LossTerms {
                 hard_weight: 0.5,
                 z_loss: 1e-4,
                 softcap: Some(30.0),
-                ..crate::terms::LossTerms::default()
+                ..crate::problem::terms::LossTerms::default()
             },
             ..kl
         };
@@ -1132,9 +1132,9 @@ mod tests {
         .unwrap();
         assert_eq!(p.flags & (row_flags::TAU_POW_MASK << row_flags::TAU_POW_SHIFT), 0);
         let weighted = KlDesc {
-            terms: crate::terms::LossTerms {
+            terms: crate::problem::terms::LossTerms {
                 soft_weight: 0.5,
-                ..crate::terms::LossTerms::default()
+                ..crate::problem::terms::LossTerms::default()
             },
             ..kl
         };
@@ -1143,9 +1143,9 @@ mod tests {
             .unwrap();
         assert_eq!(p.flags, row_flags::GENERAL);
         let bad_cap = KlDesc {
-            terms: crate::terms::LossTerms {
+            terms: crate::problem::terms::LossTerms {
                 softcap: Some(-1.0),
-                ..crate::terms::LossTerms::default()
+                ..crate::problem::terms::LossTerms::default()
             },
             ..kl
         };

@@ -375,7 +375,7 @@ catalogue! {
     GemmLogits => "gemm_logits", [R, R, W], GemmParams, false;
     /// The input-gradient GEMM, `g_slice · W_slice` ([`HeadLayout::Dx`]).
     GemmDx => "gemm_dx", [R, R, W], GemmParams, false;
-    /// [`KernelId::GemmDx`] with the block filter (`crate::filter`;
+    /// [`KernelId::GemmDx`] with the block filter (`crate::problem::filter`;
     /// [`GemmDesc::mask_rows`] > 0): a build of its own in every GEMM
     /// family (a WGSL entry point, a GLSL variant with `FILTER 1`), so the
     /// unfiltered GEMM's code is unchanged.
@@ -859,8 +859,8 @@ mod tests {
             ("F_SOFTCAP", row_flags::SOFTCAP),
             ("F_DENSE", row_flags::DENSE_TEACHER),
             ("F_GATHER", row_flags::GATHER),
-            ("TAIL_NONE", crate::terms::TailMode::Unnormalized.code()),
-            ("DIV_JSD", crate::terms::Divergence::Jsd { beta: 0.5 }.code()),
+            ("TAIL_NONE", crate::problem::terms::TailMode::Unnormalized.code()),
+            ("DIV_JSD", crate::problem::terms::Divergence::Jsd { beta: 0.5 }.code()),
         ] {
             assert!(
                 generated.contains(&format!("const {name}: u32 = {value}u;\n")),

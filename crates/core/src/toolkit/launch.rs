@@ -518,7 +518,7 @@ mod tests {
     /// checked, and an offset past 32 bits is an error, not a truncation.
     #[test]
     fn resident_launches_check_every_buffer() {
-        use crate::terms::{TailMode, TeacherForm};
+        use crate::problem::terms::{TailMode, TeacherForm};
         use crate::toolkit::resident_kernels::HiddenDtype;
         use crate::toolkit::status::WORDS;
         let big = Len(1 << 24);

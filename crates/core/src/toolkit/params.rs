@@ -51,12 +51,12 @@ pub struct GemmParams {
     pub stats_first: u32,
     /// Columns of C that enter the statistics (the real vocabulary).
     pub stats_cols: u32,
-    /// The dx GEMM's block filter (`crate::filter`): rows of A whose block
+    /// The dx GEMM's block filter (`crate::problem::filter`): rows of A whose block
     /// mask is read (0 without the filter; the ceiling report's MODE 2
     /// relies on it being 0). The mask sits in A's buffer after A's `m`
     /// rows, at element `m · lda`.
     pub mask_rows: u32,
-    /// Mask words per row of A (`crate::filter::mask_words`).
+    /// Mask words per row of A (`crate::problem::filter::mask_words`).
     pub mask_ld: u32,
 }
 
@@ -141,7 +141,7 @@ pub struct RowParams {
     /// `kl_rows`: statistics groups per row that hold statistics.
     pub stats_groups: u32,
     /// `kl_rows` with [`row_flags::FILTER`]: the block filter's ε on
-    /// `|∂L/∂s|` (`crate::filter`).
+    /// `|∂L/∂s|` (`crate::problem::filter`).
     pub filter_eps: f32,
     /// `kl_rows` with [`row_flags::FILTER`]: where the block mask starts in
     /// grad, in 4-half words (the mask's element offset / 4).
@@ -160,7 +160,7 @@ pub struct RowParams {
 pub mod row_flags {
     /// Softcap the logits.
     pub const SOFTCAP: u32 = 1;
-    /// Shift of the tail mode's code ([`crate::terms::TailMode::code`], 2 bits).
+    /// Shift of the tail mode's code ([`crate::problem::terms::TailMode::code`], 2 bits).
     pub const TAIL_SHIFT: u32 = 1;
     /// The hard-label term is on.
     pub const HARD: u32 = 8;
@@ -181,11 +181,11 @@ pub mod row_flags {
     pub const TAU_POW_SHIFT: u32 = 8;
     /// Mask of the τ power's field (after the shift).
     pub const TAU_POW_MASK: u32 = 7;
-    /// `kl_rows`: also write the dx GEMM's block mask (`crate::filter`);
+    /// `kl_rows`: also write the dx GEMM's block mask (`crate::problem::filter`);
     /// a pipeline of its own, so the kernel without it is unchanged.
     pub const FILTER: u32 = 2048;
     /// `kl_rows`: shift of the soft term's divergence
-    /// ([`crate::terms::Divergence::code`], 2 bits: 0 forward, 1 reverse, 2 JSD).
+    /// ([`crate::problem::terms::Divergence::code`], 2 bits: 0 forward, 1 reverse, 2 JSD).
     pub const DIVERGENCE_SHIFT: u32 = 12;
     /// `topk_rows`: no selection; write the log-probabilities over the
     /// full vocabulary at the ids the caller put in `ids` (one past the
@@ -200,10 +200,10 @@ pub mod row_flags {
     /// The declarations `shaders/kl_rows.wgsl` and `shaders/topk_rows.wgsl`
     /// get in place of [`crate::toolkit::kernels::FLAGS_MARKER`]: these bits, the
     /// divergences' and tail modes' codes they select, and the floors on a
-    /// probability ([`crate::terms::PROB_FLOOR`]) and its log, so no shader
+    /// probability ([`crate::problem::terms::PROB_FLOOR`]) and its log, so no shader
     /// spells a host value by hand.
     pub fn wgsl() -> String {
-        use crate::terms::{Divergence, TailMode};
+        use crate::problem::terms::{Divergence, TailMode};
         let mut s = String::new();
         for (name, value) in [
             ("F_SOFTCAP", SOFTCAP),
@@ -223,12 +223,12 @@ pub mod row_flags {
             ("TAIL_BUCKET", TailMode::Bucket.code()),
             ("TAIL_NONE", TailMode::Unnormalized.code()),
             // The dx block filter's block of vocabulary rows (its mask's bit).
-            ("FILTER_BLOCK", crate::filter::BLOCK as u32),
+            ("FILTER_BLOCK", crate::problem::filter::BLOCK as u32),
         ] {
             s.push_str(&format!("const {name}: u32 = {value}u;\n"));
         }
         // f32's shortest round-trip digits: the value the host's f32 holds.
-        let floor = crate::terms::PROB_FLOOR as f32;
+        let floor = crate::problem::terms::PROB_FLOOR as f32;
         s.push_str(&format!("const TAIL_FLOOR: f32 = {floor:e};\n"));
         s.push_str(&format!("const LOG_PROB_FLOOR: f32 = {:e};\n", floor.ln()));
         s
@@ -347,7 +347,7 @@ param_block!(GatherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_o
 // The device-resident kernels' blocks (`shaders/resident_*.wgsl`, one per
 // kernel; `crate::resident` says what each kernel does). Offsets are in
 // elements of the caller's buffers; booleans are 0 or 1; `tail` is
-// `crate::terms::TailMode::code`, `dtype` `crate::toolkit::resident_kernels::HiddenDtype::code`.
+// `crate::problem::terms::TailMode::code`, `dtype` `crate::toolkit::resident_kernels::HiddenDtype::code`.
 
 /// `shaders/resident_stats.wgsl` (one workgroup).
 #[repr(C)]
@@ -365,7 +365,7 @@ pub struct WeightStatsParams {
     pub gscale: f32,
     /// `1/τ`.
     pub inv_temperature: f32,
-    /// [`crate::terms::LossTerms::grad_bound`] (≥ 1).
+    /// [`crate::problem::terms::LossTerms::grad_bound`] (≥ 1).
     pub grad_bound: f32,
     /// Padding to 16 bytes.
     pub _pad: u32,

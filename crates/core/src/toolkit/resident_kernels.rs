@@ -7,7 +7,7 @@
 //! are `crate::resident`'s.
 
 use crate::error::Result;
-use crate::terms::{TailMode, TeacherForm};
+use crate::problem::terms::{TailMode, TeacherForm};
 use crate::toolkit::backend::Backend;
 
 /// Element type of hidden rows in a device buffer.
@@ -60,7 +60,7 @@ pub struct WeightStatsDesc {
     pub gscale: Option<f32>,
     /// τ.
     pub temperature: f32,
-    /// [`crate::terms::LossTerms::grad_bound`] at τ.
+    /// [`crate::problem::terms::LossTerms::grad_bound`] at τ.
     pub grad_bound: f64,
 }
 
@@ -96,7 +96,7 @@ pub struct TeacherRowsDesc {
 }
 
 /// A chunk of the caller's labels checked into word 1 of the per-row
-/// inputs `[rows][2]` ([`crate::terms::NO_LABEL`] without labels, and for a bad
+/// inputs `[rows][2]` ([`crate::problem::terms::NO_LABEL`] without labels, and for a bad
 /// one, which is flagged and makes the row's coefficient word 0
 /// [`super::status::FLAGGED_ROW`]). Buffers `[labels, status, row_in]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

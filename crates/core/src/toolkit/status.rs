@@ -15,7 +15,7 @@
 //! dx row is 0 and its per-token loss NaN without any host wait.
 
 use crate::error::{Error, Result};
-use crate::terms::{TailMode, MASS_TOLERANCE};
+use crate::problem::terms::{TailMode, MASS_TOLERANCE};
 
 /// Words in the status buffer.
 pub const WORDS: usize = 32;

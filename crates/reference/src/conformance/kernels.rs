@@ -621,7 +621,7 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<CaseErrors, Stri
     // A: [m][k] at a_offset, stride lda; NaN elsewhere (read outside = NaN in C).
     let mask_halves = match g.mask_rows {
         0 => 0,
-        r => g.m * g.lda - (g.a_offset + (g.m - 1) * g.lda + g.k) + headkl_core::filter::mask_halves(r, g.lda),
+        r => g.m * g.lda - (g.a_offset + (g.m - 1) * g.lda + g.k) + headkl_core::problem::filter::mask_halves(r, g.lda),
     };
     let len_a = g.a_offset + (g.m - 1) * g.lda + g.k + mask_halves + tail;
     let mut a = vec![f16::NAN; len_a];
@@ -638,13 +638,13 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<CaseErrors, Stri
         }
     }
     if g.mask_rows > 0 {
-        let words = headkl_core::filter::mask_words(g.lda);
+        let words = headkl_core::problem::filter::mask_words(g.lda);
         let mask_at = g.m * g.lda;
         for r in 0..g.mask_rows {
             for w in 0..words {
                 let bits = (0..32).fold(0u32, |acc, bit| acc | u32::from(block_kept((w * 32 + bit) * 64)) << bit);
                 let at = mask_at + (r * words + w) * 4;
-                a[at..at + 4].copy_from_slice(&headkl_core::filter::halves_of(bits));
+                a[at..at + 4].copy_from_slice(&headkl_core::problem::filter::halves_of(bits));
             }
         }
     }

@@ -633,7 +633,7 @@ fn check_flagged_rows<B: ResidentBackend + ?Sized>(
     let acc_loss_buf = device_buffer(backend, &nan_bytes(ntok), "loss (filtered)")?;
     let opts = DeviceLossOptions {
         config: LossConfig {
-            filter_eps: Some(headkl_core::filter::AUTO_EPS),
+            filter_eps: Some(headkl_core::problem::filter::AUTO_EPS),
             ..bufs.options(case).config
         },
         accumulate_dx: true,
@@ -977,7 +977,7 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
         dtype: HiddenDtype::F32,
     };
     let bufs = HeadKlBuffers::upload(backend, &case)?;
-    let eps = headkl_core::filter::AUTO_EPS;
+    let eps = headkl_core::problem::filter::AUTO_EPS;
     let mut run = |filter_eps| -> Result<(Vec<f32>, Vec<f32>), String> {
         let opts = DeviceLossOptions {
             config: LossConfig {

@@ -203,7 +203,7 @@ const FILTER_TILE: usize = 64;
 /// rows `a32`, every 64-column block that is clear in all the masked rows
 /// of its 64-row tile: the products a GPU tile skips.
 fn skip_clear_blocks(a: &[f16], a32: &mut [f32], d: &GemmDesc) {
-    use headkl_core::filter::{mask_words, or_rows, BLOCK};
+    use headkl_core::problem::filter::{mask_words, or_rows, BLOCK};
     let (m, k) = (d.m, d.k);
     let mask = a.get(d.m * d.lda..).unwrap_or_default();
     let mut tile_or = vec![0u32; mask_words(d.lda)];
@@ -403,14 +403,14 @@ fn kl_row<T: Real>(
     let mut mark = |j: usize, v: T| {
         let within = v.abs() <= T::of(d.filter.map_or(0.0, |f| f.eps));
         if on && !within {
-            if let Some(w) = mask.get_mut(j / headkl_core::filter::WORD_VOCAB) {
-                *w |= 1 << ((j / headkl_core::filter::BLOCK) % 32);
+            if let Some(w) = mask.get_mut(j / headkl_core::problem::filter::WORD_VOCAB) {
+                *w |= 1 << ((j / headkl_core::problem::filter::BLOCK) % 32);
             }
         }
     };
     if s.iter().any(|v| !v.is_finite()) || stats_lse.is_some_and(|v| !v.is_finite()) {
         grad[..vocab].fill(f16::NAN);
-        for j in (0..vocab).step_by(headkl_core::filter::BLOCK) {
+        for j in (0..vocab).step_by(headkl_core::problem::filter::BLOCK) {
             mark(j, T::of(f32::NAN));
         }
         return [f32::NAN; 4];
@@ -659,7 +659,7 @@ pub(crate) fn kl_rows(
     // The block filter's mask, one row of words per token (written only
     // with `d.filter`).
     let words = match d.filter {
-        Some(_) => headkl_core::filter::mask_words(ld),
+        Some(_) => headkl_core::problem::filter::mask_words(ld),
         None => 0,
     };
     let mut masks = vec![0u32; rows * words];
@@ -699,7 +699,7 @@ pub(crate) fn kl_rows(
     });
     if let Some(f) = d.filter {
         for (i, &w) in masks.iter().enumerate() {
-            grad[f.mask_at + 4 * i..f.mask_at + 4 * i + 4].copy_from_slice(&headkl_core::filter::halves_of(w));
+            grad[f.mask_at + 4 * i..f.mask_at + 4 * i + 4].copy_from_slice(&headkl_core::problem::filter::halves_of(w));
         }
     }
 }

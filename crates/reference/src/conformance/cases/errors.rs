@@ -291,7 +291,7 @@ fn memory_released<B: Backend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<
 /// changes no bit of the results and gives no filter statistics, and the
 /// call is within tolerance of the reference.
 fn filter_not_run<B: Backend>(engine: &mut Engine<B>, case: &Case, tol: &Tolerance) -> Result<CaseErrors, String> {
-    let eps = headkl_core::filter::AUTO_EPS;
+    let eps = headkl_core::problem::filter::AUTO_EPS;
     let (out, plain) = filtered_and_not(engine, case, &case.loss_options(), eps)?;
     same_bits(&out, &plain, true)?;
     if out.filter.is_some() {
@@ -319,7 +319,7 @@ fn filter_lm_dx_within_tolerance<B: Backend + ?Sized>(backend: &B, tol: &Toleran
     if engine.slices().len() < 3 {
         return Err(format!("{} slice(s), want >= 3", engine.slices().len()));
     }
-    let eps = headkl_core::filter::AUTO_EPS;
+    let eps = headkl_core::problem::filter::AUTO_EPS;
     if !backend.gemm_block_filter() {
         return filter_not_run(&mut engine, &case, tol);
     }
@@ -353,7 +353,7 @@ fn vocab_order_prior<B: Backend + ?Sized>(backend: &B, tol: &Tolerance) -> Resul
     let mut ordered = Engine::with_vocab_order(backend, &head, case.slice_options(), Some(order))
         .map_err(|e| format!("Engine::with_vocab_order: {e}"))?;
     let mut natural = engine_for(backend, &case)?;
-    let filtered = with_filter(case.loss_options(), headkl_core::filter::AUTO_EPS);
+    let filtered = with_filter(case.loss_options(), headkl_core::problem::filter::AUTO_EPS);
     let mut measured = compare(&mut ordered, &case, &case.loss_options(), tol)?;
     let m = compare(&mut ordered, &case, &filtered, tol)?;
     measured.dx = measured.dx.into_iter().chain(m.dx).reduce(f64::max);
@@ -418,9 +418,14 @@ fn filter_eps_zero_bit_identical<B: Backend + ?Sized>(backend: &B, tol: &Toleran
         }
         let (zero, plain) = filtered_and_not(&mut engine, c, &c.loss_options(), 0.0)?;
         same_bits(&zero, &plain, true)?;
-        let (auto, _) = filtered_and_not(&mut engine, c, &c.loss_options(), headkl_core::filter::AUTO_EPS)?;
+        let (auto, _) = filtered_and_not(
+            &mut engine,
+            c,
+            &c.loss_options(),
+            headkl_core::problem::filter::AUTO_EPS,
+        )?;
         same_bits(&auto, &plain, false)?;
-        let opts = with_filter(c.loss_options(), headkl_core::filter::AUTO_EPS);
+        let opts = with_filter(c.loss_options(), headkl_core::problem::filter::AUTO_EPS);
         let m = compare(&mut engine, c, &opts, tol)?;
         let worst = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).reduce(f64::max);
         measured.loss = worst(measured.loss, m.loss);

@@ -557,7 +557,7 @@ pub(crate) fn check_head_grad_case<B: Backend + ?Sized>(
         ..CaseErrors::default()
     };
     if row.filter {
-        let eps = headkl_core::filter::AUTO_EPS;
+        let eps = headkl_core::problem::filter::AUTO_EPS;
         call(&with(&opts, true, Some(eps)), &mut out)?;
         let skipped = out.filter.map_or(0.0, |f| f.skipped_fraction());
         if !backend.gemm_block_filter() {

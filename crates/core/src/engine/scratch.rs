@@ -68,7 +68,7 @@ pub(crate) struct RowBytes {
     /// (`head_kl`).
     pub loss: u64,
     /// f16 logit gradient, padded vocabulary, and with the filter the
-    /// block mask (`crate::filter`) (`head_kl`).
+    /// block mask (`crate::problem::filter`) (`head_kl`).
     pub grad: u64,
     /// f32 input gradient, padded hidden size (`head_kl`).
     pub dx: u64,
@@ -85,7 +85,7 @@ impl RowBytes {
     /// for the block filter's mask when `mask`.
     pub fn new(vocab_padded: usize, hs: usize, hs_padded: usize, k: usize, dx_blocks: usize, mask: bool) -> Self {
         let mask_halves = match mask {
-            true => crate::filter::mask_halves(1, vocab_padded) as u64,
+            true => crate::problem::filter::mask_halves(1, vocab_padded) as u64,
             false => 0,
         };
         let (v, h, k) = (vocab_padded as u64, hs_padded as u64, k as u64);
@@ -326,7 +326,7 @@ impl<B: Backend> ScratchCache<B> {
 }
 
 /// Scratch of the resident entry points, kept across calls: the host
-/// path's groups (`crate::scratch`), from the same sizes, for the key it
+/// path's groups (`crate::engine::scratch`), from the same sizes, for the key it
 /// was made for.
 pub(crate) struct ResidentScratch<B: Backend> {
     pub(crate) key: (Job, usize, usize),

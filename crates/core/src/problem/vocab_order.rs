@@ -1,6 +1,6 @@
 //! A vocabulary order fixed at head upload ([`VocabOrder`],
 //! [`crate::engine::Engine::with_vocab_order`]): the head's rows are stored in that
-//! order, so the dx GEMM's block filter (`crate::filter`) finds the likely
+//! order, so the dx GEMM's block filter (`crate::problem::filter`) finds the likely
 //! tokens in fewer blocks. The teacher's ids and the labels are mapped to
 //! positions on the way in and the top-k's positions back to ids on the
 //! way out: a caller sees ids only.

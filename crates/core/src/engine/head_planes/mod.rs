@@ -12,19 +12,19 @@
 use half::f16;
 
 use crate::align::{round_up, ALIGN};
+use crate::engine::head::HeadWeights;
+use crate::engine::scratch::{Input, Job, RowBytes};
 use crate::error::{Error, Result};
-use crate::head::HeadWeights;
+use crate::problem::slicing::SliceOptions;
+use crate::problem::slicing::{slice_vocab, VocabSlice};
+use crate::problem::vocab_order::VocabOrder;
 use crate::problem::Hidden;
-use crate::scratch::{Input, Job, RowBytes};
-use crate::slicing::SliceOptions;
-use crate::slicing::{slice_vocab, VocabSlice};
 use crate::toolkit::backend::{
     Backend, ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, RowStats, SumPartsDesc, STATS_GROUP_COLS,
 };
 use crate::toolkit::chunking::{plan_chunks, ChunkPlan};
 use crate::toolkit::launch::Kernels;
 use crate::toolkit::split::DxSplit;
-use crate::vocab_order::VocabOrder;
 
 mod grad;
 pub(crate) use grad::HeadGrad;
@@ -42,7 +42,7 @@ const HEAD_UPLOAD_BYTES: usize = 64 << 20;
 pub(crate) struct Scaling {
     /// Temperature τ.
     pub temperature: f32,
-    /// Logit scale S ([`crate::terms::LossTerms::logit_scale`],
+    /// Logit scale S ([`crate::problem::terms::LossTerms::logit_scale`],
     /// [`crate::problem::TopkOptions::logit_scale`]).
     pub logit_scale: f32,
     /// The host paths' gradient scale, folded into dx's alpha.
@@ -112,7 +112,7 @@ pub(crate) struct HeadPlanes<B: Backend> {
     slices: Vec<VocabSlice>,
     planes: Vec<B::Buffer>,
     dx_split: DxSplit,
-    /// `Σ ‖W_j‖` (f16 rows) over each block of [`crate::filter::BLOCK`]
+    /// `Σ ‖W_j‖` (f16 rows) over each block of [`crate::problem::filter::BLOCK`]
     /// vocabulary rows: the block filter's bound on what it dropped.
     block_norms: Vec<f32>,
     /// The order the rows are stored in (`None`: natural).
@@ -179,7 +179,7 @@ impl<B: Backend> HeadPlanes<B> {
         let mut staging = Vec::new();
         let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
         let mut planes = Vec::with_capacity(slices.len());
-        let mut block_norms = vec![0f32; vocab.div_ceil(crate::filter::BLOCK)];
+        let mut block_norms = vec![0f32; vocab.div_ceil(crate::problem::filter::BLOCK)];
         for s in &slices {
             let padded = s.padded_width();
             let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
@@ -196,7 +196,7 @@ impl<B: Backend> HeadPlanes<B> {
                     }
                 }
                 for (r, norm) in row_norms(&staging, hs_padded).into_iter().enumerate() {
-                    block_norms[(s.offset + row + r) / crate::filter::BLOCK] += norm;
+                    block_norms[(s.offset + row + r) / crate::problem::filter::BLOCK] += norm;
                 }
                 staging.resize(rows * hs_padded, f16::ZERO);
                 backend.upload(&plane, (row * hs_padded * 2) as u64, bytemuck::cast_slice(&staging))?;
@@ -247,9 +247,9 @@ impl<B: Backend> HeadPlanes<B> {
             planes.push(plane);
         }
         backend.finish()?;
-        let mut block_norms = vec![0f32; vocab.div_ceil(crate::filter::BLOCK)];
+        let mut block_norms = vec![0f32; vocab.div_ceil(crate::problem::filter::BLOCK)];
         for (row, norm) in row_norms.iter().enumerate() {
-            block_norms[row / crate::filter::BLOCK] += norm;
+            block_norms[row / crate::problem::filter::BLOCK] += norm;
         }
         Ok(Self::assemble(vocab, hs, slices, planes, block_norms, None))
     }
@@ -281,7 +281,7 @@ impl<B: Backend> HeadPlanes<B> {
         backend.finish()?;
         self.block_norms.fill(0.0);
         for (row, norm) in row_norms.iter().enumerate() {
-            self.block_norms[row / crate::filter::BLOCK] += norm;
+            self.block_norms[row / crate::problem::filter::BLOCK] += norm;
         }
         Ok(())
     }
@@ -669,7 +669,7 @@ impl<B: Backend> HeadPlanes<B> {
     pub(crate) fn mask_span(&self, rows: usize, rows_padded: usize) -> (usize, usize) {
         (
             rows_padded * self.vocab_padded,
-            crate::filter::mask_halves(rows, self.vocab_padded),
+            crate::problem::filter::mask_halves(rows, self.vocab_padded),
         )
     }
 
@@ -686,10 +686,10 @@ impl<B: Backend> HeadPlanes<B> {
         rows: usize,
         eps: f32,
         weight: impl Fn(usize) -> f64,
-    ) -> crate::filter::FilterStats {
-        let words = crate::filter::mask_words(self.vocab_padded);
+    ) -> crate::problem::filter::FilterStats {
+        let words = crate::problem::filter::mask_words(self.vocab_padded);
         let tile = backend.gemm_tile(HeadLayout::Dx).map_or(64, |t| t.0 as usize);
-        let blocks = self.vocab_padded.div_ceil(crate::filter::BLOCK);
+        let blocks = self.vocab_padded.div_ceil(crate::problem::filter::BLOCK);
         let (mut bound_sq, mut skipped) = (0.0f64, 0u64);
         let tiles = round_up(rows, ALIGN).div_ceil(tile);
         // The OR of a tile's rows' words, row by row (the mask is row-major).
@@ -697,7 +697,7 @@ impl<B: Backend> HeadPlanes<B> {
         for t0 in (0..rows).step_by(tile) {
             let tile_rows = t0..(t0 + tile).min(rows);
             tile_or.fill(0);
-            crate::filter::or_rows(halves, tile_rows.clone(), &mut tile_or);
+            crate::problem::filter::or_rows(halves, tile_rows.clone(), &mut tile_or);
             let mut dropped_norm = 0.0f64;
             for (w, &or) in tile_or.iter().enumerate() {
                 // The clear blocks: the zero bits, lowest first.
@@ -715,7 +715,7 @@ impl<B: Backend> HeadPlanes<B> {
                 bound_sq += (weight(r) * f64::from(eps) * dropped_norm).powi(2);
             }
         }
-        crate::filter::FilterStats {
+        crate::problem::filter::FilterStats {
             blocks: (tiles * blocks) as u64,
             skipped,
             dropped_bound: bound_sq.sqrt(),

@@ -11,7 +11,7 @@ const ROWS_PER_PIECE: usize = 256;
 
 /// The element type and data of a head: f32 and bf16 values must fit
 /// f16's range (checked when the head is packed).
-pub type HeadData<'a> = crate::floats::FloatSlice<'a>;
+pub type HeadData<'a> = crate::problem::floats::FloatSlice<'a>;
 
 /// A head `[vocab][hs]` whose length matches its shape.
 #[derive(Clone, Copy, Debug)]
