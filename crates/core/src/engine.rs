@@ -15,7 +15,7 @@ use crate::problem::terms::{LossTerms, NO_LABEL};
 use crate::problem::vocab_order::VocabOrder;
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::toolkit::backend::{Backend, KlDesc, RowStats, TopkDesc};
-use crate::toolkit::chunking::ChunkPlan;
+use crate::toolkit::chunking::{ChunkPlan, ChunkTransfers, Rows};
 use crate::toolkit::launch::Kernels;
 use crate::toolkit::split::DxSplit;
 
@@ -618,7 +618,7 @@ impl<B: Backend> Engine<B> {
         // always has queued work while the host reads. Whatever is still
         // pending when this returns (an error) is drained by `pipe`'s drop.
         let mut pipe = InFlight::new();
-        for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
+        for (chunk, Rows { start, rows }) in plan.chunk_rows(ntok, ChunkTransfers::Host).into_iter().enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let x16 = s.x16_for(chunk);
             self.head.load_hidden(b, input, x16, (chunk, start, rows))?;
@@ -885,7 +885,7 @@ impl<B: Backend> Engine<B> {
             }
             Ok(())
         };
-        for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
+        for (chunk, Rows { start, rows }) in plan.chunk_rows(ntok, ChunkTransfers::Host).into_iter().enumerate() {
             let x16 = s.x16_for(chunk);
             self.head
                 .chunk_logits(b, input, x16, (chunk, start, rows), &s.logits, Scaling::top_k(opts))?;

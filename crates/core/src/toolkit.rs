@@ -45,7 +45,7 @@ pub use backend::{
     Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, GemmRowStats, HeadLayout, KernelTime,
     KlDesc, KlFilter, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, TransposeDesc, STATS_GROUP_COLS,
 };
-pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, RowCost, MAX_WORKGROUPS_PER_DIM};
+pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, ChunkTransfers, RowCost, Rows, MAX_WORKGROUPS_PER_DIM};
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};
 pub use glsl_tile::GlslTile;
 pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};

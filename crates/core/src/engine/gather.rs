@@ -9,6 +9,7 @@ use crate::engine::head_planes::Scaling;
 use crate::engine::in_flight::{Copying, InFlight};
 use crate::problem::{Hidden, TopkOptions};
 use crate::toolkit::backend::{Backend, TopkDesc};
+use crate::toolkit::chunking::{ChunkTransfers, Rows};
 use crate::toolkit::launch::Kernels;
 
 /// Result of [`Engine::logprobs_at`].
@@ -99,7 +100,7 @@ impl<B: Backend> Engine<B> {
                 Ok(())
             };
             let mut row_ids = Vec::new();
-            for (chunk, (start, rows)) in plan.tapered_ranges(ntok).into_iter().enumerate() {
+            for (chunk, Rows { start, rows }) in plan.chunk_rows(ntok, ChunkTransfers::Host).into_iter().enumerate() {
                 let x16 = s.x16_for(chunk);
                 self.head
                     .chunk_logits(b, &input, x16, (chunk, start, rows), &s.logits, Scaling::top_k(opts))?;

@@ -15,7 +15,7 @@ use crate::problem::terms::{TailMode, TeacherForm};
 use crate::problem::TopkOptions;
 use crate::resident::DeviceHidden;
 use crate::toolkit::backend::TopkDesc;
-use crate::toolkit::chunking::ChunkPlan;
+use crate::toolkit::chunking::{ChunkPlan, ChunkTransfers, Rows};
 use crate::toolkit::launch::{Kernels, Launch};
 
 impl<B: ResidentBackend> Engine<B> {
@@ -58,7 +58,7 @@ impl<B: ResidentBackend> Engine<B> {
     ) -> Result<()> {
         let (k, vocab) = (opts.k, self.head.vocab());
         let b = &self.backend;
-        for (start, rows) in plan.ranges(ntok) {
+        for Rows { start, rows } in plan.chunk_rows(ntok, ChunkTransfers::Resident) {
             self.resident_logits(s, hidden, (start, rows), Scaling::top_k(opts), None)?;
             let desc = GatherRowsDesc {
                 rows,

@@ -37,6 +37,7 @@ use crate::error::{Error, Result};
 use crate::problem::terms::{TailMode, TeacherForm};
 use crate::problem::{check_gscale, check_k, LossConfig, TopkOptions};
 use crate::toolkit::backend::{Backend, KlDesc, RowStats, TopkDesc};
+use crate::toolkit::chunking::{ChunkTransfers, Rows};
 use crate::toolkit::launch::{Kernels, Launch};
 
 /// Hidden rows `[ntok][hs]` in a device buffer.
@@ -743,7 +744,7 @@ impl<B: ResidentBackend> Engine<B> {
         // Unread slots get a buffer already at hand.
         let labels_buf = labels.unwrap_or(teacher.ids);
         let scaling = Scaling::resident_loss(opts.config.temperature, opts.config.terms.logit_scale);
-        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
+        for (chunk, Rows { start, rows }) in plan.chunk_rows(ntok, ChunkTransfers::Resident).into_iter().enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let row_stats = self.row_stats_for(&opts.config.terms, opts.config.temperature, rows_padded);
             self.resident_logits(s, hidden, (start, rows), scaling, row_stats)?;
@@ -850,7 +851,7 @@ impl<B: ResidentBackend> Engine<B> {
         (status, s): (&B::Buffer, &RowScratch<B>),
     ) -> Result<()> {
         let k = opts.k;
-        for (start, rows) in plan.ranges(ntok) {
+        for Rows { start, rows } in plan.chunk_rows(ntok, ChunkTransfers::Resident) {
             self.resident_logits(s, hidden, (start, rows), Scaling::top_k(opts), None)?;
             // As the host path's: the softcap at τ, and log-probabilities
             // over the full vocabulary where asked for.

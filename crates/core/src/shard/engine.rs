@@ -14,7 +14,7 @@ use crate::problem::slicing::SliceOptions;
 use crate::problem::terms::{LossTerms, TailMode, NO_LABEL};
 use crate::problem::{Hidden, HiddenData, LossOptions, ResolvedLoss, Teacher, TopkOptions};
 use crate::toolkit::backend::{Backend, KlDesc, TopkDesc};
-use crate::toolkit::chunking::ChunkPlan;
+use crate::toolkit::chunking::{ChunkPlan, ChunkTransfers, Rows};
 use crate::toolkit::launch::Kernels;
 
 /// An engine on rows `[v0, v1)` of a head of `V` rows: the two-phase loss
@@ -148,7 +148,13 @@ impl<B: Backend> ShardEngine<B> {
         trace.mark("teacher pack");
         let (plan, sizes) =
             self.loss_job_plan(hidden, k_s, (opts.config.budget_bytes, opts.config.max_rows_per_chunk))?;
-        let kept_bytes = plan.chunks as u64 * plan.rows_per_chunk as u64 * sizes.logits;
+        // A kept chunk's logits take its rows rounded to whole tiles.
+        let kept_rows: usize = plan
+            .chunk_rows(ntok, ChunkTransfers::Host)
+            .iter()
+            .map(|c| round_up(c.rows, ALIGN))
+            .sum();
+        let kept_bytes = kept_rows as u64 * sizes.logits;
         let keep = self.keep_logits && plan.scratch_bytes.saturating_add(kept_bytes) <= opts.config.budget_bytes;
         let call = self
             .engine
@@ -293,10 +299,10 @@ impl<B: Backend> ShardEngine<B> {
         // Two chunks in flight, as in the driver: chunk i's outputs start
         // their copy out before chunk i−1's are read.
         let mut pipe = InFlight::new();
-        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
+        for (chunk, Rows { start, rows }) in plan.chunk_rows(ntok, ChunkTransfers::Host).into_iter().enumerate() {
             let logits = match kept.as_deref_mut() {
                 Some(kept) => {
-                    let buf = b.alloc(plan.rows_per_chunk as u64 * logits_row_bytes, "kept shard logits")?;
+                    let buf = b.alloc(round_up(rows, ALIGN) as u64 * logits_row_bytes, "kept shard logits")?;
                     kept.push(buf);
                     &kept[kept.len() - 1]
                 }
@@ -441,7 +447,7 @@ impl<B: Backend> ShardEngine<B> {
             Ok(())
         };
         let mut pipe = InFlight::new();
-        for (chunk, (start, rows)) in p.plan.ranges(p.ntok).enumerate() {
+        for (chunk, Rows { start, rows }) in p.plan.chunk_rows(p.ntok, ChunkTransfers::Host).into_iter().enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let logits = match &p.kept {
                 Some(kept) => &kept[chunk],
@@ -560,7 +566,7 @@ impl<B: Backend> ShardEngine<B> {
                 Ok(())
             };
         let mut pipe = InFlight::new();
-        for (chunk, (start, rows)) in plan.ranges(ntok).enumerate() {
+        for (chunk, Rows { start, rows }) in plan.chunk_rows(ntok, ChunkTransfers::Host).into_iter().enumerate() {
             let x16 = s.x16_for(chunk);
             h.chunk_logits(b, input, x16, (chunk, start, rows), &s.logits, scaling)?;
             // Log-probabilities over the shard: with its lse, the logits.

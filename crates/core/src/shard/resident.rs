@@ -43,7 +43,7 @@ use crate::resident::{
     ShardRowsDesc, ShardStage,
 };
 use crate::toolkit::backend::{Backend, DeviceBuffer, KlDesc};
-use crate::toolkit::chunking::ChunkPlan;
+use crate::toolkit::chunking::{ChunkPlan, ChunkTransfers, Rows};
 use crate::toolkit::launch::{Kernels, Launch};
 
 /// f32 values per token in a partials or merged-statistics buffer:
@@ -298,7 +298,7 @@ impl<B: ResidentBackend> ShardEngine<B> {
         let (k, tau) = (teacher.k, opts.config.temperature);
         let scaling = Scaling::resident_loss(tau, opts.config.terms.logit_scale);
         call.weight_stats(b, (ntok, tau), teacher, opts)?;
-        for (start, rows) in plan.ranges(ntok) {
+        for Rows { start, rows } in plan.chunk_rows(ntok, ChunkTransfers::Resident) {
             let logits = match kept.as_mut() {
                 Some((kept, row_bytes)) => {
                     kept.push(b.alloc(plan.rows_per_chunk as u64 * *row_bytes, "kept shard logits")?);
@@ -368,7 +368,12 @@ impl<B: ResidentBackend> ShardEngine<B> {
             row_in: &ls.row_in,
             status,
         };
-        for (chunk, (start, rows)) in p.plan.ranges(ntok).enumerate() {
+        for (chunk, Rows { start, rows }) in p
+            .plan
+            .chunk_rows(ntok, ChunkTransfers::Resident)
+            .into_iter()
+            .enumerate()
+        {
             let logits = match &p.kept {
                 Some(kept) => &kept[chunk],
                 None => {

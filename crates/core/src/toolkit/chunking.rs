@@ -28,39 +28,70 @@ pub struct ChunkPlan {
     pub scratch_bytes: u64,
 }
 
-impl ChunkPlan {
-    /// The token ranges `(start, rows)` of the chunks, in order.
-    pub fn ranges(&self, ntok: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
-        (0..self.chunks).map(move |c| {
-            let start = c * self.rows_per_chunk;
-            (start, self.rows_per_chunk.min(ntok - start))
-        })
-    }
+/// One chunk's token rows: `rows` tokens from token `start`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rows {
+    /// The chunk's first token.
+    pub start: usize,
+    /// How many tokens it holds (at most the plan's `rows_per_chunk`).
+    pub rows: usize,
+}
 
-    /// The host path's chunks: [`Self::ranges`] with the first and the
-    /// last chunk cut to about half, where chunks are at least
-    /// [`TAPER_MIN_ROWS`] and there are several. Before the first chunk's
-    /// kernels the device waits for its hidden rows' upload, and after the
-    /// last one's the host waits for its dx download; nothing overlaps
-    /// either, so halving those two chunks halves the host time the call
-    /// adds to the kernels' (the middle chunks' transfers run beside the
-    /// kernels). Every chunk stays within `rows_per_chunk`.
-    pub fn tapered_ranges(&self, ntok: usize) -> Vec<(usize, usize)> {
-        if self.chunks < 2 || self.rows_per_chunk < TAPER_MIN_ROWS {
-            return self.ranges(ntok).collect();
+/// Where a path's token rows come from and its outputs go, which decides
+/// how [`ChunkPlan::chunk_rows`] cuts the tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkTransfers {
+    /// Host slices: each chunk's rows are uploaded and its outputs
+    /// downloaded beside the next chunk's kernels, except the first
+    /// chunk's upload and the last chunk's download, which nothing
+    /// overlaps; so those two chunks are halved.
+    Host,
+    /// Rows already on the device: nothing to wait for, equal chunks.
+    Resident,
+}
+
+impl ChunkPlan {
+    /// The chunks every path walks, in order. With [`ChunkTransfers::Host`]
+    /// the first and the last chunk are cut to about half, where chunks
+    /// are at least [`TAPER_MIN_ROWS`] and there are several: before the
+    /// first chunk's kernels the device waits for its hidden rows' upload,
+    /// and after the last one's the host waits for its dx download, so
+    /// halving those two chunks halves the host time the call adds to the
+    /// kernels'. Every chunk stays within `rows_per_chunk`; the chunks
+    /// cover `0..ntok` once.
+    pub fn chunk_rows(&self, ntok: usize, transfers: ChunkTransfers) -> Vec<Rows> {
+        let equal = || {
+            (0..self.chunks)
+                .map(|c| {
+                    let start = c * self.rows_per_chunk;
+                    Rows {
+                        start,
+                        rows: self.rows_per_chunk.min(ntok - start),
+                    }
+                })
+                .collect()
+        };
+        if transfers == ChunkTransfers::Resident || self.chunks < 2 || self.rows_per_chunk < TAPER_MIN_ROWS {
+            return equal();
         }
         let edge = round_up(self.rows_per_chunk / 2, TILE_ROWS);
-        let mut out = vec![(0, edge)];
+        let mut out = vec![Rows { start: 0, rows: edge }];
         let mut start = edge;
         while start < ntok {
             let rows = self.rows_per_chunk.min(ntok - start);
             if start + rows == ntok && rows >= edge + TILE_ROWS {
                 // The last chunk: its tail of `edge` rows goes on its own
                 // (a chunk of less than a tile is not worth its launches).
-                out.push((start, rows - edge));
-                out.push((ntok - edge, edge));
+                out.push(Rows {
+                    start,
+                    rows: rows - edge,
+                });
+                out.push(Rows {
+                    start: ntok - edge,
+                    rows: edge,
+                });
             } else {
-                out.push((start, rows));
+                out.push(Rows { start, rows });
             }
             start += rows;
         }
@@ -68,7 +99,7 @@ impl ChunkPlan {
     }
 }
 
-/// Rows per chunk from which [`ChunkPlan::tapered_ranges`] halves the
+/// Rows per chunk from which [`ChunkPlan::chunk_rows`] halves the host path's
 /// first and last chunk (halves of 512 rows still fill the GPU).
 pub const TAPER_MIN_ROWS: usize = 1024;
 
@@ -237,28 +268,34 @@ mod tests {
     }
 
     #[test]
-    fn tapered_ranges_halve_the_first_and_last_chunk_and_cover_every_token() {
+    fn host_chunks_halve_the_first_and_last_chunk_and_every_path_covers_every_token() {
         let plan = |rows_per_chunk: usize, ntok: usize| ChunkPlan {
             rows_per_chunk,
             chunks: ntok.div_ceil(rows_per_chunk),
             scratch_bytes: 0,
         };
+        let host = |rows_per_chunk: usize, ntok: usize| -> Vec<(usize, usize)> {
+            let chunks = plan(rows_per_chunk, ntok).chunk_rows(ntok, ChunkTransfers::Host);
+            chunks.iter().map(|c| (c.start, c.rows)).collect()
+        };
         // Shape B's plan and shape A's.
-        let b = plan(2048, 8192).tapered_ranges(8192);
-        assert_eq!(b, [(0, 1024), (1024, 2048), (3072, 2048), (5120, 2048), (7168, 1024)]);
-        let a = plan(1024, 4096).tapered_ranges(4096);
-        assert_eq!(a, [(0, 512), (512, 1024), (1536, 1024), (2560, 1024), (3584, 512)]);
+        assert_eq!(
+            host(2048, 8192),
+            [(0, 1024), (1024, 2048), (3072, 2048), (5120, 2048), (7168, 1024)]
+        );
+        assert_eq!(
+            host(1024, 4096),
+            [(0, 512), (512, 1024), (1536, 1024), (2560, 1024), (3584, 512)]
+        );
         // A short last chunk stays whole; one chunk, or small ones, untouched.
-        assert_eq!(
-            plan(1024, 2000).tapered_ranges(2000),
-            [(0, 512), (512, 1024), (1536, 464)]
-        );
-        assert_eq!(plan(2048, 2048).tapered_ranges(2048), [(0, 2048)]);
-        assert_eq!(
-            plan(512, 2048).tapered_ranges(2048),
-            plan(512, 2048).ranges(2048).collect::<Vec<_>>()
-        );
-        assert_eq!(plan(1024, 1025).tapered_ranges(1025), [(0, 512), (512, 513)]);
+        assert_eq!(host(1024, 2000), [(0, 512), (512, 1024), (1536, 464)]);
+        assert_eq!(host(2048, 2048), [(0, 2048)]);
+        assert_eq!(host(512, 2048), [(0, 512), (512, 512), (1024, 512), (1536, 512)]);
+        assert_eq!(host(1024, 1025), [(0, 512), (512, 513)]);
+        // The resident path's chunks are equal, the last one short.
+        let resident = plan(1024, 4000).chunk_rows(4000, ChunkTransfers::Resident);
+        let resident: Vec<_> = resident.iter().map(|c| (c.start, c.rows)).collect();
+        assert_eq!(resident, [(0, 1024), (1024, 1024), (2048, 1024), (3072, 928)]);
         for (rows_per_chunk, ntok) in [
             (1024, 1025),
             (1024, 1700),
@@ -267,14 +304,19 @@ mod tests {
             (1024, 1536),
             (1152, 5000),
         ] {
-            let ranges = plan(rows_per_chunk, ntok).tapered_ranges(ntok);
-            let mut next = 0;
-            for &(start, rows) in &ranges {
-                assert_eq!(start, next, "{rows_per_chunk}:{ntok} {ranges:?}");
-                assert!(rows > 0 && rows <= rows_per_chunk, "{rows_per_chunk}:{ntok} {ranges:?}");
-                next += rows;
+            for transfers in [ChunkTransfers::Host, ChunkTransfers::Resident] {
+                let chunks = plan(rows_per_chunk, ntok).chunk_rows(ntok, transfers);
+                let mut next = 0;
+                for c in &chunks {
+                    assert_eq!(c.start, next, "{rows_per_chunk}:{ntok} {chunks:?}");
+                    assert!(
+                        c.rows > 0 && c.rows <= rows_per_chunk,
+                        "{rows_per_chunk}:{ntok} {chunks:?}"
+                    );
+                    next += c.rows;
+                }
+                assert_eq!(next, ntok, "{rows_per_chunk}:{ntok} {chunks:?}");
             }
-            assert_eq!(next, ntok, "{rows_per_chunk}:{ntok} {ranges:?}");
         }
     }
 
@@ -305,9 +347,9 @@ mod tests {
                     prop_assert!(p.rows_per_chunk >= ALIGN);
                     prop_assert!(p.scratch_bytes <= budget);
                     for x in &c { prop_assert!(x.bytes_per_row * p.rows_per_chunk as u64 <= binding); }
-                    let covered: usize = p.ranges(ntok).map(|(_, r)| r).sum();
+                    let covered: usize = p.chunk_rows(ntok, ChunkTransfers::Resident).iter().map(|c| c.rows).sum();
                     prop_assert_eq!(covered, ntok);
-                    prop_assert!(p.ranges(ntok).all(|(_, r)| r > 0));
+                    prop_assert!(p.chunk_rows(ntok, ChunkTransfers::Host).iter().all(|c| c.rows > 0));
                     if let Some(k) = knob { prop_assert!(p.rows_per_chunk <= k.max(ALIGN)); }
                 }
                 Err(Error::BudgetTooSmall { needed, .. }) => prop_assert!(needed > budget),

@@ -14,6 +14,7 @@
 //! (the gradient bit for bit as without the filter: it is exact).
 
 use half::{bf16, f16};
+use headkl_core::toolkit::ChunkTransfers;
 use headkl_core::{
     Backend, DxSplit, Engine, Hidden, LossConfig, LossOptions, LossOutput, LossTerms, Reduction, TailMode, TeacherForm,
     VocabOrder,
@@ -462,7 +463,7 @@ pub(crate) fn check_head_grad_case<B: Backend + ?Sized>(
     let plan = engine
         .loss_plan(case.ntok, case.k, row.input == Input::F32, &opts)
         .map_err(|e| format!("loss_plan: {e}"))?;
-    let chunks = plan.tapered_ranges(case.ntok);
+    let chunks = plan.chunk_rows(case.ntok, ChunkTransfers::Host);
     if chunks.len() < row.min_chunks {
         return Err(format!(
             "{} chunk(s); this case needs at least {}",
@@ -470,7 +471,7 @@ pub(crate) fn check_head_grad_case<B: Backend + ?Sized>(
             row.min_chunks
         ));
     }
-    let last = chunks.last().map_or(0, |&(_, rows)| rows);
+    let last = chunks.last().map_or(0, |c| c.rows);
     if row.ragged_last_chunk && last.is_multiple_of(headkl_core::ALIGN) {
         return Err(format!(
             "the last chunk has {last} rows, a multiple of {}",

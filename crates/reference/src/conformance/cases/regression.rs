@@ -2,6 +2,7 @@
 //! each its parameters, how it is built from them and what it must also
 //! show; and their runner.
 
+use headkl_core::toolkit::ChunkTransfers;
 use headkl_core::{
     Backend, Divergence, DxSplit, Engine, LossConfig, LossOptions, LossTerms, Reduction, TailMode, TeacherForm,
 };
@@ -380,7 +381,7 @@ const REGRESSIONS: &[Reg] = {
         Reg::new("no_row_stats_slices_chunks_head_kl", params(HeadKl, 700, 56, 40, 12, 42)).masked().max_slice(256)
             .max_chunk(16).no_row_stats().min_slices(3).min_chunks(3),
         // Chunks of 1024 rows: the host path halves the first and the last
-        // (`ChunkPlan::tapered_ranges`: 512, 1024, 252, 512 rows here).
+        // (`ChunkPlan::chunk_rows`: 512, 1024, 252, 512 rows here).
         Reg::new("tapered_chunks_head_kl", params(HeadKl, 130, 24, 2300, 5, 43)).masked().max_chunk(1024).min_chunks(4),
         Reg::new("tapered_chunks_topk", params(Topk, 130, 24, 2300, 5, 44)).max_chunk(1024),
         // The exact full-vocabulary divergence from the teacher's hidden
@@ -579,7 +580,7 @@ pub(crate) fn check_regression<B: Backend + ?Sized>(
             .loss_plan(case.ntok, case.k, f32_input, &opts)
             .map_err(|e| format!("loss_plan: {e}"))?;
         // The chunks the host path runs.
-        let chunks = plan.tapered_ranges(case.ntok).len();
+        let chunks = plan.chunk_rows(case.ntok, ChunkTransfers::Host).len();
         if chunks < r.min_chunks {
             return Err(format!("{chunks} chunk(s); this case needs at least {}", r.min_chunks));
         }
