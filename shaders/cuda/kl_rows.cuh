@@ -615,120 +615,153 @@ __device__ __forceinline__ void kl_dense_row(const RowParams& p, const float4* _
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WG)
-    kl_rows(const RowParams params, const float4* __restrict__ logits, const u32* __restrict__ ids,
-            const float* __restrict__ probs, const u32* __restrict__ row_in, float* __restrict__ loss,
-            uint2* __restrict__ grad) {
-    const RowParams& p = params;
-    u32 lid = threadIdx.x;
-    u32 row = workgroup_index(p.grid_x);
-    if (row >= p.rows) {
-        return;
-    }
-    u32 flags = p.flags;
-    if ((flags & F_DENSE) != 0u) {
-        kl_dense_row(p, logits, probs, row_in, loss, grad, row, lid);
-        return;
-    }
-    u32 vocab = p.vocab;
-    u32 base = row * p.ld;
-    // The filter changes what pass 2 writes, not what is computed.
-    bool plain = (flags & ~F_FILTER) == 0u;
-    // The general fold: a cap, tau != 1 or the hard term.
-    bool fold_terms = (flags & (F_SOFTCAP | F_TAU | F_HARD)) != 0u;
-    u32 tail = (flags >> F_TAIL_SHIFT) & 3u;
-    // No label, or one past vocab, is no label; read only with the hard term.
-    u32 label = 0xffffffffu;
-    if ((flags & F_HARD) != 0u) {
-        label = row_in[row * 2u + 1u];
-    }
-    bool labelled = label < vocab;
+// The row kernel's parts, in the order kl_rows runs them (a block a row,
+// WG threads).
 
-    // Pass 1: online max and sum of exp(s - max), and a non-finite flag.
-    float2 ms = make_float2(KL_NEG_HUGE, 0.0f);
-    u32 bad = 0u;
-    float2 ms1 = make_float2(KL_NEG_HUGE, 0.0f);
-    float sum_u = 0.0f;
-    u32 base4 = base / 4u;
-    u32 words = (vocab + 3u) / 4u;
-    if (!fold_terms && p.stats_offset != 0u) {
-        // Merge the (max, sum) pairs per 32 columns the logits GEMM wrote.
-        u32 sbase = p.stats_offset / 4u + row * (p.stats_ld / 2u);
-        for (u32 g = lid; g < p.stats_groups; g += WG) {
-            float4 w = logits[sbase + g / 2u];
-            float2 pair = make_float2(w.x, w.y);
-            if ((g & 1u) != 0u) {
-                pair = make_float2(w.z, w.w);
-            }
-            if (non_finite(pair.y)) {
-                bad = 1u;
-            } else if (pair.y > 0.0f) {
-                ms = kl_merge(ms.x, ms.y, pair.x, pair.y);
-            }
-        }
-    } else if (!fold_terms) {
-        // Four 16-byte loads in flight per thread.
-        u32 j4 = lid;
-        for (; j4 + 3u * WG < words; j4 += 4u * WG) {
-            float4 xa = logits[base4 + j4];
-            float4 xb = logits[base4 + j4 + WG];
-            float4 xc = logits[base4 + j4 + 2u * WG];
-            float4 xd = logits[base4 + j4 + 3u * WG];
-            kl_fold4(ms, bad, xa, j4, vocab);
-            kl_fold4(ms, bad, xb, j4 + WG, vocab);
-            kl_fold4(ms, bad, xc, j4 + 2u * WG, vocab);
-            kl_fold4(ms, bad, xd, j4 + 3u * WG, vocab);
-        }
-        for (; j4 < words; j4 += WG) {
-            kl_fold4(ms, bad, logits[base4 + j4], j4, vocab);
-        }
-    } else {
-        KlFoldTerms ft = {KL_NEG_HUGE, 0.0f, 0.0f, 0.0f, 0u};
-        u32 j4 = lid;
-        for (; j4 + 3u * WG < words; j4 += 4u * WG) {
-            float4 xa = logits[base4 + j4];
-            float4 xb = logits[base4 + j4 + WG];
-            float4 xc = logits[base4 + j4 + 2u * WG];
-            float4 xd = logits[base4 + j4 + 3u * WG];
-            kl_fold4_terms(p, ft, xa, j4, vocab);
-            kl_fold4_terms(p, ft, xb, j4 + WG, vocab);
-            kl_fold4_terms(p, ft, xc, j4 + 2u * WG, vocab);
-            kl_fold4_terms(p, ft, xd, j4 + 3u * WG, vocab);
-        }
-        for (; j4 < words; j4 += WG) {
-            kl_fold4_terms(p, ft, logits[base4 + j4], j4, vocab);
-        }
-        ms = make_float2(ft.m, ft.s);
-        bad = ft.bad;
-        // The tau = 1 fold as (max, sum): its max is tau * m (NEG_HUGE for
-        // a thread that saw no logit).
-        ms1 = make_float2(fmaxf(ft.m * p.temperature, KL_NEG_HUGE), ft.s1);
-        sum_u = ft.sum_u;
+// What the row kernel knows of a row before its first pass, and (after
+// kl_row_state) the row's lse and state.
+struct KlRow {
+    u32 row;
+    // First element of the row in logits and grad.
+    u32 base;
+    u32 flags;
+    // The flags but the filter: the seed's loss.
+    bool plain;
+    // The general fold: a cap, tau != 1 or the hard term.
+    bool fold_terms;
+    u32 label;
+    bool labelled;
+    float lse;
+    u32 row_is_bad;
+    bool flagged;
+};
+
+__device__ __forceinline__ KlRow kl_row_begin(const RowParams& p, const u32* __restrict__ row_in, u32 row) {
+    KlRow r;
+    r.row = row;
+    r.base = row * p.ld;
+    r.flags = p.flags;
+    // The filter changes what pass 2 writes, not what is computed.
+    r.plain = (r.flags & ~F_FILTER) == 0u;
+    r.fold_terms = (r.flags & (F_SOFTCAP | F_TAU | F_HARD)) != 0u;
+    // No label, or one past vocab, is no label; read only with the hard term.
+    r.label = 0xffffffffu;
+    if ((r.flags & F_HARD) != 0u) {
+        r.label = row_in[row * 2u + 1u];
     }
-    kl_red_max[lid] = ms.x;
-    kl_red_sum[lid] = ms.y;
-    kl_red_bad[lid] = bad;
+    r.labelled = r.label < p.vocab;
+    r.lse = 0.0f;
+    r.row_is_bad = 0u;
+    r.flagged = false;
+    return r;
+}
+
+// One thread's pass-1 state.
+struct KlRowFold {
+    // Online (max, sum of exp(s - max)).
+    float2 ms;
+    // The general fold's tau = 1 (max, sum) and sum of the capped logits.
+    float2 ms1;
+    float sum_u;
+    u32 bad;
+};
+
+// Pass 1 over the row's words, four 16-byte loads in flight per thread.
+__device__ __forceinline__ KlRowFold kl_fold_words(const RowParams& p, const KlRow& r, const float4* __restrict__ logits,
+                                                   u32 lid) {
+    KlRowFold f = {make_float2(KL_NEG_HUGE, 0.0f), make_float2(KL_NEG_HUGE, 0.0f), 0.0f, 0u};
+    u32 vocab = p.vocab;
+    const float4* row4 = logits + r.base / 4u;
+    u32 w1 = (vocab + 3u) / 4u;
+    if (!r.fold_terms) {
+        u32 j4 = lid;
+        for (; j4 + 3u * WG < w1; j4 += 4u * WG) {
+            float4 x[4] = {row4[j4], row4[j4 + WG], row4[j4 + 2u * WG], row4[j4 + 3u * WG]};
+#pragma unroll
+            for (u32 i = 0u; i < 4u; i++) {
+                kl_fold4(f.ms, f.bad, x[i], j4 + i * WG, vocab);
+            }
+        }
+        for (; j4 < w1; j4 += WG) {
+            float4 x = row4[j4];
+            kl_fold4(f.ms, f.bad, x, j4, vocab);
+        }
+        return f;
+    }
+    KlFoldTerms ft = {KL_NEG_HUGE, 0.0f, 0.0f, 0.0f, 0u};
+    u32 j4 = lid;
+    for (; j4 + 3u * WG < w1; j4 += 4u * WG) {
+        float4 x[4] = {row4[j4], row4[j4 + WG], row4[j4 + 2u * WG], row4[j4 + 3u * WG]};
+#pragma unroll
+        for (u32 i = 0u; i < 4u; i++) {
+            kl_fold4_terms(p, ft, x[i], j4 + i * WG, vocab);
+        }
+    }
+    for (; j4 < w1; j4 += WG) {
+        float4 x = row4[j4];
+        kl_fold4_terms(p, ft, x, j4, vocab);
+    }
+    f.ms = make_float2(ft.m, ft.s);
+    f.bad = ft.bad;
+    // The tau = 1 fold as (max, sum): its max is tau * m (NEG_HUGE for a
+    // thread that saw no logit).
+    f.ms1 = make_float2(fmaxf(ft.m * p.temperature, KL_NEG_HUGE), ft.s1);
+    f.sum_u = ft.sum_u;
+    return f;
+}
+
+// Pass 1 from the (max, sum) pairs per 32 columns the logits GEMM wrote
+// (the plain fold's stand-in where they exist).
+__device__ __forceinline__ KlRowFold kl_fold_stats(const RowParams& p, const float4* __restrict__ logits, u32 row,
+                                                   u32 lid) {
+    KlRowFold f = {make_float2(KL_NEG_HUGE, 0.0f), make_float2(KL_NEG_HUGE, 0.0f), 0.0f, 0u};
+    u32 sbase = p.stats_offset / 4u + row * (p.stats_ld / 2u);
+    for (u32 g = lid; g < p.stats_groups; g += WG) {
+        float4 w = logits[sbase + g / 2u];
+        float2 pair = make_float2(w.x, w.y);
+        if ((g & 1u) != 0u) {
+            pair = make_float2(w.z, w.w);
+        }
+        if (non_finite(pair.y)) {
+            f.bad = 1u;
+        } else if (pair.y > 0.0f) {
+            f.ms = kl_merge(f.ms.x, f.ms.y, pair.x, pair.y);
+        }
+    }
+    return f;
+}
+
+// The block's folds merged into kl_red_*[0].
+__device__ __forceinline__ void kl_reduce_fold(const KlRowFold& f, bool fold_terms, u32 lid) {
+    kl_red_max[lid] = f.ms.x;
+    kl_red_sum[lid] = f.ms.y;
+    kl_red_bad[lid] = f.bad;
     if (fold_terms) {
-        kl_red_max1[lid] = ms1.x;
-        kl_red_sum1[lid] = ms1.y;
-        kl_red_aux[lid] = sum_u;
+        kl_red_max1[lid] = f.ms1.x;
+        kl_red_sum1[lid] = f.ms1.y;
+        kl_red_aux[lid] = f.sum_u;
     }
     __syncthreads();
     for (u32 stride = WG / 2u; stride > 0u; stride >>= 1u) {
         if (lid < stride) {
-            float2 r = kl_merge(kl_red_max[lid], kl_red_sum[lid], kl_red_max[lid + stride], kl_red_sum[lid + stride]);
-            kl_red_max[lid] = r.x;
-            kl_red_sum[lid] = r.y;
+            float2 m = kl_merge(kl_red_max[lid], kl_red_sum[lid], kl_red_max[lid + stride], kl_red_sum[lid + stride]);
+            kl_red_max[lid] = m.x;
+            kl_red_sum[lid] = m.y;
             kl_red_bad[lid] |= kl_red_bad[lid + stride];
             if (fold_terms) {
-                float2 r1 = kl_merge(kl_red_max1[lid], kl_red_sum1[lid], kl_red_max1[lid + stride], kl_red_sum1[lid + stride]);
-                kl_red_max1[lid] = r1.x;
-                kl_red_sum1[lid] = r1.y;
+                float2 m1 = kl_merge(kl_red_max1[lid], kl_red_sum1[lid], kl_red_max1[lid + stride], kl_red_sum1[lid + stride]);
+                kl_red_max1[lid] = m1.x;
+                kl_red_sum1[lid] = m1.y;
                 kl_red_aux[lid] += kl_red_aux[lid + stride];
             }
         }
         __syncthreads();
     }
+}
+
+// The row's lse and state from kl_red_*[0] (thread 0), then r's copy of
+// them in every thread.
+__device__ __forceinline__ void kl_row_state(const RowParams& p, const u32* __restrict__ row_in, KlRow& r, u32 lid) {
     if (lid == 0u) {
         float total = kl_red_sum[0];
         u32 b = kl_red_bad[0];
@@ -736,15 +769,15 @@ extern "C" __global__ void __launch_bounds__(WG)
             b = 1u;
         }
         // The word's bits, never a float NaN test.
-        if (row_in[row * 2u] == FLAGGED_ROW) {
+        if (row_in[r.row * 2u] == FLAGGED_ROW) {
             b |= 2u;
         }
         kl_row_bad = b;
         kl_row_lse = kl_red_max[0] + logf(total);
         kl_row_label_p = -1.0f;
-        if (!plain) {
+        if (!r.plain) {
             float lse1 = kl_row_lse;
-            if ((flags & F_TAU) != 0u) {
+            if ((r.flags & F_TAU) != 0u) {
                 lse1 = kl_red_max1[0] + logf(kl_red_sum1[0]);
             }
             kl_row_c1 = make_float4(0.0f, lse1, 1.0f, kl_red_aux[0]);
@@ -752,29 +785,37 @@ extern "C" __global__ void __launch_bounds__(WG)
     }
     // workgroupUniformLoad of row_lse and row_bad.
     __syncthreads();
-    float lse = kl_row_lse;
-    u32 row_state = kl_row_bad;
-    u32 row_is_bad = row_state & 1u;
-    bool flagged = (row_state & 2u) != 0u;
+    r.lse = kl_row_lse;
+    r.row_is_bad = kl_row_bad & 1u;
+    r.flagged = (kl_row_bad & 2u) != 0u;
+}
 
-    // The soft term over the teacher's k entries (and, outside the plain
-    // case, their mass and the student's mass on them).
+// The row's loss and pass 2's constants: the
+// soft term over the teacher's k entries and, outside the plain case, their
+// mass, the student's mass on them, the divergence's bins and the terms.
+__device__ __forceinline__ void kl_row_terms(const RowParams& p, const KlRow& r, const float4* __restrict__ logits,
+                                             const u32* __restrict__ ids, const float* __restrict__ probs,
+                                             const u32* __restrict__ row_in, float* __restrict__ loss, u32 lid) {
+    u32 flags = r.flags;
+    bool plain = r.plain;
+    u32 tail = (flags >> F_TAIL_SHIFT) & 3u;
+    float lse = r.lse;
     u32 k = p.k;
-    u32 tbase = row * k;
+    u32 tbase = r.row * k;
     float part = 0.0f;
     float mass = 0.0f;
     float student = 0.0f;
     for (u32 q = lid; q < k; q += WG) {
         float pq = probs[tbase + q];
         u32 id = ids[tbase + q];
-        float log_ps = kl_scaled(p, kl_logit(logits, base, id)) - lse;
+        float log_ps = kl_scaled(p, kl_logit(logits, r.base, id)) - lse;
         if (pq > 0.0f) {
             part += pq * (logf(pq) - log_ps);
         }
         if (!plain) {
             mass += pq;
             student += expf(log_ps);
-            if (labelled && id == label) {
+            if (r.labelled && id == r.label) {
                 kl_row_label_p = pq;
             }
         }
@@ -808,7 +849,7 @@ extern "C" __global__ void __launch_bounds__(WG)
         float f_sum = 0.0f;
         float e_sum = 0.0f;
         for (u32 q = lid; q < k; q += WG) {
-            float log_q = kl_scaled(p, kl_logit(logits, base, ids[tbase + q])) - lse - log_norm;
+            float log_q = kl_scaled(p, kl_logit(logits, r.base, ids[tbase + q])) - lse - log_norm;
             float qv = expf(log_q);
             float2 f = kl_div_term(p, qv, log_q, probs[tbase + q]);
             f_sum += f.x;
@@ -825,120 +866,111 @@ extern "C" __global__ void __launch_bounds__(WG)
             __syncthreads();
         }
     }
-    if (lid == 0u) {
-        if (plain) {
-            float4 out = make_float4(kl_red_sum[0], lse, kl_red_sum[0], 0.0f);
-            if (row_is_bad != 0u) {
-                out = make_float4(kl_nan(), kl_nan(), kl_nan(), kl_nan());
-            }
-            if (flagged) {
-                out.x = from_bits(row_in[row * 2u]);
-            }
-            loss[row * 4u] = out.x;
-            loss[row * 4u + 1u] = out.y;
-            loss[row * 4u + 2u] = out.z;
-            loss[row * 4u + 3u] = out.w;
-        } else {
-            float tau = p.temperature;
-            float lse1 = kl_row_c1.y;
-            float soft = kl_red_sum[0];
-            float f_off = 1.0f;
-            float f_on = 1.0f;
-            if (kl_div_code(flags) != 0u) {
-                // f_off: f'(tail) - E with a tail bin, -E over the k alone,
-                // 0 renormalized.
-                float e = kl_red_aux[0];
-                f_off = 0.0f;
-                if (tail == TAIL_BUCKET) {
-                    float r_t = fmaxf(1.0f - mass_k, 0.0f);
-                    float r_s = fmaxf(1.0f - student_k, TAIL_FLOOR);
-                    float2 f = kl_div_term(p, r_s, logf(r_s), r_t);
-                    soft += f.x;
-                    e += r_s * f.y;
-                    f_off = f.y - e;
-                } else if (tail == TAIL_NONE) {
-                    f_off = -e;
-                }
-                kl_row_div = make_float2(e, log_norm);
-            } else if (tail == TAIL_NONE) {
-                f_off = mass_k;
-                f_on = mass_k;
-            } else if (tail == TAIL_BUCKET) {
+    if (lid != 0u) {
+        return;
+    }
+    float4 out;
+    if (plain) {
+        out = make_float4(kl_red_sum[0], lse, kl_red_sum[0], 0.0f);
+    } else {
+        float tau = p.temperature;
+        float lse1 = kl_row_c1.y;
+        float soft = kl_red_sum[0];
+        float f_off = 1.0f;
+        float f_on = 1.0f;
+        if (kl_div_code(flags) != 0u) {
+            // f_off: f'(tail) - E with a tail bin, -E over the k alone, 0
+            // renormalized.
+            float e = kl_red_aux[0];
+            f_off = 0.0f;
+            if (tail == TAIL_BUCKET) {
                 float r_t = fmaxf(1.0f - mass_k, 0.0f);
                 float r_s = fmaxf(1.0f - student_k, TAIL_FLOOR);
-                if (r_t > 0.0f) {
-                    soft += r_t * (logf(r_t) - logf(r_s));
-                    f_off = 1.0f - r_t / r_s;
-                }
+                float2 f = kl_div_term(p, r_s, logf(r_s), r_t);
+                soft += f.x;
+                e += r_s * f.y;
+                f_off = f.y - e;
+            } else if (tail == TAIL_NONE) {
+                f_off = -e;
             }
-            float alpha_hard = 0.0f;
-            float eps = 0.0f;
-            float hard = 0.0f;
-            if (labelled) {
-                alpha_hard = p.hard_weight;
-                eps = p.smoothing;
-                float su = kl_row_c1.w;
-                float u_y = kl_scaled(p, kl_logit(logits, base, label));
-                hard = lse1 - (1.0f - eps) * tau * u_y - eps * tau * su / (float)vocab;
+            kl_row_div = make_float2(e, log_norm);
+        } else if (tail == TAIL_NONE) {
+            f_off = mass_k;
+            f_on = mass_k;
+        } else if (tail == TAIL_BUCKET) {
+            float r_t = fmaxf(1.0f - mass_k, 0.0f);
+            float r_s = fmaxf(1.0f - student_k, TAIL_FLOOR);
+            if (r_t > 0.0f) {
+                soft += r_t * (logf(r_t) - logf(r_s));
+                f_off = 1.0f - r_t / r_s;
             }
-            float lambda = p.z_loss;
-            float total_loss = p.soft_weight * soft + alpha_hard * hard + lambda * lse1 * lse1;
-            float4 out = make_float4(total_loss, lse1, soft, hard);
-            if (row_is_bad != 0u) {
-                out = make_float4(kl_nan(), kl_nan(), kl_nan(), kl_nan());
-            }
-            if (flagged) {
-                out.x = from_bits(row_in[row * 2u]);
-            }
-            loss[row * 4u] = out.x;
-            loss[row * 4u + 1u] = out.y;
-            loss[row * 4u + 2u] = out.z;
-            loss[row * 4u + 3u] = out.w;
-            float a = p.soft_weight * f_off;
-            float b = tau * (alpha_hard + 2.0f * lambda * lse1);
-            float h = tau * alpha_hard * eps / (float)vocab;
-            kl_row_c0 = make_float4(a, b, h, f_on);
-            // k1 = exp(tau * lse - lse1): p at tau = 1 is (p^tau)^tau * k1.
-            kl_row_c1 = make_float4(tau * alpha_hard * (1.0f - eps), lse1, f_off, expf(tau * lse - lse1));
         }
+        float alpha_hard = 0.0f;
+        float eps = 0.0f;
+        float hard = 0.0f;
+        if (r.labelled) {
+            alpha_hard = p.hard_weight;
+            eps = p.smoothing;
+            float su = kl_row_c1.w;
+            float u_y = kl_scaled(p, kl_logit(logits, r.base, r.label));
+            hard = lse1 - (1.0f - eps) * tau * u_y - eps * tau * su / (float)p.vocab;
+        }
+        float lambda = p.z_loss;
+        float total_loss = p.soft_weight * soft + alpha_hard * hard + lambda * lse1 * lse1;
+        out = make_float4(total_loss, lse1, soft, hard);
+        float a = p.soft_weight * f_off;
+        float b = tau * (alpha_hard + 2.0f * lambda * lse1);
+        float h = tau * alpha_hard * eps / (float)p.vocab;
+        kl_row_c0 = make_float4(a, b, h, f_on);
+        // k1 = exp(tau * lse - lse1): p at tau = 1 is (p^tau)^tau * k1.
+        kl_row_c1 = make_float4(tau * alpha_hard * (1.0f - eps), lse1, f_off, expf(tau * lse - lse1));
     }
+    if (r.row_is_bad != 0u) {
+        out = make_float4(kl_nan(), kl_nan(), kl_nan(), kl_nan());
+    }
+    if (r.flagged) {
+        out.x = from_bits(row_in[r.row * 2u]);
+    }
+    loss[r.row * 4u] = out.x;
+    loss[r.row * 4u + 1u] = out.y;
+    loss[r.row * 4u + 2u] = out.z;
+    loss[r.row * 4u + 3u] = out.w;
+}
 
-    // A flagged row contributes nothing (flagged is uniform: all return).
-    if (flagged) {
-        kl_zero_row(p, grad, row, lid);
-        return;
-    }
-    // Pass 2: grad = c * dL/ds everywhere (c * p_S plain), zero in the
-    // padding, 4 at a time ...
-    float c = from_bits(row_in[row * 2u]);
-    u32 padded = p.ld / 4u;
-    if ((flags & F_FILTER) != 0u) {
-        kl_filtered_grad(p, logits, ids, probs, grad, row, lid, c, lse, plain, labelled, label);
-        return;
-    }
+// Pass 2 over the row's words up to ld: grad = c * dL/ds (c * p_S plain),
+// zero in the padding, read from src (the row's logits); then the teacher's
+// and the label's columns, whole, over what was written there.
+__device__ __forceinline__ void kl_grad_words(const RowParams& p, const KlRow& r, const float4* __restrict__ src,
+                                              const u32* __restrict__ ids, const float* __restrict__ probs,
+                                              const u32* __restrict__ row_in, uint2* __restrict__ grad, u32 lid) {
+    float c = from_bits(row_in[r.row * 2u]);
+    float lse = r.lse;
+    u32 vocab = p.vocab;
+    u32 base4 = r.base / 4u;
+    u32 k = p.k;
+    u32 tbase = r.row * k;
     half_bits* grad_h = reinterpret_cast<half_bits*>(grad);
-    if (plain) {
+    const float* srcf = reinterpret_cast<const float*>(src);
+    u32 w1 = p.ld / 4u;
+    if (r.plain) {
         u32 g4 = lid;
-        for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
-            float4 xa = logits[base4 + g4];
-            float4 xb = logits[base4 + g4 + WG];
-            float4 xc = logits[base4 + g4 + 2u * WG];
-            float4 xd = logits[base4 + g4 + 3u * WG];
-            grad[base4 + g4] = kl_pack4(kl_grad4_f32(xa, g4, vocab, c, lse));
-            grad[base4 + g4 + WG] = kl_pack4(kl_grad4_f32(xb, g4 + WG, vocab, c, lse));
-            grad[base4 + g4 + 2u * WG] = kl_pack4(kl_grad4_f32(xc, g4 + 2u * WG, vocab, c, lse));
-            grad[base4 + g4 + 3u * WG] = kl_pack4(kl_grad4_f32(xd, g4 + 3u * WG, vocab, c, lse));
+        for (; g4 + 3u * WG < w1; g4 += 4u * WG) {
+            float4 x[4] = {src[g4], src[g4 + WG], src[g4 + 2u * WG], src[g4 + 3u * WG]};
+#pragma unroll
+            for (u32 i = 0u; i < 4u; i++) {
+                grad[base4 + g4 + i * WG] = kl_pack4(kl_grad4_f32(x[i], g4 + i * WG, vocab, c, lse));
+            }
         }
-        for (; g4 < padded; g4 += WG) {
-            grad[base4 + g4] = kl_pack4(kl_grad4_f32(logits[base4 + g4], g4, vocab, c, lse));
+        for (; g4 < w1; g4 += WG) {
+            grad[base4 + g4] = kl_pack4(kl_grad4_f32(src[g4], g4, vocab, c, lse));
         }
         // ... then c * (p_S - p_T) on the teacher's columns, after the
         // stores above (storageBarrier).
         __syncthreads();
         for (u32 q = lid; q < k; q += WG) {
             u32 id = ids[tbase + q];
-            float ps = expf(kl_logit(logits, base, id) - lse);
-            grad_h[base + id] = to_f16(c * (ps - probs[tbase + q]));
+            float ps = expf(srcf[id] - lse);
+            grad_h[r.base + id] = to_f16(c * (ps - probs[tbase + q]));
         }
         return;
     }
@@ -947,31 +979,66 @@ extern "C" __global__ void __launch_bounds__(WG)
     float4 c0 = kl_row_c0;
     float4 c1 = kl_row_c1;
     float label_p = kl_row_label_p;
-    KlPass2 r = {c, lse, c0.x, c0.y, c0.z, c1.y, c1.w};
+    KlPass2 pr = {c, lse, c0.x, c0.y, c0.z, c1.y, c1.w};
     u32 g4 = lid;
-    for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
-        float4 xa = logits[base4 + g4];
-        float4 xb = logits[base4 + g4 + WG];
-        float4 xc = logits[base4 + g4 + 2u * WG];
-        float4 xd = logits[base4 + g4 + 3u * WG];
-        grad[base4 + g4] = kl_pack4(kl_grad4_terms_f32(p, xa, g4, vocab, r));
-        grad[base4 + g4 + WG] = kl_pack4(kl_grad4_terms_f32(p, xb, g4 + WG, vocab, r));
-        grad[base4 + g4 + 2u * WG] = kl_pack4(kl_grad4_terms_f32(p, xc, g4 + 2u * WG, vocab, r));
-        grad[base4 + g4 + 3u * WG] = kl_pack4(kl_grad4_terms_f32(p, xd, g4 + 3u * WG, vocab, r));
+    for (; g4 + 3u * WG < w1; g4 += 4u * WG) {
+        float4 x[4] = {src[g4], src[g4 + WG], src[g4 + 2u * WG], src[g4 + 3u * WG]};
+#pragma unroll
+        for (u32 i = 0u; i < 4u; i++) {
+            grad[base4 + g4 + i * WG] = kl_pack4(kl_grad4_terms_f32(p, x[i], g4 + i * WG, vocab, pr));
+        }
     }
-    for (; g4 < padded; g4 += WG) {
-        grad[base4 + g4] = kl_pack4(kl_grad4_terms_f32(p, logits[base4 + g4], g4, vocab, r));
+    for (; g4 < w1; g4 += WG) {
+        grad[base4 + g4] = kl_pack4(kl_grad4_terms_f32(p, src[g4], g4, vocab, pr));
     }
     // ... then the teacher's columns (after the stores above) ...
     __syncthreads();
     for (u32 q = lid; q < k; q += WG) {
         u32 id = ids[tbase + q];
-        grad_h[base + id] = to_f16(kl_teacher_grad(p, kl_logit(logits, base, id), probs[tbase + q], c, lse, c0, c1));
+        grad_h[r.base + id] = to_f16(kl_teacher_grad(p, srcf[id], probs[tbase + q], c, lse, c0, c1));
     }
     // ... then the label's column, whole, over whatever was written there
     // (the barrier outside the label's branch: uniform control flow).
     __syncthreads();
-    if (labelled && lid == 0u) {
-        grad_h[base + label] = to_f16(kl_label_grad(p, kl_logit(logits, base, label), label_p, c, lse, c0, c1));
+    if (r.labelled && lid == 0u) {
+        grad_h[r.base + r.label] = to_f16(kl_label_grad(p, srcf[r.label], label_p, c, lse, c0, c1));
     }
+}
+
+extern "C" __global__ void __launch_bounds__(WG)
+    kl_rows(const RowParams params, const float4* __restrict__ logits, const u32* __restrict__ ids,
+            const float* __restrict__ probs, const u32* __restrict__ row_in, float* __restrict__ loss,
+            uint2* __restrict__ grad) {
+    const RowParams& p = params;
+    u32 lid = threadIdx.x;
+    u32 row = workgroup_index(p.grid_x);
+    if (row >= p.rows) {
+        return;
+    }
+    if ((p.flags & F_DENSE) != 0u) {
+        kl_dense_row(p, logits, probs, row_in, loss, grad, row, lid);
+        return;
+    }
+    KlRow r = kl_row_begin(p, row_in, row);
+    // Pass 1: online max and sum of exp(s - max), and a non-finite flag.
+    KlRowFold f;
+    if (!r.fold_terms && p.stats_offset != 0u) {
+        f = kl_fold_stats(p, logits, row, lid);
+    } else {
+        f = kl_fold_words(p, r, logits, lid);
+    }
+    kl_reduce_fold(f, r.fold_terms, lid);
+    kl_row_state(p, row_in, r, lid);
+    kl_row_terms(p, r, logits, ids, probs, row_in, loss, lid);
+    // A flagged row contributes nothing (flagged is uniform: all return).
+    if (r.flagged) {
+        kl_zero_row(p, grad, row, lid);
+        return;
+    }
+    if ((r.flags & F_FILTER) != 0u) {
+        kl_filtered_grad(p, logits, ids, probs, grad, row, lid, from_bits(row_in[row * 2u]), r.lse, r.plain,
+                         r.labelled, r.label);
+        return;
+    }
+    kl_grad_words(p, r, logits + r.base / 4u, ids, probs, row_in, grad, lid);
 }

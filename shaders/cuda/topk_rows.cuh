@@ -340,131 +340,124 @@ __device__ __forceinline__ void topk_write_bad(float* __restrict__ probs, u32 ro
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WG)
-    topk_rows(const RowParams params, const float4* __restrict__ logits, u32* __restrict__ ids,
-              float* __restrict__ probs) {
-    const u32 lid = threadIdx.x;
-    u32 row = workgroup_index(params.grid_x);
-    if (row >= params.rows) {
-        return;
-    }
+// The threshold path (k <= WG): see the WGSL for why T, the k-th largest
+// of the invocations' largest keys, bounds the top k from below. Returns
+// whether the row is done (written, or marked non-finite); false when more
+// than MAX_K keys reach T, with the counters the radix select reads reset.
+__device__ __forceinline__ bool topk_by_threshold(const RowParams& params, const float4* __restrict__ logits,
+                                                  u32* __restrict__ ids, float* __restrict__ probs, u32 row, u32 lid) {
     u32 vocab = params.vocab;
     u32 k = params.k;
     u32 base = row * params.ld;
-    if ((params.flags & F_GATHER) != 0u) {
-        topk_gather_row(params, logits, ids, probs, row, k, lid);
-        return;
+    TopkTop4 top = {TOPK_PAD_KEY, TOPK_PAD_KEY, TOPK_PAD_KEY, TOPK_PAD_KEY,
+                    TOPK_PAD_ID,  TOPK_PAD_ID,  TOPK_PAD_ID,  TOPK_PAD_ID, false};
+    u32 base4 = base / 4u;
+    u32 n4 = (vocab + 3u) / 4u;
+    // Four 16-byte loads in flight per invocation. Indices past the row
+    // repeat its last word; topk_keep4 skips them.
+    for (u32 j4 = lid; j4 < n4; j4 += 4u * WG) {
+        float4 x0 = logits[base4 + j4];
+        float4 x1 = logits[base4 + min(j4 + WG, n4 - 1u)];
+        float4 x2 = logits[base4 + min(j4 + 2u * WG, n4 - 1u)];
+        float4 x3 = logits[base4 + min(j4 + 3u * WG, n4 - 1u)];
+        topk_keep4(top, x0, j4, n4, vocab);
+        topk_keep4(top, x1, j4 + WG, n4, vocab);
+        topk_keep4(top, x2, j4 + 2u * WG, n4, vocab);
+        topk_keep4(top, x3, j4 + 3u * WG, n4, vocab);
     }
-
-    if (lid == 0u) {
-        topk_u_prefix = 0u;
-        topk_u_need = k;
-        topk_bad_flag = 0u;
-        topk_more_flag = 0u;
-        topk_gt_count = 0u;
-        topk_eq_count = 0u;
+    if (top.bad) {
+        topk_bad_flag = 1u;
     }
-    // The resets land before any thread can flag the row below.
+    topk_sel_key[lid] = top.k0;
+    topk_sel_id[lid] = lid;
     __syncthreads();
-
-    // Threshold path (k <= WG): see the WGSL for why T, the k-th largest of
-    // the invocations' largest keys, bounds the top k from below.
-    if (k <= WG) {
-        TopkTop4 top = {TOPK_PAD_KEY, TOPK_PAD_KEY, TOPK_PAD_KEY, TOPK_PAD_KEY,
-                        TOPK_PAD_ID,  TOPK_PAD_ID,  TOPK_PAD_ID,  TOPK_PAD_ID, false};
-        u32 base4 = base / 4u;
-        u32 n4 = (vocab + 3u) / 4u;
-        // Four 16-byte loads in flight per invocation. Indices past the row
-        // repeat its last word; topk_keep4 skips them.
-        for (u32 j4 = lid; j4 < n4; j4 += 4u * WG) {
-            float4 x0 = logits[base4 + j4];
-            float4 x1 = logits[base4 + min(j4 + WG, n4 - 1u)];
-            float4 x2 = logits[base4 + min(j4 + 2u * WG, n4 - 1u)];
-            float4 x3 = logits[base4 + min(j4 + 3u * WG, n4 - 1u)];
-            topk_keep4(top, x0, j4, n4, vocab);
-            topk_keep4(top, x1, j4 + WG, n4, vocab);
-            topk_keep4(top, x2, j4 + 2u * WG, n4, vocab);
-            topk_keep4(top, x3, j4 + 3u * WG, n4, vocab);
-        }
-        if (top.bad) {
-            topk_bad_flag = 1u;
-        }
-        topk_sel_key[lid] = top.k0;
-        topk_sel_id[lid] = lid;
-        __syncthreads();
-        if (lid == 0u) {
-            topk_u_bad = topk_bad_flag;
-        }
-        __syncthreads();
-        if (topk_u_bad != 0u) {
-            topk_write_bad(probs, row, k, lid);
-            return;
-        }
-        topk_bitonic_sort(WG, lid);
-        if (lid == 0u) {
-            topk_u_prefix = topk_sel_key[k - 1u];
-        }
-        __syncthreads();
-        u32 threshold = topk_u_prefix;
-        // An invocation whose 4th key reaches T may hold more keys >= T
-        // than it kept.
-        if (top.k3 >= threshold) {
-            topk_more_flag = 1u;
-        }
-        __syncthreads();
-        if (lid == 0u) {
-            topk_u_total = topk_more_flag;
-        }
-        __syncthreads();
-        if (topk_u_total == 0u) {
-            topk_take_kept(top.k0, top.i0, threshold);
-            topk_take_kept(top.k1, top.i1, threshold);
-            topk_take_kept(top.k2, top.i2, threshold);
-            topk_take_kept(top.k3, top.i3, threshold);
-            __syncthreads();
-            if (lid == 0u) {
-                topk_u_total = topk_gt_count;
-            }
-            __syncthreads();
-            // At most 4 · WG = 1024 <= MAX_K pairs.
-            topk_sort_selected(topk_u_total, lid);
-            topk_write_row(params, logits, ids, probs, row, k, lid);
-            return;
-        }
-        for (u32 j4 = lid; j4 * 4u < vocab; j4 += WG) {
-            float4 x4 = logits[base4 + j4];
-            u32 j = j4 * 4u;
-            topk_take_at_least(x4.x, j, vocab, threshold);
-            topk_take_at_least(x4.y, j + 1u, vocab, threshold);
-            topk_take_at_least(x4.z, j + 2u, vocab, threshold);
-            topk_take_at_least(x4.w, j + 3u, vocab, threshold);
-        }
+    if (lid == 0u) {
+        topk_u_bad = topk_bad_flag;
+    }
+    __syncthreads();
+    if (topk_u_bad != 0u) {
+        topk_write_bad(probs, row, k, lid);
+        return true;
+    }
+    topk_bitonic_sort(WG, lid);
+    if (lid == 0u) {
+        topk_u_prefix = topk_sel_key[k - 1u];
+    }
+    __syncthreads();
+    u32 threshold = topk_u_prefix;
+    // An invocation whose 4th key reaches T may hold more keys >= T
+    // than it kept.
+    if (top.k3 >= threshold) {
+        topk_more_flag = 1u;
+    }
+    __syncthreads();
+    if (lid == 0u) {
+        topk_u_total = topk_more_flag;
+    }
+    __syncthreads();
+    if (topk_u_total == 0u) {
+        topk_take_kept(top.k0, top.i0, threshold);
+        topk_take_kept(top.k1, top.i1, threshold);
+        topk_take_kept(top.k2, top.i2, threshold);
+        topk_take_kept(top.k3, top.i3, threshold);
         __syncthreads();
         if (lid == 0u) {
             topk_u_total = topk_gt_count;
         }
         __syncthreads();
-        u32 count = topk_u_total;
-        if (count <= MAX_K) {
-            topk_sort_selected(count, lid);
-            topk_write_row(params, logits, ids, probs, row, k, lid);
-            return;
-        }
-        if (lid == 0u) {
-            topk_u_prefix = 0u;
-            topk_gt_count = 0u;
-        }
-        __syncthreads();
+        // At most 4 · WG = 1024 <= MAX_K pairs.
+        topk_sort_selected(topk_u_total, lid);
+        topk_write_row(params, logits, ids, probs, row, k, lid);
+        return true;
     }
+    for (u32 j4 = lid; j4 * 4u < vocab; j4 += WG) {
+        float4 x4 = logits[base4 + j4];
+        u32 j = j4 * 4u;
+        topk_take_at_least(x4.x, j, vocab, threshold);
+        topk_take_at_least(x4.y, j + 1u, vocab, threshold);
+        topk_take_at_least(x4.z, j + 2u, vocab, threshold);
+        topk_take_at_least(x4.w, j + 3u, vocab, threshold);
+    }
+    __syncthreads();
+    if (lid == 0u) {
+        topk_u_total = topk_gt_count;
+    }
+    __syncthreads();
+    u32 count = topk_u_total;
+    if (count <= MAX_K) {
+        topk_sort_selected(count, lid);
+        topk_write_row(params, logits, ids, probs, row, k, lid);
+        return true;
+    }
+    if (lid == 0u) {
+        topk_u_prefix = 0u;
+        topk_gt_count = 0u;
+    }
+    __syncthreads();
+    return false;
+}
 
-    // Radix select: the k-th largest key in 3 digits of 11, 11 and 10 bits.
-    // After a pass, `prefix` holds the key's bits resolved so far (under
-    // `mask`) and `need` how many keys with that prefix are still to be
-    // taken (1 <= need <= bucket, the keys with that prefix).
-    u32 mask = 0u;
-    u32 prefix = 0u;
-    u32 need = k;
-    u32 bucket = 0u;
+// What the radix select leaves: the k-th largest key's resolved bits
+// (`prefix` under `mask`) and how many keys with them are still to be taken
+// (`need`, 1 <= need <= bucket, the keys with them); or a non-finite row.
+struct TopkSelect {
+    u32 mask;
+    u32 prefix;
+    u32 need;
+    u32 bucket;
+    bool bad;
+};
+
+// Radix select: the k-th largest key in 3 digits of 11, 11 and 10 bits.
+// After a pass, `prefix` holds the key's bits resolved so far (under
+// `mask`) and `need` how many keys with that prefix are still to be
+// taken (1 <= need <= bucket, the keys with that prefix).
+__device__ __forceinline__ TopkSelect topk_radix_select(const RowParams& params, const float4* __restrict__ logits,
+                                                       u32 row, u32 lid) {
+    u32 vocab = params.vocab;
+    u32 k = params.k;
+    u32 base = row * params.ld;
+    TopkSelect sel = {0u, 0u, k, 0u, false};
     for (u32 digit_pass = 0u; digit_pass < 3u; digit_pass++) {
         u32 shift = 21u - 11u * digit_pass;
         u32 bins = TOPK_HIST;
@@ -484,7 +477,7 @@ extern "C" __global__ void __launch_bounds__(WG)
                 bad = true;
             }
             u32 key = topk_key_of(x);
-            if ((key & mask) == prefix) {
+            if ((key & sel.mask) == sel.prefix) {
                 atomicAdd(&topk_hist[(key >> shift) & digit_mask], 1u);
             }
         }
@@ -498,8 +491,8 @@ extern "C" __global__ void __launch_bounds__(WG)
             }
             __syncthreads();
             if (topk_u_bad != 0u) {
-                topk_write_bad(probs, row, k, lid);
-                return;
+                sel.bad = true;
+                return sel;
             }
         }
         // Invocation t owns digits [t·per, (t+1)·per). The scan over
@@ -516,9 +509,9 @@ extern "C" __global__ void __launch_bounds__(WG)
         for (u32 i = 0u; i < per; i++) {
             u32 d = (lid + 1u) * per - 1u - i;
             u32 h = topk_hist[d];
-            if (above < need && need <= above + h) {
-                topk_u_prefix = prefix | (d << shift);
-                topk_u_need = need - above;
+            if (above < sel.need && sel.need <= above + h) {
+                topk_u_prefix = sel.prefix | (d << shift);
+                topk_u_need = sel.need - above;
                 topk_u_bucket = h;
             }
             above += h;
@@ -526,28 +519,36 @@ extern "C" __global__ void __launch_bounds__(WG)
         // The WGSL's three workgroupUniformLoads: one barrier, then the reads
         // (the next writes come after later barriers).
         __syncthreads();
-        prefix = topk_u_prefix;
-        need = topk_u_need;
-        bucket = topk_u_bucket;
-        mask |= digit_mask << shift;
-        if (need == bucket) {
+        sel.prefix = topk_u_prefix;
+        sel.need = topk_u_need;
+        sel.bucket = topk_u_bucket;
+        sel.mask |= digit_mask << shift;
+        if (sel.need == sel.bucket) {
             // Every key in the bucket is taken: no tie to break below.
             break;
         }
     }
+    return sel;
+}
 
-    // Gather: keys above the bucket anywhere, and the bucket's keys when all
-    // of them are taken.
-    bool take_all = need == bucket;
-    u32 n_gt = k - need;
+// Gather: keys above the bucket anywhere, and the bucket's keys when all
+// of them are taken; else, below, the `need` lowest ids among the keys
+// equal to the k-th largest.
+__device__ __forceinline__ void topk_take_selected(const RowParams& params, const float4* __restrict__ logits, u32 row,
+                                                   u32 lid, const TopkSelect& sel) {
+    u32 vocab = params.vocab;
+    u32 k = params.k;
+    u32 base = row * params.ld;
+    bool take_all = sel.need == sel.bucket;
+    u32 n_gt = k - sel.need;
     for (u32 j = lid; j < vocab; j += WG) {
         u32 key = topk_key_of(topk_logit(logits, base, j));
-        u32 hi = key & mask;
-        if (hi > prefix) {
+        u32 hi = key & sel.mask;
+        if (hi > sel.prefix) {
             u32 slot = atomicAdd(&topk_gt_count, 1u);
             topk_sel_key[slot] = key;
             topk_sel_id[slot] = j;
-        } else if (take_all && hi == prefix) {
+        } else if (take_all && hi == sel.prefix) {
             u32 slot = n_gt + atomicAdd(&topk_eq_count, 1u);
             topk_sel_key[slot] = key;
             topk_sel_id[slot] = j;
@@ -564,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(WG)
             u32 key = 0u;
             if (j < vocab) {
                 key = topk_key_of(topk_logit(logits, base, j));
-                if (key == prefix) {
+                if (key == sel.prefix) {
                     hit = 1u;
                 }
             }
@@ -573,7 +574,7 @@ extern "C" __global__ void __launch_bounds__(WG)
             __syncthreads();
             topk_scan_inclusive(lid);
             u32 before_me = taken + topk_scan[lid] - hit;
-            if (hit == 1u && before_me < need) {
+            if (hit == 1u && before_me < sel.need) {
                 topk_sel_key[n_gt + before_me] = key;
                 topk_sel_id[n_gt + before_me] = j;
             }
@@ -582,12 +583,46 @@ extern "C" __global__ void __launch_bounds__(WG)
             }
             __syncthreads();
             taken += topk_u_total;
-            if (taken >= need) {
+            if (taken >= sel.need) {
                 break;
             }
         }
     }
+}
 
+extern "C" __global__ void __launch_bounds__(WG)
+    topk_rows(const RowParams params, const float4* __restrict__ logits, u32* __restrict__ ids,
+              float* __restrict__ probs) {
+    const u32 lid = threadIdx.x;
+    u32 row = workgroup_index(params.grid_x);
+    if (row >= params.rows) {
+        return;
+    }
+    u32 k = params.k;
+    if ((params.flags & F_GATHER) != 0u) {
+        topk_gather_row(params, logits, ids, probs, row, k, lid);
+        return;
+    }
+
+    if (lid == 0u) {
+        topk_u_prefix = 0u;
+        topk_u_need = k;
+        topk_bad_flag = 0u;
+        topk_more_flag = 0u;
+        topk_gt_count = 0u;
+        topk_eq_count = 0u;
+    }
+    // The resets land before any thread can flag the row below.
+    __syncthreads();
+    if (k <= WG && topk_by_threshold(params, logits, ids, probs, row, lid)) {
+        return;
+    }
+    TopkSelect sel = topk_radix_select(params, logits, row, lid);
+    if (sel.bad) {
+        topk_write_bad(probs, row, k, lid);
+        return;
+    }
+    topk_take_selected(params, logits, row, lid, sel);
     topk_sort_selected(k, lid);
     topk_write_row(params, logits, ids, probs, row, k, lid);
 }
