@@ -437,6 +437,29 @@ __device__ __forceinline__ float2 kl_dense_div(const RowParams& p, float ls, flo
     return out;
 }
 
+// Sums a and b over the block's threads into kl_red_sum[0] and
+// kl_red_aux[0] (every thread calls it: it holds barriers).
+__device__ __forceinline__ void kl_sum2(float a, float b, u32 lid) {
+    kl_red_sum[lid] = a;
+    kl_red_aux[lid] = b;
+    __syncthreads();
+    for (u32 stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if (lid < stride) {
+            kl_red_sum[lid] += kl_red_sum[lid + stride];
+            kl_red_aux[lid] += kl_red_aux[lid + stride];
+        }
+        __syncthreads();
+    }
+}
+
+// A row's four loss outputs: [loss, lse, soft, 0] or the kernel's variant.
+__device__ __forceinline__ void kl_write_loss(float* __restrict__ loss, u32 row, float4 out) {
+    loss[row * 4u] = out.x;
+    loss[row * 4u + 1u] = out.y;
+    loss[row * 4u + 2u] = out.z;
+    loss[row * 4u + 3u] = out.w;
+}
+
 // Reduces (red_max, red_sum, red_aux) as fold_w states and red_bad by or;
 // with tau1, (red_max1, red_sum1) as folds too.
 __device__ __forceinline__ void kl_reduce_w(u32 lid, bool tau1) {
@@ -559,16 +582,7 @@ __device__ __forceinline__ void kl_dense_row(const RowParams& p, const float4* _
                 e_sum += expf(ls) * f.y;
             }
         }
-        kl_red_sum[lid] = f_sum;
-        kl_red_aux[lid] = e_sum;
-        __syncthreads();
-        for (u32 stride = WG / 2u; stride > 0u; stride >>= 1u) {
-            if (lid < stride) {
-                kl_red_sum[lid] += kl_red_sum[lid + stride];
-                kl_red_aux[lid] += kl_red_aux[lid + stride];
-            }
-            __syncthreads();
-        }
+        kl_sum2(f_sum, e_sum, lid);
         soft = kl_red_sum[0];
         e = kl_red_aux[0];
     }
@@ -583,10 +597,7 @@ __device__ __forceinline__ void kl_dense_row(const RowParams& p, const float4* _
         if ((row_state & 2u) != 0u) {
             out.x = from_bits(row_in[row * 2u]);
         }
-        loss[row * 4u] = out.x;
-        loss[row * 4u + 1u] = out.y;
-        loss[row * 4u + 2u] = out.z;
-        loss[row * 4u + 3u] = out.w;
+        kl_write_loss(loss, row, out);
     }
     if ((row_state & 2u) != 0u) {
         kl_zero_row(p, grad, row, lid);
@@ -855,16 +866,7 @@ __device__ __forceinline__ void kl_row_terms(const RowParams& p, const KlRow& r,
             f_sum += f.x;
             e_sum += qv * f.y;
         }
-        kl_red_sum[lid] = f_sum;
-        kl_red_aux[lid] = e_sum;
-        __syncthreads();
-        for (u32 stride = WG / 2u; stride > 0u; stride >>= 1u) {
-            if (lid < stride) {
-                kl_red_sum[lid] += kl_red_sum[lid + stride];
-                kl_red_aux[lid] += kl_red_aux[lid + stride];
-            }
-            __syncthreads();
-        }
+        kl_sum2(f_sum, e_sum, lid);
     }
     if (lid != 0u) {
         return;
@@ -931,10 +933,7 @@ __device__ __forceinline__ void kl_row_terms(const RowParams& p, const KlRow& r,
     if (r.flagged) {
         out.x = from_bits(row_in[r.row * 2u]);
     }
-    loss[r.row * 4u] = out.x;
-    loss[r.row * 4u + 1u] = out.y;
-    loss[r.row * 4u + 2u] = out.z;
-    loss[r.row * 4u + 3u] = out.w;
+    kl_write_loss(loss, r.row, out);
 }
 
 // Pass 2 over the row's words up to ld: grad = c * dL/ds (c * p_S plain),
