@@ -104,10 +104,10 @@ class _CudaDirect:
         if head_grad:
             dw = torch.empty((self.vocab, hs), dtype=torch.float32, device=flat.device)
         maybe = lambda t: None if t is None else _memory(t)  # noqa: E731
+        tensors = (flat, ids32, values32, weights32, labels32, per_token, dx)
         self.engine.head_kl_cuda(
-            (ntok, k, _NAMES[flat.dtype]), _memory(flat), _memory(ids32), _memory(values32), maybe(weights32),
-            maybe(labels32), _memory(per_token), _memory(dx), dict(o, ignore_mask=False, total=total), self._stream(),
-            maybe(dw),
+            (ntok, k, _NAMES[flat.dtype]), tuple(maybe(t) for t in tensors), dict(o, ignore_mask=False, total=total),
+            self._stream(), maybe(dw),
         )  # fmt: skip
         return per_token, dx, dw
 

@@ -16,6 +16,12 @@ _F32_INPUTS = ("f16", "error")
 
 # The modules' keywords (PyTorch's or Liger's names) whose native name differs.
 _NATIVE_NAMES = {"weight_soft_loss": "soft_weight", "weight_hard_loss": "hard_weight", "lse_square_scale": "z_loss"}
+# Head's keywords (where the head runs, how it takes float32), which the
+# functional API passes on to the Head it makes.
+_HEAD_KEYWORDS = ("backend", "device", "f32_inputs")
+# The loss modules' keywords that go to their Head or to the sharded loss's
+# collectives, not into the loss's options.
+_HEAD_AND_GROUP_KEYWORDS = _HEAD_KEYWORDS + ("shard", "vocab_size", "process_group")
 
 
 def _loss_options(**o) -> dict:
@@ -39,6 +45,21 @@ def _loss_options(**o) -> dict:
             value = float(value)
         out[key] = value
     return out
+
+
+def _module_options(init: Callable, arguments: Mapping[str, object]) -> dict:
+    """A loss module's options from the ``arguments`` its ``init`` was
+    called with (its ``locals()``): every keyword-only parameter but the
+    head's, under its native name, checked as ``_loss_options`` checks
+    them. The signature is the one list of a module's options, as it is
+    for ``_options_repr``."""
+    return _loss_options(
+        **{
+            _NATIVE_NAMES.get(name, name): arguments[name]
+            for name, p in inspect.signature(init).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _HEAD_AND_GROUP_KEYWORDS
+        }
+    )
 
 
 def _options_repr(

@@ -106,8 +106,9 @@ class _ZeroCopy:
         options = dict(o, ignore_mask=False, total=total)
         b = self.buffers
         self.call(lambda ready, done: self.engine.head_kl_shared(
-            (ntok, k, _NAMES[flat.dtype]), b["hidden"][0], b["ids"][0], b["values"][0], weights_handle,
-            labels_handle, b["loss"][0], b["dx"][0], options, (ready, done),
+            (ntok, k, _NAMES[flat.dtype]),
+            (b["hidden"][0], b["ids"][0], b["values"][0], weights_handle, labels_handle, b["loss"][0], b["dx"][0]),
+            options, (ready, done),
         ))  # fmt: skip
         # Copies on the device: the next step writes the shared buffers again.
         return loss_view.clone(), dx_view.clone()

@@ -16,14 +16,12 @@ from typing import Optional
 import torch
 
 from ._checks import _FLOATS, _tensor, _top_k
+from ._options import _HEAD_KEYWORDS
 from .head import Head
 from .nn import FullVocabKLLoss, HeadKLLoss
 from .ops.topk import Gathered, TopK
 
 __all__ = ["Gathered", "TopK", "full_vocab_kl_loss", "gather", "head_kl_loss", "topk"]
-
-# Head's keywords, for the calls whose other keywords go elsewhere.
-_HEAD_KEYWORDS = ("backend", "device", "f32_inputs")
 
 
 def topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float = 1.0, **kwargs) -> TopK:

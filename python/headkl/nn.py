@@ -18,7 +18,7 @@ from torch import nn
 
 from . import _native
 from ._checks import _FLOATS, _frozen, _tensor, _unsharded
-from ._options import _loss_options, _options_repr
+from ._options import _module_options, _options_repr
 from .head import Head
 from .ops import full_vocab_kl_loss, head_kl_loss
 
@@ -175,26 +175,8 @@ class HeadKLLoss(_HeadLoss):
         f32_inputs: str = "f16",
     ):
         super().__init__()
-        self.options = _loss_options(
-            temperature=temperature,
-            reduction=reduction,
-            tail=tail,
-            teacher_form=teacher_form,
-            teacher_temperature=teacher_temperature,
-            divergence=divergence,
-            beta=beta,
-            soft_weight=weight_soft_loss,
-            hard_weight=weight_hard_loss,
-            label_smoothing=label_smoothing,
-            z_loss=lse_square_scale,
-            softcap=softcap,
-            logit_scale=logit_scale,
-            ignore_index=ignore_index,
-            ignore_mask=ignore_mask,
-            filter_eps=filter_eps,
-            gscale=gscale,
-            budget_bytes=budget_bytes,
-        )
+        # The options are this signature's keywords, all but the head's (_module_options).
+        self.options = _module_options(HeadKLLoss.__init__, locals())
         # Every value is checked here, before the head goes to a device.
         _native.check_loss_options(self.options, shard is not None)
         weight = _tensor("weight", weight, _FLOATS, ndim=2)
@@ -294,18 +276,8 @@ class FullVocabKLLoss(_HeadLoss):
         f32_inputs: str = "f16",
     ):
         super().__init__()
-        self.options = _loss_options(
-            temperature=temperature,
-            reduction=reduction,
-            divergence=divergence,
-            beta=beta,
-            soft_weight=weight_soft_loss,
-            logit_scale=logit_scale,
-            ignore_index=ignore_index,
-            ignore_mask=ignore_mask,
-            gscale=gscale,
-            budget_bytes=budget_bytes,
-        )
+        # The options are this signature's keywords, all but the head's (_module_options).
+        self.options = _module_options(FullVocabKLLoss.__init__, locals())
         _native.check_loss_options(self.options, False)
         weight = _tensor("weight", weight, _FLOATS, ndim=2)
         teacher_weight = _frozen("teacher_weight", _tensor("teacher_weight", teacher_weight, _FLOATS, ndim=2))

@@ -66,7 +66,7 @@ from ._checks import (  # noqa: F401
 )
 from ._host import _NAMES, _on_host, _spec, _to_device, host_copy_bytes  # noqa: F401
 from ._options import _DIVERGENCES, _FORMS, _REDUCTIONS, _TAILS, _loss_options  # noqa: F401
-from ._safetensors import _ST_DTYPES, read_safetensors, write_safetensors  # noqa: F401
+from ._safetensors import read_safetensors, write_safetensors
 from ._zero_copy import _ZeroCopy  # noqa: F401
 from .distributed import merge_partials as _merge_partials  # noqa: F401
 from .functional import gather, topk

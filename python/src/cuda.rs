@@ -17,23 +17,10 @@ use pyo3::prelude::*;
 
 use crate::errors::to_py;
 use crate::options::TeacherReading;
-use crate::shared::{hidden_dtype, refuse_host_only};
+use crate::shared::{hidden_dtype, refuse_host_only, LossBuffers};
 
 /// A tensor's memory as Python passes it: `(address, bytes)`.
 pub type Device = (u64, u64);
-
-/// The loss's tensors, by `(address, bytes)`.
-pub struct LossTensors {
-    pub hidden: Device,
-    pub ids: Device,
-    pub values: Device,
-    pub weights: Option<Device>,
-    pub labels: Option<Device>,
-    pub loss: Device,
-    pub dx: Device,
-    /// The head's gradient f32 `[V][hs]`, where the head is trainable.
-    pub head_grad: Option<Device>,
-}
 
 /// The CUDA engine over the whole head, or why this one is not.
 pub fn cuda_whole(held: &mut AnyEngine) -> Result<&mut Engine<CudaBackend>, String> {
@@ -67,11 +54,13 @@ fn on_stream(engine: &Engine<CudaBackend>, stream: u64) -> PyResult<()> {
     unsafe { engine.backend().set_stream(stream) }.map_err(to_py)
 }
 
-/// The loss on CUDA tensors, queued on `stream`.
+/// The loss on CUDA tensors, queued on `stream`; `head_grad` the head's
+/// gradient f32 `[V][hs]`, where the head is trainable.
 pub fn head_kl(
     engine: &mut Engine<CudaBackend>,
     (ntok, k, dtype): (usize, usize, &str),
-    t: &LossTensors,
+    t: &LossBuffers<Device>,
+    head_grad: Option<Device>,
     (opts, reading): (&LossOptions, &TeacherReading),
     stream: u64,
 ) -> PyResult<()> {
@@ -92,7 +81,7 @@ pub fn head_kl(
     // SAFETY: as above.
     let labels = t.labels.map(|l| unsafe { borrow(l) });
     // SAFETY: as above.
-    let head_grad = t.head_grad.map(|g| unsafe { borrow(g) });
+    let head_grad = head_grad.map(|g| unsafe { borrow(g) });
     let mut config = opts.config;
     config.head_grad = head_grad.is_some();
     let device_opts = DeviceLossOptions {

@@ -22,7 +22,7 @@ use crate::cuda;
 use crate::errors::{start, to_py, to_py_as};
 use crate::memory::HostArray;
 use crate::options::{loss_options, topk_options, TeacherReading};
-use crate::shared::{self, LossBuffers, SharedBuffers};
+use crate::shared::{self, LossBuffers, LossBuffersArg, SharedBuffers};
 
 /// A host array spec as Python passes it: `(address, elements, dtype)`.
 pub type Spec = (usize, usize, String);
@@ -591,37 +591,22 @@ impl PyEngine {
         Ok(engine.backend().export_timeline().map_err(to_py)?.into_raw_fd())
     }
 
-    /// The loss on shared buffers (handles from `export_buffer`), `shape`
-    /// `(ntok, k, hidden dtype)`: waits on the timeline for `wait` and
-    /// signals `signal` when done (`timeline` `(wait, signal)`); returns at
-    /// once.
-    #[allow(clippy::too_many_arguments, reason = "one buffer an argument, as Python passes them")]
-    #[pyo3(signature = (shape, hidden, ids, values, weights, labels, loss, dx, options, timeline))]
+    /// The loss on shared buffers (handles from `export_buffer`), `buffers`
+    /// `(hidden, ids, values, weights, labels, loss, dx)`, `shape` `(ntok,
+    /// k, hidden dtype)`: waits on the timeline for `wait` and signals
+    /// `signal` when done (`timeline` `(wait, signal)`); returns at once.
+    #[pyo3(signature = (shape, buffers, options, timeline))]
     fn head_kl_shared(
         &self,
         py: Python<'_>,
         shape: (usize, usize, String),
-        hidden: usize,
-        ids: usize,
-        values: usize,
-        weights: Option<usize>,
-        labels: Option<usize>,
-        loss: usize,
-        dx: usize,
+        buffers: LossBuffersArg<usize>,
         options: &Bound<'_, PyDict>,
         timeline: (u64, u64),
     ) -> PyResult<()> {
         let (ntok, k, dtype) = shape;
         let (opts, reading) = loss_options(options)?;
-        let buffers = LossBuffers {
-            hidden,
-            ids,
-            values,
-            weights,
-            labels,
-            loss,
-            dx,
-        };
+        let buffers = LossBuffers::from(buffers);
         self.on_shared(py, &dtype, |engine, shared, dtype| {
             shared::head_kl(engine, shared, (ntok, k, dtype), &buffers, (&opts, &reading), timeline)
         })
@@ -670,40 +655,35 @@ impl PyEngine {
     }
 
     /// The loss on CUDA tensors by `(address, bytes)`, on the CUDA
-    /// backend, queued on `stream` (PyTorch's current one); `shape` as in
-    /// `head_kl_shared`. Returns once the work is queued.
-    #[allow(clippy::too_many_arguments, reason = "one tensor an argument, as Python passes them")]
-    #[pyo3(signature = (shape, hidden, ids, values, weights, labels, loss, dx, options, stream, head_grad=None))]
+    /// backend, queued on `stream` (PyTorch's current one); `shape` and
+    /// `tensors` as in `head_kl_shared`, and `head_grad` the head's
+    /// gradient f32 `[V][hs]` where the head is trainable. Returns once the
+    /// work is queued.
+    #[pyo3(signature = (shape, tensors, options, stream, head_grad=None))]
     fn head_kl_cuda(
         &self,
         py: Python<'_>,
         shape: (usize, usize, String),
-        hidden: cuda::Device,
-        ids: cuda::Device,
-        values: cuda::Device,
-        weights: Option<cuda::Device>,
-        labels: Option<cuda::Device>,
-        loss: cuda::Device,
-        dx: cuda::Device,
+        tensors: LossBuffersArg<cuda::Device>,
         options: &Bound<'_, PyDict>,
         stream: u64,
         head_grad: Option<cuda::Device>,
     ) -> PyResult<()> {
         let (ntok, k, dtype) = shape;
         let (opts, reading) = loss_options(options)?;
-        let tensors = cuda::LossTensors {
-            hidden,
-            ids,
-            values,
-            weights,
-            labels,
-            loss,
-            dx,
-            head_grad,
-        };
+        let tensors = LossBuffers::from(tensors);
         let mut held = self.held()?;
         let engine = cuda::cuda_whole(&mut held).map_err(cuda::not_cuda)?;
-        py.detach(|| cuda::head_kl(engine, (ntok, k, &dtype), &tensors, (&opts, &reading), stream))
+        py.detach(|| {
+            cuda::head_kl(
+                engine,
+                (ntok, k, &dtype),
+                &tensors,
+                head_grad,
+                (&opts, &reading),
+                stream,
+            )
+        })
     }
 
     /// Reads the head again from PyTorch's f16 copy of it on the device

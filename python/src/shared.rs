@@ -52,15 +52,35 @@ impl SharedBuffers {
     }
 }
 
-/// The shared buffers of one loss call, by handle.
-pub struct LossBuffers {
-    pub hidden: usize,
-    pub ids: usize,
-    pub values: usize,
-    pub weights: Option<usize>,
-    pub labels: Option<usize>,
-    pub loss: usize,
-    pub dx: usize,
+/// The arrays of one loss call on the device, each by where it lives: a
+/// shared buffer's handle here, a CUDA tensor's `(address, bytes)` on the
+/// CUDA backend (`crate::cuda`).
+pub struct LossBuffers<T> {
+    pub hidden: T,
+    pub ids: T,
+    pub values: T,
+    pub weights: Option<T>,
+    pub labels: Option<T>,
+    pub loss: T,
+    pub dx: T,
+}
+
+/// `LossBuffers` as Python passes them: `(hidden, ids, values, weights,
+/// labels, loss, dx)`.
+pub type LossBuffersArg<T> = (T, T, T, Option<T>, Option<T>, T, T);
+
+impl<T> From<LossBuffersArg<T>> for LossBuffers<T> {
+    fn from((hidden, ids, values, weights, labels, loss, dx): LossBuffersArg<T>) -> Self {
+        Self {
+            hidden,
+            ids,
+            values,
+            weights,
+            labels,
+            loss,
+            dx,
+        }
+    }
 }
 
 /// Parses `float32`, `float16`, `bfloat16`.
@@ -96,7 +116,7 @@ pub fn head_kl(
     engine: &mut Engine<VulkanBackend>,
     shared: &SharedBuffers,
     (ntok, k, dtype): (usize, usize, HiddenDtype),
-    b: &LossBuffers,
+    b: &LossBuffers<usize>,
     (opts, reading): (&LossOptions, &TeacherReading),
     timeline: (u64, u64),
 ) -> PyResult<()> {
