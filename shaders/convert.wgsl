@@ -7,19 +7,14 @@ enable f16;
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f16>;
 
-// to_f16: f16_round.wgsl, appended by the catalogue.
+// to_f16 and store_padded: f16_round.wgsl, appended by the catalogue.
+
+// Element e of the [rows][cols] source as f16.
+fn source_f16(e: u32) -> f16 {
+    return to_f16(src[e]);
+}
 
 @compute @workgroup_size(WG)
 fn convert_f16(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
-    if i >= params.rows_padded * params.ld {
-        return;
-    }
-    let r = i / params.ld;
-    let c = i % params.ld;
-    var v = f16(0.0);
-    if r < params.rows && c < params.cols {
-        v = to_f16(src[r * params.cols + c]);
-    }
-    dst[i] = v;
+    store_padded((wg.x + wg.y * params.grid_x) * WG + lid);
 }

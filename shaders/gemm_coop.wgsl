@@ -141,6 +141,16 @@ fn load_words(nn: bool, t: Tile, k0: u32, lid: u32) -> Words {
     return w;
 }
 
+// Writes half `h` to `sa` (is_a) or `sb` at `o` (`is_a` is a constant at
+// every call: the driver folds the branch away).
+fn put1(is_a: bool, o: u32, h: f16) {
+    if is_a {
+        sa[o] = h;
+    } else {
+        sb[o] = h;
+    }
+}
+
 // Writes the 8 halves packed in `w` to `sa` (is_a) or `sb` at [o, o + 8).
 // (naga's bitcast cannot change the width, hence the exact f16 -> f32 -> f16
 // trip.)
@@ -149,25 +159,14 @@ fn put8(is_a: bool, o: u32, w: vec4<u32>) {
     let h1 = vec2<f16>(unpack2x16float(w.y));
     let h2 = vec2<f16>(unpack2x16float(w.z));
     let h3 = vec2<f16>(unpack2x16float(w.w));
-    if is_a {
-        sa[o] = h0.x;
-        sa[o + 1u] = h0.y;
-        sa[o + 2u] = h1.x;
-        sa[o + 3u] = h1.y;
-        sa[o + 4u] = h2.x;
-        sa[o + 5u] = h2.y;
-        sa[o + 6u] = h3.x;
-        sa[o + 7u] = h3.y;
-    } else {
-        sb[o] = h0.x;
-        sb[o + 1u] = h0.y;
-        sb[o + 2u] = h1.x;
-        sb[o + 3u] = h1.y;
-        sb[o + 4u] = h2.x;
-        sb[o + 5u] = h2.y;
-        sb[o + 6u] = h3.x;
-        sb[o + 7u] = h3.y;
-    }
+    put1(is_a, o, h0.x);
+    put1(is_a, o + 1u, h0.y);
+    put1(is_a, o + 2u, h1.x);
+    put1(is_a, o + 3u, h1.y);
+    put1(is_a, o + 4u, h2.x);
+    put1(is_a, o + 5u, h2.y);
+    put1(is_a, o + 6u, h3.x);
+    put1(is_a, o + 7u, h3.y);
 }
 
 // Where word e of A lands in its stage.
@@ -234,6 +233,52 @@ fn frag_b(nn: bool, base: u32, col: u32, ks: u32) -> coop_mat16x16<f16, B> {
     return coopLoad<coop_mat16x16<f16, B>>(&sb[o], ld);
 }
 
+// One K step of the stage at (base_a, base_b) into the subgroup's 4 x 4
+// accumulators (cIJ: rows sm + 16·I, columns sn + 16·J of the tile), 16
+// deep at a time: its 4 A fragments, then each B fragment and its 4
+// multiply-adds.
+fn mma_step(nn: bool, base_a: u32, base_b: u32, sm: u32, sn: u32,
+        c00: ptr<function, coop_mat16x16<f32, C>>, c01: ptr<function, coop_mat16x16<f32, C>>,
+        c02: ptr<function, coop_mat16x16<f32, C>>, c03: ptr<function, coop_mat16x16<f32, C>>,
+        c10: ptr<function, coop_mat16x16<f32, C>>, c11: ptr<function, coop_mat16x16<f32, C>>,
+        c12: ptr<function, coop_mat16x16<f32, C>>, c13: ptr<function, coop_mat16x16<f32, C>>,
+        c20: ptr<function, coop_mat16x16<f32, C>>, c21: ptr<function, coop_mat16x16<f32, C>>,
+        c22: ptr<function, coop_mat16x16<f32, C>>, c23: ptr<function, coop_mat16x16<f32, C>>,
+        c30: ptr<function, coop_mat16x16<f32, C>>, c31: ptr<function, coop_mat16x16<f32, C>>,
+        c32: ptr<function, coop_mat16x16<f32, C>>, c33: ptr<function, coop_mat16x16<f32, C>>) {
+    let lda_s = BK + PAD;
+    for (var ks = 0u; ks < BK; ks += 16u) {
+        let oa0 = base_a + (sm + 0u) * lda_s + ks;
+        let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa0], lda_s);
+        let oa1 = base_a + (sm + 16u) * lda_s + ks;
+        let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa1], lda_s);
+        let oa2 = base_a + (sm + 32u) * lda_s + ks;
+        let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa2], lda_s);
+        let oa3 = base_a + (sm + 48u) * lda_s + ks;
+        let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
+        let b0 = frag_b(nn, base_b, sn + 0u, ks);
+        *c00 = coopMultiplyAdd(a0, b0, *c00);
+        *c10 = coopMultiplyAdd(a1, b0, *c10);
+        *c20 = coopMultiplyAdd(a2, b0, *c20);
+        *c30 = coopMultiplyAdd(a3, b0, *c30);
+        let b1 = frag_b(nn, base_b, sn + 16u, ks);
+        *c01 = coopMultiplyAdd(a0, b1, *c01);
+        *c11 = coopMultiplyAdd(a1, b1, *c11);
+        *c21 = coopMultiplyAdd(a2, b1, *c21);
+        *c31 = coopMultiplyAdd(a3, b1, *c31);
+        let b2 = frag_b(nn, base_b, sn + 32u, ks);
+        *c02 = coopMultiplyAdd(a0, b2, *c02);
+        *c12 = coopMultiplyAdd(a1, b2, *c12);
+        *c22 = coopMultiplyAdd(a2, b2, *c22);
+        *c32 = coopMultiplyAdd(a3, b2, *c32);
+        let b3 = frag_b(nn, base_b, sn + 48u, ks);
+        *c03 = coopMultiplyAdd(a0, b3, *c03);
+        *c13 = coopMultiplyAdd(a1, b3, *c13);
+        *c23 = coopMultiplyAdd(a2, b3, *c23);
+        *c33 = coopMultiplyAdd(a3, b3, *c33);
+    }
+}
+
 // A's half `i` (the block filter's mask words: gemm_common.wgsl).
 fn a_half(i: u32) -> f32 {
     let w = a[i / 8u];
@@ -252,7 +297,6 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool, filtered: bool) {
     // This subgroup's 64 x 64 block of the workgroup tile.
     let sm = (sg / 2u) * 64u;
     let sn = (sg % 2u) * 64u;
-    let lda_s = BK + PAD;
     var c00 = coop_mat16x16<f32, C>();
     var c01 = coop_mat16x16<f32, C>();
     var c02 = coop_mat16x16<f32, C>();
@@ -280,38 +324,8 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool, filtered: bool) {
             let w = load_words(nn, t, s * BK, lid);
             store_words(nn, 0u, lid, w);
             workgroupBarrier();
-            let base_a = 0u;
-            let base_b = 0u;
-            for (var ks = 0u; ks < BK; ks += 16u) {
-                let oa0 = base_a + (sm + 0u) * lda_s + ks;
-                let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa0], lda_s);
-                let oa1 = base_a + (sm + 16u) * lda_s + ks;
-                let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa1], lda_s);
-                let oa2 = base_a + (sm + 32u) * lda_s + ks;
-                let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa2], lda_s);
-                let oa3 = base_a + (sm + 48u) * lda_s + ks;
-                let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
-                let b0 = frag_b(nn, base_b, sn + 0u, ks);
-                c00 = coopMultiplyAdd(a0, b0, c00);
-                c10 = coopMultiplyAdd(a1, b0, c10);
-                c20 = coopMultiplyAdd(a2, b0, c20);
-                c30 = coopMultiplyAdd(a3, b0, c30);
-                let b1 = frag_b(nn, base_b, sn + 16u, ks);
-                c01 = coopMultiplyAdd(a0, b1, c01);
-                c11 = coopMultiplyAdd(a1, b1, c11);
-                c21 = coopMultiplyAdd(a2, b1, c21);
-                c31 = coopMultiplyAdd(a3, b1, c31);
-                let b2 = frag_b(nn, base_b, sn + 32u, ks);
-                c02 = coopMultiplyAdd(a0, b2, c02);
-                c12 = coopMultiplyAdd(a1, b2, c12);
-                c22 = coopMultiplyAdd(a2, b2, c22);
-                c32 = coopMultiplyAdd(a3, b2, c32);
-                let b3 = frag_b(nn, base_b, sn + 48u, ks);
-                c03 = coopMultiplyAdd(a0, b3, c03);
-                c13 = coopMultiplyAdd(a1, b3, c13);
-                c23 = coopMultiplyAdd(a2, b3, c23);
-                c33 = coopMultiplyAdd(a3, b3, c33);
-            }
+            mma_step(nn, 0u, 0u, sm, sn, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13, &c20, &c21, &c22, &c23,
+                &c30, &c31, &c32, &c33);
             workgroupBarrier();
             s = next_live(true, &cur, t, BM, s + 1u, steps, BK);
         }
@@ -326,38 +340,8 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool, filtered: bool) {
                 // so the loads stay unconditional.
                 words = load_words(nn, t, min(kstep + 1u, steps - 1u) * BK, lid);
             }
-            let base_a = stage * SA_STAGE;
-            let base_b = stage * SB_STAGE;
-            for (var ks = 0u; ks < BK; ks += 16u) {
-                let oa0 = base_a + (sm + 0u) * lda_s + ks;
-                let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa0], lda_s);
-                let oa1 = base_a + (sm + 16u) * lda_s + ks;
-                let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa1], lda_s);
-                let oa2 = base_a + (sm + 32u) * lda_s + ks;
-                let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa2], lda_s);
-                let oa3 = base_a + (sm + 48u) * lda_s + ks;
-                let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
-                let b0 = frag_b(nn, base_b, sn + 0u, ks);
-                c00 = coopMultiplyAdd(a0, b0, c00);
-                c10 = coopMultiplyAdd(a1, b0, c10);
-                c20 = coopMultiplyAdd(a2, b0, c20);
-                c30 = coopMultiplyAdd(a3, b0, c30);
-                let b1 = frag_b(nn, base_b, sn + 16u, ks);
-                c01 = coopMultiplyAdd(a0, b1, c01);
-                c11 = coopMultiplyAdd(a1, b1, c11);
-                c21 = coopMultiplyAdd(a2, b1, c21);
-                c31 = coopMultiplyAdd(a3, b1, c31);
-                let b2 = frag_b(nn, base_b, sn + 32u, ks);
-                c02 = coopMultiplyAdd(a0, b2, c02);
-                c12 = coopMultiplyAdd(a1, b2, c12);
-                c22 = coopMultiplyAdd(a2, b2, c22);
-                c32 = coopMultiplyAdd(a3, b2, c32);
-                let b3 = frag_b(nn, base_b, sn + 48u, ks);
-                c03 = coopMultiplyAdd(a0, b3, c03);
-                c13 = coopMultiplyAdd(a1, b3, c13);
-                c23 = coopMultiplyAdd(a2, b3, c23);
-                c33 = coopMultiplyAdd(a3, b3, c33);
-            }
+            mma_step(nn, stage * SA_STAGE, stage * SB_STAGE, sm, sn, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13,
+                &c20, &c21, &c22, &c23, &c30, &c31, &c32, &c33);
             if kstep + 1u < steps {
                 if STAGES == 2u {
                     // The other stage was last read in step - 1, before the
@@ -374,22 +358,8 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool, filtered: bool) {
             workgroupBarrier();
         }
     }
-    store_tile(t, c00, t.row0 + sm + 0u, t.col0 + sn + 0u);
-    store_tile(t, c01, t.row0 + sm + 0u, t.col0 + sn + 16u);
-    store_tile(t, c02, t.row0 + sm + 0u, t.col0 + sn + 32u);
-    store_tile(t, c03, t.row0 + sm + 0u, t.col0 + sn + 48u);
-    store_tile(t, c10, t.row0 + sm + 16u, t.col0 + sn + 0u);
-    store_tile(t, c11, t.row0 + sm + 16u, t.col0 + sn + 16u);
-    store_tile(t, c12, t.row0 + sm + 16u, t.col0 + sn + 32u);
-    store_tile(t, c13, t.row0 + sm + 16u, t.col0 + sn + 48u);
-    store_tile(t, c20, t.row0 + sm + 32u, t.col0 + sn + 0u);
-    store_tile(t, c21, t.row0 + sm + 32u, t.col0 + sn + 16u);
-    store_tile(t, c22, t.row0 + sm + 32u, t.col0 + sn + 32u);
-    store_tile(t, c23, t.row0 + sm + 32u, t.col0 + sn + 48u);
-    store_tile(t, c30, t.row0 + sm + 48u, t.col0 + sn + 0u);
-    store_tile(t, c31, t.row0 + sm + 48u, t.col0 + sn + 16u);
-    store_tile(t, c32, t.row0 + sm + 48u, t.col0 + sn + 32u);
-    store_tile(t, c33, t.row0 + sm + 48u, t.col0 + sn + 48u);
+    store_block(t, t.row0 + sm, t.col0 + sn, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30,
+        c31, c32, c33);
     row_stats(t, BM, BN, lid, 2u * SG_ROWS * SG_SIZE);
 }
 

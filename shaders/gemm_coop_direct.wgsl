@@ -83,92 +83,46 @@ fn gemm(wg: vec3<u32>, lid: u32, nn: bool, filtered: bool) {
     var c31 = coop_mat16x16<f32, C>();
     var c32 = coop_mat16x16<f32, C>();
     var c33 = coop_mat16x16<f32, C>();
-    if filtered {
-        // The block filter (gemm_common.wgsl's next_live): only the
-        // 16-deep steps whose 64-column block some row of the tile keeps.
-        let steps = (blk.k + 15u) / 16u;
-        var cur = mask_cursor();
-        var s = next_live(true, &cur, blk, BM, 0u, steps, 16u);
-        while s < steps {
-            let kk = s * 16u;
-            let oa0 = ra0 + kk;
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa0], lda);
-            let oa1 = ra1 + kk;
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa1], lda);
-            let oa2 = ra2 + kk;
-            let a2 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa2], lda);
-            let oa3 = ra3 + kk;
-            let a3 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa3], lda);
-            let b0 = load_b(nn, blk.b_off, cb0, kk);
-            let b1 = load_b(nn, blk.b_off, cb1, kk);
-            let b2 = load_b(nn, blk.b_off, cb2, kk);
-            let b3 = load_b(nn, blk.b_off, cb3, kk);
-            c00 = coopMultiplyAdd(a0, b0, c00);
-            c01 = coopMultiplyAdd(a0, b1, c01);
-            c02 = coopMultiplyAdd(a0, b2, c02);
-            c03 = coopMultiplyAdd(a0, b3, c03);
-            c10 = coopMultiplyAdd(a1, b0, c10);
-            c11 = coopMultiplyAdd(a1, b1, c11);
-            c12 = coopMultiplyAdd(a1, b2, c12);
-            c13 = coopMultiplyAdd(a1, b3, c13);
-            c20 = coopMultiplyAdd(a2, b0, c20);
-            c21 = coopMultiplyAdd(a2, b1, c21);
-            c22 = coopMultiplyAdd(a2, b2, c22);
-            c23 = coopMultiplyAdd(a2, b3, c23);
-            c30 = coopMultiplyAdd(a3, b0, c30);
-            c31 = coopMultiplyAdd(a3, b1, c31);
-            c32 = coopMultiplyAdd(a3, b2, c32);
-            c33 = coopMultiplyAdd(a3, b3, c33);
-            s = next_live(true, &cur, blk, BM, s + 1u, steps, 16u);
-        }
-    } else {
-        for (var kk = 0u; kk < blk.k; kk += 16u) {
-            let oa0 = ra0 + kk;
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa0], lda);
-            let oa1 = ra1 + kk;
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa1], lda);
-            let oa2 = ra2 + kk;
-            let a2 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa2], lda);
-            let oa3 = ra3 + kk;
-            let a3 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa3], lda);
-            let b0 = load_b(nn, blk.b_off, cb0, kk);
-            let b1 = load_b(nn, blk.b_off, cb1, kk);
-            let b2 = load_b(nn, blk.b_off, cb2, kk);
-            let b3 = load_b(nn, blk.b_off, cb3, kk);
-            c00 = coopMultiplyAdd(a0, b0, c00);
-            c01 = coopMultiplyAdd(a0, b1, c01);
-            c02 = coopMultiplyAdd(a0, b2, c02);
-            c03 = coopMultiplyAdd(a0, b3, c03);
-            c10 = coopMultiplyAdd(a1, b0, c10);
-            c11 = coopMultiplyAdd(a1, b1, c11);
-            c12 = coopMultiplyAdd(a1, b2, c12);
-            c13 = coopMultiplyAdd(a1, b3, c13);
-            c20 = coopMultiplyAdd(a2, b0, c20);
-            c21 = coopMultiplyAdd(a2, b1, c21);
-            c22 = coopMultiplyAdd(a2, b2, c22);
-            c23 = coopMultiplyAdd(a2, b3, c23);
-            c30 = coopMultiplyAdd(a3, b0, c30);
-            c31 = coopMultiplyAdd(a3, b1, c31);
-            c32 = coopMultiplyAdd(a3, b2, c32);
-            c33 = coopMultiplyAdd(a3, b3, c33);
-        }
+    // The block filter (gemm_common.wgsl's next_live): only the 16-deep
+    // steps whose 64-column block some row of the tile keeps. Without it
+    // next_live returns its step, so the loop runs every step.
+    let steps = (blk.k + 15u) / 16u;
+    var cur = mask_cursor();
+    var s = next_live(filtered, &cur, blk, BM, 0u, steps, 16u);
+    while s < steps {
+        let kk = s * 16u;
+        let oa0 = ra0 + kk;
+        let a0 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa0], lda);
+        let oa1 = ra1 + kk;
+        let a1 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa1], lda);
+        let oa2 = ra2 + kk;
+        let a2 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa2], lda);
+        let oa3 = ra3 + kk;
+        let a3 = coopLoadT<coop_mat16x16<f16, A>>(&a[oa3], lda);
+        let b0 = load_b(nn, blk.b_off, cb0, kk);
+        let b1 = load_b(nn, blk.b_off, cb1, kk);
+        let b2 = load_b(nn, blk.b_off, cb2, kk);
+        let b3 = load_b(nn, blk.b_off, cb3, kk);
+        c00 = coopMultiplyAdd(a0, b0, c00);
+        c01 = coopMultiplyAdd(a0, b1, c01);
+        c02 = coopMultiplyAdd(a0, b2, c02);
+        c03 = coopMultiplyAdd(a0, b3, c03);
+        c10 = coopMultiplyAdd(a1, b0, c10);
+        c11 = coopMultiplyAdd(a1, b1, c11);
+        c12 = coopMultiplyAdd(a1, b2, c12);
+        c13 = coopMultiplyAdd(a1, b3, c13);
+        c20 = coopMultiplyAdd(a2, b0, c20);
+        c21 = coopMultiplyAdd(a2, b1, c21);
+        c22 = coopMultiplyAdd(a2, b2, c22);
+        c23 = coopMultiplyAdd(a2, b3, c23);
+        c30 = coopMultiplyAdd(a3, b0, c30);
+        c31 = coopMultiplyAdd(a3, b1, c31);
+        c32 = coopMultiplyAdd(a3, b2, c32);
+        c33 = coopMultiplyAdd(a3, b3, c33);
+        s = next_live(filtered, &cur, blk, BM, s + 1u, steps, 16u);
     }
-    store_tile(blk, c00, blk.row0 + 0u, blk.col0 + 0u);
-    store_tile(blk, c01, blk.row0 + 0u, blk.col0 + 16u);
-    store_tile(blk, c02, blk.row0 + 0u, blk.col0 + 32u);
-    store_tile(blk, c03, blk.row0 + 0u, blk.col0 + 48u);
-    store_tile(blk, c10, blk.row0 + 16u, blk.col0 + 0u);
-    store_tile(blk, c11, blk.row0 + 16u, blk.col0 + 16u);
-    store_tile(blk, c12, blk.row0 + 16u, blk.col0 + 32u);
-    store_tile(blk, c13, blk.row0 + 16u, blk.col0 + 48u);
-    store_tile(blk, c20, blk.row0 + 32u, blk.col0 + 0u);
-    store_tile(blk, c21, blk.row0 + 32u, blk.col0 + 16u);
-    store_tile(blk, c22, blk.row0 + 32u, blk.col0 + 32u);
-    store_tile(blk, c23, blk.row0 + 32u, blk.col0 + 48u);
-    store_tile(blk, c30, blk.row0 + 48u, blk.col0 + 0u);
-    store_tile(blk, c31, blk.row0 + 48u, blk.col0 + 16u);
-    store_tile(blk, c32, blk.row0 + 48u, blk.col0 + 32u);
-    store_tile(blk, c33, blk.row0 + 48u, blk.col0 + 48u);
+    store_block(blk, blk.row0, blk.col0, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31,
+        c32, c33);
     row_stats(blk, BM, BN, lid, SG_SIZE);
 }
 

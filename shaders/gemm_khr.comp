@@ -6,19 +6,25 @@
 #error "gemm_khr.comp is the GEMM: MODE 0"
 #endif
 
-void main() {
-    ENTER_TILE(p.k_parts, min(k0 + p.k_part, p.k) - k0);
+// Whether this invocation is one of the copying subgroups (WS), which
+// hold no accumulators.
+bool is_copier() {
+    return WS != 0 && gl_LocalInvocationIndex >= MATH_THREADS;
+}
 
+// The main loop over the part's `steps` K steps, one per configuration:
+// each leaves the accumulators holding the tile's sums.
 #if FILTER
-    // The block filter: the loops below (#else), over the live steps only
-    // (next_live), counted by ordinal for the stages. Without FILTER none
-    // of this is compiled.
+// The block filter: the loops below (#else), over the live steps only
+// (next_live), counted by ordinal for the stages. Without FILTER none of
+// this is compiled.
+#if WS
+// The copiers' own cursor `q` runs STAGES - 1 live steps ahead of the
+// math's `s`, with its own mask window.
+void main_loop(uint steps) {
     uvec2 cur = uvec2(0xffffffffu, 0u);
     uint s = next_live(0, steps, cur);
-#if WS
-    // The copiers' own cursor `q` runs STAGES - 1 live steps ahead of the
-    // math's `s`, with its own mask window.
-    bool copier = gl_LocalInvocationIndex >= MATH_THREADS;
+    bool copier = is_copier();
     uvec2 qcur = cur;
     uint q = s;
     if (copier) {
@@ -51,10 +57,11 @@ void main() {
         barrier();
         s = next_live(s + 1, steps, cur);
     }
-    if (!copier) {
-        epilogue();
-    }
+}
 #elif STAGES == 2
+void main_loop(uint steps) {
+    uvec2 cur = uvec2(0xffffffffu, 0u);
+    uint s = next_live(0, steps, cur);
     if (s < steps) {
         load_step(s);
         store_step(0);
@@ -84,8 +91,11 @@ void main() {
         s = nx;
         st ^= 1;
     }
-    epilogue();
+}
 #elif STAGES == 1
+void main_loop(uint steps) {
+    uvec2 cur = uvec2(0xffffffffu, 0u);
+    uint s = next_live(0, steps, cur);
     if (s < steps) {
         load_step(s);
     }
@@ -100,17 +110,18 @@ void main() {
         barrier();
         s = nx;
     }
-    epilogue();
+}
 #else
 #error "FILTER: one or two stages, or WS"
 #endif
 
 #elif WS
-    // Stages 0 .. STAGES - 2 filled before the loop; at step s the math
-    // subgroups read stage s % STAGES while the copiers store step
-    // s + STAGES - 1 into the stage step s - 1 used (free since the last
-    // barrier) and load step s + STAGES into registers.
-    bool copier = gl_LocalInvocationIndex >= MATH_THREADS;
+// Stages 0 .. STAGES - 2 filled before the loop; at step s the math
+// subgroups read stage s % STAGES while the copiers store step
+// s + STAGES - 1 into the stage step s - 1 used (free since the last
+// barrier) and load step s + STAGES into registers.
+void main_loop(uint steps) {
+    bool copier = is_copier();
     if (copier) {
         for (uint t = 0; t + 1 < STAGES; t++) {
             if (t < steps) {
@@ -137,19 +148,18 @@ void main() {
         }
         barrier();
     }
-    if (!copier) {
-        epilogue();
-    }
+}
 
 #elif LOAD_KIND == 2
 #if STAGES < 2
 #error "LOAD_KIND 2 needs STAGES >= 2"
 #endif
-    // Each step's words stored as soon as they are loaded, STAGES - 1 steps
-    // ahead through a ring: where the driver makes a load followed by its
-    // store one asynchronous copy, the copy runs under the math. Step
-    // s + STAGES - 1 goes to the stage step s - 1 read, free since the
-    // barrier that closed that step.
+// Each step's words stored as soon as they are loaded, STAGES - 1 steps
+// ahead through a ring: where the driver makes a load followed by its
+// store one asynchronous copy, the copy runs under the math. Step
+// s + STAGES - 1 goes to the stage step s - 1 read, free since the
+// barrier that closed that step.
+void main_loop(uint steps) {
     for (uint t = 0; t + 1 < STAGES; t++) {
         if (t < steps) {
             load_step(t);
@@ -166,10 +176,10 @@ void main() {
         math_step(s % STAGES);
         barrier();
     }
-    epilogue();
+}
 
-#else
-#if STAGES == 2
+#elif STAGES == 2
+void main_loop(uint steps) {
     load_step(0);
     load_direct(0);
     store_step(0);
@@ -198,7 +208,10 @@ void main() {
         STAGE_BARRIER();
         advance_direct();
     }
+}
+
 #else
+void main_loop(uint steps) {
     load_step(0);
     load_direct(0);
     for (uint s = 0; s < steps; s++) {
@@ -212,8 +225,13 @@ void main() {
         math_step(0);
         STAGE_BARRIER();
     }
+}
 #endif
-    epilogue();
 
-#endif
+void main() {
+    ENTER_TILE(p.k_parts, min(k0 + p.k_part, p.k) - k0);
+    main_loop(steps);
+    if (!is_copier()) {
+        epilogue();
+    }
 }

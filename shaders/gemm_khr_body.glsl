@@ -221,6 +221,13 @@ const uint B_ROWS_PER_I = STAGERS / (BN / 8);
 const uint B_ROWS_PER_I = STAGERS / KW;
 #endif
 
+// The 16-byte word of operand BUF stored K-contiguous (A; B stored [n][k])
+// at line LINE, clamped to LAST, and K offset KK of the part that starts
+// at element OFF, lines LD halves apart; zeros at or past the part's end
+// (KK >= kp). A macro: GLSL cannot pass a buffer.
+#define K_ROWS_WORD(BUF, OFF, LINE, LAST, LD, KK) \
+    ((KK) < kp ? BUF[((OFF) + min(LINE, LAST) * (LD) + (KK)) / 8] : uvec4(0))
+
 // Step s's words into registers. Rows past m (columns past n) repeat the
 // last one: their products only reach C tiles that are never stored. K past
 // the part's end reads zeros.
@@ -254,9 +261,7 @@ void load_step(uint s) {
 #if A_READ == 1
         ra[i] = a[((row0 / TM) * steps + s) * (TM * KW) + e];
 #else
-        uint row = min(row0 + e / KW, p.m - 1);
-        uint kk = k0 + (e % KW) * 8;
-        ra[i] = kk < kp ? a[(a_off + row * p.lda + kk) / 8] : uvec4(0);
+        ra[i] = K_ROWS_WORD(a, a_off, row0 + e / KW, p.m - 1, p.lda, k0 + (e % KW) * 8);
 #endif
     }
 #endif
@@ -270,9 +275,7 @@ void load_step(uint s) {
         uint col = min(col0 + (e % (BN / 8)) * 8, p.n - 8);
         rb[i] = kk < kp ? b[(b_off + kk * p.ldb + col) / 8] : uvec4(0);
 #else
-        uint col = min(col0 + e / KW, p.n - 1);
-        uint kk = k0 + (e % KW) * 8;
-        rb[i] = kk < kp ? b[(b_off + col * p.ldb + kk) / 8] : uvec4(0);
+        rb[i] = K_ROWS_WORD(b, b_off, col0 + e / KW, p.n - 1, p.ldb, k0 + (e % KW) * 8);
 #endif
     }
 #endif

@@ -13,20 +13,17 @@
 // params: GatherRowsParams.
 @compute @workgroup_size(WG)
 fn gather_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
-    let cols = params.k + 1u;
-    if i >= params.rows * cols {
+    let at = cell_of(wg, lid, params.rows, params.k + 1u);
+    if !at.inside {
         return;
     }
-    let row = i / cols;
-    let col = i % cols;
     var id = NONE;
-    if col < params.k {
-        id = ids[params.ids_offset + row * params.k + col];
+    if at.col < params.k {
+        id = ids[params.ids_offset + at.row * params.k + at.col];
         if id != NONE && id >= params.vocab {
-            atomicMin(&status[S_ID_RANGE], (params.token0 + row) * params.k + col);
+            atomicMin(&status[S_ID_RANGE], (params.token0 + at.row) * params.k + at.col);
             id = NONE;
         }
     }
-    ids_chunk[i] = id;
+    ids_chunk[at.i] = id;
 }

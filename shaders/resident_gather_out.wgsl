@@ -14,24 +14,22 @@
 // params: GatherRowsParams.
 @compute @workgroup_size(WG)
 fn gather_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
-    let cols = params.k + 1u;
-    if i >= params.rows * cols {
+    let at = cell_of(wg, lid, params.rows, params.k + 1u);
+    if !at.inside {
         return;
     }
-    let row = i / cols;
-    let col = i % cols;
-    let v = values_chunk[i];
-    if col < params.k {
-        logprobs[params.out_offset + row * params.k + col] = v;
+    let token = params.token0 + at.row;
+    let v = values_chunk[at.i];
+    if at.col < params.k {
+        logprobs[params.out_offset + at.row * params.k + at.col] = v;
         // A NaN by its bits (a float test may be folded); -inf is a none id.
-        if col == 0u && (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u {
-            atomicMin(&status[S_LOGITS], params.token0 + row);
+        if at.col == 0u && (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u {
+            atomicMin(&status[S_LOGITS], token);
         }
     } else {
-        lse[params.token0 + row] = v;
+        lse[token] = v;
         if non_finite(v) {
-            atomicMin(&status[S_LOGITS], params.token0 + row);
+            atomicMin(&status[S_LOGITS], token);
         }
     }
 }

@@ -11,11 +11,9 @@
 // params: HeadGradOutParams.
 @compute @workgroup_size(WG)
 fn head_grad_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
-    if i >= params.rows * params.hs {
+    let at = cell_of(wg, lid, params.rows, params.hs);
+    if !at.inside {
         return;
     }
-    let r = i / params.hs;
-    let c = i % params.hs;
-    dst[params.dst_offset + i] = bitcast<f32>(atomicLoad(&status[S_DX_MUL])) * piece[r * params.ld + c];
+    dst[params.dst_offset + at.i] = bitcast<f32>(atomicLoad(&status[S_DX_MUL])) * piece[at.row * params.ld + at.col];
 }

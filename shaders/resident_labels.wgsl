@@ -14,7 +14,7 @@
 // params: LabelsInParams.
 @compute @workgroup_size(WG)
 fn labels_in(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let row = (wg.x + wg.y * params.grid_x) * WG + lid;
+    let row = invocation_index(wg, lid);
     if row >= params.rows {
         return;
     }

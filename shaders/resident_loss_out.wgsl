@@ -21,7 +21,8 @@
 // params: LossOutParams.
 @compute @workgroup_size(WG)
 fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
+    let at = cell_of(wg, lid, params.rows, params.hs);
+    let i = at.i;
     if i < params.rows {
         let l = loss_chunk[i * 4u];
         // The bits, never a float NaN test (which may be folded).
@@ -45,12 +46,10 @@ fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
             atomicMin(&status[S_LOGITS], params.token0 + i);
         }
     }
-    if i >= params.rows * params.hs {
+    if !at.inside {
         return;
     }
-    let r = i / params.hs;
-    let c = i % params.hs;
-    let v = bitcast<f32>(atomicLoad(&status[S_DX_MUL])) * dx_chunk[r * params.ld + c];
+    let v = bitcast<f32>(atomicLoad(&status[S_DX_MUL])) * dx_chunk[at.row * params.ld + at.col];
     let o = params.dx_offset + i;
     if params.accumulate != 0u {
         dx_dst[o] = dx_dst[o] + v;

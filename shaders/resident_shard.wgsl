@@ -55,7 +55,7 @@ fn map_row(row: u32, inv_alpha: f32, duplicate: bool) {
 // params: ShardRowsParams.
 @compute @workgroup_size(WG)
 fn shard_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let row = (wg.x + wg.y * params.grid_x) * WG + lid;
+    let row = invocation_index(wg, lid);
     if row >= params.rows {
         return;
     }

@@ -3,14 +3,11 @@
 // bad weight, and resolves total and gscale into the status buffer's
 // coefficient words; when total is not positive the KL multiplier word is
 // FLAGGED_ROW, so teacher_rows flags every row of the call (and the dx
-// multiplier 0). Prepended by resident_common.wgsl.
+// multiplier 0). Prepended by resident_common.wgsl; reduce_sum_max_min:
+// resident_reduce.wgsl, appended.
 
 @group(0) @binding(1) var<storage, read> weights: array<f32>;
 @group(0) @binding(2) var<storage, read_write> status: array<atomic<u32>>;
-
-var<workgroup> red_sum: array<f32, WG>;
-var<workgroup> red_max: array<f32, WG>;
-var<workgroup> red_bad: array<u32, WG>;
 
 // params (WeightStatsParams): rows = ntok; total and gscale are the caller's
 // (0: the weights' sum, and 2^14 * total / max weight / grad_bound).
@@ -32,29 +29,19 @@ fn weight_stats(@builtin(local_invocation_index) lid: u32) {
         s += w;
         m = max(m, w);
     }
-    red_sum[lid] = s;
-    red_max[lid] = m;
-    red_bad[lid] = bad;
-    workgroupBarrier();
-    for (var h = 128u; h > 0u; h >>= 1u) {
-        if lid < h {
-            red_sum[lid] += red_sum[lid + h];
-            red_max[lid] = max(red_max[lid], red_max[lid + h]);
-            red_bad[lid] = min(red_bad[lid], red_bad[lid + h]);
-        }
-        workgroupBarrier();
-    }
+    // The weights' sum and max, and the first bad one.
+    let red = reduce_sum_max_min(lid, s, m, bad);
     if lid != 0u {
         return;
     }
-    if red_bad[0] != NONE {
-        atomicMin(&status[S_WEIGHT], red_bad[0]);
+    if red.min != NONE {
+        atomicMin(&status[S_WEIGHT], red.min);
     }
-    var total = red_sum[0];
+    var total = red.sum;
     if params.total > 0.0 {
         total = params.total;
     }
-    let max_w = red_max[0];
+    let max_w = red.max;
     var gscale = 1.0;
     if params.gscale > 0.0 {
         gscale = params.gscale;

@@ -12,7 +12,8 @@
 // renormalized over the k in the renormalize tail mode and kept as given in the others, where a row whose mass is above 1 +
 // MASS_TOLERANCE is bad. The row's coefficient goes into the KL kernel's
 // per-row inputs, word 0 of [rows][2] (word 1, the label, is labels_in's).
-// Prepended by resident_common.wgsl.
+// Prepended by resident_common.wgsl; reduce_sum_max_min:
+// resident_reduce.wgsl, appended.
 
 @group(0) @binding(1) var<storage, read> ids_in: array<u32>;
 @group(0) @binding(2) var<storage, read> probs_in: array<f32>;
@@ -38,9 +39,6 @@ fn teacher_value(v: f32, logprobs: bool) -> vec2<f32> {
 }
 
 var<workgroup> row_ids: array<u32, MAX_K>;
-var<workgroup> red_sum: array<f32, WG>;
-var<workgroup> red_bad: array<u32, WG>;
-var<workgroup> red_range: array<u32, WG>;
 
 // params: TeacherRowsParams (offsets: the chunk's first id, probability and
 // weight in the caller's buffers).
@@ -80,22 +78,13 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
             }
         }
     }
-    red_sum[lid] = s;
-    red_bad[lid] = bad;
-    red_range[lid] = first_range;
-    workgroupBarrier();
-    for (var h = 128u; h > 0u; h >>= 1u) {
-        if lid < h {
-            red_sum[lid] += red_sum[lid + h];
-            red_bad[lid] = max(red_bad[lid], red_bad[lid + h]);
-            red_range[lid] = min(red_range[lid], red_range[lid + h]);
-        }
-        workgroupBarrier();
-    }
-    let sum = red_sum[0];
+    // The row's sum, whether some entry is bad (as 0 or 1), and its first
+    // id out of range.
+    let red = reduce_sum_max_min(lid, s, f32(bad), first_range);
+    let sum = red.sum;
     let mass_bad = !renormalize && sum > 1.0 + MASS_TOLERANCE;
-    let row_bad = red_bad[0] != 0u || !(sum > 0.0) || non_finite(sum) || mass_bad;
-    let range_bad = red_range[0] != NONE;
+    let row_bad = red.max != 0.0 || !(sum > 0.0) || non_finite(sum) || mass_bad;
+    let range_bad = red.min != NONE;
     let any_bad = row_bad || range_bad;
     var inv = 0.0;
     if !any_bad {
@@ -117,7 +106,7 @@ fn teacher_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     }
     let token = params.token0 + row;
     if range_bad {
-        atomicMin(&status[S_ID_RANGE], token * k + red_range[0]);
+        atomicMin(&status[S_ID_RANGE], token * k + red.min);
     }
     if row_bad {
         atomicMin(&status[S_ROW], token);

@@ -13,14 +13,14 @@
 // params: TopkOutParams.
 @compute @workgroup_size(WG)
 fn topk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let i = (wg.x + wg.y * params.grid_x) * WG + lid;
-    if i >= params.rows * params.k {
+    let at = cell_of(wg, lid, params.rows, params.k);
+    if !at.inside {
         return;
     }
-    let p = probs_chunk[i];
-    ids_dst[params.ids_offset + i] = ids_chunk[i];
-    probs_dst[params.probs_offset + i] = p;
-    if i % params.k == 0u && non_finite(p) {
-        atomicMin(&status[S_LOGITS], params.token0 + i / params.k);
+    let p = probs_chunk[at.i];
+    ids_dst[params.ids_offset + at.i] = ids_chunk[at.i];
+    probs_dst[params.probs_offset + at.i] = p;
+    if at.col == 0u && non_finite(p) {
+        atomicMin(&status[S_LOGITS], params.token0 + at.row);
     }
 }

@@ -319,20 +319,10 @@ fn write_bad(row: u32, k: u32, lid: u32) {
     }
 }
 
-@compute @workgroup_size(WG)
-fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let row = wg.x + wg.y * params.grid_x;
-    if row >= params.rows {
-        return;
-    }
-    let vocab = params.vocab;
-    let k = params.k;
-    let base = row * params.ld;
-    if (params.flags & F_GATHER) != 0u {
-        gather_row(row, k, lid);
-        return;
-    }
-
+// Resets the row's counters and flags (invocation 0); the barrier lands
+// them before any invocation can flag the row. Call from uniform control
+// flow.
+fn reset_row(k: u32, lid: u32) {
     if lid == 0u {
         u_prefix = 0u;
         u_need = k;
@@ -341,121 +331,216 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         atomicStore(&gt_count, 0u);
         atomicStore(&eq_count, 0u);
     }
-    // The resets land before any invocation can flag the row below.
     workgroupBarrier();
+}
 
-    // Threshold path (k <= WG): T, the k-th largest of the invocations'
-    // largest keys, is at most the row's k-th largest key (k invocations
-    // each own a key >= T), so the top k are among the keys >= T. Each
-    // invocation also keeps its 4 largest keys (id ascending among equal
-    // ones) while it reads: where every invocation's 4th is below T, those
-    // hold every key >= T and the row is read once. Otherwise a second read
-    // gathers the keys >= T, one atomic each; when more than MAX_K reach T
-    // (a flat row), the radix select below runs instead.
-    if k <= WG {
-        var top = Top4(vec4<u32>(PAD_KEY), vec4<u32>(PAD_ID), false);
-        let base4 = base / 4u;
-        let n4 = (vocab + 3u) / 4u;
-        // Four 16-byte loads in flight per invocation (one at a time left
-        // the read latency-bound), in named values: an indexed array of
-        // them went to slow local memory. Indices past the row repeat its
-        // last word; `keep4` skips them.
-        for (var j4 = lid; j4 < n4; j4 += 4u * WG) {
-            let x0 = logits[base4 + j4];
-            let x1 = logits[base4 + min(j4 + WG, n4 - 1u)];
-            let x2 = logits[base4 + min(j4 + 2u * WG, n4 - 1u)];
-            let x3 = logits[base4 + min(j4 + 3u * WG, n4 - 1u)];
-            top = keep4(top, x0, j4, n4, vocab);
-            top = keep4(top, x1, j4 + WG, n4, vocab);
-            top = keep4(top, x2, j4 + 2u * WG, n4, vocab);
-            top = keep4(top, x3, j4 + 3u * WG, n4, vocab);
-        }
-        let k0 = top.keys.x;
-        let k3 = top.keys.w;
-        let bad = top.bad;
-        if bad {
-            atomicStore(&bad_flag, 1u);
-        }
-        sel_key[lid] = k0;
-        sel_id[lid] = lid;
-        workgroupBarrier();
-        if lid == 0u {
-            u_bad = atomicLoad(&bad_flag);
-        }
-        if workgroupUniformLoad(&u_bad) != 0u {
-            write_bad(row, k, lid);
-            return;
-        }
-        bitonic_sort(WG, lid);
-        if lid == 0u {
-            u_prefix = sel_key[k - 1u];
-        }
-        let threshold = workgroupUniformLoad(&u_prefix);
-        // An invocation whose 4th key reaches T may hold more keys >= T
-        // than it kept.
-        if k3 >= threshold {
-            atomicStore(&more_flag, 1u);
-        }
-        workgroupBarrier();
-        if lid == 0u {
-            u_total = atomicLoad(&more_flag);
-        }
-        if workgroupUniformLoad(&u_total) == 0u {
-            for (var q = 0u; q < 4u; q++) {
-                if top.keys[q] >= threshold {
-                    let slot = atomicAdd(&gt_count, 1u);
-                    sel_key[slot] = top.keys[q];
-                    sel_id[slot] = top.ids[q];
-                }
-            }
-            workgroupBarrier();
-            if lid == 0u {
-                u_total = atomicLoad(&gt_count);
-            }
-            // At most 4 · WG = 1024 <= MAX_K pairs.
-            sort_selected(workgroupUniformLoad(&u_total), lid);
-            write_row(row, k, lid);
-            return;
-        }
-        for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
-            let x4 = logits[base4 + j4];
-            for (var c = 0u; c < 4u; c++) {
-                let j = j4 * 4u + c;
-                let key = key_of(x4[c]);
-                if j < vocab && key >= threshold {
-                    let slot = atomicAdd(&gt_count, 1u);
-                    if slot < MAX_K {
-                        sel_key[slot] = key;
-                        sel_id[slot] = j;
-                    }
-                }
-            }
-        }
-        workgroupBarrier();
-        if lid == 0u {
-            u_total = atomicLoad(&gt_count);
-        }
-        let count = workgroupUniformLoad(&u_total);
-        if count <= MAX_K {
-            sort_selected(count, lid);
-            write_row(row, k, lid);
-            return;
-        }
-        if lid == 0u {
-            u_prefix = 0u;
-            atomicStore(&gt_count, 0u);
-        }
-        workgroupBarrier();
+// After a barrier: whether an invocation flagged the row (bad_flag), read
+// uniformly; a flagged row is marked (write_bad). Call from uniform
+// control flow.
+fn flagged_bad(row: u32, k: u32, lid: u32) -> bool {
+    if lid == 0u {
+        u_bad = atomicLoad(&bad_flag);
     }
+    if workgroupUniformLoad(&u_bad) != 0u {
+        write_bad(row, k, lid);
+        return true;
+    }
+    return false;
+}
 
-    // Radix select: find the k-th largest key in 3 digits of 11, 11 and 10
-    // bits. After a pass, `prefix` holds the key's bits resolved so far
-    // (under `mask`) and `need` how many keys with that prefix are still to
-    // be taken (1 ≤ need ≤ bucket, the keys with that prefix).
-    var mask = 0u;
-    var prefix = 0u;
-    var need = k;
-    var bucket = 0u;
+// gt_count once every invocation has added to it, read uniformly. Call
+// from uniform control flow.
+fn gt_total(lid: u32) -> u32 {
+    workgroupBarrier();
+    if lid == 0u {
+        u_total = atomicLoad(&gt_count);
+    }
+    return workgroupUniformLoad(&u_total);
+}
+
+// The invocation's 4 largest keys over its strided share of the row (row
+// words from base4), and whether it saw a non-finite logit. Four 16-byte
+// loads in flight per invocation (one at a time left the read
+// latency-bound), in named values: an indexed array of them went to slow
+// local memory. Indices past the row repeat its last word; `keep4` skips
+// them.
+fn read_top4(base4: u32, lid: u32, vocab: u32) -> Top4 {
+    var top = Top4(vec4<u32>(PAD_KEY), vec4<u32>(PAD_ID), false);
+    let n4 = (vocab + 3u) / 4u;
+    for (var j4 = lid; j4 < n4; j4 += 4u * WG) {
+        let x0 = logits[base4 + j4];
+        let x1 = logits[base4 + min(j4 + WG, n4 - 1u)];
+        let x2 = logits[base4 + min(j4 + 2u * WG, n4 - 1u)];
+        let x3 = logits[base4 + min(j4 + 3u * WG, n4 - 1u)];
+        top = keep4(top, x0, j4, n4, vocab);
+        top = keep4(top, x1, j4 + WG, n4, vocab);
+        top = keep4(top, x2, j4 + 2u * WG, n4, vocab);
+        top = keep4(top, x3, j4 + 3u * WG, n4, vocab);
+    }
+    return top;
+}
+
+// The invocation's kept keys >= T into sel_key/sel_id (one workgroup
+// atomic each).
+fn take_kept(top: Top4, threshold: u32) {
+    for (var q = 0u; q < 4u; q++) {
+        if top.keys[q] >= threshold {
+            let slot = atomicAdd(&gt_count, 1u);
+            sel_key[slot] = top.keys[q];
+            sel_id[slot] = top.ids[q];
+        }
+    }
+}
+
+// A second read of the row: every key >= T into sel_key/sel_id (one
+// workgroup atomic each; all counted, the first MAX_K stored).
+fn gather_above(base4: u32, lid: u32, vocab: u32, threshold: u32) {
+    for (var j4 = lid; j4 * 4u < vocab; j4 += WG) {
+        let x4 = logits[base4 + j4];
+        for (var c = 0u; c < 4u; c++) {
+            let j = j4 * 4u + c;
+            let key = key_of(x4[c]);
+            if j < vocab && key >= threshold {
+                let slot = atomicAdd(&gt_count, 1u);
+                if slot < MAX_K {
+                    sel_key[slot] = key;
+                    sel_id[slot] = j;
+                }
+            }
+        }
+    }
+}
+
+// Threshold path (k <= WG): T, the k-th largest of the invocations'
+// largest keys, is at most the row's k-th largest key (k invocations
+// each own a key >= T), so the top k are among the keys >= T. Each
+// invocation also keeps its 4 largest keys (id ascending among equal
+// ones) while it reads: where every invocation's 4th is below T, those
+// hold every key >= T and the row is read once. Otherwise a second read
+// gathers the keys >= T, one atomic each. Returns whether the row is done
+// (written, or marked bad); when more than MAX_K reach T (a flat row) it
+// is not, and u_prefix and gt_count are reset for the radix select. Call
+// from uniform control flow.
+fn threshold_path(row: u32, k: u32, lid: u32) -> bool {
+    let vocab = params.vocab;
+    let base4 = row * params.ld / 4u;
+    let top = read_top4(base4, lid, vocab);
+    if top.bad {
+        atomicStore(&bad_flag, 1u);
+    }
+    sel_key[lid] = top.keys.x;
+    sel_id[lid] = lid;
+    workgroupBarrier();
+    if flagged_bad(row, k, lid) {
+        return true;
+    }
+    bitonic_sort(WG, lid);
+    if lid == 0u {
+        u_prefix = sel_key[k - 1u];
+    }
+    let threshold = workgroupUniformLoad(&u_prefix);
+    // An invocation whose 4th key reaches T may hold more keys >= T
+    // than it kept.
+    if top.keys.w >= threshold {
+        atomicStore(&more_flag, 1u);
+    }
+    workgroupBarrier();
+    if lid == 0u {
+        u_total = atomicLoad(&more_flag);
+    }
+    if workgroupUniformLoad(&u_total) == 0u {
+        take_kept(top, threshold);
+        // At most 4 · WG = 1024 <= MAX_K pairs.
+        sort_selected(gt_total(lid), lid);
+        write_row(row, k, lid);
+        return true;
+    }
+    gather_above(base4, lid, vocab, threshold);
+    let count = gt_total(lid);
+    if count <= MAX_K {
+        sort_selected(count, lid);
+        write_row(row, k, lid);
+        return true;
+    }
+    if lid == 0u {
+        u_prefix = 0u;
+        atomicStore(&gt_count, 0u);
+    }
+    workgroupBarrier();
+    return false;
+}
+
+// The radix select's state: after a pass, `prefix` holds the k-th largest
+// key's bits resolved so far (under `mask`) and `need` how many keys with
+// that prefix are still to be taken (1 ≤ need ≤ bucket, the keys with
+// that prefix); `bad`: the row holds a non-finite logit (and is marked).
+struct Radix {
+    mask: u32,
+    prefix: u32,
+    need: u32,
+    bucket: u32,
+    bad: bool,
+}
+
+// One pass's histogram: cleared, then the digit (key >> shift) &
+// digit_mask of every key of the row (from element base) with the
+// resolved prefix counted; with `first`, a non-finite logit flags the row
+// (bad_flag). Ends with a barrier. Call from uniform control flow.
+fn count_digits(base: u32, lid: u32, r: Radix, shift: u32, digit_mask: u32, first: bool) {
+    for (var i = lid; i < TOPK_HIST; i += WG) {
+        atomicStore(&hist[i], 0u);
+    }
+    workgroupBarrier();
+    var bad = false;
+    for (var j = lid; j < params.vocab; j += WG) {
+        let x = logit(base, j);
+        if first && non_finite(x) {
+            bad = true;
+        }
+        let key = key_of(x);
+        if (key & r.mask) == r.prefix {
+            atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+        }
+    }
+    if bad {
+        atomicStore(&bad_flag, 1u);
+    }
+    workgroupBarrier();
+}
+
+// The digit of the need-th largest key with the resolved prefix:
+// invocation t owns digits [t·per, (t+1)·per), and the scan over
+// invocations in reverse order counts the keys above its digits; the
+// invocation holding it sets u_prefix, u_need and u_bucket. Call from
+// uniform control flow.
+fn find_digit(lid: u32, bins: u32, shift: u32, prefix: u32, need: u32) {
+    let per = bins / WG;
+    var own = 0u;
+    for (var d = lid * per; d < (lid + 1u) * per; d++) {
+        own += atomicLoad(&hist[d]);
+    }
+    scan[WG - 1u - lid] = own;
+    workgroupBarrier();
+    scan_inclusive(lid);
+    var above = scan[WG - 1u - lid] - own;
+    for (var i = 0u; i < per; i++) {
+        let d = (lid + 1u) * per - 1u - i;
+        let h = atomicLoad(&hist[d]);
+        if above < need && need <= above + h {
+            u_prefix = prefix | (d << shift);
+            u_need = need - above;
+            u_bucket = h;
+        }
+        above += h;
+    }
+}
+
+// Radix select: the k-th largest key in 3 digits of 11, 11 and 10 bits,
+// stopping early when a whole digit bucket is taken. Call from uniform
+// control flow.
+fn radix_select(row: u32, k: u32, lid: u32) -> Radix {
+    let base = row * params.ld;
+    var r = Radix(0u, 0u, k, 0u, false);
     for (var digit_pass = 0u; digit_pass < 3u; digit_pass++) {
         var shift = 21u - 11u * digit_pass;
         var bins = TOPK_HIST;
@@ -464,116 +549,109 @@ fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             bins = TOPK_HIST / 2u;
         }
         let digit_mask = bins - 1u;
-        for (var i = lid; i < TOPK_HIST; i += WG) {
-            atomicStore(&hist[i], 0u);
-        }
-        workgroupBarrier();
-        var bad = false;
-        for (var j = lid; j < vocab; j += WG) {
-            let x = logit(base, j);
-            if digit_pass == 0u && non_finite(x) {
-                bad = true;
-            }
-            let key = key_of(x);
-            if (key & mask) == prefix {
-                atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
-            }
-        }
-        if bad {
-            atomicStore(&bad_flag, 1u);
-        }
-        workgroupBarrier();
+        count_digits(base, lid, r, shift, digit_mask, digit_pass == 0u);
         if digit_pass == 0u {
-            if lid == 0u {
-                u_bad = atomicLoad(&bad_flag);
-            }
-            if workgroupUniformLoad(&u_bad) != 0u {
-                write_bad(row, k, lid);
-                return;
+            if flagged_bad(row, k, lid) {
+                r.bad = true;
+                return r;
             }
         }
-        // Invocation t owns digits [t·per, (t+1)·per). The scan over
-        // invocations in reverse order counts the keys above its digits.
-        let per = bins / WG;
-        var own = 0u;
-        for (var d = lid * per; d < (lid + 1u) * per; d++) {
-            own += atomicLoad(&hist[d]);
-        }
-        scan[WG - 1u - lid] = own;
-        workgroupBarrier();
-        scan_inclusive(lid);
-        var above = scan[WG - 1u - lid] - own;
-        for (var i = 0u; i < per; i++) {
-            let d = (lid + 1u) * per - 1u - i;
-            let h = atomicLoad(&hist[d]);
-            if above < need && need <= above + h {
-                u_prefix = prefix | (d << shift);
-                u_need = need - above;
-                u_bucket = h;
-            }
-            above += h;
-        }
-        prefix = workgroupUniformLoad(&u_prefix);
-        need = workgroupUniformLoad(&u_need);
-        bucket = workgroupUniformLoad(&u_bucket);
-        mask |= digit_mask << shift;
-        if need == bucket {
+        find_digit(lid, bins, shift, r.prefix, r.need);
+        r.prefix = workgroupUniformLoad(&u_prefix);
+        r.need = workgroupUniformLoad(&u_need);
+        r.bucket = workgroupUniformLoad(&u_bucket);
+        r.mask |= digit_mask << shift;
+        if r.need == r.bucket {
             // Every key in the bucket is taken: no tie to break below.
             break;
         }
     }
+    return r;
+}
 
-    // Gather: keys above the bucket anywhere, and the bucket's keys when all
-    // of them are taken.
-    let take_all = need == bucket;
-    let n_gt = k - need;
-    for (var j = lid; j < vocab; j += WG) {
+// Gather: keys above the bucket anywhere, and the bucket's keys when all
+// of them are taken (after the k − need keys above).
+fn gather_selected(row: u32, k: u32, lid: u32, r: Radix) {
+    let base = row * params.ld;
+    let take_all = r.need == r.bucket;
+    let n_gt = k - r.need;
+    for (var j = lid; j < params.vocab; j += WG) {
         let key = key_of(logit(base, j));
-        let hi = key & mask;
-        if hi > prefix {
+        let hi = key & r.mask;
+        if hi > r.prefix {
             let slot = atomicAdd(&gt_count, 1u);
             sel_key[slot] = key;
             sel_id[slot] = j;
-        } else if take_all && hi == prefix {
+        } else if take_all && hi == r.prefix {
             let slot = n_gt + atomicAdd(&eq_count, 1u);
             sel_key[slot] = key;
             sel_id[slot] = j;
         }
     }
-    if !take_all {
-        // All 32 bits were resolved: the bucket is the keys equal to the
-        // k-th largest. Take the `need` lowest ids among them, tile by tile
-        // in id order.
-        var taken = 0u;
-        for (var tile = 0u; tile < vocab; tile += WG) {
-            let j = tile + lid;
-            var hit = 0u;
-            var key = 0u;
-            if j < vocab {
-                key = key_of(logit(base, j));
-                if key == prefix {
-                    hit = 1u;
-                }
-            }
-            workgroupBarrier();
-            scan[lid] = hit;
-            workgroupBarrier();
-            scan_inclusive(lid);
-            let before_me = taken + scan[lid] - hit;
-            if hit == 1u && before_me < need {
-                sel_key[n_gt + before_me] = key;
-                sel_id[n_gt + before_me] = j;
-            }
-            if lid == WG - 1u {
-                u_total = scan[lid];
-            }
-            taken += workgroupUniformLoad(&u_total);
-            if taken >= need {
-                break;
+}
+
+// All 32 bits were resolved: the bucket is the keys equal to the k-th
+// largest. Takes the `need` lowest ids among them, tile by tile in id
+// order, after the k − need keys above. Call from uniform control flow.
+fn take_ties(row: u32, k: u32, lid: u32, r: Radix) {
+    let base = row * params.ld;
+    let vocab = params.vocab;
+    let n_gt = k - r.need;
+    var taken = 0u;
+    for (var tile = 0u; tile < vocab; tile += WG) {
+        let j = tile + lid;
+        var hit = 0u;
+        var key = 0u;
+        if j < vocab {
+            key = key_of(logit(base, j));
+            if key == r.prefix {
+                hit = 1u;
             }
         }
+        workgroupBarrier();
+        scan[lid] = hit;
+        workgroupBarrier();
+        scan_inclusive(lid);
+        let before_me = taken + scan[lid] - hit;
+        if hit == 1u && before_me < r.need {
+            sel_key[n_gt + before_me] = key;
+            sel_id[n_gt + before_me] = j;
+        }
+        if lid == WG - 1u {
+            u_total = scan[lid];
+        }
+        taken += workgroupUniformLoad(&u_total);
+        if taken >= r.need {
+            break;
+        }
     }
+}
 
+@compute @workgroup_size(WG)
+fn topk_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let row = wg.x + wg.y * params.grid_x;
+    if row >= params.rows {
+        return;
+    }
+    if (params.flags & F_GATHER) != 0u {
+        gather_row(row, params.k, lid);
+        return;
+    }
+    let k = params.k;
+    reset_row(k, lid);
+    if k <= WG {
+        if threshold_path(row, k, lid) {
+            return;
+        }
+    }
+    let r = radix_select(row, k, lid);
+    if r.bad {
+        return;
+    }
+    gather_selected(row, k, lid, r);
+    if r.need != r.bucket {
+        take_ties(row, k, lid, r);
+    }
     sort_selected(k, lid);
     write_row(row, k, lid);
 }

@@ -20,36 +20,38 @@ struct Step {
 @group(0) @binding(4) var<storage, read_write> loss: array<f32>;   // [ntok]
 @group(0) @binding(5) var<storage, read_write> history: array<f32>; // [steps]
 
+// Σ_q feats[f0 + q·fs] · x[q·hs + j] over q < n, in order: x is the map
+// (`of_map`) or the rows.
+fn feats_dot(of_map: bool, f0: u32, fs: u32, j: u32, n: u32) -> f32 {
+    var s = 0.0;
+    for (var q = 0u; q < n; q++) {
+        var x = 0.0;
+        if of_map {
+            x = map[q * step.hs + j];
+        } else {
+            x = rows[q * step.hs + j];
+        }
+        s += feats[f0 + q * fs] * x;
+    }
+    return s;
+}
+
 // hidden[t][j] = sum_c feats[t][c] * map[c][j]
 @compute @workgroup_size(64)
 fn forward(@builtin(global_invocation_id) gid: vec3<u32>) {
     let i = gid.x;
-    if i >= step.ntok * step.hs {
-        return;
+    if i < step.ntok * step.hs {
+        rows[i] = feats_dot(true, (i / step.hs) * step.d, 1u, i % step.hs, step.d);
     }
-    let t = i / step.hs;
-    let j = i % step.hs;
-    var s = 0.0;
-    for (var c = 0u; c < step.d; c++) {
-        s += feats[t * step.d + c] * map[c * step.hs + j];
-    }
-    rows[i] = s;
 }
 
 // map[c][j] -= lr * sum_t feats[t][c] * dx[t][j]
 @compute @workgroup_size(64)
 fn sgd(@builtin(global_invocation_id) gid: vec3<u32>) {
     let i = gid.x;
-    if i >= step.d * step.hs {
-        return;
+    if i < step.d * step.hs {
+        map[i] -= step.lr * feats_dot(false, i / step.hs, step.d, i % step.hs, step.ntok);
     }
-    let c = i / step.hs;
-    let j = i % step.hs;
-    var g = 0.0;
-    for (var t = 0u; t < step.ntok; t++) {
-        g += feats[t * step.d + c] * rows[t * step.hs + j];
-    }
-    map[i] -= step.lr * g;
 }
 
 var<workgroup> partial: array<f32, 64>;

@@ -195,11 +195,13 @@ fn every_shader_file_belongs_to_a_kernel() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|n| n.ends_with(".wgsl"))
         .collect();
-    // The header the device-resident kernels share, the GEMMs' shared
-    // tails and the f16 rounding the two conversions share.
+    // The header the device-resident kernels share and the reduction two
+    // of them share, the GEMMs' shared tails and the f16 rounding the two
+    // conversions share.
     let shared = |file: &str| {
         [
             "resident_common.wgsl",
+            "resident_reduce.wgsl",
             "gemm_common.wgsl",
             "gemm_coop_common.wgsl",
             "f16_round.wgsl",
@@ -219,5 +221,5 @@ fn every_shader_file_belongs_to_a_kernel() {
             shader.file
         );
     }
-    assert_eq!(files.len(), SHADERS.len() + 4);
+    assert_eq!(files.len(), SHADERS.len() + 5);
 }

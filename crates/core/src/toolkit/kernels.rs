@@ -129,7 +129,8 @@ macro_rules! gemm_shader {
 
 /// A device-resident kernel's shader: `resident_common.wgsl` (helpers and
 /// the generated block and constants) followed by its own file (WGSL has
-/// no include).
+/// no include) and, for the kernels that reduce over their workgroup,
+/// `resident_reduce.wgsl`.
 macro_rules! resident_shader {
     ($file:literal, $params:ty) => {
         Shader {
@@ -137,6 +138,17 @@ macro_rules! resident_shader {
             text: concat!(
                 include_str!("../../../../shaders/resident_common.wgsl"),
                 include_str!(concat!("../../../../shaders/", $file))
+            ),
+            params: <$params>::BLOCK,
+        }
+    };
+    ($file:literal, $params:ty, reduce) => {
+        Shader {
+            file: $file,
+            text: concat!(
+                include_str!("../../../../shaders/resident_common.wgsl"),
+                include_str!(concat!("../../../../shaders/", $file)),
+                include_str!("../../../../shaders/resident_reduce.wgsl")
             ),
             params: <$params>::BLOCK,
         }
@@ -168,9 +180,9 @@ pub const SUM_PARTS_WGSL: Shader = shader!("sum_parts.wgsl", SumPartsParams);
 pub const TRANSPOSE_WGSL: Shader = shader!("transpose.wgsl", TransposeParams);
 
 /// `resident_stats.wgsl`: the weights' total and gradient scale.
-pub const WEIGHT_STATS_WGSL: Shader = resident_shader!("resident_stats.wgsl", WeightStatsParams);
+pub const WEIGHT_STATS_WGSL: Shader = resident_shader!("resident_stats.wgsl", WeightStatsParams, reduce);
 /// `resident_teacher.wgsl`: the caller's teacher rows checked into scratch.
-pub const TEACHER_ROWS_WGSL: Shader = resident_shader!("resident_teacher.wgsl", TeacherRowsParams);
+pub const TEACHER_ROWS_WGSL: Shader = resident_shader!("resident_teacher.wgsl", TeacherRowsParams, reduce);
 /// `resident_labels.wgsl`: the caller's labels checked into scratch.
 pub const LABELS_IN_WGSL: Shader = resident_shader!("resident_labels.wgsl", LabelsInParams);
 /// `resident_hidden.wgsl`: the caller's hidden rows into the f16 operand
