@@ -77,7 +77,7 @@ fn row_stats(t: Tile, rows: u32, cols: u32, lid: u32, threads: u32) {
     }
 }
 
-// The dx GEMM's block filter (headkl_core::filter; the gemm_dx_filtered
+// The dx GEMM's block filter (headkl_core::problem::filter; the gemm_dx_filtered
 // entry points): word `w` of row `row`'s block mask, stored in A's buffer
 // after A's m rows as four halves of 8 bits each (`a_half`: each shader's
 // own read of A's half `i`).

@@ -377,7 +377,7 @@ fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     gemm(wg, lid, sg, true, false);
 }
 
-// gemm_dx with the block filter (headkl_core::filter).
+// gemm_dx with the block filter (headkl_core::problem::filter).
 @compute @workgroup_size(2u * SG_ROWS * SG_SIZE)
 fn gemm_dx_filtered(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_id) sg: u32) {

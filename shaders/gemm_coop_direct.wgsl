@@ -138,7 +138,7 @@ fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     gemm(wg, lid, true, false);
 }
 
-// gemm_dx with the block filter (headkl_core::filter).
+// gemm_dx with the block filter (headkl_core::problem::filter).
 @compute @workgroup_size(SG_SIZE)
 fn gemm_dx_filtered(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     gemm(wg, lid, true, true);

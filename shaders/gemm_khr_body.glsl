@@ -481,7 +481,7 @@ void epilogue() {
 #if !NN || MODE != 0 || TALL || A_READ != 0 || B_READ != 0 || LOAD_KIND != 0
 #error "FILTER is the production dx GEMM's (NN, MODE 0, staged operands)"
 #endif
-// The dx GEMM's block filter (headkl_core::filter): mask word `w` of A's
+// The dx GEMM's block filter (headkl_core::problem::filter): mask word `w` of A's
 // row `row`, stored after A's m rows as four halves of 8 bits each (8
 // bytes: half of a 16-byte word).
 uint mask_word(uint row, uint w) {

@@ -146,7 +146,7 @@ fn gemm_dx(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) l
     gemm(wg, li, lid, true, false);
 }
 
-// gemm_dx with the block filter (headkl_core::filter): skips the K steps
+// gemm_dx with the block filter (headkl_core::problem::filter): skips the K steps
 // whose block is clear in every row of the tile.
 @compute @workgroup_size(16, 16)
 fn gemm_dx_filtered(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) li: vec3<u32>,

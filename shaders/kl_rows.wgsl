@@ -58,7 +58,7 @@ var<workgroup> row_c1: vec4<f32>;
 // Reverse KL and JSD (docs/DESIGN.md §1): E = Σ_bins q·f'(q, t) and
 // log N, the student's normalizer on the k (log Σ_k p_S renormalized, else 0).
 var<workgroup> row_div: vec2<f32>;
-// The block filter (F_FILTER; headkl_core::filter): one segment's mask
+// The block filter (F_FILTER; headkl_core::problem::filter): one segment's mask
 // words, each 32 blocks of FILTER_BLOCK vocabulary entries. Only the
 // filtered pipeline touches it.
 // 16-byte grad words a mask word covers: 32 blocks of FILTER_BLOCK.
@@ -878,7 +878,7 @@ fn store_mask(row: u32, lid: u32, s4: u32) {
 
 // Pass 2 with the block filter (F_FILTER): the gradient exactly as the
 // unfiltered pass writes it (same expressions, same bits), and the row's
-// block mask (headkl_core::filter), one segment of SEG_WORDS mask words at
+// block mask (headkl_core::problem::filter), one segment of SEG_WORDS mask words at
 // a time. A block's bit is set when some entry keeps it (`kept`): the
 // bulk by c·p_S (plain) or its value, the teacher's and the label's
 // columns by their final values too (a superset: never a block the
