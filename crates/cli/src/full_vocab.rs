@@ -11,10 +11,10 @@ use headkl_core::{Backend, HeadWeights, Hidden, HiddenData, LossOptions, LossOut
 
 use crate::environment::Settings;
 use crate::error::CliError;
-use crate::io::{check_output_not_input, PendingOutput, TensorFile};
+use crate::io::{check_output_not_input, TensorFile};
 use crate::jobs::{
     check_loss_options, read_head, read_hidden, read_labels, read_weights, write_loss, InputArgs, JobInputs, LossArgs,
-    LossOutputs, Sources,
+    Sources,
 };
 use crate::provenance::LossRecord;
 use crate::select::{open_and_run, resolve_announced, BackendArgs, Job};
@@ -103,8 +103,7 @@ pub(crate) fn loss(
         HeadWeights::new(t_head_elems.data(), vocab, t_hs).map_err(|e| teacher_sources.map(e, "teacher head"))?;
     let t_hidden =
         Hidden::new(t_hidden_elems.data(), ntok, t_hs).map_err(|e| teacher_sources.map(e, "teacher hidden"))?;
-    let pending = PendingOutput::create(&args.out)?;
-    let head_grad_out = args.head_grad_output(&all_inputs)?;
+    let outputs = args.open_outputs(&all_inputs)?;
     let target = resolve_announced(backend, "headkl", settings)?;
     if shards.plan(vocab, &target)?.is_some() {
         return Err(CliError::option(
@@ -144,11 +143,7 @@ pub(crate) fn loss(
         weights: args.weights.as_deref(),
         labels: terms.labels.as_deref(),
     };
-    let outputs = LossOutputs {
-        out: (pending, &args.out),
-        head_grad: head_grad_out.zip(args.head_grad.as_deref()),
-    };
-    write_loss(outputs, &result, &record, args.reduction, start)
+    write_loss(outputs, &result, &record, start)
 }
 
 /// The first `(row, column)` of `rows` (`hs` wide) that is not finite.

@@ -15,7 +15,6 @@ use crate::jobs::{read_head, read_hidden, read_ids, InputArgs, JobInputs, Source
 use crate::options::BudgetArg;
 use crate::provenance::TeacherRecord;
 use crate::select::{BackendArgs, Job};
-use crate::shard::GatherShards;
 use crate::text::fmt_bytes;
 
 /// Options of `headkl gather` beyond the head and hidden rows.
@@ -40,22 +39,21 @@ pub struct GatherArgs {
     pub out: PathBuf,
 }
 
-/// Runs the gather on a backend in one engine call.
-struct GatherJob<'a> {
-    inputs: JobInputs<'a>,
-    ids: &'a [i64],
-    opts: &'a TopkOptions,
+/// The gather on one engine (on the shards: [`crate::shard::Sharded`]).
+pub(crate) struct GatherJob<'a> {
+    pub(crate) inputs: JobInputs<'a>,
+    pub(crate) ids: &'a [i64],
+    pub(crate) opts: &'a TopkOptions,
 }
 
 impl Job for GatherJob<'_> {
     type Output = Result<Gathered, CliError>;
 
-    fn run<B: Backend>(self, backend: B) -> Result<Gathered, CliError> {
-        let inputs = &self.inputs;
-        let (_progress, mut engine) = inputs.start_engine(backend, "gather: head upload, then tokens")?;
-        engine
-            .logprobs_at(&inputs.hidden, self.ids, self.opts)
-            .map_err(|e| inputs.sources.map(e, "gather"))
+    fn run<B: Backend>(self, backend: B) -> Self::Output {
+        let label = "gather: head upload, then tokens";
+        self.inputs.run_call(backend, label, "gather", |engine, hidden| {
+            engine.logprobs_at(hidden, self.ids, self.opts)
+        })
     }
 }
 
@@ -93,27 +91,12 @@ pub fn run(
     headkl_core::check_gather_ids(&ids, ntok, k, vocab).map_err(|e| sources.map(e, "ids"))?;
     let inputs = JobInputs::check(&sources, head_elems.data(), hidden_elems.data(), vocab, ntok, hs)?;
     let pending = PendingOutput::create(&args.out)?;
-    let map = |e, c: &str| sources.map(e, c);
-    let (result, start) = shards.run_job(
-        backend,
-        settings,
-        vocab,
-        |plan| {
-            Ok(GatherShards {
-                plan,
-                head: inputs.head,
-                hidden: inputs.hidden,
-                ids: &ids,
-                opts: &opts,
-                map: &map,
-            })
-        },
-        || GatherJob {
-            inputs,
-            ids: &ids,
-            opts: &opts,
-        },
-    )?;
+    let job = GatherJob {
+        inputs,
+        ids: &ids,
+        opts: &opts,
+    };
+    let (result, start) = shards.run_job(backend, settings, vocab, || Ok(()), job)?;
     // Not renormalized: log-probabilities over the full vocabulary.
     let record = TeacherRecord {
         temperature: args.temperature,

@@ -20,7 +20,6 @@ use crate::options::BudgetArg;
 use crate::progress::Progress;
 use crate::provenance::{check_teacher, LossRecord, LossRun, TeacherRecord};
 use crate::select::{describe, BackendArgs, Job};
-use crate::shard::{LossShards, TopkShards};
 use crate::terms::{LossTermArgs, TopkTermArgs};
 use crate::text::fmt_bytes;
 
@@ -373,50 +372,57 @@ impl<'a> JobInputs<'a> {
         engine.set_progress(Some(progress.callback()));
         Ok((progress, engine))
     }
+
+    /// A job of one engine call: [`Self::start_engine`], then `call` on the
+    /// engine and the hidden rows (the engine plans the chunks and reports
+    /// each one), its error named by the sources under `what`.
+    pub(crate) fn run_call<B: Backend, T>(
+        &self,
+        backend: B,
+        label: &str,
+        what: &str,
+        call: impl FnOnce(&mut Engine<B>, &Hidden<'a>) -> headkl_core::Result<T>,
+    ) -> Result<T, CliError> {
+        let (_progress, mut engine) = self.start_engine(backend, label)?;
+        call(&mut engine, &self.hidden).map_err(|e| self.sources.map(e, what))
+    }
 }
 
-/// Runs the top-k job on a backend in one engine call, whose progress
-/// callback drives the bar.
-struct TopkJob<'a> {
-    inputs: JobInputs<'a>,
-    opts: &'a TopkOptions,
+/// The top-k job on one engine (on the shards: [`crate::shard::Sharded`]).
+pub(crate) struct TopkJob<'a> {
+    pub(crate) inputs: JobInputs<'a>,
+    pub(crate) opts: &'a TopkOptions,
 }
 
 impl Job for TopkJob<'_> {
     type Output = Result<TopK, CliError>;
 
-    fn run<B: Backend>(self, backend: B) -> Result<TopK, CliError> {
-        let inputs = &self.inputs;
-        let (_progress, mut engine) = inputs.start_engine(backend, "topk: head upload, then tokens")?;
-        // One call: the engine plans the chunks and reports each one.
-        engine
-            .topk(&inputs.hidden, self.opts)
-            .map_err(|e| inputs.sources.map(e, "top-k"))
+    fn run<B: Backend>(self, backend: B) -> Self::Output {
+        let label = "topk: head upload, then tokens";
+        self.inputs
+            .run_call(backend, label, "top-k", |engine, hidden| engine.topk(hidden, self.opts))
     }
 }
 
-/// Runs the loss job on a backend in one engine call, whose progress
-/// callback drives the bar.
-struct LossJob<'a> {
+/// The loss job on one engine (on the shards: [`crate::shard::Sharded`]).
+pub(crate) struct LossJob<'a> {
     /// `HEADKL_TRACE`, `HEADKL_DX_SPLIT` and `HEADKL_NO_ROW_STATS` for the engine.
-    settings: &'a Settings,
-    inputs: JobInputs<'a>,
-    teacher: &'a Teacher,
-    opts: &'a LossOptions,
+    pub(crate) settings: &'a Settings,
+    pub(crate) inputs: JobInputs<'a>,
+    pub(crate) teacher: &'a Teacher,
+    pub(crate) opts: &'a LossOptions,
 }
 
 impl Job for LossJob<'_> {
     type Output = Result<LossOutput, CliError>;
 
-    fn run<B: Backend>(self, backend: B) -> Result<LossOutput, CliError> {
-        let inputs = &self.inputs;
-        let (_progress, mut engine) = inputs.start_engine(backend, "loss: head upload, then tokens")?;
-        self.settings.runtime.apply(&mut engine);
-        // One call: the engine resolves total and gscale over every token,
-        // plans the chunks and reports each one.
-        engine
-            .head_kl(&inputs.hidden, self.teacher, self.opts)
-            .map_err(|e| inputs.sources.map(e, "head_kl"))
+    fn run<B: Backend>(self, backend: B) -> Self::Output {
+        let label = "loss: head upload, then tokens";
+        // The engine resolves total and gscale over every token.
+        self.inputs.run_call(backend, label, "head_kl", |engine, hidden| {
+            self.settings.runtime.apply(engine);
+            engine.head_kl(hidden, self.teacher, self.opts)
+        })
     }
 }
 
@@ -472,22 +478,8 @@ pub fn topk(
     opts.check(vocab).map_err(|e| sources.map(e, "top-k options"))?;
     let inputs = JobInputs::check(&sources, head_elems.data(), hidden_elems.data(), vocab, ntok, hs)?;
     let pending = PendingOutput::create(out)?;
-    let map = |e, c: &str| sources.map(e, c);
-    let (result, start) = shards.run_job(
-        backend,
-        settings,
-        vocab,
-        |plan| {
-            Ok(TopkShards {
-                plan,
-                head: inputs.head,
-                hidden: inputs.hidden,
-                opts: &opts,
-                map: &map,
-            })
-        },
-        || TopkJob { inputs, opts: &opts },
-    )?;
+    let job = TopkJob { inputs, opts: &opts };
+    let (result, start) = shards.run_job(backend, settings, vocab, || Ok(()), job)?;
     let ids: Vec<i64> = result.ids.iter().map(|&i| i64::from(i)).collect();
     let record = TeacherRecord {
         temperature,
@@ -587,10 +579,20 @@ pub struct LossArgs {
 }
 
 impl LossArgs {
+    /// `--out` and `--head-grad` opened for writing (before anything is
+    /// computed, so a bad path fails first).
+    pub(crate) fn open_outputs(&self, inputs: &[&Path]) -> Result<LossOutputs<'_>, CliError> {
+        let out = PendingOutput::create(&self.out)?;
+        let head_grad = self.head_grad_output(inputs)?;
+        Ok(LossOutputs {
+            out: (out, &self.out),
+            head_grad: head_grad.zip(self.head_grad.as_deref()),
+        })
+    }
+
     /// `--head-grad`'s file, checked against the inputs and `--out` and
-    /// opened for writing (before anything is computed, so a bad path
-    /// fails first).
-    pub(crate) fn head_grad_output(&self, inputs: &[&Path]) -> Result<Option<PendingOutput>, CliError> {
+    /// opened for writing.
+    fn head_grad_output(&self, inputs: &[&Path]) -> Result<Option<PendingOutput>, CliError> {
         let Some(path) = &self.head_grad else {
             return Ok(None);
         };
@@ -746,32 +748,18 @@ pub fn loss(
     // Every option is checked before the head goes anywhere.
     let resolved = check_loss_options(&opts, ntok, vocab, &sources)?;
     let inputs = JobInputs::check(&sources, head_elems.data(), hidden_elems.data(), vocab, ntok, hs)?;
-    let pending = PendingOutput::create(&args.out)?;
-    let head_grad_out = args.head_grad_output(&all_inputs)?;
-    let map = |e, c: &str| sources.map(e, c);
-    let (result, start) = shards.run_job(
-        backend,
+    let outputs = args.open_outputs(&all_inputs)?;
+    let job = LossJob {
+        inputs,
+        teacher: &teacher,
+        opts: &opts,
         settings,
-        vocab,
-        |plan| {
-            // Refused before anything is opened or uploaded.
-            headkl_core::shard::check_loss_terms(tail, &opts).map_err(|e| sources.map(e, "loss options"))?;
-            Ok(LossShards {
-                plan,
-                head: inputs.head,
-                hidden: inputs.hidden,
-                teacher: &teacher,
-                opts: &opts,
-                map: &map,
-            })
-        },
-        || LossJob {
-            inputs,
-            teacher: &teacher,
-            opts: &opts,
-            settings,
-        },
-    )?;
+    };
+    // The sharded loss refuses some terms before anything is opened or
+    // uploaded.
+    let check_sharded =
+        || headkl_core::shard::check_loss_terms(tail, &opts).map_err(|e| sources.map(e, "loss options"));
+    let (result, start) = shards.run_job(backend, settings, vocab, check_sharded, job)?;
     let terms = args.terms.terms();
     let record = LossRecord {
         mean: result.mean,
@@ -792,11 +780,7 @@ pub fn loss(
         weights: args.weights.as_deref(),
         labels: args.terms.labels.as_deref(),
     };
-    let outputs = LossOutputs {
-        out: (pending, &args.out),
-        head_grad: head_grad_out.zip(args.head_grad.as_deref()),
-    };
-    write_loss(outputs, &result, &record, args.reduction, start)
+    write_loss(outputs, &result, &record, start)
 }
 
 /// `loss`'s output files, opened for writing: `--out`'s and, for a
@@ -815,7 +799,6 @@ pub(crate) fn write_loss(
     }: LossOutputs<'_>,
     result: &LossOutput,
     record: &LossRecord<'_>,
-    reduction: Reduction,
     start: Instant,
 ) -> Result<(), CliError> {
     let (ntok, vocab, hs, k) = (record.ntok, record.vocab, record.hs, record.k);
@@ -842,7 +825,7 @@ pub(crate) fn write_loss(
             path.display()
         );
     }
-    match reduction {
+    match record.reduction {
         Reduction::None => println!(
             "sum loss: {} (reduction none: the per-token losses are the output's `loss`)",
             fmt_mean(result.mean)

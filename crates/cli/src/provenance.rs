@@ -124,6 +124,18 @@ pub struct TeacherRecord {
     pub head: HeadIdentity,
 }
 
+/// A record's metadata, begun: the format version and the `command` (with
+/// this build's version) that made the file.
+fn metadata_made_by(command: &str) -> HashMap<String, String> {
+    let mut m = HashMap::new();
+    m.insert(FORMAT.into(), FORMAT_VERSION.into());
+    m.insert(
+        "headkl.made_by".into(),
+        format!("headkl {command} {}", env!("CARGO_PKG_VERSION")),
+    );
+    m
+}
+
 fn fmt_softcap(softcap: Option<f32>) -> String {
     softcap.map_or_else(|| "none".to_string(), |c| c.to_string())
 }
@@ -131,12 +143,7 @@ fn fmt_softcap(softcap: Option<f32>) -> String {
 impl TeacherRecord {
     /// The record as safetensors metadata.
     pub fn to_metadata(&self) -> HashMap<String, String> {
-        let mut m = HashMap::new();
-        m.insert(FORMAT.into(), FORMAT_VERSION.into());
-        m.insert(
-            "headkl.made_by".into(),
-            format!("headkl topk {}", env!("CARGO_PKG_VERSION")),
-        );
+        let mut m = metadata_made_by("topk");
         m.insert("headkl.temperature".into(), self.temperature.to_string());
         m.insert("headkl.k".into(), self.k.to_string());
         m.insert("headkl.vocab".into(), self.vocab.to_string());
@@ -319,12 +326,7 @@ pub struct LossRecord<'a> {
 impl LossRecord<'_> {
     /// The record as safetensors metadata.
     pub fn to_metadata(&self) -> HashMap<String, String> {
-        let mut m = HashMap::new();
-        m.insert(FORMAT.into(), FORMAT_VERSION.into());
-        m.insert(
-            "headkl.made_by".into(),
-            format!("headkl loss {}", env!("CARGO_PKG_VERSION")),
-        );
+        let mut m = metadata_made_by("loss");
         // f64's Display is the shortest string that reads back the same.
         m.insert("headkl.mean".into(), self.mean.to_string());
         m.insert("headkl.reduction".into(), self.reduction.name().to_string());

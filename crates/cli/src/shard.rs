@@ -18,6 +18,8 @@ use headkl_core::{
 
 use crate::environment::Settings;
 use crate::error::{join_in_order, CliError};
+use crate::gather::GatherJob;
+use crate::jobs::{JobInputs, LossJob, TopkJob};
 use crate::select::{open_and_run, resolve_announced, BackendArgs, Job, RunError, ShardsJob, Target};
 use headkl_runtime::RuntimeBackend;
 
@@ -74,30 +76,43 @@ impl ShardArgs {
     }
 
     /// Runs a command's job (`topk`, `gather`, `loss`) on the backend
-    /// `backend` resolves to: the job `sharded` makes for the plan
-    /// [`Self::plan`] gives, on its shards, or without shards `whole`, on
-    /// one engine.
+    /// `backend` resolves to: on the shards of the plan [`Self::plan`]
+    /// gives ([`Sharded`], once `check_sharded` passes), or without shards
+    /// on one engine.
     /// Returns the result and when the run started (the backend resolved).
-    pub(crate) fn run_job<T, S, J>(
+    pub(crate) fn run_job<T, J>(
         &self,
         backend: &BackendArgs,
         settings: &Arc<Settings>,
         vocab: usize,
-        sharded: impl FnOnce(ShardPlan) -> Result<S, CliError>,
-        whole: impl FnOnce() -> J,
+        check_sharded: impl FnOnce() -> Result<(), CliError>,
+        job: J,
     ) -> Result<(T, Instant), CliError>
     where
-        S: ShardsJob<Output = Result<T, CliError>>,
         J: Job<Output = Result<T, CliError>>,
+        Sharded<J>: ShardsJob<Output = Result<T, CliError>>,
     {
         let target = resolve_announced(backend, "headkl", settings)?;
         let start = Instant::now();
         let result = match self.plan(vocab, &target)? {
-            Some(plan) => open_and_run_shards(&target, &plan.devices.clone(), sharded(plan)?)?,
-            None => open_and_run(&target, whole())?,
+            Some(plan) => {
+                check_sharded()?;
+                open_and_run_shards(&target, &plan.devices.clone(), Sharded { plan, job })?
+            }
+            None => open_and_run(&target, job)?,
         };
         Ok((result, start))
     }
+}
+
+/// A command's one-engine job ([`TopkJob`], [`GatherJob`], [`LossJob`])
+/// run on the shards of `plan` instead: the same inputs and options, the
+/// same output.
+pub(crate) struct Sharded<J> {
+    /// The shards and where they run.
+    plan: ShardPlan,
+    /// The job as it runs on the whole head.
+    job: J,
 }
 
 /// Opens `devices` of `target`'s backend and runs `job` on them (shard i
@@ -148,8 +163,7 @@ fn announce<B: Backend>(backends: &[B], plan: &ShardPlan) {
 fn merged_over_shards<B, P, T>(
     backends: &[B],
     plan: &ShardPlan,
-    head: &HeadWeights<'_>,
-    map: MapError<'_>,
+    inputs: &JobInputs<'_>,
     what: &str,
     partials: impl Fn(&mut ShardEngine<&B>) -> headkl_core::Result<P> + Sync,
     merge: impl FnOnce(&[P]) -> headkl_core::Result<T>,
@@ -158,6 +172,7 @@ where
     B: Backend + Sync,
     P: Send,
 {
+    let map = &|e, c: &str| inputs.sources.map(e, c);
     announce(backends, plan);
     let partials = &partials;
     let parts: Result<Vec<P>, _> = std::thread::scope(|s| {
@@ -168,7 +183,7 @@ where
             .map(|(&shard, &d)| {
                 let backend = &backends[d];
                 s.spawn(move || {
-                    let mut e = engine_on(backend, head, shard, &plan.target.settings, map)?;
+                    let mut e = engine_on(backend, &inputs.head, shard, &plan.target.settings, map)?;
                     partials(&mut e).map_err(|e| map(e, what))
                 })
             })
@@ -180,41 +195,27 @@ where
 
 /// The sharded loss: N engines on N threads, phase one, the merge on this
 /// thread (where a trainer's all-reduce goes), phase two, `dx` summed.
-pub struct LossShards<'a> {
-    /// The shards and where they run.
-    pub plan: ShardPlan,
-    /// The whole head.
-    pub head: HeadWeights<'a>,
-    /// The hidden rows.
-    pub hidden: Hidden<'a>,
-    /// The whole teacher.
-    pub teacher: &'a Teacher,
-    /// The options.
-    pub opts: &'a LossOptions,
-    /// Error mapping.
-    pub map: MapError<'a>,
-}
-
-impl ShardsJob for LossShards<'_> {
+impl ShardsJob for Sharded<LossJob<'_>> {
     type Output = Result<LossOutput, CliError>;
 
     fn run<B: RuntimeBackend>(self, backends: &[B]) -> Self::Output {
-        let LossShards {
+        let Sharded {
             plan,
-            head,
-            hidden,
-            teacher,
-            opts,
-            map,
+            job: LossJob {
+                inputs, teacher, opts, ..
+            },
         } = self;
-        let (plan, map) = (&plan, &map);
+        let plan = &plan;
+        let map = &|e, c: &str| inputs.sources.map(e, c);
         announce(backends, plan);
         let ranks: Vec<_> = plan.shards.iter().copied().zip(plan.assign.iter().copied()).collect();
         let outs = two_phases_on_threads(
             ranks,
             |_, (shard, d)| {
-                let mut e = engine_on(&backends[d], &head, shard, &plan.target.settings, *map)?;
-                let p = e.loss_partials(&hidden, teacher, opts).map_err(|e| map(e, "head_kl"))?;
+                let mut e = engine_on(&backends[d], &inputs.head, shard, &plan.target.settings, map)?;
+                let p = e
+                    .loss_partials(&inputs.hidden, teacher, opts)
+                    .map_err(|e| map(e, "head_kl"))?;
                 Ok((e, p))
             },
             |parts: Vec<LossPartials>| {
@@ -224,7 +225,7 @@ impl ShardsJob for LossShards<'_> {
             |mut engine: ShardEngine<&B>, stats: LossStats| {
                 let mut out = LossOutput::default();
                 engine
-                    .loss_finish(&hidden, &stats, &mut out)
+                    .loss_finish(&inputs.hidden, &stats, &mut out)
                     .map_err(|e| map(e, "head_kl"))?;
                 Ok(out)
             },
@@ -239,65 +240,35 @@ impl ShardsJob for LossShards<'_> {
 }
 
 /// The sharded top-k: each shard's candidates on its own thread, merged.
-pub struct TopkShards<'a> {
-    /// The shards and where they run.
-    pub plan: ShardPlan,
-    /// The whole head.
-    pub head: HeadWeights<'a>,
-    /// The hidden rows.
-    pub hidden: Hidden<'a>,
-    /// The options.
-    pub opts: &'a TopkOptions,
-    /// Error mapping.
-    pub map: MapError<'a>,
-}
-
-impl ShardsJob for TopkShards<'_> {
+impl ShardsJob for Sharded<TopkJob<'_>> {
     type Output = Result<TopK, CliError>;
 
     fn run<B: RuntimeBackend>(self, backends: &[B]) -> Self::Output {
-        let plan = &self.plan;
+        let TopkJob { inputs, opts } = self.job;
         merged_over_shards(
             backends,
-            plan,
-            &self.head,
-            self.map,
+            &self.plan,
+            &inputs,
             "top-k",
-            |e| e.topk_partials(&self.hidden, self.opts),
-            |parts| merge_topk(parts, self.opts),
+            |e| e.topk_partials(&inputs.hidden, opts),
+            |parts| merge_topk(parts, opts),
         )
     }
 }
 
 /// The sharded gather: each shard's log-probabilities and lse on its own
 /// thread, merged.
-pub struct GatherShards<'a> {
-    /// The shards and where they run.
-    pub plan: ShardPlan,
-    /// The whole head.
-    pub head: HeadWeights<'a>,
-    /// The hidden rows.
-    pub hidden: Hidden<'a>,
-    /// The global ids `[ntok][k]` (negative: none).
-    pub ids: &'a [i64],
-    /// The options (`k`: ids per token).
-    pub opts: &'a TopkOptions,
-    /// Error mapping.
-    pub map: MapError<'a>,
-}
-
-impl ShardsJob for GatherShards<'_> {
+impl ShardsJob for Sharded<GatherJob<'_>> {
     type Output = Result<Gathered, CliError>;
 
     fn run<B: RuntimeBackend>(self, backends: &[B]) -> Self::Output {
-        let plan = &self.plan;
+        let GatherJob { inputs, ids, opts } = self.job;
         merged_over_shards(
             backends,
-            plan,
-            &self.head,
-            self.map,
+            &self.plan,
+            &inputs,
             "gather",
-            |e| e.gather_partials(&self.hidden, self.ids, self.opts),
+            |e| e.gather_partials(&inputs.hidden, ids, opts),
             merge_gather,
         )
     }

@@ -25,35 +25,20 @@ pub struct Shape {
 
 impl Shape {
     /// Shape A of DESIGN §7.
-    pub const A: Shape = Shape {
-        ntok: 4096,
-        vocab: 248_320,
-        hs: 5120,
-        k: 64,
-    };
+    pub const A: Shape = Shape::new(4096, 248_320, 5120, 64);
     /// Shape B of DESIGN §7.
-    pub const B: Shape = Shape {
-        ntok: 8192,
-        vocab: 151_936,
-        hs: 4096,
-        k: 64,
-    };
+    pub const B: Shape = Shape::new(8192, 151_936, 4096, 64);
     /// Shape S: a 0.5B-parameter student's head (hs 896), the vocabulary of
     /// shape B, 8192 tokens.
-    pub const S: Shape = Shape {
-        ntok: 8192,
-        vocab: 151_936,
-        hs: 896,
-        k: 64,
-    };
+    pub const S: Shape = Shape::new(8192, 151_936, 896, 64);
     /// Shape M: a 1B-parameter student's head (hs 2048, a 128 256-token
     /// vocabulary), 8192 tokens.
-    pub const M: Shape = Shape {
-        ntok: 8192,
-        vocab: 128_256,
-        hs: 2048,
-        k: 64,
-    };
+    pub const M: Shape = Shape::new(8192, 128_256, 2048, 64);
+
+    /// The shape `NTOK:V:HS:K`.
+    pub const fn new(ntok: usize, vocab: usize, hs: usize, k: usize) -> Shape {
+        Shape { ntok, vocab, hs, k }
+    }
 
     /// A size the backend finishes in seconds: the CPU reference and
     /// software Vulkan (a `cpu` device such as lavapipe) get a small one.
@@ -65,7 +50,7 @@ impl Shape {
             _ if software => (64, 8192, 256, 64),
             _ => (256, 32_768, 1024, 64),
         };
-        Shape { ntok, vocab, hs, k }
+        Shape::new(ntok, vocab, hs, k)
     }
 
     /// `4·ntok·V·hs` for head_kl (two GEMMs), half that for topk and the
@@ -101,7 +86,7 @@ impl FromStr for Shape {
                 let parts: Vec<&str> = other.split(':').collect();
                 let nums: Result<Vec<usize>, _> = parts.iter().map(|p| p.trim().parse::<usize>()).collect();
                 match nums.as_deref() {
-                    Ok(&[ntok, vocab, hs, k]) => Shape { ntok, vocab, hs, k },
+                    Ok(&[ntok, vocab, hs, k]) => Shape::new(ntok, vocab, hs, k),
                     _ => {
                         return Err(format!(
                             "`{s}`: expected A, B, S, M or NTOK:V:HS:K (e.g. 256:32768:1024:64)"
@@ -179,15 +164,7 @@ mod tests {
             "m".parse::<Shape>().map(|s| s.to_string()),
             Ok("8192:128256:2048:64".to_string())
         );
-        assert_eq!(
-            "64:4096:256:16".parse::<Shape>(),
-            Ok(Shape {
-                ntok: 64,
-                vocab: 4096,
-                hs: 256,
-                k: 16
-            })
-        );
+        assert_eq!("64:4096:256:16".parse::<Shape>(), Ok(Shape::new(64, 4096, 256, 16)));
         assert!("64:4096:256".parse::<Shape>().is_err());
         assert!("64:100:256:200".parse::<Shape>().is_err(), "k > V");
         assert!("0:100:256:2".parse::<Shape>().is_err());

@@ -29,7 +29,8 @@ pub(super) fn time_sharded<B: Backend>(
 ) -> Result<Vec<JobResult>, CliError> {
     let shards = HeadShard::even(d.shape.vocab, n).map_err(|e| CliError::from_core_in_option(e, "--shards"))?;
     let on_this_device: Vec<_> = shards.into_iter().map(|shard| (shard, 0)).collect();
-    time_shards::<B, InTurn>(d, cfg, std::slice::from_ref(backend), &on_this_device, settings)
+    let calls = ShardCalls::in_turn(on_this_device.len());
+    time_shards(d, cfg, std::slice::from_ref(backend), &on_this_device, settings, &calls)
 }
 
 /// `--shards N --devices I,J,...`: both host jobs with the shards on
@@ -67,91 +68,81 @@ impl ShardsJob for DeviceShards<'_> {
     fn run<B: RuntimeBackend>(self, backends: &[B]) -> Self::Output {
         let plan = &self.plan;
         let placed: Vec<_> = plan.shards.iter().copied().zip(plan.assign.iter().copied()).collect();
-        time_shards::<B, Threads>(self.d, self.cfg, backends, &placed, &plan.target.settings)
+        let calls = ShardCalls::threads(placed.len(), backends.len());
+        time_shards(self.d, self.cfg, backends, &placed, &plan.target.settings, &calls)
     }
 }
 
-/// How each timed call runs the shards' engines.
-trait ShardCalls<B: Backend> {
+/// One sharded loss call (`crate::shard::loss_serial`'s arguments).
+type LossCall<B> = fn(
+    &mut [ShardEngine<&B>],
+    (&Hidden<'_>, &Teacher, &LossOptions),
+    &mut [LossOutput],
+    &mut LossOutput,
+) -> headkl_core::Result<()>;
+
+/// One sharded top-k call.
+type TopkCall<B> = fn(&mut [ShardEngine<&B>], &Hidden<'_>, &TopkOptions) -> headkl_core::Result<()>;
+
+/// How each timed call runs the shards' engines: in turn on this thread
+/// ([`ShardCalls::in_turn`]) or one thread a shard
+/// ([`ShardCalls::threads`]).
+struct ShardCalls<B> {
     /// The rows' path label.
-    const PATH: &'static str;
+    path: &'static str,
     /// What a device error is reported under.
-    const CONTEXT: &'static str;
-    /// The log line that says how `shards` engines on `devices` run.
-    fn describe(shards: usize, devices: usize) -> String;
-    /// One sharded loss call (`crate::shard::loss_serial`'s arguments).
-    fn loss(
-        engines: &mut [ShardEngine<&B>],
-        inputs: (&Hidden<'_>, &Teacher, &LossOptions),
-        outs: &mut [LossOutput],
-        merged: &mut LossOutput,
-    ) -> headkl_core::Result<()>;
-    /// One sharded top-k call.
-    fn topk(engines: &mut [ShardEngine<&B>], hidden: &Hidden<'_>, opts: &TopkOptions) -> headkl_core::Result<()>;
+    context: &'static str,
+    /// The log line that says how the engines run.
+    describe: String,
+    loss: LossCall<B>,
+    topk: TopkCall<B>,
 }
 
-/// In turn on this thread.
-struct InTurn;
-
-impl<B: Backend> ShardCalls<B> for InTurn {
-    const PATH: &'static str = "sharded";
-    const CONTEXT: &'static str = "bench --shards";
-    fn describe(shards: usize, _devices: usize) -> String {
-        format!("bench: {shards} shards of the head, one engine each, called in turn")
-    }
-    fn loss(
-        engines: &mut [ShardEngine<&B>],
-        inputs: (&Hidden<'_>, &Teacher, &LossOptions),
-        outs: &mut [LossOutput],
-        merged: &mut LossOutput,
-    ) -> headkl_core::Result<()> {
-        crate::shard::loss_serial(engines, inputs, outs, merged)
-    }
-    fn topk(engines: &mut [ShardEngine<&B>], hidden: &Hidden<'_>, opts: &TopkOptions) -> headkl_core::Result<()> {
-        crate::shard::topk_serial(engines, hidden, opts).map(|_| ())
+impl<B: Backend> ShardCalls<B> {
+    /// `shards` engines called in turn on this thread.
+    fn in_turn(shards: usize) -> Self {
+        ShardCalls {
+            path: "sharded",
+            context: "bench --shards",
+            describe: format!("bench: {shards} shards of the head, one engine each, called in turn"),
+            loss: |engines, inputs, outs, merged| crate::shard::loss_serial(engines, inputs, outs, merged),
+            topk: |engines, hidden, opts| crate::shard::topk_serial(engines, hidden, opts).map(|_| ()),
+        }
     }
 }
 
-/// One thread a shard.
-struct Threads;
-
-impl<B: Backend + Sync> ShardCalls<B> for Threads
+impl<B: Backend + Sync> ShardCalls<B>
 where
     B::Buffer: Send,
 {
-    const PATH: &'static str = "sharded, threads";
-    const CONTEXT: &'static str = "bench --shards --devices";
-    fn describe(shards: usize, devices: usize) -> String {
-        format!("bench: {shards} shards of the head on {devices} device(s), one thread each")
-    }
-    fn loss(
-        engines: &mut [ShardEngine<&B>],
-        inputs: (&Hidden<'_>, &Teacher, &LossOptions),
-        outs: &mut [LossOutput],
-        merged: &mut LossOutput,
-    ) -> headkl_core::Result<()> {
-        crate::shard::loss_on_threads(engines, inputs, outs, merged)
-    }
-    fn topk(engines: &mut [ShardEngine<&B>], hidden: &Hidden<'_>, opts: &TopkOptions) -> headkl_core::Result<()> {
-        crate::shard::topk_on_threads(engines, hidden, opts).map(|_| ())
+    /// `shards` engines on `devices` device(s), one thread each.
+    fn threads(shards: usize, devices: usize) -> Self {
+        ShardCalls {
+            path: "sharded, threads",
+            context: "bench --shards --devices",
+            describe: format!("bench: {shards} shards of the head on {devices} device(s), one thread each"),
+            loss: |engines, inputs, outs, merged| crate::shard::loss_on_threads(engines, inputs, outs, merged),
+            topk: |engines, hidden, opts| crate::shard::topk_on_threads(engines, hidden, opts).map(|_| ()),
+        }
     }
 }
 
 /// Both jobs timed with each of `shards` on `backends[device]`, called as
-/// `C` runs them. The timing loop is [`BenchJob::time_calls`] on an anchor
+/// `calls` runs them. The timing loop is [`BenchJob::time_calls`] on an anchor
 /// engine of 16 rows on the first backend that only carries it; its head
 /// and the shards' heads are not counted in the peak, and the memory they
 /// hold is every backend's.
-fn time_shards<B: Backend, C: ShardCalls<B>>(
+fn time_shards<B: Backend>(
     d: &BenchData,
     cfg: &BenchConfig,
     backends: &[B],
     shards: &[(HeadShard, usize)],
     settings: &Settings,
+    calls: &ShardCalls<B>,
 ) -> Result<Vec<JobResult>, CliError> {
     let shape = d.shape;
-    let fail = |e| CliError::device(C::CONTEXT, e);
-    let map = |e, what: &str| CliError::device(format!("{}: {what}", C::CONTEXT), e);
+    let fail = |e| CliError::device(calls.context, e);
+    let map = |e, what: &str| CliError::device(format!("{}: {what}", calls.context), e);
     let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
     let in_use = || backends.iter().map(|b| b.memory().current).sum::<u64>();
     let before = in_use();
@@ -166,7 +157,7 @@ fn time_shards<B: Backend, C: ShardCalls<B>>(
     )
     .map_err(fail)?;
     let held = in_use().saturating_sub(before);
-    eprintln!("{}", C::describe(shards.len(), backends.len()));
+    eprintln!("{}", calls.describe);
     let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
     let loss_opts = LossOptions::from(LossConfig {
         budget_bytes: cfg.budget.bytes,
@@ -178,8 +169,8 @@ fn time_shards<B: Backend, C: ShardCalls<B>>(
     };
     let mut outs = vec![LossOutput::default(); engines.len()];
     let mut merged = LossOutput::default();
-    let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, C::PATH, held, shape, None, |_| {
-        C::loss(&mut engines, (&hidden, &d.teacher, &loss_opts), &mut outs, &mut merged)
+    let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, calls.path, held, shape, None, |_| {
+        (calls.loss)(&mut engines, (&hidden, &d.teacher, &loss_opts), &mut outs, &mut merged)
     })?;
     eprintln!(
         "bench: the shards {} their logits between the phases (kept where the chunk scratch and \
@@ -191,8 +182,8 @@ fn time_shards<B: Backend, C: ShardCalls<B>>(
         },
         fmt_bytes(cfg.budget.bytes)
     );
-    let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, C::PATH, held, shape, None, |_| {
-        C::topk(&mut engines, &hidden, &topk_opts)
+    let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, calls.path, held, shape, None, |_| {
+        (calls.topk)(&mut engines, &hidden, &topk_opts)
     })?;
     Ok(vec![head_kl, topk])
 }

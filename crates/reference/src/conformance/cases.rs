@@ -2,6 +2,24 @@
 //! [`crate::direct`]; the fixed regression list ([`mod@regression`]); the
 //! head's gradient ([`head_grad`]); the error cases ([`errors`]).
 
+/// The `name`s of a case table's rows (a `const` slice of rows with a
+/// `name` field), in order, as a `&'static [&'static str]` built at
+/// compile time. Before the modules, which use it.
+macro_rules! row_names {
+    ($table:expr) => {{
+        const NAMES: [&str; $table.len()] = {
+            let mut names = [""; $table.len()];
+            let mut i = 0;
+            while i < names.len() {
+                names[i] = $table[i].name;
+                i += 1;
+            }
+            names
+        };
+        &NAMES
+    }};
+}
+
 mod errors;
 mod head_grad;
 mod regression;
@@ -22,6 +40,27 @@ use crate::tolerance::Tolerance;
 pub(crate) fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case, tol: &Tolerance) -> Result<CaseErrors, String> {
     let mut engine = engine_for(backend, case)?;
     compare(&mut engine, case, &case.loss_options(), tol)
+}
+
+/// Checks that `engine` cut the head into at least `min` slices (what
+/// the case is there to reach).
+fn check_min_slices<B: Backend>(engine: &Engine<B>, min: usize) -> Result<(), String> {
+    let slices = engine.slices().len();
+    if slices < min {
+        return Err(format!(
+            "the head was cut into {slices} slice(s); this case needs at least {min}"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that the host path runs at least `min` chunks (`chunks` of
+/// them).
+fn check_min_chunks(chunks: usize, min: usize) -> Result<(), String> {
+    if chunks < min {
+        return Err(format!("{chunks} chunk(s); this case needs at least {min}"));
+    }
+    Ok(())
 }
 
 /// How a case judges dx.

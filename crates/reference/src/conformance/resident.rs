@@ -119,20 +119,45 @@ fn check_close_to_host(what: &str, got: &[f32], host: &[f32], width: usize) -> R
     }
 }
 
-/// The case's hidden rows as `dtype` bytes, and the f32 values they hold
-/// (what the reference and the host path get).
-fn hidden_as(case: &Case, dtype: HiddenDtype) -> (Vec<u8>, Vec<f32>) {
-    match dtype {
-        HiddenDtype::F32 => (bytemuck::cast_slice(&case.hidden).to_vec(), case.hidden.clone()),
-        HiddenDtype::F16 => {
-            let h: Vec<f16> = case.hidden.iter().map(|&v| f16::from_f32(v)).collect();
-            let vals = h.iter().map(|v| v.to_f32()).collect();
-            (bytemuck::cast_slice(&h).to_vec(), vals)
-        }
-        HiddenDtype::Bf16 => {
-            let h: Vec<bf16> = case.hidden.iter().map(|&v| bf16::from_f32(v)).collect();
-            let vals = h.iter().map(|v| v.to_f32()).collect();
-            (bytemuck::cast_slice(&h).to_vec(), vals)
+/// A case's hidden rows uploaded as `dtype` to a fresh device buffer, and
+/// the f32 values they hold (what the reference and the host path get).
+struct DeviceRows<Buf> {
+    buffer: Buf,
+    dtype: HiddenDtype,
+    values: Vec<f32>,
+}
+
+impl<Buf> DeviceRows<Buf> {
+    fn upload<B: ResidentBackend<Buffer = Buf> + ?Sized>(
+        backend: &B,
+        case: &Case,
+        dtype: HiddenDtype,
+    ) -> Result<Self, String> {
+        let (bytes, values) = match dtype {
+            HiddenDtype::F32 => (bytemuck::cast_slice(&case.hidden).to_vec(), case.hidden.clone()),
+            HiddenDtype::F16 => {
+                let h: Vec<f16> = case.hidden.iter().map(|&v| f16::from_f32(v)).collect();
+                let vals = h.iter().map(|v| v.to_f32()).collect();
+                (bytemuck::cast_slice(&h).to_vec(), vals)
+            }
+            HiddenDtype::Bf16 => {
+                let h: Vec<bf16> = case.hidden.iter().map(|&v| bf16::from_f32(v)).collect();
+                let vals = h.iter().map(|v| v.to_f32()).collect();
+                (bytemuck::cast_slice(&h).to_vec(), vals)
+            }
+        };
+        Ok(Self {
+            buffer: device_buffer(backend, &bytes, "x")?,
+            dtype,
+            values,
+        })
+    }
+
+    /// The rows as the resident calls take them.
+    fn hidden(&self) -> DeviceHidden<'_, Buf> {
+        DeviceHidden {
+            buffer: &self.buffer,
+            dtype: self.dtype,
         }
     }
 }
@@ -209,6 +234,13 @@ impl<Buf> HeadKlBuffers<Buf> {
         })
     }
 
+    /// [`Self::options`] with `edit` made to their config.
+    fn options_with(&self, case: &Case, edit: impl FnOnce(&mut LossConfig)) -> DeviceLossOptions<'_, Buf> {
+        let mut opts = self.options(case);
+        edit(&mut opts.config);
+        opts
+    }
+
     /// The resident options carrying the case's terms and these buffers.
     fn options(&self, case: &Case) -> DeviceLossOptions<'_, Buf> {
         DeviceLossOptions {
@@ -253,10 +285,9 @@ fn check_resident_case<B: ResidentBackend + ?Sized>(
     let mut engine = engine_for(backend, case)?;
     engine.set_dx_split(split);
     let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
-    let (bytes, values) = hidden_as(case, dtype);
-    let host_hidden = Hidden::f32(&values, case.ntok, case.hs).map_err(|e| format!("hidden: {e}"))?;
-    let x = device_buffer(backend, &bytes, "x")?;
-    let hidden = DeviceHidden { buffer: &x, dtype };
+    let rows = DeviceRows::upload(backend, case, dtype)?;
+    let host_hidden = Hidden::f32(&rows.values, case.ntok, case.hs).map_err(|e| format!("hidden: {e}"))?;
+    let hidden = rows.hidden();
     match case.kind {
         CaseKind::HeadKl => {
             let (ntok, hs) = (case.ntok, case.hs);
@@ -515,11 +546,8 @@ fn resident_error<B: ResidentBackend + ?Sized>(backend: &B, ec: &ErrorCase) -> R
     let case = &ec.bad;
     let mut engine = engine_for(backend, case)?;
     engine.set_checked(ec.checked);
-    let x = device_buffer(backend, bytemuck::cast_slice(&case.hidden), "x")?;
-    let hidden = DeviceHidden {
-        buffer: &x,
-        dtype: HiddenDtype::F32,
-    };
+    let rows = DeviceRows::upload(backend, case, HiddenDtype::F32)?;
+    let hidden = rows.hidden();
     let (ntok, k) = (case.ntok, case.k);
     let err = match case.kind {
         CaseKind::HeadKl => {
@@ -632,12 +660,8 @@ fn check_flagged_rows<B: ResidentBackend + ?Sized>(
     let acc_dx_buf = device_buffer(backend, bytemuck::cast_slice(&fill), "dx (accumulated)")?;
     let acc_loss_buf = device_buffer(backend, &nan_bytes(ntok), "loss (filtered)")?;
     let opts = DeviceLossOptions {
-        config: LossConfig {
-            filter_eps: Some(headkl_core::problem::filter::AUTO_EPS),
-            ..bufs.options(case).config
-        },
         accumulate_dx: true,
-        ..bufs.options(case)
+        ..bufs.options_with(case, |c| c.filter_eps = Some(headkl_core::problem::filter::AUTO_EPS))
     };
     let acc_out = DeviceLossOutput {
         loss: &acc_loss_buf,
@@ -970,22 +994,12 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
     let case = super::cases::lm_case(80, Some(1536), Some(48))?;
     let mut engine = engine_for(backend, &case)?;
     let (ntok, hs) = (case.ntok, case.hs);
-    let (bytes, values) = hidden_as(&case, HiddenDtype::F32);
-    let x = device_buffer(backend, &bytes, "x")?;
-    let hidden = DeviceHidden {
-        buffer: &x,
-        dtype: HiddenDtype::F32,
-    };
+    let rows = DeviceRows::upload(backend, &case, HiddenDtype::F32)?;
+    let hidden = rows.hidden();
     let bufs = HeadKlBuffers::upload(backend, &case)?;
     let eps = headkl_core::problem::filter::AUTO_EPS;
     let mut run = |filter_eps| -> Result<(Vec<f32>, Vec<f32>), String> {
-        let opts = DeviceLossOptions {
-            config: LossConfig {
-                filter_eps,
-                ..bufs.options(&case).config
-            },
-            ..bufs.options(&case)
-        };
+        let opts = bufs.options_with(&case, |c| c.filter_eps = filter_eps);
         engine
             .head_kl_device(ntok, &hidden, &bufs.teacher(case.k), &bufs.output(), &opts)
             .map_err(|e| format!("head_kl_device: {e}"))?;
@@ -1005,7 +1019,7 @@ fn check_resident_filter<B: ResidentBackend + ?Sized>(backend: &B, tol: &Toleran
         return Err("the loss with the filter differs from the unfiltered resident call's".into());
     }
     let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
-    let host_hidden = Hidden::f32(&values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
+    let host_hidden = Hidden::f32(&rows.values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
     let teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
     let host_opts = headkl_core::LossOptions {
         config: headkl_core::LossConfig {
@@ -1056,20 +1070,10 @@ fn check_resident_head_grad_refused<B: ResidentBackend + ?Sized>(
     let case = error_base();
     let mut engine = engine_for(backend, &case)?;
     let (ntok, hs) = (case.ntok, case.hs);
-    let (bytes, values) = hidden_as(&case, HiddenDtype::F32);
-    let x = device_buffer(backend, &bytes, "x")?;
-    let hidden = DeviceHidden {
-        buffer: &x,
-        dtype: HiddenDtype::F32,
-    };
+    let rows = DeviceRows::upload(backend, &case, HiddenDtype::F32)?;
+    let hidden = rows.hidden();
     let bufs = HeadKlBuffers::upload(backend, &case)?;
-    let asked = DeviceLossOptions {
-        config: LossConfig {
-            head_grad: true,
-            ..bufs.options(&case).config
-        },
-        ..bufs.options(&case)
-    };
+    let asked = bufs.options_with(&case, |c| c.head_grad = true);
     match engine.head_kl_device(ntok, &hidden, &bufs.teacher(case.k), &bufs.output(), &asked) {
         Err(Error::HeadGradUnsupported { .. }) => {}
         Err(other) => {
@@ -1097,7 +1101,7 @@ fn check_resident_head_grad_refused<B: ResidentBackend + ?Sized>(
         .map_err(|e| format!("head_kl_device after the refusal: {e}"))?;
     engine.wait_device().map_err(|e| format!("wait_device: {e}"))?;
     let got_dx = download_f32(backend, &bufs.dx, ntok * hs)?;
-    let host_hidden = Hidden::f32(&values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
+    let host_hidden = Hidden::f32(&rows.values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
     let teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
     let (host, _) = check_vs_host_path(
         &mut engine,
@@ -1132,17 +1136,12 @@ fn check_resident_head_grad<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tole
     let dw = device_buffer(backend, bytemuck::cast_slice(&poison), "head_grad_out")?;
     let mut worst = CaseErrors::default();
     for dtype in [HiddenDtype::F32, HiddenDtype::Bf16, HiddenDtype::F16] {
-        let (bytes, values) = hidden_as(&case, dtype);
-        let x = device_buffer(backend, &bytes, "x")?;
-        let hidden = DeviceHidden { buffer: &x, dtype };
+        let rows = DeviceRows::upload(backend, &case, dtype)?;
+        let hidden = rows.hidden();
         let mut run = |with_grad: bool| -> Result<(Vec<f32>, Vec<f32>), String> {
             let opts = DeviceLossOptions {
-                config: LossConfig {
-                    head_grad: with_grad,
-                    ..bufs.options(&case).config
-                },
                 head_grad_out: with_grad.then_some(&dw),
-                ..bufs.options(&case)
+                ..bufs.options_with(&case, |c| c.head_grad = with_grad)
             };
             engine
                 .head_kl_device(ntok, &hidden, &bufs.teacher(case.k), &bufs.output(), &opts)
@@ -1168,7 +1167,7 @@ fn check_resident_head_grad<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tole
         {
             return Err(format!("{dtype:?}: a second call gave another head gradient"));
         }
-        let host_hidden = Hidden::f32(&values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
+        let host_hidden = Hidden::f32(&rows.values, ntok, hs).map_err(|e| format!("hidden: {e}"))?;
         let (_, want) = direct::head_kl_and_head_grad_f64(&head, &host_hidden, &teacher, &resolved);
         let err = tol
             .check_head_grad(&got, &want, hs)

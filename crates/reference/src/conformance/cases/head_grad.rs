@@ -21,7 +21,8 @@ use headkl_core::{
 };
 
 use super::errors::lm_case_and_prior;
-use super::regression::{every_term, only, params, with_terms};
+use super::regression::{every_term, full_vocab_teacher, only, params, with_terms};
+use super::{check_min_chunks, check_min_slices};
 use crate::conformance::CaseErrors;
 use crate::direct;
 use crate::generator::{Case, CaseKind, CaseParams};
@@ -289,16 +290,7 @@ const HEAD_GRAD: &[Hg] = {
 
 /// Names of the head-gradient cases, in order.
 pub(crate) fn head_grad_names() -> &'static [&'static str] {
-    const NAMES: [&str; HEAD_GRAD.len()] = {
-        let mut names = [""; HEAD_GRAD.len()];
-        let mut i = 0;
-        while i < names.len() {
-            names[i] = HEAD_GRAD[i].name;
-            i += 1;
-        }
-        names
-    };
-    &NAMES
+    row_names!(HEAD_GRAD)
 }
 
 /// A built case: its data, the teacher's (full vocabulary), the order
@@ -331,11 +323,7 @@ fn build(row: &Hg) -> Result<Built, String> {
         let Source::Params(p) = &row.source else {
             return Err("a full-vocabulary case needs parameters".to_string());
         };
-        Ok(Case::from_params(&CaseParams {
-            hs: teacher_hs,
-            data_seed: p.data_seed ^ 0x7ea,
-            ..p.clone()
-        }))
+        Ok(full_vocab_teacher(p, teacher_hs))
     });
     let teacher_case = teacher_case.transpose()?;
     let order = match (row.order, prior) {
@@ -453,24 +441,12 @@ pub(crate) fn check_head_grad_case<B: Backend + ?Sized>(
     if let Some(split) = row.dx_split {
         engine.set_dx_split(split);
     }
-    if engine.slices().len() < row.min_slices {
-        return Err(format!(
-            "the head was cut into {} slice(s); this case needs at least {}",
-            engine.slices().len(),
-            row.min_slices
-        ));
-    }
+    check_min_slices(&engine, row.min_slices)?;
     let plan = engine
         .loss_plan(case.ntok, case.k, row.input == Input::F32, &opts)
         .map_err(|e| format!("loss_plan: {e}"))?;
     let chunks = plan.chunk_rows(case.ntok, ChunkTransfers::Host);
-    if chunks.len() < row.min_chunks {
-        return Err(format!(
-            "{} chunk(s); this case needs at least {}",
-            chunks.len(),
-            row.min_chunks
-        ));
-    }
+    check_min_chunks(chunks.len(), row.min_chunks)?;
     let last = chunks.last().map_or(0, |c| c.rows);
     if row.ragged_last_chunk && last.is_multiple_of(headkl_core::ALIGN) {
         return Err(format!(

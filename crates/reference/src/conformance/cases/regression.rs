@@ -7,7 +7,7 @@ use headkl_core::{
     Backend, Divergence, DxSplit, Engine, LossConfig, LossOptions, LossTerms, Reduction, TailMode, TeacherForm,
 };
 
-use super::{compare_with, DxCheck};
+use super::{check_min_chunks, check_min_slices, compare_with, DxCheck};
 use crate::conformance::{engine_for, CaseErrors};
 use crate::direct;
 use crate::generator::{Case, CaseKind, CaseParams, TeacherShape};
@@ -85,12 +85,19 @@ fn full_vocab(p: CaseParams, divergence: Divergence, teacher_hs: usize) -> Regre
     let mut r = from(CaseParams { k: 1, ..p });
     r.case.terms.divergence = divergence;
     r.case.name = format!("{}[{}]", r.case.name, divergence.name());
-    r.teacher_hidden = Some(Case::from_params(&CaseParams {
+    r.teacher_hidden = Some(full_vocab_teacher(&p, teacher_hs));
+    r
+}
+
+/// The teacher's case of a full-vocabulary case `p`: its head and hidden
+/// rows, of hidden size `teacher_hs`, over the same vocabulary and tokens
+/// (its rows as f16 when the student's are), from another seed.
+pub(super) fn full_vocab_teacher(p: &CaseParams, teacher_hs: usize) -> Case {
+    Case::from_params(&CaseParams {
         hs: teacher_hs,
         data_seed: p.data_seed ^ 0x7ea,
-        ..p
-    }));
-    r
+        ..p.clone()
+    })
 }
 
 fn from(p: CaseParams) -> Regression {
@@ -400,16 +407,7 @@ const REGRESSIONS: &[Reg] = {
 
 /// Names of the regression cases, in order.
 pub(crate) fn regression_names() -> &'static [&'static str] {
-    const NAMES: [&str; REGRESSIONS.len()] = {
-        let mut names = [""; REGRESSIONS.len()];
-        let mut i = 0;
-        while i < names.len() {
-            names[i] = REGRESSIONS[i].name;
-            i += 1;
-        }
-        names
-    };
-    &NAMES
+    row_names!(REGRESSIONS)
 }
 
 /// Builds the regression case `name`: its row of [`REGRESSIONS`].
@@ -559,13 +557,7 @@ pub(crate) fn check_regression<B: Backend + ?Sized>(
             return Err(format!("dx split {split}: {parts:?} part(s) per slice, want {want:?}"));
         }
     }
-    if engine.slices().len() < r.min_slices {
-        return Err(format!(
-            "the head was cut into {} slice(s); this case needs at least {}",
-            engine.slices().len(),
-            r.min_slices
-        ));
-    }
+    check_min_slices(&engine, r.min_slices)?;
     let opts = LossOptions {
         config: LossConfig {
             total: r.total,
@@ -580,10 +572,7 @@ pub(crate) fn check_regression<B: Backend + ?Sized>(
             .loss_plan(case.ntok, case.k, f32_input, &opts)
             .map_err(|e| format!("loss_plan: {e}"))?;
         // The chunks the host path runs.
-        let chunks = plan.chunk_rows(case.ntok, ChunkTransfers::Host).len();
-        if chunks < r.min_chunks {
-            return Err(format!("{chunks} chunk(s); this case needs at least {}", r.min_chunks));
-        }
+        check_min_chunks(plan.chunk_rows(case.ntok, ChunkTransfers::Host).len(), r.min_chunks)?;
     }
     let measured = match &r.teacher_hidden {
         Some(teacher_case) => compare_full_vocab(&mut engine, case, teacher_case, &opts, tol)?,
