@@ -23,6 +23,7 @@ use headkl_core::{
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
 #[path = "common/mod.rs"]
+#[macro_use]
 mod common;
 
 use common::{each_flag, parsed, uniform};
@@ -67,21 +68,7 @@ impl Config {
     /// `--steps N` and the other `--name value` flags.
     pub fn from_args(args: impl Iterator<Item = String>) -> Result<Self, String> {
         let mut cfg = Config::default();
-        let flags = "--steps --ntok --vocab --hs --features --k --lr --seed";
-        each_flag(args, None, flags, |flag, value| {
-            match flag {
-                "--steps" => cfg.steps = parsed(flag, value)?,
-                "--ntok" => cfg.ntok = parsed(flag, value)?,
-                "--vocab" => cfg.vocab = parsed(flag, value)?,
-                "--hs" => cfg.hs = parsed(flag, value)?,
-                "--features" => cfg.features = parsed(flag, value)?,
-                "--k" => cfg.k = parsed(flag, value)?,
-                "--lr" => cfg.lr = parsed(flag, value)?,
-                "--seed" => cfg.seed = parsed(flag, value)?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
+        field_flags!(args, cfg, [steps, ntok, vocab, hs, features, k, lr, seed])?;
         if cfg.steps == 0 {
             return Err("--steps must be at least 1".into());
         }

@@ -20,6 +20,7 @@ use headkl_burn::prelude::*;
 use headkl_burn::unfused;
 
 #[path = "../../backend-wgpu/examples/common/mod.rs"]
+#[macro_use]
 mod common;
 
 use common::{each_flag, parsed, uniform};
@@ -73,24 +74,12 @@ impl Config {
     /// `--steps N` and the other `--name value` flags.
     pub fn from_args(args: impl Iterator<Item = String>) -> Result<Self, String> {
         let mut cfg = Config::default();
-        let flags = "--steps --ntok --inputs --vocab --hs --embed --mlp --k --lr --seed --unfused";
-        each_flag(args, Some("--unfused"), flags, |flag, value| {
-            match flag {
-                "--unfused" => cfg.unfused = true,
-                "--steps" => cfg.steps = parsed(flag, value)?,
-                "--ntok" => cfg.ntok = parsed(flag, value)?,
-                "--inputs" => cfg.inputs = parsed(flag, value)?,
-                "--vocab" => cfg.vocab = parsed(flag, value)?,
-                "--hs" => cfg.hs = parsed(flag, value)?,
-                "--embed" => cfg.embed = parsed(flag, value)?,
-                "--mlp" => cfg.mlp = parsed(flag, value)?,
-                "--k" => cfg.k = parsed(flag, value)?,
-                "--lr" => cfg.lr = parsed(flag, value)?,
-                "--seed" => cfg.seed = parsed(flag, value)?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
+        field_flags!(
+            args,
+            cfg,
+            [steps, ntok, inputs, vocab, hs, embed, mlp, k, lr, seed],
+            "--unfused" => cfg.unfused = true
+        )?;
         if cfg.steps == 0 {
             return Err("--steps must be at least 1".into());
         }

@@ -1,6 +1,6 @@
 //! What the examples share, headkl-wgpu's and headkl-burn's (headkl-burn's
 //! tests read `uniform` from here too): their seeded values, their flag
-//! reading and their `main`.
+//! reading ([`field_flags!`] with `#[macro_use]`) and their `main`.
 
 #![allow(dead_code, reason = "each example uses part of this")]
 
@@ -40,6 +40,30 @@ pub fn each_flag(
         }
     }
     Ok(())
+}
+
+/// [`each_flag`] for a config whose flags are its fields: `--field value`
+/// parsed ([`parsed`]) into `$cfg.field`, and `$switch`, the one flag
+/// without a value, running `$on_switch`; an unknown flag's error lists
+/// them in that order. `each_flag` and `parsed` must be in scope where it
+/// is used (the module is included under different paths).
+#[allow(
+    unused_macros,
+    reason = "the tests that include this module for `uniform` read no flags"
+)]
+macro_rules! field_flags {
+    ($args:expr, $cfg:ident, [$($field:ident),+ $(,)?] $(, $switch:literal => $on_switch:expr)?) => {{
+        let flags = [$(concat!("--", stringify!($field)),)+ $($switch)?].join(" ");
+        let switch: Option<&str> = None $(.or(Some($switch)))?;
+        each_flag($args, switch, &flags, |flag, value| {
+            match flag {
+                $($switch => $on_switch,)?
+                $(concat!("--", stringify!($field)) => $cfg.$field = parsed(flag, value)?,)+
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })
+    }};
 }
 
 /// `value` of `flag` parsed, or an error that names both.
