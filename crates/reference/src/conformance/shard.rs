@@ -21,6 +21,9 @@ use crate::tolerance::Tolerance;
 pub(super) const VOCAB: usize = 1000;
 pub(super) const HS: usize = 48;
 pub(super) const NTOK: usize = 40;
+/// Tokens of the case whose host chunks taper: 2300 tokens in chunks of at
+/// most 1024 rows run as 512, 1024, 252 and 512 (`ChunkPlan::chunk_rows`).
+const TAPERED_NTOK: usize = 2300;
 
 /// How the shards' engines are driven: [`Serial`] or [`Threads`].
 pub trait Drive<B: Backend> {
@@ -91,6 +94,10 @@ pub const SHARD_CASES: &[(&str, &str)] = &[
         "3 shards, no teacher id in the middle one, τ = 2, weights with a masked token, logits recomputed",
     ),
     (
+        "loss/2-tapered-chunks",
+        "2 shards, 2300 tokens in chunks of at most 1024 rows: the host phases halve the first and last chunk, logits kept per chunk, τ = 1.5",
+    ),
+    (
         "loss/3-even-logprobs",
         "3 even shards, log-probability teacher, τ = 0.7, logit scale 1.3, several slices and chunks, logits kept",
     ),
@@ -126,11 +133,15 @@ pub(super) struct Inputs {
 
 impl Inputs {
     pub(super) fn new(seed: u64) -> Self {
+        Self::with_tokens(seed, NTOK)
+    }
+
+    fn with_tokens(seed: u64, ntok: usize) -> Self {
         let mut rng = Rng::new(seed);
         let mut fill = |n: usize, scale: f64| (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * scale) as f32).collect();
         Self {
             head: fill(VOCAB * HS, 0.5),
-            x: fill(NTOK * HS, 1.0),
+            x: fill(ntok * HS, 1.0),
         }
     }
 }
@@ -143,8 +154,19 @@ pub(super) fn teacher(
     form: TeacherForm,
     pick: impl Fn(usize, &mut Rng) -> usize,
 ) -> Result<Teacher, String> {
-    let (ids, vals) = teacher_values(seed, k, form, pick);
-    Teacher::with_form(&ids, &vals, NTOK, k, VOCAB, form, TailMode::Renormalize).map_err(|e| e.to_string())
+    teacher_of(seed, NTOK, k, form, pick)
+}
+
+/// [`teacher`] for `ntok` tokens.
+fn teacher_of(
+    seed: u64,
+    ntok: usize,
+    k: usize,
+    form: TeacherForm,
+    pick: impl Fn(usize, &mut Rng) -> usize,
+) -> Result<Teacher, String> {
+    let (ids, vals) = teacher_values_of(seed, ntok, k, form, pick);
+    Teacher::with_form(&ids, &vals, ntok, k, VOCAB, form, TailMode::Renormalize).map_err(|e| e.to_string())
 }
 
 /// A teacher id outside the middle shard of the cuts `[96, 700]` (none in
@@ -186,10 +208,21 @@ pub(super) fn teacher_values(
     form: TeacherForm,
     pick: impl Fn(usize, &mut Rng) -> usize,
 ) -> (Vec<i64>, Vec<f32>) {
+    teacher_values_of(seed, NTOK, k, form, pick)
+}
+
+/// [`teacher_values`] for `ntok` tokens.
+fn teacher_values_of(
+    seed: u64,
+    ntok: usize,
+    k: usize,
+    form: TeacherForm,
+    pick: impl Fn(usize, &mut Rng) -> usize,
+) -> (Vec<i64>, Vec<f32>) {
     let mut rng = Rng::new(seed);
-    let mut ids = Vec::with_capacity(NTOK * k);
-    let mut vals = Vec::with_capacity(NTOK * k);
-    for t in 0..NTOK {
+    let mut ids = Vec::with_capacity(ntok * k);
+    let mut vals = Vec::with_capacity(ntok * k);
+    for t in 0..ntok {
         let mut row: Vec<i64> = Vec::new();
         while row.len() < k {
             let id = pick(t, &mut rng) as i64;
@@ -291,9 +324,14 @@ fn check_kept<B: Backend>(e: &ShardEngine<B>, keep: bool) -> Result<(), String> 
 }
 
 fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Result<CaseErrors, String> {
-    let x = Inputs::new(0x7368_6172_6401);
+    let ntok = if name == "loss/2-tapered-chunks" {
+        TAPERED_NTOK
+    } else {
+        NTOK
+    };
+    let x = Inputs::with_tokens(0x7368_6172_6401, ntok);
     let head = HeadWeights::new(HeadData::F32(&x.head), VOCAB, HS).map_err(|e| e.to_string())?;
-    let hidden = Hidden::f32(&x.x, NTOK, HS).map_err(|e| e.to_string())?;
+    let hidden = Hidden::f32(&x.x, ntok, HS).map_err(|e| e.to_string())?;
     let (shards, teacher, opts, keep, slicing) = match name {
         "loss/2-uneven" => {
             let t = teacher(1, 8, TeacherForm::Probs, |t, rng| {
@@ -318,6 +356,15 @@ fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
                 ..LossOptions::default()
             };
             (vec![96, 700], t, opts, false, SliceOptions::default())
+        }
+        "loss/2-tapered-chunks" => {
+            let t = teacher_of(4, ntok, 8, TeacherForm::Probs, |_, rng| rng.below(VOCAB))?;
+            let opts = LossOptions::from(LossConfig {
+                temperature: 1.5,
+                max_rows_per_chunk: Some(1024),
+                ..LossConfig::default()
+            });
+            (vec![500], t, opts, true, SliceOptions::default())
         }
         _ => {
             let t = teacher(3, 12, TeacherForm::Logprobs, |_, rng| rng.below(VOCAB))?;
@@ -345,7 +392,7 @@ fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
         &opts,
         keep,
     )?;
-    let resolved = opts.resolve(NTOK).map_err(|e| e.to_string())?;
+    let resolved = opts.resolve(ntok).map_err(|e| e.to_string())?;
     let want = head_kl_f64(&head, &hidden, &teacher, &resolved);
     let tol = Tolerance::default();
     let loss = tol.check_loss(&got.loss, got.mean, &want).map_err(|m| m.to_string())?;
