@@ -78,10 +78,6 @@ fn div_code() -> u32 {
     return (KL_FLAGS >> F_DIV_SHIFT) & 3u;
 }
 
-fn tail_code() -> u32 {
-    return (KL_FLAGS >> F_TAIL_SHIFT) & 3u;
-}
-
 // One bin of the reverse KL or the JSD (DESIGN §1): (f, f') at the
 // student's share q (log_q its log) and the teacher's t. A bin the student
 // gives nothing adds nothing (its gradient carries the factor q).
@@ -267,6 +263,10 @@ fn grad4_f32(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f32> 
     return g;
 }
 
+fn grad4(x4: vec4<f32>, j4: u32, vocab: u32, c: f32, lse: f32) -> vec4<f16> {
+    return vec4<f16>(grad4_f32(x4, j4, vocab, c, lse));
+}
+
 // p¹ = softmax at τ = 1 of the capped logit u, given p^τ = pt: for
 // integer τ, pt^τ·exp(τ·lse − lse1) (`k1`, once a row), no exponential.
 fn p_one(u: f32, pt: f32, lse1: f32, k1: f32) -> f32 {
@@ -279,8 +279,7 @@ fn p_one(u: f32, pt: f32, lse1: f32, k1: f32) -> f32 {
     return exp(u * params.temperature - lse1);
 }
 
-
-// The row's constants of pass 2 (the plain case reads c and lse alone).
+// The row's constants of pass 2 in the general case.
 struct Pass2 {
     c: f32,
     lse: f32,
@@ -291,12 +290,6 @@ struct Pass2 {
     h: f32,
     lse1: f32,
     k1: f32,
-    // f_on: the factor on p^τ at the teacher's columns; label_term:
-    // τ·α_hard·(1 − ε), taken off at the label; label_p: the teacher's
-    // probability at the label, or -1 when the label is not among the k.
-    f_on: f32,
-    label_term: f32,
-    label_p: f32,
 }
 
 // c·∂L/∂s for logit x in the general case.
@@ -322,161 +315,141 @@ fn grad4_terms_f32(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f32> {
     return select(vec4<f32>(0.0), g, live);
 }
 
-// c·∂L/∂s for word j4's 4 logits (c·p_S in the plain case), zero past
-// vocab, in f32 (the filtered pass also tests it against ε).
-fn grad_word(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2, plain: bool) -> vec4<f32> {
-    if plain {
-        return grad4_f32(x4, j4, vocab, r.c, r.lse);
-    }
-    return grad4_terms_f32(x4, j4, vocab, r);
-}
-
-// (p^τ, p¹) at the capped logit u, each from its own exponential (the
-// teacher's and the label's columns).
-fn p_both(u: f32, r: Pass2) -> vec2<f32> {
-    let pt = exp(u - r.lse);
-    var p1 = pt;
-    if (KL_FLAGS & F_TAU) != 0u {
-        p1 = exp(u * params.temperature - r.lse1);
-    }
-    return vec2<f32>(pt, p1);
+fn grad4_terms(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f16> {
+    return vec4<f16>(grad4_terms_f32(x4, j4, vocab, r));
 }
 
 // c·∂L/∂s at a teacher column (logit x, teacher probability p_t) in the
 // general case: cap'·(α_soft·(f_on·p^τ − p_T) + b·p¹ − h).
-fn teacher_grad(x: f32, p_t: f32, r: Pass2) -> f32 {
+fn teacher_grad(x: f32, p_t: f32, c: f32, lse: f32, c0: vec4<f32>, c1: vec4<f32>) -> f32 {
     let us = scaled2(x);
-    let p = p_both(us.x, r);
-    let d = params.soft_weight * soft_on(us.x, p.x, p_t, r.lse, r.f_on) + r.b * p.y - r.h;
-    return r.c * us.y * d;
+    let pt = exp(us.x - lse);
+    var p1 = pt;
+    if (KL_FLAGS & F_TAU) != 0u {
+        p1 = exp(us.x * params.temperature - c1.y);
+    }
+    let d = params.soft_weight * soft_on(us.x, pt, p_t, lse, c0.w) + c0.y * p1 - c0.z;
+    return c * us.y * d;
 }
 
-// c·∂L/∂s at the label's column (logit x), whole.
-fn label_grad(x: f32, r: Pass2) -> f32 {
+// c·∂L/∂s at the label's column (logit x; label_p the teacher's
+// probability there, or -1 when the label is not among the k), whole.
+fn label_grad(x: f32, label_p: f32, c: f32, lse: f32, c0: vec4<f32>, c1: vec4<f32>) -> f32 {
     let us = scaled2(x);
-    let p = p_both(us.x, r);
-    var d = r.a * p.x;
-    if r.label_p >= 0.0 {
-        d = params.soft_weight * soft_on(us.x, p.x, r.label_p, r.lse, r.f_on);
+    let pt = exp(us.x - lse);
+    var p1 = pt;
+    if (KL_FLAGS & F_TAU) != 0u {
+        p1 = exp(us.x * params.temperature - c1.y);
     }
-    d += r.b * p.y - r.h - r.label_term;
-    return r.c * us.y * d;
-}
-
-// Four 16-byte words of a row, WG words apart from word j4 of the row at
-// word base4: the four loads in flight per invocation of both passes (one
-// at a time ran the kernel at 4.0 ms at shape A, four at 3.8).
-struct Words4 {
-    a: vec4<f32>,
-    b: vec4<f32>,
-    c: vec4<f32>,
-    d: vec4<f32>,
-}
-
-fn load4(base4: u32, j4: u32) -> Words4 {
-    return Words4(logits[base4 + j4], logits[base4 + j4 + WG], logits[base4 + j4 + 2u * WG],
-        logits[base4 + j4 + 3u * WG]);
-}
-
-// ---- Pass 1: online max and sum of exp(s − max) per invocation, plus a
-// "non-finite logit seen" flag, merged across the workgroup.
-
-// An invocation's pass-1 state: the plain fold `st`, or with the terms
-// (`fold_terms`) the general fold `ft`; the other one stays unused.
-struct RowFold {
-    st: Fold,
-    ft: FoldTerms,
-}
-
-fn row_fold() -> RowFold {
-    return RowFold(Fold(vec2<f32>(NEG_HUGE, 0.0), 0u), FoldTerms(NEG_HUGE, 0.0, 0.0, 0.0, 0u));
-}
-
-// Folds word j4 (those past vocab skipped) into the plain fold or, with
-// `terms`, the general one (`terms` comes from KL_FLAGS: the driver folds
-// the branch away).
-fn fold_word(f: RowFold, x4: vec4<f32>, j4: u32, vocab: u32, terms: bool) -> RowFold {
-    var out = f;
-    if terms {
-        out.ft = fold4_terms(f.ft, x4, j4, vocab);
-    } else {
-        out.st = fold4(f.st, x4, j4, vocab);
+    var d = c0.x * pt;
+    if label_p >= 0.0 {
+        d = params.soft_weight * soft_on(us.x, pt, label_p, lse, c0.w);
     }
-    return out;
+    d += c0.y * p1 - c0.z - c1.x;
+    return c * us.y * d;
 }
 
-// The logits GEMM wrote the row's statistics (headkl_core::toolkit::RowStats):
-// one (max, sum) pair per 32 columns, a NaN sum where a logit was not
-// finite. Merging them is pass 1; the logits are read once.
-fn fold_stats(row: u32, lid: u32) -> Fold {
-    var st = Fold(vec2<f32>(NEG_HUGE, 0.0), 0u);
-    let sbase = params.stats_offset / 4u + row * (params.stats_ld / 2u);
-    for (var g = lid; g < params.stats_groups; g += WG) {
-        let w = logits[sbase + g / 2u];
-        var pair = w.xy;
-        if (g & 1u) != 0u {
-            pair = w.zw;
-        }
-        if non_finite(pair.y) {
-            st.bad = 1u;
-        } else if pair.y > 0.0 {
-            st.ms = merge(st.ms.x, st.ms.y, pair.x, pair.y);
-        }
+@compute @workgroup_size(WG)
+fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let row = wg.x + wg.y * params.grid_x;
+    if row >= params.rows {
+        return;
     }
-    return st;
-}
-
-// This invocation's share of pass 1: from the GEMM's row statistics where
-// it wrote them (the plain fold only), else over the row's logits, four
-// loads in flight (the general fold's pipeline too: its registers are its
-// own).
-fn fold_pass1(row: u32, lid: u32, terms: bool) -> RowFold {
-    var f = row_fold();
-    if !terms && params.stats_offset != 0u {
-        f.st = fold_stats(row, lid);
-        return f;
+    if (KL_FLAGS & F_DENSE) != 0u {
+        dense_row(row, lid);
+        return;
     }
     let vocab = params.vocab;
-    let base4 = row * params.ld / 4u;
+    let base = row * params.ld;
+    let flags = KL_FLAGS;
+    // The filter changes what pass 2 writes, not what is computed.
+    let plain = (flags & ~F_FILTER) == 0u;
+    // The general fold is needed for a cap, τ ≠ 1 (the τ = 1 softmax) and
+    // the hard term (Σ u for label smoothing).
+    let fold_terms = (flags & (F_SOFTCAP | F_TAU | F_HARD)) != 0u;
+    let tail = (flags >> F_TAIL_SHIFT) & 3u;
+    // NO_LABEL (or any label past vocab) is no label; read only with the
+    // hard term on.
+    var label = 0xffffffffu;
+    if (flags & F_HARD) != 0u {
+        label = row_in[row * 2u + 1u];
+    }
+    let labelled = label < vocab;
+
+    // Pass 1: online max and sum of exp(s - max), plus a non-finite flag,
+    // over 4 logits at a time (those past vocab skipped).
+    var st = Fold(vec2<f32>(NEG_HUGE, 0.0), 0u);
+    var ms1 = vec2<f32>(NEG_HUGE, 0.0);
+    var sum_u = 0.0;
+    let base4 = base / 4u;
     let words = (vocab + 3u) / 4u;
-    var j4 = lid;
-    for (; j4 + 3u * WG < words; j4 += 4u * WG) {
-        let x = load4(base4, j4);
-        f = fold_word(f, x.a, j4, vocab, terms);
-        f = fold_word(f, x.b, j4 + WG, vocab, terms);
-        f = fold_word(f, x.c, j4 + 2u * WG, vocab, terms);
-        f = fold_word(f, x.d, j4 + 3u * WG, vocab, terms);
-    }
-    for (; j4 < words; j4 += WG) {
-        f = fold_word(f, logits[base4 + j4], j4, vocab, terms);
-    }
-    return f;
-}
-
-// One tree step of the τ = 1 fold (red_max1, red_sum1): slot lid takes in
-// slot lid + stride.
-fn merge_slot1(lid: u32, stride: u32) {
-    let r1 = merge(red_max1[lid], red_sum1[lid], red_max1[lid + stride], red_sum1[lid + stride]);
-    red_max1[lid] = r1.x;
-    red_sum1[lid] = r1.y;
-}
-
-// Merges the invocations' pass-1 folds into slot 0 of red_max, red_sum
-// and red_bad (with `terms`: the τ = 1 fold into red_max1, red_sum1 and
-// Σ u into red_aux). Call from uniform control flow.
-fn reduce_pass1(lid: u32, f: RowFold, terms: bool) {
-    var st = f.st;
-    if terms {
-        st = Fold(vec2<f32>(f.ft.m, f.ft.s), f.ft.bad);
+    if !fold_terms && params.stats_offset != 0u {
+        // The logits GEMM wrote the row's statistics (headkl_core::toolkit::RowStats):
+        // one (max, sum) pair per 32 columns, a NaN sum where a logit was
+        // not finite. Merging them is this pass; the logits are read once.
+        let sbase = params.stats_offset / 4u + row * (params.stats_ld / 2u);
+        for (var g = lid; g < params.stats_groups; g += WG) {
+            let w = logits[sbase + g / 2u];
+            var pair = w.xy;
+            if (g & 1u) != 0u {
+                pair = w.zw;
+            }
+            if non_finite(pair.y) {
+                st.bad = 1u;
+            } else if pair.y > 0.0 {
+                st.ms = merge(st.ms.x, st.ms.y, pair.x, pair.y);
+            }
+        }
+    } else if !fold_terms {
+        // Four 16-byte loads in flight per invocation.
+        var j4 = lid;
+        for (; j4 + 3u * WG < words; j4 += 4u * WG) {
+            let xa = logits[base4 + j4];
+            let xb = logits[base4 + j4 + WG];
+            let xc = logits[base4 + j4 + 2u * WG];
+            let xd = logits[base4 + j4 + 3u * WG];
+            st = fold4(st, xa, j4, vocab);
+            st = fold4(st, xb, j4 + WG, vocab);
+            st = fold4(st, xc, j4 + 2u * WG, vocab);
+            st = fold4(st, xd, j4 + 3u * WG, vocab);
+        }
+        for (; j4 < words; j4 += WG) {
+            st = fold4(st, logits[base4 + j4], j4, vocab);
+        }
+    } else {
+        // Four loads in flight here too: this pipeline's registers are its
+        // own.
+        var ft = FoldTerms(NEG_HUGE, 0.0, 0.0, 0.0, 0u);
+        var j4 = lid;
+        for (; j4 + 3u * WG < words; j4 += 4u * WG) {
+            let xa = logits[base4 + j4];
+            let xb = logits[base4 + j4 + WG];
+            let xc = logits[base4 + j4 + 2u * WG];
+            let xd = logits[base4 + j4 + 3u * WG];
+            ft = fold4_terms(ft, xa, j4, vocab);
+            ft = fold4_terms(ft, xb, j4 + WG, vocab);
+            ft = fold4_terms(ft, xc, j4 + 2u * WG, vocab);
+            ft = fold4_terms(ft, xd, j4 + 3u * WG, vocab);
+        }
+        for (; j4 < words; j4 += WG) {
+            ft = fold4_terms(ft, logits[base4 + j4], j4, vocab);
+        }
+        st = Fold(vec2<f32>(ft.m, ft.s), ft.bad);
         // The τ = 1 fold as (max, sum): its max is τ·m.
         // (max with NEG_HUGE: an invocation that saw no logit stays at it.)
-        red_max1[lid] = max(f.ft.m * params.temperature, NEG_HUGE);
-        red_sum1[lid] = f.ft.s1;
-        red_aux[lid] = f.ft.sum_u;
+        ms1 = vec2<f32>(max(ft.m * params.temperature, NEG_HUGE), ft.s1);
+        sum_u = ft.sum_u;
     }
-    red_max[lid] = st.ms.x;
-    red_sum[lid] = st.ms.y;
-    red_bad[lid] = st.bad;
+    let ms = st.ms;
+    let bad = st.bad;
+    red_max[lid] = ms.x;
+    red_sum[lid] = ms.y;
+    red_bad[lid] = bad;
+    if fold_terms {
+        red_max1[lid] = ms1.x;
+        red_sum1[lid] = ms1.y;
+        red_aux[lid] = sum_u;
+    }
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
         if lid < stride {
@@ -484,70 +457,45 @@ fn reduce_pass1(lid: u32, f: RowFold, terms: bool) {
             red_max[lid] = r.x;
             red_sum[lid] = r.y;
             red_bad[lid] |= red_bad[lid + stride];
-            if terms {
-                merge_slot1(lid, stride);
+            if fold_terms {
+                let r1 = merge(red_max1[lid], red_sum1[lid], red_max1[lid + stride], red_sum1[lid + stride]);
+                red_max1[lid] = r1.x;
+                red_sum1[lid] = r1.y;
                 red_aux[lid] += red_aux[lid + stride];
             }
         }
         workgroupBarrier();
     }
-}
-
-// Invocation 0, after the merge: row_bad (bit 0: a logit or the sum not
-// finite; bit 1: the row flagged) and row_lse from red_max, red_sum and
-// red_bad.
-fn publish_lse(row: u32) {
-    let total = red_sum[0];
-    var b = red_bad[0];
-    if non_finite(total) || !(total > 0.0) {
-        b = 1u;
-    }
-    // The word's bits, never a float NaN test (which may be folded).
-    if row_in[row * 2u] == FLAGGED_ROW {
-        b |= 2u;
-    }
-    row_bad = b;
-    row_lse = red_max[0] + log(total);
-}
-
-// The lse at τ = 1 from the merged τ = 1 fold (lse itself when τ = 1).
-fn lse_tau1(lse: f32) -> f32 {
-    if (KL_FLAGS & F_TAU) != 0u {
-        return red_max1[0] + log(red_sum1[0]);
-    }
-    return lse;
-}
-
-// ---- The soft term over the teacher's k entries.
-
-// Sums red_sum (with `aux` red_aux, with `mass` red_max) over the
-// workgroup into slot 0, once every invocation has written its slot. Call
-// from uniform control flow.
-fn reduce_sums(lid: u32, aux: bool, mass: bool) {
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if lid < stride {
-            red_sum[lid] += red_sum[lid + stride];
-            if mass {
-                red_max[lid] += red_max[lid + stride];
-            }
-            if aux {
-                red_aux[lid] += red_aux[lid + stride];
-            }
+    if lid == 0u {
+        let total = red_sum[0];
+        var b = red_bad[0];
+        if non_finite(total) || !(total > 0.0) {
+            b = 1u;
         }
-        workgroupBarrier();
+        // The word's bits, never a float NaN test (which may be folded).
+        if row_in[row * 2u] == FLAGGED_ROW {
+            b |= 2u;
+        }
+        row_bad = b;
+        row_lse = red_max[0] + log(total);
+        row_label_p = -1.0;
+        if !plain {
+            var lse1 = row_lse;
+            if (flags & F_TAU) != 0u {
+                lse1 = red_max1[0] + log(red_sum1[0]);
+            }
+            row_c1 = vec4<f32>(0.0, lse1, 1.0, red_aux[0]);
+        }
     }
-}
+    let lse = workgroupUniformLoad(&row_lse);
+    let row_state = workgroupUniformLoad(&row_bad);
+    let row_is_bad = row_state & 1u;
+    let flagged = (row_state & 2u) != 0u;
 
-// The soft term's Σ_q p_q·(log p_q − log p_S) into red_sum[0] and, outside
-// the plain case, the teacher's mass on the k into red_max[0], the
-// student's into red_aux[0] (both returned) and the teacher's probability
-// at the label into row_label_p. Call from uniform control flow.
-fn teacher_sums(row: u32, lid: u32, lse: f32, plain: bool, label: u32) -> vec2<f32> {
-    let base = row * params.ld;
+    // The soft term over the teacher's k entries (and, outside the plain
+    // case, their mass and the student's mass on them).
     let k = params.k;
     let tbase = row * k;
-    let labelled = label < params.vocab;
     var part = 0.0;
     var mass = 0.0;
     var student = 0.0;
@@ -571,273 +519,199 @@ fn teacher_sums(row: u32, lid: u32, lse: f32, plain: bool, label: u32) -> vec2<f
         red_max[lid] = mass;
         red_aux[lid] = student;
     }
-    reduce_sums(lid, !plain, !plain);
-    return vec2<f32>(red_max[0], red_aux[0]);
-}
-
-// The reverse KL and the JSD need the row's student mass on the k first
-// (renormalized: q = p_S/Σ_k p_S, log_norm its log's normalizer): a second
-// pass over the k sums the bins' f into red_sum[0] and q·f' into
-// red_aux[0]. Call from uniform control flow.
-fn div_sums(row: u32, lid: u32, lse: f32, log_norm: f32) {
-    let base = row * params.ld;
-    let k = params.k;
-    let tbase = row * k;
-    // Every invocation has read the teacher's sums before they are reused.
     workgroupBarrier();
-    var f_sum = 0.0;
-    var e_sum = 0.0;
-    for (var q = lid; q < k; q += WG) {
-        let log_q = scaled(logit(base, ids[tbase + q])) - lse - log_norm;
-        let qv = exp(log_q);
-        let ft = div_term(qv, log_q, probs[tbase + q]);
-        f_sum += ft.x;
-        e_sum += qv * ft.y;
+    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if lid < stride {
+            red_sum[lid] += red_sum[lid + stride];
+            if !plain {
+                red_max[lid] += red_max[lid + stride];
+                red_aux[lid] += red_aux[lid + stride];
+            }
+        }
+        workgroupBarrier();
     }
-    red_sum[lid] = f_sum;
-    red_aux[lid] = e_sum;
-    reduce_sums(lid, true, false);
-}
-
-// The row's loss words from `terms` (loss, lse at τ = 1, soft, hard): NaN
-// for bad logits (row_state bit 0), and for a flagged row (bit 1) the
-// marker's bits as the loss, from the word itself (not a constant NaN,
-// which WGSL cannot write).
-fn store_loss(row: u32, terms: vec4<f32>, row_state: u32) {
-    var out = terms;
-    if (row_state & 1u) != 0u {
-        out = vec4<f32>(nan_f32());
-    }
-    if (row_state & 2u) != 0u {
-        out.x = bitcast<f32>(row_in[row * 2u]);
-    }
-    loss[row * 4u] = out.x;
-    loss[row * 4u + 1u] = out.y;
-    loss[row * 4u + 2u] = out.z;
-    loss[row * 4u + 3u] = out.w;
-}
-
-// The soft part with its tail (soft_k: the sum over the k), and the
-// factors on p^τ off the k (f_off) and on them (f_on), as (soft, f_off,
-// f_on); for the reverse KL and the JSD also row_div. Invocation 0.
-fn soft_tail(soft_k: f32, mass_k: f32, student_k: f32, log_norm: f32) -> vec3<f32> {
-    let tail = tail_code();
-    var soft = soft_k;
-    var f_off = 1.0;
-    var f_on = 1.0;
+    let mass_k = red_max[0];
+    let student_k = red_aux[0];
+    // The reverse KL and the JSD need the row's student mass on the k
+    // first (renormalized: q = p_S/Σ_k p_S): a second pass over the k sums
+    // the bins' f (into red_sum) and q·f' (into red_aux).
+    var log_norm = 0.0;
     if div_code() != 0u {
-        // f_off: the factor on p^τ off the k, f'(tail) − E with a
-        // tail bin, −E over the k alone, 0 renormalized (q over the
-        // k does not depend on the logits outside it).
-        var e = red_aux[0];
-        f_off = 0.0;
-        if tail == TAIL_BUCKET {
-            let r_t = max(1.0 - mass_k, 0.0);
-            let r_s = max(1.0 - student_k, TAIL_FLOOR);
-            let ft = div_term(r_s, log(r_s), r_t);
-            soft += ft.x;
-            e += r_s * ft.y;
-            f_off = ft.y - e;
-        } else if tail == TAIL_NONE {
-            f_off = -e;
+        if tail == 0u {
+            log_norm = log(max(student_k, 1e-37));
         }
-        row_div = vec2<f32>(e, log_norm);
-    } else if tail == TAIL_NONE {
-        f_off = mass_k;
-        f_on = mass_k;
-    } else if tail == TAIL_BUCKET {
-        let r_t = max(1.0 - mass_k, 0.0);
-        let r_s = max(1.0 - student_k, TAIL_FLOOR);
-        if r_t > 0.0 {
-            soft += r_t * (log(r_t) - log(r_s));
-            f_off = 1.0 - r_t / r_s;
+        workgroupBarrier();
+        var f_sum = 0.0;
+        var e_sum = 0.0;
+        for (var q = lid; q < k; q += WG) {
+            let log_q = scaled(logit(base, ids[tbase + q])) - lse - log_norm;
+            let qv = exp(log_q);
+            let ft = div_term(qv, log_q, probs[tbase + q]);
+            f_sum += ft.x;
+            e_sum += qv * ft.y;
+        }
+        red_sum[lid] = f_sum;
+        red_aux[lid] = e_sum;
+        workgroupBarrier();
+        for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+            if lid < stride {
+                red_sum[lid] += red_sum[lid + stride];
+                red_aux[lid] += red_aux[lid + stride];
+            }
+            workgroupBarrier();
         }
     }
-    return vec3<f32>(soft, f_off, f_on);
-}
-
-// Invocation 0 outside the plain case: the row's loss words (soft part
-// in red_sum[0], the k's masses mk) and pass 2's constants into row_c0
-// (a, b, h, f_on) and row_c1 (label_term, lse1, f_off, k1).
-fn general_terms(row: u32, lse: f32, mk: vec2<f32>, log_norm: f32, label: u32, row_state: u32) {
-    let vocab = params.vocab;
-    let tau = params.temperature;
-    let lse1 = row_c1.y;
-    let tail = soft_tail(red_sum[0], mk.x, mk.y, log_norm);
-    let soft = tail.x;
-    let f_off = tail.y;
-    var alpha_hard = 0.0;
-    var eps = 0.0;
-    var hard = 0.0;
-    if label < vocab {
-        alpha_hard = params.hard_weight;
-        eps = params.smoothing;
-        let sum_u = row_c1.w;
-        let u_y = scaled(logit(row * params.ld, label));
-        hard = lse1 - (1.0 - eps) * tau * u_y - eps * tau * sum_u / f32(vocab);
+    if lid == 0u {
+        if plain {
+            var out = vec4<f32>(red_sum[0], lse, red_sum[0], 0.0);
+            if row_is_bad != 0u {
+                out = vec4<f32>(nan_f32());
+            }
+            if flagged {
+                // The marker's bits, from the word itself (not a constant
+                // NaN, which WGSL cannot write).
+                out.x = bitcast<f32>(row_in[row * 2u]);
+            }
+            loss[row * 4u] = out.x;
+            loss[row * 4u + 1u] = out.y;
+            loss[row * 4u + 2u] = out.z;
+            loss[row * 4u + 3u] = out.w;
+        } else {
+            let tau = params.temperature;
+            let lse1 = row_c1.y;
+            var soft = red_sum[0];
+            var f_off = 1.0;
+            var f_on = 1.0;
+            if div_code() != 0u {
+                // f_off: the factor on p^τ off the k, f'(tail) − E with a
+                // tail bin, −E over the k alone, 0 renormalized (q over the
+                // k does not depend on the logits outside it).
+                var e = red_aux[0];
+                f_off = 0.0;
+                if tail == TAIL_BUCKET {
+                    let r_t = max(1.0 - mass_k, 0.0);
+                    let r_s = max(1.0 - student_k, TAIL_FLOOR);
+                    let ft = div_term(r_s, log(r_s), r_t);
+                    soft += ft.x;
+                    e += r_s * ft.y;
+                    f_off = ft.y - e;
+                } else if tail == TAIL_NONE {
+                    f_off = -e;
+                }
+                row_div = vec2<f32>(e, log_norm);
+            } else if tail == TAIL_NONE {
+                f_off = mass_k;
+                f_on = mass_k;
+            } else if tail == TAIL_BUCKET {
+                let r_t = max(1.0 - mass_k, 0.0);
+                let r_s = max(1.0 - student_k, TAIL_FLOOR);
+                if r_t > 0.0 {
+                    soft += r_t * (log(r_t) - log(r_s));
+                    f_off = 1.0 - r_t / r_s;
+                }
+            }
+            var alpha_hard = 0.0;
+            var eps = 0.0;
+            var hard = 0.0;
+            if labelled {
+                alpha_hard = params.hard_weight;
+                eps = params.smoothing;
+                let sum_u = row_c1.w;
+                let u_y = scaled(logit(base, label));
+                hard = lse1 - (1.0 - eps) * tau * u_y - eps * tau * sum_u / f32(vocab);
+            }
+            let lambda = params.z_loss;
+            let total_loss = params.soft_weight * soft + alpha_hard * hard + lambda * lse1 * lse1;
+            var out = vec4<f32>(total_loss, lse1, soft, hard);
+            if row_is_bad != 0u {
+                out = vec4<f32>(nan_f32());
+            }
+            if flagged {
+                out.x = bitcast<f32>(row_in[row * 2u]);
+            }
+            loss[row * 4u] = out.x;
+            loss[row * 4u + 1u] = out.y;
+            loss[row * 4u + 2u] = out.z;
+            loss[row * 4u + 3u] = out.w;
+            let a = params.soft_weight * f_off;
+            let b = tau * (alpha_hard + 2.0 * lambda * lse1);
+            let h = tau * alpha_hard * eps / f32(vocab);
+            row_c0 = vec4<f32>(a, b, h, f_on);
+            // k1 = exp(τ·lse − lse1): p¹ = (p^τ)^τ·k1 (p_one).
+            row_c1 = vec4<f32>(tau * alpha_hard * (1.0 - eps), lse1, f_off, exp(tau * lse - lse1));
+        }
     }
-    let lambda = params.z_loss;
-    let total_loss = params.soft_weight * soft + alpha_hard * hard + lambda * lse1 * lse1;
-    store_loss(row, vec4<f32>(total_loss, lse1, soft, hard), row_state);
-    let a = params.soft_weight * f_off;
-    let b = tau * (alpha_hard + 2.0 * lambda * lse1);
-    let h = tau * alpha_hard * eps / f32(vocab);
-    row_c0 = vec4<f32>(a, b, h, tail.z);
-    // k1 = exp(τ·lse − lse1): p¹ = (p^τ)^τ·k1 (p_one).
-    row_c1 = vec4<f32>(tau * alpha_hard * (1.0 - eps), lse1, f_off, exp(tau * lse - lse1));
-}
 
-// ---- Pass 2: grad = c·∂L/∂s everywhere (c·p_S in the plain case), zero
-// in the padding; then the teacher's columns; then the label's.
-
-// Pass 2's constants for the row's coefficient c: c and lse alone in the
-// plain case, else what invocation 0 left in row_c0, row_c1 and
-// row_label_p. Call from uniform control flow.
-fn pass2_consts(c: f32, lse: f32, plain: bool) -> Pass2 {
+    // A flagged row contributes nothing (flagged is uniform: all return).
+    if flagged {
+        zero_row(row, lid);
+        return;
+    }
+    // Pass 2: grad = c * ∂L/∂s everywhere (c * p_S in the plain case), zero
+    // in the padding, 4 at a time ...
+    let c = bitcast<f32>(row_in[row * 2u]);
+    let padded = params.ld / 4u;
+    if (flags & F_FILTER) != 0u {
+        filtered_grad(row, lid, c, lse, plain, labelled, label);
+        return;
+    }
     if plain {
-        return Pass2(c, lse, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0);
+        var g4 = lid;
+        for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
+            let xa = logits[base4 + g4];
+            let xb = logits[base4 + g4 + WG];
+            let xc = logits[base4 + g4 + 2u * WG];
+            let xd = logits[base4 + g4 + 3u * WG];
+            grad[base4 + g4] = grad4(xa, g4, vocab, c, lse);
+            grad[base4 + g4 + WG] = grad4(xb, g4 + WG, vocab, c, lse);
+            grad[base4 + g4 + 2u * WG] = grad4(xc, g4 + 2u * WG, vocab, c, lse);
+            grad[base4 + g4 + 3u * WG] = grad4(xd, g4 + 3u * WG, vocab, c, lse);
+        }
+        for (; g4 < padded; g4 += WG) {
+            grad[base4 + g4] = grad4(logits[base4 + g4], g4, vocab, c, lse);
+        }
+        // ... then c * (p_S - p_T) on the teacher's columns. The barrier orders
+        // these stores after the ones above within the workgroup.
+        storageBarrier();
+        for (var q = lid; q < k; q += WG) {
+            let id = ids[tbase + q];
+            let ps = exp(logit(base, id) - lse);
+            grad[(base + id) / 4u][id % 4u] = f16(c * (ps - probs[tbase + q]));
+        }
+        return;
     }
     let c0 = workgroupUniformLoad(&row_c0);
     let c1 = workgroupUniformLoad(&row_c1);
     let label_p = workgroupUniformLoad(&row_label_p);
-    return Pass2(c, lse, c0.x, c0.y, c0.z, c1.y, c1.w, c0.w, c1.x, label_p);
-}
-
-// c·∂L/∂s at teacher column id (teacher probability p_t): c·(p_S − p_T) in
-// the plain case, else teacher_grad's.
-fn teacher_value(base: u32, id: u32, p_t: f32, r: Pass2, plain: bool) -> f32 {
-    if plain {
-        return r.c * (exp(logit(base, id) - r.lse) - p_t);
-    }
-    return teacher_grad(logit(base, id), p_t, r);
-}
-
-// The teacher's columns over the bulk's stores (the caller's barrier
-// orders them after): with `filtered`, only those in [col0, col1), each
-// marking its block when kept.
-fn teacher_columns(row: u32, lid: u32, r: Pass2, plain: bool, filtered: bool, col0: u32, col1: u32) {
-    let base = row * params.ld;
-    let k = params.k;
-    let tbase = row * k;
-    for (var q = lid; q < k; q += WG) {
-        let id = ids[tbase + q];
-        if filtered && (id < col0 || id >= col1) {
-            continue;
-        }
-        let gv = teacher_value(base, id, probs[tbase + q], r, plain);
-        grad[(base + id) / 4u][id % 4u] = f16(gv);
-        if filtered && kept(gv, r.c) {
-            mark(id, col0);
-        }
-    }
-}
-
-// The label's column, whole, over whatever was written there (invocation
-// 0, general case; the caller's barrier orders it): with `filtered`, only
-// in [col0, col1), marking its block when kept.
-fn label_column(row: u32, lid: u32, r: Pass2, label: u32, filtered: bool, col0: u32, col1: u32) {
-    if lid != 0u || label >= params.vocab || (filtered && (label < col0 || label >= col1)) {
-        return;
-    }
-    let base = row * params.ld;
-    let gv = label_grad(logit(base, label), r);
-    grad[(base + label) / 4u][label % 4u] = f16(gv);
-    if filtered && kept(gv, r.c) {
-        mark(label, col0);
-    }
-}
-
-// Pass 2 without the filter: the whole padded row, four loads in flight,
-// then the teacher's columns, then (general case) the label's, each after
-// a barrier that orders its stores after the ones before (outside the
-// label's branch: uniform control flow). Call from uniform control flow.
-fn grad_row(row: u32, lid: u32, r: Pass2, plain: bool, label: u32) {
-    let vocab = params.vocab;
-    let base4 = row * params.ld / 4u;
-    let padded = params.ld / 4u;
+    let lse1 = c1.y;
+    let r = Pass2(c, lse, c0.x, c0.y, c0.z, lse1, c1.w);
     var g4 = lid;
     for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
-        let x = load4(base4, g4);
-        grad[base4 + g4] = vec4<f16>(grad_word(x.a, g4, vocab, r, plain));
-        grad[base4 + g4 + WG] = vec4<f16>(grad_word(x.b, g4 + WG, vocab, r, plain));
-        grad[base4 + g4 + 2u * WG] = vec4<f16>(grad_word(x.c, g4 + 2u * WG, vocab, r, plain));
-        grad[base4 + g4 + 3u * WG] = vec4<f16>(grad_word(x.d, g4 + 3u * WG, vocab, r, plain));
+        let xa = logits[base4 + g4];
+        let xb = logits[base4 + g4 + WG];
+        let xc = logits[base4 + g4 + 2u * WG];
+        let xd = logits[base4 + g4 + 3u * WG];
+        grad[base4 + g4] = grad4_terms(xa, g4, vocab, r);
+        grad[base4 + g4 + WG] = grad4_terms(xb, g4 + WG, vocab, r);
+        grad[base4 + g4 + 2u * WG] = grad4_terms(xc, g4 + 2u * WG, vocab, r);
+        grad[base4 + g4 + 3u * WG] = grad4_terms(xd, g4 + 3u * WG, vocab, r);
     }
     for (; g4 < padded; g4 += WG) {
-        grad[base4 + g4] = vec4<f16>(grad_word(logits[base4 + g4], g4, vocab, r, plain));
+        grad[base4 + g4] = grad4_terms(logits[base4 + g4], g4, vocab, r);
     }
+    // ... then the teacher's columns: cap'·(α_soft·(f_on·p^τ − p_T) + b·p¹ − h)
+    // (the barrier orders these stores after the ones above) ...
     storageBarrier();
-    teacher_columns(row, lid, r, plain, false, 0u, 0u);
-    if !plain {
-        storageBarrier();
-        label_column(row, lid, r, label, false, 0u, 0u);
+    for (var q = lid; q < k; q += WG) {
+        let id = ids[tbase + q];
+        grad[(base + id) / 4u][id % 4u] = f16(teacher_grad(logit(base, id), probs[tbase + q], c, lse, c0, c1));
     }
-}
-
-@compute @workgroup_size(WG)
-fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let row = wg.x + wg.y * params.grid_x;
-    if row >= params.rows {
-        return;
+    // ... then the label's column, whole, over whatever was written there
+    // (the barrier is outside the label's branch: uniform control flow).
+    storageBarrier();
+    if labelled && lid == 0u {
+        grad[(base + label) / 4u][label % 4u] = f16(label_grad(logit(base, label), label_p, c, lse, c0, c1));
     }
-    if (KL_FLAGS & F_DENSE) != 0u {
-        dense_row(row, lid);
-        return;
-    }
-    let flags = KL_FLAGS;
-    // The filter changes what pass 2 writes, not what is computed.
-    let plain = (flags & ~F_FILTER) == 0u;
-    // The general fold is needed for a cap, τ ≠ 1 (the τ = 1 softmax) and
-    // the hard term (Σ u for label smoothing).
-    let fold_terms = (flags & (F_SOFTCAP | F_TAU | F_HARD)) != 0u;
-    // NO_LABEL (or any label past vocab) is no label; read only with the
-    // hard term on.
-    var label = 0xffffffffu;
-    if (flags & F_HARD) != 0u {
-        label = row_in[row * 2u + 1u];
-    }
-
-    // Pass 1: the row's lse and whether it is bad.
-    reduce_pass1(lid, fold_pass1(row, lid, fold_terms), fold_terms);
-    if lid == 0u {
-        publish_lse(row);
-        row_label_p = -1.0;
-        if !plain {
-            row_c1 = vec4<f32>(0.0, lse_tau1(row_lse), 1.0, red_aux[0]);
-        }
-    }
-    let lse = workgroupUniformLoad(&row_lse);
-    let row_state = workgroupUniformLoad(&row_bad);
-
-    // The soft term over the teacher's k entries (and, outside the plain
-    // case, their mass and the student's mass on them), then the loss.
-    let mk = teacher_sums(row, lid, lse, plain, label);
-    var log_norm = 0.0;
-    if div_code() != 0u {
-        if tail_code() == 0u {
-            log_norm = log(max(mk.y, 1e-37));
-        }
-        div_sums(row, lid, lse, log_norm);
-    }
-    if lid == 0u {
-        if plain {
-            store_loss(row, vec4<f32>(red_sum[0], lse, red_sum[0], 0.0), row_state);
-        } else {
-            general_terms(row, lse, mk, log_norm, label, row_state);
-        }
-    }
-
-    // A flagged row contributes nothing (row_state is uniform: all return).
-    if (row_state & 2u) != 0u {
-        zero_row(row, lid);
-        return;
-    }
-    let r = pass2_consts(bitcast<f32>(row_in[row * 2u]), lse, plain);
-    if (flags & F_FILTER) != 0u {
-        filtered_grad(row, lid, r, plain, label);
-        return;
-    }
-    grad_row(row, lid, r, plain, label);
 }
 
 // Pass 2 of a flagged row: its gradient row 0 (padding included) whatever
@@ -865,17 +739,6 @@ fn mark(j: u32, col0: u32) {
     atomicOr(&seg_mask[b / 32u], 1u << (b % 32u));
 }
 
-// The segment's mask words (the segment starts at grad word s4) after the
-// rows, each as four halves of 8 bits.
-fn store_mask(row: u32, lid: u32, s4: u32) {
-    let w = s4 / WORD4 + lid;
-    if lid < SEG_WORDS && w < params.mask_ld {
-        let bits = atomicLoad(&seg_mask[lid]);
-        let h = vec4<u32>(bits & 255u, (bits >> 8u) & 255u, (bits >> 16u) & 255u, bits >> 24u);
-        grad[params.mask_off4 + row * params.mask_ld + w] = vec4<f16>(vec4<f32>(h));
-    }
-}
-
 // Pass 2 with the block filter (F_FILTER): the gradient exactly as the
 // unfiltered pass writes it (same expressions, same bits), and the row's
 // block mask (headkl_core::problem::filter), one segment of SEG_WORDS mask words at
@@ -883,10 +746,18 @@ fn store_mask(row: u32, lid: u32, s4: u32) {
 // bulk by c·p_S (plain) or its value, the teacher's and the label's
 // columns by their final values too (a superset: never a block the
 // gradient needs). A row with c = 0 keeps none: its gradient is zero.
-fn filtered_grad(row: u32, lid: u32, r: Pass2, plain: bool, label: u32) {
+fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bool, label: u32) {
+    let c0 = workgroupUniformLoad(&row_c0);
+    let c1 = workgroupUniformLoad(&row_c1);
+    let label_p = workgroupUniformLoad(&row_label_p);
+    let lse1 = c1.y;
+    let r = Pass2(c, lse, c0.x, c0.y, c0.z, lse1, c1.w);
     let vocab = params.vocab;
-    let base4 = row * params.ld / 4u;
+    let base = row * params.ld;
+    let base4 = base / 4u;
     let padded = params.ld / 4u;
+    let k = params.k;
+    let tbase = row * k;
     for (var s4 = 0u; s4 < padded; s4 += SEG4) {
         let e4 = min(s4 + SEG4, padded);
         let col0 = s4 * 4u;
@@ -896,23 +767,54 @@ fn filtered_grad(row: u32, lid: u32, r: Pass2, plain: bool, label: u32) {
         }
         workgroupBarrier();
         for (var g4 = s4 + lid; g4 < e4; g4 += WG) {
-            let g = grad_word(logits[base4 + g4], g4, vocab, r, plain);
+            let x4 = logits[base4 + g4];
+            var g = vec4<f32>(0.0);
+            if plain {
+                g = grad4_f32(x4, g4, vocab, c, lse);
+            } else {
+                g = grad4_terms_f32(x4, g4, vocab, r);
+            }
             grad[base4 + g4] = vec4<f16>(g);
-            if kept(g.x, r.c) || kept(g.y, r.c) || kept(g.z, r.c) || kept(g.w, r.c) {
+            if kept(g.x, c) || kept(g.y, c) || kept(g.z, c) || kept(g.w, c) {
                 mark(g4 * 4u, col0);
             }
         }
         // The teacher's columns over the bulk's stores (ordered by the
         // barrier) ...
         storageBarrier();
-        teacher_columns(row, lid, r, plain, true, col0, col1);
+        for (var q = lid; q < k; q += WG) {
+            let id = ids[tbase + q];
+            if id < col0 || id >= col1 {
+                continue;
+            }
+            var gv = 0.0;
+            if plain {
+                let ps = exp(logit(base, id) - lse);
+                gv = c * (ps - probs[tbase + q]);
+            } else {
+                gv = teacher_grad(logit(base, id), probs[tbase + q], c, lse, c0, c1);
+            }
+            grad[(base + id) / 4u][id % 4u] = f16(gv);
+            if kept(gv, c) {
+                mark(id, col0);
+            }
+        }
         // ... then the label's column, whole (general case only).
         storageBarrier();
-        if !plain {
-            label_column(row, lid, r, label, true, col0, col1);
+        if !plain && labelled && lid == 0u && label >= col0 && label < col1 {
+            let gv = label_grad(logit(base, label), label_p, c, lse, c0, c1);
+            grad[(base + label) / 4u][label % 4u] = f16(gv);
+            if kept(gv, c) {
+                mark(label, col0);
+            }
         }
         workgroupBarrier();
-        store_mask(row, lid, s4);
+        let w = s4 / WORD4 + lid;
+        if lid < SEG_WORDS && w < params.mask_ld {
+            let bits = atomicLoad(&seg_mask[lid]);
+            let h = vec4<u32>(bits & 255u, (bits >> 8u) & 255u, (bits >> 16u) & 255u, bits >> 24u);
+            grad[params.mask_off4 + row * params.mask_ld + w] = vec4<f16>(vec4<f32>(h));
+        }
         workgroupBarrier();
     }
 }
@@ -981,72 +883,24 @@ fn reduce_w(lid: u32, tau1: bool) {
             red_aux[lid] = r.z;
             red_bad[lid] |= red_bad[lid + stride];
             if tau1 {
-                merge_slot1(lid, stride);
+                let r1 = merge(red_max1[lid], red_sum1[lid], red_max1[lid + stride], red_sum1[lid + stride]);
+                red_max1[lid] = r1.x;
+                red_sum1[lid] = r1.y;
             }
         }
         workgroupBarrier();
     }
 }
 
-// One column of the dense reverse KL or JSD (student logit s, teacher
-// logit t): (f, p_S·f').
-fn dense_div_col(s: f32, t: f32, lse: f32, lse_t: f32) -> vec2<f32> {
-    let ls = s - lse;
-    let f = dense_div(ls, t - lse_t);
-    return vec2<f32>(f.x, exp(ls) * f.y);
-}
-
-// c·α_soft·∂L/∂s at one column (cw = c·α_soft): p_S − p_T forward,
-// p_S·(f' − E) otherwise.
-fn dense_grad_col(s: f32, t: f32, lse: f32, lse_t: f32, cw: f32, e: f32) -> f32 {
-    let ls = s - lse;
-    let lt = t - lse_t;
-    if div_code() == 0u {
-        return cw * (exp(ls) - exp(lt));
-    }
-    return cw * exp(ls) * (dense_div(ls, lt).y - e);
-}
-
-// `acc` plus (Σ f, Σ p_S·f') over the columns of word j4 (student logits
-// s4) below vocab, of the dense row at element base.
-fn dense_div4(acc: vec2<f32>, s4: vec4<f32>, j4: u32, base: u32, lse: f32, lse_t: f32) -> vec2<f32> {
-    var sums = acc;
-    for (var c = 0u; c < 4u; c++) {
-        let j = j4 * 4u + c;
-        if j >= params.vocab {
-            break;
-        }
-        sums += dense_div_col(s4[c], probs[base + j], lse, lse_t);
-    }
-    return sums;
-}
-
-// The gradient of word g4 (student logits s4) of the dense row at element
-// base, zero past vocab.
-fn dense_grad4(s4: vec4<f32>, g4: u32, base: u32, lse: f32, lse_t: f32, cw: f32, e: f32) -> vec4<f32> {
-    var g = vec4<f32>(0.0);
-    for (var c = 0u; c < 4u; c++) {
-        let j = g4 * 4u + c;
-        if j >= params.vocab {
-            break;
-        }
-        g[c] = dense_grad_col(s4[c], probs[base + j], lse, lse_t, cw, e);
-    }
-    return g;
-}
-
-// Pass 1 of a dense row: the student's fold, its τ = 1 fold, and the
-// teacher's (with Σ p_T·(t − s), the forward KL's, on the way), merged:
-// row_lse and row_bad as kl_rows' pass 1, the lse at τ = 1 in row_div.x,
-// and (lse_t, Σ p_T·(t − s)) in row_c0.xy (a non-finite lse_t flags the
-// row bad). Call from uniform control flow.
-fn dense_pass1(row: u32, lid: u32) {
+fn dense_row(row: u32, lid: u32) {
     let vocab = params.vocab;
     let base = row * params.ld;
     let base4 = base / 4u;
     let words = (vocab + 3u) / 4u;
     let forward = div_code() == 0u;
     let tau_on = (KL_FLAGS & F_TAU) != 0u;
+    // Pass 1: the student's fold, its τ = 1 fold, and the teacher's (with
+    // Σ p_T·(t − s), the forward KL's, on the way).
     var fs = vec3<f32>(NEG_HUGE, 0.0, 0.0);
     var ft = vec3<f32>(NEG_HUGE, 0.0, 0.0);
     var ms1 = vec2<f32>(NEG_HUGE, 0.0);
@@ -1079,8 +933,20 @@ fn dense_pass1(row: u32, lid: u32) {
     red_sum1[lid] = ms1.y;
     reduce_w(lid, tau_on);
     if lid == 0u {
-        publish_lse(row);
-        row_div = vec2<f32>(lse_tau1(row_lse), 0.0);
+        var b = red_bad[0];
+        if non_finite(red_sum[0]) || !(red_sum[0] > 0.0) {
+            b = 1u;
+        }
+        if row_in[row * 2u] == FLAGGED_ROW {
+            b |= 2u;
+        }
+        row_bad = b;
+        row_lse = red_max[0] + log(red_sum[0]);
+        var lse1 = row_lse;
+        if tau_on {
+            lse1 = red_max1[0] + log(red_sum1[0]);
+        }
+        row_div = vec2<f32>(lse1, 0.0);
     }
     workgroupBarrier();
     red_max[lid] = ft.x;
@@ -1096,13 +962,6 @@ fn dense_pass1(row: u32, lid: u32) {
         // (lse_t, Σ p_T·(t − s)).
         row_c0 = vec4<f32>(lse_t, red_aux[0] / red_sum[0], 0.0, 0.0);
     }
-}
-
-fn dense_row(row: u32, lid: u32) {
-    let base = row * params.ld;
-    let base4 = base / 4u;
-    let words = (params.vocab + 3u) / 4u;
-    dense_pass1(row, lid);
     let lse = workgroupUniformLoad(&row_lse);
     let c0 = workgroupUniformLoad(&row_c0);
     let lse_t = c0.x;
@@ -1111,28 +970,72 @@ fn dense_row(row: u32, lid: u32) {
     // in pass 2, with E = Σ p_S·f' for their gradient.
     var soft = c0.y - lse_t + lse;
     var e = 0.0;
-    if div_code() != 0u {
-        var sums = vec2<f32>(0.0);
+    if !forward {
+        var f_sum = 0.0;
+        var e_sum = 0.0;
         for (var j4 = lid; j4 < words; j4 += WG) {
-            sums = dense_div4(sums, logits[base4 + j4], j4, base, lse, lse_t);
+            let s4 = logits[base4 + j4];
+            for (var c = 0u; c < 4u; c++) {
+                let j = j4 * 4u + c;
+                if j >= vocab {
+                    break;
+                }
+                let ls = s4[c] - lse;
+                let f = dense_div(ls, probs[base + j] - lse_t);
+                f_sum += f.x;
+                e_sum += exp(ls) * f.y;
+            }
         }
-        red_sum[lid] = sums.x;
-        red_aux[lid] = sums.y;
-        reduce_sums(lid, true, false);
+        red_sum[lid] = f_sum;
+        red_aux[lid] = e_sum;
+        workgroupBarrier();
+        for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+            if lid < stride {
+                red_sum[lid] += red_sum[lid + stride];
+                red_aux[lid] += red_aux[lid + stride];
+            }
+            workgroupBarrier();
+        }
         soft = red_sum[0];
         e = red_aux[0];
     }
     let lse1 = workgroupUniformLoad(&row_div).x;
     if lid == 0u {
-        store_loss(row, vec4<f32>(params.soft_weight * soft, lse1, soft, 0.0), row_state);
+        var out = vec4<f32>(params.soft_weight * soft, lse1, soft, 0.0);
+        if (row_state & 1u) != 0u {
+            out = vec4<f32>(nan_f32());
+        }
+        if (row_state & 2u) != 0u {
+            out.x = bitcast<f32>(row_in[row * 2u]);
+        }
+        loss[row * 4u] = out.x;
+        loss[row * 4u + 1u] = out.y;
+        loss[row * 4u + 2u] = out.z;
+        loss[row * 4u + 3u] = out.w;
     }
     if (row_state & 2u) != 0u {
         zero_row(row, lid);
         return;
     }
-    // Pass 3: grad = c·α_soft·∂L/∂s, zero in the padding.
+    // Pass 3: grad = c·α_soft·∂L/∂s: p_S − p_T forward, p_S·(f' − E)
+    // otherwise; zero in the padding.
     let cw = bitcast<f32>(row_in[row * 2u]) * params.soft_weight;
     for (var g4 = lid; g4 < params.ld / 4u; g4 += WG) {
-        grad[base4 + g4] = vec4<f16>(dense_grad4(logits[base4 + g4], g4, base, lse, lse_t, cw, e));
+        let s4 = logits[base4 + g4];
+        var g = vec4<f32>(0.0);
+        for (var c = 0u; c < 4u; c++) {
+            let j = g4 * 4u + c;
+            if j >= vocab {
+                break;
+            }
+            let ls = s4[c] - lse;
+            let lt = probs[base + j] - lse_t;
+            if forward {
+                g[c] = cw * (exp(ls) - exp(lt));
+            } else {
+                g[c] = cw * exp(ls) * (dense_div(ls, lt).y - e);
+            }
+        }
+        grad[base4 + g4] = vec4<f16>(g);
     }
 }
