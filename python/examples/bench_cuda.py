@@ -31,6 +31,19 @@ SHAPES = {
 }
 
 
+def parse_bytes(text):
+    """`1536M`, `2G`, `1048576`: a byte count as `headkl bench --budget` reads it."""
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    try:
+        value = int(digits) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 1536M)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above zero")
+    return value
+
+
 def arguments():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="S,A", help="comma-separated shapes of A, B, S, M (default S,A)")
@@ -38,6 +51,12 @@ def arguments():
     p.add_argument("--iters", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--backend", default="auto", help="headkl backend: auto (cuda on NVIDIA), cuda or vulkan")
+    p.add_argument(
+        "--budget",
+        type=parse_bytes,
+        default=None,
+        help="device scratch budget in bytes, with K, M or G (default: the package's, 2G)",
+    )
     return p.parse_args()
 
 
@@ -50,7 +69,7 @@ def main():
         g = torch.Generator().manual_seed(1)
         weight = (torch.randn(vocab, hs, generator=g) / hs**0.5).to(torch.bfloat16)
         started = time.perf_counter()
-        loss_fn = ht.HeadKLLoss(weight, backend=args.backend)
+        loss_fn = ht.HeadKLLoss(weight, backend=args.backend, budget_bytes=args.budget)
         upload_s = time.perf_counter() - started
         hidden = torch.randn(ntok, hs, device=device).to(torch.bfloat16)
         # Distinct per row: k ids a stride of V/k apart from a random start.
@@ -79,8 +98,9 @@ def main():
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         _, engine_peak = loss_fn.head._engine.memory()
         headkl_extra = (engine_peak - head_bytes) / 2**30
+        budget = f" budget {args.budget / 2**20:.0f}M" if args.budget else ""
         print(
-            f"torch {name} {ntok}:{vocab}:{hs}:{k} {'zero-copy' if loss_fn.zero_copy else 'host copies'}: "
+            f"torch {name}{budget} {ntok}:{vocab}:{hs}:{k} {'zero-copy' if loss_fn.zero_copy else 'host copies'}: "
             f"step {statistics.median(times):.2f} ms (min {min(times):.2f}), host bytes {copied}, "
             f"peak extra: torch {peak:.2f} GiB + headkl {headkl_extra:.2f} GiB (beyond its {head_bytes / 2**30:.2f} GiB head), "
             f"head upload {upload_s:.1f} s, loss {loss.item():.4f}",
