@@ -164,8 +164,23 @@ pub const CONVERT_WGSL: Shader = Shader {
     ),
     params: ConvertParams::BLOCK,
 };
-/// `kl_rows.wgsl`: the KL row kernel.
-pub const KL_ROWS_WGSL: Shader = shader!("kl_rows.wgsl", RowParams);
+/// The KL row kernel, assembled from its parts in the order of the
+/// `kl_rows_state.wgsl` header (bindings and state, the folds, the
+/// gradient, the entry point `kl_rows.wgsl`, the block filter, the dense
+/// teacher): the order in which naga emits its functions, so the SPIR-V is
+/// that of the single file it was.
+pub const KL_ROWS_WGSL: Shader = Shader {
+    file: "kl_rows.wgsl",
+    text: concat!(
+        include_str!("../../../../shaders/kl_rows_state.wgsl"),
+        include_str!("../../../../shaders/kl_rows_fold.wgsl"),
+        include_str!("../../../../shaders/kl_rows_grad.wgsl"),
+        include_str!("../../../../shaders/kl_rows.wgsl"),
+        include_str!("../../../../shaders/kl_rows_filter.wgsl"),
+        include_str!("../../../../shaders/kl_rows_dense.wgsl")
+    ),
+    params: RowParams::BLOCK,
+};
 /// `topk_rows.wgsl`: the exact top-k row kernel.
 pub const TOPK_ROWS_WGSL: Shader = shader!("topk_rows.wgsl", RowParams);
 /// `gemm_tiled.wgsl`: the portable GEMM (no matrix units).

@@ -330,7 +330,7 @@ fn softcap<T: Real>(x: T, c: T) -> (T, T) {
     (c * t, T::of(4.0) * e / ((T::ONE + e) * (T::ONE + e)))
 }
 
-/// One bin of the reverse KL or the JSD (`kl_rows.wgsl`'s `div_term`):
+/// One bin of the reverse KL or the JSD (`kl_rows_fold.wgsl`'s `div_term`):
 /// `(f, f')` at the student's share `q` (`log_q` its log) and the
 /// teacher's `t`.
 fn div_term<T: Real>(divergence: Divergence, q: T, log_q: T, t: T) -> (T, T) {
@@ -399,7 +399,7 @@ fn kl_row<T: Real>(
     mask.fill(0);
     let on = f32::from_bits(coef) != 0.0;
     // The block filter: block of column j kept when |∂L/∂s_j| > ε or not a
-    // number (`kl_rows.wgsl`'s `kept`), never in a row with c = 0.
+    // number (`kl_rows_filter.wgsl`'s `kept`), never in a row with c = 0.
     let mut mark = |j: usize, v: T| {
         let within = v.abs() <= T::of(d.filter.map_or(0.0, |f| f.eps));
         if on && !within {
@@ -498,7 +498,7 @@ fn kl_row<T: Real>(
             }
         }
     };
-    // The soft term's ∂/∂s at a teacher column (`kl_rows.wgsl`'s `soft_on`).
+    // The soft term's ∂/∂s at a teacher column (`kl_rows_fold.wgsl`'s `soft_on`).
     let soft_on = |j: usize, p: f32| {
         if divergence == Divergence::Forward {
             f_on * p_tau(j) - T::of(p)
