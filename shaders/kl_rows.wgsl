@@ -1,6 +1,6 @@
 // Part of the KL row kernel (assembled in kl_rows_state.wgsl's order): the
-// entry point. One workgroup per token row: pass 1 folds the row's logits,
-// pass 2 writes its gradient.
+// entry point, one workgroup per token row (pass 1 folds the row's logits,
+// pass 2 writes its gradient), and the steps it calls outside its hot loops.
 
 
 @compute @workgroup_size(WG)
@@ -71,23 +71,7 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
             st = fold4(st, logits[base4 + j4], j4, vocab);
         }
     } else {
-        // Four loads in flight here too: this pipeline's registers are its
-        // own.
-        var ft = FoldTerms(NEG_HUGE, 0.0, 0.0, 0.0, 0u);
-        var j4 = lid;
-        for (; j4 + 3u * WG < words; j4 += 4u * WG) {
-            let xa = logits[base4 + j4];
-            let xb = logits[base4 + j4 + WG];
-            let xc = logits[base4 + j4 + 2u * WG];
-            let xd = logits[base4 + j4 + 3u * WG];
-            ft = fold4_terms(ft, xa, j4, vocab);
-            ft = fold4_terms(ft, xb, j4 + WG, vocab);
-            ft = fold4_terms(ft, xc, j4 + 2u * WG, vocab);
-            ft = fold4_terms(ft, xd, j4 + 3u * WG, vocab);
-        }
-        for (; j4 < words; j4 += WG) {
-            ft = fold4_terms(ft, logits[base4 + j4], j4, vocab);
-        }
+        let ft = fold_row_terms(base4, words, lid, vocab);
         st = Fold(vec2<f32>(ft.m, ft.s), ft.bad);
         // The τ = 1 fold as (max, sum): its max is τ·m.
         // (max with NEG_HUGE: an invocation that saw no logit stays at it.)
@@ -146,8 +130,91 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     let row_is_bad = row_state & 1u;
     let flagged = (row_state & 2u) != 0u;
 
-    // The soft term over the teacher's k entries (and, outside the plain
-    // case, their mass and the student's mass on them).
+    // The soft term over the teacher's k entries (red_sum[0]) and, outside
+    // the plain case, their mass and the student's mass on them.
+    let kept_mass = teacher_sums(row, lid, base, lse, plain, labelled, label);
+    let mass_k = kept_mass.x;
+    let student_k = kept_mass.y;
+    var log_norm = 0.0;
+    if div_code() != 0u {
+        log_norm = divergence_sums(row, lid, base, lse, tail, student_k);
+    }
+    if lid == 0u {
+        if plain {
+            write_plain_loss(row, lse, row_is_bad, flagged);
+        } else {
+            write_terms_loss(row, base, lse, vec2<f32>(mass_k, student_k), log_norm, row_is_bad, flagged, label);
+        }
+    }
+
+    // A flagged row contributes nothing (flagged is uniform: all return).
+    if flagged {
+        zero_row(row, lid);
+        return;
+    }
+    // Pass 2: grad = c * ∂L/∂s everywhere (c * p_S in the plain case), zero
+    // in the padding, 4 at a time ...
+    let c = bitcast<f32>(row_in[row * 2u]);
+    let padded = params.ld / 4u;
+    if (flags & F_FILTER) != 0u {
+        filtered_grad(row, lid, c, lse, plain, labelled, label);
+        return;
+    }
+    if plain {
+        var g4 = lid;
+        for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
+            let xa = logits[base4 + g4];
+            let xb = logits[base4 + g4 + WG];
+            let xc = logits[base4 + g4 + 2u * WG];
+            let xd = logits[base4 + g4 + 3u * WG];
+            grad[base4 + g4] = grad4(xa, g4, vocab, c, lse);
+            grad[base4 + g4 + WG] = grad4(xb, g4 + WG, vocab, c, lse);
+            grad[base4 + g4 + 2u * WG] = grad4(xc, g4 + 2u * WG, vocab, c, lse);
+            grad[base4 + g4 + 3u * WG] = grad4(xd, g4 + 3u * WG, vocab, c, lse);
+        }
+        for (; g4 < padded; g4 += WG) {
+            grad[base4 + g4] = grad4(logits[base4 + g4], g4, vocab, c, lse);
+        }
+        // ... then c * (p_S - p_T) on the teacher's columns. The barrier orders
+        // these stores after the ones above within the workgroup.
+        storageBarrier();
+        let tbase = row * params.k;
+        for (var q = lid; q < params.k; q += WG) {
+            let id = ids[tbase + q];
+            let ps = exp(logit(base, id) - lse);
+            grad[(base + id) / 4u][id % 4u] = f16(c * (ps - probs[tbase + q]));
+        }
+        return;
+    }
+    terms_grad(row, lid, c, lse, labelled, label);
+}
+
+// Pass 1 with the terms (a cap, τ ≠ 1, the hard term): this invocation's
+// general fold of the row's words, four 16-byte loads in flight (this
+// pipeline's registers are its own).
+fn fold_row_terms(base4: u32, words: u32, lid: u32, vocab: u32) -> FoldTerms {
+    var ft = FoldTerms(NEG_HUGE, 0.0, 0.0, 0.0, 0u);
+    var j4 = lid;
+    for (; j4 + 3u * WG < words; j4 += 4u * WG) {
+        let xa = logits[base4 + j4];
+        let xb = logits[base4 + j4 + WG];
+        let xc = logits[base4 + j4 + 2u * WG];
+        let xd = logits[base4 + j4 + 3u * WG];
+        ft = fold4_terms(ft, xa, j4, vocab);
+        ft = fold4_terms(ft, xb, j4 + WG, vocab);
+        ft = fold4_terms(ft, xc, j4 + 2u * WG, vocab);
+        ft = fold4_terms(ft, xd, j4 + 3u * WG, vocab);
+    }
+    for (; j4 < words; j4 += WG) {
+        ft = fold4_terms(ft, logits[base4 + j4], j4, vocab);
+    }
+    return ft;
+}
+
+// The soft term's sum over the row's k teacher entries into red_sum[0]
+// and, outside the plain case, (Σ_k p_T, Σ_k p_S) (and the teacher's
+// probability at the label into row_label_p).
+fn teacher_sums(row: u32, lid: u32, base: u32, lse: f32, plain: bool, labelled: bool, label: u32) -> vec2<f32> {
     let k = params.k;
     let tbase = row * k;
     var part = 0.0;
@@ -184,156 +251,142 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         }
         workgroupBarrier();
     }
-    let mass_k = red_max[0];
-    let student_k = red_aux[0];
-    // The reverse KL and the JSD need the row's student mass on the k
-    // first (renormalized: q = p_S/Σ_k p_S): a second pass over the k sums
-    // the bins' f (into red_sum) and q·f' (into red_aux).
-    var log_norm = 0.0;
-    if div_code() != 0u {
-        if tail == 0u {
-            log_norm = log(max(student_k, 1e-37));
-        }
-        workgroupBarrier();
-        var f_sum = 0.0;
-        var e_sum = 0.0;
-        for (var q = lid; q < k; q += WG) {
-            let log_q = scaled(logit(base, ids[tbase + q])) - lse - log_norm;
-            let qv = exp(log_q);
-            let ft = div_term(qv, log_q, probs[tbase + q]);
-            f_sum += ft.x;
-            e_sum += qv * ft.y;
-        }
-        red_sum[lid] = f_sum;
-        red_aux[lid] = e_sum;
-        workgroupBarrier();
-        for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-            if lid < stride {
-                red_sum[lid] += red_sum[lid + stride];
-                red_aux[lid] += red_aux[lid + stride];
-            }
-            workgroupBarrier();
-        }
-    }
-    if lid == 0u {
-        if plain {
-            var out = vec4<f32>(red_sum[0], lse, red_sum[0], 0.0);
-            if row_is_bad != 0u {
-                out = vec4<f32>(nan_f32());
-            }
-            if flagged {
-                // The marker's bits, from the word itself (not a constant
-                // NaN, which WGSL cannot write).
-                out.x = bitcast<f32>(row_in[row * 2u]);
-            }
-            loss[row * 4u] = out.x;
-            loss[row * 4u + 1u] = out.y;
-            loss[row * 4u + 2u] = out.z;
-            loss[row * 4u + 3u] = out.w;
-        } else {
-            let tau = params.temperature;
-            let lse1 = row_c1.y;
-            var soft = red_sum[0];
-            var f_off = 1.0;
-            var f_on = 1.0;
-            if div_code() != 0u {
-                // f_off: the factor on p^τ off the k, f'(tail) − E with a
-                // tail bin, −E over the k alone, 0 renormalized (q over the
-                // k does not depend on the logits outside it).
-                var e = red_aux[0];
-                f_off = 0.0;
-                if tail == TAIL_BUCKET {
-                    let r_t = max(1.0 - mass_k, 0.0);
-                    let r_s = max(1.0 - student_k, TAIL_FLOOR);
-                    let ft = div_term(r_s, log(r_s), r_t);
-                    soft += ft.x;
-                    e += r_s * ft.y;
-                    f_off = ft.y - e;
-                } else if tail == TAIL_NONE {
-                    f_off = -e;
-                }
-                row_div = vec2<f32>(e, log_norm);
-            } else if tail == TAIL_NONE {
-                f_off = mass_k;
-                f_on = mass_k;
-            } else if tail == TAIL_BUCKET {
-                let r_t = max(1.0 - mass_k, 0.0);
-                let r_s = max(1.0 - student_k, TAIL_FLOOR);
-                if r_t > 0.0 {
-                    soft += r_t * (log(r_t) - log(r_s));
-                    f_off = 1.0 - r_t / r_s;
-                }
-            }
-            var alpha_hard = 0.0;
-            var eps = 0.0;
-            var hard = 0.0;
-            if labelled {
-                alpha_hard = params.hard_weight;
-                eps = params.smoothing;
-                let sum_u = row_c1.w;
-                let u_y = scaled(logit(base, label));
-                hard = lse1 - (1.0 - eps) * tau * u_y - eps * tau * sum_u / f32(vocab);
-            }
-            let lambda = params.z_loss;
-            let total_loss = params.soft_weight * soft + alpha_hard * hard + lambda * lse1 * lse1;
-            var out = vec4<f32>(total_loss, lse1, soft, hard);
-            if row_is_bad != 0u {
-                out = vec4<f32>(nan_f32());
-            }
-            if flagged {
-                out.x = bitcast<f32>(row_in[row * 2u]);
-            }
-            loss[row * 4u] = out.x;
-            loss[row * 4u + 1u] = out.y;
-            loss[row * 4u + 2u] = out.z;
-            loss[row * 4u + 3u] = out.w;
-            let a = params.soft_weight * f_off;
-            let b = tau * (alpha_hard + 2.0 * lambda * lse1);
-            let h = tau * alpha_hard * eps / f32(vocab);
-            row_c0 = vec4<f32>(a, b, h, f_on);
-            // k1 = exp(τ·lse − lse1): p¹ = (p^τ)^τ·k1 (p_one).
-            row_c1 = vec4<f32>(tau * alpha_hard * (1.0 - eps), lse1, f_off, exp(tau * lse - lse1));
-        }
-    }
+    return vec2<f32>(red_max[0], red_aux[0]);
+}
 
-    // A flagged row contributes nothing (flagged is uniform: all return).
+// The reverse KL and the JSD need the row's student mass on the k first
+// (renormalized: q = p_S/Σ_k p_S): a second pass over the k sums the bins'
+// f (into red_sum[0]) and q·f' (into red_aux[0]). Returns log N.
+fn divergence_sums(row: u32, lid: u32, base: u32, lse: f32, tail: u32, student_k: f32) -> f32 {
+    let k = params.k;
+    let tbase = row * k;
+    var log_norm = 0.0;
+    if tail == 0u {
+        log_norm = log(max(student_k, 1e-37));
+    }
+    workgroupBarrier();
+    var f_sum = 0.0;
+    var e_sum = 0.0;
+    for (var q = lid; q < k; q += WG) {
+        let log_q = scaled(logit(base, ids[tbase + q])) - lse - log_norm;
+        let qv = exp(log_q);
+        let ft = div_term(qv, log_q, probs[tbase + q]);
+        f_sum += ft.x;
+        e_sum += qv * ft.y;
+    }
+    red_sum[lid] = f_sum;
+    red_aux[lid] = e_sum;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if lid < stride {
+            red_sum[lid] += red_sum[lid + stride];
+            red_aux[lid] += red_aux[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    return log_norm;
+}
+
+// The plain loss words (lane 0): loss, lse, soft part, no hard part; NaN
+// for bad logits, the marker's bits (from the word itself: WGSL cannot
+// write a constant NaN) for a flagged row.
+fn write_plain_loss(row: u32, lse: f32, row_is_bad: u32, flagged: bool) {
+    var out = vec4<f32>(red_sum[0], lse, red_sum[0], 0.0);
+    if row_is_bad != 0u {
+        out = vec4<f32>(nan_f32());
+    }
     if flagged {
-        zero_row(row, lid);
-        return;
+        out.x = bitcast<f32>(row_in[row * 2u]);
     }
-    // Pass 2: grad = c * ∂L/∂s everywhere (c * p_S in the plain case), zero
-    // in the padding, 4 at a time ...
-    let c = bitcast<f32>(row_in[row * 2u]);
+    loss[row * 4u] = out.x;
+    loss[row * 4u + 1u] = out.y;
+    loss[row * 4u + 2u] = out.z;
+    loss[row * 4u + 3u] = out.w;
+}
+
+// The loss words with the terms (lane 0), and pass 2's row constants
+// (row_c0, row_c1; row_div for the reverse KL and the JSD). `kept_mass` is
+// (Σ_k p_T, Σ_k p_S), `log_norm` the divergences' log N; red_sum[0] holds
+// the soft term's sum and red_aux[0] the divergences' E.
+fn write_terms_loss(row: u32, base: u32, lse: f32, kept_mass: vec2<f32>, log_norm: f32, row_is_bad: u32, flagged: bool, label: u32) {
+    let vocab = params.vocab;
+    let labelled = label < vocab;
+    let tail = (KL_FLAGS >> F_TAIL_SHIFT) & 3u;
+    let mass_k = kept_mass.x;
+    let student_k = kept_mass.y;
+    let tau = params.temperature;
+    let lse1 = row_c1.y;
+    var soft = red_sum[0];
+    var f_off = 1.0;
+    var f_on = 1.0;
+    if div_code() != 0u {
+        // f_off: the factor on p^τ off the k, f'(tail) − E with a
+        // tail bin, −E over the k alone, 0 renormalized (q over the
+        // k does not depend on the logits outside it).
+        var e = red_aux[0];
+        f_off = 0.0;
+        if tail == TAIL_BUCKET {
+            let r_t = max(1.0 - mass_k, 0.0);
+            let r_s = max(1.0 - student_k, TAIL_FLOOR);
+            let ft = div_term(r_s, log(r_s), r_t);
+            soft += ft.x;
+            e += r_s * ft.y;
+            f_off = ft.y - e;
+        } else if tail == TAIL_NONE {
+            f_off = -e;
+        }
+        row_div = vec2<f32>(e, log_norm);
+    } else if tail == TAIL_NONE {
+        f_off = mass_k;
+        f_on = mass_k;
+    } else if tail == TAIL_BUCKET {
+        let r_t = max(1.0 - mass_k, 0.0);
+        let r_s = max(1.0 - student_k, TAIL_FLOOR);
+        if r_t > 0.0 {
+            soft += r_t * (log(r_t) - log(r_s));
+            f_off = 1.0 - r_t / r_s;
+        }
+    }
+    var alpha_hard = 0.0;
+    var eps = 0.0;
+    var hard = 0.0;
+    if labelled {
+        alpha_hard = params.hard_weight;
+        eps = params.smoothing;
+        let sum_u = row_c1.w;
+        let u_y = scaled(logit(base, label));
+        hard = lse1 - (1.0 - eps) * tau * u_y - eps * tau * sum_u / f32(vocab);
+    }
+    let lambda = params.z_loss;
+    let total_loss = params.soft_weight * soft + alpha_hard * hard + lambda * lse1 * lse1;
+    var out = vec4<f32>(total_loss, lse1, soft, hard);
+    if row_is_bad != 0u {
+        out = vec4<f32>(nan_f32());
+    }
+    if flagged {
+        out.x = bitcast<f32>(row_in[row * 2u]);
+    }
+    loss[row * 4u] = out.x;
+    loss[row * 4u + 1u] = out.y;
+    loss[row * 4u + 2u] = out.z;
+    loss[row * 4u + 3u] = out.w;
+    let a = params.soft_weight * f_off;
+    let b = tau * (alpha_hard + 2.0 * lambda * lse1);
+    let h = tau * alpha_hard * eps / f32(vocab);
+    row_c0 = vec4<f32>(a, b, h, f_on);
+    // k1 = exp(τ·lse − lse1): p¹ = (p^τ)^τ·k1 (p_one).
+    row_c1 = vec4<f32>(tau * alpha_hard * (1.0 - eps), lse1, f_off, exp(tau * lse - lse1));
+}
+
+// Pass 2 with the terms: grad = c·∂L/∂s over the row, then the teacher's
+// columns, then the label's.
+fn terms_grad(row: u32, lid: u32, c: f32, lse: f32, labelled: bool, label: u32) {
+    let vocab = params.vocab;
+    let base = row * params.ld;
+    let base4 = base / 4u;
     let padded = params.ld / 4u;
-    if (flags & F_FILTER) != 0u {
-        filtered_grad(row, lid, c, lse, plain, labelled, label);
-        return;
-    }
-    if plain {
-        var g4 = lid;
-        for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
-            let xa = logits[base4 + g4];
-            let xb = logits[base4 + g4 + WG];
-            let xc = logits[base4 + g4 + 2u * WG];
-            let xd = logits[base4 + g4 + 3u * WG];
-            grad[base4 + g4] = grad4(xa, g4, vocab, c, lse);
-            grad[base4 + g4 + WG] = grad4(xb, g4 + WG, vocab, c, lse);
-            grad[base4 + g4 + 2u * WG] = grad4(xc, g4 + 2u * WG, vocab, c, lse);
-            grad[base4 + g4 + 3u * WG] = grad4(xd, g4 + 3u * WG, vocab, c, lse);
-        }
-        for (; g4 < padded; g4 += WG) {
-            grad[base4 + g4] = grad4(logits[base4 + g4], g4, vocab, c, lse);
-        }
-        // ... then c * (p_S - p_T) on the teacher's columns. The barrier orders
-        // these stores after the ones above within the workgroup.
-        storageBarrier();
-        for (var q = lid; q < k; q += WG) {
-            let id = ids[tbase + q];
-            let ps = exp(logit(base, id) - lse);
-            grad[(base + id) / 4u][id % 4u] = f16(c * (ps - probs[tbase + q]));
-        }
-        return;
-    }
+    let k = params.k;
+    let tbase = row * k;
     let c0 = workgroupUniformLoad(&row_c0);
     let c1 = workgroupUniformLoad(&row_c1);
     let label_p = workgroupUniformLoad(&row_label_p);
@@ -367,4 +420,3 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         grad[(base + label) / 4u][label % 4u] = f16(label_grad(logit(base, label), label_p, c, lse, c0, c1));
     }
 }
-
