@@ -21,6 +21,7 @@ use headkl_core::toolkit::{GemmDesc, HeadLayout};
 use headkl_core::{Error, Result};
 
 use crate::conv::{alloc, cublas, driver, BACKEND};
+use crate::picks::Picks;
 
 /// cublasOperation_t's values (cuBLAS's header; cudarc's cuBLASLt
 /// bindings leave the enum out): as stored, and transposed.
@@ -54,6 +55,23 @@ struct Key {
     align: [u32; 3],
 }
 
+impl Key {
+    /// The shape as the kept picks name it ([`Picks`]).
+    fn text(&self) -> String {
+        let [a, b, c] = self.align;
+        format!(
+            "{} GEMM {}x{}x{} lda {} ldb {} ldc {} align {a}/{b}/{c}",
+            if self.logits { "logits" } else { "dx" },
+            self.m,
+            self.n,
+            self.k,
+            self.lda,
+            self.ldb,
+            self.ldc
+        )
+    }
+}
+
 /// A plan: cuBLASLt's descriptors and chosen algorithm for one [`Key`].
 struct Plan {
     desc: lts::cublasLtMatmulDesc_t,
@@ -76,11 +94,13 @@ impl Drop for Plan {
     }
 }
 
-/// cuBLASLt's handle, its workspace and the plans made so far.
+/// cuBLASLt's handle, its workspace, the plans made so far and the picks
+/// kept between processes.
 pub struct Gemm {
     handle: lts::cublasLtHandle_t,
     workspace: sys::CUdeviceptr,
     plans: Mutex<HashMap<Key, Plan>>,
+    picks: Picks,
 }
 
 // SAFETY: the handle and plans are used with the context current and the
@@ -189,8 +209,9 @@ fn alignment(address: u64) -> u32 {
 }
 
 impl Gemm {
-    /// A handle and workspace (the context must be current).
-    pub fn new() -> Result<Self> {
+    /// A handle and workspace (the context must be current), taking the
+    /// algorithms `picks` kept for shapes timed before.
+    pub fn new(picks: Picks) -> Result<Self> {
         let handle = lt::create_handle().map_err(|e| cublas("creating a cuBLASLt handle", e))?;
         // SAFETY: the context is current; freed by drop.
         let workspace = unsafe { result::malloc_sync(WORKSPACE_BYTES) }
@@ -199,6 +220,7 @@ impl Gemm {
             handle,
             workspace,
             plans: Mutex::new(HashMap::new()),
+            picks,
         })
     }
 
@@ -413,7 +435,21 @@ impl Gemm {
                 })
             }
             [only] => *only,
-            several => self.fastest(&plan, several, stream, (a, b, c, alpha), key)?,
+            several => {
+                let shape = key.text();
+                let data: Vec<_> = several.iter().map(|algo| algo.data).collect();
+                match self.picks.kept(&shape, &data) {
+                    Some(i) => {
+                        log::info!("cuda: {shape}: cuBLASLt candidate #{i}, kept from an earlier timing");
+                        several[i]
+                    }
+                    None => {
+                        let algo = self.fastest(&plan, several, stream, (a, b, c, alpha), key)?;
+                        self.picks.keep(&shape, algo.data);
+                        algo
+                    }
+                }
+            }
         };
         Ok(plan)
     }

@@ -17,6 +17,7 @@ mod gemm;
 mod kernels;
 pub mod loader;
 mod memory;
+mod picks;
 mod transfer;
 
 use std::ffi::c_void;
@@ -131,14 +132,19 @@ impl CudaBackend {
         }
         let device = Arc::new(device::Device::open(ordinal)?);
         let kernels = kernels::Module::load()?;
-        let gemm = gemm::Gemm::new()?;
+        let libraries = crate::loader::load().unwrap_or("?");
+        // The picks hold for this device, driver and cuBLASLt; they live
+        // beside the tune cache (none kept without a cache folder).
+        let scope = format!("{} | {} | {libraries}", info.device_name, info.driver);
+        let folder = options
+            .common
+            .gemm_sources
+            .tune_cache
+            .as_deref()
+            .and_then(|f| f.parent());
+        let gemm = gemm::Gemm::new(picks::Picks::open(folder, &scope))?;
         let staging = transfer::Staging::new()?;
-        log::info!(
-            "cuda: {} ({}), {}",
-            info.device_name,
-            info.driver,
-            crate::loader::load().unwrap_or("?")
-        );
+        log::info!("cuda: {} ({}), {libraries}", info.device_name, info.driver);
         Ok(Self {
             kernels,
             gemm,

@@ -347,7 +347,8 @@ fn check_target(target: &Target, cfg: &TuneConfig) -> Result<(), CliError> {
         return Err(CliError::option(
             "--backend",
             "the CUDA backend's GEMMs are cuBLASLt's, and it times them itself on each shape's first call \
-             (the fastest of cuBLASLt's candidates): nothing to tune (name vulkan or wgpu)",
+             (the fastest of cuBLASLt's candidates, kept in cublaslt-picks.tsv beside the tune cache; \
+             delete that file to time them afresh): nothing to tune (name vulkan or wgpu)",
         ));
     }
     if cfg.iters == 0 {
