@@ -19,9 +19,6 @@ import torch
 
 from ._host import _NAMES
 
-# The largest byte range one kernel binding spans on the CUDA backend (its
-# kernels index in 32 bits): a trainable head's f32 gradient must fit.
-_MAX_BINDING = (1 << 32) - 4
 _F16_MAX = 65504.0
 
 
@@ -51,13 +48,6 @@ class _CudaDirect:
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.ordinal).cuda_stream
-
-    def head_grad_why_not(self, vocab: int, hs: int):
-        """None where the head's gradient can come from this path, else why not."""
-        need = vocab * hs * 4
-        if need > _MAX_BINDING:
-            return f"the head's f32 gradient ({need / 2**30:.1f} GiB) is past the CUDA kernels' 4 GiB binding"
-        return None
 
     def refill(self, weight: torch.Tensor) -> None:
         """Reads ``weight`` (the head, changed since it was read) again into

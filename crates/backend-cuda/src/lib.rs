@@ -560,6 +560,12 @@ impl ResidentBackend for CudaBackend {
     fn submit(&self) -> Result<()> {
         Ok(())
     }
+
+    /// A window is an address range of the buffer's memory: kernels bind
+    /// any range whose start is 4-byte aligned (they index in elements).
+    fn window(&self, buffer: &CudaBuffer, offset: u64, len: u64) -> Option<CudaBuffer> {
+        buffer.window(offset, len)
+    }
 }
 
 impl Drop for CudaBackend {

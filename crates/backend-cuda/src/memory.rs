@@ -105,6 +105,23 @@ impl CudaBuffer {
         }
     }
 
+    /// `len` bytes of this buffer from byte `offset` (a multiple of 4), as
+    /// a buffer of its own: same memory, no ownership (dropping it frees
+    /// nothing) and the same id, so the kernels that bind it order the
+    /// parent's copies as their own. `None` where the range is not inside.
+    pub(crate) fn window(&self, offset: u64, len: u64) -> Option<Self> {
+        let end = offset.checked_add(len)?;
+        if !offset.is_multiple_of(4) || end > self.len || self.ptr == 0 {
+            return None;
+        }
+        Some(Self {
+            ptr: self.ptr + offset,
+            len,
+            owner: None,
+            id: self.id,
+        })
+    }
+
     /// Its id in the backend's hazard tracking (0: a caller's buffer,
     /// whose copies run in order on the kernels' stream).
     pub(crate) fn id(&self) -> u64 {

@@ -112,15 +112,9 @@ def _zero_copy(head, options: dict, device: torch.device, head_grad: bool):
         why = "teacher_temperature runs through host copies"
     # A flag, not the buffers: a head read again lets the last engine go.
     zero_copy = head._zero_copy(device, why)
-    if zero_copy is not None and head_grad:
-        no_grad = (
-            "the zero-copy path does not compute the head's gradient"
-            if not isinstance(zero_copy, _CudaDirect)
-            else zero_copy.head_grad_why_not(head.vocab_size, head.hidden_size)
-        )
-        if no_grad is not None:
-            _say_head_grad_on_host(no_grad)
-            zero_copy = None
+    if zero_copy is not None and head_grad and not isinstance(zero_copy, _CudaDirect):
+        _say_head_grad_on_host("the zero-copy path does not compute the head's gradient")
+        zero_copy = None
     head._loss_zero_copy = zero_copy is not None
     return zero_copy
 

@@ -704,14 +704,7 @@ impl<B: ResidentBackend> Engine<B> {
             (_, Some(dst)) => {
                 let (vocab, hs) = (self.head.vocab(), self.head.hs());
                 self.check_view("head_grad_out", dst, elements("head_grad_out", vocab, hs)?, 4)?;
-                let info = self.backend.info();
-                let bytes = (vocab * hs * 4) as u64;
-                if bytes > info.max_binding_bytes.min(info.max_buffer_bytes) {
-                    return Err(Error::HeadGradUnsupported {
-                        entry: "the device-resident loss at this head's size (its f32 gradient is past the device's largest binding)",
-                        hint: "the host call (Engine::head_kl) returns it",
-                    });
-                }
+                HeadGrad::fits_out(&self.backend, (vocab * hs * 4) as u64, dst)?;
                 Ok(Some(dst))
             }
             (true, None) => Err(Error::HeadGradUnsupported {

@@ -351,6 +351,17 @@ pub trait ResidentBackend: Backend {
 
     /// Submits everything recorded so far to the device without waiting.
     fn submit(&self) -> Result<()>;
+
+    /// `len` bytes of `buffer` from byte `offset`, as a buffer a kernel can
+    /// bind on its own, where the backend makes such windows: how a
+    /// resident output larger than one binding (a large head's f32
+    /// gradient) is written a binding at a time. `None` where the backend
+    /// cannot (the default) or the range is not inside `buffer`; a window
+    /// lives no longer than the call that binds it.
+    fn window(&self, buffer: &Self::Buffer, offset: u64, len: u64) -> Option<Self::Buffer> {
+        let _ = (buffer, offset, len);
+        None
+    }
 }
 
 /// A shared reference to a resident backend is one.
@@ -363,6 +374,9 @@ impl<T: ResidentBackend + ?Sized> ResidentBackend for &T {
     }
     fn submit(&self) -> Result<()> {
         (**self).submit()
+    }
+    fn window(&self, buffer: &Self::Buffer, offset: u64, len: u64) -> Option<Self::Buffer> {
+        (**self).window(buffer, offset, len)
     }
 }
 

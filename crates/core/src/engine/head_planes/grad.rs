@@ -12,10 +12,10 @@
 
 use super::{HeadPlanes, Scaling};
 use crate::align::ALIGN;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::toolkit::backend::{Backend, GemmDesc, HeadLayout, TransposeDesc};
 use crate::toolkit::launch::{Kernels, Launch};
-use crate::toolkit::resident_kernels::HeadGradOutDesc;
+use crate::toolkit::resident_kernels::{HeadGradOutDesc, ResidentBackend};
 
 /// Bytes read back at a time where rows need unpadding or reordering.
 const READ_BLOCK_BYTES: usize = 64 << 20;
@@ -90,38 +90,6 @@ impl<B: Backend> HeadGrad<B> {
         Ok(())
     }
 
-    /// The device-resident call's last step: every piece's rows of the
-    /// head into the caller's `[vocab][hs]` buffer `dst`, scaled by the
-    /// status buffer's dx multiplier (`resident_head_grad_out.wgsl`). The
-    /// resident calls take no vocabulary order, so positions are ids.
-    pub(crate) fn write_out(
-        &self,
-        backend: &B,
-        head: &HeadPlanes<B>,
-        status: &B::Buffer,
-        dst: &B::Buffer,
-    ) -> Result<()> {
-        let (vocab, hs) = (head.vocab(), head.hs());
-        for piece in &self.pieces {
-            let rows = vocab.saturating_sub(piece.first).min(piece.rows);
-            if rows == 0 {
-                continue;
-            }
-            backend.dispatch(Launch::HeadGradOut {
-                piece: &piece.buffer,
-                status,
-                dst,
-                desc: HeadGradOutDesc {
-                    rows,
-                    hs,
-                    ld: head.hs_padded(),
-                    dst_offset: piece.first * hs,
-                },
-            })?;
-        }
-        Ok(())
-    }
-
     /// Reads the gradient into `out` (`[vocab][hs]`, resized; every row
     /// is written), each position's row to its head row. Dense rows in the
     /// natural order go straight into `out`; the others through a block of
@@ -160,3 +128,74 @@ impl<B: Backend> HeadGrad<B> {
         Ok(())
     }
 }
+
+impl<B: ResidentBackend> HeadGrad<B> {
+    /// The device-resident call's last step: every piece's rows of the
+    /// head into the caller's `[vocab][hs]` buffer `dst`, scaled by the
+    /// status buffer's dx multiplier (`resident_head_grad_out.wgsl`). The
+    /// resident calls take no vocabulary order, so positions are ids.
+    /// Where `dst` is past one binding, each piece's rows go through a
+    /// window of `dst` ([`ResidentBackend::window`], which
+    /// [`Self::fits_out`] asked for).
+    pub(crate) fn write_out(
+        &self,
+        backend: &B,
+        head: &HeadPlanes<B>,
+        status: &B::Buffer,
+        dst: &B::Buffer,
+    ) -> Result<()> {
+        let (vocab, hs) = (head.vocab(), head.hs());
+        let windowed = backend.buffer_len(dst) > max_binding(backend);
+        for piece in &self.pieces {
+            let rows = vocab.saturating_sub(piece.first).min(piece.rows);
+            if rows == 0 {
+                continue;
+            }
+            let (offset, len) = (4 * (piece.first * hs) as u64, 4 * (rows * hs) as u64);
+            let window = match windowed {
+                true => Some(backend.window(dst, offset, len).ok_or(Error::HeadGradUnsupported {
+                    entry: OUT_PAST_BINDING,
+                    hint: HOST_CALL,
+                })?),
+                false => None,
+            };
+            backend.dispatch(Launch::HeadGradOut {
+                piece: &piece.buffer,
+                status,
+                dst: window.as_ref().unwrap_or(dst),
+                desc: HeadGradOutDesc {
+                    rows,
+                    hs,
+                    ld: head.hs_padded(),
+                    dst_offset: if windowed { 0 } else { piece.first * hs },
+                },
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Whether the resident call can write `head`'s f32 gradient into a
+    /// buffer of `bytes`: within one binding, or a binding a piece at a
+    /// time through windows the backend makes; else the typed error.
+    pub(crate) fn fits_out(backend: &B, bytes: u64, dst: &B::Buffer) -> Result<()> {
+        if bytes <= max_binding(backend) || backend.window(dst, 0, 4).is_some() {
+            return Ok(());
+        }
+        Err(Error::HeadGradUnsupported {
+            entry: OUT_PAST_BINDING,
+            hint: HOST_CALL,
+        })
+    }
+}
+
+/// The largest buffer one kernel binding may span on `backend`.
+fn max_binding<B: Backend>(backend: &B) -> u64 {
+    let info = backend.info();
+    info.max_binding_bytes.min(info.max_buffer_bytes)
+}
+
+/// [`Error::HeadGradUnsupported`]'s words where the gradient is past one
+/// binding and the backend makes no windows.
+const OUT_PAST_BINDING: &str =
+    "the device-resident loss at this head's size (its f32 gradient is past the device's largest binding)";
+const HOST_CALL: &str = "the host call (Engine::head_kl) returns it";
