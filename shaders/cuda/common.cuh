@@ -17,7 +17,7 @@ __device__ __forceinline__ u32 workgroup_index(u32 grid_x) {
 
 // f32 -> f16, round to nearest even: out-of-range values become +-inf and
 // NaN stays NaN (the conversion instruction's rule, which WGSL's to_f16 in
-// f16_round.wgsl spells out on the bits).
+// resident_hidden.wgsl spells out on the bits).
 __device__ __forceinline__ half_bits to_f16(float x) {
     half_bits h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));

@@ -25,17 +25,6 @@ struct GemmParams {
     unsigned int mask_ld;
 };
 
-struct ConvertParams {
-    unsigned int rows;
-    unsigned int cols;
-    unsigned int rows_padded;
-    unsigned int ld;
-    unsigned int grid_x;
-    unsigned int pad0;
-    unsigned int pad1;
-    unsigned int pad2;
-};
-
 struct RowParams {
     unsigned int rows;
     unsigned int vocab;

@@ -1,23 +1,8 @@
-// The small kernels: hidden rows f32 -> f16 (convert.wgsl), a split-K GEMM's
-// parts summed (sum_parts.wgsl), f16 rows into columns (transpose.wgsl). Each
-// does what its WGSL twin does, invocation for invocation.
+// The small kernels: a split-K GEMM's parts summed (sum_parts.wgsl), f16 rows
+// into columns (transpose.wgsl). Each does what its WGSL twin does, invocation
+// for invocation.
 #pragma once
 #include "common.cuh"
-
-extern "C" __global__ void __launch_bounds__(WG)
-    convert_f16(const ConvertParams params, const float* __restrict__ src, half_bits* __restrict__ dst) {
-    u32 i = workgroup_index(params.grid_x) * WG + threadIdx.x;
-    if (i >= params.rows_padded * params.ld) {
-        return;
-    }
-    u32 r = i / params.ld;
-    u32 c = i % params.ld;
-    half_bits v = 0;
-    if (r < params.rows && c < params.cols) {
-        v = to_f16(src[r * params.cols + c]);
-    }
-    dst[i] = v;
-}
 
 extern "C" __global__ void __launch_bounds__(WG)
     sum_parts(const SumPartsParams params, const float4* __restrict__ parts, float4* __restrict__ dst) {

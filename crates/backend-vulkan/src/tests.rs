@@ -716,10 +716,11 @@ fn every_catalogue_kernel_compiles_to_spirv() {
         }
     }
     assert!(failures.is_empty(), "shader compile failures:\n{}", failures.join("\n"));
-    // 5 fixed kernels, the 11 device-resident ones; per GEMM (logits, dx,
-    // dx filtered) the tiled kernel and 19 matrix-unit tiles at 3 subgroup
-    // sizes; each checked and unchecked.
-    assert_eq!(compiled, 2 * (5 + 11 + 3 * (1 + 19 * 3)));
+    // 4 fixed kernels (kl_rows, topk_rows, sum_parts, transpose), the 11
+    // device-resident ones; per GEMM (logits, dx, dx filtered) the tiled
+    // kernel and 19 matrix-unit tiles at 3 subgroup sizes; each checked and
+    // unchecked.
+    assert_eq!(compiled, 2 * (4 + 11 + 3 * (1 + 19 * 3)));
     // Every GLSL tile, all three GEMMs, and the filtered dx GEMM's GLSL
     // tile beside each PTX tile; the PTX tiles' logits and dx entry points.
     let ptx_tiles = headkl_core::toolkit::CoopGemm::candidates()

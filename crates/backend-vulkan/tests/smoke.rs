@@ -1,13 +1,14 @@
 //! Smoke tests of the Vulkan backend through its public API and the shared
 //! kernels: GEMM in both head layouts against a CPU loop (exact, on values
-//! whose products and sums f32 holds exactly), conversion, errors, timing.
+//! whose products and sums f32 holds exactly), f32 hidden rows into the
+//! padded f16 operand (`hidden_in`), errors, timing.
 //! Outputs are NaN-poisoned first, so an unwritten element fails.
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
-use headkl_core::toolkit::{ConvertDesc, GemmDesc, HeadLayout, Kernels};
-use headkl_core::{Backend, Error, QueueChoice};
+use headkl_core::toolkit::{GemmDesc, HeadLayout, HiddenInDesc, Kernels, Launch};
+use headkl_core::{Backend, Error, HiddenDtype, QueueChoice};
 use headkl_reference::conformance::{harness_env, open_or_skip};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 
@@ -136,7 +137,7 @@ fn gemm_both_layouts_match_a_cpu_loop() {
 }
 
 #[test]
-fn convert_pads_with_zeros_and_saturates_to_inf() {
+fn hidden_in_pads_with_zeros_and_saturates_to_inf() {
     let Some(b) = open() else { return };
     let (rows, cols, rows_padded, ld) = (5, 21, 16, 32);
     let mut src: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.37 - 9.0).collect();
@@ -147,13 +148,20 @@ fn convert_pads_with_zeros_and_saturates_to_inf() {
     let dst_buf = b.alloc((rows_padded * ld * 2) as u64, "x16").unwrap();
     b.upload(&src_buf, 0, bytemuck::cast_slice(&src)).unwrap();
     b.upload(&dst_buf, 0, &vec![0xff; rows_padded * ld * 2]).unwrap();
-    let desc = ConvertDesc {
+    let desc = HiddenInDesc {
         rows,
         cols,
-        rows_padded,
         ld,
+        rows_padded,
+        src_offset: 0,
+        dtype: HiddenDtype::F32,
     };
-    b.convert_f16(&src_buf, &dst_buf, &desc).unwrap();
+    b.dispatch(Launch::HiddenIn {
+        src: &src_buf,
+        dst: &dst_buf,
+        desc,
+    })
+    .unwrap();
     let mut out = vec![f16::ZERO; rows_padded * ld];
     b.download(&dst_buf, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
     for r in 0..rows_padded {

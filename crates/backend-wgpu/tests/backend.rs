@@ -7,11 +7,11 @@
 
 use half::f16;
 use headkl_core::toolkit::Kernels;
-use headkl_core::toolkit::{ConvertDesc, GemmDesc, HeadLayout};
+use headkl_core::toolkit::{GemmDesc, HeadLayout, HiddenInDesc, Launch};
 use headkl_core::CommonOptions;
 use headkl_core::{
-    Backend, Engine, Error, GemmChoice, HeadData, HeadWeights, Hidden, LossOptions, QueueChoice, SliceOptions, Teacher,
-    TopkOptions,
+    Backend, Engine, Error, GemmChoice, HeadData, HeadWeights, Hidden, HiddenDtype, LossOptions, QueueChoice,
+    SliceOptions, Teacher, TopkOptions,
 };
 use headkl_reference::conformance::{gemm_choice_outcome, harness_env, open_or_skip, run_part, Part, SuiteConfig};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
@@ -35,6 +35,25 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
+}
+
+/// f32 rows `[rows][cols]` of `src` into `dst` as the padded f16 operand
+/// `[rows_padded][ld]` (`hidden_in`, as the host path runs it).
+fn hidden_in_f32(
+    b: &WgpuBackend,
+    src: &headkl_wgpu::WgpuBuffer,
+    dst: &headkl_wgpu::WgpuBuffer,
+    (rows, cols, rows_padded, ld): (usize, usize, usize, usize),
+) {
+    let desc = HiddenInDesc {
+        rows,
+        cols,
+        ld,
+        rows_padded,
+        src_offset: 0,
+        dtype: HiddenDtype::F32,
+    };
+    b.dispatch(Launch::HiddenIn { src, dst, desc }).unwrap();
 }
 
 fn upload_f16(b: &WgpuBackend, v: &[f32]) -> headkl_wgpu::WgpuBuffer {
@@ -121,13 +140,7 @@ fn uploads_are_ordered_after_queued_kernels() {
     let src = b.alloc((rows * cols * 4) as u64, "src").unwrap();
     let dst = b.alloc((16 * ld * 2) as u64, "dst").unwrap();
     b.upload(&src, 0, bytemuck::cast_slice(&first)).unwrap();
-    let desc = ConvertDesc {
-        rows,
-        cols,
-        rows_padded: 16,
-        ld,
-    };
-    b.convert_f16(&src, &dst, &desc).unwrap();
+    hidden_in_f32(&b, &src, &dst, (rows, cols, 16, ld));
     // Queued after the conversion: must not be what it reads.
     b.upload(&src, 0, bytemuck::cast_slice(&vec![-1f32; rows * cols]))
         .unwrap();
@@ -146,19 +159,13 @@ fn uploads_are_ordered_after_queued_kernels() {
 }
 
 #[test]
-fn convert_flags_values_past_f16_range() {
+fn hidden_in_flags_values_past_f16_range() {
     let Some(b) = open() else { return };
     let vals = [65504.0f32, 65519.0, 65520.0, -1e30, f32::INFINITY, f32::NAN, 1e-8, -0.5];
     let src = b.alloc(32, "src").unwrap();
     let dst = b.alloc(16 * 16 * 2, "dst").unwrap();
     b.upload(&src, 0, bytemuck::cast_slice(&vals)).unwrap();
-    let desc = ConvertDesc {
-        rows: 1,
-        cols: 8,
-        rows_padded: 16,
-        ld: 16,
-    };
-    b.convert_f16(&src, &dst, &desc).unwrap();
+    hidden_in_f32(&b, &src, &dst, (1, 8, 16, 16));
     let mut out = vec![f16::ZERO; 256];
     b.download(&dst, 0, bytemuck::cast_slice_mut(&mut out)).unwrap();
     assert_eq!(out[0].to_f32(), 65504.0);

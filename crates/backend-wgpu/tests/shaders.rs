@@ -173,17 +173,18 @@ fn every_build_in_the_catalogue_matches_its_shader_and_compiles() {
         glsl += usize::from(matches!(build.source, KernelSource::Glsl { .. }));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    // 5 fixed kernels, the 11 device-resident ones, and per GEMM (logits,
-    // dx, dx filtered) the tiled kernel, 19 WGSL tiles at 2 subgroup sizes
-    // and the GLSL and PTX tiles at one (the filtered dx GEMM of a PTX
-    // tile is the GLSL filter tile's).
+    // 4 fixed kernels (kl_rows, topk_rows, sum_parts, transpose), the 11
+    // device-resident ones, and per GEMM (logits, dx, dx filtered) the
+    // tiled kernel, 19 WGSL tiles at 2 subgroup sizes and the GLSL and PTX
+    // tiles at one (the filtered dx GEMM of a PTX tile is the GLSL filter
+    // tile's).
     let tiles = headkl_core::toolkit::glsl_tile::GLSL_TILES.len();
     // The PTX tiles `tune` tries (not the bulk ones).
     let ptx = headkl_core::toolkit::CoopGemm::candidates()
         .into_iter()
         .filter(|k| matches!(k, headkl_core::toolkit::CoopGemm::Wgmma(_)))
         .count();
-    assert_eq!(builds.len(), 5 + 11 + 3 * (1 + 2 * 19 + tiles + ptx));
+    assert_eq!(builds.len(), 4 + 11 + 3 * (1 + 2 * 19 + tiles + ptx));
     assert_eq!(glsl, 3 * tiles + ptx);
     assert!(words > 0);
 }
@@ -196,15 +197,13 @@ fn every_shader_file_belongs_to_a_kernel() {
         .filter(|n| n.ends_with(".wgsl"))
         .collect();
     // The header the device-resident kernels share and the reduction two
-    // of them share, the GEMMs' shared tails and the f16 rounding the two
-    // conversions share.
+    // of them share, and the GEMMs' shared tails.
     let shared = |file: &str| {
         [
             "resident_common.wgsl",
             "resident_reduce.wgsl",
             "gemm_common.wgsl",
             "gemm_coop_common.wgsl",
-            "f16_round.wgsl",
         ]
         .contains(&file)
     };
@@ -221,5 +220,5 @@ fn every_shader_file_belongs_to_a_kernel() {
             shader.file
         );
     }
-    assert_eq!(files.len(), SHADERS.len() + 5);
+    assert_eq!(files.len(), SHADERS.len() + 4);
 }

@@ -42,8 +42,8 @@ pub mod tune_cache;
 pub mod wgmma_tile;
 
 pub use backend::{
-    Backend, ConvertDesc, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, GemmRowStats, HeadLayout, KernelTime,
-    KlDesc, KlFilter, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, TransposeDesc, STATS_GROUP_COLS,
+    Backend, DeviceBuffer, DeviceInfo, DownloadsInFlight, GemmDesc, GemmRowStats, HeadLayout, KernelTime, KlDesc,
+    KlFilter, MemoryStats, PendingDownload, RowStats, SumPartsDesc, TopkDesc, TransposeDesc, STATS_GROUP_COLS,
 };
 pub use chunking::{fold_workgroups, plan_chunks, ChunkPlan, ChunkTransfers, RowCost, Rows, MAX_WORKGROUPS_PER_DIM};
 pub use gemm_choice::{ChoiceSource, CoopGemm, GemmChoice, KernelLimits, StagedTile};

@@ -4,7 +4,8 @@
 //! - **kernels**: the backend's primitives called directly on crafted
 //!   inputs with poisoned (NaN) outputs: GEMM in both head layouts with
 //!   exact small-integer data (results exact in f32), offsets, wide
-//!   strides, `alpha ≠ 1` and accumulation; `convert_f16` and its zero pad;
+//!   strides, `alpha ≠ 1` and accumulation; `hidden_in` (f32, f16 and
+//!   bf16 rows into the padded f16 operand) and its zero pad;
 //!   `kl_rows` and `topk_rows` against the formulas on the same f32 logits
 //!   (ties, one residue class mod 256, k = 1, k = 2048, non-finite rows);
 //! - **driver cases**: [`SuiteConfig::cases`] cases drawn by

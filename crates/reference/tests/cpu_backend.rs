@@ -3,8 +3,8 @@
 //! the driver's contract.
 
 use half::f16;
-use headkl_core::toolkit::{ConvertDesc, GemmDesc, HeadLayout, Kernels, KlDesc, TopkDesc};
-use headkl_core::{Backend, Error};
+use headkl_core::toolkit::{GemmDesc, HeadLayout, HiddenInDesc, Kernels, KlDesc, Launch, TopkDesc};
+use headkl_core::{Backend, Error, HiddenDtype};
 use headkl_reference::{CpuBackend, Precision};
 
 fn gemm_desc(m: usize, n: usize, k: usize) -> GemmDesc {
@@ -115,18 +115,20 @@ fn contract_violations_are_errors() {
         .unwrap_err();
     assert_eq!(bad_field(e), ("topk_rows", "k", 11));
     let e = cpu
-        .convert_f16(
-            &logits,
-            &grad,
-            &ConvertDesc {
+        .dispatch(Launch::HiddenIn {
+            src: &logits,
+            dst: &grad,
+            desc: HiddenInDesc {
                 rows: 2,
                 cols: 4,
-                rows_padded: 1,
                 ld: 4,
+                rows_padded: 1,
+                src_offset: 0,
+                dtype: HiddenDtype::F32,
             },
-        )
+        })
         .unwrap_err();
-    assert_eq!(bad_field(e), ("convert_f16", "rows_padded", 1));
+    assert_eq!(bad_field(e), ("hidden_in", "rows_padded", 1));
 }
 
 #[test]

@@ -365,23 +365,6 @@ impl TopkDesc {
     }
 }
 
-/// f32 → f16 conversion of hidden rows into the padded GEMM operand.
-///
-/// Reads `src[rows][cols]` (f32, dense) and writes `dst[rows_padded][ld]`
-/// (f16): the converted value inside `rows × cols`, zero elsewhere.
-/// Values past f16's range become ±inf, which the row kernels then flag.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConvertDesc {
-    /// Real rows in `src`.
-    pub rows: usize,
-    /// Real columns in `src`.
-    pub cols: usize,
-    /// Rows written in `dst` (≥ rows).
-    pub rows_padded: usize,
-    /// Row stride of `dst` (≥ cols).
-    pub ld: usize,
-}
-
 /// f16 rows turned into columns: `dst[c·rows_padded + r] =
 /// src[r·ld_src + c]` for `r < rows`, and 0 for `rows ≤ r < rows_padded`,
 /// for every `c < cols`. The head's gradient GEMM

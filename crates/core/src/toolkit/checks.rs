@@ -12,14 +12,14 @@ use crate::error::{Error, Result};
 use crate::problem::terms::TeacherForm;
 use crate::problem::MAX_K;
 use crate::toolkit::backend::{
-    ConvertDesc, DeviceBuffer, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc,
-    TransposeDesc, STATS_GROUP_COLS,
+    DeviceBuffer, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc, TransposeDesc,
+    STATS_GROUP_COLS,
 };
 use crate::toolkit::kernels::{bad_descriptor, require, KernelId};
 use crate::toolkit::params::{
-    row_flags, ConvertParams, GatherRowsParams, GemmParams, HeadGradOutParams, HiddenInParams, LabelsInParams,
-    LossOutParams, RowParams, ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams,
-    TransposeParams, WeightStatsParams,
+    row_flags, GatherRowsParams, GemmParams, HeadGradOutParams, HiddenInParams, LabelsInParams, LossOutParams,
+    RowParams, ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
+    WeightStatsParams,
 };
 use crate::toolkit::resident_kernels::{
     GatherRowsDesc, HeadGradOutDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage,
@@ -101,32 +101,6 @@ pub fn check_transfer(what: &'static str, offset: u64, bytes: u64, len: u64) -> 
         });
     }
     Ok(())
-}
-
-impl ConvertDesc {
-    /// Checks the conversion against `[src, dst]` and returns its block.
-    pub fn check<B: DeviceBuffer>(&self, [src, dst]: [&B; 2], max_binding: u64) -> Result<ConvertParams> {
-        const K: KernelId = KernelId::ConvertF16;
-        at_least(K, "rows_padded", self.rows_padded, "rows", self.rows)?;
-        at_least(K, "ld", self.ld, "cols", self.cols)?;
-        fits(K, "src", span(0, self.rows, self.cols, self.cols), 4, src, max_binding)?;
-        fits(
-            K,
-            "dst",
-            span(0, self.rows_padded, self.ld, self.ld),
-            2,
-            dst,
-            max_binding,
-        )?;
-        Ok(ConvertParams {
-            rows: index(K, "rows", self.rows)?,
-            cols: index(K, "cols", self.cols)?,
-            rows_padded: index(K, "rows_padded", self.rows_padded)?,
-            ld: index(K, "ld", self.ld)?,
-            grid_x: 0,
-            _pad: [0; 3],
-        })
-    }
 }
 
 impl GemmDesc {
@@ -949,6 +923,7 @@ mod tests {
     use super::*;
 
     use crate::toolkit::backend::Len;
+    use crate::toolkit::resident_kernels::HiddenDtype;
 
     fn field_of(e: Error) -> (&'static str, &'static str, u128) {
         match e {
@@ -1087,17 +1062,19 @@ mod tests {
         assert_eq!(field_of(d.check([&big, &big, &big], u64::MAX).unwrap_err()).1, "C");
         let k = TopkDesc::plain(1, huge, huge, 1);
         assert_eq!(field_of(k.check([&big, &big, &big], u64::MAX).unwrap_err()).1, "logits");
-        let c = ConvertDesc {
+        let h = HiddenInDesc {
             rows: 1,
             cols: 1,
             rows_padded: 1 << 20,
             ld: 1 << 13,
+            src_offset: 0,
+            dtype: HiddenDtype::F32,
         };
-        assert_eq!(field_of(c.check([&big, &big], u64::MAX).unwrap_err()).1, "dst");
+        assert_eq!(field_of(h.check([&big, &big], u64::MAX).unwrap_err()).1, "dst");
     }
 
     #[test]
-    fn row_and_convert_checks() {
+    fn row_and_hidden_in_checks() {
         let kl = KlDesc::plain(4, 10, 16, 3);
         let (logits, ids, coef, grad) = (Len(4 * 16 * 4), Len(4 * 3 * 4), Len(4 * 4 * 4), Len(4 * 16 * 2));
         let p = kl.check([&logits, &ids, &ids, &coef, &coef, &grad], u64::MAX).unwrap();
@@ -1171,15 +1148,17 @@ mod tests {
             .1,
             "loss"
         );
-        let c = ConvertDesc {
+        let h = HiddenInDesc {
             rows: 2,
             cols: 5,
             rows_padded: 1,
             ld: 16,
+            src_offset: 0,
+            dtype: HiddenDtype::F32,
         };
         assert_eq!(
-            field_of(c.check([&Len(40), &Len(64)], u64::MAX).unwrap_err()),
-            ("convert_f16", "rows_padded", 1)
+            field_of(h.check([&Len(40), &Len(64)], u64::MAX).unwrap_err()),
+            ("hidden_in", "rows_padded", 1)
         );
     }
 

@@ -17,13 +17,13 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::toolkit::backend::{ConvertDesc, GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc, TransposeDesc};
+use crate::toolkit::backend::{GemmDesc, HeadLayout, KlDesc, SumPartsDesc, TopkDesc, TransposeDesc};
 use crate::toolkit::gemm_choice::{CoopGemm, KernelLimits};
 use crate::toolkit::glsl_tile::GlslTile;
 use crate::toolkit::params::{
-    ConvertParams, GatherRowsParams, GemmParams, HeadGradOutParams, HiddenInParams, LabelsInParams, LossOutParams,
-    ParamBlock, RowParams, ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams,
-    TransposeParams, WeightStatsParams,
+    GatherRowsParams, GemmParams, HeadGradOutParams, HiddenInParams, LabelsInParams, LossOutParams, ParamBlock,
+    RowParams, ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
+    WeightStatsParams,
 };
 use crate::toolkit::resident_kernels::{
     GatherRowsDesc, HeadGradOutDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, StatusDetailDesc,
@@ -155,15 +155,6 @@ macro_rules! resident_shader {
     };
 }
 
-/// `convert.wgsl`: f32 → f16 hidden rows (with `f16_round.wgsl`'s `to_f16`).
-pub const CONVERT_WGSL: Shader = Shader {
-    file: "convert.wgsl",
-    text: concat!(
-        include_str!("../../../../shaders/convert.wgsl"),
-        include_str!("../../../../shaders/f16_round.wgsl")
-    ),
-    params: ConvertParams::BLOCK,
-};
 /// The KL row kernel, assembled from its parts in the order of the
 /// `kl_rows_state.wgsl` header (bindings and state, the folds, the
 /// gradient, the entry point `kl_rows.wgsl`, the block filter, the dense
@@ -200,17 +191,9 @@ pub const WEIGHT_STATS_WGSL: Shader = resident_shader!("resident_stats.wgsl", We
 pub const TEACHER_ROWS_WGSL: Shader = resident_shader!("resident_teacher.wgsl", TeacherRowsParams, reduce);
 /// `resident_labels.wgsl`: the caller's labels checked into scratch.
 pub const LABELS_IN_WGSL: Shader = resident_shader!("resident_labels.wgsl", LabelsInParams);
-/// `resident_hidden.wgsl`: the caller's hidden rows into the f16 operand
-/// (with `f16_round.wgsl`'s `to_f16`, as `convert.wgsl`).
-pub const HIDDEN_IN_WGSL: Shader = Shader {
-    file: "resident_hidden.wgsl",
-    text: concat!(
-        include_str!("../../../../shaders/resident_common.wgsl"),
-        include_str!("../../../../shaders/resident_hidden.wgsl"),
-        include_str!("../../../../shaders/f16_round.wgsl")
-    ),
-    params: HiddenInParams::BLOCK,
-};
+/// `resident_hidden.wgsl`: hidden rows (the caller's on the device, the
+/// host path's f32 rows once uploaded) into the f16 operand.
+pub const HIDDEN_IN_WGSL: Shader = resident_shader!("resident_hidden.wgsl", HiddenInParams);
 /// `resident_loss_out.wgsl`: a chunk's loss and dx into the caller's buffers.
 pub const LOSS_OUT_WGSL: Shader = resident_shader!("resident_loss_out.wgsl", LossOutParams);
 /// `resident_head_grad_out.wgsl`: the head's gradient into the caller's buffer.
@@ -229,8 +212,7 @@ pub const SHARD_ROWS_WGSL: Shader = resident_shader!("resident_shard.wgsl", Shar
 pub const STATUS_DETAIL_WGSL: Shader = resident_shader!("resident_status.wgsl", StatusDetailParams);
 
 /// Every shader file, in the order of [`KernelId::ALL`].
-pub const SHADERS: [Shader; 19] = [
-    CONVERT_WGSL,
+pub const SHADERS: [Shader; 18] = [
     KL_ROWS_WGSL,
     TOPK_ROWS_WGSL,
     GEMM_TILED_WGSL,
@@ -261,8 +243,8 @@ pub const GLSL_FILTER_TILE: GlslTile = crate::toolkit::glsl_tile::GLSL_BM128_BK6
 /// [`crate::toolkit::Checked::build`] sets it from the launch.
 pub const KL_FLAGS: &str = "KL_FLAGS";
 
-/// Invocations per workgroup of the row kernels, the conversion, the sum
-/// of parts and the resident kernels (`WG` in their shaders).
+/// Invocations per workgroup of the row kernels, the sum of parts, the
+/// transpose and the resident kernels (`WG` in their shaders).
 pub const ROW_WORKGROUP: u32 = 256;
 /// Entries of `topk_rows`' radix histogram: 11-bit digits (`TOPK_HIST`).
 pub const TOPK_HIST: u32 = 2048;
@@ -396,8 +378,6 @@ struct WgslRow {
 }
 
 catalogue! {
-    /// f32 → f16 hidden rows ([`ConvertDesc`]).
-    ConvertF16 => "convert_f16", [R, W], ConvertParams, false, CONVERT_WGSL: 0, ROW_WORKGROUP;
     /// The logits GEMM, `x · W_sliceᵀ` ([`HeadLayout::Logits`]).
     GemmLogits => "gemm_logits", [R, R, W], GemmParams, false;
     /// The input-gradient GEMM, `g_slice · W_slice` ([`HeadLayout::Dx`]).
@@ -435,8 +415,9 @@ catalogue! {
         TEACHER_ROWS_WGSL: 4 * (MAX_K_U32 + 3 * ROW_WORKGROUP), ROW_WORKGROUP;
     /// Resident: the caller's labels checked into scratch ([`LabelsInDesc`]).
     LabelsIn => "labels_in", [R, W, W], LabelsInParams, true, LABELS_IN_WGSL: 0, ROW_WORKGROUP;
-    /// Resident: the caller's hidden rows into the padded f16 operand
-    /// ([`HiddenInDesc`]).
+    /// Resident: the caller's hidden rows (f32, f16 or bf16) into the
+    /// padded f16 operand ([`HiddenInDesc`]); the host path's f32 rows too,
+    /// once uploaded.
     HiddenIn => "hidden_in", [R, W], HiddenInParams, true, HIDDEN_IN_WGSL: 0, ROW_WORKGROUP;
     /// Resident: a chunk's loss and dx into the caller's buffers
     /// ([`LossOutDesc`]).
@@ -683,8 +664,8 @@ impl fmt::Display for KernelId {
 }
 
 /// Why a device with `limits` cannot run headkl's kernels without matrix
-/// units (the row kernels, the conversion, the tiled GEMM), or `None` when
-/// it can. Both backends call it when they list a device.
+/// units (the row kernels, `hidden_in`, the tiled GEMM), or `None` when it
+/// can. Both backends call it when they list a device.
 pub fn device_misfit(limits: &KernelLimits) -> Option<String> {
     let why: Vec<String> = KernelId::ALL.iter().filter_map(|k| k.misfit(limits)).collect();
     (!why.is_empty()).then(|| why.join("; "))
@@ -697,13 +678,6 @@ impl GemmKernel {
             GemmKernel::Tiled => TILED_TILE,
             GemmKernel::Coop { kernel, .. } => kernel.tile(),
         }
-    }
-}
-
-impl ConvertDesc {
-    /// Workgroups of its dispatch: one invocation per element of `dst`.
-    pub fn workgroups(&self) -> u64 {
-        (self.rows_padded as u64 * self.ld as u64).div_ceil(u64::from(ROW_WORKGROUP))
     }
 }
 
@@ -981,13 +955,21 @@ mod tests {
             accumulate: false,
         };
         assert_eq!(sum.workgroups(), 2);
-        let c = ConvertDesc {
+        let h = HiddenInDesc {
             rows: 3,
             cols: 5,
-            rows_padded: 16,
             ld: 16,
+            rows_padded: 16,
+            src_offset: 0,
+            dtype: crate::toolkit::resident_kernels::HiddenDtype::F32,
         };
-        assert_eq!(c.workgroups(), 1);
+        assert_eq!(h.workgroups(), 1);
+        let h = HiddenInDesc {
+            rows_padded: 32,
+            ld: 1000,
+            ..h
+        };
+        assert_eq!(h.workgroups(), 125);
         assert_eq!(KernelId::GemmDx.build(coop).invocations, 256);
         assert_eq!(KernelId::GemmDx.build(coop).source, KernelSource::Wgsl(GEMM_COOP_WGSL));
 

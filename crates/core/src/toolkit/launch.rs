@@ -7,13 +7,11 @@
 //! per-kernel calls the driver makes, each building its launch.
 
 use crate::error::Result;
-use crate::toolkit::backend::{
-    Backend, ConvertDesc, DeviceBuffer, GemmDesc, KlDesc, SumPartsDesc, TopkDesc, TransposeDesc,
-};
+use crate::toolkit::backend::{Backend, DeviceBuffer, GemmDesc, KlDesc, SumPartsDesc, TopkDesc, TransposeDesc};
 use crate::toolkit::kernels::{GemmKernel, KernelBuild, KernelId, KL_FLAGS};
 use crate::toolkit::params::{
-    ConvertParams, GatherRowsParams, GemmParams, HeadGradOutParams, HiddenInParams, LabelsInParams, LossOutParams,
-    RowParams, ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
+    GatherRowsParams, GemmParams, HeadGradOutParams, HiddenInParams, LabelsInParams, LossOutParams, RowParams,
+    ShardRowsParams, StatusDetailParams, SumPartsParams, TeacherRowsParams, TopkOutParams, TransposeParams,
     WeightStatsParams,
 };
 use crate::toolkit::resident_kernels::{
@@ -96,11 +94,6 @@ macro_rules! launches {
 
 launches! {
     binders(desc, gemm);
-
-    /// Hidden rows f32 → f16 ([`ConvertDesc`]). Bindings: `src`: f32 rows; `dst`:
-    /// the padded f16 operand.
-    ConvertF16(ConvertDesc) { src, dst }
-        => kernel KernelId::ConvertF16, workgroups desc.workgroups(), Convert(check);
 
     /// `C (+)= alpha · A · op(B)` ([`GemmDesc`]; its layout says which of the two
     /// GEMM kernels). Bindings: `a`: f16 A; `b`: f16 B (a head plane); `c`: f32 C.
@@ -254,7 +247,6 @@ macro_rules! blocks {
 }
 
 blocks! {
-    Convert(ConvertParams),
     Gemm(GemmParams),
     SumParts(SumPartsParams),
     Transpose(TransposeParams),
@@ -324,11 +316,6 @@ impl Checked {
 /// The driver's kernel calls on any backend, each one [`Launch`] through
 /// [`Backend::dispatch`].
 pub trait Kernels: Backend {
-    /// Converts hidden rows f32 → f16 (see [`ConvertDesc`]).
-    fn convert_f16(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &ConvertDesc) -> Result<()> {
-        self.dispatch(Launch::ConvertF16 { src, dst, desc: *desc })
-    }
-
     /// `C (+)= alpha · A · op(B)` (see [`GemmDesc`]); timed as
     /// [`GemmDesc::kernel`].
     fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()> {
@@ -406,14 +393,16 @@ mod tests {
         let big = Len(1 << 24);
         let gemm = GemmDesc::dense(32, 48, 64, HeadLayout::Dx);
         let launches = [
-            Launch::ConvertF16 {
+            Launch::HiddenIn {
                 src: &big,
                 dst: &big,
-                desc: ConvertDesc {
+                desc: HiddenInDesc {
                     rows: 3,
                     cols: 5,
-                    rows_padded: 16,
                     ld: 16,
+                    rows_padded: 16,
+                    src_offset: 0,
+                    dtype: crate::toolkit::resident_kernels::HiddenDtype::F32,
                 },
             },
             Launch::Gemm {

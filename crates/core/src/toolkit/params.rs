@@ -235,24 +235,6 @@ pub mod row_flags {
     }
 }
 
-/// `shaders/convert.wgsl`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct ConvertParams {
-    /// Real rows in src.
-    pub rows: u32,
-    /// Real columns in src.
-    pub cols: u32,
-    /// Rows written in dst.
-    pub rows_padded: u32,
-    /// Row stride of dst.
-    pub ld: u32,
-    /// Workgroups along x of the (folded) dispatch grid.
-    pub grid_x: u32,
-    /// Padding to 16 bytes.
-    pub _pad: [u32; 3],
-}
-
 /// `shaders/transpose.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -331,7 +313,6 @@ param_block!(GemmParams: m: u32, n: u32, k: u32, a_offset: u32, lda: u32, ldb: u
 param_block!(PackParams: rows: u32, kdim: u32, ld: u32, tiles: u32, steps: u32, grid_x: u32, pad0: u32, pad1: u32);
 param_block!(SumPartsParams: len: u32, parts: u32, part_stride: u32, accumulate: u32, grid_x: u32);
 param_block!(RowParams: rows: u32, vocab: u32, ld: u32, k: u32, grid_x: u32, flags: u32, temperature: f32, cap: f32, soft_weight: f32, hard_weight: f32, smoothing: f32, z_loss: f32, stats_offset: u32, stats_ld: u32, stats_groups: u32, filter_eps: f32, mask_off4: u32, mask_ld: u32, beta: f32);
-param_block!(ConvertParams: rows: u32, cols: u32, rows_padded: u32, ld: u32, grid_x: u32);
 param_block!(TransposeParams: rows: u32, rows_padded: u32, cols: u32, ld_src: u32, grid_x: u32);
 param_block!(WeightStatsParams: rows: u32, has_weights: u32, grid_x: u32, total: f32, gscale: f32, inv_temperature: f32, grad_bound: f32);
 param_block!(TeacherRowsParams: rows: u32, k: u32, vocab: u32, token0: u32, ids_offset: u32, probs_offset: u32, weights_offset: u32, has_weights: u32, logprobs: u32, tail: u32, grid_x: u32);
@@ -594,7 +575,7 @@ mod tests {
             "{text}"
         );
         assert_eq!(RowParams::BLOCK.bytes, 80);
-        assert!(ConvertParams::BLOCK
+        assert!(SumPartsParams::BLOCK
             .wgsl()
             .contains("    grid_x: u32,\n    pad0: u32,\n    pad1: u32,\n    pad2: u32,\n}"));
         assert!(text.ends_with("var<uniform> params: RowParams;\n"), "{text}");

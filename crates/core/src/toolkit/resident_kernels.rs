@@ -113,8 +113,13 @@ pub struct LabelsInDesc {
     pub has_labels: bool,
 }
 
-/// A chunk of the caller's hidden rows (f32, f16 or bf16) into the padded
-/// f16 GEMM operand (zeros outside `rows × cols`). Buffers `[src, dst]`.
+/// A chunk of hidden rows (f32, f16 or bf16, `[rows][cols]` dense from
+/// `src_offset`) into the padded f16 GEMM operand `[rows_padded][ld]`: each
+/// value rounded to nearest f16, zeros outside `rows × cols`. Values past
+/// f16's range become ±inf and NaN stays NaN, which the row kernels then
+/// flag. The device-resident paths read the caller's rows with it, the
+/// host path its f32 rows once uploaded (f16 and bf16 rows it packs on
+/// the host). Buffers `[src, dst]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HiddenInDesc {
     /// Real rows.

@@ -4,13 +4,13 @@
 //!
 //! Offsets and strides are multiples of 16 elements, as the driver's are.
 
-use half::f16;
+use half::{bf16, f16};
 use headkl_core::toolkit::split::k_part_range;
 use headkl_core::toolkit::{
-    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, Kernels, KlDesc, RowStats, SumPartsDesc, TopkDesc, TransposeDesc,
-    STATS_GROUP_COLS,
+    GemmDesc, GemmRowStats, HeadLayout, HiddenInDesc, Kernels, KlDesc, Launch, RowStats, SumPartsDesc, TopkDesc,
+    TransposeDesc, STATS_GROUP_COLS,
 };
-use headkl_core::{Backend, Divergence, LossTerms, TailMode, NO_LABEL};
+use headkl_core::{Backend, Divergence, HiddenDtype, LossTerms, TailMode, NO_LABEL};
 
 use super::CaseErrors;
 use crate::direct::{row_terms_f64, softmax_over, topk_of_row, DirectLoss, DirectTopK, RowTeacher};
@@ -117,7 +117,7 @@ pub(crate) struct RowSpec {
 pub(crate) enum KernelCase {
     Gemm(GemmSpec),
     SumParts(SumPartsDesc),
-    Convert(ConvertDesc),
+    HiddenIn(HiddenInDesc),
     Transpose(TransposeDesc),
     Kl(RowSpec),
     Topk(RowSpec),
@@ -231,8 +231,20 @@ const LARGEST_GEMMS: &[GemmSpec] = &[
     gemm!(256, 256, 256, HeadLayout::Dx, 0, 256, 256, 0, 256, -0.5, true).tight(),
 ];
 
-/// The `convert_f16` cases: `(rows, cols, rows_padded, ld)`.
-const CONVERTS: &[(usize, usize, usize, usize)] = &[(5, 13, 16, 32), (16, 48, 16, 48), (33, 100, 48, 112)];
+/// The `hidden_in` cases: `(dtype, src_offset, rows, cols, rows_padded,
+/// ld)`. The host path's f32 rows (offset 0: its upload buffer) with
+/// padding of rows, of columns, of both and of neither; and the resident
+/// paths' chunk of the caller's rows at an offset (`start · hs`, so not a
+/// multiple of 16; odd, for the 16-bit types, so a row starts in either
+/// half of a word) in each type.
+const HIDDEN_INS: &[(HiddenDtype, usize, usize, usize, usize, usize)] = &[
+    (HiddenDtype::F32, 0, 5, 13, 16, 32),
+    (HiddenDtype::F32, 0, 16, 48, 16, 48),
+    (HiddenDtype::F32, 0, 33, 100, 48, 112),
+    (HiddenDtype::F32, 39, 5, 13, 16, 32),
+    (HiddenDtype::F16, 39, 5, 13, 16, 32),
+    (HiddenDtype::Bf16, 33, 16, 33, 16, 48),
+];
 
 /// The `transpose` cases: `(rows, rows_padded, cols, ld_src)`. Shapes
 /// that do not divide the kernel's 32 × 32 tile either way, `rows <
@@ -439,14 +451,17 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
             accumulate,
         })
     };
-    let convert = |&(rows, cols, rows_padded, ld): &(usize, usize, usize, usize)| {
-        KernelCase::Convert(ConvertDesc {
-            rows,
-            cols,
-            rows_padded,
-            ld,
-        })
-    };
+    let hidden_in =
+        |&(dtype, src_offset, rows, cols, rows_padded, ld): &(HiddenDtype, usize, usize, usize, usize, usize)| {
+            KernelCase::HiddenIn(HiddenInDesc {
+                rows,
+                cols,
+                ld,
+                rows_padded,
+                src_offset,
+                dtype,
+            })
+        };
     let transpose = |&(rows, rows_padded, cols, ld_src): &(usize, usize, usize, usize)| {
         KernelCase::Transpose(TransposeDesc {
             rows,
@@ -474,7 +489,7 @@ pub(crate) fn kernel_cases() -> Vec<KernelCase> {
         .map(gemm)
         .chain(SUMS.iter().map(sum))
         .chain(LARGEST_GEMMS.iter().map(gemm))
-        .chain(CONVERTS.iter().map(convert))
+        .chain(HIDDEN_INS.iter().map(hidden_in))
         .chain(TRANSPOSES.iter().map(transpose))
         .chain(KL_ROWS.iter().map(|r| KernelCase::Kl(rows(r))))
         .chain(KL_TERMS.iter().map(kl_terms))
@@ -509,7 +524,19 @@ impl KernelCase {
                 s.len,
                 if s.accumulate { "_acc" } else { "" }
             ),
-            KernelCase::Convert(c) => format!("kernels/convert_{}x{}_to_{}x{}", c.rows, c.cols, c.rows_padded, c.ld),
+            KernelCase::HiddenIn(h) => format!(
+                "kernels/hidden_in_{}_{}x{}_to_{}x{}{}",
+                dtype_name(h.dtype),
+                h.rows,
+                h.cols,
+                h.rows_padded,
+                h.ld,
+                if h.src_offset > 0 {
+                    format!("_from{}", h.src_offset)
+                } else {
+                    String::new()
+                }
+            ),
             KernelCase::Transpose(t) => format!(
                 "kernels/transpose_{}x{}_ld{}_to_{}x{}",
                 t.rows, t.cols, t.ld_src, t.cols, t.rows_padded
@@ -524,7 +551,7 @@ impl KernelCase {
         match self {
             KernelCase::Gemm(g) => format!("{g:?}"),
             KernelCase::SumParts(s) => format!("{s:?}"),
-            KernelCase::Convert(c) => format!("{c:?}"),
+            KernelCase::HiddenIn(h) => format!("{h:?}"),
             KernelCase::Transpose(t) => format!("{t:?}"),
             KernelCase::Kl(r) => format!(
                 "rows={} vocab={} ld={} k={} rows: {:?} τ={} tail={} {:?}",
@@ -552,7 +579,7 @@ impl KernelCase {
         match self {
             KernelCase::Gemm(g) => run_gemm(b, g),
             KernelCase::SumParts(s) => run_sum_parts(b, s),
-            KernelCase::Convert(c) => run_convert(b, c),
+            KernelCase::HiddenIn(h) => run_hidden_in(b, h),
             KernelCase::Transpose(t) => run_transpose(b, t),
             KernelCase::Kl(r) => run_kl(b, r, tol),
             KernelCase::Topk(r) => run_topk(b, r, tol),
@@ -861,33 +888,93 @@ fn f16_ulp(v: f32) -> f32 {
     2f32.powf(e - 10.0)
 }
 
-fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertDesc) -> Result<CaseErrors, String> {
-    let src: Vec<f32> = (0..c.rows * c.cols)
-        .map(|i| match i % 9 {
-            0 => (i % 17) as f32 - 8.0,
-            1 => 0.1 * i as f32,
-            2 => -1.0 / 3.0 * (i % 5 + 1) as f32,
-            3 => 65504.0,
-            4 => -1e5,
-            5 => 1e5,
-            6 => 2.5e-3 * (i % 7 + 1) as f32,
-            7 => -70000.0,
-            _ => 1000.0 + 0.3 * i as f32,
-        })
-        .collect();
-    let dst_len = c.rows_padded * c.ld + TAIL;
-    let src_buf = upload(b, bytemuck::cast_slice(&src), "convert src")?;
-    let dst_buf = upload(b, bytemuck::cast_slice(&vec![f16::NAN; dst_len]), "convert dst")?;
-    b.convert_f16(&src_buf, &dst_buf, c)
-        .map_err(|e| format!("convert_f16: {e}"))?;
+/// The name of a hidden-rows type in case names.
+fn dtype_name(dtype: HiddenDtype) -> &'static str {
+    match dtype {
+        HiddenDtype::F32 => "f32",
+        HiddenDtype::F16 => "f16",
+        HiddenDtype::Bf16 => "bf16",
+    }
+}
+
+/// Element `i` of a `hidden_in` case's rows, as an f32 (before it is
+/// stored as the case's type): small integers, fractions f16 rounds,
+/// 65504 (f16's largest), values past f16's range of either sign, small
+/// normal f16 magnitudes, ±inf and NaN.
+fn hidden_value(i: usize) -> f32 {
+    match i % 11 {
+        0 => (i % 17) as f32 - 8.0,
+        1 => 0.1 * i as f32,
+        2 => -1.0 / 3.0 * (i % 5 + 1) as f32,
+        3 => 65504.0,
+        4 => -1e5,
+        5 => 1e5,
+        6 => 2.5e-3 * (i % 7 + 1) as f32,
+        7 => -70000.0,
+        8 => f32::INFINITY.copysign(if i.is_multiple_of(2) { 1.0 } else { -1.0 }),
+        9 => f32::NAN,
+        _ => 1000.0 + 0.3 * i as f32,
+    }
+}
+
+/// `hidden_in` on rows of the case's type from `src_offset` (the
+/// elements before them and a tail after them NaN, which the kernel must
+/// not read), into a padded operand poisoned with NaN: inside `rows ×
+/// cols` each value rounded to f16 (±inf from |v| ≥ 65520, NaN kept;
+/// exact where the value is an f16 value, else either neighbour), 0 in
+/// the pad, and NaN still past `rows_padded · ld`.
+fn run_hidden_in<B: Backend + ?Sized>(b: &B, h: &HiddenInDesc) -> Result<CaseErrors, String> {
+    let n = h.rows * h.cols;
+    // The values the kernel reads, as f32 (each exactly the stored one).
+    let mut values = Vec::with_capacity(n);
+    // Elements of the source buffer: the offset's, the rows, the tail; a
+    // whole number of 4-byte words.
+    let len = (h.src_offset + n + TAIL).next_multiple_of(2);
+    let bytes: Vec<u8> = match h.dtype {
+        HiddenDtype::F32 => {
+            let mut src = vec![f32::NAN; len];
+            for i in 0..n {
+                src[h.src_offset + i] = hidden_value(i);
+                values.push(src[h.src_offset + i]);
+            }
+            bytemuck::cast_slice(&src).to_vec()
+        }
+        HiddenDtype::F16 => {
+            let mut src = vec![f16::NAN; len];
+            for i in 0..n {
+                src[h.src_offset + i] = f16::from_f32(hidden_value(i));
+                values.push(src[h.src_offset + i].to_f32());
+            }
+            bytemuck::cast_slice(&src).to_vec()
+        }
+        HiddenDtype::Bf16 => {
+            let mut src = vec![bf16::NAN; len];
+            for i in 0..n {
+                src[h.src_offset + i] = bf16::from_f32(hidden_value(i));
+                values.push(src[h.src_offset + i].to_f32());
+            }
+            bytemuck::cast_slice(&src).to_vec()
+        }
+    };
+    let dst_len = h.rows_padded * h.ld + TAIL;
+    let src_buf = upload(b, &bytes, "hidden_in src")?;
+    let dst_buf = upload(b, bytemuck::cast_slice(&vec![f16::NAN; dst_len]), "hidden_in dst")?;
+    b.dispatch(Launch::HiddenIn {
+        src: &src_buf,
+        dst: &dst_buf,
+        desc: *h,
+    })
+    .map_err(|e| format!("hidden_in: {e}"))?;
     let got: Vec<f16> = download(b, &dst_buf, dst_len, "dst")?;
     let mut bad = Bad::new();
     for (idx, g) in got.iter().enumerate() {
-        let (r, col) = (idx / c.ld, idx % c.ld);
+        let (r, col) = (idx / h.ld, idx % h.ld);
         let gv = g.to_f32();
-        if r < c.rows && col < c.cols {
-            let v = src[r * c.cols + col];
-            let ok = if v.abs() >= 65520.0 {
+        if r < h.rows && col < h.cols {
+            let v = values[r * h.cols + col];
+            let ok = if v.is_nan() {
+                g.is_nan()
+            } else if v.abs() >= 65520.0 {
                 gv == f32::INFINITY.copysign(v)
             } else if f16::from_f32(v).to_f32() == v {
                 gv == v
@@ -898,7 +985,7 @@ fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertDesc) -> Result<CaseErrors
             if !ok {
                 bad.push(|| format!("dst[{r}][{col}] = {gv} from {v}"));
             }
-        } else if idx < c.rows_padded * c.ld {
+        } else if idx < h.rows_padded * h.ld {
             if gv != 0.0 {
                 bad.push(|| format!("dst[{r}][{col}] = {gv} in the pad, want 0"));
             }
@@ -906,7 +993,7 @@ fn run_convert<B: Backend + ?Sized>(b: &B, c: &ConvertDesc) -> Result<CaseErrors
             bad.push(|| format!("element {idx} past rows_padded·ld = {gv}, want it untouched (NaN)"));
         }
     }
-    bad.check("convert_f16")?;
+    bad.check("hidden_in")?;
     Ok(CaseErrors::default())
 }
 

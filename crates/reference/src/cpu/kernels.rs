@@ -6,8 +6,7 @@ use half::f16;
 use headkl_core::resident::status::FLAGGED_ROW;
 use headkl_core::toolkit::split::k_part_range;
 use headkl_core::toolkit::{
-    ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc, TransposeDesc,
-    STATS_GROUP_COLS,
+    GemmDesc, GemmRowStats, HeadLayout, KlDesc, RowStats, SumPartsDesc, TopkDesc, TransposeDesc, STATS_GROUP_COLS,
 };
 use headkl_core::{Divergence, TailMode, NO_LABEL};
 
@@ -244,22 +243,6 @@ pub(crate) fn transpose(src: &[f16], dst: &mut [f16], d: &TransposeDesc) {
         let column = &mut dst[c * d.rows_padded..(c + 1) * d.rows_padded];
         for (r, o) in column.iter_mut().enumerate() {
             *o = if r < d.rows { src[r * d.ld_src + c] } else { f16::ZERO };
-        }
-    }
-}
-
-/// f32 → f16 into the padded operand, zeros outside `rows × cols`.
-pub(crate) fn convert_f16(src: &[f32], dst: &mut [f16], d: &ConvertDesc) {
-    for (r, row) in dst.chunks_exact_mut(d.ld.max(1)).enumerate().take(d.rows_padded) {
-        if r < d.rows {
-            // `from_f32` rounds to nearest even and turns values past ±65504 into ±inf.
-            half::slice::HalfFloatSliceExt::convert_from_f32_slice(
-                &mut row[..d.cols],
-                &src[r * d.cols..(r + 1) * d.cols],
-            );
-            row[d.cols..].fill(f16::ZERO);
-        } else {
-            row.fill(f16::ZERO);
         }
     }
 }

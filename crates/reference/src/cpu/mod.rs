@@ -26,9 +26,7 @@ use std::time::Instant;
 
 use half::f16;
 use headkl_core::toolkit::checks::check_transfer;
-use headkl_core::toolkit::{
-    ConvertDesc, GemmDesc, HeadLayout, KernelId, KlDesc, Launch, SumPartsDesc, TopkDesc, TransposeDesc,
-};
+use headkl_core::toolkit::{GemmDesc, HeadLayout, KernelId, KlDesc, Launch, SumPartsDesc, TopkDesc, TransposeDesc};
 use headkl_core::{Backend, DeviceBuffer, DeviceInfo, Error, KernelTime, MemoryStats, Result, NO_LABEL};
 
 const BACKEND: &str = "reference";
@@ -297,7 +295,6 @@ impl Backend for CpuBackend {
     fn dispatch(&self, launch: Launch<'_, CpuBuffer>) -> Result<()> {
         let checked = launch.check(self.info.max_binding_bytes)?;
         self.timed(launch.id(), || match launch {
-            Launch::ConvertF16 { src, dst, desc } => self.run_convert_f16(src, dst, &desc),
             Launch::Gemm { a, b, c, desc } => self.run_gemm(a, b, c, &desc),
             Launch::SumParts { parts, dst, desc } => self.run_sum_parts(parts, dst, &desc),
             Launch::Transpose { src, dst, desc } => self.run_transpose(src, dst, &desc),
@@ -345,14 +342,6 @@ impl Backend for CpuBackend {
 /// Each kernel on checked launches ([`Backend::dispatch`] checks and times
 /// them).
 impl CpuBackend {
-    fn run_convert_f16(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &ConvertDesc) -> Result<()> {
-        const K: &str = "convert_f16";
-        let mut out = dst.write(K)?;
-        let input = src.read(K)?;
-        kernels::convert_f16(f32s(&input), f16s_mut(&mut out), d);
-        Ok(())
-    }
-
     fn run_gemm(&self, a: &CpuBuffer, b: &CpuBuffer, c: &CpuBuffer, d: &GemmDesc) -> Result<()> {
         const K: &str = "gemm";
         let mut out = c.write(K)?;

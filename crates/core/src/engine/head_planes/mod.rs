@@ -19,11 +19,10 @@ use crate::problem::slicing::SliceOptions;
 use crate::problem::slicing::{slice_vocab, VocabSlice};
 use crate::problem::vocab_order::VocabOrder;
 use crate::problem::Hidden;
-use crate::toolkit::backend::{
-    Backend, ConvertDesc, GemmDesc, GemmRowStats, HeadLayout, RowStats, SumPartsDesc, STATS_GROUP_COLS,
-};
+use crate::toolkit::backend::{Backend, GemmDesc, GemmRowStats, HeadLayout, RowStats, SumPartsDesc, STATS_GROUP_COLS};
 use crate::toolkit::chunking::{plan_chunks, ChunkPlan};
-use crate::toolkit::launch::Kernels;
+use crate::toolkit::launch::{Kernels, Launch};
+use crate::toolkit::resident_kernels::{HiddenDtype, HiddenInDesc};
 use crate::toolkit::split::DxSplit;
 
 mod grad;
@@ -477,13 +476,18 @@ impl<B: Backend> HeadPlanes<B> {
                 };
                 let src = &data[start * hs..(start + rows) * hs];
                 backend.upload(x32, 0, bytemuck::cast_slice(src))?;
-                let desc = ConvertDesc {
-                    rows,
-                    cols: hs,
-                    rows_padded,
-                    ld: self.hs_padded,
-                };
-                backend.convert_f16(x32, x16, &desc)?;
+                backend.dispatch(Launch::HiddenIn {
+                    src: x32,
+                    dst: x16,
+                    desc: HiddenInDesc {
+                        rows,
+                        cols: hs,
+                        ld: self.hs_padded,
+                        rows_padded,
+                        src_offset: 0,
+                        dtype: HiddenDtype::F32,
+                    },
+                })?;
             }
             Input::F16(d) if self.hs_padded == hs => {
                 // Rows are already the padded width: straight from the
