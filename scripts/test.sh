@@ -4,7 +4,7 @@
 # so the two commands share one build. Then one line per backend: where its
 # conformance suite ran and how many cases passed, or why it was skipped.
 # libtest hides what passing tests print, so the tests leave those lines in
-# target/release/headkl-tests/ (crates/reference/src/conformance/harness.rs)
+# target/release/headkl-tests/ (crates/conformance/src/harness.rs)
 # and this prints them. Arguments go to `cargo test` (e.g. `-- --nocapture`).
 set -uo pipefail
 cd "$(dirname "$0")/.."

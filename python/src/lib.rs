@@ -10,12 +10,12 @@ mod memory;
 mod options;
 mod shared;
 
+use headkl_conformance::resident::run_resident;
+use headkl_conformance::shard::{run_shard_cases, Serial};
+use headkl_conformance::shard_resident::run_resident_shard_cases;
+use headkl_conformance::{run_suite, SuiteConfig, SuiteReport};
 use headkl_core::toolkit::settings::Env;
 use headkl_core::{Backend, ResidentBackend};
-use headkl_reference::conformance::resident::run_resident;
-use headkl_reference::conformance::shard::{run_shard_cases, Serial};
-use headkl_reference::conformance::shard_resident::run_resident_shard_cases;
-use headkl_reference::conformance::{run_suite, SuiteConfig, SuiteReport};
 use headkl_runtime::{auto_pick, enumerate_all, open_and_run, resolve, Job, Selection, Settings};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};

@@ -2,10 +2,10 @@
 //! resident conformance cases (bad data on the device gives the host path's
 //! error).
 
-headkl_reference::resident_conformance_tests!(
+headkl_conformance::resident_conformance_tests!(
     "cuda",
     headkl_cuda::CudaBackend::open_with(&headkl_cuda::CudaOptions {
-        common: headkl_core::toolkit::settings::CommonOptions::from_env(&headkl_reference::conformance::harness_env())
+        common: headkl_core::toolkit::settings::CommonOptions::from_env(&headkl_conformance::harness_env())
             .expect("a HEADKL_* setting does not parse"),
     })
 );

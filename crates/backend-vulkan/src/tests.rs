@@ -3,8 +3,8 @@
 
 use headkl_core::{Backend, DeviceBuffer, GemmChoice};
 
+use headkl_conformance::{gemm_choice_outcome, harness_env, open_or_skip};
 use headkl_core::toolkit::{GemmKernel, KernelId, KernelSource};
-use headkl_reference::conformance::{gemm_choice_outcome, harness_env, open_or_skip};
 use naga::back::spv::Capability;
 
 use crate::pipeline::{compile, parse, PipelineKey, ShaderSource, ShaderTarget};

@@ -6,9 +6,9 @@
 //! lavapipe needs several seconds per pass over a 128 MiB head, so this test
 //! makes one.)
 
+use headkl_conformance::generator::{Case, CaseKind, CaseParams, TeacherShape};
+use headkl_conformance::{check_case, harness_env, open_or_skip};
 use headkl_core::{round_up, slice_vocab, Backend, ALIGN};
-use headkl_reference::conformance::{check_case, harness_env, open_or_skip};
-use headkl_reference::generator::{Case, CaseKind, CaseParams, TeacherShape};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 
 fn case(kind: CaseKind, vocab: usize, hs: usize) -> Case {

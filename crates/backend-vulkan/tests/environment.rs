@@ -19,7 +19,7 @@ fn no_device_reason(result: headkl_core::Result<VulkanBackend>) -> String {
 #[test]
 fn missing_layer_or_driver_is_a_no_device_error() {
     // Before the loader runs: no "XDG_RUNTIME_DIR is invalid" from Mesa.
-    headkl_reference::conformance::ensure_runtime_dir();
+    headkl_conformance::ensure_runtime_dir();
     // Without a loader at all there is nothing to test here.
     if let Err(e) = headkl_vulkan::enumerate() {
         eprintln!("SKIPPED: no Vulkan loader to take pieces away from: {e}");

@@ -5,17 +5,16 @@
 //! caller's `vk::Buffer`s.
 
 use ash::vk;
+use headkl_conformance::open_or_skip;
+use headkl_conformance::trainer::{TrainerCase, TrainerOperand};
 use headkl_core::{Backend, Error};
-use headkl_reference::conformance::open_or_skip;
-use headkl_reference::conformance::trainer::{TrainerCase, TrainerOperand};
 use headkl_vulkan::{ExternalVulkan, VulkanBackend, VulkanOptions};
 
-headkl_reference::resident_conformance_tests!(
+headkl_conformance::resident_conformance_tests!(
     "vulkan",
     VulkanBackend::open_with(&VulkanOptions {
         validation: true,
-        ..VulkanOptions::from_env(&headkl_reference::conformance::harness_env())
-            .expect("a HEADKL_* setting does not parse")
+        ..VulkanOptions::from_env(&headkl_conformance::harness_env()).expect("a HEADKL_* setting does not parse")
     })
 );
 

@@ -7,9 +7,9 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
+use headkl_conformance::{harness_env, open_or_skip};
 use headkl_core::toolkit::{GemmDesc, HeadLayout, HiddenInDesc, Kernels, Launch};
 use headkl_core::{Backend, Error, HiddenDtype, QueueChoice};
-use headkl_reference::conformance::{harness_env, open_or_skip};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 
 /// Opens with `options` (built from the harness settings); skips, or fails

@@ -341,7 +341,7 @@ mod tests {
     /// poll has returned (seen on the H200 with three engines at shape S).
     #[test]
     fn a_map_callback_that_arrives_after_the_poll_is_awaited() {
-        let Some(backend) = headkl_reference::conformance::open_or_skip("wgpu", || WgpuBackend::open(None)) else {
+        let Some(backend) = headkl_conformance::open_or_skip("wgpu", || WgpuBackend::open(None)) else {
             return;
         };
         let (tx, rx) = mpsc::channel();

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use half::f16;
+use headkl_conformance::{gemm_choice_outcome, harness_env, open_or_skip, run_part, Part, SuiteConfig};
 use headkl_core::toolkit::Kernels;
 use headkl_core::toolkit::{GemmDesc, HeadLayout, HiddenInDesc, Launch};
 use headkl_core::CommonOptions;
@@ -13,7 +14,6 @@ use headkl_core::{
     Backend, Engine, Error, GemmChoice, HeadData, HeadWeights, Hidden, HiddenDtype, LossOptions, QueueChoice,
     SliceOptions, Teacher, TopkOptions,
 };
-use headkl_reference::conformance::{gemm_choice_outcome, harness_env, open_or_skip, run_part, Part, SuiteConfig};
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::Tolerance;
 use headkl_wgpu::{OpenOptions, WgpuBackend};

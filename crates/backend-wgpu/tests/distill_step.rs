@@ -5,7 +5,7 @@
 #[path = "../examples/distill_step.rs"]
 mod distill_step;
 
-use headkl_reference::conformance::open_or_skip;
+use headkl_conformance::open_or_skip;
 
 #[test]
 fn distill_step_learns() {

@@ -1,17 +1,16 @@
 //! The device-resident entry points on the wgpu backend: the shared
-//! resident conformance cases (crates/reference), and the backend on a
+//! resident conformance cases (crates/conformance), and the backend on a
 //! caller's device with views of the caller's buffers.
 
+use headkl_conformance::open_or_skip;
+use headkl_conformance::trainer::{TrainerCase, TrainerOperand};
 use headkl_core::Error;
-use headkl_reference::conformance::open_or_skip;
-use headkl_reference::conformance::trainer::{TrainerCase, TrainerOperand};
 use headkl_wgpu::{OpenOptions, WgpuBackend};
 
-headkl_reference::resident_conformance_tests!(
+headkl_conformance::resident_conformance_tests!(
     "wgpu",
     WgpuBackend::open_with(
-        &OpenOptions::from_env(&headkl_reference::conformance::harness_env())
-            .expect("a HEADKL_* setting does not parse")
+        &OpenOptions::from_env(&headkl_conformance::harness_env()).expect("a HEADKL_* setting does not parse")
     )
 );
 

@@ -14,12 +14,12 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use half::f16;
+use headkl_conformance::{harness_env, harness_suite};
 use headkl_core::toolkit::settings::BENCH_SHAPE;
 use headkl_core::toolkit::{GemmDesc, HeadLayout, Kernels, KlDesc, TopkDesc};
 use headkl_core::{
     Backend, Engine, HeadData, HeadWeights, Hidden, LossOptions, LossTerms, SliceOptions, TailMode, Teacher,
 };
-use headkl_reference::conformance::{harness_env, harness_suite};
 
 /// Problem sizes of one bench run.
 struct Sizes {

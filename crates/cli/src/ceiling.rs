@@ -19,9 +19,9 @@
 //! and as a percentage of (a).
 
 use half::f16;
+use headkl_conformance::{Part, SuiteConfig};
 use headkl_core::toolkit::{CoopGemm, GemmDesc, HeadLayout, Kernels};
 use headkl_core::{Backend, GemmChoice};
-use headkl_reference::conformance::{self, Part, SuiteConfig};
 use headkl_vulkan::{CeilingKernel, CeilingPart, GlslTile, VulkanBackend, VulkanBuffer};
 
 use crate::error::CliError;
@@ -82,7 +82,8 @@ pub fn run(target: &Target, shape: GemmShape, iters: usize) -> Result<(), CliErr
     for &tile in &tiles {
         let glsl = CoopGemm::Glsl(tile);
         backend.use_gemm(GemmChoice { logits: glsl, dx: glsl }).map_err(dev)?;
-        let report = conformance::run_part(&backend, Part::Kernels, &SuiteConfig { cases: 0, seed: 0 }, &mut |_| {});
+        let report =
+            headkl_conformance::run_part(&backend, Part::Kernels, &SuiteConfig { cases: 0, seed: 0 }, &mut |_| {});
         let verdict = match report.failures.first() {
             None => format!("{}/{} cases", report.passed, report.cases),
             Some(f) => format!(

@@ -2,11 +2,11 @@
 //! start (or the one named), with progress, a table per backend, and every
 //! failure printed with the seed that replays it.
 
+use headkl_conformance::resident::{resident_case_count, run_resident};
+use headkl_conformance::shard::{run_shard_cases, shard_case_count, Serial};
+use headkl_conformance::shard_resident::{resident_shard_case_count, run_resident_shard_cases};
+use headkl_conformance::{case_count, run_suite, CaseOutcome, SuiteConfig, SuiteReport};
 use headkl_core::{Backend, ResidentBackend};
-use headkl_reference::conformance::resident::{resident_case_count, run_resident};
-use headkl_reference::conformance::shard::{run_shard_cases, shard_case_count, Serial};
-use headkl_reference::conformance::shard_resident::{resident_shard_case_count, run_resident_shard_cases};
-use headkl_reference::conformance::{case_count, run_suite, CaseOutcome, SuiteConfig, SuiteReport};
 use std::sync::Arc;
 
 use crate::environment::Settings;

@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 
+use headkl_conformance::SuiteSettings;
 use headkl_core::toolkit::settings::Env;
-use headkl_reference::conformance::SuiteSettings;
 
 use crate::error::CliError;
 
@@ -38,7 +38,7 @@ impl Settings {
 /// bad setting (exit 2), named with its value. The command passes the
 /// result down to what needs it; nothing reads it from a global.
 pub fn read() -> Result<Settings, CliError> {
-    headkl_reference::conformance::ensure_runtime_dir();
+    headkl_conformance::ensure_runtime_dir();
     Settings::from_env(&Env::process()).map_err(CliError::Setting)
 }
 

@@ -40,7 +40,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use headkl_reference::conformance;
 
 use crate::bench::{BenchConfig, Shape};
 use crate::environment::Settings;
@@ -322,8 +321,8 @@ fn run(cli: Cli, settings: &Arc<Settings>) -> Result<(), CliError> {
             check::run(
                 &backend,
                 settings,
-                cases.or(suite.cases).unwrap_or(conformance::DEFAULT_CASES),
-                seed.or(suite.seed).unwrap_or(conformance::DEFAULT_SEED),
+                cases.or(suite.cases).unwrap_or(headkl_conformance::DEFAULT_CASES),
+                seed.or(suite.seed).unwrap_or(headkl_conformance::DEFAULT_SEED),
             )
         }
         Command::Bench { backend, config } => bench::run(&backend, settings, &config),
@@ -380,8 +379,8 @@ mod tests {
         assert_eq!(parse_seed("0x11"), Ok(17));
         assert!(parse_seed("0xzz").is_err());
         // The help's default is the suite's.
-        assert_eq!(conformance::DEFAULT_SEED, 0x4845_4144_4b4c_0001);
-        assert_eq!(conformance::DEFAULT_CASES, 16);
+        assert_eq!(headkl_conformance::DEFAULT_SEED, 0x4845_4144_4b4c_0001);
+        assert_eq!(headkl_conformance::DEFAULT_CASES, 16);
     }
 
     #[test]

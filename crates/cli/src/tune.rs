@@ -11,13 +11,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use half::f16;
+use headkl_conformance::{Part, SuiteConfig};
 use headkl_core::toolkit::gemm_choice::GEMM_ENV;
 use headkl_core::toolkit::tune_cache::TuneCache;
 use headkl_core::toolkit::{
     CoopGemm, GemmDesc, GemmRowStats, HeadLayout, KernelId, Kernels, RowStats, STATS_GROUP_COLS,
 };
 use headkl_core::{Backend, GemmChoice};
-use headkl_reference::conformance::{self, Part, SuiteConfig};
 
 use crate::environment::Settings;
 use crate::error::CliError;
@@ -193,7 +193,7 @@ impl Job for TrialJob<'_> {
             ));
         }
         let cfg = SuiteConfig { cases: 0, seed: 0 };
-        let report = conformance::run_part(&backend, Part::Kernels, &cfg, &mut |_| {});
+        let report = headkl_conformance::run_part(&backend, Part::Kernels, &cfg, &mut |_| {});
         let outcome = match report.failures.first() {
             None => Ok((report.passed, report.cases)),
             Some(f) => Err(format!(

@@ -1,7 +1,5 @@
 //! headkl-reference: the CPU backend and the f64 implementation of
-//! headkl's math, the one tolerance comparator and, with the cargo feature
-//! `conformance`, the case generator and the conformance suite every
-//! backend runs.
+//! headkl's math, and the one tolerance comparator.
 //!
 //! - [`direct`]: the DESIGN §1 formulas evaluated directly in f64 on the
 //!   f16-rounded head and hidden rows, with no slicing or chunking. This is
@@ -10,16 +8,12 @@
 //!   accumulate in f64. It is the always-available `reference` backend and
 //!   lets the core driver's slicing and chunking be tested with no GPU.
 //! - [`tolerance`]: [`Tolerance`], the comparator with DESIGN §5's bounds.
-//! - `generator` (feature `conformance`): the cases and their seeded
-//!   generator (the crate's own, not proptest's: `headkl check` ships it).
-//! - `conformance` (feature `conformance`): the suite, generic over a
-//!   backend, the `conformance_tests!` macro that instantiates it in a
-//!   backend crate, and the test harness (settings, logger, the per-backend
-//!   record `scripts/test.sh` prints).
 //!
-//! With default features the crate depends on `headkl-core`, `half`,
-//! `bytemuck`, `thiserror` and `log` only: a program that wants the CPU
-//! backend does not link the test machinery.
+//! The case generator and the conformance suite every backend runs are
+//! `headkl-conformance`, which judges its cases with [`direct`] and
+//! [`Tolerance`]. This crate depends on `headkl-core`, `half`, `bytemuck`,
+//! `thiserror` and `log` only: a program that wants the CPU backend does
+//! not link the test machinery.
 //!
 //! ```
 //! use headkl_core::{Engine, HeadData, HeadWeights, Hidden, HiddenData, SliceOptions, TopkOptions};
@@ -38,12 +32,8 @@
 
 #![warn(missing_docs)]
 
-#[cfg(feature = "conformance")]
-pub mod conformance;
 pub mod cpu;
 pub mod direct;
-#[cfg(feature = "conformance")]
-pub mod generator;
 pub mod lm;
 mod par;
 pub mod rng;

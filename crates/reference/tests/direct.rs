@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
+use headkl_conformance::generator::{draw_case_params, Case, CaseKind, CaseParams, TeacherShape};
 use headkl_core::{
     Divergence, Engine, HeadData, HeadWeights, Hidden, LossConfig, LossOptions, LossTerms, Reduction, SliceOptions,
     TailMode, Teacher, TeacherForm,
@@ -13,7 +14,6 @@ use headkl_reference::direct::{
     head_kl_and_head_grad_f64, head_kl_f64, head_kl_full_vocab_and_head_grad_f64, head_kl_full_vocab_f64, logits_f64,
     softmax_over, topk_f64,
 };
-use headkl_reference::generator::{draw_case_params, Case, CaseKind, CaseParams, TeacherShape};
 use headkl_reference::CpuBackend;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};

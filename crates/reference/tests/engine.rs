@@ -6,9 +6,9 @@
 
 use headkl_core::{Backend, DxSplit, Engine, HiddenData, SliceOptions};
 
+use headkl_conformance::generator::{Case, CaseKind, CaseParams, TeacherShape};
 use headkl_core::toolkit::KernelId;
 use headkl_reference::direct::{head_kl_f64, topk_f64};
-use headkl_reference::generator::{Case, CaseKind, CaseParams, TeacherShape};
 use headkl_reference::{CpuBackend, Tolerance};
 
 fn case(kind: CaseKind, hidden_as_f16: bool) -> Case {

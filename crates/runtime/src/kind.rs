@@ -112,7 +112,7 @@ mod tests {
         // HEADKL_REQUIRE's names (the suite's) are these backends'.
         assert_eq!(
             BackendKind::ALL.map(BackendKind::name),
-            headkl_reference::conformance::BACKEND_NAMES
+            headkl_conformance::BACKEND_NAMES
         );
     }
 }

@@ -6,8 +6,8 @@ use burn::prelude::{Int, Tensor};
 use burn::tensor::TensorData;
 use headkl_burn::prelude::*;
 use headkl_burn::unfused::UnfusedTeacher;
+use headkl_conformance::open_or_skip;
 use headkl_core::{Engine, Hidden, LossOptions as HostLossOptions, SliceOptions};
-use headkl_reference::conformance::open_or_skip;
 use headkl_reference::direct::{head_kl_f64, DirectLoss};
 use headkl_wgpu::WgpuBackend;
 

@@ -289,7 +289,7 @@ pub fn ran(backend: &str, o: &Output) -> bool {
 
 /// Whether `HEADKL_REQUIRE` (of the test run) names `backend`.
 pub fn required(backend: &str) -> bool {
-    headkl_reference::conformance::harness_suite().requires(backend)
+    headkl_conformance::harness_suite().requires(backend)
 }
 
 /// Copies little-endian tensor bytes into a vector (the data may be

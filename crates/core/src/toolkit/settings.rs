@@ -6,7 +6,7 @@
 //! it from an [`Env`] (the process environment, or a map in a test) once:
 //! core the options common to both GPU backends ([`CommonOptions`]), each
 //! backend its own switches (`VulkanOptions::from_env`), the test crate the
-//! suite's (`headkl_reference::conformance::SuiteSettings`), the command
+//! suite's (`headkl_conformance::SuiteSettings`), the command
 //! line its own (backend, trace, dx split, bench shape). The libraries never
 //! read the environment themselves: their callers pass options down.
 //!

@@ -5,21 +5,21 @@
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
-use headkl_reference::generator::MIN_BINDING_BYTES;
+use headkl_conformance::generator::MIN_BINDING_BYTES;
 use headkl_reference::{CpuBackend, Precision};
 
-headkl_reference::conformance_tests!(
+headkl_conformance::conformance_tests!(
     "reference",
     Ok::<_, headkl_core::Error>(headkl_reference::cpu::CpuBackend::new())
 );
 
-headkl_reference::conformance_tests!(
+headkl_conformance::conformance_tests!(
     mod small_binding,
     "reference",
     Ok::<_, headkl_core::Error>(CpuBackend::with_max_binding(MIN_BINDING_BYTES))
 );
 
-headkl_reference::conformance_tests!(
+headkl_conformance::conformance_tests!(
     mod f32_emulation,
     "reference",
     Ok::<_, headkl_core::Error>(CpuBackend::new().with_precision(Precision::F32))
@@ -27,16 +27,16 @@ headkl_reference::conformance_tests!(
 
 // The device-resident entry points on the CPU kernels (the same cases the
 // GPU backends run).
-headkl_reference::resident_conformance_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
+headkl_conformance::resident_conformance_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
 
 // Engines on threads, and a soak of one engine (CpuBackend is Sync: its
 // buffers belong to the engine that made them).
-headkl_reference::threads_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
+headkl_conformance::threads_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
 
 // Vocabulary-parallel: 2 and 3 shards on threads against the reference.
-headkl_reference::shard_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
+headkl_conformance::shard_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
 
 // Vocabulary-parallel on device buffers (the CPU kernels): the resident
 // two-phase loss, the shards in turn (a CpuBuffer is not shared between
 // threads).
-headkl_reference::resident_shard_tests!(serial, "reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
+headkl_conformance::resident_shard_tests!(serial, "reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));

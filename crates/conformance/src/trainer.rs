@@ -11,7 +11,7 @@ use headkl_core::{
     HiddenDtype, LossConfig, LossOptions, ResidentBackend, SliceOptions, Teacher,
 };
 
-use crate::tolerance::Tolerance;
+use headkl_reference::tolerance::Tolerance;
 
 /// The case's data: exact small patterns, no randomness.
 #[derive(Clone, Debug)]

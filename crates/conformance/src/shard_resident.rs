@@ -22,9 +22,9 @@ use super::shard::{
     weights_with_a_masked_token, Inputs, Serial, Threads, HS, NTOK, VOCAB,
 };
 use super::{CaseErrors, CaseOutcome, SuiteReport};
-use crate::direct::head_kl_f64;
 use crate::generator::Rng;
-use crate::tolerance::Tolerance;
+use headkl_reference::direct::head_kl_f64;
+use headkl_reference::tolerance::Tolerance;
 
 /// The cases: name and what each checks.
 pub const RESIDENT_SHARD_CASES: &[(&str, &str)] = &[
@@ -608,15 +608,15 @@ pub fn run_resident_shard_test<B: ResidentBackend, D: DeviceDrive<B>>(
 #[macro_export]
 macro_rules! resident_shard_tests {
     (@drive threads) => {
-        $crate::conformance::shard::Threads
+        $crate::shard::Threads
     };
     (@drive serial) => {
-        $crate::conformance::shard::Serial
+        $crate::shard::Serial
     };
     ($drive:ident, $name:literal, $open:expr $(,)?) => {
         #[test]
         fn shards_resident_two_phase_equal_the_unsharded_result() {
-            $crate::conformance::shard_resident::run_resident_shard_test(
+            $crate::shard_resident::run_resident_shard_test(
                 $name,
                 &$crate::resident_shard_tests!(@drive $drive),
                 || $open,

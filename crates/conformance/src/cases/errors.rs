@@ -8,10 +8,10 @@ use headkl_core::{Backend, Engine, Error, HiddenData, LossConfig, LossOptions, L
 
 use super::compare;
 use super::regression::{params, with_terms};
-use crate::conformance::overlap::CountInFlight;
-use crate::conformance::{engine_for, CaseErrors};
 use crate::generator::{Case, CaseKind, CaseParams};
-use crate::tolerance::Tolerance;
+use crate::overlap::CountInFlight;
+use crate::{engine_for, CaseErrors};
+use headkl_reference::tolerance::Tolerance;
 
 /// The error cases: `(name, what it checks)`.
 pub(crate) const ERROR_CASES: &[(&str, &str)] = &[
@@ -513,7 +513,7 @@ fn both_fail<B: Backend + ?Sized>(backend: &B, case: &Case, token: usize) -> Res
     expect_non_finite("topk", engine.topk(&hidden, &top.topk_options()), token)
 }
 
-/// lm-like data ([`crate::lm`]) small enough for the f64 reference, with
+/// lm-like data ([`headkl_reference::lm`]) small enough for the f64 reference, with
 /// a steep prior so the block filter has blocks to skip even at V = 4096:
 /// `ntok` tokens, k = 16.
 pub(crate) fn lm_case(
@@ -530,7 +530,7 @@ pub(super) fn lm_case_and_prior(
     max_rows_per_slice: Option<usize>,
     max_rows_per_chunk: Option<usize>,
 ) -> Result<(Case, Vec<f32>), String> {
-    let spec = crate::lm::LmSpec {
+    let spec = headkl_reference::lm::LmSpec {
         zipf: 3.0,
         zipf_offset: 5.0,
         order_noise: 0.3,
@@ -539,9 +539,9 @@ pub(super) fn lm_case_and_prior(
         background: 0.5,
         entropy: Some(1.0),
         teacher_noise: 1.5,
-        ..crate::lm::LmSpec::new(4096, 32, ntok, 16, 0x1F17)
+        ..headkl_reference::lm::LmSpec::new(4096, 32, ntok, 16, 0x1F17)
     };
-    let d = crate::lm::generate(&spec)?;
+    let d = headkl_reference::lm::generate(&spec)?;
     let mut case = Case::from_params(&CaseParams {
         max_rows_per_slice,
         max_rows_per_chunk,

@@ -1,5 +1,5 @@
 //! Driver-level cases: a [`Case`] through [`Engine`] against
-//! [`crate::direct`]; the fixed regression list ([`mod@regression`]); the
+//! [`headkl_reference::direct`]; the fixed regression list ([`mod@regression`]); the
 //! head's gradient ([`head_grad`]); the error cases ([`errors`]).
 
 /// The `name`s of a case table's rows (a `const` slice of rows with a
@@ -32,9 +32,9 @@ pub(super) use regression::params;
 pub(crate) use regression::{check_regression, regression, regression_names};
 
 use super::{engine_for, CaseErrors};
-use crate::direct::{self, DirectLoss};
 use crate::generator::{Case, CaseKind};
-use crate::tolerance::Tolerance;
+use headkl_reference::direct::{self, DirectLoss};
+use headkl_reference::tolerance::Tolerance;
 
 /// Runs `case` through the driver and compares with the reference.
 pub(crate) fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case, tol: &Tolerance) -> Result<CaseErrors, String> {

@@ -29,9 +29,9 @@ use headkl_core::{
 };
 
 use super::{driver_case, engine_for, run_one, CaseErrors, CaseOutcome, Recorder, SuiteConfig, SuiteReport};
-use crate::direct;
 use crate::generator::{Case, CaseKind, CaseParams};
-use crate::tolerance::Tolerance;
+use headkl_reference::direct;
+use headkl_reference::tolerance::Tolerance;
 
 /// Uploads `data` into a fresh device buffer.
 pub(super) fn device_buffer<B: ResidentBackend + ?Sized>(
@@ -1304,14 +1304,14 @@ pub fn run_resident_test<B: ResidentBackend>(backend_name: &str, open: impl FnOn
 /// [`headkl_core::ResidentBackend`].
 ///
 /// ```text
-/// headkl_reference::resident_conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
+/// headkl_conformance::resident_conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
 /// ```
 #[macro_export]
 macro_rules! resident_conformance_tests {
     ($name:literal, $open:expr $(,)?) => {
         #[test]
         fn conformance_resident() {
-            $crate::conformance::resident::run_resident_test($name, || $open);
+            $crate::resident::run_resident_test($name, || $open);
         }
     };
 }

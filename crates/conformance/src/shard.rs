@@ -14,9 +14,9 @@ use headkl_core::{
 };
 
 use super::{run_one, CaseErrors, CaseOutcome, Recorder, SuiteReport};
-use crate::direct::{head_kl_f64, topk_f64};
 use crate::generator::Rng;
-use crate::tolerance::Tolerance;
+use headkl_reference::direct::{head_kl_f64, topk_f64};
+use headkl_reference::tolerance::Tolerance;
 
 pub(super) const VOCAB: usize = 1000;
 pub(super) const HS: usize = 48;
@@ -529,7 +529,7 @@ fn gather_case<B: Backend>(backend: &B) -> Result<CaseErrors, String> {
         parts.push(e.gather_partials(&hidden, &ids, &opts).map_err(|e| e.to_string())?);
     }
     let got = headkl_core::shard::merge_gather(&parts).map_err(|e| e.to_string())?;
-    let (want, want_lse) = crate::direct::logprobs_at_f64(&head, &hidden, &ids, k, opts.temperature);
+    let (want, want_lse) = headkl_reference::direct::logprobs_at_f64(&head, &hidden, &ids, k, opts.temperature);
     let mut worst = 0f64;
     for (i, (&g, &w)) in got.logprobs.iter().zip(&want).enumerate() {
         if w == f64::NEG_INFINITY {
@@ -770,7 +770,7 @@ macro_rules! shard_tests {
     ($name:literal, $open:expr $(,)?) => {
         #[test]
         fn shards_on_threads_equal_the_unsharded_result() {
-            $crate::conformance::shard::run_shard_test($name, || $open);
+            $crate::shard::run_shard_test($name, || $open);
         }
     };
 }

@@ -6,15 +6,15 @@
 
 use std::cell::Cell;
 
+use headkl_conformance::resident::{resident_case_count, run_resident};
+use headkl_conformance::shard::Serial;
+use headkl_conformance::shard_resident::{resident_shard_case_count, run_resident_shard_cases};
+use headkl_conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
 use headkl_core::resident::status::{self, FLAGGED_ROW, S_LOGITS};
 use headkl_core::toolkit::{
     GemmDesc, HiddenInDesc, KernelId, Kernels, KlDesc, Launch, ShardStage, SumPartsDesc, TopkDesc, TransposeDesc,
 };
 use headkl_core::{Backend, DeviceBuffer, Divergence, Error, ResidentBackend, Result, TailMode};
-use headkl_reference::conformance::resident::{resident_case_count, run_resident};
-use headkl_reference::conformance::shard::Serial;
-use headkl_reference::conformance::shard_resident::{resident_shard_case_count, run_resident_shard_cases};
-use headkl_reference::conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
 use headkl_reference::{CpuBackend, CpuBuffer};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -119,7 +119,7 @@ impl Faulty {
 impl Backend for Faulty {
     type Buffer = CpuBuffer;
 
-    headkl_reference::forward_backend!(info, alloc, upload, download);
+    headkl_conformance::forward_backend!(info, alloc, upload, download);
     fn dispatch(&self, launch: Launch<'_, CpuBuffer>) -> Result<()> {
         match launch {
             Launch::HiddenIn { dst, desc, .. } if self.fault == Fault::HiddenInPadNotZeroed => {
@@ -167,7 +167,7 @@ impl Backend for Faulty {
             other => self.inner.dispatch(other),
         }
     }
-    headkl_reference::forward_backend!(finish, memory, reset_peak_memory, take_kernel_times);
+    headkl_conformance::forward_backend!(finish, memory, reset_peak_memory, take_kernel_times);
     fn take_diagnostics(&self) -> Vec<String> {
         self.calls.set(self.calls.get() + 1);
         if self.fault == Fault::Diagnostics && self.calls.get().is_multiple_of(5) {

@@ -23,10 +23,10 @@ use headkl_core::{
 use super::errors::lm_case_and_prior;
 use super::regression::{every_term, full_vocab_teacher, only, params, with_terms};
 use super::{check_min_chunks, check_min_slices};
-use crate::conformance::CaseErrors;
-use crate::direct;
 use crate::generator::{Case, CaseKind, CaseParams};
-use crate::tolerance::Tolerance;
+use crate::CaseErrors;
+use headkl_reference::direct;
+use headkl_reference::tolerance::Tolerance;
 
 /// How the hidden rows go to the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

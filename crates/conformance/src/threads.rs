@@ -228,8 +228,8 @@ macro_rules! threads_tests {
     ($name:literal, $open:expr $(,)?) => {
         #[test]
         fn engines_on_threads_agree_with_one_engine() {
-            if let Some(backend) = $crate::conformance::open_or_skip($name, || $open) {
-                $crate::conformance::threads::engines_on_threads_agree(&backend);
+            if let Some(backend) = $crate::open_or_skip($name, || $open) {
+                $crate::threads::engines_on_threads_agree(&backend);
                 let diagnostics = headkl_core::Backend::take_diagnostics(&backend);
                 assert!(diagnostics.is_empty(), "{}", diagnostics.join("\n"));
             }
@@ -240,12 +240,12 @@ macro_rules! threads_tests {
             // Host memory is the whole process's, and the binary's other
             // tests run beside this one: the soak runs in a test process of
             // its own (this test alone, `--exact`), which this one waits for.
-            if !$crate::conformance::threads::running_alone() {
-                $crate::conformance::threads::run_alone("soak_of_many_calls_keeps_memory_flat");
+            if !$crate::threads::running_alone() {
+                $crate::threads::run_alone("soak_of_many_calls_keeps_memory_flat");
                 return;
             }
-            if let Some(backend) = $crate::conformance::open_or_skip($name, || $open) {
-                let s = $crate::conformance::threads::soak_stays_flat(&backend, 1000);
+            if let Some(backend) = $crate::open_or_skip($name, || $open) {
+                let s = $crate::threads::soak_stays_flat(&backend, 1000);
                 println!("{}: soak {s:?}", $name);
                 let diagnostics = headkl_core::Backend::take_diagnostics(&backend);
                 assert!(diagnostics.is_empty(), "{}", diagnostics.join("\n"));

@@ -1,6 +1,15 @@
-//! The conformance suite, written once and generic over a [`Backend`].
+//! headkl-conformance: the conformance suite every backend runs, written
+//! once and generic over a [`Backend`]; its seeded case generator
+//! ([`generator`], the crate's own, not proptest's: `headkl check` ships
+//! it); and the test harness (settings, logger, [`open_or_skip`], the
+//! per-backend record `scripts/test.sh` prints).
 //!
-//! Five parts ([`Part`]):
+//! A crate of its own beside `headkl-reference`, whose f64 formulas
+//! ([`headkl_reference::direct`]) and [`Tolerance`] judge every case: a
+//! program that wants the CPU backend does not link the test machinery.
+//! It adds no dependency beyond `headkl-reference`'s.
+//!
+//! The suite's five parts ([`Part`]):
 //! - **kernels**: the backend's primitives called directly on crafted
 //!   inputs with poisoned (NaN) outputs: GEMM in both head layouts with
 //!   exact small-integer data (results exact in f32), offsets, wide
@@ -11,10 +20,10 @@
 //! - **driver cases**: [`SuiteConfig::cases`] cases drawn by
 //!   [`crate::generator::draw_case_params`] from the suite's seed, alternating
 //!   `head_kl` and `topk`, run through [`Engine`] and compared with
-//!   [`crate::direct`] by [`Tolerance`];
+//!   [`headkl_reference::direct`] by [`Tolerance`];
 //! - **regressions**: a fixed list of named cases;
 //! - **head gradient**: `LossConfig::head_grad` against
-//!   [`crate::direct::head_kl_and_head_grad_f64`] over a fixed list of
+//!   [`headkl_reference::direct::head_kl_and_head_grad_f64`] over a fixed list of
 //!   named cases (every divergence and term, weights and reductions,
 //!   chunks, slices, a vocabulary order, f32/f16/bf16 rows, the
 //!   full-vocabulary teacher, the block filter), with the gradient off,
@@ -29,7 +38,7 @@
 //! error or a panic inside a case fails that case and the suite goes on.
 //!
 //! ```
-//! use headkl_reference::conformance::{run_suite, SuiteConfig};
+//! use headkl_conformance::{run_suite, SuiteConfig};
 //! use headkl_reference::CpuBackend;
 //!
 //! let backend = CpuBackend::new();
@@ -46,10 +55,13 @@
 //! A backend crate runs it with one line in `tests/conformance.rs`:
 //!
 //! ```text
-//! headkl_reference::conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
+//! headkl_conformance::conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
 //! ```
 
+#![warn(missing_docs)]
+
 mod cases;
+pub mod generator;
 mod harness;
 mod kernels;
 mod overlap;
@@ -67,7 +79,7 @@ use headkl_core::toolkit::settings::{self, Env};
 use headkl_core::{Backend, DeviceInfo, Engine};
 
 use crate::generator::{draw_case_params, Case, CaseKind, Rng};
-use crate::tolerance::Tolerance;
+use headkl_reference::tolerance::Tolerance;
 
 /// Default seed of the drawn cases when `HEADKL_SEED` is not set.
 pub const DEFAULT_SEED: u64 = 0x4845_4144_4b4c_0001;
@@ -542,7 +554,7 @@ pub fn driver_case(suite_seed: u64, index: usize) -> Result<Case, String> {
 
 /// Runs `case` on `backend` through the driver and compares it with the
 /// direct f64 formula: `Ok` with the errors measured, or `Err` with what
-/// failed (a backend error, or a [`crate::Mismatch`] message).
+/// failed (a backend error, or a [`headkl_reference::Mismatch`] message).
 pub fn check_case<B: Backend + ?Sized>(backend: &B, case: &Case) -> Result<CaseErrors, String> {
     cases::check_case(backend, case, &Tolerance::default())
 }
@@ -572,7 +584,7 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
             msg.push_str(&format!("\n- {}\n    {}\n    ", f.name, f.description));
             if let Some(index) = f.name.strip_prefix("driver#").and_then(|s| s.split(' ').next()) {
                 msg.push_str(&format!(
-                    "seed {:#x} (rebuild: conformance::driver_case({:#x}, {index})): ",
+                    "seed {:#x} (rebuild: headkl_conformance::driver_case({:#x}, {index})): ",
                     f.seed, f.seed
                 ));
             }
@@ -596,8 +608,8 @@ pub fn run_test<B: Backend>(backend_name: &str, open: impl FnOnce() -> headkl_co
 /// instantiation in one file.
 ///
 /// ```text
-/// headkl_reference::conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
-/// headkl_reference::conformance_tests!(mod small_binding, "reference",
+/// headkl_conformance::conformance_tests!("wgpu", headkl_wgpu::WgpuBackend::open(None));
+/// headkl_conformance::conformance_tests!(mod small_binding, "reference",
 ///     Ok::<_, headkl_core::Error>(headkl_reference::CpuBackend::with_max_binding(256 << 10)));
 /// ```
 #[macro_export]
@@ -624,7 +636,7 @@ macro_rules! conformance_tests {
         $(
             #[test]
             fn $test() {
-                $crate::conformance::run_test($name, || $open, $crate::conformance::Part::$part);
+                $crate::run_test($name, || $open, $crate::Part::$part);
             }
         )+
     };

@@ -13,9 +13,9 @@ use headkl_core::toolkit::{
 use headkl_core::{Backend, Divergence, HiddenDtype, LossTerms, TailMode, NO_LABEL};
 
 use super::CaseErrors;
-use crate::direct::{row_terms_f64, softmax_over, topk_of_row, DirectLoss, DirectTopK, RowTeacher};
 use crate::generator::{residue_ids, Rng};
-use crate::tolerance::Tolerance;
+use headkl_reference::direct::{row_terms_f64, softmax_over, topk_of_row, DirectLoss, DirectTopK, RowTeacher};
+use headkl_reference::tolerance::Tolerance;
 
 /// Extra elements after every region, poisoned, to catch overruns.
 const TAIL: usize = 16;

@@ -8,10 +8,10 @@ use headkl_core::{
 };
 
 use super::{check_min_chunks, check_min_slices, compare_with, DxCheck};
-use crate::conformance::{engine_for, CaseErrors};
-use crate::direct;
 use crate::generator::{Case, CaseKind, CaseParams, TeacherShape};
-use crate::tolerance::Tolerance;
+use crate::{engine_for, CaseErrors};
+use headkl_reference::direct;
+use headkl_reference::tolerance::Tolerance;
 
 /// A fixed case with what it must also show.
 pub(crate) struct Regression {

@@ -4,7 +4,7 @@
 //! data seed) from one seed with the crate's own small generator, and
 //! [`Case::from_params`] expands them deterministically into the head,
 //! hidden rows and teacher; the same seed gives the same case. No proptest
-//! here (the shipped `headkl check` runs the suite); the crate's own
+//! here (the shipped `headkl check` runs the suite); `headkl-reference`'s
 //! property tests wrap [`draw_case_params`] in a proptest strategy. What
 //! gets drawn:
 //! - V and hs that are not multiples of 16 or 128, and some that are; ntok
@@ -52,9 +52,9 @@ pub const MIN_BINDING_BYTES: u64 = 256 << 10;
 /// Which job a case exercises.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CaseKind {
-    /// `Engine::head_kl` against [`crate::direct::head_kl_f64`].
+    /// `Engine::head_kl` against [`headkl_reference::direct::head_kl_f64`].
     HeadKl,
-    /// `Engine::topk` against [`crate::direct::topk_f64`].
+    /// `Engine::topk` against [`headkl_reference::direct::topk_f64`].
     Topk,
 }
 
