@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # A fuzz campaign over headkl's parsers with afl.rs (AFL++ under cargo-afl,
-# on stable Rust): each target in crates/fuzz, MINUTES of wall time, JOBS
-# targets at once, then the corpus minimized into crates/fuzz/corpus and
-# the figures appended to crates/fuzz/campaign.tsv (CPU seconds, executions,
-# edges covered, crashes and hangs).
+# on stable Rust): each target of crates/fuzz (headkl_files::fuzz:
+# safetensors, teacher, tune_cache, settings, vocab_order), MINUTES of wall
+# time, JOBS targets at once, then the corpus minimized into
+# crates/fuzz/corpus and the figures appended to crates/fuzz/campaign.tsv
+# (CPU seconds, executions, edges covered, crashes and hangs).
 #
 #   scripts/fuzz.sh [TARGET...]      (default: every target)
+#
+# The command line's target (cli_args) is not fuzzed here: it needs the
+# command's clap parser and the harness stands on headkl-files alone. The
+# command's unit tests replay its corpus (crates/cli/corpus/cli_args:
+# `cargo test -p headkl-cli --lib fuzz`).
 #
 #   MINUTES=60  wall minutes per target (afl's -V)
 #   JOBS=2      targets fuzzed at once
@@ -16,7 +22,7 @@
 # crates/fuzz/out/TARGET/default/{crashes,hangs}; replay one with
 #   crates/fuzz/target/release/headkl-fuzz replay TARGET FILE
 # and, once fixed, commit it under crates/fuzz/regressions/TARGET (the unit
-# tests replay those and the corpus: `cargo test -p headkl-cli --lib fuzz`).
+# tests replay those and the corpus: `cargo test -p headkl-files --lib fuzz`).
 #
 # Needs a C compiler, make and LLVM (for cargo-afl's runtime); installs
 # cargo-afl if missing.
@@ -27,7 +33,7 @@ fuzz=$root/crates/fuzz
 minutes=${MINUTES:-60}
 jobs=${JOBS:-2}
 nice_level=${NICE:-10}
-all="safetensors teacher tune_cache settings cli_args vocab_order"
+all="safetensors teacher tune_cache settings vocab_order"
 targets=${*:-$all}
 for t in $targets; do
     [[ " $all " == *" $t "* ]] || { echo "fuzz.sh: no target '$t' (targets: $all)" >&2; exit 2; }

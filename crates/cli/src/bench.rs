@@ -35,8 +35,6 @@ mod sharded;
 mod stats;
 mod table;
 
-#[cfg(any(test, feature = "fuzzing"))]
-pub(crate) use data::vocab_order_from_text;
 use data::{random_labels, teacher_data};
 pub(crate) use data::{BenchData, DataKind, VocabOrderArg};
 use resident::time_resident;
@@ -171,7 +169,7 @@ impl BenchConfig {
         };
         terms.check().map_err(|e| match &e {
             headkl_core::Error::InvalidLossOption { field, .. } => {
-                CliError::from_core_in_option(e.clone(), crate::terms::option_of(field))
+                CliError::from_core_in_option(e.clone(), headkl_files::sources::option_of(field))
             }
             _ => CliError::from_core_in_option(e, "--divergence"),
         })?;

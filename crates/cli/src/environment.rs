@@ -23,7 +23,9 @@ pub struct Settings {
 
 impl Settings {
     /// Parses every section from `env`; a value that does not parse is an
-    /// error naming it.
+    /// error naming it. (The `settings` fuzz target, in
+    /// `headkl_files::fuzz`, parses the same sections in the same order: a
+    /// section added here goes there too.)
     pub fn from_env(env: &Env) -> headkl_core::Result<Self> {
         Ok(Self {
             runtime: Arc::new(headkl_runtime::Settings::from_env(env)?),

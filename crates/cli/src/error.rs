@@ -1,33 +1,21 @@
 //! The command's one error type and how each kind maps to an exit code:
 //! bad input (a file, a tensor, an option) exits 2, a device or I/O failure
-//! exits 1.
+//! exits 1. An input's error ([`FilesError`], from `headkl-files`) becomes
+//! the same kind here with the same text.
 
 use std::path::{Path, PathBuf};
 
-use headkl_core::{Error as CoreError, ErrorKind};
+use headkl_core::Error as CoreError;
+use headkl_files::error::one_line;
+use headkl_files::FilesError;
 use thiserror::Error;
+
+pub(crate) use headkl_files::error::is_validation;
 
 /// Exit code for bad input: a file, tensor or option the user can fix.
 pub const EXIT_INPUT: u8 = 2;
 /// Exit code for everything else: device, I/O, failed checks.
 pub const EXIT_FAILURE: u8 = 1;
-
-/// `text` with its control characters escaped (`\n`, `\u{1b}`): an error is
-/// one line, whatever a file's tensor names or metadata hold.
-fn one_line(text: String) -> String {
-    if !text.chars().any(char::is_control) {
-        return text;
-    }
-    text.chars()
-        .map(|c| {
-            if c.is_control() {
-                c.escape_default().to_string()
-            } else {
-                c.to_string()
-            }
-        })
-        .collect()
-}
 
 /// Everything a `headkl` subcommand can fail with.
 #[derive(Debug, Error)]
@@ -115,15 +103,6 @@ impl CliError {
         }
     }
 
-    /// A problem with tensor `tensor` of `file`.
-    pub fn tensor(file: &Path, tensor: &str, problem: impl Into<String>) -> Self {
-        CliError::Tensor {
-            file: file.to_path_buf(),
-            tensor: one_line(tensor.to_string()),
-            problem: one_line(problem.into()),
-        }
-    }
-
     /// A problem with the whole of `file`.
     pub fn file(file: &Path, problem: impl Into<String>) -> Self {
         CliError::File {
@@ -158,16 +137,6 @@ impl CliError {
         }
     }
 
-    /// A core error found in tensor `tensor` of `file`: input when it is a
-    /// validation error, a device error otherwise.
-    pub fn from_core_in_tensor(source: CoreError, file: &Path, tensor: &str) -> Self {
-        if is_validation(&source) {
-            Self::tensor(file, tensor, source.to_string())
-        } else {
-            Self::device(format!("{}: tensor `{tensor}`", file.display()), source)
-        }
-    }
-
     /// A backend that did not open: a bad setting (exit 2) when the error is
     /// about the input, else a start failure (exit 1).
     pub fn start(backend: &'static str, source: CoreError) -> Self {
@@ -181,21 +150,20 @@ impl CliError {
     /// A core error caused by option `option`: input when it is a validation
     /// error, a device error otherwise.
     pub fn from_core_in_option(source: CoreError, option: &'static str) -> Self {
-        if is_validation(&source) {
-            Self::option(option, source.to_string())
-        } else {
-            Self::device(option, source)
-        }
+        FilesError::in_option(source, option).into()
     }
 }
 
-/// Whether a core error is about the input or a setting (fixable by the
-/// user, exit 2) rather than the device or a bug (exit 1): the core
-/// classifies each error where it is defined ([`CoreError::kind`]).
-pub fn is_validation(e: &CoreError) -> bool {
-    match e.kind() {
-        ErrorKind::Input | ErrorKind::Setting => true,
-        ErrorKind::Device | ErrorKind::Internal => false,
+impl From<FilesError> for CliError {
+    /// The same kind (bad input: exit 2; a device failure: exit 1) and the
+    /// same text.
+    fn from(e: FilesError) -> Self {
+        match e {
+            FilesError::File { file, problem } => CliError::File { file, problem },
+            FilesError::Tensor { file, tensor, problem } => CliError::Tensor { file, tensor, problem },
+            FilesError::Option { option, problem } => CliError::Option { option, problem },
+            FilesError::Device { context, source } => CliError::Device { context, source },
+        }
     }
 }
 
@@ -236,28 +204,30 @@ mod tests {
     }
 
     #[test]
-    fn validation_errors_exit_2_and_device_errors_exit_1() {
+    fn an_input_error_keeps_its_text_and_exits_2_and_a_device_error_exits_1() {
+        let t = Path::new("t.safetensors");
         let bad_id = CoreError::IdOutOfRange {
             row: 1,
             col: 2,
             id: 900,
             vocab: 300,
         };
-        let e = CliError::from_core_in_tensor(bad_id, Path::new("t.safetensors"), "ids");
-        assert_eq!(e.exit_code(), EXIT_INPUT);
-        let text = e.to_string();
-        assert!(
-            text.contains("t.safetensors") && text.contains("`ids`") && text.contains("900"),
-            "{text}"
-        );
-
         let oom = CoreError::OutOfMemory {
             bytes: 1 << 30,
             what: "logits",
         };
-        let e = CliError::from_core_in_tensor(oom, Path::new("t.safetensors"), "ids");
-        assert_eq!(e.exit_code(), EXIT_FAILURE);
-        assert!(e.to_string().contains("out of device memory"));
+        for files in [
+            FilesError::file(t, "truncated"),
+            FilesError::in_tensor(bad_id, t, "ids"),
+            FilesError::in_option(CoreError::BudgetZero, "--budget"),
+            FilesError::in_tensor(oom, t, "ids"),
+            FilesError::in_option(CoreError::DeviceLost("gone".into()), "--budget"),
+        ] {
+            let (text, input) = (files.to_string(), files.is_input());
+            let e = CliError::from(files);
+            assert_eq!(e.to_string(), text);
+            assert_eq!(e.exit_code(), if input { EXIT_INPUT } else { EXIT_FAILURE }, "{text}");
+        }
         assert_eq!(
             CliError::from_core_in_option(CoreError::DeviceLost("gone".into()), "--budget").exit_code(),
             EXIT_FAILURE

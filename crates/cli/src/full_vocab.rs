@@ -8,15 +8,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headkl_core::{Backend, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput, SliceOptions, TailMode};
+use headkl_files::inputs::{check_loss_options, read_head, read_hidden, read_labels, read_weights};
+use headkl_files::provenance::LossRecord;
+use headkl_files::sources::Sources;
+use headkl_files::TensorFile;
 
 use crate::environment::Settings;
 use crate::error::CliError;
-use crate::io::{check_output_not_input, TensorFile};
-use crate::jobs::{
-    check_loss_options, read_head, read_hidden, read_labels, read_weights, write_loss, InputArgs, JobInputs, LossArgs,
-    Sources,
-};
-use crate::provenance::LossRecord;
+use crate::io::check_output_not_input;
+use crate::jobs::{write_loss, InputArgs, JobInputs, LossArgs};
 use crate::select::{open_and_run, resolve_announced, BackendArgs, Job};
 
 /// `headkl loss` with `(teacher_hidden, teacher_head)` in place of a top-k
@@ -64,23 +64,27 @@ pub(crate) fn loss(
     let (hidden_elems, ntok) = read_hidden(&hidden_t, &head_t, hs)?;
     let (t_head_elems, t_vocab, t_hs) = read_head(&t_head_t)?;
     if t_vocab != vocab {
-        return Err(t_head_t.error(format!(
-            "V = {t_vocab}, but the student's head {} has V = {vocab}: the heads must share the vocabulary",
-            head_t.describe()
-        )));
+        return Err(t_head_t
+            .error(format!(
+                "V = {t_vocab}, but the student's head {} has V = {vocab}: the heads must share the vocabulary",
+                head_t.describe()
+            ))
+            .into());
     }
     let (t_hidden_elems, t_ntok) = read_hidden(&t_hidden_t, &t_head_t, t_hs)?;
     if t_ntok != ntok {
-        return Err(t_hidden_t.error(format!(
-            "ntok = {t_ntok}, but the student's hidden rows {} have ntok = {ntok}",
-            hidden_t.describe()
-        )));
+        return Err(t_hidden_t
+            .error(format!(
+                "ntok = {t_ntok}, but the student's hidden rows {} have ntok = {ntok}",
+                hidden_t.describe()
+            ))
+            .into());
     }
     // The device flags a row whose logits are not finite without saying
     // whose: the teacher's rows are scanned here, so such an error names
     // the student's.
     if let Some((t, c)) = first_non_finite(t_hidden_elems.data(), t_hs) {
-        return Err(t_hidden_t.error(format!("row {t}, column {c} is not finite")));
+        return Err(t_hidden_t.error(format!("row {t}, column {c} is not finite")).into());
     }
     let weights = weights_t.as_ref().map(|w| read_weights(w, ntok)).transpose()?;
     let labels = labels_t.as_ref().map(|l| read_labels(l, ntok)).transpose()?;
@@ -179,6 +183,6 @@ impl Job for FullVocabJob<'_> {
         engine.set_dx_split(self.settings.runtime.dx_split);
         engine
             .head_kl_full_vocab(&inputs.hidden, &self.t_hidden, &self.opts)
-            .map_err(|e| inputs.sources.map(e, "head_kl_full_vocab"))
+            .map_err(|e| inputs.sources.map(e, "head_kl_full_vocab").into())
     }
 }

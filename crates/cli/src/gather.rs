@@ -7,13 +7,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use headkl_core::{Backend, Gathered, TopkOptions};
+use headkl_files::inputs::{read_head, read_hidden, read_ids};
+use headkl_files::provenance::TeacherRecord;
+use headkl_files::sources::Sources;
+use headkl_files::TensorFile;
 
 use crate::environment::Settings;
 use crate::error::CliError;
-use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile};
-use crate::jobs::{read_head, read_hidden, read_ids, InputArgs, JobInputs, Sources};
+use crate::io::{check_output_not_input, OutTensor, PendingOutput};
+use crate::jobs::{InputArgs, JobInputs};
 use crate::options::BudgetArg;
-use crate::provenance::TeacherRecord;
 use crate::select::{BackendArgs, Job};
 use crate::text::fmt_bytes;
 

@@ -1,320 +1,30 @@
-//! `headkl topk` and `headkl loss`: read safetensors inputs, run the job on
-//! the chosen backend, write safetensors outputs.
+//! `headkl topk` and `headkl loss`: read safetensors inputs (through
+//! `headkl_files::inputs`, which checks them), run the job on the chosen
+//! backend, write safetensors outputs.
 
-use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use half::{bf16, f16};
 use headkl_core::{
-    Backend, Engine, Error as CoreError, Field, HeadData, HeadWeights, Hidden, HiddenData, LossConfig, LossOptions,
-    LossOutput, Reduction, ResolvedLoss, SliceOptions, Teacher, TopK, TopkOptions,
+    Backend, Engine, HeadData, HeadWeights, Hidden, HiddenData, LossConfig, LossOptions, LossOutput, Reduction,
+    SliceOptions, Teacher, TopK, TopkOptions,
 };
-use safetensors::Dtype;
+use headkl_files::inputs::{
+    check_loss_options, read_head, read_hidden, read_labels, read_teacher, read_weights, TeacherInput,
+};
+use headkl_files::provenance::{LossRecord, LossRun, TeacherRecord};
+use headkl_files::sources::Sources;
+use headkl_files::{TensorFile, TensorRef};
 
 use crate::environment::Settings;
 use crate::error::CliError;
-use crate::io::{check_output_not_input, OutTensor, PendingOutput, TensorFile, TensorRef};
+use crate::io::{check_output_not_input, OutTensor, PendingOutput};
 use crate::options::BudgetArg;
 use crate::progress::Progress;
-use crate::provenance::{check_teacher, LossRecord, LossRun, TeacherRecord};
 use crate::select::{describe, BackendArgs, Job};
 use crate::terms::{LossTermArgs, TopkTermArgs};
 use crate::text::fmt_bytes;
-
-/// Where each input came from, so a core error can name its file and
-/// tensor (or option).
-pub(crate) struct Sources<'a> {
-    pub(crate) head: &'a TensorRef<'a>,
-    pub(crate) hidden: &'a TensorRef<'a>,
-    pub(crate) ids: Option<&'a TensorRef<'a>>,
-    pub(crate) probs: Option<&'a TensorRef<'a>>,
-    pub(crate) weights: Option<&'a TensorRef<'a>>,
-    pub(crate) labels: Option<&'a TensorRef<'a>>,
-    pub(crate) total_given: bool,
-}
-
-impl<'a> Sources<'a> {
-    /// The sources of a job on the head and hidden rows alone.
-    pub(crate) fn new(head: &'a TensorRef<'a>, hidden: &'a TensorRef<'a>) -> Self {
-        Self {
-            head,
-            hidden,
-            ids: None,
-            probs: None,
-            weights: None,
-            labels: None,
-            total_given: false,
-        }
-    }
-
-    /// With a teacher file's ids and probabilities, and the weights and
-    /// labels it may hold beside them.
-    pub(crate) fn with_teacher(
-        self,
-        ids: &'a TensorRef<'a>,
-        probs: &'a TensorRef<'a>,
-        weights: Option<&'a TensorRef<'a>>,
-        labels: Option<&'a TensorRef<'a>>,
-    ) -> Self {
-        Self {
-            ids: Some(ids),
-            probs: Some(probs),
-            weights,
-            labels,
-            ..self
-        }
-    }
-
-    /// Maps a core error to the input that caused it: a validation error
-    /// names its file and tensor (or option) and exits 2; a device error
-    /// exits 1 with `context`.
-    pub(crate) fn map(&self, e: CoreError, context: &str) -> CliError {
-        use CoreError as E;
-        let teacher_ids = self.ids.unwrap_or(self.hidden);
-        let teacher_probs = self.probs.unwrap_or(self.hidden);
-        match &e {
-            E::NonFiniteHead { .. } | E::HeadOutOfF16Range { .. } | E::VocabZero => self.head.core_error(e),
-            E::HiddenSizeMismatch { .. } | E::NonFiniteHidden { .. } | E::NoTokens | E::HiddenSizeZero => {
-                self.hidden.core_error(e)
-            }
-            E::IdOutOfRange { .. } | E::DuplicateId { .. } => teacher_ids.core_error(e),
-            E::NegativeProbability { .. }
-            | E::NonFiniteProbability { .. }
-            | E::ProbabilityRowSum { .. }
-            | E::InvalidLogProbability { .. }
-            | E::TeacherMassAboveOne { .. } => teacher_probs.core_error(e),
-            E::LabelOutOfRange { .. } => match self.labels {
-                Some(l) => l.core_error(e),
-                None => CliError::from_core_in_option(e, "--labels"),
-            },
-            E::InvalidLossOption { field, .. } => {
-                let option = crate::terms::option_of(field);
-                CliError::from_core_in_option(e, option)
-            }
-            E::HardWeightWithoutLabels { .. } => CliError::from_core_in_option(e, "--hard-weight"),
-            E::IgnoreMaskWithoutLabels => CliError::from_core_in_option(e, "--ignore-mask"),
-            E::ShardUnsupported { option, .. } => {
-                CliError::from_core_in_option(e.clone(), crate::shard::option_flag(option))
-            }
-            E::FullVocabUnsupported { option, .. } => CliError::from_core_in_option(e.clone(), option),
-            E::KZero | E::KTooLarge { .. } => match self.ids {
-                Some(ids) => ids.core_error(e),
-                None => CliError::from_core_in_option(e, "-k"),
-            },
-            E::NegativeWeight { .. } | E::NonFiniteWeight { .. } => match self.weights {
-                Some(w) => w.core_error(e),
-                None => CliError::from_core_in_option(e, "--weights"),
-            },
-            E::TotalWithReduction { .. } => CliError::from_core_in_option(e, "--reduction"),
-            E::TotalNotPositive { .. } => match (self.total_given, self.weights) {
-                (false, Some(w)) => w.error(format!("{e} (every weight is 0; pass --total)")),
-                _ => CliError::from_core_in_option(e, "--total"),
-            },
-            E::InvalidTemperature { .. } => CliError::from_core_in_option(e, "--temperature"),
-            E::InvalidGradScale { .. } => CliError::from_core_in_option(e, "--gscale"),
-            E::BudgetZero | E::BudgetTooSmall { .. } => CliError::from_core_in_option(e, "--budget"),
-            E::LengthMismatch { field, .. } => match *field {
-                Field::Head => self.head.core_error(e),
-                Field::Ids | Field::TeacherRows => teacher_ids.core_error(e),
-                Field::Probs | Field::Logprobs => teacher_probs.core_error(e),
-                Field::Labels => match self.labels {
-                    Some(l) => l.core_error(e),
-                    None => CliError::from_core_in_option(e, "--labels"),
-                },
-                Field::Weights => match self.weights {
-                    Some(w) => w.core_error(e),
-                    None => CliError::from_core_in_option(e, "--weights"),
-                },
-                Field::Hidden => self.hidden.core_error(e),
-                _ => CliError::device(context, e),
-            },
-            _ => CliError::device(context, e),
-        }
-    }
-}
-
-/// A head's elements, borrowed from the file or converted.
-pub enum HeadElems<'a> {
-    /// f16.
-    F16(Cow<'a, [f16]>),
-    /// bf16.
-    Bf16(Cow<'a, [bf16]>),
-    /// f32.
-    F32(Cow<'a, [f32]>),
-}
-
-impl HeadElems<'_> {
-    /// The head in the form the engine takes.
-    pub fn data(&self) -> HeadData<'_> {
-        match self {
-            HeadElems::F16(d) => HeadData::F16(d),
-            HeadElems::Bf16(d) => HeadData::Bf16(d),
-            HeadElems::F32(d) => HeadData::F32(d),
-        }
-    }
-}
-
-/// Reads a head tensor `[V][hs]` (F16, BF16 or F32).
-pub(crate) fn read_head<'a>(t: &TensorRef<'a>) -> Result<(HeadElems<'a>, usize, usize), CliError> {
-    let (vocab, hs) = t.matrix("[V][hs]")?;
-    if vocab == 0 || hs == 0 {
-        return Err(t.error(format!("shape [{vocab}, {hs}]: the head needs V ≥ 1 and hs ≥ 1")));
-    }
-    let elems = match t.dtype() {
-        Dtype::F16 => HeadElems::F16(t.f16s()),
-        Dtype::BF16 => HeadElems::Bf16(t.bf16s()),
-        Dtype::F32 => HeadElems::F32(t.f32s()),
-        _ => return Err(t.wrong_dtype("F16, BF16 or F32")),
-    };
-    Ok((elems, vocab, hs))
-}
-
-/// Hidden rows' elements, borrowed from the file or copied.
-pub(crate) enum HiddenElems<'a> {
-    F16(Cow<'a, [f16]>),
-    F32(Cow<'a, [f32]>),
-    Bf16(Cow<'a, [bf16]>),
-}
-
-impl HiddenElems<'_> {
-    pub(crate) fn data(&self) -> HiddenData<'_> {
-        match self {
-            HiddenElems::F16(d) => HiddenData::F16(d),
-            HiddenElems::F32(d) => HiddenData::F32(d),
-            HiddenElems::Bf16(d) => HiddenData::Bf16(d),
-        }
-    }
-}
-
-/// Reads hidden rows `[ntok][hs]` (F32, F16 or BF16) and checks hs against the
-/// head's.
-pub(crate) fn read_hidden<'a>(
-    t: &TensorRef<'a>,
-    head: &TensorRef<'_>,
-    head_hs: usize,
-) -> Result<(HiddenElems<'a>, usize), CliError> {
-    let (ntok, hs) = t.matrix("[ntok][hs]")?;
-    if ntok == 0 {
-        return Err(t.error("shape [0, hs]: at least one token is needed"));
-    }
-    if hs != head_hs {
-        // A head stored [hs][V] (as some exports do) shows up as a
-        // mismatch whose other extent matches: say so.
-        let transposed = head.matrix("[V][hs]").is_ok_and(|(rows, _)| rows == hs);
-        return Err(t.error(format!(
-            "hs = {hs}, but the head {} has hs = {head_hs}{}",
-            head.describe(),
-            if transposed {
-                format!("; the head looks transposed (its first extent is {hs}): it must be [V][hs]")
-            } else {
-                String::new()
-            }
-        )));
-    }
-    let elems = match t.dtype() {
-        Dtype::F32 => HiddenElems::F32(t.f32s()),
-        Dtype::F16 => HiddenElems::F16(t.f16s()),
-        Dtype::BF16 => HiddenElems::Bf16(t.bf16s()),
-        _ => return Err(t.wrong_dtype("F32, F16 or BF16")),
-    };
-    Ok((elems, ntok))
-}
-
-/// The teacher file's ids and values, checked against the run.
-pub(crate) struct TeacherInput<'a> {
-    pub ids: Cow<'a, [i64]>,
-    pub probs: Cow<'a, [f32]>,
-    pub k: usize,
-}
-
-/// The ids of an `[ntok][k]` tensor and their `k`, its rows checked
-/// against the hidden rows'.
-pub(crate) fn read_ids<'a>(
-    ids_t: &TensorRef<'a>,
-    (hidden_t, ntok): (&TensorRef<'_>, usize),
-) -> Result<(Cow<'a, [i64]>, usize), CliError> {
-    let (id_rows, k) = ids_t.matrix("[ntok][k]")?;
-    if id_rows != ntok {
-        return Err(ids_t.error(format!(
-            "{id_rows} rows, but the hidden rows {} have ntok = {ntok}",
-            hidden_t.describe()
-        )));
-    }
-    Ok((ids_t.ids_i64()?, k))
-}
-
-/// Checks the teacher file against the run (its `headkl.*` metadata, then
-/// the shapes and dtypes of `ids` and the values) and reads both; the
-/// values' contents are `Teacher`'s to check.
-pub(crate) fn read_teacher<'a>(
-    path: &Path,
-    file: &TensorFile,
-    ids_t: &TensorRef<'a>,
-    probs_t: &TensorRef<'a>,
-    run: &LossRun<'_>,
-    allow_mismatch: bool,
-    (hidden_t, ntok): (&TensorRef<'_>, usize),
-) -> Result<TeacherInput<'a>, CliError> {
-    check_teacher(path, file.metadata(), run, allow_mismatch)?;
-    let (ids, k) = read_ids(ids_t, (hidden_t, ntok))?;
-    let probs_shape = probs_t.matrix("[ntok][k]")?;
-    if probs_shape != (ntok, k) {
-        return Err(probs_t.error(format!(
-            "shape [{}, {}], but `ids` is [{ntok}, {k}]",
-            probs_shape.0, probs_shape.1
-        )));
-    }
-    if probs_t.dtype() != Dtype::F32 {
-        return Err(probs_t.wrong_dtype("F32"));
-    }
-    Ok(TeacherInput {
-        ids,
-        probs: probs_t.f32s(),
-        k,
-    })
-}
-
-/// Per-token weights `[ntok]` (F32).
-pub(crate) fn read_weights(w: &TensorRef<'_>, ntok: usize) -> Result<Vec<f32>, CliError> {
-    let len = w.vector("[ntok]")?;
-    if len != ntok {
-        return Err(w.error(format!("{len} weights, but there are ntok = {ntok} hidden rows")));
-    }
-    if w.dtype() != Dtype::F32 {
-        return Err(w.wrong_dtype("F32"));
-    }
-    Ok(w.f32s().into_owned())
-}
-
-/// The loss options' checks that need the token count and the vocabulary
-/// (weights, labels, ranges), as `loss` runs them before the head goes
-/// anywhere, returning them resolved; an error names the file it came from.
-pub(crate) fn check_loss_options(
-    opts: &LossOptions,
-    ntok: usize,
-    vocab: usize,
-    sources: &Sources,
-) -> Result<ResolvedLoss, CliError> {
-    let resolved = opts.resolve(ntok).map_err(|e| sources.map(e, "loss options"))?;
-    resolved
-        .check_labels(vocab)
-        .map_err(|e| sources.map(e, "loss options"))?;
-    Ok(resolved)
-}
-
-/// Hard labels `[ntok]` (I64 or I32).
-pub(crate) fn read_labels(l: &TensorRef<'_>, ntok: usize) -> Result<Vec<i64>, CliError> {
-    let len = l.vector("[ntok]")?;
-    if len != ntok {
-        return Err(l.error(format!("{len} labels, but there are ntok = {ntok} hidden rows")));
-    }
-    if !matches!(l.dtype(), Dtype::I64 | Dtype::I32) {
-        return Err(l.wrong_dtype("I64 or I32"));
-    }
-    Ok(l.ids_i64()?.into_owned())
-}
 
 /// Arguments shared by `topk` and `loss`: the head and the hidden rows.
 #[derive(clap::Args, Clone, Debug)]
@@ -384,7 +94,7 @@ impl<'a> JobInputs<'a> {
         call: impl FnOnce(&mut Engine<B>, &Hidden<'a>) -> headkl_core::Result<T>,
     ) -> Result<T, CliError> {
         let (_progress, mut engine) = self.start_engine(backend, label)?;
-        call(&mut engine, &self.hidden).map_err(|e| self.sources.map(e, what))
+        call(&mut engine, &self.hidden).map_err(|e| self.sources.map(e, what).into())
     }
 }
 
@@ -758,7 +468,7 @@ pub fn loss(
     // The sharded loss refuses some terms before anything is opened or
     // uploaded.
     let check_sharded =
-        || headkl_core::shard::check_loss_terms(tail, &opts).map_err(|e| sources.map(e, "loss options"));
+        || headkl_core::shard::check_loss_terms(tail, &opts).map_err(|e| sources.map(e, "loss options").into());
     let (result, start) = shards.run_job(backend, settings, vocab, check_sharded, job)?;
     let terms = args.terms.terms();
     let record = LossRecord {

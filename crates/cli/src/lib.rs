@@ -1,8 +1,9 @@
 //! The `headkl` command: list devices, check backends against the
 //! reference, benchmark them, and run the teacher's top-k or the
 //! distillation loss on safetensors files. The binary (`main.rs`) calls
-//! [`main`]; the library form exists so the fuzz targets (`fuzz`, behind the
-//! `fuzzing` feature) reach the same parsers the command runs.
+//! [`main`]. What it reads that other programs write (safetensors files,
+//! the provenance records, the teacher's checks, vocabulary orders) is
+//! `headkl-files`'s, whose errors it maps to its exit codes.
 
 mod bench;
 mod ceiling;
@@ -18,7 +19,6 @@ mod logger;
 mod options;
 mod plot;
 mod progress;
-mod provenance;
 mod select;
 mod shard;
 mod signals;
@@ -27,14 +27,14 @@ mod terms;
 mod text;
 mod tune;
 
-#[cfg(any(test, feature = "fuzzing"))]
-pub mod fuzz;
+// The command line's fuzz body, which its unit tests run over its corpus.
+#[cfg(test)]
+mod fuzz;
 
-// The unit tests replay the fuzz corpora under the same allocation cap as
-// the harness.
+// The unit tests run that corpus under the fuzz targets' allocation cap.
 #[cfg(test)]
 #[global_allocator]
-static ALLOC: fuzz::CappedAlloc = fuzz::CappedAlloc;
+static ALLOC: headkl_files::fuzz::CappedAlloc = headkl_files::fuzz::CappedAlloc;
 
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -35,9 +35,10 @@ impl Log for StderrLogger {
         }
         // The command's own informational lines carry their prefix
         // (`headkl:`, `bench:`); its warnings get `headkl: warning:`; a
-        // library's lines get its crate's name.
+        // library's lines get its crate's name. The input checks
+        // (`headkl_files`: a teacher file's metadata) speak for the command.
         let crate_name = record.target().split("::").next().unwrap_or("");
-        let own = crate_name == "headkl" || crate_name == "headkl_cli";
+        let own = matches!(crate_name, "headkl" | "headkl_cli" | "headkl_files");
         let level = match record.level() {
             Level::Error => "error: ",
             Level::Warn => "warning: ",

@@ -172,7 +172,7 @@ where
     B: Backend + Sync,
     P: Send,
 {
-    let map = &|e, c: &str| inputs.sources.map(e, c);
+    let map = &|e, c: &str| CliError::from(inputs.sources.map(e, c));
     announce(backends, plan);
     let partials = &partials;
     let parts: Result<Vec<P>, _> = std::thread::scope(|s| {
@@ -206,7 +206,7 @@ impl ShardsJob for Sharded<LossJob<'_>> {
             },
         } = self;
         let plan = &plan;
-        let map = &|e, c: &str| inputs.sources.map(e, c);
+        let map = &|e, c: &str| CliError::from(inputs.sources.map(e, c));
         announce(backends, plan);
         let ranks: Vec<_> = plan.shards.iter().copied().zip(plan.assign.iter().copied()).collect();
         let outs = two_phases_on_threads(
@@ -271,20 +271,6 @@ impl ShardsJob for Sharded<GatherJob<'_>> {
             |e| e.gather_partials(&inputs.hidden, ids, opts),
             merge_gather,
         )
-    }
-}
-
-/// The command-line flag of an option the sharded calls refuse
-/// ([`CoreError::ShardUnsupported`]).
-pub fn option_flag(option: &str) -> &'static str {
-    match option {
-        "tail" => "--tail",
-        "hard-weight" => "--hard-weight",
-        "z-loss" => "--z-loss",
-        "softcap" => "--softcap",
-        "soft-weight" => "--soft-weight",
-        "divergence" => "--divergence",
-        _ => "--shards",
     }
 }
 

@@ -129,41 +129,14 @@ pub struct TopkTermArgs {
     pub logit_scale: f32,
 }
 
-/// The command-line option that sets a core option `field`.
-pub fn option_of(field: &str) -> &'static str {
-    match field {
-        "hard_weight" => "--hard-weight",
-        "soft_weight" => "--soft-weight",
-        "label_smoothing" => "--label-smoothing",
-        "z_loss" => "--z-loss",
-        "softcap" => "--softcap",
-        "logit_scale" => "--logit-scale",
-        "beta" => "--beta",
-        "teacher_temperature" => "--teacher-temperature",
-        "temperature" => "--temperature",
-        _ => "--labels",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    // The options of the core's fields (`option_of`) are tested with
+    // `headkl_files::sources`.
     #[test]
-    fn every_core_field_has_its_option() {
-        for field in [
-            "hard_weight",
-            "soft_weight",
-            "label_smoothing",
-            "z_loss",
-            "softcap",
-            "logit_scale",
-            "beta",
-            "teacher_temperature",
-            "temperature",
-        ] {
-            assert_eq!(option_of(field), format!("--{}", field.replace('_', "-")));
-        }
+    fn tail_form_and_divergence_names_parse() {
         assert_eq!(parse_tail("bucket"), Ok(TailMode::Bucket));
         assert_eq!(parse_form("logprobs"), Ok(TeacherForm::Logprobs));
         assert!(parse_tail("ghost").unwrap_err().contains("renormalize"));

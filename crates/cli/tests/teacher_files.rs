@@ -243,7 +243,7 @@ fn loss_refuses_a_teacher_made_another_way() {
     let o = headkl(&args);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("warning") && stderr(&o).contains("made from head"),
+        stderr(&o).contains("headkl: warning: ") && stderr(&o).contains("made from head"),
         "{}",
         stderr(&o)
     );
@@ -259,7 +259,12 @@ fn teacher_without_metadata_works_with_a_note_and_loss_records_its_mean() {
     let o = f.loss("teacher.safetensors", &["--temperature", "1.5", "--total", "4"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let err = stderr(&o);
-    let notes = err.lines().filter(|l| l.contains("no headkl metadata")).count();
+    // The command's own line (the check is headkl-files', which speaks
+    // for the command): no crate name in front.
+    let notes = err
+        .lines()
+        .filter(|l| l.starts_with("headkl: ") && l.contains("no headkl metadata"))
+        .count();
     assert_eq!(notes, 1, "{err}");
     let m = metadata(&f.path("out.safetensors"));
     let printed = printed_mean(&o);

@@ -1,4 +1,5 @@
-//! The afl.rs harness over `headkl_cli::fuzz`'s targets.
+//! The afl.rs harness over `headkl_files::fuzz`'s targets (safetensors,
+//! teacher, tune_cache, settings, vocab_order).
 //!
 //! - `headkl-fuzz TARGET`: the fuzzed program (`cargo afl fuzz … -- headkl-fuzz TARGET`);
 //! - `headkl-fuzz seeds TARGET DIR`: writes the target's seed inputs;
@@ -10,7 +11,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use headkl_cli::fuzz::{CappedAlloc, Target};
+use headkl_files::fuzz::{CappedAlloc, Target};
 
 #[global_allocator]
 static ALLOC: CappedAlloc = CappedAlloc;

@@ -54,7 +54,9 @@ impl VocabOrderArg {
             VocabOrderArg::File(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| CliError::option("--vocab-order", format!("{}: {e}", path.display())))?;
-                let order = vocab_order_from_text(path, &text)?;
+                // The file's error, under the option that named it.
+                let order = headkl_files::vocab_order::parse(path, &text)
+                    .map_err(|e| CliError::option("--vocab-order", e.to_string()))?;
                 if order.len() != data.shape.vocab {
                     return Err(CliError::option(
                         "--vocab-order",
@@ -73,25 +75,6 @@ impl VocabOrderArg {
             .map(Some)
             .map_err(|e| CliError::option("--vocab-order", e.to_string()))
     }
-}
-
-/// A vocabulary-order file's text: token ids separated by whitespace,
-/// position by position, each id of `0..n` once. Anything else is an error
-/// naming the file and the first id at fault (exit 2).
-pub(crate) fn vocab_order_from_text(path: &std::path::Path, text: &str) -> Result<VocabOrder, CliError> {
-    let bad = |problem: String| CliError::option("--vocab-order", format!("{}: {problem}", path.display()));
-    let ids = text
-        .split_whitespace()
-        .enumerate()
-        .map(|(p, w)| {
-            w.parse::<u32>()
-                .map_err(|e| bad(format!("position {p}: `{}`: {e}", w.escape_debug())))
-        })
-        .collect::<Result<Vec<u32>, _>>()?;
-    if ids.is_empty() {
-        return Err(bad("holds no token ids".into()));
-    }
-    VocabOrder::new(ids).map_err(|e| bad(e.to_string()))
 }
 
 /// What data the bench makes.

@@ -1,5 +1,6 @@
-//! How an output file was made, kept in its safetensors `__metadata__`,
-//! and the checks `loss` makes of a teacher file against its own run.
+//! The provenance records: how a headkl output file was made, kept in its
+//! safetensors `__metadata__`, and the checks `loss` makes of a teacher
+//! file against its own run.
 //!
 //! `topk` records the temperature, k, V, hs, whether the probabilities are
 //! renormalized over the k, the softcap, and which head it used (file,
@@ -17,7 +18,7 @@ use headkl_core::{LossTerms, TailMode, TeacherForm};
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::error::CliError;
+use crate::error::FilesError;
 
 /// The metadata format this build writes and reads.
 pub const FORMAT_VERSION: &str = "1";
@@ -131,6 +132,7 @@ fn metadata_made_by(command: &str) -> HashMap<String, String> {
     m.insert(FORMAT.into(), FORMAT_VERSION.into());
     m.insert(
         "headkl.made_by".into(),
+        // The workspace's version, which every headkl crate shares.
         format!("headkl {command} {}", env!("CARGO_PKG_VERSION")),
     );
     m
@@ -229,13 +231,13 @@ pub fn check_teacher(
     metadata: Option<&HashMap<String, String>>,
     run: &LossRun<'_>,
     allow: bool,
-) -> Result<(), CliError> {
+) -> Result<(), FilesError> {
     let refuse = |problem: String| {
         if allow {
             log::warn!("{}: {problem} (used anyway: {ALLOW_MISMATCH_FLAG})", teacher.display());
             Ok(())
         } else {
-            Err(CliError::file(
+            Err(FilesError::file(
                 teacher,
                 format!("{problem} (pass {ALLOW_MISMATCH_FLAG} to use it anyway)"),
             ))
