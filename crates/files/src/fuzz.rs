@@ -494,8 +494,8 @@ fn settings(data: &[u8]) {
     // `environment::Settings::from_env`): the runtime's, then the
     // conformance suite's. The command exits 2 with the message as it is.
     let env = Env::from_pairs(pairs.iter().copied());
-    let parsed = headkl_runtime::Settings::from_env(&env)
-        .and_then(|_| headkl_conformance::SuiteSettings::from_env(&env));
+    let parsed =
+        headkl_runtime::Settings::from_env(&env).and_then(|_| headkl_conformance::SuiteSettings::from_env(&env));
     match parsed {
         Ok(_) => {}
         Err(e) => {
