@@ -667,9 +667,14 @@ impl<B: ResidentBackend> Engine<B> {
         }
         let head_grad_out = self.check_head_grad_out(opts)?;
         let job = Job::loss(self.filter_eps(opts.config.filter_eps));
+        // Planned as the host call plans (its odd-chunk buffers budgeted,
+        // though none is allocated here), so both calls run the same GEMM
+        // shapes: at shape A that is 1024 rows a chunk, not 1408, whose dx
+        // GEMM cuBLASLt ran 1.3–2.5 ms slower a call, and 1.45 GiB of
+        // scratch, not 1.99 (docs/PERFORMANCE.md, row 67).
         let plan = HeadPlanes::plan_for(
             &self.backend,
-            &self.resident_row_bytes(job, k),
+            &self.head.row_bytes(&self.backend, job, k),
             job,
             ntok,
             false,
