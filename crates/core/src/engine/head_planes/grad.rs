@@ -145,7 +145,9 @@ impl<B: ResidentBackend> HeadGrad<B> {
         dst: &B::Buffer,
     ) -> Result<()> {
         let (vocab, hs) = (head.vocab(), head.hs());
-        let windowed = backend.buffer_len(dst) > max_binding(backend);
+        // The criterion `fits_out` checked: the gradient's bytes, not the
+        // buffer's (a larger buffer is bound whole where the gradient fits).
+        let windowed = (vocab * hs * 4) as u64 > max_binding(backend);
         for piece in &self.pieces {
             let rows = vocab.saturating_sub(piece.first).min(piece.rows);
             if rows == 0 {
