@@ -274,16 +274,7 @@ fn divergence_sums(row: u32, lid: u32, base: u32, lse: f32, tail: u32, student_k
         f_sum += ft.x;
         e_sum += qv * ft.y;
     }
-    red_sum[lid] = f_sum;
-    red_aux[lid] = e_sum;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if lid < stride {
-            red_sum[lid] += red_sum[lid + stride];
-            red_aux[lid] += red_aux[lid + stride];
-        }
-        workgroupBarrier();
-    }
+    sum_pair(lid, f_sum, e_sum);
     return log_norm;
 }
 
@@ -381,17 +372,13 @@ fn write_terms_loss(row: u32, base: u32, lse: f32, kept_mass: vec2<f32>, log_nor
 // Pass 2 with the terms: grad = c·∂L/∂s over the row, then the teacher's
 // columns, then the label's.
 fn terms_grad(row: u32, lid: u32, c: f32, lse: f32, labelled: bool, label: u32) {
+    let t = terms_row(c, lse);
+    let r = t.r;
     let vocab = params.vocab;
     let base = row * params.ld;
     let base4 = base / 4u;
     let padded = params.ld / 4u;
-    let k = params.k;
-    let tbase = row * k;
-    let c0 = workgroupUniformLoad(&row_c0);
-    let c1 = workgroupUniformLoad(&row_c1);
-    let label_p = workgroupUniformLoad(&row_label_p);
-    let lse1 = c1.y;
-    let r = Pass2(c, lse, c0.x, c0.y, c0.z, lse1, c1.w);
+    let tbase = row * params.k;
     var g4 = lid;
     for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
         let xa = logits[base4 + g4];
@@ -409,14 +396,14 @@ fn terms_grad(row: u32, lid: u32, c: f32, lse: f32, labelled: bool, label: u32) 
     // ... then the teacher's columns: cap'·(α_soft·(f_on·p^τ − p_T) + b·p¹ − h)
     // (the barrier orders these stores after the ones above) ...
     storageBarrier();
-    for (var q = lid; q < k; q += WG) {
+    for (var q = lid; q < params.k; q += WG) {
         let id = ids[tbase + q];
-        grad[(base + id) / 4u][id % 4u] = f16(teacher_grad(logit(base, id), probs[tbase + q], c, lse, c0, c1));
+        grad[(base + id) / 4u][id % 4u] = f16(teacher_grad(logit(base, id), probs[tbase + q], t));
     }
     // ... then the label's column, whole, over whatever was written there
     // (the barrier is outside the label's branch: uniform control flow).
     storageBarrier();
     if labelled && lid == 0u {
-        grad[(base + label) / 4u][label % 4u] = f16(label_grad(logit(base, label), label_p, c, lse, c0, c1));
+        grad[(base + label) / 4u][label % 4u] = f16(label_grad(logit(base, label), t));
     }
 }

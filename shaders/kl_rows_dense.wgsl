@@ -169,16 +169,7 @@ fn dense_row(row: u32, lid: u32) {
                 e_sum += exp(ls) * f.y;
             }
         }
-        red_sum[lid] = f_sum;
-        red_aux[lid] = e_sum;
-        workgroupBarrier();
-        for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-            if lid < stride {
-                red_sum[lid] += red_sum[lid + stride];
-                red_aux[lid] += red_aux[lid + stride];
-            }
-            workgroupBarrier();
-        }
+        sum_pair(lid, f_sum, e_sum);
         soft = red_sum[0];
         e = red_aux[0];
     }

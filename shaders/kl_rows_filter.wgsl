@@ -36,17 +36,12 @@ fn mark(j: u32, col0: u32) {
 // columns by their final values too (a superset: never a block the
 // gradient needs). A row with c = 0 keeps none: its gradient is zero.
 fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bool, label: u32) {
-    let c0 = workgroupUniformLoad(&row_c0);
-    let c1 = workgroupUniformLoad(&row_c1);
-    let label_p = workgroupUniformLoad(&row_label_p);
-    let lse1 = c1.y;
-    let r = Pass2(c, lse, c0.x, c0.y, c0.z, lse1, c1.w);
     let vocab = params.vocab;
     let base = row * params.ld;
     let base4 = base / 4u;
     let padded = params.ld / 4u;
-    let k = params.k;
-    let tbase = row * k;
+    let tbase = row * params.k;
+    let t = terms_row(c, lse);
     for (var s4 = 0u; s4 < padded; s4 += SEG4) {
         let e4 = min(s4 + SEG4, padded);
         let col0 = s4 * 4u;
@@ -61,7 +56,7 @@ fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bo
             if plain {
                 g = grad4_f32(x4, g4, vocab, c, lse);
             } else {
-                g = grad4_terms_f32(x4, g4, vocab, r);
+                g = grad4_terms_f32(x4, g4, vocab, t.r);
             }
             grad[base4 + g4] = vec4<f16>(g);
             if kept(g.x, c) || kept(g.y, c) || kept(g.z, c) || kept(g.w, c) {
@@ -71,7 +66,7 @@ fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bo
         // The teacher's columns over the bulk's stores (ordered by the
         // barrier) ...
         storageBarrier();
-        for (var q = lid; q < k; q += WG) {
+        for (var q = lid; q < params.k; q += WG) {
             let id = ids[tbase + q];
             if id < col0 || id >= col1 {
                 continue;
@@ -81,7 +76,7 @@ fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bo
                 let ps = exp(logit(base, id) - lse);
                 gv = c * (ps - probs[tbase + q]);
             } else {
-                gv = teacher_grad(logit(base, id), probs[tbase + q], c, lse, c0, c1);
+                gv = teacher_grad(logit(base, id), probs[tbase + q], t);
             }
             grad[(base + id) / 4u][id % 4u] = f16(gv);
             if kept(gv, c) {
@@ -91,7 +86,7 @@ fn filtered_grad(row: u32, lid: u32, c: f32, lse: f32, plain: bool, labelled: bo
         // ... then the label's column, whole (general case only).
         storageBarrier();
         if !plain && labelled && lid == 0u && label >= col0 && label < col1 {
-            let gv = label_grad(logit(base, label), label_p, c, lse, c0, c1);
+            let gv = label_grad(logit(base, label), t);
             grad[(base + label) / 4u][label % 4u] = f16(gv);
             if kept(gv, c) {
                 mark(label, col0);

@@ -71,33 +71,50 @@ fn grad4_terms(x4: vec4<f32>, j4: u32, vocab: u32, r: Pass2) -> vec4<f16> {
     return vec4<f16>(grad4_terms_f32(x4, j4, vocab, r));
 }
 
-// c·∂L/∂s at a teacher column (logit x, teacher probability p_t) in the
-// general case: cap'·(α_soft·(f_on·p^τ − p_T) + b·p¹ − h).
-fn teacher_grad(x: f32, p_t: f32, c: f32, lse: f32, c0: vec4<f32>, c1: vec4<f32>) -> f32 {
-    let us = scaled2(x);
-    let pt = exp(us.x - lse);
-    var p1 = pt;
-    if (KL_FLAGS & F_TAU) != 0u {
-        p1 = exp(us.x * params.temperature - c1.y);
-    }
-    let d = params.soft_weight * soft_on(us.x, pt, p_t, lse, c0.w) + c0.y * p1 - c0.z;
-    return c * us.y * d;
+// Pass 2's constants with the terms: Pass2, and the general fold's words
+// (row_c0, row_c1; row_label_p the teacher's probability at the label, or
+// -1 when the label is not among the k).
+struct TermsRow {
+    r: Pass2,
+    c0: vec4<f32>,
+    c1: vec4<f32>,
+    label_p: f32,
 }
 
-// c·∂L/∂s at the label's column (logit x; label_p the teacher's
-// probability there, or -1 when the label is not among the k), whole.
-fn label_grad(x: f32, label_p: f32, c: f32, lse: f32, c0: vec4<f32>, c1: vec4<f32>) -> f32 {
-    let us = scaled2(x);
-    let pt = exp(us.x - lse);
-    var p1 = pt;
-    if (KL_FLAGS & F_TAU) != 0u {
-        p1 = exp(us.x * params.temperature - c1.y);
-    }
-    var d = c0.x * pt;
-    if label_p >= 0.0 {
-        d = params.soft_weight * soft_on(us.x, pt, label_p, lse, c0.w);
-    }
-    d += c0.y * p1 - c0.z - c1.x;
-    return c * us.y * d;
+// The row's TermsRow for scale c and lse; every invocation calls it (it
+// reads workgroup memory uniformly).
+fn terms_row(c: f32, lse: f32) -> TermsRow {
+    let c0 = workgroupUniformLoad(&row_c0);
+    let c1 = workgroupUniformLoad(&row_c1);
+    let label_p = workgroupUniformLoad(&row_label_p);
+    return TermsRow(Pass2(c, lse, c0.x, c0.y, c0.z, c1.y, c1.w), c0, c1, label_p);
 }
 
+// c·∂L/∂s at a column (logit x) in the general case: cap'·(α_soft·(f_on·p^τ
+// − p_T) + b·p¹ − h − one_hot). `p_t` is the teacher's probability there
+// when `in_topk`; a column outside the k has c0.x·p^τ for its soft part.
+// `one_hot` is c1.x at the label's column, else 0.
+fn column_grad(x: f32, in_topk: bool, p_t: f32, one_hot: f32, t: TermsRow) -> f32 {
+    let us = scaled2(x);
+    let pt = exp(us.x - t.r.lse);
+    var p1 = pt;
+    if (KL_FLAGS & F_TAU) != 0u {
+        p1 = exp(us.x * params.temperature - t.c1.y);
+    }
+    var d = t.c0.x * pt;
+    if in_topk {
+        d = params.soft_weight * soft_on(us.x, pt, p_t, t.r.lse, t.c0.w);
+    }
+    d += t.c0.y * p1 - t.c0.z - one_hot;
+    return t.r.c * us.y * d;
+}
+
+// c·∂L/∂s at a teacher column (logit x, teacher probability p_t).
+fn teacher_grad(x: f32, p_t: f32, t: TermsRow) -> f32 {
+    return column_grad(x, true, p_t, 0.0, t);
+}
+
+// c·∂L/∂s at the label's column (logit x), whole.
+fn label_grad(x: f32, t: TermsRow) -> f32 {
+    return column_grad(x, t.label_p >= 0.0, t.label_p, t.c1.x, t);
+}

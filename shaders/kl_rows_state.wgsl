@@ -74,3 +74,17 @@ const WORD4: u32 = 32u * FILTER_BLOCK / 4u;
 const SEG4: u32 = SEG_WORDS * WORD4;
 var<workgroup> seg_mask: array<atomic<u32>, SEG_WORDS>;
 
+// The workgroup's sums of `a` and `b` (each invocation's part), left in
+// red_sum[0] and red_aux[0]. Every invocation calls it: it holds barriers.
+fn sum_pair(lid: u32, a: f32, b: f32) {
+    red_sum[lid] = a;
+    red_aux[lid] = b;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if lid < stride {
+            red_sum[lid] += red_sum[lid + stride];
+            red_aux[lid] += red_aux[lid + stride];
+        }
+        workgroupBarrier();
+    }
+}

@@ -117,10 +117,11 @@ def _rows(name: str, t: torch.Tensor, lead: Tuple[int, ...]) -> None:
         raise ValueError(f"{name}: expected shape {lead} (hidden's leading dimensions), got {tuple(t.shape)}")
 
 
-def _row_arrays(labels, weights, lead: Tuple[int, ...], hidden: torch.Tensor):
-    """The per-token ``labels`` (int64) and ``weights`` (float32), each
-    optional, checked against hidden's leading dimensions and device and
-    flattened to ``[ntok]``."""
+def _row_marks(lead: Tuple[int, ...], hidden: torch.Tensor, *, labels=None, weights=None, total=None):
+    """A loss's per-token marks, as its ``forward`` takes them: ``labels``
+    (int64) and ``weights`` (float32), each optional, checked against
+    hidden's leading dimensions and device and flattened to ``[ntok]``,
+    and ``total`` (a float, or None)."""
     if labels is not None:
         labels = _ids("labels", labels)
         _rows("labels", labels, lead)
@@ -134,7 +135,7 @@ def _row_arrays(labels, weights, lead: Tuple[int, ...], hidden: torch.Tensor):
         _rows("weights", weights, lead)
         _same_device("weights", weights, hidden)
         weights = weights.reshape(-1).to(torch.float32)
-    return labels, weights
+    return labels, weights, None if total is None else float(total)
 
 
 def _teacher_top_k(teacher_ids, teacher_values, lead: Tuple[int, ...], hidden: torch.Tensor):

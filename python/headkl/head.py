@@ -282,32 +282,7 @@ class Head:
         lead = tuple(hidden.shape[:-1])
         return hidden.reshape(-1, self.hidden_size), lead
 
-    def topk(
-        self,
-        hidden: torch.Tensor,
-        k: int,
-        *,
-        temperature: float = 1.0,
-        softcap: Optional[float] = None,
-        logit_scale: float = 1.0,
-        form: str = "probs",
-    ) -> TopK:
-        """The exact top-k of ``hidden @ weight.T`` per row: ids ``[..., k]``
-        by descending logit (equal logits: lower id first), and their
-        softmax over the k at ``temperature`` (``form="probs"``) or their
-        log-probabilities over the whole vocabulary (``form="logprobs"``)."""
-        return head_topk(self, hidden, k, temperature=temperature, softcap=softcap, logit_scale=logit_scale, form=form)
-
-    def gather(
-        self,
-        hidden: torch.Tensor,
-        ids: torch.Tensor,
-        *,
-        temperature: float = 1.0,
-        softcap: Optional[float] = None,
-        logit_scale: float = 1.0,
-    ) -> Gathered:
-        """The log-probabilities over the whole vocabulary at ``ids``
-        ``[..., k]`` (a negative id is none and reads ``-inf``), and each
-        row's log-sum-exp: the teacher's side of a stored top-k."""
-        return head_gather(self, hidden, ids, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+    # The teacher's side: ``ops.topk``'s functions, as methods (``self`` is
+    # their ``head``).
+    topk = head_topk
+    gather = head_gather

@@ -55,7 +55,7 @@ from ._checks import (  # noqa: F401
     _changed,
     _frozen,
     _ids,
-    _row_arrays,
+    _row_marks,
     _rows,
     _same_device,
     _stamp,

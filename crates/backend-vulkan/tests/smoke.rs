@@ -9,7 +9,7 @@
 use half::f16;
 use headkl_conformance::{harness_env, open_or_skip};
 use headkl_core::toolkit::{GemmDesc, HeadLayout, HiddenInDesc, Kernels, Launch};
-use headkl_core::{Backend, Error, HiddenDtype, QueueChoice};
+use headkl_core::{Backend, Error, QueueChoice};
 use headkl_vulkan::{VulkanBackend, VulkanOptions};
 
 /// Opens with `options` (built from the harness settings); skips, or fails
@@ -148,14 +148,7 @@ fn hidden_in_pads_with_zeros_and_saturates_to_inf() {
     let dst_buf = b.alloc((rows_padded * ld * 2) as u64, "x16").unwrap();
     b.upload(&src_buf, 0, bytemuck::cast_slice(&src)).unwrap();
     b.upload(&dst_buf, 0, &vec![0xff; rows_padded * ld * 2]).unwrap();
-    let desc = HiddenInDesc {
-        rows,
-        cols,
-        ld,
-        rows_padded,
-        src_offset: 0,
-        dtype: HiddenDtype::F32,
-    };
+    let desc = HiddenInDesc::f32(rows, cols, ld, rows_padded);
     b.dispatch(Launch::HiddenIn {
         src: &src_buf,
         dst: &dst_buf,

@@ -323,10 +323,6 @@ pub fn run(cfg: &Config) -> Result<Vec<f32>, Box<dyn Error>> {
     Ok(losses)
 }
 
-#[allow(
-    dead_code,
-    reason = "the convergence test includes this file for `run` and never calls `main`"
-)]
 fn main() {
     let d = Config::default();
     let help = format!(

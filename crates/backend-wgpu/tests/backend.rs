@@ -11,8 +11,8 @@ use headkl_core::toolkit::Kernels;
 use headkl_core::toolkit::{GemmDesc, HeadLayout, HiddenInDesc, Launch};
 use headkl_core::CommonOptions;
 use headkl_core::{
-    Backend, Engine, Error, GemmChoice, HeadData, HeadWeights, Hidden, HiddenDtype, LossOptions, QueueChoice,
-    SliceOptions, Teacher, TopkOptions,
+    Backend, Engine, Error, GemmChoice, HeadData, HeadWeights, Hidden, LossOptions, QueueChoice, SliceOptions, Teacher,
+    TopkOptions,
 };
 use headkl_reference::direct::{head_kl_f64, topk_f64};
 use headkl_reference::Tolerance;
@@ -45,14 +45,7 @@ fn hidden_in_f32(
     dst: &headkl_wgpu::WgpuBuffer,
     (rows, cols, rows_padded, ld): (usize, usize, usize, usize),
 ) {
-    let desc = HiddenInDesc {
-        rows,
-        cols,
-        ld,
-        rows_padded,
-        src_offset: 0,
-        dtype: HiddenDtype::F32,
-    };
+    let desc = HiddenInDesc::f32(rows, cols, ld, rows_padded);
     b.dispatch(Launch::HiddenIn { src, dst, desc }).unwrap();
 }
 

@@ -3,6 +3,7 @@
 //! would not.
 
 #[path = "../examples/distill_step.rs"]
+#[allow(dead_code, reason = "the test calls the example's `run`, never its `main`")]
 mod distill_step;
 
 use headkl_conformance::open_or_skip;

@@ -197,10 +197,6 @@ pub fn run_on(shared: &SharedDevice, cfg: &Config) -> Result<Vec<f32>, Box<dyn E
     Ok(values)
 }
 
-#[allow(
-    dead_code,
-    reason = "the convergence test includes this file for `run` and never calls `main`"
-)]
 fn main() {
     let d = Config::default();
     let help = format!(

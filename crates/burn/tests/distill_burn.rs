@@ -3,6 +3,7 @@
 //! same student trained through the loss written the burn way.
 
 #[path = "../examples/distill_burn.rs"]
+#[allow(dead_code, reason = "the test calls the example's `run`, never its `main`")]
 mod distill_burn;
 
 mod common;

@@ -6,7 +6,6 @@
 use std::path::{Path, PathBuf};
 
 use headkl_core::Error as CoreError;
-use headkl_files::error::one_line;
 use headkl_files::FilesError;
 use thiserror::Error;
 
@@ -20,41 +19,11 @@ pub const EXIT_FAILURE: u8 = 1;
 /// Everything a `headkl` subcommand can fail with.
 #[derive(Debug, Error)]
 pub enum CliError {
-    /// A whole input file is unusable (missing, truncated, corrupt).
-    #[error("{}: {problem}", file.display())]
-    File {
-        /// The file.
-        file: PathBuf,
-        /// What is wrong with it.
-        problem: String,
-    },
-    /// One tensor of an input file is unusable (missing, wrong dtype or
-    /// shape, bad values).
-    #[error("{}: tensor `{tensor}`: {problem}", file.display())]
-    Tensor {
-        /// The file.
-        file: PathBuf,
-        /// The tensor's name.
-        tensor: String,
-        /// What is wrong with it.
-        problem: String,
-    },
-    /// A command-line option has a value the job cannot use.
-    #[error("{option}: {problem}")]
-    Option {
-        /// The option, as written on the command line.
-        option: &'static str,
-        /// What is wrong with it.
-        problem: String,
-    },
-    /// The device failed (out of memory, lost, missing feature, no device).
-    #[error("{context}: {source}")]
-    Device {
-        /// What was being done.
-        context: String,
-        /// The backend's error.
-        source: CoreError,
-    },
+    /// An input's problem (a file, a tensor, an option: exit 2) or a
+    /// device failure met while doing something (exit 1), with
+    /// `headkl-files`' text.
+    #[error(transparent)]
+    Files(#[from] FilesError),
     /// Writing an output file failed.
     #[error("{}: {problem}", file.display())]
     Output {
@@ -92,10 +61,9 @@ impl CliError {
     /// The process exit code for this error.
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::File { .. } | CliError::Tensor { .. } | CliError::Option { .. } | CliError::Setting(_) => {
-                EXIT_INPUT
-            }
-            CliError::Device { .. }
+            CliError::Files(e) if e.is_input() => EXIT_INPUT,
+            CliError::Setting(_) => EXIT_INPUT,
+            CliError::Files(_)
             | CliError::Start { .. }
             | CliError::Output { .. }
             | CliError::CheckFailed(_)
@@ -105,18 +73,12 @@ impl CliError {
 
     /// A problem with the whole of `file`.
     pub fn file(file: &Path, problem: impl Into<String>) -> Self {
-        CliError::File {
-            file: file.to_path_buf(),
-            problem: one_line(problem.into()),
-        }
+        FilesError::file(file, problem).into()
     }
 
     /// A problem with an option's value.
     pub fn option(option: &'static str, problem: impl Into<String>) -> Self {
-        CliError::Option {
-            option,
-            problem: one_line(problem.into()),
-        }
+        FilesError::option(option, problem).into()
     }
 
     /// Thread `what` panicked with `payload` (what `JoinHandle::join`
@@ -131,10 +93,7 @@ impl CliError {
 
     /// A device-side failure while doing `context`.
     pub fn device(context: impl Into<String>, source: CoreError) -> Self {
-        CliError::Device {
-            context: context.into(),
-            source,
-        }
+        FilesError::device(context, source).into()
     }
 
     /// A backend that did not open: a bad setting (exit 2) when the error is
@@ -151,19 +110,6 @@ impl CliError {
     /// error, a device error otherwise.
     pub fn from_core_in_option(source: CoreError, option: &'static str) -> Self {
         FilesError::in_option(source, option).into()
-    }
-}
-
-impl From<FilesError> for CliError {
-    /// The same kind (bad input: exit 2; a device failure: exit 1) and the
-    /// same text.
-    fn from(e: FilesError) -> Self {
-        match e {
-            FilesError::File { file, problem } => CliError::File { file, problem },
-            FilesError::Tensor { file, tensor, problem } => CliError::Tensor { file, tensor, problem },
-            FilesError::Option { option, problem } => CliError::Option { option, problem },
-            FilesError::Device { context, source } => CliError::Device { context, source },
-        }
     }
 }
 

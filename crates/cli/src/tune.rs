@@ -590,10 +590,9 @@ fn save(target: &Target, info: &headkl_core::DeviceInfo, choice: GemmChoice) -> 
     };
     let mut cache = TuneCache::load(&path);
     cache.insert(target.kind.name(), &info.device_name, &info.driver, choice);
-    cache.save(&path).map_err(|e| CliError::File {
-        file: path.clone(),
-        problem: format!("cannot write the tune cache: {e}"),
-    })?;
+    cache
+        .save(&path)
+        .map_err(|e| CliError::file(&path, format!("cannot write the tune cache: {e}")))?;
     println!(
         "saved to {} ({} uses it on this device unless {} is set)",
         path.display(),

@@ -20,6 +20,37 @@ macro_rules! row_names {
     }};
 }
 
+/// A case table row's builder methods that each set one field, `const` so
+/// the tables stay `const`: `flag name => field` sets it true, `set
+/// name: T => field` to the argument, `some name: T => field` to
+/// `Some(argument)`. Before the modules, which use it.
+macro_rules! knobs {
+    ($($(#[$doc:meta])* $how:ident $name:ident $(: $ty:ty)? => $($field:ident).+;)*) => {
+        $(knobs!(@one $(#[$doc])* $how $name $(: $ty)? => $($field).+);)*
+    };
+    (@one $(#[$doc:meta])* flag $name:ident => $($field:ident).+) => {
+        $(#[$doc])*
+        const fn $name(mut self) -> Self {
+            self.$($field).+ = true;
+            self
+        }
+    };
+    (@one $(#[$doc:meta])* set $name:ident: $ty:ty => $($field:ident).+) => {
+        $(#[$doc])*
+        const fn $name(mut self, value: $ty) -> Self {
+            self.$($field).+ = value;
+            self
+        }
+    };
+    (@one $(#[$doc:meta])* some $name:ident: $ty:ty => $($field:ident).+) => {
+        $(#[$doc])*
+        const fn $name(mut self, value: $ty) -> Self {
+            self.$($field).+ = Some(value);
+            self
+        }
+    };
+}
+
 mod errors;
 mod head_grad;
 mod regression;

@@ -1272,6 +1272,25 @@ pub fn run_resident<B: ResidentBackend + ?Sized>(
     rec.report
 }
 
+/// The suite's `resident_head_grad/matches` on a backend whose largest
+/// binding is smaller than the case's `[V][hs]` f32 gradient and whose
+/// largest buffer is not: the resident call then writes the gradient
+/// through windows of the caller's buffer
+/// ([`headkl_core::toolkit::ResidentBackend::window`]) or fails. An error
+/// where the gradient fits one binding (the windows would go untested).
+pub fn check_head_grad_through_windows<B: ResidentBackend + ?Sized>(backend: &B) -> Result<(), String> {
+    let case = error_base();
+    let bytes = (case.vocab * case.hs * std::mem::size_of::<f32>()) as u64;
+    let info = backend.info();
+    if bytes <= info.max_binding_bytes || bytes > info.max_buffer_bytes {
+        return Err(format!(
+            "the case's gradient ({bytes} bytes) must be past one binding ({} bytes) and within one buffer ({} bytes)",
+            info.max_binding_bytes, info.max_buffer_bytes
+        ));
+    }
+    check_resident_head_grad(backend, &Tolerance::default()).map(|_| ())
+}
+
 /// The body of the test [`crate::resident_conformance_tests!`] generates.
 pub fn run_resident_test<B: ResidentBackend>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>) {
     let cfg = SuiteConfig::default();

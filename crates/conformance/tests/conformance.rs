@@ -29,6 +29,19 @@ headkl_conformance::conformance_tests!(
 // GPU backends run).
 headkl_conformance::resident_conformance_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
 
+/// The resident head gradient into a caller's buffer past one binding: the
+/// reference makes windows of it, as CUDA does, so the windowed write runs
+/// here without a GPU (24 KiB bindings: the case's gradient is 28,800
+/// bytes).
+#[test]
+fn resident_head_grad_through_windows() {
+    let backend = CpuBackend::with_limits(24 << 10, 1 << 31);
+    headkl_conformance::resident::check_head_grad_through_windows(&backend).unwrap();
+    let whole = CpuBackend::new();
+    let refused = headkl_conformance::resident::check_head_grad_through_windows(&whole).unwrap_err();
+    assert!(refused.contains("past one binding"), "{refused}");
+}
+
 // Engines on threads, and a soak of one engine (CpuBackend is Sync: its
 // buffers belong to the engine that made them).
 headkl_conformance::threads_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));

@@ -4,7 +4,7 @@
 
 use half::f16;
 use headkl_core::toolkit::{GemmDesc, HeadLayout, HiddenInDesc, Kernels, KlDesc, Launch, TopkDesc};
-use headkl_core::{Backend, Error, HiddenDtype};
+use headkl_core::{Backend, Error};
 use headkl_reference::{CpuBackend, Precision};
 
 fn gemm_desc(m: usize, n: usize, k: usize) -> GemmDesc {
@@ -118,14 +118,7 @@ fn contract_violations_are_errors() {
         .dispatch(Launch::HiddenIn {
             src: &logits,
             dst: &grad,
-            desc: HiddenInDesc {
-                rows: 2,
-                cols: 4,
-                ld: 4,
-                rows_padded: 1,
-                src_offset: 0,
-                dtype: HiddenDtype::F32,
-            },
+            desc: HiddenInDesc::f32(2, 4, 4, 1),
         })
         .unwrap_err();
     assert_eq!(bad_field(e), ("hidden_in", "rows_padded", 1));
@@ -159,4 +152,32 @@ fn the_backend_can_move_to_another_thread() {
     assert_send::<CpuBackend>();
     assert_sync::<CpuBackend>();
     assert_send::<headkl_reference::CpuBuffer>();
+}
+
+#[test]
+fn a_window_shares_its_buffers_words_and_counts_no_bytes() {
+    use headkl_core::DeviceBuffer;
+    use headkl_core::ResidentBackend;
+    let b = CpuBackend::new();
+    let buf = b.alloc(64, "whole").unwrap();
+    let words: Vec<u32> = (0..16).collect();
+    b.upload(&buf, 0, bytemuck::cast_slice(&words)).unwrap();
+    let held = b.memory().current;
+    let w = b.window(&buf, 16, 32).unwrap();
+    assert_eq!(w.len(), 32);
+    assert_eq!(b.memory().current, held, "a window allocates nothing");
+    let mut got = [0u32; 8];
+    b.download(&w, 0, bytemuck::cast_slice_mut(&mut got)).unwrap();
+    assert_eq!(got, [4, 5, 6, 7, 8, 9, 10, 11]);
+    b.upload(&w, 4, &[0xab; 4]).unwrap();
+    let mut whole = [0u32; 16];
+    b.download(&buf, 0, bytemuck::cast_slice_mut(&mut whole)).unwrap();
+    assert_eq!(whole[5], 0xabab_abab, "the window writes the buffer's words");
+    assert_eq!(whole[4], 4);
+    assert!(b.upload(&w, 32, &[0; 4]).is_err(), "a window ends where it says");
+    drop(w);
+    assert_eq!(b.memory().current, held, "dropping a window frees nothing");
+    assert!(b.window(&buf, 2, 8).is_none(), "an offset inside a word");
+    assert!(b.window(&buf, 0, 6).is_none(), "a length inside a word");
+    assert!(b.window(&buf, 48, 32).is_none(), "past the buffer");
 }

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import _FLOATS, _frozen, _row_arrays, _same_device, _tensor, _trainable
+from .._checks import _FLOATS, _frozen, _row_marks, _same_device, _tensor, _trainable
 from .._hints import explaining
 from .._host import _on_host, _spec, _to_device
 from .._precision import _f32_input, _say_f32
@@ -26,10 +26,7 @@ def full_vocab_kl_loss(
     options: dict,
     hidden: torch.Tensor,
     teacher_hidden: torch.Tensor,
-    *,
-    labels: Optional[torch.Tensor] = None,
-    weights: Optional[torch.Tensor] = None,
-    total: Optional[float] = None,
+    **marks,
 ) -> torch.Tensor:
     """The divergence of ``hidden`` ``[..., hs]`` through ``head`` (a
     ``Head`` with the teacher's head set) from ``teacher_hidden`` ``[...,
@@ -37,7 +34,8 @@ def full_vocab_kl_loss(
     ``_loss_options`` makes them: a scalar, or ``[...]`` with
     ``reduction="none"``; its backward gives ``hidden.grad``, and the
     student's ``weight.grad`` where that head requires grad. The
-    arguments are ``FullVocabKLLoss.forward``'s."""
+    arguments are ``FullVocabKLLoss.forward``'s (``marks``: its
+    ``labels``, ``weights`` and ``total``)."""
     flat, lead = head._hidden(hidden)
     ntok, hs = flat.shape
     teacher_hidden_size = head._teacher_hidden_size
@@ -52,8 +50,7 @@ def full_vocab_kl_loss(
         # The teacher gets no gradient: refused rather than dropped in silence.
         _frozen("teacher_hidden", teacher_hidden)
         _frozen("teacher_weight", head._teacher)
-    labels, weights = _row_arrays(labels, weights, lead, hidden)
-    total = None if total is None else float(total)
+    labels, weights, total = _row_marks(lead, hidden, **marks)
     weight = _trainable(head)
     teacher = teacher_hidden.reshape(ntok, teacher_hidden_size)
     if _custom_op_for(head, options):

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import _row_arrays, _teacher_top_k, _trainable
+from .._checks import _row_marks, _teacher_top_k, _trainable
 from .._cuda_direct import _CudaDirect
 from .._hints import explaining
 from .._host import _on_host, _say_head_grad_on_host, _spec, _to_device
@@ -30,28 +30,26 @@ def head_kl_loss(
     teacher_ids: torch.Tensor,
     teacher_values: torch.Tensor,
     *,
-    labels: Optional[torch.Tensor] = None,
-    weights: Optional[torch.Tensor] = None,
-    total: Optional[float] = None,
     process_group=None,
+    **marks,
 ) -> torch.Tensor:
     """The loss of ``hidden`` ``[..., hs]`` against the teacher's top-k
     ``[..., k]`` through ``head`` (a ``Head``), with ``options`` as
     ``_loss_options`` makes them: a scalar, or ``[...]`` with
     ``reduction="none"``; its backward gives ``hidden.grad``, and the
     head's ``weight.grad`` where the head's tensor requires grad (and grad
-    is on). The arguments are ``HeadKLLoss.forward``'s; ``process_group``
-    is the sharded loss's (a head with ``shard``)."""
+    is on). The arguments are ``HeadKLLoss.forward``'s (``marks``: its
+    ``labels``, ``weights`` and ``total``); ``process_group`` is the
+    sharded loss's (a head with ``shard``)."""
     flat, lead = head._hidden(hidden)
     ntok = flat.shape[0]
     teacher_ids, teacher_values = _teacher_top_k(teacher_ids, teacher_values, lead, hidden)
     k = teacher_ids.shape[-1]
-    labels, weights = _row_arrays(labels, weights, lead, hidden)
+    labels, weights, total = _row_marks(lead, hidden, **marks)
     if options["hard_weight"] > 0 and labels is None:
         raise ValueError(f"labels: needed with weight_hard_loss={options['hard_weight']}")
     weight = _trainable(head)
     ids, values = teacher_ids.reshape(ntok, k), teacher_values.reshape(ntok, k)
-    total = None if total is None else float(total)
     if _custom_op_for(head, options):
         loss = head_kl_op(head, options, flat, ids, values, labels, weights, weight, total)
     else:

@@ -34,8 +34,11 @@ def head_topk(
     logit_scale: float = 1.0,
     form: str = "probs",
 ) -> TopK:
-    """The exact top-k of ``hidden @ weight.T`` per row on ``head``, as
-    ``Head.topk`` gives it."""
+    """The exact top-k of ``hidden @ weight.T`` per row: ids ``[..., k]``
+    by descending logit (equal logits: lower id first), and their softmax
+    over the k at ``temperature`` (``form="probs"``) or their
+    log-probabilities over the whole vocabulary (``form="logprobs"``).
+    ``Head.topk`` is this function, ``head`` its ``self``."""
     if form not in ("probs", "logprobs"):
         raise ValueError(f"form={form!r}: expected probs or logprobs")
     k = _top_k(k, head.vocab_size)
@@ -89,8 +92,10 @@ def head_gather(
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
 ) -> Gathered:
-    """The log-probabilities at ``ids`` and each row's log-sum-exp on
-    ``head``, as ``Head.gather`` gives them."""
+    """The log-probabilities over the whole vocabulary at ``ids``
+    ``[..., k]`` (a negative id is none and reads ``-inf``), and each
+    row's log-sum-exp: the teacher's side of a stored top-k.
+    ``Head.gather`` is this function, ``head`` its ``self``."""
     flat, lead = head._hidden(hidden)
     ids = _ids("ids", ids)
     _same_device("ids", ids, hidden)

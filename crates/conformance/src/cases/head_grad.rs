@@ -129,64 +129,23 @@ impl Hg {
         self
     }
 
-    const fn input(mut self, input: Input) -> Self {
-        self.input = input;
-        self
-    }
-
     const fn terms(mut self, form: TeacherForm, tail: TailMode, terms: fn() -> LossTerms) -> Self {
         self.terms = Some((form, tail, terms));
         self
     }
 
-    const fn reduction(mut self, reduction: Reduction) -> Self {
-        self.reduction = reduction;
-        self
-    }
-
-    const fn total_times(mut self, times: f32) -> Self {
-        self.total_times = Some(times);
-        self
-    }
-
-    const fn gscale(mut self, gscale: f32) -> Self {
-        self.gscale = Some(gscale);
-        self
-    }
-
-    const fn full_vocab(mut self, teacher_hs: usize) -> Self {
-        self.full_vocab = Some(teacher_hs);
-        self
-    }
-
-    const fn order(mut self) -> Self {
-        self.order = true;
-        self
-    }
-
-    const fn filter(mut self) -> Self {
-        self.filter = true;
-        self
-    }
-
-    const fn dx_split(mut self, split: DxSplit) -> Self {
-        self.dx_split = Some(split);
-        self
-    }
-
-    const fn min_slices(mut self, n: usize) -> Self {
-        self.min_slices = n;
-        self
-    }
-
-    const fn min_chunks(mut self, n: usize) -> Self {
-        self.min_chunks = n;
-        self
-    }
-
-    const fn ragged_last_chunk(mut self) -> Self {
-        self.ragged_last_chunk = true;
-        self
+    knobs! {
+        set input: Input => input;
+        set reduction: Reduction => reduction;
+        some total_times: f32 => total_times;
+        some gscale: f32 => gscale;
+        some full_vocab: usize => full_vocab;
+        flag order => order;
+        flag filter => filter;
+        some dx_split: DxSplit => dx_split;
+        set min_slices: usize => min_slices;
+        set min_chunks: usize => min_chunks;
+        flag ragged_last_chunk => ragged_last_chunk;
     }
 }
 

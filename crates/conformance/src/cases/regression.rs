@@ -202,52 +202,26 @@ impl Reg {
         }
     }
 
-    const fn masked(mut self) -> Self {
-        self.params.masked = true;
-        self
-    }
-
-    const fn large(mut self) -> Self {
-        self.params.large = true;
-        self
-    }
-
-    const fn ties(mut self) -> Self {
-        self.params.ties = true;
-        self
-    }
-
-    const fn residue(mut self) -> Self {
-        self.params.residue = true;
-        self
+    knobs! {
+        flag masked => params.masked;
+        flag large => params.large;
+        flag ties => params.ties;
+        flag residue => params.residue;
+        /// The hidden rows go as f16.
+        flag f16 => params.hidden_as_f16;
+        /// τ.
+        set tau: f32 => params.temperature;
+        /// Head slices of at most this many vocabulary rows.
+        some max_slice: usize => params.max_rows_per_slice;
+        /// Chunks of at most this many tokens.
+        some max_chunk: usize => params.max_rows_per_chunk;
+        set min_slices: usize => min_slices;
+        set min_chunks: usize => min_chunks;
+        some craft: Craft => craft;
     }
 
     const fn peaked(mut self) -> Self {
         self.params.teacher = TeacherShape::Peaked;
-        self
-    }
-
-    /// The hidden rows go as f16.
-    const fn f16(mut self) -> Self {
-        self.params.hidden_as_f16 = true;
-        self
-    }
-
-    /// τ.
-    const fn tau(mut self, temperature: f32) -> Self {
-        self.params.temperature = temperature;
-        self
-    }
-
-    /// Head slices of at most `rows` vocabulary rows.
-    const fn max_slice(mut self, rows: usize) -> Self {
-        self.params.max_rows_per_slice = Some(rows);
-        self
-    }
-
-    /// Chunks of at most `rows` tokens.
-    const fn max_chunk(mut self, rows: usize) -> Self {
-        self.params.max_rows_per_chunk = Some(rows);
         self
     }
 
@@ -261,16 +235,6 @@ impl Reg {
         self
     }
 
-    const fn min_slices(mut self, n: usize) -> Self {
-        self.min_slices = n;
-        self
-    }
-
-    const fn min_chunks(mut self, n: usize) -> Self {
-        self.min_chunks = n;
-        self
-    }
-
     /// The dx GEMM split in `split`, each slice in `parts` parts.
     const fn dx_split(mut self, split: DxSplit, parts: &'static [usize]) -> Self {
         self.dx_split = Some((split, parts));
@@ -279,11 +243,6 @@ impl Reg {
 
     const fn no_row_stats(mut self) -> Self {
         self.row_stats = false;
-        self
-    }
-
-    const fn craft(mut self, craft: Craft) -> Self {
-        self.craft = Some(craft);
         self
     }
 }

@@ -923,7 +923,6 @@ mod tests {
     use super::*;
 
     use crate::toolkit::backend::Len;
-    use crate::toolkit::resident_kernels::HiddenDtype;
 
     fn field_of(e: Error) -> (&'static str, &'static str, u128) {
         match e {
@@ -1062,14 +1061,7 @@ mod tests {
         assert_eq!(field_of(d.check([&big, &big, &big], u64::MAX).unwrap_err()).1, "C");
         let k = TopkDesc::plain(1, huge, huge, 1);
         assert_eq!(field_of(k.check([&big, &big, &big], u64::MAX).unwrap_err()).1, "logits");
-        let h = HiddenInDesc {
-            rows: 1,
-            cols: 1,
-            rows_padded: 1 << 20,
-            ld: 1 << 13,
-            src_offset: 0,
-            dtype: HiddenDtype::F32,
-        };
+        let h = HiddenInDesc::f32(1, 1, 1 << 13, 1 << 20);
         assert_eq!(field_of(h.check([&big, &big], u64::MAX).unwrap_err()).1, "dst");
     }
 
@@ -1148,14 +1140,7 @@ mod tests {
             .1,
             "loss"
         );
-        let h = HiddenInDesc {
-            rows: 2,
-            cols: 5,
-            rows_padded: 1,
-            ld: 16,
-            src_offset: 0,
-            dtype: HiddenDtype::F32,
-        };
+        let h = HiddenInDesc::f32(2, 5, 16, 1);
         assert_eq!(
             field_of(h.check([&Len(40), &Len(64)], u64::MAX).unwrap_err()),
             ("hidden_in", "rows_padded", 1)

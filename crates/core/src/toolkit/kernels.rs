@@ -955,14 +955,7 @@ mod tests {
             accumulate: false,
         };
         assert_eq!(sum.workgroups(), 2);
-        let h = HiddenInDesc {
-            rows: 3,
-            cols: 5,
-            ld: 16,
-            rows_padded: 16,
-            src_offset: 0,
-            dtype: crate::toolkit::resident_kernels::HiddenDtype::F32,
-        };
+        let h = HiddenInDesc::f32(3, 5, 16, 16);
         assert_eq!(h.workgroups(), 1);
         let h = HiddenInDesc {
             rows_padded: 32,

@@ -396,14 +396,7 @@ mod tests {
             Launch::HiddenIn {
                 src: &big,
                 dst: &big,
-                desc: HiddenInDesc {
-                    rows: 3,
-                    cols: 5,
-                    ld: 16,
-                    rows_padded: 16,
-                    src_offset: 0,
-                    dtype: crate::toolkit::resident_kernels::HiddenDtype::F32,
-                },
+                desc: HiddenInDesc::f32(3, 5, 16, 16),
             },
             Launch::Gemm {
                 a: &big,

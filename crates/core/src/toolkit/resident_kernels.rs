@@ -136,6 +136,21 @@ pub struct HiddenInDesc {
     pub dtype: HiddenDtype,
 }
 
+impl HiddenInDesc {
+    /// A whole f32 source from its first element: `rows` real rows of
+    /// `cols` into `rows_padded` rows of stride `ld`.
+    pub const fn f32(rows: usize, cols: usize, ld: usize, rows_padded: usize) -> Self {
+        HiddenInDesc {
+            rows,
+            cols,
+            ld,
+            rows_padded,
+            src_offset: 0,
+            dtype: HiddenDtype::F32,
+        }
+    }
+}
+
 /// A chunk's loss (and optionally lse, soft and hard) and dx (scaled by the
 /// status buffer's dx multiplier; overwritten or accumulated) into the
 /// caller's buffers; a token with non-finite logits flagged. A flagged row

@@ -18,10 +18,10 @@
 mod kernels;
 mod resident;
 
-use std::cell::{Ref, RefCell, RefMut};
 use std::fmt;
+use std::ops::{Deref, DerefMut, Range};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 use half::f16;
@@ -65,9 +65,15 @@ impl MemCounter {
 
 /// A host buffer of the CPU backend. Storage is `u32` words so f32 and f16
 /// views are aligned; dropping it returns its bytes to the backend's count.
+/// A window ([`headkl_core::toolkit::ResidentBackend::window`]) is a range
+/// of another buffer's words: it shares them and counts no bytes.
 pub struct CpuBuffer {
-    words: RefCell<Vec<u32>>,
+    storage: Arc<RwLock<Vec<u32>>>,
+    /// The buffer's words in `storage` (all of them but for a window).
+    words: Range<usize>,
     bytes: u64,
+    /// Whether dropping it returns `bytes` to the count (not a window).
+    counted: bool,
     label: &'static str,
     memory: Arc<MemCounter>,
 }
@@ -83,7 +89,9 @@ impl fmt::Debug for CpuBuffer {
 
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
-        self.memory.sub(self.bytes);
+        if self.counted {
+            self.memory.sub(self.bytes);
+        }
     }
 }
 
@@ -93,18 +101,76 @@ impl DeviceBuffer for CpuBuffer {
     }
 }
 
+/// A buffer's words, read (shared by the kernel's inputs).
+struct Words<'a> {
+    guard: RwLockReadGuard<'a, Vec<u32>>,
+    range: Range<usize>,
+}
+
+impl Deref for Words<'_> {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        &self.guard[self.range.clone()]
+    }
+}
+
+/// A buffer's words, written (the kernel's output, bound once).
+struct WordsMut<'a> {
+    guard: RwLockWriteGuard<'a, Vec<u32>>,
+    range: Range<usize>,
+}
+
+impl Deref for WordsMut<'_> {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        &self.guard[self.range.clone()]
+    }
+}
+
+impl DerefMut for WordsMut<'_> {
+    fn deref_mut(&mut self) -> &mut [u32] {
+        &mut self.guard[self.range.clone()]
+    }
+}
+
 impl CpuBuffer {
     /// The label given at allocation.
     pub fn label(&self) -> &'static str {
         self.label
     }
 
-    fn read(&self, kernel: &str) -> Result<Ref<'_, Vec<u32>>> {
-        self.words.try_borrow().map_err(|_| self.aliased(kernel))
+    /// `len` bytes from byte `offset` as a buffer of their own (the same
+    /// words), where both are whole words inside this buffer.
+    fn window(&self, offset: u64, len: u64) -> Option<CpuBuffer> {
+        let end = offset.checked_add(len)?;
+        if !offset.is_multiple_of(4) || !len.is_multiple_of(4) || end > self.bytes {
+            return None;
+        }
+        let first = self.words.start + usize::try_from(offset / 4).ok()?;
+        Some(CpuBuffer {
+            storage: Arc::clone(&self.storage),
+            words: first..first + usize::try_from(len / 4).ok()?,
+            bytes: len,
+            counted: false,
+            label: self.label,
+            memory: Arc::clone(&self.memory),
+        })
     }
 
-    fn write(&self, kernel: &str) -> Result<RefMut<'_, Vec<u32>>> {
-        self.words.try_borrow_mut().map_err(|_| self.aliased(kernel))
+    fn read(&self, kernel: &str) -> Result<Words<'_>> {
+        let guard = self.storage.try_read().map_err(|_| self.aliased(kernel))?;
+        Ok(Words {
+            guard,
+            range: self.words.clone(),
+        })
+    }
+
+    fn write(&self, kernel: &str) -> Result<WordsMut<'_>> {
+        let guard = self.storage.try_write().map_err(|_| self.aliased(kernel))?;
+        Ok(WordsMut {
+            guard,
+            range: self.words.clone(),
+        })
     }
 
     fn aliased(&self, kernel: &str) -> Error {
@@ -176,6 +242,14 @@ impl CpuBackend {
     /// `bytes`: a small value makes the driver cut the head into several
     /// slices and the tokens into several chunks.
     pub fn with_max_binding(bytes: u64) -> Self {
+        Self::with_limits(bytes, bytes)
+    }
+
+    /// The reference backend with a largest binding of `binding` bytes and
+    /// a largest buffer of `buffer` bytes: with a buffer larger than a
+    /// binding, a caller's buffer past one binding (a large head's
+    /// resident gradient) is written through windows, as on CUDA.
+    pub fn with_limits(binding: u64, buffer: u64) -> Self {
         Self {
             info: DeviceInfo {
                 backend: BACKEND,
@@ -188,8 +262,8 @@ impl CpuBackend {
                 matrix_shapes: Vec::new(),
                 shader_f16: true,
                 subgroup_size: None,
-                max_binding_bytes: bytes,
-                max_buffer_bytes: bytes,
+                max_binding_bytes: binding,
+                max_buffer_bytes: buffer,
                 memory_bytes: None,
                 unusable: None,
             },
@@ -269,8 +343,10 @@ impl Backend for CpuBackend {
         v.resize(words, u32::MAX);
         self.memory.add(bytes);
         Ok(CpuBuffer {
-            words: RefCell::new(v),
+            storage: Arc::new(RwLock::new(v)),
+            words: 0..words,
             bytes,
+            counted: true,
             label,
             memory: Arc::clone(&self.memory),
         })

@@ -262,7 +262,7 @@ impl CpuBackend {
         } else {
             None
         };
-        let mut terms_dst = terms_guard.as_deref_mut().map(|w| f32s_mut(w));
+        let mut terms_dst = terms_guard.as_deref_mut().map(f32s_mut);
         let dx_mul = f32::from_bits(status[S_DX_MUL]);
         let (cols, ld) = (p.hs as usize, p.ld as usize);
         for r in 0..p.rows as usize {
@@ -523,5 +523,10 @@ impl ResidentBackend for CpuBackend {
 
     fn submit(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// A window shares the buffer's words: any whole-word range inside it.
+    fn window(&self, buffer: &CpuBuffer, offset: u64, len: u64) -> Option<CpuBuffer> {
+        buffer.window(offset, len)
     }
 }

@@ -22,7 +22,7 @@ use crate::problem::Hidden;
 use crate::toolkit::backend::{Backend, GemmDesc, GemmRowStats, HeadLayout, RowStats, SumPartsDesc, STATS_GROUP_COLS};
 use crate::toolkit::chunking::{plan_chunks, ChunkPlan};
 use crate::toolkit::launch::{Kernels, Launch};
-use crate::toolkit::resident_kernels::{HiddenDtype, HiddenInDesc};
+use crate::toolkit::resident_kernels::HiddenInDesc;
 use crate::toolkit::split::DxSplit;
 
 mod grad;
@@ -479,14 +479,7 @@ impl<B: Backend> HeadPlanes<B> {
                 backend.dispatch(Launch::HiddenIn {
                     src: x32,
                     dst: x16,
-                    desc: HiddenInDesc {
-                        rows,
-                        cols: hs,
-                        ld: self.hs_padded,
-                        rows_padded,
-                        src_offset: 0,
-                        dtype: HiddenDtype::F32,
-                    },
+                    desc: HiddenInDesc::f32(rows, hs, self.hs_padded, rows_padded),
                 })?;
             }
             Input::F16(d) if self.hs_padded == hs => {
