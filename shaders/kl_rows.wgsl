@@ -58,14 +58,11 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         // Four 16-byte loads in flight per invocation.
         var j4 = lid;
         for (; j4 + 3u * WG < words; j4 += 4u * WG) {
-            let xa = logits[base4 + j4];
-            let xb = logits[base4 + j4 + WG];
-            let xc = logits[base4 + j4 + 2u * WG];
-            let xd = logits[base4 + j4 + 3u * WG];
-            st = fold4(st, xa, j4, vocab);
-            st = fold4(st, xb, j4 + WG, vocab);
-            st = fold4(st, xc, j4 + 2u * WG, vocab);
-            st = fold4(st, xd, j4 + 3u * WG, vocab);
+            let x = words4(base4, j4);
+            st = fold4(st, x.a, j4, vocab);
+            st = fold4(st, x.b, j4 + WG, vocab);
+            st = fold4(st, x.c, j4 + 2u * WG, vocab);
+            st = fold4(st, x.d, j4 + 3u * WG, vocab);
         }
         for (; j4 < words; j4 += WG) {
             st = fold4(st, logits[base4 + j4], j4, vocab);
@@ -163,14 +160,11 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     if plain {
         var g4 = lid;
         for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
-            let xa = logits[base4 + g4];
-            let xb = logits[base4 + g4 + WG];
-            let xc = logits[base4 + g4 + 2u * WG];
-            let xd = logits[base4 + g4 + 3u * WG];
-            grad[base4 + g4] = grad4(xa, g4, vocab, c, lse);
-            grad[base4 + g4 + WG] = grad4(xb, g4 + WG, vocab, c, lse);
-            grad[base4 + g4 + 2u * WG] = grad4(xc, g4 + 2u * WG, vocab, c, lse);
-            grad[base4 + g4 + 3u * WG] = grad4(xd, g4 + 3u * WG, vocab, c, lse);
+            let x = words4(base4, g4);
+            grad[base4 + g4] = grad4(x.a, g4, vocab, c, lse);
+            grad[base4 + g4 + WG] = grad4(x.b, g4 + WG, vocab, c, lse);
+            grad[base4 + g4 + 2u * WG] = grad4(x.c, g4 + 2u * WG, vocab, c, lse);
+            grad[base4 + g4 + 3u * WG] = grad4(x.d, g4 + 3u * WG, vocab, c, lse);
         }
         for (; g4 < padded; g4 += WG) {
             grad[base4 + g4] = grad4(logits[base4 + g4], g4, vocab, c, lse);
@@ -196,14 +190,11 @@ fn fold_row_terms(base4: u32, words: u32, lid: u32, vocab: u32) -> FoldTerms {
     var ft = FoldTerms(NEG_HUGE, 0.0, 0.0, 0.0, 0u);
     var j4 = lid;
     for (; j4 + 3u * WG < words; j4 += 4u * WG) {
-        let xa = logits[base4 + j4];
-        let xb = logits[base4 + j4 + WG];
-        let xc = logits[base4 + j4 + 2u * WG];
-        let xd = logits[base4 + j4 + 3u * WG];
-        ft = fold4_terms(ft, xa, j4, vocab);
-        ft = fold4_terms(ft, xb, j4 + WG, vocab);
-        ft = fold4_terms(ft, xc, j4 + 2u * WG, vocab);
-        ft = fold4_terms(ft, xd, j4 + 3u * WG, vocab);
+        let x = words4(base4, j4);
+        ft = fold4_terms(ft, x.a, j4, vocab);
+        ft = fold4_terms(ft, x.b, j4 + WG, vocab);
+        ft = fold4_terms(ft, x.c, j4 + 2u * WG, vocab);
+        ft = fold4_terms(ft, x.d, j4 + 3u * WG, vocab);
     }
     for (; j4 < words; j4 += WG) {
         ft = fold4_terms(ft, logits[base4 + j4], j4, vocab);
@@ -381,14 +372,11 @@ fn terms_grad(row: u32, lid: u32, c: f32, lse: f32, labelled: bool, label: u32) 
     let tbase = row * params.k;
     var g4 = lid;
     for (; g4 + 3u * WG < padded; g4 += 4u * WG) {
-        let xa = logits[base4 + g4];
-        let xb = logits[base4 + g4 + WG];
-        let xc = logits[base4 + g4 + 2u * WG];
-        let xd = logits[base4 + g4 + 3u * WG];
-        grad[base4 + g4] = grad4_terms(xa, g4, vocab, r);
-        grad[base4 + g4 + WG] = grad4_terms(xb, g4 + WG, vocab, r);
-        grad[base4 + g4 + 2u * WG] = grad4_terms(xc, g4 + 2u * WG, vocab, r);
-        grad[base4 + g4 + 3u * WG] = grad4_terms(xd, g4 + 3u * WG, vocab, r);
+        let x = words4(base4, g4);
+        grad[base4 + g4] = grad4_terms(x.a, g4, vocab, r);
+        grad[base4 + g4 + WG] = grad4_terms(x.b, g4 + WG, vocab, r);
+        grad[base4 + g4 + 2u * WG] = grad4_terms(x.c, g4 + 2u * WG, vocab, r);
+        grad[base4 + g4 + 3u * WG] = grad4_terms(x.d, g4 + 3u * WG, vocab, r);
     }
     for (; g4 < padded; g4 += WG) {
         grad[base4 + g4] = grad4_terms(logits[base4 + g4], g4, vocab, r);

@@ -88,3 +88,16 @@ fn sum_pair(lid: u32, a: f32, b: f32) {
         workgroupBarrier();
     }
 }
+
+// Four of a row's 16-byte logit words, WG apart from word j4: the hot
+// loops' four loads in flight per invocation.
+struct Words4 {
+    a: vec4<f32>,
+    b: vec4<f32>,
+    c: vec4<f32>,
+    d: vec4<f32>,
+}
+
+fn words4(base4: u32, j4: u32) -> Words4 {
+    return Words4(logits[base4 + j4], logits[base4 + j4 + WG], logits[base4 + j4 + 2u * WG], logits[base4 + j4 + 3u * WG]);
+}
