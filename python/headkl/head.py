@@ -16,7 +16,7 @@ from ._host import _on_host, _warn_host_copies
 from ._precision import _f32_input, _f32_inputs, _say_f32
 from ._registry import _register
 from ._zero_copy import _ZeroCopy
-from .ops.topk import Gathered, TopK, head_gather, head_topk
+from .ops.topk import head_gather, head_topk
 
 __all__ = ["Head"]
 
