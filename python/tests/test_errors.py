@@ -1,6 +1,7 @@
 """Misuse is a Python exception naming the argument, raised before the
 device; a KeyboardInterrupt leaves the engine usable."""
 
+import signal
 import threading
 import _thread
 
@@ -100,22 +101,29 @@ def test_keyboard_interrupt_leaves_the_engine_usable():
     weight, hidden, ids, values, _, _ = problem(2, lead=(512,))
     loss_fn = ht.HeadKLLoss(weight, backend="reference")
     want = loss_fn(hidden, ids, values).item()
+    # A process started in the background (`cmd &`, as a CI job may be)
+    # inherits SIGINT ignored, and then a simulated Ctrl-C does nothing:
+    # Python's own handler is installed for the test's duration.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     # Python may take a simulated Ctrl-C inside a finalizer, where it is
     # printed and dropped: send it again until one reaches the calls (the
     # timer joined inside the try, so a late one lands there too).
     interrupted = False
-    for _ in range(20):
-        timer = threading.Timer(0.05, _thread.interrupt_main)
-        timer.start()
-        try:
-            for _ in range(2_000):
-                loss_fn(hidden, ids, values)
-            timer.join()
-        except KeyboardInterrupt:
-            interrupted = True
-        timer.cancel()
-        if interrupted:
-            break
+    try:
+        for _ in range(20):
+            timer = threading.Timer(0.05, _thread.interrupt_main)
+            timer.start()
+            try:
+                for _ in range(2_000):
+                    loss_fn(hidden, ids, values)
+                timer.join()
+            except KeyboardInterrupt:
+                interrupted = True
+            timer.cancel()
+            if interrupted:
+                break
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert interrupted
     assert loss_fn(hidden, ids, values).item() == want
 
