@@ -7,8 +7,8 @@
 //! here over a [`ResidentBackend`]; [`resident_shard_tests!`] runs it with
 //! one thread per shard on the GPU backends ([`Threads`]: each rank moves
 //! its partials buffer to the "collective" and gets a statistics buffer
-//! back) and the shards in turn on the CPU reference ([`Serial`]), whose
-//! buffers are not shared between threads; `headkl check` runs it serially.
+//! back) and the shards in turn on the CPU reference ([`Serial`]);
+//! `headkl check` runs it serially.
 
 use headkl_core::shard::{merge_loss_device, two_phases_on_threads, HeadShard, ShardEngine, STATS_PER_TOKEN};
 use headkl_core::{

@@ -50,6 +50,5 @@ headkl_conformance::threads_tests!("reference", Ok::<_, headkl_core::Error>(CpuB
 headkl_conformance::shard_tests!("reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
 
 // Vocabulary-parallel on device buffers (the CPU kernels): the resident
-// two-phase loss, the shards in turn (a CpuBuffer is not shared between
-// threads).
+// two-phase loss, the shards in turn.
 headkl_conformance::resident_shard_tests!(serial, "reference", Ok::<_, headkl_core::Error>(CpuBackend::new()));
