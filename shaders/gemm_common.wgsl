@@ -3,6 +3,9 @@
 // headkl_core::toolkit::kernels (WGSL has no include; it goes after the file, whose
 // `enable` directives must come first).
 
+// C, f32: every WGSL GEMM's output (row_stats below writes it too).
+@group(0) @binding(3) var<storage, read_write> c: array<f32>;
+
 // One workgroup's output tile and reduction part (split-K: workgroup l is
 // part l / tiles of tile l % tiles): the part's length and its first
 // elements of A, B and C.

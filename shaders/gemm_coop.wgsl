@@ -12,7 +12,7 @@ diagnostic(off, derivative_uniformity);
 // f16 buffers read 8 halves (16 bytes) at a time.
 @group(0) @binding(1) var<storage, read> a: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> b: array<vec4<u32>>;
-@group(0) @binding(3) var<storage, read_write> c: array<f32>;
+// C (binding 3): shaders/gemm_common.wgsl.
 
 // The device's (fixed) subgroup size: the workgroup is SG_ROWS x 2 subgroups.
 override SG_SIZE: u32 = 32u;
@@ -72,39 +72,44 @@ struct Words {
     b7: vec4<u32>,
 }
 
-// Word `e` of A's tile for K step k0 of the part: rows past m repeat row
-// m - 1 (their products only reach C rows that are never stored); K past the
-// part's end reads zeros.
-fn load_a(t: Tile, k0: u32, e: u32) -> vec4<u32> {
+// Word `e` of a K-contiguous tile (BK wide) for K step k0 of the part: A's
+// (is_a) rows, or B's stored [n][k] (nt) columns. Rows past m (columns past
+// n) repeat the last one: their products only reach C that is never stored.
+// K past the part's end reads zeros. (`is_a` is a constant at every call:
+// the driver folds the selects away.)
+fn load_k_rows(is_a: bool, t: Tile, k0: u32, e: u32) -> vec4<u32> {
     let chunks = BK / 8u;
-    let row = min(t.row0 + e / chunks, params.m - 1u);
     let kk = k0 + (e % chunks) * 8u;
     if kk >= t.k {
         return vec4<u32>(0u);
     }
-    return a[(t.a_off + row * params.lda + kk) / 8u];
+    let row = min(select(t.col0, t.row0, is_a) + e / chunks, select(params.n, params.m, is_a) - 1u);
+    let o = select(t.b_off + row * params.ldb, t.a_off + row * params.lda, is_a) + kk;
+    if is_a {
+        return a[o / 8u];
+    }
+    return b[o / 8u];
 }
 
-// Word `e` of B's tile for K step k0: nt reads B stored [n][k] row by row
-// (columns past n repeat the last one); nn reads B stored [k][n] along n
-// (the last 8 columns repeat past n). K past the part's end reads zeros.
+// Word `e` of A's tile for K step k0.
+fn load_a(t: Tile, k0: u32, e: u32) -> vec4<u32> {
+    return load_k_rows(true, t, k0, e);
+}
+
+// Word `e` of B's tile for K step k0: nt as A's (load_k_rows); nn reads B
+// stored [k][n] along n (the last 8 columns repeat past n; K past the
+// part's end reads zeros).
 fn load_b(nn: bool, t: Tile, k0: u32, e: u32) -> vec4<u32> {
-    if nn {
-        let chunks = BN / 8u;
-        let kk = k0 + e / chunks;
-        let col = min(t.col0 + (e % chunks) * 8u, params.n - 8u);
-        if kk >= t.k {
-            return vec4<u32>(0u);
-        }
-        return b[(t.b_off + kk * params.ldb + col) / 8u];
+    if !nn {
+        return load_k_rows(false, t, k0, e);
     }
-    let chunks = BK / 8u;
-    let col = min(t.col0 + e / chunks, params.n - 1u);
-    let kk = k0 + (e % chunks) * 8u;
+    let chunks = BN / 8u;
+    let kk = k0 + e / chunks;
+    let col = min(t.col0 + (e % chunks) * 8u, params.n - 8u);
     if kk >= t.k {
         return vec4<u32>(0u);
     }
-    return b[(t.b_off + col * params.ldb + kk) / 8u];
+    return b[(t.b_off + kk * params.ldb + col) / 8u];
 }
 
 // This invocation's words of the step at k0 (word i is element lid + i * THREADS).
@@ -217,7 +222,7 @@ fn store_words(nn: bool, stage: u32, lid: u32, w: Words) {
     }
 }
 
-// `store_tile`: shaders/gemm_coop_common.wgsl.
+// `Acc` (the accumulators), `store_tile` and `store_block`: shaders/gemm_coop_common.wgsl.
 
 // Fragment of stage `base`'s B tile for output columns [col, col + 16) and K
 // rows [ks, ks + 16): staged [BN][BK + PAD] (nt: a column-major fragment) or
@@ -237,15 +242,7 @@ fn frag_b(nn: bool, base: u32, col: u32, ks: u32) -> coop_mat16x16<f16, B> {
 // accumulators (cIJ: rows sm + 16·I, columns sn + 16·J of the tile), 16
 // deep at a time: its 4 A fragments, then each B fragment and its 4
 // multiply-adds.
-fn mma_step(nn: bool, base_a: u32, base_b: u32, sm: u32, sn: u32,
-        c00: ptr<function, coop_mat16x16<f32, C>>, c01: ptr<function, coop_mat16x16<f32, C>>,
-        c02: ptr<function, coop_mat16x16<f32, C>>, c03: ptr<function, coop_mat16x16<f32, C>>,
-        c10: ptr<function, coop_mat16x16<f32, C>>, c11: ptr<function, coop_mat16x16<f32, C>>,
-        c12: ptr<function, coop_mat16x16<f32, C>>, c13: ptr<function, coop_mat16x16<f32, C>>,
-        c20: ptr<function, coop_mat16x16<f32, C>>, c21: ptr<function, coop_mat16x16<f32, C>>,
-        c22: ptr<function, coop_mat16x16<f32, C>>, c23: ptr<function, coop_mat16x16<f32, C>>,
-        c30: ptr<function, coop_mat16x16<f32, C>>, c31: ptr<function, coop_mat16x16<f32, C>>,
-        c32: ptr<function, coop_mat16x16<f32, C>>, c33: ptr<function, coop_mat16x16<f32, C>>) {
+fn mma_step(nn: bool, base_a: u32, base_b: u32, sm: u32, sn: u32, acc: ptr<function, Acc>) {
     let lda_s = BK + PAD;
     for (var ks = 0u; ks < BK; ks += 16u) {
         let oa0 = base_a + (sm + 0u) * lda_s + ks;
@@ -257,25 +254,25 @@ fn mma_step(nn: bool, base_a: u32, base_b: u32, sm: u32, sn: u32,
         let oa3 = base_a + (sm + 48u) * lda_s + ks;
         let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[oa3], lda_s);
         let b0 = frag_b(nn, base_b, sn + 0u, ks);
-        *c00 = coopMultiplyAdd(a0, b0, *c00);
-        *c10 = coopMultiplyAdd(a1, b0, *c10);
-        *c20 = coopMultiplyAdd(a2, b0, *c20);
-        *c30 = coopMultiplyAdd(a3, b0, *c30);
+        (*acc).c00 = coopMultiplyAdd(a0, b0, (*acc).c00);
+        (*acc).c10 = coopMultiplyAdd(a1, b0, (*acc).c10);
+        (*acc).c20 = coopMultiplyAdd(a2, b0, (*acc).c20);
+        (*acc).c30 = coopMultiplyAdd(a3, b0, (*acc).c30);
         let b1 = frag_b(nn, base_b, sn + 16u, ks);
-        *c01 = coopMultiplyAdd(a0, b1, *c01);
-        *c11 = coopMultiplyAdd(a1, b1, *c11);
-        *c21 = coopMultiplyAdd(a2, b1, *c21);
-        *c31 = coopMultiplyAdd(a3, b1, *c31);
+        (*acc).c01 = coopMultiplyAdd(a0, b1, (*acc).c01);
+        (*acc).c11 = coopMultiplyAdd(a1, b1, (*acc).c11);
+        (*acc).c21 = coopMultiplyAdd(a2, b1, (*acc).c21);
+        (*acc).c31 = coopMultiplyAdd(a3, b1, (*acc).c31);
         let b2 = frag_b(nn, base_b, sn + 32u, ks);
-        *c02 = coopMultiplyAdd(a0, b2, *c02);
-        *c12 = coopMultiplyAdd(a1, b2, *c12);
-        *c22 = coopMultiplyAdd(a2, b2, *c22);
-        *c32 = coopMultiplyAdd(a3, b2, *c32);
+        (*acc).c02 = coopMultiplyAdd(a0, b2, (*acc).c02);
+        (*acc).c12 = coopMultiplyAdd(a1, b2, (*acc).c12);
+        (*acc).c22 = coopMultiplyAdd(a2, b2, (*acc).c22);
+        (*acc).c32 = coopMultiplyAdd(a3, b2, (*acc).c32);
         let b3 = frag_b(nn, base_b, sn + 48u, ks);
-        *c03 = coopMultiplyAdd(a0, b3, *c03);
-        *c13 = coopMultiplyAdd(a1, b3, *c13);
-        *c23 = coopMultiplyAdd(a2, b3, *c23);
-        *c33 = coopMultiplyAdd(a3, b3, *c33);
+        (*acc).c03 = coopMultiplyAdd(a0, b3, (*acc).c03);
+        (*acc).c13 = coopMultiplyAdd(a1, b3, (*acc).c13);
+        (*acc).c23 = coopMultiplyAdd(a2, b3, (*acc).c23);
+        (*acc).c33 = coopMultiplyAdd(a3, b3, (*acc).c33);
     }
 }
 
@@ -297,22 +294,7 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool, filtered: bool) {
     // This subgroup's 64 x 64 block of the workgroup tile.
     let sm = (sg / 2u) * 64u;
     let sn = (sg % 2u) * 64u;
-    var c00 = coop_mat16x16<f32, C>();
-    var c01 = coop_mat16x16<f32, C>();
-    var c02 = coop_mat16x16<f32, C>();
-    var c03 = coop_mat16x16<f32, C>();
-    var c10 = coop_mat16x16<f32, C>();
-    var c11 = coop_mat16x16<f32, C>();
-    var c12 = coop_mat16x16<f32, C>();
-    var c13 = coop_mat16x16<f32, C>();
-    var c20 = coop_mat16x16<f32, C>();
-    var c21 = coop_mat16x16<f32, C>();
-    var c22 = coop_mat16x16<f32, C>();
-    var c23 = coop_mat16x16<f32, C>();
-    var c30 = coop_mat16x16<f32, C>();
-    var c31 = coop_mat16x16<f32, C>();
-    var c32 = coop_mat16x16<f32, C>();
-    var c33 = coop_mat16x16<f32, C>();
+    var acc = Acc();
     let steps = (t.k + BK - 1u) / BK;
     if filtered {
         // The block filter (gemm_common.wgsl's next_live): only the K steps
@@ -324,8 +306,7 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool, filtered: bool) {
             let w = load_words(nn, t, s * BK, lid);
             store_words(nn, 0u, lid, w);
             workgroupBarrier();
-            mma_step(nn, 0u, 0u, sm, sn, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13, &c20, &c21, &c22, &c23,
-                &c30, &c31, &c32, &c33);
+            mma_step(nn, 0u, 0u, sm, sn, &acc);
             workgroupBarrier();
             s = next_live(true, &cur, t, BM, s + 1u, steps, BK);
         }
@@ -340,8 +321,7 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool, filtered: bool) {
                 // so the loads stay unconditional.
                 words = load_words(nn, t, min(kstep + 1u, steps - 1u) * BK, lid);
             }
-            mma_step(nn, stage * SA_STAGE, stage * SB_STAGE, sm, sn, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13,
-                &c20, &c21, &c22, &c23, &c30, &c31, &c32, &c33);
+            mma_step(nn, stage * SA_STAGE, stage * SB_STAGE, sm, sn, &acc);
             if kstep + 1u < steps {
                 if STAGES == 2u {
                     // The other stage was last read in step - 1, before the
@@ -358,8 +338,7 @@ fn gemm(wg: vec3<u32>, lid: u32, sg: u32, nn: bool, filtered: bool) {
             workgroupBarrier();
         }
     }
-    store_block(t, t.row0 + sm, t.col0 + sn, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30,
-        c31, c32, c33);
+    store_block(t, t.row0 + sm, t.col0 + sn, acc);
     row_stats(t, BM, BN, lid, 2u * SG_ROWS * SG_SIZE);
 }
 

@@ -12,7 +12,7 @@ diagnostic(off, derivative_uniformity);
 
 @group(0) @binding(1) var<storage, read> a: array<f16>;
 @group(0) @binding(2) var<storage, read> b: array<f16>;
-@group(0) @binding(3) var<storage, read_write> c: array<f32>;
+// C (binding 3): shaders/gemm_common.wgsl.
 
 // The device's (fixed) subgroup size: the workgroup is one subgroup.
 override SG_SIZE: u32 = 32u;
@@ -30,7 +30,7 @@ fn inside(start: u32, extent: u32) -> u32 {
     return min(start, extent - 16u);
 }
 
-// `store_tile`: shaders/gemm_coop_common.wgsl.
+// `Acc` (the accumulators), `store_tile` and `store_block`: shaders/gemm_coop_common.wgsl.
 
 // Fragment of B for output columns [col, col + 16) and K rows [kk, kk + 16)
 // of the part whose B starts at element b_off:
@@ -67,22 +67,7 @@ fn gemm(wg: vec3<u32>, lid: u32, nn: bool, filtered: bool) {
     let cb1 = inside(blk.col0 + 16u, params.n);
     let cb2 = inside(blk.col0 + 32u, params.n);
     let cb3 = inside(blk.col0 + 48u, params.n);
-    var c00 = coop_mat16x16<f32, C>();
-    var c01 = coop_mat16x16<f32, C>();
-    var c02 = coop_mat16x16<f32, C>();
-    var c03 = coop_mat16x16<f32, C>();
-    var c10 = coop_mat16x16<f32, C>();
-    var c11 = coop_mat16x16<f32, C>();
-    var c12 = coop_mat16x16<f32, C>();
-    var c13 = coop_mat16x16<f32, C>();
-    var c20 = coop_mat16x16<f32, C>();
-    var c21 = coop_mat16x16<f32, C>();
-    var c22 = coop_mat16x16<f32, C>();
-    var c23 = coop_mat16x16<f32, C>();
-    var c30 = coop_mat16x16<f32, C>();
-    var c31 = coop_mat16x16<f32, C>();
-    var c32 = coop_mat16x16<f32, C>();
-    var c33 = coop_mat16x16<f32, C>();
+    var acc = Acc();
     // The block filter (gemm_common.wgsl's next_live): only the 16-deep
     // steps whose 64-column block some row of the tile keeps. Without it
     // next_live returns its step, so the loop runs every step.
@@ -103,26 +88,25 @@ fn gemm(wg: vec3<u32>, lid: u32, nn: bool, filtered: bool) {
         let b1 = load_b(nn, blk.b_off, cb1, kk);
         let b2 = load_b(nn, blk.b_off, cb2, kk);
         let b3 = load_b(nn, blk.b_off, cb3, kk);
-        c00 = coopMultiplyAdd(a0, b0, c00);
-        c01 = coopMultiplyAdd(a0, b1, c01);
-        c02 = coopMultiplyAdd(a0, b2, c02);
-        c03 = coopMultiplyAdd(a0, b3, c03);
-        c10 = coopMultiplyAdd(a1, b0, c10);
-        c11 = coopMultiplyAdd(a1, b1, c11);
-        c12 = coopMultiplyAdd(a1, b2, c12);
-        c13 = coopMultiplyAdd(a1, b3, c13);
-        c20 = coopMultiplyAdd(a2, b0, c20);
-        c21 = coopMultiplyAdd(a2, b1, c21);
-        c22 = coopMultiplyAdd(a2, b2, c22);
-        c23 = coopMultiplyAdd(a2, b3, c23);
-        c30 = coopMultiplyAdd(a3, b0, c30);
-        c31 = coopMultiplyAdd(a3, b1, c31);
-        c32 = coopMultiplyAdd(a3, b2, c32);
-        c33 = coopMultiplyAdd(a3, b3, c33);
+        acc.c00 = coopMultiplyAdd(a0, b0, acc.c00);
+        acc.c01 = coopMultiplyAdd(a0, b1, acc.c01);
+        acc.c02 = coopMultiplyAdd(a0, b2, acc.c02);
+        acc.c03 = coopMultiplyAdd(a0, b3, acc.c03);
+        acc.c10 = coopMultiplyAdd(a1, b0, acc.c10);
+        acc.c11 = coopMultiplyAdd(a1, b1, acc.c11);
+        acc.c12 = coopMultiplyAdd(a1, b2, acc.c12);
+        acc.c13 = coopMultiplyAdd(a1, b3, acc.c13);
+        acc.c20 = coopMultiplyAdd(a2, b0, acc.c20);
+        acc.c21 = coopMultiplyAdd(a2, b1, acc.c21);
+        acc.c22 = coopMultiplyAdd(a2, b2, acc.c22);
+        acc.c23 = coopMultiplyAdd(a2, b3, acc.c23);
+        acc.c30 = coopMultiplyAdd(a3, b0, acc.c30);
+        acc.c31 = coopMultiplyAdd(a3, b1, acc.c31);
+        acc.c32 = coopMultiplyAdd(a3, b2, acc.c32);
+        acc.c33 = coopMultiplyAdd(a3, b3, acc.c33);
         s = next_live(filtered, &cur, blk, BM, s + 1u, steps, 16u);
     }
-    store_block(blk, blk.row0, blk.col0, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31,
-        c32, c33);
+    store_block(blk, blk.row0, blk.col0, acc);
     row_stats(blk, BM, BN, lid, SG_SIZE);
 }
 

@@ -7,7 +7,7 @@ enable f16;
 
 @group(0) @binding(1) var<storage, read> a: array<f16>;
 @group(0) @binding(2) var<storage, read> b: array<f16>;
-@group(0) @binding(3) var<storage, read_write> c: array<f32>;
+// C (binding 3): shaders/gemm_common.wgsl.
 
 const TM: u32 = 64u;
 const TN: u32 = 64u;

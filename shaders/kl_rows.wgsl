@@ -32,7 +32,8 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
 
     // Pass 1: online max and sum of exp(s - max), plus a non-finite flag,
     // over 4 logits at a time (those past vocab skipped).
-    var st = Fold(vec2<f32>(NEG_HUGE, 0.0), 0u);
+    var ms = vec2<f32>(NEG_HUGE, 0.0);
+    var bad = 0u;
     var ms1 = vec2<f32>(NEG_HUGE, 0.0);
     var sum_u = 0.0;
     let base4 = base / 4u;
@@ -49,34 +50,22 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
                 pair = w.zw;
             }
             if non_finite(pair.y) {
-                st.bad = 1u;
+                bad = 1u;
             } else if pair.y > 0.0 {
-                st.ms = merge(st.ms.x, st.ms.y, pair.x, pair.y);
+                ms = merge(ms.x, ms.y, pair.x, pair.y);
             }
         }
-    } else if !fold_terms {
-        // Four 16-byte loads in flight per invocation.
-        var j4 = lid;
-        for (; j4 + 3u * WG < words; j4 += 4u * WG) {
-            let x = words4(base4, j4);
-            st = fold4(st, x.a, j4, vocab);
-            st = fold4(st, x.b, j4 + WG, vocab);
-            st = fold4(st, x.c, j4 + 2u * WG, vocab);
-            st = fold4(st, x.d, j4 + 3u * WG, vocab);
-        }
-        for (; j4 < words; j4 += WG) {
-            st = fold4(st, logits[base4 + j4], j4, vocab);
-        }
     } else {
-        let ft = fold_row_terms(base4, words, lid, vocab);
-        st = Fold(vec2<f32>(ft.m, ft.s), ft.bad);
-        // The τ = 1 fold as (max, sum): its max is τ·m.
-        // (max with NEG_HUGE: an invocation that saw no logit stays at it.)
-        ms1 = vec2<f32>(max(ft.m * params.temperature, NEG_HUGE), ft.s1);
-        sum_u = ft.sum_u;
+        let ft = fold_row(base4, words, lid, vocab, fold_terms);
+        ms = vec2<f32>(ft.m, ft.s);
+        bad = ft.bad;
+        if fold_terms {
+            // The τ = 1 fold as (max, sum): its max is τ·m.
+            // (max with NEG_HUGE: an invocation that saw no logit stays at it.)
+            ms1 = vec2<f32>(max(ft.m * params.temperature, NEG_HUGE), ft.s1);
+            sum_u = ft.sum_u;
+        }
     }
-    let ms = st.ms;
-    let bad = st.bad;
     red_max[lid] = ms.x;
     red_sum[lid] = ms.y;
     red_bad[lid] = bad;
@@ -85,22 +74,7 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         red_sum1[lid] = ms1.y;
         red_aux[lid] = sum_u;
     }
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if lid < stride {
-            let r = merge(red_max[lid], red_sum[lid], red_max[lid + stride], red_sum[lid + stride]);
-            red_max[lid] = r.x;
-            red_sum[lid] = r.y;
-            red_bad[lid] |= red_bad[lid + stride];
-            if fold_terms {
-                let r1 = merge(red_max1[lid], red_sum1[lid], red_max1[lid + stride], red_sum1[lid + stride]);
-                red_max1[lid] = r1.x;
-                red_sum1[lid] = r1.y;
-                red_aux[lid] += red_aux[lid + stride];
-            }
-        }
-        workgroupBarrier();
-    }
+    reduce_folds(lid, select(AUX_NONE, AUX_SUM, fold_terms), fold_terms);
     if lid == 0u {
         let total = red_sum[0];
         var b = red_bad[0];
@@ -124,7 +98,7 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     }
     let lse = workgroupUniformLoad(&row_lse);
     let row_state = workgroupUniformLoad(&row_bad);
-    let row_is_bad = row_state & 1u;
+    let row_is_bad = (row_state & 1u) != 0u;
     let flagged = (row_state & 2u) != 0u;
 
     // The soft term over the teacher's k entries (red_sum[0]) and, outside
@@ -138,7 +112,8 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     }
     if lid == 0u {
         if plain {
-            write_plain_loss(row, lse, row_is_bad, flagged);
+            // The plain case: no hard part.
+            write_loss(row, vec4<f32>(red_sum[0], lse, red_sum[0], 0.0), row_is_bad, flagged);
         } else {
             write_terms_loss(row, base, lse, vec2<f32>(mass_k, student_k), log_norm, row_is_bad, flagged, label);
         }
@@ -183,21 +158,22 @@ fn kl_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     terms_grad(row, lid, c, lse, labelled, label);
 }
 
-// Pass 1 with the terms (a cap, τ ≠ 1, the hard term): this invocation's
-// general fold of the row's words, four 16-byte loads in flight (this
-// pipeline's registers are its own).
-fn fold_row_terms(base4: u32, words: u32, lid: u32, vocab: u32) -> FoldTerms {
+// Pass 1: this invocation's fold of the row's words, four 16-byte loads in
+// flight; the general fold with `terms` (a cap, τ ≠ 1, the hard term),
+// else the plain one (fold4). `terms` is constant per pipeline, so each
+// compiles one loop.
+fn fold_row(base4: u32, words: u32, lid: u32, vocab: u32, terms: bool) -> FoldTerms {
     var ft = FoldTerms(NEG_HUGE, 0.0, 0.0, 0.0, 0u);
     var j4 = lid;
     for (; j4 + 3u * WG < words; j4 += 4u * WG) {
         let x = words4(base4, j4);
-        ft = fold4_terms(ft, x.a, j4, vocab);
-        ft = fold4_terms(ft, x.b, j4 + WG, vocab);
-        ft = fold4_terms(ft, x.c, j4 + 2u * WG, vocab);
-        ft = fold4_terms(ft, x.d, j4 + 3u * WG, vocab);
+        ft = fold4(ft, x.a, j4, vocab, terms);
+        ft = fold4(ft, x.b, j4 + WG, vocab, terms);
+        ft = fold4(ft, x.c, j4 + 2u * WG, vocab, terms);
+        ft = fold4(ft, x.d, j4 + 3u * WG, vocab, terms);
     }
     for (; j4 < words; j4 += WG) {
-        ft = fold4_terms(ft, logits[base4 + j4], j4, vocab);
+        ft = fold4(ft, logits[base4 + j4], j4, vocab, terms);
     }
     return ft;
 }
@@ -269,12 +245,12 @@ fn divergence_sums(row: u32, lid: u32, base: u32, lse: f32, tail: u32, student_k
     return log_norm;
 }
 
-// The plain loss words (lane 0): loss, lse, soft part, no hard part; NaN
-// for bad logits, the marker's bits (from the word itself: WGSL cannot
+// A row's loss words (lane 0): loss, lse at τ = 1, soft part, hard part;
+// NaN for bad logits, the marker's bits (from the word itself: WGSL cannot
 // write a constant NaN) for a flagged row.
-fn write_plain_loss(row: u32, lse: f32, row_is_bad: u32, flagged: bool) {
-    var out = vec4<f32>(red_sum[0], lse, red_sum[0], 0.0);
-    if row_is_bad != 0u {
+fn write_loss(row: u32, words: vec4<f32>, row_is_bad: bool, flagged: bool) {
+    var out = words;
+    if row_is_bad {
         out = vec4<f32>(nan_f32());
     }
     if flagged {
@@ -290,7 +266,7 @@ fn write_plain_loss(row: u32, lse: f32, row_is_bad: u32, flagged: bool) {
 // (row_c0, row_c1; row_div for the reverse KL and the JSD). `kept_mass` is
 // (Σ_k p_T, Σ_k p_S), `log_norm` the divergences' log N; red_sum[0] holds
 // the soft term's sum and red_aux[0] the divergences' E.
-fn write_terms_loss(row: u32, base: u32, lse: f32, kept_mass: vec2<f32>, log_norm: f32, row_is_bad: u32, flagged: bool, label: u32) {
+fn write_terms_loss(row: u32, base: u32, lse: f32, kept_mass: vec2<f32>, log_norm: f32, row_is_bad: bool, flagged: bool, label: u32) {
     let vocab = params.vocab;
     let labelled = label < vocab;
     let tail = (KL_FLAGS >> F_TAIL_SHIFT) & 3u;
@@ -341,17 +317,7 @@ fn write_terms_loss(row: u32, base: u32, lse: f32, kept_mass: vec2<f32>, log_nor
     }
     let lambda = params.z_loss;
     let total_loss = params.soft_weight * soft + alpha_hard * hard + lambda * lse1 * lse1;
-    var out = vec4<f32>(total_loss, lse1, soft, hard);
-    if row_is_bad != 0u {
-        out = vec4<f32>(nan_f32());
-    }
-    if flagged {
-        out.x = bitcast<f32>(row_in[row * 2u]);
-    }
-    loss[row * 4u] = out.x;
-    loss[row * 4u + 1u] = out.y;
-    loss[row * 4u + 2u] = out.z;
-    loss[row * 4u + 3u] = out.w;
+    write_loss(row, vec4<f32>(total_loss, lse1, soft, hard), row_is_bad, flagged);
     let a = params.soft_weight * f_off;
     let b = tau * (alpha_hard + 2.0 * lambda * lse1);
     let h = tau * alpha_hard * eps / f32(vocab);

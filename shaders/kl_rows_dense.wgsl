@@ -18,14 +18,6 @@ fn fold_w(st: vec3<f32>, x: f32, w: f32) -> vec3<f32> {
     return vec3<f32>(st.x, st.y + e, st.z + e * w);
 }
 
-// Merges two fold_w states.
-fn merge_w(a: vec3<f32>, b: vec3<f32>) -> vec3<f32> {
-    let m = max(a.x, b.x);
-    let fa = exp(a.x - m);
-    let fb = exp(b.x - m);
-    return vec3<f32>(m, a.y * fa + b.y * fb, a.z * fa + b.z * fb);
-}
-
 // One column of the dense reverse KL or JSD: (f, f' = ∂f/∂q) at the
 // student's log-probability ls and the teacher's lt, as div_term's.
 fn dense_div(ls: f32, lt: f32) -> vec2<f32> {
@@ -51,70 +43,78 @@ fn dense_div(ls: f32, lt: f32) -> vec2<f32> {
     return out;
 }
 
-// Reduces the workgroup's (red_max, red_sum, red_aux) as fold_w states and
-// red_bad by or; with `tau1`, (red_max1, red_sum1) as folds too.
-fn reduce_w(lid: u32, tau1: bool) {
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if lid < stride {
-            let r = merge_w(
-                vec3<f32>(red_max[lid], red_sum[lid], red_aux[lid]),
-                vec3<f32>(red_max[lid + stride], red_sum[lid + stride], red_aux[lid + stride]),
-            );
-            red_max[lid] = r.x;
-            red_sum[lid] = r.y;
-            red_aux[lid] = r.z;
-            red_bad[lid] |= red_bad[lid + stride];
-            if tau1 {
-                let r1 = merge(red_max1[lid], red_sum1[lid], red_max1[lid + stride], red_sum1[lid + stride]);
-                red_max1[lid] = r1.x;
-                red_sum1[lid] = r1.y;
-            }
-        }
-        workgroupBarrier();
+// A dense row's sums over this invocation's columns: pass 1's (the
+// student's fold_w, the teacher's with Σ p_T·(t − s) on the way, the
+// student's τ = 1 fold, the non-finite flag), then pass 2's (Σ f, Σ p_S·f')
+// for the reverse KL and the JSD.
+struct DenseSums {
+    fs: vec3<f32>,
+    ft: vec3<f32>,
+    ms1: vec2<f32>,
+    bad: u32,
+    div: vec2<f32>,
+}
+
+// Column (s, t), the student's and the teacher's logits, into `st`: pass
+// 1's folds, or with `second` pass 2's sums at (lse, lse_t).
+fn dense_col(st: DenseSums, s: f32, t: f32, second: bool, lse: f32, lse_t: f32) -> DenseSums {
+    var out = st;
+    if second {
+        let ls = s - lse;
+        let f = dense_div(ls, t - lse_t);
+        out.div += vec2<f32>(f.x, exp(ls) * f.y);
+        return out;
     }
+    if non_finite(s) || non_finite(t) {
+        out.bad = 1u;
+        return out;
+    }
+    out.fs = fold_w(st.fs, s, 0.0);
+    out.ft = fold_w(st.ft, t, select(0.0, t - s, div_code() == 0u));
+    if (KL_FLAGS & F_TAU) != 0u {
+        out.ms1 = fold(st.ms1, s * params.temperature);
+    }
+    return out;
+}
+
+// One pass over this invocation's columns of the row (4 a 16-byte word,
+// those past vocab skipped) through dense_col; `second` is a constant at
+// each call.
+fn dense_sweep(row: u32, lid: u32, second: bool, lse: f32, lse_t: f32) -> DenseSums {
+    let vocab = params.vocab;
+    let base = row * params.ld;
+    let words = (vocab + 3u) / 4u;
+    var st = DenseSums(vec3<f32>(NEG_HUGE, 0.0, 0.0), vec3<f32>(NEG_HUGE, 0.0, 0.0), vec2<f32>(NEG_HUGE, 0.0), 0u,
+        vec2<f32>(0.0));
+    for (var j4 = lid; j4 < words; j4 += WG) {
+        let s4 = logits[base / 4u + j4];
+        for (var c = 0u; c < 4u; c++) {
+            let j = j4 * 4u + c;
+            if j >= vocab {
+                break;
+            }
+            st = dense_col(st, s4[c], probs[base + j], second, lse, lse_t);
+        }
+    }
+    return st;
 }
 
 fn dense_row(row: u32, lid: u32) {
     let vocab = params.vocab;
     let base = row * params.ld;
     let base4 = base / 4u;
-    let words = (vocab + 3u) / 4u;
     let forward = div_code() == 0u;
     let tau_on = (KL_FLAGS & F_TAU) != 0u;
     // Pass 1: the student's fold, its τ = 1 fold, and the teacher's (with
     // Σ p_T·(t − s), the forward KL's, on the way).
-    var fs = vec3<f32>(NEG_HUGE, 0.0, 0.0);
-    var ft = vec3<f32>(NEG_HUGE, 0.0, 0.0);
-    var ms1 = vec2<f32>(NEG_HUGE, 0.0);
-    var bad = 0u;
-    for (var j4 = lid; j4 < words; j4 += WG) {
-        let s4 = logits[base4 + j4];
-        for (var c = 0u; c < 4u; c++) {
-            let j = j4 * 4u + c;
-            if j >= vocab {
-                break;
-            }
-            let s = s4[c];
-            let t = probs[base + j];
-            if non_finite(s) || non_finite(t) {
-                bad = 1u;
-                continue;
-            }
-            fs = fold_w(fs, s, 0.0);
-            ft = fold_w(ft, t, select(0.0, t - s, forward));
-            if tau_on {
-                ms1 = fold(ms1, s * params.temperature);
-            }
-        }
-    }
-    red_max[lid] = fs.x;
-    red_sum[lid] = fs.y;
+    let p1 = dense_sweep(row, lid, false, 0.0, 0.0);
+    red_max[lid] = p1.fs.x;
+    red_sum[lid] = p1.fs.y;
     red_aux[lid] = 0.0;
-    red_bad[lid] = bad;
-    red_max1[lid] = ms1.x;
-    red_sum1[lid] = ms1.y;
-    reduce_w(lid, tau_on);
+    red_bad[lid] = p1.bad;
+    red_max1[lid] = p1.ms1.x;
+    red_sum1[lid] = p1.ms1.y;
+    reduce_folds(lid, AUX_WEIGHTED, tau_on);
     if lid == 0u {
         var b = red_bad[0];
         if non_finite(red_sum[0]) || !(red_sum[0] > 0.0) {
@@ -132,11 +132,11 @@ fn dense_row(row: u32, lid: u32) {
         row_div = vec2<f32>(lse1, 0.0);
     }
     workgroupBarrier();
-    red_max[lid] = ft.x;
-    red_sum[lid] = ft.y;
-    red_aux[lid] = ft.z;
+    red_max[lid] = p1.ft.x;
+    red_sum[lid] = p1.ft.y;
+    red_aux[lid] = p1.ft.z;
     red_bad[lid] = 0u;
-    reduce_w(lid, false);
+    reduce_folds(lid, AUX_WEIGHTED, false);
     if lid == 0u {
         let lse_t = red_max[0] + log(red_sum[0]);
         if non_finite(lse_t) {
@@ -154,38 +154,15 @@ fn dense_row(row: u32, lid: u32) {
     var soft = c0.y - lse_t + lse;
     var e = 0.0;
     if !forward {
-        var f_sum = 0.0;
-        var e_sum = 0.0;
-        for (var j4 = lid; j4 < words; j4 += WG) {
-            let s4 = logits[base4 + j4];
-            for (var c = 0u; c < 4u; c++) {
-                let j = j4 * 4u + c;
-                if j >= vocab {
-                    break;
-                }
-                let ls = s4[c] - lse;
-                let f = dense_div(ls, probs[base + j] - lse_t);
-                f_sum += f.x;
-                e_sum += exp(ls) * f.y;
-            }
-        }
-        sum_pair(lid, f_sum, e_sum);
+        let p2 = dense_sweep(row, lid, true, lse, lse_t);
+        sum_pair(lid, p2.div.x, p2.div.y);
         soft = red_sum[0];
         e = red_aux[0];
     }
     let lse1 = workgroupUniformLoad(&row_div).x;
     if lid == 0u {
-        var out = vec4<f32>(params.soft_weight * soft, lse1, soft, 0.0);
-        if (row_state & 1u) != 0u {
-            out = vec4<f32>(nan_f32());
-        }
-        if (row_state & 2u) != 0u {
-            out.x = bitcast<f32>(row_in[row * 2u]);
-        }
-        loss[row * 4u] = out.x;
-        loss[row * 4u + 1u] = out.y;
-        loss[row * 4u + 2u] = out.z;
-        loss[row * 4u + 3u] = out.w;
+        write_loss(row, vec4<f32>(params.soft_weight * soft, lse1, soft, 0.0), (row_state & 1u) != 0u,
+            (row_state & 2u) != 0u);
     }
     if (row_state & 2u) != 0u {
         zero_row(row, lid);

@@ -101,31 +101,9 @@ fn fold(ms: vec2<f32>, x: f32) -> vec2<f32> {
     return vec2<f32>(ms.x, ms.y + exp(x - ms.x));
 }
 
-// The running fold and whether a non-finite logit was seen.
-struct Fold {
-    ms: vec2<f32>,
-    bad: u32,
-}
-
-// Folds the logits of word j4 (4 logits; those past vocab skipped).
-fn fold4(st: Fold, x4: vec4<f32>, j4: u32, vocab: u32) -> Fold {
-    var out = st;
-    for (var c = 0u; c < 4u; c++) {
-        let x = x4[c];
-        if j4 * 4u + c >= vocab {
-            break;
-        }
-        if non_finite(x) {
-            out.bad = 1u;
-        } else {
-            out.ms = fold(out.ms, x);
-        }
-    }
-    return out;
-}
-
-// The general fold: the capped logits u at τ (max m, Σ exp(u − m)), at
-// τ = 1 (Σ exp(τ(u − m)): the same max, scaled by τ) and Σ u.
+// Pass 1's running fold: the capped logits u at τ (max m, Σ exp(u − m)),
+// at τ = 1 (Σ exp(τ(u − m)): the same max, scaled by τ), Σ u, and whether
+// a non-finite logit was seen. The plain fold keeps m, s and bad alone.
 struct FoldTerms {
     m: f32,
     s: f32,
@@ -182,9 +160,69 @@ fn fold4_terms(st: FoldTerms, x4: vec4<f32>, j4: u32, vocab: u32) -> FoldTerms {
     return fold_x(out, x4.w, j + 3u < vocab);
 }
 
+// Folds the logits of word j4 (4 logits; those past vocab skipped): with
+// `terms`, fold4_terms; else the plain fold, of (m, s) and bad alone.
+fn fold4(st: FoldTerms, x4: vec4<f32>, j4: u32, vocab: u32, terms: bool) -> FoldTerms {
+    if terms {
+        return fold4_terms(st, x4, j4, vocab);
+    }
+    var out = st;
+    var ms = vec2<f32>(st.m, st.s);
+    for (var c = 0u; c < 4u; c++) {
+        let x = x4[c];
+        if j4 * 4u + c >= vocab {
+            break;
+        }
+        if non_finite(x) {
+            out.bad = 1u;
+        } else {
+            ms = fold(ms, x);
+        }
+    }
+    out.m = ms.x;
+    out.s = ms.y;
+    return out;
+}
+
 // Merges two (max, sum of exp(x - max)) pairs.
 fn merge(m1: f32, s1: f32, m2: f32, s2: f32) -> vec2<f32> {
     let m = max(m1, m2);
     return vec2<f32>(m, s1 * exp(m1 - m) + s2 * exp(m2 - m));
 }
 
+
+// How reduce_folds combines red_aux: left alone, summed, or rescaled with
+// (red_max, red_sum) as fold_w's weighted sum.
+const AUX_NONE: u32 = 0u;
+const AUX_SUM: u32 = 1u;
+const AUX_WEIGHTED: u32 = 2u;
+
+// Reduces the workgroup's (red_max, red_sum) as (max, sum) pairs (merge),
+// red_bad by or, red_aux as `aux` says and, with `tau1`, (red_max1,
+// red_sum1) as pairs too; `aux` and `tau1` are constants at each call.
+// Every invocation calls it: it holds barriers.
+fn reduce_folds(lid: u32, aux: u32, tau1: bool) {
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if lid < stride {
+            let o = lid + stride;
+            let m = max(red_max[lid], red_max[o]);
+            let fa = exp(red_max[lid] - m);
+            let fb = exp(red_max[o] - m);
+            red_max[lid] = m;
+            red_sum[lid] = red_sum[lid] * fa + red_sum[o] * fb;
+            if aux == AUX_WEIGHTED {
+                red_aux[lid] = red_aux[lid] * fa + red_aux[o] * fb;
+            } else if aux == AUX_SUM {
+                red_aux[lid] += red_aux[o];
+            }
+            red_bad[lid] |= red_bad[o];
+            if tau1 {
+                let r1 = merge(red_max1[lid], red_sum1[lid], red_max1[o], red_sum1[o]);
+                red_max1[lid] = r1.x;
+                red_sum1[lid] = r1.y;
+            }
+        }
+        workgroupBarrier();
+    }
+}

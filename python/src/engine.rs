@@ -12,7 +12,7 @@ use headkl_core::{
     rescale_teacher, Backend, DeviceInfo, Engine, HeadWeights, Hidden, HiddenDtype, LossOptions, LossOutput,
     SliceOptions, Teacher, TopkOptions,
 };
-use headkl_runtime::{AnyEngine, BackendArg, BackendKind, HostShard, Selection, Settings};
+use headkl_runtime::{AnyEngine, BackendArg, BackendKind, HostShard, LossCall, LossTeacher, Selection, Settings};
 use headkl_vulkan::VulkanBackend;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -26,6 +26,21 @@ use crate::shared::{self, LossBuffers, LossBuffersArg, SharedBuffers};
 
 /// A host array spec as Python passes it: `(address, elements, dtype)`.
 pub type Spec = (usize, usize, String);
+
+/// One loss call on the held engine, whole or a shard's.
+fn loss_into(held: &mut AnyEngine, call: LossCall<'_>, out: &mut LossOutput) -> PyResult<()> {
+    held.engine().loss_into(call, out).map_err(to_py)
+}
+
+/// The teacher of a loss call: its top-k `(ids, values, k)`, or its own
+/// hidden rows `(rows, teacher_hs)` for the exact full-vocabulary loss.
+#[derive(FromPyObject)]
+pub enum TeacherSpec {
+    /// Top-k ids and values `[ntok][k]`.
+    TopK(Spec, Spec, usize),
+    /// Hidden rows `[ntok][teacher_hs]` through the teacher's head.
+    Hidden(Spec, usize),
+}
 
 /// `backend=` as the package spells it.
 pub fn backend_arg(backend: &str) -> PyResult<BackendArg> {
@@ -60,7 +75,7 @@ fn shard(held: &mut AnyEngine) -> PyResult<&mut dyn HostShard> {
 /// The teacher from ids and values read as `reading` says; with a teacher
 /// temperature, the values are checked as given, then rescaled to the
 /// loss's temperature (README "Loss terms").
-fn teacher(
+fn topk_teacher(
     ids: &[i64],
     values: &[f32],
     (ntok, k, vocab): (usize, usize, usize),
@@ -270,19 +285,22 @@ impl PyEngine {
         Ok(d)
     }
 
-    /// The loss and its gradient, `teacher_topk` `(ids, values, k)`: writes
-    /// `out` `(dx, loss)`, `dx` `[ntok][hs]` (f32) and the per-token losses
-    /// `loss` `[ntok]`, and with `head_grad` (f32 `[vocab][hs]`) the head's
-    /// gradient `∂loss/∂W` (the reduced loss's, as `dx` is); returns the
-    /// reduced loss.
+    /// The loss and its gradient against `teacher`: a top-k teacher `(ids,
+    /// values, k)`, or for the exact full-vocabulary loss the teacher's own
+    /// hidden rows `(teacher_hidden, teacher_hs)` `[ntok][teacher_hs]`
+    /// (through the head `set_teacher_head` uploaded). Writes `out` `(dx,
+    /// loss)`, `dx` `[ntok][hs]` (f32) and the per-token losses `loss`
+    /// `[ntok]`, and with `head_grad` (f32 `[vocab][hs]`) the head's
+    /// gradient `∂loss/∂W` (the reduced loss's, as `dx` is; the student's
+    /// head alone); returns the reduced loss.
     #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
-    #[pyo3(signature = (hidden, ntok, teacher_topk, labels, weights, out, options, head_grad=None))]
+    #[pyo3(signature = (hidden, ntok, teacher, labels, weights, out, options, head_grad=None))]
     fn head_kl(
         &self,
         py: Python<'_>,
         hidden: Spec,
         ntok: usize,
-        teacher_topk: (Spec, Spec, usize),
+        teacher: TeacherSpec,
         labels: Option<Spec>,
         weights: Option<Spec>,
         out: (Spec, Spec),
@@ -291,25 +309,33 @@ impl PyEngine {
     ) -> PyResult<f64> {
         let (mut opts, reading) = loss_options(options)?;
         let hidden = self.hidden(hidden, ntok)?;
-        let (ids, values, k) = teacher_topk;
-        let ids = HostArray::new("teacher_ids", ids)?;
-        let values = HostArray::new("teacher_values", values)?;
         let head_len = self.vocab * self.hs;
         // SAFETY: the Python wrapper holds every tensor until the call
         // returns and allocated `dx`, `loss` and `head_grad` for it alone.
-        let (ids, values, arrays) = unsafe {
-            (
-                ids.i64s()?,
-                values.f32s()?,
-                LossArrays::new(&mut opts, labels, weights, out, (head_grad, head_len))?,
-            )
-        };
-        let vocab = self.vocab;
-        self.loss_call(py, arrays, |held, out| {
-            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.config.temperature)
-                .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
-            held.engine().head_kl_into(&hidden, &teacher, &opts, out).map_err(to_py)
-        })
+        let arrays = unsafe { LossArrays::new(&mut opts, labels, weights, out, (head_grad, head_len))? };
+        match teacher {
+            TeacherSpec::TopK(ids, values, k) => {
+                let ids = HostArray::new("teacher_ids", ids)?;
+                let values = HostArray::new("teacher_values", values)?;
+                // SAFETY: as above, for the teacher's arrays.
+                let (ids, values) = unsafe { (ids.i64s()?, values.f32s()?) };
+                let vocab = self.vocab;
+                self.loss_call(py, arrays, |held, out| {
+                    let teacher = topk_teacher(ids, values, (ntok, k, vocab), reading, opts.config.temperature)
+                        .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
+                    loss_into(held, LossCall::new(&hidden, LossTeacher::TopK(&teacher), &opts), out)
+                })
+            }
+            TeacherSpec::Hidden(rows, teacher_hs) => {
+                let rows = HostArray::new("teacher_hidden", rows)?;
+                // SAFETY: as above, for the teacher's rows.
+                let rows = unsafe { rows.hidden()? };
+                let teacher = Hidden::new(rows, ntok, teacher_hs).map_err(to_py)?;
+                self.loss_call(py, arrays, |held, out| {
+                    loss_into(held, LossCall::new(&hidden, LossTeacher::Hidden(&teacher), &opts), out)
+                })
+            }
+        }
     }
 
     /// Uploads the teacher's head `[vocab][hs]` for the full-vocabulary loss.
@@ -324,44 +350,6 @@ impl PyEngine {
             let weights = HeadWeights::new(data, vocab, hs).map_err(to_py)?;
             held.engine()
                 .set_teacher_head(&weights, SliceOptions::default())
-                .map_err(to_py)
-        })
-    }
-
-    /// The exact full-vocabulary loss against the teacher's own hidden
-    /// rows (`teacher_hidden` `[ntok][teacher_hs]`, through the teacher's
-    /// head): writes `out` `(dx, loss)` and `head_grad` (the student's head
-    /// alone) as `head_kl` does; returns the reduced loss.
-    #[allow(clippy::too_many_arguments, reason = "one array an argument, as Python passes them")]
-    #[pyo3(signature = (hidden, ntok, teacher_hidden, teacher_hs, labels, weights, out, options, head_grad=None))]
-    fn head_kl_full_vocab(
-        &self,
-        py: Python<'_>,
-        hidden: Spec,
-        ntok: usize,
-        teacher_hidden: Spec,
-        teacher_hs: usize,
-        labels: Option<Spec>,
-        weights: Option<Spec>,
-        out: (Spec, Spec),
-        options: &Bound<'_, PyDict>,
-        head_grad: Option<Spec>,
-    ) -> PyResult<f64> {
-        let (mut opts, _) = loss_options(options)?;
-        let hidden = self.hidden(hidden, ntok)?;
-        let teacher = HostArray::new("teacher_hidden", teacher_hidden)?;
-        let head_len = self.vocab * self.hs;
-        // SAFETY: as in `head_kl`.
-        let (teacher, arrays) = unsafe {
-            (
-                teacher.hidden()?,
-                LossArrays::new(&mut opts, labels, weights, out, (head_grad, head_len))?,
-            )
-        };
-        let teacher = Hidden::new(teacher, ntok, teacher_hs).map_err(to_py)?;
-        self.loss_call(py, arrays, |held, out| {
-            held.engine()
-                .head_kl_full_vocab_into(&hidden, &teacher, &opts, out)
                 .map_err(to_py)
         })
     }
@@ -409,7 +397,7 @@ impl PyEngine {
         let mut held = self.held()?;
         let held = &mut *held;
         py.detach(|| -> PyResult<()> {
-            let teacher = teacher(ids, values, (ntok, k, vocab), reading, opts.config.temperature)
+            let teacher = topk_teacher(ids, values, (ntok, k, vocab), reading, opts.config.temperature)
                 .map_err(|e| to_py_as(e, TEACHER_ARGUMENTS))?;
             let parts = shard(held)?.loss_partials(&hidden, &teacher, &opts).map_err(to_py)?;
             for (out, part) in outs.into_iter().zip([&parts.lse, &parts.lse1, &parts.soft_part]) {

@@ -32,10 +32,6 @@ class Spy:
         self.head_grads.append(args[7] if len(args) > 7 else None)
         return self.engine.head_kl(*args)
 
-    def head_kl_full_vocab(self, *args):
-        self.head_grads.append(args[8] if len(args) > 8 else None)
-        return self.engine.head_kl_full_vocab(*args)
-
 
 def spied(loss_fn):
     loss_fn.head._engine = Spy(loss_fn.head._engine)

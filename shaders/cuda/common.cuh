@@ -52,3 +52,83 @@ __device__ __forceinline__ bool negative(float x) {
     u32 b = bits(x);
     return (b & 0x80000000u) != 0u && (b & 0x7fffffffu) != 0u;
 }
+
+// Merges two (max, sum of exp(x - max)) pairs.
+__device__ __forceinline__ float2 merge_max_sum(float m1, float s1, float m2, float s2) {
+    float m = fmaxf(m1, m2);
+    return make_float2(m, s1 * expf(m1 - m) + s2 * expf(m2 - m));
+}
+
+// ---- Block reductions (a block of WG threads, WG a power of two).
+//
+// block_reduce(lid, slot...) reduces one or more quantities over the block:
+// each thread stores its value of every quantity in its slot of a shared
+// array, then a tree halves the live slots (slot i takes in slot i + stride
+// for stride = WG / 2 down to 1, a barrier after each step), leaving the
+// block's result in slot 0 of each array. A quantity is anything with
+// store(lid) and merge(a, b) (slot a takes in slot b), merged in the order
+// given; BlockSlot is the one-array kind, with its combine (BlockSum, ...:
+// into(a, b) folds b into a). Every thread calls it (it holds barriers). A
+// quantity that is off (its `on`, uniform over the block) neither stores
+// nor merges.
+template <typename T, typename Op>
+struct BlockSlot {
+    T* slots;
+    T value;
+    bool on;
+    __device__ __forceinline__ void store(u32 lid) const {
+        if (on) {
+            slots[lid] = value;
+        }
+    }
+    __device__ __forceinline__ void merge(u32 a, u32 b) const {
+        if (on) {
+            Op::into(slots[a], slots[b]);
+        }
+    }
+};
+
+struct BlockSum {
+    template <typename T>
+    static __device__ __forceinline__ void into(T& a, const T& b) {
+        a += b;
+    }
+};
+
+struct BlockMax {
+    static __device__ __forceinline__ void into(float& a, const float& b) {
+        a = fmaxf(a, b);
+    }
+    static __device__ __forceinline__ void into(u32& a, const u32& b) {
+        a = max(a, b);
+    }
+};
+
+struct BlockMin {
+    static __device__ __forceinline__ void into(u32& a, const u32& b) {
+        a = min(a, b);
+    }
+};
+
+struct BlockOr {
+    static __device__ __forceinline__ void into(u32& a, const u32& b) {
+        a |= b;
+    }
+};
+
+template <typename Op, typename T>
+__device__ __forceinline__ BlockSlot<T, Op> block_slot(T* slots, T value, bool on = true) {
+    return BlockSlot<T, Op>{slots, value, on};
+}
+
+template <typename... Slots>
+__device__ __forceinline__ void block_reduce(u32 lid, const Slots&... slots) {
+    (slots.store(lid), ...);
+    __syncthreads();
+    for (u32 stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if (lid < stride) {
+            (slots.merge(lid, lid + stride), ...);
+        }
+        __syncthreads();
+    }
+}

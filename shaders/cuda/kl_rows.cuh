@@ -50,6 +50,20 @@ __device__ __forceinline__ float kl_comp(const float4& v, u32 c) {
     return c == 0u ? v.x : (c == 1u ? v.y : (c == 2u ? v.z : v.w));
 }
 
+// f(c, x, j) for the columns j = 4 * j4 + c below vocab of word j4 (x4, its
+// logits), c in order (unrolled: c is a constant in each call).
+template <typename F>
+__device__ __forceinline__ void kl_word_cols(float4 x4, u32 j4, u32 vocab, F f) {
+#pragma unroll
+    for (u32 c = 0u; c < 4u; c++) {
+        u32 j = j4 * 4u + c;
+        if (j >= vocab) {
+            break;
+        }
+        f(c, kl_comp(x4, c), j);
+    }
+}
+
 __device__ __forceinline__ uint2 kl_pack4(float4 g) {
     return make_uint2((u32)to_f16(g.x) | ((u32)to_f16(g.y) << 16),
                       (u32)to_f16(g.z) | ((u32)to_f16(g.w) << 16));
@@ -130,18 +144,13 @@ __device__ __forceinline__ float2 kl_fold(float2 ms, float x) {
 
 // Folds the logits of word j4 (those past vocab skipped).
 __device__ __forceinline__ void kl_fold4(float2& ms, u32& bad, float4 x4, u32 j4, u32 vocab) {
-#pragma unroll
-    for (u32 c = 0u; c < 4u; c++) {
-        float x = kl_comp(x4, c);
-        if (j4 * 4u + c >= vocab) {
-            break;
-        }
+    kl_word_cols(x4, j4, vocab, [&](u32, float x, u32) {
         if (non_finite(x)) {
             bad = 1u;
         } else {
             ms = kl_fold(ms, x);
         }
-    }
+    });
 }
 
 // The general fold: max m, sum at tau, sum at tau = 1, sum of u, bad flag.
@@ -191,12 +200,6 @@ __device__ __forceinline__ void kl_fold4_terms(const RowParams& p, KlFoldTerms& 
     kl_fold_x(p, st, x4.y, j + 1u < vocab);
     kl_fold_x(p, st, x4.z, j + 2u < vocab);
     kl_fold_x(p, st, x4.w, j + 3u < vocab);
-}
-
-// Merges two (max, sum of exp(x - max)) pairs.
-__device__ __forceinline__ float2 kl_merge(float m1, float s1, float m2, float s2) {
-    float m = fmaxf(m1, m2);
-    return make_float2(m, s1 * expf(m1 - m) + s2 * expf(m2 - m));
 }
 
 // c * p_S for word j4's 4 logits, zero past vocab.
@@ -261,32 +264,41 @@ __device__ __forceinline__ float4 kl_grad4_terms_f32(const RowParams& p, float4 
                        j + 3u < vocab ? g.w : 0.0f);
 }
 
+// What teacher_grad and label_grad know of logit x: the capped logit and
+// its d/dx (us), p^tau (pt) and p at tau = 1 (p1, from lse1).
+struct KlColumn {
+    float2 us;
+    float pt;
+    float p1;
+};
+
+__device__ __forceinline__ KlColumn kl_column(const RowParams& p, float x, float lse, float lse1) {
+    KlColumn col;
+    col.us = kl_scaled2(p, x);
+    col.pt = expf(col.us.x - lse);
+    col.p1 = col.pt;
+    if ((p.flags & F_TAU) != 0u) {
+        col.p1 = expf(col.us.x * p.temperature - lse1);
+    }
+    return col;
+}
+
 // c * dL/ds at a teacher column (teacher_grad).
 __device__ __forceinline__ float kl_teacher_grad(const RowParams& p, float x, float p_t, float c, float lse, float4 c0, float4 c1) {
-    float2 us = kl_scaled2(p, x);
-    float pt = expf(us.x - lse);
-    float p1 = pt;
-    if ((p.flags & F_TAU) != 0u) {
-        p1 = expf(us.x * p.temperature - c1.y);
-    }
-    float d = p.soft_weight * kl_soft_on(p, us.x, pt, p_t, lse, c0.w) + c0.y * p1 - c0.z;
-    return c * us.y * d;
+    KlColumn col = kl_column(p, x, lse, c1.y);
+    float d = p.soft_weight * kl_soft_on(p, col.us.x, col.pt, p_t, lse, c0.w) + c0.y * col.p1 - c0.z;
+    return c * col.us.y * d;
 }
 
 // c * dL/ds at the label's column, whole (label_grad).
 __device__ __forceinline__ float kl_label_grad(const RowParams& p, float x, float label_p, float c, float lse, float4 c0, float4 c1) {
-    float2 us = kl_scaled2(p, x);
-    float pt = expf(us.x - lse);
-    float p1 = pt;
-    if ((p.flags & F_TAU) != 0u) {
-        p1 = expf(us.x * p.temperature - c1.y);
-    }
-    float d = c0.x * pt;
+    KlColumn col = kl_column(p, x, lse, c1.y);
+    float d = c0.x * col.pt;
     if (label_p >= 0.0f) {
-        d = p.soft_weight * kl_soft_on(p, us.x, pt, label_p, lse, c0.w);
+        d = p.soft_weight * kl_soft_on(p, col.us.x, col.pt, label_p, lse, c0.w);
     }
-    d += c0.y * p1 - c0.z - c1.x;
-    return c * us.y * d;
+    d += c0.y * col.p1 - c0.z - c1.x;
+    return c * col.us.y * d;
 }
 
 // A flagged row's pass 2: a zero gradient row (padding included) and, with
@@ -413,6 +425,48 @@ __device__ __forceinline__ float3 kl_merge_w(float3 a, float3 b) {
     return make_float3(m, a.y * fa + b.y * fb, a.z * fa + b.z * fb);
 }
 
+// A (max, sum of exp(x - max)) quantity of block_reduce (common.cuh),
+// merged by merge_max_sum: the thread's value, in two shared arrays.
+struct KlFoldSlot {
+    float* maxs;
+    float* sums;
+    float2 value;
+    bool on = true;
+    __device__ __forceinline__ void store(u32 lid) const {
+        if (on) {
+            maxs[lid] = value.x;
+            sums[lid] = value.y;
+        }
+    }
+    __device__ __forceinline__ void merge(u32 a, u32 b) const {
+        if (on) {
+            float2 m = merge_max_sum(maxs[a], sums[a], maxs[b], sums[b]);
+            maxs[a] = m.x;
+            sums[a] = m.y;
+        }
+    }
+};
+
+// A kl_fold_w state (max, sum, weighted sum) as a quantity of block_reduce,
+// merged by kl_merge_w, in three shared arrays.
+struct KlFoldWSlot {
+    float* maxs;
+    float* sums;
+    float* auxs;
+    float3 value;
+    __device__ __forceinline__ void store(u32 lid) const {
+        maxs[lid] = value.x;
+        sums[lid] = value.y;
+        auxs[lid] = value.z;
+    }
+    __device__ __forceinline__ void merge(u32 a, u32 b) const {
+        float3 r = kl_merge_w(make_float3(maxs[a], sums[a], auxs[a]), make_float3(maxs[b], sums[b], auxs[b]));
+        maxs[a] = r.x;
+        sums[a] = r.y;
+        auxs[a] = r.z;
+    }
+};
+
 // One column of the dense reverse KL or JSD (dense_div).
 __device__ __forceinline__ float2 kl_dense_div(const RowParams& p, float ls, float lt) {
     float q = expf(ls);
@@ -440,16 +494,7 @@ __device__ __forceinline__ float2 kl_dense_div(const RowParams& p, float ls, flo
 // Sums a and b over the block's threads into kl_red_sum[0] and
 // kl_red_aux[0] (every thread calls it: it holds barriers).
 __device__ __forceinline__ void kl_sum2(float a, float b, u32 lid) {
-    kl_red_sum[lid] = a;
-    kl_red_aux[lid] = b;
-    __syncthreads();
-    for (u32 stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if (lid < stride) {
-            kl_red_sum[lid] += kl_red_sum[lid + stride];
-            kl_red_aux[lid] += kl_red_aux[lid + stride];
-        }
-        __syncthreads();
-    }
+    block_reduce(lid, block_slot<BlockSum>(kl_red_sum, a), block_slot<BlockSum>(kl_red_aux, b));
 }
 
 // A row's four loss outputs: [loss, lse, soft, 0] or the kernel's variant.
@@ -460,26 +505,11 @@ __device__ __forceinline__ void kl_write_loss(float* __restrict__ loss, u32 row,
     loss[row * 4u + 3u] = out.w;
 }
 
-// Reduces (red_max, red_sum, red_aux) as fold_w states and red_bad by or;
-// with tau1, (red_max1, red_sum1) as folds too.
-__device__ __forceinline__ void kl_reduce_w(u32 lid, bool tau1) {
-    __syncthreads();
-    for (u32 stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if (lid < stride) {
-            float3 r = kl_merge_w(make_float3(kl_red_max[lid], kl_red_sum[lid], kl_red_aux[lid]),
-                                  make_float3(kl_red_max[lid + stride], kl_red_sum[lid + stride], kl_red_aux[lid + stride]));
-            kl_red_max[lid] = r.x;
-            kl_red_sum[lid] = r.y;
-            kl_red_aux[lid] = r.z;
-            kl_red_bad[lid] |= kl_red_bad[lid + stride];
-            if (tau1) {
-                float2 r1 = kl_merge(kl_red_max1[lid], kl_red_sum1[lid], kl_red_max1[lid + stride], kl_red_sum1[lid + stride]);
-                kl_red_max1[lid] = r1.x;
-                kl_red_sum1[lid] = r1.y;
-            }
-        }
-        __syncthreads();
-    }
+// Reduces fold_w state st into (red_max, red_sum, red_aux)[0] and bad by or
+// into red_bad[0]; with tau1, the fold ms1 into (red_max1, red_sum1)[0].
+__device__ __forceinline__ void kl_reduce_w(float3 st, u32 bad, float2 ms1, bool tau1, u32 lid) {
+    block_reduce(lid, KlFoldWSlot{kl_red_max, kl_red_sum, kl_red_aux, st}, block_slot<BlockOr>(kl_red_bad, bad),
+                 KlFoldSlot{kl_red_max1, kl_red_sum1, ms1, tau1});
 }
 
 __device__ __forceinline__ void kl_dense_row(const RowParams& p, const float4* __restrict__ logits,
@@ -498,33 +528,20 @@ __device__ __forceinline__ void kl_dense_row(const RowParams& p, const float4* _
     float2 ms1 = make_float2(KL_NEG_HUGE, 0.0f);
     u32 bad = 0u;
     for (u32 j4 = lid; j4 < words; j4 += WG) {
-        float4 s4 = logits[base4 + j4];
-#pragma unroll
-        for (u32 c = 0u; c < 4u; c++) {
-            u32 j = j4 * 4u + c;
-            if (j >= vocab) {
-                break;
-            }
-            float s = kl_comp(s4, c);
+        kl_word_cols(logits[base4 + j4], j4, vocab, [&](u32, float s, u32 j) {
             float t = probs[base + j];
             if (non_finite(s) || non_finite(t)) {
                 bad = 1u;
-                continue;
+                return;
             }
             fs = kl_fold_w(fs, s, 0.0f);
             ft = kl_fold_w(ft, t, forward ? t - s : 0.0f);
             if (tau_on) {
                 ms1 = kl_fold(ms1, s * p.temperature);
             }
-        }
+        });
     }
-    kl_red_max[lid] = fs.x;
-    kl_red_sum[lid] = fs.y;
-    kl_red_aux[lid] = 0.0f;
-    kl_red_bad[lid] = bad;
-    kl_red_max1[lid] = ms1.x;
-    kl_red_sum1[lid] = ms1.y;
-    kl_reduce_w(lid, tau_on);
+    kl_reduce_w(make_float3(fs.x, fs.y, 0.0f), bad, ms1, tau_on, lid);
     if (lid == 0u) {
         u32 b = kl_red_bad[0];
         if (non_finite(kl_red_sum[0]) || !(kl_red_sum[0] > 0.0f)) {
@@ -542,11 +559,7 @@ __device__ __forceinline__ void kl_dense_row(const RowParams& p, const float4* _
         kl_row_div = make_float2(lse1, 0.0f);
     }
     __syncthreads();
-    kl_red_max[lid] = ft.x;
-    kl_red_sum[lid] = ft.y;
-    kl_red_aux[lid] = ft.z;
-    kl_red_bad[lid] = 0u;
-    kl_reduce_w(lid, false);
+    kl_reduce_w(ft, 0u, ms1, false, lid);
     if (lid == 0u) {
         float lse_t = kl_red_max[0] + logf(kl_red_sum[0]);
         if (non_finite(lse_t)) {
@@ -569,18 +582,12 @@ __device__ __forceinline__ void kl_dense_row(const RowParams& p, const float4* _
         float f_sum = 0.0f;
         float e_sum = 0.0f;
         for (u32 j4 = lid; j4 < words; j4 += WG) {
-            float4 s4 = logits[base4 + j4];
-#pragma unroll
-            for (u32 c = 0u; c < 4u; c++) {
-                u32 j = j4 * 4u + c;
-                if (j >= vocab) {
-                    break;
-                }
-                float ls = kl_comp(s4, c) - lse;
+            kl_word_cols(logits[base4 + j4], j4, vocab, [&](u32, float s, u32 j) {
+                float ls = s - lse;
                 float2 f = kl_dense_div(p, ls, probs[base + j] - lse_t);
                 f_sum += f.x;
                 e_sum += expf(ls) * f.y;
-            }
+            });
         }
         kl_sum2(f_sum, e_sum, lid);
         soft = kl_red_sum[0];
@@ -606,22 +613,16 @@ __device__ __forceinline__ void kl_dense_row(const RowParams& p, const float4* _
     // Pass 3: grad = c * alpha_soft * dL/ds; zero in the padding.
     float cw = from_bits(row_in[row * 2u]) * p.soft_weight;
     for (u32 g4 = lid; g4 < p.ld / 4u; g4 += WG) {
-        float4 s4 = logits[base4 + g4];
         float g[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (u32 c = 0u; c < 4u; c++) {
-            u32 j = g4 * 4u + c;
-            if (j >= vocab) {
-                break;
-            }
-            float ls = kl_comp(s4, c) - lse;
+        kl_word_cols(logits[base4 + g4], g4, vocab, [&](u32 c, float s, u32 j) {
+            float ls = s - lse;
             float lt = probs[base + j] - lse_t;
             if (forward) {
                 g[c] = cw * (expf(ls) - expf(lt));
             } else {
                 g[c] = cw * expf(ls) * (kl_dense_div(p, ls, lt).y - e);
             }
-        }
+        });
         grad[base4 + g4] = kl_pack4(make_float4(g[0], g[1], g[2], g[3]));
     }
 }
@@ -736,7 +737,7 @@ __device__ __forceinline__ KlRowFold kl_fold_stats(const RowParams& p, const flo
         if (non_finite(pair.y)) {
             f.bad = 1u;
         } else if (pair.y > 0.0f) {
-            f.ms = kl_merge(f.ms.x, f.ms.y, pair.x, pair.y);
+            f.ms = merge_max_sum(f.ms.x, f.ms.y, pair.x, pair.y);
         }
     }
     return f;
@@ -744,30 +745,9 @@ __device__ __forceinline__ KlRowFold kl_fold_stats(const RowParams& p, const flo
 
 // The block's folds merged into kl_red_*[0].
 __device__ __forceinline__ void kl_reduce_fold(const KlRowFold& f, bool fold_terms, u32 lid) {
-    kl_red_max[lid] = f.ms.x;
-    kl_red_sum[lid] = f.ms.y;
-    kl_red_bad[lid] = f.bad;
-    if (fold_terms) {
-        kl_red_max1[lid] = f.ms1.x;
-        kl_red_sum1[lid] = f.ms1.y;
-        kl_red_aux[lid] = f.sum_u;
-    }
-    __syncthreads();
-    for (u32 stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if (lid < stride) {
-            float2 m = kl_merge(kl_red_max[lid], kl_red_sum[lid], kl_red_max[lid + stride], kl_red_sum[lid + stride]);
-            kl_red_max[lid] = m.x;
-            kl_red_sum[lid] = m.y;
-            kl_red_bad[lid] |= kl_red_bad[lid + stride];
-            if (fold_terms) {
-                float2 m1 = kl_merge(kl_red_max1[lid], kl_red_sum1[lid], kl_red_max1[lid + stride], kl_red_sum1[lid + stride]);
-                kl_red_max1[lid] = m1.x;
-                kl_red_sum1[lid] = m1.y;
-                kl_red_aux[lid] += kl_red_aux[lid + stride];
-            }
-        }
-        __syncthreads();
-    }
+    block_reduce(lid, KlFoldSlot{kl_red_max, kl_red_sum, f.ms}, block_slot<BlockOr>(kl_red_bad, f.bad),
+                 KlFoldSlot{kl_red_max1, kl_red_sum1, f.ms1, fold_terms},
+                 block_slot<BlockSum>(kl_red_aux, f.sum_u, fold_terms));
 }
 
 // The row's lse and state from kl_red_*[0] (thread 0), then r's copy of
@@ -831,22 +811,8 @@ __device__ __forceinline__ void kl_row_terms(const RowParams& p, const KlRow& r,
             }
         }
     }
-    kl_red_sum[lid] = part;
-    if (!plain) {
-        kl_red_max[lid] = mass;
-        kl_red_aux[lid] = student;
-    }
-    __syncthreads();
-    for (u32 stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if (lid < stride) {
-            kl_red_sum[lid] += kl_red_sum[lid + stride];
-            if (!plain) {
-                kl_red_max[lid] += kl_red_max[lid + stride];
-                kl_red_aux[lid] += kl_red_aux[lid + stride];
-            }
-        }
-        __syncthreads();
-    }
+    block_reduce(lid, block_slot<BlockSum>(kl_red_sum, part), block_slot<BlockSum>(kl_red_max, mass, !plain),
+                 block_slot<BlockSum>(kl_red_aux, student, !plain));
     float mass_k = kl_red_max[0];
     float student_k = kl_red_aux[0];
     // Reverse KL and JSD: a second pass over the k, with the student's mass

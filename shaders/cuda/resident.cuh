@@ -43,18 +43,8 @@ extern "C" __global__ void __launch_bounds__(WG)
         s += w;
         m = fmaxf(m, w);
     }
-    red_sum[lid] = s;
-    red_max[lid] = m;
-    red_bad[lid] = bad;
-    __syncthreads();
-    for (u32 h = 128u; h > 0u; h >>= 1u) {
-        if (lid < h) {
-            red_sum[lid] += red_sum[lid + h];
-            red_max[lid] = fmaxf(red_max[lid], red_max[lid + h]);
-            red_bad[lid] = min(red_bad[lid], red_bad[lid + h]);
-        }
-        __syncthreads();
-    }
+    block_reduce(lid, block_slot<BlockSum>(red_sum, s), block_slot<BlockMax>(red_max, m),
+                 block_slot<BlockMin>(red_bad, bad));
     if (lid != 0u) {
         return;
     }
@@ -152,18 +142,8 @@ extern "C" __global__ void __launch_bounds__(WG) teacher_rows(const TeacherRowsP
             }
         }
     }
-    red_sum[lid] = s;
-    red_bad[lid] = bad;
-    red_range[lid] = first_range;
-    __syncthreads();
-    for (u32 h = 128u; h > 0u; h >>= 1u) {
-        if (lid < h) {
-            red_sum[lid] += red_sum[lid + h];
-            red_bad[lid] = max(red_bad[lid], red_bad[lid + h]);
-            red_range[lid] = min(red_range[lid], red_range[lid + h]);
-        }
-        __syncthreads();
-    }
+    block_reduce(lid, block_slot<BlockSum>(red_sum, s), block_slot<BlockMax>(red_bad, bad),
+                 block_slot<BlockMin>(red_range, first_range));
     float sum = red_sum[0];
     bool mass_bad = !renormalize && sum > 1.0f + MASS_TOLERANCE;
     bool row_bad = red_bad[0] != 0u || !(sum > 0.0f) || non_finite(sum) || mass_bad;
@@ -343,17 +323,35 @@ extern "C" __global__ void __launch_bounds__(WG) topk_out(const TopkOutParams pa
     }
 }
 
-// ---- resident_gather_in.wgsl
+// ---- resident_gather.wgsl: gather_in
+
+// The thread's cell of the gather kernels' [rows][k + 1] grid: its flat
+// index i, row and col; false past the grid's end.
+struct ResidentCell {
+    u32 i;
+    u32 row;
+    u32 col;
+};
+
+__device__ __forceinline__ bool resident_gather_cell(const GatherRowsParams& params, ResidentCell& cell) {
+    cell.i = workgroup_index(params.grid_x) * WG + threadIdx.x;
+    u32 cols = params.k + 1u;
+    if (cell.i >= params.rows * cols) {
+        return false;
+    }
+    cell.row = cell.i / cols;
+    cell.col = cell.i % cols;
+    return true;
+}
 
 extern "C" __global__ void __launch_bounds__(WG)
     gather_in(const GatherRowsParams params, const u32* ids, u32* status, u32* ids_chunk) {
-    u32 i = workgroup_index(params.grid_x) * WG + threadIdx.x;
-    u32 cols = params.k + 1u;
-    if (i >= params.rows * cols) {
+    ResidentCell cell;
+    if (!resident_gather_cell(params, cell)) {
         return;
     }
-    u32 row = i / cols;
-    u32 col = i % cols;
+    u32 row = cell.row;
+    u32 col = cell.col;
     u32 id = NONE;
     if (col < params.k) {
         id = ids[params.ids_offset + row * params.k + col];
@@ -362,21 +360,20 @@ extern "C" __global__ void __launch_bounds__(WG)
             id = NONE;
         }
     }
-    ids_chunk[i] = id;
+    ids_chunk[cell.i] = id;
 }
 
-// ---- resident_gather_out.wgsl
+// ---- resident_gather.wgsl: gather_out
 
 extern "C" __global__ void __launch_bounds__(WG)
     gather_out(const GatherRowsParams params, const float* values_chunk, u32* status, float* logprobs, float* lse) {
-    u32 i = workgroup_index(params.grid_x) * WG + threadIdx.x;
-    u32 cols = params.k + 1u;
-    if (i >= params.rows * cols) {
+    ResidentCell cell;
+    if (!resident_gather_cell(params, cell)) {
         return;
     }
-    u32 row = i / cols;
-    u32 col = i % cols;
-    float v = values_chunk[i];
+    u32 row = cell.row;
+    u32 col = cell.col;
+    float v = values_chunk[cell.i];
     if (col < params.k) {
         logprobs[params.out_offset + row * params.k + col] = v;
         // A NaN by its bits (a float test may be folded); -inf is a none id.

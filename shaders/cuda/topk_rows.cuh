@@ -128,6 +128,35 @@ __device__ __forceinline__ float topk_capped(u32 flags, float cap, float x) {
     return x;
 }
 
+// Quantities of block_reduce (common.cuh) kept as f32 bits in the
+// selection's u32 arrays: a sum (TopkSumBits), and a (max, sum of
+// exp(x - max)) fold merged by merge_max_sum in two arrays (TopkFoldBits).
+struct TopkSumBits {
+    u32* slots;
+    float value;
+    __device__ __forceinline__ void store(u32 lid) const {
+        slots[lid] = bits(value);
+    }
+    __device__ __forceinline__ void merge(u32 a, u32 b) const {
+        slots[a] = bits(from_bits(slots[a]) + from_bits(slots[b]));
+    }
+};
+
+struct TopkFoldBits {
+    u32* maxs;
+    u32* sums;
+    float2 value;
+    __device__ __forceinline__ void store(u32 lid) const {
+        maxs[lid] = bits(value.x);
+        sums[lid] = bits(value.y);
+    }
+    __device__ __forceinline__ void merge(u32 a, u32 b) const {
+        float2 m = merge_max_sum(from_bits(maxs[a]), from_bits(sums[a]), from_bits(maxs[b]), from_bits(sums[b]));
+        maxs[a] = bits(m.x);
+        sums[a] = bits(m.y);
+    }
+};
+
 // Writes the first k sorted pairs of `row`: ids, and the softmax over the k
 // relative to the largest, or (F_LOGPROBS) the log-probabilities over the
 // full vocabulary (one more read of the row). Uniform control flow only.
@@ -150,14 +179,7 @@ __device__ __forceinline__ void topk_write_row(const RowParams& params, const fl
         }
     }
     // topk_scan holds the f32 bits for the reduction.
-    topk_scan[lid] = bits(part);
-    __syncthreads();
-    for (u32 s = WG / 2u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            topk_scan[lid] = bits(from_bits(topk_scan[lid]) + from_bits(topk_scan[lid + s]));
-        }
-        __syncthreads();
-    }
+    block_reduce(lid, TopkSumBits{topk_scan, part});
     float total = from_bits(topk_scan[0]);
     u32 out = row * k;
     float log_total = logf(total);
@@ -218,22 +240,8 @@ __device__ __forceinline__ void topk_gather_row(const RowParams& params, const f
         topk_gather_fold(st, flags, cap, x4.w, j + 3u < vocab);
     }
     // The selection's arrays hold the merge (no selection runs here).
-    topk_sel_key[lid] = bits(st.m);
-    topk_sel_id[lid] = bits(st.s);
-    topk_scan[lid] = st.bad;
-    __syncthreads();
-    for (u32 h = WG / 2u; h > 0u; h >>= 1u) {
-        if (lid < h) {
-            float m1 = from_bits(topk_sel_key[lid]);
-            float m2 = from_bits(topk_sel_key[lid + h]);
-            float m = fmaxf(m1, m2);
-            float s = from_bits(topk_sel_id[lid]) * expf(m1 - m) + from_bits(topk_sel_id[lid + h]) * expf(m2 - m);
-            topk_sel_key[lid] = bits(m);
-            topk_sel_id[lid] = bits(s);
-            topk_scan[lid] |= topk_scan[lid + h];
-        }
-        __syncthreads();
-    }
+    block_reduce(lid, TopkFoldBits{topk_sel_key, topk_sel_id, make_float2(st.m, st.s)},
+                 block_slot<BlockOr>(topk_scan, st.bad));
     float lse = from_bits(topk_sel_key[0]) + logf(from_bits(topk_sel_id[0]));
     u32 row_bad = topk_scan[0];
     u32 out = row * k;

@@ -1,8 +1,6 @@
 //! Smoke tests of the Vulkan backend through its public API and the shared
-//! kernels: GEMM in both head layouts against a CPU loop (exact, on values
-//! whose products and sums f32 holds exactly), f32 hidden rows into the
-//! padded f16 operand (`hidden_in`), errors, timing.
-//! Outputs are NaN-poisoned first, so an unwritten element fails.
+//! kernels: the GEMM's name, f32 hidden rows into the padded f16 operand
+//! (`hidden_in`), errors, timing.
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
@@ -34,88 +32,11 @@ fn assert_clean(b: &VulkanBackend) {
     assert!(d.is_empty(), "validation messages:\n{}", d.join("\n"));
 }
 
-/// Small multiples of 1/8 in [-2, 2]: their products and short sums are
-/// exact in f32, so any summation order gives the same bits.
-fn exact_values(n: usize, seed: usize) -> Vec<f16> {
-    (0..n)
-        .map(|i| f16::from_f32(((i * 37 + seed * 101) % 33) as f32 / 8.0 - 2.0))
-        .collect()
-}
-
-const POISON: u32 = 0x7fc0_dead;
-
-#[allow(clippy::too_many_arguments, reason = "a GEMM case spelled out field by field")]
-fn check_gemm(b: &VulkanBackend, m: usize, n: usize, k: usize, layout: HeadLayout, accumulate: bool, seed: usize) {
-    let desc = GemmDesc {
-        a_offset: 32,
-        lda: k + 16,
-        ldb: match layout {
-            HeadLayout::Logits => k + 32,
-            HeadLayout::Dx => n + 16,
-        },
-        c_offset: 48,
-        ldc: n + 32,
-        alpha: 0.5,
-        accumulate,
-        ..GemmDesc::dense(m, n, k, layout)
-    };
-    let (a_offset, lda, ldb) = (desc.a_offset, desc.lda, desc.ldb);
-    let (c_offset, ldc, alpha) = (desc.c_offset, desc.ldc, desc.alpha);
-    let b_rows = match layout {
-        HeadLayout::Logits => n,
-        HeadLayout::Dx => k,
-    };
-    let a = exact_values(a_offset + m * lda, seed);
-    let bm = exact_values(b_rows * ldb, seed + 1);
-    let c_len = c_offset + m * ldc + 16;
-    let c0: Vec<f32> = (0..c_len)
-        .map(|i| {
-            if accumulate {
-                (i % 7) as f32 - 3.0
-            } else {
-                f32::from_bits(POISON)
-            }
-        })
-        .collect();
-    let a_buf = b.alloc((a.len() * 2) as u64, "A").unwrap();
-    let b_buf = b.alloc((bm.len() * 2) as u64, "B").unwrap();
-    let c_buf = b.alloc((c_len * 4) as u64, "C").unwrap();
-    b.upload(&a_buf, 0, bytemuck::cast_slice(&a)).unwrap();
-    b.upload(&b_buf, 0, bytemuck::cast_slice(&bm)).unwrap();
-    b.upload(&c_buf, 0, bytemuck::cast_slice(&c0)).unwrap();
-    b.gemm(&a_buf, &b_buf, &c_buf, &desc).unwrap();
-    let mut c = vec![0f32; c_len];
-    b.download(&c_buf, 0, bytemuck::cast_slice_mut(&mut c)).unwrap();
-    for idx in 0..c_len {
-        let inside = idx >= c_offset && (idx - c_offset) / ldc < m && (idx - c_offset) % ldc < n;
-        if !inside {
-            assert_eq!(
-                c[idx].to_bits(),
-                c0[idx].to_bits(),
-                "element {idx} outside m×n was written"
-            );
-            continue;
-        }
-        let (i, j) = ((idx - c_offset) / ldc, (idx - c_offset) % ldc);
-        let mut sum = 0f32;
-        for kk in 0..k {
-            let bv = match layout {
-                HeadLayout::Logits => bm[j * ldb + kk],
-                HeadLayout::Dx => bm[kk * ldb + j],
-            };
-            sum += a[a_offset + i * lda + kk].to_f32() * bv.to_f32();
-        }
-        let want = alpha * sum + if accumulate { c0[idx] } else { 0.0 };
-        assert_eq!(
-            c[idx], want,
-            "{layout:?} m={m} n={n} k={k} acc={accumulate}: C[{i}][{j}] = {}, want {want}",
-            c[idx]
-        );
-    }
-}
-
+/// The GEMM the device picked is named for what it runs on (its results,
+/// both layouts, offsets, split-K and accumulation, are the conformance
+/// suite's `kernels/gemm_*` cases, run with the validation layer on).
 #[test]
-fn gemm_both_layouts_match_a_cpu_loop() {
+fn gemm_name_matches_the_matrix_units() {
     let Some(b) = open() else { return };
     eprintln!(
         "device: {} ({}), GEMM: {}",
@@ -124,15 +45,6 @@ fn gemm_both_layouts_match_a_cpu_loop() {
         b.gemm_kernel()
     );
     assert_eq!(b.uses_matrix_units(), b.gemm_kernel().starts_with("cooperative"));
-    let mut seed = 0;
-    for (m, n, k) in [(16, 16, 16), (48, 80, 32), (144, 208, 96), (16, 272, 160)] {
-        for layout in [HeadLayout::Logits, HeadLayout::Dx] {
-            for accumulate in [false, true] {
-                seed += 1;
-                check_gemm(&b, m, n, k, layout, accumulate, seed);
-            }
-        }
-    }
     assert_clean(&b);
 }
 
@@ -258,7 +170,12 @@ fn forced_fallback_and_kernel_labels() {
         eprintln!("SKIPPED (timing part): no timestamps on this queue");
         return;
     }
-    check_gemm(&b, 32, 48, 32, HeadLayout::Logits, false, 7);
+    let (m, n, k) = (32, 48, 32);
+    let a = b.alloc((m * k * 2) as u64, "A").unwrap();
+    let w = b.alloc((n * k * 2) as u64, "B").unwrap();
+    let c = b.alloc((m * n * 4) as u64, "C").unwrap();
+    b.gemm(&a, &w, &c, &GemmDesc::dense(m, n, k, HeadLayout::Logits))
+        .unwrap();
     b.finish().unwrap();
     let times = b.take_kernel_times().unwrap();
     assert_eq!(times.len(), 1, "{times:?}");

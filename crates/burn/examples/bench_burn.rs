@@ -24,59 +24,18 @@ use burn::prelude::{Int, Tensor};
 use burn::tensor::{DType, Device, FloatDType, TensorData};
 use headkl_burn::prelude::LossConfig;
 use headkl_burn::{unfused, DeviceOptions, HeadKl, SharedDevice, Teacher};
-use headkl_core::{Backend, HeadData, HeadWeights};
+use headkl_core::{Backend, HeadData, HeadWeights, Shape};
 
 #[path = "../../backend-wgpu/examples/common/mod.rs"]
 mod common;
 
 use common::{each_flag, parsed, uniform};
 
-/// A problem shape.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Shape {
-    /// Tokens.
-    pub ntok: usize,
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// Hidden size.
-    pub hs: usize,
-    /// Teacher top-k.
-    pub k: usize,
-}
-
-impl Shape {
-    /// `A`, `B`, `tiny`, or `NTOK:V:HS:K`.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        let named = match s {
-            "A" | "a" => Some((4096, 248_320, 5120, 64)),
-            "B" | "b" => Some((8192, 151_936, 4096, 64)),
-            "tiny" => Some((64, 512, 64, 8)),
-            _ => None,
-        };
-        let (ntok, vocab, hs, k) = match named {
-            Some(t) => t,
-            None => {
-                let parts: Vec<usize> = s
-                    .split(':')
-                    .map(|p| p.parse::<usize>())
-                    .collect::<Result<_, _>>()
-                    .map_err(|e| format!("--shape {s}: {e} (A, B, tiny or NTOK:V:HS:K)"))?;
-                let [ntok, vocab, hs, k] = parts[..] else {
-                    return Err(format!("--shape {s}: A, B, tiny or NTOK:V:HS:K"));
-                };
-                (ntok, vocab, hs, k)
-            }
-        };
-        if ntok == 0 || vocab == 0 || hs == 0 || k == 0 || k > vocab {
-            return Err(format!("--shape {s}: every extent must be positive and k <= V"));
-        }
-        Ok(Self { ntok, vocab, hs, k })
-    }
-}
-
-impl std::fmt::Display for Shape {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:{}:{}:{}", self.ntok, self.vocab, self.hs, self.k)
+/// `A`, `B`, `S`, `M`, `NTOK:V:HS:K` (core's [`Shape`]), or `tiny`.
+pub fn parse_shape(s: &str) -> Result<Shape, String> {
+    match s {
+        "tiny" => Ok(Shape::new(64, 512, 64, 8)),
+        _ => s.parse().map_err(|e| format!("--shape {e}")),
     }
 }
 
@@ -100,7 +59,7 @@ impl Config {
     /// `--shape S --reps N --warmup N --dtype f32|f16 --headkl-only`.
     pub fn from_args(args: impl Iterator<Item = String>) -> Result<Self, String> {
         let mut cfg = Config {
-            shape: Shape::parse("A")?,
+            shape: Shape::A,
             reps: 5,
             warmup: 2,
             dtype: FloatDType::F16,
@@ -110,7 +69,7 @@ impl Config {
         each_flag(args, Some("--headkl-only"), flags, |flag, value| {
             match flag {
                 "--headkl-only" => cfg.unfused = false,
-                "--shape" => cfg.shape = Shape::parse(value)?,
+                "--shape" => cfg.shape = parse_shape(value)?,
                 "--reps" => cfg.reps = parsed(flag, value)?,
                 "--warmup" => cfg.warmup = parsed(flag, value)?,
                 "--dtype" => {
@@ -302,7 +261,7 @@ fn timed(
 fn main() {
     let help = "bench_burn: burn's unfused loss against headkl-burn, forward and backward, same device, one run\n\n\
          Flags:\n  \
-         --shape S       A (4096:248320:5120:64), B (8192:151936:4096:64), tiny, or NTOK:V:HS:K (default A)\n  \
+         --shape S       A, B, S, M (DESIGN §7), tiny, or NTOK:V:HS:K (default A)\n  \
          --reps N        timed reps, median reported (default 5)\n  \
          --warmup N      untimed reps first (default 2)\n  \
          --dtype f16|f32 hidden rows and burn's head (default f16: A's f32 head, 5.1 GB, is past wgpu's 4 GiB binding)\n  \

@@ -32,24 +32,10 @@ fn bench_runs_both_methods_on_a_tiny_shape() {
 
 #[test]
 fn shapes_parse() {
-    assert_eq!(
-        bench_burn::Shape::parse("A").expect("A"),
-        bench_burn::Shape {
-            ntok: 4096,
-            vocab: 248_320,
-            hs: 5120,
-            k: 64
-        }
-    );
-    assert_eq!(
-        bench_burn::Shape::parse("8:100:16:4").expect("custom"),
-        bench_burn::Shape {
-            ntok: 8,
-            vocab: 100,
-            hs: 16,
-            k: 4
-        }
-    );
-    assert!(bench_burn::Shape::parse("8:100:16").is_err());
-    assert!(bench_burn::Shape::parse("8:10:16:40").is_err());
+    use headkl_core::Shape;
+    assert_eq!(bench_burn::parse_shape("A"), Ok(Shape::new(4096, 248_320, 5120, 64)));
+    assert_eq!(bench_burn::parse_shape("tiny"), Ok(Shape::new(64, 512, 64, 8)));
+    assert_eq!(bench_burn::parse_shape("8:100:16:4"), Ok(Shape::new(8, 100, 16, 4)));
+    assert!(bench_burn::parse_shape("8:100:16").is_err());
+    assert!(bench_burn::parse_shape("8:10:16:40").is_err());
 }

@@ -31,7 +31,7 @@ fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
     let want = case.reference(true, None);
     tol.check_loss(&per_token, mean, &want)
         .expect("loss against the f64 reference");
-    tol.check_dx_rows(&dx, &want.dx, Some(case.hs))
+    tol.check_dx_rows(&dx, &want.dx, Some(case.shape.hs))
         .expect("dx against the f64 reference");
 
     // headkl outside burn: its own wgpu backend, the host path, same data.
@@ -57,7 +57,7 @@ fn loss_in_burn_matches_the_reference_and_headkl_outside_burn() {
     };
     tol.check_loss(&per_token, mean, &outside_f64)
         .expect("loss against headkl outside burn");
-    tol.check_dx_rows(&dx, &outside_f64.dx, Some(case.hs))
+    tol.check_dx_rows(&dx, &outside_f64.dx, Some(case.shape.hs))
         .expect("dx against headkl outside burn");
 }
 
@@ -95,13 +95,14 @@ fn reduction_and_divergence_reach_the_device() {
         weights: Some(case.weights.clone()),
         ..HostLossOptions::default()
     }
-    .resolve(case.ntok)
+    .resolve(case.shape.ntok)
     .expect("options");
     let want =
         headkl_reference::direct::head_kl_f64(&case.head(), &case.host_hidden(), &case.host_teacher(), &resolved);
     let tol = Tolerance::default();
     tol.check_loss(&per_token, sum, &want).expect("reverse KL, summed");
-    tol.check_dx_rows(&dx, &want.dx, Some(case.hs)).expect("the sum's dx");
+    tol.check_dx_rows(&dx, &want.dx, Some(case.shape.hs))
+        .expect("the sum's dx");
     let forward = case.reference(true, None);
     assert!(
         (want.loss[0] - forward.loss[0]).abs() > 1e-4,
@@ -260,7 +261,7 @@ fn topk_matches_the_reference() {
         return;
     };
     let top = head
-        .topk(&case.hidden(&device), &TopkOptions::new(case.k))
+        .topk(&case.hidden(&device), &TopkOptions::new(case.shape.k))
         .expect("topk");
     let ids: Vec<u32> = top
         .ids
@@ -273,7 +274,7 @@ fn topk_matches_the_reference() {
         .collect();
     let probs = host_f32(top.probs);
     head.wait().expect("device status");
-    let want = topk_f64(&case.head(), &case.host_hidden(), case.k, 1.0);
+    let want = topk_f64(&case.head(), &case.host_hidden(), case.shape.k, 1.0);
     Tolerance::default().check_topk(&ids, &probs, &want).expect("top-k");
 }
 
@@ -285,7 +286,7 @@ fn topk_log_probabilities_are_the_host_paths() {
     let opts = TopkOptions {
         logprobs: true,
         temperature: 0.8,
-        ..TopkOptions::new(case.k)
+        ..TopkOptions::new(case.shape.k)
     };
     let top = head.topk(&case.hidden(&device), &opts).expect("topk");
     let logprobs = host_f32(top.logprobs.expect("log-probabilities were asked for"));
@@ -309,9 +310,9 @@ fn the_per_token_loss_backpropagates_like_burns_own() {
     let device = device.autodiff();
     let burn_way = case.burn_way(&device);
     // A reduction of the caller's own: per-token factors, one of them 0.
-    let mut factors = common::uniform(case.ntok, 91, 2.0);
+    let mut factors = common::uniform(case.shape.ntok, 91, 2.0);
     factors[4] = 0.0;
-    let u = Tensor::<1>::from_data(TensorData::new(factors, [case.ntok]), &device);
+    let u = Tensor::<1>::from_data(TensorData::new(factors, [case.shape.ntok]), &device);
     // Weights (row 3 has weight 0: masked, no gradient through per_token),
     // and a `total`, which per_token's gradient must not depend on.
     for (weights, total) in [(false, None), (true, None), (true, Some(7.0))] {
@@ -320,13 +321,13 @@ fn the_per_token_loss_backpropagates_like_burns_own() {
         let g1 = host_f32(h1.grad(&(ours.per_token * u.clone()).sum().backward()).expect("grad"));
         let h2 = burn_way.rows.clone().require_grad();
         let (_, theirs) = unfused::loss(h2.clone(), &burn_way.head, &burn_way.unfused_teacher, None, None, 1.0);
-        let mut mask = vec![1f32; case.ntok];
+        let mut mask = vec![1f32; case.shape.ntok];
         if weights {
             for (m, &wt) in mask.iter_mut().zip(&case.weights) {
                 *m = if wt > 0.0 { 1.0 } else { 0.0 };
             }
         }
-        let masked = u.clone() * Tensor::<1>::from_data(TensorData::new(mask, [case.ntok]), &device);
+        let masked = u.clone() * Tensor::<1>::from_data(TensorData::new(mask, [case.shape.ntok]), &device);
         let g2 = host_f32(h2.grad(&(theirs * masked).sum().backward()).expect("grad"));
         let rel = relative_l2(&g1, &g2);
         assert!(
@@ -334,7 +335,7 @@ fn the_per_token_loss_backpropagates_like_burns_own() {
             "weights {weights} total {total:?}: relative L2 error {rel}"
         );
         if weights {
-            let row3 = &g1[3 * case.hs..4 * case.hs];
+            let row3 = &g1[3 * case.shape.hs..4 * case.shape.hs];
             assert!(row3.iter().all(|&g| g == 0.0), "row 3 has weight 0: {row3:?}");
         }
     }
@@ -349,13 +350,16 @@ fn a_head_from_a_burn_tensor_is_the_head_from_the_host() {
     let opts = LossConfig::default();
     let mut from_host = HeadKl::new(&shared, &case.head(), &Default::default()).expect("HeadKl::new");
     let w = Tensor::<2>::from_data(
-        TensorData::new(case.head.clone(), [case.vocab, case.hs]),
+        TensorData::new(case.head.clone(), [case.shape.vocab, case.shape.hs]),
         &device.clone().autodiff(),
     );
     let mut from_tensor = HeadKl::from_tensor(&shared, &w, &Default::default()).expect("HeadKl::from_tensor");
     let made = from_tensor.last_binding();
     assert_eq!((made.in_place, made.copied), (0, 1), "{made:?}");
-    assert_eq!((from_tensor.vocab(), from_tensor.hs()), (case.vocab, case.hs));
+    assert_eq!(
+        (from_tensor.vocab(), from_tensor.hs()),
+        (case.shape.vocab, case.shape.hs)
+    );
     let (a, b) = (
         case.loss(&mut from_host, &device, true, &opts),
         case.loss(&mut from_tensor, &device, true, &opts),
@@ -366,7 +370,7 @@ fn a_head_from_a_burn_tensor_is_the_head_from_the_host() {
         "the same f16 planes, the same loss"
     );
     assert_eq!(host_f32(a.dx), host_f32(b.dx));
-    let k = TopkOptions::new(case.k);
+    let k = TopkOptions::new(case.shape.k);
     let (ta, tb) = (
         from_host.topk(&case.hidden(&device), &k).expect("topk"),
         from_tensor.topk(&case.hidden(&device), &k).expect("topk"),
@@ -377,8 +381,8 @@ fn a_head_from_a_burn_tensor_is_the_head_from_the_host() {
 
     // A value f16 cannot hold is refused before anything is uploaded.
     let mut values = case.head.clone();
-    values[7 * case.hs + 3] = 1e6;
-    let big = Tensor::<2>::from_data(TensorData::new(values, [case.vocab, case.hs]), &device);
+    values[7 * case.shape.hs + 3] = 1e6;
+    let big = Tensor::<2>::from_data(TensorData::new(values, [case.shape.vocab, case.shape.hs]), &device);
     let e = HeadKl::from_tensor(&shared, &big, &Default::default())
         .err()
         .expect("out of f16's range");

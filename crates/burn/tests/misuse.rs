@@ -21,17 +21,17 @@ fn misuse_is_a_typed_error_in_the_callers_terms() {
     let teacher = case.teacher(&device);
     let opts = LossConfig::default();
 
-    let wide = Tensor::<2>::zeros([case.ntok, case.hs + 1], &device);
+    let wide = Tensor::<2>::zeros([case.shape.ntok, case.shape.hs + 1], &device);
     let e = head.loss(&wide, &teacher, None, &opts).expect_err("hs");
     assert_eq!(e, Error::HiddenWidth { got: 41, head: 40 });
 
-    let short = case.hidden(&device).slice([0..case.ntok - 1, 0..case.hs]);
+    let short = case.hidden(&device).slice([0..case.shape.ntok - 1, 0..case.shape.hs]);
     let e = head.loss(&short, &teacher, None, &opts).expect_err("rows");
     assert_eq!(e.to_string(), "hidden has 18 rows, teacher.ids 19");
 
     let narrow = Teacher {
         ids: teacher.ids.clone(),
-        probs: teacher.probs.clone().slice([0..case.ntok, 0..case.k - 1]),
+        probs: teacher.probs.clone().slice([0..case.shape.ntok, 0..case.shape.k - 1]),
     };
     let e = head
         .loss(&case.hidden(&device), &narrow, None, &opts)
@@ -41,7 +41,7 @@ fn misuse_is_a_typed_error_in_the_callers_terms() {
         "teacher.ids is [19][8], teacher.probs [19][7]: they must match"
     );
 
-    let w = Tensor::<1>::ones([case.ntok + 2], &device);
+    let w = Tensor::<1>::ones([case.shape.ntok + 2], &device);
     let e = head
         .loss(&case.hidden(&device), &teacher, Some(&w), &opts)
         .expect_err("weights");
@@ -108,19 +108,19 @@ impl Bad {
         let mut ids: Vec<i32> = case.ids.iter().map(|&i| i as i32).collect();
         let mut probs = case.probs.clone();
         let mut weights = None;
-        let k = case.k;
+        let k = case.shape.k;
         match self {
-            Bad::IdEqualToVocab => ids[ROW * k + 2] = case.vocab as i32,
+            Bad::IdEqualToVocab => ids[ROW * k + 2] = case.shape.vocab as i32,
             Bad::IdMinusOne => ids[ROW * k + 2] = -1,
             Bad::DuplicateId => ids[ROW * k + 3] = ids[ROW * k + 1],
             Bad::NanProbability => probs[ROW * k] = f32::NAN,
             Bad::NegativeProbability => probs[ROW * k + 3] = -0.5,
             Bad::NanWeight => {
-                let mut w = vec![1.0; case.ntok];
+                let mut w = vec![1.0; case.shape.ntok];
                 w[ROW] = f32::NAN;
                 weights = Some(w);
             }
-            Bad::AllWeightsZero => weights = Some(vec![0.0; case.ntok]),
+            Bad::AllWeightsZero => weights = Some(vec![0.0; case.shape.ntok]),
         }
         (ids, probs, weights)
     }
@@ -156,7 +156,7 @@ fn a_bad_teacher_row_contributes_nothing_to_the_step_a_readme_loop_applies() {
         return;
     };
     let device = device.autodiff();
-    let hs = case.hs;
+    let hs = case.shape.hs;
     let cases = [
         Bad::IdEqualToVocab,
         Bad::IdMinusOne,
@@ -169,7 +169,7 @@ fn a_bad_teacher_row_contributes_nothing_to_the_step_a_readme_loop_applies() {
     for (n, bad) in cases.into_iter().enumerate() {
         let (ids, probs, weights) = bad.plant(&case);
         let teacher = case.teacher_of(ids, probs, &device);
-        let w = weights.map(|w| Tensor::<1>::from_data(TensorData::new(w, [case.ntok]), &device));
+        let w = weights.map(|w| Tensor::<1>::from_data(TensorData::new(w, [case.shape.ntok]), &device));
 
         // The loop: loss, backward, the optimizer's step, then wait.
         let mut student = Rows {
@@ -193,7 +193,7 @@ fn a_bad_teacher_row_contributes_nothing_to_the_step_a_readme_loop_applies() {
         match &e {
             Error::OnDevice { calls, source } => {
                 assert_eq!(calls.calls, vec![(n as u64 + 1, "loss")], "{bad:?}: {e}");
-                assert!(bad.reported(source, case.vocab), "{bad:?}: {e}");
+                assert!(bad.reported(source, case.shape.vocab), "{bad:?}: {e}");
             }
             other => panic!("{bad:?}: {other}"),
         }
@@ -205,7 +205,7 @@ fn a_bad_teacher_row_contributes_nothing_to_the_step_a_readme_loop_applies() {
         assert!(loss[0].is_nan(), "{bad:?}: the loss is {}", loss[0]);
         // Nothing of the flagged rows reaches the gradient or the step.
         let flagged: Vec<usize> = match bad {
-            Bad::AllWeightsZero => (0..case.ntok).collect(),
+            Bad::AllWeightsZero => (0..case.shape.ntok).collect(),
             _ => vec![ROW],
         };
         for &r in &flagged {

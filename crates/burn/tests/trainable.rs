@@ -103,9 +103,9 @@ fn the_heads_gradient_through_the_per_token_loss_is_burns() {
     let burn_way = case.burn_way(&device);
     let mut head = engine_of(&shared, &burn_way);
     // A reduction of the caller's own, of both signs, one factor 0.
-    let mut factors = uniform(case.ntok, 92, 2.0);
+    let mut factors = uniform(case.shape.ntok, 92, 2.0);
     factors[4] = 0.0;
-    let u = Tensor::<1>::from_data(TensorData::new(factors, [case.ntok]), &device);
+    let u = Tensor::<1>::from_data(TensorData::new(factors, [case.shape.ntok]), &device);
     // (weights, another head read between forward and backward, the
     // mean's gradient in the same backward)
     for (weights, another_head, with_mean) in [(false, false, false), (true, false, false), (true, true, true)] {
@@ -139,13 +139,13 @@ fn the_heads_gradient_through_the_per_token_loss_is_burns() {
         );
         let (mean, per_token) = unfused::loss(x2.clone(), &w2, &burn_way.unfused_teacher, w, None, 1.0);
         // Rows of weight 0 get nothing through the per-token loss.
-        let mut mask = vec![1f32; case.ntok];
+        let mut mask = vec![1f32; case.shape.ntok];
         if weights {
             for (m, &wt) in mask.iter_mut().zip(&case.weights) {
                 *m = if wt > 0.0 { 1.0 } else { 0.0 };
             }
         }
-        let masked = u.clone() * Tensor::<1>::from_data(TensorData::new(mask, [case.ntok]), &device);
+        let masked = u.clone() * Tensor::<1>::from_data(TensorData::new(mask, [case.shape.ntok]), &device);
         let mut objective = (per_token * masked).sum();
         if with_mean {
             objective = objective + mean.mul_scalar(2.0);
@@ -340,14 +340,17 @@ fn the_head_is_read_again_on_every_call() {
     let new_values: Vec<f32> = case
         .head
         .iter()
-        .zip(uniform(case.vocab * case.hs, 241, 0.1))
+        .zip(uniform(case.shape.vocab * case.shape.hs, 241, 0.1))
         .map(|(w, d)| half::f16::from_f32(w + d).to_f32())
         .collect();
-    let new_head = Tensor::<2>::from_data(TensorData::new(new_values.clone(), [case.vocab, case.hs]), &device);
+    let new_head = Tensor::<2>::from_data(
+        TensorData::new(new_values.clone(), [case.shape.vocab, case.shape.hs]),
+        &device,
+    );
     let from_host = |values: &[f32]| {
         HeadKl::new(
             &shared,
-            &HeadWeights::new(HeadData::F32(values), case.vocab, case.hs).expect("head"),
+            &HeadWeights::new(HeadData::F32(values), case.shape.vocab, case.shape.hs).expect("head"),
             &Default::default(),
         )
         .expect("HeadKl::new")
@@ -368,7 +371,10 @@ fn the_head_is_read_again_on_every_call() {
         .expect("loss_with_head");
     let bound = head.last_binding();
     assert_eq!(bound.copied, 1, "the head's copy: {bound:?}");
-    assert!(bound.copied_bytes >= (case.vocab * case.hs * 2) as u64, "{bound:?}");
+    assert!(
+        bound.copied_bytes >= (case.shape.vocab * case.shape.hs * 2) as u64,
+        "{bound:?}"
+    );
     assert_eq!(host_f32(out.per_token), want, "the head read, bit for bit");
     // The engine keeps it: the frozen call after uses it.
     let after = head
@@ -405,15 +411,15 @@ fn a_bad_trainable_head_is_a_typed_error_and_leaves_the_engines_head() {
     let narrow = burn_way
         .head
         .clone()
-        .slice([0..case.vocab, 0..case.hs - 1])
+        .slice([0..case.shape.vocab, 0..case.shape.hs - 1])
         .require_grad();
     let e = call(&mut head, &narrow).expect_err("shape");
     assert_eq!(e.to_string(), "head is [300][39], the engine's head [300][40]");
 
     let with = |row: usize, col: usize, value: f32| {
         let mut values = host_f32(burn_way.head.clone());
-        values[row * case.hs + col] = value;
-        Tensor::<2>::from_data(TensorData::new(values, [case.vocab, case.hs]), &device).require_grad()
+        values[row * case.shape.hs + col] = value;
+        Tensor::<2>::from_data(TensorData::new(values, [case.shape.vocab, case.shape.hs]), &device).require_grad()
     };
     let e = call(&mut head, &with(11, 5, f32::NAN)).expect_err("NaN");
     assert!(

@@ -38,7 +38,7 @@ mod table;
 use data::{random_labels, teacher_data};
 pub(crate) use data::{BenchData, DataKind, VocabOrderArg};
 use resident::time_resident;
-pub use shape::{JobKind, Shape};
+pub use shape::{JobKind, Shape, ShapeCost};
 use sharded::{time_sharded, time_sharded_on_devices};
 use stats::announce_estimate;
 pub(crate) use stats::{median, sorted};

@@ -9,7 +9,6 @@ use std::time::Instant;
 
 use headkl_core::{Backend, HeadWeights, Hidden, HiddenData, LossOptions, LossOutput, SliceOptions, TailMode};
 use headkl_files::inputs::{check_loss_options, read_head, read_hidden, read_labels, read_weights};
-use headkl_files::provenance::LossRecord;
 use headkl_files::sources::Sources;
 use headkl_files::TensorFile;
 
@@ -128,25 +127,15 @@ pub(crate) fn loss(
         },
     )?;
     let head_identity = head_t.identity();
-    let record = LossRecord {
-        mean: result.mean,
-        reduction: args.reduction,
-        temperature: args.temperature,
-        total: resolved.total,
-        gscale: resolved.gscale,
-        k: vocab,
-        vocab,
-        hs,
-        ntok,
-        softcap: None,
-        terms: &resolved.terms,
-        teacher_form: headkl_core::TeacherForm::Probs,
-        tail: TailMode::Renormalize,
-        head: &head_identity,
-        teacher: teacher_hidden,
-        weights: args.weights.as_deref(),
-        labels: terms.labels.as_deref(),
-    };
+    // The teacher's full distribution: k is V, no softcap (refused above),
+    // the form and tail are the defaults (any other was refused).
+    let shape = headkl_core::Shape::new(ntok, vocab, hs, vocab);
+    let record = args.record(
+        &result,
+        &resolved,
+        shape,
+        (&resolved.terms, &head_identity, teacher_hidden),
+    );
     write_loss(outputs, &result, &record, start)
 }
 

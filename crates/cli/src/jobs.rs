@@ -7,13 +7,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headkl_core::{
-    Backend, Engine, HeadData, HeadWeights, Hidden, HiddenData, LossConfig, LossOptions, LossOutput, Reduction,
-    SliceOptions, Teacher, TopK, TopkOptions,
+    Backend, Engine, HeadData, HeadWeights, Hidden, HiddenData, LossConfig, LossOptions, LossOutput, LossTerms,
+    Reduction, ResolvedLoss, Shape, SliceOptions, Teacher, TopK, TopkOptions,
 };
 use headkl_files::inputs::{
     check_loss_options, read_head, read_hidden, read_labels, read_teacher, read_weights, TeacherInput,
 };
-use headkl_files::provenance::{LossRecord, LossRun, TeacherRecord};
+use headkl_files::provenance::{HeadIdentity, LossRecord, LossRun, TeacherRecord};
 use headkl_files::sources::Sources;
 use headkl_files::{TensorFile, TensorRef};
 
@@ -289,6 +289,34 @@ pub struct LossArgs {
 }
 
 impl LossArgs {
+    /// What `loss` records in its output's metadata: these options, the
+    /// resolved `total` and `gscale`, the extents and where the head and
+    /// the teacher came from.
+    pub(crate) fn record<'a>(
+        &'a self,
+        result: &LossOutput,
+        resolved: &ResolvedLoss,
+        shape: Shape,
+        (terms, head, teacher): (&'a LossTerms, &'a HeadIdentity, &'a Path),
+    ) -> LossRecord<'a> {
+        LossRecord {
+            mean: result.mean,
+            reduction: self.reduction,
+            temperature: self.temperature,
+            total: resolved.total,
+            gscale: resolved.gscale,
+            shape,
+            softcap: terms.softcap,
+            terms,
+            teacher_form: self.terms.teacher_form,
+            tail: self.terms.tail,
+            head,
+            teacher,
+            weights: self.weights.as_deref(),
+            labels: self.terms.labels.as_deref(),
+        }
+    }
+
     /// `--out` and `--head-grad` opened for writing (before anything is
     /// computed, so a bad path fails first).
     pub(crate) fn open_outputs(&self, inputs: &[&Path]) -> Result<LossOutputs<'_>, CliError> {
@@ -471,25 +499,8 @@ pub fn loss(
         || headkl_core::shard::check_loss_terms(tail, &opts).map_err(|e| sources.map(e, "loss options").into());
     let (result, start) = shards.run_job(backend, settings, vocab, check_sharded, job)?;
     let terms = args.terms.terms();
-    let record = LossRecord {
-        mean: result.mean,
-        reduction: args.reduction,
-        temperature: args.temperature,
-        total: resolved.total,
-        gscale: resolved.gscale,
-        k,
-        vocab,
-        hs,
-        ntok,
-        softcap: terms.softcap,
-        terms: &terms,
-        teacher_form: args.terms.teacher_form,
-        tail: args.terms.tail,
-        head: &head_identity,
-        teacher: teacher_path,
-        weights: args.weights.as_deref(),
-        labels: args.terms.labels.as_deref(),
-    };
+    let shape = Shape::new(ntok, vocab, hs, k);
+    let record = args.record(&result, &resolved, shape, (&terms, &head_identity, teacher_path));
     write_loss(outputs, &result, &record, start)
 }
 
@@ -511,7 +522,7 @@ pub(crate) fn write_loss(
     record: &LossRecord<'_>,
     start: Instant,
 ) -> Result<(), CliError> {
-    let (ntok, vocab, hs, k) = (record.ntok, record.vocab, record.hs, record.k);
+    let headkl_core::Shape { ntok, vocab, hs, k } = record.shape;
     fn per_token<'a>(name: &'static str, v: &'a [f32]) -> OutTensor<'a> {
         OutTensor::f32(name, vec![v.len()], v)
     }

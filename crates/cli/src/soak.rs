@@ -14,7 +14,7 @@ use headkl_core::{
     ResidentBackend, SliceOptions,
 };
 
-use crate::bench::{BenchData, DataKind, Shape};
+use crate::bench::{BenchData, DataKind, Shape, ShapeCost};
 use crate::environment::Settings;
 use crate::error::{join_in_order, CliError};
 use crate::progress::Progress;

@@ -64,7 +64,7 @@ fn loss_from_teacher_hidden_rows_matches_f64_and_refuses_what_it_cannot_do() {
         assert_eq!(o.status.code(), Some(0), "{divergence:?}: {}", stderr(&o));
         let opts = divergence_at_tau_1_5(divergence);
         let want =
-            headkl_reference::direct::head_kl_full_vocab_f64(&head, &hidden, &th, &tx, &opts.resolve(NTOK).unwrap());
+            headkl_reference::direct::head_kl_full_vocab_f64(&head, &hidden, (&th, &tx), &opts.resolve(NTOK).unwrap());
         let st_bytes = fs::read(f.path("out.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&st_bytes).unwrap();
         check_loss_file(&st, printed_mean(&o), &want);

@@ -25,18 +25,15 @@ pub(super) const NTOK: usize = 40;
 /// most 1024 rows run as 512, 1024, 252 and 512 (`ChunkPlan::chunk_rows`).
 const TAPERED_NTOK: usize = 2300;
 
+/// A sharded loss call's inputs: the hidden rows, the teacher and the
+/// options.
+pub type LossInputs<'a> = (&'a Hidden<'a>, &'a Teacher, &'a LossOptions);
+
 /// How the shards' engines are driven: [`Serial`] or [`Threads`].
 pub trait Drive<B: Backend> {
     /// The sharded loss: phase one on every shard, the merge, phase two,
     /// the outputs summed.
-    fn loss(
-        &self,
-        engines: Vec<ShardEngine<&B>>,
-        hidden: &Hidden<'_>,
-        teacher: &Teacher,
-        opts: &LossOptions,
-        keep: bool,
-    ) -> Result<LossOutput, String>;
+    fn loss(&self, engines: Vec<ShardEngine<&B>>, inputs: LossInputs<'_>, keep: bool) -> Result<LossOutput, String>;
     /// The sharded top-k: each shard's candidates, then the merge.
     fn topk(&self, engines: Vec<ShardEngine<&B>>, hidden: &Hidden<'_>, opts: &TopkOptions) -> Result<TopK, String>;
 }
@@ -52,11 +49,10 @@ impl<B: Backend> Drive<B> for Serial {
     fn loss(
         &self,
         mut engines: Vec<ShardEngine<&B>>,
-        hidden: &Hidden<'_>,
-        teacher: &Teacher,
-        opts: &LossOptions,
+        inputs: LossInputs<'_>,
         keep: bool,
     ) -> Result<LossOutput, String> {
+        let (hidden, teacher, opts) = inputs;
         let err = |e: Error| e.to_string();
         let parts = engines
             .iter_mut()
@@ -264,14 +260,8 @@ impl<B: Backend + Sync> Drive<B> for Threads
 where
     B::Buffer: Send,
 {
-    fn loss(
-        &self,
-        engines: Vec<ShardEngine<&B>>,
-        hidden: &Hidden<'_>,
-        teacher: &Teacher,
-        opts: &LossOptions,
-        keep: bool,
-    ) -> Result<LossOutput, String> {
+    fn loss(&self, engines: Vec<ShardEngine<&B>>, inputs: LossInputs<'_>, keep: bool) -> Result<LossOutput, String> {
+        let (hidden, teacher, opts) = inputs;
         let err = |e: Error| e.to_string();
         let outs = two_phases_on_threads(
             engines,
@@ -387,9 +377,7 @@ fn loss_case<B: Backend, D: Drive<B>>(backend: &B, name: &str, drive: &D) -> Res
     let shards = HeadShard::split_at(VOCAB, &shards).map_err(|e| e.to_string())?;
     let got = drive.loss(
         engines(backend, &head, &shards, slicing, keep)?,
-        &hidden,
-        &teacher,
-        &opts,
+        (&hidden, &teacher, &opts),
         keep,
     )?;
     let resolved = opts.resolve(ntok).map_err(|e| e.to_string())?;

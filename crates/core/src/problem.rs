@@ -1,13 +1,14 @@
 //! The problem a call poses, validated: hidden rows, the teacher's top-k
 //! and the options of each job (here), the loss terms ([`terms`]), the
 //! vocabulary filter ([`filter`]), the vocabulary's slices and order
-//! ([`slicing`], [`vocab_order`]) and the float views inputs arrive in
-//! ([`floats`]). Everything is checked here, once, before any device sees
-//! it. This is the floor the toolkit and the engine stand on: it imports
+//! ([`slicing`], [`vocab_order`]), the float views inputs arrive in
+//! ([`floats`]) and a problem's extents ([`shape`]). Everything is
+//! checked here, once, before any device sees it. This is the floor the toolkit and the engine stand on: it imports
 //! only the error type.
 
 pub mod filter;
 pub mod floats;
+pub mod shape;
 pub mod slicing;
 pub mod terms;
 pub mod vocab_order;

@@ -299,14 +299,8 @@ pub struct LossRecord<'a> {
     pub total: f32,
     /// The f16 gradient's scale (given or the default).
     pub gscale: f32,
-    /// Entries per teacher row.
-    pub k: usize,
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// Hidden size.
-    pub hs: usize,
-    /// Tokens.
-    pub ntok: usize,
+    /// Tokens, vocabulary, hidden size and entries per teacher row.
+    pub shape: headkl_core::Shape,
     /// The softcap (`None`: none).
     pub softcap: Option<f32>,
     /// The loss terms (weights, smoothing, z-loss).
@@ -335,10 +329,10 @@ impl LossRecord<'_> {
         m.insert("headkl.temperature".into(), self.temperature.to_string());
         m.insert("headkl.total".into(), self.total.to_string());
         m.insert("headkl.gscale".into(), self.gscale.to_string());
-        m.insert("headkl.k".into(), self.k.to_string());
-        m.insert("headkl.vocab".into(), self.vocab.to_string());
-        m.insert("headkl.hs".into(), self.hs.to_string());
-        m.insert("headkl.ntok".into(), self.ntok.to_string());
+        m.insert("headkl.k".into(), self.shape.k.to_string());
+        m.insert("headkl.vocab".into(), self.shape.vocab.to_string());
+        m.insert("headkl.hs".into(), self.shape.hs.to_string());
+        m.insert("headkl.ntok".into(), self.shape.ntok.to_string());
         m.insert("headkl.softcap".into(), fmt_softcap(self.softcap));
         m.insert("headkl.soft_weight".into(), self.terms.soft_weight.to_string());
         m.insert("headkl.hard_weight".into(), self.terms.hard_weight.to_string());

@@ -542,12 +542,12 @@ pub fn dense_teacher_f64(head: &HeadWeights<'_>, hidden: &Hidden<'_>, temperatur
 }
 
 /// The exact full-vocabulary divergence in f64: [`head_kl_f64`] against
-/// [`dense_teacher_f64`] in renormalize mode (k = V).
+/// [`dense_teacher_f64`] in renormalize mode (k = V); `teacher` is the teacher's
+/// head and its hidden rows.
 pub fn head_kl_full_vocab_f64(
     head: &HeadWeights<'_>,
     hidden: &Hidden<'_>,
-    teacher_head: &HeadWeights<'_>,
-    teacher_hidden: &Hidden<'_>,
+    (teacher_head, teacher_hidden): (&HeadWeights<'_>, &Hidden<'_>),
     resolved: &ResolvedLoss,
 ) -> DirectLoss {
     full_vocab_of(head, hidden, (teacher_head, teacher_hidden), resolved, false).0
@@ -558,8 +558,7 @@ pub fn head_kl_full_vocab_f64(
 pub fn head_kl_full_vocab_and_head_grad_f64(
     head: &HeadWeights<'_>,
     hidden: &Hidden<'_>,
-    teacher_head: &HeadWeights<'_>,
-    teacher_hidden: &Hidden<'_>,
+    (teacher_head, teacher_hidden): (&HeadWeights<'_>, &Hidden<'_>),
     resolved: &ResolvedLoss,
 ) -> (DirectLoss, Vec<f64>) {
     full_vocab_of(head, hidden, (teacher_head, teacher_hidden), resolved, true)

@@ -238,10 +238,10 @@ fn the_full_vocabulary_head_grad_is_the_top_k_one_at_k_eq_v() {
     })
     .resolve(ntok)
     .unwrap();
-    let (out, dw) = head_kl_full_vocab_and_head_grad_f64(&head, &hidden, &t_head, &t_hidden, &resolved);
+    let (out, dw) = head_kl_full_vocab_and_head_grad_f64(&head, &hidden, (&t_head, &t_hidden), &resolved);
     assert_eq!(
         out,
-        head_kl_full_vocab_f64(&head, &hidden, &t_head, &t_hidden, &resolved)
+        head_kl_full_vocab_f64(&head, &hidden, (&t_head, &t_hidden), &resolved)
     );
     let (ids, probs) = headkl_reference::direct::dense_teacher_f64(&t_head, &t_hidden, 1.5);
     let teacher = Teacher::new(&ids, &probs, ntok, vocab, vocab).unwrap();

@@ -17,6 +17,35 @@ use crate::error::Error;
 use crate::run::{open_backend, OpenVisit};
 use crate::target::Target;
 
+/// A loss call's teacher, as [`HostEngine::loss_into`] takes it.
+#[derive(Clone, Copy)]
+pub enum LossTeacher<'a> {
+    /// Its top-k ([`Engine::head_kl_into`]).
+    TopK(&'a Teacher),
+    /// Its own hidden rows, through the head [`HostEngine::set_teacher_head`]
+    /// uploaded: the exact full-vocabulary loss
+    /// ([`Engine::head_kl_full_vocab_into`]).
+    Hidden(&'a Hidden<'a>),
+}
+
+/// A loss call: the student's hidden rows, the teacher and the options.
+#[derive(Clone, Copy)]
+pub struct LossCall<'a> {
+    /// The student's hidden rows.
+    pub hidden: &'a Hidden<'a>,
+    /// The teacher.
+    pub teacher: LossTeacher<'a>,
+    /// The loss options.
+    pub opts: &'a LossOptions,
+}
+
+impl<'a> LossCall<'a> {
+    /// The call of `hidden` against `teacher` with `opts`.
+    pub fn new(hidden: &'a Hidden<'a>, teacher: LossTeacher<'a>, opts: &'a LossOptions) -> Self {
+        Self { hidden, teacher, opts }
+    }
+}
+
 /// The host calls of an engine, whatever its backend.
 pub trait HostEngine: Send {
     /// The device it runs on.
@@ -25,38 +54,27 @@ pub trait HostEngine: Send {
     fn memory(&self) -> MemoryStats;
     /// Restarts the peak memory count.
     fn reset_peak_memory(&self);
-    /// The loss and its gradient against a top-k teacher, into `out`.
-    fn head_kl_into(
-        &mut self,
-        hidden: &Hidden<'_>,
-        teacher: &Teacher,
-        opts: &LossOptions,
-        out: &mut LossOutput,
-    ) -> headkl_core::Result<()>;
+    /// The loss and its gradient, into `out`.
+    fn loss_into(&mut self, call: LossCall<'_>, out: &mut LossOutput) -> headkl_core::Result<()>;
     /// Uploads the teacher's head for the full-vocabulary loss.
     fn set_teacher_head(&mut self, head: &HeadWeights<'_>, slicing: SliceOptions) -> headkl_core::Result<()>;
-    /// The exact full-vocabulary loss against the teacher's hidden rows.
-    fn head_kl_full_vocab_into(
-        &mut self,
-        hidden: &Hidden<'_>,
-        teacher_hidden: &Hidden<'_>,
-        opts: &LossOptions,
-        out: &mut LossOutput,
-    ) -> headkl_core::Result<()>;
     /// The exact top-k.
     fn topk(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> headkl_core::Result<TopK>;
     /// The log-probabilities at the given ids.
     fn logprobs_at(&mut self, hidden: &Hidden<'_>, ids: &[i64], opts: &TopkOptions) -> headkl_core::Result<Gathered>;
     /// The engine itself, for a caller that knows its backend's type
-    /// (`Engine<B>` for a whole head, `ShardEngine<B>` for a shard).
+    /// (`Engine<B>`).
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 /// The sharded loss's two phases on one vocabulary shard, whatever its
 /// backend.
-pub trait HostShard: HostEngine {
+pub trait HostShard: Send {
     /// The shard's rows.
     fn shard(&self) -> HeadShard;
+    /// The shard's engine, for the calls a shard answers alone (its
+    /// top-k candidates, its device and memory).
+    fn engine(&mut self) -> &mut dyn HostEngine;
     /// Phase one: this shard's partials.
     fn loss_partials(
         &mut self,
@@ -68,72 +86,42 @@ pub trait HostShard: HostEngine {
     fn loss_finish(&mut self, hidden: &Hidden<'_>, stats: &LossStats, out: &mut LossOutput) -> headkl_core::Result<()>;
 }
 
-/// [`HostEngine`] for an engine type whose [`Engine`] `$engine` reaches.
-macro_rules! host_engine {
-    ($ty:ty, $self:ident => $engine:expr, $engine_mut:expr) => {
-        impl<B: RuntimeBackend> HostEngine for $ty {
-            fn info(&self) -> &DeviceInfo {
-                let $self = self;
-                $engine.backend().info()
-            }
-            fn memory(&self) -> MemoryStats {
-                let $self = self;
-                $engine.backend().memory()
-            }
-            fn reset_peak_memory(&self) {
-                let $self = self;
-                $engine.backend().reset_peak_memory()
-            }
-            fn head_kl_into(
-                &mut self,
-                hidden: &Hidden<'_>,
-                teacher: &Teacher,
-                opts: &LossOptions,
-                out: &mut LossOutput,
-            ) -> headkl_core::Result<()> {
-                let $self = self;
-                $engine_mut.head_kl_into(hidden, teacher, opts, out)
-            }
-            fn set_teacher_head(&mut self, head: &HeadWeights<'_>, slicing: SliceOptions) -> headkl_core::Result<()> {
-                let $self = self;
-                $engine_mut.set_teacher_head(head, slicing)
-            }
-            fn head_kl_full_vocab_into(
-                &mut self,
-                hidden: &Hidden<'_>,
-                teacher_hidden: &Hidden<'_>,
-                opts: &LossOptions,
-                out: &mut LossOutput,
-            ) -> headkl_core::Result<()> {
-                let $self = self;
-                $engine_mut.head_kl_full_vocab_into(hidden, teacher_hidden, opts, out)
-            }
-            fn topk(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> headkl_core::Result<TopK> {
-                let $self = self;
-                $engine_mut.topk(hidden, opts)
-            }
-            fn logprobs_at(
-                &mut self,
-                hidden: &Hidden<'_>,
-                ids: &[i64],
-                opts: &TopkOptions,
-            ) -> headkl_core::Result<Gathered> {
-                let $self = self;
-                $engine_mut.logprobs_at(hidden, ids, opts)
-            }
-            fn as_any_mut(&mut self) -> &mut dyn Any {
-                self
-            }
+impl<B: RuntimeBackend> HostEngine for Engine<B> {
+    fn info(&self) -> &DeviceInfo {
+        self.backend().info()
+    }
+    fn memory(&self) -> MemoryStats {
+        self.backend().memory()
+    }
+    fn reset_peak_memory(&self) {
+        self.backend().reset_peak_memory()
+    }
+    fn loss_into(&mut self, call: LossCall<'_>, out: &mut LossOutput) -> headkl_core::Result<()> {
+        match call.teacher {
+            LossTeacher::TopK(teacher) => self.head_kl_into(call.hidden, teacher, call.opts, out),
+            LossTeacher::Hidden(rows) => self.head_kl_full_vocab_into(call.hidden, rows, call.opts, out),
         }
-    };
+    }
+    fn set_teacher_head(&mut self, head: &HeadWeights<'_>, slicing: SliceOptions) -> headkl_core::Result<()> {
+        Engine::set_teacher_head(self, head, slicing)
+    }
+    fn topk(&mut self, hidden: &Hidden<'_>, opts: &TopkOptions) -> headkl_core::Result<TopK> {
+        Engine::topk(self, hidden, opts)
+    }
+    fn logprobs_at(&mut self, hidden: &Hidden<'_>, ids: &[i64], opts: &TopkOptions) -> headkl_core::Result<Gathered> {
+        Engine::logprobs_at(self, hidden, ids, opts)
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
 }
-
-host_engine!(Engine<B>, e => e, e);
-host_engine!(ShardEngine<B>, s => s.engine(), s.engine_mut());
 
 impl<B: RuntimeBackend> HostShard for ShardEngine<B> {
     fn shard(&self) -> HeadShard {
         ShardEngine::shard(self)
+    }
+    fn engine(&mut self) -> &mut dyn HostEngine {
+        self.engine_mut()
     }
     fn loss_partials(
         &mut self,
@@ -194,7 +182,7 @@ impl AnyEngine {
     pub fn engine(&mut self) -> &mut dyn HostEngine {
         match self {
             AnyEngine::Whole(e) => e.as_mut(),
-            AnyEngine::Shard(s) => s.as_mut(),
+            AnyEngine::Shard(s) => s.engine(),
         }
     }
 

@@ -16,7 +16,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use headkl_core::{HeadData, HeadWeights, Hidden, LossOptions, LossOutput, Teacher};
-//! use headkl_runtime::{resolve, AnyEngine, BackendArg, BackendKind, Selection, Settings};
+//! use headkl_runtime::{resolve, AnyEngine, BackendArg, BackendKind, LossCall, LossTeacher, Selection, Settings};
 //!
 //! let (vocab, hs, ntok) = (64, 16, 4);
 //! let w: Vec<f32> = (0..vocab * hs).map(|i| ((i % 7) as f32 - 3.0) / 8.0).collect();
@@ -31,7 +31,10 @@
 //!
 //! let teacher = Teacher::new(&[1, 2, 3, 4], &[1.0; 4], ntok, 1, vocab)?;
 //! let mut out = LossOutput::default();
-//! any.engine().head_kl_into(&Hidden::f32(&x, ntok, hs)?, &teacher, &LossOptions::default(), &mut out)?;
+//! let hidden = Hidden::f32(&x, ntok, hs)?;
+//! let opts = LossOptions::default();
+//! let call = LossCall::new(&hidden, LossTeacher::TopK(&teacher), &opts);
+//! any.engine().loss_into(call, &mut out)?;
 //! assert_eq!(any.engine().info().backend, "reference");
 //! assert!(out.mean.is_finite() && out.dx.len() == ntok * hs);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -47,7 +50,7 @@ mod settings;
 mod target;
 
 pub use backend::{contained, on_kind, RuntimeBackend, Visit};
-pub use engine::{AnyEngine, HostEngine, HostShard};
+pub use engine::{AnyEngine, HostEngine, HostShard, LossCall, LossTeacher};
 pub use error::{Error, Field};
 pub use kind::{BackendArg, BackendKind};
 pub use policy::{auto_pick, best_gpu, describe, is_software, AutoPick, Candidate, AUTO_POLICY, SOFTWARE_REASON};

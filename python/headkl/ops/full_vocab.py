@@ -82,8 +82,8 @@ def _loss_call(head, options: dict, flat, teacher, labels, weights, weight, tota
         head_grad = None if weight is None else torch.empty((head.vocab_size, hs), dtype=torch.float32)
         spec = lambda t: None if t is None else _spec(t)  # noqa: E731
         with explaining(options, flat, teacher_hidden=teacher):
-            mean = head._engine.head_kl_full_vocab(
-                _spec(host), ntok, _spec(teacher_host), teacher_host.shape[1], spec(labels), spec(weights),
+            mean = head._engine.head_kl(
+                _spec(host), ntok, (_spec(teacher_host), teacher_host.shape[1]), spec(labels), spec(weights),
                 (_spec(dx), _spec(per_token)), options, spec(head_grad),
             )  # fmt: skip
         loss, dx = _host_result(options, mean, per_token, dx, labels, weights, flat.device)

@@ -7,7 +7,7 @@ use burn::tensor::TensorData;
 use headkl_burn::prelude::*;
 use headkl_burn::unfused::UnfusedTeacher;
 use headkl_conformance::open_or_skip;
-use headkl_core::{Engine, Hidden, LossOptions as HostLossOptions, SliceOptions};
+use headkl_core::{Engine, Hidden, LossOptions as HostLossOptions, Shape, SliceOptions};
 use headkl_reference::direct::{head_kl_f64, DirectLoss};
 use headkl_wgpu::WgpuBackend;
 
@@ -23,10 +23,7 @@ pub use example_common::uniform;
 /// A small problem: head `[V][hs]`, hidden `[ntok][hs]`, a teacher with
 /// distinct ids per row, weights.
 pub struct Case {
-    pub vocab: usize,
-    pub hs: usize,
-    pub ntok: usize,
-    pub k: usize,
+    pub shape: Shape,
     pub head: Vec<f32>,
     pub hidden: Vec<f32>,
     pub ids: Vec<u32>,
@@ -48,10 +45,7 @@ impl Case {
         let mut weights: Vec<f32> = uniform(ntok, seed + 4, 1.0).iter().map(|u| u.abs() * 2.0).collect();
         weights[3] = 0.0;
         Self {
-            vocab,
-            hs,
-            ntok,
-            k,
+            shape: Shape::new(ntok, vocab, hs, k),
             head: uniform(vocab * hs, seed + 1, 0.5),
             hidden: uniform(ntok * hs, seed + 2, 1.0),
             ids,
@@ -61,7 +55,7 @@ impl Case {
     }
 
     pub fn head(&self) -> HeadWeights<'_> {
-        HeadWeights::new(HeadData::F32(&self.head), self.vocab, self.hs).expect("head")
+        HeadWeights::new(HeadData::F32(&self.head), self.shape.vocab, self.shape.hs).expect("head")
     }
 
     pub fn teacher(&self, device: &burn::tensor::Device) -> Teacher {
@@ -73,27 +67,31 @@ impl Case {
     /// probabilities.
     pub fn teacher_of(&self, ids: Vec<i32>, probs: Vec<f32>, device: &burn::tensor::Device) -> Teacher {
         Teacher {
-            ids: Tensor::<2, Int>::from_data(TensorData::new(ids, [self.ntok, self.k]), device),
-            probs: Tensor::from_data(TensorData::new(probs, [self.ntok, self.k]), device),
+            ids: Tensor::<2, Int>::from_data(TensorData::new(ids, [self.shape.ntok, self.shape.k]), device),
+            probs: Tensor::from_data(TensorData::new(probs, [self.shape.ntok, self.shape.k]), device),
         }
     }
 
     pub fn hidden(&self, device: &burn::tensor::Device) -> Tensor<2> {
-        Tensor::from_data(TensorData::new(self.hidden.clone(), [self.ntok, self.hs]), device)
+        Tensor::from_data(
+            TensorData::new(self.hidden.clone(), [self.shape.ntok, self.shape.hs]),
+            device,
+        )
     }
 
     pub fn weights(&self, device: &burn::tensor::Device) -> Tensor<1> {
-        Tensor::from_data(TensorData::new(self.weights.clone(), [self.ntok]), device)
+        Tensor::from_data(TensorData::new(self.weights.clone(), [self.shape.ntok]), device)
     }
 
     /// The hidden rows as headkl outside burn takes them.
     pub fn host_hidden(&self) -> Hidden<'_> {
-        Hidden::f32(&self.hidden, self.ntok, self.hs).expect("hidden")
+        Hidden::f32(&self.hidden, self.shape.ntok, self.shape.hs).expect("hidden")
     }
 
     /// The teacher as headkl outside burn takes it.
     pub fn host_teacher(&self) -> headkl_core::Teacher {
-        headkl_core::Teacher::new(&self.ids, &self.probs, self.ntok, self.k, self.vocab).expect("teacher")
+        headkl_core::Teacher::new(&self.ids, &self.probs, self.shape.ntok, self.shape.k, self.shape.vocab)
+            .expect("teacher")
     }
 
     /// headkl outside burn: its own wgpu backend, the host path, this head.
@@ -126,8 +124,14 @@ impl Case {
     /// the rows rounded to f16 (headkl's operands), and the teacher.
     pub fn burn_way(&self, device: &burn::tensor::Device) -> BurnWay {
         let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect() };
-        let head = Tensor::from_data(TensorData::new(round(&self.head), [self.vocab, self.hs]), device);
-        let rows = Tensor::from_data(TensorData::new(round(&self.hidden), [self.ntok, self.hs]), device);
+        let head = Tensor::from_data(
+            TensorData::new(round(&self.head), [self.shape.vocab, self.shape.hs]),
+            device,
+        );
+        let rows = Tensor::from_data(
+            TensorData::new(round(&self.hidden), [self.shape.ntok, self.shape.hs]),
+            device,
+        );
         let teacher = self.teacher(device);
         BurnWay {
             head,
@@ -149,7 +153,7 @@ impl Case {
             weights: weights.then(|| self.weights.clone()),
             ..HostLossOptions::default()
         };
-        let resolved = opts.resolve(self.ntok).expect("options");
+        let resolved = opts.resolve(self.shape.ntok).expect("options");
         head_kl_f64(&self.head(), &hidden, &teacher, &resolved)
     }
 }

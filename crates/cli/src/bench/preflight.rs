@@ -15,7 +15,7 @@ use std::time::Instant;
 use half::f16;
 use headkl_core::{Backend, DeviceInfo, Engine, HeadData, HeadWeights, Hidden, SliceOptions, TopkOptions};
 
-use super::shape::{JobKind, Shape};
+use super::shape::{JobKind, Shape, ShapeCost};
 use super::stats::fmt_secs;
 use super::BenchConfig;
 use crate::error::CliError;

@@ -88,12 +88,9 @@ type TopkCall<B> = fn(&mut [ShardEngine<&B>], &Hidden<'_>, &TopkOptions) -> head
 /// ([`ShardCalls::in_turn`]) or one thread a shard
 /// ([`ShardCalls::threads`]).
 struct ShardCalls<B> {
-    /// The rows' path label.
-    path: &'static str,
-    /// What a device error is reported under.
-    context: &'static str,
-    /// The log line that says how the engines run.
-    describe: String,
+    shards: usize,
+    /// `Some(devices)`: one thread a shard, on that many devices.
+    devices: Option<usize>,
     loss: LossCall<B>,
     topk: TopkCall<B>,
 }
@@ -101,12 +98,44 @@ struct ShardCalls<B> {
 impl<B: Backend> ShardCalls<B> {
     /// `shards` engines called in turn on this thread.
     fn in_turn(shards: usize) -> Self {
+        let loss: LossCall<B> =
+            |engines, inputs, outs, merged| crate::shard::loss_serial(engines, inputs, outs, merged);
+        let topk: TopkCall<B> = |engines, hidden, opts| crate::shard::topk_serial(engines, hidden, opts).map(|_| ());
         ShardCalls {
-            path: "sharded",
-            context: "bench --shards",
-            describe: format!("bench: {shards} shards of the head, one engine each, called in turn"),
-            loss: |engines, inputs, outs, merged| crate::shard::loss_serial(engines, inputs, outs, merged),
-            topk: |engines, hidden, opts| crate::shard::topk_serial(engines, hidden, opts).map(|_| ()),
+            shards,
+            devices: None,
+            loss,
+            topk,
+        }
+    }
+
+    /// The rows' path label.
+    fn path(&self) -> &'static str {
+        match self.devices {
+            None => "sharded",
+            Some(_) => "sharded, threads",
+        }
+    }
+
+    /// What a device error's message starts with.
+    fn context(&self) -> &'static str {
+        match self.devices {
+            None => "bench --shards",
+            Some(_) => "bench --shards --devices",
+        }
+    }
+
+    /// The log line that says how the engines run.
+    fn describe(&self) -> String {
+        match self.devices {
+            None => format!(
+                "bench: {} shards of the head, one engine each, called in turn",
+                self.shards
+            ),
+            Some(devices) => format!(
+                "bench: {} shards of the head on {devices} device(s), one thread each",
+                self.shards
+            ),
         }
     }
 }
@@ -117,12 +146,15 @@ where
 {
     /// `shards` engines on `devices` device(s), one thread each.
     fn threads(shards: usize, devices: usize) -> Self {
+        let loss: LossCall<B> =
+            |engines, inputs, outs, merged| crate::shard::loss_on_threads(engines, inputs, outs, merged);
+        let topk: TopkCall<B> =
+            |engines, hidden, opts| crate::shard::topk_on_threads(engines, hidden, opts).map(|_| ());
         ShardCalls {
-            path: "sharded, threads",
-            context: "bench --shards --devices",
-            describe: format!("bench: {shards} shards of the head on {devices} device(s), one thread each"),
-            loss: |engines, inputs, outs, merged| crate::shard::loss_on_threads(engines, inputs, outs, merged),
-            topk: |engines, hidden, opts| crate::shard::topk_on_threads(engines, hidden, opts).map(|_| ()),
+            shards,
+            devices: Some(devices),
+            loss,
+            topk,
         }
     }
 }
@@ -141,8 +173,8 @@ fn time_shards<B: Backend>(
     calls: &ShardCalls<B>,
 ) -> Result<Vec<JobResult>, CliError> {
     let shape = d.shape;
-    let fail = |e| CliError::device(calls.context, e);
-    let map = |e, what: &str| CliError::device(format!("{}: {what}", calls.context), e);
+    let fail = |e| CliError::device(calls.context(), e);
+    let map = |e, what: &str| CliError::device(format!("{}: {what}", calls.context()), e);
     let head = HeadWeights::new(HeadData::F16(&d.head), shape.vocab, shape.hs).map_err(fail)?;
     let in_use = || backends.iter().map(|b| b.memory().current).sum::<u64>();
     let before = in_use();
@@ -157,7 +189,7 @@ fn time_shards<B: Backend>(
     )
     .map_err(fail)?;
     let held = in_use().saturating_sub(before);
-    eprintln!("{}", calls.describe);
+    eprintln!("{}", calls.describe());
     let hidden = Hidden::f16(&d.hidden, shape.ntok, shape.hs).map_err(fail)?;
     let loss_opts = LossOptions::from(LossConfig {
         budget_bytes: cfg.budget.bytes,
@@ -169,9 +201,16 @@ fn time_shards<B: Backend>(
     };
     let mut outs = vec![LossOutput::default(); engines.len()];
     let mut merged = LossOutput::default();
-    let head_kl = BenchJob::time_calls(cfg, &mut anchor, JobKind::HeadKl, calls.path, held, shape, None, |_| {
-        (calls.loss)(&mut engines, (&hidden, &d.teacher, &loss_opts), &mut outs, &mut merged)
-    })?;
+    let head_kl = BenchJob::time_calls(
+        cfg,
+        &mut anchor,
+        JobKind::HeadKl,
+        calls.path(),
+        held,
+        shape,
+        None,
+        |_| (calls.loss)(&mut engines, (&hidden, &d.teacher, &loss_opts), &mut outs, &mut merged),
+    )?;
     eprintln!(
         "bench: the shards {} their logits between the phases (kept where the chunk scratch and \
          the logits fit --budget {}; else phase two recomputes them)",
@@ -182,7 +221,7 @@ fn time_shards<B: Backend>(
         },
         fmt_bytes(cfg.budget.bytes)
     );
-    let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, calls.path, held, shape, None, |_| {
+    let topk = BenchJob::time_calls(cfg, &mut anchor, JobKind::Topk, calls.path(), held, shape, None, |_| {
         (calls.topk)(&mut engines, &hidden, &topk_opts)
     })?;
     Ok(vec![head_kl, topk])

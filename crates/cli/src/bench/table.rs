@@ -93,6 +93,7 @@ pub struct BenchRun {
     #[serde(flatten, serialize_with = "device_keys")]
     pub info: DeviceInfo,
     /// The shape.
+    #[serde(serialize_with = "super::shape::shape_json")]
     pub shape: Shape,
     /// Device bytes the f16 head occupies.
     pub head_bytes: u64,

@@ -444,7 +444,7 @@ pub(crate) fn check_head_grad_case<B: Backend + ?Sized>(
         (Some(t), Some(t_rows)) => {
             let t_head = t.head_weights().map_err(|e| format!("teacher head: {e}"))?;
             let t_hidden = t_rows.hidden(t)?;
-            direct::head_kl_full_vocab_and_head_grad_f64(&head, &hidden, &t_head, &t_hidden, &resolved)
+            direct::head_kl_full_vocab_and_head_grad_f64(&head, &hidden, (&t_head, &t_hidden), &resolved)
         }
         _ => {
             let teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;

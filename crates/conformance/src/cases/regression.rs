@@ -479,7 +479,7 @@ fn compare_full_vocab<B: Backend>(
         .head_kl_full_vocab(&hidden, &t_hidden, opts)
         .map_err(|e| format!("head_kl_full_vocab: {e}"))?;
     let resolved = opts.resolve(case.ntok).map_err(|e| format!("case options: {e}"))?;
-    let want = direct::head_kl_full_vocab_f64(&head, &hidden, &t_head, &t_hidden, &resolved);
+    let want = direct::head_kl_full_vocab_f64(&head, &hidden, (&t_head, &t_hidden), &resolved);
     let loss = tol.check_loss(&out.loss, out.mean, &want).map_err(|e| e.to_string())?;
     let dx = tol
         .check_dx_rows(&out.dx, &want.dx, Some(case.hs))

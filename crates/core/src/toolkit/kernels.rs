@@ -200,11 +200,10 @@ pub const LOSS_OUT_WGSL: Shader = resident_shader!("resident_loss_out.wgsl", Los
 pub const HEAD_GRAD_OUT_WGSL: Shader = resident_shader!("resident_head_grad_out.wgsl", HeadGradOutParams);
 /// `resident_topk_out.wgsl`: a chunk's top-k into the caller's buffers.
 pub const TOPK_OUT_WGSL: Shader = resident_shader!("resident_topk_out.wgsl", TopkOutParams);
-/// `resident_gather_in.wgsl`: the caller's gather ids checked into scratch.
-pub const GATHER_IN_WGSL: Shader = resident_shader!("resident_gather_in.wgsl", GatherRowsParams);
-/// `resident_gather_out.wgsl`: a chunk's gathered values into the caller's
-/// buffers.
-pub const GATHER_OUT_WGSL: Shader = resident_shader!("resident_gather_out.wgsl", GatherRowsParams);
+/// `resident_gather.wgsl`: the caller's gather ids checked into scratch
+/// (`gather_in`), and a chunk's gathered values into the caller's
+/// log-probabilities and lse (`gather_out`).
+pub const GATHER_WGSL: Shader = resident_shader!("resident_gather.wgsl", GatherRowsParams);
 /// `resident_shard.wgsl`: a vocabulary shard's per-row steps of the
 /// two-phase loss.
 pub const SHARD_ROWS_WGSL: Shader = resident_shader!("resident_shard.wgsl", ShardRowsParams);
@@ -212,7 +211,7 @@ pub const SHARD_ROWS_WGSL: Shader = resident_shader!("resident_shard.wgsl", Shar
 pub const STATUS_DETAIL_WGSL: Shader = resident_shader!("resident_status.wgsl", StatusDetailParams);
 
 /// Every shader file, in the order of [`KernelId::ALL`].
-pub const SHADERS: [Shader; 18] = [
+pub const SHADERS: [Shader; 17] = [
     KL_ROWS_WGSL,
     TOPK_ROWS_WGSL,
     GEMM_TILED_WGSL,
@@ -228,8 +227,7 @@ pub const SHADERS: [Shader; 18] = [
     TOPK_OUT_WGSL,
     STATUS_DETAIL_WGSL,
     SHARD_ROWS_WGSL,
-    GATHER_IN_WGSL,
-    GATHER_OUT_WGSL,
+    GATHER_WGSL,
     HEAD_GRAD_OUT_WGSL,
 ];
 
@@ -433,10 +431,10 @@ catalogue! {
     ShardRows => "shard_rows", [W, R, W, W, W, W, W], ShardRowsParams, true, SHARD_ROWS_WGSL: 0, ROW_WORKGROUP;
     /// Resident: the caller's gather ids checked into scratch
     /// ([`GatherRowsDesc`]).
-    GatherIn => "gather_in", [R, W, W], GatherRowsParams, true, GATHER_IN_WGSL: 0, ROW_WORKGROUP;
+    GatherIn => "gather_in", [R, W, W], GatherRowsParams, true, GATHER_WGSL: 0, ROW_WORKGROUP;
     /// Resident: a chunk's gathered log-probabilities and lse into the
     /// caller's buffers ([`GatherRowsDesc`]).
-    GatherOut => "gather_out", [R, W, W, W], GatherRowsParams, true, GATHER_OUT_WGSL: 0, ROW_WORKGROUP;
+    GatherOut => "gather_out", [R, W, W, W], GatherRowsParams, true, GATHER_WGSL: 0, ROW_WORKGROUP;
     /// Resident: a piece of the head's gradient into the caller's buffer
     /// ([`HeadGradOutDesc`]).
     HeadGradOut => "head_grad_out", [R, W, W], HeadGradOutParams, true, HEAD_GRAD_OUT_WGSL: 0, ROW_WORKGROUP;

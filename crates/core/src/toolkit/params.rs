@@ -468,7 +468,7 @@ pub struct LossOutParams {
     pub _pad: [u32; 3],
 }
 
-/// `shaders/resident_gather_in.wgsl` and `shaders/resident_gather_out.wgsl`
+/// `shaders/resident_gather.wgsl`'s two entry points
 /// (one invocation per column of a chunk's `[rows][k + 1]` gather rows).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]

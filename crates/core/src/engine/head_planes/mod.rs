@@ -26,11 +26,8 @@ use crate::toolkit::resident_kernels::HiddenInDesc;
 use crate::toolkit::split::DxSplit;
 
 mod grad;
+mod packing;
 pub(crate) use grad::HeadGrad;
-
-/// Bytes of host data uploaded per transfer while packing the head, so a
-/// multi-GB head never needs a second multi-GB copy on the host.
-const HEAD_UPLOAD_BYTES: usize = 64 << 20;
 
 /// How the scale of z = S·x·Wᵀ reaches the head's two GEMMs: the logits
 /// GEMM writes z/τ, and dx's carries S, with 1/(gscale·τ) as well on the
@@ -175,34 +172,19 @@ impl<B: Backend> HeadPlanes<B> {
         // Scan on the host before the first allocation: a bad value should
         // cost no device memory and no upload.
         head.check_values()?;
-        let mut staging = Vec::new();
-        let rows_per_upload = (HEAD_UPLOAD_BYTES / (hs_padded * 2)).max(1);
-        let mut planes = Vec::with_capacity(slices.len());
+        let planes = slices
+            .iter()
+            .map(|s| backend.alloc((s.padded_width() * hs_padded * 2) as u64, "head slice"))
+            .collect::<Result<Vec<_>>>()?;
         let mut block_norms = vec![0f32; vocab.div_ceil(crate::problem::filter::BLOCK)];
-        for s in &slices {
-            let padded = s.padded_width();
-            let plane = backend.alloc((padded * hs_padded * 2) as u64, "head slice")?;
-            let mut row = 0;
-            while row < padded {
-                let rows = rows_per_upload.min(padded - row);
-                let real = rows.min(s.width.saturating_sub(row));
-                let first = s.offset + row;
-                match &order {
-                    None => head.pack_checked_rows(|r| first + r, real, hs_padded, &mut staging),
-                    // first + r < vocab = o.len(), which fits in u32.
-                    Some(o) => {
-                        head.pack_checked_rows(|r| o.id((first + r) as u32) as usize, real, hs_padded, &mut staging)
-                    }
-                }
-                for (r, norm) in row_norms(&staging, hs_padded).into_iter().enumerate() {
-                    block_norms[(s.offset + row + r) / crate::problem::filter::BLOCK] += norm;
-                }
-                staging.resize(rows * hs_padded, f16::ZERO);
-                backend.upload(&plane, (row * hs_padded * 2) as u64, bytemuck::cast_slice(&staging))?;
-                row += rows;
+        packing::for_each_piece(head, order.as_ref(), &slices, hs_padded, |piece| {
+            let first = slices[piece.slice].offset + piece.row;
+            for (r, norm) in piece.norms.iter().enumerate() {
+                block_norms[(first + r) / crate::problem::filter::BLOCK] += norm;
             }
-            planes.push(plane);
-        }
+            let at = (piece.row * hs_padded * 2) as u64;
+            backend.upload(&planes[piece.slice], at, bytemuck::cast_slice(&piece.data))
+        })?;
         backend.finish()?;
         Ok(Self::assemble(vocab, hs, slices, planes, block_norms, order))
     }
@@ -732,45 +714,5 @@ impl<B: Backend> HeadPlanes<B> {
                 self.dx_split.choose(tiles, s.padded_width(), tile)
             })
             .collect()
-    }
-}
-
-/// The L2 norm of each `ld`-wide f16 row of `rows`, on every core (the
-/// block filter's bound needs them once, at upload: a 248320 × 5120 head
-/// is 1.3 G multiply-adds).
-fn row_norms(rows: &[f16], ld: usize) -> Vec<f32> {
-    let ld = ld.max(1);
-    let mut out = vec![0f32; rows.len() / ld];
-    // Chunks of 512 rows.
-    crate::toolkit::host::par_chunks(&mut out, 512, |i, norms| {
-        let mut row = vec![0f32; ld];
-        let src = rows.get(i * 512 * ld..).unwrap_or_default();
-        for (w, o) in src.chunks_exact(ld).zip(norms) {
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(w, &mut row);
-            *o = row.iter().map(|v| v * v).sum::<f32>().sqrt();
-        }
-    });
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn row_norms_cover_every_row_across_the_threads() {
-        // 1300 rows (three chunks, the last short) of width 4: row r holds
-        // (3, 4, 0, 0)·(r % 7 + 1), norm 5·(r % 7 + 1).
-        let rows: Vec<f16> = (0..1300)
-            .flat_map(|r| {
-                let s = (r % 7 + 1) as f32;
-                [3.0 * s, 4.0 * s, 0.0, 0.0].map(f16::from_f32)
-            })
-            .collect();
-        let norms = row_norms(&rows, 4);
-        assert_eq!(norms.len(), 1300);
-        for (r, &n) in norms.iter().enumerate() {
-            assert_eq!(n, 5.0 * (r % 7 + 1) as f32, "row {r}");
-        }
     }
 }
