@@ -133,8 +133,9 @@ mod tests {
     /// error stops the packer without a hang.
     #[test]
     fn pieces_cover_the_planes_in_order_and_stop_at_an_error() {
-        // hs 8 (padded to ALIGN) and pieces of 64 MiB: a small head takes
-        // one piece a slice, so force many with a wide padded row.
+        // A small head takes one 64 MiB piece a slice; rows padded from 3
+        // to 8192 columns make a piece 4096 rows, so the first slice spans
+        // two pieces and the last piece of each carries pad rows.
         let (vocab, hs) = (5000, 3);
         let w: Vec<f32> = (0..vocab * hs).map(|i| (i % 97) as f32 / 16.0).collect();
         let head = HeadWeights::new(HeadData::F32(&w), vocab, hs).expect("head");
