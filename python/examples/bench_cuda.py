@@ -52,6 +52,11 @@ def arguments():
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--backend", default="auto", help="headkl backend: auto (cuda on NVIDIA), cuda or vulkan")
     p.add_argument(
+        "--head-grad",
+        action="store_true",
+        help="the head is a trainable CUDA parameter: each step also gives its gradient (weight.grad)",
+    )
+    p.add_argument(
         "--budget",
         type=parse_bytes,
         default=None,
@@ -68,6 +73,9 @@ def main():
         ntok = args.ntok or ntok
         g = torch.Generator().manual_seed(1)
         weight = (torch.randn(vocab, hs, generator=g) / hs**0.5).to(torch.bfloat16)
+        if args.head_grad:
+            # As a trainer's lm_head: on the GPU, requiring grad.
+            weight = torch.nn.Parameter(weight.to(device))
         started = time.perf_counter()
         loss_fn = ht.HeadKLLoss(weight, backend=args.backend, budget_bytes=args.budget)
         upload_s = time.perf_counter() - started
@@ -84,6 +92,7 @@ def main():
         copied = 0
         for step in range(args.warmup + args.iters):
             x = hidden.detach().requires_grad_()
+            weight.grad = None
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before = ht.host_copy_bytes()
             begin.record()
@@ -100,7 +109,8 @@ def main():
         headkl_extra = (engine_peak - head_bytes) / 2**30
         budget = f" budget {args.budget / 2**20:.0f}M" if args.budget else ""
         print(
-            f"torch {name}{budget} {ntok}:{vocab}:{hs}:{k} {'zero-copy' if loss_fn.zero_copy else 'host copies'}: "
+            f"torch {name}{budget} {ntok}:{vocab}:{hs}:{k} {'zero-copy' if loss_fn.zero_copy else 'host copies'}"
+            f"{' with dW' if args.head_grad else ''}: "
             f"step {statistics.median(times):.2f} ms (min {min(times):.2f}), host bytes {copied}, "
             f"peak extra: torch {peak:.2f} GiB + headkl {headkl_extra:.2f} GiB (beyond its {head_bytes / 2**30:.2f} GiB head), "
             f"head upload {upload_s:.1f} s, loss {loss.item():.4f}",

@@ -44,6 +44,8 @@ const TIMED_RUNS: usize = 2;
 struct Key {
     /// Whether the head is `[n][k]` (the logits) rather than `[k][n]`.
     logits: bool,
+    /// Whether our A is stored `[k][m]` ([`GemmDesc::a_columns`]).
+    a_columns: bool,
     m: usize,
     n: usize,
     k: usize,
@@ -60,8 +62,9 @@ impl Key {
     fn text(&self) -> String {
         let [a, b, c] = self.align;
         format!(
-            "{} GEMM {}x{}x{} lda {} ldb {} ldc {} align {a}/{b}/{c}",
+            "{}{} GEMM {}x{}x{} lda {} ldb {} ldc {} align {a}/{b}/{c}",
             if self.logits { "logits" } else { "dx" },
+            if self.a_columns { " (A as columns)" } else { "" },
             self.m,
             self.n,
             self.k,
@@ -148,13 +151,17 @@ fn calls(desc: &GemmDesc, (a, b, c): (u64, u64, u64)) -> Vec<Call> {
             }
             continue;
         }
-        let a_at = a + 2 * (desc.a_offset + k0) as u64;
+        let a_at = match desc.a_columns {
+            true => a + 2 * (desc.a_offset + k0 * desc.lda) as u64,
+            false => a + 2 * (desc.a_offset + k0) as u64,
+        };
         let b_at = match desc.b_layout {
             HeadLayout::Logits => b + 2 * k0 as u64,
             HeadLayout::Dx => b + 2 * (k0 * desc.ldb) as u64,
         };
         let key = Key {
             logits: desc.b_layout == HeadLayout::Logits,
+            a_columns: desc.a_columns,
             m,
             n,
             k: kk,
@@ -173,11 +180,12 @@ fn calls(desc: &GemmDesc, (a, b, c): (u64, u64, u64)) -> Vec<Call> {
     out
 }
 
-/// cuBLASLt's view of a [`Key`]: its operation on A, and the stored shape
-/// `(rows, columns, leading dimension)` of its A (our head), B (our rows)
-/// and C, all column-major.
+/// cuBLASLt's view of a [`Key`]: its operations on A and B, and the stored
+/// shape `(rows, columns, leading dimension)` of its A (our head), B (our
+/// rows) and C, all column-major.
 struct Layouts {
     op_a: i32,
+    op_b: i32,
     a: (usize, usize, usize),
     b: (usize, usize, usize),
     c: (usize, usize, usize),
@@ -191,10 +199,17 @@ impl Key {
             true => (CUBLAS_OP_T, (self.k, self.n, self.ldb)),
             false => (CUBLAS_OP_N, (self.n, self.k, self.ldb)),
         };
+        // Our A `[m][k]` is column-major k × m as it is; stored `[k][m]`,
+        // it is column-major m × k, transposed.
+        let (op_b, b) = match self.a_columns {
+            false => (CUBLAS_OP_N, (self.k, self.m, self.lda)),
+            true => (CUBLAS_OP_T, (self.m, self.k, self.lda)),
+        };
         Layouts {
             op_a,
+            op_b,
             a,
-            b: (self.k, self.m, self.lda),
+            b,
             c: (self.n, self.m, self.ldc),
         }
     }
@@ -341,7 +356,7 @@ impl Gemm {
             // SAFETY: a plain C struct of integers, filled by the heuristic.
             algo: unsafe { std::mem::zeroed() },
         };
-        let op_b = CUBLAS_OP_N;
+        let op_b = layouts.op_b;
         // SAFETY: the descriptor is live; each attribute is the size the
         // API states (a cublasOperation_t).
         unsafe {
@@ -583,14 +598,18 @@ mod tests {
             } => {
                 let l = key.layouts();
                 let (rows0, head0, c0) = (a_at as usize / 2, b_at as usize / 2, c_at as usize / 4);
-                // op(A) is n × k; B is k × m; D is n × m.
+                // op(A) is n × k; op(B) is k × m; D is n × m.
                 let op_a = |i: usize, p: usize| match l.op_a {
                     CUBLAS_OP_T => head[head0 + p + i * l.a.2],
                     _ => head[head0 + i + p * l.a.2],
                 };
+                let op_b = |p: usize, j: usize| match l.op_b {
+                    CUBLAS_OP_T => rows[rows0 + j + p * l.b.2],
+                    _ => rows[rows0 + p + j * l.b.2],
+                };
                 for j in 0..key.m {
                     for i in 0..key.n {
-                        let dot: f64 = (0..key.k).map(|p| op_a(i, p) * rows[rows0 + p + j * l.b.2]).sum();
+                        let dot: f64 = (0..key.k).map(|p| op_a(i, p) * op_b(p, j)).sum();
                         let at = c0 + i + j * l.c.2;
                         c[at] = alpha * dot + beta * c[at];
                     }
@@ -600,22 +619,28 @@ mod tests {
     }
 
     /// The calls of a descriptor compute core's row-major product, split-K
-    /// parts (one of them empty), offsets, strides and accumulation
-    /// included: exact small integers, each case against the definition.
+    /// parts (one of them empty), offsets, strides, accumulation and A
+    /// stored as columns included: exact small integers, each case against
+    /// the definition.
     #[test]
     fn the_calls_compute_cores_row_major_product() {
-        for (layout, k_parts, accumulate) in [
-            (HeadLayout::Logits, 1, false),
-            (HeadLayout::Dx, 1, true),
-            (HeadLayout::Logits, 3, true),
-            (HeadLayout::Dx, 4, false),
+        for (layout, k_parts, accumulate, a_columns) in [
+            (HeadLayout::Logits, 1, false, false),
+            (HeadLayout::Dx, 1, true, false),
+            (HeadLayout::Logits, 3, true, false),
+            (HeadLayout::Dx, 4, false, false),
+            (HeadLayout::Dx, 1, true, true),
+            (HeadLayout::Dx, 1, false, true),
         ] {
             // K 150: parts of 64 (core's split rounds up to a multiple of 64),
             // so 3 parts are 64, 64, 22 and 4 parts leave the last empty.
             let (m, n, k) = (5, 7, 150);
+            // A `[m][k]`, or as columns `[k][m]`, with room past each row.
+            let a_rows = if a_columns { k } else { m };
             let desc = GemmDesc {
                 a_offset: 8,
-                lda: k + 8 + 16,
+                lda: if a_columns { m + 8 + 3 } else { k + 8 + 16 },
+                a_columns,
                 ldb: match layout {
                     HeadLayout::Logits => k + 16,
                     HeadLayout::Dx => n + 9,
@@ -629,7 +654,7 @@ mod tests {
                 ..GemmDesc::dense(m, n, k, layout)
             };
             let value = |i: usize| ((i * 7 + 3) % 11) as f64 - 5.0;
-            let a: Vec<f64> = (0..desc.lda * m + 64).map(value).collect();
+            let a: Vec<f64> = (0..desc.lda * a_rows + 64).map(value).collect();
             let b: Vec<f64> = (0..desc.ldb * k.max(n) + 64).map(|i| value(i + 5)).collect();
             let c_len = desc.c_offset + (k_parts - 1) * desc.c_part_stride + desc.ldc * m;
             let c0: Vec<f64> = (0..c_len).map(|i| value(i + 2)).collect();
@@ -650,7 +675,11 @@ mod tests {
                                     HeadLayout::Logits => b[j * desc.ldb + p],
                                     HeadLayout::Dx => b[p * desc.ldb + j],
                                 };
-                                a[desc.a_offset + i * desc.lda + p] * head
+                                let at = match a_columns {
+                                    true => desc.a_offset + p * desc.lda + i,
+                                    false => desc.a_offset + i * desc.lda + p,
+                                };
+                                a[at] * head
                             })
                             .sum();
                         let at = desc.c_offset + part * desc.c_part_stride + i * desc.ldc + j;

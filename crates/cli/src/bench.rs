@@ -637,8 +637,21 @@ impl BenchJob<'_> {
         let head_bytes = engine.backend().memory().current.saturating_sub(before);
         // Upload kernels (if any were timed) are not part of a job.
         let _ = engine.backend().take_kernel_times();
+        // Where the time went: the host's scan, the packing thread, the
+        // backend's copies.
+        let split = engine.head_upload_times().map_or(String::new(), |t| {
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            format!(
+                "; check {:.0} ms, alloc {:.0}, waiting for packing {:.0}, copies {:.0}, finish {:.0}",
+                ms(t.check),
+                ms(t.alloc),
+                ms(t.packing_wait),
+                ms(t.copies),
+                ms(t.finish)
+            )
+        });
         eprintln!(
-            "bench: head uploaded in {upload_ms:.0} ms ({}, {} slice(s), vocabulary order {})",
+            "bench: head uploaded in {upload_ms:.0} ms ({}, {} slice(s), vocabulary order {}{split})",
             fmt_bytes(head_bytes),
             engine.slices().len(),
             if engine.vocab_order().is_some() {

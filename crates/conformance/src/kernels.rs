@@ -46,6 +46,9 @@ pub(crate) struct GemmSpec {
     /// row's mask clears the same blocks, whose A entries are not zero, so
     /// only a kernel that skips exactly them gets C right.
     mask_rows: usize,
+    /// A stored as columns, `[k][m]` ([`GemmDesc::a_columns`]): `lda` is
+    /// then the stride of its k rows.
+    a_columns: bool,
 }
 
 /// How a crafted logits row looks.
@@ -147,6 +150,7 @@ macro_rules! gemm {
             tight: false,
             stats: None,
             mask_rows: 0,
+            a_columns: false,
         }
     };
 }
@@ -165,6 +169,14 @@ impl GemmSpec {
     const fn filtered(self) -> Self {
         GemmSpec {
             mask_rows: self.m,
+            ..self
+        }
+    }
+
+    /// [`gemm!`] (layout Dx, unsplit) reading A as columns, `[k][m]`.
+    const fn columns(self) -> Self {
+        GemmSpec {
+            a_columns: true,
             ..self
         }
     }
@@ -213,6 +225,11 @@ const GEMMS: &[GemmSpec] = {
         gemm!(16, 16, 4544, Red, 128, 4736, 16, 0, 16, 1.0, false).filtered(),
         gemm!(16, 32, 2560, Red, 64, 2688, 48, 16, 48, 0.5, true).filtered().split(3),
         gemm!(160, 128, 704, Red, 0, 704, 128, 0, 128, 1.0, false).filtered(),
+        // A as columns (the head's gradient: the logits gradient `[tokens]
+        // [vocab]` read as it is, a piece of its columns from a_offset): k
+        // no multiple of 16 (a chunk's real tokens), over and under a tile.
+        gemm!(48, 80, 37, Red, 8, 64, 80, 0, 80, 0.5, true).columns(),
+        gemm!(32, 144, 272, Red, 16, 56, 160, 16, 160, 2.0, false).columns(),
     ]
 };
 
@@ -502,7 +519,7 @@ impl KernelCase {
     pub(crate) fn name(&self) -> String {
         match self {
             KernelCase::Gemm(g) => format!(
-                "kernels/gemm_{}_{}x{}x{}{}{}{}",
+                "kernels/gemm_{}_{}x{}x{}{}{}{}{}",
                 match g.layout {
                     HeadLayout::Logits => "abt",
                     HeadLayout::Dx => "ab",
@@ -512,6 +529,7 @@ impl KernelCase {
                 g.k,
                 if g.accumulate { "_acc" } else { "" },
                 if g.mask_rows > 0 { "_filtered" } else { "" },
+                if g.a_columns { "_cols" } else { "" },
                 if g.k_parts > 1 {
                     format!("_parts{}", g.k_parts)
                 } else {
@@ -645,12 +663,17 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<CaseErrors, Stri
     let mut rng = Rng::new(0x6E44 ^ (g.m * 7 + g.n * 131 + g.k) as u64);
     let tail = if g.tight { 0 } else { TAIL };
     let small = |rng: &mut Rng, range: usize| rng.below(2 * range + 1) as f64 - range as f64;
-    // A: [m][k] at a_offset, stride lda; NaN elsewhere (read outside = NaN in C).
+    // A: [m][k] (or as columns [k][m]) at a_offset, stride lda; NaN
+    // elsewhere (read outside = NaN in C).
     let mask_halves = match g.mask_rows {
         0 => 0,
         r => g.m * g.lda - (g.a_offset + (g.m - 1) * g.lda + g.k) + headkl_core::problem::filter::mask_halves(r, g.lda),
     };
-    let len_a = g.a_offset + (g.m - 1) * g.lda + g.k + mask_halves + tail;
+    let a_at = |i: usize, l: usize| match g.a_columns {
+        true => g.a_offset + l * g.lda + i,
+        false => g.a_offset + i * g.lda + l,
+    };
+    let len_a = a_at(g.m - 1, g.k - 1) + 1 + mask_halves + tail;
     let mut a = vec![f16::NAN; len_a];
     let mut a_val = vec![0f64; g.m * g.k];
     // With the filter: whether column `col`'s 64-column block is kept (the
@@ -659,7 +682,7 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<CaseErrors, Stri
     for i in 0..g.m {
         for l in 0..g.k {
             let v = small(&mut rng, 3);
-            a[g.a_offset + i * g.lda + l] = f16::from_f64(v);
+            a[a_at(i, l)] = f16::from_f64(v);
             // A skipped block adds nothing, whatever A holds there.
             a_val[i * g.k + l] = if block_kept(g.a_offset + l) { v } else { 0.0 };
         }
@@ -748,6 +771,7 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<CaseErrors, Stri
         k: g.k,
         a_offset: g.a_offset,
         lda: g.lda,
+        a_columns: g.a_columns,
         b_layout: g.layout,
         ldb: g.ldb,
         c_offset: g.c_offset,
@@ -769,6 +793,16 @@ fn run_gemm<B: Backend + ?Sized>(b: &B, g: &GemmSpec) -> Result<CaseErrors, Stri
                 "filtered gemm without the filter: want a missing-feature error, got: {e}"
             )),
             Ok(()) => Err("a backend without the block filter ran the filtered gemm".into()),
+        };
+    }
+    if g.a_columns && !b.gemm_a_columns() {
+        // The kernel GEMMs read A as rows: the call is refused, typed.
+        return match ran {
+            Err(headkl_core::Error::MissingFeature(_)) => Ok(CaseErrors::default()),
+            Err(e) => Err(format!(
+                "gemm with A as columns: want a missing-feature error, got: {e}"
+            )),
+            Ok(()) => Err("a backend whose GEMM reads A as rows ran one with A as columns".into()),
         };
     }
     ran.map_err(|e| format!("gemm: {e}"))?;

@@ -491,11 +491,16 @@ pub(crate) const RESIDENT_ERROR_CASES: &[(&str, &str)] = &[
 ];
 
 fn error_base() -> Case {
+    resident_base(24)
+}
+
+/// [`error_base`]'s case with `hs` hidden columns.
+fn resident_base(hs: usize) -> Case {
     let mut case = Case::from_params(&CaseParams {
         profile: "resident-errors",
         max_rows_per_slice: Some(128),
         max_rows_per_chunk: Some(16),
-        ..super::cases::params(CaseKind::HeadKl, 300, 24, 40, 4, 77)
+        ..super::cases::params(CaseKind::HeadKl, 300, hs, 40, 4, 77)
     });
     case.weights = Some((0..case.ntok).map(|t| 0.5 + (t % 3) as f32).collect());
     case
@@ -1121,9 +1126,30 @@ fn check_resident_head_grad_refused<B: ResidentBackend + ?Sized>(
 /// into a NaN-poisoned `[V][hs]` buffer, it is within the tolerance of the
 /// f64 reference and of the host path's, a second call overwrites it with
 /// the same bits, and the loss and dx are those of the call without it.
+/// At hs 24 the rows are padded, so the gradient is built in pieces of the
+/// engine's own; at hs 32, where the backend scales in place
+/// ([`ResidentBackend::head_grad_in_place`]), in the caller's buffer,
+/// with the last 12 of the 300 rows in a piece of their own.
 fn check_resident_head_grad<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<CaseErrors, String> {
-    let case = error_base();
-    let mut engine = engine_for(backend, &case)?;
+    let mut worst = CaseErrors::default();
+    for hs in [24, 32] {
+        let errors =
+            check_resident_head_grad_at(backend, &resident_base(hs), tol).map_err(|e| format!("hs {hs}: {e}"))?;
+        worst.head_grad = match (worst.head_grad, errors.head_grad) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    Ok(worst)
+}
+
+/// [`check_resident_head_grad`] on one case.
+fn check_resident_head_grad_at<B: ResidentBackend + ?Sized>(
+    backend: &B,
+    case: &Case,
+    tol: &Tolerance,
+) -> Result<CaseErrors, String> {
+    let mut engine = engine_for(backend, case)?;
     let (ntok, hs, vocab) = (case.ntok, case.hs, case.vocab);
     let head = case.head_weights().map_err(|e| format!("case head: {e}"))?;
     let teacher = case.teacher().map_err(|e| format!("case teacher: {e}"))?;
@@ -1131,17 +1157,17 @@ fn check_resident_head_grad<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tole
         .loss_options()
         .resolve(ntok)
         .map_err(|e| format!("case options: {e}"))?;
-    let bufs = HeadKlBuffers::upload(backend, &case)?;
+    let bufs = HeadKlBuffers::upload(backend, case)?;
     let poison = vec![f32::NAN; vocab * hs];
     let dw = device_buffer(backend, bytemuck::cast_slice(&poison), "head_grad_out")?;
     let mut worst = CaseErrors::default();
     for dtype in [HiddenDtype::F32, HiddenDtype::Bf16, HiddenDtype::F16] {
-        let rows = DeviceRows::upload(backend, &case, dtype)?;
+        let rows = DeviceRows::upload(backend, case, dtype)?;
         let hidden = rows.hidden();
         let mut run = |with_grad: bool| -> Result<(Vec<f32>, Vec<f32>), String> {
             let opts = DeviceLossOptions {
                 head_grad_out: with_grad.then_some(&dw),
-                ..bufs.options_with(&case, |c| c.head_grad = with_grad)
+                ..bufs.options_with(case, |c| c.head_grad = with_grad)
             };
             engine
                 .head_kl_device(ntok, &hidden, &bufs.teacher(case.k), &bufs.output(), &opts)

@@ -5,7 +5,7 @@
 
 use crate::align::{round_up, ALIGN};
 use crate::engine::head::HeadWeights;
-use crate::engine::head_planes::{DevicePlane, DxFilter, HeadGrad, HeadPlanes, Scaling};
+use crate::engine::head_planes::{DevicePlane, DxFilter, HeadGrad, HeadPlanes, Scaling, UploadTimes};
 use crate::engine::in_flight::{Copying, InFlight};
 use crate::engine::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::error::{Error, Result};
@@ -282,6 +282,12 @@ impl<B: Backend> Engine<B> {
         self.head.order()
     }
 
+    /// Where the head's upload from the host spent its time (`None` for a
+    /// head read on the device).
+    pub fn head_upload_times(&self) -> Option<UploadTimes> {
+        self.head.upload_times()
+    }
+
     /// Frees the cached scratch buffers (they are re-made on the next call).
     pub fn release_scratch(&mut self) {
         self.scratch = ScratchCache::default();
@@ -550,6 +556,12 @@ impl<B: Backend> Engine<B> {
             Some(kept) => Ok(Some(kept)),
             None => HeadGrad::alloc(&self.backend, &self.head).map(Some),
         }
+    }
+
+    /// Frees the head's gradient's kept device memory (a call that builds
+    /// it in the caller's buffer needs none).
+    pub(crate) fn drop_head_grad(&mut self) {
+        self.head_grad = None;
     }
 
     /// Keeps the head's gradient's device memory for the next call.

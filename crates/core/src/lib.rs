@@ -71,7 +71,7 @@ pub mod toolkit;
 
 pub use align::{round_up, ALIGN};
 pub use engine::head::{HeadData, HeadWeights};
-pub use engine::head_planes::DevicePlane;
+pub use engine::head_planes::{DevicePlane, UploadTimes};
 pub use engine::{check_full_vocab_terms, check_gather_ids, Engine, Gathered, LossOutput, ProgressCallback, TopK};
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use problem::filter::FilterStats;

@@ -681,16 +681,26 @@ impl<B: ResidentBackend> Engine<B> {
             (opts.config.budget_bytes, opts.config.max_rows_per_chunk),
         )?;
         let call: ResidentCall<B, LossScratch<B>> = self.begin_resident_call((job, plan.rows_per_chunk, k))?;
+        // The gradient built in the caller's buffer where the backend can
+        // (no pieces of our own to keep), else in pieces kept for the next
+        // call.
         let head_grad = match head_grad_out {
-            Some(dst) => match self.take_head_grad(true) {
-                Ok(pieces) => pieces.map(|p| (p, dst)),
+            Some(dst) => match HeadGrad::in_output(&self.backend, &self.head, dst) {
+                Ok(Some(in_output)) => {
+                    self.drop_head_grad();
+                    Some((in_output, dst, false))
+                }
+                Ok(None) => match self.take_head_grad(true) {
+                    Ok(pieces) => pieces.map(|p| (p, dst, true)),
+                    Err(e) => return self.end_resident_call(call, Err(e)),
+                },
                 Err(e) => return self.end_resident_call(call, Err(e)),
             },
             None => None,
         };
-        let grad = head_grad.as_ref().map(|(pieces, dst)| (pieces, *dst));
+        let grad = head_grad.as_ref().map(|(pieces, dst, _)| (pieces, *dst));
         let recorded = self.record_head_kl(ntok, (hidden, teacher), out, opts, &plan, &call, grad);
-        if let Some((pieces, _)) = head_grad {
+        if let Some((pieces, _, true)) = head_grad {
             self.keep_head_grad(pieces);
         }
         self.end_resident_call(call, recorded)?;

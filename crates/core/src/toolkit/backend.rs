@@ -109,6 +109,13 @@ pub struct GemmDesc {
     pub a_offset: usize,
     /// Row stride of A in elements.
     pub lda: usize,
+    /// A is stored as its transpose, `[k][m]`: A's column `kk` is the
+    /// buffer's row `kk`, from element `a_offset + kk·lda` (the logits
+    /// gradient, `[tokens][vocab]`, is A this way in the head's gradient).
+    /// Only where [`Backend::gemm_a_columns`] says so, with one part and no
+    /// block filter; `k` then need not be a multiple of
+    /// [`crate::align::ALIGN`], as no tile reads past it.
+    pub a_columns: bool,
     /// How B is laid out; its row stride is `ldb`.
     pub b_layout: HeadLayout,
     /// Row stride of B in elements (B starts at element 0 of its buffer).
@@ -189,6 +196,7 @@ impl GemmDesc {
             k,
             a_offset: 0,
             lda: k,
+            a_columns: false,
             b_layout,
             ldb,
             c_offset: 0,
@@ -585,6 +593,14 @@ pub trait Backend {
         true
     }
 
+    /// Whether this backend's GEMM reads A stored as its transpose
+    /// ([`GemmDesc::a_columns`]): a library GEMM (cuBLASLt) transposes an
+    /// operand for free, so the head's gradient needs no `transpose` of
+    /// the logits gradient first. The kernel GEMMs read A as rows.
+    fn gemm_a_columns(&self) -> bool {
+        false
+    }
+
     /// Whether large uploads and downloads run beside the kernels (on a
     /// copy queue of their own) rather than in line with them. The host
     /// path then gives the buffers they touch (the hidden rows' upload
@@ -659,6 +675,9 @@ impl<T: Backend + ?Sized> Backend for &T {
     }
     fn gemm_block_filter(&self) -> bool {
         (**self).gemm_block_filter()
+    }
+    fn gemm_a_columns(&self) -> bool {
+        (**self).gemm_a_columns()
     }
     fn transfers_overlap(&self) -> bool {
         (**self).transfers_overlap()

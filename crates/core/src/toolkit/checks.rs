@@ -108,13 +108,38 @@ impl GemmDesc {
     pub fn check<B: DeviceBuffer>(&self, [a, b, c]: [&B; 3], max_binding: u64) -> Result<GemmParams> {
         let kernel = self.kernel();
         for (field, value) in [("m", self.m), ("n", self.n), ("k", self.k)] {
-            multiple(kernel, field, value, ALIGN)?;
+            // With A as columns (a library GEMM) no tile reads past k.
+            if field != "k" || !self.a_columns {
+                multiple(kernel, field, value, ALIGN)?;
+            }
         }
         // The matrix-unit kernels load A and B 8 halves (16 bytes) at a time.
         for (field, value) in [("a_offset", self.a_offset), ("lda", self.lda), ("ldb", self.ldb)] {
             multiple(kernel, field, value, 8)?;
         }
-        at_least(kernel, "lda", self.lda, "k", self.k)?;
+        // A's span: m rows of k, or (as columns) k rows of m.
+        let a_span = match self.a_columns {
+            false => {
+                at_least(kernel, "lda", self.lda, "k", self.k)?;
+                span(self.a_offset, self.m, self.lda, self.k)
+            }
+            true => {
+                at_least(kernel, "lda", self.lda, "m", self.m)?;
+                for (field, value, why) in [
+                    ("k_parts", self.k_parts, "must be 1 with A as columns"),
+                    ("mask_rows", self.mask_rows, "must be 0 with A as columns"),
+                ] {
+                    require(
+                        value == usize::from(field == "k_parts"),
+                        kernel,
+                        field,
+                        value as u128,
+                        || why.into(),
+                    )?;
+                }
+                span(self.a_offset, self.k, self.lda, self.m)
+            }
+        };
         at_least(kernel, "ldc", self.ldc, "n", self.n)?;
         let b_span = match self.b_layout {
             HeadLayout::Logits => {
@@ -141,14 +166,7 @@ impl GemmDesc {
             )?;
         }
         if self.m > 0 && self.n > 0 {
-            fits(
-                kernel,
-                "A",
-                span(self.a_offset, self.m, self.lda, self.k),
-                2,
-                a,
-                max_binding,
-            )?;
+            fits(kernel, "A", a_span, 2, a, max_binding)?;
             fits(kernel, "B", b_span, 2, b, max_binding)?;
             if self.mask_rows > 0 {
                 require(

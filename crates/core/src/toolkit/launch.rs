@@ -319,6 +319,14 @@ pub trait Kernels: Backend {
     /// `C (+)= alpha · A · op(B)` (see [`GemmDesc`]); timed as
     /// [`GemmDesc::kernel`].
     fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &Self::Buffer, desc: &GemmDesc) -> Result<()> {
+        // The parameter block has no such field: a kernel GEMM would read
+        // A as rows.
+        if desc.a_columns && !self.gemm_a_columns() {
+            return Err(crate::error::Error::MissingFeature(format!(
+                "{}: a GEMM reading A as columns (GemmDesc::a_columns)",
+                self.info().backend
+            )));
+        }
         self.dispatch(Launch::Gemm { a, b, c, desc: *desc })
     }
 

@@ -382,6 +382,16 @@ pub trait ResidentBackend: Backend {
         let _ = (buffer, offset, len);
         None
     }
+
+    /// Whether [`crate::toolkit::Launch::HeadGradOut`] may take one buffer
+    /// (or window) as both `piece` and `dst`, with `ld` = `hs` and
+    /// `dst_offset` 0: a scale in place. Raw device pointers (CUDA) may;
+    /// wgpu refuses a buffer bound for reading and writing at once. Where
+    /// it may, the resident call builds the head's gradient in the
+    /// caller's buffer and scales it there.
+    fn head_grad_in_place(&self) -> bool {
+        false
+    }
 }
 
 /// A shared reference to a resident backend is one.
@@ -397,6 +407,9 @@ impl<T: ResidentBackend + ?Sized> ResidentBackend for &T {
     }
     fn window(&self, buffer: &Self::Buffer, offset: u64, len: u64) -> Option<Self::Buffer> {
         (**self).window(buffer, offset, len)
+    }
+    fn head_grad_in_place(&self) -> bool {
+        (**self).head_grad_in_place()
     }
 }
 

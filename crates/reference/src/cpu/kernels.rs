@@ -121,8 +121,18 @@ fn gemm_one(a: &[f16], b: &[f16], c: &mut [f32], d: &GemmDesc, precision: Precis
     }
     let mut a32 = vec![0f32; m * k];
     for (i, row) in a32.chunks_exact_mut(k.max(1)).enumerate().take(m) {
-        let src = &a[d.a_offset + i * d.lda..d.a_offset + i * d.lda + k];
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, row);
+        match d.a_columns {
+            // A's row i is element i of each of the buffer's k rows.
+            true => {
+                for (l, v) in row.iter_mut().enumerate() {
+                    *v = a[d.a_offset + l * d.lda + i].to_f32();
+                }
+            }
+            false => {
+                let src = &a[d.a_offset + i * d.lda..d.a_offset + i * d.lda + k];
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, row);
+            }
+        }
     }
     if d.mask_rows > 0 {
         skip_clear_blocks(a, &mut a32, d);

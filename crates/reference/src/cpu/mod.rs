@@ -173,6 +173,12 @@ impl CpuBuffer {
         })
     }
 
+    /// Whether `other` is this very buffer or window (the same words of
+    /// the same storage).
+    pub(crate) fn same_words(&self, other: &CpuBuffer) -> bool {
+        Arc::ptr_eq(&self.storage, &other.storage) && self.words == other.words
+    }
+
     fn aliased(&self, kernel: &str) -> Error {
         backend_error(format!(
             "{kernel}: buffer '{}' is bound both as an input and as an output",
@@ -379,6 +385,12 @@ impl Backend for CpuBackend {
             // The device-resident kernels, by the kernel id.
             _ => self.run_resident(&checked, &launch.buffers()),
         })
+    }
+
+    fn gemm_a_columns(&self) -> bool {
+        // As cuBLASLt's: the head's gradient reads the logits gradient as
+        // it is (the kernel backends' transpose is their suites' to prove).
+        true
     }
 
     fn gemm_tile(&self, _layout: HeadLayout) -> Option<(u32, u32)> {

@@ -234,6 +234,21 @@ impl CpuBackend {
 
     fn head_grad_out(&self, b: &[&CpuBuffer], p: &HeadGradOutParams) -> Result<()> {
         const K: &str = "head_grad_out";
+        if b[0].same_words(b[2]) {
+            // In place (`ResidentBackend::head_grad_in_place`): one lock.
+            let status = b[1].read(K)?;
+            let mul = f32::from_bits(status[S_DX_MUL]);
+            let mut dst = b[2].write(K)?;
+            let dst = f32s_mut(&mut dst);
+            let (hs, ld, first) = (p.hs as usize, p.ld as usize, p.dst_offset as usize);
+            if ld != hs || first != 0 {
+                return Err(backend_error(format!(
+                    "{K}: in place needs ld = hs and dst_offset 0, got ld {ld}, hs {hs}, dst_offset {first}"
+                )));
+            }
+            dst[..p.rows as usize * hs].iter_mut().for_each(|v| *v *= mul);
+            return Ok(());
+        }
         let piece = b[0].read(K)?;
         let status = b[1].read(K)?;
         let mut dst = b[2].write(K)?;
@@ -528,5 +543,9 @@ impl ResidentBackend for CpuBackend {
     /// A window shares the buffer's words: any whole-word range inside it.
     fn window(&self, buffer: &CpuBuffer, offset: u64, len: u64) -> Option<CpuBuffer> {
         buffer.window(offset, len)
+    }
+
+    fn head_grad_in_place(&self) -> bool {
+        true
     }
 }

@@ -1,10 +1,12 @@
 //! The head's gradient `∂mean/∂W` ([`crate::problem::LossConfig::head_grad`]):
 //! per chunk, `dW[p] += alpha · Σ_t g[t][p] · x16[t]` over the chunk's
 //! tokens, where `g` is the f16 logits gradient `kl_rows` wrote for dx and
-//! alpha dx's ([`Scaling`]). The GEMMs take A as `[m][k]` rows, so the
-//! chunk's `g` is first turned into columns (`transpose`, into the logits
-//! buffer, which dx has finished with); the tokens are then the reduction
-//! and `x16` is B as stored (`[k][n]`, [`HeadLayout::Dx`]).
+//! alpha dx's ([`Scaling`]). The kernel GEMMs take A as `[m][k]` rows, so
+//! there the chunk's `g` is first turned into columns (`transpose`, into
+//! the logits buffer, which dx has finished with); a backend whose GEMM
+//! reads A as columns ([`Backend::gemm_a_columns`], cuBLASLt) takes `g` as
+//! it is. The tokens are the reduction and `x16` is B as stored (`[k][n]`,
+//! [`HeadLayout::Dx`]).
 //!
 //! The f32 result builds up on the device over the call's chunks in
 //! pieces of rows, each within one binding, and is read back once at the
@@ -27,6 +29,9 @@ struct Piece<Buf> {
     first: usize,
     rows: usize,
     buffer: Buf,
+    /// `buffer` is a window of the resident call's output itself
+    /// ([`HeadGrad::in_output`]), scaled in place at the end.
+    in_output: bool,
 }
 
 /// The head's gradient on the device while a call's chunks add into it.
@@ -49,7 +54,12 @@ impl<B: Backend> HeadGrad<B> {
             while first < end {
                 let rows = most_rows.min(end - first);
                 let buffer = backend.alloc(rows as u64 * row_bytes, "head_grad")?;
-                pieces.push(Piece { first, rows, buffer });
+                pieces.push(Piece {
+                    first,
+                    rows,
+                    buffer,
+                    in_output: false,
+                });
                 first += rows;
             }
         }
@@ -70,22 +80,46 @@ impl<B: Backend> HeadGrad<B> {
         scaling: Scaling,
         accumulate: bool,
     ) -> Result<()> {
-        let transpose = TransposeDesc {
-            rows,
-            rows_padded,
-            cols: head.vocab_padded(),
-            ld_src: head.vocab_padded(),
-        };
-        backend.transpose(grad, columns, &transpose)?;
+        let vocab_padded = head.vocab_padded();
+        let columns_read = backend.gemm_a_columns();
+        if !columns_read {
+            let transpose = TransposeDesc {
+                rows,
+                rows_padded,
+                cols: vocab_padded,
+                ld_src: vocab_padded,
+            };
+            backend.transpose(grad, columns, &transpose)?;
+        }
         for piece in &self.pieces {
-            let desc = GemmDesc {
-                a_offset: piece.first * rows_padded,
-                lda: rows_padded,
+            let dense = GemmDesc {
                 alpha: scaling.dx_alpha(),
                 accumulate,
                 ..GemmDesc::dense(piece.rows, head.hs_padded(), rows_padded, HeadLayout::Dx)
             };
-            backend.gemm(columns, x16, &piece.buffer, &desc)?;
+            match columns_read {
+                // `grad` read as it is, its tokens the reduction: only the
+                // real rows, as its pad rows may hold anything (dx discards
+                // them; here they would be summed).
+                true => {
+                    let desc = GemmDesc {
+                        k: rows,
+                        a_offset: piece.first,
+                        lda: vocab_padded,
+                        a_columns: true,
+                        ..dense
+                    };
+                    backend.gemm(grad, x16, &piece.buffer, &desc)?;
+                }
+                false => {
+                    let desc = GemmDesc {
+                        a_offset: piece.first * rows_padded,
+                        lda: rows_padded,
+                        ..dense
+                    };
+                    backend.gemm(columns, x16, &piece.buffer, &desc)?;
+                }
+            }
         }
         Ok(())
     }
@@ -130,6 +164,48 @@ impl<B: Backend> HeadGrad<B> {
 }
 
 impl<B: ResidentBackend> HeadGrad<B> {
+    /// The pieces as windows of the resident call's output `dst` itself,
+    /// where the backend makes windows and binds a buffer twice (the scale
+    /// at the end is in place) and the rows need no padding (`hs` a
+    /// multiple of [`ALIGN`]): so the gradient takes no device memory
+    /// beyond the caller's (5 GB at shape A). The last `vocab % ALIGN`
+    /// rows, which a GEMM's whole tiles would overrun, get a small piece of
+    /// their own. `None` where it cannot be done.
+    pub(crate) fn in_output(backend: &B, head: &HeadPlanes<B>, dst: &B::Buffer) -> Result<Option<Self>> {
+        let (vocab, hs) = (head.vocab(), head.hs());
+        if !backend.head_grad_in_place() || hs != head.hs_padded() {
+            return Ok(None);
+        }
+        let row_bytes = (hs * std::mem::size_of::<f32>()) as u64;
+        let most_rows = ((max_binding(backend) / row_bytes) as usize / ALIGN * ALIGN).max(ALIGN);
+        let whole = vocab / ALIGN * ALIGN;
+        let mut pieces = Vec::new();
+        let mut first = 0;
+        while first < whole {
+            let rows = most_rows.min(whole - first);
+            let Some(buffer) = backend.window(dst, first as u64 * row_bytes, rows as u64 * row_bytes) else {
+                return Ok(None);
+            };
+            pieces.push(Piece {
+                first,
+                rows,
+                buffer,
+                in_output: true,
+            });
+            first += rows;
+        }
+        if whole < head.vocab_padded() {
+            let rows = head.vocab_padded() - whole;
+            pieces.push(Piece {
+                first: whole,
+                rows,
+                buffer: backend.alloc(rows as u64 * row_bytes, "head_grad")?,
+                in_output: false,
+            });
+        }
+        Ok(Some(Self { pieces }))
+    }
+
     /// The device-resident call's last step: every piece's rows of the
     /// head into the caller's `[vocab][hs]` buffer `dst`, scaled by the
     /// status buffer's dx multiplier (`resident_head_grad_out.wgsl`). The
@@ -151,6 +227,21 @@ impl<B: ResidentBackend> HeadGrad<B> {
         for piece in &self.pieces {
             let rows = vocab.saturating_sub(piece.first).min(piece.rows);
             if rows == 0 {
+                continue;
+            }
+            if piece.in_output {
+                // The rows are already in place: scaled where they are.
+                backend.dispatch(Launch::HeadGradOut {
+                    piece: &piece.buffer,
+                    status,
+                    dst: &piece.buffer,
+                    desc: HeadGradOutDesc {
+                        rows,
+                        hs,
+                        ld: hs,
+                        dst_offset: 0,
+                    },
+                })?;
                 continue;
             }
             let (offset, len) = (4 * (piece.first * hs) as u64, 4 * (rows * hs) as u64);

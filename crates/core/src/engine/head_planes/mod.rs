@@ -113,6 +113,25 @@ pub(crate) struct HeadPlanes<B: Backend> {
     block_norms: Vec<f32>,
     /// The order the rows are stored in (`None`: natural).
     order: Option<VocabOrder>,
+    /// Where a host upload's time went (`None` for a head read on the
+    /// device).
+    upload_times: Option<UploadTimes>,
+}
+
+/// Where a head's upload from the host spent its time
+/// ([`crate::Engine::head_upload_times`]), in the order it runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct UploadTimes {
+    /// Scanning every value on the host before anything is allocated.
+    pub check: std::time::Duration,
+    /// Allocating the planes.
+    pub alloc: std::time::Duration,
+    /// Waiting for the packing thread's next piece (f16, padded, norms).
+    pub packing_wait: std::time::Duration,
+    /// Handing the pieces to the backend's uploads.
+    pub copies: std::time::Duration,
+    /// Waiting for the last copies to land.
+    pub finish: std::time::Duration,
 }
 
 /// What writes a device head's planes ([`HeadPlanes::from_device`]).
@@ -169,24 +188,39 @@ impl<B: Backend> HeadPlanes<B> {
         let info = backend.info();
         let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
         let slices = slice_vocab(vocab, hs_padded, max_binding, slicing.max_rows_per_slice)?;
+        let mut times = UploadTimes::default();
+        let mut clock = std::time::Instant::now();
+        let mut lap = |into: &mut std::time::Duration| {
+            let now = std::time::Instant::now();
+            *into += now - clock;
+            clock = now;
+        };
         // Scan on the host before the first allocation: a bad value should
         // cost no device memory and no upload.
         head.check_values()?;
+        lap(&mut times.check);
         let planes = slices
             .iter()
             .map(|s| backend.alloc((s.padded_width() * hs_padded * 2) as u64, "head slice"))
             .collect::<Result<Vec<_>>>()?;
+        lap(&mut times.alloc);
         let mut block_norms = vec![0f32; vocab.div_ceil(crate::problem::filter::BLOCK)];
         packing::for_each_piece(head, order.as_ref(), &slices, hs_padded, |piece| {
+            lap(&mut times.packing_wait);
             let first = slices[piece.slice].offset + piece.row;
             for (r, norm) in piece.norms.iter().enumerate() {
                 block_norms[(first + r) / crate::problem::filter::BLOCK] += norm;
             }
             let at = (piece.row * hs_padded * 2) as u64;
-            backend.upload(&planes[piece.slice], at, bytemuck::cast_slice(&piece.data))
+            let copied = backend.upload(&planes[piece.slice], at, bytemuck::cast_slice(&piece.data));
+            lap(&mut times.copies);
+            copied
         })?;
         backend.finish()?;
-        Ok(Self::assemble(vocab, hs, slices, planes, block_norms, order))
+        lap(&mut times.finish);
+        let mut planes = Self::assemble(vocab, hs, slices, planes, block_norms, order);
+        planes.upload_times = Some(times);
+        Ok(planes)
     }
 
     /// A head already on the device: allocates one plane per vocabulary
@@ -287,7 +321,14 @@ impl<B: Backend> HeadPlanes<B> {
             dx_split: DxSplit::Auto,
             block_norms,
             order,
+            upload_times: None,
         }
+    }
+
+    /// Where the host upload's time went (`None` for a head read on the
+    /// device).
+    pub(crate) fn upload_times(&self) -> Option<UploadTimes> {
+        self.upload_times
     }
 
     /// The order the head's rows are stored in (`None`: natural).
@@ -542,6 +583,7 @@ impl<B: Backend> HeadPlanes<B> {
                 k: self.hs_padded,
                 a_offset: 0,
                 lda: self.hs_padded,
+                a_columns: false,
                 b_layout: HeadLayout::Logits,
                 ldb: self.hs_padded,
                 c_offset: slice.offset,
@@ -620,6 +662,7 @@ impl<B: Backend> HeadPlanes<B> {
             k: slice.padded_width(),
             a_offset: slice.offset,
             lda: self.vocab_padded,
+            a_columns: false,
             b_layout: HeadLayout::Dx,
             ldb: self.hs_padded,
             c_offset: 0,
