@@ -491,16 +491,16 @@ pub(crate) const RESIDENT_ERROR_CASES: &[(&str, &str)] = &[
 ];
 
 fn error_base() -> Case {
-    resident_base(24)
+    resident_base(300, 24)
 }
 
-/// [`error_base`]'s case with `hs` hidden columns.
-fn resident_base(hs: usize) -> Case {
+/// [`error_base`]'s case with `vocab` rows of `hs` hidden columns.
+fn resident_base(vocab: usize, hs: usize) -> Case {
     let mut case = Case::from_params(&CaseParams {
         profile: "resident-errors",
         max_rows_per_slice: Some(128),
         max_rows_per_chunk: Some(16),
-        ..super::cases::params(CaseKind::HeadKl, 300, hs, 40, 4, 77)
+        ..super::cases::params(CaseKind::HeadKl, vocab, hs, 40, 4, 77)
     });
     case.weights = Some((0..case.ntok).map(|t| 0.5 + (t % 3) as f32).collect());
     case
@@ -1126,15 +1126,15 @@ fn check_resident_head_grad_refused<B: ResidentBackend + ?Sized>(
 /// into a NaN-poisoned `[V][hs]` buffer, it is within the tolerance of the
 /// f64 reference and of the host path's, a second call overwrites it with
 /// the same bits, and the loss and dx are those of the call without it.
-/// At hs 24 the rows are padded, so the gradient is built in pieces of the
-/// engine's own; at hs 32, where the backend scales in place
-/// ([`ResidentBackend::head_grad_in_place`]), in the caller's buffer,
-/// with the last 12 of the 300 rows in a piece of their own.
+/// At V 300, hs 24 the rows and the vocabulary are padded, so the gradient
+/// is built in pieces of the engine's own; at V 304, hs 32, where the
+/// backend scales in place ([`ResidentBackend::head_grad_in_place`]), in
+/// the caller's buffer itself.
 fn check_resident_head_grad<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<CaseErrors, String> {
     let mut worst = CaseErrors::default();
-    for hs in [24, 32] {
-        let errors =
-            check_resident_head_grad_at(backend, &resident_base(hs), tol).map_err(|e| format!("hs {hs}: {e}"))?;
+    for (vocab, hs) in [(300, 24), (304, 32)] {
+        let errors = check_resident_head_grad_at(backend, &resident_base(vocab, hs), tol)
+            .map_err(|e| format!("V {vocab}, hs {hs}: {e}"))?;
         worst.head_grad = match (worst.head_grad, errors.head_grad) {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),

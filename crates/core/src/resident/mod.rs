@@ -686,15 +686,14 @@ impl<B: ResidentBackend> Engine<B> {
         // call.
         let head_grad = match head_grad_out {
             Some(dst) => match HeadGrad::in_output(&self.backend, &self.head, dst) {
-                Ok(Some(in_output)) => {
+                Some(in_output) => {
                     self.drop_head_grad();
                     Some((in_output, dst, false))
                 }
-                Ok(None) => match self.take_head_grad(true) {
+                None => match self.take_head_grad(true) {
                     Ok(pieces) => pieces.map(|p| (p, dst, true)),
                     Err(e) => return self.end_resident_call(call, Err(e)),
                 },
-                Err(e) => return self.end_resident_call(call, Err(e)),
             },
             None => None,
         };

@@ -165,27 +165,25 @@ impl<B: Backend> HeadGrad<B> {
 
 impl<B: ResidentBackend> HeadGrad<B> {
     /// The pieces as windows of the resident call's output `dst` itself,
-    /// where the backend makes windows and binds a buffer twice (the scale
-    /// at the end is in place) and the rows need no padding (`hs` a
-    /// multiple of [`ALIGN`]): so the gradient takes no device memory
-    /// beyond the caller's (5 GB at shape A). The last `vocab % ALIGN`
-    /// rows, which a GEMM's whole tiles would overrun, get a small piece of
-    /// their own. `None` where it cannot be done.
-    pub(crate) fn in_output(backend: &B, head: &HeadPlanes<B>, dst: &B::Buffer) -> Result<Option<Self>> {
+    /// where the backend makes windows and scales in place
+    /// ([`ResidentBackend::head_grad_in_place`]) and neither the rows nor
+    /// the vocabulary need padding (`hs` and `vocab` multiples of
+    /// [`ALIGN`], as every large head's are): so the gradient takes no
+    /// device memory beyond the caller's (5 GB at shape A) and the call
+    /// allocates (and frees, which waits for the device) nothing. `None`
+    /// where it cannot be done.
+    pub(crate) fn in_output(backend: &B, head: &HeadPlanes<B>, dst: &B::Buffer) -> Option<Self> {
         let (vocab, hs) = (head.vocab(), head.hs());
-        if !backend.head_grad_in_place() || hs != head.hs_padded() {
-            return Ok(None);
+        if !backend.head_grad_in_place() || hs != head.hs_padded() || vocab != head.vocab_padded() {
+            return None;
         }
         let row_bytes = (hs * std::mem::size_of::<f32>()) as u64;
         let most_rows = ((max_binding(backend) / row_bytes) as usize / ALIGN * ALIGN).max(ALIGN);
-        let whole = vocab / ALIGN * ALIGN;
         let mut pieces = Vec::new();
         let mut first = 0;
-        while first < whole {
-            let rows = most_rows.min(whole - first);
-            let Some(buffer) = backend.window(dst, first as u64 * row_bytes, rows as u64 * row_bytes) else {
-                return Ok(None);
-            };
+        while first < vocab {
+            let rows = most_rows.min(vocab - first);
+            let buffer = backend.window(dst, first as u64 * row_bytes, rows as u64 * row_bytes)?;
             pieces.push(Piece {
                 first,
                 rows,
@@ -194,16 +192,7 @@ impl<B: ResidentBackend> HeadGrad<B> {
             });
             first += rows;
         }
-        if whole < head.vocab_padded() {
-            let rows = head.vocab_padded() - whole;
-            pieces.push(Piece {
-                first: whole,
-                rows,
-                buffer: backend.alloc(rows as u64 * row_bytes, "head_grad")?,
-                in_output: false,
-            });
-        }
-        Ok(Some(Self { pieces }))
+        Some(Self { pieces })
     }
 
     /// The device-resident call's last step: every piece's rows of the
