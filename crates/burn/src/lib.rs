@@ -509,37 +509,8 @@ impl HeadKl {
         weights: Option<&Tensor<1>>,
         opts: &LossConfig,
     ) -> Result<LossOutput> {
-        let ntok = self.check_hidden(hidden)?;
-        let [ids_rows, k] = teacher.ids.dims();
-        if ids_rows != ntok {
-            return Err(Error::Rows {
-                input: "teacher.ids",
-                rows: ids_rows,
-                hidden: ntok,
-            });
-        }
-        let probs_dims = teacher.probs.dims();
-        if probs_dims != [ids_rows, k] {
-            return Err(Error::TeacherShape {
-                ids: [ids_rows, k],
-                probs: probs_dims,
-            });
-        }
-        headkl_core::check_k(k, self.vocab)?;
+        let (ntok, k) = self.check_loss_inputs(hidden, teacher, weights)?;
         let expected = self.shared.device();
-        check_device("teacher.ids", &teacher.ids.device(), &expected)?;
-        check_device("teacher.probs", &teacher.probs.device(), &expected)?;
-        if let Some(w) = weights {
-            let [n] = w.dims();
-            if n != ntok {
-                return Err(Error::Rows {
-                    input: "weights",
-                    rows: n,
-                    hidden: ntok,
-                });
-            }
-            check_device("weights", &w.device(), &expected)?;
-        }
         let (hdtype, float_dtype) = hidden_dtype(hidden.dtype())?;
         let head = match head {
             Some(w) => Some(self.check_head(w)?),
@@ -712,6 +683,48 @@ impl HeadKl {
             dx,
             head_grad,
         })
+    }
+
+    /// The rows, the teacher and the weights of a loss call checked against
+    /// each other and the engine's device: `(ntok, k)`.
+    fn check_loss_inputs(
+        &self,
+        hidden: &Tensor<2>,
+        teacher: &Teacher,
+        weights: Option<&Tensor<1>>,
+    ) -> Result<(usize, usize)> {
+        let ntok = self.check_hidden(hidden)?;
+        let [ids_rows, k] = teacher.ids.dims();
+        if ids_rows != ntok {
+            return Err(Error::Rows {
+                input: "teacher.ids",
+                rows: ids_rows,
+                hidden: ntok,
+            });
+        }
+        let probs_dims = teacher.probs.dims();
+        if probs_dims != [ids_rows, k] {
+            return Err(Error::TeacherShape {
+                ids: [ids_rows, k],
+                probs: probs_dims,
+            });
+        }
+        headkl_core::check_k(k, self.vocab)?;
+        let expected = self.shared.device();
+        check_device("teacher.ids", &teacher.ids.device(), &expected)?;
+        check_device("teacher.probs", &teacher.probs.device(), &expected)?;
+        if let Some(w) = weights {
+            let [n] = w.dims();
+            if n != ntok {
+                return Err(Error::Rows {
+                    input: "weights",
+                    rows: n,
+                    hidden: ntok,
+                });
+            }
+            check_device("weights", &w.device(), &expected)?;
+        }
+        Ok((ntok, k))
     }
 
     /// A trainable head checked against the engine's: shape, device,
