@@ -495,6 +495,11 @@ impl Backend for CudaBackend {
         false
     }
 
+    fn gemm_a_columns(&self) -> bool {
+        // cuBLASLt transposes an operand for free.
+        true
+    }
+
     fn gemm_block_filter(&self) -> bool {
         false
     }
@@ -565,6 +570,12 @@ impl ResidentBackend for CudaBackend {
     /// any range whose start is 4-byte aligned (they index in elements).
     fn window(&self, buffer: &CudaBuffer, offset: u64, len: u64) -> Option<CudaBuffer> {
         buffer.window(offset, len)
+    }
+
+    fn head_grad_in_place(&self) -> bool {
+        // Kernels take device pointers: each element is read, then written,
+        // by one thread.
+        true
     }
 }
 

@@ -385,9 +385,8 @@ pub trait ResidentBackend: Backend {
 
     /// Whether [`crate::toolkit::Launch::HeadGradOut`] may take one buffer
     /// (or window) as both `piece` and `dst`, with `ld` = `hs` and
-    /// `dst_offset` 0: a scale in place. Raw device pointers could, and
-    /// the reference does; wgpu refuses a buffer bound for reading and
-    /// writing at once. Where
+    /// `dst_offset` 0: a scale in place. Raw device pointers (CUDA) may;
+    /// wgpu refuses a buffer bound for reading and writing at once. Where
     /// it may, the resident call builds the head's gradient in the
     /// caller's buffer and scales it there.
     fn head_grad_in_place(&self) -> bool {

@@ -4,7 +4,7 @@
 //! alpha dx's ([`Scaling`]). The kernel GEMMs take A as `[m][k]` rows, so
 //! there the chunk's `g` is first turned into columns (`transpose`, into
 //! the logits buffer, which dx has finished with); a backend whose GEMM
-//! reads A as columns ([`Backend::gemm_a_columns`], the reference's) takes `g` as
+//! reads A as columns ([`Backend::gemm_a_columns`], cuBLASLt) takes `g` as
 //! it is. The tokens are the reduction and `x16` is B as stored (`[k][n]`,
 //! [`HeadLayout::Dx`]).
 //!
