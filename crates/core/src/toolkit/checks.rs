@@ -107,11 +107,11 @@ impl GemmDesc {
     /// Checks the GEMM against `[a, b, c]` and returns its block.
     pub fn check<B: DeviceBuffer>(&self, [a, b, c]: [&B; 3], max_binding: u64) -> Result<GemmParams> {
         let kernel = self.kernel();
-        for (field, value) in [("m", self.m), ("n", self.n), ("k", self.k)] {
-            // With A as columns (a library GEMM) no tile reads past k.
-            if field != "k" || !self.a_columns {
-                multiple(kernel, field, value, ALIGN)?;
-            }
+        multiple(kernel, "m", self.m, ALIGN)?;
+        multiple(kernel, "n", self.n, ALIGN)?;
+        // With A as columns (a library GEMM) no tile reads past k.
+        if !self.a_columns {
+            multiple(kernel, "k", self.k, ALIGN)?;
         }
         // The matrix-unit kernels load A and B 8 halves (16 bytes) at a time.
         for (field, value) in [("a_offset", self.a_offset), ("lda", self.lda), ("ldb", self.ldb)] {
@@ -125,18 +125,12 @@ impl GemmDesc {
             }
             true => {
                 at_least(kernel, "lda", self.lda, "m", self.m)?;
-                for (field, value, why) in [
-                    ("k_parts", self.k_parts, "must be 1 with A as columns"),
-                    ("mask_rows", self.mask_rows, "must be 0 with A as columns"),
-                ] {
-                    require(
-                        value == usize::from(field == "k_parts"),
-                        kernel,
-                        field,
-                        value as u128,
-                        || why.into(),
-                    )?;
-                }
+                require(self.k_parts == 1, kernel, "k_parts", self.k_parts as u128, || {
+                    "must be 1 with A as columns".into()
+                })?;
+                require(self.mask_rows == 0, kernel, "mask_rows", self.mask_rows as u128, || {
+                    "must be 0 with A as columns".into()
+                })?;
                 span(self.a_offset, self.k, self.lda, self.m)
             }
         };
