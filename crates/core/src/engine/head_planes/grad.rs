@@ -9,8 +9,10 @@
 //! [`HeadLayout::Dx`]).
 //!
 //! The f32 result builds up on the device over the call's chunks in
-//! pieces of rows, each within one binding, and is read back once at the
-//! end, rows in the head's natural id order.
+//! pieces of rows, each within one binding: the host call reads it back
+//! once at the end, rows in the head's natural id order; the resident call
+//! copies it into the caller's buffer, or builds it in windows of that
+//! buffer where the backend scales in place ([`HeadGrad::in_output`]).
 
 use super::{HeadPlanes, Scaling};
 use crate::align::ALIGN;
