@@ -18,9 +18,17 @@
 // [ntok][3]: lse, soft, hard (written with params.write_terms).
 @group(0) @binding(6) var<storage, read_write> terms_dst: array<f32>;
 
+// dx's multiplier, read once for the workgroup (as in
+// resident_head_grad_out.wgsl).
+var<workgroup> dx_mul_word: u32;
+
 // params: LossOutParams.
 @compute @workgroup_size(WG)
 fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    if lid == 0u {
+        dx_mul_word = atomicLoad(&status[S_DX_MUL]);
+    }
+    let dx_mul = bitcast<f32>(workgroupUniformLoad(&dx_mul_word));
     let at = cell_of(wg, lid, params.rows, params.hs);
     let i = at.i;
     if i < params.rows {
@@ -49,7 +57,7 @@ fn loss_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
     if !at.inside {
         return;
     }
-    let v = bitcast<f32>(atomicLoad(&status[S_DX_MUL])) * dx_chunk[at.row * params.ld + at.col];
+    let v = dx_mul * dx_chunk[at.row * params.ld + at.col];
     let o = params.dx_offset + i;
     if params.accumulate != 0u {
         dx_dst[o] = dx_dst[o] + v;

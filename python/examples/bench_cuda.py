@@ -57,6 +57,12 @@ def arguments():
         help="the head is a trainable CUDA parameter: each step also gives its gradient (weight.grad)",
     )
     p.add_argument(
+        "--refresh",
+        action="store_true",
+        help="each step first changes the head in place, as an optimizer step does, so it includes reading the head "
+        "again (with --head-grad)",
+    )
+    p.add_argument(
         "--budget",
         type=parse_bytes,
         default=None,
@@ -67,6 +73,8 @@ def arguments():
 
 def main():
     args = arguments()
+    if args.refresh and not args.head_grad:
+        raise SystemExit("bench_cuda.py: --refresh changes the head each step, which needs --head-grad (a CUDA parameter)")
     device = torch.device("cuda")
     for name in args.shapes.split(","):
         ntok, vocab, hs, k = SHAPES[name]
@@ -90,29 +98,41 @@ def main():
         base = torch.cuda.memory_allocated()
         times = []
         copied = 0
+        peaks = [0, 0]
         for step in range(args.warmup + args.iters):
             x = hidden.detach().requires_grad_()
             weight.grad = None
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before = ht.host_copy_bytes()
             begin.record()
+            if args.refresh:
+                with torch.no_grad():
+                    weight.mul_(1.0)  # a new version of the same values
             loss = loss_fn(x, ids, probs)
+            # The allocator's own count (no wait): forward's peak, then
+            # backward's, each beyond the inputs.
+            peaks[0] = max(peaks[0], torch.cuda.max_memory_allocated() - base)
+            torch.cuda.reset_peak_memory_stats()
             loss.backward()
+            peaks[1] = max(peaks[1], torch.cuda.max_memory_allocated() - base)
+            torch.cuda.reset_peak_memory_stats()
             end.record()
             if step >= args.warmup:
                 copied += ht.host_copy_bytes() - before
                 end.synchronize()
                 times.append(begin.elapsed_time(end))
         loss_fn.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        peak = max(peaks) / 2**30
         _, engine_peak = loss_fn.head._engine.memory()
         headkl_extra = (engine_peak - head_bytes) / 2**30
         budget = f" budget {args.budget / 2**20:.0f}M" if args.budget else ""
+        # The gradient's own tensors: the engine's f32 [V][hs] and .grad.
+        dw = f", of which dW {vocab * hs * 6 / 2**30:.2f} GiB (f32 + bf16 .grad)" if args.head_grad else ""
         print(
             f"torch {name}{budget} {ntok}:{vocab}:{hs}:{k} {'zero-copy' if loss_fn.zero_copy else 'host copies'}"
-            f"{' with dW' if args.head_grad else ''}: "
+            f"{' with dW' if args.head_grad else ''}{' refreshed each step' if args.refresh else ''}: "
             f"step {statistics.median(times):.2f} ms (min {min(times):.2f}), host bytes {copied}, "
-            f"peak extra: torch {peak:.2f} GiB + headkl {headkl_extra:.2f} GiB (beyond its {head_bytes / 2**30:.2f} GiB head), "
+            f"peak extra: torch {peak:.2f} GiB (forward {peaks[0] / 2**30:.2f}, backward {peaks[1] / 2**30:.2f}){dw} + headkl {headkl_extra:.2f} GiB (beyond its {head_bytes / 2**30:.2f} GiB head), "
             f"head upload {upload_s:.1f} s, loss {loss.item():.4f}",
             flush=True,
         )

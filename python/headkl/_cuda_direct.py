@@ -20,6 +20,23 @@ import torch
 from ._host import _NAMES
 
 _F16_MAX = 65504.0
+# Rows of the head converted and checked at a time when it is read again
+# (``refill``), in bytes of f16.
+_REFILL_WINDOW_BYTES = 256 << 20
+
+
+class _PlaneRows:
+    """``rows × ld`` f16 values of an engine plane at a device address, for
+    ``torch.as_tensor`` (the CUDA array interface; no stream named, as the
+    writes are queued on the stream the engine runs on)."""
+
+    def __init__(self, address: int, rows: int, ld: int):
+        self.__cuda_array_interface__ = {
+            "shape": (rows, ld),
+            "typestr": "<f2",
+            "data": (address, False),
+            "version": 2,
+        }
 
 
 def _memory(t: torch.Tensor) -> Tuple[int, int]:
@@ -51,24 +68,37 @@ class _CudaDirect:
 
     def refill(self, weight: torch.Tensor) -> None:
         """Reads ``weight`` (the head, changed since it was read) again into
-        the engine on the device: its values checked and its f16 rows'
-        norms read (one small read to the host), the planes rewritten by
-        device copies on torch's stream."""
+        the engine on the device: converted to f16 straight into the
+        engine's planes by PyTorch's kernels on torch's stream, a window of
+        ``_REFILL_WINDOW_BYTES`` at a time, each row's largest magnitude
+        checked on the way (one flag a row, read back once). So a refresh
+        costs about one device copy of the head and no memory beside it.
+        A value that is not finite, or past f16's range (that rounds to
+        infinity), is an error naming its row and column; the head is then
+        read again at the next call."""
         w = weight.detach()
-        w16 = w.to(torch.float16).contiguous()
-        w32 = w.float()
-        bad_rows = (~torch.isfinite(w32) | (w32.abs() > _F16_MAX)).any(1)
-        norms = w16.float().pow(2).sum(1).sqrt()
-        read = torch.stack([norms, bad_rows.float()], 1).cpu()
-        bad = torch.nonzero(read[:, 1]).flatten()
+        vocab, hs = w.shape
+        bad_rows = torch.zeros(vocab, dtype=torch.bool, device=w.device)
+        step = max(1, _REFILL_WINDOW_BYTES // (2 * max(hs, 1)))
+
+        def write(address: int, first_row: int, rows: int, ld: int) -> None:
+            plane = torch.as_tensor(_PlaneRows(address, rows, ld), device=w.device)[:, :hs]
+            for r in range(0, rows, step):
+                dst = plane[r : r + step]
+                ids = slice(first_row + r, first_row + r + dst.shape[0])
+                dst.copy_(w[ids])
+                largest = torch.linalg.vector_norm(dst, float("inf"), dim=1)
+                torch.logical_not(torch.isfinite(largest), out=bad_rows[ids])
+
+        self.engine.refill_head_cuda(write, torch.cuda.current_stream(self.ordinal).cuda_stream)
+        bad = torch.nonzero(bad_rows).flatten()
         if bad.numel():
             row = int(bad[0])
-            values = w32[row].cpu()
-            col = int(torch.nonzero(~torch.isfinite(values) | (values.abs() > _F16_MAX)).flatten()[0])
+            values = w[row].float().cpu()
+            wrong = ~torch.isfinite(values) | (values.abs() > _F16_MAX)
+            col = int(torch.nonzero(wrong).flatten()[0])
             what = "is not finite" if not bool(torch.isfinite(values[col])) else "is past f16's range"
             raise ValueError(f"weight: row {row}, column {col}: {float(values[col])} {what}")
-        stream = torch.cuda.current_stream(self.ordinal).cuda_stream
-        self.engine.refill_head_cuda(_memory(w16), read[:, 0].tolist(), stream)
 
     def loss(self, options: dict, flat, ids, values, labels, weights, w, total, head_grad: bool = False):
         """The unweighted per-token losses and ``dx`` for the checked

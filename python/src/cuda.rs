@@ -109,37 +109,30 @@ pub fn head_kl(
         .map_err(to_py)
 }
 
-/// Reads a trainable head again from PyTorch's f16 copy of it (`[V][hs]`,
-/// dense, at `w16`) into the engine's planes, on `stream`: device copies
-/// only. `row_norms` are the f16 rows' norms (the Python side checked the
-/// values first).
-pub fn refill_head(engine: &mut Engine<CudaBackend>, w16: Device, row_norms: &[f32], stream: u64) -> PyResult<()> {
-    let (vocab, hs) = (engine.vocab(), engine.hs());
-    let row_bytes = hs * 2;
-    if w16.1 != (vocab * row_bytes) as u64 {
-        return Err(PyValueError::new_err(format!(
-            "weight: {} bytes of f16 given for a [{vocab}][{hs}] head",
-            w16.1
-        )));
-    }
+/// Reads a trainable head again into the engine's planes, on `stream`:
+/// `write(address, first_row, rows, ld)`, the Python side, writes head rows
+/// `first_row..first_row + rows` as f16 into the plane at device address
+/// `address` (rows `ld` halves apart; its pad columns and rows keep their
+/// zeros) with PyTorch's kernels on the same stream, so the head is
+/// converted straight into the planes, with no copy of it in between. No
+/// row norms: the CUDA backend's dx GEMM has no block filter to read them.
+pub fn refill_head(engine: &mut Engine<CudaBackend>, write: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
     on_stream(engine, stream)?;
-    engine
-        .refill_device_head(row_norms, |backend, plane| {
-            let src = w16.0 + (plane.first_row * row_bytes) as u64;
-            // SAFETY: rows first_row.. of the f16 copy the Python side holds
-            // for the call, inside it (its size checked above); the copy is
-            // queued on torch's stream, so the tensor's memory is reused
-            // only after it.
-            unsafe {
-                backend.copy_rows_from(
-                    plane.buffer,
-                    plane.hs_padded * 2,
-                    (src, row_bytes),
-                    (row_bytes, plane.rows),
-                )
+    let mut raised = None;
+    let filled = engine.refill_device_head_unfiltered(|_, plane| {
+        let args = (plane.buffer.device_ptr(), plane.first_row, plane.rows, plane.hs_padded);
+        write.call1(args).map(drop).map_err(|e| {
+            raised = Some(e);
+            headkl_core::Error::Backend {
+                backend: "cuda",
+                message: "writing the head's planes raised in Python".into(),
             }
         })
-        .map_err(to_py)
+    });
+    match raised {
+        Some(e) => Err(e),
+        None => filled.map_err(to_py),
+    }
 }
 
 /// The exact top-k on CUDA tensors `(hidden, ids, values)`: ids u32 and

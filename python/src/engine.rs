@@ -674,13 +674,13 @@ impl PyEngine {
         })
     }
 
-    /// Reads the head again from PyTorch's f16 copy of it on the device
-    /// (`(address, bytes)`, dense `[V][hs]`), queued on `stream`;
-    /// `row_norms` are its rows' norms.
-    fn refill_head_cuda(&self, py: Python<'_>, w16: cuda::Device, row_norms: Vec<f32>, stream: u64) -> PyResult<()> {
+    /// Reads the head again into the engine's planes on the device, queued
+    /// on `stream`: `write(address, first_row, rows, ld)` writes each
+    /// plane's rows as f16 ([`cuda::refill_head`]).
+    fn refill_head_cuda(&self, write: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
         let mut held = self.held()?;
         let engine = cuda::cuda_whole(&mut held).map_err(cuda::not_cuda)?;
-        py.detach(|| cuda::refill_head(engine, w16, &row_norms, stream))
+        cuda::refill_head(engine, write, stream)
     }
 
     /// The top-k on CUDA tensors `(hidden, ids, values)` by `(address,

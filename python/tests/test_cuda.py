@@ -251,3 +251,41 @@ def test_a_step_on_the_cuda_backend_makes_no_host_sync():
     )  # fmt: skip
     close(loss.detach().cpu().reshape(1), want_loss.reshape(1), "loss", rel=1e-4)
     close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cuda_head_read_again_in_windows_matches_a_fresh_one_and_names_a_bad_value(dtype, monkeypatch):
+    # The CUDA backend reads a changed CUDA head again on the device, its
+    # checks a window of rows at a time: 7 rows a window here, so the
+    # 300-row head takes 43 windows, the last one short.
+    import headkl._cuda_direct as direct
+
+    start_or_skip("cuda")
+    monkeypatch.setattr(direct, "_REFILL_WINDOW_BYTES", 7 * 2 * HS)
+    weight, hidden, ids, values, _, _ = problem(7)
+    w = weight.to(dtype).cuda()
+    loss_fn = ht.HeadKLLoss(w, backend="cuda")
+    args = (hidden.cuda(), ids.cuda(), values.cuda())
+    loss_fn(*args)
+    with torch.no_grad():
+        w.mul_(2)
+        w[291] += 0.5  # a row of the last window
+    got = loss_fn(*args)
+    assert loss_fn.head._uploads == 2, "the changed head was not read again"
+    want = ht.HeadKLLoss(w.clone(), backend="cuda")(*args)
+    close(got.cpu().reshape(1), want.cpu().reshape(1), "loss read again", rel=1e-6)
+    with torch.no_grad():
+        w[150, 3] = float("inf")
+    with pytest.raises(ValueError, match=r"weight: row 150, column 3: inf is not finite"):
+        loss_fn(*args)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            w[150, 3] = 70000.0  # rounds to f16's infinity
+        with pytest.raises(ValueError, match=r"weight: row 150, column 3: 70000.0 is past f16's range"):
+            loss_fn(*args)
+    # Mended, the head is read again at the next call.
+    with torch.no_grad():
+        w[150, 3] = 0.25
+    got = loss_fn(*args)
+    want = ht.HeadKLLoss(w.clone(), backend="cuda")(*args)
+    close(got.cpu().reshape(1), want.cpu().reshape(1), "loss of the mended head", rel=1e-6)

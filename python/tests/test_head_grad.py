@@ -290,3 +290,18 @@ def test_the_sharded_loss_refuses_a_head_that_requires_grad():
     with pytest.raises(ValueError, match=message):
         ht.HeadKLLoss(rows, shard=(0, 100), vocab_size=V, backend="reference")
     ht.HeadKLLoss(rows.detach(), shard=(0, 100), vocab_size=V, backend="reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_gradient_is_scaled_into_the_weights_dtype_a_window_at_a_time(dtype, monkeypatch):
+    # Into another dtype the scale goes 3 rows at a time (100 windows, the
+    # 300 rows of the head), so PyTorch's temporary of the common dtype
+    # stays a window's; each value is the f32 product rounded once, as in
+    # one call.
+    import headkl.ops.autograd as autograd
+
+    monkeypatch.setattr(autograd, "_SCALE_WINDOW_BYTES", 3 * HS * 4)
+    unit = torch.randn(V, HS, generator=torch.Generator().manual_seed(5))
+    got = autograd._head_gradient(unit, torch.tensor(0.75), None, dtype, unit.device)
+    assert got.dtype == dtype and got.shape == (V, HS)
+    assert torch.equal(got, (unit * 0.75).to(dtype))

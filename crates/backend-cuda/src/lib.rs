@@ -470,10 +470,14 @@ impl Backend for CudaBackend {
             self.run_gemm(&launch)?;
         } else {
             let buffers: Vec<u64> = launch.buffers().iter().map(|b| b.device_ptr()).collect();
+            let (entry, workgroups) = match kernels::scale_in_place_x4(&launch) {
+                Some(blocks) => (kernels::SCALE_X4_ENTRY, blocks),
+                None => (id.name(), launch.workgroups(GemmKernel::Tiled)),
+            };
             self.kernels.launch(
-                id.name(),
+                entry,
                 self.device().stream(),
-                launch.workgroups(GemmKernel::Tiled),
+                workgroups,
                 kernels::threads(id),
                 |grid_x| checked.bytes(grid_x),
                 &buffers,

@@ -162,7 +162,27 @@ impl<B: Backend> Engine<B> {
         mut fill: impl FnMut(&B, DevicePlane<'_, B::Buffer>) -> Result<()>,
     ) -> Result<()> {
         self.backend.finish()?;
-        self.head.refill(&self.backend, row_norms, &mut fill)
+        self.head.refill(&self.backend, Some(row_norms), &mut fill)
+    }
+
+    /// [`Engine::refill_device_head`] without the rows' norms, where this
+    /// backend's dx GEMM has no block filter (their only reader; CUDA's
+    /// has none): a trainer refreshing its head every step then reads
+    /// nothing back for them. Elsewhere [`Error::MissingFeature`] says to
+    /// pass them.
+    pub fn refill_device_head_unfiltered(
+        &mut self,
+        mut fill: impl FnMut(&B, DevicePlane<'_, B::Buffer>) -> Result<()>,
+    ) -> Result<()> {
+        if self.backend.gemm_block_filter() {
+            return Err(Error::MissingFeature(format!(
+                "{}: a head read again without its rows' norms (the dx block filter's bound needs them; \
+                 Engine::refill_device_head takes them)",
+                self.backend.info().backend
+            )));
+        }
+        self.backend.finish()?;
+        self.head.refill(&self.backend, None, &mut fill)
     }
 
     /// [`Engine::new`] with the head's rows stored in `order`

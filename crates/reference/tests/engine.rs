@@ -336,4 +336,16 @@ fn a_refilled_device_head_is_the_new_head() {
     assert_ne!(old.loss, fresh.loss);
     assert_eq!(refilled, fresh);
     assert_eq!(refilled.head_grad.len(), vocab * hs);
+    // The reference's dx GEMM has the block filter, whose bound reads the
+    // norms: a refill without them is refused before any plane is written.
+    let mut written = false;
+    let refused = engine.refill_device_head_unfiltered(|_, _| {
+        written = true;
+        Ok(())
+    });
+    assert!(
+        matches!(refused, Err(headkl_core::Error::MissingFeature(_))),
+        "{refused:?}"
+    );
+    assert!(!written, "a plane was written before the refusal");
 }

@@ -73,6 +73,10 @@ def _register_loss(kind: str):
         hidden, a, b, labels, weights, weight, handle, total, head_grad, given, *options = inputs
         _, dx, unit_grad = output
         ctx.mark_non_differentiable(dx, unit_grad)
+        # dx and the unit gradient get no gradient: without this, autograd
+        # hands backward a zero tensor of each (at shape A, 5 GB of f32
+        # zeros shaped as the head's gradient).
+        ctx.set_materialize_grads(False)
         ctx.per_token = _options_of(given, *options).get("reduction") == "none"
         ctx.dtype, ctx.weight_dtype, ctx.weight_device = hidden.dtype, weight.dtype, weight.device
         ctx.head_grad, ctx.nargs = head_grad, len(inputs)
@@ -84,6 +88,8 @@ def _register_loss(kind: str):
             ctx.save_for_backward(dx, unit_grad)
 
     def backward(ctx, grad, _grad_dx, _grad_unit):
+        if grad is None:  # no gradient reached the loss (grads not materialized)
+            return (None,) * ctx.nargs
         saved = ctx.saved_tensors
         dx, unit_grad = saved[:2]
         scale = grad.reshape(-1, 1) if ctx.per_token else grad
@@ -93,7 +99,8 @@ def _register_loss(kind: str):
             if len(saved) > 2:
                 grad_weight = head_grad_op(*saved[2:], ctx.handle, unit_grad, grad, *ctx.options)
             else:
-                grad_weight = (unit_grad * grad.to(unit_grad.device)).to(ctx.weight_device, ctx.weight_dtype)
+                grad = grad.to(unit_grad.device)
+                grad_weight = _head_gradient(unit_grad, grad, None, ctx.weight_dtype, ctx.weight_device)
         return (grad_hidden, None, None, None, None, grad_weight) + (None,) * (ctx.nargs - 6)
 
     loss_op.register_autograd(_once_differentiable(backward), setup_context=setup_context)

@@ -97,13 +97,30 @@ def _head_gradient(head_grad, grad, head_grad_of, dtype, device) -> torch.Tensor
     call's, for a unit upstream gradient), in ``dtype`` on ``device``: a
     scalar ``grad`` scales it; per-token losses (``head_grad_of`` given)
     take ``min(grad)`` of it and ``head_grad_of(grad − min(grad))`` where
-    ``grad`` is not uniform."""
-    if head_grad_of is None:
-        out = head_grad * grad
-    else:
-        low = grad.min() if grad.numel() else grad.new_zeros(())
-        out = head_grad * low
-        rest = grad - low
+    ``grad`` is not uniform. Scaled and converted in one pass into the
+    returned tensor: at shape A each full-size temporary is 5 GB."""
+    scale = grad
+    if head_grad_of is not None:
+        scale = grad.min() if grad.numel() else grad.new_zeros(())
+        rest = grad - scale
         if bool((rest > 0).any()):
-            out = out + head_grad_of(rest).to(out.device)
-    return out.to(device=device, dtype=dtype)
+            out = head_grad_of(rest).to(head_grad.device)
+            out.addcmul_(head_grad, scale)
+            return out.to(device=device, dtype=dtype)
+    if head_grad.device != torch.device(device):
+        return (head_grad * scale).to(device=device, dtype=dtype)
+    out = torch.empty(head_grad.shape, dtype=dtype, device=device)
+    scale = scale.to(head_grad.device)
+    if dtype == head_grad.dtype or head_grad.dim() != 2:
+        return torch.mul(head_grad, scale, out=out)
+    # Into another dtype, PyTorch computes into a temporary of the common
+    # one and copies: a window of rows at a time, that temporary is small.
+    rows = max(1, _SCALE_WINDOW_BYTES // max(1, head_grad.shape[1] * head_grad.element_size()))
+    for first in range(0, head_grad.shape[0], rows):
+        torch.mul(head_grad[first : first + rows], scale, out=out[first : first + rows])
+    return out
+
+
+# Rows of the head's gradient scaled into the weight's dtype at a time
+# (``_head_gradient``), in bytes of the f32 rows.
+_SCALE_WINDOW_BYTES = 256 << 20

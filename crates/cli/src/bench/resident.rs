@@ -97,7 +97,8 @@ pub(super) fn time_resident<B: ResidentBackend>(
 
 /// `--head-grad --resident`: head_kl with the head's gradient into a
 /// device buffer (`DeviceLossOptions::head_grad_out`), nothing read back;
-/// left out, with the reason, where the f32 `[V][hs]` is past one binding.
+/// left out, with the reason, where the f32 `[V][hs]` is past one binding
+/// and the backend cannot bind a window of it.
 #[allow(clippy::type_complexity, reason = "the resident job's buffers")]
 fn time_resident_head_grad<B: ResidentBackend>(
     d: &BenchData,
@@ -113,21 +114,25 @@ fn time_resident_head_grad<B: ResidentBackend>(
 ) -> Result<Option<JobResult>, CliError> {
     let shape = d.shape;
     let bytes = (shape.vocab * shape.hs * 4) as u64;
+    let fail = |e| CliError::device("bench --resident --head-grad", e);
     let info = engine.backend().info();
     let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
-    if bytes > max_binding {
+    // Past one binding, the call goes a window of the buffer at a time
+    // where the backend makes windows (CUDA, the reference): asked of a
+    // word before the gradient's gigabytes are allocated.
+    let probe = engine.backend().alloc(4, "bench window probe").map_err(fail)?;
+    let windows = engine.backend().window(&probe, 0, 4).is_some();
+    if bytes > max_binding && !windows {
         eprintln!(
-            "bench: --resident --head-grad left out: the f32 head gradient ({}) is past the device's largest binding ({}); \
-             the host row times it",
+            "bench: --resident --head-grad left out: the f32 head gradient ({}) is past the device's largest binding ({}) \
+             and {} makes no windows of a buffer; the host row times it",
             crate::text::fmt_bytes(bytes),
-            crate::text::fmt_bytes(max_binding)
+            crate::text::fmt_bytes(max_binding),
+            info.backend
         );
         return Ok(None);
     }
-    let dw = engine
-        .backend()
-        .alloc(bytes, "bench head_grad")
-        .map_err(|e| CliError::device("bench --resident --head-grad", e))?;
+    let dw = engine.backend().alloc(bytes, "bench head_grad").map_err(fail)?;
     let held = engine.backend().memory().current;
     let with_grad = DeviceLossOptions {
         head_grad_out: Some(&dw),

@@ -81,7 +81,9 @@ impl<'a> HeadWeights<'a> {
         ld: usize,
         out: &mut Vec<f16>,
     ) {
-        out.clear();
+        // Every row is written whole (values, then its pad), so a reused
+        // buffer is only cut to length: zeroing it first would cost a pass.
+        out.truncate(rows * ld);
         out.resize(rows * ld, f16::ZERO);
         crate::toolkit::host::par_chunks(out, ROWS_PER_PIECE * ld.max(1), |piece, block| {
             for (r, dst) in block.chunks_exact_mut(ld.max(1)).enumerate() {

@@ -272,15 +272,19 @@ impl<B: Backend> HeadPlanes<B> {
     /// Rewrites every plane in place with `fill` (as [`Self::from_device`]
     /// wrote them; same slices, no allocation) and takes the new rows'
     /// norms: a trainer's head that changed since, read again by a device
-    /// copy. Refused for a head stored in a vocabulary order (the fill
-    /// writes rows in id order).
-    pub(crate) fn refill(&mut self, backend: &B, row_norms: &[f32], fill: &mut PlaneFill<'_, B>) -> Result<()> {
+    /// copy. Without norms (`None`, a backend with no dx block filter, their
+    /// only reader) each block's is taken as infinite, so a bound made from
+    /// them could only be loose. Refused for a head stored in a vocabulary
+    /// order (the fill writes rows in id order).
+    pub(crate) fn refill(&mut self, backend: &B, row_norms: Option<&[f32]>, fill: &mut PlaneFill<'_, B>) -> Result<()> {
         if self.order.is_some() {
             return Err(Error::VocabOrderUnsupported {
                 reason: "a head refilled from the device is stored in the natural order",
             });
         }
-        crate::error::Field::Head.check_len(self.vocab, row_norms.len())?;
+        if let Some(norms) = row_norms {
+            crate::error::Field::Head.check_len(self.vocab, norms.len())?;
+        }
         for (s, plane) in self.slices.iter().zip(&self.planes) {
             fill(
                 backend,
@@ -294,8 +298,12 @@ impl<B: Backend> HeadPlanes<B> {
             )?;
         }
         backend.finish()?;
+        let Some(norms) = row_norms else {
+            self.block_norms.fill(f32::INFINITY);
+            return Ok(());
+        };
         self.block_norms.fill(0.0);
-        for (row, norm) in row_norms.iter().enumerate() {
+        for (row, norm) in norms.iter().enumerate() {
             self.block_norms[row / crate::problem::filter::BLOCK] += norm;
         }
         Ok(())
