@@ -115,11 +115,13 @@ pub fn head_kl(
 /// `address` (rows `ld` halves apart; its pad columns and rows keep their
 /// zeros) with PyTorch's kernels on the same stream, so the head is
 /// converted straight into the planes, with no copy of it in between. No
-/// row norms: the CUDA backend's dx GEMM has no block filter to read them.
+/// row norms (the CUDA backend's dx GEMM has no block filter to read them)
+/// and no wait: `on_stream` queues the writes behind the engine's earlier
+/// calls, and its later calls run behind them on the same stream.
 pub fn refill_head(engine: &mut Engine<CudaBackend>, write: &Bound<'_, PyAny>, stream: u64) -> PyResult<()> {
     on_stream(engine, stream)?;
     let mut raised = None;
-    let filled = engine.refill_device_head_unfiltered(|_, plane| {
+    let filled = engine.refill_device_head_queued(|_, plane| {
         let args = (plane.buffer.device_ptr(), plane.first_row, plane.rows, plane.hs_padded);
         write.call1(args).map(drop).map_err(|e| {
             raised = Some(e);

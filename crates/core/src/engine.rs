@@ -165,12 +165,16 @@ impl<B: Backend> Engine<B> {
         self.head.refill(&self.backend, Some(row_norms), &mut fill)
     }
 
-    /// [`Engine::refill_device_head`] without the rows' norms, where this
-    /// backend's dx GEMM has no block filter (their only reader; CUDA's
-    /// has none): a trainer refreshing its head every step then reads
-    /// nothing back for them. Elsewhere [`Error::MissingFeature`] says to
-    /// pass them.
-    pub fn refill_device_head_unfiltered(
+    /// [`Engine::refill_device_head`] without the rows' norms and without
+    /// waiting, where this backend's dx GEMM has no block filter (the
+    /// norms' only reader; CUDA's has none) and `fill` queues its writes
+    /// in order with the engine's work, on the queue it runs on (a CUDA
+    /// stream shared with the trainer): the writes then follow the calls
+    /// before and precede the calls after, so a trainer refreshing its
+    /// head every step neither waits for the device nor reads anything
+    /// back for it. Elsewhere [`Error::MissingFeature`] says to pass the
+    /// norms.
+    pub fn refill_device_head_queued(
         &mut self,
         mut fill: impl FnMut(&B, DevicePlane<'_, B::Buffer>) -> Result<()>,
     ) -> Result<()> {
@@ -181,7 +185,6 @@ impl<B: Backend> Engine<B> {
                 self.backend.info().backend
             )));
         }
-        self.backend.finish()?;
         self.head.refill(&self.backend, None, &mut fill)
     }
 

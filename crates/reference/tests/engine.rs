@@ -339,7 +339,7 @@ fn a_refilled_device_head_is_the_new_head() {
     // The reference's dx GEMM has the block filter, whose bound reads the
     // norms: a refill without them is refused before any plane is written.
     let mut written = false;
-    let refused = engine.refill_device_head_unfiltered(|_, _| {
+    let refused = engine.refill_device_head_queued(|_, _| {
         written = true;
         Ok(())
     });

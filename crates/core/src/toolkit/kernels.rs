@@ -419,7 +419,7 @@ catalogue! {
     HiddenIn => "hidden_in", [R, W], HiddenInParams, true, HIDDEN_IN_WGSL: 0, ROW_WORKGROUP;
     /// Resident: a chunk's loss and dx into the caller's buffers
     /// ([`LossOutDesc`]).
-    LossOut => "loss_out", [R, R, W, W, W, W], LossOutParams, true, LOSS_OUT_WGSL: 0, ROW_WORKGROUP;
+    LossOut => "loss_out", [R, R, W, W, W, W], LossOutParams, true, LOSS_OUT_WGSL: 4, ROW_WORKGROUP;
     /// Resident: a chunk's top-k into the caller's buffers ([`TopkOutDesc`]).
     TopkOut => "topk_out", [R, R, W, W, W], TopkOutParams, true, TOPK_OUT_WGSL: 0, ROW_WORKGROUP;
     /// Resident: the first flagged row described ([`StatusDetailDesc`]).
@@ -437,7 +437,7 @@ catalogue! {
     GatherOut => "gather_out", [R, W, W, W], GatherRowsParams, true, GATHER_WGSL: 0, ROW_WORKGROUP;
     /// Resident: a piece of the head's gradient into the caller's buffer
     /// ([`HeadGradOutDesc`]).
-    HeadGradOut => "head_grad_out", [R, W, W], HeadGradOutParams, true, HEAD_GRAD_OUT_WGSL: 0, ROW_WORKGROUP;
+    HeadGradOut => "head_grad_out", [R, W, W], HeadGradOutParams, true, HEAD_GRAD_OUT_WGSL: 4, ROW_WORKGROUP;
 }
 
 /// How a kernel uses one storage binding.

@@ -272,10 +272,12 @@ impl<B: Backend> HeadPlanes<B> {
     /// Rewrites every plane in place with `fill` (as [`Self::from_device`]
     /// wrote them; same slices, no allocation) and takes the new rows'
     /// norms: a trainer's head that changed since, read again by a device
-    /// copy. Without norms (`None`, a backend with no dx block filter, their
-    /// only reader) each block's is taken as infinite, so a bound made from
-    /// them could only be loose. Refused for a head stored in a vocabulary
-    /// order (the fill writes rows in id order).
+    /// copy, after which it waits for the device. Without norms (`None`, a
+    /// backend with no dx block filter, their only reader) each block's is
+    /// taken as infinite, so a bound made from them could only be loose,
+    /// and nothing waits: the fill is queued in order with the engine's
+    /// work ([`crate::Engine::refill_device_head_queued`]). Refused for a
+    /// head stored in a vocabulary order (the fill writes rows in id order).
     pub(crate) fn refill(&mut self, backend: &B, row_norms: Option<&[f32]>, fill: &mut PlaneFill<'_, B>) -> Result<()> {
         if self.order.is_some() {
             return Err(Error::VocabOrderUnsupported {
@@ -297,11 +299,11 @@ impl<B: Backend> HeadPlanes<B> {
                 },
             )?;
         }
-        backend.finish()?;
         let Some(norms) = row_norms else {
             self.block_norms.fill(f32::INFINITY);
             return Ok(());
         };
+        backend.finish()?;
         self.block_norms.fill(0.0);
         for (row, norm) in norms.iter().enumerate() {
             self.block_norms[row / crate::problem::filter::BLOCK] += norm;
