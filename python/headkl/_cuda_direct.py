@@ -72,7 +72,8 @@ class _CudaDirect:
         engine's planes by PyTorch's kernels on torch's stream, a window of
         ``_REFILL_WINDOW_BYTES`` at a time, each row's largest magnitude
         checked on the way (one flag a row, read back once). So a refresh
-        costs about one device copy of the head and no memory beside it.
+        costs about a device copy of the head and a read of it, and no
+        memory beside it.
         A value that is not finite, or past f16's range (that rounds to
         infinity), is an error naming its row and column; the head is then
         read again at the next call."""
