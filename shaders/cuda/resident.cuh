@@ -306,30 +306,25 @@ extern "C" __global__ void __launch_bounds__(WG)
     if (i >= params.rows * params.hs) {
         return;
     }
-    // Rows ld apart; a piece as wide as its rows (the gradient built in the
-    // caller's buffer) is one run of words.
+    // Rows ld apart; a piece as wide as its rows is one run of words.
     u32 at = params.ld == params.hs ? i : (i / params.hs) * params.ld + i % params.hs;
     dst[params.dst_offset + i] = from_bits(resolved_load(&status[S_DX_MUL])) * piece[at];
 }
 
-// head_grad_out's scale in place over a piece as wide as its rows, four
-// words a thread (not a catalogue kernel: the CUDA backend launches it in
-// head_grad_out's place where the piece is dst, ld is hs, rows·hs is a
-// multiple of 4 and the address 16-byte aligned). The 5 GB gradient of
-// shape A is then a stream of 16-byte words.
-extern "C" __global__ void __launch_bounds__(WG)
-    head_grad_scale_x4(const HeadGradOutParams params, const float* piece, u32* status, float* dst) {
-    u32 i = workgroup_index(params.grid_x) * WG + threadIdx.x;
-    if (i >= params.rows * params.hs / 4u) {
-        return;
-    }
-    float m = from_bits(resolved_load(&status[S_DX_MUL]));
-    float4 v = reinterpret_cast<const float4*>(piece)[i];
-    v.x *= m;
-    v.y *= m;
-    v.z *= m;
-    v.w *= m;
-    reinterpret_cast<float4*>(dst)[i] = v;
+// The scale of a head-gradient GEMM whose alpha cuBLASLt reads from the
+// device (not a catalogue kernel): out[0] = factor · the status word
+// `word` (the dx multiplier, known only once weight_stats has run), so the
+// gradient needs no scale pass of its own. One thread.
+struct AlphaWordParams {
+    float factor;
+    u32 word;
+    u32 pad0;
+    u32 pad1;
+};
+
+extern "C" __global__ void __launch_bounds__(1)
+    gemm_alpha_word(const AlphaWordParams params, u32* status, float* out) {
+    out[0] = params.factor * from_bits(resolved_load(&status[params.word]));
 }
 
 // ---- resident_topk_out.wgsl

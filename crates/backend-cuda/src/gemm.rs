@@ -55,6 +55,27 @@ struct Key {
     /// Each operand's address alignment (bytes, a power of two ≤ 256):
     /// the heuristic must only pick algorithms that accept it.
     align: [u32; 3],
+    /// Whether alpha and beta are read from device memory ([`Alpha::Device`]).
+    alpha_on_device: bool,
+}
+
+/// Where a GEMM's alpha comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Alpha {
+    /// [`GemmDesc::alpha`], from the host.
+    Host,
+    /// The f32 at [`Gemm::device_alpha`] (`GemmDesc::alpha` folded in by
+    /// whoever wrote it): cuBLASLt's device pointer mode takes beta from
+    /// the device too, from words of ours holding 0 and 1.
+    Device,
+}
+
+/// A call's alpha and beta as cuBLASLt takes them: values, or the
+/// addresses of device words.
+#[derive(Clone, Copy, Debug)]
+enum Scalars {
+    Host(f32, f32),
+    Device(u64, u64),
 }
 
 impl Key {
@@ -62,9 +83,14 @@ impl Key {
     fn text(&self) -> String {
         let [a, b, c] = self.align;
         format!(
-            "{}{} GEMM {}x{}x{} lda {} ldb {} ldc {} align {a}/{b}/{c}",
+            "{}{}{} GEMM {}x{}x{} lda {} ldb {} ldc {} align {a}/{b}/{c}",
             if self.logits { "logits" } else { "dx" },
             if self.a_columns { " (A as columns)" } else { "" },
+            if self.alpha_on_device {
+                " (alpha on the device)"
+            } else {
+                ""
+            },
             self.m,
             self.n,
             self.k,
@@ -102,6 +128,9 @@ impl Drop for Plan {
 pub struct Gemm {
     handle: lts::cublasLtHandle_t,
     workspace: sys::CUdeviceptr,
+    /// Four f32 words: a device alpha ([`Alpha::Device`]), 0 and 1 (its
+    /// betas), and a spare.
+    scalars: sys::CUdeviceptr,
     plans: Mutex<HashMap<Key, Plan>>,
     picks: Picks,
 }
@@ -129,7 +158,7 @@ enum Call {
 
 /// The steps of `desc` on the buffers at `(a, b, c)`: one product per
 /// split-K part, each on its slice of K and into its own C block.
-fn calls(desc: &GemmDesc, (a, b, c): (u64, u64, u64)) -> Vec<Call> {
+fn calls(desc: &GemmDesc, (a, b, c): (u64, u64, u64), alpha_on_device: bool) -> Vec<Call> {
     let (m, n, k) = (desc.m, desc.n, desc.k);
     if m == 0 || n == 0 {
         return Vec::new();
@@ -169,6 +198,7 @@ fn calls(desc: &GemmDesc, (a, b, c): (u64, u64, u64)) -> Vec<Call> {
             ldb: desc.ldb,
             ldc: desc.ldc,
             align: [alignment(a_at), alignment(b_at), alignment(c_at)],
+            alpha_on_device,
         };
         out.push(Call::Matmul {
             key,
@@ -231,19 +261,31 @@ impl Gemm {
         // SAFETY: the context is current; freed by drop.
         let workspace = unsafe { result::malloc_sync(WORKSPACE_BYTES) }
             .map_err(|e| alloc("cuBLASLt workspace", WORKSPACE_BYTES as u64, e))?;
+        // SAFETY: as above.
+        let scalars = unsafe { result::malloc_sync(16) }.map_err(|e| alloc("device GEMM scalars", 16, e))?;
+        let words = [0f32, 0.0, 1.0, 0.0];
+        // SAFETY: 16 bytes at our new allocation, from a live array.
+        unsafe { result::memcpy_htod_sync(scalars, &words) }.map_err(|e| driver("writing the GEMM scalars", e))?;
         Ok(Self {
             handle,
             workspace,
+            scalars,
             plans: Mutex::new(HashMap::new()),
             picks,
         })
     }
 
+    /// The device word a GEMM with [`Alpha::Device`] takes its alpha from:
+    /// written by a kernel queued before it.
+    pub fn device_alpha(&self) -> u64 {
+        self.scalars
+    }
+
     /// Queues `desc` on `stream` over the buffers at `a`, `b` and `c`
     /// (their device addresses), split-K parts and all. Row statistics are
     /// the caller's (cuBLASLt has no such epilogue).
-    pub fn run(&self, stream: sys::CUstream, a: u64, b: u64, c: u64, desc: &GemmDesc) -> Result<()> {
-        for call in calls(desc, (a, b, c)) {
+    pub fn run(&self, stream: sys::CUstream, (a, b, c): (u64, u64, u64), desc: &GemmDesc, alpha: Alpha) -> Result<()> {
+        for call in calls(desc, (a, b, c), alpha != Alpha::Host) {
             match call {
                 Call::Zero { c, ldc, n, m } => {
                     // SAFETY: the descriptor check put C's m rows of n
@@ -252,24 +294,31 @@ impl Gemm {
                         .result()
                         .map_err(|e| driver("zeroing an empty split-K part", e))?;
                 }
-                Call::Matmul { key, a, b, c } => self.matmul(stream, key, a, b, c, desc.alpha, desc.accumulate)?,
+                Call::Matmul { key, a, b, c } => {
+                    let scalars = match alpha {
+                        Alpha::Host => Scalars::Host(desc.alpha, if desc.accumulate { 1.0 } else { 0.0 }),
+                        Alpha::Device => {
+                            let beta = if desc.accumulate {
+                                self.scalars + 8
+                            } else {
+                                self.scalars + 4
+                            };
+                            Scalars::Device(self.scalars, beta)
+                        }
+                    };
+                    self.matmul(stream, key, (a, b, c), scalars, desc.accumulate)?
+                }
             }
         }
         Ok(())
     }
 
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the three operands, the scale and the mode of one call"
-    )]
     fn matmul(
         &self,
         stream: sys::CUstream,
         key: Key,
-        a: u64,
-        b: u64,
-        c: u64,
-        alpha: f32,
+        (a, b, c): (u64, u64, u64),
+        scalars: Scalars,
         accumulate: bool,
     ) -> Result<()> {
         let mut plans = self.plans.lock().map_err(|_| Error::Backend {
@@ -282,13 +331,12 @@ impl Gemm {
                 // Without accumulation the call overwrites C next, so the
                 // candidates may write there; else they get a scratch C.
                 let timing_c = (!accumulate).then_some(c);
-                e.insert(self.plan(&key, stream, (a, b, timing_c, alpha))?)
+                e.insert(self.plan(&key, stream, (a, b, timing_c), scalars)?)
             }
         };
-        let beta: f32 = if accumulate { 1.0 } else { 0.0 };
         // SAFETY: the plan's layouts describe the operands at these
         // addresses, which the descriptor check put inside their buffers.
-        unsafe { self.launch(plan, &plan.algo, stream, (a, b, c), (alpha, beta)) }.map_err(|e| {
+        unsafe { self.launch(plan, &plan.algo, stream, (a, b, c), scalars) }.map_err(|e| {
             let name = if key.logits { "logits" } else { "dx" };
             cublas(format_args!("cuBLASLt {name} GEMM {}x{}x{}", key.m, key.n, key.k), e)
         })
@@ -309,15 +357,28 @@ impl Gemm {
         algo: &lts::cublasLtMatmulAlgo_t,
         stream: sys::CUstream,
         (a, b, c): (u64, u64, u64),
-        (alpha, beta): (f32, f32),
+        scalars: Scalars,
     ) -> std::result::Result<(), cudarc::cublaslt::result::CublasError> {
+        // Host values are read during the call; device words when the
+        // GEMM runs (the plan's pointer mode says which).
+        let values;
+        let (alpha, beta) = match scalars {
+            Scalars::Host(alpha, beta) => {
+                values = [alpha, beta];
+                (
+                    &values[0] as *const f32 as *const c_void,
+                    &values[1] as *const f32 as *const c_void,
+                )
+            }
+            Scalars::Device(alpha, beta) => (alpha as *const c_void, beta as *const c_void),
+        };
         // SAFETY: the caller's contract; the scalars live through the call.
         unsafe {
             lt::matmul(
                 self.handle,
                 plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
+                alpha,
+                beta,
                 b as *const c_void,
                 plan.a,
                 a as *const c_void,
@@ -338,7 +399,13 @@ impl Gemm {
     /// candidates, the one that ran fastest on the call's own operands `a`
     /// and `b`, into `c` (a C the call overwrites next) or, where that is
     /// `None`, a scratch C.
-    fn plan(&self, key: &Key, stream: sys::CUstream, (a, b, c, alpha): (u64, u64, Option<u64>, f32)) -> Result<Plan> {
+    fn plan(
+        &self,
+        key: &Key,
+        stream: sys::CUstream,
+        (a, b, c): (u64, u64, Option<u64>),
+        scalars: Scalars,
+    ) -> Result<Plan> {
         let name = if key.logits { "logits" } else { "dx" };
         let what = |step: &str| format!("planning the {name} GEMM {}x{}x{}: {step}", key.m, key.n, key.k);
         use lts::cudaDataType_t::{CUDA_R_16F, CUDA_R_32F};
@@ -374,6 +441,16 @@ impl Gemm {
                 std::mem::size_of_val(&op_b),
             )
             .map_err(|e| cublas(what("TRANSB"), e))?;
+            if key.alpha_on_device {
+                let mode = lts::cublasLtPointerMode_t::CUBLASLT_POINTER_MODE_DEVICE as i32;
+                lt::set_matmul_desc_attribute(
+                    plan.desc,
+                    lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_POINTER_MODE,
+                    &mode as *const i32 as *const c_void,
+                    std::mem::size_of_val(&mode),
+                )
+                .map_err(|e| cublas(what("POINTER_MODE"), e))?;
+            }
         }
         let layout = |ty, (rows, cols, ld): (usize, usize, usize)| {
             lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
@@ -459,7 +536,7 @@ impl Gemm {
                         several[i]
                     }
                     None => {
-                        let algo = self.fastest(&plan, several, stream, (a, b, c, alpha), key)?;
+                        let algo = self.fastest(&plan, several, stream, (a, b, c), scalars, key)?;
                         self.picks.keep(&shape, algo.data);
                         algo
                     }
@@ -477,17 +554,23 @@ impl Gemm {
         plan: &Plan,
         algos: &[lts::cublasLtMatmulAlgo_t],
         stream: sys::CUstream,
-        (a, b, c, alpha): (u64, u64, Option<u64>, f32),
+        (a, b, c): (u64, u64, Option<u64>),
+        scalars: Scalars,
         key: &Key,
     ) -> Result<lts::cublasLtMatmulAlgo_t> {
+        // The candidates overwrite C (beta 0).
+        let scalars = match scalars {
+            Scalars::Host(alpha, _) => Scalars::Host(alpha, 0.0),
+            Scalars::Device(alpha, _) => Scalars::Device(alpha, self.scalars + 4),
+        };
         let times = match c {
-            Some(c) => self.time_each(plan, algos, stream, (a, b, c, alpha))?,
+            Some(c) => self.time_each(plan, algos, stream, (a, b, c), scalars)?,
             None => {
                 let bytes = 4 * (key.ldc * (key.m - 1) + key.n);
                 // SAFETY: the context is current; freed below.
                 let scratch =
                     unsafe { result::malloc_sync(bytes) }.map_err(|e| alloc("GEMM timing scratch", bytes as u64, e))?;
-                let timed = self.time_each(plan, algos, stream, (a, b, scratch, alpha));
+                let timed = self.time_each(plan, algos, stream, (a, b, scratch), scalars);
                 // SAFETY: our allocation; the timing waited for the stream.
                 let _ = unsafe { result::free_sync(scratch) };
                 timed?
@@ -518,18 +601,18 @@ impl Gemm {
         plan: &Plan,
         algos: &[lts::cublasLtMatmulAlgo_t],
         stream: sys::CUstream,
-        (a, b, c, alpha): (u64, u64, u64, f32),
+        (a, b, c): (u64, u64, u64),
+        scalars: Scalars,
     ) -> Result<Vec<f32>> {
         let event = || {
             result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
                 .map_err(|e| driver("creating a timing event", e))
         };
         let (start, end) = (event()?, event()?);
-        let beta = 0f32;
         let mut times = Vec::with_capacity(algos.len());
         for algo in algos {
             // SAFETY: as in `matmul`, into a C of the call's C's extent.
-            let run = || unsafe { self.launch(plan, algo, stream, (a, b, c), (alpha, beta)) };
+            let run = || unsafe { self.launch(plan, algo, stream, (a, b, c), scalars) };
             if run().is_err() {
                 times.push(f32::INFINITY);
                 continue;
@@ -568,6 +651,7 @@ impl Drop for Gemm {
         unsafe {
             let _ = lt::destroy_handle(self.handle);
             let _ = result::free_sync(self.workspace);
+            let _ = result::free_sync(self.scalars);
         }
     }
 }
@@ -660,7 +744,7 @@ mod tests {
             let c0: Vec<f64> = (0..c_len).map(|i| value(i + 2)).collect();
             let mut c = c0.clone();
             let beta = if accumulate { 1.0 } else { 0.0 };
-            let steps = calls(&desc, (0, 0, 0));
+            let steps = calls(&desc, (0, 0, 0), false);
             for call in &steps {
                 emulate(call, (&a, &b, &mut c), f64::from(desc.alpha), beta);
             }
@@ -695,7 +779,7 @@ mod tests {
         }
         assert_eq!(k_part_range(150, 4, 3).len(), 0, "the case has an empty part");
         let empty = GemmDesc::dense(0, 8, 16, HeadLayout::Dx);
-        assert!(calls(&empty, (0, 0, 0)).is_empty());
+        assert!(calls(&empty, (0, 0, 0), false).is_empty());
     }
 
     #[test]

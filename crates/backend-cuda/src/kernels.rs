@@ -8,32 +8,27 @@ use std::ffi::{c_void, CString};
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
-use headkl_core::toolkit::{fold_workgroups, GemmKernel, KernelId, Launch};
+use headkl_core::toolkit::{fold_workgroups, GemmKernel, KernelId};
 use headkl_core::{Error, Result};
 
 use crate::conv::{driver, BACKEND};
-use crate::CudaBuffer;
 
 /// The row statistics kernel that follows a cuBLASLt logits GEMM asked for
 /// them (`shaders/cuda/small.cuh`): not a catalogue kernel.
 pub const ROW_STATS_ENTRY: &str = "gemm_row_stats";
 
-/// `head_grad_out`'s scale in place four words a thread
+/// The kernel that writes a device GEMM alpha from a status word
 /// (`shaders/cuda/resident.cuh`): not a catalogue kernel.
-pub const SCALE_X4_ENTRY: &str = "head_grad_scale_x4";
+pub const ALPHA_WORD_ENTRY: &str = "gemm_alpha_word";
 
-/// Blocks of [`SCALE_X4_ENTRY`] for `launch` where it may run in the
-/// catalogue's `head_grad_out` place: a scale in place (piece and dst the
-/// same memory, rows `hs` apart, no offset) of a multiple of 4 words at a
-/// 16-byte aligned address. `None` elsewhere.
-pub fn scale_in_place_x4(launch: &Launch<'_, CudaBuffer>) -> Option<u64> {
-    let Launch::HeadGradOut { piece, dst, desc, .. } = launch else {
-        return None;
-    };
-    let words = (desc.rows * desc.hs) as u64;
-    let in_place = piece.device_ptr() == dst.device_ptr() && desc.ld == desc.hs && desc.dst_offset == 0;
-    (in_place && words.is_multiple_of(4) && piece.device_ptr().is_multiple_of(16))
-        .then(|| (words / 4).div_ceil(u64::from(BLOCK)))
+/// [`ALPHA_WORD_ENTRY`]'s parameter block (`AlphaWordParams` in the CUDA
+/// C): the alpha is `factor` times f32 word `word` of its first buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct AlphaWordParams {
+    pub factor: f32,
+    pub word: u32,
+    pub pad: [u32; 2],
 }
 
 /// Threads per block of every kernel but `status_detail` (core's
@@ -79,7 +74,7 @@ impl Module {
             .into_iter()
             .filter(|id| id.gemm_layout().is_none())
             .map(KernelId::name)
-            .chain([ROW_STATS_ENTRY, SCALE_X4_ENTRY]);
+            .chain([ROW_STATS_ENTRY, ALPHA_WORD_ENTRY]);
         for name in names {
             let c_name = CString::new(name).map_err(|_| Error::Backend {
                 backend: BACKEND,

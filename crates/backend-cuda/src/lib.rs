@@ -25,10 +25,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
-use headkl_core::toolkit::resident_kernels::ResidentBackend;
+use headkl_core::toolkit::resident_kernels::{ResidentBackend, RowCopyDesc};
 use headkl_core::toolkit::settings::CommonOptions;
 use headkl_core::toolkit::{DownloadsInFlight, HeadLayout, KernelTime, MemoryStats, PendingDownload};
-use headkl_core::toolkit::{GemmKernel, Launch};
+use headkl_core::toolkit::{GemmDesc, GemmKernel, Launch};
 use headkl_core::{Backend, DeviceBuffer, DeviceInfo, Error, Result};
 
 pub use conv::BACKEND;
@@ -272,7 +272,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn run_gemm(&self, launch: &Launch<'_, CudaBuffer>) -> Result<()> {
+    fn run_gemm(&self, launch: &Launch<'_, CudaBuffer>, alpha: gemm::Alpha) -> Result<()> {
         let Launch::Gemm { a, b, c, desc } = *launch else {
             return Ok(());
         };
@@ -281,13 +281,8 @@ impl CudaBackend {
                 "cuda: the dx GEMM's block filter (cuBLASLt cannot skip blocks; the engine runs without it)".into(),
             ));
         }
-        self.gemm.run(
-            self.device().stream(),
-            a.device_ptr(),
-            b.device_ptr(),
-            c.device_ptr(),
-            &desc,
-        )?;
+        let addresses = (a.device_ptr(), b.device_ptr(), c.device_ptr());
+        self.gemm.run(self.device().stream(), addresses, &desc, alpha)?;
         if desc.row_stats.is_some() {
             // cuBLASLt has no such epilogue: a kernel reads C back for them.
             let checked = launch.check(self.info.max_binding_bytes)?;
@@ -401,17 +396,13 @@ impl Backend for CudaBackend {
         self.hazards()?.before_kernel(self.device().stream(), &bound)?;
         let start = self.time_start()?;
         if id.gemm_layout().is_some() {
-            self.run_gemm(&launch)?;
+            self.run_gemm(&launch, gemm::Alpha::Host)?;
         } else {
             let buffers: Vec<u64> = launch.buffers().iter().map(|b| b.device_ptr()).collect();
-            let (entry, workgroups) = match kernels::scale_in_place_x4(&launch) {
-                Some(blocks) => (kernels::SCALE_X4_ENTRY, blocks),
-                None => (id.name(), launch.workgroups(GemmKernel::Tiled)),
-            };
             self.kernels.launch(
-                entry,
+                id.name(),
                 self.device().stream(),
-                workgroups,
+                launch.workgroups(GemmKernel::Tiled),
                 kernels::threads(id),
                 |grid_x| checked.bytes(grid_x),
                 &buffers,
@@ -510,10 +501,108 @@ impl ResidentBackend for CudaBackend {
         buffer.window(offset, len)
     }
 
-    fn head_grad_in_place(&self) -> bool {
-        // Kernels take device pointers: each element is read, then written,
-        // by one thread.
+    /// Kernels and cuBLASLt take device pointers: windows of one buffer
+    /// bind together.
+    fn defers_head_grad(&self) -> bool {
         true
+    }
+
+    /// `cuMemcpy2DAsync` (a contiguous run: `cuMemcpyDtoDAsync`) on the
+    /// kernels' stream, so it is ordered with them.
+    fn copy_rows(&self, src: &CudaBuffer, dst: &CudaBuffer, desc: &RowCopyDesc) -> Result<()> {
+        desc.check(src.len(), dst.len())?;
+        if desc.rows == 0 || desc.row_bytes == 0 {
+            return Ok(());
+        }
+        self.device().bind()?;
+        let stream = self.device().stream();
+        let bound: Vec<u64> = [src.id(), dst.id()].into_iter().filter(|&i| i != 0).collect();
+        self.hazards()?.before_kernel(stream, &bound)?;
+        let start = self.time_start()?;
+        let (from, to) = (src.device_ptr() + desc.src_offset, dst.device_ptr() + desc.dst_offset);
+        let contiguous = desc.rows == 1 || (desc.src_pitch == desc.row_bytes && desc.dst_pitch == desc.row_bytes);
+        // SAFETY: `check` put every row inside its buffer; the caller keeps
+        // the ranges apart; the context is current.
+        let copied = unsafe {
+            match contiguous {
+                true => sys::cuMemcpyDtoDAsync_v2(to, from, desc.rows * desc.row_bytes, stream),
+                false => {
+                    let copy = sys::CUDA_MEMCPY2D {
+                        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        srcDevice: from,
+                        srcPitch: desc.src_pitch,
+                        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        dstDevice: to,
+                        dstPitch: desc.dst_pitch,
+                        WidthInBytes: desc.row_bytes,
+                        Height: desc.rows,
+                        ..std::mem::zeroed()
+                    };
+                    sys::cuMemcpy2DAsync_v2(&copy, stream)
+                }
+            }
+        };
+        copied.result().map_err(|e| {
+            conv::driver(
+                format_args!("copying {} rows of {} bytes", desc.rows, desc.row_bytes),
+                e,
+            )
+        })?;
+        self.time_end("copy_rows", start)?;
+        if !bound.is_empty() {
+            let event = transfer::Event::record(stream)?;
+            self.hazards()?.after_kernel(&event, &bound);
+        }
+        Ok(())
+    }
+
+    /// A one-thread kernel writes `desc.alpha` times the word into
+    /// cuBLASLt's device alpha, then the GEMM runs in device pointer mode.
+    fn gemm_scaled_by_word(
+        &self,
+        (a, b, c): (&CudaBuffer, &CudaBuffer, &CudaBuffer),
+        desc: &GemmDesc,
+        (scale, word): (&CudaBuffer, usize),
+    ) -> Result<()> {
+        let launch = Launch::Gemm { a, b, c, desc: *desc };
+        let checked = launch.check(self.info.max_binding_bytes)?;
+        if (word as u64 + 1) * 4 > scale.len() {
+            return Err(Error::BadDescriptor {
+                kernel: kernels::ALPHA_WORD_ENTRY,
+                field: "word",
+                value: word as u128,
+                reason: format!("past the scale buffer's {} bytes", scale.len()),
+            });
+        }
+        self.device().bind()?;
+        let stream = self.device().stream();
+        let bound: Vec<u64> = [a.id(), b.id(), c.id(), scale.id()]
+            .into_iter()
+            .filter(|&i| i != 0)
+            .collect();
+        self.hazards()?.before_kernel(stream, &bound)?;
+        let start = self.time_start()?;
+        let params = kernels::AlphaWordParams {
+            factor: desc.alpha,
+            word: word as u32,
+            pad: [0; 2],
+        };
+        let buffers = [scale.device_ptr(), self.gemm.device_alpha()];
+        self.kernels.launch(
+            kernels::ALPHA_WORD_ENTRY,
+            stream,
+            1,
+            1,
+            |_| bytemuck::bytes_of(&params).to_vec(),
+            &buffers,
+        )?;
+        self.run_gemm(&launch, gemm::Alpha::Device)?;
+        self.time_end(checked.id().name(), start)?;
+        if !bound.is_empty() {
+            let event = transfer::Event::record(stream)?;
+            self.hazards()?.after_kernel(&event, &bound);
+        }
+        Ok(())
     }
 }
 

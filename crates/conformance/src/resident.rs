@@ -1127,12 +1127,15 @@ fn check_resident_head_grad_refused<B: ResidentBackend + ?Sized>(
 /// f64 reference and of the host path's, a second call overwrites it with
 /// the same bits, and the loss and dx are those of the call without it.
 /// At V 300, hs 24 the rows and the vocabulary are padded, so the gradient
-/// is built in pieces of the engine's own; at V 304, hs 32, where the
-/// backend scales in place ([`ResidentBackend::head_grad_in_place`]), in
-/// the caller's buffer itself.
+/// is built in pieces of the engine's own; at V 304, where the backend
+/// can ([`ResidentBackend::defers_head_grad`]), in the caller's buffer
+/// itself: at hs 32 that buffer has room for the 40 tokens' inputs, parked
+/// there for GEMMs after the last chunk (two parts, and a last one read
+/// from the scratch), at hs 16 it has not (a GEMM per chunk). Both read
+/// their alpha from the device.
 fn check_resident_head_grad<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<CaseErrors, String> {
     let mut worst = CaseErrors::default();
-    for (vocab, hs) in [(300, 24), (304, 32)] {
+    for (vocab, hs) in [(300, 24), (304, 32), (304, 16)] {
         let errors = check_resident_head_grad_at(backend, &resident_base(vocab, hs), tol)
             .map_err(|e| format!("V {vocab}, hs {hs}: {e}"))?;
         worst.head_grad = match (worst.head_grad, errors.head_grad) {

@@ -52,7 +52,7 @@ pub use kernels::{GemmKernel, KernelBuild, KernelId, KernelSource};
 pub use launch::{Checked, Kernels, Launch};
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident_kernels::{
-    GatherRowsDesc, HeadGradOutDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, ShardRowsDesc, ShardStage,
+    GatherRowsDesc, HeadGradOutDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, RowCopyDesc, ShardRowsDesc, ShardStage,
     StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
 };
 pub use settings::{CommonOptions, Env};

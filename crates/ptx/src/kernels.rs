@@ -118,13 +118,8 @@ mod tests {
         }
         let gemm = headkl_core::toolkit::params::GemmParams::BLOCK.bytes;
         check_entry("gemm_row_stats", gemm, 1).unwrap();
-        let head_grad_out = KernelId::HeadGradOut;
-        check_entry(
-            "head_grad_scale_x4",
-            head_grad_out.params().bytes,
-            head_grad_out.bindings().len(),
-        )
-        .unwrap();
+        // AlphaWordParams (16 bytes), the status buffer and the alpha word.
+        check_entry("gemm_alpha_word", 16, 2).unwrap();
         assert!(check_entry("nonexistent", 16, 1).is_err());
         assert!(check_entry("sum_parts", 16, 2).is_err(), "a wrong block size is caught");
         assert!(

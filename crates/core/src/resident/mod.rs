@@ -685,7 +685,12 @@ impl<B: ResidentBackend> Engine<B> {
         // (no pieces of our own to keep), else in pieces kept for the next
         // call.
         let head_grad = match head_grad_out {
-            Some(dst) => match HeadGrad::in_output(&self.backend, &self.head, dst) {
+            Some(dst) => match HeadGrad::in_output(
+                &self.backend,
+                &self.head,
+                dst,
+                (ntok, self.backend.buffer_len(&call.rows().logits)),
+            ) {
                 Some(in_output) => {
                     self.drop_head_grad();
                     Some((in_output, dst, false))
@@ -784,14 +789,15 @@ impl<B: ResidentBackend> Engine<B> {
             let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
             self.head
                 .dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, scaling, dx_filter)?;
-            if let Some((pieces, _)) = head_grad {
+            if let Some((pieces, dst)) = head_grad {
                 let buffers = (&ls.grad, &s.x16, &s.logits);
-                pieces.add_chunk(b, &self.head, buffers, (rows, rows_padded), scaling, chunk > 0)?;
+                let at = (start, rows, rows_padded);
+                pieces.add_resident_chunk(b, &self.head, buffers, at, scaling, chunk > 0, (dst, status))?;
             }
             call.loss_out(b, (start, rows), (self.head.hs(), self.head.hs_padded()), out, opts)?;
         }
         if let Some((pieces, dst)) = head_grad {
-            pieces.write_out(b, &self.head, &call.status, dst)?;
+            pieces.write_out(b, &self.head, (&call.status, dst, &s.logits), scaling)?;
         }
         call.status_detail(b, ntok, teacher, opts, labels)?;
         b.submit()

@@ -6,9 +6,9 @@
 //! buffers; the status buffer is [`super::status`]'s. Their entry points
 //! are `crate::resident`'s.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::problem::terms::{TailMode, TeacherForm};
-use crate::toolkit::backend::Backend;
+use crate::toolkit::backend::{Backend, GemmDesc};
 
 /// Element type of hidden rows in a device buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -383,14 +383,117 @@ pub trait ResidentBackend: Backend {
         None
     }
 
-    /// Whether [`crate::toolkit::Launch::HeadGradOut`] may take one buffer
-    /// (or window) as both `piece` and `dst`, with `ld` = `hs` and
-    /// `dst_offset` 0: a scale in place. Raw device pointers (CUDA) may;
-    /// wgpu refuses a buffer bound for reading and writing at once. Where
-    /// it may, the resident call builds the head's gradient in the
-    /// caller's buffer and scales it there.
-    fn head_grad_in_place(&self) -> bool {
+    /// Whether [`Self::copy_rows`] and [`Self::gemm_scaled_by_word`] run
+    /// here, on windows of one buffer bound together (a GEMM reading two
+    /// windows of the caller's buffer and writing a third: raw device
+    /// pointers may; wgpu refuses a buffer bound for reading and writing
+    /// at once). Where they do, the resident call builds the head's
+    /// gradient in the caller's buffer itself, scaled by its GEMMs, and a
+    /// large head's in one GEMM per part of the vocabulary, its inputs
+    /// parked in that buffer, rather than one per chunk of rows.
+    fn defers_head_grad(&self) -> bool {
         false
+    }
+
+    /// Queues a strided copy of rows of bytes from `src` to `dst` (which
+    /// must not overlap), in order with the kernels around it.
+    fn copy_rows(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &RowCopyDesc) -> Result<()> {
+        let _ = (src, dst, desc);
+        Err(Error::MissingFeature(format!(
+            "{}: device copies of rows",
+            self.info().backend
+        )))
+    }
+
+    /// [`crate::toolkit::Kernels::gemm`] with its alpha multiplied, on the
+    /// device, by the f32 word `word` of `scale` (the status buffer's dx
+    /// multiplier), read when the GEMM runs.
+    fn gemm_scaled_by_word(
+        &self,
+        (a, b, c): (&Self::Buffer, &Self::Buffer, &Self::Buffer),
+        desc: &GemmDesc,
+        (scale, word): (&Self::Buffer, usize),
+    ) -> Result<()> {
+        let _ = (a, b, c, desc, scale, word);
+        Err(Error::MissingFeature(format!(
+            "{}: a GEMM whose alpha is read from the device",
+            self.info().backend
+        )))
+    }
+}
+
+/// Rows of bytes copied on the device from one buffer to another
+/// ([`ResidentBackend::copy_rows`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowCopyDesc {
+    /// Rows copied.
+    pub rows: usize,
+    /// Bytes of each row.
+    pub row_bytes: usize,
+    /// Byte offset of the first source row.
+    pub src_offset: u64,
+    /// Bytes from one source row to the next.
+    pub src_pitch: usize,
+    /// Byte offset of the first destination row.
+    pub dst_offset: u64,
+    /// Bytes from one destination row to the next.
+    pub dst_pitch: usize,
+}
+
+impl RowCopyDesc {
+    /// A contiguous run of `bytes` bytes, as one row.
+    pub fn run(bytes: usize, src_offset: u64, dst_offset: u64) -> Self {
+        Self {
+            rows: 1,
+            row_bytes: bytes,
+            src_offset,
+            src_pitch: bytes,
+            dst_offset,
+            dst_pitch: bytes,
+        }
+    }
+
+    /// That the rows lie inside buffers of `src_len` and `dst_len` bytes,
+    /// each row within its pitch, with every offset, pitch and length a
+    /// multiple of 4 (the words kernels read); the typed error naming the
+    /// field otherwise.
+    pub fn check(&self, src_len: u64, dst_len: u64) -> Result<()> {
+        let bad = |field: &'static str, value: u128, reason: &str| Error::BadDescriptor {
+            kernel: "copy_rows",
+            field,
+            value,
+            reason: reason.into(),
+        };
+        let words = [
+            ("row_bytes", self.row_bytes as u64),
+            ("src_offset", self.src_offset),
+            ("src_pitch", self.src_pitch as u64),
+            ("dst_offset", self.dst_offset),
+            ("dst_pitch", self.dst_pitch as u64),
+        ];
+        for (field, value) in words {
+            if value % 4 != 0 {
+                return Err(bad(field, u128::from(value), "not a multiple of 4 bytes"));
+            }
+        }
+        if self.rows > 1 && (self.src_pitch < self.row_bytes || self.dst_pitch < self.row_bytes) {
+            return Err(bad(
+                "src_pitch",
+                self.src_pitch as u128,
+                "rows overlap (a pitch below row_bytes)",
+            ));
+        }
+        let end = |offset: u64, pitch: usize| {
+            let rows = self.rows.saturating_sub(1) as u128;
+            u128::from(offset) + rows * pitch as u128 + self.row_bytes as u128
+        };
+        if self.rows > 0 && end(self.src_offset, self.src_pitch) > u128::from(src_len) {
+            return Err(bad("src", u128::from(src_len), "the rows run past the buffer"));
+        }
+        if self.rows > 0 && end(self.dst_offset, self.dst_pitch) > u128::from(dst_len) {
+            return Err(bad("dst", u128::from(dst_len), "the rows run past the buffer"));
+        }
+        Ok(())
     }
 }
 
@@ -408,8 +511,19 @@ impl<T: ResidentBackend + ?Sized> ResidentBackend for &T {
     fn window(&self, buffer: &Self::Buffer, offset: u64, len: u64) -> Option<Self::Buffer> {
         (**self).window(buffer, offset, len)
     }
-    fn head_grad_in_place(&self) -> bool {
-        (**self).head_grad_in_place()
+    fn defers_head_grad(&self) -> bool {
+        (**self).defers_head_grad()
+    }
+    fn copy_rows(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &RowCopyDesc) -> Result<()> {
+        (**self).copy_rows(src, dst, desc)
+    }
+    fn gemm_scaled_by_word(
+        &self,
+        buffers: (&Self::Buffer, &Self::Buffer, &Self::Buffer),
+        desc: &GemmDesc,
+        scale: (&Self::Buffer, usize),
+    ) -> Result<()> {
+        (**self).gemm_scaled_by_word(buffers, desc, scale)
     }
 }
 
@@ -417,3 +531,42 @@ impl<T: ResidentBackend + ?Sized> ResidentBackend for &T {
 /// `q/α` stays far inside f32, and what the floor changes, `c·α·p ≤ c·2^-40`,
 /// is below the f16 gradient's resolution.
 pub const ALPHA_FLOOR: f64 = 1.0 / (1u64 << 40) as f64;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_copies_are_checked_against_both_buffers() {
+        let strided = RowCopyDesc {
+            rows: 3,
+            row_bytes: 8,
+            src_offset: 4,
+            src_pitch: 16,
+            dst_offset: 0,
+            dst_pitch: 8,
+        };
+        // Source: 4 + 2·16 + 8 = 44 bytes; destination 3·8 = 24.
+        assert!(strided.check(44, 24).is_ok());
+        let field = |r: Result<()>| match r {
+            Err(Error::BadDescriptor { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(strided.check(43, 24)), "src");
+        assert_eq!(field(strided.check(44, 23)), "dst");
+        let odd = RowCopyDesc {
+            src_offset: 2,
+            ..strided
+        };
+        assert_eq!(field(odd.check(1 << 20, 1 << 20)), "src_offset");
+        let overlapping = RowCopyDesc {
+            src_pitch: 4,
+            ..strided
+        };
+        assert_eq!(field(overlapping.check(1 << 20, 1 << 20)), "src_pitch");
+        let none = RowCopyDesc { rows: 0, ..strided };
+        assert!(none.check(0, 0).is_ok(), "no rows reach nothing");
+        assert!(RowCopyDesc::run(12, 4, 0).check(16, 12).is_ok());
+        assert_eq!(field(RowCopyDesc::run(12, 8, 0).check(16, 12)), "src");
+    }
+}

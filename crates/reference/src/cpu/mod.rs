@@ -173,10 +173,15 @@ impl CpuBuffer {
         })
     }
 
-    /// Whether `other` is this very buffer or window (the same words of
-    /// the same storage).
-    pub(crate) fn same_words(&self, other: &CpuBuffer) -> bool {
-        Arc::ptr_eq(&self.storage, &other.storage) && self.words == other.words
+    /// Whether bytes `mine` of this buffer and bytes `theirs` of `other`
+    /// are the same memory anywhere (windows of one storage).
+    pub(crate) fn overlaps(&self, mine: &Range<u64>, other: &CpuBuffer, theirs: &Range<u64>) -> bool {
+        let at = |b: &CpuBuffer, r: &Range<u64>| {
+            let base = 4 * b.words.start as u64;
+            base + r.start..base + r.end
+        };
+        let (x, y) = (at(self, mine), at(other, theirs));
+        Arc::ptr_eq(&self.storage, &other.storage) && x.start < y.end && y.start < x.end
     }
 
     fn aliased(&self, kernel: &str) -> Error {

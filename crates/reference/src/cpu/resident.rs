@@ -13,7 +13,7 @@ use headkl_core::toolkit::params::{
     GatherRowsParams, HeadGradOutParams, HiddenInParams, LabelsInParams, LossOutParams, ShardRowsParams,
     StatusDetailParams, TeacherRowsParams, TopkOutParams, WeightStatsParams,
 };
-use headkl_core::toolkit::{Checked, KernelId, ShardStage};
+use headkl_core::toolkit::{Checked, GemmDesc, KernelId, Launch, RowCopyDesc, ShardStage};
 use headkl_core::{HiddenDtype, ResidentBackend, Result, TailMode, MASS_TOLERANCE, NO_LABEL};
 
 use super::{backend_error, f16s_mut, f32s, f32s_mut, CpuBackend, CpuBuffer};
@@ -234,21 +234,6 @@ impl CpuBackend {
 
     fn head_grad_out(&self, b: &[&CpuBuffer], p: &HeadGradOutParams) -> Result<()> {
         const K: &str = "head_grad_out";
-        if b[0].same_words(b[2]) {
-            // In place (`ResidentBackend::head_grad_in_place`): one lock.
-            let status = b[1].read(K)?;
-            let mul = f32::from_bits(status[S_DX_MUL]);
-            let mut dst = b[2].write(K)?;
-            let dst = f32s_mut(&mut dst);
-            let (hs, ld, first) = (p.hs as usize, p.ld as usize, p.dst_offset as usize);
-            if ld != hs || first != 0 {
-                return Err(backend_error(format!(
-                    "{K}: in place needs ld = hs and dst_offset 0, got ld {ld}, hs {hs}, dst_offset {first}"
-                )));
-            }
-            dst[..p.rows as usize * hs].iter_mut().for_each(|v| *v *= mul);
-            return Ok(());
-        }
         let piece = b[0].read(K)?;
         let status = b[1].read(K)?;
         let mut dst = b[2].write(K)?;
@@ -545,7 +530,81 @@ impl ResidentBackend for CpuBackend {
         buffer.window(offset, len)
     }
 
-    fn head_grad_in_place(&self) -> bool {
+    fn defers_head_grad(&self) -> bool {
         true
+    }
+
+    /// The rows are read out, then written: source and destination may be
+    /// windows of one storage, but not overlapping ones.
+    fn copy_rows(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &RowCopyDesc) -> Result<()> {
+        const K: &str = "copy_rows";
+        d.check(src.bytes, dst.bytes)?;
+        if d.rows == 0 {
+            return Ok(());
+        }
+        let span = |offset: u64, pitch: usize| offset..offset + ((d.rows - 1) * pitch + d.row_bytes) as u64;
+        let (from, to) = (span(d.src_offset, d.src_pitch), span(d.dst_offset, d.dst_pitch));
+        if src.overlaps(&from, dst, &to) {
+            return Err(backend_error(format!(
+                "{K}: source bytes {from:?} overlap destination bytes {to:?}"
+            )));
+        }
+        let rows: Vec<u8> = {
+            let words = src.read(K)?;
+            let bytes: &[u8] = bytemuck::cast_slice(&words[..]);
+            (0..d.rows)
+                .flat_map(|r| {
+                    let at = d.src_offset as usize + r * d.src_pitch;
+                    bytes[at..at + d.row_bytes].iter().copied()
+                })
+                .collect()
+        };
+        let mut words = dst.write(K)?;
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words[..]);
+        for (r, row) in rows.chunks_exact(d.row_bytes).enumerate() {
+            let at = d.dst_offset as usize + r * d.dst_pitch;
+            bytes[at..at + d.row_bytes].copy_from_slice(row);
+        }
+        Ok(())
+    }
+
+    /// A and B are copied out first, as they may be windows of C's
+    /// storage (the parked inputs of a deferred head gradient), but never
+    /// of C's own words: that would be a race on a device.
+    fn gemm_scaled_by_word(
+        &self,
+        (a, b, c): (&CpuBuffer, &CpuBuffer, &CpuBuffer),
+        desc: &GemmDesc,
+        (scale, word): (&CpuBuffer, usize),
+    ) -> Result<()> {
+        const K: &str = "gemm_scaled_by_word";
+        let launch = Launch::Gemm { a, b, c, desc: *desc };
+        launch.check(self.info.max_binding_bytes)?;
+        let mul = scale.read(K)?.get(word).copied().ok_or_else(|| {
+            backend_error(format!(
+                "{K}: word {word} is past the scale buffer's {} bytes",
+                scale.bytes
+            ))
+        })?;
+        let whole = |x: &CpuBuffer| 0..x.bytes;
+        for (name, x) in [("A", a), ("B", b)] {
+            if x.overlaps(&whole(x), c, &whole(c)) {
+                return Err(backend_error(format!("{K}: {name} overlaps C")));
+            }
+        }
+        let (a_words, b_words) = (a.read(K)?.to_vec(), b.read(K)?.to_vec());
+        let mut out = c.write(K)?;
+        let desc = GemmDesc {
+            alpha: desc.alpha * f32::from_bits(mul),
+            ..*desc
+        };
+        crate::cpu::kernels::gemm(
+            bytemuck::cast_slice(&a_words),
+            bytemuck::cast_slice(&b_words),
+            f32s_mut(&mut out),
+            &desc,
+            self.precision,
+        );
+        Ok(())
     }
 }

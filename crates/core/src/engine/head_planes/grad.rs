@@ -11,12 +11,14 @@
 //! The f32 result builds up on the device over the call's chunks in
 //! pieces of rows, each within one binding: the host call reads it back
 //! once at the end, rows in the head's natural id order; the resident call
-//! copies it into the caller's buffer, or builds it in windows of that
-//! buffer where the backend scales in place ([`HeadGrad::in_output`]).
+//! copies it into the caller's buffer, or builds it in that buffer itself
+//! where the backend can ([`HeadGrad::in_output`]).
 
+use super::deferred_grad::DeferredLayout;
 use super::{HeadPlanes, Scaling};
 use crate::align::ALIGN;
 use crate::error::{Error, Result};
+use crate::resident::status::S_DX_MUL;
 use crate::toolkit::backend::{Backend, GemmDesc, HeadLayout, TransposeDesc};
 use crate::toolkit::launch::{Kernels, Launch};
 use crate::toolkit::resident_kernels::{HeadGradOutDesc, ResidentBackend};
@@ -31,14 +33,26 @@ struct Piece<Buf> {
     first: usize,
     rows: usize,
     buffer: Buf,
-    /// `buffer` is a window of the resident call's output itself
-    /// ([`HeadGrad::in_output`]), scaled in place at the end.
-    in_output: bool,
+}
+
+/// How the chunks' shares become the gradient.
+enum Build {
+    /// A GEMM per chunk and piece into the f32 pieces, scaled when
+    /// written out (the resident call) or read back (the host call).
+    PerChunk,
+    /// A GEMM per chunk and piece into the caller's buffer, its alpha
+    /// read from the status buffer ([`ResidentBackend::gemm_scaled_by_word`]):
+    /// nothing is scaled after.
+    PerChunkScaled,
+    /// The chunks parked in the caller's buffer and one GEMM per part of
+    /// the vocabulary after the last ([`DeferredLayout`]).
+    Deferred(DeferredLayout),
 }
 
 /// The head's gradient on the device while a call's chunks add into it.
 pub(crate) struct HeadGrad<B: Backend> {
     pieces: Vec<Piece<B::Buffer>>,
+    build: Build,
 }
 
 impl<B: Backend> HeadGrad<B> {
@@ -56,16 +70,49 @@ impl<B: Backend> HeadGrad<B> {
             while first < end {
                 let rows = most_rows.min(end - first);
                 let buffer = backend.alloc(rows as u64 * row_bytes, "head_grad")?;
-                pieces.push(Piece {
-                    first,
-                    rows,
-                    buffer,
-                    in_output: false,
-                });
+                pieces.push(Piece { first, rows, buffer });
                 first += rows;
             }
         }
-        Ok(Self { pieces })
+        Ok(Self {
+            pieces,
+            build: Build::PerChunk,
+        })
+    }
+
+    /// The GEMM adding one chunk's share into `piece` (see
+    /// [`Self::add_chunk`]), reading `grad` as columns where
+    /// `columns_read`, else the transposed `columns`.
+    fn chunk_desc(
+        piece: &Piece<B::Buffer>,
+        head: &HeadPlanes<B>,
+        (rows, rows_padded): (usize, usize),
+        scaling: Scaling,
+        (accumulate, columns_read): (bool, bool),
+    ) -> GemmDesc {
+        let vocab_padded = head.vocab_padded();
+        let dense = GemmDesc {
+            alpha: scaling.dx_alpha(),
+            accumulate,
+            ..GemmDesc::dense(piece.rows, head.hs_padded(), rows_padded, HeadLayout::Dx)
+        };
+        match columns_read {
+            // `grad` read as it is, its tokens the reduction: only the
+            // real rows, as its pad rows may hold anything (dx discards
+            // them; here they would be summed).
+            true => GemmDesc {
+                k: rows,
+                a_offset: piece.first,
+                lda: vocab_padded,
+                a_columns: true,
+                ..dense
+            },
+            false => GemmDesc {
+                a_offset: piece.first * rows_padded,
+                lda: rows_padded,
+                ..dense
+            },
+        }
     }
 
     /// Adds one chunk's share: `grad` holds its f16 logits gradient
@@ -94,34 +141,9 @@ impl<B: Backend> HeadGrad<B> {
             backend.transpose(grad, columns, &transpose)?;
         }
         for piece in &self.pieces {
-            let dense = GemmDesc {
-                alpha: scaling.dx_alpha(),
-                accumulate,
-                ..GemmDesc::dense(piece.rows, head.hs_padded(), rows_padded, HeadLayout::Dx)
-            };
-            match columns_read {
-                // `grad` read as it is, its tokens the reduction: only the
-                // real rows, as its pad rows may hold anything (dx discards
-                // them; here they would be summed).
-                true => {
-                    let desc = GemmDesc {
-                        k: rows,
-                        a_offset: piece.first,
-                        lda: vocab_padded,
-                        a_columns: true,
-                        ..dense
-                    };
-                    backend.gemm(grad, x16, &piece.buffer, &desc)?;
-                }
-                false => {
-                    let desc = GemmDesc {
-                        a_offset: piece.first * rows_padded,
-                        lda: rows_padded,
-                        ..dense
-                    };
-                    backend.gemm(columns, x16, &piece.buffer, &desc)?;
-                }
-            }
+            let desc = Self::chunk_desc(piece, head, (rows, rows_padded), scaling, (accumulate, columns_read));
+            let a = if columns_read { grad } else { columns };
+            backend.gemm(a, x16, &piece.buffer, &desc)?;
         }
         Ok(())
     }
@@ -166,18 +188,34 @@ impl<B: Backend> HeadGrad<B> {
 }
 
 impl<B: ResidentBackend> HeadGrad<B> {
-    /// The pieces as windows of the resident call's output `dst` itself,
-    /// where the backend makes windows and scales in place
-    /// ([`ResidentBackend::head_grad_in_place`]) and neither the rows nor
-    /// the vocabulary need padding (`hs` and `vocab` multiples of
-    /// [`ALIGN`], as every large head's are): so the gradient takes no
-    /// device memory beyond the caller's (5 GB at shape A) and the call
-    /// allocates (and frees, which waits for the device) nothing. `None`
-    /// where it cannot be done.
-    pub(crate) fn in_output(backend: &B, head: &HeadPlanes<B>, dst: &B::Buffer) -> Option<Self> {
+    /// The gradient built in the resident call's output `dst` itself,
+    /// where the backend makes windows, copies rows and reads a GEMM's
+    /// alpha from the device ([`ResidentBackend::defers_head_grad`]) and
+    /// neither the rows nor the vocabulary need padding (`hs` and `vocab`
+    /// multiples of [`ALIGN`], as every large head's are): so the gradient
+    /// takes no device memory beyond the caller's (5 GB at shape A), the
+    /// call allocates (and frees, which waits for the device) nothing, and
+    /// nothing is scaled after. Where the `tokens` rows' inputs fit in
+    /// `dst`, they are parked there and the GEMMs run after the last chunk
+    /// ([`DeferredLayout`], its last part's inputs copied into the chunk
+    /// scratch of `scratch_bytes`); else a GEMM per chunk adds into
+    /// windows of `dst`. `None` where it cannot be done.
+    pub(crate) fn in_output(
+        backend: &B,
+        head: &HeadPlanes<B>,
+        dst: &B::Buffer,
+        (tokens, scratch_bytes): (usize, u64),
+    ) -> Option<Self> {
         let (vocab, hs) = (head.vocab(), head.hs());
-        if !backend.head_grad_in_place() || hs != head.hs_padded() || vocab != head.vocab_padded() {
+        let defers = backend.defers_head_grad() && backend.gemm_a_columns();
+        if !defers || hs != head.hs_padded() || vocab != head.vocab_padded() {
             return None;
+        }
+        if let Some(layout) = DeferredLayout::plan(tokens, (vocab, hs), scratch_bytes, max_binding(backend)) {
+            return Some(Self {
+                pieces: Vec::new(),
+                build: Build::Deferred(layout),
+            });
         }
         let row_bytes = (hs * std::mem::size_of::<f32>()) as u64;
         let most_rows = ((max_binding(backend) / row_bytes) as usize / ALIGN * ALIGN).max(ALIGN);
@@ -186,15 +224,47 @@ impl<B: ResidentBackend> HeadGrad<B> {
         while first < vocab {
             let rows = most_rows.min(vocab - first);
             let buffer = backend.window(dst, first as u64 * row_bytes, rows as u64 * row_bytes)?;
-            pieces.push(Piece {
-                first,
-                rows,
-                buffer,
-                in_output: true,
-            });
+            pieces.push(Piece { first, rows, buffer });
             first += rows;
         }
-        Some(Self { pieces })
+        Some(Self {
+            pieces,
+            build: Build::PerChunkScaled,
+        })
+    }
+
+    /// [`Self::add_chunk`] in a resident call: the chunk of the tokens from
+    /// `start` parked in `dst` where the GEMMs are deferred, its GEMMs
+    /// scaled by `status`'s dx multiplier where they write `dst` in place.
+    #[allow(clippy::too_many_arguments, reason = "add_chunk's inputs and the call's buffers")]
+    pub(crate) fn add_resident_chunk(
+        &self,
+        backend: &B,
+        head: &HeadPlanes<B>,
+        (grad, x16, columns): (&B::Buffer, &B::Buffer, &B::Buffer),
+        (start, rows, rows_padded): (usize, usize, usize),
+        scaling: Scaling,
+        accumulate: bool,
+        (dst, status): (&B::Buffer, &B::Buffer),
+    ) -> Result<()> {
+        match &self.build {
+            Build::Deferred(layout) => layout.park(backend, (grad, head.vocab_padded(), x16), dst, (start, rows)),
+            Build::PerChunkScaled => {
+                for piece in &self.pieces {
+                    let desc = Self::chunk_desc(piece, head, (rows, rows_padded), scaling, (accumulate, true));
+                    backend.gemm_scaled_by_word((grad, x16, &piece.buffer), &desc, (status, S_DX_MUL))?;
+                }
+                Ok(())
+            }
+            Build::PerChunk => self.add_chunk(
+                backend,
+                head,
+                (grad, x16, columns),
+                (rows, rows_padded),
+                scaling,
+                accumulate,
+            ),
+        }
     }
 
     /// The device-resident call's last step: every piece's rows of the
@@ -203,14 +273,21 @@ impl<B: ResidentBackend> HeadGrad<B> {
     /// resident calls take no vocabulary order, so positions are ids.
     /// Where `dst` is past one binding, each piece's rows go through a
     /// window of `dst` ([`ResidentBackend::window`], which
-    /// [`Self::fits_out`] asked for).
+    /// [`Self::fits_out`] asked for). A deferred gradient's GEMMs run
+    /// here, its last part's inputs copied into `scratch` (the chunks'
+    /// logits buffer, free by now).
     pub(crate) fn write_out(
         &self,
         backend: &B,
         head: &HeadPlanes<B>,
-        status: &B::Buffer,
-        dst: &B::Buffer,
+        (status, dst, scratch): (&B::Buffer, &B::Buffer, &B::Buffer),
+        scaling: Scaling,
     ) -> Result<()> {
+        match &self.build {
+            Build::Deferred(layout) => return layout.finish(backend, (dst, scratch, status), scaling.dx_alpha()),
+            Build::PerChunkScaled => return Ok(()),
+            Build::PerChunk => {}
+        }
         let (vocab, hs) = (head.vocab(), head.hs());
         // The criterion `fits_out` checked: the gradient's bytes, not the
         // buffer's (a larger buffer is bound whole where the gradient fits).
@@ -218,21 +295,6 @@ impl<B: ResidentBackend> HeadGrad<B> {
         for piece in &self.pieces {
             let rows = vocab.saturating_sub(piece.first).min(piece.rows);
             if rows == 0 {
-                continue;
-            }
-            if piece.in_output {
-                // The rows are already in place: scaled where they are.
-                backend.dispatch(Launch::HeadGradOut {
-                    piece: &piece.buffer,
-                    status,
-                    dst: &piece.buffer,
-                    desc: HeadGradOutDesc {
-                        rows,
-                        hs,
-                        ld: hs,
-                        dst_offset: 0,
-                    },
-                })?;
                 continue;
             }
             let (offset, len) = (4 * (piece.first * hs) as u64, 4 * (rows * hs) as u64);

@@ -25,6 +25,7 @@ use crate::toolkit::launch::{Kernels, Launch};
 use crate::toolkit::resident_kernels::HiddenInDesc;
 use crate::toolkit::split::DxSplit;
 
+mod deferred_grad;
 mod grad;
 mod packing;
 pub(crate) use grad::HeadGrad;
