@@ -782,6 +782,21 @@ mod tests {
         assert!(calls(&empty, (0, 0, 0), false).is_empty());
     }
 
+    /// A device alpha is part of the plan's key and of the kept pick's
+    /// name: cuBLASLt's algorithms are chosen per pointer mode.
+    #[test]
+    fn a_device_alpha_is_its_own_shape() {
+        let desc = GemmDesc::dense(64, 32, 48, HeadLayout::Dx);
+        let key = |on_device| match calls(&desc, (0, 0, 0), on_device).as_slice() {
+            [Call::Matmul { key, .. }] => *key,
+            other => panic!("{other:?}"),
+        };
+        let (host, device) = (key(false), key(true));
+        assert_ne!(host, device);
+        assert!(!host.text().contains("alpha on the device"), "{}", host.text());
+        assert!(device.text().contains("(alpha on the device)"), "{}", device.text());
+    }
+
     #[test]
     fn alignment_is_the_largest_power_of_two_up_to_256() {
         assert_eq!(alignment(0x1000), 256);

@@ -209,9 +209,7 @@ impl<B: Backend> HeadPlanes<B> {
         packing::for_each_piece(head, order.as_ref(), &slices, hs_padded, |piece| {
             lap(&mut times.packing_wait);
             let first = slices[piece.slice].offset + piece.row;
-            for (r, norm) in piece.norms.iter().enumerate() {
-                block_norms[(first + r) / crate::problem::filter::BLOCK] += norm;
-            }
+            add_block_norms(&mut block_norms, first, &piece.norms);
             let at = (piece.row * hs_padded * 2) as u64;
             let copied = backend.upload(&planes[piece.slice], at, bytemuck::cast_slice(&piece.data));
             lap(&mut times.copies);
@@ -264,9 +262,7 @@ impl<B: Backend> HeadPlanes<B> {
         }
         backend.finish()?;
         let mut block_norms = vec![0f32; vocab.div_ceil(crate::problem::filter::BLOCK)];
-        for (row, norm) in row_norms.iter().enumerate() {
-            block_norms[row / crate::problem::filter::BLOCK] += norm;
-        }
+        add_block_norms(&mut block_norms, 0, row_norms);
         Ok(Self::assemble(vocab, hs, slices, planes, block_norms, None))
     }
 
@@ -306,9 +302,7 @@ impl<B: Backend> HeadPlanes<B> {
         };
         backend.finish()?;
         self.block_norms.fill(0.0);
-        for (row, norm) in norms.iter().enumerate() {
-            self.block_norms[row / crate::problem::filter::BLOCK] += norm;
-        }
+        add_block_norms(&mut self.block_norms, 0, norms);
         Ok(())
     }
 
@@ -768,5 +762,14 @@ impl<B: Backend> HeadPlanes<B> {
                 self.dx_split.choose(tiles, s.padded_width(), tile)
             })
             .collect()
+    }
+}
+
+/// Adds the norms of rows `first..` (positions in the head's order) into
+/// their blocks of [`crate::problem::filter::BLOCK`] rows: each block's
+/// norm is the sum of its rows', the filter bound's input.
+fn add_block_norms(block_norms: &mut [f32], first: usize, row_norms: &[f32]) {
+    for (r, norm) in row_norms.iter().enumerate() {
+        block_norms[(first + r) / crate::problem::filter::BLOCK] += norm;
     }
 }
