@@ -227,6 +227,38 @@ def test_a_trainable_head_on_the_cuda_backend_trains_on_the_device():
     close(w.detach().double().cpu(), want_w, "the trained head", rel=1e-3)
 
 
+def test_a_tile_aligned_head_gets_its_gradient_in_its_own_buffer():
+    """V and hs multiples of 16: the CUDA backend builds the head's
+    gradient in the unit-gradient tensor itself, its chunks' inputs parked
+    there and one GEMM per part of the vocabulary after the last (21
+    tokens; 4096 have no room there, so a GEMM per chunk), scaled by its
+    alpha on the device. Both match float64, with a logit scale folded
+    into that alpha."""
+    start_or_skip("cuda")
+    g = torch.Generator().manual_seed(11)
+    vocab, hs, k = 304, 48, 8
+    weight = torch.randint(-8, 9, (vocab, hs), generator=g).float() / 32
+    # 21 tokens in chunks of a small budget; 4096 in the default's.
+    for tokens, budget in [(21, 1 << 16), (4096, None)]:
+        hidden = torch.randint(-8, 9, (tokens, hs), generator=g).float() / 16
+        ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(tokens)])
+        probs = torch.rand(tokens, k, generator=g) + 0.05
+        values = probs / probs.sum(-1, keepdim=True) * 0.9
+        w = weight.cuda().requires_grad_()
+        opts = {"logit_scale": 0.75, "budget_bytes": budget}
+        loss_fn = ht.HeadKLLoss(w, backend="cuda", **opts)
+        x = hidden.cuda().requires_grad_()
+        loss = loss_fn(x, ids.cuda(), values.cuda())
+        assert loss_fn.zero_copy
+        (loss * 3).backward()
+        torch.cuda.synchronize()
+        want_loss, want_dx, want_dw = reference(hidden, weight, ids, values, head_grad=True, upstream=3.0,
+                                                logit_scale=0.75)  # fmt: skip
+        close(loss.detach().cpu().reshape(-1), want_loss.reshape(-1), f"loss, {tokens} tokens", rel=1e-4)
+        close(x.grad.cpu(), want_dx, f"dx, {tokens} tokens")
+        close(w.grad.double().cpu(), want_dw, f"weight.grad, {tokens} tokens")
+
+
 def test_a_step_on_the_cuda_backend_makes_no_host_sync():
     """torch's sync debug mode set to error: a forward and backward step on
     the CUDA backend queues on torch's stream and never waits on the host

@@ -527,16 +527,25 @@ impl ResidentBackend for CudaBackend {
             match contiguous {
                 true => sys::cuMemcpyDtoDAsync_v2(to, from, desc.rows * desc.row_bytes, stream),
                 false => {
+                    // Every field named: the memory-type enum has no zero
+                    // value, so the struct cannot be zero-initialized.
                     let copy = sys::CUDA_MEMCPY2D {
+                        srcXInBytes: 0,
+                        srcY: 0,
                         srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        srcHost: std::ptr::null(),
                         srcDevice: from,
+                        srcArray: std::ptr::null_mut(),
                         srcPitch: desc.src_pitch,
+                        dstXInBytes: 0,
+                        dstY: 0,
                         dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        dstHost: std::ptr::null_mut(),
                         dstDevice: to,
+                        dstArray: std::ptr::null_mut(),
                         dstPitch: desc.dst_pitch,
                         WidthInBytes: desc.row_bytes,
                         Height: desc.rows,
-                        ..std::mem::zeroed()
                     };
                     sys::cuMemcpy2DAsync_v2(&copy, stream)
                 }
