@@ -19,7 +19,7 @@
 
 use crate::align::{round_up, ALIGN};
 use crate::error::{Error, Result};
-use crate::resident::status::S_DX_MUL;
+use crate::toolkit::status::S_DX_MUL;
 use crate::toolkit::backend::{GemmDesc, HeadLayout};
 use crate::toolkit::resident_kernels::{ResidentBackend, RowCopyDesc};
 

@@ -18,7 +18,7 @@ use super::deferred_grad::DeferredLayout;
 use super::{HeadPlanes, Scaling};
 use crate::align::ALIGN;
 use crate::error::{Error, Result};
-use crate::resident::status::S_DX_MUL;
+use crate::toolkit::status::S_DX_MUL;
 use crate::toolkit::backend::{Backend, GemmDesc, HeadLayout, TransposeDesc};
 use crate::toolkit::launch::{Kernels, Launch};
 use crate::toolkit::resident_kernels::{HeadGradOutDesc, ResidentBackend};
