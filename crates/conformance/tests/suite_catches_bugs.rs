@@ -12,7 +12,8 @@ use headkl_conformance::shard_resident::{resident_shard_case_count, run_resident
 use headkl_conformance::{case_count, part_case_count, run_part, run_suite, Part, SuiteConfig};
 use headkl_core::resident::status::{self, FLAGGED_ROW, S_LOGITS};
 use headkl_core::toolkit::{
-    GemmDesc, HiddenInDesc, KernelId, Kernels, KlDesc, Launch, ShardStage, SumPartsDesc, TopkDesc, TransposeDesc,
+    GemmDesc, HiddenInDesc, KernelId, Kernels, KlDesc, Launch, RowCopyDesc, ShardStage, SumPartsDesc, TopkDesc,
+    TransposeDesc,
 };
 use headkl_core::{Backend, DeviceBuffer, Divergence, Error, ResidentBackend, Result, TailMode};
 use headkl_reference::{CpuBackend, CpuBuffer};
@@ -85,6 +86,12 @@ enum Fault {
     /// The resident gather's ids kernel reads an id past V as none without
     /// flagging it.
     GatherInIgnoresRange,
+    /// A deferred head gradient's parking copies drop each chunk's last
+    /// token.
+    ParkDropsLastRow,
+    /// A GEMM scaled by a device word reads the status buffer's first
+    /// word instead.
+    DeviceAlphaWrongWord,
     /// `shard_rows`' partials step writes the row's lse 1/64 high (the
     /// merged log-sum-exp, and so every shard's loss and gradient, drift).
     ShardRowsLseOff,
@@ -168,6 +175,12 @@ impl Backend for Faulty {
         }
     }
     headkl_conformance::forward_backend!(finish, memory, reset_peak_memory, take_kernel_times);
+    /// The transposed head gradient by default (its faults are the
+    /// transpose's); A read as columns, as the reference reads it, where
+    /// the fault is in the deferred head gradient, which needs that.
+    fn gemm_a_columns(&self) -> bool {
+        matches!(self.fault, Fault::ParkDropsLastRow | Fault::DeviceAlphaWrongWord)
+    }
     fn take_diagnostics(&self) -> Vec<String> {
         self.calls.set(self.calls.get() + 1);
         if self.fault == Fault::Diagnostics && self.calls.get().is_multiple_of(5) {
@@ -187,6 +200,37 @@ impl ResidentBackend for Faulty {
     }
     fn submit(&self) -> Result<()> {
         self.inner.submit()
+    }
+    fn window(&self, buffer: &CpuBuffer, offset: u64, len: u64) -> Option<CpuBuffer> {
+        self.inner.window(buffer, offset, len)
+    }
+    fn defers_head_grad(&self) -> bool {
+        self.inner.defers_head_grad()
+    }
+    fn copy_rows(&self, src: &CpuBuffer, dst: &CpuBuffer, desc: &RowCopyDesc) -> Result<()> {
+        match self.fault == Fault::ParkDropsLastRow && desc.rows > 1 {
+            true => self.inner.copy_rows(
+                src,
+                dst,
+                &RowCopyDesc {
+                    rows: desc.rows - 1,
+                    ..*desc
+                },
+            ),
+            false => self.inner.copy_rows(src, dst, desc),
+        }
+    }
+    fn gemm_scaled_by_word(
+        &self,
+        (a, b, c): (&CpuBuffer, &CpuBuffer, &CpuBuffer),
+        desc: &GemmDesc,
+        scale: (&CpuBuffer, usize),
+    ) -> Result<()> {
+        let word = match self.fault {
+            Fault::DeviceAlphaWrongWord => 0,
+            _ => scale.1,
+        };
+        self.inner.gemm_scaled_by_word((a, b, c), desc, (scale.0, word))
     }
 }
 
@@ -432,6 +476,16 @@ fn the_resident_suite_catches_an_ignored_flag() {
             &["resident_flagged/loss_out: 2 rows: status S_LOGITS = 0x6"][..],
         ),
         (Fault::GatherInIgnoresRange, &["want IdOutOfRange"][..]),
+        // hs 32 is the case whose gradient is deferred (DeferredLayout);
+        // tokens left unparked read what the last call left there.
+        (
+            Fault::ParkDropsLastRow,
+            &["resident_head_grad/matches: V 304, hs 32: F32: a second call gave another head gradient"][..],
+        ),
+        (
+            Fault::DeviceAlphaWrongWord,
+            &["resident_head_grad/matches: V 304, hs 32: F32: against the f64 reference"][..],
+        ),
     ] {
         let f = resident_failures(fault);
         for needle in needles {

@@ -19,9 +19,9 @@
 
 use crate::align::{round_up, ALIGN};
 use crate::error::{Error, Result};
-use crate::toolkit::status::S_DX_MUL;
 use crate::toolkit::backend::{GemmDesc, HeadLayout};
 use crate::toolkit::resident_kernels::{ResidentBackend, RowCopyDesc};
+use crate::toolkit::status::S_DX_MUL;
 
 /// Most parts a deferred gradient is built in: past that, each part's GEMM
 /// is too narrow to gain over one GEMM per chunk.

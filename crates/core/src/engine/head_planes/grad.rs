@@ -18,10 +18,10 @@ use super::deferred_grad::DeferredLayout;
 use super::{HeadPlanes, Scaling};
 use crate::align::ALIGN;
 use crate::error::{Error, Result};
-use crate::toolkit::status::S_DX_MUL;
 use crate::toolkit::backend::{Backend, GemmDesc, HeadLayout, TransposeDesc};
 use crate::toolkit::launch::{Kernels, Launch};
 use crate::toolkit::resident_kernels::{HeadGradOutDesc, ResidentBackend};
+use crate::toolkit::status::S_DX_MUL;
 
 /// Bytes read back at a time where rows need unpadding or reordering.
 const READ_BLOCK_BYTES: usize = 64 << 20;
