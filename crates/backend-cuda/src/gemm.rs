@@ -281,6 +281,12 @@ impl Gemm {
         self.scalars
     }
 
+    /// The device word holding beta: 1 to add into C, 0 to overwrite it
+    /// (the scalars' second and third words).
+    fn device_beta(&self, accumulate: bool) -> u64 {
+        self.scalars + if accumulate { 8 } else { 4 }
+    }
+
     /// Queues `desc` on `stream` over the buffers at `a`, `b` and `c`
     /// (their device addresses), split-K parts and all. Row statistics are
     /// the caller's (cuBLASLt has no such epilogue).
@@ -297,14 +303,7 @@ impl Gemm {
                 Call::Matmul { key, a, b, c } => {
                     let scalars = match alpha {
                         Alpha::Host => Scalars::Host(desc.alpha, if desc.accumulate { 1.0 } else { 0.0 }),
-                        Alpha::Device => {
-                            let beta = if desc.accumulate {
-                                self.scalars + 8
-                            } else {
-                                self.scalars + 4
-                            };
-                            Scalars::Device(self.scalars, beta)
-                        }
+                        Alpha::Device => Scalars::Device(self.scalars, self.device_beta(desc.accumulate)),
                     };
                     self.matmul(stream, key, (a, b, c), scalars, desc.accumulate)?
                 }
@@ -561,7 +560,7 @@ impl Gemm {
         // The candidates overwrite C (beta 0).
         let scalars = match scalars {
             Scalars::Host(alpha, _) => Scalars::Host(alpha, 0.0),
-            Scalars::Device(alpha, _) => Scalars::Device(alpha, self.scalars + 4),
+            Scalars::Device(alpha, _) => Scalars::Device(alpha, self.device_beta(false)),
         };
         let times = match c {
             Some(c) => self.time_each(plan, algos, stream, (a, b, c), scalars)?,

@@ -272,6 +272,30 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Queues `work` on the kernels' stream (the context bound) after the
+    /// copies pending on `buffers` (the backend's own; a caller's are in
+    /// order already), timed as `name` while profiling, and files the
+    /// event after it for their next copies.
+    fn queued(
+        &self,
+        name: &'static str,
+        buffers: &[&CudaBuffer],
+        work: impl FnOnce(sys::CUstream) -> Result<()>,
+    ) -> Result<()> {
+        self.device().bind()?;
+        let stream = self.device().stream();
+        let bound: Vec<u64> = buffers.iter().map(|b| b.id()).filter(|&i| i != 0).collect();
+        self.hazards()?.before_kernel(stream, &bound)?;
+        let start = self.time_start()?;
+        work(stream)?;
+        self.time_end(name, start)?;
+        if !bound.is_empty() {
+            let event = transfer::Event::record(stream)?;
+            self.hazards()?.after_kernel(&event, &bound);
+        }
+        Ok(())
+    }
+
     fn run_gemm(&self, launch: &Launch<'_, CudaBuffer>, alpha: gemm::Alpha) -> Result<()> {
         let Launch::Gemm { a, b, c, desc } = *launch else {
             return Ok(());
@@ -391,29 +415,20 @@ impl Backend for CudaBackend {
     fn dispatch(&self, launch: Launch<'_, CudaBuffer>) -> Result<()> {
         let checked = launch.check(self.info.max_binding_bytes)?;
         let id = checked.id();
-        self.device().bind()?;
-        let bound: Vec<u64> = launch.buffers().iter().map(|b| b.id()).filter(|&i| i != 0).collect();
-        self.hazards()?.before_kernel(self.device().stream(), &bound)?;
-        let start = self.time_start()?;
-        if id.gemm_layout().is_some() {
-            self.run_gemm(&launch, gemm::Alpha::Host)?;
-        } else {
+        self.queued(id.name(), &launch.buffers(), |stream| {
+            if id.gemm_layout().is_some() {
+                return self.run_gemm(&launch, gemm::Alpha::Host);
+            }
             let buffers: Vec<u64> = launch.buffers().iter().map(|b| b.device_ptr()).collect();
             self.kernels.launch(
                 id.name(),
-                self.device().stream(),
+                stream,
                 launch.workgroups(GemmKernel::Tiled),
                 kernels::threads(id),
                 |grid_x| checked.bytes(grid_x),
                 &buffers,
-            )?;
-        }
-        self.time_end(id.name(), start)?;
-        if !bound.is_empty() {
-            let event = transfer::Event::record(self.device().stream())?;
-            self.hazards()?.after_kernel(&event, &bound);
-        }
-        Ok(())
+            )
+        })
     }
 
     fn gemm_tile(&self, _layout: HeadLayout) -> Option<(u32, u32)> {
@@ -514,55 +529,46 @@ impl ResidentBackend for CudaBackend {
         if desc.rows == 0 || desc.row_bytes == 0 {
             return Ok(());
         }
-        self.device().bind()?;
-        let stream = self.device().stream();
-        let bound: Vec<u64> = [src.id(), dst.id()].into_iter().filter(|&i| i != 0).collect();
-        self.hazards()?.before_kernel(stream, &bound)?;
-        let start = self.time_start()?;
         let (from, to) = (src.device_ptr() + desc.src_offset, dst.device_ptr() + desc.dst_offset);
         let contiguous = desc.rows == 1 || (desc.src_pitch == desc.row_bytes && desc.dst_pitch == desc.row_bytes);
-        // SAFETY: `check` put every row inside its buffer; the caller keeps
-        // the ranges apart; the context is current.
-        let copied = unsafe {
-            match contiguous {
-                true => sys::cuMemcpyDtoDAsync_v2(to, from, desc.rows * desc.row_bytes, stream),
-                false => {
-                    // Every field named: the memory-type enum has no zero
-                    // value, so the struct cannot be zero-initialized.
-                    let copy = sys::CUDA_MEMCPY2D {
-                        srcXInBytes: 0,
-                        srcY: 0,
-                        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                        srcHost: std::ptr::null(),
-                        srcDevice: from,
-                        srcArray: std::ptr::null_mut(),
-                        srcPitch: desc.src_pitch,
-                        dstXInBytes: 0,
-                        dstY: 0,
-                        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                        dstHost: std::ptr::null_mut(),
-                        dstDevice: to,
-                        dstArray: std::ptr::null_mut(),
-                        dstPitch: desc.dst_pitch,
-                        WidthInBytes: desc.row_bytes,
-                        Height: desc.rows,
-                    };
-                    sys::cuMemcpy2DAsync_v2(&copy, stream)
+        self.queued("copy_rows", &[src, dst], |stream| {
+            // SAFETY: `check` put every row inside its buffer; the caller keeps
+            // the ranges apart; the context is current.
+            let copied = unsafe {
+                match contiguous {
+                    true => sys::cuMemcpyDtoDAsync_v2(to, from, desc.rows * desc.row_bytes, stream),
+                    false => {
+                        // Every field named: the memory-type enum has no zero
+                        // value, so the struct cannot be zero-initialized.
+                        let copy = sys::CUDA_MEMCPY2D {
+                            srcXInBytes: 0,
+                            srcY: 0,
+                            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                            srcHost: std::ptr::null(),
+                            srcDevice: from,
+                            srcArray: std::ptr::null_mut(),
+                            srcPitch: desc.src_pitch,
+                            dstXInBytes: 0,
+                            dstY: 0,
+                            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                            dstHost: std::ptr::null_mut(),
+                            dstDevice: to,
+                            dstArray: std::ptr::null_mut(),
+                            dstPitch: desc.dst_pitch,
+                            WidthInBytes: desc.row_bytes,
+                            Height: desc.rows,
+                        };
+                        sys::cuMemcpy2DAsync_v2(&copy, stream)
+                    }
                 }
-            }
-        };
-        copied.result().map_err(|e| {
-            conv::driver(
-                format_args!("copying {} rows of {} bytes", desc.rows, desc.row_bytes),
-                e,
-            )
-        })?;
-        self.time_end("copy_rows", start)?;
-        if !bound.is_empty() {
-            let event = transfer::Event::record(stream)?;
-            self.hazards()?.after_kernel(&event, &bound);
-        }
-        Ok(())
+            };
+            copied.result().map_err(|e| {
+                conv::driver(
+                    format_args!("copying {} rows of {} bytes", desc.rows, desc.row_bytes),
+                    e,
+                )
+            })
+        })
     }
 
     /// A one-thread kernel writes `desc.alpha` times the word into
@@ -583,35 +589,23 @@ impl ResidentBackend for CudaBackend {
                 reason: format!("past the scale buffer's {} bytes", scale.len()),
             });
         }
-        self.device().bind()?;
-        let stream = self.device().stream();
-        let bound: Vec<u64> = [a.id(), b.id(), c.id(), scale.id()]
-            .into_iter()
-            .filter(|&i| i != 0)
-            .collect();
-        self.hazards()?.before_kernel(stream, &bound)?;
-        let start = self.time_start()?;
         let params = kernels::AlphaWordParams {
             factor: desc.alpha,
             word: word as u32,
             pad: [0; 2],
         };
-        let buffers = [scale.device_ptr(), self.gemm.device_alpha()];
-        self.kernels.launch(
-            kernels::ALPHA_WORD_ENTRY,
-            stream,
-            1,
-            1,
-            |_| bytemuck::bytes_of(&params).to_vec(),
-            &buffers,
-        )?;
-        self.run_gemm(&launch, gemm::Alpha::Device)?;
-        self.time_end(checked.id().name(), start)?;
-        if !bound.is_empty() {
-            let event = transfer::Event::record(stream)?;
-            self.hazards()?.after_kernel(&event, &bound);
-        }
-        Ok(())
+        self.queued(checked.id().name(), &[a, b, c, scale], |stream| {
+            let buffers = [scale.device_ptr(), self.gemm.device_alpha()];
+            self.kernels.launch(
+                kernels::ALPHA_WORD_ENTRY,
+                stream,
+                1,
+                1,
+                |_| bytemuck::bytes_of(&params).to_vec(),
+                &buffers,
+            )?;
+            self.run_gemm(&launch, gemm::Alpha::Device)
+        })
     }
 }
 
