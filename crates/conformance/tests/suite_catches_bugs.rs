@@ -92,6 +92,10 @@ enum Fault {
     /// A GEMM scaled by a device word reads the status buffer's first
     /// word instead.
     DeviceAlphaWrongWord,
+    /// A GEMM scaled by a device word overwrites C where it should add
+    /// into it (beta 0 for 1): the deferred dx GEMM's later vocabulary
+    /// slices drop the earlier ones'.
+    ScaledGemmOverwrites,
     /// `shard_rows`' partials step writes the row's lse 1/64 high (the
     /// merged log-sum-exp, and so every shard's loss and gradient, drift).
     ShardRowsLseOff,
@@ -179,7 +183,10 @@ impl Backend for Faulty {
     /// transpose's); A read as columns, as the reference reads it, where
     /// the fault is in the deferred head gradient, which needs that.
     fn gemm_a_columns(&self) -> bool {
-        matches!(self.fault, Fault::ParkDropsLastRow | Fault::DeviceAlphaWrongWord)
+        matches!(
+            self.fault,
+            Fault::ParkDropsLastRow | Fault::DeviceAlphaWrongWord | Fault::ScaledGemmOverwrites
+        )
     }
     fn take_diagnostics(&self) -> Vec<String> {
         self.calls.set(self.calls.get() + 1);
@@ -230,7 +237,11 @@ impl ResidentBackend for Faulty {
             Fault::DeviceAlphaWrongWord => 0,
             _ => scale.1,
         };
-        self.inner.gemm_scaled_by_word((a, b, c), desc, (scale.0, word))
+        let desc = GemmDesc {
+            accumulate: desc.accumulate && self.fault != Fault::ScaledGemmOverwrites,
+            ..*desc
+        };
+        self.inner.gemm_scaled_by_word((a, b, c), &desc, (scale.0, word))
     }
 }
 
@@ -476,8 +487,9 @@ fn the_resident_suite_catches_an_ignored_flag() {
             &["resident_flagged/loss_out: 2 rows: status S_LOGITS = 0x6"][..],
         ),
         (Fault::GatherInIgnoresRange, &["want IdOutOfRange"][..]),
-        // hs 32 is the case whose gradient is deferred (DeferredLayout);
-        // tokens left unparked read what the last call left there.
+        // hs 32 is the first case whose gradient is deferred (DeferredLayout,
+        // its blocks parked by copies): tokens left unparked read what the
+        // last call left there.
         (
             Fault::ParkDropsLastRow,
             &["resident_head_grad/matches: V 304, hs 32: F32: a second call gave another head gradient"][..],
@@ -485,6 +497,11 @@ fn the_resident_suite_catches_an_ignored_flag() {
         (
             Fault::DeviceAlphaWrongWord,
             &["resident_head_grad/matches: V 304, hs 32: F32: against the f64 reference"][..],
+        ),
+        // hs 64 parks the gradient's rows, and dx waits for a GEMM a slice.
+        (
+            Fault::ScaledGemmOverwrites,
+            &["resident_head_grad/matches: V 304, hs 64: F32: dx with the head's gradient against dx without"][..],
         ),
     ] {
         let f = resident_failures(fault);

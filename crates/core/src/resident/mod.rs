@@ -685,11 +685,14 @@ impl<B: ResidentBackend> Engine<B> {
         // (no pieces of our own to keep), else in pieces kept for the next
         // call.
         let head_grad = match head_grad_out {
+            // A block mask follows a chunk's gradient rows with the filter:
+            // those rows cannot be parked back to back in `dst`.
             Some(dst) => match HeadGrad::in_output(
                 &self.backend,
                 &self.head,
                 dst,
                 (ntok, self.backend.buffer_len(&call.rows().logits)),
+                self.filter_eps(opts.config.filter_eps).is_none(),
             ) {
                 Some(in_output) => {
                     self.drop_head_grad();
@@ -756,7 +759,19 @@ impl<B: ResidentBackend> Engine<B> {
         // Unread slots get a buffer already at hand.
         let labels_buf = labels.unwrap_or(teacher.ids);
         let scaling = Scaling::resident_loss(opts.config.temperature, opts.config.terms.logit_scale);
-        for (chunk, Rows { start, rows }) in plan.chunk_rows(ntok, ChunkTransfers::Resident).into_iter().enumerate() {
+        let chunks = plan.chunk_rows(ntok, ChunkTransfers::Resident);
+        // Where the gradient's rows are parked, dx of the chunks up to the
+        // last boundary on a multiple of ALIGN rows waits for one GEMM
+        // over them all (a GEMM's rows come in multiples of ALIGN); the
+        // chunks after it run their own.
+        let deferrable_rows = chunks
+            .iter()
+            .map(|r| r.start + r.rows)
+            .filter(|end| end % ALIGN == 0)
+            .max()
+            .unwrap_or(0);
+        let mut deferred_rows = 0;
+        for (chunk, Rows { start, rows }) in chunks.into_iter().enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let row_stats = self.row_stats_for(&opts.config.terms, opts.config.temperature, rows_padded);
             self.resident_logits(s, hidden, (start, rows), scaling, row_stats)?;
@@ -783,20 +798,38 @@ impl<B: ResidentBackend> Engine<B> {
                     .kl_filter(self.filter_eps(opts.config.filter_eps), rows_padded),
                 ..KlDesc::plain(rows, self.head.vocab(), self.head.vocab_padded(), k)
             };
-            b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, &ls.grad, &kl)?;
-            // Scaled by 1/(gscale·τ) in loss_out: gscale may come from the
-            // device.
-            let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
-            self.head
-                .dx(b, (&ls.grad, &ls.dx, &s.logits), rows_padded, scaling, dx_filter)?;
+            // The gradient's rows parked in the head's gradient output.
+            let parked = match head_grad {
+                Some((pieces, dst)) => pieces.chunk_grad(b, dst, (start, rows_padded))?,
+                None => None,
+            };
+            let grad = parked.as_ref().unwrap_or(&ls.grad);
+            b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, grad, &kl)?;
+            let dx_deferred = parked.is_some() && start + rows <= deferrable_rows;
+            if dx_deferred {
+                deferred_rows = start + rows;
+            } else {
+                // Scaled by 1/(gscale·τ) in loss_out: gscale may come from
+                // the device.
+                let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
+                self.head
+                    .dx(b, (grad, &ls.dx, &s.logits), rows_padded, scaling, dx_filter)?;
+            }
             if let Some((pieces, dst)) = head_grad {
-                let buffers = (&ls.grad, &s.x16, &s.logits);
+                let buffers = (grad, &s.x16, &s.logits);
                 let at = (start, rows, rows_padded);
                 pieces.add_resident_chunk(b, &self.head, buffers, at, scaling, chunk > 0, (dst, status))?;
             }
-            call.loss_out(b, (start, rows), (self.head.hs(), self.head.hs_padded()), out, opts)?;
+            // No dx to write out (hs 0) where the deferred GEMM writes it.
+            let hs = if dx_deferred { 0 } else { self.head.hs() };
+            call.loss_out(b, (start, rows), (hs, self.head.hs_padded()), out, opts)?;
         }
         if let Some((pieces, dst)) = head_grad {
+            if let Some(parked) = pieces.parked_grad(b, dst)?.filter(|_| deferred_rows > 0) {
+                let dx_out = (&parked, out.dx, status);
+                self.head
+                    .dx_scaled_by_word(b, dx_out, deferred_rows, scaling, opts.accumulate_dx)?;
+            }
             pieces.write_out(b, &self.head, (&call.status, dst, &s.logits), scaling)?;
         }
         call.status_detail(b, ntok, teacher, opts, labels)?;

@@ -198,20 +198,24 @@ impl<B: ResidentBackend> HeadGrad<B> {
     /// nothing is scaled after. Where the `tokens` rows' inputs fit in
     /// `dst`, they are parked there and the GEMMs run after the last chunk
     /// ([`DeferredLayout`], its last part's inputs copied into the chunk
-    /// scratch of `scratch_bytes`); else a GEMM per chunk adds into
-    /// windows of `dst`. `None` where it cannot be done.
+    /// scratch of `scratch_bytes`; `kl_rows` writing the gradient's rows
+    /// there itself where `rows_parkable`, as where no block mask follows
+    /// them); else a GEMM per chunk adds into windows of `dst`. `None`
+    /// where it cannot be done.
     pub(crate) fn in_output(
         backend: &B,
         head: &HeadPlanes<B>,
         dst: &B::Buffer,
         (tokens, scratch_bytes): (usize, u64),
+        rows_parkable: bool,
     ) -> Option<Self> {
         let (vocab, hs) = (head.vocab(), head.hs());
         let defers = backend.defers_head_grad() && backend.gemm_a_columns();
         if !defers || hs != head.hs_padded() || vocab != head.vocab_padded() {
             return None;
         }
-        if let Some(layout) = DeferredLayout::plan(tokens, (vocab, hs), scratch_bytes, max_binding(backend)) {
+        let budget = (scratch_bytes, max_binding(backend));
+        if let Some(layout) = DeferredLayout::plan(tokens, (vocab, hs), budget, rows_parkable) {
             return Some(Self {
                 pieces: Vec::new(),
                 build: Build::Deferred(layout),
@@ -231,6 +235,34 @@ impl<B: ResidentBackend> HeadGrad<B> {
             pieces,
             build: Build::PerChunkScaled,
         })
+    }
+
+    /// Where `kl_rows` writes the logits gradient of the chunk of
+    /// `rows_padded` rows from token `start`: a window of `dst` where the
+    /// gradient's rows are parked there ([`super::deferred_grad::Parking::Rows`], whose dx waits
+    /// for [`Self::parked_grad`]); `None` where the chunk's own buffer
+    /// takes it.
+    pub(crate) fn chunk_grad(
+        &self,
+        backend: &B,
+        dst: &B::Buffer,
+        (start, rows_padded): (usize, usize),
+    ) -> Result<Option<B::Buffer>> {
+        match &self.build {
+            Build::Deferred(layout) => layout.chunk_grad(backend, dst, (start, rows_padded)),
+            _ => Ok(None),
+        }
+    }
+
+    /// Every token's logits gradient rows, parked in `dst`, for the one dx
+    /// GEMM after the last chunk (which must run before
+    /// [`Self::write_out`] overwrites them); `None` where each chunk ran
+    /// its own.
+    pub(crate) fn parked_grad(&self, backend: &B, dst: &B::Buffer) -> Result<Option<B::Buffer>> {
+        match &self.build {
+            Build::Deferred(layout) => layout.all_grad(backend, dst),
+            _ => Ok(None),
+        }
     }
 
     /// [`Self::add_chunk`] in a resident call: the chunk of the tokens from

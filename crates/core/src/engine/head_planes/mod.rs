@@ -22,8 +22,9 @@ use crate::problem::Hidden;
 use crate::toolkit::backend::{Backend, GemmDesc, GemmRowStats, HeadLayout, RowStats, SumPartsDesc, STATS_GROUP_COLS};
 use crate::toolkit::chunking::{plan_chunks, ChunkPlan};
 use crate::toolkit::launch::{Kernels, Launch};
-use crate::toolkit::resident_kernels::HiddenInDesc;
+use crate::toolkit::resident_kernels::{HiddenInDesc, ResidentBackend};
 use crate::toolkit::split::DxSplit;
+use crate::toolkit::status::S_DX_MUL;
 
 mod deferred_grad;
 mod grad;
@@ -771,5 +772,42 @@ impl<B: Backend> HeadPlanes<B> {
 fn add_block_norms(block_norms: &mut [f32], first: usize, row_norms: &[f32]) {
     for (r, norm) in row_norms.iter().enumerate() {
         block_norms[(first + r) / crate::problem::filter::BLOCK] += norm;
+    }
+}
+
+impl<B: ResidentBackend> HeadPlanes<B> {
+    /// dx of `rows` tokens at once from their logits gradient `grad`
+    /// (`[rows][vocab_padded]`), straight into the caller's `dx`
+    /// (`[rows][hs]`, hs unpadded): `alpha · status[S_DX_MUL] · grad · W`,
+    /// added into `dx` where `accumulate`. One GEMM a vocabulary slice,
+    /// unsplit: the rows are every token of the call, so the GEMM's tiles
+    /// fill the device without a split of the reduction.
+    pub(crate) fn dx_scaled_by_word(
+        &self,
+        backend: &B,
+        (grad, dx, status): (&B::Buffer, &B::Buffer, &B::Buffer),
+        rows: usize,
+        scaling: Scaling,
+        accumulate: bool,
+    ) -> Result<()> {
+        if self.hs != self.hs_padded {
+            return Err(Error::BadDescriptor {
+                kernel: "gemm",
+                field: "hs",
+                value: self.hs as u128,
+                reason: format!(
+                    "dx written straight out needs unpadded rows ({} padded)",
+                    self.hs_padded
+                ),
+            });
+        }
+        for (i, (slice, plane)) in self.slices.iter().zip(&self.planes).enumerate() {
+            let desc = GemmDesc {
+                accumulate: accumulate || i > 0,
+                ..self.dx_desc(slice, rows, scaling.dx_alpha())
+            };
+            backend.gemm_scaled_by_word((grad, plane, dx), &desc, (status, S_DX_MUL))?;
+        }
+        Ok(())
     }
 }
