@@ -770,7 +770,6 @@ impl<B: ResidentBackend> Engine<B> {
             .filter(|end| end % ALIGN == 0)
             .max()
             .unwrap_or(0);
-        let mut deferred_rows = 0;
         for (chunk, Rows { start, rows }) in chunks.into_iter().enumerate() {
             let rows_padded = round_up(rows, ALIGN);
             let row_stats = self.row_stats_for(&opts.config.terms, opts.config.temperature, rows_padded);
@@ -806,9 +805,7 @@ impl<B: ResidentBackend> Engine<B> {
             let grad = parked.as_ref().unwrap_or(&ls.grad);
             b.kl_rows(&s.logits, &s.ids, &s.probs, &ls.row_in, &ls.loss, grad, &kl)?;
             let dx_deferred = parked.is_some() && start + rows <= deferrable_rows;
-            if dx_deferred {
-                deferred_rows = start + rows;
-            } else {
+            if !dx_deferred {
                 // Scaled by 1/(gscale·τ) in loss_out: gscale may come from
                 // the device.
                 let dx_filter = kl.filter.map(|_| DxFilter { mask_rows: rows });
@@ -825,12 +822,17 @@ impl<B: ResidentBackend> Engine<B> {
             call.loss_out(b, (start, rows), (hs, self.head.hs_padded()), out, opts)?;
         }
         if let Some((pieces, dst)) = head_grad {
-            if let Some(parked) = pieces.parked_grad(b, dst)?.filter(|_| deferred_rows > 0) {
-                let dx_out = (&parked, out.dx, status);
-                self.head
-                    .dx_scaled_by_word(b, dx_out, deferred_rows, scaling, opts.accumulate_dx)?;
-            }
-            pieces.write_out(b, &self.head, (&call.status, dst, &s.logits), scaling)?;
+            // Every chunk's rows are parked, or none.
+            let parked = pieces.parked_grad(b, dst)?.filter(|_| deferrable_rows > 0);
+            let mut parked_dx = || match &parked {
+                Some(grad) => {
+                    let dx_out = (grad, out.dx, status);
+                    self.head
+                        .dx_scaled_by_word(b, dx_out, deferrable_rows, scaling, opts.accumulate_dx)
+                }
+                None => Ok(()),
+            };
+            pieces.write_out(b, &self.head, (&call.status, dst, &s.logits), scaling, &mut parked_dx)?;
         }
         call.status_detail(b, ntok, teacher, opts, labels)?;
         b.submit()
