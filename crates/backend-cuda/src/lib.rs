@@ -243,35 +243,27 @@ impl CudaBackend {
     /// Records an event on the stream when timing is on; the pair's end
     /// comes from [`Self::time_end`].
     fn time_start(&self) -> Result<Option<sys::CUevent>> {
-        self.time_start_on(self.device().stream())
-    }
-
-    fn time_end(&self, name: &'static str, start: Option<sys::CUevent>) -> Result<()> {
-        self.time_end_on(self.device().stream(), name, start)
-    }
-
-    /// A timing event recorded on `stream` now, while profiling.
-    fn time_start_on(&self, stream: sys::CUstream) -> Result<Option<sys::CUevent>> {
         let timing = self.timing.lock().map_err(|_| poisoned("the kernel timings"))?;
         if !timing.on {
             return Ok(None);
         }
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
             .map_err(|e| conv::driver("creating a timing event", e))?;
-        // SAFETY: a live event on a live stream.
-        unsafe { result::event::record(event, stream) }.map_err(|e| conv::driver("recording a timing event", e))?;
+        // SAFETY: a live event on our stream.
+        unsafe { result::event::record(event, self.device().stream()) }
+            .map_err(|e| conv::driver("recording a timing event", e))?;
         Ok(Some(event))
     }
 
-    /// Files `name`'s time on `stream` from `start` to now.
-    fn time_end_on(&self, stream: sys::CUstream, name: &'static str, start: Option<sys::CUevent>) -> Result<()> {
+    fn time_end(&self, name: &'static str, start: Option<sys::CUevent>) -> Result<()> {
         let Some(start) = start else {
             return Ok(());
         };
         let end = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
             .map_err(|e| conv::driver("creating a timing event", e))?;
-        // SAFETY: a live event on a live stream.
-        unsafe { result::event::record(end, stream) }.map_err(|e| conv::driver("recording a timing event", e))?;
+        // SAFETY: a live event on our stream.
+        unsafe { result::event::record(end, self.device().stream()) }
+            .map_err(|e| conv::driver("recording a timing event", e))?;
         self.timing
             .lock()
             .map_err(|_| poisoned("the kernel timings"))?
@@ -537,36 +529,46 @@ impl ResidentBackend for CudaBackend {
         if desc.rows == 0 || desc.row_bytes == 0 {
             return Ok(());
         }
-        self.queued("copy_rows", &[src, dst], |stream| copy_2d(stream, (src, dst), desc))
-    }
-
-    /// The copy on the copies' stream, after an event marking what the
-    /// kernels' stream had queued; the kernels' stream waits for the
-    /// event after it once `beside` has queued its work, which so runs
-    /// while the copy does (the copy engines and the GEMMs share only
-    /// the memory).
-    fn copy_rows_beside(
-        &self,
-        (src, dst, desc): (&CudaBuffer, &CudaBuffer, &RowCopyDesc),
-        beside: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<()> {
-        desc.check(src.len(), dst.len())?;
-        if desc.rows == 0 || desc.row_bytes == 0 {
-            return beside();
-        }
-        self.device().bind()?;
-        let (kernels, copies) = (self.device().stream(), self.device().copy);
-        // The backend's own buffers' pending copies are on the copies'
-        // stream already, in order before this one.
-        transfer::Event::record(kernels)?.wait_on(copies)?;
-        let start = self.time_start_on(copies)?;
-        copy_2d(copies, (src, dst), desc)?;
-        self.time_end_on(copies, "copy_rows", start)?;
-        let copied = transfer::Event::record(copies)?;
-        let queued = beside();
-        // Whatever `beside` did, nothing after this call passes the copy.
-        let joined = copied.wait_on(kernels);
-        queued.and(joined)
+        let (from, to) = (src.device_ptr() + desc.src_offset, dst.device_ptr() + desc.dst_offset);
+        let contiguous = desc.rows == 1 || (desc.src_pitch == desc.row_bytes && desc.dst_pitch == desc.row_bytes);
+        self.queued("copy_rows", &[src, dst], |stream| {
+            // SAFETY: `check` put every row inside its buffer; the caller keeps
+            // the ranges apart; the context is current.
+            let copied = unsafe {
+                match contiguous {
+                    true => sys::cuMemcpyDtoDAsync_v2(to, from, desc.rows * desc.row_bytes, stream),
+                    false => {
+                        // Every field named: the memory-type enum has no zero
+                        // value, so the struct cannot be zero-initialized.
+                        let copy = sys::CUDA_MEMCPY2D {
+                            srcXInBytes: 0,
+                            srcY: 0,
+                            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                            srcHost: std::ptr::null(),
+                            srcDevice: from,
+                            srcArray: std::ptr::null_mut(),
+                            srcPitch: desc.src_pitch,
+                            dstXInBytes: 0,
+                            dstY: 0,
+                            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                            dstHost: std::ptr::null_mut(),
+                            dstDevice: to,
+                            dstArray: std::ptr::null_mut(),
+                            dstPitch: desc.dst_pitch,
+                            WidthInBytes: desc.row_bytes,
+                            Height: desc.rows,
+                        };
+                        sys::cuMemcpy2DAsync_v2(&copy, stream)
+                    }
+                }
+            };
+            copied.result().map_err(|e| {
+                conv::driver(
+                    format_args!("copying {} rows of {} bytes", desc.rows, desc.row_bytes),
+                    e,
+                )
+            })
+        })
     }
 
     /// A one-thread kernel writes `desc.alpha` times the word into
@@ -622,48 +624,4 @@ impl Drop for CudaBackend {
             }
         }
     }
-}
-
-/// Queues `desc`'s rows from `src` to `dst` on `stream`
-/// (`cuMemcpy2DAsync`; a contiguous run: `cuMemcpyDtoDAsync`); `desc`
-/// checked against both.
-fn copy_2d(stream: sys::CUstream, (src, dst): (&CudaBuffer, &CudaBuffer), desc: &RowCopyDesc) -> Result<()> {
-    let (from, to) = (src.device_ptr() + desc.src_offset, dst.device_ptr() + desc.dst_offset);
-    let contiguous = desc.rows == 1 || (desc.src_pitch == desc.row_bytes && desc.dst_pitch == desc.row_bytes);
-    // SAFETY: `check` put every row inside its buffer; the caller keeps
-    // the ranges apart; the context is current.
-    let copied = unsafe {
-        match contiguous {
-            true => sys::cuMemcpyDtoDAsync_v2(to, from, desc.rows * desc.row_bytes, stream),
-            false => {
-                // Every field named: the memory-type enum has no zero
-                // value, so the struct cannot be zero-initialized.
-                let copy = sys::CUDA_MEMCPY2D {
-                    srcXInBytes: 0,
-                    srcY: 0,
-                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                    srcHost: std::ptr::null(),
-                    srcDevice: from,
-                    srcArray: std::ptr::null_mut(),
-                    srcPitch: desc.src_pitch,
-                    dstXInBytes: 0,
-                    dstY: 0,
-                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                    dstHost: std::ptr::null_mut(),
-                    dstDevice: to,
-                    dstArray: std::ptr::null_mut(),
-                    dstPitch: desc.dst_pitch,
-                    WidthInBytes: desc.row_bytes,
-                    Height: desc.rows,
-                };
-                sys::cuMemcpy2DAsync_v2(&copy, stream)
-            }
-        }
-    };
-    copied.result().map_err(|e| {
-        conv::driver(
-            format_args!("copying {} rows of {} bytes", desc.rows, desc.row_bytes),
-            e,
-        )
-    })
 }

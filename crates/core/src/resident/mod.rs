@@ -823,16 +823,12 @@ impl<B: ResidentBackend> Engine<B> {
         }
         if let Some((pieces, dst)) = head_grad {
             // Every chunk's rows are parked, or none.
-            let parked = pieces.parked_grad(b, dst)?.filter(|_| deferrable_rows > 0);
-            let mut parked_dx = || match &parked {
-                Some(grad) => {
-                    let dx_out = (grad, out.dx, status);
-                    self.head
-                        .dx_scaled_by_word(b, dx_out, deferrable_rows, scaling, opts.accumulate_dx)
-                }
-                None => Ok(()),
-            };
-            pieces.write_out(b, &self.head, (&call.status, dst, &s.logits), scaling, &mut parked_dx)?;
+            if let Some(parked) = pieces.parked_grad(b, dst)?.filter(|_| deferrable_rows > 0) {
+                let dx_out = (&parked, out.dx, status);
+                self.head
+                    .dx_scaled_by_word(b, dx_out, deferrable_rows, scaling, opts.accumulate_dx)?;
+            }
+            pieces.write_out(b, &self.head, (&call.status, dst, &s.logits), scaling)?;
         }
         call.status_detail(b, ntok, teacher, opts, labels)?;
         b.submit()

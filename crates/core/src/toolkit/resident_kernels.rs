@@ -405,21 +405,6 @@ pub trait ResidentBackend: Backend {
         )))
     }
 
-    /// [`Self::copy_rows`], free to run beside the work `beside` queues:
-    /// the copy follows everything queued before this call, what `beside`
-    /// queues may run while it does, and everything queued after this call
-    /// returns follows both. `beside`'s work must not write the bytes the
-    /// copy reads nor touch those it writes. By default (where nothing runs
-    /// beside the kernels) the copy, then `beside`, in order.
-    fn copy_rows_beside(
-        &self,
-        (src, dst, desc): (&Self::Buffer, &Self::Buffer, &RowCopyDesc),
-        beside: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<()> {
-        self.copy_rows(src, dst, desc)?;
-        beside()
-    }
-
     /// [`crate::toolkit::Kernels::gemm`] with its alpha multiplied, on the
     /// device, by the f32 word `word` of `scale` (the status buffer's dx
     /// multiplier), read when the GEMM runs.
@@ -531,13 +516,6 @@ impl<T: ResidentBackend + ?Sized> ResidentBackend for &T {
     }
     fn copy_rows(&self, src: &Self::Buffer, dst: &Self::Buffer, desc: &RowCopyDesc) -> Result<()> {
         (**self).copy_rows(src, dst, desc)
-    }
-    fn copy_rows_beside(
-        &self,
-        copy: (&Self::Buffer, &Self::Buffer, &RowCopyDesc),
-        beside: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<()> {
-        (**self).copy_rows_beside(copy, beside)
     }
     fn gemm_scaled_by_word(
         &self,

@@ -534,18 +534,6 @@ impl ResidentBackend for CpuBackend {
         true
     }
 
-    /// `beside` first, then the copy: the order furthest from the copy
-    /// running first, so work beside it that wrote what the copy reads, or
-    /// read what it writes, shows.
-    fn copy_rows_beside(
-        &self,
-        (src, dst, desc): (&CpuBuffer, &CpuBuffer, &RowCopyDesc),
-        beside: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<()> {
-        beside()?;
-        self.copy_rows(src, dst, desc)
-    }
-
     /// The rows are read out, then written: source and destination may be
     /// windows of one storage, but not overlapping ones.
     fn copy_rows(&self, src: &CpuBuffer, dst: &CpuBuffer, d: &RowCopyDesc) -> Result<()> {

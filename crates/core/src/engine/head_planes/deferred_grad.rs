@@ -264,26 +264,46 @@ impl DeferredLayout {
         backend.copy_rows(x16, dst, &RowCopyDesc::run(hidden_bytes, 0, at))
     }
 
-    /// The parts' GEMMs, once every chunk is parked: each part's rows of
-    /// `dst` become `alpha · status[S_DX_MUL] · Σ_t g[t][row] · x16[t]`.
-    /// The last part reads its columns and the hidden rows from `scratch`;
-    /// the copy of its columns there runs beside `beside`'s work (the
-    /// deferred dx GEMM, which reads the parked gradient and writes
-    /// elsewhere) and the other parts' GEMMs, whose rows end before what
-    /// the copy reads.
+    /// The parts' GEMMs, once every chunk is parked (and, with the rows'
+    /// parking, dx has read the gradient): each part's rows of `dst`
+    /// become `alpha · status[S_DX_MUL] · Σ_t g[t][row] · x16[t]`. The last
+    /// part reads its columns and the hidden rows from `scratch`.
     pub(crate) fn finish<B: ResidentBackend>(
         &self,
         backend: &B,
         (dst, scratch, status): (&B::Buffer, &B::Buffer, &B::Buffer),
         alpha: f32,
-        beside: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
         let hidden_bytes = 2 * (self.tokens * self.hs) as u64;
-        let parts: Vec<_> = self.parts().collect();
-        let Some((&last, earlier)) = parts.split_last() else {
-            return beside();
-        };
-        let part_gemm = |(first, width): (usize, usize), (grad, lda, hidden): (&B::Buffer, usize, &B::Buffer)| {
+        let last = self.bounds.len() - 2;
+        for (part, (first, width)) in self.parts().enumerate() {
+            let (grad_at, ld, grad_bytes) = self.part_grad((first, width));
+            let (grad, lda, hidden) = match part == last {
+                false => (
+                    window(backend, dst, grad_at, grad_bytes)?,
+                    ld,
+                    window(backend, dst, self.hidden_offset(), hidden_bytes)?,
+                ),
+                true => {
+                    let hidden_at = self.scratch_hidden_offset(width);
+                    let columns = RowCopyDesc {
+                        rows: self.tokens,
+                        row_bytes: 2 * width,
+                        src_offset: grad_at,
+                        src_pitch: 2 * ld,
+                        dst_offset: 0,
+                        dst_pitch: 2 * width,
+                    };
+                    backend.copy_rows(dst, scratch, &columns)?;
+                    let run = RowCopyDesc::run(hidden_bytes as usize, self.hidden_offset(), hidden_at);
+                    backend.copy_rows(dst, scratch, &run)?;
+                    (
+                        window(backend, scratch, 0, 2 * (self.tokens * width) as u64)?,
+                        width,
+                        window(backend, scratch, hidden_at, hidden_bytes)?,
+                    )
+                }
+            };
             let row_bytes = 4 * self.hs as u64;
             let out = window(backend, dst, first as u64 * row_bytes, width as u64 * row_bytes)?;
             let desc = GemmDesc {
@@ -293,34 +313,9 @@ impl DeferredLayout {
                 a_columns: true,
                 ..GemmDesc::dense(width, self.hs, self.tokens, HeadLayout::Dx)
             };
-            backend.gemm_scaled_by_word((grad, hidden, &out), &desc, (status, S_DX_MUL))
-        };
-        let (last_at, last_ld, _) = self.part_grad(last);
-        let columns = RowCopyDesc {
-            rows: self.tokens,
-            row_bytes: 2 * last.1,
-            src_offset: last_at,
-            src_pitch: 2 * last_ld,
-            dst_offset: 0,
-            dst_pitch: 2 * last.1,
-        };
-        backend.copy_rows_beside((dst, scratch, &columns), &mut || {
-            beside()?;
-            let hidden = window(backend, dst, self.hidden_offset(), hidden_bytes)?;
-            for &part in earlier {
-                let (grad_at, ld, grad_bytes) = self.part_grad(part);
-                part_gemm(part, (&window(backend, dst, grad_at, grad_bytes)?, ld, &hidden))?;
-            }
-            Ok(())
-        })?;
-        let hidden_at = self.scratch_hidden_offset(last.1);
-        let run = RowCopyDesc::run(hidden_bytes as usize, self.hidden_offset(), hidden_at);
-        backend.copy_rows(dst, scratch, &run)?;
-        let grad = window(backend, scratch, 0, 2 * (self.tokens * last.1) as u64)?;
-        part_gemm(
-            last,
-            (&grad, last.1, &window(backend, scratch, hidden_at, hidden_bytes)?),
-        )
+            backend.gemm_scaled_by_word((&grad, &hidden, &out), &desc, (status, S_DX_MUL))?;
+        }
+        Ok(())
     }
 }
 

@@ -307,29 +307,19 @@ impl<B: ResidentBackend> HeadGrad<B> {
     /// window of `dst` ([`ResidentBackend::window`], which
     /// [`Self::fits_out`] asked for). A deferred gradient's GEMMs run
     /// here, its last part's inputs copied into `scratch` (the chunks'
-    /// logits buffer, free by now) beside `parked_dx`'s work (the dx GEMM
-    /// reading [`Self::parked_grad`], which must not write `dst` or
-    /// `scratch`); without one, `parked_dx` runs first.
+    /// logits buffer, free by now).
     pub(crate) fn write_out(
         &self,
         backend: &B,
         head: &HeadPlanes<B>,
         (status, dst, scratch): (&B::Buffer, &B::Buffer, &B::Buffer),
         scaling: Scaling,
-        parked_dx: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
         match &self.build {
-            Build::Deferred(layout) => layout.finish(backend, (dst, scratch, status), scaling.dx_alpha(), parked_dx),
-            Build::PerChunkScaled => parked_dx(),
-            Build::PerChunk => {
-                parked_dx()?;
-                self.pieces_out(backend, head, (status, dst))
-            }
+            Build::Deferred(layout) => return layout.finish(backend, (dst, scratch, status), scaling.dx_alpha()),
+            Build::PerChunkScaled => return Ok(()),
+            Build::PerChunk => {}
         }
-    }
-
-    /// [`Self::write_out`] for pieces of the engine's own.
-    fn pieces_out(&self, backend: &B, head: &HeadPlanes<B>, (status, dst): (&B::Buffer, &B::Buffer)) -> Result<()> {
         let (vocab, hs) = (head.vocab(), head.hs());
         // The criterion `fits_out` checked: the gradient's bytes, not the
         // buffer's (a larger buffer is bound whole where the gradient fits).
