@@ -78,11 +78,8 @@ impl DeferredLayout {
         (scratch_bytes, max_window): (u64, u64),
         rows_allowed: bool,
     ) -> Option<Self> {
-        let rows = match rows_allowed {
-            true => Self::plan_parked(tokens, (vocab, hs), (scratch_bytes, max_window), true),
-            false => None,
-        };
-        rows.or_else(|| Self::plan_parked(tokens, (vocab, hs), (scratch_bytes, max_window), false))
+        let plan = |rows| Self::plan_parked(tokens, (vocab, hs), (scratch_bytes, max_window), rows);
+        rows_allowed.then(|| plan(true)).flatten().or_else(|| plan(false))
     }
 
     /// [`Self::plan`] for one parking.
