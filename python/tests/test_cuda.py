@@ -285,6 +285,32 @@ def test_a_step_on_the_cuda_backend_makes_no_host_sync():
     close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")
 
 
+def test_a_step_with_a_trainable_bf16_head_on_the_cuda_backend_makes_no_host_sync():
+    """As above with a bf16 head that requires grad and an upstream
+    gradient of 3 from the device: forward, the head's gradient and its
+    scale into ``.grad`` (the Triton kernel, where there is one) never wait
+    on the host, and ``.grad`` matches PyTorch float64."""
+    start_or_skip("cuda")
+    weight, hidden, ids, values, _, _ = problem(7)
+    w = weight.cuda().to(torch.bfloat16).requires_grad_()
+    loss_fn = ht.HeadKLLoss(w, backend="cuda")
+    x0, ids, values = (t.cuda() for t in (hidden, ids, values))
+    (loss_fn(x0, ids, values) * 3).backward()  # the first step makes the scratch and kernels
+    torch.cuda.synchronize()
+    w.grad = None
+    x = x0.clone().requires_grad_()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (loss_fn(x, ids, values) * 3).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _, want_dx, want_dw = reference(hidden.reshape(-1, HS), weight.to(torch.bfloat16).float(), ids.cpu().reshape(-1, K),
+                                    values.cpu().reshape(-1, K), head_grad=True, upstream=3.0)  # fmt: skip
+    close(x.grad.cpu().reshape(-1, HS), want_dx, "dx")
+    assert w.grad.dtype == torch.bfloat16
+    close(w.grad.double().cpu(), want_dw, "weight.grad", rel=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cuda_head_read_again_in_windows_matches_a_fresh_one_and_names_a_bad_value(dtype, monkeypatch):
     # The CUDA backend reads a changed CUDA head again on the device, its

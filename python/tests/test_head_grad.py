@@ -8,6 +8,8 @@ sharded loss's head) is refused rather than dropped in silence."""
 
 import logging
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -298,10 +300,32 @@ def test_the_gradient_is_scaled_into_the_weights_dtype_a_window_at_a_time(dtype,
     # 300 rows of the head), so PyTorch's temporary of the common dtype
     # stays a window's; each value is the f32 product rounded once, as in
     # one call.
+    import headkl.ops._scale as scale
     import headkl.ops.autograd as autograd
 
-    monkeypatch.setattr(autograd, "_SCALE_WINDOW_BYTES", 3 * HS * 4)
+    monkeypatch.setattr(scale, "_SCALE_WINDOW_BYTES", 3 * HS * 4)
     unit = torch.randn(V, HS, generator=torch.Generator().manual_seed(5))
     got = autograd._head_gradient(unit, torch.tensor(0.75), None, dtype, unit.device)
     assert got.dtype == dtype and got.shape == (V, HS)
     assert torch.equal(got, (unit * 0.75).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_cuda_gradient_is_scaled_in_one_kernel_where_triton_is_there(dtype):
+    # On CUDA tensors the Triton kernel (where importable) reads each f32
+    # value once and rounds the product once: PyTorch's values exactly, the
+    # scale read from the device. 300·64 + 5 values: the last of the 5
+    # programs is short.
+    import headkl.ops._scale as scale
+
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    unit = torch.randn(V * HS + 5, generator=torch.Generator().manual_seed(6)).cuda().reshape(-1, 1)
+    factor = torch.tensor(-0.375, device="cuda")
+    out = torch.full(unit.shape, float("nan"), dtype=dtype, device="cuda")
+    got = scale.scale_into(unit, factor, out)
+    assert got is out
+    assert torch.equal(got, (unit * -0.375).to(dtype))
+    assert scale._kernel_takes(unit, out) == scale.fused_kernel_available()
+    if "cuda" in os.environ.get("HEADKL_REQUIRE", ""):
+        assert scale.fused_kernel_available(), f"no Triton kernel: {scale._why_no_kernel}"

@@ -13,6 +13,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch._C import _functions as _autograd_functions
 
+from . import _scale
+
 
 def _once_differentiable(backward):
     """``torch.autograd.function.once_differentiable``, also where the
@@ -110,17 +112,4 @@ def _head_gradient(head_grad, grad, head_grad_of, dtype, device) -> torch.Tensor
     if head_grad.device != torch.device(device):
         return (head_grad * scale).to(device=device, dtype=dtype)
     out = torch.empty(head_grad.shape, dtype=dtype, device=device)
-    scale = scale.to(head_grad.device)
-    if dtype == head_grad.dtype or head_grad.dim() != 2:
-        return torch.mul(head_grad, scale, out=out)
-    # Into another dtype, PyTorch computes into a temporary of the common
-    # one and copies: a window of rows at a time, that temporary is small.
-    rows = max(1, _SCALE_WINDOW_BYTES // max(1, head_grad.shape[1] * head_grad.element_size()))
-    for first in range(0, head_grad.shape[0], rows):
-        torch.mul(head_grad[first : first + rows], scale, out=out[first : first + rows])
-    return out
-
-
-# Rows of the head's gradient scaled into the weight's dtype at a time
-# (``_head_gradient``), in bytes of the f32 rows.
-_SCALE_WINDOW_BYTES = 256 << 20
+    return _scale.scale_into(head_grad, scale.to(head_grad.device), out)
