@@ -286,6 +286,47 @@ pub struct LossArgs {
     /// The block filter does not apply to it; not with --shards
     #[arg(long, value_name = "DW.safetensors")]
     pub head_grad: Option<PathBuf>,
+    /// The element type --head-grad writes: f32, or the head's own type as a trainer's
+    /// `.grad` is (bf16, f16: each value rounded once to nearest even; a value past f16's
+    /// ±65504 is an error naming it, not an infinity)
+    #[arg(long, value_enum, value_name = "TYPE", default_value_t = GradDtype::F32, requires = "head_grad")]
+    pub head_grad_dtype: GradDtype,
+}
+
+/// The element type of `--head-grad`'s tensor.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl GradDtype {
+    /// `values` (`[rows][cols]`) as this type's little-endian bytes, with
+    /// its safetensors dtype; an f16 value past ±65504 (or one f32 holds
+    /// as infinite) is the error naming its row and column.
+    pub(crate) fn encode(self, values: &[f32], cols: usize) -> Result<(safetensors::Dtype, Vec<u8>), CliError> {
+        use safetensors::Dtype;
+        let halves = |f: fn(f32) -> u16| values.iter().flat_map(|&v| f(v).to_le_bytes()).collect::<Vec<u8>>();
+        Ok(match self {
+            GradDtype::F32 => (Dtype::F32, bytemuck::cast_slice(values).to_vec()),
+            GradDtype::Bf16 => (Dtype::BF16, halves(|v| half::bf16::from_f32(v).to_bits())),
+            GradDtype::F16 => {
+                if let Some(i) = values.iter().position(|&v| half::f16::from_f32(v).is_infinite()) {
+                    return Err(CliError::option(
+                        "--head-grad-dtype",
+                        format!(
+                            "f16: the head's gradient at [{}][{}] is {:e}, past f16's ±65504; write bf16 or f32",
+                            i / cols.max(1),
+                            i % cols.max(1),
+                            values[i]
+                        ),
+                    ));
+                }
+                (Dtype::F16, halves(|v| half::f16::from_f32(v).to_bits()))
+            }
+        })
+    }
 }
 
 impl LossArgs {
@@ -325,6 +366,7 @@ impl LossArgs {
         Ok(LossOutputs {
             out: (out, &self.out),
             head_grad: head_grad.zip(self.head_grad.as_deref()),
+            head_grad_dtype: self.head_grad_dtype,
         })
     }
 
@@ -509,6 +551,8 @@ pub fn loss(
 pub(crate) struct LossOutputs<'p> {
     pub out: (PendingOutput, &'p Path),
     pub head_grad: Option<(PendingOutput, &'p Path)>,
+    /// The element type the head's gradient is written in.
+    pub head_grad_dtype: GradDtype,
 }
 
 /// Writes `loss`'s output files and prints the loss (and the filter's
@@ -517,12 +561,18 @@ pub(crate) fn write_loss(
     LossOutputs {
         out: (pending, out),
         head_grad,
+        head_grad_dtype,
     }: LossOutputs<'_>,
     result: &LossOutput,
     record: &LossRecord<'_>,
     start: Instant,
 ) -> Result<(), CliError> {
     let headkl_core::Shape { ntok, vocab, hs, k } = record.shape;
+    // Encoded first: a value f16 cannot hold fails before either file is written.
+    let head_grad_bytes = match head_grad {
+        Some(_) => Some(head_grad_dtype.encode(&result.head_grad, hs)?),
+        None => None,
+    };
     fn per_token<'a>(name: &'static str, v: &'a [f32]) -> OutTensor<'a> {
         OutTensor::f32(name, vec![v.len()], v)
     }
@@ -538,11 +588,16 @@ pub(crate) fn write_loss(
         start.elapsed().as_secs_f64(),
         out.display()
     );
-    if let Some((pending, path)) = head_grad {
-        let grad = [OutTensor::f32("grad", vec![vocab, hs], &result.head_grad)];
+    if let Some(((pending, path), (dtype, bytes))) = head_grad.zip(head_grad_bytes) {
+        let grad = [OutTensor {
+            name: "grad",
+            dtype,
+            shape: vec![vocab, hs],
+            data: &bytes,
+        }];
         pending.commit_tensors_with(&grad, Some(record.to_metadata()))?;
         log::info!(
-            "headkl: wrote the head's gradient [{vocab}][{hs}] to {}",
+            "headkl: wrote the head's gradient [{vocab}][{hs}] ({dtype:?}) to {}",
             path.display()
         );
     }
@@ -565,4 +620,27 @@ pub(crate) fn write_loss(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GradDtype;
+
+    #[test]
+    fn a_gradient_f16_cannot_hold_is_an_error_naming_its_place() {
+        let values = [0.5f32, -1.0, 7.0e4, 2.0];
+        let err = GradDtype::F16.encode(&values, 2).unwrap_err().to_string();
+        assert!(
+            err.contains("--head-grad-dtype") && err.contains("[1][0]") && err.contains("7e4"),
+            "{err}"
+        );
+        let (dtype, bytes) = GradDtype::Bf16.encode(&values, 2).unwrap();
+        assert_eq!((dtype, bytes.len()), (safetensors::Dtype::BF16, 8));
+        assert_eq!(&bytes[4..6], &half::bf16::from_f32(7.0e4).to_bits().to_le_bytes());
+        let (dtype, bytes) = GradDtype::F32.encode(&values, 2).unwrap();
+        assert_eq!(
+            (dtype, &bytes[..]),
+            (safetensors::Dtype::F32, bytemuck::cast_slice::<f32, u8>(&values))
+        );
+    }
 }

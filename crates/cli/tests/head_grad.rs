@@ -116,3 +116,63 @@ fn head_grad_refuses_what_it_cannot_do() {
     assert!(!f.path("dw.safetensors").exists());
     assert!(!f.path("out.safetensors").exists());
 }
+
+/// `--head-grad-dtype bf16` and `f16` write the f32 run's gradient with
+/// each value rounded once to nearest even, tagged BF16 or F16; the loss
+/// file is the f32 run's. Without `--head-grad` the option is exit 2
+/// naming what it needs.
+#[test]
+fn head_grad_is_written_in_the_type_asked() {
+    let f = Fixture::new("head-grad-dtype");
+    let dw = |extra: &[&str]| {
+        let mut args = vec!["--head-grad", f.s("dw.safetensors")];
+        args.extend(extra);
+        let o = f.loss("teacher.safetensors", &args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let st = fs::read(f.path("dw.safetensors")).unwrap();
+        let out = fs::read(f.path("out.safetensors")).unwrap();
+        (st, out)
+    };
+    let (f32_file, f32_out) = dw(&[]);
+    let f32_st = SafeTensors::deserialize(&f32_file).unwrap();
+    assert_eq!(f32_st.tensor("grad").unwrap().dtype(), safetensors::Dtype::F32);
+    let want = tensor_f32(&f32_st, "grad");
+    assert!(want.iter().any(|&v| v != 0.0));
+    type Rounding = (&'static str, safetensors::Dtype, fn(f32) -> u16);
+    let round: [Rounding; 2] = [
+        ("bf16", safetensors::Dtype::BF16, |v| half::bf16::from_f32(v).to_bits()),
+        ("f16", safetensors::Dtype::F16, |v| half::f16::from_f32(v).to_bits()),
+    ];
+    for (name, dtype, to_bits) in round {
+        let (file, out) = dw(&["--head-grad-dtype", name]);
+        let st = SafeTensors::deserialize(&file).unwrap();
+        let grad = st.tensor("grad").unwrap();
+        assert_eq!((grad.dtype(), grad.shape()), (dtype, &[VOCAB, HS][..]), "{name}");
+        let got: Vec<u16> = grad
+            .data()
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        let rounded: Vec<u16> = want.iter().map(|&v| to_bits(v)).collect();
+        assert_eq!(got, rounded, "{name}: not the f32 gradient rounded once");
+        let (out, f32_out) = (
+            SafeTensors::deserialize(&out).unwrap(),
+            SafeTensors::deserialize(&f32_out).unwrap(),
+        );
+        for tensor in ["loss", "grad"] {
+            assert_eq!(
+                tensor_f32(&out, tensor),
+                tensor_f32(&f32_out, tensor),
+                "{name}: {tensor} changed"
+            );
+        }
+    }
+    fs::remove_file(f.path("dw.safetensors")).unwrap();
+    let alone = f.loss("teacher.safetensors", &["--head-grad-dtype", "bf16"]);
+    assert_eq!(alone.status.code(), Some(2), "{}", stderr(&alone));
+    assert!(
+        stderr(&alone).contains("--head-grad <DW.safetensors>"),
+        "{}",
+        stderr(&alone)
+    );
+}
