@@ -312,7 +312,10 @@ impl GradDtype {
             GradDtype::F32 => (Dtype::F32, bytemuck::cast_slice(values).to_vec()),
             GradDtype::Bf16 => (Dtype::BF16, halves(|v| half::bf16::from_f32(v).to_bits())),
             GradDtype::F16 => {
-                if let Some(i) = values.iter().position(|&v| half::f16::from_f32(v).is_infinite()) {
+                // Converted once; the range is checked on what was written.
+                let bytes = halves(|v| half::f16::from_f32(v).to_bits());
+                let infinite = |b: &[u8]| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).is_infinite();
+                if let Some(i) = bytes.chunks_exact(2).position(infinite) {
                     return Err(CliError::option(
                         "--head-grad-dtype",
                         format!(
@@ -323,7 +326,7 @@ impl GradDtype {
                         ),
                     ));
                 }
-                (Dtype::F16, halves(|v| half::f16::from_f32(v).to_bits()))
+                (Dtype::F16, bytes)
             }
         })
     }
