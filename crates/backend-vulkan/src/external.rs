@@ -93,7 +93,10 @@ impl VulkanBackend {
         Self::assemble(device, options, coop, None, queue, command::STAGING_BYTES)
     }
 
-    /// A view of `bytes` bytes at byte `offset` of the caller's `buffer`.
+    /// A view of `bytes` bytes at byte `offset` of the caller's `buffer`,
+    /// up to the device's largest buffer: one past the largest binding is
+    /// for what is written a binding at a time (the resident head
+    /// gradient, `DeviceLossOptions::head_grad_out`).
     ///
     /// # Safety
     ///
@@ -120,12 +123,15 @@ impl VulkanBackend {
                 reason: format!("view of {bytes} bytes at {offset}: offset and length must be non-zero multiples of 4"),
             });
         }
-        if bytes > self.device.caps.max_storage_buffer_range {
+        // A view past one binding serves what binds it a window at a time
+        // (the resident head gradient); a kernel that would reach past one
+        // binding of it is refused by its launch's check.
+        if bytes > self.device.caps.max_buffer_bytes {
             return Err(Error::DeviceBuffer {
                 field,
                 reason: format!(
-                    "view of {bytes} bytes exceeds maxStorageBufferRange ({})",
-                    self.device.caps.max_storage_buffer_range
+                    "view of {bytes} bytes exceeds the device's largest buffer ({} bytes)",
+                    self.device.caps.max_buffer_bytes
                 ),
             });
         }
@@ -144,5 +150,15 @@ impl ResidentBackend for VulkanBackend {
 
     fn submit(&self) -> Result<()> {
         self.stream()?.submit()
+    }
+
+    /// A view of the same handle at a further offset (descriptors bind
+    /// ranges of a buffer): how the resident head gradient past one
+    /// binding is written, a binding at a time.
+    fn window(&self, buffer: &VulkanBuffer, offset: u64, len: u64) -> Option<VulkanBuffer> {
+        if len > self.device.caps.max_storage_buffer_range || self.check_device(buffer, "window").is_err() {
+            return None;
+        }
+        buffer.window(offset, len)
     }
 }

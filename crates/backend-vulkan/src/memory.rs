@@ -165,6 +165,11 @@ pub(crate) fn create_buffer(
     })
 }
 
+/// Where a [`VulkanBuffer::window`] may start in its handle: Vulkan's
+/// largest minStorageBufferOffsetAlignment, as the engine asks of a
+/// caller's views.
+pub(crate) const WINDOW_ALIGN: u64 = 256;
+
 /// A device buffer handed to the driver. It frees itself when dropped
 /// (after the GPU is done with it); it holds the device alive.
 pub struct VulkanBuffer {
@@ -270,6 +275,29 @@ impl VulkanBuffer {
             view: Some((buffer, offset, bytes)),
             label: "caller's buffer",
         }
+    }
+
+    /// `len` bytes of this buffer from byte `offset` as a buffer of their
+    /// own for one binding ([`headkl_core::ResidentBackend::window`]): the
+    /// same handle at a further offset, owning nothing, so dropping it frees
+    /// nothing (the trait has it live no longer than the call that binds
+    /// it, inside its parent's life). `None` where the range is empty, not
+    /// inside this buffer or not in whole words, or starts off
+    /// [`WINDOW_ALIGN`] in the handle (a descriptor's offset must be a
+    /// multiple of minStorageBufferOffsetAlignment).
+    pub(crate) fn window(&self, offset: u64, len: u64) -> Option<Self> {
+        use headkl_core::DeviceBuffer;
+        let end = offset.checked_add(len)?;
+        let start = self.offset().checked_add(offset)?;
+        if len == 0 || end > self.len() || !len.is_multiple_of(4) || !start.is_multiple_of(WINDOW_ALIGN) {
+            return None;
+        }
+        Some(Self {
+            device: Arc::clone(&self.device),
+            raw: None,
+            view: Some((self.handle(), start, len)),
+            label: "window",
+        })
     }
 
     /// Where a view starts in the caller's buffer (0 for headkl's own).

@@ -69,3 +69,27 @@ fn topk_past_the_binding_limit_runs_in_several_slices() {
     let d = b.take_diagnostics();
     assert!(d.is_empty(), "validation messages:\n{}", d.join("\n"));
 }
+
+/// The resident head gradient of a head whose f32 gradient is past the
+/// largest binding (lavapipe: 128 MiB) is written into the caller's
+/// buffer through windows of it, against the f64 reference and the host
+/// path; a GPU's binding of GiBs would need GiBs of host memory, so there
+/// it says so and skips.
+#[test]
+fn resident_head_grad_past_the_binding_limit_goes_through_windows() {
+    let Some(b) = open_or_skip("vulkan", || {
+        VulkanBackend::open_with(&VulkanOptions {
+            validation: true,
+            ..VulkanOptions::from_env(&harness_env()).expect("a HEADKL_* setting does not parse")
+        })
+    }) else {
+        return;
+    };
+    match headkl_conformance::resident::check_head_grad_past_the_binding(&b, 1 << 30) {
+        Ok(None) => {}
+        Ok(Some(reason)) => eprintln!("SKIPPED: {reason}"),
+        Err(e) => panic!("{e}"),
+    }
+    let d = b.take_diagnostics();
+    assert!(d.is_empty(), "validation messages:\n{}", d.join("\n"));
+}

@@ -162,4 +162,14 @@ impl ResidentBackend for WgpuBackend {
     fn submit(&self) -> Result<()> {
         self.flush()
     }
+
+    /// A view of the same wgpu buffer at a further offset: how the
+    /// resident head gradient past one binding is written, a binding at a
+    /// time.
+    fn window(&self, buffer: &WgpuBuffer, offset: u64, len: u64) -> Option<WgpuBuffer> {
+        if len > self.info.max_binding_bytes {
+            return None;
+        }
+        buffer.window(offset, len)
+    }
 }

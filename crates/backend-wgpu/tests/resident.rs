@@ -124,3 +124,24 @@ fn matrix_units_come_with_the_experimental_opt_in() {
     assert!(WgpuBackend::experimental_features(coop).is_enabled());
     assert!(!WgpuBackend::experimental_features(wgpu::Features::SHADER_F16).is_enabled());
 }
+
+/// The resident head gradient of a head whose f32 gradient is past the
+/// largest binding (lavapipe: 128 MiB) is written into the caller's buffer
+/// through windows of it, against the f64 reference and the host path; a
+/// GPU's binding of GiBs would need GiBs of host memory, so there it says
+/// so and skips.
+#[test]
+fn resident_head_grad_past_the_binding_limit_goes_through_windows() {
+    let Some(b) = open_or_skip("wgpu", || {
+        WgpuBackend::open_with(
+            &OpenOptions::from_env(&headkl_conformance::harness_env()).expect("a HEADKL_* setting does not parse"),
+        )
+    }) else {
+        return;
+    };
+    match headkl_conformance::resident::check_head_grad_past_the_binding(&b, 1 << 30) {
+        Ok(None) => {}
+        Ok(Some(reason)) => eprintln!("SKIPPED: {reason}"),
+        Err(e) => panic!("{e}"),
+    }
+}

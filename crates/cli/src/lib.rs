@@ -73,7 +73,7 @@ const SUB_HELP: &str = "\
 Environment: HEADKL_* variables are listed once, in `headkl --help`.
 Exit codes: 0 success; 2 bad input (file, tensor, option or setting); 1 anything else.";
 
-/// headkl: the distillation loss's vocabulary head on any Vulkan GPU.
+/// headkl: the distillation loss's vocabulary head on the GPU (CUDA on NVIDIA, Vulkan or wgpu elsewhere) or the f64 CPU reference.
 #[derive(Parser, Debug)]
 #[command(name = "headkl", version, after_help = TOP_SHORT_HELP, after_long_help = env_help())]
 struct Cli {
@@ -220,7 +220,9 @@ within 1.25× of the best time for either GEMM run a second round, and keep the 
 medians, so one slow measurement does not decide. The \
 fastest correct kernel for each GEMM is written to the tune cache (~/.cache/headkl/gemm-tune.tsv, \
 or HEADKL_CACHE_DIR), keyed by backend, device and driver; both GPU backends read it when they open \
-that device, unless HEADKL_GEMM names kernels.\n\n\
+that device, unless HEADKL_GEMM names kernels. The CUDA backend has nothing to tune here (it says so): its \
+GEMMs are cuBLASLt's, whose candidates it times on each shape's first call and keeps in \
+cublaslt-picks.tsv beside the tune cache.\n\n\
 Shape: --shape M:N:K, each a multiple of 16; default 4096:124160:5120 (4.4 GB) on a device with \
 16 GiB or more (or a discrete GPU that does not report its memory), else 1024:32768:4096.",
         after_help = SHORT_HELP,

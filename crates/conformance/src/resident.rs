@@ -25,7 +25,7 @@ use headkl_core::resident::status::{self, FLAGGED_ROW, NONE, S_DX_MUL, S_LOGITS}
 use headkl_core::toolkit::{Launch, LossOutDesc};
 use headkl_core::{
     DeviceHidden, DeviceLossOptions, DeviceLossOutput, DeviceTeacher, DxSplit, Engine, Error, Hidden, HiddenDtype,
-    LossConfig, LossOptions, ResidentBackend, TailMode, TeacherForm, NO_LABEL,
+    LossConfig, LossOptions, ResidentBackend, TailMode, TeacherForm, ALIGN, NO_LABEL,
 };
 
 use super::{driver_case, engine_for, run_one, CaseErrors, CaseOutcome, Recorder, SuiteConfig, SuiteReport};
@@ -1141,7 +1141,7 @@ fn check_resident_head_grad_refused<B: ResidentBackend + ?Sized>(
 fn check_resident_head_grad<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tolerance) -> Result<CaseErrors, String> {
     let mut worst = CaseErrors::default();
     for (vocab, hs) in [(300, 24), (304, 32), (304, 64), (304, 16)] {
-        let errors = check_resident_head_grad_at(backend, &resident_base(vocab, hs), tol)
+        let errors = check_resident_head_grad_at(backend, &resident_base(vocab, hs), ALL_DTYPES, tol)
             .map_err(|e| format!("V {vocab}, hs {hs}: {e}"))?;
         worst.head_grad = match (worst.head_grad, errors.head_grad) {
             (Some(a), Some(b)) => Some(a.max(b)),
@@ -1151,10 +1151,14 @@ fn check_resident_head_grad<B: ResidentBackend + ?Sized>(backend: &B, tol: &Tole
     Ok(worst)
 }
 
-/// [`check_resident_head_grad`] on one case.
+/// The hidden rows' types [`check_resident_head_grad`] runs in turn.
+const ALL_DTYPES: &[HiddenDtype] = &[HiddenDtype::F32, HiddenDtype::Bf16, HiddenDtype::F16];
+
+/// [`check_resident_head_grad`] on one case, on rows of each of `dtypes`.
 fn check_resident_head_grad_at<B: ResidentBackend + ?Sized>(
     backend: &B,
     case: &Case,
+    dtypes: &[HiddenDtype],
     tol: &Tolerance,
 ) -> Result<CaseErrors, String> {
     let mut engine = engine_for(backend, case)?;
@@ -1169,7 +1173,7 @@ fn check_resident_head_grad_at<B: ResidentBackend + ?Sized>(
     let poison = vec![f32::NAN; vocab * hs];
     let dw = device_buffer(backend, bytemuck::cast_slice(&poison), "head_grad_out")?;
     let mut worst = CaseErrors::default();
-    for dtype in [HiddenDtype::F32, HiddenDtype::Bf16, HiddenDtype::F16] {
+    for &dtype in dtypes {
         let rows = DeviceRows::upload(backend, case, dtype)?;
         let hidden = rows.hidden();
         let mut run = |with_grad: bool| -> Result<(Vec<f32>, Vec<f32>), String> {
@@ -1331,6 +1335,41 @@ pub fn check_head_grad_through_windows<B: ResidentBackend + ?Sized>(backend: &B)
         ));
     }
     check_resident_head_grad(backend, &Tolerance::default()).map(|_| ())
+}
+
+/// `resident_head_grad/matches` at the backend's own largest binding: a
+/// head of hs 2048 whose f32 gradient is about 3% past that binding (two
+/// windows of the caller's buffer) while the f16 head stays within one,
+/// 40 tokens of f32 rows in chunks of 16, against the f64 reference and
+/// the host path. Where that gradient would be past `max_grad_bytes` (a
+/// GPU's binding is GiBs; the case is for a CPU device's), `Ok` with the
+/// reason it was not run, which the caller prints; `Ok(None)` where it ran
+/// and passed.
+pub fn check_head_grad_past_the_binding<B: ResidentBackend + ?Sized>(
+    backend: &B,
+    max_grad_bytes: u64,
+) -> Result<Option<String>, String> {
+    let info = backend.info();
+    let hs = 2048;
+    let row_bytes = (hs * std::mem::size_of::<f32>()) as u64;
+    let vocab = ((info.max_binding_bytes * 103 / 100).div_ceil(row_bytes) as usize).next_multiple_of(ALIGN);
+    let bytes = vocab as u64 * row_bytes;
+    if bytes > max_grad_bytes || bytes > info.max_buffer_bytes {
+        return Ok(Some(format!(
+            "a head past the {}-byte binding needs a {bytes}-byte gradient, past {} bytes",
+            info.max_binding_bytes,
+            max_grad_bytes.min(info.max_buffer_bytes)
+        )));
+    }
+    let mut case = Case::from_params(&CaseParams {
+        profile: "resident-past-binding",
+        max_rows_per_chunk: Some(16),
+        ..super::cases::params(CaseKind::HeadKl, vocab, hs, 40, 4, 78)
+    });
+    case.weights = Some((0..case.ntok).map(|t| 0.5 + (t % 3) as f32).collect());
+    check_resident_head_grad_at(backend, &case, &[HiddenDtype::F32], &Tolerance::default())
+        .map(|_| None)
+        .map_err(|e| format!("V {vocab}, hs {hs}: {e}"))
 }
 
 /// The body of the test [`crate::resident_conformance_tests!`] generates.

@@ -122,7 +122,7 @@ pub const VARIABLES: &[Variable] = &[
         name: GEMM,
         values: "KERNEL or logits=KERNEL,dx=KERNEL; KERNEL: direct, staged:bk<16|32|64>:r<2|4>:s<1|2>[:pf], glsl:bm<64|128|256>.bk<16|32|64>.s<1|2|4>[.i][.ws][.c4] (the GLSL tiles of shaders/gemm_khr.comp) or wgmma:bm64.bk32.s3, wgmma:bm64.bk64.s1, wgmma:bm128.bk32.s2, wgmma:bulk.bm64.bn256.bk16.s4 (the PTX tiles of shaders/gemm_wgmma.cu; bulk: fed from packed operands, picked only here, not by tune)",
         default: "the tune cache's entry, else logits=wgmma:bm64.bk64.s1,dx=wgmma:bm64.bk32.s3 where the Vulkan backend launches the PTX tiles, else glsl:bm128.bk64.s1 where the device runs the GLSL tiles, else the backend's WGSL pair",
-        effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch; glsl: needs subgroups of 32 and Vulkan 1.3, or wgpu with PASSTHROUGH_SHADERS; wgmma: the Vulkan backend with VK_NVX_binary_import on an NVIDIA Hopper GPU)",
+        effect: "the matrix-unit GEMM kernels (K per step, rows of subgroups, stages, register prefetch; glsl: needs subgroups of 32 and Vulkan 1.3, or wgpu with PASSTHROUGH_SHADERS; wgmma: the Vulkan backend with VK_NVX_binary_import on an NVIDIA Hopper GPU); the CUDA backend's GEMMs are cuBLASLt's, which this does not change",
     },
     Variable {
         name: DX_SPLIT,
@@ -134,7 +134,7 @@ pub const VARIABLES: &[Variable] = &[
         name: NO_ROW_STATS,
         values: "switch",
         default: "off",
-        effect: "head_kl's KL rows fold each row's logits themselves instead of taking the row statistics (max and sum of exponentials per 32 columns) that the logits GEMM writes, so they read the logits twice instead of once (`Engine::set_row_stats`; the statistics are used only with no softcap, τ = 1 and no hard label)",
+        effect: "head_kl's KL rows fold each row's logits themselves instead of taking the row statistics (max and sum of exponentials per 32 columns) that the logits GEMM writes, so they read the logits twice instead of once (`Engine::set_row_stats`; the statistics are used only with no softcap, τ = 1 and no hard label); Vulkan and wgpu: cuBLASLt writes no such statistics, so on the CUDA backend the KL rows always read twice",
     },
     Variable {
         name: QUEUE,
