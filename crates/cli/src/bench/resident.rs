@@ -118,7 +118,7 @@ fn time_resident_head_grad<B: ResidentBackend>(
     let info = engine.backend().info();
     let max_binding = info.max_binding_bytes.min(info.max_buffer_bytes);
     // Past one binding, the call goes a window of the buffer at a time
-    // where the backend makes windows (CUDA, the reference): asked of a
+    // where the backend makes windows (all four do): asked of a
     // word before the gradient's gigabytes are allocated.
     let probe = engine.backend().alloc(4, "bench window probe").map_err(fail)?;
     let windows = engine.backend().window(&probe, 0, 4).is_some();
@@ -129,6 +129,18 @@ fn time_resident_head_grad<B: ResidentBackend>(
             crate::text::fmt_bytes(bytes),
             crate::text::fmt_bytes(max_binding),
             info.backend
+        );
+        return Ok(None);
+    }
+    if bytes > info.max_buffer_bytes {
+        // The gradient is one buffer of the caller's (as a trainer's
+        // parameter is): past the device's largest, no call can take it.
+        eprintln!(
+            "bench: --resident --head-grad left out: the f32 head gradient ({}) is past the largest buffer {} can \
+             make on this device ({}); the host row times it",
+            crate::text::fmt_bytes(bytes),
+            info.backend,
+            crate::text::fmt_bytes(info.max_buffer_bytes)
         );
         return Ok(None);
     }
