@@ -28,8 +28,13 @@ pub struct Device {
     /// The stream made at open, destroyed at drop (null only where open
     /// failed before making it).
     own_stream: sys::CUstream,
-    /// The copies' stream, beside it (always ours).
-    pub(crate) copy: sys::CUstream,
+    /// The uploads' stream, beside it (always ours).
+    pub(crate) copy_in: sys::CUstream,
+    /// The downloads' stream (always ours): apart from the uploads', so a
+    /// chunk's download, which waits for its last kernel, does not hold up
+    /// the next chunk's upload queued after it (the copy engines run both
+    /// directions at once).
+    pub(crate) copy_out: sys::CUstream,
 }
 
 // SAFETY: CUDA handles may be used from any thread once the context is
@@ -60,14 +65,17 @@ impl Device {
             context,
             stream: AtomicPtr::new(std::ptr::null_mut()),
             own_stream: std::ptr::null_mut(),
-            copy: std::ptr::null_mut(),
+            copy_in: std::ptr::null_mut(),
+            copy_out: std::ptr::null_mut(),
         };
         opened.bind()?;
         opened.own_stream = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(|e| driver("creating a stream", e))?;
         opened.stream.store(opened.own_stream, Ordering::Release);
-        opened.copy = result::stream::create(result::stream::StreamKind::NonBlocking)
-            .map_err(|e| driver("creating the copy stream", e))?;
+        opened.copy_in = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver("creating the uploads' stream", e))?;
+        opened.copy_out = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver("creating the downloads' stream", e))?;
         Ok(opened)
     }
 
@@ -101,12 +109,13 @@ impl Device {
         unsafe { result::ctx::set_current(self.context) }.map_err(|e| driver("making the context current", e))
     }
 
-    /// Waits for everything queued on both streams.
+    /// Waits for everything queued on the three streams.
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
         // SAFETY: the streams are live while `self` is.
         unsafe {
-            result::stream::synchronize(self.copy).map_err(|e| driver("waiting for the copies", e))?;
+            result::stream::synchronize(self.copy_in).map_err(|e| driver("waiting for the uploads", e))?;
+            result::stream::synchronize(self.copy_out).map_err(|e| driver("waiting for the downloads", e))?;
             result::stream::synchronize(self.stream()).map_err(|e| driver("waiting for the kernels", e))
         }
     }
@@ -117,11 +126,13 @@ impl Drop for Device {
         if self.bind().is_err() {
             return;
         }
-        if !self.copy.is_null() {
-            // SAFETY: our own stream, no longer used.
-            let _ = unsafe { result::stream::synchronize(self.copy) };
-            // SAFETY: as above.
-            let _ = unsafe { result::stream::destroy(self.copy) };
+        for copy in [self.copy_in, self.copy_out] {
+            if !copy.is_null() {
+                // SAFETY: our own stream, no longer used.
+                let _ = unsafe { result::stream::synchronize(copy) };
+                // SAFETY: as above.
+                let _ = unsafe { result::stream::destroy(copy) };
+            }
         }
         // A caller's stream is waited on (our work on it must end before
         // the context can go), never destroyed.

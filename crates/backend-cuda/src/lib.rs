@@ -192,14 +192,18 @@ impl CudaBackend {
         self.shared.hazards.lock().map_err(|_| poisoned("the buffers' events"))
     }
 
-    /// The stream a copy of `buffer` goes on: the copy stream for the
-    /// backend's own buffers (after the kernels that use it), the kernels'
+    /// The stream a copy of `buffer` goes on: for the backend's own
+    /// buffers the uploads' or the downloads' stream (`upload` says which),
+    /// after the kernels and the other copies of that buffer; the kernels'
     /// stream, in order, for a caller's.
-    fn copy_stream_for(&self, buffer: &CudaBuffer) -> Result<sys::CUstream> {
+    fn copy_stream_for(&self, buffer: &CudaBuffer, upload: bool) -> Result<sys::CUstream> {
         if buffer.id() == 0 {
             return Ok(self.device().stream());
         }
-        let copy = self.device().copy;
+        let copy = match upload {
+            true => self.device().copy_in,
+            false => self.device().copy_out,
+        };
         self.hazards()?.before_copy(copy, buffer.id())?;
         Ok(copy)
     }
@@ -345,7 +349,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.device().bind()?;
-        let stream = self.copy_stream_for(dst)?;
+        let stream = self.copy_stream_for(dst, true)?;
         let event = self.staging()?.upload(stream, dst.device_ptr() + offset, data)?;
         self.copied(dst, event)
     }
@@ -356,7 +360,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.device().bind()?;
-        let stream = self.copy_stream_for(src)?;
+        let stream = self.copy_stream_for(src, false)?;
         self.staging()?.download(stream, src.device_ptr() + offset, out)
     }
 
@@ -364,7 +368,7 @@ impl Backend for CudaBackend {
         Self::check_range("download", src, offset, len as u64)?;
         self.device().bind()?;
         let host = self.pinned(len)?;
-        let stream = self.copy_stream_for(src)?;
+        let stream = self.copy_stream_for(src, false)?;
         if len > 0 {
             // SAFETY: the source range is inside the buffer (checked above);
             // the pinned memory holds `len` bytes and stays filed until

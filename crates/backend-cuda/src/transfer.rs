@@ -1,5 +1,6 @@
-//! Uploads and downloads on a copy stream beside the kernels' stream,
-//! through pinned host staging, with events between the two streams.
+//! Uploads and downloads on two copy streams (one each way) beside the
+//! kernels' stream, through pinned host staging, with events between the
+//! streams.
 //!
 //! Each buffer remembers the event after the last kernel that bound it and
 //! the event after the last copy that touched it ([`Hazards`]): a copy
@@ -102,9 +103,16 @@ impl Hazards {
     }
 
     /// Before a copy of buffer `id` is queued on `copy`: waits for its
-    /// kernels.
+    /// last kernel and its last copy. Both events stay filed: uploads and
+    /// downloads run on two streams, so a copy on one orders nothing on
+    /// the other (a download waits for the kernel that wrote its buffer,
+    /// and an upload after it must still wait for that kernel and for the
+    /// download).
     pub fn before_copy(&mut self, copy: sys::CUstream, id: u64) -> Result<()> {
-        if let Some(event) = self.after_kernel.remove(&id) {
+        for event in [self.after_kernel.get(&id), self.after_copy.get(&id)]
+            .into_iter()
+            .flatten()
+        {
             event.wait_on(copy)?;
         }
         Ok(())
