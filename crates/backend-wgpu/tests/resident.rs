@@ -139,9 +139,5 @@ fn resident_head_grad_past_the_binding_limit_goes_through_windows() {
     }) else {
         return;
     };
-    match headkl_conformance::resident::check_head_grad_past_the_binding(&b, 1 << 30) {
-        Ok(None) => {}
-        Ok(Some(reason)) => eprintln!("SKIPPED: {reason}"),
-        Err(e) => panic!("{e}"),
-    }
+    headkl_conformance::resident::test_head_grad_past_the_binding(&b);
 }

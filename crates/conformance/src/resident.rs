@@ -1372,6 +1372,17 @@ pub fn check_head_grad_past_the_binding<B: ResidentBackend + ?Sized>(
         .map_err(|e| format!("V {vocab}, hs {hs}: {e}"))
 }
 
+/// The test body of [`check_head_grad_past_the_binding`] on a GPU
+/// backend's tests (within 1 GiB of host memory): panics on a failure,
+/// prints why where it did not run.
+pub fn test_head_grad_past_the_binding<B: ResidentBackend + ?Sized>(backend: &B) {
+    match check_head_grad_past_the_binding(backend, 1 << 30) {
+        Ok(None) => {}
+        Ok(Some(reason)) => eprintln!("SKIPPED: {reason}"),
+        Err(e) => panic!("{e}"),
+    }
+}
+
 /// The body of the test [`crate::resident_conformance_tests!`] generates.
 pub fn run_resident_test<B: ResidentBackend>(backend_name: &str, open: impl FnOnce() -> headkl_core::Result<B>) {
     let cfg = SuiteConfig::default();
