@@ -165,11 +165,6 @@ pub(crate) fn create_buffer(
     })
 }
 
-/// Where a [`VulkanBuffer::window`] may start in its handle: Vulkan's
-/// largest minStorageBufferOffsetAlignment, as the engine asks of a
-/// caller's views.
-pub(crate) const WINDOW_ALIGN: u64 = 256;
-
 /// A device buffer handed to the driver. It frees itself when dropped
 /// (after the GPU is done with it); it holds the device alive.
 pub struct VulkanBuffer {
@@ -283,13 +278,17 @@ impl VulkanBuffer {
     /// nothing (the trait has it live no longer than the call that binds
     /// it, inside its parent's life). `None` where the range is empty, not
     /// inside this buffer or not in whole words, or starts off
-    /// [`WINDOW_ALIGN`] in the handle (a descriptor's offset must be a
-    /// multiple of minStorageBufferOffsetAlignment).
+    /// [`headkl_core::resident::VIEW_ALIGN`] in the handle, as a caller's
+    /// views must.
     pub(crate) fn window(&self, offset: u64, len: u64) -> Option<Self> {
         use headkl_core::DeviceBuffer;
         let end = offset.checked_add(len)?;
         let start = self.offset().checked_add(offset)?;
-        if len == 0 || end > self.len() || !len.is_multiple_of(4) || !start.is_multiple_of(WINDOW_ALIGN) {
+        if len == 0
+            || end > self.len()
+            || !len.is_multiple_of(4)
+            || !start.is_multiple_of(headkl_core::resident::VIEW_ALIGN)
+        {
             return None;
         }
         Some(Self {

@@ -137,13 +137,17 @@ impl WgpuBuffer {
     /// `len` bytes of this buffer from byte `offset` as a view of their own
     /// for one binding ([`headkl_core::ResidentBackend::window`]), not
     /// counted in the backend's memory. `None` where the range is empty,
-    /// not inside this buffer or not in whole words, or starts off 256
-    /// bytes in the underlying buffer (a binding's offset must be a
-    /// multiple of minStorageBufferOffsetAlignment, 256 at most).
+    /// not inside this buffer or not in whole words, or starts off
+    /// [`headkl_core::resident::VIEW_ALIGN`] in the underlying buffer, as a
+    /// caller's views must.
     pub(crate) fn window(&self, offset: u64, len: u64) -> Option<Self> {
         let end = offset.checked_add(len)?;
         let start = self.offset.checked_add(offset)?;
-        if len == 0 || end > self.bytes || !len.is_multiple_of(4) || !start.is_multiple_of(256) {
+        if len == 0
+            || end > self.bytes
+            || !len.is_multiple_of(4)
+            || !start.is_multiple_of(headkl_core::resident::VIEW_ALIGN)
+        {
             return None;
         }
         Some(Self::external(self.raw.clone(), start, len, Arc::clone(&self.shared)))

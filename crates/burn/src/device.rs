@@ -11,7 +11,7 @@ use headkl_wgpu::{OpenOptions, WgpuBackend};
 /// tensor to the device's `min_{storage,uniform}_buffer_offset_alignment`,
 /// so a device opened with both at least this makes every fresh burn tensor
 /// bindable in place.
-pub const BIND_ALIGN: u64 = 256;
+pub const BIND_ALIGN: u64 = headkl_core::resident::VIEW_ALIGN;
 
 /// A wgpu device shared by burn and headkl: the burn [`Device`] tensors are
 /// made on, and the wgpu handles headkl's backend opens on

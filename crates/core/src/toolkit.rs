@@ -53,7 +53,7 @@ pub use launch::{Checked, Kernels, Launch};
 pub use queue::{QueueChoice, QueueFamily};
 pub use resident_kernels::{
     GatherRowsDesc, HeadGradOutDesc, HiddenInDesc, LabelsInDesc, LossOutDesc, RowCopyDesc, ShardRowsDesc, ShardStage,
-    StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+    StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc, VIEW_ALIGN,
 };
 pub use settings::{CommonOptions, Env};
 pub use split::DxSplit;

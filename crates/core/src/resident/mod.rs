@@ -25,7 +25,7 @@ mod gather;
 // toolkit's (a backend implements them); the entry points here use them.
 pub use crate::toolkit::resident_kernels::{
     GatherRowsDesc, HiddenDtype, HiddenInDesc, LabelsInDesc, LossOutDesc, ResidentBackend, ShardRowsDesc, ShardStage,
-    StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc,
+    StatusDetailDesc, TeacherRowsDesc, TopkOutDesc, WeightStatsDesc, VIEW_ALIGN,
 };
 pub use crate::toolkit::status;
 
@@ -402,11 +402,11 @@ impl<B: ResidentBackend> Engine<B> {
                 reason: format!("{len} bytes, the shape needs {bytes}"),
             });
         }
-        if !self.backend.buffer_offset(buffer).is_multiple_of(256) {
+        if !self.backend.buffer_offset(buffer).is_multiple_of(VIEW_ALIGN) {
             return Err(Error::DeviceBuffer {
                 field,
                 reason: format!(
-                    "starts at byte {} of its buffer; a view must start at a multiple of 256",
+                    "starts at byte {} of its buffer; a view must start at a multiple of {VIEW_ALIGN}",
                     self.backend.buffer_offset(buffer)
                 ),
             });

@@ -351,6 +351,11 @@ pub struct StatusDetailDesc {
     pub has_labels: bool,
 }
 
+/// Where a view of a caller's buffer, or a window of one, may start: the
+/// largest storage-binding offset alignment Vulkan allows
+/// (minStorageBufferOffsetAlignment), in bytes.
+pub const VIEW_ALIGN: u64 = 256;
+
 /// A backend that can run the device-resident entry points
 /// ([`crate::engine::Engine::head_kl_device`], [`crate::engine::Engine::topk_device`]) on
 /// buffers the caller owns. Their kernels go through
@@ -358,9 +363,8 @@ pub struct StatusDetailDesc {
 ///
 /// A caller's buffer is the backend's buffer type wrapping the caller's
 /// device buffer with a byte offset and length (a view); the backend binds
-/// exactly that view, so a view must start at a multiple of 256 bytes (the
-/// largest storage-binding offset alignment Vulkan allows) and its length
-/// must be a multiple of 4.
+/// exactly that view, so a view must start at a multiple of [`VIEW_ALIGN`]
+/// bytes and its length must be a multiple of 4.
 pub trait ResidentBackend: Backend {
     /// Bytes a buffer (or a view of a caller's buffer) spans.
     fn buffer_len(&self, buffer: &Self::Buffer) -> u64;

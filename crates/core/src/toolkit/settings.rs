@@ -134,7 +134,7 @@ pub const VARIABLES: &[Variable] = &[
         name: NO_ROW_STATS,
         values: "switch",
         default: "off",
-        effect: "head_kl's KL rows fold each row's logits themselves instead of taking the row statistics (max and sum of exponentials per 32 columns) that the logits GEMM writes, so they read the logits twice instead of once (`Engine::set_row_stats`; the statistics are used only with no softcap, τ = 1 and no hard label); Vulkan and wgpu: cuBLASLt writes no such statistics, so on the CUDA backend the KL rows always read twice",
+        effect: "head_kl's KL rows fold each row's logits themselves instead of taking the row statistics (max and sum of exponentials per 32 columns) that the logits GEMM writes, so they read the logits twice instead of once (`Engine::set_row_stats`; the statistics are used only with no softcap, τ = 1 and no hard label); Vulkan and wgpu only: cuBLASLt writes no such statistics, so on the CUDA backend the KL rows always read the logits twice",
     },
     Variable {
         name: QUEUE,
