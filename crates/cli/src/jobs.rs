@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headkl_core::{
-    Backend, Engine, HeadData, HeadWeights, Hidden, HiddenData, LossConfig, LossOptions, LossOutput, LossTerms,
-    Reduction, ResolvedLoss, Shape, SliceOptions, Teacher, TopK, TopkOptions,
+    Backend, Engine, GradType, GradValues, HeadData, HeadWeights, Hidden, HiddenData, LossConfig, LossOptions,
+    LossOutput, LossTerms, Reduction, ResolvedLoss, Shape, SliceOptions, Teacher, TopK, TopkOptions,
 };
 use headkl_files::inputs::{
     check_loss_options, read_head, read_hidden, read_labels, read_teacher, read_weights, TeacherInput,
@@ -303,32 +303,19 @@ pub enum GradDtype {
 
 impl GradDtype {
     /// `values` (`[rows][cols]`) as this type's little-endian bytes, with
-    /// its safetensors dtype; an f16 value past ±65504 (or one f32 holds
-    /// as infinite) is the error naming its row and column.
+    /// its safetensors dtype ([`headkl_core::GradValues::convert`]): an f16
+    /// value past ±65504 (or one f32 holds as infinite) is the error naming
+    /// its row and column.
     pub(crate) fn encode(self, values: &[f32], cols: usize) -> Result<(safetensors::Dtype, Vec<u8>), CliError> {
         use safetensors::Dtype;
-        let halves = |f: fn(f32) -> u16| values.iter().flat_map(|&v| f(v).to_le_bytes()).collect::<Vec<u8>>();
-        Ok(match self {
-            GradDtype::F32 => (Dtype::F32, bytemuck::cast_slice(values).to_vec()),
-            GradDtype::Bf16 => (Dtype::BF16, halves(|v| half::bf16::from_f32(v).to_bits())),
-            GradDtype::F16 => {
-                // Converted once; the range is checked on what was written.
-                let bytes = halves(|v| half::f16::from_f32(v).to_bits());
-                let infinite = |b: &[u8]| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).is_infinite();
-                if let Some(i) = bytes.chunks_exact(2).position(infinite) {
-                    return Err(CliError::option(
-                        "--head-grad-dtype",
-                        format!(
-                            "f16: the head's gradient at [{}][{}] is {:e}, past f16's ±65504; write bf16 or f32",
-                            i / cols.max(1),
-                            i % cols.max(1),
-                            values[i]
-                        ),
-                    ));
-                }
-                (Dtype::F16, bytes)
-            }
-        })
+        let (to, dtype) = match self {
+            GradDtype::F32 => (GradType::F32, Dtype::F32),
+            GradDtype::Bf16 => (GradType::Bf16, Dtype::BF16),
+            GradDtype::F16 => (GradType::F16, Dtype::F16),
+        };
+        let converted = GradValues::convert(values, cols, to, "head_grad")
+            .map_err(|e| CliError::option("--head-grad-dtype", e.to_string()))?;
+        Ok((dtype, converted.as_bytes().to_vec()))
     }
 }
 

@@ -9,6 +9,7 @@ use crate::engine::head_planes::{DevicePlane, DxFilter, HeadGrad, HeadPlanes, Sc
 use crate::engine::in_flight::{Copying, InFlight};
 use crate::engine::scratch::{Input, Job, LossScratch, RowBytes, RowScratch, ScratchCache};
 use crate::error::{Error, Result};
+use crate::problem::grad_type::{GradType, GradValues};
 use crate::problem::slicing::SliceOptions;
 use crate::problem::slicing::VocabSlice;
 use crate::problem::terms::{LossTerms, NO_LABEL};
@@ -53,6 +54,27 @@ pub struct LossOutput {
     /// `[vocab][hs]` in f32, rows in the head's natural id order; else
     /// empty.
     pub head_grad: Vec<f32>,
+}
+
+impl LossOutput {
+    /// Takes [`Self::head_grad`] out (leaving it empty) in `to`: f32 as
+    /// computed (no copy), or the head's own type as a trainer's `.grad`
+    /// is, each value rounded once ([`GradValues::convert`]; a value f16
+    /// cannot hold is an error naming its row and column, and the f32
+    /// values stay).
+    pub fn take_head_grad(&mut self, to: GradType) -> Result<GradValues> {
+        // `[vocab][hs]`, hs read off dx `[ntok][hs]`.
+        let hs = match self.loss.len() {
+            0 => self.head_grad.len(),
+            ntok => self.dx.len() / ntok,
+        };
+        if to == GradType::F32 {
+            return Ok(GradValues::F32(std::mem::take(&mut self.head_grad)));
+        }
+        let converted = GradValues::convert(&self.head_grad, hs, to, "head_grad")?;
+        self.head_grad = Vec::new();
+        Ok(converted)
+    }
 }
 
 /// Result of `topk`: `[ntok][k]` ids (descending logit, ties lowest id

@@ -368,6 +368,19 @@ pub enum Error {
         /// The value.
         value: f32,
     },
+    /// A gradient value asked for in f16 ([`crate::GradType::F16`]) that
+    /// f16 cannot hold: it would round to infinity.
+    #[error("{field}[{row}][{col}] = {value:e} is past f16's range (±65504): ask for bf16 or f32")]
+    GradOutOfF16Range {
+        /// The gradient (`head_grad`).
+        field: &'static str,
+        /// Its row.
+        row: usize,
+        /// Its column.
+        col: usize,
+        /// The f32 value.
+        value: f32,
+    },
     /// A hidden row produced a non-finite logit max or softmax sum on the
     /// device (a NaN or inf in the row, or values past f16's range).
     #[error("hidden[{token}]: the row's logits are not finite (NaN, inf or a value past f16's range in x)")]
@@ -618,6 +631,7 @@ impl Error {
             | E::ShardUnsupported { .. }
             | E::FullVocabUnsupported { .. }
             | E::HeadGradUnsupported { .. }
+            | E::GradOutOfF16Range { .. }
             | E::NoTeacherHead
             | E::TeacherHeadMismatch { .. }
             | E::ShardMismatch { .. }

@@ -76,6 +76,7 @@ pub use engine::{check_full_vocab_terms, check_gather_ids, Engine, Gathered, Los
 pub use error::{DriverError, Error, ErrorKind, Field, Result};
 pub use problem::filter::FilterStats;
 pub use problem::floats::FloatSlice;
+pub use problem::grad_type::{GradType, GradValues};
 pub use problem::shape::Shape;
 pub use problem::slicing::{slice_vocab, SliceOptions, VocabSlice, SLICE_ROWS};
 pub use problem::terms::{

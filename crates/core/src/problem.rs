@@ -8,6 +8,7 @@
 
 pub mod filter;
 pub mod floats;
+pub mod grad_type;
 pub mod shape;
 pub mod slicing;
 pub mod terms;

@@ -1,6 +1,7 @@
 //! The `lm` data's statistics at a shape, computed on the host (no GPU):
 //! what `headkl bench --data lm` prints, and the dx block filter's kept
-//! blocks in natural and prior-sorted vocabulary order.
+//! blocks in natural and prior-sorted vocabulary order, and the prior-sorted
+//! prefix of the vocabulary that holds every kept entry.
 //!
 //! `cargo run --release -p headkl-reference --example lm_stats -- VOCAB:HS:NTOK:K`
 //! (NTOK at least 128: the statistics use the first 128 tokens; the seed is

@@ -147,7 +147,9 @@ impl LmData {
              \x20 128x128 tiles kept, natural    {:>7.1}%   published {:.0}%\n\
              \x20 128x128 tiles kept, sorted     {:>7.1}%   published {:.0}%\n\
              \x20 128x128 tiles kept, random     {:>7.1}%   published {:.0}%\n\
-             \x20 dx blocks kept at 2^-15 (rows x 64): 64 rows {:.1}%, 128 rows {:.1}%, 128 rows sorted {:.1}%",
+             \x20 dx blocks kept at 2^-15 (rows x 64): 64 rows {:.1}%, 128 rows {:.1}%, 128 rows sorted {:.1}%, \
+             64 rows sorted {:.1}%\n\
+             \x20 sorted prefix holding every entry >= 2^-15: all sample rows {:.1}%, the median row {:.1}%",
             st.tokens,
             st.entropy,
             st.top_prob,
@@ -163,6 +165,9 @@ impl LmData {
             100.0 * st.filter_kept_64,
             100.0 * st.filter_kept_128,
             100.0 * st.filter_kept_128_sorted,
+            100.0 * st.filter_kept_64_sorted,
+            100.0 * st.kept_prefix_sorted,
+            100.0 * st.kept_prefix_sorted_median_row,
         )
     }
 }
@@ -185,6 +190,16 @@ pub struct LmStats {
     pub filter_kept_128: f64,
     /// The same with 128-row tiles, the vocabulary sorted by the prior.
     pub filter_kept_128_sorted: f64,
+    /// The same with 64-row tiles, the vocabulary sorted by the prior.
+    pub filter_kept_64_sorted: f64,
+    /// The shortest prefix of the prior-sorted vocabulary, in whole
+    /// 64-entry blocks, that holds every entry at or above ε of all the
+    /// sample rows (a fraction of the vocabulary): what a dx GEMM over the
+    /// kept prefix alone (a smaller K) would reduce over, for a chunk of
+    /// these rows. A chunk of more rows needs at least as much.
+    pub kept_prefix_sorted: f64,
+    /// The same for the median sample row alone.
+    pub kept_prefix_sorted_median_row: f64,
 }
 
 /// `Σ a_i·b_i` in f32 with eight lanes (vectorized by the compiler).
@@ -475,6 +490,16 @@ fn measure(
     for i in (1..vocab).rev() {
         random.swap(i, r.below(i as u64 + 1) as usize);
     }
+    // Each sample row's kept prefix in the sorted order, in whole blocks
+    // of 64 entries, ascending.
+    let mut prefixes: Vec<f64> = (0..rows)
+        .map(|t| {
+            let last = sorted.iter().rposition(|&j| f64::from(diff[t * vocab + j]) >= eps);
+            let blocks = last.map_or(0, |p| p / 64 + 1);
+            (blocks * 64).min(vocab) as f64 / vocab as f64
+        })
+        .collect();
+    prefixes.sort_by(f64::total_cmp);
     // The published tiles are 128 tokens by 128 entries; a smaller sample
     // uses all its rows.
     LmStats {
@@ -490,6 +515,9 @@ fn measure(
         filter_kept_64: tiles(&natural, 64, 64, eps),
         filter_kept_128: tiles(&natural, 128, 64, eps),
         filter_kept_128_sorted: tiles(&sorted, 128, 64, eps),
+        filter_kept_64_sorted: tiles(&sorted, 64, 64, eps),
+        kept_prefix_sorted: prefixes.last().copied().unwrap_or(0.0),
+        kept_prefix_sorted_median_row: prefixes.get(prefixes.len() / 2).copied().unwrap_or(0.0),
     }
 }
 
@@ -526,6 +554,19 @@ mod tests {
         assert!((a.stats.entropy - 1.0).abs() < 0.3, "{:?}", a.stats);
         assert!(a.stats.measured.kept_entries < 0.2, "{:?}", a.stats);
         assert!(a.stats.filter_kept_128_sorted < 0.8, "{:?}", a.stats);
+        // Fewer rows a tile keep no more blocks; all the rows' kept prefix
+        // holds the median row's, and both are whole blocks of 64 (or V).
+        let st = a.stats;
+        assert!(st.filter_kept_64_sorted <= st.filter_kept_128_sorted, "{st:?}");
+        assert!(st.kept_prefix_sorted_median_row <= st.kept_prefix_sorted, "{st:?}");
+        assert!(
+            st.kept_prefix_sorted_median_row > 0.0 && st.kept_prefix_sorted <= 1.0,
+            "{st:?}"
+        );
+        for prefix in [st.kept_prefix_sorted, st.kept_prefix_sorted_median_row] {
+            let entries = (prefix * 3000.0).round() as usize;
+            assert!(entries.is_multiple_of(64) || entries == 3000, "{prefix}");
+        }
         assert!(generate(&LmSpec { hs: 1, ..spec }).is_err());
     }
 }
