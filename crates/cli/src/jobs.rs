@@ -302,20 +302,37 @@ pub enum GradDtype {
 }
 
 impl GradDtype {
-    /// `values` (`[rows][cols]`) as this type's little-endian bytes, with
-    /// its safetensors dtype ([`headkl_core::GradValues::convert`]): an f16
-    /// value past ±65504 (or one f32 holds as infinite) is the error naming
-    /// its row and column.
-    pub(crate) fn encode(self, values: &[f32], cols: usize) -> Result<(safetensors::Dtype, Vec<u8>), CliError> {
+    /// `values` (`[rows][cols]`) in this type, with its safetensors dtype:
+    /// f32 as they are (borrowed), bf16 and f16 rounded once
+    /// ([`headkl_core::GradValues::convert`]; an f16 value past ±65504, or
+    /// one f32 holds as infinite, is the error naming its row and column).
+    pub(crate) fn encode(self, values: &[f32], cols: usize) -> Result<(safetensors::Dtype, GradBytes<'_>), CliError> {
         use safetensors::Dtype;
         let (to, dtype) = match self {
-            GradDtype::F32 => (GradType::F32, Dtype::F32),
+            GradDtype::F32 => return Ok((Dtype::F32, GradBytes::F32(values))),
             GradDtype::Bf16 => (GradType::Bf16, Dtype::BF16),
             GradDtype::F16 => (GradType::F16, Dtype::F16),
         };
         let converted = GradValues::convert(values, cols, to, "head_grad")
             .map_err(|e| CliError::option("--head-grad-dtype", e.to_string()))?;
-        Ok((dtype, converted.as_bytes().to_vec()))
+        Ok((dtype, GradBytes::Converted(converted)))
+    }
+}
+
+/// `--head-grad`'s values as written: the f32 output itself, or converted.
+#[derive(Debug)]
+pub(crate) enum GradBytes<'a> {
+    F32(&'a [f32]),
+    Converted(GradValues),
+}
+
+impl GradBytes<'_> {
+    /// The tensor's little-endian bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            GradBytes::F32(values) => bytemuck::cast_slice(values),
+            GradBytes::Converted(values) => values.as_bytes(),
+        }
     }
 }
 
@@ -583,7 +600,7 @@ pub(crate) fn write_loss(
             name: "grad",
             dtype,
             shape: vec![vocab, hs],
-            data: &bytes,
+            data: bytes.bytes(),
         }];
         pending.commit_tensors_with(&grad, Some(record.to_metadata()))?;
         log::info!(
@@ -625,11 +642,12 @@ mod tests {
             "{err}"
         );
         let (dtype, bytes) = GradDtype::Bf16.encode(&values, 2).unwrap();
+        let bytes = bytes.bytes();
         assert_eq!((dtype, bytes.len()), (safetensors::Dtype::BF16, 8));
         assert_eq!(&bytes[4..6], &half::bf16::from_f32(7.0e4).to_bits().to_le_bytes());
         let (dtype, bytes) = GradDtype::F32.encode(&values, 2).unwrap();
         assert_eq!(
-            (dtype, &bytes[..]),
+            (dtype, bytes.bytes()),
             (safetensors::Dtype::F32, bytemuck::cast_slice::<f32, u8>(&values))
         );
     }
