@@ -192,8 +192,8 @@ pub struct LmStats {
     pub filter_kept_128_sorted: f64,
     /// The same with 64-row tiles, the vocabulary sorted by the prior.
     pub filter_kept_64_sorted: f64,
-    /// The shortest prefix of the prior-sorted vocabulary, in whole
-    /// 64-entry blocks, that holds every entry at or above ε of all the
+    /// The shortest prefix of the prior-sorted vocabulary, in whole filter
+    /// blocks (`headkl_core::problem::filter::BLOCK` entries), that holds every entry at or above ε of all the
     /// sample rows (a fraction of the vocabulary): what a dx GEMM over the
     /// kept prefix alone (a smaller K) would reduce over, for a chunk of
     /// these rows. A chunk of more rows needs at least as much.
@@ -490,13 +490,14 @@ fn measure(
     for i in (1..vocab).rev() {
         random.swap(i, r.below(i as u64 + 1) as usize);
     }
-    // Each sample row's kept prefix in the sorted order, in whole blocks
-    // of 64 entries, ascending.
+    // Each sample row's kept prefix in the sorted order, in whole filter
+    // blocks, ascending.
+    let block = headkl_core::problem::filter::BLOCK;
     let mut prefixes: Vec<f64> = (0..rows)
         .map(|t| {
             let last = sorted.iter().rposition(|&j| f64::from(diff[t * vocab + j]) >= eps);
-            let blocks = last.map_or(0, |p| p / 64 + 1);
-            (blocks * 64).min(vocab) as f64 / vocab as f64
+            let blocks = last.map_or(0, |p| p / block + 1);
+            (blocks * block).min(vocab) as f64 / vocab as f64
         })
         .collect();
     prefixes.sort_by(f64::total_cmp);

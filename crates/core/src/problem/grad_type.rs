@@ -20,16 +20,6 @@ pub enum GradType {
     Bf16,
 }
 
-impl GradType {
-    /// Bytes per value.
-    pub const fn bytes(self) -> usize {
-        match self {
-            GradType::F32 => 4,
-            GradType::F16 | GradType::Bf16 => 2,
-        }
-    }
-}
-
 /// A gradient `[rows][cols]` in one element type.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GradValues {
@@ -43,9 +33,10 @@ pub enum GradValues {
 
 impl GradValues {
     /// `values` (`[rows][cols]`, named `field` in an error) in `to`: f32
-    /// as they are, f16 and bf16 each rounded once to nearest even. A value f16 cannot hold (past ±65504, or one f32 holds as
-    /// infinite) is [`Error::GradOutOfF16Range`], naming its row and
-    /// column, rather than an infinity in the output.
+    /// as they are, f16 and bf16 each rounded once to nearest even. A
+    /// value f16 cannot hold (past ±65504, or one f32 holds as infinite)
+    /// is [`Error::GradOutOfF16Range`], naming its row and column, rather
+    /// than an infinity in the output.
     pub fn convert(values: &[f32], cols: usize, to: GradType, field: &'static str) -> Result<Self> {
         match to {
             GradType::F32 => Ok(GradValues::F32(values.to_vec())),
